@@ -1,0 +1,42 @@
+"""Every METRALE_* escape hatch, read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def debug() -> bool:
+    """METRALE_DEBUG=1: show the traceback behind a one-line error."""
+    return os.environ.get("METRALE_DEBUG", "") not in ("", "0")
+
+
+def experts_enabled() -> bool:
+    """METRALE_LORA_EXPERTS=1: serve routed-expert and router LoRA (the seed's opt-in)."""
+    return os.environ.get("METRALE_LORA_EXPERTS", "") not in ("", "0")
+
+
+def kernel_dir() -> Path | None:
+    """METRALE_KERNEL_DIR: load the .cu sources from here instead of the package."""
+    value = os.environ.get("METRALE_KERNEL_DIR")
+    return Path(value) if value else None
+
+
+def cache_dir() -> Path:
+    """METRALE_CACHE_DIR: where compiled kernels and host-harness builds are cached."""
+    value = os.environ.get("METRALE_CACHE_DIR")
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "metrale"
+
+
+def hf_cache_dirs() -> list[Path]:
+    """The local Hugging Face hub caches to search for a hub id (HF_HUB_CACHE, HF_HOME)."""
+    dirs: list[Path] = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return dirs

@@ -1,0 +1,66 @@
+"""Domain errors, in one place. The CLI edge maps each to one line on stderr and its exit code.
+
+Exit codes: 1 = the input was read and judged (not servable, refused), 2 = usage (bad path,
+bad option, unreadable or malformed file), 3 = the environment lacks something (no GPU, no
+compiler).
+"""
+
+from __future__ import annotations
+
+
+class MetraleError(Exception):
+    """Base of every error the CLI turns into one line and an exit code."""
+
+    exit_code = 2
+
+
+class UsageError(MetraleError):
+    """A bad argument, a missing path, an unknown model."""
+
+
+class FormatError(MetraleError):
+    """A file that is not what it claims to be (bad safetensors header, bad JSON, ...)."""
+
+
+class UnsupportedModel(UsageError):
+    """A base-model config of a type metrale does not know."""
+
+
+class NotServable(MetraleError):
+    """An adapter the audit refused; the message carries the findings."""
+
+    exit_code = 1
+
+
+class OutputExists(UsageError):
+    """Refusing to overwrite an existing output without --force."""
+
+
+class NoDevice(MetraleError):
+    """A GPU (or CuPy) was asked for and is not usable here."""
+
+    exit_code = 3
+
+
+class ToolMissing(MetraleError):
+    """A compiler or other external tool the command needs is not installed."""
+
+    exit_code = 3
+
+
+class PoolFull(MetraleError):
+    """Every cache slot has in-flight sequences; the caller may retry. A busy slot is never chosen."""
+
+    exit_code = 1
+
+
+class SlotBusy(MetraleError):
+    """A swap into, or a rotation away from, a slot whose ref count is above 0."""
+
+    exit_code = 1
+
+
+class LayoutMismatch(MetraleError):
+    """Landing a slot from a pool whose layout fingerprint differs."""
+
+    exit_code = 1
