@@ -1,0 +1,354 @@
+"""PEFT LoRA adapters on disk: the config with PEFT's own matching and scaling rules, the
+safetensors header, and tensor keys mapped to (layer, module path, tensor part).
+
+Nothing here reads tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metrale_cli.errors import FormatError, UsageError
+from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_NAME = "adapter_model.bin"
+
+
+# -- the config ---------------------------------------------------------------------------------
+
+
+def _pattern_key(patterns: list[str], module_key: str) -> list[str]:
+    """Every pattern key that PEFT's `get_pattern_key` accepts for `module_key`, in file order;
+    PEFT takes the first (`re.match(rf"(.*\\.)?({key})$", module_key)`)."""
+    hits = []
+    for key in patterns:
+        try:
+            if re.match(rf"(.*\.)?({key})$", module_key):
+                hits.append(key)
+        except re.error:
+            continue  # reported once by AdapterConfig.pattern_errors
+    return hits
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """`adapter_config.json`, read with PEFT 0.21's semantics. Unknown keys are kept in `raw`."""
+
+    raw: dict[str, Any]
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: list[str] | str | None
+    exclude_modules: list[str] | str | None
+    target_parameters: list[str]
+    layers_to_transform: list[int] | None
+    layers_pattern: list[str] | None
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    modules_to_save: list[str]
+    base_model_name_or_path: str | None
+    source: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "") -> AdapterConfig:
+        where = source or CONFIG_NAME
+        if not isinstance(raw, dict):
+            raise FormatError(f"{where}: not a JSON object")
+        peft_type = raw.get("peft_type")
+        if peft_type is None:
+            raise FormatError(f"{where}: no 'peft_type': not a PEFT adapter config")
+        if str(peft_type).upper() != "LORA":
+            raise FormatError(
+                f"{where}: peft_type is {peft_type!r}, not 'LORA': not a PEFT LoRA adapter"
+            )
+
+        def number(key: str, default: float) -> float:
+            value = raw.get(key, default)
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise FormatError(f"{where}: {key!r} must be a positive number, got {value!r}")
+            return value
+
+        r = number("r", 8)
+        if r != int(r):
+            raise FormatError(f"{where}: 'r' must be an integer, got {r!r}")
+
+        def str_list(key: str, allow_str: bool) -> list[str] | str | None:
+            value = raw.get(key)
+            if value is None:
+                return None
+            if isinstance(value, str) and allow_str:
+                return value
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return list(value)
+            raise FormatError(f"{where}: {key!r} must be a list of strings or a string")
+
+        def pattern(key: str) -> dict[str, Any]:
+            value = raw.get(key) or {}
+            if not isinstance(value, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                for v in value.values()
+            ):
+                raise FormatError(f"{where}: {key!r} must map patterns to positive numbers")
+            return dict(value)
+
+        layers = raw.get("layers_to_transform")
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = [layers]
+        if layers is not None and not (
+            isinstance(layers, list) and all(isinstance(i, int) for i in layers)
+        ):
+            raise FormatError(f"{where}: 'layers_to_transform' must be an int or a list of ints")
+        layers_pattern = raw.get("layers_pattern")
+        if isinstance(layers_pattern, str):
+            layers_pattern = [layers_pattern]
+        if layers_pattern is not None and not (
+            isinstance(layers_pattern, list) and all(isinstance(p, str) for p in layers_pattern)
+        ):
+            raise FormatError(f"{where}: 'layers_pattern' must be a string or a list of strings")
+        target_parameters = raw.get("target_parameters") or []
+        if not isinstance(target_parameters, list) or not all(
+            isinstance(t, str) for t in target_parameters
+        ):
+            raise FormatError(f"{where}: 'target_parameters' must be a list of strings")
+        modules_to_save = str_list("modules_to_save", allow_str=False) or []
+        base = raw.get("base_model_name_or_path")
+        return cls(
+            raw=raw,
+            r=int(r),
+            lora_alpha=number("lora_alpha", 8),
+            use_rslora=bool(raw.get("use_rslora", False)),
+            target_modules=str_list("target_modules", allow_str=True),
+            exclude_modules=str_list("exclude_modules", allow_str=True),
+            target_parameters=list(target_parameters),
+            layers_to_transform=layers,
+            layers_pattern=layers_pattern,
+            rank_pattern={k: int(v) for k, v in pattern("rank_pattern").items()},
+            alpha_pattern=pattern("alpha_pattern"),
+            modules_to_save=list(modules_to_save),  # type: ignore[arg-type]
+            base_model_name_or_path=base if isinstance(base, str) and base else None,
+            source=source,
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> AdapterConfig:
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{path}: not a readable JSON file ({exc})") from exc
+        return cls.from_dict(raw, source=str(path))
+
+    # -- PEFT's rules ---------------------------------------------------------------------------
+
+    def rank_for(self, module_key: str) -> int:
+        hits = _pattern_key(list(self.rank_pattern), module_key)
+        return self.rank_pattern[hits[0]] if hits else self.r
+
+    def alpha_for(self, module_key: str) -> float:
+        hits = _pattern_key(list(self.alpha_pattern), module_key)
+        return self.alpha_pattern[hits[0]] if hits else self.lora_alpha
+
+    def scaling(self, r: int, alpha: float) -> float:
+        """PEFT's `update_layer`: alpha/sqrt(r) with rsLoRA, else alpha/r."""
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def overlapping_patterns(self, module_key: str) -> dict[str, list[str]]:
+        """Pattern dicts in which more than one key matches `module_key`: PEFT takes the first in
+        file order after a reload, while training used the user's insertion order."""
+        found = {}
+        for name, patterns in (("rank_pattern", self.rank_pattern),
+                               ("alpha_pattern", self.alpha_pattern)):
+            hits = _pattern_key(list(patterns), module_key)
+            if len(hits) > 1 and len({patterns[h] for h in hits}) > 1:
+                found[name] = hits
+        return found
+
+    def pattern_errors(self) -> list[str]:
+        bad = []
+        for key in [*self.rank_pattern, *self.alpha_pattern]:
+            try:
+                re.compile(key)
+            except re.error as exc:
+                bad.append(f"{key!r} ({exc})")
+        return bad
+
+    def is_targeted(self, module_key: str) -> bool:
+        """PEFT's `check_target_module_exists` for a module path as PEFT saw it."""
+        if _name_matches(self.exclude_modules, module_key):
+            return False
+        for m in self.modules_to_save:
+            if re.match(rf"(^|.*\.){m}($|\..*)", module_key):
+                return False
+        targets = self.target_modules
+        if targets is None:
+            return False
+        if isinstance(targets, str):
+            try:
+                return re.fullmatch(targets, module_key) is not None
+            except re.error:
+                return False
+        if not _name_matches(targets, module_key):
+            return False
+        if self.layers_to_transform is None:
+            return True
+        index = _layer_index(module_key, self.layers_pattern)
+        return index is not None and index in self.layers_to_transform
+
+    def targets_parameter(self, param_key: str) -> bool:
+        """`target_parameters` matching: exact key or dot-suffix, never a regex."""
+        return any(param_key == t or param_key.endswith("." + t) for t in self.target_parameters)
+
+
+def _name_matches(names: list[str] | str | None, key: str) -> bool:
+    if names is None:
+        return False
+    if isinstance(names, str):
+        try:
+            return re.fullmatch(names, key) is not None
+        except re.error:
+            return False
+    return any(key == n or key.endswith("." + n) for n in names)
+
+
+def _layer_index(key: str, layers_pattern: list[str] | None) -> int | None:
+    """The layer index PEFT reads for `layers_to_transform`: the first `.<name>.<digits>.` group,
+    or the group after one of `layers_pattern`."""
+    if not layers_pattern:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        return int(m.group("idx")) if m else None
+    for p in layers_pattern:
+        m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
+        if m:
+            return int(m.group("idx"))
+    return None
+
+
+# -- tensor keys --------------------------------------------------------------------------------
+
+# Tensor parts after the module path, longest first so `lora_B.bias` wins over `bias`.
+PARTS = (
+    "token_adapter.trainable_tokens_delta",
+    "lora_magnitude_vector",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "base_layer.weight",
+    "base_layer.bias",
+    "lora_A.weight",
+    "lora_B.weight",
+    "lora_B.bias",
+    "weight",
+    "bias",
+)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class AdapterKey:
+    """One tensor name, taken apart."""
+
+    tensor: str
+    # The module path as PEFT saw it in the model (what target and pattern matching read),
+    # e.g. `model.language_model.layers.3.self_attn.q_proj`.
+    module_key: str
+    # The same path with the vision-language prefix folded: `model.layers.3.self_attn.q_proj`.
+    path: str
+    layer: int | None
+    # The path inside the decoder layer (`self_attn.q_proj`), or the whole path off the layers.
+    sub: str
+    # `lora_A.weight`, `lora_B.weight`, ... (see PARTS), or "" when nothing is recognised.
+    part: str
+    # The inner of two nested ParamWrappers (`experts.base_layer.lora_A`): gate_up_proj in v5.
+    inner: bool = False
+
+
+def parse_key(tensor: str) -> AdapterKey:
+    name = tensor.removeprefix("base_model.model.")
+    # A leftover adapter name: `lora_A.default.weight` or a trailing `.default`.
+    name = name.removesuffix(".default")
+    name = re.sub(r"\.default\.(weight|bias)$", r".\1", name)
+    part = next((p for p in PARTS if name.endswith("." + p)), "")
+    module_key = name[: -len(part) - 1] if part else name
+    inner = False
+    if part.startswith("lora_") and module_key.endswith(".base_layer"):
+        module_key = module_key.removesuffix(".base_layer")
+        inner = True
+    path = module_key
+    if path.startswith("model.language_model."):
+        path = "model." + path.removeprefix("model.language_model.")
+    elif path.startswith("language_model.model."):
+        path = "model." + path.removeprefix("language_model.model.")
+    m = _LAYER.match(path)
+    layer, sub = (int(m.group(1)), m.group(2)) if m else (None, path)
+    return AdapterKey(tensor, module_key, path, layer, sub, part, inner)
+
+
+# -- the adapter on disk ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    path: Path
+    config: AdapterConfig
+    header: SafetensorsHeader
+    keys: list[AdapterKey] = field(default_factory=list)
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / WEIGHTS_NAME
+
+    def tensor(self, key: AdapterKey) -> TensorInfo:
+        return self.header.tensors[key.tensor]
+
+    @classmethod
+    def load(cls, path: str | Path, name: str | None = None) -> Adapter:
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise UsageError(f"{path}: no such adapter directory")
+        if path.is_file():
+            # A file inside an adapter directory names its directory.
+            path = path.parent
+        config_path = path / CONFIG_NAME
+        weights = path / WEIGHTS_NAME
+        if not config_path.is_file():
+            raise UsageError(f"{path}: no {CONFIG_NAME}: not a PEFT adapter directory")
+        if not weights.is_file():
+            if (path / PICKLE_NAME).is_file():
+                raise FormatError(
+                    f"{path}: only {PICKLE_NAME} (a pickle, which metrale never loads); convert "
+                    "it in a trusted environment: PeftModel.from_pretrained(...)."
+                    "save_pretrained(dir, safe_serialization=True)"
+                )
+            raise UsageError(f"{path}: no {WEIGHTS_NAME}")
+        config = AdapterConfig.from_file(config_path)
+        header = read_header(weights)
+        keys = [parse_key(t) for t in header.tensors]
+        return cls(name or path.resolve().name, path, config, header, keys)
+
+
+def parse_adapter_args(args: list[str]) -> list[tuple[str | None, str]]:
+    """`PATH` or `NAME=PATH` arguments into (name, path); two adapters with one name are refused."""
+    parsed: list[tuple[str | None, str]] = []
+    for arg in args:
+        name, sep, path = arg.partition("=")
+        if sep and name and "/" not in name and not Path(arg).exists():
+            parsed.append((name, path))
+        else:
+            parsed.append((None, arg))
+    seen: set[str] = set()
+    for name, path in parsed:
+        effective = name or Path(path).expanduser().resolve().name
+        if effective in seen:
+            raise UsageError(
+                f"two adapters are named {effective!r}; name them apart with NAME=PATH"
+            )
+        seen.add(effective)
+    return parsed

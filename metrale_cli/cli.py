@@ -1,0 +1,301 @@
+"""The command line: parse options, call the core, render. Errors become one line and an exit code.
+
+`metrale --help`, `inspect` and `layout` import neither torch nor cupy: commands that move tensor
+data import their modules inside the command.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from metrale_cli import __version__, env
+from metrale_cli.adapter import Adapter, parse_adapter_args
+from metrale_cli.audit import AdapterReport, audit
+from metrale_cli.errors import MetraleError, UsageError
+from metrale_cli.layout import DEFAULT_ALIGN, SlotLayout, parse_size
+from metrale_cli.models import PRESETS, ModelConfig, resolve_model
+from metrale_cli.modules import LoraModule
+
+app = typer.Typer(
+    name="metrale",
+    help="Audit, lay out, pack and benchmark multi-LoRA adapter pools for LLM serving.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+out = Console(highlight=False, soft_wrap=False)
+err = Console(stderr=True, highlight=False)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def handles_errors(fn: F) -> F:
+    """Map domain errors to one line on stderr and their exit code; a traceback only with
+    METRALE_DEBUG=1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except MetraleError as exc:
+            if env.debug():
+                raise
+            err.print(f"error: {exc}", markup=False)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("interrupted", markup=False)
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if env.debug():
+                raise
+            err.print(f"internal error: {type(exc).__name__}: {exc} "
+                      "(METRALE_DEBUG=1 shows the traceback)", markup=False)
+            raise typer.Exit(70) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def emit_json(record: Any) -> None:
+    sys.stdout.write(json.dumps(record, indent=2) + "\n")
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"metrale {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=version_callback,
+                                          is_eager=True, help="Print the version.")] = False,
+) -> None:
+    """metrale: answers about a LoRA adapter pool before anything runs, then does the work."""
+
+
+# -- shared option handling ---------------------------------------------------------------------
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Preset name, config.json, model directory, or a hub id "
+                 "in the local HF cache. Default: the adapters' base_model_name_or_path."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the JSON record instead.")]
+
+
+def load_adapters(args: list[str]) -> list[Adapter]:
+    if not args:
+        raise UsageError("no adapter given")
+    return [Adapter.load(path, name) for name, path in parse_adapter_args(args)]
+
+
+def model_for(spec: str | None, adapters: list[Adapter]) -> ModelConfig:
+    """`--model`, else the adapters' common `base_model_name_or_path`."""
+    if spec:
+        return resolve_model(spec)
+    bases = {a.config.base_model_name_or_path for a in adapters}
+    if None in bases or not bases:
+        names = [a.name for a in adapters if a.config.base_model_name_or_path is None]
+        raise UsageError(
+            f"{', '.join(names) or 'no adapter'}: no base_model_name_or_path; pass --model "
+            "(a preset from `metrale models`, a config.json, or a model directory)"
+        )
+    if len(bases) > 1:
+        raise UsageError(f"the adapters name different base models ({', '.join(sorted(bases))}); "
+                         "pass --model")
+    base = bases.pop()
+    assert base is not None
+    try:
+        return resolve_model(base)
+    except UsageError as exc:
+        raise UsageError(
+            f"base_model_name_or_path {base!r} resolves to nothing here ({exc}); pass --model "
+            "(a preset from `metrale models`, a config.json, or a model directory)"
+        ) from None
+
+
+def parse_modules(text: str | None) -> list[LoraModule] | None:
+    if text is None:
+        return None
+    try:
+        modules = LoraModule.parse_list(text)
+    except ValueError as exc:
+        raise UsageError(f"--modules: {exc}") from None
+    if not modules:
+        raise UsageError("--modules is empty")
+    return modules
+
+
+def positive(name: str, value: int | None) -> int | None:
+    if value is not None and value <= 0:
+        raise UsageError(f"{name} must be positive, got {value}")
+    return value
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def models(json_out: JsonOpt = False) -> None:
+    """List the built-in base-model presets and their key dims."""
+    from metrale_cli import render
+
+    records = []
+    for preset in PRESETS:
+        cfg = ModelConfig.preset(preset.name)
+        record = {"name": preset.name, "hub_ids": list(preset.hub_ids), **cfg.summary()}
+        record["full_attention_layers"] = len(cfg.full_attention_layers)
+        record["linear_attention_layers"] = len(cfg.linear_attention_layers)
+        record["expert_intermediate_size"] = cfg.expert_intermediate_size
+        records.append(record)
+    if json_out:
+        emit_json(records)
+    else:
+        out.print(render.models_view(records))
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def inspect(
+    adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH.",
+                                                  show_default=False)],
+    model: ModelOpt = None,
+    max_rank: Annotated[int | None, typer.Option("--max-rank", help="Pool max rank: higher "
+                                                 "ranks are not servable; slots pad to it.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not."""
+    positive("--max-rank", max_rank)
+    loaded = load_adapters(adapters)
+    cfg = model_for(model, loaded)
+    reports = [audit(a, cfg, max_rank) for a in loaded]
+    layouts = {r.name: adapter_slot_layout(cfg, r, max_rank) for r in reports}
+    if json_out:
+        emit_json(inspect_record(cfg, reports, layouts))
+    else:
+        from metrale_cli import render
+
+        out.print(render.inspect_view(cfg, reports, layouts))
+    if not all(r.servable for r in reports):
+        raise typer.Exit(1)
+
+
+def adapter_slot_layout(
+    cfg: ModelConfig, report: AdapterReport, max_rank: int | None
+) -> SlotLayout | None:
+    """The slot this adapter alone would need: its modules, padded to --max-rank (or its rank)."""
+    if not report.modules:
+        return None
+    return SlotLayout.build(cfg, report.module_set, max(max_rank or 0, report.rank))
+
+
+def inspect_record(
+    cfg: ModelConfig, reports: list[AdapterReport], layouts: dict[str, SlotLayout | None]
+) -> dict[str, Any]:
+    adapters = []
+    for r in reports:
+        record = r.record()
+        layout = layouts[r.name]
+        record["slot_bytes"] = layout.slot_bytes if layout else 0
+        adapters.append(record)
+    return {"model": cfg.summary(), "adapters": adapters}
+
+
+# -- layout -------------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def layout(
+    adapters: Annotated[list[str] | None, typer.Argument(
+        help="Startup adapters: their modules and largest rank when --modules/--max-rank are "
+             "not given.", show_default=False)] = None,
+    model: ModelOpt = None,
+    modules: Annotated[str | None, typer.Option(
+        "--modules", help="Comma-separated module set, e.g. q_proj,k_proj,v_proj,o_proj,out_proj"
+                          " (or 'all').")] = None,
+    max_rank: Annotated[int | None, typer.Option("--max-rank")] = None,
+    max_loras: Annotated[int | None, typer.Option("--max-loras", help="Slots in the pool.")] = None,
+    budget: Annotated[str | None, typer.Option(
+        "--budget", help="Memory for the pool and its tables, e.g. 40GiB: how many slots fit.")]
+    = None,
+    align: Annotated[int, typer.Option("--align", help="Byte alignment of every region.")]
+    = DEFAULT_ALIGN,
+    json_out: JsonOpt = False,
+) -> None:
+    """The byte-exact slot layout and capacity plan of a pool."""
+    positive("--max-rank", max_rank)
+    positive("--max-loras", max_loras)
+    if max_loras is not None and budget is not None:
+        raise UsageError("give --max-loras or --budget, not both")
+    budget_bytes = parse_size(budget) if budget is not None else None
+    the_layout = plan_layout(adapters or [], model, parse_modules(modules), max_rank, align)
+    if budget_bytes is not None:
+        max_loras = the_layout.slots_for_budget(budget_bytes)
+    if json_out:
+        record = the_layout.record(max_loras)
+        record["table_bytes"] = the_layout.table_bytes(max_loras) if max_loras else None
+        record["budget_bytes"] = budget_bytes
+        record["shares"] = the_layout.shares()
+        emit_json(record)
+    else:
+        from metrale_cli import render
+
+        out.print(render.layout_view(the_layout, max_loras, budget_bytes))
+
+
+def plan_layout(
+    adapter_args: list[str],
+    model: str | None,
+    modules: list[LoraModule] | None,
+    max_rank: int | None,
+    align: int = DEFAULT_ALIGN,
+    reports: list[AdapterReport] | None = None,
+) -> SlotLayout:
+    """The layout of a pool: --modules or the union of the adapters' modules; --max-rank or their
+    largest rank."""
+    if reports is None:
+        loaded = [] if not adapter_args else load_adapters(adapter_args)
+        if model is None and not loaded:
+            raise UsageError("--model is required (or give startup adapters)")
+        cfg = model_for(model, loaded)
+        reports = [audit(a, cfg, max_rank) for a in loaded]
+    else:
+        cfg = model_for(model, [r.adapter for r in reports])
+    if modules is None:
+        union = {m for r in reports for m in r.module_set}
+        if not union:
+            raise UsageError("--modules is required when no adapter gives the module set")
+        modules = [m for m in LoraModule if m in union]
+    if max_rank is None:
+        if not reports:
+            raise UsageError("--max-rank is required when no adapter gives the rank")
+        max_rank = max(r.rank for r in reports)
+    return SlotLayout.build(cfg, modules, max_rank, align)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The byte-exact layout of one pool slot, and the capacity plan of a pool of such slots.
+
+Every (layer, module) pair with the module in the set and `applies_to_layer` true is an entry, in
+layer order then `ALL` order. Each entry reserves A `[max_rank, in_dim]` then B
+`[out_dim, max_rank]`, row-major BF16, each at an aligned offset; `slot_bytes` is the total rounded
+up to the alignment. Nothing is reserved where a module does not apply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from metrale_cli.errors import UsageError
+from metrale_cli.models import ModelConfig
+from metrale_cli.modules import ALL, LoraModule
+
+BF16_BYTES = 2
+DEFAULT_ALIGN = 256
+LAYOUT_FORMAT = "slot-layout/1"
+# Per slot and entry the pool keeps an A and a B pointer (u64); per slot a scale (f32) and a
+# rank (i32).
+POINTER_BYTES = 8
+SCALE_BYTES = 4
+RANK_BYTES = 4
+
+
+def align_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    layer: int
+    module: LoraModule
+    out_dim: int
+    in_dim: int
+    # Byte offsets within a slot.
+    a_offset: int
+    b_offset: int
+    max_rank: int
+
+    @property
+    def a_bytes(self) -> int:
+        return self.max_rank * self.in_dim * BF16_BYTES
+
+    @property
+    def b_bytes(self) -> int:
+        return self.out_dim * self.max_rank * BF16_BYTES
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "module": self.module.peft_name,
+            "out_dim": self.out_dim,
+            "in_dim": self.in_dim,
+            "a_offset": self.a_offset,
+            "b_offset": self.b_offset,
+        }
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    model: ModelConfig
+    modules: tuple[LoraModule, ...]
+    max_rank: int
+    align: int = DEFAULT_ALIGN
+
+    def __post_init__(self) -> None:
+        if self.max_rank <= 0:
+            raise UsageError(f"max rank must be positive, got {self.max_rank}")
+        if self.align <= 0 or self.align & (self.align - 1):
+            raise UsageError(f"alignment must be a power of two, got {self.align}")
+        if not self.modules:
+            raise UsageError("the module set is empty")
+
+    @classmethod
+    def build(
+        cls, model: ModelConfig, modules: list[LoraModule] | tuple[LoraModule, ...],
+        max_rank: int, align: int = DEFAULT_ALIGN,
+    ) -> SlotLayout:
+        ordered = tuple(m for m in ALL if m in set(modules))
+        return cls(model, ordered, max_rank, align)
+
+    @cached_property
+    def entries(self) -> tuple[LayoutEntry, ...]:
+        entries = []
+        offset = 0
+        for layer in range(self.model.num_hidden_layers):
+            for module in self.modules:
+                if not module.applies_to_layer(self.model, layer):
+                    continue
+                out_dim, in_dim = module.dims(self.model)
+                a_offset = align_up(offset, self.align)
+                b_offset = align_up(a_offset + self.max_rank * in_dim * BF16_BYTES, self.align)
+                offset = b_offset + out_dim * self.max_rank * BF16_BYTES
+                entries.append(
+                    LayoutEntry(layer, module, out_dim, in_dim, a_offset, b_offset, self.max_rank)
+                )
+        return tuple(entries)
+
+    @cached_property
+    def index(self) -> dict[tuple[int, LoraModule], int]:
+        """(layer, module) -> entry index."""
+        return {(e.layer, e.module): i for i, e in enumerate(self.entries)}
+
+    @cached_property
+    def slot_bytes(self) -> int:
+        if not self.entries:
+            return 0
+        last = self.entries[-1]
+        return align_up(last.b_offset + last.b_bytes, self.align)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash of everything that decides byte positions: two pools whose fingerprints match
+        read a slot's bytes the same way."""
+        canonical = {
+            "format": LAYOUT_FORMAT,
+            "dtype": "BF16",
+            "align": self.align,
+            "max_rank": self.max_rank,
+            "slot_bytes": self.slot_bytes,
+            "entries": [
+                [e.layer, e.module.peft_name, e.out_dim, e.in_dim, e.a_offset, e.b_offset]
+                for e in self.entries
+            ],
+        }
+        blob = json.dumps(canonical, separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    # -- capacity -------------------------------------------------------------------------------
+
+    def table_bytes(self, max_loras: int) -> int:
+        """Pointer tables (A and B per entry), the scale table and the rank table."""
+        return max_loras * (len(self.entries) * 2 * POINTER_BYTES + SCALE_BYTES + RANK_BYTES)
+
+    def pool_bytes(self, max_loras: int) -> int:
+        return max_loras * self.slot_bytes
+
+    def slots_for_budget(self, budget_bytes: int) -> int:
+        """How many slots (pool bytes plus their tables) fit in `budget_bytes`."""
+        per_slot = self.slot_bytes + self.table_bytes(1)
+        return budget_bytes // per_slot if per_slot else 0
+
+    def shares(self) -> dict[str, dict[str, int]]:
+        """Slot bytes by module and by layer kind (A + B, without alignment padding)."""
+        by_module: dict[str, int] = {}
+        by_layer_kind: dict[str, int] = {}
+        for e in self.entries:
+            size = e.a_bytes + e.b_bytes
+            by_module[e.module.peft_name] = by_module.get(e.module.peft_name, 0) + size
+            kind = self.model.layer_type(e.layer).value
+            by_layer_kind[kind] = by_layer_kind.get(kind, 0) + size
+        return {"module": by_module, "layer_kind": by_layer_kind}
+
+    def record(self, max_loras: int | None = None) -> dict[str, Any]:
+        return {
+            "slot_bytes": self.slot_bytes,
+            "pool_bytes": self.pool_bytes(max_loras) if max_loras is not None else None,
+            "max_rank": self.max_rank,
+            "max_loras": max_loras,
+            "align": self.align,
+            "dtype": "BF16",
+            "modules": [m.peft_name for m in self.modules],
+            "fingerprint": self.fingerprint,
+            "entries": [e.record() for e in self.entries],
+        }
+
+
+def parse_size(text: str) -> int:
+    """`40GiB`, `512MiB`, `1.5TB`, `1000000` -> bytes."""
+    units = {
+        "": 1, "b": 1,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    }
+    s = text.strip().lower().replace(" ", "").replace("_", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise UsageError(f"not a size: {text!r} (try 40GiB, 512MiB)") from None
+    if unit not in units or value < 0:
+        raise UsageError(f"not a size: {text!r} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(value * units[unit])

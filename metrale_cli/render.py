@@ -1,0 +1,185 @@
+"""Rich views of the core's records. `--json` prints the records themselves; these are the other
+view. Nothing here computes what it shows."""
+
+from __future__ import annotations
+
+from itertools import groupby
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from metrale_cli.audit import AdapterReport, Severity, layer_ranges
+from metrale_cli.layout import SlotLayout
+from metrale_cli.models import ModelConfig
+from metrale_cli.modules import ALL
+
+SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}" if float(x) != int(x) else str(int(x))
+
+
+def model_line(model: ModelConfig) -> str:
+    kinds = (
+        f"{len(model.full_attention_layers)} full-attention + "
+        f"{len(model.linear_attention_layers)} linear-attention layers"
+        if model.linear_attention_layers
+        else f"{model.num_hidden_layers} layers"
+    )
+    experts = f", {model.num_experts} routed experts" if model.num_experts else ""
+    return f"{model.source or model.model_type} ({model.model_type}): {kinds}{experts}"
+
+
+def inspect_view(
+    model: ModelConfig, reports: list[AdapterReport], slot_layouts: dict[str, SlotLayout | None]
+) -> Group:
+    parts: list[Any] = [Text(model_line(model), style="bold")]
+    for report in reports:
+        parts.append(_adapter_panel(model, report, slot_layouts.get(report.name)))
+    return Group(*parts)
+
+
+def _adapter_panel(model: ModelConfig, report: AdapterReport, layout: SlotLayout | None) -> Panel:
+    cfg = report.adapter.config
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="dim")
+    summary.add_column()
+    verdict = Text("servable", style="bold green") if report.servable else Text(
+        "NOT servable", style="bold red")
+    summary.add_row("verdict", verdict)
+    summary.add_row("path", str(report.adapter.path))
+    ranks = sorted({m.r for m in report.modules})
+    summary.add_row(
+        "rank / alpha",
+        f"r={cfg.r} alpha={_fmt(cfg.lora_alpha)}"
+        + (" rsLoRA" if cfg.use_rslora else "")
+        + f"  scaling={report.scaling:.6g}"
+        + (f"  (module ranks {', '.join(map(str, ranks))})" if len(ranks) > 1 else ""),
+    )
+    dtypes = sorted({m.dtype for m in report.modules})
+    summary.add_row("modules", ", ".join(m.peft_name for m in report.module_set) or "-")
+    summary.add_row("pairs", f"{len(report.modules)} (layer, module) pairs"
+                    + (f", {'/'.join(dtypes)}" if dtypes else ""))
+    if layout is not None:
+        summary.add_row(
+            "slot",
+            f"{human_bytes(layout.slot_bytes)} ({layout.slot_bytes:,} B) padded to rank "
+            f"{layout.max_rank} for its modules",
+        )
+
+    body: list[Any] = [summary]
+    if report.modules:
+        body.append(_layer_table(model, report))
+    if report.findings:
+        findings = Table(show_header=False, box=None, padding=(0, 1))
+        findings.add_column(no_wrap=True)
+        findings.add_column(no_wrap=True, style="dim")
+        findings.add_column()
+        for f in report.findings:
+            findings.add_row(Text(f.severity.value, style=SEVERITY_STYLE[f.severity]), f.code,
+                             f.message)
+        body.append(findings)
+    return Panel(Group(*body), title=f"[bold]{report.name}", title_align="left")
+
+
+def _layer_table(model: ModelConfig, report: AdapterReport) -> Table:
+    """One row per run of consecutive layers that look alike, so 48+ layers stay readable."""
+    per_layer: dict[int, dict[str, str]] = {}
+    for m in report.modules:
+        cell = f"r{m.r} x{m.scaling:.3g}"
+        per_layer.setdefault(m.layer, {})[m.module.peft_name] = cell
+    columns = [m.peft_name for m in report.module_set]
+    table = Table(title="per layer (scale = PEFT scaling)", title_justify="left",
+                  header_style="bold", padding=(0, 1))
+    table.add_column("layers")
+    table.add_column("kind")
+    for name in columns:
+        table.add_column(name)
+
+    def signature(layer: int) -> tuple[Any, ...]:
+        cells = per_layer.get(layer, {})
+        kind = model.layer_type(layer).value.split("_")[0]
+        applicable = tuple(
+            module.peft_name for module in ALL if module.applies_to_layer(model, layer)
+        )
+        return (kind, applicable, tuple(cells.get(c, "") for c in columns))
+
+    for sig, run in groupby(range(model.num_hidden_layers), key=signature):
+        layers = list(run)
+        kind, applicable, cells = sig
+        shown = [
+            c if c else ("·" if name in applicable else "n/a")
+            for name, c in zip(columns, cells)
+        ]
+        table.add_row(layer_ranges(layers), kind, *shown)
+    return table
+
+
+def layout_view(layout: SlotLayout, max_loras: int | None, budget: int | None) -> Group:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="dim")
+    table.add_column()
+    table.add_row("model", model_line(layout.model))
+    table.add_row("modules", ", ".join(m.peft_name for m in layout.modules))
+    table.add_row("max rank", str(layout.max_rank))
+    table.add_row("entries", f"{len(layout.entries)} (layer, module) pairs")
+    table.add_row("slot", f"{layout.slot_bytes:,} B ({human_bytes(layout.slot_bytes)}), "
+                  f"{layout.align}-byte aligned BF16")
+    if budget is not None:
+        fits = layout.slots_for_budget(budget)
+        table.add_row("budget", f"{human_bytes(budget)} holds {fits:,} slots with their tables")
+    if max_loras is not None:
+        table.add_row("pool", f"{max_loras} slots: {layout.pool_bytes(max_loras):,} B "
+                      f"({human_bytes(layout.pool_bytes(max_loras))})")
+        table.add_row("tables", f"{layout.table_bytes(max_loras):,} B (A/B pointers, scales, "
+                      "ranks)")
+    table.add_row("fingerprint", layout.fingerprint)
+
+    shares = layout.shares()
+    total = sum(shares["module"].values()) or 1
+    share_table = Table(header_style="bold", padding=(0, 1))
+    share_table.add_column("share of a slot")
+    share_table.add_column("bytes", justify="right")
+    share_table.add_column("%", justify="right")
+    for name, size in shares["module"].items():
+        share_table.add_row(name, f"{size:,}", f"{100 * size / total:.1f}")
+    for kind, size in shares["layer_kind"].items():
+        share_table.add_row(f"[dim]{kind} layers", f"{size:,}", f"{100 * size / total:.1f}")
+    return Group(table, share_table)
+
+
+def models_view(records: list[dict[str, Any]]) -> Table:
+    table = Table(header_style="bold", padding=(0, 1))
+    table.add_column("preset", no_wrap=True)
+    for col in ("type", "layers", "full/lin", "hidden", "q/kv x dim", "ffn", "experts",
+                "gated q"):
+        table.add_column(col, no_wrap=True)
+    for r in records:
+        table.add_row(
+            r["name"], r["model_type"], str(r["num_hidden_layers"]),
+            f"{r['full_attention_layers']}/{r['linear_attention_layers']}",
+            str(r["hidden_size"]),
+            f"{r['num_attention_heads']}/{r['num_key_value_heads']} x {r['head_dim']}",
+            str(r["intermediate_size"] or "-"),
+            f"{r['num_experts']} x {r['expert_intermediate_size']}" if r["num_experts"] else "-",
+            "yes" if r["attn_gated"] else "no",
+        )
+    return table
+
+
+def print_findings_to(console: Console, report: AdapterReport) -> None:
+    """The error findings of a refused adapter, one line each (pack's refusal)."""
+    for f in report.errors():
+        console.print(f"{report.name}: {f.code}: {f.message}", markup=False, highlight=False)
