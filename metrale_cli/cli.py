@@ -19,7 +19,7 @@ from rich.console import Console
 from metrale_cli import __version__, env
 from metrale_cli.adapter import Adapter, parse_adapter_args
 from metrale_cli.audit import AdapterReport, audit
-from metrale_cli.errors import MetraleError, UsageError
+from metrale_cli.errors import MetraleError, NotServable, OutputExists, UsageError
 from metrale_cli.layout import DEFAULT_ALIGN, SlotLayout, parse_size
 from metrale_cli.models import PRESETS, ModelConfig, resolve_model
 from metrale_cli.modules import LoraModule
@@ -291,6 +291,90 @@ def plan_layout(
             raise UsageError("--max-rank is required when no adapter gives the rank")
         max_rank = max(r.rank for r in reports)
     return SlotLayout.build(cfg, modules, max_rank, align)
+
+
+# -- synth --------------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def synth(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the adapter into.",
+                                            show_default=False)],
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset, config.json or model dir.")],
+    modules: Annotated[str, typer.Option("--modules", help="Comma-separated modules, or 'all'.")],
+    rank: Annotated[int, typer.Option("--rank", "-r")],
+    alpha: Annotated[float | None, typer.Option("--alpha", help="Default: 2 * rank.")] = None,
+    rslora: Annotated[bool, typer.Option("--rslora", help="Scale alpha/sqrt(r).")] = False,
+    dtype: Annotated[str, typer.Option("--dtype", help="bf16, f16 or f32.")] = "bf16",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing adapter.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
+    from metrale_cli.synth import synth_adapter
+
+    module_list = parse_modules(modules)
+    assert module_list is not None
+    if alpha is not None and alpha <= 0:
+        raise UsageError(f"--alpha must be positive, got {alpha}")
+    result = synth_adapter(out_dir, resolve_model(model), model, module_list, rank, alpha,
+                           rslora, dtype, seed, force)
+    if json_out:
+        emit_json(result.record())
+    else:
+        from metrale_cli.render import human_bytes
+
+        out.print(f"wrote {result.path}: {result.tensors} tensors, {human_bytes(result.bytes)}")
+
+
+# -- pack ---------------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def pack(
+    adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH; "
+                                                  "they become the pinned startup slots.",
+                                                  show_default=False)],
+    max_loras: Annotated[int, typer.Option("--max-loras", help="Slots in the pool.")],
+    model: ModelOpt = None,
+    max_rank: Annotated[int | None, typer.Option("--max-rank", help="Default: the largest "
+                                                 "adapter rank.")] = None,
+    modules: Annotated[str | None, typer.Option(
+        "--modules", help="Module set; default: the union of the adapters' modules.")] = None,
+    out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write the pool image "
+                                                  "here (safetensors, format pool/1).")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image."""
+    from metrale_cli.packing import pack_pool
+
+    positive("--max-loras", max_loras)
+    positive("--max-rank", max_rank)
+    if out_path is not None and out_path.exists() and not force:
+        raise OutputExists(f"{out_path} exists; pass --force to overwrite it")
+    loaded = load_adapters(adapters)
+    cfg = model_for(model, loaded)
+    reports = [audit(a, cfg, max_rank) for a in loaded]
+    refused = [r for r in reports if not r.servable]
+    if refused:
+        for r in refused:
+            for f in r.errors():
+                err.print(f"{r.name}: {f.code}: {f.message}", markup=False)
+        raise NotServable(f"{len(refused)} adapter(s) not servable: "
+                          f"{', '.join(r.name for r in refused)}")
+    the_layout = plan_layout([], model, parse_modules(modules), max_rank, reports=reports)
+    result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
+                       progress_console=err if err.is_terminal and not json_out else None)
+    if json_out:
+        emit_json(result.record())
+    else:
+        from metrale_cli.render import pack_view
+
+        out.print(pack_view(result))
 
 
 def main() -> None:

@@ -3,9 +3,9 @@ view. Nothing here computes what it shows."""
 
 from __future__ import annotations
 
-from itertools import groupby
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -94,6 +94,19 @@ def _adapter_panel(model: ModelConfig, report: AdapterReport, layout: SlotLayout
     return Panel(Group(*body), title=f"[bold]{report.name}", title_align="left")
 
 
+def layer_set(layers: list[int]) -> str:
+    """A short name for a set of layers: `3, 7, ..., 47 (every 4th)`, `0-2, 4-6, ... (36)`."""
+    n = len(layers)
+    steps = {b - a for a, b in zip(layers, layers[1:], strict=False)}
+    if n > 3 and len(steps) == 1 and steps != {1}:
+        return f"{layers[0]}, {layers[1]}, ..., {layers[-1]} (every {steps.pop()}th, {n})"
+    text = layer_ranges(layers)
+    if len(text) > 24:
+        spans = text.split(", ")
+        text = f"{', '.join(spans[:2])}, ..., {spans[-1]} ({n})"
+    return text
+
+
 def _layer_table(model: ModelConfig, report: AdapterReport) -> Table:
     """One row per run of consecutive layers that look alike, so 48+ layers stay readable."""
     per_layer: dict[int, dict[str, str]] = {}
@@ -101,8 +114,8 @@ def _layer_table(model: ModelConfig, report: AdapterReport) -> Table:
         cell = f"r{m.r} x{m.scaling:.3g}"
         per_layer.setdefault(m.layer, {})[m.module.peft_name] = cell
     columns = [m.peft_name for m in report.module_set]
-    table = Table(title="per layer (scale = PEFT scaling)", title_justify="left",
-                  header_style="bold", padding=(0, 1))
+    table = Table(title="per layer (rank x PEFT scaling; · not adapted, n/a not applicable)",
+                  title_justify="left", header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     table.add_column("layers")
     table.add_column("kind")
     for name in columns:
@@ -116,14 +129,17 @@ def _layer_table(model: ModelConfig, report: AdapterReport) -> Table:
         )
         return (kind, applicable, tuple(cells.get(c, "") for c in columns))
 
-    for sig, run in groupby(range(model.num_hidden_layers), key=signature):
-        layers = list(run)
+    # Group by look, not by adjacency: a hybrid model's layers repeat with a period.
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for layer in range(model.num_hidden_layers):
+        groups.setdefault(signature(layer), []).append(layer)
+    for sig, layers in groups.items():
         kind, applicable, cells = sig
         shown = [
             c if c else ("·" if name in applicable else "n/a")
-            for name, c in zip(columns, cells)
+            for name, c in zip(columns, cells, strict=True)
         ]
-        table.add_row(layer_ranges(layers), kind, *shown)
+        table.add_row(layer_set(layers), kind, *shown)
     return table
 
 
@@ -149,7 +165,7 @@ def layout_view(layout: SlotLayout, max_loras: int | None, budget: int | None) -
 
     shares = layout.shares()
     total = sum(shares["module"].values()) or 1
-    share_table = Table(header_style="bold", padding=(0, 1))
+    share_table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     share_table.add_column("share of a slot")
     share_table.add_column("bytes", justify="right")
     share_table.add_column("%", justify="right")
@@ -161,17 +177,17 @@ def layout_view(layout: SlotLayout, max_loras: int | None, budget: int | None) -
 
 
 def models_view(records: list[dict[str, Any]]) -> Table:
-    table = Table(header_style="bold", padding=(0, 1))
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("preset", no_wrap=True)
-    for col in ("type", "layers", "full/lin", "hidden", "q/kv x dim", "ffn", "experts",
-                "gated q"):
+    for col in ("type", "layers", "full/lin", "hidden", "heads", "ffn", "experts",
+                "gated"):
         table.add_column(col, no_wrap=True)
     for r in records:
         table.add_row(
             r["name"], r["model_type"], str(r["num_hidden_layers"]),
             f"{r['full_attention_layers']}/{r['linear_attention_layers']}",
             str(r["hidden_size"]),
-            f"{r['num_attention_heads']}/{r['num_key_value_heads']} x {r['head_dim']}",
+            f"{r['num_attention_heads']}/{r['num_key_value_heads']}x{r['head_dim']}",
             str(r["intermediate_size"] or "-"),
             f"{r['num_experts']} x {r['expert_intermediate_size']}" if r["num_experts"] else "-",
             "yes" if r["attn_gated"] else "no",
@@ -183,3 +199,27 @@ def print_findings_to(console: Console, report: AdapterReport) -> None:
     """The error findings of a refused adapter, one line each (pack's refusal)."""
     for f in report.errors():
         console.print(f"{report.name}: {f.code}: {f.message}", markup=False, highlight=False)
+
+
+def pack_view(result: Any) -> Group:
+    layout = result.pool.layout
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    for col in ("slot", "name", "rank", "alpha", "scale", "pinned", "source"):
+        table.add_column(col)
+    for s in result.pool.slot_records():
+        if s["name"]:
+            table.add_row(str(s["slot"]), s["name"], str(s["rank"]), _fmt(s["alpha"]),
+                          f"{s['scaling']:.6g}", "yes" if s["pinned"] else "", s["source"])
+    empty = result.pool.max_loras - len(result.pool.adapter_names())
+    rate = result.bytes_read / result.pack_seconds / 1e9 if result.pack_seconds else 0.0
+    lines = [
+        f"pool: {result.pool.max_loras} slots x {layout.slot_bytes:,} B = "
+        f"{human_bytes(layout.pool_bytes(result.pool.max_loras))} on {result.pool.device}, "
+        f"max rank {layout.max_rank}, {len(layout.entries)} entries, {empty} empty cache slots",
+        f"packed {human_bytes(result.bytes_read)} of adapter tensors in "
+        f"{result.pack_seconds:.3f} s ({rate:.2f} GB/s)",
+    ]
+    if result.image is not None:
+        lines.append(f"wrote {result.image} ({human_bytes(result.image_bytes)}) in "
+                     f"{result.write_seconds:.3f} s; layout fingerprint {layout.fingerprint}")
+    return Group(table, *(Text(line) for line in lines))

@@ -1,0 +1,43 @@
+"""Atomic output: temp file beside the target, fsync, rename. Nothing is overwritten without
+`force`, and a kill at any moment leaves the old file or the new one, never a partial one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from metrale_cli.errors import OutputExists, UsageError
+
+
+def atomic_write(path: Path, write: Any, force: bool) -> None:
+    """Write through `write(file)` into a temp file beside `path`, fsync, then rename over it:
+    a kill at any moment leaves either the old file or the new one, never a partial one."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise OutputExists(f"{path} exists; pass --force to overwrite it")
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    try:
+        # mkstemp creates 0600; give the file the mode an ordinary open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,404 @@
+"""The adapter pool: one fixed-address allocation of `max_loras` equal slots laid out by a
+`SlotLayout`, per-entry pointer tables, a scale table, and the seed's slot manager (ref counts,
+pinned startup slots, LRU victim selection, generations in the cache identity).
+
+The same code runs on a GPU (CuPy device memory) and on the host (NumPy); pointer tables then
+hold device or host addresses. Packing converts on the host, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metrale_cli.audit import AdapterReport, ModuleRecord
+from metrale_cli.bf16 import RAW_DTYPES, to_bf16
+from metrale_cli.compat import cupy_module, has_gpu
+from metrale_cli.errors import FormatError, LayoutMismatch, PoolFull, SlotBusy, UsageError
+from metrale_cli.layout import SlotLayout
+
+U64_MASK = (1 << 64) - 1
+
+
+def adapter_id_hash(name: str, generation: int) -> int:
+    """A 64-bit cache identity of an adapter name and its generation; never 0 (0 is the base
+    model). Generation 0 folds to nothing, so an adapter keeps its identity at load."""
+    h = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    if generation:
+        blob = h.to_bytes(8, "little") + (generation & U64_MASK).to_bytes(8, "little")
+        h = int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little")
+    return h or 1
+
+
+def routed_prefill_slot_of(adapter_slot: int, active: int, num_slots: int) -> int | None:
+    """Resolve a request's `adapter_slot` (`>= 0` that slot, `-1` the active one) and return it
+    only when it is an in-range slot other than the active one."""
+    resolved = active if adapter_slot == -1 else adapter_slot
+    if adapter_slot < -1 or not 0 <= resolved < num_slots or resolved == active:
+        return None
+    return resolved
+
+
+@dataclass
+class AdapterSlot:
+    """One pool slot's resident adapter. An empty `name` marks a placeholder."""
+
+    name: str = ""
+    rank: int = 0
+    alpha: float = 0.0
+    scaling: float = 0.0
+    source: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    # Incremented (wrapping) each time a disk or peer swap replaces the contents; 0 at load.
+    generation: int = 0
+
+    @property
+    def filled(self) -> bool:
+        return bool(self.name)
+
+    def record(self, slot: int, pinned: bool) -> dict[str, Any]:
+        return {
+            "slot": slot, "name": self.name, "generation": self.generation, "rank": self.rank,
+            "alpha": self.alpha, "scaling": self.scaling, "pinned": pinned,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """A cache slot's state as victim selection reads it."""
+
+    slot: int
+    filled: bool
+    ref_count: int
+    last_used: int
+
+
+@dataclass(frozen=True)
+class PackStats:
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+
+class LoraPool:
+    """`max_loras` slots of `layout.slot_bytes` each, in one allocation."""
+
+    def __init__(self, layout: SlotLayout, max_loras: int, device: str = "cpu") -> None:
+        if max_loras <= 0:
+            raise UsageError(f"max_loras must be positive, got {max_loras}")
+        if device not in ("cpu", "cuda"):
+            raise UsageError(f"device must be cpu or cuda, got {device!r}")
+        self.layout = layout
+        self.max_loras = max_loras
+        self.device = device
+        self.xp: Any = cupy_module() if device == "cuda" else np
+        n = len(layout.entries)
+        # The pool: [max_loras * slot_bytes] u8; slot k starts at byte k * slot_bytes.
+        self.pool = self.xp.zeros(max_loras * layout.slot_bytes, dtype=np.uint8)
+        # Row i is entry i's [max_loras] u64 table of A (B) addresses; 0 = slot does not adapt.
+        self.a_tables = self.xp.zeros((n, max_loras), dtype=np.uint64)
+        self.b_tables = self.xp.zeros((n, max_loras), dtype=np.uint64)
+        # [max_loras] f32: slot k's PEFT scaling, 0.0 for an empty slot.
+        self.scale_table = self.xp.zeros(max_loras, dtype=np.float32)
+        # [max_loras] i32: slot k's rank (kernels bound their rank loops by it).
+        self.rank_table = self.xp.zeros(max_loras, dtype=np.int32)
+        self.slots = [AdapterSlot() for _ in range(max_loras)]
+        self.ref_counts = [0] * max_loras
+        self.last_used = [0] * max_loras
+        self.lru_tick = 0
+        self.pinned = 0
+        self.active = 0
+        self._lock = threading.RLock()
+
+    # -- addresses ------------------------------------------------------------------------------
+
+    @property
+    def base_address(self) -> int:
+        return int(self.pool.data.ptr) if self.device == "cuda" else self.pool.ctypes.data
+
+    def table_address(self, entry: int, which: str = "a") -> int:
+        """Address of entry `entry`'s `[max_loras]` u64 table (for a kernel launch)."""
+        tables = self.a_tables if which == "a" else self.b_tables
+        row = tables[entry]
+        return int(row.data.ptr) if self.device == "cuda" else row.ctypes.data
+
+    def slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per entry, byte offsets into `pool` of this slot's A and B, -1 where not adapted."""
+        a = self.to_host(self.a_tables[:, slot]).astype(np.int64)
+        b = self.to_host(self.b_tables[:, slot]).astype(np.int64)
+        base = self.base_address
+        return (np.where(a == 0, -1, a - base), np.where(b == 0, -1, b - base))
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return self.xp.asnumpy(array) if self.device == "cuda" else np.asarray(array)
+
+    # -- packing --------------------------------------------------------------------------------
+
+    def pack_slot(
+        self, slot: int, report: AdapterReport, progress: Callable[[int], None] | None = None
+    ) -> PackStats:
+        """Write an audited adapter into `slot`: BF16 with round-to-nearest-even, zero beyond
+        its rank, each module's PEFT scaling relative to the slot's scale folded into its B, so
+        that `scale_table[k] * (x @ A^T) @ B^T` is PEFT's delta for every module."""
+        import time
+
+        if not report.servable:
+            raise UsageError(f"{report.name}: not servable; `metrale inspect` says why")
+        self._check_slot(slot)
+        missing = [m for m in report.modules if (m.layer, m.module) not in self.layout.index]
+        if missing:
+            m = missing[0]
+            raise UsageError(f"{report.name}: {m.module.peft_name} on layer {m.layer} is not in "
+                             "the pool's layout (its module set or max rank is too small)")
+        over = [m for m in report.modules if m.r > self.layout.max_rank]
+        if over:
+            raise UsageError(f"{report.name}: rank {over[0].r} above the pool's max rank "
+                             f"{self.layout.max_rank}")
+        started = time.perf_counter()
+        slot_bytes = self.layout.slot_bytes
+        # Build the slot on the host (on a GPU this staging buffer is copied up once).
+        if self.device == "cuda":
+            staging = np.zeros(slot_bytes, dtype=np.uint8)
+        else:
+            staging = self.pool[slot * slot_bytes:(slot + 1) * slot_bytes]
+            staging.fill(0)
+        scale = report.scaling
+        read = 0
+        with open(report.adapter.weights_path, "rb") as f:
+            for module in report.modules:
+                entry = self.layout.entries[self.layout.index[(module.layer, module.module)]]
+                read += _pack_module(f, module, entry.a_offset, entry.b_offset, self.layout,
+                                     staging, module.scaling / scale)
+                if progress is not None:
+                    progress(module.a.nbytes + module.b.nbytes)
+        base = self.base_address + slot * slot_bytes
+        a_col = np.zeros(len(self.layout.entries), dtype=np.uint64)
+        b_col = np.zeros(len(self.layout.entries), dtype=np.uint64)
+        for module in report.modules:
+            i = self.layout.index[(module.layer, module.module)]
+            a_col[i] = base + self.layout.entries[i].a_offset
+            b_col[i] = base + self.layout.entries[i].b_offset
+        if self.device == "cuda":
+            self.pool[slot * slot_bytes:(slot + 1) * slot_bytes].set(staging)
+        self.a_tables[:, slot] = self.xp.asarray(a_col)
+        self.b_tables[:, slot] = self.xp.asarray(b_col)
+        self.scale_table[slot] = scale
+        self.rank_table[slot] = report.rank
+        cfg = report.adapter.config
+        self.slots[slot] = AdapterSlot(
+            name=report.name, rank=report.rank, alpha=cfg.lora_alpha, scaling=scale,
+            source=str(report.adapter.path), config=dict(cfg.raw),
+            generation=self.slots[slot].generation,
+        )
+        return PackStats(read, slot_bytes, time.perf_counter() - started)
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot's bytes, tables, scale and rank; it becomes a placeholder."""
+        slot_bytes = self.layout.slot_bytes
+        self.pool[slot * slot_bytes:(slot + 1) * slot_bytes] = 0
+        self.a_tables[:, slot] = 0
+        self.b_tables[:, slot] = 0
+        self.scale_table[slot] = 0.0
+        self.rank_table[slot] = 0
+
+    @classmethod
+    def load(
+        cls,
+        layout: SlotLayout,
+        max_loras: int,
+        reports: list[AdapterReport],
+        device: str = "cpu",
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[LoraPool, list[PackStats]]:
+        """A pool with the startup adapters packed into slots [0, n), which are pinned."""
+        if len(reports) > max_loras:
+            raise UsageError(f"{len(reports)} adapters do not fit in --max-loras {max_loras}")
+        pool = cls(layout, max_loras, device)
+        stats = [pool.pack_slot(k, r, progress) for k, r in enumerate(reports)]
+        pool.pinned = len(reports)
+        return pool, stats
+
+    # -- the slot manager -----------------------------------------------------------------------
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise UsageError(f"slot {slot} is out of range [0, {self.max_loras})")
+
+    def _resolve(self, slot: int) -> int:
+        resolved = self.active if slot == -1 else slot
+        self._check_slot(resolved)
+        return resolved
+
+    def slot_of(self, name: str) -> int | None:
+        """The slot holding adapter `name`; placeholders never match."""
+        return next((k for k, s in enumerate(self.slots) if s.filled and s.name == name), None)
+
+    def adapter_names(self) -> list[str]:
+        return [s.name for s in self.slots if s.filled]
+
+    def adapter_id_for_slot(self, slot: int) -> int:
+        """Cache identity of a request's `adapter_slot` (`>= 0` that slot, `-1` the active one),
+        or 0 (the base model) when out of range or a placeholder."""
+        resolved = self.active if slot < 0 else slot
+        if not 0 <= resolved < self.max_loras:
+            return 0
+        s = self.slots[resolved]
+        return adapter_id_hash(s.name, s.generation) if s.filled else 0
+
+    def routed_prefill_slot(self, adapter_slot: int) -> int | None:
+        return routed_prefill_slot_of(adapter_slot, self.active, self.max_loras)
+
+    def acquire_slot(self, slot: int) -> int:
+        """A sequence takes a count on the resolved slot; returns that slot."""
+        with self._lock:
+            resolved = self._resolve(slot)
+            self.ref_counts[resolved] += 1
+            self.lru_tick += 1
+            self.last_used[resolved] = self.lru_tick
+            return resolved
+
+    def release_slot(self, slot: int) -> None:
+        with self._lock:
+            resolved = self._resolve(slot)
+            if self.ref_counts[resolved] == 0:
+                raise UsageError(f"slot {resolved} released more often than acquired")
+            self.ref_counts[resolved] -= 1
+
+    def touch_slot(self, slot: int) -> None:
+        with self._lock:
+            resolved = self._resolve(slot)
+            self.lru_tick += 1
+            self.last_used[resolved] = self.lru_tick
+
+    def cache_slot_views(self) -> list[SlotView]:
+        with self._lock:
+            return [
+                SlotView(k, self.slots[k].filled, self.ref_counts[k], self.last_used[k])
+                for k in range(self.pinned, self.max_loras)
+            ]
+
+    def select_victim_slot(self) -> int:
+        """An empty cache slot first, else the least recently used one with no in-flight
+        sequences; PoolFull when every cache slot is busy. A pinned slot is never chosen."""
+        views = self.cache_slot_views()
+        empty = [v for v in views if not v.filled and v.ref_count == 0]
+        if empty:
+            return empty[0].slot
+        idle = [v for v in views if v.ref_count == 0]
+        if not idle:
+            raise PoolFull(f"all {len(views)} cache slots have in-flight sequences")
+        return min(idle, key=lambda v: v.last_used).slot
+
+    def swap_in(self, slot: int, report: AdapterReport) -> int:
+        """Replace `slot`'s contents with an adapter from disk; refused while the slot has
+        in-flight sequences. Returns the new generation."""
+        with self._lock:
+            self._check_slot(slot)
+            if self.ref_counts[slot] > 0:
+                raise SlotBusy(f"slot {slot} has {self.ref_counts[slot]} in-flight sequences")
+            generation = (self.slots[slot].generation + 1) & U64_MASK
+            self.pack_slot(slot, report)
+            self.slots[slot].generation = generation
+            return generation
+
+    def rotate(self, slot: int) -> None:
+        """Make `slot` the active adapter; refused while the active slot is busy."""
+        with self._lock:
+            self._check_slot(slot)
+            if not self.slots[slot].filled:
+                raise UsageError(f"slot {slot} holds no adapter")
+            if slot != self.active and self.ref_counts[self.active] > 0:
+                raise SlotBusy(f"active slot {self.active} has {self.ref_counts[self.active]} "
+                               "in-flight sequences")
+            self.active = slot
+
+    def land_slot(self, slot: int, source: Any, source_slot: int) -> int:
+        """Copy one slot's bytes from another pool or a pool image with the same layout
+        fingerprint (the peer-swap path). Returns the new generation."""
+        if source.layout.fingerprint != self.layout.fingerprint:
+            raise LayoutMismatch(
+                f"layout fingerprint {source.layout.fingerprint} does not match this pool's "
+                f"{self.layout.fingerprint}"
+            )
+        if not 0 <= source_slot < source.max_loras:
+            raise UsageError(f"source slot {source_slot} is out of range")
+        with self._lock:
+            self._check_slot(slot)
+            if self.ref_counts[slot] > 0:
+                raise SlotBusy(f"slot {slot} has {self.ref_counts[slot]} in-flight sequences")
+            info: AdapterSlot = source.slots[source_slot]
+            slot_bytes = self.layout.slot_bytes
+            data = source.slot_bytes_host(source_slot)
+            region = self.pool[slot * slot_bytes:(slot + 1) * slot_bytes]
+            if self.device == "cuda":
+                region.set(data)
+            else:
+                region[:] = data
+            a_off, b_off = source.slot_offsets(source_slot)
+            base = self.base_address + slot * slot_bytes
+            src_base = source_slot * slot_bytes
+            self.a_tables[:, slot] = self.xp.asarray(
+                np.where(a_off < 0, 0, a_off - src_base + base).astype(np.uint64))
+            self.b_tables[:, slot] = self.xp.asarray(
+                np.where(b_off < 0, 0, b_off - src_base + base).astype(np.uint64))
+            self.scale_table[slot] = info.scaling
+            self.rank_table[slot] = info.rank
+            generation = (self.slots[slot].generation + 1) & U64_MASK
+            self.slots[slot] = AdapterSlot(info.name, info.rank, info.alpha, info.scaling,
+                                           info.source, dict(info.config), generation)
+            return generation
+
+    def slot_bytes_host(self, slot: int) -> np.ndarray:
+        slot_bytes = self.layout.slot_bytes
+        return self.to_host(self.pool[slot * slot_bytes:(slot + 1) * slot_bytes])
+
+    def slot_records(self) -> list[dict[str, Any]]:
+        return [s.record(k, k < self.pinned) for k, s in enumerate(self.slots)]
+
+
+def _pack_module(
+    f: Any, module: ModuleRecord, a_offset: int, b_offset: int, layout: SlotLayout,
+    staging: np.ndarray, b_ratio: float,
+) -> int:
+    """Read one module's A and B from the open safetensors file into the slot's regions."""
+    r, max_rank = module.r, layout.max_rank
+    in_dim = module.a.shape[1]
+    out_dim = module.b.shape[0]
+    a = _read(f, module.a)
+    # A [r, in] fills the first r rows of the [max_rank, in] region; the rest stays zero.
+    a_region = staging[a_offset:a_offset + r * in_dim * 2].view(np.uint16)
+    a_region[:] = to_bf16(a, module.a.dtype).reshape(-1)
+    b = _read(f, module.b)
+    # B [out, r] fills the first r columns of each row of the [out, max_rank] region.
+    b_region = staging[b_offset:b_offset + out_dim * max_rank * 2].view(np.uint16)
+    b_region.reshape(out_dim, max_rank)[:, :r] = to_bf16(b, module.b.dtype, b_ratio).reshape(
+        out_dim, r)
+    return module.a.nbytes + module.b.nbytes
+
+
+def _read(f: Any, info: Any) -> np.ndarray:
+    """One tensor's raw elements, read straight from the file (no whole-file load)."""
+    buffer = np.empty(info.nbytes, dtype=np.uint8)
+    f.seek(info.begin)
+    if f.readinto(memoryview(buffer)) != info.nbytes:
+        raise FormatError(f"{Path(f.name)}: file ended inside tensor {info.name!r}")
+    return buffer.view(RAW_DTYPES[info.dtype])
+
+
+def pick_device(device: str) -> str:
+    """`auto` picks the GPU when there is one; `cuda` without one is NoDevice (exit 3)."""
+    if device == "auto":
+        return "cuda" if has_gpu() else "cpu"
+    if device == "cuda":
+        cupy_module()
+        return "cuda"
+    if device == "cpu":
+        return "cpu"
+    raise UsageError(f"--device must be auto, cpu or cuda, got {device!r}")
