@@ -37,7 +37,7 @@ bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run
 app.add_typer(bench_app, name="bench")
 
 out = Console(highlight=False, soft_wrap=False)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,0 +1,28 @@
+"""Running `metrale` in-process, as a user would from a shell."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from typer.testing import CliRunner
+
+from metrale_cli.cli import app
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+def metrale(*args: object) -> Result:
+    result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "100"})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Result(result.exit_code, result.stdout, result.stderr)

@@ -1,0 +1,58 @@
+"""The slot layout and capacity plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale_cli.errors import UsageError
+from metrale_cli.layout import SlotLayout, parse_size
+from metrale_cli.models import ModelConfig
+from metrale_cli.modules import LoraModule
+
+ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
+
+
+def test_qwen3_next_slot_bytes() -> None:
+    layout = SlotLayout.build(ModelConfig.preset("qwen3-next-80b-a3b"), ATTN, 16)
+    assert layout.slot_bytes == 15_335_424
+    assert len(layout.entries) == 12 * 4 + 36
+    # No q_proj is reserved on a linear-attention layer.
+    assert all(e.module is LoraModule.OUT_PROJ for e in layout.entries if e.layer % 4 != 3)
+
+
+def test_entries_are_aligned_ordered_and_disjoint() -> None:
+    cfg = ModelConfig.preset("qwen3.5-9b")
+    layout = SlotLayout.build(cfg, list(LoraModule), 7, align=512)
+    end = 0
+    for e in layout.entries:
+        assert e.a_offset % 512 == 0 and e.b_offset % 512 == 0
+        assert e.a_offset >= end and e.b_offset >= e.a_offset + 7 * e.in_dim * 2
+        end = e.b_offset + e.out_dim * 7 * 2
+    assert layout.slot_bytes >= end and layout.slot_bytes % 512 == 0
+    order = [(e.layer, list(LoraModule).index(e.module)) for e in layout.entries]
+    assert order == sorted(order)
+
+
+def test_fingerprint_tracks_byte_positions() -> None:
+    cfg = ModelConfig.preset("qwen3-8b")
+    a = SlotLayout.build(cfg, ATTN[:4], 16)
+    assert a.fingerprint == SlotLayout.build(cfg, list(reversed(ATTN[:4])), 16).fingerprint
+    assert a.fingerprint != SlotLayout.build(cfg, ATTN[:4], 32).fingerprint
+    assert a.fingerprint != SlotLayout.build(cfg, ATTN[:3], 16).fingerprint
+    assert a.fingerprint != SlotLayout.build(cfg, ATTN[:4], 16, align=512).fingerprint
+
+
+def test_capacity() -> None:
+    layout = SlotLayout.build(ModelConfig.preset("qwen3-next-80b-a3b"), ATTN, 16)
+    fits = layout.slots_for_budget(parse_size("40GiB"))
+    assert layout.pool_bytes(fits) + layout.table_bytes(fits) <= 40 * 2**30
+    assert layout.pool_bytes(fits + 1) + layout.table_bytes(fits + 1) > 40 * 2**30
+
+
+def test_parse_size() -> None:
+    assert parse_size("40GiB") == 40 * 2**30
+    assert parse_size("1.5 GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    for bad in ("lots", "12XB", "-1GB"):
+        with pytest.raises(UsageError):
+            parse_size(bad)

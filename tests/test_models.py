@@ -1,0 +1,116 @@
+"""Base-model configs: presets against the real config files, dims against peft_format.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
+from metrale_cli.models import PRESETS, LayerType, ModelConfig, resolve_model
+from metrale_cli.modules import ALL, LoraModule
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "model_configs"
+REAL = {
+    "qwen3-next-80b-a3b": "qwen3-next-80b-a3b-instruct.config.json",
+    "qwen3.5-35b-a3b": "qwen3.5-35b-a3b.config.json",
+    "qwen3.5-122b-a10b": "qwen3.5-122b-a10b.config.json",
+    "qwen3-8b": "qwen3-8b.config.json",
+    "qwen3-30b-a3b": "qwen3-30b-a3b.config.json",
+    "llama-3.1-8b": "llama-3.1-8b.config.json",
+    "mixtral-8x7b": "mixtral-8x7b-v0.1.config.json",
+}
+
+
+@pytest.mark.parametrize("preset,file", sorted(REAL.items()))
+def test_preset_matches_the_real_config(preset: str, file: str) -> None:
+    path = REFERENCE / file
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    real = ModelConfig.from_hf(path)
+    mine = ModelConfig.preset(preset)
+    assert {**real.summary(), "source": ""} == {**mine.summary(), "source": ""}
+
+
+# (out_dim, in_dim) per module, from peft_format.md §3 (meta-device instantiations).
+DIMS = {
+    "qwen3-next-80b-a3b": {"q_proj": (8192, 2048), "k_proj": (512, 2048), "v_proj": (512, 2048),
+                           "o_proj": (2048, 4096), "out_proj": (2048, 4096)},
+    "qwen3.5-35b-a3b": {"q_proj": (8192, 2048), "k_proj": (512, 2048), "o_proj": (2048, 4096),
+                        "out_proj": (2048, 4096)},
+    "qwen3.5-122b-a10b": {"q_proj": (16384, 3072), "k_proj": (512, 3072),
+                          "o_proj": (3072, 8192), "out_proj": (3072, 8192)},
+    "qwen3-8b": {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "o_proj": (4096, 4096),
+                 "gate_proj": (12288, 4096), "down_proj": (4096, 12288)},
+    "qwen3-30b-a3b": {"q_proj": (4096, 2048), "k_proj": (512, 2048), "o_proj": (2048, 4096)},
+    "llama-3.1-8b": {"q_proj": (4096, 4096), "v_proj": (1024, 4096),
+                     "up_proj": (14336, 4096), "down_proj": (4096, 14336)},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(DIMS))
+def test_module_dims(preset: str) -> None:
+    cfg = ModelConfig.preset(preset)
+    for name, dims in DIMS[preset].items():
+        assert LoraModule(name).dims(cfg) == dims, name
+
+
+def test_hybrid_layer_types_and_applicability() -> None:
+    cfg = ModelConfig.preset("qwen3-next-80b-a3b")
+    assert cfg.full_attention_layers == list(range(3, 48, 4))
+    assert cfg.attn_gated and cfg.num_experts == 512
+    q, out, gate = LoraModule.Q_PROJ, LoraModule.OUT_PROJ, LoraModule.GATE_PROJ
+    assert q.applies_to_layer(cfg, 3) and not q.applies_to_layer(cfg, 0)
+    assert out.applies_to_layer(cfg, 0) and not out.applies_to_layer(cfg, 3)
+    assert not any(gate.applies_to_layer(cfg, i) for i in range(48))
+    dense = ModelConfig.preset("qwen3.5-9b")
+    assert all(gate.applies_to_layer(dense, i) for i in range(32))
+    assert [m.peft_name for m in ALL] == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj"]
+
+
+def test_config_rules(tmp_path: Path) -> None:
+    base = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96}
+    cfg = ModelConfig.from_dict(base)
+    assert cfg.head_dim == 16 and cfg.attn_gated
+    assert cfg.layer_types[3] is LayerType.FULL_ATTENTION  # transformers' default interval 4
+    assert not ModelConfig.from_dict({**base, "attn_output_gate": False}).attn_gated
+    llama = ModelConfig.from_dict({**base, "model_type": "llama"})
+    assert not llama.attn_gated and set(llama.layer_types) == {LayerType.FULL_ATTENTION}
+    assert ModelConfig.from_dict({**base, "model_type": "llama", "attn_output_gate": True}).attn_gated
+    typed = ModelConfig.from_dict({**base, "layer_types": ["full_attention", "linear_attention"] * 2})
+    assert typed.linear_attention_layers == [1, 3]
+    composite = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": {
+        **base, "model_type": "qwen3_5_text", "full_attention_interval": 2}})
+    assert composite.model_type == "qwen3_5" and composite.composite
+    assert composite.full_attention_layers == [1, 3]
+    with pytest.raises(UnsupportedModel, match="deepseek_v3.*supported: llama"):
+        ModelConfig.from_dict({**base, "model_type": "deepseek_v3"})
+    with pytest.raises(FormatError, match="layer_types"):
+        ModelConfig.from_dict({**base, "layer_types": ["full_attention"]})
+    with pytest.raises(FormatError, match="hidden_size"):
+        ModelConfig.from_dict({**base, "hidden_size": "big"})
+
+
+def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_model("Qwen3-8B").source == "qwen3-8b"
+    assert resolve_model("Qwen/Qwen3-Next-80B-A3B-Instruct").model_type == "qwen3_next"
+    cfg_dir = tmp_path / "m"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text(json.dumps(PRESETS[4].config))
+    assert resolve_model(str(cfg_dir)).hidden_size == 4096
+    assert resolve_model(str(cfg_dir / "config.json")).hidden_size == 4096
+    # A hub id in the local cache, found offline through refs/main.
+    hub = tmp_path / "hub" / "models--acme--tiny"
+    snap = hub / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text("abc123")
+    (snap / "config.json").write_text(json.dumps({**PRESETS[4].config, "num_hidden_layers": 3}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    found = resolve_model("acme/tiny")
+    assert found.num_hidden_layers == 3 and found.source == "acme/tiny"
+    with pytest.raises(UsageError, match="not in the local Hugging Face cache"):
+        resolve_model("acme/absent")
