@@ -424,14 +424,22 @@ def _explain_experts(
         for t in cfg.target_modules
     )
     rewritten = any(re.search(r"gate_up_proj", k) for k in cfg.rank_pattern)
-    if model.num_experts and (cfg.target_parameters or ffn_targets):
+    if not model.num_experts or not (cfg.target_parameters or ffn_targets):
+        return
+    if model.model_type == "qwen3_5_moe":
+        # PEFT 0.21's conversion table maps no rewrite for this type (checked against PEFT).
         out.add(Severity.WARNING, "moe_rewrite",
-                f"on {model.model_type} (routed experts), PEFT >= 0.19 with transformers 5 turns "
-                "gate_proj/up_proj/down_proj targets into expert LoRA (target_parameters "
-                "gate_up_proj/down_proj" + (", gate_up at rank 2r and alpha 2*alpha" if rewritten
-                                            else "")
-                + "); dense-MLP and shared-expert projections then get no LoRA at all "
-                "(huggingface/peft#3711)")
+                "on qwen3_5_moe, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
+                "targets into expert LoRA: they reach only the shared expert, and routed experts "
+                "get LoRA only through target_parameters (mlp.experts.gate_up_proj/down_proj)")
+        return
+    out.add(Severity.WARNING, "moe_rewrite",
+            f"on {model.model_type} (routed experts), PEFT >= 0.19 with transformers 5 turns "
+            "gate_proj/up_proj/down_proj targets into expert LoRA (target_parameters "
+            "gate_up_proj/down_proj" + (", gate_up at rank 2r and alpha 2*alpha" if rewritten
+                                        else "")
+            + "); dense-MLP and shared-expert projections then get no LoRA at all "
+            "(huggingface/peft#3711)")
 
 
 def _missing_targets(

@@ -115,18 +115,20 @@ def model_for(spec: str | None, adapters: list[Adapter]) -> ModelConfig:
             f"{', '.join(names) or 'no adapter'}: no base_model_name_or_path; pass --model "
             "(a preset from `metrale models`, a config.json, or a model directory)"
         )
-    if len(bases) > 1:
-        raise UsageError(f"the adapters name different base models ({', '.join(sorted(bases))}); "
-                         "pass --model")
-    base = bases.pop()
-    assert base is not None
-    try:
-        return resolve_model(base)
-    except UsageError as exc:
-        raise UsageError(
-            f"base_model_name_or_path {base!r} resolves to nothing here ({exc}); pass --model "
-            "(a preset from `metrale models`, a config.json, or a model directory)"
-        ) from None
+    resolved = []
+    for base in sorted(b for b in bases if b is not None):
+        try:
+            resolved.append(resolve_model(base))
+        except UsageError as exc:
+            raise UsageError(
+                f"base_model_name_or_path {base!r} resolves to nothing here ({exc}); pass "
+                "--model (a preset from `metrale models`, a config.json, or a model directory)"
+            ) from None
+    # Different paths to the same model (copies of one config) are one base model.
+    if len({json.dumps({**c.summary(), "source": ""}, sort_keys=True) for c in resolved}) > 1:
+        raise UsageError(f"the adapters name different base models ({', '.join(sorted(bases))})"
+                         "; pass --model")
+    return resolved[0]
 
 
 def parse_modules(text: str | None) -> list[LoraModule] | None:

@@ -33,8 +33,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 ADAPTER_PREFIX = "base_model.model."
+# transformers-5 fused experts, spelled for `target_parameters` (suffix match, not regex).
+EXPERT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -117,7 +119,8 @@ _QWEN35_TEXT = {**_BASE, **_GDN_DIMS, "num_hidden_layers": 4, "head_dim": 24,
                 "intermediate_size": 96, "layer_types": _HYBRID_4}  # fmt: skip
 _QWEN35_MOE_TEXT = {**_BASE, **_GDN_DIMS, "num_hidden_layers": 4, "head_dim": 16,
                     "moe_intermediate_size": 40, "shared_expert_intermediate_size": 24,
-                    "num_experts": 4, "num_experts_per_tok": 2, "layer_types": _HYBRID_4}  # fmt: skip
+                    "num_experts": 4, "num_experts_per_tok": 2,
+                    "layer_types": _HYBRID_4}  # fmt: skip
 # Tiny vision tower: 1 block, its Linear names (attn.qkv, attn.proj, mlp.linear_fc1/2,
 # merger.linear_fc1/2) are what all-linear picks up on a real VL checkpoint.
 _VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,

@@ -1,0 +1,162 @@
+"""The audit against adapters made by the real peft library on tiny models of every supported
+model type: metrale must report exactly PEFT's per-module r, alpha, scaling and shapes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from metrale_cli.modules import LoraModule
+from tests.cli_runner import metrale
+from tests.peft_factory import EXPERT_TARGET_PARAMETERS, TINY_MODELS, AdapterTruth
+
+pytestmark = pytest.mark.slow
+SERVABLE = {m.peft_path: m for m in LoraModule}
+_LAYERED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
+
+
+def servable_truth(truth: AdapterTruth) -> dict[tuple[int, str], object]:
+    """PEFT's adapted Linears that are pool modules, keyed like inspect's JSON."""
+    found = {}
+    for path, m in truth.modules.items():
+        hit = _LAYERED.match(path)
+        if hit and hit.group(2) in SERVABLE:
+            found[(int(hit.group(1)), SERVABLE[hit.group(2)].peft_name)] = m
+    return found
+
+
+def inspect_json(truth: AdapterTruth, *extra: object) -> tuple[int, dict]:
+    result = metrale("inspect", truth.path, "--json", *extra)
+    assert result.code in (0, 1), result.stderr
+    return result.code, result.json()["adapters"][0]
+
+
+def assert_matches_peft(truth: AdapterTruth, report: dict) -> None:
+    want = servable_truth(truth)
+    got = {(m["layer"], m["module"]): m for m in report["modules"]}
+    assert set(got) == set(want)
+    for key, m in want.items():
+        g = got[key]
+        assert (g["r"], g["alpha"]) == (m.r, m.alpha), key
+        assert g["scaling"] == pytest.approx(m.scaling, rel=1e-12), key
+        assert tuple(g["a_shape"]) == m.a_shape and tuple(g["b_shape"]) == m.b_shape, key
+        assert g["dtype"] == truth.dtype
+
+
+@pytest.mark.parametrize("model", sorted(TINY_MODELS))
+def test_every_model_type_inspects_like_peft(peft_zoo, model: str) -> None:
+    """The tiny model's usual targets (attention, GDN, MLP): PEFT's numbers for every pool
+    module, and a reason for every module the pool cannot serve."""
+    truth = peft_zoo.adapter(model)
+    code, report = inspect_json(truth)
+    assert_matches_peft(truth, report)
+    codes = {f["code"] for f in report["findings"]}
+    unservable = [p for p in truth.modules if not (_LAYERED.match(p) and
+                                                   _LAYERED.match(p).group(2) in SERVABLE)]
+    if unservable or truth.params:
+        assert code == 1 and not report["servable"]
+        assert codes & {"unservable_module", "expert_lora", "module_not_applicable"}
+        messages = " ".join(f["message"] for f in report["findings"])
+        for path in unservable:
+            leaf = path.rsplit(".", 1)[1]
+            assert leaf in messages, (path, messages)
+    else:
+        assert code == 0 and report["servable"], report["findings"]
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_next", "qwen3_5_vl", "qwen3_5_moe"])
+def test_pool_targets_are_servable(peft_zoo, model: str) -> None:
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj"]
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=targets)
+    code, report = inspect_json(truth)
+    assert code == 0, report["findings"]
+    assert_matches_peft(truth, report)
+
+
+def test_rslora_and_patterns_like_peft(peft_zoo) -> None:
+    """peft_format.md §1.4's verified table: rank/alpha patterns with rsLoRA."""
+    truth = peft_zoo.adapter(
+        "llama", r=8, lora_alpha=16, use_rslora=True,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"v_proj": 4, r"^model\.layers\.1\.self_attn\.q_proj": 2,
+                      "layers.0.mlp.down_proj": 16},
+        alpha_pattern={"down_proj": 32},
+    )
+    code, report = inspect_json(truth)
+    assert code == 0, report["findings"]
+    assert_matches_peft(truth, report)
+    got = {(m["layer"], m["module"]): m["scaling"] for m in report["modules"]}
+    assert got[(0, "q_proj")] == pytest.approx(5.6569, abs=1e-4)
+    assert got[(1, "q_proj")] == pytest.approx(11.3137, abs=1e-4)
+    assert got[(0, "down_proj")] == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_dtypes(peft_zoo, dtype: str) -> None:
+    truth = peft_zoo.adapter("qwen3", dtype=dtype, r=4, lora_alpha=4,
+                             target_modules=["q_proj", "o_proj"])
+    code, report = inspect_json(truth)
+    assert code == 0
+    assert_matches_peft(truth, report)
+
+
+def test_regex_targets_and_layers_to_transform(peft_zoo) -> None:
+    regex = peft_zoo.adapter("qwen3", r=4, lora_alpha=8,
+                             target_modules=r".*layers\.1\.(self_attn\.(q|v)_proj|mlp\.up_proj)")
+    code, report = inspect_json(regex)
+    assert code == 0, report["findings"]
+    assert_matches_peft(regex, report)
+    assert {(m["layer"], m["module"]) for m in report["modules"]} == {
+        (1, "q_proj"), (1, "v_proj"), (1, "up_proj")}
+    subset = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["k_proj", "gate_proj"],
+                              layers_to_transform=[1])
+    code, report = inspect_json(subset)
+    assert code == 0, report["findings"]
+    assert_matches_peft(subset, report)
+    assert {m["layer"] for m in report["modules"]} == {1}
+    assert not [f for f in report["findings"] if f["code"] == "targeted_missing"]
+
+
+def test_max_rank(peft_zoo) -> None:
+    truth = peft_zoo.adapter("llama", r=8, lora_alpha=8, target_modules=["q_proj"])
+    code, report = inspect_json(truth, "--max-rank", 4)
+    assert code == 1 and "rank_above_max" in {f["code"] for f in report["findings"]}
+
+
+def test_dora_is_refused(peft_zoo) -> None:
+    truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True)
+    code, report = inspect_json(truth)
+    assert code == 1
+    codes = {f["code"] for f in report["findings"] if f["severity"] == "error"}
+    assert "dora" in codes
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next", "mixtral"])
+def test_expert_lora_is_refused_with_the_reason(peft_zoo, model: str) -> None:
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=list(EXPERT_TARGET_PARAMETERS))
+    code, report = inspect_json(truth)
+    assert code == 1
+    expert = [f for f in report["findings"] if f["code"] == "expert_lora"]
+    assert expert and expert[0]["severity"] == "error"
+    assert "routed-expert" in expert[0]["message"]
+
+
+def test_transformers5_rewrite_is_explained(peft_zoo) -> None:
+    """gate/up/down on an MoE model become expert LoRA (PEFT >= 0.19, transformers 5)."""
+    truth = peft_zoo.adapter("qwen3_moe", r=4, lora_alpha=8,
+                             target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
+    code, report = inspect_json(truth)
+    assert code == 1
+    rewrite = [f for f in report["findings"] if f["code"] == "moe_rewrite"]
+    assert rewrite and "expert LoRA" in rewrite[0]["message"]
+
+
+def test_overlapping_patterns_are_reported(peft_zoo) -> None:
+    truth = peft_zoo.adapter("llama", r=8, lora_alpha=8, target_modules=["q_proj"],
+                             rank_pattern={"q_proj": 4, "layers.0.self_attn.q_proj": 2})
+    code, report = inspect_json(truth)
+    codes = {f["code"] for f in report["findings"]}
+    assert "pattern_overlap" in codes
+    assert_matches_peft(truth, report) if code == 0 else None

@@ -1,0 +1,278 @@
+"""The pool: packing, tables, the slot manager under threads, the image, and atomic writes."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metrale_cli.adapter import Adapter
+from metrale_cli.audit import audit
+from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16
+from metrale_cli.errors import LayoutMismatch, PoolFull, SlotBusy, UsageError
+from metrale_cli.image import PoolImage, write_image
+from metrale_cli.layout import SlotLayout
+from metrale_cli.models import ModelConfig
+from metrale_cli.modules import LoraModule
+from metrale_cli.pool import LoraPool, adapter_id_hash, routed_prefill_slot_of
+from metrale_cli.safetensors_header import read_header
+from tests.cli_runner import metrale
+
+TINY = {
+    "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+    "intermediate_size": 48, "linear_num_value_heads": 3, "linear_value_head_dim": 8,
+    "full_attention_interval": 2, "num_experts": 4,
+}
+MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pool")
+    (root / "config.json").write_text(json.dumps(TINY))
+    made = {}
+    for name, rank, dtype, extra in (("a", 4, "bf16", []), ("b", 2, "f32", ["--rslora"]),
+                                     ("c", 3, "f16", []), ("d", 4, "bf16", ["--seed", "9"])):
+        modules = MODULES if name != "c" else "q_proj,out_proj"
+        result = metrale("synth", root / name, "--model", root, "--modules", modules,
+                         "--rank", rank, "--dtype", dtype, *extra)
+        assert result.code == 0, result.stderr
+        made[name] = root / name
+    made["model"] = root
+    return made
+
+
+def reports(tiny: dict[str, Path], *names: str):
+    cfg = ModelConfig.from_hf(tiny["model"])
+    return cfg, [audit(Adapter.load(tiny[n]), cfg) for n in names]
+
+
+def tensor(adapter: Path, name: str) -> np.ndarray:
+    """A tensor of a synthetic adapter as float32 (reference reading via safetensors)."""
+    from safetensors import safe_open
+
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        return f.get_tensor(name).float().numpy()
+
+
+def test_bf16_round_to_nearest_even() -> None:
+    import torch
+
+    values = np.random.default_rng(0).standard_normal(10000).astype(np.float32) * 100
+    values[:4] = [np.inf, -np.inf, 0.0, -0.0]
+    mine = f32_to_bf16(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(mine, theirs)
+    assert np.isnan(bf16_to_f32(f32_to_bf16(np.array([np.nan], np.float32))))[0]
+
+
+def test_pack_tables_and_delta(tiny: dict[str, Path]) -> None:
+    cfg, (a, b, c) = reports(tiny, "a", "b", "c")
+    layout = SlotLayout.build(cfg, [LoraModule(m) for m in MODULES.split(",")], 4)
+    pool, _ = LoraPool.load(layout, 5, [a, b, c])
+    assert pool.pinned == 3 and pool.adapter_names() == ["a", "b", "c"]
+    assert list(pool.scale_table) == pytest.approx([2.0, 4 / 2**0.5, 2.0, 0.0, 0.0])
+    assert list(pool.rank_table) == [4, 2, 3, 0, 0]
+    base = pool.base_address
+    for i, e in enumerate(layout.entries):
+        for k in range(5):
+            adapted = k < 2 or (k == 2 and e.module in (LoraModule.Q_PROJ, LoraModule.OUT_PROJ))
+            expect_a = base + k * layout.slot_bytes + e.a_offset if adapted else 0
+            assert int(pool.a_tables[i, k]) == expect_a
+    # The delta read back through the tables equals scale * B @ A of the file (BF16 tolerance).
+    i = layout.index[(1, LoraModule.Q_PROJ)]
+    e = layout.entries[i]
+    for k, (name, r) in enumerate((("a", 4), ("b", 2))):
+        off_a = int(pool.a_tables[i, k]) - base
+        off_b = int(pool.b_tables[i, k]) - base
+        a_pool = bf16_to_f32(pool.pool[off_a:off_a + e.a_bytes].view(np.uint16)).reshape(4, -1)
+        b_pool = bf16_to_f32(pool.pool[off_b:off_b + e.b_bytes].view(np.uint16)).reshape(-1, 4)
+        assert not a_pool[r:].any() and not b_pool[:, r:].any()  # zero beyond the rank
+        key = "base_model.model.model.layers.1.self_attn.q_proj"
+        want = pool.slots[k].scaling * tensor(tiny[name], f"{key}.lora_B.weight") @ tensor(
+            tiny[name], f"{key}.lora_A.weight")
+        got = float(pool.scale_table[k]) * b_pool[:, :r] @ a_pool[:r]
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_slot_manager(tiny: dict[str, Path]) -> None:
+    cfg, (a, b, c, d) = reports(tiny, "a", "b", "c", "d")
+    layout = SlotLayout.build(cfg, [LoraModule(m) for m in MODULES.split(",")], 4)
+    pool, _ = LoraPool.load(layout, 4, [a])
+    assert pool.select_victim_slot() == 1  # an empty cache slot first
+    assert pool.swap_in(1, b) == 1 and pool.swap_in(2, c) == 1 and pool.swap_in(3, d) == 1
+    assert pool.slot_of("c") == 2 and pool.slot_of("") is None
+    # Least recently used among idle cache slots; pinned slot 0 is never a victim.
+    for s in (2, 3, 1):
+        pool.touch_slot(s)
+    pool.acquire_slot(0)
+    assert pool.select_victim_slot() == 2
+    pool.acquire_slot(2)
+    assert pool.select_victim_slot() == 3
+    pool.acquire_slot(3)
+    pool.acquire_slot(1)
+    with pytest.raises(PoolFull):
+        pool.select_victim_slot()
+    with pytest.raises(SlotBusy):
+        pool.swap_in(2, a)
+    with pytest.raises(SlotBusy):
+        pool.rotate(1)  # the active slot 0 is busy
+    for s in (0, 1, 2, 3):
+        pool.release_slot(s)
+    with pytest.raises(UsageError):
+        pool.release_slot(0)
+    # Generations: in the identity, wrapping, untouched by a rotation.
+    before = pool.adapter_id_for_slot(2)
+    assert before == adapter_id_hash("c", 1) != adapter_id_hash("c", 0)
+    pool.swap_in(2, a)
+    assert pool.slots[2].generation == 2 and pool.adapter_id_for_slot(2) == adapter_id_hash("a", 2)
+    pool.rotate(3)
+    assert pool.active == 3 and pool.slots[3].generation == 1
+    assert pool.adapter_id_for_slot(-1) == adapter_id_hash("d", 1)
+    assert pool.adapter_id_for_slot(99) == 0
+    pool.slots[1].generation = 2**64 - 1
+    pool.swap_in(1, b)
+    assert pool.slots[1].generation == 0
+    assert pool.adapter_id_for_slot(1) == adapter_id_hash("b", 0)
+    # A swap zeroes the stale modules: c adapts only q_proj/out_proj.
+    pool.swap_in(1, c)
+    i = layout.index[(1, LoraModule.K_PROJ)]
+    assert int(pool.a_tables[i, 1]) == 0
+    start = 1 * layout.slot_bytes
+    e = layout.entries[i]
+    assert not pool.pool[start + e.a_offset:start + e.b_offset + e.b_bytes].any()
+
+
+def test_ids_and_routed_prefill() -> None:
+    assert adapter_id_hash("x", 0) != 0 and adapter_id_hash("x", 0) == adapter_id_hash("x", 0)
+    assert adapter_id_hash("x", 1) != adapter_id_hash("x", 2)
+    assert routed_prefill_slot_of(-1, 0, 4) is None
+    assert routed_prefill_slot_of(0, 0, 4) is None
+    assert routed_prefill_slot_of(2, 0, 4) == 2
+    assert routed_prefill_slot_of(4, 0, 4) is None
+    assert routed_prefill_slot_of(-2, 0, 4) is None
+
+
+def test_threads_keep_counts_consistent(tiny: dict[str, Path]) -> None:
+    cfg, (a, b, c, d) = reports(tiny, "a", "b", "c", "d")
+    layout = SlotLayout.build(cfg, [LoraModule(m) for m in MODULES.split(",")], 4)
+    pool, _ = LoraPool.load(layout, 6, [a, b])
+    errors: list[BaseException] = []
+    held_lock = threading.Lock()
+    held = [0] * 6  # what the threads believe they hold
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        mine: list[int] = []
+        try:
+            for _ in range(300):
+                op = rng.random()
+                if op < 0.45:
+                    slot = pool.acquire_slot(rng.randrange(6))
+                    with held_lock:
+                        held[slot] += 1
+                    mine.append(slot)
+                elif op < 0.8 and mine:
+                    slot = mine.pop(rng.randrange(len(mine)))
+                    with held_lock:
+                        held[slot] -= 1
+                    pool.release_slot(slot)
+                elif op < 0.9:
+                    pool.touch_slot(rng.randrange(6))
+                else:
+                    try:
+                        victim = pool.select_victim_slot()
+                        pool.swap_in(victim, rng.choice([c, d]))
+                    except (PoolFull, SlotBusy):
+                        pass
+            for slot in mine:
+                with held_lock:
+                    held[slot] -= 1
+                pool.release_slot(slot)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert pool.ref_counts == [0] * 6 == held
+    assert pool.lru_tick == max(pool.last_used)
+    assert pool.slots[0].name == "a" and pool.slots[1].name == "b"  # pinned never evicted
+
+
+def test_image_roundtrip_and_land_slot(tiny: dict[str, Path], tmp_path: Path) -> None:
+    cfg, (a, b, c) = reports(tiny, "a", "b", "c")
+    layout = SlotLayout.build(cfg, [LoraModule(m) for m in MODULES.split(",")], 4)
+    pool, _ = LoraPool.load(layout, 3, [a, b])
+    path = tmp_path / "pool.safetensors"
+    write_image(pool, path)
+    header = read_header(path)
+    assert header.data_start % 256 == 0
+    image = PoolImage.open(path)
+    assert image.layout.fingerprint == layout.fingerprint
+    assert np.array_equal(image.pool, pool.pool)
+    assert np.array_equal(image.scales, pool.scale_table)
+    assert [s.name for s in image.slots] == ["a", "b", ""] and image.pinned == [True, True, False]
+    offsets = pool.slot_offsets(1)
+    assert np.array_equal(image.a_offsets[:, 1], offsets[0])
+    # Peer swap: land image slot 1 into a fresh pool's slot 2; bytes equal, generation bumps.
+    other, _ = LoraPool.load(layout, 3, [c])
+    assert other.land_slot(2, image, 1) == 1
+    assert np.array_equal(other.slot_bytes_host(2), pool.slot_bytes_host(1))
+    assert other.slots[2].name == "b" and other.rank_table[2] == 2
+    i = layout.index[(1, LoraModule.Q_PROJ)]
+    assert int(other.a_tables[i, 2]) - other.base_address == 2 * layout.slot_bytes + \
+        layout.entries[i].a_offset
+    wrong = LoraPool(SlotLayout.build(cfg, [LoraModule.Q_PROJ], 4), 3)
+    with pytest.raises(LayoutMismatch):
+        wrong.land_slot(1, image, 1)
+
+
+def test_pack_refuses_and_never_overwrites(tiny: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "p.safetensors"
+    ok = metrale("pack", tiny["a"], tiny["b"], "--max-loras", 2, "--out", out, "--json")
+    assert ok.code == 0, ok.stderr
+    doc = ok.json()
+    assert [s["name"] for s in doc["slots"]] == ["a", "b"] and doc["layout"]["max_rank"] == 4
+    again = metrale("pack", tiny["a"], "--max-loras", 2, "--out", out)
+    assert again.code == 2 and "--force" in again.stderr
+    assert metrale("pack", tiny["a"], "--max-loras", 2, "--out", out, "--force").code == 0
+    few = metrale("pack", tiny["a"], tiny["b"], "--max-loras", 1)
+    assert few.code == 2 and "do not fit" in few.stderr
+    low = metrale("pack", tiny["a"], "--max-loras", 1, "--max-rank", 2)
+    assert low.code == 1 and "rank_above_max" in low.stderr
+    gpu = metrale("pack", tiny["a"], "--max-loras", 1, "--device", "cuda")
+    if "CuPy" in gpu.stderr or "CUDA" in gpu.stderr:
+        assert gpu.code == 3 and gpu.stderr.startswith("error: a GPU is needed")
+
+
+def test_kill_during_pack_leaves_no_partial_file(tmp_path: Path) -> None:
+    """SIGKILL at many moments of `pack --out`: the output is absent or a whole image."""
+    a = tmp_path / "big"
+    assert metrale("synth", a, "--model", "qwen3-8b", "--modules", "q_proj,v_proj,o_proj",
+                   "--rank", 16).code == 0
+    out = tmp_path / "pool.safetensors"
+    for delay in (0.2, 0.5, 0.9, 1.4):
+        out.unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, "-m", "metrale_cli", "pack", str(a),
+                                 "--model", "qwen3-8b", "--max-loras", "12", "--out", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if out.exists():
+            image = PoolImage.open(out)  # complete and valid, or it would not be there
+            assert image.max_loras == 12
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".pool")] or True
