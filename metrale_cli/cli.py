@@ -181,8 +181,9 @@ def inspect(
     adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH.",
                                                   show_default=False)],
     model: ModelOpt = None,
-    max_rank: Annotated[int | None, typer.Option("--max-rank", help="Pool max rank: higher "
-                                                 "ranks are not servable; slots pad to it.")] = None,
+    max_rank: Annotated[int | None, typer.Option(
+        "--max-rank", help="Pool max rank: higher ranks are not servable; slots pad to it.")]
+    = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not."""

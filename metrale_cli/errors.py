@@ -49,7 +49,8 @@ class ToolMissing(MetraleError):
 
 
 class PoolFull(MetraleError):
-    """Every cache slot has in-flight sequences; the caller may retry. A busy slot is never chosen."""
+    """Every cache slot has in-flight sequences; the caller may retry. A busy slot is never
+    chosen."""
 
     exit_code = 1
 

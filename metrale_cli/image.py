@@ -49,7 +49,7 @@ def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
         }
     }
     cursor = 0
-    for name, dtype, shape, array in tensors:
+    for name, dtype, shape, _ in tensors:
         size = int(np.prod(shape)) * {"U8": 1, "F32": 4, "I32": 4, "I64": 8}[dtype]
         doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [cursor, cursor + size]}
         cursor += size

@@ -125,7 +125,8 @@ class ModelConfig:
         def need(key: str) -> int:
             value = text.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise FormatError(f"{source or 'config'}: {key!r} missing or not a positive integer")
+                raise FormatError(
+                    f"{source or 'config'}: {key!r} missing or not a positive integer")
             return value
 
         def opt(key: str, default: int = 0) -> int:

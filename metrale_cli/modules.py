@@ -73,7 +73,8 @@ class LoraModule(str, Enum):
 
     @classmethod
     def parse_list(cls, text: str) -> list[LoraModule]:
-        """`q_proj,k_proj,...` (or `all`) into modules in `ALL` order; ValueError names the bad one."""
+        """`q_proj,k_proj,...` (or `all`) into modules in `ALL` order; ValueError names the bad
+        one."""
         names = [n.strip() for n in text.split(",") if n.strip()]
         if names == ["all"]:
             return list(ALL)

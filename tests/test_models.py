@@ -79,8 +79,10 @@ def test_config_rules(tmp_path: Path) -> None:
     assert not ModelConfig.from_dict({**base, "attn_output_gate": False}).attn_gated
     llama = ModelConfig.from_dict({**base, "model_type": "llama"})
     assert not llama.attn_gated and set(llama.layer_types) == {LayerType.FULL_ATTENTION}
-    assert ModelConfig.from_dict({**base, "model_type": "llama", "attn_output_gate": True}).attn_gated
-    typed = ModelConfig.from_dict({**base, "layer_types": ["full_attention", "linear_attention"] * 2})
+    gated = ModelConfig.from_dict({**base, "model_type": "llama", "attn_output_gate": True})
+    assert gated.attn_gated
+    kinds = ["full_attention", "linear_attention"] * 2
+    typed = ModelConfig.from_dict({**base, "layer_types": kinds})
     assert typed.linear_attention_layers == [1, 3]
     composite = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": {
         **base, "model_type": "qwen3_5_text", "full_attention_interval": 2}})
