@@ -380,6 +380,48 @@ def pack(
         out.print(pack_view(result))
 
 
+# -- bench --------------------------------------------------------------------------------------
+
+
+@bench_app.command("pack")
+@handles_errors
+def bench_pack(
+    model: Annotated[str, typer.Option("--model", "-m")] = "qwen3-next-80b-a3b",
+    modules: Annotated[str, typer.Option("--modules")] = "q_proj,k_proj,v_proj,o_proj,out_proj",
+    rank: Annotated[int, typer.Option("--rank", "-r")] = 64,
+    adapters: Annotated[int, typer.Option("--adapters", help="Synthetic adapters to pack.")] = 4,
+    dtype: Annotated[str, typer.Option("--dtype", help="Adapter file dtype.")] = "bf16",
+    repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    json_out: JsonOpt = False,
+) -> None:
+    """Packing throughput vs numpy.copyto of the same bytes, and peak RSS vs the pool size."""
+    from metrale_cli import bench_pack as bench
+
+    positive("--rank", rank)
+    positive("--adapters", adapters)
+    positive("--repeats", repeats)
+    module_list = parse_modules(modules)
+    assert module_list is not None
+    record = bench.run(resolve_model(model), model, module_list, rank, adapters, dtype, repeats)
+    if json_out:
+        emit_json(record)
+        return
+    from metrale_cli.render import human_bytes
+
+    out.print(
+        f"{adapters} x {record['setup']['model']} r={rank} {dtype} adapters, "
+        f"{human_bytes(record['tensor_bytes'])} of tensors\n"
+        f"pack      {record['pack_gb_per_s']:.2f} GB/s = {100 * record['pack_vs_memcpy']:.0f}% "
+        f"of numpy.copyto ({record['memcpy_gb_per_s']:.2f} GB/s), same bytes, same run\n"
+        f"end to end `metrale pack`: {record['end_to_end_pack_gb_per_s']:.2f} GB/s "
+        f"(fresh pool pages included), {record['end_to_end_wall_s']:.2f} s wall\n"
+        f"peak RSS  {human_bytes(record['peak_rss_bytes'])} = pool "
+        f"{human_bytes(record['pool_bytes'])} + "
+        f"{human_bytes(record['peak_rss_minus_pool_bytes'])} "
+        f"({'within' if record['rss_within_pool_plus_256mib'] else 'OVER'} pool + 256 MiB)"
+    )
+
+
 def main() -> None:
     app()
 

@@ -9,10 +9,10 @@ hold device or host addresses. Packing converts on the host, one tensor at a tim
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from metrale_cli.bf16 import RAW_DTYPES, to_bf16
 from metrale_cli.compat import cupy_module, has_gpu
 from metrale_cli.errors import FormatError, LayoutMismatch, PoolFull, SlotBusy, UsageError
 from metrale_cli.layout import SlotLayout
+from metrale_cli.safetensors_header import TensorInfo
 
 U64_MASK = (1 << 64) - 1
 
@@ -110,6 +111,9 @@ class LoraPool:
         # [max_loras] i32: slot k's rank (kernels bound their rank loops by it).
         self.rank_table = self.xp.zeros(max_loras, dtype=np.int32)
         self.slots = [AdapterSlot() for _ in range(max_loras)]
+        # A slot's bytes are all zero (fresh, or cleared): packing it needs no zero pass, which
+        # would otherwise touch every page of a new pool twice.
+        self._zeroed = [True] * max_loras
         self.ref_counts = [0] * max_loras
         self.last_used = [0] * max_loras
         self.lru_tick = 0
@@ -168,16 +172,24 @@ class LoraPool:
             staging = np.zeros(slot_bytes, dtype=np.uint8)
         else:
             staging = self.pool[slot * slot_bytes:(slot + 1) * slot_bytes]
-            staging.fill(0)
+            if not self._zeroed[slot]:
+                staging.fill(0)  # stale modules and padding of the previous adapter
+        self._zeroed[slot] = False
         scale = report.scaling
         read = 0
-        with open(report.adapter.weights_path, "rb") as f:
+        fd = os.open(report.adapter.weights_path, os.O_RDONLY)
+        try:
+            reader = _TensorReader(fd, str(report.adapter.weights_path))
+
             for module in report.modules:
                 entry = self.layout.entries[self.layout.index[(module.layer, module.module)]]
-                read += _pack_module(f, module, entry.a_offset, entry.b_offset, self.layout,
-                                     staging, module.scaling / scale)
+                done = _pack_module(reader, module, entry.a_offset, entry.b_offset,
+                                    self.layout, staging, module.scaling / scale)
+                read += done
                 if progress is not None:
-                    progress(module.a.nbytes + module.b.nbytes)
+                    progress(done)
+        finally:
+            os.close(fd)
         base = self.base_address + slot * slot_bytes
         a_col = np.zeros(len(self.layout.entries), dtype=np.uint64)
         b_col = np.zeros(len(self.layout.entries), dtype=np.uint64)
@@ -207,6 +219,7 @@ class LoraPool:
         self.b_tables[:, slot] = 0
         self.scale_table[slot] = 0.0
         self.rank_table[slot] = 0
+        self._zeroed[slot] = True
 
     @classmethod
     def load(
@@ -341,6 +354,7 @@ class LoraPool:
                 region.set(data)
             else:
                 region[:] = data
+            self._zeroed[slot] = False
             a_off, b_off = source.slot_offsets(source_slot)
             base = self.base_address + slot * slot_bytes
             src_base = source_slot * slot_bytes
@@ -363,33 +377,57 @@ class LoraPool:
         return [s.record(k, k < self.pinned) for k, s in enumerate(self.slots)]
 
 
+class _TensorReader:
+    """Reads one tensor at a time from a safetensors file with positional reads: straight into
+    its destination when no conversion is needed, else through a per-thread scratch buffer, so
+    memory stays near the pool's size however large the adapter. (Per-tensor mmap measured half
+    as fast; reader threads did not help on two cores.)"""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd = fd
+        self.name = name
+        self.local = threading.local()
+
+    def into(self, info: TensorInfo, dest: np.ndarray) -> None:
+        view = memoryview(dest).cast("B")
+        done = 0
+        while done < info.nbytes:
+            n = os.preadv(self.fd, [view[done:]], info.begin + done)
+            if n <= 0:
+                raise FormatError(f"{self.name}: file ended inside tensor {info.name!r}")
+            done += n
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        scratch = getattr(self.local, "scratch", None)
+        if scratch is None or scratch.size < info.nbytes:
+            scratch = self.local.scratch = np.empty(info.nbytes, dtype=np.uint8)
+        raw = scratch[:info.nbytes]
+        self.into(info, raw)
+        return raw.view(RAW_DTYPES[info.dtype])
+
+
 def _pack_module(
-    f: Any, module: ModuleRecord, a_offset: int, b_offset: int, layout: SlotLayout,
-    staging: np.ndarray, b_ratio: float,
+    reader: _TensorReader, module: ModuleRecord, a_offset: int, b_offset: int,
+    layout: SlotLayout, staging: np.ndarray, b_ratio: float,
 ) -> int:
-    """Read one module's A and B from the open safetensors file into the slot's regions."""
+    """Read one module's A and B into the slot's regions."""
     r, max_rank = module.r, layout.max_rank
     in_dim = module.a.shape[1]
     out_dim = module.b.shape[0]
-    a = _read(f, module.a)
     # A [r, in] fills the first r rows of the [max_rank, in] region; the rest stays zero.
     a_region = staging[a_offset:a_offset + r * in_dim * 2].view(np.uint16)
-    a_region[:] = to_bf16(a, module.a.dtype).reshape(-1)
-    b = _read(f, module.b)
+    if module.a.dtype == "BF16":
+        reader.into(module.a, a_region)
+    else:
+        a_region[:] = to_bf16(reader.read(module.a), module.a.dtype).reshape(-1)
     # B [out, r] fills the first r columns of each row of the [out, max_rank] region.
     b_region = staging[b_offset:b_offset + out_dim * max_rank * 2].view(np.uint16)
-    b_region.reshape(out_dim, max_rank)[:, :r] = to_bf16(b, module.b.dtype, b_ratio).reshape(
-        out_dim, r)
+    if module.b.dtype == "BF16" and b_ratio == 1.0 and r == max_rank:
+        reader.into(module.b, b_region)
+    else:
+        b = to_bf16(reader.read(module.b), module.b.dtype, b_ratio)
+        b_region.reshape(out_dim, max_rank)[:, :r] = b.reshape(out_dim, r)
     return module.a.nbytes + module.b.nbytes
-
-
-def _read(f: Any, info: Any) -> np.ndarray:
-    """One tensor's raw elements, read straight from the file (no whole-file load)."""
-    buffer = np.empty(info.nbytes, dtype=np.uint8)
-    f.seek(info.begin)
-    if f.readinto(memoryview(buffer)) != info.nbytes:
-        raise FormatError(f"{Path(f.name)}: file ended inside tensor {info.name!r}")
-    return buffer.view(RAW_DTYPES[info.dtype])
 
 
 def pick_device(device: str) -> str:
