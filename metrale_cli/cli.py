@@ -422,6 +422,64 @@ def bench_pack(
     )
 
 
+@bench_app.command("kernels")
+@handles_errors
+def bench_kernels(
+    model: Annotated[str, typer.Option("--model", "-m", help="Shapes come from this model's "
+                                       "modules at real size.")] = "qwen3-next-80b-a3b",
+    modules: Annotated[str, typer.Option("--modules")] = "q_proj,k_proj,v_proj,o_proj,out_proj",
+    rank: Annotated[list[int] | None, typer.Option("--rank", "-r", help="Repeatable; "
+                                                   "default 16, 64, 128.")] = None,
+    tokens: Annotated[list[int] | None, typer.Option(
+        "--tokens", help="Repeatable; <= 256 runs decode (BGMV), more runs prefill (SGMV). "
+                         "Default 1..256 and 512..8192.")] = None,
+    adapters: Annotated[list[int] | None, typer.Option(
+        "--adapters", help="Distinct adapters per batch, repeatable; default 1, 8 and one per "
+                           "token.")] = None,
+    repeats: Annotated[int, typer.Option("--repeats")] = 30,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a roofline chart "
+                                                   "(PNG) here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --plot.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one)."""
+    from metrale_cli import bench_kernels as bench
+    from metrale_cli.compat import cupy_module
+
+    cupy_module()  # no GPU: exit 3 before anything else
+    cfg = resolve_model(model)
+    module_list = parse_modules(modules)
+    assert module_list is not None
+    shapes = [(m.peft_name, *m.dims(cfg)) for m in module_list
+              if any(m.applies_to_layer(cfg, i) for i in range(cfg.num_hidden_layers))]
+    for value in [*(rank or []), *(tokens or []), *(adapters or [])]:
+        positive("--rank/--tokens/--adapters", value)
+    if plot_path is not None and plot_path.exists() and not force:
+        raise OutputExists(f"{plot_path} exists; pass --force to overwrite it")
+
+    def show(record: dict[str, Any]) -> None:
+        if json_out:
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+        else:
+            speedup = record["speedup_vs_torch"]
+            out.print(
+                f"{record['kernel']:<12} {record['module']:<9} r={record['rank']:<4} "
+                f"T={record['tokens']:<5} D={record['adapters']:<5} "
+                f"p50 {record['p50_us']:8.2f} us  {record['tb_per_s']:5.2f} TB/s "
+                f"{record['pct_peak']:5.1f}% peak  {record['pct_copy']:5.1f}% of copy  "
+                + (f"{speedup:5.2f}x {record['torch_best']}" if speedup else "no torch"))
+
+    kwargs: dict[str, Any] = {"repeats": repeats, "progress": show}
+    if rank:
+        kwargs["ranks"] = rank
+    if tokens:
+        kwargs["tokens"] = tokens
+    records = bench.run(shapes, adapters=adapters, **kwargs)
+    if plot_path is not None:
+        bench.plot(records, plot_path, force)
+
+
 def main() -> None:
     app()
 

@@ -162,6 +162,9 @@ def layout_view(layout: SlotLayout, max_loras: int | None, budget: int | None) -
         table.add_row("tables", f"{layout.table_bytes(max_loras):,} B (A/B pointers, scales, "
                       "ranks)")
     table.add_row("fingerprint", layout.fingerprint)
+    if layout.max_rank % 8:
+        table.add_row("note", "the CUDA kernels need max rank a multiple of 8 (16-byte rows); "
+                      f"plan with --max-rank {layout.max_rank + 8 - layout.max_rank % 8}")
 
     shares = layout.shares()
     total = sum(shares["module"].values()) or 1

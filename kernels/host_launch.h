@@ -1,0 +1,66 @@
+// host_launch.h: the host harness's translation unit. It includes every kernel source after
+// host_shim.h (force-included) and exports one C entry point that launches a kernel by name the
+// way cuLaunchKernel does: grid and block dims, and an array of pointers to the argument values.
+// metrale_cli/host_harness.py passes the very argument tuples that metrale_cli/kernels.py hands
+// to CuPy, so both run the same launch shapes.
+//
+// Build (what host_harness.py runs; the file is a .h so the wheel's package data ships it):
+//   g++ -std=c++17 -O2 -shared -fPIC -fvisibility=hidden -fno-strict-aliasing -Wall -Werror
+//       -Wno-unknown-pragmas -x c++ -include kernels/host_shim.h kernels/host_launch.h -o libmetrale_host.so
+// (-Wno-unknown-pragmas: g++ does not know CUDA's `#pragma unroll`)
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+
+#include "bgmv.cu"
+#include "sgmv.cu"
+
+namespace metrale_shim {
+
+template <typename... Args, size_t... I>
+void call_with(void (*kernel)(Args...), void** params, std::index_sequence<I...>) {
+  kernel(*static_cast<std::remove_reference_t<Args>*>(params[I])...);
+}
+
+struct KernelEntry {
+  const char* name;
+  int num_params;
+  std::function<void()> (*bind)(void** params);
+};
+
+template <typename... Args>
+constexpr int arity(void (*)(Args...)) {
+  return static_cast<int>(sizeof...(Args));
+}
+
+#define METRALE_HOST_KERNEL(kernel)                                                      \
+  KernelEntry {                                                                          \
+    #kernel, arity(kernel), [](void** params) -> std::function<void()> {                 \
+      return [params] { call_with(kernel, params, std::make_index_sequence<arity(kernel)>{}); }; \
+    }                                                                                    \
+  }
+
+inline const KernelEntry kKernels[] = {
+    METRALE_HOST_KERNEL(bgmv_shrink),      METRALE_HOST_KERNEL(bgmv_expand_bf16),
+    METRALE_HOST_KERNEL(bgmv_expand_f32),  METRALE_HOST_KERNEL(sgmv_shrink),
+    METRALE_HOST_KERNEL(sgmv_expand_bf16), METRALE_HOST_KERNEL(sgmv_expand_f32),
+};
+
+}  // namespace metrale_shim
+
+// dims: grid x, y, z, block x, y, z. Returns 0, or 1 with a message in `error`.
+extern "C" __attribute__((visibility("default"))) int metrale_host_launch(const char* name, const unsigned* dims, void** params,
+                                   int num_params, char* error, int error_len) {
+  for (const metrale_shim::KernelEntry& entry : metrale_shim::kKernels) {
+    if (std::strcmp(entry.name, name) != 0) continue;
+    if (entry.num_params != num_params) {
+      std::snprintf(error, error_len, "%s takes %d arguments, got %d", name, entry.num_params,
+                    num_params);
+      return 1;
+    }
+    return metrale_shim::launch(dim3(dims[0], dims[1], dims[2]), dim3(dims[3], dims[4], dims[5]),
+                                entry.bind(params), error, error_len);
+  }
+  std::snprintf(error, error_len, "no kernel named %s in the host build", name);
+  return 1;
+}

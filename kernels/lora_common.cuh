@@ -1,0 +1,110 @@
+// lora_common.cuh: helpers shared by bgmv.cu and sgmv.cu.
+//
+// Everything here stays inside the CUDA subset that kernels/host_shim.h can run on a CPU (see
+// kernels/README.md): no CUDA headers at all, so NVRTC (CuPy RawModule) needs no include path
+// and the host build needs nothing the shim does not define.
+//
+// BF16 is carried as its raw 16 bits (bf16_t) rather than __nv_bfloat16: CuPy has no bf16 dtype
+// (its arrays are uint16 views), NVRTC then needs no cuda_bf16.h, and the conversions below are
+// bit-exact on the GPU and in the host harness alike.
+#pragma once
+
+typedef unsigned short bf16_t;     // raw BF16 bits
+typedef unsigned long long ptr_t;  // a device (or, in the host harness, host) address; 0 = none
+
+// Every kernel runs 128 threads (4 warps) per CTA: small enough for many co-resident CTAs (the
+// latency-hiding that memory-bound kernels need), large enough to issue 2 KiB of 16-byte loads
+// per CTA per step.
+#define METRALE_THREADS 128
+#define METRALE_WARPS (METRALE_THREADS / 32)
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t h) {
+  return __uint_as_float(static_cast<unsigned>(h) << 16);
+}
+
+// Round to nearest even, as torch's float -> bfloat16 cast does; NaN stays a (quiet) NaN.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16_t>(u >> 16);
+}
+
+// A 32-bit word holds two BF16 values, the lower-indexed one in the low half (little endian).
+__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+  return static_cast<unsigned>(f32_to_bf16(lo)) | (static_cast<unsigned>(f32_to_bf16(hi)) << 16);
+}
+
+// 16-byte vector loads: every kernel streams weights and activations as 8 BF16 per load, the
+// widest single global access (one LDG.128) and what it takes to reach HBM bandwidth.
+__device__ __forceinline__ uint4 load16(const bf16_t* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ uint4 zero16() {
+  uint4 z;
+  z.x = z.y = z.z = z.w = 0u;
+  return z;
+}
+
+__device__ __forceinline__ float dot2(unsigned a, unsigned b) {
+  return bf16_lo(a) * bf16_lo(b) + bf16_hi(a) * bf16_hi(b);
+}
+
+// Dot product of 8 BF16 pairs, accumulated in F32.
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
+  return (dot2(a.x, b.x) + dot2(a.y, b.y)) + (dot2(a.z, b.z) + dot2(a.w, b.w));
+}
+
+// Dot product of 8 F32 values (from shared memory) with 8 BF16 values.
+__device__ __forceinline__ float dot8_f32(const float* t, uint4 w) {
+  return (t[0] * bf16_lo(w.x) + t[1] * bf16_hi(w.x)) + (t[2] * bf16_lo(w.y) + t[3] * bf16_hi(w.y)) +
+         (t[4] * bf16_lo(w.z) + t[5] * bf16_hi(w.z)) + (t[6] * bf16_lo(w.w) + t[7] * bf16_hi(w.w));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// The slot's weight address, or 0 when the token has no adapter (-1), the slot id is out of the
+// table, or the slot does not adapt this (layer, module) entry.
+__device__ __forceinline__ ptr_t slot_address(const ptr_t* table, int slot, int max_loras) {
+  return (slot >= 0 && slot < max_loras) ? table[slot] : 0ull;
+}
+
+// y element load / store for both output dtypes (BF16 bits or F32).
+__device__ __forceinline__ float load_out(const bf16_t* p) { return bf16_to_f32(*p); }
+__device__ __forceinline__ float load_out(const float* p) { return *p; }
+__device__ __forceinline__ void store_out(bf16_t* p, float v) { *p = f32_to_bf16(v); }
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+
+// d += a * b for one warp: a 16x16 BF16 A fragment (row major), a 16x8 BF16 B fragment (column
+// major) and a 16x8 F32 accumulator, in the register layout of PTX mma.m16n8k16 (PTX ISA,
+// "Matrix Fragments for mma.m16n8k16"); with g = lane / 4 and q = lane % 4:
+//   a[0]: A[g][2q..2q+1]    a[1]: A[g+8][2q..2q+1]    a[2]: A[g][2q+8..]    a[3]: A[g+8][2q+8..]
+//   b[0]: B[2q..2q+1][g]    b[1]: B[2q+8..2q+9][g]
+//   d[0..1]: D[g][2q..2q+1] d[2..3]: D[g+8][2q..2q+1]
+// The host shim supplies a warp-collective emulation with this exact layout, so the harness runs
+// the same fragment indexing that the tensor cores see.
+#ifndef METRALE_HOST_SHIM
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4],
+                                               const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+__device__ __forceinline__ unsigned lds32(const bf16_t* p) {
+  return *reinterpret_cast<const unsigned*>(p);
+}

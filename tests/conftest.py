@@ -1,0 +1,28 @@
+"""Shared pytest wiring. The GPU pieces: `gpu`-marked tests skip without a usable device, and
+--require-gpu turns that skip into a failure so a GPU run cannot pass by skipping everything."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        default=False,
+        help="fail, rather than skip, tests marked gpu when no usable CUDA device is present",
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None:
+        return
+    from metrale_cli import compat
+
+    usable, reason = compat.gpu_status()
+    if usable:
+        return
+    if item.config.getoption("--require-gpu"):
+        pytest.fail(f"--require-gpu was given but no GPU is usable: {reason}", pytrace=False)
+    pytest.skip(f"needs a GPU: {reason}")

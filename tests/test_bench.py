@@ -1,0 +1,44 @@
+"""Benchmarks run where they can: `bench pack` on the CPU; `bench kernels` refuses without a GPU
+(exit 3); the roofline chart draws from records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from metrale_cli import compat
+from metrale_cli.bench_kernels import plot
+from tests.cli_runner import metrale
+
+
+def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
+    result = metrale("bench", "pack", "--model", "qwen3-8b", "--modules", "q_proj,v_proj",
+                     "--rank", 8, "--adapters", 2, "--repeats", 1, "--json")
+    assert result.code == 0, result.stderr
+    record = result.json()
+    assert record["tensor_bytes"] == 2 * 36 * 8 * (4096 + 4096 + 4096 + 1024) * 2
+    assert record["pack_gb_per_s"] > 0 and record["memcpy_gb_per_s"] > 0
+    assert record["pack_vs_memcpy"] == pytest.approx(
+        record["pack_gb_per_s"] / record["memcpy_gb_per_s"])
+    assert record["peak_rss_bytes"] > record["pool_bytes"]
+
+
+@pytest.mark.skipif(compat.has_gpu(), reason="a GPU is present")
+def test_bench_kernels_needs_a_gpu() -> None:
+    result = metrale("bench", "kernels", "--tokens", 1)
+    assert result.code == 3 and result.stderr.startswith("error: a GPU is needed")
+
+
+def test_roofline_plot(tmp_path: Path) -> None:
+    records = [
+        {"kernel": k, "bytes": b, "flops": f, "p50_us": us, "copy_us": us * 0.8,
+         "peak_tb_per_s": 4.8, "device": "test device"}
+        for k, b, f, us in (("bgmv_shrink", 8e6, 4e6, 3.0), ("bgmv_expand", 16e6, 4e6, 6.0),
+                            ("sgmv_shrink", 64e6, 2e9, 20.0))
+    ]
+    out = tmp_path / "roof.png"
+    plot(records, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(Exception, match="--force"):
+        plot(records, out)

@@ -1,0 +1,120 @@
+"""The CUDA kernels on a real device (CuPy), against reference.py: the same cases as the host
+harness, plus the tensor-core path the harness only emulates. Skipped without a GPU; run with
+--require-gpu on a GPU machine so that a skip fails the run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from metrale_cli import kernels, reference
+from tests.kernel_cases import BGMV_CASES, SGMV_CASES, Case, Pool, check_t, check_y
+
+pytestmark = pytest.mark.gpu
+
+Y_DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _cupy() -> Any:
+    from metrale_cli import compat
+
+    return compat.cupy_module()
+
+
+def _to_device(tensor: torch.Tensor) -> Any:
+    cupy = _cupy()
+    if tensor.dtype == torch.bfloat16:
+        return cupy.asarray(tensor.view(torch.int16).numpy().view(np.uint16))
+    return cupy.asarray(tensor.numpy())
+
+
+def _to_host(array: Any, dtype: torch.dtype) -> torch.Tensor:
+    host = torch.from_numpy(_cupy().asnumpy(array))
+    return host.view(torch.int16).view(torch.bfloat16) if dtype == torch.bfloat16 else host
+
+
+def _device_tables(pool: Pool) -> tuple[Any, Any, Any]:
+    """The pool copied to the device, and its tables rebased onto the device allocation."""
+    device_pool = _to_device(pool.pool)
+    a_table, b_table = pool.tables(base_address=int(device_pool.data.ptr))
+    return device_pool, _to_device(a_table).view("uint64"), _to_device(b_table).view("uint64")
+
+
+def _nan_t(case: Case, kind: str) -> Any:
+    cupy = _cupy()
+    splits = case.num_splits or kernels.shrink_splits(
+        kind, case.num_tokens, case.in_dim, case.max_rank, kernels.device_sm_count()
+    )
+    return cupy.full((splits, case.num_tokens, case.max_rank), cupy.nan, dtype=cupy.float32)
+
+
+@pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
+@pytest.mark.parametrize("case", BGMV_CASES, ids=[c.name for c in BGMV_CASES])
+def test_bgmv_on_device(case: Case, y_dtype: torch.dtype) -> None:
+    pool = case.pool()
+    a_weights, b_weights = pool.weights()
+    _keep, a_table, b_table = _device_tables(pool)
+    x, y0, slots = case.x(), case.y(y_dtype), case.token_slots()
+    y = _to_device(y0)
+    ranks, scales = _to_device(pool.ranks), _to_device(pool.scales)
+
+    t = kernels.bgmv_shrink(_to_device(x), _to_device(slots), a_table, ranks, case.max_rank,
+                            _nan_t(case, "bgmv"))
+    kernels.bgmv_expand(t, _to_device(slots), b_table, scales, ranks, y)
+    _cupy().cuda.Device().synchronize()
+
+    check_t(_to_host(t, torch.float32),
+            reference.shrink(x, slots, a_weights, pool.ranks, case.max_rank))
+    expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
+                                    case.max_rank)
+    check_y(_to_host(y, y_dtype), y0, expected, case, "bgmv")
+
+
+@pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
+@pytest.mark.parametrize("case", SGMV_CASES, ids=[c.name for c in SGMV_CASES])
+def test_sgmv_on_device(case: Case, y_dtype: torch.dtype) -> None:
+    pool = case.pool()
+    a_weights, b_weights = pool.weights()
+    _keep, a_table, b_table = _device_tables(pool)
+    x, y0, slots = case.x(), case.y(y_dtype), case.token_slots()
+    seg_starts, seg_slots = (_to_device(s) for s in case.segments())
+    y = _to_device(y0)
+    ranks, scales = _to_device(pool.ranks), _to_device(pool.scales)
+
+    t = kernels.sgmv_shrink(_to_device(x), seg_starts, seg_slots, a_table, ranks, case.max_rank,
+                            _nan_t(case, "sgmv"))
+    kernels.sgmv_expand(t, seg_starts, seg_slots, b_table, scales, ranks, y)
+    _cupy().cuda.Device().synchronize()
+
+    check_t(_to_host(t, torch.float32),
+            reference.shrink(x, slots, a_weights, pool.ranks, case.max_rank))
+    expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
+                                    case.max_rank)
+    check_y(_to_host(y, y_dtype), y0, expected, case, "sgmv")
+
+
+def test_sgmv_tensor_cores_at_prefill_size() -> None:
+    # A prefill-sized batch at the model's real dims (q_proj of Qwen3-Next: 2048 -> 8192), with
+    # every rank-tile shape in play, through the planner's own split choice.
+    case = Case("prefill", 1024, 2048, 8192, 128, [128, 64, 16, 72],
+                seg_starts=[0, 300, 301, 700, 1024], seg_slots=[0, 1, 2, 3])
+    pool = case.pool()
+    a_weights, b_weights = pool.weights()
+    _keep, a_table, b_table = _device_tables(pool)
+    x, y0, slots = case.x(), case.y(torch.bfloat16), case.token_slots()
+    seg_starts, seg_slots = (_to_device(s) for s in case.segments())
+    y = _to_device(y0)
+    ranks, scales = _to_device(pool.ranks), _to_device(pool.scales)
+    kernels.sgmv(_to_device(x), y, seg_starts, seg_slots, a_table, b_table, scales, ranks,
+                 case.max_rank)
+    expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
+                                    case.max_rank)
+    check_y(_to_host(y, torch.bfloat16), y0, expected, case, "sgmv")
+
+
+def test_kernels_compile_through_nvrtc() -> None:
+    for name in kernels.KERNEL_SOURCES:
+        assert kernels.get_kernel(name) is not None
