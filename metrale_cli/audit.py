@@ -1,8 +1,9 @@
 """The adapter audit: what of an adapter a pool can serve, at which scale, and why not the rest.
 
-`audit(adapter, model, max_rank)` returns an `AdapterReport`: findings (severity, stable code,
-one-line message) and one `ModuleRecord` per adapted (layer, module) pair of the pool's module
-set. An `error` finding makes the adapter not servable.
+`audit(adapter, model, max_rank, experts)` returns an `AdapterReport`: findings (severity,
+stable code, one-line message), one `ModuleRecord` per adapted (layer, module) pair of the pool's
+module set, the routed-expert and router pairs for the expert pool (only with the experts
+opt-in), and the token overlays. An `error` finding makes the adapter not servable.
 """
 
 from __future__ import annotations
@@ -10,33 +11,18 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-from metrale_cli import env
+from metrale_cli import env, experts, overlays
 from metrale_cli.adapter import Adapter, AdapterKey
+from metrale_cli.experts import ExpertPair
+from metrale_cli.findings import Collector, Finding, Severity, layer_ranges
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL, LoraModule
 from metrale_cli.safetensors_header import TensorInfo
 
 LORA_DTYPES = ("F32", "BF16", "F16")
 BYTES_PER_ELEMENT = 2  # the pool holds BF16
-
-
-class Severity(str, Enum):
-    ERROR = "error"
-    WARNING = "warning"
-    INFO = "info"
-
-
-@dataclass(frozen=True)
-class Finding:
-    severity: Severity
-    code: str
-    message: str
-
-    def record(self) -> dict[str, str]:
-        return {"severity": self.severity.value, "code": self.code, "message": self.message}
 
 
 @dataclass(frozen=True)
@@ -73,6 +59,9 @@ class AdapterReport:
     adapter: Adapter
     findings: list[Finding] = field(default_factory=list)
     modules: list[ModuleRecord] = field(default_factory=list)
+    # Routed-expert and router pairs, in expert-layout order; empty without the opt-in.
+    expert_pairs: list[ExpertPair] = field(default_factory=list)
+    overlays: list[overlays.Overlay] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -86,6 +75,15 @@ class AdapterReport:
     def rank(self) -> int:
         """The largest rank among the served modules (the config's `r` when none)."""
         return max((m.r for m in self.modules), default=self.adapter.config.r)
+
+    @property
+    def expert_rank(self) -> int:
+        """The largest rank among the expert pairs (0 when none)."""
+        return max((p.r for p in self.expert_pairs), default=0)
+
+    @property
+    def overlay_tokens(self) -> int:
+        return sum(len(o.tokens) for o in self.overlays)
 
     @property
     def module_set(self) -> list[LoraModule]:
@@ -112,46 +110,34 @@ class AdapterReport:
             "use_rslora": self.adapter.config.use_rslora,
             "findings": [f.record() for f in self.findings],
             "modules": [m.record() for m in self.modules],
+            "expert_pairs": len(self.expert_pairs),
+            "expert_rank": self.expert_rank,
+            "expert_coverage": experts.coverage(self.expert_pairs),
+            "overlays": [o.record() for o in self.overlays],
+            "overlay_tokens": self.overlay_tokens,
         }
-
-
-def layer_ranges(layers: list[int]) -> str:
-    """`[0, 1, 2, 5, 7, 8]` -> `0-2, 5, 7-8`."""
-    if not layers:
-        return "-"
-    ordered = sorted(set(layers))
-    spans: list[str] = []
-    start = prev = ordered[0]
-    for n in ordered[1:] + [None]:  # type: ignore[list-item]
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        spans.append(str(start) if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
-    return ", ".join(spans)
 
 
 # -- what a key names ---------------------------------------------------------------------------
 
 _SERVABLE = {m.peft_path: m for m in ALL}
-_EXPERT = re.compile(
-    r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)$"
-)
-_FUSED_EXPERTS = re.compile(r"^(mlp|block_sparse_moe)\.experts$")
-_ROUTER = re.compile(r"^(mlp|block_sparse_moe)\.gate$")
 # Modules a decoder layer has that the pool's eight modules do not cover, and why.
 _UNSERVABLE_IN_LAYER = (
     (re.compile(r"^linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_a|"
                 r"in_proj_b|conv1d)$"),
      "a Gated-DeltaNet input projection; the pool serves linear_attn.out_proj only"),
     (re.compile(r"^mlp\.shared_experts?\.(gate_proj|up_proj|down_proj)$"),
-     "a shared-expert projection; shared experts are not in the pool's module set"),
+     "a shared-expert projection: the shared expert is a dense MLP beside the routed ones, and "
+     "neither the slot pool (gate/up/down only on models without routed experts) nor the "
+     "expert pool (routed experts and the router) holds it"),
     (re.compile(r"^mlp\.shared_expert_gate$"),
-     "the shared-expert gate; not in the pool's module set"),
+     "the shared-expert gate (a [1, hidden] sigmoid gate): neither the slot pool nor the "
+     "expert pool (routed experts and the router) holds it"),
 )
 _UNSERVABLE_TOP = (
-    (re.compile(r"^(model\.)?embed_tokens$"), "the input embedding (embed_tokens)"),
+    (re.compile(r"^(model\.)?embed_tokens$"),
+     "the input embedding (embed_tokens): embedding LoRA adds a rank-r term to every row of "
+     "the table, and overlays only replace listed rows"),
     (re.compile(r"^lm_head$"), "the output head (lm_head)"),
     (re.compile(r"^(score|classifier|classification_head|qa_outputs)(\..*)?$"),
      "a classifier head"),
@@ -160,34 +146,18 @@ _UNSERVABLE_TOP = (
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
-class _Collector:
-    """Findings grouped by (severity, code, subject) so one line names every layer it hits."""
-
-    def __init__(self) -> None:
-        self.layers: dict[tuple[Severity, str, str], list[int]] = defaultdict(list)
-        self.single: list[Finding] = []
-
-    def add(self, severity: Severity, code: str, message: str) -> None:
-        self.single.append(Finding(severity, code, message))
-
-    def at(self, severity: Severity, code: str, subject: str, layer: int | None) -> None:
-        self.layers[(severity, code, subject)].append(-1 if layer is None else layer)
-
-    def findings(self) -> list[Finding]:
-        grouped = []
-        for (severity, code, subject), layers in self.layers.items():
-            real = [n for n in layers if n >= 0]
-            where = f" on layers {layer_ranges(real)}" if real else ""
-            if len(real) == 1:
-                where = f" on layer {real[0]}"
-            grouped.append(Finding(severity, code, subject.replace("{where}", where)))
-        order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
-        return sorted(self.single + grouped, key=lambda f: order[f.severity])
-
-
-def audit(adapter: Adapter, model: ModelConfig, max_rank: int | None = None) -> AdapterReport:
+def audit(
+    adapter: Adapter,
+    model: ModelConfig,
+    max_rank: int | None = None,
+    experts_enabled: bool | None = None,
+) -> AdapterReport:
+    """`experts_enabled` is the expert-pool opt-in (`--experts`); None reads
+    METRALE_LORA_EXPERTS."""
+    if experts_enabled is None:
+        experts_enabled = env.experts_enabled()
     report = AdapterReport(adapter)
-    out = _Collector()
+    out = Collector()
     _audit_config(adapter, model, out)
 
     # Pair each module's tensors: (module_key) -> part -> key.
@@ -195,19 +165,39 @@ def audit(adapter: Adapter, model: ModelConfig, max_rank: int | None = None) -> 
     for key in adapter.keys:
         by_module[key.module_key][key.part + (".inner" if key.inner else "")] = key
 
-    expert_layers: list[int] = []
+    expert_modules: dict[str, dict[str, AdapterKey]] = {}
+    overlay_keys: list[AdapterKey] = []
     for module_key, parts in sorted(by_module.items(), key=lambda kv: _sort_key(kv[1])):
         any_key = next(iter(parts.values()))
-        record = _audit_module(adapter, model, module_key, any_key, parts, out, expert_layers)
+        if overlays.OVERLAY_PART in parts:
+            overlay_keys.append(parts.pop(overlays.OVERLAY_PART))
+            if not parts:
+                continue
+        if any_key.layer is not None and experts.is_expert_key(any_key.sub) and all(
+            p.removesuffix(".inner") in ("lora_A.weight", "lora_B.weight") for p in parts
+        ):
+            expert_modules[module_key] = parts
+            continue
+        record = _audit_module(adapter, model, module_key, any_key, parts, out)
         if record is not None:
             report.modules.append(record)
 
-    if expert_layers or adapter.config.target_parameters:
-        _explain_experts(adapter, model, expert_layers, out)
-    if not report.modules and not any(f.severity is Severity.ERROR for f in out.findings()):
+    pairs = experts.scan(adapter, model, expert_modules, out) if expert_modules else []
+    if expert_modules or adapter.config.target_parameters:
+        _explain_experts(adapter, model, sorted({k.layer for p in expert_modules.values()
+                                                  for k in p.values() if k.layer is not None}),
+                         experts_enabled, out)
+    if experts_enabled:
+        report.expert_pairs = pairs
+    if overlay_keys or adapter.config.raw.get("trainable_token_indices"):
+        report.overlays = overlays.scan(adapter, model, overlay_keys, out)
+    if not (report.modules or report.expert_pairs or report.overlays) and not any(
+        f.severity is Severity.ERROR for f in out.findings()
+    ):
         out.add(Severity.ERROR, "no_servable_modules",
                 "the adapter adapts none of the pool's modules "
-                f"({', '.join(m.peft_name for m in ALL)})")
+                f"({', '.join(m.peft_name for m in ALL)}), no routed expert or router, and "
+                "overlays no token")
     _missing_targets(adapter, model, report.modules, out)
     if max_rank is not None:
         over = [m for m in report.modules if m.r > max_rank]
@@ -216,6 +206,15 @@ def audit(adapter: Adapter, model: ModelConfig, max_rank: int | None = None) -> 
             out.add(Severity.ERROR, "rank_above_max",
                     f"{module.peft_name} has rank {', '.join(map(str, ranks))} above "
                     f"--max-rank {max_rank}")
+        over_pairs = [p for p in report.expert_pairs if p.r > max_rank]
+        for proj in sorted({p.proj for p in over_pairs}, key=list(experts.ExpertProj).index):
+            ranks = sorted({p.r for p in over_pairs if p.proj is proj})
+            rewrite = (" (PEFT's transformers-5 rewrite trains gate_up at rank 2r)"
+                       if proj in (experts.ExpertProj.GATE_PROJ, experts.ExpertProj.UP_PROJ)
+                       and any(p.source == "v5" for p in over_pairs) else "")
+            out.add(Severity.ERROR, "rank_above_max",
+                    f"expert {proj.value} has rank {', '.join(map(str, ranks))} above "
+                    f"--max-rank {max_rank}{rewrite}")
     report.modules.sort(key=lambda m: (m.layer, ALL.index(m.module)))
     report.findings = out.findings()
     return report
@@ -232,8 +231,7 @@ def _audit_module(
     module_key: str,
     key: AdapterKey,
     parts: dict[str, AdapterKey],
-    out: _Collector,
-    expert_layers: list[int],
+    out: Collector,
 ) -> ModuleRecord | None:
     cfg = adapter.config
     layer, sub = key.layer, key.sub
@@ -253,14 +251,15 @@ def _audit_module(
         ("base_layer.weight", "full_weights", "full base weights (base_layer.weight)"),
         ("weight", "modules_to_save", "full module copies (modules_to_save)"),
         ("bias", "modules_to_save", "full module copies (modules_to_save)"),
-        ("token_adapter.trainable_tokens_delta", "trainable_tokens",
-         "trainable token rows (trainable_tokens_delta)"),
-        ("lora_embedding_A", "embedding_lora", "embedding LoRA (lora_embedding_A/B)"),
-        ("lora_embedding_B", "embedding_lora", "embedding LoRA (lora_embedding_A/B)"),
     ):
         if part in parts:
             out.at(Severity.ERROR, code,
                    f"{what} for {sub}{{where}}: not a plain additive LoRA delta", layer)
+    if "lora_embedding_A" in parts or "lora_embedding_B" in parts:
+        out.at(Severity.ERROR, "embedding_lora",
+               f"embedding LoRA (lora_embedding_A/B) on {sub}{{where}}: a rank-r term added to "
+               "every row of the table; the slot pool has no embedding kernel and token "
+               "overlays replace listed rows only (trainable_token_indices serves that)", layer)
 
     a_key = parts.get("lora_A.weight") or parts.get("lora_A.weight.inner")
     b_key = parts.get("lora_B.weight") or parts.get("lora_B.weight.inner")
@@ -277,8 +276,8 @@ def _audit_module(
             out.at(Severity.ERROR, "unservable_module",
                    f"{sub}: {reason}, which the pool cannot serve", None)
         return None
-    if _EXPERT.match(sub) or _FUSED_EXPERTS.match(sub) or _ROUTER.match(sub):
-        expert_layers.append(layer)
+    if experts.is_expert_key(sub):
+        # Expert keys with parts other than A/B (DoRA, biases): reported above, not served.
         return None
     for rx, why in _UNSERVABLE_IN_LAYER:
         if rx.match(sub):
@@ -359,7 +358,7 @@ def _layer_kind(model: ModelConfig, layer: int) -> str:
     return f"{kind} layers{moe}"
 
 
-def _audit_config(adapter: Adapter, model: ModelConfig, out: _Collector) -> None:
+def _audit_config(adapter: Adapter, model: ModelConfig, out: Collector) -> None:
     raw = adapter.config.raw
     checks: list[tuple[bool, str, str]] = [
         (bool(raw.get("use_dora")), "dora",
@@ -370,8 +369,6 @@ def _audit_config(adapter: Adapter, model: ModelConfig, out: _Collector) -> None
          f"bias={raw.get('bias')!r}: the adapter replaces base biases"),
         (bool(adapter.config.modules_to_save), "modules_to_save",
          f"modules_to_save {adapter.config.modules_to_save}: whole modules are replaced"),
-        (bool(raw.get("trainable_token_indices")), "trainable_tokens",
-         "trainable_token_indices: token overlays are not served by this pool"),
         (bool(raw.get("use_qalora")), "qalora",
          "QA-LoRA (use_qalora): A has in/group columns"),
         (bool(raw.get("use_bdlora")), "bdlora",
@@ -410,21 +407,23 @@ def _audit_config(adapter: Adapter, model: ModelConfig, out: _Collector) -> None
 
 
 def _explain_experts(
-    adapter: Adapter, model: ModelConfig, expert_layers: list[int], out: _Collector
+    adapter: Adapter, model: ModelConfig, expert_layers: list[int], enabled: bool,
+    out: Collector,
 ) -> None:
     cfg = adapter.config
-    if expert_layers:
-        how = ("the expert pool is not part of this metrale version" if env.experts_enabled()
-               else "routed experts and the router live outside the slot pool")
+    if expert_layers and not enabled:
         out.add(Severity.ERROR, "expert_lora",
                 f"routed-expert or router LoRA on layers {layer_ranges(expert_layers)}: "
-                f"not servable by the slot pool ({how})")
+                "not servable by the slot pool; it goes to the expert pool, which is opt-in: "
+                "pass --experts (or set METRALE_LORA_EXPERTS=1)")
     ffn_targets = isinstance(cfg.target_modules, list) and any(
         t.split(".")[-1] in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate")
         for t in cfg.target_modules
     )
     rewritten = any(re.search(r"gate_up_proj", k) for k in cfg.rank_pattern)
-    if not model.num_experts or not (cfg.target_parameters or ffn_targets):
+    # Plain target_parameters adapters need no explanation; gate/up/down targets (or a
+    # re-saved rewrite, which carries the gate_up rank pattern) do.
+    if not model.num_experts or not (ffn_targets or rewritten):
         return
     if model.model_type == "qwen3_5_moe":
         # PEFT 0.21's conversion table maps no rewrite for this type (checked against PEFT).
@@ -443,7 +442,7 @@ def _explain_experts(
 
 
 def _missing_targets(
-    adapter: Adapter, model: ModelConfig, modules: list[ModuleRecord], out: _Collector
+    adapter: Adapter, model: ModelConfig, modules: list[ModuleRecord], out: Collector
 ) -> None:
     """Pool modules the config selects on a layer where the file has no tensors for them."""
     present = {(m.layer, m.module) for m in modules}

@@ -13,9 +13,11 @@ import numpy as np
 
 from metrale_cli.atomic import atomic_write
 from metrale_cli.errors import FormatError
+from metrale_cli.experts import ExpertLayout, expert_factors
 from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import LoraModule
+from metrale_cli.overlays import OverlayRaw
 from metrale_cli.pool import AdapterSlot, LoraPool
 from metrale_cli.safetensors_header import read_header
 
@@ -23,6 +25,10 @@ FORMAT = "pool/1"
 # The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
 DATA_ALIGN = 256
 COPY_CHUNK = 64 << 20
+_ITEM_BYTES = {"U8": 1, "F32": 4, "I32": 4, "I64": 8}
+_NP_DTYPES = {"U8": "u1", "F32": "<f4", "I32": "<i4", "I64": "<i8"}
+# Tensors that may live in device memory and are copied out in chunks.
+_DEVICE_TENSORS = ("pool", "expert_pool")
 
 
 def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
@@ -39,6 +45,26 @@ def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
         ("a_offsets", "I64", [n, pool.max_loras], a_offsets.astype("<i8")),
         ("b_offsets", "I64", [n, pool.max_loras], b_offsets.astype("<i8")),
     ]
+    metadata: dict[str, str] = {}
+    ex = pool.expert_layout
+    if ex is not None:
+        n_e = len(ex.entries)
+        e_offsets = [pool.expert_slot_offsets(k) for k in range(pool.max_loras)]
+        shape = (n_e, pool.max_loras)
+        ea = np.stack([a for a, _ in e_offsets], axis=1) if n_e else np.zeros(shape)
+        eb = np.stack([b for _, b in e_offsets], axis=1) if n_e else np.zeros(shape)
+        # expert_pool right after pool: pool's size is a multiple of the alignment, so the
+        # expert pool starts aligned too.
+        tensors.insert(1, ("expert_pool", "U8", [pool.max_loras * ex.expert_slot_bytes],
+                           pool.expert_pool))
+        tensors += [("expert_a_offsets", "I64", list(shape), ea.astype("<i8")),
+                    ("expert_b_offsets", "I64", list(shape), eb.astype("<i8"))]
+        metadata["metrale.expert_layout"] = json.dumps(ex.record(pool.max_loras),
+                                                       separators=(",", ":"))
+    overlay_tensors, overlay_doc = _overlay_tensors(pool)
+    if overlay_doc is not None:
+        tensors += overlay_tensors
+        metadata["metrale.overlays"] = json.dumps(overlay_doc, separators=(",", ":"))
     doc: dict[str, Any] = {
         "__metadata__": {
             "metrale.format": FORMAT,
@@ -46,11 +72,12 @@ def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
             "metrale.slots": json.dumps(pool.slot_records(), separators=(",", ":")),
             "metrale.model": json.dumps(layout.model.summary(), separators=(",", ":")),
             "metrale.active": str(pool.active),
+            **metadata,
         }
     }
     cursor = 0
     for name, dtype, shape, _ in tensors:
-        size = int(np.prod(shape)) * {"U8": 1, "F32": 4, "I32": 4, "I64": 8}[dtype]
+        size = int(np.prod(shape)) * _ITEM_BYTES[dtype]
         doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [cursor, cursor + size]}
         cursor += size
     header = json.dumps(doc, separators=(",", ":")).encode()
@@ -58,6 +85,34 @@ def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
     padded = (8 + len(header) + DATA_ALIGN - 1) // DATA_ALIGN * DATA_ALIGN - 8
     header += b" " * (padded - len(header))
     return header, [(name, array) for name, _, _, array in tensors]
+
+
+def _overlay_tensors(
+    pool: LoraPool,
+) -> tuple[list[tuple[str, str, list[int], Any]], dict[str, Any] | None]:
+    """Every slot's overlay rows, concatenated: `overlay_slots` I32 [n], `overlay_tokens` I64
+    [n], `overlay_rows` F32 [n, hidden]; the JSON names each (slot, table) run of rows."""
+    runs, slots, tokens, rows = [], [], [], []
+    start = 0
+    for k, raw in enumerate(pool.overlay_raw):
+        if raw is None:
+            continue
+        for table, ids, values, tied in zip(raw.tables, raw.tokens, raw.rows, raw.tied_lm_head,
+                                            strict=True):
+            runs.append({"slot": k, "table": table, "mode": "replace", "tied_lm_head": tied,
+                         "start": start, "count": len(ids)})
+            slots.append(np.full(len(ids), k, dtype="<i4"))
+            tokens.append(ids.astype("<i8"))
+            rows.append(values.astype("<f4"))
+            start += len(ids)
+    if not runs:
+        return [], None
+    hidden = pool.layout.model.hidden_size
+    return [
+        ("overlay_slots", "I32", [start], np.concatenate(slots)),
+        ("overlay_tokens", "I64", [start], np.concatenate(tokens)),
+        ("overlay_rows", "F32", [start, hidden], np.concatenate(rows).reshape(start, hidden)),
+    ], {"hidden_size": hidden, "runs": runs}
 
 
 def write_image(pool: LoraPool, path: str | Path, force: bool = False) -> int:
@@ -68,7 +123,9 @@ def write_image(pool: LoraPool, path: str | Path, force: bool = False) -> int:
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
         for name, array in tensors:
-            if name == "pool" and pool.device == "cuda":
+            if array.size == 0:
+                continue  # an expert-only pool has a zero-byte slot pool
+            if name in _DEVICE_TENSORS and pool.device == "cuda":
                 for start in range(0, array.size, COPY_CHUNK):
                     f.write(pool.xp.asnumpy(array[start:start + COPY_CHUNK]).tobytes())
             else:
@@ -93,6 +150,11 @@ class PoolImage:
     ranks: np.ndarray
     a_offsets: np.ndarray
     b_offsets: np.ndarray
+    expert_layout: ExpertLayout | None = None
+    expert_pool: np.ndarray | None = None
+    expert_a_offsets: np.ndarray | None = None
+    expert_b_offsets: np.ndarray | None = None
+    overlay_raw: list[OverlayRaw | None] | None = None
 
     @classmethod
     def open(cls, path: str | Path) -> PoolImage:
@@ -113,13 +175,25 @@ class PoolImage:
             raise FormatError(f"{path}: bad metrale metadata ({exc})") from exc
         if layout.fingerprint != layout_doc.get("fingerprint"):
             raise FormatError(f"{path}: the layout does not reproduce its fingerprint")
+        expert_layout = None
+        if "metrale.expert_layout" in meta:
+            try:
+                ex_doc = json.loads(meta["metrale.expert_layout"])
+                expert_layout = ExpertLayout.from_record(model, ex_doc)
+            except (KeyError, ValueError, TypeError) as exc:
+                raise FormatError(f"{path}: bad metrale.expert_layout ({exc})") from exc
+            if expert_layout.fingerprint != ex_doc.get("fingerprint"):
+                raise FormatError(f"{path}: the expert layout does not reproduce its "
+                                  "fingerprint")
 
         def tensor(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
             info = header.tensors.get(name)
             if info is None or info.dtype != dtype or info.shape != shape:
                 raise FormatError(f"{path}: tensor {name!r} must be {dtype} {list(shape)}")
-            np_dtype = {"U8": "u1", "F32": "<f4", "I32": "<i4", "I64": "<i8"}[dtype]
-            return np.memmap(path, dtype=np_dtype, mode="r", offset=info.begin, shape=shape)
+            if info.nbytes == 0:
+                return np.zeros(shape, dtype=_NP_DTYPES[dtype])  # mmap refuses empty ranges
+            return np.memmap(path, dtype=_NP_DTYPES[dtype], mode="r", offset=info.begin,
+                             shape=shape)
 
         n = len(layout.entries)
         slots = [
@@ -127,6 +201,34 @@ class PoolImage:
                         s["generation"])
             for s in slots_doc
         ]
+        experts: dict[str, Any] = {}
+        if expert_layout is not None:
+            n_e = len(expert_layout.entries)
+            experts = {
+                "expert_layout": expert_layout,
+                "expert_pool": tensor("expert_pool", "U8",
+                                      (max_loras * expert_layout.expert_slot_bytes,)),
+                "expert_a_offsets": tensor("expert_a_offsets", "I64", (n_e, max_loras)),
+                "expert_b_offsets": tensor("expert_b_offsets", "I64", (n_e, max_loras)),
+            }
+        overlay_raw: list[OverlayRaw | None] = [None] * max_loras
+        if "metrale.overlays" in meta:
+            try:
+                doc = json.loads(meta["metrale.overlays"])
+                runs, hidden = doc["runs"], int(doc["hidden_size"])
+                n_rows = sum(int(r["count"]) for r in runs)
+                tokens = tensor("overlay_tokens", "I64", (n_rows,))
+                rows = tensor("overlay_rows", "F32", (n_rows, hidden))
+                for run in runs:
+                    start, count = int(run["start"]), int(run["count"])
+                    raw = overlay_raw[int(run["slot"])] or OverlayRaw()
+                    raw.tables.append(str(run["table"]))
+                    raw.tokens.append(np.array(tokens[start:start + count]))
+                    raw.rows.append(np.array(rows[start:start + count]))
+                    raw.tied_lm_head.append(bool(run["tied_lm_head"]))
+                    overlay_raw[int(run["slot"])] = raw
+            except (KeyError, ValueError, TypeError, IndexError) as exc:
+                raise FormatError(f"{path}: bad metrale.overlays ({exc})") from exc
         return cls(
             path=path, layout=layout, max_loras=max_loras, slots=slots,
             pinned=[bool(s["pinned"]) for s in slots_doc],
@@ -136,6 +238,8 @@ class PoolImage:
             ranks=tensor("ranks", "I32", (max_loras,)),
             a_offsets=tensor("a_offsets", "I64", (n, max_loras)),
             b_offsets=tensor("b_offsets", "I64", (n, max_loras)),
+            overlay_raw=overlay_raw,
+            **experts,
         )
 
     def slot_bytes_host(self, slot: int) -> np.ndarray:
@@ -158,7 +262,33 @@ class PoolImage:
         b = bf16_to_f32(self.pool[b_off:b_off + e.b_bytes].view("<u2")).reshape(e.out_dim, max_rank)
         return a[:r], b[:, :r]
 
+    def expert_slot_bytes_host(self, slot: int) -> np.ndarray:
+        if self.expert_layout is None or self.expert_pool is None:
+            return np.zeros(0, dtype=np.uint8)
+        size = self.expert_layout.expert_slot_bytes
+        return np.asarray(self.expert_pool[slot * size:(slot + 1) * size])
+
+    def expert_slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.expert_a_offsets is None or self.expert_b_offsets is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return (np.asarray(self.expert_a_offsets[:, slot]),
+                np.asarray(self.expert_b_offsets[:, slot]))
+
+    def expert_factors(self, entry: int, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Expert entry `entry`'s A `[max_rank, in]` and B `[out, max_rank]` of `slot` as
+        float32 (zero-padded), or None where the slot does not adapt it."""
+        if self.expert_layout is None or self.expert_pool is None:
+            return None
+        assert self.expert_a_offsets is not None and self.expert_b_offsets is not None
+        a_off = int(self.expert_a_offsets[entry, slot])
+        b_off = int(self.expert_b_offsets[entry, slot])
+        if a_off < 0:
+            return None
+        return expert_factors(self.expert_pool, self.expert_layout, entry, a_off, b_off)
+
     @cached_property
     def summary(self) -> dict[str, Any]:
         return {"path": str(self.path), "layout": self.layout.record(self.max_loras),
+                "experts": (self.expert_layout.record(self.max_loras, entries=False)
+                            if self.expert_layout is not None else None),
                 "slots": [s.record(k, self.pinned[k]) for k, s in enumerate(self.slots)]}

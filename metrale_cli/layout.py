@@ -74,8 +74,8 @@ class SlotLayout:
             raise UsageError(f"max rank must be positive, got {self.max_rank}")
         if self.align <= 0 or self.align & (self.align - 1):
             raise UsageError(f"alignment must be a power of two, got {self.align}")
-        if not self.modules:
-            raise UsageError("the module set is empty")
+        # An empty module set is a zero-byte slot: a pool that serves only expert LoRA or
+        # token overlays (the CLI refuses an empty --modules itself).
 
     @classmethod
     def build(

@@ -61,6 +61,13 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     vocab_size: int = 0
+    # Layers whose MLP is dense although the model has routed experts (qwen3_moe, qwen3_next);
+    # with `decoder_sparse_step` this decides which layers carry experts (transformers' rule).
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    # The output head shares the input embedding: a token overlay on one is on both (PEFT ties
+    # its trainable-token adapter on lm_head to the embedding's).
+    tie_word_embeddings: bool = False
     # The config nests the text model under `text_config` (a vision-language checkpoint).
     composite: bool = False
     # Where the config came from: a preset name, a file path, or a hub id.
@@ -85,6 +92,21 @@ class ModelConfig:
             return 0
         return self.moe_intermediate_size or self.intermediate_size
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is routed experts: every layer of Mixtral and Qwen3.5-MoE; for
+        qwen3_moe/qwen3_next, not in `mlp_only_layers` and `(layer + 1) % decoder_sparse_step
+        == 0` (their decoder layers' rule)."""
+        if not self.num_experts:
+            return False
+        if self.model_type not in ("qwen3_moe", "qwen3_next"):
+            return True
+        step = self.decoder_sparse_step or 1
+        return layer not in self.mlp_only_layers and (layer + 1) % step == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
     @property
     def full_attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t is LayerType.FULL_ATTENTION]
@@ -97,12 +119,14 @@ class ModelConfig:
         """The JSON record of this config (also stored in pool images)."""
         record = asdict(self)
         record["layer_types"] = [t.value for t in self.layer_types]
+        record["mlp_only_layers"] = list(self.mlp_only_layers)
         return record
 
     @classmethod
     def from_summary(cls, record: dict[str, Any]) -> ModelConfig:
         fields = dict(record)
         fields["layer_types"] = tuple(LayerType(t) for t in fields["layer_types"])
+        fields["mlp_only_layers"] = tuple(fields.get("mlp_only_layers") or ())
         return cls(**fields)
 
     # -- named constructors -------------------------------------------------------------------
@@ -142,6 +166,12 @@ class ModelConfig:
         heads = need("num_attention_heads")
         head_dim = opt("head_dim") or hidden // heads
         layer_types = _layer_types(text, model_type, layers, source)
+        only = text.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only
+        ):
+            raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
+        tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         gate = text.get("attn_output_gate")
         attn_gated = gate is not False if model_type in HYBRID_MODEL_TYPES else bool(gate)
         return cls(
@@ -163,6 +193,9 @@ class ModelConfig:
             linear_key_head_dim=opt("linear_key_head_dim"),
             linear_value_head_dim=opt("linear_value_head_dim"),
             vocab_size=opt("vocab_size"),
+            mlp_only_layers=tuple(sorted(set(only))),
+            decoder_sparse_step=opt("decoder_sparse_step", 1) or 1,
+            tie_word_embeddings=bool(tied),
             composite=composite,
             source=source,
         )

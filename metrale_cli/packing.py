@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale_cli.audit import AdapterReport
+from metrale_cli.experts import ExpertLayout
 from metrale_cli.image import write_image
 from metrale_cli.layout import SlotLayout
 from metrale_cli.pool import LoraPool, PackStats, pick_device
@@ -38,7 +39,15 @@ class PackResult:
                        if k != "entries"},
             "entries": len(layout.entries),
             "table_bytes": layout.table_bytes(self.pool.max_loras),
-            "slots": self.pool.slot_records(),
+            "experts": ({**self.pool.expert_layout.record(self.pool.max_loras, entries=False),
+                         "table_bytes": self.pool.expert_layout.table_bytes(self.pool.max_loras)}
+                        if self.pool.expert_layout is not None else None),
+            "slots": [
+                {**s, "expert_pairs": int((self.pool.expert_slot_offsets(s["slot"])[0] >= 0)
+                                          .sum()) if self.pool.expert_layout else 0,
+                 "overlays": raw.record() if raw is not None else []}
+                for s, raw in zip(self.pool.slot_records(), self.pool.overlay_raw, strict=True)
+            ],
             "bytes_read": self.bytes_read,
             "bytes_packed": self.bytes_packed,
             "pack_seconds": self.pack_seconds,
@@ -58,9 +67,14 @@ def pack_pool(
     out: Path | None = None,
     force: bool = False,
     progress_console: Any = None,
+    expert_layout: ExpertLayout | None = None,
 ) -> PackResult:
-    """Pack `reports` into slots [0, n) of a new pool; write the image to `out` if given."""
+    """Pack `reports` into slots [0, n) of a new pool (with an expert pool laid out by
+    `expert_layout` when given); write the image to `out` if given."""
     total = sum(m.a.nbytes + m.b.nbytes for r in reports for m in r.modules)
+    # Expert tensors are read once per file tensor, however many experts share it.
+    total += sum(a.nbytes + b.nbytes for r in reports
+                 for a, b in {(p.a, p.b) for p in r.expert_pairs})
     started = time.perf_counter()
     if progress_console is not None:
         from rich.progress import (
@@ -75,9 +89,11 @@ def pack_pool(
                       TimeRemainingColumn(), console=progress_console, transient=True) as bar:
             task = bar.add_task("pack", total=total)
             pool, stats = LoraPool.load(layout, max_loras, reports, pick_device(device),
-                                        progress=lambda n: bar.advance(task, n))
+                                        progress=lambda n: bar.advance(task, n),
+                                        expert_layout=expert_layout)
     else:
-        pool, stats = LoraPool.load(layout, max_loras, reports, pick_device(device))
+        pool, stats = LoraPool.load(layout, max_loras, reports, pick_device(device),
+                                    expert_layout=expert_layout)
     pack_seconds = time.perf_counter() - started
     image_bytes, write_seconds = 0, 0.0
     if out is not None:

@@ -1,6 +1,8 @@
 """The adapter pool: one fixed-address allocation of `max_loras` equal slots laid out by a
 `SlotLayout`, per-entry pointer tables, a scale table, and the seed's slot manager (ref counts,
-pinned startup slots, LRU victim selection, generations in the cache identity).
+pinned startup slots, LRU victim selection, generations in the cache identity). Beside it, when
+the pool serves expert LoRA, the expert pool: a second allocation of `max_loras` expert slots
+laid out by an `ExpertLayout` with its own pointer tables; and per slot the raw token overlays.
 
 The same code runs on a GPU (CuPy device memory) and on the host (NumPy); pointer tables then
 hold device or host addresses. Packing converts on the host, one tensor at a time.
@@ -21,7 +23,9 @@ from metrale_cli.audit import AdapterReport, ModuleRecord
 from metrale_cli.bf16 import RAW_DTYPES, to_bf16
 from metrale_cli.compat import cupy_module, has_gpu
 from metrale_cli.errors import FormatError, LayoutMismatch, PoolFull, SlotBusy, UsageError
+from metrale_cli.experts import ExpertLayout, pack_expert_slot
 from metrale_cli.layout import SlotLayout
+from metrale_cli.overlays import OverlayRaw, read_overlays
 from metrale_cli.safetensors_header import TensorInfo
 
 U64_MASK = (1 << 64) - 1
@@ -91,7 +95,10 @@ class PackStats:
 class LoraPool:
     """`max_loras` slots of `layout.slot_bytes` each, in one allocation."""
 
-    def __init__(self, layout: SlotLayout, max_loras: int, device: str = "cpu") -> None:
+    def __init__(
+        self, layout: SlotLayout, max_loras: int, device: str = "cpu",
+        expert_layout: ExpertLayout | None = None,
+    ) -> None:
         if max_loras <= 0:
             raise UsageError(f"max_loras must be positive, got {max_loras}")
         if device not in ("cpu", "cuda"):
@@ -110,6 +117,19 @@ class LoraPool:
         self.scale_table = self.xp.zeros(max_loras, dtype=np.float32)
         # [max_loras] i32: slot k's rank (kernels bound their rank loops by it).
         self.rank_table = self.xp.zeros(max_loras, dtype=np.int32)
+        self.expert_layout = expert_layout
+        n_e = len(expert_layout.entries) if expert_layout is not None else 0
+        expert_slot_bytes = expert_layout.expert_slot_bytes if expert_layout is not None else 0
+        # The expert pool: [max_loras * expert_slot_bytes] u8, expert slot k from byte
+        # k * expert_slot_bytes; a separate allocation so the slot pool keeps its size.
+        self.expert_pool = self.xp.zeros(max_loras * expert_slot_bytes, dtype=np.uint8)
+        # Row i is expert entry i's [max_loras] u64 table of A (B) addresses; 0 = not adapted.
+        self.expert_a_tables = self.xp.zeros((n_e, max_loras), dtype=np.uint64)
+        self.expert_b_tables = self.xp.zeros((n_e, max_loras), dtype=np.uint64)
+        self._expert_zeroed = [True] * max_loras
+        # The seed's `overlay_raw`: per slot, its token-overlay rows as uploaded (host memory;
+        # the served tables are built from them by the model), None without overlays.
+        self.overlay_raw: list[OverlayRaw | None] = [None] * max_loras
         self.slots = [AdapterSlot() for _ in range(max_loras)]
         # A slot's bytes are all zero (fresh, or cleared): packing it needs no zero pass, which
         # would otherwise touch every page of a new pool twice.
@@ -140,6 +160,30 @@ class LoraPool:
         base = self.base_address
         return (np.where(a == 0, -1, a - base), np.where(b == 0, -1, b - base))
 
+    @property
+    def expert_base_address(self) -> int:
+        if self.device == "cuda":
+            return int(self.expert_pool.data.ptr)
+        return self.expert_pool.ctypes.data
+
+    def expert_table_address(self, entry: int, which: str = "a") -> int:
+        """Address of expert entry `entry`'s `[max_loras]` u64 table."""
+        tables = self.expert_a_tables if which == "a" else self.expert_b_tables
+        row = tables[entry]
+        return int(row.data.ptr) if self.device == "cuda" else row.ctypes.data
+
+    def expert_slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per expert entry, byte offsets into `expert_pool` of this slot's A and B, -1 where
+        not adapted."""
+        a = self.to_host(self.expert_a_tables[:, slot]).astype(np.int64)
+        b = self.to_host(self.expert_b_tables[:, slot]).astype(np.int64)
+        base = self.expert_base_address
+        return (np.where(a == 0, -1, a - base), np.where(b == 0, -1, b - base))
+
+    def expert_slot_bytes_host(self, slot: int) -> np.ndarray:
+        size = self.expert_layout.expert_slot_bytes if self.expert_layout is not None else 0
+        return self.to_host(self.expert_pool[slot * size:(slot + 1) * size])
+
     def to_host(self, array: Any) -> np.ndarray:
         return self.xp.asnumpy(array) if self.device == "cuda" else np.asarray(array)
 
@@ -165,6 +209,21 @@ class LoraPool:
         if over:
             raise UsageError(f"{report.name}: rank {over[0].r} above the pool's max rank "
                              f"{self.layout.max_rank}")
+        pairs = report.expert_pairs
+        if pairs:
+            ex = self.expert_layout
+            if ex is None:
+                raise UsageError(f"{report.name}: carries routed-expert or router LoRA and the "
+                                 "pool has no expert pool (pack with --experts)")
+            absent = [p for p in pairs if p.key not in ex.index]
+            if absent:
+                p = absent[0]
+                raise UsageError(f"{report.name}: {p.proj.value} of expert {p.expert} on layer "
+                                 f"{p.layer} is not in the pool's expert layout")
+            over_pairs = [p for p in pairs if p.r > ex.max_rank]
+            if over_pairs:
+                raise UsageError(f"{report.name}: expert rank {over_pairs[0].r} above the "
+                                 f"expert pool's max rank {ex.max_rank}")
         started = time.perf_counter()
         slot_bytes = self.layout.slot_bytes
         # Build the slot on the host (on a GPU this staging buffer is copied up once).
@@ -188,6 +247,11 @@ class LoraPool:
                 read += done
                 if progress is not None:
                     progress(done)
+            expert_staging = self._expert_staging(slot, bool(pairs))
+            if pairs and expert_staging is not None and self.expert_layout is not None:
+                read += pack_expert_slot(reader, pairs, self.expert_layout, expert_staging,
+                                         scale, progress)
+            overlay = read_overlays(reader, report.overlays)
         finally:
             os.close(fd)
         base = self.base_address + slot * slot_bytes
@@ -201,6 +265,21 @@ class LoraPool:
             self.pool[slot * slot_bytes:(slot + 1) * slot_bytes].set(staging)
         self.a_tables[:, slot] = self.xp.asarray(a_col)
         self.b_tables[:, slot] = self.xp.asarray(b_col)
+        if self.expert_layout is not None:
+            ex = self.expert_layout
+            ea_col = np.zeros(len(ex.entries), dtype=np.uint64)
+            eb_col = np.zeros(len(ex.entries), dtype=np.uint64)
+            ebase = self.expert_base_address + slot * ex.expert_slot_bytes
+            for p in pairs:
+                i = ex.index[p.key]
+                ea_col[i] = ebase + ex.entries[i].a_offset
+                eb_col[i] = ebase + ex.entries[i].b_offset
+            if self.device == "cuda" and expert_staging is not None:
+                self.expert_pool[slot * ex.expert_slot_bytes:
+                                 (slot + 1) * ex.expert_slot_bytes].set(expert_staging)
+            self.expert_a_tables[:, slot] = self.xp.asarray(ea_col)
+            self.expert_b_tables[:, slot] = self.xp.asarray(eb_col)
+        self.overlay_raw[slot] = overlay
         self.scale_table[slot] = scale
         self.rank_table[slot] = report.rank
         cfg = report.adapter.config
@@ -209,14 +288,42 @@ class LoraPool:
             source=str(report.adapter.path), config=dict(cfg.raw),
             generation=self.slots[slot].generation,
         )
-        return PackStats(read, slot_bytes, time.perf_counter() - started)
+        written = slot_bytes + (self.expert_layout.expert_slot_bytes
+                                if self.expert_layout is not None else 0)
+        return PackStats(read, written, time.perf_counter() - started)
+
+    def _expert_staging(self, slot: int, filled: bool) -> np.ndarray | None:
+        """The host buffer an expert slot is built in: the region itself on the host (zeroed
+        only if stale), a fresh buffer on a GPU (copied up once); None without an expert
+        pool."""
+        if self.expert_layout is None:
+            return None
+        size = self.expert_layout.expert_slot_bytes
+        if self.device == "cuda":
+            if not filled and self._expert_zeroed[slot]:
+                return None
+            staging = np.zeros(size, dtype=np.uint8)
+        else:
+            staging = self.expert_pool[slot * size:(slot + 1) * size]
+            if not self._expert_zeroed[slot]:
+                staging.fill(0)
+        self._expert_zeroed[slot] = not filled
+        return staging
 
     def clear_slot(self, slot: int) -> None:
-        """Zero a slot's bytes, tables, scale and rank; it becomes a placeholder."""
+        """Zero a slot's bytes, tables, scale and rank (and its expert slot and overlays); it
+        becomes a placeholder."""
         slot_bytes = self.layout.slot_bytes
         self.pool[slot * slot_bytes:(slot + 1) * slot_bytes] = 0
         self.a_tables[:, slot] = 0
         self.b_tables[:, slot] = 0
+        if self.expert_layout is not None:
+            size = self.expert_layout.expert_slot_bytes
+            self.expert_pool[slot * size:(slot + 1) * size] = 0
+            self.expert_a_tables[:, slot] = 0
+            self.expert_b_tables[:, slot] = 0
+            self._expert_zeroed[slot] = True
+        self.overlay_raw[slot] = None
         self.scale_table[slot] = 0.0
         self.rank_table[slot] = 0
         self._zeroed[slot] = True
@@ -229,11 +336,12 @@ class LoraPool:
         reports: list[AdapterReport],
         device: str = "cpu",
         progress: Callable[[int], None] | None = None,
+        expert_layout: ExpertLayout | None = None,
     ) -> tuple[LoraPool, list[PackStats]]:
         """A pool with the startup adapters packed into slots [0, n), which are pinned."""
         if len(reports) > max_loras:
             raise UsageError(f"{len(reports)} adapters do not fit in --max-loras {max_loras}")
-        pool = cls(layout, max_loras, device)
+        pool = cls(layout, max_loras, device, expert_layout)
         stats = [pool.pack_slot(k, r, progress) for k, r in enumerate(reports)]
         pool.pinned = len(reports)
         return pool, stats
@@ -342,6 +450,15 @@ class LoraPool:
             )
         if not 0 <= source_slot < source.max_loras:
             raise UsageError(f"source slot {source_slot} is out of range")
+        src_ex: ExpertLayout | None = getattr(source, "expert_layout", None)
+        if src_ex is not None and self.expert_layout is not None:
+            if src_ex.fingerprint != self.expert_layout.fingerprint:
+                raise LayoutMismatch(
+                    f"expert layout fingerprint {src_ex.fingerprint} does not match this "
+                    f"pool's {self.expert_layout.fingerprint}")
+        elif src_ex is not None and (source.expert_slot_offsets(source_slot)[0] >= 0).any():
+            raise LayoutMismatch(f"source slot {source_slot} holds expert LoRA and this pool "
+                                 "has no expert pool")
         with self._lock:
             self._check_slot(slot)
             if self.ref_counts[slot] > 0:
@@ -362,12 +479,44 @@ class LoraPool:
                 np.where(a_off < 0, 0, a_off - src_base + base).astype(np.uint64))
             self.b_tables[:, slot] = self.xp.asarray(
                 np.where(b_off < 0, 0, b_off - src_base + base).astype(np.uint64))
+            self._land_experts(slot, source, source_slot, src_ex)
+            raw = getattr(source, "overlay_raw", None)
+            self.overlay_raw[slot] = raw[source_slot] if raw is not None else None
             self.scale_table[slot] = info.scaling
             self.rank_table[slot] = info.rank
             generation = (self.slots[slot].generation + 1) & U64_MASK
             self.slots[slot] = AdapterSlot(info.name, info.rank, info.alpha, info.scaling,
                                            info.source, dict(info.config), generation)
             return generation
+
+    def _land_experts(self, slot: int, source: Any, source_slot: int,
+                      src_ex: ExpertLayout | None) -> None:
+        """The expert half of `land_slot`: the source's expert slot and tables, or zeros when
+        the source has no expert pool."""
+        ex = self.expert_layout
+        if ex is None:
+            return
+        size = ex.expert_slot_bytes
+        region = self.expert_pool[slot * size:(slot + 1) * size]
+        if src_ex is None:
+            region[...] = 0
+            self.expert_a_tables[:, slot] = 0
+            self.expert_b_tables[:, slot] = 0
+            self._expert_zeroed[slot] = True
+            return
+        data = source.expert_slot_bytes_host(source_slot)
+        if self.device == "cuda":
+            region.set(data)
+        else:
+            region[:] = data
+        self._expert_zeroed[slot] = False
+        a_off, b_off = source.expert_slot_offsets(source_slot)
+        base = self.expert_base_address + slot * size
+        src_base = source_slot * size
+        self.expert_a_tables[:, slot] = self.xp.asarray(
+            np.where(a_off < 0, 0, a_off - src_base + base).astype(np.uint64))
+        self.expert_b_tables[:, slot] = self.xp.asarray(
+            np.where(b_off < 0, 0, b_off - src_base + base).astype(np.uint64))
 
     def slot_bytes_host(self, slot: int) -> np.ndarray:
         slot_bytes = self.layout.slot_bytes

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metrale_cli.audit import AdapterReport, Severity, layer_ranges
+from metrale_cli.experts import ExpertLayout, coverage
 from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL
@@ -43,15 +44,22 @@ def model_line(model: ModelConfig) -> str:
 
 
 def inspect_view(
-    model: ModelConfig, reports: list[AdapterReport], slot_layouts: dict[str, SlotLayout | None]
+    model: ModelConfig,
+    reports: list[AdapterReport],
+    slot_layouts: dict[str, SlotLayout | None],
+    expert_layouts: dict[str, ExpertLayout | None] | None = None,
 ) -> Group:
     parts: list[Any] = [Text(model_line(model), style="bold")]
     for report in reports:
-        parts.append(_adapter_panel(model, report, slot_layouts.get(report.name)))
+        parts.append(_adapter_panel(model, report, slot_layouts.get(report.name),
+                                    (expert_layouts or {}).get(report.name)))
     return Group(*parts)
 
 
-def _adapter_panel(model: ModelConfig, report: AdapterReport, layout: SlotLayout | None) -> Panel:
+def _adapter_panel(
+    model: ModelConfig, report: AdapterReport, layout: SlotLayout | None,
+    expert_layout: ExpertLayout | None = None,
+) -> Panel:
     cfg = report.adapter.config
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="dim")
@@ -78,10 +86,27 @@ def _adapter_panel(model: ModelConfig, report: AdapterReport, layout: SlotLayout
             f"{human_bytes(layout.slot_bytes)} ({layout.slot_bytes:,} B) padded to rank "
             f"{layout.max_rank} for its modules",
         )
+    if report.expert_pairs:
+        layers = sorted({p.layer for p in report.expert_pairs})
+        summary.add_row("experts", f"{len(report.expert_pairs)} (layer, projection, expert) "
+                        f"pairs on layers {layer_set(layers)}, ranks "
+                        f"{', '.join(map(str, sorted({p.r for p in report.expert_pairs})))}")
+    if expert_layout is not None:
+        summary.add_row(
+            "expert slot",
+            f"{human_bytes(expert_layout.expert_slot_bytes)} "
+            f"({expert_layout.expert_slot_bytes:,} B) padded to rank {expert_layout.max_rank}, "
+            "in the expert pool beside the slot pool")
+    if report.overlays:
+        summary.add_row("overlays", ", ".join(
+            f"{len(o.tokens)} tokens replace {o.table} rows"
+            + (" (and lm_head, tied)" if o.tied_lm_head else "") for o in report.overlays))
 
     body: list[Any] = [summary]
     if report.modules:
         body.append(_layer_table(model, report))
+    if report.expert_pairs:
+        body.append(_expert_table(model, report))
     if report.findings:
         findings = Table(show_header=False, box=None, padding=(0, 1))
         findings.add_column(no_wrap=True)
@@ -143,7 +168,29 @@ def _layer_table(model: ModelConfig, report: AdapterReport) -> Table:
     return table
 
 
-def layout_view(layout: SlotLayout, max_loras: int | None, budget: int | None) -> Group:
+def _expert_table(model: ModelConfig, report: AdapterReport) -> Table:
+    """Per-layer expert coverage: how many of the model's experts each projection adapts."""
+    table = Table(title=f"expert coverage (experts adapted of {model.num_experts}; rank)",
+                  title_justify="left", header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    for col in ("layers", "gate_proj", "up_proj", "down_proj", "router", "ranks", "format"):
+        table.add_column(col)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for row in coverage(report.expert_pairs):
+        sig = (row["experts"].get("gate_proj", 0), row["experts"].get("up_proj", 0),
+               row["experts"].get("down_proj", 0), row["router"], tuple(row["ranks"]),
+               row["source"])
+        groups.setdefault(sig, []).append(row["layer"])
+    for (gate, up, down, router, ranks, source), layers in groups.items():
+        table.add_row(layer_set(layers), str(gate or "·"), str(up or "·"), str(down or "·"),
+                      "yes" if router else "·", ", ".join(map(str, ranks)),
+                      "fused (v5)" if source == "v5" else "per-expert (v4)")
+    return table
+
+
+def layout_view(
+    layout: SlotLayout, max_loras: int | None, budget: int | None,
+    expert_layout: ExpertLayout | None = None, total: int | None = None,
+) -> Group:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="dim")
     table.add_column()
@@ -153,15 +200,30 @@ def layout_view(layout: SlotLayout, max_loras: int | None, budget: int | None) -
     table.add_row("entries", f"{len(layout.entries)} (layer, module) pairs")
     table.add_row("slot", f"{layout.slot_bytes:,} B ({human_bytes(layout.slot_bytes)}), "
                   f"{layout.align}-byte aligned BF16")
-    if budget is not None:
-        fits = layout.slots_for_budget(budget)
-        table.add_row("budget", f"{human_bytes(budget)} holds {fits:,} slots with their tables")
+    if expert_layout is not None:
+        ex = expert_layout
+        table.add_row("expert slot", f"{ex.expert_slot_bytes:,} B "
+                      f"({human_bytes(ex.expert_slot_bytes)}), {len(ex.entries):,} (layer, "
+                      f"projection, expert) entries on {len({e.layer for e in ex.entries})} "
+                      f"layers at rank {ex.max_rank}, a separate allocation")
+    if budget is not None and max_loras is not None:
+        what = "both pools" if expert_layout is not None else "slots"
+        table.add_row("budget", f"{human_bytes(budget)} holds {max_loras:,} slots ({what} "
+                      "with their tables)")
     if max_loras is not None:
         table.add_row("pool", f"{max_loras} slots: {layout.pool_bytes(max_loras):,} B "
                       f"({human_bytes(layout.pool_bytes(max_loras))})")
         table.add_row("tables", f"{layout.table_bytes(max_loras):,} B (A/B pointers, scales, "
                       "ranks)")
+        if expert_layout is not None:
+            table.add_row("expert pool", f"{expert_layout.pool_bytes(max_loras):,} B "
+                          f"({human_bytes(expert_layout.pool_bytes(max_loras))}) + "
+                          f"{expert_layout.table_bytes(max_loras):,} B expert tables")
+        if total is not None:
+            table.add_row("total", f"{total:,} B ({human_bytes(total)})")
     table.add_row("fingerprint", layout.fingerprint)
+    if expert_layout is not None:
+        table.add_row("expert fingerprint", expert_layout.fingerprint)
     if layout.max_rank % 8:
         table.add_row("note", "the CUDA kernels need max rank a multiple of 8 (16-byte rows); "
                       f"plan with --max-rank {layout.max_rank + 8 - layout.max_rank % 8}")
@@ -176,7 +238,20 @@ def layout_view(layout: SlotLayout, max_loras: int | None, budget: int | None) -
         share_table.add_row(name, f"{size:,}", f"{100 * size / total:.1f}")
     for kind, size in shares["layer_kind"].items():
         share_table.add_row(f"[dim]{kind} layers", f"{size:,}", f"{100 * size / total:.1f}")
-    return Group(table, share_table)
+    parts: list[Any] = [table]
+    if layout.entries:
+        parts.append(share_table)
+    if expert_layout is not None and expert_layout.entries:
+        ex_shares = expert_layout.shares()
+        ex_total = sum(ex_shares.values()) or 1
+        ex_table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+        ex_table.add_column("share of an expert slot")
+        ex_table.add_column("bytes", justify="right")
+        ex_table.add_column("%", justify="right")
+        for name, size in ex_shares.items():
+            ex_table.add_row(name, f"{size:,}", f"{100 * size / ex_total:.1f}")
+        parts.append(ex_table)
+    return Group(*parts)
 
 
 def models_view(records: list[dict[str, Any]]) -> Table:
@@ -222,6 +297,15 @@ def pack_view(result: Any) -> Group:
         f"packed {human_bytes(result.bytes_read)} of adapter tensors in "
         f"{result.pack_seconds:.3f} s ({rate:.2f} GB/s)",
     ]
+    ex = result.pool.expert_layout
+    if ex is not None:
+        ex_bytes = human_bytes(ex.pool_bytes(result.pool.max_loras))
+        lines.insert(1, f"expert pool: {result.pool.max_loras} expert slots x "
+                     f"{ex.expert_slot_bytes:,} B = {ex_bytes}, {len(ex.entries):,} "
+                     f"(layer, projection, expert) entries, max rank {ex.max_rank}")
+    overlays = sum(raw.count for raw in result.pool.overlay_raw if raw is not None)
+    if overlays:
+        lines.insert(1, f"token overlays: {overlays} rows")
     if result.image is not None:
         lines.append(f"wrote {result.image} ({human_bytes(result.image_bytes)}) in "
                      f"{result.write_seconds:.3f} s; layout fingerprint {layout.fingerprint}")

@@ -1,0 +1,558 @@
+"""Routed-expert and router LoRA: the expert pool beside the slot pool.
+
+Two on-disk formats name the same thing (docs/peft_format.md 2.5, 4.4):
+
+- transformers-4 per-expert Linears: `mlp.experts.{e}.gate_proj|up_proj|down_proj` (Mixtral
+  `block_sparse_moe.experts.{e}.w1|w3|w2`), each a plain `A [r, in]`, `B [out, r]`;
+- transformers-5 fused `target_parameters`: `mlp.experts(.base_layer).lora_A [E*r, in]` and
+  `lora_B [out, E*r]`, expert e's factors `A.reshape(E, r, in)[e]` and
+  `B.reshape(out, r, E)[:, :, e]` (the expert index runs fastest along B's columns), with
+  `gate_up_proj`'s rows `[gate; up]`.
+
+Both, and the router (`mlp.gate` / `block_sparse_moe.gate`: `A [r, H]`, `B [E, r]`), are
+normalised to `ExpertPair`s, one rank-r pair per (layer, projection, expert) that says where its
+A and B sit in the file's tensors. `ExpertLayout` lays such pairs out in one expert slot the way
+`SlotLayout` lays out modules; `pack_expert_slot` fills one slot's region.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+from typing import Any, Protocol
+
+import numpy as np
+
+from metrale_cli.adapter import Adapter, AdapterKey
+from metrale_cli.bf16 import bf16_to_f32, to_bf16
+from metrale_cli.errors import UsageError
+from metrale_cli.findings import Collector, Severity
+from metrale_cli.layout import BF16_BYTES, DEFAULT_ALIGN, POINTER_BYTES, align_up
+from metrale_cli.models import ModelConfig
+from metrale_cli.safetensors_header import TensorInfo
+
+LORA_DTYPES = ("F32", "BF16", "F16")
+EXPERT_LAYOUT_FORMAT = "expert-layout/1"
+ROUTER_EXPERT = -1
+
+
+class ExpertProj(str, Enum):
+    GATE_PROJ = "gate_proj"
+    UP_PROJ = "up_proj"
+    DOWN_PROJ = "down_proj"
+    # The MoE router (`mlp.gate`): hidden to expert logits, one per layer.
+    ROUTER = "router"
+
+    def dims(self, model: ModelConfig) -> tuple[int, int]:
+        """`(out_dim, in_dim)` of one expert's base projection (the router's: `(E, H)`)."""
+        h, i = model.hidden_size, model.expert_intermediate_size
+        if self is ExpertProj.ROUTER:
+            return model.num_experts, h
+        if self is ExpertProj.DOWN_PROJ:
+            return h, i
+        return i, h
+
+
+_PROJ_ORDER = {p: n for n, p in enumerate(ExpertProj)}
+# v4 leaf names, both spellings (Mixtral's w1/w3/w2 are gate/up/down).
+_V4_LEAF = {
+    "gate_proj": ExpertProj.GATE_PROJ, "w1": ExpertProj.GATE_PROJ,
+    "up_proj": ExpertProj.UP_PROJ, "w3": ExpertProj.UP_PROJ,
+    "down_proj": ExpertProj.DOWN_PROJ, "w2": ExpertProj.DOWN_PROJ,
+}
+EXPERT_KEY = re.compile(
+    r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)$"
+)
+FUSED_EXPERTS_KEY = re.compile(r"^(mlp|block_sparse_moe)\.experts$")
+ROUTER_KEY = re.compile(r"^(mlp|block_sparse_moe)\.gate$")
+
+
+def is_expert_key(sub: str) -> bool:
+    """A decoder-layer path that names routed experts or the router (either format)."""
+    return bool(EXPERT_KEY.match(sub) or FUSED_EXPERTS_KEY.match(sub) or ROUTER_KEY.match(sub))
+
+
+def entry_sort_key(layer: int, proj: ExpertProj, expert: int) -> tuple[int, int, int]:
+    """Layer, then the router (expert -1), then expert-major gate/up/down."""
+    return (layer, expert, _PROJ_ORDER[proj])
+
+
+@dataclass(frozen=True)
+class ExpertPair:
+    """One rank-r pair of one (layer, projection, expert), and where it sits in the file.
+
+    A is rows `[a_row, a_row + r)` of the file's A tensor (all columns). B is rows
+    `[b_row, b_row + out_dim)` and columns `b_col + j * b_col_step` (j < r) of the file's B:
+    a per-expert v4 pair is the whole of both tensors (0, 0, 0, 1); a fused v5 pair has
+    `a_row = e * r`, `b_col = e`, `b_col_step = E`, and gate/up take `b_row` 0 and I.
+    """
+
+    layer: int
+    proj: ExpertProj
+    expert: int
+    r: int
+    alpha: float
+    scaling: float
+    out_dim: int
+    in_dim: int
+    a: TensorInfo
+    b: TensorInfo
+    a_row: int = 0
+    b_row: int = 0
+    b_col: int = 0
+    b_col_step: int = 1
+    # "v4" (per-expert Linears) or "v5" (fused target_parameters).
+    source: str = "v4"
+
+    @property
+    def key(self) -> tuple[int, ExpertProj, int]:
+        return (self.layer, self.proj, self.expert)
+
+    @property
+    def file_bytes(self) -> int:
+        """The bytes of the file this pair's values occupy (for progress and throughput)."""
+        a_item, b_item = self.a.nbytes // self.a.numel, self.b.nbytes // self.b.numel
+        return self.r * self.in_dim * a_item + self.out_dim * self.r * b_item
+
+
+def coverage(pairs: Iterable[ExpertPair]) -> list[dict[str, Any]]:
+    """Per layer: how many experts each projection adapts, the ranks, and the router."""
+    by_layer: dict[int, dict[str, Any]] = {}
+    for p in pairs:
+        row = by_layer.setdefault(p.layer, {"layer": p.layer, "router": False, "experts": {},
+                                            "ranks": set(), "source": p.source})
+        if p.proj is ExpertProj.ROUTER:
+            row["router"] = True
+        else:
+            row["experts"].setdefault(p.proj.value, set()).add(p.expert)
+        row["ranks"].add(p.r)
+    out = []
+    for layer in sorted(by_layer):
+        row = by_layer[layer]
+        projs = sorted(row["experts"].items(), key=lambda kv: _PROJ_ORDER[ExpertProj(kv[0])])
+        out.append({
+            "layer": layer,
+            "router": row["router"],
+            "experts": {k: len(v) for k, v in projs},
+            "ranks": sorted(row["ranks"]),
+            "source": row["source"],
+        })
+    return out
+
+
+# -- the scan -----------------------------------------------------------------------------------
+
+
+def scan(
+    adapter: Adapter,
+    model: ModelConfig,
+    modules: dict[str, dict[str, AdapterKey]],
+    out: Collector,
+) -> list[ExpertPair]:
+    """Normalise the expert and router modules of `adapter` (`module_key -> part -> key`, the
+    inner ParamWrapper's parts suffixed `.inner`) into pairs, reporting what does not fit."""
+    pairs: list[ExpertPair] = []
+    for module_key, parts in modules.items():
+        key = next(iter(parts.values()))
+        layer, sub = key.layer, key.sub
+        assert layer is not None  # callers pass decoder-layer keys only
+        if not model.num_experts:
+            out.at(Severity.ERROR, "module_not_applicable",
+                   f"{sub}{{where}}: the model has no routed experts", layer)
+            continue
+        if layer >= model.num_hidden_layers or not model.is_moe_layer(layer):
+            where = ("past the model's layers" if layer >= model.num_hidden_layers
+                     else "a dense-MLP layer (no routed experts there)")
+            out.at(Severity.ERROR, "module_not_applicable", f"{sub}{{where}}: {where}", layer)
+            continue
+        v4 = EXPERT_KEY.match(sub)
+        if v4:
+            pairs.extend(_scan_linear(adapter, model, module_key, parts, layer,
+                                      _V4_LEAF[v4.group(3)], int(v4.group(2)), out))
+        elif ROUTER_KEY.match(sub):
+            pairs.extend(_scan_linear(adapter, model, module_key, parts, layer,
+                                      ExpertProj.ROUTER, ROUTER_EXPERT, out))
+        else:
+            pairs.extend(_scan_fused(adapter, model, module_key, parts, layer, out))
+    _check_rsLoRA_rewrite(adapter, model, pairs, out)
+    pairs.sort(key=lambda p: entry_sort_key(*p.key))
+    return pairs
+
+
+def _dtype_ok(a: TensorInfo, b: TensorInfo, what: str, layer: int, out: Collector) -> bool:
+    bad = [t for t in (a, b) if t.dtype not in LORA_DTYPES]
+    for t in bad:
+        out.at(Severity.ERROR, "bad_dtype", f"{what}{{where}}: dtype {t.dtype}; LoRA tensors "
+               f"must be {'/'.join(LORA_DTYPES)}", layer)
+    if a.dtype != b.dtype and not bad:
+        out.at(Severity.WARNING, "mixed_dtype", f"{what}{{where}}: A is {a.dtype}, B is "
+               f"{b.dtype}", layer)
+    return not bad
+
+
+def _rank_alpha(adapter: Adapter, pattern_key: str, what: str, r: int, layer: int,
+                out: Collector) -> tuple[float, float]:
+    cfg = adapter.config
+    r_cfg, alpha = cfg.rank_for(pattern_key), cfg.alpha_for(pattern_key)
+    if r != r_cfg:
+        out.at(Severity.ERROR, "rank_config_mismatch",
+               f"{what}{{where}}: tensors have rank {r}, but the config (r and rank_pattern) "
+               f"gives {r_cfg}; PEFT would refuse to load it", layer)
+    return alpha, cfg.scaling(r, alpha)
+
+
+def _scan_linear(
+    adapter: Adapter, model: ModelConfig, module_key: str, parts: dict[str, AdapterKey],
+    layer: int, proj: ExpertProj, expert: int, out: Collector,
+) -> list[ExpertPair]:
+    """A per-expert v4 Linear or a router (v4 Linear or v5 `gate.weight` parameter): plain
+    `A [r, in]`, `B [out, r]`."""
+    what = (f"router {module_key.rsplit('.', 2)[-2]}.gate" if proj is ExpertProj.ROUTER
+            else f"expert {expert} {proj.value}")
+    a_key, b_key = parts.get("lora_A.weight"), parts.get("lora_B.weight")
+    if a_key is None or b_key is None:
+        missing, present = ("lora_B", "lora_A") if b_key is None else ("lora_A", "lora_B")
+        out.at(Severity.ERROR, f"missing_{missing[-1].lower()}",
+               f"{what}{{where}}: {present} without {missing}", layer)
+        return []
+    a, b = adapter.tensor(a_key), adapter.tensor(b_key)
+    if not _dtype_ok(a, b, what, layer, out):
+        return []
+    out_dim, in_dim = proj.dims(model)
+    if expert >= model.num_experts:
+        out.at(Severity.ERROR, "expert_out_of_range",
+               f"expert {expert}{{where}}: the model has {model.num_experts} experts", layer)
+        return []
+    if (len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0
+            or a.shape[1] != in_dim or b.shape[0] != out_dim):
+        out.at(Severity.ERROR, "shape_mismatch",
+               f"{what}{{where}}: A {list(a.shape)}, B {list(b.shape)}; the model needs "
+               f"A [r, {in_dim}], B [{out_dim}, r]", layer)
+        return []
+    r = a.shape[0]
+    if proj is ExpertProj.ROUTER:
+        # PEFT matches patterns against the parameter path when the router is a
+        # target_parameters wrapper (`mlp.gate.weight`), else against the module path.
+        param = f"{module_key}.weight"
+        source = "v5" if adapter.config.targets_parameter(param) else "v4"
+        pattern_key = param if source == "v5" else module_key
+        explained = source == "v5" or adapter.config.is_targeted(module_key)
+    else:
+        source, pattern_key = "v4", module_key
+        explained = adapter.config.is_targeted(module_key)
+    if not explained:
+        out.at(Severity.WARNING, "unexplained_key",
+               f"{proj.value if expert < 0 else 'expert ' + proj.value}{{where}}: has tensors, "
+               "but neither target_modules nor target_parameters selects it", layer)
+    alpha, scaling = _rank_alpha(adapter, pattern_key, what, r, layer, out)
+    return [ExpertPair(layer, proj, expert, r, alpha, scaling, out_dim, in_dim, a, b,
+                       source=source)]
+
+
+def _scan_fused(
+    adapter: Adapter, model: ModelConfig, module_key: str, parts: dict[str, AdapterKey],
+    layer: int, out: Collector,
+) -> list[ExpertPair]:
+    """`mlp.experts` ParamWrappers: one (A, B) per wrapped parameter, the inner one (registered
+    first) under `.base_layer.`. Which parameter a wrapper holds is read from the shapes,
+    never from the nesting: A's in-dim is H for gate_up and I for down, B's out-dim 2I or H
+    (the two cannot both coincide)."""
+    h, i, n_exp = model.hidden_size, model.expert_intermediate_size, model.num_experts
+    found: dict[str, tuple[TensorInfo, TensorInfo]] = {}
+    for suffix in ("", ".inner"):
+        a_key, b_key = parts.get("lora_A.weight" + suffix), parts.get("lora_B.weight" + suffix)
+        if a_key is None and b_key is None:
+            continue
+        if a_key is None or b_key is None:
+            missing, present = ("lora_B", "lora_A") if b_key is None else ("lora_A", "lora_B")
+            out.at(Severity.ERROR, f"missing_{missing[-1].lower()}",
+                   f"fused experts{{where}}: {present} without {missing}", layer)
+            continue
+        a, b = adapter.tensor(a_key), adapter.tensor(b_key)
+        if not _dtype_ok(a, b, "fused experts", layer, out):
+            continue
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+            out.at(Severity.ERROR, "shape_mismatch",
+                   f"fused experts{{where}}: A {list(a.shape)}, B {list(b.shape)} are not "
+                   "[E*r, in] and [out, E*r]", layer)
+            continue
+        if a.shape[1] == h and b.shape[0] == 2 * i:
+            param = "gate_up_proj"
+        elif a.shape[1] == i and b.shape[0] == h:
+            param = "down_proj"
+        else:
+            out.at(Severity.ERROR, "shape_mismatch",
+                   f"fused experts{{where}}: A {list(a.shape)}, B {list(b.shape)} fit neither "
+                   f"gate_up_proj (A [E*r, {h}], B [{2 * i}, E*r]) nor down_proj "
+                   f"(A [E*r, {i}], B [{h}, E*r])", layer)
+            continue
+        if a.shape[0] == 0 or a.shape[0] % n_exp:
+            out.at(Severity.ERROR, "shape_mismatch",
+                   f"{param}{{where}}: A has {a.shape[0]} rows, not a positive multiple of the "
+                   f"model's {n_exp} experts", layer)
+            continue
+        if param in found:
+            out.at(Severity.ERROR, "expert_ambiguous",
+                   f"fused experts{{where}}: two wrappers both have {param}'s shapes", layer)
+            continue
+        found[param] = (a, b)
+    pairs: list[ExpertPair] = []
+    for param, (a, b) in found.items():
+        r = a.shape[0] // n_exp
+        param_key = f"{module_key}.{param}"
+        if not adapter.config.targets_parameter(param_key):
+            out.at(Severity.WARNING, "unexplained_key",
+                   f"{param}{{where}}: has tensors, but target_parameters does not select it",
+                   layer)
+        alpha, scaling = _rank_alpha(adapter, param_key, param, r, layer, out)
+        common = {"r": r, "alpha": alpha, "scaling": scaling, "in_dim": a.shape[1], "a": a,
+                  "b": b, "b_col_step": n_exp, "source": "v5"}
+        for e in range(n_exp):
+            if param == "down_proj":
+                pairs.append(ExpertPair(layer, ExpertProj.DOWN_PROJ, e, out_dim=h, a_row=e * r,
+                                        b_row=0, b_col=e, **common))
+            else:
+                # gate_up's rows are [gate; up]: one A, two row blocks of B.
+                for proj, row in ((ExpertProj.GATE_PROJ, 0), (ExpertProj.UP_PROJ, i)):
+                    pairs.append(ExpertPair(layer, proj, e, out_dim=i, a_row=e * r, b_row=row,
+                                            b_col=e, **common))
+    return pairs
+
+
+def _check_rsLoRA_rewrite(
+    adapter: Adapter, model: ModelConfig, pairs: list[ExpertPair], out: Collector
+) -> None:
+    """PEFT >= 0.19 on transformers 5 loads a v4 per-expert adapter by fusing gate and up at rank
+    2r and alpha 2*alpha: scaling-preserving for alpha/r, but sqrt(2) larger with rsLoRA."""
+    if not adapter.config.use_rslora:
+        return
+    v4_gate_up = [p.layer for p in pairs
+                  if p.source == "v4" and p.proj in (ExpertProj.GATE_PROJ, ExpertProj.UP_PROJ)]
+    if v4_gate_up:
+        out.add(Severity.WARNING, "rslora_rewrite",
+                "rsLoRA with per-expert gate/up pairs: PEFT >= 0.19 with transformers 5 loads "
+                "them as a fused gate_up at rank 2r and alpha 2*alpha, which scales them "
+                "sqrt(2) larger than training did; metrale serves the config's own scaling "
+                "(alpha/sqrt(r))")
+
+
+# -- the layout ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
+    layer: int
+    proj: ExpertProj
+    expert: int
+    out_dim: int
+    in_dim: int
+    # Byte offsets within an expert slot.
+    a_offset: int
+    b_offset: int
+    max_rank: int
+
+    @property
+    def a_bytes(self) -> int:
+        return self.max_rank * self.in_dim * BF16_BYTES
+
+    @property
+    def b_bytes(self) -> int:
+        return self.out_dim * self.max_rank * BF16_BYTES
+
+    def record(self) -> dict[str, Any]:
+        return {"layer": self.layer, "proj": self.proj.value, "expert": self.expert,
+                "out_dim": self.out_dim, "in_dim": self.in_dim, "a_offset": self.a_offset,
+                "b_offset": self.b_offset}
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """One expert slot: every (layer, projection, expert) in `keys`, each reserving A
+    `[max_rank, in_dim]` then B `[out_dim, max_rank]`, row-major BF16 at aligned offsets, in
+    `entry_sort_key` order (as `SlotLayout` does for modules)."""
+
+    model: ModelConfig
+    keys: tuple[tuple[int, ExpertProj, int], ...]
+    max_rank: int
+    align: int = DEFAULT_ALIGN
+
+    def __post_init__(self) -> None:
+        if self.max_rank <= 0:
+            raise UsageError(f"max rank must be positive, got {self.max_rank}")
+        if self.align <= 0 or self.align & (self.align - 1):
+            raise UsageError(f"alignment must be a power of two, got {self.align}")
+
+    @classmethod
+    def build(cls, model: ModelConfig, keys: Iterable[tuple[int, ExpertProj, int]],
+              max_rank: int, align: int = DEFAULT_ALIGN) -> ExpertLayout:
+        ordered = tuple(sorted(set(keys), key=lambda k: entry_sort_key(*k)))
+        return cls(model, ordered, max_rank, align)
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, max_rank: int, align: int = DEFAULT_ALIGN,
+                  router: bool = True) -> ExpertLayout:
+        """Every routed expert's gate/up/down (and the router) on every MoE layer: what a pool
+        must reserve to take any expert adapter of rank <= max_rank."""
+        keys = []
+        for layer in model.moe_layers:
+            if router:
+                keys.append((layer, ExpertProj.ROUTER, ROUTER_EXPERT))
+            keys.extend((layer, p, e) for e in range(model.num_experts)
+                        for p in (ExpertProj.GATE_PROJ, ExpertProj.UP_PROJ, ExpertProj.DOWN_PROJ))
+        return cls.build(model, keys, max_rank, align)
+
+    @classmethod
+    def for_pairs(cls, model: ModelConfig, pairs: Iterable[ExpertPair], max_rank: int | None,
+                  align: int = DEFAULT_ALIGN) -> ExpertLayout | None:
+        """The pairs' union, padded to `max_rank` (default: their largest rank); None when
+        there are none."""
+        pairs = list(pairs)
+        if not pairs:
+            return None
+        rank = max_rank if max_rank is not None else max(p.r for p in pairs)
+        return cls.build(model, (p.key for p in pairs), rank, align)
+
+    @classmethod
+    def from_record(cls, model: ModelConfig, record: dict[str, Any]) -> ExpertLayout:
+        keys = [(int(e["layer"]), ExpertProj(e["proj"]), int(e["expert"]))
+                for e in record["entries"]]
+        return cls.build(model, keys, int(record["max_rank"]), int(record["align"]))
+
+    @cached_property
+    def entries(self) -> tuple[ExpertEntry, ...]:
+        entries = []
+        offset = 0
+        rank, align = self.max_rank, self.align
+        for layer, proj, expert in self.keys:
+            out_dim, in_dim = proj.dims(self.model)
+            a_offset = align_up(offset, align)
+            b_offset = align_up(a_offset + rank * in_dim * BF16_BYTES, align)
+            offset = b_offset + out_dim * rank * BF16_BYTES
+            entries.append(ExpertEntry(layer, proj, expert, out_dim, in_dim, a_offset,
+                                       b_offset, rank))
+        return tuple(entries)
+
+    @cached_property
+    def index(self) -> dict[tuple[int, ExpertProj, int], int]:
+        return {k: i for i, k in enumerate(self.keys)}
+
+    @cached_property
+    def expert_slot_bytes(self) -> int:
+        if not self.entries:
+            return 0
+        last = self.entries[-1]
+        return align_up(last.b_offset + last.b_bytes, self.align)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        canonical = {
+            "format": EXPERT_LAYOUT_FORMAT, "dtype": "BF16", "align": self.align,
+            "max_rank": self.max_rank, "expert_slot_bytes": self.expert_slot_bytes,
+            "entries": [[e.layer, e.proj.value, e.expert, e.out_dim, e.in_dim, e.a_offset,
+                         e.b_offset] for e in self.entries],
+        }
+        blob = json.dumps(canonical, separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    def table_bytes(self, max_loras: int) -> int:
+        """The expert A and B pointer tables, `[n_entries, max_loras]` u64 each."""
+        return max_loras * len(self.entries) * 2 * POINTER_BYTES
+
+    def pool_bytes(self, max_loras: int) -> int:
+        return max_loras * self.expert_slot_bytes
+
+    def shares(self) -> dict[str, int]:
+        """Expert-slot bytes by projection (A + B, without alignment padding)."""
+        by_proj: dict[str, int] = {}
+        for e in self.entries:
+            by_proj[e.proj.value] = by_proj.get(e.proj.value, 0) + e.a_bytes + e.b_bytes
+        return by_proj
+
+    def record(self, max_loras: int | None = None, entries: bool = True) -> dict[str, Any]:
+        layers = sorted({e.layer for e in self.entries})
+        record: dict[str, Any] = {
+            "expert_slot_bytes": self.expert_slot_bytes,
+            "expert_pool_bytes": self.pool_bytes(max_loras) if max_loras is not None else None,
+            "max_rank": self.max_rank,
+            "align": self.align,
+            "dtype": "BF16",
+            "n_entries": len(self.entries),
+            "layers": layers,
+            "experts_per_layer": self.model.num_experts,
+            "fingerprint": self.fingerprint,
+        }
+        if entries:
+            record["entries"] = [e.record() for e in self.entries]
+        return record
+
+
+def slots_for_budget(slot_bytes_and_tables: int, expert: ExpertLayout | None,
+                     budget_bytes: int) -> int:
+    """How many slots fit when each costs its slot-pool bytes and tables plus its expert-pool
+    bytes and expert tables."""
+    per_slot = slot_bytes_and_tables
+    if expert is not None:
+        per_slot += expert.expert_slot_bytes + expert.table_bytes(1)
+    return budget_bytes // per_slot if per_slot else 0
+
+
+# -- packing ------------------------------------------------------------------------------------
+
+
+class RawReader(Protocol):
+    def read(self, info: TensorInfo) -> np.ndarray: ...
+
+
+def pack_expert_slot(
+    reader: RawReader,
+    pairs: list[ExpertPair],
+    layout: ExpertLayout,
+    region: np.ndarray,
+    slot_scale: float,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write `pairs` into one expert slot's `region` (u8, all zero on entry): A rows and B
+    columns up to the pair's rank, each pair's PEFT scaling relative to `slot_scale` folded into
+    its B before the single rounding to BF16. Each file tensor is read once, however many
+    experts share it. Returns the file bytes read."""
+    groups: dict[tuple[str, str], list[ExpertPair]] = defaultdict(list)
+    for p in pairs:
+        groups[(p.a.name, p.b.name)].append(p)
+    read = 0
+    rank = layout.max_rank
+    for group in groups.values():
+        first = group[0]
+        a_all = reader.read(first.a).reshape(first.a.shape).copy()
+        b_all = reader.read(first.b).reshape(first.b.shape)
+        read += first.a.nbytes + first.b.nbytes
+        for p in group:
+            entry = layout.entries[layout.index[p.key]]
+            a_dst = region[entry.a_offset:entry.a_offset + p.r * p.in_dim * BF16_BYTES]
+            a_dst.view(np.uint16)[:] = to_bf16(
+                np.ascontiguousarray(a_all[p.a_row:p.a_row + p.r]), p.a.dtype).reshape(-1)
+            b_src = b_all[p.b_row:p.b_row + p.out_dim,
+                          p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
+            b_dst = region[entry.b_offset:entry.b_offset + entry.b_bytes].view(np.uint16)
+            b_dst.reshape(p.out_dim, rank)[:, :p.r] = to_bf16(
+                np.ascontiguousarray(b_src), p.b.dtype, p.scaling / slot_scale
+            ).reshape(p.out_dim, p.r)
+        if progress is not None:
+            progress(first.a.nbytes + first.b.nbytes)
+    return read
+
+
+def expert_factors(
+    pool: np.ndarray, layout: ExpertLayout, entry: int, a_offset: int, b_offset: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Entry `entry`'s A `[max_rank, in]` and B `[out, max_rank]` as float32 from a pool's
+    bytes at the given offsets (zero padding included: it adds nothing to B @ A)."""
+    e = layout.entries[entry]
+    a = bf16_to_f32(np.asarray(pool[a_offset:a_offset + e.a_bytes]).view("<u2"))
+    b = bf16_to_f32(np.asarray(pool[b_offset:b_offset + e.b_bytes]).view("<u2"))
+    return a.reshape(e.max_rank, e.in_dim), b.reshape(e.out_dim, e.max_rank)
