@@ -44,3 +44,20 @@ def test_pool_format_reader(tmp_path: Path) -> None:
             a, b = factors
             np.testing.assert_allclose(got, float(image.scales[slot]) * (x @ a.T) @ b.T,
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_every_finding_code_is_documented() -> None:
+    """docs/inspect.md lists every stable finding code the audit can emit."""
+    package = DOCS.parent / "metrale_cli"
+    source = "".join((package / f"{name}.py").read_text()
+                     for name in ("audit", "experts", "overlays", "findings"))
+    emitted = set(re.findall(r'Severity\.[A-Z]+(?: if [^,]+ else Severity\.[A-Z]+)?, "([a-z_]+)"',
+                             source))
+    # The audit's tables: (tensor part, code, what) and (config check, code, message).
+    part = r"lora_[A-Za-z_.]+|base_layer\.\w+|weight|bias"
+    emitted |= set(re.findall(rf'\("(?:{part})", "([a-z_]+)", "', source))
+    emitted |= set(re.findall(r'(?:\)\)|True|\(None, "none"\)), "([a-z_]+)",\s*\n', source))
+    emitted |= {"missing_a", "missing_b"}  # built as f"missing_{a|b}"
+    documented = set(re.findall(r"`([a-z_]+)`", (DOCS / "inspect.md").read_text()))
+    assert len(emitted) > 30
+    assert emitted - documented == set()
