@@ -325,18 +325,6 @@ def total_bytes(
     return total
 
 
-def plan_layout(
-    adapter_args: list[str],
-    model: str | None,
-    modules: list[LoraModule] | None,
-    max_rank: int | None,
-    align: int = DEFAULT_ALIGN,
-    reports: list[AdapterReport] | None = None,
-) -> SlotLayout:
-    """The slot layout of a pool (see `plan_pool`)."""
-    return plan_pool(adapter_args, model, modules, max_rank, align, reports)[0]
-
-
 def plan_pool(
     adapter_args: list[str],
     model: str | None,

@@ -33,7 +33,7 @@ from metrale_cli.adapter import Adapter, AdapterKey
 from metrale_cli.bf16 import bf16_to_f32, to_bf16
 from metrale_cli.errors import UsageError
 from metrale_cli.findings import Collector, Severity
-from metrale_cli.layout import BF16_BYTES, DEFAULT_ALIGN, POINTER_BYTES, align_up
+from metrale_cli.layout import BF16_BYTES, DEFAULT_ALIGN, POINTER_BYTES, PaddedPair, align_up
 from metrale_cli.models import ModelConfig
 from metrale_cli.safetensors_header import TensorInfo
 
@@ -346,7 +346,7 @@ def _check_rsLoRA_rewrite(
 
 
 @dataclass(frozen=True)
-class ExpertEntry:
+class ExpertEntry(PaddedPair):
     layer: int
     proj: ExpertProj
     expert: int
@@ -356,14 +356,6 @@ class ExpertEntry:
     a_offset: int
     b_offset: int
     max_rank: int
-
-    @property
-    def a_bytes(self) -> int:
-        return self.max_rank * self.in_dim * BF16_BYTES
-
-    @property
-    def b_bytes(self) -> int:
-        return self.out_dim * self.max_rank * BF16_BYTES
 
     def record(self) -> dict[str, Any]:
         return {"layer": self.layer, "proj": self.proj.value, "expert": self.expert,

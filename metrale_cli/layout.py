@@ -32,15 +32,12 @@ def align_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-@dataclass(frozen=True)
-class LayoutEntry:
-    layer: int
-    module: LoraModule
+class PaddedPair:
+    """The A `[max_rank, in_dim]` and B `[out_dim, max_rank]` BF16 regions of one projection;
+    shared by the slot layout's and the expert layout's entries."""
+
     out_dim: int
     in_dim: int
-    # Byte offsets within a slot.
-    a_offset: int
-    b_offset: int
     max_rank: int
 
     @property
@@ -50,6 +47,18 @@ class LayoutEntry:
     @property
     def b_bytes(self) -> int:
         return self.out_dim * self.max_rank * BF16_BYTES
+
+
+@dataclass(frozen=True)
+class LayoutEntry(PaddedPair):
+    layer: int
+    module: LoraModule
+    out_dim: int
+    in_dim: int
+    # Byte offsets within a slot.
+    a_offset: int
+    b_offset: int
+    max_rank: int
 
     def record(self) -> dict[str, Any]:
         return {

@@ -464,21 +464,10 @@ class LoraPool:
             if self.ref_counts[slot] > 0:
                 raise SlotBusy(f"slot {slot} has {self.ref_counts[slot]} in-flight sequences")
             info: AdapterSlot = source.slots[source_slot]
-            slot_bytes = self.layout.slot_bytes
-            data = source.slot_bytes_host(source_slot)
-            region = self.pool[slot * slot_bytes:(slot + 1) * slot_bytes]
-            if self.device == "cuda":
-                region.set(data)
-            else:
-                region[:] = data
+            self._land_region(self.pool, self.a_tables, self.b_tables, self.base_address,
+                              self.layout.slot_bytes, slot, source.slot_bytes_host(source_slot),
+                              source.slot_offsets(source_slot), source_slot)
             self._zeroed[slot] = False
-            a_off, b_off = source.slot_offsets(source_slot)
-            base = self.base_address + slot * slot_bytes
-            src_base = source_slot * slot_bytes
-            self.a_tables[:, slot] = self.xp.asarray(
-                np.where(a_off < 0, 0, a_off - src_base + base).astype(np.uint64))
-            self.b_tables[:, slot] = self.xp.asarray(
-                np.where(b_off < 0, 0, b_off - src_base + base).astype(np.uint64))
             self._land_experts(slot, source, source_slot, src_ex)
             raw = getattr(source, "overlay_raw", None)
             self.overlay_raw[slot] = raw[source_slot] if raw is not None else None
@@ -504,19 +493,26 @@ class LoraPool:
             self.expert_b_tables[:, slot] = 0
             self._expert_zeroed[slot] = True
             return
-        data = source.expert_slot_bytes_host(source_slot)
+        self._land_region(self.expert_pool, self.expert_a_tables, self.expert_b_tables,
+                          self.expert_base_address, size, slot,
+                          source.expert_slot_bytes_host(source_slot),
+                          source.expert_slot_offsets(source_slot), source_slot)
+        self._expert_zeroed[slot] = False
+
+    def _land_region(self, pool: Any, a_tables: Any, b_tables: Any, base_address: int,
+                     size: int, slot: int, data: np.ndarray,
+                     offsets: tuple[np.ndarray, np.ndarray], source_slot: int) -> None:
+        """Copy a source slot's bytes into `slot` of `pool` and point its A/B tables there:
+        the source's offsets (-1 = not adapted) rebased from its slot to ours."""
+        region = pool[slot * size:(slot + 1) * size]
         if self.device == "cuda":
             region.set(data)
         else:
             region[:] = data
-        self._expert_zeroed[slot] = False
-        a_off, b_off = source.expert_slot_offsets(source_slot)
-        base = self.expert_base_address + slot * size
-        src_base = source_slot * size
-        self.expert_a_tables[:, slot] = self.xp.asarray(
-            np.where(a_off < 0, 0, a_off - src_base + base).astype(np.uint64))
-        self.expert_b_tables[:, slot] = self.xp.asarray(
-            np.where(b_off < 0, 0, b_off - src_base + base).astype(np.uint64))
+        base, src_base = base_address + slot * size, source_slot * size
+        for tables, offs in zip((a_tables, b_tables), offsets, strict=True):
+            tables[:, slot] = self.xp.asarray(
+                np.where(offs < 0, 0, offs - src_base + base).astype(np.uint64))
 
     def slot_bytes_host(self, slot: int) -> np.ndarray:
         slot_bytes = self.layout.slot_bytes
