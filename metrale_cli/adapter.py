@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,11 @@ from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 CONFIG_NAME = "adapter_config.json"
+# PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for the supported types: what a
+# config without target_modules meant when it was trained (no default for the MoE/hybrid types).
+DEFAULT_TARGETS = {
+    t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+}
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 
@@ -201,6 +206,12 @@ class AdapterConfig:
             return True
         index = _layer_index(module_key, self.layers_pattern)
         return index is not None and index in self.layers_to_transform
+
+    def with_default_targets(self, model_type: str) -> AdapterConfig:
+        """This config with PEFT's per-architecture default when `target_modules` is null."""
+        if self.target_modules is not None or model_type not in DEFAULT_TARGETS:
+            return self
+        return replace(self, target_modules=list(DEFAULT_TARGETS[model_type]))
 
     def targets_parameter(self, param_key: str) -> bool:
         """`target_parameters` matching: exact key or dot-suffix, never a regex."""

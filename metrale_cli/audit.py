@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from metrale_cli import env, experts, overlays
@@ -156,6 +156,7 @@ def audit(
     METRALE_LORA_EXPERTS."""
     if experts_enabled is None:
         experts_enabled = env.experts_enabled()
+    adapter = replace(adapter, config=adapter.config.with_default_targets(model.model_type))
     report = AdapterReport(adapter)
     out = Collector()
     _audit_config(adapter, model, out)

@@ -168,3 +168,48 @@ def test_fuzzed_adapters_never_traceback(tiny_adapter: Path, data: st.DataObject
     result = metrale("inspect", dst, "--model", src.parent)
     assert result.code in (0, 1, 2)
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+
+
+def _sparse_adapter(path: Path, rank: int) -> int:
+    """A qwen3-8b q_proj adapter at `rank` whose data is a sparse hole: header only on disk."""
+    path.mkdir()
+    header: dict = {}
+    cursor = 0
+    for layer in range(36):
+        key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        for part, shape in (("lora_A", [rank, 4096]), ("lora_B", [4096, rank])):
+            size = shape[0] * shape[1] * 2
+            header[f"{key}.{part}.weight"] = {"dtype": "BF16", "shape": shape,
+                                             "data_offsets": [cursor, cursor + size]}
+            cursor += size
+    blob = json.dumps(header).encode()
+    with open(path / "adapter_model.safetensors", "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.truncate(8 + len(blob) + cursor)
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj"],
+         "base_model_name_or_path": "Qwen/Qwen3-8B"}))
+    return 8 + len(blob) + cursor
+
+
+def test_inspect_reads_only_the_header(tmp_path: Path) -> None:
+    """A 4.8 GB adapter inspects reading as many bytes as a 4 MB one: the header alone."""
+    huge = _sparse_adapter(tmp_path / "huge", 8192)
+    tiny = _sparse_adapter(tmp_path / "tiny", 8)
+    assert huge > 4_500_000_000
+    code = (
+        "import sys\n"
+        "from metrale_cli.cli import main\n"
+        "sys.argv = ['metrale', 'inspect', sys.argv[1], '--json']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+        "io = dict(line.split(': ') for line in open('/proc/self/io').read().splitlines())\n"
+        "sys.stderr.write(io['rchar'])\n"
+    )
+    read = {}
+    for name in ("huge", "tiny"):
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / name)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["adapters"][0]["servable"]
+        read[name] = int(done.stderr.strip().splitlines()[-1])
+    assert abs(read["huge"] - read["tiny"]) < 1_000_000, read
