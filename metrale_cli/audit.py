@@ -15,13 +15,13 @@ from typing import Any
 
 from metrale_cli import env, experts, overlays
 from metrale_cli.adapter import Adapter, AdapterKey
+from metrale_cli.bf16 import LORA_DTYPES
 from metrale_cli.experts import ExpertPair
 from metrale_cli.findings import Collector, Finding, Severity, layer_ranges
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL, LoraModule
 from metrale_cli.safetensors_header import TensorInfo
 
-LORA_DTYPES = ("F32", "BF16", "F16")
 BYTES_PER_ELEMENT = 2  # the pool holds BF16
 
 

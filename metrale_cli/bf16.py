@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 # safetensors dtype -> NumPy dtype of the raw little-endian elements.
-RAW_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+RAW_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
+# The dtypes a LoRA tensor may have to be packed: exactly those this module converts.
+LORA_DTYPES = tuple(RAW_DTYPES)
 
 
 def f32_to_bf16(values: np.ndarray) -> np.ndarray:

@@ -30,14 +30,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from metrale_cli.adapter import Adapter, AdapterKey
-from metrale_cli.bf16 import bf16_to_f32, to_bf16
+from metrale_cli.bf16 import LORA_DTYPES, bf16_to_f32, to_bf16
 from metrale_cli.errors import UsageError
 from metrale_cli.findings import Collector, Severity
 from metrale_cli.layout import BF16_BYTES, DEFAULT_ALIGN, POINTER_BYTES, PaddedPair, align_up
 from metrale_cli.models import ModelConfig
 from metrale_cli.safetensors_header import TensorInfo
 
-LORA_DTYPES = ("F32", "BF16", "F16")
 EXPERT_LAYOUT_FORMAT = "expert-layout/1"
 ROUTER_EXPERT = -1
 

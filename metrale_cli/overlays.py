@@ -22,14 +22,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from metrale_cli.adapter import Adapter, AdapterKey
-from metrale_cli.bf16 import bf16_to_f32
+from metrale_cli.bf16 import LORA_DTYPES, bf16_to_f32
 from metrale_cli.findings import Collector, Severity
 from metrale_cli.models import ModelConfig
 from metrale_cli.safetensors_header import TensorInfo
 
 TABLES = ("embed_tokens", "lm_head")
 OVERLAY_PART = "token_adapter.trainable_tokens_delta"
-LORA_DTYPES = ("F32", "BF16", "F16")
 
 
 @dataclass(frozen=True)
