@@ -18,12 +18,12 @@ from rich.console import Console
 
 from metrale_cli import __version__, env
 from metrale_cli.adapter import Adapter, parse_adapter_args
-from metrale_cli.audit import AdapterReport, audit
+from metrale_cli.audit import audit
 from metrale_cli.errors import MetraleError, NotServable, OutputExists, UsageError
-from metrale_cli.experts import ExpertLayout, slots_for_budget
-from metrale_cli.layout import DEFAULT_ALIGN, SlotLayout, parse_size
+from metrale_cli.layout import DEFAULT_ALIGN, parse_size
 from metrale_cli.models import PRESETS, ModelConfig, resolve_model
 from metrale_cli.modules import LoraModule
+from metrale_cli.plan import Footprint, PoolPlan, inspect_record, plan_layouts
 
 app = typer.Typer(
     name="metrale",
@@ -202,54 +202,15 @@ def inspect(
     cfg = model_for(model, loaded)
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    layouts = {r.name: adapter_slot_layout(cfg, r, max_rank) for r in reports}
-    expert_layouts = {r.name: adapter_expert_layout(cfg, r, max_rank) for r in reports}
+    footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
     if json_out:
-        emit_json(inspect_record(cfg, reports, layouts, expert_layouts, enabled))
+        emit_json(inspect_record(cfg, reports, footprints, enabled))
     else:
         from metrale_cli import render
 
-        out.print(render.inspect_view(cfg, reports, layouts, expert_layouts))
+        out.print(render.inspect_view(cfg, reports, footprints))
     if not all(r.servable for r in reports):
         raise typer.Exit(1)
-
-
-def adapter_slot_layout(
-    cfg: ModelConfig, report: AdapterReport, max_rank: int | None
-) -> SlotLayout | None:
-    """The slot this adapter alone would need: its modules, padded to --max-rank (or its rank)."""
-    if not report.modules:
-        return None
-    return SlotLayout.build(cfg, report.module_set, max(max_rank or 0, report.rank))
-
-
-def adapter_expert_layout(
-    cfg: ModelConfig, report: AdapterReport, max_rank: int | None
-) -> ExpertLayout | None:
-    """The expert slot this adapter alone would need: its pairs, padded to --max-rank (or
-    its largest expert rank)."""
-    if not report.expert_pairs:
-        return None
-    return ExpertLayout.for_pairs(cfg, report.expert_pairs,
-                                  max(max_rank or 0, report.expert_rank))
-
-
-def inspect_record(
-    cfg: ModelConfig,
-    reports: list[AdapterReport],
-    layouts: dict[str, SlotLayout | None],
-    expert_layouts: dict[str, ExpertLayout | None] | None = None,
-    experts_enabled: bool = False,
-) -> dict[str, Any]:
-    adapters = []
-    for r in reports:
-        record = r.record()
-        layout = layouts[r.name]
-        ex = (expert_layouts or {}).get(r.name)
-        record["slot_bytes"] = layout.slot_bytes if layout else 0
-        record["expert_slot_bytes"] = ex.expert_slot_bytes if ex else 0
-        adapters.append(record)
-    return {"model": cfg.summary(), "experts_enabled": experts_enabled, "adapters": adapters}
 
 
 # -- layout -------------------------------------------------------------------------------------
@@ -281,90 +242,21 @@ def layout(
     """The byte-exact slot layout and capacity plan of a pool (and of its expert pool)."""
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
-    if max_loras is not None and budget is not None:
-        raise UsageError("give --max-loras or --budget, not both")
-    budget_bytes = parse_size(budget) if budget is not None else None
-    the_layout, expert_layout = plan_pool(adapters or [], model, parse_modules(modules),
-                                          max_rank, align, experts=experts_on(experts))
-    if budget_bytes is not None:
-        max_loras = slots_for_budget(the_layout.slot_bytes + the_layout.table_bytes(1),
-                                     expert_layout, budget_bytes)
+    enabled = experts_on(experts)
+    loaded = load_adapters(adapters) if adapters else []
+    if model is None and not loaded:
+        raise UsageError("--model is required (or give startup adapters)")
+    cfg = model_for(model, loaded)
+    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+    layouts = plan_layouts(cfg, reports, parse_modules(modules), max_rank, align, enabled)
+    plan = PoolPlan.sized(*layouts, max_loras,
+                          parse_size(budget) if budget is not None else None)
     if json_out:
-        record = the_layout.record(max_loras)
-        record["table_bytes"] = the_layout.table_bytes(max_loras) if max_loras else None
-        record["budget_bytes"] = budget_bytes
-        record["shares"] = the_layout.shares()
-        record["experts"] = expert_record(expert_layout, max_loras)
-        record["total_bytes"] = total_bytes(the_layout, expert_layout, max_loras)
-        emit_json(record)
+        emit_json(plan.record())
     else:
         from metrale_cli import render
 
-        out.print(render.layout_view(the_layout, max_loras, budget_bytes, expert_layout,
-                                     total_bytes(the_layout, expert_layout, max_loras)))
-
-
-def expert_record(expert_layout: ExpertLayout | None, max_loras: int | None) -> Any:
-    """The expert pool's part of the layout record (its entries are in the pool image)."""
-    if expert_layout is None:
-        return None
-    return {**expert_layout.record(max_loras, entries=False),
-            "table_bytes": expert_layout.table_bytes(max_loras) if max_loras else None,
-            "shares": expert_layout.shares()}
-
-
-def total_bytes(
-    the_layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras: int | None
-) -> int | None:
-    """Both pools and all their tables for `max_loras` slots."""
-    if not max_loras:
-        return None
-    total = the_layout.pool_bytes(max_loras) + the_layout.table_bytes(max_loras)
-    if expert_layout is not None:
-        total += expert_layout.pool_bytes(max_loras) + expert_layout.table_bytes(max_loras)
-    return total
-
-
-def plan_pool(
-    adapter_args: list[str],
-    model: str | None,
-    modules: list[LoraModule] | None,
-    max_rank: int | None,
-    align: int = DEFAULT_ALIGN,
-    reports: list[AdapterReport] | None = None,
-    experts: bool = False,
-) -> tuple[SlotLayout, ExpertLayout | None]:
-    """The layouts of a pool: --modules or the union of the adapters' modules; --max-rank or
-    their largest rank. With `experts`, the expert layout: the union of the adapters' expert
-    pairs, or without adapters every routed expert and router of the model."""
-    if reports is None:
-        loaded = [] if not adapter_args else load_adapters(adapter_args)
-        if model is None and not loaded:
-            raise UsageError("--model is required (or give startup adapters)")
-        cfg = model_for(model, loaded)
-        reports = [audit(a, cfg, max_rank, experts) for a in loaded]
-    else:
-        cfg = model_for(model, [r.adapter for r in reports])
-    pairs = [p for r in reports for p in r.expert_pairs]
-    other_content = bool(pairs) or any(r.overlays for r in reports) or (experts and not reports)
-    if modules is None:
-        union = {m for r in reports for m in r.module_set}
-        if not union and not other_content:
-            raise UsageError("--modules is required when no adapter gives the module set")
-        modules = [m for m in LoraModule if m in union]
-    if max_rank is None:
-        if not reports:
-            raise UsageError("--max-rank is required when no adapter gives the rank")
-        max_rank = max(r.rank for r in reports)
-    expert_layout = None
-    if experts and pairs:
-        expert_layout = ExpertLayout.for_pairs(cfg, pairs, max(max_rank,
-                                                               max(p.r for p in pairs)), align)
-    elif experts and not reports:
-        if not cfg.num_experts:
-            raise UsageError(f"--experts: {cfg.source or cfg.model_type} has no routed experts")
-        expert_layout = ExpertLayout.for_model(cfg, max_rank, align)
-    return SlotLayout.build(cfg, modules, max_rank, align), expert_layout
+        out.print(render.layout_view(plan))
 
 
 # -- synth --------------------------------------------------------------------------------------
@@ -442,8 +334,8 @@ def pack(
                 err.print(f"{r.name}: {f.code}: {f.message}", markup=False)
         raise NotServable(f"{len(refused)} adapter(s) not servable: "
                           f"{', '.join(r.name for r in refused)}")
-    the_layout, expert_layout = plan_pool([], model, parse_modules(modules), max_rank,
-                                          reports=reports, experts=enabled)
+    the_layout, expert_layout = plan_layouts(cfg, reports, parse_modules(modules), max_rank,
+                                             experts=enabled)
     result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
                        progress_console=err if err.is_terminal and not json_out else None,
                        expert_layout=expert_layout)

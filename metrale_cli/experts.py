@@ -483,16 +483,6 @@ class ExpertLayout:
         return record
 
 
-def slots_for_budget(slot_bytes_and_tables: int, expert: ExpertLayout | None,
-                     budget_bytes: int) -> int:
-    """How many slots fit when each costs its slot-pool bytes and tables plus its expert-pool
-    bytes and expert tables."""
-    per_slot = slot_bytes_and_tables
-    if expert is not None:
-        per_slot += expert.expert_slot_bytes + expert.table_bytes(1)
-    return budget_bytes // per_slot if per_slot else 0
-
-
 # -- packing ------------------------------------------------------------------------------------
 
 

@@ -150,11 +150,6 @@ class SlotLayout:
     def pool_bytes(self, max_loras: int) -> int:
         return max_loras * self.slot_bytes
 
-    def slots_for_budget(self, budget_bytes: int) -> int:
-        """How many slots (pool bytes plus their tables) fit in `budget_bytes`."""
-        per_slot = self.slot_bytes + self.table_bytes(1)
-        return budget_bytes // per_slot if per_slot else 0
-
     def shares(self) -> dict[str, dict[str, int]]:
         """Slot bytes by module and by layer kind (A + B, without alignment padding)."""
         by_module: dict[str, int] = {}

@@ -16,6 +16,7 @@ from metrale_cli.experts import ExpertLayout, coverage
 from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL
+from metrale_cli.plan import Footprint, PoolPlan
 
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -44,15 +45,11 @@ def model_line(model: ModelConfig) -> str:
 
 
 def inspect_view(
-    model: ModelConfig,
-    reports: list[AdapterReport],
-    slot_layouts: dict[str, SlotLayout | None],
-    expert_layouts: dict[str, ExpertLayout | None] | None = None,
+    model: ModelConfig, reports: list[AdapterReport], footprints: list[Footprint]
 ) -> Group:
     parts: list[Any] = [Text(model_line(model), style="bold")]
-    for report in reports:
-        parts.append(_adapter_panel(model, report, slot_layouts.get(report.name),
-                                    (expert_layouts or {}).get(report.name)))
+    for report, footprint in zip(reports, footprints, strict=True):
+        parts.append(_adapter_panel(model, report, footprint.layout, footprint.expert_layout))
     return Group(*parts)
 
 
@@ -187,10 +184,9 @@ def _expert_table(model: ModelConfig, report: AdapterReport) -> Table:
     return table
 
 
-def layout_view(
-    layout: SlotLayout, max_loras: int | None, budget: int | None,
-    expert_layout: ExpertLayout | None = None, total: int | None = None,
-) -> Group:
+def layout_view(plan: PoolPlan) -> Group:
+    layout, expert_layout = plan.layout, plan.expert_layout
+    max_loras, budget, total = plan.max_loras, plan.budget_bytes, plan.total_bytes
     table = Table.grid(padding=(0, 2))
     table.add_column(style="dim")
     table.add_column()

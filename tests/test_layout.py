@@ -8,6 +8,7 @@ from metrale_cli.errors import UsageError
 from metrale_cli.layout import SlotLayout, parse_size
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import LoraModule
+from metrale_cli.plan import PoolPlan
 
 ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
 
@@ -44,7 +45,8 @@ def test_fingerprint_tracks_byte_positions() -> None:
 
 def test_capacity() -> None:
     layout = SlotLayout.build(ModelConfig.preset("qwen3-next-80b-a3b"), ATTN, 16)
-    fits = layout.slots_for_budget(parse_size("40GiB"))
+    fits = PoolPlan.sized(layout, None, budget_bytes=parse_size("40GiB")).max_loras
+    assert fits == 2800
     assert layout.pool_bytes(fits) + layout.table_bytes(fits) <= 40 * 2**30
     assert layout.pool_bytes(fits + 1) + layout.table_bytes(fits + 1) > 40 * 2**30
 
