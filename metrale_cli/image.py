@@ -13,7 +13,7 @@ import numpy as np
 
 from metrale_cli.atomic import atomic_write
 from metrale_cli.errors import FormatError
-from metrale_cli.experts import ExpertLayout, expert_factors
+from metrale_cli.expert_pool import ExpertLayout, expert_factors
 from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import LoraModule

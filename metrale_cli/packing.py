@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale_cli.audit import AdapterReport
-from metrale_cli.experts import ExpertLayout
+from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.image import write_image
 from metrale_cli.layout import SlotLayout
 from metrale_cli.pool import LoraPool, PackStats, pick_device

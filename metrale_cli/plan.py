@@ -11,7 +11,7 @@ from typing import Any
 
 from metrale_cli.audit import AdapterReport
 from metrale_cli.errors import UsageError
-from metrale_cli.experts import ExpertLayout
+from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import DEFAULT_ALIGN, SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL, LoraModule

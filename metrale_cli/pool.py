@@ -23,7 +23,7 @@ from metrale_cli.audit import AdapterReport, ModuleRecord
 from metrale_cli.bf16 import RAW_DTYPES, to_bf16
 from metrale_cli.compat import cupy_module, has_gpu
 from metrale_cli.errors import FormatError, LayoutMismatch, PoolFull, SlotBusy, UsageError
-from metrale_cli.experts import ExpertLayout, pack_expert_slot
+from metrale_cli.expert_pool import ExpertLayout, pack_expert_slot
 from metrale_cli.layout import SlotLayout
 from metrale_cli.overlays import OverlayRaw, read_overlays
 from metrale_cli.safetensors_header import TensorInfo

@@ -12,7 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from metrale_cli.audit import AdapterReport, Severity, layer_ranges
-from metrale_cli.experts import ExpertLayout, coverage
+from metrale_cli.expert_pool import ExpertLayout
+from metrale_cli.experts import coverage
 from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL

@@ -13,7 +13,8 @@ import pytest
 
 from metrale_cli.adapter import Adapter
 from metrale_cli.audit import audit
-from metrale_cli.experts import ExpertLayout, ExpertProj
+from metrale_cli.expert_pool import ExpertLayout
+from metrale_cli.experts import ExpertProj
 from metrale_cli.image import PoolImage
 from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig, resolve_model

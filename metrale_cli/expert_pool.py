@@ -1,0 +1,223 @@
+"""The expert pool: the layout of one expert slot, and how a slot is filled and read back.
+
+`ExpertLayout` lays `ExpertPair`s out in one expert slot the way `SlotLayout` lays out modules
+in a slot; `pack_expert_slot` fills one slot's region; `expert_factors` reads a pair back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Protocol
+
+import numpy as np
+
+from metrale_cli.bf16 import bf16_to_f32, to_bf16
+from metrale_cli.errors import UsageError
+from metrale_cli.experts import ROUTER_EXPERT, ExpertPair, ExpertProj, entry_sort_key
+from metrale_cli.layout import BF16_BYTES, DEFAULT_ALIGN, POINTER_BYTES, PaddedPair, align_up
+from metrale_cli.models import ModelConfig
+from metrale_cli.safetensors_header import TensorInfo
+
+EXPERT_LAYOUT_FORMAT = "expert-layout/1"
+
+# -- the layout ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertEntry(PaddedPair):
+    layer: int
+    proj: ExpertProj
+    expert: int
+    out_dim: int
+    in_dim: int
+    # Byte offsets within an expert slot.
+    a_offset: int
+    b_offset: int
+    max_rank: int
+
+    def record(self) -> dict[str, Any]:
+        return {"layer": self.layer, "proj": self.proj.value, "expert": self.expert,
+                "out_dim": self.out_dim, "in_dim": self.in_dim, "a_offset": self.a_offset,
+                "b_offset": self.b_offset}
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """One expert slot: every (layer, projection, expert) in `keys`, each reserving A
+    `[max_rank, in_dim]` then B `[out_dim, max_rank]`, row-major BF16 at aligned offsets, in
+    `entry_sort_key` order (as `SlotLayout` does for modules)."""
+
+    model: ModelConfig
+    keys: tuple[tuple[int, ExpertProj, int], ...]
+    max_rank: int
+    align: int = DEFAULT_ALIGN
+
+    def __post_init__(self) -> None:
+        if self.max_rank <= 0:
+            raise UsageError(f"max rank must be positive, got {self.max_rank}")
+        if self.align <= 0 or self.align & (self.align - 1):
+            raise UsageError(f"alignment must be a power of two, got {self.align}")
+
+    @classmethod
+    def build(cls, model: ModelConfig, keys: Iterable[tuple[int, ExpertProj, int]],
+              max_rank: int, align: int = DEFAULT_ALIGN) -> ExpertLayout:
+        ordered = tuple(sorted(set(keys), key=lambda k: entry_sort_key(*k)))
+        return cls(model, ordered, max_rank, align)
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, max_rank: int, align: int = DEFAULT_ALIGN,
+                  router: bool = True) -> ExpertLayout:
+        """Every routed expert's gate/up/down (and the router) on every MoE layer: what a pool
+        must reserve to take any expert adapter of rank <= max_rank."""
+        keys = []
+        for layer in model.moe_layers:
+            if router:
+                keys.append((layer, ExpertProj.ROUTER, ROUTER_EXPERT))
+            keys.extend((layer, p, e) for e in range(model.num_experts)
+                        for p in (ExpertProj.GATE_PROJ, ExpertProj.UP_PROJ, ExpertProj.DOWN_PROJ))
+        return cls.build(model, keys, max_rank, align)
+
+    @classmethod
+    def for_pairs(cls, model: ModelConfig, pairs: Iterable[ExpertPair], max_rank: int | None,
+                  align: int = DEFAULT_ALIGN) -> ExpertLayout | None:
+        """The pairs' union, padded to `max_rank` (default: their largest rank); None when
+        there are none."""
+        pairs = list(pairs)
+        if not pairs:
+            return None
+        rank = max_rank if max_rank is not None else max(p.r for p in pairs)
+        return cls.build(model, (p.key for p in pairs), rank, align)
+
+    @classmethod
+    def from_record(cls, model: ModelConfig, record: dict[str, Any]) -> ExpertLayout:
+        keys = [(int(e["layer"]), ExpertProj(e["proj"]), int(e["expert"]))
+                for e in record["entries"]]
+        return cls.build(model, keys, int(record["max_rank"]), int(record["align"]))
+
+    @cached_property
+    def entries(self) -> tuple[ExpertEntry, ...]:
+        entries = []
+        offset = 0
+        rank, align = self.max_rank, self.align
+        for layer, proj, expert in self.keys:
+            out_dim, in_dim = proj.dims(self.model)
+            a_offset = align_up(offset, align)
+            b_offset = align_up(a_offset + rank * in_dim * BF16_BYTES, align)
+            offset = b_offset + out_dim * rank * BF16_BYTES
+            entries.append(ExpertEntry(layer, proj, expert, out_dim, in_dim, a_offset,
+                                       b_offset, rank))
+        return tuple(entries)
+
+    @cached_property
+    def index(self) -> dict[tuple[int, ExpertProj, int], int]:
+        return {k: i for i, k in enumerate(self.keys)}
+
+    @cached_property
+    def expert_slot_bytes(self) -> int:
+        if not self.entries:
+            return 0
+        last = self.entries[-1]
+        return align_up(last.b_offset + last.b_bytes, self.align)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        canonical = {
+            "format": EXPERT_LAYOUT_FORMAT, "dtype": "BF16", "align": self.align,
+            "max_rank": self.max_rank, "expert_slot_bytes": self.expert_slot_bytes,
+            "entries": [[e.layer, e.proj.value, e.expert, e.out_dim, e.in_dim, e.a_offset,
+                         e.b_offset] for e in self.entries],
+        }
+        blob = json.dumps(canonical, separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    def table_bytes(self, max_loras: int) -> int:
+        """The expert A and B pointer tables, `[n_entries, max_loras]` u64 each."""
+        return max_loras * len(self.entries) * 2 * POINTER_BYTES
+
+    def pool_bytes(self, max_loras: int) -> int:
+        return max_loras * self.expert_slot_bytes
+
+    def shares(self) -> dict[str, int]:
+        """Expert-slot bytes by projection (A + B, without alignment padding)."""
+        by_proj: dict[str, int] = {}
+        for e in self.entries:
+            by_proj[e.proj.value] = by_proj.get(e.proj.value, 0) + e.a_bytes + e.b_bytes
+        return by_proj
+
+    def record(self, max_loras: int | None = None, entries: bool = True) -> dict[str, Any]:
+        layers = sorted({e.layer for e in self.entries})
+        record: dict[str, Any] = {
+            "expert_slot_bytes": self.expert_slot_bytes,
+            "expert_pool_bytes": self.pool_bytes(max_loras) if max_loras is not None else None,
+            "max_rank": self.max_rank,
+            "align": self.align,
+            "dtype": "BF16",
+            "n_entries": len(self.entries),
+            "layers": layers,
+            "experts_per_layer": self.model.num_experts,
+            "fingerprint": self.fingerprint,
+        }
+        if entries:
+            record["entries"] = [e.record() for e in self.entries]
+        return record
+
+
+# -- packing ------------------------------------------------------------------------------------
+
+
+class RawReader(Protocol):
+    def read(self, info: TensorInfo) -> np.ndarray: ...
+
+
+def pack_expert_slot(
+    reader: RawReader,
+    pairs: list[ExpertPair],
+    layout: ExpertLayout,
+    region: np.ndarray,
+    slot_scale: float,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write `pairs` into one expert slot's `region` (u8, all zero on entry): A rows and B
+    columns up to the pair's rank, each pair's PEFT scaling relative to `slot_scale` folded into
+    its B before the single rounding to BF16. Each file tensor is read once, however many
+    experts share it. Returns the file bytes read."""
+    groups: dict[tuple[str, str], list[ExpertPair]] = defaultdict(list)
+    for p in pairs:
+        groups[(p.a.name, p.b.name)].append(p)
+    read = 0
+    rank = layout.max_rank
+    for group in groups.values():
+        first = group[0]
+        a_all = reader.read(first.a).reshape(first.a.shape).copy()
+        b_all = reader.read(first.b).reshape(first.b.shape)
+        read += first.a.nbytes + first.b.nbytes
+        for p in group:
+            entry = layout.entries[layout.index[p.key]]
+            a_dst = region[entry.a_offset:entry.a_offset + p.r * p.in_dim * BF16_BYTES]
+            a_dst.view(np.uint16)[:] = to_bf16(
+                np.ascontiguousarray(a_all[p.a_row:p.a_row + p.r]), p.a.dtype).reshape(-1)
+            b_src = b_all[p.b_row:p.b_row + p.out_dim,
+                          p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
+            b_dst = region[entry.b_offset:entry.b_offset + entry.b_bytes].view(np.uint16)
+            b_dst.reshape(p.out_dim, rank)[:, :p.r] = to_bf16(
+                np.ascontiguousarray(b_src), p.b.dtype, p.scaling / slot_scale
+            ).reshape(p.out_dim, p.r)
+        if progress is not None:
+            progress(first.a.nbytes + first.b.nbytes)
+    return read
+
+
+def expert_factors(
+    pool: np.ndarray, layout: ExpertLayout, entry: int, a_offset: int, b_offset: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Entry `entry`'s A `[max_rank, in]` and B `[out, max_rank]` as float32 from a pool's
+    bytes at the given offsets (zero padding included: it adds nothing to B @ A)."""
+    e = layout.entries[entry]
+    a = bf16_to_f32(np.asarray(pool[a_offset:a_offset + e.a_bytes]).view("<u2"))
+    b = bf16_to_f32(np.asarray(pool[b_offset:b_offset + e.b_bytes]).view("<u2"))
+    return a.reshape(e.max_rank, e.in_dim), b.reshape(e.out_dim, e.max_rank)
