@@ -17,9 +17,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from metrale_cli.bf16 import bf16_to_f32, to_bf16
-from metrale_cli.errors import UsageError
 from metrale_cli.experts import ROUTER_EXPERT, ExpertPair, ExpertProj, entry_sort_key
-from metrale_cli.layout import BF16_BYTES, DEFAULT_ALIGN, POINTER_BYTES, PaddedPair, align_up
+from metrale_cli.layout import (
+    BF16_BYTES,
+    DEFAULT_ALIGN,
+    POINTER_BYTES,
+    PaddedPair,
+    align_up,
+    check_rank_and_align,
+)
 from metrale_cli.models import ModelConfig
 from metrale_cli.safetensors_header import TensorInfo
 
@@ -58,10 +64,7 @@ class ExpertLayout:
     align: int = DEFAULT_ALIGN
 
     def __post_init__(self) -> None:
-        if self.max_rank <= 0:
-            raise UsageError(f"max rank must be positive, got {self.max_rank}")
-        if self.align <= 0 or self.align & (self.align - 1):
-            raise UsageError(f"alignment must be a power of two, got {self.align}")
+        check_rank_and_align(self.max_rank, self.align)
 
     @classmethod
     def build(cls, model: ModelConfig, keys: Iterable[tuple[int, ExpertProj, int]],

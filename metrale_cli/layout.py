@@ -32,6 +32,14 @@ def align_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
+def check_rank_and_align(max_rank: int, align: int) -> None:
+    """What every padded layout needs: a positive max rank, a power-of-two alignment."""
+    if max_rank <= 0:
+        raise UsageError(f"max rank must be positive, got {max_rank}")
+    if align <= 0 or align & (align - 1):
+        raise UsageError(f"alignment must be a power of two, got {align}")
+
+
 class PaddedPair:
     """The A `[max_rank, in_dim]` and B `[out_dim, max_rank]` BF16 regions of one projection;
     shared by the slot layout's and the expert layout's entries."""
@@ -79,10 +87,7 @@ class SlotLayout:
     align: int = DEFAULT_ALIGN
 
     def __post_init__(self) -> None:
-        if self.max_rank <= 0:
-            raise UsageError(f"max rank must be positive, got {self.max_rank}")
-        if self.align <= 0 or self.align & (self.align - 1):
-            raise UsageError(f"alignment must be a power of two, got {self.align}")
+        check_rank_and_align(self.max_rank, self.align)
         # An empty module set is a zero-byte slot: a pool that serves only expert LoRA or
         # token overlays (the CLI refuses an empty --modules itself).
 

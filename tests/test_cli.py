@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.cli_runner import metrale
+from tests.header_only import write_header_only
 
 ATTN = "q_proj,k_proj,v_proj,o_proj,out_proj"
 
@@ -173,23 +174,15 @@ def test_fuzzed_adapters_never_traceback(tiny_adapter: Path, data: st.DataObject
 def _sparse_adapter(path: Path, rank: int) -> int:
     """A qwen3-8b q_proj adapter at `rank` whose data is a sparse hole: header only on disk."""
     path.mkdir()
-    header: dict = {}
-    cursor = 0
+    tensors = []
     for layer in range(36):
         key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
-        for part, shape in (("lora_A", [rank, 4096]), ("lora_B", [4096, rank])):
-            size = shape[0] * shape[1] * 2
-            header[f"{key}.{part}.weight"] = {"dtype": "BF16", "shape": shape,
-                                             "data_offsets": [cursor, cursor + size]}
-            cursor += size
-    blob = json.dumps(header).encode()
-    with open(path / "adapter_model.safetensors", "wb") as f:
-        f.write(len(blob).to_bytes(8, "little") + blob)
-        f.truncate(8 + len(blob) + cursor)
+        tensors += [(f"{key}.lora_A.weight", "BF16", [rank, 4096]),
+                    (f"{key}.lora_B.weight", "BF16", [4096, rank])]
     (path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj"],
          "base_model_name_or_path": "Qwen/Qwen3-8B"}))
-    return 8 + len(blob) + cursor
+    return write_header_only(path / "adapter_model.safetensors", tensors)
 
 
 def test_inspect_reads_only_the_header(tmp_path: Path) -> None:

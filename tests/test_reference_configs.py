@@ -4,12 +4,12 @@ header-only adapter files of their shapes: rsLoRA scaling, PEFT's default target
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
 from tests.cli_runner import metrale
+from tests.header_only import write_header_only
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "adapter_configs"
 PREFIX = "huggingface-peft_method-comparison_llama-3.2-3B-"
@@ -33,23 +33,15 @@ def adapter_from(tmp_path: Path, name: str, modules: list[str], extra: list[str]
     out.mkdir()
     (out / "adapter_config.json").write_text(json.dumps(config))
     r = config["r"]
-    header: dict = {}
-    cursor = 0
+    tensors = []
     for layer in range(28):
         for module in modules:
             out_dim, in_dim = DIMS[module]
             key = f"base_model.model.model.layers.{layer}.{PATH[module]}"
-            tensors = [("lora_A.weight", [r, in_dim]), ("lora_B.weight", [out_dim, r])]
-            tensors += [(part, [out_dim]) for part in extra]
-            for part, shape in tensors:
-                size = math.prod(shape) * 4
-                header[f"{key}.{part}"] = {"dtype": "F32", "shape": shape,
-                                           "data_offsets": [cursor, cursor + size]}
-                cursor += size
-    blob = json.dumps(header).encode()
-    with open(out / "adapter_model.safetensors", "wb") as f:
-        f.write(len(blob).to_bytes(8, "little") + blob)
-        f.truncate(8 + len(blob) + cursor)
+            parts = [("lora_A.weight", [r, in_dim]), ("lora_B.weight", [out_dim, r])]
+            parts += [(part, [out_dim]) for part in extra]
+            tensors += [(f"{key}.{part}", "F32", shape) for part, shape in parts]
+    write_header_only(out / "adapter_model.safetensors", tensors)
     return out
 
 
