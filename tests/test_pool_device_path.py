@@ -1,0 +1,112 @@
+"""The pool's CUDA code path (staging buffers, `.set()`, `asnumpy`, device addresses), run on
+the host through a CuPy stand-in, must give the same pool image as the NumPy path. The real
+device is checked by the `gpu` tests; this catches the device branch's logic on every CI run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from metrale_cli import pool as pool_module
+from metrale_cli.adapter import Adapter
+from metrale_cli.audit import audit
+from metrale_cli.image import PoolImage, write_image
+from metrale_cli.models import ModelConfig
+from metrale_cli.plan import plan_layouts
+from metrale_cli.pool import LoraPool
+from tests.cli_runner import metrale
+
+
+class DeviceArray(np.ndarray):
+    """Host memory that answers like a CuPy array: `.set(host)` and `.data.ptr`."""
+
+    def set(self, host: np.ndarray) -> None:
+        np.copyto(np.asarray(self), host)
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+
+class FakeCupy:
+    """The slice of CuPy's API the pool uses; every array is a DeviceArray."""
+
+    @staticmethod
+    def zeros(shape: Any, dtype: Any) -> DeviceArray:
+        return np.zeros(shape, dtype).view(DeviceArray)
+
+    @staticmethod
+    def asarray(array: Any) -> DeviceArray:
+        return np.asarray(array).view(DeviceArray)
+
+    @staticmethod
+    def asnumpy(array: Any) -> np.ndarray:
+        return np.array(array, copy=True).view(np.ndarray)
+
+
+@pytest.fixture()
+def adapters(tmp_path: Path) -> tuple[ModelConfig, list]:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+        "intermediate_size": 48, "linear_num_value_heads": 3, "linear_value_head_dim": 8,
+        "full_attention_interval": 2}))
+    for name, rank, dtype in (("a", 4, "bf16"), ("b", 2, "f32")):
+        assert metrale("synth", tmp_path / name, "--model", tmp_path, "--modules",
+                       "q_proj,v_proj,out_proj", "--rank", rank, "--dtype", dtype).code == 0
+    model = ModelConfig.from_hf(tmp_path)
+    return model, [audit(Adapter.load(tmp_path / n), model) for n in ("a", "b")]
+
+
+def test_device_path_matches_host_path(adapters, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    model, reports = adapters
+    layout, _ = plan_layouts(model, reports)
+    host, _ = LoraPool.load(layout, 3, reports, device="cpu")
+    monkeypatch.setattr(pool_module, "cupy_module", lambda: FakeCupy)
+    device, _ = LoraPool.load(layout, 3, reports, device="cuda")
+    assert device.device == "cuda" and isinstance(device.pool, DeviceArray)
+    # Tables hold "device" addresses of the device pool.
+    i = layout.index[(1, next(iter(layout.modules)))]
+    assert int(device.a_tables[i, 0]) == device.base_address + layout.entries[i].a_offset
+    paths = []
+    for p in (host, device):
+        paths.append(tmp_path / f"{p.device}.safetensors")
+        write_image(p, paths[-1])
+    a, b = (PoolImage.open(p) for p in paths)
+    assert np.array_equal(a.pool, b.pool) and np.array_equal(a.a_offsets, b.a_offsets)
+    assert np.array_equal(a.scales, b.scales) and np.array_equal(a.ranks, b.ranks)
+    # Swap and peer landing through the device path too.
+    device.swap_in(2, reports[1])
+    device.land_slot(1, b, 0)
+    assert np.array_equal(device.slot_bytes_host(1), host.slot_bytes_host(0))
+    assert np.array_equal(device.slot_bytes_host(2), host.slot_bytes_host(1))
+
+
+@pytest.mark.slow
+def test_device_path_expert_pool(peft_zoo, tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.peft_factory import EXPERT_TARGET_PARAMETERS
+
+    truth = peft_zoo.adapter("qwen3_moe", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=list(EXPERT_TARGET_PARAMETERS))
+    model = ModelConfig.from_hf(truth.base_dir)
+    reports = [audit(Adapter.load(truth.path), model, experts_enabled=True)]
+    layout, expert_layout = plan_layouts(model, reports, experts=True)
+    assert expert_layout is not None
+    host, _ = LoraPool.load(layout, 2, reports, device="cpu", expert_layout=expert_layout)
+    monkeypatch.setattr(pool_module, "cupy_module", lambda: FakeCupy)
+    device, _ = LoraPool.load(layout, 2, reports, device="cuda", expert_layout=expert_layout)
+    paths = []
+    for p in (host, device):
+        paths.append(tmp_path / f"{p.device}.safetensors")
+        write_image(p, paths[-1])
+    a, b = (PoolImage.open(p) for p in paths)
+    assert np.array_equal(a.expert_pool, b.expert_pool)
+    assert np.array_equal(a.expert_a_offsets, b.expert_a_offsets)
+    assert a.expert_pool.any()
