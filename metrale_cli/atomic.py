@@ -22,7 +22,10 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
     try:
         # mkstemp creates 0600; give the file the mode an ordinary open() would.
         umask = os.umask(0)

@@ -61,6 +61,13 @@ def handles_errors(fn: F) -> F:
         except KeyboardInterrupt:
             err.print("interrupted", markup=False)
             raise typer.Exit(130) from None
+        except OSError as exc:
+            # A path the user gave that cannot be read or written (permissions, a full disk).
+            if env.debug():
+                raise
+            where = f"{exc.filename}: " if exc.filename else ""
+            err.print(f"error: {where}{exc.strerror or exc}", markup=False)
+            raise typer.Exit(2) from None
         except Exception as exc:
             if env.debug():
                 raise

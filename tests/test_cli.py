@@ -206,3 +206,10 @@ def test_inspect_reads_only_the_header(tmp_path: Path) -> None:
         assert json.loads(done.stdout)["adapters"][0]["servable"]
         read[name] = int(done.stderr.strip().splitlines()[-1])
     assert abs(read["huge"] - read["tiny"]) < 1_000_000, read
+
+
+def test_unwritable_output_is_one_line(synth_pair: tuple[Path, Path]) -> None:
+    """/proc takes no new files, not even from root: an OSError becomes one line, exit 2."""
+    result = metrale("pack", synth_pair[0], "--max-loras", 1, "--out", "/proc/pool.safetensors")
+    assert result.code == 2 and result.stderr.startswith("error: ")
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
