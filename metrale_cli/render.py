@@ -117,12 +117,15 @@ def _adapter_panel(
     return Panel(Group(*body), title=f"[bold]{report.name}", title_align="left")
 
 
-def layer_set(layers: list[int]) -> str:
-    """A short name for a set of layers: `3, 7, ..., 47 (every 4th)`, `0-2, 4-6, ... (36)`."""
+def layer_set(layers: list[int], of_kind: list[int] | None = None) -> str:
+    """A short name for a set of layers: `all 36` (every layer of its kind), `3, 7, ..., 47`
+    (a stride), `0-2, 4-6, ..., 44-46 (36)`."""
     n = len(layers)
+    if of_kind is not None and layers == of_kind and n > 3:
+        return f"all {n}"
     steps = {b - a for a, b in zip(layers, layers[1:], strict=False)}
     if n > 3 and len(steps) == 1 and steps != {1}:
-        return f"{layers[0]}, {layers[1]}, ..., {layers[-1]} (every {steps.pop()}th, {n})"
+        return f"{layers[0]}, {layers[1]}, ..., {layers[-1]} ({n})"
     text = layer_ranges(layers)
     if len(text) > 24:
         spans = text.split(", ")
@@ -130,19 +133,21 @@ def layer_set(layers: list[int]) -> str:
     return text
 
 
-def _layer_table(model: ModelConfig, report: AdapterReport) -> Table:
-    """One row per run of consecutive layers that look alike, so 48+ layers stay readable."""
+def _layer_table(model: ModelConfig, report: AdapterReport) -> Group:
+    """One row per set of layers that look alike (not only adjacent ones: a hybrid model's
+    layers repeat with a period), so 48+ layers stay a few rows at 100 columns."""
+    scale = report.scaling
     per_layer: dict[int, dict[str, str]] = {}
     for m in report.modules:
-        cell = f"r{m.r} x{m.scaling:.3g}"
+        # The scale is shown only where a rank/alpha pattern moved it off the adapter's.
+        cell = f"r{m.r}" if abs(m.scaling - scale) <= 1e-9 * scale else f"r{m.r} x{m.scaling:.3g}"
         per_layer.setdefault(m.layer, {})[m.module.peft_name] = cell
     columns = [m.peft_name for m in report.module_set]
-    table = Table(title="per layer (rank x PEFT scaling; · not adapted, n/a not applicable)",
-                  title_justify="left", header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
-    table.add_column("layers")
-    table.add_column("kind")
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    table.add_column("layers", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
     for name in columns:
-        table.add_column(name)
+        table.add_column(name.removesuffix("_proj"), no_wrap=True)
 
     def signature(layer: int) -> tuple[Any, ...]:
         cells = per_layer.get(layer, {})
@@ -152,18 +157,21 @@ def _layer_table(model: ModelConfig, report: AdapterReport) -> Table:
         )
         return (kind, applicable, tuple(cells.get(c, "") for c in columns))
 
-    # Group by look, not by adjacency: a hybrid model's layers repeat with a period.
     groups: dict[tuple[Any, ...], list[int]] = {}
     for layer in range(model.num_hidden_layers):
         groups.setdefault(signature(layer), []).append(layer)
     for sig, layers in groups.items():
         kind, applicable, cells = sig
+        of_kind = [i for i in range(model.num_hidden_layers)
+                   if model.layer_type(i) is model.layer_type(layers[0])]
         shown = [
             c if c else ("·" if name in applicable else "n/a")
             for name, c in zip(columns, cells, strict=True)
         ]
-        table.add_row(layer_set(layers), kind, *shown)
-    return table
+        table.add_row(layer_set(layers, of_kind), kind, *shown)
+    legend = Text("per layer: rank (x scaling where a pattern changes it); · not adapted; "
+                  "n/a does not apply", style="dim")
+    return Group(legend, table)
 
 
 def _expert_table(model: ModelConfig, report: AdapterReport) -> Table:
