@@ -202,11 +202,12 @@ def audit(
     _missing_targets(adapter, model, report.modules, out)
     if max_rank is not None:
         over = [m for m in report.modules if m.r > max_rank]
-        for module in {m.module for m in over}:
-            ranks = sorted({m.r for m in over if m.module is module})
+        if over:
+            modules = [m for m in ALL if any(o.module is m for o in over)]
+            ranks = sorted({m.r for m in over})
             out.add(Severity.ERROR, "rank_above_max",
-                    f"{module.peft_name} has rank {', '.join(map(str, ranks))} above "
-                    f"--max-rank {max_rank}")
+                    f"{', '.join(m.peft_name for m in modules)}: rank "
+                    f"{', '.join(map(str, ranks))} above --max-rank {max_rank}")
         over_pairs = [p for p in report.expert_pairs if p.r > max_rank]
         for proj in sorted({p.proj for p in over_pairs}, key=list(experts.ExpertProj).index):
             ranks = sorted({p.r for p in over_pairs if p.proj is proj})
