@@ -6,8 +6,6 @@ in a slot; `pack_expert_slot` fills one slot's region; `expert_factors` reads a 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,8 +21,10 @@ from metrale_cli.layout import (
     DEFAULT_ALIGN,
     POINTER_BYTES,
     PaddedPair,
-    align_up,
     check_rank_and_align,
+    fingerprint_of,
+    padded_end,
+    place_pair,
 )
 from metrale_cli.models import ModelConfig
 from metrale_cli.safetensors_header import TensorInfo
@@ -109,9 +109,7 @@ class ExpertLayout:
         rank, align = self.max_rank, self.align
         for layer, proj, expert in self.keys:
             out_dim, in_dim = proj.dims(self.model)
-            a_offset = align_up(offset, align)
-            b_offset = align_up(a_offset + rank * in_dim * BF16_BYTES, align)
-            offset = b_offset + out_dim * rank * BF16_BYTES
+            a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, rank, align)
             entries.append(ExpertEntry(layer, proj, expert, out_dim, in_dim, a_offset,
                                        b_offset, rank))
         return tuple(entries)
@@ -122,10 +120,7 @@ class ExpertLayout:
 
     @cached_property
     def expert_slot_bytes(self) -> int:
-        if not self.entries:
-            return 0
-        last = self.entries[-1]
-        return align_up(last.b_offset + last.b_bytes, self.align)
+        return padded_end(self.entries, self.align)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -135,8 +130,7 @@ class ExpertLayout:
             "entries": [[e.layer, e.proj.value, e.expert, e.out_dim, e.in_dim, e.a_offset,
                          e.b_offset] for e in self.entries],
         }
-        blob = json.dumps(canonical, separators=(",", ":"), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
+        return fingerprint_of(canonical)
 
     def table_bytes(self, max_loras: int) -> int:
         """The expert A and B pointer tables, `[n_entries, max_loras]` u64 each."""

@@ -32,6 +32,29 @@ def align_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
+def place_pair(offset: int, out_dim: int, in_dim: int, max_rank: int,
+               align: int) -> tuple[int, int, int]:
+    """Reserve A `[max_rank, in_dim]` then B `[out_dim, max_rank]` (BF16) at aligned offsets
+    from `offset`: returns (a_offset, b_offset, end)."""
+    a_offset = align_up(offset, align)
+    b_offset = align_up(a_offset + max_rank * in_dim * BF16_BYTES, align)
+    return a_offset, b_offset, b_offset + out_dim * max_rank * BF16_BYTES
+
+
+def padded_end(entries: tuple[Any, ...], align: int) -> int:
+    """The bytes of a slot holding `entries` (padded pairs in offset order), aligned."""
+    if not entries:
+        return 0
+    last = entries[-1]
+    return align_up(last.b_offset + last.b_bytes, align)
+
+
+def fingerprint_of(canonical: dict[str, Any]) -> str:
+    """The 32-hex-digit hash of a layout's canonical description."""
+    blob = json.dumps(canonical, separators=(",", ":"), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
 def check_rank_and_align(max_rank: int, align: int) -> None:
     """What every padded layout needs: a positive max rank, a power-of-two alignment."""
     if max_rank <= 0:
@@ -108,9 +131,8 @@ class SlotLayout:
                 if not module.applies_to_layer(self.model, layer):
                     continue
                 out_dim, in_dim = module.dims(self.model)
-                a_offset = align_up(offset, self.align)
-                b_offset = align_up(a_offset + self.max_rank * in_dim * BF16_BYTES, self.align)
-                offset = b_offset + out_dim * self.max_rank * BF16_BYTES
+                a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim,
+                                                        self.max_rank, self.align)
                 entries.append(
                     LayoutEntry(layer, module, out_dim, in_dim, a_offset, b_offset, self.max_rank)
                 )
@@ -123,10 +145,7 @@ class SlotLayout:
 
     @cached_property
     def slot_bytes(self) -> int:
-        if not self.entries:
-            return 0
-        last = self.entries[-1]
-        return align_up(last.b_offset + last.b_bytes, self.align)
+        return padded_end(self.entries, self.align)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -143,8 +162,7 @@ class SlotLayout:
                 for e in self.entries
             ],
         }
-        blob = json.dumps(canonical, separators=(",", ":"), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
+        return fingerprint_of(canonical)
 
     # -- capacity -------------------------------------------------------------------------------
 
