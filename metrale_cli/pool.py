@@ -196,7 +196,6 @@ class LoraPool:
         """Write an audited adapter into `slot`: BF16 with round-to-nearest-even, zero beyond
         its rank, each module's PEFT scaling relative to the slot's scale folded into its B, so
         that `scale_table[k] * (x @ A^T) @ B^T` is PEFT's delta for every module."""
-
         if not report.servable:
             raise UsageError(f"{report.name}: not servable; `metrale inspect` says why")
         self._check_slot(slot)
