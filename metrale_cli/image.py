@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.atomic import atomic_write
-from metrale_cli.errors import FormatError
+from metrale_cli.errors import FormatError, MetraleError
 from metrale_cli.expert_pool import ExpertLayout, expert_factors
 from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
@@ -20,6 +20,7 @@ from metrale_cli.modules import LoraModule
 from metrale_cli.overlays import OverlayRaw
 from metrale_cli.pool import AdapterSlot, LoraPool
 from metrale_cli.safetensors_header import read_header
+from metrale_cli.sharding import RankExpertLayout, RankLayout, ShardSpec
 
 FORMAT = "pool/1"
 # The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
@@ -46,6 +47,9 @@ def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
         ("b_offsets", "I64", [n, pool.max_loras], b_offsets.astype("<i8")),
     ]
     metadata: dict[str, str] = {}
+    if isinstance(layout, RankLayout):
+        # A tensor-parallel rank's image: its entries record their slices, this names the rank.
+        metadata["metrale.shard"] = json.dumps(layout.shard.record(), separators=(",", ":"))
     ex = pool.expert_layout
     if ex is not None:
         n_e = len(ex.entries)
@@ -171,7 +175,11 @@ class PoolImage:
             layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                       layout_doc["max_rank"], layout_doc["align"])
             max_loras = int(layout_doc["max_loras"])
-        except (KeyError, ValueError, TypeError) as exc:
+            shard = (ShardSpec.from_record(json.loads(meta["metrale.shard"]))
+                     if "metrale.shard" in meta else None)
+            if shard is not None:
+                layout = RankLayout.of(layout, shard)
+        except (KeyError, ValueError, TypeError, MetraleError) as exc:
             raise FormatError(f"{path}: bad metrale metadata ({exc})") from exc
         if layout.fingerprint != layout_doc.get("fingerprint"):
             raise FormatError(f"{path}: the layout does not reproduce its fingerprint")
@@ -180,6 +188,8 @@ class PoolImage:
             try:
                 ex_doc = json.loads(meta["metrale.expert_layout"])
                 expert_layout = ExpertLayout.from_record(model, ex_doc)
+                if shard is not None:
+                    expert_layout = RankExpertLayout.of(expert_layout, shard)
             except (KeyError, ValueError, TypeError) as exc:
                 raise FormatError(f"{path}: bad metrale.expert_layout ({exc})") from exc
             if expert_layout.fingerprint != ex_doc.get("fingerprint"):

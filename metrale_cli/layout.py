@@ -33,11 +33,13 @@ def align_up(n: int, align: int) -> int:
 
 
 def place_pair(offset: int, out_dim: int, in_dim: int, max_rank: int,
-               align: int) -> tuple[int, int, int]:
-    """Reserve A `[max_rank, in_dim]` then B `[out_dim, max_rank]` (BF16) at aligned offsets
+               align: int, a_rows: int | None = None) -> tuple[int, int, int]:
+    """Reserve A `[a_rows, in_dim]` (`a_rows` defaults to `max_rank`; a fully sharded
+    column-parallel shard holds fewer) then B `[out_dim, max_rank]` (BF16) at aligned offsets
     from `offset`: returns (a_offset, b_offset, end)."""
     a_offset = align_up(offset, align)
-    b_offset = align_up(a_offset + max_rank * in_dim * BF16_BYTES, align)
+    rows = max_rank if a_rows is None else a_rows
+    b_offset = align_up(a_offset + rows * in_dim * BF16_BYTES, align)
     return a_offset, b_offset, b_offset + out_dim * max_rank * BF16_BYTES
 
 
@@ -72,8 +74,13 @@ class PaddedPair:
     max_rank: int
 
     @property
+    def a_rows(self) -> int:
+        """The rank rows A reserves: `max_rank` (a fully sharded shard holds a part of them)."""
+        return self.max_rank
+
+    @property
     def a_bytes(self) -> int:
-        return self.max_rank * self.in_dim * BF16_BYTES
+        return self.a_rows * self.in_dim * BF16_BYTES
 
     @property
     def b_bytes(self) -> int:

@@ -28,6 +28,12 @@ from metrale_cli.expert_pool import ExpertLayout, pack_expert_slot
 from metrale_cli.layout import SlotLayout
 from metrale_cli.overlays import OverlayRaw, read_overlays
 from metrale_cli.safetensors_header import TensorInfo
+from metrale_cli.sharding import (
+    RankExpertLayout,
+    ShardEntry,
+    pack_shard_experts,
+    pack_shard_module,
+)
 
 U64_MASK = (1 << 64) - 1
 
@@ -241,13 +247,21 @@ class LoraPool:
 
             for module in report.modules:
                 entry = self.layout.entries[self.layout.index[(module.layer, module.module)]]
-                done = _pack_module(reader, module, entry.a_offset, entry.b_offset,
-                                    self.layout, staging, module.scaling / scale)
+                if isinstance(entry, ShardEntry):  # a tensor-parallel rank's slice
+                    done = pack_shard_module(reader, module, entry, staging,
+                                             module.scaling / scale)
+                else:
+                    done = _pack_module(reader, module, entry.a_offset, entry.b_offset,
+                                        self.layout, staging, module.scaling / scale)
                 read += done
                 if progress is not None:
                     progress(done)
             expert_staging = self._expert_staging(slot, bool(pairs))
-            if pairs and expert_staging is not None and self.expert_layout is not None:
+            if pairs and expert_staging is not None and isinstance(self.expert_layout,
+                                                                   RankExpertLayout):
+                read += pack_shard_experts(reader, pairs, self.expert_layout, expert_staging,
+                                           scale, progress)
+            elif pairs and expert_staging is not None and self.expert_layout is not None:
                 read += pack_expert_slot(reader, pairs, self.expert_layout, expert_staging,
                                          scale, progress)
             overlay = read_overlays(reader, report.overlays)
@@ -532,14 +546,33 @@ class _TensorReader:
         self.name = name
         self.local = threading.local()
 
-    def into(self, info: TensorInfo, dest: np.ndarray) -> None:
+    def into(self, info: TensorInfo, dest: np.ndarray, start: int = 0) -> None:
+        """Fill `dest` from the tensor's bytes at `start` (the whole tensor by default)."""
         view = memoryview(dest).cast("B")
         done = 0
-        while done < info.nbytes:
-            n = os.preadv(self.fd, [view[done:]], info.begin + done)
+        while done < view.nbytes:
+            n = os.preadv(self.fd, [view[done:]], info.begin + start + done)
             if n <= 0:
                 raise FormatError(f"{self.name}: file ended inside tensor {info.name!r}")
             done += n
+
+    def read_block(self, info: TensorInfo, rows: tuple[int, int],
+                   cols: tuple[int, int]) -> np.ndarray:
+        """Rows `[r0, r1)` and columns `[c0, c1)` of a 2-D tensor, `[r1 - r0, c1 - c0]` in its
+        own dtype, reading only those bytes: one read when the columns are whole rows, else
+        one per row (a tensor-parallel rank's slice)."""
+        n_cols = info.shape[1]
+        item = info.nbytes // info.numel
+        (r0, r1), (c0, c1) = rows, cols
+        width = (c1 - c0) * item
+        block = np.empty((r1 - r0) * width, dtype=np.uint8)
+        if (c0, c1) == (0, n_cols):
+            self.into(info, block, r0 * n_cols * item)
+        else:
+            for i in range(r1 - r0):
+                self.into(info, block[i * width:(i + 1) * width],
+                          ((r0 + i) * n_cols + c0) * item)
+        return block.view(RAW_DTYPES[info.dtype]).reshape(r1 - r0, c1 - c0)
 
     def read(self, info: TensorInfo) -> np.ndarray:
         scratch = getattr(self.local, "scratch", None)

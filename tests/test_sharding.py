@@ -1,0 +1,145 @@
+"""Tensor- and expert-parallel sharding rules and per-rank layouts (docs/tensor-parallel.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from metrale_cli.errors import UsageError
+from metrale_cli.expert_pool import ExpertLayout
+from metrale_cli.experts import ExpertProj
+from metrale_cli.layout import SlotLayout
+from metrale_cli.models import ModelConfig
+from metrale_cli.modules import LoraModule
+from metrale_cli.sharding import (
+    RankExpertLayout,
+    RankLayout,
+    ShardedPlan,
+    ShardSpec,
+    Slice,
+    expert_slice,
+    module_slice,
+    owns_expert,
+)
+
+ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
+NEXT = ModelConfig.preset("qwen3-next-80b-a3b")
+
+
+def next_layout(max_rank: int = 16) -> SlotLayout:
+    return SlotLayout.build(NEXT, ATTN, max_rank)
+
+
+@pytest.mark.parametrize(("tp", "fully", "slot_bytes"), [
+    (1, False, 15_335_424), (2, False, 10_420_224), (4, False, 8_060_928),
+    (8, False, 6_881_280), (4, True, 3_932_160),
+])
+def test_qwen3_next_figures(tp: int, fully: bool, slot_bytes: int) -> None:
+    """The issue's figures, per rank, for every rank."""
+    layout = next_layout()
+    ranks = [RankLayout.of(layout, ShardSpec(tp, k, 1, fully)) for k in range(tp)]
+    assert [r.slot_bytes for r in ranks] == [slot_bytes] * tp
+    # Each rank has its own fingerprint, and none is the unsharded one.
+    fingerprints = {r.fingerprint for r in ranks}
+    assert len(fingerprints) == tp and layout.fingerprint not in fingerprints
+
+
+def test_unsharded_layout_record_is_untouched() -> None:
+    layout = next_layout()
+    assert layout.fingerprint == "e3298e5b193f86eb1f4fe085e95b4dff"
+    assert "shard" not in layout.record()
+    assert all("slice" not in e for e in layout.record()["entries"])
+
+
+def test_column_row_and_fully_sharded_slices() -> None:
+    spec = ShardSpec(4, 1)
+    h, attn = NEXT.hidden_size, NEXT.num_attention_heads * NEXT.head_dim
+    # Gated q_proj: 2 * 16 * 256 rows, a quarter each: 4 whole heads with their gates.
+    assert module_slice(NEXT, LoraModule.Q_PROJ, spec, 16) == Slice((2048, 4096), (0, h))
+    assert module_slice(NEXT, LoraModule.O_PROJ, spec, 16) == Slice((0, h), (1024, 2048))
+    value = NEXT.linear_value_width
+    assert module_slice(NEXT, LoraModule.OUT_PROJ, spec, 16) == Slice(
+        (0, h), (value // 4, value // 2))
+    full = ShardSpec(4, 3, fully_sharded=True)
+    assert module_slice(NEXT, LoraModule.Q_PROJ, full, 16) == Slice(
+        (3 * 2 * attn // 4, 2 * attn), (0, h), (12, 16))
+    assert module_slice(NEXT, LoraModule.O_PROJ, full, 16) == Slice(
+        (3 * h // 4, h), (3 * attn // 4, attn))
+
+
+@pytest.mark.parametrize(("tp", "heads"), [(2, [0, 1]), (4, [0, 0, 1, 1]),
+                                           (8, [0, 0, 0, 0, 1, 1, 1, 1])])
+def test_fewer_kv_heads_than_ranks(tp: int, heads: list[int]) -> None:
+    """Qwen3-Next has 2 KV heads of 256: rank k holds head k // (tp / 2)."""
+    for k, head in enumerate(heads):
+        for module in (LoraModule.K_PROJ, LoraModule.V_PROJ):
+            s = module_slice(NEXT, module, ShardSpec(tp, k), 16)
+            assert s.rows == (head * 256, (head + 1) * 256)
+
+
+def test_counts_that_do_not_split_are_refused() -> None:
+    cfg = dataclasses.replace(NEXT, num_key_value_heads=3)
+    with pytest.raises(UsageError, match="3 KV heads neither split over --tp 4"):
+        module_slice(cfg, LoraModule.K_PROJ, ShardSpec(4, 0), 16)
+    with pytest.raises(UsageError, match=r"q_proj heads \(each with its gate\) \(16\) does not "
+                                         "split over --tp 32"):
+        module_slice(NEXT, LoraModule.Q_PROJ, ShardSpec(32, 0), 16)
+    with pytest.raises(UsageError, match="max rank .12. does not split over --tp 8"):
+        RankLayout.of(next_layout(12), ShardSpec(8, 0, fully_sharded=True)).entries  # noqa: B018
+    with pytest.raises(UsageError, match="--ep with --fully-sharded is refused"):
+        ShardSpec(4, 0, 2, True)
+    with pytest.raises(UsageError, match="--ep 3 does not divide --tp 4"):
+        ShardSpec(4, 0, 3)
+    with pytest.raises(UsageError, match=r"routed experts \(512\) does not split over --ep 3"):
+        owns_expert(NEXT, ShardSpec(6, 0, 3), 7)
+
+
+def test_experts_by_moe_tp_and_ep() -> None:
+    """TP 4 with EP 2: MoE TP 2; ranks 0-1 hold experts [0, 256), ranks 2-3 [256, 512), each
+    expert's intermediate split in two; the router is on every rank, whole."""
+    inter, h = NEXT.expert_intermediate_size, NEXT.hidden_size
+    specs = [ShardSpec(4, k, 2) for k in range(4)]
+    assert [(s.ep_rank, s.moe_tp_rank) for s in specs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [owns_expert(NEXT, s, 300) for s in specs] == [False, False, True, True]
+    assert all(owns_expert(NEXT, s, -1) for s in specs)
+    assert expert_slice(NEXT, ExpertProj.UP_PROJ, specs[1], 16) == Slice(
+        (inter // 2, inter), (0, h))
+    assert expert_slice(NEXT, ExpertProj.DOWN_PROJ, specs[3], 16) == Slice(
+        (0, h), (inter // 2, inter))
+    assert expert_slice(NEXT, ExpertProj.ROUTER, specs[3], 16) == Slice(
+        (0, NEXT.num_experts), (0, h))
+    full = ExpertLayout.for_model(NEXT, 16)
+    ranked = RankExpertLayout.of(full, specs[2])
+    experts = {e.expert for e in ranked.entries if e.proj is not ExpertProj.ROUTER}
+    assert experts == set(range(256, 512))
+    assert sum(e.proj is ExpertProj.ROUTER for e in ranked.entries) == len(NEXT.moe_layers)
+    assert ranked.fingerprint != RankExpertLayout.of(full, specs[3]).fingerprint
+
+
+def test_rank_entries_record_slices_and_are_laid_out_like_a_slot() -> None:
+    ranked = RankLayout.of(next_layout(), ShardSpec(4, 2, fully_sharded=True))
+    record = ranked.record(4)
+    assert record["shard"] == {"tp_size": 4, "tp_rank": 2, "ep_size": 1, "ep_rank": 0,
+                               "fully_sharded": True}
+    q = next(e for e in record["entries"] if e["module"] == "q_proj")
+    assert q["slice"] == {"rows": [4096, 6144], "cols": [0, 2048], "ranks": [8, 12]}
+    end = 0
+    for e in ranked.entries:
+        assert e.a_offset % 256 == 0 and e.b_offset == e.a_offset + e.a_bytes
+        assert e.a_offset >= end
+        end = e.b_offset + e.b_bytes
+    assert ranked.slot_bytes == end
+
+
+def test_budget_is_per_gpu() -> None:
+    layout = next_layout()
+    plan = ShardedPlan.sized(layout, None, ShardSpec(4), budget_bytes=40 * 2**30)
+    per_slot = plan.ranks[0].bytes_per_slot
+    assert plan.plan.max_loras == 40 * 2**30 // per_slot
+    record = plan.record()
+    assert (record["tp_size"], record["ep_size"], record["fully_sharded"]) == (4, 1, False)
+    [group] = record["rank_layouts"]
+    assert group["ranks"] == [0, 1, 2, 3] and group["slot_bytes"] == 8_060_928
+    assert len(set(group["fingerprints"])) == 4
+    assert record["slot_bytes"] == 15_335_424
