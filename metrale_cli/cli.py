@@ -24,6 +24,7 @@ from metrale_cli.layout import DEFAULT_ALIGN, parse_size
 from metrale_cli.models import PRESETS, ModelConfig, resolve_model
 from metrale_cli.modules import LoraModule
 from metrale_cli.plan import Footprint, PoolPlan, inspect_record, plan_layouts
+from metrale_cli.sharding import ShardedPlan, ShardSpec
 
 app = typer.Typer(
     name="metrale",
@@ -104,6 +105,15 @@ ModelOpt = Annotated[
                  "in the local HF cache. Default: the adapters' base_model_name_or_path."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the JSON record instead.")]
+TpOpt = Annotated[int | None, typer.Option(
+    "--tp", help="Tensor-parallel degree: plan (pack) one pool per rank, each holding its shard "
+    "of every LoRA weight (docs/tensor-parallel.md).")]
+EpOpt = Annotated[int | None, typer.Option(
+    "--ep", help="With --tp: expert-parallel degree; experts split over it contiguously, each "
+    "sharded over tp / ep ranks. Default 1.")]
+FullyShardedOpt = Annotated[bool, typer.Option(
+    "--fully-sharded", help="With --tp: also slice column layers' A by rank and row layers' B "
+    "by output row (vLLM fully_sharded_loras).")]
 ExpertsOpt = Annotated[bool, typer.Option(
     "--experts", help="Serve routed-expert and router LoRA from the expert pool, a second "
     "allocation beside the slot pool (also METRALE_LORA_EXPERTS=1).")]
@@ -157,6 +167,15 @@ def parse_modules(text: str | None) -> list[LoraModule] | None:
     if not modules:
         raise UsageError("--modules is empty")
     return modules
+
+
+def shard_spec(tp: int | None, ep: int | None, fully_sharded: bool) -> ShardSpec | None:
+    """Rank 0 of the deployment --tp/--ep/--fully-sharded name, or None without --tp."""
+    if tp is None:
+        if ep is not None or fully_sharded:
+            raise UsageError("--ep and --fully-sharded need --tp")
+        return None
+    return ShardSpec(tp, 0, ep or 1, fully_sharded)
 
 
 def positive(name: str, value: int | None) -> int | None:
@@ -244,9 +263,13 @@ def layout(
         "--experts", help="Plan the expert pool too: the adapters' routed-expert and router "
         "pairs, or without adapters every expert and router of every MoE layer at --max-rank "
         "(also METRALE_LORA_EXPERTS=1).")] = False,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """The byte-exact slot layout and capacity plan of a pool (and of its expert pool)."""
+    """The byte-exact slot layout and capacity plan of a pool (and of its expert pool); with
+    --tp, of every rank's pool, --budget per GPU."""
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
     enabled = experts_on(experts)
@@ -255,9 +278,19 @@ def layout(
         raise UsageError("--model is required (or give startup adapters)")
     cfg = model_for(model, loaded)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+    spec = shard_spec(tp, ep, fully_sharded)
     layouts = plan_layouts(cfg, reports, parse_modules(modules), max_rank, align, enabled)
-    plan = PoolPlan.sized(*layouts, max_loras,
-                          parse_size(budget) if budget is not None else None)
+    budget_bytes = parse_size(budget) if budget is not None else None
+    if spec is not None:
+        sharded = ShardedPlan.sized(*layouts, spec, max_loras, budget_bytes)
+        if json_out:
+            emit_json(sharded.record())
+        else:
+            from metrale_cli import render
+
+            out.print(render.sharded_layout_view(sharded))
+        return
+    plan = PoolPlan.sized(*layouts, max_loras, budget_bytes)
     if json_out:
         emit_json(plan.record())
     else:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -22,6 +24,7 @@ from metrale_cli.sharding import (
     module_slice,
     owns_expert,
 )
+from tests.cli_runner import metrale
 
 ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
 NEXT = ModelConfig.preset("qwen3-next-80b-a3b")
@@ -143,3 +146,64 @@ def test_budget_is_per_gpu() -> None:
     assert group["ranks"] == [0, 1, 2, 3] and group["slot_bytes"] == 8_060_928
     assert len(set(group["fingerprints"])) == 4
     assert record["slot_bytes"] == 15_335_424
+
+
+# -- `metrale layout --tp` ------------------------------------------------------------------------
+
+NEXT_ARGS = ("layout", "-m", "qwen3-next-80b-a3b", "--modules",
+             "q_proj,k_proj,v_proj,o_proj,out_proj", "--max-rank", 16)
+
+
+def test_layout_tp_json_and_view() -> None:
+    result = metrale(*NEXT_ARGS, "--budget", "40GiB", "--tp", 4, "--json")
+    assert result.code == 0, result.stderr
+    doc = result.json()
+    assert (doc["tp_size"], doc["ep_size"], doc["fully_sharded"]) == (4, 1, False)
+    assert doc["fingerprint"] == "e3298e5b193f86eb1f4fe085e95b4dff"
+    [group] = doc["rank_layouts"]
+    assert group["ranks"] == [0, 1, 2, 3] and group["slot_bytes"] == 8_060_928
+    per_gpu = group["bytes_per_slot"]
+    assert doc["max_loras"] == 40 * 2**30 // per_gpu and group["total_bytes"] <= 40 * 2**30
+    view = metrale(*NEXT_ARGS, "--budget", "40GiB", "--tp", 4)
+    assert view.code == 0
+    assert "15,335,424 B" in view.stdout and "slot 8,060,928 B" in view.stdout
+    assert f"holds {doc['max_loras']:,} slots on every rank" in view.stdout
+
+
+def test_layout_tp_with_experts_and_ep() -> None:
+    result = metrale(*NEXT_ARGS, "--experts", "--tp", 4, "--ep", 2, "--max-loras", 2, "--json")
+    assert result.code == 0, result.stderr
+    doc = result.json()
+    assert doc["ep_size"] == 2
+    groups = doc["rank_layouts"]
+    assert sorted(k for g in groups for k in g["ranks"]) == [0, 1, 2, 3]
+    # Per rank: 256 of the 512 experts, each over MoE TP 2 (gate/up A [16, 2048] whole with B
+    # [256, 16]; down A [16, 256] with B [2048, 16] whole), and the whole router [512 x 2048],
+    # on each of the 48 MoE layers; every region is a multiple of 256 bytes.
+    expert = 2 * (16 * 2048 + 256 * 16) * 2 + (16 * 256 + 2048 * 16) * 2
+    router = (16 * 2048 + 512 * 16) * 2
+    assert {g["expert_slot_bytes"] for g in groups} == {48 * (256 * expert + router)}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--ep", 2), "--ep and --fully-sharded need --tp"),
+    (("--tp", 32), "q_proj heads (each with its gate) (16) does not split over --tp 32"),
+    (("--tp", 4, "--ep", 2, "--fully-sharded"),
+     "--ep with --fully-sharded is refused (vLLM refuses expert parallelism with fully sharded "
+     "LoRA)"),
+    (("--tp", 0), "--tp must be positive, got 0"),
+])
+def test_layout_tp_refusals_are_one_line(args: tuple[object, ...], message: str) -> None:
+    result = metrale(*NEXT_ARGS, *args)
+    assert result.code == 2
+    assert result.stderr.strip() == f"error: {message}"
+
+
+def test_layout_tp_does_not_import_torch() -> None:
+    code = ("import sys\nfrom metrale_cli.cli import main\nsys.argv = ['metrale'] + sys.argv[1:]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code, *map(str, NEXT_ARGS), "--tp", "2"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "10,420,224" in done.stdout
