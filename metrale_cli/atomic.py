@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,7 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
         raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
     try:
         # mkstemp creates 0600; give the file the mode an ordinary open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -44,3 +43,45 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def atomic_directory(path: Path, fill: Any, force: bool) -> None:
+    """Fill a temp directory beside `path` through `fill(dir)`, then rename it to `path`: a
+    failure or a kill while filling leaves no `path` (nor anything in it). With `force` an
+    existing directory is replaced, moved aside before the rename and removed after it."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise OutputExists(f"{path} exists; pass --force to overwrite it")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{path} is not a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
+    try:
+        fill(tmp)
+        tmp.chmod(0o777 & ~_umask())
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dir_fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask

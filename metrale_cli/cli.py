@@ -354,11 +354,16 @@ def pack(
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out.")] = False,
     experts: ExpertsOpt = False,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image."""
+    """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image;
+    with --tp, one pool per rank, --out a directory of rank images."""
     from metrale_cli.packing import pack_pool
 
+    spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-loras", max_loras)
     positive("--max-rank", max_rank)
     if out_path is not None and out_path.exists() and not force:
@@ -376,6 +381,18 @@ def pack(
                           f"{', '.join(r.name for r in refused)}")
     the_layout, expert_layout = plan_layouts(cfg, reports, parse_modules(modules), max_rank,
                                              experts=enabled)
+    if spec is not None:
+        from metrale_cli.distributed import pack_shards
+
+        sharded = pack_shards(the_layout, expert_layout, max_loras, reports, spec, device,
+                              out_path, force)
+        if json_out:
+            emit_json(sharded.record())
+        else:
+            from metrale_cli.render import sharded_pack_view
+
+            out.print(sharded_pack_view(sharded.record()))
+        return
     result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
                        progress_console=err if err.is_terminal and not json_out else None,
                        expert_layout=expert_layout)

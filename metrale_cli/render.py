@@ -3,6 +3,7 @@ view. Nothing here computes what it shows."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich import box
@@ -353,3 +354,20 @@ def sharded_layout_view(plan: ShardedPlan) -> Group:
         for k, fingerprint in zip(group["ranks"], group["fingerprints"], strict=True):
             table.add_row("", f"rank {k} fingerprint {fingerprint}")
     return Group(unsharded, Text(""), table)
+
+
+def sharded_pack_view(record: dict[str, Any]) -> Group:
+    """`metrale pack --tp N`: one line per rank image."""
+    mode = f"tp {record['tp_size']}, ep {record['ep_size']}" + (
+        ", fully sharded" if record["fully_sharded"] else "")
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    for col in ("rank", "slot bytes", "read", "GB/s", "image", "fingerprint"):
+        table.add_column(col, justify="right" if col in ("slot bytes", "read", "GB/s") else "left")
+    for r in record["ranks"]:
+        rate = r["pack_gb_per_s"]
+        table.add_row(str(r["shard"]["tp_rank"]), f"{r['layout']['slot_bytes']:,}",
+                      human_bytes(r["bytes_read"]), f"{rate:.2f}" if rate else "-",
+                      Path(r["image"]).name if r["image"] else "-",
+                      r["layout"]["fingerprint"])
+    where = f" into {record['out']}" if record["out"] else ""
+    return Group(Text(f"{mode}: {len(record['ranks'])} rank pools{where}"), table)
