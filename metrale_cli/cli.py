@@ -18,9 +18,10 @@ from rich.console import Console
 
 from metrale_cli import __version__, env
 from metrale_cli.adapter import Adapter, parse_adapter_args
-from metrale_cli.audit import audit
+from metrale_cli.audit import AdapterReport, audit
 from metrale_cli.errors import MetraleError, NotServable, OutputExists, UsageError
-from metrale_cli.layout import DEFAULT_ALIGN, parse_size
+from metrale_cli.expert_pool import ExpertLayout
+from metrale_cli.layout import DEFAULT_ALIGN, SlotLayout, parse_size
 from metrale_cli.models import PRESETS, ModelConfig, resolve_model
 from metrale_cli.modules import LoraModule
 from metrale_cli.plan import Footprint, PoolPlan, inspect_record, plan_layouts
@@ -366,26 +367,38 @@ def pack(
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-loras", max_loras)
     positive("--max-rank", max_rank)
-    if out_path is not None and out_path.exists() and not force:
-        raise OutputExists(f"{out_path} exists; pass --force to overwrite it")
-    loaded = load_adapters(adapters)
-    cfg = model_for(model, loaded)
-    enabled = experts_on(experts)
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refused = [r for r in reports if not r.servable]
-    if refused:
-        for r in refused:
-            for f in r.errors():
-                err.print(f"{r.name}: {f.code}: {f.message}", markup=False)
-        raise NotServable(f"{len(refused)} adapter(s) not servable: "
-                          f"{', '.join(r.name for r in refused)}")
-    the_layout, expert_layout = plan_layouts(cfg, reports, parse_modules(modules), max_rank,
-                                             experts=enabled)
-    if spec is not None:
-        from metrale_cli.distributed import pack_shards
 
-        sharded = pack_shards(the_layout, expert_layout, max_loras, reports, spec, device,
-                              out_path, force)
+    def prepare() -> tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]:
+        """Audit the adapters (refusing any that is not servable) and plan the layouts."""
+        loaded = load_adapters(adapters)
+        cfg = model_for(model, loaded)
+        enabled = experts_on(experts)
+        reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+        refused = [r for r in reports if not r.servable]
+        if refused:
+            for r in refused:
+                for f in r.errors():
+                    err.print(f"{r.name}: {f.code}: {f.message}", markup=False)
+            raise NotServable(f"{len(refused)} adapter(s) not servable: "
+                              f"{', '.join(r.name for r in refused)}")
+        return (*plan_layouts(cfg, reports, parse_modules(modules), max_rank,
+                              experts=enabled), reports)
+
+    if spec is not None:
+        from metrale_cli import distributed
+
+        if distributed.under_torchrun():
+            # One process per rank: each writes its own image into the directory --out.
+            sharded = distributed.pack_torchrun(prepare, max_loras, spec, device, out_path,
+                                                force)
+        else:
+            if out_path is not None and out_path.exists() and not force:
+                raise OutputExists(f"{out_path} exists; pass --force to overwrite it")
+            the_layout, expert_layout, reports = prepare()
+            sharded = distributed.pack_shards(the_layout, expert_layout, max_loras, reports,
+                                              spec, device, out_path, force)
+        if sharded is None:
+            return  # a torchrun rank other than 0: rank 0 reports for all
         if json_out:
             emit_json(sharded.record())
         else:
@@ -393,6 +406,9 @@ def pack(
 
             out.print(sharded_pack_view(sharded.record()))
         return
+    if out_path is not None and out_path.exists() and not force:
+        raise OutputExists(f"{out_path} exists; pass --force to overwrite it")
+    the_layout, expert_layout, reports = prepare()
     result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
                        progress_console=err if err.is_terminal and not json_out else None,
                        expert_layout=expert_layout)

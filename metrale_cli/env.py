@@ -40,3 +40,9 @@ def hf_cache_dirs() -> list[Path]:
         dirs.append(Path(os.environ["HF_HOME"]) / "hub")
     dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
     return dirs
+
+
+def dist_timeout() -> float:
+    """METRALE_DIST_TIMEOUT: seconds a process of a distributed run waits for the others before
+    it gives up (default 300)."""
+    return float(os.environ.get("METRALE_DIST_TIMEOUT", "300"))

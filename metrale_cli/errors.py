@@ -65,3 +65,10 @@ class LayoutMismatch(MetraleError):
     """Landing a slot from a pool whose layout fingerprint differs."""
 
     exit_code = 1
+
+
+class RankFailed(MetraleError):
+    """A process of a distributed run (torchrun) failed, or did not answer within the timeout;
+    every process reports the failing rank's message."""
+
+    exit_code = 1
