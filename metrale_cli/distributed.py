@@ -17,14 +17,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from metrale_cli import env
 from metrale_cli.atomic import atomic_directory
 from metrale_cli.audit import AdapterReport
-from metrale_cli.errors import MetraleError, OutputExists, RankFailed, UsageError
+from metrale_cli.errors import LayoutMismatch, MetraleError, OutputExists, RankFailed, UsageError
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
+from metrale_cli.overlays import OverlayRaw
 from metrale_cli.packing import pack_pool
-from metrale_cli.pool import pick_device
+from metrale_cli.pool import AdapterSlot, LoraPool, pick_device
 from metrale_cli.sharding import ShardSpec, rank_layouts, rank_report
 
 
@@ -214,3 +217,106 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
     if rank != 0:
         return None
     return ShardedPackResult(me, out, [s["record"] for s in statuses])
+
+
+# -- peer landing across processes --------------------------------------------------------------
+
+
+@dataclass
+class ReceivedSlot:
+    """One slot received from a peer process, as a landing source for `LoraPool.land_slot`
+    (the source slot is 0; its table offsets are rebased to it)."""
+
+    layout: SlotLayout
+    expert_layout: ExpertLayout | None
+    slots: list[AdapterSlot]
+    overlay_raw: list[OverlayRaw | None]
+    data: np.ndarray
+    offsets: tuple[np.ndarray, np.ndarray]
+    expert_data: np.ndarray
+    expert_offsets: tuple[np.ndarray, np.ndarray]
+    max_loras: int = 1
+
+    def slot_bytes_host(self, slot: int) -> np.ndarray:
+        return self.data
+
+    def slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.offsets
+
+    def expert_slot_bytes_host(self, slot: int) -> np.ndarray:
+        return self.expert_data
+
+    def expert_slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.expert_offsets
+
+
+def _fingerprints(pool: Any) -> list[str | None]:
+    ex = pool.expert_layout
+    return [pool.layout.fingerprint, ex.fingerprint if ex is not None else None]
+
+
+def _rebased(offsets: tuple[np.ndarray, np.ndarray], start: int) -> tuple[np.ndarray, ...]:
+    return tuple(np.where(o < 0, -1, o - start) for o in offsets)
+
+
+def send_slot(pool: Any, slot: int, dst: int) -> None:
+    """Send `slot` of `pool` (a `LoraPool` or a `PoolImage`) to process `dst` of the default
+    `torch.distributed` group, which calls `receive_slot`. Both sides first swap their layout
+    fingerprints (slot and expert); on a mismatch, or when the receiver refuses (a busy slot),
+    both raise before any slot byte moves. The bytes travel as host tensors (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    if not 0 <= slot < pool.max_loras:
+        raise UsageError(f"slot {slot} is out of range [0, {pool.max_loras})")
+    slot_bytes = pool.layout.slot_bytes
+    ex = pool.expert_layout
+    header = {
+        "fingerprints": _fingerprints(pool), "slot": pool.slots[slot],
+        "offsets": _rebased(pool.slot_offsets(slot), slot * slot_bytes),
+        "expert_offsets": (_rebased(pool.expert_slot_offsets(slot), slot * ex.expert_slot_bytes)
+                           if ex is not None else None),
+        "overlay": (getattr(pool, "overlay_raw", None) or [None] * pool.max_loras)[slot],
+    }
+    dist.send_object_list([header], dst=dst)
+    reply: list[Any] = [None]
+    dist.recv_object_list(reply, src=dst)
+    if reply[0]["error"]:
+        raise LayoutMismatch(f"process {dst} refused slot {slot}: {reply[0]['error']}")
+    dist.send(torch.from_numpy(np.ascontiguousarray(pool.slot_bytes_host(slot))), dst=dst)
+    if ex is not None:
+        dist.send(torch.from_numpy(np.ascontiguousarray(pool.expert_slot_bytes_host(slot))),
+                  dst=dst)
+
+
+def receive_slot(pool: LoraPool, slot: int, src: int) -> int:
+    """Land the slot process `src` sends (`send_slot`) in `slot` of `pool`, as `land_slot`
+    lands one from a local pool: same checks, the generation bumped. Returns the new
+    generation."""
+    import torch
+    import torch.distributed as dist
+
+    header: list[Any] = [None]
+    dist.recv_object_list(header, src=src)
+    theirs, ours = header[0]["fingerprints"], _fingerprints(pool)
+    error = None
+    if theirs != ours:
+        error = (f"layout fingerprints {theirs} do not match the receiving pool's {ours}")
+    elif not 0 <= slot < pool.max_loras:
+        error = f"slot {slot} is out of range [0, {pool.max_loras})"
+    elif pool.ref_counts[slot] > 0:
+        error = f"slot {slot} has {pool.ref_counts[slot]} in-flight sequences"
+    dist.send_object_list([{"error": error}], dst=src)
+    if error is not None:
+        raise LayoutMismatch(f"slot from process {src} refused: {error}")
+    data = torch.empty(pool.layout.slot_bytes, dtype=torch.uint8)
+    dist.recv(data, src=src)
+    ex = pool.expert_layout
+    expert_data = torch.empty(ex.expert_slot_bytes if ex is not None else 0, dtype=torch.uint8)
+    if ex is not None:
+        dist.recv(expert_data, src=src)
+    empty = np.zeros(0, dtype=np.int64)
+    source = ReceivedSlot(
+        pool.layout, ex, [header[0]["slot"]], [header[0]["overlay"]], data.numpy(),
+        header[0]["offsets"], expert_data.numpy(), header[0]["expert_offsets"] or (empty, empty))
+    return pool.land_slot(slot, source, 0)
