@@ -21,6 +21,7 @@ from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import LoraModule
 from metrale_cli.pool import LoraPool
+from metrale_cli.sharding import ShardSpec, rank_layouts
 from metrale_cli.synth import synth_adapter
 
 RSS_ALLOWANCE = 256 << 20
@@ -54,6 +55,7 @@ def run(
     dtype: str = "bf16",
     repeats: int = 3,
     workdir: Path | None = None,
+    tp: ShardSpec | None = None,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         root = Path(tmp)
@@ -93,6 +95,8 @@ def run(
                 pool.clear_slot(slot)
         pack_rate = tensor_bytes / best
         del pool
+        ranks = [_rank_rate(layout, reports, s, repeats, copy_rate) for s in tp.all_ranks()] \
+            if tp is not None else None
 
     pool_bytes = layout.pool_bytes(adapters)
     return {
@@ -110,4 +114,25 @@ def run(
         "peak_rss_bytes": peak_rss,
         "peak_rss_minus_pool_bytes": peak_rss - pool_bytes,
         "rss_within_pool_plus_256mib": peak_rss <= pool_bytes + RSS_ALLOWANCE,
+        "tp": None if tp is None else {**{k: v for k, v in tp.record().items()
+                                          if k in ("tp_size", "ep_size", "fully_sharded")},
+                                       "ranks": ranks},
     }
+
+
+def _rank_rate(layout: SlotLayout, reports: list[Any], spec: ShardSpec, repeats: int,
+               copy_rate: float) -> dict[str, Any]:
+    """One TP rank's packing throughput: the bytes it reads (its slices) per second, best of
+    `repeats`, into a pre-faulted pool of its layout, as the unsharded rate is measured."""
+    ranked, _ = rank_layouts(layout, None, spec)
+    pool = LoraPool(ranked, len(reports))
+    pool.pool.fill(0)
+    best, read = float("inf"), 0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        read = sum(pool.pack_slot(slot, r).bytes_read for slot, r in enumerate(reports))
+        best = min(best, time.perf_counter() - started)
+        for slot in range(len(reports)):
+            pool.clear_slot(slot)
+    return {"tp_rank": spec.tp_rank, "slot_bytes": ranked.slot_bytes, "bytes_read": read,
+            "pack_gb_per_s": read / best / 1e9, "pack_vs_memcpy": read / best / copy_rate}

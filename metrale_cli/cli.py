@@ -432,17 +432,21 @@ def bench_pack(
     adapters: Annotated[int, typer.Option("--adapters", help="Synthetic adapters to pack.")] = 4,
     dtype: Annotated[str, typer.Option("--dtype", help="Adapter file dtype.")] = "bf16",
     repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    tp: Annotated[int | None, typer.Option(
+        "--tp", help="Also the packing throughput of each of N tensor-parallel ranks.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Packing throughput vs numpy.copyto of the same bytes, and peak RSS vs the pool size."""
     from metrale_cli import bench_pack as bench
 
+    spec = shard_spec(tp, None, False)
     positive("--rank", rank)
     positive("--adapters", adapters)
     positive("--repeats", repeats)
     module_list = parse_modules(modules)
     assert module_list is not None
-    record = bench.run(resolve_model(model), model, module_list, rank, adapters, dtype, repeats)
+    record = bench.run(resolve_model(model), model, module_list, rank, adapters, dtype, repeats,
+                       tp=spec)
     if json_out:
         emit_json(record)
         return
@@ -460,6 +464,10 @@ def bench_pack(
         f"{human_bytes(record['peak_rss_minus_pool_bytes'])} "
         f"({'within' if record['rss_within_pool_plus_256mib'] else 'OVER'} pool + 256 MiB)"
     )
+    for r in (record["tp"] or {}).get("ranks", []):
+        out.print(f"tp rank {r['tp_rank']}: read {human_bytes(r['bytes_read'])} (its slices), "
+                  f"pack {r['pack_gb_per_s']:.2f} GB/s = {100 * r['pack_vs_memcpy']:.0f}% of "
+                  f"numpy.copyto")
 
 
 @bench_app.command("kernels")

@@ -556,29 +556,39 @@ class _TensorReader:
                 raise FormatError(f"{self.name}: file ended inside tensor {info.name!r}")
             done += n
 
-    def read_block(self, info: TensorInfo, rows: tuple[int, int],
-                   cols: tuple[int, int]) -> np.ndarray:
+    def read_block(self, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
+                   out: np.ndarray | None = None) -> np.ndarray:
         """Rows `[r0, r1)` and columns `[c0, c1)` of a 2-D tensor, `[r1 - r0, c1 - c0]` in its
-        own dtype, reading only those bytes: one read when the columns are whole rows, else
-        one per row (a tensor-parallel rank's slice)."""
+        own dtype, reading only those bytes (one read when the columns are whole rows, else one
+        per row): into `out` (contiguous, the block's size) when given, else into the
+        per-thread scratch buffer, valid until the next read (a tensor-parallel rank's
+        slice)."""
         n_cols = info.shape[1]
         item = info.nbytes // info.numel
         (r0, r1), (c0, c1) = rows, cols
         width = (c1 - c0) * item
-        block = np.empty((r1 - r0) * width, dtype=np.uint8)
+        block = (self._scratch((r1 - r0) * width) if out is None
+                 else out.reshape(-1).view(np.uint8))
         if (c0, c1) == (0, n_cols):
             self.into(info, block, r0 * n_cols * item)
         else:
+            view, stride = memoryview(block).cast("B"), n_cols * item
+            start = info.begin + (r0 * n_cols + c0) * item
             for i in range(r1 - r0):
-                self.into(info, block[i * width:(i + 1) * width],
-                          ((r0 + i) * n_cols + c0) * item)
+                row = view[i * width:(i + 1) * width]
+                if os.preadv(self.fd, [row], start + i * stride) != width:  # a short read
+                    self.into(info, block[i * width:(i + 1) * width],
+                              start + i * stride - info.begin)
         return block.view(RAW_DTYPES[info.dtype]).reshape(r1 - r0, c1 - c0)
 
-    def read(self, info: TensorInfo) -> np.ndarray:
+    def _scratch(self, nbytes: int) -> np.ndarray:
         scratch = getattr(self.local, "scratch", None)
-        if scratch is None or scratch.size < info.nbytes:
-            scratch = self.local.scratch = np.empty(info.nbytes, dtype=np.uint8)
-        raw = scratch[:info.nbytes]
+        if scratch is None or scratch.size < nbytes:
+            scratch = self.local.scratch = np.empty(nbytes, dtype=np.uint8)
+        return scratch[:nbytes]
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        raw = self._scratch(info.nbytes)
         self.into(info, raw)
         return raw.view(RAW_DTYPES[info.dtype])
 

@@ -361,13 +361,15 @@ def sharded_pack_view(record: dict[str, Any]) -> Group:
     mode = f"tp {record['tp_size']}, ep {record['ep_size']}" + (
         ", fully sharded" if record["fully_sharded"] else "")
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
-    for col in ("rank", "slot bytes", "read", "GB/s", "image", "fingerprint"):
-        table.add_column(col, justify="right" if col in ("slot bytes", "read", "GB/s") else "left")
+    for col in ("rank", "slot bytes", "read", "GB/s", "layout fingerprint"):
+        table.add_column(col, justify="right" if col in ("slot bytes", "read", "GB/s") else "left",
+                         no_wrap=True)
     for r in record["ranks"]:
         rate = r["pack_gb_per_s"]
         table.add_row(str(r["shard"]["tp_rank"]), f"{r['layout']['slot_bytes']:,}",
                       human_bytes(r["bytes_read"]), f"{rate:.2f}" if rate else "-",
-                      Path(r["image"]).name if r["image"] else "-",
                       r["layout"]["fingerprint"])
-    where = f" into {record['out']}" if record["out"] else ""
-    return Group(Text(f"{mode}: {len(record['ranks'])} rank pools{where}"), table)
+    n = len(record["ranks"])
+    where = (f", written to {Path(record['out']) / f'rank-{{k}}-of-{n}.safetensors'}"
+             if record["out"] else "")
+    return Group(Text(f"{mode}: {n} rank pools{where}"), table)

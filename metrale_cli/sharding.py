@@ -415,27 +415,37 @@ class ShardedPlan:
 
 
 class BlockReader(Protocol):
-    def read_block(self, info: TensorInfo, rows: tuple[int, int],
-                   cols: tuple[int, int]) -> np.ndarray: ...
+    def read_block(self, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
+                   out: np.ndarray | None = None) -> np.ndarray: ...
 
 
 def pack_shard_module(reader: BlockReader, module: ModuleRecord, entry: ShardEntry,
                       staging: np.ndarray, b_ratio: float) -> int:
     """Write a rank's slice of one module into its entry's regions of `staging` (zero on
     entry): A's held rank rows below the adapter's rank and its held input columns, B's held
-    output rows (its first r columns), converted exactly as the unsharded pack converts them.
-    Reads only those bytes of the file; returns how many."""
+    output rows (its first r columns), converted exactly as the unsharded pack converts them;
+    BF16 that needs no conversion is read straight into the region. Reads only those bytes of
+    the file; returns how many."""
     s, r = entry.slice, module.r
     lo, hi = s.ranks if s.ranks is not None else (0, entry.max_rank)
     read = 0
+    a_region = staging[entry.a_offset:entry.a_offset + entry.a_bytes].view(np.uint16)
+    a_region = a_region.reshape(entry.a_rows, entry.in_dim)
     if min(hi, r) > lo:
-        a = reader.read_block(module.a, (lo, min(hi, r)), s.cols)
-        a_region = staging[entry.a_offset:entry.a_offset + entry.a_bytes].view(np.uint16)
-        a_region.reshape(entry.a_rows, entry.in_dim)[:a.shape[0]] = to_bf16(a, module.a.dtype)
+        rows = (lo, min(hi, r))
+        if module.a.dtype == "BF16":
+            a = reader.read_block(module.a, rows, s.cols, a_region[:rows[1] - lo])
+        else:
+            a = reader.read_block(module.a, rows, s.cols)
+            a_region[:a.shape[0]] = to_bf16(a, module.a.dtype)
         read += a.nbytes
-    b = reader.read_block(module.b, s.rows, (0, r))
     b_region = staging[entry.b_offset:entry.b_offset + entry.b_bytes].view(np.uint16)
-    b_region.reshape(entry.out_dim, entry.max_rank)[:, :r] = to_bf16(b, module.b.dtype, b_ratio)
+    b_region = b_region.reshape(entry.out_dim, entry.max_rank)
+    if module.b.dtype == "BF16" and b_ratio == 1.0 and r == entry.max_rank:
+        b = reader.read_block(module.b, s.rows, (0, r), b_region)
+    else:
+        b = reader.read_block(module.b, s.rows, (0, r))
+        b_region[:, :r] = to_bf16(b, module.b.dtype, b_ratio)
     return read + b.nbytes
 
 
@@ -456,13 +466,14 @@ def pack_shard_experts(reader: BlockReader, pairs: Iterable[ExpertPair],
         lo, hi = s.ranks if s.ranks is not None else (0, layout.max_rank)
         a_rows = [(p.a_row + lo, p.a_row + min(hi, p.r)) for p in group]
         a_span = (min(a for a, _ in a_rows), max(b for _, b in a_rows))
-        a_all = (reader.read_block(first.a, a_span, s.cols) if a_span[1] > a_span[0]
+        # Copies: the reader's scratch buffer serves one block at a time.
+        a_all = (reader.read_block(first.a, a_span, s.cols).copy() if a_span[1] > a_span[0]
                  else None)
         b_blocks: dict[tuple[int, int], np.ndarray] = {}
         for p, e in zip(group, entries, strict=True):
             rows = (p.b_row + e.slice.rows[0], p.b_row + e.slice.rows[1])
             if rows not in b_blocks:
-                b_blocks[rows] = reader.read_block(first.b, rows, (0, first.b.shape[1]))
+                b_blocks[rows] = reader.read_block(first.b, rows, (0, first.b.shape[1])).copy()
         read += (a_all.nbytes if a_all is not None else 0)
         read += sum(b.nbytes for b in b_blocks.values())
         for p, e in zip(group, entries, strict=True):

@@ -207,3 +207,19 @@ def test_layout_tp_does_not_import_torch() -> None:
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "10,420,224" in done.stdout
+
+
+def test_bench_pack_per_rank() -> None:
+    result = metrale("bench", "pack", "--model", "qwen3-8b", "--modules", "q_proj,o_proj",
+                     "--rank", 8, "--adapters", 1, "--repeats", 1, "--tp", 2, "--json")
+    assert result.code == 0, result.stderr
+    tp = result.json()["tp"]
+    assert (tp["tp_size"], tp["ep_size"], tp["fully_sharded"]) == (2, 1, False)
+    # Per layer q_proj A [8, 4096] whole + half of B [4096, 8]; o_proj half of A [8, 4096]
+    # + B [4096, 8] whole; BF16, 36 layers.
+    per_layer = (8 * 4096 + 2048 * 8 + 8 * 2048 + 4096 * 8) * 2
+    assert [r["bytes_read"] for r in tp["ranks"]] == [36 * per_layer] * 2
+    for r in tp["ranks"]:
+        assert r["pack_gb_per_s"] > 0
+        assert r["pack_vs_memcpy"] == pytest.approx(
+            r["pack_gb_per_s"] / result.json()["memcpy_gb_per_s"])
