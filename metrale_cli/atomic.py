@@ -16,13 +16,7 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
     """Write through `write(file)` into a temp file beside `path`, fsync, then rename over it:
     a kill at any moment leaves either the old file or the new one, never a partial one."""
     path = Path(path)
-    if path.exists() and not force:
-        raise OutputExists(f"{path} exists; pass --force to overwrite it")
-    if path.is_dir():
-        raise UsageError(f"{path} is a directory")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"{parent}: no such directory")
+    parent = _parent(path, force, directory=False)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     except OSError as exc:
@@ -38,11 +32,7 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(parent)
 
 
 def atomic_directory(path: Path, fill: Any, force: bool) -> None:
@@ -50,13 +40,7 @@ def atomic_directory(path: Path, fill: Any, force: bool) -> None:
     failure or a kill while filling leaves no `path` (nor anything in it). With `force` an
     existing directory is replaced, moved aside before the rename and removed after it."""
     path = Path(path)
-    if path.exists() and not force:
-        raise OutputExists(f"{path} exists; pass --force to overwrite it")
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{path} is not a directory")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"{parent}: no such directory")
+    parent = _parent(path, force, directory=True)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
     except OSError as exc:
@@ -74,6 +58,23 @@ def atomic_directory(path: Path, fill: Any, force: bool) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _fsync_dir(parent)
+
+
+def _parent(path: Path, force: bool, directory: bool) -> Path:
+    """The existing directory `path` goes in, after refusing an existing `path` without `force`
+    or of the other kind (a file where a directory goes, or the reverse)."""
+    if path.exists() and not force:
+        raise OutputExists(f"{path} exists; pass --force to overwrite it")
+    if path.exists() and path.is_dir() != directory:
+        raise UsageError(f"{path} is {'not ' if directory else ''}a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory")
+    return parent
+
+
+def _fsync_dir(parent: Path) -> None:
     dir_fd = os.open(parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -129,20 +130,25 @@ class SlotLayout:
         ordered = tuple(m for m in ALL if m in set(modules))
         return cls(model, ordered, max_rank, align)
 
+    def applied(self) -> Iterator[tuple[int, LoraModule]]:
+        """Every (layer, module) pair with the module in the set and applying to the layer, in
+        layout order (layer, then module)."""
+        for layer in range(self.model.num_hidden_layers):
+            for module in self.modules:
+                if module.applies_to_layer(self.model, layer):
+                    yield layer, module
+
     @cached_property
     def entries(self) -> tuple[LayoutEntry, ...]:
         entries = []
         offset = 0
-        for layer in range(self.model.num_hidden_layers):
-            for module in self.modules:
-                if not module.applies_to_layer(self.model, layer):
-                    continue
-                out_dim, in_dim = module.dims(self.model)
-                a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim,
-                                                        self.max_rank, self.align)
-                entries.append(
-                    LayoutEntry(layer, module, out_dim, in_dim, a_offset, b_offset, self.max_rank)
-                )
+        for layer, module in self.applied():
+            out_dim, in_dim = module.dims(self.model)
+            a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
+                                                    self.align)
+            entries.append(
+                LayoutEntry(layer, module, out_dim, in_dim, a_offset, b_offset, self.max_rank)
+            )
         return tuple(entries)
 
     @cached_property

@@ -221,31 +221,29 @@ def owns_expert(model: ModelConfig, spec: ShardSpec, expert: int) -> bool:
 # -- per-rank layouts ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ShardEntry(LayoutEntry):
-    """A slot-layout entry over a shard: `out_dim`/`in_dim` are the slice's, `slice` says where
-    it sits in the full weight."""
+class Sliced:
+    """An entry over a shard: its `out_dim`/`in_dim` are the slice's, `slice` says where it
+    sits in the full weight (recorded beside the entry's fields)."""
 
     slice: Slice
+    max_rank: int
 
     @property
     def a_rows(self) -> int:
         return self.slice.a_rows(self.max_rank)
 
     def record(self) -> dict[str, Any]:
-        return {**super().record(), "slice": self.slice.record()}
+        return {**super().record(), "slice": self.slice.record()}  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
-class ShardExpertEntry(ExpertEntry):
+class ShardEntry(Sliced, LayoutEntry):
     slice: Slice
 
-    @property
-    def a_rows(self) -> int:
-        return self.slice.a_rows(self.max_rank)
 
-    def record(self) -> dict[str, Any]:
-        return {**super().record(), "slice": self.slice.record()}
+@dataclass(frozen=True)
+class ShardExpertEntry(Sliced, ExpertEntry):
+    slice: Slice
 
 
 @dataclass(frozen=True)
@@ -262,16 +260,16 @@ class RankLayout(SlotLayout):
     def entries(self) -> tuple[ShardEntry, ...]:  # type: ignore[override]
         entries = []
         offset = 0
-        for layer in range(self.model.num_hidden_layers):
-            for module in self.modules:
-                if not module.applies_to_layer(self.model, layer):
-                    continue
-                s = module_slice(self.model, module, self.shard, self.max_rank)
-                out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]
-                a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
-                                                        self.align, s.a_rows(self.max_rank))
-                entries.append(ShardEntry(layer, module, out_dim, in_dim, a_offset, b_offset,
-                                          self.max_rank, s))
+        # In layout order, so the first count that does not split is the one named.
+        slices = {m: module_slice(self.model, m, self.shard, self.max_rank)
+                  for m in dict.fromkeys(m for _, m in self.applied())}
+        for layer, module in self.applied():
+            s = slices[module]
+            out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]
+            a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
+                                                    self.align, s.a_rows(self.max_rank))
+            entries.append(ShardEntry(layer, module, out_dim, in_dim, a_offset, b_offset,
+                                      self.max_rank, s))
         return tuple(entries)
 
     @cached_property
@@ -306,7 +304,7 @@ class RankExpertLayout(ExpertLayout):
         entries = []
         offset = 0
         slices = {p: expert_slice(self.model, p, self.shard, self.max_rank)
-                  for p in {k[1] for k in self.keys}}
+                  for p in dict.fromkeys(k[1] for k in self.keys)}
         for layer, proj, expert in self.keys:
             s = slices[proj]
             out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.cli_runner import metrale
+from tests.tiny_hybrid import free_port, tiny_hybrid_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -69,25 +68,15 @@ def _peer(rank: int, port: int, adapters: list[str], receiver_rank: int, out: st
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    root = tmp_path_factory.mktemp("peer")
-    (root / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-        "intermediate_size": 48, "linear_num_value_heads": 3, "linear_value_head_dim": 8,
-        "full_attention_interval": 2}))
-    for name, rank in (("a", 8), ("b", 4)):
-        assert metrale("synth", root / name, "--model", root, "--modules",
-                       "q_proj,o_proj,out_proj", "--rank", rank, "--seed", rank).code == 0
-    return [str(root / "a"), str(root / "b")]
+    paths = tiny_hybrid_adapters(tmp_path_factory.mktemp("peer"), [
+        ("a", 8, "q_proj,o_proj,out_proj"), ("b", 4, "q_proj,o_proj,out_proj")])
+    return [str(p) for p in paths]
 
 
 def run_pair(adapters: list[str], receiver_rank: int, out: Path) -> list[dict]:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_peer, args=(port, adapters, receiver_rank, str(out)), nprocs=2, join=True)
+    mp.spawn(_peer, args=(free_port(), adapters, receiver_rank, str(out)), nprocs=2, join=True)
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_runner import metrale
+from tests.tiny_hybrid import free_port, tiny_hybrid_adapters
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 60
@@ -22,26 +22,8 @@ TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two synthetic adapters of a tiny hybrid model (gated q_proj, out_proj)."""
-    root = tmp_path_factory.mktemp("tp_torchrun")
-    (root / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "intermediate_size": 96, "linear_num_value_heads": 4, "linear_value_head_dim": 8,
-        "full_attention_interval": 2}))
-    paths = []
-    for name, rank, modules in (("a", 8, "q_proj,k_proj,v_proj,o_proj,out_proj"),
-                                ("b", 4, "q_proj,out_proj")):
-        assert metrale("synth", root / name, "--model", root, "--modules", modules,
-                       "--rank", rank, "--dtype", "f32").code == 0
-        paths.append(root / name)
-    return paths
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tiny_hybrid_adapters(tmp_path_factory.mktemp("tp_torchrun"), [
+        ("a", 8, "q_proj,k_proj,v_proj,o_proj,out_proj"), ("b", 4, "q_proj,out_proj")])
 
 
 def pack_args(adapters: list[Path], out: Path, tp: int) -> list[str]:
