@@ -129,6 +129,14 @@ def pack_torchrun(plan: Plan, max_loras: int, spec: ShardSpec, device: str = "au
         dist.destroy_process_group()
 
 
+def _message(exc: MetraleError | OSError) -> str:
+    """The one line the CLI edge would print for `exc`, without `error: `."""
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return where + str(exc.strerror or exc)
+    return str(exc)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -164,8 +172,8 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                 expected.append([ranked.fingerprint, ranked_ex.fingerprint if ranked_ex
                                  else None])
             payload[0] = {"rank": 0, "error": None, "expected": expected}
-        except MetraleError as exc:
-            payload[0] = {"rank": 0, "error": str(exc)}
+        except (MetraleError, OSError) as exc:
+            payload[0] = {"rank": 0, "error": _message(exc)}
     try:
         dist.broadcast_object_list(payload, src=0)
     except RuntimeError as exc:
@@ -186,8 +194,8 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                                "model on this node?)")
         if final is not None and final.exists() and not force:
             raise OutputExists(f"{final} exists; pass --force to overwrite it")
-    except MetraleError as exc:
-        status["error"] = str(exc)
+    except (MetraleError, OSError) as exc:
+        status["error"] = _message(exc)
     _exchange(dist, rank, status, timeout, "the fingerprint check")
     layout, ex, reports = planned
     staged = final.with_name(f".{final.name}.staged") if final is not None else None
@@ -205,8 +213,7 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
             record["image"] = str(final) if final is not None else None
             status = {"rank": rank, "error": None, "record": record}
         except (MetraleError, OSError) as exc:
-            where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
-            status = {"rank": rank, "error": where + str(getattr(exc, "strerror", None) or exc)}
+            status = {"rank": rank, "error": _message(exc)}
         statuses = _exchange(dist, rank, status, timeout, "after packing")
         if staged is not None and final is not None:
             os.replace(staged, final)

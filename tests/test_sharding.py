@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -223,3 +225,15 @@ def test_bench_pack_per_rank() -> None:
         assert r["pack_gb_per_s"] > 0
         assert r["pack_vs_memcpy"] == pytest.approx(
             r["pack_gb_per_s"] / result.json()["memcpy_gb_per_s"])
+
+
+def test_the_docs_figures_are_the_code_s() -> None:
+    """docs/tensor-parallel.md's table of per-rank slot bytes is what the layouts give."""
+    text = (Path(__file__).parents[1] / "docs" / "tensor-parallel.md").read_text()
+    rows = re.findall(r"^\| (unsharded|TP (\d)(, fully sharded)?) \| ([\d,]+) \|$", text, re.M)
+    assert len(rows) == 5
+    layout = next_layout()
+    for _, tp, fully, figure in rows:
+        got = (RankLayout.of(layout, ShardSpec(int(tp), 0, 1, bool(fully))).slot_bytes if tp
+               else layout.slot_bytes)
+        assert got == int(figure.replace(",", ""))
