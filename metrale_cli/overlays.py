@@ -49,8 +49,8 @@ class Overlay:
 
 @dataclass
 class OverlayRaw:
-    """One slot's overlays as uploaded (the seed's `OverlayRawSlot`): per table, the token ids
-    (int64 `[n]`) and their rows (float32 `[n, hidden]`, exactly the file's values)."""
+    """One slot's overlays as a serving engine uploads them: per table, the token ids (int64
+    `[n]`) and their rows (float32 `[n, hidden]`, exactly the file's values)."""
 
     tables: list[str] = field(default_factory=list)
     tokens: list[np.ndarray] = field(default_factory=list)
