@@ -1,6 +1,6 @@
 """Routed-expert and router LoRA: the expert pool beside the slot pool.
 
-Two on-disk formats name the same thing (docs/peft_format.md 2.5, 4.4):
+Two on-disk formats name the same thing (docs/peft_format.md §2.5, §2.6):
 
 - transformers-4 per-expert Linears: `mlp.experts.{e}.gate_proj|up_proj|down_proj` (Mixtral
   `block_sparse_moe.experts.{e}.w1|w3|w2`), each a plain `A [r, in]`, `B [out, r]`;

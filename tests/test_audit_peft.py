@@ -75,7 +75,7 @@ def test_pool_targets_are_servable(peft_zoo, model: str) -> None:
 
 
 def test_rslora_and_patterns_like_peft(peft_zoo) -> None:
-    """peft_format.md §1.4's verified table: rank/alpha patterns with rsLoRA."""
+    """docs/peft_format.md §1.4's table, checked with PEFT: rank/alpha patterns with rsLoRA."""
     truth = peft_zoo.adapter(
         "llama", r=8, lora_alpha=16, use_rslora=True,
         target_modules=["q_proj", "v_proj", "down_proj"],

@@ -1,4 +1,5 @@
-"""Base-model configs: presets against the real config files, dims against peft_format.md."""
+"""Base-model configs: presets against the real config files, dims against what transformers
+builds from them (docs/peft_format.md §3)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_preset_matches_the_real_config(preset: str, file: str) -> None:
     assert {**real.summary(), "source": ""} == {**mine.summary(), "source": ""}
 
 
-# (out_dim, in_dim) per module, from peft_format.md §3 (meta-device instantiations).
+# (out_dim, in_dim) per module, as transformers instantiates the real configs (on the meta
+# device); docs/peft_format.md §3.
 DIMS = {
     "qwen3-next-80b-a3b": {"q_proj": (8192, 2048), "k_proj": (512, 2048), "v_proj": (512, 2048),
                            "o_proj": (2048, 4096), "out_proj": (2048, 4096)},
