@@ -217,7 +217,7 @@ def inspect(
 
     The model defaults to the adapters' base_model_name_or_path."""
     from metrale_cli.audit import audit
-    from metrale_cli.plan import Footprint, inspect_record, max_rank_warning
+    from metrale_cli.plan import Footprint, inspect_record, max_rank_warnings
 
     positive("--max-rank", max_rank)
     loaded = load_adapters(adapters)
@@ -225,10 +225,10 @@ def inspect(
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
-    warning = max_rank_warning(max_rank) if max_rank is not None else None
-    warn([warning] if warning else [])
+    warnings = max_rank_warnings(max_rank)
+    warn(warnings)
     if json_out:
-        emit_json(inspect_record(cfg, reports, footprints, enabled, [warning] if warning else []))
+        emit_json(inspect_record(cfg, reports, footprints, enabled, warnings))
     else:
         from metrale_cli.render import inspect_view
 

@@ -11,7 +11,7 @@ from metrale_cli.audit import AdapterReport
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.image import write_image
 from metrale_cli.layout import SlotLayout
-from metrale_cli.plan import max_rank_warning
+from metrale_cli.plan import max_rank_warnings
 from metrale_cli.pool import LoraPool, PackStats, pick_device
 
 
@@ -35,8 +35,7 @@ class PackResult:
     @property
     def warnings(self) -> list[str]:
         """What the pool holds that the kernels would refuse."""
-        warning = max_rank_warning(self.pool.layout.max_rank)
-        return [warning] if warning else []
+        return max_rank_warnings(self.pool.layout.max_rank)
 
     def record(self) -> dict[str, Any]:
         layout = self.pool.layout

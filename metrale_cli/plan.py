@@ -20,23 +20,24 @@ from metrale_cli.modules import ALL, LoraModule
 def kernel_max_rank(rank: int) -> int:
     """The smallest max rank at or above `rank` whose rows the CUDA kernels read: a multiple of
     their 16-byte vector (8 BF16 elements). Above their largest max rank no rounding helps;
-    `max_rank_warning` says so."""
+    `max_rank_warnings` says so."""
     from metrale_cli.kernels import VECTOR
 
     return -(-rank // VECTOR) * VECTOR
 
 
-def max_rank_warning(max_rank: int) -> str | None:
+def max_rank_warnings(max_rank: int | None) -> list[str]:
     """Why the CUDA kernels cannot serve a pool of this max rank, naming the nearest they
-    serve; None when they can. The layout itself holds either way."""
+    serve, as one line; none when they can (or no max rank is given). The layout itself holds
+    either way."""
     from metrale_cli.kernels import MAX_RANK, VECTOR
 
-    if max_rank % VECTOR == 0 and max_rank <= MAX_RANK:
-        return None
+    if max_rank is None or (max_rank % VECTOR == 0 and max_rank <= MAX_RANK):
+        return []
     nearest = min(kernel_max_rank(max_rank), MAX_RANK)
-    return (f"max rank {max_rank}: the CUDA kernels serve multiples of {VECTOR} up to "
+    return [f"max rank {max_rank}: the CUDA kernels serve multiples of {VECTOR} up to "
             f"{MAX_RANK} and would refuse this pool (its layout holds); the nearest max rank "
-            f"they serve is {nearest}")
+            f"they serve is {nearest}"]
 
 
 def plan_layouts(
@@ -114,8 +115,7 @@ class PoolPlan:
     @property
     def warnings(self) -> list[str]:
         """What the plan holds that the kernels would refuse."""
-        warning = max_rank_warning(self.layout.max_rank)
-        return [warning] if warning else []
+        return max_rank_warnings(self.layout.max_rank)
 
     def record(self) -> dict[str, Any]:
         n = self.max_loras
