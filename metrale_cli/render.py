@@ -92,8 +92,8 @@ def _adapter_panel(
     if expert_layout is not None:
         summary.add_row(
             "expert slot",
-            f"{human_bytes(expert_layout.expert_slot_bytes)} "
-            f"({expert_layout.expert_slot_bytes:,} B) padded to rank {expert_layout.max_rank}, "
+            f"{human_bytes(expert_layout.slot_bytes)} "
+            f"({expert_layout.slot_bytes:,} B) padded to rank {expert_layout.max_rank}, "
             "in the expert pool beside the slot pool")
     if report.overlays:
         summary.add_row("overlays", ", ".join(
@@ -207,8 +207,8 @@ def layout_view(plan: PoolPlan) -> Group:
                   f"{layout.align}-byte aligned BF16")
     if expert_layout is not None:
         ex = expert_layout
-        table.add_row("expert slot", f"{ex.expert_slot_bytes:,} B "
-                      f"({human_bytes(ex.expert_slot_bytes)}), {len(ex.entries):,} (layer, "
+        table.add_row("expert slot", f"{ex.slot_bytes:,} B "
+                      f"({human_bytes(ex.slot_bytes)}), {len(ex.entries):,} (layer, "
                       f"projection, expert) entries on {len({e.layer for e in ex.entries})} "
                       f"layers at rank {ex.max_rank}, a separate allocation")
     if budget is not None and max_loras is not None:
@@ -293,7 +293,7 @@ def pack_view(result: Any) -> Group:
         if s["name"]:
             table.add_row(str(s["slot"]), s["name"], str(s["rank"]), _fmt(s["alpha"]),
                           f"{s['scaling']:.6g}", "yes" if s["pinned"] else "", s["source"])
-    empty = result.pool.max_loras - len(result.pool.adapter_names())
+    empty = result.pool.max_loras - len(result.pool.manager.adapter_names())
     rate = result.bytes_read / result.pack_seconds / 1e9 if result.pack_seconds else 0.0
     lines = [
         f"pool: {result.pool.max_loras} slots x {layout.slot_bytes:,} B = "
@@ -306,7 +306,7 @@ def pack_view(result: Any) -> Group:
     if ex is not None:
         ex_bytes = human_bytes(ex.pool_bytes(result.pool.max_loras))
         lines.insert(1, f"expert pool: {result.pool.max_loras} expert slots x "
-                     f"{ex.expert_slot_bytes:,} B = {ex_bytes}, {len(ex.entries):,} "
+                     f"{ex.slot_bytes:,} B = {ex_bytes}, {len(ex.entries):,} "
                      f"(layer, projection, expert) entries, max rank {ex.max_rank}")
     overlays = sum(raw.count for raw in result.pool.overlay_raw if raw is not None)
     if overlays:

@@ -73,4 +73,4 @@ def test_image_bytes_are_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     images = pinned_images(tmp_path, monkeypatch)
     assert {name: sha256(path) for name, path in images.items()} == PINNED
     experts = PoolImage.open(images["experts"])
-    assert experts.expert_pool is not None and experts.expert_pool.any()
+    assert experts.expert_region is not None and experts.expert_region.memory.any()
