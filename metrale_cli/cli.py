@@ -366,9 +366,14 @@ def bench_pack(
     adapters: Annotated[int, typer.Option("--adapters", help="Synthetic adapters to pack.")] = 4,
     dtype: Annotated[str, typer.Option("--dtype", help="Adapter file dtype.")] = "bf16",
     repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    device: Annotated[str, typer.Option("--device", help="cpu, or cuda: pack into GPU memory "
+                                        "against a pinned-memory copy.")] = "cpu",
+    experts: Annotated[bool, typer.Option("--experts", help="Also pack a fused F32 expert "
+                                          "adapter at the model's real width and report its "
+                                          "peak RSS.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Packing throughput vs numpy.copyto of the same bytes, and peak RSS vs the pool size."""
+    """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
     from metrale_cli import bench_pack as bench
 
     positive("--rank", rank)
@@ -376,17 +381,23 @@ def bench_pack(
     positive("--repeats", repeats)
     module_list = parse_modules(modules)
     assert module_list is not None
-    record = bench.run(resolve_model(model), model, module_list, rank, adapters, dtype, repeats)
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    record = bench.run(resolve_model(model), model, module_list, rank, adapters, dtype, repeats,
+                       device=device, experts=experts)
     if json_out:
         emit_json(record)
         return
     from metrale_cli.render import human_bytes
 
+    copy = "a pinned host-to-device copy" if device == "cuda" else "numpy.copyto"
     out.print(
         f"{adapters} x {record['setup']['model']} r={rank} {dtype} adapters, "
-        f"{human_bytes(record['tensor_bytes'])} of tensors\n"
+        f"{human_bytes(record['tensor_bytes'])} of tensors, into {device} memory\n"
         f"pack      {record['pack_gb_per_s']:.2f} GB/s = {100 * record['pack_vs_memcpy']:.0f}% "
-        f"of numpy.copyto ({record['memcpy_gb_per_s']:.2f} GB/s), same bytes, same run\n"
+        f"of {copy} ({record['memcpy_gb_per_s']:.2f} GB/s), same bytes, same run\n"
+        f"NaN/Inf check: the pack takes {record['finite_check_cost']:.2f}x as long as "
+        f"without it ({record['pack_unchecked_gb_per_s']:.2f} GB/s)\n"
         f"end to end `metrale pack`: {record['end_to_end_pack_gb_per_s']:.2f} GB/s "
         f"(fresh pool pages included), {record['end_to_end_wall_s']:.2f} s wall\n"
         f"peak RSS  {human_bytes(record['peak_rss_bytes'])} = pool "
@@ -394,6 +405,14 @@ def bench_pack(
         f"{human_bytes(record['peak_rss_minus_pool_bytes'])} "
         f"({'within' if record['rss_within_pool_plus_256mib'] else 'OVER'} pool + 256 MiB)"
     )
+    ex = record["experts"]
+    if ex is not None:
+        out.print(
+            f"experts   {ex['experts']} experts r={ex['rank']} F32 on one layer, "
+            f"{human_bytes(ex['tensor_bytes'])} of tensors: peak RSS "
+            f"{human_bytes(ex['peak_rss_bytes'])} = pools {human_bytes(ex['pool_bytes'])} + "
+            f"{human_bytes(ex['peak_rss_minus_pool_bytes'])} "
+            f"({'within' if ex['rss_within_pool_plus_256mib'] else 'OVER'} pool + 256 MiB)")
 
 
 @bench_app.command("kernels")

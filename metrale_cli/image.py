@@ -29,6 +29,9 @@ FORMAT = "pool/1"
 # The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
 DATA_ALIGN = 256
 COPY_CHUNK = 64 << 20
+# More decoder layers than any model has; an image claiming more is refused before its layout
+# is rebuilt.
+MAX_LAYERS = 1 << 14
 _ITEM_BYTES = {"U8": 1, "F32": 4, "I32": 4, "I64": 8}
 _NP_DTYPES = {"U8": "u1", "F32": "<f4", "I32": "<i4", "I64": "<i8"}
 # Tensors that may live in device memory and are copied out in chunks.
@@ -212,6 +215,10 @@ class PoolImage:
         try:
             layout_doc = json.loads(meta["metrale.layout"])
             model = ModelConfig.from_summary(json.loads(meta["metrale.model"]))
+            if not 0 < model.num_hidden_layers <= MAX_LAYERS:
+                # The layout is rebuilt layer by layer: a header saying 10**8 would hang here.
+                raise ValueError(f"num_hidden_layers {model.num_hidden_layers!r} is not in "
+                                 f"[1, {MAX_LAYERS}]")
             layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                       layout_doc["max_rank"], layout_doc["align"])
             max_loras = _count(layout_doc["max_loras"], "max_loras", 1)
@@ -223,8 +230,8 @@ class PoolImage:
                 ex_fingerprint = ex_doc.get("fingerprint")
             slots, pinned = _slots(json.loads(meta["metrale.slots"]), max_loras)
             active = _count(meta.get("metrale.active", "0"), "metrale.active", 0)
-        except (KeyError, ValueError, TypeError, AttributeError, RecursionError,
-                MetraleError) as exc:
+        except (KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError,
+                RecursionError, MetraleError) as exc:
             raise FormatError(f"{path}: bad metrale metadata ({exc})") from exc
         if fingerprint != layout_doc.get("fingerprint"):
             raise FormatError(f"{path}: the layout does not reproduce its fingerprint")

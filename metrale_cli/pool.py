@@ -29,13 +29,7 @@ from metrale_cli.errors import FormatError, LayoutMismatch, PoolTooLarge, UsageE
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
 from metrale_cli.overlays import OverlayRaw
-from metrale_cli.packing import (
-    TensorReader,
-    check_fits,
-    fill_experts,
-    fill_modules,
-    read_overlays,
-)
+from metrale_cli.packing import check_fits, fill_slot
 from metrale_cli.region import Region, Staging
 from metrale_cli.slots import AdapterSlot, SlotManager
 
@@ -265,7 +259,7 @@ class LoraPool:
         started = time.perf_counter()
         if self.device == "cuda":
             with self._staging_lock:
-                read, overlay = self._fill(slot, report, self._stager(), progress)
+                read, overlay = self._fill(slot, report, self.staging(), progress)
         else:
             read, overlay = self._fill(slot, report, None, progress)
         self.overlay_raw[slot] = overlay
@@ -276,21 +270,8 @@ class LoraPool:
 
     def _fill(self, slot: int, report: AdapterReport, staging: Staging | None,
               progress: Callable[[int], None] | None) -> tuple[int, OverlayRaw | None]:
-        fd = os.open(report.adapter.weights_path, os.O_RDONLY)
-        try:
-            reader = TensorReader(fd, str(report.adapter.weights_path))
-            writer = self.region.writer(slot, staging)
-            read = fill_modules(reader, report, self.layout, writer, progress=progress)
-            writer.finish()
-            expert_writer = None
-            if self.expert_region is not None and self.expert_layout is not None:
-                expert_writer = self.expert_region.writer(slot, staging)
-                read += fill_experts(reader, report, self.expert_layout, expert_writer,
-                                     progress=progress)
-                expert_writer.finish()
-            overlay = read_overlays(reader, report)
-        finally:
-            os.close(fd)
+        read, overlay = fill_slot(report, slot, self.layout, self.region, self.expert_layout,
+                                  self.expert_region, staging, progress=progress)
         index = self.layout.index
         self.region.publish(slot, _adapted(len(index),
                                            [index[(m.layer, m.module)] for m in report.modules]))
@@ -300,7 +281,9 @@ class LoraPool:
                                                                      report.expert_pairs]))
         return read, overlay
 
-    def _stager(self) -> Staging:
+    def staging(self) -> Staging:
+        """The pinned staging buffers GPU packs go through, allocated on first use, sized to
+        the largest A or B region of the pool's layouts."""
         if self._staging is None:
             largest = max((max(e.a_bytes, e.b_bytes) for r in self.regions()
                            for e in r.layout.entries), default=0)

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_cli import compat
-from metrale_cli import pool as pool_module
+from metrale_cli import compat, packing
 from metrale_cli.adapter import Adapter
 from metrale_cli.audit import audit
 from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16
@@ -180,7 +179,7 @@ def test_clear_slot_leaves_a_placeholder(tiny: dict[str, Path]) -> None:
     assert slots.select_victim_slot() == 1
 
 
-class HeldReader(pool_module.TensorReader):
+class HeldReader(packing.TensorReader):
     """A tensor reader that stops at its first read until the test lets it go."""
 
     entered = threading.Event()
@@ -203,7 +202,7 @@ def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],
     pool.swap_in(2, c)
     HeldReader.entered.clear()
     HeldReader.release.clear()
-    monkeypatch.setattr(pool_module, "TensorReader", HeldReader)
+    monkeypatch.setattr(packing, "TensorReader", HeldReader)
     slots = pool.manager
     result: list[object] = []
     swap = threading.Thread(target=lambda: result.append(pool.swap_in(2, b)))
