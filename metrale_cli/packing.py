@@ -40,6 +40,8 @@ B_CHUNK_BYTES = 32 << 20
 # sign) at or above the exponent mask.
 _BF16_EXPONENT = np.uint16(0x7F80)
 _BF16_MAGNITUDE = np.uint16(0x7FFF)
+# Elements checked at a time (512 KiB), so the masked copy stays in cache.
+_CHECK_RUN = 1 << 18
 
 Progress = Callable[[int], None]
 
@@ -96,10 +98,18 @@ def _row_bytes(info: TensorInfo) -> int:
 def _refuse_non_finite(bits: np.ndarray, adapter: str, tensor: str) -> None:
     """NonFiniteWeights when BF16 `bits` hold NaN or infinity (in the file, or a value too large
     for BF16 once scaled): every token routed to the slot would produce garbage."""
-    # One AND and one max: a fifth of the time of counting (bench pack measures what is left).
-    if not bits.size or int((bits & _BF16_MAGNITUDE).max()) < _BF16_EXPONENT:
+    # An AND and a max per cache-sized run: about one pass over the bits, a tenth of counting
+    # (bench pack measures what is left); counted only when something is wrong.
+    flat = bits.reshape(-1)
+    magnitude = np.empty(min(flat.size, _CHECK_RUN), dtype=np.uint16)
+    for start in range(0, flat.size, _CHECK_RUN):
+        run = flat[start:start + _CHECK_RUN]
+        np.bitwise_and(run, _BF16_MAGNITUDE, out=magnitude[:run.size])
+        if magnitude[:run.size].max() >= _BF16_EXPONENT:
+            break
+    else:
         return
-    bad = int(np.count_nonzero((bits & _BF16_EXPONENT) == _BF16_EXPONENT))
+    bad = int(np.count_nonzero((flat & _BF16_EXPONENT) == _BF16_EXPONENT))
     if bad:
         raise NonFiniteWeights(f"{adapter}: tensor {tensor!r} has {bad:,} non-finite values "
                                "(NaN or infinity) as BF16; refusing to pack it")

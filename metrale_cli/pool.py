@@ -30,6 +30,7 @@ from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
 from metrale_cli.overlays import OverlayRaw
 from metrale_cli.packing import check_fits, fill_slot
+from metrale_cli.plan import PoolPlan
 from metrale_cli.region import Region, Staging
 from metrale_cli.slots import AdapterSlot, SlotManager
 
@@ -85,7 +86,8 @@ class LoraPool:
         self.max_loras = max_loras
         self.device = device
         self.xp: Any = cupy_module() if device == "cuda" else np
-        _check_memory(self.footprint_bytes(layout, max_loras, expert_layout), device, self.xp)
+        need = PoolPlan(layout, expert_layout, max_loras).total_bytes or 0
+        _check_memory(need, device, self.xp)
         self.region = Region(layout, max_loras, device, self.xp)
         self.expert_region = (Region(expert_layout, max_loras, device, self.xp)
                               if expert_layout is not None else None)
@@ -103,15 +105,6 @@ class LoraPool:
         # Pinned staging for GPU packs, allocated once, used by one pack at a time.
         self._staging: Staging | None = None
         self._staging_lock = threading.Lock()
-
-    @staticmethod
-    def footprint_bytes(layout: SlotLayout, max_loras: int,
-                        expert_layout: ExpertLayout | None = None) -> int:
-        """The pool's memory: both regions and every table."""
-        total = layout.pool_bytes(max_loras) + layout.table_bytes(max_loras)
-        if expert_layout is not None:
-            total += expert_layout.pool_bytes(max_loras) + expert_layout.table_bytes(max_loras)
-        return total
 
     # -- the slot pool's memory, as kernels launch on it --------------------------------------
 
