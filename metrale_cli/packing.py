@@ -191,9 +191,7 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
         if m.b.dtype == "BF16" and ratio == 1.0 and m.r == max_rank:
             reader.into(m.b, b)
         else:
-            b2 = b.reshape(e.out_dim, max_rank)
-            b2[:, :m.r] = to_bf16(reader.read(m.b), m.b.dtype, ratio).reshape(e.out_dim, m.r)
-            b2[:, m.r:] = 0
+            _fill_b(b, reader.read(m.b), m.b.dtype, ratio, m.r, max_rank)
         if check_finite:
             _refuse_non_finite(b, report.name, m.b.name)
         read += m.a.nbytes + m.b.nbytes
@@ -247,16 +245,22 @@ def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
                            p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
                 b = writer.span(e.b_offset + (lo - p.b_row) * max_rank * BF16_BYTES,
                                 (hi - lo) * max_rank * BF16_BYTES).view(np.uint16)
-                b2 = b.reshape(hi - lo, max_rank)
-                b2[:, :p.r] = to_bf16(np.ascontiguousarray(cols), p.b.dtype,
-                                      p.scaling / report.scaling).reshape(hi - lo, p.r)
-                b2[:, p.r:] = 0
+                _fill_b(b, cols, p.b.dtype, p.scaling / report.scaling, p.r, max_rank)
                 if check_finite:
                     _refuse_non_finite(b, report.name, p.b.name)
         read += first.a.nbytes + first.b.nbytes
         if progress is not None:
             progress(first.a.nbytes + first.b.nbytes)
     return read
+
+
+def _fill_b(b: np.ndarray, values: np.ndarray, dtype: str, ratio: float, r: int,
+            max_rank: int) -> None:
+    """Rows of a B region (`[n, max_rank]` BF16 bits): the first r columns are `values`
+    (`[n, r]` raw elements, or flat) times `ratio` rounded once, the rest zero."""
+    rows = b.reshape(-1, max_rank)
+    rows[:, :r] = to_bf16(np.ascontiguousarray(values), dtype, ratio).reshape(-1, r)
+    rows[:, r:] = 0
 
 
 def fill_slot(report: AdapterReport, slot: int, layout: SlotLayout, region: Region,
