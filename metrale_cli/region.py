@@ -51,24 +51,23 @@ class Staging:
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.buffers = [np.frombuffer(xp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
                         for _ in range(2)]
-        # The copy out of buffer i was enqueued before event i; refilling it waits for it.
-        self.events: list[Any] = [None, None]
+        # Event i is recorded after buffer i's copy is enqueued; refilling it waits for it.
+        self.events = [xp.cuda.Event(disable_timing=True) for _ in range(2)]
+        self.recorded = [False, False]
         self.turn = 0
 
     def take(self) -> tuple[int, np.ndarray]:
         """The next free buffer (waiting for its previous copy to finish)."""
         self.turn ^= 1
-        event = self.events[self.turn]
-        if event is not None:
-            event.synchronize()
+        if self.recorded[self.turn]:
+            self.events[self.turn].synchronize()
         return self.turn, self.buffers[self.turn]
 
     def copy_out(self, turn: int, dest: Any, nbytes: int) -> None:
         """Enqueue buffer `turn`'s first `nbytes` into device array `dest` on the stream."""
         dest.set(self.buffers[turn][:nbytes], stream=self.stream)
-        event = self.xp.cuda.Event()
-        event.record(self.stream)
-        self.events[turn] = event
+        self.events[turn].record(self.stream)
+        self.recorded[turn] = True
 
 
 class SlotWriter:

@@ -49,6 +49,9 @@ class FakeStream:
 
 
 class FakeEvent:
+    def __init__(self, disable_timing: bool = False) -> None:
+        pass
+
     def record(self, stream: FakeStream) -> None:
         pass
 
@@ -79,6 +82,10 @@ class FakeCupy:
     @staticmethod
     def zeros(shape: Any, dtype: Any) -> DeviceArray:
         return np.zeros(shape, dtype).view(DeviceArray)
+
+    @staticmethod
+    def empty(shape: Any, dtype: Any) -> DeviceArray:
+        return np.empty(shape, dtype).view(DeviceArray)
 
     @staticmethod
     def asarray(array: Any) -> DeviceArray:
@@ -146,6 +153,36 @@ def test_device_packs_stage_through_two_pinned_buffers(adapters, monkeypatch) ->
     for slot in range(8):
         want = host.region.host_bytes((slot + 2) % 2)
         assert np.array_equal(device.region.host_bytes(slot), want), slot
+
+
+def test_bench_pack_device_figures_on_the_stand_in(adapters, monkeypatch) -> None:
+    """`bench pack --device cuda`'s two figures, the pack through pinned staging and the pinned
+    host-to-device copy of the same bytes, run their device code on the stand-in."""
+    from metrale_cli import bench_pack, compat
+
+    model, reports = adapters
+    layout, _ = plan_layouts(model, reports)
+    monkeypatch.setattr(pool_module, "cupy_module", lambda: FakeCupy)
+    monkeypatch.setattr(compat, "cupy_module", lambda: FakeCupy)
+    assert bench_pack._pack_rate(reports, layout, "cuda", 2, check_finite=True) > 0
+    assert bench_pack._copy_rate(1 << 20, 2, "cuda") > 0
+
+
+@pytest.mark.gpu
+def test_real_device_pack_matches_host(adapters) -> None:
+    """On a GPU, through CuPy's pinned staging: the same bytes and offsets as the host path,
+    stale slots included."""
+    model, reports = adapters
+    layout, _ = plan_layouts(model, reports)
+    host, _ = LoraPool.load(layout, 3, reports, device="cpu")
+    device, _ = LoraPool.load(layout, 3, reports, device="cuda")
+    device.swap_in(0, reports[1])
+    device.swap_in(0, reports[0])  # rank 4 over rank 2 over rank 4
+    device.swap_in(2, reports[1])
+    for slot, want in ((0, 0), (1, 1), (2, 1)):
+        assert np.array_equal(device.region.host_bytes(slot), host.region.host_bytes(want))
+    offsets = device.region.offset_tables()[0]
+    assert np.array_equal(offsets[:, :2], host.region.offset_tables()[0][:, :2])
 
 
 @pytest.mark.slow
