@@ -188,23 +188,21 @@ class LoraPool:
         contents = source.slot_contents(source_slot)
         if not contents.info.filled:
             raise UsageError(f"source slot {source_slot} holds no adapter")
-        experts = contents.expert_adapted is not None and bool(contents.expert_adapted.any())
-        if experts and self.expert_region is None:
-            raise LayoutMismatch(f"source slot {source_slot} holds expert LoRA and this pool "
-                                 "has no expert pool")
         _check_contents(self.region, contents.data, contents.adapted)
+        expert_src: tuple[np.ndarray, np.ndarray] | None = None
+        if contents.expert_adapted is not None and contents.expert_adapted.any():
+            if self.expert_region is None or contents.expert_data is None:
+                raise LayoutMismatch(f"source slot {source_slot} holds expert LoRA and this "
+                                     "pool has no expert pool")
+            expert_src = (contents.expert_data, contents.expert_adapted)
+            _check_contents(self.expert_region, *expert_src)
         generation = self._begin(slot)
         try:
             self.region.land(slot, contents.data, contents.adapted)
-            if self.expert_region is not None:
-                if experts:
-                    assert contents.expert_data is not None
-                    assert contents.expert_adapted is not None
-                    _check_contents(self.expert_region, contents.expert_data,
-                                    contents.expert_adapted)
-                    self.expert_region.land(slot, contents.expert_data, contents.expert_adapted)
-                else:
-                    self.expert_region.clear(slot)
+            if self.expert_region is not None and expert_src is not None:
+                self.expert_region.land(slot, *expert_src)
+            elif self.expert_region is not None:
+                self.expert_region.clear(slot)
             self.overlay_raw[slot] = contents.overlay
             self.scale_table[slot] = contents.info.scaling
             self.rank_table[slot] = contents.info.rank
