@@ -212,6 +212,11 @@ def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],
         for _ in range(3):
             for k in (0, 1):
                 slots.release_slot(slots.acquire_slot(k))
+        # The pool's own lock is free too: clearing another slot does not wait for the pack.
+        clear = threading.Thread(target=pool.clear_slot, args=(3,))
+        clear.start()
+        clear.join(10)
+        assert not clear.is_alive(), "clear_slot waited behind the swap's disk read"
         assert slots.adapter_id_for_slot(2) == 0 and slots.slot_of("c") is None
         with pytest.raises(SlotBusy):
             slots.acquire_slot(2)
