@@ -25,9 +25,8 @@ from metrale_cli.audit import AdapterReport
 from metrale_cli.errors import LayoutMismatch, MetraleError, OutputExists, RankFailed, UsageError
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
-from metrale_cli.overlays import OverlayRaw
 from metrale_cli.packing import pack_pool
-from metrale_cli.pool import AdapterSlot, LoraPool, pick_device
+from metrale_cli.pool import LoraPool, SlotContents, SlotSource, pick_device
 from metrale_cli.sharding import ShardSpec, rank_layouts, rank_report
 
 
@@ -42,6 +41,11 @@ class ShardedPackResult:
     spec: ShardSpec
     out: Path | None
     ranks: list[dict[str, Any]]
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the rank pools hold that the kernels would refuse (the same for every rank)."""
+        return list(self.ranks[0]["warnings"]) if self.ranks else []
 
     def record(self) -> dict[str, Any]:
         return {"tp_size": self.spec.tp_size, "ep_size": self.spec.ep_size,
@@ -231,99 +235,74 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
 
 @dataclass
 class ReceivedSlot:
-    """One slot received from a peer process, as a landing source for `LoraPool.land_slot`
-    (the source slot is 0; its table offsets are rebased to it)."""
+    """One slot a peer process sent, as a `land_slot` source (its only slot is 0)."""
 
     layout: SlotLayout
     expert_layout: ExpertLayout | None
-    slots: list[AdapterSlot]
-    overlay_raw: list[OverlayRaw | None]
-    data: np.ndarray
-    offsets: tuple[np.ndarray, np.ndarray]
-    expert_data: np.ndarray
-    expert_offsets: tuple[np.ndarray, np.ndarray]
+    contents: SlotContents
     max_loras: int = 1
 
-    def slot_bytes_host(self, slot: int) -> np.ndarray:
-        return self.data
-
-    def slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.offsets
-
-    def expert_slot_bytes_host(self, slot: int) -> np.ndarray:
-        return self.expert_data
-
-    def expert_slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.expert_offsets
+    def slot_contents(self, slot: int) -> SlotContents:
+        return self.contents
 
 
-def _fingerprints(pool: Any) -> list[str | None]:
-    ex = pool.expert_layout
-    return [pool.layout.fingerprint, ex.fingerprint if ex is not None else None]
+def _fingerprints(source: SlotSource) -> list[str | None]:
+    ex = source.expert_layout
+    return [source.layout.fingerprint, ex.fingerprint if ex is not None else None]
 
 
-def _rebased(offsets: tuple[np.ndarray, np.ndarray], start: int) -> tuple[np.ndarray, ...]:
-    return tuple(np.where(o < 0, -1, o - start) for o in offsets)
-
-
-def send_slot(pool: Any, slot: int, dst: int) -> None:
-    """Send `slot` of `pool` (a `LoraPool` or a `PoolImage`) to process `dst` of the default
+def send_slot(source: SlotSource, slot: int, dst: int) -> None:
+    """Send `slot` of `source` (a `LoraPool` or a `PoolImage`) to process `dst` of the default
     `torch.distributed` group, which calls `receive_slot`. Both sides first swap their layout
-    fingerprints (slot and expert); on a mismatch, or when the receiver refuses (a busy slot),
-    both raise before any slot byte moves. The bytes travel as host tensors (gloo)."""
+    fingerprints (slot and expert); on a mismatch, or when the receiver refuses (its slot out of
+    range or busy), both raise `LayoutMismatch` before any slot byte moves. The bytes travel as
+    host tensors (gloo)."""
     import torch
     import torch.distributed as dist
 
-    if not 0 <= slot < pool.max_loras:
-        raise UsageError(f"slot {slot} is out of range [0, {pool.max_loras})")
-    slot_bytes = pool.layout.slot_bytes
-    ex = pool.expert_layout
-    header = {
-        "fingerprints": _fingerprints(pool), "slot": pool.slots[slot],
-        "offsets": _rebased(pool.slot_offsets(slot), slot * slot_bytes),
-        "expert_offsets": (_rebased(pool.expert_slot_offsets(slot), slot * ex.expert_slot_bytes)
-                           if ex is not None else None),
-        "overlay": (getattr(pool, "overlay_raw", None) or [None] * pool.max_loras)[slot],
-    }
+    if not 0 <= slot < source.max_loras:
+        raise UsageError(f"slot {slot} is out of range [0, {source.max_loras})")
+    contents = source.slot_contents(slot)
+    header = {"fingerprints": _fingerprints(source), "info": contents.info,
+              "adapted": contents.adapted, "expert_adapted": contents.expert_adapted,
+              "overlay": contents.overlay}
     dist.send_object_list([header], dst=dst)
     reply: list[Any] = [None]
     dist.recv_object_list(reply, src=dst)
     if reply[0]["error"]:
         raise LayoutMismatch(f"process {dst} refused slot {slot}: {reply[0]['error']}")
-    dist.send(torch.from_numpy(np.ascontiguousarray(pool.slot_bytes_host(slot))), dst=dst)
-    if ex is not None:
-        dist.send(torch.from_numpy(np.ascontiguousarray(pool.expert_slot_bytes_host(slot))),
-                  dst=dst)
+    dist.send(torch.from_numpy(np.ascontiguousarray(contents.data)), dst=dst)
+    if contents.expert_data is not None:
+        dist.send(torch.from_numpy(np.ascontiguousarray(contents.expert_data)), dst=dst)
 
 
 def receive_slot(pool: LoraPool, slot: int, src: int) -> int:
-    """Land the slot process `src` sends (`send_slot`) in `slot` of `pool`, as `land_slot`
-    lands one from a local pool: same checks, the generation bumped. Returns the new
-    generation."""
+    """Land the slot process `src` sends (`send_slot`) in `slot` of `pool` with `land_slot`:
+    the same checks, the generation bumped. Returns the new generation."""
     import torch
     import torch.distributed as dist
 
-    header: list[Any] = [None]
-    dist.recv_object_list(header, src=src)
-    theirs, ours = header[0]["fingerprints"], _fingerprints(pool)
+    received: list[Any] = [None]
+    dist.recv_object_list(received, src=src)
+    header = received[0]
+    theirs, ours = header["fingerprints"], _fingerprints(pool)
     error = None
     if theirs != ours:
-        error = (f"layout fingerprints {theirs} do not match the receiving pool's {ours}")
+        error = f"layout fingerprints {theirs} do not match the receiving pool's {ours}"
     elif not 0 <= slot < pool.max_loras:
         error = f"slot {slot} is out of range [0, {pool.max_loras})"
-    elif pool.ref_counts[slot] > 0:
-        error = f"slot {slot} has {pool.ref_counts[slot]} in-flight sequences"
+    elif pool.manager.ref_count(slot) > 0:
+        error = f"slot {slot} has {pool.manager.ref_count(slot)} in-flight sequences"
     dist.send_object_list([{"error": error}], dst=src)
     if error is not None:
         raise LayoutMismatch(f"slot from process {src} refused: {error}")
     data = torch.empty(pool.layout.slot_bytes, dtype=torch.uint8)
     dist.recv(data, src=src)
-    ex = pool.expert_layout
-    expert_data = torch.empty(ex.expert_slot_bytes if ex is not None else 0, dtype=torch.uint8)
-    if ex is not None:
+    expert_data = None
+    if header["expert_adapted"] is not None and pool.expert_layout is not None:
+        expert_data = torch.empty(pool.expert_layout.slot_bytes, dtype=torch.uint8)
         dist.recv(expert_data, src=src)
-    empty = np.zeros(0, dtype=np.int64)
-    source = ReceivedSlot(
-        pool.layout, ex, [header[0]["slot"]], [header[0]["overlay"]], data.numpy(),
-        header[0]["offsets"], expert_data.numpy(), header[0]["expert_offsets"] or (empty, empty))
-    return pool.land_slot(slot, source, 0)
+    contents = SlotContents(header["info"], data.numpy(), header["adapted"],
+                            expert_data.numpy() if expert_data is not None else None,
+                            header["expert_adapted"], header["overlay"])
+    return pool.land_slot(slot, ReceivedSlot(pool.layout, pool.expert_layout, contents), 0)

@@ -80,6 +80,11 @@ class PaddedPair:
         return self.max_rank
 
     @property
+    def full_dims(self) -> tuple[int, int]:
+        """`(out_dim, in_dim)` of the whole weight the pair adapts (a shard holds a part)."""
+        return self.out_dim, self.in_dim
+
+    @property
     def a_bytes(self) -> int:
         return self.a_rows * self.in_dim * BF16_BYTES
 
@@ -210,22 +215,3 @@ class SlotLayout:
             "entries": [e.record() for e in self.entries],
         }
 
-
-def parse_size(text: str) -> int:
-    """`40GiB`, `512MiB`, `1.5TB`, `1000000` -> bytes."""
-    units = {
-        "": 1, "b": 1,
-        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    }
-    s = text.strip().lower().replace(" ", "").replace("_", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        raise UsageError(f"not a size: {text!r} (try 40GiB, 512MiB)") from None
-    if unit not in units or value < 0:
-        raise UsageError(f"not a size: {text!r} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return int(value * units[unit])

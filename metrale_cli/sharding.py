@@ -21,18 +21,14 @@ its record and its fingerprint are untouched by any of this.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
-
-from metrale_cli.audit import AdapterReport, ModuleRecord
-from metrale_cli.bf16 import to_bf16
+from metrale_cli.audit import AdapterReport
 from metrale_cli.errors import UsageError
 from metrale_cli.expert_pool import EXPERT_LAYOUT_FORMAT, ExpertEntry, ExpertLayout
-from metrale_cli.experts import ROUTER_EXPERT, ExpertPair, ExpertProj
+from metrale_cli.experts import ROUTER_EXPERT, ExpertProj
 from metrale_cli.layout import (
     LAYOUT_FORMAT,
     LayoutEntry,
@@ -43,7 +39,6 @@ from metrale_cli.layout import (
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import LoraModule
 from metrale_cli.plan import PoolPlan
-from metrale_cli.safetensors_header import TensorInfo
 
 COLUMN_PARALLEL = (LoraModule.Q_PROJ, LoraModule.K_PROJ, LoraModule.V_PROJ,
                    LoraModule.GATE_PROJ, LoraModule.UP_PROJ)
@@ -107,10 +102,11 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class Slice:
-    """Which part of a full `[out, in]` weight's LoRA pair a rank holds: B's output `rows`
+    """Which part of a `full` `[out, in]` weight's LoRA pair a rank holds: B's output `rows`
     `[lo, hi)` (all R columns), A's input `cols` `[lo, hi)`, and, fully sharded column-parallel,
     only A's padded rank rows `ranks` `[lo, hi)`."""
 
+    full: tuple[int, int]
     rows: tuple[int, int]
     cols: tuple[int, int]
     ranks: tuple[int, int] | None = None
@@ -122,7 +118,8 @@ class Slice:
         return [*self.rows, *self.cols, *(self.ranks or ())]
 
     def record(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"rows": list(self.rows), "cols": list(self.cols)}
+        record: dict[str, Any] = {"full": list(self.full), "rows": list(self.rows),
+                                  "cols": list(self.cols)}
         if self.ranks is not None:
             record["ranks"] = list(self.ranks)
         return record
@@ -183,21 +180,24 @@ def module_slice(model: ModelConfig, module: LoraModule, spec: ShardSpec,
     """The slice of `module`'s pair that rank `spec.tp_rank` holds."""
     n, k = spec.tp_size, spec.tp_rank
     out_dim, in_dim = module.dims(model)
+    full = (out_dim, in_dim)
     if module in COLUMN_PARALLEL:
-        return Slice(_column_rows(model, module, n, k), (0, in_dim), _rank_rows(max_rank, spec))
+        return Slice(full, _column_rows(model, module, n, k), (0, in_dim),
+                     _rank_rows(max_rank, spec))
     rows = (0, out_dim)
     if spec.fully_sharded:
         _need(out_dim, n, f"--fully-sharded: {module.value} output rows", "--tp")
         rows = _part(out_dim, n, k)
-    return Slice(rows, _row_cols(model, module, n, k))
+    return Slice(full, rows, _row_cols(model, module, n, k))
 
 
 def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank: int) -> Slice:
     """The slice of one routed expert's (or the router's) pair a rank holds: the router whole;
     gate/up B rows and down A columns by the MoE TP degree."""
     out_dim, in_dim = proj.dims(model)
+    full = (out_dim, in_dim)
     if proj is ExpertProj.ROUTER:
-        return Slice((0, out_dim), (0, in_dim))
+        return Slice(full, (0, out_dim), (0, in_dim))
     m, j = spec.moe_tp_size, spec.moe_tp_rank
     inter = model.expert_intermediate_size
     _need(inter, m, "expert intermediate size", "MoE TP (tp / ep)")
@@ -206,8 +206,8 @@ def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank
         if spec.fully_sharded:
             _need(out_dim, spec.tp_size, "--fully-sharded: expert down_proj output rows", "--tp")
             rows = _part(out_dim, spec.tp_size, spec.tp_rank)
-        return Slice(rows, _part(in_dim, m, j))
-    return Slice(_part(out_dim, m, j), (0, in_dim), _rank_rows(max_rank, spec))
+        return Slice(full, rows, _part(in_dim, m, j))
+    return Slice(full, _part(out_dim, m, j), (0, in_dim), _rank_rows(max_rank, spec))
 
 
 def owns_expert(model: ModelConfig, spec: ShardSpec, expert: int) -> bool:
@@ -231,6 +231,10 @@ class Sliced:
     @property
     def a_rows(self) -> int:
         return self.slice.a_rows(self.max_rank)
+
+    @property
+    def full_dims(self) -> tuple[int, int]:
+        return self.slice.full
 
     def record(self) -> dict[str, Any]:
         return {**super().record(), "slice": self.slice.record()}  # type: ignore[misc]
@@ -318,7 +322,7 @@ class RankExpertLayout(ExpertLayout):
     def fingerprint(self) -> str:
         canonical = {
             "format": EXPERT_LAYOUT_FORMAT, "dtype": "BF16", "align": self.align,
-            "max_rank": self.max_rank, "expert_slot_bytes": self.expert_slot_bytes,
+            "max_rank": self.max_rank, "expert_slot_bytes": self.slot_bytes,
             "shard": self.shard.record(),
             "entries": [[e.layer, e.proj.value, e.expert, e.out_dim, e.in_dim, e.a_offset,
                          e.b_offset, *e.slice.flat()] for e in self.entries],
@@ -381,7 +385,7 @@ class ShardedPlan:
             key: tuple[Any, ...] = tuple((e.out_dim, e.in_dim, e.a_offset, e.b_offset)
                                          for e in p.layout.entries)
             if p.expert_layout is not None:
-                key += (p.expert_layout.expert_slot_bytes, len(p.expert_layout.entries))
+                key += (p.expert_layout.slot_bytes, len(p.expert_layout.entries))
             found.setdefault(key, []).append(k)
         return list(found.values())
 
@@ -396,7 +400,7 @@ class ShardedPlan:
             layouts.append({
                 "ranks": ranks,
                 "slot_bytes": p.layout.slot_bytes,
-                "expert_slot_bytes": ex.expert_slot_bytes if ex is not None else None,
+                "expert_slot_bytes": ex.slot_bytes if ex is not None else None,
                 "bytes_per_slot": p.bytes_per_slot,
                 "pool_bytes": p.layout.pool_bytes(n) if n is not None else None,
                 "table_bytes": p.layout.table_bytes(n) if n is not None else None,
@@ -407,84 +411,3 @@ class ShardedPlan:
         return {**self.plan.record(), "tp_size": self.spec.tp_size,
                 "ep_size": self.spec.ep_size, "fully_sharded": self.spec.fully_sharded,
                 "rank_layouts": layouts}
-
-
-# -- reading a rank's slice of an adapter -------------------------------------------------------
-
-
-class BlockReader(Protocol):
-    def read_block(self, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
-                   out: np.ndarray | None = None) -> np.ndarray: ...
-
-
-def pack_shard_module(reader: BlockReader, module: ModuleRecord, entry: ShardEntry,
-                      staging: np.ndarray, b_ratio: float) -> int:
-    """Write a rank's slice of one module into its entry's regions of `staging` (zero on
-    entry): A's held rank rows below the adapter's rank and its held input columns, B's held
-    output rows (its first r columns), converted exactly as the unsharded pack converts them;
-    BF16 that needs no conversion is read straight into the region. Reads only those bytes of
-    the file; returns how many."""
-    s, r = entry.slice, module.r
-    lo, hi = s.ranks if s.ranks is not None else (0, entry.max_rank)
-    read = 0
-    a_region = staging[entry.a_offset:entry.a_offset + entry.a_bytes].view(np.uint16)
-    a_region = a_region.reshape(entry.a_rows, entry.in_dim)
-    if min(hi, r) > lo:
-        rows = (lo, min(hi, r))
-        if module.a.dtype == "BF16":
-            a = reader.read_block(module.a, rows, s.cols, a_region[:rows[1] - lo])
-        else:
-            a = reader.read_block(module.a, rows, s.cols)
-            a_region[:a.shape[0]] = to_bf16(a, module.a.dtype)
-        read += a.nbytes
-    b_region = staging[entry.b_offset:entry.b_offset + entry.b_bytes].view(np.uint16)
-    b_region = b_region.reshape(entry.out_dim, entry.max_rank)
-    if module.b.dtype == "BF16" and b_ratio == 1.0 and r == entry.max_rank:
-        b = reader.read_block(module.b, s.rows, (0, r), b_region)
-    else:
-        b = reader.read_block(module.b, s.rows, (0, r))
-        b_region[:, :r] = to_bf16(b, module.b.dtype, b_ratio)
-    return read + b.nbytes
-
-
-def pack_shard_experts(reader: BlockReader, pairs: Iterable[ExpertPair],
-                       layout: RankExpertLayout, region: np.ndarray, slot_scale: float,
-                       progress: Callable[[int], None] | None = None) -> int:
-    """`pack_expert_slot` for a rank: each pair's slice into its entry of `region` (zero on
-    entry). A fused file tensor's rows are read once for all the rank's experts that share it;
-    B's experts interleave by column, so B is read by whole rows. Returns the bytes read."""
-    groups: dict[tuple[str, str], list[ExpertPair]] = {}
-    for p in pairs:
-        groups.setdefault((p.a.name, p.b.name), []).append(p)
-    read = 0
-    for group in groups.values():
-        first = group[0]
-        entries = [layout.entries[layout.index[p.key]] for p in group]
-        s = entries[0].slice
-        lo, hi = s.ranks if s.ranks is not None else (0, layout.max_rank)
-        a_rows = [(p.a_row + lo, p.a_row + min(hi, p.r)) for p in group]
-        a_span = (min(a for a, _ in a_rows), max(b for _, b in a_rows))
-        # Copies: the reader's scratch buffer serves one block at a time.
-        a_all = (reader.read_block(first.a, a_span, s.cols).copy() if a_span[1] > a_span[0]
-                 else None)
-        b_blocks: dict[tuple[int, int], np.ndarray] = {}
-        for p, e in zip(group, entries, strict=True):
-            rows = (p.b_row + e.slice.rows[0], p.b_row + e.slice.rows[1])
-            if rows not in b_blocks:
-                b_blocks[rows] = reader.read_block(first.b, rows, (0, first.b.shape[1])).copy()
-        read += (a_all.nbytes if a_all is not None else 0)
-        read += sum(b.nbytes for b in b_blocks.values())
-        for p, e in zip(group, entries, strict=True):
-            a_lo, a_hi = p.a_row + lo, p.a_row + min(hi, p.r)
-            if a_all is not None and a_hi > a_lo:
-                a = np.ascontiguousarray(a_all[a_lo - a_span[0]:a_hi - a_span[0]])
-                a_dst = region[e.a_offset:e.a_offset + e.a_bytes].view(np.uint16)
-                a_dst.reshape(e.a_rows, e.in_dim)[:a_hi - a_lo] = to_bf16(a, p.a.dtype)
-            b_all = b_blocks[(p.b_row + e.slice.rows[0], p.b_row + e.slice.rows[1])]
-            b = np.ascontiguousarray(b_all[:, p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step])
-            b_dst = region[e.b_offset:e.b_offset + e.b_bytes].view(np.uint16)
-            b_dst.reshape(e.out_dim, layout.max_rank)[:, :p.r] = to_bf16(
-                b, p.b.dtype, p.scaling / slot_scale)
-        if progress is not None:
-            progress(first.a.nbytes + first.b.nbytes)
-    return read

@@ -60,17 +60,18 @@ def test_unsharded_layout_record_is_untouched() -> None:
 def test_column_row_and_fully_sharded_slices() -> None:
     spec = ShardSpec(4, 1)
     h, attn = NEXT.hidden_size, NEXT.num_attention_heads * NEXT.head_dim
-    # Gated q_proj: 2 * 16 * 256 rows, a quarter each: 4 whole heads with their gates.
-    assert module_slice(NEXT, LoraModule.Q_PROJ, spec, 16) == Slice((2048, 4096), (0, h))
-    assert module_slice(NEXT, LoraModule.O_PROJ, spec, 16) == Slice((0, h), (1024, 2048))
     value = NEXT.linear_value_width
+    q, o, out = (2 * attn, h), (h, attn), (h, value)
+    # Gated q_proj: 2 * 16 * 256 rows, a quarter each: 4 whole heads with their gates.
+    assert module_slice(NEXT, LoraModule.Q_PROJ, spec, 16) == Slice(q, (2048, 4096), (0, h))
+    assert module_slice(NEXT, LoraModule.O_PROJ, spec, 16) == Slice(o, (0, h), (1024, 2048))
     assert module_slice(NEXT, LoraModule.OUT_PROJ, spec, 16) == Slice(
-        (0, h), (value // 4, value // 2))
-    full = ShardSpec(4, 3, fully_sharded=True)
-    assert module_slice(NEXT, LoraModule.Q_PROJ, full, 16) == Slice(
-        (3 * 2 * attn // 4, 2 * attn), (0, h), (12, 16))
-    assert module_slice(NEXT, LoraModule.O_PROJ, full, 16) == Slice(
-        (3 * h // 4, h), (3 * attn // 4, attn))
+        out, (0, h), (value // 4, value // 2))
+    fully = ShardSpec(4, 3, fully_sharded=True)
+    assert module_slice(NEXT, LoraModule.Q_PROJ, fully, 16) == Slice(
+        q, (3 * 2 * attn // 4, 2 * attn), (0, h), (12, 16))
+    assert module_slice(NEXT, LoraModule.O_PROJ, fully, 16) == Slice(
+        o, (3 * h // 4, h), (3 * attn // 4, attn))
 
 
 @pytest.mark.parametrize(("tp", "heads"), [(2, [0, 1]), (4, [0, 0, 1, 1]),
@@ -109,11 +110,11 @@ def test_experts_by_moe_tp_and_ep() -> None:
     assert [owns_expert(NEXT, s, 300) for s in specs] == [False, False, True, True]
     assert all(owns_expert(NEXT, s, -1) for s in specs)
     assert expert_slice(NEXT, ExpertProj.UP_PROJ, specs[1], 16) == Slice(
-        (inter // 2, inter), (0, h))
+        (inter, h), (inter // 2, inter), (0, h))
     assert expert_slice(NEXT, ExpertProj.DOWN_PROJ, specs[3], 16) == Slice(
-        (0, h), (inter // 2, inter))
+        (h, inter), (0, h), (inter // 2, inter))
     assert expert_slice(NEXT, ExpertProj.ROUTER, specs[3], 16) == Slice(
-        (0, NEXT.num_experts), (0, h))
+        (NEXT.num_experts, h), (0, NEXT.num_experts), (0, h))
     full = ExpertLayout.for_model(NEXT, 16)
     ranked = RankExpertLayout.of(full, specs[2])
     experts = {e.expert for e in ranked.entries if e.proj is not ExpertProj.ROUTER}
@@ -128,7 +129,8 @@ def test_rank_entries_record_slices_and_are_laid_out_like_a_slot() -> None:
     assert record["shard"] == {"tp_size": 4, "tp_rank": 2, "ep_size": 1, "ep_rank": 0,
                                "fully_sharded": True}
     q = next(e for e in record["entries"] if e["module"] == "q_proj")
-    assert q["slice"] == {"rows": [4096, 6144], "cols": [0, 2048], "ranks": [8, 12]}
+    assert q["slice"] == {"full": [8192, 2048], "rows": [4096, 6144], "cols": [0, 2048],
+                          "ranks": [8, 12]}
     end = 0
     for e in ranked.entries:
         assert e.a_offset % 256 == 0 and e.b_offset == e.a_offset + e.a_bytes

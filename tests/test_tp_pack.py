@@ -56,17 +56,15 @@ def regions(pool: np.ndarray, e: object, a_off: int, b_off: int) -> tuple[np.nda
 
 def held(image: PoolImage, key: tuple, slot: int, expert: bool) -> tuple | None:
     """(slice, A f32, B f32) of one entry of `slot` in a rank image, None where not held."""
-    layout = image.expert_layout if expert else image.layout
-    i = layout.index.get(key)
+    region = image.expert_region if expert else image.region
+    i = region.layout.index.get(key)
     if i is None:
         return None
-    tables = ((image.expert_a_offsets, image.expert_b_offsets) if expert
-              else (image.a_offsets, image.b_offsets))
-    a_off, b_off = int(tables[0][i, slot]), int(tables[1][i, slot])
+    a_off, b_off = int(region.a_offsets[i, slot]), int(region.b_offsets[i, slot])
     if a_off < 0:
         return None
-    e = layout.entries[i]
-    a, b = regions(image.expert_pool if expert else image.pool, e, a_off, b_off)
+    e = region.layout.entries[i]
+    a, b = regions(region.memory, e, a_off, b_off)
     return e.slice, bf16_to_f32(a), bf16_to_f32(b)
 
 
@@ -149,28 +147,24 @@ def check_slices_of_unsharded(images: list[PoolImage], whole: PoolImage) -> None
     """Every region of every rank image is the matching slice of the unsharded image's."""
     np.testing.assert_array_equal(images[0].scales, whole.scales)
     np.testing.assert_array_equal(images[0].ranks, whole.ranks)
-    pairs = [(False, whole.layout, whole.pool, whole.a_offsets, whole.b_offsets)]
-    if whole.expert_layout is not None:
-        pairs.append((True, whole.expert_layout, whole.expert_pool, whole.expert_a_offsets,
-                      whole.expert_b_offsets))
-    for expert, layout, pool, a_tab, b_tab in pairs:
+    for expert in ([False, True] if whole.expert_region is not None else [False]):
+        region = whole.expert_region if expert else whole.region
         for image in images:
-            rank_layout = image.expert_layout if expert else image.layout
-            rank_pool = image.expert_pool if expert else image.pool
-            ra_tab = image.expert_a_offsets if expert else image.a_offsets
-            rb_tab = image.expert_b_offsets if expert else image.b_offsets
-            for i, e in enumerate(layout.entries):
+            rank = image.expert_region if expert else image.region
+            for i, e in enumerate(region.layout.entries):
                 key = (e.layer, e.proj, e.expert) if expert else (e.layer, e.module)
-                j = rank_layout.index.get(key)
+                j = rank.layout.index.get(key)
                 if j is None:  # another EP group's expert
                     continue
-                re_ = rank_layout.entries[j]
+                re_ = rank.layout.entries[j]
                 for slot in range(whole.max_loras):
-                    if int(a_tab[i, slot]) < 0:
-                        assert int(ra_tab[j, slot]) < 0
+                    if int(region.a_offsets[i, slot]) < 0:
+                        assert int(rank.a_offsets[j, slot]) < 0
                         continue
-                    a, b = regions(pool, e, int(a_tab[i, slot]), int(b_tab[i, slot]))
-                    ra, rb = regions(rank_pool, re_, int(ra_tab[j, slot]), int(rb_tab[j, slot]))
+                    a, b = regions(region.memory, e, int(region.a_offsets[i, slot]),
+                                   int(region.b_offsets[i, slot]))
+                    ra, rb = regions(rank.memory, re_, int(rank.a_offsets[j, slot]),
+                                     int(rank.b_offsets[j, slot]))
                     s = re_.slice
                     lo, hi = s.ranks or (0, e.max_rank)
                     np.testing.assert_array_equal(ra, a[lo:hi, s.cols[0]:s.cols[1]])
@@ -220,7 +214,7 @@ def test_moe_expert_parallel_only(peft_zoo, tmp_path: Path) -> None:
                              target_parameters=EXPERTS)
     images = rank_images(pack(tmp_path, [truth], "--tp", 2, "--ep", 2, "--experts"), 2)
     for image in images:  # MoE TP 1: every expert whole
-        assert all(e.slice == Slice((0, e.out_dim), (0, e.in_dim))
+        assert all(e.slice == Slice((e.out_dim, e.in_dim), (0, e.out_dim), (0, e.in_dim))
                    for e in image.expert_layout.entries)
     assert check_modules(images, 0, truth) == len(truth.modules)
     assert check_experts(images, 0, truth) > 0

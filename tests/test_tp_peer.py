@@ -48,17 +48,22 @@ def _peer(rank: int, port: int, adapters: list[str], receiver_rank: int, out: st
             result["sent"] = True
         else:
             pool = _pool(adapters[:1], receiver_rank, ["first"])
-            pool.slots[3].generation = 5
+            before = pool.manager.slot_info(3).generation
             generation = receive_slot(pool, 3, src=0)
             ref = _pool(adapters[1:], receiver_rank, ["second"])
+            info = pool.manager.slot_info(3)
+            a_tab, b_tab = pool.region.offset_tables()
+            ref_a, ref_b = ref.region.offset_tables()
+            shift = 3 * pool.layout.slot_bytes  # slot 3's offsets against slot 0's
             result.update(
-                generation=generation, name=pool.slots[3].name, scale=float(pool.scale_table[3]),
-                rank=int(pool.rank_table[3]),
-                same_bytes=bool(np.array_equal(pool.slot_bytes_host(3), ref.slot_bytes_host(0))),
-                same_offsets=[bool(np.array_equal(
-                    np.where(x < 0, -1, x - 3 * pool.layout.slot_bytes), y))
-                    for x, y in zip(pool.slot_offsets(3), ref.slot_offsets(0), strict=True)],
-                slot0=pool.slots[0].name)
+                bumped=generation == before + 1 == info.generation, name=info.name,
+                scale=float(pool.scale_table[3]), rank=int(pool.rank_table[3]),
+                same_bytes=bool(np.array_equal(pool.region.host_bytes(3),
+                                               ref.region.host_bytes(0))),
+                same_offsets=[bool(np.array_equal(np.where(x[:, 3] < 0, -1, x[:, 3] - shift),
+                                                  y[:, 0]))
+                              for x, y in ((a_tab, ref_a), (b_tab, ref_b))],
+                slot0=pool.manager.slot_info(0).name)
     except LayoutMismatch as exc:
         result["refused"] = str(exc)
     finally:
@@ -83,7 +88,7 @@ def run_pair(adapters: list[str], receiver_rank: int, out: Path) -> list[dict]:
 def test_a_slot_lands_across_processes(adapters: list[str], tmp_path: Path) -> None:
     sender, receiver = run_pair(adapters, 8, tmp_path)
     assert sender == {"sent": True}
-    assert receiver["generation"] == 6 and receiver["name"] == "second"
+    assert receiver["bumped"] and receiver["name"] == "second"
     assert receiver["rank"] == 4 and receiver["scale"] == pytest.approx(2.0)
     assert receiver["same_bytes"] and receiver["same_offsets"] == [True, True]
     assert receiver["slot0"] == "first"
