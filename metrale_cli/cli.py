@@ -354,6 +354,28 @@ def pack(
         out.print(pack_view(result))
 
 
+# -- pool images --------------------------------------------------------------------------------
+
+ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
+                                          show_default=False)]
+
+
+@app.command()
+@handles_errors
+def show(image: ImageArg, json_out: JsonOpt = False) -> None:
+    """What a pool image holds, checked without reading its pool bytes. Exit 1 if its metadata
+    and tables contradict each other, 2 if it is not a pool image."""
+    from metrale_cli.image_check import show_image
+
+    record = show_image(image).record()
+    if json_out:
+        emit_json(record)
+    else:
+        from metrale_cli.render import show_view
+
+        out.print(show_view(record))
+
+
 # -- bench --------------------------------------------------------------------------------------
 
 

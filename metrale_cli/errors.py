@@ -65,3 +65,9 @@ class LayoutMismatch(MetraleError):
     """Landing a slot from a pool whose layout fingerprint differs."""
 
     exit_code = 1
+
+
+class ImageInconsistent(MetraleError):
+    """A pool image whose metadata, tables and layout contradict each other."""
+
+    exit_code = 1
