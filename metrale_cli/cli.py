@@ -376,6 +376,39 @@ def show(image: ImageArg, json_out: JsonOpt = False) -> None:
         out.print(show_view(record))
 
 
+@app.command()
+@handles_errors
+def verify(
+    image: ImageArg,
+    adapters: Annotated[list[str], typer.Argument(
+        help="Adapter directories (matched to slots by name), or NAME=PATH.",
+        show_default=False)],
+    json_out: JsonOpt = False,
+) -> None:
+    """Recompute what pack writes for each adapter and compare it with the image's bytes. Exit
+    1 on any difference."""
+    from metrale_cli.verify import Verifier
+
+    verifier = Verifier.open(image, load_adapters(adapters))
+    if err.is_terminal and not json_out:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        with Progress("verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      console=err, transient=True) as bar:
+            task = bar.add_task("verify", total=verifier.total_bytes)
+            result = verifier.run(lambda n: bar.advance(task, n))
+    else:
+        result = verifier.run()
+    if json_out:
+        emit_json(result.record())
+    else:
+        from metrale_cli.render import verify_view
+
+        out.print(verify_view(result.record()))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
 # -- bench --------------------------------------------------------------------------------------
 
 

@@ -359,3 +359,46 @@ def show_view(record: dict[str, Any]) -> Group:
         if n or part in ("pool", "total"):
             sizes.add_row(part, f"{n:,}", human_bytes(n))
     return Group(grid, table, sources, sizes)
+
+
+# Differing regions listed per adapter; --json has them all.
+VERIFY_ROWS = 20
+
+
+def verify_view(record: dict[str, Any]) -> Group:
+    """`metrale verify`: per adapter ok or what differs (see verify.VerifyResult)."""
+    lines: list[Any] = []
+    for a in record["adapters"]:
+        head = Text(f"slot {a['slot']} {a['name']}: ", style="bold")
+        if a["ok"]:
+            head.append("ok", style="bold green")
+            head.append(f" ({a['entries']} entries"
+                        + (f", {a['expert_entries']} expert entries" if a["expert_entries"]
+                           else "") + f", {human_bytes(a['bytes_compared'])} compared)")
+            lines.append(head)
+            continue
+        head.append("DIFFERS", style="bold red")
+        lines.append(head)
+        for line in a["slot_differences"]:
+            lines.append(Text(f"  {line}"))
+        if a["differences"]:
+            table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+            for col in ("layer", "module", "part", "bytes differing", "max |dW diff|", "note"):
+                table.add_column(col, no_wrap=col != "note")
+            shown = a["differences"][:VERIFY_ROWS]
+            for d in shown:
+                diff = d["max_delta_difference"]
+                table.add_row(str(d["layer"]), d["module"], d["part"],
+                              f"{d['bytes_differing']:,}",
+                              f"{diff:.4g}" if diff is not None else "-", d["note"])
+            lines.append(table)
+            if len(a["differences"]) > len(shown):
+                lines.append(Text(f"  ... and {len(a['differences']) - len(shown)} more "
+                                  "(--json lists every one)", style="dim"))
+    for u in record["unchecked"]:
+        lines.append(Text(f"slot {u['slot']} {u['name']}: unchecked (not given)", style="dim"))
+    rate = record["gb_per_s"]
+    lines.append(Text(f"compared {human_bytes(record['bytes_compared'])} of the image in "
+                      f"{record['seconds']:.3f} s"
+                      + (f" ({rate:.2f} GB/s)" if rate is not None else "")))
+    return Group(*lines)

@@ -185,9 +185,9 @@ class Verifier:
         else:
             verdict.expert_entries += 1
         if exp[0] < 0 or got[0] < 0:
-            note = ("the image adapts it; the adapter does not" if exp[0] < 0
-                    else "the adapter adapts it; the image does not")
-            verdict.diffs.append(RegionDiff(layer, module, "A", e.a_bytes, None, note))
+            note = "only in the image" if exp[0] < 0 else "not in the image"
+            verdict.diffs.append(RegionDiff(layer, module, "A+B", e.a_bytes + e.b_bytes, None,
+                                            note))
             return
         regions: list[np.ndarray] = []
         differing: list[tuple[str, int, str]] = []
