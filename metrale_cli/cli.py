@@ -409,6 +409,34 @@ def verify(
         raise typer.Exit(1)
 
 
+@app.command()
+@handles_errors
+def unpack(
+    image: ImageArg,
+    out_dir: Annotated[Path, typer.Argument(help="The adapter directory to write.",
+                                            show_default=False)],
+    slot: Annotated[int | None, typer.Option("--slot", help="The slot to unpack.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="The slot holding this adapter.")]
+    = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT_DIR.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write one slot of a pool image back as a PEFT LoRA adapter directory."""
+    from metrale_cli.unpack import unpack as unpack_slot
+
+    result = unpack_slot(image, out_dir, slot, name, force)
+    if json_out:
+        emit_json(result.record())
+    else:
+        from metrale_cli.render import human_bytes
+
+        overlays = f", trainable tokens for {', '.join(result.overlay_tables)}" \
+            if result.overlay_tables else ""
+        out.print(f"wrote {result.path}: slot {result.slot} ({result.name}), {result.modules} "
+                  f"modules at r={result.rank} lora_alpha={result.lora_alpha:g}{overlays}, "
+                  f"{human_bytes(result.bytes)}")
+
+
 # -- bench --------------------------------------------------------------------------------------
 
 
