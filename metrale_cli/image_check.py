@@ -201,35 +201,36 @@ def read_tables(path: str | Path) -> ImageTables:
 # -- consistency --------------------------------------------------------------------------------
 
 
+def _recorded_layout_problems(what: str, doc: dict[str, Any], fingerprint: str,
+                              size_key: str, size: int, entries: list[dict[str, Any]]
+                              ) -> list[str]:
+    """One layout's recorded fingerprint, slot size and entries against the rebuilt layout (the
+    slot layout and the expert layout alike)."""
+    found = []
+    if doc.get("fingerprint") != fingerprint:
+        found.append(f"the {what} does not reproduce its fingerprint (recorded "
+                     f"{doc.get('fingerprint')}, recomputed {fingerprint})")
+    if doc.get(size_key) != size:
+        found.append(f"{what} {size_key} is {doc.get(size_key)}; its entries take {size}")
+    if doc.get("entries") != entries:
+        found.append(_first_entry_difference(what, doc.get("entries"), entries))
+    return found
+
+
 def layout_problems(t: ImageTables) -> list[str]:
     """The layouts reproduce their recorded fingerprints, sizes and entries; the pools start
     aligned in the file."""
-    found = []
-    doc, layout = t.layout_doc, t.layout
-    if doc.get("fingerprint") != layout.fingerprint:
-        found.append(f"the layout does not reproduce its fingerprint (recorded "
-                     f"{doc.get('fingerprint')}, recomputed {layout.fingerprint})")
-    if doc.get("slot_bytes") != layout.slot_bytes:
-        found.append(f"layout slot_bytes is {doc.get('slot_bytes')}; its entries take "
-                     f"{layout.slot_bytes}")
-    if doc.get("pool_bytes") != layout.pool_bytes(t.max_loras):
-        found.append(f"layout pool_bytes is {doc.get('pool_bytes')}; {t.max_loras} slots of "
-                     f"{layout.slot_bytes} B are {layout.pool_bytes(t.max_loras)}")
-    recorded = doc.get("entries")
-    computed = [e.record() for e in layout.entries]
-    if recorded != computed:
-        found.append(_first_entry_difference("layout", recorded, computed))
-    if t.expert_layout is not None and t.expert_doc is not None:
-        ex, edoc = t.expert_layout, t.expert_doc
-        if edoc.get("fingerprint") != ex.fingerprint:
-            found.append(f"the expert layout does not reproduce its fingerprint (recorded "
-                         f"{edoc.get('fingerprint')}, recomputed {ex.fingerprint})")
-        if edoc.get("expert_slot_bytes") != ex.expert_slot_bytes:
-            found.append(f"expert_slot_bytes is {edoc.get('expert_slot_bytes')}; its entries "
-                         f"take {ex.expert_slot_bytes}")
-        if edoc.get("entries") != [e.record() for e in ex.entries]:
-            found.append(_first_entry_difference("expert layout", edoc.get("entries"),
-                                                 [e.record() for e in ex.entries]))
+    layout = t.layout
+    found = _recorded_layout_problems("layout", t.layout_doc, layout.fingerprint, "slot_bytes",
+                                      layout.slot_bytes, [e.record() for e in layout.entries])
+    if t.layout_doc.get("pool_bytes") != layout.pool_bytes(t.max_loras):
+        found.append(f"layout pool_bytes is {t.layout_doc.get('pool_bytes')}; {t.max_loras} "
+                     f"slots of {layout.slot_bytes} B are {layout.pool_bytes(t.max_loras)}")
+    ex = t.expert_layout
+    if ex is not None and t.expert_doc is not None:
+        found += _recorded_layout_problems("expert layout", t.expert_doc, ex.fingerprint,
+                                           "expert_slot_bytes", ex.expert_slot_bytes,
+                                           [e.record() for e in ex.entries])
     for name in ("pool", "expert_pool"):
         info = t.header.tensors.get(name)
         if info is not None and info.nbytes and info.begin % DATA_ALIGN:

@@ -193,6 +193,13 @@ def test_experts_and_overlays_verify_and_are_named(peft_zoo, tmp_path: Path) -> 
     layer = t.expert_layout.entries[entry].layer
     assert (diff["layer"], diff["module"], diff["part"], diff["bytes_differing"]) == (
         layer, "down_proj expert 2", "B", 1)
+    # show checks the expert tables as it does the slot pool's.
+    off = read_element(out, "expert_a_offsets", (entry, 0))
+    write_element(out, "expert_a_offsets", (entry, 0), off + 2)
+    shown = metrale("show", out)
+    assert shown.code == 1
+    assert (f"layer {layer} down_proj expert 2: expert_a_offsets[{entry}, 0] = {off + 2} is "
+            "not 256-byte aligned") in shown.stderr, shown.stderr
 
     tokens = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"],
                               trainable_token_indices=[0, 5, 7])
