@@ -18,10 +18,10 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
-def _load_unpacked(truth: AdapterTruth, path: Path, seed: int = 0) -> object:
+def _load_unpacked(model_name: str, path: Path, seed: int = 0) -> object:
     from peft import PeftModel
 
-    model = TINY_MODELS[truth.model_name].build_model(seed)
+    model = TINY_MODELS[model_name].build_model(seed)
     return PeftModel.from_pretrained(model, str(path)).eval()
 
 
@@ -47,6 +47,7 @@ CASES = {
                               "rank_pattern": {"v_proj": 2, "layers.2.linear_attn.out_proj": 6},
                               "alpha_pattern": {"q_proj": 5}}),
     "moe attention": ("qwen3_moe", {"r": 4, "lora_alpha": 8, "target_modules": ATTN}),
+    "vl": ("qwen3_5_vl", {"r": 4, "lora_alpha": 8, "target_modules": ATTN + ["out_proj"]}),
 }
 
 
@@ -60,9 +61,81 @@ def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> No
     result = metrale("unpack", image, "--name", "x", out, "--json")
     assert result.code == 0, result.stderr
     assert result.json()["modules"] == len(truth.modules)
-    assert _assert_deltas_equal(truth, _load_unpacked(truth, out)) == len(truth.modules)
+    assert _assert_deltas_equal(truth, _load_unpacked(truth.model_name, out)) == len(truth.modules)
     # Repacked, the unpacked adapter is byte for byte the slot it came from.
     assert metrale("verify", image, f"x={out}").code == 0
+
+
+def _param_deltas(peft_model: object) -> dict[str, np.ndarray]:
+    """Every target_parameters wrapper's delta [E, out, in] by parameter path, from PEFT."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    found = {}
+    for name, mod in peft_model.named_modules():  # type: ignore[attr-defined]
+        if isinstance(mod, ParamWrapper) and "default" in mod.lora_A:
+            path = name.removeprefix("base_model.model.")
+            while path.endswith(".base_layer"):
+                path = path.removesuffix(".base_layer")
+            with torch.no_grad():
+                delta = mod.get_delta_weight("default").float().numpy()
+            found[f"{path}.{mod.parameter_name}"] = delta.reshape(-1, *delta.shape[-2:])
+    return found
+
+
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next"])
+def test_peft_loads_unpacked_expert_lora(peft_zoo, tmp_path: Path, model: str) -> None:
+    """Fused experts and the router, beside attention modules: PEFT's per-expert deltas of the
+    unpacked adapter equal the original's."""
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=EXPERT_PARAMS)
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"m={truth.path}", "--max-loras", 1, "--experts", "--out",
+                   image).code == 0
+    out = tmp_path / "back"
+    result = metrale("unpack", image, "--slot", 0, out)
+    assert result.code == 0, result.stderr
+    unpacked = _load_unpacked(truth.model_name, out)
+    assert _assert_deltas_equal(truth, unpacked) == len(truth.modules)
+    got = _param_deltas(unpacked)
+    assert sorted(got) == sorted(truth.params)
+    for path, p in truth.params.items():
+        want = p.expert_deltas.numpy()
+        np.testing.assert_allclose(got[path], want, rtol=0, atol=3e-2 * np.abs(want).max(),
+                                   err_msg=path)
+    assert metrale("verify", image, f"m={out}").code == 0
+
+
+def test_per_expert_lora_unpacks_block_diagonal(peft_zoo, tmp_path: Path) -> None:
+    """A transformers-4 per-expert adapter: gate and up have their own A, so the fused gate_up
+    is block-diagonal over [gate; up] at twice the rank (a rank and alpha pattern)."""
+    truth = peft_zoo.hand_v4("qwen3_moe", r=4, alpha=8, include_router=True)
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"v4={truth.path}", "--max-loras", 1, "--experts", "--out",
+                   image).code == 0
+    out = tmp_path / "back"
+    assert metrale("unpack", image, "--slot", 0, out).code == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["rank_pattern"] == {"mlp.experts.gate_up_proj": 8}
+    got = _param_deltas(_load_unpacked(truth.model_name, out))
+    inter = truth.expert_intermediate
+    compared = 0
+    for (layer, expert, leaf), pair in truth.experts.items():
+        param = "down_proj" if leaf == "down_proj" else "gate_up_proj"
+        delta = got[f"model.layers.{layer}.mlp.experts.{param}"][expert]
+        rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter),
+                "down_proj": slice(None)}[leaf]
+        want = pair.delta_weight.numpy()
+        np.testing.assert_allclose(delta[rows], want, rtol=0, atol=3e-2 * np.abs(want).max(),
+                                   err_msg=str((layer, expert, leaf)))
+        compared += 1
+    for layer, pair in truth.routers.items():
+        want = pair.delta_weight.numpy()
+        np.testing.assert_allclose(got[f"model.layers.{layer}.mlp.gate.weight"][0], want,
+                                   rtol=0, atol=3e-2 * np.abs(want).max())
+    assert compared == len(truth.experts) > 0 and truth.routers
 
 
 def test_overlays_come_back_as_trainable_tokens(peft_zoo, tmp_path: Path) -> None:
@@ -75,7 +148,7 @@ def test_overlays_come_back_as_trainable_tokens(peft_zoo, tmp_path: Path) -> Non
     assert metrale("unpack", image, "--slot", 0, out).code == 0
     assert json.loads((out / "adapter_config.json").read_text())[
         "trainable_token_indices"] == {"embed_tokens": ids}
-    unpacked = _load_unpacked(truth, out)
+    unpacked = _load_unpacked(truth.model_name, out)
     embed = unpacked.base_model.model.model.embed_tokens  # type: ignore[attr-defined]
     want = truth._peft_model.base_model.model.model.embed_tokens
     with torch.no_grad():
