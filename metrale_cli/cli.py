@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from metrale_cli import __version__, env
-from metrale_cli.adapter import Adapter, parse_adapter_args
+from metrale_cli.adapter import Adapter, load_adapter, parse_adapter_args
 from metrale_cli.audit import audit
 from metrale_cli.errors import MetraleError, NotServable, OutputExists, UsageError
 from metrale_cli.layout import DEFAULT_ALIGN, parse_size
@@ -101,7 +101,8 @@ def root(
 ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="Preset name, config.json, model directory, or a hub id "
-                 "in the local HF cache. Default: the adapters' base_model_name_or_path."),
+                 "(org/name[@revision]) in the local HF cache (or, --online, on the hub). "
+                 "Default: the adapters' base_model_name_or_path."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the JSON record instead.")]
 ExpertsOpt = Annotated[bool, typer.Option(
@@ -114,16 +115,28 @@ def experts_on(flag: bool) -> bool:
     return flag or env.experts_enabled()
 
 
-def load_adapters(args: list[str]) -> list[Adapter]:
+OnlineOpt = Annotated[bool, typer.Option(
+    "--online", help="Hub ids (org/name[@revision]) not in the local Hugging Face cache are "
+    "fetched from the hub (also METRALE_ONLINE=1).")]
+
+
+def online_on(flag: bool) -> bool:
+    """The hub opt-in: --online or METRALE_ONLINE=1."""
+    return flag or env.online()
+
+
+def load_adapters(args: list[str], online: bool = False, weights: bool = False) -> list[Adapter]:
+    """Adapter directories or hub ids (`NAME=` either); `weights`: the command reads tensor
+    data, so a hub adapter's weights are downloaded, not only their header read."""
     if not args:
         raise UsageError("no adapter given")
-    return [Adapter.load(path, name) for name, path in parse_adapter_args(args)]
+    return [load_adapter(path, name, online, weights) for name, path in parse_adapter_args(args)]
 
 
-def model_for(spec: str | None, adapters: list[Adapter]) -> ModelConfig:
+def model_for(spec: str | None, adapters: list[Adapter], online: bool = False) -> ModelConfig:
     """`--model`, else the adapters' common `base_model_name_or_path`."""
     if spec:
-        return resolve_model(spec)
+        return resolve_model(spec, online)
     bases = {a.config.base_model_name_or_path for a in adapters}
     if None in bases or not bases:
         names = [a.name for a in adapters if a.config.base_model_name_or_path is None]
@@ -134,7 +147,7 @@ def model_for(spec: str | None, adapters: list[Adapter]) -> ModelConfig:
     resolved = []
     for base in sorted(b for b in bases if b is not None):
         try:
-            resolved.append(resolve_model(base))
+            resolved.append(resolve_model(base, online))
         except UsageError as exc:
             raise UsageError(
                 f"base_model_name_or_path {base!r} resolves to nothing here ({exc}); pass "
@@ -194,19 +207,21 @@ def models(json_out: JsonOpt = False) -> None:
 @app.command()
 @handles_errors
 def inspect(
-    adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH.",
-                                                  show_default=False)],
+    adapters: Annotated[list[str], typer.Argument(
+        help="Adapter directories or hub ids (org/name[@revision]), or NAME=either.",
+        show_default=False)],
     model: ModelOpt = None,
     max_rank: Annotated[int | None, typer.Option(
         "--max-rank", help="Pool max rank: higher ranks are not servable; slots pad to it.")]
     = None,
     experts: ExpertsOpt = False,
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not."""
     positive("--max-rank", max_rank)
-    loaded = load_adapters(adapters)
-    cfg = model_for(model, loaded)
+    loaded = load_adapters(adapters, online_on(online))
+    cfg = model_for(model, loaded, online_on(online))
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
@@ -244,16 +259,17 @@ def layout(
         "--experts", help="Plan the expert pool too: the adapters' routed-expert and router "
         "pairs, or without adapters every expert and router of every MoE layer at --max-rank "
         "(also METRALE_LORA_EXPERTS=1).")] = False,
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """The byte-exact slot layout and capacity plan of a pool (and of its expert pool)."""
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
     enabled = experts_on(experts)
-    loaded = load_adapters(adapters) if adapters else []
+    loaded = load_adapters(adapters, online_on(online)) if adapters else []
     if model is None and not loaded:
         raise UsageError("--model is required (or give startup adapters)")
-    cfg = model_for(model, loaded)
+    cfg = model_for(model, loaded, online_on(online))
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     layouts = plan_layouts(cfg, reports, parse_modules(modules), max_rank, align, enabled)
     plan = PoolPlan.sized(*layouts, max_loras,
@@ -321,6 +337,7 @@ def pack(
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out.")] = False,
     experts: ExpertsOpt = False,
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image."""
@@ -330,8 +347,8 @@ def pack(
     positive("--max-rank", max_rank)
     if out_path is not None and out_path.exists() and not force:
         raise OutputExists(f"{out_path} exists; pass --force to overwrite it")
-    loaded = load_adapters(adapters)
-    cfg = model_for(model, loaded)
+    loaded = load_adapters(adapters, online_on(online), weights=True)
+    cfg = model_for(model, loaded, online_on(online))
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     refused = [r for r in reports if not r.servable]
@@ -383,13 +400,14 @@ def verify(
     adapters: Annotated[list[str], typer.Argument(
         help="Adapter directories (matched to slots by name), or NAME=PATH.",
         show_default=False)],
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Recompute what pack writes for each adapter and compare it with the image's bytes. Exit
     1 on any difference."""
     from metrale_cli.verify import Verifier
 
-    verifier = Verifier.open(image, load_adapters(adapters))
+    verifier = Verifier.open(image, load_adapters(adapters, online_on(online), weights=True))
     if err.is_terminal and not json_out:
         from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
