@@ -207,7 +207,8 @@ class Verifier:
             if progress is not None:
                 progress(nbytes)
             note = f"offset {off}, expected {want_off}" if off != want_off else ""
-            n = int((image != expected).sum())
+            # memcmp-speed equality first; counting the differing bytes only where they differ.
+            n = 0 if np.array_equal(image, expected) else int((image != expected).sum())
             if n or note:
                 differing.append((part, n, note))
         if not differing:
