@@ -11,6 +11,7 @@ from metrale_cli.audit import AdapterReport
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.image import write_image
 from metrale_cli.layout import SlotLayout
+from metrale_cli.plan import max_rank_warnings
 from metrale_cli.pool import LoraPool, PackStats, pick_device
 
 
@@ -30,6 +31,11 @@ class PackResult:
     @property
     def bytes_packed(self) -> int:
         return sum(s.bytes_written for s in self.stats)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the pool holds that the kernels would refuse."""
+        return max_rank_warnings(self.pool.layout.max_rank)
 
     def record(self) -> dict[str, Any]:
         layout = self.pool.layout
@@ -56,6 +62,7 @@ class PackResult:
             "image": str(self.image) if self.image else None,
             "image_bytes": self.image_bytes,
             "write_seconds": self.write_seconds,
+            "warnings": self.warnings,
         }
 
 

@@ -229,9 +229,6 @@ def layout_view(plan: PoolPlan) -> Group:
     table.add_row("fingerprint", layout.fingerprint)
     if expert_layout is not None:
         table.add_row("expert fingerprint", expert_layout.fingerprint)
-    if layout.max_rank % 8:
-        table.add_row("note", "the CUDA kernels need max rank a multiple of 8 (16-byte rows); "
-                      f"plan with --max-rank {layout.max_rank + 8 - layout.max_rank % 8}")
 
     shares = layout.shares()
     total = sum(shares["module"].values()) or 1
@@ -260,22 +257,52 @@ def layout_view(plan: PoolPlan) -> Group:
 
 
 def models_view(records: list[dict[str, Any]]) -> Table:
-    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("preset", no_wrap=True)
-    for col in ("type", "layers", "full/lin", "hidden", "heads", "ffn", "experts",
-                "gated"):
+    """The presets, one row each, in 75 columns so every cell reads whole at 80."""
+    table = Table(header_style="bold", padding=(0, 1, 0, 0), box=box.SIMPLE_HEAD,
+                  show_edge=False, caption_justify="left",
+                  caption="layers: full + linear attention; heads: query / key-value x head "
+                          "dim; gated: q_proj holds the output gate (twice as wide); ffn: "
+                          "dense width, or routed experts x expert width")
+    for col in ("preset", "type", "layers", "hidden", "heads", "gated", "ffn"):
         table.add_column(col, no_wrap=True)
     for r in records:
         table.add_row(
-            r["name"], r["model_type"], str(r["num_hidden_layers"]),
-            f"{r['full_attention_layers']}/{r['linear_attention_layers']}",
+            r["name"], r["model_type"],
+            f"{r['full_attention_layers']}+{r['linear_attention_layers']}"
+            if r["linear_attention_layers"] else str(r["num_hidden_layers"]),
             str(r["hidden_size"]),
             f"{r['num_attention_heads']}/{r['num_key_value_heads']}x{r['head_dim']}",
-            str(r["intermediate_size"] or "-"),
-            f"{r['num_experts']} x {r['expert_intermediate_size']}" if r["num_experts"] else "-",
             "yes" if r["attn_gated"] else "no",
+            f"{r['num_experts']}x{r['expert_intermediate_size']}" if r["num_experts"]
+            else str(r["intermediate_size"]),
         )
     return table
+
+
+def bench_pack_view(record: dict[str, Any]) -> Text:
+    setup = record["setup"]
+    within = "within" if record["rss_within_pool_plus_256mib"] else "OVER"
+    return Text(
+        f"{setup['adapters']} x {setup['model']} r={setup['rank']} {setup['dtype']} adapters, "
+        f"{human_bytes(record['tensor_bytes'])} of tensors\n"
+        f"pack      {record['pack_gb_per_s']:.2f} GB/s = {100 * record['pack_vs_memcpy']:.0f}% "
+        f"of numpy.copyto ({record['memcpy_gb_per_s']:.2f} GB/s), same bytes, same run\n"
+        f"end to end `metrale pack`: {record['end_to_end_pack_gb_per_s']:.2f} GB/s "
+        f"(fresh pool pages included), {record['end_to_end_wall_s']:.2f} s wall\n"
+        f"peak RSS  {human_bytes(record['peak_rss_bytes'])} = pool "
+        f"{human_bytes(record['pool_bytes'])} + "
+        f"{human_bytes(record['peak_rss_minus_pool_bytes'])} ({within} pool + 256 MiB)")
+
+
+def kernel_line(record: dict[str, Any]) -> Text:
+    """One `bench kernels` measurement on one line."""
+    speedup = record["speedup_vs_torch"]
+    return Text(
+        f"{record['kernel']:<12} {record['module']:<9} r={record['rank']:<4} "
+        f"T={record['tokens']:<5} D={record['adapters']:<5} "
+        f"p50 {record['p50_us']:8.2f} us  {record['tb_per_s']:5.2f} TB/s "
+        f"{record['pct_peak']:5.1f}% peak  {record['pct_copy']:5.1f}% of copy  "
+        + (f"{speedup:5.2f}x {record['torch_best']}" if speedup else "no torch"))
 
 
 def print_findings_to(console: Console, report: AdapterReport) -> None:
