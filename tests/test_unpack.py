@@ -118,7 +118,12 @@ def test_per_expert_lora_unpacks_block_diagonal(peft_zoo, tmp_path: Path) -> Non
     out = tmp_path / "back"
     assert metrale("unpack", image, "--slot", 0, out).code == 0
     config = json.loads((out / "adapter_config.json").read_text())
-    assert config["rank_pattern"] == {"mlp.experts.gate_up_proj": 8}
+    expert_rank = metrale("show", image, "--json").json()["experts"]["max_rank"]
+    assert config["rank_pattern"]["mlp.experts.gate_up_proj"] == 2 * expert_rank
+    # Every pattern keeps PEFT's scaling at the slot's scale.
+    scale = config["lora_alpha"] / config["r"]
+    assert all(config["alpha_pattern"][k] == pytest.approx(scale * r)
+               for k, r in config["rank_pattern"].items())
     got = _param_deltas(_load_unpacked(truth.model_name, out))
     inter = truth.expert_intermediate
     compared = 0
