@@ -492,16 +492,23 @@ def bench_pack(
     adapters: Annotated[int, typer.Option("--adapters", help="Synthetic adapters to pack.")] = 4,
     dtype: Annotated[str, typer.Option("--dtype", help="Adapter file dtype.")] = "bf16",
     repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    device: Annotated[str, typer.Option("--device", help="cpu, or cuda: pack into GPU memory "
+                                        "against a pinned-memory copy.")] = "cpu",
+    experts: Annotated[bool, typer.Option("--experts", help="Also pack a fused F32 expert "
+                                          "adapter at the model's real width and report its "
+                                          "peak RSS.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Packing throughput vs numpy.copyto of the same bytes, and peak RSS vs the pool size."""
+    """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
     from metrale_cli import bench_pack as bench
 
     positive("--rank", rank)
     positive("--adapters", adapters)
     positive("--repeats", repeats)
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     record = bench.run(resolve_model(model), model, parse_modules(modules), rank, adapters,
-                       dtype, repeats)
+                       dtype, repeats, device=device, experts=experts)
     if json_out:
         emit_json(record)
     else:

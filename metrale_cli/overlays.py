@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from metrale_cli.adapter import Adapter, AdapterKey
-from metrale_cli.bf16 import LORA_DTYPES, bf16_to_f32
+from metrale_cli.bf16 import LORA_DTYPES
 from metrale_cli.findings import Code, Collector, Severity
 from metrale_cli.models import ModelConfig
 from metrale_cli.safetensors_header import TensorInfo
@@ -49,8 +49,8 @@ class Overlay:
 
 @dataclass
 class OverlayRaw:
-    """One slot's overlays as a serving engine uploads them: per table, the token ids (int64
-    `[n]`) and their rows (float32 `[n, hidden]`, exactly the file's values)."""
+    """One slot's overlays as uploaded to the serving engine: per table, the token ids
+    (int64 `[n]`) and their rows (float32 `[n, hidden]`, exactly the file's values)."""
 
     tables: list[str] = field(default_factory=list)
     tokens: list[np.ndarray] = field(default_factory=list)
@@ -147,22 +147,3 @@ def scan(adapter: Adapter, model: ModelConfig, keys: Iterable[AdapterKey],
                 + (" (and, tied, the lm_head rows)" if o.tied_lm_head else "")
                 + " (PEFT's trainable tokens: index_copy, not an addition)")
     return overlays
-
-
-class RawReader(Protocol):
-    def read(self, info: TensorInfo) -> np.ndarray: ...
-
-
-def read_overlays(reader: RawReader, overlays: list[Overlay]) -> OverlayRaw | None:
-    """The slot's raw overlay upload; None when the adapter has no overlays."""
-    if not overlays:
-        return None
-    raw = OverlayRaw()
-    for o in overlays:
-        values = reader.read(o.rows)
-        rows = bf16_to_f32(values) if o.rows.dtype == "BF16" else values.astype(np.float32)
-        raw.tables.append(o.table)
-        raw.tokens.append(np.asarray(o.tokens, dtype=np.int64))
-        raw.rows.append(np.array(rows, dtype=np.float32).reshape(o.rows.shape))
-        raw.tied_lm_head.append(o.tied_lm_head)
-    return raw

@@ -104,7 +104,7 @@ class PoolPlan:
         """One slot in both pools, with its share of every table."""
         size = self.layout.slot_bytes + self.layout.table_bytes(1)
         if self.expert_layout is not None:
-            size += self.expert_layout.expert_slot_bytes + self.expert_layout.table_bytes(1)
+            size += self.expert_layout.slot_bytes + self.expert_layout.table_bytes(1)
         return size
 
     @property
@@ -164,7 +164,7 @@ class Footprint:
 
     @property
     def expert_slot_bytes(self) -> int:
-        return self.expert_layout.expert_slot_bytes if self.expert_layout else 0
+        return self.expert_layout.slot_bytes if self.expert_layout else 0
 
 
 def inspect_record(

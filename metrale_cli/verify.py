@@ -144,32 +144,33 @@ class Verifier:
             raise NotServable(f"{adapter.name}: not servable ({first.code}: {first.message}), "
                               "so no pool holds it")
         # What pack writes, by the packer itself: a one-slot host pool.
-        want, _ = LoraPool.load(t.layout, 1, [report], "cpu", expert_layout=t.expert_layout)
+        pool, _ = LoraPool.load(t.layout, 1, [report], "cpu", expert_layout=t.expert_layout)
+        want = pool.slot_contents(0)
         verdict = AdapterVerdict(adapter.name, slot, str(adapter.path))
         rank, scale = int(t.ranks[slot]), float(t.scales[slot])
-        want_scale = float(want.scale_table[0])
-        if rank != int(want.rank_table[0]):
+        want_scale = float(np.float32(want.info.scaling))
+        if rank != want.info.rank:
             verdict.slot_diffs.append(f"rank {rank} in the image; the adapter's is "
-                                      f"{int(want.rank_table[0])}")
+                                      f"{want.info.rank}")
         if np.float32(scale) != np.float32(want_scale):
             verdict.slot_diffs.append(f"scale {scale:.9g} in the image; the adapter's is "
                                       f"{want_scale:.9g}")
-        pools = [("pool", t.layout.entries, t.layout.slot_bytes, t.a_offsets, t.b_offsets,
-                  want.slot_offsets(0), want.slot_bytes_host(0))]
+        regions = [("pool", t.layout.entries, t.layout.slot_bytes, t.a_offsets, t.b_offsets,
+                    want.adapted, want.data)]
         if t.expert_layout is not None:
             assert t.expert_a_offsets is not None and t.expert_b_offsets is not None
-            pools.append(("expert_pool", t.expert_layout.entries,
-                          t.expert_layout.expert_slot_bytes, t.expert_a_offsets,
-                          t.expert_b_offsets, want.expert_slot_offsets(0),
-                          want.expert_slot_bytes_host(0)))
-        for pool, entries, size, a_offs, b_offs, want_offs, want_bytes in pools:
-            info = t.tensor(pool)
+            regions.append(("expert_pool", t.expert_layout.entries,
+                            t.expert_layout.expert_slot_bytes, t.expert_a_offsets,
+                            t.expert_b_offsets, want.expert_adapted, want.expert_data))
+        for name, entries, size, a_offs, b_offs, adapted, want_bytes in regions:
+            info = t.tensor(name)
             for i, e in enumerate(entries):
                 got = (int(a_offs[i, slot]), int(b_offs[i, slot]))
-                exp = (int(want_offs[0][i]), int(want_offs[1][i]))
-                self._entry(fd, verdict, pool, i, e, slot * size, info.begin, info.nbytes, got,
+                # Within the slot, where the layout puts the entry; -1 where pack leaves it out.
+                exp = (e.a_offset, e.b_offset) if adapted[i] else (-1, -1)
+                self._entry(fd, verdict, name, i, e, slot * size, info.begin, info.nbytes, got,
                             exp, want_bytes, scale, want_scale, progress)
-        verdict.slot_diffs += self._overlays(fd, slot, want.overlay_raw[0])
+        verdict.slot_diffs += self._overlays(fd, slot, want.overlay)
         return verdict
 
     def _entry(self, fd: int, verdict: AdapterVerdict, pool: str, i: int, e: PaddedPair,

@@ -40,6 +40,25 @@ def test_kernel_line_shows_the_record() -> None:
                             "1.50", "TB/s", "31.2%", "peak", "80.0%", "of", "copy", "2.50x",
                             "gather_bmm"]
     assert kernel_line({**record, "speedup_vs_torch": None}).plain.endswith("no torch")
+    assert record["finite_check_cost"] == pytest.approx(
+        record["pack_unchecked_gb_per_s"] / record["pack_gb_per_s"])
+    assert record["setup"]["device"] == "cpu" and record["experts"] is None
+
+
+def test_bench_pack_experts_reports_peak_memory() -> None:
+    result = metrale("bench", "pack", "--model", "qwen3-30b-a3b", "--modules", "q_proj",
+                     "--rank", 8, "--adapters", 1, "--repeats", 1, "--experts", "--json")
+    assert result.code == 0, result.stderr
+    ex = result.json()["experts"]
+    assert ex["experts"] == 128 and ex["rank"] == 8 and ex["dtype"] == "f32"
+    assert ex["expert_pool_bytes"] > 0 and ex["tensor_bytes"] > ex["expert_pool_bytes"]
+    assert ex["peak_rss_minus_pool_bytes"] == ex["peak_rss_bytes"] - ex["pool_bytes"]
+
+
+@pytest.mark.skipif(compat.has_gpu(), reason="a GPU is present")
+def test_bench_pack_on_cuda_needs_a_gpu() -> None:
+    result = metrale("bench", "pack", "--device", "cuda", "--adapters", 1)
+    assert result.code == 3 and result.stderr.startswith("error: a GPU is needed")
 
 
 @pytest.mark.skipif(compat.has_gpu(), reason="a GPU is present")

@@ -39,7 +39,7 @@ def test_pool_format_reader(tmp_path: Path) -> None:
         x = rng.standard_normal((3, e.in_dim)).astype(np.float32)
         for slot in range(3):
             got = namespace["pool_delta"](str(out), entry, slot, x)
-            factors = image.factors(entry, slot)
+            factors = image.region.factors(entry, slot)
             if factors is None:
                 assert got is None
                 continue
