@@ -162,7 +162,7 @@ def read_tables(path: str | Path) -> ImageTables:
             raise FormatError(f"{path}: metrale.expert_layout does not describe a layout "
                               f"({exc})") from exc
         _need(path, header, "expert_pool", "U8",
-              (max_loras * expert_layout.expert_slot_bytes,))
+              (max_loras * expert_layout.slot_bytes,))
         n_e = len(expert_layout.entries)
         needs |= {"expert_a_offsets": ("I64", (n_e, max_loras)),
                   "expert_b_offsets": ("I64", (n_e, max_loras))}
@@ -229,7 +229,7 @@ def layout_problems(t: ImageTables) -> list[str]:
     ex = t.expert_layout
     if ex is not None and t.expert_doc is not None:
         found += _recorded_layout_problems("expert layout", t.expert_doc, ex.fingerprint,
-                                           "expert_slot_bytes", ex.expert_slot_bytes,
+                                           "expert_slot_bytes", ex.slot_bytes,
                                            [e.record() for e in ex.entries])
     for name in ("pool", "expert_pool"):
         info = t.header.tensors.get(name)
@@ -278,7 +278,7 @@ def slot_problems(t: ImageTables, slot: int) -> list[str]:
     if ex is not None:
         assert t.expert_a_offsets is not None and t.expert_b_offsets is not None
         found += _region_problems(t, where, slot, "expert_pool", ex.entries,
-                                  ex.expert_slot_bytes, ex.align, t.expert_a_offsets,
+                                  ex.slot_bytes, ex.align, t.expert_a_offsets,
                                   t.expert_b_offsets, bool(name))
     if not name and t.overlay_runs(slot):
         found.append(f"{where}: an empty slot with token overlays")

@@ -160,7 +160,7 @@ class Verifier:
         if t.expert_layout is not None:
             assert t.expert_a_offsets is not None and t.expert_b_offsets is not None
             regions.append(("expert_pool", t.expert_layout.entries,
-                            t.expert_layout.expert_slot_bytes, t.expert_a_offsets,
+                            t.expert_layout.slot_bytes, t.expert_a_offsets,
                             t.expert_b_offsets, want.expert_adapted, want.expert_data))
         for name, entries, size, a_offs, b_offs, adapted, want_bytes in regions:
             info = t.tensor(name)
