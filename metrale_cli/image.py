@@ -23,7 +23,7 @@ from metrale_cli.modules import LoraModule
 from metrale_cli.overlays import TABLES, OverlayRaw
 from metrale_cli.pool import LoraPool, SlotContents
 from metrale_cli.safetensors_header import read_header
-from metrale_cli.sharding import RankExpertLayout, RankLayout, ShardSpec
+from metrale_cli.sharding import RankExpertLayout, RankLayout, shard_of
 from metrale_cli.slots import U64_MASK, AdapterSlot
 
 FORMAT = "pool/1"
@@ -227,8 +227,7 @@ class PoolImage:
             layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                       layout_doc["max_rank"], layout_doc["align"])
             max_loras = _count(layout_doc["max_loras"], "max_loras", 1)
-            shard = (ShardSpec.from_record(json.loads(meta["metrale.shard"]))
-                     if "metrale.shard" in meta else None)
+            shard = shard_of(meta)
             if shard is not None:
                 layout = RankLayout.of(layout, shard)
             fingerprint = layout.fingerprint

@@ -282,3 +282,16 @@ def test_a_failing_rank_leaves_no_directory(peft_zoo, tmp_path: Path, monkeypatc
     assert [r["image"] for r in done.json()["ranks"]] == [
         str(tmp_path / "tp" / f"rank-{k}-of-4.safetensors") for k in range(4)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp"]
+
+
+def test_show_and_verify_read_a_rank_image(peft_zoo, tmp_path: Path) -> None:
+    """`show` and `verify` rebuild a rank's layout from `metrale.shard`: the image is
+    consistent, and its bytes are what the rank's pack writes for the adapter."""
+    truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=ATTN + MLP)
+    out = pack(tmp_path, [truth], "--tp", 2, "--fully-sharded")
+    rank1 = out / "rank-1-of-2.safetensors"
+    shown = metrale("show", rank1, "--json")
+    assert shown.code == 0, shown.stderr
+    assert shown.json()["layout"]["fingerprint"] == PoolImage.open(rank1).layout.fingerprint
+    verified = metrale("verify", rank1, f"a0={truth.path}")
+    assert verified.code == 0, verified.stderr
