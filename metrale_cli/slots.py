@@ -19,7 +19,7 @@ import enum
 import hashlib
 import heapq
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from metrale_cli.errors import PoolFull, SlotBusy, UsageError
@@ -28,6 +28,9 @@ U64_MASK = (1 << 64) - 1
 POLICIES = ("lru", "fifo", "min")
 # A slot whose adapter is not requested again (the `min` policy's "farthest ahead").
 NEVER = 1 << 62
+# Heap key of an empty cache slot: below every READY key (ticks, load order, -next use), so
+# empty slots go first, lowest index first.
+EMPTY_KEY = -2 * NEVER
 
 
 def adapter_id_hash(name: str, generation: int) -> int:
@@ -74,6 +77,13 @@ class AdapterSlot:
         }
 
 
+def _copy(info: AdapterSlot, generation: int) -> AdapterSlot:
+    """A copy of `info` (its config shared) under `generation`; spelled out because
+    `dataclasses.replace` costs ten times as much, and the simulator loads millions of times."""
+    return AdapterSlot(info.name, info.rank, info.alpha, info.scaling, info.source, info.config,
+                       generation)
+
+
 class SlotState(enum.Enum):
     EMPTY = "empty"      # a placeholder: no adapter, identity 0
     LOADING = "loading"  # bytes being written: no identity, never acquired, never a victim
@@ -112,9 +122,10 @@ class SlotManager:
         self._next_use = [NEVER] * max_loras
         # READY slots by name; a name may live in several slots (slot_of gives the lowest).
         self._by_name: dict[str, list[int]] = {}
-        # Victim candidates: (key, slot, version). A slot's version moves whenever its
-        # candidacy or key does, so an entry is live only while its version is current.
-        self._heap: list[tuple[tuple[int, int], int, int]] = []
+        # Victim candidates: (key, slot, version), smallest key first. A slot's version moves
+        # whenever its candidacy or key does, so an entry is live only while its version is
+        # current.
+        self._heap: list[tuple[int, int, int]] = []
         self._version = [0] * max_loras
         self._lock = threading.Lock()
         for k in range(pinned, max_loras):
@@ -154,7 +165,8 @@ class SlotManager:
 
     def slot_info(self, slot: int) -> AdapterSlot:
         with self._lock:
-            return replace(self._slots[self.resolve(slot)])
+            info = self._slots[self.resolve(slot)]
+            return _copy(info, info.generation)
 
     def state(self, slot: int) -> SlotState:
         with self._lock:
@@ -171,7 +183,7 @@ class SlotManager:
     def slots(self) -> list[AdapterSlot]:
         """A snapshot copy of every slot, in slot order."""
         with self._lock:
-            return [replace(s) for s in self._slots]
+            return [_copy(s, s.generation) for s in self._slots]
 
     def slot_of(self, name: str) -> int | None:
         """The READY slot holding adapter `name` (the lowest if several); placeholders and
@@ -211,30 +223,31 @@ class SlotManager:
         """A sequence takes a count on the resolved slot (a new LRU tick); returns that slot.
         An empty slot is refused (UsageError), a loading one is busy (SlotBusy)."""
         with self._lock:
-            k = self.resolve(slot)
-            if self._state[k] is SlotState.LOADING:
-                raise SlotBusy(f"slot {k} is loading")
-            if self._state[k] is SlotState.EMPTY:
+            k = slot if 0 <= slot < self._max_loras else self.resolve(slot)
+            if self._state[k] is not SlotState.READY:
+                if self._state[k] is SlotState.LOADING:
+                    raise SlotBusy(f"slot {k} is loading")
                 raise UsageError(f"slot {k} holds no adapter")
-            self._refs[k] += 1
+            refs = self._refs[k] = self._refs[k] + 1
             self._tick += 1
             self._last_used[k] = self._tick
-            if self._refs[k] == 1:
-                self._requeue(k)  # no longer a candidate
+            if refs == 1:
+                self._version[k] += 1  # no longer a victim candidate: its entry is stale
             return k
 
     def release_slot(self, slot: int) -> None:
         with self._lock:
-            k = self.resolve(slot)
-            if self._refs[k] == 0:
+            k = slot if 0 <= slot < self._max_loras else self.resolve(slot)
+            refs = self._refs[k]
+            if refs == 0:
                 raise UsageError(f"slot {k} released more often than acquired")
-            self._refs[k] -= 1
-            if self._refs[k] == 0:
+            self._refs[k] = refs - 1
+            if refs == 1:
                 self._requeue(k)
 
     def touch_slot(self, slot: int) -> None:
         with self._lock:
-            k = self.resolve(slot)
+            k = slot if 0 <= slot < self._max_loras else self.resolve(slot)
             self._tick += 1
             self._last_used[k] = self._tick
             if self._policy == "lru":
@@ -296,7 +309,7 @@ class SlotManager:
                 raise UsageError(f"slot {k} is not loading")
             if not info.filled:
                 raise UsageError(f"slot {k}: a loaded adapter needs a name")
-            self._publish(k, replace(info, generation=self._slots[k].generation))
+            self._publish(k, _copy(info, self._slots[k].generation))
 
     def abort_load(self, slot: int) -> None:
         """A load that failed: the slot becomes an empty placeholder, keeping the generation
@@ -323,7 +336,7 @@ class SlotManager:
                 if not info.filled:
                     raise UsageError(f"pinned slot {k}: an adapter needs a name")
                 self._unindex(k)
-                self._publish(k, replace(info))
+                self._publish(k, _copy(info, info.generation))
             self._pinned = n
             self._loading = self._state[n:].count(SlotState.LOADING)
             for k in range(self._max_loras):
@@ -385,14 +398,14 @@ class SlotManager:
             return
         state = self._state[k]
         if state is SlotState.EMPTY:
-            key = (0, 0)  # empty slots before any READY one, lowest index first
+            key = EMPTY_KEY
         elif state is SlotState.READY and self._refs[k] == 0:
             if self._policy == "lru":
-                key = (1, self._last_used[k])
+                key = self._last_used[k]
             elif self._policy == "fifo":
-                key = (1, self._loaded_at[k])
+                key = self._loaded_at[k]
             else:
-                key = (1, -self._next_use[k])
+                key = -self._next_use[k]
         else:
             return
         heap = self._heap

@@ -71,6 +71,10 @@ def test_pool_semantics() -> None:
     assert m.active == 3 and m.slot_info(3).generation == 1 and m.slot_info(-1).name == "d"
     assert m.adapter_id_for_slot(-1) == adapter_id_hash("d", 1)
     assert m.records()[3] == info("d", 1).record(3, False)
+    copy = m.slot_info(3)  # snapshots: changing them changes nothing in the manager
+    copy.name, copy.generation = "zz", 9
+    m.slots()[3].name = "zz"
+    assert m.slot_info(3) == info("d", 1) and m.slot_of("zz") is None
     assert m.records()[0]["pinned"] and not m.records()[1]["pinned"]
     wrap = SlotManager(2)
     wrap.load_pinned([info("b", 2**64 - 1)])
