@@ -18,6 +18,7 @@ A request's added latency is how much later it starts than it would with every a
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -280,13 +281,24 @@ class Replay:
         # kind 1 = a load ends (x = the slot, y = the adapter). At equal times, ends come
         # before arrivals so that what they free is there for the next admission.
         events: list[tuple[float, int, int, int, int]] = []
-        seq = 0
+        seq = itertools.count()  # ties in time and kind keep the order things happened in
         loading: dict[int, list[int]] = {}  # adapter -> requests waiting for its load
         queue: deque[int] = deque()
         stalled_since: dict[int, float] = {}
         waits: list[float] = []
         running = hits = misses = swaps = 0
         i = 0
+
+        def serve(r: int, slot: int, now: float) -> None:
+            """Request `r` starts now on `slot` (-1: the base model, no slot)."""
+            if slot >= 0:
+                acquire(slot)
+                if use_next:
+                    set_next_use(slot, nxt[r])
+            start[r] = now
+            served[r] += 1
+            heapq.heappush(events, (now + hold[r], 0, next(seq), slot, 0))
+
         while i < n or events:
             if events and (i >= n or events[0][0] <= arrival[i]):
                 now, kind, _, x, y = heapq.heappop(events)
@@ -297,13 +309,7 @@ class Replay:
                 else:
                     manager.finish_load(x, AdapterSlot(name=names[y]))
                     for r in loading.pop(y):
-                        acquire(x)
-                        if use_next:
-                            set_next_use(x, nxt[r])
-                        start[r] = now
-                        served[r] += 1
-                        seq += 1
-                        heapq.heappush(events, (now + hold[r], 0, seq, x, 0))
+                        serve(r, x, now)
             else:
                 now = arrival[i]
                 queue.append(i)
@@ -336,19 +342,12 @@ class Replay:
                         if r in stalled_since:
                             waits.append(now - stalled_since.pop(r))
                         loading[a] = [r]
-                        seq += 1
-                        heapq.heappush(events, (now + swap_s, 1, seq, victim, a))
+                        heapq.heappush(events, (now + swap_s, 1, next(seq), victim, a))
                         queue.popleft()
                         running += 1
                         continue
                     hits += 1
-                    acquire(slot)
-                    if use_next:
-                        set_next_use(slot, nxt[r])
-                start[r] = now
-                served[r] += 1
-                seq += 1
-                heapq.heappush(events, (now + hold[r], 0, seq, slot, 0))
+                serve(r, slot, now)
                 queue.popleft()
                 running += 1
         if progress is not None:
@@ -452,6 +451,7 @@ def plot(sim: Simulation, path: Path, force: bool = False) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         raise ToolMissing("--plot needs matplotlib: pip install 'metrale[plot]'") from None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), dpi=110, sharex=True)
@@ -468,8 +468,12 @@ def plot(sim: Simulation, path: Path, force: bool = False) -> None:
     top.set_ylabel("hit rate (%)")
     bottom.set_ylabel("p99 added latency (ms)")
     bottom.set_xlabel("max_loras (slots)")
+    # Added latency spans a load (sub-ms) to stalls of seconds, and is 0 where nothing waits.
+    bottom.set_yscale("symlog", linthresh=0.1)
+    bottom.set_ylim(0, 2 * max([1e3 * r.added_latency_p99_s for r in sim.results] + [1.0]))
     if len(sim.sizes) > 1 and sim.sizes[-1] / sim.sizes[0] >= 16:
         bottom.set_xscale("log", base=2)
+        bottom.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     w = sim.workload
     top.set_title(f"{w.get('kind', 'trace')} workload, {w['requests']:,} requests, "
                   f"{w['distinct_adapters']:,} adapters ({sim.mode})", fontsize=10)

@@ -430,3 +430,25 @@ def test_bench_slots_record() -> None:
     assert rec["victim_cycle_ratio"] == ns["4096"] / ns["64"]
     r = metrale("bench", "slots", "--repeats", "0")
     assert r.code == 2 and "must be positive" in r.stderr
+
+
+def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:
+    adapter = tmp_path / "a"
+    assert metrale("synth", adapter, "--model", "qwen3-8b", "--modules", "q_proj,v_proj",
+                   "--rank", 8).code == 0
+    layout = metrale("layout", adapter, "--json").json()
+    r = metrale("simulate", adapter, "--requests", "300", "--max-loras", "4", "--bandwidth",
+                "2GB/s", "--swap-latency-ms", "0.5", "--target-p99-ms", "100", "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    assert rec["swap"]["slot_bytes"] == layout["slot_bytes"] == rec["layout"]["slot_bytes"]
+    assert rec["layout"]["fingerprint"] == layout["fingerprint"]
+    assert rec["swap"]["swap_s"] == pytest.approx(layout["slot_bytes"] / 2e9 + 0.5e-3)
+    for x in rec["results"]:
+        assert x["swap_s"] == pytest.approx(x["misses"] * rec["swap"]["swap_s"])
+        assert x["pool_bytes"] == layout["slot_bytes"] * 4 + metrale(
+            "layout", adapter, "--max-loras", "4", "--json").json()["table_bytes"]
+    for s in rec["smallest_meeting"]:
+        met = [x for x in rec["results"] if x["policy"] == s["policy"]
+               and x["added_latency_p99_s"] <= 0.1]
+        assert s["max_loras"] == (met[0]["max_loras"] if met else None)
