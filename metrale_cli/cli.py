@@ -493,10 +493,11 @@ def simulate(
     trace: Annotated[Path | None, typer.Option(
         "--trace", help="CSV or JSONL requests: timestamp, adapter (empty = base model), "
         "optional input_tokens, output_tokens, duration.")] = None,
-    workload: Annotated[str, typer.Option(
-        "--workload", help="Generator when no --trace: zipf, uniform, distinct, identical or "
-        "slora.")] = "zipf",
-    requests: Annotated[int, typer.Option("--requests", help="Requests to generate.")] = 10_000,
+    workload: Annotated[str | None, typer.Option(
+        "--workload", help="Generator when no --trace: zipf (default), uniform, distinct, "
+        "identical or slora.")] = None,
+    n_requests: Annotated[int, typer.Option("--requests", help="Requests to generate.")]
+    = 10_000,
     n_adapters: Annotated[int, typer.Option("--adapters", help="Adapters to draw from.")] = 100,
     rate: Annotated[float, typer.Option("--rate", help="Requests per second.")] = 10.0,
     cv: Annotated[float, typer.Option("--cv", help="Coefficient of variation of the "
@@ -568,15 +569,17 @@ def simulate(
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     layouts = plan_layouts(cfg, reports, parse_modules(modules), max_rank, experts=enabled)
+    if trace is not None and workload is not None:
+        raise UsageError("give --trace or --workload, not both")
     if trace is not None:
-        requests_ = wl.read_trace(trace)
+        requested = wl.read_trace(trace)
     else:
-        requests_ = wl.generate(wl.GeneratorSpec(
-            workload, requests, n_adapters, rate, cv, seed, zipf_s, alpha,
+        requested = wl.generate(wl.GeneratorSpec(
+            workload or "zipf", n_requests, n_adapters, rate, cv, seed, zipf_s, alpha,
             wl.parse_range("--input-tokens", input_tokens),
             wl.parse_range("--output-tokens", output_tokens)))
     if save_trace is not None:
-        requests_.save(save_trace, force)
+        requested.save(save_trace, force)
     targets = (sim.Targets(target_hit_rate, target_p99_ms)
                if target_hit_rate is not None or target_p99_ms is not None else None)
     options: dict[str, Any] = dict(
@@ -592,10 +595,10 @@ def simulate(
         with Progress("simulating", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=err, transient=True) as bar:
             task = bar.add_task("simulate", total=None)
-            result = sim.run(requests_, *layouts, **options,
+            result = sim.run(requested, *layouts, **options,
                              progress=lambda n, total: bar.update(task, advance=n, total=total))
     else:
-        result = sim.run(requests_, *layouts, **options)
+        result = sim.run(requested, *layouts, **options)
     if plot_path is not None:
         sim.plot(result, plot_path, force)
     if json_out:

@@ -22,7 +22,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +106,10 @@ def parse_sizes(text: str) -> list[int]:
     return sorted(sizes)
 
 
-def default_sizes(workload: Workload, pinned: int) -> list[int]:
-    """Powers of two from above the pinned slots up to the size that holds every adapter."""
-    need = int(np.unique(workload.adapter[workload.adapter >= 0]).size) + pinned
+def default_sizes(unpinned: int, pinned: int) -> list[int]:
+    """Powers of two from above the pinned slots up to the size that holds every requested
+    adapter beside the pinned ones."""
+    need = unpinned + pinned
     sizes, size = [], 1
     while size < need:
         if size > pinned:
@@ -153,7 +154,7 @@ class RunResult:
 
     def record(self) -> dict[str, Any]:
         skip = {"start", "served", "ref_counts_at_end"}
-        out = {k: v for k, v in asdict(self).items() if k not in skip}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["hit_rate"] = self.hit_rate
         return out
 
@@ -178,7 +179,7 @@ class Replay:
         self._next = np.where(nxt < 0, NEVER, nxt).tolist()
         pinned_set = set(self.pinned)
         used = {workload.adapters[a] for a in np.unique(workload.adapter[workload.adapter >= 0])}
-        self.needs_cache = bool(used - pinned_set)
+        self.unpinned = len(used - pinned_set)  # requested adapters that need a cache slot
         self.baseline = self._baseline(hold)
 
     @property
@@ -199,11 +200,13 @@ class Replay:
         return start
 
     def run(self, policy: str, max_loras: int,
-            progress: Callable[[int], None] | None = None) -> RunResult:
+            progress: Callable[[int], None] | None = None, detail: bool = True) -> RunResult:
+        """Replay every request at `max_loras` slots under `policy`. Without `detail` the
+        result drops its per-request arrays (a sweep of a million requests keeps none)."""
         if len(self.pinned) > max_loras:
             raise UsageError(f"{len(self.pinned)} pinned adapters do not fit in "
                              f"--max-loras {max_loras}")
-        if len(self.pinned) == max_loras and self.needs_cache:
+        if len(self.pinned) == max_loras and self.unpinned:
             raise UsageError(f"--max-loras {max_loras} leaves no cache slot beside the "
                              f"{len(self.pinned)} pinned adapters, and unpinned ones are "
                              "requested")
@@ -227,7 +230,8 @@ class Replay:
             added_latency_p50_s=float(np.percentile(added, 50)) if n else 0.0,
             added_latency_p99_s=float(np.percentile(added, 99)) if n else 0.0,
             added_latency_mean_s=float(added.mean()) if n else 0.0,
-            pool_bytes=0, start=start, served=served,
+            pool_bytes=0, start=start if detail else np.empty(0),
+            served=served if detail else np.empty(0, dtype=np.int64),
             ref_counts_at_end=[manager.ref_count(k) for k in range(max_loras)],
         )
 
@@ -431,7 +435,7 @@ def simulate(
     results = []
     for policy in dict.fromkeys(policies):
         for size in sorted(set(sizes)):
-            result = replay.run(policy, size, progress)
+            result = replay.run(policy, size, progress, detail=False)
             result.pool_bytes = pool_bytes(size)
             if budget_bytes is not None:
                 result.fits_budget = result.pool_bytes <= budget_bytes
@@ -520,7 +524,7 @@ def run(
     cost = SwapCost(slot_bytes, bytes_per_s, latency_s, name)
     replay = Replay(workload, workload.hold_seconds(prefill_tok_s, decode_tok_s), cost, names,
                     max_concurrency)
-    sizes = list(sizes) if sizes else default_sizes(workload, len(replay.pinned))
+    sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
     policies = list(dict.fromkeys(policies))
     total = len(policies) * len(set(sizes)) * workload.requests
     results = simulate(

@@ -339,6 +339,7 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--target-hit-rate", "95"], "--target-hit-rate must be in"),
     (["--max-concurrency", "0"], "--max-concurrency must be positive"),
     (["--pinned", "3", "--max-loras", "3"], "leaves no cache slot"),
+    (["--trace", "t.csv", "--workload", "zipf"], "not both"),
 ])
 def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     r = metrale("simulate", *SLOT, "--requests", "200", *args)
