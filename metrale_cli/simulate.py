@@ -31,7 +31,8 @@ import numpy as np
 from metrale_cli.atomic import atomic_write
 from metrale_cli.errors import PoolFull, ToolMissing, UsageError
 from metrale_cli.expert_pool import ExpertLayout
-from metrale_cli.layout import SlotLayout, parse_size
+from metrale_cli.layout import SlotLayout
+from metrale_cli.parsing import parse_size
 from metrale_cli.plan import PoolPlan
 from metrale_cli.slots import NEVER, POLICIES, AdapterSlot, SlotManager, SlotState
 from metrale_cli.workload import Workload
@@ -81,29 +82,6 @@ def parse_bandwidth(text: str) -> tuple[str, float, float]:
     if bytes_per_s <= 0:
         raise UsageError(f"--bandwidth must be positive, got {text!r}")
     return text.strip(), float(bytes_per_s), 0.0
-
-
-def parse_sizes(text: str) -> list[int]:
-    """`8,16,32`, a range `8..64` (every size) or `8..64:8` (a step), or a mix, as sorted
-    distinct sizes."""
-    sizes: set[int] = set()
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            if ".." in part:
-                lo_text, _, rest = part.partition("..")
-                hi_text, _, step_text = rest.partition(":")
-                lo, hi, step = int(lo_text), int(hi_text), int(step_text or 1)
-                if step <= 0 or hi < lo:
-                    raise ValueError
-                sizes.update(range(lo, hi + 1, step))
-            else:
-                sizes.add(int(part))
-        except ValueError:
-            raise UsageError(f"--max-loras: {part!r} is not a size, a list like 8,16,32 or a "
-                             "range like 8..64 or 8..64:8") from None
-    if not sizes or min(sizes) <= 0:
-        raise UsageError(f"--max-loras: sizes must be positive, got {text!r}")
-    return sorted(sizes)
 
 
 def default_sizes(unpinned: int, pinned: int) -> list[int]:

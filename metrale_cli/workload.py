@@ -307,16 +307,3 @@ def _lengths(draw: Any, bounds: tuple[int, int], n: int) -> np.ndarray:
         return np.full(n, lo, dtype=np.int64)
     return np.asarray(draw(lo, hi, n), dtype=np.int64)
 
-
-def parse_range(option: str, text: str) -> tuple[int, int]:
-    """`8,512` -> (8, 512); `0` -> (0, 0)."""
-    parts = [p.strip() for p in text.split(",")]
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise UsageError(f"{option}: expected LO,HI or N, got {text!r}") from None
-    if len(values) == 1:
-        values *= 2
-    if len(values) != 2:
-        raise UsageError(f"{option}: expected LO,HI or N, got {text!r}")
-    return values[0], values[1]

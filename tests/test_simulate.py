@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale_cli.errors import OutputExists, UsageError
-from metrale_cli.simulate import Replay, SwapCost, parse_bandwidth, parse_sizes
+from metrale_cli.parsing import parse_size_list
+from metrale_cli.simulate import Replay, SwapCost, parse_bandwidth
 from metrale_cli.workload import GeneratorSpec, Workload, generate, read_trace
 from tests.cli_runner import metrale
 
@@ -320,7 +321,7 @@ def test_malformed_trace_is_one_line_exit_2(tmp_path: Path, name: str, text: str
 
 
 def test_parse_sizes_and_bandwidth() -> None:
-    assert parse_sizes("16,8,8..10,32..64:16") == [8, 9, 10, 16, 32, 48, 64]
+    assert parse_size_list("--max-loras", "16,8,8..10,32..64:16") == [8, 9, 10, 16, 32, 48, 64]
     assert parse_bandwidth("pcie5")[1] == 50e9
     assert parse_bandwidth("25GB/s") == ("25GB/s", 25e9, 0.0)
     assert parse_bandwidth("1.5 GiB/s")[1] == 1.5 * 2**30
