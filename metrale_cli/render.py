@@ -388,7 +388,8 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      f"{record['decode_tok_s']:g} decode tok/s), "
                      + (f"at most {seats} in flight" if seats else "no concurrency cap"))
     head.add_row("slot", f"{human_bytes(swap['slot_bytes'])} ({lay['model']}, "
-                 f"{len(lay['modules'])} modules, max rank {lay['max_rank']})")
+                 f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
+                 f"max rank {lay['max_rank']})")
     head.add_row("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
                  f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us)")
     if record["pinned"]:
@@ -396,8 +397,9 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      + (" ..." if len(record["pinned"]) > 8 else ""))
     # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
     table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    with_min = "min" in record["policies"]
     for name in ("policy", "slots", "hit %", "misses", "stalls", "stall\np99", "added\np50",
-                 "added\np99", "misses\nvs min", "pool\nGiB"):
+                 "added\np99", *(["misses\nvs min"] if with_min else []), "pool\nGiB"):
         table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
                          header_style="bold")
     previous = None
@@ -406,6 +408,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
             table.add_section()
         previous = r["policy"]
         gap = r["extra_misses_vs_min"]
+        vs_min = ["-" if gap is None or r["policy"] == "min" else f"+{gap:,}"] if with_min else []
         pool = f"{r['pool_bytes'] / 2**30:,.2f}"
         if r["fits_budget"] is False:
             pool = f"[red]{pool}"
@@ -413,7 +416,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
             r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}", f"{r['misses']:,}",
             f"{r['stalls']:,}", human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
             human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
-            "-" if gap is None or r["policy"] == "min" else f"+{gap:,}", pool)
+            *vs_min, pool)
     parts: list[Any] = [head, table]
     if record["targets"]:
         t = record["targets"]
