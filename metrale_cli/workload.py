@@ -125,25 +125,70 @@ def read_trace(path: Path) -> Workload:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: no such file")
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = _csv_rows(path, f) if path.suffix.lower() == ".csv" else _jsonl_rows(path, f)
-        parsed = [_parse_row(path, line, row) for line, row in rows]
-    if not parsed:
+    columns = _csv_columns_fast(path) if path.suffix.lower() == ".csv" else None
+    if columns is None:  # JSON lines, or a CSV row the fast path cannot vouch for
+        with open(path, encoding="utf-8", newline="") as f:
+            rows = _csv_rows(path, f) if path.suffix.lower() == ".csv" else _jsonl_rows(path, f)
+            parsed = [_parse_row(path, line, row) for line, row in rows]
+        columns = (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
+                   np.array([r[2] for r in parsed], dtype=np.int64),
+                   np.array([r[3] for r in parsed], dtype=np.int64),
+                   np.array([r[4] for r in parsed], dtype=np.float64))
+    arrival, names, inputs, outputs, duration = columns
+    if not names:
         raise FormatError(f"{path}: no requests")
     index: dict[str, int] = {}
-    adapter = np.empty(len(parsed), dtype=np.int64)
-    for k, row in enumerate(parsed):
-        name = row[1]
-        adapter[k] = index.setdefault(name, len(index)) if name else -1
-    arrival = np.array([r[0] for r in parsed], dtype=np.float64)
+    adapter = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
+                       dtype=np.int64)
     order = np.argsort(arrival, kind="stable")
     return Workload(
         adapters=tuple(index), adapter=adapter[order], arrival=arrival[order],
-        input_tokens=np.array([r[2] for r in parsed], dtype=np.int64)[order],
-        output_tokens=np.array([r[3] for r in parsed], dtype=np.int64)[order],
-        duration=np.array([r[4] for r in parsed], dtype=np.float64)[order],
+        input_tokens=inputs[order], output_tokens=outputs[order], duration=duration[order],
         source={"kind": "trace", "path": str(path)},
     )
+
+
+Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray]
+
+
+def _csv_columns_fast(path: Path) -> Columns | None:
+    """A well-formed CSV trace read column by column (several times faster than row by row);
+    None when any cell is out of the ordinary, so that the row-by-row reader names it."""
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        rows = list(reader)
+    where = {name: i for i, name in enumerate(header)}
+    if "timestamp" not in where or "adapter" not in where or len(where) != len(header):
+        return None
+    if any(len(r) != len(header) for r in rows):
+        return None
+
+    def numbers(key: str, empty: str | None) -> np.ndarray | None:
+        if key not in where:
+            return np.full(len(rows), np.nan if empty == "nan" else 0.0)
+        i = where[key]
+        cells = [r[i].strip() for r in rows]
+        if empty is None and not all(cells):
+            return None
+        try:
+            values = np.array([c or empty for c in cells], dtype=np.float64)
+        except ValueError:
+            return None
+        given = np.array([bool(c) for c in cells])
+        good = np.isfinite(values) & (values >= 0)
+        return values if bool((good | ~given).all()) else None
+
+    arrival = numbers("timestamp", None)
+    inputs, outputs = numbers("input_tokens", "0"), numbers("output_tokens", "0")
+    duration = numbers("duration", "nan")
+    if arrival is None or inputs is None or outputs is None or duration is None:
+        return None
+    if (inputs != np.floor(inputs)).any() or (outputs != np.floor(outputs)).any():
+        return None
+    i = where["adapter"]
+    return (arrival, [r[i].strip() for r in rows], inputs.astype(np.int64),
+            outputs.astype(np.int64), duration)
 
 
 def _csv_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
