@@ -25,6 +25,9 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     assert record["pack_vs_memcpy"] == pytest.approx(
         record["pack_gb_per_s"] / record["memcpy_gb_per_s"])
     assert record["peak_rss_bytes"] > record["pool_bytes"]
+    assert record["finite_check_cost"] == pytest.approx(
+        record["pack_unchecked_gb_per_s"] / record["pack_gb_per_s"])
+    assert record["setup"]["device"] == "cpu" and record["experts"] is None
     # The human view is the same record.
     view = bench_pack_view(record).plain
     assert f"pack      {record['pack_gb_per_s']:.2f} GB/s" in view
@@ -40,9 +43,6 @@ def test_kernel_line_shows_the_record() -> None:
                             "1.50", "TB/s", "31.2%", "peak", "80.0%", "of", "copy", "2.50x",
                             "gather_bmm"]
     assert kernel_line({**record, "speedup_vs_torch": None}).plain.endswith("no torch")
-    assert record["finite_check_cost"] == pytest.approx(
-        record["pack_unchecked_gb_per_s"] / record["pack_gb_per_s"])
-    assert record["setup"]["device"] == "cpu" and record["experts"] is None
 
 
 def test_bench_pack_experts_reports_peak_memory() -> None:
