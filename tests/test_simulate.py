@@ -454,3 +454,26 @@ def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:
         met = [x for x in rec["results"] if x["policy"] == s["policy"]
                and x["added_latency_p99_s"] <= 0.1]
         assert s["max_loras"] == (met[0]["max_loras"] if met else None)
+
+
+def test_progress_counts_every_request_once_and_pins_by_name() -> None:
+    from metrale_cli import simulate as sim
+    from metrale_cli.models import resolve_model
+    from metrale_cli.parsing import parse_modules
+    from metrale_cli.plan import plan_layouts
+
+    layouts = plan_layouts(resolve_model("qwen3-8b"), [], parse_modules("q_proj"), 8)
+    for lengths in ((0, 0), (8, 512)):
+        w = generate(GeneratorSpec("zipf", 70_000, adapters=40, input_range=lengths,
+                                   output_range=lengths))
+        seen: list[tuple[int, int]] = []
+        result = sim.run(w, *layouts, policies=["lru", "min"], sizes=[4, 16],
+                         pin=["lora-00", "lora-07"],
+                         progress=lambda n, t, seen=seen: seen.append((n, t)))
+        assert sum(n for n, _ in seen) == 4 * 70_000 and {t for _, t in seen} == {4 * 70_000}
+        assert result.pinned == ["lora-00", "lora-07"]
+        assert all(r.pinned == 2 for r in result.results)
+    r = metrale("simulate", *SLOT, "--requests", "300", "--pin", "lora-003", "--pin", "x",
+                "--max-loras", "3", "--json")
+    assert r.code == 0, r.stderr
+    assert r.json()["pinned"] == ["lora-003", "x"]
