@@ -1,7 +1,17 @@
 """`metrale bench kernels`: time the LoRA delta kernels on the GPU against the limit and against
 torch, as records (one dict per measurement, its setup embedded).
 
-Method (docs: /work/shared/reference/kernel_perf.md section 6):
+Two things, both as records (one dict per kernel and shape):
+
+- `model`: a roofline model that needs no GPU (`metrale bench kernels --model-only`). For every
+  benchmark shape it takes the launch plan the kernels would get (path, grid, splits), the
+  independent 16-byte loads per thread that the SASS check guarantees (kernels/lora_config.h),
+  and Little's law, and states the share of peak HBM bandwidth the kernel should reach.
+- `run`: the GPU measurement of the same shapes, which records the model's figure beside the
+  measured one.
+
+Measurement method (docs/bench.md, after the research notes on kernel benchmarking that the
+kernels issue cites):
 - Validate first: every shape's kernels are checked against reference.py (on a sample of rows)
   before anything is timed; a mismatch raises.
 - Defeat the L2: G rotation groups, each with its own x, y, t, weights and pointer tables, with
@@ -73,6 +83,166 @@ def compulsory_bytes(kind: str, tokens: int, adapters: int, rank: int, in_dim: i
     if kind == "expand":
         return 2 * adapters * out_dim * rank + 4 * tokens * rank + 2 * y_bytes * tokens * out_dim
     raise ValueError(f"unknown kernel kind {kind!r}")
+
+
+# --- the roofline model (no GPU needed) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelDevice:
+    """What the model assumes of the device: an H200 by default."""
+
+    name: str = "H200 (model)"
+    sms: int = 132
+    peak_bytes_per_s: float = 4.8e12  # nominal HBM bandwidth
+    copy_fraction: float = 4.3 / 4.8  # a device-to-device copy's share of it, measured on an H200
+    latency_s: float = 0.6e-6  # loaded DRAM latency: the order of magnitude Little's law needs
+
+
+# The kernels issue's targets: share of nominal peak in the bandwidth regime (compulsory traffic
+# of at least 64 MB), and at most 1.3x an equal-bytes copy below it, where a fixed latency
+# dominates whatever the kernel does.
+TARGET_PCT = {("decode", "shrink"): 80.0, ("decode", "expand"): 75.0,
+              ("prefill", "shrink"): 70.0, ("prefill", "expand"): 70.0}
+BANDWIDTH_REGIME_BYTES = 64 << 20
+COPY_RATIO_TARGET = 1.3
+_LOAD_BYTES = 16
+
+
+@dataclass(frozen=True)
+class _Launch:
+    kernel: str
+    path: str
+    grid: tuple[int, int, int]
+    splits: int
+    requested_bytes: int  # what the loads ask for, L2 hits included
+
+
+def _decode_slots(tokens: int, adapters: int) -> np.ndarray:
+    """The benchmark's decode batch: adapters interleaved over the tokens, as requests arrive."""
+    return (np.arange(tokens) % adapters).astype(np.int32)
+
+
+def _tile_segments(tokens: int, adapters: int) -> int:
+    """(64-token tile, segment) pairs when `adapters` equal runs share `tokens` sorted tokens."""
+    starts = np.arange(adapters + 1) * tokens // adapters
+    tile = kernels.SGMV_TILE
+    return int(sum(-(-int(hi) // tile) - int(lo) // tile
+                   for lo, hi in zip(starts[:-1], starts[1:], strict=True) if hi > lo))
+
+
+def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, out_dim: int,
+                sms: int, y_bytes: int = 2) -> _Launch:
+    """The launch a benchmark shape gets: decode (<= 256 tokens) through kernels.plan_batch
+    (grouped or per-token), prefill through SGMV over sorted segments; t as wide as the rank."""
+    y_kind = "bf16" if y_bytes == 2 else "f32"
+    grouped = tokens > 256
+    path = "segments"
+    if not grouped:
+        plan = kernels.plan_batch(_decode_slots(tokens, adapters), [rank] * adapters, rank)
+        grouped, path = plan.grouped, "grouped" if plan.grouped else "per-token"
+    family = "sgmv" if grouped else "bgmv"
+    splits = kernels.shrink_splits(family, tokens, in_dim, rank, sms)
+    t_bytes = 4 * splits * tokens * rank
+    if kind == "shrink":
+        kernel = f"{family}_shrink"
+        grid = kernels.launch_grid(kernel, tokens, in_dim, rank, splits)
+        pairs = _tile_segments(tokens, adapters) if grouped else tokens
+        requested = 2 * pairs * rank * in_dim + 2 * tokens * in_dim + t_bytes
+    else:
+        if grouped and path == "grouped" and not kernels.grouped_expand(tokens, out_dim, sms):
+            family, path = "bgmv", "grouped+per-token"
+        kernel = f"{family}_expand_{y_kind}"
+        grid = kernels.launch_grid(kernel, tokens, out_dim, rank)
+        pairs = _tile_segments(tokens, adapters) if family == "sgmv" else tokens
+        # SGMV re-reads a token tile's t once per 64-output tile.
+        t_reads = t_bytes * (grid[0] if family == "sgmv" else 1)
+        requested = 2 * pairs * out_dim * rank + 2 * y_bytes * tokens * out_dim + t_reads
+    return _Launch(kernel, path, grid, splits, requested)
+
+
+def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int, adapters: int,
+                 kind: str, device: ModelDevice | None = None) -> dict[str, Any]:
+    """The roofline model's record for one kernel and shape.
+
+    CTAs run in waves of `sms x ctas_per_sm` (the CTAs per SM the kernel's launch bounds
+    guarantee). While c CTAs run per SM, each keeps `loads x 16 B x threads` in flight (the SASS
+    check's count, capped by what the CTA loads in all), so Little's law lets the device stream
+    min(copy bandwidth, sms x c x in-flight / latency). The expected time is one latency plus
+    the compulsory bytes streamed wave by wave at that rate; the copy takes one latency plus the
+    bytes at copy bandwidth.
+    """
+    device = device or ModelDevice()
+    phase = "decode" if tokens <= 256 else "prefill"
+    launch = plan_launch(kind, tokens, adapters, rank, in_dim, out_dim, device.sms)
+    nbytes = compulsory_bytes(kind, tokens, adapters, rank, in_dim, out_dim)
+    ctas = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    per_sm = kernels.min_ctas_per_sm(launch.kernel)
+    loads = kernels.loads_in_flight(launch.kernel)
+    cta_bytes = min(loads * _LOAD_BYTES * kernels.THREADS, launch.requested_bytes / ctas)
+    copy_bw = device.copy_fraction * device.peak_bytes_per_s
+    wave = device.sms * per_sm
+    full_waves, rest = divmod(ctas, wave)
+    phases = ([(full_waves * wave, float(per_sm))] if full_waves else []) + (
+        [(rest, rest / device.sms)] if rest else [])
+    stream_s = 0.0
+    for count, concurrent in phases:
+        bandwidth = min(copy_bw, device.sms * concurrent * cta_bytes / device.latency_s)
+        stream_s += nbytes * count / ctas / bandwidth
+    first = phases[0][1]
+    in_flight = first * cta_bytes
+    expected_s = device.latency_s + stream_s
+    copy_s = device.latency_s + nbytes / copy_bw
+    regime = "bandwidth" if nbytes >= BANDWIDTH_REGIME_BYTES else "latency"
+    expected_pct = 100 * nbytes / expected_s / device.peak_bytes_per_s
+    target = TARGET_PCT[phase, kind]
+    meets = (expected_pct >= target if regime == "bandwidth"
+             else expected_s / copy_s <= COPY_RATIO_TARGET)
+    return {
+        "kernel": launch.kernel, "path": launch.path, "module": module, "out_dim": out_dim,
+        "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
+        "splits": launch.splits, "grid": list(launch.grid), "ctas": ctas,
+        "ctas_per_sm": per_sm, "waves": ctas / wave, "loads_per_thread": loads,
+        "in_flight_per_sm_bytes": round(in_flight),
+        "needed_in_flight_per_sm_bytes": round(copy_bw * device.latency_s / device.sms),
+        "bytes": nbytes, "requested_bytes": launch.requested_bytes,
+        "little_pct_peak": 100 * min(copy_bw, device.sms * in_flight / device.latency_s)
+        / device.peak_bytes_per_s,
+        "expected_us": expected_s * 1e6, "expected_pct_peak": expected_pct,
+        "copy_us": copy_s * 1e6, "expected_copy_ratio": expected_s / copy_s,
+        "regime": regime, "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
+        "meets_target": meets, "device": device.name,
+        "peak_tb_per_s": device.peak_bytes_per_s / 1e12, "latency_us": device.latency_s * 1e6,
+    }
+
+
+def _shapes(model_shapes: Sequence[tuple[str, int, int]], ranks: Sequence[int],
+            tokens: Sequence[int], adapters: Sequence[int] | None,
+            ) -> list[tuple[str, int, int, int, int, int]]:
+    """(module, out_dim, in_dim, rank, tokens, adapters) of every benchmark shape."""
+    shapes = []
+    for module, out_dim, in_dim in model_shapes:
+        for rank in ranks:
+            for num_tokens in tokens:
+                counts = sorted({min(a, num_tokens) for a in (adapters or (1, 8, num_tokens))})
+                shapes.extend((module, out_dim, in_dim, rank, num_tokens, count)
+                              for count in counts)
+    return shapes
+
+
+def model(
+    model_shapes: Sequence[tuple[str, int, int]],
+    ranks: Sequence[int] = DEFAULT_RANKS,
+    tokens: Sequence[int] = DECODE_TOKENS + PREFILL_TOKENS,
+    adapters: Sequence[int] | None = None,
+    device: ModelDevice | None = None,
+) -> list[dict[str, Any]]:
+    """The roofline model's records for the shapes `run` would measure (no GPU needed)."""
+    return [model_record(module, out_dim, in_dim, rank, num_tokens, count, kind, device)
+            for module, out_dim, in_dim, rank, num_tokens, count in _shapes(
+                model_shapes, ranks, tokens, adapters)
+            for kind in ("shrink", "expand")]
+
 
 
 class _Group:

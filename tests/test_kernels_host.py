@@ -78,9 +78,11 @@ def test_split_k_planning_matches_the_device_shape() -> None:
     # A large batch already fills the device: no split.
     assert kernels.shrink_splits("bgmv", 256, 4096, 64, 132) == 1
     assert kernels.shrink_splits("sgmv", 32768, 2048, 16, 132) == 1
-    # 128 token tiles do not cover 132 SMs twice: 3 splits; 8 tiles: as many as K allows.
+    # 128 token tiles do not cover 132 SMs twice: 3 splits; 8 tiles: as many as K (64-wide
+    # tiles) and METRALE_MAX_SPLITS allow.
     assert kernels.shrink_splits("sgmv", 8192, 2048, 16, 132) == 3
-    assert kernels.shrink_splits("sgmv", 512, 2048, 16, 132) == 8
+    assert kernels.shrink_splits("sgmv", 512, 2048, 16, 132) == 32
+    assert kernels.shrink_splits("sgmv", 512, 1024, 16, 132) == 16
 
 
 def test_host_and_gpu_share_one_plan() -> None:
@@ -282,11 +284,17 @@ def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
 
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_token"])
+# (grouped shrink, SMs): with 1 SM the grouped batch's output tiles cover the device and the
+# expand is SGMV's too; with 132 it is the per-token expand.
+PATHS = [(True, 1), (True, 132), (False, 132)]
+
+
+@pytest.mark.parametrize(("grouped", "num_sms"), PATHS,
+                         ids=["grouped", "grouped_shrink_per_token_expand", "per_token"])
 @pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
 @pytest.mark.parametrize("case", DECODE_BATCHES, ids=[c.name for c in DECODE_BATCHES])
 def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.dtype,
-                                                    grouped: bool) -> None:
+                                                    grouped: bool, num_sms: int) -> None:
     pool = case.pool()
     a_table, b_table = pool.tables()
     a_weights, b_weights = pool.weights()
@@ -296,11 +304,13 @@ def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.d
     plan = kernels.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
                               group_min_tokens=1 if grouped else 10**9)
     assert plan.grouped == grouped and plan.t_cols < case.max_rank
+    sgmv_expand = grouped and kernels.grouped_expand(case.num_tokens, case.out_dim, num_sms)
+    assert sgmv_expand == (num_sms == 1)
     host_harness.bgmv(x, y, slots, a_table, b_table, pool.scales, pool.ranks, case.max_rank,
-                      batch=plan)
+                      batch=plan, num_sms=num_sms)
     expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
                                     case.max_rank)
-    check_y(y, y0, expected, case, "sgmv" if grouped else "bgmv")
+    check_y(y, y0, expected, case, "sgmv" if sgmv_expand else "bgmv")
 
     # t is as wide as the batch's widest rank; the reference's columns past it are zero.
     expected_t = reference.shrink(x, slots, a_weights, pool.ranks, case.max_rank)
