@@ -1,7 +1,5 @@
-"""`metrale bench kernels`: time the LoRA delta kernels on the GPU against the limit and against
-torch, as records (one dict per measurement, its setup embedded).
-
-Two things, both as records (one dict per kernel and shape):
+"""`metrale bench kernels`: the LoRA delta kernels against the limit and against torch, as
+records (one dict per kernel and shape, its setup embedded). Two things:
 
 - `model`: a roofline model that needs no GPU (`metrale bench kernels --model-only`). For every
   benchmark shape it takes the launch plan the kernels would get (path, grid, splits), the
@@ -19,12 +17,13 @@ kernels issue cites):
 - Time CUDA-graph replays: the G calls are captured once (CuPy stream capture; torch baselines
   with torch.cuda.graph), replayed `repeats` times between CUDA events after >= 25 ms of warm-up;
   one sample = replay time / G. Host launch cost is thereby out of the number.
-- Report against the limit: compulsory bytes (section 5.1), achieved TB/s, % of the nominal peak
-  (memoryClockRate x busWidth from the device), % of an equal-bytes device-to-device copy timed
-  the same way in the same run, and speedup over the best torch baseline in the same run.
+- Report against the limit: compulsory bytes (compulsory_bytes), achieved TB/s, % of the
+  nominal peak (memoryClockRate x busWidth from the device), % of an equal-bytes
+  device-to-device copy timed the same way in the same run, the speedup over the best torch
+  baseline in the same run, and the roofline model's expected time beside the measured one.
 
-Needs CuPy and a device (NoDevice otherwise); torch baselines need a CUDA build of torch and are
-recorded as absent without one.
+`run` needs CuPy and a device (NoDevice otherwise); torch baselines need a CUDA build of torch
+and are recorded as absent without one.
 """
 
 from __future__ import annotations
@@ -76,8 +75,8 @@ def device_info() -> Device:
 
 def compulsory_bytes(kind: str, tokens: int, adapters: int, rank: int, in_dim: int,
                      out_dim: int, y_bytes: int = 2) -> int:
-    """Bytes a kernel must move at least (kernel_perf.md section 5.1; t is F32, every token
-    adapted): distinct weights once, activations once, y read and written."""
+    """Bytes a kernel must move at least (t is F32, every token adapted): distinct weights
+    once, activations once, y read and written."""
     if kind == "shrink":
         return 2 * adapters * rank * in_dim + 2 * tokens * in_dim + 4 * tokens * rank
     if kind == "expand":
@@ -268,6 +267,8 @@ class _Group:
         self.x = bf16((tokens, in_dim), 1.0)
         self.y = bf16((tokens, out_dim), 1.0)
         self.t = cupy.zeros((num_splits, tokens, rank), dtype=cupy.float32)
+        self.order = None
+        self.grouped = prefill
         if prefill:
             # Sorted runs: adapter d serves tokens [starts[d], starts[d + 1]).
             self.seg_starts = (cupy.arange(adapters + 1, dtype=cupy.int64) * tokens // adapters
@@ -275,22 +276,34 @@ class _Group:
             self.seg_slots = cupy.arange(adapters, dtype=cupy.int32)
             self.slots = cupy.repeat(self.seg_slots, cupy.diff(self.seg_starts).get().tolist())
         else:
-            # Decode: adapters interleaved over the batch, as requests arrive.
-            self.slots = (cupy.arange(tokens, dtype=cupy.int32) % adapters).astype(cupy.int32)
+            # Decode: adapters interleaved over the batch, as requests arrive; the batch plan
+            # the host would build picks the grouped or the per-token path.
+            host_slots = _decode_slots(tokens, adapters)
+            self.slots = cupy.asarray(host_slots)
+            plan = kernels.plan_batch(host_slots, [rank] * adapters, rank)
+            self.grouped = plan.grouped
+            if plan.grouped:
+                self.order = cupy.asarray(plan.order)
+                self.seg_starts = cupy.asarray(plan.seg_starts)
+                self.seg_slots = cupy.asarray(plan.seg_slots)
 
 
-def _ours(kind: str, prefill: bool, group: _Group) -> Callable[[], None]:
-    if prefill and kind == "shrink":
+def _ours(kind: str, group: _Group) -> Callable[[], None]:
+    """The launch `plan_launch` models for this group's batch, ready to call."""
+    tokens, out_dim = (int(d) for d in group.y.shape)
+    sms = kernels.device_sm_count()
+    if kind == "shrink" and group.grouped:
         plan = kernels.plan_sgmv_shrink(group.x, group.seg_starts, group.seg_slots, group.a_table,
-                                        group.ranks, group.t)
-    elif prefill:
-        plan = kernels.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
-                                        group.scales, group.ranks, group.y)
+                                        group.ranks, group.t, token_order=group.order)
     elif kind == "shrink":
         plan = kernels.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t)
+    elif group.grouped and (group.order is None or kernels.grouped_expand(tokens, out_dim, sms)):
+        plan = kernels.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
+                                        group.scales, group.ranks, group.y,
+                                        token_order=group.order)
     else:
         plan = kernels.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
-                                        group.ranks, group.y, num_sms=kernels.device_sm_count())
+                                        group.ranks, group.y)
     kernel = kernels.get_kernel(plan.kernel)
     return lambda: kernel(plan.grid, plan.block, plan.args)
 
@@ -351,15 +364,15 @@ def _replay(launch: Callable[[], None], calls: int, repeats: int, new_event: Cal
     return samples
 
 
-def _validate(kind: str, prefill: bool, group: _Group, rank: int) -> None:
+def _validate(kind: str, group: _Group, rank: int) -> None:
     """Run our kernel once and compare a sample of rows with reference.py (raises on mismatch)."""
     import torch
 
     cupy = compat.cupy_module()
     y_before = group.y.copy()
     if kind == "expand":  # expand reads t: give it a real one
-        _ours("shrink", prefill, group)()
-    _ours(kind, prefill, group)()
+        _ours("shrink", group)()
+    _ours(kind, group)()
     cupy.cuda.Device().synchronize()
 
     def host(array: Any, bf16: bool = False) -> torch.Tensor:
@@ -385,14 +398,14 @@ def _validate(kind: str, prefill: bool, group: _Group, rank: int) -> None:
         y0 = host(y_before[cupy.asarray(rows)], bf16=True)
         expected_y = reference.expand(y0, expected_t, slots, b_weights, scales, ranks)
         y = host(group.y[cupy.asarray(rows)], bf16=True)
-        rtol, atol = reference.TOLERANCES["sgmv" if prefill else "bgmv", torch.bfloat16]
+        rtol, atol = reference.TOLERANCES["sgmv" if group.grouped else "bgmv", torch.bfloat16]
         torch.testing.assert_close(y.float(), expected_y.float(), rtol=rtol, atol=atol)
     group.y[...] = y_before
 
 
 def _torch_baselines(kind: str, groups: Sequence[_Group], adapters: int,
                      rank: int) -> dict[str, Callable[[], None]]:
-    """Each torch implementation a user would pick, as per-group call lists (section 6.5)."""
+    """Each torch implementation a user would pick, as per-group call lists."""
     import torch
 
     per_impl: dict[str, list[Callable[[], None]]] = {"loop": [], "gather_bmm": [], "mm": []}
@@ -474,7 +487,8 @@ def run(
     """Benchmark records for every (module shape, rank, token count, adapter count, kernel).
 
     model_shapes: (module_name, out_dim, in_dim) per module. Token counts <= 256 run the decode
-    kernels (BGMV), larger ones the prefill kernels (SGMV). adapters: distinct adapters per
+    path the batch plan picks (BGMV per token, or grouped by slot), larger ones the prefill
+    kernels (SGMV). adapters: distinct adapters per
     batch, capped at the token count (default: 1, 8 and one per token). `progress` gets each
     record as it is made. NoDevice (exit 3) without a GPU.
     """
@@ -490,40 +504,37 @@ def run(
             torch_ok = False
     rng = cupy.random.default_rng(seed)
     records: list[dict[str, Any]] = []
-    for module, out_dim, in_dim in model_shapes:
-        for rank in ranks:
-            for num_tokens in tokens:
-                prefill = num_tokens > 256
-                counts = sorted({min(a, num_tokens) for a in (adapters or (1, 8, num_tokens))})
-                for num_adapters in counts:
-                    for kind in ("shrink", "expand"):
-                        record = _measure(cupy, device, rng, module, out_dim, in_dim, rank,
-                                          num_tokens, num_adapters, kind, prefill, repeats,
-                                          l2_multiple, torch_ok)
-                        records.append(record)
-                        if progress is not None:
-                            progress(record)
+    for module, out_dim, in_dim, rank, num_tokens, count in _shapes(model_shapes, ranks, tokens,
+                                                                  adapters):
+        for kind in ("shrink", "expand"):
+            record = _measure(cupy, device, rng, module, out_dim, in_dim, rank, num_tokens,
+                              count, kind, num_tokens > 256, repeats, l2_multiple, torch_ok)
+            records.append(record)
+            if progress is not None:
+                progress(record)
     return records
 
 
 def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_dim: int,
              rank: int, num_tokens: int, num_adapters: int, kind: str, prefill: bool,
              repeats: int, l2_multiple: float, torch_ok: bool) -> dict[str, Any]:
-    family = "sgmv" if prefill else "bgmv"
-    nbytes = compulsory_bytes(kind, num_tokens, num_adapters, rank, in_dim, out_dim)
+    expected = model_record(module, out_dim, in_dim, rank, num_tokens, num_adapters, kind,
+                            ModelDevice(name=device.name, sms=device.sms,
+                                        peak_bytes_per_s=device.peak_bytes_per_s))
+    nbytes = expected["bytes"]
+    splits = expected["splits"]
     footprint = (2 * num_adapters * rank * (in_dim + out_dim) + 2 * num_tokens * (in_dim + out_dim)
-                 + 4 * num_tokens * rank * 8)
+                 + 4 * num_tokens * rank * splits)
     groups = max(1, math.ceil(l2_multiple * device.l2_bytes / nbytes))
     groups = min(groups, 64, max(1, _ROTATION_BUDGET_BYTES // footprint))
-    splits = kernels.shrink_splits(family, num_tokens, in_dim, rank, device.sms)
     buffers = [_Group(cupy, rng, num_tokens, num_adapters, rank, in_dim, out_dim, prefill, splits)
                for _ in range(groups)]
-    _validate(kind, prefill, buffers[0], rank)
+    _validate(kind, buffers[0], rank)
     if kind == "expand":  # give every group a real t
         for group in buffers:
-            _ours("shrink", prefill, group)()
+            _ours("shrink", group)()
 
-    ours = _percentiles(_time_cupy([_ours(kind, prefill, g) for g in buffers], repeats))
+    ours = _percentiles(_time_cupy([_ours(kind, g) for g in buffers], repeats))
     copy_us = _copy_us(cupy, nbytes, groups, repeats)
     baselines: dict[str, float] = {}
     if torch_ok:
@@ -534,7 +545,7 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
     best = min(baselines.items(), key=lambda item: item[1]) if baselines else None
     p50_s = ours["p50_us"] * 1e-6
     record: dict[str, Any] = {
-        "kernel": f"{family}_{kind}",
+        "kernel": expected["kernel"], "path": expected["path"],
         "module": module, "out_dim": out_dim, "in_dim": in_dim, "rank": rank,
         "tokens": num_tokens, "adapters": num_adapters, "y_dtype": "bf16", "splits": splits,
         **ours,
@@ -550,6 +561,10 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
         "torch_best": best[0] if best else None,
         "speedup_vs_torch": best[1] / ours["p50_us"] if best else None,
         "validated": True,
+        # The roofline model's figures for this shape on this device (model_record).
+        "expected_us": expected["expected_us"],
+        "expected_pct_peak": expected["expected_pct_peak"],
+        "measured_vs_expected": expected["expected_us"] / ours["p50_us"],
         "device": device.name, "peak_tb_per_s": device.peak_bytes_per_s / 1e12,
         "l2_bytes": device.l2_bytes, "rotation_groups": groups, "timing": "cuda-graph",
     }

@@ -163,7 +163,7 @@ def test_missing_compiler_is_tool_missing(monkeypatch: pytest.MonkeyPatch) -> No
 def test_bench_counts_compulsory_bytes() -> None:
     from metrale_cli import bench_kernels
 
-    # kernel_perf.md 5.1: h = 4096, r = 16, B = D = 64, F32 t: shrink = weights + x + t.
+    # h = 4096, r = 16, B = D = 64, F32 t: shrink = weights + x + t.
     shrink = bench_kernels.compulsory_bytes("shrink", 64, 64, 16, 4096, 4096)
     assert shrink == 2 * 64 * 16 * 4096 + 2 * 64 * 4096 + 4 * 64 * 16
     expand = bench_kernels.compulsory_bytes("expand", 64, 64, 16, 4096, 4096)
