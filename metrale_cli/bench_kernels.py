@@ -147,7 +147,9 @@ def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, o
         kernel = f"{family}_shrink"
         grid = kernels.launch_grid(kernel, tokens, in_dim, rank, splits)
         pairs = _tile_segments(tokens, adapters) if grouped else tokens
-        requested = 2 * pairs * rank * in_dim + 2 * tokens * in_dim + t_bytes
+        # BGMV reads a token's x once per CTA of rank rows; SGMV once per 64-column rank tile.
+        x_reads = grid[1] if family == "bgmv" else grid[0]
+        requested = 2 * pairs * rank * in_dim + 2 * tokens * in_dim * x_reads + t_bytes
     else:
         if grouped and path == "grouped" and not kernels.grouped_expand(tokens, out_dim, sms):
             family, path = "bgmv", "grouped+per-token"
