@@ -13,9 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from metrale_cli import env, experts, overlays
+from metrale_cli import env, experts, overlays, patterns
 from metrale_cli.adapter import Adapter, AdapterKey
 from metrale_cli.bf16 import LORA_DTYPES
+from metrale_cli.errors import PatternTimeout
 from metrale_cli.experts import ExpertPair
 from metrale_cli.findings import Collector, Finding, Severity, layer_ranges
 from metrale_cli.models import ModelConfig
@@ -100,13 +101,15 @@ class AdapterReport:
         return [f for f in self.findings if f.severity is Severity.ERROR]
 
     def record(self) -> dict[str, Any]:
+        # A config whose r or lora_alpha is unusable has no rank, alpha or scale to state.
+        stated = not self.adapter.config.value_errors
         return {
             "path": str(self.adapter.path),
             "name": self.name,
             "servable": self.servable,
-            "rank": self.rank,
-            "alpha": self.adapter.config.lora_alpha,
-            "scaling": self.scaling,
+            "rank": self.rank if stated else None,
+            "alpha": self.adapter.config.lora_alpha if stated else None,
+            "scaling": self.scaling if stated else None,
             "use_rslora": self.adapter.config.use_rslora,
             "findings": [f.record() for f in self.findings],
             "modules": [m.record() for m in self.modules],
@@ -160,6 +163,28 @@ def audit(
     report = AdapterReport(adapter)
     out = Collector()
     _audit_config(adapter, model, out)
+    if adapter.config.value_errors:
+        # Ranks and scales the config cannot state: nothing below could be judged honestly.
+        report.findings = out.findings()
+        return report
+    try:
+        with patterns.time_bound():
+            _audit_tensors(adapter, model, max_rank, experts_enabled, report, out)
+    except PatternTimeout as exc:
+        # Whatever the matching found before the deadline is moot: the config is hostile.
+        report, out = AdapterReport(adapter), Collector()
+        _audit_config(adapter, model, out)
+        out.add(Severity.ERROR, "slow_pattern", f"{exc}; PEFT would hang on it too")
+    report.findings = out.findings()
+    return report
+
+
+def _audit_tensors(
+    adapter: Adapter, model: ModelConfig, max_rank: int | None, experts_enabled: bool,
+    report: AdapterReport, out: Collector,
+) -> None:
+    """Every tensor of the adapter against the model and the pool: module records, expert
+    pairs and overlays into `report`, findings into `out`."""
 
     # Pair each module's tensors: (module_key) -> part -> key.
     by_module: dict[str, dict[str, AdapterKey]] = defaultdict(dict)
@@ -218,8 +243,6 @@ def audit(
                     f"expert {proj.value} has rank {', '.join(map(str, ranks))} above "
                     f"--max-rank {max_rank}{rewrite}")
     report.modules.sort(key=lambda m: (m.layer, ALL.index(m.module)))
-    report.findings = out.findings()
-    return report
 
 
 def _sort_key(parts: dict[str, AdapterKey]) -> tuple[int, str]:
@@ -400,7 +423,9 @@ def _audit_config(adapter: Adapter, model: ModelConfig, out: Collector) -> None:
     if raw.get("velora_config"):
         out.add(Severity.INFO, "velora", "velora_config changes only the backward pass")
     for bad in adapter.config.pattern_errors():
-        out.add(Severity.ERROR, "bad_pattern", f"rank/alpha pattern {bad} is not a valid regex")
+        out.add(Severity.ERROR, "bad_pattern", f"{bad}; PEFT would fail to load the adapter")
+    for bad in adapter.config.value_errors:
+        out.add(Severity.ERROR, "bad_config_value", bad)
     if isinstance(adapter.config.target_modules, str) and (
         adapter.config.layers_to_transform is not None or adapter.config.layers_pattern
     ):

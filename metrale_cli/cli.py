@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +17,13 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from metrale_cli import __version__, env
 from metrale_cli.adapter import Adapter, parse_adapter_args
-from metrale_cli.audit import audit
-from metrale_cli.errors import MetraleError, NotServable, OutputExists, UsageError
+from metrale_cli.atomic import Terminated, check_output, output_path
+from metrale_cli.audit import AdapterReport, audit
+from metrale_cli.errors import MetraleError, NotServable, UsageError
 from metrale_cli.layout import DEFAULT_ALIGN, parse_size
 from metrale_cli.models import PRESETS, ModelConfig, resolve_model
 from metrale_cli.modules import LoraModule
@@ -37,8 +41,17 @@ bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-out = Console(highlight=False, soft_wrap=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _width() -> int | None:
+    """The terminal width Rich should use: its own guess, except that COLUMNS=0 (or another
+    number too small to hold a word) would make Rich print nothing at all."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    return 80 if columns.isdigit() and int(columns) < 8 else None
+
+
+out = Console(highlight=False, soft_wrap=False, width=_width())
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,26 +63,34 @@ def handles_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            debug = env.debug()
+        except UsageError as exc:
+            err.print(f"error: {exc}", markup=False)
+            raise typer.Exit(exc.exit_code) from None
+        try:
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
         except MetraleError as exc:
-            if env.debug():
+            if debug:
                 raise
             err.print(f"error: {exc}", markup=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err.print("interrupted", markup=False)
             raise typer.Exit(130) from None
+        except Terminated as exc:
+            err.print(f"terminated ({exc}); nothing written", markup=False)
+            raise typer.Exit(128 + exc.signum) from None
         except OSError as exc:
             # A path the user gave that cannot be read or written (permissions, a full disk).
-            if env.debug():
+            if debug:
                 raise
             where = f"{exc.filename}: " if exc.filename else ""
             err.print(f"error: {where}{exc.strerror or exc}", markup=False)
             raise typer.Exit(2) from None
         except Exception as exc:
-            if env.debug():
+            if debug:
                 raise
             err.print(f"internal error: {type(exc).__name__}: {exc} "
                       "(METRALE_DEBUG=1 shows the traceback)", markup=False)
@@ -79,7 +100,8 @@ def handles_errors(fn: F) -> F:
 
 
 def emit_json(record: Any) -> None:
-    sys.stdout.write(json.dumps(record, indent=2) + "\n")
+    # allow_nan=False: a NaN or Infinity that got this far is a bug, never invalid JSON out.
+    sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
 
 
 def version_callback(value: bool) -> None:
@@ -163,6 +185,19 @@ def positive(name: str, value: int | None) -> int | None:
     if value is not None and value <= 0:
         raise UsageError(f"{name} must be positive, got {value}")
     return value
+
+
+def refuse_unservable(reports: list[AdapterReport]) -> None:
+    """What `pack` would refuse, `layout` refuses too: each error finding on its own line, then
+    NotServable (exit 1)."""
+    refused = [r for r in reports if not r.servable]
+    if not refused:
+        return
+    for r in refused:
+        for f in r.errors():
+            err.print(f"{r.name}: {f.code}: {f.message}", markup=False)
+    raise NotServable(f"{len(refused)} adapter(s) not servable: "
+                      f"{', '.join(r.name for r in refused)}")
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -255,6 +290,7 @@ def layout(
         raise UsageError("--model is required (or give startup adapters)")
     cfg = model_for(model, loaded)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+    refuse_unservable(reports)
     layouts = plan_layouts(cfg, reports, parse_modules(modules), max_rank, align, enabled)
     plan = PoolPlan.sized(*layouts, max_loras,
                           parse_size(budget) if budget is not None else None)
@@ -272,8 +308,8 @@ def layout(
 @app.command()
 @handles_errors
 def synth(
-    out_dir: Annotated[Path, typer.Argument(help="Directory to write the adapter into.",
-                                            show_default=False)],
+    out_dir: Annotated[str, typer.Argument(help="Directory to write the adapter into.",
+                                           show_default=False)],
     model: Annotated[str, typer.Option("--model", "-m", help="Preset, config.json or model dir.")],
     modules: Annotated[str, typer.Option("--modules", help="Comma-separated modules, or 'all'.")],
     rank: Annotated[int, typer.Option("--rank", "-r")],
@@ -287,18 +323,23 @@ def synth(
     """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
     from metrale_cli.synth import synth_adapter
 
+    if not out_dir.strip():
+        raise UsageError("the adapter directory is empty")
     module_list = parse_modules(modules)
     assert module_list is not None
-    if alpha is not None and alpha <= 0:
-        raise UsageError(f"--alpha must be positive, got {alpha}")
-    result = synth_adapter(out_dir, resolve_model(model), model, module_list, rank, alpha,
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
+    if seed < 0:
+        raise UsageError(f"--seed must be non-negative, got {seed}")
+    result = synth_adapter(Path(out_dir), resolve_model(model), model, module_list, rank, alpha,
                            rslora, dtype, seed, force)
     if json_out:
         emit_json(result.record())
     else:
         from metrale_cli.render import human_bytes
 
-        out.print(f"wrote {result.path}: {result.tensors} tensors, {human_bytes(result.bytes)}")
+        out.print(f"wrote {escape(str(result.path))}: {result.tensors} tensors, "
+                  f"{human_bytes(result.bytes)}")
 
 
 # -- pack ---------------------------------------------------------------------------------------
@@ -316,8 +357,8 @@ def pack(
                                                  "adapter rank.")] = None,
     modules: Annotated[str | None, typer.Option(
         "--modules", help="Module set; default: the union of the adapters' modules.")] = None,
-    out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write the pool image "
-                                                  "here (safetensors, format pool/1).")] = None,
+    out_text: Annotated[str | None, typer.Option("--out", "-o", help="Write the pool image "
+                                                 "here (safetensors, format pool/1).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out.")] = False,
     experts: ExpertsOpt = False,
@@ -328,19 +369,14 @@ def pack(
 
     positive("--max-loras", max_loras)
     positive("--max-rank", max_rank)
-    if out_path is not None and out_path.exists() and not force:
-        raise OutputExists(f"{out_path} exists; pass --force to overwrite it")
+    out_path = None if out_text is None else output_path(out_text)
+    if out_path is not None:
+        check_output(out_path, force)  # before the work; the write checks again
     loaded = load_adapters(adapters)
     cfg = model_for(model, loaded)
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refused = [r for r in reports if not r.servable]
-    if refused:
-        for r in refused:
-            for f in r.errors():
-                err.print(f"{r.name}: {f.code}: {f.message}", markup=False)
-        raise NotServable(f"{len(refused)} adapter(s) not servable: "
-                          f"{', '.join(r.name for r in refused)}")
+    refuse_unservable(reports)
     the_layout, expert_layout = plan_layouts(cfg, reports, parse_modules(modules), max_rank,
                                              experts=enabled)
     result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
@@ -411,8 +447,8 @@ def bench_kernels(
         "--adapters", help="Distinct adapters per batch, repeatable; default 1, 8 and one per "
                            "token.")] = None,
     repeats: Annotated[int, typer.Option("--repeats")] = 30,
-    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a roofline chart "
-                                                   "(PNG) here.")] = None,
+    plot_text: Annotated[str | None, typer.Option("--plot", help="Write a roofline chart "
+                                                  "(PNG) here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --plot.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -428,8 +464,9 @@ def bench_kernels(
               if any(m.applies_to_layer(cfg, i) for i in range(cfg.num_hidden_layers))]
     for value in [*(rank or []), *(tokens or []), *(adapters or [])]:
         positive("--rank/--tokens/--adapters", value)
-    if plot_path is not None and plot_path.exists() and not force:
-        raise OutputExists(f"{plot_path} exists; pass --force to overwrite it")
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    if plot_path is not None:
+        check_output(plot_path, force)
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
@@ -455,6 +492,10 @@ def bench_kernels(
 
 
 def main() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        # PYTHONIOENCODING=ascii or a C locale: a '·' in a table must not end the run.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     app()
 
 

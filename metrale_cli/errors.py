@@ -65,3 +65,13 @@ class LayoutMismatch(MetraleError):
     """Landing a slot from a pool whose layout fingerprint differs."""
 
     exit_code = 1
+
+
+class PatternTimeout(NotServable):
+    """A regex from an adapter config ran past its time bound (catastrophic backtracking)."""
+
+    def __init__(self, field: str, pattern: str, seconds: float) -> None:
+        super().__init__(f"{field} pattern {pattern!r} ran past the {seconds:g} s time bound "
+                         "for matching module paths (catastrophic backtracking)")
+        self.field = field
+        self.pattern = pattern

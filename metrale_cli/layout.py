@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -213,6 +214,6 @@ def parse_size(text: str) -> int:
         value = float(number)
     except ValueError:
         raise UsageError(f"not a size: {text!r} (try 40GiB, 512MiB)") from None
-    if unit not in units or value < 0:
+    if unit not in units or not math.isfinite(value) or value < 0:
         raise UsageError(f"not a size: {text!r} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     return int(value * units[unit])
