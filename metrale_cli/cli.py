@@ -29,8 +29,35 @@ from metrale_cli.models import PRESETS, ModelConfig, resolve_model
 from metrale_cli.modules import LoraModule
 from metrale_cli.plan import Footprint, PoolPlan, inspect_record, plan_layouts
 
+try:  # typer >= 0.29 carries its own copy of Click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - older typer on Click >= 8.2
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
+
+
+
+class OneLineUsageErrors(typer.core.TyperGroup):
+    """Click's own usage errors (a value that is not an integer, a missing option) as one line
+    on stderr and exit 2, like every other error, instead of Click's usage block."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as exc:
+            exc.show()  # the help, as Click gives it for a bare `metrale` or `metrale bench`
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            message = " ".join(exc.format_message().split())
+            err.print(f"error: {message}", markup=False)
+            sys.exit(exc.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
     name="metrale",
+    cls=OneLineUsageErrors,
     help="Audit, lay out, pack and benchmark multi-LoRA adapter pools for LLM serving.",
     no_args_is_help=True,
     add_completion=False,

@@ -466,3 +466,18 @@ def test_zero_columns_still_prints(tiny: Path) -> None:
     assert "servable" in done.stdout
     refused = run_cli("inspect", "/nonexistent", env_extra={"COLUMNS": "0"})
     assert refused.returncode == 2 and "no such adapter" in refused.stderr
+
+
+# -- Click's own usage errors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,says", [
+    (["layout", "--max-rank", "abc"], "'--max-rank'"),
+    (["pack", "x"], "Missing option '--max-loras'"),
+    (["inspect", "--nope"], "No such option: --nope"),
+    (["nosuch"], "No such command 'nosuch'"),
+])
+def test_click_usage_errors_are_one_line(args: list[str], says: str) -> None:
+    result = metrale(*args)
+    one_line_error(result, 2)
+    assert result.stderr.startswith("error: ") and says in result.stderr
