@@ -3,7 +3,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests: bounded examples so the whole fuzzing stays within a minute of `make test` on
+# two cores; no per-example deadline (a shared machine's timing is noise), each CLI fuzz case
+# bounds its own time instead. HYPOTHESIS_PROFILE=thorough runs five times more examples.
+settings.register_profile(
+    "metrale", max_examples=80, deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.register_profile("thorough", settings.get_profile("metrale"), max_examples=400)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "metrale"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
