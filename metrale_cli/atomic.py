@@ -34,7 +34,7 @@ def output_path(text: str, option: str = "--out") -> Path:
     """A file path the user gave for an output: never empty, never a directory name."""
     if not text.strip():
         raise UsageError(f"{option} is empty")
-    if text.endswith(("/", os.sep)):
+    if text.endswith("/"):
         raise UsageError(f"{option} {text!r} names a directory; give a file name")
     return Path(text)
 

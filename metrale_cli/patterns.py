@@ -20,8 +20,10 @@ import regex
 
 from metrale_cli.errors import PatternTimeout
 
-# Time one audit may spend matching an adapter's patterns; honest patterns take microseconds.
-AUDIT_SECONDS = 2.0
+# Time one audit may spend matching an adapter's patterns. An honest match takes about 5 us, and
+# a per-expert adapter of a 512-expert model with a few pattern keys makes some 300,000 of them:
+# 10 s leaves that a wide margin on a loaded machine and still ends a hostile pattern's hang.
+AUDIT_SECONDS = 10.0
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
 
 

@@ -22,25 +22,15 @@ from hypothesis import strategies as st
 from metrale_cli import patterns
 from metrale_cli.image import PoolImage
 from tests.cli_runner import Result, metrale
+from tests.hostile_inputs import ATTN, CATASTROPHIC, TINY, tiny_model
 
-ATTN = "q_proj,k_proj,v_proj,o_proj,out_proj"
-TINY = {
-    "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-    "intermediate_size": 48, "linear_num_value_heads": 2, "linear_value_head_dim": 8,
-    "full_attention_interval": 2, "num_experts": 0,
-}
 # A per-case bound far above any honest case here (tens of milliseconds): a hang fails it.
 CASE_SECONDS = 30
-CATASTROPHIC = r"([\w.]|[\w.][\w.])*!?\.$"
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("fuzz")
-    (root / "config.json").write_text(json.dumps(TINY))
-    assert metrale("synth", root / "a", "--model", root, "--modules", ATTN, "--rank", 2).code == 0
-    return root
+    return tiny_model(tmp_path_factory.mktemp("fuzz"))
 
 
 def holds_the_promise(result: Result, started: float) -> None:

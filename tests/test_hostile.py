@@ -24,23 +24,13 @@ from metrale_cli import env, patterns
 from metrale_cli.atomic import atomic_write, remove_stale_temps
 from metrale_cli.errors import OutputExists, UsageError
 from tests.cli_runner import Result, metrale
-
-ATTN = "q_proj,k_proj,v_proj,o_proj,out_proj"
-TINY = {
-    "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-    "intermediate_size": 48, "linear_num_value_heads": 2, "linear_value_head_dim": 8,
-    "full_attention_interval": 2, "num_experts": 0,
-}
+from tests.hostile_inputs import CATASTROPHIC, TINY, tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model directory with one synthesised adapter `a` (rank 2) beside its config."""
-    root = tmp_path_factory.mktemp("hostile")
-    (root / "config.json").write_text(json.dumps(TINY))
-    assert metrale("synth", root / "a", "--model", root, "--modules", ATTN, "--rank", 2).code == 0
-    return root
+    return tiny_model(tmp_path_factory.mktemp("hostile"))
 
 
 def copy_adapter(src: Path, dst: Path, **config: object) -> Path:
@@ -282,10 +272,6 @@ def test_out_must_name_a_file(
 
 
 # -- 10: regexes -------------------------------------------------------------------------------
-
-
-# Backtracks exponentially in the length of a module path, in `re` and in `regex` alike.
-CATASTROPHIC = r"([\w.]|[\w.][\w.])*!?\.$"
 
 
 def test_the_issues_regexes_finish(tiny: Path, tmp_path: Path) -> None:
