@@ -417,8 +417,8 @@ def resolve_model(spec: str) -> ModelConfig:
     if preset is not None:
         return ModelConfig.from_dict(preset.config, source=preset.name)
     if path.exists():
-        raise UsageError(f"--model {spec!r}: a directory without config.json, and not a preset "
-                         "(`metrale models`)")
+        raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
+                         "(a directory without config.json), and not a preset (`metrale models`)")
     raise UsageError(
         f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache; "
         "pass a preset (`metrale models`), a config.json, or a model directory"
