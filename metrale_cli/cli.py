@@ -446,7 +446,7 @@ def bench_pack(
     from metrale_cli.render import human_bytes
 
     out.print(
-        f"{adapters} x {record['setup']['model']} r={rank} {dtype} adapters, "
+        f"{adapters} x {escape(str(record['setup']['model']))} r={rank} {dtype} adapters, "
         f"{human_bytes(record['tensor_bytes'])} of tensors\n"
         f"pack      {record['pack_gb_per_s']:.2f} GB/s = {100 * record['pack_vs_memcpy']:.0f}% "
         f"of numpy.copyto ({record['memcpy_gb_per_s']:.2f} GB/s), same bytes, same run\n"
@@ -497,7 +497,7 @@ def bench_kernels(
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
-            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
             sys.stdout.flush()
         else:
             speedup = record["speedup_vs_torch"]

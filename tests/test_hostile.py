@@ -467,3 +467,13 @@ def test_click_usage_errors_are_one_line(args: list[str], says: str) -> None:
     result = metrale(*args)
     one_line_error(result, 2)
     assert result.stderr.startswith("error: ") and says in result.stderr
+
+
+def test_synth_writes_nothing_beside_a_device(tmp_path: Path) -> None:
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "adapter_config.json").symlink_to(os.devnull)
+    result = metrale("synth", out, "--model", "qwen3-8b", "--modules", "q_proj", "--rank", 8,
+                     "--force")
+    one_line_error(result, 2)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json"]
