@@ -78,14 +78,14 @@ class AdapterConfig:
         def judged(field: str, value: Any, rank: bool) -> bool:
             """Whether `value` is a usable rank (a positive integer) or alpha (a positive
             finite number); each unusable one is a value error naming `field`."""
-            what = "a positive integer" if rank else "a positive finite number"
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            usable = (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value) and value > 0 and (not rank or value == int(value))
+            )
+            if not usable:
+                what = "a positive integer" if rank else "a positive finite number"
                 value_errors.append(f"{field} must be {what}, got {shown(value)}")
-                return False
-            if not math.isfinite(value) or value <= 0 or (rank and value != int(value)):
-                value_errors.append(f"{field} must be {what}, got {shown(value)}")
-                return False
-            return True
+            return usable
 
         def number(key: str, default: int, rank: bool) -> float:
             value = raw.get(key)

@@ -35,7 +35,6 @@ except ImportError:  # pragma: no cover - older typer on Click >= 8.2
     from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
 
 
-
 class OneLineUsageErrors(typer.core.TyperGroup):
     """Click's own usage errors (a value that is not an integer, a missing option) as one line
     on stderr and exit 2, like every other error, instead of Click's usage block."""
@@ -67,7 +66,6 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-
 
 
 def _width() -> int | None:
