@@ -162,7 +162,8 @@ class Terminated(BaseException):
 @contextlib.contextmanager
 def _cleanup_on_signals() -> Iterator[None]:
     """Turn SIGTERM and SIGHUP into `Terminated` for the duration, so the temp file's cleanup
-    runs; the previous handlers come back after."""
+    runs; the previous handlers come back after. A signal that is ignored (SIGHUP under
+    `nohup`) or handled by the embedding program stays as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -170,7 +171,8 @@ def _cleanup_on_signals() -> Iterator[None]:
     def raise_terminated(signum: int, _frame: Any) -> None:
         raise Terminated(signum)
 
-    previous = {s: signal.signal(s, raise_terminated) for s in _CLEANUP_SIGNALS}
+    previous = {s: signal.signal(s, raise_terminated) for s in _CLEANUP_SIGNALS
+                if signal.getsignal(s) is signal.SIG_DFL}
     try:
         yield
     finally:

@@ -244,6 +244,25 @@ def test_a_signal_during_pack_out_leaves_no_temp_file(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_ignored_hangup_stays_ignored(tiny: Path, tmp_path: Path) -> None:
+    """Under `nohup` (SIGHUP ignored) a hangup during the write does not end it."""
+    target = tmp_path / "pool.safetensors"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_PACK, "pack", str(tiny / "a"), "--model", str(tiny),
+         "--max-loras", "2", "--out", str(target)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert child.stderr is not None
+    assert child.stderr.readline() == "written\n"
+    child.send_signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=1)  # still writing
+    child.send_signal(signal.SIGTERM)
+    _, rest = child.communicate(timeout=60)
+    assert child.returncode == 128 + signal.SIGTERM, rest
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_stale_temp_files_of_dead_writers_are_removed(tiny: Path, tmp_path: Path) -> None:
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True)
