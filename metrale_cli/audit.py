@@ -24,6 +24,10 @@ from metrale_cli.modules import ALL, LoraModule
 from metrale_cli.safetensors_header import TensorInfo
 
 BYTES_PER_ELEMENT = 2  # the pool holds BF16
+# The scales a pool can hold: its scale tables are float32, and each module's scale relative to
+# its slot's is folded into B, so every scale stays within 2^+-60 (a ratio of two within 2^120,
+# inside float32's 2^128). Trained adapters scale by 0.01 to 100.
+MIN_SCALING, MAX_SCALING = 2.0**-60, 2.0**60
 
 
 @dataclass(frozen=True)
@@ -243,6 +247,33 @@ def _audit_tensors(
                     f"expert {proj.value} has rank {', '.join(map(str, ranks))} above "
                     f"--max-rank {max_rank}{rewrite}")
     report.modules.sort(key=lambda m: (m.layer, ALL.index(m.module)))
+    _check_scales(report, out)
+
+
+def _check_scales(report: AdapterReport, out: Collector) -> None:
+    """Scales the pool's float32 tables cannot hold (`lora_alpha: 1e300` once made a slot's
+    scale Infinity): errors naming the value that gave them."""
+    def outside(scaling: float) -> bool:
+        return not MIN_SCALING <= scaling <= MAX_SCALING
+
+    cfg = report.adapter.config
+    if outside(report.scaling):
+        out.add(Severity.ERROR, "bad_config_value",
+                f"'lora_alpha' {cfg.lora_alpha:g} with 'r' {cfg.r} gives a scaling of "
+                f"{report.scaling:g}, outside the 2^-60 to 2^60 a pool holds")
+    for m in report.modules:
+        # A module at the adapter's own scale is reported once, above.
+        if outside(m.scaling) and m.scaling != report.scaling:
+            out.at(Severity.ERROR, "bad_config_value",
+                   f"{m.module.peft_name}{{where}}: alpha {m.alpha:g} (alpha_pattern or "
+                   f"lora_alpha) gives a scaling of {m.scaling:g}, outside the "
+                   f"2^-60 to 2^60 a pool holds", m.layer)
+    for p in report.expert_pairs:
+        if outside(p.scaling):
+            out.at(Severity.ERROR, "bad_config_value",
+                   f"expert {p.proj.value}{{where}}: alpha {p.alpha:g} gives a scaling of "
+                   f"{p.scaling:g}, outside the 2^-60 to 2^60 a pool holds",
+                   p.layer)
 
 
 def _sort_key(parts: dict[str, AdapterKey]) -> tuple[int, str]:

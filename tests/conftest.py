@@ -1,5 +1,6 @@
 """Shared pytest wiring. The GPU pieces: `gpu`-marked tests skip without a usable device, and
---require-gpu turns that skip into a failure so a GPU run cannot pass by skipping everything."""
+--require-gpu turns that skip into a failure so a GPU run cannot pass by skipping everything.
+The hypothesis profile every property test runs under."""
 
 from __future__ import annotations
 

@@ -15,11 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from metrale_cli import patterns
+from metrale_cli.bf16 import bf16_to_f32
 from metrale_cli.image import PoolImage
 from tests.cli_runner import Result, metrale
 from tests.hostile_inputs import ATTN, CATASTROPHIC, TINY, tiny_model
@@ -173,10 +175,16 @@ def test_config_values_keep_the_promise(
         (adapter / "adapter_config.json").write_text(with_values(base, adapter_values))
         (adapter / "adapter_model.safetensors").symlink_to(tiny / "a" /
                                                            "adapter_model.safetensors")
-        extra = ["--max-loras", "2"] if command == "pack" else []
+        image = root / "pool.safetensors"
+        extra = ["--max-loras", "2", "--out", image] if command == "pack" else []
         result = run(command, adapter, "--model", root, "--json", *extra)
         if result.code in (0, 1) and result.stdout:
             json.loads(result.stdout, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+        if command == "pack" and result.code == 0:
+            # What was packed is what the adapter says: finite scales, finite weights.
+            packed = PoolImage.open(image)
+            assert np.isfinite(packed.scales).all()
+            assert np.isfinite(bf16_to_f32(np.asarray(packed.pool).view("<u2"))).all()
 
 
 # -- output paths ------------------------------------------------------------------------------

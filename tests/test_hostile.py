@@ -98,6 +98,9 @@ def test_a_file_argument_is_named_after_its_directory(tiny: Path, tmp_path: Path
     ("alpha_pattern", {"q_proj": math.inf}, "alpha_pattern['q_proj']"),
     ("rank_pattern", {"q_proj": math.nan}, "rank_pattern['q_proj']"),
     ("rank_pattern", {"q_proj": 1.5}, "rank_pattern['q_proj']"),
+    # Finite, but a scale the pool's float32 tables cannot hold (it became Infinity there).
+    ("lora_alpha", 1e300, "'lora_alpha'"),
+    ("alpha_pattern", {"q_proj": 1e-30}, "alpha_pattern"),
 ])
 def test_non_finite_config_values_are_audit_errors(
     tiny: Path, tmp_path: Path, field: str, value: object, named: str
