@@ -49,7 +49,7 @@ class OneLineUsageErrors(typer.core.TyperGroup):
             sys.exit(exc.exit_code)
         except ClickException as exc:
             message = " ".join(exc.format_message().split())
-            err.print(f"error: {message}", markup=False)
+            say(f"error: {message}")
             sys.exit(exc.exit_code)
         sys.exit(code if isinstance(code, int) else 0)
 
@@ -78,6 +78,12 @@ def _width() -> int | None:
 out = Console(highlight=False, soft_wrap=False, width=_width())
 err = Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
 
+
+def say(line: str) -> None:
+    """One line on stderr, whatever the input inside it holds: a control character (a newline
+    in a path) is shown escaped, never as a line break; markup is not read."""
+    err.print("".join(c if c.isprintable() else repr(c)[1:-1] for c in line), markup=False)
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -90,7 +96,7 @@ def handles_errors(fn: F) -> F:
         try:
             debug = env.debug()
         except UsageError as exc:
-            err.print(f"error: {exc}", markup=False)
+            say(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         try:
             return fn(*args, **kwargs)
@@ -99,26 +105,26 @@ def handles_errors(fn: F) -> F:
         except MetraleError as exc:
             if debug:
                 raise
-            err.print(f"error: {exc}", markup=False)
+            say(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            err.print("interrupted", markup=False)
+            say("interrupted")
             raise typer.Exit(130) from None
         except Terminated as exc:
-            err.print(f"terminated ({exc}); nothing written", markup=False)
+            say(f"terminated ({exc}); nothing written")
             raise typer.Exit(128 + exc.signum) from None
         except OSError as exc:
             # A path the user gave that cannot be read or written (permissions, a full disk).
             if debug:
                 raise
             where = f"{exc.filename}: " if exc.filename else ""
-            err.print(f"error: {where}{exc.strerror or exc}", markup=False)
+            say(f"error: {where}{exc.strerror or exc}")
             raise typer.Exit(2) from None
         except Exception as exc:
             if debug:
                 raise
-            err.print(f"internal error: {type(exc).__name__}: {exc} "
-                      "(METRALE_DEBUG=1 shows the traceback)", markup=False)
+            say(f"internal error: {type(exc).__name__}: {exc} "
+                "(METRALE_DEBUG=1 shows the traceback)")
             raise typer.Exit(70) from None
 
     return wrapper  # type: ignore[return-value]
@@ -220,7 +226,7 @@ def refuse_unservable(reports: list[AdapterReport]) -> None:
         return
     for r in refused:
         for f in r.errors():
-            err.print(f"{r.name}: {f.code}: {f.message}", markup=False)
+            say(f"{r.name}: {f.code}: {f.message}")
     raise NotServable(f"{len(refused)} adapter(s) not servable: "
                       f"{', '.join(r.name for r in refused)}")
 

@@ -61,7 +61,7 @@ ODD_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_charact
 JUNK = st.one_of(
     st.sampled_from(["", " ", "1e999", "-1e999", "nan", "inf", "-0", "0x10", "1_000", "[/]",
                      "[bold red]x", "·", "∞", "40GiB", "-1GiB", "1e-9", "00", "1.5", "q_proj,",
-                     ",", "all", "q_proj,q_proj", "Q_PROJ"]),
+                     ",", "all", "q_proj,q_proj", "Q_PROJ", "a\nb", "\t", "x\r\n", "\x1b[31m"]),
     st.integers(-(2**70), 2**70).map(str),
     st.floats().map(repr),
     ODD_TEXT,

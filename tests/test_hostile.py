@@ -476,7 +476,7 @@ def test_zero_columns_still_prints(tiny: Path) -> None:
     assert refused.returncode == 2 and "no such adapter" in refused.stderr
 
 
-# -- Click's own usage errors ------------------------------------------------------------------
+# -- Click's own usage errors, and line breaks in input ----------------------------------------
 
 
 @pytest.mark.parametrize("args,says", [
@@ -484,6 +484,9 @@ def test_zero_columns_still_prints(tiny: Path) -> None:
     (["pack", "x"], "Missing option '--max-loras'"),
     (["inspect", "--nope"], "No such option: --nope"),
     (["nosuch"], "No such command 'nosuch'"),
+    # Input with a line break in it still makes one line, the break shown escaped.
+    (["inspect", "a\nb"], "error: a\\nb: no such adapter directory"),
+    (["layout", "--model", "x\ry", "--max-rank", "8"], "'x\\ry'"),
 ])
 def test_click_usage_errors_are_one_line(args: list[str], says: str) -> None:
     result = metrale(*args)
