@@ -362,6 +362,8 @@ class Adapter:
 def adapter_dir(path: str | Path) -> Path:
     """The adapter directory an argument names: the directory itself, or the directory of its
     `adapter_config.json` or `adapter_model.safetensors`."""
+    if not str(path).strip():
+        raise UsageError("an adapter path is empty")  # Path("") would be the current directory
     path = Path(path).expanduser()
     if not path.exists():
         raise UsageError(f"{path}: no such adapter directory")

@@ -81,9 +81,11 @@ def test_a_file_argument_is_named_after_its_directory(tiny: Path, tmp_path: Path
                    "--model", tiny, "--json")
     assert both.code == 0, both.stderr
     assert [a["name"] for a in both.json()["adapters"]] == ["x", "y"]
-    # Any other file names no adapter.
+    # Any other file names no adapter, and an empty path is not the current directory.
     (tmp_path / "notes.txt").write_text("hi")
     one_line_error(metrale("inspect", tmp_path / "notes.txt", "--model", tiny), 2)
+    for empty in ("", "x=", " "):
+        one_line_error(metrale("inspect", empty, "--model", tiny), 2)
 
 
 # -- 3: non-finite and non-integral config values ----------------------------------------------
