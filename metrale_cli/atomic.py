@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from metrale_cli.errors import OutputExists, UsageError
+from metrale_cli.errors import OutputExists, Terminated, UsageError
 
 # `.NAME.PID.RANDOM.tmp` beside NAME: the pid says whether the writer is still alive.
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
@@ -148,15 +148,6 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     return True
-
-
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP arrived while an output was being written (like KeyboardInterrupt, not
-    an Exception, so nothing on the way swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ compiler).
 
 from __future__ import annotations
 
+import signal
+
 
 class MetraleError(Exception):
     """Base of every error the CLI turns into one line and an exit code."""
@@ -62,9 +64,22 @@ class SlotBusy(MetraleError):
 
 
 class LayoutMismatch(MetraleError):
-    """Landing a slot from a pool whose layout fingerprint differs."""
+    """Landing a slot from a pool whose layout fingerprint differs, or packing an adapter whose
+    tensor shapes do not fit the pool's layout (it was audited against another model)."""
 
     exit_code = 1
+
+
+class NonFiniteWeights(MetraleError):
+    """An adapter whose weights hold NaN or infinity (or values too large for BF16): refused
+    at pack time, since every token routed to its slot would produce garbage."""
+
+    exit_code = 1
+
+
+class PoolTooLarge(UsageError):
+    """A pool (and its tables) larger than the memory available to hold it; said before any
+    allocation is tried."""
 
 
 class PatternTimeout(NotServable):
@@ -75,3 +90,12 @@ class PatternTimeout(NotServable):
                          "for matching module paths (catastrophic backtracking)")
         self.field = field
         self.pattern = pattern
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while an output was being written. Like KeyboardInterrupt, not
+    an Exception, so nothing on the way swallows it before the temp file is removed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

@@ -184,7 +184,7 @@ def test_config_values_keep_the_promise(
             # What was packed is what the adapter says: finite scales, finite weights.
             packed = PoolImage.open(image)
             assert np.isfinite(packed.scales).all()
-            assert np.isfinite(bf16_to_f32(np.asarray(packed.pool).view("<u2"))).all()
+            assert np.isfinite(bf16_to_f32(np.asarray(packed.region.memory).view("<u2"))).all()
 
 
 # -- output paths ------------------------------------------------------------------------------
