@@ -14,6 +14,7 @@ from typing import Any
 
 from metrale_cli import patterns
 from metrale_cli.errors import FormatError, UsageError
+from metrale_cli.hub import cached, fetch, parse_hub_id, remote_header
 from metrale_cli.jsondoc import load_json, shown
 from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
@@ -359,6 +360,26 @@ class Adapter:
         return cls(name or default_name(path), path, config, header, keys)
 
 
+def load_adapter(spec: str, name: str | None = None, online: bool = False,
+                 weights: bool = True) -> Adapter:
+    """A local adapter directory, or a hub id (`org/name[@revision]`) from the local Hugging
+    Face cache; with `online` a missing config is downloaded, and the weights too when
+    `weights` is set, else only their header is read (two ranged reads)."""
+    ref = parse_hub_id(spec)
+    if ref is None:
+        return Adapter.load(spec, name)
+    config = fetch(ref, CONFIG_NAME, online)
+    if weights and online:
+        fetch(ref, WEIGHTS_NAME, online)  # into the config's snapshot directory
+    elif cached(ref, WEIGHTS_NAME) is None:
+        if not online:
+            fetch(ref, WEIGHTS_NAME, online)  # raises: not in the cache, pass --online
+        header = remote_header(ref, WEIGHTS_NAME)
+        return Adapter(name or ref.name, config.parent, AdapterConfig.from_file(config), header,
+                       [parse_key(t) for t in header.tensors])
+    return Adapter.load(config.parent, name or ref.name)
+
+
 def adapter_dir(path: str | Path) -> Path:
     """The adapter directory an argument names: the directory itself, or the directory of its
     `adapter_config.json` or `adapter_model.safetensors`."""
@@ -381,18 +402,23 @@ def default_name(directory: Path) -> str:
     return resolved.name or str(resolved)
 
 
-def parse_adapter_args(args: list[str]) -> list[tuple[str, Path]]:
-    """`PATH` or `NAME=PATH` arguments into (name, adapter directory), by one rule: NAME when
-    given, else the name of the adapter directory (a file argument names its directory). Two
-    adapters with one name are refused, since the name is the adapter's cache identity."""
-    parsed: list[tuple[str, Path]] = []
+def parse_adapter_args(args: list[str]) -> list[tuple[str, str]]:
+    """`PATH` or `NAME=PATH` arguments into (name, adapter), by one rule: NAME when given, else
+    the name of the adapter directory (a file argument names its directory), or of a hub id's
+    repository (`name@revision` with one). The adapter is its directory, or the hub id as
+    given. Two adapters with one name are refused, since the name is the adapter's cache
+    identity."""
+    parsed: list[tuple[str, str]] = []
     for arg in args:
-        name, sep, path = arg.partition("=")
-        if sep and name and "/" not in name and not Path(arg).exists():
-            directory = adapter_dir(path)
+        name, sep, spec = arg.partition("=")
+        if not (sep and name and "/" not in name and not Path(arg).exists()):
+            name, spec = "", arg
+        hub = parse_hub_id(spec) if spec.strip() else None
+        if hub is not None:
+            parsed.append((name or hub.name, spec))
         else:
-            name, directory = "", adapter_dir(arg)
-        parsed.append((name or default_name(directory), directory))
+            directory = adapter_dir(spec)
+            parsed.append((name or default_name(directory), str(directory)))
     seen: set[str] = set()
     for name, _ in parsed:
         if name in seen:

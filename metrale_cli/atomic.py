@@ -65,7 +65,7 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory")
     remove_stale_temps(parent, path.name)
-    with _cleanup_on_signals():
+    with cleanup_on_signals():
         try:
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
                                        dir=parent)
@@ -151,7 +151,7 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _cleanup_on_signals() -> Iterator[None]:
+def cleanup_on_signals() -> Iterator[None]:
     """Turn SIGTERM and SIGHUP into `Terminated` for the duration, so the temp file's cleanup
     runs; the previous handlers come back after. A signal that is ignored (SIGHUP under
     `nohup`) or handled by the embedding program stays as it is."""

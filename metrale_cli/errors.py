@@ -82,6 +82,12 @@ class PoolTooLarge(UsageError):
     allocation is tried."""
 
 
+class ImageInconsistent(MetraleError):
+    """A pool image whose metadata, tables and layout contradict each other."""
+
+    exit_code = 1
+
+
 class PatternTimeout(NotServable):
     """A regex from an adapter config ran past its time bound (catastrophic backtracking)."""
 

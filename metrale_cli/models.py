@@ -2,22 +2,24 @@
 
 `--model` (or an adapter's `base_model_name_or_path`) is resolved in this order (docs/cli.md):
 1. a path to a `config.json` file, or to a directory that holds one;
-2. a hub id (`org/name`) whose `config.json` is in the local Hugging Face cache;
+2. a hub id (`org/name[@revision]`) whose `config.json` is in the local Hugging Face cache, or
+   with `--online` on the hub;
 3. a built-in preset, by its name or one of its hub ids;
 4. anything else is an error (a path that exists without a `config.json` says so). A directory
    without `config.json` (an adapter directory named like a preset, say) never hides a preset.
-The network is never used.
+The network is used only with `--online`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from metrale_cli import env
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
+from metrale_cli.hub import cached, fetch, parse_hub_id
 from metrale_cli.jsondoc import load_json
 
 # The model types whose layer stack metrale knows; `*_text` forms map onto these.
@@ -389,39 +391,22 @@ def find_preset(name: str) -> Preset | None:
     return None
 
 
-def _hub_cache_config(hub_id: str) -> Path | None:
-    """`config.json` of a hub id in the local HF cache (the snapshot `refs/main` names, else the
-    newest one). Never touches the network."""
-    folder = "models--" + hub_id.replace("/", "--")
-    for cache in env.hf_cache_dirs():
-        repo = cache / folder
-        snapshots = repo / "snapshots"
-        if not snapshots.is_dir():
-            continue
-        ref = repo / "refs" / "main"
-        if ref.is_file():
-            candidate = snapshots / ref.read_text().strip() / "config.json"
-            if candidate.is_file():
-                return candidate
-        found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
-        if found:
-            return found[-1]
-    return None
-
-
-def resolve_model(spec: str) -> ModelConfig:
+def resolve_model(spec: str, online: bool = False) -> ModelConfig:
     """`--model`, in the order the module docstring gives: a config.json or a directory holding
-    one, a hub id in the local cache, a preset (by name or hub id)."""
+    one; a hub id (`org/name[@revision]`) from the local Hugging Face cache, or with `online`
+    from the hub; a preset (by name or hub id: a hub id that is not in the local cache but
+    names a preset's model gives that preset when offline)."""
     spec = spec.strip()
     if not spec:
         raise UsageError("--model is empty")
     path = Path(spec).expanduser()
     if path.is_file() or (path / "config.json").is_file():
         return ModelConfig.from_hf(path)
-    cached = _hub_cache_config(spec) if spec.count("/") == 1 else None
-    if cached is not None:
-        config = ModelConfig.from_hf(cached)
-        return ModelConfig(**{**config.__dict__, "source": spec})
+    ref = parse_hub_id(spec)
+    if ref is not None:
+        config = fetch(ref, "config.json", online=True) if online else cached(ref, "config.json")
+        if config is not None:
+            return replace(ModelConfig.from_hf(config), source=spec)
     preset = find_preset(spec)
     if preset is not None:
         return ModelConfig.from_dict(preset.config, source=preset.name)
@@ -429,6 +414,7 @@ def resolve_model(spec: str) -> ModelConfig:
         raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
                          "(a directory without config.json), and not a preset (`metrale models`)")
     raise UsageError(
-        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache; "
-        "pass a preset (`metrale models`), a config.json, or a model directory"
+        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache "
+        f"({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
+        "directory, or --online to fetch a hub id"
     )

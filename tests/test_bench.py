@@ -25,10 +25,10 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     assert record["pack_vs_memcpy"] == pytest.approx(
         record["pack_gb_per_s"] / record["memcpy_gb_per_s"])
     assert record["peak_rss_bytes"] > record["pool_bytes"]
-    # The human view is the same record.
     assert record["finite_check_cost"] == pytest.approx(
         record["pack_unchecked_gb_per_s"] / record["pack_gb_per_s"])
     assert record["setup"]["device"] == "cpu" and record["experts"] is None
+    # The human view is the same record.
     view = bench_pack_view(record).plain
     assert f"pack      {record['pack_gb_per_s']:.2f} GB/s" in view
     assert f"({record['memcpy_gb_per_s']:.2f} GB/s)" in view and "2 x qwen3-8b r=8" in view

@@ -422,9 +422,10 @@ def test_an_ascii_terminal_gets_the_view(tiny: Path) -> None:
     ("0", False), ("false", False), ("no", False), ("off", False), (" 0", False), ("", False),
 ])
 def test_boolean_variables(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
-    monkeypatch.setenv("METRALE_LORA_EXPERTS", value)
-    monkeypatch.setenv("METRALE_DEBUG", value)
+    for name in ("METRALE_LORA_EXPERTS", "METRALE_DEBUG", "METRALE_ONLINE"):
+        monkeypatch.setenv(name, value)
     assert env.experts_enabled() is expected and env.debug() is expected
+    assert env.online() is expected
 
 
 @pytest.mark.parametrize("value", ["00", "maybe", "2", "y"])
