@@ -239,17 +239,28 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes | str | None]]:
     return seen
 
 
+@pytest.fixture(scope="module")
+def image(tiny: Path) -> Path:
+    path = tiny / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 1, "--out", path).code == 0
+    return path
+
+
 @given(kind=st.sampled_from(OUTPUT_KINDS), force=st.booleans(),
-       command=st.sampled_from(["pack", "synth"]))
-def test_output_paths_keep_the_promise(tiny: Path, kind: str, force: bool, command: str) -> None:
+       command=st.sampled_from(["pack", "synth", "unpack"]))
+def test_output_paths_keep_the_promise(
+    tiny: Path, image: Path, kind: str, force: bool, command: str
+) -> None:
     with tempfile.TemporaryDirectory(dir=tiny) as scratch:
         root = Path(scratch)
         target = make_output(root, kind)
         before = snapshot(root)
         if command == "pack":
             args = ["pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", target]
-        else:
+        elif command == "synth":
             args = ["synth", target, "--model", tiny, "--modules", "q_proj", "--rank", 2]
+        else:
+            args = ["unpack", image, target, "--slot", 0]
         result = run(*args, *(["--force"] if force else []))
         try:
             after = snapshot(root)
@@ -260,7 +271,12 @@ def test_output_paths_keep_the_promise(tiny: Path, kind: str, force: bool, comma
                 written = Path(target)
                 assert stat.S_ISREG(os.lstat(written).st_mode)
                 assert PoolImage.open(written).max_loras == 2
+            else:
+                assert sorted(p.name for p in Path(target).iterdir()) == [
+                    "adapter_config.json", "adapter_model.safetensors"]
             if kind in ("fifo", "symlink_to_devnull", "directory") and command == "pack":
+                assert result.code == 2
+            if kind in ("fifo", "symlink_to_devnull", "regular") and command != "pack":
                 assert result.code == 2
             if kind == "regular" and command == "pack":
                 assert result.code == (0 if force else 2)

@@ -505,3 +505,27 @@ def test_synth_writes_nothing_beside_a_device(tmp_path: Path) -> None:
                      "--force")
     one_line_error(result, 2)
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json"]
+
+
+def test_unpack_never_replaces_a_non_directory(tiny: Path, tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 1, "--out", image).code == 0
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    to_null = tmp_path / "to-null"
+    to_null.symlink_to(os.devnull)
+    for target in (fifo, to_null):
+        result = metrale("unpack", image, target, "--slot", 0, "--force")
+        one_line_error(result, 2)
+        assert "not a directory" in result.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.readlink(to_null) == os.devnull
+    one_line_error(metrale("unpack", image, "", "--slot", 0, "--force"), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "pool.safetensors", "to-null"]
+
+
+def test_a_hub_id_is_named_by_the_same_rule(tiny: Path, tmp_path: Path) -> None:
+    """`org/x` and a local directory `x` are both named `x`: refused before anything is read."""
+    local = copy_adapter(tiny / "a", tmp_path / "x")
+    result = metrale("inspect", "some-org/x", local, "--model", tiny)
+    one_line_error(result, 2)
+    assert "two adapters are named 'x'" in result.stderr
