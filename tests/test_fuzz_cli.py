@@ -77,7 +77,7 @@ def option(name: str, values: st.SearchStrategy[str]) -> st.SearchStrategy[list[
 
 
 @st.composite
-def command_lines(draw: st.DrawFn, tiny: Path, out_dir: Path) -> list[str]:
+def command_lines(draw: st.DrawFn, tiny: Path, image: Path, out_dir: Path) -> list[str]:
     models = [str(tiny), "qwen3-8b", "qwen3-next-80b-a3b", str(tiny / "a")]
     model = option("--model", st.one_of(st.sampled_from(models), JUNK))
     adapters = st.lists(st.one_of(st.sampled_from([str(tiny / "a"), f"x={tiny / 'a'}",
@@ -85,7 +85,10 @@ def command_lines(draw: st.DrawFn, tiny: Path, out_dir: Path) -> list[str]:
                                   JUNK), max_size=2)
     flags = st.lists(st.sampled_from(["--json", "--experts", "--force", "--rslora"]),
                      max_size=2, unique=True)
-    command = draw(st.sampled_from(["inspect", "layout", "pack", "synth", "models"]))
+    command = draw(st.sampled_from(["inspect", "layout", "pack", "synth", "models", "show",
+                                    "verify", "unpack"]))
+    images = st.one_of(st.just(str(image)), st.just(str(tiny / "a" / "adapter_model.safetensors")),
+                       JUNK)
     if command == "inspect":
         parts = [*draw(adapters), *draw(model), *draw(option("--max-rank", st.one_of(SMALL, JUNK)))]
         parts += [f for f in draw(flags) if f in ("--json", "--experts")]
@@ -110,17 +113,26 @@ def command_lines(draw: st.DrawFn, tiny: Path, out_dir: Path) -> list[str]:
                  *draw(option("--alpha", JUNK)), *draw(option("--seed", st.one_of(SMALL, JUNK))),
                  *draw(option("--dtype", st.sampled_from(["bf16", "f16", "f32", "f8", ""])))]
         parts += [f for f in draw(flags) if f in ("--json", "--force", "--rslora")]
+    elif command == "show":
+        parts = [draw(images), *[f for f in draw(flags) if f == "--json"]]
+    elif command == "verify":
+        parts = [draw(images), *draw(adapters), *[f for f in draw(flags) if f == "--json"]]
+    elif command == "unpack":
+        where = draw(st.one_of(st.just(str(out_dir / "unpacked")), ODD_TEXT))
+        parts = [draw(images), where, *draw(option("--slot", st.one_of(SMALL, JUNK))),
+                 *draw(option("--name", st.one_of(st.just("a"), JUNK)))]
+        parts += [f for f in draw(flags) if f in ("--json", "--force")]
     else:
         parts = [f for f in draw(flags) if f == "--json"]
     return [command, *parts]
 
 
 @given(data=st.data())
-def test_every_option_keeps_the_promise(tiny: Path, data: st.DataObject,
+def test_every_option_keeps_the_promise(tiny: Path, image: Path, data: st.DataObject,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     with tempfile.TemporaryDirectory(dir=tiny) as scratch:
         monkeypatch.chdir(scratch)  # relative junk paths land in the scratch directory
-        args = data.draw(command_lines(tiny, Path(scratch)))
+        args = data.draw(command_lines(tiny, image, Path(scratch)))
         result = run(*args)
         if "--json" in args and result.code in (0, 1) and result.stdout:
             json.loads(result.stdout, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
