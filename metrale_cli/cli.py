@@ -699,7 +699,7 @@ def simulate(
     output_tokens: Annotated[str, typer.Option(
         "--output-tokens", help="Generated output lengths; 0 with --input-tokens 0 is exact "
         "paging.")] = "8,512",
-    save_trace: Annotated[Path | None, typer.Option(
+    save_trace_text: Annotated[str | None, typer.Option(
         "--save-trace", help="Write the requests as a trace (.csv, else JSONL).")] = None,
     prefill_tok_s: Annotated[float, typer.Option(
         "--prefill-tok-s", help="Prefill tokens per second of one request.")] = 10_000.0,
@@ -730,7 +730,7 @@ def simulate(
         "this.")] = None,
     budget: Annotated[str | None, typer.Option(
         "--budget", help="Memory for the pool, e.g. 40GiB: does each size fit?")] = None,
-    plot_path: Annotated[Path | None, typer.Option(
+    plot_text: Annotated[str | None, typer.Option(
         "--plot", help="Write hit rate and p99 added latency against max_loras (PNG).")] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
@@ -739,14 +739,18 @@ def simulate(
     pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency."""
     from metrale_cli import simulate as sim
     from metrale_cli import workload as wl
+    from metrale_cli.atomic import check_output, output_path
     from metrale_cli.audit import audit
     from metrale_cli.parsing import parse_size_list, parse_token_range
     from metrale_cli.plan import max_rank_warnings, plan_layouts
 
     positive("--max-rank", max_rank)
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    save_trace = None if save_trace_text is None else output_path(save_trace_text,
+                                                                 "--save-trace")
     for path in (plot_path, save_trace):
-        if path is not None and path.exists() and not force:
-            raise OutputExists(f"{path} exists; pass --force to overwrite it")
+        if path is not None:
+            check_output(path, force)  # before the work; the write checks again
     if target_hit_rate is not None and not 0 < target_hit_rate <= 1:
         raise UsageError(f"--target-hit-rate must be in (0, 1], got {target_hit_rate}")
     if target_p99_ms is not None and target_p99_ms < 0:

@@ -259,7 +259,7 @@ def image(tiny: Path) -> Path:
 
 
 @given(kind=st.sampled_from(OUTPUT_KINDS), force=st.booleans(),
-       command=st.sampled_from(["pack", "synth", "unpack"]))
+       command=st.sampled_from(["pack", "synth", "unpack", "simulate"]))
 def test_output_paths_keep_the_promise(
     tiny: Path, image: Path, kind: str, force: bool, command: str
 ) -> None:
@@ -271,8 +271,11 @@ def test_output_paths_keep_the_promise(
             args = ["pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", target]
         elif command == "synth":
             args = ["synth", target, "--model", tiny, "--modules", "q_proj", "--rank", 2]
-        else:
+        elif command == "unpack":
             args = ["unpack", image, target, "--slot", 0]
+        else:
+            args = ["simulate", "--model", tiny, "--modules", "q_proj", "--max-rank", 8,
+                    "--requests", 5, "--max-loras", "2", "--save-trace", target]
         result = run(*args, *(["--force"] if force else []))
         try:
             after = snapshot(root)
@@ -283,12 +286,16 @@ def test_output_paths_keep_the_promise(
                 written = Path(target)
                 assert stat.S_ISREG(os.lstat(written).st_mode)
                 assert PoolImage.open(written).max_loras == 2
+            elif command == "simulate":
+                assert len(Path(target).read_text().splitlines()) == 5
             else:
                 assert sorted(p.name for p in Path(target).iterdir()) == [
                     "adapter_config.json", "adapter_model.safetensors"]
-            if kind in ("fifo", "symlink_to_devnull", "directory") and command == "pack":
+            if kind in ("fifo", "symlink_to_devnull", "directory") and command in (
+                    "pack", "simulate"):
                 assert result.code == 2
-            if kind in ("fifo", "symlink_to_devnull", "regular") and command != "pack":
+            if kind in ("fifo", "symlink_to_devnull", "regular") and command in (
+                    "synth", "unpack"):
                 assert result.code == 2
             if kind == "regular" and command == "pack":
                 assert result.code == (0 if force else 2)
