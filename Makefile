@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 # A local CPU build of torch installs in seconds; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= demo-out
+# Extra pytest arguments: .ci/run passes --require-nvcc so that CI must compile every kernel.
+PYTEST_ARGS ?=
 
 .PHONY: demo test lint clean
 
@@ -26,7 +28,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check metrale_cli tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check metrale_cli tests

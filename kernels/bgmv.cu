@@ -16,61 +16,83 @@
 //   x  BF16 [T, in_dim], row stride x_stride elements       slots  i32 [T]
 //   A_s BF16 [max_rank, in_dim], B_s BF16 [out_dim, max_rank]  (rows / cols >= r are zero padding)
 //   a_table, b_table u64 [max_loras]; scale_table f32 [max_loras]; ranks i32 [max_loras]
-//   t  F32 [num_splits, T, max_rank] (split-K partial sums; expand adds the splits)
+//   t  F32 [num_splits, T, t_cols] (split-K partial sums; expand adds the splits); t_cols <=
+//      max_rank is the widest rank of the batch (the host knows it), and r is clamped to it
 //   y  BF16 (bgmv_expand_bf16) or F32 (bgmv_expand_f32) [T, out_dim], row stride y_stride
-// in_dim, max_rank, x_stride and y_stride are multiples of 8 (16-byte vectors); max_rank <= 256.
+// in_dim, out_dim, max_rank, t_cols, x_stride and y_stride are multiples of 8 (16-byte vectors);
+// max_rank <= METRALE_MAX_RANK.
 //
 // Launch shapes (picked by metrale_cli/kernels.py, which the host harness shares):
-//   bgmv_shrink:       grid (T, max_rank / 4, num_splits), block 128; each CTA computes 4 rank
-//                      rows of one token over one K chunk of k_chunk elements.
-//   bgmv_expand_*:     grid (T, ceil(out_dim / rows_per_cta)), block 128; rows_per_cta % 64 == 0.
+//   bgmv_shrink:       grid (T, t_cols / BGMV_SHRINK_ROWS, num_splits), block 128; each CTA
+//                      computes 4 rank rows of one token over one K chunk of k_chunk elements.
+//   bgmv_expand_*:     grid (T, ceil(out_dim / (128 x 8))), block 128; each thread owns 8
+//                      consecutive output rows (one y vector).
+// Memory-level parallelism (kernels/README.md): every load of a pass is unconditional (rows and
+// columns past the data are clamped into bounds and their results masked), and a pass issues all
+// its loads before the first product: BGMV_SHRINK_LOADS and BGMV_EXPAND_LOADS per thread.
 //
 // Compile alone:
 //   nvcc -arch=sm_90 -std=c++17 -Werror all-warnings -Xcompiler -Wall,-Werror -c -o /dev/null kernels/bgmv.cu
 #include "lora_common.cuh"
 
-// Rank rows per shrink CTA: each lane loads one 16-byte x vector and reuses it for 4 A rows, so 4
-// independent A loads are in flight per x load; more rows would shrink the grid at small T.
-#define BGMV_SHRINK_ROWS 4
-// The largest max_rank the expand's shared t row holds (1 KiB of F32).
-#define BGMV_MAX_RANK 256
-
-extern "C" __global__ void __launch_bounds__(METRALE_THREADS)
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_SHRINK_MIN_CTAS)
 bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ slots,
             const ptr_t* __restrict__ a_table, const int* __restrict__ ranks, int max_loras,
-            float* __restrict__ t, int num_tokens, int in_dim, int max_rank, int k_chunk) {
+            float* __restrict__ t, int num_tokens, int in_dim, int max_rank, int t_cols,
+            int k_chunk) {
   const int b = blockIdx.x;
   const int j0 = blockIdx.y * BGMV_SHRINK_ROWS;
   const int split = blockIdx.z;
   const int tid = threadIdx.x;
-  float* t_row = t + (static_cast<long long>(split) * num_tokens + b) * max_rank;
+  float* t_row = t + (static_cast<long long>(split) * num_tokens + b) * t_cols;
 
   const int slot = slots[b];
   const ptr_t a_addr = slot_address(a_table, slot, max_loras);
-  const int rank = a_addr ? imin(ranks[slot], max_rank) : 0;
+  const int rank = a_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
   if (j0 >= rank) {
     // Padding rows and skipped tokens cost one store, not a pass over A.
-    if (tid < BGMV_SHRINK_ROWS && j0 + tid < max_rank) t_row[j0 + tid] = 0.f;
+    if (tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) t_row[j0 + tid] = 0.f;
     return;
   }
   const int rows = imin(BGMV_SHRINK_ROWS, rank - j0);
   const bf16_t* x_row = x + static_cast<long long>(b) * x_stride;
-  const bf16_t* a_rows = reinterpret_cast<const bf16_t*>(a_addr) + static_cast<long long>(j0) * in_dim;
+  // Rows past the rank re-read the last row inside it (always in bounds); their sums are
+  // dropped at the end, so no load waits behind a branch.
+  const bf16_t* a_row[BGMV_SHRINK_ROWS];
+#pragma unroll
+  for (int i = 0; i < BGMV_SHRINK_ROWS; ++i)
+    a_row[i] = reinterpret_cast<const bf16_t*>(a_addr) +
+               static_cast<long long>(j0 + imin(i, rows - 1)) * in_dim;
   const int k_begin = split * k_chunk;
   const int k_end = imin(in_dim, k_begin + k_chunk);
+  constexpr int kStep = METRALE_THREADS * 8;
 
   float acc[BGMV_SHRINK_ROWS];
 #pragma unroll
   for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) acc[i] = 0.f;
 
   // All 4 warps share the rank rows and split the K range: consecutive lanes read consecutive
-  // 16-byte vectors, so each warp load is 512 contiguous bytes of one A row.
-#pragma unroll 2
-  for (int k = k_begin + tid * 8; k < k_end; k += METRALE_THREADS * 8) {
-    const uint4 xv = load16(x_row + k);
+  // 16-byte vectors, so each warp load is 512 contiguous bytes of one A row. A pass covers
+  // BGMV_SHRINK_STEPS steps; a step past k_end re-reads the pass's first (valid) step and is
+  // masked.
+  for (int k = k_begin + tid * 8; k < k_end; k += BGMV_SHRINK_STEPS * kStep) {
+    uint4 xv[BGMV_SHRINK_STEPS];
+    uint4 av[BGMV_SHRINK_STEPS][BGMV_SHRINK_ROWS];
 #pragma unroll
-    for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) {
-      if (i < rows) acc[i] += dot8(xv, load16(a_rows + static_cast<long long>(i) * in_dim + k));
+    for (int s = 0; s < BGMV_SHRINK_STEPS; ++s) {
+      const int ks = k + s * kStep < k_end ? k + s * kStep : k;
+      xv[s] = load16(x_row + ks);
+#pragma unroll
+      for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) av[s][i] = load16(a_row[i] + ks);
+    }
+#pragma unroll
+    for (int s = 0; s < BGMV_SHRINK_STEPS; ++s) {
+      const bool valid = k + s * kStep < k_end;
+#pragma unroll
+      for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) {
+        const float d = dot8(xv[s], av[s][i]);
+        acc[i] += valid ? d : 0.f;
+      }
     }
   }
 
@@ -83,7 +105,7 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     if (lane == 0) partial[warp][i] = v;
   }
   __syncthreads();
-  if (tid < BGMV_SHRINK_ROWS && j0 + tid < max_rank) {
+  if (tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) {
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < METRALE_WARPS; ++w) sum += partial[w][tid];
@@ -91,70 +113,122 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   }
 }
 
+// y vector (8 consecutive outputs) load / store for both output dtypes.
+// y is read and written by the same thread, so it takes plain (coherent) loads, not load16.
+__device__ __forceinline__ void load_y8(const bf16_t* p, float (&v)[8]) {
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = bf16_lo(u[i]);
+    v[2 * i + 1] = bf16_hi(u[i]);
+  }
+}
+__device__ __forceinline__ void load_y8(const float* p, float (&v)[8]) {
+  const float4 lo = reinterpret_cast<const float4*>(p)[0];
+  const float4 hi = reinterpret_cast<const float4*>(p)[1];
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w;
+  v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+__device__ __forceinline__ void store_y8(bf16_t* p, const float (&v)[8]) {
+  uint4 w;
+  w.x = pack_bf16x2(v[0], v[1]);
+  w.y = pack_bf16x2(v[2], v[3]);
+  w.z = pack_bf16x2(v[4], v[5]);
+  w.w = pack_bf16x2(v[6], v[7]);
+  *reinterpret_cast<uint4*>(p) = w;
+}
+__device__ __forceinline__ void store_y8(float* p, const float (&v)[8]) {
+  float4 lo, hi;
+  lo.x = v[0], lo.y = v[1], lo.z = v[2], lo.w = v[3];
+  hi.x = v[4], hi.y = v[5], hi.z = v[6], hi.w = v[7];
+  reinterpret_cast<float4*>(p)[0] = lo;
+  reinterpret_cast<float4*>(p)[1] = hi;
+}
+
 template <typename OutT>
 __device__ __forceinline__ void bgmv_expand_body(
     const float* __restrict__ t, int num_splits, const int* __restrict__ slots,
     const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
     const int* __restrict__ ranks, int max_loras, OutT* __restrict__ y, long long y_stride,
-    int num_tokens, int out_dim, int max_rank, int rows_per_cta) {
+    int num_tokens, int out_dim, int max_rank, int t_cols) {
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
   const int slot = slots[b];
   const ptr_t b_addr = slot_address(b_table, slot, max_loras);
-  const int rank = b_addr ? imin(ranks[slot], max_rank) : 0;
+  const int rank = b_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
   if (rank <= 0) return;  // CTA-uniform, before any barrier: y stays bit-identical
   const float scale = scale_table[slot];
   const int vecs = (rank + 7) >> 3;
+  // Passes take BGMV_EXPAND_COLS vectors; t_s is zero up to a whole number of passes.
+  const int padded = (vecs + BGMV_EXPAND_COLS - 1) / BGMV_EXPAND_COLS * BGMV_EXPAND_COLS * 8;
 
-  // The token's t row, split-K partials summed, zero-filled up to the 8-element vector boundary
-  // so the last B vector's padding columns multiply zeros.
-  __shared__ __align__(16) float t_s[BGMV_MAX_RANK];
-  for (int j = tid; j < vecs * 8; j += METRALE_THREADS) {
+  // The token's t row with its split-K partials summed, zero past the rank, so that the last B
+  // vector's padding columns multiply zeros.
+  __shared__ __align__(16) float t_s[METRALE_MAX_RANK + BGMV_EXPAND_COLS * 8];
+  for (int j = tid; j < padded; j += METRALE_THREADS) {
     float v = 0.f;
     if (j < rank) {
       for (int z = 0; z < num_splits; ++z)
-        v += t[(static_cast<long long>(z) * num_tokens + b) * max_rank + j];
+        v += t[(static_cast<long long>(z) * num_tokens + b) * t_cols + j];
     }
     t_s[j] = v;
   }
   __syncthreads();
 
-  // Two lanes per output row: a warp load covers 16 rows x 32 contiguous bytes (at rank 16 a
-  // whole B row per lane pair), so every DRAM sector fetched is fully used.
-  const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr);
-  OutT* y_row = y + static_cast<long long>(b) * y_stride;
-  const int pair = tid >> 1;
-  const int half = tid & 1;
-  const int o_begin = blockIdx.y * rows_per_cta;
-  const int o_end = imin(out_dim, o_begin + rows_per_cta);
-  // The loop bound is CTA-uniform so that every lane reaches the shuffle.
-  for (int base = o_begin; base < o_end; base += METRALE_THREADS / 2) {
-    const int o = base + pair;
-    float acc = 0.f;
-    if (o < o_end) {
-      const bf16_t* b_row = b_rows + static_cast<long long>(o) * max_rank;
-      for (int v = half; v < vecs; v += 2) acc += dot8_f32(t_s + v * 8, load16(b_row + v * 8));
+  // Each thread owns BGMV_EXPAND_ROWS consecutive output rows: its y is one vector, and its B
+  // rows are one contiguous run of BGMV_EXPAND_ROWS x max_rank elements.
+  const int o = (blockIdx.y * METRALE_THREADS + tid) * BGMV_EXPAND_ROWS;
+  if (o >= out_dim) return;  // out_dim % 8 == 0, so all 8 rows of a live thread exist
+  OutT* y_out = y + static_cast<long long>(b) * y_stride + o;
+  float yv[BGMV_EXPAND_ROWS];
+  load_y8(y_out, yv);  // issued first: it lands while the B passes run
+  const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr) + static_cast<long long>(o) * max_rank;
+
+  float acc[BGMV_EXPAND_ROWS];
+#pragma unroll
+  for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) acc[i] = 0.f;
+  for (int c = 0; c < vecs; c += BGMV_EXPAND_COLS) {
+    // A pass: every row's next BGMV_EXPAND_COLS vectors. A column past the rank re-reads the
+    // pass's first column (in bounds) and meets zeros in t_s.
+    uint4 w[BGMV_EXPAND_ROWS][BGMV_EXPAND_COLS];
+#pragma unroll
+    for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) {
+#pragma unroll
+      for (int q = 0; q < BGMV_EXPAND_COLS; ++q) {
+        const int col = c + q < vecs ? c + q : c;
+        w[i][q] = load16(b_rows + static_cast<long long>(i) * max_rank + col * 8);
+      }
     }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    if (o < o_end && half == 0) store_out(y_row + o, load_out(y_row + o) + scale * acc);
+#pragma unroll
+    for (int q = 0; q < BGMV_EXPAND_COLS; ++q) {
+      const bool valid = c + q < vecs;
+#pragma unroll
+      for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) {
+        const float d = dot8_f32(t_s + (c + q) * 8, w[i][q]);
+        acc[i] += valid ? d : 0.f;
+      }
+    }
   }
+#pragma unroll
+  for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) yv[i] += scale * acc[i];
+  store_y8(y_out, yv);
 }
 
-// (128, 8): let ptxas use up to 64 registers; at its default 32 the unrolled B loop spills.
-extern "C" __global__ void __launch_bounds__(METRALE_THREADS, 8)
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_EXPAND_MIN_CTAS)
 bgmv_expand_bf16(const float* __restrict__ t, int num_splits, const int* __restrict__ slots,
                  const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
                  const int* __restrict__ ranks, int max_loras, bf16_t* __restrict__ y,
-                 long long y_stride, int num_tokens, int out_dim, int max_rank, int rows_per_cta) {
+                 long long y_stride, int num_tokens, int out_dim, int max_rank, int t_cols) {
   bgmv_expand_body(t, num_splits, slots, b_table, scale_table, ranks, max_loras, y, y_stride,
-                   num_tokens, out_dim, max_rank, rows_per_cta);
+                   num_tokens, out_dim, max_rank, t_cols);
 }
 
-extern "C" __global__ void __launch_bounds__(METRALE_THREADS, 8)
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_EXPAND_MIN_CTAS)
 bgmv_expand_f32(const float* __restrict__ t, int num_splits, const int* __restrict__ slots,
                 const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
                 const int* __restrict__ ranks, int max_loras, float* __restrict__ y,
-                long long y_stride, int num_tokens, int out_dim, int max_rank, int rows_per_cta) {
+                long long y_stride, int num_tokens, int out_dim, int max_rank, int t_cols) {
   bgmv_expand_body(t, num_splits, slots, b_table, scale_table, ranks, max_loras, y, y_stride,
-                   num_tokens, out_dim, max_rank, rows_per_cta);
+                   num_tokens, out_dim, max_rank, t_cols);
 }

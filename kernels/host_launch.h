@@ -4,10 +4,9 @@
 // metrale_cli/host_harness.py passes the very argument tuples that metrale_cli/kernels.py hands
 // to CuPy, so both run the same launch shapes.
 //
-// Build (what host_harness.py runs; the file is a .h so the wheel's package data ships it):
-//   g++ -std=c++17 -O2 -shared -fPIC -fvisibility=hidden -fno-strict-aliasing -Wall -Werror
-//       -Wno-unknown-pragmas -x c++ -include kernels/host_shim.h kernels/host_launch.h -o libmetrale_host.so
-// (-Wno-unknown-pragmas: g++ does not know CUDA's `#pragma unroll`)
+// Built by metrale_cli/host_harness.py (build_command, the one place the g++ command is
+// written; `python -m metrale_cli.host_harness` prints it). The file is a .h so that the wheel's
+// package data ships it.
 #include <cstddef>
 #include <type_traits>
 #include <utility>

@@ -1,8 +1,5 @@
 // host_shim.h: runs the kernels in kernels/*.cu on a CPU, unchanged, for the host harness
-// (metrale_cli/host_harness.py). It is force-included ahead of the sources:
-//
-//   g++ -std=c++17 -O2 -shared -fPIC -fno-strict-aliasing -Wno-unknown-pragmas -x c++
-//       -include kernels/host_shim.h kernels/host_launch.h -o libmetrale_host.so
+// (metrale_cli/host_harness.py, whose build_command force-includes it ahead of the sources).
 //
 // Model: a launch runs its CTAs one after another; the threads of a CTA are cooperative fibers
 // (ucontext) that switch only at barriers, so __syncthreads, warp shuffles and the warp-wide

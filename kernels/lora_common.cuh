@@ -12,10 +12,8 @@
 typedef unsigned short bf16_t;     // raw BF16 bits
 typedef unsigned long long ptr_t;  // a device (or, in the host harness, host) address; 0 = none
 
-// Every kernel runs 128 threads (4 warps) per CTA: small enough for many co-resident CTAs (the
-// latency-hiding that memory-bound kernels need), large enough to issue 2 KiB of 16-byte loads
-// per CTA per step.
-#define METRALE_THREADS 128
+#include "lora_config.h"
+
 #define METRALE_WARPS (METRALE_THREADS / 32)
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
@@ -41,16 +39,41 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
   return static_cast<unsigned>(f32_to_bf16(lo)) | (static_cast<unsigned>(f32_to_bf16(hi)) << 16);
 }
 
-// 16-byte vector loads: every kernel streams weights and activations as 8 BF16 per load, the
-// widest single global access (one LDG.128) and what it takes to reach HBM bandwidth.
-__device__ __forceinline__ uint4 load16(const bf16_t* p) {
+// 16-byte vector loads of data that no thread writes during the kernel (x, weights, t): every
+// kernel streams them as 8 BF16 per load, the widest single global access and what it takes to
+// reach HBM bandwidth. On the GPU it is `ld.global.nc.v4` (LDG.E.128.CONSTANT): the weights'
+// addresses come from u64 tables, and a plain dereference of such an integer-made pointer would
+// compile to a generic LD.E.128 instead of a global load through the read-only path.
+#ifdef METRALE_HOST_SHIM
+__device__ __forceinline__ uint4 load16(const void* p) {
   return *reinterpret_cast<const uint4*>(p);
 }
+#else
+__device__ __forceinline__ uint4 load16(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+#endif
 
 __device__ __forceinline__ uint4 zero16() {
   uint4 z;
   z.x = z.y = z.z = z.w = 0u;
   return z;
+}
+
+// The loaded vector where `keep`, else zeros: how the kernels mask a load whose address was
+// clamped into bounds. The load itself is unconditional, so ptxas can issue every load of a
+// pass back to back instead of branching around each one.
+__device__ __forceinline__ uint4 keep16(bool keep, uint4 v) {
+  uint4 r;
+  r.x = keep ? v.x : 0u;
+  r.y = keep ? v.y : 0u;
+  r.z = keep ? v.z : 0u;
+  r.w = keep ? v.w : 0u;
+  return r;
 }
 
 __device__ __forceinline__ float dot2(unsigned a, unsigned b) {

@@ -10,8 +10,12 @@
 //   sgmv_expand:  y[b, o] += scale_table[s] * sum_{j < r} (sum_z t[z, b, j]) * B_s[o, j]
 //                 y[b, :] untouched (bit for bit) when the token is skipped
 //
-// Buffers and alignment as in bgmv.cu (t F32 [num_splits, T, max_rank]; y BF16 or F32); also
-// out_dim is a multiple of 8. Products run on mma.sync m16n8k16 (BF16 in, F32 accumulate), so
+// Buffers and alignment as in bgmv.cu (t F32 [num_splits, T, t_cols]; y BF16 or F32).
+//
+// token_order (i32 [T], or null for the identity) lets the decode path run here: the host sorts a
+// batch's tokens by slot (a segment plan, kernels.plan_batch) and the segments then index sorted
+// positions, while x, t and y stay in token order (position p is token token_order[p]). Each
+// adapter's weight tile is then read once per 64 tokens instead of once per token. Products run on mma.sync m16n8k16 (BF16 in, F32 accumulate), so
 // sm_80 or newer. The expand rounds the F32 t to BF16 for the tensor cores (the largest error
 // source: relative 2^-9 per t element); the shrink is exact up to F32 summation order.
 //
@@ -24,22 +28,30 @@
 // loop ends at r.
 //
 // Launch shapes (picked by metrale_cli/kernels.py, which the host harness shares):
-//   sgmv_shrink:    grid (ceil(max_rank / 64), ceil(T / 64), num_splits), block 128 (4 warps x
+//   sgmv_shrink:    grid (ceil(t_cols / 64), ceil(T / 64), num_splits), block 128 (4 warps x
 //                   16 tokens); K is read in 64-wide tiles double-buffered through registers.
 //   sgmv_expand_*:  grid (ceil(out_dim / 64), ceil(T / 64)), block 128; a 64 token x 64 output
 //                   tile, staged through shared memory so the y read-modify-write is 16-byte
 //                   coalesced.
+// Memory-level parallelism (kernels/README.md): tile loads are unconditional (rows outside the
+// segment and columns past K or the rank are clamped into bounds and masked to zero), and every
+// load of a tile is issued before the first use: SGMV_SHRINK_LOADS per thread for the next K tile
+// while the tensor cores work on this one; in the expand, the B tile and the t tile together,
+// and the split-K partials of t in an outer loop of SGMV_EXPAND_LOADS loads per pass.
 //
 // Compile alone:
 //   nvcc -arch=sm_90 -std=c++17 -Werror all-warnings -Xcompiler -Wall,-Werror -c -o /dev/null kernels/sgmv.cu
 #include "lora_common.cuh"
 
-#define SG_M 64  // tokens per CTA: 4 warps x 16 rows (the mma M)
-#define SG_N 64  // rank columns (shrink) or output columns (expand) per CTA: 8 mma n8 tiles
-#define SG_K 64  // K elements per shared-memory tile
+#define SG_M SGMV_TILE  // tokens per CTA: 4 warps x 16 rows (the mma M)
+#define SG_N SGMV_TILE  // rank columns (shrink) or output columns (expand) per CTA: 8 n8 tiles
+#define SG_K SGMV_TILE  // K elements per shared-memory tile
 // Padded shared row (elements): 144 bytes = 36 words, so the 32 lanes' fragment reads (rows g,
 // word q) land on 32 distinct banks.
 #define SG_LD (SG_K + 8)
+// A 64 x 64 BF16 tile is 512 16-byte vectors: 4 per thread, rows tid / 8 + 16 i, column vector
+// tid % 8.
+#define SG_TILE_VECS 4
 
 // The first segment whose end lies past token m0 (num_segments if none).
 __device__ __forceinline__ int first_segment(const int* __restrict__ seg_starts, int num_segments,
@@ -57,25 +69,35 @@ __device__ __forceinline__ int first_segment(const int* __restrict__ seg_starts,
   return lo;
 }
 
-// One 64 x 64 BF16 tile = 512 vectors of 16 bytes = 4 per thread; row = v / 8, column vector
-// v % 8. Rows outside [row_lo, row_hi) and columns at or past k_end load as zeros.
-__device__ __forceinline__ void load_tile(uint4 (&regs)[4], const bf16_t* __restrict__ base,
-                                          long long row_stride, int row_lo, int row_hi, int k,
-                                          int k_end, int tid) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int v = tid + i * METRALE_THREADS;
-    const int row = v >> 3;
-    const int col = k + (v & 7) * 8;
-    regs[i] = (row >= row_lo && row < row_hi && col < k_end)
-                  ? load16(base + static_cast<long long>(row) * row_stride + col)
-                  : zero16();
-  }
+// The token at sorted position p.
+__device__ __forceinline__ int token_at(const int* __restrict__ order, int p) {
+  return order ? order[p] : p;
 }
 
-__device__ __forceinline__ void store_tile(bf16_t (*tile)[SG_LD], const uint4 (&regs)[4], int tid) {
+// One thread's share of a 64 x 64 BF16 tile stream: its 4 rows' start pointers and whether
+// each row holds data. Rows without data point at a row that does,
+// so every load is in bounds and unconditional; the mask zeroes them.
+struct TileRows {
+  const bf16_t* row[SG_TILE_VECS];
+  bool keep[SG_TILE_VECS];
+};
+
+// Load the tile at K offset k (columns at or past k_end: clamped to k_end - 8, masked).
+__device__ __forceinline__ void load_tile(uint4 (&regs)[SG_TILE_VECS], const TileRows& rows, int k,
+                                          int k_end, int tid) {
+  const int col = k + (tid & 7) * 8;
+  const bool col_ok = col < k_end;
+  const int at = col_ok ? col : k_end - 8;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < SG_TILE_VECS; ++i) regs[i] = load16(rows.row[i] + at);
+#pragma unroll
+  for (int i = 0; i < SG_TILE_VECS; ++i) regs[i] = keep16(col_ok && rows.keep[i], regs[i]);
+}
+
+__device__ __forceinline__ void store_tile(bf16_t (*tile)[SG_LD], const uint4 (&regs)[SG_TILE_VECS],
+                                           int tid) {
+#pragma unroll
+  for (int i = 0; i < SG_TILE_VECS; ++i) {
     const int v = tid + i * METRALE_THREADS;
     *reinterpret_cast<uint4*>(&tile[v >> 3][(v & 7) * 8]) = regs[i];
   }
@@ -104,11 +126,12 @@ __device__ __forceinline__ void mma_k16(float (&acc)[SG_N / 8][4], const bf16_t 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(METRALE_THREADS)
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_SHRINK_MIN_CTAS)
 sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ seg_starts,
-            const int* __restrict__ seg_slots, int num_segments, const ptr_t* __restrict__ a_table,
+            const int* __restrict__ seg_slots, int num_segments,
+            const int* __restrict__ token_order, const ptr_t* __restrict__ a_table,
             const int* __restrict__ ranks, int max_loras, float* __restrict__ t, int num_tokens,
-            int in_dim, int max_rank, int k_chunk) {
+            int in_dim, int max_rank, int t_cols, int k_chunk) {
   __shared__ __align__(16) bf16_t x_tile[SG_M][SG_LD];
   __shared__ __align__(16) bf16_t a_tile[SG_N][SG_LD];
   const int n0 = blockIdx.x * SG_N;
@@ -120,40 +143,51 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   const int m_end = imin(num_tokens, m0 + SG_M);
   const int k_begin = split * k_chunk;
   const int k_end = imin(in_dim, k_begin + k_chunk);
-  const bf16_t* x_window = x + static_cast<long long>(m0) * x_stride;
 
   float acc[SG_N / 8][4];
 #pragma unroll
   for (int nt = 0; nt < SG_N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
-  for (int seg = first_segment(seg_starts, num_segments, m0);
+  // An empty trailing split (K does not divide evenly) only writes its zero partials.
+  for (int seg = k_begin < k_end ? first_segment(seg_starts, num_segments, m0) : num_segments;
        seg < num_segments && seg_starts[seg] < m_end; ++seg) {
     // Everything below is CTA-uniform, so skipping a segment never splits a barrier.
     const int lo = imax(seg_starts[seg], m0) - m0;
     const int hi = imin(seg_starts[seg + 1], m_end) - m0;
     const int slot = seg_slots[seg];
     const ptr_t a_addr = slot_address(a_table, slot, max_loras);
-    const int rank = a_addr ? imin(ranks[slot], max_rank) : 0;
+    const int rank = a_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
     if (lo >= hi || rank <= n0) continue;
     const int n_valid = imin(SG_N, rank - n0);
     const int n_tiles = (n_valid + 7) >> 3;
     const bool warp_active = warp * 16 < hi && warp * 16 + 16 > lo;
     const bf16_t* a_rows = reinterpret_cast<const bf16_t*>(a_addr) + static_cast<long long>(n0) * in_dim;
 
-    uint4 x_regs[4];
-    uint4 a_regs[4];
-    load_tile(x_regs, x_window, x_stride, lo, hi, k_begin, k_end, tid);
-    load_tile(a_regs, a_rows, in_dim, 0, n_valid, k_begin, k_end, tid);
+    TileRows x_rows, a_src;
+#pragma unroll
+    for (int i = 0; i < SG_TILE_VECS; ++i) {
+      const int row = (tid >> 3) + 16 * i;
+      const int token = token_at(token_order, m0 + imin(imax(row, lo), hi - 1));
+      x_rows.row[i] = x + static_cast<long long>(token) * x_stride;
+      x_rows.keep[i] = row >= lo && row < hi;
+      a_src.row[i] = a_rows + static_cast<long long>(imin(row, n_valid - 1)) * in_dim;
+      a_src.keep[i] = row < n_valid;
+    }
+
+    uint4 x_regs[SG_TILE_VECS];
+    uint4 a_regs[SG_TILE_VECS];
+    load_tile(x_regs, x_rows, k_begin, k_end, tid);
+    load_tile(a_regs, a_src, k_begin, k_end, tid);
     for (int k = k_begin; k < k_end; k += SG_K) {
       __syncthreads();  // every warp is done reading the previous tile
       store_tile(x_tile, x_regs, tid);
       store_tile(a_tile, a_regs, tid);
       __syncthreads();
-      // Issue the next tile's global loads before the math so they overlap it.
-      if (k + SG_K < k_end) {
-        load_tile(x_regs, x_window, x_stride, lo, hi, k + SG_K, k_end, tid);
-        load_tile(a_regs, a_rows, in_dim, 0, n_valid, k + SG_K, k_end, tid);
-      }
+      // Issue the next tile's loads before the math so they overlap it (past the end: the last
+      // tile again, never stored).
+      const int k_next = k + SG_K < k_end ? k + SG_K : k;
+      load_tile(x_regs, x_rows, k_next, k_end, tid);
+      load_tile(a_regs, a_src, k_next, k_end, tid);
       if (warp_active) {
 #pragma unroll
         for (int kk = 0; kk < SG_K; kk += 16) mma_k16(acc, x_tile, a_tile, warp, lane, kk, n_tiles);
@@ -162,51 +196,82 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   }
 
   // Rows of skipped tokens and columns past the rank hold exact zeros here.
-  float* t_split = t + static_cast<long long>(split) * num_tokens * max_rank;
+  float* t_split = t + static_cast<long long>(split) * num_tokens * t_cols;
 #pragma unroll
-  for (int nt = 0; nt < SG_N / 8; ++nt) {
-    const int col = n0 + nt * 8 + (lane & 3) * 2;
-    if (col >= max_rank) continue;
+  for (int h = 0; h < 2; ++h) {
+    const int p = m0 + warp * 16 + (lane >> 2) + h * 8;
+    if (p >= num_tokens) continue;
+    float* out = t_split + static_cast<long long>(token_at(token_order, p)) * t_cols;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m0 + warp * 16 + (lane >> 2) + h * 8;
-      if (row < num_tokens) {
-        float* out = t_split + static_cast<long long>(row) * max_rank + col;
-        out[0] = acc[nt][2 * h];
-        out[1] = acc[nt][2 * h + 1];
+    for (int nt = 0; nt < SG_N / 8; ++nt) {
+      const int col = n0 + nt * 8 + (lane & 3) * 2;
+      if (col < t_cols) {
+        out[col] = acc[nt][2 * h];
+        out[col + 1] = acc[nt][2 * h + 1];
       }
     }
   }
 }
 
-// y row update for 8 consecutive outputs (one 16-byte BF16 vector, or two F32 float4).
-__device__ __forceinline__ void add_row8(bf16_t* y, const float* delta, float scale) {
-  uint4 v = *reinterpret_cast<const uint4*>(y);
+// y row update for 8 consecutive outputs: one 16-byte BF16 vector, or two F32 float4.
+struct Y8 {
+  uint4 v[2];
+};
+__device__ __forceinline__ Y8 load_y(const bf16_t* y) {
+  Y8 r;
+  r.v[0] = *reinterpret_cast<const uint4*>(y);
+  r.v[1] = r.v[0];
+  return r;
+}
+__device__ __forceinline__ Y8 load_y(const float* y) {
+  Y8 r;
+  r.v[0] = reinterpret_cast<const uint4*>(y)[0];
+  r.v[1] = reinterpret_cast<const uint4*>(y)[1];
+  return r;
+}
+__device__ __forceinline__ void add_store_y(bf16_t* y, const Y8& old, const float* delta,
+                                            float scale) {
+  uint4 v = old.v[0];
   unsigned* w = reinterpret_cast<unsigned*>(&v);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     w[i] = pack_bf16x2(bf16_lo(w[i]) + scale * delta[2 * i], bf16_hi(w[i]) + scale * delta[2 * i + 1]);
   *reinterpret_cast<uint4*>(y) = v;
 }
-
-__device__ __forceinline__ void add_row8(float* y, const float* delta, float scale) {
+__device__ __forceinline__ void add_store_y(float* y, const Y8& old, const float* delta,
+                                            float scale) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float4 v = reinterpret_cast<const float4*>(y)[h];
-    v.x += scale * delta[4 * h];
-    v.y += scale * delta[4 * h + 1];
-    v.z += scale * delta[4 * h + 2];
-    v.w += scale * delta[4 * h + 3];
+    float4 v;
+    v.x = __uint_as_float(old.v[h].x) + scale * delta[4 * h];
+    v.y = __uint_as_float(old.v[h].y) + scale * delta[4 * h + 1];
+    v.z = __uint_as_float(old.v[h].z) + scale * delta[4 * h + 2];
+    v.w = __uint_as_float(old.v[h].w) + scale * delta[4 * h + 3];
     reinterpret_cast<float4*>(y)[h] = v;
   }
+}
+
+// The t tile: 64 rows x 64 F32 columns = 1024 float4, 8 per thread (rows tid / 16 + 8 i, column
+// 4 x (tid % 16)).
+#define SG_T_VECS 8
+
+__device__ __forceinline__ float4 load_f4(const float* p) {
+  const uint4 u = load16(p);
+  float4 f;
+  f.x = __uint_as_float(u.x);
+  f.y = __uint_as_float(u.y);
+  f.z = __uint_as_float(u.z);
+  f.w = __uint_as_float(u.w);
+  return f;
 }
 
 template <typename OutT>
 __device__ __forceinline__ void sgmv_expand_body(
     const float* __restrict__ t, int num_splits, const int* __restrict__ seg_starts,
-    const int* __restrict__ seg_slots, int num_segments, const ptr_t* __restrict__ b_table,
-    const float* __restrict__ scale_table, const int* __restrict__ ranks, int max_loras,
-    OutT* __restrict__ y, long long y_stride, int num_tokens, int out_dim, int max_rank) {
+    const int* __restrict__ seg_slots, int num_segments, const int* __restrict__ token_order,
+    const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
+    const int* __restrict__ ranks, int max_loras, OutT* __restrict__ y, long long y_stride,
+    int num_tokens, int out_dim, int max_rank, int t_cols) {
   __shared__ __align__(16) bf16_t t_tile[SG_M][SG_LD];
   __shared__ __align__(16) bf16_t b_tile[SG_N][SG_LD];
   __shared__ __align__(16) float stage[SG_M][SG_N + 4];
@@ -218,7 +283,8 @@ __device__ __forceinline__ void sgmv_expand_body(
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int m_end = imin(num_tokens, m0 + SG_M);
-  const long long split_stride = static_cast<long long>(num_tokens) * max_rank;
+  const long long split_stride = static_cast<long long>(num_tokens) * t_cols;
+  const int t_col = (tid & 15) * 4;
 
   if (tid < SG_M) {
     row_scale[tid] = 0.f;
@@ -234,68 +300,87 @@ __device__ __forceinline__ void sgmv_expand_body(
     const int hi = imin(seg_starts[seg + 1], m_end) - m0;
     const int slot = seg_slots[seg];
     const ptr_t b_addr = slot_address(b_table, slot, max_loras);
-    const int rank = b_addr ? imin(ranks[slot], max_rank) : 0;
+    const int rank = b_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
     if (lo >= hi || rank <= 0) continue;
     if (tid >= lo && tid < hi) {
       row_active[tid] = 1;
       row_scale[tid] = scale_table[slot];
     }
     const bool warp_active = warp * 16 < hi && warp * 16 + 16 > lo;
-    const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr) + static_cast<long long>(o0) * max_rank;
+    const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr);
+    // This thread's t rows (tokens; rows outside the segment read a row inside it, masked) and B
+    // rows (outputs past out_dim read the last one, masked).
+    int t_token[SG_T_VECS];
+#pragma unroll
+    for (int i = 0; i < SG_T_VECS; ++i)
+      t_token[i] = token_at(token_order, m0 + imin(imax((tid >> 4) + 8 * i, lo), hi - 1));
+    TileRows b_src;
+#pragma unroll
+    for (int i = 0; i < SG_TILE_VECS; ++i) {
+      const int row = (tid >> 3) + 16 * i;
+      b_src.row[i] = b_rows + static_cast<long long>(imin(o0 + row, out_dim - 1)) * max_rank;
+      b_src.keep[i] = o0 + row < out_dim;
+    }
 
     for (int kc = 0; kc < rank; kc += SG_K) {
       const int kn = imin(SG_K, rank - kc);
-      __syncthreads();  // every warp is done reading the previous tiles
-      // t tile: 64 rows x 64 F32 columns as 1024 float4 = 8 per thread; split partials summed in
-      // F32, then rounded once to BF16 for the tensor cores.
+      // One pass issues the B tile and split 0 of the t tile together; later splits add in an
+      // outer loop, each pass issuing all of its t loads first.
+      uint4 w[SG_TILE_VECS];
+      load_tile(w, b_src, kc, kc + (kn + 7) / 8 * 8, tid);
+      const bool t_col_ok = t_col < kn;
+      const int t_at = kc + (t_col_ok ? t_col : 0);
+      float4 f[SG_T_VECS];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int v = tid + i * METRALE_THREADS;
-        const int row = v >> 4;
-        const int col = (v & 15) * 4;
-        float f[4] = {0.f, 0.f, 0.f, 0.f};
-        if (row >= lo && row < hi && col < kn) {
-          const float* src = t + static_cast<long long>(m0 + row) * max_rank + kc + col;
-          for (int z = 0; z < num_splits; ++z) {
-            const float4 p = *reinterpret_cast<const float4*>(src + z * split_stride);
-            f[0] += p.x;
-            f[1] += p.y;
-            f[2] += p.z;
-            f[3] += p.w;
-          }
+      for (int i = 0; i < SG_T_VECS; ++i)
+        f[i] = load_f4(t + static_cast<long long>(t_token[i]) * t_cols + t_at);
+      // One split per iteration: its 8 loads all issue before the first add.
+#pragma unroll 1
+      for (int z = 1; z < num_splits; ++z) {
+        const float* t_split = t + z * split_stride + t_at;
+        float4 p[SG_T_VECS];
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (col + e >= kn) f[e] = 0.f;
+        for (int i = 0; i < SG_T_VECS; ++i)
+          p[i] = load_f4(t_split + static_cast<long long>(t_token[i]) * t_cols);
+#pragma unroll
+        for (int i = 0; i < SG_T_VECS; ++i) {
+          f[i].x += p[i].x;
+          f[i].y += p[i].y;
+          f[i].z += p[i].z;
+          f[i].w += p[i].w;
         }
-        unsigned* dst = reinterpret_cast<unsigned*>(&t_tile[row][col]);
-        dst[0] = pack_bf16x2(f[0], f[1]);
-        dst[1] = pack_bf16x2(f[2], f[3]);
       }
-      // B tile: 64 output rows x 64 rank columns; columns at or past the rank are zeroed rather
-      // than trusted to be zero padding.
+      __syncthreads();  // every warp is done reading the previous tiles
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int v = tid + i * METRALE_THREADS;
-        const int row = v >> 3;
-        const int col = (v & 7) * 8;
-        uint4 w = zero16();
-        if (o0 + row < out_dim && col < kn) {
-          w = load16(b_rows + static_cast<long long>(row) * max_rank + kc + col);
-          const int keep = kn - col;  // elements of this vector inside the rank
-          if (keep < 8) {
-            unsigned* u = reinterpret_cast<unsigned*>(&w);
+      for (int i = 0; i < SG_T_VECS; ++i) {
+        // Columns at or past the rank are zeroed, not trusted.
+        const int row = (tid >> 4) + 8 * i;
+        const bool keep = row >= lo && row < hi && t_col_ok;
+        const float v[4] = {f[i].x, f[i].y, f[i].z, f[i].w};
+        float m[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              if (2 * e >= keep) {
-                u[e] = 0u;
-              } else if (2 * e + 1 >= keep) {
-                u[e] &= 0xffffu;
-              }
+        for (int e = 0; e < 4; ++e) m[e] = keep && t_col + e < kn ? v[e] : 0.f;
+        unsigned* dst = reinterpret_cast<unsigned*>(&t_tile[row][t_col]);
+        dst[0] = pack_bf16x2(m[0], m[1]);
+        dst[1] = pack_bf16x2(m[2], m[3]);
+      }
+      // B columns at or past the rank are zeroed rather than trusted to be zero padding.
+      const int keep_cols = kn - (tid & 7) * 8;
+#pragma unroll
+      for (int i = 0; i < SG_TILE_VECS; ++i) {
+        if (keep_cols < 8) {
+          unsigned* u = reinterpret_cast<unsigned*>(&w[i]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (2 * e >= keep_cols) {
+              u[e] = 0u;
+            } else if (2 * e + 1 >= keep_cols) {
+              u[e] &= 0xffffu;
             }
           }
         }
-        *reinterpret_cast<uint4*>(&b_tile[row][col]) = w;
       }
+      store_tile(b_tile, w, tid);
       __syncthreads();
       if (warp_active) {
         for (int kk = 0; kk < kn; kk += 16) mma_k16(acc, t_tile, b_tile, warp, lane, kk, SG_N / 8);
@@ -316,34 +401,47 @@ __device__ __forceinline__ void sgmv_expand_body(
     }
   }
   __syncthreads();
+  // Every y vector of the thread is loaded before the first is written back (clamped into the
+  // batch and the row; only active rows inside it are stored).
+  OutT* y_at[SG_TILE_VECS];
+  Y8 old[SG_TILE_VECS];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int v = tid + i * METRALE_THREADS;
-    const int row = v >> 3;
-    const int col = (v & 7) * 8;
-    if (row_active[row] && m0 + row < num_tokens && o0 + col < out_dim) {
-      add_row8(y + static_cast<long long>(m0 + row) * y_stride + o0 + col, &stage[row][col],
-               row_scale[row]);
-    }
+  for (int i = 0; i < SG_TILE_VECS; ++i) {
+    const int row = (tid >> 3) + 16 * i;
+    const int p = imin(m0 + row, num_tokens - 1);
+    y_at[i] = y + static_cast<long long>(token_at(token_order, p)) * y_stride +
+              imin(o0 + (tid & 7) * 8, out_dim - 8);
+    old[i] = load_y(y_at[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < SG_TILE_VECS; ++i) {
+    const int row = (tid >> 3) + 16 * i;
+    const int col = (tid & 7) * 8;
+    if (row_active[row] && m0 + row < num_tokens && o0 + col < out_dim)
+      add_store_y(y_at[i], old[i], &stage[row][col], row_scale[row]);
   }
 }
 
-extern "C" __global__ void __launch_bounds__(METRALE_THREADS)
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CTAS)
 sgmv_expand_bf16(const float* __restrict__ t, int num_splits, const int* __restrict__ seg_starts,
                  const int* __restrict__ seg_slots, int num_segments,
-                 const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
-                 const int* __restrict__ ranks, int max_loras, bf16_t* __restrict__ y,
-                 long long y_stride, int num_tokens, int out_dim, int max_rank) {
-  sgmv_expand_body(t, num_splits, seg_starts, seg_slots, num_segments, b_table, scale_table, ranks,
-                   max_loras, y, y_stride, num_tokens, out_dim, max_rank);
+                 const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
+                 const float* __restrict__ scale_table, const int* __restrict__ ranks,
+                 int max_loras, bf16_t* __restrict__ y, long long y_stride, int num_tokens,
+                 int out_dim, int max_rank, int t_cols) {
+  sgmv_expand_body(t, num_splits, seg_starts, seg_slots, num_segments, token_order, b_table,
+                   scale_table, ranks, max_loras, y, y_stride, num_tokens, out_dim, max_rank,
+                   t_cols);
 }
 
-extern "C" __global__ void __launch_bounds__(METRALE_THREADS)
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CTAS)
 sgmv_expand_f32(const float* __restrict__ t, int num_splits, const int* __restrict__ seg_starts,
                 const int* __restrict__ seg_slots, int num_segments,
-                const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
-                const int* __restrict__ ranks, int max_loras, float* __restrict__ y,
-                long long y_stride, int num_tokens, int out_dim, int max_rank) {
-  sgmv_expand_body(t, num_splits, seg_starts, seg_slots, num_segments, b_table, scale_table, ranks,
-                   max_loras, y, y_stride, num_tokens, out_dim, max_rank);
+                const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
+                const float* __restrict__ scale_table, const int* __restrict__ ranks,
+                int max_loras, float* __restrict__ y, long long y_stride, int num_tokens,
+                int out_dim, int max_rank, int t_cols) {
+  sgmv_expand_body(t, num_splits, seg_starts, seg_slots, num_segments, token_order, b_table,
+                   scale_table, ranks, max_loras, y, y_stride, num_tokens, out_dim, max_rank,
+                   t_cols);
 }

@@ -606,6 +606,9 @@ def bench_kernels(
     plot_text: Annotated[str | None, typer.Option("--plot", help="Write a roofline chart "
                                                   "(PNG) here.")] = None,
     force: ForceOpt = False,
+    model_only: Annotated[bool, typer.Option(
+        "--model-only", help="No GPU: the roofline model's expected share of peak per shape.")
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one).
@@ -615,9 +618,10 @@ def bench_kernels(
     from metrale_cli import bench_kernels as bench
     from metrale_cli.atomic import check_output, output_path
     from metrale_cli.compat import cupy_module
-    from metrale_cli.render import kernel_line
+    from metrale_cli.render import kernel_line, kernel_model_line
 
-    cupy_module()  # no GPU: exit 3 before anything else
+    if not model_only:
+        cupy_module()  # no GPU: exit 3 before anything else
     shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
     positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
     positive("--repeats", repeats)
@@ -632,12 +636,19 @@ def bench_kernels(
         else:
             out().print(kernel_line(record))
 
-    kwargs: dict[str, Any] = {"repeats": repeats, "progress": show}
+    kwargs: dict[str, Any] = {}
     if rank:
         kwargs["ranks"] = rank
     if tokens:
         kwargs["tokens"] = tokens
-    records = bench.run(shapes, adapters=adapters, **kwargs)
+    if model_only:
+        for record in bench.model(shapes, adapters=adapters, **kwargs):
+            if json_out:
+                sys.stdout.write(json.dumps(record) + "\n")
+            else:
+                out().print(kernel_model_line(record), soft_wrap=True)
+        return
+    records = bench.run(shapes, adapters=adapters, repeats=repeats, progress=show, **kwargs)
     if plot_path is not None:
         bench.plot(records, plot_path, force)
 

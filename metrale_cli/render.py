@@ -323,6 +323,16 @@ def kernel_line(record: dict[str, Any]) -> Text:
         + (f"{speedup:5.2f}x {record['torch_best']}" if speedup else "no torch"))
 
 
+def kernel_model_line(record: dict[str, Any]) -> Text:
+    """One shape of the `bench kernels --model-only` roofline model on one line."""
+    return Text(
+        f"{record['kernel']:<16} {record['path']:<17} {record['module']:<8} "
+        f"r{record['rank']:<3} T{record['tokens']:<4} D{record['adapters']:<4} "
+        f"{record['ctas']:>5} CTAs {record['in_flight_per_sm_bytes'] / 1024:5.1f} KiB/SM "
+        f"{record['expected_pct_peak']:5.1f}% peak {record['expected_copy_ratio']:4.2f}x copy "
+        f"{'meets' if record['meets_target'] else 'MISSES'}")
+
+
 def pack_view(result: Any) -> Group:
     layout = result.pool.layout
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)

@@ -1,10 +1,17 @@
-"""Shared pytest wiring. The GPU pieces: `gpu`-marked tests skip without a usable device, and
---require-gpu turns that skip into a failure so a GPU run cannot pass by skipping everything.
-The hypothesis profile every property test runs under."""
+"""Shared pytest wiring for the tests that need more than the CPU, and for property tests.
+
+- `gpu`-marked tests skip without a usable device; --require-gpu turns that skip into a failure
+  so a GPU run cannot pass by skipping everything.
+- `nvcc`-marked tests (the kernels' nvcc compiles and their SASS checks) skip where the CUDA
+  compiler is absent; --require-nvcc turns that into a failure, as .ci/run does, so CI compiles
+  every kernel. A test that needs more (nvdisasm) skips itself with the reason.
+- The hypothesis profile every property test runs under.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -27,9 +34,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="fail, rather than skip, tests marked gpu when no usable CUDA device is present",
     )
+    parser.addoption(
+        "--require-nvcc",
+        action="store_true",
+        default=False,
+        help="fail, rather than skip, tests marked nvcc (or their tools) when nvcc is absent",
+    )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("nvcc") is not None and shutil.which("nvcc") is None:
+        if item.config.getoption("--require-nvcc"):
+            pytest.fail("--require-nvcc was given but nvcc is not on PATH", pytrace=False)
+        pytest.skip("needs nvcc (the CUDA toolkit) on PATH")
     if item.get_closest_marker("gpu") is None:
         return
     from metrale_cli import compat

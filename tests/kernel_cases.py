@@ -77,6 +77,21 @@ def make_pool(in_dim: int, out_dim: int, max_rank: int, ranks: list[int], absent
 
 
 @dataclass
+class Inputs:
+    """One case's buffers, as the host tests use them."""
+
+    pool: Pool
+    a_table: torch.Tensor
+    b_table: torch.Tensor
+    a_weights: list[torch.Tensor | None]
+    b_weights: list[torch.Tensor | None]
+    x: torch.Tensor
+    y: torch.Tensor
+    y0: torch.Tensor  # y before the kernels ran
+    slots: torch.Tensor
+
+
+@dataclass
 class Case:
     name: str
     num_tokens: int
@@ -108,6 +123,15 @@ class Case:
         return reference.segments_to_slots(
             torch.tensor(self.seg_starts), torch.tensor(self.seg_slots), self.num_tokens
         )
+
+    def inputs(self, y_dtype: torch.dtype) -> Inputs:
+        """The pool, its tables and per-slot weights, x, y (and a copy of it) and the slots."""
+        pool = self.pool()
+        a_table, b_table = pool.tables()
+        a_weights, b_weights = pool.weights()
+        y = self.y(y_dtype)
+        return Inputs(pool, a_table, b_table, a_weights, b_weights, self.x(), y, y.clone(),
+                      self.token_slots())
 
     def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.tensor(self.seg_starts, dtype=torch.int32),
@@ -143,6 +167,17 @@ SGMV_CASES = [
     # Segments that straddle the 64-token tiles.
     Case("straddle", 130, 128, 128, 64, [64, 40], seg_starts=[0, 63, 65, 129, 130],
          seg_slots=[0, 1, 0, 1]),
+]
+
+# Decode batches run with a batch plan (kernels.plan_batch), on both the grouped and the
+# per-token path.
+DECODE_BATCHES = [
+    # Slots shared by many tokens (grouped), rank 12 and 33 in a max-rank-48 pool (t narrows to
+    # 40), with slot -1, an absent slot, a rank-0 slot and one past the table.
+    Case("shared_slots", 21, 200, 72, 48, [12, 33, 8, 0], absent={2},
+         slots=[0, 1, 0, -1, 1, 0, 2, 0, 1, 3, 0, 1, 9, 0, 1, 0, 1, 0, 1, 0, 0]),
+    # One adapter for the whole batch, over three 64-token tiles.
+    Case("one_slot", 150, 64, 64, 64, [20], slots=[0] * 150),
 ]
 
 

@@ -1,0 +1,38 @@
+// lora_config.h: every number that the kernels and their Python planner (metrale_cli/kernels.py)
+// share, written once. kernels.py reads this file (`#define NAME <integer>` lines only, one per
+// line), so keep each definition a plain decimal integer.
+#pragma once
+
+// Threads per CTA for every kernel (4 warps).
+#define METRALE_THREADS 128
+// BF16 elements per 16-byte load: dims, ranks and row strides are multiples of it.
+#define METRALE_VECTOR 8
+// The largest max_rank: BGMV expand keeps a token's t row (F32) in shared memory.
+#define METRALE_MAX_RANK 256
+// Split-K never cuts K into more partials than this (the expand sums them).
+#define METRALE_MAX_SPLITS 32
+
+// bgmv_shrink: rank rows per CTA, and K steps (of METRALE_THREADS x 8 elements) per pass. A pass
+// issues BGMV_SHRINK_STEPS x (1 + BGMV_SHRINK_ROWS) 16-byte loads per thread before its first use.
+#define BGMV_SHRINK_ROWS 4
+#define BGMV_SHRINK_STEPS 2
+// bgmv_expand: output rows per thread (one 16-byte BF16 y vector) and rank vectors per pass: a
+// pass issues BGMV_EXPAND_ROWS x BGMV_EXPAND_COLS 16-byte B loads per thread before its first use.
+#define BGMV_EXPAND_ROWS 8
+#define BGMV_EXPAND_COLS 2
+// SGMV tiles: 64 tokens (4 warps x the mma's 16 rows) x 64 rank or output columns x 64 K.
+#define SGMV_TILE 64
+
+// Per kernel: the CTAs per SM its __launch_bounds__ guarantees (so ptxas keeps registers within
+// 65536 / (METRALE_THREADS x that)), and the independent 16-byte global loads per thread that each
+// of its hot loops issues before the first instruction that uses one of them. The second number
+// is what tests/test_kernels_sass.py checks in the sm_90 machine code and what the roofline model
+// (metrale bench kernels --model-only) turns into bytes in flight; kernels/README.md explains them.
+#define BGMV_SHRINK_MIN_CTAS 6
+#define BGMV_SHRINK_LOADS 10
+#define BGMV_EXPAND_MIN_CTAS 4
+#define BGMV_EXPAND_LOADS 16
+#define SGMV_SHRINK_MIN_CTAS 3
+#define SGMV_SHRINK_LOADS 8
+#define SGMV_EXPAND_MIN_CTAS 3
+#define SGMV_EXPAND_LOADS 8
