@@ -239,3 +239,15 @@ def test_the_docs_figures_are_the_code_s() -> None:
         got = (RankLayout.of(layout, ShardSpec(int(tp), 0, 1, bool(fully))).slot_bytes if tp
                else layout.slot_bytes)
         assert got == int(figure.replace(",", ""))
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "inf"])
+def test_a_bad_dist_timeout_is_one_line(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from metrale_cli import env
+    from metrale_cli.errors import UsageError as Usage
+
+    monkeypatch.setenv("METRALE_DIST_TIMEOUT", value)
+    with pytest.raises(Usage, match=f"METRALE_DIST_TIMEOUT='{value}': not a positive number"):
+        env.dist_timeout()
+    monkeypatch.setenv("METRALE_DIST_TIMEOUT", " 2.5 ")
+    assert env.dist_timeout() == 2.5
