@@ -128,6 +128,9 @@ class LoraPool:
         self.expert_a_tables = self.xp.zeros((n_e, max_loras), dtype=np.uint64)
         self.expert_b_tables = self.xp.zeros((n_e, max_loras), dtype=np.uint64)
         self._expert_zeroed = [True] * max_loras
+        # [max_loras] i32: slot k's widest expert-pair rank (the expert kernels bound their rank
+        # loops by it; a slot's expert pairs may be ranked apart from its modules).
+        self.expert_rank_table = self.xp.zeros(max_loras, dtype=np.int32)
         # The seed's `overlay_raw`: per slot, its token-overlay rows as uploaded (host memory;
         # the served tables are built from them by the model), None without overlays.
         self.overlay_raw: list[OverlayRaw | None] = [None] * max_loras
@@ -279,6 +282,7 @@ class LoraPool:
             self.expert_a_tables[:, slot] = self.xp.asarray(ea_col)
             self.expert_b_tables[:, slot] = self.xp.asarray(eb_col)
         self.overlay_raw[slot] = overlay
+        self.expert_rank_table[slot] = max((p.r for p in pairs), default=0)
         self.scale_table[slot] = scale
         self.rank_table[slot] = report.rank
         cfg = report.adapter.config
@@ -322,6 +326,7 @@ class LoraPool:
             self.expert_a_tables[:, slot] = 0
             self.expert_b_tables[:, slot] = 0
             self._expert_zeroed[slot] = True
+        self.expert_rank_table[slot] = 0
         self.overlay_raw[slot] = None
         self.scale_table[slot] = 0.0
         self.rank_table[slot] = 0
@@ -491,12 +496,19 @@ class LoraPool:
             self.expert_a_tables[:, slot] = 0
             self.expert_b_tables[:, slot] = 0
             self._expert_zeroed[slot] = True
+            self.expert_rank_table[slot] = 0
             return
         self._land_region(self.expert_pool, self.expert_a_tables, self.expert_b_tables,
                           self.expert_base_address, size, slot,
                           source.expert_slot_bytes_host(source_slot),
                           source.expert_slot_offsets(source_slot), source_slot)
         self._expert_zeroed[slot] = False
+        # A pool image records no expert ranks: its pairs are bounded by the layout's max rank
+        # (their padding is zero, so the bound costs work, never correctness).
+        ranks = getattr(source, "expert_rank_table", None)
+        adapted = bool((source.expert_slot_offsets(source_slot)[0] >= 0).any())
+        self.expert_rank_table[slot] = (int(source.to_host(ranks)[source_slot])
+                                        if ranks is not None else ex.max_rank if adapted else 0)
 
     def _land_region(self, pool: Any, a_tables: Any, b_tables: Any, base_address: int,
                      size: int, slot: int, data: np.ndarray,
