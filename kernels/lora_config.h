@@ -10,7 +10,7 @@
 // The largest max_rank: BGMV expand keeps a token's t row (F32) in shared memory.
 #define METRALE_MAX_RANK 256
 // Split-K never cuts K into more partials than this (the expand sums them).
-#define METRALE_MAX_SPLITS 16
+#define METRALE_MAX_SPLITS 32
 
 // bgmv_shrink: rank rows per CTA, and K steps (of METRALE_THREADS x 8 elements) per pass. A pass
 // issues BGMV_SHRINK_STEPS x (1 + BGMV_SHRINK_ROWS) 16-byte loads per thread before its first use.

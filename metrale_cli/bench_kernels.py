@@ -1,7 +1,15 @@
-"""`metrale bench kernels`: time the LoRA delta kernels on the GPU against the limit and against
-torch, as records (one dict per measurement, its setup embedded).
+"""`metrale bench kernels`: the LoRA delta kernels against the limit and against torch, as
+records (one dict per kernel and shape, its setup embedded). Two things:
 
-Method (docs: /work/shared/reference/kernel_perf.md section 6):
+- `model`: a roofline model that needs no GPU (`metrale bench kernels --model-only`). For every
+  benchmark shape it takes the launch plan the kernels would get (path, grid, splits), the
+  independent 16-byte loads per thread that the SASS check guarantees (kernels/lora_config.h),
+  and Little's law, and states the share of peak HBM bandwidth the kernel should reach.
+- `run`: the GPU measurement of the same shapes, which records the model's figure beside the
+  measured one.
+
+Measurement method (docs/bench.md, after the research notes on kernel benchmarking that the
+kernels issue cites):
 - Validate first: every shape's kernels are checked against reference.py (on a sample of rows)
   before anything is timed; a mismatch raises.
 - Defeat the L2: G rotation groups, each with its own x, y, t, weights and pointer tables, with
@@ -9,12 +17,13 @@ Method (docs: /work/shared/reference/kernel_perf.md section 6):
 - Time CUDA-graph replays: the G calls are captured once (CuPy stream capture; torch baselines
   with torch.cuda.graph), replayed `repeats` times between CUDA events after >= 25 ms of warm-up;
   one sample = replay time / G. Host launch cost is thereby out of the number.
-- Report against the limit: compulsory bytes (section 5.1), achieved TB/s, % of the nominal peak
-  (memoryClockRate x busWidth from the device), % of an equal-bytes device-to-device copy timed
-  the same way in the same run, and speedup over the best torch baseline in the same run.
+- Report against the limit: compulsory bytes (compulsory_bytes), achieved TB/s, % of the
+  nominal peak (memoryClockRate x busWidth from the device), % of an equal-bytes
+  device-to-device copy timed the same way in the same run, the speedup over the best torch
+  baseline in the same run, and the roofline model's expected time beside the measured one.
 
-Needs CuPy and a device (NoDevice otherwise); torch baselines need a CUDA build of torch and are
-recorded as absent without one.
+`run` needs CuPy and a device (NoDevice otherwise); torch baselines need a CUDA build of torch
+and are recorded as absent without one.
 """
 
 from __future__ import annotations
@@ -66,13 +75,175 @@ def device_info() -> Device:
 
 def compulsory_bytes(kind: str, tokens: int, adapters: int, rank: int, in_dim: int,
                      out_dim: int, y_bytes: int = 2) -> int:
-    """Bytes a kernel must move at least (kernel_perf.md section 5.1; t is F32, every token
-    adapted): distinct weights once, activations once, y read and written."""
+    """Bytes a kernel must move at least (t is F32, every token adapted): distinct weights
+    once, activations once, y read and written."""
     if kind == "shrink":
         return 2 * adapters * rank * in_dim + 2 * tokens * in_dim + 4 * tokens * rank
     if kind == "expand":
         return 2 * adapters * out_dim * rank + 4 * tokens * rank + 2 * y_bytes * tokens * out_dim
     raise ValueError(f"unknown kernel kind {kind!r}")
+
+
+# --- the roofline model (no GPU needed) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelDevice:
+    """What the model assumes of the device: an H200 by default."""
+
+    name: str = "H200 (model)"
+    sms: int = 132
+    peak_bytes_per_s: float = 4.8e12  # nominal HBM bandwidth
+    copy_fraction: float = 4.3 / 4.8  # a device-to-device copy's share of it, measured on an H200
+    latency_s: float = 0.6e-6  # loaded DRAM latency: the order of magnitude Little's law needs
+
+
+# The kernels issue's targets: share of nominal peak in the bandwidth regime (compulsory traffic
+# of at least 64 MB), and at most 1.3x an equal-bytes copy below it, where a fixed latency
+# dominates whatever the kernel does.
+TARGET_PCT = {("decode", "shrink"): 80.0, ("decode", "expand"): 75.0,
+              ("prefill", "shrink"): 70.0, ("prefill", "expand"): 70.0}
+BANDWIDTH_REGIME_BYTES = 64 << 20
+COPY_RATIO_TARGET = 1.3
+_LOAD_BYTES = 16
+
+
+@dataclass(frozen=True)
+class _Launch:
+    kernel: str
+    path: str
+    grid: tuple[int, int, int]
+    splits: int
+    requested_bytes: int  # what the loads ask for, L2 hits included
+
+
+def _decode_slots(tokens: int, adapters: int) -> np.ndarray:
+    """The benchmark's decode batch: adapters interleaved over the tokens, as requests arrive."""
+    return (np.arange(tokens) % adapters).astype(np.int32)
+
+
+def _tile_segments(tokens: int, adapters: int) -> int:
+    """(64-token tile, segment) pairs when `adapters` equal runs share `tokens` sorted tokens."""
+    starts = np.arange(adapters + 1) * tokens // adapters
+    tile = kernels.SGMV_TILE
+    return int(sum(-(-int(hi) // tile) - int(lo) // tile
+                   for lo, hi in zip(starts[:-1], starts[1:], strict=True) if hi > lo))
+
+
+def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, out_dim: int,
+                sms: int, y_bytes: int = 2) -> _Launch:
+    """The launch a benchmark shape gets: decode (<= 256 tokens) through kernels.plan_batch
+    (grouped or per-token), prefill through SGMV over sorted segments; t as wide as the rank."""
+    y_kind = "bf16" if y_bytes == 2 else "f32"
+    grouped = tokens > 256
+    path = "segments"
+    if not grouped:
+        plan = kernels.plan_batch(_decode_slots(tokens, adapters), [rank] * adapters, rank)
+        grouped, path = plan.grouped, "grouped" if plan.grouped else "per-token"
+    family = "sgmv" if grouped else "bgmv"
+    splits = kernels.shrink_splits(family, tokens, in_dim, rank, sms)
+    t_bytes = 4 * splits * tokens * rank
+    if kind == "shrink":
+        kernel = f"{family}_shrink"
+        grid = kernels.launch_grid(kernel, tokens, in_dim, rank, splits)
+        pairs = _tile_segments(tokens, adapters) if grouped else tokens
+        # BGMV reads a token's x once per CTA of rank rows; SGMV once per 64-column rank tile.
+        x_reads = grid[1] if family == "bgmv" else grid[0]
+        requested = 2 * pairs * rank * in_dim + 2 * tokens * in_dim * x_reads + t_bytes
+    else:
+        if grouped and path == "grouped" and not kernels.grouped_expand(tokens, out_dim, sms):
+            family, path = "bgmv", "grouped+per-token"
+        kernel = f"{family}_expand_{y_kind}"
+        grid = kernels.launch_grid(kernel, tokens, out_dim, rank)
+        pairs = _tile_segments(tokens, adapters) if family == "sgmv" else tokens
+        # SGMV re-reads a token tile's t once per 64-output tile.
+        t_reads = t_bytes * (grid[0] if family == "sgmv" else 1)
+        requested = 2 * pairs * out_dim * rank + 2 * y_bytes * tokens * out_dim + t_reads
+    return _Launch(kernel, path, grid, splits, requested)
+
+
+def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int, adapters: int,
+                 kind: str, device: ModelDevice | None = None) -> dict[str, Any]:
+    """The roofline model's record for one kernel and shape.
+
+    CTAs run in waves of `sms x ctas_per_sm` (the CTAs per SM the kernel's launch bounds
+    guarantee). While c CTAs run per SM, each keeps `loads x 16 B x threads` in flight (the SASS
+    check's count, capped by what the CTA loads in all), so Little's law lets the device stream
+    min(copy bandwidth, sms x c x in-flight / latency). The expected time is one latency plus
+    the compulsory bytes streamed wave by wave at that rate; the copy takes one latency plus the
+    bytes at copy bandwidth.
+    """
+    device = device or ModelDevice()
+    phase = "decode" if tokens <= 256 else "prefill"
+    launch = plan_launch(kind, tokens, adapters, rank, in_dim, out_dim, device.sms)
+    nbytes = compulsory_bytes(kind, tokens, adapters, rank, in_dim, out_dim)
+    ctas = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    per_sm = kernels.min_ctas_per_sm(launch.kernel)
+    loads = kernels.loads_in_flight(launch.kernel)
+    cta_bytes = min(loads * _LOAD_BYTES * kernels.THREADS, launch.requested_bytes / ctas)
+    copy_bw = device.copy_fraction * device.peak_bytes_per_s
+    wave = device.sms * per_sm
+    full_waves, rest = divmod(ctas, wave)
+    phases = ([(full_waves * wave, float(per_sm))] if full_waves else []) + (
+        [(rest, rest / device.sms)] if rest else [])
+    stream_s = 0.0
+    for count, concurrent in phases:
+        bandwidth = min(copy_bw, device.sms * concurrent * cta_bytes / device.latency_s)
+        stream_s += nbytes * count / ctas / bandwidth
+    first = phases[0][1]
+    in_flight = first * cta_bytes
+    expected_s = device.latency_s + stream_s
+    copy_s = device.latency_s + nbytes / copy_bw
+    regime = "bandwidth" if nbytes >= BANDWIDTH_REGIME_BYTES else "latency"
+    expected_pct = 100 * nbytes / expected_s / device.peak_bytes_per_s
+    target = TARGET_PCT[phase, kind]
+    meets = (expected_pct >= target if regime == "bandwidth"
+             else expected_s / copy_s <= COPY_RATIO_TARGET)
+    return {
+        "kernel": launch.kernel, "path": launch.path, "module": module, "out_dim": out_dim,
+        "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
+        "splits": launch.splits, "grid": list(launch.grid), "ctas": ctas,
+        "ctas_per_sm": per_sm, "waves": ctas / wave, "loads_per_thread": loads,
+        "in_flight_per_sm_bytes": round(in_flight),
+        "needed_in_flight_per_sm_bytes": round(copy_bw * device.latency_s / device.sms),
+        "bytes": nbytes, "requested_bytes": launch.requested_bytes,
+        "little_pct_peak": 100 * min(copy_bw, device.sms * in_flight / device.latency_s)
+        / device.peak_bytes_per_s,
+        "expected_us": expected_s * 1e6, "expected_pct_peak": expected_pct,
+        "copy_us": copy_s * 1e6, "expected_copy_ratio": expected_s / copy_s,
+        "regime": regime, "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
+        "meets_target": meets, "device": device.name,
+        "peak_tb_per_s": device.peak_bytes_per_s / 1e12, "latency_us": device.latency_s * 1e6,
+    }
+
+
+def _shapes(model_shapes: Sequence[tuple[str, int, int]], ranks: Sequence[int],
+            tokens: Sequence[int], adapters: Sequence[int] | None,
+            ) -> list[tuple[str, int, int, int, int, int]]:
+    """(module, out_dim, in_dim, rank, tokens, adapters) of every benchmark shape."""
+    shapes = []
+    for module, out_dim, in_dim in model_shapes:
+        for rank in ranks:
+            for num_tokens in tokens:
+                counts = sorted({min(a, num_tokens) for a in (adapters or (1, 8, num_tokens))})
+                shapes.extend((module, out_dim, in_dim, rank, num_tokens, count)
+                              for count in counts)
+    return shapes
+
+
+def model(
+    model_shapes: Sequence[tuple[str, int, int]],
+    ranks: Sequence[int] = DEFAULT_RANKS,
+    tokens: Sequence[int] = DECODE_TOKENS + PREFILL_TOKENS,
+    adapters: Sequence[int] | None = None,
+    device: ModelDevice | None = None,
+) -> list[dict[str, Any]]:
+    """The roofline model's records for the shapes `run` would measure (no GPU needed)."""
+    return [model_record(module, out_dim, in_dim, rank, num_tokens, count, kind, device)
+            for module, out_dim, in_dim, rank, num_tokens, count in _shapes(
+                model_shapes, ranks, tokens, adapters)
+            for kind in ("shrink", "expand")]
+
 
 
 class _Group:
@@ -98,6 +269,8 @@ class _Group:
         self.x = bf16((tokens, in_dim), 1.0)
         self.y = bf16((tokens, out_dim), 1.0)
         self.t = cupy.zeros((num_splits, tokens, rank), dtype=cupy.float32)
+        self.order = None
+        self.grouped = prefill
         if prefill:
             # Sorted runs: adapter d serves tokens [starts[d], starts[d + 1]).
             self.seg_starts = (cupy.arange(adapters + 1, dtype=cupy.int64) * tokens // adapters
@@ -105,22 +278,34 @@ class _Group:
             self.seg_slots = cupy.arange(adapters, dtype=cupy.int32)
             self.slots = cupy.repeat(self.seg_slots, cupy.diff(self.seg_starts).get().tolist())
         else:
-            # Decode: adapters interleaved over the batch, as requests arrive.
-            self.slots = (cupy.arange(tokens, dtype=cupy.int32) % adapters).astype(cupy.int32)
+            # Decode: adapters interleaved over the batch, as requests arrive; the batch plan
+            # the host would build picks the grouped or the per-token path.
+            host_slots = _decode_slots(tokens, adapters)
+            self.slots = cupy.asarray(host_slots)
+            plan = kernels.plan_batch(host_slots, [rank] * adapters, rank)
+            self.grouped = plan.grouped
+            if plan.grouped:
+                self.order = cupy.asarray(plan.order)
+                self.seg_starts = cupy.asarray(plan.seg_starts)
+                self.seg_slots = cupy.asarray(plan.seg_slots)
 
 
-def _ours(kind: str, prefill: bool, group: _Group) -> Callable[[], None]:
-    if prefill and kind == "shrink":
+def _ours(kind: str, group: _Group) -> Callable[[], None]:
+    """The launch `plan_launch` models for this group's batch, ready to call."""
+    tokens, out_dim = (int(d) for d in group.y.shape)
+    sms = kernels.device_sm_count()
+    if kind == "shrink" and group.grouped:
         plan = kernels.plan_sgmv_shrink(group.x, group.seg_starts, group.seg_slots, group.a_table,
-                                        group.ranks, group.t)
-    elif prefill:
-        plan = kernels.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
-                                        group.scales, group.ranks, group.y)
+                                        group.ranks, group.t, token_order=group.order)
     elif kind == "shrink":
         plan = kernels.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t)
+    elif group.grouped and (group.order is None or kernels.grouped_expand(tokens, out_dim, sms)):
+        plan = kernels.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
+                                        group.scales, group.ranks, group.y,
+                                        token_order=group.order)
     else:
         plan = kernels.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
-                                        group.ranks, group.y, num_sms=kernels.device_sm_count())
+                                        group.ranks, group.y)
     kernel = kernels.get_kernel(plan.kernel)
     return lambda: kernel(plan.grid, plan.block, plan.args)
 
@@ -181,15 +366,15 @@ def _replay(launch: Callable[[], None], calls: int, repeats: int, new_event: Cal
     return samples
 
 
-def _validate(kind: str, prefill: bool, group: _Group, rank: int) -> None:
+def _validate(kind: str, group: _Group, rank: int) -> None:
     """Run our kernel once and compare a sample of rows with reference.py (raises on mismatch)."""
     import torch
 
     cupy = compat.cupy_module()
     y_before = group.y.copy()
     if kind == "expand":  # expand reads t: give it a real one
-        _ours("shrink", prefill, group)()
-    _ours(kind, prefill, group)()
+        _ours("shrink", group)()
+    _ours(kind, group)()
     cupy.cuda.Device().synchronize()
 
     def host(array: Any, bf16: bool = False) -> torch.Tensor:
@@ -215,14 +400,14 @@ def _validate(kind: str, prefill: bool, group: _Group, rank: int) -> None:
         y0 = host(y_before[cupy.asarray(rows)], bf16=True)
         expected_y = reference.expand(y0, expected_t, slots, b_weights, scales, ranks)
         y = host(group.y[cupy.asarray(rows)], bf16=True)
-        rtol, atol = reference.TOLERANCES["sgmv" if prefill else "bgmv", torch.bfloat16]
+        rtol, atol = reference.TOLERANCES["sgmv" if group.grouped else "bgmv", torch.bfloat16]
         torch.testing.assert_close(y.float(), expected_y.float(), rtol=rtol, atol=atol)
     group.y[...] = y_before
 
 
 def _torch_baselines(kind: str, groups: Sequence[_Group], adapters: int,
                      rank: int) -> dict[str, Callable[[], None]]:
-    """Each torch implementation a user would pick, as per-group call lists (section 6.5)."""
+    """Each torch implementation a user would pick, as per-group call lists."""
     import torch
 
     per_impl: dict[str, list[Callable[[], None]]] = {"loop": [], "gather_bmm": [], "mm": []}
@@ -304,7 +489,8 @@ def run(
     """Benchmark records for every (module shape, rank, token count, adapter count, kernel).
 
     model_shapes: (module_name, out_dim, in_dim) per module. Token counts <= 256 run the decode
-    kernels (BGMV), larger ones the prefill kernels (SGMV). adapters: distinct adapters per
+    path the batch plan picks (BGMV per token, or grouped by slot), larger ones the prefill
+    kernels (SGMV). adapters: distinct adapters per
     batch, capped at the token count (default: 1, 8 and one per token). `progress` gets each
     record as it is made. NoDevice (exit 3) without a GPU.
     """
@@ -320,40 +506,37 @@ def run(
             torch_ok = False
     rng = cupy.random.default_rng(seed)
     records: list[dict[str, Any]] = []
-    for module, out_dim, in_dim in model_shapes:
-        for rank in ranks:
-            for num_tokens in tokens:
-                prefill = num_tokens > 256
-                counts = sorted({min(a, num_tokens) for a in (adapters or (1, 8, num_tokens))})
-                for num_adapters in counts:
-                    for kind in ("shrink", "expand"):
-                        record = _measure(cupy, device, rng, module, out_dim, in_dim, rank,
-                                          num_tokens, num_adapters, kind, prefill, repeats,
-                                          l2_multiple, torch_ok)
-                        records.append(record)
-                        if progress is not None:
-                            progress(record)
+    for module, out_dim, in_dim, rank, num_tokens, count in _shapes(model_shapes, ranks, tokens,
+                                                                  adapters):
+        for kind in ("shrink", "expand"):
+            record = _measure(cupy, device, rng, module, out_dim, in_dim, rank, num_tokens,
+                              count, kind, num_tokens > 256, repeats, l2_multiple, torch_ok)
+            records.append(record)
+            if progress is not None:
+                progress(record)
     return records
 
 
 def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_dim: int,
              rank: int, num_tokens: int, num_adapters: int, kind: str, prefill: bool,
              repeats: int, l2_multiple: float, torch_ok: bool) -> dict[str, Any]:
-    family = "sgmv" if prefill else "bgmv"
-    nbytes = compulsory_bytes(kind, num_tokens, num_adapters, rank, in_dim, out_dim)
+    expected = model_record(module, out_dim, in_dim, rank, num_tokens, num_adapters, kind,
+                            ModelDevice(name=device.name, sms=device.sms,
+                                        peak_bytes_per_s=device.peak_bytes_per_s))
+    nbytes = expected["bytes"]
+    splits = expected["splits"]
     footprint = (2 * num_adapters * rank * (in_dim + out_dim) + 2 * num_tokens * (in_dim + out_dim)
-                 + 4 * num_tokens * rank * 8)
+                 + 4 * num_tokens * rank * splits)
     groups = max(1, math.ceil(l2_multiple * device.l2_bytes / nbytes))
     groups = min(groups, 64, max(1, _ROTATION_BUDGET_BYTES // footprint))
-    splits = kernels.shrink_splits(family, num_tokens, in_dim, rank, device.sms)
     buffers = [_Group(cupy, rng, num_tokens, num_adapters, rank, in_dim, out_dim, prefill, splits)
                for _ in range(groups)]
-    _validate(kind, prefill, buffers[0], rank)
+    _validate(kind, buffers[0], rank)
     if kind == "expand":  # give every group a real t
         for group in buffers:
-            _ours("shrink", prefill, group)()
+            _ours("shrink", group)()
 
-    ours = _percentiles(_time_cupy([_ours(kind, prefill, g) for g in buffers], repeats))
+    ours = _percentiles(_time_cupy([_ours(kind, g) for g in buffers], repeats))
     copy_us = _copy_us(cupy, nbytes, groups, repeats)
     baselines: dict[str, float] = {}
     if torch_ok:
@@ -364,7 +547,7 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
     best = min(baselines.items(), key=lambda item: item[1]) if baselines else None
     p50_s = ours["p50_us"] * 1e-6
     record: dict[str, Any] = {
-        "kernel": f"{family}_{kind}",
+        "kernel": expected["kernel"], "path": expected["path"],
         "module": module, "out_dim": out_dim, "in_dim": in_dim, "rank": rank,
         "tokens": num_tokens, "adapters": num_adapters, "y_dtype": "bf16", "splits": splits,
         **ours,
@@ -380,6 +563,10 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
         "torch_best": best[0] if best else None,
         "speedup_vs_torch": best[1] / ours["p50_us"] if best else None,
         "validated": True,
+        # The roofline model's figures for this shape on this device (model_record).
+        "expected_us": expected["expected_us"],
+        "expected_pct_peak": expected["expected_pct_peak"],
+        "measured_vs_expected": expected["expected_us"] / ours["p50_us"],
         "device": device.name, "peak_tb_per_s": device.peak_bytes_per_s / 1e12,
         "l2_bytes": device.l2_bytes, "rotation_groups": groups, "timing": "cuda-graph",
     }

@@ -414,13 +414,17 @@ def bench_kernels(
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a roofline chart "
                                                    "(PNG) here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --plot.")] = False,
+    model_only: Annotated[bool, typer.Option(
+        "--model-only", help="No GPU: the roofline model's expected share of peak per shape.")
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one)."""
     from metrale_cli import bench_kernels as bench
     from metrale_cli.compat import cupy_module
 
-    cupy_module()  # no GPU: exit 3 before anything else
+    if not model_only:
+        cupy_module()  # no GPU: exit 3 before anything else
     cfg = resolve_model(model)
     module_list = parse_modules(modules)
     assert module_list is not None
@@ -444,12 +448,25 @@ def bench_kernels(
                 f"{record['pct_peak']:5.1f}% peak  {record['pct_copy']:5.1f}% of copy  "
                 + (f"{speedup:5.2f}x {record['torch_best']}" if speedup else "no torch"))
 
-    kwargs: dict[str, Any] = {"repeats": repeats, "progress": show}
+    kwargs: dict[str, Any] = {}
     if rank:
         kwargs["ranks"] = rank
     if tokens:
         kwargs["tokens"] = tokens
-    records = bench.run(shapes, adapters=adapters, **kwargs)
+    if model_only:
+        for record in bench.model(shapes, adapters=adapters, **kwargs):
+            if json_out:
+                sys.stdout.write(json.dumps(record) + "\n")
+            else:
+                out.print(
+                    f"{record['kernel']:<16} {record['path']:<17} {record['module']:<8} "
+                    f"r{record['rank']:<3} T{record['tokens']:<4} D{record['adapters']:<4} "
+                    f"{record['ctas']:>5} CTAs {record['in_flight_per_sm_bytes'] / 1024:5.1f} "
+                    f"KiB/SM {record['expected_pct_peak']:5.1f}% peak "
+                    f"{record['expected_copy_ratio']:4.2f}x copy "
+                    f"{'meets' if record['meets_target'] else 'MISSES'}", soft_wrap=True)
+        return
+    records = bench.run(shapes, adapters=adapters, repeats=repeats, progress=show, **kwargs)
     if plot_path is not None:
         bench.plot(records, plot_path, force)
 

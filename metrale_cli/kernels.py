@@ -292,12 +292,29 @@ def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms:
     raise ValueError(f"unknown shrink kind {kind!r}")
 
 
-# Split-K keeps at least this many K elements per split: one full pass of 128 threads x 8 for
-# BGMV, four 64-wide tiles for SGMV, so a split never degenerates into launch overhead.
+# Split-K keeps at least this many K elements per split: one full step of 128 threads x 8 for
+# BGMV, one 64-wide tile for SGMV. A small grid (a grouped decode batch is a few 64-token
+# tiles) needs the splits to keep enough loads in flight; the partials cost 4 bytes per token,
+# rank column and split, small beside the weights and x.
 _BGMV_MIN_K_CHUNK = THREADS * VECTOR
-_SGMV_MIN_K_CHUNK = 4 * SGMV_TILE
+_SGMV_MIN_K_CHUNK = SGMV_TILE
 # Below this many CTAs the grid does not cover the device twice over and split-K pays.
 _CTAS_PER_SM = 2
+
+
+def launch_grid(kernel: str, num_tokens: int, dim: int, t_cols: int,
+                splits: int = 1) -> tuple[int, int, int]:
+    """The grid of `kernel` (a KERNEL_SOURCES name) over T tokens, its output dim (expand) or
+    input dim (shrink: unused), t's width and the shrink's split count."""
+    if kernel == "bgmv_shrink":
+        return (num_tokens, -(-t_cols // SHRINK_ROWS), splits)
+    if kernel.startswith("bgmv_expand"):
+        return (num_tokens, -(-dim // (THREADS * EXPAND_ROWS)), 1)
+    if kernel == "sgmv_shrink":
+        return (-(-t_cols // SGMV_TILE), -(-num_tokens // SGMV_TILE), splits)
+    if kernel.startswith("sgmv_expand"):
+        return (-(-dim // SGMV_TILE), -(-num_tokens // SGMV_TILE), 1)
+    raise ValueError(f"unknown kernel {kernel!r}")
 
 
 def _k_chunk(in_dim: int, splits: int, multiple: int) -> int:
@@ -332,7 +349,7 @@ def plan_bgmv_shrink(
     _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table})
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
-    grid = (num_tokens, -(-t_cols // SHRINK_ROWS), num_splits)
+    grid = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
     args = (
         x, np.int64(_row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
         t, np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
@@ -356,7 +373,7 @@ def plan_bgmv_expand(
     _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim))
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
-    grid = (num_tokens, -(-out_dim // (THREADS * EXPAND_ROWS)), 1)
+    grid = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
     args = (
         t, np.int32(num_splits), slots, b_table, scale_table, ranks, np.int32(max_loras),
         y, np.int64(_row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
@@ -386,7 +403,7 @@ def plan_sgmv_shrink(
     _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table})
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
-    grid = (-(-t_cols // SGMV_TILE), -(-num_tokens // SGMV_TILE), num_splits)
+    grid = launch_grid("sgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
     args = (
         x, np.int64(_row_stride(x, "x")), seg_starts, seg_slots, np.int32(num_segments),
         _order_arg(token_order, num_tokens), a_table, ranks, np.int32(max_loras), t,
@@ -410,7 +427,7 @@ def plan_sgmv_expand(
     _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim))
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
-    grid = (-(-out_dim // SGMV_TILE), -(-num_tokens // SGMV_TILE), 1)
+    grid = launch_grid(f"sgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
     args = (
         t, np.int32(num_splits), seg_starts, seg_slots, np.int32(num_segments),
         _order_arg(token_order, num_tokens), b_table, scale_table, ranks, np.int32(max_loras),
@@ -470,6 +487,15 @@ def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndar
     grouped = distinct > 0 and adapted_tokens >= group_min_tokens * distinct
     return BatchPlan(int(slot_ids.size), t_cols, distinct, adapted_tokens, grouped, order,
                      seg_starts, seg_slots)
+
+
+def grouped_expand(num_tokens: int, out_dim: int, num_sms: int) -> bool:
+    """Whether a grouped decode batch expands through SGMV too: only when its 64 x 64 output
+    tiles cover the device twice. A narrow output (k_proj, v_proj) over a few token tiles would
+    leave most SMs idle, so the per-token expand (8 output rows per thread, every token its own
+    CTAs) keeps more loads in flight, at the cost of reading B once per token from L2."""
+    tiles = launch_grid("sgmv_expand_bf16", num_tokens, out_dim, 0)
+    return tiles[0] * tiles[1] >= _CTAS_PER_SM * num_sms
 
 
 # --- backends: CuPy on a GPU, the host harness on a CPU ----------------------------------------
@@ -612,8 +638,12 @@ def bgmv(
                                     for a in (batch.order, batch.seg_starts, batch.seg_slots))
         t = sgmv_shrink(x, starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
                         t_cols=batch.t_cols, token_order=order, backend=backend)
-        return sgmv_expand(t, starts, seg_slots, b_table, scale_table, ranks, y,
-                           max_rank=max_rank, token_order=order, backend=backend)
+        # t is in token order either way, so the expand may take the per-token path.
+        if grouped_expand(batch.num_tokens, int(y.shape[1]), backend.num_sms(num_sms)):
+            return sgmv_expand(t, starts, seg_slots, b_table, scale_table, ranks, y,
+                               max_rank=max_rank, token_order=order, backend=backend)
+        return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank=max_rank,
+                           backend=backend)
     t = bgmv_shrink(x, slots, a_table, ranks, max_rank, num_sms=num_sms, batch=batch,
                     backend=backend)
     return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank=max_rank,

@@ -61,6 +61,9 @@ def check_rank_and_align(max_rank: int, align: int) -> None:
         raise UsageError(f"max rank must be positive, got {max_rank}")
     if align <= 0 or align & (align - 1):
         raise UsageError(f"alignment must be a power of two, got {align}")
+    if align < 16:
+        # Every region starts on `align`; the kernels read weights with 16-byte loads.
+        raise UsageError(f"alignment must be at least 16 bytes (the kernels' loads), got {align}")
 
 
 class PaddedPair:

@@ -145,6 +145,17 @@ SGMV_CASES = [
          seg_slots=[0, 1, 0, 1]),
 ]
 
+# Decode batches run with a batch plan (kernels.plan_batch), on both the grouped and the
+# per-token path.
+DECODE_BATCHES = [
+    # Slots shared by many tokens (grouped), rank 12 and 33 in a max-rank-48 pool (t narrows to
+    # 40), with slot -1, an absent slot, a rank-0 slot and one past the table.
+    Case("shared_slots", 21, 200, 72, 48, [12, 33, 8, 0], absent={2},
+         slots=[0, 1, 0, -1, 1, 0, 2, 0, 1, 3, 0, 1, 9, 0, 1, 0, 1, 0, 1, 0, 0]),
+    # One adapter for the whole batch, over three 64-token tiles.
+    Case("one_slot", 150, 64, 64, 64, [20], slots=[0] * 150),
+]
+
 
 def check_t(t: torch.Tensor, expected: torch.Tensor) -> None:
     """t (any split count) against the reference t; every element must have been written."""

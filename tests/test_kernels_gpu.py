@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from metrale_cli import kernels, reference
-from tests.kernel_cases import BGMV_CASES, SGMV_CASES, Case, Pool, check_t, check_y
+from tests.kernel_cases import (
+    BGMV_CASES,
+    DECODE_BATCHES,
+    SGMV_CASES,
+    Case,
+    Pool,
+    check_t,
+    check_y,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -94,6 +102,23 @@ def test_sgmv_on_device(case: Case, y_dtype: torch.dtype) -> None:
     expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
                                     case.max_rank)
     check_y(_to_host(y, y_dtype), y0, expected, case, "sgmv")
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_token"])
+@pytest.mark.parametrize("case", DECODE_BATCHES, ids=[c.name for c in DECODE_BATCHES])
+def test_decode_with_a_batch_plan_on_device(case: Case, grouped: bool) -> None:
+    pool = case.pool()
+    a_weights, b_weights = pool.weights()
+    _keep, a_table, b_table = _device_tables(pool)
+    x, y0, slots = case.x(), case.y(torch.bfloat16), case.token_slots()
+    y = _to_device(y0)
+    plan = kernels.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
+                              group_min_tokens=1 if grouped else 10**9)
+    kernels.bgmv(_to_device(x), y, _to_device(slots), a_table, b_table,
+                 _to_device(pool.scales), _to_device(pool.ranks), case.max_rank, batch=plan)
+    expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
+                                    case.max_rank)
+    check_y(_to_host(y, torch.bfloat16), y0, expected, case, "sgmv" if grouped else "bgmv")
 
 
 def test_sgmv_tensor_cores_at_prefill_size() -> None:

@@ -8,6 +8,9 @@ agrees with the layout is what tests/test_kernels_gpu.py checks.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ import torch
 
 from metrale_cli import host_harness, kernels, reference
 from metrale_cli.errors import ToolMissing
-from tests.kernel_cases import BGMV_CASES, SGMV_CASES, Case, check_t, check_y
+from tests.kernel_cases import BGMV_CASES, DECODE_BATCHES, SGMV_CASES, Case, check_t, check_y
 
 Y_DTYPES = [torch.bfloat16, torch.float32]
 
@@ -75,9 +78,11 @@ def test_split_k_planning_matches_the_device_shape() -> None:
     # A large batch already fills the device: no split.
     assert kernels.shrink_splits("bgmv", 256, 4096, 64, 132) == 1
     assert kernels.shrink_splits("sgmv", 32768, 2048, 16, 132) == 1
-    # 128 token tiles do not cover 132 SMs twice: 3 splits; 8 tiles: as many as K allows.
+    # 128 token tiles do not cover 132 SMs twice: 3 splits; 8 tiles: as many as K (64-wide
+    # tiles) and METRALE_MAX_SPLITS allow.
     assert kernels.shrink_splits("sgmv", 8192, 2048, 16, 132) == 3
-    assert kernels.shrink_splits("sgmv", 512, 2048, 16, 132) == 8
+    assert kernels.shrink_splits("sgmv", 512, 2048, 16, 132) == 32
+    assert kernels.shrink_splits("sgmv", 512, 1024, 16, 132) == 16
 
 
 def test_host_and_gpu_share_one_plan() -> None:
@@ -158,7 +163,7 @@ def test_missing_compiler_is_tool_missing(monkeypatch: pytest.MonkeyPatch) -> No
 def test_bench_counts_compulsory_bytes() -> None:
     from metrale_cli import bench_kernels
 
-    # kernel_perf.md 5.1: h = 4096, r = 16, B = D = 64, F32 t: shrink = weights + x + t.
+    # h = 4096, r = 16, B = D = 64, F32 t: shrink = weights + x + t.
     shrink = bench_kernels.compulsory_bytes("shrink", 64, 64, 16, 4096, 4096)
     assert shrink == 2 * 64 * 16 * 4096 + 2 * 64 * 4096 + 4 * 64 * 16
     expand = bench_kernels.compulsory_bytes("expand", 64, 64, 16, 4096, 4096)
@@ -193,3 +198,155 @@ def test_harness_takes_numpy_buffers() -> None:
     expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
                                     case.max_rank)
     check_y(y, y0, expected, case, "bgmv")
+
+
+def test_constants_are_the_headers_as_compiled(tmp_path: Path) -> None:
+    # kernels.py reads lora_config.h; a C++ program including it prints what the compiler sees.
+    config = kernels.CONFIG
+    program = tmp_path / "print.cpp"
+    program.write_text(
+        f'#include "{kernels.find_kernel_dir() / kernels.CONFIG_HEADER}"\n#include <cstdio>\n'
+        "int main() {\n"
+        + "".join(f'  std::printf("{name} %d\\n", {name});\n' for name in config)
+        + "}\n"
+    )
+    binary = tmp_path / "print"
+    subprocess.run([host_harness.compiler(), str(program), "-o", str(binary)], check=True)
+    printed = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout
+    assert dict(line.split() for line in printed.splitlines()) == {
+        name: str(value) for name, value in config.items()
+    }
+    names = {"THREADS": "METRALE_THREADS", "VECTOR": "METRALE_VECTOR",
+             "MAX_RANK": "METRALE_MAX_RANK", "SHRINK_ROWS": "BGMV_SHRINK_ROWS",
+             "EXPAND_ROWS": "BGMV_EXPAND_ROWS", "SGMV_TILE": "SGMV_TILE"}
+    for attribute, define in names.items():
+        assert getattr(kernels, attribute) == config[define], attribute
+    for kernel in kernels.KERNEL_SOURCES:
+        assert kernels.loads_in_flight(kernel) > 1 and kernels.min_ctas_per_sm(kernel) >= 1
+
+
+def test_kernel_constants_import_without_torch_or_cupy() -> None:
+    code = ("import sys; from metrale_cli.kernels import VECTOR, MAX_RANK; "
+            "print(VECTOR, MAX_RANK, 'torch' in sys.modules, 'cupy' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.split() == ["8", "256", "False", "False"]
+
+
+def _run_case(case: Case) -> torch.Tensor:
+    pool = case.pool()
+    a_table, b_table = pool.tables()
+    y = case.y(torch.float32)
+    host_harness.bgmv(case.x(), y, case.token_slots(), a_table, b_table, pool.scales,
+                      pool.ranks, case.max_rank, num_sms=case.num_sms)
+    return y
+
+
+def test_host_launches_from_two_threads_match_serial_runs() -> None:
+    # ctypes releases the GIL: without the harness's lock the two launches would share the
+    # emulation's globals and __shared__ arrays.
+    cases = [BGMV_CASES[0], BGMV_CASES[3]] * 3
+    serial = [_run_case(case) for case in cases]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        concurrent = list(pool.map(_run_case, cases))
+    for expected, got in zip(serial, concurrent, strict=True):
+        assert torch.equal(expected, got)
+
+
+def test_batch_plan_groups_by_slot_and_narrows_to_the_ranks_present() -> None:
+    ranks = [12, 64, 0, 40]
+    plan = kernels.plan_batch([1, 0, 0, -1, 0, 2, 0, 9], ranks, max_rank=64)
+    assert plan.t_cols == 64 and plan.distinct_slots == 2 and plan.adapted_tokens == 5
+    assert plan.order.tolist() == [3, 1, 2, 4, 6, 0, 5, 7]
+    assert plan.seg_starts.tolist() == [0, 1, 5, 6, 7, 8]
+    assert plan.seg_slots.tolist() == [-1, 0, 1, 2, 9]
+    assert not plan.grouped  # 5 tokens over 2 slots: under GROUP_MIN_TOKENS per slot
+    narrow = kernels.plan_batch([0] * 8 + [-1], ranks, max_rank=64)
+    assert narrow.grouped and narrow.t_cols == 16  # rank 12, rounded up to a vector
+    everyone = kernels.plan_batch(list(range(4)), [8, 16, 24, 32], max_rank=64)
+    assert not everyone.grouped and everyone.t_cols == 32
+    assert kernels.plan_batch([], ranks, 64).seg_starts.tolist() == [0]
+
+
+def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
+    case = BGMV_CASES[0]  # max_rank 16, ranks up to 16
+    pool = case.pool()
+    a_table, _ = pool.tables()
+    wide = torch.empty(1, case.num_tokens, 16)
+    narrow = torch.empty(1, case.num_tokens, 8)
+    x, slots = case.x(), case.token_slots()
+    assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, wide).grid[1] == 4
+    assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, narrow, 16).grid[1] == 2
+    # Split-K sees the narrower grid: rank 16 in a max-rank-64 pool splits as rank 16 does.
+    assert kernels.shrink_splits("bgmv", 8, 4096, 16, 132) > kernels.shrink_splits(
+        "bgmv", 8, 4096, 64, 132)
+
+
+
+
+# (grouped shrink, SMs): with 1 SM the grouped batch's output tiles cover the device and the
+# expand is SGMV's too; with 132 it is the per-token expand.
+PATHS = [(True, 1), (True, 132), (False, 132)]
+
+
+@pytest.mark.parametrize(("grouped", "num_sms"), PATHS,
+                         ids=["grouped", "grouped_shrink_per_token_expand", "per_token"])
+@pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
+@pytest.mark.parametrize("case", DECODE_BATCHES, ids=[c.name for c in DECODE_BATCHES])
+def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.dtype,
+                                                    grouped: bool, num_sms: int) -> None:
+    pool = case.pool()
+    a_table, b_table = pool.tables()
+    a_weights, b_weights = pool.weights()
+    x, y = case.x(), case.y(y_dtype)
+    y0 = y.clone()
+    slots = case.token_slots()
+    plan = kernels.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
+                              group_min_tokens=1 if grouped else 10**9)
+    assert plan.grouped == grouped and plan.t_cols < case.max_rank
+    sgmv_expand = grouped and kernels.grouped_expand(case.num_tokens, case.out_dim, num_sms)
+    assert sgmv_expand == (num_sms == 1)
+    host_harness.bgmv(x, y, slots, a_table, b_table, pool.scales, pool.ranks, case.max_rank,
+                      batch=plan, num_sms=num_sms)
+    expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
+                                    case.max_rank)
+    check_y(y, y0, expected, case, "sgmv" if sgmv_expand else "bgmv")
+
+    # t is as wide as the batch's widest rank; the reference's columns past it are zero.
+    expected_t = reference.shrink(x, slots, a_weights, pool.ranks, case.max_rank)
+    if grouped:
+        order = torch.from_numpy(plan.order)
+        t = host_harness.sgmv_shrink(x, torch.from_numpy(plan.seg_starts),
+                                     torch.from_numpy(plan.seg_slots), a_table, pool.ranks,
+                                     case.max_rank, t_cols=plan.t_cols, token_order=order)
+    else:
+        t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, case.max_rank, batch=plan)
+    assert t.shape[2] == plan.t_cols
+    assert not expected_t[:, plan.t_cols:].any()
+    check_t(t, expected_t[:, : plan.t_cols])
+
+
+def test_misaligned_table_addresses_are_refused() -> None:
+    case = BGMV_CASES[0]
+    pool = case.pool()
+    a_table, b_table = pool.tables()
+    t = torch.empty(1, case.num_tokens, case.max_rank)
+    shifted = a_table.clone()
+    shifted[3] += 8  # 8 bytes off: a 128-bit load there faults on a GPU
+    with pytest.raises(ValueError, match=r"a_table\[3\] .* not 16-byte aligned"):
+        kernels.plan_bgmv_shrink(case.x(), case.token_slots(), shifted, pool.ranks, t)
+    shifted_b = b_table.numpy().view(np.uint64).copy()
+    shifted_b[0] += np.uint64(2)
+    with pytest.raises(ValueError, match=r"b_table\[0\]"):
+        kernels.plan_sgmv_expand(t, torch.tensor([0, 11], dtype=torch.int32),
+                                 torch.tensor([0], dtype=torch.int32), shifted_b, pool.scales,
+                                 pool.ranks, case.y(torch.float32))
+
+
+def test_layouts_refuse_alignments_the_kernels_cannot_load() -> None:
+    from metrale_cli.errors import UsageError
+    from metrale_cli.layout import check_rank_and_align
+
+    check_rank_and_align(16, 16)
+    with pytest.raises(UsageError, match="at least 16 bytes"):
+        check_rank_and_align(16, 8)
