@@ -417,6 +417,11 @@ def bench_kernels(
     model_only: Annotated[bool, typer.Option(
         "--model-only", help="No GPU: the roofline model's expected share of peak per shape.")
     ] = False,
+    experts: Annotated[bool, typer.Option(
+        "--experts", help="The expert kernels (router, gate_up, down) on Qwen3-Next-80B-A3B and "
+                          "Qwen3-30B-A3B MoE shapes (ranks 8, 16, 64; 1..256 and 4096 tokens) "
+                          "instead of the slot-pool kernels; --model and --modules are unused.")
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one)."""
@@ -425,6 +430,9 @@ def bench_kernels(
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else
+    if experts:
+        _bench_experts(rank, tokens, adapters, repeats, plot_path, force, model_only, json_out)
+        return
     cfg = resolve_model(model)
     module_list = parse_modules(modules)
     assert module_list is not None
@@ -467,6 +475,48 @@ def bench_kernels(
                     f"{'meets' if record['meets_target'] else 'MISSES'}", soft_wrap=True)
         return
     records = bench.run(shapes, adapters=adapters, repeats=repeats, progress=show, **kwargs)
+    if plot_path is not None:
+        bench.plot(records, plot_path, force)
+
+
+def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
+                   adapters: list[int] | None, repeats: int, plot_path: Path | None,
+                   force: bool, model_only: bool, json_out: bool) -> None:
+    """`bench kernels --experts`: the expert kernels' records (or their roofline model)."""
+    from metrale_cli import bench_experts
+    from metrale_cli import bench_kernels as bench
+
+    for value in [*(rank or []), *(tokens or []), *(adapters or [])]:
+        positive("--rank/--tokens/--adapters", value)
+    if plot_path is not None and plot_path.exists() and not force:
+        raise OutputExists(f"{plot_path} exists; pass --force to overwrite it")
+    shapes = bench_experts.expert_shapes(
+        ranks=rank or bench_experts.EXPERT_RANKS, tokens=tokens or bench_experts.EXPERT_TOKENS,
+        adapters=adapters or bench_experts.EXPERT_ADAPTERS)
+
+    def show(record: dict[str, Any]) -> None:
+        if json_out:
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+            return
+        head = (f"{record['projection']:<8} {record['model']:<19} r{record['rank']:<3} "
+                f"T{record['tokens']:<5} D{record['adapters']:<2} {record['path']:<7} ")
+        if model_only:
+            out.print(head + f"{record['bytes'] / 1e6:9.2f} MB {record['expected_us']:8.2f} us "
+                      f"{record['expected_pct_peak']:5.1f}% peak "
+                      f"{record['expected_copy_ratio']:4.2f}x copy "
+                      f"{'meets' if record['meets_target'] else 'MISSES'}", soft_wrap=True)
+            return
+        speedup = record["speedup_vs_torch"]
+        out.print(head + f"p50 {record['p50_us']:8.2f} us {record['tb_per_s']:5.2f} TB/s "
+                  f"{record['pct_peak']:5.1f}% peak {record['pct_copy']:5.1f}% of copy "
+                  + (f"{speedup:5.2f}x gather_bmm" if speedup else "no torch"), soft_wrap=True)
+
+    if model_only:
+        for record in bench_experts.model_records(shapes):
+            show(record)
+        return
+    records = bench_experts.run(shapes, repeats=repeats, progress=show)
     if plot_path is not None:
         bench.plot(records, plot_path, force)
 

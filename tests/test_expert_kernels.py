@@ -191,62 +191,91 @@ def test_plan_pairs_groups_and_tiles() -> None:
     assert ek.plan_pairs(topk, torch.full((4,), 2, dtype=torch.int32), ranks, 8).tiles.size == 0
 
 
-def _block_with_kernels(block: Any, x: torch.Tensor, slots: torch.Tensor, pool: LoraPool,
-                        layer: int, top_k: int, shared: Callable[[torch.Tensor], torch.Tensor]
-                        | None) -> torch.Tensor:
+def _identity(tensor: torch.Tensor) -> Any:
+    return tensor
+
+
+def block_with_kernels(block: Any, x: torch.Tensor, slots: torch.Tensor, pool: LoraPool,
+                       layer: int, top_k: int,
+                       shared: Callable[[torch.Tensor], torch.Tensor] | None,
+                       backend: Any = HOST, put: Callable[[torch.Tensor], Any] = _identity,
+                       get: Callable[[Any, torch.dtype], torch.Tensor] = lambda a, _: a,
+                       ) -> torch.Tensor:
     """The MoE block of transformers (Qwen3MoeSparseMoeBlock / Qwen3NextSparseMoeBlock) on
-    its base weights, every LoRA delta from the kernels (router, gate_up, down)."""
-    tables = ek.tables_from_pool(pool, layer, HOST, like=torch.empty(0))
+    its base weights, every LoRA delta from the kernels (router, gate_up, down) on `backend`
+    (`put` / `get` move tensors to and from its arrays)."""
+    tables = ek.tables_from_pool(pool, layer, backend, like=put(torch.empty(0)))
     gate, experts = block.gate, block.experts
-    xb = _bf16(x)
-    logits = x @ gate.weight.detach().T
-    ek.router_lora(xb, logits, slots, tables, backend=HOST)
+    xb = put(_bf16(x))
+    dev_slots = put(slots)
+    logits = get(ek.router_lora(xb, put(x @ gate.weight.detach().T), dev_slots, tables,
+                                backend=backend), torch.float32)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights, topk = torch.topk(probs, top_k, dim=-1)
     if gate.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     topk = topk.to(torch.int32)
-    batch = ek.plan_pairs(topk, slots, pool.expert_rank_table, tables.max_rank)
+    batch = ek.plan_pairs(topk, slots, pool.to_host(pool.expert_rank_table), tables.max_rank)
     pair_e = topk.flatten().long()
     w_gu = experts.gate_up_proj.detach()[pair_e]  # [P, 2I, H]
     h = torch.einsum("ph,poh->po", x.repeat_interleave(top_k, 0), w_gu).contiguous()
-    ek.expert_gate_up(xb, h, batch, tables, backend=HOST)
+    h = get(ek.expert_gate_up(xb, put(h), batch, tables, backend=backend), torch.float32)
     g, u = h.chunk(2, dim=-1)
     act = experts.act_fn(g) * u
     y = torch.einsum("pi,phi->ph", act, experts.down_proj.detach()[pair_e]).contiguous()
-    ek.expert_down(_bf16(act), y, batch, tables, backend=HOST)
+    y = get(ek.expert_down(put(_bf16(act)), put(y), batch, tables, backend=backend),
+            torch.float32)
     out = (y.view(-1, top_k, x.shape[1]) * weights[..., None]).sum(1)
     return out + shared(x) if shared is not None else out
 
 
-@pytest.mark.slow
-def test_moe_block_with_the_kernels_equals_peft(served: Served) -> None:
-    pool, cfg = served.pool, served.cfg
-    num_tokens, top_k = 12, cfg.num_experts_per_tok
+def peft_block_outputs(served: Served, layer: int, x: torch.Tensor, slots: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+    """PEFT's block output per row (each adapter's rows through its PEFT model, base rows with
+    the adapter disabled), the base block's output, the base block and its shared expert."""
+    blocks = [m.base_model.model.model.layers[layer].mlp for m in served.peft_models]
+    base_block = served.base_model.model.layers[layer].mlp
+    shared = None
+    if hasattr(base_block, "shared_expert"):
+        def shared(v: torch.Tensor, b: Any = base_block) -> torch.Tensor:
+            return torch.sigmoid(b.shared_expert_gate(v)) * b.shared_expert(v)
+    want = torch.empty_like(x)
+    with torch.no_grad():
+        for s, block in enumerate(blocks):
+            rows = slots == s
+            want[rows] = block(x[rows][None])[0]
+        with served.peft_models[0].disable_adapter():
+            want[slots < 0] = blocks[0](x[slots < 0][None])[0]
+        base = base_block(x[None])[0]
+    return want, base, base_block, shared
+
+
+def mixed_batch(cfg: ModelConfig, num_tokens: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
     x = _bf16(torch.randn(num_tokens, cfg.hidden_size, generator=gen)).float()
     slots = torch.tensor([(0, 1, -1)[i % 3] for i in range(num_tokens)], dtype=torch.int32)
+    return x, slots
+
+
+def check_block(got: torch.Tensor, want: torch.Tensor, base: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * scale)
+    # The adapters change the adapted rows well beyond the tolerance: the check can fail.
+    adapted = slots >= 0
+    assert float((want[adapted] - base[adapted]).abs().max()) > 0.2 * scale
+
+
+@pytest.mark.slow
+def test_moe_block_with_the_kernels_equals_peft(served: Served) -> None:
+    cfg = served.cfg
+    x, slots = mixed_batch(cfg)
     for layer in cfg.moe_layers:
-        blocks = [m.base_model.model.model.layers[layer].mlp for m in served.peft_models]
-        base_block = served.base_model.model.layers[layer].mlp
-        shared = None
-        if hasattr(base_block, "shared_expert"):
-            def shared(v: torch.Tensor, b: Any = base_block) -> torch.Tensor:
-                return torch.sigmoid(b.shared_expert_gate(v)) * b.shared_expert(v)
-        want = torch.empty_like(x)
+        want, base, base_block, shared = peft_block_outputs(served, layer, x, slots)
         with torch.no_grad():
-            for s, block in enumerate(blocks):
-                rows = slots == s
-                want[rows] = block(x[rows][None])[0]
-            with served.peft_models[0].disable_adapter():
-                want[slots < 0] = blocks[0](x[slots < 0][None])[0]
-            got = _block_with_kernels(base_block, x, slots, pool, layer, top_k, shared)
-            base = base_block(x[None])[0]
-        scale = float(want.abs().max())
-        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * scale)
-        # The adapters change the adapted rows well beyond the tolerance: the check can fail.
-        adapted = slots >= 0
-        assert float((want[adapted] - base[adapted]).abs().max()) > 0.2 * scale
+            got = block_with_kernels(base_block, x, slots, served.pool, layer,
+                                     cfg.num_experts_per_tok, shared)
+        check_block(got, want, base, slots)
 
 
 @pytest.mark.slow
