@@ -45,8 +45,11 @@
 #define EXPERT_EXPAND_COLS 2
 #define ROUTER_COLS 4
 #define OVERLAY_LOADS 4
-// expert_shrink_*: 4 A vectors + TILE x vectors per pass; expert_expand_*: 8 rows x 2 columns of
-// B per pass; router_lora_*: ROUTER_COLS B vectors per pass (its shrink loop issues 5).
+// Loads in flight per thread, as ptxas schedules them (the SASS check holds them): the shrink
+// issues 4 A + TILE x vectors a pass (6 decode; 9 of the prefill's 12 before its first product);
+// the expand issues 8 rows x 2 columns of B a pass, of which 10 (decode) or 7 (prefill, 8 pairs'
+// accumulators live) precede the first product; router_lora_*: ROUTER_COLS B vectors a pass (its
+// shrink loop issues 5).
 #define EXPERT_SHRINK_DECODE_MIN_CTAS 4
 #define EXPERT_SHRINK_DECODE_LOADS 6
 #define EXPERT_SHRINK_PREFILL_MIN_CTAS 2
