@@ -15,7 +15,7 @@ The same checks run on CuPy in test_expert_kernels_gpu (marker `gpu`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -174,6 +174,54 @@ def test_router_lora_equals_the_reference(served: Served) -> None:
         skipped = ((slots < 0) | (slots == 2)).nonzero().flatten()
         assert torch.equal(got[skipped], logits[skipped])
         assert not torch.equal(got, logits)
+
+
+@pytest.mark.slow
+def test_zero_pointers_and_padding_are_never_read(served: Served) -> None:
+    """An expert whose pointer is 0 for a slot leaves that slot's pairs' columns untouched, bit
+    for bit, while the other projection still adds; A rows past a slot's expert rank are never
+    read (NaN there changes nothing)."""
+    pool, cfg = served.pool, served.cfg
+    layer, top_k, num_tokens = cfg.moe_layers[0], 2, 6
+    inter = cfg.expert_intermediate_size
+    tables = ek.tables_from_pool(pool, layer, HOST, like=torch.empty(0))
+    slots, topk = _batch(num_tokens, cfg.num_experts, top_k, seed=3)
+    batch = ek.plan_pairs(topk, slots, pool.expert_rank_table, tables.max_rank)
+    gen = torch.Generator().manual_seed(5)
+    x = _bf16(torch.randn(num_tokens, cfg.hidden_size, generator=gen))
+    h = torch.randn(num_tokens * top_k, 2 * inter, generator=gen)
+    want = ek.expert_gate_up(x, h.clone(), batch, tables, backend=HOST)
+
+    expert = int(topk[0, 0])  # token 0 has slot 0 (rank 4 in a max-rank-8 pool)
+    gate_entry = int(tables.gate_up[0, expert])
+    a_tables, b_tables = pool.expert_a_tables.copy(), pool.expert_b_tables.copy()
+    a_tables[gate_entry, 0] = b_tables[gate_entry, 0] = 0
+    saved = pool.expert_pool.copy()
+    try:
+        for c in range(2):  # NaN in slot 0's A rows 4..7 of every gate and up entry
+            for entry in tables.gate_up[c].tolist():
+                start = int(pool.expert_a_tables[entry, 0]) - pool.expert_base_address
+                rows = pool.expert_pool[start:start + MAX_RANK * cfg.hidden_size * 2]
+                rows.view(np.uint16).reshape(MAX_RANK, -1)[4:] = 0x7FC0
+        cut = replace(tables, a_tables=a_tables, b_tables=b_tables)
+        got = ek.expert_gate_up(x, h.clone(), batch, cut, backend=HOST)
+        t = HOST.new_t(x, (2, num_tokens * top_k, batch.t_cols))
+        order, tiles = torch.from_numpy(batch.sorted_pairs), torch.from_numpy(batch.tiles)
+        HOST.launch(ek.plan_expert_shrink(x, top_k, order, tiles, tables, tables.gate_up, t,
+                                          batch.tile))
+    finally:
+        pool.expert_pool[:] = saved
+    pairs = ((slots.repeat_interleave(top_k) == 0) & (topk.flatten() == expert)).nonzero()
+    pairs = pairs.flatten()
+    assert pairs.numel()
+    assert torch.equal(got[pairs, :inter], h[pairs, :inter])  # the 0 pointer: untouched
+    torch.testing.assert_close(got[pairs, inter:], want[pairs, inter:], rtol=0, atol=0)
+    slot0 = (slots.repeat_interleave(top_k) == 0).nonzero().flatten()
+    assert batch.t_cols == MAX_RANK and torch.equal(t[:, slot0, 4:], torch.zeros_like(
+        t[:, slot0, 4:]))  # t is zero past slot 0's rank 4: the NaN rows were not read
+    others = torch.ones(len(got), dtype=torch.bool)
+    others[pairs] = False
+    assert torch.equal(got[others], want[others])
 
 
 def test_plan_pairs_groups_and_tiles() -> None:
