@@ -15,11 +15,11 @@ from typing import Any
 
 from metrale_cli import env, experts, overlays
 from metrale_cli.adapter import Adapter, AdapterKey
-from metrale_cli.bf16 import LORA_DTYPES
 from metrale_cli.experts import ExpertPair
-from metrale_cli.findings import Collector, Finding, Severity, layer_ranges
+from metrale_cli.findings import Code, Collector, Finding, Severity, layer_ranges
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL, LoraModule
+from metrale_cli.pairs import check_pair, rank_and_scale
 from metrale_cli.safetensors_header import TensorInfo
 
 BYTES_PER_ELEMENT = 2  # the pool holds BF16
@@ -195,7 +195,7 @@ def audit(
     if not (report.modules or report.expert_pairs or report.overlays) and not any(
         f.severity is Severity.ERROR for f in out.findings()
     ):
-        out.add(Severity.ERROR, "no_servable_modules",
+        out.add(Severity.ERROR, Code.NO_SERVABLE_MODULES,
                 "the adapter adapts none of the pool's modules "
                 f"({', '.join(m.peft_name for m in ALL)}), no routed expert or router, and "
                 "overlays no token")
@@ -205,7 +205,7 @@ def audit(
         if over:
             modules = [m for m in ALL if any(o.module is m for o in over)]
             ranks = sorted({m.r for m in over})
-            out.add(Severity.ERROR, "rank_above_max",
+            out.add(Severity.ERROR, Code.RANK_ABOVE_MAX,
                     f"{', '.join(m.peft_name for m in modules)}: rank "
                     f"{', '.join(map(str, ranks))} above --max-rank {max_rank}")
         over_pairs = [p for p in report.expert_pairs if p.r > max_rank]
@@ -214,7 +214,7 @@ def audit(
             rewrite = (" (PEFT's transformers-5 rewrite trains gate_up at rank 2r)"
                        if proj in (experts.ExpertProj.GATE_PROJ, experts.ExpertProj.UP_PROJ)
                        and any(p.source == "v5" for p in over_pairs) else "")
-            out.add(Severity.ERROR, "rank_above_max",
+            out.add(Severity.ERROR, Code.RANK_ABOVE_MAX,
                     f"expert {proj.value} has rank {', '.join(map(str, ranks))} above "
                     f"--max-rank {max_rank}{rewrite}")
     report.modules.sort(key=lambda m: (m.layer, ALL.index(m.module)))
@@ -241,24 +241,24 @@ def _audit_module(
     if unknown_parts:
         for p in parts.values():
             if p.part == "":
-                out.add(Severity.ERROR, "unknown_tensor",
+                out.add(Severity.ERROR, Code.UNKNOWN_TENSOR,
                         f"tensor {p.tensor!r} is not a LoRA tensor metrale recognises")
         return None
 
     # Non-LoRA tensors: whole modules, base biases, DoRA magnitudes, trainable tokens.
     for part, code, what in (
-        ("lora_magnitude_vector", "dora", "DoRA magnitude vectors (lora_magnitude_vector)"),
-        ("lora_B.bias", "lora_bias", "LoRA B biases (lora_B.bias)"),
-        ("base_layer.bias", "bias", "trained base biases (base_layer.bias)"),
-        ("base_layer.weight", "full_weights", "full base weights (base_layer.weight)"),
-        ("weight", "modules_to_save", "full module copies (modules_to_save)"),
-        ("bias", "modules_to_save", "full module copies (modules_to_save)"),
+        ("lora_magnitude_vector", Code.DORA, "DoRA magnitude vectors (lora_magnitude_vector)"),
+        ("lora_B.bias", Code.LORA_BIAS, "LoRA B biases (lora_B.bias)"),
+        ("base_layer.bias", Code.BIAS, "trained base biases (base_layer.bias)"),
+        ("base_layer.weight", Code.FULL_WEIGHTS, "full base weights (base_layer.weight)"),
+        ("weight", Code.MODULES_TO_SAVE, "full module copies (modules_to_save)"),
+        ("bias", Code.MODULES_TO_SAVE, "full module copies (modules_to_save)"),
     ):
         if part in parts:
             out.at(Severity.ERROR, code,
                    f"{what} for {sub}{{where}}: not a plain additive LoRA delta", layer)
     if "lora_embedding_A" in parts or "lora_embedding_B" in parts:
-        out.at(Severity.ERROR, "embedding_lora",
+        out.at(Severity.ERROR, Code.EMBEDDING_LORA,
                f"embedding LoRA (lora_embedding_A/B) on {sub}{{where}}: a rank-r term added to "
                "every row of the table; the slot pool has no embedding kernel and token "
                "overlays replace listed rows only (trainable_token_indices serves that)", layer)
@@ -272,10 +272,10 @@ def _audit_module(
     if layer is None:
         reason = next((why for rx, why in _UNSERVABLE_TOP if rx.match(sub)), None)
         if reason is None:
-            out.at(Severity.ERROR, "unservable_module",
+            out.at(Severity.ERROR, Code.UNSERVABLE_MODULE,
                    f"{sub}: not a decoder-layer module the pool can serve", None)
         else:
-            out.at(Severity.ERROR, "unservable_module",
+            out.at(Severity.ERROR, Code.UNSERVABLE_MODULE,
                    f"{sub}: {reason}, which the pool cannot serve", None)
         return None
     if experts.is_expert_key(sub):
@@ -283,75 +283,46 @@ def _audit_module(
         return None
     for rx, why in _UNSERVABLE_IN_LAYER:
         if rx.match(sub):
-            out.at(Severity.ERROR, "unservable_module", f"{sub}{{where}}: {why}", layer)
+            out.at(Severity.ERROR, Code.UNSERVABLE_MODULE, f"{sub}{{where}}: {why}", layer)
             return None
     module = _SERVABLE.get(sub)
     if module is None:
-        out.at(Severity.ERROR, "unservable_module",
+        out.at(Severity.ERROR, Code.UNSERVABLE_MODULE,
                f"{sub}{{where}}: not one of the pool's modules", layer)
         return None
     if layer >= model.num_hidden_layers:
-        out.at(Severity.ERROR, "layer_out_of_range",
+        out.at(Severity.ERROR, Code.LAYER_OUT_OF_RANGE,
                f"{module.peft_name}{{where}}: past the model's {model.num_hidden_layers} layers",
                layer)
         return None
     if not module.applies_to_layer(model, layer):
-        out.at(Severity.ERROR, "module_not_applicable",
+        out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE,
                f"{module.peft_name}{{where}}: the module does not apply on "
                f"{_layer_kind(model, layer)}", layer)
         return None
 
-    if a_key is None or b_key is None:
-        missing, present = ("lora_B", "lora_A") if b_key is None else ("lora_A", "lora_B")
-        out.at(Severity.ERROR, f"missing_{missing[-1].lower()}",
-               f"{module.peft_name}{{where}}: {present} without {missing}", layer)
+    pair = check_pair(adapter, a_key, b_key, module.peft_name, layer, out)
+    if pair is None:
         return None
-
-    a, b = adapter.tensor(a_key), adapter.tensor(b_key)
-    bad = [t for t in (a, b) if t.dtype not in LORA_DTYPES]
-    for t in bad:
-        out.at(Severity.ERROR, "bad_dtype",
-               f"{module.peft_name}{{where}}: dtype {t.dtype}; LoRA tensors must be "
-               f"{'/'.join(LORA_DTYPES)}", layer)
-    if a.dtype != b.dtype and not bad:
-        out.at(Severity.WARNING, "mixed_dtype",
-               f"{module.peft_name}{{where}}: A is {a.dtype}, B is {b.dtype}", layer)
+    a, b = pair
     out_dim, in_dim = module.dims(model)
-    if len(a.shape) != 2 or len(b.shape) != 2:
-        out.at(Severity.ERROR, "shape_mismatch",
-               f"{module.peft_name}{{where}}: A {list(a.shape)} and B {list(b.shape)} must be "
-               "two-dimensional", layer)
-        return None
-    r_a, r_b = a.shape[0], b.shape[1]
-    if r_a != r_b:
-        out.at(Severity.ERROR, "rank_ab_mismatch",
-               f"{module.peft_name}{{where}}: A has rank {r_a}, B has rank {r_b}", layer)
-        return None
     if a.shape[1] != in_dim or b.shape[0] != out_dim:
-        out.at(Severity.ERROR, "shape_mismatch",
+        out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
                f"{module.peft_name}{{where}}: A {list(a.shape)}, B {list(b.shape)}; the model "
                f"needs A [r, {in_dim}], B [{out_dim}, r]", layer)
         return None
-    if r_a == 0:
-        out.at(Severity.ERROR, "shape_mismatch", f"{module.peft_name}{{where}}: rank 0", layer)
-        return None
-
-    r_cfg = cfg.rank_for(module_key)
-    alpha = cfg.alpha_for(module_key)
-    if r_a != r_cfg:
-        out.at(Severity.ERROR, "rank_config_mismatch",
-               f"{module.peft_name}{{where}}: tensors have rank {r_a}, but the config "
-               f"(r and rank_pattern) gives {r_cfg}; PEFT would refuse to load it", layer)
+    r = a.shape[0]
+    alpha, scaling = rank_and_scale(adapter, module_key, module.peft_name, r, layer, out)
     for name, hits in cfg.overlapping_patterns(module_key).items():
-        out.at(Severity.WARNING, "pattern_overlap",
+        out.at(Severity.WARNING, Code.PATTERN_OVERLAP,
                f"{name} keys {', '.join(repr(h) for h in hits)} all match "
                f"{module.peft_name}{{where}} with different values; PEFT takes the first in "
                "file order after a reload, training took the user's order", layer)
     if not cfg.is_targeted(module_key):
-        out.at(Severity.WARNING, "unexplained_key",
+        out.at(Severity.WARNING, Code.UNEXPLAINED_KEY,
                f"{module.peft_name}{{where}}: has tensors, but the config's target_modules "
                "(with exclude_modules and layers_to_transform) does not select it", layer)
-    return ModuleRecord(layer, module, r_a, alpha, cfg.scaling(r_a, alpha), a, b)
+    return ModuleRecord(layer, module, r, alpha, scaling, a, b)
 
 
 def _layer_kind(model: ModelConfig, layer: int) -> str:
@@ -363,48 +334,48 @@ def _layer_kind(model: ModelConfig, layer: int) -> str:
 def _audit_config(adapter: Adapter, model: ModelConfig, out: Collector) -> None:
     raw = adapter.config.raw
     checks: list[tuple[bool, str, str]] = [
-        (bool(raw.get("use_dora")), "dora",
+        (bool(raw.get("use_dora")), Code.DORA,
          "DoRA (use_dora): the output is renormalised by the base weight, not W + s*BA"),
-        (bool(raw.get("lora_bias")), "lora_bias",
+        (bool(raw.get("lora_bias")), Code.LORA_BIAS,
          "lora_bias: B carries a bias that a plain LoRA pool does not apply"),
-        (raw.get("bias", "none") not in (None, "none"), "bias",
+        (raw.get("bias", "none") not in (None, "none"), Code.BIAS,
          f"bias={raw.get('bias')!r}: the adapter replaces base biases"),
-        (bool(adapter.config.modules_to_save), "modules_to_save",
+        (bool(adapter.config.modules_to_save), Code.MODULES_TO_SAVE,
          f"modules_to_save {adapter.config.modules_to_save}: whole modules are replaced"),
-        (bool(raw.get("use_qalora")), "qalora",
+        (bool(raw.get("use_qalora")), Code.QALORA,
          "QA-LoRA (use_qalora): A has in/group columns"),
-        (bool(raw.get("use_bdlora")), "bdlora",
+        (bool(raw.get("use_bdlora")), Code.BDLORA,
          "BD-LoRA (use_bdlora): block-diagonal factors of another shape"),
-        (bool(raw.get("alora_invocation_tokens")), "alora",
+        (bool(raw.get("alora_invocation_tokens")), Code.ALORA,
          "activated LoRA (alora_invocation_tokens): active only after its invocation tokens"),
-        (bool(raw.get("megatron_config")), "megatron",
+        (bool(raw.get("megatron_config")), Code.MEGATRON,
          "megatron_config: Megatron module names, not the model's"),
-        (bool(raw.get("layer_replication")), "layer_replication",
+        (bool(raw.get("layer_replication")), Code.LAYER_REPLICATION,
          "layer_replication: layer indices of a deeper, replicated model"),
-        (bool(raw.get("arrow_config")), "variant", "arrow_config: Arrow routing among adapters"),
-        (bool(raw.get("kasa_config")), "variant", "kasa_config: KaSA adds lora_diag"),
-        (bool(raw.get("monteclora_config")), "variant",
+        (bool(raw.get("arrow_config")), Code.VARIANT, "arrow_config: Arrow routing among adapters"),
+        (bool(raw.get("kasa_config")), Code.VARIANT, "kasa_config: KaSA adds lora_diag"),
+        (bool(raw.get("monteclora_config")), Code.VARIANT,
          "monteclora_config: MonteCLoRA sampler parameters"),
     ]
     init = raw.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_MUTATING_INITS):
-        checks.append((True, "base_mutating_init",
+        checks.append((True, Code.BASE_MUTATING_INIT,
                        f"init_lora_weights={init!r} changed the base weights during training; "
                        "the adapter is only valid on that changed base"))
     for hit, code, message in checks:
         if hit:
             out.add(Severity.ERROR, code, f"{message}; not servable as plain LoRA")
     if raw.get("fan_in_fan_out"):
-        out.add(Severity.INFO, "fan_in_fan_out",
+        out.add(Severity.INFO, Code.FAN_IN_FAN_OUT,
                 "fan_in_fan_out: the base stores (in, out); A/B keep their usual shapes")
     if raw.get("velora_config"):
-        out.add(Severity.INFO, "velora", "velora_config changes only the backward pass")
+        out.add(Severity.INFO, Code.VELORA, "velora_config changes only the backward pass")
     for bad in adapter.config.pattern_errors():
-        out.add(Severity.ERROR, "bad_pattern", f"rank/alpha pattern {bad} is not a valid regex")
+        out.add(Severity.ERROR, Code.BAD_PATTERN, f"rank/alpha pattern {bad} is not a valid regex")
     if isinstance(adapter.config.target_modules, str) and (
         adapter.config.layers_to_transform is not None or adapter.config.layers_pattern
     ):
-        out.add(Severity.WARNING, "layers_with_regex",
+        out.add(Severity.WARNING, Code.LAYERS_WITH_REGEX,
                 "layers_to_transform is ignored by PEFT when target_modules is a regex string")
 
 
@@ -414,7 +385,7 @@ def _explain_experts(
 ) -> None:
     cfg = adapter.config
     if expert_layers and not enabled:
-        out.add(Severity.ERROR, "expert_lora",
+        out.add(Severity.ERROR, Code.EXPERT_LORA,
                 f"routed-expert or router LoRA on layers {layer_ranges(expert_layers)}: "
                 "not servable by the slot pool; it goes to the expert pool, which is opt-in: "
                 "pass --experts (or set METRALE_LORA_EXPERTS=1)")
@@ -429,12 +400,12 @@ def _explain_experts(
         return
     if model.model_type == "qwen3_5_moe":
         # PEFT 0.21's conversion table maps no rewrite for this type (checked against PEFT).
-        out.add(Severity.WARNING, "moe_rewrite",
+        out.add(Severity.WARNING, Code.MOE_REWRITE,
                 "on qwen3_5_moe, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
                 "targets into expert LoRA: they reach only the shared expert, and routed experts "
                 "get LoRA only through target_parameters (mlp.experts.gate_up_proj/down_proj)")
         return
-    out.add(Severity.WARNING, "moe_rewrite",
+    out.add(Severity.WARNING, Code.MOE_REWRITE,
             f"on {model.model_type} (routed experts), PEFT >= 0.19 with transformers 5 turns "
             "gate_proj/up_proj/down_proj targets into expert LoRA (target_parameters "
             "gate_up_proj/down_proj" + (", gate_up at rank 2r and alpha 2*alpha" if rewritten
@@ -459,6 +430,6 @@ def _missing_targets(
             and adapter.config.is_targeted(f"{prefix}.{layer}.{module.peft_path}")
         ]
         for layer in missing:
-            out.at(Severity.WARNING, "targeted_missing",
+            out.at(Severity.WARNING, Code.TARGETED_MISSING,
                    f"{module.peft_name}{{where}}: the config selects it but the file holds no "
                    "tensors for it", layer)

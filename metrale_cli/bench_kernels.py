@@ -39,6 +39,8 @@ import numpy as np
 from metrale_cli import compat, kernels, reference
 from metrale_cli.atomic import atomic_write
 from metrale_cli.errors import ToolMissing, UsageError
+from metrale_cli.models import ModelConfig
+from metrale_cli.modules import LoraModule
 
 DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
 PREFILL_TOKENS = (512, 2048, 4096, 8192)
@@ -483,6 +485,13 @@ def _copy_us(cupy: Any, nbytes: int, groups: int, repeats: int) -> float:
                for _ in range(groups)]
     calls = [lambda src=src, dst=dst: dst.__setitem__(Ellipsis, src) for src, dst in buffers]
     return _percentiles(_time_cupy(calls, repeats))["p50_us"]
+
+
+def module_shapes(model: ModelConfig, modules: Sequence[LoraModule]) -> list[tuple[str, int, int]]:
+    """`(module_name, out_dim, in_dim)` of each module that applies on some layer of `model`:
+    the shapes `run` times, at the model's real size."""
+    return [(m.peft_name, *m.dims(model)) for m in modules
+            if any(m.applies_to_layer(model, i) for i in range(model.num_hidden_layers))]
 
 
 def run(

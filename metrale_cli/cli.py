@@ -1,7 +1,7 @@
 """The command line: parse options, call the core, render. Errors become one line and an exit code.
 
-`metrale --help`, `inspect` and `layout` import neither torch nor cupy: commands that move tensor
-data import their modules inside the command.
+Each command imports the core it calls inside itself, so `metrale --help` imports typer and
+little else (no numpy), and `inspect` and `layout` import neither torch nor cupy.
 """
 
 from __future__ import annotations
@@ -11,19 +11,21 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
 
 from metrale_cli import __version__, env
-from metrale_cli.adapter import Adapter, parse_adapter_args
-from metrale_cli.audit import audit
 from metrale_cli.errors import MetraleError, NotServable, OutputExists, UsageError
-from metrale_cli.layout import DEFAULT_ALIGN, parse_size
-from metrale_cli.models import PRESETS, ModelConfig, resolve_model
-from metrale_cli.modules import LoraModule
-from metrale_cli.plan import Footprint, PoolPlan, inspect_record, plan_layouts
+from metrale_cli.layout import DEFAULT_ALIGN
+from metrale_cli.models import resolve_model
+from metrale_cli.parsing import parse_modules, parse_size, positive
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from metrale_cli.adapter import Adapter
+    from metrale_cli.models import ModelConfig
 
 app = typer.Typer(
     name="metrale",
@@ -37,10 +39,23 @@ bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-out = Console(highlight=False, soft_wrap=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+@functools.cache
+def out() -> Console:
+    """stdout for views (rich is imported on first output, not by `--help`)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False)
+
+
+@functools.cache
+def err() -> Console:
+    """stderr for errors, warnings and progress."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def handles_errors(fn: F) -> F:
@@ -56,22 +71,22 @@ def handles_errors(fn: F) -> F:
         except MetraleError as exc:
             if env.debug():
                 raise
-            err.print(f"error: {exc}", markup=False)
+            err().print(f"error: {exc}", markup=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            err.print("interrupted", markup=False)
+            err().print("interrupted", markup=False)
             raise typer.Exit(130) from None
         except OSError as exc:
             # A path the user gave that cannot be read or written (permissions, a full disk).
             if env.debug():
                 raise
             where = f"{exc.filename}: " if exc.filename else ""
-            err.print(f"error: {where}{exc.strerror or exc}", markup=False)
+            err().print(f"error: {where}{exc.strerror or exc}", markup=False)
             raise typer.Exit(2) from None
         except Exception as exc:
             if env.debug():
                 raise
-            err.print(f"internal error: {type(exc).__name__}: {exc} "
+            err().print(f"internal error: {type(exc).__name__}: {exc} "
                       "(METRALE_DEBUG=1 shows the traceback)", markup=False)
             raise typer.Exit(70) from None
 
@@ -80,6 +95,12 @@ def handles_errors(fn: F) -> F:
 
 def emit_json(record: Any) -> None:
     sys.stdout.write(json.dumps(record, indent=2) + "\n")
+
+
+def warn(warnings: list[str]) -> None:
+    """Warnings the record carries, one line each on stderr (also under --json)."""
+    for warning in warnings:
+        err().print(f"warning: {warning}", markup=False)
 
 
 def version_callback(value: bool) -> None:
@@ -96,17 +117,29 @@ def root(
     """metrale: answers about a LoRA adapter pool before anything runs, then does the work."""
 
 
-# -- shared option handling ---------------------------------------------------------------------
+# -- the shared options, declared once -----------------------------------------------------------
+# Each option is one typer.Option, used through its alias; a command that requires it or gives
+# it another default annotates its own type with the same option (typer copies it per use).
 
-ModelOpt = Annotated[
-    str | None,
-    typer.Option("--model", "-m", help="Preset name, config.json, model directory, or a hub id "
-                 "in the local HF cache. Default: the adapters' base_model_name_or_path."),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the JSON record instead.")]
+MODEL = typer.Option(
+    "--model", "-m", help="Base model: a preset (`metrale models`), a config.json, a model "
+    "directory, or a hub id in the local HF cache.")
+MODULES = typer.Option(
+    "--modules", help="Comma-separated pool modules (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+    "up_proj, down_proj, out_proj), or 'all'.")
+MAX_LORAS = typer.Option("--max-loras", help="Slots in the pool.")
+ModelOpt = Annotated[str | None, MODEL]
+ModulesOpt = Annotated[str | None, MODULES]
+MaxLorasOpt = Annotated[int | None, MAX_LORAS]
+MaxRankOpt = Annotated[int | None, typer.Option(
+    "--max-rank", help="The pool's max rank: every slot pads to it; higher ranks are not "
+    "servable. Default: the adapters' largest rank rounded up to a multiple of 8, as the CUDA "
+    "kernels need.")]
 ExpertsOpt = Annotated[bool, typer.Option(
     "--experts", help="Serve routed-expert and router LoRA from the expert pool, a second "
     "allocation beside the slot pool (also METRALE_LORA_EXPERTS=1).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the JSON record instead.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
 
 
 def experts_on(flag: bool) -> bool:
@@ -115,6 +148,8 @@ def experts_on(flag: bool) -> bool:
 
 
 def load_adapters(args: list[str]) -> list[Adapter]:
+    from metrale_cli.adapter import Adapter, parse_adapter_args
+
     if not args:
         raise UsageError("no adapter given")
     return [Adapter.load(path, name) for name, path in parse_adapter_args(args)]
@@ -147,24 +182,6 @@ def model_for(spec: str | None, adapters: list[Adapter]) -> ModelConfig:
     return resolved[0]
 
 
-def parse_modules(text: str | None) -> list[LoraModule] | None:
-    if text is None:
-        return None
-    try:
-        modules = LoraModule.parse_list(text)
-    except ValueError as exc:
-        raise UsageError(f"--modules: {exc}") from None
-    if not modules:
-        raise UsageError("--modules is empty")
-    return modules
-
-
-def positive(name: str, value: int | None) -> int | None:
-    if value is not None and value <= 0:
-        raise UsageError(f"{name} must be positive, got {value}")
-    return value
-
-
 # -- models -------------------------------------------------------------------------------------
 
 
@@ -172,20 +189,15 @@ def positive(name: str, value: int | None) -> int | None:
 @handles_errors
 def models(json_out: JsonOpt = False) -> None:
     """List the built-in base-model presets and their key dims."""
-    from metrale_cli import render
+    from metrale_cli.models import PRESETS
 
-    records = []
-    for preset in PRESETS:
-        cfg = ModelConfig.preset(preset.name)
-        record = {"name": preset.name, "hub_ids": list(preset.hub_ids), **cfg.summary()}
-        record["full_attention_layers"] = len(cfg.full_attention_layers)
-        record["linear_attention_layers"] = len(cfg.linear_attention_layers)
-        record["expert_intermediate_size"] = cfg.expert_intermediate_size
-        records.append(record)
+    records = [preset.record() for preset in PRESETS]
     if json_out:
         emit_json(records)
     else:
-        out.print(render.models_view(records))
+        from metrale_cli.render import models_view
+
+        out().print(models_view(records))
 
 
 # -- inspect ------------------------------------------------------------------------------------
@@ -197,25 +209,30 @@ def inspect(
     adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH.",
                                                   show_default=False)],
     model: ModelOpt = None,
-    max_rank: Annotated[int | None, typer.Option(
-        "--max-rank", help="Pool max rank: higher ranks are not servable; slots pad to it.")]
-    = None,
+    max_rank: MaxRankOpt = None,
     experts: ExpertsOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not."""
+    """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
+
+    The model defaults to the adapters' base_model_name_or_path."""
+    from metrale_cli.audit import audit
+    from metrale_cli.plan import Footprint, inspect_record, max_rank_warnings
+
     positive("--max-rank", max_rank)
     loaded = load_adapters(adapters)
     cfg = model_for(model, loaded)
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
+    warnings = max_rank_warnings(max_rank)
+    warn(warnings)
     if json_out:
-        emit_json(inspect_record(cfg, reports, footprints, enabled))
+        emit_json(inspect_record(cfg, reports, footprints, enabled, warnings))
     else:
-        from metrale_cli import render
+        from metrale_cli.render import inspect_view
 
-        out.print(render.inspect_view(cfg, reports, footprints))
+        out().print(inspect_view(cfg, reports, footprints))
     if not all(r.servable for r in reports):
         raise typer.Exit(1)
 
@@ -230,23 +247,24 @@ def layout(
         help="Startup adapters: their modules and largest rank when --modules/--max-rank are "
              "not given.", show_default=False)] = None,
     model: ModelOpt = None,
-    modules: Annotated[str | None, typer.Option(
-        "--modules", help="Comma-separated module set, e.g. q_proj,k_proj,v_proj,o_proj,out_proj"
-                          " (or 'all').")] = None,
-    max_rank: Annotated[int | None, typer.Option("--max-rank")] = None,
-    max_loras: Annotated[int | None, typer.Option("--max-loras", help="Slots in the pool.")] = None,
+    modules: ModulesOpt = None,
+    max_rank: MaxRankOpt = None,
+    max_loras: MaxLorasOpt = None,
     budget: Annotated[str | None, typer.Option(
         "--budget", help="Memory for the pool and its tables, e.g. 40GiB: how many slots fit.")]
     = None,
     align: Annotated[int, typer.Option("--align", help="Byte alignment of every region.")]
     = DEFAULT_ALIGN,
-    experts: Annotated[bool, typer.Option(
-        "--experts", help="Plan the expert pool too: the adapters' routed-expert and router "
-        "pairs, or without adapters every expert and router of every MoE layer at --max-rank "
-        "(also METRALE_LORA_EXPERTS=1).")] = False,
+    experts: ExpertsOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """The byte-exact slot layout and capacity plan of a pool (and of its expert pool)."""
+    """The byte-exact slot layout and capacity plan of a pool.
+
+    With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
+    without adapters every expert and router of every MoE layer at --max-rank."""
+    from metrale_cli.audit import audit
+    from metrale_cli.plan import PoolPlan, plan_layouts
+
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
     enabled = experts_on(experts)
@@ -255,15 +273,17 @@ def layout(
         raise UsageError("--model is required (or give startup adapters)")
     cfg = model_for(model, loaded)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    layouts = plan_layouts(cfg, reports, parse_modules(modules), max_rank, align, enabled)
+    layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
+                           align, enabled)
     plan = PoolPlan.sized(*layouts, max_loras,
                           parse_size(budget) if budget is not None else None)
+    warn(plan.warnings)
     if json_out:
         emit_json(plan.record())
     else:
-        from metrale_cli import render
+        from metrale_cli.render import layout_view
 
-        out.print(render.layout_view(plan))
+        out().print(layout_view(plan))
 
 
 # -- synth --------------------------------------------------------------------------------------
@@ -274,21 +294,20 @@ def layout(
 def synth(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the adapter into.",
                                             show_default=False)],
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset, config.json or model dir.")],
-    modules: Annotated[str, typer.Option("--modules", help="Comma-separated modules, or 'all'.")],
+    model: Annotated[str, MODEL],
+    modules: Annotated[str, MODULES],
     rank: Annotated[int, typer.Option("--rank", "-r")],
     alpha: Annotated[float | None, typer.Option("--alpha", help="Default: 2 * rank.")] = None,
     rslora: Annotated[bool, typer.Option("--rslora", help="Scale alpha/sqrt(r).")] = False,
     dtype: Annotated[str, typer.Option("--dtype", help="bf16, f16 or f32.")] = "bf16",
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing adapter.")] = False,
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
     from metrale_cli.synth import synth_adapter
 
     module_list = parse_modules(modules)
-    assert module_list is not None
     if alpha is not None and alpha <= 0:
         raise UsageError(f"--alpha must be positive, got {alpha}")
     result = synth_adapter(out_dir, resolve_model(model), model, module_list, rank, alpha,
@@ -298,7 +317,8 @@ def synth(
     else:
         from metrale_cli.render import human_bytes
 
-        out.print(f"wrote {result.path}: {result.tensors} tensors, {human_bytes(result.bytes)}")
+        out().print(f"wrote {result.path}: {result.tensors} tensors, "
+                    f"{human_bytes(result.bytes)}")
 
 
 # -- pack ---------------------------------------------------------------------------------------
@@ -310,21 +330,25 @@ def pack(
     adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH; "
                                                   "they become the pinned startup slots.",
                                                   show_default=False)],
-    max_loras: Annotated[int, typer.Option("--max-loras", help="Slots in the pool.")],
+    max_loras: Annotated[int, MAX_LORAS],
     model: ModelOpt = None,
-    max_rank: Annotated[int | None, typer.Option("--max-rank", help="Default: the largest "
-                                                 "adapter rank.")] = None,
-    modules: Annotated[str | None, typer.Option(
-        "--modules", help="Module set; default: the union of the adapters' modules.")] = None,
+    max_rank: MaxRankOpt = None,
+    modules: ModulesOpt = None,
     out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write the pool image "
                                                   "here (safetensors, format pool/1).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-    force: Annotated[bool, typer.Option("--force", help="Overwrite --out.")] = False,
+    force: ForceOpt = False,
     experts: ExpertsOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image."""
+    """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image.
+
+    The model defaults to the adapters' base_model_name_or_path, the modules to the union of
+    theirs."""
+    from metrale_cli.audit import audit
     from metrale_cli.packing import pack_pool
+    from metrale_cli.plan import plan_layouts
+    from metrale_cli.render import pack_view, print_findings_to
 
     positive("--max-loras", max_loras)
     positive("--max-rank", max_rank)
@@ -337,71 +361,67 @@ def pack(
     refused = [r for r in reports if not r.servable]
     if refused:
         for r in refused:
-            for f in r.errors():
-                err.print(f"{r.name}: {f.code}: {f.message}", markup=False)
+            print_findings_to(err(), r)
         raise NotServable(f"{len(refused)} adapter(s) not servable: "
                           f"{', '.join(r.name for r in refused)}")
-    the_layout, expert_layout = plan_layouts(cfg, reports, parse_modules(modules), max_rank,
-                                             experts=enabled)
+    the_layout, expert_layout = plan_layouts(cfg, reports,
+                                             parse_modules(modules) if modules else None,
+                                             max_rank, experts=enabled)
     result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
-                       progress_console=err if err.is_terminal and not json_out else None,
+                       progress_console=err() if err().is_terminal and not json_out else None,
                        expert_layout=expert_layout)
+    warn(result.warnings)
     if json_out:
         emit_json(result.record())
     else:
-        from metrale_cli.render import pack_view
-
-        out.print(pack_view(result))
+        out().print(pack_view(result))
 
 
 # -- bench --------------------------------------------------------------------------------------
+
+BENCH_MODEL = "qwen3-next-80b-a3b"
+BENCH_MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
 
 
 @bench_app.command("pack")
 @handles_errors
 def bench_pack(
-    model: Annotated[str, typer.Option("--model", "-m")] = "qwen3-next-80b-a3b",
-    modules: Annotated[str, typer.Option("--modules")] = "q_proj,k_proj,v_proj,o_proj,out_proj",
+    model: Annotated[str, MODEL] = BENCH_MODEL,
+    modules: Annotated[str, MODULES] = BENCH_MODULES,
     rank: Annotated[int, typer.Option("--rank", "-r")] = 64,
     adapters: Annotated[int, typer.Option("--adapters", help="Synthetic adapters to pack.")] = 4,
     dtype: Annotated[str, typer.Option("--dtype", help="Adapter file dtype.")] = "bf16",
     repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    device: Annotated[str, typer.Option("--device", help="cpu, or cuda: pack into GPU memory "
+                                        "against a pinned-memory copy.")] = "cpu",
+    experts: Annotated[bool, typer.Option("--experts", help="Also pack a fused F32 expert "
+                                          "adapter at the model's real width and report its "
+                                          "peak RSS.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Packing throughput vs numpy.copyto of the same bytes, and peak RSS vs the pool size."""
+    """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
     from metrale_cli import bench_pack as bench
 
     positive("--rank", rank)
     positive("--adapters", adapters)
     positive("--repeats", repeats)
-    module_list = parse_modules(modules)
-    assert module_list is not None
-    record = bench.run(resolve_model(model), model, module_list, rank, adapters, dtype, repeats)
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    record = bench.run(resolve_model(model), model, parse_modules(modules), rank, adapters,
+                       dtype, repeats, device=device, experts=experts)
     if json_out:
         emit_json(record)
-        return
-    from metrale_cli.render import human_bytes
+    else:
+        from metrale_cli.render import bench_pack_view
 
-    out.print(
-        f"{adapters} x {record['setup']['model']} r={rank} {dtype} adapters, "
-        f"{human_bytes(record['tensor_bytes'])} of tensors\n"
-        f"pack      {record['pack_gb_per_s']:.2f} GB/s = {100 * record['pack_vs_memcpy']:.0f}% "
-        f"of numpy.copyto ({record['memcpy_gb_per_s']:.2f} GB/s), same bytes, same run\n"
-        f"end to end `metrale pack`: {record['end_to_end_pack_gb_per_s']:.2f} GB/s "
-        f"(fresh pool pages included), {record['end_to_end_wall_s']:.2f} s wall\n"
-        f"peak RSS  {human_bytes(record['peak_rss_bytes'])} = pool "
-        f"{human_bytes(record['pool_bytes'])} + "
-        f"{human_bytes(record['peak_rss_minus_pool_bytes'])} "
-        f"({'within' if record['rss_within_pool_plus_256mib'] else 'OVER'} pool + 256 MiB)"
-    )
+        out().print(bench_pack_view(record))
 
 
 @bench_app.command("kernels")
 @handles_errors
 def bench_kernels(
-    model: Annotated[str, typer.Option("--model", "-m", help="Shapes come from this model's "
-                                       "modules at real size.")] = "qwen3-next-80b-a3b",
-    modules: Annotated[str, typer.Option("--modules")] = "q_proj,k_proj,v_proj,o_proj,out_proj",
+    model: Annotated[str, MODEL] = BENCH_MODEL,
+    modules: Annotated[str, MODULES] = BENCH_MODULES,
     rank: Annotated[list[int] | None, typer.Option("--rank", "-r", help="Repeatable; "
                                                    "default 16, 64, 128.")] = None,
     tokens: Annotated[list[int] | None, typer.Option(
@@ -413,7 +433,7 @@ def bench_kernels(
     repeats: Annotated[int, typer.Option("--repeats")] = 30,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a roofline chart "
                                                    "(PNG) here.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite --plot.")] = False,
+    force: ForceOpt = False,
     model_only: Annotated[bool, typer.Option(
         "--model-only", help="No GPU: the roofline model's expected share of peak per shape.")
     ] = False,
@@ -424,22 +444,22 @@ def bench_kernels(
     ] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one)."""
+    """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one).
+
+    Shapes are the model's modules at real size. --json prints one record per line as it is
+    measured."""
     from metrale_cli import bench_kernels as bench
     from metrale_cli.compat import cupy_module
+    from metrale_cli.render import kernel_line, kernel_model_line
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else
     if experts:
         _bench_experts(rank, tokens, adapters, repeats, plot_path, force, model_only, json_out)
         return
-    cfg = resolve_model(model)
-    module_list = parse_modules(modules)
-    assert module_list is not None
-    shapes = [(m.peft_name, *m.dims(cfg)) for m in module_list
-              if any(m.applies_to_layer(cfg, i) for i in range(cfg.num_hidden_layers))]
-    for value in [*(rank or []), *(tokens or []), *(adapters or [])]:
-        positive("--rank/--tokens/--adapters", value)
+    shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
+    positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
+    positive("--repeats", repeats)
     if plot_path is not None and plot_path.exists() and not force:
         raise OutputExists(f"{plot_path} exists; pass --force to overwrite it")
 
@@ -448,13 +468,7 @@ def bench_kernels(
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
         else:
-            speedup = record["speedup_vs_torch"]
-            out.print(
-                f"{record['kernel']:<12} {record['module']:<9} r={record['rank']:<4} "
-                f"T={record['tokens']:<5} D={record['adapters']:<5} "
-                f"p50 {record['p50_us']:8.2f} us  {record['tb_per_s']:5.2f} TB/s "
-                f"{record['pct_peak']:5.1f}% peak  {record['pct_copy']:5.1f}% of copy  "
-                + (f"{speedup:5.2f}x {record['torch_best']}" if speedup else "no torch"))
+            out().print(kernel_line(record))
 
     kwargs: dict[str, Any] = {}
     if rank:
@@ -466,13 +480,7 @@ def bench_kernels(
             if json_out:
                 sys.stdout.write(json.dumps(record) + "\n")
             else:
-                out.print(
-                    f"{record['kernel']:<16} {record['path']:<17} {record['module']:<8} "
-                    f"r{record['rank']:<3} T{record['tokens']:<4} D{record['adapters']:<4} "
-                    f"{record['ctas']:>5} CTAs {record['in_flight_per_sm_bytes'] / 1024:5.1f} "
-                    f"KiB/SM {record['expected_pct_peak']:5.1f}% peak "
-                    f"{record['expected_copy_ratio']:4.2f}x copy "
-                    f"{'meets' if record['meets_target'] else 'MISSES'}", soft_wrap=True)
+                out().print(kernel_model_line(record), soft_wrap=True)
         return
     records = bench.run(shapes, adapters=adapters, repeats=repeats, progress=show, **kwargs)
     if plot_path is not None:
@@ -485,32 +493,23 @@ def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
     """`bench kernels --experts`: the expert kernels' records (or their roofline model)."""
     from metrale_cli import bench_experts
     from metrale_cli import bench_kernels as bench
+    from metrale_cli.render import expert_kernel_line, expert_model_line
 
-    for value in [*(rank or []), *(tokens or []), *(adapters or [])]:
-        positive("--rank/--tokens/--adapters", value)
+    positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
+    positive("--repeats", repeats)
     if plot_path is not None and plot_path.exists() and not force:
         raise OutputExists(f"{plot_path} exists; pass --force to overwrite it")
     shapes = bench_experts.expert_shapes(
         ranks=rank or bench_experts.EXPERT_RANKS, tokens=tokens or bench_experts.EXPERT_TOKENS,
         adapters=adapters or bench_experts.EXPERT_ADAPTERS)
+    line = expert_model_line if model_only else expert_kernel_line
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
-            return
-        head = (f"{record['projection']:<8} {record['model']:<19} r{record['rank']:<3} "
-                f"T{record['tokens']:<5} D{record['adapters']:<2} {record['path']:<7} ")
-        if model_only:
-            out.print(head + f"{record['bytes'] / 1e6:9.2f} MB {record['expected_us']:8.2f} us "
-                      f"{record['expected_pct_peak']:5.1f}% peak "
-                      f"{record['expected_copy_ratio']:4.2f}x copy "
-                      f"{'meets' if record['meets_target'] else 'MISSES'}", soft_wrap=True)
-            return
-        speedup = record["speedup_vs_torch"]
-        out.print(head + f"p50 {record['p50_us']:8.2f} us {record['tb_per_s']:5.2f} TB/s "
-                  f"{record['pct_peak']:5.1f}% peak {record['pct_copy']:5.1f}% of copy "
-                  + (f"{speedup:5.2f}x gather_bmm" if speedup else "no torch"), soft_wrap=True)
+        else:
+            out().print(line(record), soft_wrap=True)
 
     if model_only:
         for record in bench_experts.model_records(shapes):

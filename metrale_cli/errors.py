@@ -62,6 +62,19 @@ class SlotBusy(MetraleError):
 
 
 class LayoutMismatch(MetraleError):
-    """Landing a slot from a pool whose layout fingerprint differs."""
+    """Landing a slot from a pool whose layout fingerprint differs, or packing an adapter whose
+    tensor shapes do not fit the pool's layout (it was audited against another model)."""
 
     exit_code = 1
+
+
+class NonFiniteWeights(MetraleError):
+    """An adapter whose weights hold NaN or infinity (or values too large for BF16): refused
+    at pack time, since every token routed to its slot would produce garbage."""
+
+    exit_code = 1
+
+
+class PoolTooLarge(UsageError):
+    """A pool (and its tables) larger than the memory available to hold it; said before any
+    allocation is tried."""

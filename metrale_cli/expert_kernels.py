@@ -83,13 +83,13 @@ def tables_from_pool(pool: Any, layer: int, backend: Backend = kernels.CUPY,
                      like: Any = None) -> ExpertTables:
     """The ExpertTables of `layer` of a LoraPool with an expert pool (`like`: an array of the
     kind the backend should make, for the host harness)."""
-    layout = pool.expert_layout
-    if layout is None:
+    layout, region = pool.expert_layout, pool.expert_region
+    if layout is None or region is None:
         raise ValueError("the pool has no expert pool (pack with --experts)")
     router = layout.index.get((layer, ExpertProj.ROUTER, ROUTER_EXPERT), -1)
-    ref = pool.expert_a_tables if like is None else like
+    ref = region.a_tables if like is None else like
     return ExpertTables(
-        a_tables=pool.expert_a_tables, b_tables=pool.expert_b_tables,
+        a_tables=region.a_tables, b_tables=region.b_tables,
         gate_up=backend.array(ref, expert_entries(layout, layer, GATE_UP)),
         down=backend.array(ref, expert_entries(layout, layer, DOWN)),
         router=router, scale_table=pool.scale_table, ranks=pool.expert_rank_table,

@@ -1,23 +1,15 @@
-"""The expert pool: the layout of one expert slot, and how a slot is filled and read back.
-
-`ExpertLayout` lays `ExpertPair`s out in one expert slot the way `SlotLayout` lays out modules
-in a slot; `pack_expert_slot` fills one slot's region; `expert_factors` reads a pair back.
-"""
+"""The expert pool's layout: `ExpertLayout` lays `ExpertPair`s out in one expert slot the way
+`SlotLayout` lays out modules in a slot (packing.py fills a slot, region.py holds the pool)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
-
-from metrale_cli.bf16 import bf16_to_f32, to_bf16
 from metrale_cli.experts import ROUTER_EXPERT, ExpertPair, ExpertProj, entry_sort_key
 from metrale_cli.layout import (
-    BF16_BYTES,
     DEFAULT_ALIGN,
     POINTER_BYTES,
     PaddedPair,
@@ -27,7 +19,6 @@ from metrale_cli.layout import (
     place_pair,
 )
 from metrale_cli.models import ModelConfig
-from metrale_cli.safetensors_header import TensorInfo
 
 EXPERT_LAYOUT_FORMAT = "expert-layout/1"
 
@@ -119,14 +110,15 @@ class ExpertLayout:
         return {k: i for i, k in enumerate(self.keys)}
 
     @cached_property
-    def expert_slot_bytes(self) -> int:
+    def slot_bytes(self) -> int:
+        """The bytes of one expert slot (the image's `expert_slot_bytes`)."""
         return padded_end(self.entries, self.align)
 
     @cached_property
     def fingerprint(self) -> str:
         canonical = {
             "format": EXPERT_LAYOUT_FORMAT, "dtype": "BF16", "align": self.align,
-            "max_rank": self.max_rank, "expert_slot_bytes": self.expert_slot_bytes,
+            "max_rank": self.max_rank, "expert_slot_bytes": self.slot_bytes,
             "entries": [[e.layer, e.proj.value, e.expert, e.out_dim, e.in_dim, e.a_offset,
                          e.b_offset] for e in self.entries],
         }
@@ -137,7 +129,7 @@ class ExpertLayout:
         return max_loras * len(self.entries) * 2 * POINTER_BYTES
 
     def pool_bytes(self, max_loras: int) -> int:
-        return max_loras * self.expert_slot_bytes
+        return max_loras * self.slot_bytes
 
     def shares(self) -> dict[str, int]:
         """Expert-slot bytes by projection (A + B, without alignment padding)."""
@@ -149,7 +141,7 @@ class ExpertLayout:
     def record(self, max_loras: int | None = None, entries: bool = True) -> dict[str, Any]:
         layers = sorted({e.layer for e in self.entries})
         record: dict[str, Any] = {
-            "expert_slot_bytes": self.expert_slot_bytes,
+            "expert_slot_bytes": self.slot_bytes,
             "expert_pool_bytes": self.pool_bytes(max_loras) if max_loras is not None else None,
             "max_rank": self.max_rank,
             "align": self.align,
@@ -162,59 +154,3 @@ class ExpertLayout:
         if entries:
             record["entries"] = [e.record() for e in self.entries]
         return record
-
-
-# -- packing ------------------------------------------------------------------------------------
-
-
-class RawReader(Protocol):
-    def read(self, info: TensorInfo) -> np.ndarray: ...
-
-
-def pack_expert_slot(
-    reader: RawReader,
-    pairs: list[ExpertPair],
-    layout: ExpertLayout,
-    region: np.ndarray,
-    slot_scale: float,
-    progress: Callable[[int], None] | None = None,
-) -> int:
-    """Write `pairs` into one expert slot's `region` (u8, all zero on entry): A rows and B
-    columns up to the pair's rank, each pair's PEFT scaling relative to `slot_scale` folded into
-    its B before the single rounding to BF16. Each file tensor is read once, however many
-    experts share it. Returns the file bytes read."""
-    groups: dict[tuple[str, str], list[ExpertPair]] = defaultdict(list)
-    for p in pairs:
-        groups[(p.a.name, p.b.name)].append(p)
-    read = 0
-    rank = layout.max_rank
-    for group in groups.values():
-        first = group[0]
-        a_all = reader.read(first.a).reshape(first.a.shape).copy()
-        b_all = reader.read(first.b).reshape(first.b.shape)
-        read += first.a.nbytes + first.b.nbytes
-        for p in group:
-            entry = layout.entries[layout.index[p.key]]
-            a_dst = region[entry.a_offset:entry.a_offset + p.r * p.in_dim * BF16_BYTES]
-            a_dst.view(np.uint16)[:] = to_bf16(
-                np.ascontiguousarray(a_all[p.a_row:p.a_row + p.r]), p.a.dtype).reshape(-1)
-            b_src = b_all[p.b_row:p.b_row + p.out_dim,
-                          p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
-            b_dst = region[entry.b_offset:entry.b_offset + entry.b_bytes].view(np.uint16)
-            b_dst.reshape(p.out_dim, rank)[:, :p.r] = to_bf16(
-                np.ascontiguousarray(b_src), p.b.dtype, p.scaling / slot_scale
-            ).reshape(p.out_dim, p.r)
-        if progress is not None:
-            progress(first.a.nbytes + first.b.nbytes)
-    return read
-
-
-def expert_factors(
-    pool: np.ndarray, layout: ExpertLayout, entry: int, a_offset: int, b_offset: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Entry `entry`'s A `[max_rank, in]` and B `[out, max_rank]` as float32 from a pool's
-    bytes at the given offsets (zero padding included: it adds nothing to B @ A)."""
-    e = layout.entries[entry]
-    a = bf16_to_f32(np.asarray(pool[a_offset:a_offset + e.a_bytes]).view("<u2"))
-    b = bf16_to_f32(np.asarray(pool[b_offset:b_offset + e.b_bytes]).view("<u2"))
-    return a.reshape(e.max_rank, e.in_dim), b.reshape(e.out_dim, e.max_rank)

@@ -1,6 +1,6 @@
 """Routed-expert and router LoRA: the expert pool beside the slot pool.
 
-Two on-disk formats name the same thing (docs/peft_format.md 2.5, 4.4):
+Two on-disk formats name the same thing (docs/peft_format.md §2.5, §2.6):
 
 - transformers-4 per-expert Linears: `mlp.experts.{e}.gate_proj|up_proj|down_proj` (Mixtral
   `block_sparse_moe.experts.{e}.w1|w3|w2`), each a plain `A [r, in]`, `B [out, r]`;
@@ -23,9 +23,9 @@ from enum import Enum
 from typing import Any
 
 from metrale_cli.adapter import Adapter, AdapterKey
-from metrale_cli.bf16 import LORA_DTYPES
-from metrale_cli.findings import Collector, Severity
+from metrale_cli.findings import Code, Collector, Severity
 from metrale_cli.models import ModelConfig
+from metrale_cli.pairs import check_pair, rank_and_scale
 from metrale_cli.safetensors_header import TensorInfo
 
 ROUTER_EXPERT = -1
@@ -152,13 +152,13 @@ def scan(
         layer, sub = key.layer, key.sub
         assert layer is not None  # callers pass decoder-layer keys only
         if not model.num_experts:
-            out.at(Severity.ERROR, "module_not_applicable",
+            out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE,
                    f"{sub}{{where}}: the model has no routed experts", layer)
             continue
         if layer >= model.num_hidden_layers or not model.is_moe_layer(layer):
             where = ("past the model's layers" if layer >= model.num_hidden_layers
                      else "a dense-MLP layer (no routed experts there)")
-            out.at(Severity.ERROR, "module_not_applicable", f"{sub}{{where}}: {where}", layer)
+            out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE, f"{sub}{{where}}: {where}", layer)
             continue
         v4 = EXPERT_KEY.match(sub)
         if v4:
@@ -174,28 +174,6 @@ def scan(
     return pairs
 
 
-def _dtype_ok(a: TensorInfo, b: TensorInfo, what: str, layer: int, out: Collector) -> bool:
-    bad = [t for t in (a, b) if t.dtype not in LORA_DTYPES]
-    for t in bad:
-        out.at(Severity.ERROR, "bad_dtype", f"{what}{{where}}: dtype {t.dtype}; LoRA tensors "
-               f"must be {'/'.join(LORA_DTYPES)}", layer)
-    if a.dtype != b.dtype and not bad:
-        out.at(Severity.WARNING, "mixed_dtype", f"{what}{{where}}: A is {a.dtype}, B is "
-               f"{b.dtype}", layer)
-    return not bad
-
-
-def _rank_alpha(adapter: Adapter, pattern_key: str, what: str, r: int, layer: int,
-                out: Collector) -> tuple[float, float]:
-    cfg = adapter.config
-    r_cfg, alpha = cfg.rank_for(pattern_key), cfg.alpha_for(pattern_key)
-    if r != r_cfg:
-        out.at(Severity.ERROR, "rank_config_mismatch",
-               f"{what}{{where}}: tensors have rank {r}, but the config (r and rank_pattern) "
-               f"gives {r_cfg}; PEFT would refuse to load it", layer)
-    return alpha, cfg.scaling(r, alpha)
-
-
 def _scan_linear(
     adapter: Adapter, model: ModelConfig, module_key: str, parts: dict[str, AdapterKey],
     layer: int, proj: ExpertProj, expert: int, out: Collector,
@@ -204,23 +182,18 @@ def _scan_linear(
     `A [r, in]`, `B [out, r]`."""
     what = (f"router {module_key.rsplit('.', 2)[-2]}.gate" if proj is ExpertProj.ROUTER
             else f"expert {expert} {proj.value}")
-    a_key, b_key = parts.get("lora_A.weight"), parts.get("lora_B.weight")
-    if a_key is None or b_key is None:
-        missing, present = ("lora_B", "lora_A") if b_key is None else ("lora_A", "lora_B")
-        out.at(Severity.ERROR, f"missing_{missing[-1].lower()}",
-               f"{what}{{where}}: {present} without {missing}", layer)
-        return []
-    a, b = adapter.tensor(a_key), adapter.tensor(b_key)
-    if not _dtype_ok(a, b, what, layer, out):
-        return []
-    out_dim, in_dim = proj.dims(model)
     if expert >= model.num_experts:
-        out.at(Severity.ERROR, "expert_out_of_range",
+        out.at(Severity.ERROR, Code.EXPERT_OUT_OF_RANGE,
                f"expert {expert}{{where}}: the model has {model.num_experts} experts", layer)
         return []
-    if (len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0
-            or a.shape[1] != in_dim or b.shape[0] != out_dim):
-        out.at(Severity.ERROR, "shape_mismatch",
+    pair = check_pair(adapter, parts.get("lora_A.weight"), parts.get("lora_B.weight"), what,
+                      layer, out)
+    if pair is None:
+        return []
+    a, b = pair
+    out_dim, in_dim = proj.dims(model)
+    if a.shape[1] != in_dim or b.shape[0] != out_dim:
+        out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
                f"{what}{{where}}: A {list(a.shape)}, B {list(b.shape)}; the model needs "
                f"A [r, {in_dim}], B [{out_dim}, r]", layer)
         return []
@@ -236,10 +209,10 @@ def _scan_linear(
         source, pattern_key = "v4", module_key
         explained = adapter.config.is_targeted(module_key)
     if not explained:
-        out.at(Severity.WARNING, "unexplained_key",
+        out.at(Severity.WARNING, Code.UNEXPLAINED_KEY,
                f"{proj.value if expert < 0 else 'expert ' + proj.value}{{where}}: has tensors, "
                "but neither target_modules nor target_parameters selects it", layer)
-    alpha, scaling = _rank_alpha(adapter, pattern_key, what, r, layer, out)
+    alpha, scaling = rank_and_scale(adapter, pattern_key, what, r, layer, out)
     return [ExpertPair(layer, proj, expert, r, alpha, scaling, out_dim, in_dim, a, b,
                        source=source)]
 
@@ -255,39 +228,28 @@ def _scan_fused(
     h, i, n_exp = model.hidden_size, model.expert_intermediate_size, model.num_experts
     found: dict[str, tuple[TensorInfo, TensorInfo]] = {}
     for suffix in ("", ".inner"):
-        a_key, b_key = parts.get("lora_A.weight" + suffix), parts.get("lora_B.weight" + suffix)
-        if a_key is None and b_key is None:
+        pair = check_pair(adapter, parts.get("lora_A.weight" + suffix),
+                          parts.get("lora_B.weight" + suffix), "fused experts", layer, out)
+        if pair is None:
             continue
-        if a_key is None or b_key is None:
-            missing, present = ("lora_B", "lora_A") if b_key is None else ("lora_A", "lora_B")
-            out.at(Severity.ERROR, f"missing_{missing[-1].lower()}",
-                   f"fused experts{{where}}: {present} without {missing}", layer)
-            continue
-        a, b = adapter.tensor(a_key), adapter.tensor(b_key)
-        if not _dtype_ok(a, b, "fused experts", layer, out):
-            continue
-        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
-            out.at(Severity.ERROR, "shape_mismatch",
-                   f"fused experts{{where}}: A {list(a.shape)}, B {list(b.shape)} are not "
-                   "[E*r, in] and [out, E*r]", layer)
-            continue
+        a, b = pair
         if a.shape[1] == h and b.shape[0] == 2 * i:
             param = "gate_up_proj"
         elif a.shape[1] == i and b.shape[0] == h:
             param = "down_proj"
         else:
-            out.at(Severity.ERROR, "shape_mismatch",
+            out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
                    f"fused experts{{where}}: A {list(a.shape)}, B {list(b.shape)} fit neither "
                    f"gate_up_proj (A [E*r, {h}], B [{2 * i}, E*r]) nor down_proj "
                    f"(A [E*r, {i}], B [{h}, E*r])", layer)
             continue
-        if a.shape[0] == 0 or a.shape[0] % n_exp:
-            out.at(Severity.ERROR, "shape_mismatch",
-                   f"{param}{{where}}: A has {a.shape[0]} rows, not a positive multiple of the "
+        if a.shape[0] % n_exp:
+            out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
+                   f"{param}{{where}}: A has {a.shape[0]} rows, not a multiple of the "
                    f"model's {n_exp} experts", layer)
             continue
         if param in found:
-            out.at(Severity.ERROR, "expert_ambiguous",
+            out.at(Severity.ERROR, Code.EXPERT_AMBIGUOUS,
                    f"fused experts{{where}}: two wrappers both have {param}'s shapes", layer)
             continue
         found[param] = (a, b)
@@ -296,10 +258,10 @@ def _scan_fused(
         r = a.shape[0] // n_exp
         param_key = f"{module_key}.{param}"
         if not adapter.config.targets_parameter(param_key):
-            out.at(Severity.WARNING, "unexplained_key",
+            out.at(Severity.WARNING, Code.UNEXPLAINED_KEY,
                    f"{param}{{where}}: has tensors, but target_parameters does not select it",
                    layer)
-        alpha, scaling = _rank_alpha(adapter, param_key, param, r, layer, out)
+        alpha, scaling = rank_and_scale(adapter, param_key, param, r, layer, out)
         common = {"r": r, "alpha": alpha, "scaling": scaling, "in_dim": a.shape[1], "a": a,
                   "b": b, "b_col_step": n_exp, "source": "v5"}
         for e in range(n_exp):
@@ -324,7 +286,7 @@ def _check_rsLoRA_rewrite(
     v4_gate_up = [p.layer for p in pairs
                   if p.source == "v4" and p.proj in (ExpertProj.GATE_PROJ, ExpertProj.UP_PROJ)]
     if v4_gate_up:
-        out.add(Severity.WARNING, "rslora_rewrite",
+        out.add(Severity.WARNING, Code.RSLORA_REWRITE,
                 "rsLoRA with per-expert gate/up pairs: PEFT >= 0.19 with transformers 5 loads "
                 "them as a fused gate_up at rank 2r and alpha 2*alpha, which scales them "
                 "sqrt(2) larger than training did; metrale serves the config's own scaling "

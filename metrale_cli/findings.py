@@ -1,5 +1,8 @@
 """Audit findings: severity, a stable code, one line; and the collector that groups one finding
-over every layer it hits. Shared by the audit and the expert and overlay scans."""
+over every layer it hits. Shared by the audit and the expert and overlay scans.
+
+`Code` is every code they emit; docs/inspect.md documents each (a test holds the two equal).
+"""
 
 from __future__ import annotations
 
@@ -14,14 +17,75 @@ class Severity(str, Enum):
     INFO = "info"
 
 
+class Code(str, Enum):
+    """The stable finding codes, grouped by what they judge."""
+
+    # One (A, B) pair, wherever it sits (pairs.py).
+    MISSING_A = "missing_a"
+    MISSING_B = "missing_b"
+    BAD_DTYPE = "bad_dtype"
+    MIXED_DTYPE = "mixed_dtype"
+    SHAPE_MISMATCH = "shape_mismatch"
+    RANK_AB_MISMATCH = "rank_ab_mismatch"
+    RANK_CONFIG_MISMATCH = "rank_config_mismatch"
+    RANK_ABOVE_MAX = "rank_above_max"
+    # Where a pair sits.
+    LAYER_OUT_OF_RANGE = "layer_out_of_range"
+    MODULE_NOT_APPLICABLE = "module_not_applicable"
+    UNSERVABLE_MODULE = "unservable_module"
+    UNKNOWN_TENSOR = "unknown_tensor"
+    NO_SERVABLE_MODULES = "no_servable_modules"
+    # Routed experts and the router.
+    EXPERT_LORA = "expert_lora"
+    EXPERT_OUT_OF_RANGE = "expert_out_of_range"
+    EXPERT_AMBIGUOUS = "expert_ambiguous"
+    RSLORA_REWRITE = "rslora_rewrite"
+    MOE_REWRITE = "moe_rewrite"
+    # Token overlays.
+    TOKEN_OVERLAY = "token_overlay"
+    OVERLAY_CONFIG = "overlay_config"
+    OVERLAY_INDICES_MISSING = "overlay_indices_missing"
+    OVERLAY_MISSING = "overlay_missing"
+    OVERLAY_SHAPE = "overlay_shape"
+    OVERLAY_TOKEN_RANGE = "overlay_token_range"
+    OVERLAY_DUPLICATE_TOKENS = "overlay_duplicate_tokens"
+    OVERLAY_TABLE = "overlay_table"
+    # Not plain LoRA.
+    DORA = "dora"
+    LORA_BIAS = "lora_bias"
+    BIAS = "bias"
+    MODULES_TO_SAVE = "modules_to_save"
+    QALORA = "qalora"
+    BDLORA = "bdlora"
+    ALORA = "alora"
+    MEGATRON = "megatron"
+    LAYER_REPLICATION = "layer_replication"
+    BASE_MUTATING_INIT = "base_mutating_init"
+    VARIANT = "variant"
+    FULL_WEIGHTS = "full_weights"
+    EMBEDDING_LORA = "embedding_lora"
+    # The config against the file.
+    BAD_PATTERN = "bad_pattern"
+    PATTERN_OVERLAP = "pattern_overlap"
+    UNEXPLAINED_KEY = "unexplained_key"
+    TARGETED_MISSING = "targeted_missing"
+    LAYERS_WITH_REGEX = "layers_with_regex"
+    FAN_IN_FAN_OUT = "fan_in_fan_out"
+    VELORA = "velora"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Finding:
     severity: Severity
-    code: str
+    code: Code
     message: str
 
     def record(self) -> dict[str, str]:
-        return {"severity": self.severity.value, "code": self.code, "message": self.message}
+        return {"severity": self.severity.value, "code": self.code.value,
+                "message": self.message}
 
 
 def layer_ranges(layers: list[int]) -> str:
@@ -45,14 +109,17 @@ class Collector:
     """Findings grouped by (severity, code, subject) so one line names every layer it hits."""
 
     def __init__(self) -> None:
-        self.layers: dict[tuple[Severity, str, str], list[int]] = defaultdict(list)
+        self.layers: dict[tuple[Severity, Code, str], list[int]] = defaultdict(list)
         self.single: list[Finding] = []
 
-    def add(self, severity: Severity, code: str, message: str) -> None:
-        self.single.append(Finding(severity, code, message))
+    # `Code(code)`: a code missing from the enum fails here, at the first finding that uses it.
+    def add(self, severity: Severity, code: Code, message: str) -> None:
+        self.single.append(Finding(severity, Code(code), message))
 
-    def at(self, severity: Severity, code: str, subject: str, layer: int | None) -> None:
-        self.layers[(severity, code, subject)].append(-1 if layer is None else layer)
+    def at(self, severity: Severity, code: Code, subject: str, layer: int | None) -> None:
+        """A finding on `layer` (None: not on a layer); `{where}` in `subject` becomes the
+        layers, so the same subject on several layers is one finding."""
+        self.layers[(severity, Code(code), subject)].append(-1 if layer is None else layer)
 
     def findings(self) -> list[Finding]:
         grouped = []

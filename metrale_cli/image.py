@@ -4,7 +4,9 @@ docs/pool-format.md), written atomically, and read back memory-mapped."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -12,19 +14,24 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.atomic import atomic_write
-from metrale_cli.errors import FormatError
-from metrale_cli.expert_pool import ExpertLayout, expert_factors
+from metrale_cli.bf16 import bf16_to_f32
+from metrale_cli.errors import FormatError, MetraleError
+from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import LoraModule
-from metrale_cli.overlays import OverlayRaw
-from metrale_cli.pool import AdapterSlot, LoraPool
+from metrale_cli.overlays import TABLES, OverlayRaw
+from metrale_cli.pool import LoraPool, SlotContents
 from metrale_cli.safetensors_header import read_header
+from metrale_cli.slots import U64_MASK, AdapterSlot
 
 FORMAT = "pool/1"
 # The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
 DATA_ALIGN = 256
 COPY_CHUNK = 64 << 20
+# More decoder layers than any model has; an image claiming more is refused before its layout
+# is rebuilt.
+MAX_LAYERS = 1 << 14
 _ITEM_BYTES = {"U8": 1, "F32": 4, "I32": 4, "I64": 8}
 _NP_DTYPES = {"U8": "u1", "F32": "<f4", "I32": "<i4", "I64": "<i8"}
 # Tensors that may live in device memory and are copied out in chunks.
@@ -34,32 +41,24 @@ _DEVICE_TENSORS = ("pool", "expert_pool")
 def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
     """The safetensors header of `pool`'s image and the tensors in buffer order."""
     layout = pool.layout
-    n = len(layout.entries)
-    offsets = [pool.slot_offsets(k) for k in range(pool.max_loras)]
-    a_offsets = np.stack([a for a, _ in offsets], axis=1) if n else np.zeros((0, pool.max_loras))
-    b_offsets = np.stack([b for _, b in offsets], axis=1) if n else np.zeros((0, pool.max_loras))
+    a_offsets, b_offsets = pool.region.offset_tables()
     tensors: list[tuple[str, str, list[int], Any]] = [
-        ("pool", "U8", [pool.max_loras * layout.slot_bytes], pool.pool),
+        ("pool", "U8", [pool.max_loras * layout.slot_bytes], pool.region.memory),
         ("scales", "F32", [pool.max_loras], pool.to_host(pool.scale_table).astype("<f4")),
         ("ranks", "I32", [pool.max_loras], pool.to_host(pool.rank_table).astype("<i4")),
-        ("a_offsets", "I64", [n, pool.max_loras], a_offsets.astype("<i8")),
-        ("b_offsets", "I64", [n, pool.max_loras], b_offsets.astype("<i8")),
+        ("a_offsets", "I64", list(a_offsets.shape), a_offsets.astype("<i8")),
+        ("b_offsets", "I64", list(b_offsets.shape), b_offsets.astype("<i8")),
     ]
     metadata: dict[str, str] = {}
-    ex = pool.expert_layout
-    if ex is not None:
-        n_e = len(ex.entries)
-        e_offsets = [pool.expert_slot_offsets(k) for k in range(pool.max_loras)]
-        shape = (n_e, pool.max_loras)
-        ea = np.stack([a for a, _ in e_offsets], axis=1) if n_e else np.zeros(shape)
-        eb = np.stack([b for _, b in e_offsets], axis=1) if n_e else np.zeros(shape)
+    ex = pool.expert_region
+    if ex is not None and pool.expert_layout is not None:
+        ea, eb = ex.offset_tables()
         # expert_pool right after pool: pool's size is a multiple of the alignment, so the
         # expert pool starts aligned too.
-        tensors.insert(1, ("expert_pool", "U8", [pool.max_loras * ex.expert_slot_bytes],
-                           pool.expert_pool))
-        tensors += [("expert_a_offsets", "I64", list(shape), ea.astype("<i8")),
-                    ("expert_b_offsets", "I64", list(shape), eb.astype("<i8"))]
-        metadata["metrale.expert_layout"] = json.dumps(ex.record(pool.max_loras),
+        tensors.insert(1, ("expert_pool", "U8", [pool.max_loras * ex.slot_bytes], ex.memory))
+        tensors += [("expert_a_offsets", "I64", list(ea.shape), ea.astype("<i8")),
+                    ("expert_b_offsets", "I64", list(eb.shape), eb.astype("<i8"))]
+        metadata["metrale.expert_layout"] = json.dumps(pool.expert_layout.record(pool.max_loras),
                                                        separators=(",", ":"))
     overlay_tensors, overlay_doc = _overlay_tensors(pool)
     if overlay_doc is not None:
@@ -71,7 +70,7 @@ def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
             "metrale.layout": json.dumps(layout.record(pool.max_loras), separators=(",", ":")),
             "metrale.slots": json.dumps(pool.slot_records(), separators=(",", ":")),
             "metrale.model": json.dumps(layout.model.summary(), separators=(",", ":")),
-            "metrale.active": str(pool.active),
+            "metrale.active": str(pool.manager.active),
             **metadata,
         }
     }
@@ -135,9 +134,62 @@ def write_image(pool: LoraPool, path: str | Path, force: bool = False) -> int:
     return Path(path).stat().st_size
 
 
+@dataclass(frozen=True)
+class ImageRegion:
+    """One pool of an image (`pool` or `expert_pool`) as its tensors hold it: the bytes,
+    memory-mapped, and the `[n_entries, max_loras]` offset tables, checked at open against
+    `layout` (every offset is its entry's own or -1)."""
+
+    layout: SlotLayout | ExpertLayout
+    memory: np.ndarray
+    a_offsets: np.ndarray
+    b_offsets: np.ndarray
+
+    def host_bytes(self, slot: int) -> np.ndarray:
+        size = self.layout.slot_bytes
+        return np.asarray(self.memory[slot * size:(slot + 1) * size])
+
+    def adapted(self, slot: int) -> np.ndarray:
+        """[n_entries] bool: the entries slot `slot` adapts."""
+        return np.asarray(self.a_offsets[:, slot]) >= 0
+
+    def factors(self, entry: int, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Entry `entry`'s A `[max_rank, in]` and B `[out, max_rank]` of `slot` as float32
+        (zero past the slot's rank, so it adds nothing to B @ A), or None where not adapted."""
+        a_off, b_off = int(self.a_offsets[entry, slot]), int(self.b_offsets[entry, slot])
+        if a_off < 0:
+            return None
+        e = self.layout.entries[entry]
+        a = bf16_to_f32(np.asarray(self.memory[a_off:a_off + e.a_bytes]).view("<u2"))
+        b = bf16_to_f32(np.asarray(self.memory[b_off:b_off + e.b_bytes]).view("<u2"))
+        return a.reshape(e.max_rank, e.in_dim), b.reshape(e.out_dim, e.max_rank)
+
+    def check(self, path: Path, name: str) -> None:
+        """FormatError unless every slot's A and B offsets of an entry are both its layout's
+        (`slot * slot_bytes + entry offset`) or both -1."""
+        count = self.a_offsets.shape[1]
+        slots = np.arange(count, dtype=np.int64) * self.layout.slot_bytes
+        for which, offsets, attr in (("a", self.a_offsets, "a_offset"),
+                                     ("b", self.b_offsets, "b_offset")):
+            own = np.array([getattr(e, attr) for e in self.layout.entries], dtype=np.int64)
+            table = np.asarray(offsets)
+            bad = (table != own[:, None] + slots[None, :]) & (table != -1)
+            if bad.any():
+                entry, slot = (int(i) for i in np.argwhere(bad)[0])
+                raise FormatError(f"{path}: {name} {which}_offsets[{entry}, {slot}] is "
+                                  f"{int(table[entry, slot])}; the layout puts that entry at "
+                                  f"{int(own[entry] + slots[slot])} (or -1: not adapted)")
+        mixed = (np.asarray(self.a_offsets) < 0) != (np.asarray(self.b_offsets) < 0)
+        if mixed.any():
+            entry, slot = (int(i) for i in np.argwhere(mixed)[0])
+            raise FormatError(f"{path}: {name} entry {entry} of slot {slot} has only one of "
+                              "its A and B")
+
+
 @dataclass
 class PoolImage:
-    """A pool image opened read-only; `pool` is memory-mapped, never read whole."""
+    """A pool image opened read-only and validated; the pool bytes are memory-mapped, never
+    read whole. A `land_slot` source (`pool.SlotSource`)."""
 
     path: Path
     layout: SlotLayout
@@ -145,16 +197,12 @@ class PoolImage:
     slots: list[AdapterSlot]
     pinned: list[bool]
     active: int
-    pool: np.ndarray
+    region: ImageRegion
     scales: np.ndarray
     ranks: np.ndarray
-    a_offsets: np.ndarray
-    b_offsets: np.ndarray
     expert_layout: ExpertLayout | None = None
-    expert_pool: np.ndarray | None = None
-    expert_a_offsets: np.ndarray | None = None
-    expert_b_offsets: np.ndarray | None = None
-    overlay_raw: list[OverlayRaw | None] | None = None
+    expert_region: ImageRegion | None = None
+    overlay_raw: list[OverlayRaw | None] = field(default_factory=list)
 
     @classmethod
     def open(cls, path: str | Path) -> PoolImage:
@@ -166,25 +214,31 @@ class PoolImage:
                               f"{meta.get('metrale.format')!r}, expected {FORMAT!r})")
         try:
             layout_doc = json.loads(meta["metrale.layout"])
-            slots_doc = json.loads(meta["metrale.slots"])
             model = ModelConfig.from_summary(json.loads(meta["metrale.model"]))
+            if not 0 < model.num_hidden_layers <= MAX_LAYERS:
+                # The layout is rebuilt layer by layer: a header saying 10**8 would hang here.
+                raise ValueError(f"num_hidden_layers {model.num_hidden_layers!r} is not in "
+                                 f"[1, {MAX_LAYERS}]")
             layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                       layout_doc["max_rank"], layout_doc["align"])
-            max_loras = int(layout_doc["max_loras"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise FormatError(f"{path}: bad metrale metadata ({exc})") from exc
-        if layout.fingerprint != layout_doc.get("fingerprint"):
-            raise FormatError(f"{path}: the layout does not reproduce its fingerprint")
-        expert_layout = None
-        if "metrale.expert_layout" in meta:
-            try:
+            max_loras = _count(layout_doc["max_loras"], "max_loras", 1)
+            fingerprint = layout.fingerprint
+            expert_layout, ex_fingerprint = None, None
+            if "metrale.expert_layout" in meta:
                 ex_doc = json.loads(meta["metrale.expert_layout"])
                 expert_layout = ExpertLayout.from_record(model, ex_doc)
-            except (KeyError, ValueError, TypeError) as exc:
-                raise FormatError(f"{path}: bad metrale.expert_layout ({exc})") from exc
-            if expert_layout.fingerprint != ex_doc.get("fingerprint"):
-                raise FormatError(f"{path}: the expert layout does not reproduce its "
-                                  "fingerprint")
+                ex_fingerprint = ex_doc.get("fingerprint")
+            slots, pinned = _slots(json.loads(meta["metrale.slots"]), max_loras)
+            active = _count(meta.get("metrale.active", "0"), "metrale.active", 0)
+        except (KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError,
+                RecursionError, MetraleError) as exc:
+            raise FormatError(f"{path}: bad metrale metadata ({exc})") from exc
+        if fingerprint != layout_doc.get("fingerprint"):
+            raise FormatError(f"{path}: the layout does not reproduce its fingerprint")
+        if expert_layout is not None and expert_layout.fingerprint != ex_fingerprint:
+            raise FormatError(f"{path}: the expert layout does not reproduce its fingerprint")
+        if active >= max_loras:
+            raise FormatError(f"{path}: active slot {active} is out of range [0, {max_loras})")
 
         def tensor(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
             info = header.tensors.get(name)
@@ -195,96 +249,39 @@ class PoolImage:
             return np.memmap(path, dtype=_NP_DTYPES[dtype], mode="r", offset=info.begin,
                              shape=shape)
 
-        n = len(layout.entries)
-        slots = [
-            AdapterSlot(s["name"], s["rank"], s["alpha"], s["scaling"], s["source"], {},
-                        s["generation"])
-            for s in slots_doc
-        ]
-        experts: dict[str, Any] = {}
-        if expert_layout is not None:
-            n_e = len(expert_layout.entries)
-            experts = {
-                "expert_layout": expert_layout,
-                "expert_pool": tensor("expert_pool", "U8",
-                                      (max_loras * expert_layout.expert_slot_bytes,)),
-                "expert_a_offsets": tensor("expert_a_offsets", "I64", (n_e, max_loras)),
-                "expert_b_offsets": tensor("expert_b_offsets", "I64", (n_e, max_loras)),
-            }
-        overlay_raw: list[OverlayRaw | None] = [None] * max_loras
-        if "metrale.overlays" in meta:
-            try:
-                doc = json.loads(meta["metrale.overlays"])
-                runs, hidden = doc["runs"], int(doc["hidden_size"])
-                n_rows = sum(int(r["count"]) for r in runs)
-                tokens = tensor("overlay_tokens", "I64", (n_rows,))
-                rows = tensor("overlay_rows", "F32", (n_rows, hidden))
-                for run in runs:
-                    start, count = int(run["start"]), int(run["count"])
-                    raw = overlay_raw[int(run["slot"])] or OverlayRaw()
-                    raw.tables.append(str(run["table"]))
-                    raw.tokens.append(np.array(tokens[start:start + count]))
-                    raw.rows.append(np.array(rows[start:start + count]))
-                    raw.tied_lm_head.append(bool(run["tied_lm_head"]))
-                    overlay_raw[int(run["slot"])] = raw
-            except (KeyError, ValueError, TypeError, IndexError) as exc:
-                raise FormatError(f"{path}: bad metrale.overlays ({exc})") from exc
+        def region(prefix: str, the_layout: SlotLayout | ExpertLayout) -> ImageRegion:
+            n = len(the_layout.entries)
+            found = ImageRegion(
+                the_layout, tensor(f"{prefix}pool", "U8", (max_loras * the_layout.slot_bytes,)),
+                tensor(f"{prefix}a_offsets", "I64", (n, max_loras)),
+                tensor(f"{prefix}b_offsets", "I64", (n, max_loras)))
+            found.check(path, f"{prefix}pool")
+            return found
+
+        scales = tensor("scales", "F32", (max_loras,))
+        ranks = tensor("ranks", "I32", (max_loras,))
+        if not np.isfinite(scales).all():
+            raise FormatError(f"{path}: scales hold non-finite values")
+        top = max(layout.max_rank, expert_layout.max_rank if expert_layout else 0)
+        if ((ranks < 0) | (ranks > top)).any():
+            raise FormatError(f"{path}: ranks must be in [0, {top}]")
         return cls(
-            path=path, layout=layout, max_loras=max_loras, slots=slots,
-            pinned=[bool(s["pinned"]) for s in slots_doc],
-            active=int(meta.get("metrale.active", "0")),
-            pool=tensor("pool", "U8", (max_loras * layout.slot_bytes,)),
-            scales=tensor("scales", "F32", (max_loras,)),
-            ranks=tensor("ranks", "I32", (max_loras,)),
-            a_offsets=tensor("a_offsets", "I64", (n, max_loras)),
-            b_offsets=tensor("b_offsets", "I64", (n, max_loras)),
-            overlay_raw=overlay_raw,
-            **experts,
+            path=path, layout=layout, max_loras=max_loras, slots=slots, pinned=pinned,
+            active=active, region=region("", layout), scales=scales, ranks=ranks,
+            expert_layout=expert_layout,
+            expert_region=region("expert_", expert_layout) if expert_layout else None,
+            overlay_raw=_overlays(path, meta, model, max_loras, tensor),
         )
 
-    def slot_bytes_host(self, slot: int) -> np.ndarray:
-        size = self.layout.slot_bytes
-        return np.asarray(self.pool[slot * size:(slot + 1) * size])
-
-    def slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(self.a_offsets[:, slot]), np.asarray(self.b_offsets[:, slot])
-
-    def factors(self, entry: int, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Entry `entry`'s A `[rank, in]` and B `[out, rank]` of `slot` as float32, or None."""
-        from metrale_cli.bf16 import bf16_to_f32
-
-        a_off, b_off = int(self.a_offsets[entry, slot]), int(self.b_offsets[entry, slot])
-        if a_off < 0:
-            return None
-        e = self.layout.entries[entry]
-        r, max_rank = int(self.ranks[slot]), self.layout.max_rank
-        a = bf16_to_f32(self.pool[a_off:a_off + e.a_bytes].view("<u2")).reshape(max_rank, e.in_dim)
-        b = bf16_to_f32(self.pool[b_off:b_off + e.b_bytes].view("<u2")).reshape(e.out_dim, max_rank)
-        return a[:r], b[:, :r]
-
-    def expert_slot_bytes_host(self, slot: int) -> np.ndarray:
-        if self.expert_layout is None or self.expert_pool is None:
-            return np.zeros(0, dtype=np.uint8)
-        size = self.expert_layout.expert_slot_bytes
-        return np.asarray(self.expert_pool[slot * size:(slot + 1) * size])
-
-    def expert_slot_offsets(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.expert_a_offsets is None or self.expert_b_offsets is None:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        return (np.asarray(self.expert_a_offsets[:, slot]),
-                np.asarray(self.expert_b_offsets[:, slot]))
-
-    def expert_factors(self, entry: int, slot: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Expert entry `entry`'s A `[max_rank, in]` and B `[out, max_rank]` of `slot` as
-        float32 (zero-padded), or None where the slot does not adapt it."""
-        if self.expert_layout is None or self.expert_pool is None:
-            return None
-        assert self.expert_a_offsets is not None and self.expert_b_offsets is not None
-        a_off = int(self.expert_a_offsets[entry, slot])
-        b_off = int(self.expert_b_offsets[entry, slot])
-        if a_off < 0:
-            return None
-        return expert_factors(self.expert_pool, self.expert_layout, entry, a_off, b_off)
+    def slot_contents(self, slot: int) -> SlotContents:
+        ex = self.expert_region
+        info = replace(self.slots[slot], scaling=float(self.scales[slot]),
+                       rank=int(self.ranks[slot]))
+        return SlotContents(
+            info=info, data=self.region.host_bytes(slot), adapted=self.region.adapted(slot),
+            expert_data=ex.host_bytes(slot) if ex is not None else None,
+            expert_adapted=ex.adapted(slot) if ex is not None else None,
+            overlay=self.overlay_raw[slot])
 
     @cached_property
     def summary(self) -> dict[str, Any]:
@@ -292,3 +289,76 @@ class PoolImage:
                 "experts": (self.expert_layout.record(self.max_loras, entries=False)
                             if self.expert_layout is not None else None),
                 "slots": [s.record(k, self.pinned[k]) for k, s in enumerate(self.slots)]}
+
+
+def _count(value: Any, what: str, least: int) -> int:
+    """A JSON integer (or its decimal string) of at least `least`."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{what} must be an integer")
+    number = int(value)
+    if number < least:
+        raise ValueError(f"{what} must be at least {least}, got {number}")
+    return number
+
+
+def _slots(doc: Any, max_loras: int) -> tuple[list[AdapterSlot], list[bool]]:
+    if not isinstance(doc, list) or len(doc) != max_loras:
+        raise ValueError(f"metrale.slots must list {max_loras} slots")
+    slots, pinned = [], []
+    for s in doc:
+        if not isinstance(s, dict):
+            raise ValueError("a metrale.slots entry is not an object")
+        name, source = s["name"], s["source"]
+        alpha, scaling = float(s["alpha"]), float(s["scaling"])
+        if not isinstance(name, str) or not isinstance(source, str):
+            raise ValueError("slot name and source must be strings")
+        if not (math.isfinite(alpha) and math.isfinite(scaling)):
+            raise ValueError("slot alpha and scaling must be finite")
+        generation = _count(s["generation"], "generation", 0)
+        if generation > U64_MASK:
+            raise ValueError("generation must fit 64 bits")
+        slots.append(AdapterSlot(name, _count(s["rank"], "rank", 0), alpha, scaling, source,
+                                 {}, generation))
+        pinned.append(s["pinned"] is True)
+    return slots, pinned
+
+
+def _overlays(path: Path, meta: dict[str, str], model: ModelConfig, max_loras: int,
+              tensor: Callable[[str, str, tuple[int, ...]], np.ndarray],
+              ) -> list[OverlayRaw | None]:
+    """Every slot's overlays, checked: runs tile the rows in order, each names a slot in range
+    and a known table, its rows are that slot's, its token ids inside the vocabulary."""
+    overlay_raw: list[OverlayRaw | None] = [None] * max_loras
+    if "metrale.overlays" not in meta:
+        return overlay_raw
+    try:
+        doc = json.loads(meta["metrale.overlays"])
+        runs, hidden = doc["runs"], _count(doc["hidden_size"], "hidden_size", 1)
+        if hidden != model.hidden_size or not isinstance(runs, list):
+            raise ValueError(f"hidden_size {hidden} is not the model's {model.hidden_size}")
+        n_rows = sum(_count(r["count"], "count", 0) for r in runs)
+        slot_of_row = tensor("overlay_slots", "I32", (n_rows,))
+        tokens = tensor("overlay_tokens", "I64", (n_rows,))
+        rows = tensor("overlay_rows", "F32", (n_rows, hidden))
+        cursor = 0
+        for run in runs:
+            start, count = _count(run["start"], "start", 0), _count(run["count"], "count", 0)
+            slot, table = _count(run["slot"], "slot", 0), run["table"]
+            if start != cursor or slot >= max_loras or table not in TABLES:
+                raise ValueError(f"run {run!r} does not follow the previous one, or names a "
+                                 "slot or table that does not exist")
+            cursor += count
+            ids = np.array(tokens[start:start + count])
+            if (np.asarray(slot_of_row[start:start + count]) != slot).any():
+                raise ValueError(f"overlay_slots disagree with the run of slot {slot}")
+            if ((ids < 0) | (model.vocab_size > 0) & (ids >= model.vocab_size)).any():
+                raise ValueError(f"token ids outside the vocabulary [0, {model.vocab_size})")
+            raw = overlay_raw[slot] or OverlayRaw()
+            raw.tables.append(str(table))
+            raw.tokens.append(ids)
+            raw.rows.append(np.array(rows[start:start + count]))
+            raw.tied_lm_head.append(run["tied_lm_head"] is True)
+            overlay_raw[slot] = raw
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise FormatError(f"{path}: bad metrale.overlays ({exc})") from exc
+    return overlay_raw

@@ -6,10 +6,14 @@ then the checkout's kernels/), inlines its local includes and compiles each sour
 process with CuPy's RawModule (NVRTC; CuPy also keeps its own on-disk cache). When no
 directory holds the sources, the error names every path tried.
 
-Launch planning (`plan_*`) is plain Python over array shapes and addresses, shared with the host
-harness (host_harness.py), so the CPU tests run exactly the grid, block and arguments that a GPU
-gets. The `bgmv_*` / `sgmv_*` launchers take CuPy arrays; BF16 buffers are uint16 arrays of raw
-BF16 bits (CuPy has no bfloat16 dtype).
+The numbers the kernels and this planner share (threads, tiles, ranks, loads in flight) are read
+from kernels/lora_config.h, written once there.
+
+Launch planning (`plan_*`, `plan_batch`) is plain Python over array shapes and addresses, shared
+with the host harness (host_harness.py), so the CPU tests run exactly the grid, block and
+arguments that a GPU gets. The `bgmv*` / `sgmv*` launchers run on a backend: CuPy arrays on the
+GPU by default, or the host harness's (`host_harness.HOST`); BF16 buffers are uint16 arrays of
+raw BF16 bits (CuPy has no bfloat16 dtype).
 
 cupy is imported only inside functions, through compat.cupy_module().
 """

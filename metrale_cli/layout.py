@@ -200,22 +200,3 @@ class SlotLayout:
             "entries": [e.record() for e in self.entries],
         }
 
-
-def parse_size(text: str) -> int:
-    """`40GiB`, `512MiB`, `1.5TB`, `1000000` -> bytes."""
-    units = {
-        "": 1, "b": 1,
-        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    }
-    s = text.strip().lower().replace(" ", "").replace("_", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        raise UsageError(f"not a size: {text!r} (try 40GiB, 512MiB)") from None
-    if unit not in units or value < 0:
-        raise UsageError(f"not a size: {text!r} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return int(value * units[unit])

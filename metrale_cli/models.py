@@ -258,6 +258,15 @@ class Preset:
     hub_ids: tuple[str, ...]
     config: dict[str, Any] = field(repr=False)
 
+    def record(self) -> dict[str, Any]:
+        """`metrale models --json`: the names, the config summary, and the layer and expert
+        counts the table shows."""
+        cfg = ModelConfig.from_dict(self.config, source=self.name)
+        return {"name": self.name, "hub_ids": list(self.hub_ids), **cfg.summary(),
+                "full_attention_layers": len(cfg.full_attention_layers),
+                "linear_attention_layers": len(cfg.linear_attention_layers),
+                "expert_intermediate_size": cfg.expert_intermediate_size}
+
 
 def _hybrid_text(**values: Any) -> dict[str, Any]:
     return {"full_attention_interval": 4, **values}

@@ -1,4 +1,5 @@
-"""The eight pool modules, where each applies, and their dims: the seed's `LoraModule`."""
+"""The eight pool modules (`LoraModule`, in the fixed `ALL` order a slot's entries follow),
+where each applies, and their dims."""
 
 from __future__ import annotations
 

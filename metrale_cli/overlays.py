@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from metrale_cli.adapter import Adapter, AdapterKey
-from metrale_cli.bf16 import LORA_DTYPES, bf16_to_f32
-from metrale_cli.findings import Collector, Severity
+from metrale_cli.bf16 import LORA_DTYPES
+from metrale_cli.findings import Code, Collector, Severity
 from metrale_cli.models import ModelConfig
 from metrale_cli.safetensors_header import TensorInfo
 
@@ -49,7 +49,7 @@ class Overlay:
 
 @dataclass
 class OverlayRaw:
-    """One slot's overlays as uploaded (the seed's `OverlayRawSlot`): per table, the token ids
+    """One slot's overlays as uploaded to the serving engine: per table, the token ids
     (int64 `[n]`) and their rows (float32 `[n, hidden]`, exactly the file's values)."""
 
     tables: list[str] = field(default_factory=list)
@@ -84,7 +84,7 @@ def scan(adapter: Adapter, model: ModelConfig, keys: Iterable[AdapterKey],
     keys = list(keys)
     indices = _indices(adapter.config.raw.get("trainable_token_indices"))
     if indices is None:
-        out.add(Severity.ERROR, "overlay_config",
+        out.add(Severity.ERROR, Code.OVERLAY_CONFIG,
                 "trainable_token_indices must be a list of token ids or a dict of lists")
         return []
     overlays: list[Overlay] = []
@@ -92,43 +92,43 @@ def scan(adapter: Adapter, model: ModelConfig, keys: Iterable[AdapterKey],
     for key in keys:
         table = key.module_key.rsplit(".", 1)[-1]
         if table not in TABLES:
-            out.add(Severity.ERROR, "overlay_table",
+            out.add(Severity.ERROR, Code.OVERLAY_TABLE,
                     f"trainable token rows for {key.sub}: not the input embedding or the "
                     "output head, which are the only tables overlays replace rows of")
             continue
         name = next((k for k in indices if key.module_key == k
                      or key.module_key.endswith("." + k)), None)
         if name is None:
-            out.add(Severity.ERROR, "overlay_indices_missing",
+            out.add(Severity.ERROR, Code.OVERLAY_INDICES_MISSING,
                     f"{table}: the file has trainable token rows but trainable_token_indices "
                     "names no token ids for it")
             continue
         used.add(name)
         ids = indices[name]
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            out.add(Severity.ERROR, "overlay_config",
+            out.add(Severity.ERROR, Code.OVERLAY_CONFIG,
                     f"{table}: trainable_token_indices must be integers")
             continue
         info = adapter.tensor(key)
         if info.dtype not in LORA_DTYPES:
-            out.add(Severity.ERROR, "bad_dtype", f"{table} overlay rows: dtype {info.dtype}; "
+            out.add(Severity.ERROR, Code.BAD_DTYPE, f"{table} overlay rows: dtype {info.dtype}; "
                     f"must be {'/'.join(LORA_DTYPES)}")
             continue
         if info.shape != (len(ids), model.hidden_size):
-            out.add(Severity.ERROR, "overlay_shape",
+            out.add(Severity.ERROR, Code.OVERLAY_SHAPE,
                     f"{table} overlay rows {list(info.shape)}: the config lists {len(ids)} "
                     f"token ids and the model's hidden_size is {model.hidden_size}, so "
                     f"[{len(ids)}, {model.hidden_size}]")
             continue
         bad = [t for t in ids if t < 0 or (model.vocab_size and t >= model.vocab_size)]
         if bad:
-            out.add(Severity.ERROR, "overlay_token_range",
+            out.add(Severity.ERROR, Code.OVERLAY_TOKEN_RANGE,
                     f"{table} overlay: token ids {bad[:8]} outside the vocabulary "
                     f"[0, {model.vocab_size})")
             continue
         dupes = sorted({t for t in ids if ids.count(t) > 1})
         if dupes:
-            out.add(Severity.ERROR, "overlay_duplicate_tokens",
+            out.add(Severity.ERROR, Code.OVERLAY_DUPLICATE_TOKENS,
                     f"{table} overlay: token ids {dupes[:8]} listed twice; which row PEFT's "
                     "index_copy keeps is undefined")
             continue
@@ -137,32 +137,13 @@ def scan(adapter: Adapter, model: ModelConfig, keys: Iterable[AdapterKey],
     for name, ids in indices.items():
         if name not in used and ids:
             tied_head = name.endswith("lm_head") and model.tie_word_embeddings
-            out.add(Severity.WARNING if tied_head else Severity.ERROR, "overlay_missing",
+            out.add(Severity.WARNING if tied_head else Severity.ERROR, Code.OVERLAY_MISSING,
                     f"trainable_token_indices names {len(ids)} tokens of {name} but the file "
                     "holds no rows for it" + (" (the head is tied to the embedding)"
                                               if tied_head else ""))
     for o in overlays:
-        out.add(Severity.INFO, "token_overlay",
+        out.add(Severity.INFO, Code.TOKEN_OVERLAY,
                 f"{len(o.tokens)} token rows replace the {o.table} rows of those tokens"
                 + (" (and, tied, the lm_head rows)" if o.tied_lm_head else "")
                 + " (PEFT's trainable tokens: index_copy, not an addition)")
     return overlays
-
-
-class RawReader(Protocol):
-    def read(self, info: TensorInfo) -> np.ndarray: ...
-
-
-def read_overlays(reader: RawReader, overlays: list[Overlay]) -> OverlayRaw | None:
-    """The slot's raw overlay upload; None when the adapter has no overlays."""
-    if not overlays:
-        return None
-    raw = OverlayRaw()
-    for o in overlays:
-        values = reader.read(o.rows)
-        rows = bf16_to_f32(values) if o.rows.dtype == "BF16" else values.astype(np.float32)
-        raw.tables.append(o.table)
-        raw.tokens.append(np.asarray(o.tokens, dtype=np.int64))
-        raw.rows.append(np.array(rows, dtype=np.float32).reshape(o.rows.shape))
-        raw.tied_lm_head.append(o.tied_lm_head)
-    return raw

@@ -1,17 +1,317 @@
-"""`metrale pack`: audited adapters into a pool, timed, and written out as a pool image."""
+"""Packing: audited adapters into pool slots, and `metrale pack` (a pool, timed, and written out
+as a pool image).
+
+One tensor at a time is read from the adapter's safetensors file with positional reads
+(`TensorReader`), converted to BF16 and written through a `SlotWriter` (straight into the pool
+on the host, through pinned staging buffers on a GPU). Before a byte is written every module and
+expert pair is checked against its layout entry (`check_fits`); while the bytes pass through,
+every BF16 value written is checked to be finite.
+"""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from metrale_cli.audit import AdapterReport
+from metrale_cli.bf16 import RAW_DTYPES, bf16_to_f32, to_bf16
+from metrale_cli.errors import FormatError, LayoutMismatch, NonFiniteWeights, UsageError
 from metrale_cli.expert_pool import ExpertLayout
-from metrale_cli.image import write_image
-from metrale_cli.layout import SlotLayout
-from metrale_cli.pool import LoraPool, PackStats, pick_device
+from metrale_cli.experts import ExpertPair
+from metrale_cli.layout import BF16_BYTES, SlotLayout
+from metrale_cli.overlays import Overlay, OverlayRaw
+from metrale_cli.plan import max_rank_warnings
+from metrale_cli.region import Region, SlotWriter, Staging
+from metrale_cli.safetensors_header import TensorInfo
+
+if TYPE_CHECKING:
+    from metrale_cli.pool import LoraPool, PackStats
+
+# Rows of a fused expert B read at a time: bounds the packer's memory beside the pool.
+B_CHUNK_BYTES = 32 << 20
+# BF16 bits whose exponent is all ones: infinity or NaN; so is any magnitude (bits without the
+# sign) at or above the exponent mask.
+_BF16_EXPONENT = np.uint16(0x7F80)
+_BF16_MAGNITUDE = np.uint16(0x7FFF)
+# Elements checked at a time (512 KiB), so the masked copy stays in cache.
+_CHECK_RUN = 1 << 18
+
+Progress = Callable[[int], None]
+
+
+class RawReader(Protocol):
+    """Reads a tensor's raw elements, whole or a run of its rows."""
+
+    def into(self, info: TensorInfo, dest: np.ndarray, row: int = 0) -> None: ...
+    def read(self, info: TensorInfo, row: int = 0, rows: int | None = None) -> np.ndarray: ...
+
+
+class TensorReader:
+    """Reads one tensor (or a run of its rows) at a time from a safetensors file with positional
+    reads: straight into its destination when no conversion is needed, else through a
+    per-thread scratch buffer, so memory stays near the pool's size however large the adapter.
+    (Per-tensor mmap measured half as fast; reader threads did not help on two cores.)"""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd = fd
+        self.name = name
+        self.local = threading.local()
+
+    def into(self, info: TensorInfo, dest: np.ndarray, row: int = 0) -> None:
+        """Fill `dest` with the tensor's bytes from row `row` on."""
+        view = memoryview(dest).cast("B")
+        start = row * _row_bytes(info)
+        if start + view.nbytes > info.nbytes:
+            raise FormatError(f"{self.name}: read past the end of tensor {info.name!r}")
+        done = 0
+        while done < view.nbytes:
+            n = os.preadv(self.fd, [view[done:]], info.begin + start + done)
+            if n <= 0:
+                raise FormatError(f"{self.name}: file ended inside tensor {info.name!r}")
+            done += n
+
+    def read(self, info: TensorInfo, row: int = 0, rows: int | None = None) -> np.ndarray:
+        """Rows `[row, row + rows)` (default: to the end) as raw elements, flat; valid until
+        the next read on this thread."""
+        row_bytes = _row_bytes(info)
+        nbytes = info.nbytes - row * row_bytes if rows is None else rows * row_bytes
+        scratch = getattr(self.local, "scratch", None)
+        if scratch is None or scratch.size < nbytes:
+            scratch = self.local.scratch = np.empty(nbytes, dtype=np.uint8)
+        raw = scratch[:nbytes]
+        self.into(info, raw, row)
+        return raw.view(RAW_DTYPES[info.dtype])
+
+
+def _row_bytes(info: TensorInfo) -> int:
+    rows = info.shape[0] if info.shape else 1
+    return info.nbytes // rows if rows else 0
+
+
+def _refuse_non_finite(bits: np.ndarray, adapter: str, tensor: str) -> None:
+    """NonFiniteWeights when BF16 `bits` hold NaN or infinity (in the file, or a value too large
+    for BF16 once scaled): every token routed to the slot would produce garbage."""
+    # An AND and a max per cache-sized run: about one pass over the bits, a tenth of counting
+    # (bench pack measures what is left); counted only when something is wrong.
+    flat = bits.reshape(-1)
+    magnitude = np.empty(min(flat.size, _CHECK_RUN), dtype=np.uint16)
+    for start in range(0, flat.size, _CHECK_RUN):
+        run = flat[start:start + _CHECK_RUN]
+        np.bitwise_and(run, _BF16_MAGNITUDE, out=magnitude[:run.size])
+        if magnitude[:run.size].max() >= _BF16_EXPONENT:
+            break
+    else:
+        return
+    bad = int(np.count_nonzero((flat & _BF16_EXPONENT) == _BF16_EXPONENT))
+    if bad:
+        raise NonFiniteWeights(f"{adapter}: tensor {tensor!r} has {bad:,} non-finite values "
+                               "(NaN or infinity) as BF16; refusing to pack it")
+
+
+# -- checks before a byte is written ------------------------------------------------------------
+
+
+def check_fits(report: AdapterReport, layout: SlotLayout,
+               expert_layout: ExpertLayout | None) -> None:
+    """Everything `report` needs of the pool's layouts, checked before any byte is written:
+    servable, every module and expert pair in its layout, within its max rank, and shaped as
+    its layout entry (an adapter audited against another config is refused here)."""
+    name = report.name
+    if not report.servable:
+        raise UsageError(f"{name}: not servable; `metrale inspect` says why")
+    for m in report.modules:
+        where = f"{name}: {m.module.peft_name} on layer {m.layer}"
+        index = layout.index.get((m.layer, m.module))
+        if index is None:
+            raise UsageError(f"{where} is not in the pool's layout (its module set or max rank "
+                             "is too small)")
+        if m.r > layout.max_rank:
+            raise UsageError(f"{name}: rank {m.r} above the pool's max rank {layout.max_rank}")
+        e = layout.entries[index]
+        if m.a.shape != (m.r, e.in_dim) or m.b.shape != (e.out_dim, m.r):
+            raise LayoutMismatch(
+                f"{where}: A {list(m.a.shape)}, B {list(m.b.shape)} do not fit the pool's "
+                f"layout, which has A [r, {e.in_dim}], B [{e.out_dim}, r] there")
+    pairs = report.expert_pairs
+    if not pairs:
+        return
+    if expert_layout is None:
+        raise UsageError(f"{name}: carries routed-expert or router LoRA and the pool has no "
+                         "expert pool (pack with --experts)")
+    for p in pairs:
+        where = f"{name}: {p.proj.value} of expert {p.expert} on layer {p.layer}"
+        index = expert_layout.index.get(p.key)
+        if index is None:
+            raise UsageError(f"{where} is not in the pool's expert layout")
+        if p.r > expert_layout.max_rank:
+            raise UsageError(f"{name}: expert rank {p.r} above the expert pool's max rank "
+                             f"{expert_layout.max_rank}")
+        e = expert_layout.entries[index]
+        a_rows, a_cols = p.a.shape if len(p.a.shape) == 2 else (0, 0)
+        b_rows, b_cols = p.b.shape if len(p.b.shape) == 2 else (0, 0)
+        if ((p.out_dim, p.in_dim) != (e.out_dim, e.in_dim) or a_cols != e.in_dim
+                or p.a_row + p.r > a_rows or p.b_row + p.out_dim > b_rows
+                or p.b_col + (p.r - 1) * p.b_col_step >= b_cols):
+            raise LayoutMismatch(
+                f"{where}: A {list(p.a.shape)}, B {list(p.b.shape)} do not fit the pool's "
+                f"expert layout, which has A [r, {e.in_dim}], B [{e.out_dim}, r] there")
+
+
+# -- the fills ----------------------------------------------------------------------------------
+
+
+def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
+                 writer: SlotWriter, check_finite: bool = True,
+                 progress: Progress | None = None) -> int:
+    """Write every module of `report` into a slot: A `[r, in]` as the first r rows of its
+    `[max_rank, in]` region, B `[out, r]` as the first r columns of its `[out, max_rank]`
+    region, BF16 round-to-nearest-even, each module's PEFT scaling relative to the slot's scale
+    folded into its B, so that `scale * (x @ A^T) @ B^T` is PEFT's delta for every module.
+    Returns the file bytes read."""
+    read = 0
+    max_rank = layout.max_rank
+    for m in report.modules:
+        e = layout.entries[layout.index[(m.layer, m.module)]]
+        a = writer.span(e.a_offset, m.r * e.in_dim * BF16_BYTES).view(np.uint16)
+        if m.a.dtype == "BF16":
+            reader.into(m.a, a)
+        else:
+            a[:] = to_bf16(reader.read(m.a), m.a.dtype).reshape(-1)
+        if check_finite:
+            _refuse_non_finite(a, report.name, m.a.name)
+        b = writer.span(e.b_offset, e.b_bytes).view(np.uint16)
+        ratio = m.scaling / report.scaling
+        if m.b.dtype == "BF16" and ratio == 1.0 and m.r == max_rank:
+            reader.into(m.b, b)
+        else:
+            _fill_b(b, reader.read(m.b), m.b.dtype, ratio, m.r, max_rank)
+        if check_finite:
+            _refuse_non_finite(b, report.name, m.b.name)
+        read += m.a.nbytes + m.b.nbytes
+        if progress is not None:
+            progress(m.a.nbytes + m.b.nbytes)
+    return read
+
+
+def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
+                 writer: SlotWriter, check_finite: bool = True,
+                 progress: Progress | None = None) -> int:
+    """Write `report`'s expert pairs into an expert slot, as `fill_modules` does for modules:
+    A rows and B columns up to the pair's rank, the pair's PEFT scaling relative to the slot's
+    scale folded into its B before the single rounding to BF16.
+
+    A pair's A is a run of rows of the file's A, read on its own. A fused B `[out, E*r]` holds
+    every expert's columns in each row, so it is read in runs of rows (`B_CHUNK_BYTES`) and
+    each run scattered to every pair: memory beside the pool stays one run, however wide the
+    adapter. Returns the file bytes read."""
+    groups: dict[tuple[str, str], list[ExpertPair]] = defaultdict(list)
+    for p in report.expert_pairs:
+        groups[(p.a.name, p.b.name)].append(p)
+    read = 0
+    max_rank = layout.max_rank
+    for group in groups.values():
+        first = group[0]
+        last: tuple[int, np.ndarray] | None = None  # gate and up share their A rows
+        for p in group:
+            e = layout.entries[layout.index[p.key]]
+            a = writer.span(e.a_offset, p.r * p.in_dim * BF16_BYTES).view(np.uint16)
+            if p.a.dtype == "BF16":
+                reader.into(p.a, a, p.a_row)
+            elif last is not None and last[0] == p.a_row:
+                a[:] = last[1]
+            else:
+                a[:] = to_bf16(reader.read(p.a, p.a_row, p.r), p.a.dtype).reshape(-1)
+                last = (p.a_row, a.copy())
+            if check_finite:
+                _refuse_non_finite(a, report.name, p.a.name)
+        b_rows = first.b.shape[0]
+        step = max(1, B_CHUNK_BYTES // max(1, _row_bytes(first.b)))
+        for start in range(0, b_rows, step):
+            stop = min(b_rows, start + step)
+            raw = reader.read(first.b, start, stop - start).reshape(stop - start, -1)
+            for p in group:
+                lo, hi = max(start, p.b_row), min(stop, p.b_row + p.out_dim)
+                if lo >= hi:
+                    continue
+                e = layout.entries[layout.index[p.key]]
+                cols = raw[lo - start:hi - start,
+                           p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
+                b = writer.span(e.b_offset + (lo - p.b_row) * max_rank * BF16_BYTES,
+                                (hi - lo) * max_rank * BF16_BYTES).view(np.uint16)
+                _fill_b(b, cols, p.b.dtype, p.scaling / report.scaling, p.r, max_rank)
+                if check_finite:
+                    _refuse_non_finite(b, report.name, p.b.name)
+        read += first.a.nbytes + first.b.nbytes
+        if progress is not None:
+            progress(first.a.nbytes + first.b.nbytes)
+    return read
+
+
+def _fill_b(b: np.ndarray, values: np.ndarray, dtype: str, ratio: float, r: int,
+            max_rank: int) -> None:
+    """Rows of a B region (`[n, max_rank]` BF16 bits): the first r columns are `values`
+    (`[n, r]` raw elements, or flat) times `ratio` rounded once, the rest zero."""
+    rows = b.reshape(-1, max_rank)
+    rows[:, :r] = to_bf16(np.ascontiguousarray(values), dtype, ratio).reshape(-1, r)
+    rows[:, r:] = 0
+
+
+def fill_slot(report: AdapterReport, slot: int, layout: SlotLayout, region: Region,
+              expert_layout: ExpertLayout | None = None, expert_region: Region | None = None,
+              staging: Staging | None = None, check_finite: bool = True,
+              progress: Progress | None = None) -> tuple[int, OverlayRaw | None]:
+    """Write an adapter that `check_fits` into slot `slot` of `region` (and of `expert_region`),
+    reading its file once; the tables are left for the caller to publish. Returns the file
+    bytes read and the slot's overlays."""
+    fd = os.open(report.adapter.weights_path, os.O_RDONLY)
+    try:
+        reader = TensorReader(fd, str(report.adapter.weights_path))
+        writer = region.writer(slot, staging)
+        read = fill_modules(reader, report, layout, writer, check_finite, progress)
+        writer.finish()
+        if expert_region is not None and expert_layout is not None:
+            writer = expert_region.writer(slot, staging)
+            read += fill_experts(reader, report, expert_layout, writer, check_finite, progress)
+            writer.finish()
+        return read, read_overlays(reader, report, check_finite)
+    finally:
+        os.close(fd)
+
+
+def read_overlays(reader: RawReader, report: AdapterReport,
+                  check_finite: bool = True) -> OverlayRaw | None:
+    """The slot's raw overlay upload (the rows exactly as float32); None without overlays."""
+    if not report.overlays:
+        return None
+    raw = OverlayRaw()
+    for o in report.overlays:
+        rows = _overlay_rows(reader, o)
+        if check_finite and not np.isfinite(rows).all():
+            bad = int(np.count_nonzero(~np.isfinite(rows)))
+            raise NonFiniteWeights(f"{report.name}: tensor {o.rows.name!r} has {bad:,} "
+                                   "non-finite values (NaN or infinity); refusing to pack it")
+        raw.tables.append(o.table)
+        raw.tokens.append(np.asarray(o.tokens, dtype=np.int64))
+        raw.rows.append(rows)
+        raw.tied_lm_head.append(o.tied_lm_head)
+    return raw
+
+
+def _overlay_rows(reader: RawReader, o: Overlay) -> np.ndarray:
+    values = reader.read(o.rows)
+    rows = bf16_to_f32(values) if o.rows.dtype == "BF16" else values.astype(np.float32)
+    return np.array(rows, dtype=np.float32).reshape(o.rows.shape)
+
+
+# -- `metrale pack` -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -31,22 +331,28 @@ class PackResult:
     def bytes_packed(self) -> int:
         return sum(s.bytes_written for s in self.stats)
 
+    @property
+    def warnings(self) -> list[str]:
+        """What the pool holds that the kernels would refuse."""
+        return max_rank_warnings(self.pool.layout.max_rank)
+
     def record(self) -> dict[str, Any]:
-        layout = self.pool.layout
+        pool = self.pool
+        layout = pool.layout
+        ex = pool.expert_region
         return {
-            "device": self.pool.device,
-            "layout": {k: v for k, v in layout.record(self.pool.max_loras).items()
+            "device": pool.device,
+            "layout": {k: v for k, v in layout.record(pool.max_loras).items()
                        if k != "entries"},
             "entries": len(layout.entries),
-            "table_bytes": layout.table_bytes(self.pool.max_loras),
-            "experts": ({**self.pool.expert_layout.record(self.pool.max_loras, entries=False),
-                         "table_bytes": self.pool.expert_layout.table_bytes(self.pool.max_loras)}
-                        if self.pool.expert_layout is not None else None),
+            "table_bytes": layout.table_bytes(pool.max_loras),
+            "experts": ({**pool.expert_layout.record(pool.max_loras, entries=False),
+                         "table_bytes": pool.expert_layout.table_bytes(pool.max_loras)}
+                        if pool.expert_layout is not None else None),
             "slots": [
-                {**s, "expert_pairs": int((self.pool.expert_slot_offsets(s["slot"])[0] >= 0)
-                                          .sum()) if self.pool.expert_layout else 0,
+                {**s, "expert_pairs": int(ex.adapted(s["slot"]).sum()) if ex else 0,
                  "overlays": raw.record() if raw is not None else []}
-                for s, raw in zip(self.pool.slot_records(), self.pool.overlay_raw, strict=True)
+                for s, raw in zip(pool.slot_records(), pool.overlay_raw, strict=True)
             ],
             "bytes_read": self.bytes_read,
             "bytes_packed": self.bytes_packed,
@@ -56,6 +362,7 @@ class PackResult:
             "image": str(self.image) if self.image else None,
             "image_bytes": self.image_bytes,
             "write_seconds": self.write_seconds,
+            "warnings": self.warnings,
         }
 
 
@@ -71,6 +378,10 @@ def pack_pool(
 ) -> PackResult:
     """Pack `reports` into slots [0, n) of a new pool (with an expert pool laid out by
     `expert_layout` when given); write the image to `out` if given."""
+    # The pool packs through this module: imported here, where the two meet.
+    from metrale_cli.image import write_image
+    from metrale_cli.pool import LoraPool, pick_device
+
     total = sum(m.a.nbytes + m.b.nbytes for r in reports for m in r.modules)
     # Expert tensors are read once per file tensor, however many experts share it.
     total += sum(a.nbytes + b.nbytes for r in reports

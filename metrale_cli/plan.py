@@ -17,6 +17,29 @@ from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL, LoraModule
 
 
+def kernel_max_rank(rank: int) -> int:
+    """The smallest max rank at or above `rank` whose rows the CUDA kernels read: a multiple of
+    their 16-byte vector (8 BF16 elements). Above their largest max rank no rounding helps;
+    `max_rank_warnings` says so."""
+    from metrale_cli.kernels import VECTOR
+
+    return -(-rank // VECTOR) * VECTOR
+
+
+def max_rank_warnings(max_rank: int | None) -> list[str]:
+    """Why the CUDA kernels cannot serve a pool of this max rank, naming the nearest they
+    serve, as one line; none when they can (or no max rank is given). The layout itself holds
+    either way."""
+    from metrale_cli.kernels import MAX_RANK, VECTOR
+
+    if max_rank is None or (max_rank % VECTOR == 0 and max_rank <= MAX_RANK):
+        return []
+    nearest = min(kernel_max_rank(max_rank), MAX_RANK)
+    return [f"max rank {max_rank}: the CUDA kernels serve multiples of {VECTOR} up to "
+            f"{MAX_RANK} and would refuse this pool (its layout holds); the nearest max rank "
+            f"they serve is {nearest}"]
+
+
 def plan_layouts(
     model: ModelConfig,
     reports: list[AdapterReport],
@@ -26,8 +49,9 @@ def plan_layouts(
     experts: bool = False,
 ) -> tuple[SlotLayout, ExpertLayout | None]:
     """The layouts of a pool for these startup adapters: `modules` or the union of theirs;
-    `max_rank` or their largest rank. With `experts`, the expert layout: the union of their
-    expert pairs, or without adapters every routed expert and router of the model."""
+    `max_rank` or their largest rank rounded up to one the kernels serve (`kernel_max_rank`).
+    With `experts`, the expert layout: the union of their expert pairs, or without adapters
+    every routed expert and router of the model."""
     pairs = [p for r in reports for p in r.expert_pairs]
     # An adapter may carry only experts or overlays: then the slot layout may be empty.
     other_content = bool(pairs) or any(r.overlays for r in reports) or (experts and not reports)
@@ -36,13 +60,15 @@ def plan_layouts(
         if not union and not other_content:
             raise UsageError("--modules is required when no adapter gives the module set")
         modules = [m for m in ALL if m in union]
+    given = max_rank is not None
     if max_rank is None:
         if not reports:
             raise UsageError("--max-rank is required when no adapter gives the rank")
-        max_rank = max(r.rank for r in reports)
+        max_rank = kernel_max_rank(max(r.rank for r in reports))
     expert_layout = None
     if experts and pairs:
-        rank = max(max_rank, max(p.r for p in pairs))
+        expert_rank = max(p.r for p in pairs)
+        rank = max(max_rank, expert_rank if given else kernel_max_rank(expert_rank))
         expert_layout = ExpertLayout.for_pairs(model, pairs, rank, align)
     elif experts and not reports:
         if not model.num_experts:
@@ -78,7 +104,7 @@ class PoolPlan:
         """One slot in both pools, with its share of every table."""
         size = self.layout.slot_bytes + self.layout.table_bytes(1)
         if self.expert_layout is not None:
-            size += self.expert_layout.expert_slot_bytes + self.expert_layout.table_bytes(1)
+            size += self.expert_layout.slot_bytes + self.expert_layout.table_bytes(1)
         return size
 
     @property
@@ -86,11 +112,17 @@ class PoolPlan:
         """Both pools and all their tables for `max_loras` slots."""
         return self.max_loras * self.bytes_per_slot if self.max_loras else None
 
+    @property
+    def warnings(self) -> list[str]:
+        """What the plan holds that the kernels would refuse."""
+        return max_rank_warnings(self.layout.max_rank)
+
     def record(self) -> dict[str, Any]:
         n = self.max_loras
         ex = self.expert_layout
         return {
             **self.layout.record(n),
+            "warnings": self.warnings,
             "table_bytes": self.layout.table_bytes(n) if n else None,
             "budget_bytes": self.budget_bytes,
             "shares": self.layout.shares(),
@@ -107,19 +139,23 @@ class PoolPlan:
 @dataclass(frozen=True)
 class Footprint:
     """What one adapter alone needs: its modules padded to the pool's max rank (or its own
-    rank) in the slot pool, and its expert pairs likewise in the expert pool."""
+    rank rounded up to one the kernels serve) in the slot pool, and its expert pairs likewise
+    in the expert pool."""
 
     layout: SlotLayout | None
     expert_layout: ExpertLayout | None
 
     @classmethod
     def of(cls, model: ModelConfig, report: AdapterReport, max_rank: int | None) -> Footprint:
+        def padded(rank: int) -> int:
+            return kernel_max_rank(rank) if max_rank is None else max(max_rank, rank)
+
         layout = expert_layout = None
         if report.modules:
-            layout = SlotLayout.build(model, report.module_set, max(max_rank or 0, report.rank))
+            layout = SlotLayout.build(model, report.module_set, padded(report.rank))
         if report.expert_pairs:
-            expert_layout = ExpertLayout.for_pairs(
-                model, report.expert_pairs, max(max_rank or 0, report.expert_rank))
+            expert_layout = ExpertLayout.for_pairs(model, report.expert_pairs,
+                                                   padded(report.expert_rank))
         return cls(layout, expert_layout)
 
     @property
@@ -128,16 +164,18 @@ class Footprint:
 
     @property
     def expert_slot_bytes(self) -> int:
-        return self.expert_layout.expert_slot_bytes if self.expert_layout else 0
+        return self.expert_layout.slot_bytes if self.expert_layout else 0
 
 
 def inspect_record(
     model: ModelConfig, reports: list[AdapterReport], footprints: list[Footprint],
-    experts_enabled: bool,
+    experts_enabled: bool, warnings: list[str],
 ) -> dict[str, Any]:
-    """`metrale inspect --json`: the model summary and each adapter's report and footprint."""
+    """`metrale inspect --json`: the model summary, `warnings` about the options, and each
+    adapter's report and footprint."""
     adapters = []
     for report, footprint in zip(reports, footprints, strict=True):
         adapters.append({**report.record(), "slot_bytes": footprint.slot_bytes,
                          "expert_slot_bytes": footprint.expert_slot_bytes})
-    return {"model": model.summary(), "experts_enabled": experts_enabled, "adapters": adapters}
+    return {"model": model.summary(), "experts_enabled": experts_enabled, "warnings": warnings,
+            "adapters": adapters}

@@ -92,8 +92,8 @@ def _adapter_panel(
     if expert_layout is not None:
         summary.add_row(
             "expert slot",
-            f"{human_bytes(expert_layout.expert_slot_bytes)} "
-            f"({expert_layout.expert_slot_bytes:,} B) padded to rank {expert_layout.max_rank}, "
+            f"{human_bytes(expert_layout.slot_bytes)} "
+            f"({expert_layout.slot_bytes:,} B) padded to rank {expert_layout.max_rank}, "
             "in the expert pool beside the slot pool")
     if report.overlays:
         summary.add_row("overlays", ", ".join(
@@ -207,8 +207,8 @@ def layout_view(plan: PoolPlan) -> Group:
                   f"{layout.align}-byte aligned BF16")
     if expert_layout is not None:
         ex = expert_layout
-        table.add_row("expert slot", f"{ex.expert_slot_bytes:,} B "
-                      f"({human_bytes(ex.expert_slot_bytes)}), {len(ex.entries):,} (layer, "
+        table.add_row("expert slot", f"{ex.slot_bytes:,} B "
+                      f"({human_bytes(ex.slot_bytes)}), {len(ex.entries):,} (layer, "
                       f"projection, expert) entries on {len({e.layer for e in ex.entries})} "
                       f"layers at rank {ex.max_rank}, a separate allocation")
     if budget is not None and max_loras is not None:
@@ -229,9 +229,6 @@ def layout_view(plan: PoolPlan) -> Group:
     table.add_row("fingerprint", layout.fingerprint)
     if expert_layout is not None:
         table.add_row("expert fingerprint", expert_layout.fingerprint)
-    if layout.max_rank % 8:
-        table.add_row("note", "the CUDA kernels need max rank a multiple of 8 (16-byte rows); "
-                      f"plan with --max-rank {layout.max_rank + 8 - layout.max_rank % 8}")
 
     shares = layout.shares()
     total = sum(shares["module"].values()) or 1
@@ -260,22 +257,96 @@ def layout_view(plan: PoolPlan) -> Group:
 
 
 def models_view(records: list[dict[str, Any]]) -> Table:
-    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("preset", no_wrap=True)
-    for col in ("type", "layers", "full/lin", "hidden", "heads", "ffn", "experts",
-                "gated"):
+    """The presets, one row each, in 75 columns so every cell reads whole at 80."""
+    table = Table(header_style="bold", padding=(0, 1, 0, 0), box=box.SIMPLE_HEAD,
+                  show_edge=False, caption_justify="left",
+                  caption="layers: full + linear attention; heads: query / key-value x head "
+                          "dim; gated: q_proj holds the output gate (twice as wide); ffn: "
+                          "dense width, or routed experts x expert width")
+    for col in ("preset", "type", "layers", "hidden", "heads", "gated", "ffn"):
         table.add_column(col, no_wrap=True)
     for r in records:
         table.add_row(
-            r["name"], r["model_type"], str(r["num_hidden_layers"]),
-            f"{r['full_attention_layers']}/{r['linear_attention_layers']}",
+            r["name"], r["model_type"],
+            f"{r['full_attention_layers']}+{r['linear_attention_layers']}"
+            if r["linear_attention_layers"] else str(r["num_hidden_layers"]),
             str(r["hidden_size"]),
             f"{r['num_attention_heads']}/{r['num_key_value_heads']}x{r['head_dim']}",
-            str(r["intermediate_size"] or "-"),
-            f"{r['num_experts']} x {r['expert_intermediate_size']}" if r["num_experts"] else "-",
             "yes" if r["attn_gated"] else "no",
+            f"{r['num_experts']}x{r['expert_intermediate_size']}" if r["num_experts"]
+            else str(r["intermediate_size"]),
         )
     return table
+
+
+def bench_pack_view(record: dict[str, Any]) -> Text:
+    setup = record["setup"]
+    within = "within" if record["rss_within_pool_plus_256mib"] else "OVER"
+    copy = "a pinned host-to-device copy" if setup["device"] == "cuda" else "numpy.copyto"
+    text = Text(
+        f"{setup['adapters']} x {setup['model']} r={setup['rank']} {setup['dtype']} adapters, "
+        f"{human_bytes(record['tensor_bytes'])} of tensors, into {setup['device']} memory\n"
+        f"pack      {record['pack_gb_per_s']:.2f} GB/s = {100 * record['pack_vs_memcpy']:.0f}% "
+        f"of {copy} ({record['memcpy_gb_per_s']:.2f} GB/s), same bytes, same run\n"
+        f"NaN/Inf check: the pack takes {record['finite_check_cost']:.2f}x as long as "
+        f"without it ({record['pack_unchecked_gb_per_s']:.2f} GB/s)\n"
+        f"end to end `metrale pack`: {record['end_to_end_pack_gb_per_s']:.2f} GB/s "
+        f"(fresh pool pages included), {record['end_to_end_wall_s']:.2f} s wall\n"
+        f"peak RSS  {human_bytes(record['peak_rss_bytes'])} = pool "
+        f"{human_bytes(record['pool_bytes'])} + "
+        f"{human_bytes(record['peak_rss_minus_pool_bytes'])} ({within} pool + 256 MiB)")
+    ex = record["experts"]
+    if ex is not None:
+        ex_within = "within" if ex["rss_within_pool_plus_256mib"] else "OVER"
+        text.append(
+            f"\nexperts   {ex['experts']} experts r={ex['rank']} F32 on one layer, "
+            f"{human_bytes(ex['tensor_bytes'])} of tensors: peak RSS "
+            f"{human_bytes(ex['peak_rss_bytes'])} = pools {human_bytes(ex['pool_bytes'])} + "
+            f"{human_bytes(ex['peak_rss_minus_pool_bytes'])} ({ex_within} pool + 256 MiB)")
+    return text
+
+
+def kernel_line(record: dict[str, Any]) -> Text:
+    """One `bench kernels` measurement on one line."""
+    speedup = record["speedup_vs_torch"]
+    return Text(
+        f"{record['kernel']:<12} {record['module']:<9} r={record['rank']:<4} "
+        f"T={record['tokens']:<5} D={record['adapters']:<5} "
+        f"p50 {record['p50_us']:8.2f} us  {record['tb_per_s']:5.2f} TB/s "
+        f"{record['pct_peak']:5.1f}% peak  {record['pct_copy']:5.1f}% of copy  "
+        + (f"{speedup:5.2f}x {record['torch_best']}" if speedup else "no torch"))
+
+
+def kernel_model_line(record: dict[str, Any]) -> Text:
+    """One shape of the `bench kernels --model-only` roofline model on one line."""
+    return Text(
+        f"{record['kernel']:<16} {record['path']:<17} {record['module']:<8} "
+        f"r{record['rank']:<3} T{record['tokens']:<4} D{record['adapters']:<4} "
+        f"{record['ctas']:>5} CTAs {record['in_flight_per_sm_bytes'] / 1024:5.1f} KiB/SM "
+        f"{record['expected_pct_peak']:5.1f}% peak {record['expected_copy_ratio']:4.2f}x copy "
+        f"{'meets' if record['meets_target'] else 'MISSES'}")
+
+
+def _expert_head(record: dict[str, Any]) -> str:
+    return (f"{record['projection']:<8} {record['model']:<19} r{record['rank']:<3} "
+            f"T{record['tokens']:<5} D{record['adapters']:<2} {record['path']:<7} ")
+
+
+def expert_kernel_line(record: dict[str, Any]) -> Text:
+    """One `bench kernels --experts` measurement on one line."""
+    speedup = record["speedup_vs_torch"]
+    return Text(
+        _expert_head(record) + f"p50 {record['p50_us']:8.2f} us {record['tb_per_s']:5.2f} TB/s "
+        f"{record['pct_peak']:5.1f}% peak {record['pct_copy']:5.1f}% of copy "
+        + (f"{speedup:5.2f}x gather_bmm" if speedup else "no torch"))
+
+
+def expert_model_line(record: dict[str, Any]) -> Text:
+    """One shape and projection of the `bench kernels --experts --model-only` model."""
+    return Text(
+        _expert_head(record) + f"{record['bytes'] / 1e6:9.2f} MB {record['expected_us']:8.2f} us "
+        f"{record['expected_pct_peak']:5.1f}% peak {record['expected_copy_ratio']:4.2f}x copy "
+        f"{'meets' if record['meets_target'] else 'MISSES'}")
 
 
 def print_findings_to(console: Console, report: AdapterReport) -> None:
@@ -293,7 +364,7 @@ def pack_view(result: Any) -> Group:
         if s["name"]:
             table.add_row(str(s["slot"]), s["name"], str(s["rank"]), _fmt(s["alpha"]),
                           f"{s['scaling']:.6g}", "yes" if s["pinned"] else "", s["source"])
-    empty = result.pool.max_loras - len(result.pool.adapter_names())
+    empty = result.pool.max_loras - len(result.pool.manager.adapter_names())
     rate = result.bytes_read / result.pack_seconds / 1e9 if result.pack_seconds else 0.0
     lines = [
         f"pool: {result.pool.max_loras} slots x {layout.slot_bytes:,} B = "
@@ -306,7 +377,7 @@ def pack_view(result: Any) -> Group:
     if ex is not None:
         ex_bytes = human_bytes(ex.pool_bytes(result.pool.max_loras))
         lines.insert(1, f"expert pool: {result.pool.max_loras} expert slots x "
-                     f"{ex.expert_slot_bytes:,} B = {ex_bytes}, {len(ex.entries):,} "
+                     f"{ex.slot_bytes:,} B = {ex_bytes}, {len(ex.entries):,} "
                      f"(layer, projection, expert) entries, max rank {ex.max_rank}")
     overlays = sum(raw.count for raw in result.pool.overlay_raw if raw is not None)
     if overlays:

@@ -119,7 +119,7 @@ def _tensor(path: Path, name: str, entry: object, buffer_size: int, data_start: 
     dtype = entry.get("dtype")
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise FormatError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape

@@ -46,7 +46,11 @@ def synth_adapter(
     dtype: str = "bf16",
     seed: int = 0,
     force: bool = False,
+    expert_layers: int = 0,
 ) -> SynthResult:
+    """`expert_layers` > 0 adds transformers-5 fused routed-expert LoRA (`mlp.experts`
+    gate_up_proj and down_proj, `A [E*r, in]`, `B [out, E*r]`) on the model's first that many
+    MoE layers, as PEFT's `target_parameters` saves it."""
     if rank <= 0:
         raise UsageError(f"--rank must be positive, got {rank}")
     if dtype not in DTYPES:
@@ -69,6 +73,13 @@ def synth_adapter(
             key = f"base_model.model.model.layers.{layer}.{module.peft_path}"
             plan.append((f"{key}.lora_A.weight", rank, in_dim, 1 / math.sqrt(in_dim)))
             plan.append((f"{key}.lora_B.weight", out_dim, rank, 1 / math.sqrt(rank)))
+    h, i, n_exp = model.hidden_size, model.expert_intermediate_size, model.num_experts
+    for layer in model.moe_layers[:expert_layers]:
+        key = f"base_model.model.model.layers.{layer}.mlp.experts"
+        # Two wrapped parameters: the inner one (gate_up_proj) sits under `.base_layer.`.
+        for name, in_dim, out_dim in ((f"{key}.base_layer", h, 2 * i), (key, i, h)):
+            plan.append((f"{name}.lora_A.weight", n_exp * rank, in_dim, 1 / math.sqrt(in_dim)))
+            plan.append((f"{name}.lora_B.weight", out_dim, n_exp * rank, 1 / math.sqrt(rank)))
     if not plan:
         raise UsageError("none of the modules applies to any layer of this model")
 
@@ -108,6 +119,8 @@ def synth_adapter(
         "bias": "none",
         "use_dora": False,
         "modules_to_save": None,
+        "target_parameters": (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+                              if expert_layers else None),
         "rank_pattern": {},
         "alpha_pattern": {},
         "inference_mode": True,

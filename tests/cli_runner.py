@@ -21,8 +21,9 @@ class Result:
         return json.loads(self.stdout)
 
 
-def metrale(*args: object) -> Result:
-    result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "100"})
+def metrale(*args: object, columns: int = 100) -> Result:
+    """`metrale ARGS` in a terminal `columns` wide."""
+    result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": str(columns)})
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return Result(result.exit_code, result.stdout, result.stderr)

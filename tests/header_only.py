@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
+ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
 
 
 def write_header_only(path: Path, tensors: list[tuple[str, str, list[int]]]) -> int:

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from metrale_cli import compat
-from metrale_cli.bench_kernels import plot
+from metrale_cli.bench_kernels import module_shapes, plot
+from metrale_cli.models import ModelConfig
+from metrale_cli.modules import LoraModule
+from metrale_cli.render import bench_pack_view, kernel_line
 from tests.cli_runner import metrale
 
 
@@ -22,6 +25,40 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     assert record["pack_vs_memcpy"] == pytest.approx(
         record["pack_gb_per_s"] / record["memcpy_gb_per_s"])
     assert record["peak_rss_bytes"] > record["pool_bytes"]
+    assert record["finite_check_cost"] == pytest.approx(
+        record["pack_unchecked_gb_per_s"] / record["pack_gb_per_s"])
+    assert record["setup"]["device"] == "cpu" and record["experts"] is None
+    # The human view is the same record.
+    view = bench_pack_view(record).plain
+    assert f"pack      {record['pack_gb_per_s']:.2f} GB/s" in view
+    assert f"({record['memcpy_gb_per_s']:.2f} GB/s)" in view and "2 x qwen3-8b r=8" in view
+
+
+def test_kernel_line_shows_the_record() -> None:
+    record = {"kernel": "bgmv_shrink", "module": "q_proj", "rank": 16, "tokens": 8,
+              "adapters": 8, "p50_us": 3.25, "tb_per_s": 1.5, "pct_peak": 31.25,
+              "pct_copy": 80.0, "speedup_vs_torch": 2.5, "torch_best": "gather_bmm"}
+    line = kernel_line(record).plain
+    assert line.split() == ["bgmv_shrink", "q_proj", "r=16", "T=8", "D=8", "p50", "3.25", "us",
+                            "1.50", "TB/s", "31.2%", "peak", "80.0%", "of", "copy", "2.50x",
+                            "gather_bmm"]
+    assert kernel_line({**record, "speedup_vs_torch": None}).plain.endswith("no torch")
+
+
+def test_bench_pack_experts_reports_peak_memory() -> None:
+    result = metrale("bench", "pack", "--model", "qwen3-30b-a3b", "--modules", "q_proj",
+                     "--rank", 8, "--adapters", 1, "--repeats", 1, "--experts", "--json")
+    assert result.code == 0, result.stderr
+    ex = result.json()["experts"]
+    assert ex["experts"] == 128 and ex["rank"] == 8 and ex["dtype"] == "f32"
+    assert ex["expert_pool_bytes"] > 0 and ex["tensor_bytes"] > ex["expert_pool_bytes"]
+    assert ex["peak_rss_minus_pool_bytes"] == ex["peak_rss_bytes"] - ex["pool_bytes"]
+
+
+@pytest.mark.skipif(compat.has_gpu(), reason="a GPU is present")
+def test_bench_pack_on_cuda_needs_a_gpu() -> None:
+    result = metrale("bench", "pack", "--device", "cuda", "--adapters", 1)
+    assert result.code == 3 and result.stderr.startswith("error: a GPU is needed")
 
 
 @pytest.mark.skipif(compat.has_gpu(), reason="a GPU is present")
@@ -42,3 +79,10 @@ def test_roofline_plot(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(Exception, match="--force"):
         plot(records, out)
+
+
+def test_kernel_shapes_are_the_modules_that_apply() -> None:
+    """Qwen3-Next: gate/up/down are routed experts there, so only q_proj and out_proj remain."""
+    modules = [LoraModule.Q_PROJ, LoraModule.GATE_PROJ, LoraModule.OUT_PROJ]
+    assert module_shapes(ModelConfig.preset("qwen3-next-80b-a3b"), modules) == [
+        ("q_proj", 8192, 2048), ("out_proj", 2048, 4096)]

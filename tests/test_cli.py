@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,25 @@ def test_help_and_inspect_do_not_import_torch_or_cupy(synth_pair: tuple[Path, Pa
         done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
                               text=True)
         assert done.returncode == 0, (args, done.stderr)
+
+
+def imported_packages(*args: str) -> set[str]:
+    """The top-level packages a fresh interpreter imports running `python ARGS`, read from
+    `-X importtime` (standard-library modules left out)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True,
+                          text=True, check=True)
+    names = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+             if line.startswith("import time:") and not line.endswith("| package")}
+    return {n for n in names if n not in sys.stdlib_module_names and not n.startswith("_")}
+
+
+def test_help_imports_nothing_beyond_typer_and_rich() -> None:
+    """`metrale --help` imports no package that `import typer, rich` does not (no numpy), so it
+    starts about as fast (scripts/bench_startup.py measures the ratio)."""
+    baseline = imported_packages("-c", "import typer, rich")
+    help_imports = imported_packages("-m", "metrale_cli", "--help")
+    assert "typer" in baseline and "metrale_cli" in help_imports
+    assert help_imports - baseline - {"metrale_cli"} == set()
 
 
 def test_inspect_json_and_exit_codes(synth_pair: tuple[Path, Path]) -> None:
@@ -213,3 +233,78 @@ def test_unwritable_output_is_one_line(synth_pair: tuple[Path, Path]) -> None:
     result = metrale("pack", synth_pair[0], "--max-loras", 1, "--out", "/proc/pool.safetensors")
     assert result.code == 2 and result.stderr.startswith("error: ")
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_models_reads_whole_at_80_and_120_columns(columns: int) -> None:
+    """Every preset's name and key dims, no cell cut short, no line past the terminal."""
+    from metrale_cli.models import PRESETS
+
+    result = metrale("models", columns=columns)
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout and max(map(len, lines)) <= columns
+    for preset in PRESETS:
+        record = preset.record()
+        row = next(line.split() for line in lines if line.startswith(preset.name + " "))
+        layers = (f"{record['full_attention_layers']}+{record['linear_attention_layers']}"
+                  if record["linear_attention_layers"] else str(record["num_hidden_layers"]))
+        ffn = (f"{record['num_experts']}x{record['expert_intermediate_size']}"
+               if record["num_experts"] else str(record["intermediate_size"]))
+        assert row == [preset.name, record["model_type"], layers, str(record["hidden_size"]),
+                       f"{record['num_attention_heads']}/{record['num_key_value_heads']}"
+                       f"x{record['head_dim']}", "yes" if record["attn_gated"] else "no", ffn]
+
+
+def test_max_rank_defaults_to_what_the_kernels_serve(tmp_path: Path) -> None:
+    """A rank-10 adapter: layout, pack and inspect's slot figure all pad to 16 by default."""
+    adapter = tmp_path / "r10"
+    assert metrale("synth", adapter, "--model", "qwen3-8b", "--modules", "q_proj,v_proj",
+                   "--rank", 10).code == 0
+    at_16 = metrale("layout", "--model", "qwen3-8b", "--modules", "q_proj,v_proj",
+                    "--max-rank", 16, "--json").json()
+    planned = metrale("layout", adapter, "--json")
+    assert planned.code == 0 and planned.stderr == ""
+    assert planned.json()["max_rank"] == 16 and planned.json()["warnings"] == []
+    assert planned.json()["fingerprint"] == at_16["fingerprint"]
+    packed = metrale("pack", adapter, "--max-loras", 2, "--device", "cpu", "--json")
+    assert packed.code == 0 and packed.stderr == "", packed.stderr
+    assert packed.json()["layout"]["max_rank"] == 16 and packed.json()["warnings"] == []
+    inspected = metrale("inspect", adapter, "--json").json()
+    assert inspected["adapters"][0]["slot_bytes"] == at_16["slot_bytes"]
+
+
+@pytest.mark.parametrize("max_rank,nearest", [(10, 16), (300, 256)])
+def test_a_max_rank_the_kernels_refuse_plans_with_a_warning(tmp_path: Path, max_rank: int,
+                                                            nearest: int) -> None:
+    """The layout holds; one warning line on stderr names the nearest max rank they serve,
+    and the JSON record carries the same line."""
+    args = ("--model", "qwen3-8b", "--modules", "q_proj", "--max-rank", max_rank)
+    human = metrale("layout", *args)
+    assert human.code == 0 and re.search(rf"^max rank\s+{max_rank}\s*$", human.stdout, re.M)
+    assert human.stderr.count("\n") == 1 and human.stderr.startswith("warning: max rank ")
+    assert human.stderr.rstrip().endswith(f"the nearest max rank they serve is {nearest}")
+    record = metrale("layout", *args, "--json")
+    assert record.code == 0 and record.json()["max_rank"] == max_rank
+    assert record.json()["warnings"] == [human.stderr.removeprefix("warning: ").rstrip()]
+    assert metrale("synth", tmp_path / "a", "--model", "qwen3-8b", "--modules", "q_proj",
+                   "--rank", 8).code == 0
+    inspected = metrale("inspect", tmp_path / "a", "--max-rank", max_rank, "--json")
+    assert inspected.code == 0 and inspected.stderr == human.stderr
+    assert inspected.json()["warnings"] == record.json()["warnings"]
+
+
+def test_explicit_max_rank_keeps_the_readme_fingerprint() -> None:
+    doc = metrale("layout", "--model", "qwen3-next-80b-a3b", "--modules", ATTN, "--max-rank",
+                  16, "--json").json()
+    assert doc["fingerprint"] == "e3298e5b193f86eb1f4fe085e95b4dff"
+
+
+def test_pack_warns_at_a_max_rank_the_kernels_refuse(tmp_path: Path) -> None:
+    assert metrale("synth", tmp_path / "a", "--model", "qwen3-8b", "--modules", "q_proj",
+                   "--rank", 8).code == 0
+    packed = metrale("pack", tmp_path / "a", "--max-loras", 1, "--max-rank", 12, "--device",
+                     "cpu", "--json")
+    assert packed.code == 0 and packed.json()["layout"]["max_rank"] == 12
+    assert packed.stderr == f"warning: {packed.json()['warnings'][0]}\n"
+    assert "the nearest max rank they serve is 16" in packed.stderr

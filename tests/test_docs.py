@@ -1,5 +1,5 @@
-"""The docs' code runs: the pool-format reader in docs/pool-format.md gives the same delta as
-metrale's own reading of the image."""
+"""The docs hold: the pool-format reader in docs/pool-format.md gives the same delta as
+metrale's own reading of the image, and docs/inspect.md documents exactly the finding codes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from metrale_cli.findings import Code, Collector, Severity
 from metrale_cli.image import PoolImage
 from tests.cli_runner import metrale
 
@@ -37,7 +39,7 @@ def test_pool_format_reader(tmp_path: Path) -> None:
         x = rng.standard_normal((3, e.in_dim)).astype(np.float32)
         for slot in range(3):
             got = namespace["pool_delta"](str(out), entry, slot, x)
-            factors = image.factors(entry, slot)
+            factors = image.region.factors(entry, slot)
             if factors is None:
                 assert got is None
                 continue
@@ -47,17 +49,16 @@ def test_pool_format_reader(tmp_path: Path) -> None:
 
 
 def test_every_finding_code_is_documented() -> None:
-    """docs/inspect.md lists every stable finding code the audit can emit."""
-    package = DOCS.parent / "metrale_cli"
-    source = "".join((package / f"{name}.py").read_text()
-                     for name in ("audit", "experts", "overlays", "findings"))
-    emitted = set(re.findall(r'Severity\.[A-Z]+(?: if [^,]+ else Severity\.[A-Z]+)?, "([a-z_]+)"',
-                             source))
-    # The audit's tables: (tensor part, code, what) and (config check, code, message).
-    part = r"lora_[A-Za-z_.]+|base_layer\.\w+|weight|bias"
-    emitted |= set(re.findall(rf'\("(?:{part})", "([a-z_]+)", "', source))
-    emitted |= set(re.findall(r'(?:\)\)|True|\(None, "none"\)), "([a-z_]+)",\s*\n', source))
-    emitted |= {"missing_a", "missing_b"}  # built as f"missing_{a|b}"
-    documented = set(re.findall(r"`([a-z_]+)`", (DOCS / "inspect.md").read_text()))
-    assert len(emitted) > 30
-    assert emitted - documented == set()
+    """docs/inspect.md's findings table lists every code of `Code`, and documents none that
+    `Code` lacks (the audit cannot emit a code outside `Code`: the collector converts)."""
+    text = (DOCS / "inspect.md").read_text()
+    table = text[text.index("| code | severity | when |"):]
+    documented = {code for row in table.splitlines() if row.startswith("| `")
+                  for code in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    assert {c.value for c in Code} - documented == set()
+    assert documented - {c.value for c in Code} == set()
+
+
+def test_a_code_outside_the_enum_is_refused() -> None:
+    with pytest.raises(ValueError, match="not_a_code"):
+        Collector().add(Severity.ERROR, "not_a_code", "x")  # type: ignore[arg-type]

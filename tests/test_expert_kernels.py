@@ -78,15 +78,15 @@ def _bf16(values: torch.Tensor) -> torch.Tensor:
 
 def _pool_weights(pool: LoraPool, tables: ek.ExpertTables, entries: np.ndarray,
                   shapes: list[tuple[int, int]]) -> list[list[list[torch.Tensor | None]]]:
-    return reference.expert_weights(torch.from_numpy(pool.expert_pool),
-                                    torch.from_numpy(pool.expert_a_tables.view(np.int64)),
+    return reference.expert_weights(torch.from_numpy(pool.expert_region.memory),
+                                    torch.from_numpy(pool.expert_region.a_tables.view(np.int64)),
                                     entries, shapes)
 
 
 def _b_weights(pool: LoraPool, entries: np.ndarray,
                shapes: list[tuple[int, int]]) -> list[list[list[torch.Tensor | None]]]:
-    return reference.expert_weights(torch.from_numpy(pool.expert_pool),
-                                    torch.from_numpy(pool.expert_b_tables.view(np.int64)),
+    return reference.expert_weights(torch.from_numpy(pool.expert_region.memory),
+                                    torch.from_numpy(pool.expert_region.b_tables.view(np.int64)),
                                     entries, shapes)
 
 
@@ -161,12 +161,12 @@ def test_router_lora_equals_the_reference(served: Served) -> None:
         x = _bf16(torch.randn(num_tokens, cfg.hidden_size, generator=gen))
         logits = torch.randn(num_tokens, cfg.num_experts, generator=gen)
         got = ek.router_lora(x, logits.clone(), slots, tables, backend=HOST)
-        pool_bytes = torch.from_numpy(pool.expert_pool)
+        pool_bytes = torch.from_numpy(pool.expert_region.memory)
         a = reference.weights_from_table(
-            pool_bytes, torch.from_numpy(pool.expert_a_tables[tables.router].view(np.int64)),
+            pool_bytes, torch.from_numpy(pool.expert_region.a_tables[tables.router].view(np.int64)),
             (MAX_RANK, cfg.hidden_size))
         b = reference.weights_from_table(
-            pool_bytes, torch.from_numpy(pool.expert_b_tables[tables.router].view(np.int64)),
+            pool_bytes, torch.from_numpy(pool.expert_region.b_tables[tables.router].view(np.int64)),
             (cfg.num_experts, MAX_RANK))
         want = reference.lora_delta(x, logits, slots, a, b, torch.from_numpy(pool.scale_table),
                                     torch.from_numpy(pool.expert_rank_table), MAX_RANK)
@@ -194,14 +194,14 @@ def test_zero_pointers_and_padding_are_never_read(served: Served) -> None:
 
     expert = int(topk[0, 0])  # token 0 has slot 0 (rank 4 in a max-rank-8 pool)
     gate_entry = int(tables.gate_up[0, expert])
-    a_tables, b_tables = pool.expert_a_tables.copy(), pool.expert_b_tables.copy()
+    a_tables, b_tables = pool.expert_region.a_tables.copy(), pool.expert_region.b_tables.copy()
     a_tables[gate_entry, 0] = b_tables[gate_entry, 0] = 0
-    saved = pool.expert_pool.copy()
+    saved = pool.expert_region.memory.copy()
     try:
         for c in range(2):  # NaN in slot 0's A rows 4..7 of every gate and up entry
             for entry in tables.gate_up[c].tolist():
-                start = int(pool.expert_a_tables[entry, 0]) - pool.expert_base_address
-                rows = pool.expert_pool[start:start + MAX_RANK * cfg.hidden_size * 2]
+                start = int(pool.expert_region.a_tables[entry, 0]) - pool.expert_region.base_address
+                rows = pool.expert_region.memory[start:start + MAX_RANK * cfg.hidden_size * 2]
                 rows.view(np.uint16).reshape(MAX_RANK, -1)[4:] = 0x7FC0
         cut = replace(tables, a_tables=a_tables, b_tables=b_tables)
         got = ek.expert_gate_up(x, h.clone(), batch, cut, backend=HOST)
@@ -210,7 +210,7 @@ def test_zero_pointers_and_padding_are_never_read(served: Served) -> None:
         HOST.launch(ek.plan_expert_shrink(x, top_k, order, tiles, tables, tables.gate_up, t,
                                           batch.tile))
     finally:
-        pool.expert_pool[:] = saved
+        pool.expert_region.memory[:] = saved
     pairs = ((slots.repeat_interleave(top_k) == 0) & (topk.flatten() == expert)).nonzero()
     pairs = pairs.flatten()
     assert pairs.numel()

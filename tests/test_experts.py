@@ -34,7 +34,8 @@ def image_expert_delta(image: PoolImage, slot: int, layer: int, proj: str,
     entry = image.expert_layout.index.get((layer, ExpertProj(proj), expert))
     if entry is None:
         return None
-    factors = image.expert_factors(entry, slot)
+    assert image.expert_region is not None
+    factors = image.expert_region.factors(entry, slot)
     if factors is None:
         return None
     a, b = factors
@@ -81,8 +82,8 @@ def check_truth(image: PoolImage, slot: int, truth: AdapterTruth) -> int:
     for key, delta in want.items():
         assert_close(image_expert_delta(image, slot, *key), delta, key)
     # Nothing else in the slot's expert region is adapted.
-    assert image.expert_a_offsets is not None
-    assert int((image.expert_a_offsets[:, slot] >= 0).sum()) == len(want)
+    assert image.expert_region is not None
+    assert int(image.expert_region.adapted(slot).sum()) == len(want)
     return len(want)
 
 
@@ -97,8 +98,8 @@ def test_fused_experts_and_router_equal_peft(peft_zoo, model: str, tmp_path: Pat
     assert {p.param for p in truth.params.values()} == {"gate_up_proj", "down_proj", "weight"}
     image = pack_image(tmp_path, truth.path)
     assert check_truth(image, 0, truth) > 0
-    assert image.expert_a_offsets is not None
-    assert not (image.expert_a_offsets[:, 1] >= 0).any()  # the cache slot adapts nothing
+    assert image.expert_region is not None
+    assert not image.expert_region.adapted(1).any()  # the cache slot adapts nothing
 
 
 @pytest.mark.slow
@@ -238,19 +239,21 @@ def test_pool_clear_swap_land_keep_experts_consistent(peft_zoo, tmp_path: Path) 
     layout = SlotLayout.build(cfg, reports[0].module_set, 4)
     ex = ExpertLayout.for_pairs(cfg, reports[0].expert_pairs, 4)
     pool, _ = LoraPool.load(layout, 3, reports[:1], expert_layout=ex)
-    size = ex.expert_slot_bytes
-    assert pool.expert_pool[:size].any()
+    experts = pool.expert_region
+    assert experts is not None
+    size = ex.slot_bytes
+    assert experts.memory[:size].any()
     pool.swap_in(2, reports[0])
-    assert np.array_equal(pool.expert_pool[2 * size:], pool.expert_pool[:size])
+    assert np.array_equal(experts.memory[2 * size:], experts.memory[:size])
     pool.swap_in(2, reports[1])  # no expert pairs: region and tables back to zero
-    assert not pool.expert_pool[2 * size:].any()
-    assert not pool.expert_a_tables[:, 2].any()
+    assert not experts.memory[2 * size:].any()
+    assert not experts.a_tables[:, 2].any()
     pool.land_slot(1, pool, 0)
-    a0, _ = pool.expert_slot_offsets(0)
-    a1, _ = pool.expert_slot_offsets(1)
+    a_offsets, _ = experts.offset_tables()
+    a0, a1 = a_offsets[:, 0], a_offsets[:, 1]
     assert np.array_equal(a1[a1 >= 0] - size, a0[a0 >= 0])
     pool.clear_slot(1)
-    assert not pool.expert_pool[size:2 * size].any() and not pool.expert_a_tables[:, 1].any()
+    assert not experts.memory[size:2 * size].any() and not experts.a_tables[:, 1].any()
     with pytest.raises(Exception, match="expert pool"):
         LoraPool.load(layout, 1, reports[:1])  # an expert adapter needs the expert pool
 

@@ -59,3 +59,42 @@ def test_model_only_needs_no_gpu() -> None:
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["adapters"] for r in records] == [1, 1, 8, 8, 256, 256]
     assert all(r["meets_target"] for r in records)
+
+
+def model_table(tokens: int) -> str:
+    """The markdown table docs/benchmarks.md shows for `tokens` (regenerate it with
+    `python -m tests.test_kernels_model`)."""
+    rows = ["| module | r | D | shrink: path, CTAs, KiB/SM in flight, % peak, x copy | "
+            "expand: path, CTAs, KiB/SM in flight, % peak, x copy | MB (shrink + expand) |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    records = bench_kernels.model(SHAPES, tokens=(tokens,))
+    for shrink, expand in zip(records[::2], records[1::2], strict=True):
+        # The figure a shape is judged by is in bold: % of peak in the bandwidth regime, the
+        # copy ratio below it.
+        cells = []
+        for r in (shrink, expand):
+            pct, ratio = f"{r['expected_pct_peak']:.1f}", f"{r['expected_copy_ratio']:.2f}"
+            if r["regime"] == "bandwidth":
+                pct = f"**{pct}**"
+            else:
+                ratio = f"**{ratio}**"
+            cells.append(f"{r['path']}, {r['ctas']}, {r['in_flight_per_sm_bytes'] / 1024:.1f}, "
+                         f"{pct}, {ratio}" + ("" if r["meets_target"] else " (misses)"))
+        megabytes = f"{shrink['bytes'] / 1e6:.1f} + {expand['bytes'] / 1e6:.1f}"
+        rows.append(f"| {shrink['module']} | {shrink['rank']} | {shrink['adapters']} | "
+                    f"{cells[0]} | {cells[1]} | {megabytes} |")
+    return "\n".join(rows) + "\n"
+
+
+@pytest.mark.parametrize("tokens", [256, 4096])
+def test_docs_show_the_model_as_it_is(tokens: int) -> None:
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
+    assert model_table(tokens) in docs, (
+        "docs/benchmarks.md's model table is stale: python -m tests.test_kernels_model")
+
+
+if __name__ == "__main__":
+    for count in (256, 4096):
+        print(f"T = {count}\n\n{model_table(count)}")

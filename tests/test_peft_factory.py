@@ -89,7 +89,7 @@ def test_delta_weight_agrees_with_peft_forward(zoo, model_name, modules):
 
 @pytest.mark.slow
 def test_rank_alpha_patterns_and_rslora_as_in_reference_table(zoo):
-    # peft_format.md §1.4: the table verified with PEFT 0.21.2 on a tiny Llama.
+    # docs/peft_format.md §1.4: the table checked with PEFT 0.21.2 on a tiny Llama.
     truth = zoo.adapter(
         "llama",
         r=8,

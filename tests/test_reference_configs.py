@@ -11,7 +11,8 @@ import pytest
 from tests.cli_runner import metrale
 from tests.header_only import write_header_only
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "adapter_configs"
+# Real files copied into the project (tests/data/PROVENANCE.md says from where).
+REFERENCE = Path(__file__).resolve().parent / "data" / "adapter_configs"
 PREFIX = "huggingface-peft_method-comparison_llama-3.2-3B-"
 # meta-llama/Llama-3.2-3B's text stack.
 LLAMA_32_3B = {"model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
@@ -25,10 +26,7 @@ PATH = {m: ("mlp." if m in ("gate_proj", "up_proj", "down_proj") else "self_attn
 
 
 def adapter_from(tmp_path: Path, name: str, modules: list[str], extra: list[str]) -> Path:
-    source = REFERENCE / f"{PREFIX}{name}.adapter_config.json"
-    if not source.is_file():
-        pytest.skip(f"{source} not present")
-    config = json.loads(source.read_text())
+    config = json.loads((REFERENCE / f"{PREFIX}{name}.adapter_config.json").read_text())
     out = tmp_path / name
     out.mkdir()
     (out / "adapter_config.json").write_text(json.dumps(config))

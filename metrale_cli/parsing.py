@@ -1,0 +1,46 @@
+"""What users type, read into values: module lists, sizes, positive counts. Each raises
+`UsageError` naming the option, so the CLI edge turns it into one line and exit 2."""
+
+from __future__ import annotations
+
+from metrale_cli.errors import UsageError
+from metrale_cli.modules import LoraModule
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """`40GiB`, `512MiB`, `1.5TB`, `1000000` -> bytes."""
+    s = text.strip().lower().replace(" ", "").replace("_", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise UsageError(f"not a size: {text!r} (try 40GiB, 512MiB)") from None
+    if unit not in _SIZE_UNITS or value < 0:
+        raise UsageError(f"not a size: {text!r} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def parse_modules(text: str, option: str = "--modules") -> list[LoraModule]:
+    """`q_proj,k_proj,...` or `all` -> pool modules in their fixed order; never empty."""
+    try:
+        modules = LoraModule.parse_list(text)
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from None
+    if not modules:
+        raise UsageError(f"{option} is empty")
+    return modules
+
+
+def positive(option: str, *values: int | None) -> None:
+    """Refuse a count or rank below 1 (None: not given, nothing to check)."""
+    for value in values:
+        if value is not None and value <= 0:
+            raise UsageError(f"{option} must be positive, got {value}")
