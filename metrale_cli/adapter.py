@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale_cli.errors import FormatError, UsageError
+from metrale_cli.hub import cached, fetch, parse_hub_id, remote_header
 from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 CONFIG_NAME = "adapter_config.json"
@@ -343,6 +344,26 @@ class Adapter:
         header = read_header(weights)
         keys = [parse_key(t) for t in header.tensors]
         return cls(name or path.resolve().name, path, config, header, keys)
+
+
+def load_adapter(spec: str, name: str | None = None, online: bool = False,
+                 weights: bool = True) -> Adapter:
+    """A local adapter directory, or a hub id (`org/name[@revision]`) from the local Hugging
+    Face cache; with `online` a missing config is downloaded, and the weights too when
+    `weights` is set, else only their header is read (two ranged reads)."""
+    ref = parse_hub_id(spec)
+    if ref is None:
+        return Adapter.load(spec, name)
+    config = fetch(ref, CONFIG_NAME, online)
+    if weights and online:
+        fetch(ref, WEIGHTS_NAME, online)  # into the config's snapshot directory
+    elif cached(ref, WEIGHTS_NAME) is None:
+        if not online:
+            fetch(ref, WEIGHTS_NAME, online)  # raises: not in the cache, pass --online
+        header = remote_header(ref, WEIGHTS_NAME)
+        return Adapter(name or ref.name, config.parent, AdapterConfig.from_file(config), header,
+                       [parse_key(t) for t in header.tensors])
+    return Adapter.load(config.parent, name or ref.name)
 
 
 def parse_adapter_args(args: list[str]) -> list[tuple[str | None, str]]:

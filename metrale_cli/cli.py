@@ -123,7 +123,7 @@ def root(
 
 MODEL = typer.Option(
     "--model", "-m", help="Base model: a preset (`metrale models`), a config.json, a model "
-    "directory, or a hub id in the local HF cache.")
+    "directory, or a hub id (org/name[@revision]) in the local HF cache (--online: the hub).")
 MODULES = typer.Option(
     "--modules", help="Comma-separated pool modules (q_proj, k_proj, v_proj, o_proj, gate_proj, "
     "up_proj, down_proj, out_proj), or 'all'.")
@@ -147,18 +147,30 @@ def experts_on(flag: bool) -> bool:
     return flag or env.experts_enabled()
 
 
-def load_adapters(args: list[str]) -> list[Adapter]:
-    from metrale_cli.adapter import Adapter, parse_adapter_args
+OnlineOpt = Annotated[bool, typer.Option(
+    "--online", help="Hub ids (org/name[@revision]) not in the local Hugging Face cache are "
+    "fetched from the hub (also METRALE_ONLINE=1).")]
+
+
+def online_on(flag: bool) -> bool:
+    """The hub opt-in: --online or METRALE_ONLINE=1."""
+    return flag or env.online()
+
+
+def load_adapters(args: list[str], online: bool = False, weights: bool = False) -> list[Adapter]:
+    """Adapter directories or hub ids (`NAME=` either); `weights`: the command reads tensor
+    data, so a hub adapter's weights are downloaded, not only their header read."""
+    from metrale_cli.adapter import load_adapter, parse_adapter_args
 
     if not args:
         raise UsageError("no adapter given")
-    return [Adapter.load(path, name) for name, path in parse_adapter_args(args)]
+    return [load_adapter(path, name, online, weights) for name, path in parse_adapter_args(args)]
 
 
-def model_for(spec: str | None, adapters: list[Adapter]) -> ModelConfig:
+def model_for(spec: str | None, adapters: list[Adapter], online: bool = False) -> ModelConfig:
     """`--model`, else the adapters' common `base_model_name_or_path`."""
     if spec:
-        return resolve_model(spec)
+        return resolve_model(spec, online)
     bases = {a.config.base_model_name_or_path for a in adapters}
     if None in bases or not bases:
         names = [a.name for a in adapters if a.config.base_model_name_or_path is None]
@@ -169,7 +181,7 @@ def model_for(spec: str | None, adapters: list[Adapter]) -> ModelConfig:
     resolved = []
     for base in sorted(b for b in bases if b is not None):
         try:
-            resolved.append(resolve_model(base))
+            resolved.append(resolve_model(base, online))
         except UsageError as exc:
             raise UsageError(
                 f"base_model_name_or_path {base!r} resolves to nothing here ({exc}); pass "
@@ -206,11 +218,13 @@ def models(json_out: JsonOpt = False) -> None:
 @app.command()
 @handles_errors
 def inspect(
-    adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH.",
-                                                  show_default=False)],
+    adapters: Annotated[list[str], typer.Argument(
+        help="Adapter directories or hub ids (org/name[@revision]), or NAME=either.",
+        show_default=False)],
     model: ModelOpt = None,
     max_rank: MaxRankOpt = None,
     experts: ExpertsOpt = False,
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
@@ -220,8 +234,8 @@ def inspect(
     from metrale_cli.plan import Footprint, inspect_record, max_rank_warnings
 
     positive("--max-rank", max_rank)
-    loaded = load_adapters(adapters)
-    cfg = model_for(model, loaded)
+    loaded = load_adapters(adapters, online_on(online))
+    cfg = model_for(model, loaded, online_on(online))
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
@@ -256,6 +270,7 @@ def layout(
     align: Annotated[int, typer.Option("--align", help="Byte alignment of every region.")]
     = DEFAULT_ALIGN,
     experts: ExpertsOpt = False,
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """The byte-exact slot layout and capacity plan of a pool.
@@ -268,10 +283,10 @@ def layout(
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
     enabled = experts_on(experts)
-    loaded = load_adapters(adapters) if adapters else []
+    loaded = load_adapters(adapters, online_on(online)) if adapters else []
     if model is None and not loaded:
         raise UsageError("--model is required (or give startup adapters)")
-    cfg = model_for(model, loaded)
+    cfg = model_for(model, loaded, online_on(online))
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
                            align, enabled)
@@ -339,6 +354,7 @@ def pack(
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     force: ForceOpt = False,
     experts: ExpertsOpt = False,
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image.
@@ -354,8 +370,8 @@ def pack(
     positive("--max-rank", max_rank)
     if out_path is not None and out_path.exists() and not force:
         raise OutputExists(f"{out_path} exists; pass --force to overwrite it")
-    loaded = load_adapters(adapters)
-    cfg = model_for(model, loaded)
+    loaded = load_adapters(adapters, online_on(online), weights=True)
+    cfg = model_for(model, loaded, online_on(online))
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     refused = [r for r in reports if not r.servable]
@@ -375,6 +391,90 @@ def pack(
         emit_json(result.record())
     else:
         out().print(pack_view(result))
+
+
+# -- pool images --------------------------------------------------------------------------------
+
+ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
+                                          show_default=False)]
+
+
+@app.command()
+@handles_errors
+def show(image: ImageArg, json_out: JsonOpt = False) -> None:
+    """What a pool image holds, checked without reading its pool bytes. Exit 1 if its metadata
+    and tables contradict each other, 2 if it is not a pool image."""
+    from metrale_cli.image_check import show_image
+
+    record = show_image(image).record()
+    if json_out:
+        emit_json(record)
+    else:
+        from metrale_cli.render import show_view
+
+        out().print(show_view(record))
+
+
+@app.command()
+@handles_errors
+def verify(
+    image: ImageArg,
+    adapters: Annotated[list[str], typer.Argument(
+        help="Adapter directories or hub ids (matched to slots by name), or NAME=either.",
+        show_default=False)],
+    online: OnlineOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Recompute what pack writes for each adapter and compare it with the image's bytes. Exit
+    1 on any difference."""
+    from metrale_cli.verify import Verifier
+
+    verifier = Verifier.open(image, load_adapters(adapters, online_on(online), weights=True))
+    if err().is_terminal and not json_out:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        with Progress("verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      console=err(), transient=True) as bar:
+            task = bar.add_task("verify", total=verifier.total_bytes)
+            result = verifier.run(lambda n: bar.advance(task, n))
+    else:
+        result = verifier.run()
+    if json_out:
+        emit_json(result.record())
+    else:
+        from metrale_cli.render import verify_view
+
+        out().print(verify_view(result.record()))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def unpack(
+    image: ImageArg,
+    out_dir: Annotated[Path, typer.Argument(help="The adapter directory to write.",
+                                            show_default=False)],
+    slot: Annotated[int | None, typer.Option("--slot", help="The slot to unpack.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="The slot holding this adapter.")]
+    = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write one slot of a pool image back as a PEFT LoRA adapter directory."""
+    from metrale_cli.unpack import unpack as unpack_slot
+
+    result = unpack_slot(image, out_dir, slot, name, force)
+    if json_out:
+        emit_json(result.record())
+    else:
+        from metrale_cli.render import human_bytes
+
+        overlays = f", trainable tokens for {', '.join(result.overlay_tables)}" \
+            if result.overlay_tables else ""
+        out().print(f"wrote {result.path}: slot {result.slot} ({result.name}), {result.modules} "
+                  f"modules at r={result.rank} lora_alpha={result.lora_alpha:g}{overlays}, "
+                  f"{human_bytes(result.bytes)}")
 
 
 # -- bench --------------------------------------------------------------------------------------

@@ -31,12 +31,21 @@ def cache_dir() -> Path:
     return Path(base) / "metrale"
 
 
-def hf_cache_dirs() -> list[Path]:
-    """The local Hugging Face hub caches to search for a hub id (HF_HUB_CACHE, HF_HOME)."""
-    dirs: list[Path] = []
+def online() -> bool:
+    """METRALE_ONLINE=1: hub ids may be looked up and downloaded from the hub (as --online)."""
+    return os.environ.get("METRALE_ONLINE", "") not in ("", "0")
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else
+    HF_HOME/hub, else ~/.cache/huggingface/hub (read when called, not at import)."""
     if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+        return Path(os.environ["HF_HUB_CACHE"])
     if os.environ.get("HF_HOME"):
-        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
-    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return dirs
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def hf_endpoint() -> str:
+    """HF_ENDPOINT: the hub's address (a mirror, or a test server), default huggingface.co."""
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"

@@ -78,3 +78,9 @@ class NonFiniteWeights(MetraleError):
 class PoolTooLarge(UsageError):
     """A pool (and its tables) larger than the memory available to hold it; said before any
     allocation is tried."""
+
+
+class ImageInconsistent(MetraleError):
+    """A pool image whose metadata, tables and layout contradict each other."""
+
+    exit_code = 1

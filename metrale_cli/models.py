@@ -8,13 +8,14 @@ cache. The network is never used.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from metrale_cli import env
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
+from metrale_cli.hub import cached, fetch, parse_hub_id
 
 # The model types whose layer stack metrale knows; `*_text` forms map onto these.
 SUPPORTED_MODEL_TYPES = (
@@ -362,44 +363,28 @@ def find_preset(name: str) -> Preset | None:
     return None
 
 
-def _hub_cache_config(hub_id: str) -> Path | None:
-    """`config.json` of a hub id in the local HF cache (the snapshot `refs/main` names, else the
-    newest one). Never touches the network."""
-    folder = "models--" + hub_id.replace("/", "--")
-    for cache in env.hf_cache_dirs():
-        repo = cache / folder
-        snapshots = repo / "snapshots"
-        if not snapshots.is_dir():
-            continue
-        ref = repo / "refs" / "main"
-        if ref.is_file():
-            candidate = snapshots / ref.read_text().strip() / "config.json"
-            if candidate.is_file():
-                return candidate
-        found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
-        if found:
-            return found[-1]
-    return None
+def resolve_model(spec: str, online: bool = False) -> ModelConfig:
+    """`--model`: a preset name, a config.json path, a model directory, or a hub id
+    (`org/name[@revision]`) from the local Hugging Face cache, or with `online` from the hub.
 
-
-def resolve_model(spec: str) -> ModelConfig:
-    """`--model`: a preset name, a config.json path, a model directory, or a cached hub id.
-
-    A hub id that is not in the local cache but names a preset's model gives that preset."""
+    A hub id that is not in the local cache but names a preset's model gives that preset when
+    offline."""
     spec = spec.strip()
     if not spec:
         raise UsageError("--model is empty")
     path = Path(spec).expanduser()
     if path.exists():
         return ModelConfig.from_hf(path)
-    cached = _hub_cache_config(spec) if spec.count("/") == 1 else None
-    if cached is not None:
-        config = ModelConfig.from_hf(cached)
-        return ModelConfig(**{**config.__dict__, "source": spec})
+    ref = parse_hub_id(spec)
+    if ref is not None:
+        config = fetch(ref, "config.json", online=True) if online else cached(ref, "config.json")
+        if config is not None:
+            return replace(ModelConfig.from_hf(config), source=spec)
     preset = find_preset(spec)
     if preset is not None:
         return ModelConfig.from_dict(preset.config, source=preset.name)
     raise UsageError(
-        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache; "
-        "pass a preset (`metrale models`), a config.json, or a model directory"
+        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache "
+        f"({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
+        "directory, or --online to fetch a hub id"
     )

@@ -386,3 +386,90 @@ def pack_view(result: Any) -> Group:
         lines.append(f"wrote {result.image} ({human_bytes(result.image_bytes)}) in "
                      f"{result.write_seconds:.3f} s; layout fingerprint {layout.fingerprint}")
     return Group(table, *(Text(line) for line in lines))
+
+
+def show_view(record: dict[str, Any]) -> Group:
+    """`metrale show`: the image's record (see image_check.ImageShow)."""
+    lay, ex = record["layout"], record["experts"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row("image", f"{record['path']} ({record['format']}, consistent)")
+    grid.add_row("model", model_line(ModelConfig.from_summary(record["model"])))
+    grid.add_row("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
+                 f"({', '.join(lay['modules']) or 'no modules'}), slot {lay['slot_bytes']:,} B, "
+                 f"{lay['max_loras']} slots")
+    grid.add_row("fingerprint", lay["fingerprint"])
+    if ex is not None:
+        grid.add_row("experts", f"max rank {ex['max_rank']}, {ex['entries']:,} entries on "
+                     f"layers {layer_set(ex['layers'])}, expert slot {ex['expert_slot_bytes']:,} B")
+        grid.add_row("expert fingerprint", ex["fingerprint"])
+    grid.add_row("active", f"slot {record['active']}")
+    free = record["free_slots"]
+    grid.add_row("free slots", ", ".join(map(str, free)) if free else "none")
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    for col in ("slot", "name", "gen", "rank", "alpha", "scale", "pinned", "entries", "experts",
+                "overlays"):
+        table.add_column(col, no_wrap=True)
+    sources = Table.grid(padding=(0, 2))
+    sources.add_column(style="dim")
+    sources.add_column()
+    for s in record["slots"]:
+        if not s["name"]:
+            continue
+        overlays = ", ".join(f"{o['table']} {o['tokens']}" for o in s["overlays"])
+        table.add_row(str(s["slot"]), s["name"], str(s["generation"]), str(s["rank"]),
+                      _fmt(s["alpha"]), f"{s['scale']:.6g}", "yes" if s["pinned"] else "",
+                      str(s["entries"]), str(s["expert_entries"] or "·"), overlays or "·")
+        sources.add_row(f"slot {s['slot']} source", s["source"])
+    sizes = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    sizes.add_column("part")
+    sizes.add_column("bytes", justify="right")
+    sizes.add_column("", justify="right")
+    for part, n in record["bytes"].items():
+        if n or part in ("pool", "total"):
+            sizes.add_row(part, f"{n:,}", human_bytes(n))
+    return Group(grid, table, sources, sizes)
+
+
+# Differing regions listed per adapter; --json has them all.
+VERIFY_ROWS = 20
+
+
+def verify_view(record: dict[str, Any]) -> Group:
+    """`metrale verify`: per adapter ok or what differs (see verify.VerifyResult)."""
+    lines: list[Any] = []
+    for a in record["adapters"]:
+        head = Text(f"slot {a['slot']} {a['name']}: ", style="bold")
+        if a["ok"]:
+            head.append("ok", style="bold green")
+            head.append(f" ({a['entries']} entries"
+                        + (f", {a['expert_entries']} expert entries" if a["expert_entries"]
+                           else "") + f", {human_bytes(a['bytes_compared'])} compared)")
+            lines.append(head)
+            continue
+        head.append("DIFFERS", style="bold red")
+        lines.append(head)
+        for line in a["slot_differences"]:
+            lines.append(Text(f"  {line}"))
+        if a["differences"]:
+            table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+            for col in ("layer", "module", "part", "bytes differing", "max |dW diff|", "note"):
+                table.add_column(col, no_wrap=col != "note")
+            shown = a["differences"][:VERIFY_ROWS]
+            for d in shown:
+                diff = d["max_delta_difference"]
+                table.add_row(str(d["layer"]), d["module"], d["part"],
+                              f"{d['bytes_differing']:,}",
+                              f"{diff:.4g}" if diff is not None else "-", d["note"])
+            lines.append(table)
+            if len(a["differences"]) > len(shown):
+                lines.append(Text(f"  ... and {len(a['differences']) - len(shown)} more "
+                                  "(--json lists every one)", style="dim"))
+    for u in record["unchecked"]:
+        lines.append(Text(f"slot {u['slot']} {u['name']}: unchecked (not given)", style="dim"))
+    rate = record["gb_per_s"]
+    lines.append(Text(f"compared {human_bytes(record['bytes_compared'])} of the image in "
+                      f"{record['seconds']:.3f} s"
+                      + (f" ({rate:.2f} GB/s)" if rate is not None else "")))
+    return Group(*lines)

@@ -1,0 +1,183 @@
+"""`metrale unpack`: a slot back as a PEFT adapter that PEFT itself loads onto the tiny model, with
+forward deltas equal to the original adapter's within BF16 tolerance; atomic, no overwrite."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.cli_runner import metrale
+from tests.peft_factory import TINY_MODELS, AdapterTruth
+
+pytestmark = pytest.mark.slow
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def _load_unpacked(model_name: str, path: Path, seed: int = 0) -> object:
+    from peft import PeftModel
+
+    model = TINY_MODELS[model_name].build_model(seed)
+    return PeftModel.from_pretrained(model, str(path)).eval()
+
+
+def _assert_deltas_equal(truth: AdapterTruth, unpacked: object) -> int:
+    rng = np.random.default_rng(0)
+    compared = 0
+    for path, m in truth.modules.items():
+        layer = unpacked.base_model.model.get_submodule(path)  # type: ignore[attr-defined]
+        x = torch.from_numpy(rng.standard_normal((5, m.base_in)).astype(np.float32))
+        want = truth.forward_delta(path, x).numpy()
+        with torch.no_grad():
+            got = (layer(x) - layer.base_layer(x)).float().numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max(),
+                                   err_msg=path)
+        compared += 1
+    return compared
+
+
+CASES = {
+    "dense": ("llama", {"r": 4, "lora_alpha": 8, "target_modules": ATTN + MLP}),
+    "hybrid": ("qwen3_next", {"r": 8, "lora_alpha": 16, "use_rslora": True, "dtype": "bf16",
+                              "target_modules": ["q_proj", "v_proj", "out_proj"],
+                              "rank_pattern": {"v_proj": 2, "layers.2.linear_attn.out_proj": 6},
+                              "alpha_pattern": {"q_proj": 5}}),
+    "moe attention": ("qwen3_moe", {"r": 4, "lora_alpha": 8, "target_modules": ATTN}),
+    "vl": ("qwen3_5_vl", {"r": 4, "lora_alpha": 8, "target_modules": ATTN + ["out_proj"]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> None:
+    model, kwargs = CASES[case]
+    truth = peft_zoo.adapter(model, **kwargs)
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image).code == 0
+    out = tmp_path / "back"
+    result = metrale("unpack", image, "--name", "x", out, "--json")
+    assert result.code == 0, result.stderr
+    assert result.json()["modules"] == len(truth.modules)
+    assert _assert_deltas_equal(truth, _load_unpacked(truth.model_name, out)) == len(truth.modules)
+    # Repacked, the unpacked adapter is byte for byte the slot it came from.
+    assert metrale("verify", image, f"x={out}").code == 0
+
+
+def _param_deltas(peft_model: object) -> dict[str, np.ndarray]:
+    """Every target_parameters wrapper's delta [E, out, in] by parameter path, from PEFT."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    found = {}
+    for name, mod in peft_model.named_modules():  # type: ignore[attr-defined]
+        if isinstance(mod, ParamWrapper) and "default" in mod.lora_A:
+            path = name.removeprefix("base_model.model.")
+            while path.endswith(".base_layer"):
+                path = path.removesuffix(".base_layer")
+            with torch.no_grad():
+                delta = mod.get_delta_weight("default").float().numpy()
+            found[f"{path}.{mod.parameter_name}"] = delta.reshape(-1, *delta.shape[-2:])
+    return found
+
+
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next"])
+def test_peft_loads_unpacked_expert_lora(peft_zoo, tmp_path: Path, model: str) -> None:
+    """Fused experts and the router, beside attention modules: PEFT's per-expert deltas of the
+    unpacked adapter equal the original's."""
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=EXPERT_PARAMS)
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"m={truth.path}", "--max-loras", 1, "--experts", "--out",
+                   image).code == 0
+    out = tmp_path / "back"
+    result = metrale("unpack", image, "--slot", 0, out)
+    assert result.code == 0, result.stderr
+    unpacked = _load_unpacked(truth.model_name, out)
+    assert _assert_deltas_equal(truth, unpacked) == len(truth.modules)
+    got = _param_deltas(unpacked)
+    assert sorted(got) == sorted(truth.params)
+    for path, p in truth.params.items():
+        want = p.expert_deltas.numpy()
+        np.testing.assert_allclose(got[path], want, rtol=0, atol=3e-2 * np.abs(want).max(),
+                                   err_msg=path)
+    assert metrale("verify", image, f"m={out}").code == 0
+
+
+def test_per_expert_lora_unpacks_block_diagonal(peft_zoo, tmp_path: Path) -> None:
+    """A transformers-4 per-expert adapter: gate and up have their own A, so the fused gate_up
+    is block-diagonal over [gate; up] at twice the rank (a rank and alpha pattern)."""
+    truth = peft_zoo.hand_v4("qwen3_moe", r=4, alpha=8, include_router=True)
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"v4={truth.path}", "--max-loras", 1, "--experts", "--out",
+                   image).code == 0
+    out = tmp_path / "back"
+    assert metrale("unpack", image, "--slot", 0, out).code == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    expert_rank = metrale("show", image, "--json").json()["experts"]["max_rank"]
+    assert config["rank_pattern"]["mlp.experts.gate_up_proj"] == 2 * expert_rank
+    # Every pattern keeps PEFT's scaling at the slot's scale.
+    scale = config["lora_alpha"] / config["r"]
+    assert all(config["alpha_pattern"][k] == pytest.approx(scale * r)
+               for k, r in config["rank_pattern"].items())
+    got = _param_deltas(_load_unpacked(truth.model_name, out))
+    inter = truth.expert_intermediate
+    compared = 0
+    for (layer, expert, leaf), pair in truth.experts.items():
+        param = "down_proj" if leaf == "down_proj" else "gate_up_proj"
+        delta = got[f"model.layers.{layer}.mlp.experts.{param}"][expert]
+        rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter),
+                "down_proj": slice(None)}[leaf]
+        want = pair.delta_weight.numpy()
+        np.testing.assert_allclose(delta[rows], want, rtol=0, atol=3e-2 * np.abs(want).max(),
+                                   err_msg=str((layer, expert, leaf)))
+        compared += 1
+    for layer, pair in truth.routers.items():
+        want = pair.delta_weight.numpy()
+        np.testing.assert_allclose(got[f"model.layers.{layer}.mlp.gate.weight"][0], want,
+                                   rtol=0, atol=3e-2 * np.abs(want).max())
+    assert compared == len(truth.experts) > 0 and truth.routers
+
+
+def test_overlays_come_back_as_trainable_tokens(peft_zoo, tmp_path: Path) -> None:
+    ids = [0, 5, 7, 127]
+    truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             trainable_token_indices=ids)
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"t={truth.path}", "--max-loras", 1, "--out", image).code == 0
+    out = tmp_path / "back"
+    assert metrale("unpack", image, "--slot", 0, out).code == 0
+    assert json.loads((out / "adapter_config.json").read_text())[
+        "trainable_token_indices"] == {"embed_tokens": ids}
+    unpacked = _load_unpacked(truth.model_name, out)
+    embed = unpacked.base_model.model.model.embed_tokens  # type: ignore[attr-defined]
+    want = truth._peft_model.base_model.model.model.embed_tokens
+    with torch.no_grad():
+        np.testing.assert_array_equal(embed(torch.tensor([ids])).numpy(),
+                                      want(torch.tensor([ids])).numpy())
+    assert _assert_deltas_equal(truth, unpacked) == len(truth.modules)
+
+
+def test_no_overwrite_and_bad_slots(peft_zoo, tmp_path: Path) -> None:
+    truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"])
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image).code == 0
+    out = tmp_path / "back"
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    refused = metrale("unpack", image, "--slot", 0, out)
+    assert refused.code == 2 and "--force" in refused.stderr
+    assert (out / "keep").read_text() == "mine"
+    assert metrale("unpack", image, "--slot", 0, out, "--force").code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json",
+                                                     "adapter_model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".back")]
+    for args, message in ((["--slot", 1], "holds no adapter"), (["--slot", 2], "outside"),
+                          (["--name", "y"], "(it holds: x)"), ([], "exactly one of")):
+        result = metrale("unpack", image, tmp_path / "other", *args)
+        assert result.code == 2 and message in result.stderr, result.stderr
+        assert result.stderr.count("\n") == 1
