@@ -37,6 +37,7 @@ from metrale_cli.bench_kernels import (
     _time_torch,
     device_info,
     stream_model,
+    torch_on_device,
 )
 from metrale_cli.models import ModelConfig
 
@@ -360,14 +361,7 @@ def run(shapes: Sequence[ExpertShape], *, repeats: int = 30, l2_multiple: float 
     """Benchmark records per (shape, projection) on the GPU; NoDevice (exit 3) without one."""
     cupy = compat.cupy_module()
     device = device_info()
-    torch_ok = False
-    if with_torch:
-        try:
-            import torch
-
-            torch_ok = bool(torch.cuda.is_available())
-        except ImportError:
-            torch_ok = False
+    torch_ok = with_torch and torch_on_device()
     rng = cupy.random.default_rng(seed)
     model_device = ModelDevice(name=device.name, sms=device.sms,
                                peak_bytes_per_s=device.peak_bytes_per_s)
@@ -390,8 +384,12 @@ def run(shapes: Sequence[ExpertShape], *, repeats: int = 30, l2_multiple: float 
             nbytes = compulsory_bytes(proj, shape, batch.groups)
             ours = _percentiles(_time_cupy([g.call(proj) for g in groups], repeats))
             copy_us = _copy_us(cupy, nbytes, count, repeats)
-            torch_us = (_percentiles(_time_torch(torch, _torch_baseline(proj, groups),
-                                                 repeats))["p50_us"] if torch_ok else None)
+            torch_us = None
+            if torch_ok:
+                import torch
+
+                torch_us = _percentiles(_time_torch(torch, _torch_baseline(proj, groups),
+                                                    repeats))["p50_us"]
             p50_s = ours["p50_us"] * 1e-6
             record = {
                 "kernel": f"expert_{proj}", "projection": proj, **shape.record(),

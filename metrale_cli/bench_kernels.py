@@ -473,6 +473,15 @@ def _torch_baselines(kind: str, groups: Sequence[_Group], adapters: int,
     return chosen
 
 
+def torch_on_device() -> bool:
+    """Whether torch is installed with CUDA and sees a device (the torch baselines need it)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def _percentiles(samples: Sequence[float]) -> dict[str, float]:
     p10, p50, p90 = np.percentile(np.asarray(samples), [10, 50, 90])
     return {"p10_us": float(p10), "p50_us": float(p50), "p90_us": float(p90)}
@@ -516,14 +525,7 @@ def run(
     """
     cupy = compat.cupy_module()
     device = device_info()
-    torch_ok = False
-    if with_torch:
-        try:
-            import torch
-
-            torch_ok = bool(torch.cuda.is_available())
-        except ImportError:
-            torch_ok = False
+    torch_ok = with_torch and torch_on_device()
     rng = cupy.random.default_rng(seed)
     records: list[dict[str, Any]] = []
     for module, out_dim, in_dim, rank, num_tokens, count in _shapes(model_shapes, ranks, tokens,
