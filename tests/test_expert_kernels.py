@@ -328,6 +328,14 @@ def test_moe_block_with_the_kernels_equals_peft(served: Served) -> None:
 
 @pytest.mark.slow
 def test_overlay_gather_equals_the_reference(peft_zoo: Any) -> None:
+    check_overlay_gather(peft_zoo)
+
+
+def check_overlay_gather(peft_zoo: Any, backend: Any = HOST,
+                         put: Callable[[torch.Tensor], Any] = _identity,
+                         get: Callable[[Any, torch.dtype], torch.Tensor] = lambda a, _: a) -> None:
+    """The gather on `backend` equals the reference, and its rows are PEFT's trainable-token
+    rows; the other rows are untouched, bit for bit."""
     truth = peft_zoo.adapter("qwen3_moe", r=4, lora_alpha=8, target_modules=["q_proj"],
                              trainable_token_indices=[3, 17, 40], dtype="bf16")
     cfg = ModelConfig.from_hf(truth.base_dir)
@@ -338,7 +346,8 @@ def test_overlay_gather_equals_the_reference(peft_zoo: Any) -> None:
     tokens = torch.tensor([3, 5, 17, 40, 3, 17, 9, 40], dtype=torch.int32)
     slots = torch.tensor([0, 0, 0, -1, 1, 0, 0, 0], dtype=torch.int32)
     emb = _bf16(torch.randn(len(tokens), cfg.hidden_size))
-    got = ek.overlay_gather(tokens, slots, overlays, emb.clone(), backend=HOST)
+    got = get(ek.overlay_gather(put(tokens), put(slots), overlays, put(emb.clone()),
+                                backend=backend), torch.bfloat16)
     raw = pool.overlay_raw[0]
     assert raw is not None
     rows0 = {int(t): torch.from_numpy(r) for t, r in zip(raw.tokens[0], raw.rows[0], strict=True)}

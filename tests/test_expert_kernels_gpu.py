@@ -18,6 +18,7 @@ from tests.test_expert_kernels import (
     _served,
     block_with_kernels,
     check_block,
+    check_overlay_gather,
     mixed_batch,
     peft_block_outputs,
 )
@@ -52,8 +53,10 @@ def _put(tensor: torch.Tensor) -> Any:
 
 
 def _get(array: Any, dtype: torch.dtype) -> torch.Tensor:
-    host = torch.from_numpy(compat.cupy_module().asnumpy(array))
-    return host.view(torch.int16).view(torch.bfloat16) if host.dtype == torch.int16 else host
+    host = compat.cupy_module().asnumpy(array)
+    if dtype == torch.bfloat16:  # uint16 bits
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(host)
 
 
 @pytest.mark.slow
@@ -72,3 +75,8 @@ def test_moe_block_on_device_equals_peft(peft_zoo: Any, model_name: str) -> None
                                      served.cfg.num_experts_per_tok, shared,
                                      backend=kernels.CUPY, put=_put, get=_get)
         check_block(got, want, base, slots)
+
+
+@pytest.mark.slow
+def test_overlay_gather_on_device(peft_zoo: Any) -> None:
+    check_overlay_gather(peft_zoo, kernels.CUPY, _put, _get)
