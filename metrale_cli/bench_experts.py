@@ -339,16 +339,17 @@ def _torch_baseline(proj: str, groups: Sequence[ExpertGroup]) -> list[Callable[[
         else:
             names = ("gate", "up") if proj == "gate_up" else ("down",)
             weights = [tuple(view(w) for w in g.weights[n]) for n in names]
-            inputs = view(g.x).repeat_interleave(g.shape.top_k, 0) if proj == "gate_up" \
-                else view(g.act)
+            inputs, div = (view(g.x), g.shape.top_k) if proj == "gate_up" else (view(g.act), 1)
+            rows = torch.arange(g.shape.pairs, device=slots.device) // div
             out = view(g.h if proj == "gate_up" else g.y)
             pair_scale = scales[pair_slot].to(torch.bfloat16)[:, None]
 
-            def call(weights=weights, inputs=inputs, out=out, ps=pair_slot, pe=pair_expert,
-                     s=pair_scale) -> None:
+            def call(weights=weights, inputs=inputs, rows=rows, out=out, ps=pair_slot,
+                     pe=pair_expert, s=pair_scale) -> None:
                 width = out.shape[1] // len(weights)
+                x = inputs[rows]  # each pair's input row, gathered as the baseline must
                 for c, (a, b) in enumerate(weights):
-                    t = torch.bmm(inputs[:, None], a[ps, pe].transpose(1, 2))
+                    t = torch.bmm(x[:, None], a[ps, pe].transpose(1, 2))
                     out[:, c * width:(c + 1) * width] += \
                         torch.bmm(t, b[ps, pe].transpose(1, 2))[:, 0] * s
         calls.append(call)

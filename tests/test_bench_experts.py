@@ -79,3 +79,20 @@ def test_model_only_covers_both_models_ranks_and_paths() -> None:
 def test_bench_experts_needs_a_gpu() -> None:
     result = metrale("bench", "kernels", "--experts", "--tokens", 1)
     assert result.code == 3 and result.stderr.startswith("error: a GPU is needed")
+
+
+@pytest.mark.parametrize("proj", be.PROJECTIONS)
+def test_the_torch_baseline_computes_the_same_delta(proj: str) -> None:
+    """gather + bmm (what the speedup is measured against) adds the kernels' delta."""
+    group = _group()
+    out = group.output(proj)
+    before = out.copy()
+    group.call(proj)()
+    ours = out.copy()
+    out[...] = before
+    (baseline,) = be._torch_baseline(proj, [group])
+    baseline()
+    as_float = (lambda v: v) if proj == "router" else be._f64
+    got, want = as_float(out), as_float(ours)
+    assert not np.array_equal(got, as_float(before))
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * float(np.abs(want).max()))
