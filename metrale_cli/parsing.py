@@ -44,3 +44,40 @@ def positive(option: str, *values: int | None) -> None:
     for value in values:
         if value is not None and value <= 0:
             raise UsageError(f"{option} must be positive, got {value}")
+
+
+def parse_size_list(option: str, text: str) -> list[int]:
+    """Pool sizes: `8,16,32`, a range `8..64` (every size) or `8..64:8` (a step), or a mix,
+    as sorted distinct positive sizes."""
+    sizes: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            if ".." in part:
+                lo_text, _, rest = part.partition("..")
+                hi_text, _, step_text = rest.partition(":")
+                lo, hi, step = int(lo_text), int(hi_text), int(step_text or 1)
+                if step <= 0 or hi < lo:
+                    raise ValueError
+                sizes.update(range(lo, hi + 1, step))
+            else:
+                sizes.add(int(part))
+        except ValueError:
+            raise UsageError(f"{option}: {part!r} is not a size, a list like 8,16,32 or a "
+                             "range like 8..64 or 8..64:8") from None
+    if not sizes or min(sizes) <= 0:
+        raise UsageError(f"{option}: sizes must be positive, got {text!r}")
+    return sorted(sizes)
+
+
+def parse_token_range(option: str, text: str) -> tuple[int, int]:
+    """Token lengths: `8,512` -> (8, 512); `0` -> (0, 0)."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise UsageError(f"{option}: expected LO,HI or N, got {text!r}") from None
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2:
+        raise UsageError(f"{option}: expected LO,HI or N, got {text!r}")
+    return values[0], values[1]

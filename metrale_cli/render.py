@@ -388,6 +388,105 @@ def pack_view(result: Any) -> Group:
     return Group(table, *(Text(line) for line in lines))
 
 
+def human_seconds(seconds: float) -> str:
+    """A duration with its unit, at most 8 characters: 0.62 ms, 5.2 s, 2.5 h."""
+    if seconds == 0:
+        return "0"
+    for limit, scale, unit in ((1e-3, 1e6, "us"), (1.0, 1e3, "ms"), (120.0, 1.0, "s"),
+                               (7200.0, 1 / 60, "min")):
+        if seconds < limit:
+            value = seconds * scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def simulate_view(record: dict[str, Any]) -> Group:
+    """`metrale simulate`: the setup, a row per (policy, size), and the sizing answer."""
+    w, swap, lay = record["workload"], record["swap"], record["layout"]
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="dim")
+    head.add_column()
+    made = (f"trace {w['path']}" if w["kind"] == "trace" else
+            f"{w['kind']} generator, seed {w['seed']}, {w['rate']:g} req/s, cv {w['cv']:g}")
+    head.add_row("workload", f"{made}: {w['requests']:,} requests "
+                 f"({w['adapter_requests']:,} to adapters) over {w['span_s']:,.1f} s, "
+                 f"{w['distinct_adapters']:,} distinct adapters")
+    if record["mode"] == "paging":
+        head.add_row("mode", "exact paging: zero-length requests, served one at a time in order")
+    else:
+        seats = record["max_concurrency"]
+        head.add_row("mode", "concurrent: requests hold their slot from admission to "
+                     f"completion ({record['prefill_tok_s']:g} prefill / "
+                     f"{record['decode_tok_s']:g} decode tok/s), "
+                     + (f"at most {seats} in flight" if seats else "no concurrency cap"))
+    head.add_row("slot", f"{human_bytes(swap['slot_bytes'])} ({lay['model']}, "
+                 f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
+                 f"max rank {lay['max_rank']})")
+    head.add_row("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
+                 f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us)")
+    if record["pinned"]:
+        head.add_row("pinned", f"{len(record['pinned'])}: {', '.join(record['pinned'][:8])}"
+                     + (" ..." if len(record["pinned"]) > 8 else ""))
+    # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    with_min = "min" in record["policies"]
+    for name in ("policy", "slots", "hit %", "misses", "stalls", "stall\np99", "added\np50",
+                 "added\np99", *(["misses\nvs min"] if with_min else []), "pool\nGiB"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        gap = r["extra_misses_vs_min"]
+        vs_min = ["-" if gap is None or r["policy"] == "min" else f"+{gap:,}"] if with_min else []
+        pool = f"{r['pool_bytes'] / 2**30:,.2f}"
+        if r["fits_budget"] is False:
+            pool = f"[red]{pool}"
+        table.add_row(
+            r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}", f"{r['misses']:,}",
+            f"{r['stalls']:,}", human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
+            human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
+            *vs_min, pool)
+    parts: list[Any] = [head, table]
+    if record["targets"]:
+        t = record["targets"]
+        want = " and ".join(x for x in (
+            f"hit rate >= {100 * t['hit_rate']:g}%" if t["hit_rate"] is not None else "",
+            f"p99 added latency <= {t['p99_ms']:g} ms" if t["p99_ms"] is not None else "") if x)
+        for s in record["smallest_meeting"]:
+            if s["max_loras"] is None:
+                line = (f"{s['policy']}: no size in {record['sizes'][0]}..{record['sizes'][-1]}"
+                        f" reaches {want}")
+            else:
+                line = (f"{s['policy']}: {s['max_loras']} slots reach {want}: "
+                        f"{human_bytes(s['pool_bytes'])} of pool")
+                if s["fits_budget"] is not None:
+                    fits = "fits" if s["fits_budget"] else "does NOT fit"
+                    line += f", {fits} the {human_bytes(record['budget_bytes'])} budget"
+            parts.append(Text(line))
+    return Group(*parts)
+
+
+def bench_slots_view(record: dict[str, Any]) -> Text:
+    """`metrale bench slots`: per-size figures and the 4096/64 ratios (1.0 = flat)."""
+    lo, hi = (str(n) for n in record["setup"]["sizes"])
+    victim, scan = record["victim_cycle_ns"], record["scan_ns"]
+    lines = [
+        f"victim choice + reload, lru: {victim[lo] / 1e3:.2f} us at {lo} slots, "
+        f"{victim[hi] / 1e3:.2f} us at {hi}: x{record['victim_cycle_ratio']:.2f}",
+        f"  full scan (the former pool): {scan[lo] / 1e3:.2f} us at {lo}, "
+        f"{scan[hi] / 1e3:.2f} us at {hi}: x{record['scan_ratio']:.1f}",
+    ]
+    for mode in ("paging", "concurrent"):
+        rps, ratio = record[f"simulate_{mode}_req_per_s"], record[f"simulate_{mode}_cost_ratio"]
+        lines.append(
+            f"simulate, {mode}, every request a miss: {rps[lo]:,.0f} req/s at {lo} slots, "
+            f"{rps[hi]:,.0f} at {hi}: cost per request x{ratio:.2f}")
+    return Text("\n".join(lines))
+
+
 def show_view(record: dict[str, Any]) -> Group:
     """`metrale show`: the image's record (see image_check.ImageShow)."""
     lay, ex = record["layout"], record["experts"]

@@ -77,6 +77,21 @@ def make_pool(in_dim: int, out_dim: int, max_rank: int, ranks: list[int], absent
 
 
 @dataclass
+class Inputs:
+    """One case's buffers, as the host tests use them."""
+
+    pool: Pool
+    a_table: torch.Tensor
+    b_table: torch.Tensor
+    a_weights: list[torch.Tensor | None]
+    b_weights: list[torch.Tensor | None]
+    x: torch.Tensor
+    y: torch.Tensor
+    y0: torch.Tensor  # y before the kernels ran
+    slots: torch.Tensor
+
+
+@dataclass
 class Case:
     name: str
     num_tokens: int
@@ -108,6 +123,15 @@ class Case:
         return reference.segments_to_slots(
             torch.tensor(self.seg_starts), torch.tensor(self.seg_slots), self.num_tokens
         )
+
+    def inputs(self, y_dtype: torch.dtype) -> Inputs:
+        """The pool, its tables and per-slot weights, x, y (and a copy of it) and the slots."""
+        pool = self.pool()
+        a_table, b_table = pool.tables()
+        a_weights, b_weights = pool.weights()
+        y = self.y(y_dtype)
+        return Inputs(pool, a_table, b_table, a_weights, b_weights, self.x(), y, y.clone(),
+                      self.token_slots())
 
     def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.tensor(self.seg_starts, dtype=torch.int32),

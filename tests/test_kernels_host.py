@@ -33,12 +33,9 @@ def _t_buffer(case: Case) -> torch.Tensor | None:
 @pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
 @pytest.mark.parametrize("case", BGMV_CASES, ids=[c.name for c in BGMV_CASES])
 def test_bgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
-    pool = case.pool()
-    a_table, b_table = pool.tables()
-    a_weights, b_weights = pool.weights()
-    x, y = case.x(), case.y(y_dtype)
-    y0 = y.clone()
-    slots = case.token_slots()
+    i = case.inputs(y_dtype)
+    pool, a_table, b_table, x, y, y0, slots = i.pool, i.a_table, i.b_table, i.x, i.y, i.y0, i.slots
+    a_weights, b_weights = i.a_weights, i.b_weights
 
     t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, case.max_rank, _t_buffer(case),
                                  num_sms=case.num_sms)
@@ -295,12 +292,9 @@ PATHS = [(True, 1), (True, 132), (False, 132)]
 @pytest.mark.parametrize("case", DECODE_BATCHES, ids=[c.name for c in DECODE_BATCHES])
 def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.dtype,
                                                     grouped: bool, num_sms: int) -> None:
-    pool = case.pool()
-    a_table, b_table = pool.tables()
-    a_weights, b_weights = pool.weights()
-    x, y = case.x(), case.y(y_dtype)
-    y0 = y.clone()
-    slots = case.token_slots()
+    i = case.inputs(y_dtype)
+    pool, a_table, b_table, x, y, y0, slots = i.pool, i.a_table, i.b_table, i.x, i.y, i.y0, i.slots
+    a_weights, b_weights = i.a_weights, i.b_weights
     plan = kernels.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
                               group_min_tokens=1 if grouped else 10**9)
     assert plan.grouped == grouped and plan.t_cols < case.max_rank

@@ -1,0 +1,479 @@
+"""`metrale simulate`: the replay against the slot manager (exact miss counts, properties, waiting
+instead of evicting), the workload generators (S-LoRA's draw for draw), traces, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict, deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metrale_cli.errors import OutputExists, UsageError
+from metrale_cli.parsing import parse_size_list
+from metrale_cli.simulate import Replay, SwapCost, parse_bandwidth
+from metrale_cli.workload import GeneratorSpec, Workload, generate, read_trace
+from tests.cli_runner import metrale
+
+SLOT = ["--model", "qwen3-next-80b-a3b", "--modules", "q_proj,v_proj", "--max-rank", "16"]
+COST = SwapCost(slot_bytes=1000, bytes_per_s=1e6, latency_s=0.0, bandwidth="test")  # 1 ms
+
+
+def workload(refs: list[int], arrival: list[float] | None = None,
+             hold: list[float] | None = None) -> Workload:
+    """Requests for adapters `refs` (-1 = base model), holding their slot for `hold` seconds."""
+    n = len(refs)
+    names = max(refs, default=-1) + 1
+    return Workload(
+        adapters=tuple(f"a{i}" for i in range(names)), adapter=np.array(refs, dtype=np.int64),
+        arrival=np.array(arrival if arrival is not None else range(n), dtype=np.float64),
+        input_tokens=np.zeros(n, dtype=np.int64), output_tokens=np.zeros(n, dtype=np.int64),
+        duration=np.array(hold if hold is not None else [0.0] * n, dtype=np.float64))
+
+
+def replay(w: Workload, pinned: list[str] | None = None, seats: int | None = None) -> Replay:
+    return Replay(w, w.hold_seconds(1.0, 1.0), COST, pinned or [], seats)
+
+
+# -- independent textbook paging, for the exact counts ------------------------------------------
+
+
+def lru_faults(refs: list[int], frames: int) -> int:
+    resident: OrderedDict[int, None] = OrderedDict()
+    faults = 0
+    for r in refs:
+        if r in resident:
+            resident.move_to_end(r)
+            continue
+        faults += 1
+        if len(resident) == frames:
+            resident.popitem(last=False)
+        resident[r] = None
+    return faults
+
+
+def fifo_faults(refs: list[int], frames: int) -> int:
+    resident: deque[int] = deque()
+    faults = 0
+    for r in refs:
+        if r in resident:
+            continue
+        faults += 1
+        if len(resident) == frames:
+            resident.popleft()
+        resident.append(r)
+    return faults
+
+
+def opt_faults(refs: list[int], frames: int) -> int:
+    resident: set[int] = set()
+    faults = 0
+    for i, r in enumerate(refs):
+        if r in resident:
+            continue
+        faults += 1
+        if len(resident) == frames:
+            future = refs[i + 1:]
+            resident.remove(max(resident, key=lambda p: future.index(p) if p in future
+                                else len(refs)))
+        resident.add(r)
+    return faults
+
+
+# The textbook reference string (Silberschatz, Operating System Concepts): with 3 frames FIFO
+# takes 15 faults, LRU 12, OPT 9.
+BOOK = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]
+# Belady's anomaly: FIFO takes 9 faults with 3 frames and 10 with 4.
+ANOMALY = [1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5]
+
+
+def test_exact_miss_counts_on_hand_made_traces() -> None:
+    assert (fifo_faults(BOOK, 3), lru_faults(BOOK, 3), opt_faults(BOOK, 3)) == (15, 12, 9)
+    assert (fifo_faults(ANOMALY, 3), fifo_faults(ANOMALY, 4)) == (9, 10)
+    rp = replay(workload(BOOK))
+    assert rp.mode == "paging"
+    assert [rp.run(p, 3).misses for p in ("fifo", "lru", "min")] == [15, 12, 9]
+    rp = replay(workload(ANOMALY))
+    assert [rp.run("fifo", k).misses for k in (3, 4)] == [9, 10]
+    for refs in (BOOK, ANOMALY, [0, 1, 0, 2, 0, 3, 0, 1, 2, 3, 1, 1, 4, 0]):
+        rp = replay(workload(refs))
+        for frames in (1, 2, 3, 4, 5):
+            assert rp.run("lru", frames).misses == lru_faults(refs, frames)
+            assert rp.run("fifo", frames).misses == fifo_faults(refs, frames)
+            assert rp.run("min", frames).misses == opt_faults(refs, frames)
+
+
+def test_counts_bytes_and_base_requests() -> None:
+    w = workload([0, -1, 1, 0, -1, 2, 1])
+    r = replay(w).run("lru", 2)
+    # 0 1 0 2 1 over two slots: 0, 1 load into empty slots; 2 evicts 1; 1 evicts 0.
+    assert (r.requests, r.adapter_requests, r.hits, r.misses, r.swaps) == (7, 5, 1, 4, 2)
+    assert r.bytes_moved == 4 * COST.slot_bytes and r.swap_s == pytest.approx(4e-3)
+    assert r.hit_rate == pytest.approx(1 / 5)
+    # A miss adds one load to its request and nothing else; base-model requests add nothing.
+    np.testing.assert_allclose(r.start - w.arrival, [1e-3, 0, 1e-3, 0, 0, 1e-3, 1e-3])
+    assert r.added_latency_p99_s == pytest.approx(1e-3)
+
+
+# -- properties ----------------------------------------------------------------------------------
+
+refs_strategy = st.lists(st.integers(0, 7), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(refs=refs_strategy, frames=st.integers(1, 9))
+def test_min_never_misses_more_than_lru_or_fifo(refs: list[int], frames: int) -> None:
+    rp = replay(workload(refs))
+    least = rp.run("min", frames).misses
+    assert least <= rp.run("lru", frames).misses
+    assert least <= rp.run("fifo", frames).misses
+    assert least == opt_faults(refs, frames)
+
+
+@settings(max_examples=100, deadline=None)
+@given(refs=refs_strategy, pin_count=st.integers(0, 3), extra=st.integers(0, 3),
+       concurrent=st.booleans())
+def test_enough_slots_miss_once_per_adapter(refs: list[int], pin_count: int, extra: int,
+                                            concurrent: bool) -> None:
+    hold = [float(i % 3) for i in range(len(refs))] if concurrent else None
+    w = workload(refs, hold=hold)
+    pinned = [f"a{i}" for i in range(pin_count)]
+    unpinned = {r for r in refs if f"a{r}" not in pinned}
+    rp = replay(w, pinned)
+    for policy in ("lru", "fifo", "min"):
+        r = rp.run(policy, len(unpinned) + len(pinned) + extra or 1)
+        assert r.misses == len(unpinned) and r.swaps == 0 and r.stalls == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(refs=refs_strategy, pin_count=st.integers(0, 2))
+def test_paging_lru_never_misses_more_with_more_slots(refs: list[int], pin_count: int) -> None:
+    pinned = [f"a{i}" for i in range(pin_count)]
+    rp = replay(workload(refs), pinned)
+    misses = [rp.run("lru", k).misses for k in range(pin_count + 1, pin_count + 10)]
+    assert misses == sorted(misses, reverse=True)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    data=st.lists(st.tuples(st.integers(-1, 6), st.floats(0, 5), st.floats(0, 8)),
+                  min_size=1, max_size=50),
+    slots=st.integers(1, 6), pin_count=st.integers(0, 2), seats=st.none() | st.integers(1, 6),
+    policy=st.sampled_from(["lru", "fifo", "min"]),
+)
+def test_concurrent_replay_serves_each_request_once(
+    data: list[tuple[int, float, float]], slots: int, pin_count: int, seats: int | None,
+    policy: str,
+) -> None:
+    refs = [d[0] for d in data]
+    arrival = np.cumsum([d[1] for d in data]).tolist()
+    w = workload(refs, arrival, [d[2] for d in data])
+    pinned = [f"a{i}" for i in range(min(pin_count, slots - 1))]
+    rp = replay(w, pinned, seats)
+    r = rp.run(policy, slots)
+    assert r.served.tolist() == [1] * len(refs)  # none lost, none served twice
+    assert r.ref_counts_at_end == [0] * slots
+    assert r.hits + r.misses == r.adapter_requests
+    assert (r.start >= rp.baseline - 1e-9).all()  # a cache never makes a request start earlier
+    assert (rp.baseline >= w.arrival).all()
+
+
+def test_busy_slots_make_a_request_wait_not_evict() -> None:
+    # Two slots, both held until t=10 by a0 and a1; a2 arrives at t=1 and must wait. A base-model
+    # request ending at t=5 frees no slot: a2 tries again and still waits.
+    w = workload([0, 1, -1, 2, 0], arrival=[0.0, 0.0, 0.0, 1.0, 11.0],
+                 hold=[10.0, 10.0, 5.0, 1.0, 1.0])
+    for policy in ("lru", "fifo", "min"):
+        r = replay(w).run(policy, 2)
+        assert r.stalls == 1 and r.stall_total_s == pytest.approx(10.001 - 1.0)
+        # a0 and a1 start after their loads; a2 only once a0/a1 finish (10.001) and it loads.
+        np.testing.assert_allclose(r.start[:4], [1e-3, 1e-3, 0.0, 10.002])
+        assert r.misses == 4 and r.swaps == 2  # the fourth, a0 again, was evicted for a2
+        assert r.ref_counts_at_end == [0, 0]
+    # With a batch cap of 2, the third request queues for a seat: that is not a stall.
+    w = workload([0, 1, 2, 0], arrival=[0.0, 0.0, 1.0, 11.0], hold=[10.0, 10.0, 1.0, 1.0])
+    r = replay(w, seats=2).run("lru", 3)
+    assert r.stalls == 0 and r.start[2] == pytest.approx(10.001 + 1e-3)
+    assert r.added_latency_p99_s < 0.01  # the baseline queues for the seat just as long
+
+
+def test_pinned_adapters_are_never_loaded() -> None:
+    w = workload([0, 1, 2, 0, 3, 0, 1, 0])
+    rp = replay(w, ["a0"])
+    assert rp.run("lru", 2).misses == lru_faults([1, 2, 3, 1], 1)
+    with pytest.raises(UsageError, match="leaves no cache slot"):
+        rp.run("lru", 1)
+
+
+# -- workloads -----------------------------------------------------------------------------------
+
+
+def slora_reference(num_adapters: int, alpha: float, req_rate: float, cv: float,
+                    tot_req: int, seed: int) -> tuple[np.ndarray, ...]:
+    """S-LoRA benchmarks/trace.py generate_requests, as published (its draws, in its order)."""
+    np.random.seed(seed)
+    probs = np.random.power(alpha, tot_req)
+    ind = (probs * num_adapters).astype(int)
+    input_lens = np.random.randint(8, 512, tot_req)
+    output_lens = np.random.randint(8, 512, tot_req)
+    shape, scale = 1 / (cv * cv), cv * cv / req_rate
+    intervals = np.random.gamma(shape, scale, tot_req)
+    return ind, input_lens, output_lens, np.cumsum(intervals)
+
+
+@pytest.mark.parametrize("alpha,cv", [(1.0, 1.0), (0.1, 4.0), (0.6, 2.0)])
+def test_slora_generator_is_slora_draw_for_draw(alpha: float, cv: float) -> None:
+    w = generate(GeneratorSpec("slora", 5000, adapters=200, rate=2.0, cv=cv, seed=42,
+                               alpha=alpha))
+    ind, inputs, outputs, times = slora_reference(200, alpha, 2.0, cv, 5000, 42)
+    np.testing.assert_array_equal(w.adapter, ind)
+    np.testing.assert_array_equal(w.input_tokens, inputs)
+    np.testing.assert_array_equal(w.output_tokens, outputs)
+    np.testing.assert_allclose(w.arrival, times, rtol=1e-12)
+
+
+def test_slora_distribution() -> None:
+    uniform = generate(GeneratorSpec("slora", 200_000, adapters=20, alpha=1.0, seed=1))
+    counts = uniform.counts()
+    assert counts.size == 20 and np.abs(counts / 10_000 - 1).max() < 0.05
+    skewed = generate(GeneratorSpec("slora", 200_000, adapters=200, alpha=0.1, seed=1))
+    # P(index 0) = P(x < 1/200) = (1/200)^0.1 = 0.589 for a power(0.1) draw.
+    assert skewed.counts()[0] / 200_000 == pytest.approx(200 ** -0.1, abs=0.01)
+    bursty = generate(GeneratorSpec("slora", 200_000, adapters=10, rate=4.0, cv=3.0, seed=1))
+    gaps = np.diff(bursty.arrival)
+    assert gaps.mean() == pytest.approx(0.25, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(3.0, rel=0.05)
+
+
+def test_other_generators() -> None:
+    z = generate(GeneratorSpec("zipf", 100_000, adapters=50, zipf_s=1.5, seed=3))
+    weights = 1 / np.arange(1, 51) ** 1.5
+    np.testing.assert_allclose(z.counts() / 100_000, weights / weights.sum(), atol=0.01)
+    d = generate(GeneratorSpec("distinct", 1000))
+    assert len(d.adapters) == 1000 and np.unique(d.adapter).size == 1000
+    i = generate(GeneratorSpec("identical", 1000, input_range=(5, 5), output_range=(0, 0)))
+    assert set(i.adapter.tolist()) == {0} and set(i.input_tokens.tolist()) == {5}
+    u = generate(GeneratorSpec("uniform", 100_000, adapters=10, seed=2))
+    assert np.abs(u.counts() / 10_000 - 1).max() < 0.05
+    again = generate(GeneratorSpec("uniform", 100_000, adapters=10, seed=2))
+    np.testing.assert_array_equal(u.adapter, again.adapter)  # seeded
+
+
+def test_trace_roundtrip(tmp_path: Path) -> None:
+    w = generate(GeneratorSpec("zipf", 300, adapters=7, seed=5))
+    for name in ("t.csv", "t.jsonl"):
+        w.save(tmp_path / name, force=False)
+        back = read_trace(tmp_path / name)
+        np.testing.assert_array_equal(back.arrival, w.arrival)
+        assert [back.adapters[a] for a in back.adapter] == [w.adapters[a] for a in w.adapter]
+        np.testing.assert_array_equal(back.output_tokens, w.output_tokens)
+        assert np.isnan(back.duration).all()
+        with pytest.raises(OutputExists, match="exists"):
+            w.save(tmp_path / name, force=False)
+
+
+def test_trace_rows(tmp_path: Path) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text("timestamp,adapter,duration,extra\n2.5,b,1,x\n1,,0.5,y\n3,a,,z\n")
+    w = read_trace(p)
+    assert w.adapters == ("b", "a") and w.adapter.tolist() == [-1, 0, 1]  # sorted by time
+    assert w.arrival.tolist() == [1.0, 2.5, 3.0]
+    hold = w.hold_seconds(100.0, 10.0)
+    assert hold[0] == 0.5 and hold[1] == 1.0 and hold[2] == 0.0
+    j = tmp_path / "t.jsonl"
+    j.write_text('{"timestamp": 0, "adapter": "x", "input_tokens": 100, "output_tokens": 20}\n'
+                 '\n{"timestamp": 1, "adapter": null}\n')
+    w = read_trace(j)
+    assert w.adapter.tolist() == [0, -1]
+    assert w.hold_seconds(100.0, 10.0).tolist() == [3.0, 0.0]
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("t.csv", "timestamp,adapter\n1,a\nx,b\n", r"t\.csv:3: timestamp 'x' is not a number"),
+    ("t.csv", "time,adapter\n1,a\n", r"t\.csv:1: the header has no timestamp column"),
+    ("t.csv", "timestamp,adapter\n1,a\n-2,b\n", r"t\.csv:3: timestamp '-2' must be"),
+    ("t.csv", "timestamp,adapter,output_tokens\n1,a,2.5\n", r"t\.csv:2: output_tokens '2\.5' "
+                                                            "is not a whole number"),
+    ("t.csv", "timestamp,adapter\n1,a,zz\n", r"t\.csv:2: more cells than the header"),
+    ("t.csv", "timestamp,adapter\n,a\n", r"t\.csv:2: no timestamp"),
+    ("t.jsonl", '{"timestamp": 1, "adapter": "a"}\n{"timestamp": 2\n', r"t\.jsonl:2: not JSON"),
+    ("t.jsonl", '[1, 2]\n', r"t\.jsonl:1: a request must be a JSON object"),
+    ("t.jsonl", '{"timestamp": 1}\n', r"t\.jsonl:1: no adapter"),
+    ("t.jsonl", '{"timestamp": 1, "adapter": 5}\n', r"t\.jsonl:1: adapter 5 is not a name"),
+    ("t.jsonl", '{"timestamp": "nan", "adapter": "a"}\n', r"t\.jsonl:1: timestamp 'nan' must"),
+    ("t.jsonl", "", r"t\.jsonl: no requests"),
+])
+def test_malformed_trace_is_one_line_exit_2(tmp_path: Path, name: str, text: str,
+                                            message: str) -> None:
+    p = tmp_path / name
+    p.write_text(text)
+    r = metrale("simulate", *SLOT, "--trace", p)
+    assert r.code == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert re.search(message, r.stderr), r.stderr
+
+
+# -- parsing and the CLI -------------------------------------------------------------------------
+
+
+def test_parse_sizes_and_bandwidth() -> None:
+    assert parse_size_list("--max-loras", "16,8,8..10,32..64:16") == [8, 9, 10, 16, 32, 48, 64]
+    assert parse_bandwidth("pcie5")[1] == 50e9
+    assert parse_bandwidth("25GB/s") == ("25GB/s", 25e9, 0.0)
+    assert parse_bandwidth("1.5 GiB/s")[1] == 1.5 * 2**30
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-loras", "0"], "sizes must be positive"),
+    (["--max-loras", "8..4"], "not a size"),
+    (["--bandwidth", "fast"], "neither a preset"),
+    (["--bandwidth", "xGB/s"], "not a size"),
+    (["--policy", "lru,random"], "random"),
+    (["--pin", "lora-001", "--pinned", "2"], "not both"),
+    (["--workload", "pareto"], "--workload must be one of"),
+    (["--requests", "0"], "--requests must be positive"),
+    (["--input-tokens", "9,3"], "LO <= HI"),
+    (["--target-hit-rate", "95"], "--target-hit-rate must be in"),
+    (["--max-concurrency", "0"], "--max-concurrency must be positive"),
+    (["--pinned", "3", "--max-loras", "3"], "leaves no cache slot"),
+    (["--trace", "t.csv", "--workload", "zipf"], "not both"),
+])
+def test_bad_options_are_one_line(args: list[str], message: str) -> None:
+    r = metrale("simulate", *SLOT, "--requests", "200", *args)
+    assert r.code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_json_record(tmp_path: Path) -> None:
+    trace = tmp_path / "gen.csv"
+    r = metrale("simulate", *SLOT, "--workload", "slora", "--adapters", "40", "--alpha", "0.3",
+                "--requests", "3000", "--max-loras", "4,8..16:4,64", "--pinned", "2",
+                "--max-concurrency", "32", "--bandwidth", "pcie5", "--target-hit-rate", "0.9",
+                "--budget", "1GiB", "--save-trace", trace, "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    assert rec["mode"] == "concurrent" and rec["sizes"] == [4, 8, 12, 16, 64]
+    assert rec["workload"]["kind"] == "slora" and rec["workload"]["requests"] == 3000
+    assert len(rec["pinned"]) == 2 and rec["max_concurrency"] == 32
+    results = rec["results"]
+    assert [(x["policy"], x["max_loras"]) for x in results] == [
+        (p, k) for p in ("lru", "fifo", "min") for k in (4, 8, 12, 16, 64)]
+    slot_bytes = rec["swap"]["slot_bytes"]
+    assert slot_bytes == rec["layout"]["slot_bytes"] > 0
+    for x in results:
+        for key in ("policy", "max_loras", "requests", "hits", "misses", "swaps", "bytes_moved",
+                    "hit_rate", "stalls", "stall_p99_s", "added_latency_p99_s", "swap_s"):
+            assert key in x
+        assert x["bytes_moved"] == x["misses"] * slot_bytes
+        assert x["hits"] + x["misses"] == x["adapter_requests"]
+        assert x["extra_misses_vs_min"] == x["misses"] - next(
+            y["misses"] for y in results if y["policy"] == "min" and
+            y["max_loras"] == x["max_loras"])
+    for s in rec["smallest_meeting"]:
+        mine = [x for x in results if x["policy"] == s["policy"]]
+        want = next(x for x in mine if x["hit_rate"] >= 0.9)
+        assert s["max_loras"] == want["max_loras"]
+        assert s["fits_budget"] == (want["pool_bytes"] <= 2**30)
+    # The saved trace replays to the same numbers.
+    again = metrale("simulate", *SLOT, "--trace", trace, "--max-loras", "4,8..16:4,64",
+                    "--pinned", "2", "--max-concurrency", "32", "--bandwidth", "pcie5", "--budget",
+                    "1GiB", "--json")
+    assert again.code == 0, again.stderr
+    strip = ("seconds",)
+    assert [{k: v for k, v in x.items() if k not in strip} for x in again.json()["results"]] \
+        == [{k: v for k, v in x.items() if k not in strip} for x in results]
+    # --save-trace never overwrites without --force.
+    r = metrale("simulate", *SLOT, "--requests", "10", "--save-trace", trace)
+    assert r.code == 2 and "exists" in r.stderr
+
+
+def test_cli_paging_mode_view_and_plot(tmp_path: Path) -> None:
+    plot = tmp_path / "sim.png"
+    r = metrale("simulate", *SLOT, "--workload", "zipf", "--adapters", "30", "--requests",
+                "2000", "--input-tokens", "0", "--output-tokens", "0", "--max-loras", "2..6",
+                "--policy", "lru,min", "--target-hit-rate", "0.8", "--plot", plot)
+    assert r.code == 0, r.stderr
+    assert "exact paging" in r.stdout and "min" in r.stdout and "slots reach" in r.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = metrale("simulate", *SLOT, "--requests", "20", "--plot", plot)
+    assert r.code == 2 and "exists" in r.stderr
+    rec = metrale("simulate", *SLOT, "--requests", "500", "--input-tokens", "0",
+                  "--output-tokens", "0", "--json").json()
+    assert rec["mode"] == "paging" and all(x["stalls"] == 0 for x in rec["results"])
+    # Default sizes: powers of two up to every adapter resident, where misses = distinct.
+    last = [x for x in rec["results"] if x["max_loras"] == rec["sizes"][-1]]
+    assert rec["sizes"][-1] == rec["workload"]["distinct_adapters"]
+    assert {x["misses"] for x in last} == {rec["workload"]["distinct_adapters"]}
+
+
+def test_trace_json_written_by_hand(tmp_path: Path) -> None:
+    p = tmp_path / "t.jsonl"
+    rows = [{"timestamp": t, "adapter": a, "duration": 0} for t, a in enumerate("abcabdab")]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = metrale("simulate", *SLOT, "--trace", p, "--max-loras", "2", "--policy", "lru",
+                  "--json").json()
+    refs = [ord(c) - ord("a") for c in "abcabdab"]
+    assert rec["results"][0]["misses"] == lru_faults(refs, 2)
+
+
+def test_bench_slots_record() -> None:
+    r = metrale("bench", "slots", "--requests", "2000", "--cycles", "300", "--repeats", "1",
+                "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    assert rec["setup"]["sizes"] == [64, 4096]
+    for key in ("victim_cycle_ns", "scan_ns", "simulate_paging_req_per_s",
+                "simulate_concurrent_req_per_s"):
+        assert set(rec[key]) == {"64", "4096"} and min(rec[key].values()) > 0
+    ns = rec["victim_cycle_ns"]
+    assert rec["victim_cycle_ratio"] == ns["4096"] / ns["64"]
+    r = metrale("bench", "slots", "--repeats", "0")
+    assert r.code == 2 and "must be positive" in r.stderr
+
+
+def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:
+    adapter = tmp_path / "a"
+    assert metrale("synth", adapter, "--model", "qwen3-8b", "--modules", "q_proj,v_proj",
+                   "--rank", 8).code == 0
+    layout = metrale("layout", adapter, "--json").json()
+    r = metrale("simulate", adapter, "--requests", "300", "--max-loras", "4", "--bandwidth",
+                "2GB/s", "--swap-latency-ms", "0.5", "--target-p99-ms", "100", "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    assert rec["swap"]["slot_bytes"] == layout["slot_bytes"] == rec["layout"]["slot_bytes"]
+    assert rec["layout"]["fingerprint"] == layout["fingerprint"]
+    assert rec["swap"]["swap_s"] == pytest.approx(layout["slot_bytes"] / 2e9 + 0.5e-3)
+    for x in rec["results"]:
+        assert x["swap_s"] == pytest.approx(x["misses"] * rec["swap"]["swap_s"])
+        assert x["pool_bytes"] == layout["slot_bytes"] * 4 + metrale(
+            "layout", adapter, "--max-loras", "4", "--json").json()["table_bytes"]
+    for s in rec["smallest_meeting"]:
+        met = [x for x in rec["results"] if x["policy"] == s["policy"]
+               and x["added_latency_p99_s"] <= 0.1]
+        assert s["max_loras"] == (met[0]["max_loras"] if met else None)
+
+
+def test_progress_counts_every_request_once_and_pins_by_name() -> None:
+    from metrale_cli import simulate as sim
+    from metrale_cli.models import resolve_model
+    from metrale_cli.parsing import parse_modules
+    from metrale_cli.plan import plan_layouts
+
+    layouts = plan_layouts(resolve_model("qwen3-8b"), [], parse_modules("q_proj"), 8)
+    for lengths in ((0, 0), (8, 512)):
+        w = generate(GeneratorSpec("zipf", 70_000, adapters=40, input_range=lengths,
+                                   output_range=lengths))
+        seen: list[tuple[int, int]] = []
+        result = sim.run(w, *layouts, policies=["lru", "min"], sizes=[4, 16],
+                         pin=["lora-00", "lora-07"],
+                         progress=lambda n, t, seen=seen: seen.append((n, t)))
+        assert sum(n for n, _ in seen) == 4 * 70_000 and {t for _, t in seen} == {4 * 70_000}
+        assert result.pinned == ["lora-00", "lora-07"]
+        assert all(r.pinned == 2 for r in result.results)
+    r = metrale("simulate", *SLOT, "--requests", "300", "--pin", "lora-003", "--pin", "x",
+                "--max-loras", "3", "--json")
+    assert r.code == 0, r.stderr
+    assert r.json()["pinned"] == ["lora-003", "x"]
