@@ -5,8 +5,9 @@ A layer's expert LoRA is described by `ExpertTables` (the pool's expert pointer 
 entries a layer's gate/up/down/router are, the slot scales and the slots' expert ranks). A batch
 of routed tokens becomes an `ExpertBatch` (`plan_pairs`, the align step): its (token, expert)
 pairs sorted by (slot, expert) and cut into tiles of one group each, so every tile's CTA reads
-the group's A and B once for all of the tile's pairs. The align step runs on the host (NumPy)
-for both backends; on a GPU only the T x k expert ids cross to the host.
+the group's A and B once for all of the tile's pairs. The align step runs on the host in NumPy
+(plan_pairs), or where the arrays live (align_pairs: CuPy ops on a GPU, nothing crosses to the
+host, so it can sit in a CUDA graph).
 
 Launch planning (`plan_*`) is plain Python shared by CuPy (`kernels.CUPY`) and the host harness
 (`host_harness.HOST`), as in kernels.py. BF16 buffers are uint16 arrays of raw BF16 bits, or
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from metrale_cli import kernels
+from metrale_cli import compat, kernels
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.experts import ROUTER_EXPERT, ExpertProj
 from metrale_cli.kernels import (
@@ -108,13 +109,16 @@ class ExpertBatch:
     - `tiles` int32 [num_tiles, 4]: (begin, end, slot, expert) over sorted positions, at most
       `tile` pairs each and never two groups in one;
     - `tile`: DECODE_TILE, or PREFILL_TILE when groups average that many pairs (prefill);
-    - `t_cols`: the widest expert rank among the adapted pairs, rounded up to VECTOR.
+    - `t_cols`: the widest expert rank among the adapted pairs, rounded up to VECTOR;
+    - `groups`: the number of (slot, expert) groups (-1 where align_pairs did not count them).
+
+    plan_pairs builds it on the host; align_pairs on the device (its arrays then CuPy's).
     """
 
     num_tokens: int
     top_k: int
-    sorted_pairs: np.ndarray
-    tiles: np.ndarray
+    sorted_pairs: Any
+    tiles: Any
     tile: int
     t_cols: int
     groups: int
@@ -154,7 +158,7 @@ def plan_pairs(topk_ids: Any, slots: Any, ranks: Any, max_rank: int,
     ends = np.concatenate((cuts, [order.size])).astype(np.int64) if order.size else starts
     groups = int(starts.size)
     if tile is None:
-        tile = PREFILL_TILE if groups and order.size >= PREFILL_TILE * groups else DECODE_TILE
+        tile = choose_tile(int(order.size), groups)
     counts = -(-(ends - starts) // tile)
     group_of = np.repeat(np.arange(groups), counts)
     within = np.arange(group_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -165,6 +169,53 @@ def plan_pairs(topk_ids: Any, slots: Any, ranks: Any, max_rank: int,
     widest = int(pair_rank.max()) if pair_rank.size else 0
     t_cols = min(max(VECTOR, -(-widest // VECTOR) * VECTOR), max_rank)
     return ExpertBatch(num_tokens, top_k, order.astype(np.int32), tiles, tile, t_cols, groups)
+
+
+def choose_tile(num_pairs: int, groups: int) -> int:
+    """The tile size: PREFILL_TILE when the (slot, expert) groups average that many pairs."""
+    return PREFILL_TILE if groups and num_pairs >= PREFILL_TILE * groups else DECODE_TILE
+
+
+def align_pairs(topk_ids: Any, slots: Any, ranks: Any, num_experts: int, *, tile: int,
+                t_cols: int) -> ExpertBatch:
+    """The align step where the arrays live (CuPy arrays on a GPU; NumPy arrays or torch CPU
+    tensors give the same result on the host): on a GPU no value crosses to the host, so it
+    can sit in a CUDA graph.
+
+    The caller picks `tile` (choose_tile over the host-known number of pairs and a bound on
+    the groups: distinct slots x experts) and `t_cols` (the batch's widest expert rank,
+    rounded up to VECTOR). `tiles` has room for every tile that could exist,
+    min(P, ceil(P / tile) + max_loras x E) rows; rows past the last tile are (0, 0, 0, 0) and
+    their CTAs exit at once. `sorted_pairs` holds all P pairs, the adapted ones first in
+    (slot, expert, pair) order; `groups` is unknown (-1)."""
+    if type(topk_ids).__module__.startswith("cupy"):
+        xp = compat.cupy_module()
+    else:  # NumPy, or torch CPU tensors (the host harness): the same ops in NumPy
+        xp = np
+        topk_ids, slots, ranks = (kernels._host_values(a) for a in (topk_ids, slots, ranks))
+    num_tokens, top_k = (int(d) for d in topk_ids.shape)
+    pairs, max_loras = num_tokens * top_k, int(ranks.shape[0])
+    none = max_loras * num_experts  # the key of pairs without adapter: sorted last
+    pair_slot = xp.repeat(slots.astype(xp.int64), top_k)
+    pair_expert = topk_ids.reshape(-1).astype(xp.int64)
+    inside = (pair_slot >= 0) & (pair_slot < max_loras)
+    rank = xp.where(inside, ranks[xp.clip(pair_slot, 0, max_loras - 1)], 0)
+    key = xp.where(rank > 0, pair_slot * num_experts + pair_expert, none)
+    position = xp.arange(pairs, dtype=xp.int64)
+    order = xp.argsort(key * pairs + position)  # unique keys: stable whatever the sort
+    sorted_key = key[order]
+    begin = xp.searchsorted(sorted_key, sorted_key, side="left")
+    end = xp.searchsorted(sorted_key, sorted_key, side="right")
+    first = ((position - begin) % tile == 0) & (sorted_key < none)
+    bound = min(pairs, -(-pairs // tile) + none)
+    row = xp.where(first, xp.cumsum(first) - 1, bound)  # non-first positions: a spare row
+    tiles = xp.zeros((bound + 1, 4), dtype=xp.int32)
+    tiles[row, 0] = position
+    tiles[row, 1] = xp.minimum(position + tile, end)
+    tiles[row, 2] = sorted_key // num_experts
+    tiles[row, 3] = sorted_key % num_experts
+    return ExpertBatch(num_tokens, top_k, order.astype(xp.int32), tiles[:bound], tile, t_cols,
+                       -1)
 
 
 # --- planning ---------------------------------------------------------------------------------

@@ -224,6 +224,25 @@ def test_zero_pointers_and_padding_are_never_read(served: Served) -> None:
     assert torch.equal(got[others], want[others])
 
 
+@pytest.mark.parametrize(("tokens", "tile"), [(4, 2), (50, 8), (7, 1), (0, 2)])
+def test_align_on_the_arrays_gives_the_host_plan(tokens: int, tile: int) -> None:
+    """align_pairs (array ops only, as CuPy runs them on a GPU) makes plan_pairs' tiles, then
+    idle rows."""
+    gen = np.random.default_rng(tokens)
+    experts, top_k = 8, 3
+    topk = np.array([gen.permutation(experts)[:top_k] for _ in range(tokens)],
+                    dtype=np.int32).reshape(tokens, top_k)
+    slots = gen.integers(-1, 4, tokens).astype(np.int32)
+    ranks = np.array([4, 8, 0, 16], dtype=np.int32)
+    host = ek.plan_pairs(topk, slots, ranks, 16, tile)
+    aligned = ek.align_pairs(topk, slots, ranks, experts, tile=tile, t_cols=host.t_cols)
+    count = len(host.tiles)
+    assert np.array_equal(aligned.tiles[:count], host.tiles)
+    assert not aligned.tiles[count:].any()
+    assert np.array_equal(aligned.sorted_pairs[:len(host.sorted_pairs)], host.sorted_pairs)
+    assert aligned.num_pairs == tokens * top_k
+
+
 def test_plan_pairs_groups_and_tiles() -> None:
     topk = torch.tensor([[1, 0], [1, 2], [0, 1], [1, 3]], dtype=torch.int32)
     slots = torch.tensor([0, -1, 0, 1], dtype=torch.int32)
@@ -248,10 +267,10 @@ def block_with_kernels(block: Any, x: torch.Tensor, slots: torch.Tensor, pool: L
                        shared: Callable[[torch.Tensor], torch.Tensor] | None,
                        backend: Any = HOST, put: Callable[[torch.Tensor], Any] = _identity,
                        get: Callable[[Any, torch.dtype], torch.Tensor] = lambda a, _: a,
-                       ) -> torch.Tensor:
+                       align: bool = False) -> torch.Tensor:
     """The MoE block of transformers (Qwen3MoeSparseMoeBlock / Qwen3NextSparseMoeBlock) on
     its base weights, every LoRA delta from the kernels (router, gate_up, down) on `backend`
-    (`put` / `get` move tensors to and from its arrays)."""
+    (`put` / `get` move tensors to and from its arrays; `align`: the align step on them)."""
     tables = ek.tables_from_pool(pool, layer, backend, like=put(torch.empty(0)))
     gate, experts = block.gate, block.experts
     xb = put(_bf16(x))
@@ -264,6 +283,9 @@ def block_with_kernels(block: Any, x: torch.Tensor, slots: torch.Tensor, pool: L
         weights = weights / weights.sum(dim=-1, keepdim=True)
     topk = topk.to(torch.int32)
     batch = ek.plan_pairs(topk, slots, pool.to_host(pool.expert_rank_table), tables.max_rank)
+    if align:  # the same tiles from the align step where the arrays live
+        batch = ek.align_pairs(put(topk), dev_slots, tables.ranks, tables.num_experts,
+                               tile=batch.tile, t_cols=batch.t_cols)
     pair_e = topk.flatten().long()
     w_gu = experts.gate_up_proj.detach()[pair_e]  # [P, 2I, H]
     h = torch.einsum("ph,poh->po", x.repeat_interleave(top_k, 0), w_gu).contiguous()
@@ -323,7 +345,10 @@ def test_moe_block_with_the_kernels_equals_peft(served: Served) -> None:
         with torch.no_grad():
             got = block_with_kernels(base_block, x, slots, served.pool, layer,
                                      cfg.num_experts_per_tok, shared)
+            aligned = block_with_kernels(base_block, x, slots, served.pool, layer,
+                                         cfg.num_experts_per_tok, shared, align=True)
         check_block(got, want, base, slots)
+        assert torch.equal(aligned, got)
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def test_moe_block_on_device_equals_peft(peft_zoo: Any, model_name: str) -> None
         with torch.no_grad():
             got = block_with_kernels(base_block, x, slots, device_pool, layer,
                                      served.cfg.num_experts_per_tok, shared,
-                                     backend=kernels.CUPY, put=_put, get=_get)
+                                     backend=kernels.CUPY, put=_put, get=_get, align=True)
         check_block(got, want, base, slots)
 
 
