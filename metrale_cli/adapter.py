@@ -6,15 +6,16 @@ Nothing here reads tensor data.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from metrale_cli import patterns
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.hub import cached, fetch, parse_hub_id, remote_header
+from metrale_cli.jsondoc import load_json, shown
 from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 CONFIG_NAME = "adapter_config.json"
@@ -30,17 +31,11 @@ PICKLE_NAME = "adapter_model.bin"
 # -- the config ---------------------------------------------------------------------------------
 
 
-def _pattern_key(patterns: list[str], module_key: str) -> list[str]:
+def _pattern_key(field: str, keys: list[str], module_key: str) -> list[str]:
     """Every pattern key that PEFT's `get_pattern_key` accepts for `module_key`, in file order;
     PEFT takes the first (`re.match(rf"(.*\\.)?({key})$", module_key)`)."""
-    hits = []
-    for key in patterns:
-        try:
-            if re.match(rf"(.*\.)?({key})$", module_key):
-                hits.append(key)
-        except re.error:
-            continue  # reported once by AdapterConfig.pattern_errors
-    return hits
+    return [key for key in keys
+            if patterns.match(field, rf"(.*\.)?({key})$", module_key, shown=key)]
 
 
 @dataclass(frozen=True)
@@ -61,6 +56,10 @@ class AdapterConfig:
     modules_to_save: list[str]
     base_model_name_or_path: str | None
     source: str = ""
+    # Ranks and alphas the config states but no pool can use (NaN, Infinity, 0, a fractional
+    # rank, a string), one line each naming the field; the audit makes each an error. In their
+    # place the fields above hold PEFT's defaults (r=8, lora_alpha=8) or drop the pattern key.
+    value_errors: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, raw: Any, source: str = "") -> AdapterConfig:
@@ -75,17 +74,32 @@ class AdapterConfig:
                 f"{where}: peft_type is {peft_type!r}, not 'LORA': not a PEFT LoRA adapter"
             )
 
-        def number(key: str, default: float) -> float:
-            value = raw.get(key, default)
-            if value is None:
+        value_errors: list[str] = []
+
+        def judged(field: str, value: Any, rank: bool) -> bool:
+            """Whether `value` is a usable rank (a positive integer) or alpha (a positive
+            finite number); each unusable one is a value error naming `field`."""
+            usable = (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value) and value > 0 and (not rank or value == int(value))
+            )
+            if not usable:
+                what = "a positive integer" if rank else "a positive finite number"
+                value_errors.append(f"{field} must be {what}, got {shown(value)}")
+            return usable
+
+        def number(key: str, default: int, rank: bool) -> float:
+            value = raw.get(key)
+            if value is None or not judged(repr(key), value, rank):
                 return default
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise FormatError(f"{where}: {key!r} must be a positive number, got {value!r}")
             return value
 
-        r = number("r", 8)
-        if r != int(r):
-            raise FormatError(f"{where}: 'r' must be an integer, got {r!r}")
+        def pattern(key: str, rank: bool) -> dict[str, Any]:
+            value = raw.get(key) or {}
+            if not isinstance(value, dict):
+                value_errors.append(f"{key!r} must map patterns to numbers, got {shown(value)}")
+                return {}
+            return {k: v for k, v in value.items() if judged(f"{key}[{k!r}]", v, rank)}
 
         def str_list(key: str, allow_str: bool) -> list[str] | str | None:
             value = raw.get(key)
@@ -96,15 +110,6 @@ class AdapterConfig:
             if isinstance(value, list) and all(isinstance(v, str) for v in value):
                 return list(value)
             raise FormatError(f"{where}: {key!r} must be a list of strings or a string")
-
-        def pattern(key: str) -> dict[str, Any]:
-            value = raw.get(key) or {}
-            if not isinstance(value, dict) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                for v in value.values()
-            ):
-                raise FormatError(f"{where}: {key!r} must map patterns to positive numbers")
-            return dict(value)
 
         layers = raw.get("layers_to_transform")
         if isinstance(layers, int) and not isinstance(layers, bool):
@@ -129,37 +134,38 @@ class AdapterConfig:
         base = raw.get("base_model_name_or_path")
         return cls(
             raw=raw,
-            r=int(r),
-            lora_alpha=number("lora_alpha", 8),
+            r=int(number("r", 8, rank=True)),
+            lora_alpha=number("lora_alpha", 8, rank=False),
             use_rslora=bool(raw.get("use_rslora", False)),
             target_modules=str_list("target_modules", allow_str=True),
             exclude_modules=str_list("exclude_modules", allow_str=True),
             target_parameters=list(target_parameters),
             layers_to_transform=layers,
             layers_pattern=layers_pattern,
-            rank_pattern={k: int(v) for k, v in pattern("rank_pattern").items()},
-            alpha_pattern=pattern("alpha_pattern"),
+            rank_pattern={k: int(v) for k, v in pattern("rank_pattern", rank=True).items()},
+            alpha_pattern=pattern("alpha_pattern", rank=False),
             modules_to_save=list(modules_to_save),  # type: ignore[arg-type]
             base_model_name_or_path=base if isinstance(base, str) and base else None,
             source=source,
+            value_errors=tuple(value_errors),
         )
 
     @classmethod
     def from_file(cls, path: Path) -> AdapterConfig:
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            text = path.read_bytes()
+        except OSError as exc:
             raise FormatError(f"{path}: not a readable JSON file ({exc})") from exc
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(load_json(path, text, "JSON file"), source=str(path))
 
     # -- PEFT's rules ---------------------------------------------------------------------------
 
     def rank_for(self, module_key: str) -> int:
-        hits = _pattern_key(list(self.rank_pattern), module_key)
+        hits = _pattern_key("rank_pattern", list(self.rank_pattern), module_key)
         return self.rank_pattern[hits[0]] if hits else self.r
 
     def alpha_for(self, module_key: str) -> float:
-        hits = _pattern_key(list(self.alpha_pattern), module_key)
+        hits = _pattern_key("alpha_pattern", list(self.alpha_pattern), module_key)
         return self.alpha_pattern[hits[0]] if hits else self.lora_alpha
 
     def scaling(self, r: int, alpha: float) -> float:
@@ -170,39 +176,53 @@ class AdapterConfig:
         """Pattern dicts in which more than one key matches `module_key`: PEFT takes the first in
         file order after a reload, while training used the user's insertion order."""
         found = {}
-        for name, patterns in (("rank_pattern", self.rank_pattern),
-                               ("alpha_pattern", self.alpha_pattern)):
-            hits = _pattern_key(list(patterns), module_key)
-            if len(hits) > 1 and len({patterns[h] for h in hits}) > 1:
+        for name, values in (("rank_pattern", self.rank_pattern),
+                             ("alpha_pattern", self.alpha_pattern)):
+            hits = _pattern_key(name, list(values), module_key)
+            if len(hits) > 1 and len({values[h] for h in hits}) > 1:
                 found[name] = hits
         return found
 
     def pattern_errors(self) -> list[str]:
+        """Every regex of the config that Python's `re` (PEFT's) cannot compile, one line each
+        naming its field; PEFT would fail on it, so it matches nothing here."""
+        fields: list[tuple[str, list[str]]] = [
+            ("rank_pattern", list(self.raw_pattern_keys("rank_pattern"))),
+            ("alpha_pattern", list(self.raw_pattern_keys("alpha_pattern"))),
+            ("modules_to_save", self.modules_to_save),
+            ("layers_pattern", self.layers_pattern or []),
+        ]
+        for name in ("target_modules", "exclude_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                fields.append((name, [value]))
         bad = []
-        for key in [*self.rank_pattern, *self.alpha_pattern]:
-            try:
-                re.compile(key)
-            except re.error as exc:
-                bad.append(f"{key!r} ({exc})")
+        for name, values in fields:
+            for value in values:
+                why = patterns.compile_error(value)
+                if why is not None:
+                    bad.append(f"{name} {value!r} is not a valid regex ({why})")
         return bad
+
+    def raw_pattern_keys(self, key: str) -> list[str]:
+        """The keys of a rank/alpha pattern dict as the file has them (values judged or not)."""
+        value = self.raw.get(key)
+        return [k for k in value if isinstance(k, str)] if isinstance(value, dict) else []
 
     def is_targeted(self, module_key: str) -> bool:
         """PEFT's `check_target_module_exists` for a module path as PEFT saw it."""
-        if _name_matches(self.exclude_modules, module_key):
+        if _name_matches("exclude_modules", self.exclude_modules, module_key):
             return False
         for m in self.modules_to_save:
-            if re.match(rf"(^|.*\.){m}($|\..*)", module_key):
+            if patterns.match("modules_to_save", rf"(^|.*\.){m}($|\..*)", module_key, shown=m):
                 return False
         targets = self.target_modules
         if targets is None:
             return False
-        if isinstance(targets, str):
-            try:
-                return re.fullmatch(targets, module_key) is not None
-            except re.error:
-                return False
-        if not _name_matches(targets, module_key):
+        if not _name_matches("target_modules", targets, module_key):
             return False
+        if isinstance(targets, str):
+            return True
         if self.layers_to_transform is None:
             return True
         index = _layer_index(module_key, self.layers_pattern)
@@ -219,14 +239,13 @@ class AdapterConfig:
         return any(param_key == t or param_key.endswith("." + t) for t in self.target_parameters)
 
 
-def _name_matches(names: list[str] | str | None, key: str) -> bool:
+def _name_matches(field: str, names: list[str] | str | None, key: str) -> bool:
+    """PEFT's rule: a string is a regex that must match the whole key; a list holds names that
+    match the key or its last dotted parts."""
     if names is None:
         return False
     if isinstance(names, str):
-        try:
-            return re.fullmatch(names, key) is not None
-        except re.error:
-            return False
+        return patterns.match(field, names, key, full=True) is not None
     return any(key == n or key.endswith("." + n) for n in names)
 
 
@@ -237,7 +256,7 @@ def _layer_index(key: str, layers_pattern: list[str] | None) -> int | None:
         m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
         return int(m.group("idx")) if m else None
     for p in layers_pattern:
-        m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
+        m = patterns.match("layers_pattern", rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key, shown=p)
         if m:
             return int(m.group("idx"))
     return None
@@ -322,12 +341,7 @@ class Adapter:
 
     @classmethod
     def load(cls, path: str | Path, name: str | None = None) -> Adapter:
-        path = Path(path).expanduser()
-        if not path.exists():
-            raise UsageError(f"{path}: no such adapter directory")
-        if path.is_file():
-            # A file inside an adapter directory names its directory.
-            path = path.parent
+        path = adapter_dir(path)
         config_path = path / CONFIG_NAME
         weights = path / WEIGHTS_NAME
         if not config_path.is_file():
@@ -343,7 +357,7 @@ class Adapter:
         config = AdapterConfig.from_file(config_path)
         header = read_header(weights)
         keys = [parse_key(t) for t in header.tensors]
-        return cls(name or path.resolve().name, path, config, header, keys)
+        return cls(name or default_name(path), path, config, header, keys)
 
 
 def load_adapter(spec: str, name: str | None = None, online: bool = False,
@@ -366,21 +380,48 @@ def load_adapter(spec: str, name: str | None = None, online: bool = False,
     return Adapter.load(config.parent, name or ref.name)
 
 
-def parse_adapter_args(args: list[str]) -> list[tuple[str | None, str]]:
-    """`PATH` or `NAME=PATH` arguments into (name, path); two adapters with one name are refused."""
-    parsed: list[tuple[str | None, str]] = []
+def adapter_dir(path: str | Path) -> Path:
+    """The adapter directory an argument names: the directory itself, or the directory of its
+    `adapter_config.json` or `adapter_model.safetensors`."""
+    if not str(path).strip():
+        raise UsageError("an adapter path is empty")  # Path("") would be the current directory
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UsageError(f"{path}: no such adapter directory")
+    if path.is_dir():
+        return path
+    if path.name in (CONFIG_NAME, WEIGHTS_NAME, PICKLE_NAME):
+        return path.parent
+    raise UsageError(f"{path}: not an adapter directory, nor its {CONFIG_NAME} or "
+                     f"{WEIGHTS_NAME}")
+
+
+def default_name(directory: Path) -> str:
+    """An adapter's name when the argument gives none: its directory's name."""
+    resolved = directory.resolve()
+    return resolved.name or str(resolved)
+
+
+def parse_adapter_args(args: list[str]) -> list[tuple[str, str]]:
+    """`PATH` or `NAME=PATH` arguments into (name, adapter), by one rule: NAME when given, else
+    the name of the adapter directory (a file argument names its directory), or of a hub id's
+    repository (`name@revision` with one). The adapter is its directory, or the hub id as
+    given. Two adapters with one name are refused, since the name is the adapter's cache
+    identity."""
+    parsed: list[tuple[str, str]] = []
     for arg in args:
-        name, sep, path = arg.partition("=")
-        if sep and name and "/" not in name and not Path(arg).exists():
-            parsed.append((name, path))
+        name, sep, spec = arg.partition("=")
+        if not (sep and name and "/" not in name and not Path(arg).exists()):
+            name, spec = "", arg
+        hub = parse_hub_id(spec) if spec.strip() else None
+        if hub is not None:
+            parsed.append((name or hub.name, spec))
         else:
-            parsed.append((None, arg))
+            directory = adapter_dir(spec)
+            parsed.append((name or default_name(directory), str(directory)))
     seen: set[str] = set()
-    for name, path in parsed:
-        effective = name or Path(path).expanduser().resolve().name
-        if effective in seen:
-            raise UsageError(
-                f"two adapters are named {effective!r}; name them apart with NAME=PATH"
-            )
-        seen.add(effective)
+    for name, _ in parsed:
+        if name in seen:
+            raise UsageError(f"two adapters are named {name!r}; name them apart with NAME=PATH")
+        seen.add(name)
     return parsed

@@ -1,46 +1,171 @@
-"""Atomic output: temp file beside the target, fsync, rename. Nothing is overwritten without
-`force`, and a kill at any moment leaves the old file or the new one, never a partial one."""
+"""Atomic output: temp file beside the target, fsync, then publish it under the final name.
+
+Nothing is overwritten without `force`, even by a concurrent writer: without it the final name is
+created only if absent (a hard link of the temp file, or `renameat2(RENAME_NOREPLACE)`), so of two
+writers exactly one wins. A kill at any moment leaves the old file or the new one, never a partial
+one: SIGINT, SIGTERM and SIGHUP remove the temp file, and a temp file left by a process that died
+harder (SIGKILL, a crash) carries its pid in its name and is removed by the next writer.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import os
+import re
+import signal
+import stat
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from metrale_cli.errors import OutputExists, UsageError
+from metrale_cli.errors import OutputExists, Terminated, UsageError
+
+# `.NAME.PID.RANDOM.tmp` beside NAME: the pid says whether the writer is still alive.
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
+RENAME_NOREPLACE = 1  # linux/fs.h
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def output_path(text: str, option: str = "--out") -> Path:
+    """A file path the user gave for an output: never empty, never a directory name."""
+    if not text.strip():
+        raise UsageError(f"{option} is empty")
+    if text.endswith("/"):
+        raise UsageError(f"{option} {text!r} names a directory; give a file name")
+    return Path(text)
+
+
+def check_output(path: Path, force: bool) -> None:
+    """Refuse an output path that exists and is not a regular file (a device, a FIFO, a directory:
+    even with `force`), or that exists at all without `force`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{path} is a directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path} exists and is not a regular file; metrale never replaces one")
+    if not force:
+        raise OutputExists(f"{path} exists; pass --force to overwrite it")
 
 
 def atomic_write(path: Path, write: Any, force: bool) -> None:
-    """Write through `write(file)` into a temp file beside `path`, fsync, then rename over it:
-    a kill at any moment leaves either the old file or the new one, never a partial one."""
+    """Write through `write(file)` into a temp file beside `path`, fsync, then publish it: replace
+    `path` with `force`, else create it only if absent (OutputExists when another got there)."""
     path = Path(path)
-    if path.exists() and not force:
-        raise OutputExists(f"{path} exists; pass --force to overwrite it")
-    if path.is_dir():
-        raise UsageError(f"{path} is a directory")
+    check_output(path, force)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
-    try:
-        # mkstemp creates 0600; give the file the mode an ordinary open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    remove_stale_temps(parent, path.name)
+    with cleanup_on_signals():
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
+                                       dir=parent)
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
+        try:
+            # mkstemp creates 0600; give the file the mode an ordinary open() would.
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            if force:
+                check_output(path, force)
+                os.replace(tmp, path)
+            else:
+                _publish_new(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     dir_fd = os.open(parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _publish_new(tmp: str, path: Path) -> None:
+    """Give `tmp` the name `path` only if no file has it: of concurrent writers, one wins."""
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        raise OutputExists(f"{path} exists (written meanwhile by another process); pass "
+                           "--force to overwrite it") from None
+    except OSError as exc:
+        # File systems without hard links (FAT, some FUSE mounts): rename without replacing.
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        raise UsageError(f"{path}: the file system cannot create a file without replacing "
+                         "one (no hard links, no renameat2); pass --force")
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(path), RENAME_NOREPLACE):
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            raise OutputExists(f"{path} exists (written meanwhile by another process); pass "
+                               "--force to overwrite it")
+        raise OSError(code, os.strerror(code), str(path))
+
+
+def remove_stale_temps(parent: Path, name: str) -> list[Path]:
+    """Remove this writer's temp files for `name` whose owning process is gone; returns them."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if m is None or m.group("name") != name or not entry.is_file(follow_symlinks=False):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.stat(follow_symlinks=False).st_uid == os.getuid() and not _alive(
+                int(m.group("pid"))
+            ):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def cleanup_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into `Terminated` for the duration, so the temp file's cleanup
+    runs; the previous handlers come back after. A signal that is ignored (SIGHUP under
+    `nohup`) or handled by the embedding program stays as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, _frame: Any) -> None:
+        raise Terminated(signum)
+
+    previous = {s: signal.signal(s, raise_terminated) for s in _CLEANUP_SIGNALS
+                if signal.getsignal(s) is signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -13,8 +13,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from metrale_cli import env, experts, overlays
+from metrale_cli import env, experts, overlays, patterns
 from metrale_cli.adapter import Adapter, AdapterKey
+from metrale_cli.errors import PatternTimeout
 from metrale_cli.experts import ExpertPair
 from metrale_cli.findings import Code, Collector, Finding, Severity, layer_ranges
 from metrale_cli.models import ModelConfig
@@ -23,6 +24,10 @@ from metrale_cli.pairs import check_pair, rank_and_scale
 from metrale_cli.safetensors_header import TensorInfo
 
 BYTES_PER_ELEMENT = 2  # the pool holds BF16
+# The scales a pool can hold: its scale tables are float32, and each module's scale relative to
+# its slot's is folded into B, so every scale stays within 2^+-60 (a ratio of two within 2^120,
+# inside float32's 2^128). Trained adapters scale by 0.01 to 100.
+MIN_SCALING, MAX_SCALING = 2.0**-60, 2.0**60
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,15 @@ class AdapterReport:
         return [f for f in self.findings if f.severity is Severity.ERROR]
 
     def record(self) -> dict[str, Any]:
+        # A config whose r or lora_alpha is unusable has no rank, alpha or scale to state.
+        stated = not self.adapter.config.value_errors
         return {
             "path": str(self.adapter.path),
             "name": self.name,
             "servable": self.servable,
-            "rank": self.rank,
-            "alpha": self.adapter.config.lora_alpha,
-            "scaling": self.scaling,
+            "rank": self.rank if stated else None,
+            "alpha": self.adapter.config.lora_alpha if stated else None,
+            "scaling": self.scaling if stated else None,
             "use_rslora": self.adapter.config.use_rslora,
             "findings": [f.record() for f in self.findings],
             "modules": [m.record() for m in self.modules],
@@ -160,6 +167,28 @@ def audit(
     report = AdapterReport(adapter)
     out = Collector()
     _audit_config(adapter, model, out)
+    if adapter.config.value_errors:
+        # Ranks and scales the config cannot state: nothing below could be judged honestly.
+        report.findings = out.findings()
+        return report
+    try:
+        with patterns.time_bound():
+            _audit_tensors(adapter, model, max_rank, experts_enabled, report, out)
+    except PatternTimeout as exc:
+        # Whatever the matching found before the deadline is moot: the config is hostile.
+        report, out = AdapterReport(adapter), Collector()
+        _audit_config(adapter, model, out)
+        out.add(Severity.ERROR, Code.SLOW_PATTERN, f"{exc}; PEFT would hang on it too")
+    report.findings = out.findings()
+    return report
+
+
+def _audit_tensors(
+    adapter: Adapter, model: ModelConfig, max_rank: int | None, experts_enabled: bool,
+    report: AdapterReport, out: Collector,
+) -> None:
+    """Every tensor of the adapter against the model and the pool: module records, expert
+    pairs and overlays into `report`, findings into `out`."""
 
     # Pair each module's tensors: (module_key) -> part -> key.
     by_module: dict[str, dict[str, AdapterKey]] = defaultdict(dict)
@@ -218,8 +247,33 @@ def audit(
                     f"expert {proj.value} has rank {', '.join(map(str, ranks))} above "
                     f"--max-rank {max_rank}{rewrite}")
     report.modules.sort(key=lambda m: (m.layer, ALL.index(m.module)))
-    report.findings = out.findings()
-    return report
+    _check_scales(report, out)
+
+
+def _check_scales(report: AdapterReport, out: Collector) -> None:
+    """Scales the pool's float32 tables cannot hold (`lora_alpha: 1e300` once made a slot's
+    scale Infinity): errors naming the value that gave them."""
+    def outside(scaling: float) -> bool:
+        return not MIN_SCALING <= scaling <= MAX_SCALING
+
+    cfg = report.adapter.config
+    if outside(report.scaling):
+        out.add(Severity.ERROR, Code.BAD_CONFIG_VALUE,
+                f"'lora_alpha' {cfg.lora_alpha:g} with 'r' {cfg.r} gives a scaling of "
+                f"{report.scaling:g}, outside the 2^-60 to 2^60 a pool holds")
+    for m in report.modules:
+        # A module at the adapter's own scale is reported once, above.
+        if outside(m.scaling) and m.scaling != report.scaling:
+            out.at(Severity.ERROR, Code.BAD_CONFIG_VALUE,
+                   f"{m.module.peft_name}{{where}}: alpha {m.alpha:g} (alpha_pattern or "
+                   f"lora_alpha) gives a scaling of {m.scaling:g}, outside the "
+                   f"2^-60 to 2^60 a pool holds", m.layer)
+    for p in report.expert_pairs:
+        if outside(p.scaling):
+            out.at(Severity.ERROR, Code.BAD_CONFIG_VALUE,
+                   f"expert {p.proj.value}{{where}}: alpha {p.alpha:g} gives a scaling of "
+                   f"{p.scaling:g}, outside the 2^-60 to 2^60 a pool holds",
+                   p.layer)
 
 
 def _sort_key(parts: dict[str, AdapterKey]) -> tuple[int, str]:
@@ -371,7 +425,9 @@ def _audit_config(adapter: Adapter, model: ModelConfig, out: Collector) -> None:
     if raw.get("velora_config"):
         out.add(Severity.INFO, Code.VELORA, "velora_config changes only the backward pass")
     for bad in adapter.config.pattern_errors():
-        out.add(Severity.ERROR, Code.BAD_PATTERN, f"rank/alpha pattern {bad} is not a valid regex")
+        out.add(Severity.ERROR, Code.BAD_PATTERN, f"{bad}; PEFT would fail to load the adapter")
+    for bad in adapter.config.value_errors:
+        out.add(Severity.ERROR, Code.BAD_CONFIG_VALUE, bad)
     if isinstance(adapter.config.target_modules, str) and (
         adapter.config.layers_to_transform is not None or adapter.config.layers_pattern
     ):

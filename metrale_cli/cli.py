@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,19 +18,45 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 
 from metrale_cli import __version__, env
-from metrale_cli.errors import MetraleError, NotServable, OutputExists, UsageError
+from metrale_cli.errors import MetraleError, NotServable, Terminated, UsageError
 from metrale_cli.layout import DEFAULT_ALIGN
 from metrale_cli.models import resolve_model
 from metrale_cli.parsing import parse_modules, parse_size, positive
+
+try:  # typer >= 0.29 carries its own copy of Click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - older typer on Click >= 8.2
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from metrale_cli.adapter import Adapter
+    from metrale_cli.audit import AdapterReport
     from metrale_cli.models import ModelConfig
+
+
+class OneLineUsageErrors(typer.core.TyperGroup):
+    """Click's own usage errors (a value that is not an integer, a missing option) as one line
+    on stderr and exit 2, like every other error, instead of Click's usage block."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as exc:
+            exc.show()  # the help, as Click gives it for a bare `metrale` or `metrale bench`
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            say(f"error: {' '.join(exc.format_message().split())}")
+            sys.exit(exc.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+
 
 app = typer.Typer(
     name="metrale",
+    cls=OneLineUsageErrors,
     help="Audit, lay out, pack and benchmark multi-LoRA adapter pools for LLM serving.",
     no_args_is_help=True,
     add_completion=False,
@@ -42,12 +70,19 @@ app.add_typer(bench_app, name="bench")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _width() -> int | None:
+    """The terminal width Rich should use: its own guess, except that COLUMNS=0 (or another
+    number too small to hold a word) would make Rich print nothing at all."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    return 80 if columns.isdigit() and int(columns) < 8 else None
+
+
 @functools.cache
 def out() -> Console:
     """stdout for views (rich is imported on first output, not by `--help`)."""
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=False)
+    return Console(highlight=False, soft_wrap=False, width=_width())
 
 
 @functools.cache
@@ -55,7 +90,20 @@ def err() -> Console:
     """stderr for errors, warnings and progress."""
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
+
+
+def say(line: str) -> None:
+    """One line on stderr, whatever the input inside it holds: a control character (a newline
+    in a path) is shown escaped, never as a line break; markup is not read."""
+    err().print("".join(c if c.isprintable() else repr(c)[1:-1] for c in line), markup=False)
+
+
+def escape(text: str) -> str:
+    """Input-derived text made safe to put in Rich markup."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def handles_errors(fn: F) -> F:
@@ -65,42 +113,64 @@ def handles_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            debug = env.debug()
+        except UsageError as exc:
+            say(f"error: {exc}")
+            raise typer.Exit(exc.exit_code) from None
+        try:
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
         except MetraleError as exc:
-            if env.debug():
+            if debug:
                 raise
-            err().print(f"error: {exc}", markup=False)
+            say(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            err().print("interrupted", markup=False)
+            say("interrupted")
             raise typer.Exit(130) from None
+        except Terminated as exc:
+            say(f"terminated ({exc}); nothing written")
+            raise typer.Exit(128 + exc.signum) from None
         except OSError as exc:
             # A path the user gave that cannot be read or written (permissions, a full disk).
-            if env.debug():
+            if debug:
                 raise
             where = f"{exc.filename}: " if exc.filename else ""
-            err().print(f"error: {where}{exc.strerror or exc}", markup=False)
+            say(f"error: {where}{exc.strerror or exc}")
             raise typer.Exit(2) from None
         except Exception as exc:
-            if env.debug():
+            if debug:
                 raise
-            err().print(f"internal error: {type(exc).__name__}: {exc} "
-                      "(METRALE_DEBUG=1 shows the traceback)", markup=False)
+            say(f"internal error: {type(exc).__name__}: {exc} "
+                "(METRALE_DEBUG=1 shows the traceback)")
             raise typer.Exit(70) from None
 
     return wrapper  # type: ignore[return-value]
 
 
 def emit_json(record: Any) -> None:
-    sys.stdout.write(json.dumps(record, indent=2) + "\n")
+    # allow_nan=False: a NaN or Infinity that got this far is a bug, never invalid JSON out.
+    sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
 
 
 def warn(warnings: list[str]) -> None:
     """Warnings the record carries, one line each on stderr (also under --json)."""
     for warning in warnings:
-        err().print(f"warning: {warning}", markup=False)
+        say(f"warning: {warning}")
+
+
+def refuse_unservable(reports: list[AdapterReport]) -> None:
+    """What `pack` would refuse, `layout` refuses too: each error finding on its own line, then
+    NotServable (exit 1)."""
+    refused = [r for r in reports if not r.servable]
+    if not refused:
+        return
+    for r in refused:
+        for f in r.errors():
+            say(f"{r.name}: {f.code}: {f.message}")
+    raise NotServable(f"{len(refused)} adapter(s) not servable: "
+                      f"{', '.join(r.name for r in refused)}")
 
 
 def version_callback(value: bool) -> None:
@@ -288,6 +358,7 @@ def layout(
         raise UsageError("--model is required (or give startup adapters)")
     cfg = model_for(model, loaded, online_on(online))
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+    refuse_unservable(reports)
     layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
                            align, enabled)
     plan = PoolPlan.sized(*layouts, max_loras,
@@ -307,8 +378,8 @@ def layout(
 @app.command()
 @handles_errors
 def synth(
-    out_dir: Annotated[Path, typer.Argument(help="Directory to write the adapter into.",
-                                            show_default=False)],
+    out_dir: Annotated[str, typer.Argument(help="Directory to write the adapter into.",
+                                           show_default=False)],
     model: Annotated[str, MODEL],
     modules: Annotated[str, MODULES],
     rank: Annotated[int, typer.Option("--rank", "-r")],
@@ -322,17 +393,21 @@ def synth(
     """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
     from metrale_cli.synth import synth_adapter
 
+    if not out_dir.strip():
+        raise UsageError("the adapter directory is empty")
     module_list = parse_modules(modules)
-    if alpha is not None and alpha <= 0:
-        raise UsageError(f"--alpha must be positive, got {alpha}")
-    result = synth_adapter(out_dir, resolve_model(model), model, module_list, rank, alpha,
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
+    if seed < 0:
+        raise UsageError(f"--seed must be non-negative, got {seed}")
+    result = synth_adapter(Path(out_dir), resolve_model(model), model, module_list, rank, alpha,
                            rslora, dtype, seed, force)
     if json_out:
         emit_json(result.record())
     else:
         from metrale_cli.render import human_bytes
 
-        out().print(f"wrote {result.path}: {result.tensors} tensors, "
+        out().print(f"wrote {escape(str(result.path))}: {result.tensors} tensors, "
                     f"{human_bytes(result.bytes)}")
 
 
@@ -349,8 +424,8 @@ def pack(
     model: ModelOpt = None,
     max_rank: MaxRankOpt = None,
     modules: ModulesOpt = None,
-    out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write the pool image "
-                                                  "here (safetensors, format pool/1).")] = None,
+    out_text: Annotated[str | None, typer.Option("--out", "-o", help="Write the pool image "
+                                                 "here (safetensors, format pool/1).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     force: ForceOpt = False,
     experts: ExpertsOpt = False,
@@ -361,25 +436,22 @@ def pack(
 
     The model defaults to the adapters' base_model_name_or_path, the modules to the union of
     theirs."""
+    from metrale_cli.atomic import check_output, output_path
     from metrale_cli.audit import audit
     from metrale_cli.packing import pack_pool
     from metrale_cli.plan import plan_layouts
-    from metrale_cli.render import pack_view, print_findings_to
+    from metrale_cli.render import pack_view
 
     positive("--max-loras", max_loras)
     positive("--max-rank", max_rank)
-    if out_path is not None and out_path.exists() and not force:
-        raise OutputExists(f"{out_path} exists; pass --force to overwrite it")
+    out_path = None if out_text is None else output_path(out_text)
+    if out_path is not None:
+        check_output(out_path, force)  # before the work; the write checks again
     loaded = load_adapters(adapters, online_on(online), weights=True)
     cfg = model_for(model, loaded, online_on(online))
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refused = [r for r in reports if not r.servable]
-    if refused:
-        for r in refused:
-            print_findings_to(err(), r)
-        raise NotServable(f"{len(refused)} adapter(s) not servable: "
-                          f"{', '.join(r.name for r in refused)}")
+    refuse_unservable(reports)
     the_layout, expert_layout = plan_layouts(cfg, reports,
                                              parse_modules(modules) if modules else None,
                                              max_rank, experts=enabled)
@@ -453,8 +525,8 @@ def verify(
 @handles_errors
 def unpack(
     image: ImageArg,
-    out_dir: Annotated[Path, typer.Argument(help="The adapter directory to write.",
-                                            show_default=False)],
+    out_dir: Annotated[str, typer.Argument(help="The adapter directory to write.",
+                                           show_default=False)],
     slot: Annotated[int | None, typer.Option("--slot", help="The slot to unpack.")] = None,
     name: Annotated[str | None, typer.Option("--name", help="The slot holding this adapter.")]
     = None,
@@ -472,9 +544,9 @@ def unpack(
 
         overlays = f", trainable tokens for {', '.join(result.overlay_tables)}" \
             if result.overlay_tables else ""
-        out().print(f"wrote {result.path}: slot {result.slot} ({result.name}), {result.modules} "
-                  f"modules at r={result.rank} lora_alpha={result.lora_alpha:g}{overlays}, "
-                  f"{human_bytes(result.bytes)}")
+        out().print(f"wrote {escape(str(result.path))}: slot {result.slot} "
+                    f"({escape(result.name)}), {result.modules} modules at r={result.rank} "
+                    f"lora_alpha={result.lora_alpha:g}{overlays}, {human_bytes(result.bytes)}")
 
 
 # -- bench --------------------------------------------------------------------------------------
@@ -531,8 +603,8 @@ def bench_kernels(
         "--adapters", help="Distinct adapters per batch, repeatable; default 1, 8 and one per "
                            "token.")] = None,
     repeats: Annotated[int, typer.Option("--repeats")] = 30,
-    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a roofline chart "
-                                                   "(PNG) here.")] = None,
+    plot_text: Annotated[str | None, typer.Option("--plot", help="Write a roofline chart "
+                                                  "(PNG) here.")] = None,
     force: ForceOpt = False,
     model_only: Annotated[bool, typer.Option(
         "--model-only", help="No GPU: the roofline model's expected share of peak per shape.")
@@ -549,23 +621,25 @@ def bench_kernels(
     Shapes are the model's modules at real size. --json prints one record per line as it is
     measured."""
     from metrale_cli import bench_kernels as bench
+    from metrale_cli.atomic import check_output, output_path
     from metrale_cli.compat import cupy_module
     from metrale_cli.render import kernel_line, kernel_model_line
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else
     if experts:
-        _bench_experts(rank, tokens, adapters, repeats, plot_path, force, model_only, json_out)
+        _bench_experts(rank, tokens, adapters, repeats, plot_text, force, model_only, json_out)
         return
     shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
     positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
     positive("--repeats", repeats)
-    if plot_path is not None and plot_path.exists() and not force:
-        raise OutputExists(f"{plot_path} exists; pass --force to overwrite it")
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    if plot_path is not None:
+        check_output(plot_path, force)
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
-            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
             sys.stdout.flush()
         else:
             out().print(kernel_line(record))
@@ -588,17 +662,19 @@ def bench_kernels(
 
 
 def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
-                   adapters: list[int] | None, repeats: int, plot_path: Path | None,
+                   adapters: list[int] | None, repeats: int, plot_text: str | None,
                    force: bool, model_only: bool, json_out: bool) -> None:
     """`bench kernels --experts`: the expert kernels' records (or their roofline model)."""
     from metrale_cli import bench_experts
     from metrale_cli import bench_kernels as bench
+    from metrale_cli.atomic import check_output, output_path
     from metrale_cli.render import expert_kernel_line, expert_model_line
 
     positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
     positive("--repeats", repeats)
-    if plot_path is not None and plot_path.exists() and not force:
-        raise OutputExists(f"{plot_path} exists; pass --force to overwrite it")
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    if plot_path is not None:
+        check_output(plot_path, force)
     shapes = bench_experts.expert_shapes(
         ranks=rank or bench_experts.EXPERT_RANKS, tokens=tokens or bench_experts.EXPERT_TOKENS,
         adapters=adapters or bench_experts.EXPERT_ADAPTERS)
@@ -606,7 +682,7 @@ def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
-            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
             sys.stdout.flush()
         else:
             out().print(line(record), soft_wrap=True)
@@ -677,7 +753,7 @@ def simulate(
     output_tokens: Annotated[str, typer.Option(
         "--output-tokens", help="Generated output lengths; 0 with --input-tokens 0 is exact "
         "paging.")] = "8,512",
-    save_trace: Annotated[Path | None, typer.Option(
+    save_trace_text: Annotated[str | None, typer.Option(
         "--save-trace", help="Write the requests as a trace (.csv, else JSONL).")] = None,
     prefill_tok_s: Annotated[float, typer.Option(
         "--prefill-tok-s", help="Prefill tokens per second of one request.")] = 10_000.0,
@@ -708,7 +784,7 @@ def simulate(
         "this.")] = None,
     budget: Annotated[str | None, typer.Option(
         "--budget", help="Memory for the pool, e.g. 40GiB: does each size fit?")] = None,
-    plot_path: Annotated[Path | None, typer.Option(
+    plot_text: Annotated[str | None, typer.Option(
         "--plot", help="Write hit rate and p99 added latency against max_loras (PNG).")] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
@@ -717,14 +793,18 @@ def simulate(
     pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency."""
     from metrale_cli import simulate as sim
     from metrale_cli import workload as wl
+    from metrale_cli.atomic import check_output, output_path
     from metrale_cli.audit import audit
     from metrale_cli.parsing import parse_size_list, parse_token_range
     from metrale_cli.plan import max_rank_warnings, plan_layouts
 
     positive("--max-rank", max_rank)
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    save_trace = None if save_trace_text is None else output_path(save_trace_text,
+                                                                 "--save-trace")
     for path in (plot_path, save_trace):
-        if path is not None and path.exists() and not force:
-            raise OutputExists(f"{path} exists; pass --force to overwrite it")
+        if path is not None:
+            check_output(path, force)  # before the work; the write checks again
     if target_hit_rate is not None and not 0 < target_hit_rate <= 1:
         raise UsageError(f"--target-hit-rate must be in (0, 1], got {target_hit_rate}")
     if target_p99_ms is not None and target_p99_ms < 0:
@@ -780,6 +860,10 @@ def simulate(
 
 
 def main() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        # PYTHONIOENCODING=ascii or a C locale: a '·' in a table must not end the run.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     app()
 
 

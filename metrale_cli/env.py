@@ -5,15 +5,32 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from metrale_cli.errors import UsageError
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+
+def flag(name: str) -> bool:
+    """A boolean METRALE_* variable: 1/true/yes/on or 0/false/no/off, in any case, blanks around
+    ignored; unset or empty is false; anything else is a UsageError naming the variable."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE or not value:
+        return False
+    raise UsageError(f"{name}={os.environ[name]!r}: not a boolean; use one of "
+                     f"{'/'.join(TRUE)} or {'/'.join(FALSE)}")
+
 
 def debug() -> bool:
     """METRALE_DEBUG=1: show the traceback behind a one-line error."""
-    return os.environ.get("METRALE_DEBUG", "") not in ("", "0")
+    return flag("METRALE_DEBUG")
 
 
 def experts_enabled() -> bool:
-    """METRALE_LORA_EXPERTS=1: serve routed-expert and router LoRA (the seed's opt-in)."""
-    return os.environ.get("METRALE_LORA_EXPERTS", "") not in ("", "0")
+    """METRALE_LORA_EXPERTS=1: serve routed-expert and router LoRA (the expert pool's opt-in)."""
+    return flag("METRALE_LORA_EXPERTS")
 
 
 def kernel_dir() -> Path | None:
@@ -33,7 +50,7 @@ def cache_dir() -> Path:
 
 def online() -> bool:
     """METRALE_ONLINE=1: hub ids may be looked up and downloaded from the hub (as --online)."""
-    return os.environ.get("METRALE_ONLINE", "") not in ("", "0")
+    return flag("METRALE_ONLINE")
 
 
 def hf_hub_cache() -> Path:

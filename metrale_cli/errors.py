@@ -7,6 +7,8 @@ compiler).
 
 from __future__ import annotations
 
+import signal
+
 
 class MetraleError(Exception):
     """Base of every error the CLI turns into one line and an exit code."""
@@ -84,3 +86,22 @@ class ImageInconsistent(MetraleError):
     """A pool image whose metadata, tables and layout contradict each other."""
 
     exit_code = 1
+
+
+class PatternTimeout(NotServable):
+    """A regex from an adapter config ran past its time bound (catastrophic backtracking)."""
+
+    def __init__(self, field: str, pattern: str, seconds: float) -> None:
+        super().__init__(f"{field} pattern {pattern!r} ran past the {seconds:g} s time bound "
+                         "for matching module paths (catastrophic backtracking)")
+        self.field = field
+        self.pattern = pattern
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while an output was being written. Like KeyboardInterrupt, not
+    an Exception, so nothing on the way swallows it before the temp file is removed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

@@ -66,6 +66,8 @@ class Code(str, Enum):
     EMBEDDING_LORA = "embedding_lora"
     # The config against the file.
     BAD_PATTERN = "bad_pattern"
+    SLOW_PATTERN = "slow_pattern"
+    BAD_CONFIG_VALUE = "bad_config_value"
     PATTERN_OVERLAP = "pattern_overlap"
     UNEXPLAINED_KEY = "unexplained_key"
     TARGETED_MISSING = "targeted_missing"

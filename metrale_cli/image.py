@@ -18,7 +18,7 @@ from metrale_cli.bf16 import bf16_to_f32
 from metrale_cli.errors import FormatError, MetraleError
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
-from metrale_cli.models import ModelConfig
+from metrale_cli.models import MAX_LAYERS, ModelConfig
 from metrale_cli.modules import LoraModule
 from metrale_cli.overlays import TABLES, OverlayRaw
 from metrale_cli.pool import LoraPool, SlotContents
@@ -29,9 +29,6 @@ FORMAT = "pool/1"
 # The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
 DATA_ALIGN = 256
 COPY_CHUNK = 64 << 20
-# More decoder layers than any model has; an image claiming more is refused before its layout
-# is rebuilt.
-MAX_LAYERS = 1 << 14
 _ITEM_BYTES = {"U8": 1, "F32": 4, "I32": 4, "I64": 8}
 _NP_DTYPES = {"U8": "u1", "F32": "<f4", "I32": "<i4", "I64": "<i8"}
 # Tensors that may live in device memory and are copied out in chunks.
@@ -216,7 +213,8 @@ class PoolImage:
             layout_doc = json.loads(meta["metrale.layout"])
             model = ModelConfig.from_summary(json.loads(meta["metrale.model"]))
             if not 0 < model.num_hidden_layers <= MAX_LAYERS:
-                # The layout is rebuilt layer by layer: a header saying 10**8 would hang here.
+                # A config's own bound on layers. The layout is rebuilt layer by layer: a
+                # header saying 10**8 would hang here.
                 raise ValueError(f"num_hidden_layers {model.num_hidden_layers!r} is not in "
                                  f"[1, {MAX_LAYERS}]")
             layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],

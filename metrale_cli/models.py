@@ -1,13 +1,17 @@
 """Base-model configs: what `--model` names, read into one `ModelConfig`.
 
-`--model` (or an adapter's `base_model_name_or_path`) is resolved, in this order, as a built-in
-preset name, a `config.json` path, a model directory, or a hub id found in the local Hugging Face
-cache. The network is never used.
+`--model` (or an adapter's `base_model_name_or_path`) is resolved in this order (docs/cli.md):
+1. a path to a `config.json` file, or to a directory that holds one;
+2. a hub id (`org/name[@revision]`) whose `config.json` is in the local Hugging Face cache, or
+   with `--online` on the hub;
+3. a built-in preset, by its name or one of its hub ids;
+4. anything else is an error (a path that exists without a `config.json` says so). A directory
+   without `config.json` (an adapter directory named like a preset, say) never hides a preset.
+The network is used only with `--online`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -16,6 +20,7 @@ from typing import Any
 from metrale_cli import env
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.hub import cached, fetch, parse_hub_id
+from metrale_cli.jsondoc import load_json
 
 # The model types whose layer stack metrale knows; `*_text` forms map onto these.
 SUPPORTED_MODEL_TYPES = (
@@ -33,6 +38,17 @@ SUPPORTED_MODEL_TYPES = (
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
+# Upper bounds on a config's counts and widths, far above any real model (the largest have
+# ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
+# pool stays quick: a config past them is malformed, not a bigger model.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 8192
+MAX_WIDTH = 1 << 22
+MAX_VOCAB = 1 << 26
+# Routed experts over all MoE layers (Qwen3-Next: 48 x 512 = 24,576): bounds the expert layout.
+MAX_LAYER_EXPERTS = 1 << 18
+_LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS,
+           "num_local_experts": MAX_EXPERTS, "vocab_size": MAX_VOCAB}
 
 
 class LayerType(str, Enum):
@@ -147,12 +163,19 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
 
+        def bounded(key: str, value: int) -> int:
+            limit = _LIMITS.get(key, MAX_WIDTH)
+            if value > limit:
+                raise FormatError(f"{source or 'config'}: {key!r} is {value}, above the {limit:,} "
+                                  "that metrale accepts; not a real model's config")
+            return value
+
         def need(key: str) -> int:
             value = text.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise FormatError(
                     f"{source or 'config'}: {key!r} missing or not a positive integer")
-            return value
+            return bounded(key, value)
 
         def opt(key: str, default: int = 0) -> int:
             value = text.get(key)
@@ -160,10 +183,15 @@ class ModelConfig:
                 return default
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise FormatError(f"{source or 'config'}: {key!r} is not a non-negative integer")
-            return value
+            return bounded(key, value)
 
         hidden = need("hidden_size")
         layers = need("num_hidden_layers")
+        num_experts = opt("num_experts") or opt("num_local_experts")
+        if layers * num_experts > MAX_LAYER_EXPERTS:
+            raise FormatError(f"{source or 'config'}: {layers} layers x {num_experts} experts "
+                              f"is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; not a "
+                              "real model's config")
         heads = need("num_attention_heads")
         head_dim = opt("head_dim") or hidden // heads
         layer_types = _layer_types(text, model_type, layers, source)
@@ -185,7 +213,7 @@ class ModelConfig:
             intermediate_size=opt("intermediate_size"),
             layer_types=layer_types,
             attn_gated=attn_gated,
-            num_experts=opt("num_experts") or opt("num_local_experts"),
+            num_experts=num_experts,
             num_experts_per_tok=opt("num_experts_per_tok"),
             moe_intermediate_size=opt("moe_intermediate_size"),
             shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
@@ -209,10 +237,10 @@ class ModelConfig:
         if not file.is_file():
             raise UsageError(f"{path}: no config.json there")
         try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            text = file.read_bytes()
+        except OSError as exc:
             raise FormatError(f"{file}: not a readable JSON config ({exc})") from exc
-        return cls.from_dict(raw, source=str(file))
+        return cls.from_dict(load_json(file, text, "JSON config"), source=str(file))
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
@@ -364,16 +392,15 @@ def find_preset(name: str) -> Preset | None:
 
 
 def resolve_model(spec: str, online: bool = False) -> ModelConfig:
-    """`--model`: a preset name, a config.json path, a model directory, or a hub id
-    (`org/name[@revision]`) from the local Hugging Face cache, or with `online` from the hub.
-
-    A hub id that is not in the local cache but names a preset's model gives that preset when
-    offline."""
+    """`--model`, in the order the module docstring gives: a config.json or a directory holding
+    one; a hub id (`org/name[@revision]`) from the local Hugging Face cache, or with `online`
+    from the hub; a preset (by name or hub id: a hub id that is not in the local cache but
+    names a preset's model gives that preset when offline)."""
     spec = spec.strip()
     if not spec:
         raise UsageError("--model is empty")
     path = Path(spec).expanduser()
-    if path.exists():
+    if path.is_file() or (path / "config.json").is_file():
         return ModelConfig.from_hf(path)
     ref = parse_hub_id(spec)
     if ref is not None:
@@ -383,6 +410,9 @@ def resolve_model(spec: str, online: bool = False) -> ModelConfig:
     preset = find_preset(spec)
     if preset is not None:
         return ModelConfig.from_dict(preset.config, source=preset.name)
+    if path.exists():
+        raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
+                         "(a directory without config.json), and not a preset (`metrale models`)")
     raise UsageError(
         f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache "
         f"({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from metrale_cli.errors import UsageError
 from metrale_cli.modules import LoraModule
 
@@ -23,7 +25,7 @@ def parse_size(text: str) -> int:
         value = float(number)
     except ValueError:
         raise UsageError(f"not a size: {text!r} (try 40GiB, 512MiB)") from None
-    if unit not in _SIZE_UNITS or value < 0:
+    if unit not in _SIZE_UNITS or not math.isfinite(value) or value < 0:
         raise UsageError(f"not a size: {text!r} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     return int(value * _SIZE_UNITS[unit])
 

@@ -75,7 +75,18 @@ def plan_layouts(
             raise UsageError(f"--experts: {model.source or model.model_type} has no routed "
                              "experts")
         expert_layout = ExpertLayout.for_model(model, max_rank, align)
-    return SlotLayout.build(model, modules, max_rank, align), expert_layout
+    layout = SlotLayout.build(model, modules, max_rank, align)
+    for report in reports:
+        # What pack_slot would refuse, refused while planning, so `layout` says it too.
+        missing = [m for m in report.modules if (m.layer, m.module) not in layout.index]
+        if missing:
+            raise UsageError(f"{report.name}: {missing[0].module.peft_name} on layer "
+                             f"{missing[0].layer} is not in the pool's layout (its module set "
+                             "is too small)")
+    if not layout.entries and expert_layout is None and not other_content:
+        raise UsageError(f"no module of {', '.join(m.peft_name for m in modules)} applies to any "
+                         f"layer of {model.source or model.model_type}: a pool of 0-byte slots")
+    return layout, expert_layout
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,17 @@
 """Rich views of the core's records. `--json` prints the records themselves; these are the other
-view. Nothing here computes what it shows."""
+view. Nothing here computes what it shows.
+
+Every string that comes from input (a path, an adapter or tensor name, a finding that quotes one)
+is escaped before Rich reads it as markup: `[/]` in a directory name must not crash a view, and
+`[bold red]evil` must show as typed."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -65,10 +70,11 @@ def _adapter_panel(
     verdict = Text("servable", style="bold green") if report.servable else Text(
         "NOT servable", style="bold red")
     summary.add_row("verdict", verdict)
-    summary.add_row("path", str(report.adapter.path))
+    summary.add_row("path", escape(str(report.adapter.path)))
     ranks = sorted({m.r for m in report.modules})
     summary.add_row(
         "rank / alpha",
+        "not usable (bad_config_value below)" if cfg.value_errors else
         f"r={cfg.r} alpha={_fmt(cfg.lora_alpha)}"
         + (" rsLoRA" if cfg.use_rslora else "")
         + f"  scaling={report.scaling:.6g}"
@@ -112,9 +118,9 @@ def _adapter_panel(
         findings.add_column()
         for f in report.findings:
             findings.add_row(Text(f.severity.value, style=SEVERITY_STYLE[f.severity]), f.code,
-                             f.message)
+                             escape(f.message))
         body.append(findings)
-    return Panel(Group(*body), title=f"[bold]{report.name}", title_align="left")
+    return Panel(Group(*body), title=Text(report.name, style="bold"), title_align="left")
 
 
 def layer_set(layers: list[int], of_kind: list[int] | None = None) -> str:
@@ -199,7 +205,7 @@ def layout_view(plan: PoolPlan) -> Group:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="dim")
     table.add_column()
-    table.add_row("model", model_line(layout.model))
+    table.add_row("model", escape(model_line(layout.model)))
     table.add_row("modules", ", ".join(m.peft_name for m in layout.modules))
     table.add_row("max rank", str(layout.max_rank))
     table.add_row("entries", f"{len(layout.entries)} (layer, module) pairs")
@@ -349,12 +355,6 @@ def expert_model_line(record: dict[str, Any]) -> Text:
         f"{'meets' if record['meets_target'] else 'MISSES'}")
 
 
-def print_findings_to(console: Console, report: AdapterReport) -> None:
-    """The error findings of a refused adapter, one line each (pack's refusal)."""
-    for f in report.errors():
-        console.print(f"{report.name}: {f.code}: {f.message}", markup=False, highlight=False)
-
-
 def pack_view(result: Any) -> Group:
     layout = result.pool.layout
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
@@ -362,8 +362,9 @@ def pack_view(result: Any) -> Group:
         table.add_column(col)
     for s in result.pool.slot_records():
         if s["name"]:
-            table.add_row(str(s["slot"]), s["name"], str(s["rank"]), _fmt(s["alpha"]),
-                          f"{s['scaling']:.6g}", "yes" if s["pinned"] else "", s["source"])
+            table.add_row(str(s["slot"]), escape(s["name"]), str(s["rank"]), _fmt(s["alpha"]),
+                          f"{s['scaling']:.6g}", "yes" if s["pinned"] else "",
+                          escape(s["source"]))
     empty = result.pool.max_loras - len(result.pool.manager.adapter_names())
     rate = result.bytes_read / result.pack_seconds / 1e9 if result.pack_seconds else 0.0
     lines = [

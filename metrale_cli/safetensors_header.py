@@ -7,13 +7,13 @@ so a 10 GB adapter audits as fast as a 1 MB one.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from metrale_cli.errors import FormatError
+from metrale_cli.jsondoc import load_json
 
 # Bytes per element of every dtype the format defines (sub-byte ones are not LoRA dtypes).
 DTYPE_BYTES: dict[str, int] = {
@@ -78,10 +78,7 @@ def read_header(path: str | Path) -> SafetensorsHeader:
 def parse_header(path: Path, raw: bytes, file_size: int) -> SafetensorsHeader:
     if not raw.startswith(b"{"):
         raise FormatError(f"{path}: header does not start with '{{'")
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: header is not valid UTF-8 JSON ({exc})") from exc
+    doc = load_json(path, raw, "header (UTF-8 JSON)")
     if not isinstance(doc, dict):
         raise FormatError(f"{path}: header is not a JSON object")
     data_start = 8 + len(raw)

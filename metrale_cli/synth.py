@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from metrale_cli.atomic import atomic_write
+from metrale_cli.atomic import atomic_write, check_output
 from metrale_cli.bf16 import f32_to_bf16
 from metrale_cli.errors import OutputExists, UsageError
 from metrale_cli.models import ModelConfig
@@ -61,6 +61,8 @@ def synth_adapter(
     if out.is_dir() and any(out.iterdir()) and not force:
         raise OutputExists(f"{out} is not empty; pass --force to overwrite the adapter there")
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        check_output(out / name, force=True)  # a device or FIFO there: refuse before writing
     st_dtype, itemsize = DTYPES[dtype]
 
     # (name, rows, cols, std): A [r, in] and B [out, r] per applicable (layer, module).

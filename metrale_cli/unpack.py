@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.adapter import CONFIG_NAME, WEIGHTS_NAME
+from metrale_cli.atomic import cleanup_on_signals
 from metrale_cli.errors import OutputExists, UsageError
 from metrale_cli.image_check import ImageTables, check, read_tables
 from metrale_cli.overlays import OVERLAY_PART
@@ -236,32 +237,39 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
     t = read_tables(image)
     check(t)
     k = pick_slot(t, slot, name)
+    if not str(out_dir).strip():
+        raise UsageError("the adapter directory is empty")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        # --force replaces an adapter directory, never a file, a device or a FIFO.
+        raise UsageError(f"{out} exists and is not a directory; metrale never replaces one")
     if out.exists() and not force:
         raise OutputExists(f"{out} exists; pass --force to overwrite it")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory")
     tensors, config = adapter_tensors(t, k)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-    try:
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        with (tmp / WEIGHTS_NAME).open("wb") as f:
-            for chunk in _safetensors_bytes(tensors):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o777 & ~_umask())
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=parent))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # SIGTERM and SIGHUP, like Ctrl-C, remove the temporary directory.
+    with cleanup_on_signals():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        try:
+            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+            with (tmp / WEIGHTS_NAME).open("wb") as f:
+                for chunk in _safetensors_bytes(tensors):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o777 & ~_umask())
+            old = None
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=parent))
+                os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            if old is not None:
+                shutil.rmtree(old)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     size = sum(p.stat().st_size for p in out.iterdir())
     return UnpackResult(out, k, str(t.slots_doc[k].get("name")), int(t.ranks[k]),
                         float(config["lora_alpha"]), len(config["target_modules"]),

@@ -1,17 +1,30 @@
-"""Shared pytest wiring for the tests that need more than the CPU.
+"""Shared pytest wiring for the tests that need more than the CPU, and for property tests.
 
 - `gpu`-marked tests skip without a usable device; --require-gpu turns that skip into a failure
   so a GPU run cannot pass by skipping everything.
 - `nvcc`-marked tests (the kernels' nvcc compiles and their SASS checks) skip where the CUDA
   compiler is absent; --require-nvcc turns that into a failure, as .ci/run does, so CI compiles
   every kernel. A test that needs more (nvdisasm) skips itself with the reason.
+- The hypothesis profile every property test runs under.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests: bounded examples so the whole fuzzing stays within a minute of `make test` on
+# two cores; no per-example deadline (a shared machine's timing is noise), each CLI fuzz case
+# bounds its own time instead. HYPOTHESIS_PROFILE=thorough runs five times more examples.
+settings.register_profile(
+    "metrale", max_examples=80, deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.register_profile("thorough", settings.get_profile("metrale"), max_examples=400)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "metrale"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -62,3 +62,15 @@ def test_every_finding_code_is_documented() -> None:
 def test_a_code_outside_the_enum_is_refused() -> None:
     with pytest.raises(ValueError, match="not_a_code"):
         Collector().add(Severity.ERROR, "not_a_code", "x")  # type: ignore[arg-type]
+
+
+def test_every_environment_variable_is_documented() -> None:
+    """docs/cli.md states every METRALE_* variable env.py reads, and the booleans' spellings."""
+    source = (DOCS.parent / "metrale_cli" / "env.py").read_text()
+    read = set(re.findall(r'"(METRALE_[A-Z_]+)"', source))
+    text = (DOCS / "cli.md").read_text()
+    documented = set(re.findall(r"^\| `(METRALE_[A-Z_]+)` \|", text, re.M))
+    assert len(read) >= 4 and read == documented
+    from metrale_cli.env import FALSE, TRUE
+
+    assert all(f"`{word}`" in text for word in (*TRUE, *FALSE))

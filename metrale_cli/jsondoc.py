@@ -1,0 +1,33 @@
+"""JSON from untrusted files (adapter configs, model configs, safetensors headers): every way
+the text can fail to be a document becomes one FormatError naming the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from metrale_cli.errors import FormatError
+
+
+def load_json(path: Path | str, text: bytes | str, what: str = "JSON file") -> Any:
+    """The document in `text`, read from `path`: FormatError for bad UTF-8, bad JSON, or JSON
+    nested deeper than the parser recurses (`[[[[...` 100,000 deep)."""
+    try:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        # ValueError besides JSONDecodeError: an integer of more than 4,300 digits.
+        raise FormatError(f"{path}: not a readable {what} ({exc})") from exc
+    except RecursionError:
+        raise FormatError(f"{path}: not a readable {what} (nested too deeply)") from None
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A short repr of a value read from a file, for an error line: numbers and strings as they
+    are (cut at `limit`), containers by their kind (a repr of 100,000 nested lists would not do)."""
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return "a JSON array"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,531 @@
+"""Hostile and careless input, one regression test per way it once served wrong weights, lost
+data or hung: the naming rule, non-finite config values, layout refusing what pack refuses,
+outputs (non-regular files, concurrent writers, signals, odd paths), catastrophic regexes, Rich
+markup in names, exit 70 where a usage error belongs, METRALE_* booleans, --model resolution and
+COLUMNS=0."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metrale_cli import env, patterns
+from metrale_cli.atomic import atomic_write, remove_stale_temps
+from metrale_cli.errors import OutputExists, UsageError
+from tests.cli_runner import Result, metrale
+from tests.hostile_inputs import CATASTROPHIC, TINY, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model directory with one synthesised adapter `a` (rank 2) beside its config."""
+    return tiny_model(tmp_path_factory.mktemp("hostile"))
+
+
+def copy_adapter(src: Path, dst: Path, **config: object) -> Path:
+    """A copy of adapter `src` at `dst` whose config has `config` merged in."""
+    dst.mkdir(parents=True)
+    doc = json.loads((src / "adapter_config.json").read_text())
+    doc.update(config)
+    (dst / "adapter_config.json").write_text(json.dumps(doc))
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors")
+                                                    .read_bytes())
+    return dst
+
+
+def one_line_error(result: Result, code: int) -> None:
+    assert result.code == code, (result.code, result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def strict_json(text: str) -> object:
+    """JSON as the standard has it: NaN and Infinity are not JSON."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def run_cli(*args: object, env_extra: dict[str, str] | None = None, cwd: Path | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "metrale_cli", *map(str, args)],
+                          capture_output=True, text=True, env=environment, cwd=cwd,
+                          timeout=timeout)
+
+
+# -- 2: one naming rule ------------------------------------------------------------------------
+
+
+def test_a_file_argument_is_named_after_its_directory(tiny: Path, tmp_path: Path) -> None:
+    x1 = copy_adapter(tiny / "a", tmp_path / "one" / "x")
+    x2 = copy_adapter(tiny / "a", tmp_path / "two" / "x")
+    # Two adapters both named `x`: once by directory, once by a file inside it.
+    dup = metrale("pack", x1, x2 / "adapter_model.safetensors", "--max-loras", 2,
+                  "--model", tiny)
+    one_line_error(dup, 2)
+    assert "two adapters are named 'x'" in dup.stderr
+    # Two config files in different directories are two adapters named after them.
+    y = copy_adapter(tiny / "a", tmp_path / "y")
+    both = metrale("inspect", x1 / "adapter_config.json", y / "adapter_config.json",
+                   "--model", tiny, "--json")
+    assert both.code == 0, both.stderr
+    assert [a["name"] for a in both.json()["adapters"]] == ["x", "y"]
+    # Any other file names no adapter, and an empty path is not the current directory.
+    (tmp_path / "notes.txt").write_text("hi")
+    one_line_error(metrale("inspect", tmp_path / "notes.txt", "--model", tiny), 2)
+    for empty in ("", "x=", " "):
+        one_line_error(metrale("inspect", empty, "--model", tiny), 2)
+
+
+# -- 3: non-finite and non-integral config values ----------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("lora_alpha", math.nan, "'lora_alpha'"),
+    ("lora_alpha", math.inf, "'lora_alpha'"),
+    ("r", math.nan, "'r'"),
+    ("r", math.inf, "'r'"),
+    ("r", 2.5, "'r'"),
+    ("alpha_pattern", {"q_proj": math.inf}, "alpha_pattern['q_proj']"),
+    ("rank_pattern", {"q_proj": math.nan}, "rank_pattern['q_proj']"),
+    ("rank_pattern", {"q_proj": 1.5}, "rank_pattern['q_proj']"),
+    # Finite, but a scale the pool's float32 tables cannot hold (it became Infinity there).
+    ("lora_alpha", 1e300, "'lora_alpha'"),
+    ("alpha_pattern", {"q_proj": 1e-30}, "alpha_pattern"),
+])
+def test_non_finite_config_values_are_audit_errors(
+    tiny: Path, tmp_path: Path, field: str, value: object, named: str
+) -> None:
+    bad = copy_adapter(tiny / "a", tmp_path / "bad", **{field: value})
+    result = metrale("inspect", bad, "--model", tiny, "--json")
+    assert result.code == 1, result.stderr
+    doc = strict_json(result.stdout)
+    findings = doc["adapters"][0]["findings"]
+    assert any(f["code"] == "bad_config_value" and named in f["message"] for f in findings)
+    view = metrale("inspect", bad, "--model", tiny)
+    assert view.code == 1 and "bad_config_value" in view.stdout, view.stderr
+    packed = metrale("pack", bad, "--model", tiny, "--max-loras", 2, "--json")
+    assert packed.code == 1 and packed.stdout == ""
+
+
+def test_synth_refuses_a_non_finite_alpha(tmp_path: Path) -> None:
+    for alpha in ("nan", "inf", "-inf"):
+        one_line_error(metrale("synth", tmp_path / alpha, "--model", "qwen3-8b", "--modules",
+                               "q_proj", "--rank", 8, "--alpha", alpha), 2)
+        assert not (tmp_path / alpha).exists()
+
+
+# -- 5: layout refuses where pack refuses ------------------------------------------------------
+
+
+def test_layout_refuses_what_pack_refuses(tiny: Path, tmp_path: Path) -> None:
+    # No (layer, module) pair applies: a dense model has no linear-attention out_proj.
+    empty = metrale("layout", "--model", "qwen3-8b", "--modules", "out_proj", "--max-rank", 8,
+                    "--budget", "40GiB")
+    one_line_error(empty, 2)
+    assert "applies to any layer" in empty.stderr
+    # An adapter above --max-rank, and a DoRA adapter: the same refusal, exit 1, as pack.
+    dora = copy_adapter(tiny / "a", tmp_path / "dora", use_dora=True)
+    for args in ((tiny / "a", "--max-rank", 1), (dora,)):
+        planned = metrale("layout", *args, "--model", tiny)
+        packed = metrale("pack", *args, "--model", tiny, "--max-loras", 2)
+        assert planned.code == packed.code == 1, (planned.stderr, packed.stderr)
+        assert planned.stderr == packed.stderr and planned.stdout == ""
+    # Modules the adapter has outside --modules: refused by both, naming the adapter.
+    narrow = metrale("layout", tiny / "a", "--model", tiny, "--modules", "k_proj")
+    one_line_error(narrow, 2)
+    assert "error: a: out_proj on layer 0 is not in the pool's layout" in narrow.stderr
+
+
+# -- 6-9: outputs ------------------------------------------------------------------------------
+
+
+def test_force_never_replaces_a_non_regular_file(tiny: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    to_null = tmp_path / "to-null"
+    to_null.symlink_to(os.devnull)
+    for target in (fifo, to_null):
+        result = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 1, "--out", target,
+                         "--force")
+        one_line_error(result, 2)
+        assert "not a regular file" in result.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert os.readlink(to_null) == os.devnull and stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+
+def _racer(path: str, barrier: Any, payload: bytes) -> None:
+    """One writer: its exit code is 0 when it published, 2 when told the output exists."""
+    def write(f: Any) -> None:
+        f.write(payload)
+        barrier.wait(timeout=30)  # both temp files are written: now both publish at once
+    try:
+        atomic_write(Path(path), write, force=False)
+    except OutputExists:
+        sys.exit(2)
+    sys.exit(0)
+
+
+def test_two_concurrent_writers_one_wins(tmp_path: Path) -> None:
+    """Two processes write the same output without --force at the same moment: exactly one file
+    appears, whole, and the other writer is told it exists."""
+    target = tmp_path / "pool.safetensors"
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    writers = [ctx.Process(target=_racer, args=(str(target), barrier, payload))
+               for payload in (b"A" * 4096, b"B" * 4096)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=60)
+    assert sorted(w.exitcode for w in writers) == [0, 2]
+    assert target.read_bytes() in (b"A" * 4096, b"B" * 4096)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.safetensors"]
+
+
+def test_two_concurrent_packs_one_wins(tiny: Path, tmp_path: Path) -> None:
+    target = tmp_path / "pool.safetensors"
+    args = [sys.executable, "-m", "metrale_cli", "pack", str(tiny / "a"), "--model", str(tiny),
+            "--max-loras", "2", "--out", str(target)]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    done = [p.communicate(timeout=120) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], done
+    loser = done[[p.returncode for p in procs].index(2)]
+    assert "exists" in loser[1] and loser[0] == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.safetensors"]
+
+
+# The pack in the child blocks after its image is fully written to the temp file and before it
+# is published, and says so on stderr: the signal lands while the temp file exists.
+_SLOW_PACK = """
+import sys, time
+import metrale_cli.image as image
+from metrale_cli.cli import main
+publish = image.atomic_write
+def held(path, write, force):
+    def hold(f):
+        write(f)
+        f.flush()
+        sys.stderr.write("written\\n")
+        sys.stderr.flush()
+        time.sleep(120)
+    return publish(path, hold, force)
+image.atomic_write = held
+sys.argv = ["metrale", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_during_pack_out_leaves_no_temp_file(
+    tiny: Path, tmp_path: Path, signum: int
+) -> None:
+    target = tmp_path / "pool.safetensors"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_PACK, "pack", str(tiny / "a"), "--model", str(tiny),
+         "--max-loras", "2", "--out", str(target)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stderr is not None
+    assert child.stderr.readline() == "written\n"
+    temps = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert len(temps) == 1 and temps[0].stat().st_size > 0
+    child.send_signal(signum)
+    _, rest = child.communicate(timeout=60)
+    assert child.returncode == 128 + signum, rest
+    assert "terminated" in rest and "Traceback" not in rest
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_ignored_hangup_stays_ignored(tiny: Path, tmp_path: Path) -> None:
+    """Under `nohup` (SIGHUP ignored) a hangup during the write does not end it."""
+    target = tmp_path / "pool.safetensors"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_PACK, "pack", str(tiny / "a"), "--model", str(tiny),
+         "--max-loras", "2", "--out", str(target)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert child.stderr is not None
+    assert child.stderr.readline() == "written\n"
+    child.send_signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=1)  # still writing
+    child.send_signal(signal.SIGTERM)
+    _, rest = child.communicate(timeout=60)
+    assert child.returncode == 128 + signal.SIGTERM, rest
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temp_files_of_dead_writers_are_removed(tiny: Path, tmp_path: Path) -> None:
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True)
+    dead_pid = int(finished.stdout)
+    stale = tmp_path / f".pool.safetensors.{dead_pid}.k2x_9abc.tmp"
+    live = tmp_path / f".pool.safetensors.{os.getpid()}.zz81qq0p.tmp"
+    other = tmp_path / f".other.safetensors.{dead_pid}.k2x_9abc.tmp"
+    for p in (stale, live, other):
+        p.write_bytes(b"partial")
+    result = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 1, "--out",
+                     tmp_path / "pool.safetensors")
+    assert result.code == 0, result.stderr
+    assert not stale.exists() and live.exists() and other.exists()
+    assert remove_stale_temps(tmp_path, "other.safetensors") == [other]
+
+
+@pytest.mark.parametrize("out,says", [("", "--out is empty"), ("  ", "--out is empty"),
+                                      ("newdir/", "names a directory")])
+def test_out_must_name_a_file(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, out: str, says: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 1, "--out", out)
+    one_line_error(result, 2)
+    assert says in result.stderr and list(tmp_path.iterdir()) == []
+
+
+# -- 10: regexes -------------------------------------------------------------------------------
+
+
+def test_the_issues_regexes_finish(tiny: Path, tmp_path: Path) -> None:
+    """`(.*.*)*z` once ran past 20 s in `re`; matched through `regex`, it finishes at once."""
+    bad = copy_adapter(tiny / "a", tmp_path / "slow", target_modules="(.*.*)*z",
+                       rank_pattern={"(.*.*.*.*.*.*.*.*.*.*)*z": 2})
+    start = time.monotonic()
+    done = run_cli("inspect", bad, "--model", tiny, "--json", timeout=60)
+    assert done.returncode == 0 and time.monotonic() - start < 20, done.stderr
+    codes = {f["code"] for f in json.loads(done.stdout)["adapters"][0]["findings"]}
+    assert "unexplained_key" in codes
+
+
+@pytest.mark.parametrize("field,value", [
+    ("target_modules", CATASTROPHIC),
+    ("rank_pattern", {CATASTROPHIC: 2}),
+    ("alpha_pattern", {CATASTROPHIC: 4}),
+    ("exclude_modules", CATASTROPHIC),
+])
+def test_catastrophic_regex_is_an_error_not_a_hang(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: object
+) -> None:
+    monkeypatch.setattr(patterns, "AUDIT_SECONDS", 0.2)
+    bad = copy_adapter(tiny / "a", tmp_path / "slow", **{field: value})
+    start = time.monotonic()
+    result = metrale("inspect", bad, "--model", tiny, "--json")
+    assert time.monotonic() - start < 5
+    assert result.code == 1, result.stderr
+    findings = result.json()["adapters"][0]["findings"]
+    errors = [f for f in findings if f["severity"] == "error"]
+    assert [f["code"] for f in errors] == ["slow_pattern"] and field in errors[0]["message"]
+    assert result.json()["adapters"][0]["modules"] == []
+
+
+@pytest.mark.parametrize("field,value", [
+    ("target_modules", "("),
+    ("modules_to_save", ["("]),
+    ("layers_pattern", "("),
+    ("exclude_modules", "(["),
+    ("rank_pattern", {"(": 2}),
+])
+def test_invalid_regex_is_not_servable(tiny: Path, tmp_path: Path, field: str, value: object
+                                       ) -> None:
+    config: dict[str, object] = {field: value}
+    if field == "layers_pattern":
+        config["layers_to_transform"] = [0, 1]
+    bad = copy_adapter(tiny / "a", tmp_path / "bad", **config)
+    result = metrale("inspect", bad, "--model", tiny, "--json")
+    assert result.code == 1, result.stderr
+    findings = result.json()["adapters"][0]["findings"]
+    assert any(f["code"] == "bad_pattern" and f["message"].startswith(field) for f in findings)
+
+
+# -- 11: markup --------------------------------------------------------------------------------
+
+
+def test_markup_in_names_is_shown_as_typed(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    copy_adapter(tiny / "a", tmp_path / "[bold red]evil")
+    copy_adapter(tiny / "a", tmp_path / "a[/]b")
+    for command in (("inspect",), ("pack", "--max-loras", 2)):
+        result = metrale(*command, "[bold red]evil", "a[/]b", "--model", tiny)
+        assert result.code == 0, result.stderr
+        assert "[bold red]evil" in result.stdout and "a[/]b" in result.stdout
+    assert metrale("synth", "[/]x", "--model", tiny, "--modules", "q_proj",
+                   "--rank", 2).stdout.startswith("wrote [/]x")
+
+
+def test_markup_in_tensor_names_is_shown_as_typed(tiny: Path, tmp_path: Path) -> None:
+    from tests.header_only import write_header_only
+
+    odd = copy_adapter(tiny / "a", tmp_path / "odd")
+    write_header_only(odd / "adapter_model.safetensors",
+                      [("base_model.model.[/]weird[red]", "BF16", [2, 2])])
+    result = metrale("inspect", odd, "--model", tiny)
+    assert result.code == 1, result.stderr
+    assert "[/]weird[red]" in result.stdout.replace("\n", "")
+
+
+# -- 12: usage and format errors, never exit 70 ------------------------------------------------
+
+
+def test_no_internal_error_where_a_usage_error_belongs(tiny: Path, tmp_path: Path) -> None:
+    one_line_error(metrale("layout", "--model", tiny, "--modules", "q_proj", "--max-rank", 8,
+                           "--budget", "1e999"), 2)
+    one_line_error(metrale("synth", tmp_path / "s", "--model", tiny, "--modules", "q_proj",
+                           "--rank", 2, "--seed", -1), 2)
+    deep = "[" * 100_000 + "]" * 100_000
+    model_dir = tmp_path / "deep-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(deep)
+    one_line_error(metrale("layout", "--model", model_dir, "--modules", "q_proj",
+                           "--max-rank", 8), 2)
+    deep_config = copy_adapter(tiny / "a", tmp_path / "deep-config")
+    (deep_config / "adapter_config.json").write_text(deep)
+    one_line_error(metrale("inspect", deep_config, "--model", tiny), 2)
+    deep_header = copy_adapter(tiny / "a", tmp_path / "deep-header")
+    blob = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (deep_header / "adapter_model.safetensors").write_bytes(len(blob).to_bytes(8, "little")
+                                                            + blob)
+    one_line_error(metrale("inspect", deep_header, "--model", tiny), 2)
+    huge = tmp_path / "huge-model"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 100_000_000}))
+    start = time.monotonic()
+    one_line_error(metrale("layout", "--model", huge, "--modules", "q_proj", "--max-rank", 8), 2)
+    assert time.monotonic() - start < 10
+
+
+def test_an_ascii_terminal_gets_the_view(tiny: Path) -> None:
+    done = run_cli("inspect", tiny / "a", "--model", tiny,
+                   env_extra={"PYTHONIOENCODING": "ascii", "COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr
+    assert "servable" in done.stdout and done.stderr == ""
+
+
+# -- 13: METRALE_* booleans --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("1", True), ("true", True), (" YES ", True), ("On", True),
+    ("0", False), ("false", False), ("no", False), ("off", False), (" 0", False), ("", False),
+])
+def test_boolean_variables(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
+    for name in ("METRALE_LORA_EXPERTS", "METRALE_DEBUG", "METRALE_ONLINE"):
+        monkeypatch.setenv(name, value)
+    assert env.experts_enabled() is expected and env.debug() is expected
+    assert env.online() is expected
+
+
+@pytest.mark.parametrize("value", ["00", "maybe", "2", "y"])
+def test_a_boolean_variable_that_is_not_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tiny: Path, value: str
+) -> None:
+    monkeypatch.setenv("METRALE_LORA_EXPERTS", value)
+    with pytest.raises(UsageError, match="METRALE_LORA_EXPERTS"):
+        env.experts_enabled()
+    result = metrale("inspect", tiny / "a", "--model", tiny)
+    one_line_error(result, 2)
+    assert "METRALE_LORA_EXPERTS" in result.stderr
+    monkeypatch.delenv("METRALE_LORA_EXPERTS")
+    monkeypatch.setenv("METRALE_DEBUG", value)
+    one_line_error(metrale("inspect", tiny / "a", "--model", tiny), 2)
+
+
+def test_experts_false_means_off(monkeypatch: pytest.MonkeyPatch, tiny: Path) -> None:
+    monkeypatch.setenv("METRALE_LORA_EXPERTS", "false")
+    assert metrale("inspect", tiny / "a", "--model", tiny, "--json").json()[
+        "experts_enabled"] is False
+
+
+# -- 14: --model resolution --------------------------------------------------------------------
+
+
+def test_an_adapter_directory_named_like_a_preset_does_not_hide_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert metrale("synth", "qwen3-8b", "--model", "qwen3-8b", "--modules", "q_proj",
+                   "--rank", 8).code == 0
+    result = metrale("inspect", "qwen3-8b", "--json")
+    assert result.code == 0, result.stderr
+    assert result.json()["model"]["source"] == "qwen3-8b"
+    # A directory that is no preset and holds no config.json says so.
+    (tmp_path / "plain").mkdir()
+    missing = metrale("layout", "--model", "plain", "--modules", "q_proj", "--max-rank", 8)
+    one_line_error(missing, 2)
+    assert "without config.json" in missing.stderr
+
+
+# -- 15: COLUMNS=0 -----------------------------------------------------------------------------
+
+
+def test_zero_columns_still_prints(tiny: Path) -> None:
+    done = run_cli("inspect", tiny / "a", "--model", tiny, env_extra={"COLUMNS": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "servable" in done.stdout
+    refused = run_cli("inspect", "/nonexistent", env_extra={"COLUMNS": "0"})
+    assert refused.returncode == 2 and "no such adapter" in refused.stderr
+
+
+# -- Click's own usage errors, and line breaks in input ----------------------------------------
+
+
+@pytest.mark.parametrize("args,says", [
+    (["layout", "--max-rank", "abc"], "'--max-rank'"),
+    (["pack", "x"], "Missing option '--max-loras'"),
+    (["inspect", "--nope"], "No such option: --nope"),
+    (["nosuch"], "No such command 'nosuch'"),
+    # Input with a line break in it still makes one line, the break shown escaped.
+    (["inspect", "a\nb"], "error: a\\nb: no such adapter directory"),
+    (["layout", "--model", "x\ry", "--max-rank", "8"], "'x\\ry'"),
+])
+def test_click_usage_errors_are_one_line(args: list[str], says: str) -> None:
+    result = metrale(*args)
+    one_line_error(result, 2)
+    assert result.stderr.startswith("error: ") and says in result.stderr
+
+
+def test_synth_writes_nothing_beside_a_device(tmp_path: Path) -> None:
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "adapter_config.json").symlink_to(os.devnull)
+    result = metrale("synth", out, "--model", "qwen3-8b", "--modules", "q_proj", "--rank", 8,
+                     "--force")
+    one_line_error(result, 2)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json"]
+
+
+def test_unpack_never_replaces_a_non_directory(tiny: Path, tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 1, "--out", image).code == 0
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    to_null = tmp_path / "to-null"
+    to_null.symlink_to(os.devnull)
+    for target in (fifo, to_null):
+        result = metrale("unpack", image, target, "--slot", 0, "--force")
+        one_line_error(result, 2)
+        assert "not a directory" in result.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.readlink(to_null) == os.devnull
+    one_line_error(metrale("unpack", image, "", "--slot", 0, "--force"), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "pool.safetensors", "to-null"]
+
+
+def test_a_hub_id_is_named_by_the_same_rule(tiny: Path, tmp_path: Path) -> None:
+    """`org/x` and a local directory `x` are both named `x`: refused before anything is read."""
+    local = copy_adapter(tiny / "a", tmp_path / "x")
+    result = metrale("inspect", "some-org/x", local, "--model", tiny)
+    one_line_error(result, 2)
+    assert "two adapters are named 'x'" in result.stderr
