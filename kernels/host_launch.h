@@ -13,6 +13,7 @@
 
 #include "bgmv.cu"
 #include "sgmv.cu"
+#include "expert.cu"
 
 namespace metrale_shim {
 
@@ -43,6 +44,11 @@ inline const KernelEntry kKernels[] = {
     METRALE_HOST_KERNEL(bgmv_shrink),      METRALE_HOST_KERNEL(bgmv_expand_bf16),
     METRALE_HOST_KERNEL(bgmv_expand_f32),  METRALE_HOST_KERNEL(sgmv_shrink),
     METRALE_HOST_KERNEL(sgmv_expand_bf16), METRALE_HOST_KERNEL(sgmv_expand_f32),
+    METRALE_HOST_KERNEL(router_lora_f32),  METRALE_HOST_KERNEL(router_lora_bf16),
+    METRALE_HOST_KERNEL(expert_shrink_decode), METRALE_HOST_KERNEL(expert_shrink_prefill),
+    METRALE_HOST_KERNEL(expert_expand_decode_bf16), METRALE_HOST_KERNEL(expert_expand_decode_f32),
+    METRALE_HOST_KERNEL(expert_expand_prefill_bf16),
+    METRALE_HOST_KERNEL(expert_expand_prefill_f32), METRALE_HOST_KERNEL(overlay_gather),
 };
 
 }  // namespace metrale_shim

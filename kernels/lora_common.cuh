@@ -109,6 +109,39 @@ __device__ __forceinline__ float load_out(const float* p) { return *p; }
 __device__ __forceinline__ void store_out(bf16_t* p, float v) { *p = f32_to_bf16(v); }
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 
+// y vector (8 consecutive outputs) load / store for both output dtypes.
+// y is read and written by the same thread, so it takes plain (coherent) loads, not load16.
+__device__ __forceinline__ void load_y8(const bf16_t* p, float (&v)[8]) {
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = bf16_lo(u[i]);
+    v[2 * i + 1] = bf16_hi(u[i]);
+  }
+}
+__device__ __forceinline__ void load_y8(const float* p, float (&v)[8]) {
+  const float4 lo = reinterpret_cast<const float4*>(p)[0];
+  const float4 hi = reinterpret_cast<const float4*>(p)[1];
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w;
+  v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+__device__ __forceinline__ void store_y8(bf16_t* p, const float (&v)[8]) {
+  uint4 w;
+  w.x = pack_bf16x2(v[0], v[1]);
+  w.y = pack_bf16x2(v[2], v[3]);
+  w.z = pack_bf16x2(v[4], v[5]);
+  w.w = pack_bf16x2(v[6], v[7]);
+  *reinterpret_cast<uint4*>(p) = w;
+}
+__device__ __forceinline__ void store_y8(float* p, const float (&v)[8]) {
+  float4 lo, hi;
+  lo.x = v[0], lo.y = v[1], lo.z = v[2], lo.w = v[3];
+  hi.x = v[4], hi.y = v[5], hi.z = v[6], hi.w = v[7];
+  reinterpret_cast<float4*>(p)[0] = lo;
+  reinterpret_cast<float4*>(p)[1] = hi;
+}
+
 // d += a * b for one warp: a 16x16 BF16 A fragment (row major), a 16x8 BF16 B fragment (column
 // major) and a 16x8 F32 accumulator, in the register layout of PTX mma.m16n8k16 (PTX ISA,
 // "Matrix Fragments for mma.m16n8k16"); with g = lane / 4 and q = lane % 4:

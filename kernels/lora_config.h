@@ -36,3 +36,29 @@
 #define SGMV_SHRINK_LOADS 8
 #define SGMV_EXPAND_MIN_CTAS 3
 #define SGMV_EXPAND_LOADS 8
+
+// expert.cu (kernels/README.md): pairs per tile of one (slot, expert) group on the decode and
+// the grouped prefill path (each weight vector a CTA loads feeds that many pairs); the router's
+// and the expand's rank vectors per pass; the overlay gather's 16-byte loads per pass.
+#define EXPERT_DECODE_TILE 2
+#define EXPERT_PREFILL_TILE 8
+#define EXPERT_EXPAND_COLS 2
+#define ROUTER_COLS 4
+#define OVERLAY_LOADS 4
+// Loads in flight per thread, as ptxas schedules them (the SASS check holds them): the shrink
+// issues 4 A + TILE x vectors a pass (6 decode; 9 of the prefill's 12 before its first product);
+// the expand issues 8 rows x 2 columns of B a pass, of which 10 (decode) or 7 (prefill, 8 pairs'
+// accumulators live) precede the first product; router_lora_*: ROUTER_COLS B vectors a pass (its
+// shrink loop issues 5).
+#define EXPERT_SHRINK_DECODE_MIN_CTAS 4
+#define EXPERT_SHRINK_DECODE_LOADS 6
+#define EXPERT_SHRINK_PREFILL_MIN_CTAS 2
+#define EXPERT_SHRINK_PREFILL_LOADS 9
+#define EXPERT_EXPAND_DECODE_MIN_CTAS 4
+#define EXPERT_EXPAND_DECODE_LOADS 10
+#define EXPERT_EXPAND_PREFILL_MIN_CTAS 2
+#define EXPERT_EXPAND_PREFILL_LOADS 7
+#define ROUTER_LORA_MIN_CTAS 1
+#define ROUTER_LORA_LOADS 4
+#define OVERLAY_GATHER_MIN_CTAS 1
+#define OVERLAY_GATHER_LOADS 4

@@ -179,10 +179,28 @@ def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int,
     phase = "decode" if tokens <= 256 else "prefill"
     launch = plan_launch(kind, tokens, adapters, rank, in_dim, out_dim, device.sms)
     nbytes = compulsory_bytes(kind, tokens, adapters, rank, in_dim, out_dim)
-    ctas = launch.grid[0] * launch.grid[1] * launch.grid[2]
-    per_sm = kernels.min_ctas_per_sm(launch.kernel)
-    loads = kernels.loads_in_flight(launch.kernel)
-    cta_bytes = min(loads * _LOAD_BYTES * kernels.THREADS, launch.requested_bytes / ctas)
+    stream = stream_model(launch.kernel, launch.grid, launch.requested_bytes, nbytes, device)
+    target = TARGET_PCT[phase, kind]
+    meets = (stream["expected_pct_peak"] >= target if stream["regime"] == "bandwidth"
+             else stream["expected_copy_ratio"] <= COPY_RATIO_TARGET)
+    return {
+        "kernel": launch.kernel, "path": launch.path, "module": module, "out_dim": out_dim,
+        "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
+        "splits": launch.splits, "grid": list(launch.grid), **stream,
+        "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
+        "meets_target": meets,
+    }
+
+
+def stream_model(kernel: str, grid: tuple[int, int, int], requested_bytes: int, nbytes: int,
+                 device: ModelDevice) -> dict[str, Any]:
+    """Little's law over one launch: `grid` CTAs of `kernel`, asking `requested_bytes` of the
+    memory system in all (L2 hits included) to move `nbytes` compulsory bytes (model_record
+    explains the model). The record's device-side fields."""
+    ctas = grid[0] * grid[1] * grid[2]
+    per_sm = kernels.min_ctas_per_sm(kernel)
+    loads = kernels.loads_in_flight(kernel)
+    cta_bytes = min(loads * _LOAD_BYTES * kernels.THREADS, requested_bytes / ctas)
     copy_bw = device.copy_fraction * device.peak_bytes_per_s
     wave = device.sms * per_sm
     full_waves, rest = divmod(ctas, wave)
@@ -196,25 +214,18 @@ def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int,
     in_flight = first * cta_bytes
     expected_s = device.latency_s + stream_s
     copy_s = device.latency_s + nbytes / copy_bw
-    regime = "bandwidth" if nbytes >= BANDWIDTH_REGIME_BYTES else "latency"
-    expected_pct = 100 * nbytes / expected_s / device.peak_bytes_per_s
-    target = TARGET_PCT[phase, kind]
-    meets = (expected_pct >= target if regime == "bandwidth"
-             else expected_s / copy_s <= COPY_RATIO_TARGET)
     return {
-        "kernel": launch.kernel, "path": launch.path, "module": module, "out_dim": out_dim,
-        "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
-        "splits": launch.splits, "grid": list(launch.grid), "ctas": ctas,
-        "ctas_per_sm": per_sm, "waves": ctas / wave, "loads_per_thread": loads,
+        "ctas": ctas, "ctas_per_sm": per_sm, "waves": ctas / wave, "loads_per_thread": loads,
         "in_flight_per_sm_bytes": round(in_flight),
         "needed_in_flight_per_sm_bytes": round(copy_bw * device.latency_s / device.sms),
-        "bytes": nbytes, "requested_bytes": launch.requested_bytes,
+        "bytes": nbytes, "requested_bytes": requested_bytes,
         "little_pct_peak": 100 * min(copy_bw, device.sms * in_flight / device.latency_s)
         / device.peak_bytes_per_s,
-        "expected_us": expected_s * 1e6, "expected_pct_peak": expected_pct,
+        "expected_us": expected_s * 1e6,
+        "expected_pct_peak": 100 * nbytes / expected_s / device.peak_bytes_per_s,
         "copy_us": copy_s * 1e6, "expected_copy_ratio": expected_s / copy_s,
-        "regime": regime, "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
-        "meets_target": meets, "device": device.name,
+        "regime": "bandwidth" if nbytes >= BANDWIDTH_REGIME_BYTES else "latency",
+        "device": device.name,
         "peak_tb_per_s": device.peak_bytes_per_s / 1e12, "latency_us": device.latency_s * 1e6,
     }
 
@@ -462,6 +473,15 @@ def _torch_baselines(kind: str, groups: Sequence[_Group], adapters: int,
     return chosen
 
 
+def torch_on_device() -> bool:
+    """Whether torch is installed with CUDA and sees a device (the torch baselines need it)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def _percentiles(samples: Sequence[float]) -> dict[str, float]:
     p10, p50, p90 = np.percentile(np.asarray(samples), [10, 50, 90])
     return {"p10_us": float(p10), "p50_us": float(p50), "p90_us": float(p90)}
@@ -505,14 +525,7 @@ def run(
     """
     cupy = compat.cupy_module()
     device = device_info()
-    torch_ok = False
-    if with_torch:
-        try:
-            import torch
-
-            torch_ok = bool(torch.cuda.is_available())
-        except ImportError:
-            torch_ok = False
+    torch_ok = with_torch and torch_on_device()
     rng = cupy.random.default_rng(seed)
     records: list[dict[str, Any]] = []
     for module, out_dim, in_dim, rank, num_tokens, count in _shapes(model_shapes, ranks, tokens,

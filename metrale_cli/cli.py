@@ -609,6 +609,11 @@ def bench_kernels(
     model_only: Annotated[bool, typer.Option(
         "--model-only", help="No GPU: the roofline model's expected share of peak per shape.")
     ] = False,
+    experts: Annotated[bool, typer.Option(
+        "--experts", help="The expert kernels (router, gate_up, down) on Qwen3-Next-80B-A3B and "
+                          "Qwen3-30B-A3B MoE shapes (ranks 8, 16, 64; 1..256 and 4096 tokens) "
+                          "instead of the slot-pool kernels; --model and --modules are unused.")
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one).
@@ -622,6 +627,9 @@ def bench_kernels(
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else
+    if experts:
+        _bench_experts(rank, tokens, adapters, repeats, plot_text, force, model_only, json_out)
+        return
     shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
     positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
     positive("--repeats", repeats)
@@ -649,6 +657,41 @@ def bench_kernels(
                 out().print(kernel_model_line(record), soft_wrap=True)
         return
     records = bench.run(shapes, adapters=adapters, repeats=repeats, progress=show, **kwargs)
+    if plot_path is not None:
+        bench.plot(records, plot_path, force)
+
+
+def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
+                   adapters: list[int] | None, repeats: int, plot_text: str | None,
+                   force: bool, model_only: bool, json_out: bool) -> None:
+    """`bench kernels --experts`: the expert kernels' records (or their roofline model)."""
+    from metrale_cli import bench_experts
+    from metrale_cli import bench_kernels as bench
+    from metrale_cli.atomic import check_output, output_path
+    from metrale_cli.render import expert_kernel_line, expert_model_line
+
+    positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
+    positive("--repeats", repeats)
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    if plot_path is not None:
+        check_output(plot_path, force)
+    shapes = bench_experts.expert_shapes(
+        ranks=rank or bench_experts.EXPERT_RANKS, tokens=tokens or bench_experts.EXPERT_TOKENS,
+        adapters=adapters or bench_experts.EXPERT_ADAPTERS)
+    line = expert_model_line if model_only else expert_kernel_line
+
+    def show(record: dict[str, Any]) -> None:
+        if json_out:
+            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
+            sys.stdout.flush()
+        else:
+            out().print(line(record), soft_wrap=True)
+
+    if model_only:
+        for record in bench_experts.model_records(shapes):
+            show(record)
+        return
+    records = bench_experts.run(shapes, repeats=repeats, progress=show)
     if plot_path is not None:
         bench.plot(records, plot_path, force)
 

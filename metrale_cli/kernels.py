@@ -41,6 +41,15 @@ KERNEL_SOURCES: dict[str, str] = {
     "sgmv_shrink": "sgmv.cu",
     "sgmv_expand_bf16": "sgmv.cu",
     "sgmv_expand_f32": "sgmv.cu",
+    "router_lora_f32": "expert.cu",
+    "router_lora_bf16": "expert.cu",
+    "expert_shrink_decode": "expert.cu",
+    "expert_shrink_prefill": "expert.cu",
+    "expert_expand_decode_bf16": "expert.cu",
+    "expert_expand_decode_f32": "expert.cu",
+    "expert_expand_prefill_bf16": "expert.cu",
+    "expert_expand_prefill_f32": "expert.cu",
+    "overlay_gather": "expert.cu",
 }
 
 CONFIG_HEADER = "lora_config.h"
@@ -51,6 +60,13 @@ _CONFIG_PREFIX = {
     "bgmv_shrink": "BGMV_SHRINK", "bgmv_expand_bf16": "BGMV_EXPAND",
     "bgmv_expand_f32": "BGMV_EXPAND", "sgmv_shrink": "SGMV_SHRINK",
     "sgmv_expand_bf16": "SGMV_EXPAND", "sgmv_expand_f32": "SGMV_EXPAND",
+    "router_lora_f32": "ROUTER_LORA", "router_lora_bf16": "ROUTER_LORA",
+    "expert_shrink_decode": "EXPERT_SHRINK_DECODE",
+    "expert_shrink_prefill": "EXPERT_SHRINK_PREFILL",
+    "expert_expand_decode_bf16": "EXPERT_EXPAND_DECODE",
+    "expert_expand_decode_f32": "EXPERT_EXPAND_DECODE",
+    "expert_expand_prefill_bf16": "EXPERT_EXPAND_PREFILL",
+    "expert_expand_prefill_f32": "EXPERT_EXPAND_PREFILL", "overlay_gather": "OVERLAY_GATHER",
 }
 
 

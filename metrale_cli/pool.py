@@ -54,6 +54,8 @@ class SlotContents:
     expert_data: np.ndarray | None = None
     expert_adapted: np.ndarray | None = None
     overlay: OverlayRaw | None = None
+    # The slot's widest expert-pair rank; None where the source does not record it (an image).
+    expert_rank: int | None = None
 
 
 class SlotSource(Protocol):
@@ -95,6 +97,9 @@ class LoraPool:
         self.scale_table = self.xp.zeros(max_loras, dtype=np.float32)
         # [max_loras] i32: slot k's rank (kernels bound their rank loops by it).
         self.rank_table = self.xp.zeros(max_loras, dtype=np.int32)
+        # [max_loras] i32: slot k's widest expert-pair rank (the expert kernels bound their rank
+        # loops by it; a slot's expert pairs may be ranked apart from its modules).
+        self.expert_rank_table = self.xp.zeros(max_loras, dtype=np.int32)
         # Per slot, its token-overlay rows as uploaded (host memory; the served tables are
         # built from them by the model), None without overlays.
         self.overlay_raw: list[OverlayRaw | None] = [None] * max_loras
@@ -206,6 +211,7 @@ class LoraPool:
             self.overlay_raw[slot] = contents.overlay
             self.scale_table[slot] = contents.info.scaling
             self.rank_table[slot] = contents.info.rank
+            self.expert_rank_table[slot] = _expert_rank(contents, ex)
         except BaseException:
             self._abort(slot)
             raise
@@ -228,6 +234,7 @@ class LoraPool:
                 region.unpublish(k)
             self.scale_table[k] = 0.0
             self.rank_table[k] = 0
+            self.expert_rank_table[k] = 0
             self.overlay_raw[k] = None
             return generation
 
@@ -242,6 +249,7 @@ class LoraPool:
         self.overlay_raw[k] = None
         self.scale_table[k] = 0.0
         self.rank_table[k] = 0
+        self.expert_rank_table[k] = 0
 
     def _pack(self, slot: int, report: AdapterReport,
               progress: Callable[[int], None] | None = None) -> PackStats:
@@ -256,6 +264,7 @@ class LoraPool:
         self.overlay_raw[slot] = overlay
         self.scale_table[slot] = report.scaling
         self.rank_table[slot] = report.rank
+        self.expert_rank_table[slot] = max((p.r for p in report.expert_pairs), default=0)
         written = sum(r.slot_bytes for r in self.regions())
         return PackStats(read, written, time.perf_counter() - started)
 
@@ -291,7 +300,8 @@ class LoraPool:
             data=self.region.host_bytes(k), adapted=self.region.adapted(k),
             expert_data=ex.host_bytes(k) if ex is not None else None,
             expert_adapted=ex.adapted(k) if ex is not None else None,
-            overlay=self.overlay_raw[k])
+            overlay=self.overlay_raw[k],
+            expert_rank=int(self.to_host(self.expert_rank_table)[k]))
 
     def slot_records(self) -> list[dict[str, Any]]:
         return self.manager.records()
@@ -302,6 +312,16 @@ def _slot_info(report: AdapterReport) -> AdapterSlot:
     return AdapterSlot(name=report.name, rank=report.rank, alpha=cfg.lora_alpha,
                        scaling=report.scaling, source=str(report.adapter.path),
                        config=dict(cfg.raw))
+
+
+def _expert_rank(contents: SlotContents, layout: ExpertLayout | None) -> int:
+    """The expert rank a landed slot gets: the source's, else (a pool image records none) the
+    layout's max rank where it adapts any expert: the padding is zero, so that bound costs
+    work, never correctness."""
+    if contents.expert_rank is not None:
+        return contents.expert_rank
+    adapted = contents.expert_adapted is not None and bool(contents.expert_adapted.any())
+    return layout.max_rank if adapted and layout is not None else 0
 
 
 def _adapted(n_entries: int, entries: list[int]) -> np.ndarray:

@@ -143,3 +143,69 @@ def weights_from_table(
         start = offset_bytes // 2
         views.append(flat[start : start + count].view(shape))
     return views
+
+
+# --- expert.cu ------------------------------------------------------------------------------------
+# The router delta is `lora_delta` over the router entry's per-slot weights (out_dim = E).
+
+
+def expert_weights(
+    pool: torch.Tensor,
+    tables: torch.Tensor,
+    entries: Sequence[Sequence[int]] | torch.Tensor,
+    shapes: Sequence[tuple[int, int]],
+    base_address: int | None = None,
+) -> list[list[list[torch.Tensor | None]]]:
+    """Per (slice, expert), the per-slot weight views of one expert pool's table rows
+    (`tables` u64 [n_entries, max_loras], `entries` [slices, E] rows or -1, `shapes[c]` each
+    slot's matrix shape for slice c); an expert without an entry has no weights in any slot."""
+    rows = entries.tolist() if torch.is_tensor(entries) else [list(r) for r in entries]
+    max_loras = int(tables.shape[1])
+    return [[weights_from_table(pool, tables[n], shapes[c], base_address) if n >= 0
+             else [None] * max_loras for n in row] for c, row in enumerate(rows)]
+
+
+def routed_expert_delta(
+    inputs: torch.Tensor,
+    x_div: int,
+    y: torch.Tensor,
+    pair_slots: torch.Tensor,
+    pair_experts: torch.Tensor,
+    a_weights: Sequence[Sequence[Sequence[torch.Tensor | None]]],
+    b_weights: Sequence[Sequence[Sequence[torch.Tensor | None]]],
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    max_rank: int,
+) -> torch.Tensor:
+    """A new y [P, slices * out_dim] with, for each pair p (its slot pair_slots[p] and expert
+    pair_experts[p]), slice c's columns += scale * (inputs[p // x_div] @ A_c^T) @ B_c^T
+    (expert_gate_up with x_div = top_k and slices gate, up; expert_down with x_div = 1)."""
+    out = y.clone().cpu()
+    slices = len(a_weights)
+    width = y.shape[1] // slices
+    pair_experts = pair_experts.to(torch.int64).cpu().flatten()
+    pair_slots = pair_slots.to(torch.int64).cpu().flatten()
+    for e in sorted({int(v) for v in pair_experts.tolist()}):
+        rows = (pair_experts == e).nonzero().flatten()
+        x = inputs.cpu()[rows // x_div]
+        for c in range(slices):
+            cols = slice(c * width, (c + 1) * width)
+            out[rows, cols] = lora_delta(x, out[rows, cols], pair_slots[rows], a_weights[c][e],
+                                         b_weights[c][e], scales, ranks, max_rank)
+    return out
+
+
+def overlay_gather(
+    token_ids: torch.Tensor,
+    slots: torch.Tensor,
+    overlays: Sequence[dict[int, torch.Tensor] | None],
+    emb: torch.Tensor,
+) -> torch.Tensor:
+    """A new emb [T, H]: row b replaced by overlays[s][token_ids[b]] (s = slots[b]) where the
+    slot overlays that token, every other row as it was."""
+    out = emb.clone()
+    for b, (token, slot) in enumerate(zip(token_ids.tolist(), slots.tolist(), strict=True)):
+        rows = overlays[slot] if 0 <= slot < len(overlays) else None
+        if rows is not None and token in rows:
+            out[b] = rows[token].to(emb.dtype)
+    return out

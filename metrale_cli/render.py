@@ -333,6 +333,28 @@ def kernel_model_line(record: dict[str, Any]) -> Text:
         f"{'meets' if record['meets_target'] else 'MISSES'}")
 
 
+def _expert_head(record: dict[str, Any]) -> str:
+    return (f"{record['projection']:<8} {record['model']:<19} r{record['rank']:<3} "
+            f"T{record['tokens']:<5} D{record['adapters']:<2} {record['path']:<7} ")
+
+
+def expert_kernel_line(record: dict[str, Any]) -> Text:
+    """One `bench kernels --experts` measurement on one line."""
+    speedup = record["speedup_vs_torch"]
+    return Text(
+        _expert_head(record) + f"p50 {record['p50_us']:8.2f} us {record['tb_per_s']:5.2f} TB/s "
+        f"{record['pct_peak']:5.1f}% peak {record['pct_copy']:5.1f}% of copy "
+        + (f"{speedup:5.2f}x gather_bmm" if speedup else "no torch"))
+
+
+def expert_model_line(record: dict[str, Any]) -> Text:
+    """One shape and projection of the `bench kernels --experts --model-only` model."""
+    return Text(
+        _expert_head(record) + f"{record['bytes'] / 1e6:9.2f} MB {record['expected_us']:8.2f} us "
+        f"{record['expected_pct_peak']:5.1f}% peak {record['expected_copy_ratio']:4.2f}x copy "
+        f"{'meets' if record['meets_target'] else 'MISSES'}")
+
+
 def pack_view(result: Any) -> Group:
     layout = result.pool.layout
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)

@@ -1,0 +1,406 @@
+// expert.cu: LoRA deltas of MoE layers straight from the expert pool (router, routed experts),
+// and the token-overlay gather.
+//
+// Expert pool model (metrale_cli/expert_pool.py): one expert entry per (layer, projection,
+// expert), gate and up separate; entry n's A (BF16 [max_rank, in_dim]) and B (BF16 [out_dim,
+// max_rank]) for slot s are at a_tables[n * max_loras + s] / b_tables[...] (u64, 0 = the slot
+// does not adapt it); scale_table f32 and ranks i32 (the slot's widest expert rank) [max_loras].
+// `entries` (i32 [num_slices, num_experts]) maps (slice, expert) of one layer to its entry,
+// -1 where the layout has none. With r = min(ranks[s], max_rank, t_cols):
+//
+//   router_lora_*:  logits[b, e] += scale[s] * sum_{j<r} (x[b] . A_s[j]) * B_s[e, j]
+//                   (A_s, B_s: entry router_entry of the tables)
+//   expert_shrink_*: t[c, p, j] = x[p / x_div] . A(c, e_p, s_p)[j]           j < r
+//   expert_expand_*: y[p, c*out_dim + o] += scale[s_p] * sum_{j<r} t[c, p, j] * B(c, e_p, s_p)[o, j]
+//   overlay_gather:  emb[b] = rows[s, i] where overlay_ids[s, i] == token_ids[b]
+//
+// Pairs: pair p = (token p / top_k, its (p % top_k)-th chosen expert e_p = topk_ids[p]), slot
+// s_p = slots[p / top_k]. The gate_up delta is 2 slices (c = 0 gate, c = 1 up) written into
+// h [P, 2 I] as gate columns then up columns, x_div = top_k; the down delta is 1 slice over the
+// activations act [P, I] into y [P, H], x_div = 1.
+//
+// The align step (metrale_cli/expert_kernels.py plan_pairs, like vLLM's moe_align_block_size)
+// sorts the pairs by (slot, expert) into `sorted_pairs` (i32 [P]) and cuts each (slot, expert)
+// group into tiles of at most TILE pairs: `tiles` i32 [num_tiles, 4] = (begin, end, slot,
+// expert) over sorted positions. A CTA owns one tile: each weight vector it loads feeds all of
+// the tile's pairs, so a group's A and B leave HBM once and are read once per tile. Pairs of
+// tokens with slot -1 are in no tile; a tile whose entry pointer is 0 or rank is 0 writes zero
+// t rows and leaves y alone: y rows of skipped pairs stay untouched, bit for bit.
+//
+// Buffers (row major; BF16 as raw uint16 bits; base addresses and weight addresses 16-byte
+// aligned): x BF16 [rows, in_dim] (x_stride); t F32 [num_slices, P, t_cols]; y BF16 or F32 [P,
+// y_stride]; logits BF16 or F32 [T, logits_stride]. in_dim, out_dim, max_rank, t_cols and
+// strides are multiples of 8 (the router's num_experts may be any count).
+//
+// Launch shapes (metrale_cli/expert_kernels.py plans them; the host harness shares the plans):
+//   router_lora_*:        grid (T), block 128: one token, its t row in shared memory.
+//   expert_shrink_{decode,prefill}: grid (num_tiles, t_cols / 4, num_slices): 4 rank rows of one
+//                         tile (EXPERT_DECODE_TILE or EXPERT_PREFILL_TILE pairs) over all of K.
+//   expert_expand_{decode,prefill}_*: grid (num_tiles, ceil(out_dim / (128 x 8)), num_slices):
+//                         each thread owns 8 output rows of one slice for the tile's pairs.
+//   overlay_gather:       grid (T), block 128: one token's row.
+// Memory-level parallelism (kernels/README.md): loads unconditional (clamped, results masked),
+// every pass's loads issued before the first product: EXPERT_*_LOADS, ROUTER_LOADS and
+// OVERLAY_LOADS per thread.
+//
+// Compile alone:
+//   nvcc -arch=sm_90 -std=c++17 -Werror all-warnings -Xcompiler -Wall,-Werror -c -o /dev/null kernels/expert.cu
+#include "lora_common.cuh"
+
+// The entry's address for a slot: 0 when the layout has no entry, the slot id is outside the
+// table, or the slot does not adapt it.
+__device__ __forceinline__ ptr_t expert_address(const ptr_t* table, int entry, int slot,
+                                                int max_loras) {
+  return (entry >= 0 && slot >= 0 && slot < max_loras)
+             ? table[static_cast<long long>(entry) * max_loras + slot]
+             : 0ull;
+}
+
+// ---- router ----------------------------------------------------------------------------------
+
+template <typename OutT>
+__device__ __forceinline__ void router_lora_body(
+    const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ slots,
+    const ptr_t* __restrict__ a_tables, const ptr_t* __restrict__ b_tables, int router_entry,
+    const float* __restrict__ scale_table, const int* __restrict__ ranks, int max_loras,
+    OutT* __restrict__ logits,
+    long long logits_stride, int in_dim, int num_experts, int max_rank) {
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int slot = slots[b];
+  const ptr_t a_addr = expert_address(a_tables, router_entry, slot, max_loras);
+  const ptr_t b_addr = expert_address(b_tables, router_entry, slot, max_loras);
+  const int rank = (a_addr && b_addr) ? imin(ranks[slot], max_rank) : 0;
+  if (rank <= 0) return;  // CTA-uniform: logits stay bit-identical
+  const float scale = scale_table[slot];
+  const int vecs = (rank + 7) >> 3;
+
+  // t_s: x . A_s[j] for j < rank, zero up to a whole number of ROUTER_COLS vectors.
+  __shared__ __align__(16) float t_s[METRALE_MAX_RANK + ROUTER_COLS * 8];
+  __shared__ float partial[METRALE_WARPS][BGMV_SHRINK_ROWS];
+  const int padded = (vecs + ROUTER_COLS - 1) / ROUTER_COLS * ROUTER_COLS * 8;
+  for (int j = tid; j < padded; j += METRALE_THREADS) t_s[j] = 0.f;
+  const bf16_t* x_row = x + static_cast<long long>(b) * x_stride;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  for (int j0 = 0; j0 < rank; j0 += BGMV_SHRINK_ROWS) {
+    const int rows = imin(BGMV_SHRINK_ROWS, rank - j0);
+    float acc[BGMV_SHRINK_ROWS];
+#pragma unroll
+    for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) acc[i] = 0.f;
+    for (int k = tid * 8; k < in_dim; k += METRALE_THREADS * 8) {
+      const uint4 xv = load16(x_row + k);
+      uint4 av[BGMV_SHRINK_ROWS];
+#pragma unroll
+      for (int i = 0; i < BGMV_SHRINK_ROWS; ++i)
+        av[i] = load16(reinterpret_cast<const bf16_t*>(a_addr) +
+                       static_cast<long long>(j0 + imin(i, rows - 1)) * in_dim + k);
+#pragma unroll
+      for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) acc[i] += dot8(xv, av[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) {
+      const float v = warp_sum(acc[i]);
+      if (lane == 0) partial[warp][i] = v;
+    }
+    __syncthreads();
+    if (tid < rows) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < METRALE_WARPS; ++w) sum += partial[w][tid];
+      t_s[j0 + tid] = sum;
+    }
+    __syncthreads();
+  }
+
+  // One thread per expert logit: its B row's rank vectors, ROUTER_COLS per pass.
+  for (int e = tid; e < num_experts; e += METRALE_THREADS) {
+    const bf16_t* b_row = reinterpret_cast<const bf16_t*>(b_addr) + static_cast<long long>(e) * max_rank;
+    float acc = 0.f;
+    for (int c = 0; c < vecs; c += ROUTER_COLS) {
+      uint4 w[ROUTER_COLS];
+#pragma unroll
+      for (int q = 0; q < ROUTER_COLS; ++q) w[q] = load16(b_row + (c + q < vecs ? c + q : c) * 8);
+#pragma unroll
+      for (int q = 0; q < ROUTER_COLS; ++q) acc += dot8_f32(t_s + (c + q) * 8, w[q]);
+    }
+    OutT* out = logits + static_cast<long long>(b) * logits_stride + e;
+    store_out(out, load_out(out) + scale * acc);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, ROUTER_LORA_MIN_CTAS)
+router_lora_f32(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ slots,
+                const ptr_t* __restrict__ a_tables, const ptr_t* __restrict__ b_tables,
+                int router_entry, const float* __restrict__ scale_table, const int* __restrict__ ranks,
+                int max_loras, float* __restrict__ logits, long long logits_stride, int in_dim,
+                int num_experts, int max_rank) {
+  router_lora_body(x, x_stride, slots, a_tables, b_tables, router_entry, scale_table, ranks, max_loras,
+                   logits, logits_stride, in_dim, num_experts, max_rank);
+}
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, ROUTER_LORA_MIN_CTAS)
+router_lora_bf16(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ slots,
+                 const ptr_t* __restrict__ a_tables, const ptr_t* __restrict__ b_tables,
+                 int router_entry, const float* __restrict__ scale_table, const int* __restrict__ ranks,
+                 int max_loras, bf16_t* __restrict__ logits, long long logits_stride,
+                 int in_dim, int num_experts, int max_rank) {
+  router_lora_body(x, x_stride, slots, a_tables, b_tables, router_entry, scale_table, ranks, max_loras,
+                   logits, logits_stride, in_dim, num_experts, max_rank);
+}
+
+// ---- routed experts --------------------------------------------------------------------------
+
+struct Tile {
+  int begin, end, slot, expert;
+};
+
+__device__ __forceinline__ Tile load_tile(const int* tiles, int i) {
+  Tile t;
+  t.begin = tiles[4 * i];
+  t.end = tiles[4 * i + 1];
+  t.slot = tiles[4 * i + 2];
+  t.expert = tiles[4 * i + 3];
+  return t;
+}
+
+template <int M>
+__device__ __forceinline__ void expert_shrink_body(
+    const bf16_t* __restrict__ x, long long x_stride, int x_div,
+    const int* __restrict__ sorted_pairs, const int* __restrict__ tiles,
+    const ptr_t* __restrict__ a_tables, const int* __restrict__ entries, int num_experts,
+    const int* __restrict__ ranks, int max_loras, float* __restrict__ t, int num_pairs,
+    int in_dim, int max_rank, int t_cols) {
+  const Tile tile = load_tile(tiles, blockIdx.x);
+  const int j0 = blockIdx.y * BGMV_SHRINK_ROWS;
+  const int slice = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int count = tile.end - tile.begin;
+  if (count <= 0) return;  // a tile past the plan's last one
+  const int entry = entries[slice * num_experts + tile.expert];
+  const ptr_t a_addr = expert_address(a_tables, entry, tile.slot, max_loras);
+  const int rank = a_addr ? imin(imin(ranks[tile.slot], max_rank), t_cols) : 0;
+  float* t_slice = t + static_cast<long long>(slice) * num_pairs * t_cols;
+  // Pairs past the tile's end re-read its first pair (in bounds) and are never written.
+  int pair[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) pair[m] = sorted_pairs[tile.begin + (m < count ? m : 0)];
+  if (j0 >= rank) {
+    // Padding rows, a 0 pointer or rank 0: one store per t element, no pass over A.
+    if (tid < M * BGMV_SHRINK_ROWS) {
+      const int m = tid / BGMV_SHRINK_ROWS, j = j0 + tid % BGMV_SHRINK_ROWS;
+      if (m < count && j < t_cols)
+        t_slice[static_cast<long long>(sorted_pairs[tile.begin + m]) * t_cols + j] = 0.f;
+    }
+    return;
+  }
+  const int rows = imin(BGMV_SHRINK_ROWS, rank - j0);
+  const bf16_t* a_row[BGMV_SHRINK_ROWS];
+#pragma unroll
+  for (int i = 0; i < BGMV_SHRINK_ROWS; ++i)
+    a_row[i] = reinterpret_cast<const bf16_t*>(a_addr) +
+               static_cast<long long>(j0 + imin(i, rows - 1)) * in_dim;
+  const bf16_t* x_row[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) x_row[m] = x + static_cast<long long>(pair[m] / x_div) * x_stride;
+
+  float acc[M][BGMV_SHRINK_ROWS];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) acc[m][i] = 0.f;
+  // A pass: the 4 A vectors and the tile's M x vectors at one K position, all issued before
+  // the first product; each A vector then feeds M pairs.
+  for (int k = tid * 8; k < in_dim; k += METRALE_THREADS * 8) {
+    uint4 av[BGMV_SHRINK_ROWS];
+    uint4 xv[M];
+#pragma unroll
+    for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) av[i] = load16(a_row[i] + k);
+#pragma unroll
+    for (int m = 0; m < M; ++m) xv[m] = load16(x_row[m] + k);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) acc[m][i] += dot8(xv[m], av[i]);
+  }
+
+  __shared__ float partial[METRALE_WARPS][M * BGMV_SHRINK_ROWS];
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int i = 0; i < BGMV_SHRINK_ROWS; ++i) {
+      const float v = warp_sum(acc[m][i]);
+      if (lane == 0) partial[warp][m * BGMV_SHRINK_ROWS + i] = v;
+    }
+  __syncthreads();
+  if (tid < M * BGMV_SHRINK_ROWS) {
+    const int m = tid / BGMV_SHRINK_ROWS, i = tid % BGMV_SHRINK_ROWS;
+    if (m < count && j0 + i < t_cols) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < METRALE_WARPS; ++w) sum += partial[w][tid];
+      t_slice[static_cast<long long>(sorted_pairs[tile.begin + m]) * t_cols + j0 + i] =
+          i < rows ? sum : 0.f;
+    }
+  }
+}
+
+#define EXPERT_SHRINK_PARAMS                                                                  \
+  const bf16_t *__restrict__ x, long long x_stride, int x_div,                                \
+      const int *__restrict__ sorted_pairs, const int *__restrict__ tiles,                    \
+      const ptr_t *__restrict__ a_tables, const int *__restrict__ entries, int num_experts,   \
+      const int *__restrict__ ranks, int max_loras, float *__restrict__ t, int num_pairs,     \
+      int in_dim, int max_rank, int t_cols
+#define EXPERT_SHRINK_ARGS                                                                     \
+  x, x_stride, x_div, sorted_pairs, tiles, a_tables, entries, num_experts, ranks, max_loras, t, \
+      num_pairs, in_dim, max_rank, t_cols
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, EXPERT_SHRINK_DECODE_MIN_CTAS)
+expert_shrink_decode(EXPERT_SHRINK_PARAMS) {
+  expert_shrink_body<EXPERT_DECODE_TILE>(EXPERT_SHRINK_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, EXPERT_SHRINK_PREFILL_MIN_CTAS)
+expert_shrink_prefill(EXPERT_SHRINK_PARAMS) {
+  expert_shrink_body<EXPERT_PREFILL_TILE>(EXPERT_SHRINK_ARGS);
+}
+
+template <int M, typename OutT>
+__device__ __forceinline__ void expert_expand_body(
+    const float* __restrict__ t, const int* __restrict__ sorted_pairs,
+    const int* __restrict__ tiles, const ptr_t* __restrict__ b_tables,
+    const int* __restrict__ entries, int num_experts, const float* __restrict__ scale_table,
+    const int* __restrict__ ranks, int max_loras, OutT* __restrict__ y, long long y_stride,
+    int num_pairs, int out_dim, int max_rank, int t_cols) {
+  const Tile tile = load_tile(tiles, blockIdx.x);
+  const int slice = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int count = tile.end - tile.begin;
+  if (count <= 0) return;
+  const int entry = entries[slice * num_experts + tile.expert];
+  const ptr_t b_addr = expert_address(b_tables, entry, tile.slot, max_loras);
+  const int rank = b_addr ? imin(imin(ranks[tile.slot], max_rank), t_cols) : 0;
+  if (rank <= 0) return;  // CTA-uniform, before any barrier: y stays bit-identical
+  const float scale = scale_table[tile.slot];
+  const int vecs = (rank + 7) >> 3;
+  const int padded = (vecs + EXPERT_EXPAND_COLS - 1) / EXPERT_EXPAND_COLS * EXPERT_EXPAND_COLS * 8;
+  const float* t_slice = t + static_cast<long long>(slice) * num_pairs * t_cols;
+
+  // The tile's t rows, zero past the rank (the last B vector's padding columns meet zeros).
+  __shared__ __align__(16) float t_s[M][METRALE_MAX_RANK + EXPERT_EXPAND_COLS * 8];
+  int pair[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) pair[m] = sorted_pairs[tile.begin + (m < count ? m : 0)];
+  for (int idx = tid; idx < M * padded; idx += METRALE_THREADS) {
+    const int m = idx / padded, j = idx % padded;
+    t_s[m][j] = (m < count && j < rank)
+                    ? t_slice[static_cast<long long>(sorted_pairs[tile.begin + m]) * t_cols + j]
+                    : 0.f;
+  }
+  __syncthreads();
+
+  const int o = (blockIdx.y * METRALE_THREADS + tid) * BGMV_EXPAND_ROWS;
+  if (o >= out_dim) return;
+  const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr) + static_cast<long long>(o) * max_rank;
+  float acc[M][BGMV_EXPAND_ROWS];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) acc[m][i] = 0.f;
+  for (int c = 0; c < vecs; c += EXPERT_EXPAND_COLS) {
+    // A pass: every row's next EXPERT_EXPAND_COLS vectors (a column past the rank re-reads the
+    // pass's first, in bounds, and meets zeros in t_s); each B vector feeds the tile's M pairs.
+    uint4 w[BGMV_EXPAND_ROWS][EXPERT_EXPAND_COLS];
+#pragma unroll
+    for (int i = 0; i < BGMV_EXPAND_ROWS; ++i)
+#pragma unroll
+      for (int q = 0; q < EXPERT_EXPAND_COLS; ++q) {
+        const int col = c + q < vecs ? c + q : c;
+        w[i][q] = load16(b_rows + static_cast<long long>(i) * max_rank + col * 8);
+      }
+#pragma unroll
+    for (int q = 0; q < EXPERT_EXPAND_COLS; ++q)
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int i = 0; i < BGMV_EXPAND_ROWS; ++i)
+          acc[m][i] += dot8_f32(&t_s[m][(c + q) * 8], w[i][q]);
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    if (m < count) {
+      OutT* y_out = y + static_cast<long long>(pair[m]) * y_stride + slice * out_dim + o;
+      float yv[BGMV_EXPAND_ROWS];
+      load_y8(y_out, yv);
+#pragma unroll
+      for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) yv[i] += scale * acc[m][i];
+      store_y8(y_out, yv);
+    }
+  }
+}
+
+#define EXPERT_EXPAND_PARAMS(OutT)                                                             \
+  const float *__restrict__ t, const int *__restrict__ sorted_pairs,                           \
+      const int *__restrict__ tiles, const ptr_t *__restrict__ b_tables,                       \
+      const int *__restrict__ entries, int num_experts, const float *__restrict__ scale_table, \
+      const int *__restrict__ ranks, int max_loras, OutT *__restrict__ y, long long y_stride,  \
+      int num_pairs, int out_dim, int max_rank, int t_cols
+#define EXPERT_EXPAND_ARGS                                                                     \
+  t, sorted_pairs, tiles, b_tables, entries, num_experts, scale_table, ranks, max_loras, y,    \
+      y_stride, num_pairs, out_dim, max_rank, t_cols
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, EXPERT_EXPAND_DECODE_MIN_CTAS)
+expert_expand_decode_bf16(EXPERT_EXPAND_PARAMS(bf16_t)) {
+  expert_expand_body<EXPERT_DECODE_TILE>(EXPERT_EXPAND_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, EXPERT_EXPAND_DECODE_MIN_CTAS)
+expert_expand_decode_f32(EXPERT_EXPAND_PARAMS(float)) {
+  expert_expand_body<EXPERT_DECODE_TILE>(EXPERT_EXPAND_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, EXPERT_EXPAND_PREFILL_MIN_CTAS)
+expert_expand_prefill_bf16(EXPERT_EXPAND_PARAMS(bf16_t)) {
+  expert_expand_body<EXPERT_PREFILL_TILE>(EXPERT_EXPAND_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, EXPERT_EXPAND_PREFILL_MIN_CTAS)
+expert_expand_prefill_f32(EXPERT_EXPAND_PARAMS(float)) {
+  expert_expand_body<EXPERT_PREFILL_TILE>(EXPERT_EXPAND_ARGS);
+}
+
+// ---- token overlays --------------------------------------------------------------------------
+
+// overlay_ids i32 [max_loras, max_tokens]: each slot's overlaid token ids ascending, its first
+// overlay_counts[s] valid; rows BF16 [max_loras, max_tokens, hidden]: row i replaces token
+// overlay_ids[s, i]'s embedding. emb BF16 [T, emb_stride]; hidden a multiple of 8.
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, OVERLAY_GATHER_MIN_CTAS)
+overlay_gather(const int* __restrict__ token_ids, const int* __restrict__ slots,
+               const int* __restrict__ overlay_ids, const int* __restrict__ overlay_counts,
+               const bf16_t* __restrict__ rows, int max_loras, int max_tokens, int hidden,
+               bf16_t* __restrict__ emb, long long emb_stride) {
+  const int b = blockIdx.x;
+  const int slot = slots[b];
+  if (slot < 0 || slot >= max_loras) return;
+  const int token = token_ids[b];
+  const int* ids = overlay_ids + static_cast<long long>(slot) * max_tokens;
+  int lo = 0, hi = overlay_counts[slot];
+  while (lo < hi) {  // first index whose id is >= token
+    const int mid = (lo + hi) >> 1;
+    if (ids[mid] < token) lo = mid + 1; else hi = mid;
+  }
+  if (lo >= overlay_counts[slot] || ids[lo] != token) return;  // not overlaid: row untouched
+  const bf16_t* src = rows + (static_cast<long long>(slot) * max_tokens + lo) * hidden;
+  bf16_t* dst = emb + static_cast<long long>(b) * emb_stride;
+  constexpr int kStep = METRALE_THREADS * 8;
+  for (int c = threadIdx.x * 8; c < hidden; c += OVERLAY_LOADS * kStep) {
+    uint4 v[OVERLAY_LOADS];
+#pragma unroll
+    for (int q = 0; q < OVERLAY_LOADS; ++q) v[q] = load16(src + (c + q * kStep < hidden ? c + q * kStep : c));
+#pragma unroll
+    for (int q = 0; q < OVERLAY_LOADS; ++q)
+      if (c + q * kStep < hidden) *reinterpret_cast<uint4*>(dst + c + q * kStep) = v[q];
+  }
+}
