@@ -1,10 +1,12 @@
-"""Atomic output: temp file beside the target, fsync, then publish it under the final name.
+"""Atomic output: temp file (or directory) beside the target, fsync, then publish it under the
+final name.
 
 Nothing is overwritten without `force`, even by a concurrent writer: without it the final name is
 created only if absent (a hard link of the temp file, or `renameat2(RENAME_NOREPLACE)`), so of two
 writers exactly one wins. A kill at any moment leaves the old file or the new one, never a partial
 one: SIGINT, SIGTERM and SIGHUP remove the temp file, and a temp file left by a process that died
 harder (SIGKILL, a crash) carries its pid in its name and is removed by the next writer.
+A directory (`unpack`'s adapter) follows the same rules: `temp_dir`, then `publish_dir`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from metrale_cli.errors import OutputExists, Terminated, UsageError
 # `.NAME.PID.RANDOM.tmp` beside NAME: the pid says whether the writer is still alive.
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
 RENAME_NOREPLACE = 1  # linux/fs.h
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
 _CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -75,8 +79,7 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
     remove_stale_temps(parent, path.name)
     with cleanup_on_signals():
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
-                                       dir=parent)
+            fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent)
         except OSError as exc:
             raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
         try:
@@ -102,47 +105,9 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
         os.close(dir_fd)
 
 
-def atomic_directory(path: Path, fill: Any, force: bool) -> None:
-    """Fill a temp directory beside `path` through `fill(dir)`, then rename it to `path`: a
-    failure, SIGINT, SIGTERM or SIGHUP while filling leaves no `path` and no temp directory.
-    With `force` an existing directory is replaced (moved aside, then removed after the
-    rename); anything else at `path` is refused."""
-    path = Path(path)
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise UsageError(f"{path} exists and is not a directory; metrale never replaces one")
-    if path.exists() and not force:
-        raise OutputExists(f"{path} exists; pass --force to overwrite it")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"{parent}: no such directory")
-    with cleanup_on_signals():
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
-                                        dir=parent))
-        except OSError as exc:
-            raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
-        try:
-            fill(tmp)
-            # mkdtemp creates 0700; give the directory the mode an ordinary mkdir would.
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o777 & ~umask)
-            if path.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.",
-                                            suffix=".old", dir=parent))
-                os.replace(path, old / path.name)
-                os.replace(tmp, path)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    dir_fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+def _temp_prefix(path: Path) -> str:
+    """`.NAME.PID.`: with mkstemp's random part and `.tmp`, a name `_TEMP` matches."""
+    return f".{path.name}.{os.getpid()}."
 
 
 def _publish_new(tmp: str, path: Path) -> None:
@@ -157,22 +122,86 @@ def _publish_new(tmp: str, path: Path) -> None:
         # File systems without hard links (FAT, some FUSE mounts): rename without replacing.
         if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
             raise
+    _renameat2(tmp, path, RENAME_NOREPLACE)
+
+
+def _renameat2(src: str | Path, dst: Path, flags: int) -> None:
+    """renameat2(2) with `flags`: RENAME_NOREPLACE (OutputExists when `dst` exists) or
+    RENAME_EXCHANGE (both names must exist; they swap in one step)."""
     libc = ctypes.CDLL(None, use_errno=True)
     renameat2 = getattr(libc, "renameat2", None)
     if renameat2 is None:
-        raise UsageError(f"{path}: the file system cannot create a file without replacing "
+        raise UsageError(f"{dst}: the file system cannot create a file without replacing "
                          "one (no hard links, no renameat2); pass --force")
-    at_fdcwd = -100
-    if renameat2(at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(path), RENAME_NOREPLACE):
+    if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags):
         code = ctypes.get_errno()
-        if code == errno.EEXIST:
-            raise OutputExists(f"{path} exists (written meanwhile by another process); pass "
+        if code == errno.EEXIST or (code == errno.ENOTEMPTY and flags == RENAME_NOREPLACE):
+            raise OutputExists(f"{dst} exists (written meanwhile by another process); pass "
                                "--force to overwrite it")
-        raise OSError(code, os.strerror(code), str(path))
+        raise OSError(code, os.strerror(code), str(dst))
+
+
+def temp_dir(path: Path) -> Path:
+    """A new empty directory beside `path` to build it in, named like the temp files (so a
+    SIGKILLed writer's is swept by the next), after sweeping dead writers' ones."""
+    parent = path.parent if str(path.parent) else Path(".")
+    remove_stale_temps(parent, path.name)
+    try:
+        return Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
+
+
+def publish_dir(tmp: Path, path: Path, force: bool) -> None:
+    """Give the built directory `tmp` the name `path`. Without `force` only if nothing has the
+    name (OutputExists when a concurrent writer got there first); with it, an existing
+    directory is swapped out in one step (RENAME_EXCHANGE: `path` is always the old directory
+    or the new one, never missing) and removed. `tmp` is gone after, whatever happens."""
+    try:
+        if force and path.is_dir() and not path.is_symlink():
+            _renameat2(tmp, path, RENAME_EXCHANGE)  # tmp now holds the old directory
+        else:
+            _renameat2(tmp, path, RENAME_NOREPLACE)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    parent = path.parent if str(path.parent) else Path(".")
+    dir_fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_directory(path: Path, fill: Any, force: bool) -> None:
+    """Build the directory `path` through `fill(dir)` in a temp directory beside it, then
+    publish it (`publish_dir`): a failure, SIGINT, SIGTERM or SIGHUP while filling leaves no
+    `path` and no temp directory. An existing `path` is refused without `force`, and anything
+    but a directory even with it."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise UsageError(f"{path} exists and is not a directory; metrale never replaces one")
+    if path.exists() and not force:
+        raise OutputExists(f"{path} exists; pass --force to overwrite it")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory")
+    with cleanup_on_signals():
+        tmp = temp_dir(path)
+        try:
+            fill(tmp)
+            # mkdtemp creates 0700; give the directory the mode an ordinary mkdir would.
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        publish_dir(tmp, path, force)
 
 
 def remove_stale_temps(parent: Path, name: str) -> list[Path]:
-    """Remove this writer's temp files for `name` whose owning process is gone; returns them."""
+    """Remove this writer's temp files (and directories) for `name` whose owning process is
+    gone; returns them."""
     removed = []
     try:
         entries = list(os.scandir(parent))
@@ -180,14 +209,20 @@ def remove_stale_temps(parent: Path, name: str) -> list[Path]:
         return removed
     for entry in entries:
         m = _TEMP.match(entry.name)
-        if m is None or m.group("name") != name or not entry.is_file(follow_symlinks=False):
+        if m is None or m.group("name") != name:
             continue
         with contextlib.suppress(OSError):
-            if entry.stat(follow_symlinks=False).st_uid == os.getuid() and not _alive(
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(
                 int(m.group("pid"))
             ):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            elif entry.is_file(follow_symlinks=False):
                 os.unlink(entry.path)
-                removed.append(Path(entry.path))
+            else:
+                continue
+            removed.append(Path(entry.path))
     return removed
 
 

@@ -355,16 +355,10 @@ def _audit_module(
                f"{_layer_kind(model, layer)}", layer)
         return None
 
-    pair = check_pair(adapter, a_key, b_key, module.peft_name, layer, out)
+    pair = check_pair(adapter, a_key, b_key, module.peft_name, layer, out, module.dims(model))
     if pair is None:
         return None
     a, b = pair
-    out_dim, in_dim = module.dims(model)
-    if a.shape[1] != in_dim or b.shape[0] != out_dim:
-        out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
-               f"{module.peft_name}{{where}}: A {list(a.shape)}, B {list(b.shape)}; the model "
-               f"needs A [r, {in_dim}], B [{out_dim}, r]", layer)
-        return None
     r = a.shape[0]
     alpha, scaling = rank_and_scale(adapter, module_key, module.peft_name, r, layer, out)
     for name, hits in cfg.overlapping_patterns(module_key).items():

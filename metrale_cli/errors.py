@@ -89,8 +89,10 @@ class PoolTooLarge(UsageError):
     allocation is tried."""
 
 
-class ImageInconsistent(MetraleError):
-    """A pool image whose metadata, tables and layout contradict each other."""
+class ImageInconsistent(FormatError):
+    """A pool image whose metadata, tables and layout contradict each other. A FormatError (a
+    caller opening an image refuses both alike) that is judged, so exit 1 where a file that is
+    not an image at all is exit 2."""
 
     exit_code = 1
 

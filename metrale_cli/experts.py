@@ -186,17 +186,12 @@ def _scan_linear(
         out.at(Severity.ERROR, Code.EXPERT_OUT_OF_RANGE,
                f"expert {expert}{{where}}: the model has {model.num_experts} experts", layer)
         return []
+    out_dim, in_dim = proj.dims(model)
     pair = check_pair(adapter, parts.get("lora_A.weight"), parts.get("lora_B.weight"), what,
-                      layer, out)
+                      layer, out, (out_dim, in_dim))
     if pair is None:
         return []
     a, b = pair
-    out_dim, in_dim = proj.dims(model)
-    if a.shape[1] != in_dim or b.shape[0] != out_dim:
-        out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
-               f"{what}{{where}}: A {list(a.shape)}, B {list(b.shape)}; the model needs "
-               f"A [r, {in_dim}], B [{out_dim}, r]", layer)
-        return []
     r = a.shape[0]
     if proj is ExpertProj.ROUTER:
         # PEFT matches patterns against the parameter path when the router is a

@@ -15,23 +15,24 @@ import numpy as np
 
 from metrale_cli.atomic import atomic_write
 from metrale_cli.bf16 import bf16_to_f32
-from metrale_cli.errors import FormatError, MetraleError
+from metrale_cli.errors import FormatError
 from metrale_cli.expert_pool import ExpertLayout
+from metrale_cli.image_check import (
+    _NP_DTYPES,
+    DATA_ALIGN,
+    FORMAT,
+    ImageTables,
+    check,
+    read_tables,
+)
 from metrale_cli.layout import SlotLayout
-from metrale_cli.models import MAX_LAYERS, ModelConfig
-from metrale_cli.modules import LoraModule
-from metrale_cli.overlays import TABLES, OverlayRaw
+from metrale_cli.overlays import OverlayRaw
 from metrale_cli.pool import LoraPool, SlotContents
-from metrale_cli.safetensors_header import read_header
-from metrale_cli.sharding import RankExpertLayout, RankLayout, shard_of
+from metrale_cli.sharding import RankLayout
 from metrale_cli.slots import U64_MASK, AdapterSlot
 
-FORMAT = "pool/1"
-# The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
-DATA_ALIGN = 256
 COPY_CHUNK = 64 << 20
 _ITEM_BYTES = {"U8": 1, "F32": 4, "I32": 4, "I64": 8}
-_NP_DTYPES = {"U8": "u1", "F32": "<f4", "I32": "<i4", "I64": "<i8"}
 # Tensors that may live in device memory and are copied out in chunks.
 _DEVICE_TENSORS = ("pool", "expert_pool")
 
@@ -166,27 +167,6 @@ class ImageRegion:
         # A has `a_rows` rows: `max_rank`, or a fully sharded rank's part of them.
         return a.reshape(e.a_rows, e.in_dim), b.reshape(e.out_dim, e.max_rank)
 
-    def check(self, path: Path, name: str) -> None:
-        """FormatError unless every slot's A and B offsets of an entry are both its layout's
-        (`slot * slot_bytes + entry offset`) or both -1."""
-        count = self.a_offsets.shape[1]
-        slots = np.arange(count, dtype=np.int64) * self.layout.slot_bytes
-        for which, offsets, attr in (("a", self.a_offsets, "a_offset"),
-                                     ("b", self.b_offsets, "b_offset")):
-            own = np.array([getattr(e, attr) for e in self.layout.entries], dtype=np.int64)
-            table = np.asarray(offsets)
-            bad = (table != own[:, None] + slots[None, :]) & (table != -1)
-            if bad.any():
-                entry, slot = (int(i) for i in np.argwhere(bad)[0])
-                raise FormatError(f"{path}: {name} {which}_offsets[{entry}, {slot}] is "
-                                  f"{int(table[entry, slot])}; the layout puts that entry at "
-                                  f"{int(own[entry] + slots[slot])} (or -1: not adapted)")
-        mixed = (np.asarray(self.a_offsets) < 0) != (np.asarray(self.b_offsets) < 0)
-        if mixed.any():
-            entry, slot = (int(i) for i in np.argwhere(mixed)[0])
-            raise FormatError(f"{path}: {name} entry {entry} of slot {slot} has only one of "
-                              "its A and B")
-
 
 @dataclass
 class PoolImage:
@@ -208,77 +188,36 @@ class PoolImage:
 
     @classmethod
     def open(cls, path: str | Path) -> PoolImage:
-        path = Path(path)
-        header = read_header(path)
-        meta = header.metadata
-        if meta.get("metrale.format") != FORMAT:
-            raise FormatError(f"{path}: not a metrale pool image (metrale.format is "
-                              f"{meta.get('metrale.format')!r}, expected {FORMAT!r})")
+        """Open the image at `path`: not an image, or truncated, is a FormatError; one whose
+        tables contradict its layout (a pointer that would land outside the pool, among
+        others) is ImageInconsistent, a FormatError too. Both are checked by image_check, the
+        same code as `metrale show`."""
+        t = read_tables(path)
+        check(t)
         try:
-            layout_doc = json.loads(meta["metrale.layout"])
-            model = ModelConfig.from_summary(json.loads(meta["metrale.model"]))
-            if not 0 < model.num_hidden_layers <= MAX_LAYERS:
-                # A config's own bound on layers. The layout is rebuilt layer by layer: a
-                # header saying 10**8 would hang here.
-                raise ValueError(f"num_hidden_layers {model.num_hidden_layers!r} is not in "
-                                 f"[1, {MAX_LAYERS}]")
-            layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
-                                      layout_doc["max_rank"], layout_doc["align"])
-            max_loras = _count(layout_doc["max_loras"], "max_loras", 1)
-            shard = shard_of(meta)
-            if shard is not None:
-                layout = RankLayout.of(layout, shard)
-            fingerprint = layout.fingerprint
-            expert_layout, ex_fingerprint = None, None
-            if "metrale.expert_layout" in meta:
-                ex_doc = json.loads(meta["metrale.expert_layout"])
-                expert_layout = ExpertLayout.from_record(model, ex_doc)
-                if shard is not None:
-                    expert_layout = RankExpertLayout.of(expert_layout, shard)
-                ex_fingerprint = ex_doc.get("fingerprint")
-            slots, pinned = _slots(json.loads(meta["metrale.slots"]), max_loras)
-            active = _count(meta.get("metrale.active", "0"), "metrale.active", 0)
-        except (KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError,
-                RecursionError, MetraleError) as exc:
-            raise FormatError(f"{path}: bad metrale metadata ({exc})") from exc
-        if fingerprint != layout_doc.get("fingerprint"):
-            raise FormatError(f"{path}: the layout does not reproduce its fingerprint")
-        if expert_layout is not None and expert_layout.fingerprint != ex_fingerprint:
-            raise FormatError(f"{path}: the expert layout does not reproduce its fingerprint")
-        if active >= max_loras:
-            raise FormatError(f"{path}: active slot {active} is out of range [0, {max_loras})")
+            slots, pinned = _slots(t.slots_doc)
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            raise FormatError(f"{t.path}: bad metrale.slots ({exc})") from exc
 
-        def tensor(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-            info = header.tensors.get(name)
-            if info is None or info.dtype != dtype or info.shape != shape:
-                raise FormatError(f"{path}: tensor {name!r} must be {dtype} {list(shape)}")
+        def tensor(name: str) -> np.ndarray:
+            info = t.tensor(name)
             if info.nbytes == 0:
-                return np.zeros(shape, dtype=_NP_DTYPES[dtype])  # mmap refuses empty ranges
-            return np.memmap(path, dtype=_NP_DTYPES[dtype], mode="r", offset=info.begin,
-                             shape=shape)
+                return np.zeros(info.shape, dtype=_NP_DTYPES[info.dtype])  # mmap refuses empty
+            return np.memmap(t.path, dtype=_NP_DTYPES[info.dtype], mode="r", offset=info.begin,
+                             shape=info.shape)
 
-        def region(prefix: str, the_layout: SlotLayout | ExpertLayout) -> ImageRegion:
-            n = len(the_layout.entries)
-            found = ImageRegion(
-                the_layout, tensor(f"{prefix}pool", "U8", (max_loras * the_layout.slot_bytes,)),
-                tensor(f"{prefix}a_offsets", "I64", (n, max_loras)),
-                tensor(f"{prefix}b_offsets", "I64", (n, max_loras)))
-            found.check(path, f"{prefix}pool")
-            return found
-
-        scales = tensor("scales", "F32", (max_loras,))
-        ranks = tensor("ranks", "I32", (max_loras,))
-        if not np.isfinite(scales).all():
-            raise FormatError(f"{path}: scales hold non-finite values")
-        top = max(layout.max_rank, expert_layout.max_rank if expert_layout else 0)
-        if ((ranks < 0) | (ranks > top)).any():
-            raise FormatError(f"{path}: ranks must be in [0, {top}]")
+        ex = t.expert_layout
+        expert_region = None
+        if ex is not None:
+            assert t.expert_a_offsets is not None and t.expert_b_offsets is not None
+            expert_region = ImageRegion(ex, tensor("expert_pool"), t.expert_a_offsets,
+                                        t.expert_b_offsets)
         return cls(
-            path=path, layout=layout, max_loras=max_loras, slots=slots, pinned=pinned,
-            active=active, region=region("", layout), scales=scales, ranks=ranks,
-            expert_layout=expert_layout,
-            expert_region=region("expert_", expert_layout) if expert_layout else None,
-            overlay_raw=_overlays(path, meta, model, max_loras, tensor),
+            path=t.path, layout=t.layout, max_loras=t.max_loras, slots=slots, pinned=pinned,
+            active=t.active, region=ImageRegion(t.layout, tensor("pool"), t.a_offsets,
+                                                t.b_offsets),
+            scales=t.scales, ranks=t.ranks, expert_layout=ex, expert_region=expert_region,
+            overlay_raw=_overlays(t, tensor),
         )
 
     def slot_contents(self, slot: int) -> SlotContents:
@@ -299,74 +238,40 @@ class PoolImage:
                 "slots": [s.record(k, self.pinned[k]) for k, s in enumerate(self.slots)]}
 
 
-def _count(value: Any, what: str, least: int) -> int:
-    """A JSON integer (or its decimal string) of at least `least`."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{what} must be an integer")
-    number = int(value)
-    if number < least:
-        raise ValueError(f"{what} must be at least {least}, got {number}")
-    return number
-
-
-def _slots(doc: Any, max_loras: int) -> tuple[list[AdapterSlot], list[bool]]:
-    if not isinstance(doc, list) or len(doc) != max_loras:
-        raise ValueError(f"metrale.slots must list {max_loras} slots")
+def _slots(doc: list[dict[str, Any]]) -> tuple[list[AdapterSlot], list[bool]]:
+    """The checked image's slot records as AdapterSlots (image_check has matched their ranks
+    and scales against the tables)."""
     slots, pinned = [], []
     for s in doc:
-        if not isinstance(s, dict):
-            raise ValueError("a metrale.slots entry is not an object")
         name, source = s["name"], s["source"]
         alpha, scaling = float(s["alpha"]), float(s["scaling"])
         if not isinstance(name, str) or not isinstance(source, str):
             raise ValueError("slot name and source must be strings")
         if not (math.isfinite(alpha) and math.isfinite(scaling)):
             raise ValueError("slot alpha and scaling must be finite")
-        generation = _count(s["generation"], "generation", 0)
-        if generation > U64_MASK:
-            raise ValueError("generation must fit 64 bits")
-        slots.append(AdapterSlot(name, _count(s["rank"], "rank", 0), alpha, scaling, source,
-                                 {}, generation))
+        generation = s["generation"]
+        if isinstance(generation, bool) or not isinstance(generation, int) \
+                or not 0 <= generation <= U64_MASK:
+            raise ValueError("generation must be an integer that fits 64 bits")
+        slots.append(AdapterSlot(name, int(s["rank"]), alpha, scaling, source, {}, generation))
         pinned.append(s["pinned"] is True)
     return slots, pinned
 
 
-def _overlays(path: Path, meta: dict[str, str], model: ModelConfig, max_loras: int,
-              tensor: Callable[[str, str, tuple[int, ...]], np.ndarray],
-              ) -> list[OverlayRaw | None]:
-    """Every slot's overlays, checked: runs tile the rows in order, each names a slot in range
-    and a known table, its rows are that slot's, its token ids inside the vocabulary."""
-    overlay_raw: list[OverlayRaw | None] = [None] * max_loras
-    if "metrale.overlays" not in meta:
+def _overlays(t: ImageTables, tensor: Callable[[str], np.ndarray]) -> list[OverlayRaw | None]:
+    """Every slot's overlays, from the checked image's runs (image_check has matched them
+    against `overlay_slots`, the slots and the vocabulary)."""
+    overlay_raw: list[OverlayRaw | None] = [None] * t.max_loras
+    if t.overlay_doc is None:
         return overlay_raw
-    try:
-        doc = json.loads(meta["metrale.overlays"])
-        runs, hidden = doc["runs"], _count(doc["hidden_size"], "hidden_size", 1)
-        if hidden != model.hidden_size or not isinstance(runs, list):
-            raise ValueError(f"hidden_size {hidden} is not the model's {model.hidden_size}")
-        n_rows = sum(_count(r["count"], "count", 0) for r in runs)
-        slot_of_row = tensor("overlay_slots", "I32", (n_rows,))
-        tokens = tensor("overlay_tokens", "I64", (n_rows,))
-        rows = tensor("overlay_rows", "F32", (n_rows, hidden))
-        cursor = 0
-        for run in runs:
-            start, count = _count(run["start"], "start", 0), _count(run["count"], "count", 0)
-            slot, table = _count(run["slot"], "slot", 0), run["table"]
-            if start != cursor or slot >= max_loras or table not in TABLES:
-                raise ValueError(f"run {run!r} does not follow the previous one, or names a "
-                                 "slot or table that does not exist")
-            cursor += count
-            ids = np.array(tokens[start:start + count])
-            if (np.asarray(slot_of_row[start:start + count]) != slot).any():
-                raise ValueError(f"overlay_slots disagree with the run of slot {slot}")
-            if ((ids < 0) | (model.vocab_size > 0) & (ids >= model.vocab_size)).any():
-                raise ValueError(f"token ids outside the vocabulary [0, {model.vocab_size})")
-            raw = overlay_raw[slot] or OverlayRaw()
-            raw.tables.append(str(table))
-            raw.tokens.append(ids)
-            raw.rows.append(np.array(rows[start:start + count]))
-            raw.tied_lm_head.append(run["tied_lm_head"] is True)
-            overlay_raw[slot] = raw
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise FormatError(f"{path}: bad metrale.overlays ({exc})") from exc
+    assert t.overlay_tokens is not None
+    rows = tensor("overlay_rows")
+    for run in t.overlay_doc["runs"]:
+        slot, start, count = run["slot"], run["start"], run["count"]
+        raw = overlay_raw[slot] or OverlayRaw()
+        raw.tables.append(str(run["table"]))
+        raw.tokens.append(np.array(t.overlay_tokens[start:start + count]))
+        raw.rows.append(np.array(rows[start:start + count]))
+        raw.tied_lm_head.append(run.get("tied_lm_head") is True)
+        overlay_raw[slot] = raw
     return overlay_raw

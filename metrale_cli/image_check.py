@@ -1,12 +1,13 @@
-"""`metrale show`: what a pool image holds, checked against docs/pool-format.md without reading
-the pool bytes.
+"""A pool image's tables, and the one check of their consistency (docs/pool-format.md), done
+without reading the pool bytes: `metrale show`, `verify`, `unpack` and `PoolImage.open` all
+read and check an image here.
 
 `read_tables(path)` reads the safetensors header, the `metrale.*` metadata and the small tables
 (scales, ranks, offsets, overlay slots and tokens) with positional reads; the `pool`,
 `expert_pool` and `overlay_rows` tensors are never touched, so a 40 GB image shows as fast as a
 40 MB one. `problems(tables)` lists every inconsistency, most basic first; `show_image` returns
-the `ImageShow` record or raises `ImageInconsistent` (exit 1) naming the first. A file that is not
-a pool image, or is truncated, is a `FormatError` (exit 2).
+the `ImageShow` record or raises `ImageInconsistent` (exit 1, a `FormatError`) naming the
+first. A file that is not a pool image, or is truncated, is a plain `FormatError` (exit 2).
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ import numpy as np
 from metrale_cli.errors import FormatError, ImageInconsistent, MetraleError
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
-from metrale_cli.models import ModelConfig
+from metrale_cli.models import MAX_LAYERS, ModelConfig
 from metrale_cli.modules import LoraModule
 from metrale_cli.overlays import TABLES
 from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 from metrale_cli.sharding import RankExpertLayout, RankLayout, shard_of
 
 FORMAT = "pool/1"
+# The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
 DATA_ALIGN = 256
-_NP_DTYPES = {"F32": "<f4", "I32": "<i4", "I64": "<i8"}
+_NP_DTYPES = {"U8": "u1", "F32": "<f4", "I32": "<i4", "I64": "<i8"}
 # Which part of the file each tensor is, for the bytes-by-part view.
 _PARTS = {"pool": "pool", "expert_pool": "expert_pool", "overlay_slots": "overlays",
           "overlay_tokens": "overlays", "overlay_rows": "overlays"}
@@ -127,6 +129,16 @@ def _read(fd: int, info: TensorInfo) -> np.ndarray:
     return np.frombuffer(data, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
 
 
+def _count(value: Any, what: str) -> int:
+    """A JSON integer (or its decimal string), not negative."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{what} must be an integer")
+    number = int(value)
+    if number < 0:
+        raise ValueError(f"{what} must not be negative, got {number}")
+    return number
+
+
 def read_tables(path: str | Path) -> ImageTables:
     """The header, metadata and tables of the pool image at `path`, never its pool bytes."""
     path = Path(path)
@@ -139,14 +151,21 @@ def read_tables(path: str | Path) -> ImageTables:
     slots_doc = _json_meta(path, meta, "metrale.slots")
     try:
         model = ModelConfig.from_summary(_json_meta(path, meta, "metrale.model"))
+        if not 0 < model.num_hidden_layers <= MAX_LAYERS:
+            # A config's own bound on layers. The layout is rebuilt layer by layer: a header
+            # saying 10**8 would hang here.
+            raise ValueError(f"num_hidden_layers {model.num_hidden_layers!r} is not in "
+                             f"[1, {MAX_LAYERS}]")
         layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                   int(layout_doc["max_rank"]), int(layout_doc["align"]))
         shard = shard_of(meta)  # a tensor-parallel rank's image: its own layout
         if shard is not None:
             layout = RankLayout.of(layout, shard)
+            layout.entries  # noqa: B018  (a shard its model cannot split is bad metadata)
         max_loras = int(layout_doc["max_loras"])
         active = int(meta.get("metrale.active", "0"))
-    except (KeyError, ValueError, TypeError, IndexError, MetraleError) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError,
+            RecursionError, MetraleError) as exc:
         raise FormatError(f"{path}: metadata does not describe a layout ({exc})") from exc
     if max_loras <= 0:
         raise ImageInconsistent(f"{path}: max_loras is {max_loras}")
@@ -164,7 +183,9 @@ def read_tables(path: str | Path) -> ImageTables:
             expert_layout = ExpertLayout.from_record(model, expert_doc)
             if shard is not None:
                 expert_layout = RankExpertLayout.of(expert_layout, shard)
-        except (KeyError, ValueError, TypeError, MetraleError) as exc:
+                expert_layout.entries  # noqa: B018
+        except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError,
+                MetraleError) as exc:
             raise FormatError(f"{path}: metrale.expert_layout does not describe a layout "
                               f"({exc})") from exc
         _need(path, header, "expert_pool", "U8",
@@ -176,9 +197,14 @@ def read_tables(path: str | Path) -> ImageTables:
     if "metrale.overlays" in meta:
         overlay_doc = _json_meta(path, meta, "metrale.overlays")
         try:
-            rows = sum(int(r["count"]) for r in overlay_doc["runs"])
-            hidden = int(overlay_doc["hidden_size"])
-        except (KeyError, ValueError, TypeError) as exc:
+            runs = overlay_doc["runs"]
+            if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+                raise TypeError("runs is not a list of objects")
+            for r in runs:
+                r |= {k: _count(r[k], k) for k in ("slot", "start", "count")}
+            rows = sum(r["count"] for r in runs)
+            hidden = _count(overlay_doc["hidden_size"], "hidden_size")
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise FormatError(f"{path}: metrale.overlays is malformed ({exc})") from exc
         needs |= {"overlay_slots": ("I32", (rows,)), "overlay_tokens": ("I64", (rows,))}
         _need(path, header, "overlay_rows", "F32", (rows, hidden))
@@ -302,8 +328,8 @@ def _region_problems(t: ImageTables, where: str, slot: int, pool: str, entries: 
         a, b = int(a_offsets[i, slot]), int(b_offsets[i, slot])
         what = t.entry_name(pool, i)
         if (a < 0) != (b < 0) or min(a, b) < -1:
-            found.append(f"{where}: {what}: A offset {a} and B offset {b} (both -1 or both "
-                         "offsets)")
+            found.append(f"{where}: {what}: A offset {a} and B offset {b}: only one of its A "
+                         "and B (both -1 or both offsets)")
             continue
         if a < 0:
             continue
@@ -343,12 +369,12 @@ def overlay_problems(t: ImageTables) -> list[str]:
                      f"{t.model.hidden_size}")
     cursor = 0
     for j, run in enumerate(t.overlay_doc["runs"]):
-        slot, start, count = int(run["slot"]), int(run["start"]), int(run["count"])
+        slot, start, count = run["slot"], run["start"], run["count"]
         if start != cursor:
             found.append(f"overlay run {j} starts at row {start}; the previous one ends at "
                          f"{cursor}")
         cursor = start + count
-        if not 0 <= slot < t.max_loras or not t.slots_doc[slot].get("name"):
+        if slot >= t.max_loras or not t.slots_doc[slot].get("name"):
             found.append(f"overlay run {j} belongs to slot {slot}, which holds no adapter")
         if run.get("table") not in TABLES:
             found.append(f"overlay run {j}: table {run.get('table')!r} is not one of "

@@ -12,11 +12,12 @@ from metrale_cli.safetensors_header import TensorInfo
 
 def check_pair(
     adapter: Adapter, a_key: AdapterKey | None, b_key: AdapterKey | None, what: str,
-    layer: int | None, out: Collector,
+    layer: int | None, out: Collector, dims: tuple[int, int] | None = None,
 ) -> tuple[TensorInfo, TensorInfo] | None:
     """A's and B's tensors when the pair can be laid out: both present (`missing_a`,
     `missing_b`), two-dimensional (`shape_mismatch`), one rank (`rank_ab_mismatch`: A's rows
-    against B's columns), not rank 0 (`shape_mismatch`); else None. A dtype other than
+    against B's columns), not rank 0, and where `dims` = (out, in) gives the module's dims in
+    the model, A `[r, in]` and B `[out, r]` (`shape_mismatch`); else None. A dtype other than
     F32/BF16/F16 is an error (`bad_dtype`) and A and B of different dtypes a warning
     (`mixed_dtype`), neither a reason to stop: the report still shows the pair.
 
@@ -48,6 +49,12 @@ def check_pair(
         return None
     if a.shape[0] == 0:
         out.at(Severity.ERROR, Code.SHAPE_MISMATCH, f"{what}{{where}}: rank 0", layer)
+        return None
+    if dims is not None and (a.shape[1] != dims[1] or b.shape[0] != dims[0]):
+        out_dim, in_dim = dims
+        out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
+               f"{what}{{where}}: A {list(a.shape)}, B {list(b.shape)}; the model needs "
+               f"A [r, {in_dim}], B [{out_dim}, r]", layer)
         return None
     return a, b
 

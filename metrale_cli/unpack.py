@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.adapter import CONFIG_NAME, WEIGHTS_NAME
-from metrale_cli.atomic import cleanup_on_signals
+from metrale_cli.atomic import cleanup_on_signals, publish_dir, temp_dir
 from metrale_cli.errors import OutputExists, UsageError
 from metrale_cli.image_check import ImageTables, check, read_tables
 from metrale_cli.overlays import OVERLAY_PART
@@ -233,7 +232,8 @@ def _safetensors_bytes(tensors: dict[str, tuple[str, list[int], bytes]]) -> list
 def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
            name: str | None = None, force: bool = False) -> UnpackResult:
     """Write one slot of `image` as a PEFT adapter directory at `out_dir`, atomically: built in a
-    temporary directory beside it, then renamed into place."""
+    temporary directory beside it, then renamed into place without replacing what a concurrent
+    writer put there (atomic.publish_dir)."""
     t = read_tables(image)
     check(t)
     k = pick_slot(t, slot, name)
@@ -249,9 +249,10 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory")
     tensors, config = adapter_tensors(t, k)
-    # SIGTERM and SIGHUP, like Ctrl-C, remove the temporary directory.
+    # SIGTERM and SIGHUP, like Ctrl-C, remove the temporary directory; a SIGKILLed run's is
+    # swept by the next (its name carries the pid).
     with cleanup_on_signals():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        tmp = temp_dir(out)
         try:
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
             with (tmp / WEIGHTS_NAME).open("wb") as f:
@@ -260,16 +261,10 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o777 & ~_umask())
-            old = None
-            if out.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=parent))
-                os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            if old is not None:
-                shutil.rmtree(old)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        publish_dir(tmp, out, force)
     size = sum(p.stat().st_size for p in out.iterdir())
     return UnpackResult(out, k, str(t.slots_doc[k].get("name")), int(t.ranks[k]),
                         float(config["lora_alpha"]), len(config["target_modules"]),

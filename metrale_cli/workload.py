@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from metrale_cli.errors import FormatError, UsageError
 
 GENERATORS = ("zipf", "uniform", "distinct", "identical", "slora")
 TRACE_COLUMNS = ("timestamp", "adapter", "input_tokens", "output_tokens", "duration")
+# A request line is a few dozen characters; one this long is not a trace (a binary file, a
+# file with no line breaks), refused before it is held in memory.
+MAX_LINE_CHARS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -123,12 +127,17 @@ def read_trace(path: Path) -> Workload:
     `output_tokens` and `duration`. Other columns are ignored. Rows are sorted by timestamp
     (stably). A malformed row is a FormatError naming its line."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"{path}: no such file")
+    if not path.is_file():
+        # A device (/dev/zero), a FIFO or a directory: never read, it might not end.
+        raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
     columns = _csv_columns_fast(path) if path.suffix.lower() == ".csv" else None
     if columns is None:  # JSON lines, or a CSV row the fast path cannot vouch for
         with open(path, encoding="utf-8", newline="") as f:
-            rows = _csv_rows(path, f) if path.suffix.lower() == ".csv" else _jsonl_rows(path, f)
+            lines = _bounded_lines(path, f)
+            rows = (_csv_rows(path, lines) if path.suffix.lower() == ".csv"
+                    else _jsonl_rows(path, lines))
             parsed = [_parse_row(path, line, row) for line, row in rows]
         columns = (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
                    np.array([r[2] for r in parsed], dtype=np.int64),
@@ -155,9 +164,12 @@ def _csv_columns_fast(path: Path) -> Columns | None:
     """A well-formed CSV trace read column by column (several times faster than row by row);
     None when any cell is out of the ordinary, so that the row-by-row reader names it."""
     with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, [])
-        rows = list(reader)
+        reader = csv.reader(_bounded_lines(path, f))
+        try:
+            header = next(reader, [])
+            rows = list(reader)
+        except csv.Error:
+            return None  # the row-by-row reader names the line
     where = {name: i for i, name in enumerate(header)}
     if "timestamp" not in where or "adapter" not in where or len(where) != len(header):
         return None
@@ -191,6 +203,18 @@ def _csv_columns_fast(path: Path) -> Columns | None:
             outputs.astype(np.int64), duration)
 
 
+def _bounded_lines(path: Path, f: Any) -> Iterator[str]:
+    """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
+    FormatError naming it, before more of it is read."""
+    line_no = 0
+    while line := f.readline(MAX_LINE_CHARS + 1):
+        line_no += 1
+        if len(line) > MAX_LINE_CHARS:
+            raise FormatError(f"{path}:{line_no}: a line longer than {MAX_LINE_CHARS} "
+                              "characters; not a trace")
+        yield line
+
+
 def _csv_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
     reader = csv.DictReader(f)
     header = reader.fieldnames or []
@@ -199,10 +223,13 @@ def _csv_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
         raise FormatError(f"{path}:1: the header has no {' or '.join(missing)} column "
                           f"(columns: {', '.join(TRACE_COLUMNS)})")
     rows = []
-    for row in reader:
-        if None in row:
-            raise FormatError(f"{path}:{reader.line_num}: more cells than the header has")
-        rows.append((reader.line_num, row))
+    try:
+        for row in reader:
+            if None in row:
+                raise FormatError(f"{path}:{reader.line_num}: more cells than the header has")
+            rows.append((reader.line_num, row))
+    except csv.Error as exc:
+        raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
     return rows
 
 

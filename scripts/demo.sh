@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The main flow on built-in defaults, offline: synthesize two adapters of the real
-# Qwen3-Next-80B-A3B size, audit them, plan the pool, pack it and write its image.
+# Qwen3-Next-80B-A3B size, audit them, plan the pool, pack it and write its image, read the
+# image back (show), check its bytes against the adapters (verify), write a slot back as a
+# PEFT adapter (unpack) and size max_loras for a generated workload (simulate).
 set -euo pipefail
 BIN=${1:-.venv/bin}
 OUT=${2:-demo-out}
 MODEL=qwen3-next-80b-a3b
+# Piped (make demo > log), Rich would lay the tables out 80 columns wide; the README's are 100.
+export COLUMNS=${COLUMNS:-100}
 mkdir -p "$OUT"
 run() { printf '\n$ %s\n' "$*"; "$@"; }
 
@@ -16,4 +20,11 @@ run "$BIN/metrale" synth "$OUT/code" --model "$MODEL" \
 run "$BIN/metrale" inspect "$OUT/chat" "$OUT/code" --max-rank 16
 run "$BIN/metrale" layout "$OUT/chat" "$OUT/code" --budget 40GiB
 run "$BIN/metrale" pack "$OUT/chat" "$OUT/code" --max-loras 8 --out "$OUT/pool.safetensors" --force
+run "$BIN/metrale" show "$OUT/pool.safetensors"
+run "$BIN/metrale" verify "$OUT/pool.safetensors" "$OUT/chat" "$OUT/code"
+run "$BIN/metrale" unpack "$OUT/pool.safetensors" --name code "$OUT/code-unpacked" --force
+# The unpacked adapter packs back to the very bytes of slot 1.
+run "$BIN/metrale" verify "$OUT/pool.safetensors" "code=$OUT/code-unpacked"
+run "$BIN/metrale" simulate --model "$MODEL" --modules q_proj,k_proj,v_proj,o_proj,out_proj \
+    --max-rank 16 --workload zipf --adapters 100 --requests 5000 --max-loras 8,16,32,64
 printf '\nThe pool image is %s; docs/pool-format.md says how to read it.\n' "$OUT/pool.safetensors"

@@ -135,13 +135,17 @@ def test_layout_refuses_what_pack_refuses(tiny: Path, tmp_path: Path) -> None:
                     "--budget", "40GiB")
     one_line_error(empty, 2)
     assert "applies to any layer" in empty.stderr
-    # An adapter above --max-rank, and a DoRA adapter: the same refusal, exit 1, as pack.
+    # An adapter above --max-rank, and a DoRA adapter: the same refusal, exit 1, by layout,
+    # simulate (which sizes its slots by the adapters) and pack.
     dora = copy_adapter(tiny / "a", tmp_path / "dora", use_dora=True)
     for args in ((tiny / "a", "--max-rank", 1), (dora,)):
         planned = metrale("layout", *args, "--model", tiny)
+        simulated = metrale("simulate", *args, "--model", tiny, "--requests", 20)
         packed = metrale("pack", *args, "--model", tiny, "--max-loras", 2)
-        assert planned.code == packed.code == 1, (planned.stderr, packed.stderr)
-        assert planned.stderr == packed.stderr and planned.stdout == ""
+        assert planned.code == simulated.code == packed.code == 1, (
+            planned.stderr, simulated.stderr, packed.stderr)
+        assert planned.stderr == simulated.stderr == packed.stderr
+        assert planned.stdout == simulated.stdout == ""
     # Modules the adapter has outside --modules: refused by both, naming the adapter.
     narrow = metrale("layout", tiny / "a", "--model", tiny, "--modules", "k_proj")
     one_line_error(narrow, 2)

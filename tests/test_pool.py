@@ -28,6 +28,7 @@ from metrale_cli.pool import LoraPool
 from metrale_cli.safetensors_header import read_header
 from metrale_cli.slots import adapter_id_hash, routed_prefill_slot_of
 from tests.cli_runner import metrale
+from tests.slot_threads import assert_all_released, run_threads
 
 TINY = {
     "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
@@ -274,52 +275,42 @@ def test_threads_keep_counts_consistent(tiny: dict[str, Path]) -> None:
     layout = SlotLayout.build(cfg, [LoraModule(m) for m in MODULES.split(",")], 4)
     pool, _ = LoraPool.load(layout, 6, [a, b])
     slots = pool.manager
-    errors: list[BaseException] = []
     held_lock = threading.Lock()
     held = [0] * 6  # what the threads believe they hold
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
         mine: list[int] = []
-        try:
-            for _ in range(300):
-                op = rng.random()
-                if op < 0.45:
-                    try:
-                        slot = slots.acquire_slot(rng.randrange(6))
-                    except (UsageError, SlotBusy):  # empty, or loading right now
-                        continue
-                    with held_lock:
-                        held[slot] += 1
-                    mine.append(slot)
-                elif op < 0.8 and mine:
-                    slot = mine.pop(rng.randrange(len(mine)))
-                    with held_lock:
-                        held[slot] -= 1
-                    slots.release_slot(slot)
-                elif op < 0.9:
-                    slots.touch_slot(rng.randrange(6))
-                else:
-                    try:
-                        victim = slots.select_victim_slot()
-                        pool.swap_in(victim, rng.choice([c, d]))
-                    except (PoolFull, SlotBusy):
-                        pass
-            for slot in mine:
+        for _ in range(300):
+            op = rng.random()
+            if op < 0.45:
+                try:
+                    slot = slots.acquire_slot(rng.randrange(6))
+                except (UsageError, SlotBusy):  # empty, or loading right now
+                    continue
+                with held_lock:
+                    held[slot] += 1
+                mine.append(slot)
+            elif op < 0.8 and mine:
+                slot = mine.pop(rng.randrange(len(mine)))
                 with held_lock:
                     held[slot] -= 1
                 slots.release_slot(slot)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+            elif op < 0.9:
+                slots.touch_slot(rng.randrange(6))
+            else:
+                try:
+                    victim = slots.select_victim_slot()
+                    pool.swap_in(victim, rng.choice([c, d]))
+                except (PoolFull, SlotBusy):
+                    pass
+        for slot in mine:
+            with held_lock:
+                held[slot] -= 1
+            slots.release_slot(slot)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    assert [slots.ref_count(k) for k in range(6)] == [0] * 6 == held
-    assert slots.lru_tick == max(slots.last_used(k) for k in range(6))
+    run_threads(worker)
+    assert_all_released(slots, held)
     assert slots.slot_info(0).name == "a" and slots.slot_info(1).name == "b"  # pinned stay
     # Every published slot's bytes are its adapter's, whatever the interleaving.
     fresh, _ = LoraPool.load(layout, 2, [c, d])

@@ -91,13 +91,15 @@ def expert_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def rewrite(src: Path, dst: Path, edit: Callable[[dict[str, Any], bytearray], None]) -> Path:
-    """Copy image `src` to `dst` with its header JSON and data buffer edited in place."""
+    """Copy image `src` to `dst` with its header JSON and data buffer edited in place; the header
+    is padded, as `write_image` pads it, so the data buffer stays 256-byte aligned."""
     raw = src.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     doc = json.loads(raw[8:8 + n])
     data = bytearray(raw[8 + n:])
     edit(doc, data)
     blob = json.dumps(doc).encode()
+    blob += b" " * (-(8 + len(blob)) % 256)
     dst.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(data))
     return dst
 
@@ -114,12 +116,12 @@ def poke(doc: dict[str, Any], data: bytearray, tensor: str, index: int, value: A
 
 
 @pytest.mark.parametrize(("tensor", "index", "value", "message"), [
-    ("a_offsets", 0, 2**36, r"a_offsets\[0, 0\] is 68719476736"),
+    ("a_offsets", 0, 2**36, r"a_offsets\[0, 0\] = 68719476736 puts its A .* outside the slot"),
     ("b_offsets", 1, 0, "b_offsets"),
     ("expert_a_offsets", 3, -1, "only one of its A and B"),
-    ("ranks", 0, 9, r"ranks must be in \[0, 4\]"),
-    ("ranks", 1, -1, "ranks must be"),
-    ("scales", 0, np.nan, "non-finite"),
+    ("ranks", 0, 9, r"ranks\[0\] is 9; the slot's metadata says"),
+    ("ranks", 1, -1, r"ranks\[1\] is -1; the slot's metadata says"),
+    ("scales", 0, np.nan, r"scales\[0\] is nan; the slot's metadata says"),
 ])
 def test_open_refuses_tables_that_do_not_match_the_layout(
         expert_image: Path, tmp_path: Path, tensor: str, index: int, value: Any,
@@ -140,13 +142,13 @@ def test_open_refuses_bad_overlays_and_slots(expert_image: Path, tmp_path: Path)
                                    ("overlay_rows", "F32", [0, 32])):
             doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [end, end]}
 
-    with pytest.raises(FormatError, match="metrale.overlays.*names a slot or table"):
+    with pytest.raises(FormatError, match="overlay run 0 belongs to slot 7, which holds no"):
         PoolImage.open(rewrite(expert_image, tmp_path / "o.safetensors", overlays))
 
     def active(doc: dict[str, Any], data: bytearray) -> None:
         doc["__metadata__"]["metrale.active"] = "3"
 
-    with pytest.raises(FormatError, match="active slot 3"):
+    with pytest.raises(FormatError, match=r"metrale.active is 3, outside \[0, 3\)"):
         PoolImage.open(rewrite(expert_image, tmp_path / "a.safetensors", active))
 
     def layers(doc: dict[str, Any], data: bytearray) -> None:

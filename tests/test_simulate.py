@@ -4,6 +4,7 @@ instead of evicting), the workload generators (S-LoRA's draw for draw), traces, 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import OrderedDict, deque
 from pathlib import Path
@@ -306,6 +307,14 @@ def test_trace_rows(tmp_path: Path) -> None:
     ("t.jsonl", '{"timestamp": 1, "adapter": 5}\n', r"t\.jsonl:1: adapter 5 is not a name"),
     ("t.jsonl", '{"timestamp": "nan", "adapter": "a"}\n', r"t\.jsonl:1: timestamp 'nan' must"),
     ("t.jsonl", "", r"t\.jsonl: no requests"),
+    # No line breaks (a binary file, a dump): refused at the bound, never held whole.
+    ("t.jsonl", '{"timestamp": 1, "adapter": "' + "a" * (1 << 20) + '"}\n',
+     r"t\.jsonl:1: a line longer than 65536 characters"),
+    ("t.csv", "timestamp,adapter\n1," + "a" * (1 << 20) + "\n",
+     r"t\.csv:2: a line longer than 65536 characters"),
+    # Short lines, but one quoted cell across them past the csv module's field limit.
+    ("t.csv", 'timestamp,adapter\n1,"' + ("a" * 60_000 + "\n") * 3 + '"\n',
+     r"t\.csv:\d+: not CSV \(field larger than field limit"),
 ])
 def test_malformed_trace_is_one_line_exit_2(tmp_path: Path, name: str, text: str,
                                             message: str) -> None:
@@ -315,6 +324,16 @@ def test_malformed_trace_is_one_line_exit_2(tmp_path: Path, name: str, text: str
     assert r.code == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1
     assert re.search(message, r.stderr), r.stderr
+
+
+def test_a_trace_that_is_not_a_regular_file_is_never_read(tmp_path: Path) -> None:
+    fifo = tmp_path / "requests.jsonl"
+    os.mkfifo(fifo)  # opening it would wait for a writer forever
+    for path in (Path("/dev/zero"), fifo, tmp_path):
+        r = metrale("simulate", *SLOT, "--trace", path)
+        assert r.code == 2 and r.stdout == "", r.stderr
+        assert r.stderr == f"error: {path} is not a regular file; a trace is a CSV or " \
+                           "JSON-lines file\n"
 
 
 # -- parsing and the CLI -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from metrale_cli.slots import (
     adapter_id_hash,
     routed_prefill_slot_of,
 )
+from tests.slot_threads import assert_all_released, run_threads
 
 
 def info(name: str, generation: int = 0) -> AdapterSlot:
@@ -302,7 +303,6 @@ def test_eight_threads_keep_the_invariants() -> None:
     n, names = 6, ["c", "d", "e", "f"]
     m = SlotManager(n)
     m.load_pinned([info("a"), info("b")])
-    errors: list[BaseException] = []
     guard = threading.Lock()
     held = [0] * n  # what the threads believe they hold
     loaders: dict[int, int] = {}  # slot -> the thread loading it
@@ -310,57 +310,48 @@ def test_eight_threads_keep_the_invariants() -> None:
     def worker(seed: int) -> None:
         rng = random.Random(seed)
         mine: list[tuple[int, int]] = []  # (slot, identity when acquired)
-        try:
-            for _ in range(400):
-                op = rng.random()
-                if op < 0.4:
-                    try:
-                        slot = m.acquire_slot(rng.randrange(-1, n))
-                    except (UsageError, SlotBusy):  # empty or loading
-                        continue
-                    with guard:
-                        held[slot] += 1
-                    mine.append((slot, m.adapter_id_for_slot(slot)))
-                elif op < 0.75 and mine:
-                    slot, identity = mine.pop(rng.randrange(len(mine)))
-                    # Nobody replaced the adapter under an in-flight sequence.
-                    assert m.adapter_id_for_slot(slot) == identity != 0
-                    with guard:
-                        held[slot] -= 1
-                    m.release_slot(slot)
-                elif op < 0.85:
-                    m.touch_slot(rng.randrange(n))
-                else:
-                    try:
-                        victim = m.select_victim_slot()
-                        m.begin_load(victim)
-                    except (PoolFull, SlotBusy):
-                        continue
-                    with guard:
-                        assert victim not in loaders and victim >= m.pinned
-                        loaders[victim] = seed
-                    assert m.ref_count(victim) == 0 and m.adapter_id_for_slot(victim) == 0
-                    with guard:
-                        del loaders[victim]
-                    if rng.random() < 0.2:
-                        m.abort_load(victim)
-                    else:
-                        m.finish_load(victim, info(rng.choice(names)))
-            for slot, _ in mine:
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.4:
+                try:
+                    slot = m.acquire_slot(rng.randrange(-1, n))
+                except (UsageError, SlotBusy):  # empty or loading
+                    continue
+                with guard:
+                    held[slot] += 1
+                mine.append((slot, m.adapter_id_for_slot(slot)))
+            elif op < 0.75 and mine:
+                slot, identity = mine.pop(rng.randrange(len(mine)))
+                # Nobody replaced the adapter under an in-flight sequence.
+                assert m.adapter_id_for_slot(slot) == identity != 0
                 with guard:
                     held[slot] -= 1
                 m.release_slot(slot)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+            elif op < 0.85:
+                m.touch_slot(rng.randrange(n))
+            else:
+                try:
+                    victim = m.select_victim_slot()
+                    m.begin_load(victim)
+                except (PoolFull, SlotBusy):
+                    continue
+                with guard:
+                    assert victim not in loaders and victim >= m.pinned
+                    loaders[victim] = seed
+                assert m.ref_count(victim) == 0 and m.adapter_id_for_slot(victim) == 0
+                with guard:
+                    del loaders[victim]
+                if rng.random() < 0.2:
+                    m.abort_load(victim)
+                else:
+                    m.finish_load(victim, info(rng.choice(names)))
+        for slot, _ in mine:
+            with guard:
+                held[slot] -= 1
+            m.release_slot(slot)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    assert [m.ref_count(k) for k in range(n)] == [0] * n == held
-    assert m.lru_tick == max(m.last_used(k) for k in range(n))
+    run_threads(worker)
+    assert_all_released(m, held)
     assert not any(m.state(k) is SlotState.LOADING for k in range(n))
     assert m.slot_info(0).name == "a" and m.slot_info(1).name == "b"  # pinned never evicted
     assert m.slot_info(0).generation == m.slot_info(1).generation == 0

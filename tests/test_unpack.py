@@ -4,6 +4,10 @@ forward deltas equal to the original adapter's within BF16 tolerance; atomic, no
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -181,3 +185,87 @@ def test_no_overwrite_and_bad_slots(peft_zoo, tmp_path: Path) -> None:
         result = metrale("unpack", image, tmp_path / "other", *args)
         assert result.code == 2 and message in result.stderr, result.stderr
         assert result.stderr.count("\n") == 1
+
+
+def _packed(peft_zoo, tmp_path: Path) -> Path:
+    truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"])
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image).code == 0
+    return image
+
+
+# `metrale unpack IMAGE --slot 0 OUT`, in its own process, with another writer creating OUT
+# (holding a file of its own) after unpack has found OUT absent and before it publishes.
+RACING = """
+import sys
+from pathlib import Path
+import metrale_cli.unpack as unpack
+from metrale_cli.cli import main
+
+build = unpack.adapter_tensors
+def slipped_in(*args):
+    out = Path(sys.argv[-1])
+    out.mkdir()
+    (out / "theirs").write_text("the other writer's")
+    return build(*args)
+unpack.adapter_tensors = slipped_in
+main()
+"""
+
+
+def test_a_writer_that_slips_in_is_never_replaced(peft_zoo, tmp_path: Path) -> None:
+    image = _packed(peft_zoo, tmp_path)
+    out = tmp_path / "back"
+    done = subprocess.run([sys.executable, "-c", RACING, "unpack", str(image), "--slot", "0",
+                           str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "100"})
+    assert done.returncode == 2, done.stderr
+    assert "written meanwhile by another process" in done.stderr
+    assert done.stderr.count("\n") == 1
+    assert [p.name for p in out.iterdir()] == ["theirs"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".back")]
+
+
+def test_concurrent_unpacks_one_wins(peft_zoo, tmp_path: Path) -> None:
+    image = _packed(peft_zoo, tmp_path)
+    out = tmp_path / "back"
+    runs = [subprocess.Popen([sys.executable, "-m", "metrale_cli", "unpack", str(image),
+                              "--slot", "0", str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in runs]  # type: ignore[union-attr]
+    assert sorted(code for code, _ in results) == [0, 2, 2, 2], results
+    assert all("exists" in err and err.count("\n") == 1 for code, err in results if code)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json",
+                                                     "adapter_model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".back")]
+
+
+# A writer that made its temporary directory and then died by SIGKILL (no cleanup ran).
+KILLED = """
+import sys, time
+from pathlib import Path
+from metrale_cli.atomic import temp_dir
+tmp = temp_dir(Path(sys.argv[1]))
+(tmp / "adapter_model.safetensors").write_bytes(b"half")
+print(tmp, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_unpack_leaves_a_temp_the_next_sweeps(peft_zoo, tmp_path: Path) -> None:
+    image = _packed(peft_zoo, tmp_path)
+    out = tmp_path / "back"
+    writers = [subprocess.Popen([sys.executable, "-c", KILLED, str(out)],
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    dead, alive = (Path(w.stdout.readline().strip()) for w in writers)  # type: ignore[union-attr]
+    try:
+        assert str(writers[0].pid) in dead.name and dead.is_dir()
+        writers[0].send_signal(signal.SIGKILL)
+        writers[0].wait(timeout=60)
+        assert dead.is_dir()
+        assert metrale("unpack", image, "--slot", 0, out).code == 0
+        assert not dead.exists()
+        assert alive.is_dir()  # its writer still runs: not swept
+    finally:
+        writers[1].kill()
+        writers[1].wait(timeout=60)
