@@ -44,6 +44,13 @@ def output_path(text: str, option: str = "--out") -> Path:
     return Path(text)
 
 
+def output_dir(text: str, option: str = "--out") -> Path:
+    """A directory path the user gave for outputs (`pack --tp`'s rank images): never empty."""
+    if not text.strip():
+        raise UsageError(f"{option} is empty")
+    return Path(text)
+
+
 def check_output(path: Path, force: bool) -> None:
     """Refuse an output path that exists and is not a regular file (a device, a FIFO, a directory:
     even with `force`), or that exists at all without `force`."""
@@ -163,6 +170,33 @@ def publish_dir(tmp: Path, path: Path, force: bool) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def atomic_directory(path: Path, fill: Any, force: bool) -> None:
+    """Build the directory `path` through `fill(dir)` in a temp directory beside it, then
+    publish it (`publish_dir`): a failure, SIGINT, SIGTERM or SIGHUP while filling leaves no
+    `path` and no temp directory. An existing `path` is refused without `force`, and anything
+    but a directory even with it."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise UsageError(f"{path} exists and is not a directory; metrale never replaces one")
+    if path.exists() and not force:
+        raise OutputExists(f"{path} exists; pass --force to overwrite it")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory")
+    with cleanup_on_signals():
+        tmp = temp_dir(path)
+        try:
+            fill(tmp)
+            # mkdtemp creates 0700; give the directory the mode an ordinary mkdir would.
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        publish_dir(tmp, path, force)
 
 
 def remove_stale_temps(parent: Path, name: str) -> list[Path]:

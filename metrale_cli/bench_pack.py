@@ -26,6 +26,7 @@ from metrale_cli.modules import LoraModule
 from metrale_cli.packing import fill_slot
 from metrale_cli.pool import LoraPool
 from metrale_cli.region import Region
+from metrale_cli.sharding import ShardSpec, rank_layouts
 from metrale_cli.synth import synth_adapter
 
 RSS_ALLOWANCE = 256 << 20
@@ -69,6 +70,12 @@ def _pack_rate(reports: list[AdapterReport], layout: SlotLayout, device: str, re
                check_finite: bool) -> float:
     """Best-of-`repeats` file bytes/s packing every adapter into a pool region whose pages are
     faulted in first (as a serving engine's pool is, long before adapters swap in)."""
+    return _pack_run(reports, layout, device, repeats, check_finite)[1]
+
+
+def _pack_run(reports: list[AdapterReport], layout: SlotLayout, device: str, repeats: int,
+              check_finite: bool) -> tuple[int, float]:
+    """`_pack_rate`, with the file bytes one pass reads (a TP rank reads its slices only)."""
     pool = LoraPool(layout, len(reports), device)
     pool.region.memory.fill(0)
     region: Region = pool.region
@@ -81,7 +88,7 @@ def _pack_rate(reports: list[AdapterReport], layout: SlotLayout, device: str, re
         best = min(best, time.perf_counter() - started)
         for k in range(len(reports)):
             region.clear(k)
-    return read / best
+    return read, read / best
 
 
 def _pack_child(args: list[str]) -> tuple[dict[str, Any], int, float]:
@@ -140,6 +147,7 @@ def run(
     workdir: Path | None = None,
     device: str = "cpu",
     experts: bool = False,
+    tp: ShardSpec | None = None,
 ) -> dict[str, Any]:
     if device == "cuda":
         from metrale_cli.compat import cupy_module
@@ -166,6 +174,14 @@ def run(
         copy_rate = _copy_rate(tensor_bytes, repeats, device)
         pack_rate = _pack_rate(reports, layout, device, repeats, check_finite=True)
         unchecked_rate = _pack_rate(reports, layout, device, repeats, check_finite=False)
+        ranks = []
+        for spec in tp.all_ranks() if tp is not None else []:
+            # One TP rank: the bytes it reads (its slices) into a pool of its layout.
+            ranked, _ = rank_layouts(layout, None, spec)
+            read, rate = _pack_run(reports, ranked, device, repeats, check_finite=True)
+            ranks.append({"tp_rank": spec.tp_rank, "slot_bytes": ranked.slot_bytes,
+                          "bytes_read": read, "pack_gb_per_s": rate / 1e9,
+                          "pack_vs_memcpy": rate / copy_rate})
 
     pool_bytes = layout.pool_bytes(adapters)
     return {
@@ -188,4 +204,6 @@ def run(
         "peak_rss_minus_pool_bytes": peak_rss - pool_bytes,
         "rss_within_pool_plus_256mib": peak_rss <= pool_bytes + RSS_ALLOWANCE,
         "experts": expert_record,
+        "tp": None if tp is None else {"tp_size": tp.tp_size, "ep_size": tp.ep_size,
+                                       "fully_sharded": tp.fully_sharded, "ranks": ranks},
     }

@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 
     from metrale_cli.adapter import Adapter
     from metrale_cli.audit import AdapterReport
+    from metrale_cli.expert_pool import ExpertLayout
+    from metrale_cli.layout import SlotLayout
     from metrale_cli.models import ModelConfig
+    from metrale_cli.sharding import ShardSpec
 
 
 class OneLineUsageErrors(typer.core.TyperGroup):
@@ -210,6 +213,26 @@ ExpertsOpt = Annotated[bool, typer.Option(
     "allocation beside the slot pool (also METRALE_LORA_EXPERTS=1).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the JSON record instead.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
+TP = typer.Option("--tp", help="Tensor-parallel degree: one pool per rank, each holding its "
+                  "shard of every LoRA weight (docs/tensor-parallel.md).")
+TpOpt = Annotated[int | None, TP]
+EpOpt = Annotated[int | None, typer.Option(
+    "--ep", help="With --tp: expert-parallel degree; experts split over it contiguously, each "
+    "sharded over tp / ep ranks. Default 1.")]
+FullyShardedOpt = Annotated[bool, typer.Option(
+    "--fully-sharded", help="With --tp: also slice column layers' A by rank and row layers' B "
+    "by output row (vLLM fully_sharded_loras).")]
+
+
+def shard_spec(tp: int | None, ep: int | None, fully_sharded: bool) -> ShardSpec | None:
+    """Rank 0 of the deployment --tp/--ep/--fully-sharded name, or None without --tp."""
+    from metrale_cli.sharding import ShardSpec
+
+    if tp is None:
+        if ep is not None or fully_sharded:
+            raise UsageError("--ep and --fully-sharded need --tp")
+        return None
+    return ShardSpec(tp, 0, ep or 1, fully_sharded)
 
 
 def experts_on(flag: bool) -> bool:
@@ -341,15 +364,20 @@ def layout(
     = DEFAULT_ALIGN,
     experts: ExpertsOpt = False,
     online: OnlineOpt = False,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """The byte-exact slot layout and capacity plan of a pool.
+    """The byte-exact slot layout and capacity plan of a pool; with --tp, of every rank's pool,
+    --budget per GPU.
 
     With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
     without adapters every expert and router of every MoE layer at --max-rank."""
     from metrale_cli.audit import audit
     from metrale_cli.plan import PoolPlan, plan_layouts
 
+    spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
     enabled = experts_on(experts)
@@ -361,8 +389,20 @@ def layout(
     refuse_unservable(reports)
     layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
                            align, enabled)
-    plan = PoolPlan.sized(*layouts, max_loras,
-                          parse_size(budget) if budget is not None else None)
+    budget_bytes = parse_size(budget) if budget is not None else None
+    if spec is not None:
+        from metrale_cli.sharding import ShardedPlan
+
+        sharded = ShardedPlan.sized(*layouts, spec, max_loras, budget_bytes)
+        warn(sharded.plan.warnings)
+        if json_out:
+            emit_json(sharded.record())
+        else:
+            from metrale_cli.render import sharded_layout_view
+
+            out().print(sharded_layout_view(sharded))
+        return
+    plan = PoolPlan.sized(*layouts, max_loras, budget_bytes)
     warn(plan.warnings)
     if json_out:
         emit_json(plan.record())
@@ -425,36 +465,69 @@ def pack(
     max_rank: MaxRankOpt = None,
     modules: ModulesOpt = None,
     out_text: Annotated[str | None, typer.Option("--out", "-o", help="Write the pool image "
-                                                 "here (safetensors, format pool/1).")] = None,
+                                                 "here (safetensors, format pool/1); with --tp "
+                                                 "a directory of rank images.")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     force: ForceOpt = False,
     experts: ExpertsOpt = False,
     online: OnlineOpt = False,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image.
+    """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image;
+    with --tp, one pool per rank and --out a directory of rank images (under torchrun, one
+    process per rank).
 
     The model defaults to the adapters' base_model_name_or_path, the modules to the union of
     theirs."""
-    from metrale_cli.atomic import check_output, output_path
+    from metrale_cli.atomic import check_output, output_dir, output_path
     from metrale_cli.audit import audit
     from metrale_cli.packing import pack_pool
     from metrale_cli.plan import plan_layouts
     from metrale_cli.render import pack_view
 
+    spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-loras", max_loras)
     positive("--max-rank", max_rank)
+
+    def prepare() -> tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]:
+        """Audit the adapters (refusing any that is not servable) and plan the layouts."""
+        loaded = load_adapters(adapters, online_on(online), weights=True)
+        cfg = model_for(model, loaded, online_on(online))
+        enabled = experts_on(experts)
+        reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+        refuse_unservable(reports)
+        return (*plan_layouts(cfg, reports, parse_modules(modules) if modules else None,
+                              max_rank, experts=enabled), reports)
+
+    if spec is not None:
+        from metrale_cli import distributed
+        from metrale_cli.render import sharded_pack_view
+
+        # --out names a directory of rank images here.
+        out_dir = None if out_text is None else output_dir(out_text)
+        if distributed.under_torchrun():
+            # One process per rank: each writes its own image into the directory --out.
+            sharded = distributed.pack_torchrun(prepare, max_loras, spec, device, out_dir,
+                                                force)
+        else:  # the images land in --out all at once (atomic_directory refuses it first)
+            the_layout, expert_layout, reports = prepare()
+            sharded = distributed.pack_shards(the_layout, expert_layout, max_loras, reports,
+                                              spec, device, out_dir, force)
+        if sharded is None:
+            return  # a torchrun rank other than 0: rank 0 reports for all
+        warn(sharded.warnings)
+        if json_out:
+            emit_json(sharded.record())
+        else:
+            out().print(sharded_pack_view(sharded.record()))
+        return
     out_path = None if out_text is None else output_path(out_text)
     if out_path is not None:
         check_output(out_path, force)  # before the work; the write checks again
-    loaded = load_adapters(adapters, online_on(online), weights=True)
-    cfg = model_for(model, loaded, online_on(online))
-    enabled = experts_on(experts)
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refuse_unservable(reports)
-    the_layout, expert_layout = plan_layouts(cfg, reports,
-                                             parse_modules(modules) if modules else None,
-                                             max_rank, experts=enabled)
+    the_layout, expert_layout, reports = prepare()
     result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
                        progress_console=err() if err().is_terminal and not json_out else None,
                        expert_layout=expert_layout)
@@ -569,18 +642,21 @@ def bench_pack(
     experts: Annotated[bool, typer.Option("--experts", help="Also pack a fused F32 expert "
                                           "adapter at the model's real width and report its "
                                           "peak RSS.")] = False,
+    tp: Annotated[int | None, typer.Option(
+        "--tp", help="Also the packing throughput of each of N tensor-parallel ranks.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
     from metrale_cli import bench_pack as bench
 
+    spec = shard_spec(tp, None, False)
     positive("--rank", rank)
     positive("--adapters", adapters)
     positive("--repeats", repeats)
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     record = bench.run(resolve_model(model), model, parse_modules(modules), rank, adapters,
-                       dtype, repeats, device=device, experts=experts)
+                       dtype, repeats, device=device, experts=experts, tp=spec)
     if json_out:
         emit_json(record)
     else:

@@ -66,3 +66,19 @@ def hf_hub_cache() -> Path:
 def hf_endpoint() -> str:
     """HF_ENDPOINT: the hub's address (a mirror, or a test server), default huggingface.co."""
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
+
+
+def dist_timeout() -> float:
+    """METRALE_DIST_TIMEOUT: seconds a process of a distributed run (torchrun) waits for the
+    others before it gives up; a positive number, default 300 (unset or empty)."""
+    text = os.environ.get("METRALE_DIST_TIMEOUT", "").strip()
+    if not text:
+        return 300.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise UsageError(f"METRALE_DIST_TIMEOUT={os.environ['METRALE_DIST_TIMEOUT']!r}: not a "
+                         "positive number of seconds")
+    return value

@@ -70,6 +70,13 @@ class LayoutMismatch(MetraleError):
     exit_code = 1
 
 
+class RankFailed(MetraleError):
+    """A process of a distributed run (torchrun) failed, or did not answer within the timeout;
+    every process reports the failing rank's message."""
+
+    exit_code = 1
+
+
 class NonFiniteWeights(MetraleError):
     """An adapter whose weights hold NaN or infinity (or values too large for BF16): refused
     at pack time, since every token routed to its slot would produce garbage."""

@@ -28,6 +28,7 @@ from metrale_cli.image_check import (
 from metrale_cli.layout import SlotLayout
 from metrale_cli.overlays import OverlayRaw
 from metrale_cli.pool import LoraPool, SlotContents
+from metrale_cli.sharding import RankLayout
 from metrale_cli.slots import U64_MASK, AdapterSlot
 
 COPY_CHUNK = 64 << 20
@@ -48,6 +49,9 @@ def image_header(pool: LoraPool) -> tuple[bytes, list[tuple[str, Any]]]:
         ("b_offsets", "I64", list(b_offsets.shape), b_offsets.astype("<i8")),
     ]
     metadata: dict[str, str] = {}
+    if isinstance(layout, RankLayout):
+        # A tensor-parallel rank's image: its entries record their slices, this names the rank.
+        metadata["metrale.shard"] = json.dumps(layout.shard.record(), separators=(",", ":"))
     ex = pool.expert_region
     if ex is not None and pool.expert_layout is not None:
         ea, eb = ex.offset_tables()
@@ -160,7 +164,8 @@ class ImageRegion:
         e = self.layout.entries[entry]
         a = bf16_to_f32(np.asarray(self.memory[a_off:a_off + e.a_bytes]).view("<u2"))
         b = bf16_to_f32(np.asarray(self.memory[b_off:b_off + e.b_bytes]).view("<u2"))
-        return a.reshape(e.max_rank, e.in_dim), b.reshape(e.out_dim, e.max_rank)
+        # A has `a_rows` rows: `max_rank`, or a fully sharded rank's part of them.
+        return a.reshape(e.a_rows, e.in_dim), b.reshape(e.out_dim, e.max_rank)
 
 
 @dataclass

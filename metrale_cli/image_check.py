@@ -28,6 +28,7 @@ from metrale_cli.models import MAX_LAYERS, ModelConfig
 from metrale_cli.modules import LoraModule
 from metrale_cli.overlays import TABLES
 from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from metrale_cli.sharding import RankExpertLayout, RankLayout, shard_of
 
 FORMAT = "pool/1"
 # The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
@@ -157,6 +158,10 @@ def read_tables(path: str | Path) -> ImageTables:
                              f"[1, {MAX_LAYERS}]")
         layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                   int(layout_doc["max_rank"]), int(layout_doc["align"]))
+        shard = shard_of(meta)  # a tensor-parallel rank's image: its own layout
+        if shard is not None:
+            layout = RankLayout.of(layout, shard)
+            layout.entries  # noqa: B018  (a shard its model cannot split is bad metadata)
         max_loras = int(layout_doc["max_loras"])
         active = int(meta.get("metrale.active", "0"))
     except (KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError,
@@ -176,6 +181,9 @@ def read_tables(path: str | Path) -> ImageTables:
         expert_doc = _json_meta(path, meta, "metrale.expert_layout")
         try:
             expert_layout = ExpertLayout.from_record(model, expert_doc)
+            if shard is not None:
+                expert_layout = RankExpertLayout.of(expert_layout, shard)
+                expert_layout.entries  # noqa: B018
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError,
                 MetraleError) as exc:
             raise FormatError(f"{path}: metrale.expert_layout does not describe a layout "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -33,11 +34,13 @@ def align_up(n: int, align: int) -> int:
 
 
 def place_pair(offset: int, out_dim: int, in_dim: int, max_rank: int,
-               align: int) -> tuple[int, int, int]:
-    """Reserve A `[max_rank, in_dim]` then B `[out_dim, max_rank]` (BF16) at aligned offsets
+               align: int, a_rows: int | None = None) -> tuple[int, int, int]:
+    """Reserve A `[a_rows, in_dim]` (`a_rows` defaults to `max_rank`; a fully sharded
+    column-parallel shard holds fewer) then B `[out_dim, max_rank]` (BF16) at aligned offsets
     from `offset`: returns (a_offset, b_offset, end)."""
     a_offset = align_up(offset, align)
-    b_offset = align_up(a_offset + max_rank * in_dim * BF16_BYTES, align)
+    rows = max_rank if a_rows is None else a_rows
+    b_offset = align_up(a_offset + rows * in_dim * BF16_BYTES, align)
     return a_offset, b_offset, b_offset + out_dim * max_rank * BF16_BYTES
 
 
@@ -75,8 +78,18 @@ class PaddedPair:
     max_rank: int
 
     @property
+    def a_rows(self) -> int:
+        """The rank rows A reserves: `max_rank` (a fully sharded shard holds a part of them)."""
+        return self.max_rank
+
+    @property
+    def full_dims(self) -> tuple[int, int]:
+        """`(out_dim, in_dim)` of the whole weight the pair adapts (a shard holds a part)."""
+        return self.out_dim, self.in_dim
+
+    @property
     def a_bytes(self) -> int:
-        return self.max_rank * self.in_dim * BF16_BYTES
+        return self.a_rows * self.in_dim * BF16_BYTES
 
     @property
     def b_bytes(self) -> int:
@@ -125,20 +138,25 @@ class SlotLayout:
         ordered = tuple(m for m in ALL if m in set(modules))
         return cls(model, ordered, max_rank, align)
 
+    def applied(self) -> Iterator[tuple[int, LoraModule]]:
+        """Every (layer, module) pair with the module in the set and applying to the layer, in
+        layout order (layer, then module)."""
+        for layer in range(self.model.num_hidden_layers):
+            for module in self.modules:
+                if module.applies_to_layer(self.model, layer):
+                    yield layer, module
+
     @cached_property
     def entries(self) -> tuple[LayoutEntry, ...]:
         entries = []
         offset = 0
-        for layer in range(self.model.num_hidden_layers):
-            for module in self.modules:
-                if not module.applies_to_layer(self.model, layer):
-                    continue
-                out_dim, in_dim = module.dims(self.model)
-                a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim,
-                                                        self.max_rank, self.align)
-                entries.append(
-                    LayoutEntry(layer, module, out_dim, in_dim, a_offset, b_offset, self.max_rank)
-                )
+        for layer, module in self.applied():
+            out_dim, in_dim = module.dims(self.model)
+            a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
+                                                    self.align)
+            entries.append(
+                LayoutEntry(layer, module, out_dim, in_dim, a_offset, b_offset, self.max_rank)
+            )
         return tuple(entries)
 
     @cached_property

@@ -31,6 +31,7 @@ from metrale_cli.overlays import Overlay, OverlayRaw
 from metrale_cli.plan import max_rank_warnings
 from metrale_cli.region import Region, SlotWriter, Staging
 from metrale_cli.safetensors_header import TensorInfo
+from metrale_cli.sharding import RankExpertLayout, RankLayout
 
 if TYPE_CHECKING:
     from metrale_cli.pool import LoraPool, PackStats
@@ -83,12 +84,43 @@ class TensorReader:
         the next read on this thread."""
         row_bytes = _row_bytes(info)
         nbytes = info.nbytes - row * row_bytes if rows is None else rows * row_bytes
+        raw = self._scratch(nbytes)
+        self.into(info, raw, row)
+        return raw.view(RAW_DTYPES[info.dtype])
+
+    def read_block(self, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `[r0, r1)` and columns `[c0, c1)` of a 2-D tensor as `[r1 - r0, c1 - c0]` raw
+        elements, reading only those bytes (one read when the columns are whole rows, else one
+        per row): into `out` (contiguous, the block's size) when given, else into the scratch
+        buffer, valid until the next read on this thread. A tensor-parallel rank's slice."""
+        n_rows, n_cols = info.shape
+        (r0, r1), (c0, c1) = rows, cols
+        if not (0 <= r0 <= r1 <= n_rows and 0 <= c0 <= c1 <= n_cols):
+            raise FormatError(f"{self.name}: read past the end of tensor {info.name!r}")
+        item = info.nbytes // max(1, info.numel)
+        width = (c1 - c0) * item
+        block = (self._scratch((r1 - r0) * width) if out is None
+                 else out.reshape(-1).view(np.uint8))
+        if (c0, c1) == (0, n_cols):
+            self.into(info, block, r0)
+        else:
+            view, start = memoryview(block).cast("B"), info.begin + (r0 * n_cols + c0) * item
+            for i in range(r1 - r0):
+                done, at = 0, start + i * n_cols * item
+                while done < width:
+                    n = os.preadv(self.fd, [view[i * width + done:(i + 1) * width]], at + done)
+                    if n <= 0:
+                        raise FormatError(f"{self.name}: file ended inside tensor "
+                                          f"{info.name!r}")
+                    done += n
+        return block.view(RAW_DTYPES[info.dtype]).reshape(r1 - r0, c1 - c0)
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
         scratch = getattr(self.local, "scratch", None)
         if scratch is None or scratch.size < nbytes:
             scratch = self.local.scratch = np.empty(nbytes, dtype=np.uint8)
-        raw = scratch[:nbytes]
-        self.into(info, raw, row)
-        return raw.view(RAW_DTYPES[info.dtype])
+        return scratch[:nbytes]
 
 
 def _row_bytes(info: TensorInfo) -> int:
@@ -135,11 +167,11 @@ def check_fits(report: AdapterReport, layout: SlotLayout,
                              "is too small)")
         if m.r > layout.max_rank:
             raise UsageError(f"{name}: rank {m.r} above the pool's max rank {layout.max_rank}")
-        e = layout.entries[index]
-        if m.a.shape != (m.r, e.in_dim) or m.b.shape != (e.out_dim, m.r):
+        out_dim, in_dim = layout.entries[index].full_dims  # a rank's entry holds a slice
+        if m.a.shape != (m.r, in_dim) or m.b.shape != (out_dim, m.r):
             raise LayoutMismatch(
                 f"{where}: A {list(m.a.shape)}, B {list(m.b.shape)} do not fit the pool's "
-                f"layout, which has A [r, {e.in_dim}], B [{e.out_dim}, r] there")
+                f"layout, which has A [r, {in_dim}], B [{out_dim}, r] there")
     pairs = report.expert_pairs
     if not pairs:
         return
@@ -154,15 +186,15 @@ def check_fits(report: AdapterReport, layout: SlotLayout,
         if p.r > expert_layout.max_rank:
             raise UsageError(f"{name}: expert rank {p.r} above the expert pool's max rank "
                              f"{expert_layout.max_rank}")
-        e = expert_layout.entries[index]
+        out_dim, in_dim = expert_layout.entries[index].full_dims
         a_rows, a_cols = p.a.shape if len(p.a.shape) == 2 else (0, 0)
         b_rows, b_cols = p.b.shape if len(p.b.shape) == 2 else (0, 0)
-        if ((p.out_dim, p.in_dim) != (e.out_dim, e.in_dim) or a_cols != e.in_dim
+        if ((p.out_dim, p.in_dim) != (out_dim, in_dim) or a_cols != in_dim
                 or p.a_row + p.r > a_rows or p.b_row + p.out_dim > b_rows
                 or p.b_col + (p.r - 1) * p.b_col_step >= b_cols):
             raise LayoutMismatch(
                 f"{where}: A {list(p.a.shape)}, B {list(p.b.shape)} do not fit the pool's "
-                f"expert layout, which has A [r, {e.in_dim}], B [{e.out_dim}, r] there")
+                f"expert layout, which has A [r, {in_dim}], B [{out_dim}, r] there")
 
 
 # -- the fills ----------------------------------------------------------------------------------
@@ -255,6 +287,95 @@ def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
     return read
 
 
+def fill_shard_modules(reader: TensorReader, report: AdapterReport, layout: RankLayout,
+                       writer: SlotWriter, check_finite: bool = True,
+                       progress: Progress | None = None) -> int:
+    """`fill_modules` for a tensor-parallel rank: each module's slice (`entry.slice`) into its
+    entry, converted exactly as the unsharded fill converts it: A's held rank rows below the
+    adapter's rank and its held input columns, B's held output rows (its first r columns).
+    Reads only those bytes of the file; returns how many."""
+    read = 0
+    max_rank = layout.max_rank
+    for m in report.modules:
+        e = layout.entries[layout.index[(m.layer, m.module)]]
+        s = e.slice
+        lo, hi = s.ranks if s.ranks is not None else (0, max_rank)
+        done = 0
+        if min(hi, m.r) > lo:
+            rows = (lo, min(hi, m.r))
+            a = writer.span(e.a_offset, (rows[1] - lo) * e.in_dim * BF16_BYTES).view(np.uint16)
+            if m.a.dtype == "BF16":
+                done += reader.read_block(m.a, rows, s.cols, a).nbytes
+            else:
+                block = reader.read_block(m.a, rows, s.cols)
+                done += block.nbytes
+                a[:] = to_bf16(block, m.a.dtype).reshape(-1)
+            if check_finite:
+                _refuse_non_finite(a, report.name, m.a.name)
+        b = writer.span(e.b_offset, e.b_bytes).view(np.uint16)
+        ratio = m.scaling / report.scaling
+        if m.b.dtype == "BF16" and ratio == 1.0 and m.r == max_rank:
+            done += reader.read_block(m.b, s.rows, (0, m.r), b).nbytes
+        else:
+            block = reader.read_block(m.b, s.rows, (0, m.r))
+            done += block.nbytes
+            _fill_b(b, block, m.b.dtype, ratio, m.r, max_rank)
+        if check_finite:
+            _refuse_non_finite(b, report.name, m.b.name)
+        read += done
+        if progress is not None:
+            progress(done)
+    return read
+
+
+def fill_shard_experts(reader: TensorReader, report: AdapterReport, layout: RankExpertLayout,
+                       writer: SlotWriter, check_finite: bool = True,
+                       progress: Progress | None = None) -> int:
+    """`fill_experts` for a tensor-parallel rank (`report` holds its EP group's pairs only):
+    each pair's slice. The rows of a file's A that the rank's experts sharing it need are read
+    once; a fused B interleaves the experts by column, so the rank reads its rows of B whole,
+    once per row range. Returns the file bytes read."""
+    groups: dict[tuple[str, str], list[ExpertPair]] = defaultdict(list)
+    for p in report.expert_pairs:
+        groups[(p.a.name, p.b.name)].append(p)
+    read = 0
+    for group in groups.values():
+        first = group[0]
+        entries = [layout.entries[layout.index[p.key]] for p in group]
+        s = entries[0].slice  # the pairs sharing a file tensor share their slice
+        lo, hi = s.ranks if s.ranks is not None else (0, layout.max_rank)
+        spans = [(p.a_row + lo, p.a_row + min(hi, p.r)) for p in group]
+        a_span = (min(a for a, _ in spans), max(b for _, b in spans))
+        # Copies: the reader's scratch buffer holds one block at a time.
+        a_all = (reader.read_block(first.a, a_span, s.cols).copy() if a_span[1] > a_span[0]
+                 else None)
+        b_blocks: dict[tuple[int, int], np.ndarray] = {}
+        for p, e in zip(group, entries, strict=True):
+            rows = (p.b_row + e.slice.rows[0], p.b_row + e.slice.rows[1])
+            if rows not in b_blocks:
+                b_blocks[rows] = reader.read_block(first.b, rows, (0, first.b.shape[1])).copy()
+        done = (a_all.nbytes if a_all is not None else 0) + sum(
+            b.nbytes for b in b_blocks.values())
+        for p, e, (a_lo, a_hi) in zip(group, entries, spans, strict=True):
+            if a_all is not None and a_hi > a_lo:
+                a = writer.span(e.a_offset, (a_hi - a_lo) * e.in_dim * BF16_BYTES)
+                a = a.view(np.uint16)
+                a[:] = to_bf16(np.ascontiguousarray(a_all[a_lo - a_span[0]:a_hi - a_span[0]]),
+                               p.a.dtype).reshape(-1)
+                if check_finite:
+                    _refuse_non_finite(a, report.name, p.a.name)
+            b_all = b_blocks[(p.b_row + e.slice.rows[0], p.b_row + e.slice.rows[1])]
+            b = writer.span(e.b_offset, e.b_bytes).view(np.uint16)
+            _fill_b(b, b_all[:, p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step], p.b.dtype,
+                    p.scaling / report.scaling, p.r, layout.max_rank)
+            if check_finite:
+                _refuse_non_finite(b, report.name, p.b.name)
+        read += done
+        if progress is not None:
+            progress(done)
+    return read
+
+
 def _fill_b(b: np.ndarray, values: np.ndarray, dtype: str, ratio: float, r: int,
             max_rank: int) -> None:
     """Rows of a B region (`[n, max_rank]` BF16 bits): the first r columns are `values`
@@ -275,11 +396,19 @@ def fill_slot(report: AdapterReport, slot: int, layout: SlotLayout, region: Regi
     try:
         reader = TensorReader(fd, str(report.adapter.weights_path))
         writer = region.writer(slot, staging)
-        read = fill_modules(reader, report, layout, writer, check_finite, progress)
+        if isinstance(layout, RankLayout):  # a tensor-parallel rank: its slices only
+            read = fill_shard_modules(reader, report, layout, writer, check_finite, progress)
+        else:
+            read = fill_modules(reader, report, layout, writer, check_finite, progress)
         writer.finish()
         if expert_region is not None and expert_layout is not None:
             writer = expert_region.writer(slot, staging)
-            read += fill_experts(reader, report, expert_layout, writer, check_finite, progress)
+            if isinstance(expert_layout, RankExpertLayout):
+                read += fill_shard_experts(reader, report, expert_layout, writer,
+                                           check_finite, progress)
+            else:
+                read += fill_experts(reader, report, expert_layout, writer, check_finite,
+                                     progress)
             writer.finish()
         return read, read_overlays(reader, report, check_finite)
     finally:

@@ -7,6 +7,7 @@ is escaped before Rich reads it as markup: `[/]` in a directory name must not cr
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich import box
@@ -23,6 +24,7 @@ from metrale_cli.layout import SlotLayout
 from metrale_cli.models import ModelConfig
 from metrale_cli.modules import ALL
 from metrale_cli.plan import Footprint, PoolPlan
+from metrale_cli.sharding import ShardedPlan
 
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -309,6 +311,10 @@ def bench_pack_view(record: dict[str, Any]) -> Text:
             f"{human_bytes(ex['tensor_bytes'])} of tensors: peak RSS "
             f"{human_bytes(ex['peak_rss_bytes'])} = pools {human_bytes(ex['pool_bytes'])} + "
             f"{human_bytes(ex['peak_rss_minus_pool_bytes'])} ({ex_within} pool + 256 MiB)")
+    for r in (record["tp"] or {}).get("ranks", []):
+        text.append(f"\ntp rank {r['tp_rank']}: read {human_bytes(r['bytes_read'])} (its "
+                    f"slices), pack {r['pack_gb_per_s']:.2f} GB/s = "
+                    f"{100 * r['pack_vs_memcpy']:.0f}% of {copy}")
     return text
 
 
@@ -387,6 +393,62 @@ def pack_view(result: Any) -> Group:
         lines.append(f"wrote {result.image} ({human_bytes(result.image_bytes)}) in "
                      f"{result.write_seconds:.3f} s; layout fingerprint {layout.fingerprint}")
     return Group(table, *(Text(line) for line in lines))
+
+
+def _rank_span(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def sharded_layout_view(plan: ShardedPlan) -> Group:
+    """`metrale layout --tp N`: the unsharded slot, then per GPU each distinct rank layout."""
+    record = plan.record()
+    unsharded = layout_view(PoolPlan(plan.plan.layout, plan.plan.expert_layout))
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="dim")
+    table.add_column()
+    mode = (f"tp {record['tp_size']}, ep {record['ep_size']} (MoE TP "
+            f"{record['tp_size'] // record['ep_size']})"
+            + (", fully sharded" if record["fully_sharded"] else ""))
+    table.add_row("deployment", mode)
+    slot, max_loras = record["slot_bytes"], record["max_loras"]
+    if record["budget_bytes"] is not None and max_loras is not None:
+        table.add_row("budget", f"{human_bytes(record['budget_bytes'])} per GPU holds "
+                      f"{max_loras:,} slots on every rank")
+    for group in record["rank_layouts"]:
+        share = f", {100 * group['slot_bytes'] / slot:.0f}% of the unsharded slot" if slot else ""
+        table.add_row(_rank_span(group["ranks"]),
+                      f"slot {group['slot_bytes']:,} B ({human_bytes(group['slot_bytes'])}) "
+                      f"per GPU{share}")
+        if group["expert_slot_bytes"] is not None:
+            table.add_row("", f"expert slot {group['expert_slot_bytes']:,} B "
+                          f"({human_bytes(group['expert_slot_bytes'])}) per GPU")
+        if max_loras is not None and group["total_bytes"] is not None:
+            table.add_row("", f"{max_loras} slots: {group['total_bytes']:,} B "
+                          f"({human_bytes(group['total_bytes'])}) per GPU with tables")
+        for k, fingerprint in zip(group["ranks"], group["fingerprints"], strict=True):
+            table.add_row("", f"rank {k} fingerprint {fingerprint}")
+    return Group(unsharded, Text(""), table)
+
+
+def sharded_pack_view(record: dict[str, Any]) -> Group:
+    """`metrale pack --tp N`: one line per rank image."""
+    mode = f"tp {record['tp_size']}, ep {record['ep_size']}" + (
+        ", fully sharded" if record["fully_sharded"] else "")
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    for col in ("rank", "slot bytes", "read", "GB/s", "layout fingerprint"):
+        table.add_column(col, justify="right" if col in ("slot bytes", "read", "GB/s") else "left",
+                         no_wrap=True)
+    for r in record["ranks"]:
+        rate = r["pack_gb_per_s"]
+        table.add_row(str(r["shard"]["tp_rank"]), f"{r['layout']['slot_bytes']:,}",
+                      human_bytes(r["bytes_read"]), f"{rate:.2f}" if rate else "-",
+                      r["layout"]["fingerprint"])
+    n = len(record["ranks"])
+    where = (f", written to {Path(record['out']) / f'rank-{{k}}-of-{n}.safetensors'}"
+             if record["out"] else "")
+    return Group(Text(f"{mode}: {n} rank pools{where}"), table)
 
 
 def human_seconds(seconds: float) -> str:

@@ -1,0 +1,253 @@
+"""Tensor- and expert-parallel sharding rules and per-rank layouts (docs/tensor-parallel.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from metrale_cli.errors import UsageError
+from metrale_cli.expert_pool import ExpertLayout
+from metrale_cli.experts import ExpertProj
+from metrale_cli.layout import SlotLayout
+from metrale_cli.models import ModelConfig
+from metrale_cli.modules import LoraModule
+from metrale_cli.sharding import (
+    RankExpertLayout,
+    RankLayout,
+    ShardedPlan,
+    ShardSpec,
+    Slice,
+    expert_slice,
+    module_slice,
+    owns_expert,
+)
+from tests.cli_runner import metrale
+
+ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
+NEXT = ModelConfig.preset("qwen3-next-80b-a3b")
+
+
+def next_layout(max_rank: int = 16) -> SlotLayout:
+    return SlotLayout.build(NEXT, ATTN, max_rank)
+
+
+@pytest.mark.parametrize(("tp", "fully", "slot_bytes"), [
+    (1, False, 15_335_424), (2, False, 10_420_224), (4, False, 8_060_928),
+    (8, False, 6_881_280), (4, True, 3_932_160),
+])
+def test_qwen3_next_figures(tp: int, fully: bool, slot_bytes: int) -> None:
+    """The issue's figures, per rank, for every rank."""
+    layout = next_layout()
+    ranks = [RankLayout.of(layout, ShardSpec(tp, k, 1, fully)) for k in range(tp)]
+    assert [r.slot_bytes for r in ranks] == [slot_bytes] * tp
+    # Each rank has its own fingerprint, and none is the unsharded one.
+    fingerprints = {r.fingerprint for r in ranks}
+    assert len(fingerprints) == tp and layout.fingerprint not in fingerprints
+
+
+def test_unsharded_layout_record_is_untouched() -> None:
+    layout = next_layout()
+    assert layout.fingerprint == "e3298e5b193f86eb1f4fe085e95b4dff"
+    assert "shard" not in layout.record()
+    assert all("slice" not in e for e in layout.record()["entries"])
+
+
+def test_column_row_and_fully_sharded_slices() -> None:
+    spec = ShardSpec(4, 1)
+    h, attn = NEXT.hidden_size, NEXT.num_attention_heads * NEXT.head_dim
+    value = NEXT.linear_value_width
+    q, o, out = (2 * attn, h), (h, attn), (h, value)
+    # Gated q_proj: 2 * 16 * 256 rows, a quarter each: 4 whole heads with their gates.
+    assert module_slice(NEXT, LoraModule.Q_PROJ, spec, 16) == Slice(q, (2048, 4096), (0, h))
+    assert module_slice(NEXT, LoraModule.O_PROJ, spec, 16) == Slice(o, (0, h), (1024, 2048))
+    assert module_slice(NEXT, LoraModule.OUT_PROJ, spec, 16) == Slice(
+        out, (0, h), (value // 4, value // 2))
+    fully = ShardSpec(4, 3, fully_sharded=True)
+    assert module_slice(NEXT, LoraModule.Q_PROJ, fully, 16) == Slice(
+        q, (3 * 2 * attn // 4, 2 * attn), (0, h), (12, 16))
+    assert module_slice(NEXT, LoraModule.O_PROJ, fully, 16) == Slice(
+        o, (3 * h // 4, h), (3 * attn // 4, attn))
+
+
+@pytest.mark.parametrize(("tp", "heads"), [(2, [0, 1]), (4, [0, 0, 1, 1]),
+                                           (8, [0, 0, 0, 0, 1, 1, 1, 1])])
+def test_fewer_kv_heads_than_ranks(tp: int, heads: list[int]) -> None:
+    """Qwen3-Next has 2 KV heads of 256: rank k holds head k // (tp / 2)."""
+    for k, head in enumerate(heads):
+        for module in (LoraModule.K_PROJ, LoraModule.V_PROJ):
+            s = module_slice(NEXT, module, ShardSpec(tp, k), 16)
+            assert s.rows == (head * 256, (head + 1) * 256)
+
+
+def test_counts_that_do_not_split_are_refused() -> None:
+    cfg = dataclasses.replace(NEXT, num_key_value_heads=3)
+    with pytest.raises(UsageError, match="3 KV heads neither split over --tp 4"):
+        module_slice(cfg, LoraModule.K_PROJ, ShardSpec(4, 0), 16)
+    with pytest.raises(UsageError, match=r"q_proj heads \(each with its gate\) \(16\) does not "
+                                         "split over --tp 32"):
+        module_slice(NEXT, LoraModule.Q_PROJ, ShardSpec(32, 0), 16)
+    with pytest.raises(UsageError, match="max rank .12. does not split over --tp 8"):
+        RankLayout.of(next_layout(12), ShardSpec(8, 0, fully_sharded=True)).entries  # noqa: B018
+    with pytest.raises(UsageError, match="--ep with --fully-sharded is refused"):
+        ShardSpec(4, 0, 2, True)
+    with pytest.raises(UsageError, match="--ep 3 does not divide --tp 4"):
+        ShardSpec(4, 0, 3)
+    with pytest.raises(UsageError, match=r"routed experts \(512\) does not split over --ep 3"):
+        owns_expert(NEXT, ShardSpec(6, 0, 3), 7)
+
+
+def test_experts_by_moe_tp_and_ep() -> None:
+    """TP 4 with EP 2: MoE TP 2; ranks 0-1 hold experts [0, 256), ranks 2-3 [256, 512), each
+    expert's intermediate split in two; the router is on every rank, whole."""
+    inter, h = NEXT.expert_intermediate_size, NEXT.hidden_size
+    specs = [ShardSpec(4, k, 2) for k in range(4)]
+    assert [(s.ep_rank, s.moe_tp_rank) for s in specs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [owns_expert(NEXT, s, 300) for s in specs] == [False, False, True, True]
+    assert all(owns_expert(NEXT, s, -1) for s in specs)
+    assert expert_slice(NEXT, ExpertProj.UP_PROJ, specs[1], 16) == Slice(
+        (inter, h), (inter // 2, inter), (0, h))
+    assert expert_slice(NEXT, ExpertProj.DOWN_PROJ, specs[3], 16) == Slice(
+        (h, inter), (0, h), (inter // 2, inter))
+    assert expert_slice(NEXT, ExpertProj.ROUTER, specs[3], 16) == Slice(
+        (NEXT.num_experts, h), (0, NEXT.num_experts), (0, h))
+    full = ExpertLayout.for_model(NEXT, 16)
+    ranked = RankExpertLayout.of(full, specs[2])
+    experts = {e.expert for e in ranked.entries if e.proj is not ExpertProj.ROUTER}
+    assert experts == set(range(256, 512))
+    assert sum(e.proj is ExpertProj.ROUTER for e in ranked.entries) == len(NEXT.moe_layers)
+    assert ranked.fingerprint != RankExpertLayout.of(full, specs[3]).fingerprint
+
+
+def test_rank_entries_record_slices_and_are_laid_out_like_a_slot() -> None:
+    ranked = RankLayout.of(next_layout(), ShardSpec(4, 2, fully_sharded=True))
+    record = ranked.record(4)
+    assert record["shard"] == {"tp_size": 4, "tp_rank": 2, "ep_size": 1, "ep_rank": 0,
+                               "fully_sharded": True}
+    q = next(e for e in record["entries"] if e["module"] == "q_proj")
+    assert q["slice"] == {"full": [8192, 2048], "rows": [4096, 6144], "cols": [0, 2048],
+                          "ranks": [8, 12]}
+    end = 0
+    for e in ranked.entries:
+        assert e.a_offset % 256 == 0 and e.b_offset == e.a_offset + e.a_bytes
+        assert e.a_offset >= end
+        end = e.b_offset + e.b_bytes
+    assert ranked.slot_bytes == end
+
+
+def test_budget_is_per_gpu() -> None:
+    layout = next_layout()
+    plan = ShardedPlan.sized(layout, None, ShardSpec(4), budget_bytes=40 * 2**30)
+    per_slot = plan.ranks[0].bytes_per_slot
+    assert plan.plan.max_loras == 40 * 2**30 // per_slot
+    record = plan.record()
+    assert (record["tp_size"], record["ep_size"], record["fully_sharded"]) == (4, 1, False)
+    [group] = record["rank_layouts"]
+    assert group["ranks"] == [0, 1, 2, 3] and group["slot_bytes"] == 8_060_928
+    assert len(set(group["fingerprints"])) == 4
+    assert record["slot_bytes"] == 15_335_424
+
+
+# -- `metrale layout --tp` ------------------------------------------------------------------------
+
+NEXT_ARGS = ("layout", "-m", "qwen3-next-80b-a3b", "--modules",
+             "q_proj,k_proj,v_proj,o_proj,out_proj", "--max-rank", 16)
+
+
+def test_layout_tp_json_and_view() -> None:
+    result = metrale(*NEXT_ARGS, "--budget", "40GiB", "--tp", 4, "--json")
+    assert result.code == 0, result.stderr
+    doc = result.json()
+    assert (doc["tp_size"], doc["ep_size"], doc["fully_sharded"]) == (4, 1, False)
+    assert doc["fingerprint"] == "e3298e5b193f86eb1f4fe085e95b4dff"
+    [group] = doc["rank_layouts"]
+    assert group["ranks"] == [0, 1, 2, 3] and group["slot_bytes"] == 8_060_928
+    per_gpu = group["bytes_per_slot"]
+    assert doc["max_loras"] == 40 * 2**30 // per_gpu and group["total_bytes"] <= 40 * 2**30
+    view = metrale(*NEXT_ARGS, "--budget", "40GiB", "--tp", 4)
+    assert view.code == 0
+    assert "15,335,424 B" in view.stdout and "slot 8,060,928 B" in view.stdout
+    assert f"holds {doc['max_loras']:,} slots on every rank" in view.stdout
+
+
+def test_layout_tp_with_experts_and_ep() -> None:
+    result = metrale(*NEXT_ARGS, "--experts", "--tp", 4, "--ep", 2, "--max-loras", 2, "--json")
+    assert result.code == 0, result.stderr
+    doc = result.json()
+    assert doc["ep_size"] == 2
+    groups = doc["rank_layouts"]
+    assert sorted(k for g in groups for k in g["ranks"]) == [0, 1, 2, 3]
+    # Per rank: 256 of the 512 experts, each over MoE TP 2 (gate/up A [16, 2048] whole with B
+    # [256, 16]; down A [16, 256] with B [2048, 16] whole), and the whole router [512 x 2048],
+    # on each of the 48 MoE layers; every region is a multiple of 256 bytes.
+    expert = 2 * (16 * 2048 + 256 * 16) * 2 + (16 * 256 + 2048 * 16) * 2
+    router = (16 * 2048 + 512 * 16) * 2
+    assert {g["expert_slot_bytes"] for g in groups} == {48 * (256 * expert + router)}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--ep", 2), "--ep and --fully-sharded need --tp"),
+    (("--tp", 32), "q_proj heads (each with its gate) (16) does not split over --tp 32"),
+    (("--tp", 4, "--ep", 2, "--fully-sharded"),
+     "--ep with --fully-sharded is refused (vLLM refuses expert parallelism with fully sharded "
+     "LoRA)"),
+    (("--tp", 0), "--tp must be positive, got 0"),
+])
+def test_layout_tp_refusals_are_one_line(args: tuple[object, ...], message: str) -> None:
+    result = metrale(*NEXT_ARGS, *args)
+    assert result.code == 2
+    assert result.stderr.strip() == f"error: {message}"
+
+
+def test_layout_tp_does_not_import_torch() -> None:
+    code = ("import sys\nfrom metrale_cli.cli import main\nsys.argv = ['metrale'] + sys.argv[1:]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code, *map(str, NEXT_ARGS), "--tp", "2"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "10,420,224" in done.stdout
+
+
+def test_bench_pack_per_rank() -> None:
+    result = metrale("bench", "pack", "--model", "qwen3-8b", "--modules", "q_proj,o_proj",
+                     "--rank", 8, "--adapters", 1, "--repeats", 1, "--tp", 2, "--json")
+    assert result.code == 0, result.stderr
+    tp = result.json()["tp"]
+    assert (tp["tp_size"], tp["ep_size"], tp["fully_sharded"]) == (2, 1, False)
+    # Per layer q_proj A [8, 4096] whole + half of B [4096, 8]; o_proj half of A [8, 4096]
+    # + B [4096, 8] whole; BF16, 36 layers.
+    per_layer = (8 * 4096 + 2048 * 8 + 8 * 2048 + 4096 * 8) * 2
+    assert [r["bytes_read"] for r in tp["ranks"]] == [36 * per_layer] * 2
+    for r in tp["ranks"]:
+        assert r["pack_gb_per_s"] > 0
+        assert r["pack_vs_memcpy"] == pytest.approx(
+            r["pack_gb_per_s"] / result.json()["memcpy_gb_per_s"])
+
+
+def test_the_docs_figures_are_the_code_s() -> None:
+    """docs/tensor-parallel.md's table of per-rank slot bytes is what the layouts give."""
+    text = (Path(__file__).parents[1] / "docs" / "tensor-parallel.md").read_text()
+    rows = re.findall(r"^\| (unsharded|TP (\d)(, fully sharded)?) \| ([\d,]+) \|$", text, re.M)
+    assert len(rows) == 5
+    layout = next_layout()
+    for _, tp, fully, figure in rows:
+        got = (RankLayout.of(layout, ShardSpec(int(tp), 0, 1, bool(fully))).slot_bytes if tp
+               else layout.slot_bytes)
+        assert got == int(figure.replace(",", ""))
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "inf"])
+def test_a_bad_dist_timeout_is_one_line(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from metrale_cli import env
+    from metrale_cli.errors import UsageError as Usage
+
+    monkeypatch.setenv("METRALE_DIST_TIMEOUT", value)
+    with pytest.raises(Usage, match=f"METRALE_DIST_TIMEOUT='{value}': not a positive number"):
+        env.dist_timeout()
+    monkeypatch.setenv("METRALE_DIST_TIMEOUT", " 2.5 ")
+    assert env.dist_timeout() == 2.5
