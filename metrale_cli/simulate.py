@@ -498,7 +498,7 @@ def run(
         if swap_latency_s < 0:
             raise UsageError(f"--swap-latency-ms must be >= 0, got {1e3 * swap_latency_s:g}")
         latency_s = swap_latency_s
-    slot_bytes = layout.slot_bytes + (expert_layout.expert_slot_bytes if expert_layout else 0)
+    slot_bytes = layout.slot_bytes + (expert_layout.slot_bytes if expert_layout else 0)
     cost = SwapCost(slot_bytes, bytes_per_s, latency_s, name)
     replay = Replay(workload, workload.hold_seconds(prefill_tok_s, decode_tok_s), cost, names,
                     max_concurrency)
@@ -514,7 +514,7 @@ def run(
         layout={"model": layout.model.source or layout.model.model_type,
                 "modules": [m.peft_name for m in layout.modules], "max_rank": layout.max_rank,
                 "slot_bytes": layout.slot_bytes,
-                "expert_slot_bytes": expert_layout.expert_slot_bytes if expert_layout else 0,
+                "expert_slot_bytes": expert_layout.slot_bytes if expert_layout else 0,
                 "fingerprint": layout.fingerprint},
         cost=cost, pinned=replay.pinned, max_concurrency=max_concurrency,
         prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, policies=policies,

@@ -496,3 +496,15 @@ def test_progress_counts_every_request_once_and_pins_by_name() -> None:
                 "--max-loras", "3", "--json")
     assert r.code == 0, r.stderr
     assert r.json()["pinned"] == ["lora-003", "x"]
+
+
+def test_an_expert_slot_is_swapped_with_its_slot() -> None:
+    """With --experts a load moves the slot and the expert slot, as `layout --experts` sizes."""
+    args = ["-m", "qwen3-30b-a3b", "--modules", "q_proj", "--max-rank", 8, "--experts"]
+    layout = metrale("layout", *args, "--json").json()
+    r = metrale("simulate", *args, "--requests", 100, "--max-loras", 4, "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    expert_slot = layout["experts"]["expert_slot_bytes"]
+    assert rec["layout"]["expert_slot_bytes"] == expert_slot > 0
+    assert rec["swap"]["slot_bytes"] == layout["slot_bytes"] + expert_slot
