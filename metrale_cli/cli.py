@@ -862,11 +862,15 @@ def simulate(
         "--budget", help="Memory for the pool, e.g. 40GiB: does each size fit?")] = None,
     plot_text: Annotated[str | None, typer.Option(
         "--plot", help="Write hit rate and p99 added latency against max_loras (PNG).")] = None,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Size max_loras for real traffic: replay a trace or a generated workload against the
-    pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency."""
+    pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency.
+    With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
     from metrale_cli import simulate as sim
     from metrale_cli import workload as wl
     from metrale_cli.atomic import check_output, output_path
@@ -874,6 +878,7 @@ def simulate(
     from metrale_cli.parsing import parse_size_list, parse_token_range
     from metrale_cli.plan import max_rank_warnings, plan_layouts
 
+    spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-rank", max_rank)
     plot_path = None if plot_text is None else output_path(plot_text, "--plot")
     save_trace = None if save_trace_text is None else output_path(save_trace_text,
@@ -915,7 +920,7 @@ def simulate(
         policies=[p.strip() for p in policy.split(",") if p.strip()],
         sizes=parse_size_list("--max-loras", max_loras) if max_loras is not None else None,
         targets=targets,
-        budget_bytes=parse_size(budget) if budget is not None else None)
+        budget_bytes=parse_size(budget) if budget is not None else None, shard=spec)
     if err().is_terminal and not json_out:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 

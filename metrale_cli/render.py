@@ -482,7 +482,8 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      f"completion ({record['prefill_tok_s']:g} prefill / "
                      f"{record['decode_tok_s']:g} decode tok/s), "
                      + (f"at most {seats} in flight" if seats else "no concurrency cap"))
-    head.add_row("slot", f"{human_bytes(swap['slot_bytes'])} ({lay['model']}, "
+    per_gpu = f" per GPU at --tp {lay['tp_size']}" if "tp_size" in lay else ""
+    head.add_row("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
                  f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
                  f"max rank {lay['max_rank']})")
     head.add_row("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
