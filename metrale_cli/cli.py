@@ -157,6 +157,17 @@ def emit_json(record: Any) -> None:
     sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
 
 
+def emit(record: Any, json_out: bool, view: str) -> None:
+    """One record, two views: with --json the record itself, else `render.<view>(record)`
+    (render, and rich with it, is imported for the view alone)."""
+    if json_out:
+        emit_json(record)
+        return
+    from metrale_cli import render
+
+    out().print(getattr(render, view)(record))
+
+
 def warn(warnings: list[str]) -> None:
     """Warnings the record carries, one line each on stderr (also under --json)."""
     for warning in warnings:
@@ -297,12 +308,7 @@ def models(json_out: JsonOpt = False) -> None:
     from metrale_cli.models import PRESETS
 
     records = [preset.record() for preset in PRESETS]
-    if json_out:
-        emit_json(records)
-    else:
-        from metrale_cli.render import models_view
-
-        out().print(models_view(records))
+    emit(records, json_out, "models_view")
 
 
 # -- inspect ------------------------------------------------------------------------------------
@@ -504,7 +510,6 @@ def pack(
 
     if spec is not None:
         from metrale_cli import distributed
-        from metrale_cli.render import sharded_pack_view
 
         # --out names a directory of rank images here.
         out_dir = None if out_text is None else output_dir(out_text)
@@ -519,10 +524,7 @@ def pack(
         if sharded is None:
             return  # a torchrun rank other than 0: rank 0 reports for all
         warn(sharded.warnings)
-        if json_out:
-            emit_json(sharded.record())
-        else:
-            out().print(sharded_pack_view(sharded.record()))
+        emit(sharded.record(), json_out, "sharded_pack_view")
         return
     out_path = None if out_text is None else output_path(out_text)
     if out_path is not None:
@@ -552,12 +554,7 @@ def show(image: ImageArg, json_out: JsonOpt = False) -> None:
     from metrale_cli.image_check import show_image
 
     record = show_image(image).record()
-    if json_out:
-        emit_json(record)
-    else:
-        from metrale_cli.render import show_view
-
-        out().print(show_view(record))
+    emit(record, json_out, "show_view")
 
 
 @app.command()
@@ -584,12 +581,7 @@ def verify(
             result = verifier.run(lambda n: bar.advance(task, n))
     else:
         result = verifier.run()
-    if json_out:
-        emit_json(result.record())
-    else:
-        from metrale_cli.render import verify_view
-
-        out().print(verify_view(result.record()))
+    emit(result.record(), json_out, "verify_view")
     if not result.ok:
         raise typer.Exit(1)
 
@@ -657,12 +649,7 @@ def bench_pack(
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     record = bench.run(resolve_model(model), model, parse_modules(modules), rank, adapters,
                        dtype, repeats, device=device, experts=experts, tp=spec)
-    if json_out:
-        emit_json(record)
-    else:
-        from metrale_cli.render import bench_pack_view
-
-        out().print(bench_pack_view(record))
+    emit(record, json_out, "bench_pack_view")
 
 
 @bench_app.command("kernels")
@@ -786,12 +773,7 @@ def bench_slots(
     from metrale_cli import bench_slots as bench
 
     record = bench.run(requests, cycles, repeats)
-    if json_out:
-        emit_json(record)
-    else:
-        from metrale_cli.render import bench_slots_view
-
-        out().print(bench_slots_view(record))
+    emit(record, json_out, "bench_slots_view")
 
 
 # -- simulate -----------------------------------------------------------------------------------
@@ -862,11 +844,15 @@ def simulate(
         "--budget", help="Memory for the pool, e.g. 40GiB: does each size fit?")] = None,
     plot_text: Annotated[str | None, typer.Option(
         "--plot", help="Write hit rate and p99 added latency against max_loras (PNG).")] = None,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Size max_loras for real traffic: replay a trace or a generated workload against the
-    pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency."""
+    pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency.
+    With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
     from metrale_cli import simulate as sim
     from metrale_cli import workload as wl
     from metrale_cli.atomic import check_output, output_path
@@ -874,6 +860,7 @@ def simulate(
     from metrale_cli.parsing import parse_size_list, parse_token_range
     from metrale_cli.plan import max_rank_warnings, plan_layouts
 
+    spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-rank", max_rank)
     plot_path = None if plot_text is None else output_path(plot_text, "--plot")
     save_trace = None if save_trace_text is None else output_path(save_trace_text,
@@ -915,7 +902,7 @@ def simulate(
         policies=[p.strip() for p in policy.split(",") if p.strip()],
         sizes=parse_size_list("--max-loras", max_loras) if max_loras is not None else None,
         targets=targets,
-        budget_bytes=parse_size(budget) if budget is not None else None)
+        budget_bytes=parse_size(budget) if budget is not None else None, shard=spec)
     if err().is_terminal and not json_out:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
@@ -928,12 +915,7 @@ def simulate(
         result = sim.run(requested, *layouts, **options)
     if plot_path is not None:
         sim.plot(result, plot_path, force)
-    if json_out:
-        emit_json(result.record())
-    else:
-        from metrale_cli.render import simulate_view
-
-        out().print(simulate_view(result.record()))
+    emit(result.record(), json_out, "simulate_view")
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ torch is imported inside the functions that run under torchrun only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,8 +147,8 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _exchange(dist: Any, rank: int, status: dict[str, Any], timeout: float,
-              what: str) -> list[dict[str, Any]]:
+def _gather(dist: Any, rank: int, status: dict[str, Any], timeout: float,
+            what: str) -> list[dict[str, Any]]:
     """Every rank's `status`, or RankFailed once a rank has not answered within `timeout`."""
     gathered: list[Any] = [None] * dist.get_world_size()
     try:
@@ -155,9 +156,22 @@ def _exchange(dist: Any, rank: int, status: dict[str, Any], timeout: float,
     except RuntimeError as exc:
         raise RankFailed(f"rank {rank}: a rank did not answer {what} within {timeout:g} s "
                          f"({_first_line(exc)})") from None
+    return gathered
+
+
+def _failure(gathered: list[dict[str, Any]]) -> RankFailed | None:
+    """The first failing rank's error, as every rank raises it."""
     failed = next((s for s in gathered if s["error"]), None)
-    if failed is not None:
-        raise RankFailed(f"rank {failed['rank']}: {failed['error']}")
+    return None if failed is None else RankFailed(f"rank {failed['rank']}: {failed['error']}")
+
+
+def _exchange(dist: Any, rank: int, status: dict[str, Any], timeout: float,
+              what: str) -> list[dict[str, Any]]:
+    """Every rank's `status`; RankFailed when a rank failed or did not answer."""
+    gathered = _gather(dist, rank, status, timeout, what)
+    failure = _failure(gathered)
+    if failure is not None:
+        raise failure
     return gathered
 
 
@@ -203,7 +217,7 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
     _exchange(dist, rank, status, timeout, "the fingerprint check")
     layout, ex, reports = planned
     staged = final.with_name(f".{final.name}.staged") if final is not None else None
-    committed = False
+    committed = created = False
     try:
         try:
             chosen = pick_device(device)
@@ -212,19 +226,34 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
 
                 cupy_module().cuda.Device(int(os.environ.get("LOCAL_RANK", rank))).use()
             if final is not None:
-                final.parent.mkdir(exist_ok=True)
+                # Of the ranks on a node one makes DIR; it removes DIR again if the pack fails.
+                with contextlib.suppress(FileExistsError):
+                    final.parent.mkdir()
+                    created = True
             record = pack_rank(layout, ex, max_loras, reports, me, chosen, staged, force=True)
             record["image"] = str(final) if final is not None else None
             status = {"rank": rank, "error": None, "record": record}
         except (MetraleError, OSError) as exc:
             status = {"rank": rank, "error": _message(exc)}
-        statuses = _exchange(dist, rank, status, timeout, "after packing")
+        statuses = _gather(dist, rank, status, timeout, "after packing")
+        failure = _failure(statuses)
+        if failure is not None:
+            # Every rank answered: each removes its staged image, and once all have, the rank
+            # that made DIR finds it empty.
+            if staged is not None:
+                staged.unlink(missing_ok=True)
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
+            raise failure
         if staged is not None and final is not None:
             os.replace(staged, final)
         committed = True
     finally:
         if not committed and staged is not None:
             staged.unlink(missing_ok=True)
+            if created:
+                with contextlib.suppress(OSError):  # not empty: something else is there
+                    staged.parent.rmdir()
     if rank != 0:
         return None
     return ShardedPackResult(me, out, [s["record"] for s in statuses])

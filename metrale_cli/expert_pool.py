@@ -27,20 +27,15 @@ EXPERT_LAYOUT_FORMAT = "expert-layout/1"
 
 @dataclass(frozen=True)
 class ExpertEntry(PaddedPair):
+    """A pair of an expert slot (offsets within the expert slot)."""
+
     layer: int
     proj: ExpertProj
     expert: int
-    out_dim: int
-    in_dim: int
-    # Byte offsets within an expert slot.
-    a_offset: int
-    b_offset: int
-    max_rank: int
 
     def record(self) -> dict[str, Any]:
         return {"layer": self.layer, "proj": self.proj.value, "expert": self.expert,
-                "out_dim": self.out_dim, "in_dim": self.in_dim, "a_offset": self.a_offset,
-                "b_offset": self.b_offset}
+                **super().record()}
 
 
 @dataclass(frozen=True)
@@ -101,8 +96,8 @@ class ExpertLayout:
         for layer, proj, expert in self.keys:
             out_dim, in_dim = proj.dims(self.model)
             a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, rank, align)
-            entries.append(ExpertEntry(layer, proj, expert, out_dim, in_dim, a_offset,
-                                       b_offset, rank))
+            entries.append(ExpertEntry(layer, proj, expert, out_dim=out_dim, in_dim=in_dim,
+                                       a_offset=a_offset, b_offset=b_offset, max_rank=rank))
         return tuple(entries)
 
     @cached_property

@@ -69,12 +69,16 @@ def check_rank_and_align(max_rank: int, align: int) -> None:
         raise UsageError(f"alignment must be at least 16 bytes (the kernels' loads), got {align}")
 
 
+@dataclass(frozen=True, kw_only=True)
 class PaddedPair:
-    """The A `[max_rank, in_dim]` and B `[out_dim, max_rank]` BF16 regions of one projection;
-    shared by the slot layout's and the expert layout's entries."""
+    """The A `[max_rank, in_dim]` and B `[out_dim, max_rank]` BF16 regions of one projection at
+    byte offsets `a_offset`, `b_offset` within a slot; the base of the slot layout's and the
+    expert layout's entries, which name what the pair adapts before these fields."""
 
     out_dim: int
     in_dim: int
+    a_offset: int
+    b_offset: int
     max_rank: int
 
     @property
@@ -95,27 +99,18 @@ class PaddedPair:
     def b_bytes(self) -> int:
         return self.out_dim * self.max_rank * BF16_BYTES
 
+    def record(self) -> dict[str, Any]:
+        return {"out_dim": self.out_dim, "in_dim": self.in_dim, "a_offset": self.a_offset,
+                "b_offset": self.b_offset}
+
 
 @dataclass(frozen=True)
 class LayoutEntry(PaddedPair):
     layer: int
     module: LoraModule
-    out_dim: int
-    in_dim: int
-    # Byte offsets within a slot.
-    a_offset: int
-    b_offset: int
-    max_rank: int
 
     def record(self) -> dict[str, Any]:
-        return {
-            "layer": self.layer,
-            "module": self.module.peft_name,
-            "out_dim": self.out_dim,
-            "in_dim": self.in_dim,
-            "a_offset": self.a_offset,
-            "b_offset": self.b_offset,
-        }
+        return {"layer": self.layer, "module": self.module.peft_name, **super().record()}
 
 
 @dataclass(frozen=True)
@@ -154,9 +149,9 @@ class SlotLayout:
             out_dim, in_dim = module.dims(self.model)
             a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
                                                     self.align)
-            entries.append(
-                LayoutEntry(layer, module, out_dim, in_dim, a_offset, b_offset, self.max_rank)
-            )
+            entries.append(LayoutEntry(layer, module, out_dim=out_dim, in_dim=in_dim,
+                                       a_offset=a_offset, b_offset=b_offset,
+                                       max_rank=self.max_rank))
         return tuple(entries)
 
     @cached_property

@@ -482,7 +482,8 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      f"completion ({record['prefill_tok_s']:g} prefill / "
                      f"{record['decode_tok_s']:g} decode tok/s), "
                      + (f"at most {seats} in flight" if seats else "no concurrency cap"))
-    head.add_row("slot", f"{human_bytes(swap['slot_bytes'])} ({lay['model']}, "
+    per_gpu = f" per GPU at --tp {lay['tp_size']}" if "tp_size" in lay else ""
+    head.add_row("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
                  f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
                  f"max rank {lay['max_rank']})")
     head.add_row("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
@@ -555,7 +556,7 @@ def show_view(record: dict[str, Any]) -> Group:
     lay, ex = record["layout"], record["experts"]
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
-    grid.add_column()
+    grid.add_column(overflow="fold")  # a long path folds rather than losing its end
     grid.add_row("image", f"{record['path']} ({record['format']}, consistent)")
     grid.add_row("model", model_line(ModelConfig.from_summary(record["model"])))
     grid.add_row("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
@@ -569,13 +570,18 @@ def show_view(record: dict[str, Any]) -> Group:
     grid.add_row("active", f"slot {record['active']}")
     free = record["free_slots"]
     grid.add_row("free slots", ", ".join(map(str, free)) if free else "none")
-    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    # Figures never wrap; a long name or overlay list folds onto more lines, so every header and
+    # cell reads whole at 80 columns (the headers alone take 63).
+    table = Table(header_style="bold", padding=(0, 1, 0, 0), box=box.SIMPLE_HEAD,
+                  show_edge=False)
     for col in ("slot", "name", "gen", "rank", "alpha", "scale", "pinned", "entries", "experts",
                 "overlays"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col not in ("name", "overlays"),
+                         overflow="fold" if col == "name" else "ellipsis",
+                         min_width=len(col))
     sources = Table.grid(padding=(0, 2))
     sources.add_column(style="dim")
-    sources.add_column()
+    sources.add_column(overflow="fold")
     for s in record["slots"]:
         if not s["name"]:
             continue
@@ -591,7 +597,7 @@ def show_view(record: dict[str, Any]) -> Group:
     for part, n in record["bytes"].items():
         if n or part in ("pool", "total"):
             sizes.add_row(part, f"{n:,}", human_bytes(n))
-    return Group(grid, table, sources, sizes)
+    return Group(grid, Text(), table, Text(), sources, sizes)
 
 
 # Differing regions listed per adapter; --json has them all.

@@ -273,8 +273,9 @@ class RankLayout(SlotLayout):
             out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]
             a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
                                                     self.align, s.a_rows(self.max_rank))
-            entries.append(ShardEntry(layer, module, out_dim, in_dim, a_offset, b_offset,
-                                      self.max_rank, s))
+            entries.append(ShardEntry(layer, module, s, out_dim=out_dim, in_dim=in_dim,
+                                      a_offset=a_offset, b_offset=b_offset,
+                                      max_rank=self.max_rank))
         return tuple(entries)
 
     @cached_property
@@ -315,8 +316,9 @@ class RankExpertLayout(ExpertLayout):
             out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]
             a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
                                                     self.align, s.a_rows(self.max_rank))
-            entries.append(ShardExpertEntry(layer, proj, expert, out_dim, in_dim, a_offset,
-                                            b_offset, self.max_rank, s))
+            entries.append(ShardExpertEntry(layer, proj, expert, s, out_dim=out_dim,
+                                            in_dim=in_dim, a_offset=a_offset,
+                                            b_offset=b_offset, max_rank=self.max_rank))
         return tuple(entries)
 
     @cached_property

@@ -34,6 +34,7 @@ from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
 from metrale_cli.parsing import parse_size
 from metrale_cli.plan import PoolPlan
+from metrale_cli.sharding import ShardSpec, rank_layouts
 from metrale_cli.slots import NEVER, POLICIES, AdapterSlot, SlotManager, SlotState
 from metrale_cli.workload import Workload
 
@@ -483,10 +484,14 @@ def run(
     sizes: Sequence[int] | None = None,
     targets: Targets | None = None,
     budget_bytes: int | None = None,
+    shard: ShardSpec | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Simulation:
-    """The whole of `metrale simulate` for a workload and a pool layout. `progress(n, total)`
-    is told of every 65,536 requests replayed."""
+    """The whole of `metrale simulate` for a workload and a pool layout. With `shard` (a TP
+    deployment) every GPU holds its rank's pool and loads its rank's part of an adapter at once:
+    a swap moves the largest rank's slot (and expert slot) per GPU, and a pool size must fit
+    `budget_bytes` on the largest rank. `progress(n, total)` is told of every 65,536 requests
+    replayed."""
     started = time.perf_counter()
     if pin and pinned is not None:
         raise UsageError("give --pin or --pinned, not both")
@@ -498,8 +503,13 @@ def run(
         if swap_latency_s < 0:
             raise UsageError(f"--swap-latency-ms must be >= 0, got {1e3 * swap_latency_s:g}")
         latency_s = swap_latency_s
-    slot_bytes = layout.slot_bytes + (expert_layout.expert_slot_bytes if expert_layout else 0)
-    cost = SwapCost(slot_bytes, bytes_per_s, latency_s, name)
+    ranks: list[tuple[SlotLayout, ExpertLayout | None]] = (
+        [(layout, expert_layout)] if shard is None
+        else [rank_layouts(layout, expert_layout, s) for s in shard.all_ranks()])
+    swapped = [r.slot_bytes + (x.slot_bytes if x is not None else 0) for r, x in ranks]
+    busiest = swapped.index(max(swapped))
+    gpu_layout, gpu_experts = ranks[busiest]
+    cost = SwapCost(swapped[busiest], bytes_per_s, latency_s, name)
     replay = Replay(workload, workload.hold_seconds(prefill_tok_s, decode_tok_s), cost, names,
                     max_concurrency)
     sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
@@ -507,15 +517,18 @@ def run(
     total = len(policies) * len(set(sizes)) * workload.requests
     results = simulate(
         replay, policies, sizes,
-        lambda n: PoolPlan(layout, expert_layout, n).total_bytes or 0,
+        lambda n: max(PoolPlan(r, x, n).total_bytes or 0 for r, x in ranks),
         budget_bytes, (lambda k: progress(k, total)) if progress is not None else None)
     return Simulation(
         mode=replay.mode, workload=workload.record(),
         layout={"model": layout.model.source or layout.model.model_type,
                 "modules": [m.peft_name for m in layout.modules], "max_rank": layout.max_rank,
-                "slot_bytes": layout.slot_bytes,
-                "expert_slot_bytes": expert_layout.expert_slot_bytes if expert_layout else 0,
-                "fingerprint": layout.fingerprint},
+                "slot_bytes": gpu_layout.slot_bytes,
+                "expert_slot_bytes": gpu_experts.slot_bytes if gpu_experts else 0,
+                "fingerprint": gpu_layout.fingerprint,
+                **({"tp_size": shard.tp_size, "ep_size": shard.ep_size,
+                    "fully_sharded": shard.fully_sharded, "tp_rank": busiest}
+                   if shard is not None else {})},
         cost=cost, pinned=replay.pinned, max_concurrency=max_concurrency,
         prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, policies=policies,
         sizes=sorted(set(sizes)), results=results, targets=targets, budget_bytes=budget_bytes,

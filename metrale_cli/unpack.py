@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.adapter import CONFIG_NAME, WEIGHTS_NAME
-from metrale_cli.atomic import cleanup_on_signals, publish_dir, temp_dir
-from metrale_cli.errors import OutputExists, UsageError
+from metrale_cli.atomic import atomic_directory
+from metrale_cli.errors import UsageError
 from metrale_cli.image_check import ImageTables, check, read_tables
 from metrale_cli.overlays import OVERLAY_PART
 
@@ -231,47 +230,30 @@ def _safetensors_bytes(tensors: dict[str, tuple[str, list[int], bytes]]) -> list
 
 def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
            name: str | None = None, force: bool = False) -> UnpackResult:
-    """Write one slot of `image` as a PEFT adapter directory at `out_dir`, atomically: built in a
-    temporary directory beside it, then renamed into place without replacing what a concurrent
-    writer put there (atomic.publish_dir)."""
+    """Write one slot of `image` as a PEFT adapter directory at `out_dir`, atomically
+    (atomic.atomic_directory): built in a temporary directory beside it, then renamed into place
+    without replacing what a concurrent writer put there, or swapped in with `force`."""
     t = read_tables(image)
     check(t)
     k = pick_slot(t, slot, name)
     if not str(out_dir).strip():
         raise UsageError("the adapter directory is empty")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        # --force replaces an adapter directory, never a file, a device or a FIFO.
-        raise UsageError(f"{out} exists and is not a directory; metrale never replaces one")
-    if out.exists() and not force:
-        raise OutputExists(f"{out} exists; pass --force to overwrite it")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"{parent}: no such directory")
-    tensors, config = adapter_tensors(t, k)
-    # SIGTERM and SIGHUP, like Ctrl-C, remove the temporary directory; a SIGKILLed run's is
-    # swept by the next (its name carries the pid).
-    with cleanup_on_signals():
-        tmp = temp_dir(out)
-        try:
-            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-            with (tmp / WEIGHTS_NAME).open("wb") as f:
-                for chunk in _safetensors_bytes(tensors):
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o777 & ~_umask())
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        publish_dir(tmp, out, force)
+    configs: list[dict[str, Any]] = []
+
+    def fill(tmp: Path) -> None:
+        tensors, config = adapter_tensors(t, k)
+        configs.append(config)
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        with (tmp / WEIGHTS_NAME).open("wb") as f:
+            for chunk in _safetensors_bytes(tensors):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_directory(out, fill, force)
+    config = configs[0]
     size = sum(p.stat().st_size for p in out.iterdir())
     return UnpackResult(out, k, str(t.slots_doc[k].get("name")), int(t.ranks[k]),
                         float(config["lora_alpha"]), len(config["target_modules"]),
                         list(config.get("trainable_token_indices", {})), size)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -8,6 +8,7 @@ from typing import Any
 
 from typer.testing import CliRunner
 
+from metrale_cli import cli
 from metrale_cli.cli import app
 
 
@@ -23,6 +24,9 @@ class Result:
 
 def metrale(*args: object, columns: int = 100) -> Result:
     """`metrale ARGS` in a terminal `columns` wide."""
+    # The consoles read COLUMNS when made, once per process as in a shell: make them anew.
+    cli.out.cache_clear()
+    cli.err.cache_clear()
     result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": str(columns)})
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception

@@ -79,6 +79,32 @@ def test_show_view(packed: tuple[Path, dict]) -> None:
     assert max(len(line) for line in result.stdout.splitlines()) <= 100
 
 
+LONG_NAME = "customer-support-assistant-v2-finetuned-on-2026-tickets"
+SLOT_HEADERS = ("slot", "name", "gen", "rank", "alpha", "scale", "pinned", "entries", "experts",
+                "overlays")
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_show_reads_whole_at_80_and_120_columns(packed: tuple[Path, dict], tmp_path: Path,
+                                                columns: int) -> None:
+    """Every slot header and figure whole, no line past the terminal; a long name folds."""
+    root = packed[0].parent
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"{LONG_NAME}={root / 'a'}", f"b={root / 'b'}", "--max-loras", 3,
+                   "-m", MODEL, "--out", image, "--device", "cpu").code == 0
+    result = metrale("show", image, columns=columns)
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout and max(map(len, lines)) <= columns
+    k = next(i for i, line in enumerate(lines) if line.startswith("slot "))
+    assert lines[k].split() == list(SLOT_HEADERS)
+    name_at, gen_at = lines[k].index("name"), lines[k].index("gen")
+    rows = lines[k + 2:lines.index("", k)]
+    assert "".join(line[name_at:gen_at].strip() for line in rows) == LONG_NAME + "b"
+    first = rows[0].split()
+    assert (first[0], first[2:8]) == ("0", ["0", "8", "16", "2", "yes", "60"])
+
+
 def _layout_a_offset(path: Path, entry: int, slot: int) -> int:
     t = read_tables(path)
     return slot * t.layout.slot_bytes + t.layout.entries[entry].a_offset

@@ -496,3 +496,43 @@ def test_progress_counts_every_request_once_and_pins_by_name() -> None:
                 "--max-loras", "3", "--json")
     assert r.code == 0, r.stderr
     assert r.json()["pinned"] == ["lora-003", "x"]
+
+
+def test_an_expert_slot_is_swapped_with_its_slot() -> None:
+    """With --experts a load moves the slot and the expert slot, as `layout --experts` sizes."""
+    args = ["-m", "qwen3-30b-a3b", "--modules", "q_proj", "--max-rank", 8, "--experts"]
+    layout = metrale("layout", *args, "--json").json()
+    r = metrale("simulate", *args, "--requests", 100, "--max-loras", 4, "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    expert_slot = layout["experts"]["expert_slot_bytes"]
+    assert rec["layout"]["expert_slot_bytes"] == expert_slot > 0
+    assert rec["swap"]["slot_bytes"] == layout["slot_bytes"] + expert_slot
+
+
+@pytest.mark.parametrize("shard", [["--tp", "4"], ["--tp", "4", "--ep", "2"],
+                                   ["--tp", "2", "--fully-sharded"]])
+def test_tp_swaps_the_largest_ranks_slot_per_gpu(shard: list[str]) -> None:
+    """With --tp a swap moves, per GPU, the largest rank's slot and expert slot that
+    `layout --tp` lays out; pool sizes are that rank's pool and tables."""
+    args = ["-m", "qwen3-30b-a3b", "--modules", "q_proj,o_proj", "--max-rank", 8, "--experts",
+            *shard]
+    ranks = metrale("layout", *args, "--max-loras", 4, "--json").json()["rank_layouts"]
+    r = metrale("simulate", *args, "--requests", 100, "--max-loras", 4, "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    per_rank = [(g["slot_bytes"] + g["expert_slot_bytes"], g) for g in ranks]
+    swapped, busiest = max(per_rank, key=lambda x: x[0])
+    unsharded = metrale("layout", *args[:-len(shard)], "--json").json()
+    assert rec["swap"]["slot_bytes"] == swapped < (unsharded["slot_bytes"]
+                                                   + unsharded["experts"]["expert_slot_bytes"])
+    lay = rec["layout"]
+    assert lay["tp_rank"] in busiest["ranks"]
+    assert lay["fingerprint"] == busiest["fingerprints"][busiest["ranks"].index(lay["tp_rank"])]
+    assert (lay["slot_bytes"], lay["expert_slot_bytes"]) == (busiest["slot_bytes"],
+                                                             busiest["expert_slot_bytes"])
+    assert lay["tp_size"] == int(shard[1])
+    assert [x["pool_bytes"] for x in rec["results"]] == [
+        max(g["total_bytes"] for g in ranks)] * len(rec["results"])
+    assert "per GPU at --tp" in metrale("simulate", *args, "--requests", 100, "--max-loras",
+                                        4).stdout

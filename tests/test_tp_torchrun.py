@@ -67,8 +67,10 @@ def spawn(rank: int, world: int, port: int, args: list[str],
 
 def test_a_killed_rank_fails_every_rank_without_an_image(adapters: list[Path],
                                                          tmp_path: Path) -> None:
-    """Rank 1 dies by SIGKILL as it starts packing its shard (after the fingerprint check)."""
+    """Rank 1 dies by SIGKILL as it starts packing its shard (after the fingerprint check).
+    DIR was there before the run, so it stays."""
     out, port = tmp_path / "out", free_port()
+    out.mkdir()
     kill = ("from metrale_cli import distributed\n"
             "distributed.pack_rank = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)")
     started = time.monotonic()
@@ -82,6 +84,25 @@ def test_a_killed_rank_fails_every_rank_without_an_image(adapters: list[Path],
     assert stderr.startswith("error: rank 0: a rank did not answer after packing"), stderr
     assert len(stderr.splitlines()) == 1
     assert list(out.iterdir()) == []  # rank 0's staged image removed, none renamed in
+
+
+def test_a_failed_pack_removes_the_directory_it_made(adapters: list[Path],
+                                                    tmp_path: Path) -> None:
+    """Rank 1 fails packing its shard after rank 0 has staged its image: both exit 1 with
+    rank 1's message, and DIR, made by this run, is gone again."""
+    out, port = tmp_path / "out", free_port()
+    fail = ("from metrale_cli import distributed\n"
+            "from metrale_cli.errors import UsageError\n"
+            "def fail(*a, **k):\n"
+            "    raise UsageError('no memory for the shard')\n"
+            "distributed.pack_rank = fail")
+    procs = [spawn(0, 2, port, pack_args(adapters, out, 2)),
+             spawn(1, 2, port, pack_args(adapters, out, 2), fail)]
+    results = [p.communicate(timeout=TIMEOUT_S + 120) for p in procs]
+    for p, (_, stderr) in zip(procs, results, strict=True):
+        assert p.returncode == 1, stderr
+        assert stderr.strip() == "error: rank 1: no memory for the shard", stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_rank_with_other_inputs_is_refused_before_any_byte_moves(adapters: list[Path],
