@@ -157,15 +157,12 @@ def emit_json(record: Any) -> None:
     sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
 
 
-def emit(record: Any, json_out: bool, view: str) -> None:
-    """One record, two views: with --json the record itself, else `render.<view>(record)`
-    (render, and rich with it, is imported for the view alone)."""
+def emit(record: Any, json_out: bool, view: Callable[[Any], Any]) -> None:
+    """One record, two views: with --json the record itself, else `view(record)`."""
     if json_out:
         emit_json(record)
-        return
-    from metrale_cli import render
-
-    out().print(getattr(render, view)(record))
+    else:
+        out().print(view(record))
 
 
 def warn(warnings: list[str]) -> None:
@@ -305,10 +302,11 @@ def model_for(spec: str | None, adapters: list[Adapter], online: bool = False) -
 @handles_errors
 def models(json_out: JsonOpt = False) -> None:
     """List the built-in base-model presets and their key dims."""
+    from metrale_cli import render
     from metrale_cli.models import PRESETS
 
     records = [preset.record() for preset in PRESETS]
-    emit(records, json_out, "models_view")
+    emit(records, json_out, render.models_view)
 
 
 # -- inspect ------------------------------------------------------------------------------------
@@ -488,11 +486,11 @@ def pack(
 
     The model defaults to the adapters' base_model_name_or_path, the modules to the union of
     theirs."""
+    from metrale_cli import render
     from metrale_cli.atomic import check_output, output_dir, output_path
     from metrale_cli.audit import audit
     from metrale_cli.packing import pack_pool
     from metrale_cli.plan import plan_layouts
-    from metrale_cli.render import pack_view
 
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-loras", max_loras)
@@ -524,7 +522,7 @@ def pack(
         if sharded is None:
             return  # a torchrun rank other than 0: rank 0 reports for all
         warn(sharded.warnings)
-        emit(sharded.record(), json_out, "sharded_pack_view")
+        emit(sharded.record(), json_out, render.sharded_pack_view)
         return
     out_path = None if out_text is None else output_path(out_text)
     if out_path is not None:
@@ -537,7 +535,7 @@ def pack(
     if json_out:
         emit_json(result.record())
     else:
-        out().print(pack_view(result))
+        out().print(render.pack_view(result))
 
 
 # -- pool images --------------------------------------------------------------------------------
@@ -551,10 +549,11 @@ ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
 def show(image: ImageArg, json_out: JsonOpt = False) -> None:
     """What a pool image holds, checked without reading its pool bytes. Exit 1 if its metadata
     and tables contradict each other, 2 if it is not a pool image."""
+    from metrale_cli import render
     from metrale_cli.image_check import show_image
 
     record = show_image(image).record()
-    emit(record, json_out, "show_view")
+    emit(record, json_out, render.show_view)
 
 
 @app.command()
@@ -569,6 +568,7 @@ def verify(
 ) -> None:
     """Recompute what pack writes for each adapter and compare it with the image's bytes. Exit
     1 on any difference."""
+    from metrale_cli import render
     from metrale_cli.verify import Verifier
 
     verifier = Verifier.open(image, load_adapters(adapters, online_on(online), weights=True))
@@ -581,7 +581,7 @@ def verify(
             result = verifier.run(lambda n: bar.advance(task, n))
     else:
         result = verifier.run()
-    emit(result.record(), json_out, "verify_view")
+    emit(result.record(), json_out, render.verify_view)
     if not result.ok:
         raise typer.Exit(1)
 
@@ -640,6 +640,7 @@ def bench_pack(
 ) -> None:
     """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
     from metrale_cli import bench_pack as bench
+    from metrale_cli import render
 
     spec = shard_spec(tp, None, False)
     positive("--rank", rank)
@@ -649,7 +650,7 @@ def bench_pack(
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     record = bench.run(resolve_model(model), model, parse_modules(modules), rank, adapters,
                        dtype, repeats, device=device, experts=experts, tp=spec)
-    emit(record, json_out, "bench_pack_view")
+    emit(record, json_out, render.bench_pack_view)
 
 
 @bench_app.command("kernels")
@@ -771,9 +772,10 @@ def bench_slots(
 ) -> None:
     """Slot-manager victim choice and simulator requests/s at 64 vs 4096 slots, in one run."""
     from metrale_cli import bench_slots as bench
+    from metrale_cli import render
 
     record = bench.run(requests, cycles, repeats)
-    emit(record, json_out, "bench_slots_view")
+    emit(record, json_out, render.bench_slots_view)
 
 
 # -- simulate -----------------------------------------------------------------------------------
@@ -853,6 +855,7 @@ def simulate(
     """Size max_loras for real traffic: replay a trace or a generated workload against the
     pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency.
     With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
+    from metrale_cli import render
     from metrale_cli import simulate as sim
     from metrale_cli import workload as wl
     from metrale_cli.atomic import check_output, output_path
@@ -915,7 +918,7 @@ def simulate(
         result = sim.run(requested, *layouts, **options)
     if plot_path is not None:
         sim.plot(result, plot_path, force)
-    emit(result.record(), json_out, "simulate_view")
+    emit(result.record(), json_out, render.simulate_view)
 
 
 def main() -> None:
