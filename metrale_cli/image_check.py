@@ -29,6 +29,7 @@ from metrale_cli.modules import LoraModule
 from metrale_cli.overlays import TABLES
 from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 from metrale_cli.sharding import RankExpertLayout, RankLayout, shard_of
+from metrale_cli.slots import U64_MASK
 
 FORMAT = "pool/1"
 # The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
@@ -388,15 +389,37 @@ def overlay_problems(t: ImageTables) -> list[str]:
     return found
 
 
+def slot_record_problems(t: ImageTables) -> list[str]:
+    """`metrale.slots` is one record per slot, in order, of the types pool/1 gives them (what
+    the views and the slot-matching read, so that none of them meets a list for a name)."""
+    if len(t.slots_doc) != t.max_loras:
+        return [f"metrale.slots lists {len(t.slots_doc)} slots; the layout has max_loras "
+                f"{t.max_loras}"]
+    for k, s in enumerate(t.slots_doc):
+        if not isinstance(s, dict) or s.get("slot") != k:
+            return [f"metrale.slots entry {k} is not slot {k}'s record"]
+        generation, alpha = s.get("generation"), s.get("alpha")
+        if not (isinstance(s.get("name"), str) and isinstance(s.get("source"), str)):
+            return [f"metrale.slots entry {k}: name and source must be strings"]
+        if (isinstance(generation, bool) or not isinstance(generation, int)
+                or not 0 <= generation <= U64_MASK):
+            return [f"metrale.slots entry {k}: generation {generation!r} is not an integer "
+                    "that fits 64 bits"]
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(
+                alpha):
+            return [f"metrale.slots entry {k}: alpha {alpha!r} is not a finite number"]
+        if not isinstance(s.get("pinned"), bool):
+            return [f"metrale.slots entry {k}: pinned must be true or false"]
+    return []
+
+
 def problems(t: ImageTables) -> list[str]:
     """Every inconsistency of the image, most basic first (empty: consistent)."""
     found = layout_problems(t)
-    if len(t.slots_doc) != t.max_loras:
-        return [*found, f"metrale.slots lists {len(t.slots_doc)} slots; the layout has "
-                        f"max_loras {t.max_loras}"]
-    for k, s in enumerate(t.slots_doc):
-        if not isinstance(s, dict) or s.get("slot") != k:
-            return [*found, f"metrale.slots entry {k} is not slot {k}'s record"]
+    records = slot_record_problems(t)
+    if records:
+        return found + records
+    for k in range(t.max_loras):
         found += slot_problems(t, k)
     return found + overlay_problems(t)
 

@@ -158,6 +158,35 @@ def test_an_inconsistent_image_is_one_line_exit_1(image: Path, name: str) -> Non
     assert message in result.stderr, result.stderr
 
 
+def _slot_field(path: Path, field: str, value: object) -> None:
+    slots = read_tables(path).slots_doc
+    slots[0][field] = value
+    edit_metadata(path, "metrale.slots", json.dumps(slots, separators=(",", ":")))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("alpha", float("nan"), "alpha nan is not a finite number"),
+    ("alpha", [16], "alpha [16] is not a finite number"),
+    ("name", 5, "name and source must be strings"),
+    ("source", [1], "name and source must be strings"),
+    ("generation", "1", "generation '1' is not an integer that fits 64 bits"),
+    ("pinned", "yes", "pinned must be true or false"),
+])
+@pytest.mark.parametrize("command", ["show", "show --json", "verify", "unpack"])
+def test_a_slot_record_of_the_wrong_type_is_one_line_exit_1(
+        packed: tuple[Path, dict], image: Path, tmp_path: Path, command: str, field: str,
+        value: object, message: str) -> None:
+    """What the views print and verify matches adapters by is checked as PoolImage.open checks
+    it: a NaN alpha or a list for a name is one line, never an internal error."""
+    _slot_field(image, field, value)
+    args = {"show": ["show", image], "show --json": ["show", image, "--json"],
+            "verify": ["verify", image, packed[0].parent / "b"],
+            "unpack": ["unpack", image, "--slot", "1", tmp_path / "out"]}[command]
+    result = metrale(*args)
+    assert result.code == 1, (result.stdout, result.stderr)
+    assert result.stderr == f"error: {image}: metrale.slots entry 0: {message}\n"
+
+
 def test_swapped_offsets_are_named(image: Path) -> None:
     _swap(image, "a_offsets", (0, 0), (1, 0))
     t = read_tables(image)
