@@ -262,6 +262,6 @@ def _overlays(t: ImageTables, tensor: Callable[[str], np.ndarray]) -> list[Overl
         raw.tables.append(str(run["table"]))
         raw.tokens.append(np.array(t.overlay_tokens[start:start + count]))
         raw.rows.append(np.array(rows[start:start + count]))
-        raw.tied_lm_head.append(run.get("tied_lm_head") is True)
+        raw.tied_lm_head.append(run["tied_lm_head"])
         overlay_raw[slot] = raw
     return overlay_raw

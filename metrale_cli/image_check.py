@@ -358,8 +358,9 @@ def _region_problems(t: ImageTables, where: str, slot: int, pool: str, entries: 
 
 
 def overlay_problems(t: ImageTables) -> list[str]:
-    """Runs tile the overlay rows in order, name a filled slot and a known table, and agree with
-    `overlay_slots`; token ids are inside the vocabulary."""
+    """Runs tile the overlay rows in order, name a filled slot and a known table, replace rows
+    (tied to the head or not), and agree with `overlay_slots`; token ids are inside the
+    vocabulary."""
     if t.overlay_doc is None:
         return []
     assert t.overlay_slots is not None and t.overlay_tokens is not None
@@ -380,6 +381,11 @@ def overlay_problems(t: ImageTables) -> list[str]:
         if run.get("table") not in TABLES:
             found.append(f"overlay run {j}: table {run.get('table')!r} is not one of "
                          f"{', '.join(TABLES)}")
+        if run.get("mode") != "replace":
+            # pool/1's rows replace table rows; a reader serving anything else would be wrong.
+            found.append(f"overlay run {j}: mode {run.get('mode')!r} is not 'replace'")
+        if not isinstance(run.get("tied_lm_head"), bool):
+            found.append(f"overlay run {j}: tied_lm_head must be true or false")
         if (np.asarray(t.overlay_slots[start:start + count]) != slot).any():
             found.append(f"overlay run {j}: overlay_slots[{start}:{cursor}] is not all {slot}")
         tokens = np.asarray(t.overlay_tokens[start:start + count])
