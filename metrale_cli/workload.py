@@ -47,8 +47,8 @@ class Workload:
 
     def hold_seconds(self, prefill_tok_s: float, decode_tok_s: float) -> np.ndarray:
         """[N] float64: how long each request holds its slot, from admission to completion."""
-        if prefill_tok_s <= 0 or decode_tok_s <= 0:
-            raise UsageError("--prefill-tok-s and --decode-tok-s must be positive")
+        if not (0 < prefill_tok_s < math.inf and 0 < decode_tok_s < math.inf):
+            raise UsageError("--prefill-tok-s and --decode-tok-s must be positive and finite")
         from_tokens = self.input_tokens / prefill_tok_s + self.output_tokens / decode_tok_s
         return np.where(np.isnan(self.duration), from_tokens, self.duration)
 
@@ -317,8 +317,10 @@ class GeneratorSpec:
         for name, value in (("--requests", self.requests), ("--adapters", self.adapters),
                             ("--rate", self.rate), ("--cv", self.cv), ("--zipf-s", self.zipf_s),
                             ("--alpha", self.alpha)):
-            if not value > 0:
-                raise UsageError(f"{name} must be positive, got {value}")
+            if not (value > 0 and math.isfinite(value)):
+                raise UsageError(f"{name} must be positive and finite, got {value}")
+        if self.seed < 0:
+            raise UsageError(f"--seed must be non-negative, got {self.seed}")
         for name, (lo, hi) in (("--input-tokens", self.input_range),
                                ("--output-tokens", self.output_range)):
             if lo < 0 or hi < lo:
@@ -364,10 +366,15 @@ def generate(spec: GeneratorSpec) -> Workload:
         inputs = _lengths(rng.integers, spec.input_range, n)
         outputs = _lengths(rng.integers, spec.output_range, n)
         intervals = rng.gamma(shape, scale, n)
+    arrival = np.cumsum(intervals)
+    if not np.isfinite(arrival).all():
+        # Gamma(1 / cv**2, cv**2 / rate) past float64's range: NaN or infinite times.
+        raise UsageError(f"--rate {spec.rate:g} with --cv {spec.cv:g} gives arrival times "
+                         "beyond floating point; choose a smaller --cv or a larger --rate")
     width = len(str(count - 1))
     return Workload(
         adapters=tuple(f"lora-{i:0{width}d}" for i in range(count)),
-        adapter=adapter.astype(np.int64), arrival=np.cumsum(intervals),
+        adapter=adapter.astype(np.int64), arrival=arrival,
         input_tokens=inputs, output_tokens=outputs,
         duration=np.full(n, np.nan), source=spec.record(),
     )

@@ -360,6 +360,17 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--max-concurrency", "0"], "--max-concurrency must be positive"),
     (["--pinned", "3", "--max-loras", "3"], "leaves no cache slot"),
     (["--trace", "t.csv", "--workload", "zipf"], "not both"),
+    # Not finite: each made the record NaN or infinite (--json an internal error, exit 70).
+    (["--rate", "inf"], "--rate must be positive and finite"),
+    (["--cv", "inf"], "--cv must be positive and finite"),
+    (["--zipf-s", "inf"], "--zipf-s must be positive and finite"),
+    (["--workload", "slora", "--alpha", "inf"], "--alpha must be positive and finite"),
+    (["--decode-tok-s", "inf"], "must be positive and finite"),
+    (["--prefill-tok-s", "nan"], "must be positive and finite"),
+    (["--swap-latency-ms", "nan"], "--swap-latency-ms must be >= 0 and finite"),
+    (["--target-p99-ms", "inf"], "--target-p99-ms must be >= 0 and finite"),
+    (["--rate", "1e308", "--cv", "1e300"], "beyond floating point"),
+    (["--seed", "-1"], "--seed must be non-negative"),
 ])
 def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     r = metrale("simulate", *SLOT, "--requests", "200", *args)
