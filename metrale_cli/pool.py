@@ -225,8 +225,9 @@ class LoraPool:
         becomes a placeholder with identity 0. Refused (SlotBusy) while it has in-flight
         sequences or is loading."""
         with self._lock:
-            self.manager.clear_slot(slot)
-            self._clear_bytes(self.manager.resolve(slot))
+            k = self.manager.resolve(slot)  # once: a rotation meanwhile must not move it
+            self.manager.clear_slot(k)
+            self._clear_bytes(k)
 
     def _begin(self, slot: int) -> int:
         with self._lock:

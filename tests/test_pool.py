@@ -473,3 +473,29 @@ def test_swap_and_land_into_the_active_slot(tiny: dict[str, Path]) -> None:
         adapted = p.to_host(p.a_tables[:, 1])
         assert (adapted[adapted != 0] >= base + layout.slot_bytes).all()
         assert not p.to_host(p.a_tables[:, -1]).any()
+
+
+def test_clearing_the_active_slot_clears_that_slot_only(tiny: dict[str, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """clear_slot(-1) clears the slot that was active when it was called: a rotation between
+    the manager's clear and the bytes' (rotate does not take the pool's lock) must not zero the
+    bytes and tables of the slot it rotated to, which is READY and serving."""
+    cfg, (a, b) = reports(tiny, "a", "b")
+    layout = SlotLayout.build(cfg, [LoraModule(m) for m in MODULES.split(",")], 4)
+    pool, _ = LoraPool.load(layout, 3, [a])
+    pool.swap_in(1, b)
+    pool.swap_in(2, a)
+    pool.manager.rotate(1)
+    before = pool.region.host_bytes(2).copy()
+    clear = pool.manager.clear_slot
+
+    def clear_then_rotate(slot: int) -> None:
+        clear(slot)
+        pool.manager.rotate(2)  # another thread, between the two halves
+
+    monkeypatch.setattr(pool.manager, "clear_slot", clear_then_rotate)
+    pool.clear_slot(-1)
+    assert pool.manager.slot_info(1).name == "" and not pool.region.host_bytes(1).any()
+    assert pool.manager.slot_info(2).name == "a"
+    assert np.array_equal(pool.region.host_bytes(2), before)
+    assert pool.to_host(pool.a_tables[:, 2]).any() and pool.rank_table[2] == 4
