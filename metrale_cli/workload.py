@@ -27,6 +27,8 @@ TRACE_COLUMNS = ("timestamp", "adapter", "input_tokens", "output_tokens", "durat
 # A request line is a few dozen characters; one this long is not a trace (a binary file, a
 # file with no line breaks), refused before it is held in memory.
 MAX_LINE_CHARS = 1 << 16
+# Token counts are read as float64, which holds every whole number below this exactly.
+MAX_TOKENS = 2**53
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ def _csv_columns_fast(path: Path) -> Columns | None:
             values = np.array([c or empty for c in cells], dtype=np.float64)
         except ValueError:
             return None
-        given = np.array([bool(c) for c in cells])
+        given = np.array([bool(c) for c in cells], dtype=bool)  # bool even with no rows
         good = np.isfinite(values) & (values >= 0)
         return values if bool((good | ~given).all()) else None
 
@@ -196,7 +198,7 @@ def _csv_columns_fast(path: Path) -> Columns | None:
     duration = numbers("duration", "nan")
     if arrival is None or inputs is None or outputs is None or duration is None:
         return None
-    if (inputs != np.floor(inputs)).any() or (outputs != np.floor(outputs)).any():
+    if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs)):
         return None
     i = where["adapter"]
     return (arrival, [r[i].strip() for r in rows], inputs.astype(np.int64),
@@ -273,6 +275,8 @@ def _parse_row(path: Path, line: int, row: dict[str, Any]) -> tuple[float, str, 
             return 0
         if x != int(x):
             raise FormatError(f"{where}: {key} {row[key]!r} is not a whole number")
+        if x >= MAX_TOKENS:
+            raise FormatError(f"{where}: {key} {row[key]!r} is not below 2**53")
         return int(x)
 
     timestamp = number("timestamp", required=True)

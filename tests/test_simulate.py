@@ -307,6 +307,13 @@ def test_trace_rows(tmp_path: Path) -> None:
     ("t.jsonl", '{"timestamp": 1, "adapter": 5}\n', r"t\.jsonl:1: adapter 5 is not a name"),
     ("t.jsonl", '{"timestamp": "nan", "adapter": "a"}\n', r"t\.jsonl:1: timestamp 'nan' must"),
     ("t.jsonl", "", r"t\.jsonl: no requests"),
+    # A header alone: was an internal error (exit 70).
+    ("t.csv", "timestamp,adapter\n", r"t\.csv: no requests"),
+    # Past int64 once read: was an internal error (JSON) or a count wrapped to garbage (CSV).
+    ("t.jsonl", '{"timestamp": 1, "adapter": "a", "input_tokens": 99999999999999999999999}\n',
+     r"t\.jsonl:1: input_tokens 99999999999999999999999 is not below 2\*\*53"),
+    ("t.csv", "timestamp,adapter,output_tokens\n1,a,1e30\n",
+     r"t\.csv:2: output_tokens '1e30' is not below 2\*\*53"),
     # No line breaks (a binary file, a dump): refused at the bound, never held whole.
     ("t.jsonl", '{"timestamp": 1, "adapter": "' + "a" * (1 << 20) + '"}\n',
      r"t\.jsonl:1: a line longer than 65536 characters"),
