@@ -25,6 +25,7 @@ from metrale_cli.errors import FormatError, ImageInconsistent, NotServable, Usag
 from metrale_cli.image_check import (
     ImageTables,
     layout_problems,
+    overlay_problems,
     read_tables,
     slot_record_problems,
 )
@@ -105,7 +106,9 @@ class Verifier:
     @classmethod
     def open(cls, image: str | Path, adapters: list[Adapter]) -> Verifier:
         tables = read_tables(image)
-        found = layout_problems(tables) + slot_record_problems(tables)
+        # What the comparison reads must be well formed; the rest it compares and reports.
+        found = (layout_problems(tables) + slot_record_problems(tables)
+                 or overlay_problems(tables))
         if found:
             raise ImageInconsistent(f"{tables.path}: {found[0]}")
         slots = {s.get("name"): k for k, s in enumerate(tables.slots_doc) if s.get("name")}

@@ -143,7 +143,7 @@ def test_embedding_lora_is_still_refused_precisely(peft_zoo) -> None:
 def test_an_overlay_run_of_the_wrong_shape_is_one_line(peft_zoo, tmp_path: Path, field: str,
                                                       value: object) -> None:
     """A run without its boolean tied_lm_head (or that does not replace rows) is named in one
-    line, exit 1, by show, as by PoolImage.open; never an internal error."""
+    line, exit 1, by show and verify, as by PoolImage.open; never an internal error."""
     from metrale_cli.errors import ImageInconsistent
     from metrale_cli.image_check import read_tables
     from tests.image_edit import edit_metadata
@@ -160,7 +160,7 @@ def test_an_overlay_run_of_the_wrong_shape_is_one_line(peft_zoo, tmp_path: Path,
     else:
         run[field] = value
     edit_metadata(out, "metrale.overlays", json.dumps(doc, separators=(",", ":")))
-    for args in (["show", out], ["show", out, "--json"]):
+    for args in (["show", out], ["show", out, "--json"], ["verify", out, truth.path]):
         result = metrale(*args)
         assert result.code == 1, (result.stdout, result.stderr)
         assert result.stderr.startswith(f"error: {out}: overlay run 0: ")
