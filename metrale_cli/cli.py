@@ -240,7 +240,7 @@ def shard_spec(tp: int | None, ep: int | None, fully_sharded: bool) -> ShardSpec
         if ep is not None or fully_sharded:
             raise UsageError("--ep and --fully-sharded need --tp")
         return None
-    return ShardSpec(tp, 0, ep or 1, fully_sharded)
+    return ShardSpec(tp, 0, 1 if ep is None else ep, fully_sharded)
 
 
 def experts_on(flag: bool) -> bool:
