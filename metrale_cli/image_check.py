@@ -162,7 +162,9 @@ def read_tables(path: str | Path) -> ImageTables:
         shard = shard_of(meta)  # a tensor-parallel rank's image: its own layout
         if shard is not None:
             layout = RankLayout.of(layout, shard)
-            layout.entries  # noqa: B018  (a shard its model cannot split is bad metadata)
+        # Built here, so that a model summary without a dim (or a shard its model cannot split)
+        # is bad metadata, not an error where the entries are first read.
+        n = len(layout.entries)
         max_loras = int(layout_doc["max_loras"])
         active = int(meta.get("metrale.active", "0"))
     except (KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError,
@@ -172,7 +174,6 @@ def read_tables(path: str | Path) -> ImageTables:
         raise ImageInconsistent(f"{path}: max_loras is {max_loras}")
     if not isinstance(slots_doc, list):
         raise FormatError(f"{path}: metrale.slots is not a list")
-    n = len(layout.entries)
     # The metadata fixes every table's shape: check them all before reading any.
     _need(path, header, "pool", "U8", (max_loras * layout.slot_bytes,))
     needs = {"scales": ("F32", (max_loras,)), "ranks": ("I32", (max_loras,)),
@@ -184,14 +185,13 @@ def read_tables(path: str | Path) -> ImageTables:
             expert_layout = ExpertLayout.from_record(model, expert_doc)
             if shard is not None:
                 expert_layout = RankExpertLayout.of(expert_layout, shard)
-                expert_layout.entries  # noqa: B018
+            n_e = len(expert_layout.entries)
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError,
                 MetraleError) as exc:
             raise FormatError(f"{path}: metrale.expert_layout does not describe a layout "
                               f"({exc})") from exc
         _need(path, header, "expert_pool", "U8",
               (max_loras * expert_layout.slot_bytes,))
-        n_e = len(expert_layout.entries)
         needs |= {"expert_a_offsets": ("I64", (n_e, max_loras)),
                   "expert_b_offsets": ("I64", (n_e, max_loras))}
     overlay_doc = None

@@ -158,6 +158,18 @@ def test_an_inconsistent_image_is_one_line_exit_1(image: Path, name: str) -> Non
     assert message in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("dim", ["head_dim", "hidden_size"])
+def test_a_model_summary_without_a_dim_is_one_line_exit_2(image: Path, dim: str) -> None:
+    """The layout's entries are built from the summary's dims: one missing is bad metadata
+    (exit 2), found by the hypothesis fuzzing of PoolImage.open as an escaping TypeError."""
+    summary = json.loads(read_tables(image).header.metadata["metrale.model"])
+    edit_metadata(image, "metrale.model", json.dumps(summary | {dim: None}))
+    result = metrale("show", image)
+    assert result.code == 2, (result.stdout, result.stderr)
+    assert result.stderr.startswith(f"error: {image}: metadata does not describe a layout (")
+    assert result.stderr.count("\n") == 1
+
+
 def _slot_field(path: Path, field: str, value: object) -> None:
     slots = read_tables(path).slots_doc
     slots[0][field] = value
