@@ -158,12 +158,17 @@ def test_an_inconsistent_image_is_one_line_exit_1(image: Path, name: str) -> Non
     assert message in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("dim", ["head_dim", "hidden_size"])
-def test_a_model_summary_without_a_dim_is_one_line_exit_2(image: Path, dim: str) -> None:
-    """The layout's entries are built from the summary's dims: one missing is bad metadata
-    (exit 2), found by the hypothesis fuzzing of PoolImage.open as an escaping TypeError."""
+@pytest.mark.parametrize(("field", "value"), [("head_dim", None), ("hidden_size", None),
+                                              ("attn_gated", float("inf")),
+                                              ("num_key_value_heads", "2")])
+def test_a_model_summary_field_of_the_wrong_type_is_one_line_exit_2(
+        image: Path, field: str, value: object) -> None:
+    """The layout's entries are built from the summary's dims and the view prints it: a field
+    missing or of the wrong type is bad metadata (exit 2), not an internal error (a TypeError
+    where the entries were built, found by the hypothesis fuzzing of PoolImage.open; an
+    infinite flag that reached show --json)."""
     summary = json.loads(read_tables(image).header.metadata["metrale.model"])
-    edit_metadata(image, "metrale.model", json.dumps(summary | {dim: None}))
+    edit_metadata(image, "metrale.model", json.dumps(summary | {field: value}))
     result = metrale("show", image)
     assert result.code == 2, (result.stdout, result.stderr)
     assert result.stderr.startswith(f"error: {image}: metadata does not describe a layout (")
