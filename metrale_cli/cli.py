@@ -240,7 +240,7 @@ def shard_spec(tp: int | None, ep: int | None, fully_sharded: bool) -> ShardSpec
         if ep is not None or fully_sharded:
             raise UsageError("--ep and --fully-sharded need --tp")
         return None
-    return ShardSpec(tp, 0, ep or 1, fully_sharded)
+    return ShardSpec(tp, 0, 1 if ep is None else ep, fully_sharded)
 
 
 def experts_on(flag: bool) -> bool:
@@ -873,8 +873,8 @@ def simulate(
             check_output(path, force)  # before the work; the write checks again
     if target_hit_rate is not None and not 0 < target_hit_rate <= 1:
         raise UsageError(f"--target-hit-rate must be in (0, 1], got {target_hit_rate}")
-    if target_p99_ms is not None and target_p99_ms < 0:
-        raise UsageError(f"--target-p99-ms must be >= 0, got {target_p99_ms}")
+    if target_p99_ms is not None and not 0 <= target_p99_ms < math.inf:
+        raise UsageError(f"--target-p99-ms must be >= 0 and finite, got {target_p99_ms}")
     loaded = load_adapters(adapters) if adapters else []
     if model is None and not loaded:
         raise UsageError("--model is required (or give adapters)")

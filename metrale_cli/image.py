@@ -4,7 +4,6 @@ docs/pool-format.md), written atomically, and read back memory-mapped."""
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -29,7 +28,7 @@ from metrale_cli.layout import SlotLayout
 from metrale_cli.overlays import OverlayRaw
 from metrale_cli.pool import LoraPool, SlotContents
 from metrale_cli.sharding import RankLayout
-from metrale_cli.slots import U64_MASK, AdapterSlot
+from metrale_cli.slots import AdapterSlot
 
 COPY_CHUNK = 64 << 20
 _ITEM_BYTES = {"U8": 1, "F32": 4, "I32": 4, "I64": 8}
@@ -239,21 +238,12 @@ class PoolImage:
 
 
 def _slots(doc: list[dict[str, Any]]) -> tuple[list[AdapterSlot], list[bool]]:
-    """The checked image's slot records as AdapterSlots (image_check has matched their ranks
-    and scales against the tables)."""
+    """The checked image's slot records as AdapterSlots (image_check has checked their types
+    and matched their ranks and scales against the tables)."""
     slots, pinned = [], []
     for s in doc:
-        name, source = s["name"], s["source"]
-        alpha, scaling = float(s["alpha"]), float(s["scaling"])
-        if not isinstance(name, str) or not isinstance(source, str):
-            raise ValueError("slot name and source must be strings")
-        if not (math.isfinite(alpha) and math.isfinite(scaling)):
-            raise ValueError("slot alpha and scaling must be finite")
-        generation = s["generation"]
-        if isinstance(generation, bool) or not isinstance(generation, int) \
-                or not 0 <= generation <= U64_MASK:
-            raise ValueError("generation must be an integer that fits 64 bits")
-        slots.append(AdapterSlot(name, int(s["rank"]), alpha, scaling, source, {}, generation))
+        slots.append(AdapterSlot(s["name"], int(s["rank"]), float(s["alpha"]),
+                                 float(s["scaling"]), s["source"], {}, s["generation"]))
         pinned.append(s["pinned"] is True)
     return slots, pinned
 
@@ -272,6 +262,6 @@ def _overlays(t: ImageTables, tensor: Callable[[str], np.ndarray]) -> list[Overl
         raw.tables.append(str(run["table"]))
         raw.tokens.append(np.array(t.overlay_tokens[start:start + count]))
         raw.rows.append(np.array(rows[start:start + count]))
-        raw.tied_lm_head.append(run.get("tied_lm_head") is True)
+        raw.tied_lm_head.append(run["tied_lm_head"])
         overlay_raw[slot] = raw
     return overlay_raw

@@ -29,6 +29,7 @@ from metrale_cli.modules import LoraModule
 from metrale_cli.overlays import TABLES
 from metrale_cli.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 from metrale_cli.sharding import RankExpertLayout, RankLayout, shard_of
+from metrale_cli.slots import U64_MASK
 
 FORMAT = "pool/1"
 # The data buffer starts at a multiple of this, so `pool` can be mapped and DMA'd aligned.
@@ -161,7 +162,9 @@ def read_tables(path: str | Path) -> ImageTables:
         shard = shard_of(meta)  # a tensor-parallel rank's image: its own layout
         if shard is not None:
             layout = RankLayout.of(layout, shard)
-            layout.entries  # noqa: B018  (a shard its model cannot split is bad metadata)
+        # Built here, so that a model summary without a dim (or a shard its model cannot split)
+        # is bad metadata, not an error where the entries are first read.
+        n = len(layout.entries)
         max_loras = int(layout_doc["max_loras"])
         active = int(meta.get("metrale.active", "0"))
     except (KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError,
@@ -171,7 +174,6 @@ def read_tables(path: str | Path) -> ImageTables:
         raise ImageInconsistent(f"{path}: max_loras is {max_loras}")
     if not isinstance(slots_doc, list):
         raise FormatError(f"{path}: metrale.slots is not a list")
-    n = len(layout.entries)
     # The metadata fixes every table's shape: check them all before reading any.
     _need(path, header, "pool", "U8", (max_loras * layout.slot_bytes,))
     needs = {"scales": ("F32", (max_loras,)), "ranks": ("I32", (max_loras,)),
@@ -183,14 +185,13 @@ def read_tables(path: str | Path) -> ImageTables:
             expert_layout = ExpertLayout.from_record(model, expert_doc)
             if shard is not None:
                 expert_layout = RankExpertLayout.of(expert_layout, shard)
-                expert_layout.entries  # noqa: B018
+            n_e = len(expert_layout.entries)
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError,
                 MetraleError) as exc:
             raise FormatError(f"{path}: metrale.expert_layout does not describe a layout "
                               f"({exc})") from exc
         _need(path, header, "expert_pool", "U8",
               (max_loras * expert_layout.slot_bytes,))
-        n_e = len(expert_layout.entries)
         needs |= {"expert_a_offsets": ("I64", (n_e, max_loras)),
                   "expert_b_offsets": ("I64", (n_e, max_loras))}
     overlay_doc = None
@@ -357,8 +358,9 @@ def _region_problems(t: ImageTables, where: str, slot: int, pool: str, entries: 
 
 
 def overlay_problems(t: ImageTables) -> list[str]:
-    """Runs tile the overlay rows in order, name a filled slot and a known table, and agree with
-    `overlay_slots`; token ids are inside the vocabulary."""
+    """Runs tile the overlay rows in order, name a filled slot and a known table, replace rows
+    (tied to the head or not), and agree with `overlay_slots`; token ids are inside the
+    vocabulary."""
     if t.overlay_doc is None:
         return []
     assert t.overlay_slots is not None and t.overlay_tokens is not None
@@ -379,6 +381,11 @@ def overlay_problems(t: ImageTables) -> list[str]:
         if run.get("table") not in TABLES:
             found.append(f"overlay run {j}: table {run.get('table')!r} is not one of "
                          f"{', '.join(TABLES)}")
+        if run.get("mode") != "replace":
+            # pool/1's rows replace table rows; a reader serving anything else would be wrong.
+            found.append(f"overlay run {j}: mode {run.get('mode')!r} is not 'replace'")
+        if not isinstance(run.get("tied_lm_head"), bool):
+            found.append(f"overlay run {j}: tied_lm_head must be true or false")
         if (np.asarray(t.overlay_slots[start:start + count]) != slot).any():
             found.append(f"overlay run {j}: overlay_slots[{start}:{cursor}] is not all {slot}")
         tokens = np.asarray(t.overlay_tokens[start:start + count])
@@ -388,15 +395,37 @@ def overlay_problems(t: ImageTables) -> list[str]:
     return found
 
 
+def slot_record_problems(t: ImageTables) -> list[str]:
+    """`metrale.slots` is one record per slot, in order, of the types pool/1 gives them (what
+    the views and the slot-matching read, so that none of them meets a list for a name)."""
+    if len(t.slots_doc) != t.max_loras:
+        return [f"metrale.slots lists {len(t.slots_doc)} slots; the layout has max_loras "
+                f"{t.max_loras}"]
+    for k, s in enumerate(t.slots_doc):
+        if not isinstance(s, dict) or s.get("slot") != k:
+            return [f"metrale.slots entry {k} is not slot {k}'s record"]
+        generation, alpha = s.get("generation"), s.get("alpha")
+        if not (isinstance(s.get("name"), str) and isinstance(s.get("source"), str)):
+            return [f"metrale.slots entry {k}: name and source must be strings"]
+        if (isinstance(generation, bool) or not isinstance(generation, int)
+                or not 0 <= generation <= U64_MASK):
+            return [f"metrale.slots entry {k}: generation {generation!r} is not an integer "
+                    "that fits 64 bits"]
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(
+                alpha):
+            return [f"metrale.slots entry {k}: alpha {alpha!r} is not a finite number"]
+        if not isinstance(s.get("pinned"), bool):
+            return [f"metrale.slots entry {k}: pinned must be true or false"]
+    return []
+
+
 def problems(t: ImageTables) -> list[str]:
     """Every inconsistency of the image, most basic first (empty: consistent)."""
     found = layout_problems(t)
-    if len(t.slots_doc) != t.max_loras:
-        return [*found, f"metrale.slots lists {len(t.slots_doc)} slots; the layout has "
-                        f"max_loras {t.max_loras}"]
-    for k, s in enumerate(t.slots_doc):
-        if not isinstance(s, dict) or s.get("slot") != k:
-            return [*found, f"metrale.slots entry {k} is not slot {k}'s record"]
+    records = slot_record_problems(t)
+    if records:
+        return found + records
+    for k in range(t.max_loras):
         found += slot_problems(t, k)
     return found + overlay_problems(t)
 

@@ -13,6 +13,7 @@ The network is used only with `--online`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -141,9 +142,24 @@ class ModelConfig:
 
     @classmethod
     def from_summary(cls, record: dict[str, Any]) -> ModelConfig:
+        """The config `summary()` recorded; ValueError when a field is not of its type (an
+        image's metadata is input: `inf` for a flag, `null` for a width)."""
         fields = dict(record)
         fields["layer_types"] = tuple(LayerType(t) for t in fields["layer_types"])
         fields["mlp_only_layers"] = tuple(fields.get("mlp_only_layers") or ())
+        kinds = {"int": int, "bool": bool, "str": str}
+        for f in dataclass_fields(cls):
+            kind = kinds.get(str(f.type))
+            value = fields.get(f.name)
+            if kind is None or (value is None and f.name not in record):
+                continue  # the tuples, checked above; a field the record leaves at its default
+            if not isinstance(value, kind) or (kind is int and (isinstance(value, bool)
+                                                                or value < 0)):
+                raise ValueError(f"model {f.name} {value!r} is not a "
+                                 f"{'non-negative integer' if kind is int else kind.__name__}")
+        if not all(isinstance(i, int) and not isinstance(i, bool)
+                   for i in fields["mlp_only_layers"]):
+            raise ValueError("model mlp_only_layers is not a list of layer numbers")
         return cls(**fields)
 
     # -- named constructors -------------------------------------------------------------------

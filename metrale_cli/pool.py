@@ -166,6 +166,7 @@ class LoraPool:
         and is neither acquirable nor a victim; the pack runs outside the pool's lock; a failed
         pack leaves the slot cleared (identity 0). Returns the new generation."""
         check_fits(report, self.layout, self.expert_layout)
+        slot = self.manager.resolve(slot)  # -1: the active slot, for the bytes and tables too
         generation = self._begin(slot)
         try:
             self._pack(slot, report)
@@ -187,6 +188,7 @@ class LoraPool:
         if src_ex is not None and ex is not None and src_ex.fingerprint != ex.fingerprint:
             raise LayoutMismatch(f"expert layout fingerprint {src_ex.fingerprint} does not "
                                  f"match this pool's {ex.fingerprint}")
+        slot = self.manager.resolve(slot)  # -1: the active slot, for the bytes and tables too
         if not 0 <= source_slot < source.max_loras:
             raise UsageError(f"source slot {source_slot} is out of range "
                              f"[0, {source.max_loras})")
@@ -223,8 +225,9 @@ class LoraPool:
         becomes a placeholder with identity 0. Refused (SlotBusy) while it has in-flight
         sequences or is loading."""
         with self._lock:
-            self.manager.clear_slot(slot)
-            self._clear_bytes(self.manager.resolve(slot))
+            k = self.manager.resolve(slot)  # once: a rotation meanwhile must not move it
+            self.manager.clear_slot(k)
+            self._clear_bytes(k)
 
     def _begin(self, slot: int) -> int:
         with self._lock:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -500,8 +501,9 @@ def run(
     names = list(pin) if pin else workload.most_requested(pinned or 0)
     name, bytes_per_s, latency_s = parse_bandwidth(bandwidth)
     if swap_latency_s is not None:
-        if swap_latency_s < 0:
-            raise UsageError(f"--swap-latency-ms must be >= 0, got {1e3 * swap_latency_s:g}")
+        if not 0 <= swap_latency_s < math.inf:
+            raise UsageError(f"--swap-latency-ms must be >= 0 and finite, got "
+                             f"{1e3 * swap_latency_s:g}")
         latency_s = swap_latency_s
     ranks: list[tuple[SlotLayout, ExpertLayout | None]] = (
         [(layout, expert_layout)] if shard is None

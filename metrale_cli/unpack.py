@@ -23,6 +23,7 @@ from metrale_cli.atomic import atomic_directory
 from metrale_cli.errors import UsageError
 from metrale_cli.image_check import ImageTables, check, read_tables
 from metrale_cli.overlays import OVERLAY_PART
+from metrale_cli.sharding import RankLayout
 
 ADAPTER_PREFIX = "base_model.model."
 
@@ -235,6 +236,13 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
     without replacing what a concurrent writer put there, or swapped in with `force`."""
     t = read_tables(image)
     check(t)
+    if isinstance(t.layout, RankLayout):
+        # Its modules hold slices: under the full model's names they would be a wrong-shaped
+        # adapter (a fully sharded A does not even have max_rank rows).
+        spec = t.layout.shard
+        raise UsageError(f"{t.path} is rank {spec.tp_rank} of a tensor-parallel deployment "
+                         f"(tp {spec.tp_size}): its slots hold slices; unpack reads an "
+                         "unsharded image (pack without --tp)")
     k = pick_slot(t, slot, name)
     if not str(out_dir).strip():
         raise UsageError("the adapter directory is empty")

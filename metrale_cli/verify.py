@@ -22,7 +22,13 @@ from metrale_cli.adapter import Adapter
 from metrale_cli.audit import audit
 from metrale_cli.bf16 import bf16_to_f32
 from metrale_cli.errors import FormatError, ImageInconsistent, NotServable, UsageError
-from metrale_cli.image_check import ImageTables, layout_problems, read_tables
+from metrale_cli.image_check import (
+    ImageTables,
+    layout_problems,
+    overlay_problems,
+    read_tables,
+    slot_record_problems,
+)
 from metrale_cli.layout import PaddedPair
 from metrale_cli.pool import LoraPool
 
@@ -100,7 +106,9 @@ class Verifier:
     @classmethod
     def open(cls, image: str | Path, adapters: list[Adapter]) -> Verifier:
         tables = read_tables(image)
-        found = layout_problems(tables)
+        # What the comparison reads must be well formed; the rest it compares and reports.
+        found = (layout_problems(tables) + slot_record_problems(tables)
+                 or overlay_problems(tables))
         if found:
             raise ImageInconsistent(f"{tables.path}: {found[0]}")
         slots = {s.get("name"): k for k, s in enumerate(tables.slots_doc) if s.get("name")}

@@ -27,6 +27,8 @@ TRACE_COLUMNS = ("timestamp", "adapter", "input_tokens", "output_tokens", "durat
 # A request line is a few dozen characters; one this long is not a trace (a binary file, a
 # file with no line breaks), refused before it is held in memory.
 MAX_LINE_CHARS = 1 << 16
+# Token counts are read as float64, which holds every whole number below this exactly.
+MAX_TOKENS = 2**53
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,8 @@ class Workload:
 
     def hold_seconds(self, prefill_tok_s: float, decode_tok_s: float) -> np.ndarray:
         """[N] float64: how long each request holds its slot, from admission to completion."""
-        if prefill_tok_s <= 0 or decode_tok_s <= 0:
-            raise UsageError("--prefill-tok-s and --decode-tok-s must be positive")
+        if not (0 < prefill_tok_s < math.inf and 0 < decode_tok_s < math.inf):
+            raise UsageError("--prefill-tok-s and --decode-tok-s must be positive and finite")
         from_tokens = self.input_tokens / prefill_tok_s + self.output_tokens / decode_tok_s
         return np.where(np.isnan(self.duration), from_tokens, self.duration)
 
@@ -187,7 +189,7 @@ def _csv_columns_fast(path: Path) -> Columns | None:
             values = np.array([c or empty for c in cells], dtype=np.float64)
         except ValueError:
             return None
-        given = np.array([bool(c) for c in cells])
+        given = np.array([bool(c) for c in cells], dtype=bool)  # bool even with no rows
         good = np.isfinite(values) & (values >= 0)
         return values if bool((good | ~given).all()) else None
 
@@ -196,7 +198,7 @@ def _csv_columns_fast(path: Path) -> Columns | None:
     duration = numbers("duration", "nan")
     if arrival is None or inputs is None or outputs is None or duration is None:
         return None
-    if (inputs != np.floor(inputs)).any() or (outputs != np.floor(outputs)).any():
+    if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs)):
         return None
     i = where["adapter"]
     return (arrival, [r[i].strip() for r in rows], inputs.astype(np.int64),
@@ -273,6 +275,8 @@ def _parse_row(path: Path, line: int, row: dict[str, Any]) -> tuple[float, str, 
             return 0
         if x != int(x):
             raise FormatError(f"{where}: {key} {row[key]!r} is not a whole number")
+        if x >= MAX_TOKENS:
+            raise FormatError(f"{where}: {key} {row[key]!r} is not below 2**53")
         return int(x)
 
     timestamp = number("timestamp", required=True)
@@ -317,8 +321,10 @@ class GeneratorSpec:
         for name, value in (("--requests", self.requests), ("--adapters", self.adapters),
                             ("--rate", self.rate), ("--cv", self.cv), ("--zipf-s", self.zipf_s),
                             ("--alpha", self.alpha)):
-            if not value > 0:
-                raise UsageError(f"{name} must be positive, got {value}")
+            if not (value > 0 and math.isfinite(value)):
+                raise UsageError(f"{name} must be positive and finite, got {value}")
+        if self.seed < 0:
+            raise UsageError(f"--seed must be non-negative, got {self.seed}")
         for name, (lo, hi) in (("--input-tokens", self.input_range),
                                ("--output-tokens", self.output_range)):
             if lo < 0 or hi < lo:
@@ -364,10 +370,15 @@ def generate(spec: GeneratorSpec) -> Workload:
         inputs = _lengths(rng.integers, spec.input_range, n)
         outputs = _lengths(rng.integers, spec.output_range, n)
         intervals = rng.gamma(shape, scale, n)
+    arrival = np.cumsum(intervals)
+    if not np.isfinite(arrival).all():
+        # Gamma(1 / cv**2, cv**2 / rate) past float64's range: NaN or infinite times.
+        raise UsageError(f"--rate {spec.rate:g} with --cv {spec.cv:g} gives arrival times "
+                         "beyond floating point; choose a smaller --cv or a larger --rate")
     width = len(str(count - 1))
     return Workload(
         adapters=tuple(f"lora-{i:0{width}d}" for i in range(count)),
-        adapter=adapter.astype(np.int64), arrival=np.cumsum(intervals),
+        adapter=adapter.astype(np.int64), arrival=arrival,
         input_tokens=inputs, output_tokens=outputs,
         duration=np.full(n, np.nan), source=spec.record(),
     )

@@ -136,3 +136,34 @@ def test_embedding_lora_is_still_refused_precisely(peft_zoo) -> None:
     finding = next(f for f in result.json()["adapters"][0]["findings"]
                    if f["code"] == "embedding_lora")
     assert "every row" in finding["message"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("tied_lm_head", None), ("tied_lm_head", "yes"),
+                                              ("mode", "add")])
+def test_an_overlay_run_of_the_wrong_shape_is_one_line(peft_zoo, tmp_path: Path, field: str,
+                                                      value: object) -> None:
+    """A run without its boolean tied_lm_head (or that does not replace rows) is named in one
+    line, exit 1, by show and verify, as by PoolImage.open; never an internal error."""
+    from metrale_cli.errors import ImageInconsistent
+    from metrale_cli.image_check import read_tables
+    from tests.image_edit import edit_metadata
+
+    truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             trainable_token_indices=[0, 5])
+    out = tmp_path / "pool.safetensors"
+    assert metrale("pack", truth.path, "--max-loras", 2, "--out", out).code == 0
+    doc = read_tables(out).overlay_doc
+    assert doc is not None
+    run = doc["runs"][0]
+    if value is None:
+        del run[field]
+    else:
+        run[field] = value
+    edit_metadata(out, "metrale.overlays", json.dumps(doc, separators=(",", ":")))
+    for args in (["show", out], ["show", out, "--json"], ["verify", out, truth.path]):
+        result = metrale(*args)
+        assert result.code == 1, (result.stdout, result.stderr)
+        assert result.stderr.startswith(f"error: {out}: overlay run 0: ")
+        assert result.stderr.count("\n") == 1
+    with pytest.raises(ImageInconsistent, match="overlay run 0: "):
+        PoolImage.open(out)

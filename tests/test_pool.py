@@ -446,3 +446,56 @@ def test_kill_during_pack_leaves_no_partial_file(tmp_path: Path) -> None:
     out.unlink(missing_ok=True)
     assert subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False).returncode == 0
     assert PoolImage.open(out).max_loras == 12
+
+
+def test_swap_and_land_into_the_active_slot(tiny: dict[str, Path]) -> None:
+    """-1 is the active slot for every slot-taking call: a swap or a landing into -1 writes the
+    active slot's bytes, tables, scale and rank, not (by Python's negative indexing) the last
+    slot's bytes under pointers below the pool."""
+    cfg, (a, b) = reports(tiny, "a", "b")
+    layout = SlotLayout.build(cfg, [LoraModule(m) for m in MODULES.split(",")], 4)
+    pool, _ = LoraPool.load(layout, 4, [a])
+    pool.swap_in(1, b)
+    pool.manager.rotate(1)
+    pool.swap_in(-1, a)
+    source, _ = LoraPool.load(layout, 1, [b])
+    landed, _ = LoraPool.load(layout, 3, [a])
+    landed.swap_in(1, a)
+    landed.manager.rotate(1)
+    landed.land_slot(-1, source, 0)
+    for p, want, donor in ((pool, "a", pool), (landed, "b", source)):
+        base = p.region.base_address
+        assert p.manager.slot_info(1).name == want and p.manager.slot_of(want) is not None
+        assert p.rank_table[1] == donor.rank_table[0] and p.rank_table[-1] == 0
+        assert p.scale_table[1] == donor.scale_table[0] and p.scale_table[-1] == 0
+        assert np.array_equal(p.region.host_bytes(1), donor.region.host_bytes(0))
+        assert not p.region.host_bytes(p.max_loras - 1).any()
+        adapted = p.to_host(p.a_tables[:, 1])
+        assert (adapted[adapted != 0] >= base + layout.slot_bytes).all()
+        assert not p.to_host(p.a_tables[:, -1]).any()
+
+
+def test_clearing_the_active_slot_clears_that_slot_only(tiny: dict[str, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """clear_slot(-1) clears the slot that was active when it was called: a rotation between
+    the manager's clear and the bytes' (rotate does not take the pool's lock) must not zero the
+    bytes and tables of the slot it rotated to, which is READY and serving."""
+    cfg, (a, b) = reports(tiny, "a", "b")
+    layout = SlotLayout.build(cfg, [LoraModule(m) for m in MODULES.split(",")], 4)
+    pool, _ = LoraPool.load(layout, 3, [a])
+    pool.swap_in(1, b)
+    pool.swap_in(2, a)
+    pool.manager.rotate(1)
+    before = pool.region.host_bytes(2).copy()
+    clear = pool.manager.clear_slot
+
+    def clear_then_rotate(slot: int) -> None:
+        clear(slot)
+        pool.manager.rotate(2)  # another thread, between the two halves
+
+    monkeypatch.setattr(pool.manager, "clear_slot", clear_then_rotate)
+    pool.clear_slot(-1)
+    assert pool.manager.slot_info(1).name == "" and not pool.region.host_bytes(1).any()
+    assert pool.manager.slot_info(2).name == "a"
+    assert np.array_equal(pool.region.host_bytes(2), before)
+    assert pool.to_host(pool.a_tables[:, 2]).any() and pool.rank_table[2] == 4

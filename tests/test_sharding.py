@@ -196,6 +196,7 @@ def test_layout_tp_with_experts_and_ep() -> None:
      "--ep with --fully-sharded is refused (vLLM refuses expert parallelism with fully sharded "
      "LoRA)"),
     (("--tp", 0), "--tp must be positive, got 0"),
+    (("--tp", 2, "--ep", 0), "--ep must be positive, got 0"),  # was taken as --ep 1
 ])
 def test_layout_tp_refusals_are_one_line(args: tuple[object, ...], message: str) -> None:
     result = metrale(*NEXT_ARGS, *args)

@@ -158,6 +158,52 @@ def test_an_inconsistent_image_is_one_line_exit_1(image: Path, name: str) -> Non
     assert message in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(("field", "value"), [("head_dim", None), ("hidden_size", None),
+                                              ("attn_gated", float("inf")),
+                                              ("num_key_value_heads", "2")])
+def test_a_model_summary_field_of_the_wrong_type_is_one_line_exit_2(
+        image: Path, field: str, value: object) -> None:
+    """The layout's entries are built from the summary's dims and the view prints it: a field
+    missing or of the wrong type is bad metadata (exit 2), not an internal error (a TypeError
+    where the entries were built, found by the hypothesis fuzzing of PoolImage.open; an
+    infinite flag that reached show --json)."""
+    summary = json.loads(read_tables(image).header.metadata["metrale.model"])
+    edit_metadata(image, "metrale.model", json.dumps(summary | {field: value}))
+    result = metrale("show", image)
+    assert result.code == 2, (result.stdout, result.stderr)
+    assert result.stderr.startswith(f"error: {image}: metadata does not describe a layout (")
+    assert result.stderr.count("\n") == 1
+
+
+def _slot_field(path: Path, field: str, value: object) -> None:
+    slots = read_tables(path).slots_doc
+    slots[0][field] = value
+    edit_metadata(path, "metrale.slots", json.dumps(slots, separators=(",", ":")))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("alpha", float("nan"), "alpha nan is not a finite number"),
+    ("alpha", [16], "alpha [16] is not a finite number"),
+    ("name", 5, "name and source must be strings"),
+    ("source", [1], "name and source must be strings"),
+    ("generation", "1", "generation '1' is not an integer that fits 64 bits"),
+    ("pinned", "yes", "pinned must be true or false"),
+])
+@pytest.mark.parametrize("command", ["show", "show --json", "verify", "unpack"])
+def test_a_slot_record_of_the_wrong_type_is_one_line_exit_1(
+        packed: tuple[Path, dict], image: Path, tmp_path: Path, command: str, field: str,
+        value: object, message: str) -> None:
+    """What the views print and verify matches adapters by is checked as PoolImage.open checks
+    it: a NaN alpha or a list for a name is one line, never an internal error."""
+    _slot_field(image, field, value)
+    args = {"show": ["show", image], "show --json": ["show", image, "--json"],
+            "verify": ["verify", image, packed[0].parent / "b"],
+            "unpack": ["unpack", image, "--slot", "1", tmp_path / "out"]}[command]
+    result = metrale(*args)
+    assert result.code == 1, (result.stdout, result.stderr)
+    assert result.stderr == f"error: {image}: metrale.slots entry 0: {message}\n"
+
+
 def test_swapped_offsets_are_named(image: Path) -> None:
     _swap(image, "a_offsets", (0, 0), (1, 0))
     t = read_tables(image)

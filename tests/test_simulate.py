@@ -307,6 +307,13 @@ def test_trace_rows(tmp_path: Path) -> None:
     ("t.jsonl", '{"timestamp": 1, "adapter": 5}\n', r"t\.jsonl:1: adapter 5 is not a name"),
     ("t.jsonl", '{"timestamp": "nan", "adapter": "a"}\n', r"t\.jsonl:1: timestamp 'nan' must"),
     ("t.jsonl", "", r"t\.jsonl: no requests"),
+    # A header alone: was an internal error (exit 70).
+    ("t.csv", "timestamp,adapter\n", r"t\.csv: no requests"),
+    # Past int64 once read: was an internal error (JSON) or a count wrapped to garbage (CSV).
+    ("t.jsonl", '{"timestamp": 1, "adapter": "a", "input_tokens": 99999999999999999999999}\n',
+     r"t\.jsonl:1: input_tokens 99999999999999999999999 is not below 2\*\*53"),
+    ("t.csv", "timestamp,adapter,output_tokens\n1,a,1e30\n",
+     r"t\.csv:2: output_tokens '1e30' is not below 2\*\*53"),
     # No line breaks (a binary file, a dump): refused at the bound, never held whole.
     ("t.jsonl", '{"timestamp": 1, "adapter": "' + "a" * (1 << 20) + '"}\n',
      r"t\.jsonl:1: a line longer than 65536 characters"),
@@ -360,6 +367,17 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--max-concurrency", "0"], "--max-concurrency must be positive"),
     (["--pinned", "3", "--max-loras", "3"], "leaves no cache slot"),
     (["--trace", "t.csv", "--workload", "zipf"], "not both"),
+    # Not finite: each made the record NaN or infinite (--json an internal error, exit 70).
+    (["--rate", "inf"], "--rate must be positive and finite"),
+    (["--cv", "inf"], "--cv must be positive and finite"),
+    (["--zipf-s", "inf"], "--zipf-s must be positive and finite"),
+    (["--workload", "slora", "--alpha", "inf"], "--alpha must be positive and finite"),
+    (["--decode-tok-s", "inf"], "must be positive and finite"),
+    (["--prefill-tok-s", "nan"], "must be positive and finite"),
+    (["--swap-latency-ms", "nan"], "--swap-latency-ms must be >= 0 and finite"),
+    (["--target-p99-ms", "inf"], "--target-p99-ms must be >= 0 and finite"),
+    (["--rate", "1e308", "--cv", "1e300"], "beyond floating point"),
+    (["--seed", "-1"], "--seed must be non-negative"),
 ])
 def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     r = metrale("simulate", *SLOT, "--requests", "200", *args)

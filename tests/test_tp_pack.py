@@ -295,3 +295,18 @@ def test_show_and_verify_read_a_rank_image(peft_zoo, tmp_path: Path) -> None:
     assert shown.json()["layout"]["fingerprint"] == PoolImage.open(rank1).layout.fingerprint
     verified = metrale("verify", rank1, f"a0={truth.path}")
     assert verified.code == 0, verified.stderr
+
+
+@pytest.mark.parametrize("fully", [False, True])
+def test_unpack_refuses_a_rank_image(peft_zoo, tmp_path: Path, fully: bool) -> None:
+    """A rank image holds slices: written back under the full model's module names they would
+    be an adapter of the wrong shapes (and a fully sharded A does not even have max_rank rows).
+    unpack refuses it in one line and writes nothing."""
+    truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=ATTN + MLP)
+    out = pack(tmp_path, [truth], "--tp", 2, *(["--fully-sharded"] if fully else []))
+    target = tmp_path / "unpacked"
+    result = metrale("unpack", out / "rank-1-of-2.safetensors", "--slot", "0", target)
+    assert result.code == 2, result.stderr
+    assert "rank 1 of a tensor-parallel" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not target.exists()
