@@ -95,7 +95,7 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
                 check_output(path, force)
                 os.replace(tmp, path)
             else:
-                _publish_new(tmp, path)
+                publish_new(tmp, path)
         finally:
             Path(tmp).unlink(missing_ok=True)
     dir_fd = os.open(parent, os.O_RDONLY)
@@ -110,8 +110,9 @@ def _temp_prefix(path: Path) -> str:
     return f".{path.name}.{os.getpid()}."
 
 
-def _publish_new(tmp: str, path: Path) -> None:
-    """Give `tmp` the name `path` only if no file has it: of concurrent writers, one wins."""
+def publish_new(tmp: str | Path, path: Path) -> None:
+    """Give `tmp` the name `path` only if no file has it: of concurrent writers, one wins.
+    `tmp` may keep its name too (a hard link): the caller removes it."""
     try:
         os.link(tmp, path)
         return

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli import env
-from metrale_cli.atomic import atomic_directory
+from metrale_cli.atomic import atomic_directory, publish_new
 from metrale_cli.audit import AdapterReport
 from metrale_cli.errors import LayoutMismatch, MetraleError, OutputExists, RankFailed, UsageError
 from metrale_cli.expert_pool import ExpertLayout
@@ -246,7 +246,11 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                 dist.barrier()
             raise failure
         if staged is not None and final is not None:
-            os.replace(staged, final)
+            if force:
+                os.replace(staged, final)
+            else:  # a file written at `final` since the existence check stays: OutputExists
+                publish_new(staged, final)
+                staged.unlink()
         committed = True
     finally:
         if not committed and staged is not None:
