@@ -30,6 +30,9 @@ from metrale_cli.packing import pack_pool
 from metrale_cli.pool import LoraPool, SlotContents, SlotSource, pick_device
 from metrale_cli.sharding import ShardSpec, rank_layouts, rank_report
 
+# Every rank image's name matches it: `--force` replaces a DIR that holds only such files.
+IMAGE_GLOB = "rank-*-of-*.safetensors"
+
 
 def image_name(spec: ShardSpec) -> str:
     return f"rank-{spec.tp_rank}-of-{spec.tp_size}.safetensors"
@@ -89,7 +92,7 @@ def pack_shards(layout: SlotLayout, expert_layout: ExpertLayout | None, max_lora
             record["image"] = str(out / image_name(s))
             records.append(record)
 
-    atomic_directory(out, fill, force)
+    atomic_directory(out, fill, force, owned=[IMAGE_GLOB])
     return ShardedPackResult(spec, out, records)
 
 
