@@ -378,6 +378,8 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--target-p99-ms", "inf"], "--target-p99-ms must be >= 0 and finite"),
     (["--rate", "1e308", "--cv", "1e300"], "beyond floating point"),
     (["--seed", "-1"], "--seed must be non-negative"),
+    # A pin no request uses only took a slot from the cache.
+    (["--pin", "lora-01", "--pin", "nobody"], "--pin nobody: no request in the workload uses"),
 ])
 def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     r = metrale("simulate", *SLOT, "--requests", "200", *args)
@@ -510,10 +512,10 @@ def test_progress_counts_every_request_once_and_pins_by_name() -> None:
         assert sum(n for n, _ in seen) == 4 * 70_000 and {t for _, t in seen} == {4 * 70_000}
         assert result.pinned == ["lora-00", "lora-07"]
         assert all(r.pinned == 2 for r in result.results)
-    r = metrale("simulate", *SLOT, "--requests", "300", "--pin", "lora-003", "--pin", "x",
+    r = metrale("simulate", *SLOT, "--requests", "300", "--pin", "lora-03", "--pin", "lora-00",
                 "--max-loras", "3", "--json")
     assert r.code == 0, r.stderr
-    assert r.json()["pinned"] == ["lora-003", "x"]
+    assert r.json()["pinned"] == ["lora-03", "lora-00"]
 
 
 def test_an_expert_slot_is_swapped_with_its_slot() -> None:
