@@ -348,6 +348,8 @@ def test_a_trace_that_is_not_a_regular_file_is_never_read(tmp_path: Path) -> Non
 
 def test_parse_sizes_and_bandwidth() -> None:
     assert parse_size_list("--max-loras", "16,8,8..10,32..64:16") == [8, 9, 10, 16, 32, 48, 64]
+    assert parse_size_list("--max-loras", "1..1000,1..1000:2") == list(range(1, 1001))
+    assert parse_size_list("--max-loras", "8..8000:8")[-1] == 8000
     assert parse_bandwidth("pcie5")[1] == 50e9
     assert parse_bandwidth("25GB/s") == ("25GB/s", 25e9, 0.0)
     assert parse_bandwidth("1.5 GiB/s")[1] == 1.5 * 2**30
@@ -356,6 +358,9 @@ def test_parse_sizes_and_bandwidth() -> None:
 @pytest.mark.parametrize("args,message", [
     (["--max-loras", "0"], "sizes must be positive"),
     (["--max-loras", "8..4"], "not a size"),
+    # Each size replays the workload: this sweep never finished.
+    (["--max-loras", "1..100000000"], "'1..100000000' is 100,000,000 sizes, more than a sweep"),
+    (["--max-loras", "1..1000,1001"], "'1..1000,1001' is 1,001 sizes"),
     (["--bandwidth", "fast"], "neither a preset"),
     (["--bandwidth", "xGB/s"], "not a size"),
     (["--policy", "lru,random"], "random"),
