@@ -94,8 +94,10 @@ class ShardSpec:
 
     @classmethod
     def from_record(cls, doc: dict[str, Any]) -> ShardSpec:
+        if not isinstance(doc["fully_sharded"], bool):
+            raise ValueError(f"fully_sharded is {doc['fully_sharded']!r}, not true or false")
         spec = cls(int(doc["tp_size"]), int(doc["tp_rank"]), int(doc["ep_size"]),
-                   bool(doc["fully_sharded"]))
+                   doc["fully_sharded"])
         if spec.ep_rank != int(doc["ep_rank"]):
             raise ValueError(f"ep_rank {doc['ep_rank']} is not tp_rank // (tp_size / ep_size)")
         return spec

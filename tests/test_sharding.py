@@ -252,3 +252,13 @@ def test_a_bad_dist_timeout_is_one_line(value: str, monkeypatch: pytest.MonkeyPa
         env.dist_timeout()
     monkeypatch.setenv("METRALE_DIST_TIMEOUT", " 2.5 ")
     assert env.dist_timeout() == 2.5
+
+
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_shard_record_refuses_a_fully_sharded_that_is_not_a_boolean(value: object) -> None:
+    """`bool("false")` is True: a rank image saying "false" must be refused by name, not read
+    as fully sharded and then refused for a fingerprint it does not have."""
+    doc = {"tp_size": 2, "tp_rank": 0, "ep_size": 1, "ep_rank": 0, "fully_sharded": value}
+    with pytest.raises(ValueError, match="fully_sharded is .* not true or false"):
+        ShardSpec.from_record(doc)
+    assert ShardSpec.from_record({**doc, "fully_sharded": False}).fully_sharded is False
