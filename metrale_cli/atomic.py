@@ -6,7 +6,8 @@ created only if absent (a hard link of the temp file, or `renameat2(RENAME_NOREP
 writers exactly one wins. A kill at any moment leaves the old file or the new one, never a partial
 one: SIGINT, SIGTERM and SIGHUP remove the temp file, and a temp file left by a process that died
 harder (SIGKILL, a crash) carries its pid in its name and is removed by the next writer.
-A directory (`unpack`'s adapter) follows the same rules: `temp_dir`, then `publish_dir`.
+A directory (`unpack`'s adapter) follows the same rules: `temp_dir`, then `publish_dir`; `force`
+replaces a directory only if it holds nothing but what metrale writes there.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fnmatch
 import os
 import re
 import shutil
@@ -21,7 +23,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +97,7 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
                 check_output(path, force)
                 os.replace(tmp, path)
             else:
-                _publish_new(tmp, path)
+                publish_new(tmp, path)
         finally:
             Path(tmp).unlink(missing_ok=True)
     dir_fd = os.open(parent, os.O_RDONLY)
@@ -110,8 +112,9 @@ def _temp_prefix(path: Path) -> str:
     return f".{path.name}.{os.getpid()}."
 
 
-def _publish_new(tmp: str, path: Path) -> None:
-    """Give `tmp` the name `path` only if no file has it: of concurrent writers, one wins."""
+def publish_new(tmp: str | Path, path: Path) -> None:
+    """Give `tmp` the name `path` only if no file has it: of concurrent writers, one wins.
+    `tmp` may keep its name too (a hard link): the caller removes it."""
     try:
         os.link(tmp, path)
         return
@@ -152,13 +155,30 @@ def temp_dir(path: Path) -> Path:
         raise UsageError(f"{path}: cannot write there ({exc.strerror or exc})") from exc
 
 
-def publish_dir(tmp: Path, path: Path, force: bool) -> None:
+def check_replaceable(path: Path, owned: Sequence[str]) -> None:
+    """Refuse to replace the directory `path` unless each entry in it is a regular file whose
+    name matches one of the glob patterns `owned` (what metrale writes there): `--force`
+    replaces an earlier output, never deletes the user's other files."""
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+    for entry in entries:
+        if not (entry.is_file(follow_symlinks=False)
+                and any(fnmatch.fnmatchcase(entry.name, p) for p in owned)):
+            raise UsageError(f"{path} holds {entry.name}, which metrale does not write there; "
+                             "--force replaces only a directory of metrale's own outputs")
+
+
+def publish_dir(tmp: Path, path: Path, force: bool, owned: Sequence[str]) -> None:
     """Give the built directory `tmp` the name `path`. Without `force` only if nothing has the
     name (OutputExists when a concurrent writer got there first); with it, an existing
-    directory is swapped out in one step (RENAME_EXCHANGE: `path` is always the old directory
-    or the new one, never missing) and removed. `tmp` is gone after, whatever happens."""
+    directory that holds only files named like `owned` (`check_replaceable`) is swapped out in
+    one step (RENAME_EXCHANGE: `path` is always the old directory or the new one, never
+    missing) and removed. `tmp` is gone after, whatever happens."""
     try:
         if force and path.is_dir() and not path.is_symlink():
+            check_replaceable(path, owned)
             _renameat2(tmp, path, RENAME_EXCHANGE)  # tmp now holds the old directory
         else:
             _renameat2(tmp, path, RENAME_NOREPLACE)
@@ -172,16 +192,19 @@ def publish_dir(tmp: Path, path: Path, force: bool) -> None:
         os.close(dir_fd)
 
 
-def atomic_directory(path: Path, fill: Any, force: bool) -> None:
+def atomic_directory(path: Path, fill: Any, force: bool, owned: Sequence[str]) -> None:
     """Build the directory `path` through `fill(dir)` in a temp directory beside it, then
     publish it (`publish_dir`): a failure, SIGINT, SIGTERM or SIGHUP while filling leaves no
     `path` and no temp directory. An existing `path` is refused without `force`, and anything
-    but a directory even with it."""
+    but a directory of files named like `owned` (glob patterns: what `fill` writes) even with
+    it."""
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise UsageError(f"{path} exists and is not a directory; metrale never replaces one")
     if path.exists() and not force:
         raise OutputExists(f"{path} exists; pass --force to overwrite it")
+    if path.exists():
+        check_replaceable(path, owned)  # before the work; publish_dir checks again
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory")
@@ -196,7 +219,7 @@ def atomic_directory(path: Path, fill: Any, force: bool) -> None:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        publish_dir(tmp, path, force)
+        publish_dir(tmp, path, force, owned)
 
 
 def remove_stale_temps(parent: Path, name: str) -> list[Path]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli import env
-from metrale_cli.atomic import atomic_directory
+from metrale_cli.atomic import atomic_directory, publish_new
 from metrale_cli.audit import AdapterReport
 from metrale_cli.errors import LayoutMismatch, MetraleError, OutputExists, RankFailed, UsageError
 from metrale_cli.expert_pool import ExpertLayout
@@ -29,6 +29,9 @@ from metrale_cli.layout import SlotLayout
 from metrale_cli.packing import pack_pool
 from metrale_cli.pool import LoraPool, SlotContents, SlotSource, pick_device
 from metrale_cli.sharding import ShardSpec, rank_layouts, rank_report
+
+# Every rank image's name matches it: `--force` replaces a DIR that holds only such files.
+IMAGE_GLOB = "rank-*-of-*.safetensors"
 
 
 def image_name(spec: ShardSpec) -> str:
@@ -89,7 +92,7 @@ def pack_shards(layout: SlotLayout, expert_layout: ExpertLayout | None, max_lora
             record["image"] = str(out / image_name(s))
             records.append(record)
 
-    atomic_directory(out, fill, force)
+    atomic_directory(out, fill, force, owned=[IMAGE_GLOB])
     return ShardedPackResult(spec, out, records)
 
 
@@ -246,7 +249,11 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                 dist.barrier()
             raise failure
         if staged is not None and final is not None:
-            os.replace(staged, final)
+            if force:
+                os.replace(staged, final)
+            else:  # a file written at `final` since the existence check stays: OutputExists
+                publish_new(staged, final)
+                staged.unlink()
         committed = True
     finally:
         if not committed and staged is not None:

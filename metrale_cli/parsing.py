@@ -48,9 +48,13 @@ def positive(option: str, *values: int | None) -> None:
             raise UsageError(f"{option} must be positive, got {value}")
 
 
+# Each size is a whole replay of the workload per policy: `1..100000000` would never finish.
+MAX_SIZES = 1_000
+
+
 def parse_size_list(option: str, text: str) -> list[int]:
     """Pool sizes: `8,16,32`, a range `8..64` (every size) or `8..64:8` (a step), or a mix,
-    as sorted distinct positive sizes."""
+    as sorted distinct positive sizes, at most `MAX_SIZES` of them."""
     sizes: set[int] = set()
     for part in (p.strip() for p in text.split(",")):
         try:
@@ -60,15 +64,23 @@ def parse_size_list(option: str, text: str) -> list[int]:
                 lo, hi, step = int(lo_text), int(hi_text), int(step_text or 1)
                 if step <= 0 or hi < lo:
                     raise ValueError
+                _bound_sizes(option, part, (hi - lo) // step + 1)  # before building the range
                 sizes.update(range(lo, hi + 1, step))
             else:
                 sizes.add(int(part))
         except ValueError:
             raise UsageError(f"{option}: {part!r} is not a size, a list like 8,16,32 or a "
                              "range like 8..64 or 8..64:8") from None
+    _bound_sizes(option, text, len(sizes))
     if not sizes or min(sizes) <= 0:
         raise UsageError(f"{option}: sizes must be positive, got {text!r}")
     return sorted(sizes)
+
+
+def _bound_sizes(option: str, text: str, count: int) -> None:
+    if count > MAX_SIZES:
+        raise UsageError(f"{option}: {text!r} is {count:,} sizes, more than a sweep takes "
+                         f"({MAX_SIZES:,}); give a step, like 8..4096:8")
 
 
 def parse_token_range(option: str, text: str) -> tuple[int, int]:

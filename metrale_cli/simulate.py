@@ -498,6 +498,10 @@ def run(
         raise UsageError("give --pin or --pinned, not both")
     if pinned is not None and pinned < 0:
         raise UsageError(f"--pinned must be >= 0, got {pinned}")
+    used = {workload.adapters[a] for a in np.flatnonzero(workload.counts())}
+    for n in pin:
+        if n not in used:  # it would only take a slot from the cache
+            raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
     names = list(pin) if pin else workload.most_requested(pinned or 0)
     name, bytes_per_s, latency_s = parse_bandwidth(bandwidth)
     if swap_latency_s is not None:

@@ -259,7 +259,7 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
             f.flush()
             os.fsync(f.fileno())
 
-    atomic_directory(out, fill, force)
+    atomic_directory(out, fill, force, owned=[CONFIG_NAME, WEIGHTS_NAME])
     config = configs[0]
     size = sum(p.stat().st_size for p in out.iterdir())
     return UnpackResult(out, k, str(t.slots_doc[k].get("name")), int(t.ranks[k]),

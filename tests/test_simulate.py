@@ -348,6 +348,8 @@ def test_a_trace_that_is_not_a_regular_file_is_never_read(tmp_path: Path) -> Non
 
 def test_parse_sizes_and_bandwidth() -> None:
     assert parse_size_list("--max-loras", "16,8,8..10,32..64:16") == [8, 9, 10, 16, 32, 48, 64]
+    assert parse_size_list("--max-loras", "1..1000,1..1000:2") == list(range(1, 1001))
+    assert parse_size_list("--max-loras", "8..8000:8")[-1] == 8000
     assert parse_bandwidth("pcie5")[1] == 50e9
     assert parse_bandwidth("25GB/s") == ("25GB/s", 25e9, 0.0)
     assert parse_bandwidth("1.5 GiB/s")[1] == 1.5 * 2**30
@@ -356,6 +358,9 @@ def test_parse_sizes_and_bandwidth() -> None:
 @pytest.mark.parametrize("args,message", [
     (["--max-loras", "0"], "sizes must be positive"),
     (["--max-loras", "8..4"], "not a size"),
+    # Each size replays the workload: this sweep never finished.
+    (["--max-loras", "1..100000000"], "'1..100000000' is 100,000,000 sizes, more than a sweep"),
+    (["--max-loras", "1..1000,1001"], "'1..1000,1001' is 1,001 sizes"),
     (["--bandwidth", "fast"], "neither a preset"),
     (["--bandwidth", "xGB/s"], "not a size"),
     (["--policy", "lru,random"], "random"),
@@ -378,6 +383,8 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--target-p99-ms", "inf"], "--target-p99-ms must be >= 0 and finite"),
     (["--rate", "1e308", "--cv", "1e300"], "beyond floating point"),
     (["--seed", "-1"], "--seed must be non-negative"),
+    # A pin no request uses only took a slot from the cache.
+    (["--pin", "lora-01", "--pin", "nobody"], "--pin nobody: no request in the workload uses"),
 ])
 def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     r = metrale("simulate", *SLOT, "--requests", "200", *args)
@@ -510,10 +517,10 @@ def test_progress_counts_every_request_once_and_pins_by_name() -> None:
         assert sum(n for n, _ in seen) == 4 * 70_000 and {t for _, t in seen} == {4 * 70_000}
         assert result.pinned == ["lora-00", "lora-07"]
         assert all(r.pinned == 2 for r in result.results)
-    r = metrale("simulate", *SLOT, "--requests", "300", "--pin", "lora-003", "--pin", "x",
+    r = metrale("simulate", *SLOT, "--requests", "300", "--pin", "lora-03", "--pin", "lora-00",
                 "--max-loras", "3", "--json")
     assert r.code == 0, r.stderr
-    assert r.json()["pinned"] == ["lora-003", "x"]
+    assert r.json()["pinned"] == ["lora-03", "lora-00"]
 
 
 def test_an_expert_slot_is_swapped_with_its_slot() -> None:

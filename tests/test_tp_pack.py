@@ -282,6 +282,25 @@ def test_a_failing_rank_leaves_no_directory(peft_zoo, tmp_path: Path, monkeypatc
     assert [r["image"] for r in done.json()["ranks"]] == [
         str(tmp_path / "tp" / f"rank-{k}-of-4.safetensors") for k in range(4)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp"]
+    # Over its own images (of another --tp too) --force packs again; a file of the user's stops
+    # it, whichever name sorts first among the foreign ones is named, and nothing is removed.
+    (tmp_path / "tp" / "rank-0-of-2.safetensors").write_bytes(b"older pack")
+    again = metrale("pack", truth.path, "--max-loras", 1, "--tp", 4, "--out", tmp_path / "tp",
+                    "--force")
+    assert again.code == 0, again.stderr
+    assert sorted(p.name for p in (tmp_path / "tp").iterdir()) == [
+        f"rank-{k}-of-4.safetensors" for k in range(4)]
+    (tmp_path / "tp" / "notes.txt").write_text("mine")
+    (tmp_path / "tp" / "rank-notes").mkdir()
+    kept = sorted(p.name for p in (tmp_path / "tp").iterdir())
+    refused = metrale("pack", truth.path, "--max-loras", 1, "--tp", 4, "--out", tmp_path / "tp",
+                      "--force")
+    assert refused.code == 2 and refused.stderr.strip() == (
+        f"error: {tmp_path / 'tp'} holds notes.txt, which metrale does not write there; "
+        "--force replaces only a directory of metrale's own outputs"), refused.stderr
+    assert sorted(p.name for p in (tmp_path / "tp").iterdir()) == kept
+    assert (tmp_path / "tp" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp"]
 
 
 def test_show_and_verify_read_a_rank_image(peft_zoo, tmp_path: Path) -> None:

@@ -129,3 +129,28 @@ def test_rank_0_refusal_reaches_every_rank(adapters: list[Path], tmp_path: Path)
     for p, (_, stderr) in zip(procs, results, strict=True):
         assert p.returncode == 1 and stderr.startswith("error: rank 0: "), stderr
         assert "missing" in stderr
+
+
+def test_an_image_written_meanwhile_is_kept_without_force(adapters: list[Path],
+                                                          tmp_path: Path) -> None:
+    """Another process writes rank 1's image name after the existence check, while rank 1
+    packs: without --force rank 1 refuses to publish over it (exit 2) and the file stays."""
+    out, port = tmp_path / "out", free_port()
+    out.mkdir()
+    theirs = out / "rank-1-of-2.safetensors"
+    meanwhile = ("from metrale_cli import distributed\n"
+                 "real = distributed.pack_rank\n"
+                 "def pack_then_write(*a, **k):\n"
+                 "    record = real(*a, **k)\n"
+                 f"    open({str(theirs)!r}, 'w').write('theirs')\n"
+                 "    return record\n"
+                 "distributed.pack_rank = pack_then_write")
+    procs = [spawn(0, 2, port, pack_args(adapters, out, 2)),
+             spawn(1, 2, port, pack_args(adapters, out, 2), meanwhile)]
+    results = [p.communicate(timeout=TIMEOUT_S + 120) for p in procs]
+    assert procs[1].returncode == 2, results[1]
+    stderr = results[1][1].strip()
+    assert stderr.startswith(f"error: {theirs} exists"), stderr
+    assert len(stderr.splitlines()) == 1
+    assert theirs.read_text() == "theirs"
+    assert not (out / ".rank-1-of-2.safetensors.staged").exists()

@@ -176,7 +176,15 @@ def test_no_overwrite_and_bad_slots(peft_zoo, tmp_path: Path) -> None:
     refused = metrale("unpack", image, "--slot", 0, out)
     assert refused.code == 2 and "--force" in refused.stderr
     assert (out / "keep").read_text() == "mine"
+    # --force replaces a directory of unpack's own files only: the user's file is no such file.
+    forced = metrale("unpack", image, "--slot", 0, out, "--force")
+    assert forced.code == 2 and forced.stderr.strip() == (
+        f"error: {out} holds keep, which metrale does not write there; --force replaces only "
+        "a directory of metrale's own outputs"), forced.stderr
+    assert (out / "keep").read_text() == "mine"
+    (out / "keep").unlink()
     assert metrale("unpack", image, "--slot", 0, out, "--force").code == 0
+    assert metrale("unpack", image, "--slot", 0, out, "--force").code == 0  # over its own
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json",
                                                      "adapter_model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".back")]
