@@ -229,10 +229,10 @@ class LoraPool:
             self.manager.clear_slot(k)
             self._clear_bytes(k)
 
-    def _begin(self, slot: int) -> int:
+    def _begin(self, k: int) -> int:
+        """Start loading slot `k` (already resolved: -1 means nothing here)."""
         with self._lock:
-            generation = self.manager.begin_load(slot)
-            k = self.manager.resolve(slot)
+            generation = self.manager.begin_load(k)
             for region in self.regions():
                 region.unpublish(k)
             self.scale_table[k] = 0.0
@@ -241,10 +241,11 @@ class LoraPool:
             self.overlay_raw[k] = None
             return generation
 
-    def _abort(self, slot: int) -> None:
+    def _abort(self, k: int) -> None:
+        """Clear slot `k` (already resolved) after a failed load."""
         with self._lock:
-            self._clear_bytes(self.manager.resolve(slot))
-            self.manager.abort_load(slot)
+            self._clear_bytes(k)
+            self.manager.abort_load(k)
 
     def _clear_bytes(self, k: int) -> None:
         for region in self.regions():
