@@ -64,7 +64,8 @@ def lora_buffers(model: Any) -> dict[str, Any]:
 
 
 def main() -> int:
-    job = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
     out_path = sys.argv[2]
     report: dict[str, Any] = {"adapters": [], "started": False}
 
