@@ -3,7 +3,7 @@ family metrale knows, the verdict metrale predicts offline equals what the runni
 vLLM's own error text carries metrale's reason, a served adapter's next-token log-probs equal
 PEFT's, and the LoRA bytes metrale predicts equal the buffers the engine allocated.
 
-Each job below is one engine (tests/vllm_runner.py under .venv-vllm): adapters that leave it
+Each job below is one engine (tests/support/vllm_runner.py under .venv-vllm): adapters that leave it
 serving share it; the one that ends it comes last. Where the CPU build cannot run a family
 with LoRA, the test holds the engine's own failure next to metrale's `cpu_build` record, and
 the GPU verdict stays the source-derived one (docs/engines.md).
@@ -20,17 +20,17 @@ from typing import Any
 
 import pytest
 
-from metrale_cli.adapter import Adapter
-from metrale_cli.audit import audit
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
 from metrale_cli.engines import vllm
 from metrale_cli.engines.verdict import Verdict
-from metrale_cli.models import ModelConfig
+from metrale_cli.model.config import ModelConfig
 from tests.conftest import VLLM_PYTHON
-from tests.engine_cases import PROMPT, Case, make_case, write_model
+from tests.support.engine_cases import PROMPT, Case, make_case, write_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-RUNNER = Path(__file__).with_name("vllm_runner.py")
+RUNNER = Path(__file__).parent / "support" / "vllm_runner.py"
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 # float32 engines match PEFT to four decimals; BF16 ones (the CPU GDN) to BF16's rounding.

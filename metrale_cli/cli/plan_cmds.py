@@ -3,32 +3,42 @@ them imports torch or CuPy."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from metrale_cli.cli.console import emit, emit_json, handles_errors, out, warn
 from metrale_cli.cli.options import (
+    DtypeOpt,
+    EngineOpt,
     EpOpt,
     ExpertsOpt,
     FullyShardedOpt,
     JsonOpt,
+    LoraDtypeOpt,
+    MaxCpuLorasOpt,
     MaxLorasOpt,
     MaxRankOpt,
     ModelOpt,
     ModulesOpt,
     OnlineOpt,
     TpOpt,
+    engine_name,
     experts_on,
     load_adapters,
     model_for,
     online_on,
     refuse_unservable,
     shard_spec,
+    vllm_only,
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
 from metrale_cli.errors import UsageError
 from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
+
+if TYPE_CHECKING:
+    from metrale_cli.adapters.audit import AdapterReport
+    from metrale_cli.model.config import ModelConfig
 
 
 @handles_errors
@@ -53,18 +63,42 @@ def inspect(
     max_rank: MaxRankOpt = None,
     experts: ExpertsOpt = False,
     online: OnlineOpt = False,
+    engine: EngineOpt = "metrale",
+    max_loras: MaxLorasOpt = None,
+    max_cpu_loras: MaxCpuLorasOpt = None,
+    tp: TpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
+    modules: ModulesOpt = None,
+    dtype: DtypeOpt = None,
+    lora_dtype: LoraDtypeOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
 
-    The model defaults to the adapters' base_model_name_or_path."""
+    The model defaults to the adapters' base_model_name_or_path. With --engine vllm, what vLLM
+    0.32.0 does with each adapter under the vLLM flags given (--max-rank, --max-loras, --tp,
+    --fully-sharded, --modules, --dtype, --lora-dtype), or under the ones metrale recommends;
+    exit 0 only when vLLM serves every adapter as PEFT does."""
     from metrale_cli.adapters.audit import audit
     from metrale_cli.layout.plan import Footprint, inspect_record, max_rank_warnings
 
+    engine = engine_name(engine)
+    vllm_only(engine, **{"--max-loras": max_loras, "--max-cpu-loras": max_cpu_loras,
+                         "--tp": tp, "--fully-sharded": fully_sharded, "--modules": modules,
+                         "--dtype": dtype, "--lora-dtype": lora_dtype})
     positive("--max-rank", max_rank)
+    positive("--max-loras", max_loras)
+    positive("--tp", tp)
     loaded = load_adapters(adapters, online_on(online))
     cfg = model_for(model, loaded, online_on(online))
     enabled = experts_on(experts)
+    if engine == "vllm":
+        # vLLM checks ranks itself; the audit reads the files without the pool's max rank.
+        reports = [audit(a, cfg, None, enabled) for a in loaded]
+        _inspect_vllm(cfg, reports, json_out, max_rank=max_rank, max_loras=max_loras,
+                      max_cpu_loras=max_cpu_loras, tp=tp, fully_sharded=fully_sharded,
+                      modules=modules, dtype=dtype, lora_dtype=lora_dtype)
+        return
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
     warnings = max_rank_warnings(max_rank)
@@ -76,6 +110,39 @@ def inspect(
 
         out().print(inspect_view(cfg, reports, footprints))
     if not all(r.servable for r in reports):
+        raise typer.Exit(1)
+
+
+def _inspect_vllm(cfg: ModelConfig, reports: list[AdapterReport], json_out: bool,
+                  **given: object) -> None:
+    """`inspect --engine vllm`: each adapter's vLLM verdict under the given flags (else the
+    recommended ones), the recommendation, and exit 1 unless every adapter is served."""
+    from metrale_cli.engines import vllm
+    from metrale_cli.layout.plan import Footprint
+
+    tp = given["tp"]
+    recommendation = vllm.recommend(reports, cfg, tp=tp or 1,  # type: ignore[arg-type]
+                                    dtype=given["dtype"] or "auto",  # type: ignore[arg-type]
+                                    lora_dtype=given["lora_dtype"] or "auto")  # type: ignore
+    flags = vllm.flags_for(cfg, **given)  # type: ignore[arg-type]
+    source = "given" if flags is not None else "recommended"
+    flags = flags or recommendation.flags
+    verdicts = [vllm.judge(r, cfg, flags, source) for r in reports]
+    if json_out:
+        from metrale_cli.layout.plan import inspect_record
+
+        record = inspect_record(cfg, reports, [Footprint.of(cfg, r, None) for r in reports],
+                                False, [])
+        for adapter, verdict in zip(record["adapters"], verdicts, strict=True):
+            adapter["engine"] = verdict.record()
+        record["engine"] = vllm.inspect_record(cfg, verdicts, recommendation, flags, source)
+        emit_json(record)
+    else:
+        from metrale_cli.cli.render import engine_inspect_view
+
+        out().print(engine_inspect_view(cfg, [r.name for r in reports], verdicts,
+                                        recommendation, source))
+    if not all(v.serves for v in verdicts):
         raise typer.Exit(1)
 
 
@@ -101,17 +168,26 @@ def layout(
     tp: TpOpt = None,
     ep: EpOpt = None,
     fully_sharded: FullyShardedOpt = False,
+    engine: EngineOpt = "metrale",
+    max_cpu_loras: MaxCpuLorasOpt = None,
+    dtype: DtypeOpt = None,
+    lora_dtype: LoraDtypeOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """The byte-exact slot layout and capacity plan of a pool; with --tp, of every rank's pool,
     --budget per GPU.
 
     With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
-    without adapters every expert and router of every MoE layer at --max-rank."""
+    without adapters every expert and router of every MoE layer at --max-rank. With --engine
+    vllm, the bytes vLLM 0.32.0's LoRA buffers take on each GPU, reading --max-loras,
+    --max-rank, --tp, --fully-sharded and --modules as vLLM's --max-loras, --max-lora-rank,
+    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules."""
     from metrale_cli.adapters.audit import audit
     from metrale_cli.layout.plan import PoolPlan, plan_layouts
 
-    spec = shard_spec(tp, ep, fully_sharded)
+    engine = engine_name(engine)
+    vllm_only(engine, **{"--max-cpu-loras": max_cpu_loras, "--dtype": dtype,
+                         "--lora-dtype": lora_dtype})
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
     enabled = experts_on(experts)
@@ -119,6 +195,17 @@ def layout(
     if model is None and not loaded:
         raise UsageError("--model is required (or give startup adapters)")
     cfg = model_for(model, loaded, online_on(online))
+    if engine == "vllm":
+        if ep is not None or enabled:
+            raise UsageError("--ep and --experts are the metrale pool's; vLLM wraps experts "
+                             "itself (--engine vllm)")
+        positive("--tp", tp)
+        _layout_vllm(cfg, [audit(a, cfg, None, False) for a in loaded], json_out,
+                     budget=budget, max_rank=max_rank, max_loras=max_loras,
+                     max_cpu_loras=max_cpu_loras, tp=tp, fully_sharded=fully_sharded,
+                     modules=modules, dtype=dtype, lora_dtype=lora_dtype)
+        return
+    spec = shard_spec(tp, ep, fully_sharded)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     refuse_unservable(reports)
     layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
@@ -144,3 +231,36 @@ def layout(
         from metrale_cli.cli.render import layout_view
 
         out().print(layout_view(plan))
+
+
+def _layout_vllm(cfg: ModelConfig, reports: list[AdapterReport], json_out: bool,
+                 budget: str | None, **given: object) -> None:
+    """`layout --engine vllm`: one GPU's LoRA bytes and the host cache; with adapters, their
+    rank and modules fill in what the flags leave out, and an adapter vLLM would not serve as
+    PEFT does is refused as `layout` refuses one the pool cannot serve."""
+    from metrale_cli.cli.console import say
+    from metrale_cli.engines import vllm
+    from metrale_cli.errors import NotServable
+
+    if reports and given["max_rank"] is None:
+        rank = max(vllm.config_rank(r) for r in reports)
+        given["max_rank"] = vllm.allowed_rank(rank) or vllm.MAX_LORA_RANKS[-1]
+    if reports and given["max_loras"] is None:
+        given["max_loras"] = len(reports)
+    flags = vllm.flags_for(cfg, **given) or vllm.Flags()  # type: ignore[arg-type]
+    refused = [(r, v) for r, v in ((r, vllm.judge(r, cfg, flags)) for r in reports)
+               if not v.serves]
+    for r, v in refused:
+        say(f"{r.name}: vllm {v.verdict.value}: {v.reason}")
+    if refused:
+        raise NotServable(f"{len(refused)} adapter(s) not served as PEFT serves them by vLLM "
+                          f"{vllm.VERSION} under these flags")
+    memory = vllm.Memory.of(cfg, flags, reports or None,
+                            parse_size(budget) if budget is not None else None)
+    record = {"model": cfg.summary(), "engine": memory.record()}
+    if json_out:
+        emit_json(record)
+    else:
+        from metrale_cli.cli.render import engine_layout_view
+
+        out().print(engine_layout_view(cfg, memory))

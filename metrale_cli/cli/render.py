@@ -19,6 +19,8 @@ from rich.text import Text
 
 from metrale_cli.adapters.audit import AdapterReport, Severity, layer_ranges
 from metrale_cli.adapters.experts import coverage
+from metrale_cli.engines.verdict import EngineVerdict
+from metrale_cli.engines.vllm import Memory, Recommendation
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import Footprint, PoolPlan
 from metrale_cli.layout.sharding import ShardedPlan
@@ -641,3 +643,101 @@ def verify_view(record: dict[str, Any]) -> Group:
                       f"{record['seconds']:.3f} s"
                       + (f" ({rate:.2f} GB/s)" if rate is not None else "")))
     return Group(*lines)
+
+
+# -- --engine vllm ------------------------------------------------------------------------------
+
+VERDICT_STYLE = {"serves": "bold green", "differs": "bold yellow", "ignores": "bold yellow",
+                 "refuses": "bold red", "crashes": "bold red", "unsupported_model": "bold red"}
+
+
+def engine_inspect_view(model: ModelConfig, names: list[str], verdicts: list[EngineVerdict],
+                        recommendation: Recommendation, source: str) -> Group:
+    """Each adapter's vLLM verdict and modules, then the flags and a ready `vllm serve`."""
+    parts: list[Any] = [Text(model_line(model), style="bold"),
+                        Text(f"vLLM {verdicts[0].version if verdicts else ''} (GPU build), "
+                             f"flags {source}: {_flag_line(verdicts[0].flags)}"
+                             if verdicts else "", style="dim")]
+    for v, name in zip(verdicts, names, strict=True):
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="dim")
+        grid.add_column()
+        grid.add_row("verdict", Text(v.verdict.value, style=VERDICT_STYLE[v.verdict.value]))
+        grid.add_row("reason", escape(v.reason))
+        for where, other in v.elsewhere.items():
+            label = {"offline": "offline LLM", "cpu_build": "CPU build"}.get(where, where)
+            grid.add_row(label, escape(f"{other['verdict']}: {other['reason']}"))
+        body: list[Any] = [grid]
+        if v.modules:
+            table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+            for column in ("module", "vLLM module", "layers", "served"):
+                table.add_column(column)
+            for m in v.modules:
+                table.add_row(m.module, m.engine_module or "-",
+                              layer_ranges(list(m.layers)) if m.layers else "-",
+                              "yes" if m.served else escape(f"no: {m.why}"))
+            body.append(table)
+        parts.append(Panel(Group(*body), title=escape(name), title_align="left"))
+    rec = recommendation
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row("recommended", _flag_line(rec.flags.record(rec.memory.model)))
+    grid.add_row("serve", escape(rec.serve_line()))
+    grid.add_row("LoRA memory", f"{rec.memory.lora_bytes:,} B "
+                 f"({human_bytes(rec.memory.lora_bytes)}) per GPU, "
+                 f"{rec.memory.slot_bytes:,} B a slot; host cache "
+                 f"{human_bytes(rec.memory.host_cache_bytes)}")
+    for adapter, unused, share in rec.unused:
+        grid.add_row("padding", f"{escape(adapter)} leaves {unused:,} B "
+                     f"({share:.1%}) of its slot unused")
+    if rec.lower is not None:
+        lo, freed, out = rec.lower
+        grid.add_row("lower rank", f"--max-lora-rank {lo} frees {human_bytes(freed)} and shuts "
+                     f"out {escape(', '.join(out)) or 'no adapter'}")
+    if rec.fully_sharded_saves:
+        grid.add_row("fully sharded", f"--fully-sharded-loras saves "
+                     f"{human_bytes(rec.fully_sharded_saves)} per GPU")
+    for line in rec.shut_out:
+        grid.add_row("left out", escape(line))
+    parts.append(grid)
+    return Group(*parts)
+
+
+def _flag_line(flags: dict[str, Any]) -> str:
+    targets = flags.get("lora_target_modules")
+    return (f"max_lora_rank {flags['max_lora_rank']}, max_loras {flags['max_loras']}, "
+            f"max_cpu_loras {flags['max_cpu_loras']}, tp {flags['tensor_parallel_size']}"
+            f"{', fully sharded' if flags['fully_sharded_loras'] else ''}, "
+            f"lora_dtype {flags['lora_dtype']}, target modules "
+            f"{', '.join(targets) if targets else 'all'}")
+
+
+def engine_layout_view(model: ModelConfig, memory: Memory) -> Group:
+    """One GPU's vLLM LoRA buffers, as `layout` shows the pool."""
+    rec = memory.record()
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row("model", escape(model_line(model)))
+    grid.add_row("engine", f"vLLM {rec['version']} (GPU build)")
+    grid.add_row("flags", _flag_line(rec["flags"]))
+    grid.add_row("LoRA buffers", f"{memory.lora_bytes:,} B ({human_bytes(memory.lora_bytes)}) "
+                 "per GPU")
+    grid.add_row("slot", f"{memory.slot_bytes:,} B ({human_bytes(memory.slot_bytes)}) per "
+                 "adapter slot")
+    grid.add_row("host cache", f"{memory.host_cache_bytes:,} B "
+                 f"({human_bytes(memory.host_cache_bytes)}) for "
+                 f"{rec['flags']['max_cpu_loras']} adapters, per TP worker")
+    if memory.budget_bytes is not None:
+        grid.add_row("budget", f"{human_bytes(memory.budget_bytes)} holds "
+                     f"{memory.max_loras_fit:,} --max-loras")
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    for column, justify in (("module", "left"), ("kind", "left"), ("layers", "right"),
+                            ("bytes", "right"), ("%", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    total = memory.lora_bytes or 1
+    for m in rec["modules"]:
+        table.add_row(m["module"], m["kind"], str(m["layers"] or "-"), f"{m['bytes']:,}",
+                      f"{100 * m['bytes'] / total:.1f}")
+    return Group(grid, Text(""), table)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from metrale_cli.findings import layer_ranges
+from metrale_cli.adapters.findings import layer_ranges
 
 
 class Verdict(str, Enum):

@@ -34,14 +34,14 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from metrale_cli.adapters.findings import Code
 from metrale_cli.engines.verdict import EngineVerdict, ModuleOutcome, Verdict
 from metrale_cli.errors import UsageError
-from metrale_cli.findings import Code
-from metrale_cli.jsondoc import load_json
-from metrale_cli.models import ModelConfig, find_preset
+from metrale_cli.files.jsondoc import load_json
+from metrale_cli.model.config import ModelConfig, find_preset
 
 if TYPE_CHECKING:
-    from metrale_cli.audit import AdapterReport
+    from metrale_cli.adapters.audit import AdapterReport
 
 NAME = "vllm"
 VERSION = "0.32.0"
@@ -684,6 +684,7 @@ class Recommendation:
                 "max_lora_rank": self.lower[0], "frees_bytes": self.lower[1],
                 "shuts_out": self.lower[2]},
             "fully_sharded_saves_bytes": self.fully_sharded_saves,
+            # Adapters the recommendation leaves out, each with vLLM's reason.
             "shut_out": self.shut_out,
         }
 
@@ -694,9 +695,21 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
     every adapter's r and rank_pattern, one GPU slot and one host slot per adapter,
     --lora-target-modules when the adapters use fewer modules than vLLM wraps, and
     --fully-sharded-loras under TP when it takes fewer bytes."""
+    # An adapter vLLM refuses under any rank (DoRA, modules_to_save, a module name the model
+    # lacks) gets no slot: it is named in `shut_out` with vLLM's reason instead.
+    widest = Flags(MAX_LORA_RANKS[-1], max(1, len(reports)), tp=tp, dtype=dtype,
+                   lora_dtype=lora_dtype)
+    shut_out: list[str] = []
+    kept = []
+    for r in reports:
+        v = judge(r, model, widest)
+        if v.verdict in (Verdict.REFUSES, Verdict.CRASHES, Verdict.UNSUPPORTED_MODEL):
+            shut_out.append(f"{r.name}: {v.reason}")
+        else:
+            kept.append(r)
+    reports = kept
     ranks = {r.name: config_rank(r) for r in reports}
     top = max(ranks.values(), default=DEFAULT_MAX_LORA_RANK)
-    shut_out = [n for n, r in ranks.items() if allowed_rank(r) is None]
     max_rank = allowed_rank(top) or MAX_LORA_RANKS[-1]
     modules = engine_modules(model)
     probe = Flags(max_rank, max(1, len(reports)), tp=tp, dtype=dtype, lora_dtype=lora_dtype)
@@ -757,3 +770,41 @@ def _model_id(model: ModelConfig) -> str:
     if path is not None and path.name == "config.json":
         return str(path.parent)
     return model.source or "MODEL"
+
+
+def target_modules(model: ModelConfig, text: str) -> tuple[str, ...]:
+    """`--modules` as vLLM's --lora-target-modules: module names (`qkv_proj`, `o_proj`) or the
+    adapter names packed into them (`q_proj`); a name no module of the model answers to is a
+    usage error, since vLLM would wrap nothing for it."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    modules = engine_modules(model)
+    known = {m.name for m in modules} | expected_names(modules)
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise UsageError(f"--modules {text!r}: vLLM's LoRA modules of this model are "
+                         f"{', '.join(sorted(known))}")
+    return names
+
+
+def flags_for(model: ModelConfig, *, max_rank: int | None, max_loras: int | None,
+              max_cpu_loras: int | None, tp: int | None, fully_sharded: bool,
+              modules: str | None, dtype: str | None, lora_dtype: str | None) -> Flags | None:
+    """The flags the user gave, vLLM's own defaults for the rest; None when none was given
+    (the caller then recommends them)."""
+    given = [max_rank, max_loras, max_cpu_loras, tp, modules, dtype, lora_dtype]
+    if all(v is None for v in given) and not fully_sharded:
+        return None
+    return Flags(max_rank if max_rank is not None else DEFAULT_MAX_LORA_RANK,
+                 max_loras or 1, max_cpu_loras, tp or 1, fully_sharded,
+                 target_modules(model, modules) if modules else None, dtype or "auto",
+                 lora_dtype or "auto")
+
+
+def inspect_record(model: ModelConfig, verdicts: list[EngineVerdict],
+                   recommendation: Recommendation, flags: Flags, source: str,
+                   ) -> dict[str, Any]:
+    """The `engine` part of `inspect --engine vllm --json` (each adapter's verdict goes in
+    `adapters[i].engine`)."""
+    return {"name": NAME, "version": VERSION, "build": "gpu", "flags": flags.record(model),
+            "flags_source": source, "all_serve": all(v.serves for v in verdicts),
+            "recommended": recommendation.record()}

@@ -1,7 +1,7 @@
 """Runs the real vLLM on one job and reports what it did, as JSON. Runs under `.venv-vllm`'s
 python, never under the suite's (it imports no metrale and no test helper).
 
-    .venv-vllm/bin/python tests/vllm_runner.py JOB.json OUT.json
+    .venv-vllm/bin/python tests/support/vllm_runner.py JOB.json OUT.json
 
 JOB: {"model": DIR, "engine": {LLM kwargs beyond the fixed ones below},
       "prompt": [token ids], "logprobs": K,

@@ -1,5 +1,5 @@
 """Tiny models with weights, and real PEFT adapters on them, for the engine tests: what the
-real vLLM loads (tests/vllm_runner.py) and what metrale judges offline.
+real vLLM loads (tests/support/vllm_runner.py) and what metrale judges offline.
 
 vLLM's CPU build needs more than the audit's tiny models: weights on disk, a head width of
 at least 32 (its CPU attention refuses 16), and BF16 for the Gated-DeltaNet layers. Every
