@@ -145,8 +145,11 @@ class EngineModule:
         """Elements one adapter's own A and B take for this module on one layer at `rank`,
         for the leaf names it has (unsharded: what the host cache holds)."""
         if self.kind in (Kind.EXPERTS, Kind.EXPERTS_3D):
-            ffn = self.out_sizes[0]
-            return self.experts * rank * (self.in_size + 2 * ffn) * 2 if names else 0
+            h, ffn = self.in_size, self.out_sizes[0]
+            # Per expert: gate and up A [r, h] and B [ffn, r] (one A for the fused 3-D gate_up),
+            # down A [r, ffn] and B [h, r].
+            a_in = 2 * h if self.kind is Kind.EXPERTS else h
+            return self.experts * rank * (a_in + 2 * ffn + ffn + h) if names else 0
         outs = self._slice_outs()
         total = 0
         for name, out in zip(self._slice_names(), outs, strict=True):
@@ -244,9 +247,12 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     if moe:
         E = model.num_experts
         experts = Kind.EXPERTS_3D if model.model_type == "qwen3_5_moe" else Kind.EXPERTS
-        out += [EngineModule("mlp.gate", Kind.REPLICATED, moe, H, (E,), ("gate",)),
-                EngineModule("mlp.experts", experts, moe, H, (model.expert_intermediate_size,),
-                             ("experts",), experts=E)]
+        # vLLM's Mixtral keeps transformers 4's block name, and its LoRA loader renames no
+        # module: PEFT's transformers-5 `mlp.gate` / `mlp.experts` weights match nothing.
+        block = "block_sparse_moe" if model.model_type == "mixtral" else "mlp"
+        out += [EngineModule(f"{block}.gate", Kind.REPLICATED, moe, H, (E,), ("gate",)),
+                EngineModule(f"{block}.experts", experts, moe, H,
+                             (model.expert_intermediate_size,), ("experts",), experts=E)]
         shared = model.shared_expert_intermediate_size
         if shared:
             out += [EngineModule("mlp.shared_expert.gate_up_proj", Kind.COLUMN, moe, H,
@@ -497,10 +503,12 @@ def _weight_errors(report: AdapterReport, expected: set[str], model: ModelConfig
 
 def _moe_format_error(report: AdapterReport, modules: list[EngineModule]) -> tuple[str, str] | None:
     """The GPU build's 2-D fused-MoE wrapper refuses PEFT's fused 3-D expert weights."""
-    two_d = any(m.kind is Kind.EXPERTS for m in modules)
-    fused = sorted({k.module_key for k in report.adapter.keys
-                    if k.module_key.endswith(".experts") and k.part.startswith("lora_")})
-    if two_d and fused:
+    two_d = {m.path for m in modules if m.kind is Kind.EXPERTS}
+    # Only weights at the wrapper's own path reach it (Mixtral's `mlp.experts` does not).
+    fused = sorted({k.module_key for k in report.adapter.keys if k.layer is not None
+                    and k.sub.removesuffix(".base_layer") in two_d
+                    and k.part.startswith("lora_")})
+    if fused:
         return ("moe_3d_format", f"LoRA adapter contains fused 3D MoE weights for "
                 f"{fused[0]!r}, but the model uses a 2D MoE LoRA wrapper. Start the engine "
                 "with enable_mixed_moe_lora_format=True (--enable-mixed-moe-lora-format) and "

@@ -40,12 +40,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 {**_BASE, "num_hidden_layers": 2, "intermediate_size": 48,
                  "num_local_experts": 4, "num_experts_per_tok": 2}),
-    # Every layer's MLP dense (mlp_only_layers), so the CPU build can run its Gated-DeltaNet
-    # and gated attention with LoRA; its MoE layers are qwen3_moe's case.
+    # Layer 0 linear attention with a dense MLP, layer 1 full attention with routed and shared
+    # experts (vLLM's Qwen3-Next refuses a model without an MoE layer).
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    {**_BASE, **_GDN, "num_hidden_layers": 2, "intermediate_size": 96,
                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-                    "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [0, 1],
+                    "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [0],
                     "layer_types": _HYBRID}),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                 {**_BASE, **_GDN, "num_hidden_layers": 2, "intermediate_size": 96,
