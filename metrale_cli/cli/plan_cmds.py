@@ -247,6 +247,10 @@ def _layout_vllm(cfg: ModelConfig, reports: list[AdapterReport], json_out: bool,
         given["max_rank"] = vllm.allowed_rank(rank) or vllm.MAX_LORA_RANKS[-1]
     if reports and given["max_loras"] is None:
         given["max_loras"] = len(reports)
+    if reports and given["modules"] is None:
+        # As `layout` sizes the pool for its startup adapters: their modules, not every one.
+        targets = vllm.recommend(reports, cfg).flags.target_modules
+        given["modules"] = ",".join(targets) if targets else None
     flags = vllm.flags_for(cfg, **given) or vllm.Flags()  # type: ignore[arg-type]
     refused = [(r, v) for r, v in ((r, vllm.judge(r, cfg, flags)) for r in reports)
                if not v.serves]
