@@ -89,3 +89,16 @@ def test_tp_shards_follow_vllm_create_lora_weights() -> None:
     assert row.buffers(1, 64, 4, False) == [("lora_a", (1, 1, 64, 1024)),
                                             ("lora_b", (1, 1, 4096, 64))]
     assert row.buffers(1, 64, 4, True)[1] == ("lora_b", (1, 1, 1024, 64))
+
+
+def test_no_embedding_lora_where_the_model_class_declares_none(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's Qwen3-Next (and Qwen2, Mistral) class has no `embedding_modules`: it wraps neither
+    embed_tokens nor lm_head (the engine's buffers show it), so an adapter on lm_head names a
+    module vLLM does not expect."""
+    truth = peft_zoo.adapter("qwen3_next", r=8, lora_alpha=16,
+                             target_modules=["q_proj", "lm_head"])
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.REFUSES and verdict.reason_class == "unexpected_module"
+    assert "lm_head" in verdict.reason
+    model = ModelConfig.from_hf(truth.base_dir)
+    assert not {"embed_tokens", "lm_head"} & {m.path for m in vllm.engine_modules(model)}

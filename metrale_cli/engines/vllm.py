@@ -55,6 +55,10 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_LORA_VOCAB = 258048
 # GDN's short convolution width when a config does not say (transformers' default).
 DEFAULT_CONV_KERNEL = 4
+# The model classes with `embedding_modules`: embed_tokens and lm_head get LoRA there only
+# (vLLM's Qwen2, Mistral and Qwen3-Next classes declare none, so an adapter training either
+# names a module vLLM does not expect).
+EMBEDDING_LORA_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_moe")
 # init_lora_weights strings vLLM accepts: they only set the initial weights.
 _PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
@@ -262,8 +266,9 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                     EngineModule("mlp.shared_expert_gate", Kind.REPLICATED, moe, H, (1,),
                                  ("shared_expert_gate",))]
     V = model.vocab_size
-    out += [EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)),
-            EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",))]
+    if model.model_type in EMBEDDING_LORA_TYPES:
+        out += [EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)),
+                EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",))]
     return [m for m in out if m.layers or m.top_level]
 
 
@@ -557,7 +562,7 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
 
 def model_support(model: ModelConfig) -> tuple[str, str] | None:
     """Why vLLM 0.32 (GPU build) cannot serve `model` with LoRA, or None."""
-    if model.vocab_size > MAX_LORA_VOCAB:
+    if model.vocab_size > MAX_LORA_VOCAB and model.model_type in EMBEDDING_LORA_TYPES:
         return ("vocab_too_large", f"When using LoRA, vocab size must be <= {MAX_LORA_VOCAB} "
                 f"(the model has {model.vocab_size})")
     return None
