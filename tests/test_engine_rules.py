@@ -102,3 +102,24 @@ def test_no_embedding_lora_where_the_model_class_declares_none(peft_zoo) -> None
     assert "lm_head" in verdict.reason
     model = ModelConfig.from_hf(truth.base_dir)
     assert not {"embed_tokens", "lm_head"} & {m.path for m in vllm.engine_modules(model)}
+
+
+def test_a_hostile_config_is_a_refusal_not_a_traceback(peft_zoo, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A rank_pattern that is not a mapping, or a rank that is not a number, is what vLLM's
+    PEFTHelper fails on: `refuses`, with the field named."""
+    import json
+    import shutil
+
+    truth = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    for field, value, says in (("rank_pattern", ["q_proj", 4], "rank_pattern must map"),
+                               ("r", "eight", "must be a positive integer")):
+        copy = tmp_path / field
+        shutil.copytree(truth.path, copy)
+        config = json.loads((copy / "adapter_config.json").read_text())
+        config[field] = value
+        (copy / "adapter_config.json").write_text(json.dumps(config))
+        report = audit(Adapter.load(copy), model)
+        verdict = vllm.judge(report, model, FLAGS)
+        assert verdict.verdict is Verdict.REFUSES and says in verdict.reason
+        assert vllm.recommend([report], model).shut_out

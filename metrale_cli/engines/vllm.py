@@ -428,9 +428,13 @@ def _config_errors(report: AdapterReport, flags: Flags) -> list[tuple[str, str]]
     if missing:
         return [("bad_config", f"Missing required configuration fields: {set(missing)}")]
     r = raw.get("r")
-    if not isinstance(r, int) or r <= 0:
+    if not isinstance(r, (int, float)) or isinstance(r, bool) or r <= 0:
         return [("bad_config", f"LoRA rank `r` must be a positive integer, got {r}.")]
     pattern = raw.get("rank_pattern") or {}
+    if not isinstance(pattern, dict):
+        # PEFTHelper iterates it as a mapping and fails there.
+        return [("bad_config", f"rank_pattern must map module patterns to ranks, got "
+                               f"{type(pattern).__name__}")]
     for key, rank in pattern.items():
         if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
             return [("bad_config", f"LoRA rank for `{key}` in `rank_pattern` must be a "
@@ -640,8 +644,10 @@ def config_rank(report: AdapterReport) -> int:
     """The rank vLLM checks against --max-lora-rank: `r` and every rank_pattern value, matched
     or not."""
     raw = report.adapter.config.raw
-    values = [v for v in (raw.get("rank_pattern") or {}).values() if isinstance(v, int)]
-    r = raw.get("r") if isinstance(raw.get("r"), int) else report.adapter.config.r
+    pattern = raw.get("rank_pattern")
+    values = [v for v in pattern.values() if isinstance(v, int) and not isinstance(v, bool)
+              ] if isinstance(pattern, dict) else []
+    r = report.adapter.config.r
     return max([r, *values])
 
 
