@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _width() -> int | None:
@@ -75,6 +76,8 @@ def handles_errors(fn: F) -> F:
         except MetraleError as exc:
             if debug:
                 raise
+            for line in exc.details:
+                say(line)
             say(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
@@ -98,6 +101,21 @@ def handles_errors(fn: F) -> F:
             raise typer.Exit(70) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def said_details(fn: Callable[[], T]) -> Callable[[], T]:
+    """`fn`, saying a domain error's detail lines where it is raised: under torchrun a rank's
+    error reaches the edge as `RankFailed`, which carries only its one line."""
+
+    def run() -> T:
+        try:
+            return fn()
+        except MetraleError as exc:
+            for line in exc.details:
+                say(line)
+            raise
+
+    return run
 
 
 def emit_json(record: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out
-from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, load_adapters, online_on
+from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, online_on
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
                                           show_default=False)]
@@ -36,6 +36,7 @@ def verify(
 ) -> None:
     """Recompute what pack writes for each adapter and compare it with the image's bytes. Exit
     1 on any difference."""
+    from metrale_cli.adapters.loading import load_adapters
     from metrale_cli.cli import render
     from metrale_cli.image.verify import Verifier
 

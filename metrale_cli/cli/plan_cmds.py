@@ -20,10 +20,7 @@ from metrale_cli.cli.options import (
     OnlineOpt,
     TpOpt,
     experts_on,
-    load_adapters,
-    model_for,
     online_on,
-    refuse_unservable,
     shard_spec,
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
@@ -58,24 +55,19 @@ def inspect(
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
 
     The model defaults to the adapters' base_model_name_or_path."""
-    from metrale_cli.adapters.audit import audit
-    from metrale_cli.layout.plan import Footprint, inspect_record, max_rank_warnings
+    from metrale_cli.layout.pipeline import audit_adapters
 
     positive("--max-rank", max_rank)
-    loaded = load_adapters(adapters, online_on(online))
-    cfg = model_for(model, loaded, online_on(online))
-    enabled = experts_on(experts)
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
-    warnings = max_rank_warnings(max_rank)
-    warn(warnings)
+    audited = audit_adapters(adapters, model, max_rank=max_rank, experts=experts_on(experts),
+                             online=online_on(online))
+    warn(audited.warnings)
     if json_out:
-        emit_json(inspect_record(cfg, reports, footprints, enabled, warnings))
+        emit_json(audited.record())
     else:
         from metrale_cli.cli.render import inspect_view
 
-        out().print(inspect_view(cfg, reports, footprints))
-    if not all(r.servable for r in reports):
+        out().print(inspect_view(audited.model, audited.reports, audited.footprints()))
+    if not audited.servable:
         raise typer.Exit(1)
 
 
@@ -108,26 +100,19 @@ def layout(
 
     With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
     without adapters every expert and router of every MoE layer at --max-rank."""
-    from metrale_cli.adapters.audit import audit
-    from metrale_cli.layout.plan import PoolPlan, plan_layouts
+    from metrale_cli.layout.pipeline import plan_pool
 
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
-    enabled = experts_on(experts)
-    loaded = load_adapters(adapters, online_on(online)) if adapters else []
-    if model is None and not loaded:
+    if model is None and not adapters:
         raise UsageError("--model is required (or give startup adapters)")
-    cfg = model_for(model, loaded, online_on(online))
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refuse_unservable(reports)
-    layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
-                           align, enabled)
+    module_list = parse_modules(modules) if modules else None
     budget_bytes = parse_size(budget) if budget is not None else None
+    planned = plan_pool(adapters or [], model, modules=module_list, max_rank=max_rank,
+                        align=align, experts=experts_on(experts), online=online_on(online))
     if spec is not None:
-        from metrale_cli.layout.sharding import ShardedPlan
-
-        sharded = ShardedPlan.sized(*layouts, spec, max_loras, budget_bytes)
+        sharded = planned.sharded(spec, max_loras, budget_bytes)
         warn(sharded.plan.warnings)
         if json_out:
             emit_json(sharded.record())
@@ -136,7 +121,7 @@ def layout(
 
             out().print(sharded_layout_view(sharded))
         return
-    plan = PoolPlan.sized(*layouts, max_loras, budget_bytes)
+    plan = planned.sized(max_loras, budget_bytes)
     warn(plan.warnings)
     if json_out:
         emit_json(plan.record())
