@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Annotated, Any
 
 import typer
 
-from metrale_cli.cli.console import emit, handles_errors, out
+from metrale_cli.cli.console import emit, emit_json, handles_errors, out
 from metrale_cli.cli.options import MODEL, MODULES, ForceOpt, JsonOpt, shard_spec
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
@@ -99,8 +97,7 @@ def bench_kernels(
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
-            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
-            sys.stdout.flush()
+            emit_json(record, stream=True)
         else:
             out().print(kernel_line(record))
 
@@ -112,7 +109,7 @@ def bench_kernels(
     if model_only:
         for record in bench.model(shapes, adapters=adapters, **kwargs):
             if json_out:
-                sys.stdout.write(json.dumps(record) + "\n")
+                emit_json(record, stream=True)
             else:
                 out().print(kernel_model_line(record), soft_wrap=True)
         return
@@ -142,8 +139,7 @@ def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
-            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
-            sys.stdout.flush()
+            emit_json(record, stream=True)
         else:
             out().print(line(record), soft_wrap=True)
 

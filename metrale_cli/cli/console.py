@@ -118,9 +118,13 @@ def said_details(fn: Callable[[], T]) -> Callable[[], T]:
     return run
 
 
-def emit_json(record: Any) -> None:
+def emit_json(record: Any, stream: bool = False) -> None:
+    """The one JSON writer of every command: a record, indented; with `stream`, one record of
+    many on one line (JSON lines), flushed so a reader sees it as it is measured."""
     # allow_nan=False: a NaN or Infinity that got this far is a bug, never invalid JSON out.
-    sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    sys.stdout.write(json.dumps(record, indent=None if stream else 2, allow_nan=False) + "\n")
+    if stream:
+        sys.stdout.flush()
 
 
 def emit(record: Any, json_out: bool, view: Callable[[Any], Any]) -> None:

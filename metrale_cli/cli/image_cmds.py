@@ -19,7 +19,7 @@ def show(image: ImageArg, json_out: JsonOpt = False) -> None:
     """What a pool image holds, checked without reading its pool bytes. Exit 1 if its metadata
     and tables contradict each other, 2 if it is not a pool image."""
     from metrale_cli.cli import render
-    from metrale_cli.image.check import show_image
+    from metrale_cli.image.show import show_image
 
     record = show_image(image).record()
     emit(record, json_out, render.show_view)

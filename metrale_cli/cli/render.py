@@ -552,7 +552,7 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
 
 
 def show_view(record: dict[str, Any]) -> Group:
-    """`metrale show`: the image's record (see image_check.ImageShow)."""
+    """`metrale show`: the image's record (see image.show.ImageShow)."""
     lay, ex = record["layout"], record["experts"]
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
