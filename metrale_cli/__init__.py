@@ -64,6 +64,9 @@ _API = {
     "show_image": "metrale_cli.image.show",
     "Verifier": "metrale_cli.image.verify",
     "unpack": "metrale_cli.image.unpack",
+    # tensor-parallel peers: a slot from one process's pool into another's
+    "send_slot": "metrale_cli.dist.torchrun",
+    "receive_slot": "metrale_cli.dist.torchrun",
     # the simulator
     "Workload": "metrale_cli.sim.workload",
     "GeneratorSpec": "metrale_cli.sim.workload",
