@@ -126,6 +126,37 @@ class AdapterReport:
         }
 
 
+def layer_rows(model: ModelConfig, report: AdapterReport) -> list[dict[str, Any]]:
+    """`inspect`'s per-layer table: one row per set of layers that look alike (not only
+    adjacent ones: a hybrid model's layers repeat with a period), so 48+ layers stay a few rows.
+    Each row: its `layers`, whether they are `all_of_kind` (every layer of their kind), the
+    layer `kind`, and per module of the report's set a cell: `r16`, `r16 x2` where a rank/alpha
+    pattern moved the scale off the adapter's, "" where not adapted, None where it does not
+    apply."""
+    scale = report.scaling
+    per_layer: dict[int, dict[str, str]] = {}
+    for m in report.modules:
+        cell = f"r{m.r}" if abs(m.scaling - scale) <= 1e-9 * scale else f"r{m.r} x{m.scaling:.3g}"
+        per_layer.setdefault(m.layer, {})[m.module.peft_name] = cell
+    columns = report.module_set
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for layer in range(model.num_hidden_layers):
+        cells = per_layer.get(layer, {})
+        # Layers where any module applies differently stay apart, shown or not.
+        applicable = tuple(m.applies_to_layer(model, layer) for m in ALL)
+        signature = (model.layer_type(layer), applicable, tuple(
+            cells.get(m.peft_name) or ("" if m.applies_to_layer(model, layer) else None)
+            for m in columns))
+        groups.setdefault(signature, []).append(layer)
+    rows = []
+    for (kind, _, cells), layers in groups.items():
+        of_kind = [i for i in range(model.num_hidden_layers) if model.layer_type(i) is kind]
+        rows.append({"layers": layers, "all_of_kind": layers == of_kind,
+                     "kind": kind.value.split("_")[0],
+                     "cells": dict(zip((m.peft_name for m in columns), cells, strict=True))})
+    return rows
+
+
 # -- what a key names ---------------------------------------------------------------------------
 
 _SERVABLE = {m.peft_path: m for m in ALL}

@@ -66,7 +66,7 @@ def inspect(
     else:
         from metrale_cli.cli.render import inspect_view
 
-        out().print(inspect_view(audited.model, audited.reports, audited.footprints()))
+        out().print(inspect_view(audited.record()))
     if not audited.servable:
         raise typer.Exit(1)
 
@@ -119,7 +119,7 @@ def layout(
         else:
             from metrale_cli.cli.render import sharded_layout_view
 
-            out().print(sharded_layout_view(sharded))
+            out().print(sharded_layout_view(sharded.record()))
         return
     plan = planned.sized(max_loras, budget_bytes)
     warn(plan.warnings)
@@ -128,4 +128,4 @@ def layout(
     else:
         from metrale_cli.cli.render import layout_view
 
-        out().print(layout_view(plan))
+        out().print(layout_view(plan.record()))

@@ -50,7 +50,7 @@ class ImageShow:
             "path": str(t.path),
             "format": FORMAT,
             "valid": True,
-            "model": t.model.summary(),
+            "model": t.model.record(),
             "layout": {**{k: v for k, v in t.layout.record(t.max_loras).items()
                           if k != "entries"}, "entries": len(t.layout.entries)},
             "experts": ({**t.expert_layout.record(t.max_loras, entries=False),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from metrale_cli import env
 from metrale_cli.adapters.adapter import Adapter
-from metrale_cli.adapters.audit import AdapterReport, audit
+from metrale_cli.adapters.audit import AdapterReport, audit, layer_rows
 from metrale_cli.adapters.loading import load_adapters, model_for
 from metrale_cli.errors import NotServable
 from metrale_cli.layout.expert_layout import ExpertLayout
@@ -69,9 +69,20 @@ class AuditedAdapters:
         each adapter's report with its footprint."""
         adapters = []
         for report, footprint in zip(self.reports, self.footprints(), strict=True):
-            adapters.append({**report.record(), "slot_bytes": footprint.slot_bytes,
-                             "expert_slot_bytes": footprint.expert_slot_bytes})
-        return {"model": self.model.summary(), "experts_enabled": self.experts,
+            slot, expert_slot = footprint.layout, footprint.expert_layout
+            adapters.append({
+                **report.record(),
+                "config_rank": report.adapter.config.r,
+                "module_set": [m.peft_name for m in report.module_set],
+                "layer_rows": layer_rows(self.model, report),
+                "expert_layers": sorted({p.layer for p in report.expert_pairs}),
+                "expert_ranks": sorted({p.r for p in report.expert_pairs}),
+                "slot_bytes": footprint.slot_bytes,
+                "slot_max_rank": slot.max_rank if slot is not None else None,
+                "expert_slot_bytes": footprint.expert_slot_bytes,
+                "expert_slot_max_rank": expert_slot.max_rank if expert_slot else None,
+            })
+        return {"model": self.model.record(), "experts_enabled": self.experts,
                 "warnings": self.warnings, "adapters": adapters}
 
 

@@ -132,6 +132,7 @@ class PoolPlan:
         n = self.max_loras
         ex = self.expert_layout
         return {
+            "model": self.layout.model.record(),
             **self.layout.record(n),
             "warnings": self.warnings,
             "table_bytes": self.layout.table_bytes(n) if n else None,

@@ -140,6 +140,13 @@ class ModelConfig:
         record["mlp_only_layers"] = list(self.mlp_only_layers)
         return record
 
+    def record(self) -> dict[str, Any]:
+        """The summary with the counts a view of the model shows (records of `models`,
+        `inspect`, `layout` and `show`); images store the summary alone."""
+        return {**self.summary(), "full_attention_layers": len(self.full_attention_layers),
+                "linear_attention_layers": len(self.linear_attention_layers),
+                "expert_intermediate_size": self.expert_intermediate_size}
+
     @classmethod
     def from_summary(cls, record: dict[str, Any]) -> ModelConfig:
         """The config `summary()` recorded; ValueError when a field is not of its type (an
@@ -307,10 +314,7 @@ class Preset:
         """`metrale models --json`: the names, the config summary, and the layer and expert
         counts the table shows."""
         cfg = ModelConfig.from_dict(self.config, source=self.name)
-        return {"name": self.name, "hub_ids": list(self.hub_ids), **cfg.summary(),
-                "full_attention_layers": len(cfg.full_attention_layers),
-                "linear_attention_layers": len(cfg.linear_attention_layers),
-                "expert_intermediate_size": cfg.expert_intermediate_size}
+        return {"name": self.name, "hub_ids": list(self.hub_ids), **cfg.record()}
 
 
 def _hybrid_text(**values: Any) -> dict[str, Any]:
