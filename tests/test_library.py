@@ -57,3 +57,22 @@ def test_the_examples_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "chat: rank_above_max: " in out
     assert "[2, 3]" in out
     assert (tmp_path / "chat-again" / "adapter_config.json").is_file()
+
+
+def test_help_imports_no_stage() -> None:
+    """`metrale --help` loads the CLI and the root's leaves only: no stage of the library (each
+    command imports its own), which keeps its start near a bare `import typer, rich`."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "metrale_cli", "--help"],
+                          capture_output=True, text=True, check=True)
+    loaded = {line.split("|")[-1].strip() for line in done.stderr.splitlines()
+              if line.startswith("import time:")}
+    ours = {m for m in loaded if m.startswith("metrale_cli.")}
+    stages = {m for m in ours if not m.startswith("metrale_cli.cli")
+              and m.split(".")[1] not in ("errors", "env", "compat", "bf16", "kernel_config")}
+    assert ours and not stages, sorted(stages)
+    from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
+
+    # The --align default is written in its help, not imported: the two must agree.
+    assert f"default {DEFAULT_ALIGN}, the layout's" in " ".join(
+        subprocess.run([sys.executable, "-m", "metrale_cli", "layout", "--help"],
+                       capture_output=True, text=True, check=True).stdout.split())

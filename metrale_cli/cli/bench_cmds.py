@@ -10,7 +10,6 @@ from metrale_cli.cli.console import emit, emit_json, handles_errors, out
 from metrale_cli.cli.options import MODEL, MODULES, ForceOpt, JsonOpt, shard_spec
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import resolve_model
 
 BENCH_MODEL = "qwen3-next-80b-a3b"
 BENCH_MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
@@ -36,6 +35,7 @@ def bench_pack(
     """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
     from metrale_cli.bench import pack as bench
     from metrale_cli.cli import render
+    from metrale_cli.model.config import resolve_model
 
     spec = shard_spec(tp, None, False)
     positive("--rank", rank)
@@ -82,6 +82,7 @@ def bench_kernels(
     from metrale_cli.cli.render import kernel_line, kernel_model_line
     from metrale_cli.compat import cupy_module
     from metrale_cli.files.atomic import check_output, output_path
+    from metrale_cli.model.config import resolve_model
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else

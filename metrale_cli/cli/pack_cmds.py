@@ -38,7 +38,6 @@ from metrale_cli.cli.options import (
 )
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import resolve_model
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
@@ -62,6 +61,7 @@ def synth(
 ) -> None:
     """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
     from metrale_cli.adapters.synth import synth_adapter
+    from metrale_cli.model.config import resolve_model
 
     if not out_dir.strip():
         raise UsageError("the adapter directory is empty")

@@ -25,7 +25,6 @@ from metrale_cli.cli.options import (
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
 from metrale_cli.errors import UsageError
-from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
 
 
 @handles_errors
@@ -86,8 +85,10 @@ def layout(
     budget: Annotated[str | None, typer.Option(
         "--budget", help="Memory for the pool and its tables, e.g. 40GiB: how many slots fit.")]
     = None,
-    align: Annotated[int, typer.Option("--align", help="Byte alignment of every region.")]
-    = DEFAULT_ALIGN,
+    # No default written here: the layout's (256) would import the layout into `--help`.
+    align: Annotated[int | None, typer.Option(
+        "--align", help="Byte alignment of every region (default 256, the layout's).",
+        show_default=False)] = None,
     experts: ExpertsOpt = False,
     online: OnlineOpt = False,
     tp: TpOpt = None,
@@ -101,6 +102,7 @@ def layout(
     With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
     without adapters every expert and router of every MoE layer at --max-rank."""
     from metrale_cli.layout.pipeline import plan_pool
+    from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
 
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-rank", max_rank)
@@ -110,7 +112,8 @@ def layout(
     module_list = parse_modules(modules) if modules else None
     budget_bytes = parse_size(budget) if budget is not None else None
     planned = plan_pool(adapters or [], model, modules=module_list, max_rank=max_rank,
-                        align=align, experts=experts_on(experts), online=online_on(online))
+                        align=DEFAULT_ALIGN if align is None else align,
+                        experts=experts_on(experts), online=online_on(online))
     if spec is not None:
         sharded = planned.sharded(spec, max_loras, budget_bytes)
         warn(sharded.plan.warnings)
