@@ -195,7 +195,7 @@ def audit(
     METRALE_LORA_EXPERTS."""
     if experts_enabled is None:
         experts_enabled = env.experts_enabled()
-    adapter = replace(adapter, config=adapter.config.with_default_targets(model.model_type))
+    adapter = replace(adapter, config=adapter.config.with_default_targets(model.family))
     report = AdapterReport(adapter)
     out = Collector()
     _audit_config(adapter, model, out)
@@ -472,18 +472,16 @@ def _explain_experts(
                 "not servable by the slot pool; it goes to the expert pool, which is opt-in: "
                 "pass --experts (or set METRALE_LORA_EXPERTS=1)")
     ffn_targets = isinstance(cfg.target_modules, list) and any(
-        t.split(".")[-1] in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate")
-        for t in cfg.target_modules
+        t.split(".")[-1] in (*experts.EXPERT_LEAF_NAMES, "gate") for t in cfg.target_modules
     )
     rewritten = any(re.search(r"gate_up_proj", k) for k in cfg.rank_pattern)
     # Plain target_parameters adapters need no explanation; gate/up/down targets (or a
     # re-saved rewrite, which carries the gate_up rank pattern) do.
     if not model.num_experts or not (ffn_targets or rewritten):
         return
-    if model.model_type == "qwen3_5_moe":
-        # PEFT 0.21's conversion table maps no rewrite for this type (checked against PEFT).
+    if not model.family.peft_rewrites_moe_targets:
         out.add(Severity.WARNING, Code.MOE_REWRITE,
-                "on qwen3_5_moe, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
+                f"on {model.model_type}, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
                 "targets into expert LoRA: they reach only the shared expert, and routed experts "
                 "get LoRA only through target_parameters (mlp.experts.gate_up_proj/down_proj)")
         return
