@@ -25,20 +25,15 @@ from metrale_cli.cli.options import (
     TpOpt,
     engine_name,
     experts_on,
-    load_adapters,
-    model_for,
     online_on,
-    refuse_unservable,
     shard_spec,
     vllm_only,
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
 from metrale_cli.errors import UsageError
-from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
 
 if TYPE_CHECKING:
-    from metrale_cli.adapters.audit import AdapterReport
-    from metrale_cli.model.config import ModelConfig
+    from metrale_cli.layout.pipeline import AuditedAdapters
 
 
 @handles_errors
@@ -79,8 +74,7 @@ def inspect(
     0.32.0 does with each adapter under the vLLM flags given (--max-rank, --max-loras, --tp,
     --fully-sharded, --modules, --dtype, --lora-dtype), or under the ones metrale recommends;
     exit 0 only when vLLM serves every adapter as PEFT does."""
-    from metrale_cli.adapters.audit import audit
-    from metrale_cli.layout.plan import Footprint, inspect_record, max_rank_warnings
+    from metrale_cli.layout.pipeline import audit_adapters
 
     engine = engine_name(engine)
     vllm_only(engine, **{"--max-loras": max_loras, "--max-cpu-loras": max_cpu_loras,
@@ -89,59 +83,51 @@ def inspect(
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
     positive("--tp", tp)
-    loaded = load_adapters(adapters, online_on(online))
-    cfg = model_for(model, loaded, online_on(online))
-    enabled = experts_on(experts)
     if engine == "vllm":
-        # vLLM checks ranks itself; the audit reads the files without the pool's max rank.
-        reports = [audit(a, cfg, None, enabled) for a in loaded]
-        _inspect_vllm(cfg, reports, json_out, max_rank=max_rank, max_loras=max_loras,
-                      max_cpu_loras=max_cpu_loras, tp=tp, fully_sharded=fully_sharded,
-                      modules=modules, dtype=dtype, lora_dtype=lora_dtype)
+        # vLLM checks ranks itself: the audit reads the files without the pool's max rank.
+        _inspect_vllm(audit_adapters(adapters, model, experts=experts_on(experts),
+                                     online=online_on(online)), json_out,
+                      max_rank=max_rank, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                      tp=tp, fully_sharded=fully_sharded, modules=modules, dtype=dtype,
+                      lora_dtype=lora_dtype)
         return
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
-    warnings = max_rank_warnings(max_rank)
-    warn(warnings)
+    audited = audit_adapters(adapters, model, max_rank=max_rank, experts=experts_on(experts),
+                             online=online_on(online))
+    warn(audited.warnings)
     if json_out:
-        emit_json(inspect_record(cfg, reports, footprints, enabled, warnings))
+        emit_json(audited.record())
     else:
         from metrale_cli.cli.render import inspect_view
 
-        out().print(inspect_view(cfg, reports, footprints))
-    if not all(r.servable for r in reports):
+        out().print(inspect_view(audited.record()))
+    if not audited.servable:
         raise typer.Exit(1)
 
 
-def _inspect_vllm(cfg: ModelConfig, reports: list[AdapterReport], json_out: bool,
-                  **given: object) -> None:
-    """`inspect --engine vllm`: each adapter's vLLM verdict under the given flags (else the
-    recommended ones), the recommendation, and exit 1 unless every adapter is served."""
+def _inspect_vllm(audited: AuditedAdapters, json_out: bool, **given: object) -> None:
+    """`inspect --engine vllm`: the audit's record with each adapter's vLLM verdict under the
+    given flags (else the recommended ones) in `adapters[i].engine`, the recommendation in
+    `engine`; exit 1 unless vLLM serves every adapter."""
     from metrale_cli.engines import vllm
-    from metrale_cli.layout.plan import Footprint
 
-    tp = given["tp"]
-    recommendation = vllm.recommend(reports, cfg, tp=tp or 1,  # type: ignore[arg-type]
+    cfg, reports = audited.model, audited.reports
+    recommendation = vllm.recommend(reports, cfg, tp=given["tp"] or 1,  # type: ignore[arg-type]
                                     dtype=given["dtype"] or "auto",  # type: ignore[arg-type]
                                     lora_dtype=given["lora_dtype"] or "auto")  # type: ignore
     flags = vllm.flags_for(cfg, **given)  # type: ignore[arg-type]
     source = "given" if flags is not None else "recommended"
     flags = flags or recommendation.flags
     verdicts = [vllm.judge(r, cfg, flags, source) for r in reports]
+    record = audited.record()
+    for adapter, verdict in zip(record["adapters"], verdicts, strict=True):
+        adapter["engine"] = verdict.record()
+    record["engine"] = vllm.inspect_record(cfg, verdicts, recommendation, flags, source)
     if json_out:
-        from metrale_cli.layout.plan import inspect_record
-
-        record = inspect_record(cfg, reports, [Footprint.of(cfg, r, None) for r in reports],
-                                False, [])
-        for adapter, verdict in zip(record["adapters"], verdicts, strict=True):
-            adapter["engine"] = verdict.record()
-        record["engine"] = vllm.inspect_record(cfg, verdicts, recommendation, flags, source)
         emit_json(record)
     else:
         from metrale_cli.cli.render import engine_inspect_view
 
-        out().print(engine_inspect_view(cfg, [r.name for r in reports], verdicts,
-                                        recommendation, source))
+        out().print(engine_inspect_view(record))
     if not all(v.serves for v in verdicts):
         raise typer.Exit(1)
 
@@ -161,8 +147,10 @@ def layout(
     budget: Annotated[str | None, typer.Option(
         "--budget", help="Memory for the pool and its tables, e.g. 40GiB: how many slots fit.")]
     = None,
-    align: Annotated[int, typer.Option("--align", help="Byte alignment of every region.")]
-    = DEFAULT_ALIGN,
+    # No default written here: the layout's (256) would import the layout into `--help`.
+    align: Annotated[int | None, typer.Option(
+        "--align", help="Byte alignment of every region (default 256, the layout's).",
+        show_default=False)] = None,
     experts: ExpertsOpt = False,
     online: OnlineOpt = False,
     tp: TpOpt = None,
@@ -182,66 +170,62 @@ def layout(
     vllm, the bytes vLLM 0.32.0's LoRA buffers take on each GPU, reading --max-loras,
     --max-rank, --tp, --fully-sharded and --modules as vLLM's --max-loras, --max-lora-rank,
     --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules."""
-    from metrale_cli.adapters.audit import audit
-    from metrale_cli.layout.plan import PoolPlan, plan_layouts
+    from metrale_cli.layout.pipeline import audit_adapters, plan_pool
+    from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
 
     engine = engine_name(engine)
     vllm_only(engine, **{"--max-cpu-loras": max_cpu_loras, "--dtype": dtype,
                          "--lora-dtype": lora_dtype})
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
-    enabled = experts_on(experts)
-    loaded = load_adapters(adapters, online_on(online)) if adapters else []
-    if model is None and not loaded:
+    if model is None and not adapters:
         raise UsageError("--model is required (or give startup adapters)")
-    cfg = model_for(model, loaded, online_on(online))
     if engine == "vllm":
-        if ep is not None or enabled:
+        if ep is not None or experts_on(experts):
             raise UsageError("--ep and --experts are the metrale pool's; vLLM wraps experts "
                              "itself (--engine vllm)")
         positive("--tp", tp)
-        _layout_vllm(cfg, [audit(a, cfg, None, False) for a in loaded], json_out,
+        _layout_vllm(audit_adapters(adapters or [], model, experts=False,
+                                    online=online_on(online)), json_out,
                      budget=budget, max_rank=max_rank, max_loras=max_loras,
                      max_cpu_loras=max_cpu_loras, tp=tp, fully_sharded=fully_sharded,
                      modules=modules, dtype=dtype, lora_dtype=lora_dtype)
         return
     spec = shard_spec(tp, ep, fully_sharded)
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refuse_unservable(reports)
-    layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
-                           align, enabled)
+    module_list = parse_modules(modules) if modules else None
     budget_bytes = parse_size(budget) if budget is not None else None
+    planned = plan_pool(adapters or [], model, modules=module_list, max_rank=max_rank,
+                        align=DEFAULT_ALIGN if align is None else align,
+                        experts=experts_on(experts), online=online_on(online))
     if spec is not None:
-        from metrale_cli.layout.sharding import ShardedPlan
-
-        sharded = ShardedPlan.sized(*layouts, spec, max_loras, budget_bytes)
+        sharded = planned.sharded(spec, max_loras, budget_bytes)
         warn(sharded.plan.warnings)
         if json_out:
             emit_json(sharded.record())
         else:
             from metrale_cli.cli.render import sharded_layout_view
 
-            out().print(sharded_layout_view(sharded))
+            out().print(sharded_layout_view(sharded.record()))
         return
-    plan = PoolPlan.sized(*layouts, max_loras, budget_bytes)
+    plan = planned.sized(max_loras, budget_bytes)
     warn(plan.warnings)
     if json_out:
         emit_json(plan.record())
     else:
         from metrale_cli.cli.render import layout_view
 
-        out().print(layout_view(plan))
+        out().print(layout_view(plan.record()))
 
 
-def _layout_vllm(cfg: ModelConfig, reports: list[AdapterReport], json_out: bool,
-                 budget: str | None, **given: object) -> None:
+def _layout_vllm(audited: AuditedAdapters, json_out: bool, budget: str | None,
+                 **given: object) -> None:
     """`layout --engine vllm`: one GPU's LoRA bytes and the host cache; with adapters, their
-    rank and modules fill in what the flags leave out, and an adapter vLLM would not serve as
-    PEFT does is refused as `layout` refuses one the pool cannot serve."""
-    from metrale_cli.cli.console import say
+    rank, count and modules fill in what the flags leave out, and an adapter vLLM would not
+    serve as PEFT does is refused as `layout` refuses one the pool cannot serve."""
     from metrale_cli.engines import vllm
     from metrale_cli.errors import NotServable
 
+    cfg, reports = audited.model, audited.reports
     if reports and given["max_rank"] is None:
         rank = max(vllm.config_rank(r) for r in reports)
         given["max_rank"] = vllm.allowed_rank(rank) or vllm.MAX_LORA_RANKS[-1]
@@ -254,17 +238,16 @@ def _layout_vllm(cfg: ModelConfig, reports: list[AdapterReport], json_out: bool,
     flags = vllm.flags_for(cfg, **given) or vllm.Flags()  # type: ignore[arg-type]
     refused = [(r, v) for r, v in ((r, vllm.judge(r, cfg, flags)) for r in reports)
                if not v.serves]
-    for r, v in refused:
-        say(f"{r.name}: vllm {v.verdict.value}: {v.reason}")
     if refused:
         raise NotServable(f"{len(refused)} adapter(s) not served as PEFT serves them by vLLM "
-                          f"{vllm.VERSION} under these flags")
+                          f"{vllm.VERSION} under these flags",
+                          [f"{r.name}: vllm {v.verdict.value}: {v.reason}" for r, v in refused])
     memory = vllm.Memory.of(cfg, flags, reports or None,
                             parse_size(budget) if budget is not None else None)
-    record = {"model": cfg.summary(), "engine": memory.record()}
+    record = {"model": cfg.record(), "engine": memory.record()}
     if json_out:
         emit_json(record)
     else:
         from metrale_cli.cli.render import engine_layout_view
 
-        out().print(engine_layout_view(cfg, memory))
+        out().print(engine_layout_view(record))
