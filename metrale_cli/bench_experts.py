@@ -98,7 +98,7 @@ def routing(shape: ExpertShape, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def plan(shape: ExpertShape, seed: int = 0) -> expert_kernels.ExpertBatch:
     topk, slots = routing(shape, seed)
     return expert_kernels.plan_pairs(topk, slots, np.full(shape.adapters, shape.rank, np.int32),
-                                     shape.rank)
+                                     shape.rank, num_experts=shape.experts)
 
 
 def compulsory_bytes(proj: str, shape: ExpertShape, groups: int) -> int:
@@ -370,7 +370,8 @@ def run(shapes: Sequence[ExpertShape], *, repeats: int = 30, l2_multiple: float 
     for shape in shapes:
         topk, slots = routing(shape, seed)
         batch = expert_kernels.plan_pairs(topk, slots, np.full(shape.adapters, shape.rank,
-                                                               np.int32), shape.rank)
+                                                               np.int32), shape.rank,
+                                          num_experts=shape.experts)
         expected = {m["projection"]: m for m in model_records([shape], model_device)}
         d, e, r, h, i, p = (shape.adapters, shape.experts, shape.rank, shape.hidden, shape.inter,
                             shape.pairs)

@@ -278,6 +278,7 @@ class _Group:
         self.a_table = cupy.uint64(self.a.data.ptr) + cupy.uint64(2 * rank * in_dim) * slot_index
         self.b_table = cupy.uint64(self.b.data.ptr) + cupy.uint64(2 * out_dim * rank) * slot_index
         self.ranks = cupy.full(adapters, rank, dtype=cupy.int32)
+        self.max_rank = rank  # the pool's: A rows and B's row stride
         self.scales = cupy.linspace(0.5, 2.0, adapters, dtype=cupy.float32)
         self.x = bf16((tokens, in_dim), 1.0)
         self.y = bf16((tokens, out_dim), 1.0)
@@ -309,16 +310,18 @@ def _ours(kind: str, group: _Group) -> Callable[[], None]:
     sms = kernels.device_sm_count()
     if kind == "shrink" and group.grouped:
         plan = kernels.plan_sgmv_shrink(group.x, group.seg_starts, group.seg_slots, group.a_table,
-                                        group.ranks, group.t, token_order=group.order)
+                                        group.ranks, group.t, group.max_rank,
+                                        token_order=group.order)
     elif kind == "shrink":
-        plan = kernels.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t)
+        plan = kernels.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t,
+                                        group.max_rank)
     elif group.grouped and (group.order is None or kernels.grouped_expand(tokens, out_dim, sms)):
         plan = kernels.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
-                                        group.scales, group.ranks, group.y,
+                                        group.scales, group.ranks, group.y, group.max_rank,
                                         token_order=group.order)
     else:
         plan = kernels.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
-                                        group.ranks, group.y)
+                                        group.ranks, group.y, group.max_rank)
     kernel = kernels.get_kernel(plan.kernel)
     return lambda: kernel(plan.grid, plan.block, plan.args)
 

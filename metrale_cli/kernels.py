@@ -170,15 +170,29 @@ def loads_in_flight(kernel: str) -> int:
 # --- launch planning (shared with the host harness) ------------------------------------------
 
 
+# CUDA's grid limits: x up to 2^31 - 1, y and z up to 65,535 (cudaDevAttrMaxGridDimY/Z on every
+# device since sm_30). A launch past them fails on the GPU while the host harness would run it.
+MAX_GRID = (2**31 - 1, 65_535, 65_535)
+
+
 @dataclass(frozen=True)
 class KernelLaunch:
-    """One kernel launch: what CuPy's RawKernel call and the host harness both take."""
+    """One kernel launch: what CuPy's RawKernel call and the host harness both take. A grid
+    past CUDA's limits (MAX_GRID) is refused here, for every kernel, on every backend."""
 
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     # Arrays (CuPy, NumPy or torch) and NumPy scalars, in the kernel's parameter order.
     args: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        for axis, size, limit in zip("xyz", self.grid, MAX_GRID, strict=True):
+            if size > limit:
+                raise ValueError(
+                    f"{self.kernel}'s grid {self.grid} passes CUDA's limit of {limit:,} on "
+                    f"{axis}; split the batch (SGMV: at most {MAX_GRID[1] * SGMV_TILE:,} "
+                    "tokens per launch)")
 
 
 def _dtype_name(array: Any) -> str:
@@ -209,7 +223,22 @@ def _host_values(array: Any) -> np.ndarray:
     return np.asarray(array)
 
 
-def _check(array: Any, what: str, dtypes: Sequence[str], shape: Sequence[int | None]) -> None:
+def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether an array of `shape` with `strides` (elements) is C-contiguous; dims of size 1
+    take any stride, as no index ever steps along them."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check(array: Any, what: str, dtypes: Sequence[str], shape: Sequence[int | None],
+           *, rows: bool = False) -> None:
+    """dtype, shape, layout and alignment of a buffer a kernel reads or writes. The kernels
+    index every buffer as a dense row-major array, except those passed with their own row
+    stride (`rows`: x, y, logits, emb), which need only contiguous rows."""
     name = _dtype_name(array)
     if name not in dtypes:
         raise ValueError(f"{what} must be {' or '.join(dtypes)}, got {name}")
@@ -220,8 +249,11 @@ def _check(array: Any, what: str, dtypes: Sequence[str], shape: Sequence[int | N
         wanted = tuple("?" if s is None else s for s in shape)
         raise ValueError(f"{what} must have shape {wanted}, got {actual}")
     strides = _strides(array)
-    if actual and actual[-1] > 1 and strides[-1] != 1:
+    if rows and actual and actual[-1] > 1 and strides[-1] != 1:
         raise ValueError(f"{what} must be contiguous along its last dimension")
+    if not rows and not _dense(actual, strides):
+        raise ValueError(f"{what} must be contiguous (the kernels index it as a dense array); "
+                         f"got strides {strides} for shape {actual}")
     if _address(array) % 16:
         raise ValueError(f"{what} must start at a 16-byte aligned address")
 
@@ -230,6 +262,9 @@ def _row_stride(array: Any, what: str) -> int:
     stride = _strides(array)[0]
     if stride % VECTOR:
         raise ValueError(f"{what} row stride ({stride} elements) must be a multiple of {VECTOR}")
+    rows, width = int(array.shape[0]), int(array.shape[-1])
+    if rows > 1 and stride < width:
+        raise ValueError(f"{what}'s rows overlap (row stride {stride} < width {width})")
     return stride
 
 
@@ -327,10 +362,14 @@ def _k_chunk(in_dim: int, splits: int, multiple: int) -> int:
     return -(-chunk // multiple) * multiple
 
 
-def _t_shape(t: Any, max_rank: int | None) -> tuple[int, int, int, int]:
-    """(num_splits, T, t_cols, max_rank) of a t buffer; max_rank defaults to t's width."""
+def _t_shape(t: Any, max_rank: int) -> tuple[int, int, int, int]:
+    """(num_splits, T, t_cols, max_rank) of a t buffer. max_rank is the pool's (A rows, B's row
+    stride) and comes from the pool or the plan: t's width is the batch's widest rank, which
+    may be narrower, so it is never taken for max_rank."""
     num_splits, num_tokens, t_cols = (int(d) for d in t.shape)
-    return num_splits, num_tokens, t_cols, t_cols if max_rank is None else int(max_rank)
+    if isinstance(max_rank, bool) or not isinstance(max_rank, int | np.integer):
+        raise TypeError(f"max_rank must be the pool's max rank (an int), got {max_rank!r}")
+    return num_splits, num_tokens, t_cols, int(max_rank)
 
 
 def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
@@ -341,14 +380,14 @@ def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
 
 
 def plan_bgmv_shrink(
-    x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int | None = None
+    x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int
 ) -> KernelLaunch:
     """t[z, b, :] = partial of x[b] @ A_slot[b]^T over K split z (see kernels/bgmv.cu).
     t's width may be below max_rank (the batch's widest rank): the grid covers only it."""
     num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     in_dim = int(x.shape[1])
     max_loras = int(a_table.shape[0])
-    _check(x, "x", _BF16, (num_tokens, in_dim))
+    _check(x, "x", _BF16, (num_tokens, in_dim), rows=True)
     _check(slots, "slots", ("int32",), (num_tokens,))
     _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table})
@@ -363,18 +402,17 @@ def plan_bgmv_shrink(
 
 
 def plan_bgmv_expand(
-    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    max_rank: int | None = None,
+    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
 ) -> KernelLaunch:
-    """y[b] += scale * t[:, b].sum(0) @ B_slot[b]^T (see kernels/bgmv.cu). B rows are max_rank
-    long (default: t's width)."""
+    """y[b] += scale * t[:, b].sum(0) @ B_slot[b]^T (see kernels/bgmv.cu). B rows are the
+    pool's max_rank long."""
     num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     out_dim = int(y.shape[1])
     max_loras = int(b_table.shape[0])
     y_kind = "bf16" if _dtype_name(y) in _BF16 else "f32"
     _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
     _check(slots, "slots", ("int32",), (num_tokens,))
-    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim))
+    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim), rows=True)
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
     grid = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
@@ -386,24 +424,39 @@ def plan_bgmv_expand(
     return KernelLaunch(f"bgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
 
 
-def _check_segments(seg_starts: Any, seg_slots: Any) -> int:
+def check_segments(seg_starts: Any, seg_slots: Any, num_tokens: int) -> int:
+    """The segment count, after checking what the SGMV kernels assume of the segments: starts
+    non-decreasing, within [0, T], the last one T (a binary search over them finds each tile's
+    first segment; starts that go backwards give wrong rows everywhere). A CuPy seg_starts is
+    copied to the host for this ((S + 1) x 4 bytes)."""
     num_segments = int(seg_slots.shape[0])
     _check(seg_slots, "seg_slots", ("int32",), (num_segments,))
     _check(seg_starts, "seg_starts", ("int32",), (num_segments + 1,))
+    starts = _host_values(seg_starts).astype(np.int64).ravel()
+    if starts[-1] != num_tokens:
+        raise ValueError(f"seg_starts must end at the token count ({num_tokens}), "
+                         f"got {int(starts[-1])}")
+    if starts[0] < 0:
+        raise ValueError(f"seg_starts must lie within [0, {num_tokens}], got {int(starts[0])}")
+    back = np.flatnonzero(np.diff(starts) < 0)
+    if back.size:
+        i = int(back[0])
+        raise ValueError(f"seg_starts must be non-decreasing: seg_starts[{i + 1}] = "
+                         f"{int(starts[i + 1])} < seg_starts[{i}] = {int(starts[i])}")
     return num_segments
 
 
 def plan_sgmv_shrink(
     x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, t: Any,
-    max_rank: int | None = None, token_order: Any | None = None,
+    max_rank: int, token_order: Any | None = None,
 ) -> KernelLaunch:
     """t[z, b, :] = partial of x[b] @ A_seg^T over K split z (see kernels/sgmv.cu). With
     `token_order`, segments index sorted positions (the grouped decode path)."""
     num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     in_dim = int(x.shape[1])
     max_loras = int(a_table.shape[0])
-    num_segments = _check_segments(seg_starts, seg_slots)
-    _check(x, "x", _BF16, (num_tokens, in_dim))
+    num_segments = check_segments(seg_starts, seg_slots, num_tokens)
+    _check(x, "x", _BF16, (num_tokens, in_dim), rows=True)
     _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table})
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
@@ -419,16 +472,17 @@ def plan_sgmv_shrink(
 
 def plan_sgmv_expand(
     t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    max_rank: int | None = None, token_order: Any | None = None,
+    max_rank: int, token_order: Any | None = None,
 ) -> KernelLaunch:
-    """y[b] += scale * t[:, b].sum(0) @ B_seg^T (see kernels/sgmv.cu)."""
+    """y[b] += scale * t[:, b].sum(0) @ B_seg^T (see kernels/sgmv.cu); B rows are the pool's
+    max_rank long."""
     num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     out_dim = int(y.shape[1])
     max_loras = int(b_table.shape[0])
-    num_segments = _check_segments(seg_starts, seg_slots)
+    num_segments = check_segments(seg_starts, seg_slots, num_tokens)
     y_kind = "bf16" if _dtype_name(y) in _BF16 else "f32"
     _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
-    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim))
+    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim), rows=True)
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
     grid = launch_grid(f"sgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
@@ -592,13 +646,11 @@ def bgmv_shrink(
 
 
 def bgmv_expand(
-    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    *, num_sms: int | None = None, max_rank: int | None = None, backend: Backend = CUPY,
+    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
+    *, backend: Backend = CUPY,
 ) -> Any:
     """Decode expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y. B rows are
-    max_rank long (default: t's width). `num_sms` is accepted for callers of the earlier grid,
-    which depended on it; each thread now owns 8 output rows whatever the device."""
-    del num_sms
+    the pool's max_rank long (t may be narrower: the batch's widest rank)."""
     backend.launch(plan_bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank))
     return y
 
@@ -619,7 +671,7 @@ def sgmv_shrink(
 
 def sgmv_expand(
     t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    *, max_rank: int | None = None, token_order: Any | None = None, backend: Backend = CUPY,
+    max_rank: int, *, token_order: Any | None = None, backend: Backend = CUPY,
 ) -> Any:
     """Prefill expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y."""
     backend.launch(plan_sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
@@ -644,14 +696,12 @@ def bgmv(
                         t_cols=batch.t_cols, token_order=order, backend=backend)
         # t is in token order either way, so the expand may take the per-token path.
         if grouped_expand(batch.num_tokens, int(y.shape[1]), backend.num_sms(num_sms)):
-            return sgmv_expand(t, starts, seg_slots, b_table, scale_table, ranks, y,
-                               max_rank=max_rank, token_order=order, backend=backend)
-        return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank=max_rank,
-                           backend=backend)
+            return sgmv_expand(t, starts, seg_slots, b_table, scale_table, ranks, y, max_rank,
+                               token_order=order, backend=backend)
+        return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank, backend=backend)
     t = bgmv_shrink(x, slots, a_table, ranks, max_rank, num_sms=num_sms, batch=batch,
                     backend=backend)
-    return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank=max_rank,
-                       backend=backend)
+    return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank, backend=backend)
 
 
 def sgmv(
@@ -663,5 +713,5 @@ def sgmv(
     `t_cols` (the widest rank of the batch, a multiple of 8) narrows t and the shrink grid."""
     t = sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
                     t_cols=t_cols, backend=backend)
-    return sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
-                       max_rank=max_rank, backend=backend)
+    return sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y, max_rank,
+                       backend=backend)

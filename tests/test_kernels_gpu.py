@@ -71,7 +71,7 @@ def test_bgmv_on_device(case: Case, y_dtype: torch.dtype) -> None:
 
     t = kernels.bgmv_shrink(_to_device(x), _to_device(slots), a_table, ranks, case.max_rank,
                             _nan_t(case, "bgmv"))
-    kernels.bgmv_expand(t, _to_device(slots), b_table, scales, ranks, y)
+    kernels.bgmv_expand(t, _to_device(slots), b_table, scales, ranks, y, case.max_rank)
     _cupy().cuda.Device().synchronize()
 
     check_t(_to_host(t, torch.float32),
@@ -94,7 +94,7 @@ def test_sgmv_on_device(case: Case, y_dtype: torch.dtype) -> None:
 
     t = kernels.sgmv_shrink(_to_device(x), seg_starts, seg_slots, a_table, ranks, case.max_rank,
                             _nan_t(case, "sgmv"))
-    kernels.sgmv_expand(t, seg_starts, seg_slots, b_table, scales, ranks, y)
+    kernels.sgmv_expand(t, seg_starts, seg_slots, b_table, scales, ranks, y, case.max_rank)
     _cupy().cuda.Device().synchronize()
 
     check_t(_to_host(t, torch.float32),
