@@ -62,6 +62,42 @@ class Device:
     sms: int
     l2_bytes: int
     peak_bytes_per_s: float  # nominal: 2 (DDR) x memory clock x bus width
+    peak_source: str = "memory clock x bus width"
+
+
+# Nominal HBM bandwidth by device name, for when the memory clock cannot be read.
+_KNOWN_PEAKS = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12}
+
+
+def memory_clock_khz(attributes: Any, query: Callable[[], int] | None) -> int | None:
+    """The memory clock in kHz, or None where the device does not report it. CUDA 13 dropped
+    cudaDeviceProp.memoryClockRate, and CuPy's attribute table may lack the entry or hold 0;
+    `query` asks the runtime for cudaDevAttrMemoryClockRate directly."""
+    try:
+        value = int(attributes["MemoryClockRate"])
+    except (KeyError, TypeError, ValueError):
+        value = 0
+    if value <= 0 and query is not None:
+        try:
+            value = int(query())
+        except Exception:  # noqa: BLE001 - any runtime refusal means "not reported"
+            value = 0
+    return value if value > 0 else None
+
+
+def peak_bandwidth(name: str, clock_khz: int | None, bus_bits: int | None) -> tuple[float, str]:
+    """Nominal peak HBM bytes/s and where it came from: 2 (DDR) x clock x bus width when both
+    are known, else the known figure for the device's name; ToolMissing when neither."""
+    if clock_khz and bus_bits:
+        return 2 * clock_khz * 1e3 * bus_bits / 8, "memory clock x bus width"
+    for key, peak in _KNOWN_PEAKS.items():
+        if key in name:
+            return peak, f"the nominal figure for {key} (the device reports no memory clock)"
+    raise ToolMissing(f"{name} reports no memory clock or bus width, so its peak bandwidth is "
+                      "unknown")
+
+
+_ATTRIBUTE_MEMORY_CLOCK = 36  # cudaDevAttrMemoryClockRate
 
 
 def device_info() -> Device:
@@ -70,10 +106,12 @@ def device_info() -> Device:
     attributes = device.attributes
     name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
-    clock_hz = attributes["MemoryClockRate"] * 1e3  # reported in kHz
-    bus_bytes = attributes["GlobalMemoryBusWidth"] / 8  # reported in bits
-    return Device(name, attributes["MultiProcessorCount"], attributes["L2CacheSize"],
-                  2 * clock_hz * bus_bytes)
+    clock = memory_clock_khz(attributes, lambda: cupy.cuda.runtime.deviceGetAttribute(
+        _ATTRIBUTE_MEMORY_CLOCK, device.id))
+    bus = attributes.get("GlobalMemoryBusWidth") if hasattr(attributes, "get") else None
+    peak, source = peak_bandwidth(name, clock, bus)
+    return Device(name, attributes["MultiProcessorCount"], attributes["L2CacheSize"], peak,
+                  source)
 
 
 def compulsory_bytes(kind: str, tokens: int, adapters: int, rank: int, in_dim: int,
@@ -783,6 +821,7 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
         "expected_pct_peak": expected["expected_pct_peak"],
         "measured_vs_expected": expected["expected_us"] / ours["p50_us"],
         "device": device.name, "peak_tb_per_s": device.peak_bytes_per_s / 1e12,
+        "peak_source": device.peak_source,
         "terms": expected["terms"], "binding": expected["binding"],
         "l2_bytes": expected["l2_bytes"],
         "device_l2_bytes": device.l2_bytes, "rotation_groups": groups,
@@ -828,3 +867,26 @@ def plot(records: Sequence[dict[str, Any]], path: str | Path, force: bool = Fals
     fig.tight_layout()
     atomic_write(Path(path), lambda f: fig.savefig(f, format="png"), force)
     plt.close(fig)
+
+
+def device_report() -> dict[str, Any]:
+    """What the benchmark reads of the device (device_info), with the CUDA runtime, driver and
+    CuPy versions: the `device` step of scripts/gpu_check.sh."""
+    import dataclasses
+
+    cupy = compat.cupy_module()
+    runtime = cupy.cuda.runtime
+    return {**dataclasses.asdict(device_info()), "cupy": cupy.__version__,
+            "cuda_runtime": runtime.runtimeGetVersion(), "cuda_driver": runtime.driverGetVersion()}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--device-report":
+        sys.exit("usage: python -m metrale_cli.bench_kernels --device-report FILE")
+    report = device_report()
+    atomic_write(Path(sys.argv[2]), lambda f: f.write(json.dumps(report, indent=1).encode()),
+                 force=True)
+    print(json.dumps(report))
