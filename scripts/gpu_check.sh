@@ -15,7 +15,7 @@
 #   bench        a trimmed `metrale bench kernels --json`: each record carries the measured
 #                figures beside the model's (expected_us, terms, binding, l2_resident)
 #   sass         CuPy's compiler (NVRTC) for this device: its machine code through the same
-#                SASS counter as nvcc's (metrale_cli.sass)
+#                SASS counter as nvcc's (metrale_cli.ops.sass)
 #   memcheck     compute-sanitizer memcheck over the kernel tests with CuPy's memory pool off
 #                (cupy.cuda.set_allocator(None)), so a read past a buffer inside a pooled
 #                allocation is caught
@@ -178,14 +178,14 @@ if [ $dry -eq 1 ]; then
 fi
 
 pytest_args=(-q -p no:cacheprovider -m gpu --require-gpu)
-step device - "$PYTHON" -m metrale_cli.bench_kernels --device-report "$out/device-report.json"
+step device - "$PYTHON" -m metrale_cli.bench.kernels --device-report "$out/device-report.json"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 step correctness - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$out/correctness.xml" \
     tests/test_kernels_gpu.py tests/test_expert_kernels_gpu.py
 step pack - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$out/pack.xml" \
     tests/test_pool_device_path.py tests/test_seam.py
 step bench "$out/bench.jsonl" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
-step sass - "$PYTHON" -m metrale_cli.sass --nvrtc-device --out "$out/sass-report.json"
+step sass - "$PYTHON" -m metrale_cli.ops.sass --nvrtc-device --out "$out/sass-report.json"
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 step memcheck - "$sanitizer" --tool memcheck --error-exitcode 9 --target-processes all \
     "$PYTHON" -c "import sys, cupy, pytest; cupy.cuda.set_allocator(None); \

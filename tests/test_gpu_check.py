@@ -45,7 +45,7 @@ def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(
 def test_every_module_the_script_runs_exists() -> None:
     text = SCRIPT.read_text()
     modules = set(re.findall(r"-m (metrale_cli[\w.]*)", text))
-    assert {"metrale_cli", "metrale_cli.sass"} <= modules
+    assert {"metrale_cli", "metrale_cli.ops.sass", "metrale_cli.bench.kernels"} <= modules
     for module in modules:
         assert find_spec(module) is not None, module
     assert "pip install" not in text.split("set -uo pipefail")[1]  # installs nothing
@@ -58,7 +58,7 @@ def test_the_script_refuses_a_run_without_an_output_directory(tmp_path: Path) ->
 
 
 def test_the_device_query_survives_cuda_13_s_missing_memory_clock() -> None:
-    from metrale_cli import bench_kernels
+    from metrale_cli.bench import kernels as bench_kernels
     from metrale_cli.errors import ToolMissing
 
     # CUDA 13 dropped the memory clock from the device properties: CuPy's table may lack it.

@@ -20,8 +20,9 @@ import shutil
 
 import pytest
 
-from metrale_cli import bench_kernels, kernels, sass
-from metrale_cli.sass import hot_loops, loads_before_first_use, parse
+from metrale_cli.bench import kernels as bench_kernels
+from metrale_cli.ops import kernels, sass
+from metrale_cli.ops.sass import hot_loops, loads_before_first_use, parse
 
 pytestmark = pytest.mark.nvcc
 

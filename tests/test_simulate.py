@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metrale_cli.cli.parsing import parse_size_list
 from metrale_cli.errors import OutputExists, UsageError
-from metrale_cli.parsing import parse_size_list
-from metrale_cli.simulate import Replay, SwapCost, parse_bandwidth
-from metrale_cli.workload import GeneratorSpec, Workload, generate, read_trace
-from tests.cli_runner import metrale
+from metrale_cli.sim.simulate import Replay, SwapCost, parse_bandwidth
+from metrale_cli.sim.workload import GeneratorSpec, Workload, generate, read_trace
+from tests.support.cli_runner import metrale
 
 SLOT = ["--model", "qwen3-next-80b-a3b", "--modules", "q_proj,v_proj", "--max-rank", "16"]
 COST = SwapCost(slot_bytes=1000, bytes_per_s=1e6, latency_s=0.0, bandwidth="test")  # 1 ms
@@ -501,10 +501,10 @@ def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:
 
 
 def test_progress_counts_every_request_once_and_pins_by_name() -> None:
-    from metrale_cli import simulate as sim
-    from metrale_cli.models import resolve_model
-    from metrale_cli.parsing import parse_modules
-    from metrale_cli.plan import plan_layouts
+    from metrale_cli.cli.parsing import parse_modules
+    from metrale_cli.layout.plan import plan_layouts
+    from metrale_cli.model.config import resolve_model
+    from metrale_cli.sim import simulate as sim
 
     layouts = plan_layouts(resolve_model("qwen3-8b"), [], parse_modules("q_proj"), 8)
     for lengths in ((0, 0), (8, 512)):
