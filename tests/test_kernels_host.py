@@ -33,12 +33,6 @@ from tests.support.kernel_cases import (
 Y_DTYPES = [torch.bfloat16, torch.float32]
 
 
-def _t_buffer(case: Case) -> torch.Tensor | None:
-    if case.num_splits is None:
-        return None
-    return torch.full((case.num_splits, case.num_tokens, case.max_rank), float("nan"))
-
-
 @pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
 @pytest.mark.parametrize("case", BGMV_CASES, ids=[c.name for c in BGMV_CASES])
 def test_bgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
@@ -46,8 +40,8 @@ def test_bgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
     pool, a_table, b_table, x, y, y0, slots = i.pool, i.a_table, i.b_table, i.x, i.y, i.y0, i.slots
     a_weights, b_weights = i.a_weights, i.b_weights
 
-    t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, case.max_rank, _t_buffer(case),
-                                 num_sms=case.num_sms)
+    t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, case.max_rank,
+                                 splits=case.num_splits, num_sms=case.num_sms)
     expected_t = reference.shrink(x, slots, a_weights, pool.ranks, case.max_rank)
     check_t(t, expected_t)
 
@@ -69,7 +63,7 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
     slots = case.token_slots()
 
     t = host_harness.sgmv_shrink(x, seg_starts, seg_slots, a_table, pool.ranks, case.max_rank,
-                                 _t_buffer(case), num_sms=case.num_sms)
+                                 splits=case.num_splits, num_sms=case.num_sms)
     check_t(t, reference.shrink(x, slots, a_weights, pool.ranks, case.max_rank))
 
     host_harness.sgmv_expand(t, seg_starts, seg_slots, b_table, pool.scales, pool.ranks, y,
@@ -79,26 +73,31 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
     check_y(y, y0, expected_y, case, "sgmv")
 
 
-def test_split_k_planning_matches_the_device_shape() -> None:
-    # Decode at T = 1 on an H200 has 4 CTAs per rank-16 token without splitting: split K.
-    assert kernels.shrink_splits("bgmv", 1, 4096, 16, 132) == 4
-    # A large batch already fills the device: no split.
-    assert kernels.shrink_splits("bgmv", 256, 4096, 64, 132) == 1
-    assert kernels.shrink_splits("sgmv", 32768, 2048, 16, 132) == 1
-    # 128 token tiles do not cover 132 SMs twice: 3 splits; 8 tiles: as many as K (64-wide
-    # tiles) and METRALE_MAX_SPLITS allow.
-    assert kernels.shrink_splits("sgmv", 8192, 2048, 16, 132) == 3
-    assert kernels.shrink_splits("sgmv", 512, 2048, 16, 132) == 32
-    assert kernels.shrink_splits("sgmv", 512, 1024, 16, 132) == 16
+@pytest.mark.parametrize(("kind", "tokens", "in_dim", "t_cols", "want"), [
+    ("bgmv", 1, 4096, 16, 1),  # 2 passes of one CTA: a memset costs more than a split saves
+    ("bgmv", 1, 16384, 16, 8),  # 8 passes of one CTA: one each, for a memset
+    ("bgmv", 256, 4096, 64, 1),  # the batch fills the device
+    ("sgmv", 32768, 2048, 16, 3),  # 512 CTAs are 1.3 waves of 396: 3 splits even the waves
+    ("sgmv", 256, 2048, 64, 32),  # 4 CTAs of 32 K tiles each: one tile per split
+    ("sgmv", 512, 1024, 16, 16),  # as many as K's 64-wide tiles allow
+])
+def test_split_k_is_planned_by_modelled_cost(kind: str, tokens: int, in_dim: int, t_cols: int,
+                                             want: int) -> None:
+    splits = kernels.shrink_splits(kind, tokens, in_dim, t_cols, 132)
+    assert splits == want
+    least = 8 * kernels.THREADS if kind == "bgmv" else kernels.SGMV_TILE
+    costs = [kernels.shrink_cost_us(kind, tokens, in_dim, t_cols, s, 132)
+             for s in range(1, min(kernels.MAX_SPLITS, in_dim // least) + 1)]
+    assert costs[splits - 1] == pytest.approx(min(costs))
 
 
 def test_host_and_gpu_share_one_plan() -> None:
     case = BGMV_CASES[0]
     pool = case.pool()
     a_table, _ = pool.tables()
-    t = torch.empty(2, case.num_tokens, case.max_rank)
+    t = torch.empty(case.num_tokens, case.max_rank)
     plan = kernels.plan_bgmv_shrink(case.x(), case.token_slots(), a_table, pool.ranks, t,
-                                    case.max_rank)
+                                    case.max_rank, splits=2)
     assert plan.kernel == "bgmv_shrink"
     assert plan.grid == (case.num_tokens, case.max_rank // kernels.SHRINK_ROWS, 2)
     assert plan.block == (kernels.THREADS, 1, 1)
@@ -108,7 +107,7 @@ def test_plans_refuse_unaligned_dims() -> None:
     pool = BGMV_CASES[0].pool()
     a_table, _ = pool.tables()
     x = torch.zeros(2, 12, dtype=torch.bfloat16)  # in_dim not a multiple of 8
-    t = torch.empty(1, 2, 16)
+    t = torch.empty(2, 16)
     with pytest.raises(ValueError, match="multiples of 8"):
         kernels.plan_bgmv_shrink(x, torch.zeros(2, dtype=torch.int32), a_table, pool.ranks, t, 16)
     with pytest.raises(ValueError, match="int32"):
@@ -121,7 +120,7 @@ def test_empty_batch_is_a_no_op() -> None:
     a_table, _ = pool.tables()
     x = torch.zeros(0, 200, dtype=torch.bfloat16)
     t = host_harness.bgmv_shrink(x, torch.zeros(0, dtype=torch.int32), a_table, pool.ranks, 16)
-    assert t.shape[1:] == (0, 16)
+    assert t.shape == (0, 16)
 
 
 def test_loader_prefers_metrale_kernel_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -283,14 +282,14 @@ def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
     case = BGMV_CASES[0]  # max_rank 16, ranks up to 16
     pool = case.pool()
     a_table, _ = pool.tables()
-    wide = torch.empty(1, case.num_tokens, 16)
-    narrow = torch.empty(1, case.num_tokens, 8)
+    wide = torch.empty(case.num_tokens, 16)
+    narrow = torch.empty(case.num_tokens, 8)
     x, slots = case.x(), case.token_slots()
     assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, wide, 16).grid[1] == 4
     assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, narrow, 16).grid[1] == 2
     # Split-K sees the narrower grid: rank 16 in a max-rank-64 pool splits as rank 16 does.
-    assert kernels.shrink_splits("bgmv", 8, 4096, 16, 132) > kernels.shrink_splits(
-        "bgmv", 8, 4096, 64, 132)
+    assert kernels.shrink_splits("bgmv", 32, 16384, 16, 132) > kernels.shrink_splits(
+        "bgmv", 32, 16384, 256, 132)
 
 
 
@@ -312,7 +311,8 @@ def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.d
     plan = kernels.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
                               group_min_tokens=1 if grouped else 10**9)
     assert plan.grouped == grouped and plan.t_cols < case.max_rank
-    sgmv_expand = grouped and kernels.grouped_expand(case.num_tokens, case.out_dim, num_sms)
+    sgmv_expand = grouped and kernels.grouped_expand(case.num_tokens, case.out_dim,
+                                                     plan.t_cols, plan.seg_slots.size, num_sms)
     assert sgmv_expand == (num_sms == 1)
     host_harness.bgmv(x, y, slots, a_table, b_table, pool.scales, pool.ranks, case.max_rank,
                       batch=plan, num_sms=num_sms)
@@ -329,7 +329,7 @@ def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.d
                                      case.max_rank, t_cols=plan.t_cols, token_order=order)
     else:
         t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, case.max_rank, batch=plan)
-    assert t.shape[2] == plan.t_cols
+    assert t.shape[1] == plan.t_cols
     assert not expected_t[:, plan.t_cols:].any()
     check_t(t, expected_t[:, : plan.t_cols])
 
@@ -338,7 +338,7 @@ def test_misaligned_table_addresses_are_refused() -> None:
     case = BGMV_CASES[0]
     pool = case.pool()
     a_table, b_table = pool.tables()
-    t = torch.empty(1, case.num_tokens, case.max_rank)
+    t = torch.empty(case.num_tokens, case.max_rank)
     shifted = a_table.clone()
     shifted[3] += 8  # 8 bytes off: a 128-bit load there faults on a GPU
     with pytest.raises(ValueError, match=r"a_table\[3\] .* not 16-byte aligned"):
@@ -368,11 +368,11 @@ def test_buffers_read_as_dense_arrays_must_be_contiguous() -> None:
     # its rows at the wrong stride (3 of 6 rows left unwritten, the rest off).
     case = BGMV_CASES[0]
     i, max_rank = case.inputs(torch.float32), case.max_rank
-    wide = torch.zeros(1, i.x.shape[0], 2 * max_rank)
+    wide = torch.zeros(i.x.shape[0], 2 * max_rank)
     with pytest.raises(ValueError, match="t must be contiguous"):
-        host_harness.bgmv_expand(wide[:, :, :max_rank], i.slots, i.b_table, i.pool.scales,
+        host_harness.bgmv_expand(wide[:, :max_rank], i.slots, i.b_table, i.pool.scales,
                                  i.pool.ranks, i.y, max_rank)
-    t = torch.zeros(1, i.x.shape[0], max_rank)
+    t = torch.zeros(i.x.shape[0], max_rank)
     every_other = torch.zeros(2 * len(i.pool.ranks), dtype=torch.int32)[::2]
     with pytest.raises(ValueError, match="ranks must be contiguous"):
         host_harness.bgmv_expand(t, i.slots, i.b_table, i.pool.scales, every_other, i.y,
@@ -407,7 +407,7 @@ def test_sgmv_segments_are_checked(starts: list[int], message: str) -> None:
     seg_starts = torch.tensor(starts, dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
         host_harness.sgmv_shrink(x, seg_starts, seg_slots, a_table, pool.ranks, case.max_rank)
-    t = torch.zeros(1, 128, case.max_rank)
+    t = torch.zeros(128, case.max_rank)
     with pytest.raises(ValueError, match=message):
         host_harness.sgmv_expand(t, seg_starts, seg_slots, b_table, pool.scales, pool.ranks, y,
                                  case.max_rank)

@@ -171,7 +171,8 @@ class LaunchWork:
     - `chains`: dependent scalar round trips summed over the CTAs, each an L2 latency: the
       slot -> table[slot] -> ranks[slot] chain, SGMV's binary search and per-segment metadata,
       the split-K partials that the expand adds one split at a time;
-    - `cta_passes`, `cta_chains`: the heaviest CTA's (the critical path).
+    - `cta_passes`, `cta_chains`: the heaviest CTA's (the critical path);
+    - `launches`: graph nodes it takes (a split-K shrink: the memset of t, then the kernel).
     """
 
     kernel: str
@@ -183,6 +184,7 @@ class LaunchWork:
     chains: int
     cta_passes: int
     cta_chains: int
+    launches: int = 1
 
     @property
     def ctas(self) -> int:
@@ -249,8 +251,8 @@ def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, o
         seg_starts = plan.seg_starts
     family = "sgmv" if grouped else "bgmv"
     splits = kernels.shrink_splits(family, tokens, in_dim, rank, sms)
-    if kind == "expand" and path == "grouped" and not kernels.grouped_expand(tokens, out_dim,
-                                                                            sms):
+    if kind == "expand" and path == "grouped" and not kernels.grouped_expand(
+            tokens, out_dim, rank, len(seg_starts) - 1, sms):
         family, path = "bgmv", "grouped+per-token"
     kernel = f"{family}_shrink" if kind == "shrink" else f"{family}_expand_{y_kind}"
     grid = kernels.launch_grid(kernel, tokens, in_dim if kind == "shrink" else out_dim, rank,
@@ -260,13 +262,15 @@ def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, o
     else:
         work = _sgmv_work(kind, grid, TileSegments.of(seg_starts, tokens), tokens, rank, in_dim,
                           out_dim, splits, y_bytes)
-    return LaunchWork(kernel, path, grid, splits, *work)
+    # Split-K adds its partials into one t, zeroed by a memset node first; the expand reads it.
+    launches = 2 if kind == "shrink" and splits > 1 else 1
+    return LaunchWork(kernel, path, grid, splits, *work, launches=launches)
 
 
 def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in_dim: int,
                out_dim: int, splits: int, y_bytes: int) -> tuple[int, int, int, int, int]:
     """(l2_bytes, passes, chains, cta_passes, cta_chains) of a BGMV launch, every token adapted
-    at `rank` (kernels/bgmv.cu)."""
+    at `rank` (kernels/bgmv.cu). The shrink's splits add into t (atomics at L2)."""
     if kind == "shrink":
         # A CTA: 4 rank rows of one token over one split; a pass is 2 K steps of 128 x 8
         # elements (x and 4 A rows); slot -> table, ranks first.
@@ -278,14 +282,14 @@ def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in
                                         + 4 * kernels.SHRINK_ROWS * splits)
         ctas = tokens * per_token_rows * splits
         return l2, passes, 2 * ctas, int(-(-lengths.max() // step)), 2
-    # expand: a CTA is 1024 output rows of one token; its t row summed split by split (one L2
-    # round trip each), then passes of 8 rows x 2 rank vectors of B per thread.
+    # expand: a CTA is 1024 output rows of one token; slot -> table, ranks, then its t row (one
+    # L2 round trip), then passes of 8 rows x 2 rank vectors of B per thread.
     vecs = rank // kernels.VECTOR
     cta_passes = -(-vecs // 2)
     blocks = grid[1]
-    l2 = tokens * (2 * out_dim * rank + 2 * y_bytes * out_dim + blocks * 4 * splits * rank)
+    l2 = tokens * (2 * out_dim * rank + 2 * y_bytes * out_dim + blocks * 4 * rank)
     ctas = tokens * blocks
-    return l2, ctas * cta_passes, ctas * (2 + splits), cta_passes, 2 + splits
+    return l2, ctas * cta_passes, ctas * 3, cta_passes, 3
 
 
 def _sgmv_work(kind: str, grid: tuple[int, int, int], segs: TileSegments, tokens: int,
@@ -312,18 +316,17 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], segs: TileSegments, tokens
         chains = grid[0] * int(live.sum()) * int(tile_chain.sum())
         cta_passes = int(per_tile_segs.max()) * int(k_tiles.max())
         return l2, passes, chains, cta_passes, int(tile_chain.max())
-    # expand: per segment and 64-wide rank chunk, one pass of B with split 0 of t, then one L2
-    # round trip per further split (the split loop); the y epilogue is one more pass.
+    # expand: per segment and 64-wide rank chunk, one pass of the B tile with the t tile (t
+    # holds the reduced split-K sum); the y epilogue is one more pass.
     chunks = -(-rank // tile)
     out_tiles = grid[0]
     pairs = segs.rows.size
     passes = out_tiles * (pairs * chunks + segs.num_tiles)
-    chains = out_tiles * int((tile_chain + per_tile_segs * chunks * (splits - 1)).sum())
-    l2 = int(2 * out_dim * rank * pairs + out_tiles * 4 * splits * rank * segs.rows.sum()
+    chains = out_tiles * int(tile_chain.sum())
+    l2 = int(2 * out_dim * rank * pairs + out_tiles * 4 * rank * segs.rows.sum()
              + 2 * y_bytes * out_dim * tile_rows.sum())
     cta_passes = int(per_tile_segs.max()) * chunks + 1
-    cta_chains = int((tile_chain + per_tile_segs * chunks * (splits - 1)).max())
-    return l2, passes, chains, cta_passes, cta_chains
+    return l2, passes, chains, cta_passes, int(tile_chain.max())
 
 
 def rotation_groups(nbytes: int, footprint: int, l2_bytes: int, l2_multiple: float = 3.0) -> int:
@@ -334,11 +337,10 @@ def rotation_groups(nbytes: int, footprint: int, l2_bytes: int, l2_multiple: flo
     return min(groups, 64, max(1, _ROTATION_BUDGET_BYTES // footprint))
 
 
-def footprint_bytes(tokens: int, adapters: int, rank: int, in_dim: int, out_dim: int,
-                    splits: int) -> int:
+def footprint_bytes(tokens: int, adapters: int, rank: int, in_dim: int, out_dim: int) -> int:
     """Device bytes one rotation group holds: the pool's A and B, x, y and t."""
     return (2 * adapters * rank * (in_dim + out_dim) + 2 * tokens * (in_dim + out_dim)
-            + 4 * tokens * rank * splits)
+            + 4 * tokens * rank)
 
 
 def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int, adapters: int,
@@ -354,7 +356,7 @@ def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int,
     target = TARGET_PCT[phase, kind]
     meets = (cost["expected_pct_peak"] >= target if cost["regime"] == "bandwidth"
              else cost["expected_copy_ratio"] <= COPY_RATIO_TARGET)
-    footprint = footprint_bytes(tokens, adapters, rank, in_dim, out_dim, work.splits)
+    footprint = footprint_bytes(tokens, adapters, rank, in_dim, out_dim)
     groups = rotation_groups(nbytes, footprint, device.l2_bytes)
     return {
         "kernel": work.kernel, "path": work.path, "module": module, "out_dim": out_dim,
@@ -376,7 +378,7 @@ PASS_LOADS = {
     "bgmv_shrink": kernels.CONFIG["BGMV_SHRINK_STEPS"] * (1 + kernels.SHRINK_ROWS),
     "bgmv_expand": kernels.EXPAND_ROWS * kernels.CONFIG["BGMV_EXPAND_COLS"],
     "sgmv_shrink": 2 * 4,  # the next K tile: 4 x vectors and 4 A vectors per thread
-    "sgmv_expand": 8,  # a split pass: 8 t vectors per thread
+    "sgmv_expand": 4 + 8,  # a rank chunk's pass: 4 B vectors and 8 t vectors per thread
 }
 
 
@@ -392,7 +394,7 @@ def cost_terms(work: LaunchWork, nbytes: int, device: ModelDevice,
                rmw: bool = False) -> dict[str, Any]:
     """Every cost of one launch that moves `nbytes` compulsory bytes, in microseconds:
 
-    - `launch`: a kernel node's launch and drain (the floor of any kernel);
+    - `launch`: a kernel node's launch and drain (the floor of any kernel), per graph node;
     - `hbm`: the compulsory bytes at the copy's bandwidth (`rmw`: at rmw_fraction of it, for a
       kernel that reads and writes y);
     - `l2`: every byte the loads and stores ask for (`l2_bytes`) at L2 bandwidth;
@@ -410,7 +412,7 @@ def cost_terms(work: LaunchWork, nbytes: int, device: ModelDevice,
     trips = pass_round_trips(work.kernel)
     copy_bw = device.copy_fraction * device.peak_bytes_per_s
     terms = {
-        "launch": device.launch_s,
+        "launch": device.launch_s * work.launches,
         "hbm": nbytes / (copy_bw * (device.rmw_fraction if rmw else 1.0)),
         "l2": work.l2_bytes / device.l2_bytes_per_s,
         "in_flight": device.latency_s * trips * work.passes / max(resident, 1),
@@ -512,7 +514,8 @@ class _Group:
         self.scales = cupy.linspace(0.5, 2.0, adapters, dtype=cupy.float32)
         self.x = bf16((tokens, in_dim), 1.0)
         self.y = bf16((tokens, out_dim), 1.0)
-        self.t = cupy.zeros((num_splits, tokens, rank), dtype=cupy.float32)
+        self.t = cupy.zeros((tokens, rank), dtype=cupy.float32)
+        self.splits = num_splits
         self.order = None
         self.grouped = prefill
         if prefill:
@@ -535,17 +538,19 @@ class _Group:
 
 
 def _ours(kind: str, group: _Group) -> Callable[[], None]:
-    """The launch `plan_launch` models for this group's batch, ready to call."""
+    """The launch `plan_launch` models for this group's batch, ready to call (a split-K shrink:
+    the memset of t, then the kernel, both timed)."""
     tokens, out_dim = (int(d) for d in group.y.shape)
     sms = kernels.device_sm_count()
     if kind == "shrink" and group.grouped:
         plan = kernels.plan_sgmv_shrink(group.x, group.seg_starts, group.seg_slots, group.a_table,
                                         group.ranks, group.t, group.max_rank,
-                                        token_order=group.order)
+                                        token_order=group.order, splits=group.splits)
     elif kind == "shrink":
         plan = kernels.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t,
-                                        group.max_rank)
-    elif group.grouped and (group.order is None or kernels.grouped_expand(tokens, out_dim, sms)):
+                                        group.max_rank, group.splits)
+    elif group.grouped and (group.order is None or kernels.grouped_expand(
+            tokens, out_dim, group.max_rank, int(group.seg_slots.shape[0]), sms)):
         plan = kernels.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
                                         group.scales, group.ranks, group.y, group.max_rank,
                                         token_order=group.order)
@@ -553,6 +558,12 @@ def _ours(kind: str, group: _Group) -> Callable[[], None]:
         plan = kernels.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
                                         group.ranks, group.y, group.max_rank)
     kernel = kernels.get_kernel(plan.kernel)
+    if kind == "shrink" and group.splits > 1:
+        def split_shrink() -> None:
+            group.t.fill(0)
+            kernel(plan.grid, plan.block, plan.args)
+
+        return split_shrink
     return lambda: kernel(plan.grid, plan.block, plan.args)
 
 
@@ -638,7 +649,7 @@ def _validate(kind: str, group: _Group, rank: int) -> None:
         b_weights[slot] = host(group.b[slot], bf16=True)
     ranks, scales = host(group.ranks), host(group.scales)
     x = host(group.x[cupy.asarray(rows)], bf16=True)
-    t = host(group.t).sum(0)[rows]
+    t = host(group.t)[rows]
     expected_t = reference.shrink(x, slots, a_weights, ranks, rank)
     rtol, atol = reference.T_TOLERANCE
     torch.testing.assert_close(t, expected_t, rtol=rtol, atol=atol)
@@ -781,7 +792,7 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
                                         l2_bytes=device.l2_bytes))
     nbytes = expected["bytes"]
     splits = expected["splits"]
-    footprint = footprint_bytes(num_tokens, num_adapters, rank, in_dim, out_dim, splits)
+    footprint = footprint_bytes(num_tokens, num_adapters, rank, in_dim, out_dim)
     groups = rotation_groups(nbytes, footprint, device.l2_bytes, l2_multiple)
     buffers = [_Group(cupy, rng, num_tokens, num_adapters, rank, in_dim, out_dim, prefill, splits)
                for _ in range(groups)]

@@ -152,12 +152,18 @@ class HostBackend:
     def launch(self, plan: kernels.KernelLaunch) -> None:
         launch(plan)
 
-    def new_t(self, like: Any, shape: tuple[int, int, int]) -> Any:
+    def new_t(self, like: Any, shape: tuple[int, ...]) -> Any:
         if hasattr(like, "data_ptr"):
             import torch
 
             return torch.full(shape, float("nan"), dtype=torch.float32)
         return np.full(shape, np.nan, dtype=np.float32)
+
+    def zero(self, t: Any) -> None:
+        if hasattr(t, "zero_"):
+            t.zero_()
+        else:
+            t.fill(0)
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         if hasattr(like, "data_ptr"):
