@@ -51,7 +51,8 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
 
   const int slot = slots[b];
   const ptr_t a_addr = slot_address(a_table, slot, max_loras);
-  const int rank = a_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
+  const int listed = slot_rank(ranks, slot, max_loras);
+  const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
   if (j0 >= rank) {
     // Padding rows and skipped tokens cost one store (none under split-K: t is zeroed), not a
     // pass over A.
@@ -126,7 +127,8 @@ __device__ __forceinline__ void bgmv_expand_body(
   const int tid = threadIdx.x;
   const int slot = slots[b];
   const ptr_t b_addr = slot_address(b_table, slot, max_loras);
-  const int rank = b_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
+  const int listed = slot_rank(ranks, slot, max_loras);
+  const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
   if (rank <= 0) return;  // CTA-uniform, before any barrier: y stays bit-identical
   const float scale = scale_table[slot];
   const int vecs = (rank + 7) >> 3;

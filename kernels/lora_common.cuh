@@ -115,6 +115,13 @@ __device__ __forceinline__ void t_store(float* p, float v, bool accumulate) {
   }
 }
 
+// The slot's rank, 0 for a slot id outside the table. Read beside the slot's table entry, not
+// behind it: `table[slot] ? ranks[slot] : 0` would make the rank wait for the address, one
+// more dependent round trip before the weight stream.
+__device__ __forceinline__ int slot_rank(const int* ranks, int slot, int max_loras) {
+  return (slot >= 0 && slot < max_loras) ? ranks[slot] : 0;
+}
+
 // y element load / store for both output dtypes (BF16 bits or F32).
 __device__ __forceinline__ float load_out(const bf16_t* p) { return bf16_to_f32(*p); }
 __device__ __forceinline__ float load_out(const float* p) { return *p; }

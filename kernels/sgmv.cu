@@ -160,7 +160,8 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     const int hi = imin(seg_starts[seg + 1], m_end) - m0;
     const int slot = seg_slots[seg];
     const ptr_t a_addr = slot_address(a_table, slot, max_loras);
-    const int rank = a_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
+    const int listed = slot_rank(ranks, slot, max_loras);
+    const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
     if (lo >= hi || rank <= n0) continue;
     const int n_valid = imin(SG_N, rank - n0);
     const int n_tiles = (n_valid + 7) >> 3;
@@ -303,7 +304,8 @@ __device__ __forceinline__ void sgmv_expand_body(
     const int hi = imin(seg_starts[seg + 1], m_end) - m0;
     const int slot = seg_slots[seg];
     const ptr_t b_addr = slot_address(b_table, slot, max_loras);
-    const int rank = b_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
+    const int listed = slot_rank(ranks, slot, max_loras);
+    const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
     if (lo >= hi || rank <= 0) continue;
     if (tid >= lo && tid < hi) {
       row_active[tid] = 1;

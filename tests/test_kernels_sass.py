@@ -106,6 +106,13 @@ def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
     work = bench_kernels.plan_launch("shrink", 256, 256, 64, 2048, 8192, 132)
     assert work.kernel == "bgmv_shrink"
     assert shrink["stream_depth"] == work.cta_chains + 1
+    # bgmv_expand: slots[b], then b_table[slot] beside ranks[slot] (slot_rank: not behind the
+    # address), then the t row: at most the model's 3 chains before the B stream.
+    for name in ("bgmv_expand_bf16", "bgmv_expand_f32"):
+        expand = sass.kernel_report(kernel_code(name, compiler))
+        work = bench_kernels.plan_launch("expand", 256, 256, 64, 2048, 8192, 132)
+        assert work.kernel.startswith("bgmv_expand")
+        assert expand["stream_depth"] <= work.cta_chains + 1, name
     # SGMV's binary search for the first segment is a load chain carried around its loop:
     # the model charges ceil(log2(S + 1)) round trips for it per CTA.
     for name in ("sgmv_shrink", "sgmv_expand_bf16"):
