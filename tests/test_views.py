@@ -58,3 +58,23 @@ def test_show_view_of_the_json_record(adapters: tuple[Path, Path], tmp_path: Pat
     assert metrale("pack", *adapters, "--max-loras", 4, "--out", image).code == 0
     shown, as_json = metrale("show", image), metrale("show", image, "--json")
     assert shown.stdout == rendered(render.show_view, json.loads(as_json.stdout))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_json_writer_refuses_nan(stream: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """Whole records and streamed JSON lines go through one writer: a NaN that got this far is
+    a bug, never invalid JSON on stdout."""
+    from metrale_cli.cli.console import emit_json
+
+    emit_json({"p50_us": 1.5}, stream=stream)
+    assert json.loads(capsys.readouterr().out) == {"p50_us": 1.5}
+    with pytest.raises(ValueError, match="JSON compliant"):
+        emit_json({"p50_us": float("nan")}, stream=stream)
+
+
+def test_bench_json_lines_are_one_record_each() -> None:
+    shown = metrale("bench", "kernels", "--model-only", "--tokens", "1", "--rank", "16",
+                    "--adapters", "1", "--json")
+    assert shown.code == 0
+    lines = shown.stdout.splitlines()
+    assert lines and all(json.loads(line)["kernel"] for line in lines)
