@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, handles_errors, out, warn
+from metrale_cli.cli.console import emit, handles_errors, warn
 from metrale_cli.cli.options import (
     DtypeOpt,
     EngineOpt,
@@ -74,6 +74,7 @@ def inspect(
     0.32.0 does with each adapter under the vLLM flags given (--max-rank, --max-loras, --tp,
     --fully-sharded, --modules, --dtype, --lora-dtype), or under the ones metrale recommends;
     exit 0 only when vLLM serves every adapter as PEFT does."""
+    from metrale_cli.cli import render
     from metrale_cli.layout.pipeline import audit_adapters
 
     engine = engine_name(engine)
@@ -94,12 +95,7 @@ def inspect(
     audited = audit_adapters(adapters, model, max_rank=max_rank, experts=experts_on(experts),
                              online=online_on(online))
     warn(audited.warnings)
-    if json_out:
-        emit_json(audited.record())
-    else:
-        from metrale_cli.cli.render import inspect_view
-
-        out().print(inspect_view(audited.record()))
+    emit(audited.record(), json_out, render.inspect_view)
     if not audited.servable:
         raise typer.Exit(1)
 
@@ -108,6 +104,7 @@ def _inspect_vllm(audited: AuditedAdapters, json_out: bool, **given: object) -> 
     """`inspect --engine vllm`: the audit's record with each adapter's vLLM verdict under the
     given flags (else the recommended ones) in `adapters[i].engine`, the recommendation in
     `engine`; exit 1 unless vLLM serves every adapter."""
+    from metrale_cli.cli import render
     from metrale_cli.engines import vllm
 
     cfg, reports = audited.model, audited.reports
@@ -122,12 +119,7 @@ def _inspect_vllm(audited: AuditedAdapters, json_out: bool, **given: object) -> 
     for adapter, verdict in zip(record["adapters"], verdicts, strict=True):
         adapter["engine"] = verdict.record()
     record["engine"] = vllm.inspect_record(cfg, verdicts, recommendation, flags, source)
-    if json_out:
-        emit_json(record)
-    else:
-        from metrale_cli.cli.render import engine_inspect_view
-
-        out().print(engine_inspect_view(record))
+    emit(record, json_out, render.engine_inspect_view)
     if not all(v.serves for v in verdicts):
         raise typer.Exit(1)
 
@@ -170,6 +162,7 @@ def layout(
     vllm, the bytes vLLM 0.32.0's LoRA buffers take on each GPU, reading --max-loras,
     --max-rank, --tp, --fully-sharded and --modules as vLLM's --max-loras, --max-lora-rank,
     --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules."""
+    from metrale_cli.cli import render
     from metrale_cli.layout.pipeline import audit_adapters, plan_pool
     from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
 
@@ -200,21 +193,11 @@ def layout(
     if spec is not None:
         sharded = planned.sharded(spec, max_loras, budget_bytes)
         warn(sharded.plan.warnings)
-        if json_out:
-            emit_json(sharded.record())
-        else:
-            from metrale_cli.cli.render import sharded_layout_view
-
-            out().print(sharded_layout_view(sharded.record()))
+        emit(sharded.record(), json_out, render.sharded_layout_view)
         return
     plan = planned.sized(max_loras, budget_bytes)
     warn(plan.warnings)
-    if json_out:
-        emit_json(plan.record())
-    else:
-        from metrale_cli.cli.render import layout_view
-
-        out().print(layout_view(plan.record()))
+    emit(plan.record(), json_out, render.layout_view)
 
 
 def _layout_vllm(audited: AuditedAdapters, json_out: bool, budget: str | None,
@@ -222,6 +205,7 @@ def _layout_vllm(audited: AuditedAdapters, json_out: bool, budget: str | None,
     """`layout --engine vllm`: one GPU's LoRA bytes and the host cache; with adapters, their
     rank, count and modules fill in what the flags leave out, and an adapter vLLM would not
     serve as PEFT does is refused as `layout` refuses one the pool cannot serve."""
+    from metrale_cli.cli import render
     from metrale_cli.engines import vllm
     from metrale_cli.errors import NotServable
 
@@ -245,9 +229,4 @@ def _layout_vllm(audited: AuditedAdapters, json_out: bool, budget: str | None,
     memory = vllm.Memory.of(cfg, flags, reports or None,
                             parse_size(budget) if budget is not None else None)
     record = {"model": cfg.record(), "engine": memory.record()}
-    if json_out:
-        emit_json(record)
-    else:
-        from metrale_cli.cli.render import engine_layout_view
-
-        out().print(engine_layout_view(record))
+    emit(record, json_out, render.engine_layout_view)
