@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ TRACE_COLUMNS = ("timestamp", "adapter", "input_tokens", "output_tokens", "durat
 MAX_LINE_CHARS = 1 << 16
 # Token counts are read as float64, which holds every whole number below this exactly.
 MAX_TOKENS = 2**53
+# Requests in one workload, generated or read: a replay holds a few columns of 8 bytes per
+# request per policy and size, and 10 million take minutes; 10**9 would exhaust memory first.
+MAX_REQUESTS = 10_000_000
+# Trace rows parsed and turned into columns at a time: row objects never outnumber it.
+TRACE_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -123,59 +129,166 @@ class Workload:
 # -- traces -------------------------------------------------------------------------------------
 
 
-def read_trace(path: Path) -> Workload:
-    """A CSV (with a header row) or JSON-lines trace: `timestamp` (seconds) and `adapter` (a
-    name; empty or null = the base model) per request, optionally `input_tokens`,
-    `output_tokens` and `duration`. Other columns are ignored. Rows are sorted by timestamp
-    (stably). A malformed row is a FormatError naming its line."""
+def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -> Workload:
+    """A CSV (with a header row; a UTF-8 byte-order mark is allowed) or JSON-lines trace:
+    `timestamp` (seconds) and `adapter` (a name; empty or null = the base model) per request,
+    optionally `input_tokens`, `output_tokens` and `duration`. Other columns are ignored. Rows
+    are sorted by timestamp (stably). A malformed row is a FormatError naming its line; more than
+    MAX_REQUESTS rows is a UsageError. Read `TRACE_CHUNK` rows at a time into columns, so memory
+    follows the columns, never the rows; `progress(characters read, file size)` after each."""
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: no such file")
     if not path.is_file():
         # A device (/dev/zero), a FIFO or a directory: never read, it might not end.
         raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
-    columns = _csv_columns_fast(path) if path.suffix.lower() == ".csv" else None
-    if columns is None:  # JSON lines, or a CSV row the fast path cannot vouch for
-        with open(path, encoding="utf-8", newline="") as f:
-            lines = _bounded_lines(path, f)
-            rows = (_csv_rows(path, lines) if path.suffix.lower() == ".csv"
-                    else _jsonl_rows(path, lines))
-            parsed = [_parse_row(path, line, row) for line, row in rows]
-        columns = (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
-                   np.array([r[2] for r in parsed], dtype=np.int64),
-                   np.array([r[3] for r in parsed], dtype=np.int64),
-                   np.array([r[4] for r in parsed], dtype=np.float64))
-    arrival, names, inputs, outputs, duration = columns
-    if not names:
-        raise FormatError(f"{path}: no requests")
-    index: dict[str, int] = {}
-    adapter = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
-                       dtype=np.int64)
-    order = np.argsort(arrival, kind="stable")
-    return Workload(
-        adapters=tuple(index), adapter=adapter[order], arrival=arrival[order],
-        input_tokens=inputs[order], output_tokens=outputs[order], duration=duration[order],
-        source={"kind": "trace", "path": str(path)},
-    )
+    size = path.stat().st_size
+    columns = _TraceColumns(path)
+    # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
+    # otherwise become part of the first column's name.
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        lines = _BoundedLines(path, f)
+        chunks = _csv_chunks(path, lines) if path.suffix.lower() == ".csv" else _jsonl_chunks(
+            path, lines)
+        for chunk in chunks:
+            columns.add(*chunk)
+            if progress is not None:
+                progress(min(lines.chars, size), size)
+    return columns.workload()
 
 
 Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray]
 
 
-def _csv_columns_fast(path: Path) -> Columns | None:
-    """A well-formed CSV trace read column by column (several times faster than row by row);
-    None when any cell is out of the ordinary, so that the row-by-row reader names it."""
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(_bounded_lines(path, f))
+class _TraceColumns:
+    """A trace's columns as they are read: NumPy chunks, adapter names interned to ids."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.index: dict[str, int] = {}
+        self.rows = 0
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, arrival: np.ndarray, names: list[str], inputs: np.ndarray,
+            outputs: np.ndarray, duration: np.ndarray) -> None:
+        self.rows += len(names)
+        if self.rows > MAX_REQUESTS:
+            raise UsageError(f"{self.path}: more than {MAX_REQUESTS:,} requests, the most a "
+                             "simulation takes; cut the trace")
+        index = self.index
+        ids = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
+                       dtype=np.int64)
+        self.parts.append((arrival, ids, inputs, outputs, duration))
+
+    def workload(self) -> Workload:
+        if not self.rows:
+            raise FormatError(f"{self.path}: no requests")
+        arrival, adapter, inputs, outputs, duration = (
+            np.concatenate(c) for c in zip(*self.parts, strict=True))
+        self.parts.clear()
+        order = np.argsort(arrival, kind="stable")
+        return Workload(
+            adapters=tuple(self.index), adapter=adapter[order], arrival=arrival[order],
+            input_tokens=inputs[order], output_tokens=outputs[order], duration=duration[order],
+            source={"kind": "trace", "path": str(self.path)},
+        )
+
+
+class _BoundedLines:
+    """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
+    FormatError naming it, before more of it is read. Counts the characters read."""
+
+    def __init__(self, path: Path, f: Any) -> None:
+        self.path, self.f, self.chars = path, f, 0
+
+    def __iter__(self) -> Iterator[str]:
+        line_no = 0
+        while line := self.f.readline(MAX_LINE_CHARS + 1):
+            line_no += 1
+            if len(line) > MAX_LINE_CHARS:
+                raise FormatError(f"{self.path}:{line_no}: a line longer than "
+                                  f"{MAX_LINE_CHARS} characters; not a trace")
+            self.chars += len(line)
+            yield line
+
+
+def _csv_chunks(path: Path, lines: _BoundedLines) -> Iterator[Columns]:
+    reader = csv.reader(lines)
+    try:
+        header = next(reader, [])
+    except csv.Error as exc:
+        raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
+    missing = [c for c in ("timestamp", "adapter") if c not in header]
+    if missing:
+        found = ", ".join(repr(h) for h in header) if header else "none"
+        raise FormatError(f"{path}:1: the header has no {' or '.join(missing)} column "
+                          f"(columns found: {found})")
+    done = 1  # rows read, the header's included
+    while True:
+        first = reader.line_num + 1
         try:
-            header = next(reader, [])
-            rows = list(reader)
-        except csv.Error:
-            return None  # the row-by-row reader names the line
+            rows = list(itertools.islice(reader, TRACE_CHUNK))  # at C speed, no line numbers
+        except csv.Error as exc:
+            raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
+        if not rows:
+            return
+        # Row k is on line first + k unless a quoted cell spans lines; then they are counted
+        # again, row by row, only if a row needs naming.
+        lines = (range(first, first + len(rows)) if reader.line_num - first + 1 == len(rows)
+                 else None)
+        yield _csv_columns(path, header, rows, lines or (done, len(rows)))
+        done += len(rows)
+
+
+def _csv_columns(path: Path, header: list[str], rows: list[list[str]],
+                 lines: range | tuple[int, int]) -> Columns:
+    """CSV rows as columns: column by column (several times faster) when every cell is
+    ordinary, else row by row, which names the first bad line. `lines` are the rows' line
+    numbers, or (rows before them, how many) when quoted cells span lines and the file must be
+    read again to number them."""
+    fast = _csv_columns_fast(header, rows)
+    if fast is not None:
+        return fast
+    numbers = lines if isinstance(lines, range) else _csv_line_numbers(path, *lines)
+    parsed = []
+    for line, row in zip(numbers, rows, strict=True):
+        if not row:
+            continue  # a blank line is no request (as csv.DictReader skips it)
+        if len(row) > len(header):
+            raise FormatError(f"{path}:{line}: more cells than the header has")
+        # Missing cells are None and a repeated column keeps its last cell, as in DictReader.
+        cells = dict(zip(header, row + [None] * (len(header) - len(row)), strict=True))
+        parsed.append(_parse_row(path, line, cells))
+    return _parsed_columns(parsed)
+
+
+def _csv_line_numbers(path: Path, skip: int, count: int) -> list[int]:
+    """The lines rows `[skip, skip + count)` of a CSV file start on (the header is row 0): the
+    file read again row by row, only for a chunk that has a bad row and quoted line breaks."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(_BoundedLines(path, f))
+        starts, last = [], 0
+        for k, _ in enumerate(reader):
+            if k >= skip:
+                starts.append(last + 1)
+                if len(starts) == count:
+                    break
+            last = reader.line_num
+    return starts
+
+
+def _parsed_columns(parsed: list[tuple[float, str, int, int, float]]) -> Columns:
+    return (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
+            np.array([r[2] for r in parsed], dtype=np.int64),
+            np.array([r[3] for r in parsed], dtype=np.int64),
+            np.array([r[4] for r in parsed], dtype=np.float64))
+
+
+def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | None:
+    """Well-formed CSV rows read column by column; None when any cell is out of the ordinary,
+    so that the row-by-row reader names it."""
     where = {name: i for i, name in enumerate(header)}
-    if "timestamp" not in where or "adapter" not in where or len(where) != len(header):
-        return None
-    if any(len(r) != len(header) for r in rows):
+    if len(where) != len(header) or any(len(r) != len(header) for r in rows):
         return None
 
     def numbers(key: str, empty: str | None) -> np.ndarray | None:
@@ -205,39 +318,9 @@ def _csv_columns_fast(path: Path) -> Columns | None:
             outputs.astype(np.int64), duration)
 
 
-def _bounded_lines(path: Path, f: Any) -> Iterator[str]:
-    """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
-    FormatError naming it, before more of it is read."""
-    line_no = 0
-    while line := f.readline(MAX_LINE_CHARS + 1):
-        line_no += 1
-        if len(line) > MAX_LINE_CHARS:
-            raise FormatError(f"{path}:{line_no}: a line longer than {MAX_LINE_CHARS} "
-                              "characters; not a trace")
-        yield line
-
-
-def _csv_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
-    reader = csv.DictReader(f)
-    header = reader.fieldnames or []
-    missing = [c for c in ("timestamp", "adapter") if c not in header]
-    if missing:
-        raise FormatError(f"{path}:1: the header has no {' or '.join(missing)} column "
-                          f"(columns: {', '.join(TRACE_COLUMNS)})")
-    rows = []
-    try:
-        for row in reader:
-            if None in row:
-                raise FormatError(f"{path}:{reader.line_num}: more cells than the header has")
-            rows.append((reader.line_num, row))
-    except csv.Error as exc:
-        raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
-    return rows
-
-
-def _jsonl_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
-    rows = []
-    for line_no, line in enumerate(f, start=1):
+def _jsonl_chunks(path: Path, lines: _BoundedLines) -> Iterator[Columns]:
+    parsed = []
+    for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -246,8 +329,12 @@ def _jsonl_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
             raise FormatError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise FormatError(f"{path}:{line_no}: a request must be a JSON object")
-        rows.append((line_no, row))
-    return rows
+        parsed.append(_parse_row(path, line_no, row))
+        if len(parsed) == TRACE_CHUNK:
+            yield _parsed_columns(parsed)
+            parsed = []
+    if parsed:
+        yield _parsed_columns(parsed)
 
 
 def _parse_row(path: Path, line: int, row: dict[str, Any]) -> tuple[float, str, int, int, float]:
@@ -323,6 +410,10 @@ class GeneratorSpec:
                             ("--alpha", self.alpha)):
             if not (value > 0 and math.isfinite(value)):
                 raise UsageError(f"{name} must be positive and finite, got {value}")
+        for name, value in (("--requests", self.requests), ("--adapters", self.adapters)):
+            if value > MAX_REQUESTS:  # refused before a column is allocated
+                raise UsageError(f"{name} {value:,} is more than a simulation takes "
+                                 f"({MAX_REQUESTS:,})")
         if self.seed < 0:
             raise UsageError(f"--seed must be non-negative, got {self.seed}")
         for name, (lo, hi) in (("--input-tokens", self.input_range),
