@@ -6,6 +6,7 @@ little else (no numpy), and `inspect` and `layout` import neither torch nor cupy
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -836,6 +837,9 @@ def simulate(
     swap_latency_ms: Annotated[float | None, typer.Option(
         "--swap-latency-ms", help="Per-swap latency; default the preset's (0 for a figure).")]
     = None,
+    links: Annotated[int, typer.Option(
+        "--links", help="Loads that run at once per GPU (default 1: loads queue on one link).")]
+    = 1,
     target_hit_rate: Annotated[float | None, typer.Option(
         "--target-hit-rate", help="Report the smallest size with at least this hit rate.")]
     = None,
@@ -860,7 +864,7 @@ def simulate(
     from metrale_cli import workload as wl
     from metrale_cli.atomic import check_output, output_path
     from metrale_cli.audit import audit
-    from metrale_cli.parsing import parse_size_list, parse_token_range
+    from metrale_cli.parsing import parse_bandwidth, parse_size_list, parse_token_range
     from metrale_cli.plan import max_rank_warnings, plan_layouts
 
     spec = shard_spec(tp, ep, fully_sharded)
@@ -888,7 +892,16 @@ def simulate(
     if trace is not None and workload is not None:
         raise UsageError("give --trace or --workload, not both")
     if trace is not None:
-        requested = wl.read_trace(trace)
+        if err().is_terminal and not json_out:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+            with Progress("reading", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                          console=err(), transient=True) as bar:
+                task = bar.add_task("read", total=None)
+                requested = wl.read_trace(trace, progress=lambda done, total: bar.update(
+                    task, completed=done, total=total))
+        else:
+            requested = wl.read_trace(trace)
     else:
         requested = wl.generate(wl.GeneratorSpec(
             workload or "zipf", n_requests, n_adapters, rate, cv, seed, zipf_s, alpha,
@@ -898,9 +911,11 @@ def simulate(
         requested.save(save_trace, force)
     targets = (sim.Targets(target_hit_rate, target_p99_ms)
                if target_hit_rate is not None or target_p99_ms is not None else None)
+    link = parse_bandwidth(bandwidth)
+    if swap_latency_ms is not None:
+        link = dataclasses.replace(link, latency_s=swap_latency_ms / 1e3)
     options: dict[str, Any] = dict(
-        bandwidth=bandwidth, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
-        swap_latency_s=swap_latency_ms / 1e3 if swap_latency_ms is not None else None,
+        link=link, links=links, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
         max_concurrency=max_concurrency, pin=pin or (), pinned=pinned,
         policies=[p.strip() for p in policy.split(",") if p.strip()],
         sizes=parse_size_list("--max-loras", max_loras) if max_loras is not None else None,

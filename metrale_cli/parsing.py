@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from metrale_cli.errors import UsageError
 from metrale_cli.modules import LoraModule
+
+if TYPE_CHECKING:
+    from metrale_cli.simulate import Link
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -95,3 +99,23 @@ def parse_token_range(option: str, text: str) -> tuple[int, int]:
     if len(values) != 2:
         raise UsageError(f"{option}: expected LO,HI or N, got {text!r}")
     return values[0], values[1]
+
+
+def parse_bandwidth(text: str) -> Link:
+    """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
+    the link, with the preset's per-swap latency (0 for a figure)."""
+    from metrale_cli.simulate import BANDWIDTHS, Link  # NumPy: not at --help
+
+    key = text.strip().lower()
+    if key in BANDWIDTHS:
+        return Link.preset(key)
+    if not key.endswith("/s"):
+        raise UsageError(f"--bandwidth: {text!r} is neither a preset "
+                         f"({', '.join(BANDWIDTHS)}) nor a figure like 25GB/s")
+    try:
+        bytes_per_s = parse_size(key[:-2])
+    except UsageError as exc:
+        raise UsageError(f"--bandwidth: {exc}") from None
+    if bytes_per_s <= 0:
+        raise UsageError(f"--bandwidth must be positive, got {text!r}")
+    return Link(text.strip(), float(bytes_per_s), 0.0)

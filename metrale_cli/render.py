@@ -486,16 +486,22 @@ def simulate_view(record: dict[str, Any]) -> Group:
     head.add_row("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
                  f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
                  f"max rank {lay['max_rank']})")
+    links = swap["links"]
     head.add_row("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
-                 f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us)")
+                 f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us), "
+                 + ("one load at a time per GPU" if links == 1 else f"{links} loads at a time "
+                    "per GPU"))
     if record["pinned"]:
         head.add_row("pinned", f"{len(record['pinned'])}: {', '.join(record['pinned'][:8])}"
                      + (" ..." if len(record["pinned"]) > 8 else ""))
     # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
     table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
     with_min = "min" in record["policies"]
-    for name in ("policy", "slots", "hit %", "misses", "stalls", "stall\np99", "added\np50",
-                 "added\np99", *(["misses\nvs min"] if with_min else []), "pool\nGiB"):
+    # Requests that waited for a load another one started: shown only where there are any.
+    delayed = any(r["delayed_hits"] for r in record["results"])
+    for name in ("policy", "slots", "hit %", *(["delayed\nhits"] if delayed else []), "misses",
+                 "stalls", "stall\np99", "added\np50", "added\np99",
+                 *(["misses\nvs min"] if with_min else []), "pool\nGiB"):
         table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
                          header_style="bold")
     previous = None
@@ -509,7 +515,8 @@ def simulate_view(record: dict[str, Any]) -> Group:
         if r["fits_budget"] is False:
             pool = f"[red]{pool}"
         table.add_row(
-            r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}", f"{r['misses']:,}",
+            r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}",
+            *([f"{r['delayed_hits']:,}"] if delayed else []), f"{r['misses']:,}",
             f"{r['stalls']:,}", human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
             human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
             *vs_min, pool)
@@ -524,12 +531,17 @@ def simulate_view(record: dict[str, Any]) -> Group:
                 line = (f"{s['policy']}: no size in {record['sizes'][0]}..{record['sizes'][-1]}"
                         f" reaches {want}")
             else:
-                line = (f"{s['policy']}: {s['max_loras']} slots reach {want}: "
-                        f"{human_bytes(s['pool_bytes'])} of pool")
+                line = (f"{s['policy']}: {s['max_loras']} slots and every larger size reach "
+                        f"{want}: {human_bytes(s['pool_bytes'])} of pool")
                 if s["fits_budget"] is not None:
                     fits = "fits" if s["fits_budget"] else "does NOT fit"
                     line += f", {fits} the {human_bytes(record['budget_bytes'])} budget"
             parts.append(Text(line))
+            if s["first_meeting"] is not None and s["first_meeting"] != s["max_loras"]:
+                parts.append(Text(f"  not monotonic: {s['first_meeting']} slots meet it, a "
+                                  "larger size does not"))
+            elif not s["monotonic"]:
+                parts.append(Text("  not monotonic: more slots do worse somewhere"))
     return Group(*parts)
 
 

@@ -33,7 +33,6 @@ from metrale_cli.atomic import atomic_write
 from metrale_cli.errors import PoolFull, ToolMissing, UsageError
 from metrale_cli.expert_pool import ExpertLayout
 from metrale_cli.layout import SlotLayout
-from metrale_cli.parsing import parse_size
 from metrale_cli.plan import PoolPlan
 from metrale_cli.sharding import ShardSpec, rank_layouts
 from metrale_cli.slots import NEVER, POLICIES, AdapterSlot, SlotManager, SlotState
@@ -48,16 +47,46 @@ BANDWIDTHS: dict[str, tuple[float, float, str]] = {
     "nvme": (7e9, 100e-6, "PCIe 4.0 NVMe SSD sequential read"),
 }
 PROGRESS_EVERY = 1 << 16  # requests between progress callbacks
+# What a replay loop counts: hits, delayed hits, misses, swaps, link wait (s), stall waits (s).
+Counts = tuple[int, int, int, int, float, list[float]]
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link a slot's bytes cross on a load: a preset of BANDWIDTHS or a figure."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.bytes_per_s < math.inf:
+            raise UsageError(f"a link's bandwidth must be positive and finite, got "
+                             f"{self.bytes_per_s:g} B/s")
+        if not 0 <= self.latency_s < math.inf:
+            raise UsageError(f"--swap-latency-ms must be >= 0 and finite, got "
+                             f"{1e3 * self.latency_s:g}")
+
+    @classmethod
+    def preset(cls, name: str) -> Link:
+        bytes_per_s, latency_s, _ = BANDWIDTHS[name]
+        return cls(name, bytes_per_s, latency_s)
 
 
 @dataclass(frozen=True)
 class SwapCost:
-    """What one load moves and how long it takes."""
+    """What one load moves and how long it takes, and how many loads run at once: a GPU has
+    `links` copy links (1: the engine loads one adapter at a time), and a load waits for one."""
 
     slot_bytes: int           # one slot (and its expert slot): the bytes a load writes
     bytes_per_s: float
     latency_s: float
     bandwidth: str            # a preset name or the figure as given
+    links: int = 1
+
+    def __post_init__(self) -> None:
+        if self.links <= 0:
+            raise UsageError(f"--links must be positive, got {self.links}")
 
     @property
     def seconds(self) -> float:
@@ -67,23 +96,19 @@ class SwapCost:
         return {**asdict(self), "swap_s": self.seconds}
 
 
-def parse_bandwidth(text: str) -> tuple[str, float, float]:
-    """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
-    (name, bytes per second, the preset's per-swap latency; 0 for a figure)."""
-    key = text.strip().lower()
-    if key in BANDWIDTHS:
-        bytes_per_s, latency, _ = BANDWIDTHS[key]
-        return key, bytes_per_s, latency
-    if not key.endswith("/s"):
-        raise UsageError(f"--bandwidth: {text!r} is neither a preset "
-                         f"({', '.join(BANDWIDTHS)}) nor a figure like 25GB/s")
-    try:
-        bytes_per_s = parse_size(key[:-2])
-    except UsageError as exc:
-        raise UsageError(f"--bandwidth: {exc}") from None
-    if bytes_per_s <= 0:
-        raise UsageError(f"--bandwidth must be positive, got {text!r}")
-    return text.strip(), float(bytes_per_s), 0.0
+class LinkClock:
+    """When each of a GPU's links is free: a load begins when the earliest-free link is (or at
+    once) and holds it for its duration, so loads asked for together queue, never overlap."""
+
+    def __init__(self, links: int) -> None:
+        self._free = [0.0] * links  # a heap of busy-until times
+
+    def load(self, now: float, seconds: float) -> tuple[float, float]:
+        """A load asked for at `now`: (when it ends, how long it waited for a link)."""
+        free = self._free[0]
+        begin = free if free > now else now
+        heapq.heapreplace(self._free, begin + seconds)
+        return begin + seconds, begin - now
 
 
 def default_sizes(unpinned: int, pinned: int) -> list[int]:
@@ -109,10 +134,12 @@ class RunResult:
     requests: int
     adapter_requests: int
     hits: int
+    delayed_hits: int
     misses: int
     swaps: int
     bytes_moved: int
     swap_s: float
+    link_wait_s: float
     stalls: int
     stall_total_s: float
     stall_p50_s: float
@@ -196,14 +223,17 @@ class Replay:
         start = np.empty(n)
         served = np.zeros(n, dtype=np.int64)
         loop = self._paging if self.paging else self._concurrent
-        hits, misses, swaps, waits = loop(manager, start, served, progress)
+        clock = LinkClock(self.cost.links)
+        hits, delayed, misses, swaps, link_wait, waits = loop(manager, clock, start, served,
+                                                              progress)
         added = start - self.baseline
         adapter_requests = int((self.workload.adapter >= 0).sum())
         wait = np.asarray(waits) if waits else np.zeros(1)
         return RunResult(
             policy=policy, max_loras=max_loras, pinned=len(self.pinned), requests=n,
-            adapter_requests=adapter_requests, hits=hits, misses=misses, swaps=swaps,
-            bytes_moved=misses * self.cost.slot_bytes, swap_s=misses * self.cost.seconds,
+            adapter_requests=adapter_requests, hits=hits, delayed_hits=delayed, misses=misses,
+            swaps=swaps, bytes_moved=misses * self.cost.slot_bytes,
+            swap_s=misses * self.cost.seconds, link_wait_s=link_wait,
             stalls=len(waits), stall_total_s=float(sum(waits)),
             stall_p50_s=float(np.percentile(wait, 50)),
             stall_p99_s=float(np.percentile(wait, 99)),
@@ -222,13 +252,15 @@ class Replay:
         manager.begin_load(victim)
         return victim, evicts
 
-    def _paging(self, manager: SlotManager, start: np.ndarray, served: np.ndarray,
-                progress: Callable[[int], None] | None) -> tuple[int, int, int, list[float]]:
+    def _paging(self, manager: SlotManager, clock: LinkClock, start: np.ndarray,
+                served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
         names, adapter, nxt = self.workload.adapters, self._adapter, self._next
+        arrival = self._arrival
         swap_s, use_next = self.cost.seconds, manager.policy == "min"
         # A zero-length request takes and returns its count at once: a touch, one call.
         slot_of, touch, set_next_use = manager.slot_of, manager.touch_slot, manager.set_next_use
         hits = misses = swaps = 0
+        link_wait = 0.0
         start[:] = self.workload.arrival
         for r, a in enumerate(adapter):
             served[r] += 1
@@ -242,7 +274,8 @@ class Replay:
                 manager.finish_load(slot, AdapterSlot(name=names[a]))
                 misses += 1
                 swaps += evicts
-                start[r] += swap_s
+                start[r], wait = clock.load(arrival[r], swap_s)
+                link_wait += wait
             else:
                 hits += 1
             touch(slot)
@@ -250,15 +283,15 @@ class Replay:
                 set_next_use(slot, nxt[r])
         if progress is not None:
             progress(len(adapter) % PROGRESS_EVERY)
-        return hits, misses, swaps, []
+        return hits, 0, misses, swaps, link_wait, []
 
-    def _concurrent(self, manager: SlotManager, start: np.ndarray, served: np.ndarray,
-                    progress: Callable[[int], None] | None) -> tuple[int, int, int, list[float]]:
+    def _concurrent(self, manager: SlotManager, clock: LinkClock, start: np.ndarray,
+                    served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
         names, adapter, arrival = self.workload.adapters, self._adapter, self._arrival
         hold, nxt = self._hold, self._next
         swap_s, use_next = self.cost.seconds, manager.policy == "min"
         slot_of, acquire, release = manager.slot_of, manager.acquire_slot, manager.release_slot
-        set_next_use = manager.set_next_use
+        set_next_use, touch = manager.set_next_use, manager.touch_slot
         n = len(adapter)
         seats = self.max_concurrency or n + 1
         # Events: (time, kind, seq, x, y); kind 0 = a request ends (x = its slot or -1),
@@ -270,7 +303,8 @@ class Replay:
         queue: deque[int] = deque()
         stalled_since: dict[int, float] = {}
         waits: list[float] = []
-        running = hits = misses = swaps = 0
+        running = hits = delayed = misses = swaps = 0
+        link_wait = 0.0
         i = 0
 
         def serve(r: int, slot: int, now: float) -> None:
@@ -288,6 +322,9 @@ class Replay:
                 now, kind, _, x, y = heapq.heappop(events)
                 if kind == 0:
                     if x >= 0:
+                        # The engine touches every adapter in the batch each step, so a slot
+                        # was last used when its last sequence ended, not when it began.
+                        touch(x)
                         release(x)
                     running -= 1
                 else:
@@ -308,7 +345,7 @@ class Replay:
                     slot = slot_of(names[a])
                     if slot is None:
                         if a in loading:  # its load is under way: no second load
-                            hits += 1
+                            delayed += 1
                             loading[a].append(r)
                             queue.popleft()
                             running += 1
@@ -326,7 +363,9 @@ class Replay:
                         if r in stalled_since:
                             waits.append(now - stalled_since.pop(r))
                         loading[a] = [r]
-                        heapq.heappush(events, (now + swap_s, 1, next(seq), victim, a))
+                        end, wait = clock.load(now, swap_s)
+                        link_wait += wait
+                        heapq.heappush(events, (end, 1, next(seq), victim, a))
                         queue.popleft()
                         running += 1
                         continue
@@ -336,7 +375,7 @@ class Replay:
                 running += 1
         if progress is not None:
             progress(n % PROGRESS_EVERY)
-        return hits, misses, swaps, waits
+        return hits, delayed, misses, swaps, link_wait, waits
 
 
 @dataclass(frozen=True)
@@ -374,16 +413,33 @@ class Simulation:
     seconds: float = 0.0
 
     def smallest_meeting(self) -> list[dict[str, Any]]:
+        """Per policy, the smallest size from which every simulated size meets the targets (a
+        size that meets them with a larger one failing is no answer: FIFO's anomaly), the first
+        size that meets them, and whether the hit rate (and the p99 added latency, for a p99
+        target) is monotonic in the size."""
         if self.targets is None:
             return []
         out = []
         for policy in self.policies:
-            best = next((r for r in self.results
-                         if r.policy == policy and self.targets.met_by(r)), None)
+            mine = [r for r in self.results if r.policy == policy]  # sizes ascending
+            met = [self.targets.met_by(r) for r in mine]
+            best = None
+            for r, ok in zip(reversed(mine), reversed(met), strict=True):
+                if not ok:
+                    break
+                best = r
+            first = next((r for r, ok in zip(mine, met, strict=True) if ok), None)
+            hit_rates = [r.hit_rate for r in mine]
+            monotonic = all(b >= a for a, b in itertools.pairwise(hit_rates))
+            if self.targets.p99_ms is not None:
+                p99 = [r.added_latency_p99_s for r in mine]
+                monotonic = monotonic and all(b <= a for a, b in itertools.pairwise(p99))
             out.append({
                 "policy": policy, "max_loras": best.max_loras if best else None,
                 "pool_bytes": best.pool_bytes if best else None,
                 "fits_budget": best.fits_budget if best else None,
+                "first_meeting": first.max_loras if first else None,
+                "monotonic": monotonic,
             })
         return out
 
@@ -474,8 +530,8 @@ def run(
     layout: SlotLayout,
     expert_layout: ExpertLayout | None = None,
     *,
-    bandwidth: str = "pcie4",
-    swap_latency_s: float | None = None,
+    link: Link | None = None,
+    links: int = 1,
     prefill_tok_s: float = 10_000.0,
     decode_tok_s: float = 50.0,
     max_concurrency: int | None = None,
@@ -488,7 +544,8 @@ def run(
     shard: ShardSpec | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Simulation:
-    """The whole of `metrale simulate` for a workload and a pool layout. With `shard` (a TP
+    """The whole of `metrale simulate` for a workload and a pool layout, loads crossing `link`
+    (default pcie4), `links` at a time per GPU. With `shard` (a TP
     deployment) every GPU holds its rank's pool and loads its rank's part of an adapter at once:
     a swap moves the largest rank's slot (and expert slot) per GPU, and a pool size must fit
     `budget_bytes` on the largest rank. `progress(n, total)` is told of every 65,536 requests
@@ -503,19 +560,14 @@ def run(
         if n not in used:  # it would only take a slot from the cache
             raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
     names = list(pin) if pin else workload.most_requested(pinned or 0)
-    name, bytes_per_s, latency_s = parse_bandwidth(bandwidth)
-    if swap_latency_s is not None:
-        if not 0 <= swap_latency_s < math.inf:
-            raise UsageError(f"--swap-latency-ms must be >= 0 and finite, got "
-                             f"{1e3 * swap_latency_s:g}")
-        latency_s = swap_latency_s
+    link = link or Link.preset("pcie4")
     ranks: list[tuple[SlotLayout, ExpertLayout | None]] = (
         [(layout, expert_layout)] if shard is None
         else [rank_layouts(layout, expert_layout, s) for s in shard.all_ranks()])
     swapped = [r.slot_bytes + (x.slot_bytes if x is not None else 0) for r, x in ranks]
     busiest = swapped.index(max(swapped))
     gpu_layout, gpu_experts = ranks[busiest]
-    cost = SwapCost(swapped[busiest], bytes_per_s, latency_s, name)
+    cost = SwapCost(swapped[busiest], link.bytes_per_s, link.latency_s, link.name, links)
     replay = Replay(workload, workload.hold_seconds(prefill_tok_s, decode_tok_s), cost, names,
                     max_concurrency)
     sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
