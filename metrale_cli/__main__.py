@@ -1,3 +1,3 @@
-from metrale_cli.cli import main
+from metrale_cli.cli.app import main
 
 main()

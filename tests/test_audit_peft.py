@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from metrale_cli.modules import LoraModule
-from tests.cli_runner import metrale
-from tests.peft_factory import EXPERT_TARGET_PARAMETERS, TINY_MODELS, AdapterTruth
+from metrale_cli.model.modules import LoraModule
+from tests.support.cli_runner import metrale
+from tests.support.peft_factory import EXPERT_TARGET_PARAMETERS, TINY_MODELS, AdapterTruth
 
 pytestmark = pytest.mark.slow
 SERVABLE = {m.peft_path: m for m in LoraModule}

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from metrale_cli import compat
-from metrale_cli.bench_kernels import module_shapes, plot
-from metrale_cli.models import ModelConfig
-from metrale_cli.modules import LoraModule
-from metrale_cli.render import bench_pack_view, kernel_line
-from tests.cli_runner import metrale
+from metrale_cli.bench.kernels import module_shapes, plot
+from metrale_cli.cli.render import bench_pack_view, kernel_line
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import LoraModule
+from tests.support.cli_runner import metrale
 
 
 def test_bench_pack_reports_ratios(tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metrale_cli import bench_experts as be
-from metrale_cli import compat, expert_kernels, host_harness
-from tests.cli_runner import metrale
+from metrale_cli import compat
+from metrale_cli.bench import experts as be
+from metrale_cli.ops import expert_kernels, host_harness
+from tests.support.cli_runner import metrale
 
 TINY = be.ExpertShape("tiny", hidden=64, inter=32, experts=8, top_k=2, rank=8, tokens=5,
                       adapters=2)

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cli_runner import metrale
-from tests.header_only import write_header_only
+from tests.support.cli_runner import metrale
+from tests.support.header_only import write_header_only
 
 ATTN = "q_proj,k_proj,v_proj,o_proj,out_proj"
 
@@ -34,7 +34,7 @@ def synth_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_help_and_inspect_do_not_import_torch_or_cupy(synth_pair: tuple[Path, Path]) -> None:
     code = (
         "import sys\n"
-        "from metrale_cli.cli import main\n"
+        "from metrale_cli.cli.app import main\n"
         "sys.argv = ['metrale'] + sys.argv[1:]\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "bad = [m for m in ('torch', 'cupy') if m in sys.modules]\n"
@@ -212,7 +212,7 @@ def test_inspect_reads_only_the_header(tmp_path: Path) -> None:
     assert huge > 4_500_000_000 and tiny < 5_000_000
     code = (
         "import sys\n"
-        "from metrale_cli.cli import main\n"
+        "from metrale_cli.cli.app import main\n"
         "sys.argv = ['metrale', 'inspect', sys.argv[1], '--json']\n"
         "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
         "io = dict(line.split(': ') for line in open('/proc/self/io').read().splitlines())\n"
@@ -238,7 +238,7 @@ def test_unwritable_output_is_one_line(synth_pair: tuple[Path, Path]) -> None:
 @pytest.mark.parametrize("columns", [80, 120])
 def test_models_reads_whole_at_80_and_120_columns(columns: int) -> None:
     """Every preset's name and key dims, no cell cut short, no line past the terminal."""
-    from metrale_cli.models import PRESETS
+    from metrale_cli.model.config import PRESETS
 
     result = metrale("models", columns=columns)
     assert result.code == 0, result.stderr

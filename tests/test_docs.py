@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_cli.findings import Code, Collector, Severity
-from metrale_cli.image import PoolImage
-from tests.cli_runner import metrale
+from metrale_cli.adapters.findings import Code, Collector, Severity
+from metrale_cli.image.pool_image import PoolImage
+from tests.support.cli_runner import metrale
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli import expert_kernels as ek
-from metrale_cli import host_harness, kernels, reference
-from metrale_cli.adapter import Adapter
-from metrale_cli.audit import audit
-from metrale_cli.expert_pool import ExpertLayout
-from metrale_cli.layout import SlotLayout
-from metrale_cli.models import ModelConfig
-from metrale_cli.pool import LoraPool
-from tests.peft_factory import _tiny_model
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.layout.expert_layout import ExpertLayout
+from metrale_cli.layout.slot_layout import SlotLayout
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.ops import expert_kernels as ek
+from metrale_cli.ops import host_harness, kernels, reference
+from metrale_cli.pool.pool import LoraPool
+from tests.support.peft_factory import _tiny_model
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 MAX_RANK = 8

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli import bench_experts as be
-from metrale_cli import compat, expert_kernels, kernels
-from metrale_cli.pool import LoraPool
+from metrale_cli import compat
+from metrale_cli.bench import experts as be
+from metrale_cli.ops import expert_kernels, kernels
+from metrale_cli.pool.pool import LoraPool
 from tests.test_expert_kernels import (
     Served,
     _served,

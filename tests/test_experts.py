@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_cli.adapter import Adapter
-from metrale_cli.audit import audit
-from metrale_cli.expert_pool import ExpertLayout
-from metrale_cli.experts import ExpertProj
-from metrale_cli.image import PoolImage
-from metrale_cli.layout import SlotLayout
-from metrale_cli.models import ModelConfig, resolve_model
-from metrale_cli.pool import LoraPool
-from tests.cli_runner import metrale
-from tests.peft_factory import AdapterTruth, HandV4Truth, peft_v4_expert_deltas
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.adapters.experts import ExpertProj
+from metrale_cli.image.pool_image import PoolImage
+from metrale_cli.layout.expert_layout import ExpertLayout
+from metrale_cli.layout.slot_layout import SlotLayout
+from metrale_cli.model.config import ModelConfig, resolve_model
+from metrale_cli.pool.pool import LoraPool
+from tests.support.cli_runner import metrale
+from tests.support.peft_factory import AdapterTruth, HandV4Truth, peft_v4_expert_deltas
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

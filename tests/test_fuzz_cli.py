@@ -20,11 +20,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metrale_cli import patterns
+from metrale_cli.adapters import patterns
 from metrale_cli.bf16 import bf16_to_f32
-from metrale_cli.image import PoolImage
-from tests.cli_runner import Result, metrale
-from tests.hostile_inputs import ATTN, CATASTROPHIC, TINY, tiny_model
+from metrale_cli.image.pool_image import PoolImage
+from tests.support.cli_runner import Result, metrale
+from tests.support.hostile_inputs import ATTN, CATASTROPHIC, TINY, tiny_model
 
 # A per-case bound far above any honest case here (tens of milliseconds): a hang fails it.
 CASE_SECONDS = 30

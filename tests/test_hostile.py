@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 
-from metrale_cli import env, patterns
-from metrale_cli.atomic import atomic_write, remove_stale_temps
+from metrale_cli import env
+from metrale_cli.adapters import patterns
 from metrale_cli.errors import OutputExists, UsageError
-from tests.cli_runner import Result, metrale
-from tests.hostile_inputs import CATASTROPHIC, TINY, tiny_model
+from metrale_cli.files.atomic import atomic_write, remove_stale_temps
+from tests.support.cli_runner import Result, metrale
+from tests.support.hostile_inputs import CATASTROPHIC, TINY, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +217,8 @@ def test_two_concurrent_packs_one_wins(tiny: Path, tmp_path: Path) -> None:
 # is published, and says so on stderr: the signal lands while the temp file exists.
 _SLOW_PACK = """
 import sys, time
-import metrale_cli.image as image
-from metrale_cli.cli import main
+import metrale_cli.image.pool_image as image
+from metrale_cli.cli.app import main
 publish = image.atomic_write
 def held(path, write, force):
     def hold(f):
@@ -371,7 +372,7 @@ def test_markup_in_names_is_shown_as_typed(
 
 
 def test_markup_in_tensor_names_is_shown_as_typed(tiny: Path, tmp_path: Path) -> None:
-    from tests.header_only import write_header_only
+    from tests.support.header_only import write_header_only
 
     odd = copy_adapter(tiny / "a", tmp_path / "odd")
     write_header_only(odd / "adapter_model.safetensors",

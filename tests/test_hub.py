@@ -1,6 +1,6 @@
 """Adapters and base models by hub id: from a real cache layout offline, and with --online from a
-local stand-in for the hub (tests/hub_server.py) that counts the bytes it serves. No test reaches
-the internet: the online runs are subprocesses whose HF_ENDPOINT is 127.0.0.1."""
+local stand-in for the hub (tests/support/hub_server.py) that counts the bytes it serves. No test
+reaches the internet: the online runs are subprocesses whose HF_ENDPOINT is 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import metrale
-from tests.hub_server import COMMIT, Hub, cache_repo, serve
+from tests.support.cli_runner import metrale
+from tests.support.hub_server import COMMIT, Hub, cache_repo, serve
 
 MODEL = "qwen3-next-80b-a3b"
 

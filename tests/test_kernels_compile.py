@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from metrale_cli import kernels
+from metrale_cli.ops import kernels
 
 pytestmark = pytest.mark.nvcc
 

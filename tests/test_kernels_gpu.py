@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli import kernels, reference
-from tests.kernel_cases import (
+from metrale_cli.ops import kernels, reference
+from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
     SGMV_CASES,

@@ -17,9 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli import host_harness, kernels, reference
+from metrale_cli import kernel_config
 from metrale_cli.errors import ToolMissing
-from tests.kernel_cases import BGMV_CASES, DECODE_BATCHES, SGMV_CASES, Case, check_t, check_y
+from metrale_cli.ops import host_harness, kernels, reference
+from tests.support.kernel_cases import (
+    BGMV_CASES,
+    DECODE_BATCHES,
+    SGMV_CASES,
+    Case,
+    check_t,
+    check_y,
+)
 
 Y_DTYPES = [torch.bfloat16, torch.float32]
 
@@ -158,7 +166,7 @@ def test_missing_compiler_is_tool_missing(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_bench_counts_compulsory_bytes() -> None:
-    from metrale_cli import bench_kernels
+    from metrale_cli.bench import kernels as bench_kernels
 
     # h = 4096, r = 16, B = D = 64, F32 t: shrink = weights + x + t.
     shrink = bench_kernels.compulsory_bytes("shrink", 64, 64, 16, 4096, 4096)
@@ -168,7 +176,8 @@ def test_bench_counts_compulsory_bytes() -> None:
 
 
 def test_bench_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metrale_cli import bench_kernels, compat
+    from metrale_cli import compat
+    from metrale_cli.bench import kernels as bench_kernels
     from metrale_cli.errors import NoDevice
 
     monkeypatch.setattr(compat, "gpu_status", lambda: (False, "no device in this test"))
@@ -218,12 +227,14 @@ def test_constants_are_the_headers_as_compiled(tmp_path: Path) -> None:
              "EXPAND_ROWS": "BGMV_EXPAND_ROWS", "SGMV_TILE": "SGMV_TILE"}
     for attribute, define in names.items():
         assert getattr(kernels, attribute) == config[define], attribute
+    # The planner's copy of the kernels' limits (no kernel sources needed to plan a layout).
+    assert (kernel_config.VECTOR, kernel_config.MAX_RANK) == (kernels.VECTOR, kernels.MAX_RANK)
     for kernel in kernels.KERNEL_SOURCES:
         assert kernels.loads_in_flight(kernel) > 1 and kernels.min_ctas_per_sm(kernel) >= 1
 
 
 def test_kernel_constants_import_without_torch_or_cupy() -> None:
-    code = ("import sys; from metrale_cli.kernels import VECTOR, MAX_RANK; "
+    code = ("import sys; from metrale_cli.kernel_config import VECTOR, MAX_RANK; "
             "print(VECTOR, MAX_RANK, 'torch' in sys.modules, 'cupy' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
@@ -339,7 +350,7 @@ def test_misaligned_table_addresses_are_refused() -> None:
 
 def test_layouts_refuse_alignments_the_kernels_cannot_load() -> None:
     from metrale_cli.errors import UsageError
-    from metrale_cli.layout import check_rank_and_align
+    from metrale_cli.layout.slot_layout import check_rank_and_align
 
     check_rank_and_align(16, 16)
     with pytest.raises(UsageError, match="at least 16 bytes"):

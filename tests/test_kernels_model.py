@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from metrale_cli import bench_kernels, kernels
-from tests.cli_runner import metrale
+from metrale_cli.bench import kernels as bench_kernels
+from metrale_cli.ops import kernels
+from tests.support.cli_runner import metrale
 
 # Qwen3-Next-80B-A3B's benchmark modules (out_dim, in_dim): the bench's default shapes.
 SHAPES = [("q_proj", 8192, 2048), ("k_proj", 512, 2048), ("v_proj", 512, 2048),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from metrale_cli import kernels
+from metrale_cli.ops import kernels
 
 pytestmark = pytest.mark.nvcc
 

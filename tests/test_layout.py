@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from metrale_cli.cli.parsing import parse_size
 from metrale_cli.errors import UsageError
-from metrale_cli.layout import SlotLayout
-from metrale_cli.models import ModelConfig
-from metrale_cli.modules import LoraModule
-from metrale_cli.parsing import parse_size
-from metrale_cli.plan import PoolPlan
+from metrale_cli.layout.plan import PoolPlan
+from metrale_cli.layout.slot_layout import SlotLayout
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import LoraModule
 
 ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
 

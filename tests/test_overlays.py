@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from metrale_cli.image import PoolImage
-from tests.cli_runner import metrale
+from metrale_cli.image.pool_image import PoolImage
+from tests.support.cli_runner import metrale
 
 pytestmark = pytest.mark.slow
 DELTA = "token_adapter.trainable_tokens_delta"
@@ -145,8 +145,8 @@ def test_an_overlay_run_of_the_wrong_shape_is_one_line(peft_zoo, tmp_path: Path,
     """A run without its boolean tied_lm_head (or that does not replace rows) is named in one
     line, exit 1, by show and verify, as by PoolImage.open; never an internal error."""
     from metrale_cli.errors import ImageInconsistent
-    from metrale_cli.image_check import read_tables
-    from tests.image_edit import edit_metadata
+    from metrale_cli.image.check import read_tables
+    from tests.support.image_edit import edit_metadata
 
     truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"],
                              trainable_token_indices=[0, 5])

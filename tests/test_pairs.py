@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from metrale_cli.adapter import Adapter
-from metrale_cli.audit import audit
-from metrale_cli.findings import Code, Severity
-from metrale_cli.models import ModelConfig
-from tests.header_only import write_header_only
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.adapters.findings import Code, Severity
+from metrale_cli.model.config import ModelConfig
+from tests.support.header_only import write_header_only
 
 H, I_EXPERT, E, R = 32, 16, 4, 4
 MODEL = ModelConfig.from_dict({

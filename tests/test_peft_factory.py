@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.peft_factory import (
+from tests.support.peft_factory import (
     EXPERT_TARGET_PARAMETERS,
     TINY_MODELS,
     AdapterTruth,
     peft_v4_expert_deltas,
     write_base_config,
 )
-from tests.peft_fixtures import PeftZoo
+from tests.support.peft_fixtures import PeftZoo
 
 
 @pytest.fixture(scope="module")

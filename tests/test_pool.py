@@ -15,20 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_cli import compat, packing
-from metrale_cli.adapter import Adapter
-from metrale_cli.audit import audit
+from metrale_cli import compat
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
 from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16
 from metrale_cli.errors import FormatError, LayoutMismatch, PoolFull, SlotBusy, UsageError
-from metrale_cli.image import PoolImage, write_image
-from metrale_cli.layout import SlotLayout
-from metrale_cli.models import ModelConfig
-from metrale_cli.modules import LoraModule
-from metrale_cli.pool import LoraPool
-from metrale_cli.safetensors_header import read_header
-from metrale_cli.slots import adapter_id_hash, routed_prefill_slot_of
-from tests.cli_runner import metrale
-from tests.slot_threads import assert_all_released, run_threads
+from metrale_cli.files.safetensors_header import read_header
+from metrale_cli.image.pool_image import PoolImage, write_image
+from metrale_cli.layout.slot_layout import SlotLayout
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import LoraModule
+from metrale_cli.pool import packing
+from metrale_cli.pool.pool import LoraPool
+from metrale_cli.pool.slots import adapter_id_hash, routed_prefill_slot_of
+from tests.support.cli_runner import metrale
+from tests.support.slot_threads import assert_all_released, run_threads
 
 TINY = {
     "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,

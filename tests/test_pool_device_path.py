@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from metrale_cli import pool as pool_module
-from metrale_cli.adapter import Adapter
-from metrale_cli.audit import audit
-from metrale_cli.image import PoolImage, write_image
-from metrale_cli.models import ModelConfig
-from metrale_cli.plan import plan_layouts
-from metrale_cli.pool import LoraPool
-from tests.cli_runner import metrale
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.image.pool_image import PoolImage, write_image
+from metrale_cli.layout.plan import plan_layouts
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.pool import pool as pool_module
+from metrale_cli.pool.pool import LoraPool
+from tests.support.cli_runner import metrale
 
 
 class DeviceArray(np.ndarray):
@@ -158,7 +158,8 @@ def test_device_packs_stage_through_two_pinned_buffers(adapters, monkeypatch) ->
 def test_bench_pack_device_figures_on_the_stand_in(adapters, monkeypatch) -> None:
     """`bench pack --device cuda`'s two figures, the pack through pinned staging and the pinned
     host-to-device copy of the same bytes, run their device code on the stand-in."""
-    from metrale_cli import bench_pack, compat
+    from metrale_cli import compat
+    from metrale_cli.bench import pack as bench_pack
 
     model, reports = adapters
     layout, _ = plan_layouts(model, reports)
@@ -188,7 +189,7 @@ def test_real_device_pack_matches_host(adapters) -> None:
 @pytest.mark.slow
 def test_device_path_expert_pool(peft_zoo, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.peft_factory import EXPERT_TARGET_PARAMETERS
+    from tests.support.peft_factory import EXPERT_TARGET_PARAMETERS
 
     truth = peft_zoo.adapter("qwen3_moe", r=4, lora_alpha=8, target_modules=["q_proj"],
                              target_parameters=list(EXPERT_TARGET_PARAMETERS))

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from metrale_cli.adapters.synth import synth_adapter
 from metrale_cli.errors import FormatError
-from metrale_cli.image import PoolImage
-from metrale_cli.models import ModelConfig
-from metrale_cli.modules import LoraModule
-from metrale_cli.pool import LoraPool
-from metrale_cli.synth import synth_adapter
-from tests.cli_runner import metrale
+from metrale_cli.image.pool_image import PoolImage
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import LoraModule
+from metrale_cli.pool.pool import LoraPool
+from tests.support.cli_runner import metrale
 
 DENSE = {
     "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from metrale_cli.bf16 import bf16_to_f32
-from metrale_cli.image import PoolImage
-from metrale_cli.modules import LoraModule
-from tests.cli_runner import metrale
-from tests.peft_factory import AdapterTruth
+from metrale_cli.image.pool_image import PoolImage
+from metrale_cli.model.modules import LoraModule
+from tests.support.cli_runner import metrale
+from tests.support.peft_factory import AdapterTruth
 
 pytestmark = pytest.mark.slow
 _LAYERED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")

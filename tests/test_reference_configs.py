@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import metrale
-from tests.header_only import write_header_only
+from tests.support.cli_runner import metrale
+from tests.support.header_only import write_header_only
 
 # Real files copied into the project (tests/data/PROVENANCE.md says from where).
 REFERENCE = Path(__file__).resolve().parent / "data" / "adapter_configs"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from metrale_cli.errors import FormatError
-from metrale_cli.safetensors_header import read_header
+from metrale_cli.files.safetensors_header import read_header
 
 
 def _write(path: Path, header: dict, buffer: bytes) -> Path:

@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli import host_harness, kernels, reference
-from metrale_cli.adapter import Adapter
-from metrale_cli.audit import audit
-from metrale_cli.models import resolve_model
-from metrale_cli.packing import pack_pool
-from metrale_cli.plan import plan_layouts
-from metrale_cli.pool import LoraPool
-from tests.peft_factory import TINY_MODELS, AdapterTruth
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.layout.plan import plan_layouts
+from metrale_cli.model.config import resolve_model
+from metrale_cli.ops import host_harness, kernels, reference
+from metrale_cli.pool.packing import pack_pool
+from metrale_cli.pool.pool import LoraPool
+from tests.support.peft_factory import TINY_MODELS, AdapterTruth
 
 pytestmark = pytest.mark.slow
 

@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from metrale_cli.adapters.experts import ExpertProj
 from metrale_cli.errors import UsageError
-from metrale_cli.expert_pool import ExpertLayout
-from metrale_cli.experts import ExpertProj
-from metrale_cli.layout import SlotLayout
-from metrale_cli.models import ModelConfig
-from metrale_cli.modules import LoraModule
-from metrale_cli.sharding import (
+from metrale_cli.layout.expert_layout import ExpertLayout
+from metrale_cli.layout.sharding import (
     RankExpertLayout,
     RankLayout,
     ShardedPlan,
@@ -26,7 +23,10 @@ from metrale_cli.sharding import (
     module_slice,
     owns_expert,
 )
-from tests.cli_runner import metrale
+from metrale_cli.layout.slot_layout import SlotLayout
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import LoraModule
+from tests.support.cli_runner import metrale
 
 ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
 NEXT = ModelConfig.preset("qwen3-next-80b-a3b")
@@ -205,7 +205,8 @@ def test_layout_tp_refusals_are_one_line(args: tuple[object, ...], message: str)
 
 
 def test_layout_tp_does_not_import_torch() -> None:
-    code = ("import sys\nfrom metrale_cli.cli import main\nsys.argv = ['metrale'] + sys.argv[1:]\n"
+    code = ("import sys\nfrom metrale_cli.cli.app import main\n"
+            "sys.argv = ['metrale'] + sys.argv[1:]\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code, *map(str, NEXT_ARGS), "--tp", "2"],

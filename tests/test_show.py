@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_cli.image_check import read_tables
-from metrale_cli.layout import SlotLayout
-from metrale_cli.models import ModelConfig
-from metrale_cli.modules import LoraModule
-from metrale_cli.pool import AdapterSlot
-from tests.cli_runner import metrale
-from tests.image_edit import edit_metadata, read_element, write_element
+from metrale_cli.image.check import read_tables
+from metrale_cli.layout.slot_layout import SlotLayout
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import LoraModule
+from metrale_cli.pool.pool import AdapterSlot
+from tests.support.cli_runner import metrale
+from tests.support.image_edit import edit_metadata, read_element, write_element
 
 MODEL = "qwen3-next-80b-a3b"
 
@@ -271,7 +271,7 @@ def test_show_reads_only_the_header_and_tables(tmp_path: Path) -> None:
     assert sizes["huge"] > 39e9 and sizes["tiny"] < 70e6
     code = (
         "import sys\n"
-        "from metrale_cli.cli import main\n"
+        "from metrale_cli.cli.app import main\n"
         "sys.argv = ['metrale', 'show', sys.argv[1], '--json']\n"
         "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
         "io = dict(line.split(': ') for line in open('/proc/self/io').read().splitlines())\n"

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metrale_cli.cli.parsing import parse_bandwidth, parse_size_list
 from metrale_cli.errors import FormatError, OutputExists, UsageError
-from metrale_cli.parsing import parse_bandwidth, parse_size_list
-from metrale_cli.simulate import Link, Replay, SwapCost
-from metrale_cli.workload import GeneratorSpec, Workload, generate, read_trace
-from tests.cli_runner import metrale
+from metrale_cli.sim.simulate import Link, Replay, SwapCost
+from metrale_cli.sim.workload import GeneratorSpec, Workload, generate, read_trace
+from tests.support.cli_runner import metrale
 
 SLOT = ["--model", "qwen3-next-80b-a3b", "--modules", "q_proj,v_proj", "--max-rank", "16"]
 COST = SwapCost(slot_bytes=1000, bytes_per_s=1e6, latency_s=0.0, bandwidth="test")  # 1 ms
@@ -408,7 +408,7 @@ def test_a_trace_is_read_in_chunks_into_columns(tmp_path: Path,
     """Chunks of 3 rows give the workload one chunk gives, name a bad row's line in a later
     chunk (also when quoted cells span lines before it), report progress, and stop at the
     request bound."""
-    import metrale_cli.workload as wl
+    import metrale_cli.sim.workload as wl
 
     p = tmp_path / "t.csv"
     rows = [f"{t / 4},a{t % 3},{t},{2 * t}" for t in range(10)]
@@ -443,7 +443,7 @@ def test_trace_memory_follows_the_columns(tmp_path: Path,
     took 1.14 GB)."""
     import tracemalloc
 
-    import metrale_cli.workload as wl
+    import metrale_cli.sim.workload as wl
 
     monkeypatch.setattr(wl, "TRACE_CHUNK", 8192)
     p = tmp_path / "t.csv"
@@ -635,10 +635,10 @@ def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:
 
 
 def test_progress_counts_every_request_once_and_pins_by_name() -> None:
-    from metrale_cli import simulate as sim
-    from metrale_cli.models import resolve_model
-    from metrale_cli.parsing import parse_modules
-    from metrale_cli.plan import plan_layouts
+    from metrale_cli.cli.parsing import parse_modules
+    from metrale_cli.layout.plan import plan_layouts
+    from metrale_cli.model.config import resolve_model
+    from metrale_cli.sim import simulate as sim
 
     layouts = plan_layouts(resolve_model("qwen3-8b"), [], parse_modules("q_proj"), 8)
     for lengths in ((0, 0), (8, 512)):

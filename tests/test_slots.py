@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale_cli.errors import PoolFull, SlotBusy, UsageError
-from metrale_cli.slots import (
+from metrale_cli.pool.slots import (
     NEVER,
     AdapterSlot,
     SlotManager,
@@ -19,7 +19,7 @@ from metrale_cli.slots import (
     adapter_id_hash,
     routed_prefill_slot_of,
 )
-from tests.slot_threads import assert_all_released, run_threads
+from tests.support.slot_threads import assert_all_released, run_threads
 
 
 def info(name: str, generation: int = 0) -> AdapterSlot:

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from metrale_cli.adapters.experts import ExpertProj
 from metrale_cli.bf16 import bf16_to_f32
-from metrale_cli.experts import ExpertProj
-from metrale_cli.image import PoolImage
-from metrale_cli.modules import LoraModule
-from metrale_cli.sharding import Slice
-from tests.cli_runner import metrale
-from tests.peft_factory import AdapterTruth
+from metrale_cli.image.pool_image import PoolImage
+from metrale_cli.layout.sharding import Slice
+from metrale_cli.model.modules import LoraModule
+from tests.support.cli_runner import metrale
+from tests.support.peft_factory import AdapterTruth
 
 pytestmark = pytest.mark.slow
 _LAYERED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
@@ -258,7 +258,7 @@ def test_a_pool_format_reader_reads_a_rank_image(peft_zoo, tmp_path: Path) -> No
 
 
 def test_a_failing_rank_leaves_no_directory(peft_zoo, tmp_path: Path, monkeypatch) -> None:
-    from metrale_cli import distributed
+    from metrale_cli.dist import torchrun as distributed
 
     truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=ATTN)
     real = distributed.pack_rank

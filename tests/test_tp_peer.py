@@ -11,17 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.tiny_hybrid import free_port, tiny_hybrid_adapters
+from tests.support.tiny_hybrid import free_port, tiny_hybrid_adapters
 
 pytestmark = pytest.mark.slow
 
 
 def _pool(adapters: list[str], max_rank: int, names: list[str]) -> object:
-    from metrale_cli.adapter import Adapter
-    from metrale_cli.audit import audit
-    from metrale_cli.models import ModelConfig
-    from metrale_cli.plan import plan_layouts
-    from metrale_cli.pool import LoraPool
+    from metrale_cli.adapters.adapter import Adapter
+    from metrale_cli.adapters.audit import audit
+    from metrale_cli.layout.plan import plan_layouts
+    from metrale_cli.model.config import ModelConfig
+    from metrale_cli.pool.pool import LoraPool
 
     loaded = [Adapter.load(a, n) for a, n in zip(adapters, names, strict=True)]
     cfg = ModelConfig.from_hf(Path(adapters[0]).parent / "config.json")
@@ -35,7 +35,7 @@ def _peer(rank: int, port: int, adapters: list[str], receiver_rank: int, out: st
     holding only the first (and packs the second into a reference pool to compare against)."""
     import torch.distributed as dist
 
-    from metrale_cli.distributed import receive_slot, send_slot
+    from metrale_cli.dist.torchrun import receive_slot, send_slot
     from metrale_cli.errors import LayoutMismatch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import metrale
-from tests.tiny_hybrid import free_port, tiny_hybrid_adapters
+from tests.support.cli_runner import metrale
+from tests.support.tiny_hybrid import free_port, tiny_hybrid_adapters
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 60
@@ -56,7 +56,7 @@ def spawn(rank: int, world: int, port: int, args: list[str],
           prelude: str = "") -> subprocess.Popen:
     """One rank as torchrun would start it (env:// rendezvous on 127.0.0.1)."""
     code = (f"import os, signal, sys\n{prelude}\n"
-            "from metrale_cli.cli import main\n"
+            "from metrale_cli.cli.app import main\n"
             f"sys.argv = ['metrale'] + {args!r}\nmain()\n")
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -71,7 +71,7 @@ def test_a_killed_rank_fails_every_rank_without_an_image(adapters: list[Path],
     DIR was there before the run, so it stays."""
     out, port = tmp_path / "out", free_port()
     out.mkdir()
-    kill = ("from metrale_cli import distributed\n"
+    kill = ("from metrale_cli.dist import torchrun as distributed\n"
             "distributed.pack_rank = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)")
     started = time.monotonic()
     procs = [spawn(0, 2, port, pack_args(adapters, out, 2)),
@@ -91,7 +91,7 @@ def test_a_failed_pack_removes_the_directory_it_made(adapters: list[Path],
     """Rank 1 fails packing its shard after rank 0 has staged its image: both exit 1 with
     rank 1's message, and DIR, made by this run, is gone again."""
     out, port = tmp_path / "out", free_port()
-    fail = ("from metrale_cli import distributed\n"
+    fail = ("from metrale_cli.dist import torchrun as distributed\n"
             "from metrale_cli.errors import UsageError\n"
             "def fail(*a, **k):\n"
             "    raise UsageError('no memory for the shard')\n"
@@ -138,7 +138,7 @@ def test_an_image_written_meanwhile_is_kept_without_force(adapters: list[Path],
     out, port = tmp_path / "out", free_port()
     out.mkdir()
     theirs = out / "rank-1-of-2.safetensors"
-    meanwhile = ("from metrale_cli import distributed\n"
+    meanwhile = ("from metrale_cli.dist import torchrun as distributed\n"
                  "real = distributed.pack_rank\n"
                  "def pack_then_write(*a, **k):\n"
                  "    record = real(*a, **k)\n"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cli_runner import metrale
-from tests.peft_factory import TINY_MODELS, AdapterTruth
+from tests.support.cli_runner import metrale
+from tests.support.peft_factory import TINY_MODELS, AdapterTruth
 
 pytestmark = pytest.mark.slow
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -207,8 +207,8 @@ def _packed(peft_zoo, tmp_path: Path) -> Path:
 RACING = """
 import sys
 from pathlib import Path
-import metrale_cli.unpack as unpack
-from metrale_cli.cli import main
+import metrale_cli.image.unpack as unpack
+from metrale_cli.cli.app import main
 
 build = unpack.adapter_tensors
 def slipped_in(*args):
@@ -252,7 +252,7 @@ def test_concurrent_unpacks_one_wins(peft_zoo, tmp_path: Path) -> None:
 KILLED = """
 import sys, time
 from pathlib import Path
-from metrale_cli.atomic import temp_dir
+from metrale_cli.files.atomic import temp_dir
 tmp = temp_dir(Path(sys.argv[1]))
 (tmp / "adapter_model.safetensors").write_bytes(b"half")
 print(tmp, flush=True)

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_cli.image_check import read_tables
-from tests.cli_runner import metrale
-from tests.image_edit import read_element, write_element
+from metrale_cli.image.check import read_tables
+from tests.support.cli_runner import metrale
+from tests.support.image_edit import read_element, write_element
 
 MODEL = "qwen3-next-80b-a3b"
 

@@ -1,0 +1,135 @@
+"""Synthetic PEFT-format adapters of a real model size, streamed to disk so memory stays small.
+
+They feed the demo, the tests and the benchmarks: random non-zero A and B, a config PEFT would
+write, and `base_model_name_or_path` set to the model spec so `inspect` finds the model alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metrale_cli.bf16 import f32_to_bf16
+from metrale_cli.errors import OutputExists, UsageError
+from metrale_cli.files.atomic import atomic_write, check_output
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import ALL, LoraModule
+
+DTYPES = {"f32": ("F32", 4), "bf16": ("BF16", 2), "f16": ("F16", 2)}
+# Rows generated at a time: bounds memory for the largest tensors.
+CHUNK_ELEMENTS = 4 << 20
+
+
+@dataclass(frozen=True)
+class SynthResult:
+    path: Path
+    tensors: int
+    bytes: int
+
+    def record(self) -> dict[str, Any]:
+        return {"path": str(self.path), "tensors": self.tensors, "bytes": self.bytes}
+
+
+def synth_adapter(
+    out_dir: str | Path,
+    model: ModelConfig,
+    model_spec: str,
+    modules: list[LoraModule],
+    rank: int,
+    alpha: float | None = None,
+    rslora: bool = False,
+    dtype: str = "bf16",
+    seed: int = 0,
+    force: bool = False,
+    expert_layers: int = 0,
+) -> SynthResult:
+    """`expert_layers` > 0 adds transformers-5 fused routed-expert LoRA (`mlp.experts`
+    gate_up_proj and down_proj, `A [E*r, in]`, `B [out, E*r]`) on the model's first that many
+    MoE layers, as PEFT's `target_parameters` saves it."""
+    if rank <= 0:
+        raise UsageError(f"--rank must be positive, got {rank}")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise OutputExists(f"{out} is not empty; pass --force to overwrite the adapter there")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        check_output(out / name, force=True)  # a device or FIFO there: refuse before writing
+    st_dtype, itemsize = DTYPES[dtype]
+
+    # (name, rows, cols, std): A [r, in] and B [out, r] per applicable (layer, module).
+    plan: list[tuple[str, int, int, float]] = []
+    for layer in range(model.num_hidden_layers):
+        for module in ALL:
+            if module not in modules or not module.applies_to_layer(model, layer):
+                continue
+            out_dim, in_dim = module.dims(model)
+            key = f"base_model.model.model.layers.{layer}.{module.peft_path}"
+            plan.append((f"{key}.lora_A.weight", rank, in_dim, 1 / math.sqrt(in_dim)))
+            plan.append((f"{key}.lora_B.weight", out_dim, rank, 1 / math.sqrt(rank)))
+    h, i, n_exp = model.hidden_size, model.expert_intermediate_size, model.num_experts
+    for layer in model.moe_layers[:expert_layers]:
+        key = f"base_model.model.model.layers.{layer}.mlp.experts"
+        # Two wrapped parameters: the inner one (gate_up_proj) sits under `.base_layer.`.
+        for name, in_dim, out_dim in ((f"{key}.base_layer", h, 2 * i), (key, i, h)):
+            plan.append((f"{name}.lora_A.weight", n_exp * rank, in_dim, 1 / math.sqrt(in_dim)))
+            plan.append((f"{name}.lora_B.weight", out_dim, n_exp * rank, 1 / math.sqrt(rank)))
+    if not plan:
+        raise UsageError("none of the modules applies to any layer of this model")
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    cursor = 0
+    for name, rows, cols, _ in plan:
+        size = rows * cols * itemsize
+        header[name] = {"dtype": st_dtype, "shape": [rows, cols],
+                        "data_offsets": [cursor, cursor + size]}
+        cursor += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    rng = np.random.default_rng(seed)
+
+    def write_weights(f: Any) -> None:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for _, rows, cols, std in plan:
+            step = max(1, CHUNK_ELEMENTS // cols)
+            for start in range(0, rows, step):
+                n = min(step, rows - start)
+                values = (rng.standard_normal((n, cols), dtype=np.float32) * np.float32(std))
+                if dtype == "bf16":
+                    f.write(f32_to_bf16(values).tobytes())
+                else:
+                    f.write(values.astype("<f4" if dtype == "f32" else "<f2").tobytes())
+
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": model_spec,
+        "r": rank,
+        "lora_alpha": alpha if alpha is not None else 2 * rank,
+        "use_rslora": rslora,
+        "target_modules": sorted(m.peft_name for m in modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_dora": False,
+        "modules_to_save": None,
+        "target_parameters": (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+                              if expert_layers else None),
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+        "metrale_synthetic": {"seed": seed, "dtype": dtype},
+    }
+    atomic_write(out / "adapter_model.safetensors", write_weights, force=True)
+    atomic_write(out / "adapter_config.json",
+                 lambda f: f.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode()),
+                 force=True)
+    return SynthResult(out, len(plan), 8 + len(blob) + cursor)

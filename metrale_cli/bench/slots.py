@@ -1,0 +1,126 @@
+"""`metrale bench slots`: does the slot manager's cost per victim, and the simulator's cost per
+request, stay flat from 64 to 4096 slots? Both sizes are timed in one run and reported as a ratio;
+a full scan (what the pool did before: a list of every cache slot per call) is timed beside
+them as the reference that does grow."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from metrale_cli.errors import UsageError
+from metrale_cli.pool.slots import AdapterSlot, SlotManager
+from metrale_cli.sim.simulate import Replay, SwapCost
+from metrale_cli.sim.workload import GeneratorSpec, generate
+
+SIZES = (64, 4096)
+
+
+def _full_manager(n: int) -> SlotManager:
+    m = SlotManager(n)
+    for k in range(n):
+        m.begin_load(k)
+        m.finish_load(k, AdapterSlot(name=f"a{k}"))
+        m.touch_slot(k)
+    return m
+
+
+def _scan_victim(refs: list[int], last_used: list[int]) -> int:
+    """The pool's former victim choice: build the idle list, take its least recently used."""
+    idle = [(t, k) for k, (r, t) in enumerate(zip(refs, last_used, strict=True)) if r == 0]
+    return min(idle)[1]
+
+
+def _validated_manager(n: int) -> tuple[SlotManager, list[int], list[int]]:
+    """A full pool of `n` LRU slots after a warm-up in which every victim equals the one a full
+    scan picks; with the scan's view of its state (ref counts, last-used ticks)."""
+    m = _full_manager(n)
+    refs = [0] * n
+    last_used = [m.last_used(k) for k in range(n)]
+    for i in range(256):
+        want = _scan_victim(refs, last_used)
+        got = m.select_victim_slot()
+        if got != want:
+            raise UsageError(f"bench slots: victim {got} but the scan says {want} at {n} slots")
+        m.begin_load(got)
+        m.finish_load(got, AdapterSlot(name=f"warm{i}"))
+        m.touch_slot(got)
+        last_used[got] = m.last_used(got)
+    return m, refs, last_used
+
+
+def victim_cycle_ns(cycles: int, chunk: int = 2000) -> tuple[dict[int, float], dict[int, float]]:
+    """Per size, nanoseconds per miss cycle (select the victim, load a new adapter into it,
+    touch it) on a full pool with the lru policy, and per full-scan victim choice on the same
+    state. The sizes alternate in chunks of `chunk` cycles and each keeps its best chunk, so
+    that a noisy neighbour slows both rather than one."""
+    chunk = min(chunk, cycles)
+    pools = {n: _validated_manager(n) for n in SIZES}
+    infos = {n: iter([AdapterSlot(name=f"new{i}") for i in range(cycles)]) for n in SIZES}
+    heap = {n: float("inf") for n in SIZES}
+    scan = {n: float("inf") for n in SIZES}
+    for _ in range(cycles // chunk):
+        for n in SIZES:
+            m, refs, last_used = pools[n]
+            batch = [next(infos[n]) for _ in range(chunk)]
+            started = time.perf_counter()
+            for info in batch:
+                v = m.select_victim_slot()
+                m.begin_load(v)
+                m.finish_load(v, info)
+                m.touch_slot(v)
+            heap[n] = min(heap[n], (time.perf_counter() - started) / chunk * 1e9)
+            started = time.perf_counter()
+            for _ in range(16):
+                _scan_victim(refs, last_used)
+            scan[n] = min(scan[n], (time.perf_counter() - started) / 16 * 1e9)
+    return heap, scan
+
+
+def simulate_req_per_s(n: int, requests: int, paging: bool) -> float:
+    """Requests per second replaying a `distinct` workload (every request a miss, so every
+    request chooses a victim) against `n` slots with the lru policy, at 5 requests/s of
+    8-512 tokens: about 26 in flight, so no stalls at either size."""
+    lengths = (0, 0) if paging else (8, 512)
+    workload = generate(GeneratorSpec("distinct", requests, rate=5.0, input_range=lengths,
+                                      output_range=lengths))
+    replay = Replay(workload, workload.hold_seconds(10_000.0, 50.0),
+                    SwapCost(1 << 20, 25e9, 10e-6, "bench"))
+    started = time.perf_counter()
+    result = replay.run("lru", n)
+    seconds = time.perf_counter() - started
+    if result.misses != requests or int(result.served.sum()) != requests:
+        raise UsageError(f"bench slots: a distinct workload of {requests} requests gave "
+                         f"{result.misses} misses at {n} slots")
+    return requests / seconds
+
+
+def run(requests: int = 200_000, cycles: int = 100_000, repeats: int = 3) -> dict[str, Any]:
+    """Victim cycles in alternating chunks, then `repeats` simulator runs per size and mode,
+    sizes interleaved, best of each: machine noise slows both sizes, not one."""
+    if min(requests, cycles, repeats) <= 0:
+        raise UsageError("--requests, --cycles and --repeats must be positive")
+    best_heap, best_scan = victim_cycle_ns(cycles)
+    sims: dict[tuple[int, bool], list[float]] = {(n, p): [] for n in SIZES for p in (True, False)}
+    for _ in range(repeats):
+        for n in SIZES:
+            for paging in (True, False):
+                sims[(n, paging)].append(simulate_req_per_s(n, requests, paging))
+    lo, hi = SIZES
+    out: dict[str, Any] = {
+        "setup": {"sizes": list(SIZES), "requests": requests, "cycles": cycles,
+                  "repeats": repeats, "workload": "distinct (every request a miss)",
+                  "policy": "lru"},
+        "victim_cycle_ns": {str(n): best_heap[n] for n in SIZES},
+        "victim_cycle_ratio": best_heap[hi] / best_heap[lo],
+        "scan_ns": {str(n): best_scan[n] for n in SIZES},
+        "scan_ratio": best_scan[hi] / best_scan[lo],
+    }
+    for paging, mode in ((True, "paging"), (False, "concurrent")):
+        best = {n: float(np.max(sims[(n, paging)])) for n in SIZES}
+        out[f"simulate_{mode}_req_per_s"] = {str(n): best[n] for n in SIZES}
+        # Cost per request at 4096 slots over cost at 64: 1.0 = flat.
+        out[f"simulate_{mode}_cost_ratio"] = best[lo] / best[hi]
+    return out

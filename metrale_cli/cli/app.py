@@ -1,0 +1,90 @@
+"""The command line: the Typer app, every command registered on it, and the entry point.
+
+The commands live one module per group (plan_cmds, pack_cmds, image_cmds, bench_cmds,
+simulate_cmd): each parses its options, calls the library, and renders the record. Each imports
+the core it calls inside itself, so `metrale --help` imports typer and little else (no numpy),
+and `inspect` and `layout` import neither torch nor cupy.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from metrale_cli import __version__
+from metrale_cli.cli import bench_cmds, image_cmds, pack_cmds, plan_cmds, simulate_cmd
+from metrale_cli.cli.console import say
+
+try:  # typer >= 0.29 carries its own copy of Click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - older typer on Click >= 8.2
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
+
+
+class OneLineUsageErrors(typer.core.TyperGroup):
+    """Click's own usage errors (a value that is not an integer, a missing option) as one line
+    on stderr and exit 2, like every other error, instead of Click's usage block."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as exc:
+            exc.show()  # the help, as Click gives it for a bare `metrale` or `metrale bench`
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            say(f"error: {' '.join(exc.format_message().split())}")
+            sys.exit(exc.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(
+    name="metrale",
+    cls=OneLineUsageErrors,
+    help="Audit, lay out, pack and benchmark multi-LoRA adapter pools for LLM serving.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+for command in (plan_cmds.models, plan_cmds.inspect, plan_cmds.layout, pack_cmds.synth,
+                pack_cmds.pack, image_cmds.show, image_cmds.verify, image_cmds.unpack):
+    app.command()(command)
+bench_app.command("pack")(bench_cmds.bench_pack)
+bench_app.command("kernels")(bench_cmds.bench_kernels)
+bench_app.command("slots")(bench_cmds.bench_slots)
+app.command()(simulate_cmd.simulate)
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"metrale {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=version_callback,
+                                          is_eager=True, help="Print the version.")] = False,
+) -> None:
+    """metrale: answers about a LoRA adapter pool before anything runs, then does the work."""
+
+
+
+def main() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        # PYTHONIOENCODING=ascii or a C locale: a '·' in a table must not end the run.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""`metrale bench pack|kernels|slots`: benchmarks, reported as ratios measured in one run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from metrale_cli.cli.console import emit, handles_errors, out
+from metrale_cli.cli.options import MODEL, MODULES, ForceOpt, JsonOpt, shard_spec
+from metrale_cli.cli.parsing import parse_modules, positive
+from metrale_cli.errors import UsageError
+from metrale_cli.model.config import resolve_model
+
+BENCH_MODEL = "qwen3-next-80b-a3b"
+BENCH_MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
+
+
+@handles_errors
+def bench_pack(
+    model: Annotated[str, MODEL] = BENCH_MODEL,
+    modules: Annotated[str, MODULES] = BENCH_MODULES,
+    rank: Annotated[int, typer.Option("--rank", "-r")] = 64,
+    adapters: Annotated[int, typer.Option("--adapters", help="Synthetic adapters to pack.")] = 4,
+    dtype: Annotated[str, typer.Option("--dtype", help="Adapter file dtype.")] = "bf16",
+    repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    device: Annotated[str, typer.Option("--device", help="cpu, or cuda: pack into GPU memory "
+                                        "against a pinned-memory copy.")] = "cpu",
+    experts: Annotated[bool, typer.Option("--experts", help="Also pack a fused F32 expert "
+                                          "adapter at the model's real width and report its "
+                                          "peak RSS.")] = False,
+    tp: Annotated[int | None, typer.Option(
+        "--tp", help="Also the packing throughput of each of N tensor-parallel ranks.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
+    from metrale_cli.bench import pack as bench
+    from metrale_cli.cli import render
+
+    spec = shard_spec(tp, None, False)
+    positive("--rank", rank)
+    positive("--adapters", adapters)
+    positive("--repeats", repeats)
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    record = bench.run(resolve_model(model), model, parse_modules(modules), rank, adapters,
+                       dtype, repeats, device=device, experts=experts, tp=spec)
+    emit(record, json_out, render.bench_pack_view)
+
+
+@handles_errors
+def bench_kernels(
+    model: Annotated[str, MODEL] = BENCH_MODEL,
+    modules: Annotated[str, MODULES] = BENCH_MODULES,
+    rank: Annotated[list[int] | None, typer.Option("--rank", "-r", help="Repeatable; "
+                                                   "default 16, 64, 128.")] = None,
+    tokens: Annotated[list[int] | None, typer.Option(
+        "--tokens", help="Repeatable; <= 256 runs decode (BGMV), more runs prefill (SGMV). "
+                         "Default 1..256 and 512..8192.")] = None,
+    adapters: Annotated[list[int] | None, typer.Option(
+        "--adapters", help="Distinct adapters per batch, repeatable; default 1, 8 and one per "
+                           "token.")] = None,
+    repeats: Annotated[int, typer.Option("--repeats")] = 30,
+    plot_text: Annotated[str | None, typer.Option("--plot", help="Write a roofline chart "
+                                                  "(PNG) here.")] = None,
+    force: ForceOpt = False,
+    model_only: Annotated[bool, typer.Option(
+        "--model-only", help="No GPU: the roofline model's expected share of peak per shape.")
+    ] = False,
+    experts: Annotated[bool, typer.Option(
+        "--experts", help="The expert kernels (router, gate_up, down) on Qwen3-Next-80B-A3B and "
+                          "Qwen3-30B-A3B MoE shapes (ranks 8, 16, 64; 1..256 and 4096 tokens) "
+                          "instead of the slot-pool kernels; --model and --modules are unused.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one).
+
+    Shapes are the model's modules at real size. --json prints one record per line as it is
+    measured."""
+    from metrale_cli.bench import kernels as bench
+    from metrale_cli.cli.render import kernel_line, kernel_model_line
+    from metrale_cli.compat import cupy_module
+    from metrale_cli.files.atomic import check_output, output_path
+
+    if not model_only:
+        cupy_module()  # no GPU: exit 3 before anything else
+    if experts:
+        _bench_experts(rank, tokens, adapters, repeats, plot_text, force, model_only, json_out)
+        return
+    shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
+    positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
+    positive("--repeats", repeats)
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    if plot_path is not None:
+        check_output(plot_path, force)
+
+    def show(record: dict[str, Any]) -> None:
+        if json_out:
+            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
+            sys.stdout.flush()
+        else:
+            out().print(kernel_line(record))
+
+    kwargs: dict[str, Any] = {}
+    if rank:
+        kwargs["ranks"] = rank
+    if tokens:
+        kwargs["tokens"] = tokens
+    if model_only:
+        for record in bench.model(shapes, adapters=adapters, **kwargs):
+            if json_out:
+                sys.stdout.write(json.dumps(record) + "\n")
+            else:
+                out().print(kernel_model_line(record), soft_wrap=True)
+        return
+    records = bench.run(shapes, adapters=adapters, repeats=repeats, progress=show, **kwargs)
+    if plot_path is not None:
+        bench.plot(records, plot_path, force)
+
+
+def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
+                   adapters: list[int] | None, repeats: int, plot_text: str | None,
+                   force: bool, model_only: bool, json_out: bool) -> None:
+    """`bench kernels --experts`: the expert kernels' records (or their roofline model)."""
+    from metrale_cli.bench import experts as bench_experts
+    from metrale_cli.bench import kernels as bench
+    from metrale_cli.cli.render import expert_kernel_line, expert_model_line
+    from metrale_cli.files.atomic import check_output, output_path
+
+    positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
+    positive("--repeats", repeats)
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    if plot_path is not None:
+        check_output(plot_path, force)
+    shapes = bench_experts.expert_shapes(
+        ranks=rank or bench_experts.EXPERT_RANKS, tokens=tokens or bench_experts.EXPERT_TOKENS,
+        adapters=adapters or bench_experts.EXPERT_ADAPTERS)
+    line = expert_model_line if model_only else expert_kernel_line
+
+    def show(record: dict[str, Any]) -> None:
+        if json_out:
+            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
+            sys.stdout.flush()
+        else:
+            out().print(line(record), soft_wrap=True)
+
+    if model_only:
+        for record in bench_experts.model_records(shapes):
+            show(record)
+        return
+    records = bench_experts.run(shapes, repeats=repeats, progress=show)
+    if plot_path is not None:
+        bench.plot(records, plot_path, force)
+
+
+@handles_errors
+def bench_slots(
+    requests: Annotated[int, typer.Option("--requests", help="Requests per simulator run.")]
+    = 200_000,
+    cycles: Annotated[int, typer.Option("--cycles", help="Victim choices per timing.")]
+    = 100_000,
+    repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    json_out: JsonOpt = False,
+) -> None:
+    """Slot-manager victim choice and simulator requests/s at 64 vs 4096 slots, in one run."""
+    from metrale_cli.bench import slots as bench
+    from metrale_cli.cli import render
+
+    record = bench.run(requests, cycles, repeats)
+    emit(record, json_out, render.bench_slots_view)
+
+
+# -- simulate -----------------------------------------------------------------------------------

@@ -1,0 +1,121 @@
+"""The CLI's consoles and its one error edge: views go to stdout, errors, warnings and progress
+to stderr; every domain error becomes one line and its exit code (docs/cli.md)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import typer
+
+from metrale_cli import env
+from metrale_cli.errors import MetraleError, Terminated, UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _width() -> int | None:
+    """The terminal width Rich should use: its own guess, except that COLUMNS=0 (or another
+    number too small to hold a word) would make Rich print nothing at all."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    return 80 if columns.isdigit() and int(columns) < 8 else None
+
+
+@functools.cache
+def out() -> Console:
+    """stdout for views (rich is imported on first output, not by `--help`)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False, width=_width())
+
+
+@functools.cache
+def err() -> Console:
+    """stderr for errors, warnings and progress."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
+
+
+def say(line: str) -> None:
+    """One line on stderr, whatever the input inside it holds: a control character (a newline
+    in a path) is shown escaped, never as a line break; markup is not read."""
+    err().print("".join(c if c.isprintable() else repr(c)[1:-1] for c in line), markup=False)
+
+
+def escape(text: str) -> str:
+    """Input-derived text made safe to put in Rich markup."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+def handles_errors(fn: F) -> F:
+    """Map domain errors to one line on stderr and their exit code; a traceback only with
+    METRALE_DEBUG=1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            debug = env.debug()
+        except UsageError as exc:
+            say(f"error: {exc}")
+            raise typer.Exit(exc.exit_code) from None
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except MetraleError as exc:
+            if debug:
+                raise
+            say(f"error: {exc}")
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            say("interrupted")
+            raise typer.Exit(130) from None
+        except Terminated as exc:
+            say(f"terminated ({exc}); nothing written")
+            raise typer.Exit(128 + exc.signum) from None
+        except OSError as exc:
+            # A path the user gave that cannot be read or written (permissions, a full disk).
+            if debug:
+                raise
+            where = f"{exc.filename}: " if exc.filename else ""
+            say(f"error: {where}{exc.strerror or exc}")
+            raise typer.Exit(2) from None
+        except Exception as exc:
+            if debug:
+                raise
+            say(f"internal error: {type(exc).__name__}: {exc} "
+                "(METRALE_DEBUG=1 shows the traceback)")
+            raise typer.Exit(70) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def emit_json(record: Any) -> None:
+    # allow_nan=False: a NaN or Infinity that got this far is a bug, never invalid JSON out.
+    sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
+
+
+def emit(record: Any, json_out: bool, view: Callable[[Any], Any]) -> None:
+    """One record, two views: with --json the record itself, else `view(record)`."""
+    if json_out:
+        emit_json(record)
+    else:
+        out().print(view(record))
+
+
+
+def warn(warnings: list[str]) -> None:
+    """Warnings the record carries, one line each on stderr (also under --json)."""
+    for warning in warnings:
+        say(f"warning: {warning}")
+

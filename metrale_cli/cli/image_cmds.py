@@ -1,0 +1,81 @@
+"""`metrale show`, `verify` and `unpack`: reading pool images back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out
+from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, load_adapters, online_on
+
+ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
+                                          show_default=False)]
+
+
+@handles_errors
+def show(image: ImageArg, json_out: JsonOpt = False) -> None:
+    """What a pool image holds, checked without reading its pool bytes. Exit 1 if its metadata
+    and tables contradict each other, 2 if it is not a pool image."""
+    from metrale_cli.cli import render
+    from metrale_cli.image.check import show_image
+
+    record = show_image(image).record()
+    emit(record, json_out, render.show_view)
+
+
+@handles_errors
+def verify(
+    image: ImageArg,
+    adapters: Annotated[list[str], typer.Argument(
+        help="Adapter directories or hub ids (matched to slots by name), or NAME=either.",
+        show_default=False)],
+    online: OnlineOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Recompute what pack writes for each adapter and compare it with the image's bytes. Exit
+    1 on any difference."""
+    from metrale_cli.cli import render
+    from metrale_cli.image.verify import Verifier
+
+    verifier = Verifier.open(image, load_adapters(adapters, online_on(online), weights=True))
+    if err().is_terminal and not json_out:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        with Progress("verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      console=err(), transient=True) as bar:
+            task = bar.add_task("verify", total=verifier.total_bytes)
+            result = verifier.run(lambda n: bar.advance(task, n))
+    else:
+        result = verifier.run()
+    emit(result.record(), json_out, render.verify_view)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@handles_errors
+def unpack(
+    image: ImageArg,
+    out_dir: Annotated[str, typer.Argument(help="The adapter directory to write.",
+                                           show_default=False)],
+    slot: Annotated[int | None, typer.Option("--slot", help="The slot to unpack.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="The slot holding this adapter.")]
+    = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write one slot of a pool image back as a PEFT LoRA adapter directory."""
+    from metrale_cli.image.unpack import unpack as unpack_slot
+
+    result = unpack_slot(image, out_dir, slot, name, force)
+    if json_out:
+        emit_json(result.record())
+    else:
+        from metrale_cli.cli.render import human_bytes
+
+        overlays = f", trainable tokens for {', '.join(result.overlay_tables)}" \
+            if result.overlay_tables else ""
+        out().print(f"wrote {escape(str(result.path))}: slot {result.slot} "
+                    f"({escape(result.name)}), {result.modules} modules at r={result.rank} "
+                    f"lora_alpha={result.lora_alpha:g}{overlays}, {human_bytes(result.bytes)}")

@@ -1,0 +1,157 @@
+"""`metrale synth` and `pack`: writing adapters and pool images."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out, warn
+from metrale_cli.cli.options import (
+    MAX_LORAS,
+    MODEL,
+    MODULES,
+    EpOpt,
+    ExpertsOpt,
+    ForceOpt,
+    FullyShardedOpt,
+    JsonOpt,
+    MaxRankOpt,
+    ModelOpt,
+    ModulesOpt,
+    OnlineOpt,
+    TpOpt,
+    experts_on,
+    load_adapters,
+    model_for,
+    online_on,
+    refuse_unservable,
+    shard_spec,
+)
+from metrale_cli.cli.parsing import parse_modules, positive
+from metrale_cli.errors import UsageError
+from metrale_cli.model.config import resolve_model
+
+if TYPE_CHECKING:
+    from metrale_cli.adapters.audit import AdapterReport
+    from metrale_cli.layout.expert_layout import ExpertLayout
+    from metrale_cli.layout.slot_layout import SlotLayout
+
+
+@handles_errors
+def synth(
+    out_dir: Annotated[str, typer.Argument(help="Directory to write the adapter into.",
+                                           show_default=False)],
+    model: Annotated[str, MODEL],
+    modules: Annotated[str, MODULES],
+    rank: Annotated[int, typer.Option("--rank", "-r")],
+    alpha: Annotated[float | None, typer.Option("--alpha", help="Default: 2 * rank.")] = None,
+    rslora: Annotated[bool, typer.Option("--rslora", help="Scale alpha/sqrt(r).")] = False,
+    dtype: Annotated[str, typer.Option("--dtype", help="bf16, f16 or f32.")] = "bf16",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
+    from metrale_cli.adapters.synth import synth_adapter
+
+    if not out_dir.strip():
+        raise UsageError("the adapter directory is empty")
+    module_list = parse_modules(modules)
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
+    if seed < 0:
+        raise UsageError(f"--seed must be non-negative, got {seed}")
+    result = synth_adapter(Path(out_dir), resolve_model(model), model, module_list, rank, alpha,
+                           rslora, dtype, seed, force)
+    if json_out:
+        emit_json(result.record())
+    else:
+        from metrale_cli.cli.render import human_bytes
+
+        out().print(f"wrote {escape(str(result.path))}: {result.tensors} tensors, "
+                    f"{human_bytes(result.bytes)}")
+
+
+# -- pack ---------------------------------------------------------------------------------------
+
+
+@handles_errors
+def pack(
+    adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH; "
+                                                  "they become the pinned startup slots.",
+                                                  show_default=False)],
+    max_loras: Annotated[int, MAX_LORAS],
+    model: ModelOpt = None,
+    max_rank: MaxRankOpt = None,
+    modules: ModulesOpt = None,
+    out_text: Annotated[str | None, typer.Option("--out", "-o", help="Write the pool image "
+                                                 "here (safetensors, format pool/1); with --tp "
+                                                 "a directory of rank images.")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    force: ForceOpt = False,
+    experts: ExpertsOpt = False,
+    online: OnlineOpt = False,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Pack adapters into a pool (GPU memory with CuPy, else host memory) and write its image;
+    with --tp, one pool per rank and --out a directory of rank images (under torchrun, one
+    process per rank).
+
+    The model defaults to the adapters' base_model_name_or_path, the modules to the union of
+    theirs."""
+    from metrale_cli.adapters.audit import audit
+    from metrale_cli.cli import render
+    from metrale_cli.files.atomic import check_output, output_dir, output_path
+    from metrale_cli.layout.plan import plan_layouts
+    from metrale_cli.pool.packing import pack_pool
+
+    spec = shard_spec(tp, ep, fully_sharded)
+    positive("--max-loras", max_loras)
+    positive("--max-rank", max_rank)
+
+    def prepare() -> tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]:
+        """Audit the adapters (refusing any that is not servable) and plan the layouts."""
+        loaded = load_adapters(adapters, online_on(online), weights=True)
+        cfg = model_for(model, loaded, online_on(online))
+        enabled = experts_on(experts)
+        reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+        refuse_unservable(reports)
+        return (*plan_layouts(cfg, reports, parse_modules(modules) if modules else None,
+                              max_rank, experts=enabled), reports)
+
+    if spec is not None:
+        from metrale_cli.dist import torchrun as distributed
+
+        # --out names a directory of rank images here.
+        out_dir = None if out_text is None else output_dir(out_text)
+        if distributed.under_torchrun():
+            # One process per rank: each writes its own image into the directory --out.
+            sharded = distributed.pack_torchrun(prepare, max_loras, spec, device, out_dir,
+                                                force)
+        else:  # the images land in --out all at once (atomic_directory refuses it first)
+            the_layout, expert_layout, reports = prepare()
+            sharded = distributed.pack_shards(the_layout, expert_layout, max_loras, reports,
+                                              spec, device, out_dir, force)
+        if sharded is None:
+            return  # a torchrun rank other than 0: rank 0 reports for all
+        warn(sharded.warnings)
+        emit(sharded.record(), json_out, render.sharded_pack_view)
+        return
+    out_path = None if out_text is None else output_path(out_text)
+    if out_path is not None:
+        check_output(out_path, force)  # before the work; the write checks again
+    the_layout, expert_layout, reports = prepare()
+    result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
+                       progress_console=err() if err().is_terminal and not json_out else None,
+                       expert_layout=expert_layout)
+    warn(result.warnings)
+    if json_out:
+        emit_json(result.record())
+    else:
+        out().print(render.pack_view(result))

@@ -1,0 +1,121 @@
+"""What users type, read into values: module lists, sizes, positive counts. Each raises
+`UsageError` naming the option, so the CLI edge turns it into one line and exit 2."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from metrale_cli.errors import UsageError
+from metrale_cli.model.modules import LoraModule
+
+if TYPE_CHECKING:
+    from metrale_cli.sim.simulate import Link
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """`40GiB`, `512MiB`, `1.5TB`, `1000000` -> bytes."""
+    s = text.strip().lower().replace(" ", "").replace("_", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise UsageError(f"not a size: {text!r} (try 40GiB, 512MiB)") from None
+    if unit not in _SIZE_UNITS or not math.isfinite(value) or value < 0:
+        raise UsageError(f"not a size: {text!r} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def parse_modules(text: str, option: str = "--modules") -> list[LoraModule]:
+    """`q_proj,k_proj,...` or `all` -> pool modules in their fixed order; never empty."""
+    try:
+        modules = LoraModule.parse_list(text)
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from None
+    if not modules:
+        raise UsageError(f"{option} is empty")
+    return modules
+
+
+def positive(option: str, *values: int | None) -> None:
+    """Refuse a count or rank below 1 (None: not given, nothing to check)."""
+    for value in values:
+        if value is not None and value <= 0:
+            raise UsageError(f"{option} must be positive, got {value}")
+
+
+# Each size is a whole replay of the workload per policy: `1..100000000` would never finish.
+MAX_SIZES = 1_000
+
+
+def parse_size_list(option: str, text: str) -> list[int]:
+    """Pool sizes: `8,16,32`, a range `8..64` (every size) or `8..64:8` (a step), or a mix,
+    as sorted distinct positive sizes, at most `MAX_SIZES` of them."""
+    sizes: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            if ".." in part:
+                lo_text, _, rest = part.partition("..")
+                hi_text, _, step_text = rest.partition(":")
+                lo, hi, step = int(lo_text), int(hi_text), int(step_text or 1)
+                if step <= 0 or hi < lo:
+                    raise ValueError
+                _bound_sizes(option, part, (hi - lo) // step + 1)  # before building the range
+                sizes.update(range(lo, hi + 1, step))
+            else:
+                sizes.add(int(part))
+        except ValueError:
+            raise UsageError(f"{option}: {part!r} is not a size, a list like 8,16,32 or a "
+                             "range like 8..64 or 8..64:8") from None
+    _bound_sizes(option, text, len(sizes))
+    if not sizes or min(sizes) <= 0:
+        raise UsageError(f"{option}: sizes must be positive, got {text!r}")
+    return sorted(sizes)
+
+
+def _bound_sizes(option: str, text: str, count: int) -> None:
+    if count > MAX_SIZES:
+        raise UsageError(f"{option}: {text!r} is {count:,} sizes, more than a sweep takes "
+                         f"({MAX_SIZES:,}); give a step, like 8..4096:8")
+
+
+def parse_token_range(option: str, text: str) -> tuple[int, int]:
+    """Token lengths: `8,512` -> (8, 512); `0` -> (0, 0)."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise UsageError(f"{option}: expected LO,HI or N, got {text!r}") from None
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2:
+        raise UsageError(f"{option}: expected LO,HI or N, got {text!r}")
+    return values[0], values[1]
+
+
+def parse_bandwidth(text: str) -> Link:
+    """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
+    the link, with the preset's per-swap latency (0 for a figure)."""
+    from metrale_cli.sim.simulate import BANDWIDTHS, Link  # NumPy: not at --help
+
+    key = text.strip().lower()
+    if key in BANDWIDTHS:
+        return Link.preset(key)
+    if not key.endswith("/s"):
+        raise UsageError(f"--bandwidth: {text!r} is neither a preset "
+                         f"({', '.join(BANDWIDTHS)}) nor a figure like 25GB/s")
+    try:
+        bytes_per_s = parse_size(key[:-2])
+    except UsageError as exc:
+        raise UsageError(f"--bandwidth: {exc}") from None
+    if bytes_per_s <= 0:
+        raise UsageError(f"--bandwidth must be positive, got {text!r}")
+    return Link(text.strip(), float(bytes_per_s), 0.0)

@@ -1,0 +1,146 @@
+"""`metrale models`, `inspect` and `layout`: the answers before anything is loaded. None of
+them imports torch or CuPy."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from metrale_cli.cli.console import emit, emit_json, handles_errors, out, warn
+from metrale_cli.cli.options import (
+    EpOpt,
+    ExpertsOpt,
+    FullyShardedOpt,
+    JsonOpt,
+    MaxLorasOpt,
+    MaxRankOpt,
+    ModelOpt,
+    ModulesOpt,
+    OnlineOpt,
+    TpOpt,
+    experts_on,
+    load_adapters,
+    model_for,
+    online_on,
+    refuse_unservable,
+    shard_spec,
+)
+from metrale_cli.cli.parsing import parse_modules, parse_size, positive
+from metrale_cli.errors import UsageError
+from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
+
+
+@handles_errors
+def models(json_out: JsonOpt = False) -> None:
+    """List the built-in base-model presets and their key dims."""
+    from metrale_cli.cli import render
+    from metrale_cli.model.config import PRESETS
+
+    records = [preset.record() for preset in PRESETS]
+    emit(records, json_out, render.models_view)
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+
+@handles_errors
+def inspect(
+    adapters: Annotated[list[str], typer.Argument(
+        help="Adapter directories or hub ids (org/name[@revision]), or NAME=either.",
+        show_default=False)],
+    model: ModelOpt = None,
+    max_rank: MaxRankOpt = None,
+    experts: ExpertsOpt = False,
+    online: OnlineOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
+
+    The model defaults to the adapters' base_model_name_or_path."""
+    from metrale_cli.adapters.audit import audit
+    from metrale_cli.layout.plan import Footprint, inspect_record, max_rank_warnings
+
+    positive("--max-rank", max_rank)
+    loaded = load_adapters(adapters, online_on(online))
+    cfg = model_for(model, loaded, online_on(online))
+    enabled = experts_on(experts)
+    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+    footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
+    warnings = max_rank_warnings(max_rank)
+    warn(warnings)
+    if json_out:
+        emit_json(inspect_record(cfg, reports, footprints, enabled, warnings))
+    else:
+        from metrale_cli.cli.render import inspect_view
+
+        out().print(inspect_view(cfg, reports, footprints))
+    if not all(r.servable for r in reports):
+        raise typer.Exit(1)
+
+
+# -- layout -------------------------------------------------------------------------------------
+
+
+@handles_errors
+def layout(
+    adapters: Annotated[list[str] | None, typer.Argument(
+        help="Startup adapters: their modules and largest rank when --modules/--max-rank are "
+             "not given.", show_default=False)] = None,
+    model: ModelOpt = None,
+    modules: ModulesOpt = None,
+    max_rank: MaxRankOpt = None,
+    max_loras: MaxLorasOpt = None,
+    budget: Annotated[str | None, typer.Option(
+        "--budget", help="Memory for the pool and its tables, e.g. 40GiB: how many slots fit.")]
+    = None,
+    align: Annotated[int, typer.Option("--align", help="Byte alignment of every region.")]
+    = DEFAULT_ALIGN,
+    experts: ExpertsOpt = False,
+    online: OnlineOpt = False,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """The byte-exact slot layout and capacity plan of a pool; with --tp, of every rank's pool,
+    --budget per GPU.
+
+    With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
+    without adapters every expert and router of every MoE layer at --max-rank."""
+    from metrale_cli.adapters.audit import audit
+    from metrale_cli.layout.plan import PoolPlan, plan_layouts
+
+    spec = shard_spec(tp, ep, fully_sharded)
+    positive("--max-rank", max_rank)
+    positive("--max-loras", max_loras)
+    enabled = experts_on(experts)
+    loaded = load_adapters(adapters, online_on(online)) if adapters else []
+    if model is None and not loaded:
+        raise UsageError("--model is required (or give startup adapters)")
+    cfg = model_for(model, loaded, online_on(online))
+    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+    refuse_unservable(reports)
+    layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
+                           align, enabled)
+    budget_bytes = parse_size(budget) if budget is not None else None
+    if spec is not None:
+        from metrale_cli.layout.sharding import ShardedPlan
+
+        sharded = ShardedPlan.sized(*layouts, spec, max_loras, budget_bytes)
+        warn(sharded.plan.warnings)
+        if json_out:
+            emit_json(sharded.record())
+        else:
+            from metrale_cli.cli.render import sharded_layout_view
+
+            out().print(sharded_layout_view(sharded))
+        return
+    plan = PoolPlan.sized(*layouts, max_loras, budget_bytes)
+    warn(plan.warnings)
+    if json_out:
+        emit_json(plan.record())
+    else:
+        from metrale_cli.cli.render import layout_view
+
+        out().print(layout_view(plan))

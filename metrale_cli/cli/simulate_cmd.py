@@ -1,0 +1,183 @@
+"""`metrale simulate`: size max_loras for a workload on the pool's own slot manager."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from metrale_cli.cli.console import emit, err, handles_errors, warn
+from metrale_cli.cli.options import (
+    EpOpt,
+    ExpertsOpt,
+    ForceOpt,
+    FullyShardedOpt,
+    JsonOpt,
+    MaxRankOpt,
+    ModelOpt,
+    ModulesOpt,
+    TpOpt,
+    experts_on,
+    load_adapters,
+    model_for,
+    refuse_unservable,
+    shard_spec,
+)
+from metrale_cli.cli.parsing import parse_modules, parse_size, positive
+from metrale_cli.errors import UsageError
+
+
+@handles_errors
+def simulate(
+    adapters: Annotated[list[str] | None, typer.Argument(
+        help="Adapters whose modules and largest rank size a slot (else --modules and "
+             "--max-rank).", show_default=False)] = None,
+    model: ModelOpt = None,
+    modules: ModulesOpt = None,
+    max_rank: MaxRankOpt = None,
+    experts: ExpertsOpt = False,
+    trace: Annotated[Path | None, typer.Option(
+        "--trace", help="CSV or JSONL requests: timestamp, adapter (empty = base model), "
+        "optional input_tokens, output_tokens, duration.")] = None,
+    workload: Annotated[str | None, typer.Option(
+        "--workload", help="Generator when no --trace: zipf (default), uniform, distinct, "
+        "identical or slora.")] = None,
+    n_requests: Annotated[int, typer.Option("--requests", help="Requests to generate.")]
+    = 10_000,
+    n_adapters: Annotated[int, typer.Option("--adapters", help="Adapters to draw from.")] = 100,
+    rate: Annotated[float, typer.Option("--rate", help="Requests per second.")] = 10.0,
+    cv: Annotated[float, typer.Option("--cv", help="Coefficient of variation of the "
+                                      "inter-arrival times (1 = Poisson).")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    zipf_s: Annotated[float, typer.Option("--zipf-s", help="zipf exponent.")] = 1.5,
+    alpha: Annotated[float, typer.Option("--alpha", help="slora power-law alpha (1 = "
+                                         "uniform).")] = 1.0,
+    input_tokens: Annotated[str, typer.Option(
+        "--input-tokens", help="Generated input lengths: LO,HI (uniform, HI exclusive) or N.")]
+    = "8,512",
+    output_tokens: Annotated[str, typer.Option(
+        "--output-tokens", help="Generated output lengths; 0 with --input-tokens 0 is exact "
+        "paging.")] = "8,512",
+    save_trace_text: Annotated[str | None, typer.Option(
+        "--save-trace", help="Write the requests as a trace (.csv, else JSONL).")] = None,
+    prefill_tok_s: Annotated[float, typer.Option(
+        "--prefill-tok-s", help="Prefill tokens per second of one request.")] = 10_000.0,
+    decode_tok_s: Annotated[float, typer.Option(
+        "--decode-tok-s", help="Decode tokens per second of one request.")] = 50.0,
+    max_concurrency: Annotated[int | None, typer.Option(
+        "--max-concurrency", help="Requests in flight at most (a batch); default no cap.")]
+    = None,
+    policy: Annotated[str, typer.Option("--policy", help="Comma-separated: lru, fifo, min.")]
+    = "lru,fifo,min",
+    pin: Annotated[list[str] | None, typer.Option(
+        "--pin", help="Pin this adapter in a startup slot (repeatable).")] = None,
+    pinned: Annotated[int | None, typer.Option(
+        "--pinned", help="Pin the K most requested adapters.")] = None,
+    max_loras: Annotated[str | None, typer.Option(
+        "--max-loras", help="Sizes: 8,16,32 or 8..64 or 8..64:8. Default: powers of two up to "
+        "every adapter resident.")] = None,
+    bandwidth: Annotated[str, typer.Option(
+        "--bandwidth", help="pcie4, pcie5, nvlink, nvme, or a figure like 25GB/s.")] = "pcie4",
+    swap_latency_ms: Annotated[float | None, typer.Option(
+        "--swap-latency-ms", help="Per-swap latency; default the preset's (0 for a figure).")]
+    = None,
+    links: Annotated[int, typer.Option(
+        "--links", help="Loads that run at once per GPU (default 1: loads queue on one link).")]
+    = 1,
+    target_hit_rate: Annotated[float | None, typer.Option(
+        "--target-hit-rate", help="Report the smallest size with at least this hit rate.")]
+    = None,
+    target_p99_ms: Annotated[float | None, typer.Option(
+        "--target-p99-ms", help="Report the smallest size with p99 added latency at most "
+        "this.")] = None,
+    budget: Annotated[str | None, typer.Option(
+        "--budget", help="Memory for the pool, e.g. 40GiB: does each size fit?")] = None,
+    plot_text: Annotated[str | None, typer.Option(
+        "--plot", help="Write hit rate and p99 added latency against max_loras (PNG).")] = None,
+    tp: TpOpt = None,
+    ep: EpOpt = None,
+    fully_sharded: FullyShardedOpt = False,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Size max_loras for real traffic: replay a trace or a generated workload against the
+    pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency.
+    With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
+    from metrale_cli.adapters.audit import audit
+    from metrale_cli.cli import render
+    from metrale_cli.cli.parsing import parse_bandwidth, parse_size_list, parse_token_range
+    from metrale_cli.files.atomic import check_output, output_path
+    from metrale_cli.layout.plan import max_rank_warnings, plan_layouts
+    from metrale_cli.sim import simulate as sim
+    from metrale_cli.sim import workload as wl
+
+    spec = shard_spec(tp, ep, fully_sharded)
+    positive("--max-rank", max_rank)
+    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
+    save_trace = None if save_trace_text is None else output_path(save_trace_text,
+                                                                 "--save-trace")
+    for path in (plot_path, save_trace):
+        if path is not None:
+            check_output(path, force)  # before the work; the write checks again
+    if target_hit_rate is not None and not 0 < target_hit_rate <= 1:
+        raise UsageError(f"--target-hit-rate must be in (0, 1], got {target_hit_rate}")
+    if target_p99_ms is not None and not 0 <= target_p99_ms < math.inf:
+        raise UsageError(f"--target-p99-ms must be >= 0 and finite, got {target_p99_ms}")
+    loaded = load_adapters(adapters) if adapters else []
+    if model is None and not loaded:
+        raise UsageError("--model is required (or give adapters)")
+    cfg = model_for(model, loaded)
+    enabled = experts_on(experts)
+    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
+    refuse_unservable(reports)  # a slot sized by an adapter pack would refuse sizes nothing
+    layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
+                           experts=enabled)
+    warn(max_rank_warnings(layouts[0].max_rank))
+    if trace is not None and workload is not None:
+        raise UsageError("give --trace or --workload, not both")
+    if trace is not None:
+        if err().is_terminal and not json_out:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+            with Progress("reading", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                          console=err(), transient=True) as bar:
+                task = bar.add_task("read", total=None)
+                requested = wl.read_trace(trace, progress=lambda done, total: bar.update(
+                    task, completed=done, total=total))
+        else:
+            requested = wl.read_trace(trace)
+    else:
+        requested = wl.generate(wl.GeneratorSpec(
+            workload or "zipf", n_requests, n_adapters, rate, cv, seed, zipf_s, alpha,
+            parse_token_range("--input-tokens", input_tokens),
+            parse_token_range("--output-tokens", output_tokens)))
+    if save_trace is not None:
+        requested.save(save_trace, force)
+    targets = (sim.Targets(target_hit_rate, target_p99_ms)
+               if target_hit_rate is not None or target_p99_ms is not None else None)
+    link = parse_bandwidth(bandwidth)
+    if swap_latency_ms is not None:
+        link = dataclasses.replace(link, latency_s=swap_latency_ms / 1e3)
+    options: dict[str, Any] = dict(
+        link=link, links=links, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
+        max_concurrency=max_concurrency, pin=pin or (), pinned=pinned,
+        policies=[p.strip() for p in policy.split(",") if p.strip()],
+        sizes=parse_size_list("--max-loras", max_loras) if max_loras is not None else None,
+        targets=targets,
+        budget_bytes=parse_size(budget) if budget is not None else None, shard=spec)
+    if err().is_terminal and not json_out:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+        with Progress("simulating", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=err(), transient=True) as bar:
+            task = bar.add_task("simulate", total=None)
+            result = sim.run(requested, *layouts, **options,
+                             progress=lambda n, total: bar.update(task, advance=n, total=total))
+    else:
+        result = sim.run(requested, *layouts, **options)
+    if plot_path is not None:
+        sim.plot(result, plot_path, force)
+    emit(result.record(), json_out, render.simulate_view)

@@ -1,0 +1,263 @@
+"""`metrale verify`: does a pool image hold exactly what `pack` writes for these adapters?
+
+For each adapter the expected slot is produced by the packer itself (`LoraPool.load` into a
+one-slot host pool: the same BF16 rounding, scale folding and padding, the expert pool and the
+overlays included), then compared with the image: the slot's rank and scale, every entry's
+offsets, and the bytes at the offsets the image's tables give (what a server would read),
+streamed entry by entry with positional reads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.bf16 import bf16_to_f32
+from metrale_cli.errors import FormatError, ImageInconsistent, NotServable, UsageError
+from metrale_cli.image.check import (
+    ImageTables,
+    layout_problems,
+    overlay_problems,
+    read_tables,
+    slot_record_problems,
+)
+from metrale_cli.layout.slot_layout import PaddedPair
+from metrale_cli.pool.pool import LoraPool
+
+
+@dataclass(frozen=True)
+class RegionDiff:
+    """One A or B region (or its offset) of one entry that differs from what pack writes."""
+
+    layer: int
+    module: str  # `q_proj`, `gate_proj expert 3`, `router`
+    part: str  # `A` or `B`
+    bytes_differing: int
+    # max |dW_image - dW_expected| over the entry, dW = scale * B @ A; None where not comparable.
+    max_delta_difference: float | None
+    note: str = ""
+
+    def record(self) -> dict[str, Any]:
+        return {"layer": self.layer, "module": self.module, "part": self.part,
+                "bytes_differing": self.bytes_differing,
+                "max_delta_difference": self.max_delta_difference, "note": self.note}
+
+
+@dataclass
+class AdapterVerdict:
+    name: str
+    slot: int
+    source: str
+    entries: int = 0
+    expert_entries: int = 0
+    bytes_compared: int = 0
+    # Slot-wide differences: rank, scale, overlays.
+    slot_diffs: list[str] = field(default_factory=list)
+    diffs: list[RegionDiff] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.slot_diffs and not self.diffs
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.name, "slot": self.slot, "source": self.source, "ok": self.ok,
+                "entries": self.entries, "expert_entries": self.expert_entries,
+                "bytes_compared": self.bytes_compared, "slot_differences": self.slot_diffs,
+                "differences": [d.record() for d in self.diffs]}
+
+
+@dataclass
+class VerifyResult:
+    path: Path
+    verdicts: list[AdapterVerdict]
+    unchecked: list[dict[str, Any]]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(v.ok for v in self.verdicts)
+
+    @property
+    def bytes_compared(self) -> int:
+        return sum(v.bytes_compared for v in self.verdicts)
+
+    def record(self) -> dict[str, Any]:
+        return {"path": str(self.path), "ok": self.ok,
+                "adapters": [v.record() for v in self.verdicts], "unchecked": self.unchecked,
+                "bytes_compared": self.bytes_compared, "seconds": self.seconds,
+                "gb_per_s": self.bytes_compared / self.seconds / 1e9 if self.seconds else None}
+
+
+@dataclass
+class Verifier:
+    """An image and the adapters to check against it, each matched to its slot by name."""
+
+    tables: ImageTables
+    adapters: list[tuple[int, Adapter]]
+
+    @classmethod
+    def open(cls, image: str | Path, adapters: list[Adapter]) -> Verifier:
+        tables = read_tables(image)
+        # What the comparison reads must be well formed; the rest it compares and reports.
+        found = (layout_problems(tables) + slot_record_problems(tables)
+                 or overlay_problems(tables))
+        if found:
+            raise ImageInconsistent(f"{tables.path}: {found[0]}")
+        slots = {s.get("name"): k for k, s in enumerate(tables.slots_doc) if s.get("name")}
+        matched = []
+        for a in adapters:
+            if a.name not in slots:
+                held = ", ".join(sorted(slots)) or "none"
+                raise UsageError(f"{a.name}: no slot of {tables.path} holds an adapter of that "
+                                 f"name (it holds: {held}); name it with NAME=PATH")
+            matched.append((slots[a.name], a))
+        return cls(tables, matched)
+
+    @property
+    def total_bytes(self) -> int:
+        """Image bytes the comparison reads: each given slot's regions."""
+        t = self.tables
+        per_slot = sum(e.a_bytes + e.b_bytes for e in t.layout.entries)
+        if t.expert_layout is not None:
+            per_slot += sum(e.a_bytes + e.b_bytes for e in t.expert_layout.entries)
+        return per_slot * len(self.adapters)
+
+    def run(self, progress: Callable[[int], None] | None = None) -> VerifyResult:
+        started = time.perf_counter()
+        fd = os.open(self.tables.path, os.O_RDONLY)
+        try:
+            verdicts = [self._verify(fd, slot, a, progress) for slot, a in self.adapters]
+        finally:
+            os.close(fd)
+        given = {slot for slot, _ in self.adapters}
+        unchecked = [{"slot": k, "name": s["name"]} for k, s in enumerate(self.tables.slots_doc)
+                     if s.get("name") and k not in given]
+        return VerifyResult(self.tables.path, verdicts, unchecked,
+                            time.perf_counter() - started)
+
+    def _verify(self, fd: int, slot: int, adapter: Adapter,
+                progress: Callable[[int], None] | None) -> AdapterVerdict:
+        t = self.tables
+        report = audit(adapter, t.model, t.layout.max_rank, t.expert_layout is not None)
+        if not report.servable:
+            first = report.errors()[0]
+            raise NotServable(f"{adapter.name}: not servable ({first.code}: {first.message}), "
+                              "so no pool holds it")
+        # What pack writes, by the packer itself: a one-slot host pool.
+        pool, _ = LoraPool.load(t.layout, 1, [report], "cpu", expert_layout=t.expert_layout)
+        want = pool.slot_contents(0)
+        verdict = AdapterVerdict(adapter.name, slot, str(adapter.path))
+        rank, scale = int(t.ranks[slot]), float(t.scales[slot])
+        want_scale = float(np.float32(want.info.scaling))
+        if rank != want.info.rank:
+            verdict.slot_diffs.append(f"rank {rank} in the image; the adapter's is "
+                                      f"{want.info.rank}")
+        if np.float32(scale) != np.float32(want_scale):
+            verdict.slot_diffs.append(f"scale {scale:.9g} in the image; the adapter's is "
+                                      f"{want_scale:.9g}")
+        regions = [("pool", t.layout.entries, t.layout.slot_bytes, t.a_offsets, t.b_offsets,
+                    want.adapted, want.data)]
+        if t.expert_layout is not None:
+            assert t.expert_a_offsets is not None and t.expert_b_offsets is not None
+            regions.append(("expert_pool", t.expert_layout.entries,
+                            t.expert_layout.slot_bytes, t.expert_a_offsets,
+                            t.expert_b_offsets, want.expert_adapted, want.expert_data))
+        for name, entries, size, a_offs, b_offs, adapted, want_bytes in regions:
+            info = t.tensor(name)
+            for i, e in enumerate(entries):
+                got = (int(a_offs[i, slot]), int(b_offs[i, slot]))
+                # Within the slot, where the layout puts the entry; -1 where pack leaves it out.
+                exp = (e.a_offset, e.b_offset) if adapted[i] else (-1, -1)
+                self._entry(fd, verdict, name, i, e, slot * size, info.begin, info.nbytes, got,
+                            exp, want_bytes, scale, want_scale, progress)
+        verdict.slot_diffs += self._overlays(fd, slot, want.overlay)
+        return verdict
+
+    def _entry(self, fd: int, verdict: AdapterVerdict, pool: str, i: int, e: PaddedPair,
+               base: int, pool_begin: int, pool_bytes: int, got: tuple[int, int],
+               exp: tuple[int, int], want_bytes: np.ndarray, scale: float, want_scale: float,
+               progress: Callable[[int], None] | None) -> None:
+        t = self.tables
+        layer, module = t.entry_label(pool, i)
+        if exp[0] < 0 and got[0] < 0:
+            return
+        if pool == "pool":
+            verdict.entries += 1
+        else:
+            verdict.expert_entries += 1
+        if exp[0] < 0 or got[0] < 0:
+            note = "only in the image" if exp[0] < 0 else "not in the image"
+            verdict.diffs.append(RegionDiff(layer, module, "A+B", e.a_bytes + e.b_bytes, None,
+                                            note))
+            return
+        regions: list[np.ndarray] = []
+        differing: list[tuple[str, int, str]] = []
+        for part, off, want_off, nbytes in (("A", got[0], base + exp[0], e.a_bytes),
+                                            ("B", got[1], base + exp[1], e.b_bytes)):
+            expected = want_bytes[want_off - base:want_off - base + nbytes]
+            if not 0 <= off <= pool_bytes - nbytes:
+                verdict.diffs.append(RegionDiff(layer, module, part, nbytes, None,
+                                                f"offset {off} is outside the pool"))
+                return
+            data = os.pread(fd, nbytes, pool_begin + off)
+            if len(data) != nbytes:
+                raise FormatError(f"{t.path}: file ended inside {pool}")
+            image = np.frombuffer(data, dtype=np.uint8)
+            regions.append(image)
+            verdict.bytes_compared += nbytes
+            if progress is not None:
+                progress(nbytes)
+            note = f"offset {off}, expected {want_off}" if off != want_off else ""
+            # memcmp-speed equality first; counting the differing bytes only where they differ.
+            n = 0 if np.array_equal(image, expected) else int((image != expected).sum())
+            if n or note:
+                differing.append((part, n, note))
+        if not differing:
+            return
+        a_want = want_bytes[exp[0]:exp[0] + e.a_bytes]
+        b_want = want_bytes[exp[1]:exp[1] + e.b_bytes]
+        diff = float(np.abs(_delta(regions[0], regions[1], e, scale)
+                            - _delta(a_want, b_want, e, want_scale)).max())
+        for part, n, note in differing:
+            verdict.diffs.append(RegionDiff(layer, module, part, n, diff, note))
+
+    def _overlays(self, fd: int, slot: int, want: Any) -> list[str]:
+        """The slot's overlay runs against the rows the adapter's overlays pack to."""
+        t = self.tables
+        runs = t.overlay_runs(slot)
+        want_tables = list(want.tables) if want is not None else []
+        if [r["table"] for r in runs] != want_tables:
+            return [f"overlays: the image replaces rows of {[r['table'] for r in runs]}; the "
+                    f"adapter of {want_tables}"]
+        found = []
+        rows_info = t.header.tensors.get("overlay_rows")
+        for j, run in enumerate(runs):
+            start, count = int(run["start"]), int(run["count"])
+            assert t.overlay_tokens is not None and rows_info is not None
+            tokens = np.asarray(t.overlay_tokens[start:start + count])
+            hidden = rows_info.shape[1]
+            data = os.pread(fd, count * hidden * 4, rows_info.begin + start * hidden * 4)
+            rows = np.frombuffer(data, dtype="<f4").reshape(count, hidden)
+            if not np.array_equal(tokens, want.tokens[j]):
+                found.append(f"overlays: {run['table']} token ids differ")
+            elif not np.array_equal(rows, want.rows[j]):
+                n = int((rows != want.rows[j]).any(axis=1).sum())
+                found.append(f"overlays: {n} {run['table']} rows differ")
+            if bool(run["tied_lm_head"]) != want.tied_lm_head[j]:
+                found.append(f"overlays: {run['table']} tied_lm_head differs")
+        return found
+
+
+def _delta(a: np.ndarray, b: np.ndarray, e: PaddedPair, scale: float) -> np.ndarray:
+    """dW = scale * B @ A `[out, in]` float32 from an entry's padded BF16 regions."""
+    a32 = bf16_to_f32(np.ascontiguousarray(a).view("<u2")).reshape(e.max_rank, e.in_dim)
+    b32 = bf16_to_f32(np.ascontiguousarray(b).view("<u2")).reshape(e.out_dim, e.max_rank)
+    return np.float32(scale) * (b32 @ a32)

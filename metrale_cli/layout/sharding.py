@@ -1,0 +1,425 @@
+"""Tensor- and expert-parallel shards of a pool: which slice of every LoRA weight a rank holds,
+each rank's slot and expert layouts, the per-GPU capacity plan, and how a rank's slice is read
+from an adapter file (docs/tensor-parallel.md).
+
+N = `tp_size`, k = `tp_rank`, R = `max_rank`. A is `[R, in]`, B is `[out, R]`, as in a slot.
+
+- Column-parallel (q_proj, k_proj, v_proj, gate_proj, up_proj): A whole; B output rows
+  `[k*out/N, (k+1)*out/N)`. With fewer KV heads than N, k_proj/v_proj hold the one KV head
+  `k // (N / num_kv_heads)`. A gated q_proj (`[query, gate]` per head) is sliced in whole heads.
+- Row-parallel (o_proj, down_proj, linear_attn.out_proj): A input columns `[k*in/N, ...)`; B
+  whole. A rank's delta is a partial sum that the layer's all-reduce completes.
+- Fully sharded (vLLM `fully_sharded_loras`): column layers also hold only A's rank rows
+  `[k*R/N, (k+1)*R/N)`; row layers only B's output rows `[k*out/N, ...)`.
+- Routers replicated; routed experts by the MoE TP degree N / M (gate/up B rows, down A
+  columns), each of the M expert-parallel ranks holding a contiguous run of whole experts.
+
+A rank's layout is `SlotLayout`'s construction over its shard shapes (layer, then module order,
+A then B, aligned), and each entry records its `Slice` of the full weight. The unsharded layout,
+its record and its fingerprint are untouched by any of this.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+from metrale_cli.adapters.audit import AdapterReport
+from metrale_cli.adapters.experts import ROUTER_EXPERT, ExpertProj
+from metrale_cli.errors import UsageError
+from metrale_cli.layout.expert_layout import EXPERT_LAYOUT_FORMAT, ExpertEntry, ExpertLayout
+from metrale_cli.layout.plan import PoolPlan
+from metrale_cli.layout.slot_layout import (
+    LAYOUT_FORMAT,
+    LayoutEntry,
+    SlotLayout,
+    fingerprint_of,
+    place_pair,
+)
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import LoraModule
+
+COLUMN_PARALLEL = (LoraModule.Q_PROJ, LoraModule.K_PROJ, LoraModule.V_PROJ,
+                   LoraModule.GATE_PROJ, LoraModule.UP_PROJ)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One rank of a TP deployment: `tp_size` ranks shard attention; the experts go to
+    `ep_size` expert-parallel groups of `tp_size // ep_size` ranks each, which shard every
+    expert among themselves (SGLang's `moe_tp = tp / ep`; `ep_size == tp_size` is vLLM's
+    expert parallelism)."""
+
+    tp_size: int
+    tp_rank: int = 0
+    ep_size: int = 1
+    fully_sharded: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise UsageError(f"--tp must be positive, got {self.tp_size}")
+        if self.ep_size < 1:
+            raise UsageError(f"--ep must be positive, got {self.ep_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise UsageError(f"rank {self.tp_rank} is out of range for --tp {self.tp_size}")
+        if self.tp_size % self.ep_size:
+            raise UsageError(f"--ep {self.ep_size} does not divide --tp {self.tp_size} (the "
+                             "MoE TP degree is tp / ep)")
+        if self.fully_sharded and self.ep_size > 1:
+            raise UsageError("--ep with --fully-sharded is refused (vLLM refuses expert "
+                             "parallelism with fully sharded LoRA)")
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp_rank % self.moe_tp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank // self.moe_tp_size
+
+    def all_ranks(self) -> list[ShardSpec]:
+        """Every rank of this deployment, rank 0 first."""
+        return [ShardSpec(self.tp_size, k, self.ep_size, self.fully_sharded)
+                for k in range(self.tp_size)]
+
+    def record(self) -> dict[str, Any]:
+        return {"tp_size": self.tp_size, "tp_rank": self.tp_rank, "ep_size": self.ep_size,
+                "ep_rank": self.ep_rank, "fully_sharded": self.fully_sharded}
+
+    @classmethod
+    def from_record(cls, doc: dict[str, Any]) -> ShardSpec:
+        if not isinstance(doc["fully_sharded"], bool):
+            raise ValueError(f"fully_sharded is {doc['fully_sharded']!r}, not true or false")
+        spec = cls(int(doc["tp_size"]), int(doc["tp_rank"]), int(doc["ep_size"]),
+                   doc["fully_sharded"])
+        if spec.ep_rank != int(doc["ep_rank"]):
+            raise ValueError(f"ep_rank {doc['ep_rank']} is not tp_rank // (tp_size / ep_size)")
+        return spec
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Which part of a `full` `[out, in]` weight's LoRA pair a rank holds: B's output `rows`
+    `[lo, hi)` (all R columns), A's input `cols` `[lo, hi)`, and, fully sharded column-parallel,
+    only A's padded rank rows `ranks` `[lo, hi)`."""
+
+    full: tuple[int, int]
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    ranks: tuple[int, int] | None = None
+
+    def a_rows(self, max_rank: int) -> int:
+        return self.ranks[1] - self.ranks[0] if self.ranks is not None else max_rank
+
+    def flat(self) -> list[int]:
+        return [*self.rows, *self.cols, *(self.ranks or ())]
+
+    def record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"full": list(self.full), "rows": list(self.rows),
+                                  "cols": list(self.cols)}
+        if self.ranks is not None:
+            record["ranks"] = list(self.ranks)
+        return record
+
+
+def _part(total: int, parts: int, part: int) -> tuple[int, int]:
+    size = total // parts
+    return part * size, (part + 1) * size
+
+
+def _need(count: int, parts: int, what: str, flag: str) -> None:
+    if count % parts:
+        raise UsageError(f"{what} ({count}) does not split over {flag} {parts}")
+
+
+def _column_rows(model: ModelConfig, module: LoraModule, n: int, k: int) -> tuple[int, int]:
+    out_dim = module.dims(model)[0]
+    if module is LoraModule.Q_PROJ:
+        heads = model.num_attention_heads
+        what = "q_proj heads" + (" (each with its gate)" if model.attn_gated else "")
+        _need(heads, n, what, "--tp")
+        return _part(out_dim, n, k)
+    if module in (LoraModule.K_PROJ, LoraModule.V_PROJ):
+        kv, hd = model.num_key_value_heads, model.head_dim
+        if kv >= n:
+            _need(kv, n, f"{module.value} KV heads", "--tp")
+            return _part(out_dim, n, k)
+        if n % kv:
+            raise UsageError(f"{module.value}: {kv} KV heads neither split over --tp {n} nor "
+                             "divide it (one KV head per rank needs tp a multiple of them)")
+        # Fewer KV heads than ranks: each holds one whole head, as the base weight loader does.
+        head = k // (n // kv)
+        return head * hd, (head + 1) * hd
+    _need(out_dim, n, f"{module.value} output rows", "--tp")
+    return _part(out_dim, n, k)
+
+
+def _row_cols(model: ModelConfig, module: LoraModule, n: int, k: int) -> tuple[int, int]:
+    in_dim = module.dims(model)[1]
+    if module is LoraModule.O_PROJ:
+        _need(model.num_attention_heads, n, "o_proj input heads", "--tp")
+    elif module is LoraModule.OUT_PROJ:
+        _need(model.linear_num_value_heads, n, "out_proj linear-attention value heads", "--tp")
+    else:
+        _need(in_dim, n, f"{module.value} input columns", "--tp")
+    return _part(in_dim, n, k)
+
+
+def _rank_rows(max_rank: int, spec: ShardSpec) -> tuple[int, int] | None:
+    if not spec.fully_sharded:
+        return None
+    _need(max_rank, spec.tp_size, "--fully-sharded: max rank", "--tp")
+    return _part(max_rank, spec.tp_size, spec.tp_rank)
+
+
+def module_slice(model: ModelConfig, module: LoraModule, spec: ShardSpec,
+                 max_rank: int) -> Slice:
+    """The slice of `module`'s pair that rank `spec.tp_rank` holds."""
+    n, k = spec.tp_size, spec.tp_rank
+    out_dim, in_dim = module.dims(model)
+    full = (out_dim, in_dim)
+    if module in COLUMN_PARALLEL:
+        return Slice(full, _column_rows(model, module, n, k), (0, in_dim),
+                     _rank_rows(max_rank, spec))
+    rows = (0, out_dim)
+    if spec.fully_sharded:
+        _need(out_dim, n, f"--fully-sharded: {module.value} output rows", "--tp")
+        rows = _part(out_dim, n, k)
+    return Slice(full, rows, _row_cols(model, module, n, k))
+
+
+def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank: int) -> Slice:
+    """The slice of one routed expert's (or the router's) pair a rank holds: the router whole;
+    gate/up B rows and down A columns by the MoE TP degree."""
+    out_dim, in_dim = proj.dims(model)
+    full = (out_dim, in_dim)
+    if proj is ExpertProj.ROUTER:
+        return Slice(full, (0, out_dim), (0, in_dim))
+    m, j = spec.moe_tp_size, spec.moe_tp_rank
+    inter = model.expert_intermediate_size
+    _need(inter, m, "expert intermediate size", "MoE TP (tp / ep)")
+    if proj is ExpertProj.DOWN_PROJ:
+        rows = (0, out_dim)
+        if spec.fully_sharded:
+            _need(out_dim, spec.tp_size, "--fully-sharded: expert down_proj output rows", "--tp")
+            rows = _part(out_dim, spec.tp_size, spec.tp_rank)
+        return Slice(full, rows, _part(in_dim, m, j))
+    return Slice(full, _part(out_dim, m, j), (0, in_dim), _rank_rows(max_rank, spec))
+
+
+def owns_expert(model: ModelConfig, spec: ShardSpec, expert: int) -> bool:
+    """Whether the rank's EP group holds `expert` (the router, expert -1, is everywhere)."""
+    if expert == ROUTER_EXPERT or spec.ep_size == 1:
+        return True
+    _need(model.num_experts, spec.ep_size, "routed experts", "--ep")
+    return expert // (model.num_experts // spec.ep_size) == spec.ep_rank
+
+
+# -- per-rank layouts ---------------------------------------------------------------------------
+
+
+class Sliced:
+    """An entry over a shard: its `out_dim`/`in_dim` are the slice's, `slice` says where it
+    sits in the full weight (recorded beside the entry's fields)."""
+
+    slice: Slice
+    max_rank: int
+
+    @property
+    def a_rows(self) -> int:
+        return self.slice.a_rows(self.max_rank)
+
+    @property
+    def full_dims(self) -> tuple[int, int]:
+        return self.slice.full
+
+    def record(self) -> dict[str, Any]:
+        return {**super().record(), "slice": self.slice.record()}  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class ShardEntry(Sliced, LayoutEntry):
+    slice: Slice
+
+
+@dataclass(frozen=True)
+class ShardExpertEntry(Sliced, ExpertEntry):
+    slice: Slice
+
+
+@dataclass(frozen=True)
+class RankLayout(SlotLayout):
+    """One rank's slot layout: the unsharded construction over the rank's shard shapes."""
+
+    shard: ShardSpec = field(kw_only=True)
+
+    @classmethod
+    def of(cls, layout: SlotLayout, spec: ShardSpec) -> RankLayout:
+        return cls(layout.model, layout.modules, layout.max_rank, layout.align, shard=spec)
+
+    @cached_property
+    def entries(self) -> tuple[ShardEntry, ...]:  # type: ignore[override]
+        entries = []
+        offset = 0
+        # In layout order, so the first count that does not split is the one named.
+        slices = {m: module_slice(self.model, m, self.shard, self.max_rank)
+                  for m in dict.fromkeys(m for _, m in self.applied())}
+        for layer, module in self.applied():
+            s = slices[module]
+            out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]
+            a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
+                                                    self.align, s.a_rows(self.max_rank))
+            entries.append(ShardEntry(layer, module, s, out_dim=out_dim, in_dim=in_dim,
+                                      a_offset=a_offset, b_offset=b_offset,
+                                      max_rank=self.max_rank))
+        return tuple(entries)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        canonical = {
+            "format": LAYOUT_FORMAT, "dtype": "BF16", "align": self.align,
+            "max_rank": self.max_rank, "slot_bytes": self.slot_bytes,
+            "shard": self.shard.record(),
+            "entries": [[e.layer, e.module.peft_name, e.out_dim, e.in_dim, e.a_offset,
+                         e.b_offset, *e.slice.flat()] for e in self.entries],
+        }
+        return fingerprint_of(canonical)
+
+    def record(self, max_loras: int | None = None) -> dict[str, Any]:
+        return {**super().record(max_loras), "shard": self.shard.record()}
+
+
+@dataclass(frozen=True)
+class RankExpertLayout(ExpertLayout):
+    """One rank's expert layout: its EP group's experts (and every router), each sliced by the
+    MoE TP degree."""
+
+    shard: ShardSpec = field(kw_only=True)
+
+    @classmethod
+    def of(cls, layout: ExpertLayout, spec: ShardSpec) -> RankExpertLayout:
+        keys = tuple(k for k in layout.keys if owns_expert(layout.model, spec, k[2]))
+        return cls(layout.model, keys, layout.max_rank, layout.align, shard=spec)
+
+    @cached_property
+    def entries(self) -> tuple[ShardExpertEntry, ...]:  # type: ignore[override]
+        entries = []
+        offset = 0
+        slices = {p: expert_slice(self.model, p, self.shard, self.max_rank)
+                  for p in dict.fromkeys(k[1] for k in self.keys)}
+        for layer, proj, expert in self.keys:
+            s = slices[proj]
+            out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]
+            a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
+                                                    self.align, s.a_rows(self.max_rank))
+            entries.append(ShardExpertEntry(layer, proj, expert, s, out_dim=out_dim,
+                                            in_dim=in_dim, a_offset=a_offset,
+                                            b_offset=b_offset, max_rank=self.max_rank))
+        return tuple(entries)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        canonical = {
+            "format": EXPERT_LAYOUT_FORMAT, "dtype": "BF16", "align": self.align,
+            "max_rank": self.max_rank, "expert_slot_bytes": self.slot_bytes,
+            "shard": self.shard.record(),
+            "entries": [[e.layer, e.proj.value, e.expert, e.out_dim, e.in_dim, e.a_offset,
+                         e.b_offset, *e.slice.flat()] for e in self.entries],
+        }
+        return fingerprint_of(canonical)
+
+    def record(self, max_loras: int | None = None, entries: bool = True) -> dict[str, Any]:
+        return {**super().record(max_loras, entries), "shard": self.shard.record()}
+
+
+def shard_of(metadata: dict[str, str]) -> ShardSpec | None:
+    """The rank a pool image's metadata names (`metrale.shard`), None for an unsharded image;
+    ValueError (or KeyError) when the record is malformed."""
+    doc = metadata.get("metrale.shard")
+    return ShardSpec.from_record(json.loads(doc)) if doc is not None else None
+
+
+def rank_layouts(layout: SlotLayout, expert_layout: ExpertLayout | None,
+                 spec: ShardSpec) -> tuple[RankLayout, RankExpertLayout | None]:
+    """Rank `spec.tp_rank`'s slot layout and expert layout; UsageError names a count the
+    deployment cannot split."""
+    ranked = RankLayout.of(layout, spec)
+    ranked.entries  # noqa: B018  (the rules run here, so a bad --tp fails before any work)
+    ex = RankExpertLayout.of(expert_layout, spec) if expert_layout is not None else None
+    if ex is not None:
+        ex.entries  # noqa: B018
+    return ranked, ex
+
+
+def rank_report(report: AdapterReport, expert_layout: RankExpertLayout | None) -> AdapterReport:
+    """`report` as one rank packs it: only the expert pairs of the rank's EP group."""
+    if expert_layout is None or not report.expert_pairs:
+        return report
+    return replace(report, expert_pairs=[p for p in report.expert_pairs
+                                         if p.key in expert_layout.index])
+
+
+# -- the per-GPU plan ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardedPlan:
+    """A TP deployment's pool: every rank's plan at one `max_loras` (the ranks serve the same
+    slots), so `--budget` is per GPU and the smallest fit wins. `plan` is the unsharded pool
+    at the same `max_loras`, for comparison."""
+
+    plan: PoolPlan
+    ranks: tuple[PoolPlan, ...]
+    spec: ShardSpec
+
+    @classmethod
+    def sized(cls, layout: SlotLayout, expert_layout: ExpertLayout | None, spec: ShardSpec,
+              max_loras: int | None = None, budget_bytes: int | None = None) -> ShardedPlan:
+        per_rank = [rank_layouts(layout, expert_layout, s) for s in spec.all_ranks()]
+        if budget_bytes is not None:
+            if max_loras is not None:
+                raise UsageError("give --max-loras or --budget, not both")
+            max_loras = min(PoolPlan.sized(*r, budget_bytes=budget_bytes).max_loras or 0
+                            for r in per_rank)
+        ranks = tuple(PoolPlan(r[0], r[1], max_loras, budget_bytes) for r in per_rank)
+        return cls(PoolPlan(layout, expert_layout, max_loras, budget_bytes), ranks, spec)
+
+    def groups(self) -> list[list[int]]:
+        """Ranks whose layouts place every byte alike (same shard shapes and offsets)."""
+        found: dict[tuple[Any, ...], list[int]] = {}
+        for k, p in enumerate(self.ranks):
+            key: tuple[Any, ...] = tuple((e.out_dim, e.in_dim, e.a_offset, e.b_offset)
+                                         for e in p.layout.entries)
+            if p.expert_layout is not None:
+                key += (p.expert_layout.slot_bytes, len(p.expert_layout.entries))
+            found.setdefault(key, []).append(k)
+        return list(found.values())
+
+    def record(self) -> dict[str, Any]:
+        n = self.plan.max_loras
+        layouts = []
+        for ranks in self.groups():
+            p = self.ranks[ranks[0]]
+            ex = p.expert_layout
+            ex_fingerprints = [x.fingerprint for k in ranks
+                               if (x := self.ranks[k].expert_layout) is not None]
+            layouts.append({
+                "ranks": ranks,
+                "slot_bytes": p.layout.slot_bytes,
+                "expert_slot_bytes": ex.slot_bytes if ex is not None else None,
+                "bytes_per_slot": p.bytes_per_slot,
+                "pool_bytes": p.layout.pool_bytes(n) if n is not None else None,
+                "table_bytes": p.layout.table_bytes(n) if n is not None else None,
+                "total_bytes": p.total_bytes,
+                "fingerprints": [self.ranks[k].layout.fingerprint for k in ranks],
+                "expert_fingerprints": ex_fingerprints if ex is not None else None,
+            })
+        return {**self.plan.record(), "tp_size": self.spec.tp_size,
+                "ep_size": self.spec.ep_size, "fully_sharded": self.spec.fully_sharded,
+                "rank_layouts": layouts}

@@ -1,0 +1,215 @@
+"""The byte-exact layout of one pool slot, and the capacity plan of a pool of such slots.
+
+Every (layer, module) pair with the module in the set and `applies_to_layer` true is an entry, in
+layer order then `ALL` order. Each entry reserves A `[max_rank, in_dim]` then B
+`[out_dim, max_rank]`, row-major BF16, each at an aligned offset; `slot_bytes` is the total rounded
+up to the alignment. Nothing is reserved where a module does not apply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from metrale_cli.errors import UsageError
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import ALL, LoraModule
+
+BF16_BYTES = 2
+DEFAULT_ALIGN = 256
+LAYOUT_FORMAT = "slot-layout/1"
+# Per slot and entry the pool keeps an A and a B pointer (u64); per slot a scale (f32) and a
+# rank (i32).
+POINTER_BYTES = 8
+SCALE_BYTES = 4
+RANK_BYTES = 4
+
+
+def align_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def place_pair(offset: int, out_dim: int, in_dim: int, max_rank: int,
+               align: int, a_rows: int | None = None) -> tuple[int, int, int]:
+    """Reserve A `[a_rows, in_dim]` (`a_rows` defaults to `max_rank`; a fully sharded
+    column-parallel shard holds fewer) then B `[out_dim, max_rank]` (BF16) at aligned offsets
+    from `offset`: returns (a_offset, b_offset, end)."""
+    a_offset = align_up(offset, align)
+    rows = max_rank if a_rows is None else a_rows
+    b_offset = align_up(a_offset + rows * in_dim * BF16_BYTES, align)
+    return a_offset, b_offset, b_offset + out_dim * max_rank * BF16_BYTES
+
+
+def padded_end(entries: tuple[Any, ...], align: int) -> int:
+    """The bytes of a slot holding `entries` (padded pairs in offset order), aligned."""
+    if not entries:
+        return 0
+    last = entries[-1]
+    return align_up(last.b_offset + last.b_bytes, align)
+
+
+def fingerprint_of(canonical: dict[str, Any]) -> str:
+    """The 32-hex-digit hash of a layout's canonical description."""
+    blob = json.dumps(canonical, separators=(",", ":"), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def check_rank_and_align(max_rank: int, align: int) -> None:
+    """What every padded layout needs: a positive max rank, a power-of-two alignment."""
+    if max_rank <= 0:
+        raise UsageError(f"max rank must be positive, got {max_rank}")
+    if align <= 0 or align & (align - 1):
+        raise UsageError(f"alignment must be a power of two, got {align}")
+    if align < 16:
+        # Every region starts on `align`; the kernels read weights with 16-byte loads.
+        raise UsageError(f"alignment must be at least 16 bytes (the kernels' loads), got {align}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedPair:
+    """The A `[max_rank, in_dim]` and B `[out_dim, max_rank]` BF16 regions of one projection at
+    byte offsets `a_offset`, `b_offset` within a slot; the base of the slot layout's and the
+    expert layout's entries, which name what the pair adapts before these fields."""
+
+    out_dim: int
+    in_dim: int
+    a_offset: int
+    b_offset: int
+    max_rank: int
+
+    @property
+    def a_rows(self) -> int:
+        """The rank rows A reserves: `max_rank` (a fully sharded shard holds a part of them)."""
+        return self.max_rank
+
+    @property
+    def full_dims(self) -> tuple[int, int]:
+        """`(out_dim, in_dim)` of the whole weight the pair adapts (a shard holds a part)."""
+        return self.out_dim, self.in_dim
+
+    @property
+    def a_bytes(self) -> int:
+        return self.a_rows * self.in_dim * BF16_BYTES
+
+    @property
+    def b_bytes(self) -> int:
+        return self.out_dim * self.max_rank * BF16_BYTES
+
+    def record(self) -> dict[str, Any]:
+        return {"out_dim": self.out_dim, "in_dim": self.in_dim, "a_offset": self.a_offset,
+                "b_offset": self.b_offset}
+
+
+@dataclass(frozen=True)
+class LayoutEntry(PaddedPair):
+    layer: int
+    module: LoraModule
+
+    def record(self) -> dict[str, Any]:
+        return {"layer": self.layer, "module": self.module.peft_name, **super().record()}
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    model: ModelConfig
+    modules: tuple[LoraModule, ...]
+    max_rank: int
+    align: int = DEFAULT_ALIGN
+
+    def __post_init__(self) -> None:
+        check_rank_and_align(self.max_rank, self.align)
+        # An empty module set is a zero-byte slot: a pool that serves only expert LoRA or
+        # token overlays (the CLI refuses an empty --modules itself).
+
+    @classmethod
+    def build(
+        cls, model: ModelConfig, modules: list[LoraModule] | tuple[LoraModule, ...],
+        max_rank: int, align: int = DEFAULT_ALIGN,
+    ) -> SlotLayout:
+        ordered = tuple(m for m in ALL if m in set(modules))
+        return cls(model, ordered, max_rank, align)
+
+    def applied(self) -> Iterator[tuple[int, LoraModule]]:
+        """Every (layer, module) pair with the module in the set and applying to the layer, in
+        layout order (layer, then module)."""
+        for layer in range(self.model.num_hidden_layers):
+            for module in self.modules:
+                if module.applies_to_layer(self.model, layer):
+                    yield layer, module
+
+    @cached_property
+    def entries(self) -> tuple[LayoutEntry, ...]:
+        entries = []
+        offset = 0
+        for layer, module in self.applied():
+            out_dim, in_dim = module.dims(self.model)
+            a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
+                                                    self.align)
+            entries.append(LayoutEntry(layer, module, out_dim=out_dim, in_dim=in_dim,
+                                       a_offset=a_offset, b_offset=b_offset,
+                                       max_rank=self.max_rank))
+        return tuple(entries)
+
+    @cached_property
+    def index(self) -> dict[tuple[int, LoraModule], int]:
+        """(layer, module) -> entry index."""
+        return {(e.layer, e.module): i for i, e in enumerate(self.entries)}
+
+    @cached_property
+    def slot_bytes(self) -> int:
+        return padded_end(self.entries, self.align)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash of everything that decides byte positions: two pools whose fingerprints match
+        read a slot's bytes the same way."""
+        canonical = {
+            "format": LAYOUT_FORMAT,
+            "dtype": "BF16",
+            "align": self.align,
+            "max_rank": self.max_rank,
+            "slot_bytes": self.slot_bytes,
+            "entries": [
+                [e.layer, e.module.peft_name, e.out_dim, e.in_dim, e.a_offset, e.b_offset]
+                for e in self.entries
+            ],
+        }
+        return fingerprint_of(canonical)
+
+    # -- capacity -------------------------------------------------------------------------------
+
+    def table_bytes(self, max_loras: int) -> int:
+        """Pointer tables (A and B per entry), the scale table and the rank table."""
+        return max_loras * (len(self.entries) * 2 * POINTER_BYTES + SCALE_BYTES + RANK_BYTES)
+
+    def pool_bytes(self, max_loras: int) -> int:
+        return max_loras * self.slot_bytes
+
+    def shares(self) -> dict[str, dict[str, int]]:
+        """Slot bytes by module and by layer kind (A + B, without alignment padding)."""
+        by_module: dict[str, int] = {}
+        by_layer_kind: dict[str, int] = {}
+        for e in self.entries:
+            size = e.a_bytes + e.b_bytes
+            by_module[e.module.peft_name] = by_module.get(e.module.peft_name, 0) + size
+            kind = self.model.layer_type(e.layer).value
+            by_layer_kind[kind] = by_layer_kind.get(kind, 0) + size
+        return {"module": by_module, "layer_kind": by_layer_kind}
+
+    def record(self, max_loras: int | None = None) -> dict[str, Any]:
+        return {
+            "slot_bytes": self.slot_bytes,
+            "pool_bytes": self.pool_bytes(max_loras) if max_loras is not None else None,
+            "max_rank": self.max_rank,
+            "max_loras": max_loras,
+            "align": self.align,
+            "dtype": "BF16",
+            "modules": [m.peft_name for m in self.modules],
+            "fingerprint": self.fingerprint,
+            "entries": [e.record() for e in self.entries],
+        }
+

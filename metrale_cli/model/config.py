@@ -1,0 +1,436 @@
+"""Base-model configs: what `--model` names, read into one `ModelConfig`.
+
+`--model` (or an adapter's `base_model_name_or_path`) is resolved in this order (docs/cli.md):
+1. a path to a `config.json` file, or to a directory that holds one;
+2. a hub id (`org/name[@revision]`) whose `config.json` is in the local Hugging Face cache, or
+   with `--online` on the hub;
+3. a built-in preset, by its name or one of its hub ids;
+4. anything else is an error (a path that exists without a `config.json` says so). A directory
+   without `config.json` (an adapter directory named like a preset, say) never hides a preset.
+The network is used only with `--online`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from metrale_cli import env
+from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
+from metrale_cli.files.hub import cached, fetch, parse_hub_id
+from metrale_cli.files.jsondoc import load_json
+
+# The model types whose layer stack metrale knows; `*_text` forms map onto these.
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
+# Hybrid Gated-DeltaNet families: gated q_proj by default and a linear-attention layer stack.
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# transformers' default when a hybrid config carries neither `layer_types` nor the interval.
+DEFAULT_FULL_ATTENTION_INTERVAL = 4
+# Upper bounds on a config's counts and widths, far above any real model (the largest have
+# ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
+# pool stays quick: a config past them is malformed, not a bigger model.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 8192
+MAX_WIDTH = 1 << 22
+MAX_VOCAB = 1 << 26
+# Routed experts over all MoE layers (Qwen3-Next: 48 x 512 = 24,576): bounds the expert layout.
+MAX_LAYER_EXPERTS = 1 << 18
+_LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS,
+           "num_local_experts": MAX_EXPERTS, "vocab_size": MAX_VOCAB}
+
+
+class LayerType(str, Enum):
+    FULL_ATTENTION = "full_attention"
+    LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The text decoder of a base model, as far as LoRA serving needs it."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    layer_types: tuple[LayerType, ...]
+    attn_gated: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    vocab_size: int = 0
+    # Layers whose MLP is dense although the model has routed experts (qwen3_moe, qwen3_next);
+    # with `decoder_sparse_step` this decides which layers carry experts (transformers' rule).
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    # The output head shares the input embedding: a token overlay on one is on both (PEFT ties
+    # its trainable-token adapter on lm_head to the embedding's).
+    tie_word_embeddings: bool = False
+    # The config nests the text model under `text_config` (a vision-language checkpoint).
+    composite: bool = False
+    # Where the config came from: a preset name, a file path, or a hub id.
+    source: str = ""
+
+    def layer_type(self, layer: int) -> LayerType:
+        return self.layer_types[layer]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.model_type in HYBRID_MODEL_TYPES
+
+    @property
+    def linear_value_width(self) -> int:
+        """Gated-DeltaNet value width `Nv * dv`: the input width of `linear_attn.out_proj`."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """One routed expert's FFN width (Mixtral's experts use `intermediate_size`)."""
+        if not self.num_experts:
+            return 0
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is routed experts: every layer of Mixtral and Qwen3.5-MoE; for
+        qwen3_moe/qwen3_next, not in `mlp_only_layers` and `(layer + 1) % decoder_sparse_step
+        == 0` (their decoder layers' rule)."""
+        if not self.num_experts:
+            return False
+        if self.model_type not in ("qwen3_moe", "qwen3_next"):
+            return True
+        step = self.decoder_sparse_step or 1
+        return layer not in self.mlp_only_layers and (layer + 1) % step == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t is LayerType.FULL_ATTENTION]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t is LayerType.LINEAR_ATTENTION]
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON record of this config (also stored in pool images)."""
+        record = asdict(self)
+        record["layer_types"] = [t.value for t in self.layer_types]
+        record["mlp_only_layers"] = list(self.mlp_only_layers)
+        return record
+
+    @classmethod
+    def from_summary(cls, record: dict[str, Any]) -> ModelConfig:
+        """The config `summary()` recorded; ValueError when a field is not of its type (an
+        image's metadata is input: `inf` for a flag, `null` for a width)."""
+        fields = dict(record)
+        fields["layer_types"] = tuple(LayerType(t) for t in fields["layer_types"])
+        fields["mlp_only_layers"] = tuple(fields.get("mlp_only_layers") or ())
+        kinds = {"int": int, "bool": bool, "str": str}
+        for f in dataclass_fields(cls):
+            kind = kinds.get(str(f.type))
+            value = fields.get(f.name)
+            if kind is None or (value is None and f.name not in record):
+                continue  # the tuples, checked above; a field the record leaves at its default
+            if not isinstance(value, kind) or (kind is int and (isinstance(value, bool)
+                                                                or value < 0)):
+                raise ValueError(f"model {f.name} {value!r} is not a "
+                                 f"{'non-negative integer' if kind is int else kind.__name__}")
+        if not all(isinstance(i, int) and not isinstance(i, bool)
+                   for i in fields["mlp_only_layers"]):
+            raise ValueError("model mlp_only_layers is not a list of layer numbers")
+        return cls(**fields)
+
+    # -- named constructors -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "") -> ModelConfig:
+        """Read an HF `config.json` dict (composite configs use their `text_config`)."""
+        if not isinstance(raw, dict):
+            raise FormatError(f"{source or 'config'}: not a JSON object")
+        composite = isinstance(raw.get("text_config"), dict)
+        text = raw["text_config"] if composite else raw
+        model_type = str(text.get("model_type") or raw.get("model_type") or "")
+        model_type = model_type.removesuffix("_text")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+
+        def bounded(key: str, value: int) -> int:
+            limit = _LIMITS.get(key, MAX_WIDTH)
+            if value > limit:
+                raise FormatError(f"{source or 'config'}: {key!r} is {value}, above the {limit:,} "
+                                  "that metrale accepts; not a real model's config")
+            return value
+
+        def need(key: str) -> int:
+            value = text.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise FormatError(
+                    f"{source or 'config'}: {key!r} missing or not a positive integer")
+            return bounded(key, value)
+
+        def opt(key: str, default: int = 0) -> int:
+            value = text.get(key)
+            if value is None:
+                return default
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise FormatError(f"{source or 'config'}: {key!r} is not a non-negative integer")
+            return bounded(key, value)
+
+        hidden = need("hidden_size")
+        layers = need("num_hidden_layers")
+        num_experts = opt("num_experts") or opt("num_local_experts")
+        if layers * num_experts > MAX_LAYER_EXPERTS:
+            raise FormatError(f"{source or 'config'}: {layers} layers x {num_experts} experts "
+                              f"is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; not a "
+                              "real model's config")
+        heads = need("num_attention_heads")
+        head_dim = opt("head_dim") or hidden // heads
+        layer_types = _layer_types(text, model_type, layers, source)
+        only = text.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only
+        ):
+            raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
+        tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        gate = text.get("attn_output_gate")
+        attn_gated = gate is not False if model_type in HYBRID_MODEL_TYPES else bool(gate)
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=opt("num_key_value_heads", heads),
+            head_dim=head_dim,
+            intermediate_size=opt("intermediate_size"),
+            layer_types=layer_types,
+            attn_gated=attn_gated,
+            num_experts=num_experts,
+            num_experts_per_tok=opt("num_experts_per_tok"),
+            moe_intermediate_size=opt("moe_intermediate_size"),
+            shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
+            linear_num_key_heads=opt("linear_num_key_heads"),
+            linear_num_value_heads=opt("linear_num_value_heads"),
+            linear_key_head_dim=opt("linear_key_head_dim"),
+            linear_value_head_dim=opt("linear_value_head_dim"),
+            vocab_size=opt("vocab_size"),
+            mlp_only_layers=tuple(sorted(set(only))),
+            decoder_sparse_step=opt("decoder_sparse_step", 1) or 1,
+            tie_word_embeddings=bool(tied),
+            composite=composite,
+            source=source,
+        )
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """A `config.json` file, or a directory holding one."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise UsageError(f"{path}: no config.json there")
+        try:
+            text = file.read_bytes()
+        except OSError as exc:
+            raise FormatError(f"{file}: not a readable JSON config ({exc})") from exc
+        return cls.from_dict(load_json(file, text, "JSON config"), source=str(file))
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        preset = find_preset(name)
+        if preset is None:
+            raise UsageError(f"unknown preset {name!r}; `metrale models` lists them")
+        return cls.from_dict(preset.config, source=preset.name)
+
+
+def _layer_types(
+    text: dict[str, Any], model_type: str, layers: int, source: str
+) -> tuple[LayerType, ...]:
+    """Per-layer attention kind: `layer_types`, else `full_attention_interval`, else all full
+    attention (hybrid families default to transformers' interval of 4)."""
+    raw = text.get("layer_types")
+    if raw is not None:
+        if not isinstance(raw, list) or len(raw) != layers:
+            raise FormatError(
+                f"{source or 'config'}: layer_types must list {layers} entries, one per layer"
+            )
+        try:
+            return tuple(LayerType(t) for t in raw)
+        except ValueError as exc:
+            raise FormatError(f"{source or 'config'}: {exc}") from exc
+    interval = text.get("full_attention_interval")
+    if interval is None and model_type in HYBRID_MODEL_TYPES:
+        interval = DEFAULT_FULL_ATTENTION_INTERVAL
+    if interval is None:
+        return (LayerType.FULL_ATTENTION,) * layers
+    if not isinstance(interval, int) or interval <= 0:
+        raise FormatError(f"{source or 'config'}: full_attention_interval must be a positive int")
+    return tuple(
+        LayerType.LINEAR_ATTENTION if (i + 1) % interval else LayerType.FULL_ATTENTION
+        for i in range(layers)
+    )
+
+
+# -- presets -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hub_ids: tuple[str, ...]
+    config: dict[str, Any] = field(repr=False)
+
+    def record(self) -> dict[str, Any]:
+        """`metrale models --json`: the names, the config summary, and the layer and expert
+        counts the table shows."""
+        cfg = ModelConfig.from_dict(self.config, source=self.name)
+        return {"name": self.name, "hub_ids": list(self.hub_ids), **cfg.summary(),
+                "full_attention_layers": len(cfg.full_attention_layers),
+                "linear_attention_layers": len(cfg.linear_attention_layers),
+                "expert_intermediate_size": cfg.expert_intermediate_size}
+
+
+def _hybrid_text(**values: Any) -> dict[str, Any]:
+    return {"full_attention_interval": 4, **values}
+
+
+# Values re-typed from the public config.json of each model (see docs/models.md for sources).
+PRESETS: tuple[Preset, ...] = (
+    Preset(
+        "qwen3-next-80b-a3b",
+        ("Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen/Qwen3-Next-80B-A3B-Thinking"),
+        _hybrid_text(
+            model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48,
+            num_attention_heads=16, num_key_value_heads=2, head_dim=256, intermediate_size=5120,
+            num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+            shared_expert_intermediate_size=512, linear_num_key_heads=16,
+            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+            vocab_size=151936,
+        ),
+    ),
+    Preset(
+        "qwen3.5-35b-a3b",
+        ("Qwen/Qwen3.5-35B-A3B",),
+        {"model_type": "qwen3_5_moe", "text_config": _hybrid_text(
+            model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+            num_attention_heads=16, num_key_value_heads=2, head_dim=256, attn_output_gate=True,
+            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+            shared_expert_intermediate_size=512, linear_num_key_heads=16,
+            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+            vocab_size=248320,
+        )},
+    ),
+    Preset(
+        "qwen3.5-122b-a10b",
+        ("Qwen/Qwen3.5-122B-A10B", "Qwen/Qwen3.5-122B-A10B-FP8"),
+        {"model_type": "qwen3_5_moe", "text_config": _hybrid_text(
+            model_type="qwen3_5_moe_text", hidden_size=3072, num_hidden_layers=48,
+            num_attention_heads=32, num_key_value_heads=2, head_dim=256, attn_output_gate=True,
+            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024, linear_num_key_heads=16,
+            linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128,
+            vocab_size=248320,
+        )},
+    ),
+    # Dense Qwen3.5: transformers' Qwen3_5TextConfig defaults (the 9B text stack).
+    Preset(
+        "qwen3.5-9b",
+        ("Qwen/Qwen3.5-9B",),
+        {"model_type": "qwen3_5", "text_config": _hybrid_text(
+            model_type="qwen3_5_text", hidden_size=4096, num_hidden_layers=32,
+            num_attention_heads=16, num_key_value_heads=4, head_dim=256, intermediate_size=12288,
+            attn_output_gate=True, linear_num_key_heads=16, linear_num_value_heads=32,
+            linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320,
+        )},
+    ),
+    Preset(
+        "qwen3-8b",
+        ("Qwen/Qwen3-8B",),
+        {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+         "intermediate_size": 12288, "vocab_size": 151936},
+    ),
+    Preset(
+        "qwen3-30b-a3b",
+        ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B-Instruct-2507"),
+        {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+         "num_experts_per_tok": 8, "vocab_size": 151936},
+    ),
+    Preset(
+        "llama-3.1-8b",
+        ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct"),
+        {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+         "vocab_size": 128256},
+    ),
+    Preset(
+        "mixtral-8x7b",
+        ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
+        {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+         "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000},
+    ),
+)
+
+
+def find_preset(name: str) -> Preset | None:
+    """A preset by its name or one of its hub ids (case-insensitive)."""
+    wanted = name.strip().lower()
+    for preset in PRESETS:
+        if wanted == preset.name or wanted in (h.lower() for h in preset.hub_ids):
+            return preset
+    return None
+
+
+def resolve_model(spec: str, online: bool = False) -> ModelConfig:
+    """`--model`, in the order the module docstring gives: a config.json or a directory holding
+    one; a hub id (`org/name[@revision]`) from the local Hugging Face cache, or with `online`
+    from the hub; a preset (by name or hub id: a hub id that is not in the local cache but
+    names a preset's model gives that preset when offline)."""
+    spec = spec.strip()
+    if not spec:
+        raise UsageError("--model is empty")
+    path = Path(spec).expanduser()
+    if path.is_file() or (path / "config.json").is_file():
+        return ModelConfig.from_hf(path)
+    ref = parse_hub_id(spec)
+    if ref is not None:
+        config = fetch(ref, "config.json", online=True) if online else cached(ref, "config.json")
+        if config is not None:
+            return replace(ModelConfig.from_hf(config), source=spec)
+    preset = find_preset(spec)
+    if preset is not None:
+        return ModelConfig.from_dict(preset.config, source=preset.name)
+    if path.exists():
+        raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
+                         "(a directory without config.json), and not a preset (`metrale models`)")
+    raise UsageError(
+        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache "
+        f"({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
+        "directory, or --online to fetch a hub id"
+    )

@@ -1,0 +1,233 @@
+"""Run the CUDA kernels of kernels/*.cu on the CPU, unchanged, to test them without a GPU.
+
+The sources are compiled by g++ as C++ with kernels/host_shim.h force-included (CUDA's built-ins
+emulated: CTAs run one at a time, their threads as fibers that switch at barriers) into a shared
+library cached under METRALE_CACHE_DIR, keyed by a hash of the sources, the flags and the
+compiler. Launches go through the very `plan_*` functions that the CuPy launchers use
+(kernels.py), so the harness runs the same grids, blocks and argument lists as a GPU; table
+addresses are then host addresses (of torch CPU tensors or NumPy arrays).
+
+Buffers: torch CPU tensors or NumPy arrays; BF16 as torch.bfloat16 or uint16 bits. The harness
+is slow (every thread is a fiber) and meant for small shapes. Launches are serialised by one
+lock: the emulation keeps its launch state and every `__shared__` array in process globals, and
+ctypes releases the GIL during a call, so two threads launching at once would share them.
+
+`build_command` is the one place the g++ command is written; kernels/README.md shows it with
+`python -m metrale_cli.ops.host_harness`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metrale_cli import env
+from metrale_cli.errors import ToolMissing
+from metrale_cli.ops import kernels
+
+# -fno-strict-aliasing: the kernels read BF16 buffers through uint4 / unsigned pointers, which
+# CUDA allows and ISO C++ does not. -Wno-unknown-pragmas: g++ does not know `#pragma unroll`.
+CXX_FLAGS = (
+    "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
+    "-Wall", "-Werror", "-Wno-unknown-pragmas",
+)
+_ENTRY = "host_launch.h"
+_SHIM = "host_shim.h"
+
+
+def compiler() -> str:
+    """The C++ compiler's path; ToolMissing when there is none."""
+    for name in ("g++", "c++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise ToolMissing("the host kernel harness needs g++ (or c++) on PATH; none was found")
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """Where the build of the sources in `directory` is (or would be) cached."""
+    directory = directory or kernels.find_kernel_dir()
+    cxx = compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    digest = hashlib.sha256()
+    for part in (kernels.sources_digest(directory), " ".join(CXX_FLAGS), cxx, version):
+        digest.update(part.encode())
+    return env.cache_dir() / "host" / f"libmetrale_host-{digest.hexdigest()[:16]}.so"
+
+
+def build_command(directory: Path, output: str, cxx: str | None = None) -> list[str]:
+    """The g++ command that builds the host library of the sources in `directory`."""
+    return [
+        cxx or compiler(), *CXX_FLAGS, "-x", "c++", "-include", str(directory / _SHIM),
+        str(directory / _ENTRY), "-o", output,
+    ]
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile the host library unless a build of these exact sources is cached; its path."""
+    directory = directory or kernels.find_kernel_dir()
+    target = library_path(directory)
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target and rename, so concurrent test processes never load half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    command = build_command(directory, partial)
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        os.unlink(partial)
+        raise RuntimeError(
+            "host build of the kernels failed:\n" + " ".join(command) + "\n" + result.stderr
+        )
+    os.replace(partial, target)
+    return target
+
+
+@functools.cache
+def _library(path: str) -> ctypes.CDLL:
+    library = ctypes.CDLL(path)
+    library.metrale_host_launch.argtypes = [
+        ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+    ]
+    library.metrale_host_launch.restype = ctypes.c_int
+    return library
+
+
+def _param(value: Any) -> ctypes._SimpleCData:
+    if isinstance(value, np.uint64):  # a pointer passed by value (0: null)
+        return ctypes.c_uint64(int(value))
+    if isinstance(value, np.int32):
+        return ctypes.c_int32(int(value))
+    if isinstance(value, np.int64):
+        return ctypes.c_int64(int(value))
+    if isinstance(value, np.float32):
+        return ctypes.c_float(float(value))
+    if hasattr(value, "shape"):  # an array: the kernel takes its address
+        return ctypes.c_void_p(kernels._address(value))
+    raise TypeError(f"no host kernel parameter for {type(value).__name__}")
+
+
+_LAUNCH_LOCK = threading.Lock()
+
+
+def launch(plan: kernels.KernelLaunch) -> None:
+    """Run one planned launch on the host; RuntimeError carries the shim's message."""
+    if 0 in plan.grid:
+        return  # an empty batch: a GPU launch would be invalid, and there is nothing to do
+    library = _library(str(build()))
+    values = [_param(arg) for arg in plan.args]
+    params = (ctypes.c_void_p * len(values))(
+        *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values]
+    )
+    dims = (ctypes.c_uint * 6)(*plan.grid, *plan.block)
+    error = ctypes.create_string_buffer(512)
+    with _LAUNCH_LOCK:
+        status = library.metrale_host_launch(
+            plan.kernel.encode(), dims, params, len(values), error, len(error)
+        )
+    if status != 0:
+        raise RuntimeError(f"{plan.kernel} on the host: {error.value.decode()}")
+
+
+class HostBackend:
+    """kernels.Backend for the host harness: NaN-filled t (an element a kernel fails to write
+    shows up in any comparison), arrays of x's kind (torch or NumPy), an H200's SM count unless
+    told otherwise."""
+
+    def launch(self, plan: kernels.KernelLaunch) -> None:
+        launch(plan)
+
+    def new_t(self, like: Any, shape: tuple[int, int, int]) -> Any:
+        if hasattr(like, "data_ptr"):
+            import torch
+
+            return torch.full(shape, float("nan"), dtype=torch.float32)
+        return np.full(shape, np.nan, dtype=np.float32)
+
+    def array(self, like: Any, values: np.ndarray) -> Any:
+        if hasattr(like, "data_ptr"):
+            import torch
+
+            return torch.from_numpy(np.ascontiguousarray(values))
+        return np.ascontiguousarray(values)
+
+    def num_sms(self, requested: int | None) -> int:
+        return kernels.H200_SMS if requested is None else requested
+
+
+HOST = HostBackend()
+
+
+def bgmv_shrink(
+    x: Any, slots: Any, a_table: Any, ranks: Any, max_rank: int, t: Any | None = None,
+    *, num_sms: int = kernels.H200_SMS, batch: kernels.BatchPlan | None = None,
+) -> Any:
+    """kernels.bgmv_shrink on the host, split as an H200 (or a device with `num_sms` SMs)
+    would split it."""
+    return kernels.bgmv_shrink(x, slots, a_table, ranks, max_rank, t, num_sms=num_sms,
+                               batch=batch, backend=HOST)
+
+
+def bgmv_expand(
+    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
+    *, num_sms: int = kernels.H200_SMS, max_rank: int | None = None,
+) -> Any:
+    """kernels.bgmv_expand on the host; updates y in place and returns it."""
+    return kernels.bgmv_expand(t, slots, b_table, scale_table, ranks, y, num_sms=num_sms,
+                               max_rank=max_rank, backend=HOST)
+
+
+def sgmv_shrink(
+    x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, max_rank: int,
+    t: Any | None = None, *, num_sms: int = kernels.H200_SMS, t_cols: int | None = None,
+    token_order: Any | None = None,
+) -> Any:
+    """kernels.sgmv_shrink on the host."""
+    return kernels.sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, max_rank, t,
+                               num_sms=num_sms, t_cols=t_cols, token_order=token_order,
+                               backend=HOST)
+
+
+def sgmv_expand(
+    t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
+    *, max_rank: int | None = None, token_order: Any | None = None,
+) -> Any:
+    """kernels.sgmv_expand on the host; updates y in place and returns it."""
+    return kernels.sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
+                               max_rank=max_rank, token_order=token_order, backend=HOST)
+
+
+def bgmv(
+    x: Any, y: Any, slots: Any, a_table: Any, b_table: Any, scale_table: Any, ranks: Any,
+    max_rank: int, *, num_sms: int = kernels.H200_SMS, batch: kernels.BatchPlan | None = None,
+) -> Any:
+    """kernels.bgmv on the host (the grouped path when `batch` says so)."""
+    return kernels.bgmv(x, y, slots, a_table, b_table, scale_table, ranks, max_rank,
+                        num_sms=num_sms, batch=batch, backend=HOST)
+
+
+def sgmv(
+    x: Any, y: Any, seg_starts: Any, seg_slots: Any, a_table: Any, b_table: Any,
+    scale_table: Any, ranks: Any, max_rank: int, *, num_sms: int = kernels.H200_SMS,
+    t_cols: int | None = None,
+) -> Any:
+    """kernels.sgmv on the host."""
+    return kernels.sgmv(x, y, seg_starts, seg_slots, a_table, b_table, scale_table, ranks,
+                        max_rank, num_sms=num_sms, t_cols=t_cols, backend=HOST)
+
+
+if __name__ == "__main__":
+    source_dir = kernels.find_kernel_dir()
+    print(" ".join(build_command(source_dir, "libmetrale_host.so")))

@@ -1,0 +1,667 @@
+"""The CUDA LoRA delta kernels (kernels/*.cu): where the sources are, how each is launched, and
+the CuPy launchers.
+
+One loader finds the kernel directory (METRALE_KERNEL_DIR, then the installed package data,
+then the checkout's kernels/), inlines its local includes and compiles each source once per
+process with CuPy's RawModule (NVRTC; CuPy also keeps its own on-disk cache). When no
+directory holds the sources, the error names every path tried.
+
+The numbers the kernels and this planner share (threads, tiles, ranks, loads in flight) are read
+from kernels/lora_config.h, written once there.
+
+Launch planning (`plan_*`, `plan_batch`) is plain Python over array shapes and addresses, shared
+with the host harness (host_harness.py), so the CPU tests run exactly the grid, block and
+arguments that a GPU gets. The `bgmv*` / `sgmv*` launchers run on a backend: CuPy arrays on the
+GPU by default, or the host harness's (`host_harness.HOST`); BF16 buffers are uint16 arrays of
+raw BF16 bits (CuPy has no bfloat16 dtype).
+
+cupy is imported only inside functions, through compat.cupy_module().
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from metrale_cli import compat, env
+from metrale_cli.errors import ToolMissing
+
+# Every kernel's source file; the extern "C" names are the kernel names.
+KERNEL_SOURCES: dict[str, str] = {
+    "bgmv_shrink": "bgmv.cu",
+    "bgmv_expand_bf16": "bgmv.cu",
+    "bgmv_expand_f32": "bgmv.cu",
+    "sgmv_shrink": "sgmv.cu",
+    "sgmv_expand_bf16": "sgmv.cu",
+    "sgmv_expand_f32": "sgmv.cu",
+    "router_lora_f32": "expert.cu",
+    "router_lora_bf16": "expert.cu",
+    "expert_shrink_decode": "expert.cu",
+    "expert_shrink_prefill": "expert.cu",
+    "expert_expand_decode_bf16": "expert.cu",
+    "expert_expand_decode_f32": "expert.cu",
+    "expert_expand_prefill_bf16": "expert.cu",
+    "expert_expand_prefill_f32": "expert.cu",
+    "overlay_gather": "expert.cu",
+}
+
+CONFIG_HEADER = "lora_config.h"
+_DEFINE = re.compile(r"^#define\s+([A-Z0-9_]+)\s+(\d+)\s*$", re.MULTILINE)
+H200_SMS = 132  # the host harness plans for an H200 unless told otherwise
+# The per-kernel figures of lora_config.h, by the prefix of their #define names.
+_CONFIG_PREFIX = {
+    "bgmv_shrink": "BGMV_SHRINK", "bgmv_expand_bf16": "BGMV_EXPAND",
+    "bgmv_expand_f32": "BGMV_EXPAND", "sgmv_shrink": "SGMV_SHRINK",
+    "sgmv_expand_bf16": "SGMV_EXPAND", "sgmv_expand_f32": "SGMV_EXPAND",
+    "router_lora_f32": "ROUTER_LORA", "router_lora_bf16": "ROUTER_LORA",
+    "expert_shrink_decode": "EXPERT_SHRINK_DECODE",
+    "expert_shrink_prefill": "EXPERT_SHRINK_PREFILL",
+    "expert_expand_decode_bf16": "EXPERT_EXPAND_DECODE",
+    "expert_expand_decode_f32": "EXPERT_EXPAND_DECODE",
+    "expert_expand_prefill_bf16": "EXPERT_EXPAND_PREFILL",
+    "expert_expand_prefill_f32": "EXPERT_EXPAND_PREFILL", "overlay_gather": "OVERLAY_GATHER",
+}
+
+
+def _read_config(directory: Path) -> dict[str, int]:
+    path = directory / CONFIG_HEADER
+    return {name: int(value) for name, value in _DEFINE.findall(path.read_text(encoding="utf-8"))}
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+# --- finding and reading the sources ---------------------------------------------------------
+
+
+def kernel_dir_candidates() -> list[Path]:
+    """Where the kernel sources may be, in search order.
+
+    A wheel ships the sources as metrale_cli/kernel_src/ (pyproject maps the checkout's kernels/
+    there); a checkout or an editable install has them in kernels/ beside the package.
+    """
+    package = Path(__file__).resolve().parent.parent  # metrale_cli/, above ops/
+    candidates = [package / "kernel_src", package.parent / "kernels"]
+    override = env.kernel_dir()
+    if override is not None:
+        candidates.insert(0, override)
+    return candidates
+
+
+def find_kernel_dir() -> Path:
+    """The first candidate directory holding every kernel source; ToolMissing names all tried."""
+    needed = sorted({*KERNEL_SOURCES.values(), CONFIG_HEADER})
+    tried = []
+    for directory in kernel_dir_candidates():
+        if all((directory / name).is_file() for name in needed):
+            return directory
+        tried.append(str(directory))
+    raise ToolMissing(
+        f"the CUDA kernel sources ({', '.join(needed)}) were not found; tried: {'; '.join(tried)}"
+        " (set METRALE_KERNEL_DIR to a directory holding them)"
+    )
+
+
+def read_source(name: str, directory: Path | None = None) -> str:
+    """The source of kernels/<name> with its local `#include "..."` files inlined (once each).
+
+    Inlining makes the text CuPy compiles, and the text its cache is keyed on, the whole
+    translation unit: NVRTC then needs no include path, and editing a header recompiles.
+    """
+    directory = directory or find_kernel_dir()
+    seen: set[str] = set()
+
+    def expand(file_name: str) -> str:
+        if file_name in seen:
+            return ""
+        seen.add(file_name)
+        path = directory / file_name
+        if not path.is_file():
+            raise ToolMissing(f"kernel source {path} (included by a kernel) does not exist")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), path.read_text(encoding="utf-8"))
+
+    return expand(name)
+
+
+def sources_digest(directory: Path) -> str:
+    """A hash of every kernel source and header in `directory` (sha256 hex)."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        if path.suffix in (".cu", ".cuh", ".h") and path.is_file():
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+# --- the shared constants (kernels/lora_config.h) ---------------------------------------------
+
+CONFIG: dict[str, int] = _read_config(find_kernel_dir())
+THREADS = CONFIG["METRALE_THREADS"]  # every kernel's block
+VECTOR = CONFIG["METRALE_VECTOR"]  # BF16 per 16-byte load: dims, ranks and strides are multiples
+MAX_RANK = CONFIG["METRALE_MAX_RANK"]  # the largest max_rank the kernels serve
+MAX_SPLITS = CONFIG["METRALE_MAX_SPLITS"]  # split-K partials at most
+SHRINK_ROWS = CONFIG["BGMV_SHRINK_ROWS"]  # rank rows per bgmv_shrink CTA
+EXPAND_ROWS = CONFIG["BGMV_EXPAND_ROWS"]  # output rows per bgmv_expand thread
+SGMV_TILE = CONFIG["SGMV_TILE"]  # SGMV tokens x columns x K per tile
+# A decode batch takes the grouped (segment plan) path when its adapted tokens average at least
+# this many per distinct slot: each adapter's weights are then read once per 64-token tile
+# rather than once per token, which outweighs the mma passes a tile spends per segment.
+GROUP_MIN_TOKENS = 4
+
+
+def min_ctas_per_sm(kernel: str) -> int:
+    """The CTAs per SM that `kernel`'s __launch_bounds__ guarantees (lora_config.h)."""
+    return CONFIG[f"{_CONFIG_PREFIX[kernel]}_MIN_CTAS"]
+
+
+def loads_in_flight(kernel: str) -> int:
+    """Independent 16-byte loads per thread that each hot loop of `kernel` issues before their
+    first use (lora_config.h; tests/test_kernels_sass.py checks it in the sm_90 SASS)."""
+    return CONFIG[f"{_CONFIG_PREFIX[kernel]}_LOADS"]
+
+
+# --- launch planning (shared with the host harness) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch: what CuPy's RawKernel call and the host harness both take."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    # Arrays (CuPy, NumPy or torch) and NumPy scalars, in the kernel's parameter order.
+    args: tuple[Any, ...]
+
+
+def _dtype_name(array: Any) -> str:
+    return str(array.dtype).removeprefix("torch.")
+
+
+def _address(array: Any) -> int:
+    if hasattr(array, "data_ptr"):  # torch
+        return int(array.data_ptr())
+    if hasattr(array, "data") and hasattr(array.data, "ptr"):  # cupy
+        return int(array.data.ptr)
+    return int(array.ctypes.data)  # numpy
+
+
+def _strides(array: Any) -> tuple[int, ...]:
+    """Strides in elements."""
+    if callable(getattr(array, "stride", None)):  # torch
+        return tuple(array.stride())
+    return tuple(s // array.itemsize for s in array.strides)
+
+
+def _host_values(array: Any) -> np.ndarray:
+    """A NumPy copy (or view) of a NumPy, torch or CuPy array."""
+    if hasattr(array, "get") and not isinstance(array, np.ndarray):  # cupy
+        return np.asarray(array.get())
+    if hasattr(array, "numpy"):  # torch
+        return array.detach().cpu().numpy()
+    return np.asarray(array)
+
+
+def _check(array: Any, what: str, dtypes: Sequence[str], shape: Sequence[int | None]) -> None:
+    name = _dtype_name(array)
+    if name not in dtypes:
+        raise ValueError(f"{what} must be {' or '.join(dtypes)}, got {name}")
+    actual = tuple(array.shape)
+    if len(actual) != len(shape) or any(
+        want is not None and want != got for want, got in zip(shape, actual, strict=False)
+    ):
+        wanted = tuple("?" if s is None else s for s in shape)
+        raise ValueError(f"{what} must have shape {wanted}, got {actual}")
+    strides = _strides(array)
+    if actual and actual[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{what} must be contiguous along its last dimension")
+    if _address(array) % 16:
+        raise ValueError(f"{what} must start at a 16-byte aligned address")
+
+
+def _row_stride(array: Any, what: str) -> int:
+    stride = _strides(array)[0]
+    if stride % VECTOR:
+        raise ValueError(f"{what} row stride ({stride} elements) must be a multiple of {VECTOR}")
+    return stride
+
+
+_BF16 = ("uint16", "bfloat16")
+_TABLES = ("uint64", "int64")
+
+
+def check_table_alignment(table: Any, what: str) -> None:
+    """Every weight address in a pointer table is 0 (no weights) or 16-byte aligned.
+
+    The kernels read weights with 128-bit loads: on a GPU a misaligned one faults and poisons
+    the CUDA context, while the host build would split it and pass. A CuPy table is copied to
+    the host for this (max_loras x 8 bytes)."""
+    addresses = _host_values(table).view(np.uint64).ravel()
+    bad = np.flatnonzero(addresses % np.uint64(16))
+    if bad.size:
+        slot = int(bad[0])
+        raise ValueError(
+            f"{what}[{slot}] = {int(addresses[slot]):#x} is not 16-byte aligned "
+            f"({bad.size} misaligned slot(s)); the kernels' 128-bit loads need aligned weights"
+        )
+
+
+def _check_tables(
+    max_loras: int, ranks: Any, scale_table: Any | None, tables: dict[str, Any]
+) -> None:
+    for what, table in tables.items():
+        _check(table, what, _TABLES, (max_loras,))
+        check_table_alignment(table, what)
+    _check(ranks, "ranks", ("int32",), (max_loras,))
+    if scale_table is not None:
+        _check(scale_table, "scale_table", ("float32",), (max_loras,))
+
+
+def _check_dims(in_or_out: int, max_rank: int, t_cols: int, what: str) -> None:
+    if in_or_out % VECTOR or max_rank % VECTOR or t_cols % VECTOR:
+        raise ValueError(
+            f"{what} ({in_or_out}), max_rank ({max_rank}) and t's width ({t_cols}) must be "
+            f"multiples of {VECTOR}"
+        )
+    if not 0 < max_rank <= MAX_RANK:
+        raise ValueError(f"max_rank must be in 1..{MAX_RANK}, got {max_rank}")
+    if not 0 < t_cols <= max_rank:
+        raise ValueError(f"t's width ({t_cols}) must be in 1..max_rank ({max_rank})")
+
+
+def choose_splits(base_ctas: int, k_dim: int, min_chunk: int, num_sms: int) -> int:
+    """How many K splits to give a shrink whose grid has `base_ctas` CTAs without splitting."""
+    if base_ctas >= _CTAS_PER_SM * num_sms:
+        return 1
+    wanted = -(-_CTAS_PER_SM * num_sms // max(base_ctas, 1))
+    return max(1, min(wanted, k_dim // min_chunk, MAX_SPLITS))
+
+
+def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int) -> int:
+    """The split-K count the `kind` ("bgmv" or "sgmv") shrink uses: t's leading dimension.
+    `t_cols` is t's width: the batch's widest rank (or max_rank when that is unknown)."""
+    if kind == "bgmv":
+        base = num_tokens * -(-t_cols // SHRINK_ROWS)
+        return choose_splits(base, in_dim, _BGMV_MIN_K_CHUNK, num_sms)
+    if kind == "sgmv":
+        base = -(-num_tokens // SGMV_TILE) * -(-t_cols // SGMV_TILE)
+        return choose_splits(base, in_dim, _SGMV_MIN_K_CHUNK, num_sms)
+    raise ValueError(f"unknown shrink kind {kind!r}")
+
+
+# Split-K keeps at least this many K elements per split: one full step of 128 threads x 8 for
+# BGMV, one 64-wide tile for SGMV. A small grid (a grouped decode batch is a few 64-token
+# tiles) needs the splits to keep enough loads in flight; the partials cost 4 bytes per token,
+# rank column and split, small beside the weights and x.
+_BGMV_MIN_K_CHUNK = THREADS * VECTOR
+_SGMV_MIN_K_CHUNK = SGMV_TILE
+# Below this many CTAs the grid does not cover the device twice over and split-K pays.
+_CTAS_PER_SM = 2
+
+
+def launch_grid(kernel: str, num_tokens: int, dim: int, t_cols: int,
+                splits: int = 1) -> tuple[int, int, int]:
+    """The grid of `kernel` (a KERNEL_SOURCES name) over T tokens, its output dim (expand) or
+    input dim (shrink: unused), t's width and the shrink's split count."""
+    if kernel == "bgmv_shrink":
+        return (num_tokens, -(-t_cols // SHRINK_ROWS), splits)
+    if kernel.startswith("bgmv_expand"):
+        return (num_tokens, -(-dim // (THREADS * EXPAND_ROWS)), 1)
+    if kernel == "sgmv_shrink":
+        return (-(-t_cols // SGMV_TILE), -(-num_tokens // SGMV_TILE), splits)
+    if kernel.startswith("sgmv_expand"):
+        return (-(-dim // SGMV_TILE), -(-num_tokens // SGMV_TILE), 1)
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _k_chunk(in_dim: int, splits: int, multiple: int) -> int:
+    # Splits past the end of K are harmless: their CTAs write zero partials.
+    chunk = -(-in_dim // splits)
+    return -(-chunk // multiple) * multiple
+
+
+def _t_shape(t: Any, max_rank: int | None) -> tuple[int, int, int, int]:
+    """(num_splits, T, t_cols, max_rank) of a t buffer; max_rank defaults to t's width."""
+    num_splits, num_tokens, t_cols = (int(d) for d in t.shape)
+    return num_splits, num_tokens, t_cols, t_cols if max_rank is None else int(max_rank)
+
+
+def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
+    if token_order is None:
+        return np.uint64(0)  # a null pointer: identity order
+    _check(token_order, "token_order", ("int32",), (num_tokens,))
+    return token_order
+
+
+def plan_bgmv_shrink(
+    x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int | None = None
+) -> KernelLaunch:
+    """t[z, b, :] = partial of x[b] @ A_slot[b]^T over K split z (see kernels/bgmv.cu).
+    t's width may be below max_rank (the batch's widest rank): the grid covers only it."""
+    num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    in_dim = int(x.shape[1])
+    max_loras = int(a_table.shape[0])
+    _check(x, "x", _BF16, (num_tokens, in_dim))
+    _check(slots, "slots", ("int32",), (num_tokens,))
+    _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
+    _check_tables(max_loras, ranks, None, {"a_table": a_table})
+    _check_dims(in_dim, max_rank, t_cols, "in_dim")
+    grid = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
+    args = (
+        x, np.int64(_row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
+        t, np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
+        np.int32(_k_chunk(in_dim, num_splits, VECTOR)),
+    )
+    return KernelLaunch("bgmv_shrink", grid, (THREADS, 1, 1), args)
+
+
+def plan_bgmv_expand(
+    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
+    max_rank: int | None = None,
+) -> KernelLaunch:
+    """y[b] += scale * t[:, b].sum(0) @ B_slot[b]^T (see kernels/bgmv.cu). B rows are max_rank
+    long (default: t's width)."""
+    num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    out_dim = int(y.shape[1])
+    max_loras = int(b_table.shape[0])
+    y_kind = "bf16" if _dtype_name(y) in _BF16 else "f32"
+    _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
+    _check(slots, "slots", ("int32",), (num_tokens,))
+    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim))
+    _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
+    _check_dims(out_dim, max_rank, t_cols, "out_dim")
+    grid = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
+    args = (
+        t, np.int32(num_splits), slots, b_table, scale_table, ranks, np.int32(max_loras),
+        y, np.int64(_row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
+        np.int32(max_rank), np.int32(t_cols),
+    )
+    return KernelLaunch(f"bgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
+
+
+def _check_segments(seg_starts: Any, seg_slots: Any) -> int:
+    num_segments = int(seg_slots.shape[0])
+    _check(seg_slots, "seg_slots", ("int32",), (num_segments,))
+    _check(seg_starts, "seg_starts", ("int32",), (num_segments + 1,))
+    return num_segments
+
+
+def plan_sgmv_shrink(
+    x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, t: Any,
+    max_rank: int | None = None, token_order: Any | None = None,
+) -> KernelLaunch:
+    """t[z, b, :] = partial of x[b] @ A_seg^T over K split z (see kernels/sgmv.cu). With
+    `token_order`, segments index sorted positions (the grouped decode path)."""
+    num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    in_dim = int(x.shape[1])
+    max_loras = int(a_table.shape[0])
+    num_segments = _check_segments(seg_starts, seg_slots)
+    _check(x, "x", _BF16, (num_tokens, in_dim))
+    _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
+    _check_tables(max_loras, ranks, None, {"a_table": a_table})
+    _check_dims(in_dim, max_rank, t_cols, "in_dim")
+    grid = launch_grid("sgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
+    args = (
+        x, np.int64(_row_stride(x, "x")), seg_starts, seg_slots, np.int32(num_segments),
+        _order_arg(token_order, num_tokens), a_table, ranks, np.int32(max_loras), t,
+        np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
+        np.int32(_k_chunk(in_dim, num_splits, SGMV_TILE)),
+    )
+    return KernelLaunch("sgmv_shrink", grid, (THREADS, 1, 1), args)
+
+
+def plan_sgmv_expand(
+    t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
+    max_rank: int | None = None, token_order: Any | None = None,
+) -> KernelLaunch:
+    """y[b] += scale * t[:, b].sum(0) @ B_seg^T (see kernels/sgmv.cu)."""
+    num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    out_dim = int(y.shape[1])
+    max_loras = int(b_table.shape[0])
+    num_segments = _check_segments(seg_starts, seg_slots)
+    y_kind = "bf16" if _dtype_name(y) in _BF16 else "f32"
+    _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
+    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim))
+    _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
+    _check_dims(out_dim, max_rank, t_cols, "out_dim")
+    grid = launch_grid(f"sgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
+    args = (
+        t, np.int32(num_splits), seg_starts, seg_slots, np.int32(num_segments),
+        _order_arg(token_order, num_tokens), b_table, scale_table, ranks, np.int32(max_loras),
+        y, np.int64(_row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
+        np.int32(max_rank), np.int32(t_cols),
+    )
+    return KernelLaunch(f"sgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
+
+
+# --- the batch plan: what the host knows when it builds a batch --------------------------------
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A decode batch as the host builds it (once per forward, reused by every layer):
+
+    - `t_cols`: the widest rank among the batch's adapted tokens (rounded up to VECTOR), so
+      grids and t cover the ranks present rather than the pool's max_rank;
+    - a segment plan: `order` (int32 [T], token indices stably sorted by slot) and segments over
+      those sorted positions (`seg_starts` int32 [S + 1], `seg_slots` int32 [S]);
+    - `grouped`: whether decode takes the grouped path (SGMV over the sorted tokens, each
+      adapter's weights read once per 64-token tile) rather than the per-token BGMV path,
+      chosen from the batch's distinct slots (GROUP_MIN_TOKENS).
+    """
+
+    num_tokens: int
+    t_cols: int
+    distinct_slots: int
+    adapted_tokens: int
+    grouped: bool
+    order: np.ndarray
+    seg_starts: np.ndarray
+    seg_slots: np.ndarray
+
+
+def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray,
+               max_rank: int, *, group_min_tokens: int = GROUP_MIN_TOKENS) -> BatchPlan:
+    """The batch plan of a decode batch from its host-side slot ids and the pool's rank table
+    (slot -1, or one outside the table, is a token without adapter)."""
+    slot_ids = np.asarray(slots, dtype=np.int64).ravel()
+    rank_table = np.asarray(ranks, dtype=np.int64).ravel()
+    inside = (slot_ids >= 0) & (slot_ids < rank_table.size)
+    token_rank = np.zeros(slot_ids.size, dtype=np.int64)
+    token_rank[inside] = np.minimum(rank_table[slot_ids[inside]], max_rank)
+    adapted = token_rank > 0
+    widest = int(token_rank.max()) if slot_ids.size else 0
+    t_cols = min(max(VECTOR, -(-widest // VECTOR) * VECTOR), max_rank)
+    distinct = int(np.unique(slot_ids[adapted]).size)
+    adapted_tokens = int(adapted.sum())
+    order = np.argsort(slot_ids, kind="stable").astype(np.int32)
+    sorted_slots = slot_ids[order]
+    cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
+    seg_starts = np.concatenate(([0], cuts, [slot_ids.size])).astype(np.int32)
+    if slot_ids.size == 0:
+        seg_starts = np.zeros(1, dtype=np.int32)
+    seg_slots = sorted_slots[seg_starts[:-1]].astype(np.int32)
+    grouped = distinct > 0 and adapted_tokens >= group_min_tokens * distinct
+    return BatchPlan(int(slot_ids.size), t_cols, distinct, adapted_tokens, grouped, order,
+                     seg_starts, seg_slots)
+
+
+def grouped_expand(num_tokens: int, out_dim: int, num_sms: int) -> bool:
+    """Whether a grouped decode batch expands through SGMV too: only when its 64 x 64 output
+    tiles cover the device twice. A narrow output (k_proj, v_proj) over a few token tiles would
+    leave most SMs idle, so the per-token expand (8 output rows per thread, every token its own
+    CTAs) keeps more loads in flight, at the cost of reading B once per token from L2."""
+    tiles = launch_grid("sgmv_expand_bf16", num_tokens, out_dim, 0)
+    return tiles[0] * tiles[1] >= _CTAS_PER_SM * num_sms
+
+
+# --- backends: CuPy on a GPU, the host harness on a CPU ----------------------------------------
+
+
+class Backend(Protocol):
+    """Where launches run: CuPy here, the host harness in host_harness.py."""
+
+    def launch(self, plan: KernelLaunch) -> None: ...
+
+    def new_t(self, like: Any, shape: tuple[int, int, int]) -> Any: ...
+
+    def array(self, like: Any, values: np.ndarray) -> Any: ...
+
+    def num_sms(self, requested: int | None) -> int: ...
+
+
+@functools.cache
+def _module(directory: str, source: str, digest: str) -> Any:
+    # `digest` is part of the cache key only: an edited source compiles afresh in-process too.
+    cupy = compat.cupy_module()
+    code = read_source(source, Path(directory))
+    return cupy.RawModule(code=code, options=("-std=c++17",))
+
+
+def get_kernel(name: str) -> Any:
+    """The compiled cupy.RawKernel `name` (one of KERNEL_SOURCES); NoDevice without a GPU."""
+    if name not in KERNEL_SOURCES:
+        raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNEL_SOURCES)}")
+    compat.cupy_module()
+    directory = find_kernel_dir()
+    module = _module(str(directory), KERNEL_SOURCES[name], sources_digest(directory))
+    return module.get_function(name)
+
+
+@functools.cache
+def device_sm_count(device_id: int = 0) -> int:
+    cupy = compat.cupy_module()
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def launch(plan: KernelLaunch) -> None:
+    """Launch a planned kernel on CuPy's current stream."""
+    if 0 in plan.grid:
+        return  # an empty batch: nothing to do, and a zero grid is an invalid launch
+    get_kernel(plan.kernel)(plan.grid, plan.block, plan.args)
+
+
+class CupyBackend:
+    """Launches on the current CUDA device through CuPy."""
+
+    def launch(self, plan: KernelLaunch) -> None:
+        launch(plan)
+
+    def new_t(self, like: Any, shape: tuple[int, int, int]) -> Any:
+        cupy = compat.cupy_module()
+        return cupy.empty(shape, dtype=cupy.float32)
+
+    def array(self, like: Any, values: np.ndarray) -> Any:
+        return compat.cupy_module().asarray(values)
+
+    def num_sms(self, requested: int | None) -> int:
+        if requested is not None:
+            return requested
+        cupy = compat.cupy_module()
+        return device_sm_count(cupy.cuda.Device().id)
+
+
+CUPY = CupyBackend()
+
+
+def _new_t(backend: Backend, kind: str, x: Any, t_cols: int, num_sms: int | None) -> Any:
+    """t F32 [num_splits, T, t_cols] for a shrink of x, split as the planner splits it."""
+    num_tokens, in_dim = (int(d) for d in x.shape)
+    splits = shrink_splits(kind, num_tokens, in_dim, t_cols, backend.num_sms(num_sms))
+    return backend.new_t(x, (splits, num_tokens, t_cols))
+
+
+def bgmv_shrink(
+    x: Any, slots: Any, a_table: Any, ranks: Any, max_rank: int, t: Any | None = None,
+    *, num_sms: int | None = None, batch: BatchPlan | None = None, backend: Backend = CUPY,
+) -> Any:
+    """Decode shrink. x BF16 (uint16) [T, in_dim]; slots i32 [T]; a_table u64, ranks i32
+    [max_loras]. Returns t F32 [num_splits, T, t_cols] (allocated when not given), t_cols being
+    max_rank, or the batch's widest rank when its `batch` plan is given."""
+    if t is None:
+        t = _new_t(backend, "bgmv", x, batch.t_cols if batch else max_rank, num_sms)
+    backend.launch(plan_bgmv_shrink(x, slots, a_table, ranks, t, max_rank))
+    return t
+
+
+def bgmv_expand(
+    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
+    *, num_sms: int | None = None, max_rank: int | None = None, backend: Backend = CUPY,
+) -> Any:
+    """Decode expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y. B rows are
+    max_rank long (default: t's width). `num_sms` is accepted for callers of the earlier grid,
+    which depended on it; each thread now owns 8 output rows whatever the device."""
+    del num_sms
+    backend.launch(plan_bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank))
+    return y
+
+
+def sgmv_shrink(
+    x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, max_rank: int,
+    t: Any | None = None, *, num_sms: int | None = None, t_cols: int | None = None,
+    token_order: Any | None = None, backend: Backend = CUPY,
+) -> Any:
+    """Prefill shrink over segments (seg_starts i32 [S+1], seg_slots i32 [S]). Returns t F32
+    [num_splits, T, t_cols] (allocated when not given; t_cols defaults to max_rank)."""
+    if t is None:
+        t = _new_t(backend, "sgmv", x, t_cols or max_rank, num_sms)
+    backend.launch(plan_sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, t, max_rank,
+                                    token_order))
+    return t
+
+
+def sgmv_expand(
+    t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
+    *, max_rank: int | None = None, token_order: Any | None = None, backend: Backend = CUPY,
+) -> Any:
+    """Prefill expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y."""
+    backend.launch(plan_sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
+                                    max_rank, token_order))
+    return y
+
+
+def bgmv(
+    x: Any, y: Any, slots: Any, a_table: Any, b_table: Any, scale_table: Any, ranks: Any,
+    max_rank: int, *, num_sms: int | None = None, batch: BatchPlan | None = None,
+    backend: Backend = CUPY,
+) -> Any:
+    """The whole decode LoRA delta for one entry: y += scale * (x @ A^T) @ B^T per token.
+
+    With the batch's `batch` plan (plan_batch), t and the grids cover only the ranks present,
+    and a batch whose tokens share few slots takes the grouped path (SGMV over the tokens
+    sorted by slot); without it, the per-token path over max_rank."""
+    if batch is not None and batch.grouped:
+        order, starts, seg_slots = (backend.array(x, a)
+                                    for a in (batch.order, batch.seg_starts, batch.seg_slots))
+        t = sgmv_shrink(x, starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
+                        t_cols=batch.t_cols, token_order=order, backend=backend)
+        # t is in token order either way, so the expand may take the per-token path.
+        if grouped_expand(batch.num_tokens, int(y.shape[1]), backend.num_sms(num_sms)):
+            return sgmv_expand(t, starts, seg_slots, b_table, scale_table, ranks, y,
+                               max_rank=max_rank, token_order=order, backend=backend)
+        return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank=max_rank,
+                           backend=backend)
+    t = bgmv_shrink(x, slots, a_table, ranks, max_rank, num_sms=num_sms, batch=batch,
+                    backend=backend)
+    return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank=max_rank,
+                       backend=backend)
+
+
+def sgmv(
+    x: Any, y: Any, seg_starts: Any, seg_slots: Any, a_table: Any, b_table: Any,
+    scale_table: Any, ranks: Any, max_rank: int, *, num_sms: int | None = None,
+    t_cols: int | None = None, backend: Backend = CUPY,
+) -> Any:
+    """The whole prefill LoRA delta for one entry over segments of tokens sharing a slot;
+    `t_cols` (the widest rank of the batch, a multiple of 8) narrows t and the shrink grid."""
+    t = sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
+                    t_cols=t_cols, backend=backend)
+    return sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
+                       max_rank=max_rank, backend=backend)

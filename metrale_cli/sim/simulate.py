@@ -1,0 +1,604 @@
+"""`metrale simulate`: replay a workload against the pool's own slot manager (`SlotManager`) for
+each policy and pool size, and count what the slot cache costs: hits, loads, bytes moved, swap
+time, `PoolFull` stalls and the latency they add.
+
+Two modes, chosen by the workload. **Paging** (every request holds its slot for zero time): the
+requests are served one at a time in order, the classic paging problem, where `min` (Belady) is
+the optimum. **Concurrent**: a request takes a seat (at most `max_concurrency`) and a ref count
+on its adapter's slot from admission to completion; a miss loads the adapter into the victim slot
+(`slot_bytes` at the bandwidth, plus a per-swap latency) and the request starts when the load
+ends; when every cache slot has in-flight sequences the slot manager says `PoolFull` and the
+request waits at the head of the queue (admission is first come, first served), never evicting an
+adapter in flight.
+
+A request's added latency is how much later it starts than it would with every adapter resident
+(the same queue, no loads, no stalls).
+"""
+
+from __future__ import annotations
+
+import array
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metrale_cli.errors import PoolFull, ToolMissing, UsageError
+from metrale_cli.files.atomic import atomic_write
+from metrale_cli.layout.expert_layout import ExpertLayout
+from metrale_cli.layout.plan import PoolPlan
+from metrale_cli.layout.sharding import ShardSpec, rank_layouts
+from metrale_cli.layout.slot_layout import SlotLayout
+from metrale_cli.pool.slots import NEVER, POLICIES, AdapterSlot, SlotManager, SlotState
+from metrale_cli.sim.workload import Workload
+
+# Named links a slot's bytes cross on a swap: (bytes per second, per-swap latency in seconds,
+# what it is). PCIe figures are typical achieved pinned host-to-device copies, not the raw link.
+BANDWIDTHS: dict[str, tuple[float, float, str]] = {
+    "pcie4": (25e9, 10e-6, "PCIe 4.0 x16 host to GPU, pinned (32 GB/s raw)"),
+    "pcie5": (50e9, 10e-6, "PCIe 5.0 x16 host to GPU, pinned (64 GB/s raw)"),
+    "nvlink": (450e9, 10e-6, "NVLink 4 GPU to GPU, one direction (H100/H200, nominal)"),
+    "nvme": (7e9, 100e-6, "PCIe 4.0 NVMe SSD sequential read"),
+}
+PROGRESS_EVERY = 1 << 16  # requests between progress callbacks
+# What a replay loop counts: hits, delayed hits, misses, swaps, link wait (s), stall waits (s).
+Counts = tuple[int, int, int, int, float, list[float]]
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link a slot's bytes cross on a load: a preset of BANDWIDTHS or a figure."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.bytes_per_s < math.inf:
+            raise UsageError(f"a link's bandwidth must be positive and finite, got "
+                             f"{self.bytes_per_s:g} B/s")
+        if not 0 <= self.latency_s < math.inf:
+            raise UsageError(f"--swap-latency-ms must be >= 0 and finite, got "
+                             f"{1e3 * self.latency_s:g}")
+
+    @classmethod
+    def preset(cls, name: str) -> Link:
+        bytes_per_s, latency_s, _ = BANDWIDTHS[name]
+        return cls(name, bytes_per_s, latency_s)
+
+
+@dataclass(frozen=True)
+class SwapCost:
+    """What one load moves and how long it takes, and how many loads run at once: a GPU has
+    `links` copy links (1: the engine loads one adapter at a time), and a load waits for one."""
+
+    slot_bytes: int           # one slot (and its expert slot): the bytes a load writes
+    bytes_per_s: float
+    latency_s: float
+    bandwidth: str            # a preset name or the figure as given
+    links: int = 1
+
+    def __post_init__(self) -> None:
+        if self.links <= 0:
+            raise UsageError(f"--links must be positive, got {self.links}")
+
+    @property
+    def seconds(self) -> float:
+        return self.slot_bytes / self.bytes_per_s + self.latency_s
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "swap_s": self.seconds}
+
+
+class LinkClock:
+    """When each of a GPU's links is free: a load begins when the earliest-free link is (or at
+    once) and holds it for its duration, so loads asked for together queue, never overlap."""
+
+    def __init__(self, links: int) -> None:
+        self._free = [0.0] * links  # a heap of busy-until times
+
+    def load(self, now: float, seconds: float) -> tuple[float, float]:
+        """A load asked for at `now`: (when it ends, how long it waited for a link)."""
+        free = self._free[0]
+        begin = free if free > now else now
+        heapq.heapreplace(self._free, begin + seconds)
+        return begin + seconds, begin - now
+
+
+def default_sizes(unpinned: int, pinned: int) -> list[int]:
+    """Powers of two from above the pinned slots up to the size that holds every requested
+    adapter beside the pinned ones."""
+    need = unpinned + pinned
+    sizes, size = [], 1
+    while size < need:
+        if size > pinned:
+            sizes.append(size)
+        size *= 2
+    return [*sizes, max(need, pinned + 1)]
+
+
+@dataclass
+class RunResult:
+    """One policy at one pool size. `start` (when each request started, in seconds),
+    `ref_counts_at_end` and `served` are for tests and are not part of the record."""
+
+    policy: str
+    max_loras: int
+    pinned: int
+    requests: int
+    adapter_requests: int
+    hits: int
+    delayed_hits: int
+    misses: int
+    swaps: int
+    bytes_moved: int
+    swap_s: float
+    link_wait_s: float
+    stalls: int
+    stall_total_s: float
+    stall_p50_s: float
+    stall_p99_s: float
+    added_latency_p50_s: float
+    added_latency_p99_s: float
+    added_latency_mean_s: float
+    pool_bytes: int
+    fits_budget: bool | None = None
+    extra_misses_vs_min: int | None = None
+    hit_rate_gap_vs_min: float | None = None
+    start: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    served: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+    ref_counts_at_end: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.adapter_requests if self.adapter_requests else 1.0
+
+    def record(self) -> dict[str, Any]:
+        skip = {"start", "served", "ref_counts_at_end"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+def _column(code: str, values: np.ndarray) -> array.array[Any]:
+    column = array.array(code)
+    column.frombytes(np.ascontiguousarray(values, dtype=np.float64 if code == "d"
+                                          else np.int64).tobytes())
+    return column
+
+
+class Replay:
+    """One workload, prepared once (hold times, next uses, the no-cache baseline), replayed
+    against a fresh `SlotManager` per (policy, size)."""
+
+    def __init__(self, workload: Workload, hold: np.ndarray, cost: SwapCost,
+                 pinned: Sequence[str] = (), max_concurrency: int | None = None) -> None:
+        if max_concurrency is not None and max_concurrency <= 0:
+            raise UsageError(f"--max-concurrency must be positive, got {max_concurrency}")
+        self.workload = workload
+        self.cost = cost
+        self.pinned = list(dict.fromkeys(pinned))
+        self.max_concurrency = max_concurrency
+        self.paging = not bool(hold.any())
+        # Columns the loops index per request: arrays of 8-byte values, not lists of Python
+        # objects (four of those took 250 MB at 2,000,000 requests), and as fast to index.
+        self._hold = _column("d", hold)
+        self._adapter = _column("q", workload.adapter)
+        self._arrival = _column("d", workload.arrival)
+        nxt = workload.next_use()
+        self._next = _column("q", np.where(nxt < 0, NEVER, nxt))
+        pinned_set = set(self.pinned)
+        used = {workload.adapters[a] for a in np.unique(workload.adapter[workload.adapter >= 0])}
+        self.unpinned = len(used - pinned_set)  # requested adapters that need a cache slot
+        self.baseline = self._baseline(hold)
+
+    @property
+    def mode(self) -> str:
+        return "paging" if self.paging else "concurrent"
+
+    def _baseline(self, hold: np.ndarray) -> np.ndarray:
+        """Start times with every adapter resident: arrival, or the first free seat."""
+        arrival = self.workload.arrival
+        if self.paging or self.max_concurrency is None:
+            return arrival.copy()
+        seats: list[float] = []
+        start = np.empty_like(arrival)
+        for r, (t, h) in enumerate(zip(arrival.tolist(), hold.tolist(), strict=True)):
+            s = t if len(seats) < self.max_concurrency else max(t, heapq.heappop(seats))
+            start[r] = s
+            heapq.heappush(seats, s + h)
+        return start
+
+    def run(self, policy: str, max_loras: int,
+            progress: Callable[[int], None] | None = None, detail: bool = True) -> RunResult:
+        """Replay every request at `max_loras` slots under `policy`. Without `detail` the
+        result drops its per-request arrays (a sweep of a million requests keeps none)."""
+        if len(self.pinned) > max_loras:
+            raise UsageError(f"{len(self.pinned)} pinned adapters do not fit in "
+                             f"--max-loras {max_loras}")
+        if len(self.pinned) == max_loras and self.unpinned:
+            raise UsageError(f"--max-loras {max_loras} leaves no cache slot beside the "
+                             f"{len(self.pinned)} pinned adapters, and unpinned ones are "
+                             "requested")
+        manager = SlotManager(max_loras, policy=policy)
+        manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
+        n = len(self._adapter)
+        start = np.empty(n)
+        served = np.zeros(n, dtype=np.int64)
+        loop = self._paging if self.paging else self._concurrent
+        clock = LinkClock(self.cost.links)
+        hits, delayed, misses, swaps, link_wait, waits = loop(manager, clock, start, served,
+                                                              progress)
+        added = start - self.baseline
+        adapter_requests = int((self.workload.adapter >= 0).sum())
+        wait = np.asarray(waits) if waits else np.zeros(1)
+        return RunResult(
+            policy=policy, max_loras=max_loras, pinned=len(self.pinned), requests=n,
+            adapter_requests=adapter_requests, hits=hits, delayed_hits=delayed, misses=misses,
+            swaps=swaps, bytes_moved=misses * self.cost.slot_bytes,
+            swap_s=misses * self.cost.seconds, link_wait_s=link_wait,
+            stalls=len(waits), stall_total_s=float(sum(waits)),
+            stall_p50_s=float(np.percentile(wait, 50)),
+            stall_p99_s=float(np.percentile(wait, 99)),
+            added_latency_p50_s=float(np.percentile(added, 50)) if n else 0.0,
+            added_latency_p99_s=float(np.percentile(added, 99)) if n else 0.0,
+            added_latency_mean_s=float(added.mean()) if n else 0.0,
+            pool_bytes=0, start=start if detail else np.empty(0),
+            served=served if detail else np.empty(0, dtype=np.int64),
+            ref_counts_at_end=[manager.ref_count(k) for k in range(max_loras)],
+        )
+
+    def _load(self, manager: SlotManager) -> tuple[int, bool]:
+        """Pick a victim and begin loading into it: (slot, whether it evicted an adapter)."""
+        victim = manager.select_victim_slot()
+        evicts = manager.state(victim) is SlotState.READY
+        manager.begin_load(victim)
+        return victim, evicts
+
+    def _paging(self, manager: SlotManager, clock: LinkClock, start: np.ndarray,
+                served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
+        names, adapter, nxt = self.workload.adapters, self._adapter, self._next
+        arrival = self._arrival
+        swap_s, use_next = self.cost.seconds, manager.policy == "min"
+        # A zero-length request takes and returns its count at once: a touch, one call.
+        slot_of, touch, set_next_use = manager.slot_of, manager.touch_slot, manager.set_next_use
+        hits = misses = swaps = 0
+        link_wait = 0.0
+        start[:] = self.workload.arrival
+        for r, a in enumerate(adapter):
+            served[r] += 1
+            if progress is not None and r % PROGRESS_EVERY == PROGRESS_EVERY - 1:
+                progress(PROGRESS_EVERY)
+            if a < 0:
+                continue
+            slot = slot_of(names[a])
+            if slot is None:
+                slot, evicts = self._load(manager)
+                manager.finish_load(slot, AdapterSlot(name=names[a]))
+                misses += 1
+                swaps += evicts
+                start[r], wait = clock.load(arrival[r], swap_s)
+                link_wait += wait
+            else:
+                hits += 1
+            touch(slot)
+            if use_next:
+                set_next_use(slot, nxt[r])
+        if progress is not None:
+            progress(len(adapter) % PROGRESS_EVERY)
+        return hits, 0, misses, swaps, link_wait, []
+
+    def _concurrent(self, manager: SlotManager, clock: LinkClock, start: np.ndarray,
+                    served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
+        names, adapter, arrival = self.workload.adapters, self._adapter, self._arrival
+        hold, nxt = self._hold, self._next
+        swap_s, use_next = self.cost.seconds, manager.policy == "min"
+        slot_of, acquire, release = manager.slot_of, manager.acquire_slot, manager.release_slot
+        set_next_use, touch = manager.set_next_use, manager.touch_slot
+        n = len(adapter)
+        seats = self.max_concurrency or n + 1
+        # Events: (time, kind, seq, x, y); kind 0 = a request ends (x = its slot or -1),
+        # kind 1 = a load ends (x = the slot, y = the adapter). At equal times, ends come
+        # before arrivals so that what they free is there for the next admission.
+        events: list[tuple[float, int, int, int, int]] = []
+        seq = itertools.count()  # ties in time and kind keep the order things happened in
+        loading: dict[int, list[int]] = {}  # adapter -> requests waiting for its load
+        queue: deque[int] = deque()
+        stalled_since: dict[int, float] = {}
+        waits: list[float] = []
+        running = hits = delayed = misses = swaps = 0
+        link_wait = 0.0
+        i = 0
+
+        def serve(r: int, slot: int, now: float) -> None:
+            """Request `r` starts now on `slot` (-1: the base model, no slot)."""
+            if slot >= 0:
+                acquire(slot)
+                if use_next:
+                    set_next_use(slot, nxt[r])
+            start[r] = now
+            served[r] += 1
+            heapq.heappush(events, (now + hold[r], 0, next(seq), slot, 0))
+
+        while i < n or events:
+            if events and (i >= n or events[0][0] <= arrival[i]):
+                now, kind, _, x, y = heapq.heappop(events)
+                if kind == 0:
+                    if x >= 0:
+                        # The engine touches every adapter in the batch each step, so a slot
+                        # was last used when its last sequence ended, not when it began.
+                        touch(x)
+                        release(x)
+                    running -= 1
+                else:
+                    manager.finish_load(x, AdapterSlot(name=names[y]))
+                    for r in loading.pop(y):
+                        serve(r, x, now)
+            else:
+                now = arrival[i]
+                queue.append(i)
+                i += 1
+                if progress is not None and i % PROGRESS_EVERY == 0:
+                    progress(PROGRESS_EVERY)
+            while queue and running < seats:
+                r = queue[0]
+                a = adapter[r]
+                slot = -1
+                if a >= 0:
+                    slot = slot_of(names[a])
+                    if slot is None:
+                        if a in loading:  # its load is under way: no second load
+                            delayed += 1
+                            loading[a].append(r)
+                            queue.popleft()
+                            running += 1
+                            continue
+                        try:
+                            victim, evicts = self._load(manager)
+                        except PoolFull:
+                            if not events:
+                                raise UsageError("the slot cache can never free a slot "
+                                                 "(no request in flight)") from None
+                            stalled_since.setdefault(r, now)
+                            break
+                        misses += 1
+                        swaps += evicts
+                        if r in stalled_since:
+                            waits.append(now - stalled_since.pop(r))
+                        loading[a] = [r]
+                        end, wait = clock.load(now, swap_s)
+                        link_wait += wait
+                        heapq.heappush(events, (end, 1, next(seq), victim, a))
+                        queue.popleft()
+                        running += 1
+                        continue
+                    hits += 1
+                serve(r, slot, now)
+                queue.popleft()
+                running += 1
+        if progress is not None:
+            progress(n % PROGRESS_EVERY)
+        return hits, delayed, misses, swaps, link_wait, waits
+
+
+@dataclass(frozen=True)
+class Targets:
+    hit_rate: float | None = None
+    p99_ms: float | None = None
+
+    def met_by(self, result: RunResult) -> bool:
+        if self.hit_rate is not None and result.hit_rate < self.hit_rate:
+            return False
+        return self.p99_ms is None or result.added_latency_p99_s * 1e3 <= self.p99_ms
+
+    def record(self) -> dict[str, Any]:
+        return {"hit_rate": self.hit_rate, "p99_ms": self.p99_ms}
+
+
+@dataclass
+class Simulation:
+    """The record of `metrale simulate`: the setup, one result per (policy, size), and for a
+    target the smallest size that meets it per policy."""
+
+    mode: str
+    workload: dict[str, Any]
+    layout: dict[str, Any]
+    cost: SwapCost
+    pinned: list[str]
+    max_concurrency: int | None
+    prefill_tok_s: float
+    decode_tok_s: float
+    policies: list[str]
+    sizes: list[int]
+    results: list[RunResult]
+    targets: Targets | None = None
+    budget_bytes: int | None = None
+    seconds: float = 0.0
+
+    def smallest_meeting(self) -> list[dict[str, Any]]:
+        """Per policy, the smallest size from which every simulated size meets the targets (a
+        size that meets them with a larger one failing is no answer: FIFO's anomaly), the first
+        size that meets them, and whether the hit rate (and the p99 added latency, for a p99
+        target) is monotonic in the size."""
+        if self.targets is None:
+            return []
+        out = []
+        for policy in self.policies:
+            mine = [r for r in self.results if r.policy == policy]  # sizes ascending
+            met = [self.targets.met_by(r) for r in mine]
+            best = None
+            for r, ok in zip(reversed(mine), reversed(met), strict=True):
+                if not ok:
+                    break
+                best = r
+            first = next((r for r, ok in zip(mine, met, strict=True) if ok), None)
+            hit_rates = [r.hit_rate for r in mine]
+            monotonic = all(b >= a for a, b in itertools.pairwise(hit_rates))
+            if self.targets.p99_ms is not None:
+                p99 = [r.added_latency_p99_s for r in mine]
+                monotonic = monotonic and all(b <= a for a, b in itertools.pairwise(p99))
+            out.append({
+                "policy": policy, "max_loras": best.max_loras if best else None,
+                "pool_bytes": best.pool_bytes if best else None,
+                "fits_budget": best.fits_budget if best else None,
+                "first_meeting": first.max_loras if first else None,
+                "monotonic": monotonic,
+            })
+        return out
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "workload": self.workload, "layout": self.layout,
+            "swap": self.cost.record(), "pinned": self.pinned,
+            "max_concurrency": self.max_concurrency, "prefill_tok_s": self.prefill_tok_s,
+            "decode_tok_s": self.decode_tok_s, "policies": self.policies, "sizes": self.sizes,
+            "budget_bytes": self.budget_bytes,
+            "targets": self.targets.record() if self.targets else None,
+            "smallest_meeting": self.smallest_meeting() if self.targets else None,
+            "results": [r.record() for r in self.results],
+            "seconds": self.seconds,
+        }
+
+
+def simulate(
+    replay: Replay, policies: Sequence[str], sizes: Sequence[int],
+    pool_bytes: Callable[[int], int], budget_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[RunResult]:
+    """Every policy at every size, sizes ascending; `min`'s misses are the bound the others are
+    measured against when it runs."""
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise UsageError(f"--policy: {', '.join(bad) or 'none given'}; choose from "
+                         f"{', '.join(POLICIES)}")
+    results = []
+    for policy in dict.fromkeys(policies):
+        for size in sorted(set(sizes)):
+            result = replay.run(policy, size, progress, detail=False)
+            result.pool_bytes = pool_bytes(size)
+            if budget_bytes is not None:
+                result.fits_budget = result.pool_bytes <= budget_bytes
+            results.append(result)
+    bound = {r.max_loras: r for r in results if r.policy == "min"}
+    for r in results:
+        if r.max_loras in bound:
+            r.extra_misses_vs_min = r.misses - bound[r.max_loras].misses
+            r.hit_rate_gap_vs_min = bound[r.max_loras].hit_rate - r.hit_rate
+    return results
+
+
+def plot(sim: Simulation, path: Path, force: bool = False) -> None:
+    """Hit rate and p99 added latency against max_loras, a line per policy (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        raise ToolMissing("--plot needs matplotlib: pip install 'metrale[plot]'") from None
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), dpi=110, sharex=True)
+    for policy in sim.policies:
+        mine = [r for r in sim.results if r.policy == policy]
+        sizes = [r.max_loras for r in mine]
+        top.plot(sizes, [100 * r.hit_rate for r in mine], marker="o", ms=3, label=policy)
+        bottom.plot(sizes, [1e3 * r.added_latency_p99_s for r in mine], marker="o", ms=3,
+                    label=policy)
+    if sim.targets is not None and sim.targets.hit_rate is not None:
+        top.axhline(100 * sim.targets.hit_rate, color="gray", ls="--", lw=1, label="target")
+    if sim.targets is not None and sim.targets.p99_ms is not None:
+        bottom.axhline(sim.targets.p99_ms, color="gray", ls="--", lw=1, label="target")
+    top.set_ylabel("hit rate (%)")
+    bottom.set_ylabel("p99 added latency (ms)")
+    bottom.set_xlabel("max_loras (slots)")
+    # Added latency spans a load (sub-ms) to stalls of seconds, and is 0 where nothing waits.
+    bottom.set_yscale("symlog", linthresh=0.1)
+    bottom.set_ylim(0, 2 * max([1e3 * r.added_latency_p99_s for r in sim.results] + [1.0]))
+    if len(sim.sizes) > 1 and sim.sizes[-1] / sim.sizes[0] >= 16:
+        bottom.set_xscale("log", base=2)
+        bottom.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    w = sim.workload
+    top.set_title(f"{w.get('kind', 'trace')} workload, {w['requests']:,} requests, "
+                  f"{w['distinct_adapters']:,} adapters ({sim.mode})", fontsize=10)
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(Path(path), lambda f: fig.savefig(f, format="png"), force)
+    plt.close(fig)
+
+
+def run(
+    workload: Workload,
+    layout: SlotLayout,
+    expert_layout: ExpertLayout | None = None,
+    *,
+    link: Link | None = None,
+    links: int = 1,
+    prefill_tok_s: float = 10_000.0,
+    decode_tok_s: float = 50.0,
+    max_concurrency: int | None = None,
+    pin: Sequence[str] = (),
+    pinned: int | None = None,
+    policies: Sequence[str] = POLICIES,
+    sizes: Sequence[int] | None = None,
+    targets: Targets | None = None,
+    budget_bytes: int | None = None,
+    shard: ShardSpec | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Simulation:
+    """The whole of `metrale simulate` for a workload and a pool layout, loads crossing `link`
+    (default pcie4), `links` at a time per GPU. With `shard` (a TP
+    deployment) every GPU holds its rank's pool and loads its rank's part of an adapter at once:
+    a swap moves the largest rank's slot (and expert slot) per GPU, and a pool size must fit
+    `budget_bytes` on the largest rank. `progress(n, total)` is told of every 65,536 requests
+    replayed."""
+    started = time.perf_counter()
+    if pin and pinned is not None:
+        raise UsageError("give --pin or --pinned, not both")
+    if pinned is not None and pinned < 0:
+        raise UsageError(f"--pinned must be >= 0, got {pinned}")
+    used = {workload.adapters[a] for a in np.flatnonzero(workload.counts())}
+    for n in pin:
+        if n not in used:  # it would only take a slot from the cache
+            raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
+    names = list(pin) if pin else workload.most_requested(pinned or 0)
+    link = link or Link.preset("pcie4")
+    ranks: list[tuple[SlotLayout, ExpertLayout | None]] = (
+        [(layout, expert_layout)] if shard is None
+        else [rank_layouts(layout, expert_layout, s) for s in shard.all_ranks()])
+    swapped = [r.slot_bytes + (x.slot_bytes if x is not None else 0) for r, x in ranks]
+    busiest = swapped.index(max(swapped))
+    gpu_layout, gpu_experts = ranks[busiest]
+    cost = SwapCost(swapped[busiest], link.bytes_per_s, link.latency_s, link.name, links)
+    replay = Replay(workload, workload.hold_seconds(prefill_tok_s, decode_tok_s), cost, names,
+                    max_concurrency)
+    sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
+    policies = list(dict.fromkeys(policies))
+    total = len(policies) * len(set(sizes)) * workload.requests
+    results = simulate(
+        replay, policies, sizes,
+        lambda n: max(PoolPlan(r, x, n).total_bytes or 0 for r, x in ranks),
+        budget_bytes, (lambda k: progress(k, total)) if progress is not None else None)
+    return Simulation(
+        mode=replay.mode, workload=workload.record(),
+        layout={"model": layout.model.source or layout.model.model_type,
+                "modules": [m.peft_name for m in layout.modules], "max_rank": layout.max_rank,
+                "slot_bytes": gpu_layout.slot_bytes,
+                "expert_slot_bytes": gpu_experts.slot_bytes if gpu_experts else 0,
+                "fingerprint": gpu_layout.fingerprint,
+                **({"tp_size": shard.tp_size, "ep_size": shard.ep_size,
+                    "fully_sharded": shard.fully_sharded, "tp_rank": busiest}
+                   if shard is not None else {})},
+        cost=cost, pinned=replay.pinned, max_concurrency=max_concurrency,
+        prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, policies=policies,
+        sizes=sorted(set(sizes)), results=results, targets=targets, budget_bytes=budget_bytes,
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,483 @@
+"""Request workloads for the slot-cache simulator: a trace read from CSV or JSONL, or one of the
+seeded generators of the LoRA-serving literature, held as NumPy columns (a million requests are
+a few tens of MiB).
+
+A request asks for one adapter by name (or for the base model, which takes no slot) at a time in
+seconds, and holds its slot for its `duration`, or for its tokens at a prefill and a decode rate.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metrale_cli.errors import FormatError, UsageError
+from metrale_cli.files.atomic import atomic_write
+
+GENERATORS = ("zipf", "uniform", "distinct", "identical", "slora")
+TRACE_COLUMNS = ("timestamp", "adapter", "input_tokens", "output_tokens", "duration")
+# A request line is a few dozen characters; one this long is not a trace (a binary file, a
+# file with no line breaks), refused before it is held in memory.
+MAX_LINE_CHARS = 1 << 16
+# Token counts are read as float64, which holds every whole number below this exactly.
+MAX_TOKENS = 2**53
+# Requests in one workload, generated or read: a replay holds a few columns of 8 bytes per
+# request per policy and size, and 10 million take minutes; 10**9 would exhaust memory first.
+MAX_REQUESTS = 10_000_000
+# Trace rows parsed and turned into columns at a time: row objects never outnumber it.
+TRACE_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests in arrival order. Column `adapter` indexes `adapters`; -1 is the base model."""
+
+    adapters: tuple[str, ...]
+    adapter: np.ndarray        # [N] int64, -1 = the base model
+    arrival: np.ndarray        # [N] float64 seconds, non-decreasing
+    input_tokens: np.ndarray   # [N] int64, 0 when unknown
+    output_tokens: np.ndarray  # [N] int64, 0 when unknown
+    duration: np.ndarray       # [N] float64 seconds, NaN = from the tokens
+    source: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        return int(self.adapter.size)
+
+    def hold_seconds(self, prefill_tok_s: float, decode_tok_s: float) -> np.ndarray:
+        """[N] float64: how long each request holds its slot, from admission to completion."""
+        if not (0 < prefill_tok_s < math.inf and 0 < decode_tok_s < math.inf):
+            raise UsageError("--prefill-tok-s and --decode-tok-s must be positive and finite")
+        from_tokens = self.input_tokens / prefill_tok_s + self.output_tokens / decode_tok_s
+        return np.where(np.isnan(self.duration), from_tokens, self.duration)
+
+    def next_use(self) -> np.ndarray:
+        """[N] int64: the index of the next request for the same adapter, or -1 when none (and
+        for base-model requests). Belady's rule reads it."""
+        n = self.requests
+        order = np.lexsort((np.arange(n), self.adapter))  # by adapter, then request order
+        nxt_sorted = np.full(n, -1, dtype=np.int64)
+        same = self.adapter[order[1:]] == self.adapter[order[:-1]]
+        nxt_sorted[:-1] = np.where(same, order[1:], -1)
+        nxt = np.empty(n, dtype=np.int64)
+        nxt[order] = nxt_sorted
+        nxt[self.adapter < 0] = -1
+        return nxt
+
+    def counts(self) -> np.ndarray:
+        """[len(adapters)] int64: requests per adapter."""
+        used = self.adapter[self.adapter >= 0]
+        return np.bincount(used, minlength=len(self.adapters))
+
+    def most_requested(self, k: int) -> list[str]:
+        """The `k` most requested adapters (ties: the one named first), as at pool startup."""
+        counts = self.counts()
+        order = np.lexsort((np.arange(counts.size), -counts))
+        return [self.adapters[i] for i in order[:k] if counts[i] > 0]
+
+    def record(self) -> dict[str, Any]:
+        used = self.adapter[self.adapter >= 0]
+        return {
+            **self.source,
+            "requests": self.requests,
+            "adapter_requests": int(used.size),
+            "distinct_adapters": int(np.unique(used).size),
+            "span_s": float(self.arrival[-1] - self.arrival[0]) if self.requests else 0.0,
+        }
+
+    def save(self, path: Path, force: bool) -> None:
+        """Write the requests as a trace that `--trace` reads back exactly: CSV for `.csv`,
+        JSON lines otherwise; atomically, never over a file without `force`."""
+        has_duration = bool((~np.isnan(self.duration)).any())
+        columns = list(TRACE_COLUMNS if has_duration else TRACE_COLUMNS[:-1])
+        rows = zip(self.arrival.tolist(), self.adapter.tolist(), self.input_tokens.tolist(),
+                   self.output_tokens.tolist(), self.duration.tolist(), strict=True)
+        names = self.adapters
+
+        def cells(row: tuple[float, int, int, int, float]) -> list[Any]:
+            t, a, i, o, d = row
+            out: list[Any] = [t, names[a] if a >= 0 else "", i, o]
+            if has_duration:
+                out.append(None if math.isnan(d) else d)
+            return out
+
+        def write(f: Any) -> None:
+            text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+            if Path(path).suffix.lower() == ".csv":
+                w = csv.writer(text)
+                w.writerow(columns)
+                w.writerows(["" if c is None else repr(c) if isinstance(c, float) else c
+                             for c in cells(r)] for r in rows)
+            else:
+                for r in rows:
+                    text.write(json.dumps(dict(zip(columns, cells(r), strict=True))) + "\n")
+            text.flush()
+            text.detach()
+
+        atomic_write(Path(path), write, force)
+
+
+# -- traces -------------------------------------------------------------------------------------
+
+
+def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -> Workload:
+    """A CSV (with a header row; a UTF-8 byte-order mark is allowed) or JSON-lines trace:
+    `timestamp` (seconds) and `adapter` (a name; empty or null = the base model) per request,
+    optionally `input_tokens`, `output_tokens` and `duration`. Other columns are ignored. Rows
+    are sorted by timestamp (stably). A malformed row is a FormatError naming its line; more than
+    MAX_REQUESTS rows is a UsageError. Read `TRACE_CHUNK` rows at a time into columns, so memory
+    follows the columns, never the rows; `progress(characters read, file size)` after each."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path}: no such file")
+    if not path.is_file():
+        # A device (/dev/zero), a FIFO or a directory: never read, it might not end.
+        raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
+    size = path.stat().st_size
+    columns = _TraceColumns(path)
+    # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
+    # otherwise become part of the first column's name.
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        lines = _BoundedLines(path, f)
+        chunks = _csv_chunks(path, lines) if path.suffix.lower() == ".csv" else _jsonl_chunks(
+            path, lines)
+        for chunk in chunks:
+            columns.add(*chunk)
+            if progress is not None:
+                progress(min(lines.chars, size), size)
+    return columns.workload()
+
+
+Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray]
+
+
+class _TraceColumns:
+    """A trace's columns as they are read: NumPy chunks, adapter names interned to ids."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.index: dict[str, int] = {}
+        self.rows = 0
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, arrival: np.ndarray, names: list[str], inputs: np.ndarray,
+            outputs: np.ndarray, duration: np.ndarray) -> None:
+        self.rows += len(names)
+        if self.rows > MAX_REQUESTS:
+            raise UsageError(f"{self.path}: more than {MAX_REQUESTS:,} requests, the most a "
+                             "simulation takes; cut the trace")
+        index = self.index
+        ids = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
+                       dtype=np.int64)
+        self.parts.append((arrival, ids, inputs, outputs, duration))
+
+    def workload(self) -> Workload:
+        if not self.rows:
+            raise FormatError(f"{self.path}: no requests")
+        arrival, adapter, inputs, outputs, duration = (
+            np.concatenate(c) for c in zip(*self.parts, strict=True))
+        self.parts.clear()
+        order = np.argsort(arrival, kind="stable")
+        return Workload(
+            adapters=tuple(self.index), adapter=adapter[order], arrival=arrival[order],
+            input_tokens=inputs[order], output_tokens=outputs[order], duration=duration[order],
+            source={"kind": "trace", "path": str(self.path)},
+        )
+
+
+class _BoundedLines:
+    """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
+    FormatError naming it, before more of it is read. Counts the characters read."""
+
+    def __init__(self, path: Path, f: Any) -> None:
+        self.path, self.f, self.chars = path, f, 0
+
+    def __iter__(self) -> Iterator[str]:
+        line_no = 0
+        while line := self.f.readline(MAX_LINE_CHARS + 1):
+            line_no += 1
+            if len(line) > MAX_LINE_CHARS:
+                raise FormatError(f"{self.path}:{line_no}: a line longer than "
+                                  f"{MAX_LINE_CHARS} characters; not a trace")
+            self.chars += len(line)
+            yield line
+
+
+def _csv_chunks(path: Path, lines: _BoundedLines) -> Iterator[Columns]:
+    reader = csv.reader(lines)
+    try:
+        header = next(reader, [])
+    except csv.Error as exc:
+        raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
+    missing = [c for c in ("timestamp", "adapter") if c not in header]
+    if missing:
+        found = ", ".join(repr(h) for h in header) if header else "none"
+        raise FormatError(f"{path}:1: the header has no {' or '.join(missing)} column "
+                          f"(columns found: {found})")
+    done = 1  # rows read, the header's included
+    while True:
+        first = reader.line_num + 1
+        try:
+            rows = list(itertools.islice(reader, TRACE_CHUNK))  # at C speed, no line numbers
+        except csv.Error as exc:
+            raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
+        if not rows:
+            return
+        # Row k is on line first + k unless a quoted cell spans lines; then they are counted
+        # again, row by row, only if a row needs naming.
+        lines = (range(first, first + len(rows)) if reader.line_num - first + 1 == len(rows)
+                 else None)
+        yield _csv_columns(path, header, rows, lines or (done, len(rows)))
+        done += len(rows)
+
+
+def _csv_columns(path: Path, header: list[str], rows: list[list[str]],
+                 lines: range | tuple[int, int]) -> Columns:
+    """CSV rows as columns: column by column (several times faster) when every cell is
+    ordinary, else row by row, which names the first bad line. `lines` are the rows' line
+    numbers, or (rows before them, how many) when quoted cells span lines and the file must be
+    read again to number them."""
+    fast = _csv_columns_fast(header, rows)
+    if fast is not None:
+        return fast
+    numbers = lines if isinstance(lines, range) else _csv_line_numbers(path, *lines)
+    parsed = []
+    for line, row in zip(numbers, rows, strict=True):
+        if not row:
+            continue  # a blank line is no request (as csv.DictReader skips it)
+        if len(row) > len(header):
+            raise FormatError(f"{path}:{line}: more cells than the header has")
+        # Missing cells are None and a repeated column keeps its last cell, as in DictReader.
+        cells = dict(zip(header, row + [None] * (len(header) - len(row)), strict=True))
+        parsed.append(_parse_row(path, line, cells))
+    return _parsed_columns(parsed)
+
+
+def _csv_line_numbers(path: Path, skip: int, count: int) -> list[int]:
+    """The lines rows `[skip, skip + count)` of a CSV file start on (the header is row 0): the
+    file read again row by row, only for a chunk that has a bad row and quoted line breaks."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(_BoundedLines(path, f))
+        starts, last = [], 0
+        for k, _ in enumerate(reader):
+            if k >= skip:
+                starts.append(last + 1)
+                if len(starts) == count:
+                    break
+            last = reader.line_num
+    return starts
+
+
+def _parsed_columns(parsed: list[tuple[float, str, int, int, float]]) -> Columns:
+    return (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
+            np.array([r[2] for r in parsed], dtype=np.int64),
+            np.array([r[3] for r in parsed], dtype=np.int64),
+            np.array([r[4] for r in parsed], dtype=np.float64))
+
+
+def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | None:
+    """Well-formed CSV rows read column by column; None when any cell is out of the ordinary,
+    so that the row-by-row reader names it."""
+    where = {name: i for i, name in enumerate(header)}
+    if len(where) != len(header) or any(len(r) != len(header) for r in rows):
+        return None
+
+    def numbers(key: str, empty: str | None) -> np.ndarray | None:
+        if key not in where:
+            return np.full(len(rows), np.nan if empty == "nan" else 0.0)
+        i = where[key]
+        cells = [r[i].strip() for r in rows]
+        if empty is None and not all(cells):
+            return None
+        try:
+            values = np.array([c or empty for c in cells], dtype=np.float64)
+        except ValueError:
+            return None
+        given = np.array([bool(c) for c in cells], dtype=bool)  # bool even with no rows
+        good = np.isfinite(values) & (values >= 0)
+        return values if bool((good | ~given).all()) else None
+
+    arrival = numbers("timestamp", None)
+    inputs, outputs = numbers("input_tokens", "0"), numbers("output_tokens", "0")
+    duration = numbers("duration", "nan")
+    if arrival is None or inputs is None or outputs is None or duration is None:
+        return None
+    if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs)):
+        return None
+    i = where["adapter"]
+    return (arrival, [r[i].strip() for r in rows], inputs.astype(np.int64),
+            outputs.astype(np.int64), duration)
+
+
+def _jsonl_chunks(path: Path, lines: _BoundedLines) -> Iterator[Columns]:
+    parsed = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise FormatError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise FormatError(f"{path}:{line_no}: a request must be a JSON object")
+        parsed.append(_parse_row(path, line_no, row))
+        if len(parsed) == TRACE_CHUNK:
+            yield _parsed_columns(parsed)
+            parsed = []
+    if parsed:
+        yield _parsed_columns(parsed)
+
+
+def _parse_row(path: Path, line: int, row: dict[str, Any]) -> tuple[float, str, int, int, float]:
+    where = f"{path}:{line}"
+
+    def number(key: str, required: bool = False) -> float | None:
+        value = row.get(key)
+        if value is None or value == "":
+            if required:
+                raise FormatError(f"{where}: no {key}")
+            return None
+        if isinstance(value, bool):
+            raise FormatError(f"{where}: {key} {value!r} is not a number")
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            raise FormatError(f"{where}: {key} {value!r} is not a number") from None
+        if not math.isfinite(x) or x < 0:
+            raise FormatError(f"{where}: {key} {value!r} must be a finite number >= 0")
+        return x
+
+    def tokens(key: str) -> int:
+        x = number(key)
+        if x is None:
+            return 0
+        if x != int(x):
+            raise FormatError(f"{where}: {key} {row[key]!r} is not a whole number")
+        if x >= MAX_TOKENS:
+            raise FormatError(f"{where}: {key} {row[key]!r} is not below 2**53")
+        return int(x)
+
+    timestamp = number("timestamp", required=True)
+    assert timestamp is not None  # required above
+    if "adapter" not in row:
+        raise FormatError(f"{where}: no adapter (empty means the base model)")
+    name = row["adapter"]
+    if name is None:
+        name = ""
+    if not isinstance(name, str):
+        raise FormatError(f"{where}: adapter {name!r} is not a name")
+    duration = number("duration")
+    return (timestamp, name.strip(), tokens("input_tokens"), tokens("output_tokens"),
+            math.nan if duration is None else duration)
+
+
+# -- generators ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """A seeded workload: `kind` picks the adapter of each request over `adapters` adapters;
+    arrivals are Gamma inter-arrival times with coefficient of variation `cv` at `rate` requests
+    per second (cv = 1 is Poisson); input and output lengths are uniform in `[lo, hi)` (S-LoRA's
+    `randint`), or exactly `lo` when `lo == hi`."""
+
+    kind: str
+    requests: int
+    adapters: int = 100
+    rate: float = 10.0
+    cv: float = 1.0
+    seed: int = 0
+    zipf_s: float = 1.5
+    alpha: float = 1.0
+    input_range: tuple[int, int] = (8, 512)
+    output_range: tuple[int, int] = (8, 512)
+
+    def check(self) -> None:
+        if self.kind not in GENERATORS:
+            raise UsageError(f"--workload must be one of {', '.join(GENERATORS)}, "
+                             f"got {self.kind!r}")
+        for name, value in (("--requests", self.requests), ("--adapters", self.adapters),
+                            ("--rate", self.rate), ("--cv", self.cv), ("--zipf-s", self.zipf_s),
+                            ("--alpha", self.alpha)):
+            if not (value > 0 and math.isfinite(value)):
+                raise UsageError(f"{name} must be positive and finite, got {value}")
+        for name, value in (("--requests", self.requests), ("--adapters", self.adapters)):
+            if value > MAX_REQUESTS:  # refused before a column is allocated
+                raise UsageError(f"{name} {value:,} is more than a simulation takes "
+                                 f"({MAX_REQUESTS:,})")
+        if self.seed < 0:
+            raise UsageError(f"--seed must be non-negative, got {self.seed}")
+        for name, (lo, hi) in (("--input-tokens", self.input_range),
+                               ("--output-tokens", self.output_range)):
+            if lo < 0 or hi < lo:
+                raise UsageError(f"{name}: need 0 <= LO <= HI, got {lo},{hi}")
+
+    def record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "seed": self.seed, "rate": self.rate,
+                               "cv": self.cv, "input_range": list(self.input_range),
+                               "output_range": list(self.output_range)}
+        if self.kind != "distinct":
+            out["adapters"] = self.adapters
+        if self.kind == "zipf":
+            out["zipf_s"] = self.zipf_s
+        if self.kind == "slora":
+            out["alpha"] = self.alpha
+        return out
+
+
+def generate(spec: GeneratorSpec) -> Workload:
+    spec.check()
+    n, count = spec.requests, spec.adapters
+    shape, scale = 1.0 / (spec.cv * spec.cv), spec.cv * spec.cv / spec.rate
+    if spec.kind == "slora":
+        # S-LoRA benchmarks/trace.py, draw for draw: np.random.seed(seed), then power, randint,
+        # randint, gamma, in this order, on the legacy global stream.
+        rs = np.random.RandomState(spec.seed)
+        adapter = (rs.power(spec.alpha, n) * count).astype(np.int64)
+        np.minimum(adapter, count - 1, out=adapter)  # a draw of exactly 1.0 (S-LoRA would fail)
+        inputs = _lengths(rs.randint, spec.input_range, n)
+        outputs = _lengths(rs.randint, spec.output_range, n)
+        intervals = rs.gamma(shape, scale, n)
+    else:
+        rng = np.random.default_rng(spec.seed)
+        if spec.kind == "zipf":
+            weights = 1.0 / np.arange(1, count + 1, dtype=np.float64) ** spec.zipf_s
+            adapter = rng.choice(count, size=n, p=weights / weights.sum())
+        elif spec.kind == "uniform":
+            adapter = rng.integers(0, count, size=n)
+        elif spec.kind == "distinct":
+            adapter, count = np.arange(n), n
+        else:
+            adapter = np.zeros(n, dtype=np.int64)
+        inputs = _lengths(rng.integers, spec.input_range, n)
+        outputs = _lengths(rng.integers, spec.output_range, n)
+        intervals = rng.gamma(shape, scale, n)
+    arrival = np.cumsum(intervals)
+    if not np.isfinite(arrival).all():
+        # Gamma(1 / cv**2, cv**2 / rate) past float64's range: NaN or infinite times.
+        raise UsageError(f"--rate {spec.rate:g} with --cv {spec.cv:g} gives arrival times "
+                         "beyond floating point; choose a smaller --cv or a larger --rate")
+    width = len(str(count - 1))
+    return Workload(
+        adapters=tuple(f"lora-{i:0{width}d}" for i in range(count)),
+        adapter=adapter.astype(np.int64), arrival=arrival,
+        input_tokens=inputs, output_tokens=outputs,
+        duration=np.full(n, np.nan), source=spec.record(),
+    )
+
+
+def _lengths(draw: Any, bounds: tuple[int, int], n: int) -> np.ndarray:
+    lo, hi = bounds
+    if lo == hi:
+        return np.full(n, lo, dtype=np.int64)
+    return np.asarray(draw(lo, hi, n), dtype=np.int64)
+

@@ -1,0 +1,205 @@
+"""Pools and batches shared by the host-harness and GPU kernel tests.
+
+A case is small but covers what the kernels must get right: tokens with slot -1, a slot whose
+pointer is 0 (absent), a slot of rank 0, a slot id past the table, ranks below max_rank and not
+multiples of 8, and dims that are not multiples of any tile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from metrale_cli.ops import reference
+
+
+@dataclass
+class Pool:
+    """One BF16 allocation holding every present slot's A [max_rank, in_dim] and B
+    [out_dim, max_rank], with the per-entry tables the kernels read."""
+
+    pool: torch.Tensor  # BF16 [elements], one allocation
+    a_offsets: list[int | None]  # element offset of slot k's A, None = absent
+    b_offsets: list[int | None]
+    ranks: torch.Tensor  # i32 [max_loras]
+    scales: torch.Tensor  # f32 [max_loras]
+    in_dim: int
+    out_dim: int
+    max_rank: int
+
+    def tables(self, base_address: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """a_table, b_table (int64 holding u64 addresses) for a pool at `base_address`."""
+        base = self.pool.data_ptr() if base_address is None else base_address
+
+        def table(offsets: list[int | None]) -> torch.Tensor:
+            return torch.tensor([0 if o is None else base + 2 * o for o in offsets],
+                                dtype=torch.int64)
+
+        return table(self.a_offsets), table(self.b_offsets)
+
+    def weights(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Per-slot A and B views, read back through the tables as the reference does."""
+        a_table, b_table = self.tables()
+        return (
+            reference.weights_from_table(self.pool, a_table, (self.max_rank, self.in_dim)),
+            reference.weights_from_table(self.pool, b_table, (self.out_dim, self.max_rank)),
+        )
+
+
+def make_pool(in_dim: int, out_dim: int, max_rank: int, ranks: list[int], absent: set[int],
+              seed: int) -> Pool:
+    generator = torch.Generator().manual_seed(seed)
+    a_size, b_size = max_rank * in_dim, out_dim * max_rank
+    pool = torch.zeros(len(ranks) * (a_size + b_size), dtype=torch.bfloat16)
+    a_offsets: list[int | None] = []
+    b_offsets: list[int | None] = []
+    cursor = 0
+    for slot, rank in enumerate(ranks):
+        if slot in absent:
+            a_offsets.append(None)
+            b_offsets.append(None)
+            continue
+        a = pool[cursor : cursor + a_size].view(max_rank, in_dim)
+        b = pool[cursor + a_size : cursor + a_size + b_size].view(out_dim, max_rank)
+        a[:rank] = torch.randn(rank, in_dim, generator=generator) / math.sqrt(in_dim)
+        b[:, :rank] = torch.randn(out_dim, rank, generator=generator) / math.sqrt(max(rank, 1))
+        # Finite junk in the padding columns of B up to the next 8-element vector: the pool
+        # promises zeros there, but the kernels must not depend on it.
+        b[:, rank : min(max_rank, (rank + 7) // 8 * 8)] = 7.0
+        a_offsets.append(cursor)
+        b_offsets.append(cursor + a_size)
+        cursor += a_size + b_size
+    scales = torch.linspace(0.5, 2.0, len(ranks), dtype=torch.float32)
+    return Pool(pool, a_offsets, b_offsets, torch.tensor(ranks, dtype=torch.int32), scales,
+                in_dim, out_dim, max_rank)
+
+
+@dataclass
+class Inputs:
+    """One case's buffers, as the host tests use them."""
+
+    pool: Pool
+    a_table: torch.Tensor
+    b_table: torch.Tensor
+    a_weights: list[torch.Tensor | None]
+    b_weights: list[torch.Tensor | None]
+    x: torch.Tensor
+    y: torch.Tensor
+    y0: torch.Tensor  # y before the kernels ran
+    slots: torch.Tensor
+
+
+@dataclass
+class Case:
+    name: str
+    num_tokens: int
+    in_dim: int
+    out_dim: int
+    max_rank: int
+    ranks: list[int]
+    absent: set[int] = field(default_factory=set)
+    slots: list[int] | None = None  # BGMV: per-token slots
+    seg_starts: list[int] | None = None  # SGMV
+    seg_slots: list[int] | None = None
+    num_splits: int | None = None  # an explicit t split count (None: what the planner picks)
+    num_sms: int = 132
+
+    def pool(self, seed: int = 0) -> Pool:
+        return make_pool(self.in_dim, self.out_dim, self.max_rank, self.ranks, self.absent, seed)
+
+    def x(self, seed: int = 1) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(self.num_tokens, self.in_dim, generator=generator).bfloat16()
+
+    def y(self, dtype: torch.dtype, seed: int = 2) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(self.num_tokens, self.out_dim, generator=generator).to(dtype)
+
+    def token_slots(self) -> torch.Tensor:
+        if self.slots is not None:
+            return torch.tensor(self.slots, dtype=torch.int32)
+        return reference.segments_to_slots(
+            torch.tensor(self.seg_starts), torch.tensor(self.seg_slots), self.num_tokens
+        )
+
+    def inputs(self, y_dtype: torch.dtype) -> Inputs:
+        """The pool, its tables and per-slot weights, x, y (and a copy of it) and the slots."""
+        pool = self.pool()
+        a_table, b_table = pool.tables()
+        a_weights, b_weights = pool.weights()
+        y = self.y(y_dtype)
+        return Inputs(pool, a_table, b_table, a_weights, b_weights, self.x(), y, y.clone(),
+                      self.token_slots())
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor(self.seg_starts, dtype=torch.int32),
+                torch.tensor(self.seg_slots, dtype=torch.int32))
+
+
+BGMV_CASES = [
+    # slot 2 absent, slot 4 rank 0, slot 9 past the table; dims off every tile.
+    Case("mixed", 11, 200, 72, 16, [12, 16, 8, 16, 0], absent={2},
+         slots=[0, 1, -1, 2, 3, 0, 1, 3, 4, 9, 3]),
+    # Explicit split-K (3 splits) on a K that is not a multiple of the split; few SMs, so the
+    # expand packs 4 row passes per CTA.
+    Case("split_k", 5, 2056, 136, 24, [24, 5, 17], slots=[2, 0, 1, 1, -1], num_splits=3,
+         num_sms=2),
+    # The largest max_rank, with a rank just past a vector boundary.
+    Case("wide_rank", 3, 64, 64, 256, [256, 131], slots=[1, 0, 1]),
+    # One adapter for the whole batch (the D = 1 decode case).
+    Case("one_adapter", 16, 128, 200, 32, [32], slots=[0] * 16),
+]
+
+SGMV_CASES = [
+    # Uncovered tokens 0..2, an empty segment, slot -1, an absent slot (5), a rank-0 slot (3),
+    # ranks across the 64-column tile edge (72) and below it; 150 tokens = 2 full tiles + 22.
+    Case("segments", 150, 200, 136, 80, [72, 12, 80, 0, 33, 16], absent={5},
+         seg_starts=[3, 5, 70, 70, 71, 100, 120, 140, 150],
+         seg_slots=[0, 1, 4, -1, 2, 5, 3, 4]),
+    # Every token its own segment (SGMV used as BGMV: one mma pass per row).
+    Case("one_token_segments", 20, 72, 64, 16, [16, 9, 3], seg_starts=list(range(21)),
+         seg_slots=[i % 4 - 1 for i in range(20)]),
+    # Split-K with an empty trailing split (4 splits of 192 over K = 584).
+    Case("split_k", 70, 584, 64, 32, [32, 20], seg_starts=[0, 40, 70], seg_slots=[1, 0],
+         num_splits=4),
+    # Segments that straddle the 64-token tiles.
+    Case("straddle", 130, 128, 128, 64, [64, 40], seg_starts=[0, 63, 65, 129, 130],
+         seg_slots=[0, 1, 0, 1]),
+]
+
+# Decode batches run with a batch plan (kernels.plan_batch), on both the grouped and the
+# per-token path.
+DECODE_BATCHES = [
+    # Slots shared by many tokens (grouped), rank 12 and 33 in a max-rank-48 pool (t narrows to
+    # 40), with slot -1, an absent slot, a rank-0 slot and one past the table.
+    Case("shared_slots", 21, 200, 72, 48, [12, 33, 8, 0], absent={2},
+         slots=[0, 1, 0, -1, 1, 0, 2, 0, 1, 3, 0, 1, 9, 0, 1, 0, 1, 0, 1, 0, 0]),
+    # One adapter for the whole batch, over three 64-token tiles.
+    Case("one_slot", 150, 64, 64, 64, [20], slots=[0] * 150),
+]
+
+
+def check_t(t: torch.Tensor, expected: torch.Tensor) -> None:
+    """t (any split count) against the reference t; every element must have been written."""
+    assert not torch.isnan(t).any(), "the shrink left t elements unwritten"
+    rtol, atol = reference.T_TOLERANCE
+    torch.testing.assert_close(t.sum(0), expected, rtol=rtol, atol=atol)
+
+
+def check_y(y: torch.Tensor, y0: torch.Tensor, expected: torch.Tensor, case: Case,
+             family: str) -> None:
+    """y against the reference within the family's tolerance; skipped rows bit for bit."""
+    slots = case.token_slots()
+    pool = case.pool()
+    a_weights, _ = pool.weights()
+    for b, slot in enumerate(slots.tolist()):
+        skipped = (slot < 0 or slot >= len(case.ranks) or a_weights[slot] is None
+                   or case.ranks[slot] == 0)
+        if skipped:
+            assert torch.equal(y[b].view(torch.uint8), y0[b].view(torch.uint8)), (
+                f"token {b} (slot {slot}) has no adapter, yet its y row changed"
+            )
+    rtol, atol = reference.TOLERANCES[family, y.dtype]
+    torch.testing.assert_close(y.float(), expected.float(), rtol=rtol, atol=atol)
