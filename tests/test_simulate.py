@@ -608,6 +608,9 @@ def test_bench_slots_record() -> None:
         assert set(rec[key]) == {"64", "4096"} and min(rec[key].values()) > 0
     ns = rec["victim_cycle_ns"]
     assert rec["victim_cycle_ratio"] == ns["4096"] / ns["64"]
+    sweep = rec["lru_sweep"]
+    assert sweep["sizes"] == 1000 and sweep["adapters"] == 100_000
+    assert sweep["speedup"] == 1000 * sweep["replay_s"] / sweep["sweep_s"] > 0
     r = metrale("bench", "slots", "--repeats", "0")
     assert r.code == 2 and "must be positive" in r.stderr
 

@@ -560,6 +560,10 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
         lines.append(
             f"simulate, {mode}, every request a miss: {rps[lo]:,.0f} req/s at {lo} slots, "
             f"{rps[hi]:,.0f} at {hi}: cost per request x{ratio:.2f}")
+    sweep = record["lru_sweep"]
+    lines.append(f"lru sweep, paging, {sweep['sizes']:,} sizes over {sweep['adapters']:,} "
+                 f"adapters: {sweep['sweep_s']:.2f} s in one pass, {sweep['replay_s']:.2f} s "
+                 f"per size replayed: x{sweep['speedup']:,.0f}")
     return Text("\n".join(lines))
 
 

@@ -37,6 +37,7 @@ from metrale_cli.layout.plan import PoolPlan
 from metrale_cli.layout.sharding import ShardSpec, rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.pool.slots import NEVER, POLICIES, AdapterSlot, SlotManager, SlotState
+from metrale_cli.sim.stack_distance import load_ends, stack_distances
 from metrale_cli.sim.workload import Workload
 
 # Named links a slot's bytes cross on a swap: (bytes per second, per-swap latency in seconds,
@@ -174,6 +175,23 @@ def _column(code: str, values: np.ndarray) -> array.array[Any]:
     return column
 
 
+def _percentile_above_zeros(values: np.ndarray, n: int, q: float) -> float:
+    """np.percentile(q) (linear) of `n` values: `n - len(values)` zeros, then sorted `values`
+    (>= 0), without building the `n` of them (a sweep does it per size)."""
+    if n == 0:
+        return 0.0
+    zeros = n - values.size
+    at = q / 100 * (n - 1)
+    lo = int(math.floor(at))
+    hi = min(lo + 1, n - 1)
+
+    def value(i: int) -> float:
+        return 0.0 if i < zeros else float(values[i - zeros])
+
+    low, high = value(lo), value(hi)
+    return low + (high - low) * (at - lo)
+
+
 class Replay:
     """One workload, prepared once (hold times, next uses, the no-cache baseline), replayed
     against a fresh `SlotManager` per (policy, size)."""
@@ -220,13 +238,7 @@ class Replay:
             progress: Callable[[int], None] | None = None, detail: bool = True) -> RunResult:
         """Replay every request at `max_loras` slots under `policy`. Without `detail` the
         result drops its per-request arrays (a sweep of a million requests keeps none)."""
-        if len(self.pinned) > max_loras:
-            raise UsageError(f"{len(self.pinned)} pinned adapters do not fit in "
-                             f"--max-loras {max_loras}")
-        if len(self.pinned) == max_loras and self.unpinned:
-            raise UsageError(f"--max-loras {max_loras} leaves no cache slot beside the "
-                             f"{len(self.pinned)} pinned adapters, and unpinned ones are "
-                             "requested")
+        self._check_size(max_loras)
         manager = SlotManager(max_loras, policy=policy)
         manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
         n = len(self._adapter)
@@ -254,6 +266,56 @@ class Replay:
             served=served if detail else np.empty(0, dtype=np.int64),
             ref_counts_at_end=[manager.ref_count(k) for k in range(max_loras)],
         )
+
+    def _check_size(self, max_loras: int) -> None:
+        if len(self.pinned) > max_loras:
+            raise UsageError(f"{len(self.pinned)} pinned adapters do not fit in "
+                             f"--max-loras {max_loras}")
+        if len(self.pinned) == max_loras and self.unpinned:
+            raise UsageError(f"--max-loras {max_loras} leaves no cache slot beside the "
+                             f"{len(self.pinned)} pinned adapters, and unpinned ones are "
+                             "requested")
+
+    def lru_sweep(self, sizes: Sequence[int],
+                  progress: Callable[[int], None] | None = None) -> list[RunResult]:
+        """LRU in paging mode at every size of `sizes` from one pass (stack distances), each
+        result what `run("lru", size, detail=False)` gives, up to float rounding in the
+        latencies; `progress` hears of every request once per size."""
+        if not self.paging:
+            raise UsageError("the one-pass LRU sweep is for paging mode (requests that hold "
+                             "no slot)")
+        for size in sizes:
+            self._check_size(size)
+        adapter, arrival = self.workload.adapter, self.workload.arrival
+        pinned_ids = [self.workload.adapters.index(n) for n in self.pinned]
+        counted = np.flatnonzero((adapter >= 0) & ~np.isin(adapter, pinned_ids))
+        pinned_requests = int((adapter >= 0).sum()) - counted.size
+        ticks = None if progress is None else (lambda k: progress(k * len(sizes)))
+        distance = stack_distances(adapter[counted], ticks)
+        if progress is not None:
+            progress((self.workload.requests - counted.size) * len(sizes))
+        asked = arrival[counted]
+        n, swap_s, links = self.workload.requests, self.cost.seconds, self.cost.links
+        results = []
+        for size in sizes:
+            cache = size - len(self.pinned)
+            miss = (distance < 0) | (distance >= cache)
+            misses = int(miss.sum())
+            ends = load_ends(asked[miss], swap_s, links)
+            added = np.sort(ends - asked[miss])
+            results.append(RunResult(
+                policy="lru", max_loras=size, pinned=len(self.pinned), requests=n,
+                adapter_requests=pinned_requests + counted.size,
+                hits=pinned_requests + counted.size - misses, delayed_hits=0, misses=misses,
+                swaps=misses - min(cache, self.unpinned), bytes_moved=misses * self.cost.slot_bytes,
+                swap_s=misses * swap_s, link_wait_s=float(added.sum()) - misses * swap_s,
+                stalls=0, stall_total_s=0.0, stall_p50_s=0.0, stall_p99_s=0.0,
+                added_latency_p50_s=_percentile_above_zeros(added, n, 50),
+                added_latency_p99_s=_percentile_above_zeros(added, n, 99),
+                added_latency_mean_s=float(added.sum()) / n if n else 0.0,
+                pool_bytes=0, ref_counts_at_end=[0] * size,
+            ))
+        return results
 
     def _load(self, manager: SlotManager) -> tuple[int, bool]:
         """Pick a victim and begin loading into it: (slot, whether it evicted an adapter)."""
@@ -480,8 +542,12 @@ def simulate(
                          f"{', '.join(POLICIES)}")
     results = []
     for policy in dict.fromkeys(policies):
-        for size in sorted(set(sizes)):
-            result = replay.run(policy, size, progress, detail=False)
+        if policy == "lru" and replay.paging:  # every size from one pass
+            swept = replay.lru_sweep(sorted(set(sizes)), progress)
+        else:
+            swept = [replay.run(policy, size, progress, detail=False)
+                     for size in sorted(set(sizes))]
+        for result, size in zip(swept, sorted(set(sizes)), strict=True):
             result.pool_bytes = pool_bytes(size)
             if budget_bytes is not None:
                 result.fits_budget = result.pool_bytes <= budget_bytes
