@@ -101,7 +101,27 @@ def parse_token_range(option: str, text: str) -> tuple[int, int]:
     return values[0], values[1]
 
 
-def parse_bandwidth(text: str) -> Link:
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """`64,32,16,8` (cycled by adapter index) or an S-LoRA setting `slora:S2`."""
+    from metrale_cli.sim.workload import SLORA_RANKS  # NumPy: not at --help
+
+    key = text.strip()
+    if key.lower().startswith("slora:"):
+        setting = key[6:].strip().upper()
+        if setting not in SLORA_RANKS:
+            raise UsageError(f"--ranks: S-LoRA settings are {', '.join(SLORA_RANKS)}, got "
+                             f"{key[6:]!r}")
+        return SLORA_RANKS[setting]
+    try:
+        ranks = tuple(int(p) for p in key.split(","))
+    except ValueError:
+        raise UsageError(f"--ranks: expected ranks like 64,32,16,8 or slora:S2, got "
+                         f"{text!r}") from None
+    positive("--ranks", *ranks)
+    return ranks
+
+
+def parse_bandwidth(text: str, option: str = "--bandwidth") -> Link:
     """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
     the link, with the preset's per-swap latency (0 for a figure)."""
     from metrale_cli.sim.simulate import BANDWIDTHS, Link  # NumPy: not at --help
@@ -110,12 +130,12 @@ def parse_bandwidth(text: str) -> Link:
     if key in BANDWIDTHS:
         return Link.preset(key)
     if not key.endswith("/s"):
-        raise UsageError(f"--bandwidth: {text!r} is neither a preset "
+        raise UsageError(f"{option}: {text!r} is neither a preset "
                          f"({', '.join(BANDWIDTHS)}) nor a figure like 25GB/s")
     try:
         bytes_per_s = parse_size(key[:-2])
     except UsageError as exc:
-        raise UsageError(f"--bandwidth: {exc}") from None
+        raise UsageError(f"{option}: {exc}") from None
     if bytes_per_s <= 0:
-        raise UsageError(f"--bandwidth must be positive, got {text!r}")
+        raise UsageError(f"{option} must be positive, got {text!r}")
     return Link(text.strip(), float(bytes_per_s), 0.0)

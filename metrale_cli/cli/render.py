@@ -491,17 +491,24 @@ def simulate_view(record: dict[str, Any]) -> Group:
                  f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us), "
                  + ("one load at a time per GPU" if links == 1 else f"{links} loads at a time "
                     "per GPU"))
+    if record["host"]:
+        host = record["host"]
+        head.add_row("host", f"{host['slots']:,} adapters in host memory (an LRU, up to "
+                     f"{human_bytes(host['host_bytes'])}); a host miss reads over "
+                     f"{host['bandwidth']} ({host['bytes_per_s'] / 1e9:g} GB/s + "
+                     f"{1e6 * host['latency_s']:g} us)")
+    if w.get("adapter_ranks"):
+        head.add_row("ranks", ", ".join(f"{n:,} at rank {r}" for r, n in
+                                        w["adapter_ranks"].items())
+                     + f": a load moves rank/{lay['max_rank']} of a slot")
     if record["pinned"]:
         head.add_row("pinned", f"{len(record['pinned'])}: {', '.join(record['pinned'][:8])}"
                      + (" ..." if len(record["pinned"]) > 8 else ""))
     # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
     table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
     with_min = "min" in record["policies"]
-    # Requests that waited for a load another one started: shown only where there are any.
-    delayed = any(r["delayed_hits"] for r in record["results"])
-    for name in ("policy", "slots", "hit %", *(["delayed\nhits"] if delayed else []), "misses",
-                 "stalls", "stall\np99", "added\np50", "added\np99",
-                 *(["misses\nvs min"] if with_min else []), "pool\nGiB"):
+    for name in ("policy", "slots", "hit %", "misses", "stalls", "stall\np99", "added\np50",
+                 "added\np99", *(["misses\nvs min"] if with_min else []), "pool\nGiB"):
         table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
                          header_style="bold")
     previous = None
@@ -515,12 +522,14 @@ def simulate_view(record: dict[str, Any]) -> Group:
         if r["fits_budget"] is False:
             pool = f"[red]{pool}"
         table.add_row(
-            r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}",
-            *([f"{r['delayed_hits']:,}"] if delayed else []), f"{r['misses']:,}",
+            r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}", f"{r['misses']:,}",
             f"{r['stalls']:,}", human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
             human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
             *vs_min, pool)
     parts: list[Any] = [head, table]
+    loads = _loads_table(record)
+    if loads is not None:
+        parts.append(loads)
     if record["targets"]:
         t = record["targets"]
         want = " and ".join(x for x in (
@@ -543,6 +552,34 @@ def simulate_view(record: dict[str, Any]) -> Group:
             elif not s["monotonic"]:
                 parts.append(Text("  not monotonic: more slots do worse somewhere"))
     return Group(*parts)
+
+
+def _loads_table(record: dict[str, Any]) -> Table | None:
+    """Where loads came from, beside the main table (which 80 columns must hold): delayed hits
+    (requests that waited for another's load), and with a host tier its hits and disk reads."""
+    delayed = any(r["delayed_hits"] for r in record["results"])
+    tiered = record["host"] is not None
+    if not delayed and not tiered:
+        return None
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    names = ["policy", "slots", "delayed\nhits", "GiB\nto GPU", "link\nwait"]
+    if tiered:
+        names += ["from\nhost", "from\ndisk", "GiB\nfrom disk"]
+    for name in names:
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        row = [r["policy"], str(r["max_loras"]), f"{r['delayed_hits']:,}",
+               f"{r['bytes_moved'] / 2**30:,.2f}", human_seconds(r["link_wait_s"])]
+        if tiered:
+            row += [f"{r['host_hits']:,}", f"{r['host_misses']:,}",
+                    f"{r['host_bytes_moved'] / 2**30:,.2f}"]
+        table.add_row(*row)
+    return table
 
 
 def bench_slots_view(record: dict[str, Any]) -> Text:

@@ -87,6 +87,15 @@ def simulate(
     links: Annotated[int, typer.Option(
         "--links", help="Loads that run at once per GPU (default 1: loads queue on one link).")]
     = 1,
+    host_slots: Annotated[int | None, typer.Option(
+        "--host-slots", help="A host tier of N adapters (an LRU, vLLM's --max-cpu-loras) in "
+        "front of the GPU slots; default none.")] = None,
+    host_bandwidth: Annotated[str, typer.Option(
+        "--host-bandwidth", help="What a host miss reads over: nvme (default), pcie4, ..., "
+        "or a figure.")] = "nvme",
+    ranks: Annotated[str | None, typer.Option(
+        "--ranks", help="Generated adapters' own ranks, cycled by adapter index: 64,32,16,8 "
+        "or an S-LoRA setting slora:S1..S4; default every adapter a full slot.")] = None,
     target_hit_rate: Annotated[float | None, typer.Option(
         "--target-hit-rate", help="Report the smallest size with at least this hit rate.")]
     = None,
@@ -108,7 +117,12 @@ def simulate(
     With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
     from metrale_cli.adapters.audit import audit
     from metrale_cli.cli import render
-    from metrale_cli.cli.parsing import parse_bandwidth, parse_size_list, parse_token_range
+    from metrale_cli.cli.parsing import (
+        parse_bandwidth,
+        parse_ranks,
+        parse_size_list,
+        parse_token_range,
+    )
     from metrale_cli.files.atomic import check_output, output_path
     from metrale_cli.layout.plan import max_rank_warnings, plan_layouts
     from metrale_cli.sim import simulate as sim
@@ -138,6 +152,9 @@ def simulate(
     warn(max_rank_warnings(layouts[0].max_rank))
     if trace is not None and workload is not None:
         raise UsageError("give --trace or --workload, not both")
+    if trace is not None and ranks is not None:
+        raise UsageError("--ranks is for generated workloads; a trace gives ranks in its "
+                         "rank column")
     if trace is not None:
         if err().is_terminal and not json_out:
             from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
@@ -153,7 +170,8 @@ def simulate(
         requested = wl.generate(wl.GeneratorSpec(
             workload or "zipf", n_requests, n_adapters, rate, cv, seed, zipf_s, alpha,
             parse_token_range("--input-tokens", input_tokens),
-            parse_token_range("--output-tokens", output_tokens)))
+            parse_token_range("--output-tokens", output_tokens),
+            parse_ranks(ranks) if ranks is not None else ()))
     if save_trace is not None:
         requested.save(save_trace, force)
     targets = (sim.Targets(target_hit_rate, target_p99_ms)
@@ -167,7 +185,9 @@ def simulate(
         policies=[p.strip() for p in policy.split(",") if p.strip()],
         sizes=parse_size_list("--max-loras", max_loras) if max_loras is not None else None,
         targets=targets,
-        budget_bytes=parse_size(budget) if budget is not None else None, shard=spec)
+        budget_bytes=parse_size(budget) if budget is not None else None, shard=spec,
+        host=(sim.HostTier(host_slots, parse_bandwidth(host_bandwidth, "--host-bandwidth"))
+              if host_slots is not None else None))
     if err().is_terminal and not json_out:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 

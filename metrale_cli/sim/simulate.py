@@ -22,7 +22,7 @@ import heapq
 import itertools
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -49,8 +49,9 @@ BANDWIDTHS: dict[str, tuple[float, float, str]] = {
     "nvme": (7e9, 100e-6, "PCIe 4.0 NVMe SSD sequential read"),
 }
 PROGRESS_EVERY = 1 << 16  # requests between progress callbacks
-# What a replay loop counts: hits, delayed hits, misses, swaps, link wait (s), stall waits (s).
-Counts = tuple[int, int, int, int, float, list[float]]
+# What a replay loop counts: hits, delayed hits, misses, swaps, stall waits (s); `Loads` counts
+# what the loads moved.
+Counts = tuple[int, int, int, int, list[float]]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,65 @@ class LinkClock:
         return begin + seconds, begin - now
 
 
+@dataclass(frozen=True)
+class HostTier:
+    """Host memory in front of the GPU slots (vLLM's `--max-cpu-loras`): an LRU of `slots`
+    adapters. A GPU miss whose adapter is there copies it to the GPU; one that is not first
+    reads it over `link` (disk or hub) into the tier, evicting the tier's least recently used."""
+
+    slots: int
+    link: Link
+
+    def __post_init__(self) -> None:
+        if self.slots <= 0:
+            raise UsageError(f"--host-slots must be positive, got {self.slots}")
+
+
+class Loads:
+    """Every load of one run: its bytes and time by adapter (an adapter of rank r in a pool of
+    max rank R moves r/R of a slot), the GPU link's queue, and the host tier when there is one,
+    with what each moved."""
+
+    def __init__(self, cost: SwapCost, load_bytes: Sequence[int], host: HostTier | None) -> None:
+        self.cost, self.host = cost, host
+        self.load_bytes = load_bytes
+        self.load_s = [b / cost.bytes_per_s + cost.latency_s for b in load_bytes]
+        self.gpu = LinkClock(cost.links)
+        self.bytes_moved = 0
+        self.swap_s = self.link_wait_s = 0.0
+        self.host_hits = self.host_misses = self.host_bytes_moved = 0
+        if host is not None:
+            self.read_s = [b / host.link.bytes_per_s + host.link.latency_s for b in load_bytes]
+            self.disk = LinkClock(1)
+            self.resident: OrderedDict[int, None] = OrderedDict()
+
+    def touch(self, adapter: int) -> None:
+        """A request used `adapter`: the host tier's LRU moves it up, as vLLM's registered
+        adapters are touched on each use."""
+        if adapter in self.resident:
+            self.resident.move_to_end(adapter)
+
+    def load(self, adapter: int, now: float) -> float:
+        """Load `adapter` onto the GPU, asked for at `now`: when the copy ends."""
+        ready = now
+        if self.host is not None:
+            if adapter in self.resident:
+                self.host_hits += 1
+            else:
+                self.host_misses += 1
+                self.host_bytes_moved += self.load_bytes[adapter]
+                if len(self.resident) == self.host.slots:
+                    self.resident.popitem(last=False)
+                self.resident[adapter] = None
+                ready, _ = self.disk.load(now, self.read_s[adapter])
+        seconds = self.load_s[adapter]
+        end, wait = self.gpu.load(ready, seconds)
+        self.bytes_moved += self.load_bytes[adapter]
+        self.swap_s += seconds
+        self.link_wait_s += wait
+        return end
+
+
 def default_sizes(unpinned: int, pinned: int) -> list[int]:
     """Powers of two from above the pinned slots up to the size that holds every requested
     adapter beside the pinned ones."""
@@ -142,6 +202,9 @@ class RunResult:
     bytes_moved: int
     swap_s: float
     link_wait_s: float
+    host_hits: int
+    host_misses: int
+    host_bytes_moved: int
     stalls: int
     stall_total_s: float
     stall_p50_s: float
@@ -197,11 +260,18 @@ class Replay:
     against a fresh `SlotManager` per (policy, size)."""
 
     def __init__(self, workload: Workload, hold: np.ndarray, cost: SwapCost,
-                 pinned: Sequence[str] = (), max_concurrency: int | None = None) -> None:
+                 pinned: Sequence[str] = (), max_concurrency: int | None = None,
+                 load_bytes: Sequence[int] | None = None, host: HostTier | None = None) -> None:
+        """`load_bytes[a]`: what loading adapter `a` moves (default a whole slot each)."""
         if max_concurrency is not None and max_concurrency <= 0:
             raise UsageError(f"--max-concurrency must be positive, got {max_concurrency}")
         self.workload = workload
         self.cost = cost
+        self.host = host
+        self.load_bytes = (list(load_bytes) if load_bytes is not None
+                           else [cost.slot_bytes] * len(workload.adapters))
+        # The one-pass LRU sweep needs equal loads and no host tier.
+        self.sweepable = host is None and len(set(self.load_bytes)) <= 1
         self.pinned = list(dict.fromkeys(pinned))
         self.max_concurrency = max_concurrency
         self.paging = not bool(hold.any())
@@ -245,17 +315,17 @@ class Replay:
         start = np.empty(n)
         served = np.zeros(n, dtype=np.int64)
         loop = self._paging if self.paging else self._concurrent
-        clock = LinkClock(self.cost.links)
-        hits, delayed, misses, swaps, link_wait, waits = loop(manager, clock, start, served,
-                                                              progress)
+        loads = Loads(self.cost, self.load_bytes, self.host)
+        hits, delayed, misses, swaps, waits = loop(manager, loads, start, served, progress)
         added = start - self.baseline
         adapter_requests = int((self.workload.adapter >= 0).sum())
         wait = np.asarray(waits) if waits else np.zeros(1)
         return RunResult(
             policy=policy, max_loras=max_loras, pinned=len(self.pinned), requests=n,
             adapter_requests=adapter_requests, hits=hits, delayed_hits=delayed, misses=misses,
-            swaps=swaps, bytes_moved=misses * self.cost.slot_bytes,
-            swap_s=misses * self.cost.seconds, link_wait_s=link_wait,
+            swaps=swaps, bytes_moved=loads.bytes_moved, swap_s=loads.swap_s,
+            link_wait_s=loads.link_wait_s, host_hits=loads.host_hits,
+            host_misses=loads.host_misses, host_bytes_moved=loads.host_bytes_moved,
             stalls=len(waits), stall_total_s=float(sum(waits)),
             stall_p50_s=float(np.percentile(wait, 50)),
             stall_p99_s=float(np.percentile(wait, 99)),
@@ -281,9 +351,9 @@ class Replay:
         """LRU in paging mode at every size of `sizes` from one pass (stack distances), each
         result what `run("lru", size, detail=False)` gives, up to float rounding in the
         latencies; `progress` hears of every request once per size."""
-        if not self.paging:
+        if not (self.paging and self.sweepable):
             raise UsageError("the one-pass LRU sweep is for paging mode (requests that hold "
-                             "no slot)")
+                             "no slot) with equal loads and no host tier")
         for size in sizes:
             self._check_size(size)
         adapter, arrival = self.workload.adapter, self.workload.arrival
@@ -309,6 +379,7 @@ class Replay:
                 hits=pinned_requests + counted.size - misses, delayed_hits=0, misses=misses,
                 swaps=misses - min(cache, self.unpinned), bytes_moved=misses * self.cost.slot_bytes,
                 swap_s=misses * swap_s, link_wait_s=float(added.sum()) - misses * swap_s,
+                host_hits=0, host_misses=0, host_bytes_moved=0,
                 stalls=0, stall_total_s=0.0, stall_p50_s=0.0, stall_p99_s=0.0,
                 added_latency_p50_s=_percentile_above_zeros(added, n, 50),
                 added_latency_p99_s=_percentile_above_zeros(added, n, 99),
@@ -324,15 +395,14 @@ class Replay:
         manager.begin_load(victim)
         return victim, evicts
 
-    def _paging(self, manager: SlotManager, clock: LinkClock, start: np.ndarray,
+    def _paging(self, manager: SlotManager, loads: Loads, start: np.ndarray,
                 served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
         names, adapter, nxt = self.workload.adapters, self._adapter, self._next
         arrival = self._arrival
-        swap_s, use_next = self.cost.seconds, manager.policy == "min"
+        use_next, tiered = manager.policy == "min", self.host is not None
         # A zero-length request takes and returns its count at once: a touch, one call.
         slot_of, touch, set_next_use = manager.slot_of, manager.touch_slot, manager.set_next_use
         hits = misses = swaps = 0
-        link_wait = 0.0
         start[:] = self.workload.arrival
         for r, a in enumerate(adapter):
             served[r] += 1
@@ -340,14 +410,15 @@ class Replay:
                 progress(PROGRESS_EVERY)
             if a < 0:
                 continue
+            if tiered:
+                loads.touch(a)
             slot = slot_of(names[a])
             if slot is None:
                 slot, evicts = self._load(manager)
                 manager.finish_load(slot, AdapterSlot(name=names[a]))
                 misses += 1
                 swaps += evicts
-                start[r], wait = clock.load(arrival[r], swap_s)
-                link_wait += wait
+                start[r] = loads.load(a, arrival[r])
             else:
                 hits += 1
             touch(slot)
@@ -355,13 +426,13 @@ class Replay:
                 set_next_use(slot, nxt[r])
         if progress is not None:
             progress(len(adapter) % PROGRESS_EVERY)
-        return hits, 0, misses, swaps, link_wait, []
+        return hits, 0, misses, swaps, []
 
-    def _concurrent(self, manager: SlotManager, clock: LinkClock, start: np.ndarray,
+    def _concurrent(self, manager: SlotManager, loads: Loads, start: np.ndarray,
                     served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
         names, adapter, arrival = self.workload.adapters, self._adapter, self._arrival
         hold, nxt = self._hold, self._next
-        swap_s, use_next = self.cost.seconds, manager.policy == "min"
+        use_next, tiered = manager.policy == "min", self.host is not None
         slot_of, acquire, release = manager.slot_of, manager.acquire_slot, manager.release_slot
         set_next_use, touch = manager.set_next_use, manager.touch_slot
         n = len(adapter)
@@ -376,7 +447,6 @@ class Replay:
         stalled_since: dict[int, float] = {}
         waits: list[float] = []
         running = hits = delayed = misses = swaps = 0
-        link_wait = 0.0
         i = 0
 
         def serve(r: int, slot: int, now: float) -> None:
@@ -414,6 +484,8 @@ class Replay:
                 a = adapter[r]
                 slot = -1
                 if a >= 0:
+                    if tiered and r not in stalled_since:  # one use, however long it waits
+                        loads.touch(a)
                     slot = slot_of(names[a])
                     if slot is None:
                         if a in loading:  # its load is under way: no second load
@@ -435,9 +507,7 @@ class Replay:
                         if r in stalled_since:
                             waits.append(now - stalled_since.pop(r))
                         loading[a] = [r]
-                        end, wait = clock.load(now, swap_s)
-                        link_wait += wait
-                        heapq.heappush(events, (end, 1, next(seq), victim, a))
+                        heapq.heappush(events, (loads.load(a, now), 1, next(seq), victim, a))
                         queue.popleft()
                         running += 1
                         continue
@@ -447,7 +517,7 @@ class Replay:
                 running += 1
         if progress is not None:
             progress(n % PROGRESS_EVERY)
-        return hits, delayed, misses, swaps, link_wait, waits
+        return hits, delayed, misses, swaps, waits
 
 
 @dataclass(frozen=True)
@@ -482,6 +552,7 @@ class Simulation:
     results: list[RunResult]
     targets: Targets | None = None
     budget_bytes: int | None = None
+    host: dict[str, Any] | None = None
     seconds: float = 0.0
 
     def smallest_meeting(self) -> list[dict[str, Any]]:
@@ -521,7 +592,7 @@ class Simulation:
             "swap": self.cost.record(), "pinned": self.pinned,
             "max_concurrency": self.max_concurrency, "prefill_tok_s": self.prefill_tok_s,
             "decode_tok_s": self.decode_tok_s, "policies": self.policies, "sizes": self.sizes,
-            "budget_bytes": self.budget_bytes,
+            "budget_bytes": self.budget_bytes, "host": self.host,
             "targets": self.targets.record() if self.targets else None,
             "smallest_meeting": self.smallest_meeting() if self.targets else None,
             "results": [r.record() for r in self.results],
@@ -542,7 +613,7 @@ def simulate(
                          f"{', '.join(POLICIES)}")
     results = []
     for policy in dict.fromkeys(policies):
-        if policy == "lru" and replay.paging:  # every size from one pass
+        if policy == "lru" and replay.paging and replay.sweepable:  # every size in one pass
             swept = replay.lru_sweep(sorted(set(sizes)), progress)
         else:
             swept = [replay.run(policy, size, progress, detail=False)
@@ -618,14 +689,16 @@ def run(
     targets: Targets | None = None,
     budget_bytes: int | None = None,
     shard: ShardSpec | None = None,
+    host: HostTier | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Simulation:
     """The whole of `metrale simulate` for a workload and a pool layout, loads crossing `link`
     (default pcie4), `links` at a time per GPU. With `shard` (a TP
     deployment) every GPU holds its rank's pool and loads its rank's part of an adapter at once:
     a swap moves the largest rank's slot (and expert slot) per GPU, and a pool size must fit
-    `budget_bytes` on the largest rank. `progress(n, total)` is told of every 65,536 requests
-    replayed."""
+    `budget_bytes` on the largest rank. An adapter whose rank the workload gives moves its
+    share of a slot (rank r of max rank R: r/R of it); `host` puts a host tier in front of the
+    GPU slots. `progress(n, total)` is told of every 65,536 requests replayed."""
     started = time.perf_counter()
     if pin and pinned is not None:
         raise UsageError("give --pin or --pinned, not both")
@@ -644,8 +717,9 @@ def run(
     busiest = swapped.index(max(swapped))
     gpu_layout, gpu_experts = ranks[busiest]
     cost = SwapCost(swapped[busiest], link.bytes_per_s, link.latency_s, link.name, links)
+    load_bytes = adapter_load_bytes(workload, layout.max_rank, cost.slot_bytes)
     replay = Replay(workload, workload.hold_seconds(prefill_tok_s, decode_tok_s), cost, names,
-                    max_concurrency)
+                    max_concurrency, load_bytes, host)
     sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
     policies = list(dict.fromkeys(policies))
     total = len(policies) * len(set(sizes)) * workload.requests
@@ -666,5 +740,28 @@ def run(
         cost=cost, pinned=replay.pinned, max_concurrency=max_concurrency,
         prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, policies=policies,
         sizes=sorted(set(sizes)), results=results, targets=targets, budget_bytes=budget_bytes,
+        host=None if host is None else {
+            "slots": host.slots, "bandwidth": host.link.name,
+            "bytes_per_s": host.link.bytes_per_s, "latency_s": host.link.latency_s,
+            # What the tier holds at most: its slots of the largest adapter it can be given.
+            "host_bytes": host.slots * max(load_bytes, default=0)},
         seconds=time.perf_counter() - started,
     )
+
+
+def adapter_load_bytes(workload: Workload, max_rank: int, slot_bytes: int) -> list[int]:
+    """Per adapter, the bytes a load moves: an adapter of rank r in a pool of max rank R copies
+    its r rows of A and r columns of B into the padded slot, r/R of the slot (rounded up); the
+    pool zeroes the rest without a transfer. Unknown ranks move the whole slot. An adapter above
+    the pool's max rank cannot be served: refused, naming it."""
+    if workload.adapter_rank is None:
+        return [slot_bytes] * len(workload.adapters)
+    used = workload.counts() > 0
+    above = np.flatnonzero(used & (workload.adapter_rank > max_rank))
+    if above.size:
+        a = int(above[0])
+        raise UsageError(f"{above.size:,} requested adapter{'s' if above.size > 1 else ''} "
+                         f"above the pool's max rank {max_rank} (first {workload.adapters[a]!r}"
+                         f", rank {int(workload.adapter_rank[a])}): raise --max-rank")
+    rank = np.where(workload.adapter_rank > 0, workload.adapter_rank, max_rank)
+    return (-(-slot_bytes * rank // max_rank)).astype(np.int64).tolist()

@@ -24,7 +24,13 @@ from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.atomic import atomic_write
 
 GENERATORS = ("zipf", "uniform", "distinct", "identical", "slora")
+# S-LoRA's model settings (benchmarks/exp_suite.py LORA_DIR): the ranks of the adapter
+# directories the server registers, cycled by adapter index (`{dir}-{i}` for each i, each dir),
+# so that adapter k of a suite has the rank of directory k % len(dirs).
+SLORA_RANKS = {"S1": (8,), "S2": (64, 32, 16, 8), "S3": (16,), "S4": (64, 32, 16)}
 TRACE_COLUMNS = ("timestamp", "adapter", "input_tokens", "output_tokens", "duration")
+# An optional column: the adapter's own LoRA rank (0 or empty: not known, a whole slot moves).
+RANK_COLUMN = "rank"
 # A request line is a few dozen characters; one this long is not a trace (a binary file, a
 # file with no line breaks), refused before it is held in memory.
 MAX_LINE_CHARS = 1 << 16
@@ -48,6 +54,8 @@ class Workload:
     output_tokens: np.ndarray  # [N] int64, 0 when unknown
     duration: np.ndarray       # [N] float64 seconds, NaN = from the tokens
     source: dict[str, Any] = field(default_factory=dict)
+    # [len(adapters)] int64: each adapter's own LoRA rank, 0 = unknown (a whole slot is moved).
+    adapter_rank: np.ndarray | None = None
 
     @property
     def requests(self) -> int:
@@ -86,19 +94,26 @@ class Workload:
 
     def record(self) -> dict[str, Any]:
         used = self.adapter[self.adapter >= 0]
-        return {
+        out = {
             **self.source,
             "requests": self.requests,
             "adapter_requests": int(used.size),
             "distinct_adapters": int(np.unique(used).size),
             "span_s": float(self.arrival[-1] - self.arrival[0]) if self.requests else 0.0,
         }
+        if self.adapter_rank is not None:
+            ranks, counts = np.unique(self.adapter_rank[np.unique(used)], return_counts=True)
+            out["adapter_ranks"] = {str(r): int(c) for r, c in zip(ranks, counts, strict=True)}
+        return out
 
     def save(self, path: Path, force: bool) -> None:
         """Write the requests as a trace that `--trace` reads back exactly: CSV for `.csv`,
         JSON lines otherwise; atomically, never over a file without `force`."""
         has_duration = bool((~np.isnan(self.duration)).any())
+        ranks = self.adapter_rank
         columns = list(TRACE_COLUMNS if has_duration else TRACE_COLUMNS[:-1])
+        if ranks is not None:
+            columns.append(RANK_COLUMN)
         rows = zip(self.arrival.tolist(), self.adapter.tolist(), self.input_tokens.tolist(),
                    self.output_tokens.tolist(), self.duration.tolist(), strict=True)
         names = self.adapters
@@ -108,6 +123,8 @@ class Workload:
             out: list[Any] = [t, names[a] if a >= 0 else "", i, o]
             if has_duration:
                 out.append(None if math.isnan(d) else d)
+            if ranks is not None:
+                out.append(int(ranks[a]) if a >= 0 else 0)
             return out
 
         def write(f: Any) -> None:
@@ -157,7 +174,7 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
     return columns.workload()
 
 
-Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray]
+Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class _TraceColumns:
@@ -170,7 +187,7 @@ class _TraceColumns:
         self.parts: list[tuple[np.ndarray, ...]] = []
 
     def add(self, arrival: np.ndarray, names: list[str], inputs: np.ndarray,
-            outputs: np.ndarray, duration: np.ndarray) -> None:
+            outputs: np.ndarray, duration: np.ndarray, rank: np.ndarray) -> None:
         self.rows += len(names)
         if self.rows > MAX_REQUESTS:
             raise UsageError(f"{self.path}: more than {MAX_REQUESTS:,} requests, the most a "
@@ -178,12 +195,12 @@ class _TraceColumns:
         index = self.index
         ids = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
                        dtype=np.int64)
-        self.parts.append((arrival, ids, inputs, outputs, duration))
+        self.parts.append((arrival, ids, inputs, outputs, duration, rank))
 
     def workload(self) -> Workload:
         if not self.rows:
             raise FormatError(f"{self.path}: no requests")
-        arrival, adapter, inputs, outputs, duration = (
+        arrival, adapter, inputs, outputs, duration, rank = (
             np.concatenate(c) for c in zip(*self.parts, strict=True))
         self.parts.clear()
         order = np.argsort(arrival, kind="stable")
@@ -191,7 +208,25 @@ class _TraceColumns:
             adapters=tuple(self.index), adapter=adapter[order], arrival=arrival[order],
             input_tokens=inputs[order], output_tokens=outputs[order], duration=duration[order],
             source={"kind": "trace", "path": str(self.path)},
+            adapter_rank=self._ranks(adapter, rank),
         )
+
+    def _ranks(self, adapter: np.ndarray, rank: np.ndarray) -> np.ndarray | None:
+        """Each adapter's rank from the `rank` column (None without one): the rows that give
+        it must agree."""
+        given = (adapter >= 0) & (rank > 0)
+        if not given.any():
+            return None
+        count = len(self.index)
+        high, low = np.zeros(count, dtype=np.int64), np.full(count, MAX_TOKENS, dtype=np.int64)
+        np.maximum.at(high, adapter[given], rank[given])
+        np.minimum.at(low, adapter[given], rank[given])
+        bad = np.flatnonzero((high > 0) & (low != high))
+        if bad.size:
+            a = int(bad[0])
+            raise FormatError(f"{self.path}: adapter {list(self.index)[a]!r} is given rank "
+                              f"{low[a]} and rank {high[a]}; an adapter has one rank")
+        return high
 
 
 class _BoundedLines:
@@ -277,11 +312,12 @@ def _csv_line_numbers(path: Path, skip: int, count: int) -> list[int]:
     return starts
 
 
-def _parsed_columns(parsed: list[tuple[float, str, int, int, float]]) -> Columns:
+def _parsed_columns(parsed: list[tuple[float, str, int, int, float, int]]) -> Columns:
     return (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
             np.array([r[2] for r in parsed], dtype=np.int64),
             np.array([r[3] for r in parsed], dtype=np.int64),
-            np.array([r[4] for r in parsed], dtype=np.float64))
+            np.array([r[4] for r in parsed], dtype=np.float64),
+            np.array([r[5] for r in parsed], dtype=np.int64))
 
 
 def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | None:
@@ -308,14 +344,14 @@ def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | Non
 
     arrival = numbers("timestamp", None)
     inputs, outputs = numbers("input_tokens", "0"), numbers("output_tokens", "0")
-    duration = numbers("duration", "nan")
-    if arrival is None or inputs is None or outputs is None or duration is None:
+    duration, rank = numbers("duration", "nan"), numbers(RANK_COLUMN, "0")
+    if arrival is None or inputs is None or outputs is None or duration is None or rank is None:
         return None
-    if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs)):
+    if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs, rank)):
         return None
     i = where["adapter"]
     return (arrival, [r[i].strip() for r in rows], inputs.astype(np.int64),
-            outputs.astype(np.int64), duration)
+            outputs.astype(np.int64), duration, rank.astype(np.int64))
 
 
 def _jsonl_chunks(path: Path, lines: _BoundedLines) -> Iterator[Columns]:
@@ -337,7 +373,8 @@ def _jsonl_chunks(path: Path, lines: _BoundedLines) -> Iterator[Columns]:
         yield _parsed_columns(parsed)
 
 
-def _parse_row(path: Path, line: int, row: dict[str, Any]) -> tuple[float, str, int, int, float]:
+def _parse_row(path: Path, line: int,
+               row: dict[str, Any]) -> tuple[float, str, int, int, float, int]:
     where = f"{path}:{line}"
 
     def number(key: str, required: bool = False) -> float | None:
@@ -377,7 +414,7 @@ def _parse_row(path: Path, line: int, row: dict[str, Any]) -> tuple[float, str, 
         raise FormatError(f"{where}: adapter {name!r} is not a name")
     duration = number("duration")
     return (timestamp, name.strip(), tokens("input_tokens"), tokens("output_tokens"),
-            math.nan if duration is None else duration)
+            math.nan if duration is None else duration, tokens(RANK_COLUMN))
 
 
 # -- generators ---------------------------------------------------------------------------------
@@ -400,6 +437,7 @@ class GeneratorSpec:
     alpha: float = 1.0
     input_range: tuple[int, int] = (8, 512)
     output_range: tuple[int, int] = (8, 512)
+    ranks: tuple[int, ...] = ()  # adapter i has rank ranks[i % len(ranks)]; () = unknown
 
     def check(self) -> None:
         if self.kind not in GENERATORS:
@@ -410,6 +448,8 @@ class GeneratorSpec:
                             ("--alpha", self.alpha)):
             if not (value > 0 and math.isfinite(value)):
                 raise UsageError(f"{name} must be positive and finite, got {value}")
+        if any(r <= 0 for r in self.ranks):
+            raise UsageError(f"--ranks must be positive, got {','.join(map(str, self.ranks))}")
         for name, value in (("--requests", self.requests), ("--adapters", self.adapters)):
             if value > MAX_REQUESTS:  # refused before a column is allocated
                 raise UsageError(f"{name} {value:,} is more than a simulation takes "
@@ -425,6 +465,8 @@ class GeneratorSpec:
         out: dict[str, Any] = {"kind": self.kind, "seed": self.seed, "rate": self.rate,
                                "cv": self.cv, "input_range": list(self.input_range),
                                "output_range": list(self.output_range)}
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
         if self.kind != "distinct":
             out["adapters"] = self.adapters
         if self.kind == "zipf":
@@ -472,6 +514,8 @@ def generate(spec: GeneratorSpec) -> Workload:
         adapter=adapter.astype(np.int64), arrival=arrival,
         input_tokens=inputs, output_tokens=outputs,
         duration=np.full(n, np.nan), source=spec.record(),
+        adapter_rank=(np.resize(np.array(spec.ranks, dtype=np.int64), count) if spec.ranks
+                      else None),
     )
 
 
