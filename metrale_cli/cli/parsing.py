@@ -11,6 +11,7 @@ from metrale_cli.model.modules import LoraModule
 
 if TYPE_CHECKING:
     from metrale_cli.sim.simulate import Link
+    from metrale_cli.sim.trace_formats import Assign
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -99,6 +100,23 @@ def parse_token_range(option: str, text: str) -> tuple[int, int]:
     if len(values) != 2:
         raise UsageError(f"{option}: expected LO,HI or N, got {text!r}")
     return values[0], values[1]
+
+
+def parse_assign(text: str, adapters: int, seed: int) -> Assign:
+    """`zipf:1.5`, `zipf` (s = 1.5) or `uniform`: adapters for a trace that names none."""
+    from metrale_cli.sim.trace_formats import Assign  # NumPy: not at --help
+
+    kind, _, s = text.strip().lower().partition(":")
+    if kind == "zipf":
+        try:
+            zipf_s = float(s) if s else 1.5
+        except ValueError:
+            raise UsageError(f"--assign: {text!r}: zipf:S needs a number S, like zipf:1.5") \
+                from None
+        return Assign("zipf", adapters, seed, zipf_s)
+    if s:
+        raise UsageError(f"--assign: {text!r}: only zipf takes a parameter")
+    return Assign(kind, adapters, seed)
 
 
 def parse_ranks(text: str) -> tuple[int, ...]:

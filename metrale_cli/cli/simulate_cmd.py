@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -42,6 +43,12 @@ def simulate(
     trace: Annotated[Path | None, typer.Option(
         "--trace", help="CSV or JSONL requests: timestamp, adapter (empty = base model), "
         "optional input_tokens, output_tokens, duration.")] = None,
+    trace_format: Annotated[str, typer.Option(
+        "--trace-format", help="metrale (default: the columns above), azure-llm (2023/2024), "
+        "burstgpt or azure-functions (2021).")] = "metrale",
+    assign: Annotated[str | None, typer.Option(
+        "--assign", help="Adapters for a trace that names none: zipf:1.5 or uniform over "
+        "--adapters, seeded by --seed.")] = None,
     workload: Annotated[str | None, typer.Option(
         "--workload", help="Generator when no --trace: zipf (default), uniform, distinct, "
         "identical or slora.")] = None,
@@ -118,6 +125,7 @@ def simulate(
     from metrale_cli.adapters.audit import audit
     from metrale_cli.cli import render
     from metrale_cli.cli.parsing import (
+        parse_assign,
         parse_bandwidth,
         parse_ranks,
         parse_size_list,
@@ -155,17 +163,31 @@ def simulate(
     if trace is not None and ranks is not None:
         raise UsageError("--ranks is for generated workloads; a trace gives ranks in its "
                          "rank column")
+    if trace is None and (assign is not None or trace_format != "metrale"):
+        raise UsageError("--trace-format and --assign are for --trace")
     if trace is not None:
+        from metrale_cli.sim import trace_formats
+
+        def read(progress: Callable[[int, int], None] | None) -> wl.Workload:
+            if trace_format == "metrale":
+                if assign is not None:
+                    raise UsageError("--assign is for trace formats that name no adapter")
+                return wl.read_trace(trace, progress)
+            return trace_formats.read_public_trace(
+                trace, trace_format,
+                parse_assign(assign, n_adapters, seed) if assign is not None else None,
+                progress)
+
         if err().is_terminal and not json_out:
             from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
             with Progress("reading", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                           console=err(), transient=True) as bar:
                 task = bar.add_task("read", total=None)
-                requested = wl.read_trace(trace, progress=lambda done, total: bar.update(
-                    task, completed=done, total=total))
+                requested = read(lambda done, total: bar.update(task, completed=done,
+                                                                total=total))
         else:
-            requested = wl.read_trace(trace)
+            requested = read(None)
     else:
         requested = wl.generate(wl.GeneratorSpec(
             workload or "zipf", n_requests, n_adapters, rate, cv, seed, zipf_s, alpha,

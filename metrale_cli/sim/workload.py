@@ -160,11 +160,11 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
         # A device (/dev/zero), a FIFO or a directory: never read, it might not end.
         raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
     size = path.stat().st_size
-    columns = _TraceColumns(path)
+    columns = TraceColumns(path)
     # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
     # otherwise become part of the first column's name.
     with open(path, encoding="utf-8-sig", newline="") as f:
-        lines = _BoundedLines(path, f)
+        lines = BoundedLines(path, f)
         chunks = _csv_chunks(path, lines) if path.suffix.lower() == ".csv" else _jsonl_chunks(
             path, lines)
         for chunk in chunks:
@@ -177,7 +177,7 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
 Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-class _TraceColumns:
+class TraceColumns:
     """A trace's columns as they are read: NumPy chunks, adapter names interned to ids."""
 
     def __init__(self, path: Path) -> None:
@@ -229,7 +229,7 @@ class _TraceColumns:
         return high
 
 
-class _BoundedLines:
+class BoundedLines:
     """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
     FormatError naming it, before more of it is read. Counts the characters read."""
 
@@ -247,7 +247,7 @@ class _BoundedLines:
             yield line
 
 
-def _csv_chunks(path: Path, lines: _BoundedLines) -> Iterator[Columns]:
+def _csv_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
     reader = csv.reader(lines)
     try:
         header = next(reader, [])
@@ -301,7 +301,7 @@ def _csv_line_numbers(path: Path, skip: int, count: int) -> list[int]:
     """The lines rows `[skip, skip + count)` of a CSV file start on (the header is row 0): the
     file read again row by row, only for a chunk that has a bad row and quoted line breaks."""
     with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(_BoundedLines(path, f))
+        reader = csv.reader(BoundedLines(path, f))
         starts, last = [], 0
         for k, _ in enumerate(reader):
             if k >= skip:
@@ -354,7 +354,7 @@ def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | Non
             outputs.astype(np.int64), duration, rank.astype(np.int64))
 
 
-def _jsonl_chunks(path: Path, lines: _BoundedLines) -> Iterator[Columns]:
+def _jsonl_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
     parsed = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
