@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metrale_cli.sim.simulate import Replay, SwapCost
+from metrale_cli.sim.replay import Replay, SwapCost
 from metrale_cli.sim.stack_distance import COLD, load_ends, stack_distances
 from metrale_cli.sim.workload import Workload
 

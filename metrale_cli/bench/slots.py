@@ -12,7 +12,7 @@ import numpy as np
 
 from metrale_cli.errors import UsageError
 from metrale_cli.pool.slots import AdapterSlot, SlotManager
-from metrale_cli.sim.simulate import Replay, SwapCost
+from metrale_cli.sim.replay import Replay, SwapCost
 from metrale_cli.sim.workload import GeneratorSpec, generate
 
 SIZES = (64, 4096)

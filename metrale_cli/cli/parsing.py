@@ -10,7 +10,7 @@ from metrale_cli.errors import UsageError
 from metrale_cli.model.modules import LoraModule
 
 if TYPE_CHECKING:
-    from metrale_cli.sim.simulate import Link
+    from metrale_cli.sim.replay import Link
     from metrale_cli.sim.trace_formats import Assign
 
 _SIZE_UNITS = {
@@ -142,7 +142,7 @@ def parse_ranks(text: str) -> tuple[int, ...]:
 def parse_bandwidth(text: str, option: str = "--bandwidth") -> Link:
     """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
     the link, with the preset's per-swap latency (0 for a figure)."""
-    from metrale_cli.sim.simulate import BANDWIDTHS, Link  # NumPy: not at --help
+    from metrale_cli.sim.replay import BANDWIDTHS, Link  # NumPy: not at --help
 
     key = text.strip().lower()
     if key in BANDWIDTHS:

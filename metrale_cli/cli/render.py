@@ -497,6 +497,11 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      f"{human_bytes(host['host_bytes'])}); a host miss reads over "
                      f"{host['bandwidth']} ({host['bytes_per_s'] / 1e9:g} GB/s + "
                      f"{1e6 * host['latency_s']:g} us)")
+    if record["routing"]:
+        routing = record["routing"]
+        head.add_row("replicas", f"{routing['replicas']}, {routing['route']} routing: each "
+                     "replica has its own pool of each size below (pool GiB per replica); the "
+                     "figures are totals")
     if w.get("adapter_ranks"):
         head.add_row("ranks", ", ".join(f"{n:,} at rank {r}" for r, n in
                                         w["adapter_ranks"].items())
@@ -559,12 +564,15 @@ def _loads_table(record: dict[str, Any]) -> Table | None:
     (requests that waited for another's load), and with a host tier its hits and disk reads."""
     delayed = any(r["delayed_hits"] for r in record["results"])
     tiered = record["host"] is not None
-    if not delayed and not tiered:
+    replicated = record["routing"] is not None
+    if not delayed and not tiered and not replicated:
         return None
     table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
     names = ["policy", "slots", "delayed\nhits", "GiB\nto GPU", "link\nwait"]
     if tiered:
         names += ["from\nhost", "from\ndisk", "GiB\nfrom disk"]
+    if replicated:
+        names += ["hit % by\nreplica"]
     for name in names:
         table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
                          header_style="bold")
@@ -578,6 +586,8 @@ def _loads_table(record: dict[str, Any]) -> Table | None:
         if tiered:
             row += [f"{r['host_hits']:,}", f"{r['host_misses']:,}",
                     f"{r['host_bytes_moved'] / 2**30:,.2f}"]
+        if replicated:
+            row.append(" ".join(f"{100 * x['hit_rate']:.1f}" for x in r["replicas"]))
         table.add_row(*row)
     return table
 

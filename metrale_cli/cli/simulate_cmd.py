@@ -100,6 +100,11 @@ def simulate(
     host_bandwidth: Annotated[str, typer.Option(
         "--host-bandwidth", help="What a host miss reads over: nvme (default), pcie4, ..., "
         "or a figure.")] = "nvme",
+    replicas: Annotated[int, typer.Option(
+        "--replicas", help="Data-parallel replicas, each its own pool of each size.")] = 1,
+    route: Annotated[str, typer.Option(
+        "--route", help="How requests reach replicas: affinity (default), round-robin or "
+        "random (seeded by --seed).")] = "affinity",
     ranks: Annotated[str | None, typer.Option(
         "--ranks", help="Generated adapters' own ranks, cycled by adapter index: 64,32,16,8 "
         "or an S-LoRA setting slora:S1..S4; default every adapter a full slot.")] = None,
@@ -209,7 +214,9 @@ def simulate(
         targets=targets,
         budget_bytes=parse_size(budget) if budget is not None else None, shard=spec,
         host=(sim.HostTier(host_slots, parse_bandwidth(host_bandwidth, "--host-bandwidth"))
-              if host_slots is not None else None))
+              if host_slots is not None else None),
+        routing=sim.Routing(replicas, route, seed) if replicas != 1 or route != "affinity"
+        else None)
     if err().is_terminal and not json_out:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
