@@ -698,3 +698,34 @@ def test_tp_swaps_the_largest_ranks_slot_per_gpu(shard: list[str]) -> None:
         max(g["total_bytes"] for g in ranks)] * len(rec["results"])
     assert "per GPU at --tp" in metrale("simulate", *args, "--requests", 100, "--max-loras",
                                         4).stdout
+
+
+def test_admission_skip_lets_resident_adapters_go_ahead() -> None:
+    """One slot, a0 held until 10: a1 (t=1) cannot be placed. First come first served keeps the
+    base-model request (t=2) and a0 again (t=3) behind it; skip starts them at once, as vLLM's
+    scheduler does, and a1 still loads as soon as the slot frees."""
+    w = workload([0, 1, -1, 0], arrival=[0.0, 1.0, 2.0, 3.0], hold=[10.0, 1.0, 1.0, 1.0])
+    fcfs = replay(w).run("lru", 1)
+    np.testing.assert_allclose(fcfs.start, [0.001, 10.002, 10.001, 11.003])
+    skip = Replay(w, w.hold_seconds(1.0, 1.0), COST, (), None, admission="skip").run("lru", 1)
+    np.testing.assert_allclose(skip.start, [0.001, 10.002, 2.0, 3.0])
+    assert (skip.hits, skip.misses) == (1, 2) and (fcfs.hits, fcfs.misses) == (0, 3)
+    # Time to first token, adapter requests apart from base-model ones (no prefill here).
+    assert fcfs.ttft_base_p50_s == pytest.approx(8.001) and skip.ttft_base_p50_s == 0.0
+    assert skip.ttft_adapter_p99_s == pytest.approx(np.percentile([0.001, 9.002, 0.0], 99))
+    assert fcfs.throughput_req_s == pytest.approx(4 / 12.003)
+    with pytest.raises(UsageError, match="--admission must be one of fcfs, skip"):
+        Replay(w, w.hold_seconds(1.0, 1.0), COST, admission="lifo")
+
+
+def test_cli_admission_and_ttft() -> None:
+    r = metrale("simulate", *SLOT, "--requests", "800", "--adapters", "60", "--rate", "40",
+                "--max-loras", "4", "--policy", "lru", "--admission", "skip", "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    assert rec["admission"] == "skip"
+    x = rec["results"][0]
+    assert x["ttft_adapter_p99_s"] >= x["ttft_adapter_p50_s"] > 0
+    assert x["ttft_base_p50_s"] is None and x["throughput_req_s"] > 0
+    bad = metrale("simulate", *SLOT, "--requests", "30", "--admission", "lifo")
+    assert bad.code == 2 and "--admission must be one of" in bad.stderr

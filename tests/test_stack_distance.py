@@ -64,8 +64,12 @@ def test_the_sweep_is_a_replay_at_every_size(data: list[tuple[int, float]], pin_
                                              "bytes_moved", "stalls", "ref_counts_at_end")}
         assert {f: getattr(s, f) for f in exact} == exact, size
         for f in ("swap_s", "link_wait_s", "added_latency_p50_s", "added_latency_p99_s",
-                  "added_latency_mean_s", "stall_p99_s"):
-            assert getattr(s, f) == pytest.approx(getattr(r, f), rel=1e-9, abs=1e-12), (f, size)
+                  "added_latency_mean_s", "stall_p99_s", "ttft_adapter_p50_s",
+                  "ttft_adapter_p99_s", "ttft_base_p50_s", "ttft_base_p99_s",
+                  "throughput_req_s"):
+            want = getattr(r, f)
+            assert getattr(s, f) == (None if want is None else
+                                     pytest.approx(want, rel=1e-9, abs=1e-12)), (f, size)
 
 
 def test_load_ends_queue_per_link() -> None:

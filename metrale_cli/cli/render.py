@@ -497,6 +497,9 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      f"{human_bytes(host['host_bytes'])}); a host miss reads over "
                      f"{host['bandwidth']} ({host['bytes_per_s'] / 1e9:g} GB/s + "
                      f"{1e6 * host['latency_s']:g} us)")
+    if record["admission"] == "skip":
+        head.add_row("admission", "skip: a request whose adapter cannot be placed waits while "
+                     "later ones whose adapter is resident (or loading) go ahead")
     if record["routing"]:
         routing = record["routing"]
         head.add_row("replicas", f"{routing['replicas']}, {routing['route']} routing: each "
@@ -532,9 +535,9 @@ def simulate_view(record: dict[str, Any]) -> Group:
             human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
             *vs_min, pool)
     parts: list[Any] = [head, table]
-    loads = _loads_table(record)
-    if loads is not None:
-        parts.append(loads)
+    for extra in (_loads_table(record), _serving_table(record)):
+        if extra is not None:
+            parts.append(extra)
     if record["targets"]:
         t = record["targets"]
         want = " and ".join(x for x in (
@@ -589,6 +592,31 @@ def _loads_table(record: dict[str, Any]) -> Table | None:
         if replicated:
             row.append(" ".join(f"{100 * x['hit_rate']:.1f}" for x in r["replicas"]))
         table.add_row(*row)
+    return table
+
+
+def _serving_table(record: dict[str, Any]) -> Table | None:
+    """Concurrent mode: time to first token, adapter requests apart from base-model ones, and
+    throughput per result."""
+    if record["mode"] != "concurrent":
+        return None
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    for name in ("policy", "slots", "TTFT p50\nadapter", "TTFT p99\nadapter", "TTFT p50\nbase",
+                 "TTFT p99\nbase", "req/s"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+
+    def seconds(x: float | None) -> str:
+        return "-" if x is None else human_seconds(x)
+
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        table.add_row(r["policy"], str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
+                      seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
+                      seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}")
     return table
 
 

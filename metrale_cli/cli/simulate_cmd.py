@@ -100,6 +100,9 @@ def simulate(
     host_bandwidth: Annotated[str, typer.Option(
         "--host-bandwidth", help="What a host miss reads over: nvme (default), pcie4, ..., "
         "or a figure.")] = "nvme",
+    admission: Annotated[str, typer.Option(
+        "--admission", help="fcfs (default: the head waits, all behind it too) or skip (later "
+        "requests whose adapter is resident go ahead, as vLLM's scheduler).")] = "fcfs",
     replicas: Annotated[int, typer.Option(
         "--replicas", help="Data-parallel replicas, each its own pool of each size.")] = 1,
     route: Annotated[str, typer.Option(
@@ -216,7 +219,7 @@ def simulate(
         host=(sim.HostTier(host_slots, parse_bandwidth(host_bandwidth, "--host-bandwidth"))
               if host_slots is not None else None),
         routing=sim.Routing(replicas, route, seed) if replicas != 1 or route != "affinity"
-        else None)
+        else None, admission=admission)
     if err().is_terminal and not json_out:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 

@@ -194,6 +194,14 @@ class RunResult:
     added_latency_p50_s: float
     added_latency_p99_s: float
     added_latency_mean_s: float
+    # Time to first token (admission wait, loads, stalls, then the prefill), adapter requests
+    # apart from base-model ones (None where there are none), and completed requests per second
+    # from the first arrival to the last completion.
+    ttft_adapter_p50_s: float | None
+    ttft_adapter_p99_s: float | None
+    ttft_base_p50_s: float | None
+    ttft_base_p99_s: float | None
+    throughput_req_s: float
     pool_bytes: int
     fits_budget: bool | None = None
     extra_misses_vs_min: int | None = None
@@ -225,6 +233,29 @@ def _column(code: str, values: np.ndarray) -> array.array[Any]:
     return column
 
 
+ADMISSIONS = ("fcfs", "skip")
+
+
+def serving_stats(start: np.ndarray, arrival: np.ndarray, hold: np.ndarray,
+                  first_token: np.ndarray, adapter: np.ndarray) -> dict[str, Any]:
+    """TTFT percentiles (adapter requests apart from base-model ones) and throughput of requests
+    that started at `start`; `adapter` marks the adapter requests."""
+    ttft = start - arrival + first_token
+    out: dict[str, Any] = {}
+    for name, mask in (("adapter", adapter), ("base", ~adapter)):
+        mine = ttft[mask]
+        for q in (50, 99):
+            out[f"ttft_{name}_p{q}_s"] = float(np.percentile(mine, q)) if mine.size else None
+    n = int(start.size)
+    out["throughput_req_s"] = _throughput(n, float(arrival.min()) if n else 0.0,
+                                          float((start + hold).max()) if n else 0.0)
+    return out
+
+
+def _throughput(n: int, first: float, last: float) -> float:
+    return n / (last - first) if last > first else 0.0
+
+
 def _percentile_above_zeros(values: np.ndarray, n: int, q: float) -> float:
     """np.percentile(q) (linear) of `n` values: `n - len(values)` zeros, then sorted `values`
     (>= 0), without building the `n` of them (a sweep does it per size)."""
@@ -248,10 +279,21 @@ class Replay:
 
     def __init__(self, workload: Workload, hold: np.ndarray, cost: SwapCost,
                  pinned: Sequence[str] = (), max_concurrency: int | None = None,
-                 load_bytes: Sequence[int] | None = None, host: HostTier | None = None) -> None:
-        """`load_bytes[a]`: what loading adapter `a` moves (default a whole slot each)."""
+                 load_bytes: Sequence[int] | None = None, host: HostTier | None = None,
+                 first_token: np.ndarray | None = None, admission: str = "fcfs") -> None:
+        """`load_bytes[a]`: what loading adapter `a` moves (default a whole slot each);
+        `first_token[r]`: seconds from request r's start to its first token (default 0);
+        `admission`: `fcfs`, or `skip` (ADMISSIONS)."""
         if max_concurrency is not None and max_concurrency <= 0:
             raise UsageError(f"--max-concurrency must be positive, got {max_concurrency}")
+        if admission not in ADMISSIONS:
+            raise UsageError(f"--admission must be one of {', '.join(ADMISSIONS)}, got "
+                             f"{admission!r}")
+        self.admission = admission
+        # A request's first token comes after its prefill, never after it ends.
+        self.first_token = (np.zeros(workload.requests) if first_token is None
+                            else np.minimum(first_token, hold))
+        self.hold = hold
         self.workload = workload
         self.cost = cost
         self.host = host
@@ -319,6 +361,8 @@ class Replay:
             added_latency_p50_s=float(np.percentile(added, 50)) if n else 0.0,
             added_latency_p99_s=float(np.percentile(added, 99)) if n else 0.0,
             added_latency_mean_s=float(added.mean()) if n else 0.0,
+            **serving_stats(start, self.workload.arrival, self.hold, self.first_token,
+                            self.workload.adapter >= 0),
             pool_bytes=0, start=start if detail else np.empty(0),
             served=served if detail else np.empty(0, dtype=np.int64),
             ref_counts_at_end=[manager.ref_count(k) for k in range(max_loras)],
@@ -354,6 +398,7 @@ class Replay:
             progress((self.workload.requests - counted.size) * len(sizes))
         asked = arrival[counted]
         n, swap_s, links = self.workload.requests, self.cost.seconds, self.cost.links
+        n_adapter = pinned_requests + counted.size
         results = []
         for size in sizes:
             cache = size - len(self.pinned)
@@ -372,6 +417,16 @@ class Replay:
                 added_latency_p50_s=_percentile_above_zeros(added, n, 50),
                 added_latency_p99_s=_percentile_above_zeros(added, n, 99),
                 added_latency_mean_s=float(added.sum()) / n if n else 0.0,
+                # Paging: zero-length requests, so the first token is at the start.
+                ttft_adapter_p50_s=_percentile_above_zeros(added, n_adapter, 50) if n_adapter
+                else None,
+                ttft_adapter_p99_s=_percentile_above_zeros(added, n_adapter, 99) if n_adapter
+                else None,
+                ttft_base_p50_s=0.0 if n_adapter < n else None,
+                ttft_base_p99_s=0.0 if n_adapter < n else None,
+                throughput_req_s=_throughput(n, float(arrival[0]) if n else 0.0,
+                                             max(float(arrival[-1]) if n else 0.0,
+                                                 float(ends.max()) if ends.size else 0.0)),
                 pool_bytes=0, ref_counts_at_end=[0] * size,
             ))
         return results
@@ -437,6 +492,41 @@ class Replay:
         running = hits = delayed = misses = swaps = 0
         i = 0
 
+        skip = self.admission == "skip"
+
+        def skip_ahead(now: float, running: int) -> int:
+            """The head cannot be placed: later requests whose adapter is resident or loading
+            (or that need none) start now, in order, while seats last, as vLLM's scheduler
+            lets them; those that need a load wait behind the head. Returns `running`."""
+            nonlocal hits, delayed, queue
+            kept = deque([queue.popleft()])
+            while queue:
+                r = queue.popleft()
+                if running >= seats:
+                    kept.append(r)
+                    continue
+                a = adapter[r]
+                if a < 0:
+                    serve(r, -1, now)
+                    running += 1
+                    continue
+                if tiered and r not in stalled_since:
+                    loads.touch(a)
+                slot = slot_of(names[a])
+                if slot is not None:
+                    hits += 1
+                    serve(r, slot, now)
+                    running += 1
+                elif a in loading:
+                    delayed += 1
+                    loading[a].append(r)
+                    running += 1
+                else:  # no slot to load it into either: it waits, stalled from now
+                    stalled_since.setdefault(r, now)
+                    kept.append(r)
+            queue = kept
+            return running
+
         def serve(r: int, slot: int, now: float) -> None:
             """Request `r` starts now on `slot` (-1: the base model, no slot)."""
             if slot >= 0:
@@ -489,6 +579,8 @@ class Replay:
                                 raise UsageError("the slot cache can never free a slot "
                                                  "(no request in flight)") from None
                             stalled_since.setdefault(r, now)
+                            if skip:
+                                running = skip_ahead(now, running)
                             break
                         misses += 1
                         swaps += evicts

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.errors import UsageError
-from metrale_cli.sim.replay import HostTier, Replay, RunResult, SwapCost
+from metrale_cli.sim.replay import HostTier, Replay, RunResult, SwapCost, serving_stats
 from metrale_cli.sim.workload import Workload
 
 ROUTES = ("random", "round-robin", "affinity")
@@ -91,8 +91,11 @@ class Replicas:
 
     def __init__(self, workload: Workload, hold: np.ndarray, cost: SwapCost,
                  pinned: Sequence[str], max_concurrency: int | None,
-                 load_bytes: Sequence[int], host: HostTier | None, routing: Routing) -> None:
-        self.whole = Replay(workload, hold, cost, pinned, max_concurrency, load_bytes, host)
+                 load_bytes: Sequence[int], host: HostTier | None, routing: Routing,
+                 first_token: np.ndarray | None = None, admission: str = "fcfs") -> None:
+        self.whole = Replay(workload, hold, cost, pinned, max_concurrency, load_bytes, host,
+                            first_token, admission)
+        self.first_token, self.admission = self.whole.first_token, admission
         self.workload, self.hold, self.cost = workload, hold, cost
         self.max_concurrency, self.load_bytes, self.host = max_concurrency, load_bytes, host
         self.routing = routing
@@ -109,22 +112,28 @@ class Replicas:
                                             max_loras - len(self.pinned), self.pinned,
                                             self.max_concurrency)
         where = self._routes[max_loras]
-        parts: list[tuple[RunResult, np.ndarray]] = []
+        parts: list[tuple[RunResult, Replay]] = []
         for k in range(self.routing.replicas):
             mask = where == k
             if not mask.any():
                 continue
             sub = Replay(_subset(self.workload, mask), self.hold[mask], self.cost, self.pinned,
-                         self.max_concurrency, self.load_bytes, self.host)
-            result = sub.run(policy, max_loras, progress, detail=True)
-            parts.append((result, result.start - sub.baseline))
-        return _total(policy, max_loras, len(self.pinned), where, parts, self.routing)
+                         self.max_concurrency, self.load_bytes, self.host,
+                         self.first_token[mask], self.admission)
+            parts.append((sub.run(policy, max_loras, progress, detail=True), sub))
+        return _total(policy, max_loras, len(self.pinned), where, parts)
 
 
 def _total(policy: str, max_loras: int, pinned: int, where: np.ndarray,
-           parts: list[tuple[RunResult, np.ndarray]], routing: Routing) -> RunResult:
-    added = np.concatenate([a for _, a in parts])
-    waits = np.concatenate([r.waits for r, _ in parts])
+           parts: list[tuple[RunResult, Replay]]) -> RunResult:
+    def joined(column: Callable[[RunResult, Replay], np.ndarray]) -> np.ndarray:
+        return np.concatenate([column(r, sub) for r, sub in parts])
+
+    added = joined(lambda r, sub: r.start - sub.baseline)
+    waits = joined(lambda r, _: r.waits)
+    stats = serving_stats(joined(lambda r, _: r.start), joined(lambda _, s: s.workload.arrival),
+                          joined(lambda _, s: s.hold), joined(lambda _, s: s.first_token),
+                          joined(lambda _, s: s.workload.adapter >= 0))
     wait = waits if waits.size else np.zeros(1)
 
     def total(name: str) -> Any:
@@ -150,7 +159,7 @@ def _total(policy: str, max_loras: int, pinned: int, where: np.ndarray,
         stall_p50_s=float(np.percentile(wait, 50)), stall_p99_s=float(np.percentile(wait, 99)),
         added_latency_p50_s=float(np.percentile(added, 50)),
         added_latency_p99_s=float(np.percentile(added, 99)),
-        added_latency_mean_s=float(added.mean()), pool_bytes=0,
+        added_latency_mean_s=float(added.mean()), **stats, pool_bytes=0,
         replicas=[{"replica": k, **{x: y for x, y in s.items() if x != "replica"}}
                   for k, s in zip(replica_of, summary, strict=True)],
     )

@@ -72,6 +72,7 @@ class Simulation:
     budget_bytes: int | None = None
     host: dict[str, Any] | None = None
     routing: dict[str, Any] | None = None
+    admission: str = "fcfs"
     seconds: float = 0.0
 
     def smallest_meeting(self) -> list[dict[str, Any]]:
@@ -112,6 +113,7 @@ class Simulation:
             "max_concurrency": self.max_concurrency, "prefill_tok_s": self.prefill_tok_s,
             "decode_tok_s": self.decode_tok_s, "policies": self.policies, "sizes": self.sizes,
             "budget_bytes": self.budget_bytes, "host": self.host, "routing": self.routing,
+            "admission": self.admission,
             "targets": self.targets.record() if self.targets else None,
             "smallest_meeting": self.smallest_meeting() if self.targets else None,
             "results": [r.record() for r in self.results],
@@ -210,6 +212,7 @@ def run(
     shard: ShardSpec | None = None,
     host: HostTier | None = None,
     routing: Routing | None = None,
+    admission: str = "fcfs",
     progress: Callable[[int, int], None] | None = None,
 ) -> Simulation:
     """The whole of `metrale simulate` for a workload and a pool layout, loads crossing `link`
@@ -240,10 +243,13 @@ def run(
     cost = SwapCost(swapped[busiest], link.bytes_per_s, link.latency_s, link.name, links)
     load_bytes = adapter_load_bytes(workload, layout.max_rank, cost.slot_bytes)
     hold = workload.hold_seconds(prefill_tok_s, decode_tok_s)
+    first_token = workload.input_tokens / prefill_tok_s  # the prefill
     replay: Replay | Replicas = (
-        Replay(workload, hold, cost, names, max_concurrency, load_bytes, host)
+        Replay(workload, hold, cost, names, max_concurrency, load_bytes, host, first_token,
+               admission)
         if routing is None or routing.replicas == 1
-        else Replicas(workload, hold, cost, names, max_concurrency, load_bytes, host, routing))
+        else Replicas(workload, hold, cost, names, max_concurrency, load_bytes, host, routing,
+                      first_token, admission))
     sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
     policies = list(dict.fromkeys(policies))
     total = len(policies) * len(set(sizes)) * workload.requests
@@ -264,7 +270,7 @@ def run(
         cost=cost, pinned=replay.pinned, max_concurrency=max_concurrency,
         prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, policies=policies,
         sizes=sorted(set(sizes)), results=results, targets=targets, budget_bytes=budget_bytes,
-        routing=routing.record() if routing is not None else None,
+        routing=routing.record() if routing is not None else None, admission=admission,
         host=None if host is None else {
             "slots": host.slots, "bandwidth": host.link.name,
             "bytes_per_s": host.link.bytes_per_s, "latency_s": host.link.latency_s,
