@@ -729,3 +729,31 @@ def test_cli_admission_and_ttft() -> None:
     assert x["ttft_base_p50_s"] is None and x["throughput_req_s"] > 0
     bad = metrale("simulate", *SLOT, "--requests", "30", "--admission", "lifo")
     assert bad.code == 2 and "--admission must be one of" in bad.stderr
+
+
+def test_seeds_report_the_spread_of_each_figure() -> None:
+    """--seeds 3 is three runs, seeds 5, 6, 7, at the sizes the first chose: the record is seed
+    5's with each figure's min/median/max over the three."""
+    r = metrale("simulate", *SLOT, "--requests", "600", "--adapters", "30", "--seed", "5",
+                "--seeds", "3", "--input-tokens", "0", "--output-tokens", "0", "--policy",
+                "lru,fifo", "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    assert rec["seeds"] == [5, 6, 7]
+    alone = {s: metrale("simulate", *SLOT, "--requests", "600", "--adapters", "30", "--seed",
+                        str(s), "--input-tokens", "0", "--output-tokens", "0", "--policy",
+                        "lru,fifo", "--max-loras", ",".join(map(str, rec["sizes"])),
+                        "--json").json()["results"] for s in (5, 6, 7)}
+    for i, x in enumerate(rec["results"]):
+        assert x["misses"] == alone[5][i]["misses"]
+        misses = sorted(alone[s][i]["misses"] for s in (5, 6, 7))
+        assert x["spread"]["misses"] == {"min": misses[0], "median": misses[1],
+                                         "max": misses[2]}
+    view = metrale("simulate", *SLOT, "--requests", "300", "--seeds", "2", "--max-loras", "4",
+                   "--policy", "lru")
+    assert "over 2 seeds (0..1): min/median/max" in view.stdout
+    for args, message in ((["--seeds", "0"], "--seeds must be positive"),
+                          (["--seeds", "2", "--trace", Path(__file__)],
+                           "--seeds needs a seeded workload")):
+        bad = metrale("simulate", *SLOT, "--requests", "30", *args)
+        assert bad.code == 2 and message in bad.stderr, bad.stderr

@@ -535,7 +535,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
             human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
             *vs_min, pool)
     parts: list[Any] = [head, table]
-    for extra in (_loads_table(record), _serving_table(record)):
+    for extra in (_loads_table(record), _serving_table(record), _spread_table(record)):
         if extra is not None:
             parts.append(extra)
     if record["targets"]:
@@ -617,6 +617,33 @@ def _serving_table(record: dict[str, Any]) -> Table | None:
         table.add_row(r["policy"], str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
                       seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
                       seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}")
+    return table
+
+
+def _spread_table(record: dict[str, Any]) -> Table | None:
+    """With --seeds: each result's hit rate, misses and p99 added latency as min/median/max over
+    the seeds."""
+    if not record["seeds"]:
+        return None
+    seeds = record["seeds"]
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD,
+                  title=f"over {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): min/median/max",
+                  title_justify="left")
+    for name in ("policy", "slots", "hit %", "misses", "added p99"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        spread = r["spread"]
+        hit, miss, p99 = spread["hit_rate"], spread["misses"], spread["added_latency_p99_s"]
+        table.add_row(
+            r["policy"], str(r["max_loras"]),
+            "/".join(f"{100 * hit[k]:.2f}" for k in ("min", "median", "max")),
+            "/".join(f"{miss[k]:,.0f}" for k in ("min", "median", "max")),
+            "/".join(human_seconds(p99[k]) for k in ("min", "median", "max")))
     return table
 
 

@@ -59,6 +59,9 @@ def simulate(
     cv: Annotated[float, typer.Option("--cv", help="Coefficient of variation of the "
                                       "inter-arrival times (1 = Poisson).")] = 1.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    seeds: Annotated[int, typer.Option(
+        "--seeds", help="Run K seeds (--seed, --seed + 1, ...) and report each figure's "
+        "min/median/max.")] = 1,
     zipf_s: Annotated[float, typer.Option("--zipf-s", help="zipf exponent.")] = 1.5,
     alpha: Annotated[float, typer.Option("--alpha", help="slora power-law alpha (1 = "
                                          "uniform).")] = 1.0,
@@ -173,35 +176,39 @@ def simulate(
                          "rank column")
     if trace is None and (assign is not None or trace_format != "metrale"):
         raise UsageError("--trace-format and --assign are for --trace")
+    positive("--seeds", seeds)
+    if seeds > 1 and trace is not None and assign is None:
+        raise UsageError("--seeds needs a seeded workload: a generator, or a trace with "
+                         "--assign")
+    spec_tokens = (parse_token_range("--input-tokens", input_tokens),
+                   parse_token_range("--output-tokens", output_tokens),
+                   parse_ranks(ranks) if ranks is not None else ())
     if trace is not None:
         from metrale_cli.sim import trace_formats
 
-        def read(progress: Callable[[int, int], None] | None) -> wl.Workload:
-            if trace_format == "metrale":
-                if assign is not None:
-                    raise UsageError("--assign is for trace formats that name no adapter")
-                return wl.read_trace(trace, progress)
-            return trace_formats.read_public_trace(
-                trace, trace_format,
-                parse_assign(assign, n_adapters, seed) if assign is not None else None,
-                progress)
+    def make(s: int, progress: Callable[[int, int], None] | None = None) -> wl.Workload:
+        """The workload under seed `s` (a generator's draw, or --assign's)."""
+        if trace is None:
+            return wl.generate(wl.GeneratorSpec(workload or "zipf", n_requests, n_adapters,
+                                                rate, cv, s, zipf_s, alpha, *spec_tokens))
+        if trace_format == "metrale":
+            if assign is not None:
+                raise UsageError("--assign is for trace formats that name no adapter")
+            return wl.read_trace(trace, progress)
+        return trace_formats.read_public_trace(
+            trace, trace_format, parse_assign(assign, n_adapters, s) if assign is not None
+            else None, progress)
 
-        if err().is_terminal and not json_out:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+    if trace is not None and err().is_terminal and not json_out:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-            with Progress("reading", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                          console=err(), transient=True) as bar:
-                task = bar.add_task("read", total=None)
-                requested = read(lambda done, total: bar.update(task, completed=done,
-                                                                total=total))
-        else:
-            requested = read(None)
+        with Progress("reading", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                      console=err(), transient=True) as bar:
+            task = bar.add_task("read", total=None)
+            requested = make(seed, lambda done, total: bar.update(task, completed=done,
+                                                                  total=total))
     else:
-        requested = wl.generate(wl.GeneratorSpec(
-            workload or "zipf", n_requests, n_adapters, rate, cv, seed, zipf_s, alpha,
-            parse_token_range("--input-tokens", input_tokens),
-            parse_token_range("--output-tokens", output_tokens),
-            parse_ranks(ranks) if ranks is not None else ()))
+        requested = make(seed)
     if save_trace is not None:
         requested.save(save_trace, force)
     targets = (sim.Targets(target_hit_rate, target_p99_ms)
@@ -220,16 +227,24 @@ def simulate(
               if host_slots is not None else None),
         routing=sim.Routing(replicas, route, seed) if replicas != 1 or route != "affinity"
         else None, admission=admission)
+
+    def simulate_all(progress: Callable[[int, int], None] | None) -> sim.Simulation:
+        if seeds == 1:
+            return sim.run(requested, *layouts, **options, progress=progress)
+        first = iter([requested])  # the first seed's workload is read already
+        return sim.run_seeds(lambda s: next(first, None) or make(s),
+                             [seed + k for k in range(seeds)], *layouts, progress=progress,
+                             **options)
+
     if err().is_terminal and not json_out:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
         with Progress("simulating", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=err(), transient=True) as bar:
             task = bar.add_task("simulate", total=None)
-            result = sim.run(requested, *layouts, **options,
-                             progress=lambda n, total: bar.update(task, advance=n, total=total))
+            result = simulate_all(lambda n, total: bar.update(task, advance=n, total=total))
     else:
-        result = sim.run(requested, *layouts, **options)
+        result = simulate_all(None)
     if plot_path is not None:
         sim.plot(result, plot_path, force)
     emit(result.record(), json_out, render.simulate_view)

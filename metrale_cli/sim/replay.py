@@ -208,6 +208,8 @@ class RunResult:
     hit_rate_gap_vs_min: float | None = None
     # With --replicas, a summary per replica (the other figures are their totals).
     replicas: list[dict[str, Any]] | None = None
+    # With --seeds K, each figure's min, median and max over the K seeds.
+    spread: dict[str, dict[str, float] | None] | None = None
     start: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     waits: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     served: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
@@ -220,8 +222,9 @@ class RunResult:
     def record(self) -> dict[str, Any]:
         skip = {"start", "served", "ref_counts_at_end", "waits"}
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
-        if out["replicas"] is None:
-            del out["replicas"]
+        for optional in ("replicas", "spread"):
+            if out[optional] is None:
+                del out[optional]
         out["hit_rate"] = self.hit_rate
         return out
 

@@ -73,6 +73,7 @@ class Simulation:
     host: dict[str, Any] | None = None
     routing: dict[str, Any] | None = None
     admission: str = "fcfs"
+    seeds: list[int] | None = None
     seconds: float = 0.0
 
     def smallest_meeting(self) -> list[dict[str, Any]]:
@@ -113,7 +114,7 @@ class Simulation:
             "max_concurrency": self.max_concurrency, "prefill_tok_s": self.prefill_tok_s,
             "decode_tok_s": self.decode_tok_s, "policies": self.policies, "sizes": self.sizes,
             "budget_bytes": self.budget_bytes, "host": self.host, "routing": self.routing,
-            "admission": self.admission,
+            "admission": self.admission, "seeds": self.seeds,
             "targets": self.targets.record() if self.targets else None,
             "smallest_meeting": self.smallest_meeting() if self.targets else None,
             "results": [r.record() for r in self.results],
@@ -296,3 +297,43 @@ def adapter_load_bytes(workload: Workload, max_rank: int, slot_bytes: int) -> li
                          f", rank {int(workload.adapter_rank[a])}): raise --max-rank")
     rank = np.where(workload.adapter_rank > 0, workload.adapter_rank, max_rank)
     return (-(-slot_bytes * rank // max_rank)).astype(np.int64).tolist()
+
+
+# The figures whose spread over seeds `run_seeds` reports.
+SPREAD_FIELDS = ("hit_rate", "misses", "stalls", "added_latency_p99_s", "ttft_adapter_p99_s",
+                 "throughput_req_s")
+
+
+def run_seeds(make: Callable[[int], Workload], seeds: Sequence[int], layout: SlotLayout,
+              expert_layout: ExpertLayout | None = None,
+              progress: Callable[[int, int], None] | None = None,
+              **options: Any) -> Simulation:
+    """`run` once per seed of `seeds` on the workload `make(seed)` gives, every seed at the
+    sizes the first one chose: the first seed's record, each result with the `spread` (min,
+    median, max) of SPREAD_FIELDS over the seeds, so that a difference between sizes can be
+    told from noise."""
+    if not seeds:
+        raise UsageError("--seeds must be positive")
+    if len(seeds) != len(set(seeds)):
+        raise UsageError("--seeds: the seeds must differ")
+
+    def told(k: int) -> Callable[[int, int], None] | None:
+        if progress is None:
+            return None
+        return lambda n, total: progress(n, total * len(seeds))
+
+    first = run(make(seeds[0]), layout, expert_layout, progress=told(0), **options)
+    options = {**options, "sizes": first.sizes}
+    others = [run(make(s), layout, expert_layout, progress=told(k), **options)
+              for k, s in enumerate(seeds[1:], start=1)]
+    for i, result in enumerate(first.results):
+        spread: dict[str, dict[str, float] | None] = {}
+        for name in SPREAD_FIELDS:
+            values = [getattr(sim.results[i], name) for sim in (first, *others)]
+            known = [float(v) for v in values if v is not None]
+            spread[name] = ({"min": min(known), "median": float(np.median(known)),
+                             "max": max(known)} if known else None)
+        result.spread = spread
+    first.seeds = list(seeds)
+    first.seconds += sum(sim.seconds for sim in others)
+    return first
