@@ -170,3 +170,28 @@ def test_cli_host_tier_and_ranks() -> None:
         bad = metrale("simulate", *SLOT, "--requests", "50", *args)
         assert bad.code == 2 and message in bad.stderr, (args, bad.stderr)
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_max_rank_options_trade_slots_for_adapters() -> None:
+    """Per max rank the adapters have: the slot the planner makes at that rank, the slots a
+    budget holds, and the adapters (and requests) above it."""
+    from metrale_cli.layout.plan import PoolPlan, plan_layouts
+    from metrale_cli.layout.slot_layout import SlotLayout
+    from metrale_cli.model.config import resolve_model
+    from metrale_cli.model.modules import LoraModule
+    from metrale_cli.sim.simulate import max_rank_options
+
+    model = resolve_model("qwen3-8b")
+    modules = LoraModule.parse_list("q_proj,v_proj")
+    layout, _ = plan_layouts(model, [], modules, 64)
+    w = paging([0, 1, 2, 3, 0, 0, 2], ranks=[8, 64, 16, 0])
+    options = max_rank_options(w, layout, None, 1 << 30)
+    assert [o["max_rank"] for o in options] == [8, 16, 64]
+    for o in options:
+        lower = SlotLayout.build(model, modules, o["max_rank"])
+        assert o["slot_bytes"] == lower.slot_bytes
+        assert o["slots_in_budget"] == PoolPlan.sized(lower, None, budget_bytes=1 << 30).max_loras
+    # Shut out: above the max rank, or of unknown rank below the pool's (it may need it all).
+    assert [(o["adapters_shut_out"], o["requests_shut_out"]) for o in options] == [
+        (3, 4), (2, 2), (0, 0)]
+    assert max_rank_options(paging([0, 1]), layout, None, None) is None

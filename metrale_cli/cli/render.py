@@ -535,7 +535,8 @@ def simulate_view(record: dict[str, Any]) -> Group:
             human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
             *vs_min, pool)
     parts: list[Any] = [head, table]
-    for extra in (_loads_table(record), _serving_table(record), _spread_table(record)):
+    for extra in (_loads_table(record), _serving_table(record), _spread_table(record),
+                  _max_rank_table(record)):
         if extra is not None:
             parts.append(extra)
     if record["targets"]:
@@ -617,6 +618,29 @@ def _serving_table(record: dict[str, Any]) -> Table | None:
         table.add_row(r["policy"], str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
                       seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
                       seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}")
+    return table
+
+
+def _max_rank_table(record: dict[str, Any]) -> Table | None:
+    """Adapters of their own ranks: per lower max rank, the slot, the slots a --budget holds,
+    and who is shut out."""
+    options = record["max_rank_options"]
+    if not options:
+        return None
+    budget = record["budget_bytes"]
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD,
+                  title="a lower max rank: smaller slots, and the adapters above it shut out",
+                  title_justify="left")
+    names = ["max rank", "slot", *(["slots in\nbudget"] if budget is not None else []),
+             "adapters\nshut out", "requests\nshut out"]
+    for name in names:
+        table.add_column(name, justify="right", no_wrap=True, header_style="bold")
+    requests = record["workload"]["adapter_requests"] or 1
+    for o in options:
+        out = o["requests_shut_out"]
+        table.add_row(str(o["max_rank"]), human_bytes(o["slot_bytes"] + o["expert_slot_bytes"]),
+                      *([f"{o['slots_in_budget']:,}"] if budget is not None else []),
+                      f"{o['adapters_shut_out']:,}", f"{out:,} ({100 * out / requests:.1f}%)")
     return table
 
 

@@ -5,6 +5,7 @@ add, the sizing answer for a target, and the plot.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -74,6 +75,7 @@ class Simulation:
     routing: dict[str, Any] | None = None
     admission: str = "fcfs"
     seeds: list[int] | None = None
+    max_rank_options: list[dict[str, Any]] | None = None
     seconds: float = 0.0
 
     def smallest_meeting(self) -> list[dict[str, Any]]:
@@ -115,6 +117,7 @@ class Simulation:
             "decode_tok_s": self.decode_tok_s, "policies": self.policies, "sizes": self.sizes,
             "budget_bytes": self.budget_bytes, "host": self.host, "routing": self.routing,
             "admission": self.admission, "seeds": self.seeds,
+            "max_rank_options": self.max_rank_options,
             "targets": self.targets.record() if self.targets else None,
             "smallest_meeting": self.smallest_meeting() if self.targets else None,
             "results": [r.record() for r in self.results],
@@ -272,6 +275,8 @@ def run(
         prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, policies=policies,
         sizes=sorted(set(sizes)), results=results, targets=targets, budget_bytes=budget_bytes,
         routing=routing.record() if routing is not None else None, admission=admission,
+        max_rank_options=(max_rank_options(workload, layout, expert_layout, budget_bytes)
+                          if shard is None else None),
         host=None if host is None else {
             "slots": host.slots, "bandwidth": host.link.name,
             "bytes_per_s": host.link.bytes_per_s, "latency_s": host.link.latency_s,
@@ -279,6 +284,36 @@ def run(
             "host_bytes": host.slots * max(load_bytes, default=0)},
         seconds=time.perf_counter() - started,
     )
+
+
+def max_rank_options(workload: Workload, layout: SlotLayout,
+                     expert_layout: ExpertLayout | None,
+                     budget_bytes: int | None) -> list[dict[str, Any]] | None:
+    """What the equal-slot pool trades, for a workload whose adapters have their own ranks: per
+    max rank a requested adapter has (up to the pool's), the slot it makes, how many such slots
+    fit `budget_bytes` (with their tables, as `layout --budget` counts), and the adapters, and
+    their requests, that a pool of that max rank cannot serve. None without ranks."""
+    if workload.adapter_rank is None:
+        return None
+    counts = workload.counts()
+    used = counts > 0
+    ranks = workload.adapter_rank
+    options = []
+    for r in sorted({int(x) for x in ranks[used] if 0 < x <= layout.max_rank}):
+        lower = dataclasses.replace(layout, max_rank=r)
+        experts = (dataclasses.replace(expert_layout, max_rank=r)
+                   if expert_layout is not None else None)
+        # An adapter of unknown rank is taken to need the pool's max rank.
+        out = used & ((ranks > r) | ((ranks == 0) & (r < layout.max_rank)))
+        options.append({
+            "max_rank": r, "slot_bytes": lower.slot_bytes,
+            "expert_slot_bytes": experts.slot_bytes if experts is not None else 0,
+            "slots_in_budget": (PoolPlan.sized(lower, experts, budget_bytes=budget_bytes)
+                                .max_loras if budget_bytes is not None else None),
+            "adapters_shut_out": int(out.sum()),
+            "requests_shut_out": int(counts[out].sum()),
+        })
+    return options
 
 
 def adapter_load_bytes(workload: Workload, max_rank: int, slot_bytes: int) -> list[int]:
