@@ -7,7 +7,9 @@ import math
 from typing import TYPE_CHECKING
 
 from metrale_cli.errors import UsageError
-from metrale_cli.model.modules import LoraModule
+
+if TYPE_CHECKING:
+    from metrale_cli.model.modules import LoraModule
 
 if TYPE_CHECKING:
     from metrale_cli.sim.replay import Link
@@ -37,6 +39,8 @@ def parse_size(text: str) -> int:
 
 def parse_modules(text: str, option: str = "--modules") -> list[LoraModule]:
     """`q_proj,k_proj,...` or `all` -> pool modules in their fixed order; never empty."""
+    from metrale_cli.model.modules import LoraModule
+
     try:
         modules = LoraModule.parse_list(text)
     except ValueError as exc:
