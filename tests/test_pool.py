@@ -25,7 +25,7 @@ from metrale_cli.image.pool_image import PoolImage, write_image
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
-from metrale_cli.pool import packing
+from metrale_cli.pool import fill
 from metrale_cli.pool.pool import LoraPool
 from metrale_cli.pool.slots import adapter_id_hash, routed_prefill_slot_of
 from tests.support.cli_runner import metrale
@@ -181,16 +181,16 @@ def test_clear_slot_leaves_a_placeholder(tiny: dict[str, Path]) -> None:
     assert slots.select_victim_slot() == 1
 
 
-class HeldReader(packing.TensorReader):
+class HeldReader(fill.TensorReader):
     """A tensor reader that stops at its first read until the test lets it go."""
 
     entered = threading.Event()
     release = threading.Event()
 
-    def into(self, info, dest, row=0):  # type: ignore[no-untyped-def]
+    def into(self, info, dest, at=0):  # type: ignore[no-untyped-def]
         HeldReader.entered.set()
         assert HeldReader.release.wait(30), "the test never released the reader"
-        super().into(info, dest, row)
+        super().into(info, dest, at)
 
 
 def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],
@@ -204,7 +204,7 @@ def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],
     pool.swap_in(2, c)
     HeldReader.entered.clear()
     HeldReader.release.clear()
-    monkeypatch.setattr(packing, "TensorReader", HeldReader)
+    monkeypatch.setattr(fill, "TensorReader", HeldReader)
     slots = pool.manager
     result: list[object] = []
     swap = threading.Thread(target=lambda: result.append(pool.swap_in(2, b)))
