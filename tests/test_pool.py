@@ -187,10 +187,10 @@ class HeldReader(fill.TensorReader):
     entered = threading.Event()
     release = threading.Event()
 
-    def into(self, info, dest, at=0):  # type: ignore[no-untyped-def]
+    def block(self, info, rows, cols):  # type: ignore[no-untyped-def]
         HeldReader.entered.set()
         assert HeldReader.release.wait(30), "the test never released the reader"
-        super().into(info, dest, at)
+        return super().block(info, rows, cols)
 
 
 def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],

@@ -127,10 +127,11 @@ def _refuse(bad: int, adapter: str, tensor: str) -> None:
 
 
 def _convert(dest: np.ndarray, values: np.ndarray, dtype: str, ratio: float) -> None:
-    """`dest` (`[n, width]` BF16 bits): its first columns are `values` (`[n, k]` raw elements)
-    times `ratio` rounded once, the rest zero (a B region's columns past the adapter's rank)."""
+    """`dest` (`[n, width]` BF16 bits): its first columns are `values` (`[n, k]` raw elements,
+    strided or not) times `ratio` rounded once, the rest zero (a B region's columns past the
+    adapter's rank)."""
     k = values.shape[1]
-    dest[:, :k] = to_bf16(np.ascontiguousarray(values), dtype, ratio).reshape(dest.shape[0], k)
+    dest[:, :k] = to_bf16(values, dtype, ratio).reshape(dest.shape[0], k)
     if k < dest.shape[1]:
         dest[:, k:] = 0
 
@@ -138,26 +139,18 @@ def _convert(dest: np.ndarray, values: np.ndarray, dtype: str, ratio: float) -> 
 def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
          dest: np.ndarray, ratio: float, adapter: str, check_finite: bool) -> int:
     """Rows `rows` and columns `cols` of the file's tensor `info` into `dest` as `_convert`
-    writes them, `CHUNK_BYTES` of `dest` at a time, each chunk checked finite right after it
-    is written. Returns the file bytes read."""
-    n, width = dest.shape
-    k = cols[1] - cols[0]
-    # Unscaled BF16 that fills whole destination rows is the file's bytes as they are: read
-    # straight into the slot (A always; B when the adapter's rank is the pool's).
-    straight = info.dtype == "BF16" and ratio == 1.0 and k == width
-    step = max(1, CHUNK_BYTES // max(1, width * BF16_BYTES))
+    writes them (unscaled BF16 copied bit for bit), `CHUNK_BYTES` of `dest` at a time, each
+    chunk checked finite right after it is written. Returns the file bytes read."""
+    values = reader.block(info, rows, cols)
+    step = max(1, CHUNK_BYTES // max(1, dest.shape[1] * BF16_BYTES))
     bad = 0
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        chunk, block = dest[lo:hi], (rows[0] + lo, rows[0] + hi)
-        if straight:
-            reader.read_block(info, block, cols, chunk)
-        else:
-            _convert(chunk, reader.read_block(info, block, cols), info.dtype, ratio)
+    for lo in range(0, dest.shape[0], step):
+        chunk = dest[lo:lo + step]
+        _convert(chunk, values[lo:lo + step], info.dtype, ratio)
         if check_finite:
             bad += _non_finite(chunk)
     _refuse(bad, adapter, info.name)
-    return n * k * (info.nbytes // max(1, info.numel))
+    return values.nbytes
 
 
 def _bits(span: np.ndarray, width: int) -> np.ndarray:
@@ -264,7 +257,7 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
     for first, last in _merged(spans):
         for start in range(first, last, step):
             stop = min(last, start + step)
-            raw = reader.read_block(info, (start, stop), (0, info.shape[1]))
+            raw = reader.block(info, (start, stop), (0, info.shape[1]))
             read += raw.nbytes
             for (p, e), (held_lo, held_hi) in zip(group, spans, strict=True):
                 lo, hi = max(start, held_lo), min(stop, held_hi)
@@ -302,6 +295,9 @@ def fill_slot(report: AdapterReport, slot: int, layout: SlotLayout, region: Regi
     fd = os.open(report.adapter.weights_path, os.O_RDONLY)
     try:
         reader = TensorReader(fd, str(report.adapter.weights_path))
+    finally:
+        os.close(fd)  # the map holds the file
+    try:
         writer = region.writer(slot, staging)
         read = fill_modules(reader, report, layout, writer, check_finite, progress)
         writer.finish()
@@ -311,7 +307,7 @@ def fill_slot(report: AdapterReport, slot: int, layout: SlotLayout, region: Regi
             writer.finish()
         return read, read_overlays(reader, report, check_finite)
     finally:
-        os.close(fd)
+        reader.close()
 
 
 def read_overlays(reader: RawReader, report: AdapterReport,
