@@ -342,6 +342,7 @@ def test_verify_passes_every_expert_parallel_rank_image(peft_zoo, tmp_path: Path
     for k, image in enumerate(rank_images(out, 4)):
         assert {e.expert for e in image.expert_layout.entries} == {-1, k}
         path = out / f"rank-{k}-of-4.safetensors"
+        assert metrale("show", path).code == 0
         verified = metrale("verify", path, f"a0={truth.path}", "--json")
         assert verified.code == 0, verified.stderr
         assert verified.json()["adapters"][0]["expert_entries"] == 3 * 3 + 3  # 3 MoE layers
