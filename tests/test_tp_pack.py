@@ -263,7 +263,7 @@ def test_a_failing_rank_leaves_no_directory(peft_zoo, tmp_path: Path, monkeypatc
     truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=ATTN)
     real = packing.pack_rank
 
-    def fail_on_rank_2(*args: object, **kwargs: object) -> dict:
+    def fail_on_rank_2(*args: object, **kwargs: object) -> tuple:
         if args[4].tp_rank == 2:
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)

@@ -16,6 +16,7 @@ from metrale_cli.cli.console import (
     handles_errors,
     out,
     progress_bar,
+    said_details,
     warn,
 )
 from metrale_cli.cli.options import (
@@ -33,15 +34,11 @@ from metrale_cli.cli.options import (
     OnlineOpt,
     TpOpt,
     experts_on,
-    load_adapters,
-    model_for,
     online_on,
-    refuse_unservable,
     shard_spec,
 )
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import resolve_model
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
@@ -65,6 +62,7 @@ def synth(
 ) -> None:
     """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
     from metrale_cli.adapters.synth import synth_adapter
+    from metrale_cli.model.config import resolve_model
 
     if not out_dir.strip():
         raise UsageError("the adapter directory is empty")
@@ -114,27 +112,24 @@ def pack(
 
     The model defaults to the adapters' base_model_name_or_path, the modules to the union of
     theirs."""
-    from metrale_cli.adapters.audit import audit
     from metrale_cli.cli import render
     from metrale_cli.dist.torchrun import pack_torchrun, under_torchrun
     from metrale_cli.files.atomic import check_output, output_dir, output_path
-    from metrale_cli.image.pack import pack as pack_pools
-    from metrale_cli.image.pack import tensor_bytes
-    from metrale_cli.layout.plan import plan_layouts
+    from metrale_cli.image.pack import pack_pool, tensor_bytes
+    from metrale_cli.layout.pipeline import plan_pool
 
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-loras", max_loras)
     positive("--max-rank", max_rank)
 
+    module_list = parse_modules(modules) if modules else None
+
     def prepare() -> tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]:
         """Audit the adapters (refusing any that is not servable) and plan the layouts."""
-        loaded = load_adapters(adapters, online_on(online), weights=True)
-        cfg = model_for(model, loaded, online_on(online))
-        enabled = experts_on(experts)
-        reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-        refuse_unservable(reports)
-        return (*plan_layouts(cfg, reports, parse_modules(modules) if modules else None,
-                              max_rank, experts=enabled), reports)
+        planned = plan_pool(adapters, model, modules=module_list, max_rank=max_rank,
+                            experts=experts_on(experts), online=online_on(online),
+                            weights=True)
+        return planned.layout, planned.expert_layout, planned.reports
 
     target: Path | None = None
     if out_text is not None and spec is not None:
@@ -144,14 +139,14 @@ def pack(
         check_output(target, force)  # before the work; the write checks again
     if spec is not None and under_torchrun():
         # One process per rank: each writes its own image into the directory --out.
-        result = pack_torchrun(prepare, max_loras, spec, device, target, force)
+        result = pack_torchrun(said_details(prepare), max_loras, spec, device, target, force)
     else:  # in this process; with --tp every rank in turn, the images landing all at once
         the_layout, expert_layout, reports = prepare()
         # A bar for the one pool (a rank's share of the bytes is not known ahead).
         with progress_bar("packing", tensor_bytes(reports),
                           spec is None and err().is_terminal and not json_out) as progress:
-            result = pack_pools(the_layout, expert_layout, max_loras, reports, spec, device,
-                                target, force, progress)
+            result = pack_pool(the_layout, max_loras, reports, device, target, force,
+                               progress, expert_layout, spec)
     if result is None:
         return  # a torchrun rank other than 0: rank 0 reports for all
     warn(result.warnings)

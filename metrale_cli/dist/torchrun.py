@@ -165,7 +165,8 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                 with contextlib.suppress(FileExistsError):
                     final.parent.mkdir()
                     created = True
-            record = pack_rank(layout, ex, max_loras, reports, me, chosen, staged, force=True)
+            _, record = pack_rank(layout, ex, max_loras, reports, me, chosen, staged,
+                                  force=True)
             record["image"] = str(final) if final is not None else None
             status = {"rank": rank, "error": None, "record": record}
         except (MetraleError, OSError) as exc:

@@ -73,10 +73,11 @@ def pool_record(pool: LoraPool, stats: list[PackStats], pack_seconds: float,
 def pack_rank(layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras: int,
               reports: list[AdapterReport], spec: ShardSpec | None = None,
               device: str = "auto", path: Path | None = None, force: bool = False,
-              progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[int], None] | None = None) -> tuple[LoraPool, dict[str, Any]]:
     """One pool, of rank `spec`'s layouts (the whole weights' without `spec`), with `reports`
-    packed into slots [0, n); its image written to `path` if given. Returns its pack record,
-    with the rank's `shard` under tensor parallelism. `progress` gets the file bytes read."""
+    packed into slots [0, n); its image written to `path` if given. Returns the pool and its
+    pack record, with the rank's `shard` under tensor parallelism. `progress` gets the file
+    bytes read."""
     if spec is not None:
         layout, expert_layout = rank_layouts(layout, expert_layout, spec)
     started = time.perf_counter()
@@ -89,17 +90,23 @@ def pack_rank(layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras:
         image_bytes = write_image(pool, path, force)
         write_seconds = time.perf_counter() - started
     record = pool_record(pool, stats, pack_seconds, path, image_bytes, write_seconds)
-    return record if spec is None else {"shard": spec.record(), **record}
+    return pool, record if spec is None else {"shard": spec.record(), **record}
 
 
 @dataclass
 class PackResult:
     """What `metrale pack` did: each pool's pack record (`pool_record`), rank 0 first; one
-    pool, of the whole weights, where `spec` is None."""
+    pool, of the whole weights, where `spec` is None, and then the pool itself (under tensor
+    parallelism each rank's pool is let go once packed: one in memory at a time)."""
 
     spec: ShardSpec | None
     out: Path | None
     ranks: list[dict[str, Any]]
+    pool: LoraPool | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r["bytes_read"] for r in self.ranks)
 
     @property
     def warnings(self) -> list[str]:
@@ -113,34 +120,36 @@ class PackResult:
         return {"tp_size": self.spec.tp_size, "ep_size": self.spec.ep_size,
                 "fully_sharded": self.spec.fully_sharded,
                 "out": str(self.out) if self.out is not None else None,
-                "bytes_read": sum(r["bytes_read"] for r in self.ranks),
+                "bytes_read": self.bytes_read,
                 "ranks": self.ranks}
 
 
-def pack(layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras: int,
-         reports: list[AdapterReport], spec: ShardSpec | None = None, device: str = "auto",
-         out: Path | None = None, force: bool = False,
-         progress: Callable[[int], None] | None = None) -> PackResult:
-    """Pack `reports` into slots [0, n) of a new pool, or with `spec` into every rank's pool
-    one after another in this process, and write the image to `out` if given. With `spec`,
-    `out` is a directory where the rank images land all at once: a failure leaves no
-    directory."""
+def pack_pool(layout: SlotLayout, max_loras: int, reports: list[AdapterReport],
+              device: str = "auto", out: Path | None = None, force: bool = False,
+              progress: Callable[[int], None] | None = None,
+              expert_layout: ExpertLayout | None = None,
+              spec: ShardSpec | None = None) -> PackResult:
+    """Pack `reports` into slots [0, n) of a new pool (with an expert pool laid out by
+    `expert_layout` when given), or with `spec` into every rank's pool one after another in
+    this process, and write the image to `out` if given. With `spec`, `out` is a directory
+    where the rank images land all at once: a failure leaves no directory."""
     if spec is None:
-        return PackResult(None, out, [pack_rank(layout, expert_layout, max_loras, reports,
-                                                None, device, out, force, progress)])
+        pool, record = pack_rank(layout, expert_layout, max_loras, reports, None, device, out,
+                                 force, progress)
+        return PackResult(None, out, [record], pool)
     specs = spec.all_ranks()
     for s in specs:
         rank_layouts(layout, expert_layout, s)  # every rank's rules hold before any byte moves
     records: list[dict[str, Any]] = []
     if out is None:
         records = [pack_rank(layout, expert_layout, max_loras, reports, s, device,
-                             progress=progress) for s in specs]
+                             progress=progress)[1] for s in specs]
         return PackResult(spec, None, records)
 
     def fill(tmp: Path) -> None:
         for s in specs:
-            record = pack_rank(layout, expert_layout, max_loras, reports, s, device,
-                               tmp / image_name(s), progress=progress)
+            _, record = pack_rank(layout, expert_layout, max_loras, reports, s, device,
+                                  tmp / image_name(s), progress=progress)
             record["image"] = str(out / image_name(s))
             records.append(record)
 
