@@ -10,10 +10,8 @@ import typer
 
 from metrale_cli.cli.console import (
     emit,
-    emit_json,
     err,
     handles_errors,
-    out,
     progress_bar,
     said_details,
     warn,
