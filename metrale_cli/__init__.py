@@ -57,7 +57,7 @@ _API = {
     "LoraPool": "metrale_cli.pool.pool",
     "SlotManager": "metrale_cli.pool.slots",
     "AdapterSlot": "metrale_cli.pool.slots",
-    "pack_pool": "metrale_cli.pool.packing",
+    "pack_pool": "metrale_cli.image.pack",
     # pool images
     "PoolImage": "metrale_cli.image.pool_image",
     "write_image": "metrale_cli.image.pool_image",

@@ -19,13 +19,20 @@ from metrale_cli import compat
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
 from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16
-from metrale_cli.errors import FormatError, LayoutMismatch, PoolFull, SlotBusy, UsageError
+from metrale_cli.errors import (
+    FormatError,
+    LayoutMismatch,
+    NonFiniteWeights,
+    PoolFull,
+    SlotBusy,
+    UsageError,
+)
 from metrale_cli.files.safetensors_header import read_header
 from metrale_cli.image.pool_image import PoolImage, write_image
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
-from metrale_cli.pool import packing
+from metrale_cli.pool import fill
 from metrale_cli.pool.pool import LoraPool
 from metrale_cli.pool.slots import adapter_id_hash, routed_prefill_slot_of
 from tests.support.cli_runner import metrale
@@ -181,16 +188,16 @@ def test_clear_slot_leaves_a_placeholder(tiny: dict[str, Path]) -> None:
     assert slots.select_victim_slot() == 1
 
 
-class HeldReader(packing.TensorReader):
+class HeldReader(fill.TensorReader):
     """A tensor reader that stops at its first read until the test lets it go."""
 
     entered = threading.Event()
     release = threading.Event()
 
-    def into(self, info, dest, row=0):  # type: ignore[no-untyped-def]
+    def block(self, info, rows, cols):  # type: ignore[no-untyped-def]
         HeldReader.entered.set()
         assert HeldReader.release.wait(30), "the test never released the reader"
-        super().into(info, dest, row)
+        return super().block(info, rows, cols)
 
 
 def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],
@@ -204,7 +211,7 @@ def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],
     pool.swap_in(2, c)
     HeldReader.entered.clear()
     HeldReader.release.clear()
-    monkeypatch.setattr(packing, "TensorReader", HeldReader)
+    monkeypatch.setattr(fill, "TensorReader", HeldReader)
     slots = pool.manager
     result: list[object] = []
     swap = threading.Thread(target=lambda: result.append(pool.swap_in(2, b)))
@@ -403,6 +410,32 @@ def test_non_finite_weights_are_refused(tiny: dict[str, Path], tmp_path: Path,
     assert result.code == 1, result.stderr
     assert result.stderr == (f"error: bad: tensor {tensor_name!r} has 2 non-finite values "
                              "(NaN or infinity) as BF16; refusing to pack it\n")
+
+
+@pytest.mark.parametrize("name", ["b", "a"])  # F32 (converted) and BF16 (copied as it is)
+def test_every_chunk_is_checked_and_counted(tiny: dict[str, Path], tmp_path: Path, name: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finite check runs on each chunk as it is written: with one B row per chunk, a NaN in
+    the first row and an infinity in the last are both found, counted together."""
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 16)
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny[name], bad)
+    weights = bad / "adapter_model.safetensors"
+    info = next(t for t in read_header(weights).tensors.values() if "lora_B" in t.name)
+    dtype = {"BF16": "<u2", "F32": "<f4"}[info.dtype]
+    values = np.array([np.nan, np.inf], np.float32)
+    raw = f32_to_bf16(values) if info.dtype == "BF16" else values
+    item = np.dtype(dtype).itemsize
+    with open(weights, "r+b") as f:
+        for at, value in ((0, raw[:1]), (info.nbytes - item, raw[1:])):
+            f.seek(info.begin + at)
+            f.write(value.astype(dtype).tobytes())
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(bad), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 8)
+    assert layout.entries[0].out_dim > 1  # the two values land in different chunks
+    with pytest.raises(NonFiniteWeights, match=f"tensor {info.name!r} has 2 non-finite"):
+        LoraPool.load(layout, 1, [report])
 
 
 def test_an_adapter_for_other_dims_is_refused_before_a_byte_is_written(tmp_path: Path) -> None:

@@ -31,7 +31,6 @@ from metrale_cli.adapters.audit import audit
 from metrale_cli.layout.plan import plan_layouts
 from metrale_cli.model.config import resolve_model
 from metrale_cli.ops import host_harness, kernels, reference
-from metrale_cli.pool.packing import pack_pool
 from metrale_cli.pool.pool import LoraPool
 from tests.support.peft_factory import TINY_MODELS, AdapterTruth
 
@@ -196,7 +195,7 @@ def pack_adapters(truths: list[tuple[str, AdapterTruth]], device: str) -> LoraPo
                for name, t in truths]
     assert [r.name for r in reports if not r.servable] == []
     layout, _ = plan_layouts(config, reports)
-    return pack_pool(layout, MAX_LORAS, reports, device).pool
+    return LoraPool.load(layout, MAX_LORAS, reports, device)[0]
 
 
 # --- the base model with the kernels' deltas hooked in -----------------------------------------

@@ -258,21 +258,21 @@ def test_a_pool_format_reader_reads_a_rank_image(peft_zoo, tmp_path: Path) -> No
 
 
 def test_a_failing_rank_leaves_no_directory(peft_zoo, tmp_path: Path, monkeypatch) -> None:
-    from metrale_cli.dist import torchrun as distributed
+    from metrale_cli.image import pack as packing
 
     truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=ATTN)
-    real = distributed.pack_rank
+    real = packing.pack_rank
 
-    def fail_on_rank_2(*args: object, **kwargs: object) -> dict:
+    def fail_on_rank_2(*args: object, **kwargs: object) -> tuple:
         if args[4].tp_rank == 2:
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(distributed, "pack_rank", fail_on_rank_2)
+    monkeypatch.setattr(packing, "pack_rank", fail_on_rank_2)
     result = metrale("pack", truth.path, "--max-loras", 1, "--tp", 4, "--out", tmp_path / "tp")
     assert result.code == 2 and "No space left on device" in result.stderr
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(distributed, "pack_rank", real)
+    monkeypatch.setattr(packing, "pack_rank", real)
     (tmp_path / "tp").mkdir()
     refused = metrale("pack", truth.path, "--max-loras", 1, "--tp", 4, "--out", tmp_path / "tp")
     assert refused.code == 2 and "exists; pass --force" in refused.stderr
@@ -329,3 +329,47 @@ def test_unpack_refuses_a_rank_image(peft_zoo, tmp_path: Path, fully: bool) -> N
     assert "rank 1 of a tensor-parallel" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not target.exists()
+
+
+def test_verify_passes_every_expert_parallel_rank_image(peft_zoo, tmp_path: Path) -> None:
+    """At --tp 4 --ep 4 each rank holds one whole expert: verify rebuilds what that rank packs
+    (its own experts only) and passes every rank image; another adapter's weights differ."""
+    truth = peft_zoo.adapter("qwen3_next", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=EXPERTS)
+    other = peft_zoo.adapter("qwen3_next", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=EXPERTS, seed=7)
+    out = pack(tmp_path, [truth], "--experts", "--tp", 4, "--ep", 4)
+    for k, image in enumerate(rank_images(out, 4)):
+        assert {e.expert for e in image.expert_layout.entries} == {-1, k}
+        path = out / f"rank-{k}-of-4.safetensors"
+        assert metrale("show", path).code == 0
+        verified = metrale("verify", path, f"a0={truth.path}", "--json")
+        assert verified.code == 0, verified.stderr
+        assert verified.json()["adapters"][0]["expert_entries"] == 3 * 3 + 3  # 3 MoE layers
+        assert metrale("verify", path, f"a0={other.path}").code == 1
+
+
+def test_an_expert_parallel_rank_pool_swaps_in_and_lands_a_moe_adapter(peft_zoo,
+                                                                       tmp_path: Path) -> None:
+    """`LoraPool.swap_in` of a new MoE adapter into a pool of one EP rank's layouts writes what
+    `pack --tp 4 --ep 4` writes for that rank, and landing the rank image's slot gives the
+    same bytes."""
+    from metrale_cli.adapters.adapter import Adapter
+    from metrale_cli.adapters.audit import audit
+    from metrale_cli.pool.pool import LoraPool
+
+    truth = peft_zoo.adapter("qwen3_next", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=EXPERTS)
+    out = pack(tmp_path, [truth], "--experts", "--tp", 4, "--ep", 4, "--max-rank", 4)
+    for image in rank_images(out, 4):
+        report = audit(Adapter.load(truth.path), image.layout.model, 4, experts_enabled=True)
+        pool = LoraPool(image.layout, 2, "cpu", image.expert_layout)
+        pool.swap_in(0, report)
+        pool.land_slot(1, image, 0)
+        for slot in (0, 1):
+            got, want = pool.slot_contents(slot), image.slot_contents(0)
+            np.testing.assert_array_equal(got.data, want.data)
+            np.testing.assert_array_equal(got.adapted, want.adapted)
+            np.testing.assert_array_equal(got.expert_data, want.expert_data)
+            np.testing.assert_array_equal(got.expert_adapted, want.expert_adapted)
+        assert int(pool.expert_rank_table[0]) == 4

@@ -25,7 +25,7 @@ from metrale_cli.layout.sharding import ShardSpec, rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
-from metrale_cli.pool.packing import fill_slot
+from metrale_cli.pool.fill import fill_slot
 from metrale_cli.pool.pool import LoraPool
 from metrale_cli.pool.region import Region
 

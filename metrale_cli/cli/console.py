@@ -3,11 +3,12 @@ to stderr; every domain error becomes one line and its exit code (docs/cli.md)."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
@@ -43,6 +44,28 @@ def err() -> Console:
     from rich.console import Console
 
     return Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
+
+
+@contextlib.contextmanager
+def progress_bar(what: str, total: int, shown: bool) -> Iterator[Callable[[int], None] | None]:
+    """A transient bar on stderr of `total` bytes while the block runs: yields the callback
+    that advances it (None, and no bar, unless `shown`). The core takes the callback; only the
+    CLI draws."""
+    if not shown:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(what, BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err(), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 def say(line: str) -> None:

@@ -10,10 +10,9 @@ import typer
 
 from metrale_cli.cli.console import (
     emit,
-    emit_json,
     err,
     handles_errors,
-    out,
+    progress_bar,
     said_details,
     warn,
 )
@@ -107,9 +106,10 @@ def pack(
     The model defaults to the adapters' base_model_name_or_path, the modules to the union of
     theirs."""
     from metrale_cli.cli import render
+    from metrale_cli.dist.torchrun import pack_torchrun, under_torchrun
     from metrale_cli.files.atomic import check_output, output_dir, output_path
+    from metrale_cli.image.pack import pack_pool, tensor_bytes
     from metrale_cli.layout.pipeline import plan_pool
-    from metrale_cli.pool.packing import pack_pool
 
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-loras", max_loras)
@@ -124,33 +124,23 @@ def pack(
                             weights=True)
         return planned.layout, planned.expert_layout, planned.reports
 
-    if spec is not None:
-        from metrale_cli.dist import torchrun as distributed
-
-        # --out names a directory of rank images here.
-        out_dir = None if out_text is None else output_dir(out_text)
-        if distributed.under_torchrun():
-            # One process per rank: each writes its own image into the directory --out.
-            sharded = distributed.pack_torchrun(said_details(prepare), max_loras, spec,
-                                                device, out_dir, force)
-        else:  # the images land in --out all at once (atomic_directory refuses it first)
-            the_layout, expert_layout, reports = prepare()
-            sharded = distributed.pack_shards(the_layout, expert_layout, max_loras, reports,
-                                              spec, device, out_dir, force)
-        if sharded is None:
-            return  # a torchrun rank other than 0: rank 0 reports for all
-        warn(sharded.warnings)
-        emit(sharded.record(), json_out, render.sharded_pack_view)
-        return
-    out_path = None if out_text is None else output_path(out_text)
-    if out_path is not None:
-        check_output(out_path, force)  # before the work; the write checks again
-    the_layout, expert_layout, reports = prepare()
-    result = pack_pool(the_layout, max_loras, reports, device, out_path, force,
-                       progress_console=err() if err().is_terminal and not json_out else None,
-                       expert_layout=expert_layout)
+    target: Path | None = None
+    if out_text is not None and spec is not None:
+        target = output_dir(out_text)  # with --tp, a directory of rank images
+    elif out_text is not None:
+        target = output_path(out_text)
+        check_output(target, force)  # before the work; the write checks again
+    if spec is not None and under_torchrun():
+        # One process per rank: each writes its own image into the directory --out.
+        result = pack_torchrun(said_details(prepare), max_loras, spec, device, target, force)
+    else:  # in this process; with --tp every rank in turn, the images landing all at once
+        the_layout, expert_layout, reports = prepare()
+        # A bar for the one pool (a rank's share of the bytes is not known ahead).
+        with progress_bar("packing", tensor_bytes(reports),
+                          spec is None and err().is_terminal and not json_out) as progress:
+            result = pack_pool(the_layout, max_loras, reports, device, target, force,
+                               progress, expert_layout, spec)
+    if result is None:
+        return  # a torchrun rank other than 0: rank 0 reports for all
     warn(result.warnings)
-    if json_out:
-        emit_json(result.record())
-    else:
-        out().print(render.pack_view(result))
+    emit(result.record(), json_out, render.pack_view)

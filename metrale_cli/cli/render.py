@@ -325,37 +325,38 @@ def expert_model_line(record: dict[str, Any]) -> Text:
         f"{'meets' if record['meets_target'] else 'MISSES'}")
 
 
-def pack_view(result: Any) -> Group:
-    layout = result.pool.layout
+def pack_view(record: dict[str, Any]) -> Group:
+    """`metrale pack`: the pool's slots and sizes; with --tp a line per rank image."""
+    if "ranks" in record:
+        return _ranks_view(record)
+    lay, ex, slots = record["layout"], record["experts"], record["slots"]
+    max_loras = lay["max_loras"]
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     for col in ("slot", "name", "rank", "alpha", "scale", "pinned", "source"):
         table.add_column(col)
-    for s in result.pool.slot_records():
+    for s in slots:
         if s["name"]:
             table.add_row(str(s["slot"]), escape(s["name"]), str(s["rank"]), _fmt(s["alpha"]),
                           f"{s['scaling']:.6g}", "yes" if s["pinned"] else "",
                           escape(s["source"]))
-    empty = result.pool.max_loras - len(result.pool.manager.adapter_names())
-    rate = result.bytes_read / result.pack_seconds / 1e9 if result.pack_seconds else 0.0
+    empty = max_loras - sum(1 for s in slots if s["name"])
     lines = [
-        f"pool: {result.pool.max_loras} slots x {layout.slot_bytes:,} B = "
-        f"{human_bytes(layout.pool_bytes(result.pool.max_loras))} on {result.pool.device}, "
-        f"max rank {layout.max_rank}, {len(layout.entries)} entries, {empty} empty cache slots",
-        f"packed {human_bytes(result.bytes_read)} of adapter tensors in "
-        f"{result.pack_seconds:.3f} s ({rate:.2f} GB/s)",
+        f"pool: {max_loras} slots x {lay['slot_bytes']:,} B = {human_bytes(lay['pool_bytes'])} "
+        f"on {record['device']}, max rank {lay['max_rank']}, {record['entries']} entries, "
+        f"{empty} empty cache slots",
+        f"packed {human_bytes(record['bytes_read'])} of adapter tensors in "
+        f"{record['pack_seconds']:.3f} s ({record['pack_gb_per_s'] or 0.0:.2f} GB/s)",
     ]
-    ex = result.pool.expert_layout
     if ex is not None:
-        ex_bytes = human_bytes(ex.pool_bytes(result.pool.max_loras))
-        lines.insert(1, f"expert pool: {result.pool.max_loras} expert slots x "
-                     f"{ex.slot_bytes:,} B = {ex_bytes}, {len(ex.entries):,} "
-                     f"(layer, projection, expert) entries, max rank {ex.max_rank}")
-    overlays = sum(raw.count for raw in result.pool.overlay_raw if raw is not None)
+        lines.insert(1, f"expert pool: {max_loras} expert slots x {ex['expert_slot_bytes']:,} B "
+                     f"= {human_bytes(ex['expert_pool_bytes'])}, {ex['n_entries']:,} "
+                     f"(layer, projection, expert) entries, max rank {ex['max_rank']}")
+    overlays = sum(o["tokens"] for s in slots for o in s["overlays"])
     if overlays:
         lines.insert(1, f"token overlays: {overlays} rows")
-    if result.image is not None:
-        lines.append(f"wrote {result.image} ({human_bytes(result.image_bytes)}) in "
-                     f"{result.write_seconds:.3f} s; layout fingerprint {layout.fingerprint}")
+    if record["image"] is not None:
+        lines.append(f"wrote {record['image']} ({human_bytes(record['image_bytes'])}) in "
+                     f"{record['write_seconds']:.3f} s; layout fingerprint {lay['fingerprint']}")
     return Group(table, *(Text(line) for line in lines))
 
 
@@ -396,7 +397,7 @@ def sharded_layout_view(record: dict[str, Any]) -> Group:
     return Group(unsharded, Text(""), table)
 
 
-def sharded_pack_view(record: dict[str, Any]) -> Group:
+def _ranks_view(record: dict[str, Any]) -> Group:
     """`metrale pack --tp N`: one line per rank image."""
     mode = f"tp {record['tp_size']}, ep {record['ep_size']}" + (
         ", fully sharded" if record["fully_sharded"] else "")

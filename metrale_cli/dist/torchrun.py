@@ -1,9 +1,7 @@
-"""Pools for a tensor-parallel deployment: one pool image per rank, each rank reading from the
-adapter files only its shard's bytes; packed in one process (`metrale pack --tp N`) or one
-process per rank under `torchrun` (`torchrun --nproc-per-node N -m metrale_cli pack ... --tp N`).
-
-Rank k's image is `DIR/rank-{k}-of-{N}.safetensors`, a `pool/1` image of the rank's layout
-(`sharding.RankLayout`) with `metrale.shard` metadata (docs/tensor-parallel.md).
+"""A tensor-parallel pack with one process per rank under `torchrun`
+(`torchrun --nproc-per-node N -m metrale_cli pack ... --tp N`): each rank packs its own pool
+with `image.pack.pack_rank`, the pack every `metrale pack` runs; and peer slot transfer between
+processes.
 
 torch is imported inside the functions that run under torchrun only.
 """
@@ -21,80 +19,14 @@ from typing import Any
 import numpy as np
 
 from metrale_cli import env
-from metrale_cli.files.atomic import atomic_directory, publish_new
 from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.errors import LayoutMismatch, MetraleError, OutputExists, RankFailed, UsageError
+from metrale_cli.files.atomic import publish_new
+from metrale_cli.image.pack import PackResult, image_name, pack_rank
 from metrale_cli.layout.expert_layout import ExpertLayout
+from metrale_cli.layout.sharding import ShardSpec, rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
-from metrale_cli.pool.packing import pack_pool
 from metrale_cli.pool.pool import LoraPool, SlotContents, SlotSource, pick_device
-from metrale_cli.layout.sharding import ShardSpec, rank_layouts, rank_report
-
-# Every rank image's name matches it: `--force` replaces a DIR that holds only such files.
-IMAGE_GLOB = "rank-*-of-*.safetensors"
-
-
-def image_name(spec: ShardSpec) -> str:
-    return f"rank-{spec.tp_rank}-of-{spec.tp_size}.safetensors"
-
-
-@dataclass
-class ShardedPackResult:
-    """What `pack --tp` did: each rank's pack record, rank 0 first."""
-
-    spec: ShardSpec
-    out: Path | None
-    ranks: list[dict[str, Any]]
-
-    @property
-    def warnings(self) -> list[str]:
-        """What the rank pools hold that the kernels would refuse (the same for every rank)."""
-        return list(self.ranks[0]["warnings"]) if self.ranks else []
-
-    def record(self) -> dict[str, Any]:
-        return {"tp_size": self.spec.tp_size, "ep_size": self.spec.ep_size,
-                "fully_sharded": self.spec.fully_sharded,
-                "out": str(self.out) if self.out is not None else None,
-                "bytes_read": sum(r["bytes_read"] for r in self.ranks),
-                "ranks": self.ranks}
-
-
-def pack_rank(layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras: int,
-              reports: list[AdapterReport], spec: ShardSpec, device: str = "auto",
-              path: Path | None = None, force: bool = False) -> dict[str, Any]:
-    """Pack rank `spec.tp_rank`'s pool (its slices of every adapter) and write its image to
-    `path` if given; returns the rank's pack record with its `shard`."""
-    ranked, ranked_experts = rank_layouts(layout, expert_layout, spec)
-    result = pack_pool(ranked, max_loras, [rank_report(r, ranked_experts) for r in reports],
-                       device, path, force, expert_layout=ranked_experts)
-    return {"shard": spec.record(), **result.record()}
-
-
-def pack_shards(layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras: int,
-                reports: list[AdapterReport], spec: ShardSpec, device: str = "auto",
-                out: Path | None = None, force: bool = False) -> ShardedPackResult:
-    """Every rank of `spec`'s deployment, one after another in this process (one rank's pool
-    in memory at a time). With `out`, the images land in that directory all at once: a failure
-    leaves no directory."""
-    specs = spec.all_ranks()
-    for s in specs:
-        rank_layouts(layout, expert_layout, s)  # every rank's rules hold before any byte moves
-    records: list[dict[str, Any]] = []
-    if out is None:
-        records = [pack_rank(layout, expert_layout, max_loras, reports, s, device)
-                   for s in specs]
-        return ShardedPackResult(spec, None, records)
-
-    def fill(tmp: Path) -> None:
-        for s in specs:
-            record = pack_rank(layout, expert_layout, max_loras, reports, s, device,
-                               tmp / image_name(s))
-            record["image"] = str(out / image_name(s))
-            records.append(record)
-
-    atomic_directory(out, fill, force, owned=[IMAGE_GLOB])
-    return ShardedPackResult(spec, out, records)
-
 
 # -- one process per rank (torchrun) ------------------------------------------------------------
 
@@ -108,7 +40,7 @@ def under_torchrun() -> bool:
 
 
 def pack_torchrun(plan: Plan, max_loras: int, spec: ShardSpec, device: str = "auto",
-                  out: Path | None = None, force: bool = False) -> ShardedPackResult | None:
+                  out: Path | None = None, force: bool = False) -> PackResult | None:
     """This process's part of a distributed pack: rank 0 audits and plans (`plan()`) and
     broadcasts every rank's expected layout fingerprints; every rank plans too (it needs the
     audited tensors) and all check that each holds what rank 0 expects before any byte moves;
@@ -180,7 +112,7 @@ def _exchange(dist: Any, rank: int, status: dict[str, Any], timeout: float,
 
 def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSpec,
                    device: str, out: Path | None, force: bool,
-                   timeout: float) -> ShardedPackResult | None:
+                   timeout: float) -> PackResult | None:
     planned = None
     payload: list[Any] = [None]
     if rank == 0:
@@ -233,7 +165,8 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                 with contextlib.suppress(FileExistsError):
                     final.parent.mkdir()
                     created = True
-            record = pack_rank(layout, ex, max_loras, reports, me, chosen, staged, force=True)
+            _, record = pack_rank(layout, ex, max_loras, reports, me, chosen, staged,
+                                  force=True)
             record["image"] = str(final) if final is not None else None
             status = {"rank": rank, "error": None, "record": record}
         except (MetraleError, OSError) as exc:
@@ -263,7 +196,7 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                     staged.parent.rmdir()
     if rank != 0:
         return None
-    return ShardedPackResult(me, out, [s["record"] for s in statuses])
+    return PackResult(me, out, [s["record"] for s in statuses])
 
 
 # -- peer landing across processes --------------------------------------------------------------

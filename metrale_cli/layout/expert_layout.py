@@ -1,5 +1,5 @@
 """The expert pool's layout: `ExpertLayout` lays `ExpertPair`s out in one expert slot the way
-`SlotLayout` lays out modules in a slot (packing.py fills a slot, region.py holds the pool)."""
+`SlotLayout` lays out modules in a slot (pool/fill.py fills a slot, region.py holds the pool)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,12 @@ class ExpertLayout:
         keys = [(int(e["layer"]), ExpertProj(e["proj"]), int(e["expert"]))
                 for e in record["entries"]]
         return cls.build(model, keys, int(record["max_rank"]), int(record["align"]))
+
+    def held_pairs(self, pairs: Iterable[ExpertPair]) -> list[ExpertPair]:
+        """The pairs of an adapter's that a pool of this layout holds: every one (a pair
+        outside the layout is refused when packed). A tensor-parallel rank's layout holds its
+        expert-parallel group's only: this is where pack, verify and swap learn which."""
+        return list(pairs)
 
     @cached_property
     def entries(self) -> tuple[ExpertEntry, ...]:

@@ -22,18 +22,19 @@ its record and its fingerprint are untouched by any of this.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from metrale_cli.adapters.audit import AdapterReport
-from metrale_cli.adapters.experts import ROUTER_EXPERT, ExpertProj
+from metrale_cli.adapters.experts import ROUTER_EXPERT, ExpertPair, ExpertProj
 from metrale_cli.errors import UsageError
 from metrale_cli.layout.expert_layout import EXPERT_LAYOUT_FORMAT, ExpertEntry, ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
 from metrale_cli.layout.slot_layout import (
     LAYOUT_FORMAT,
     LayoutEntry,
+    Slice,
     SlotLayout,
     fingerprint_of,
     place_pair,
@@ -101,31 +102,6 @@ class ShardSpec:
         if spec.ep_rank != int(doc["ep_rank"]):
             raise ValueError(f"ep_rank {doc['ep_rank']} is not tp_rank // (tp_size / ep_size)")
         return spec
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Which part of a `full` `[out, in]` weight's LoRA pair a rank holds: B's output `rows`
-    `[lo, hi)` (all R columns), A's input `cols` `[lo, hi)`, and, fully sharded column-parallel,
-    only A's padded rank rows `ranks` `[lo, hi)`."""
-
-    full: tuple[int, int]
-    rows: tuple[int, int]
-    cols: tuple[int, int]
-    ranks: tuple[int, int] | None = None
-
-    def a_rows(self, max_rank: int) -> int:
-        return self.ranks[1] - self.ranks[0] if self.ranks is not None else max_rank
-
-    def flat(self) -> list[int]:
-        return [*self.rows, *self.cols, *(self.ranks or ())]
-
-    def record(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"full": list(self.full), "rows": list(self.rows),
-                                  "cols": list(self.cols)}
-        if self.ranks is not None:
-            record["ranks"] = list(self.ranks)
-        return record
 
 
 def _part(total: int, parts: int, part: int) -> tuple[int, int]:
@@ -229,15 +205,10 @@ class Sliced:
     sits in the full weight (recorded beside the entry's fields)."""
 
     slice: Slice
-    max_rank: int
 
     @property
-    def a_rows(self) -> int:
-        return self.slice.a_rows(self.max_rank)
-
-    @property
-    def full_dims(self) -> tuple[int, int]:
-        return self.slice.full
+    def held(self) -> Slice:
+        return self.slice
 
     def record(self) -> dict[str, Any]:
         return {**super().record(), "slice": self.slice.record()}  # type: ignore[misc]
@@ -307,6 +278,11 @@ class RankExpertLayout(ExpertLayout):
         keys = tuple(k for k in layout.keys if owns_expert(layout.model, spec, k[2]))
         return cls(layout.model, keys, layout.max_rank, layout.align, shard=spec)
 
+    def held_pairs(self, pairs: Iterable[ExpertPair]) -> list[ExpertPair]:
+        """The pairs of the rank's expert-parallel group (and every router pair): the others
+        live on other ranks."""
+        return [p for p in pairs if owns_expert(self.model, self.shard, p.expert)]
+
     @cached_property
     def entries(self) -> tuple[ShardExpertEntry, ...]:  # type: ignore[override]
         entries = []
@@ -355,14 +331,6 @@ def rank_layouts(layout: SlotLayout, expert_layout: ExpertLayout | None,
     if ex is not None:
         ex.entries  # noqa: B018
     return ranked, ex
-
-
-def rank_report(report: AdapterReport, expert_layout: RankExpertLayout | None) -> AdapterReport:
-    """`report` as one rank packs it: only the expert pairs of the rank's EP group."""
-    if expert_layout is None or not report.expert_pairs:
-        return report
-    return replace(report, expert_pairs=[p for p in report.expert_pairs
-                                         if p.key in expert_layout.index])
 
 
 # -- the per-GPU plan ---------------------------------------------------------------------------

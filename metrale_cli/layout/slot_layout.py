@@ -69,6 +69,35 @@ def check_rank_and_align(max_rank: int, align: int) -> None:
         raise UsageError(f"alignment must be at least 16 bytes (the kernels' loads), got {align}")
 
 
+@dataclass(frozen=True)
+class Slice:
+    """Which part of a `full` `[out, in]` weight's LoRA pair an entry holds: B's output `rows`
+    `[lo, hi)` (all R columns), A's input `cols` `[lo, hi)`, and, fully sharded column-parallel,
+    only A's padded rank rows `ranks` `[lo, hi)`. An unsharded entry holds the whole pair."""
+
+    full: tuple[int, int]
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    ranks: tuple[int, int] | None = None
+
+    @classmethod
+    def whole(cls, out_dim: int, in_dim: int) -> Slice:
+        return cls((out_dim, in_dim), (0, out_dim), (0, in_dim))
+
+    def a_rows(self, max_rank: int) -> int:
+        return self.ranks[1] - self.ranks[0] if self.ranks is not None else max_rank
+
+    def flat(self) -> list[int]:
+        return [*self.rows, *self.cols, *(self.ranks or ())]
+
+    def record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"full": list(self.full), "rows": list(self.rows),
+                                  "cols": list(self.cols)}
+        if self.ranks is not None:
+            record["ranks"] = list(self.ranks)
+        return record
+
+
 @dataclass(frozen=True, kw_only=True)
 class PaddedPair:
     """The A `[max_rank, in_dim]` and B `[out_dim, max_rank]` BF16 regions of one projection at
@@ -82,14 +111,20 @@ class PaddedPair:
     max_rank: int
 
     @property
+    def held(self) -> Slice:
+        """The part of the whole weight's pair the entry holds: all of it here; a
+        tensor-parallel rank's entry holds its slice. Packing fills every entry by it."""
+        return Slice.whole(self.out_dim, self.in_dim)
+
+    @property
     def a_rows(self) -> int:
         """The rank rows A reserves: `max_rank` (a fully sharded shard holds a part of them)."""
-        return self.max_rank
+        return self.held.a_rows(self.max_rank)
 
     @property
     def full_dims(self) -> tuple[int, int]:
         """`(out_dim, in_dim)` of the whole weight the pair adapts (a shard holds a part)."""
-        return self.out_dim, self.in_dim
+        return self.held.full
 
     @property
     def a_bytes(self) -> int:

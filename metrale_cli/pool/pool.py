@@ -30,7 +30,7 @@ from metrale_cli.errors import FormatError, LayoutMismatch, PoolTooLarge, UsageE
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
 from metrale_cli.layout.slot_layout import SlotLayout
-from metrale_cli.pool.packing import check_fits, fill_slot
+from metrale_cli.pool.fill import check_fits, fill_slot, held_report
 from metrale_cli.pool.region import Region, Staging
 from metrale_cli.pool.slots import AdapterSlot, SlotManager
 
@@ -153,6 +153,7 @@ class LoraPool:
         """A pool with the startup adapters packed into slots [0, n), which are pinned."""
         if len(reports) > max_loras:
             raise UsageError(f"{len(reports)} adapters do not fit in --max-loras {max_loras}")
+        reports = [held_report(r, expert_layout) for r in reports]
         for r in reports:
             check_fits(r, layout, expert_layout)
         pool = cls(layout, max_loras, device, expert_layout)
@@ -165,6 +166,7 @@ class LoraPool:
         slot has in-flight sequences or is loading. From the start the slot has no identity
         and is neither acquirable nor a victim; the pack runs outside the pool's lock; a failed
         pack leaves the slot cleared (identity 0). Returns the new generation."""
+        report = held_report(report, self.expert_layout)
         check_fits(report, self.layout, self.expert_layout)
         slot = self.manager.resolve(slot)  # -1: the active slot, for the bytes and tables too
         generation = self._begin(slot)

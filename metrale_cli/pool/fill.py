@@ -1,0 +1,335 @@
+"""Filling a pool slot from an audited adapter. One fill serves every pool: each entry is
+filled with the part of the whole weight's pair it holds (`entry.held`), which is all of it in
+an unsharded pool and a tensor-parallel rank's slice in a rank's pool.
+
+Before a byte is written every module and expert pair is checked against its layout entry
+(`check_fits`). Each block is then read from the adapter file (`TensorReader`), converted to
+BF16 and written through a `SlotWriter` (straight into the pool on the host, through pinned
+staging buffers on a GPU) a chunk at a time, and each chunk is checked finite as soon as it is
+written, while its bytes are still in cache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from metrale_cli.adapters.audit import AdapterReport
+from metrale_cli.adapters.experts import ExpertPair
+from metrale_cli.adapters.overlays import Overlay, OverlayRaw
+from metrale_cli.bf16 import bf16_to_f32, to_bf16
+from metrale_cli.errors import LayoutMismatch, NonFiniteWeights, UsageError
+from metrale_cli.files.safetensors_header import TensorInfo
+from metrale_cli.layout.expert_layout import ExpertEntry, ExpertLayout
+from metrale_cli.layout.slot_layout import BF16_BYTES, SlotLayout
+from metrale_cli.pool.reader import RawReader, TensorReader
+from metrale_cli.pool.region import Region, SlotWriter, Staging
+
+# Destination bytes written, then checked, at a time: small enough to be checked from cache
+# (each core has 1 MiB of L2 here), large enough that the per-chunk calls cost nothing.
+CHUNK_BYTES = 1 << 20
+# Rows of a fused expert B read at a time: bounds the packer's memory beside the pool.
+B_CHUNK_BYTES = 32 << 20
+# A BF16 value is NaN or infinity when its exponent bits are all ones. As uint16 the negative
+# ones are exactly the values from 0xFF80 up, as int16 the positive ones those from 0x7F80 up:
+# two maxima, no temporary array.
+_BF16_EXPONENT = np.uint16(0x7F80)
+_NEGATIVE_NON_FINITE = np.uint16(0xFF80)
+_POSITIVE_NON_FINITE = np.int16(0x7F80)
+
+Progress = Callable[[int], None]
+
+
+def held_report(report: AdapterReport, expert_layout: ExpertLayout | None) -> AdapterReport:
+    """`report` as a pool of these layouts holds it: only the expert pairs the expert layout
+    holds (`ExpertLayout.held_pairs`: a rank's expert-parallel group's, else all). Every pack,
+    swap and verify goes through here."""
+    if expert_layout is None or not report.expert_pairs:
+        return report
+    held = expert_layout.held_pairs(report.expert_pairs)
+    return report if len(held) == len(report.expert_pairs) else replace(report,
+                                                                         expert_pairs=held)
+
+
+# -- checks before a byte is written ------------------------------------------------------------
+
+
+def check_fits(report: AdapterReport, layout: SlotLayout,
+               expert_layout: ExpertLayout | None) -> None:
+    """Everything `report` (as `held_report` gives it) needs of the pool's layouts, checked
+    before any byte is written: servable, every module and expert pair in its layout, within
+    its max rank, and shaped as its layout entry's whole weight (an adapter audited against
+    another config is refused here)."""
+    name = report.name
+    if not report.servable:
+        raise UsageError(f"{name}: not servable; `metrale inspect` says why")
+    for m in report.modules:
+        where = f"{name}: {m.module.peft_name} on layer {m.layer}"
+        index = layout.index.get((m.layer, m.module))
+        if index is None:
+            raise UsageError(f"{where} is not in the pool's layout (its module set or max rank "
+                             "is too small)")
+        if m.r > layout.max_rank:
+            raise UsageError(f"{name}: rank {m.r} above the pool's max rank {layout.max_rank}")
+        out_dim, in_dim = layout.entries[index].full_dims
+        if m.a.shape != (m.r, in_dim) or m.b.shape != (out_dim, m.r):
+            raise LayoutMismatch(
+                f"{where}: A {list(m.a.shape)}, B {list(m.b.shape)} do not fit the pool's "
+                f"layout, which has A [r, {in_dim}], B [{out_dim}, r] there")
+    pairs = report.expert_pairs
+    if not pairs:
+        return
+    if expert_layout is None:
+        raise UsageError(f"{name}: carries routed-expert or router LoRA and the pool has no "
+                         "expert pool (pack with --experts)")
+    for p in pairs:
+        where = f"{name}: {p.proj.value} of expert {p.expert} on layer {p.layer}"
+        index = expert_layout.index.get(p.key)
+        if index is None:
+            raise UsageError(f"{where} is not in the pool's expert layout")
+        if p.r > expert_layout.max_rank:
+            raise UsageError(f"{name}: expert rank {p.r} above the expert pool's max rank "
+                             f"{expert_layout.max_rank}")
+        out_dim, in_dim = expert_layout.entries[index].full_dims
+        a_rows, a_cols = p.a.shape if len(p.a.shape) == 2 else (0, 0)
+        b_rows, b_cols = p.b.shape if len(p.b.shape) == 2 else (0, 0)
+        if ((p.out_dim, p.in_dim) != (out_dim, in_dim) or a_cols != in_dim
+                or p.a_row + p.r > a_rows or p.b_row + p.out_dim > b_rows
+                or p.b_col + (p.r - 1) * p.b_col_step >= b_cols):
+            raise LayoutMismatch(
+                f"{where}: A {list(p.a.shape)}, B {list(p.b.shape)} do not fit the pool's "
+                f"expert layout, which has A [r, {in_dim}], B [{out_dim}, r] there")
+
+
+# -- writing a block ----------------------------------------------------------------------------
+
+
+def _non_finite(bits: np.ndarray) -> int:
+    """How many of the BF16 `bits` (contiguous) are NaN or infinity; counted only when the two
+    maxima say some are."""
+    flat = bits.reshape(-1)
+    if flat.size == 0 or (flat.max() < _NEGATIVE_NON_FINITE
+                          and flat.view(np.int16).max() < _POSITIVE_NON_FINITE):
+        return 0
+    return int(np.count_nonzero((flat & _BF16_EXPONENT) == _BF16_EXPONENT))
+
+
+def _refuse(bad: int, adapter: str, tensor: str) -> None:
+    """NaN or infinity in a slot (in the file, or a value too large for BF16 once scaled):
+    every token routed to it would produce garbage."""
+    if bad:
+        raise NonFiniteWeights(f"{adapter}: tensor {tensor!r} has {bad:,} non-finite values "
+                               "(NaN or infinity) as BF16; refusing to pack it")
+
+
+def _convert(dest: np.ndarray, values: np.ndarray, dtype: str, ratio: float) -> None:
+    """`dest` (`[n, width]` BF16 bits): its first columns are `values` (`[n, k]` raw elements,
+    strided or not) times `ratio` rounded once, the rest zero (a B region's columns past the
+    adapter's rank)."""
+    k = values.shape[1]
+    dest[:, :k] = to_bf16(values, dtype, ratio).reshape(dest.shape[0], k)
+    if k < dest.shape[1]:
+        dest[:, k:] = 0
+
+
+def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
+         dest: np.ndarray, ratio: float, adapter: str, check_finite: bool) -> int:
+    """Rows `rows` and columns `cols` of the file's tensor `info` into `dest` as `_convert`
+    writes them (unscaled BF16 copied bit for bit), `CHUNK_BYTES` of `dest` at a time, each
+    chunk checked finite right after it is written. Returns the file bytes read."""
+    values = reader.block(info, rows, cols)
+    step = max(1, CHUNK_BYTES // max(1, dest.shape[1] * BF16_BYTES))
+    bad = 0
+    for lo in range(0, dest.shape[0], step):
+        chunk = dest[lo:lo + step]
+        _convert(chunk, values[lo:lo + step], info.dtype, ratio)
+        if check_finite:
+            bad += _non_finite(chunk)
+    _refuse(bad, adapter, info.name)
+    return values.nbytes
+
+
+def _bits(span: np.ndarray, width: int) -> np.ndarray:
+    """A slot span (u8) as `[n, width]` BF16 bits."""
+    return span.view(np.uint16).reshape(-1, width)
+
+
+# -- the fills ----------------------------------------------------------------------------------
+
+
+def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
+                 writer: SlotWriter, check_finite: bool = True,
+                 progress: Progress | None = None) -> int:
+    """Write every module of `report` into a slot, each entry's held part: A `[r, in]` as the
+    first r rows of its `[max_rank, in]` region (a fully sharded rank: its rank rows below r;
+    a row-parallel rank: its input columns), B `[out, r]` as the first r columns of its
+    `[out, max_rank]` region (a column-parallel rank: its output rows), BF16
+    round-to-nearest-even, each module's PEFT scaling relative to the slot's scale folded into
+    its B, so that `scale * (x @ A^T) @ B^T` is PEFT's delta (a rank's part of it) for every
+    module. Reads only the held bytes of the file; returns how many."""
+    read = 0
+    for m in report.modules:
+        e = layout.entries[layout.index[(m.layer, m.module)]]
+        s = e.held
+        lo, hi = s.ranks if s.ranks is not None else (0, e.max_rank)
+        top = min(hi, m.r)
+        done = 0
+        if top > lo:
+            a = writer.span(e.a_offset, (top - lo) * e.in_dim * BF16_BYTES)
+            done += _put(reader, m.a, (lo, top), s.cols, _bits(a, e.in_dim), 1.0, report.name,
+                         check_finite)
+        b = writer.span(e.b_offset, e.b_bytes)
+        done += _put(reader, m.b, s.rows, (0, m.r), _bits(b, e.max_rank),
+                     m.scaling / report.scaling, report.name, check_finite)
+        read += done
+        if progress is not None:
+            progress(done)
+    return read
+
+
+def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
+                 writer: SlotWriter, check_finite: bool = True,
+                 progress: Progress | None = None) -> int:
+    """Write `report`'s expert pairs into an expert slot, as `fill_modules` does for modules:
+    each entry's held part, A rows and B columns up to the pair's rank, the pair's PEFT scaling
+    relative to the slot's scale folded into its B before the single rounding to BF16.
+
+    Pairs are filled by the file tensors they share. A pair's A is a block of rows of the
+    file's A, read once however many pairs take it (gate and up do). A fused B `[out, E*r]`
+    holds every expert's columns in each row, so the rows the pairs hold are read in runs
+    (`B_CHUNK_BYTES`) and each run scattered to every pair: memory beside the pool stays one
+    run, however wide the adapter. Returns the file bytes read."""
+    groups: dict[tuple[str, str], list[tuple[ExpertPair, ExpertEntry]]] = defaultdict(list)
+    for p in report.expert_pairs:
+        groups[(p.a.name, p.b.name)].append((p, layout.entries[layout.index[p.key]]))
+    read = 0
+    for group in groups.values():
+        done = _fill_expert_a(reader, report, group, writer, check_finite)
+        done += _fill_expert_b(reader, report, group, writer, check_finite)
+        read += done
+        if progress is not None:
+            progress(done)
+    return read
+
+
+def _fill_expert_a(reader: RawReader, report: AdapterReport,
+                   group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
+                   check_finite: bool) -> int:
+    blocks = []
+    for p, e in group:
+        s = e.held
+        lo, hi = s.ranks if s.ranks is not None else (0, e.max_rank)
+        top = min(hi, p.r)
+        blocks.append(((p.a_row + lo, p.a_row + top), s.cols) if top > lo else None)
+    takers = Counter(blocks)
+    # A host copy of each block more than one pair takes: a GPU span is a staging buffer,
+    # gone once the next span is asked for.
+    shared: dict[tuple[tuple[int, int], tuple[int, int]], np.ndarray] = {}
+    read = 0
+    for (p, e), block in zip(group, blocks, strict=True):
+        if block is None:
+            continue
+        rows, cols = block
+        a = _bits(writer.span(e.a_offset, (rows[1] - rows[0]) * e.in_dim * BF16_BYTES),
+                  e.in_dim)
+        if block in shared:
+            a[:] = shared[block]
+            continue
+        read += _put(reader, p.a, rows, cols, a, 1.0, report.name, check_finite)
+        if takers[block] > 1:
+            shared[block] = a.copy()
+    return read
+
+
+def _fill_expert_b(reader: RawReader, report: AdapterReport,
+                   group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
+                   check_finite: bool) -> int:
+    info = group[0][0].b
+    # The file rows of B each pair holds: its entry's held output rows, from its b_row on.
+    spans = [(p.b_row + e.held.rows[0], p.b_row + e.held.rows[1]) for p, e in group]
+    row_bytes = info.nbytes // max(1, info.shape[0])
+    step = max(1, B_CHUNK_BYTES // max(1, row_bytes))
+    read = bad = 0
+    for first, last in _merged(spans):
+        for start in range(first, last, step):
+            stop = min(last, start + step)
+            raw = reader.block(info, (start, stop), (0, info.shape[1]))
+            read += raw.nbytes
+            for (p, e), (held_lo, held_hi) in zip(group, spans, strict=True):
+                lo, hi = max(start, held_lo), min(stop, held_hi)
+                if lo >= hi:
+                    continue
+                b = _bits(writer.span(e.b_offset + (lo - held_lo) * e.max_rank * BF16_BYTES,
+                                      (hi - lo) * e.max_rank * BF16_BYTES), e.max_rank)
+                cols = raw[lo - start:hi - start,
+                           p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
+                _convert(b, cols, info.dtype, p.scaling / report.scaling)
+                if check_finite:
+                    bad += _non_finite(b)
+    _refuse(bad, report.name, info.name)
+    return read
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of `[lo, hi)` spans as sorted disjoint spans (touching ones joined)."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def fill_slot(report: AdapterReport, slot: int, layout: SlotLayout, region: Region,
+              expert_layout: ExpertLayout | None = None, expert_region: Region | None = None,
+              staging: Staging | None = None, check_finite: bool = True,
+              progress: Progress | None = None) -> tuple[int, OverlayRaw | None]:
+    """Write an adapter that `check_fits` into slot `slot` of `region` (and of `expert_region`),
+    reading its file once; the tables are left for the caller to publish. Returns the file
+    bytes read and the slot's overlays."""
+    fd = os.open(report.adapter.weights_path, os.O_RDONLY)
+    try:
+        reader = TensorReader(fd, str(report.adapter.weights_path))
+    finally:
+        os.close(fd)  # the map holds the file
+    try:
+        writer = region.writer(slot, staging)
+        read = fill_modules(reader, report, layout, writer, check_finite, progress)
+        writer.finish()
+        if expert_region is not None and expert_layout is not None:
+            writer = expert_region.writer(slot, staging)
+            read += fill_experts(reader, report, expert_layout, writer, check_finite, progress)
+            writer.finish()
+        return read, read_overlays(reader, report, check_finite)
+    finally:
+        reader.close()
+
+
+def read_overlays(reader: RawReader, report: AdapterReport,
+                  check_finite: bool = True) -> OverlayRaw | None:
+    """The slot's raw overlay upload (the rows exactly as float32); None without overlays."""
+    if not report.overlays:
+        return None
+    raw = OverlayRaw()
+    for o in report.overlays:
+        rows = _overlay_rows(reader, o)
+        if check_finite and not np.isfinite(rows).all():
+            bad = int(np.count_nonzero(~np.isfinite(rows)))
+            raise NonFiniteWeights(f"{report.name}: tensor {o.rows.name!r} has {bad:,} "
+                                   "non-finite values (NaN or infinity); refusing to pack it")
+        raw.tables.append(o.table)
+        raw.tokens.append(np.asarray(o.tokens, dtype=np.int64))
+        raw.rows.append(rows)
+        raw.tied_lm_head.append(o.tied_lm_head)
+    return raw
+
+
+def _overlay_rows(reader: RawReader, o: Overlay) -> np.ndarray:
+    values = reader.read(o.rows)
+    rows = bf16_to_f32(values) if o.rows.dtype == "BF16" else values.astype(np.float32)
+    return np.array(rows, dtype=np.float32).reshape(o.rows.shape)
