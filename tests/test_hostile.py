@@ -534,3 +534,19 @@ def test_a_hub_id_is_named_by_the_same_rule(tiny: Path, tmp_path: Path) -> None:
     result = metrale("inspect", "some-org/x", local, "--model", tiny)
     one_line_error(result, 2)
     assert "two adapters are named 'x'" in result.stderr
+
+
+# -- issue 18: hostile input that still escaped, and what a new user trips over ----------------
+
+
+@pytest.mark.parametrize("rank,world", [("x", "abc"), ("0", "abc"), ("2", "2"), ("-1", "2")])
+def test_torchrun_variables_that_are_not_a_launch_are_refused(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: str, world: str
+) -> None:
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    result = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--tp", 2,
+                     "--out", tmp_path / "ranks")
+    one_line_error(result, 2)
+    assert f"RANK={rank!r} WORLD_SIZE={world!r}" in result.stderr
+    assert not (tmp_path / "ranks").exists()
