@@ -24,8 +24,10 @@ from metrale_cli import env
 from metrale_cli.adapters import patterns
 from metrale_cli.errors import OutputExists, UsageError
 from metrale_cli.files.atomic import atomic_write, remove_stale_temps
+from metrale_cli.files.safetensors_header import read_header
 from tests.support.cli_runner import Result, metrale
 from tests.support.hostile_inputs import CATASTROPHIC, TINY, tiny_model
+from tests.support.image_edit import edit_metadata
 
 
 @pytest.fixture(scope="module")
@@ -550,3 +552,15 @@ def test_torchrun_variables_that_are_not_a_launch_are_refused(
     one_line_error(result, 2)
     assert f"RANK={rank!r} WORLD_SIZE={world!r}" in result.stderr
     assert not (tmp_path / "ranks").exists()
+
+
+def test_a_scale_past_float32_is_one_error_line(tiny: Path, tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
+    slots = read_header(image).metadata["metrale.slots"]
+    edit_metadata(image, "metrale.slots", slots.replace('"scaling":2.0', '"scaling":1e39', 1))
+    # In a process of its own: NumPy's warnings go to the real stderr.
+    result = run_cli("show", image)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("\n") == 1 and "Warning" not in result.stderr, result.stderr
+    assert "the slot's metadata says 1e+39" in result.stderr
