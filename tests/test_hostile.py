@@ -564,3 +564,23 @@ def test_a_scale_past_float32_is_one_error_line(tiny: Path, tmp_path: Path) -> N
     assert result.returncode == 1, result.stderr
     assert result.stderr.count("\n") == 1 and "Warning" not in result.stderr, result.stderr
     assert "the slot's metadata says 1e+39" in result.stderr
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_synth_onto_a_full_disk_leaves_nothing(tmp_path: Path, existing: bool) -> None:
+    out = tmp_path / "adapter"
+    if existing:  # an empty directory made for it stays as it was: empty
+        out.mkdir()
+
+    def small_disk() -> None:
+        # Writes past 64 KiB fail with EFBIG (Python ignores SIGXFSZ), as on a full disk.
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    result = subprocess.run([sys.executable, "-m", "metrale_cli", "synth", str(out), "--model",
+                             "qwen3-8b", "--modules", "q_proj", "--rank", "8"],
+                            capture_output=True, text=True, preexec_fn=small_disk, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "File too large" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["adapter"] if existing else [])
+    assert not existing or list(out.iterdir()) == []

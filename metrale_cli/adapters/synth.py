@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME
 from metrale_cli.bf16 import f32_to_bf16
 from metrale_cli.errors import OutputExists, UsageError
-from metrale_cli.files.atomic import atomic_write, check_output
+from metrale_cli.files.atomic import atomic_directory
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import ALL, LoraModule
 
@@ -56,13 +58,8 @@ def synth_adapter(
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if out.is_dir() and not out.is_symlink() and any(out.iterdir()) and not force:
         raise OutputExists(f"{out} is not empty; pass --force to overwrite the adapter there")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("adapter_model.safetensors", "adapter_config.json"):
-        check_output(out / name, force=True)  # a device or FIFO there: refuse before writing
     st_dtype, itemsize = DTYPES[dtype]
 
     # (name, rows, cols, std): A [r, in] and B [out, r] per applicable (layer, module).
@@ -128,8 +125,16 @@ def synth_adapter(
         "inference_mode": True,
         "metrale_synthetic": {"seed": seed, "dtype": dtype},
     }
-    atomic_write(out / "adapter_model.safetensors", write_weights, force=True)
-    atomic_write(out / "adapter_config.json",
-                 lambda f: f.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode()),
-                 force=True)
+    def fill(tmp: Path) -> None:
+        with (tmp / WEIGHTS_NAME).open("wb") as f:
+            write_weights(f)
+            f.flush()
+            os.fsync(f.fileno())
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    # Built beside `out` and renamed into place, as unpack writes its adapter: a full disk or a
+    # signal leaves no half-written (or empty) adapter directory. An empty directory there is
+    # taken as the place to write, as `mkdir out && synth out` means.
+    empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    atomic_directory(out, fill, force or empty, owned=[CONFIG_NAME, WEIGHTS_NAME])
     return SynthResult(out, len(plan), 8 + len(blob) + cursor)
