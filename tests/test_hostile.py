@@ -23,6 +23,7 @@ import pytest
 from metrale_cli import env
 from metrale_cli.adapters import patterns
 from metrale_cli.errors import OutputExists, UsageError
+from metrale_cli.files import atomic
 from metrale_cli.files.atomic import atomic_write, remove_stale_temps
 from metrale_cli.files.safetensors_header import read_header
 from tests.support.cli_runner import Result, metrale
@@ -584,3 +585,32 @@ def test_synth_onto_a_full_disk_leaves_nothing(tmp_path: Path, existing: bool) -
     assert result.stderr.count("\n") == 1 and "File too large" in result.stderr, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == (["adapter"] if existing else [])
     assert not existing or list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("length", [240, 255])
+def test_a_long_legal_out_name_is_written(tiny: Path, tmp_path: Path, length: int) -> None:
+    image = tmp_path / ("p" * (length - len(".safetensors")) + ".safetensors")
+    result = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image)
+    assert result.code == 0, result.stderr
+    adapter = tmp_path / ("é" * (length // 2))  # 2 bytes a character: NAME_MAX counts bytes
+    assert metrale("unpack", image, "--slot", 0, adapter).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([image.name, adapter.name])
+
+
+def test_a_long_names_stale_temp_is_still_swept(tmp_path: Path) -> None:
+    target = tmp_path / ("x" * 250)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)
+
+    def left_by_dead_writer(path: Path) -> Path:
+        """What a writer with that pid, SIGKILLed, left behind: its temp file for `path`."""
+        prefix = atomic._temp_prefix(path).replace(f".{os.getpid()}.", f".{pid}.")
+        (tmp_path / f"{prefix}abcdefgh.tmp").write_bytes(b"partial")
+        return tmp_path / f"{prefix}abcdefgh.tmp"
+
+    stale = left_by_dead_writer(target)
+    # Another long name with the same start: its temp name is cut alike, its digest differs.
+    other = left_by_dead_writer(tmp_path / ("x" * 249 + "y"))
+    assert remove_stale_temps(tmp_path, target.name) == [stale]
+    assert other.exists()

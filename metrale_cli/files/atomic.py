@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno
 import fnmatch
+import hashlib
 import os
 import re
 import shutil
@@ -34,6 +35,7 @@ _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
 RENAME_NOREPLACE = 1  # linux/fs.h
 RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+_NAME_MAX = 255  # bytes in one path component (Linux; every file system metrale writes to)
 _CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -109,7 +111,20 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
 
 def _temp_prefix(path: Path) -> str:
     """`.NAME.PID.`: with mkstemp's random part and `.tmp`, a name `_TEMP` matches."""
-    return f".{path.name}.{os.getpid()}."
+    return f".{_temp_stem(path.name)}.{os.getpid()}."
+
+
+def _temp_stem(name: str) -> str:
+    """`name` as its temp files carry it: whole when the temp name fits in NAME_MAX (255 bytes),
+    else cut, with a digest of the whole name so that two long names sharing a start differ."""
+    # The dots, a pid (at most 7 digits), mkstemp's 8 random characters and `.tmp`.
+    room = _NAME_MAX - 22
+    encoded = name.encode("utf-8", "surrogateescape")
+    if len(encoded) <= room:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    cut = encoded[: room - len(digest) - 1].decode("utf-8", "ignore")
+    return f"{cut}~{digest}"
 
 
 def publish_new(tmp: str | Path, path: Path) -> None:
@@ -232,7 +247,7 @@ def remove_stale_temps(parent: Path, name: str) -> list[Path]:
         return removed
     for entry in entries:
         m = _TEMP.match(entry.name)
-        if m is None or m.group("name") != name:
+        if m is None or m.group("name") != _temp_stem(name):
             continue
         with contextlib.suppress(OSError):
             if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(
