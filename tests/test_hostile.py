@@ -614,3 +614,16 @@ def test_a_long_names_stale_temp_is_still_swept(tmp_path: Path) -> None:
     other = left_by_dead_writer(tmp_path / ("x" * 249 + "y"))
     assert remove_stale_temps(tmp_path, target.name) == [stale]
     assert other.exists()
+
+
+def test_pack_never_writes_over_one_of_its_inputs(tiny: Path, tmp_path: Path) -> None:
+    adapter = copy_adapter(tiny / "a", tmp_path / "a")
+    weights = (adapter / "adapter_model.safetensors").read_bytes()
+    (tmp_path / "link.safetensors").symlink_to(adapter / "adapter_model.safetensors")
+    for out in (adapter / "adapter_model.safetensors", adapter / "adapter_config.json",
+                tmp_path / "link.safetensors"):
+        result = metrale("pack", adapter, "--model", tiny, "--max-loras", 2, "--out", out,
+                         "--force")
+        one_line_error(result, 2)
+        assert "an input of this command" in result.stderr
+    assert (adapter / "adapter_model.safetensors").read_bytes() == weights

@@ -336,6 +336,10 @@ class Adapter:
     def weights_path(self) -> Path:
         return self.path / WEIGHTS_NAME
 
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_NAME
+
     def tensor(self, key: AdapterKey) -> TensorInfo:
         return self.header.tensors[key.tensor]
 

@@ -24,7 +24,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,23 @@ def check_output(path: Path, force: bool) -> None:
         raise UsageError(f"{path} exists and is not a regular file; metrale never replaces one")
     if not force:
         raise OutputExists(f"{path} exists; pass --force to overwrite it")
+
+
+def check_not_an_input(path: Path, inputs: Iterable[Path]) -> None:
+    """Refuse an output `path` that is one of the command's `inputs`, by any name (a symlink, a
+    hard link, `./x`): `--force` replaces an earlier output, never a file the command reads."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # not there yet: it cannot be an input
+    for source in inputs:
+        try:
+            other = os.stat(source)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino):
+            raise UsageError(f"{path} is {source}, an input of this command; write the output "
+                             "elsewhere")
 
 
 def atomic_write(path: Path, write: Any, force: bool) -> None:

@@ -26,6 +26,7 @@ from metrale_cli.adapters.experts import ExpertPair
 from metrale_cli.adapters.overlays import Overlay, OverlayRaw
 from metrale_cli.bf16 import RAW_DTYPES, bf16_to_f32, to_bf16
 from metrale_cli.errors import FormatError, LayoutMismatch, NonFiniteWeights, UsageError
+from metrale_cli.files.atomic import check_not_an_input
 from metrale_cli.files.safetensors_header import TensorInfo
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import max_rank_warnings
@@ -511,6 +512,9 @@ def pack_pool(
     from metrale_cli.image.pool_image import write_image
     from metrale_cli.pool.pool import LoraPool, pick_device
 
+    if out is not None:
+        check_not_an_input(out, [p for r in reports for p in (r.adapter.weights_path,
+                                                              r.adapter.config_path)])
     total = sum(m.a.nbytes + m.b.nbytes for r in reports for m in r.modules)
     # Expert tensors are read once per file tensor, however many experts share it.
     total += sum(a.nbytes + b.nbytes for r in reports
