@@ -6,6 +6,7 @@ write, and `base_model_name_or_path` set to the model spec so `inspect` finds th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -136,5 +137,15 @@ def synth_adapter(
     # signal leaves no half-written (or empty) adapter directory. An empty directory there is
     # taken as the place to write, as `mkdir out && synth out` means.
     empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
-    atomic_directory(out, fill, force or empty, owned=[CONFIG_NAME, WEIGHTS_NAME])
+    # Missing parents are made (`mkdir -p`), and removed again when the write fails.
+    made = [d for d in reversed(out.parents) if not d.exists()]
+    try:
+        for d in made:
+            d.mkdir()
+        atomic_directory(out, fill, force or empty, owned=[CONFIG_NAME, WEIGHTS_NAME])
+    except BaseException:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     return SynthResult(out, len(plan), 8 + len(blob) + cursor)
