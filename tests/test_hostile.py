@@ -569,7 +569,8 @@ def test_a_scale_past_float32_is_one_error_line(tiny: Path, tmp_path: Path) -> N
 
 @pytest.mark.parametrize("existing", [False, True])
 def test_synth_onto_a_full_disk_leaves_nothing(tmp_path: Path, existing: bool) -> None:
-    out = tmp_path / "adapter"
+    # A missing parent is made for it, and removed again.
+    out = tmp_path / "adapter" if existing else tmp_path / "made" / "adapter"
     if existing:  # an empty directory made for it stays as it was: empty
         out.mkdir()
 
@@ -627,3 +628,47 @@ def test_pack_never_writes_over_one_of_its_inputs(tiny: Path, tmp_path: Path) ->
         one_line_error(result, 2)
         assert "an input of this command" in result.stderr
     assert (adapter / "adapter_model.safetensors").read_bytes() == weights
+
+
+def large_pattern_errors(result: Result) -> list[str]:
+    assert result.code == 1, result.stderr
+    adapter = result.json()["adapters"][0]
+    assert adapter["modules"] == []
+    return [f["message"] for f in adapter["findings"] if f["code"] == "large_pattern"]
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("target_modules", "(" + "|".join(f"model.layers.{i}.self_attn.q_proj"
+                                      for i in range(200_000)) + ")",
+     "the config's regexes (target_modules) hold 7,288,891 characters"),
+    ("rank_pattern", {f"layers.{i}.q_proj": 2 for i in range(patterns.MAX_PATTERNS + 1)},
+     f"the config holds {patterns.MAX_PATTERNS + 1:,} regexes (rank_pattern)"),
+    ("target_modules", [f"layers.{i}.q_proj" for i in range(patterns.MAX_NAMES + 1)],
+     f"target_modules lists {patterns.MAX_NAMES + 1:,} names"),
+])
+def test_patterns_are_bounded_by_size_not_by_time(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: object,
+    says: str
+) -> None:
+    # No time bound to run into: the refusal is by size, the same on any machine under any load.
+    monkeypatch.setattr(patterns, "AUDIT_SECONDS", 1e9)
+    compiled: list[str] = []
+    monkeypatch.setattr(patterns, "compile_error", lambda p: compiled.append(p))
+    bad = copy_adapter(tiny / "a", tmp_path / "large", **{field: value})
+    errors = large_pattern_errors(metrale("inspect", bad, "--model", tiny, "--json"))
+    assert len(errors) == 1 and says in errors[0], errors
+    assert compiled == []
+
+
+def test_a_long_name_list_within_the_bound_matches_as_peft_does(tiny: Path,
+                                                                 tmp_path: Path) -> None:
+    # Matched by looking up a path's dotted suffixes in a set, no longer name by name.
+    names = [f"layers.{i}.mlp.gate_proj" for i in range(patterns.MAX_NAMES - 3)]
+    # A dotted suffix matches, a bare last part matches, a part of a name does not.
+    names += ["self_attn.q_proj", "k_proj", "_proj"]
+    adapter = copy_adapter(tiny / "a", tmp_path / "long", target_modules=names)
+    result = metrale("inspect", adapter, "--model", tiny, "--json")
+    assert result.code == 0, result.stderr
+    unexplained = {f["message"].split()[0] for f in result.json()["adapters"][0]["findings"]
+                   if f["code"] == "unexplained_key"}
+    assert unexplained == {"o_proj", "v_proj", "out_proj"}

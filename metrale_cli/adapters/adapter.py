@@ -6,6 +6,7 @@ Nothing here reads tensor data.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -183,9 +184,8 @@ class AdapterConfig:
                 found[name] = hits
         return found
 
-    def pattern_errors(self) -> list[str]:
-        """Every regex of the config that Python's `re` (PEFT's) cannot compile, one line each
-        naming its field; PEFT would fail on it, so it matches nothing here."""
+    def _regexes(self) -> list[tuple[str, list[str]]]:
+        """Every regex of the config, by field: what PEFT compiles."""
         fields: list[tuple[str, list[str]]] = [
             ("rank_pattern", list(self.raw_pattern_keys("rank_pattern"))),
             ("alpha_pattern", list(self.raw_pattern_keys("alpha_pattern"))),
@@ -196,8 +196,20 @@ class AdapterConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 fields.append((name, [value]))
+        return fields
+
+    def size_errors(self) -> list[str]:
+        """Each size bound (patterns.MAX_*) that the config's regexes and name lists pass, one
+        line each; the audit judges nothing else of such a config, and compiles none of it."""
+        lists = [(name, value) for name in ("target_modules", "exclude_modules")
+                 if isinstance(value := getattr(self, name), list)]
+        return patterns.size_errors(self._regexes(), lists)
+
+    def pattern_errors(self) -> list[str]:
+        """Every regex of the config that Python's `re` (PEFT's) cannot compile, one line each
+        naming its field; PEFT would fail on it, so it matches nothing here."""
         bad = []
-        for name, values in fields:
+        for name, values in self._regexes():
             for value in values:
                 why = patterns.compile_error(value)
                 if why is not None:
@@ -211,7 +223,8 @@ class AdapterConfig:
 
     def is_targeted(self, module_key: str) -> bool:
         """PEFT's `check_target_module_exists` for a module path as PEFT saw it."""
-        if _name_matches("exclude_modules", self.exclude_modules, module_key):
+        if _name_matches("exclude_modules", self.exclude_modules, module_key,
+                         self._name_sets.get("exclude_modules")):
             return False
         for m in self.modules_to_save:
             if patterns.match("modules_to_save", rf"(^|.*\.){m}($|\..*)", module_key, shown=m):
@@ -219,7 +232,8 @@ class AdapterConfig:
         targets = self.target_modules
         if targets is None:
             return False
-        if not _name_matches("target_modules", targets, module_key):
+        if not _name_matches("target_modules", targets, module_key,
+                             self._name_sets.get("target_modules")):
             return False
         if isinstance(targets, str):
             return True
@@ -227,6 +241,13 @@ class AdapterConfig:
             return True
         index = _layer_index(module_key, self.layers_pattern)
         return index is not None and index in self.layers_to_transform
+
+    @functools.cached_property
+    def _name_sets(self) -> dict[str, frozenset[str]]:
+        """target_modules and exclude_modules lists as sets: a module path is looked up by its
+        dotted suffixes, not compared with every name (65,536 names, thousands of paths)."""
+        return {name: frozenset(value) for name in ("target_modules", "exclude_modules")
+                if isinstance(value := getattr(self, name), list)}
 
     def with_default_targets(self, model_type: str) -> AdapterConfig:
         """This config with PEFT's per-architecture default when `target_modules` is null."""
@@ -239,14 +260,18 @@ class AdapterConfig:
         return any(param_key == t or param_key.endswith("." + t) for t in self.target_parameters)
 
 
-def _name_matches(field: str, names: list[str] | str | None, key: str) -> bool:
-    """PEFT's rule: a string is a regex that must match the whole key; a list holds names that
-    match the key or its last dotted parts."""
+def _name_matches(field: str, names: list[str] | str | None, key: str,
+                  name_set: frozenset[str] | None) -> bool:
+    """PEFT's rule: a string is a regex that must match the whole key; a list (`name_set`, the
+    same names) holds names that match the key or its last dotted parts."""
     if names is None:
         return False
     if isinstance(names, str):
         return patterns.match(field, names, key, full=True) is not None
-    return any(key == n or key.endswith("." + n) for n in names)
+    assert name_set is not None
+    # `key == n or key.endswith("." + n)` for some n: the key, or what follows one of its dots.
+    return key in name_set or any(key[i + 1:] in name_set
+                                  for i, c in enumerate(key) if c == ".")
 
 
 def _layer_index(key: str, layers_pattern: list[str] | None) -> int | None:
