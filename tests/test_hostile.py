@@ -672,3 +672,26 @@ def test_a_long_name_list_within_the_bound_matches_as_peft_does(tiny: Path,
     unexplained = {f["message"].split()[0] for f in result.json()["adapters"][0]["findings"]
                    if f["code"] == "unexplained_key"}
     assert unexplained == {"o_proj", "v_proj", "out_proj"}
+
+
+@pytest.mark.parametrize("edit,says", [
+    ({"head_dim": 0}, "'head_dim' missing or not a positive integer"),
+    ({"num_key_value_heads": 7}, "'num_key_value_heads' 7 does not divide 'num_attention_heads' 2"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' missing or not a positive integer"),
+    ({"head_dim": None, "hidden_size": 1}, "no 'head_dim', and 'hidden_size' 1 is smaller"),
+])
+def test_base_model_configs_that_cannot_be_built_are_refused(
+    tmp_path: Path, edit: dict[str, object], says: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **edit}))
+    result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8)
+    one_line_error(result, 2)
+    assert says in result.stderr
+
+
+def test_a_null_head_dim_is_derived(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "head_dim": None,
+                                                      "num_key_value_heads": None}))
+    result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8,
+                     "--json")
+    assert result.code == 0, result.stderr
