@@ -695,3 +695,53 @@ def test_a_null_head_dim_is_derived(tmp_path: Path) -> None:
     result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8,
                      "--json")
     assert result.code == 0, result.stderr
+
+
+def not_a_file(path: Path, kind: str) -> None:
+    """Replace the file `path` with something of `kind` that is no regular file."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to(os.devnull)
+    else:  # a symbolic link loop
+        path.symlink_to(path.name)
+
+
+@pytest.mark.parametrize("kind,says", [("fifo", "a FIFO"), ("device", "a character device"),
+                                       ("loop", "a symbolic link loop")])
+@pytest.mark.parametrize("which", ["config.json", "adapter_config.json",
+                                   "adapter_model.safetensors", "pool.safetensors"])
+def test_an_input_that_is_not_a_regular_file_says_so(
+    tiny: Path, tmp_path: Path, kind: str, says: str, which: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    adapter = copy_adapter(tiny / "a", tmp_path / "a")
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", adapter, "--model", model, "--max-loras", 2, "--out", image).code == 0
+    path = {"config.json": model / "config.json", "pool.safetensors": image}.get(
+        which, adapter / which)
+    not_a_file(path, kind)
+    args = ["show", image] if which == "pool.safetensors" else ["inspect", adapter, "--model",
+                                                                 model]
+    if kind == "fifo":  # in a process of its own, with a time limit: reading one would block
+        ran = run_cli(*args, timeout=30)
+        code, stderr = ran.returncode, ran.stderr
+    else:
+        result = metrale(*args)
+        code, stderr = result.code, result.stderr
+    assert code == 2, stderr
+    assert stderr == f"error: {path}: {says}, not a regular file\n"
+
+
+@pytest.mark.parametrize("online", [[], ["--online"]])
+def test_a_hugging_face_home_that_is_no_directory_is_one_line(
+    tiny: Path, online: list[str]
+) -> None:
+    result = run_cli("inspect", tiny / "a", "--model", "org/name", *online,
+                     env_extra={"HF_HOME": os.devnull, "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Errno" not in result.stderr, result.stderr
+    assert "/dev/null" in result.stderr

@@ -17,6 +17,7 @@ from metrale_cli.adapters import patterns
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.hub import cached, fetch, parse_hub_id, remote_header
 from metrale_cli.files.jsondoc import load_json, shown
+from metrale_cli.files.regular import refuse_not_regular
 from metrale_cli.files.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 CONFIG_NAME = "adapter_config.json"
@@ -373,6 +374,8 @@ class Adapter:
         path = adapter_dir(path)
         config_path = path / CONFIG_NAME
         weights = path / WEIGHTS_NAME
+        refuse_not_regular(config_path)
+        refuse_not_regular(weights)
         if not config_path.is_file():
             raise UsageError(f"{path}: no {CONFIG_NAME}: not a PEFT adapter directory")
         if not weights.is_file():

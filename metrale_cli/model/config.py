@@ -22,6 +22,7 @@ from metrale_cli import env
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.files.hub import cached, fetch, parse_hub_id
 from metrale_cli.files.jsondoc import load_json
+from metrale_cli.files.regular import refuse_not_regular
 
 # The model types whose layer stack metrale knows; `*_text` forms map onto these.
 SUPPORTED_MODEL_TYPES = (
@@ -263,6 +264,7 @@ class ModelConfig:
         """A `config.json` file, or a directory holding one."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
+        refuse_not_regular(file)
         if not file.is_file():
             raise UsageError(f"{path}: no config.json there")
         try:
@@ -429,6 +431,7 @@ def resolve_model(spec: str, online: bool = False) -> ModelConfig:
     if not spec:
         raise UsageError("--model is empty")
     path = Path(spec).expanduser()
+    refuse_not_regular(path / "config.json" if path.is_dir() else path)
     if path.is_file() or (path / "config.json").is_file():
         return ModelConfig.from_hf(path)
     ref = parse_hub_id(spec)
