@@ -745,3 +745,34 @@ def test_a_hugging_face_home_that_is_no_directory_is_one_line(
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "Errno" not in result.stderr, result.stderr
     assert "/dev/null" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["layout", "pack"])
+def test_a_json_refusal_prints_its_record(tiny: Path, tmp_path: Path, command: str) -> None:
+    bad = copy_adapter(tiny / "a", tmp_path / "bad", use_dora=True)
+    args = ["--max-loras", 2, "--out", tmp_path / "pool.safetensors"] if command == "pack" else []
+    result = metrale(command, tiny / "a", bad, "--model", tiny, *args, "--json")
+    assert result.code == 1, result.stderr
+    adapters = {a["name"]: a for a in result.json()["adapters"]}
+    assert adapters["a"]["servable"] and not adapters["bad"]["servable"]
+    assert [f["code"] for f in adapters["bad"]["findings"] if f["severity"] == "error"] == ["dora"]
+    # stderr: one line per error finding, then the summary.
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("bad: dora: ")
+    assert lines[1] == "error: 1 adapter(s) not servable: bad"
+    assert not (tmp_path / "pool.safetensors").exists()
+
+
+def test_show_json_of_an_inconsistent_image_prints_its_record(tiny: Path,
+                                                              tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
+    slots = read_header(image).metadata["metrale.slots"]
+    edit_metadata(image, "metrale.slots", slots.replace('"scaling":2.0', '"scaling":3.0', 1))
+    result = metrale("show", image, "--json")
+    one_line_error(result, 1)
+    assert result.json() == {"path": str(image), "format": "pool/1", "valid": False,
+                             "problems": ["slot 0 (a): scales[0] is 2; the slot's metadata "
+                                          "says 3.0"]}
+    assert result.stderr == f"error: {image}: slot 0 (a): scales[0] is 2; the slot's metadata " \
+                            "says 3.0\n"

@@ -4,12 +4,13 @@ by argument, the base model, the shard spec, the opt-ins."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from metrale_cli import env
-from metrale_cli.cli.console import say
+from metrale_cli.cli.console import emit_json, say
 from metrale_cli.errors import NotServable, UsageError
 from metrale_cli.model.config import resolve_model
 
@@ -20,12 +21,16 @@ if TYPE_CHECKING:
     from metrale_cli.model.config import ModelConfig
 
 
-def refuse_unservable(reports: list[AdapterReport]) -> None:
+def refuse_unservable(reports: list[AdapterReport],
+                      json_record: Callable[[], Any] | None = None) -> None:
     """What `pack` would refuse, `layout` refuses too: each error finding on its own line, then
-    NotServable (exit 1)."""
+    NotServable (exit 1). Under --json, `json_record()` goes to stdout first, as inspect's
+    record does when it judges an adapter not servable."""
     refused = [r for r in reports if not r.servable]
     if not refused:
         return
+    if json_record is not None:
+        emit_json(json_record())
     for r in refused:
         for f in r.errors():
             say(f"{r.name}: {f.code}: {f.message}")

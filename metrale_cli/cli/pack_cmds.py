@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from metrale_cli import env
 from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out, warn
 from metrale_cli.cli.options import (
     MAX_LORAS,
@@ -108,7 +109,7 @@ def pack(
     from metrale_cli.adapters.audit import audit
     from metrale_cli.cli import render
     from metrale_cli.files.atomic import check_output, output_dir, output_path
-    from metrale_cli.layout.plan import plan_layouts
+    from metrale_cli.layout.plan import plan_layouts, refusal_record
     from metrale_cli.pool.packing import pack_pool
 
     spec = shard_spec(tp, ep, fully_sharded)
@@ -121,7 +122,10 @@ def pack(
         cfg = model_for(model, loaded, online_on(online))
         enabled = experts_on(experts)
         reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-        refuse_unservable(reports)
+        # Under torchrun every rank audits; rank 0 speaks for all.
+        speaks = json_out and (env.torchrun_rank() or (0, 1))[0] == 0
+        refuse_unservable(reports, (lambda: refusal_record(cfg, reports, max_rank, enabled))
+                          if speaks else None)
         return (*plan_layouts(cfg, reports, parse_modules(modules) if modules else None,
                               max_rank, experts=enabled), reports)
 

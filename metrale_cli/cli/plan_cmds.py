@@ -109,7 +109,7 @@ def layout(
     With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
     without adapters every expert and router of every MoE layer at --max-rank."""
     from metrale_cli.adapters.audit import audit
-    from metrale_cli.layout.plan import PoolPlan, plan_layouts
+    from metrale_cli.layout.plan import PoolPlan, plan_layouts, refusal_record
 
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-rank", max_rank)
@@ -120,7 +120,8 @@ def layout(
         raise UsageError("--model is required (or give startup adapters)")
     cfg = model_for(model, loaded, online_on(online))
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refuse_unservable(reports)
+    refuse_unservable(reports, (lambda: refusal_record(cfg, reports, max_rank, enabled))
+                      if json_out else None)
     layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
                            align, enabled)
     budget_bytes = parse_size(budget) if budget is not None else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -439,10 +439,9 @@ def problems(t: ImageTables) -> list[str]:
 
 def check(t: ImageTables) -> None:
     """ImageInconsistent naming the first problem (and how many more there are)."""
-    found = problems(t)
-    if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise ImageInconsistent(f"{t.path}: {found[0]}{more}")
+    refusal = ImageShow(t, problems(t)).refusal()
+    if refusal is not None:
+        raise refusal
 
 
 # -- the record ---------------------------------------------------------------------------------
@@ -450,9 +449,23 @@ def check(t: ImageTables) -> None:
 
 @dataclass(frozen=True)
 class ImageShow:
-    """What `metrale show` prints: the image's record, after it has been checked."""
+    """What `metrale show` prints: the image's record, after it has been checked; for an
+    inconsistent image (`problems`), the record says so and holds nothing read from the tables
+    the problems put in doubt."""
 
     tables: ImageTables
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def refusal(self) -> ImageInconsistent | None:
+        """What the library raises for this image (`check`), or None when it is consistent."""
+        if self.valid:
+            return None
+        more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+        return ImageInconsistent(f"{self.tables.path}: {self.problems[0]}{more}")
 
     def slot_record(self, k: int) -> dict[str, Any]:
         t, s = self.tables, self.tables.slots_doc[k]
@@ -478,6 +491,9 @@ class ImageShow:
 
     def record(self) -> dict[str, Any]:
         t = self.tables
+        if not self.valid:
+            return {"path": str(t.path), "format": FORMAT, "valid": False,
+                    "problems": self.problems}
         slots = [self.slot_record(k) for k in range(t.max_loras)]
         return {
             "path": str(t.path),
@@ -497,7 +513,7 @@ class ImageShow:
 
 
 def show_image(path: str | Path) -> ImageShow:
-    """Read and check the image at `path` (header and tables only)."""
+    """Read and check the image at `path` (header and tables only): its record, which for an
+    inconsistent image lists the problems (`refusal()` is then what `check` raises)."""
     tables = read_tables(path)
-    check(tables)
-    return ImageShow(tables)
+    return ImageShow(tables, problems(tables))

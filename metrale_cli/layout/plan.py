@@ -190,3 +190,11 @@ def inspect_record(
                          "expert_slot_bytes": footprint.expert_slot_bytes})
     return {"model": model.summary(), "experts_enabled": experts_enabled, "warnings": warnings,
             "adapters": adapters}
+
+
+def refusal_record(model: ModelConfig, reports: list[AdapterReport], max_rank: int | None,
+                   experts_enabled: bool) -> dict[str, Any]:
+    """What `layout --json` and `pack --json` print when an adapter is not servable: the
+    record `inspect --json` gives for the same audit, each adapter with its findings."""
+    return inspect_record(model, reports, [Footprint.of(model, r, max_rank) for r in reports],
+                          experts_enabled, max_rank_warnings(max_rank))
