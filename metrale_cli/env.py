@@ -69,6 +69,12 @@ def hf_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
 
 
+def no_color() -> bool:
+    """NO_COLOR (no-color.org): set and not empty, output carries no ANSI styles at all, bold
+    and dim included, even on a terminal."""
+    return bool(os.environ.get("NO_COLOR"))
+
+
 def torchrun_rank() -> tuple[int, int] | None:
     """(RANK, WORLD_SIZE) as torchrun sets them for each process it starts, or None outside a
     launch (either unset). Anything but integers with 0 <= RANK < WORLD_SIZE is a UsageError

@@ -33,7 +33,8 @@ def out() -> Console:
     """stdout for views (rich is imported on first output, not by `--help`)."""
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=False, width=_width())
+    return Console(highlight=False, soft_wrap=False, width=_width(),
+                   color_system=None if env.no_color() else "auto")
 
 
 @functools.cache
@@ -41,7 +42,20 @@ def err() -> Console:
     """stderr for errors, warnings and progress."""
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
+    return Console(stderr=True, highlight=False, soft_wrap=True, width=_width(),
+                   color_system=None if env.no_color() else "auto")
+
+
+def print_view(view: Any) -> None:
+    """A view on stdout. Its whole lines (render.whole, render.fields: a fingerprint, a path,
+    a number with its unit) pass the terminal's width uncropped and unfolded, so the terminal
+    wraps them and a line a user greps for stays one line; tables fit the width as laid out."""
+    out().print(view, crop=False)
+
+
+def print_line(line: str) -> None:
+    """One message line on stdout (Rich markup, input in it escaped), never folded."""
+    out().print(line, soft_wrap=True)
 
 
 def say(line: str) -> None:
@@ -110,7 +124,7 @@ def emit(record: Any, json_out: bool, view: Callable[[Any], Any]) -> None:
     if json_out:
         emit_json(record)
     else:
-        out().print(view(record))
+        print_view(view(record))
 
 
 

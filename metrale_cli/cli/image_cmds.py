@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out
+from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, print_line
 from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, load_adapters, online_on
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
@@ -81,6 +81,6 @@ def unpack(
 
         overlays = f", trainable tokens for {', '.join(result.overlay_tables)}" \
             if result.overlay_tables else ""
-        out().print(f"wrote {escape(str(result.path))}: slot {result.slot} "
-                    f"({escape(result.name)}), {result.modules} modules at r={result.rank} "
-                    f"lora_alpha={result.lora_alpha:g}{overlays}, {human_bytes(result.bytes)}")
+        print_line(f"wrote {escape(str(result.path))}: slot {result.slot} "
+                   f"({escape(result.name)}), {result.modules} modules at r={result.rank} "
+                   f"lora_alpha={result.lora_alpha:g}{overlays}, {human_bytes(result.bytes)}")

@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from metrale_cli import env
-from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out, warn
+from metrale_cli.cli.console import (
+    emit,
+    emit_json,
+    err,
+    escape,
+    handles_errors,
+    print_line,
+    print_view,
+    warn,
+)
 from metrale_cli.cli.options import (
     MAX_LORAS,
     MODEL,
@@ -72,8 +81,8 @@ def synth(
     else:
         from metrale_cli.cli.render import human_bytes
 
-        out().print(f"wrote {escape(str(result.path))}: {result.tensors} tensors, "
-                    f"{human_bytes(result.bytes)}")
+        print_line(f"wrote {escape(str(result.path))}: {result.tensors} tensors, "
+                   f"{human_bytes(result.bytes)}")
 
 
 # -- pack ---------------------------------------------------------------------------------------
@@ -158,4 +167,4 @@ def pack(
     if json_out:
         emit_json(result.record())
     else:
-        out().print(render.pack_view(result))
+        print_view(render.pack_view(result))

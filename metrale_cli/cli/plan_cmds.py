@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, handles_errors, out, warn
+from metrale_cli.cli.console import emit, emit_json, handles_errors, print_view, warn
 from metrale_cli.cli.options import (
     EpOpt,
     ExpertsOpt,
@@ -74,7 +74,7 @@ def inspect(
     else:
         from metrale_cli.cli.render import inspect_view
 
-        out().print(inspect_view(cfg, reports, footprints))
+        print_view(inspect_view(cfg, reports, footprints))
     if not all(r.servable for r in reports):
         raise typer.Exit(1)
 
@@ -135,7 +135,7 @@ def layout(
         else:
             from metrale_cli.cli.render import sharded_layout_view
 
-            out().print(sharded_layout_view(sharded))
+            print_view(sharded_layout_view(sharded))
         return
     plan = PoolPlan.sized(*layouts, max_loras, budget_bytes)
     warn(plan.warnings)
@@ -144,4 +144,4 @@ def layout(
     else:
         from metrale_cli.cli.render import layout_view
 
-        out().print(layout_view(plan))
+        print_view(layout_view(plan))

@@ -29,6 +29,26 @@ from metrale_cli.model.modules import ALL
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
 
+def whole(line: str) -> Text:
+    """A line that is never folded at the terminal's width (console.print_view prints it
+    uncropped): a fingerprint, a path or a number with its unit stays on the line a user
+    greps for. Plain text: input in it is never read as markup."""
+    return Text(line, no_wrap=True, overflow="ignore")
+
+
+def fields(rows: list[tuple[str, str]]) -> Text:
+    """`key  value` lines, keys dim and aligned, each line whole (`whole`); where a grid would
+    fold a long value onto the next line (`6,656` / `B`), the terminal wraps it instead."""
+    width = max((len(key) for key, _ in rows), default=0)
+    text = Text(no_wrap=True, overflow="ignore")
+    for i, (key, value) in enumerate(rows):
+        if i:
+            text.append("\n")
+        text.append(key.ljust(width), style="dim")
+        text.append(f"  {value}")
+    return text
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -204,39 +224,39 @@ def _expert_table(model: ModelConfig, report: AdapterReport) -> Table:
 def layout_view(plan: PoolPlan) -> Group:
     layout, expert_layout = plan.layout, plan.expert_layout
     max_loras, budget, total = plan.max_loras, plan.budget_bytes, plan.total_bytes
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="dim")
-    table.add_column()
-    table.add_row("model", escape(model_line(layout.model)))
-    table.add_row("modules", ", ".join(m.peft_name for m in layout.modules))
-    table.add_row("max rank", str(layout.max_rank))
-    table.add_row("entries", f"{len(layout.entries)} (layer, module) pairs")
-    table.add_row("slot", f"{layout.slot_bytes:,} B ({human_bytes(layout.slot_bytes)}), "
-                  f"{layout.align}-byte aligned BF16")
+    rows = [
+        ("model", model_line(layout.model)),
+        ("modules", ", ".join(m.peft_name for m in layout.modules)),
+        ("max rank", str(layout.max_rank)),
+        ("entries", f"{len(layout.entries)} (layer, module) pairs"),
+        ("slot", f"{layout.slot_bytes:,} B ({human_bytes(layout.slot_bytes)}), "
+                 f"{layout.align}-byte aligned BF16"),
+    ]
     if expert_layout is not None:
         ex = expert_layout
-        table.add_row("expert slot", f"{ex.slot_bytes:,} B "
-                      f"({human_bytes(ex.slot_bytes)}), {len(ex.entries):,} (layer, "
-                      f"projection, expert) entries on {len({e.layer for e in ex.entries})} "
-                      f"layers at rank {ex.max_rank}, a separate allocation")
+        rows.append(("expert slot", f"{ex.slot_bytes:,} B "
+                     f"({human_bytes(ex.slot_bytes)}), {len(ex.entries):,} (layer, "
+                     f"projection, expert) entries on {len({e.layer for e in ex.entries})} "
+                     f"layers at rank {ex.max_rank}, a separate allocation"))
     if budget is not None and max_loras is not None:
         what = "both pools" if expert_layout is not None else "slots"
-        table.add_row("budget", f"{human_bytes(budget)} holds {max_loras:,} slots ({what} "
-                      "with their tables)")
+        rows.append(("budget", f"{human_bytes(budget)} holds {max_loras:,} slots ({what} "
+                     "with their tables)"))
     if max_loras is not None:
-        table.add_row("pool", f"{max_loras} slots: {layout.pool_bytes(max_loras):,} B "
-                      f"({human_bytes(layout.pool_bytes(max_loras))})")
-        table.add_row("tables", f"{layout.table_bytes(max_loras):,} B (A/B pointers, scales, "
-                      "ranks)")
+        rows.append(("pool", f"{max_loras:,} slots: {layout.pool_bytes(max_loras):,} B "
+                     f"({human_bytes(layout.pool_bytes(max_loras))})"))
+        rows.append(("tables", f"{layout.table_bytes(max_loras):,} B (A/B pointers, scales, "
+                     "ranks)"))
         if expert_layout is not None:
-            table.add_row("expert pool", f"{expert_layout.pool_bytes(max_loras):,} B "
-                          f"({human_bytes(expert_layout.pool_bytes(max_loras))}) + "
-                          f"{expert_layout.table_bytes(max_loras):,} B expert tables")
+            rows.append(("expert pool", f"{expert_layout.pool_bytes(max_loras):,} B "
+                         f"({human_bytes(expert_layout.pool_bytes(max_loras))}) + "
+                         f"{expert_layout.table_bytes(max_loras):,} B expert tables"))
         if total is not None:
-            table.add_row("total", f"{total:,} B ({human_bytes(total)})")
-    table.add_row("fingerprint", layout.fingerprint)
+            rows.append(("total", f"{total:,} B ({human_bytes(total)})"))
+    rows.append(("fingerprint", layout.fingerprint))
     if expert_layout is not None:
-        table.add_row("expert fingerprint", expert_layout.fingerprint)
+        rows.append(("expert fingerprint", expert_layout.fingerprint))
+    table = fields(rows)
 
     shares = layout.shares()
     total = sum(shares["module"].values()) or 1
@@ -392,7 +412,7 @@ def pack_view(result: Any) -> Group:
     if result.image is not None:
         lines.append(f"wrote {result.image} ({human_bytes(result.image_bytes)}) in "
                      f"{result.write_seconds:.3f} s; layout fingerprint {layout.fingerprint}")
-    return Group(table, *(Text(line) for line in lines))
+    return Group(table, *(whole(line) for line in lines))
 
 
 def _rank_span(ranks: list[int]) -> str:
@@ -405,31 +425,28 @@ def sharded_layout_view(plan: ShardedPlan) -> Group:
     """`metrale layout --tp N`: the unsharded slot, then per GPU each distinct rank layout."""
     record = plan.record()
     unsharded = layout_view(PoolPlan(plan.plan.layout, plan.plan.expert_layout))
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="dim")
-    table.add_column()
     mode = (f"tp {record['tp_size']}, ep {record['ep_size']} (MoE TP "
             f"{record['tp_size'] // record['ep_size']})"
             + (", fully sharded" if record["fully_sharded"] else ""))
-    table.add_row("deployment", mode)
+    rows = [("deployment", mode)]
     slot, max_loras = record["slot_bytes"], record["max_loras"]
     if record["budget_bytes"] is not None and max_loras is not None:
-        table.add_row("budget", f"{human_bytes(record['budget_bytes'])} per GPU holds "
-                      f"{max_loras:,} slots on every rank")
+        rows.append(("budget", f"{human_bytes(record['budget_bytes'])} per GPU holds "
+                     f"{max_loras:,} slots on every rank"))
     for group in record["rank_layouts"]:
         share = f", {100 * group['slot_bytes'] / slot:.0f}% of the unsharded slot" if slot else ""
-        table.add_row(_rank_span(group["ranks"]),
-                      f"slot {group['slot_bytes']:,} B ({human_bytes(group['slot_bytes'])}) "
-                      f"per GPU{share}")
+        rows.append((_rank_span(group["ranks"]),
+                     f"slot {group['slot_bytes']:,} B ({human_bytes(group['slot_bytes'])}) "
+                     f"per GPU{share}"))
         if group["expert_slot_bytes"] is not None:
-            table.add_row("", f"expert slot {group['expert_slot_bytes']:,} B "
-                          f"({human_bytes(group['expert_slot_bytes'])}) per GPU")
+            rows.append(("", f"expert slot {group['expert_slot_bytes']:,} B "
+                         f"({human_bytes(group['expert_slot_bytes'])}) per GPU"))
         if max_loras is not None and group["total_bytes"] is not None:
-            table.add_row("", f"{max_loras} slots: {group['total_bytes']:,} B "
-                          f"({human_bytes(group['total_bytes'])}) per GPU with tables")
+            rows.append(("", f"{max_loras:,} slots: {group['total_bytes']:,} B "
+                         f"({human_bytes(group['total_bytes'])}) per GPU with tables"))
         for k, fingerprint in zip(group["ranks"], group["fingerprints"], strict=True):
-            table.add_row("", f"rank {k} fingerprint {fingerprint}")
-    return Group(unsharded, Text(""), table)
+            rows.append(("", f"rank {k} fingerprint {fingerprint}"))
+    return Group(unsharded, Text(""), fields(rows))
 
 
 def sharded_pack_view(record: dict[str, Any]) -> Group:
@@ -554,22 +571,22 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
 def show_view(record: dict[str, Any]) -> Group:
     """`metrale show`: the image's record (see image_check.ImageShow)."""
     lay, ex = record["layout"], record["experts"]
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column(overflow="fold")  # a long path folds rather than losing its end
-    grid.add_row("image", f"{record['path']} ({record['format']}, consistent)")
-    grid.add_row("model", model_line(ModelConfig.from_summary(record["model"])))
-    grid.add_row("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
-                 f"({', '.join(lay['modules']) or 'no modules'}), slot {lay['slot_bytes']:,} B, "
-                 f"{lay['max_loras']} slots")
-    grid.add_row("fingerprint", lay["fingerprint"])
+    rows = [
+        ("image", f"{record['path']} ({record['format']}, consistent)"),
+        ("model", model_line(ModelConfig.from_summary(record["model"]))),
+        ("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
+                   f"({', '.join(lay['modules']) or 'no modules'}), slot "
+                   f"{lay['slot_bytes']:,} B, {lay['max_loras']:,} slots"),
+        ("fingerprint", lay["fingerprint"]),
+    ]
     if ex is not None:
-        grid.add_row("experts", f"max rank {ex['max_rank']}, {ex['entries']:,} entries on "
-                     f"layers {layer_set(ex['layers'])}, expert slot {ex['expert_slot_bytes']:,} B")
-        grid.add_row("expert fingerprint", ex["fingerprint"])
-    grid.add_row("active", f"slot {record['active']}")
+        rows.append(("experts", f"max rank {ex['max_rank']}, {ex['entries']:,} entries on "
+                     f"layers {layer_set(ex['layers'])}, expert slot "
+                     f"{ex['expert_slot_bytes']:,} B"))
+        rows.append(("expert fingerprint", ex["fingerprint"]))
+    rows.append(("active", f"slot {record['active']}"))
     free = record["free_slots"]
-    grid.add_row("free slots", ", ".join(map(str, free)) if free else "none")
+    rows.append(("free slots", ", ".join(map(str, free)) if free else "none"))
     # Figures never wrap; a long name or overlay list folds onto more lines, so every header and
     # cell reads whole at 80 columns (the headers alone take 63).
     table = Table(header_style="bold", padding=(0, 1, 0, 0), box=box.SIMPLE_HEAD,
@@ -579,9 +596,7 @@ def show_view(record: dict[str, Any]) -> Group:
         table.add_column(col, no_wrap=col not in ("name", "overlays"),
                          overflow="fold" if col == "name" else "ellipsis",
                          min_width=len(col))
-    sources = Table.grid(padding=(0, 2))
-    sources.add_column(style="dim")
-    sources.add_column(overflow="fold")
+    sources = []
     for s in record["slots"]:
         if not s["name"]:
             continue
@@ -589,7 +604,7 @@ def show_view(record: dict[str, Any]) -> Group:
         table.add_row(str(s["slot"]), s["name"], str(s["generation"]), str(s["rank"]),
                       _fmt(s["alpha"]), f"{s['scale']:.6g}", "yes" if s["pinned"] else "",
                       str(s["entries"]), str(s["expert_entries"] or "·"), overlays or "·")
-        sources.add_row(f"slot {s['slot']} source", s["source"])
+        sources.append((f"slot {s['slot']} source", s["source"]))
     sizes = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     sizes.add_column("part")
     sizes.add_column("bytes", justify="right")
@@ -597,7 +612,7 @@ def show_view(record: dict[str, Any]) -> Group:
     for part, n in record["bytes"].items():
         if n or part in ("pool", "total"):
             sizes.add_row(part, f"{n:,}", human_bytes(n))
-    return Group(grid, Text(), table, Text(), sources, sizes)
+    return Group(fields(rows), Text(), table, Text(), fields(sources), sizes)
 
 
 # Differing regions listed per adapter; --json has them all.
