@@ -814,3 +814,32 @@ def test_no_color_on_a_terminal_sends_no_styles(tiny: Path, tmp_path: Path,
     monkeypatch.setenv("NO_COLOR", "1")
     plain = metrale(command, *args)
     assert plain.code == 0 and "\x1b" not in plain.stdout + plain.stderr, plain.stdout
+
+
+@pytest.mark.parametrize("rslora,alpha", [(True, 181), (False, 16), (True, 8)])
+def test_unpack_writes_the_alpha_form_the_adapter_had(tiny: Path, tmp_path: Path, rslora: bool,
+                                                      alpha: float) -> None:
+    flags = ["--rslora"] if rslora else []
+    adapter = tmp_path / "a"
+    assert metrale("synth", adapter, "--model", tiny, "--modules", "q_proj", "--rank", 8,
+                   "--alpha", alpha, *flags).code == 0
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", adapter, "--model", tiny, "--max-loras", 1, "--out", image).code == 0
+    back = tmp_path / "back"
+    result = metrale("unpack", image, "--slot", 0, back, "--json")
+    assert result.code == 0, result.stderr
+    config = json.loads((back / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (8, alpha, rslora)
+    assert result.json()["lora_alpha"] == alpha
+    # The same delta: the unpacked adapter packs to the very bytes of the slot.
+    assert metrale("verify", image, f"a={back}").code == 0
+
+
+def test_inspect_says_which_rank_the_slot_uses_and_why(tiny: Path) -> None:
+    def slot_line(*args: object) -> str:
+        result = metrale("inspect", tiny / "a", "--model", tiny, *args, columns=200)
+        return next(line for line in result.stdout.splitlines() if "slot  " in line)
+
+    assert "at rank 2: its own rank, above --max-rank 1 (refused)" in slot_line("--max-rank", 1)
+    assert "at rank 16: --max-rank 16 (its rank is 2)" in slot_line("--max-rank", 16)
+    assert "at rank 8: its rank 2 rounded up to a multiple of 8 (the kernels')" in slot_line()

@@ -19,10 +19,8 @@ from rich.text import Text
 
 from metrale_cli.adapters.audit import AdapterReport, Severity, layer_ranges
 from metrale_cli.adapters.experts import coverage
-from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import Footprint, PoolPlan
 from metrale_cli.layout.sharding import ShardedPlan
-from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import ALL
 
@@ -77,14 +75,12 @@ def inspect_view(
 ) -> Group:
     parts: list[Any] = [Text(model_line(model), style="bold")]
     for report, footprint in zip(reports, footprints, strict=True):
-        parts.append(_adapter_panel(model, report, footprint.layout, footprint.expert_layout))
+        parts.append(_adapter_panel(model, report, footprint))
     return Group(*parts)
 
 
-def _adapter_panel(
-    model: ModelConfig, report: AdapterReport, layout: SlotLayout | None,
-    expert_layout: ExpertLayout | None = None,
-) -> Panel:
+def _adapter_panel(model: ModelConfig, report: AdapterReport, footprint: Footprint) -> Panel:
+    layout, expert_layout = footprint.layout, footprint.expert_layout
     cfg = report.adapter.config
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="dim")
@@ -109,8 +105,8 @@ def _adapter_panel(
     if layout is not None:
         summary.add_row(
             "slot",
-            f"{human_bytes(layout.slot_bytes)} ({layout.slot_bytes:,} B) padded to rank "
-            f"{layout.max_rank} for its modules",
+            f"{human_bytes(layout.slot_bytes)} ({layout.slot_bytes:,} B) at rank "
+            f"{layout.max_rank}: {footprint.rank_reason}",
         )
     if report.expert_pairs:
         layers = sorted({p.layer for p in report.expert_pairs})
@@ -121,8 +117,8 @@ def _adapter_panel(
         summary.add_row(
             "expert slot",
             f"{human_bytes(expert_layout.slot_bytes)} "
-            f"({expert_layout.slot_bytes:,} B) padded to rank {expert_layout.max_rank}, "
-            "in the expert pool beside the slot pool")
+            f"({expert_layout.slot_bytes:,} B) at rank {expert_layout.max_rank}: "
+            f"{footprint.expert_rank_reason}; in the expert pool beside the slot pool")
     if report.overlays:
         summary.add_row("overlays", ", ".join(
             f"{len(o.tokens)} tokens replace {o.table} rows"
