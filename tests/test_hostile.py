@@ -843,3 +843,25 @@ def test_inspect_says_which_rank_the_slot_uses_and_why(tiny: Path) -> None:
     assert "at rank 2: its own rank, above --max-rank 1 (refused)" in slot_line("--max-rank", 1)
     assert "at rank 16: --max-rank 16 (its rank is 2)" in slot_line("--max-rank", 16)
     assert "at rank 8: its rank 2 rounded up to a multiple of 8 (the kernels')" in slot_line()
+
+
+def test_pack_tp_checks_its_out_directory_before_the_audit(tiny: Path, tmp_path: Path) -> None:
+    bad = copy_adapter(tiny / "a", tmp_path / "bad", use_dora=True)  # the audit would refuse it
+    taken = tmp_path / "ranks"
+    taken.mkdir()
+    result = metrale("pack", bad, "--model", tiny, "--max-loras", 2, "--tp", 2, "--out", taken)
+    one_line_error(result, 2)
+    assert f"{taken} exists; pass --force" in result.stderr
+    (taken / "notes.txt").write_text("mine")
+    forced = metrale("pack", bad, "--model", tiny, "--max-loras", 2, "--tp", 2, "--out", taken,
+                     "--force")
+    one_line_error(forced, 2)
+    assert "holds notes.txt, which metrale does not write there" in forced.stderr
+
+
+def test_synth_rank_is_bounded_by_the_weights_it_adapts(tmp_path: Path) -> None:
+    result = metrale("synth", tmp_path / "a", "--model", "qwen3-8b", "--modules", "q_proj",
+                     "--rank", 100_000_000)
+    one_line_error(result, 2)
+    assert "--rank 100000000 is above 4096" in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -65,11 +65,13 @@ def synth_adapter(
 
     # (name, rows, cols, std): A [r, in] and B [out, r] per applicable (layer, module).
     plan: list[tuple[str, int, int, float]] = []
+    narrowest = math.inf  # the narrower side of the smallest weight adapted
     for layer in range(model.num_hidden_layers):
         for module in ALL:
             if module not in modules or not module.applies_to_layer(model, layer):
                 continue
             out_dim, in_dim = module.dims(model)
+            narrowest = min(narrowest, out_dim, in_dim)
             key = f"base_model.model.model.layers.{layer}.{module.peft_path}"
             plan.append((f"{key}.lora_A.weight", rank, in_dim, 1 / math.sqrt(in_dim)))
             plan.append((f"{key}.lora_B.weight", out_dim, rank, 1 / math.sqrt(rank)))
@@ -78,10 +80,16 @@ def synth_adapter(
         key = f"base_model.model.model.layers.{layer}.mlp.experts"
         # Two wrapped parameters: the inner one (gate_up_proj) sits under `.base_layer.`.
         for name, in_dim, out_dim in ((f"{key}.base_layer", h, 2 * i), (key, i, h)):
+            narrowest = min(narrowest, in_dim, out_dim)
             plan.append((f"{name}.lora_A.weight", n_exp * rank, in_dim, 1 / math.sqrt(in_dim)))
             plan.append((f"{name}.lora_B.weight", out_dim, n_exp * rank, 1 / math.sqrt(rank)))
     if not plan:
         raise UsageError("none of the modules applies to any layer of this model")
+    # Past the narrower side of a weight a LoRA pair holds more numbers than the weight itself:
+    # no adapter is trained so, and --rank 10000000 would fill the disk.
+    if rank > narrowest:
+        raise UsageError(f"--rank {rank} is above {narrowest}, the narrower side of the "
+                         "smallest weight it adapts; a LoRA rank is at most that")
 
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     cursor = 0

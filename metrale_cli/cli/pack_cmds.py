@@ -117,7 +117,7 @@ def pack(
     theirs."""
     from metrale_cli.adapters.audit import audit
     from metrale_cli.cli import render
-    from metrale_cli.files.atomic import check_output, output_dir, output_path
+    from metrale_cli.files.atomic import check_output, check_output_dir, output_dir, output_path
     from metrale_cli.layout.plan import plan_layouts, refusal_record
     from metrale_cli.pool.packing import pack_pool
 
@@ -148,6 +148,8 @@ def pack(
             sharded = distributed.pack_torchrun(prepare, max_loras, spec, device, out_dir,
                                                 force)
         else:  # the images land in --out all at once (atomic_directory refuses it first)
+            if out_dir is not None:  # before the audit, as a file --out is checked
+                check_output_dir(out_dir, force, owned=[distributed.IMAGE_GLOB])
             the_layout, expert_layout, reports = prepare()
             sharded = distributed.pack_shards(the_layout, expert_layout, max_loras, reports,
                                               spec, device, out_dir, force)

@@ -224,6 +224,21 @@ def publish_dir(tmp: Path, path: Path, force: bool, owned: Sequence[str]) -> Non
         os.close(dir_fd)
 
 
+def check_output_dir(path: Path, force: bool, owned: Sequence[str]) -> None:
+    """Refuse an output directory `atomic_directory` would refuse, before any work: a path that
+    exists and is not a directory, an existing one without `force`, one holding anything but
+    files named like `owned` with it, a missing parent."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise UsageError(f"{path} exists and is not a directory; metrale never replaces one")
+    if path.exists() and not force:
+        raise OutputExists(f"{path} exists; pass --force to overwrite it")
+    if path.exists():
+        check_replaceable(path, owned)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory")
+
+
 def atomic_directory(path: Path, fill: Any, force: bool, owned: Sequence[str]) -> None:
     """Build the directory `path` through `fill(dir)` in a temp directory beside it, then
     publish it (`publish_dir`): a failure, SIGINT, SIGTERM or SIGHUP while filling leaves no
@@ -231,15 +246,7 @@ def atomic_directory(path: Path, fill: Any, force: bool, owned: Sequence[str]) -
     but a directory of files named like `owned` (glob patterns: what `fill` writes) even with
     it."""
     path = Path(path)
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise UsageError(f"{path} exists and is not a directory; metrale never replaces one")
-    if path.exists() and not force:
-        raise OutputExists(f"{path} exists; pass --force to overwrite it")
-    if path.exists():
-        check_replaceable(path, owned)  # before the work; publish_dir checks again
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"{parent}: no such directory")
+    check_output_dir(path, force, owned)  # before the work; publish_dir checks again
     with cleanup_on_signals():
         tmp = temp_dir(path)
         try:
