@@ -865,3 +865,14 @@ def test_synth_rank_is_bounded_by_the_weights_it_adapts(tmp_path: Path) -> None:
     one_line_error(result, 2)
     assert "--rank 100000000 is above 4096" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_simulate_off_a_terminal_is_not_silent(tiny: Path) -> None:
+    # 3 policies x 1 size x 30,000 requests: progress is told at the end of each replay.
+    result = metrale("simulate", "--model", tiny, "--modules", "q_proj", "--max-rank", 8,
+                     "--workload", "zipf", "--adapters", 50, "--requests", 30_000,
+                     "--max-loras", 8)
+    assert result.code == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("simulating: ")]
+    assert said == ["simulating: 30% of 90,000 request replays",
+                    "simulating: 60% of 90,000 request replays"], result.stderr

@@ -542,7 +542,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
                 if s["fits_budget"] is not None:
                     fits = "fits" if s["fits_budget"] else "does NOT fit"
                     line += f", {fits} the {human_bytes(record['budget_bytes'])} budget"
-            parts.append(Text(line))
+            parts.append(whole(line))
     return Group(*parts)
 
 
