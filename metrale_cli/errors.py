@@ -8,12 +8,16 @@ compiler).
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
+from typing import Any
 
 
 class MetraleError(Exception):
     """Base of every error the CLI turns into one line and an exit code."""
 
     exit_code = 2
+    # Lines that explain the error, each printed on its own line before it (a refusal's findings).
+    details: tuple[str, ...] = ()
 
 
 class UsageError(MetraleError):
@@ -29,9 +33,17 @@ class UnsupportedModel(UsageError):
 
 
 class NotServable(MetraleError):
-    """An adapter the audit refused; the message carries the findings."""
+    """Adapters the audit refused: the message names them, `details` holds one line per error
+    finding (`NAME: code: message`), `record` the audit's record (`inspect --json`'s), which a
+    command under --json prints as it refuses."""
 
     exit_code = 1
+
+    def __init__(self, message: str, details: Sequence[str] = (),
+                 record: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.details = tuple(details)
+        self.record = record
 
 
 class OutputExists(UsageError):

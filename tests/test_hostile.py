@@ -120,7 +120,8 @@ def test_non_finite_config_values_are_audit_errors(
     view = metrale("inspect", bad, "--model", tiny)
     assert view.code == 1 and "bad_config_value" in view.stdout, view.stderr
     packed = metrale("pack", bad, "--model", tiny, "--max-loras", 2, "--json")
-    assert packed.code == 1 and packed.stdout == ""
+    # The refusal's record (issue 18.28), strict JSON even for a NaN alpha.
+    assert packed.code == 1 and strict_json(packed.stdout)["adapters"][0]["servable"] is False
 
 
 def test_synth_refuses_a_non_finite_alpha(tmp_path: Path) -> None:

@@ -132,6 +132,7 @@ class PoolPlan:
         n = self.max_loras
         ex = self.expert_layout
         return {
+            "model": self.layout.model.record(),
             **self.layout.record(n),
             "warnings": self.warnings,
             "table_bytes": self.layout.table_bytes(n) if n else None,
@@ -191,25 +192,3 @@ class Footprint:
     @property
     def expert_slot_bytes(self) -> int:
         return self.expert_layout.slot_bytes if self.expert_layout else 0
-
-
-def inspect_record(
-    model: ModelConfig, reports: list[AdapterReport], footprints: list[Footprint],
-    experts_enabled: bool, warnings: list[str],
-) -> dict[str, Any]:
-    """`metrale inspect --json`: the model summary, `warnings` about the options, and each
-    adapter's report and footprint."""
-    adapters = []
-    for report, footprint in zip(reports, footprints, strict=True):
-        adapters.append({**report.record(), "slot_bytes": footprint.slot_bytes,
-                         "expert_slot_bytes": footprint.expert_slot_bytes})
-    return {"model": model.summary(), "experts_enabled": experts_enabled, "warnings": warnings,
-            "adapters": adapters}
-
-
-def refusal_record(model: ModelConfig, reports: list[AdapterReport], max_rank: int | None,
-                   experts_enabled: bool) -> dict[str, Any]:
-    """What `layout --json` and `pack --json` print when an adapter is not servable: the
-    record `inspect --json` gives for the same audit, each adapter with its findings."""
-    return inspect_record(model, reports, [Footprint.of(model, r, max_rank) for r in reports],
-                          experts_enabled, max_rank_warnings(max_rank))
