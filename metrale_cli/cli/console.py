@@ -54,11 +54,6 @@ def print_view(view: Any) -> None:
     out().print(view, crop=False)
 
 
-def print_line(line: str) -> None:
-    """One message line on stdout (Rich markup, input in it escaped), never folded."""
-    out().print(line, soft_wrap=True)
-
-
 def say(line: str) -> None:
     """One line on stderr, whatever the input inside it holds: a control character (a newline
     in a path) is shown escaped, never as a line break; markup is not read."""
