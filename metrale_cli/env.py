@@ -1,4 +1,5 @@
-"""Every METRALE_* escape hatch, read here and nowhere else."""
+"""Every METRALE_* escape hatch, and the other environment variables metrale obeys (the hub's,
+torchrun's), read here and nowhere else."""
 
 from __future__ import annotations
 
@@ -66,6 +67,42 @@ def hf_hub_cache() -> Path:
 def hf_endpoint() -> str:
     """HF_ENDPOINT: the hub's address (a mirror, or a test server), default huggingface.co."""
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
+
+
+def no_color() -> bool:
+    """NO_COLOR (no-color.org): set and not empty, output carries no ANSI styles at all, bold
+    and dim included, even on a terminal."""
+    return bool(os.environ.get("NO_COLOR"))
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) as torchrun sets them for each process it starts, or None outside a
+    launch (either unset). Anything but integers with 0 <= RANK < WORLD_SIZE is a UsageError
+    naming both: a hand-set pair is not a launch to rendezvous with."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = _integer("RANK"), _integer("WORLD_SIZE")
+    if rank is None or world is None or not 0 <= rank < world:
+        raise UsageError(f"RANK={os.environ['RANK']!r} WORLD_SIZE={os.environ['WORLD_SIZE']!r}: "
+                         "not a torchrun launch (integers with 0 <= RANK < WORLD_SIZE)")
+    return rank, world
+
+
+def local_rank(default: int) -> int:
+    """LOCAL_RANK, this process's GPU on its node under torchrun; `default` when unset."""
+    if "LOCAL_RANK" not in os.environ:
+        return default
+    value = _integer("LOCAL_RANK")
+    if value is None or value < 0:
+        raise UsageError(f"LOCAL_RANK={os.environ['LOCAL_RANK']!r}: not a non-negative integer")
+    return value
+
+
+def _integer(name: str) -> int | None:
+    try:
+        return int(os.environ[name].strip())
+    except ValueError:
+        return None
 
 
 def dist_timeout() -> float:

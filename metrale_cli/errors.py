@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
+from typing import Any
 
 
 class MetraleError(Exception):
@@ -33,13 +34,16 @@ class UnsupportedModel(UsageError):
 
 class NotServable(MetraleError):
     """Adapters the audit refused: the message names them, `details` holds one line per error
-    finding (`NAME: code: message`)."""
+    finding (`NAME: code: message`), `record` the audit's record (`inspect --json`'s), which a
+    command under --json prints as it refuses."""
 
     exit_code = 1
 
-    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, details: Sequence[str] = (),
+                 record: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.details = tuple(details)
+        self.record = record
 
 
 class OutputExists(UsageError):

@@ -23,9 +23,12 @@ import pytest
 from metrale_cli import env
 from metrale_cli.adapters import patterns
 from metrale_cli.errors import OutputExists, UsageError
+from metrale_cli.files import atomic
 from metrale_cli.files.atomic import atomic_write, remove_stale_temps
+from metrale_cli.files.safetensors_header import read_header
 from tests.support.cli_runner import Result, metrale
 from tests.support.hostile_inputs import CATASTROPHIC, TINY, tiny_model
+from tests.support.image_edit import edit_metadata
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +120,8 @@ def test_non_finite_config_values_are_audit_errors(
     view = metrale("inspect", bad, "--model", tiny)
     assert view.code == 1 and "bad_config_value" in view.stdout, view.stderr
     packed = metrale("pack", bad, "--model", tiny, "--max-loras", 2, "--json")
-    assert packed.code == 1 and packed.stdout == ""
+    # The refusal's record (issue 18.28), strict JSON even for a NaN alpha.
+    assert packed.code == 1 and strict_json(packed.stdout)["adapters"][0]["servable"] is False
 
 
 def test_synth_refuses_a_non_finite_alpha(tmp_path: Path) -> None:
@@ -534,3 +538,342 @@ def test_a_hub_id_is_named_by_the_same_rule(tiny: Path, tmp_path: Path) -> None:
     result = metrale("inspect", "some-org/x", local, "--model", tiny)
     one_line_error(result, 2)
     assert "two adapters are named 'x'" in result.stderr
+
+
+# -- issue 18: hostile input that still escaped, and what a new user trips over ----------------
+
+
+@pytest.mark.parametrize("rank,world", [("x", "abc"), ("0", "abc"), ("2", "2"), ("-1", "2")])
+def test_torchrun_variables_that_are_not_a_launch_are_refused(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: str, world: str
+) -> None:
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    result = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--tp", 2,
+                     "--out", tmp_path / "ranks")
+    one_line_error(result, 2)
+    assert f"RANK={rank!r} WORLD_SIZE={world!r}" in result.stderr
+    assert not (tmp_path / "ranks").exists()
+
+
+def test_a_scale_past_float32_is_one_error_line(tiny: Path, tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
+    slots = read_header(image).metadata["metrale.slots"]
+    edit_metadata(image, "metrale.slots", slots.replace('"scaling":2.0', '"scaling":1e39', 1))
+    # In a process of its own: NumPy's warnings go to the real stderr.
+    result = run_cli("show", image)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("\n") == 1 and "Warning" not in result.stderr, result.stderr
+    assert "the slot's metadata says 1e+39" in result.stderr
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_synth_onto_a_full_disk_leaves_nothing(tmp_path: Path, existing: bool) -> None:
+    # A missing parent is made for it, and removed again.
+    out = tmp_path / "adapter" if existing else tmp_path / "made" / "adapter"
+    if existing:  # an empty directory made for it stays as it was: empty
+        out.mkdir()
+
+    def small_disk() -> None:
+        # Writes past 64 KiB fail with EFBIG (Python ignores SIGXFSZ), as on a full disk.
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    result = subprocess.run([sys.executable, "-m", "metrale_cli", "synth", str(out), "--model",
+                             "qwen3-8b", "--modules", "q_proj", "--rank", "8"],
+                            capture_output=True, text=True, preexec_fn=small_disk, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "File too large" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["adapter"] if existing else [])
+    assert not existing or list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("length", [240, 255])
+def test_a_long_legal_out_name_is_written(tiny: Path, tmp_path: Path, length: int) -> None:
+    image = tmp_path / ("p" * (length - len(".safetensors")) + ".safetensors")
+    result = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image)
+    assert result.code == 0, result.stderr
+    adapter = tmp_path / ("é" * (length // 2))  # 2 bytes a character: NAME_MAX counts bytes
+    assert metrale("unpack", image, "--slot", 0, adapter).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([image.name, adapter.name])
+
+
+def test_a_long_names_stale_temp_is_still_swept(tmp_path: Path) -> None:
+    target = tmp_path / ("x" * 250)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)
+
+    def left_by_dead_writer(path: Path) -> Path:
+        """What a writer with that pid, SIGKILLed, left behind: its temp file for `path`."""
+        prefix = atomic._temp_prefix(path).replace(f".{os.getpid()}.", f".{pid}.")
+        (tmp_path / f"{prefix}abcdefgh.tmp").write_bytes(b"partial")
+        return tmp_path / f"{prefix}abcdefgh.tmp"
+
+    stale = left_by_dead_writer(target)
+    # Another long name with the same start: its temp name is cut alike, its digest differs.
+    other = left_by_dead_writer(tmp_path / ("x" * 249 + "y"))
+    assert remove_stale_temps(tmp_path, target.name) == [stale]
+    assert other.exists()
+
+
+def test_pack_never_writes_over_one_of_its_inputs(tiny: Path, tmp_path: Path) -> None:
+    adapter = copy_adapter(tiny / "a", tmp_path / "a")
+    weights = (adapter / "adapter_model.safetensors").read_bytes()
+    (tmp_path / "link.safetensors").symlink_to(adapter / "adapter_model.safetensors")
+    for out in (adapter / "adapter_model.safetensors", adapter / "adapter_config.json",
+                tmp_path / "link.safetensors"):
+        result = metrale("pack", adapter, "--model", tiny, "--max-loras", 2, "--out", out,
+                         "--force")
+        one_line_error(result, 2)
+        assert "an input of this command" in result.stderr
+    assert (adapter / "adapter_model.safetensors").read_bytes() == weights
+
+
+def large_pattern_errors(result: Result) -> list[str]:
+    assert result.code == 1, result.stderr
+    adapter = result.json()["adapters"][0]
+    assert adapter["modules"] == []
+    return [f["message"] for f in adapter["findings"] if f["code"] == "large_pattern"]
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("target_modules", "(" + "|".join(f"model.layers.{i}.self_attn.q_proj"
+                                      for i in range(200_000)) + ")",
+     "the config's regexes (target_modules) hold 7,288,891 characters"),
+    ("rank_pattern", {f"layers.{i}.q_proj": 2 for i in range(patterns.MAX_PATTERNS + 1)},
+     f"the config holds {patterns.MAX_PATTERNS + 1:,} regexes (rank_pattern)"),
+    ("target_modules", [f"layers.{i}.q_proj" for i in range(patterns.MAX_NAMES + 1)],
+     f"target_modules lists {patterns.MAX_NAMES + 1:,} names"),
+])
+def test_patterns_are_bounded_by_size_not_by_time(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: object,
+    says: str
+) -> None:
+    # No time bound to run into: the refusal is by size, the same on any machine under any load.
+    monkeypatch.setattr(patterns, "AUDIT_SECONDS", 1e9)
+    compiled: list[str] = []
+    monkeypatch.setattr(patterns, "compile_error", lambda p: compiled.append(p))
+    bad = copy_adapter(tiny / "a", tmp_path / "large", **{field: value})
+    errors = large_pattern_errors(metrale("inspect", bad, "--model", tiny, "--json"))
+    assert len(errors) == 1 and says in errors[0], errors
+    assert compiled == []
+
+
+def test_a_long_name_list_within_the_bound_matches_as_peft_does(tiny: Path,
+                                                                 tmp_path: Path) -> None:
+    # Matched by looking up a path's dotted suffixes in a set, no longer name by name.
+    names = [f"layers.{i}.mlp.gate_proj" for i in range(patterns.MAX_NAMES - 3)]
+    # A dotted suffix matches, a bare last part matches, a part of a name does not.
+    names += ["self_attn.q_proj", "k_proj", "_proj"]
+    adapter = copy_adapter(tiny / "a", tmp_path / "long", target_modules=names)
+    result = metrale("inspect", adapter, "--model", tiny, "--json")
+    assert result.code == 0, result.stderr
+    unexplained = {f["message"].split()[0] for f in result.json()["adapters"][0]["findings"]
+                   if f["code"] == "unexplained_key"}
+    assert unexplained == {"o_proj", "v_proj", "out_proj"}
+
+
+@pytest.mark.parametrize("edit,says", [
+    ({"head_dim": 0}, "'head_dim' missing or not a positive integer"),
+    ({"num_key_value_heads": 7}, "'num_key_value_heads' 7 does not divide 'num_attention_heads' 2"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' missing or not a positive integer"),
+    ({"head_dim": None, "hidden_size": 1}, "no 'head_dim', and 'hidden_size' 1 is smaller"),
+])
+def test_base_model_configs_that_cannot_be_built_are_refused(
+    tmp_path: Path, edit: dict[str, object], says: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **edit}))
+    result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8)
+    one_line_error(result, 2)
+    assert says in result.stderr
+
+
+def test_a_null_head_dim_is_derived(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "head_dim": None,
+                                                      "num_key_value_heads": None}))
+    result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8,
+                     "--json")
+    assert result.code == 0, result.stderr
+
+
+def not_a_file(path: Path, kind: str) -> None:
+    """Replace the file `path` with something of `kind` that is no regular file."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to(os.devnull)
+    else:  # a symbolic link loop
+        path.symlink_to(path.name)
+
+
+@pytest.mark.parametrize("kind,says", [("fifo", "a FIFO"), ("device", "a character device"),
+                                       ("loop", "a symbolic link loop")])
+@pytest.mark.parametrize("which", ["config.json", "adapter_config.json",
+                                   "adapter_model.safetensors", "pool.safetensors"])
+def test_an_input_that_is_not_a_regular_file_says_so(
+    tiny: Path, tmp_path: Path, kind: str, says: str, which: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    adapter = copy_adapter(tiny / "a", tmp_path / "a")
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", adapter, "--model", model, "--max-loras", 2, "--out", image).code == 0
+    path = {"config.json": model / "config.json", "pool.safetensors": image}.get(
+        which, adapter / which)
+    not_a_file(path, kind)
+    args = ["show", image] if which == "pool.safetensors" else ["inspect", adapter, "--model",
+                                                                 model]
+    if kind == "fifo":  # in a process of its own, with a time limit: reading one would block
+        ran = run_cli(*args, timeout=30)
+        code, stderr = ran.returncode, ran.stderr
+    else:
+        result = metrale(*args)
+        code, stderr = result.code, result.stderr
+    assert code == 2, stderr
+    assert stderr == f"error: {path}: {says}, not a regular file\n"
+
+
+@pytest.mark.parametrize("online", [[], ["--online"]])
+def test_a_hugging_face_home_that_is_no_directory_is_one_line(
+    tiny: Path, online: list[str]
+) -> None:
+    result = run_cli("inspect", tiny / "a", "--model", "org/name", *online,
+                     env_extra={"HF_HOME": os.devnull, "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Errno" not in result.stderr, result.stderr
+    assert "/dev/null" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["layout", "pack"])
+def test_a_json_refusal_prints_its_record(tiny: Path, tmp_path: Path, command: str) -> None:
+    bad = copy_adapter(tiny / "a", tmp_path / "bad", use_dora=True)
+    args = ["--max-loras", 2, "--out", tmp_path / "pool.safetensors"] if command == "pack" else []
+    result = metrale(command, tiny / "a", bad, "--model", tiny, *args, "--json")
+    assert result.code == 1, result.stderr
+    adapters = {a["name"]: a for a in result.json()["adapters"]}
+    assert adapters["a"]["servable"] and not adapters["bad"]["servable"]
+    assert [f["code"] for f in adapters["bad"]["findings"] if f["severity"] == "error"] == ["dora"]
+    # stderr: one line per error finding, then the summary.
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("bad: dora: ")
+    assert lines[1] == "error: 1 adapter(s) not servable: bad"
+    assert not (tmp_path / "pool.safetensors").exists()
+
+
+def test_show_json_of_an_inconsistent_image_prints_its_record(tiny: Path,
+                                                              tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
+    slots = read_header(image).metadata["metrale.slots"]
+    edit_metadata(image, "metrale.slots", slots.replace('"scaling":2.0', '"scaling":3.0', 1))
+    result = metrale("show", image, "--json")
+    one_line_error(result, 1)
+    assert result.json() == {"path": str(image), "format": "pool/1", "valid": False,
+                             "problems": ["slot 0 (a): scales[0] is 2; the slot's metadata "
+                                          "says 3.0"]}
+    assert result.stderr == f"error: {image}: slot 0 (a): scales[0] is 2; the slot's metadata " \
+                            "says 3.0\n"
+
+
+def test_at_80_columns_no_value_is_split_across_lines(tiny: Path, tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    pack = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image,
+                   columns=80)
+    assert pack.code == 0, pack.stderr
+    fingerprint = metrale("show", image, "--json").json()["layout"]["fingerprint"]
+    lines = pack.stdout.splitlines()
+    assert any(line.endswith(f"layout fingerprint {fingerprint}") for line in lines), lines
+    assert any(line.endswith("1 empty cache slots") for line in lines), lines
+    record = metrale("layout", tiny / "a", "--model", tiny, "--max-loras", 2800, "--json").json()
+    slot, pool = record["slot_bytes"], record["pool_bytes"]
+    show = metrale("show", image, columns=80).stdout.splitlines()
+    assert f"fingerprint  {fingerprint}" in show
+    assert any(line.startswith("layout ") and f"slot {slot:,} B, 2 slots" in line
+               for line in show), show
+    layout = metrale("layout", tiny / "a", "--model", tiny, "--max-loras", 2800,
+                     columns=80).stdout.splitlines()
+    # One separator for every count of slots, as the budget line has.
+    assert any(line.startswith("pool ") and f"2,800 slots: {pool:,} B (" in line
+               for line in layout), layout
+    assert any(line.startswith("slot ") and f"{slot:,} B (" in line for line in layout), layout
+
+
+@pytest.mark.parametrize("command", ["show", "layout", "inspect"])
+def test_no_color_on_a_terminal_sends_no_styles(tiny: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                command: str) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
+    args = [image] if command == "show" else [tiny / "a", "--model", tiny]
+    monkeypatch.setenv("FORCE_COLOR", "1")  # Rich takes stdout for a terminal
+    styled = metrale(command, *args)
+    assert styled.code == 0 and "\x1b[" in styled.stdout
+    monkeypatch.setenv("NO_COLOR", "1")
+    plain = metrale(command, *args)
+    assert plain.code == 0 and "\x1b" not in plain.stdout + plain.stderr, plain.stdout
+
+
+@pytest.mark.parametrize("rslora,alpha", [(True, 181), (False, 16), (True, 8)])
+def test_unpack_writes_the_alpha_form_the_adapter_had(tiny: Path, tmp_path: Path, rslora: bool,
+                                                      alpha: float) -> None:
+    flags = ["--rslora"] if rslora else []
+    adapter = tmp_path / "a"
+    assert metrale("synth", adapter, "--model", tiny, "--modules", "q_proj", "--rank", 8,
+                   "--alpha", alpha, *flags).code == 0
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", adapter, "--model", tiny, "--max-loras", 1, "--out", image).code == 0
+    back = tmp_path / "back"
+    result = metrale("unpack", image, "--slot", 0, back, "--json")
+    assert result.code == 0, result.stderr
+    config = json.loads((back / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (8, alpha, rslora)
+    assert result.json()["lora_alpha"] == alpha
+    # The same delta: the unpacked adapter packs to the very bytes of the slot.
+    assert metrale("verify", image, f"a={back}").code == 0
+
+
+def test_inspect_says_which_rank_the_slot_uses_and_why(tiny: Path) -> None:
+    def slot_line(*args: object) -> str:
+        result = metrale("inspect", tiny / "a", "--model", tiny, *args, columns=200)
+        return next(line for line in result.stdout.splitlines() if "slot  " in line)
+
+    assert "at rank 2: its own rank, above --max-rank 1 (refused)" in slot_line("--max-rank", 1)
+    assert "at rank 16: --max-rank 16 (its rank is 2)" in slot_line("--max-rank", 16)
+    assert "at rank 8: its rank 2 rounded up to a multiple of 8 (the kernels')" in slot_line()
+
+
+def test_pack_tp_checks_its_out_directory_before_the_audit(tiny: Path, tmp_path: Path) -> None:
+    bad = copy_adapter(tiny / "a", tmp_path / "bad", use_dora=True)  # the audit would refuse it
+    taken = tmp_path / "ranks"
+    taken.mkdir()
+    result = metrale("pack", bad, "--model", tiny, "--max-loras", 2, "--tp", 2, "--out", taken)
+    one_line_error(result, 2)
+    assert f"{taken} exists; pass --force" in result.stderr
+    (taken / "notes.txt").write_text("mine")
+    forced = metrale("pack", bad, "--model", tiny, "--max-loras", 2, "--tp", 2, "--out", taken,
+                     "--force")
+    one_line_error(forced, 2)
+    assert "holds notes.txt, which metrale does not write there" in forced.stderr
+
+
+def test_synth_rank_is_bounded_by_the_weights_it_adapts(tmp_path: Path) -> None:
+    result = metrale("synth", tmp_path / "a", "--model", "qwen3-8b", "--modules", "q_proj",
+                     "--rank", 100_000_000)
+    one_line_error(result, 2)
+    assert "--rank 100000000 is above 4096" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_simulate_off_a_terminal_is_not_silent(tiny: Path) -> None:
+    # 3 policies x 1 size x 30,000 requests: progress is told at the end of each replay.
+    result = metrale("simulate", "--model", tiny, "--modules", "q_proj", "--max-rank", 8,
+                     "--workload", "zipf", "--adapters", 50, "--requests", 30_000,
+                     "--max-loras", 8)
+    assert result.code == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("simulating: ")]
+    assert said == ["simulating: 30% of 90,000 request replays",
+                    "simulating: 60% of 90,000 request replays"], result.stderr

@@ -30,7 +30,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def rendered(view: Callable[[Any], Any], record: Any) -> str:
     console = Console(width=100, highlight=False, soft_wrap=False, file=io.StringIO())
-    console.print(view(record))
+    console.print(view(record), crop=False)  # as console.print_view: whole lines stay whole
     return console.file.getvalue()
 
 

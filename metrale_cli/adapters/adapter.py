@@ -6,6 +6,7 @@ Nothing here reads tensor data.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,7 @@ from metrale_cli.adapters import patterns
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.hub import cached, fetch, parse_hub_id, remote_header
 from metrale_cli.files.jsondoc import load_json, shown
+from metrale_cli.files.regular import refuse_not_regular
 from metrale_cli.files.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 from metrale_cli.model.families import Family
 
@@ -179,9 +181,8 @@ class AdapterConfig:
                 found[name] = hits
         return found
 
-    def pattern_errors(self) -> list[str]:
-        """Every regex of the config that Python's `re` (PEFT's) cannot compile, one line each
-        naming its field; PEFT would fail on it, so it matches nothing here."""
+    def _regexes(self) -> list[tuple[str, list[str]]]:
+        """Every regex of the config, by field: what PEFT compiles."""
         fields: list[tuple[str, list[str]]] = [
             ("rank_pattern", list(self.raw_pattern_keys("rank_pattern"))),
             ("alpha_pattern", list(self.raw_pattern_keys("alpha_pattern"))),
@@ -192,8 +193,20 @@ class AdapterConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 fields.append((name, [value]))
+        return fields
+
+    def size_errors(self) -> list[str]:
+        """Each size bound (patterns.MAX_*) that the config's regexes and name lists pass, one
+        line each; the audit judges nothing else of such a config, and compiles none of it."""
+        lists = [(name, value) for name in ("target_modules", "exclude_modules")
+                 if isinstance(value := getattr(self, name), list)]
+        return patterns.size_errors(self._regexes(), lists)
+
+    def pattern_errors(self) -> list[str]:
+        """Every regex of the config that Python's `re` (PEFT's) cannot compile, one line each
+        naming its field; PEFT would fail on it, so it matches nothing here."""
         bad = []
-        for name, values in fields:
+        for name, values in self._regexes():
             for value in values:
                 why = patterns.compile_error(value)
                 if why is not None:
@@ -207,7 +220,8 @@ class AdapterConfig:
 
     def is_targeted(self, module_key: str) -> bool:
         """PEFT's `check_target_module_exists` for a module path as PEFT saw it."""
-        if _name_matches("exclude_modules", self.exclude_modules, module_key):
+        if _name_matches("exclude_modules", self.exclude_modules, module_key,
+                         self._name_sets.get("exclude_modules")):
             return False
         for m in self.modules_to_save:
             if patterns.match("modules_to_save", rf"(^|.*\.){m}($|\..*)", module_key, shown=m):
@@ -215,7 +229,8 @@ class AdapterConfig:
         targets = self.target_modules
         if targets is None:
             return False
-        if not _name_matches("target_modules", targets, module_key):
+        if not _name_matches("target_modules", targets, module_key,
+                             self._name_sets.get("target_modules")):
             return False
         if isinstance(targets, str):
             return True
@@ -223,6 +238,13 @@ class AdapterConfig:
             return True
         index = _layer_index(module_key, self.layers_pattern)
         return index is not None and index in self.layers_to_transform
+
+    @functools.cached_property
+    def _name_sets(self) -> dict[str, frozenset[str]]:
+        """target_modules and exclude_modules lists as sets: a module path is looked up by its
+        dotted suffixes, not compared with every name (65,536 names, thousands of paths)."""
+        return {name: frozenset(value) for name in ("target_modules", "exclude_modules")
+                if isinstance(value := getattr(self, name), list)}
 
     def with_default_targets(self, family: Family) -> AdapterConfig:
         """This config with PEFT's default for the family when `target_modules` is null."""
@@ -235,14 +257,18 @@ class AdapterConfig:
         return any(param_key == t or param_key.endswith("." + t) for t in self.target_parameters)
 
 
-def _name_matches(field: str, names: list[str] | str | None, key: str) -> bool:
-    """PEFT's rule: a string is a regex that must match the whole key; a list holds names that
-    match the key or its last dotted parts."""
+def _name_matches(field: str, names: list[str] | str | None, key: str,
+                  name_set: frozenset[str] | None) -> bool:
+    """PEFT's rule: a string is a regex that must match the whole key; a list (`name_set`, the
+    same names) holds names that match the key or its last dotted parts."""
     if names is None:
         return False
     if isinstance(names, str):
         return patterns.match(field, names, key, full=True) is not None
-    return any(key == n or key.endswith("." + n) for n in names)
+    assert name_set is not None
+    # `key == n or key.endswith("." + n)` for some n: the key, or what follows one of its dots.
+    return key in name_set or any(key[i + 1:] in name_set
+                                  for i, c in enumerate(key) if c == ".")
 
 
 def _layer_index(key: str, layers_pattern: list[str] | None) -> int | None:
@@ -332,6 +358,10 @@ class Adapter:
     def weights_path(self) -> Path:
         return self.path / WEIGHTS_NAME
 
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_NAME
+
     def tensor(self, key: AdapterKey) -> TensorInfo:
         return self.header.tensors[key.tensor]
 
@@ -340,6 +370,8 @@ class Adapter:
         path = adapter_dir(path)
         config_path = path / CONFIG_NAME
         weights = path / WEIGHTS_NAME
+        refuse_not_regular(config_path)
+        refuse_not_regular(weights)
         if not config_path.is_file():
             raise UsageError(f"{path}: no {CONFIG_NAME}: not a PEFT adapter directory")
         if not weights.is_file():

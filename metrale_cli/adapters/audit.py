@@ -198,6 +198,13 @@ def audit(
     adapter = replace(adapter, config=adapter.config.with_default_targets(model.family))
     report = AdapterReport(adapter)
     out = Collector()
+    too_large = adapter.config.size_errors()
+    if too_large:
+        # Before anything is compiled: a verdict by size, not by how fast this machine is.
+        for line in too_large:
+            out.add(Severity.ERROR, Code.LARGE_PATTERN, line)
+        report.findings = out.findings()
+        return report
     _audit_config(adapter, model, out)
     if adapter.config.value_errors:
         # Ranks and scales the config cannot state: nothing below could be judged honestly.

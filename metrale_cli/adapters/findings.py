@@ -67,6 +67,7 @@ class Code(str, Enum):
     # The config against the file.
     BAD_PATTERN = "bad_pattern"
     SLOW_PATTERN = "slow_pattern"
+    LARGE_PATTERN = "large_pattern"
     BAD_CONFIG_VALUE = "bad_config_value"
     PATTERN_OVERLAP = "pattern_overlap"
     UNEXPLAINED_KEY = "unexplained_key"

@@ -6,17 +6,20 @@ write, and `base_model_name_or_path` set to the model spec so `inspect` finds th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME
 from metrale_cli.bf16 import f32_to_bf16
 from metrale_cli.errors import OutputExists, UsageError
-from metrale_cli.files.atomic import atomic_write, check_output
+from metrale_cli.files.atomic import atomic_directory
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import ALL, LoraModule
 
@@ -56,22 +59,19 @@ def synth_adapter(
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if out.is_dir() and not out.is_symlink() and any(out.iterdir()) and not force:
         raise OutputExists(f"{out} is not empty; pass --force to overwrite the adapter there")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("adapter_model.safetensors", "adapter_config.json"):
-        check_output(out / name, force=True)  # a device or FIFO there: refuse before writing
     st_dtype, itemsize = DTYPES[dtype]
 
     # (name, rows, cols, std): A [r, in] and B [out, r] per applicable (layer, module).
     plan: list[tuple[str, int, int, float]] = []
+    narrowest = math.inf  # the narrower side of the smallest weight adapted
     for layer in range(model.num_hidden_layers):
         for module in ALL:
             if module not in modules or not module.applies_to_layer(model, layer):
                 continue
             out_dim, in_dim = module.dims(model)
+            narrowest = min(narrowest, out_dim, in_dim)
             key = f"base_model.model.model.layers.{layer}.{module.peft_path}"
             plan.append((f"{key}.lora_A.weight", rank, in_dim, 1 / math.sqrt(in_dim)))
             plan.append((f"{key}.lora_B.weight", out_dim, rank, 1 / math.sqrt(rank)))
@@ -80,10 +80,16 @@ def synth_adapter(
         key = f"base_model.model.model.layers.{layer}.mlp.experts"
         # Two wrapped parameters: the inner one (gate_up_proj) sits under `.base_layer.`.
         for name, in_dim, out_dim in ((f"{key}.base_layer", h, 2 * i), (key, i, h)):
+            narrowest = min(narrowest, in_dim, out_dim)
             plan.append((f"{name}.lora_A.weight", n_exp * rank, in_dim, 1 / math.sqrt(in_dim)))
             plan.append((f"{name}.lora_B.weight", out_dim, n_exp * rank, 1 / math.sqrt(rank)))
     if not plan:
         raise UsageError("none of the modules applies to any layer of this model")
+    # Past the narrower side of a weight a LoRA pair holds more numbers than the weight itself:
+    # no adapter is trained so, and --rank 10000000 would fill the disk.
+    if rank > narrowest:
+        raise UsageError(f"--rank {rank} is above {narrowest}, the narrower side of the "
+                         "smallest weight it adapts; a LoRA rank is at most that")
 
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     cursor = 0
@@ -128,8 +134,26 @@ def synth_adapter(
         "inference_mode": True,
         "metrale_synthetic": {"seed": seed, "dtype": dtype},
     }
-    atomic_write(out / "adapter_model.safetensors", write_weights, force=True)
-    atomic_write(out / "adapter_config.json",
-                 lambda f: f.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode()),
-                 force=True)
+    def fill(tmp: Path) -> None:
+        with (tmp / WEIGHTS_NAME).open("wb") as f:
+            write_weights(f)
+            f.flush()
+            os.fsync(f.fileno())
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    # Built beside `out` and renamed into place, as unpack writes its adapter: a full disk or a
+    # signal leaves no half-written (or empty) adapter directory. An empty directory there is
+    # taken as the place to write, as `mkdir out && synth out` means.
+    empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    # Missing parents are made (`mkdir -p`), and removed again when the write fails.
+    made = [d for d in reversed(out.parents) if not d.exists()]
+    try:
+        for d in made:
+            d.mkdir()
+        atomic_directory(out, fill, force or empty, owned=[CONFIG_NAME, WEIGHTS_NAME])
+    except BaseException:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     return SynthResult(out, len(plan), 8 + len(blob) + cursor)

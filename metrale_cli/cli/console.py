@@ -35,7 +35,8 @@ def out() -> Console:
     """stdout for views (rich is imported on first output, not by `--help`)."""
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=False, width=_width())
+    return Console(highlight=False, soft_wrap=False, width=_width(),
+                   color_system=None if env.no_color() else "auto")
 
 
 @functools.cache
@@ -43,7 +44,15 @@ def err() -> Console:
     """stderr for errors, warnings and progress."""
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
+    return Console(stderr=True, highlight=False, soft_wrap=True, width=_width(),
+                   color_system=None if env.no_color() else "auto")
+
+
+def print_view(view: Any) -> None:
+    """A view on stdout. Its whole lines (render.whole, render.fields: a fingerprint, a path,
+    a number with its unit) pass the terminal's width uncropped and unfolded, so the terminal
+    wraps them and a line a user greps for stays one line; tables fit the width as laid out."""
+    out().print(view, crop=False)
 
 
 @contextlib.contextmanager
@@ -99,6 +108,9 @@ def handles_errors(fn: F) -> F:
         except MetraleError as exc:
             if debug:
                 raise
+            record = getattr(exc, "record", None)
+            if kwargs.get("json_out") and record is not None:
+                emit_json(record)  # a judged refusal's record, as inspect --json prints it
             for line in exc.details:
                 say(line)
             say(f"error: {exc}")
@@ -155,7 +167,7 @@ def emit(record: Any, json_out: bool, view: Callable[[Any], Any]) -> None:
     if json_out:
         emit_json(record)
     else:
-        out().print(view(record))
+        print_view(view(record))
 
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, err, handles_errors
+from metrale_cli.cli.console import emit, emit_json, err, handles_errors
 from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, online_on
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
@@ -21,8 +21,13 @@ def show(image: ImageArg, json_out: JsonOpt = False) -> None:
     from metrale_cli.cli import render
     from metrale_cli.image.show import show_image
 
-    record = show_image(image).record()
-    emit(record, json_out, render.show_view)
+    shown = show_image(image)
+    refusal = shown.refusal()
+    if refusal is not None:
+        if json_out:  # the record says why, as inspect's and verify's do
+            emit_json(shown.record())
+        raise refusal
+    emit(shown.record(), json_out, render.show_view)
 
 
 @handles_errors

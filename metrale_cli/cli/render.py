@@ -23,6 +23,26 @@ SEVERITY_STYLE = {Severity.ERROR.value: "bold red", Severity.WARNING.value: "yel
                   Severity.INFO.value: "cyan"}
 
 
+def whole(line: str) -> Text:
+    """A line that is never folded at the terminal's width (console.print_view prints it
+    uncropped): a fingerprint, a path or a number with its unit stays on the line a user
+    greps for. Plain text: input in it is never read as markup."""
+    return Text(line, no_wrap=True, overflow="ignore")
+
+
+def fields(rows: list[tuple[str, str]]) -> Text:
+    """`key  value` lines, keys dim and aligned, each line whole (`whole`); where a grid would
+    fold a long value onto the next line (`6,656` / `B`), the terminal wraps it instead."""
+    width = max((len(key) for key, _ in rows), default=0)
+    text = Text(no_wrap=True, overflow="ignore")
+    for i, (key, value) in enumerate(rows):
+        if i:
+            text.append("\n")
+        text.append(key.ljust(width), style="dim")
+        text.append(f"  {value}")
+    return text
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -79,8 +99,8 @@ def _adapter_panel(model: dict[str, Any], a: dict[str, Any]) -> Panel:
     if a["slot_max_rank"] is not None:
         summary.add_row(
             "slot",
-            f"{human_bytes(a['slot_bytes'])} ({a['slot_bytes']:,} B) padded to rank "
-            f"{a['slot_max_rank']} for its modules",
+            f"{human_bytes(a['slot_bytes'])} ({a['slot_bytes']:,} B) at rank "
+            f"{a['slot_max_rank']}: {a['slot_rank_reason']}",
         )
     if a["expert_pairs"]:
         summary.add_row("experts", f"{a['expert_pairs']} (layer, projection, expert) "
@@ -90,8 +110,8 @@ def _adapter_panel(model: dict[str, Any], a: dict[str, Any]) -> Panel:
         summary.add_row(
             "expert slot",
             f"{human_bytes(a['expert_slot_bytes'])} "
-            f"({a['expert_slot_bytes']:,} B) padded to rank {a['expert_slot_max_rank']}, "
-            "in the expert pool beside the slot pool")
+            f"({a['expert_slot_bytes']:,} B) at rank {a['expert_slot_max_rank']}: "
+            f"{a['expert_slot_rank_reason']}; in the expert pool beside the slot pool")
     if a["overlays"]:
         summary.add_row("overlays", ", ".join(
             f"{o['tokens']} tokens replace {o['table']} rows"
@@ -170,38 +190,38 @@ def layout_view(record: dict[str, Any], per_gpu: bool = False) -> Group:
     above the per-rank pools of `--tp`, without the unsharded pool's size."""
     ex = record["experts"]
     max_loras = None if per_gpu else record["max_loras"]
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="dim")
-    table.add_column()
-    table.add_row("model", escape(model_line(record["model"])))
-    table.add_row("modules", ", ".join(record["modules"]))
-    table.add_row("max rank", str(record["max_rank"]))
-    table.add_row("entries", f"{len(record['entries'])} (layer, module) pairs")
-    table.add_row("slot", f"{record['slot_bytes']:,} B ({human_bytes(record['slot_bytes'])}), "
-                  f"{record['align']}-byte aligned {record['dtype']}")
+    rows = [
+        ("model", model_line(record["model"])),
+        ("modules", ", ".join(record["modules"])),
+        ("max rank", str(record["max_rank"])),
+        ("entries", f"{len(record['entries'])} (layer, module) pairs"),
+        ("slot", f"{record['slot_bytes']:,} B ({human_bytes(record['slot_bytes'])}), "
+                 f"{record['align']}-byte aligned {record['dtype']}"),
+    ]
     if ex is not None:
-        table.add_row("expert slot", f"{ex['expert_slot_bytes']:,} B "
-                      f"({human_bytes(ex['expert_slot_bytes'])}), {ex['n_entries']:,} (layer, "
-                      f"projection, expert) entries on {len(ex['layers'])} "
-                      f"layers at rank {ex['max_rank']}, a separate allocation")
+        rows.append(("expert slot", f"{ex['expert_slot_bytes']:,} B "
+                     f"({human_bytes(ex['expert_slot_bytes'])}), {ex['n_entries']:,} (layer, "
+                     f"projection, expert) entries on {len(ex['layers'])} "
+                     f"layers at rank {ex['max_rank']}, a separate allocation"))
     if record["budget_bytes"] is not None and max_loras is not None:
         what = "both pools" if ex is not None else "slots"
-        table.add_row("budget", f"{human_bytes(record['budget_bytes'])} holds {max_loras:,} "
-                      f"slots ({what} with their tables)")
+        rows.append(("budget", f"{human_bytes(record['budget_bytes'])} holds {max_loras:,} "
+                     f"slots ({what} with their tables)"))
     if max_loras is not None:
-        table.add_row("pool", f"{max_loras} slots: {record['pool_bytes']:,} B "
-                      f"({human_bytes(record['pool_bytes'])})")
-        table.add_row("tables", f"{record['table_bytes']:,} B (A/B pointers, scales, ranks)")
+        rows.append(("pool", f"{max_loras:,} slots: {record['pool_bytes']:,} B "
+                     f"({human_bytes(record['pool_bytes'])})"))
+        rows.append(("tables", f"{record['table_bytes']:,} B (A/B pointers, scales, ranks)"))
         if ex is not None:
-            table.add_row("expert pool", f"{ex['expert_pool_bytes']:,} B "
-                          f"({human_bytes(ex['expert_pool_bytes'])}) + "
-                          f"{ex['table_bytes']:,} B expert tables")
+            rows.append(("expert pool", f"{ex['expert_pool_bytes']:,} B "
+                         f"({human_bytes(ex['expert_pool_bytes'])}) + "
+                         f"{ex['table_bytes']:,} B expert tables"))
         if record["total_bytes"] is not None:
-            table.add_row("total", f"{record['total_bytes']:,} B "
-                          f"({human_bytes(record['total_bytes'])})")
-    table.add_row("fingerprint", record["fingerprint"])
+            rows.append(("total", f"{record['total_bytes']:,} B "
+                         f"({human_bytes(record['total_bytes'])})"))
+    rows.append(("fingerprint", record["fingerprint"]))
     if ex is not None:
-        table.add_row("expert fingerprint", ex["fingerprint"])
+        rows.append(("expert fingerprint", ex["fingerprint"]))
+    table = fields(rows)
 
     shares = record["shares"]
     total = sum(shares["module"].values()) or 1
@@ -357,7 +377,7 @@ def pack_view(record: dict[str, Any]) -> Group:
     if record["image"] is not None:
         lines.append(f"wrote {record['image']} ({human_bytes(record['image_bytes'])}) in "
                      f"{record['write_seconds']:.3f} s; layout fingerprint {lay['fingerprint']}")
-    return Group(table, *(Text(line) for line in lines))
+    return Group(table, *(whole(line) for line in lines))
 
 
 def _rank_span(ranks: list[int]) -> str:
@@ -370,31 +390,28 @@ def sharded_layout_view(record: dict[str, Any]) -> Group:
     """`metrale layout --tp N`: the unsharded slot, then per GPU each distinct rank layout
     (`ShardedPlan.record`)."""
     unsharded = layout_view(record, per_gpu=True)
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="dim")
-    table.add_column()
     mode = (f"tp {record['tp_size']}, ep {record['ep_size']} (MoE TP "
             f"{record['tp_size'] // record['ep_size']})"
             + (", fully sharded" if record["fully_sharded"] else ""))
-    table.add_row("deployment", mode)
+    rows = [("deployment", mode)]
     slot, max_loras = record["slot_bytes"], record["max_loras"]
     if record["budget_bytes"] is not None and max_loras is not None:
-        table.add_row("budget", f"{human_bytes(record['budget_bytes'])} per GPU holds "
-                      f"{max_loras:,} slots on every rank")
+        rows.append(("budget", f"{human_bytes(record['budget_bytes'])} per GPU holds "
+                     f"{max_loras:,} slots on every rank"))
     for group in record["rank_layouts"]:
         share = f", {100 * group['slot_bytes'] / slot:.0f}% of the unsharded slot" if slot else ""
-        table.add_row(_rank_span(group["ranks"]),
-                      f"slot {group['slot_bytes']:,} B ({human_bytes(group['slot_bytes'])}) "
-                      f"per GPU{share}")
+        rows.append((_rank_span(group["ranks"]),
+                     f"slot {group['slot_bytes']:,} B ({human_bytes(group['slot_bytes'])}) "
+                     f"per GPU{share}"))
         if group["expert_slot_bytes"] is not None:
-            table.add_row("", f"expert slot {group['expert_slot_bytes']:,} B "
-                          f"({human_bytes(group['expert_slot_bytes'])}) per GPU")
+            rows.append(("", f"expert slot {group['expert_slot_bytes']:,} B "
+                         f"({human_bytes(group['expert_slot_bytes'])}) per GPU"))
         if max_loras is not None and group["total_bytes"] is not None:
-            table.add_row("", f"{max_loras} slots: {group['total_bytes']:,} B "
-                          f"({human_bytes(group['total_bytes'])}) per GPU with tables")
+            rows.append(("", f"{max_loras:,} slots: {group['total_bytes']:,} B "
+                         f"({human_bytes(group['total_bytes'])}) per GPU with tables"))
         for k, fingerprint in zip(group["ranks"], group["fingerprints"], strict=True):
-            table.add_row("", f"rank {k} fingerprint {fingerprint}")
-    return Group(unsharded, Text(""), table)
+            rows.append(("", f"rank {k} fingerprint {fingerprint}"))
+    return Group(unsharded, Text(""), fields(rows))
 
 
 def _ranks_view(record: dict[str, Any]) -> Group:
@@ -519,7 +536,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
                 if s["fits_budget"] is not None:
                     fits = "fits" if s["fits_budget"] else "does NOT fit"
                     line += f", {fits} the {human_bytes(record['budget_bytes'])} budget"
-            parts.append(Text(line))
+            parts.append(whole(line))
             if s["first_meeting"] is not None and s["first_meeting"] != s["max_loras"]:
                 parts.append(Text(f"  not monotonic: {s['first_meeting']} slots meet it, a "
                                   "larger size does not"))
@@ -661,22 +678,22 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
 def show_view(record: dict[str, Any]) -> Group:
     """`metrale show`: the image's record (see image.show.ImageShow)."""
     lay, ex = record["layout"], record["experts"]
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column(overflow="fold")  # a long path folds rather than losing its end
-    grid.add_row("image", f"{record['path']} ({record['format']}, consistent)")
-    grid.add_row("model", model_line(record["model"]))
-    grid.add_row("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
-                 f"({', '.join(lay['modules']) or 'no modules'}), slot {lay['slot_bytes']:,} B, "
-                 f"{lay['max_loras']} slots")
-    grid.add_row("fingerprint", lay["fingerprint"])
+    rows = [
+        ("image", f"{record['path']} ({record['format']}, consistent)"),
+        ("model", model_line(record["model"])),
+        ("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
+                   f"({', '.join(lay['modules']) or 'no modules'}), slot "
+                   f"{lay['slot_bytes']:,} B, {lay['max_loras']:,} slots"),
+        ("fingerprint", lay["fingerprint"]),
+    ]
     if ex is not None:
-        grid.add_row("experts", f"max rank {ex['max_rank']}, {ex['entries']:,} entries on "
-                     f"layers {layer_set(ex['layers'])}, expert slot {ex['expert_slot_bytes']:,} B")
-        grid.add_row("expert fingerprint", ex["fingerprint"])
-    grid.add_row("active", f"slot {record['active']}")
+        rows.append(("experts", f"max rank {ex['max_rank']}, {ex['entries']:,} entries on "
+                     f"layers {layer_set(ex['layers'])}, expert slot "
+                     f"{ex['expert_slot_bytes']:,} B"))
+        rows.append(("expert fingerprint", ex["fingerprint"]))
+    rows.append(("active", f"slot {record['active']}"))
     free = record["free_slots"]
-    grid.add_row("free slots", ", ".join(map(str, free)) if free else "none")
+    rows.append(("free slots", ", ".join(map(str, free)) if free else "none"))
     # Figures never wrap; a long name or overlay list folds onto more lines, so every header and
     # cell reads whole at 80 columns (the headers alone take 63).
     table = Table(header_style="bold", padding=(0, 1, 0, 0), box=box.SIMPLE_HEAD,
@@ -686,9 +703,7 @@ def show_view(record: dict[str, Any]) -> Group:
         table.add_column(col, no_wrap=col not in ("name", "overlays"),
                          overflow="fold" if col == "name" else "ellipsis",
                          min_width=len(col))
-    sources = Table.grid(padding=(0, 2))
-    sources.add_column(style="dim")
-    sources.add_column(overflow="fold")
+    sources = []
     for s in record["slots"]:
         if not s["name"]:
             continue
@@ -696,7 +711,7 @@ def show_view(record: dict[str, Any]) -> Group:
         table.add_row(str(s["slot"]), s["name"], str(s["generation"]), str(s["rank"]),
                       _fmt(s["alpha"]), f"{s['scale']:.6g}", "yes" if s["pinned"] else "",
                       str(s["entries"]), str(s["expert_entries"] or "·"), overlays or "·")
-        sources.add_row(f"slot {s['slot']} source", s["source"])
+        sources.append((f"slot {s['slot']} source", s["source"]))
     sizes = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     sizes.add_column("part")
     sizes.add_column("bytes", justify="right")
@@ -704,22 +719,23 @@ def show_view(record: dict[str, Any]) -> Group:
     for part, n in record["bytes"].items():
         if n or part in ("pool", "total"):
             sizes.add_row(part, f"{n:,}", human_bytes(n))
-    return Group(grid, Text(), table, Text(), sources, sizes)
+    return Group(fields(rows), Text(), table, Text(), fields(sources), sizes)
 
 
 def synth_view(record: dict[str, Any]) -> Text:
     """`metrale synth`: what was written (`SynthResult.record`)."""
-    return Text(f"wrote {record['path']}: {record['tensors']} tensors, "
-                f"{human_bytes(record['bytes'])}")
+    return whole(f"wrote {record['path']}: {record['tensors']} tensors, "
+                 f"{human_bytes(record['bytes'])}")
 
 
 def unpack_view(record: dict[str, Any]) -> Text:
     """`metrale unpack`: the adapter written from a slot (`UnpackResult.record`)."""
     overlays = (f", trainable tokens for {', '.join(record['overlays'])}"
                 if record["overlays"] else "")
-    return Text(f"wrote {record['path']}: slot {record['slot']} ({record['name']}), "
-                f"{record['modules']} modules at r={record['r']} "
-                f"lora_alpha={record['lora_alpha']:g}{overlays}, {human_bytes(record['bytes'])}")
+    return whole(f"wrote {record['path']}: slot {record['slot']} ({record['name']}), "
+                 f"{record['modules']} modules at r={record['r']} "
+                 f"lora_alpha={record['lora_alpha']:g}{overlays}, "
+                 f"{human_bytes(record['bytes'])}")
 
 
 # Differing regions listed per adapter; --json has them all.

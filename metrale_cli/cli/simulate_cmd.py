@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from metrale_cli.cli.console import emit, err, handles_errors, warn
+from metrale_cli.cli.console import emit, err, handles_errors, say, warn
 from metrale_cli.cli.options import (
     EpOpt,
     ExpertsOpt,
@@ -238,7 +238,17 @@ def simulate(
             task = bar.add_task("simulate", total=None)
             result = simulate_all(lambda n, total: bar.update(task, advance=n, total=total))
     else:
-        result = simulate_all(None)
+        # Off a terminal (piped, logged) a line at each tenth: a long sweep is not silent.
+        done, said = [0], [0]
+
+        def tenths(n: int, total: int) -> None:
+            done[0] += n
+            tenth = 10 * done[0] // max(total, 1)
+            if tenth > said[0] and tenth < 10:
+                said[0] = tenth
+                say(f"simulating: {10 * tenth}% of {total:,} request replays")
+
+        result = simulate_all(tenths)
     if plot_path is not None:
         sim.plot(result, plot_path, force)
     emit(result.record(), json_out, render.simulate_view)

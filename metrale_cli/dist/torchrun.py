@@ -35,8 +35,9 @@ Plan = Callable[[], tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]]
 
 def under_torchrun() -> bool:
     """Whether this process is one of a torch.distributed launch (torchrun sets RANK and
-    WORLD_SIZE, with MASTER_ADDR and MASTER_PORT for the env:// rendezvous)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    WORLD_SIZE, with MASTER_ADDR and MASTER_PORT for the env:// rendezvous); UsageError when
+    they are set but are not a launch's."""
+    return env.torchrun_rank() is not None
 
 
 def pack_torchrun(plan: Plan, max_loras: int, spec: ShardSpec, device: str = "auto",
@@ -51,7 +52,10 @@ def pack_torchrun(plan: Plan, max_loras: int, spec: ShardSpec, device: str = "au
     on rank 0, None elsewhere."""
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launch = env.torchrun_rank()
+    if launch is None:
+        raise UsageError("pack_torchrun runs in a process torchrun started (RANK, WORLD_SIZE)")
+    rank, world = launch
     if world != spec.tp_size:
         raise UsageError(f"--tp {spec.tp_size} under torchrun needs {spec.tp_size} processes "
                          f"(one per rank), got {world}")
@@ -159,7 +163,7 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
             if chosen == "cuda":
                 from metrale_cli.compat import cupy_module
 
-                cupy_module().cuda.Device(int(os.environ.get("LOCAL_RANK", rank))).use()
+                cupy_module().cuda.Device(env.local_rank(rank)).use()
             if final is not None:
                 # Of the ranks on a node one makes DIR; it removes DIR again if the pack fails.
                 with contextlib.suppress(FileExistsError):

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno
 import fnmatch
+import hashlib
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
 RENAME_NOREPLACE = 1  # linux/fs.h
 RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+_NAME_MAX = 255  # bytes in one path component (Linux; every file system metrale writes to)
 _CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -68,6 +70,23 @@ def check_output(path: Path, force: bool) -> None:
         raise UsageError(f"{path} exists and is not a regular file; metrale never replaces one")
     if not force:
         raise OutputExists(f"{path} exists; pass --force to overwrite it")
+
+
+def check_not_an_input(path: Path, inputs: Iterable[Path]) -> None:
+    """Refuse an output `path` that is one of the command's `inputs`, by any name (a symlink, a
+    hard link, `./x`): `--force` replaces an earlier output, never a file the command reads."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # not there yet: it cannot be an input
+    for source in inputs:
+        try:
+            other = os.stat(source)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino):
+            raise UsageError(f"{path} is {source}, an input of this command; write the output "
+                             "elsewhere")
 
 
 def atomic_write(path: Path, write: Any, force: bool) -> None:
@@ -109,7 +128,20 @@ def atomic_write(path: Path, write: Any, force: bool) -> None:
 
 def _temp_prefix(path: Path) -> str:
     """`.NAME.PID.`: with mkstemp's random part and `.tmp`, a name `_TEMP` matches."""
-    return f".{path.name}.{os.getpid()}."
+    return f".{_temp_stem(path.name)}.{os.getpid()}."
+
+
+def _temp_stem(name: str) -> str:
+    """`name` as its temp files carry it: whole when the temp name fits in NAME_MAX (255 bytes),
+    else cut, with a digest of the whole name so that two long names sharing a start differ."""
+    # The dots, a pid (at most 7 digits), mkstemp's 8 random characters and `.tmp`.
+    room = _NAME_MAX - 22
+    encoded = name.encode("utf-8", "surrogateescape")
+    if len(encoded) <= room:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    cut = encoded[: room - len(digest) - 1].decode("utf-8", "ignore")
+    return f"{cut}~{digest}"
 
 
 def publish_new(tmp: str | Path, path: Path) -> None:
@@ -192,6 +224,21 @@ def publish_dir(tmp: Path, path: Path, force: bool, owned: Sequence[str]) -> Non
         os.close(dir_fd)
 
 
+def check_output_dir(path: Path, force: bool, owned: Sequence[str]) -> None:
+    """Refuse an output directory `atomic_directory` would refuse, before any work: a path that
+    exists and is not a directory, an existing one without `force`, one holding anything but
+    files named like `owned` with it, a missing parent."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise UsageError(f"{path} exists and is not a directory; metrale never replaces one")
+    if path.exists() and not force:
+        raise OutputExists(f"{path} exists; pass --force to overwrite it")
+    if path.exists():
+        check_replaceable(path, owned)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory")
+
+
 def atomic_directory(path: Path, fill: Any, force: bool, owned: Sequence[str]) -> None:
     """Build the directory `path` through `fill(dir)` in a temp directory beside it, then
     publish it (`publish_dir`): a failure, SIGINT, SIGTERM or SIGHUP while filling leaves no
@@ -199,15 +246,7 @@ def atomic_directory(path: Path, fill: Any, force: bool, owned: Sequence[str]) -
     but a directory of files named like `owned` (glob patterns: what `fill` writes) even with
     it."""
     path = Path(path)
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise UsageError(f"{path} exists and is not a directory; metrale never replaces one")
-    if path.exists() and not force:
-        raise OutputExists(f"{path} exists; pass --force to overwrite it")
-    if path.exists():
-        check_replaceable(path, owned)  # before the work; publish_dir checks again
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"{parent}: no such directory")
+    check_output_dir(path, force, owned)  # before the work; publish_dir checks again
     with cleanup_on_signals():
         tmp = temp_dir(path)
         try:
@@ -232,7 +271,7 @@ def remove_stale_temps(parent: Path, name: str) -> list[Path]:
         return removed
     for entry in entries:
         m = _TEMP.match(entry.name)
-        if m is None or m.group("name") != name:
+        if m is None or m.group("name") != _temp_stem(name):
             continue
         with contextlib.suppress(OSError):
             if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(

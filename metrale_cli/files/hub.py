@@ -174,4 +174,8 @@ def hub_error(hub: HubId, filename: str, online: bool, exc: Exception) -> UsageE
     if _is_transport_error(exc):
         return UsageError(f"{where}: cannot reach {env.hf_endpoint()} (no network?) and it is "
                           "not in the local cache")
+    if isinstance(exc, OSError):
+        # The cache or token files under HF_HOME / HF_HUB_CACHE (HF_HOME=/dev/null).
+        return UsageError(f"{where}: cannot use {exc.filename or env.hf_hub_cache()} "
+                          f"({exc.strerror or exc}); check HF_HOME and HF_HUB_CACHE")
     return UsageError(f"{where}: {type(exc).__name__}: {exc}".splitlines()[0])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from metrale_cli.errors import FormatError
 from metrale_cli.files.jsondoc import load_json
+from metrale_cli.files.regular import refuse_not_regular
 
 # Bytes per element of every dtype the format defines (sub-byte ones are not LoRA dtypes).
 DTYPE_BYTES: dict[str, int] = {
@@ -55,6 +56,7 @@ class SafetensorsHeader:
 def read_header(path: str | Path) -> SafetensorsHeader:
     """Parse and validate a safetensors header; FormatError names the file and the defect."""
     path = Path(path)
+    refuse_not_regular(path)  # a FIFO would block the read below
     try:
         with path.open("rb") as f:
             file_size = f.seek(0, 2)

@@ -7,6 +7,7 @@ all check an image here. `problems(tables)` lists every inconsistency, most basi
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,13 @@ def _first_entry_difference(what: str, recorded: Any, computed: list[dict[str, A
     return f"{what} entry {i} is recorded as {recorded[i]}; the model gives {computed[i]}"
 
 
+def _float32(value: float) -> np.float32:
+    """`value` rounded to float32 as the scale table holds it; one past float32's range is
+    infinity, quietly (NumPy would warn on stderr besides the error line that reports it)."""
+    with np.errstate(over="ignore"):
+        return np.float32(value)
+
+
 def slot_problems(t: ImageTables, slot: int) -> list[str]:
     """Slot `slot`'s tables against its metadata and the layouts: rank and scale, and every
     offset -1 on both sides or inside the slot, aligned, not overlapping another region of the
@@ -78,7 +86,7 @@ def slot_problems(t: ImageTables, slot: int) -> list[str]:
         found.append(f"{where}: ranks[{slot}] is {rank}; the slot's metadata says "
                      f"{s.get('rank')}")
     want_scale = s.get("scaling")
-    if not isinstance(want_scale, (int, float)) or np.float32(want_scale) != np.float32(scale):
+    if not isinstance(want_scale, (int, float)) or _float32(want_scale) != np.float32(scale):
         found.append(f"{where}: scales[{slot}] is {scale:.9g}; the slot's metadata says "
                      f"{want_scale}")
     if name:
@@ -215,7 +223,15 @@ def problems(t: ImageTables) -> list[str]:
 
 def check(t: ImageTables) -> None:
     """ImageInconsistent naming the first problem (and how many more there are)."""
-    found = problems(t)
-    if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise ImageInconsistent(f"{t.path}: {found[0]}{more}")
+    found = inconsistency(t.path, problems(t))
+    if found is not None:
+        raise found
+
+
+def inconsistency(path: Path | str, found: list[str]) -> ImageInconsistent | None:
+    """The ImageInconsistent an image with the problems `found` is refused with: the first
+    problem (and how many more there are); None when there are none."""
+    if not found:
+        return None
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return ImageInconsistent(f"{path}: {found[0]}{more}")

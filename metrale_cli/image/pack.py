@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale_cli.adapters.audit import AdapterReport
-from metrale_cli.files.atomic import atomic_directory
+from metrale_cli.files.atomic import atomic_directory, check_not_an_input
 from metrale_cli.image.pool_image import write_image
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import max_rank_warnings
@@ -78,6 +78,9 @@ def pack_rank(layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras:
     packed into slots [0, n); its image written to `path` if given. Returns the pool and its
     pack record, with the rank's `shard` under tensor parallelism. `progress` gets the file
     bytes read."""
+    if path is not None:  # the image never replaces one of the files it is packed from
+        check_not_an_input(path, [p for r in reports for p in (r.adapter.weights_path,
+                                                               r.adapter.config_path)])
     if spec is not None:
         layout, expert_layout = rank_layouts(layout, expert_layout, spec)
     started = time.perf_counter()

@@ -3,11 +3,12 @@ from its header and tables alone and checked first."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metrale_cli.image.check import check
+from metrale_cli.errors import ImageInconsistent
+from metrale_cli.image.check import inconsistency, problems
 from metrale_cli.image.format import FORMAT, ImageTables, read_tables
 
 # Which part of the file each tensor is, for the bytes-by-part view.
@@ -17,9 +18,20 @@ _PARTS = {"pool": "pool", "expert_pool": "expert_pool", "overlay_slots": "overla
 
 @dataclass(frozen=True)
 class ImageShow:
-    """What `metrale show` prints: the image's record, after it has been checked."""
+    """What `metrale show` prints: the image's record, after it has been checked; for an
+    inconsistent image (`problems`), the record says so and holds nothing read from the tables
+    the problems put in doubt."""
 
     tables: ImageTables
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def refusal(self) -> ImageInconsistent | None:
+        """What the library raises for this image (`check`), or None when it is consistent."""
+        return inconsistency(self.tables.path, self.problems)
 
     def slot_record(self, k: int) -> dict[str, Any]:
         t, s = self.tables, self.tables.slots_doc[k]
@@ -45,6 +57,9 @@ class ImageShow:
 
     def record(self) -> dict[str, Any]:
         t = self.tables
+        if not self.valid:
+            return {"path": str(t.path), "format": FORMAT, "valid": False,
+                    "problems": self.problems}
         slots = [self.slot_record(k) for k in range(t.max_loras)]
         return {
             "path": str(t.path),
@@ -64,7 +79,7 @@ class ImageShow:
 
 
 def show_image(path: str | Path) -> ImageShow:
-    """Read and check the image at `path` (header and tables only)."""
+    """Read and check the image at `path` (header and tables only): its record, which for an
+    inconsistent image lists the problems (`refusal()` is then what `check` raises)."""
     tables = read_tables(path)
-    check(tables)
-    return ImageShow(tables)
+    return ImageShow(tables, problems(tables))

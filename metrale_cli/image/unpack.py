@@ -11,6 +11,7 @@ overlays as PEFT trainable tokens.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,16 +112,22 @@ def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, lis
         os.close(fd)
     scale = float(t.scales[slot])
     slot_doc = t.slots_doc[slot]
+    alpha, rslora = config_alpha(slot_doc.get("alpha"), rank, scale)
+
+    def alpha_at(r: int) -> float:
+        """The alpha that gives rank `r` the slot's scale, in the config's form."""
+        return scale * (math.sqrt(r) if rslora else r)
+
     tensors.update(experts.tensors)
     config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
-        # PEFT's scaling is lora_alpha / r: the slot's scale, with every module's own ratio
-        # already in its B.
-        "lora_alpha": scale * rank, "use_rslora": False, "lora_dropout": 0.0, "bias": "none",
+        # PEFT's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is the slot's scale, with
+        # every module's own ratio already in its B.
+        "lora_alpha": alpha, "use_rslora": rslora, "lora_dropout": 0.0, "bias": "none",
         "target_modules": targets,
         # Expert parameters at another rank keep the slot's scale through their own alpha.
         "rank_pattern": {p: r for p, r in experts.ranks.items() if r != rank},
-        "alpha_pattern": {p: scale * r for p, r in experts.ranks.items() if r != rank},
+        "alpha_pattern": {p: alpha_at(r) for p, r in experts.ranks.items() if r != rank},
         "base_model_name_or_path": t.model.source or None,
         "metrale": {"image": str(t.path), "slot": slot, "name": slot_doc.get("name"),
                     "packed_from": slot_doc.get("source"), "alpha": slot_doc.get("alpha")},
@@ -130,6 +137,17 @@ def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, lis
     if token_indices:
         config["trainable_token_indices"] = token_indices
     return tensors, config
+
+
+def config_alpha(recorded: Any, rank: int, scale: float) -> tuple[float, bool]:
+    """(lora_alpha, use_rslora) for a slot of `rank` and `scale`: the slot's recorded alpha in
+    the form that gives exactly its scale (alpha / r, else rsLoRA's alpha / sqrt(r)), as the
+    adapter was written; else (scale * r, False), which PEFT scales the same."""
+    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0:
+        for rslora, divisor in ((False, rank), (True, math.sqrt(rank))):
+            if np.float32(recorded / divisor) == np.float32(scale):
+                return float(recorded), rslora
+    return scale * rank, False
 
 
 @dataclass

@@ -57,12 +57,14 @@ class AuditedAdapters:
 
     def refuse_unservable(self) -> None:
         """What `pack` would refuse, every planning command refuses: NotServable (exit 1)
-        naming the refused adapters, with each error finding as a detail line."""
+        naming the refused adapters, with each error finding as a detail line and the audit's
+        record (`--json` prints it)."""
         refused = [r for r in self.reports if not r.servable]
         if refused:
             raise NotServable(
                 f"{len(refused)} adapter(s) not servable: {', '.join(r.name for r in refused)}",
-                [f"{r.name}: {f.code}: {f.message}" for r in refused for f in r.errors()])
+                [f"{r.name}: {f.code}: {f.message}" for r in refused for f in r.errors()],
+                self.record())
 
     def record(self) -> dict[str, Any]:
         """`metrale inspect --json`: the model summary, the warnings about the max rank, and
@@ -79,8 +81,11 @@ class AuditedAdapters:
                 "expert_ranks": sorted({p.r for p in report.expert_pairs}),
                 "slot_bytes": footprint.slot_bytes,
                 "slot_max_rank": slot.max_rank if slot is not None else None,
+                "slot_rank_reason": footprint.rank_reason if slot is not None else None,
                 "expert_slot_bytes": footprint.expert_slot_bytes,
                 "expert_slot_max_rank": expert_slot.max_rank if expert_slot else None,
+                "expert_slot_rank_reason": (footprint.expert_rank_reason if expert_slot
+                                            else None),
             })
         return {"model": self.model.record(), "experts_enabled": self.experts,
                 "warnings": self.warnings, "adapters": adapters}

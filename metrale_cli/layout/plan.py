@@ -156,11 +156,26 @@ class Footprint:
 
     layout: SlotLayout | None
     expert_layout: ExpertLayout | None
+    # Why each slot has the rank it has, for the view: "--max-rank 4 ...", "its rank 2 rounded
+    # up to 8, ...".
+    rank_reason: str = ""
+    expert_rank_reason: str = ""
 
     @classmethod
     def of(cls, model: ModelConfig, report: AdapterReport, max_rank: int | None) -> Footprint:
+        from metrale_cli.kernel_config import VECTOR
+
         def padded(rank: int) -> int:
             return kernel_max_rank(rank) if max_rank is None else max(max_rank, rank)
+
+        def reason(rank: int) -> str:
+            if max_rank is None:
+                return ("its own rank" if padded(rank) == rank else
+                        f"its rank {rank} rounded up to a multiple of {VECTOR} (the kernels')")
+            if rank > max_rank:
+                return f"its own rank, above --max-rank {max_rank} (refused)"
+            return f"--max-rank {max_rank}" + ("" if rank == max_rank else
+                                                f" (its rank is {rank})")
 
         layout = expert_layout = None
         if report.modules:
@@ -168,7 +183,7 @@ class Footprint:
         if report.expert_pairs:
             expert_layout = ExpertLayout.for_pairs(model, report.expert_pairs,
                                                    padded(report.expert_rank))
-        return cls(layout, expert_layout)
+        return cls(layout, expert_layout, reason(report.rank), reason(report.expert_rank))
 
     @property
     def slot_bytes(self) -> int:
@@ -177,4 +192,3 @@ class Footprint:
     @property
     def expert_slot_bytes(self) -> int:
         return self.expert_layout.slot_bytes if self.expert_layout else 0
-

@@ -22,6 +22,7 @@ from metrale_cli import env
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.files.hub import cached, fetch, parse_hub_id
 from metrale_cli.files.jsondoc import load_json
+from metrale_cli.files.regular import refuse_not_regular
 from metrale_cli.model.families import FAMILIES, Family
 
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
@@ -200,6 +201,10 @@ class ModelConfig:
                 raise FormatError(f"{source or 'config'}: {key!r} is not a non-negative integer")
             return bounded(key, value)
 
+        def given(key: str) -> int | None:
+            """A positive integer, or None when the key is absent or null."""
+            return None if text.get(key) is None else need(key)
+
         hidden = need("hidden_size")
         layers = need("num_hidden_layers")
         num_experts = opt("num_experts") or opt("num_local_experts")
@@ -208,7 +213,16 @@ class ModelConfig:
                               f"is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; not a "
                               "real model's config")
         heads = need("num_attention_heads")
-        head_dim = opt("head_dim") or hidden // heads
+        # Absent (or null) means hidden_size / heads, as transformers derives it; 0 is no width.
+        head_dim = given("head_dim") or hidden // heads
+        if head_dim == 0:
+            raise FormatError(f"{source or 'config'}: no 'head_dim', and 'hidden_size' "
+                              f"{hidden} is smaller than 'num_attention_heads' {heads}")
+        kv_heads = given("num_key_value_heads") or heads
+        if heads % kv_heads:
+            # Grouped-query attention: each KV head serves a whole group of query heads.
+            raise FormatError(f"{source or 'config'}: 'num_key_value_heads' {kv_heads} does not "
+                              f"divide 'num_attention_heads' {heads}")
         layer_types = _layer_types(text, model_type, layers, source)
         only = text.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(
@@ -223,7 +237,7 @@ class ModelConfig:
             hidden_size=hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=opt("num_key_value_heads", heads),
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=opt("intermediate_size"),
             layer_types=layer_types,
@@ -249,6 +263,7 @@ class ModelConfig:
         """A `config.json` file, or a directory holding one."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
+        refuse_not_regular(file)
         if not file.is_file():
             raise UsageError(f"{path}: no config.json there")
         try:
@@ -412,6 +427,7 @@ def resolve_model(spec: str, online: bool = False) -> ModelConfig:
     if not spec:
         raise UsageError("--model is empty")
     path = Path(spec).expanduser()
+    refuse_not_regular(path / "config.json" if path.is_dir() else path)
     if path.is_file() or (path / "config.json").is_file():
         return ModelConfig.from_hf(path)
     ref = parse_hub_id(spec)
