@@ -125,8 +125,9 @@ def layout(
                            align, enabled)
     budget_bytes = parse_size(budget) if budget is not None else None
     if spec is not None:
-        from metrale_cli.layout.sharding import ShardedPlan
+        from metrale_cli.layout.sharding import ShardedPlan, refuse_unshardable
 
+        refuse_unshardable(reports, spec)
         sharded = ShardedPlan.sized(*layouts, spec, max_loras, budget_bytes)
         warn(sharded.plan.warnings)
         if json_out:

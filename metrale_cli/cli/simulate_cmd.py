@@ -129,6 +129,10 @@ def simulate(
     enabled = experts_on(experts)
     reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
     refuse_unservable(reports)  # a slot sized by an adapter pack would refuse sizes nothing
+    if spec is not None:
+        from metrale_cli.layout.sharding import refuse_unshardable
+
+        refuse_unshardable(reports, spec)
     layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
                            experts=enabled)
     warn(max_rank_warnings(layouts[0].max_rank))

@@ -28,7 +28,7 @@ from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.pool.packing import pack_pool
 from metrale_cli.pool.pool import LoraPool, SlotContents, SlotSource, pick_device
-from metrale_cli.layout.sharding import ShardSpec, rank_layouts, rank_report
+from metrale_cli.layout.sharding import ShardSpec, rank_layouts, rank_report, refuse_unshardable
 
 # Every rank image's name matches it: `--force` replaces a DIR that holds only such files.
 IMAGE_GLOB = "rank-*-of-*.safetensors"
@@ -77,6 +77,7 @@ def pack_shards(layout: SlotLayout, expert_layout: ExpertLayout | None, max_lora
     in memory at a time). With `out`, the images land in that directory all at once: a failure
     leaves no directory."""
     specs = spec.all_ranks()
+    refuse_unshardable(reports, spec)
     for s in specs:
         rank_layouts(layout, expert_layout, s)  # every rank's rules hold before any byte moves
     records: list[dict[str, Any]] = []
