@@ -36,6 +36,7 @@ from metrale_cli.errors import (
     LayoutMismatch,
     MetraleError,
     RankFailed,
+    RankSilent,
     UsageError,
 )
 from metrale_cli.layout.expert_layout import ExpertLayout
@@ -222,7 +223,7 @@ def _gather(dist: Any, rank: int, status: dict[str, Any], timeout: float,
     try:
         dist.all_gather_object(gathered, status)
     except RuntimeError as exc:
-        raise RankFailed(f"rank {rank}: a rank did not answer {what} within {timeout:g} s "
+        raise RankSilent(f"rank {rank}: a rank did not answer {what} within {timeout:g} s "
                          f"({_first_line(exc)})") from None
     return gathered
 
@@ -288,9 +289,8 @@ def input_difference(held: dict[str, Any], expected: dict[str, Any]) -> str | No
     for slot, (mine, theirs) in enumerate(zip(held["slots"], expected["slots"], strict=True)):
         for name in SLOT_FIELDS:
             if mine[name] != theirs[name]:
-                shown = ((mine[name][:12], theirs[name][:12]) if name in ("tensors",
-                                                                         "module scales")
-                         else (mine[name], theirs[name]))
+                shown = ((f"{mine[name][:12]}...", f"{theirs[name][:12]}...")
+                         if name in ("tensors", "module scales") else (mine[name], theirs[name]))
                 return (f"slot {slot} ({theirs['name']}): {name} {shown[0]}, where rank 0 has "
                         f"{shown[1]} (other adapter files on this node?)")
     return None
@@ -344,7 +344,7 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
     _exchange(dist, rank, status, timeout, "the input check")
     layout, ex, reports = planned
     everyone = [RankFiles(out / image_name(s)) for s in me.all_ranks()] if out else []
-    committed = created = lost = False
+    committed = created = False
     try:
         try:
             chosen = pick_device(device)
@@ -363,12 +363,7 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
             status = {"rank": rank, "error": None, "record": record}
         except (MetraleError, OSError) as exc:
             status = {"rank": rank, "error": _message(exc)}
-        lost = True  # until the exchange answers
-        statuses = _gather(dist, rank, status, timeout, "after packing")
-        lost = False
-        failure = _failure(statuses)
-        if failure is not None:
-            raise failure
+        statuses = _exchange(dist, rank, status, timeout, "after packing")
         # Every rank has staged its image: each reserves its final name, and only when every
         # rank holds its own does any let go of its staged and replaced files (the commit).
         if files is not None:
@@ -377,19 +372,14 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                 status = {"rank": rank, "error": None}
             except (MetraleError, OSError) as exc:
                 status = {"rank": rank, "error": _message(exc)}
-        lost = True
-        published = _gather(dist, rank, status, timeout, "after publishing")
-        lost = False
-        failure = _failure(published)
-        if failure is not None:
-            raise failure
+        _exchange(dist, rank, status, timeout, "after publishing")
         if files is not None:
             files.commit()
         committed = True
-    except RankFailed:
+    except RankFailed as failure:
         if files is not None:
             files.undo()
-            if lost:
+            if isinstance(failure, RankSilent):
                 # A rank died or hangs: what it staged or reserved in this DIR is undone too
                 # (its names are known; on another node they are not here).
                 for other in everyone:

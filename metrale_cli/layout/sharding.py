@@ -49,8 +49,9 @@ COLUMN_PARALLEL = (LoraModule.Q_PROJ, LoraModule.K_PROJ, LoraModule.V_PROJ,
 class ShardSpec:
     """One rank of a TP deployment: `tp_size` ranks shard attention; the experts go to
     `ep_size` expert-parallel groups of `tp_size // ep_size` ranks each, which shard every
-    expert among themselves (SGLang's `moe_tp = tp / ep`; `ep_size == tp_size` is vLLM's
-    expert parallelism)."""
+    expert among themselves (SGLang's `moe_tp = tp / ep`; `ep_size == tp_size` places every
+    expert whole on one rank, as vLLM's expert parallelism does for base weights, though its
+    fused-MoE LoRA layer refuses EP today)."""
 
     tp_size: int
     tp_rank: int = 0
