@@ -8,12 +8,15 @@ compiler).
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
 
 
 class MetraleError(Exception):
     """Base of every error the CLI turns into one line and an exit code."""
 
     exit_code = 2
+    # Lines that explain the error, each printed on its own line before it (a refusal's findings).
+    details: tuple[str, ...] = ()
 
 
 class UsageError(MetraleError):
@@ -29,9 +32,14 @@ class UnsupportedModel(UsageError):
 
 
 class NotServable(MetraleError):
-    """An adapter the audit refused; the message carries the findings."""
+    """Adapters the audit refused: the message names them, `details` holds one line per error
+    finding (`NAME: code: message`)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.details = tuple(details)
 
 
 class OutputExists(UsageError):

@@ -145,7 +145,7 @@ def test_an_overlay_run_of_the_wrong_shape_is_one_line(peft_zoo, tmp_path: Path,
     """A run without its boolean tied_lm_head (or that does not replace rows) is named in one
     line, exit 1, by show and verify, as by PoolImage.open; never an internal error."""
     from metrale_cli.errors import ImageInconsistent
-    from metrale_cli.image.check import read_tables
+    from metrale_cli.image.format import read_tables
     from tests.support.image_edit import edit_metadata
 
     truth = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"],

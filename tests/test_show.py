@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_cli.image.check import read_tables
+from metrale_cli.image.format import read_tables
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_cli.image.check import read_tables
+from metrale_cli.image.format import read_tables
 from tests.support.cli_runner import metrale
 from tests.support.image_edit import read_element, write_element
 

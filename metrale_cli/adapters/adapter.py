@@ -17,13 +17,9 @@ from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.hub import cached, fetch, parse_hub_id, remote_header
 from metrale_cli.files.jsondoc import load_json, shown
 from metrale_cli.files.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from metrale_cli.model.families import Family
 
 CONFIG_NAME = "adapter_config.json"
-# PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for the supported types: what a
-# config without target_modules meant when it was trained (no default for the MoE/hybrid types).
-DEFAULT_TARGETS = {
-    t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral")
-}
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 
@@ -228,11 +224,11 @@ class AdapterConfig:
         index = _layer_index(module_key, self.layers_pattern)
         return index is not None and index in self.layers_to_transform
 
-    def with_default_targets(self, model_type: str) -> AdapterConfig:
-        """This config with PEFT's per-architecture default when `target_modules` is null."""
-        if self.target_modules is not None or model_type not in DEFAULT_TARGETS:
+    def with_default_targets(self, family: Family) -> AdapterConfig:
+        """This config with PEFT's default for the family when `target_modules` is null."""
+        if self.target_modules is not None or not family.peft_default_targets:
             return self
-        return replace(self, target_modules=list(DEFAULT_TARGETS[model_type]))
+        return replace(self, target_modules=list(family.peft_default_targets))
 
     def targets_parameter(self, param_key: str) -> bool:
         """`target_parameters` matching: exact key or dot-suffix, never a regex."""

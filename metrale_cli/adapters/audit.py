@@ -126,6 +126,37 @@ class AdapterReport:
         }
 
 
+def layer_rows(model: ModelConfig, report: AdapterReport) -> list[dict[str, Any]]:
+    """`inspect`'s per-layer table: one row per set of layers that look alike (not only
+    adjacent ones: a hybrid model's layers repeat with a period), so 48+ layers stay a few rows.
+    Each row: its `layers`, whether they are `all_of_kind` (every layer of their kind), the
+    layer `kind`, and per module of the report's set a cell: `r16`, `r16 x2` where a rank/alpha
+    pattern moved the scale off the adapter's, "" where not adapted, None where it does not
+    apply."""
+    scale = report.scaling
+    per_layer: dict[int, dict[str, str]] = {}
+    for m in report.modules:
+        cell = f"r{m.r}" if abs(m.scaling - scale) <= 1e-9 * scale else f"r{m.r} x{m.scaling:.3g}"
+        per_layer.setdefault(m.layer, {})[m.module.peft_name] = cell
+    columns = report.module_set
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for layer in range(model.num_hidden_layers):
+        cells = per_layer.get(layer, {})
+        # Layers where any module applies differently stay apart, shown or not.
+        applicable = tuple(m.applies_to_layer(model, layer) for m in ALL)
+        signature = (model.layer_type(layer), applicable, tuple(
+            cells.get(m.peft_name) or ("" if m.applies_to_layer(model, layer) else None)
+            for m in columns))
+        groups.setdefault(signature, []).append(layer)
+    rows = []
+    for (kind, _, cells), layers in groups.items():
+        of_kind = [i for i in range(model.num_hidden_layers) if model.layer_type(i) is kind]
+        rows.append({"layers": layers, "all_of_kind": layers == of_kind,
+                     "kind": kind.value.split("_")[0],
+                     "cells": dict(zip((m.peft_name for m in columns), cells, strict=True))})
+    return rows
+
+
 # -- what a key names ---------------------------------------------------------------------------
 
 _SERVABLE = {m.peft_path: m for m in ALL}
@@ -164,7 +195,7 @@ def audit(
     METRALE_LORA_EXPERTS."""
     if experts_enabled is None:
         experts_enabled = env.experts_enabled()
-    adapter = replace(adapter, config=adapter.config.with_default_targets(model.model_type))
+    adapter = replace(adapter, config=adapter.config.with_default_targets(model.family))
     report = AdapterReport(adapter)
     out = Collector()
     _audit_config(adapter, model, out)
@@ -441,18 +472,16 @@ def _explain_experts(
                 "not servable by the slot pool; it goes to the expert pool, which is opt-in: "
                 "pass --experts (or set METRALE_LORA_EXPERTS=1)")
     ffn_targets = isinstance(cfg.target_modules, list) and any(
-        t.split(".")[-1] in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate")
-        for t in cfg.target_modules
+        t.split(".")[-1] in (*experts.EXPERT_LEAF_NAMES, "gate") for t in cfg.target_modules
     )
     rewritten = any(re.search(r"gate_up_proj", k) for k in cfg.rank_pattern)
     # Plain target_parameters adapters need no explanation; gate/up/down targets (or a
     # re-saved rewrite, which carries the gate_up rank pattern) do.
     if not model.num_experts or not (ffn_targets or rewritten):
         return
-    if model.model_type == "qwen3_5_moe":
-        # PEFT 0.21's conversion table maps no rewrite for this type (checked against PEFT).
+    if not model.family.peft_rewrites_moe_targets:
         out.add(Severity.WARNING, Code.MOE_REWRITE,
-                "on qwen3_5_moe, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
+                f"on {model.model_type}, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
                 "targets into expert LoRA: they reach only the shared expert, and routed experts "
                 "get LoRA only through target_parameters (mlp.experts.gate_up_proj/down_proj)")
         return

@@ -27,6 +27,7 @@ from metrale_cli.adapters.findings import Code, Collector, Severity
 from metrale_cli.adapters.pair_checks import check_pair, rank_and_scale
 from metrale_cli.files.safetensors_header import TensorInfo
 from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.families import FAMILIES
 
 ROUTER_EXPERT = -1
 
@@ -49,17 +50,15 @@ class ExpertProj(str, Enum):
 
 
 _PROJ_ORDER = {p: n for n, p in enumerate(ExpertProj)}
-# v4 leaf names, both spellings (Mixtral's w1/w3/w2 are gate/up/down).
-_V4_LEAF = {
-    "gate_proj": ExpertProj.GATE_PROJ, "w1": ExpertProj.GATE_PROJ,
-    "up_proj": ExpertProj.UP_PROJ, "w3": ExpertProj.UP_PROJ,
-    "down_proj": ExpertProj.DOWN_PROJ, "w2": ExpertProj.DOWN_PROJ,
-}
+# v4 leaf names of every family's spelling (Mixtral's w1/w3/w2 are gate/up/down), and the MoE
+# blocks they sit in (model/families.py): a key is read the same whatever the base model.
+_V4_LEAF = {leaf: ExpertProj(proj) for f in FAMILIES.values() for proj, leaf in f.expert_leaves}
+EXPERT_LEAF_NAMES = tuple(_V4_LEAF)
+_BLOCKS = "|".join(sorted({f.moe_block for f in FAMILIES.values()}))
 EXPERT_KEY = re.compile(
-    r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)$"
-)
-FUSED_EXPERTS_KEY = re.compile(r"^(mlp|block_sparse_moe)\.experts$")
-ROUTER_KEY = re.compile(r"^(mlp|block_sparse_moe)\.gate$")
+    rf"^({_BLOCKS})\.experts\.(\d+)\.({'|'.join(map(re.escape, EXPERT_LEAF_NAMES))})$")
+FUSED_EXPERTS_KEY = re.compile(rf"^({_BLOCKS})\.experts$")
+ROUTER_KEY = re.compile(rf"^({_BLOCKS})\.gate$")
 
 
 def is_expert_key(sub: str) -> bool:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Annotated, Any
 
 import typer
 
-from metrale_cli.cli.console import emit, handles_errors, out
+from metrale_cli.cli.console import emit, emit_json, handles_errors, out
 from metrale_cli.cli.options import MODEL, MODULES, ForceOpt, JsonOpt, shard_spec
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import resolve_model
 
 BENCH_MODEL = "qwen3-next-80b-a3b"
 BENCH_MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
@@ -38,6 +35,7 @@ def bench_pack(
     """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
     from metrale_cli.bench import pack as bench
     from metrale_cli.cli import render
+    from metrale_cli.model.config import resolve_model
 
     spec = shard_spec(tp, None, False)
     positive("--rank", rank)
@@ -84,6 +82,7 @@ def bench_kernels(
     from metrale_cli.cli.render import kernel_line, kernel_model_line
     from metrale_cli.compat import cupy_module
     from metrale_cli.files.atomic import check_output, output_path
+    from metrale_cli.model.config import resolve_model
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else
@@ -99,8 +98,7 @@ def bench_kernels(
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
-            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
-            sys.stdout.flush()
+            emit_json(record, stream=True)
         else:
             out().print(kernel_line(record))
 
@@ -112,7 +110,7 @@ def bench_kernels(
     if model_only:
         for record in bench.model(shapes, adapters=adapters, **kwargs):
             if json_out:
-                sys.stdout.write(json.dumps(record) + "\n")
+                emit_json(record, stream=True)
             else:
                 out().print(kernel_model_line(record), soft_wrap=True)
         return
@@ -142,8 +140,7 @@ def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
 
     def show(record: dict[str, Any]) -> None:
         if json_out:
-            sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
-            sys.stdout.flush()
+            emit_json(record, stream=True)
         else:
             out().print(line(record), soft_wrap=True)
 

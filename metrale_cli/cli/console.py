@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _width() -> int | None:
@@ -75,6 +76,8 @@ def handles_errors(fn: F) -> F:
         except MetraleError as exc:
             if debug:
                 raise
+            for line in exc.details:
+                say(line)
             say(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
@@ -100,9 +103,28 @@ def handles_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def emit_json(record: Any) -> None:
+def said_details(fn: Callable[[], T]) -> Callable[[], T]:
+    """`fn`, saying a domain error's detail lines where it is raised: under torchrun a rank's
+    error reaches the edge as `RankFailed`, which carries only its one line."""
+
+    def run() -> T:
+        try:
+            return fn()
+        except MetraleError as exc:
+            for line in exc.details:
+                say(line)
+            raise
+
+    return run
+
+
+def emit_json(record: Any, stream: bool = False) -> None:
+    """The one JSON writer of every command: a record, indented; with `stream`, one record of
+    many on one line (JSON lines), flushed so a reader sees it as it is measured."""
     # allow_nan=False: a NaN or Infinity that got this far is a bug, never invalid JSON out.
-    sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    sys.stdout.write(json.dumps(record, indent=None if stream else 2, allow_nan=False) + "\n")
+    if stream:
+        sys.stdout.flush()
 
 
 def emit(record: Any, json_out: bool, view: Callable[[Any], Any]) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out
-from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, load_adapters, online_on
+from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, online_on
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
                                           show_default=False)]
@@ -19,7 +19,7 @@ def show(image: ImageArg, json_out: JsonOpt = False) -> None:
     """What a pool image holds, checked without reading its pool bytes. Exit 1 if its metadata
     and tables contradict each other, 2 if it is not a pool image."""
     from metrale_cli.cli import render
-    from metrale_cli.image.check import show_image
+    from metrale_cli.image.show import show_image
 
     record = show_image(image).record()
     emit(record, json_out, render.show_view)
@@ -36,6 +36,7 @@ def verify(
 ) -> None:
     """Recompute what pack writes for each adapter and compare it with the image's bytes. Exit
     1 on any difference."""
+    from metrale_cli.adapters.loading import load_adapters
     from metrale_cli.cli import render
     from metrale_cli.image.verify import Verifier
 

@@ -1,37 +1,18 @@
-"""The options several commands share, declared once, and the steps of reading them: adapters
-by argument, the base model, the shard spec, the opt-ins."""
+"""The options several commands share, declared once, and the steps of reading them: the shard
+spec and the opt-ins. Adapters and the base model are read by the library's plan pipeline
+(layout/pipeline.py)."""
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from metrale_cli import env
-from metrale_cli.cli.console import say
-from metrale_cli.errors import NotServable, UsageError
-from metrale_cli.model.config import resolve_model
+from metrale_cli.errors import UsageError
 
 if TYPE_CHECKING:
-    from metrale_cli.adapters.adapter import Adapter
-    from metrale_cli.adapters.audit import AdapterReport
     from metrale_cli.layout.sharding import ShardSpec
-    from metrale_cli.model.config import ModelConfig
-
-
-def refuse_unservable(reports: list[AdapterReport]) -> None:
-    """What `pack` would refuse, `layout` refuses too: each error finding on its own line, then
-    NotServable (exit 1)."""
-    refused = [r for r in reports if not r.servable]
-    if not refused:
-        return
-    for r in refused:
-        for f in r.errors():
-            say(f"{r.name}: {f.code}: {f.message}")
-    raise NotServable(f"{len(refused)} adapter(s) not servable: "
-                      f"{', '.join(r.name for r in refused)}")
-
 
 
 # Each option is one typer.Option, used through its alias; a command that requires it or gives
@@ -91,41 +72,3 @@ OnlineOpt = Annotated[bool, typer.Option(
 def online_on(flag: bool) -> bool:
     """The hub opt-in: --online or METRALE_ONLINE=1."""
     return flag or env.online()
-
-
-def load_adapters(args: list[str], online: bool = False, weights: bool = False) -> list[Adapter]:
-    """Adapter directories or hub ids (`NAME=` either); `weights`: the command reads tensor
-    data, so a hub adapter's weights are downloaded, not only their header read."""
-    from metrale_cli.adapters.adapter import load_adapter, parse_adapter_args
-
-    if not args:
-        raise UsageError("no adapter given")
-    return [load_adapter(path, name, online, weights) for name, path in parse_adapter_args(args)]
-
-
-def model_for(spec: str | None, adapters: list[Adapter], online: bool = False) -> ModelConfig:
-    """`--model`, else the adapters' common `base_model_name_or_path`."""
-    if spec:
-        return resolve_model(spec, online)
-    bases = {a.config.base_model_name_or_path for a in adapters}
-    if None in bases or not bases:
-        names = [a.name for a in adapters if a.config.base_model_name_or_path is None]
-        raise UsageError(
-            f"{', '.join(names) or 'no adapter'}: no base_model_name_or_path; pass --model "
-            "(a preset from `metrale models`, a config.json, or a model directory)"
-        )
-    resolved = []
-    for base in sorted(b for b in bases if b is not None):
-        try:
-            resolved.append(resolve_model(base, online))
-        except UsageError as exc:
-            raise UsageError(
-                f"base_model_name_or_path {base!r} resolves to nothing here ({exc}); pass "
-                "--model (a preset from `metrale models`, a config.json, or a model directory)"
-            ) from None
-    # Different paths to the same model (copies of one config) are one base model.
-    if len({json.dumps({**c.summary(), "source": ""}, sort_keys=True) for c in resolved}) > 1:
-        raise UsageError(f"the adapters name different base models ({', '.join(sorted(bases))})"
-                         "; pass --model")
-    return resolved[0]
-

@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out, warn
+from metrale_cli.cli.console import (
+    emit,
+    emit_json,
+    err,
+    escape,
+    handles_errors,
+    out,
+    said_details,
+    warn,
+)
 from metrale_cli.cli.options import (
     MAX_LORAS,
     MODEL,
@@ -24,15 +33,11 @@ from metrale_cli.cli.options import (
     OnlineOpt,
     TpOpt,
     experts_on,
-    load_adapters,
-    model_for,
     online_on,
-    refuse_unservable,
     shard_spec,
 )
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import resolve_model
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
@@ -56,6 +61,7 @@ def synth(
 ) -> None:
     """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
     from metrale_cli.adapters.synth import synth_adapter
+    from metrale_cli.model.config import resolve_model
 
     if not out_dir.strip():
         raise UsageError("the adapter directory is empty")
@@ -105,25 +111,23 @@ def pack(
 
     The model defaults to the adapters' base_model_name_or_path, the modules to the union of
     theirs."""
-    from metrale_cli.adapters.audit import audit
     from metrale_cli.cli import render
     from metrale_cli.files.atomic import check_output, output_dir, output_path
-    from metrale_cli.layout.plan import plan_layouts
+    from metrale_cli.layout.pipeline import plan_pool
     from metrale_cli.pool.packing import pack_pool
 
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-loras", max_loras)
     positive("--max-rank", max_rank)
 
+    module_list = parse_modules(modules) if modules else None
+
     def prepare() -> tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]:
         """Audit the adapters (refusing any that is not servable) and plan the layouts."""
-        loaded = load_adapters(adapters, online_on(online), weights=True)
-        cfg = model_for(model, loaded, online_on(online))
-        enabled = experts_on(experts)
-        reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-        refuse_unservable(reports)
-        return (*plan_layouts(cfg, reports, parse_modules(modules) if modules else None,
-                              max_rank, experts=enabled), reports)
+        planned = plan_pool(adapters, model, modules=module_list, max_rank=max_rank,
+                            experts=experts_on(experts), online=online_on(online),
+                            weights=True)
+        return planned.layout, planned.expert_layout, planned.reports
 
     if spec is not None:
         from metrale_cli.dist import torchrun as distributed
@@ -132,8 +136,8 @@ def pack(
         out_dir = None if out_text is None else output_dir(out_text)
         if distributed.under_torchrun():
             # One process per rank: each writes its own image into the directory --out.
-            sharded = distributed.pack_torchrun(prepare, max_loras, spec, device, out_dir,
-                                                force)
+            sharded = distributed.pack_torchrun(said_details(prepare), max_loras, spec,
+                                                device, out_dir, force)
         else:  # the images land in --out all at once (atomic_directory refuses it first)
             the_layout, expert_layout, reports = prepare()
             sharded = distributed.pack_shards(the_layout, expert_layout, max_loras, reports,

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from metrale_cli.errors import UsageError
-from metrale_cli.model.modules import LoraModule
+
+if TYPE_CHECKING:
+    from metrale_cli.model.modules import LoraModule
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -32,6 +35,8 @@ def parse_size(text: str) -> int:
 
 def parse_modules(text: str, option: str = "--modules") -> list[LoraModule]:
     """`q_proj,k_proj,...` or `all` -> pool modules in their fixed order; never empty."""
+    from metrale_cli.model.modules import LoraModule
+
     try:
         modules = LoraModule.parse_list(text)
     except ValueError as exc:

@@ -20,15 +20,11 @@ from metrale_cli.cli.options import (
     OnlineOpt,
     TpOpt,
     experts_on,
-    load_adapters,
-    model_for,
     online_on,
-    refuse_unservable,
     shard_spec,
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
 from metrale_cli.errors import UsageError
-from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
 
 
 @handles_errors
@@ -58,24 +54,19 @@ def inspect(
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
 
     The model defaults to the adapters' base_model_name_or_path."""
-    from metrale_cli.adapters.audit import audit
-    from metrale_cli.layout.plan import Footprint, inspect_record, max_rank_warnings
+    from metrale_cli.layout.pipeline import audit_adapters
 
     positive("--max-rank", max_rank)
-    loaded = load_adapters(adapters, online_on(online))
-    cfg = model_for(model, loaded, online_on(online))
-    enabled = experts_on(experts)
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    footprints = [Footprint.of(cfg, r, max_rank) for r in reports]
-    warnings = max_rank_warnings(max_rank)
-    warn(warnings)
+    audited = audit_adapters(adapters, model, max_rank=max_rank, experts=experts_on(experts),
+                             online=online_on(online))
+    warn(audited.warnings)
     if json_out:
-        emit_json(inspect_record(cfg, reports, footprints, enabled, warnings))
+        emit_json(audited.record())
     else:
         from metrale_cli.cli.render import inspect_view
 
-        out().print(inspect_view(cfg, reports, footprints))
-    if not all(r.servable for r in reports):
+        out().print(inspect_view(audited.record()))
+    if not audited.servable:
         raise typer.Exit(1)
 
 
@@ -94,8 +85,10 @@ def layout(
     budget: Annotated[str | None, typer.Option(
         "--budget", help="Memory for the pool and its tables, e.g. 40GiB: how many slots fit.")]
     = None,
-    align: Annotated[int, typer.Option("--align", help="Byte alignment of every region.")]
-    = DEFAULT_ALIGN,
+    # No default written here: the layout's (256) would import the layout into `--help`.
+    align: Annotated[int | None, typer.Option(
+        "--align", help="Byte alignment of every region (default 256, the layout's).",
+        show_default=False)] = None,
     experts: ExpertsOpt = False,
     online: OnlineOpt = False,
     tp: TpOpt = None,
@@ -108,40 +101,34 @@ def layout(
 
     With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
     without adapters every expert and router of every MoE layer at --max-rank."""
-    from metrale_cli.adapters.audit import audit
-    from metrale_cli.layout.plan import PoolPlan, plan_layouts
+    from metrale_cli.layout.pipeline import plan_pool
+    from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
 
     spec = shard_spec(tp, ep, fully_sharded)
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
-    enabled = experts_on(experts)
-    loaded = load_adapters(adapters, online_on(online)) if adapters else []
-    if model is None and not loaded:
+    if model is None and not adapters:
         raise UsageError("--model is required (or give startup adapters)")
-    cfg = model_for(model, loaded, online_on(online))
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refuse_unservable(reports)
-    layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
-                           align, enabled)
+    module_list = parse_modules(modules) if modules else None
     budget_bytes = parse_size(budget) if budget is not None else None
+    planned = plan_pool(adapters or [], model, modules=module_list, max_rank=max_rank,
+                        align=DEFAULT_ALIGN if align is None else align,
+                        experts=experts_on(experts), online=online_on(online))
     if spec is not None:
-        from metrale_cli.layout.sharding import ShardedPlan, refuse_unshardable
-
-        refuse_unshardable(reports, spec)
-        sharded = ShardedPlan.sized(*layouts, spec, max_loras, budget_bytes)
+        sharded = planned.sharded(spec, max_loras, budget_bytes)
         warn(sharded.plan.warnings)
         if json_out:
             emit_json(sharded.record())
         else:
             from metrale_cli.cli.render import sharded_layout_view
 
-            out().print(sharded_layout_view(sharded))
+            out().print(sharded_layout_view(sharded.record()))
         return
-    plan = PoolPlan.sized(*layouts, max_loras, budget_bytes)
+    plan = planned.sized(max_loras, budget_bytes)
     warn(plan.warnings)
     if json_out:
         emit_json(plan.record())
     else:
         from metrale_cli.cli.render import layout_view
 
-        out().print(layout_view(plan))
+        out().print(layout_view(plan.record()))

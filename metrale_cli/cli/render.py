@@ -17,16 +17,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from metrale_cli.adapters.audit import AdapterReport, Severity, layer_ranges
-from metrale_cli.adapters.experts import coverage
-from metrale_cli.layout.expert_layout import ExpertLayout
-from metrale_cli.layout.plan import Footprint, PoolPlan
-from metrale_cli.layout.sharding import ShardedPlan
-from metrale_cli.layout.slot_layout import SlotLayout
-from metrale_cli.model.config import ModelConfig
-from metrale_cli.model.modules import ALL
+from metrale_cli.adapters.findings import Severity, layer_ranges
 
-SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+SEVERITY_STYLE = {Severity.ERROR.value: "bold red", Severity.WARNING.value: "yellow",
+                  Severity.INFO.value: "cyan"}
 
 
 def human_bytes(n: float) -> str:
@@ -41,95 +35,90 @@ def _fmt(x: float) -> str:
     return f"{x:g}" if float(x) != int(x) else str(int(x))
 
 
-def model_line(model: ModelConfig) -> str:
+def model_line(model: dict[str, Any]) -> str:
+    """A model record (`ModelConfig.record`) in one line."""
     kinds = (
-        f"{len(model.full_attention_layers)} full-attention + "
-        f"{len(model.linear_attention_layers)} linear-attention layers"
-        if model.linear_attention_layers
-        else f"{model.num_hidden_layers} layers"
+        f"{model['full_attention_layers']} full-attention + "
+        f"{model['linear_attention_layers']} linear-attention layers"
+        if model["linear_attention_layers"]
+        else f"{model['num_hidden_layers']} layers"
     )
-    experts = f", {model.num_experts} routed experts" if model.num_experts else ""
-    return f"{model.source or model.model_type} ({model.model_type}): {kinds}{experts}"
+    experts = f", {model['num_experts']} routed experts" if model["num_experts"] else ""
+    return f"{model['source'] or model['model_type']} ({model['model_type']}): {kinds}{experts}"
 
 
-def inspect_view(
-    model: ModelConfig, reports: list[AdapterReport], footprints: list[Footprint]
-) -> Group:
-    parts: list[Any] = [Text(model_line(model), style="bold")]
-    for report, footprint in zip(reports, footprints, strict=True):
-        parts.append(_adapter_panel(model, report, footprint.layout, footprint.expert_layout))
+def inspect_view(record: dict[str, Any]) -> Group:
+    """`metrale inspect`: the audit's record (`AuditedAdapters.record`), a panel per adapter."""
+    parts: list[Any] = [Text(model_line(record["model"]), style="bold")]
+    for adapter in record["adapters"]:
+        parts.append(_adapter_panel(record["model"], adapter))
     return Group(*parts)
 
 
-def _adapter_panel(
-    model: ModelConfig, report: AdapterReport, layout: SlotLayout | None,
-    expert_layout: ExpertLayout | None = None,
-) -> Panel:
-    cfg = report.adapter.config
+def _adapter_panel(model: dict[str, Any], a: dict[str, Any]) -> Panel:
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="dim")
     summary.add_column()
-    verdict = Text("servable", style="bold green") if report.servable else Text(
+    verdict = Text("servable", style="bold green") if a["servable"] else Text(
         "NOT servable", style="bold red")
     summary.add_row("verdict", verdict)
-    summary.add_row("path", escape(str(report.adapter.path)))
-    ranks = sorted({m.r for m in report.modules})
+    summary.add_row("path", escape(a["path"]))
+    ranks = sorted({m["r"] for m in a["modules"]})
     summary.add_row(
         "rank / alpha",
-        "not usable (bad_config_value below)" if cfg.value_errors else
-        f"r={cfg.r} alpha={_fmt(cfg.lora_alpha)}"
-        + (" rsLoRA" if cfg.use_rslora else "")
-        + f"  scaling={report.scaling:.6g}"
+        "not usable (bad_config_value below)" if a["rank"] is None else
+        f"r={a['config_rank']} alpha={_fmt(a['alpha'])}"
+        + (" rsLoRA" if a["use_rslora"] else "")
+        + f"  scaling={a['scaling']:.6g}"
         + (f"  (module ranks {', '.join(map(str, ranks))})" if len(ranks) > 1 else ""),
     )
-    dtypes = sorted({m.dtype for m in report.modules})
-    summary.add_row("modules", ", ".join(m.peft_name for m in report.module_set) or "-")
-    summary.add_row("pairs", f"{len(report.modules)} (layer, module) pairs"
+    dtypes = sorted({m["dtype"] for m in a["modules"]})
+    summary.add_row("modules", ", ".join(a["module_set"]) or "-")
+    summary.add_row("pairs", f"{len(a['modules'])} (layer, module) pairs"
                     + (f", {'/'.join(dtypes)}" if dtypes else ""))
-    if layout is not None:
+    if a["slot_max_rank"] is not None:
         summary.add_row(
             "slot",
-            f"{human_bytes(layout.slot_bytes)} ({layout.slot_bytes:,} B) padded to rank "
-            f"{layout.max_rank} for its modules",
+            f"{human_bytes(a['slot_bytes'])} ({a['slot_bytes']:,} B) padded to rank "
+            f"{a['slot_max_rank']} for its modules",
         )
-    if report.expert_pairs:
-        layers = sorted({p.layer for p in report.expert_pairs})
-        summary.add_row("experts", f"{len(report.expert_pairs)} (layer, projection, expert) "
-                        f"pairs on layers {layer_set(layers)}, ranks "
-                        f"{', '.join(map(str, sorted({p.r for p in report.expert_pairs})))}")
-    if expert_layout is not None:
+    if a["expert_pairs"]:
+        summary.add_row("experts", f"{a['expert_pairs']} (layer, projection, expert) "
+                        f"pairs on layers {layer_set(a['expert_layers'])}, ranks "
+                        f"{', '.join(map(str, a['expert_ranks']))}")
+    if a["expert_slot_max_rank"] is not None:
         summary.add_row(
             "expert slot",
-            f"{human_bytes(expert_layout.slot_bytes)} "
-            f"({expert_layout.slot_bytes:,} B) padded to rank {expert_layout.max_rank}, "
+            f"{human_bytes(a['expert_slot_bytes'])} "
+            f"({a['expert_slot_bytes']:,} B) padded to rank {a['expert_slot_max_rank']}, "
             "in the expert pool beside the slot pool")
-    if report.overlays:
+    if a["overlays"]:
         summary.add_row("overlays", ", ".join(
-            f"{len(o.tokens)} tokens replace {o.table} rows"
-            + (" (and lm_head, tied)" if o.tied_lm_head else "") for o in report.overlays))
+            f"{o['tokens']} tokens replace {o['table']} rows"
+            + (" (and lm_head, tied)" if o["tied_lm_head"] else "") for o in a["overlays"]))
 
     body: list[Any] = [summary]
-    if report.modules:
-        body.append(_layer_table(model, report))
-    if report.expert_pairs:
-        body.append(_expert_table(model, report))
-    if report.findings:
+    if a["modules"]:
+        body.append(_layer_table(a))
+    if a["expert_pairs"]:
+        body.append(_expert_table(model, a["expert_coverage"]))
+    if a["findings"]:
         findings = Table(show_header=False, box=None, padding=(0, 1))
         findings.add_column(no_wrap=True)
         findings.add_column(no_wrap=True, style="dim")
         findings.add_column()
-        for f in report.findings:
-            findings.add_row(Text(f.severity.value, style=SEVERITY_STYLE[f.severity]), f.code,
-                             escape(f.message))
+        for f in a["findings"]:
+            findings.add_row(Text(f["severity"], style=SEVERITY_STYLE[f["severity"]]),
+                             f["code"], escape(f["message"]))
         body.append(findings)
-    return Panel(Group(*body), title=Text(report.name, style="bold"), title_align="left")
+    return Panel(Group(*body), title=Text(a["name"], style="bold"), title_align="left")
 
 
-def layer_set(layers: list[int], of_kind: list[int] | None = None) -> str:
+def layer_set(layers: list[int], all_of_kind: bool = False) -> str:
     """A short name for a set of layers: `all 36` (every layer of its kind), `3, 7, ..., 47`
     (a stride), `0-2, 4-6, ..., 44-46 (36)`."""
     n = len(layers)
-    if of_kind is not None and layers == of_kind and n > 3:
+    if all_of_kind and n > 3:
         return f"all {n}"
     steps = {b - a for a, b in zip(layers, layers[1:], strict=False)}
     if n > 3 and len(steps) == 1 and steps != {1}:
@@ -141,55 +130,30 @@ def layer_set(layers: list[int], of_kind: list[int] | None = None) -> str:
     return text
 
 
-def _layer_table(model: ModelConfig, report: AdapterReport) -> Group:
-    """One row per set of layers that look alike (not only adjacent ones: a hybrid model's
-    layers repeat with a period), so 48+ layers stay a few rows at 100 columns."""
-    scale = report.scaling
-    per_layer: dict[int, dict[str, str]] = {}
-    for m in report.modules:
-        # The scale is shown only where a rank/alpha pattern moved it off the adapter's.
-        cell = f"r{m.r}" if abs(m.scaling - scale) <= 1e-9 * scale else f"r{m.r} x{m.scaling:.3g}"
-        per_layer.setdefault(m.layer, {})[m.module.peft_name] = cell
-    columns = [m.peft_name for m in report.module_set]
+def _layer_table(a: dict[str, Any]) -> Group:
+    """The audit's layer rows (`layer_rows`): a few rows for 48+ layers at 100 columns."""
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     table.add_column("layers", no_wrap=True)
     table.add_column("kind", no_wrap=True)
-    for name in columns:
+    for name in a["module_set"]:
         table.add_column(name.removesuffix("_proj"), no_wrap=True)
-
-    def signature(layer: int) -> tuple[Any, ...]:
-        cells = per_layer.get(layer, {})
-        kind = model.layer_type(layer).value.split("_")[0]
-        applicable = tuple(
-            module.peft_name for module in ALL if module.applies_to_layer(model, layer)
-        )
-        return (kind, applicable, tuple(cells.get(c, "") for c in columns))
-
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for layer in range(model.num_hidden_layers):
-        groups.setdefault(signature(layer), []).append(layer)
-    for sig, layers in groups.items():
-        kind, applicable, cells = sig
-        of_kind = [i for i in range(model.num_hidden_layers)
-                   if model.layer_type(i) is model.layer_type(layers[0])]
-        shown = [
-            c if c else ("·" if name in applicable else "n/a")
-            for name, c in zip(columns, cells, strict=True)
-        ]
-        table.add_row(layer_set(layers, of_kind), kind, *shown)
+    for row in a["layer_rows"]:
+        shown = ["n/a" if c is None else c or "·" for c in row["cells"].values()]
+        table.add_row(layer_set(row["layers"], row["all_of_kind"]), row["kind"], *shown)
     legend = Text("per layer: rank (x scaling where a pattern changes it); · not adapted; "
                   "n/a does not apply", style="dim")
     return Group(legend, table)
 
 
-def _expert_table(model: ModelConfig, report: AdapterReport) -> Table:
-    """Per-layer expert coverage: how many of the model's experts each projection adapts."""
-    table = Table(title=f"expert coverage (experts adapted of {model.num_experts}; rank)",
+def _expert_table(model: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
+    """Per-layer expert coverage (`experts.coverage`): how many of the model's experts each
+    projection adapts, layers alike on one row."""
+    table = Table(title=f"expert coverage (experts adapted of {model['num_experts']}; rank)",
                   title_justify="left", header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     for col in ("layers", "gate_proj", "up_proj", "down_proj", "router", "ranks", "format"):
         table.add_column(col)
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for row in coverage(report.expert_pairs):
+    for row in rows:
         sig = (row["experts"].get("gate_proj", 0), row["experts"].get("up_proj", 0),
                row["experts"].get("down_proj", 0), row["router"], tuple(row["ranks"]),
                row["source"])
@@ -201,44 +165,45 @@ def _expert_table(model: ModelConfig, report: AdapterReport) -> Table:
     return table
 
 
-def layout_view(plan: PoolPlan) -> Group:
-    layout, expert_layout = plan.layout, plan.expert_layout
-    max_loras, budget, total = plan.max_loras, plan.budget_bytes, plan.total_bytes
+def layout_view(record: dict[str, Any], per_gpu: bool = False) -> Group:
+    """`metrale layout`: the plan's record (`PoolPlan.record`); `per_gpu`: the unsharded slot
+    above the per-rank pools of `--tp`, without the unsharded pool's size."""
+    ex = record["experts"]
+    max_loras = None if per_gpu else record["max_loras"]
     table = Table.grid(padding=(0, 2))
     table.add_column(style="dim")
     table.add_column()
-    table.add_row("model", escape(model_line(layout.model)))
-    table.add_row("modules", ", ".join(m.peft_name for m in layout.modules))
-    table.add_row("max rank", str(layout.max_rank))
-    table.add_row("entries", f"{len(layout.entries)} (layer, module) pairs")
-    table.add_row("slot", f"{layout.slot_bytes:,} B ({human_bytes(layout.slot_bytes)}), "
-                  f"{layout.align}-byte aligned BF16")
-    if expert_layout is not None:
-        ex = expert_layout
-        table.add_row("expert slot", f"{ex.slot_bytes:,} B "
-                      f"({human_bytes(ex.slot_bytes)}), {len(ex.entries):,} (layer, "
-                      f"projection, expert) entries on {len({e.layer for e in ex.entries})} "
-                      f"layers at rank {ex.max_rank}, a separate allocation")
-    if budget is not None and max_loras is not None:
-        what = "both pools" if expert_layout is not None else "slots"
-        table.add_row("budget", f"{human_bytes(budget)} holds {max_loras:,} slots ({what} "
-                      "with their tables)")
+    table.add_row("model", escape(model_line(record["model"])))
+    table.add_row("modules", ", ".join(record["modules"]))
+    table.add_row("max rank", str(record["max_rank"]))
+    table.add_row("entries", f"{len(record['entries'])} (layer, module) pairs")
+    table.add_row("slot", f"{record['slot_bytes']:,} B ({human_bytes(record['slot_bytes'])}), "
+                  f"{record['align']}-byte aligned {record['dtype']}")
+    if ex is not None:
+        table.add_row("expert slot", f"{ex['expert_slot_bytes']:,} B "
+                      f"({human_bytes(ex['expert_slot_bytes'])}), {ex['n_entries']:,} (layer, "
+                      f"projection, expert) entries on {len(ex['layers'])} "
+                      f"layers at rank {ex['max_rank']}, a separate allocation")
+    if record["budget_bytes"] is not None and max_loras is not None:
+        what = "both pools" if ex is not None else "slots"
+        table.add_row("budget", f"{human_bytes(record['budget_bytes'])} holds {max_loras:,} "
+                      f"slots ({what} with their tables)")
     if max_loras is not None:
-        table.add_row("pool", f"{max_loras} slots: {layout.pool_bytes(max_loras):,} B "
-                      f"({human_bytes(layout.pool_bytes(max_loras))})")
-        table.add_row("tables", f"{layout.table_bytes(max_loras):,} B (A/B pointers, scales, "
-                      "ranks)")
-        if expert_layout is not None:
-            table.add_row("expert pool", f"{expert_layout.pool_bytes(max_loras):,} B "
-                          f"({human_bytes(expert_layout.pool_bytes(max_loras))}) + "
-                          f"{expert_layout.table_bytes(max_loras):,} B expert tables")
-        if total is not None:
-            table.add_row("total", f"{total:,} B ({human_bytes(total)})")
-    table.add_row("fingerprint", layout.fingerprint)
-    if expert_layout is not None:
-        table.add_row("expert fingerprint", expert_layout.fingerprint)
+        table.add_row("pool", f"{max_loras} slots: {record['pool_bytes']:,} B "
+                      f"({human_bytes(record['pool_bytes'])})")
+        table.add_row("tables", f"{record['table_bytes']:,} B (A/B pointers, scales, ranks)")
+        if ex is not None:
+            table.add_row("expert pool", f"{ex['expert_pool_bytes']:,} B "
+                          f"({human_bytes(ex['expert_pool_bytes'])}) + "
+                          f"{ex['table_bytes']:,} B expert tables")
+        if record["total_bytes"] is not None:
+            table.add_row("total", f"{record['total_bytes']:,} B "
+                          f"({human_bytes(record['total_bytes'])})")
+    table.add_row("fingerprint", record["fingerprint"])
+    if ex is not None:
+        table.add_row("expert fingerprint", ex["fingerprint"])
 
-    shares = layout.shares()
+    shares = record["shares"]
     total = sum(shares["module"].values()) or 1
     share_table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     share_table.add_column("share of a slot")
@@ -249,16 +214,15 @@ def layout_view(plan: PoolPlan) -> Group:
     for kind, size in shares["layer_kind"].items():
         share_table.add_row(f"[dim]{kind} layers", f"{size:,}", f"{100 * size / total:.1f}")
     parts: list[Any] = [table]
-    if layout.entries:
+    if record["entries"]:
         parts.append(share_table)
-    if expert_layout is not None and expert_layout.entries:
-        ex_shares = expert_layout.shares()
-        ex_total = sum(ex_shares.values()) or 1
+    if ex is not None and ex["n_entries"]:
+        ex_total = sum(ex["shares"].values()) or 1
         ex_table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
         ex_table.add_column("share of an expert slot")
         ex_table.add_column("bytes", justify="right")
         ex_table.add_column("%", justify="right")
-        for name, size in ex_shares.items():
+        for name, size in ex["shares"].items():
             ex_table.add_row(name, f"{size:,}", f"{100 * size / ex_total:.1f}")
         parts.append(ex_table)
     return Group(*parts)
@@ -401,10 +365,10 @@ def _rank_span(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def sharded_layout_view(plan: ShardedPlan) -> Group:
-    """`metrale layout --tp N`: the unsharded slot, then per GPU each distinct rank layout."""
-    record = plan.record()
-    unsharded = layout_view(PoolPlan(plan.plan.layout, plan.plan.expert_layout))
+def sharded_layout_view(record: dict[str, Any]) -> Group:
+    """`metrale layout --tp N`: the unsharded slot, then per GPU each distinct rank layout
+    (`ShardedPlan.record`)."""
+    unsharded = layout_view(record, per_gpu=True)
     table = Table.grid(padding=(0, 2))
     table.add_column(style="dim")
     table.add_column()
@@ -552,13 +516,13 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
 
 
 def show_view(record: dict[str, Any]) -> Group:
-    """`metrale show`: the image's record (see image_check.ImageShow)."""
+    """`metrale show`: the image's record (see image.show.ImageShow)."""
     lay, ex = record["layout"], record["experts"]
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
     grid.add_column(overflow="fold")  # a long path folds rather than losing its end
     grid.add_row("image", f"{record['path']} ({record['format']}, consistent)")
-    grid.add_row("model", model_line(ModelConfig.from_summary(record["model"])))
+    grid.add_row("model", model_line(record["model"]))
     grid.add_row("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
                  f"({', '.join(lay['modules']) or 'no modules'}), slot {lay['slot_bytes']:,} B, "
                  f"{lay['max_loras']} slots")

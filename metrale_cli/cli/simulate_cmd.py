@@ -20,9 +20,6 @@ from metrale_cli.cli.options import (
     ModulesOpt,
     TpOpt,
     experts_on,
-    load_adapters,
-    model_for,
-    refuse_unservable,
     shard_spec,
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
@@ -102,11 +99,10 @@ def simulate(
     """Size max_loras for real traffic: replay a trace or a generated workload against the
     pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency.
     With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
-    from metrale_cli.adapters.audit import audit
     from metrale_cli.cli import render
     from metrale_cli.cli.parsing import parse_size_list, parse_token_range
     from metrale_cli.files.atomic import check_output, output_path
-    from metrale_cli.layout.plan import max_rank_warnings, plan_layouts
+    from metrale_cli.layout.pipeline import plan_pool
     from metrale_cli.sim import simulate as sim
     from metrale_cli.sim import workload as wl
 
@@ -122,20 +118,18 @@ def simulate(
         raise UsageError(f"--target-hit-rate must be in (0, 1], got {target_hit_rate}")
     if target_p99_ms is not None and not 0 <= target_p99_ms < math.inf:
         raise UsageError(f"--target-p99-ms must be >= 0 and finite, got {target_p99_ms}")
-    loaded = load_adapters(adapters) if adapters else []
-    if model is None and not loaded:
+    if model is None and not adapters:
         raise UsageError("--model is required (or give adapters)")
-    cfg = model_for(model, loaded)
-    enabled = experts_on(experts)
-    reports = [audit(a, cfg, max_rank, enabled) for a in loaded]
-    refuse_unservable(reports)  # a slot sized by an adapter pack would refuse sizes nothing
+    # A slot sized by an adapter pack would refuse sizes nothing: plan_pool refuses it too.
+    planned = plan_pool(adapters or [], model,
+                        modules=parse_modules(modules) if modules else None, max_rank=max_rank,
+                        experts=experts_on(experts))
+    layouts = planned.layout, planned.expert_layout
+    warn(planned.warnings)
     if spec is not None:
         from metrale_cli.layout.sharding import refuse_unshardable
 
-        refuse_unshardable(reports, spec)
-    layouts = plan_layouts(cfg, reports, parse_modules(modules) if modules else None, max_rank,
-                           experts=enabled)
-    warn(max_rank_warnings(layouts[0].max_rank))
+        refuse_unshardable(planned.reports, spec)
     if trace is not None and workload is not None:
         raise UsageError("give --trace or --workload, not both")
     if trace is not None:

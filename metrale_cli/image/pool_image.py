@@ -16,14 +16,8 @@ from metrale_cli.adapters.overlays import OverlayRaw
 from metrale_cli.bf16 import bf16_to_f32
 from metrale_cli.errors import FormatError
 from metrale_cli.files.atomic import atomic_write
-from metrale_cli.image.check import (
-    _NP_DTYPES,
-    DATA_ALIGN,
-    FORMAT,
-    ImageTables,
-    check,
-    read_tables,
-)
+from metrale_cli.image.check import check
+from metrale_cli.image.format import DATA_ALIGN, FORMAT, NP_DTYPES, ImageTables, read_tables
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.sharding import RankLayout
 from metrale_cli.layout.slot_layout import SlotLayout
@@ -189,7 +183,7 @@ class PoolImage:
     def open(cls, path: str | Path) -> PoolImage:
         """Open the image at `path`: not an image, or truncated, is a FormatError; one whose
         tables contradict its layout (a pointer that would land outside the pool, among
-        others) is ImageInconsistent, a FormatError too. Both are checked by image_check, the
+        others) is ImageInconsistent, a FormatError too. Both are checked by image.check, the
         same code as `metrale show`."""
         t = read_tables(path)
         check(t)
@@ -201,8 +195,8 @@ class PoolImage:
         def tensor(name: str) -> np.ndarray:
             info = t.tensor(name)
             if info.nbytes == 0:
-                return np.zeros(info.shape, dtype=_NP_DTYPES[info.dtype])  # mmap refuses empty
-            return np.memmap(t.path, dtype=_NP_DTYPES[info.dtype], mode="r", offset=info.begin,
+                return np.zeros(info.shape, dtype=NP_DTYPES[info.dtype])  # mmap refuses empty
+            return np.memmap(t.path, dtype=NP_DTYPES[info.dtype], mode="r", offset=info.begin,
                              shape=info.shape)
 
         ex = t.expert_layout
@@ -238,7 +232,7 @@ class PoolImage:
 
 
 def _slots(doc: list[dict[str, Any]]) -> tuple[list[AdapterSlot], list[bool]]:
-    """The checked image's slot records as AdapterSlots (image_check has checked their types
+    """The checked image's slot records as AdapterSlots (image.check has checked their types
     and matched their ranks and scales against the tables)."""
     slots, pinned = [], []
     for s in doc:
@@ -249,7 +243,7 @@ def _slots(doc: list[dict[str, Any]]) -> tuple[list[AdapterSlot], list[bool]]:
 
 
 def _overlays(t: ImageTables, tensor: Callable[[str], np.ndarray]) -> list[OverlayRaw | None]:
-    """Every slot's overlays, from the checked image's runs (image_check has matched them
+    """Every slot's overlays, from the checked image's runs (image.check has matched them
     against `overlay_slots`, the slots and the vocabulary)."""
     overlay_raw: list[OverlayRaw | None] = [None] * t.max_loras
     if t.overlay_doc is None:

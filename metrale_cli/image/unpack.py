@@ -22,7 +22,8 @@ from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME
 from metrale_cli.adapters.overlays import OVERLAY_PART
 from metrale_cli.errors import UsageError
 from metrale_cli.files.atomic import atomic_directory
-from metrale_cli.image.check import ImageTables, check, read_tables
+from metrale_cli.image.check import check
+from metrale_cli.image.format import ImageTables, read_tables
 from metrale_cli.layout.sharding import RankLayout
 
 ADAPTER_PREFIX = "base_model.model."

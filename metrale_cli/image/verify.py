@@ -22,13 +22,8 @@ from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
 from metrale_cli.bf16 import bf16_to_f32
 from metrale_cli.errors import FormatError, ImageInconsistent, NotServable, UsageError
-from metrale_cli.image.check import (
-    ImageTables,
-    layout_problems,
-    overlay_problems,
-    read_tables,
-    slot_record_problems,
-)
+from metrale_cli.image.check import layout_problems, overlay_problems, slot_record_problems
+from metrale_cli.image.format import ImageTables, read_tables
 from metrale_cli.layout.slot_layout import PaddedPair
 from metrale_cli.pool.pool import LoraPool
 

@@ -132,6 +132,7 @@ class PoolPlan:
         n = self.max_loras
         ex = self.expert_layout
         return {
+            "model": self.layout.model.record(),
             **self.layout.record(n),
             "warnings": self.warnings,
             "table_bytes": self.layout.table_bytes(n) if n else None,
@@ -177,16 +178,3 @@ class Footprint:
     def expert_slot_bytes(self) -> int:
         return self.expert_layout.slot_bytes if self.expert_layout else 0
 
-
-def inspect_record(
-    model: ModelConfig, reports: list[AdapterReport], footprints: list[Footprint],
-    experts_enabled: bool, warnings: list[str],
-) -> dict[str, Any]:
-    """`metrale inspect --json`: the model summary, `warnings` about the options, and each
-    adapter's report and footprint."""
-    adapters = []
-    for report, footprint in zip(reports, footprints, strict=True):
-        adapters.append({**report.record(), "slot_bytes": footprint.slot_bytes,
-                         "expert_slot_bytes": footprint.expert_slot_bytes})
-    return {"model": model.summary(), "experts_enabled": experts_enabled, "warnings": warnings,
-            "adapters": adapters}

@@ -22,21 +22,8 @@ from metrale_cli import env
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.files.hub import cached, fetch, parse_hub_id
 from metrale_cli.files.jsondoc import load_json
+from metrale_cli.model.families import FAMILIES, Family
 
-# The model types whose layer stack metrale knows; `*_text` forms map onto these.
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "qwen3_next",
-    "qwen3_5",
-    "qwen3_5_moe",
-)
-# Hybrid Gated-DeltaNet families: gated q_proj by default and a linear-attention layer stack.
-HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
 # Upper bounds on a config's counts and widths, far above any real model (the largest have
@@ -95,8 +82,13 @@ class ModelConfig:
         return self.layer_types[layer]
 
     @property
+    def family(self) -> Family:
+        """What differs by `model_type` (model/families.py)."""
+        return FAMILIES[self.model_type]
+
+    @property
     def is_hybrid(self) -> bool:
-        return self.model_type in HYBRID_MODEL_TYPES
+        return self.family.hybrid
 
     @property
     def linear_value_width(self) -> int:
@@ -111,12 +103,12 @@ class ModelConfig:
         return self.moe_intermediate_size or self.intermediate_size
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether `layer`'s MLP is routed experts: every layer of Mixtral and Qwen3.5-MoE; for
-        qwen3_moe/qwen3_next, not in `mlp_only_layers` and `(layer + 1) % decoder_sparse_step
-        == 0` (their decoder layers' rule)."""
+        """Whether `layer`'s MLP is routed experts: every layer, unless the family's MoE layers
+        follow the sparse step (qwen3_moe, qwen3_next): then not in `mlp_only_layers` and
+        `(layer + 1) % decoder_sparse_step == 0` (their decoder layers' rule)."""
         if not self.num_experts:
             return False
-        if self.model_type not in ("qwen3_moe", "qwen3_next"):
+        if not self.family.sparse_step:
             return True
         step = self.decoder_sparse_step or 1
         return layer not in self.mlp_only_layers and (layer + 1) % step == 0
@@ -139,6 +131,13 @@ class ModelConfig:
         record["layer_types"] = [t.value for t in self.layer_types]
         record["mlp_only_layers"] = list(self.mlp_only_layers)
         return record
+
+    def record(self) -> dict[str, Any]:
+        """The summary with the counts a view of the model shows (records of `models`,
+        `inspect`, `layout` and `show`); images store the summary alone."""
+        return {**self.summary(), "full_attention_layers": len(self.full_attention_layers),
+                "linear_attention_layers": len(self.linear_attention_layers),
+                "expert_intermediate_size": self.expert_intermediate_size}
 
     @classmethod
     def from_summary(cls, record: dict[str, Any]) -> ModelConfig:
@@ -173,10 +172,10 @@ class ModelConfig:
         text = raw["text_config"] if composite else raw
         model_type = str(text.get("model_type") or raw.get("model_type") or "")
         model_type = model_type.removesuffix("_text")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in FAMILIES:
             raise UnsupportedModel(
                 f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"supported: {', '.join(FAMILIES)}"
             )
 
         def bounded(key: str, value: int) -> int:
@@ -218,7 +217,7 @@ class ModelConfig:
             raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
         tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         gate = text.get("attn_output_gate")
-        attn_gated = gate is not False if model_type in HYBRID_MODEL_TYPES else bool(gate)
+        attn_gated = gate is not False if FAMILIES[model_type].hybrid else bool(gate)
         return cls(
             model_type=model_type,
             hidden_size=hidden,
@@ -282,7 +281,7 @@ def _layer_types(
         except ValueError as exc:
             raise FormatError(f"{source or 'config'}: {exc}") from exc
     interval = text.get("full_attention_interval")
-    if interval is None and model_type in HYBRID_MODEL_TYPES:
+    if interval is None and FAMILIES[model_type].hybrid:
         interval = DEFAULT_FULL_ATTENTION_INTERVAL
     if interval is None:
         return (LayerType.FULL_ATTENTION,) * layers
@@ -307,10 +306,7 @@ class Preset:
         """`metrale models --json`: the names, the config summary, and the layer and expert
         counts the table shows."""
         cfg = ModelConfig.from_dict(self.config, source=self.name)
-        return {"name": self.name, "hub_ids": list(self.hub_ids), **cfg.summary(),
-                "full_attention_layers": len(cfg.full_attention_layers),
-                "linear_attention_layers": len(cfg.linear_attention_layers),
-                "expert_intermediate_size": cfg.expert_intermediate_size}
+        return {"name": self.name, "hub_ids": list(self.hub_ids), **cfg.record()}
 
 
 def _hybrid_text(**values: Any) -> dict[str, Any]:

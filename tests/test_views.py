@@ -1,0 +1,60 @@
+"""One record, two views: each command's table is its view of the very dict `--json` prints, so
+the view rendered from the parsed JSON is the command's output, byte for byte."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from metrale_cli.cli import render
+from tests.support.cli_runner import metrale
+
+MODEL = "qwen3-next-80b-a3b"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("views")
+    assert metrale("synth", root / "chat", "--model", MODEL, "--modules",
+                   "q_proj,k_proj,v_proj,o_proj,out_proj", "--rank", 16).code == 0
+    assert metrale("synth", root / "code", "--model", MODEL, "--modules", "q_proj,out_proj",
+                   "--rank", 8, "--rslora", "--seed", 1).code == 0
+    return root / "chat", root / "code"
+
+
+def rendered(view: Callable[[Any], Any], record: Any) -> str:
+    console = Console(width=100, highlight=False, soft_wrap=False, file=io.StringIO())
+    console.print(view(record))
+    return console.file.getvalue()
+
+
+@pytest.mark.parametrize("args, view", [
+    (["inspect", "{chat}", "{code}"], render.inspect_view),
+    (["inspect", "{code}", "--max-rank", "4"], render.inspect_view),
+    (["layout", "{chat}", "{code}", "--budget", "40GiB"], render.layout_view),
+    (["layout", "-m", MODEL, "--experts", "--max-rank", "16", "--modules", "q_proj,out_proj",
+      "--max-loras", "4"], render.layout_view),
+    (["layout", "{chat}", "{code}", "--budget", "40GiB", "--tp", "4"],
+     render.sharded_layout_view),
+    (["models"], render.models_view),
+])
+def test_the_view_of_the_json_record_is_the_output(
+        adapters: tuple[Path, Path], args: list[str], view: Callable[[Any], Any]) -> None:
+    chat, code = adapters
+    argv = [a.format(chat=chat, code=code) for a in args]
+    shown, as_json = metrale(*argv), metrale(*argv, "--json")
+    assert shown.code == as_json.code
+    assert shown.stdout == rendered(view, json.loads(as_json.stdout))
+
+
+def test_show_view_of_the_json_record(adapters: tuple[Path, Path], tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", *adapters, "--max-loras", 4, "--out", image).code == 0
+    shown, as_json = metrale("show", image), metrale("show", image, "--json")
+    assert shown.stdout == rendered(render.show_view, json.loads(as_json.stdout))
