@@ -58,3 +58,43 @@ def test_show_view_of_the_json_record(adapters: tuple[Path, Path], tmp_path: Pat
     assert metrale("pack", *adapters, "--max-loras", 4, "--out", image).code == 0
     shown, as_json = metrale("show", image), metrale("show", image, "--json")
     assert shown.stdout == rendered(render.show_view, json.loads(as_json.stdout))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_json_writer_refuses_nan(stream: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """Whole records and streamed JSON lines go through one writer: a NaN that got this far is
+    a bug, never invalid JSON on stdout."""
+    from metrale_cli.cli.console import emit_json
+
+    emit_json({"p50_us": 1.5}, stream=stream)
+    assert json.loads(capsys.readouterr().out) == {"p50_us": 1.5}
+    with pytest.raises(ValueError, match="JSON compliant"):
+        emit_json({"p50_us": float("nan")}, stream=stream)
+
+
+def test_bench_json_lines_are_one_record_each() -> None:
+    shown = metrale("bench", "kernels", "--model-only", "--tokens", "1", "--rank", "16",
+                    "--adapters", "1", "--json")
+    assert shown.code == 0
+    lines = shown.stdout.splitlines()
+    assert lines and all(json.loads(line)["kernel"] for line in lines)
+
+
+def test_synth_and_unpack_views_of_their_records(adapters: tuple[Path, Path],
+                                                 tmp_path: Path) -> None:
+    # A directory name Rich would read as markup, shown as typed.
+    made = tmp_path / "[bold]x"
+    written = metrale("synth", made, "--model", "qwen3-8b", "--modules", "q_proj", "--rank", 8)
+    assert written.stdout.startswith(f"wrote {made}: ")
+    again = metrale("synth", tmp_path / "y", "--model", "qwen3-8b", "--modules", "q_proj",
+                    "--rank", 8, "--json")
+    assert again.code == 0
+    assert rendered(render.synth_view, again.json()) == written.stdout.replace(str(made),
+                                                                           again.json()["path"])
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", *adapters, "--max-loras", 2, "--out", image).code == 0
+    shown = metrale("unpack", image, tmp_path / "out", "--slot", 1)
+    as_json = metrale("unpack", image, tmp_path / "out2", "--slot", 1, "--json").json()
+    assert shown.stdout == rendered(render.unpack_view, {**as_json,
+                                                         "path": str(tmp_path / "out")})
+    assert shown.stdout.startswith(f"wrote {tmp_path / 'out'}: slot 1 (code), ")

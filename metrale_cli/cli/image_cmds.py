@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, err, escape, handles_errors, out
+from metrale_cli.cli.console import emit, err, handles_errors
 from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, online_on
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
@@ -70,13 +70,6 @@ def unpack(
     from metrale_cli.image.unpack import unpack as unpack_slot
 
     result = unpack_slot(image, out_dir, slot, name, force)
-    if json_out:
-        emit_json(result.record())
-    else:
-        from metrale_cli.cli.render import human_bytes
+    from metrale_cli.cli import render
 
-        overlays = f", trainable tokens for {', '.join(result.overlay_tables)}" \
-            if result.overlay_tables else ""
-        out().print(f"wrote {escape(str(result.path))}: slot {result.slot} "
-                    f"({escape(result.name)}), {result.modules} modules at r={result.rank} "
-                    f"lora_alpha={result.lora_alpha:g}{overlays}, {human_bytes(result.bytes)}")
+    emit(result.record(), json_out, render.unpack_view)

@@ -12,7 +12,6 @@ from metrale_cli.cli.console import (
     emit,
     emit_json,
     err,
-    escape,
     handles_errors,
     out,
     said_details,
@@ -72,13 +71,9 @@ def synth(
         raise UsageError(f"--seed must be non-negative, got {seed}")
     result = synth_adapter(Path(out_dir), resolve_model(model), model, module_list, rank, alpha,
                            rslora, dtype, seed, force)
-    if json_out:
-        emit_json(result.record())
-    else:
-        from metrale_cli.cli.render import human_bytes
+    from metrale_cli.cli import render
 
-        out().print(f"wrote {escape(str(result.path))}: {result.tensors} tensors, "
-                    f"{human_bytes(result.bytes)}")
+    emit(result.record(), json_out, render.synth_view)
 
 
 # -- pack ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, handles_errors, out, warn
+from metrale_cli.cli.console import emit, handles_errors, warn
 from metrale_cli.cli.options import (
     EpOpt,
     ExpertsOpt,
@@ -54,18 +54,14 @@ def inspect(
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
 
     The model defaults to the adapters' base_model_name_or_path."""
+    from metrale_cli.cli import render
     from metrale_cli.layout.pipeline import audit_adapters
 
     positive("--max-rank", max_rank)
     audited = audit_adapters(adapters, model, max_rank=max_rank, experts=experts_on(experts),
                              online=online_on(online))
     warn(audited.warnings)
-    if json_out:
-        emit_json(audited.record())
-    else:
-        from metrale_cli.cli.render import inspect_view
-
-        out().print(inspect_view(audited.record()))
+    emit(audited.record(), json_out, render.inspect_view)
     if not audited.servable:
         raise typer.Exit(1)
 
@@ -101,6 +97,7 @@ def layout(
 
     With --experts, the expert pool too: the adapters' routed-expert and router pairs, or
     without adapters every expert and router of every MoE layer at --max-rank."""
+    from metrale_cli.cli import render
     from metrale_cli.layout.pipeline import plan_pool
     from metrale_cli.layout.slot_layout import DEFAULT_ALIGN
 
@@ -117,18 +114,8 @@ def layout(
     if spec is not None:
         sharded = planned.sharded(spec, max_loras, budget_bytes)
         warn(sharded.plan.warnings)
-        if json_out:
-            emit_json(sharded.record())
-        else:
-            from metrale_cli.cli.render import sharded_layout_view
-
-            out().print(sharded_layout_view(sharded.record()))
+        emit(sharded.record(), json_out, render.sharded_layout_view)
         return
     plan = planned.sized(max_loras, budget_bytes)
     warn(plan.warnings)
-    if json_out:
-        emit_json(plan.record())
-    else:
-        from metrale_cli.cli.render import layout_view
-
-        out().print(layout_view(plan.record()))
+    emit(plan.record(), json_out, render.layout_view)

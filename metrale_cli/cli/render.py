@@ -564,6 +564,21 @@ def show_view(record: dict[str, Any]) -> Group:
     return Group(grid, Text(), table, Text(), sources, sizes)
 
 
+def synth_view(record: dict[str, Any]) -> Text:
+    """`metrale synth`: what was written (`SynthResult.record`)."""
+    return Text(f"wrote {record['path']}: {record['tensors']} tensors, "
+                f"{human_bytes(record['bytes'])}")
+
+
+def unpack_view(record: dict[str, Any]) -> Text:
+    """`metrale unpack`: the adapter written from a slot (`UnpackResult.record`)."""
+    overlays = (f", trainable tokens for {', '.join(record['overlays'])}"
+                if record["overlays"] else "")
+    return Text(f"wrote {record['path']}: slot {record['slot']} ({record['name']}), "
+                f"{record['modules']} modules at r={record['r']} "
+                f"lora_alpha={record['lora_alpha']:g}{overlays}, {human_bytes(record['bytes'])}")
+
+
 # Differing regions listed per adapter; --json has them all.
 VERIFY_ROWS = 20
 
