@@ -3,21 +3,23 @@
 // For one (layer, module) entry of the pool, with T tokens, token b tagged with slot s = slots[b]
 // (-1 = no adapter), r = min(ranks[s], max_rank) and A_s = a_table[s], B_s = b_table[s]:
 //
-//   bgmv_shrink:  t[z, b, j] = sum_{k in split z} x[b, k] * A_s[j, k]     j < r
-//                 t[z, b, j] = 0                                          j >= r, or token skipped
-//   bgmv_expand:  y[b, o] += scale_table[s] * sum_{j < r} (sum_z t[z, b, j]) * B_s[o, j]
+//   bgmv_shrink:  t[b, j] (+)= sum_{k in split z} x[b, k] * A_s[j, k]      j < r
+//                 t[b, j] = 0                                             j >= r, or token skipped
+//   bgmv_expand:  y[b, o] += scale_table[s] * sum_{j < r} t[b, j] * B_s[o, j]
 //                 y[b, :] untouched (bit for bit) when the token is skipped
 //
 // A token is skipped when its slot is -1 or out of the table, the slot's pointer is 0 (the slot
-// does not adapt this entry) or its rank is 0. Shrink writes every t element, so t never needs a
-// memset and expand never reads stale values; expand reads only t[:, b, :r].
+// does not adapt this entry) or its rank is 0. With one split the shrink writes every t element
+// (no memset, nothing stale for the expand); with split-K (grid.z > 1) each split adds its
+// partial into t with F32 atomics, and t must be zero before the launch (the launchers zero it).
+// Expand reads only t[b, :r].
 //
 // Buffers (row major; BF16 as raw uint16 bits; every base address 16-byte aligned):
 //   x  BF16 [T, in_dim], row stride x_stride elements       slots  i32 [T]
 //   A_s BF16 [max_rank, in_dim], B_s BF16 [out_dim, max_rank]  (rows / cols >= r are zero padding)
 //   a_table, b_table u64 [max_loras]; scale_table f32 [max_loras]; ranks i32 [max_loras]
-//   t  F32 [num_splits, T, t_cols] (split-K partial sums; expand adds the splits); t_cols <=
-//      max_rank is the widest rank of the batch (the host knows it), and r is clamped to it
+//   t  F32 [T, t_cols] (split-K reduced into it once, by atomics); t_cols <= max_rank is the
+//      widest rank of the batch (the host knows it), and r is clamped to it
 //   y  BF16 (bgmv_expand_bf16) or F32 (bgmv_expand_f32) [T, out_dim], row stride y_stride
 // in_dim, out_dim, max_rank, t_cols, x_stride and y_stride are multiples of 8 (16-byte vectors);
 // max_rank <= METRALE_MAX_RANK.
@@ -44,14 +46,17 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   const int j0 = blockIdx.y * BGMV_SHRINK_ROWS;
   const int split = blockIdx.z;
   const int tid = threadIdx.x;
-  float* t_row = t + (static_cast<long long>(split) * num_tokens + b) * t_cols;
+  const bool accumulate = gridDim.z > 1;
+  float* t_row = t + static_cast<long long>(b) * t_cols;
 
   const int slot = slots[b];
   const ptr_t a_addr = slot_address(a_table, slot, max_loras);
-  const int rank = a_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
+  const int listed = slot_rank(ranks, slot, max_loras);
+  const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
   if (j0 >= rank) {
-    // Padding rows and skipped tokens cost one store, not a pass over A.
-    if (tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) t_row[j0 + tid] = 0.f;
+    // Padding rows and skipped tokens cost one store (none under split-K: t is zeroed), not a
+    // pass over A.
+    if (!accumulate && tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) t_row[j0 + tid] = 0.f;
     return;
   }
   const int rows = imin(BGMV_SHRINK_ROWS, rank - j0);
@@ -109,38 +114,32 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < METRALE_WARPS; ++w) sum += partial[w][tid];
-    t_row[j0 + tid] = tid < rows ? sum : 0.f;
+    if (tid < rows || !accumulate) t_store(&t_row[j0 + tid], tid < rows ? sum : 0.f, accumulate);
   }
 }
 
 template <typename OutT>
 __device__ __forceinline__ void bgmv_expand_body(
-    const float* __restrict__ t, int num_splits, const int* __restrict__ slots,
-    const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
+    const float* __restrict__ t, const int* __restrict__ slots, const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
     const int* __restrict__ ranks, int max_loras, OutT* __restrict__ y, long long y_stride,
     int num_tokens, int out_dim, int max_rank, int t_cols) {
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
   const int slot = slots[b];
   const ptr_t b_addr = slot_address(b_table, slot, max_loras);
-  const int rank = b_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
+  const int listed = slot_rank(ranks, slot, max_loras);
+  const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
   if (rank <= 0) return;  // CTA-uniform, before any barrier: y stays bit-identical
   const float scale = scale_table[slot];
   const int vecs = (rank + 7) >> 3;
   // Passes take BGMV_EXPAND_COLS vectors; t_s is zero up to a whole number of passes.
   const int padded = (vecs + BGMV_EXPAND_COLS - 1) / BGMV_EXPAND_COLS * BGMV_EXPAND_COLS * 8;
 
-  // The token's t row with its split-K partials summed, zero past the rank, so that the last B
-  // vector's padding columns multiply zeros.
+  // The token's t row, zero past the rank, so that the last B vector's padding columns multiply
+  // zeros.
   __shared__ __align__(16) float t_s[METRALE_MAX_RANK + BGMV_EXPAND_COLS * 8];
-  for (int j = tid; j < padded; j += METRALE_THREADS) {
-    float v = 0.f;
-    if (j < rank) {
-      for (int z = 0; z < num_splits; ++z)
-        v += t[(static_cast<long long>(z) * num_tokens + b) * t_cols + j];
-    }
-    t_s[j] = v;
-  }
+  for (int j = tid; j < padded; j += METRALE_THREADS)
+    t_s[j] = j < rank ? t[static_cast<long long>(b) * t_cols + j] : 0.f;
   __syncthreads();
 
   // Each thread owns BGMV_EXPAND_ROWS consecutive output rows: its y is one vector, and its B
@@ -183,19 +182,19 @@ __device__ __forceinline__ void bgmv_expand_body(
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_EXPAND_MIN_CTAS)
-bgmv_expand_bf16(const float* __restrict__ t, int num_splits, const int* __restrict__ slots,
+bgmv_expand_bf16(const float* __restrict__ t, const int* __restrict__ slots,
                  const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
                  const int* __restrict__ ranks, int max_loras, bf16_t* __restrict__ y,
                  long long y_stride, int num_tokens, int out_dim, int max_rank, int t_cols) {
-  bgmv_expand_body(t, num_splits, slots, b_table, scale_table, ranks, max_loras, y, y_stride,
+  bgmv_expand_body(t, slots, b_table, scale_table, ranks, max_loras, y, y_stride,
                    num_tokens, out_dim, max_rank, t_cols);
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_EXPAND_MIN_CTAS)
-bgmv_expand_f32(const float* __restrict__ t, int num_splits, const int* __restrict__ slots,
+bgmv_expand_f32(const float* __restrict__ t, const int* __restrict__ slots,
                 const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
                 const int* __restrict__ ranks, int max_loras, float* __restrict__ y,
                 long long y_stride, int num_tokens, int out_dim, int max_rank, int t_cols) {
-  bgmv_expand_body(t, num_splits, slots, b_table, scale_table, ranks, max_loras, y, y_stride,
+  bgmv_expand_body(t, slots, b_table, scale_table, ranks, max_loras, y, y_stride,
                    num_tokens, out_dim, max_rank, t_cols);
 }

@@ -56,6 +56,13 @@ __device__ __forceinline__ ptr_t expert_address(const ptr_t* table, int entry, i
              : 0ull;
 }
 
+// The entry of (slice, expert), or -1 (no entry: nothing read, y untouched) for an expert id
+// outside [0, num_experts), such as -1 for an expert that lives on another rank.
+__device__ __forceinline__ int tile_entry(const int* entries, int slice, int num_experts,
+                                          int expert) {
+  return (expert >= 0 && expert < num_experts) ? entries[slice * num_experts + expert] : -1;
+}
+
 // ---- router ----------------------------------------------------------------------------------
 
 template <typename OutT>
@@ -177,7 +184,7 @@ __device__ __forceinline__ void expert_shrink_body(
   const int tid = threadIdx.x;
   const int count = tile.end - tile.begin;
   if (count <= 0) return;  // a tile past the plan's last one
-  const int entry = entries[slice * num_experts + tile.expert];
+  const int entry = tile_entry(entries, slice, num_experts, tile.expert);
   const ptr_t a_addr = expert_address(a_tables, entry, tile.slot, max_loras);
   const int rank = a_addr ? imin(imin(ranks[tile.slot], max_rank), t_cols) : 0;
   float* t_slice = t + static_cast<long long>(slice) * num_pairs * t_cols;
@@ -279,7 +286,7 @@ __device__ __forceinline__ void expert_expand_body(
   const int tid = threadIdx.x;
   const int count = tile.end - tile.begin;
   if (count <= 0) return;
-  const int entry = entries[slice * num_experts + tile.expert];
+  const int entry = tile_entry(entries, slice, num_experts, tile.expert);
   const ptr_t b_addr = expert_address(b_tables, entry, tile.slot, max_loras);
   const int rank = b_addr ? imin(imin(ranks[tile.slot], max_rank), t_cols) : 0;
   if (rank <= 0) return;  // CTA-uniform, before any barrier: y stays bit-identical

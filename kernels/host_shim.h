@@ -13,8 +13,9 @@
 //   __global__ __device__ __host__ __forceinline__ __launch_bounds__ __align__ __restrict__
 //   static __shared__ arrays (no `extern __shared__`), threadIdx blockIdx blockDim gridDim,
 //   uint3 dim3 uint4 float4 float2, __syncthreads, __shfl_xor_sync / __shfl_sync on types of up
-//   to 8 bytes, __uint_as_float, __float_as_uint, and mma_bf16_16816 (lora_common.cuh).
-// Not supported: atomics, cooperative groups, cp.async, inline PTX, CUDA headers.
+//   to 8 bytes, __uint_as_float, __float_as_uint, atomicAdd on float, and mma_bf16_16816
+//   (lora_common.cuh).
+// Not supported: other atomics, cooperative groups, cp.async, inline PTX, CUDA headers.
 #pragma once
 #define METRALE_HOST_SHIM 1
 
@@ -258,6 +259,15 @@ inline T shuffle_from(T value, int src_lane) {
 #define gridDim (::metrale_shim::g_launch->grid)
 
 inline void __syncthreads() { ::metrale_shim::wait_at(::metrale_shim::Wait::kBlock); }
+
+// CTAs run one at a time and a fiber switches only at a barrier, so a read-modify-write is
+// never interleaved with another thread's: the GPU's atomicity, and its result up to the order
+// of the additions (which the shim fixes: CTAs in grid order, threads in index order).
+inline float atomicAdd(float* address, float value) {
+  const float old = *address;
+  *address = old + value;
+  return old;
+}
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned /*mask*/, T value, int lane_mask, int width = 32) {

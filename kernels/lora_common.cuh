@@ -103,6 +103,25 @@ __device__ __forceinline__ ptr_t slot_address(const ptr_t* table, int slot, int 
   return (slot >= 0 && slot < max_loras) ? table[slot] : 0ull;
 }
 
+// Split-K's one reduction: each K split of a shrink adds its partial sums into the one t
+// (zeroed before the launch), as vLLM's split-K shrink does. F32 atomics make the sum's order,
+// and so its last bits, vary from run to run; a single split stores plainly and writes every
+// element. On the GPU it is a RED.E.ADD.F32 at L2; the host shim runs CTAs one at a time.
+__device__ __forceinline__ void t_store(float* p, float v, bool accumulate) {
+  if (accumulate) {
+    atomicAdd(p, v);
+  } else {
+    *p = v;
+  }
+}
+
+// The slot's rank, 0 for a slot id outside the table. Read beside the slot's table entry, not
+// behind it: `table[slot] ? ranks[slot] : 0` would make the rank wait for the address, one
+// more dependent round trip before the weight stream.
+__device__ __forceinline__ int slot_rank(const int* ranks, int slot, int max_loras) {
+  return (slot >= 0 && slot < max_loras) ? ranks[slot] : 0;
+}
+
 // y element load / store for both output dtypes (BF16 bits or F32).
 __device__ __forceinline__ float load_out(const bf16_t* p) { return bf16_to_f32(*p); }
 __device__ __forceinline__ float load_out(const float* p) { return *p; }

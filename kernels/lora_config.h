@@ -35,7 +35,7 @@
 #define SGMV_SHRINK_MIN_CTAS 3
 #define SGMV_SHRINK_LOADS 8
 #define SGMV_EXPAND_MIN_CTAS 3
-#define SGMV_EXPAND_LOADS 8
+#define SGMV_EXPAND_LOADS 7
 
 // expert.cu (kernels/README.md): pairs per tile of one (slot, expert) group on the decode and
 // the grouped prefill path (each weight vector a CTA loads feeds that many pairs); the router's

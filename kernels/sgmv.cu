@@ -5,12 +5,13 @@
 // segments whose slot is -1, out of the table, has a 0 pointer or rank 0, are skipped exactly as
 // in bgmv.cu. With s, r, A_s, B_s as there:
 //
-//   sgmv_shrink:  t[z, b, j] = sum_{k in split z} x[b, k] * A_s[j, k]     j < r
-//                 t[z, b, j] = 0                                          j >= r, or token skipped
-//   sgmv_expand:  y[b, o] += scale_table[s] * sum_{j < r} (sum_z t[z, b, j]) * B_s[o, j]
+//   sgmv_shrink:  t[b, j] (+)= sum_{k in split z} x[b, k] * A_s[j, k]      j < r
+//                 t[b, j] = 0                                             j >= r, or token skipped
+//   sgmv_expand:  y[b, o] += scale_table[s] * sum_{j < r} t[b, j] * B_s[o, j]
 //                 y[b, :] untouched (bit for bit) when the token is skipped
 //
-// Buffers and alignment as in bgmv.cu (t F32 [num_splits, T, t_cols]; y BF16 or F32).
+// Buffers and alignment as in bgmv.cu (t F32 [T, t_cols], split-K added into it by F32 atomics
+// and zeroed before such a launch; y BF16 or F32).
 //
 // token_order (i32 [T], or null for the identity) lets the decode path run here: the host sorts a
 // batch's tokens by slot (a segment plan, kernels.plan_batch) and the segments then index sorted
@@ -37,7 +38,7 @@
 // segment and columns past K or the rank are clamped into bounds and masked to zero), and every
 // load of a tile is issued before the first use: SGMV_SHRINK_LOADS per thread for the next K tile
 // while the tensor cores work on this one; in the expand, the B tile and the t tile together,
-// and the split-K partials of t in an outer loop of SGMV_EXPAND_LOADS loads per pass.
+// the B tile and the t tile together (SGMV_EXPAND_LOADS loads per pass).
 //
 // Compile alone:
 //   nvcc -arch=sm_90 -std=c++17 -Werror all-warnings -Xcompiler -Wall,-Werror -c -o /dev/null kernels/sgmv.cu
@@ -143,12 +144,15 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   const int m_end = imin(num_tokens, m0 + SG_M);
   const int k_begin = split * k_chunk;
   const int k_end = imin(in_dim, k_begin + k_chunk);
+  const bool accumulate = gridDim.z > 1;
+  // An empty trailing split (K does not divide evenly) adds nothing: CTA-uniform, before any
+  // barrier.
+  if (accumulate && k_begin >= k_end) return;
 
   float acc[SG_N / 8][4];
 #pragma unroll
   for (int nt = 0; nt < SG_N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
-  // An empty trailing split (K does not divide evenly) only writes its zero partials.
   for (int seg = k_begin < k_end ? first_segment(seg_starts, num_segments, m0) : num_segments;
        seg < num_segments && seg_starts[seg] < m_end; ++seg) {
     // Everything below is CTA-uniform, so skipping a segment never splits a barrier.
@@ -156,7 +160,8 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     const int hi = imin(seg_starts[seg + 1], m_end) - m0;
     const int slot = seg_slots[seg];
     const ptr_t a_addr = slot_address(a_table, slot, max_loras);
-    const int rank = a_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
+    const int listed = slot_rank(ranks, slot, max_loras);
+    const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
     if (lo >= hi || rank <= n0) continue;
     const int n_valid = imin(SG_N, rank - n0);
     const int n_tiles = (n_valid + 7) >> 3;
@@ -195,19 +200,19 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     }
   }
 
-  // Rows of skipped tokens and columns past the rank hold exact zeros here.
-  float* t_split = t + static_cast<long long>(split) * num_tokens * t_cols;
+  // Rows of skipped tokens and columns past the rank hold exact zeros here. One split stores
+  // them; split-K adds every partial into the zeroed t (lora_common.cuh, t_store).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int p = m0 + warp * 16 + (lane >> 2) + h * 8;
     if (p >= num_tokens) continue;
-    float* out = t_split + static_cast<long long>(token_at(token_order, p)) * t_cols;
+    float* out = t + static_cast<long long>(token_at(token_order, p)) * t_cols;
 #pragma unroll
     for (int nt = 0; nt < SG_N / 8; ++nt) {
       const int col = n0 + nt * 8 + (lane & 3) * 2;
       if (col < t_cols) {
-        out[col] = acc[nt][2 * h];
-        out[col + 1] = acc[nt][2 * h + 1];
+        t_store(&out[col], acc[nt][2 * h], accumulate);
+        t_store(&out[col + 1], acc[nt][2 * h + 1], accumulate);
       }
     }
   }
@@ -267,7 +272,7 @@ __device__ __forceinline__ float4 load_f4(const float* p) {
 
 template <typename OutT>
 __device__ __forceinline__ void sgmv_expand_body(
-    const float* __restrict__ t, int num_splits, const int* __restrict__ seg_starts,
+    const float* __restrict__ t, const int* __restrict__ seg_starts,
     const int* __restrict__ seg_slots, int num_segments, const int* __restrict__ token_order,
     const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
     const int* __restrict__ ranks, int max_loras, OutT* __restrict__ y, long long y_stride,
@@ -283,7 +288,6 @@ __device__ __forceinline__ void sgmv_expand_body(
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int m_end = imin(num_tokens, m0 + SG_M);
-  const long long split_stride = static_cast<long long>(num_tokens) * t_cols;
   const int t_col = (tid & 15) * 4;
 
   if (tid < SG_M) {
@@ -300,7 +304,8 @@ __device__ __forceinline__ void sgmv_expand_body(
     const int hi = imin(seg_starts[seg + 1], m_end) - m0;
     const int slot = seg_slots[seg];
     const ptr_t b_addr = slot_address(b_table, slot, max_loras);
-    const int rank = b_addr ? imin(imin(ranks[slot], max_rank), t_cols) : 0;
+    const int listed = slot_rank(ranks, slot, max_loras);
+    const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
     if (lo >= hi || rank <= 0) continue;
     if (tid >= lo && tid < hi) {
       row_active[tid] = 1;
@@ -324,8 +329,7 @@ __device__ __forceinline__ void sgmv_expand_body(
 
     for (int kc = 0; kc < rank; kc += SG_K) {
       const int kn = imin(SG_K, rank - kc);
-      // One pass issues the B tile and split 0 of the t tile together; later splits add in an
-      // outer loop, each pass issuing all of its t loads first.
+      // One pass issues the B tile and the t tile together.
       uint4 w[SG_TILE_VECS];
       load_tile(w, b_src, kc, kc + (kn + 7) / 8 * 8, tid);
       const bool t_col_ok = t_col < kn;
@@ -334,22 +338,6 @@ __device__ __forceinline__ void sgmv_expand_body(
 #pragma unroll
       for (int i = 0; i < SG_T_VECS; ++i)
         f[i] = load_f4(t + static_cast<long long>(t_token[i]) * t_cols + t_at);
-      // One split per iteration: its 8 loads all issue before the first add.
-#pragma unroll 1
-      for (int z = 1; z < num_splits; ++z) {
-        const float* t_split = t + z * split_stride + t_at;
-        float4 p[SG_T_VECS];
-#pragma unroll
-        for (int i = 0; i < SG_T_VECS; ++i)
-          p[i] = load_f4(t_split + static_cast<long long>(t_token[i]) * t_cols);
-#pragma unroll
-        for (int i = 0; i < SG_T_VECS; ++i) {
-          f[i].x += p[i].x;
-          f[i].y += p[i].y;
-          f[i].z += p[i].z;
-          f[i].w += p[i].w;
-        }
-      }
       __syncthreads();  // every warp is done reading the previous tiles
 #pragma unroll
       for (int i = 0; i < SG_T_VECS; ++i) {
@@ -382,8 +370,13 @@ __device__ __forceinline__ void sgmv_expand_body(
       }
       store_tile(b_tile, w, tid);
       __syncthreads();
+      // Unrolled with a guard (kn <= 64), so that the rank-chunk loop is the innermost loop the
+      // SASS check reads, its B and t loads together.
       if (warp_active) {
-        for (int kk = 0; kk < kn; kk += 16) mma_k16(acc, t_tile, b_tile, warp, lane, kk, SG_N / 8);
+#pragma unroll
+        for (int kk = 0; kk < SG_K; kk += 16) {
+          if (kk < kn) mma_k16(acc, t_tile, b_tile, warp, lane, kk, SG_N / 8);
+        }
       }
     }
   }
@@ -423,25 +416,25 @@ __device__ __forceinline__ void sgmv_expand_body(
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CTAS)
-sgmv_expand_bf16(const float* __restrict__ t, int num_splits, const int* __restrict__ seg_starts,
+sgmv_expand_bf16(const float* __restrict__ t, const int* __restrict__ seg_starts,
                  const int* __restrict__ seg_slots, int num_segments,
                  const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
                  const float* __restrict__ scale_table, const int* __restrict__ ranks,
                  int max_loras, bf16_t* __restrict__ y, long long y_stride, int num_tokens,
                  int out_dim, int max_rank, int t_cols) {
-  sgmv_expand_body(t, num_splits, seg_starts, seg_slots, num_segments, token_order, b_table,
+  sgmv_expand_body(t, seg_starts, seg_slots, num_segments, token_order, b_table,
                    scale_table, ranks, max_loras, y, y_stride, num_tokens, out_dim, max_rank,
                    t_cols);
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CTAS)
-sgmv_expand_f32(const float* __restrict__ t, int num_splits, const int* __restrict__ seg_starts,
+sgmv_expand_f32(const float* __restrict__ t, const int* __restrict__ seg_starts,
                 const int* __restrict__ seg_slots, int num_segments,
                 const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
                 const float* __restrict__ scale_table, const int* __restrict__ ranks,
                 int max_loras, float* __restrict__ y, long long y_stride, int num_tokens,
                 int out_dim, int max_rank, int t_cols) {
-  sgmv_expand_body(t, num_splits, seg_starts, seg_slots, num_segments, token_order, b_table,
+  sgmv_expand_body(t, seg_starts, seg_slots, num_segments, token_order, b_table,
                    scale_table, ranks, max_loras, y, y_stride, num_tokens, out_dim, max_rank,
                    t_cols);
 }

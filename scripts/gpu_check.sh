@@ -1,45 +1,197 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one script for a lent device (an H200): the GPU tests, the
-# kernel tests under compute-sanitizer (memcheck, racecheck, synccheck), and the kernel
-# benchmark with the roofline model's expectation in every record. Results go to $OUT (or the
-# first argument, default gpu-check-out); the exit code is non-zero if any step failed.
+# The checks that need a GPU, as one run on a lent device (an H200 with no network): from this
+# checkout, with what that machine has (python3 with torch, cupy-cuda13x, transformers, peft,
+# pytest, hypothesis, typer, rich, safetensors, regex, huggingface_hub; nvcc, compute-sanitizer,
+# nvdisasm), installing nothing.
 #
-#   pip install -e '.[test,cuda12]'      # CuPy for the device, pytest and the rest
-#   OUT=gpu-out bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh [--quick] [--dry-run [--json]] OUT_DIR
 #
-# BENCH_ARGS picks the benchmark shapes (default: the shapes the kernels issue sets targets
-# for, decode at 1, 64 and 256 tokens and prefill at 4096, ranks 16 and 64), so the whole
-# script fits a short device loan; set it to "" for every default shape.
+# Steps run in order of value, each under its own `timeout` (budgets below: 7 minutes in all,
+# 3 with --quick), and a step that fails or runs out of time does not stop the next one:
+#   device       the device as CuPy and nvidia-smi see it (the memory clock guarded: CUDA 13
+#                dropped it from the device properties)
+#   correctness  every kernel against the torch reference on the device (pytest -m gpu)
+#   pack         the CuPy pack path and the kernels on a real-PEFT pool (pytest -m gpu)
+#   bench        a trimmed `metrale bench kernels --json`: each record carries the measured
+#                figures beside the model's (expected_us, terms, binding, l2_resident)
+#   sass         CuPy's compiler (NVRTC) for this device: its machine code through the same
+#                SASS counter as nvcc's (metrale_cli.ops.sass)
+#   memcheck     compute-sanitizer memcheck over the kernel tests with CuPy's memory pool off
+#                (cupy.cuda.set_allocator(None)), so a read past a buffer inside a pooled
+#                allocation is caught
+#   model        the roofline model for the bench's shapes (CPU only)
+# Every result lands in OUT_DIR as JSON: NAME.json per step (rc, seconds, timed_out, and the
+# step's own results: pytest's per-test outcomes, the bench records, the SASS report),
+# NAME.log with its output, and summary.json. Exit status: 0 when every step passed.
+#
+# --dry-run lists the steps with their budgets (--json: {"steps": [{"name", "budget_s"}],
+# "total_budget_s"}) and runs the CPU parts (the model) into OUT_DIR; tests/test_gpu_check.py
+# runs it in the suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-${OUT:-gpu-check-out}}"
-mkdir -p "$out"
-if [ -z "${PYTHON:-}" ]; then
-    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-bench_args=${BENCH_ARGS---tokens 1 --tokens 64 --tokens 256 --tokens 4096 --rank 16 --rank 64}
-sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-status=0
 
-step() {  # step NAME COMMAND...: run it, its output to $out/NAME.txt, and note a failure
-    local name=$1
-    shift
-    echo "== $name: $*"
-    if ! "$@" > "$out/$name.txt" 2>&1; then
-        echo "   FAILED (see $out/$name.txt)"
-        status=1
-    fi
-    tail -n 3 "$out/$name.txt"
+quick=0
+dry=0
+json=0
+out=""
+for arg in "$@"; do
+    case "$arg" in
+        --quick) quick=1 ;;
+        --dry-run) dry=1 ;;
+        --json) json=1 ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        -*) echo "gpu_check.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
+        *) if [ -n "$out" ]; then echo "gpu_check.sh: one OUT_DIR only" >&2; exit 2; fi
+           out=$arg ;;
+    esac
+done
+if [ -z "$out" ]; then
+    echo "gpu_check.sh: give the directory for the results (bash scripts/gpu_check.sh OUT_DIR)" >&2
+    exit 2
+fi
+if [ $json -eq 1 ] && [ $dry -eq 0 ]; then
+    echo "gpu_check.sh: --json goes with --dry-run" >&2
+    exit 2
+fi
+PYTHON=${PYTHON:-python3}
+
+# name budget_s (full) budget_s (--quick), in order of value; 420 s and 180 s in all.
+STEPS=(
+    "device 10 10"
+    "correctness 110 50"
+    "pack 50 20"
+    "bench 115 45"
+    "sass 40 20"
+    "memcheck 80 20"
+    "model 15 15"
+)
+budget_of() {  # budget_of NAME
+    local entry name full short
+    for entry in "${STEPS[@]}"; do
+        read -r name full short <<< "$entry"
+        if [ "$name" = "$1" ]; then
+            if [ $quick -eq 1 ]; then echo "$short"; else echo "$full"; fi
+            return
+        fi
+    done
 }
 
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-step pytest-gpu "$PYTHON" -m pytest -q -m gpu --require-gpu tests
-for tool in memcheck racecheck synccheck; do
-    step "sanitizer-$tool" "$sanitizer" --tool "$tool" --error-exitcode 9 \
-        --target-processes all "$PYTHON" -m pytest -q -m gpu --require-gpu \
-        tests/test_kernels_gpu.py
+if [ $quick -eq 1 ]; then
+    bench_args=(--modules q_proj --rank 64 --tokens 1 --tokens 256 --repeats 10)
+    memcheck_select=(-k "mixed and y_bf16")
+else
+    bench_args=(--modules q_proj,k_proj --rank 16 --rank 64 --tokens 1 --tokens 256
+                --tokens 4096 --repeats 10)
+    memcheck_select=()
+fi
+
+total=0
+listing=""
+for entry in "${STEPS[@]}"; do
+    read -r name _ _ <<< "$entry"
+    budget=$(budget_of "$name")
+    total=$((total + budget))
+    listing+="${listing:+, }{\"name\": \"$name\", \"budget_s\": $budget}"
 done
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-step bench-kernels "$PYTHON" -m metrale_cli bench kernels --json $bench_args
-step model "$PYTHON" -m metrale_cli bench kernels --model-only --json $bench_args
+
+mkdir -p "$out" || { echo "gpu_check.sh: cannot create $out" >&2; exit 3; }
+status=0
+summary=""
+
+record() {  # record NAME RC SECONDS: NAME.json and a summary entry
+    local name=$1 rc=$2 seconds=$3 timed_out=false
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then timed_out=true; fi
+    "$PYTHON" - "$out" "$name" "$rc" "$seconds" "$timed_out" "$(budget_of "$name")" <<'EOF'
+import json, sys
+from pathlib import Path
+from xml.etree import ElementTree
+
+out, name, rc, seconds, timed_out, budget = sys.argv[1:]
+directory = Path(out)
+result = {"name": name, "rc": int(rc), "seconds": int(seconds), "budget_s": int(budget),
+          "timed_out": timed_out == "true", "log": f"{name}.log"}
+junit = directory / f"{name}.xml"
+if junit.is_file():  # pytest's outcomes, test by test
+    tests = []
+    for case in ElementTree.parse(junit).iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+        tests.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                      "outcome": outcome, "seconds": float(case.get("time") or 0)})
+    result["tests"] = tests
+    result["counts"] = {o: sum(t["outcome"] == o for t in tests)
+                        for o in ("passed", "failed", "error", "skipped")}
+records = directory / f"{name}.jsonl"
+if records.is_file():  # one JSON record per line (the bench, the model)
+    result["records"] = [json.loads(line) for line in records.read_text().splitlines()
+                         if line.strip()]
+report = directory / f"{name}-report.json"  # the device's, the SASS counter's
+if report.is_file():
+    result["report"] = json.loads(report.read_text())
+(directory / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+EOF
+    summary+="${summary:+, }{\"name\": \"$name\", \"rc\": $rc, \"seconds\": $seconds, \"budget_s\": $(budget_of "$name"), \"timed_out\": $timed_out}"
+}
+
+step() {  # step NAME STDOUT COMMAND...: under the step's timeout; stdout to STDOUT (- : the
+    # log), everything else to NAME.log. A step cut by its timeout keeps what it wrote.
+    local name=$1 stdout=$2 budget start rc
+    shift 2
+    budget=$(budget_of "$name")
+    echo "== $name (budget ${budget}s): $*"
+    start=$SECONDS
+    if [ "$stdout" = "-" ]; then
+        timeout --kill-after=5 "$budget" "$@" > "$out/$name.log" 2>&1
+    else
+        timeout --kill-after=5 "$budget" "$@" > "$stdout" 2> "$out/$name.log"
+    fi
+    rc=$?
+    record "$name" "$rc" $((SECONDS - start))
+    if [ "$rc" -ne 0 ]; then
+        status=1
+        echo "   FAILED rc=$rc (see $out/$name.log)"
+    fi
+    tail -n 2 "$out/$name.log"
+}
+
+model_step() {
+    step model "$out/model.jsonl" "$PYTHON" -m metrale_cli bench kernels --model-only --json \
+        "${bench_args[@]}"
+}
+
+if [ $dry -eq 1 ]; then
+    if [ $json -eq 1 ]; then
+        echo "{\"steps\": [$listing], \"total_budget_s\": $total}"
+    else
+        for entry in "${STEPS[@]}"; do
+            read -r name _ _ <<< "$entry"
+            printf '%-12s %4ss\n' "$name" "$(budget_of "$name")"
+        done
+        printf '%-12s %4ss\n' total "$total"
+    fi
+    model_step > "$out/dry-run.log" 2>&1
+    echo "{\"dry_run\": true, \"total_budget_s\": $total, \"steps\": [$summary]}" \
+        > "$out/summary.json"
+    exit $status
+fi
+
+pytest_args=(-q -p no:cacheprovider -m gpu --require-gpu)
+step device - "$PYTHON" -m metrale_cli.bench.kernels --device-report "$out/device-report.json"
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+step correctness - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$out/correctness.xml" \
+    tests/test_kernels_gpu.py tests/test_expert_kernels_gpu.py
+step pack - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$out/pack.xml" \
+    tests/test_pool_device_path.py tests/test_seam.py
+step bench "$out/bench.jsonl" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
+step sass - "$PYTHON" -m metrale_cli.ops.sass --nvrtc-device --out "$out/sass-report.json"
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+step memcheck - "$sanitizer" --tool memcheck --error-exitcode 9 --target-processes all \
+    "$PYTHON" -c "import sys, cupy, pytest; cupy.cuda.set_allocator(None); \
+sys.exit(pytest.main(sys.argv[1:]))" "${pytest_args[@]}" --junitxml="$out/memcheck.xml" \
+    tests/test_kernels_gpu.py "${memcheck_select[@]}"
+model_step
+echo "{\"dry_run\": false, \"quick\": $([ $quick -eq 1 ] && echo true || echo false), \"total_budget_s\": $total, \"steps\": [$summary]}" \
+    > "$out/summary.json"
 exit $status

@@ -19,7 +19,8 @@ TINY = be.ExpertShape("tiny", hidden=64, inter=32, experts=8, top_k=2, rank=8, t
 def _group(shape: be.ExpertShape = TINY) -> be.ExpertGroup:
     topk, slots = be.routing(shape)
     batch = expert_kernels.plan_pairs(topk, slots, np.full(shape.adapters, shape.rank,
-                                                           np.int32), shape.rank)
+                                                           np.int32), shape.rank,
+                                      num_experts=shape.experts)
     return be.ExpertGroup(np, np.random.default_rng(0), shape, batch, topk, slots,
                           host_harness.HOST)
 

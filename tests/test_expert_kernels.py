@@ -118,7 +118,8 @@ def test_routed_experts_equal_the_reference(served: Served, num_tokens: int,
     for layer in cfg.moe_layers:
         tables = ek.tables_from_pool(pool, layer, HOST, like=torch.empty(0))
         slots, topk = _batch(num_tokens, num_experts, top_k, seed=layer)
-        batch = ek.plan_pairs(topk, slots, pool.expert_rank_table, tables.max_rank, tile)
+        batch = ek.plan_pairs(topk, slots, pool.expert_rank_table, tables.max_rank, tile,
+                              num_experts=num_experts)
         assert batch.tile == (tile or ek.DECODE_TILE)
         x = _bf16(torch.randn(num_tokens, hidden, generator=gen))
         h = torch.randn(num_tokens * top_k, 2 * inter, generator=gen)
@@ -186,7 +187,8 @@ def test_zero_pointers_and_padding_are_never_read(served: Served) -> None:
     inter = cfg.expert_intermediate_size
     tables = ek.tables_from_pool(pool, layer, HOST, like=torch.empty(0))
     slots, topk = _batch(num_tokens, cfg.num_experts, top_k, seed=3)
-    batch = ek.plan_pairs(topk, slots, pool.expert_rank_table, tables.max_rank)
+    batch = ek.plan_pairs(topk, slots, pool.expert_rank_table, tables.max_rank,
+                          num_experts=cfg.num_experts)
     gen = torch.Generator().manual_seed(5)
     x = _bf16(torch.randn(num_tokens, cfg.hidden_size, generator=gen))
     h = torch.randn(num_tokens * top_k, 2 * inter, generator=gen)
@@ -234,7 +236,7 @@ def test_align_on_the_arrays_gives_the_host_plan(tokens: int, tile: int) -> None
                     dtype=np.int32).reshape(tokens, top_k)
     slots = gen.integers(-1, 4, tokens).astype(np.int32)
     ranks = np.array([4, 8, 0, 16], dtype=np.int32)
-    host = ek.plan_pairs(topk, slots, ranks, 16, tile)
+    host = ek.plan_pairs(topk, slots, ranks, 16, tile, num_experts=experts)
     aligned = ek.align_pairs(topk, slots, ranks, experts, tile=tile, t_cols=host.t_cols)
     count = len(host.tiles)
     assert np.array_equal(aligned.tiles[:count], host.tiles)
@@ -247,15 +249,16 @@ def test_plan_pairs_groups_and_tiles() -> None:
     topk = torch.tensor([[1, 0], [1, 2], [0, 1], [1, 3]], dtype=torch.int32)
     slots = torch.tensor([0, -1, 0, 1], dtype=torch.int32)
     ranks = np.array([4, 8, 0], dtype=np.int32)
-    batch = ek.plan_pairs(topk, slots, ranks, 8, tile=2)
+    batch = ek.plan_pairs(topk, slots, ranks, 8, tile=2, num_experts=4)
     # Token 1 (slot -1) has no pairs; slot 0: expert 0 pairs 1, 4, expert 1 pairs 0, 5;
     # slot 1: expert 1 pair 6, expert 3 pair 7.
     assert batch.sorted_pairs.tolist() == [1, 4, 0, 5, 6, 7]
     assert batch.tiles.tolist() == [[0, 2, 0, 0], [2, 4, 0, 1], [4, 5, 1, 1], [5, 6, 1, 3]]
     assert batch.t_cols == 8 and batch.groups == 4
-    one = ek.plan_pairs(topk, slots, ranks, 8, tile=1)
+    one = ek.plan_pairs(topk, slots, ranks, 8, tile=1, num_experts=4)
     assert one.tiles.shape == (6, 4)
-    assert ek.plan_pairs(topk, torch.full((4,), 2, dtype=torch.int32), ranks, 8).tiles.size == 0
+    assert ek.plan_pairs(topk, torch.full((4,), 2, dtype=torch.int32), ranks, 8,
+                         num_experts=4).tiles.size == 0
 
 
 def _identity(tensor: torch.Tensor) -> Any:
@@ -282,7 +285,8 @@ def block_with_kernels(block: Any, x: torch.Tensor, slots: torch.Tensor, pool: L
     if gate.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     topk = topk.to(torch.int32)
-    batch = ek.plan_pairs(topk, slots, pool.to_host(pool.expert_rank_table), tables.max_rank)
+    batch = ek.plan_pairs(topk, slots, pool.to_host(pool.expert_rank_table), tables.max_rank,
+                          num_experts=tables.num_experts)
     if align:  # the same tiles from the align step where the arrays live
         batch = ek.align_pairs(put(topk), dev_slots, tables.ranks, tables.num_experts,
                                tile=batch.tile, t_cols=batch.t_cols)
@@ -393,3 +397,67 @@ def test_kernels_are_registered_with_their_config() -> None:
                  "overlay_gather"):
         assert kernels.KERNEL_SOURCES[name] == "expert.cu"
         assert kernels.loads_in_flight(name) >= 1 and kernels.min_ctas_per_sm(name) >= 1
+
+
+# --- expert ids outside [0, E) (issue 18, item 9) ----------------------------------------------
+
+
+def test_off_rank_expert_ids_get_no_tile_and_others_are_refused() -> None:
+    # (slot 0, expert 3) and (slot 1, expert -1) shared the align key slot * E + expert = 3, so
+    # slot 1's pair was computed with slot 0's adapter.
+    topk = np.array([[3], [ek.OFF_RANK], [1]], dtype=np.int32)
+    slots = np.array([0, 1, 1], dtype=np.int32)
+    ranks = np.array([8, 8], dtype=np.int32)
+    host = ek.plan_pairs(topk, slots, ranks, 8, tile=2, num_experts=4)
+    assert host.tiles.tolist() == [[0, 1, 0, 3], [1, 2, 1, 1]]
+    assert host.sorted_pairs.tolist() == [0, 2]
+    aligned = ek.align_pairs(topk, slots, ranks, 4, tile=2, t_cols=8)
+    assert aligned.tiles[:2].tolist() == host.tiles.tolist()
+    assert not aligned.tiles[2:].any()
+    for bad in (4, -2):
+        with pytest.raises(ValueError, match=f"expert {bad} \\(pair 1\\), outside \\[0, 4\\)"):
+            ek.plan_pairs(np.array([[0], [bad]], dtype=np.int32), slots[:2], ranks, 8,
+                          num_experts=4)
+
+
+@pytest.mark.slow
+def test_off_rank_experts_leave_their_rows_untouched(served: Served) -> None:
+    """Expert parallelism: a pair whose expert is on another rank (-1) is in no tile; its rows
+    stay bit for bit, the other pairs get their delta. A tile naming an expert outside [0, E)
+    (built by hand, past the planner) reads no entry and leaves y alone too."""
+    pool, cfg = served.pool, served.cfg
+    layer, top_k, num_tokens = cfg.moe_layers[0], 2, 6
+    hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
+    tables = ek.tables_from_pool(pool, layer, HOST, like=torch.empty(0))
+    slots, topk = _batch(num_tokens, cfg.num_experts, top_k, seed=4)
+    off = torch.zeros_like(topk, dtype=torch.bool)
+    off[::2, 0] = True
+    topk = torch.where(off, ek.OFF_RANK, topk).to(torch.int32)
+    batch = ek.plan_pairs(topk, slots, pool.expert_rank_table, tables.max_rank,
+                          num_experts=cfg.num_experts)
+    gen = torch.Generator().manual_seed(9)
+    act = _bf16(torch.randn(num_tokens * top_k, inter, generator=gen))
+    y = torch.randn(num_tokens * top_k, hidden, generator=gen)
+    got = ek.expert_down(act, y.clone(), batch, tables, backend=HOST)
+    pair_slots = torch.where(off.flatten(), -1, slots.repeat_interleave(top_k))
+    want = reference.routed_expert_delta(
+        act, 1, y, pair_slots, topk.flatten().clamp(min=0),
+        _pool_weights(pool, tables, tables.down.numpy(), [(MAX_RANK, inter)]),
+        _b_weights(pool, tables.down.numpy(), [(hidden, MAX_RANK)]),
+        torch.from_numpy(pool.scale_table), torch.from_numpy(pool.expert_rank_table), MAX_RANK)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    off_rows = off.flatten().nonzero().flatten()
+    assert torch.equal(got[off_rows], y[off_rows])
+    assert not torch.equal(got, y)
+
+    for expert in (ek.OFF_RANK, cfg.num_experts):
+        tiles = torch.tensor([[0, 1, 0, expert]], dtype=torch.int32)
+        pairs = torch.zeros(1, dtype=torch.int32)
+        t = torch.ones(1, num_tokens * top_k, batch.t_cols)
+        out = y.clone()
+        HOST.launch(ek.plan_expert_expand(t, pairs, tiles, tables, tables.down, out, 2))
+        assert torch.equal(out, y)
+    # Tiles, like every buffer the kernels index as a dense array, must be contiguous.
+    strided = torch.zeros(2, 8, dtype=torch.int32)[:, :4]
+    with pytest.raises(ValueError, match="tiles must be contiguous"):
+        ek.plan_expert_expand(t, pairs, strided, tables, tables.down, out, 2)

@@ -39,7 +39,8 @@ def test_expert_kernels_validate_on_device(shape: be.ExpertShape) -> None:
     cupy = compat.cupy_module()
     topk, slots = be.routing(shape)
     batch = expert_kernels.plan_pairs(topk, slots, np.full(shape.adapters, shape.rank,
-                                                           np.int32), shape.rank)
+                                                           np.int32), shape.rank,
+                                      num_experts=shape.experts)
     group = be.ExpertGroup(cupy, cupy.random.default_rng(0), shape, batch, topk, slots,
                            kernels.CUPY)
     for proj in be.PROJECTIONS:

@@ -51,12 +51,10 @@ def _device_tables(pool: Pool) -> tuple[Any, Any, Any]:
     return device_pool, _to_device(a_table).view("uint64"), _to_device(b_table).view("uint64")
 
 
-def _nan_t(case: Case, kind: str) -> Any:
+def _nan_t(case: Case) -> Any:
+    """t NaN-filled: an element the shrink fails to write shows (a split shrink zeroes it)."""
     cupy = _cupy()
-    splits = case.num_splits or kernels.shrink_splits(
-        kind, case.num_tokens, case.in_dim, case.max_rank, kernels.device_sm_count()
-    )
-    return cupy.full((splits, case.num_tokens, case.max_rank), cupy.nan, dtype=cupy.float32)
+    return cupy.full((case.num_tokens, case.max_rank), cupy.nan, dtype=cupy.float32)
 
 
 @pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
@@ -70,8 +68,8 @@ def test_bgmv_on_device(case: Case, y_dtype: torch.dtype) -> None:
     ranks, scales = _to_device(pool.ranks), _to_device(pool.scales)
 
     t = kernels.bgmv_shrink(_to_device(x), _to_device(slots), a_table, ranks, case.max_rank,
-                            _nan_t(case, "bgmv"))
-    kernels.bgmv_expand(t, _to_device(slots), b_table, scales, ranks, y)
+                            _nan_t(case), splits=case.num_splits)
+    kernels.bgmv_expand(t, _to_device(slots), b_table, scales, ranks, y, case.max_rank)
     _cupy().cuda.Device().synchronize()
 
     check_t(_to_host(t, torch.float32),
@@ -93,8 +91,8 @@ def test_sgmv_on_device(case: Case, y_dtype: torch.dtype) -> None:
     ranks, scales = _to_device(pool.ranks), _to_device(pool.scales)
 
     t = kernels.sgmv_shrink(_to_device(x), seg_starts, seg_slots, a_table, ranks, case.max_rank,
-                            _nan_t(case, "sgmv"))
-    kernels.sgmv_expand(t, seg_starts, seg_slots, b_table, scales, ranks, y)
+                            _nan_t(case), splits=case.num_splits)
+    kernels.sgmv_expand(t, seg_starts, seg_slots, b_table, scales, ranks, y, case.max_rank)
     _cupy().cuda.Device().synchronize()
 
     check_t(_to_host(t, torch.float32),

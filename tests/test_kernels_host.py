@@ -12,6 +12,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,12 +33,6 @@ from tests.support.kernel_cases import (
 Y_DTYPES = [torch.bfloat16, torch.float32]
 
 
-def _t_buffer(case: Case) -> torch.Tensor | None:
-    if case.num_splits is None:
-        return None
-    return torch.full((case.num_splits, case.num_tokens, case.max_rank), float("nan"))
-
-
 @pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
 @pytest.mark.parametrize("case", BGMV_CASES, ids=[c.name for c in BGMV_CASES])
 def test_bgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
@@ -45,12 +40,12 @@ def test_bgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
     pool, a_table, b_table, x, y, y0, slots = i.pool, i.a_table, i.b_table, i.x, i.y, i.y0, i.slots
     a_weights, b_weights = i.a_weights, i.b_weights
 
-    t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, case.max_rank, _t_buffer(case),
-                                 num_sms=case.num_sms)
+    t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, case.max_rank,
+                                 splits=case.num_splits, num_sms=case.num_sms)
     expected_t = reference.shrink(x, slots, a_weights, pool.ranks, case.max_rank)
     check_t(t, expected_t)
 
-    host_harness.bgmv_expand(t, slots, b_table, pool.scales, pool.ranks, y, num_sms=case.num_sms)
+    host_harness.bgmv_expand(t, slots, b_table, pool.scales, pool.ranks, y, case.max_rank)
     expected_y = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
                                       case.max_rank)
     check_y(y, y0, expected_y, case, "bgmv")
@@ -68,34 +63,41 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
     slots = case.token_slots()
 
     t = host_harness.sgmv_shrink(x, seg_starts, seg_slots, a_table, pool.ranks, case.max_rank,
-                                 _t_buffer(case), num_sms=case.num_sms)
+                                 splits=case.num_splits, num_sms=case.num_sms)
     check_t(t, reference.shrink(x, slots, a_weights, pool.ranks, case.max_rank))
 
-    host_harness.sgmv_expand(t, seg_starts, seg_slots, b_table, pool.scales, pool.ranks, y)
+    host_harness.sgmv_expand(t, seg_starts, seg_slots, b_table, pool.scales, pool.ranks, y,
+                             case.max_rank)
     expected_y = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
                                       case.max_rank)
     check_y(y, y0, expected_y, case, "sgmv")
 
 
-def test_split_k_planning_matches_the_device_shape() -> None:
-    # Decode at T = 1 on an H200 has 4 CTAs per rank-16 token without splitting: split K.
-    assert kernels.shrink_splits("bgmv", 1, 4096, 16, 132) == 4
-    # A large batch already fills the device: no split.
-    assert kernels.shrink_splits("bgmv", 256, 4096, 64, 132) == 1
-    assert kernels.shrink_splits("sgmv", 32768, 2048, 16, 132) == 1
-    # 128 token tiles do not cover 132 SMs twice: 3 splits; 8 tiles: as many as K (64-wide
-    # tiles) and METRALE_MAX_SPLITS allow.
-    assert kernels.shrink_splits("sgmv", 8192, 2048, 16, 132) == 3
-    assert kernels.shrink_splits("sgmv", 512, 2048, 16, 132) == 32
-    assert kernels.shrink_splits("sgmv", 512, 1024, 16, 132) == 16
+@pytest.mark.parametrize(("kind", "tokens", "in_dim", "t_cols", "want"), [
+    ("bgmv", 1, 4096, 16, 1),  # 2 passes of one CTA: a memset costs more than a split saves
+    ("bgmv", 1, 16384, 16, 8),  # 8 passes of one CTA: one each, for a memset
+    ("bgmv", 256, 4096, 64, 1),  # the batch fills the device
+    ("sgmv", 32768, 2048, 16, 3),  # 512 CTAs are 1.3 waves of 396: 3 splits even the waves
+    ("sgmv", 256, 2048, 64, 32),  # 4 CTAs of 32 K tiles each: one tile per split
+    ("sgmv", 512, 1024, 16, 16),  # as many as K's 64-wide tiles allow
+])
+def test_split_k_is_planned_by_modelled_cost(kind: str, tokens: int, in_dim: int, t_cols: int,
+                                             want: int) -> None:
+    splits = kernels.shrink_splits(kind, tokens, in_dim, t_cols, 132)
+    assert splits == want
+    least = 8 * kernels.THREADS if kind == "bgmv" else kernels.SGMV_TILE
+    costs = [kernels.shrink_cost_us(kind, tokens, in_dim, t_cols, s, 132)
+             for s in range(1, min(kernels.MAX_SPLITS, in_dim // least) + 1)]
+    assert costs[splits - 1] == pytest.approx(min(costs))
 
 
 def test_host_and_gpu_share_one_plan() -> None:
     case = BGMV_CASES[0]
     pool = case.pool()
     a_table, _ = pool.tables()
-    t = torch.empty(2, case.num_tokens, case.max_rank)
-    plan = kernels.plan_bgmv_shrink(case.x(), case.token_slots(), a_table, pool.ranks, t)
+    t = torch.empty(case.num_tokens, case.max_rank)
+    plan = kernels.plan_bgmv_shrink(case.x(), case.token_slots(), a_table, pool.ranks, t,
+                                    case.max_rank, splits=2)
     assert plan.kernel == "bgmv_shrink"
     assert plan.grid == (case.num_tokens, case.max_rank // kernels.SHRINK_ROWS, 2)
     assert plan.block == (kernels.THREADS, 1, 1)
@@ -105,12 +107,12 @@ def test_plans_refuse_unaligned_dims() -> None:
     pool = BGMV_CASES[0].pool()
     a_table, _ = pool.tables()
     x = torch.zeros(2, 12, dtype=torch.bfloat16)  # in_dim not a multiple of 8
-    t = torch.empty(1, 2, 16)
+    t = torch.empty(2, 16)
     with pytest.raises(ValueError, match="multiples of 8"):
-        kernels.plan_bgmv_shrink(x, torch.zeros(2, dtype=torch.int32), a_table, pool.ranks, t)
+        kernels.plan_bgmv_shrink(x, torch.zeros(2, dtype=torch.int32), a_table, pool.ranks, t, 16)
     with pytest.raises(ValueError, match="int32"):
         kernels.plan_bgmv_shrink(torch.zeros(2, 16, dtype=torch.bfloat16),
-                                 torch.zeros(2, dtype=torch.int64), a_table, pool.ranks, t)
+                                 torch.zeros(2, dtype=torch.int64), a_table, pool.ranks, t, 16)
 
 
 def test_empty_batch_is_a_no_op() -> None:
@@ -118,7 +120,7 @@ def test_empty_batch_is_a_no_op() -> None:
     a_table, _ = pool.tables()
     x = torch.zeros(0, 200, dtype=torch.bfloat16)
     t = host_harness.bgmv_shrink(x, torch.zeros(0, dtype=torch.int32), a_table, pool.ranks, 16)
-    assert t.shape[1:] == (0, 16)
+    assert t.shape == (0, 16)
 
 
 def test_loader_prefers_metrale_kernel_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,7 +200,7 @@ def test_harness_takes_numpy_buffers() -> None:
     ranks, scales = pool.ranks.numpy(), pool.scales.numpy()
 
     t = host_harness.bgmv_shrink(x_bits, slots.numpy(), a_table, ranks, case.max_rank)
-    host_harness.bgmv_expand(t, slots.numpy(), b_table, scales, ranks, y_bits)
+    host_harness.bgmv_expand(t, slots.numpy(), b_table, scales, ranks, y_bits, case.max_rank)
 
     y = torch.from_numpy(y_bits.view(np.int16)).view(torch.bfloat16)
     expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
@@ -280,14 +282,14 @@ def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
     case = BGMV_CASES[0]  # max_rank 16, ranks up to 16
     pool = case.pool()
     a_table, _ = pool.tables()
-    wide = torch.empty(1, case.num_tokens, 16)
-    narrow = torch.empty(1, case.num_tokens, 8)
+    wide = torch.empty(case.num_tokens, 16)
+    narrow = torch.empty(case.num_tokens, 8)
     x, slots = case.x(), case.token_slots()
-    assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, wide).grid[1] == 4
+    assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, wide, 16).grid[1] == 4
     assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, narrow, 16).grid[1] == 2
     # Split-K sees the narrower grid: rank 16 in a max-rank-64 pool splits as rank 16 does.
-    assert kernels.shrink_splits("bgmv", 8, 4096, 16, 132) > kernels.shrink_splits(
-        "bgmv", 8, 4096, 64, 132)
+    assert kernels.shrink_splits("bgmv", 32, 16384, 16, 132) > kernels.shrink_splits(
+        "bgmv", 32, 16384, 256, 132)
 
 
 
@@ -309,7 +311,8 @@ def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.d
     plan = kernels.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
                               group_min_tokens=1 if grouped else 10**9)
     assert plan.grouped == grouped and plan.t_cols < case.max_rank
-    sgmv_expand = grouped and kernels.grouped_expand(case.num_tokens, case.out_dim, num_sms)
+    sgmv_expand = grouped and kernels.grouped_expand(case.num_tokens, case.out_dim,
+                                                     plan.t_cols, plan.seg_slots.size, num_sms)
     assert sgmv_expand == (num_sms == 1)
     host_harness.bgmv(x, y, slots, a_table, b_table, pool.scales, pool.ranks, case.max_rank,
                       batch=plan, num_sms=num_sms)
@@ -326,7 +329,7 @@ def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.d
                                      case.max_rank, t_cols=plan.t_cols, token_order=order)
     else:
         t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, case.max_rank, batch=plan)
-    assert t.shape[2] == plan.t_cols
+    assert t.shape[1] == plan.t_cols
     assert not expected_t[:, plan.t_cols:].any()
     check_t(t, expected_t[:, : plan.t_cols])
 
@@ -335,17 +338,17 @@ def test_misaligned_table_addresses_are_refused() -> None:
     case = BGMV_CASES[0]
     pool = case.pool()
     a_table, b_table = pool.tables()
-    t = torch.empty(1, case.num_tokens, case.max_rank)
+    t = torch.empty(case.num_tokens, case.max_rank)
     shifted = a_table.clone()
     shifted[3] += 8  # 8 bytes off: a 128-bit load there faults on a GPU
     with pytest.raises(ValueError, match=r"a_table\[3\] .* not 16-byte aligned"):
-        kernels.plan_bgmv_shrink(case.x(), case.token_slots(), shifted, pool.ranks, t)
+        kernels.plan_bgmv_shrink(case.x(), case.token_slots(), shifted, pool.ranks, t, 16)
     shifted_b = b_table.numpy().view(np.uint64).copy()
     shifted_b[0] += np.uint64(2)
     with pytest.raises(ValueError, match=r"b_table\[0\]"):
         kernels.plan_sgmv_expand(t, torch.tensor([0, 11], dtype=torch.int32),
                                  torch.tensor([0], dtype=torch.int32), shifted_b, pool.scales,
-                                 pool.ranks, case.y(torch.float32))
+                                 pool.ranks, case.y(torch.float32), 16)
 
 
 def test_layouts_refuse_alignments_the_kernels_cannot_load() -> None:
@@ -355,3 +358,92 @@ def test_layouts_refuse_alignments_the_kernels_cannot_load() -> None:
     check_rank_and_align(16, 16)
     with pytest.raises(UsageError, match="at least 16 bytes"):
         check_rank_and_align(16, 8)
+
+
+# --- launches the planners must refuse (issue 18, items 7, 8, 10, 11) --------------------------
+
+
+def test_buffers_read_as_dense_arrays_must_be_contiguous() -> None:
+    # A t sliced from a wider tensor passed the last-dimension check, and the expand then read
+    # its rows at the wrong stride (3 of 6 rows left unwritten, the rest off).
+    case = BGMV_CASES[0]
+    i, max_rank = case.inputs(torch.float32), case.max_rank
+    wide = torch.zeros(i.x.shape[0], 2 * max_rank)
+    with pytest.raises(ValueError, match="t must be contiguous"):
+        host_harness.bgmv_expand(wide[:, :max_rank], i.slots, i.b_table, i.pool.scales,
+                                 i.pool.ranks, i.y, max_rank)
+    t = torch.zeros(i.x.shape[0], max_rank)
+    every_other = torch.zeros(2 * len(i.pool.ranks), dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="ranks must be contiguous"):
+        host_harness.bgmv_expand(t, i.slots, i.b_table, i.pool.scales, every_other, i.y,
+                                 max_rank)
+    table = torch.zeros(len(i.pool.ranks), 2, dtype=torch.int64)[:, 0]
+    with pytest.raises(ValueError, match="a_table must be contiguous"):
+        host_harness.bgmv_shrink(i.x, i.slots, table, i.pool.ranks, max_rank, t)
+    starts = torch.tensor([0, 0, 5, 5, 11, 11], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="seg_starts must be contiguous"):
+        host_harness.sgmv_shrink(i.x, starts, torch.tensor([0, 1], dtype=torch.int32),
+                                 i.a_table, i.pool.ranks, max_rank)
+    # x and y carry their own row stride: a row-strided view is fine, overlapping rows are not.
+    host_harness.bgmv_shrink(torch.cat([i.x, i.x], dim=1)[:, : i.x.shape[1]], i.slots,
+                             i.a_table, i.pool.ranks, max_rank, t)
+    with pytest.raises(ValueError, match="rows overlap"):
+        host_harness.bgmv_shrink(i.x[:1].expand(i.x.shape[0], -1), i.slots, i.a_table,
+                                 i.pool.ranks, max_rank, t)
+
+
+@pytest.mark.parametrize(("starts", "message"), [
+    ([0, 64, 32, 128], "non-decreasing: seg_starts\\[2\\] = 32 < seg_starts\\[1\\] = 64"),
+    ([0, 64, 96, 120], "end at the token count \\(128\\), got 120"),
+    ([0, 64, 96, 130], "end at the token count \\(128\\), got 130"),
+    ([-4, 64, 96, 128], "within \\[0, 128\\], got -4"),
+])
+def test_sgmv_segments_are_checked(starts: list[int], message: str) -> None:
+    case = SGMV_CASES[3]  # 130 tokens; use the first 128
+    pool = case.pool()
+    a_table, b_table = pool.tables()
+    x, y = case.x()[:128], case.y(torch.float32)[:128]
+    seg_slots = torch.tensor([0, 1, 0], dtype=torch.int32)
+    seg_starts = torch.tensor(starts, dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        host_harness.sgmv_shrink(x, seg_starts, seg_slots, a_table, pool.ranks, case.max_rank)
+    t = torch.zeros(128, case.max_rank)
+    with pytest.raises(ValueError, match=message):
+        host_harness.sgmv_expand(t, seg_starts, seg_slots, b_table, pool.scales, pool.ranks, y,
+                                 case.max_rank)
+
+
+def test_expand_takes_the_pool_max_rank_never_t_s_width() -> None:
+    # A t narrowed to the batch's ranks (40 of a max-rank-48 pool): B's rows are 48 long. The
+    # expand used to default max_rank to t's width and read B at the wrong row stride.
+    case = DECODE_BATCHES[0]
+    i = case.inputs(torch.float32)
+    plan = kernels.plan_batch(i.slots.numpy(), i.pool.ranks.numpy(), case.max_rank,
+                              group_min_tokens=10**9)
+    assert plan.t_cols < case.max_rank
+    t = host_harness.bgmv_shrink(i.x, i.slots, i.a_table, i.pool.ranks, case.max_rank,
+                                 batch=plan)
+    with pytest.raises(TypeError):
+        no_max_rank: Any = host_harness.bgmv_expand
+        no_max_rank(t, i.slots, i.b_table, i.pool.scales, i.pool.ranks, i.y)
+    with pytest.raises(TypeError, match="max_rank"):
+        kernels.plan_sgmv_expand(t, torch.tensor([0, case.num_tokens], dtype=torch.int32),
+                                 torch.tensor([0], dtype=torch.int32), i.b_table, i.pool.scales,
+                                 i.pool.ranks, i.y, None)  # type: ignore[arg-type]
+    host_harness.bgmv_expand(t, i.slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
+                             case.max_rank)
+    expected = reference.lora_delta(i.x, i.y0, i.slots, i.a_weights, i.b_weights, i.pool.scales,
+                                    i.pool.ranks, case.max_rank)
+    check_y(i.y, i.y0, expected, case, "bgmv")
+
+
+def test_grids_past_cuda_s_limits_are_refused() -> None:
+    # SGMV's grid.y is ceil(T / 64): past 65,535 tiles (about 4.19 M tokens) a GPU launch fails.
+    most = kernels.MAX_GRID[1] * kernels.SGMV_TILE
+    grid = kernels.launch_grid("sgmv_shrink", most, 64, 16)
+    assert grid[1] == kernels.MAX_GRID[1]
+    kernels.KernelLaunch("sgmv_shrink", grid, (kernels.THREADS, 1, 1), ())
+    for kernel in ("sgmv_shrink", "sgmv_expand_bf16"):
+        too_many = kernels.launch_grid(kernel, most + 1, 64, 16)
+        with pytest.raises(ValueError, match="65,535 on y"):
+            kernels.KernelLaunch(kernel, too_many, (kernels.THREADS, 1, 1), ())

@@ -16,180 +16,114 @@ Skipped, with the reason, where nvcc or nvdisasm is absent; --require-nvcc makes
 
 from __future__ import annotations
 
-import functools
-import re
 import shutil
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import pytest
 
-from metrale_cli.ops import kernels
+from metrale_cli.bench import kernels as bench_kernels
+from metrale_cli.ops import kernels, sass
+from metrale_cli.ops.sass import hot_loops, loads_before_first_use, parse
 
 pytestmark = pytest.mark.nvcc
 
 ARCH = "sm_90"
-_REGISTER = re.compile(r"(?<![A-Z_])R(\d+)(\.64)?\b")
-_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
-_BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
-
-
-def nvdisasm() -> str | None:
-    """nvdisasm from the toolkit on PATH, else from the nvidia-cuda-nvdisasm wheel."""
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    for root in map(Path, sys.path):
-        for candidate in sorted(root.glob("nvidia/cu*/bin/nvdisasm")):
-            if candidate.is_file():
-                return str(candidate)
-    return None
+# nvcc is what CI compiles; NVRTC is what CuPy compiles with at run time.
+COMPILERS = ("nvcc", "nvrtc")
 
 
 @pytest.fixture(autouse=True)
-def _disassembler(request: pytest.FixtureRequest) -> None:
-    """Skip where nvdisasm is absent, with the reason (a failure under --require-nvcc, as in
-    CI, which installs it with the test extra)."""
-    if nvdisasm() is not None or request.node.name.startswith("test_the_counter"):
+def _tools(request: pytest.FixtureRequest) -> None:
+    """Skip where nvdisasm (or, for NVRTC's machine code, libnvrtc) is absent, with the reason
+    (a failure under --require-nvcc, as in CI, which installs both with the test extra)."""
+    if request.node.name.startswith("test_the_counter"):
         return
-    reason = "nvdisasm is absent (pip install nvidia-cuda-nvdisasm; it is in the test extra)"
+    missing = []
+    if sass.nvdisasm() is None:
+        missing.append("nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    if "nvrtc" in request.node.name and sass.nvrtc_library() is None:
+        missing.append("libnvrtc (pip install nvidia-cuda-nvrtc)")
+    if "nvcc" in request.node.name and shutil.which("nvcc") is None:
+        missing.append("nvcc")
+    if not missing:
+        return
+    reason = f"{', '.join(missing)} absent; both wheels are in the test extra"
     if request.config.getoption("--require-nvcc"):
         pytest.fail(f"--require-nvcc was given but {reason}", pytrace=False)
     pytest.skip(reason)
 
 
-@dataclass(frozen=True)
-class Instruction:
-    opcode: str
-    operands: str
-    label: str | None  # the label just above it, if any
-
-    def writes(self) -> set[int]:
-        """Registers an LDG writes (its vector width)."""
-        match = _REGISTER.search(self.operands)
-        if match is None:
-            return set()
-        width = 4 if ".128" in self.opcode else 2 if ".64" in self.opcode else 1
-        return set(range(int(match.group(1)), int(match.group(1)) + width))
-
-    def reads(self) -> set[int]:
-        """Registers read, widened conservatively: a vector or matrix operand names only its
-        first register, so a 128-bit or mma operand counts as four."""
-        no_destination = self.opcode.split(".")[0] in {"ST", "STG", "STS", "STL", "RED", "BRA",
-                                                       "EXIT", "BAR", "RET", "CALL", "BSYNC"}
-        registers = list(_REGISTER.finditer(self.operands))
-        if not no_destination and registers:
-            # The first operand is the destination, unless it is inside an address.
-            first = registers[0]
-            if "[" not in self.operands[: first.start()]:
-                registers = registers[1:]
-        wide = 4 if (".128" in self.opcode or self.opcode.startswith("HMMA")) else 1
-        read: set[int] = set()
-        for match in registers:
-            base = int(match.group(1))
-            in_address = self.operands[: match.start()].count("[") > \
-                self.operands[: match.start()].count("]")
-            width = 2 if match.group(2) else (1 if in_address else wide)
-            read.update(range(base, base + width))
-        return read
+def kernel_code(name: str, compiler: str = "nvcc") -> list[sass.Instruction]:
+    return parse(sass.listing(kernels.KERNEL_SOURCES[name], compiler, ARCH))[name]
 
 
-def parse(sass: str) -> dict[str, list[Instruction]]:
-    """nvdisasm output -> instructions per kernel (its .text section)."""
-    functions: dict[str, list[Instruction]] = {}
-    current: list[Instruction] | None = None
-    label = None
-    for line in sass.splitlines():
-        section = re.match(r"^\.text\.(\w+):", line)
-        if section:
-            current = functions.setdefault(section.group(1), [])
-            label = None
-            continue
-        if current is None:
-            continue
-        found = _LABEL.match(line)
-        if found:
-            label = found.group(1)
-            continue
-        found = _INSTRUCTION.search(line)
-        if found:
-            current.append(Instruction(found.group(2), found.group(3), label))
-            label = None
-    return functions
-
-
-def _is_vector_load(instruction: Instruction) -> bool:
-    return instruction.opcode.startswith("LDG.E.128")
-
-
-def hot_loops(code: list[Instruction]) -> list[tuple[int, int]]:
-    """(head, end) index ranges of innermost loops that issue 128-bit global loads."""
-    heads = {ins.label: i for i, ins in enumerate(code) if ins.label}
-    loops = []
-    for end, ins in enumerate(code):
-        if not ins.opcode.startswith("BRA"):
-            continue
-        target = _BRANCH_TARGET.search(ins.operands)
-        if target and heads.get(target.group(1), end + 1) <= end:
-            loops.append((heads[target.group(1)], end))
-    innermost = [(h, e) for h, e in loops
-                 if not any(h <= h2 and e2 <= e and (h2, e2) != (h, e) for h2, e2 in loops)]
-    return [(h, e) for h, e in innermost if any(_is_vector_load(code[i]) for i in range(h, e))]
-
-
-def loads_before_first_use(code: list[Instruction], head: int, end: int) -> int:
-    """LDG.E.128 issued from the loop head before the first instruction reading one of them."""
-    loaded: set[int] = set()
-    count = 0
-    for ins in code[head:end + 1]:
-        if ins.reads() & loaded:
-            break
-        if _is_vector_load(ins):
-            count += 1
-            loaded |= ins.writes()
-    return count
-
-
-@functools.cache
-def disassembly(source: str) -> str:
-    """sm_90 SASS of kernels/<source> (nvcc -cubin, then nvdisasm)."""
-    nvcc, disassembler = shutil.which("nvcc"), nvdisasm()
-    assert nvcc and disassembler, "the nvcc marker and the fixture above check both tools"
-    directory = kernels.find_kernel_dir()
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        subprocess.run([nvcc, f"-arch={ARCH}", "-std=c++17", "-cubin", "-o", str(cubin),
-                        str(directory / source)], check=True, capture_output=True, text=True)
-        return subprocess.run([disassembler, "-c", str(cubin)], check=True,
-                              capture_output=True, text=True).stdout
-
-
-def kernel_code(name: str) -> list[Instruction]:
-    return parse(disassembly(kernels.KERNEL_SOURCES[name]))[name]
-
-
+@pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("name", sorted(kernels.KERNEL_SOURCES))
-def test_no_local_memory(name: str) -> None:
-    local = [f"{i.opcode} {i.operands}" for i in kernel_code(name)
+def test_no_local_memory(name: str, compiler: str) -> None:
+    local = [f"{i.opcode} {i.operands}" for i in kernel_code(name, compiler)
              if i.opcode.startswith(("LDL", "STL"))]
-    assert not local, f"{name} spills to local memory: {local[:4]}"
+    assert not local, f"{name} ({compiler}) spills to local memory: {local[:4]}"
 
 
-@pytest.mark.parametrize("name", sorted(kernels.KERNEL_SOURCES))
-def test_hot_loops_keep_the_documented_loads_in_flight(name: str) -> None:
-    code = kernel_code(name)
+# What the check found in NVRTC's machine code and nvcc's does not show: NVRTC 13.5 (the
+# nvidia-cuda-nvrtc wheel, the compiler CuPy runs) interleaves the SGMV expand's rank-chunk pass
+# (4 B and 8 t vectors) with the t conversions, one load before the first use; nvcc 13.0 keeps
+# 7. Strict: the day a kernel change fixes it, this fails and the mark goes.
+NVRTC_SERIAL = {"sgmv_expand_bf16", "sgmv_expand_f32"}
+
+
+def _hot_loop_cases() -> list[Any]:
+    cases = []
+    for name in sorted(kernels.KERNEL_SOURCES):
+        for compiler in COMPILERS:
+            marks = [pytest.mark.xfail(strict=True, reason="NVRTC issues the SGMV expand's "
+                                       "pass one load at a time (kernels/README.md)")] if (
+                compiler == "nvrtc" and name in NVRTC_SERIAL) else []
+            cases.append(pytest.param(name, compiler, marks=marks, id=f"{name}-{compiler}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "compiler"), _hot_loop_cases())
+def test_hot_loops_keep_the_documented_loads_in_flight(name: str, compiler: str) -> None:
+    code = kernel_code(name, compiler)
     loops = hot_loops(code)
     assert loops, f"{name} has no loop issuing 128-bit global loads"
     wanted = kernels.loads_in_flight(name)
     counts = [loads_before_first_use(code, head, end) for head, end in loops]
     assert min(counts) >= wanted, (
-        f"{name}: a hot loop issues only {min(counts)} independent LDG.E.128 before the first use "
-        f"(per loop: {counts}); kernels/lora_config.h promises {wanted}"
+        f"{name} ({compiler}): a hot loop issues only {min(counts)} distinct, unpredicated "
+        f"LDG.E.128 before the first use (per loop: {counts}); kernels/lora_config.h promises "
+        f"{wanted}"
     )
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
+    """The dependent loads before the weight stream and the loops that carry a load chain, as
+    the machine code has them, against the serial round trips the roofline model charges."""
+    # bgmv_shrink: slots[b] -> a_table[slot] -> A: the model's 2 chains, then the stream.
+    shrink = sass.kernel_report(kernel_code("bgmv_shrink", compiler))
+    work = bench_kernels.plan_launch("shrink", 256, 256, 64, 2048, 8192, 132)
+    assert work.kernel == "bgmv_shrink"
+    assert shrink["stream_depth"] == work.cta_chains + 1
+    # bgmv_expand: slots[b], then b_table[slot] beside ranks[slot] (slot_rank: not behind the
+    # address), then the t row: at most the model's 3 chains before the B stream.
+    for name in ("bgmv_expand_bf16", "bgmv_expand_f32"):
+        expand = sass.kernel_report(kernel_code(name, compiler))
+        work = bench_kernels.plan_launch("expand", 256, 256, 64, 2048, 8192, 132)
+        assert work.kernel.startswith("bgmv_expand")
+        assert expand["stream_depth"] <= work.cta_chains + 1, name
+    # SGMV's binary search for the first segment is a load chain carried around its loop:
+    # the model charges ceil(log2(S + 1)) round trips for it per CTA.
+    for name in ("sgmv_shrink", "sgmv_expand_bf16"):
+        assert sass.kernel_report(kernel_code(name, compiler))["chained_loops"] >= 1, name
+
+
+def test_the_nvrtc_report_covers_every_kernel() -> None:
+    report = sass.report("nvrtc", ARCH)
+    assert set(report["kernels"]) == set(kernels.KERNEL_SOURCES)
+    failing = {k for k, v in report["kernels"].items() if not v["ok"]}
+    assert failing == NVRTC_SERIAL and not report["ok"]
 
 
 SERIAL_LOOP = """
@@ -209,3 +143,46 @@ def test_the_counter_sees_serial_loads() -> None:
     code = parse(SERIAL_LOOP)["k"]
     assert hot_loops(code) == [(1, 5)]
     assert loads_before_first_use(code, 1, 5) == 1
+
+
+DUPLICATES_AND_PREDICATED = """
+.text.k:
+        /*0000*/                   MOV R2, R4 ;
+.L_x_1:
+        /*0010*/                   LDG.E.128.CONSTANT R12, desc[UR4][R2.64] ;
+        /*0020*/                   LDG.E.128.CONSTANT R16, desc[UR4][R2.64] ;
+        /*0030*/               @P1 LDG.E.128.CONSTANT R20, desc[UR4][R8.64] ;
+        /*0040*/                   IADD3 R2, R2, 0x10, RZ ;
+        /*0050*/                   LDG.E.128.CONSTANT R24, desc[UR4][R2.64] ;
+        /*0060*/                   FFMA R30, R13, R17, R30 ;
+        /*0070*/               @P0 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_the_counter_counts_distinct_unpredicated_loads() -> None:
+    # A second load of [R2] is a duplicate, @P1's may never run; R2 rewritten is a new address.
+    code = parse(DUPLICATES_AND_PREDICATED)["k"]
+    assert loads_before_first_use(code, 1, 7) == 2
+
+
+SEARCH_LOOP = """
+.text.k:
+        /*0000*/                   MOV R2, R4 ;
+.L_x_1:
+        /*0010*/                   LDG.E R5, desc[UR4][R2.64] ;
+        /*0020*/                   ISETP.GT.AND P0, PT, R5, R7, PT ;
+        /*0030*/                   SEL R6, R6, R5, P0 ;
+        /*0040*/                   IMAD.WIDE R2, R6, 0x4, R10 ;
+        /*0050*/               @P1 BRA `(.L_x_1) ;
+        /*0060*/                   LDG.E.128.CONSTANT R12, desc[UR4][R2.64] ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_the_counter_sees_load_chains() -> None:
+    search = parse(SEARCH_LOOP)["k"]
+    assert sass.chained_loops(search) == [(1, 5)]
+    assert sass.stream_depth(search) == 2
+    streaming = parse(SERIAL_LOOP)["k"]
+    assert sass.chained_loops(streaming) == []

@@ -132,12 +132,12 @@ def host_backend(_pool: LoraPool) -> Backend:
     def bgmv(x: Any, y: Any, slots: Any, a_table: Any, b_table: Any, scale_table: Any,
              ranks: Any, max_rank: int) -> None:
         t = host_harness.bgmv_shrink(x, slots, a_table, ranks, max_rank)
-        host_harness.bgmv_expand(t, slots, b_table, scale_table, ranks, y)
+        host_harness.bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank)
 
     def sgmv(x: Any, y: Any, seg_starts: Any, seg_slots: Any, a_table: Any, b_table: Any,
              scale_table: Any, ranks: Any, max_rank: int) -> None:
         t = host_harness.sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, max_rank)
-        host_harness.sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y)
+        host_harness.sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y, max_rank)
 
     return Backend(_same, _same, bgmv, sgmv)
 

@@ -16,7 +16,6 @@ roofline model of the same launches, no GPU needed (`--model-only`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,17 +24,18 @@ import numpy as np
 
 from metrale_cli import compat
 from metrale_cli.bench.kernels import (
-    _ROTATION_BUDGET_BYTES,
     BANDWIDTH_REGIME_BYTES,
     COPY_RATIO_TARGET,
     DECODE_TOKENS,
     TARGET_PCT,
+    TERMS,
     ModelDevice,
     _copy_us,
     _percentiles,
     _time_cupy,
     _time_torch,
     device_info,
+    rotation_groups,
     stream_model,
     torch_on_device,
 )
@@ -99,7 +99,7 @@ def routing(shape: ExpertShape, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def plan(shape: ExpertShape, seed: int = 0) -> expert_kernels.ExpertBatch:
     topk, slots = routing(shape, seed)
     return expert_kernels.plan_pairs(topk, slots, np.full(shape.adapters, shape.rank, np.int32),
-                                     shape.rank)
+                                     shape.rank, num_experts=shape.experts)
 
 
 def compulsory_bytes(proj: str, shape: ExpertShape, groups: int) -> int:
@@ -162,8 +162,10 @@ def model_records(shapes: Sequence[ExpertShape], device: ModelDevice | None = No
                                   // sum(q for _, _, q in launches), device)
                      for kernel, grid, requested in launches]
             expected_us = sum(p["expected_us"] for p in parts)
-            copy_us = device.latency_s * 1e6 + nbytes / (
-                device.copy_fraction * device.peak_bytes_per_s) * 1e6
+            # The launches run one after the other: each term adds up over them.
+            terms = {name: sum(p["terms"][name] for p in parts) for name in TERMS}
+            copy_us = 1e6 * max(device.launch_s, device.latency_s + nbytes / (
+                device.copy_fraction * device.peak_bytes_per_s))
             pct = 100 * nbytes / (expected_us * 1e-6) / device.peak_bytes_per_s
             regime = "bandwidth" if nbytes >= BANDWIDTH_REGIME_BYTES else "latency"
             phase = "decode" if shape.tokens <= 256 else "prefill"
@@ -172,6 +174,8 @@ def model_records(shapes: Sequence[ExpertShape], device: ModelDevice | None = No
                 "projection": proj, **shape.record(), "path": "prefill" if batch.prefill
                 else "decode", "tile": batch.tile, "groups": batch.groups,
                 "tiles": int(batch.tiles.shape[0]), "bytes": nbytes,
+                "l2_bytes": sum(p["l2_bytes"] for p in parts), "terms": terms,
+                "binding": max(terms, key=terms.__getitem__),
                 "kernels": [p | {"kernel": k} for p, (k, _, _) in zip(parts, launches,
                                                                        strict=True)],
                 "expected_us": expected_us, "expected_pct_peak": pct, "copy_us": copy_us,
@@ -366,19 +370,20 @@ def run(shapes: Sequence[ExpertShape], *, repeats: int = 30, l2_multiple: float 
     torch_ok = with_torch and torch_on_device()
     rng = cupy.random.default_rng(seed)
     model_device = ModelDevice(name=device.name, sms=device.sms,
-                               peak_bytes_per_s=device.peak_bytes_per_s)
+                               peak_bytes_per_s=device.peak_bytes_per_s,
+                               l2_bytes=device.l2_bytes)
     records = []
     for shape in shapes:
         topk, slots = routing(shape, seed)
         batch = expert_kernels.plan_pairs(topk, slots, np.full(shape.adapters, shape.rank,
-                                                               np.int32), shape.rank)
+                                                               np.int32), shape.rank,
+                                          num_experts=shape.experts)
         expected = {m["projection"]: m for m in model_records([shape], model_device)}
         d, e, r, h, i, p = (shape.adapters, shape.experts, shape.rank, shape.hidden, shape.inter,
                             shape.pairs)
         footprint = 2 * d * e * r * 3 * (h + i) + 2 * p * (3 * i + h) + 8 * p * r * 3
         smallest = min(compulsory_bytes(proj, shape, batch.groups) for proj in PROJECTIONS)
-        count = max(1, math.ceil(l2_multiple * device.l2_bytes / smallest))
-        count = min(count, 64, max(1, _ROTATION_BUDGET_BYTES // footprint))
+        count = rotation_groups(smallest, footprint, device.l2_bytes, l2_multiple)
         groups = [ExpertGroup(cupy, rng, shape, batch, topk, slots, kernels.CUPY)
                   for _ in range(count)]
         for proj in PROJECTIONS:
@@ -407,7 +412,10 @@ def run(shapes: Sequence[ExpertShape], *, repeats: int = 30, l2_multiple: float 
                 "expected_pct_peak": expected[proj]["expected_pct_peak"],
                 "measured_vs_expected": expected[proj]["expected_us"] / ours["p50_us"],
                 "device": device.name, "peak_tb_per_s": device.peak_bytes_per_s / 1e12,
-                "l2_bytes": device.l2_bytes, "rotation_groups": count, "timing": "cuda-graph",
+                "terms": expected[proj]["terms"], "binding": expected[proj]["binding"],
+                "device_l2_bytes": device.l2_bytes, "rotation_groups": count,
+                # What the groups read fits in L2 together: the replays read L2, not HBM.
+                "l2_resident": count * nbytes <= device.l2_bytes, "timing": "cuda-graph",
             }
             records.append(record)
             if progress is not None:

@@ -2,9 +2,10 @@
 records (one dict per kernel and shape, its setup embedded). Two things:
 
 - `model`: a roofline model that needs no GPU (`metrale bench kernels --model-only`). For every
-  benchmark shape it takes the launch plan the kernels would get (path, grid, splits), the
-  independent 16-byte loads per thread that the SASS check guarantees (kernels/lora_config.h),
-  and Little's law, and states the share of peak HBM bandwidth the kernel should reach.
+  benchmark shape it takes the launch plan the kernels would get (path, grid, splits), counts
+  what each CTA does (bytes, streaming passes, dependent loads) and charges every cost as a term
+  (cost_terms: launch, HBM, L2, bytes in flight, serial chains, critical path); the expected
+  time is never below the largest.
 - `run`: the GPU measurement of the same shapes, which records the model's figure beside the
   measured one.
 
@@ -62,6 +63,42 @@ class Device:
     sms: int
     l2_bytes: int
     peak_bytes_per_s: float  # nominal: 2 (DDR) x memory clock x bus width
+    peak_source: str = "memory clock x bus width"
+
+
+# Nominal HBM bandwidth by device name, for when the memory clock cannot be read.
+_KNOWN_PEAKS = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12}
+
+
+def memory_clock_khz(attributes: Any, query: Callable[[], int] | None) -> int | None:
+    """The memory clock in kHz, or None where the device does not report it. CUDA 13 dropped
+    cudaDeviceProp.memoryClockRate, and CuPy's attribute table may lack the entry or hold 0;
+    `query` asks the runtime for cudaDevAttrMemoryClockRate directly."""
+    try:
+        value = int(attributes["MemoryClockRate"])
+    except (KeyError, TypeError, ValueError):
+        value = 0
+    if value <= 0 and query is not None:
+        try:
+            value = int(query())
+        except Exception:  # noqa: BLE001 - any runtime refusal means "not reported"
+            value = 0
+    return value if value > 0 else None
+
+
+def peak_bandwidth(name: str, clock_khz: int | None, bus_bits: int | None) -> tuple[float, str]:
+    """Nominal peak HBM bytes/s and where it came from: 2 (DDR) x clock x bus width when both
+    are known, else the known figure for the device's name; ToolMissing when neither."""
+    if clock_khz and bus_bits:
+        return 2 * clock_khz * 1e3 * bus_bits / 8, "memory clock x bus width"
+    for key, peak in _KNOWN_PEAKS.items():
+        if key in name:
+            return peak, f"the nominal figure for {key} (the device reports no memory clock)"
+    raise ToolMissing(f"{name} reports no memory clock or bus width, so its peak bandwidth is "
+                      "unknown")
+
+
+_ATTRIBUTE_MEMORY_CLOCK = 36  # cudaDevAttrMemoryClockRate
 
 
 def device_info() -> Device:
@@ -70,10 +107,12 @@ def device_info() -> Device:
     attributes = device.attributes
     name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
-    clock_hz = attributes["MemoryClockRate"] * 1e3  # reported in kHz
-    bus_bytes = attributes["GlobalMemoryBusWidth"] / 8  # reported in bits
-    return Device(name, attributes["MultiProcessorCount"], attributes["L2CacheSize"],
-                  2 * clock_hz * bus_bytes)
+    clock = memory_clock_khz(attributes, lambda: cupy.cuda.runtime.deviceGetAttribute(
+        _ATTRIBUTE_MEMORY_CLOCK, device.id))
+    bus = attributes.get("GlobalMemoryBusWidth") if hasattr(attributes, "get") else None
+    peak, source = peak_bandwidth(name, clock, bus)
+    return Device(name, attributes["MultiProcessorCount"], attributes["L2CacheSize"], peak,
+                  source)
 
 
 def compulsory_bytes(kind: str, tokens: int, adapters: int, rank: int, in_dim: int,
@@ -98,7 +137,14 @@ class ModelDevice:
     sms: int = 132
     peak_bytes_per_s: float = 4.8e12  # nominal HBM bandwidth
     copy_fraction: float = 4.3 / 4.8  # a device-to-device copy's share of it, measured on an H200
-    latency_s: float = 0.6e-6  # loaded DRAM latency: the order of magnitude Little's law needs
+    latency_s: float = 0.6e-6  # loaded DRAM latency: what one streaming round trip costs
+    l2_latency_s: float = 0.3e-6  # a dependent load that hits L2 (metadata, split partials)
+    l2_bytes_per_s: float = 10e12  # what the L2 serves, hits and misses together
+    l2_bytes: int = 50 << 20  # L2 size: the benchmark's rotation groups are sized against it
+    launch_s: float = 2.0e-6  # a kernel node's launch and drain, even inside a CUDA graph
+    # A kernel that reads and writes y streams at this share of the copy at best (the copy's
+    # reads and writes are one pass each; y's read-modify-write waits on its loads).
+    rmw_fraction: float = 0.88
 
 
 # The kernels issue's targets: share of nominal peak in the bandwidth regime (compulsory traffic
@@ -109,15 +155,40 @@ TARGET_PCT = {("decode", "shrink"): 80.0, ("decode", "expand"): 75.0,
 BANDWIDTH_REGIME_BYTES = 64 << 20
 COPY_RATIO_TARGET = 1.3
 _LOAD_BYTES = 16
+# The cost terms of a record (microseconds each), in the order the binding one is reported.
+TERMS = ("launch", "hbm", "l2", "in_flight", "serial", "critical_path")
 
 
 @dataclass(frozen=True)
-class _Launch:
+class LaunchWork:
+    """What one planned launch asks of the memory system, counted from its grid and its CTAs'
+    work (the model's inputs; tests/test_kernels_model.py ties them to kernels.plan_*):
+
+    - `l2_bytes`: the distinct bytes its loads and stores ask for (L2 hits included; clamped
+      duplicates and predicated-off loads not counted, as they move nothing new);
+    - `passes`: streaming round trips summed over the CTAs: each is one DRAM latency in which
+      a CTA has one pass of loads in flight (a double-buffered K tile, a pass of B vectors);
+    - `chains`: dependent scalar round trips summed over the CTAs, each an L2 latency: the
+      slot -> table[slot] -> ranks[slot] chain, SGMV's binary search and per-segment metadata,
+      the split-K partials that the expand adds one split at a time;
+    - `cta_passes`, `cta_chains`: the heaviest CTA's (the critical path);
+    - `launches`: graph nodes it takes (a split-K shrink: the memset of t, then the kernel).
+    """
+
     kernel: str
     path: str
     grid: tuple[int, int, int]
     splits: int
-    requested_bytes: int  # what the loads ask for, L2 hits included
+    l2_bytes: int
+    passes: int
+    chains: int
+    cta_passes: int
+    cta_chains: int
+    launches: int = 1
+
+    @property
+    def ctas(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
 
 
 def _decode_slots(tokens: int, adapters: int) -> np.ndarray:
@@ -125,103 +196,250 @@ def _decode_slots(tokens: int, adapters: int) -> np.ndarray:
     return (np.arange(tokens) % adapters).astype(np.int32)
 
 
-def _tile_segments(tokens: int, adapters: int) -> int:
-    """(64-token tile, segment) pairs when `adapters` equal runs share `tokens` sorted tokens."""
-    starts = np.arange(adapters + 1) * tokens // adapters
-    tile = kernels.SGMV_TILE
-    return int(sum(-(-int(hi) // tile) - int(lo) // tile
-                   for lo, hi in zip(starts[:-1], starts[1:], strict=True) if hi > lo))
+def _prefill_starts(tokens: int, adapters: int) -> np.ndarray:
+    """The benchmark's prefill segments: `adapters` equal runs of sorted tokens."""
+    return (np.arange(adapters + 1, dtype=np.int64) * tokens // adapters).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class TileSegments:
+    """How SGMV's fixed 64-token tiles meet the segments: one entry per (tile, segment) pair
+    with tokens in both (`tile`, `rows`), and the segment count S."""
+
+    tile: np.ndarray
+    rows: np.ndarray
+    num_segments: int
+    num_tiles: int
+
+    @classmethod
+    def of(cls, seg_starts: np.ndarray, tokens: int) -> TileSegments:
+        starts = np.asarray(seg_starts, dtype=np.int64)
+        lo, hi = starts[:-1], starts[1:]
+        size = kernels.SGMV_TILE
+        keep = hi > lo
+        lo, hi = lo[keep], hi[keep]
+        first, last = lo // size, (hi - 1) // size
+        counts = last - first + 1
+        seg = np.repeat(np.arange(lo.size), counts)
+        tile = np.repeat(first, counts) + np.arange(int(counts.sum())) - np.repeat(
+            np.cumsum(counts) - counts, counts)
+        rows = np.minimum(hi[seg], (tile + 1) * size) - np.maximum(lo[seg], tile * size)
+        return cls(tile, rows, int(starts.size - 1), -(-tokens // size))
+
+    def per_tile(self, values: np.ndarray) -> np.ndarray:
+        return np.bincount(self.tile, weights=values, minlength=self.num_tiles)
+
+
+def _split_lengths(in_dim: int, splits: int, multiple: int) -> np.ndarray:
+    """K elements of each split, as kernels._k_chunk cuts them (trailing splits may be empty)."""
+    chunk = kernels._k_chunk(in_dim, splits, multiple)
+    return np.clip(in_dim - chunk * np.arange(splits), 0, chunk)
 
 
 def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, out_dim: int,
-                sms: int, y_bytes: int = 2) -> _Launch:
-    """The launch a benchmark shape gets: decode (<= 256 tokens) through kernels.plan_batch
-    (grouped or per-token), prefill through SGMV over sorted segments; t as wide as the rank."""
+                sms: int, y_bytes: int = 2) -> LaunchWork:
+    """The launch a benchmark shape gets, and its work: decode (<= 256 tokens) through
+    kernels.plan_batch (grouped or per-token), prefill through SGMV over sorted segments; t as
+    wide as the rank, max_rank the rank (the benchmark's pools)."""
     y_kind = "bf16" if y_bytes == 2 else "f32"
-    grouped = tokens > 256
-    path = "segments"
-    if not grouped:
+    if tokens > 256:
+        grouped, path = True, "segments"
+        seg_starts = _prefill_starts(tokens, adapters)
+    else:
         plan = kernels.plan_batch(_decode_slots(tokens, adapters), [rank] * adapters, rank)
         grouped, path = plan.grouped, "grouped" if plan.grouped else "per-token"
+        seg_starts = plan.seg_starts
     family = "sgmv" if grouped else "bgmv"
     splits = kernels.shrink_splits(family, tokens, in_dim, rank, sms)
-    t_bytes = 4 * splits * tokens * rank
-    if kind == "shrink":
-        kernel = f"{family}_shrink"
-        grid = kernels.launch_grid(kernel, tokens, in_dim, rank, splits)
-        pairs = _tile_segments(tokens, adapters) if grouped else tokens
-        # BGMV reads a token's x once per CTA of rank rows; SGMV once per 64-column rank tile.
-        x_reads = grid[1] if family == "bgmv" else grid[0]
-        requested = 2 * pairs * rank * in_dim + 2 * tokens * in_dim * x_reads + t_bytes
+    if kind == "expand" and path == "grouped" and not kernels.grouped_expand(
+            tokens, out_dim, rank, len(seg_starts) - 1, sms):
+        family, path = "bgmv", "grouped+per-token"
+    kernel = f"{family}_shrink" if kind == "shrink" else f"{family}_expand_{y_kind}"
+    grid = kernels.launch_grid(kernel, tokens, in_dim if kind == "shrink" else out_dim, rank,
+                               splits if kind == "shrink" else 1)
+    if family == "bgmv":
+        work = _bgmv_work(kind, grid, tokens, rank, in_dim, out_dim, splits, y_bytes)
     else:
-        if grouped and path == "grouped" and not kernels.grouped_expand(tokens, out_dim, sms):
-            family, path = "bgmv", "grouped+per-token"
-        kernel = f"{family}_expand_{y_kind}"
-        grid = kernels.launch_grid(kernel, tokens, out_dim, rank)
-        pairs = _tile_segments(tokens, adapters) if family == "sgmv" else tokens
-        # SGMV re-reads a token tile's t once per 64-output tile.
-        t_reads = t_bytes * (grid[0] if family == "sgmv" else 1)
-        requested = 2 * pairs * out_dim * rank + 2 * y_bytes * tokens * out_dim + t_reads
-    return _Launch(kernel, path, grid, splits, requested)
+        work = _sgmv_work(kind, grid, TileSegments.of(seg_starts, tokens), tokens, rank, in_dim,
+                          out_dim, splits, y_bytes)
+    # Split-K adds its partials into one t, zeroed by a memset node first; the expand reads it.
+    launches = 2 if kind == "shrink" and splits > 1 else 1
+    return LaunchWork(kernel, path, grid, splits, *work, launches=launches)
+
+
+def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in_dim: int,
+               out_dim: int, splits: int, y_bytes: int) -> tuple[int, int, int, int, int]:
+    """(l2_bytes, passes, chains, cta_passes, cta_chains) of a BGMV launch, every token adapted
+    at `rank` (kernels/bgmv.cu). The shrink's splits add into t (atomics at L2)."""
+    if kind == "shrink":
+        # A CTA: 4 rank rows of one token over one split; a pass is 2 K steps of 128 x 8
+        # elements (x and 4 A rows); slot -> table, ranks first.
+        step = 2 * kernels.THREADS * kernels.VECTOR
+        lengths = _split_lengths(in_dim, splits, kernels.VECTOR)
+        per_token_rows = grid[1]
+        passes = tokens * per_token_rows * int((-(-lengths // step)).sum())
+        l2 = tokens * per_token_rows * (2 * (1 + kernels.SHRINK_ROWS) * in_dim
+                                        + 4 * kernels.SHRINK_ROWS * splits)
+        ctas = tokens * per_token_rows * splits
+        return l2, passes, 2 * ctas, int(-(-lengths.max() // step)), 2
+    # expand: a CTA is 1024 output rows of one token; slot -> table, ranks, then its t row (one
+    # L2 round trip), then passes of 8 rows x 2 rank vectors of B per thread.
+    vecs = rank // kernels.VECTOR
+    cta_passes = -(-vecs // 2)
+    blocks = grid[1]
+    l2 = tokens * (2 * out_dim * rank + 2 * y_bytes * out_dim + blocks * 4 * rank)
+    ctas = tokens * blocks
+    return l2, ctas * cta_passes, ctas * 3, cta_passes, 3
+
+
+def _sgmv_work(kind: str, grid: tuple[int, int, int], segs: TileSegments, tokens: int,
+               rank: int, in_dim: int, out_dim: int, splits: int, y_bytes: int
+               ) -> tuple[int, int, int, int, int]:
+    """(l2_bytes, passes, chains, cta_passes, cta_chains) of an SGMV launch (kernels/sgmv.cu):
+    a CTA walks the segments meeting its 64-token tile one after another, each pass loading
+    only that segment's rows."""
+    tile = kernels.SGMV_TILE
+    search = max(1, math.ceil(math.log2(segs.num_segments + 1)))  # first_segment's probes
+    per_tile_segs = np.bincount(segs.tile, minlength=segs.num_tiles)
+    tile_rows = np.minimum(tile, tokens - tile * np.arange(segs.num_tiles))
+    # slot -> table, ranks per segment; the search before the first.
+    tile_chain = search + 2 * per_tile_segs
+    if kind == "shrink":
+        lengths = _split_lengths(in_dim, splits, tile)
+        n_valid = np.minimum(tile, rank - tile * np.arange(grid[0]))  # rank rows per column tile
+        k_tiles = -(-lengths // tile)
+        live = lengths > 0  # an empty trailing split only writes zeros
+        pairs = segs.rows.size
+        passes = grid[0] * pairs * int(k_tiles.sum())
+        l2 = int(2 * in_dim * (grid[0] * segs.rows.sum() + pairs * n_valid.sum())
+                 + 4 * splits * tokens * rank)
+        chains = grid[0] * int(live.sum()) * int(tile_chain.sum())
+        cta_passes = int(per_tile_segs.max()) * int(k_tiles.max())
+        return l2, passes, chains, cta_passes, int(tile_chain.max())
+    # expand: per segment and 64-wide rank chunk, one pass of the B tile with the t tile (t
+    # holds the reduced split-K sum); the y epilogue is one more pass.
+    chunks = -(-rank // tile)
+    out_tiles = grid[0]
+    pairs = segs.rows.size
+    passes = out_tiles * (pairs * chunks + segs.num_tiles)
+    chains = out_tiles * int(tile_chain.sum())
+    l2 = int(2 * out_dim * rank * pairs + out_tiles * 4 * rank * segs.rows.sum()
+             + 2 * y_bytes * out_dim * tile_rows.sum())
+    cta_passes = int(per_tile_segs.max()) * chunks + 1
+    return l2, passes, chains, cta_passes, int(tile_chain.max())
+
+
+def rotation_groups(nbytes: int, footprint: int, l2_bytes: int, l2_multiple: float = 3.0) -> int:
+    """How many rotation groups the benchmark cycles through for a shape (each with its own
+    buffers) so that G x compulsory bytes >= l2_multiple x the L2: at most 64, and within the
+    rotation memory budget."""
+    groups = max(1, math.ceil(l2_multiple * l2_bytes / nbytes))
+    return min(groups, 64, max(1, _ROTATION_BUDGET_BYTES // footprint))
+
+
+def footprint_bytes(tokens: int, adapters: int, rank: int, in_dim: int, out_dim: int) -> int:
+    """Device bytes one rotation group holds: the pool's A and B, x, y and t."""
+    return (2 * adapters * rank * (in_dim + out_dim) + 2 * tokens * (in_dim + out_dim)
+            + 4 * tokens * rank)
 
 
 def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int, adapters: int,
                  kind: str, device: ModelDevice | None = None) -> dict[str, Any]:
-    """The roofline model's record for one kernel and shape.
-
-    CTAs run in waves of `sms x ctas_per_sm` (the CTAs per SM the kernel's launch bounds
-    guarantee). While c CTAs run per SM, each keeps `loads x 16 B x threads` in flight (the SASS
-    check's count, capped by what the CTA loads in all), so Little's law lets the device stream
-    min(copy bandwidth, sms x c x in-flight / latency). The expected time is one latency plus
-    the compulsory bytes streamed wave by wave at that rate; the copy takes one latency plus the
-    bytes at copy bandwidth.
-    """
+    """The roofline model's record for one kernel and shape: its launch plan (plan_launch),
+    each cost term in microseconds (`terms`, cost_terms explains them), the term that binds,
+    and the expected time against an equal-bytes copy."""
     device = device or ModelDevice()
     phase = "decode" if tokens <= 256 else "prefill"
-    launch = plan_launch(kind, tokens, adapters, rank, in_dim, out_dim, device.sms)
+    work = plan_launch(kind, tokens, adapters, rank, in_dim, out_dim, device.sms)
     nbytes = compulsory_bytes(kind, tokens, adapters, rank, in_dim, out_dim)
-    stream = stream_model(launch.kernel, launch.grid, launch.requested_bytes, nbytes, device)
+    cost = cost_terms(work, nbytes, device, rmw=kind == "expand")
     target = TARGET_PCT[phase, kind]
-    meets = (stream["expected_pct_peak"] >= target if stream["regime"] == "bandwidth"
-             else stream["expected_copy_ratio"] <= COPY_RATIO_TARGET)
+    meets = (cost["expected_pct_peak"] >= target if cost["regime"] == "bandwidth"
+             else cost["expected_copy_ratio"] <= COPY_RATIO_TARGET)
+    footprint = footprint_bytes(tokens, adapters, rank, in_dim, out_dim)
+    groups = rotation_groups(nbytes, footprint, device.l2_bytes)
     return {
-        "kernel": launch.kernel, "path": launch.path, "module": module, "out_dim": out_dim,
+        "kernel": work.kernel, "path": work.path, "module": module, "out_dim": out_dim,
         "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
-        "splits": launch.splits, "grid": list(launch.grid), **stream,
+        "splits": work.splits, "grid": list(work.grid), **cost,
         "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
         "meets_target": meets,
+        # What the benchmark's rotation groups read, all together, fits in L2: a measurement
+        # then reads L2, not HBM.
+        "rotation_groups": groups, "l2_resident": groups * nbytes <= device.l2_bytes,
     }
 
 
-def stream_model(kernel: str, grid: tuple[int, int, int], requested_bytes: int, nbytes: int,
-                 device: ModelDevice) -> dict[str, Any]:
-    """Little's law over one launch: `grid` CTAs of `kernel`, asking `requested_bytes` of the
-    memory system in all (L2 hits included) to move `nbytes` compulsory bytes (model_record
-    explains the model). The record's device-side fields."""
-    ctas = grid[0] * grid[1] * grid[2]
-    per_sm = kernels.min_ctas_per_sm(kernel)
-    loads = kernels.loads_in_flight(kernel)
-    cta_bytes = min(loads * _LOAD_BYTES * kernels.THREADS, requested_bytes / ctas)
+# The 16-byte loads per thread one streaming pass of each dense kernel issues in its source: a
+# pass costs one latency only while the machine code keeps them all in flight before the first
+# use (the SASS check's count, kernels.loads_in_flight); fewer, and the pass takes
+# ceil(these / that) round trips.
+PASS_LOADS = {
+    "bgmv_shrink": kernels.CONFIG["BGMV_SHRINK_STEPS"] * (1 + kernels.SHRINK_ROWS),
+    "bgmv_expand": kernels.EXPAND_ROWS * kernels.CONFIG["BGMV_EXPAND_COLS"],
+    "sgmv_shrink": 2 * 4,  # the next K tile: 4 x vectors and 4 A vectors per thread
+    "sgmv_expand": 4 + 8,  # a rank chunk's pass: 4 B vectors and 8 t vectors per thread
+}
+
+
+def pass_round_trips(kernel: str) -> int:
+    """DRAM round trips one streaming pass of `kernel` takes as its machine code issues it."""
+    family = kernel.removesuffix("_bf16").removesuffix("_f32")
+    if family not in PASS_LOADS:
+        return 1
+    return -(-PASS_LOADS[family] // kernels.loads_in_flight(kernel))
+
+
+def cost_terms(work: LaunchWork, nbytes: int, device: ModelDevice,
+               rmw: bool = False) -> dict[str, Any]:
+    """Every cost of one launch that moves `nbytes` compulsory bytes, in microseconds:
+
+    - `launch`: a kernel node's launch and drain (the floor of any kernel), per graph node;
+    - `hbm`: the compulsory bytes at the copy's bandwidth (`rmw`: at rmw_fraction of it, for a
+      kernel that reads and writes y);
+    - `l2`: every byte the loads and stores ask for (`l2_bytes`) at L2 bandwidth;
+    - `in_flight`: Little's law over the distinct bytes in flight: each streaming pass of a
+      CTA costs a DRAM latency, CTAs resident together (at most the launch bounds' per SM)
+      overlapping;
+    - `serial`: the dependent scalar loads (L2 round trips), overlapped the same way;
+    - `critical_path`: the heaviest CTA alone, its passes and its chains back to back.
+
+    expected_us = max(launch, latency + max(hbm, l2), in_flight + serial, critical_path):
+    never below any term. `binding` names the largest (`serial` where in_flight + serial binds
+    and the chains are the larger part). The copy of the same bytes takes
+    max(launch, latency + bytes at copy bandwidth)."""
+    resident = min(work.ctas, device.sms * kernels.min_ctas_per_sm(work.kernel))
+    trips = pass_round_trips(work.kernel)
     copy_bw = device.copy_fraction * device.peak_bytes_per_s
-    wave = device.sms * per_sm
-    full_waves, rest = divmod(ctas, wave)
-    phases = ([(full_waves * wave, float(per_sm))] if full_waves else []) + (
-        [(rest, rest / device.sms)] if rest else [])
-    stream_s = 0.0
-    for count, concurrent in phases:
-        bandwidth = min(copy_bw, device.sms * concurrent * cta_bytes / device.latency_s)
-        stream_s += nbytes * count / ctas / bandwidth
-    first = phases[0][1]
-    in_flight = first * cta_bytes
-    expected_s = device.latency_s + stream_s
-    copy_s = device.latency_s + nbytes / copy_bw
+    terms = {
+        "launch": device.launch_s * work.launches,
+        "hbm": nbytes / (copy_bw * (device.rmw_fraction if rmw else 1.0)),
+        "l2": work.l2_bytes / device.l2_bytes_per_s,
+        "in_flight": device.latency_s * trips * work.passes / max(resident, 1),
+        "serial": device.l2_latency_s * work.chains / max(resident, 1),
+        "critical_path": (device.latency_s * trips * work.cta_passes
+                          + device.l2_latency_s * work.cta_chains),
+    }
+    streamed = terms["in_flight"] + terms["serial"]
+    # A stream of bytes also waits one DRAM latency for its first load, as the copy does.
+    expected_s = max(terms["launch"], device.latency_s + max(terms["hbm"], terms["l2"]),
+                     streamed, terms["critical_path"])
+    binding = max(TERMS, key=lambda name: streamed if name == "in_flight" else terms[name])
+    if binding == "in_flight" and terms["serial"] > terms["in_flight"]:
+        binding = "serial"
+    copy_s = max(device.launch_s, device.latency_s + nbytes / copy_bw)
+    per_pass = work.l2_bytes / max(trips * work.passes, 1)
     return {
-        "ctas": ctas, "ctas_per_sm": per_sm, "waves": ctas / wave, "loads_per_thread": loads,
-        "in_flight_per_sm_bytes": round(in_flight),
+        "ctas": work.ctas, "ctas_per_sm": kernels.min_ctas_per_sm(work.kernel),
+        "waves": work.ctas / (device.sms * kernels.min_ctas_per_sm(work.kernel)),
+        "loads_per_thread": kernels.loads_in_flight(work.kernel),
+        # Distinct bytes a resident CTA has in flight per pass, times the CTAs per SM.
+        "in_flight_per_sm_bytes": round(per_pass * resident / device.sms),
         "needed_in_flight_per_sm_bytes": round(copy_bw * device.latency_s / device.sms),
-        "bytes": nbytes, "requested_bytes": requested_bytes,
-        "little_pct_peak": 100 * min(copy_bw, device.sms * in_flight / device.latency_s)
-        / device.peak_bytes_per_s,
+        "bytes": nbytes, "l2_bytes": work.l2_bytes, "passes": work.passes,
+        "chains": work.chains,
+        "terms": {name: value * 1e6 for name, value in terms.items()},
+        "binding": binding,
         "expected_us": expected_s * 1e6,
         "expected_pct_peak": 100 * nbytes / expected_s / device.peak_bytes_per_s,
         "copy_us": copy_s * 1e6, "expected_copy_ratio": expected_s / copy_s,
@@ -229,6 +447,19 @@ def stream_model(kernel: str, grid: tuple[int, int, int], requested_bytes: int, 
         "device": device.name,
         "peak_tb_per_s": device.peak_bytes_per_s / 1e12, "latency_us": device.latency_s * 1e6,
     }
+
+
+def stream_model(kernel: str, grid: tuple[int, int, int], requested_bytes: int, nbytes: int,
+                 device: ModelDevice) -> dict[str, Any]:
+    """cost_terms for a launch known only by its grid and the bytes its loads ask for (the
+    expert kernels): each CTA streams its share of `requested_bytes` in passes of the loads
+    per thread that the SASS check holds (lora_config.h), after the slot -> table chain."""
+    ctas = grid[0] * grid[1] * grid[2]
+    per_pass = kernels.loads_in_flight(kernel) * _LOAD_BYTES * kernels.THREADS
+    cta_passes = max(1, math.ceil(requested_bytes / ctas / per_pass))
+    work = LaunchWork(kernel, "", grid, 1, requested_bytes, ctas * cta_passes, 2 * ctas,
+                      cta_passes, 2)
+    return cost_terms(work, nbytes, device, rmw=kernel.startswith(("expert_expand", "router")))
 
 
 def _shapes(model_shapes: Sequence[tuple[str, int, int]], ranks: Sequence[int],
@@ -279,10 +510,12 @@ class _Group:
         self.a_table = cupy.uint64(self.a.data.ptr) + cupy.uint64(2 * rank * in_dim) * slot_index
         self.b_table = cupy.uint64(self.b.data.ptr) + cupy.uint64(2 * out_dim * rank) * slot_index
         self.ranks = cupy.full(adapters, rank, dtype=cupy.int32)
+        self.max_rank = rank  # the pool's: A rows and B's row stride
         self.scales = cupy.linspace(0.5, 2.0, adapters, dtype=cupy.float32)
         self.x = bf16((tokens, in_dim), 1.0)
         self.y = bf16((tokens, out_dim), 1.0)
-        self.t = cupy.zeros((num_splits, tokens, rank), dtype=cupy.float32)
+        self.t = cupy.zeros((tokens, rank), dtype=cupy.float32)
+        self.splits = num_splits
         self.order = None
         self.grouped = prefill
         if prefill:
@@ -305,22 +538,32 @@ class _Group:
 
 
 def _ours(kind: str, group: _Group) -> Callable[[], None]:
-    """The launch `plan_launch` models for this group's batch, ready to call."""
+    """The launch `plan_launch` models for this group's batch, ready to call (a split-K shrink:
+    the memset of t, then the kernel, both timed)."""
     tokens, out_dim = (int(d) for d in group.y.shape)
     sms = kernels.device_sm_count()
     if kind == "shrink" and group.grouped:
         plan = kernels.plan_sgmv_shrink(group.x, group.seg_starts, group.seg_slots, group.a_table,
-                                        group.ranks, group.t, token_order=group.order)
+                                        group.ranks, group.t, group.max_rank,
+                                        token_order=group.order, splits=group.splits)
     elif kind == "shrink":
-        plan = kernels.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t)
-    elif group.grouped and (group.order is None or kernels.grouped_expand(tokens, out_dim, sms)):
+        plan = kernels.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t,
+                                        group.max_rank, group.splits)
+    elif group.grouped and (group.order is None or kernels.grouped_expand(
+            tokens, out_dim, group.max_rank, int(group.seg_slots.shape[0]), sms)):
         plan = kernels.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
-                                        group.scales, group.ranks, group.y,
+                                        group.scales, group.ranks, group.y, group.max_rank,
                                         token_order=group.order)
     else:
         plan = kernels.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
-                                        group.ranks, group.y)
+                                        group.ranks, group.y, group.max_rank)
     kernel = kernels.get_kernel(plan.kernel)
+    if kind == "shrink" and group.splits > 1:
+        def split_shrink() -> None:
+            group.t.fill(0)
+            kernel(plan.grid, plan.block, plan.args)
+
+        return split_shrink
     return lambda: kernel(plan.grid, plan.block, plan.args)
 
 
@@ -406,7 +649,7 @@ def _validate(kind: str, group: _Group, rank: int) -> None:
         b_weights[slot] = host(group.b[slot], bf16=True)
     ranks, scales = host(group.ranks), host(group.scales)
     x = host(group.x[cupy.asarray(rows)], bf16=True)
-    t = host(group.t).sum(0)[rows]
+    t = host(group.t)[rows]
     expected_t = reference.shrink(x, slots, a_weights, ranks, rank)
     rtol, atol = reference.T_TOLERANCE
     torch.testing.assert_close(t, expected_t, rtol=rtol, atol=atol)
@@ -545,13 +788,12 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
              repeats: int, l2_multiple: float, torch_ok: bool) -> dict[str, Any]:
     expected = model_record(module, out_dim, in_dim, rank, num_tokens, num_adapters, kind,
                             ModelDevice(name=device.name, sms=device.sms,
-                                        peak_bytes_per_s=device.peak_bytes_per_s))
+                                        peak_bytes_per_s=device.peak_bytes_per_s,
+                                        l2_bytes=device.l2_bytes))
     nbytes = expected["bytes"]
     splits = expected["splits"]
-    footprint = (2 * num_adapters * rank * (in_dim + out_dim) + 2 * num_tokens * (in_dim + out_dim)
-                 + 4 * num_tokens * rank * splits)
-    groups = max(1, math.ceil(l2_multiple * device.l2_bytes / nbytes))
-    groups = min(groups, 64, max(1, _ROTATION_BUDGET_BYTES // footprint))
+    footprint = footprint_bytes(num_tokens, num_adapters, rank, in_dim, out_dim)
+    groups = rotation_groups(nbytes, footprint, device.l2_bytes, l2_multiple)
     buffers = [_Group(cupy, rng, num_tokens, num_adapters, rank, in_dim, out_dim, prefill, splits)
                for _ in range(groups)]
     _validate(kind, buffers[0], rank)
@@ -591,7 +833,12 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
         "expected_pct_peak": expected["expected_pct_peak"],
         "measured_vs_expected": expected["expected_us"] / ours["p50_us"],
         "device": device.name, "peak_tb_per_s": device.peak_bytes_per_s / 1e12,
-        "l2_bytes": device.l2_bytes, "rotation_groups": groups, "timing": "cuda-graph",
+        "peak_source": device.peak_source,
+        "terms": expected["terms"], "binding": expected["binding"],
+        "l2_bytes": expected["l2_bytes"],
+        "device_l2_bytes": device.l2_bytes, "rotation_groups": groups,
+        # What the groups read fits in L2 together: the replays read L2, not HBM.
+        "l2_resident": groups * nbytes <= device.l2_bytes, "timing": "cuda-graph",
     }
     del buffers
     cupy.get_default_memory_pool().free_all_blocks()
@@ -632,3 +879,26 @@ def plot(records: Sequence[dict[str, Any]], path: str | Path, force: bool = Fals
     fig.tight_layout()
     atomic_write(Path(path), lambda f: fig.savefig(f, format="png"), force)
     plt.close(fig)
+
+
+def device_report() -> dict[str, Any]:
+    """What the benchmark reads of the device (device_info), with the CUDA runtime, driver and
+    CuPy versions: the `device` step of scripts/gpu_check.sh."""
+    import dataclasses
+
+    cupy = compat.cupy_module()
+    runtime = cupy.cuda.runtime
+    return {**dataclasses.asdict(device_info()), "cupy": cupy.__version__,
+            "cuda_runtime": runtime.runtimeGetVersion(), "cuda_driver": runtime.driverGetVersion()}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--device-report":
+        sys.exit("usage: python -m metrale_cli.bench.kernels --device-report FILE")
+    report = device_report()
+    atomic_write(Path(sys.argv[2]), lambda f: f.write(json.dumps(report, indent=1).encode()),
+                 force=True)
+    print(json.dumps(report))

@@ -133,14 +133,26 @@ class ExpertBatch:
         return self.tile == PREFILL_TILE
 
 
+# The expert id of a pair whose expert lives on another rank (expert parallelism): the pair is
+# in no tile, so its rows of h and y are left untouched.
+OFF_RANK = -1
+
+
 def plan_pairs(topk_ids: Any, slots: Any, ranks: Any, max_rank: int,
-               tile: int | None = None) -> ExpertBatch:
+               tile: int | None = None, *, num_experts: int) -> ExpertBatch:
     """The align step (vLLM's moe_align_block_size, per slot): pairs of tokens with slot -1 (or
-    a slot outside the rank table, or rank 0) are left out, the rest sorted by (slot, expert,
-    pair) and tiled. `tile` forces a tile size (default: chosen by the average group size)."""
+    a slot outside the rank table, or rank 0) and pairs whose expert is OFF_RANK (-1: not on
+    this rank) are left out, the rest sorted by (slot, expert, pair) and tiled. Any other id
+    outside [0, num_experts) is refused (ValueError). `tile` forces a tile size (default:
+    chosen by the average group size)."""
     ids = kernels._host_values(topk_ids).astype(np.int64)
     if ids.ndim != 2:
         raise ValueError(f"topk_ids must be [T, top_k], got shape {ids.shape}")
+    bad = np.flatnonzero(((ids < 0) | (ids >= num_experts)) & (ids != OFF_RANK))
+    if bad.size:
+        raise ValueError(
+            f"topk_ids holds expert {int(ids.ravel()[bad[0]])} (pair {int(bad[0])}), outside "
+            f"[0, {num_experts}) and not {OFF_RANK} (an expert on another rank)")
     num_tokens, top_k = ids.shape
     slot_ids = kernels._host_values(slots).astype(np.int64).ravel()
     if slot_ids.size != num_tokens:
@@ -151,6 +163,7 @@ def plan_pairs(topk_ids: Any, slots: Any, ranks: Any, max_rank: int,
     inside = (pair_slot >= 0) & (pair_slot < rank_table.size)
     pair_rank = np.zeros(pair_slot.size, dtype=np.int64)
     pair_rank[inside] = np.minimum(rank_table[pair_slot[inside]], max_rank)
+    pair_rank[pair_expert == OFF_RANK] = 0
     adapted = np.flatnonzero(pair_rank > 0)
     order = adapted[np.lexsort((adapted, pair_expert[adapted], pair_slot[adapted]))]
     keys = np.stack((pair_slot[order], pair_expert[order]), axis=1)
@@ -188,7 +201,12 @@ def align_pairs(topk_ids: Any, slots: Any, ranks: Any, num_experts: int, *, tile
     rounded up to VECTOR). `tiles` has room for every tile that could exist,
     min(P, ceil(P / tile) + max_loras x E) rows; rows past the last tile are (0, 0, 0, 0) and
     their CTAs exit at once. `sorted_pairs` holds all P pairs, the adapted ones first in
-    (slot, expert, pair) order; `groups` is unknown (-1)."""
+    (slot, expert, pair) order; `groups` is unknown (-1).
+
+    An expert id outside [0, num_experts) (OFF_RANK, -1, for an expert on another rank) puts
+    its pair in no tile, as a token without adapter: nothing here may stop on a bad value
+    without a device-to-host copy, so such ids are not refused (plan_pairs refuses those other
+    than OFF_RANK)."""
     if type(topk_ids).__module__.startswith("cupy"):
         xp = compat.cupy_module()
     else:  # NumPy, or torch CPU tensors (the host harness): the same ops in NumPy
@@ -201,7 +219,10 @@ def align_pairs(topk_ids: Any, slots: Any, ranks: Any, num_experts: int, *, tile
     pair_expert = topk_ids.reshape(-1).astype(xp.int64)
     inside = (pair_slot >= 0) & (pair_slot < max_loras)
     rank = xp.where(inside, ranks[xp.clip(pair_slot, 0, max_loras - 1)], 0)
-    key = xp.where(rank > 0, pair_slot * num_experts + pair_expert, none)
+    # Keys are slot * E + expert for in-range experts only: an off-rank id (-1) would collide
+    # with the previous slot's last expert and be computed with that slot's adapter.
+    on_rank = (pair_expert >= 0) & (pair_expert < num_experts)
+    key = xp.where((rank > 0) & on_rank, pair_slot * num_experts + pair_expert, none)
     position = xp.arange(pairs, dtype=xp.int64)
     order = xp.argsort(key * pairs + position)  # unique keys: stable whatever the sort
     sorted_key = key[order]
@@ -238,9 +259,9 @@ def plan_router_lora(x: Any, logits: Any, slots: Any, tables: ExpertTables) -> K
     """logits[b] += scale * (x[b] @ A_s^T) @ B_s^T over the router entry of the tables."""
     num_tokens, in_dim = (int(d) for d in x.shape)
     num_experts = int(logits.shape[1])
-    _check(x, "x", _BF16, (num_tokens, in_dim))
+    _check(x, "x", _BF16, (num_tokens, in_dim), rows=True)
     _check(slots, "slots", ("int32",), (num_tokens,))
-    _check(logits, "logits", (*_BF16, "float32"), (num_tokens, num_experts))
+    _check(logits, "logits", (*_BF16, "float32"), (num_tokens, num_experts), rows=True)
     _check_expert_tables(tables, tables.down, 1)
     if in_dim % VECTOR:
         raise ValueError(f"in_dim ({in_dim}) must be a multiple of {VECTOR}")
@@ -259,7 +280,7 @@ def plan_expert_shrink(x: Any, x_div: int, sorted_pairs: Any, tiles: Any, tables
     slices, num_pairs, t_cols = (int(d) for d in t.shape)
     in_dim = int(x.shape[1])
     num_tiles = int(tiles.shape[0])
-    _check(x, "x", _BF16, (-(-num_pairs // x_div), in_dim))
+    _check(x, "x", _BF16, (-(-num_pairs // x_div), in_dim), rows=True)
     _check(t, "t", ("float32",), (slices, num_pairs, t_cols))
     _check(tiles, "tiles", ("int32",), (num_tiles, 4))
     _check(sorted_pairs, "sorted_pairs", ("int32",), (None,))
@@ -285,7 +306,7 @@ def plan_expert_expand(t: Any, sorted_pairs: Any, tiles: Any, tables: ExpertTabl
     out_dim = width // slices
     num_tiles = int(tiles.shape[0])
     _check(t, "t", ("float32",), (slices, num_pairs, t_cols))
-    _check(y, "y", (*_BF16, "float32"), (num_pairs, width))
+    _check(y, "y", (*_BF16, "float32"), (num_pairs, width), rows=True)
     _check(tiles, "tiles", ("int32",), (num_tiles, 4))
     _check_expert_tables(tables, entries, slices)
     if out_dim * slices != width or out_dim % VECTOR:
@@ -410,7 +431,7 @@ def plan_overlay_gather(token_ids: Any, slots: Any, ids: Any, counts: Any, rows:
     _check(ids, "overlay ids", ("int32",), (max_loras, max_tokens))
     _check(counts, "overlay counts", ("int32",), (max_loras,))
     _check(rows, "overlay rows", _BF16, (max_loras, max_tokens, hidden))
-    _check(emb, "emb", _BF16, (num_tokens, hidden))
+    _check(emb, "emb", _BF16, (num_tokens, hidden), rows=True)
     if hidden % VECTOR:
         raise ValueError(f"hidden ({hidden}) must be a multiple of {VECTOR}")
     args = (token_ids, slots, ids, counts, rows, np.int32(max_loras), np.int32(max_tokens),

@@ -26,8 +26,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -41,6 +42,8 @@ CXX_FLAGS = (
     "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
     "-Wall", "-Werror", "-Wno-unknown-pragmas",
 )
+P = ParamSpec("P")
+R = TypeVar("R")
 _ENTRY = "host_launch.h"
 _SHIM = "host_shim.h"
 
@@ -149,12 +152,18 @@ class HostBackend:
     def launch(self, plan: kernels.KernelLaunch) -> None:
         launch(plan)
 
-    def new_t(self, like: Any, shape: tuple[int, int, int]) -> Any:
+    def new_t(self, like: Any, shape: tuple[int, ...]) -> Any:
         if hasattr(like, "data_ptr"):
             import torch
 
             return torch.full(shape, float("nan"), dtype=torch.float32)
         return np.full(shape, np.nan, dtype=np.float32)
+
+    def zero(self, t: Any) -> None:
+        if hasattr(t, "zero_"):
+            t.zero_()
+        else:
+            t.fill(0)
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         if hasattr(like, "data_ptr"):
@@ -170,62 +179,26 @@ class HostBackend:
 HOST = HostBackend()
 
 
-def bgmv_shrink(
-    x: Any, slots: Any, a_table: Any, ranks: Any, max_rank: int, t: Any | None = None,
-    *, num_sms: int = kernels.H200_SMS, batch: kernels.BatchPlan | None = None,
-) -> Any:
-    """kernels.bgmv_shrink on the host, split as an H200 (or a device with `num_sms` SMs)
-    would split it."""
-    return kernels.bgmv_shrink(x, slots, a_table, ranks, max_rank, t, num_sms=num_sms,
-                               batch=batch, backend=HOST)
+def on_host(launcher: Callable[P, R]) -> Callable[P, R]:
+    """`launcher` (any launcher of kernels.py or expert_kernels.py) run by the host harness:
+    the same signature, with backend=HOST unless the caller passes one. A new launcher needs
+    nothing here."""
+
+    @functools.wraps(launcher)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        kwargs.setdefault("backend", HOST)
+        return launcher(*args, **kwargs)
+
+    return run
 
 
-def bgmv_expand(
-    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    *, num_sms: int = kernels.H200_SMS, max_rank: int | None = None,
-) -> Any:
-    """kernels.bgmv_expand on the host; updates y in place and returns it."""
-    return kernels.bgmv_expand(t, slots, b_table, scale_table, ranks, y, num_sms=num_sms,
-                               max_rank=max_rank, backend=HOST)
-
-
-def sgmv_shrink(
-    x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, max_rank: int,
-    t: Any | None = None, *, num_sms: int = kernels.H200_SMS, t_cols: int | None = None,
-    token_order: Any | None = None,
-) -> Any:
-    """kernels.sgmv_shrink on the host."""
-    return kernels.sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, max_rank, t,
-                               num_sms=num_sms, t_cols=t_cols, token_order=token_order,
-                               backend=HOST)
-
-
-def sgmv_expand(
-    t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    *, max_rank: int | None = None, token_order: Any | None = None,
-) -> Any:
-    """kernels.sgmv_expand on the host; updates y in place and returns it."""
-    return kernels.sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
-                               max_rank=max_rank, token_order=token_order, backend=HOST)
-
-
-def bgmv(
-    x: Any, y: Any, slots: Any, a_table: Any, b_table: Any, scale_table: Any, ranks: Any,
-    max_rank: int, *, num_sms: int = kernels.H200_SMS, batch: kernels.BatchPlan | None = None,
-) -> Any:
-    """kernels.bgmv on the host (the grouped path when `batch` says so)."""
-    return kernels.bgmv(x, y, slots, a_table, b_table, scale_table, ranks, max_rank,
-                        num_sms=num_sms, batch=batch, backend=HOST)
-
-
-def sgmv(
-    x: Any, y: Any, seg_starts: Any, seg_slots: Any, a_table: Any, b_table: Any,
-    scale_table: Any, ranks: Any, max_rank: int, *, num_sms: int = kernels.H200_SMS,
-    t_cols: int | None = None,
-) -> Any:
-    """kernels.sgmv on the host."""
-    return kernels.sgmv(x, y, seg_starts, seg_slots, a_table, b_table, scale_table, ranks,
-                        max_rank, num_sms=num_sms, t_cols=t_cols, backend=HOST)
+# The slot-pool launchers on the host (the tests' shorthand), split as an H200 would split them.
+bgmv_shrink = on_host(kernels.bgmv_shrink)
+bgmv_expand = on_host(kernels.bgmv_expand)
+sgmv_shrink = on_host(kernels.sgmv_shrink)
+sgmv_expand = on_host(kernels.sgmv_expand)
+bgmv = on_host(kernels.bgmv)
+sgmv = on_host(kernels.sgmv)
 
 
 if __name__ == "__main__":

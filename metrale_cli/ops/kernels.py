@@ -170,15 +170,29 @@ def loads_in_flight(kernel: str) -> int:
 # --- launch planning (shared with the host harness) ------------------------------------------
 
 
+# CUDA's grid limits: x up to 2^31 - 1, y and z up to 65,535 (cudaDevAttrMaxGridDimY/Z on every
+# device since sm_30). A launch past them fails on the GPU while the host harness would run it.
+MAX_GRID = (2**31 - 1, 65_535, 65_535)
+
+
 @dataclass(frozen=True)
 class KernelLaunch:
-    """One kernel launch: what CuPy's RawKernel call and the host harness both take."""
+    """One kernel launch: what CuPy's RawKernel call and the host harness both take. A grid
+    past CUDA's limits (MAX_GRID) is refused here, for every kernel, on every backend."""
 
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     # Arrays (CuPy, NumPy or torch) and NumPy scalars, in the kernel's parameter order.
     args: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        for axis, size, limit in zip("xyz", self.grid, MAX_GRID, strict=True):
+            if size > limit:
+                raise ValueError(
+                    f"{self.kernel}'s grid {self.grid} passes CUDA's limit of {limit:,} on "
+                    f"{axis}; split the batch (SGMV: at most {MAX_GRID[1] * SGMV_TILE:,} "
+                    "tokens per launch)")
 
 
 def _dtype_name(array: Any) -> str:
@@ -209,7 +223,22 @@ def _host_values(array: Any) -> np.ndarray:
     return np.asarray(array)
 
 
-def _check(array: Any, what: str, dtypes: Sequence[str], shape: Sequence[int | None]) -> None:
+def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether an array of `shape` with `strides` (elements) is C-contiguous; dims of size 1
+    take any stride, as no index ever steps along them."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check(array: Any, what: str, dtypes: Sequence[str], shape: Sequence[int | None],
+           *, rows: bool = False) -> None:
+    """dtype, shape, layout and alignment of a buffer a kernel reads or writes. The kernels
+    index every buffer as a dense row-major array, except those passed with their own row
+    stride (`rows`: x, y, logits, emb), which need only contiguous rows."""
     name = _dtype_name(array)
     if name not in dtypes:
         raise ValueError(f"{what} must be {' or '.join(dtypes)}, got {name}")
@@ -220,8 +249,11 @@ def _check(array: Any, what: str, dtypes: Sequence[str], shape: Sequence[int | N
         wanted = tuple("?" if s is None else s for s in shape)
         raise ValueError(f"{what} must have shape {wanted}, got {actual}")
     strides = _strides(array)
-    if actual and actual[-1] > 1 and strides[-1] != 1:
+    if rows and actual and actual[-1] > 1 and strides[-1] != 1:
         raise ValueError(f"{what} must be contiguous along its last dimension")
+    if not rows and not _dense(actual, strides):
+        raise ValueError(f"{what} must be contiguous (the kernels index it as a dense array); "
+                         f"got strides {strides} for shape {actual}")
     if _address(array) % 16:
         raise ValueError(f"{what} must start at a 16-byte aligned address")
 
@@ -230,6 +262,9 @@ def _row_stride(array: Any, what: str) -> int:
     stride = _strides(array)[0]
     if stride % VECTOR:
         raise ValueError(f"{what} row stride ({stride} elements) must be a multiple of {VECTOR}")
+    rows, width = int(array.shape[0]), int(array.shape[-1])
+    if rows > 1 and stride < width:
+        raise ValueError(f"{what}'s rows overlap (row stride {stride} < width {width})")
     return stride
 
 
@@ -276,34 +311,52 @@ def _check_dims(in_or_out: int, max_rank: int, t_cols: int, what: str) -> None:
         raise ValueError(f"t's width ({t_cols}) must be in 1..max_rank ({max_rank})")
 
 
-def choose_splits(base_ctas: int, k_dim: int, min_chunk: int, num_sms: int) -> int:
-    """How many K splits to give a shrink whose grid has `base_ctas` CTAs without splitting."""
-    if base_ctas >= _CTAS_PER_SM * num_sms:
-        return 1
-    wanted = -(-_CTAS_PER_SM * num_sms // max(base_ctas, 1))
-    return max(1, min(wanted, k_dim // min_chunk, MAX_SPLITS))
+# Split-K keeps at least this many K elements per split: one full step of 128 threads x 8 for
+# BGMV, one 64-wide tile for SGMV. A pass of a CTA streams 2 such steps (BGMV) or one tile (SGMV).
+_BGMV_MIN_K_CHUNK = THREADS * VECTOR
+_SGMV_MIN_K_CHUNK = SGMV_TILE
+_PASS_K = {"bgmv": 2 * _BGMV_MIN_K_CHUNK, "sgmv": SGMV_TILE}
+# The split planner's costs, those of the roofline model (metrale_cli/bench/kernels.py): a
+# streaming pass is one DRAM latency, a dependent metadata load one L2 latency, and split-K
+# adds its partials into t by atomics at L2 after a memset of t (one more graph node).
+_DRAM_LATENCY_US = 0.6
+_L2_LATENCY_US = 0.3
+_L2_BYTES_PER_US = 10e6
+MEMSET_US = 2.0
+
+
+def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits: int,
+                   num_sms: int) -> float:
+    """The modelled time of a `kind` ("bgmv" or "sgmv") shrink cut into `splits` K splits: CTAs
+    resident together (the launch bounds' per SM) run in waves, each CTA 2 metadata round trips
+    and then ceil(split's K / a pass's K) streaming passes; split-K adds the memset of t and
+    its partials' atomics."""
+    if kind == "bgmv":
+        base, kernel = num_tokens * -(-t_cols // SHRINK_ROWS), "bgmv_shrink"
+        chunk = _k_chunk(in_dim, splits, VECTOR)
+    elif kind == "sgmv":
+        base = -(-num_tokens // SGMV_TILE) * -(-t_cols // SGMV_TILE)
+        kernel, chunk = "sgmv_shrink", _k_chunk(in_dim, splits, SGMV_TILE)
+    else:
+        raise ValueError(f"unknown shrink kind {kind!r}")
+    ctas = max(base, 1) * splits
+    resident = min(ctas, num_sms * min_ctas_per_sm(kernel))
+    waves = -(-ctas // resident)
+    stream = waves * (-(-chunk // _PASS_K[kind]) * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
+    if splits == 1:
+        return stream
+    return stream + MEMSET_US + 4 * num_tokens * t_cols * splits / _L2_BYTES_PER_US
 
 
 def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int) -> int:
-    """The split-K count the `kind` ("bgmv" or "sgmv") shrink uses: t's leading dimension.
-    `t_cols` is t's width: the batch's widest rank (or max_rank when that is unknown)."""
-    if kind == "bgmv":
-        base = num_tokens * -(-t_cols // SHRINK_ROWS)
-        return choose_splits(base, in_dim, _BGMV_MIN_K_CHUNK, num_sms)
-    if kind == "sgmv":
-        base = -(-num_tokens // SGMV_TILE) * -(-t_cols // SGMV_TILE)
-        return choose_splits(base, in_dim, _SGMV_MIN_K_CHUNK, num_sms)
-    raise ValueError(f"unknown shrink kind {kind!r}")
-
-
-# Split-K keeps at least this many K elements per split: one full step of 128 threads x 8 for
-# BGMV, one 64-wide tile for SGMV. A small grid (a grouped decode batch is a few 64-token
-# tiles) needs the splits to keep enough loads in flight; the partials cost 4 bytes per token,
-# rank column and split, small beside the weights and x.
-_BGMV_MIN_K_CHUNK = THREADS * VECTOR
-_SGMV_MIN_K_CHUNK = SGMV_TILE
-# Below this many CTAs the grid does not cover the device twice over and split-K pays.
-_CTAS_PER_SM = 2
+    """The split-K count the `kind` ("bgmv" or "sgmv") shrink uses: the one of least modelled
+    cost (shrink_cost_us), the fewest splits among equals, at most METRALE_MAX_SPLITS and never
+    below one pass's K per split. `t_cols` is t's width: the batch's widest rank (or max_rank
+    when that is unknown)."""
+    least = _BGMV_MIN_K_CHUNK if kind == "bgmv" else _SGMV_MIN_K_CHUNK
+    candidates = range(1, max(1, min(MAX_SPLITS, in_dim // least)) + 1)
+    return min(candidates, key=lambda s: (round(shrink_cost_us(kind, num_tokens, in_dim, t_cols,
+                                                               s, num_sms), 6), s))
 
 
 def launch_grid(kernel: str, num_tokens: int, dim: int, t_cols: int,
@@ -327,10 +380,22 @@ def _k_chunk(in_dim: int, splits: int, multiple: int) -> int:
     return -(-chunk // multiple) * multiple
 
 
-def _t_shape(t: Any, max_rank: int | None) -> tuple[int, int, int, int]:
-    """(num_splits, T, t_cols, max_rank) of a t buffer; max_rank defaults to t's width."""
-    num_splits, num_tokens, t_cols = (int(d) for d in t.shape)
-    return num_splits, num_tokens, t_cols, t_cols if max_rank is None else int(max_rank)
+def _t_shape(t: Any, max_rank: int) -> tuple[int, int, int]:
+    """(T, t_cols, max_rank) of a t buffer (F32 [T, t_cols]). max_rank is the pool's (A rows,
+    B's row stride) and comes from the pool or the plan: t's width is the batch's widest rank,
+    which may be narrower, so it is never taken for max_rank."""
+    if len(t.shape) != 2:
+        raise ValueError(f"t must be F32 [T, t_cols], got shape {tuple(t.shape)}")
+    num_tokens, t_cols = (int(d) for d in t.shape)
+    if isinstance(max_rank, bool) or not isinstance(max_rank, int | np.integer):
+        raise TypeError(f"max_rank must be the pool's max rank (an int), got {max_rank!r}")
+    return num_tokens, t_cols, int(max_rank)
+
+
+def _check_splits(splits: int) -> int:
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in 1..{MAX_SPLITS}, got {splits}")
+    return int(splits)
 
 
 def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
@@ -341,18 +406,20 @@ def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
 
 
 def plan_bgmv_shrink(
-    x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int | None = None
+    x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int, splits: int = 1,
 ) -> KernelLaunch:
-    """t[z, b, :] = partial of x[b] @ A_slot[b]^T over K split z (see kernels/bgmv.cu).
-    t's width may be below max_rank (the batch's widest rank): the grid covers only it."""
-    num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    """t[b, :] = x[b] @ A_slot[b]^T (see kernels/bgmv.cu), K cut into `splits` whose partials
+    are added into t by atomics (t must then be zero). t's width may be below max_rank (the
+    batch's widest rank): the grid covers only it."""
+    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     in_dim = int(x.shape[1])
     max_loras = int(a_table.shape[0])
-    _check(x, "x", _BF16, (num_tokens, in_dim))
+    _check(x, "x", _BF16, (num_tokens, in_dim), rows=True)
     _check(slots, "slots", ("int32",), (num_tokens,))
-    _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
+    _check(t, "t", ("float32",), (num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table})
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
+    num_splits = _check_splits(splits)
     grid = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
     args = (
         x, np.int64(_row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
@@ -363,50 +430,66 @@ def plan_bgmv_shrink(
 
 
 def plan_bgmv_expand(
-    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    max_rank: int | None = None,
+    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
 ) -> KernelLaunch:
-    """y[b] += scale * t[:, b].sum(0) @ B_slot[b]^T (see kernels/bgmv.cu). B rows are max_rank
-    long (default: t's width)."""
-    num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    """y[b] += scale * t[b] @ B_slot[b]^T (see kernels/bgmv.cu). B rows are the pool's
+    max_rank long."""
+    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     out_dim = int(y.shape[1])
     max_loras = int(b_table.shape[0])
     y_kind = "bf16" if _dtype_name(y) in _BF16 else "f32"
-    _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
+    _check(t, "t", ("float32",), (num_tokens, t_cols))
     _check(slots, "slots", ("int32",), (num_tokens,))
-    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim))
+    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim), rows=True)
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
     grid = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
     args = (
-        t, np.int32(num_splits), slots, b_table, scale_table, ranks, np.int32(max_loras),
+        t, slots, b_table, scale_table, ranks, np.int32(max_loras),
         y, np.int64(_row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
         np.int32(max_rank), np.int32(t_cols),
     )
     return KernelLaunch(f"bgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
 
 
-def _check_segments(seg_starts: Any, seg_slots: Any) -> int:
+def check_segments(seg_starts: Any, seg_slots: Any, num_tokens: int) -> int:
+    """The segment count, after checking what the SGMV kernels assume of the segments: starts
+    non-decreasing, within [0, T], the last one T (a binary search over them finds each tile's
+    first segment; starts that go backwards give wrong rows everywhere). A CuPy seg_starts is
+    copied to the host for this ((S + 1) x 4 bytes)."""
     num_segments = int(seg_slots.shape[0])
     _check(seg_slots, "seg_slots", ("int32",), (num_segments,))
     _check(seg_starts, "seg_starts", ("int32",), (num_segments + 1,))
+    starts = _host_values(seg_starts).astype(np.int64).ravel()
+    if starts[-1] != num_tokens:
+        raise ValueError(f"seg_starts must end at the token count ({num_tokens}), "
+                         f"got {int(starts[-1])}")
+    if starts[0] < 0:
+        raise ValueError(f"seg_starts must lie within [0, {num_tokens}], got {int(starts[0])}")
+    back = np.flatnonzero(np.diff(starts) < 0)
+    if back.size:
+        i = int(back[0])
+        raise ValueError(f"seg_starts must be non-decreasing: seg_starts[{i + 1}] = "
+                         f"{int(starts[i + 1])} < seg_starts[{i}] = {int(starts[i])}")
     return num_segments
 
 
 def plan_sgmv_shrink(
     x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, t: Any,
-    max_rank: int | None = None, token_order: Any | None = None,
+    max_rank: int, token_order: Any | None = None, splits: int = 1,
 ) -> KernelLaunch:
-    """t[z, b, :] = partial of x[b] @ A_seg^T over K split z (see kernels/sgmv.cu). With
-    `token_order`, segments index sorted positions (the grouped decode path)."""
-    num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    """t[b, :] = x[b] @ A_seg^T (see kernels/sgmv.cu), K cut into `splits` added into t by
+    atomics (t must then be zero). With `token_order`, segments index sorted positions (the
+    grouped decode path)."""
+    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     in_dim = int(x.shape[1])
     max_loras = int(a_table.shape[0])
-    num_segments = _check_segments(seg_starts, seg_slots)
-    _check(x, "x", _BF16, (num_tokens, in_dim))
-    _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
+    num_segments = check_segments(seg_starts, seg_slots, num_tokens)
+    _check(x, "x", _BF16, (num_tokens, in_dim), rows=True)
+    _check(t, "t", ("float32",), (num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table})
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
+    num_splits = _check_splits(splits)
     grid = launch_grid("sgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
     args = (
         x, np.int64(_row_stride(x, "x")), seg_starts, seg_slots, np.int32(num_segments),
@@ -419,21 +502,22 @@ def plan_sgmv_shrink(
 
 def plan_sgmv_expand(
     t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    max_rank: int | None = None, token_order: Any | None = None,
+    max_rank: int, token_order: Any | None = None,
 ) -> KernelLaunch:
-    """y[b] += scale * t[:, b].sum(0) @ B_seg^T (see kernels/sgmv.cu)."""
-    num_splits, num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    """y[b] += scale * t[b] @ B_seg^T (see kernels/sgmv.cu); B rows are the pool's max_rank
+    long."""
+    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     out_dim = int(y.shape[1])
     max_loras = int(b_table.shape[0])
-    num_segments = _check_segments(seg_starts, seg_slots)
+    num_segments = check_segments(seg_starts, seg_slots, num_tokens)
     y_kind = "bf16" if _dtype_name(y) in _BF16 else "f32"
-    _check(t, "t", ("float32",), (num_splits, num_tokens, t_cols))
-    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim))
+    _check(t, "t", ("float32",), (num_tokens, t_cols))
+    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim), rows=True)
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
     grid = launch_grid(f"sgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
     args = (
-        t, np.int32(num_splits), seg_starts, seg_slots, np.int32(num_segments),
+        t, seg_starts, seg_slots, np.int32(num_segments),
         _order_arg(token_order, num_tokens), b_table, scale_table, ranks, np.int32(max_loras),
         y, np.int64(_row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
         np.int32(max_rank), np.int32(t_cols),
@@ -493,13 +577,43 @@ def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndar
                      seg_starts, seg_slots)
 
 
-def grouped_expand(num_tokens: int, out_dim: int, num_sms: int) -> bool:
-    """Whether a grouped decode batch expands through SGMV too: only when its 64 x 64 output
-    tiles cover the device twice. A narrow output (k_proj, v_proj) over a few token tiles would
-    leave most SMs idle, so the per-token expand (8 output rows per thread, every token its own
-    CTAs) keeps more loads in flight, at the cost of reading B once per token from L2."""
-    tiles = launch_grid("sgmv_expand_bf16", num_tokens, out_dim, 0)
-    return tiles[0] * tiles[1] >= _CTAS_PER_SM * num_sms
+def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
+                   num_segments: int, num_sms: int) -> float:
+    """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (64 x 64
+    output tiles over the tokens sorted by slot, each tile walking its segments) or "bgmv" (a
+    CTA per token and 1024 outputs, B read once per token). The larger of its streaming
+    (waves of resident CTAs, each its passes and metadata round trips) and its L2 traffic at
+    L2 bandwidth: the per-token expand re-reads B per token, which L2 must serve."""
+    vecs = -(-t_cols // VECTOR)
+    if family == "sgmv":
+        tiles = -(-num_tokens // SGMV_TILE)
+        ctas = -(-out_dim // SGMV_TILE) * tiles
+        per_tile = -(-num_segments // tiles) + 1  # segments meeting a tile, at most
+        passes = per_tile * -(-t_cols // SGMV_TILE) + 1
+        chains = 2 * per_tile + max(1, num_segments).bit_length()
+        kernel = "sgmv_expand_bf16"
+        l2 = 2 * out_dim * t_cols * (num_segments + tiles) + 4 * t_cols * num_tokens * (
+            -(-out_dim // SGMV_TILE))
+    elif family == "bgmv":
+        ctas = num_tokens * -(-out_dim // (THREADS * EXPAND_ROWS))
+        passes, chains, kernel = -(-vecs // 2), 3, "bgmv_expand_bf16"
+        l2 = 2 * out_dim * t_cols * num_tokens
+    else:
+        raise ValueError(f"unknown expand family {family!r}")
+    resident = min(max(ctas, 1), num_sms * min_ctas_per_sm(kernel))
+    waves = -(-max(ctas, 1) // resident)
+    stream = waves * (passes * _DRAM_LATENCY_US + chains * _L2_LATENCY_US)
+    return max(stream, l2 / _L2_BYTES_PER_US)
+
+
+def grouped_expand(num_tokens: int, out_dim: int, t_cols: int, num_segments: int,
+                   num_sms: int) -> bool:
+    """Whether a grouped decode batch expands through SGMV too (else per token), whichever is
+    modelled cheaper (expand_cost_us): SGMV reads each adapter's B once per 64-token tile but a
+    narrow output (k_proj, v_proj) over a few token tiles leaves most SMs idle; the per-token
+    expand fills the device but reads B once per token from L2."""
+    return (expand_cost_us("sgmv", num_tokens, out_dim, t_cols, num_segments, num_sms)
+            <= expand_cost_us("bgmv", num_tokens, out_dim, t_cols, num_segments, num_sms))
 
 
 # --- backends: CuPy on a GPU, the host harness on a CPU ----------------------------------------
@@ -510,7 +624,9 @@ class Backend(Protocol):
 
     def launch(self, plan: KernelLaunch) -> None: ...
 
-    def new_t(self, like: Any, shape: tuple[int, int, int]) -> Any: ...
+    def new_t(self, like: Any, shape: tuple[int, ...]) -> Any: ...
+
+    def zero(self, t: Any) -> None: ...
 
     def array(self, like: Any, values: np.ndarray) -> Any: ...
 
@@ -554,9 +670,12 @@ class CupyBackend:
     def launch(self, plan: KernelLaunch) -> None:
         launch(plan)
 
-    def new_t(self, like: Any, shape: tuple[int, int, int]) -> Any:
+    def new_t(self, like: Any, shape: tuple[int, ...]) -> Any:
         cupy = compat.cupy_module()
         return cupy.empty(shape, dtype=cupy.float32)
+
+    def zero(self, t: Any) -> None:
+        t.fill(0)  # a memset on the current stream, before the split-K shrink adds into t
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         return compat.cupy_module().asarray(values)
@@ -571,55 +690,64 @@ class CupyBackend:
 CUPY = CupyBackend()
 
 
-def _new_t(backend: Backend, kind: str, x: Any, t_cols: int, num_sms: int | None) -> Any:
-    """t F32 [num_splits, T, t_cols] for a shrink of x, split as the planner splits it."""
+def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
+              splits: int | None, num_sms: int | None) -> tuple[Any, int]:
+    """(t, splits) for a shrink of x: t F32 [T, t_cols] (allocated when not given), split as
+    the planner splits it unless `splits` says; zeroed when split, as the atomics add into it."""
     num_tokens, in_dim = (int(d) for d in x.shape)
-    splits = shrink_splits(kind, num_tokens, in_dim, t_cols, backend.num_sms(num_sms))
-    return backend.new_t(x, (splits, num_tokens, t_cols))
+    if t is not None:
+        t_cols = int(t.shape[-1])
+    if splits is None:
+        splits = shrink_splits(kind, num_tokens, in_dim, t_cols, backend.num_sms(num_sms))
+    if t is None:
+        t = backend.new_t(x, (num_tokens, t_cols))
+    if splits > 1:
+        backend.zero(t)
+    return t, splits
 
 
 def bgmv_shrink(
     x: Any, slots: Any, a_table: Any, ranks: Any, max_rank: int, t: Any | None = None,
-    *, num_sms: int | None = None, batch: BatchPlan | None = None, backend: Backend = CUPY,
+    *, splits: int | None = None, num_sms: int | None = None, batch: BatchPlan | None = None,
+    backend: Backend = CUPY,
 ) -> Any:
     """Decode shrink. x BF16 (uint16) [T, in_dim]; slots i32 [T]; a_table u64, ranks i32
-    [max_loras]. Returns t F32 [num_splits, T, t_cols] (allocated when not given), t_cols being
-    max_rank, or the batch's widest rank when its `batch` plan is given."""
-    if t is None:
-        t = _new_t(backend, "bgmv", x, batch.t_cols if batch else max_rank, num_sms)
-    backend.launch(plan_bgmv_shrink(x, slots, a_table, ranks, t, max_rank))
+    [max_loras]. Returns t F32 [T, t_cols] (allocated when not given), t_cols being max_rank,
+    or the batch's widest rank when its `batch` plan is given. `splits`: the K splits (default:
+    the planner's, shrink_splits); a split shrink zeroes t first."""
+    t, splits = _shrink_t(backend, "bgmv", x, t, batch.t_cols if batch else max_rank, splits,
+                          num_sms)
+    backend.launch(plan_bgmv_shrink(x, slots, a_table, ranks, t, max_rank, splits))
     return t
 
 
 def bgmv_expand(
-    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    *, num_sms: int | None = None, max_rank: int | None = None, backend: Backend = CUPY,
+    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
+    *, backend: Backend = CUPY,
 ) -> Any:
     """Decode expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y. B rows are
-    max_rank long (default: t's width). `num_sms` is accepted for callers of the earlier grid,
-    which depended on it; each thread now owns 8 output rows whatever the device."""
-    del num_sms
+    the pool's max_rank long (t may be narrower: the batch's widest rank)."""
     backend.launch(plan_bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank))
     return y
 
 
 def sgmv_shrink(
     x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, max_rank: int,
-    t: Any | None = None, *, num_sms: int | None = None, t_cols: int | None = None,
-    token_order: Any | None = None, backend: Backend = CUPY,
+    t: Any | None = None, *, splits: int | None = None, num_sms: int | None = None,
+    t_cols: int | None = None, token_order: Any | None = None, backend: Backend = CUPY,
 ) -> Any:
     """Prefill shrink over segments (seg_starts i32 [S+1], seg_slots i32 [S]). Returns t F32
-    [num_splits, T, t_cols] (allocated when not given; t_cols defaults to max_rank)."""
-    if t is None:
-        t = _new_t(backend, "sgmv", x, t_cols or max_rank, num_sms)
+    [T, t_cols] (allocated when not given; t_cols defaults to max_rank); `splits` as in
+    bgmv_shrink."""
+    t, splits = _shrink_t(backend, "sgmv", x, t, t_cols or max_rank, splits, num_sms)
     backend.launch(plan_sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, t, max_rank,
-                                    token_order))
+                                    token_order, splits))
     return t
 
 
 def sgmv_expand(
     t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    *, max_rank: int | None = None, token_order: Any | None = None, backend: Backend = CUPY,
+    max_rank: int, *, token_order: Any | None = None, backend: Backend = CUPY,
 ) -> Any:
     """Prefill expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y."""
     backend.launch(plan_sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
@@ -643,15 +771,14 @@ def bgmv(
         t = sgmv_shrink(x, starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
                         t_cols=batch.t_cols, token_order=order, backend=backend)
         # t is in token order either way, so the expand may take the per-token path.
-        if grouped_expand(batch.num_tokens, int(y.shape[1]), backend.num_sms(num_sms)):
-            return sgmv_expand(t, starts, seg_slots, b_table, scale_table, ranks, y,
-                               max_rank=max_rank, token_order=order, backend=backend)
-        return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank=max_rank,
-                           backend=backend)
+        if grouped_expand(batch.num_tokens, int(y.shape[1]), batch.t_cols,
+                          int(batch.seg_slots.size), backend.num_sms(num_sms)):
+            return sgmv_expand(t, starts, seg_slots, b_table, scale_table, ranks, y, max_rank,
+                               token_order=order, backend=backend)
+        return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank, backend=backend)
     t = bgmv_shrink(x, slots, a_table, ranks, max_rank, num_sms=num_sms, batch=batch,
                     backend=backend)
-    return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank=max_rank,
-                       backend=backend)
+    return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank, backend=backend)
 
 
 def sgmv(
@@ -663,5 +790,5 @@ def sgmv(
     `t_cols` (the widest rank of the batch, a multiple of 8) narrows t and the shrink grid."""
     t = sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
                     t_cols=t_cols, backend=backend)
-    return sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
-                       max_rank=max_rank, backend=backend)
+    return sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y, max_rank,
+                       backend=backend)

@@ -1,0 +1,407 @@
+"""The kernels' machine code, read without a GPU: compile a kernel source (nvcc, or NVRTC as
+CuPy compiles it at run time), disassemble it (nvdisasm) and check what the kernels' speed rests
+on, per kernel:
+
+- no local memory (LDL/STL: a register spill puts local-memory round trips in the loops);
+- in every hot loop (an innermost loop issuing 128-bit global loads), the distinct 128-bit loads
+  issued before the first instruction that reads a register one of them loaded. Distinct: a
+  load whose predicate may turn it off (`@P0 LDG`) is not counted, nor a second load of the
+  same address operand. kernels/lora_config.h states the count each kernel keeps;
+- the dependent global-load chains: how many loads, one waiting for another's value, precede
+  the first 128-bit stream load (slot -> table[slot] -> weights is 3), and which loops carry a
+  load chain from one iteration to the next (a binary search: each probe's address depends on
+  the last probe's value). The roofline model (bench_kernels) charges these as serial round
+  trips; tests/test_kernels_sass.py ties the two.
+
+NVRTC is loaded from the `nvidia-cuda-nvrtc` wheel (or the CUDA toolkit), which needs no GPU;
+nvdisasm likewise from `nvidia-cuda-nvdisasm`. `python -m metrale_cli.ops.sass` writes the report
+for every kernel as JSON (`--nvrtc-device`: NVRTC for the present GPU's architecture, what
+scripts/gpu_check.sh runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from metrale_cli.errors import ToolMissing
+from metrale_cli.ops import kernels
+
+# The options CuPy's RawModule compiles the kernels with (kernels._module), and the arch.
+NVRTC_OPTIONS = ("-std=c++17",)
+_REGISTER = re.compile(r"(?<![A-Z_])(U?R|P)(\d+)(\.64)?\b")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_INSTRUCTION = re.compile(
+    r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
+_BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+_NO_DESTINATION = {"ST", "STG", "STS", "STL", "RED", "BRA", "EXIT", "BAR", "RET", "CALL",
+                   "BSYNC", "BSSY", "WARPSYNC", "NOP", "DEPBAR"}
+
+
+# --- the tools ----------------------------------------------------------------------------------
+
+
+def nvdisasm() -> str | None:
+    """nvdisasm from the toolkit on PATH, else from the nvidia-cuda-nvdisasm wheel."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    for root in map(Path, sys.path):
+        for candidate in sorted(root.glob("nvidia/cu*/bin/nvdisasm")):
+            if candidate.is_file():
+                return str(candidate)
+    return None
+
+
+def nvrtc_library() -> str | None:
+    """libnvrtc from the nvidia-cuda-nvrtc wheel, else the toolkit's, else the loader's."""
+    for root in map(Path, sys.path):
+        for candidate in sorted(root.glob("nvidia/cu*/lib/libnvrtc.so*")):
+            if candidate.is_file():
+                return str(candidate)
+    cuda = Path("/usr/local/cuda")
+    for toolkit in (cuda / "lib64", cuda / "targets" / "x86_64-linux" / "lib"):
+        found = sorted(toolkit.glob("libnvrtc.so*"))
+        if found:
+            return str(found[0])
+    return ctypes.util.find_library("nvrtc")
+
+
+@functools.cache
+def _nvrtc(path: str) -> ctypes.CDLL:
+    return ctypes.CDLL(path)
+
+
+def nvrtc_cubin(source: str, arch: str, name: str = "kernel.cu") -> bytes:
+    """Machine code for `arch` (sm_XX) of the CUDA source text, compiled by NVRTC with CuPy's
+    options; ToolMissing without libnvrtc, RuntimeError (with NVRTC's log) on a failed compile."""
+    path = nvrtc_library()
+    if path is None:
+        raise ToolMissing("NVRTC is absent (pip install nvidia-cuda-nvrtc; it is in the test "
+                          "extra)")
+    lib = _nvrtc(path)
+    program = ctypes.c_void_p()
+
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"NVRTC {what} failed with status {status}")
+
+    check(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0, None,
+                                 None), "nvrtcCreateProgram")
+    try:
+        options = [*NVRTC_OPTIONS, f"-arch={arch}"]
+        array = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        status = lib.nvrtcCompileProgram(program, len(options), array)
+        if status != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(program, log)
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n"
+                               f"{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def nvcc_cubin(source_path: Path, arch: str) -> bytes:
+    """Machine code for `arch` of a kernel source file, compiled by nvcc -cubin."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise ToolMissing("nvcc is not on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        subprocess.run([nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-o", str(cubin),
+                        str(source_path)], check=True, capture_output=True, text=True)
+        return cubin.read_bytes()
+
+
+def disassemble(cubin: bytes) -> str:
+    """nvdisasm's listing of a cubin; ToolMissing without nvdisasm."""
+    tool = nvdisasm()
+    if tool is None:
+        raise ToolMissing("nvdisasm is absent (pip install nvidia-cuda-nvdisasm; it is in the "
+                          "test extra)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([tool, "-c", str(path)], check=True, capture_output=True,
+                              text=True).stdout
+
+
+@functools.cache
+def listing(source: str, compiler: str, arch: str) -> str:
+    """The disassembly of kernels/<source> compiled by `compiler` ("nvcc" or "nvrtc")."""
+    directory = kernels.find_kernel_dir()
+    if compiler == "nvcc":
+        return disassemble(nvcc_cubin(directory / source, arch))
+    if compiler == "nvrtc":
+        return disassemble(nvrtc_cubin(kernels.read_source(source, directory), arch, source))
+    raise ValueError(f"unknown compiler {compiler!r}")
+
+
+# --- reading the machine code -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Instruction:
+    opcode: str
+    operands: str
+    label: str | None  # the label just above it, if any
+    predicate: str | None = None  # "@P0", "@!P1"...; None (or "@PT") always executes
+
+    @property
+    def is_global_load(self) -> bool:
+        return self.opcode.startswith("LDG")
+
+    @property
+    def is_vector_load(self) -> bool:
+        return self.opcode.startswith("LDG.E.128")
+
+    @property
+    def always_runs(self) -> bool:
+        return self.predicate in (None, "@PT")
+
+    def address(self) -> str:
+        """The address operand of a load ('desc[UR4][R2.64+0x10]')."""
+        return self.operands.split(",", 1)[1].strip() if "," in self.operands else ""
+
+    def _registers(self) -> list[re.Match[str]]:
+        return list(_REGISTER.finditer(self.operands))
+
+    def _has_destination(self) -> bool:
+        return self.opcode.split(".")[0] not in _NO_DESTINATION
+
+    def writes(self) -> set[str]:
+        """Registers written: the destination, widened to a load's vector width."""
+        registers = self._registers()
+        if not self._has_destination() or not registers:
+            return set()
+        first = registers[0]
+        if "[" in self.operands[: first.start()]:
+            return set()
+        width = 1
+        if self.is_global_load:
+            width = 4 if ".128" in self.opcode else 2 if ".64" in self.opcode else 1
+        elif first.group(3):
+            width = 2
+        kind, base = first.group(1), int(first.group(2))
+        return {f"{kind}{base + i}" for i in range(width)}
+
+    def reads(self) -> set[str]:
+        """Registers read, widened conservatively: a vector or matrix operand names only its
+        first register, so a 128-bit or mma operand counts as four."""
+        registers = self._registers()
+        if self._has_destination() and registers:
+            first = registers[0]
+            if "[" not in self.operands[: first.start()]:
+                registers = registers[1:]
+        wide = 4 if (".128" in self.opcode or self.opcode.startswith("HMMA")) else 1
+        read: set[str] = set()
+        for match in registers:
+            kind, base = match.group(1), int(match.group(2))
+            before = self.operands[: match.start()]
+            in_address = before.count("[") > before.count("]")
+            width = 2 if match.group(3) else (1 if in_address or kind == "P" else wide)
+            read.update(f"{kind}{base + i}" for i in range(width))
+        if self.predicate and self.predicate != "@PT":
+            read.add(self.predicate.lstrip("@!"))
+        return read
+
+
+def parse(sass: str) -> dict[str, list[Instruction]]:
+    """nvdisasm output -> instructions per kernel (its .text section)."""
+    functions: dict[str, list[Instruction]] = {}
+    current: list[Instruction] | None = None
+    label = None
+    for line in sass.splitlines():
+        section = re.match(r"^\.text\.(\w+):", line)
+        if section:
+            current = functions.setdefault(section.group(1), [])
+            label = None
+            continue
+        if current is None:
+            continue
+        found = _LABEL.match(line)
+        if found:
+            label = found.group(1)
+            continue
+        found = _INSTRUCTION.search(line)
+        if found:
+            predicate = found.group(1).strip() if found.group(1) else None
+            current.append(Instruction(found.group(2), found.group(3), label, predicate))
+            label = None
+    return functions
+
+
+def loops(code: list[Instruction]) -> list[tuple[int, int]]:
+    """(head, end) index ranges of innermost loops (a backward branch to a label)."""
+    heads = {ins.label: i for i, ins in enumerate(code) if ins.label}
+    found = []
+    for end, ins in enumerate(code):
+        if not ins.opcode.startswith("BRA"):
+            continue
+        target = _BRANCH_TARGET.search(ins.operands)
+        if target and heads.get(target.group(1), end + 1) <= end:
+            found.append((heads[target.group(1)], end))
+    return [(h, e) for h, e in found
+            if not any(h <= h2 and e2 <= e and (h2, e2) != (h, e) for h2, e2 in found)]
+
+
+def hot_loops(code: list[Instruction]) -> list[tuple[int, int]]:
+    """Innermost loops that issue 128-bit global loads."""
+    return [(h, e) for h, e in loops(code) if any(code[i].is_vector_load for i in range(h, e))]
+
+
+def loads_before_first_use(code: list[Instruction], head: int, end: int) -> int:
+    """Distinct 128-bit loads issued from the loop head before the first instruction that reads
+    a register one of them loaded: loads that may be predicated off, and repeats of an address
+    already loaded, are not counted."""
+    loaded: set[str] = set()
+    addresses: dict[str, set[str]] = {}  # address operand -> the registers it is made of
+    count = 0
+    for ins in code[head:end + 1]:
+        if ins.reads() & loaded:
+            break
+        if ins.is_vector_load and ins.always_runs and ins.address() not in addresses:
+            count += 1
+            made_of = {f"{m.group(1)}{int(m.group(2)) + k}"
+                       for m in _REGISTER.finditer(ins.address())
+                       for k in range(2 if m.group(3) else 1)}
+            addresses[ins.address()] = made_of
+        written = ins.writes()
+        if ins.is_vector_load:
+            loaded |= written
+        # An address whose registers are rewritten names a new address from then on.
+        addresses = {a: regs for a, regs in addresses.items() if not regs & written}
+    return count
+
+
+def _load_depths(code: Iterable[Instruction], depth: dict[str, int]) -> list[int]:
+    """Walk `code` in order, the dependent-global-load depth of every register in `depth`
+    (updated in place): a load's result is one deeper than the deepest register it reads; any
+    other result as deep as its inputs. Returns each global load's depth, in order."""
+    found = []
+    for ins in code:
+        level = max((depth.get(r, 0) for r in ins.reads()), default=0)
+        if ins.is_global_load:
+            level += 1
+            found.append(level)
+        for register in ins.writes():
+            depth[register] = level
+    return found
+
+
+def stream_depth(code: list[Instruction]) -> int:
+    """The deepest chain of dependent global loads that ends in a 128-bit (stream) load, over
+    one pass in program order (loops once): 3 for slot -> table[slot] -> weights."""
+    depth: dict[str, int] = {}
+    deepest = 0
+    for ins in code:
+        level = max((depth.get(r, 0) for r in ins.reads()), default=0)
+        if ins.is_global_load:
+            level += 1
+            if ins.is_vector_load:
+                deepest = max(deepest, level)
+        for register in ins.writes():
+            depth[register] = level
+    return deepest
+
+
+def chained_loops(code: list[Instruction]) -> list[tuple[int, int]]:
+    """Innermost loops whose global loads depend on a load of an earlier iteration (a load
+    chain carried around the loop, each iteration one round trip: a binary search)."""
+    carried = []
+    for head, end in loops(code):
+        body = code[head:end + 1]
+        if not any(ins.is_global_load for ins in body):
+            continue
+        depth: dict[str, int] = {}
+        first = _load_depths(body, depth)
+        second = _load_depths(body, depth)
+        if any(b > a for a, b in zip(first, second, strict=True)):
+            carried.append((head, end))
+    return carried
+
+
+def kernel_report(code: list[Instruction]) -> dict[str, Any]:
+    """What the checks read of one kernel's machine code."""
+    return {
+        "local_memory": sum(i.opcode.startswith(("LDL", "STL")) for i in code),
+        "hot_loop_loads": [loads_before_first_use(code, h, e) for h, e in hot_loops(code)],
+        "stream_depth": stream_depth(code),
+        "chained_loops": len(chained_loops(code)),
+        "instructions": len(code),
+    }
+
+
+def report(compiler: str, arch: str) -> dict[str, Any]:
+    """kernel_report of every kernel, compiled by `compiler` for `arch`, with what
+    lora_config.h promises (`wanted_loads`) and whether every hot loop keeps it."""
+    kernels_out = {}
+    for name, source in sorted(kernels.KERNEL_SOURCES.items()):
+        code = parse(listing(source, compiler, arch))[name]
+        entry = kernel_report(code)
+        entry["wanted_loads"] = kernels.loads_in_flight(name)
+        entry["ok"] = (entry["local_memory"] == 0 and bool(entry["hot_loop_loads"])
+                       and min(entry["hot_loop_loads"]) >= entry["wanted_loads"])
+        kernels_out[name] = entry
+    return {"compiler": compiler, "arch": arch, "kernels": kernels_out,
+            "ok": all(k["ok"] for k in kernels_out.values())}
+
+
+def device_arch() -> str:
+    """sm_XX of the present GPU (through CuPy)."""
+    from metrale_cli import compat
+
+    cupy = compat.cupy_module()
+    return f"sm_{cupy.cuda.Device().compute_capability}"
+
+
+def main(argv: list[str]) -> int:
+    """python -m metrale_cli.ops.sass [--nvrtc-device | --compiler nvcc|nvrtc --arch sm_XX]
+    [--out FILE]: the report as JSON (on stdout, and into FILE); exit 1 when a kernel fails."""
+    args = list(argv)
+    out = None
+    compiler, arch = "nvrtc", "sm_90"
+    while args:
+        flag = args.pop(0)
+        if flag == "--nvrtc-device":
+            compiler, arch = "nvrtc", device_arch()
+        elif flag in ("--compiler", "--arch", "--out") and args:
+            value = args.pop(0)
+            if flag == "--compiler":
+                compiler = value
+            elif flag == "--arch":
+                arch = value
+            else:
+                out = Path(value)
+        else:
+            print(f"usage: python -m metrale_cli.ops.sass {main.__doc__.split(':')[0]}",
+                  file=sys.stderr)
+            return 2
+    result = report(compiler, arch)
+    text = json.dumps(result, indent=1)
+    if out is not None:
+        out.write_text(text + "\n")
+    print(text)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""scripts/gpu_check.sh, the one run a lent GPU gets, checked on the CPU: its --dry-run lists
+the steps and their budgets and runs the CPU part (the roofline model), and every module it
+runs exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+ORDER = ["device", "correctness", "pack", "bench", "sass", "memcheck", "model"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable}, timeout=300,
+                          check=False)
+
+
+@pytest.mark.parametrize(("flags", "total"), [((), 420), (("--quick",), 180)],
+                         ids=["full", "quick"])
+def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(
+        tmp_path: Path, flags: tuple[str, ...], total: int) -> None:
+    result = run(*flags, "--dry-run", "--json", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert [s["name"] for s in plan["steps"]] == ORDER
+    assert all(s["budget_s"] > 0 for s in plan["steps"])
+    assert plan["total_budget_s"] == sum(s["budget_s"] for s in plan["steps"]) == total
+    # The CPU part ran: the model's records for the bench's shapes, as JSON.
+    model = json.loads((tmp_path / "model.json").read_text())
+    assert model["rc"] == 0 and not model["timed_out"]
+    assert model["records"] and all("terms" in r and "binding" in r for r in model["records"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dry_run"] and [s["name"] for s in summary["steps"]] == ["model"]
+
+
+def test_every_module_the_script_runs_exists() -> None:
+    text = SCRIPT.read_text()
+    modules = set(re.findall(r"-m (metrale_cli[\w.]*)", text))
+    assert {"metrale_cli", "metrale_cli.ops.sass", "metrale_cli.bench.kernels"} <= modules
+    for module in modules:
+        assert find_spec(module) is not None, module
+    assert "pip install" not in text.split("set -uo pipefail")[1]  # installs nothing
+    assert "cupy.cuda.set_allocator(None)" in text
+
+
+def test_the_script_refuses_a_run_without_an_output_directory(tmp_path: Path) -> None:
+    assert run("--dry-run").returncode == 2
+    assert run("--bogus", str(tmp_path)).returncode == 2
+
+
+def test_the_device_query_survives_cuda_13_s_missing_memory_clock() -> None:
+    from metrale_cli.bench import kernels as bench_kernels
+    from metrale_cli.errors import ToolMissing
+
+    # CUDA 13 dropped the memory clock from the device properties: CuPy's table may lack it.
+    assert bench_kernels.memory_clock_khz({}, lambda: 3_201_000) == 3_201_000
+    assert bench_kernels.memory_clock_khz({"MemoryClockRate": 0}, None) is None
+
+    def refuses() -> int:
+        raise RuntimeError("cudaErrorInvalidValue")
+
+    assert bench_kernels.memory_clock_khz({}, refuses) is None
+    peak, source = bench_kernels.peak_bandwidth("NVIDIA H200", None, 6144)
+    assert peak == 4.8e12 and "H200" in source
+    assert bench_kernels.peak_bandwidth("X", 3_201_000, 6144)[0] == pytest.approx(4.917e12,
+                                                                                 rel=1e-3)
+    with pytest.raises(ToolMissing):
+        bench_kernels.peak_bandwidth("Unknown GPU", None, None)
