@@ -89,6 +89,11 @@ class RankFailed(MetraleError):
     exit_code = 1
 
 
+class RankSilent(RankFailed):
+    """A process of a distributed run did not answer an exchange (it died, or hangs past the
+    timeout): the others cannot know what it left behind."""
+
+
 class NonFiniteWeights(MetraleError):
     """An adapter whose weights hold NaN or infinity (or values too large for BF16): refused
     at pack time, since every token routed to its slot would produce garbage."""

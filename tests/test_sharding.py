@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from metrale_cli.adapters.experts import ExpertProj
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import NotServable, UsageError
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.sharding import (
     RankExpertLayout,
@@ -19,9 +19,12 @@ from metrale_cli.layout.sharding import (
     ShardedPlan,
     ShardSpec,
     Slice,
+    check_model_split,
     expert_slice,
     module_slice,
     owns_expert,
+    rank_layouts,
+    refuse_unshardable,
 )
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
@@ -45,8 +48,11 @@ def test_qwen3_next_figures(tp: int, fully: bool, slot_bytes: int) -> None:
     layout = next_layout()
     ranks = [RankLayout.of(layout, ShardSpec(tp, k, 1, fully)) for k in range(tp)]
     assert [r.slot_bytes for r in ranks] == [slot_bytes] * tp
-    # Each rank has its own fingerprint, and none is the unsharded one.
     fingerprints = {r.fingerprint for r in ranks}
+    if tp == 1:  # the unsharded bytes: the unsharded fingerprint
+        assert fingerprints == {layout.fingerprint}
+        return
+    # Each rank has its own fingerprint, and none is the unsharded one.
     assert len(fingerprints) == tp and layout.fingerprint not in fingerprints
 
 
@@ -191,7 +197,8 @@ def test_layout_tp_with_experts_and_ep() -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (("--ep", 2), "--ep and --fully-sharded need --tp"),
-    (("--tp", 32), "q_proj heads (each with its gate) (16) does not split over --tp 32"),
+    (("--tp", 32), "qwen3-next-80b-a3b: query heads (16) do not split over --tp 32; vLLM's "
+                   "QKVParallelLinear would refuse to build"),
     (("--tp", 4, "--ep", 2, "--fully-sharded"),
      "--ep with --fully-sharded is refused (vLLM refuses expert parallelism with fully sharded "
      "LoRA)"),
@@ -263,3 +270,133 @@ def test_shard_record_refuses_a_fully_sharded_that_is_not_a_boolean(value: objec
     with pytest.raises(ValueError, match="fully_sharded is .* not true or false"):
         ShardSpec.from_record(doc)
     assert ShardSpec.from_record({**doc, "fully_sharded": False}).fully_sharded is False
+
+
+# -- what the base model can take (vLLM's parallel layers) ----------------------------------------
+
+QWEN3 = ModelConfig.preset("qwen3-8b")
+MOE = ModelConfig.preset("qwen3-30b-a3b")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("-m", "qwen3-8b", "--modules", "gate_proj,up_proj,down_proj", "--tp", 3),
+     "qwen3-8b: query heads (32) do not split over --tp 3"),
+    (("-m", "qwen3-8b", "--modules", "gate_proj,up_proj,down_proj", "--tp", 48),
+     "qwen3-8b: query heads (32) do not split over --tp 48"),
+    (("-m", "qwen3-30b-a3b", "--experts", "--tp", 3),
+     "qwen3-30b-a3b: query heads (32) do not split over --tp 3"),
+    (("-m", "qwen3-8b", "--modules", "q_proj", "--tp", 2, "--ep", 2),
+     "--ep 2: qwen3-8b has no routed experts to split"),
+    (("-m", "qwen3-30b-a3b", "--modules", "q_proj", "--tp", 2, "--ep", 2),
+     "--ep 2 needs the expert pool (--experts)"),
+])
+def test_a_tp_the_model_cannot_take_is_refused(args: tuple[object, ...], message: str) -> None:
+    """The pool's modules split (the MLP alone at --tp 3), but no engine builds the model: one
+    line naming the count and the size, exit 2, before anything is planned."""
+    for command in ("layout", "simulate"):
+        extra = ("--max-loras", 2, "--requests", 10) if command == "simulate" else ()
+        result = metrale(command, "--max-rank", 8, *args, *extra)
+        assert result.code == 2, (command, result.stdout)
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"error: {message}"), line
+
+
+@pytest.mark.parametrize(("model", "spec", "message"), [
+    (dataclasses.replace(QWEN3, num_attention_heads=48), ShardSpec(12),
+     r"KV heads \(8\) neither split over --tp 12 nor divide it"),
+    (dataclasses.replace(QWEN3, intermediate_size=12300), ShardSpec(8),
+     r"MLP intermediate size \(12300\) do not split over --tp 8"),
+    (dataclasses.replace(NEXT, linear_num_value_heads=24), ShardSpec(16),
+     r"linear-attention value heads \(24\) do not split over --tp 16"),
+    (dataclasses.replace(NEXT, linear_num_key_heads=12), ShardSpec(8),
+     r"linear-attention key heads \(12\) do not split over --tp 8"),
+    (dataclasses.replace(NEXT, shared_expert_intermediate_size=500), ShardSpec(8),
+     r"shared-expert intermediate size \(500\) do not split over --tp 8"),
+    (dataclasses.replace(MOE, moe_intermediate_size=770), ShardSpec(4),
+     r"expert intermediate size \(770\) do not split over MoE TP \(tp / ep\) 4"),
+    (dataclasses.replace(MOE, num_experts=100), ShardSpec(8, 0, 8),
+     r"routed experts \(100\) do not split over --ep 8"),
+    (dataclasses.replace(MOE, num_experts=2), ShardSpec(4),
+     r"--tp 4 is above the 2 routed experts"),
+    (dataclasses.replace(MOE, intermediate_size=6145, mlp_only_layers=(0,)), ShardSpec(4),
+     r"MLP intermediate size \(6145\) do not split over --tp 4"),
+])
+def test_every_dimension_vllm_divides_is_checked(model: ModelConfig, spec: ShardSpec,
+                                                 message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        check_model_split(model, spec)
+
+
+@pytest.mark.parametrize(("model", "spec"), [
+    (QWEN3, ShardSpec(16)),  # 8 KV heads replicated twice
+    (NEXT, ShardSpec(16)),  # 2 KV heads, 16 query heads, 16/32 linear heads
+    (dataclasses.replace(MOE, moe_intermediate_size=770), ShardSpec(4, 0, 2)),  # MoE TP 2
+    (dataclasses.replace(MOE, intermediate_size=6145), ShardSpec(4)),  # no dense layer
+    (dataclasses.replace(QWEN3, num_attention_heads=48, num_key_value_heads=6), ShardSpec(12)),
+])
+def test_what_vllm_builds_is_accepted(model: ModelConfig, spec: ShardSpec) -> None:
+    check_model_split(model, spec)
+
+
+def test_tp_1_rank_layouts_are_the_unsharded_ones() -> None:
+    """Identical bytes, identical fingerprints: a --tp 1 rank (fully sharded or not) lands
+    slots with the unsharded pool, slot and expert layout alike."""
+    layout = SlotLayout.build(MOE, [LoraModule.Q_PROJ, LoraModule.O_PROJ], 16)
+    experts = ExpertLayout.for_model(MOE, 16)
+    for fully in (False, True):
+        ranked, ranked_experts = rank_layouts(layout, experts, ShardSpec(1, 0, 1, fully))
+        assert ranked.fingerprint == layout.fingerprint
+        assert ranked_experts is not None
+        assert ranked_experts.fingerprint == experts.fingerprint
+    two, _ = rank_layouts(layout, experts, ShardSpec(2))
+    assert two.fingerprint != layout.fingerprint
+    result = metrale("layout", "-m", "qwen3-8b", "--modules", "q_proj", "--max-rank", 16,
+                     "--tp", 1, "--json")
+    assert result.code == 0, result.stderr
+    doc = result.json()
+    assert doc["rank_layouts"][0]["fingerprints"] == [doc["fingerprint"]]
+
+
+@pytest.mark.slow
+def test_fully_sharded_refuses_an_expert_rank_tp_does_not_divide(peft_zoo,
+                                                                 tmp_path: Path) -> None:
+    """vLLM's fused-MoE LoRA slices each expert's A by rank and asserts rank % tp == 0
+    (FusedMoEWithLoRA._slice_w13_a); its dense layers slice the padded A unchecked."""
+    moe = peft_zoo.adapter("qwen3_next", r=6, lora_alpha=12, target_modules=["q_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj",
+                                              "mlp.experts.down_proj"])
+    dense = peft_zoo.adapter("llama", r=6, lora_alpha=12, target_modules=["q_proj", "o_proj"])
+    for command, extra in (("layout", ()), ("pack", ("--out", tmp_path / "out", "--device",
+                                                     "cpu")),
+                           ("simulate", ("--requests", 10))):
+        refused = metrale(command, f"moe={moe.path}", "--experts", "--max-rank", 8,
+                          "--max-loras", 2, "--tp", 4, "--fully-sharded", *extra)
+        assert refused.code == 1, (command, refused.stdout, refused.stderr)
+        [line] = refused.stderr.strip().splitlines()
+        assert line.startswith("error: moe: routed-expert gate_proj rank 6 (layer "), line
+        assert "does not split over --tp 4 under --fully-sharded" in line
+        assert not (tmp_path / "out").exists()
+        # Not fully sharded, or at a TP that divides 6, the same adapter is taken.
+        for shard in (("--tp", 4), ("--tp", 2, "--fully-sharded")):
+            taken = metrale(command, f"moe={moe.path}", "--experts", "--max-rank", 8,
+                            "--max-loras", 2, *shard, *(() if command == "pack" else extra))
+            assert taken.code == 0, (command, shard, taken.stderr)
+        dense_taken = metrale(command, f"dense={dense.path}", "--max-rank", 8,
+                              "--max-loras", 2, "--tp", 4, "--fully-sharded",
+                              *(() if command == "pack" else extra))
+        assert dense_taken.code == 0, (command, dense_taken.stderr)
+
+
+def test_refuse_unshardable_names_the_adapter_rank_and_size() -> None:
+    from types import SimpleNamespace
+
+    pair = SimpleNamespace(proj=ExpertProj.UP_PROJ, r=6, layer=3, expert=5)
+    report = SimpleNamespace(name="moe", expert_pairs=[pair])
+    with pytest.raises(NotServable, match=r"^moe: routed-expert up_proj rank 6 \(layer 3, "
+                                          r"expert 5\) does not split over --tp 4"):
+        refuse_unshardable([report], ShardSpec(4, 0, 1, True))
+    refuse_unshardable([report], ShardSpec(4))
+    refuse_unshardable([report], ShardSpec(2, 0, 1, True))
+    down = SimpleNamespace(name="moe", expert_pairs=[SimpleNamespace(
+        proj=ExpertProj.DOWN_PROJ, r=6, layer=3, expert=5)])
+    refuse_unshardable([down], ShardSpec(4, 0, 1, True))  # w2 A is sliced by column

@@ -108,7 +108,7 @@ def pack(
     from metrale_cli.cli import render
     from metrale_cli.dist.torchrun import pack_torchrun, under_torchrun
     from metrale_cli.files.atomic import check_output, check_output_dir, output_dir, output_path
-    from metrale_cli.image.pack import IMAGE_GLOB, pack_pool, tensor_bytes
+    from metrale_cli.image.pack import OWNED_GLOBS, pack_pool, tensor_bytes
     from metrale_cli.layout.pipeline import plan_pool
 
     spec = shard_spec(tp, ep, fully_sharded)
@@ -135,7 +135,7 @@ def pack(
         result = pack_torchrun(said_details(prepare), max_loras, spec, device, target, force)
     else:  # in this process; with --tp every rank in turn, the images landing all at once
         if spec is not None and target is not None:  # before the audit, as a file --out is
-            check_output_dir(target, force, owned=[IMAGE_GLOB])
+            check_output_dir(target, force, owned=OWNED_GLOBS)
         the_layout, expert_layout, reports = prepare()
         # A bar for the one pool (a rank's share of the bytes is not known ahead).
         with progress_bar("packing", tensor_bytes(reports),

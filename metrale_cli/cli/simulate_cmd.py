@@ -163,6 +163,10 @@ def simulate(
                         experts=experts_on(experts))
     layouts = planned.layout, planned.expert_layout
     warn(planned.warnings)
+    if spec is not None:
+        from metrale_cli.layout.sharding import refuse_unshardable
+
+        refuse_unshardable(planned.reports, spec)
     if trace is not None and workload is not None:
         raise UsageError("give --trace or --workload, not both")
     if trace is not None and ranks is not None:

@@ -9,6 +9,8 @@ torch is imported inside the functions that run under torchrun only.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,14 +21,71 @@ from typing import Any
 import numpy as np
 
 from metrale_cli import env
+from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import AdapterReport
-from metrale_cli.errors import LayoutMismatch, MetraleError, OutputExists, RankFailed, UsageError
-from metrale_cli.files.atomic import publish_new
+from metrale_cli.errors import (
+    FormatError,
+    LayoutMismatch,
+    MetraleError,
+    OutputExists,
+    RankFailed,
+    RankSilent,
+    UsageError,
+)
+from metrale_cli.files.atomic import check_output, publish_new, remove_stale_temps
 from metrale_cli.image.pack import PackResult, image_name, pack_rank
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.sharding import ShardSpec, rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.pool.pool import LoraPool, SlotContents, SlotSource, pick_device
+from metrale_cli.layout.sharding import refuse_unshardable
+
+# The slot fields every torchrun rank must hold alike, in the order a difference is named.
+SLOT_FIELDS = ("name", "rank", "alpha", "scaling", "module scales", "tensors")
+_DIGEST_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """The names one rank's image goes through in DIR: staged (written, not yet published),
+    final, and the image `--force` replaces, kept aside until every rank has published."""
+
+    final: Path
+
+    @property
+    def staged(self) -> Path:
+        return self.final.with_name(f".{self.final.name}.staged")
+
+    @property
+    def replaced(self) -> Path:
+        return self.final.with_name(f".{self.final.name}.replaced")
+
+    def reserve(self, force: bool) -> None:
+        """Give the staged image its final name, keeping the staged name (a hard link) so
+        `undo` knows the file at `final` is this run's. Without `force` only if the name is
+        absent (OutputExists); with it the image there is moved aside first."""
+        if force:
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(self.final, self.replaced)
+        publish_new(self.staged, self.final)
+
+    def commit(self) -> None:
+        self.staged.unlink(missing_ok=True)
+        self.replaced.unlink(missing_ok=True)
+
+    def undo(self) -> None:
+        """Take back what `reserve` did, if anything: the final name only while it is still
+        this run's image, then the replaced image back under it, then the staged file. Safe to
+        run for another rank's names (one that died) and twice."""
+        with contextlib.suppress(OSError):
+            if os.path.samefile(self.final, self.staged):
+                self.final.unlink()
+        with contextlib.suppress(OSError):
+            publish_new(self.replaced, self.final)  # never over a file written there since
+            self.replaced.unlink()
+        self.staged.unlink(missing_ok=True)
+
+
 
 # -- one process per rank (torchrun) ------------------------------------------------------------
 
@@ -43,13 +102,14 @@ def under_torchrun() -> bool:
 def pack_torchrun(plan: Plan, max_loras: int, spec: ShardSpec, device: str = "auto",
                   out: Path | None = None, force: bool = False) -> PackResult | None:
     """This process's part of a distributed pack: rank 0 audits and plans (`plan()`) and
-    broadcasts every rank's expected layout fingerprints; every rank plans too (it needs the
-    audited tensors) and all check that each holds what rank 0 expects before any byte moves;
-    each packs its own shard (host memory with `--device cpu`, else `cuda:LOCAL_RANK`) and
-    stages its image; only when every rank has staged does each rename its image into place.
-    Any failure, or a rank silent for METRALE_DIST_TIMEOUT seconds, makes every rank raise
-    `RankFailed` with the failing rank's message and leaves no image. Returns the whole record
-    on rank 0, None elsewhere."""
+    broadcasts every rank's expected layout fingerprints and `pack_inputs`; every rank plans
+    too (it needs the audited tensors) and all check, before any byte moves, that each holds
+    the inputs and fingerprints rank 0 expects; each packs its own shard (host memory with
+    `--device cpu`, else `cuda:LOCAL_RANK`) and stages its image; when every rank has staged,
+    each reserves its final name (`RankFiles.reserve`), and only when every rank has does any
+    commit. Any failure, or a rank silent for METRALE_DIST_TIMEOUT seconds, makes every rank
+    raise `RankFailed` with the failing rank's message and undo what it published, so no
+    image is left. Returns the whole record on rank 0, None elsewhere."""
     import torch.distributed as dist
 
     launch = env.torchrun_rank()
@@ -93,7 +153,7 @@ def _gather(dist: Any, rank: int, status: dict[str, Any], timeout: float,
     try:
         dist.all_gather_object(gathered, status)
     except RuntimeError as exc:
-        raise RankFailed(f"rank {rank}: a rank did not answer {what} within {timeout:g} s "
+        raise RankSilent(f"rank {rank}: a rank did not answer {what} within {timeout:g} s "
                          f"({_first_line(exc)})") from None
     return gathered
 
@@ -114,6 +174,58 @@ def _exchange(dist: Any, rank: int, status: dict[str, Any], timeout: float,
     return gathered
 
 
+def tensors_digest(adapter: Adapter) -> str:
+    """sha256 over an adapter file's tensors in name order: each one's name, dtype, shape and
+    bytes (not the file's metadata or tensor order, which do not reach a pool)."""
+    digest = hashlib.sha256()
+    with adapter.weights_path.open("rb") as f:
+        for name in sorted(adapter.header.tensors):
+            t = adapter.header.tensors[name]
+            digest.update(json.dumps([name, t.dtype, list(t.shape)]).encode())
+            f.seek(t.begin)
+            left = t.nbytes
+            while left:
+                chunk = f.read(min(left, _DIGEST_CHUNK))
+                if not chunk:
+                    raise FormatError(f"{adapter.weights_path}: ends inside tensor {name}")
+                digest.update(chunk)
+                left -= len(chunk)
+    return digest.hexdigest()
+
+
+def pack_inputs(max_loras: int, reports: list[AdapterReport]) -> dict[str, Any]:
+    """What every rank of a torchrun pack must hold alike, before any byte moves: max_loras
+    and per slot (the adapters in order) the name, rank, alpha, scaling, every pair's scale
+    (rank and alpha patterns), and a digest of the adapter's tensors."""
+    slots = []
+    for r in reports:
+        scales = hashlib.sha256(json.dumps(
+            [[m.layer, m.module.peft_name, m.r, m.alpha, m.scaling] for m in r.modules]
+            + [[p.layer, p.proj.value, p.expert, p.r, p.alpha, p.scaling]
+               for p in r.expert_pairs]).encode()).hexdigest()
+        slots.append({"name": r.name, "rank": r.rank, "alpha": r.adapter.config.lora_alpha,
+                      "scaling": r.scaling, "module scales": scales,
+                      "tensors": tensors_digest(r.adapter)})
+    return {"max_loras": max_loras, "slots": slots}
+
+
+def input_difference(held: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """The first way `held` (this rank's `pack_inputs`) differs from rank 0's, as one line."""
+    if held["max_loras"] != expected["max_loras"]:
+        return f"--max-loras {held['max_loras']}, where rank 0 has {expected['max_loras']}"
+    if len(held["slots"]) != len(expected["slots"]):
+        return (f"{len(held['slots'])} adapters, where rank 0 has {len(expected['slots'])} "
+                "(the slots must be the same on every rank)")
+    for slot, (mine, theirs) in enumerate(zip(held["slots"], expected["slots"], strict=True)):
+        for name in SLOT_FIELDS:
+            if mine[name] != theirs[name]:
+                shown = ((f"{mine[name][:12]}...", f"{theirs[name][:12]}...")
+                         if name in ("tensors", "module scales") else (mine[name], theirs[name]))
+                return (f"slot {slot} ({theirs['name']}): {name} {shown[0]}, where rank 0 has "
+                        f"{shown[1]} (other adapter files on this node?)")
+    return None
+
+
 def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSpec,
                    device: str, out: Path | None, force: bool,
                    timeout: float) -> PackResult | None:
@@ -122,13 +234,15 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
     if rank == 0:
         try:
             planned = plan()
-            layout, ex, _ = planned
+            layout, ex, reports = planned
+            refuse_unshardable(reports, me)
             expected = []
             for s in me.all_ranks():
                 ranked, ranked_ex = rank_layouts(layout, ex, s)
                 expected.append([ranked.fingerprint, ranked_ex.fingerprint if ranked_ex
                                  else None])
-            payload[0] = {"rank": 0, "error": None, "expected": expected}
+            payload[0] = {"rank": 0, "error": None, "expected": expected,
+                          "inputs": pack_inputs(max_loras, reports)}
         except (MetraleError, OSError) as exc:
             payload[0] = {"rank": 0, "error": _message(exc)}
     try:
@@ -138,24 +252,28 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                          f"({_first_line(exc)})") from None
     if payload[0]["error"]:
         raise RankFailed(f"rank 0: {payload[0]['error']}")
-    final = out / image_name(me) if out is not None else None
+    files = RankFiles(out / image_name(me)) if out is not None else None
     status: dict[str, Any] = {"rank": rank, "error": None}
     try:
         if planned is None:
             planned = plan()
+        # Inputs first: other adapter weights or alphas, or another --max-loras, leave the
+        # layout fingerprints alike.
+        status["error"] = input_difference(pack_inputs(max_loras, planned[2]),
+                                           payload[0]["inputs"])
         ranked, ranked_ex = rank_layouts(planned[0], planned[1], me)
         held = [ranked.fingerprint, ranked_ex.fingerprint if ranked_ex else None]
-        if held != payload[0]["expected"][rank]:
+        if status["error"] is None and held != payload[0]["expected"][rank]:
             status["error"] = (f"holds layout fingerprints {held}, rank 0 expects "
                                f"{payload[0]['expected'][rank]} (other adapters or another "
                                "model on this node?)")
-        if final is not None and final.exists() and not force:
-            raise OutputExists(f"{final} exists; pass --force to overwrite it")
+        if files is not None:
+            check_output(files.final, force)
     except (MetraleError, OSError) as exc:
         status["error"] = _message(exc)
-    _exchange(dist, rank, status, timeout, "the fingerprint check")
+    _exchange(dist, rank, status, timeout, "the input check")
     layout, ex, reports = planned
-    staged = final.with_name(f".{final.name}.staged") if final is not None else None
+    everyone = [RankFiles(out / image_name(s)) for s in me.all_ranks()] if out else []
     committed = created = False
     try:
         try:
@@ -164,40 +282,51 @@ def _pack_in_group(dist: Any, rank: int, plan: Plan, max_loras: int, me: ShardSp
                 from metrale_cli.compat import cupy_module
 
                 cupy_module().cuda.Device(env.local_rank(rank)).use()
-            if final is not None:
+            if files is not None:
                 # Of the ranks on a node one makes DIR; it removes DIR again if the pack fails.
                 with contextlib.suppress(FileExistsError):
-                    final.parent.mkdir()
+                    files.final.parent.mkdir()
                     created = True
-            _, record = pack_rank(layout, ex, max_loras, reports, me, chosen, staged,
-                                  force=True)
-            record["image"] = str(final) if final is not None else None
+            _, record = pack_rank(layout, ex, max_loras, reports, me, chosen,
+                                  files.staged if files is not None else None, force=True)
+            record["image"] = str(files.final) if files is not None else None
             status = {"rank": rank, "error": None, "record": record}
         except (MetraleError, OSError) as exc:
             status = {"rank": rank, "error": _message(exc)}
-        statuses = _gather(dist, rank, status, timeout, "after packing")
-        failure = _failure(statuses)
-        if failure is not None:
-            # Every rank answered: each removes its staged image, and once all have, the rank
-            # that made DIR finds it empty.
-            if staged is not None:
-                staged.unlink(missing_ok=True)
-            with contextlib.suppress(RuntimeError):
-                dist.barrier()
-            raise failure
-        if staged is not None and final is not None:
-            if force:
-                os.replace(staged, final)
-            else:  # a file written at `final` since the existence check stays: OutputExists
-                publish_new(staged, final)
-                staged.unlink()
+        statuses = _exchange(dist, rank, status, timeout, "after packing")
+        # Every rank has staged its image: each reserves its final name, and only when every
+        # rank holds its own does any let go of its staged and replaced files (the commit).
+        if files is not None:
+            try:
+                files.reserve(force)
+                status = {"rank": rank, "error": None}
+            except (MetraleError, OSError) as exc:
+                status = {"rank": rank, "error": _message(exc)}
+        _exchange(dist, rank, status, timeout, "after publishing")
+        if files is not None:
+            files.commit()
         committed = True
+    except RankFailed as failure:
+        if files is not None:
+            files.undo()
+            if isinstance(failure, RankSilent):
+                # A rank died or hangs: what it staged or reserved in this DIR is undone too
+                # (its names are known; on another node they are not here).
+                for other in everyone:
+                    other.undo()
+                    remove_stale_temps(other.final.parent, other.staged.name)
+            else:
+                # Every rank answered and undoes its own; once all have, the rank that made
+                # DIR finds it empty.
+                with contextlib.suppress(RuntimeError):
+                    dist.barrier()
+        raise
     finally:
-        if not committed and staged is not None:
-            staged.unlink(missing_ok=True)
+        if not committed and files is not None:
+            files.undo()
             if created:
                 with contextlib.suppress(OSError):  # not empty: something else is there
-                    staged.parent.rmdir()
+                    files.final.parent.rmdir()
     if rank != 0:
         return None
     return PackResult(me, out, [s["record"] for s in statuses])

@@ -20,12 +20,17 @@ from metrale_cli.files.atomic import atomic_directory, check_not_an_input
 from metrale_cli.image.pool_image import write_image
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import max_rank_warnings
-from metrale_cli.layout.sharding import ShardSpec, rank_layouts
+from metrale_cli.layout.sharding import ShardSpec, rank_layouts, refuse_unshardable
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.pool.pool import LoraPool, PackStats, pick_device
 
 # Every rank image's name matches it: `--force` replaces a DIR that holds only such files.
 IMAGE_GLOB = "rank-*-of-*.safetensors"
+# What metrale writes into a --tp DIR: the images, and what a torchrun rank killed before it
+# finished leaves there (its staged image, the atomic write's temp file of it, the image --force
+# moved aside): `--force` replaces a DIR that holds only such files.
+OWNED_GLOBS = (IMAGE_GLOB, ".rank-*-of-*.safetensors.staged", ".rank-*-of-*.safetensors.replaced",
+               "..rank-*-of-*.safetensors.staged.*.tmp")
 
 
 def image_name(spec: ShardSpec) -> str:
@@ -141,6 +146,7 @@ def pack_pool(layout: SlotLayout, max_loras: int, reports: list[AdapterReport],
                                  force, progress)
         return PackResult(None, out, [record], pool)
     specs = spec.all_ranks()
+    refuse_unshardable(reports, spec)
     for s in specs:
         rank_layouts(layout, expert_layout, s)  # every rank's rules hold before any byte moves
     records: list[dict[str, Any]] = []
@@ -156,5 +162,5 @@ def pack_pool(layout: SlotLayout, max_loras: int, reports: list[AdapterReport],
             record["image"] = str(out / image_name(s))
             records.append(record)
 
-    atomic_directory(out, fill, force, owned=[IMAGE_GLOB])
+    atomic_directory(out, fill, force, owned=OWNED_GLOBS)
     return PackResult(spec, out, records)

@@ -119,9 +119,11 @@ class PlannedPool:
 
     def sharded(self, spec: ShardSpec, max_loras: int | None = None,
                 budget_bytes: int | None = None) -> ShardedPlan:
-        """Every rank's pool of the deployment `spec` names, `budget_bytes` per GPU."""
-        from metrale_cli.layout.sharding import ShardedPlan
+        """Every rank's pool of the deployment `spec` names, `budget_bytes` per GPU; an adapter
+        the deployment cannot take (`refuse_unshardable`) is refused first."""
+        from metrale_cli.layout.sharding import ShardedPlan, refuse_unshardable
 
+        refuse_unshardable(self.reports, spec)
         return ShardedPlan.sized(self.layout, self.expert_layout, spec, max_loras, budget_bytes)
 
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.adapters.experts import ROUTER_EXPERT, ExpertPair, ExpertProj
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import NotServable, UsageError
 from metrale_cli.layout.expert_layout import EXPERT_LAYOUT_FORMAT, ExpertEntry, ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
 from metrale_cli.layout.slot_layout import (
@@ -50,8 +51,9 @@ COLUMN_PARALLEL = (LoraModule.Q_PROJ, LoraModule.K_PROJ, LoraModule.V_PROJ,
 class ShardSpec:
     """One rank of a TP deployment: `tp_size` ranks shard attention; the experts go to
     `ep_size` expert-parallel groups of `tp_size // ep_size` ranks each, which shard every
-    expert among themselves (SGLang's `moe_tp = tp / ep`; `ep_size == tp_size` is vLLM's
-    expert parallelism)."""
+    expert among themselves (SGLang's `moe_tp = tp / ep`; `ep_size == tp_size` places every
+    expert whole on one rank, as vLLM's expert parallelism does for base weights, though its
+    fused-MoE LoRA layer refuses EP today)."""
 
     tp_size: int
     tp_rank: int = 0
@@ -189,6 +191,82 @@ def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank
     return Slice(full, _part(out_dim, m, j), (0, in_dim), _rank_rows(max_rank, spec))
 
 
+# The MoE blocks of vLLM's qwen3_moe.py and qwen3_next.py (which Qwen3.5-MoE reuses) raise
+# "Tensor parallel size N is greater than the number of experts E".
+_TP_BOUNDED_BY_EXPERTS = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+
+
+def _model_need(model: ModelConfig, count: int, parts: int, what: str, flag: str,
+                layer: str) -> None:
+    if count % parts:
+        raise UsageError(f"{model.source or model.model_type}: {what} ({count}) do not split "
+                         f"over {flag} {parts}; vLLM's {layer} would refuse to build")
+
+
+def check_model_split(model: ModelConfig, spec: ShardSpec) -> None:
+    """Refuse a deployment the base model cannot take, whatever the pool holds, as vLLM's
+    parallel layers refuse to build: query heads over TP (QKVParallelLinear); KV heads over
+    TP when there are at least TP of them, else TP a multiple of them (replicated heads);
+    Gated-DeltaNet key and value heads over TP; the dense MLP's and the shared expert's
+    intermediate size over TP (MergedColumnParallelLinear, RowParallelLinear); a routed
+    expert's intermediate size over the MoE TP degree (FusedMoE); the experts over --ep, and
+    --ep only on a model with routed experts."""
+    n = spec.tp_size
+    if model.full_attention_layers:
+        _model_need(model, model.num_attention_heads, n, "query heads", "--tp",
+                    "QKVParallelLinear")
+        kv = model.num_key_value_heads
+        if kv >= n:
+            _model_need(model, kv, n, "KV heads", "--tp", "QKVParallelLinear")
+        elif n % kv:
+            raise UsageError(f"{model.source or model.model_type}: KV heads ({kv}) neither "
+                             f"split over --tp {n} nor divide it (replicated KV heads need tp "
+                             "a multiple of them); vLLM's QKVParallelLinear would refuse to "
+                             "build")
+    if model.linear_attention_layers:
+        _model_need(model, model.linear_num_key_heads, n, "linear-attention key heads",
+                    "--tp", "Gated-DeltaNet layer")
+        _model_need(model, model.linear_num_value_heads, n, "linear-attention value heads",
+                    "--tp", "Gated-DeltaNet layer")
+    moe_layers = model.moe_layers
+    if len(moe_layers) < model.num_hidden_layers and model.intermediate_size:
+        _model_need(model, model.intermediate_size, n, "MLP intermediate size", "--tp",
+                    "MergedColumnParallelLinear")
+    if spec.ep_size > 1 and not moe_layers:
+        raise UsageError(f"--ep {spec.ep_size}: {model.source or model.model_type} has no "
+                         "routed experts to split (expert parallelism needs an MoE model)")
+    if not moe_layers:
+        return
+    if model.model_type in _TP_BOUNDED_BY_EXPERTS and n > model.num_experts:
+        raise UsageError(f"{model.source or model.model_type}: --tp {n} is above the "
+                         f"{model.num_experts} routed experts; vLLM's MoE block refuses it")
+    _model_need(model, model.expert_intermediate_size, spec.moe_tp_size,
+                "expert intermediate size", "MoE TP (tp / ep)", "FusedMoE")
+    if model.shared_expert_intermediate_size:
+        _model_need(model, model.shared_expert_intermediate_size, n,
+                    "shared-expert intermediate size", "--tp", "MergedColumnParallelLinear")
+    _model_need(model, model.num_experts, spec.ep_size, "routed experts", "--ep",
+                "expert map (metrale splits experts contiguously)")
+
+
+def refuse_unshardable(reports: list[AdapterReport], spec: ShardSpec) -> None:
+    """Refuse, as vLLM's fused-MoE LoRA layer does under `fully_sharded_loras`, an adapter
+    whose routed-expert gate/up rank does not divide by TP: it slices each expert's A by rank
+    and asserts `rank % tp_size == 0` (`FusedMoEWithLoRA._slice_w13_a`). Dense layers slice
+    the padded A without that check, so their ranks are free."""
+    if not spec.fully_sharded or spec.tp_size == 1:
+        return
+    for report in reports:
+        bad = next((p for p in report.expert_pairs
+                    if p.proj in (ExpertProj.GATE_PROJ, ExpertProj.UP_PROJ)
+                    and p.r % spec.tp_size), None)
+        if bad is not None:
+            raise NotServable(f"{report.name}: routed-expert {bad.proj.value} rank {bad.r} "
+                              f"(layer {bad.layer}, expert {bad.expert}) does not split over "
+                              f"--tp {spec.tp_size} under --fully-sharded; vLLM's fused-MoE "
+                              "LoRA refuses it (rank % tp must be 0)")
+
+
 def owns_expert(model: ModelConfig, spec: ShardSpec, expert: int) -> bool:
     """Whether the rank's EP group holds `expert` (the router, expert -1, is everywhere)."""
     if expert == ROUTER_EXPERT or spec.ep_size == 1:
@@ -253,6 +331,8 @@ class RankLayout(SlotLayout):
 
     @cached_property
     def fingerprint(self) -> str:
+        if all(e.slice.is_whole(self.max_rank) for e in self.entries):
+            return super().fingerprint  # the unsharded bytes (--tp 1): the unsharded name
         canonical = {
             "format": LAYOUT_FORMAT, "dtype": "BF16", "align": self.align,
             "max_rank": self.max_rank, "slot_bytes": self.slot_bytes,
@@ -301,6 +381,8 @@ class RankExpertLayout(ExpertLayout):
 
     @cached_property
     def fingerprint(self) -> str:
+        if all(e.slice.is_whole(self.max_rank) for e in self.entries):
+            return super().fingerprint  # whole experts: an unsharded layout of these keys
         canonical = {
             "format": EXPERT_LAYOUT_FORMAT, "dtype": "BF16", "align": self.align,
             "max_rank": self.max_rank, "expert_slot_bytes": self.slot_bytes,
@@ -324,7 +406,11 @@ def shard_of(metadata: dict[str, str]) -> ShardSpec | None:
 def rank_layouts(layout: SlotLayout, expert_layout: ExpertLayout | None,
                  spec: ShardSpec) -> tuple[RankLayout, RankExpertLayout | None]:
     """Rank `spec.tp_rank`'s slot layout and expert layout; UsageError names a count the
-    deployment cannot split."""
+    deployment cannot split (the base model's, `check_model_split`, or the pool's)."""
+    check_model_split(layout.model, spec)
+    if spec.ep_size > 1 and expert_layout is None:
+        raise UsageError(f"--ep {spec.ep_size} needs the expert pool (--experts): without it "
+                         "no LoRA weight is split by expert")
     ranked = RankLayout.of(layout, spec)
     ranked.entries  # noqa: B018  (the rules run here, so a bad --tp fails before any work)
     ex = RankExpertLayout.of(expert_layout, spec) if expert_layout is not None else None

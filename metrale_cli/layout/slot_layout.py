@@ -87,6 +87,11 @@ class Slice:
     def a_rows(self, max_rank: int) -> int:
         return self.ranks[1] - self.ranks[0] if self.ranks is not None else max_rank
 
+    def is_whole(self, max_rank: int) -> bool:
+        """Whether the entry holds the whole pair (its bytes are the unsharded entry's)."""
+        return (self.rows == (0, self.full[0]) and self.cols == (0, self.full[1])
+                and self.ranks in (None, (0, max_rank)))
+
     def flat(self) -> list[int]:
         return [*self.rows, *self.cols, *(self.ranks or ())]
 

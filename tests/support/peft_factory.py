@@ -157,9 +157,11 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
                "num_experts_per_tok": 2},
               targets=(*_ATTN, "w1", "w2", "w3")),
     # 4 layers [linear, full, linear, full] (full_attention_interval 2), layer 0 dense MLP,
-    # layers 1-3 MoE with shared expert; gated q_proj (2*4*16 = 128, 64).
+    # layers 1-3 MoE with shared expert; gated q_proj (2*4*16 = 128, 64). 4 linear key heads,
+    # so that TP 4 splits them as vLLM's Gated-DeltaNet layer needs.
     TinyModel("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
-              {**_BASE, **_GDN_DIMS, "num_hidden_layers": 4, "head_dim": 16,
+              {**_BASE, **_GDN_DIMS, "linear_num_key_heads": 4, "num_hidden_layers": 4,
+               "head_dim": 16,
                "intermediate_size": 96, "moe_intermediate_size": 32,
                "shared_expert_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2,
                "mlp_only_layers": [0], "full_attention_interval": 2},
