@@ -213,3 +213,41 @@ def test_experts_and_overlays_verify_and_are_named(peft_zoo, tmp_path: Path) -> 
     assert result.code == 1
     assert result.json()["adapters"][0]["slot_differences"] == [
         "overlays: 1 embed_tokens rows differ"]
+
+
+@pytest.mark.parametrize("differs", ["b_row", "a_col", "both", "scale"])
+def test_the_delta_difference_is_the_dense_one(differs: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """max |dW_got - dW_want| by the row (column) shortcut where one side's A (B) is the
+    other's, and by the blocked stacked product otherwise, equals the dense float64 value."""
+    from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16
+    from metrale_cli.image import verify as verify_module
+    from metrale_cli.layout.slot_layout import PaddedPair
+
+    e = PaddedPair(out_dim=96, in_dim=80, a_offset=0, b_offset=0, max_rank=8)
+    rng = np.random.default_rng(7)
+
+    def region(rows: int, cols: int) -> np.ndarray:
+        return f32_to_bf16(rng.standard_normal((rows, cols)).astype(np.float32))
+
+    a, b = region(8, 80), region(96, 8)
+    a2, b2, s2 = a.copy(), b.copy(), 0.5
+    if differs == "b_row":
+        b2[17] ^= 0x40
+    elif differs == "a_col":
+        a2[:, 33] ^= 0x40
+    elif differs == "both":
+        a2, b2 = region(8, 80), region(96, 8)
+    else:
+        s2 = 0.25
+
+    def dense(a_bits: np.ndarray, b_bits: np.ndarray, s: float) -> np.ndarray:
+        return s * (bf16_to_f32(b_bits).astype(np.float64) @ bf16_to_f32(a_bits).astype(np.float64))
+
+    want = float(np.abs(dense(a, b, 0.5) - dense(a2, b2, s2)).max())
+    # Several blocks of output rows in the stacked path.
+    monkeypatch.setattr(verify_module, "_DIFF_BLOCK_ELEMENTS", 3 * 80)
+    got = verify_module._max_delta_difference(
+        e, (a.view(np.uint8).ravel(), b.view(np.uint8).ravel(), 0.5),
+        (a2.view(np.uint8).ravel(), b2.view(np.uint8).ravel(), s2))
+    assert want > 0 and got == pytest.approx(want, rel=1e-5)
