@@ -164,10 +164,10 @@ def bench_slots(
 ) -> None:
     """Slot-manager victim choice and simulator requests/s at 64 vs 4096 slots, in one run."""
     from metrale_cli.bench import slots as bench
-    from metrale_cli.cli import render
+    from metrale_cli.cli import render_sim
 
     record = bench.run(requests, cycles, repeats)
-    emit(record, json_out, render.bench_slots_view)
+    emit(record, json_out, render_sim.bench_slots_view)
 
 
 # -- simulate -----------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def _inspect_vllm(audited: AuditedAdapters, json_out: bool, **given: object) -> 
     """`inspect --engine vllm`: the audit's record with each adapter's vLLM verdict under the
     given flags (else the recommended ones) in `adapters[i].engine`, the recommendation in
     `engine`; exit 1 unless vLLM serves every adapter."""
-    from metrale_cli.cli import render
+    from metrale_cli.cli import render_engine
     from metrale_cli.engines import vllm
 
     cfg, reports = audited.model, audited.reports
@@ -119,7 +119,7 @@ def _inspect_vllm(audited: AuditedAdapters, json_out: bool, **given: object) -> 
     for adapter, verdict in zip(record["adapters"], verdicts, strict=True):
         adapter["engine"] = verdict.record()
     record["engine"] = vllm.inspect_record(cfg, verdicts, recommendation, flags, source)
-    emit(record, json_out, render.engine_inspect_view)
+    emit(record, json_out, render_engine.engine_inspect_view)
     if not all(v.serves for v in verdicts):
         raise typer.Exit(1)
 
@@ -205,7 +205,7 @@ def _layout_vllm(audited: AuditedAdapters, json_out: bool, budget: str | None,
     """`layout --engine vllm`: one GPU's LoRA bytes and the host cache; with adapters, their
     rank, count and modules fill in what the flags leave out, and an adapter vLLM would not
     serve as PEFT does is refused as `layout` refuses one the pool cannot serve."""
-    from metrale_cli.cli import render
+    from metrale_cli.cli import render_engine
     from metrale_cli.engines import vllm
     from metrale_cli.errors import NotServable
 
@@ -229,4 +229,4 @@ def _layout_vllm(audited: AuditedAdapters, json_out: bool, budget: str | None,
     memory = vllm.Memory.of(cfg, flags, reports or None,
                             parse_size(budget) if budget is not None else None)
     record = {"model": cfg.record(), "engine": memory.record()}
-    emit(record, json_out, render.engine_layout_view)
+    emit(record, json_out, render_engine.engine_layout_view)

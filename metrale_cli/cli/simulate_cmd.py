@@ -130,7 +130,7 @@ def simulate(
     """Size max_loras for real traffic: replay a trace or a generated workload against the
     pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency.
     With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
-    from metrale_cli.cli import render
+    from metrale_cli.cli import render_sim
     from metrale_cli.cli.parsing import (
         parse_assign,
         parse_bandwidth,
@@ -255,4 +255,4 @@ def simulate(
         result = simulate_all(tenths)
     if plot_path is not None:
         sim.plot(result, plot_path, force)
-    emit(result.record(), json_out, render.simulate_view)
+    emit(result.record(), json_out, render_sim.simulate_view)

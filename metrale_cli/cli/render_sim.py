@@ -1,0 +1,255 @@
+"""Rich views of `metrale simulate` and `metrale bench slots` records, as render.py's: nothing
+here computes what it shows, and input-derived text is escaped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from metrale_cli.cli.render import human_bytes, whole
+
+
+def human_seconds(seconds: float) -> str:
+    """A duration with its unit, at most 8 characters: 0.62 ms, 5.2 s, 2.5 h."""
+    if seconds == 0:
+        return "0"
+    for limit, scale, unit in ((1e-3, 1e6, "us"), (1.0, 1e3, "ms"), (120.0, 1.0, "s"),
+                               (7200.0, 1 / 60, "min")):
+        if seconds < limit:
+            value = seconds * scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def simulate_view(record: dict[str, Any]) -> Group:
+    """`metrale simulate`: the setup, a row per (policy, size), and the sizing answer."""
+    w, swap, lay = record["workload"], record["swap"], record["layout"]
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="dim")
+    head.add_column()
+    made = (f"trace {w['path']}" if w["kind"] == "trace" else
+            f"{w['kind']} generator, seed {w['seed']}, {w['rate']:g} req/s, cv {w['cv']:g}")
+    head.add_row("workload", f"{made}: {w['requests']:,} requests "
+                 f"({w['adapter_requests']:,} to adapters) over {w['span_s']:,.1f} s, "
+                 f"{w['distinct_adapters']:,} distinct adapters")
+    if record["mode"] == "paging":
+        head.add_row("mode", "exact paging: zero-length requests, served one at a time in order")
+    else:
+        seats = record["max_concurrency"]
+        head.add_row("mode", "concurrent: requests hold their slot from admission to "
+                     f"completion ({record['prefill_tok_s']:g} prefill / "
+                     f"{record['decode_tok_s']:g} decode tok/s), "
+                     + (f"at most {seats} in flight" if seats else "no concurrency cap"))
+    per_gpu = f" per GPU at --tp {lay['tp_size']}" if "tp_size" in lay else ""
+    head.add_row("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
+                 f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
+                 f"max rank {lay['max_rank']})")
+    links = swap["links"]
+    head.add_row("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
+                 f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us), "
+                 + ("one load at a time per GPU" if links == 1 else f"{links} loads at a time "
+                    "per GPU"))
+    if record["host"]:
+        host = record["host"]
+        head.add_row("host", f"{host['slots']:,} adapters in host memory (an LRU, up to "
+                     f"{human_bytes(host['host_bytes'])}); a host miss reads over "
+                     f"{host['bandwidth']} ({host['bytes_per_s'] / 1e9:g} GB/s + "
+                     f"{1e6 * host['latency_s']:g} us)")
+    if record["admission"] == "skip":
+        head.add_row("admission", "skip: a request whose adapter cannot be placed waits while "
+                     "later ones whose adapter is resident (or loading) go ahead")
+    if record["routing"]:
+        routing = record["routing"]
+        head.add_row("replicas", f"{routing['replicas']}, {routing['route']} routing: each "
+                     "replica has its own pool of each size below (pool GiB per replica); the "
+                     "figures are totals")
+    if w.get("adapter_ranks"):
+        head.add_row("ranks", ", ".join(f"{n:,} at rank {r}" for r, n in
+                                        w["adapter_ranks"].items())
+                     + f": a load moves rank/{lay['max_rank']} of a slot")
+    if record["pinned"]:
+        head.add_row("pinned", f"{len(record['pinned'])}: {', '.join(record['pinned'][:8])}"
+                     + (" ..." if len(record["pinned"]) > 8 else ""))
+    # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    with_min = "min" in record["policies"]
+    for name in ("policy", "slots", "hit %", "misses", "stalls", "stall\np99", "added\np50",
+                 "added\np99", *(["misses\nvs min"] if with_min else []), "pool\nGiB"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        gap = r["extra_misses_vs_min"]
+        vs_min = ["-" if gap is None or r["policy"] == "min" else f"+{gap:,}"] if with_min else []
+        pool = f"{r['pool_bytes'] / 2**30:,.2f}"
+        if r["fits_budget"] is False:
+            pool = f"[red]{pool}"
+        table.add_row(
+            r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}", f"{r['misses']:,}",
+            f"{r['stalls']:,}", human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
+            human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
+            *vs_min, pool)
+    parts: list[Any] = [head, table]
+    for extra in (_loads_table(record), _serving_table(record), _spread_table(record),
+                  _max_rank_table(record)):
+        if extra is not None:
+            parts.append(extra)
+    if record["targets"]:
+        t = record["targets"]
+        want = " and ".join(x for x in (
+            f"hit rate >= {100 * t['hit_rate']:g}%" if t["hit_rate"] is not None else "",
+            f"p99 added latency <= {t['p99_ms']:g} ms" if t["p99_ms"] is not None else "") if x)
+        for s in record["smallest_meeting"]:
+            if s["max_loras"] is None:
+                line = (f"{s['policy']}: no size in {record['sizes'][0]}..{record['sizes'][-1]}"
+                        f" reaches {want}")
+            else:
+                line = (f"{s['policy']}: {s['max_loras']} slots and every larger size reach "
+                        f"{want}: {human_bytes(s['pool_bytes'])} of pool")
+                if s["fits_budget"] is not None:
+                    fits = "fits" if s["fits_budget"] else "does NOT fit"
+                    line += f", {fits} the {human_bytes(record['budget_bytes'])} budget"
+            parts.append(whole(line))
+            if s["first_meeting"] is not None and s["first_meeting"] != s["max_loras"]:
+                parts.append(Text(f"  not monotonic: {s['first_meeting']} slots meet it, a "
+                                  "larger size does not"))
+            elif not s["monotonic"]:
+                parts.append(Text("  not monotonic: more slots do worse somewhere"))
+    return Group(*parts)
+
+
+def _loads_table(record: dict[str, Any]) -> Table | None:
+    """Where loads came from, beside the main table (which 80 columns must hold): delayed hits
+    (requests that waited for another's load), and with a host tier its hits and disk reads."""
+    delayed = any(r["delayed_hits"] for r in record["results"])
+    tiered = record["host"] is not None
+    replicated = record["routing"] is not None
+    if not delayed and not tiered and not replicated:
+        return None
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    names = ["policy", "slots", "delayed\nhits", "GiB\nto GPU", "link\nwait"]
+    if tiered:
+        names += ["from\nhost", "from\ndisk", "GiB\nfrom disk"]
+    if replicated:
+        names += ["hit % by\nreplica"]
+    for name in names:
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        row = [r["policy"], str(r["max_loras"]), f"{r['delayed_hits']:,}",
+               f"{r['bytes_moved'] / 2**30:,.2f}", human_seconds(r["link_wait_s"])]
+        if tiered:
+            row += [f"{r['host_hits']:,}", f"{r['host_misses']:,}",
+                    f"{r['host_bytes_moved'] / 2**30:,.2f}"]
+        if replicated:
+            row.append(" ".join(f"{100 * x['hit_rate']:.1f}" for x in r["replicas"]))
+        table.add_row(*row)
+    return table
+
+
+def _serving_table(record: dict[str, Any]) -> Table | None:
+    """Concurrent mode: time to first token, adapter requests apart from base-model ones, and
+    throughput per result."""
+    if record["mode"] != "concurrent":
+        return None
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    for name in ("policy", "slots", "TTFT p50\nadapter", "TTFT p99\nadapter", "TTFT p50\nbase",
+                 "TTFT p99\nbase", "req/s"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+
+    def seconds(x: float | None) -> str:
+        return "-" if x is None else human_seconds(x)
+
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        table.add_row(r["policy"], str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
+                      seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
+                      seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}")
+    return table
+
+
+def _max_rank_table(record: dict[str, Any]) -> Table | None:
+    """Adapters of their own ranks: per lower max rank, the slot, the slots a --budget holds,
+    and who is shut out."""
+    options = record["max_rank_options"]
+    if not options:
+        return None
+    budget = record["budget_bytes"]
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD,
+                  title="a lower max rank: smaller slots, and the adapters above it shut out",
+                  title_justify="left")
+    names = ["max rank", "slot", *(["slots in\nbudget"] if budget is not None else []),
+             "adapters\nshut out", "requests\nshut out"]
+    for name in names:
+        table.add_column(name, justify="right", no_wrap=True, header_style="bold")
+    requests = record["workload"]["adapter_requests"] or 1
+    for o in options:
+        out = o["requests_shut_out"]
+        table.add_row(str(o["max_rank"]), human_bytes(o["slot_bytes"] + o["expert_slot_bytes"]),
+                      *([f"{o['slots_in_budget']:,}"] if budget is not None else []),
+                      f"{o['adapters_shut_out']:,}", f"{out:,} ({100 * out / requests:.1f}%)")
+    return table
+
+
+def _spread_table(record: dict[str, Any]) -> Table | None:
+    """With --seeds: each result's hit rate, misses and p99 added latency as min/median/max over
+    the seeds."""
+    if not record["seeds"]:
+        return None
+    seeds = record["seeds"]
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD,
+                  title=f"over {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): min/median/max",
+                  title_justify="left")
+    for name in ("policy", "slots", "hit %", "misses", "added p99"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        spread = r["spread"]
+        hit, miss, p99 = spread["hit_rate"], spread["misses"], spread["added_latency_p99_s"]
+        table.add_row(
+            r["policy"], str(r["max_loras"]),
+            "/".join(f"{100 * hit[k]:.2f}" for k in ("min", "median", "max")),
+            "/".join(f"{miss[k]:,.0f}" for k in ("min", "median", "max")),
+            "/".join(human_seconds(p99[k]) for k in ("min", "median", "max")))
+    return table
+
+
+def bench_slots_view(record: dict[str, Any]) -> Text:
+    """`metrale bench slots`: per-size figures and the 4096/64 ratios (1.0 = flat)."""
+    lo, hi = (str(n) for n in record["setup"]["sizes"])
+    victim, scan = record["victim_cycle_ns"], record["scan_ns"]
+    lines = [
+        f"victim choice + reload, lru: {victim[lo] / 1e3:.2f} us at {lo} slots, "
+        f"{victim[hi] / 1e3:.2f} us at {hi}: x{record['victim_cycle_ratio']:.2f}",
+        f"  full scan (the former pool): {scan[lo] / 1e3:.2f} us at {lo}, "
+        f"{scan[hi] / 1e3:.2f} us at {hi}: x{record['scan_ratio']:.1f}",
+    ]
+    for mode in ("paging", "concurrent"):
+        rps, ratio = record[f"simulate_{mode}_req_per_s"], record[f"simulate_{mode}_cost_ratio"]
+        lines.append(
+            f"simulate, {mode}, every request a miss: {rps[lo]:,.0f} req/s at {lo} slots, "
+            f"{rps[hi]:,.0f} at {hi}: cost per request x{ratio:.2f}")
+    sweep = record["lru_sweep"]
+    lines.append(f"lru sweep, paging, {sweep['sizes']:,} sizes over {sweep['adapters']:,} "
+                 f"adapters: {sweep['sweep_s']:.2f} s in one pass, {sweep['replay_s']:.2f} s "
+                 f"per size replayed: x{sweep['speedup']:,.0f}")
+    return Text("\n".join(lines))

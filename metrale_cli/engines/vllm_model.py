@@ -1,0 +1,394 @@
+"""vLLM 0.32.0's model as its LoRA code sees it: the modules it wraps per family and layer
+type, the flags it reads, and the bytes its stacked LoRA buffers take per GPU (host cache too).
+From configs only; read from vLLM's source (`vllm/lora/layers`, `vllm/lora/model_manager.py`,
+`vllm/config/lora.py`, the models' `packed_modules_mapping`) and checked against the engine's
+own allocation in tests/test_engine_vllm.py. `vllm.py` judges adapters against it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from metrale_cli.errors import UsageError
+from metrale_cli.files.jsondoc import load_json
+from metrale_cli.model.config import ModelConfig, find_preset
+
+if TYPE_CHECKING:
+    from metrale_cli.adapters.audit import AdapterReport
+
+# `--max-lora-rank` takes only these (vllm/config/lora.py MaxLoRARanks).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_MAX_LORA_RANK = 16
+LORA_DTYPES = ("auto", "float16", "bfloat16")
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# LogitsProcessorWithLoRA refuses a larger output head.
+MAX_LORA_VOCAB = 258048
+# GDN's short convolution width when a config does not say (transformers' default).
+DEFAULT_CONV_KERNEL = 4
+# The model classes with `embedding_modules`: embed_tokens and lm_head get LoRA there only
+# (vLLM's Qwen2, Mistral and Qwen3-Next classes declare none, so an adapter training either
+# names a module vLLM does not expect).
+EMBEDDING_LORA_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_moe")
+# init_lora_weights strings vLLM accepts: they only set the initial weights.
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+
+NAME = "vllm"
+VERSION = "0.32.0"  # every rule here and in vllm.py is this version's
+
+
+class Kind(str, Enum):
+    """The LoRA wrapper vLLM puts on a layer, which decides its buffers' shapes."""
+
+    QKV = "qkv"  # MergedQKVParallelLinearWithLoRA: slices q, k, v
+    COLUMN = "column"  # (Merged)ColumnParallelLinearWithLoRA: one A/B per output slice
+    ROW = "row"  # RowParallelLinearWithLoRA
+    REPLICATED = "replicated"  # ReplicatedLinearWithLoRA (routers, the shared-expert gate)
+    EMBEDDING = "embedding"  # VocabParallelEmbeddingWithLoRA
+    LOGITS = "logits"  # LogitsProcessorWithLoRA (lm_head)
+    EXPERTS = "experts"  # FusedMoEWithLoRA: gate (w1) and up (w3) in separate slices
+    EXPERTS_3D = "experts_3d"  # FusedMoE3DWithLoRA: gate_up fused, as PEFT's 3-D format
+
+
+@dataclass(frozen=True)
+class EngineModule:
+    """One module vLLM wraps for LoRA, on the layers where it sits, with its full (unsharded)
+    sizes. `adapter_names` are the leaf names an adapter uses for it (a packed module takes
+    several)."""
+
+    path: str  # inside a decoder layer (`self_attn.qkv_proj`), or top-level (`lm_head`)
+    kind: Kind
+    layers: tuple[int, ...]
+    in_size: int
+    out_sizes: tuple[int, ...]
+    adapter_names: tuple[str, ...]
+    # QKV: the head width and KV heads (KV heads are replicated, not split, past their count).
+    head_dim: int = 0
+    kv_heads: int = 0
+    # EXPERTS: routed experts; in_size is hidden, out_sizes is (expert FFN width,).
+    experts: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit(".", 1)[-1]
+
+    @property
+    def top_level(self) -> bool:
+        return self.kind in (Kind.EMBEDDING, Kind.LOGITS)
+
+    def buffers(self, max_loras: int, rank: int, tp: int, fully_sharded: bool,
+                ) -> list[tuple[str, tuple[int, ...]]]:
+        """The stacked buffers one GPU allocates for this module on one layer, as vLLM's
+        `create_lora_weights` shapes them: A `[max_loras, 1, rank, in]` and B
+        `[max_loras, 1, out, rank]` per slice (experts: per expert instead of 1)."""
+        L, R = max_loras, rank
+        # Fully sharded column layers split A's rank, row layers B's output, over TP.
+        r_col = _divide(R, tp, "--max-lora-rank") if fully_sharded else R
+        if self.kind is Kind.QKV:
+            q, kv = self.out_sizes[0], self.kv_heads * self.head_dim
+            kv_rank = (self.kv_heads // tp if tp <= self.kv_heads else 1) * self.head_dim
+            outs = (_divide(q, tp, self.path), kv_rank if kv else 0, kv_rank if kv else 0)
+            return ([("lora_a", (L, 1, r_col, self.in_size))] * 3
+                    + [("lora_b", (L, 1, o, R)) for o in outs])
+        if self.kind is Kind.COLUMN:
+            return ([("lora_a", (L, 1, r_col, self.in_size))] * len(self.out_sizes)
+                    + [("lora_b", (L, 1, _divide(o, tp, self.path), R))
+                       for o in self.out_sizes])
+        if self.kind is Kind.ROW:
+            out = self.out_sizes[0]
+            return [("lora_a", (L, 1, R, _divide(self.in_size, tp, self.path))),
+                    ("lora_b", (L, 1, _divide(out, tp, self.path) if fully_sharded else out,
+                                R))]
+        if self.kind is Kind.REPLICATED:
+            return [("lora_a", (L, 1, R, self.in_size)), ("lora_b", (L, 1, self.out_sizes[0], R))]
+        if self.kind is Kind.EMBEDDING:
+            # A is the vocabulary by rank (one row per token id), not split over TP.
+            return [("lora_a", (L, self.in_size, R)), ("lora_b", (L, 1, self.out_sizes[0], R))]
+        if self.kind is Kind.LOGITS:
+            return [("lora_a", (L, 1, R, self.in_size)), ("lora_b", (L, 1, self.out_sizes[0], R))]
+        E, H = self.experts, self.in_size
+        ffn = _divide(self.out_sizes[0], tp, self.path)
+        h_out = _divide(H, tp, self.path) if fully_sharded else H
+        w13 = ([("w13_lora_a", (L, E, r_col, H))] * 2 + [("w13_lora_b", (L, E, ffn, R))] * 2
+               if self.kind is Kind.EXPERTS else
+               [("w13_lora_a", (L, E, r_col, H)), ("w13_lora_b", (L, E, 2 * ffn, R))])
+        return w13 + [("w2_lora_a", (L, E, R, ffn)), ("w2_lora_b", (L, E, h_out, R))]
+
+    def layer_bytes(self, max_loras: int, rank: int, tp: int, fully_sharded: bool,
+                    elem_bytes: int) -> int:
+        return sum(math.prod(s) for _, s in self.buffers(max_loras, rank, tp, fully_sharded)
+                   ) * elem_bytes
+
+    def adapter_elements(self, names: set[str], rank: int) -> int:
+        """Elements one adapter's own A and B take for this module on one layer at `rank`,
+        for the leaf names it has (unsharded: what the host cache holds)."""
+        if self.kind in (Kind.EXPERTS, Kind.EXPERTS_3D):
+            h, ffn = self.in_size, self.out_sizes[0]
+            # Per expert: gate and up A [r, h] and B [ffn, r] (one A for the fused 3-D gate_up),
+            # down A [r, ffn] and B [h, r].
+            a_in = 2 * h if self.kind is Kind.EXPERTS else h
+            return self.experts * rank * (a_in + 2 * ffn + ffn + h) if names else 0
+        outs = self._slice_outs()
+        total = 0
+        for name, out in zip(self._slice_names(), outs, strict=True):
+            if name in names:
+                total += rank * (self.in_size + out)
+        return total
+
+    def _slice_names(self) -> tuple[str, ...]:
+        if self.kind is Kind.QKV:
+            return self.adapter_names
+        if self.kind is Kind.COLUMN and len(self.adapter_names) == len(self.out_sizes):
+            return self.adapter_names
+        # One adapter name over several slices (Qwen3.5's in_proj_qkv over q, k, v).
+        return tuple(self.adapter_names[0] if len(self.adapter_names) == 1 else
+                     _spread(self.adapter_names, len(self.out_sizes))[i]
+                     for i in range(len(self.out_sizes)))
+
+    def _slice_outs(self) -> tuple[int, ...]:
+        if self.kind is Kind.QKV:
+            kv = self.kv_heads * self.head_dim
+            return (self.out_sizes[0], kv, kv)
+        return self.out_sizes
+
+
+def _spread(names: tuple[str, ...], slices: int) -> tuple[str, ...]:
+    """Qwen3.5's in_proj_qkvz: in_proj_qkv takes the first three slices, in_proj_z the last."""
+    return tuple(names[0] for _ in range(slices - 1)) + (names[-1],)
+
+
+def _divide(size: int, tp: int, what: str) -> int:
+    if size % tp:
+        raise UsageError(f"--tp {tp} does not divide {what} ({size}): vLLM cannot shard it")
+    return size // tp
+
+
+# -- the model as vLLM builds it -----------------------------------------------------------------
+
+
+def raw_text_config(model: ModelConfig) -> dict[str, Any]:
+    """The config.json behind `model` (its text part), for the keys ModelConfig does not keep
+    (dtype, the GDN convolution width): the preset's, or the file's; {} for a hub id."""
+    preset = find_preset(model.source) if model.source else None
+    raw: Any = preset.config if preset is not None else {}
+    path = Path(model.source) if model.source and preset is None else None
+    if path is not None and path.is_file():
+        raw = load_json(path, path.read_bytes(), "JSON config")
+    if not isinstance(raw, dict):
+        return {}
+    text = raw.get("text_config")
+    return {**raw, **text} if isinstance(text, dict) else raw
+
+
+def engine_modules(model: ModelConfig) -> list[EngineModule]:
+    """Every module vLLM 0.32 wraps for LoRA in `model` (with no --lora-target-modules), one
+    entry per (path, kind) with the layers it sits on."""
+    H, hd = model.hidden_size, model.head_dim
+    full = tuple(model.full_attention_layers)
+    linear = tuple(model.linear_attention_layers)
+    moe = tuple(model.moe_layers)
+    dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)
+    gate = 2 if model.attn_gated else 1
+    q = model.num_attention_heads * hd
+    out: list[EngineModule] = [
+        EngineModule("self_attn.qkv_proj", Kind.QKV, full, H, (gate * q,),
+                     ("q_proj", "k_proj", "v_proj"), head_dim=hd,
+                     kv_heads=model.num_key_value_heads),
+        EngineModule("self_attn.o_proj", Kind.ROW, full, q, (H,), ("o_proj",)),
+    ]
+    if linear:
+        kd = model.linear_num_key_heads * model.linear_key_head_dim
+        vd = model.linear_value_width
+        nv = model.linear_num_value_heads
+        conv = raw_text_config(model).get("linear_conv_kernel_dim") or DEFAULT_CONV_KERNEL
+        if model.model_type == "qwen3_next":
+            # One fused, head-interleaved output each (gqa_interleaved_layout).
+            out += [EngineModule("linear_attn.in_proj_qkvz", Kind.COLUMN, linear, H,
+                                 (2 * kd + 2 * vd,), ("in_proj_qkvz",)),
+                    EngineModule("linear_attn.in_proj_ba", Kind.COLUMN, linear, H, (2 * nv,),
+                                 ("in_proj_ba",))]
+        else:
+            out += [EngineModule("linear_attn.in_proj_qkvz", Kind.COLUMN, linear, H,
+                                 (kd, kd, vd, vd), ("in_proj_qkv", "in_proj_z")),
+                    EngineModule("linear_attn.in_proj_ba", Kind.COLUMN, linear, H, (nv, nv),
+                                 ("in_proj_b", "in_proj_a"))]
+        # The short convolution is a ColumnParallelLinear over the kernel taps: vLLM wraps it
+        # like any other linear layer although no PEFT adapter can target it as one.
+        out += [EngineModule("linear_attn.conv1d", Kind.COLUMN, linear, int(conv),
+                             (2 * kd + vd,), ("conv1d",)),
+                EngineModule("linear_attn.out_proj", Kind.ROW, linear, vd, (H,), ("out_proj",))]
+    if dense:
+        ffn = model.intermediate_size
+        out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, dense, H, (ffn, ffn),
+                             ("gate_proj", "up_proj")),
+                EngineModule("mlp.down_proj", Kind.ROW, dense, ffn, (H,), ("down_proj",))]
+    if moe:
+        E = model.num_experts
+        experts = Kind.EXPERTS_3D if model.model_type == "qwen3_5_moe" else Kind.EXPERTS
+        # vLLM's Mixtral keeps transformers 4's block name, and its LoRA loader renames no
+        # module: PEFT's transformers-5 `mlp.gate` / `mlp.experts` weights match nothing.
+        block = "block_sparse_moe" if model.model_type == "mixtral" else "mlp"
+        out += [EngineModule(f"{block}.gate", Kind.REPLICATED, moe, H, (E,), ("gate",)),
+                EngineModule(f"{block}.experts", experts, moe, H,
+                             (model.expert_intermediate_size,), ("experts",), experts=E)]
+        shared = model.shared_expert_intermediate_size
+        if shared:
+            out += [EngineModule("mlp.shared_expert.gate_up_proj", Kind.COLUMN, moe, H,
+                                 (shared, shared), ("gate_proj", "up_proj")),
+                    EngineModule("mlp.shared_expert.down_proj", Kind.ROW, moe, shared, (H,),
+                                 ("down_proj",)),
+                    EngineModule("mlp.shared_expert_gate", Kind.REPLICATED, moe, H, (1,),
+                                 ("shared_expert_gate",))]
+    V = model.vocab_size
+    if model.model_type in EMBEDDING_LORA_TYPES:
+        out += [EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)),
+                EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",))]
+    return [m for m in out if m.layers or m.top_level]
+
+
+def expected_names(modules: list[EngineModule]) -> set[str]:
+    """The leaf names vLLM accepts in an adapter's tensor names for this model."""
+    return {n for m in modules for n in m.adapter_names}
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The vLLM serve flags that change a verdict or the LoRA memory."""
+
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    tp: int = 1
+    fully_sharded: bool = False
+    # --lora-target-modules; None: every LoRA-capable module (vLLM's default).
+    target_modules: tuple[str, ...] | None = None
+    dtype: str = "auto"
+    lora_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise UsageError(f"--max-rank {self.max_lora_rank}: vLLM's --max-lora-rank takes "
+                             f"only {', '.join(map(str, MAX_LORA_RANKS))}")
+        if self.max_loras < 1 or self.tp < 1:
+            raise UsageError("--max-loras and --tp must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise UsageError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras "
+                             f"{self.max_loras}; vLLM refuses that")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise UsageError(f"--lora-dtype {self.lora_dtype!r}: one of "
+                             f"{', '.join(LORA_DTYPES)}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    def model_dtype(self, model: ModelConfig) -> str:
+        """`--dtype auto`: the config's dtype, float32 cast down to bfloat16 (the GPU build's
+        first choice); a config without one reads as float32, so bfloat16 too."""
+        if self.dtype != "auto":
+            return self.dtype
+        raw = raw_text_config(model)
+        stated = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        return stated if stated in ("float16", "bfloat16") else "bfloat16"
+
+    def resolved_lora_dtype(self, model: ModelConfig) -> str:
+        """`--lora-dtype auto` is the model's dtype."""
+        return self.model_dtype(model) if self.lora_dtype == "auto" else self.lora_dtype
+
+    def record(self, model: ModelConfig) -> dict[str, Any]:
+        return {"max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras,
+                "max_cpu_loras": self.cpu_loras, "tensor_parallel_size": self.tp,
+                "fully_sharded_loras": self.fully_sharded,
+                "lora_target_modules": list(self.target_modules) if self.target_modules
+                else None, "dtype": self.model_dtype(model),
+                "lora_dtype": self.resolved_lora_dtype(model)}
+
+    def wraps(self, module: EngineModule) -> bool:
+        """vLLM's `is_in_target_modules`: a module is wrapped when its name, or one of the
+        adapter names packed into it, is among --lora-target-modules."""
+        if self.target_modules is None:
+            return True
+        chosen = set(self.target_modules)
+        return module.name in chosen or any(n in chosen for n in module.adapter_names)
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Memory:
+    """vLLM's LoRA allocation on one GPU for a model and flags."""
+
+    model: ModelConfig
+    flags: Flags
+    # (module, bytes over its layers) for every wrapped module.
+    per_module: list[tuple[EngineModule, int]]
+    host_cache_bytes: int
+    budget_bytes: int | None = None
+
+    @classmethod
+    def of(cls, model: ModelConfig, flags: Flags, adapters: list[AdapterReport] | None = None,
+           budget_bytes: int | None = None) -> Memory:
+        elem = DTYPE_BYTES[flags.resolved_lora_dtype(model)]
+        wrapped = [m for m in engine_modules(model) if flags.wraps(m)]
+        per_module = [(m, m.layer_bytes(flags.max_loras, flags.max_lora_rank, flags.tp,
+                                        flags.fully_sharded, elem) * max(1, len(m.layers)))
+                      for m in wrapped]
+        if adapters:
+            sizes = sorted((host_bytes(model, a, elem) for a in adapters), reverse=True)
+            # The host cache holds up to max_cpu_loras adapters, each at its own ranks and
+            # unsharded (every TP worker loads the whole adapter, then slices it).
+            host = sum(sizes[: flags.cpu_loras])
+        else:
+            one = sum(m.adapter_elements(set(m.adapter_names), flags.max_lora_rank)
+                      * max(1, len(m.layers)) for m in wrapped) * elem
+            host = one * flags.cpu_loras
+        return cls(model, flags, per_module, host, budget_bytes)
+
+    @property
+    def lora_bytes(self) -> int:
+        return sum(b for _, b in self.per_module)
+
+    @property
+    def slot_bytes(self) -> int:
+        """One adapter slot: every buffer's leading dimension is max_loras."""
+        return self.lora_bytes // self.flags.max_loras
+
+    @property
+    def max_loras_fit(self) -> int | None:
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes // self.slot_bytes if self.slot_bytes else None
+
+    def record(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {
+            "name": NAME, "version": VERSION, "build": "gpu",
+            "flags": self.flags.record(self.model), "lora_bytes": self.lora_bytes,
+            "slot_bytes": self.slot_bytes, "host_cache_bytes": self.host_cache_bytes,
+            "per_gpu": True,
+            "modules": [{"module": m.path, "kind": m.kind.value, "layers": len(m.layers),
+                         "bytes": b, "buffers": [[n, list(s)] for n, s in m.buffers(
+                             self.flags.max_loras, self.flags.max_lora_rank, self.flags.tp,
+                             self.flags.fully_sharded)]}
+                        for m, b in self.per_module],
+        }
+        if self.budget_bytes is not None:
+            rec["budget_bytes"] = self.budget_bytes
+            rec["max_loras_fit"] = self.max_loras_fit
+            rec["budget_left_bytes"] = self.budget_bytes - self.lora_bytes
+        return rec
+
+
+def host_bytes(model: ModelConfig, report: AdapterReport, elem_bytes: int) -> int:
+    """Bytes one adapter takes in vLLM's host cache: every LoRA tensor of its file, cast to
+    the LoRA dtype (vLLM keeps even weights it will not apply)."""
+    tensors = report.adapter.header.tensors
+    return sum(math.prod(t.shape) for t in tensors.values()) * elem_bytes
