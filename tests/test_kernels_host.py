@@ -24,6 +24,7 @@ from metrale_cli.ops import host_harness, kernels, reference
 from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
+    FUSED_CASES,
     SGMV_CASES,
     Case,
     check_t,
@@ -295,15 +296,8 @@ def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
 
 
 
-# Fused slices of one x (q, k, v at different widths): the mixed case's skips, and a long K over
-# two tokens that the planner splits, so that the fused shrink's atomics add each slice into its
-# own t plane.
-FUSED = [(BGMV_CASES[0], (72, 16, 40)),
-         (Case("split_k", 2, 16384, 64, 16, [16, 9], slots=[1, 0]), (64, 24))]
-
-
 @pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
-@pytest.mark.parametrize(("case", "widths"), FUSED, ids=[c.name for c, _ in FUSED])
+@pytest.mark.parametrize(("case", "widths"), FUSED_CASES, ids=[c.name for c, _ in FUSED_CASES])
 def test_fused_slices_match_reference_per_slice(case: Case, widths: tuple[int, ...],
                                                 y_dtype: torch.dtype) -> None:
     pools = [make_pool(case.in_dim, width, case.max_rank, case.ranks, case.absent, seed)
@@ -328,7 +322,7 @@ def test_fused_slices_match_reference_per_slice(case: Case, widths: tuple[int, .
 
 
 def test_fused_slices_are_one_shrink_and_one_expand_launch() -> None:
-    case, widths = FUSED[0]
+    case, widths = FUSED_CASES[0]
     pools = [make_pool(case.in_dim, width, case.max_rank, case.ranks, case.absent, seed)
              for seed, width in enumerate(widths)]
     a_tables = torch.stack([pool.tables()[0] for pool in pools])
