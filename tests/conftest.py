@@ -5,6 +5,9 @@
 - `nvcc`-marked tests (the kernels' nvcc compiles and their SASS checks) skip where the CUDA
   compiler is absent; --require-nvcc turns that into a failure, as .ci/run does, so CI compiles
   every kernel. A test that needs more (nvdisasm) skips itself with the reason.
+- `vllm`-marked tests (the engine verdicts against the real vLLM) skip where the vLLM venv
+  (`.venv-vllm`, `make vllm`) is absent; --require-vllm turns that into a failure, as .ci/run
+  does, so CI runs the real engine.
 - The hypothesis profile every property test runs under (fixed examples under CI).
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,6 +36,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
                                      else "metrale"))
 
 
+# The vLLM venv `make test` builds beside .venv (Makefile VLLM_VENV).
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--require-gpu",
@@ -45,6 +53,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="fail, rather than skip, tests marked nvcc (or their tools) when nvcc is absent",
     )
+    parser.addoption(
+        "--require-vllm",
+        action="store_true",
+        default=False,
+        help="fail, rather than skip, tests marked vllm when the vLLM venv (.venv-vllm) is "
+        "absent",
+    )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -52,6 +67,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if item.config.getoption("--require-nvcc"):
             pytest.fail("--require-nvcc was given but nvcc is not on PATH", pytrace=False)
         pytest.skip("needs nvcc (the CUDA toolkit) on PATH")
+    if item.get_closest_marker("vllm") is not None and not VLLM_PYTHON.exists():
+        if item.config.getoption("--require-vllm"):
+            pytest.fail(f"--require-vllm was given but {VLLM_PYTHON} is absent (make vllm)",
+                        pytrace=False)
+        pytest.skip(f"needs the vLLM venv: {VLLM_PYTHON} (make vllm)")
     if item.get_closest_marker("gpu") is None:
         return
     from metrale_cli import compat

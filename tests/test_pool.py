@@ -146,7 +146,7 @@ def test_slot_manager(tiny: dict[str, Path]) -> None:
     slots.rotate(3)
     assert slots.active == 3 and slots.slot_info(3).generation == 1
     assert slots.adapter_id_for_slot(-1) == adapter_id_hash("d", 1)
-    assert slots.adapter_id_for_slot(99) == 0 and slots.adapter_id_for_slot(-2) == 0
+    assert slots.adapter_id_for_slot(99) == 0
     # A swap zeroes the stale modules: c adapts only q_proj/out_proj.
     pool.swap_in(1, c)
     i = layout.index[(1, LoraModule.K_PROJ)]

@@ -145,9 +145,11 @@ def test_minus_one_is_the_active_slot() -> None:
     assert m.ref_count(-1) == 1 and m.slot_info(-1).name == "b"
     m.release_slot(-1)
     assert m.ref_count(1) == 0
-    # adapter_id_for_slot: out of range is the base model, not an error (the serving rule).
-    assert m.adapter_id_for_slot(-1) == adapter_id_hash("b", 0)
-    assert m.adapter_id_for_slot(-2) == m.adapter_id_for_slot(4) == 0
+    # adapter_id_for_slot follows the seed: any negative slot is the active one, and a slot
+    # past the end is the base model, not an error (the serving rule).
+    for negative in (-1, -2, -(2**31)):
+        assert m.adapter_id_for_slot(negative) == adapter_id_hash("b", 0)
+    assert m.adapter_id_for_slot(4) == m.adapter_id_for_slot(99) == 0
     assert m.adapter_id_for_slot(2) == 0  # a placeholder
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from metrale_cli.errors import UsageError
 from metrale_cli.pool.slots import AdapterSlot, SlotManager
-from metrale_cli.sim.simulate import Replay, SwapCost
+from metrale_cli.sim.replay import Replay, SwapCost
 from metrale_cli.sim.workload import GeneratorSpec, generate
 
 SIZES = (64, 4096)
@@ -97,6 +97,31 @@ def simulate_req_per_s(n: int, requests: int, paging: bool) -> float:
     return requests / seconds
 
 
+SWEEP_SIZES = 1_000  # the most a --max-loras sweep takes (cli.parsing.MAX_SIZES)
+SWEEP_ADAPTERS = 100_000
+
+
+def lru_sweep_seconds(requests: int) -> tuple[float, float]:
+    """(one paging LRU replay, the one-pass sweep over SWEEP_SIZES sizes) in seconds, on
+    `requests` zipf(0.8) requests over SWEEP_ADAPTERS adapters; the sweep's size is checked
+    against the replay."""
+    workload = generate(GeneratorSpec("zipf", requests, adapters=SWEEP_ADAPTERS, zipf_s=0.8,
+                                      input_range=(0, 0), output_range=(0, 0)))
+    replay = Replay(workload, np.zeros(requests), SwapCost(1 << 20, 25e9, 10e-6, "bench"))
+    step = SWEEP_ADAPTERS // SWEEP_SIZES
+    sizes = list(range(step, SWEEP_ADAPTERS + 1, step))
+    started = time.perf_counter()
+    swept = replay.lru_sweep(sizes)
+    sweep_s = time.perf_counter() - started
+    started = time.perf_counter()
+    one = replay.run("lru", sizes[9], detail=False)
+    replay_s = time.perf_counter() - started
+    if (one.hits, one.misses) != (swept[9].hits, swept[9].misses):
+        raise UsageError(f"bench slots: the LRU sweep gave {swept[9].misses} misses at "
+                         f"{sizes[9]} slots, the replay {one.misses}")
+    return replay_s, sweep_s
+
+
 def run(requests: int = 200_000, cycles: int = 100_000, repeats: int = 3) -> dict[str, Any]:
     """Victim cycles in alternating chunks, then `repeats` simulator runs per size and mode,
     sizes interleaved, best of each: machine noise slows both sizes, not one."""
@@ -118,6 +143,12 @@ def run(requests: int = 200_000, cycles: int = 100_000, repeats: int = 3) -> dic
         "scan_ns": {str(n): best_scan[n] for n in SIZES},
         "scan_ratio": best_scan[hi] / best_scan[lo],
     }
+    replay_s, sweep_s = min((lru_sweep_seconds(requests) for _ in range(repeats)),
+                            key=lambda t: t[1])
+    out["lru_sweep"] = {"sizes": SWEEP_SIZES, "adapters": SWEEP_ADAPTERS, "replay_s": replay_s,
+                        "sweep_s": sweep_s,
+                        # A sweep replayed size by size over the time of one pass: the speed-up.
+                        "speedup": SWEEP_SIZES * replay_s / sweep_s}
     for paging, mode in ((True, "paging"), (False, "concurrent")):
         best = {n: float(np.max(sims[(n, paging)])) for n in SIZES}
         out[f"simulate_{mode}_req_per_s"] = {str(n): best[n] for n in SIZES}

@@ -72,3 +72,34 @@ OnlineOpt = Annotated[bool, typer.Option(
 def online_on(flag: bool) -> bool:
     """The hub opt-in: --online or METRALE_ONLINE=1."""
     return flag or env.online()
+
+
+ENGINE = typer.Option(
+    "--engine", help="Whose answer: metrale (its own pool, the default) or vllm (what vLLM "
+    "0.32.0 does with the adapters, its flags and LoRA memory; docs/engines.md).")
+EngineOpt = Annotated[str, ENGINE]
+DtypeOpt = Annotated[str | None, typer.Option(
+    "--dtype", help="With --engine vllm: vLLM's --dtype (auto, float16, bfloat16, float32); "
+    "auto reads the model's config.")]
+LoraDtypeOpt = Annotated[str | None, typer.Option(
+    "--lora-dtype", help="With --engine vllm: vLLM's --lora-dtype (auto, float16, bfloat16); "
+    "auto is the model's dtype.")]
+MaxCpuLorasOpt = Annotated[int | None, typer.Option(
+    "--max-cpu-loras", help="With --engine vllm: vLLM's --max-cpu-loras, the host cache of "
+    "adapters (default: --max-loras).")]
+
+
+def engine_name(engine: str) -> str:
+    """--engine, checked against the engines metrale answers for."""
+    from metrale_cli.engines import ENGINES
+
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
+    return engine
+
+
+def vllm_only(engine: str, **given: object) -> None:
+    """Options that mean something only to vLLM, refused on the metrale engine by name."""
+    named = [name for name, value in given.items() if value not in (None, False)]
+    if engine != "vllm" and named:
+        raise UsageError(f"{', '.join(named)} need --engine vllm")

@@ -11,6 +11,10 @@ from metrale_cli.errors import UsageError
 if TYPE_CHECKING:
     from metrale_cli.model.modules import LoraModule
 
+if TYPE_CHECKING:
+    from metrale_cli.sim.replay import Link
+    from metrale_cli.sim.trace_formats import Assign
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -100,3 +104,60 @@ def parse_token_range(option: str, text: str) -> tuple[int, int]:
     if len(values) != 2:
         raise UsageError(f"{option}: expected LO,HI or N, got {text!r}")
     return values[0], values[1]
+
+
+def parse_assign(text: str, adapters: int, seed: int) -> Assign:
+    """`zipf:1.5`, `zipf` (s = 1.5) or `uniform`: adapters for a trace that names none."""
+    from metrale_cli.sim.trace_formats import Assign  # NumPy: not at --help
+
+    kind, _, s = text.strip().lower().partition(":")
+    if kind == "zipf":
+        try:
+            zipf_s = float(s) if s else 1.5
+        except ValueError:
+            raise UsageError(f"--assign: {text!r}: zipf:S needs a number S, like zipf:1.5") \
+                from None
+        return Assign("zipf", adapters, seed, zipf_s)
+    if s:
+        raise UsageError(f"--assign: {text!r}: only zipf takes a parameter")
+    return Assign(kind, adapters, seed)
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """`64,32,16,8` (cycled by adapter index) or an S-LoRA setting `slora:S2`."""
+    from metrale_cli.sim.workload import SLORA_RANKS  # NumPy: not at --help
+
+    key = text.strip()
+    if key.lower().startswith("slora:"):
+        setting = key[6:].strip().upper()
+        if setting not in SLORA_RANKS:
+            raise UsageError(f"--ranks: S-LoRA settings are {', '.join(SLORA_RANKS)}, got "
+                             f"{key[6:]!r}")
+        return SLORA_RANKS[setting]
+    try:
+        ranks = tuple(int(p) for p in key.split(","))
+    except ValueError:
+        raise UsageError(f"--ranks: expected ranks like 64,32,16,8 or slora:S2, got "
+                         f"{text!r}") from None
+    positive("--ranks", *ranks)
+    return ranks
+
+
+def parse_bandwidth(text: str, option: str = "--bandwidth") -> Link:
+    """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
+    the link, with the preset's per-swap latency (0 for a figure)."""
+    from metrale_cli.sim.replay import BANDWIDTHS, Link  # NumPy: not at --help
+
+    key = text.strip().lower()
+    if key in BANDWIDTHS:
+        return Link.preset(key)
+    if not key.endswith("/s"):
+        raise UsageError(f"{option}: {text!r} is neither a preset "
+                         f"({', '.join(BANDWIDTHS)}) nor a figure like 25GB/s")
+    try:
+        bytes_per_s = parse_size(key[:-2])
+    except UsageError as exc:
+        raise UsageError(f"{option}: {exc}") from None
+    if bytes_per_s <= 0:
+        raise UsageError(f"{option} must be positive, got {text!r}")
+    return Link(text.strip(), float(bytes_per_s), 0.0)

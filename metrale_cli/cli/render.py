@@ -450,8 +450,29 @@ def simulate_view(record: dict[str, Any]) -> Group:
     head.add_row("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
                  f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
                  f"max rank {lay['max_rank']})")
+    links = swap["links"]
     head.add_row("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
-                 f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us)")
+                 f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us), "
+                 + ("one load at a time per GPU" if links == 1 else f"{links} loads at a time "
+                    "per GPU"))
+    if record["host"]:
+        host = record["host"]
+        head.add_row("host", f"{host['slots']:,} adapters in host memory (an LRU, up to "
+                     f"{human_bytes(host['host_bytes'])}); a host miss reads over "
+                     f"{host['bandwidth']} ({host['bytes_per_s'] / 1e9:g} GB/s + "
+                     f"{1e6 * host['latency_s']:g} us)")
+    if record["admission"] == "skip":
+        head.add_row("admission", "skip: a request whose adapter cannot be placed waits while "
+                     "later ones whose adapter is resident (or loading) go ahead")
+    if record["routing"]:
+        routing = record["routing"]
+        head.add_row("replicas", f"{routing['replicas']}, {routing['route']} routing: each "
+                     "replica has its own pool of each size below (pool GiB per replica); the "
+                     "figures are totals")
+    if w.get("adapter_ranks"):
+        head.add_row("ranks", ", ".join(f"{n:,} at rank {r}" for r, n in
+                                        w["adapter_ranks"].items())
+                     + f": a load moves rank/{lay['max_rank']} of a slot")
     if record["pinned"]:
         head.add_row("pinned", f"{len(record['pinned'])}: {', '.join(record['pinned'][:8])}"
                      + (" ..." if len(record["pinned"]) > 8 else ""))
@@ -478,6 +499,10 @@ def simulate_view(record: dict[str, Any]) -> Group:
             human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
             *vs_min, pool)
     parts: list[Any] = [head, table]
+    for extra in (_loads_table(record), _serving_table(record), _spread_table(record),
+                  _max_rank_table(record)):
+        if extra is not None:
+            parts.append(extra)
     if record["targets"]:
         t = record["targets"]
         want = " and ".join(x for x in (
@@ -488,13 +513,126 @@ def simulate_view(record: dict[str, Any]) -> Group:
                 line = (f"{s['policy']}: no size in {record['sizes'][0]}..{record['sizes'][-1]}"
                         f" reaches {want}")
             else:
-                line = (f"{s['policy']}: {s['max_loras']} slots reach {want}: "
-                        f"{human_bytes(s['pool_bytes'])} of pool")
+                line = (f"{s['policy']}: {s['max_loras']} slots and every larger size reach "
+                        f"{want}: {human_bytes(s['pool_bytes'])} of pool")
                 if s["fits_budget"] is not None:
                     fits = "fits" if s["fits_budget"] else "does NOT fit"
                     line += f", {fits} the {human_bytes(record['budget_bytes'])} budget"
             parts.append(Text(line))
+            if s["first_meeting"] is not None and s["first_meeting"] != s["max_loras"]:
+                parts.append(Text(f"  not monotonic: {s['first_meeting']} slots meet it, a "
+                                  "larger size does not"))
+            elif not s["monotonic"]:
+                parts.append(Text("  not monotonic: more slots do worse somewhere"))
     return Group(*parts)
+
+
+def _loads_table(record: dict[str, Any]) -> Table | None:
+    """Where loads came from, beside the main table (which 80 columns must hold): delayed hits
+    (requests that waited for another's load), and with a host tier its hits and disk reads."""
+    delayed = any(r["delayed_hits"] for r in record["results"])
+    tiered = record["host"] is not None
+    replicated = record["routing"] is not None
+    if not delayed and not tiered and not replicated:
+        return None
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    names = ["policy", "slots", "delayed\nhits", "GiB\nto GPU", "link\nwait"]
+    if tiered:
+        names += ["from\nhost", "from\ndisk", "GiB\nfrom disk"]
+    if replicated:
+        names += ["hit % by\nreplica"]
+    for name in names:
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        row = [r["policy"], str(r["max_loras"]), f"{r['delayed_hits']:,}",
+               f"{r['bytes_moved'] / 2**30:,.2f}", human_seconds(r["link_wait_s"])]
+        if tiered:
+            row += [f"{r['host_hits']:,}", f"{r['host_misses']:,}",
+                    f"{r['host_bytes_moved'] / 2**30:,.2f}"]
+        if replicated:
+            row.append(" ".join(f"{100 * x['hit_rate']:.1f}" for x in r["replicas"]))
+        table.add_row(*row)
+    return table
+
+
+def _serving_table(record: dict[str, Any]) -> Table | None:
+    """Concurrent mode: time to first token, adapter requests apart from base-model ones, and
+    throughput per result."""
+    if record["mode"] != "concurrent":
+        return None
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
+    for name in ("policy", "slots", "TTFT p50\nadapter", "TTFT p99\nadapter", "TTFT p50\nbase",
+                 "TTFT p99\nbase", "req/s"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+
+    def seconds(x: float | None) -> str:
+        return "-" if x is None else human_seconds(x)
+
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        table.add_row(r["policy"], str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
+                      seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
+                      seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}")
+    return table
+
+
+def _max_rank_table(record: dict[str, Any]) -> Table | None:
+    """Adapters of their own ranks: per lower max rank, the slot, the slots a --budget holds,
+    and who is shut out."""
+    options = record["max_rank_options"]
+    if not options:
+        return None
+    budget = record["budget_bytes"]
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD,
+                  title="a lower max rank: smaller slots, and the adapters above it shut out",
+                  title_justify="left")
+    names = ["max rank", "slot", *(["slots in\nbudget"] if budget is not None else []),
+             "adapters\nshut out", "requests\nshut out"]
+    for name in names:
+        table.add_column(name, justify="right", no_wrap=True, header_style="bold")
+    requests = record["workload"]["adapter_requests"] or 1
+    for o in options:
+        out = o["requests_shut_out"]
+        table.add_row(str(o["max_rank"]), human_bytes(o["slot_bytes"] + o["expert_slot_bytes"]),
+                      *([f"{o['slots_in_budget']:,}"] if budget is not None else []),
+                      f"{o['adapters_shut_out']:,}", f"{out:,} ({100 * out / requests:.1f}%)")
+    return table
+
+
+def _spread_table(record: dict[str, Any]) -> Table | None:
+    """With --seeds: each result's hit rate, misses and p99 added latency as min/median/max over
+    the seeds."""
+    if not record["seeds"]:
+        return None
+    seeds = record["seeds"]
+    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD,
+                  title=f"over {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): min/median/max",
+                  title_justify="left")
+    for name in ("policy", "slots", "hit %", "misses", "added p99"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
+                         header_style="bold")
+    previous = None
+    for r in record["results"]:
+        if previous is not None and r["policy"] != previous:
+            table.add_section()
+        previous = r["policy"]
+        spread = r["spread"]
+        hit, miss, p99 = spread["hit_rate"], spread["misses"], spread["added_latency_p99_s"]
+        table.add_row(
+            r["policy"], str(r["max_loras"]),
+            "/".join(f"{100 * hit[k]:.2f}" for k in ("min", "median", "max")),
+            "/".join(f"{miss[k]:,.0f}" for k in ("min", "median", "max")),
+            "/".join(human_seconds(p99[k]) for k in ("min", "median", "max")))
+    return table
 
 
 def bench_slots_view(record: dict[str, Any]) -> Text:
@@ -512,6 +650,10 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
         lines.append(
             f"simulate, {mode}, every request a miss: {rps[lo]:,.0f} req/s at {lo} slots, "
             f"{rps[hi]:,.0f} at {hi}: cost per request x{ratio:.2f}")
+    sweep = record["lru_sweep"]
+    lines.append(f"lru sweep, paging, {sweep['sizes']:,} sizes over {sweep['adapters']:,} "
+                 f"adapters: {sweep['sweep_s']:.2f} s in one pass, {sweep['replay_s']:.2f} s "
+                 f"per size replayed: x{sweep['speedup']:,.0f}")
     return Text("\n".join(lines))
 
 
@@ -620,3 +762,104 @@ def verify_view(record: dict[str, Any]) -> Group:
                       f"{record['seconds']:.3f} s"
                       + (f" ({rate:.2f} GB/s)" if rate is not None else "")))
     return Group(*lines)
+
+
+# -- --engine vllm ------------------------------------------------------------------------------
+
+VERDICT_STYLE = {"serves": "bold green", "differs": "bold yellow", "ignores": "bold yellow",
+                 "refuses": "bold red", "crashes": "bold red", "unsupported_model": "bold red"}
+
+
+def engine_inspect_view(record: dict[str, Any]) -> Group:
+    """`metrale inspect --engine vllm`: its record, a panel per adapter with vLLM's verdict and
+    modules, then the recommended flags and a ready `vllm serve`."""
+    engine = record["engine"]
+    parts: list[Any] = [Text(model_line(record["model"]), style="bold"),
+                        Text(f"vLLM {engine['version']} (GPU build), flags "
+                             f"{engine['flags_source']}: {_flag_line(engine['flags'])}",
+                             style="dim")]
+    for adapter in record["adapters"]:
+        v = adapter["engine"]
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="dim")
+        grid.add_column()
+        grid.add_row("verdict", Text(v["verdict"], style=VERDICT_STYLE[v["verdict"]]))
+        grid.add_row("reason", escape(v["reason"]))
+        for where, other in v["elsewhere"].items():
+            label = {"offline": "offline LLM", "cpu_build": "CPU build"}.get(where, where)
+            grid.add_row(label, escape(f"{other['verdict']}: {other['reason']}"))
+        body: list[Any] = [grid]
+        if v["modules"]:
+            table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+            for column in ("module", "vLLM module", "layers", "served"):
+                table.add_column(column)
+            for m in v["modules"]:
+                table.add_row(m["module"], m["engine_module"] or "-",
+                              m["layer_ranges"] if m["layers"] else "-",
+                              "yes" if m["served"] else escape(f"no: {m['why']}"))
+            body.append(table)
+        parts.append(Panel(Group(*body), title=escape(adapter["name"]), title_align="left"))
+    rec = engine["recommended"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row("recommended", _flag_line(rec["flags"]))
+    grid.add_row("serve", escape(rec["serve"]))
+    grid.add_row("LoRA memory", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) "
+                 f"per GPU, {rec['slot_bytes']:,} B a slot; host cache "
+                 f"{human_bytes(rec['host_cache_bytes'])}")
+    for pad in rec["padding"]:
+        grid.add_row("padding", f"{escape(pad['adapter'])} leaves {pad['unused_bytes']:,} B "
+                     f"({pad['unused_share']:.1%}) of its slot unused")
+    lower = rec["lower_max_rank"]
+    if lower is not None:
+        grid.add_row("lower rank", f"--max-lora-rank {lower['max_lora_rank']} frees "
+                     f"{human_bytes(lower['frees_bytes'])} and shuts out "
+                     f"{escape(', '.join(lower['shuts_out'])) or 'no adapter'}")
+    if rec["fully_sharded_saves_bytes"]:
+        grid.add_row("fully sharded", f"--fully-sharded-loras saves "
+                     f"{human_bytes(rec['fully_sharded_saves_bytes'])} per GPU")
+    for line in rec["shut_out"]:
+        grid.add_row("left out", escape(line))
+    parts.append(grid)
+    return Group(*parts)
+
+
+def _flag_line(flags: dict[str, Any]) -> str:
+    targets = flags.get("lora_target_modules")
+    return (f"max_lora_rank {flags['max_lora_rank']}, max_loras {flags['max_loras']}, "
+            f"max_cpu_loras {flags['max_cpu_loras']}, tp {flags['tensor_parallel_size']}"
+            f"{', fully sharded' if flags['fully_sharded_loras'] else ''}, "
+            f"lora_dtype {flags['lora_dtype']}, target modules "
+            f"{', '.join(targets) if targets else 'all'}")
+
+
+def engine_layout_view(record: dict[str, Any]) -> Group:
+    """`metrale layout --engine vllm`: one GPU's vLLM LoRA buffers, as `layout` shows the
+    pool, from its record."""
+    rec = record["engine"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row("model", escape(model_line(record["model"])))
+    grid.add_row("engine", f"vLLM {rec['version']} (GPU build)")
+    grid.add_row("flags", _flag_line(rec["flags"]))
+    grid.add_row("LoRA buffers", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) "
+                 "per GPU")
+    grid.add_row("slot", f"{rec['slot_bytes']:,} B ({human_bytes(rec['slot_bytes'])}) per "
+                 "adapter slot")
+    grid.add_row("host cache", f"{rec['host_cache_bytes']:,} B "
+                 f"({human_bytes(rec['host_cache_bytes'])}) for "
+                 f"{rec['flags']['max_cpu_loras']} adapters, per TP worker")
+    if "budget_bytes" in rec:
+        grid.add_row("budget", f"{human_bytes(rec['budget_bytes'])} holds "
+                     f"{rec['max_loras_fit']:,} --max-loras")
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    for column, justify in (("module", "left"), ("kind", "left"), ("layers", "right"),
+                            ("bytes", "right"), ("%", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    total = rec["lora_bytes"] or 1
+    for m in rec["modules"]:
+        table.add_row(m["module"], m["kind"], str(m["layers"] or "-"), f"{m['bytes']:,}",
+                      f"{100 * m['bytes'] / total:.1f}")
+    return Group(grid, Text(""), table)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,6 +40,12 @@ def simulate(
     trace: Annotated[Path | None, typer.Option(
         "--trace", help="CSV or JSONL requests: timestamp, adapter (empty = base model), "
         "optional input_tokens, output_tokens, duration.")] = None,
+    trace_format: Annotated[str, typer.Option(
+        "--trace-format", help="metrale (default: the columns above), azure-llm (2023/2024), "
+        "burstgpt or azure-functions (2021).")] = "metrale",
+    assign: Annotated[str | None, typer.Option(
+        "--assign", help="Adapters for a trace that names none: zipf:1.5 or uniform over "
+        "--adapters, seeded by --seed.")] = None,
     workload: Annotated[str | None, typer.Option(
         "--workload", help="Generator when no --trace: zipf (default), uniform, distinct, "
         "identical or slora.")] = None,
@@ -48,6 +56,9 @@ def simulate(
     cv: Annotated[float, typer.Option("--cv", help="Coefficient of variation of the "
                                       "inter-arrival times (1 = Poisson).")] = 1.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    seeds: Annotated[int, typer.Option(
+        "--seeds", help="Run K seeds (--seed, --seed + 1, ...) and report each figure's "
+        "min/median/max.")] = 1,
     zipf_s: Annotated[float, typer.Option("--zipf-s", help="zipf exponent.")] = 1.5,
     alpha: Annotated[float, typer.Option("--alpha", help="slora power-law alpha (1 = "
                                          "uniform).")] = 1.0,
@@ -80,6 +91,26 @@ def simulate(
     swap_latency_ms: Annotated[float | None, typer.Option(
         "--swap-latency-ms", help="Per-swap latency; default the preset's (0 for a figure).")]
     = None,
+    links: Annotated[int, typer.Option(
+        "--links", help="Loads that run at once per GPU (default 1: loads queue on one link).")]
+    = 1,
+    host_slots: Annotated[int | None, typer.Option(
+        "--host-slots", help="A host tier of N adapters (an LRU, vLLM's --max-cpu-loras) in "
+        "front of the GPU slots; default none.")] = None,
+    host_bandwidth: Annotated[str, typer.Option(
+        "--host-bandwidth", help="What a host miss reads over: nvme (default), pcie4, ..., "
+        "or a figure.")] = "nvme",
+    admission: Annotated[str, typer.Option(
+        "--admission", help="fcfs (default: the head waits, all behind it too) or skip (later "
+        "requests whose adapter is resident go ahead, as vLLM's scheduler).")] = "fcfs",
+    replicas: Annotated[int, typer.Option(
+        "--replicas", help="Data-parallel replicas, each its own pool of each size.")] = 1,
+    route: Annotated[str, typer.Option(
+        "--route", help="How requests reach replicas: affinity (default), round-robin or "
+        "random (seeded by --seed).")] = "affinity",
+    ranks: Annotated[str | None, typer.Option(
+        "--ranks", help="Generated adapters' own ranks, cycled by adapter index: 64,32,16,8 "
+        "or an S-LoRA setting slora:S1..S4; default every adapter a full slot.")] = None,
     target_hit_rate: Annotated[float | None, typer.Option(
         "--target-hit-rate", help="Report the smallest size with at least this hit rate.")]
     = None,
@@ -100,7 +131,13 @@ def simulate(
     pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency.
     With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
     from metrale_cli.cli import render
-    from metrale_cli.cli.parsing import parse_size_list, parse_token_range
+    from metrale_cli.cli.parsing import (
+        parse_assign,
+        parse_bandwidth,
+        parse_ranks,
+        parse_size_list,
+        parse_token_range,
+    )
     from metrale_cli.files.atomic import check_output, output_path
     from metrale_cli.layout.pipeline import plan_pool
     from metrale_cli.sim import simulate as sim
@@ -128,35 +165,80 @@ def simulate(
     warn(planned.warnings)
     if trace is not None and workload is not None:
         raise UsageError("give --trace or --workload, not both")
+    if trace is not None and ranks is not None:
+        raise UsageError("--ranks is for generated workloads; a trace gives ranks in its "
+                         "rank column")
+    if trace is None and (assign is not None or trace_format != "metrale"):
+        raise UsageError("--trace-format and --assign are for --trace")
+    positive("--seeds", seeds)
+    if seeds > 1 and trace is not None and assign is None:
+        raise UsageError("--seeds needs a seeded workload: a generator, or a trace with "
+                         "--assign")
+    spec_tokens = (parse_token_range("--input-tokens", input_tokens),
+                   parse_token_range("--output-tokens", output_tokens),
+                   parse_ranks(ranks) if ranks is not None else ())
     if trace is not None:
-        requested = wl.read_trace(trace)
+        from metrale_cli.sim import trace_formats
+
+    def make(s: int, progress: Callable[[int, int], None] | None = None) -> wl.Workload:
+        """The workload under seed `s` (a generator's draw, or --assign's)."""
+        if trace is None:
+            return wl.generate(wl.GeneratorSpec(workload or "zipf", n_requests, n_adapters,
+                                                rate, cv, s, zipf_s, alpha, *spec_tokens))
+        if trace_format == "metrale":
+            if assign is not None:
+                raise UsageError("--assign is for trace formats that name no adapter")
+            return wl.read_trace(trace, progress)
+        return trace_formats.read_public_trace(
+            trace, trace_format, parse_assign(assign, n_adapters, s) if assign is not None
+            else None, progress)
+
+    if trace is not None and err().is_terminal and not json_out:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+        with Progress("reading", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                      console=err(), transient=True) as bar:
+            task = bar.add_task("read", total=None)
+            requested = make(seed, lambda done, total: bar.update(task, completed=done,
+                                                                  total=total))
     else:
-        requested = wl.generate(wl.GeneratorSpec(
-            workload or "zipf", n_requests, n_adapters, rate, cv, seed, zipf_s, alpha,
-            parse_token_range("--input-tokens", input_tokens),
-            parse_token_range("--output-tokens", output_tokens)))
+        requested = make(seed)
     if save_trace is not None:
         requested.save(save_trace, force)
     targets = (sim.Targets(target_hit_rate, target_p99_ms)
                if target_hit_rate is not None or target_p99_ms is not None else None)
+    link = parse_bandwidth(bandwidth)
+    if swap_latency_ms is not None:
+        link = dataclasses.replace(link, latency_s=swap_latency_ms / 1e3)
     options: dict[str, Any] = dict(
-        bandwidth=bandwidth, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
-        swap_latency_s=swap_latency_ms / 1e3 if swap_latency_ms is not None else None,
+        link=link, links=links, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
         max_concurrency=max_concurrency, pin=pin or (), pinned=pinned,
         policies=[p.strip() for p in policy.split(",") if p.strip()],
         sizes=parse_size_list("--max-loras", max_loras) if max_loras is not None else None,
         targets=targets,
-        budget_bytes=parse_size(budget) if budget is not None else None, shard=spec)
+        budget_bytes=parse_size(budget) if budget is not None else None, shard=spec,
+        host=(sim.HostTier(host_slots, parse_bandwidth(host_bandwidth, "--host-bandwidth"))
+              if host_slots is not None else None),
+        routing=sim.Routing(replicas, route, seed) if replicas != 1 or route != "affinity"
+        else None, admission=admission)
+
+    def simulate_all(progress: Callable[[int, int], None] | None) -> sim.Simulation:
+        if seeds == 1:
+            return sim.run(requested, *layouts, **options, progress=progress)
+        first = iter([requested])  # the first seed's workload is read already
+        return sim.run_seeds(lambda s: next(first, None) or make(s),
+                             [seed + k for k in range(seeds)], *layouts, progress=progress,
+                             **options)
+
     if err().is_terminal and not json_out:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
         with Progress("simulating", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=err(), transient=True) as bar:
             task = bar.add_task("simulate", total=None)
-            result = sim.run(requested, *layouts, **options,
-                             progress=lambda n, total: bar.update(task, advance=n, total=total))
+            result = simulate_all(lambda n, total: bar.update(task, advance=n, total=total))
     else:
-        result = sim.run(requested, *layouts, **options)
+        result = simulate_all(None)
     if plot_path is not None:
         sim.plot(result, plot_path, force)
     emit(result.record(), json_out, render.simulate_view)

@@ -8,8 +8,9 @@ and `metrale simulate` drives the very same class millions of times, so victim c
 with lazy deletion (O(log n) amortised), never a scan.
 
 The one slot-id rule (`resolve`): -1 is the active slot, `[0, max_loras)` is that slot, anything
-else is a `UsageError`. The one exception is `adapter_id_for_slot`, where a slot out of range
-means the base model (identity 0), as the serving side expects.
+else is a `UsageError`. The one exception is `adapter_id_for_slot`, which follows the seed: any
+negative slot is the active one, and a slot past the end means the base model (identity 0), as
+the serving side expects.
 """
 
 from __future__ import annotations
@@ -199,11 +200,12 @@ class SlotManager:
                     if st is SlotState.READY]
 
     def adapter_id_for_slot(self, slot: int) -> int:
-        """Cache identity of a request's `adapter_slot`: -1 is the active slot; `[0, max_loras)`
-        that slot. This is the one method where a slot out of range is not an error but the base
-        model (0), as for a placeholder or a loading slot."""
+        """Cache identity of a request's `adapter_slot`: any negative slot is the active one (the
+        seed's `if slot >= 0 { slot } else { active }`); `[0, max_loras)` that slot. This is the
+        one method where a slot out of range is not an error but the base model (0), as for a
+        placeholder or a loading slot."""
         with self._lock:
-            resolved = self._active if slot == -1 else slot
+            resolved = self._active if slot < 0 else slot
             if not 0 <= resolved < self._max_loras or self._state[resolved] is not SlotState.READY:
                 return 0
             s = self._slots[resolved]

@@ -1,89 +1,30 @@
-"""`metrale simulate`: replay a workload against the pool's own slot manager (`SlotManager`) for
-each policy and pool size, and count what the slot cache costs: hits, loads, bytes moved, swap
-time, `PoolFull` stalls and the latency they add.
-
-Two modes, chosen by the workload. **Paging** (every request holds its slot for zero time): the
-requests are served one at a time in order, the classic paging problem, where `min` (Belady) is
-the optimum. **Concurrent**: a request takes a seat (at most `max_concurrency`) and a ref count
-on its adapter's slot from admission to completion; a miss loads the adapter into the victim slot
-(`slot_bytes` at the bandwidth, plus a per-swap latency) and the request starts when the load
-ends; when every cache slot has in-flight sequences the slot manager says `PoolFull` and the
-request waits at the head of the queue (admission is first come, first served), never evicting an
-adapter in flight.
-
-A request's added latency is how much later it starts than it would with every adapter resident
-(the same queue, no loads, no stalls).
+"""`metrale simulate`: a workload replayed (`sim/replay.py`) for each policy and pool size, and
+the record of it: hits, loads, bytes moved, swap time, `PoolFull` stalls and the latency they
+add, the sizing answer for a target, and the plot.
 """
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
 import itertools
-import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from metrale_cli.cli.parsing import parse_size
-from metrale_cli.errors import PoolFull, ToolMissing, UsageError
+from metrale_cli.errors import ToolMissing, UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
 from metrale_cli.layout.sharding import ShardSpec, rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
-from metrale_cli.pool.slots import NEVER, POLICIES, AdapterSlot, SlotManager, SlotState
+from metrale_cli.pool.slots import POLICIES
+from metrale_cli.sim.replay import HostTier, Link, Replay, RunResult, SwapCost
+from metrale_cli.sim.replicas import Replicas, Routing
 from metrale_cli.sim.workload import Workload
-
-# Named links a slot's bytes cross on a swap: (bytes per second, per-swap latency in seconds,
-# what it is). PCIe figures are typical achieved pinned host-to-device copies, not the raw link.
-BANDWIDTHS: dict[str, tuple[float, float, str]] = {
-    "pcie4": (25e9, 10e-6, "PCIe 4.0 x16 host to GPU, pinned (32 GB/s raw)"),
-    "pcie5": (50e9, 10e-6, "PCIe 5.0 x16 host to GPU, pinned (64 GB/s raw)"),
-    "nvlink": (450e9, 10e-6, "NVLink 4 GPU to GPU, one direction (H100/H200, nominal)"),
-    "nvme": (7e9, 100e-6, "PCIe 4.0 NVMe SSD sequential read"),
-}
-PROGRESS_EVERY = 1 << 16  # requests between progress callbacks
-
-
-@dataclass(frozen=True)
-class SwapCost:
-    """What one load moves and how long it takes."""
-
-    slot_bytes: int           # one slot (and its expert slot): the bytes a load writes
-    bytes_per_s: float
-    latency_s: float
-    bandwidth: str            # a preset name or the figure as given
-
-    @property
-    def seconds(self) -> float:
-        return self.slot_bytes / self.bytes_per_s + self.latency_s
-
-    def record(self) -> dict[str, Any]:
-        return {**asdict(self), "swap_s": self.seconds}
-
-
-def parse_bandwidth(text: str) -> tuple[str, float, float]:
-    """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
-    (name, bytes per second, the preset's per-swap latency; 0 for a figure)."""
-    key = text.strip().lower()
-    if key in BANDWIDTHS:
-        bytes_per_s, latency, _ = BANDWIDTHS[key]
-        return key, bytes_per_s, latency
-    if not key.endswith("/s"):
-        raise UsageError(f"--bandwidth: {text!r} is neither a preset "
-                         f"({', '.join(BANDWIDTHS)}) nor a figure like 25GB/s")
-    try:
-        bytes_per_s = parse_size(key[:-2])
-    except UsageError as exc:
-        raise UsageError(f"--bandwidth: {exc}") from None
-    if bytes_per_s <= 0:
-        raise UsageError(f"--bandwidth must be positive, got {text!r}")
-    return text.strip(), float(bytes_per_s), 0.0
 
 
 def default_sizes(unpinned: int, pinned: int) -> list[int]:
@@ -96,247 +37,6 @@ def default_sizes(unpinned: int, pinned: int) -> list[int]:
             sizes.append(size)
         size *= 2
     return [*sizes, max(need, pinned + 1)]
-
-
-@dataclass
-class RunResult:
-    """One policy at one pool size. `start` (when each request started, in seconds),
-    `ref_counts_at_end` and `served` are for tests and are not part of the record."""
-
-    policy: str
-    max_loras: int
-    pinned: int
-    requests: int
-    adapter_requests: int
-    hits: int
-    misses: int
-    swaps: int
-    bytes_moved: int
-    swap_s: float
-    stalls: int
-    stall_total_s: float
-    stall_p50_s: float
-    stall_p99_s: float
-    added_latency_p50_s: float
-    added_latency_p99_s: float
-    added_latency_mean_s: float
-    pool_bytes: int
-    fits_budget: bool | None = None
-    extra_misses_vs_min: int | None = None
-    hit_rate_gap_vs_min: float | None = None
-    start: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
-    served: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
-    ref_counts_at_end: list[int] = field(default_factory=list, repr=False)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.adapter_requests if self.adapter_requests else 1.0
-
-    def record(self) -> dict[str, Any]:
-        skip = {"start", "served", "ref_counts_at_end"}
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
-        out["hit_rate"] = self.hit_rate
-        return out
-
-
-class Replay:
-    """One workload, prepared once (hold times, next uses, the no-cache baseline), replayed
-    against a fresh `SlotManager` per (policy, size)."""
-
-    def __init__(self, workload: Workload, hold: np.ndarray, cost: SwapCost,
-                 pinned: Sequence[str] = (), max_concurrency: int | None = None) -> None:
-        if max_concurrency is not None and max_concurrency <= 0:
-            raise UsageError(f"--max-concurrency must be positive, got {max_concurrency}")
-        self.workload = workload
-        self.cost = cost
-        self.pinned = list(dict.fromkeys(pinned))
-        self.max_concurrency = max_concurrency
-        self.paging = not bool(hold.any())
-        self._hold = hold.tolist()
-        self._adapter = workload.adapter.tolist()
-        self._arrival = workload.arrival.tolist()
-        nxt = workload.next_use()
-        self._next = np.where(nxt < 0, NEVER, nxt).tolist()
-        pinned_set = set(self.pinned)
-        used = {workload.adapters[a] for a in np.unique(workload.adapter[workload.adapter >= 0])}
-        self.unpinned = len(used - pinned_set)  # requested adapters that need a cache slot
-        self.baseline = self._baseline(hold)
-
-    @property
-    def mode(self) -> str:
-        return "paging" if self.paging else "concurrent"
-
-    def _baseline(self, hold: np.ndarray) -> np.ndarray:
-        """Start times with every adapter resident: arrival, or the first free seat."""
-        arrival = self.workload.arrival
-        if self.paging or self.max_concurrency is None:
-            return arrival.copy()
-        seats: list[float] = []
-        start = np.empty_like(arrival)
-        for r, (t, h) in enumerate(zip(arrival.tolist(), hold.tolist(), strict=True)):
-            s = t if len(seats) < self.max_concurrency else max(t, heapq.heappop(seats))
-            start[r] = s
-            heapq.heappush(seats, s + h)
-        return start
-
-    def run(self, policy: str, max_loras: int,
-            progress: Callable[[int], None] | None = None, detail: bool = True) -> RunResult:
-        """Replay every request at `max_loras` slots under `policy`. Without `detail` the
-        result drops its per-request arrays (a sweep of a million requests keeps none)."""
-        if len(self.pinned) > max_loras:
-            raise UsageError(f"{len(self.pinned)} pinned adapters do not fit in "
-                             f"--max-loras {max_loras}")
-        if len(self.pinned) == max_loras and self.unpinned:
-            raise UsageError(f"--max-loras {max_loras} leaves no cache slot beside the "
-                             f"{len(self.pinned)} pinned adapters, and unpinned ones are "
-                             "requested")
-        manager = SlotManager(max_loras, policy=policy)
-        manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
-        n = len(self._adapter)
-        start = np.empty(n)
-        served = np.zeros(n, dtype=np.int64)
-        loop = self._paging if self.paging else self._concurrent
-        hits, misses, swaps, waits = loop(manager, start, served, progress)
-        added = start - self.baseline
-        adapter_requests = int((self.workload.adapter >= 0).sum())
-        wait = np.asarray(waits) if waits else np.zeros(1)
-        return RunResult(
-            policy=policy, max_loras=max_loras, pinned=len(self.pinned), requests=n,
-            adapter_requests=adapter_requests, hits=hits, misses=misses, swaps=swaps,
-            bytes_moved=misses * self.cost.slot_bytes, swap_s=misses * self.cost.seconds,
-            stalls=len(waits), stall_total_s=float(sum(waits)),
-            stall_p50_s=float(np.percentile(wait, 50)),
-            stall_p99_s=float(np.percentile(wait, 99)),
-            added_latency_p50_s=float(np.percentile(added, 50)) if n else 0.0,
-            added_latency_p99_s=float(np.percentile(added, 99)) if n else 0.0,
-            added_latency_mean_s=float(added.mean()) if n else 0.0,
-            pool_bytes=0, start=start if detail else np.empty(0),
-            served=served if detail else np.empty(0, dtype=np.int64),
-            ref_counts_at_end=[manager.ref_count(k) for k in range(max_loras)],
-        )
-
-    def _load(self, manager: SlotManager) -> tuple[int, bool]:
-        """Pick a victim and begin loading into it: (slot, whether it evicted an adapter)."""
-        victim = manager.select_victim_slot()
-        evicts = manager.state(victim) is SlotState.READY
-        manager.begin_load(victim)
-        return victim, evicts
-
-    def _paging(self, manager: SlotManager, start: np.ndarray, served: np.ndarray,
-                progress: Callable[[int], None] | None) -> tuple[int, int, int, list[float]]:
-        names, adapter, nxt = self.workload.adapters, self._adapter, self._next
-        swap_s, use_next = self.cost.seconds, manager.policy == "min"
-        # A zero-length request takes and returns its count at once: a touch, one call.
-        slot_of, touch, set_next_use = manager.slot_of, manager.touch_slot, manager.set_next_use
-        hits = misses = swaps = 0
-        start[:] = self.workload.arrival
-        for r, a in enumerate(adapter):
-            served[r] += 1
-            if progress is not None and r % PROGRESS_EVERY == PROGRESS_EVERY - 1:
-                progress(PROGRESS_EVERY)
-            if a < 0:
-                continue
-            slot = slot_of(names[a])
-            if slot is None:
-                slot, evicts = self._load(manager)
-                manager.finish_load(slot, AdapterSlot(name=names[a]))
-                misses += 1
-                swaps += evicts
-                start[r] += swap_s
-            else:
-                hits += 1
-            touch(slot)
-            if use_next:
-                set_next_use(slot, nxt[r])
-        if progress is not None:
-            progress(len(adapter) % PROGRESS_EVERY)
-        return hits, misses, swaps, []
-
-    def _concurrent(self, manager: SlotManager, start: np.ndarray, served: np.ndarray,
-                    progress: Callable[[int], None] | None) -> tuple[int, int, int, list[float]]:
-        names, adapter, arrival = self.workload.adapters, self._adapter, self._arrival
-        hold, nxt = self._hold, self._next
-        swap_s, use_next = self.cost.seconds, manager.policy == "min"
-        slot_of, acquire, release = manager.slot_of, manager.acquire_slot, manager.release_slot
-        set_next_use = manager.set_next_use
-        n = len(adapter)
-        seats = self.max_concurrency or n + 1
-        # Events: (time, kind, seq, x, y); kind 0 = a request ends (x = its slot or -1),
-        # kind 1 = a load ends (x = the slot, y = the adapter). At equal times, ends come
-        # before arrivals so that what they free is there for the next admission.
-        events: list[tuple[float, int, int, int, int]] = []
-        seq = itertools.count()  # ties in time and kind keep the order things happened in
-        loading: dict[int, list[int]] = {}  # adapter -> requests waiting for its load
-        queue: deque[int] = deque()
-        stalled_since: dict[int, float] = {}
-        waits: list[float] = []
-        running = hits = misses = swaps = 0
-        i = 0
-
-        def serve(r: int, slot: int, now: float) -> None:
-            """Request `r` starts now on `slot` (-1: the base model, no slot)."""
-            if slot >= 0:
-                acquire(slot)
-                if use_next:
-                    set_next_use(slot, nxt[r])
-            start[r] = now
-            served[r] += 1
-            heapq.heappush(events, (now + hold[r], 0, next(seq), slot, 0))
-
-        while i < n or events:
-            if events and (i >= n or events[0][0] <= arrival[i]):
-                now, kind, _, x, y = heapq.heappop(events)
-                if kind == 0:
-                    if x >= 0:
-                        release(x)
-                    running -= 1
-                else:
-                    manager.finish_load(x, AdapterSlot(name=names[y]))
-                    for r in loading.pop(y):
-                        serve(r, x, now)
-            else:
-                now = arrival[i]
-                queue.append(i)
-                i += 1
-                if progress is not None and i % PROGRESS_EVERY == 0:
-                    progress(PROGRESS_EVERY)
-            while queue and running < seats:
-                r = queue[0]
-                a = adapter[r]
-                slot = -1
-                if a >= 0:
-                    slot = slot_of(names[a])
-                    if slot is None:
-                        if a in loading:  # its load is under way: no second load
-                            hits += 1
-                            loading[a].append(r)
-                            queue.popleft()
-                            running += 1
-                            continue
-                        try:
-                            victim, evicts = self._load(manager)
-                        except PoolFull:
-                            if not events:
-                                raise UsageError("the slot cache can never free a slot "
-                                                 "(no request in flight)") from None
-                            stalled_since.setdefault(r, now)
-                            break
-                        misses += 1
-                        swaps += evicts
-                        if r in stalled_since:
-                            waits.append(now - stalled_since.pop(r))
-                        loading[a] = [r]
-                        heapq.heappush(events, (now + swap_s, 1, next(seq), victim, a))
-                        queue.popleft()
-                        running += 1
-                        continue
-                    hits += 1
-                serve(r, slot, now)
-                queue.popleft()
-                running += 1
-        if progress is not None:
-            progress(n % PROGRESS_EVERY)
-        return hits, misses, swaps, waits
 
 
 @dataclass(frozen=True)
@@ -371,19 +71,41 @@ class Simulation:
     results: list[RunResult]
     targets: Targets | None = None
     budget_bytes: int | None = None
+    host: dict[str, Any] | None = None
+    routing: dict[str, Any] | None = None
+    admission: str = "fcfs"
+    seeds: list[int] | None = None
+    max_rank_options: list[dict[str, Any]] | None = None
     seconds: float = 0.0
 
     def smallest_meeting(self) -> list[dict[str, Any]]:
+        """Per policy, the smallest size from which every simulated size meets the targets (a
+        size that meets them with a larger one failing is no answer: FIFO's anomaly), the first
+        size that meets them, and whether the hit rate (and the p99 added latency, for a p99
+        target) is monotonic in the size."""
         if self.targets is None:
             return []
         out = []
         for policy in self.policies:
-            best = next((r for r in self.results
-                         if r.policy == policy and self.targets.met_by(r)), None)
+            mine = [r for r in self.results if r.policy == policy]  # sizes ascending
+            met = [self.targets.met_by(r) for r in mine]
+            best = None
+            for r, ok in zip(reversed(mine), reversed(met), strict=True):
+                if not ok:
+                    break
+                best = r
+            first = next((r for r, ok in zip(mine, met, strict=True) if ok), None)
+            hit_rates = [r.hit_rate for r in mine]
+            monotonic = all(b >= a for a, b in itertools.pairwise(hit_rates))
+            if self.targets.p99_ms is not None:
+                p99 = [r.added_latency_p99_s for r in mine]
+                monotonic = monotonic and all(b <= a for a, b in itertools.pairwise(p99))
             out.append({
                 "policy": policy, "max_loras": best.max_loras if best else None,
                 "pool_bytes": best.pool_bytes if best else None,
                 "fits_budget": best.fits_budget if best else None,
+                "first_meeting": first.max_loras if first else None,
+                "monotonic": monotonic,
             })
         return out
 
@@ -393,7 +115,9 @@ class Simulation:
             "swap": self.cost.record(), "pinned": self.pinned,
             "max_concurrency": self.max_concurrency, "prefill_tok_s": self.prefill_tok_s,
             "decode_tok_s": self.decode_tok_s, "policies": self.policies, "sizes": self.sizes,
-            "budget_bytes": self.budget_bytes,
+            "budget_bytes": self.budget_bytes, "host": self.host, "routing": self.routing,
+            "admission": self.admission, "seeds": self.seeds,
+            "max_rank_options": self.max_rank_options,
             "targets": self.targets.record() if self.targets else None,
             "smallest_meeting": self.smallest_meeting() if self.targets else None,
             "results": [r.record() for r in self.results],
@@ -402,7 +126,7 @@ class Simulation:
 
 
 def simulate(
-    replay: Replay, policies: Sequence[str], sizes: Sequence[int],
+    replay: Replay | Replicas, policies: Sequence[str], sizes: Sequence[int],
     pool_bytes: Callable[[int], int], budget_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[RunResult]:
@@ -414,8 +138,12 @@ def simulate(
                          f"{', '.join(POLICIES)}")
     results = []
     for policy in dict.fromkeys(policies):
-        for size in sorted(set(sizes)):
-            result = replay.run(policy, size, progress, detail=False)
+        if policy == "lru" and replay.paging and replay.sweepable:  # every size in one pass
+            swept = replay.lru_sweep(sorted(set(sizes)), progress)
+        else:
+            swept = [replay.run(policy, size, progress, detail=False)
+                     for size in sorted(set(sizes))]
+        for result, size in zip(swept, sorted(set(sizes)), strict=True):
             result.pool_bytes = pool_bytes(size)
             if budget_bytes is not None:
                 result.fits_budget = result.pool_bytes <= budget_bytes
@@ -474,8 +202,8 @@ def run(
     layout: SlotLayout,
     expert_layout: ExpertLayout | None = None,
     *,
-    bandwidth: str = "pcie4",
-    swap_latency_s: float | None = None,
+    link: Link | None = None,
+    links: int = 1,
     prefill_tok_s: float = 10_000.0,
     decode_tok_s: float = 50.0,
     max_concurrency: int | None = None,
@@ -486,13 +214,19 @@ def run(
     targets: Targets | None = None,
     budget_bytes: int | None = None,
     shard: ShardSpec | None = None,
+    host: HostTier | None = None,
+    routing: Routing | None = None,
+    admission: str = "fcfs",
     progress: Callable[[int, int], None] | None = None,
 ) -> Simulation:
-    """The whole of `metrale simulate` for a workload and a pool layout. With `shard` (a TP
+    """The whole of `metrale simulate` for a workload and a pool layout, loads crossing `link`
+    (default pcie4), `links` at a time per GPU. With `shard` (a TP
     deployment) every GPU holds its rank's pool and loads its rank's part of an adapter at once:
     a swap moves the largest rank's slot (and expert slot) per GPU, and a pool size must fit
-    `budget_bytes` on the largest rank. `progress(n, total)` is told of every 65,536 requests
-    replayed."""
+    `budget_bytes` on the largest rank. An adapter whose rank the workload gives moves its
+    share of a slot (rank r of max rank R: r/R of it); `host` puts a host tier in front of the
+    GPU slots; `routing` (more than one replica) gives each replica its own pool of each size
+    behind a router. `progress(n, total)` is told of every 65,536 requests replayed."""
     started = time.perf_counter()
     if pin and pinned is not None:
         raise UsageError("give --pin or --pinned, not both")
@@ -503,21 +237,23 @@ def run(
         if n not in used:  # it would only take a slot from the cache
             raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
     names = list(pin) if pin else workload.most_requested(pinned or 0)
-    name, bytes_per_s, latency_s = parse_bandwidth(bandwidth)
-    if swap_latency_s is not None:
-        if not 0 <= swap_latency_s < math.inf:
-            raise UsageError(f"--swap-latency-ms must be >= 0 and finite, got "
-                             f"{1e3 * swap_latency_s:g}")
-        latency_s = swap_latency_s
+    link = link or Link.preset("pcie4")
     ranks: list[tuple[SlotLayout, ExpertLayout | None]] = (
         [(layout, expert_layout)] if shard is None
         else [rank_layouts(layout, expert_layout, s) for s in shard.all_ranks()])
     swapped = [r.slot_bytes + (x.slot_bytes if x is not None else 0) for r, x in ranks]
     busiest = swapped.index(max(swapped))
     gpu_layout, gpu_experts = ranks[busiest]
-    cost = SwapCost(swapped[busiest], bytes_per_s, latency_s, name)
-    replay = Replay(workload, workload.hold_seconds(prefill_tok_s, decode_tok_s), cost, names,
-                    max_concurrency)
+    cost = SwapCost(swapped[busiest], link.bytes_per_s, link.latency_s, link.name, links)
+    load_bytes = adapter_load_bytes(workload, layout.max_rank, cost.slot_bytes)
+    hold = workload.hold_seconds(prefill_tok_s, decode_tok_s)
+    first_token = workload.input_tokens / prefill_tok_s  # the prefill
+    replay: Replay | Replicas = (
+        Replay(workload, hold, cost, names, max_concurrency, load_bytes, host, first_token,
+               admission)
+        if routing is None or routing.replicas == 1
+        else Replicas(workload, hold, cost, names, max_concurrency, load_bytes, host, routing,
+                      first_token, admission))
     sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
     policies = list(dict.fromkeys(policies))
     total = len(policies) * len(set(sizes)) * workload.requests
@@ -538,5 +274,101 @@ def run(
         cost=cost, pinned=replay.pinned, max_concurrency=max_concurrency,
         prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, policies=policies,
         sizes=sorted(set(sizes)), results=results, targets=targets, budget_bytes=budget_bytes,
+        routing=routing.record() if routing is not None else None, admission=admission,
+        max_rank_options=(max_rank_options(workload, layout, expert_layout, budget_bytes)
+                          if shard is None else None),
+        host=None if host is None else {
+            "slots": host.slots, "bandwidth": host.link.name,
+            "bytes_per_s": host.link.bytes_per_s, "latency_s": host.link.latency_s,
+            # What the tier holds at most: its slots of the largest adapter it can be given.
+            "host_bytes": host.slots * max(load_bytes, default=0)},
         seconds=time.perf_counter() - started,
     )
+
+
+def max_rank_options(workload: Workload, layout: SlotLayout,
+                     expert_layout: ExpertLayout | None,
+                     budget_bytes: int | None) -> list[dict[str, Any]] | None:
+    """What the equal-slot pool trades, for a workload whose adapters have their own ranks: per
+    max rank a requested adapter has (up to the pool's), the slot it makes, how many such slots
+    fit `budget_bytes` (with their tables, as `layout --budget` counts), and the adapters, and
+    their requests, that a pool of that max rank cannot serve. None without ranks."""
+    if workload.adapter_rank is None:
+        return None
+    counts = workload.counts()
+    used = counts > 0
+    ranks = workload.adapter_rank
+    options = []
+    for r in sorted({int(x) for x in ranks[used] if 0 < x <= layout.max_rank}):
+        lower = dataclasses.replace(layout, max_rank=r)
+        experts = (dataclasses.replace(expert_layout, max_rank=r)
+                   if expert_layout is not None else None)
+        # An adapter of unknown rank is taken to need the pool's max rank.
+        out = used & ((ranks > r) | ((ranks == 0) & (r < layout.max_rank)))
+        options.append({
+            "max_rank": r, "slot_bytes": lower.slot_bytes,
+            "expert_slot_bytes": experts.slot_bytes if experts is not None else 0,
+            "slots_in_budget": (PoolPlan.sized(lower, experts, budget_bytes=budget_bytes)
+                                .max_loras if budget_bytes is not None else None),
+            "adapters_shut_out": int(out.sum()),
+            "requests_shut_out": int(counts[out].sum()),
+        })
+    return options
+
+
+def adapter_load_bytes(workload: Workload, max_rank: int, slot_bytes: int) -> list[int]:
+    """Per adapter, the bytes a load moves: an adapter of rank r in a pool of max rank R copies
+    its r rows of A and r columns of B into the padded slot, r/R of the slot (rounded up); the
+    pool zeroes the rest without a transfer. Unknown ranks move the whole slot. An adapter above
+    the pool's max rank cannot be served: refused, naming it."""
+    if workload.adapter_rank is None:
+        return [slot_bytes] * len(workload.adapters)
+    used = workload.counts() > 0
+    above = np.flatnonzero(used & (workload.adapter_rank > max_rank))
+    if above.size:
+        a = int(above[0])
+        raise UsageError(f"{above.size:,} requested adapter{'s' if above.size > 1 else ''} "
+                         f"above the pool's max rank {max_rank} (first {workload.adapters[a]!r}"
+                         f", rank {int(workload.adapter_rank[a])}): raise --max-rank")
+    rank = np.where(workload.adapter_rank > 0, workload.adapter_rank, max_rank)
+    return (-(-slot_bytes * rank // max_rank)).astype(np.int64).tolist()
+
+
+# The figures whose spread over seeds `run_seeds` reports.
+SPREAD_FIELDS = ("hit_rate", "misses", "stalls", "added_latency_p99_s", "ttft_adapter_p99_s",
+                 "throughput_req_s")
+
+
+def run_seeds(make: Callable[[int], Workload], seeds: Sequence[int], layout: SlotLayout,
+              expert_layout: ExpertLayout | None = None,
+              progress: Callable[[int, int], None] | None = None,
+              **options: Any) -> Simulation:
+    """`run` once per seed of `seeds` on the workload `make(seed)` gives, every seed at the
+    sizes the first one chose: the first seed's record, each result with the `spread` (min,
+    median, max) of SPREAD_FIELDS over the seeds, so that a difference between sizes can be
+    told from noise."""
+    if not seeds:
+        raise UsageError("--seeds must be positive")
+    if len(seeds) != len(set(seeds)):
+        raise UsageError("--seeds: the seeds must differ")
+
+    def told(k: int) -> Callable[[int, int], None] | None:
+        if progress is None:
+            return None
+        return lambda n, total: progress(n, total * len(seeds))
+
+    first = run(make(seeds[0]), layout, expert_layout, progress=told(0), **options)
+    options = {**options, "sizes": first.sizes}
+    others = [run(make(s), layout, expert_layout, progress=told(k), **options)
+              for k, s in enumerate(seeds[1:], start=1)]
+    for i, result in enumerate(first.results):
+        spread: dict[str, dict[str, float] | None] = {}
+        for name in SPREAD_FIELDS:
+            values = [getattr(sim.results[i], name) for sim in (first, *others)]
+            known = [float(v) for v in values if v is not None]
+            spread[name] = ({"min": min(known), "median": float(np.median(known)),
+                             "max": max(known)} if known else None)
+        result.spread = spread
+    first.seeds = list(seeds)
+    first.seconds += sum(sim.seconds for sim in others)
+    return first

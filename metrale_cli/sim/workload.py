@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,23 @@ from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.atomic import atomic_write
 
 GENERATORS = ("zipf", "uniform", "distinct", "identical", "slora")
+# S-LoRA's model settings (benchmarks/exp_suite.py LORA_DIR): the ranks of the adapter
+# directories the server registers, cycled by adapter index (`{dir}-{i}` for each i, each dir),
+# so that adapter k of a suite has the rank of directory k % len(dirs).
+SLORA_RANKS = {"S1": (8,), "S2": (64, 32, 16, 8), "S3": (16,), "S4": (64, 32, 16)}
 TRACE_COLUMNS = ("timestamp", "adapter", "input_tokens", "output_tokens", "duration")
+# An optional column: the adapter's own LoRA rank (0 or empty: not known, a whole slot moves).
+RANK_COLUMN = "rank"
 # A request line is a few dozen characters; one this long is not a trace (a binary file, a
 # file with no line breaks), refused before it is held in memory.
 MAX_LINE_CHARS = 1 << 16
 # Token counts are read as float64, which holds every whole number below this exactly.
 MAX_TOKENS = 2**53
+# Requests in one workload, generated or read: a replay holds a few columns of 8 bytes per
+# request per policy and size, and 10 million take minutes; 10**9 would exhaust memory first.
+MAX_REQUESTS = 10_000_000
+# Trace rows parsed and turned into columns at a time: row objects never outnumber it.
+TRACE_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,8 @@ class Workload:
     output_tokens: np.ndarray  # [N] int64, 0 when unknown
     duration: np.ndarray       # [N] float64 seconds, NaN = from the tokens
     source: dict[str, Any] = field(default_factory=dict)
+    # [len(adapters)] int64: each adapter's own LoRA rank, 0 = unknown (a whole slot is moved).
+    adapter_rank: np.ndarray | None = None
 
     @property
     def requests(self) -> int:
@@ -80,19 +94,26 @@ class Workload:
 
     def record(self) -> dict[str, Any]:
         used = self.adapter[self.adapter >= 0]
-        return {
+        out = {
             **self.source,
             "requests": self.requests,
             "adapter_requests": int(used.size),
             "distinct_adapters": int(np.unique(used).size),
             "span_s": float(self.arrival[-1] - self.arrival[0]) if self.requests else 0.0,
         }
+        if self.adapter_rank is not None:
+            ranks, counts = np.unique(self.adapter_rank[np.unique(used)], return_counts=True)
+            out["adapter_ranks"] = {str(r): int(c) for r, c in zip(ranks, counts, strict=True)}
+        return out
 
     def save(self, path: Path, force: bool) -> None:
         """Write the requests as a trace that `--trace` reads back exactly: CSV for `.csv`,
         JSON lines otherwise; atomically, never over a file without `force`."""
         has_duration = bool((~np.isnan(self.duration)).any())
+        ranks = self.adapter_rank
         columns = list(TRACE_COLUMNS if has_duration else TRACE_COLUMNS[:-1])
+        if ranks is not None:
+            columns.append(RANK_COLUMN)
         rows = zip(self.arrival.tolist(), self.adapter.tolist(), self.input_tokens.tolist(),
                    self.output_tokens.tolist(), self.duration.tolist(), strict=True)
         names = self.adapters
@@ -102,6 +123,8 @@ class Workload:
             out: list[Any] = [t, names[a] if a >= 0 else "", i, o]
             if has_duration:
                 out.append(None if math.isnan(d) else d)
+            if ranks is not None:
+                out.append(int(ranks[a]) if a >= 0 else 0)
             return out
 
         def write(f: Any) -> None:
@@ -123,59 +146,185 @@ class Workload:
 # -- traces -------------------------------------------------------------------------------------
 
 
-def read_trace(path: Path) -> Workload:
-    """A CSV (with a header row) or JSON-lines trace: `timestamp` (seconds) and `adapter` (a
-    name; empty or null = the base model) per request, optionally `input_tokens`,
-    `output_tokens` and `duration`. Other columns are ignored. Rows are sorted by timestamp
-    (stably). A malformed row is a FormatError naming its line."""
+def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -> Workload:
+    """A CSV (with a header row; a UTF-8 byte-order mark is allowed) or JSON-lines trace:
+    `timestamp` (seconds) and `adapter` (a name; empty or null = the base model) per request,
+    optionally `input_tokens`, `output_tokens` and `duration`. Other columns are ignored. Rows
+    are sorted by timestamp (stably). A malformed row is a FormatError naming its line; more than
+    MAX_REQUESTS rows is a UsageError. Read `TRACE_CHUNK` rows at a time into columns, so memory
+    follows the columns, never the rows; `progress(characters read, file size)` after each."""
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: no such file")
     if not path.is_file():
         # A device (/dev/zero), a FIFO or a directory: never read, it might not end.
         raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
-    columns = _csv_columns_fast(path) if path.suffix.lower() == ".csv" else None
-    if columns is None:  # JSON lines, or a CSV row the fast path cannot vouch for
-        with open(path, encoding="utf-8", newline="") as f:
-            lines = _bounded_lines(path, f)
-            rows = (_csv_rows(path, lines) if path.suffix.lower() == ".csv"
-                    else _jsonl_rows(path, lines))
-            parsed = [_parse_row(path, line, row) for line, row in rows]
-        columns = (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
-                   np.array([r[2] for r in parsed], dtype=np.int64),
-                   np.array([r[3] for r in parsed], dtype=np.int64),
-                   np.array([r[4] for r in parsed], dtype=np.float64))
-    arrival, names, inputs, outputs, duration = columns
-    if not names:
-        raise FormatError(f"{path}: no requests")
-    index: dict[str, int] = {}
-    adapter = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
+    size = path.stat().st_size
+    columns = TraceColumns(path)
+    # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
+    # otherwise become part of the first column's name.
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        lines = BoundedLines(path, f)
+        chunks = _csv_chunks(path, lines) if path.suffix.lower() == ".csv" else _jsonl_chunks(
+            path, lines)
+        for chunk in chunks:
+            columns.add(*chunk)
+            if progress is not None:
+                progress(min(lines.chars, size), size)
+    return columns.workload()
+
+
+Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+class TraceColumns:
+    """A trace's columns as they are read: NumPy chunks, adapter names interned to ids."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.index: dict[str, int] = {}
+        self.rows = 0
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, arrival: np.ndarray, names: list[str], inputs: np.ndarray,
+            outputs: np.ndarray, duration: np.ndarray, rank: np.ndarray) -> None:
+        self.rows += len(names)
+        if self.rows > MAX_REQUESTS:
+            raise UsageError(f"{self.path}: more than {MAX_REQUESTS:,} requests, the most a "
+                             "simulation takes; cut the trace")
+        index = self.index
+        ids = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
                        dtype=np.int64)
-    order = np.argsort(arrival, kind="stable")
-    return Workload(
-        adapters=tuple(index), adapter=adapter[order], arrival=arrival[order],
-        input_tokens=inputs[order], output_tokens=outputs[order], duration=duration[order],
-        source={"kind": "trace", "path": str(path)},
-    )
+        self.parts.append((arrival, ids, inputs, outputs, duration, rank))
+
+    def workload(self) -> Workload:
+        if not self.rows:
+            raise FormatError(f"{self.path}: no requests")
+        arrival, adapter, inputs, outputs, duration, rank = (
+            np.concatenate(c) for c in zip(*self.parts, strict=True))
+        self.parts.clear()
+        order = np.argsort(arrival, kind="stable")
+        return Workload(
+            adapters=tuple(self.index), adapter=adapter[order], arrival=arrival[order],
+            input_tokens=inputs[order], output_tokens=outputs[order], duration=duration[order],
+            source={"kind": "trace", "path": str(self.path)},
+            adapter_rank=self._ranks(adapter, rank),
+        )
+
+    def _ranks(self, adapter: np.ndarray, rank: np.ndarray) -> np.ndarray | None:
+        """Each adapter's rank from the `rank` column (None without one): the rows that give
+        it must agree."""
+        given = (adapter >= 0) & (rank > 0)
+        if not given.any():
+            return None
+        count = len(self.index)
+        high, low = np.zeros(count, dtype=np.int64), np.full(count, MAX_TOKENS, dtype=np.int64)
+        np.maximum.at(high, adapter[given], rank[given])
+        np.minimum.at(low, adapter[given], rank[given])
+        bad = np.flatnonzero((high > 0) & (low != high))
+        if bad.size:
+            a = int(bad[0])
+            raise FormatError(f"{self.path}: adapter {list(self.index)[a]!r} is given rank "
+                              f"{low[a]} and rank {high[a]}; an adapter has one rank")
+        return high
 
 
-Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray]
+class BoundedLines:
+    """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
+    FormatError naming it, before more of it is read. Counts the characters read."""
+
+    def __init__(self, path: Path, f: Any) -> None:
+        self.path, self.f, self.chars = path, f, 0
+
+    def __iter__(self) -> Iterator[str]:
+        line_no = 0
+        while line := self.f.readline(MAX_LINE_CHARS + 1):
+            line_no += 1
+            if len(line) > MAX_LINE_CHARS:
+                raise FormatError(f"{self.path}:{line_no}: a line longer than "
+                                  f"{MAX_LINE_CHARS} characters; not a trace")
+            self.chars += len(line)
+            yield line
 
 
-def _csv_columns_fast(path: Path) -> Columns | None:
-    """A well-formed CSV trace read column by column (several times faster than row by row);
-    None when any cell is out of the ordinary, so that the row-by-row reader names it."""
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(_bounded_lines(path, f))
+def _csv_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
+    reader = csv.reader(lines)
+    try:
+        header = next(reader, [])
+    except csv.Error as exc:
+        raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
+    missing = [c for c in ("timestamp", "adapter") if c not in header]
+    if missing:
+        found = ", ".join(repr(h) for h in header) if header else "none"
+        raise FormatError(f"{path}:1: the header has no {' or '.join(missing)} column "
+                          f"(columns found: {found})")
+    done = 1  # rows read, the header's included
+    while True:
+        first = reader.line_num + 1
         try:
-            header = next(reader, [])
-            rows = list(reader)
-        except csv.Error:
-            return None  # the row-by-row reader names the line
+            rows = list(itertools.islice(reader, TRACE_CHUNK))  # at C speed, no line numbers
+        except csv.Error as exc:
+            raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
+        if not rows:
+            return
+        # Row k is on line first + k unless a quoted cell spans lines; then they are counted
+        # again, row by row, only if a row needs naming.
+        lines = (range(first, first + len(rows)) if reader.line_num - first + 1 == len(rows)
+                 else None)
+        yield _csv_columns(path, header, rows, lines or (done, len(rows)))
+        done += len(rows)
+
+
+def _csv_columns(path: Path, header: list[str], rows: list[list[str]],
+                 lines: range | tuple[int, int]) -> Columns:
+    """CSV rows as columns: column by column (several times faster) when every cell is
+    ordinary, else row by row, which names the first bad line. `lines` are the rows' line
+    numbers, or (rows before them, how many) when quoted cells span lines and the file must be
+    read again to number them."""
+    fast = _csv_columns_fast(header, rows)
+    if fast is not None:
+        return fast
+    numbers = lines if isinstance(lines, range) else _csv_line_numbers(path, *lines)
+    parsed = []
+    for line, row in zip(numbers, rows, strict=True):
+        if not row:
+            continue  # a blank line is no request (as csv.DictReader skips it)
+        if len(row) > len(header):
+            raise FormatError(f"{path}:{line}: more cells than the header has")
+        # Missing cells are None and a repeated column keeps its last cell, as in DictReader.
+        cells = dict(zip(header, row + [None] * (len(header) - len(row)), strict=True))
+        parsed.append(_parse_row(path, line, cells))
+    return _parsed_columns(parsed)
+
+
+def _csv_line_numbers(path: Path, skip: int, count: int) -> list[int]:
+    """The lines rows `[skip, skip + count)` of a CSV file start on (the header is row 0): the
+    file read again row by row, only for a chunk that has a bad row and quoted line breaks."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(BoundedLines(path, f))
+        starts, last = [], 0
+        for k, _ in enumerate(reader):
+            if k >= skip:
+                starts.append(last + 1)
+                if len(starts) == count:
+                    break
+            last = reader.line_num
+    return starts
+
+
+def _parsed_columns(parsed: list[tuple[float, str, int, int, float, int]]) -> Columns:
+    return (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
+            np.array([r[2] for r in parsed], dtype=np.int64),
+            np.array([r[3] for r in parsed], dtype=np.int64),
+            np.array([r[4] for r in parsed], dtype=np.float64),
+            np.array([r[5] for r in parsed], dtype=np.int64))
+
+
+def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | None:
+    """Well-formed CSV rows read column by column; None when any cell is out of the ordinary,
+    so that the row-by-row reader names it."""
     where = {name: i for i, name in enumerate(header)}
-    if "timestamp" not in where or "adapter" not in where or len(where) != len(header):
-        return None
-    if any(len(r) != len(header) for r in rows):
+    if len(where) != len(header) or any(len(r) != len(header) for r in rows):
         return None
 
     def numbers(key: str, empty: str | None) -> np.ndarray | None:
@@ -195,49 +344,19 @@ def _csv_columns_fast(path: Path) -> Columns | None:
 
     arrival = numbers("timestamp", None)
     inputs, outputs = numbers("input_tokens", "0"), numbers("output_tokens", "0")
-    duration = numbers("duration", "nan")
-    if arrival is None or inputs is None or outputs is None or duration is None:
+    duration, rank = numbers("duration", "nan"), numbers(RANK_COLUMN, "0")
+    if arrival is None or inputs is None or outputs is None or duration is None or rank is None:
         return None
-    if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs)):
+    if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs, rank)):
         return None
     i = where["adapter"]
     return (arrival, [r[i].strip() for r in rows], inputs.astype(np.int64),
-            outputs.astype(np.int64), duration)
+            outputs.astype(np.int64), duration, rank.astype(np.int64))
 
 
-def _bounded_lines(path: Path, f: Any) -> Iterator[str]:
-    """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
-    FormatError naming it, before more of it is read."""
-    line_no = 0
-    while line := f.readline(MAX_LINE_CHARS + 1):
-        line_no += 1
-        if len(line) > MAX_LINE_CHARS:
-            raise FormatError(f"{path}:{line_no}: a line longer than {MAX_LINE_CHARS} "
-                              "characters; not a trace")
-        yield line
-
-
-def _csv_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
-    reader = csv.DictReader(f)
-    header = reader.fieldnames or []
-    missing = [c for c in ("timestamp", "adapter") if c not in header]
-    if missing:
-        raise FormatError(f"{path}:1: the header has no {' or '.join(missing)} column "
-                          f"(columns: {', '.join(TRACE_COLUMNS)})")
-    rows = []
-    try:
-        for row in reader:
-            if None in row:
-                raise FormatError(f"{path}:{reader.line_num}: more cells than the header has")
-            rows.append((reader.line_num, row))
-    except csv.Error as exc:
-        raise FormatError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
-    return rows
-
-
-def _jsonl_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
-    rows = []
-    for line_no, line in enumerate(f, start=1):
+def _jsonl_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
+    parsed = []
+    for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -246,11 +365,16 @@ def _jsonl_rows(path: Path, f: Any) -> list[tuple[int, dict[str, Any]]]:
             raise FormatError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise FormatError(f"{path}:{line_no}: a request must be a JSON object")
-        rows.append((line_no, row))
-    return rows
+        parsed.append(_parse_row(path, line_no, row))
+        if len(parsed) == TRACE_CHUNK:
+            yield _parsed_columns(parsed)
+            parsed = []
+    if parsed:
+        yield _parsed_columns(parsed)
 
 
-def _parse_row(path: Path, line: int, row: dict[str, Any]) -> tuple[float, str, int, int, float]:
+def _parse_row(path: Path, line: int,
+               row: dict[str, Any]) -> tuple[float, str, int, int, float, int]:
     where = f"{path}:{line}"
 
     def number(key: str, required: bool = False) -> float | None:
@@ -290,7 +414,7 @@ def _parse_row(path: Path, line: int, row: dict[str, Any]) -> tuple[float, str, 
         raise FormatError(f"{where}: adapter {name!r} is not a name")
     duration = number("duration")
     return (timestamp, name.strip(), tokens("input_tokens"), tokens("output_tokens"),
-            math.nan if duration is None else duration)
+            math.nan if duration is None else duration, tokens(RANK_COLUMN))
 
 
 # -- generators ---------------------------------------------------------------------------------
@@ -313,6 +437,7 @@ class GeneratorSpec:
     alpha: float = 1.0
     input_range: tuple[int, int] = (8, 512)
     output_range: tuple[int, int] = (8, 512)
+    ranks: tuple[int, ...] = ()  # adapter i has rank ranks[i % len(ranks)]; () = unknown
 
     def check(self) -> None:
         if self.kind not in GENERATORS:
@@ -323,6 +448,12 @@ class GeneratorSpec:
                             ("--alpha", self.alpha)):
             if not (value > 0 and math.isfinite(value)):
                 raise UsageError(f"{name} must be positive and finite, got {value}")
+        if any(r <= 0 for r in self.ranks):
+            raise UsageError(f"--ranks must be positive, got {','.join(map(str, self.ranks))}")
+        for name, value in (("--requests", self.requests), ("--adapters", self.adapters)):
+            if value > MAX_REQUESTS:  # refused before a column is allocated
+                raise UsageError(f"{name} {value:,} is more than a simulation takes "
+                                 f"({MAX_REQUESTS:,})")
         if self.seed < 0:
             raise UsageError(f"--seed must be non-negative, got {self.seed}")
         for name, (lo, hi) in (("--input-tokens", self.input_range),
@@ -334,6 +465,8 @@ class GeneratorSpec:
         out: dict[str, Any] = {"kind": self.kind, "seed": self.seed, "rate": self.rate,
                                "cv": self.cv, "input_range": list(self.input_range),
                                "output_range": list(self.output_range)}
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
         if self.kind != "distinct":
             out["adapters"] = self.adapters
         if self.kind == "zipf":
@@ -381,6 +514,8 @@ def generate(spec: GeneratorSpec) -> Workload:
         adapter=adapter.astype(np.int64), arrival=arrival,
         input_tokens=inputs, output_tokens=outputs,
         duration=np.full(n, np.nan), source=spec.record(),
+        adapter_rank=(np.resize(np.array(spec.ranks, dtype=np.int64), count) if spec.ranks
+                      else None),
     )
 
 

@@ -1,0 +1,165 @@
+"""Data-parallel replicas, each with its own pool, and the router in front of them.
+
+A router sends each request, in arrival order, to one replica: `random` (seeded),
+`round-robin`, or `affinity`, as dLoRA and Punica route: to a replica that holds the request's
+adapter and has a free seat, else to the least loaded one (fewest requests in flight, the lowest
+index on a tie). The router knows what each replica holds as a router that tracks its replicas'
+recent adapters does: per replica, the adapters an LRU of the replica's cache slots would hold
+given the requests routed there (pinned adapters are on every replica), and which requests are
+in flight from their hold times. Each replica then replays its requests against its own slot
+manager, link and host tier; the totals add the replicas' counts and take the percentiles over
+every request.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metrale_cli.errors import UsageError
+from metrale_cli.sim.replay import HostTier, Replay, RunResult, SwapCost, serving_stats
+from metrale_cli.sim.workload import Workload
+
+ROUTES = ("random", "round-robin", "affinity")
+
+
+@dataclass(frozen=True)
+class Routing:
+    replicas: int
+    route: str = "affinity"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas <= 0:
+            raise UsageError(f"--replicas must be positive, got {self.replicas}")
+        if self.route not in ROUTES:
+            raise UsageError(f"--route must be one of {', '.join(ROUTES)}, got {self.route!r}")
+
+    def record(self) -> dict[str, Any]:
+        return {"replicas": self.replicas, "route": self.route, "seed": self.seed}
+
+
+def route(workload: Workload, hold: np.ndarray, routing: Routing, cache_slots: int,
+          pinned: Sequence[str], max_concurrency: int | None) -> np.ndarray:
+    """[N] int64: the replica of each request."""
+    n, count = workload.requests, routing.replicas
+    if routing.route == "round-robin":
+        return np.arange(n, dtype=np.int64) % count
+    if routing.route == "random":
+        return np.random.default_rng(routing.seed).integers(0, count, size=n)
+    seats = max_concurrency or n + 1
+    pinned_ids = {workload.adapters.index(p) for p in pinned}
+    held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(count)]
+    ends: list[list[float]] = [[] for _ in range(count)]  # in flight, by end time
+    out = np.empty(n, dtype=np.int64)
+    for r, (a, t, h) in enumerate(zip(workload.adapter.tolist(), workload.arrival.tolist(),
+                                      hold.tolist(), strict=True)):
+        for e in ends:
+            while e and e[0] <= t:
+                heapq.heappop(e)
+        load = [len(e) for e in ends]
+        cached = a >= 0 and a not in pinned_ids
+        holders = [k for k in range(count) if cached and a in held[k] and load[k] < seats]
+        k = min(holders or range(count), key=lambda j: (load[j], j))
+        out[r] = k
+        heapq.heappush(ends[k], t + h)
+        if cached and cache_slots > 0:
+            lru = held[k]
+            if a in lru:
+                lru.move_to_end(a)
+            else:
+                if len(lru) == cache_slots:
+                    lru.popitem(last=False)
+                lru[a] = None
+    return out
+
+
+def _subset(w: Workload, mask: np.ndarray) -> Workload:
+    return Workload(adapters=w.adapters, adapter=w.adapter[mask], arrival=w.arrival[mask],
+                    input_tokens=w.input_tokens[mask], output_tokens=w.output_tokens[mask],
+                    duration=w.duration[mask], source=w.source, adapter_rank=w.adapter_rank)
+
+
+class Replicas:
+    """Replays for `routing.replicas` replicas behind a router, answering `run` as a `Replay`
+    does, with the totals and a summary per replica."""
+
+    def __init__(self, workload: Workload, hold: np.ndarray, cost: SwapCost,
+                 pinned: Sequence[str], max_concurrency: int | None,
+                 load_bytes: Sequence[int], host: HostTier | None, routing: Routing,
+                 first_token: np.ndarray | None = None, admission: str = "fcfs") -> None:
+        self.whole = Replay(workload, hold, cost, pinned, max_concurrency, load_bytes, host,
+                            first_token, admission)
+        self.first_token, self.admission = self.whole.first_token, admission
+        self.workload, self.hold, self.cost = workload, hold, cost
+        self.max_concurrency, self.load_bytes, self.host = max_concurrency, load_bytes, host
+        self.routing = routing
+        self.pinned, self.unpinned = self.whole.pinned, self.whole.unpinned
+        self.paging, self.mode = self.whole.paging, self.whole.mode
+        self.sweepable = False  # a sweep is of one pool
+        self._routes: dict[int, np.ndarray] = {}
+
+    def run(self, policy: str, max_loras: int, progress: Callable[[int], None] | None = None,
+            detail: bool = True) -> RunResult:
+        self.whole._check_size(max_loras)
+        if max_loras not in self._routes:  # the router is the same for every policy
+            self._routes[max_loras] = route(self.workload, self.hold, self.routing,
+                                            max_loras - len(self.pinned), self.pinned,
+                                            self.max_concurrency)
+        where = self._routes[max_loras]
+        parts: list[tuple[RunResult, Replay]] = []
+        for k in range(self.routing.replicas):
+            mask = where == k
+            if not mask.any():
+                continue
+            sub = Replay(_subset(self.workload, mask), self.hold[mask], self.cost, self.pinned,
+                         self.max_concurrency, self.load_bytes, self.host,
+                         self.first_token[mask], self.admission)
+            parts.append((sub.run(policy, max_loras, progress, detail=True), sub))
+        return _total(policy, max_loras, len(self.pinned), where, parts)
+
+
+def _total(policy: str, max_loras: int, pinned: int, where: np.ndarray,
+           parts: list[tuple[RunResult, Replay]]) -> RunResult:
+    def joined(column: Callable[[RunResult, Replay], np.ndarray]) -> np.ndarray:
+        return np.concatenate([column(r, sub) for r, sub in parts])
+
+    added = joined(lambda r, sub: r.start - sub.baseline)
+    waits = joined(lambda r, _: r.waits)
+    stats = serving_stats(joined(lambda r, _: r.start), joined(lambda _, s: s.workload.arrival),
+                          joined(lambda _, s: s.hold), joined(lambda _, s: s.first_token),
+                          joined(lambda _, s: s.workload.adapter >= 0))
+    wait = waits if waits.size else np.zeros(1)
+
+    def total(name: str) -> Any:
+        return sum(getattr(r, name) for r, _ in parts)
+
+    summary = []
+    for (r, _) in parts:
+        summary.append({"requests": r.requests, "adapter_requests": r.adapter_requests,
+                        "hits": r.hits, "delayed_hits": r.delayed_hits, "misses": r.misses,
+                        "hit_rate": r.hit_rate, "stalls": r.stalls,
+                        "added_latency_p99_s": r.added_latency_p99_s})
+    replica_of = [int(k) for k in np.unique(where)]
+    for k, s in zip(replica_of, summary, strict=True):
+        s["replica"] = k
+    return RunResult(
+        policy=policy, max_loras=max_loras, pinned=pinned, requests=int(where.size),
+        adapter_requests=total("adapter_requests"), hits=total("hits"),
+        delayed_hits=total("delayed_hits"), misses=total("misses"), swaps=total("swaps"),
+        bytes_moved=total("bytes_moved"), swap_s=total("swap_s"),
+        link_wait_s=total("link_wait_s"), host_hits=total("host_hits"),
+        host_misses=total("host_misses"), host_bytes_moved=total("host_bytes_moved"),
+        stalls=int(waits.size), stall_total_s=float(waits.sum()),
+        stall_p50_s=float(np.percentile(wait, 50)), stall_p99_s=float(np.percentile(wait, 99)),
+        added_latency_p50_s=float(np.percentile(added, 50)),
+        added_latency_p99_s=float(np.percentile(added, 99)),
+        added_latency_mean_s=float(added.mean()), **stats, pool_bytes=0,
+        replicas=[{"replica": k, **{x: y for x, y in s.items() if x != "replica"}}
+                  for k, s in zip(replica_of, summary, strict=True)],
+    )

@@ -1,0 +1,101 @@
+"""Tiny models with weights, and real PEFT adapters on them, for the engine tests: what the
+real vLLM loads (tests/support/vllm_runner.py) and what metrale judges offline.
+
+vLLM's CPU build needs more than the audit's tiny models: weights on disk, a head width of
+at least 32 (its CPU attention refuses 16), and BF16 for the Gated-DeltaNet layers. Every
+adapter's next-token log-probabilities are PEFT's own forward pass, in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+PROMPT = [1, 5, 9, 17, 33, 2]
+_BASE = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 128}
+_GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+_HYBRID = ["linear_attention", "full_attention"]
+
+# family -> (config class, model class, config kwargs)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              {**_BASE, "num_hidden_layers": 2, "intermediate_size": 96}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {**_BASE, "num_hidden_layers": 2, "intermediate_size": 96}),
+    # Layer 0 dense, layer 1 routed experts.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {**_BASE, "num_hidden_layers": 2, "intermediate_size": 96,
+                   "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                   "mlp_only_layers": [0]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {**_BASE, "num_hidden_layers": 2, "intermediate_size": 48,
+                 "num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Layer 0 linear attention with a dense MLP, layer 1 full attention with routed and shared
+    # experts (vLLM's Qwen3-Next refuses a model without an MoE layer).
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   {**_BASE, **_GDN, "num_hidden_layers": 2, "intermediate_size": 96,
+                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                    "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [0],
+                    "layer_types": _HYBRID}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                {**_BASE, **_GDN, "num_hidden_layers": 2, "intermediate_size": 96,
+                 "layer_types": _HYBRID}),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One PEFT adapter on disk with PEFT's next-token log-probs for PROMPT."""
+
+    name: str
+    family: str
+    path: Path
+    logprobs: list[float]
+
+
+def write_model(family: str, out: Path) -> Path:
+    """A random float32 model of `family` with its weights, saved under `out`."""
+    import transformers
+
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**kwargs)
+    config.architectures = [model_cls]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(config).float().eval()
+    model.save_pretrained(out)
+    return out
+
+
+def make_case(family: str, base: Path, out: Path, name: str, **lora_kwargs: Any) -> Case:
+    """A PEFT adapter with random A and B (never PEFT's zero B) on the model at `base`."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = getattr(transformers, FAMILIES[family][1]).from_pretrained(base).float().eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        peft_model = get_peft_model(model, LoraConfig(**lora_kwargs))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param_name, p in peft_model.named_parameters():
+            if "lora_" in param_name or "trainable_tokens" in param_name:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    peft_model.peft_config["default"].base_model_name_or_path = str(base)
+    path = out / name
+    peft_model.save_pretrained(path)
+    with torch.no_grad():
+        logits = peft_model(torch.tensor([PROMPT])).logits[0, -1].float()
+    logprobs = torch.log_softmax(logits, -1).tolist()
+    (path / "peft_logprobs.json").write_text(json.dumps(logprobs))
+    return Case(name, family, path, logprobs)

@@ -1,0 +1,159 @@
+"""Runs the real vLLM on one job and reports what it did, as JSON. Runs under `.venv-vllm`'s
+python, never under the suite's (it imports no metrale and no test helper).
+
+    .venv-vllm/bin/python tests/support/vllm_runner.py JOB.json OUT.json
+
+JOB: {"model": DIR, "engine": {LLM kwargs beyond the fixed ones below},
+      "prompt": [token ids], "logprobs": K,
+      "adapters": [{"name": N, "path": DIR, "via": "serve" | "request"}, ...]}
+
+One engine per job, started the way `vllm serve` runs it (engine core in its own process), so
+an error that ends the engine here ends it there. Each adapter is then tried in turn with one
+greedy next-token request: loaded (with the top-K next-token log-probs), or the error's type and
+text, and whether the engine still answers a base-model request afterwards. The base model's
+own log-probs come first, so an adapter that changes nothing is visible as equal log-probs.
+OUT also holds the LoRA tensors the engine allocated, per wrapped module: every stacked A/B
+buffer's shape, dtype and bytes (a view of a buffer already counted: 0), read off the model
+inside the engine's worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+# The model's modules travel back from the worker process as plain data; vLLM serialises the
+# function that reads them only with this set.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def lora_buffers(model: Any) -> dict[str, Any]:
+    """Every LoRA-wrapped module's stacked buffers: {module: {"class": C, "tensors": [[name,
+    shape, dtype, bytes]]}}. Runs inside the worker."""
+    import torch
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    found: dict[str, Any] = {}
+    # A buffer can be a view of another (the embedding's 2-D alias of its A stack): bytes
+    # count once per storage.
+    storages: set[int] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseLayerWithLoRA):
+            continue
+        tensors = []
+        for attr, value in vars(module).items():
+            if not attr.startswith(("lora_a", "lora_b", "w13_lora", "w2_lora", "w1_lora",
+                                    "w3_lora")):
+                continue
+            items = value if isinstance(value, (tuple, list)) else [value]
+            for i, t in enumerate(items):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage().data_ptr()
+                    fresh = storage not in storages
+                    storages.add(storage)
+                    tensors.append([f"{attr}[{i}]", list(t.shape), str(t.dtype).removeprefix(
+                        "torch."), t.numel() * t.element_size() if fresh else 0])
+        found[name] = {"class": type(module).__name__, "tensors": tensors}
+    return found
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    out_path = sys.argv[2]
+    report: dict[str, Any] = {"adapters": [], "started": False}
+
+    def save() -> None:
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(out_path + ".tmp", out_path)
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, here)
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.monotonic()
+    kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, "enable_lora": True,
+              "dtype": "float32", "max_model_len": 64, "max_num_seqs": 4,
+              "max_num_batched_tokens": 64, **job.get("engine", {})}
+    try:
+        llm = LLM(model=job["model"], **kwargs)
+    except Exception as exc:  # the engine refused the model or the flags
+        report["start_error"] = {"type": type(exc).__name__, "text": _text(exc)}
+        save()
+        return 0
+    report["started"] = True
+    report["start_s"] = round(time.monotonic() - t0, 2)
+    # By reference: the worker imports this file as `vllm_runner` (PYTHONPATH, set above).
+    from vllm_runner import lora_buffers as probe
+
+    report["lora_buffers"] = llm.apply_model(probe)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=job.get("logprobs", 8))
+    prompt = {"prompt_token_ids": job["prompt"]}
+
+    def ask(request: Any) -> dict[int, float]:
+        result = llm.generate([prompt], params, lora_request=request, use_tqdm=False)
+        top = result[0].outputs[0].logprobs[0]
+        return {int(k): float(v.logprob) for k, v in top.items()}
+
+    try:
+        report["base"] = {str(k): v for k, v in ask(None).items()}
+    except Exception as exc:  # the engine started but cannot run this model (with LoRA)
+        report["base_error"] = {"type": type(exc).__name__, "text": _text(exc)}
+        save()
+        return 0
+    save()
+    for i, adapter in enumerate(job["adapters"], start=1):
+        entry: dict[str, Any] = {"name": adapter["name"], "via": adapter.get("via", "serve")}
+        request = LoRARequest(adapter["name"], i, adapter["path"])
+        try:
+            if entry["via"] == "serve":
+                # What `vllm serve` does for --lora-modules and /v1/load_lora_adapter before any
+                # request names the adapter; "request" sends it with the first request instead
+                # (the offline LLM API), where a load error happens inside the engine's step.
+                llm.llm_engine.add_lora(request)
+            probs = ask(request)
+            entry["loaded"] = True
+            entry["logprobs"] = {str(k): v for k, v in probs.items()}
+        except Exception as exc:
+            entry["loaded"] = False
+            entry["error"] = {"type": type(exc).__name__, "text": _text(exc)}
+            try:
+                ask(None)
+                entry["engine_alive"] = True
+            except Exception as after:
+                entry["engine_alive"] = False
+                entry["after"] = {"type": type(after).__name__, "text": _text(after)}
+        report["adapters"].append(entry)
+        save()
+        if entry.get("engine_alive") is False:
+            break
+    return 0
+
+
+def _text(exc: BaseException) -> str:
+    """The error's own text, with its causes (the engine wraps the worker's error)."""
+    parts = []
+    seen = 0
+    while exc is not None and seen < 5:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return " <- ".join(parts)[:4000]
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

@@ -1,0 +1,132 @@
+"""`inspect --engine vllm` and `layout --engine vllm` as users run them: records, exit codes,
+one-line refusals, no torch. What vLLM itself does is tests/test_engine_vllm.py's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli_runner import metrale
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.fixture(scope="module")
+def adapters(peft_zoo) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    """Real PEFT adapters on the tiny Qwen3: one vLLM serves, one it refuses (DoRA)."""
+    plain = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=ATTN)
+    ranked = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"],
+                              rank_pattern={"q_proj": 40}, seed=1)
+    dora = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"],
+                            use_dora=True, seed=2)
+    return {"plain": plain.path, "ranked": ranked.path, "dora": dora.path}
+
+
+def test_inspect_records_each_verdict_and_recommends_flags(adapters: dict[str, Path]) -> None:
+    done = metrale("inspect", f"plain={adapters['plain']}", f"ranked={adapters['ranked']}",
+                   "--engine", "vllm", "--json")
+    assert done.code == 0, done.stderr
+    record = done.json()
+    engines = [a["engine"] for a in record["adapters"]]
+    assert [e["verdict"] for e in engines] == ["serves", "serves"]
+    assert {e["name"] for e in engines} == {"vllm"} and {e["version"] for e in engines} == {
+        "0.32.0"}
+    assert all(e["flags_source"] == "recommended" for e in engines)
+    rec = record["engine"]["recommended"]
+    # rank_pattern 40 rounds up to the next rank vLLM allows.
+    assert rec["flags"]["max_lora_rank"] == 64
+    assert rec["flags"]["lora_target_modules"] == ["o_proj", "qkv_proj"]
+    assert rec["serve"].startswith("vllm serve ") and "--max-lora-rank 64" in rec["serve"]
+    assert f"plain={adapters['plain']}" in rec["serve"]
+    assert rec["lora_bytes"] == rec["slot_bytes"] * rec["flags"]["max_loras"]
+    # The rank-8 adapter leaves most of a rank-64 slot empty; 32 would shut out `ranked`.
+    padding = {p["adapter"]: p["unused_share"] for p in rec["padding"]}
+    assert padding["plain"] > padding["ranked"] > 0
+    assert rec["lower_max_rank"]["max_lora_rank"] == 32
+    assert rec["lower_max_rank"]["shuts_out"] == ["ranked"]
+
+
+def test_inspect_given_flags_judge_and_exit_1(adapters: dict[str, Path]) -> None:
+    done = metrale("inspect", f"plain={adapters['plain']}", f"ranked={adapters['ranked']}",
+                   "--engine", "vllm", "--max-rank", 16, "--json")
+    assert done.code == 1
+    plain, ranked = (a["engine"] for a in done.json()["adapters"])
+    assert plain["verdict"] == "serves" and plain["flags_source"] == "given"
+    assert ranked["verdict"] == "refuses" and ranked["reason_class"] == "rank_above_max"
+    assert ranked["reason"] == "LoRA rank 40 is greater than max_lora_rank 16."
+    assert ranked["elsewhere"]["offline"]["verdict"] == "crashes"
+    narrowed = metrale("inspect", adapters["plain"], "--engine", "vllm", "--modules", "o_proj",
+                       "--json")
+    assert narrowed.code == 1
+    engine = narrowed.json()["adapters"][0]["engine"]
+    assert engine["verdict"] == "differs" and engine["reason_class"] == "target_modules"
+    served = {m["module"]: m["served"] for m in engine["modules"]}
+    assert served == {"self_attn.q_proj": False, "self_attn.k_proj": False,
+                      "self_attn.v_proj": False, "self_attn.o_proj": True}
+
+
+def test_inspect_view_names_verdict_and_serve_line(adapters: dict[str, Path]) -> None:
+    done = metrale("inspect", f"dora={adapters['dora']}", f"plain={adapters['plain']}",
+                   "--engine", "vllm", columns=200)
+    assert done.code == 1
+    assert "refuses" in done.stdout and "vLLM does not yet support DoRA." in done.stdout
+    assert "vllm serve" in done.stdout and "dora: vLLM does not yet support DoRA." in done.stdout
+
+
+def test_layout_bytes_per_gpu_tp_and_budget() -> None:
+    def engine(*args: object) -> dict:
+        done = metrale("layout", "--engine", "vllm", "--model", "qwen3-8b", "--max-loras", 8,
+                       "--max-rank", 64, "--json", *args)
+        assert done.code == 0, done.stderr
+        return done.json()["engine"]
+
+    one, four = engine(), engine("--tp", 4)
+    sharded = engine("--tp", 4, "--fully-sharded")
+    assert one["lora_bytes"] == sum(m["bytes"] for m in one["modules"])
+    assert one["lora_bytes"] == 8 * one["slot_bytes"]
+    assert sharded["lora_bytes"] < four["lora_bytes"] < one["lora_bytes"]
+    assert one["flags"]["lora_dtype"] == "bfloat16" and one["host_cache_bytes"] > 0
+    fits = engine("--budget", "4GiB")
+    assert fits["max_loras_fit"] == (4 << 30) // fits["slot_bytes"]
+    narrow = engine("--modules", "q_proj,o_proj")
+    assert {m["module"] for m in narrow["modules"]} == {"self_attn.qkv_proj",
+                                                        "self_attn.o_proj"}
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["layout", "--model", "qwen3-8b", "--engine", "sglang"], "--engine 'sglang'"),
+    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--max-rank", "24"],
+     "--max-lora-rank takes only"),
+    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--modules", "nope"],
+     "vLLM's LoRA modules of this model"),
+    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--lora-dtype", "int8"],
+     "--lora-dtype 'int8'"),
+    (["layout", "--model", "qwen3-8b", "--dtype", "float16"], "--dtype need --engine vllm"),
+    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--max-loras", "4",
+      "--max-cpu-loras", "2"], "below --max-loras"),
+    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--tp", "3"], "does not divide"),
+])
+def test_bad_flags_are_one_line_exit_2(args: list[str], says: str) -> None:
+    done = metrale(*args)
+    assert done.code == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_inspect_vllm_only_options_need_the_engine(adapters: dict[str, Path]) -> None:
+    done = metrale("inspect", adapters["plain"], "--tp", 2)
+    assert done.code == 2 and "--tp need --engine vllm" in done.stderr
+
+
+def test_engine_vllm_imports_no_torch(adapters: dict[str, Path]) -> None:
+    code = ("import sys\nfrom metrale_cli.cli.app import main\n"
+            "sys.argv = ['metrale'] + sys.argv[1:]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "bad = [m for m in ('torch', 'cupy', 'vllm') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    for args in (["inspect", str(adapters["plain"]), "--engine", "vllm"],
+                 ["layout", "--engine", "vllm", "--model", "qwen3-30b-a3b", "--tp", "4"]):
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, (args, done.stderr)

@@ -1,0 +1,125 @@
+"""vLLM rules the CPU build cannot show running, held to what vLLM 0.32.0's source does (the
+GPU build): fused-MoE formats, Mixtral's block name, the output-head limit, the CPU build's
+own record. tests/test_engine_vllm.py holds everything the CPU build can run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.engines import vllm
+from metrale_cli.engines.verdict import Verdict
+from metrale_cli.model.config import ModelConfig
+
+FLAGS = vllm.Flags(16, 2)
+
+
+def _judge(truth, flags: vllm.Flags = FLAGS) -> vllm.EngineVerdict:  # type: ignore[no-untyped-def]
+    model = ModelConfig.from_hf(truth.base_dir)
+    return vllm.judge(audit(Adapter.load(truth.path), model), model, flags)
+
+
+def test_peft_3d_experts_on_a_2d_moe_wrapper_are_refused(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3-MoE's vLLM wrapper is 2-D: PEFT's fused expert weights need
+    --enable-mixed-moe-lora-format (model_manager._validate_moe_lora_format)."""
+    truth = peft_zoo.adapter("qwen3_moe", r=8, lora_alpha=16,
+                             target_parameters=["mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"])
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.REFUSES and verdict.reason_class == "moe_3d_format"
+    assert "--enable-mixed-moe-lora-format" in verdict.reason
+    # And the CPU build cannot run the model with LoRA at all.
+    assert verdict.elsewhere["cpu_build"]["verdict"] == "unsupported_model"
+
+
+def test_mixtral_transformers5_expert_weights_reach_nothing(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's Mixtral keeps `block_sparse_moe`; PEFT's transformers-5 `mlp.experts` and
+    `mlp.gate` weights pass the name check (their leaf names exist) and are never applied."""
+    truth = peft_zoo.adapter("mixtral", r=8, lora_alpha=16,
+                             target_modules=["q_proj", "v_proj", "gate"],
+                             target_parameters=["mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"])
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.DIFFERS
+    dropped = {m.module for m in verdict.modules if not m.served}
+    assert dropped == {"mlp.experts", "mlp.gate"}
+    served = {m.module for m in verdict.modules if m.served}
+    assert served == {"self_attn.q_proj", "self_attn.v_proj"}
+
+
+def test_an_output_head_over_the_lora_limit_is_unsupported(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    truth = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    wide = replace(model, vocab_size=vllm.MAX_LORA_VOCAB + 1)
+    verdict = vllm.judge(audit(Adapter.load(truth.path), wide), wide, FLAGS)
+    assert verdict.verdict is Verdict.UNSUPPORTED_MODEL
+    assert verdict.reason_class == "vocab_too_large"
+    assert vllm.judge(audit(Adapter.load(truth.path), model), model, FLAGS).serves
+
+
+def test_moe_rewrite_rank_pattern_sets_the_max_lora_rank(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """PEFT's MoE rewrite saves `rank_pattern` gate_up at 2r; vLLM checks every pattern value,
+    so an r=8 expert adapter needs --max-lora-rank 16, and 8 refuses it."""
+    truth = peft_zoo.adapter("qwen3_5_moe", r=8, lora_alpha=16,
+                             target_parameters=["mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"],
+                             rank_pattern={"mlp.experts.gate_up_proj": 16})
+    model = ModelConfig.from_hf(truth.base_dir)
+    report = audit(Adapter.load(truth.path), model)
+    assert vllm.recommend([report], model).flags.max_lora_rank == 16
+    refused = vllm.judge(report, model, vllm.Flags(8, 1))
+    assert refused.verdict is Verdict.REFUSES and refused.reason_class == "rank_above_max"
+    # Qwen3.5-MoE's wrapper is 3-D: the fused weights load.
+    assert vllm.judge(report, model, vllm.Flags(16, 1)).serves
+
+
+def test_tp_shards_follow_vllm_create_lora_weights() -> None:
+    """Under TP each GPU holds 1/tp of column B and row A, KV heads replicate past tp, and
+    --fully-sharded-loras also splits column A's rank and row B's output."""
+    model = ModelConfig.preset("qwen3-8b")
+    qkv = next(m for m in vllm.engine_modules(model) if m.path == "self_attn.qkv_proj")
+    row = next(m for m in vllm.engine_modules(model) if m.path == "self_attn.o_proj")
+    assert qkv.buffers(1, 64, 4, False)[3:] == [("lora_b", (1, 1, 1024, 64)),
+                                               ("lora_b", (1, 1, 256, 64)),
+                                               ("lora_b", (1, 1, 256, 64))]
+    # 8 KV heads over TP 16: one head each, replicated.
+    assert qkv.buffers(1, 64, 16, False)[4] == ("lora_b", (1, 1, 128, 64))
+    assert qkv.buffers(1, 64, 4, True)[0] == ("lora_a", (1, 1, 16, 4096))
+    assert row.buffers(1, 64, 4, False) == [("lora_a", (1, 1, 64, 1024)),
+                                            ("lora_b", (1, 1, 4096, 64))]
+    assert row.buffers(1, 64, 4, True)[1] == ("lora_b", (1, 1, 1024, 64))
+
+
+def test_no_embedding_lora_where_the_model_class_declares_none(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's Qwen3-Next (and Qwen2, Mistral) class has no `embedding_modules`: it wraps neither
+    embed_tokens nor lm_head (the engine's buffers show it), so an adapter on lm_head names a
+    module vLLM does not expect."""
+    truth = peft_zoo.adapter("qwen3_next", r=8, lora_alpha=16,
+                             target_modules=["q_proj", "lm_head"])
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.REFUSES and verdict.reason_class == "unexpected_module"
+    assert "lm_head" in verdict.reason
+    model = ModelConfig.from_hf(truth.base_dir)
+    assert not {"embed_tokens", "lm_head"} & {m.path for m in vllm.engine_modules(model)}
+
+
+def test_a_hostile_config_is_a_refusal_not_a_traceback(peft_zoo, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A rank_pattern that is not a mapping, or a rank that is not a number, is what vLLM's
+    PEFTHelper fails on: `refuses`, with the field named."""
+    import json
+    import shutil
+
+    truth = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    for field, value, says in (("rank_pattern", ["q_proj", 4], "rank_pattern must map"),
+                               ("r", "eight", "must be a positive integer")):
+        copy = tmp_path / field
+        shutil.copytree(truth.path, copy)
+        config = json.loads((copy / "adapter_config.json").read_text())
+        config[field] = value
+        (copy / "adapter_config.json").write_text(json.dumps(config))
+        report = audit(Adapter.load(copy), model)
+        verdict = vllm.judge(report, model, FLAGS)
+        assert verdict.verdict is Verdict.REFUSES and says in verdict.reason
+        assert vllm.recommend([report], model).shut_out

@@ -1,0 +1,98 @@
+"""The one-pass LRU sweep (Mattson's stack distances) against replays of the slot manager at each
+size, on random paging traces, and the distances against their definition."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metrale_cli.sim.replay import Replay, SwapCost
+from metrale_cli.sim.stack_distance import COLD, load_ends, stack_distances
+from metrale_cli.sim.workload import Workload
+
+COST = SwapCost(slot_bytes=1000, bytes_per_s=1e6, latency_s=0.0, bandwidth="test")  # 1 ms
+
+
+def paging(refs: list[int], arrival: list[float]) -> Workload:
+    n = len(refs)
+    return Workload(
+        adapters=tuple(f"a{i}" for i in range(max(refs, default=-1) + 1)),
+        adapter=np.array(refs, dtype=np.int64), arrival=np.array(arrival, dtype=np.float64),
+        input_tokens=np.zeros(n, dtype=np.int64), output_tokens=np.zeros(n, dtype=np.int64),
+        duration=np.zeros(n))
+
+
+def distance_by_definition(refs: list[int]) -> list[int]:
+    out = []
+    for j, a in enumerate(refs):
+        before = [k for k in range(j) if refs[k] == a]
+        out.append(COLD if not before else len(set(refs[before[-1] + 1:j])))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=80))
+def test_distances_are_the_distinct_adapters_between_uses(refs: list[int]) -> None:
+    got = stack_distances(np.array(refs, dtype=np.int64))
+    assert got.tolist() == distance_by_definition(refs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.lists(st.tuples(st.integers(-1, 12), st.sampled_from([0.0, 0.0, 0.0005, 0.3, 2.0])),
+                  min_size=1, max_size=120),
+    pin_count=st.integers(0, 2), links=st.integers(1, 3),
+)
+def test_the_sweep_is_a_replay_at_every_size(data: list[tuple[int, float]], pin_count: int,
+                                             links: int) -> None:
+    refs = [r for r, _ in data]
+    w = paging(refs, np.cumsum([g for _, g in data]).tolist())
+    used = sorted({r for r in refs if r >= 0})
+    pinned = [f"a{i}" for i in used[:pin_count]]
+    cost = dataclasses.replace(COST, links=links)
+    rp = Replay(w, np.zeros(len(refs)), cost, pinned)
+    sizes = [k for k in range(1, 16) if k > len(pinned) or (k == len(pinned) and not rp.unpinned)]
+    swept = rp.lru_sweep(sizes)
+    for size, s in zip(sizes, swept, strict=True):
+        r = rp.run("lru", size, detail=False)
+        exact = {f: getattr(r, f) for f in ("max_loras", "pinned", "requests", "adapter_requests",
+                                             "hits", "delayed_hits", "misses", "swaps",
+                                             "bytes_moved", "stalls", "ref_counts_at_end")}
+        assert {f: getattr(s, f) for f in exact} == exact, size
+        for f in ("swap_s", "link_wait_s", "added_latency_p50_s", "added_latency_p99_s",
+                  "added_latency_mean_s", "stall_p99_s", "ttft_adapter_p50_s",
+                  "ttft_adapter_p99_s", "ttft_base_p50_s", "ttft_base_p99_s",
+                  "throughput_req_s"):
+            want = getattr(r, f)
+            assert getattr(s, f) == (None if want is None else
+                                     pytest.approx(want, rel=1e-9, abs=1e-12)), (f, size)
+
+
+def test_load_ends_queue_per_link() -> None:
+    asked = np.array([0.0, 0.0, 0.0, 0.5, 10.0])
+    np.testing.assert_allclose(load_ends(asked, 1.0, 1), [1.0, 2.0, 3.0, 4.0, 11.0])
+    np.testing.assert_allclose(load_ends(asked, 1.0, 2), [1.0, 1.0, 2.0, 2.0, 11.0])
+
+
+def test_a_paging_lru_sweep_takes_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """simulate() sweeps LRU in paging mode without replaying it per size; other policies and
+    concurrent mode still replay."""
+    from metrale_cli.sim import simulate as sim
+
+    w = paging([0, 1, 2, 0, 3, 1, 0], [0.0, 1, 2, 3, 4, 5, 6])
+    rp = Replay(w, np.zeros(7), COST)
+    replayed: list[tuple[str, int]] = []
+    real = Replay.run
+
+    def spy(self: Replay, policy: str, size: int, *args: object, **kw: object) -> object:
+        replayed.append((policy, size))
+        return real(self, policy, size, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Replay, "run", spy)
+    results = sim.simulate(rp, ["lru", "fifo"], [1, 2, 3, 4], lambda n: n)
+    assert replayed == [("fifo", k) for k in (1, 2, 3, 4)]
+    assert [r.misses for r in results if r.policy == "lru"] == [7, 7, 5, 4]
