@@ -8,6 +8,12 @@
 //   bgmv_expand:  y[b, o] += scale_table[s] * sum_{j < r} t[b, j] * B_s[o, j]
 //                 y[b, :] untouched (bit for bit) when the token is skipped
 //
+// Fused slices: the projections of a layer that share x (q, k and v; gate and up) run as one
+// shrink and one expand launch, grid.z's slice z taking its own table row (a_table, b_table
+// u64 [num_slices, max_loras]), its own t plane (t F32 [num_slices, T, t_cols]) and, in the
+// expand, its own columns of one y (slice_cols i32 [num_slices + 1], as vLLM's fused qkv
+// output). One slice is the plain (layer, module) delta.
+//
 // A token is skipped when its slot is -1 or out of the table, the slot's pointer is 0 (the slot
 // does not adapt this entry) or its rank is 0. With one split the shrink writes every t element
 // (no memset, nothing stale for the expand); with split-K (grid.z > 1) each split adds its
@@ -25,9 +31,9 @@
 // max_rank <= METRALE_MAX_RANK.
 //
 // Launch shapes (picked by metrale_cli/kernels.py, which the host harness shares):
-//   bgmv_shrink:       grid (T, t_cols / BGMV_SHRINK_ROWS, num_splits), block 128; each CTA
+//   bgmv_shrink:       grid (T, t_cols / BGMV_SHRINK_ROWS, num_slices x num_splits), block 128; each CTA
 //                      computes 4 rank rows of one token over one K chunk of k_chunk elements.
-//   bgmv_expand_*:     grid (T, ceil(out_dim / (128 x 8))), block 128; each thread owns 8
+//   bgmv_expand_*:     grid (T, ceil(widest slice / (128 x 8)), num_slices), block 128; each thread owns 8
 //                      consecutive output rows (one y vector).
 // Memory-level parallelism (kernels/README.md): every load of a pass is unconditional (rows and
 // columns past the data are clamped into bounds and their results masked), and a pass issues all
@@ -41,16 +47,21 @@ extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_SHRINK_MIN_CT
 bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ slots,
             const ptr_t* __restrict__ a_table, const int* __restrict__ ranks, int max_loras,
             float* __restrict__ t, int num_tokens, int in_dim, int max_rank, int t_cols,
-            int k_chunk) {
+            int k_chunk, int num_slices) {
   const int b = blockIdx.x;
   const int j0 = blockIdx.y * BGMV_SHRINK_ROWS;
-  const int split = blockIdx.z;
+  // grid.z is (slice, split): the fused slices of one x (q, k, v) each have their own A table
+  // row and t plane, and share the split count.
+  const int splits = gridDim.z / num_slices;
+  const int slice = blockIdx.z / splits;
+  const int split = blockIdx.z - slice * splits;
   const int tid = threadIdx.x;
-  const bool accumulate = gridDim.z > 1;
-  float* t_row = t + static_cast<long long>(b) * t_cols;
+  const bool accumulate = splits > 1;
+  float* t_row = t + (static_cast<long long>(slice) * num_tokens + b) * t_cols;
 
   const int slot = slots[b];
-  const ptr_t a_addr = slot_address(a_table, slot, max_loras);
+  const ptr_t a_addr = slot_address(a_table + static_cast<long long>(slice) * max_loras, slot,
+                                    max_loras);
   const int listed = slot_rank(ranks, slot, max_loras);
   const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
   if (j0 >= rank) {
@@ -122,11 +133,19 @@ template <typename OutT>
 __device__ __forceinline__ void bgmv_expand_body(
     const float* __restrict__ t, const int* __restrict__ slots, const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
     const int* __restrict__ ranks, int max_loras, OutT* __restrict__ y, long long y_stride,
-    int num_tokens, int out_dim, int max_rank, int t_cols) {
+    int num_tokens, int out_dim, int max_rank, int t_cols, const int* __restrict__ slice_cols) {
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
+  // grid.z is the fused slice: its B table row, its t plane, and its columns of y
+  // (slice_cols[z] up to slice_cols[z + 1]; null for one slice: all out_dim columns). The
+  // column bounds are read beside the slot, not behind it.
+  const int slice = blockIdx.z;
+  const int col0 = slice_cols ? slice_cols[slice] : 0;
+  const int slice_out = slice_cols ? slice_cols[slice + 1] - col0 : out_dim;
+  t += static_cast<long long>(slice) * num_tokens * t_cols;
   const int slot = slots[b];
-  const ptr_t b_addr = slot_address(b_table, slot, max_loras);
+  const ptr_t b_addr = slot_address(b_table + static_cast<long long>(slice) * max_loras, slot,
+                                    max_loras);
   const int listed = slot_rank(ranks, slot, max_loras);
   const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
   if (rank <= 0) return;  // CTA-uniform, before any barrier: y stays bit-identical
@@ -145,8 +164,8 @@ __device__ __forceinline__ void bgmv_expand_body(
   // Each thread owns BGMV_EXPAND_ROWS consecutive output rows: its y is one vector, and its B
   // rows are one contiguous run of BGMV_EXPAND_ROWS x max_rank elements.
   const int o = (blockIdx.y * METRALE_THREADS + tid) * BGMV_EXPAND_ROWS;
-  if (o >= out_dim) return;  // out_dim % 8 == 0, so all 8 rows of a live thread exist
-  OutT* y_out = y + static_cast<long long>(b) * y_stride + o;
+  if (o >= slice_out) return;  // slice widths are multiples of 8: all 8 rows of a live thread exist
+  OutT* y_out = y + static_cast<long long>(b) * y_stride + col0 + o;
   float yv[BGMV_EXPAND_ROWS];
   load_y8(y_out, yv);  // issued first: it lands while the B passes run
   const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr) + static_cast<long long>(o) * max_rank;
@@ -185,16 +204,18 @@ extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_EXPAND_MIN_CT
 bgmv_expand_bf16(const float* __restrict__ t, const int* __restrict__ slots,
                  const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
                  const int* __restrict__ ranks, int max_loras, bf16_t* __restrict__ y,
-                 long long y_stride, int num_tokens, int out_dim, int max_rank, int t_cols) {
+                 long long y_stride, int num_tokens, int out_dim, int max_rank, int t_cols,
+                 const int* __restrict__ slice_cols) {
   bgmv_expand_body(t, slots, b_table, scale_table, ranks, max_loras, y, y_stride,
-                   num_tokens, out_dim, max_rank, t_cols);
+                   num_tokens, out_dim, max_rank, t_cols, slice_cols);
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_EXPAND_MIN_CTAS)
 bgmv_expand_f32(const float* __restrict__ t, const int* __restrict__ slots,
                 const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
                 const int* __restrict__ ranks, int max_loras, float* __restrict__ y,
-                long long y_stride, int num_tokens, int out_dim, int max_rank, int t_cols) {
+                long long y_stride, int num_tokens, int out_dim, int max_rank, int t_cols,
+                const int* __restrict__ slice_cols) {
   bgmv_expand_body(t, slots, b_table, scale_table, ranks, max_loras, y, y_stride,
-                   num_tokens, out_dim, max_rank, t_cols);
+                   num_tokens, out_dim, max_rank, t_cols, slice_cols);
 }

@@ -14,11 +14,13 @@ from metrale_cli.ops import kernels, reference
 from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
+    FUSED_CASES,
     SGMV_CASES,
     Case,
     Pool,
     check_t,
     check_y,
+    make_pool,
 )
 
 pytestmark = pytest.mark.gpu
@@ -117,6 +119,30 @@ def test_decode_with_a_batch_plan_on_device(case: Case, grouped: bool) -> None:
     expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
                                     case.max_rank)
     check_y(_to_host(y, torch.bfloat16), y0, expected, case, "sgmv" if grouped else "bgmv")
+
+
+@pytest.mark.parametrize(("case", "widths"), FUSED_CASES, ids=[c.name for c, _ in FUSED_CASES])
+def test_fused_slices_on_device(case: Case, widths: tuple[int, ...]) -> None:
+    pools = [make_pool(case.in_dim, width, case.max_rank, case.ranks, case.absent, seed)
+             for seed, width in enumerate(widths)]
+    device = [_device_tables(pool) for pool in pools]
+    cupy = _cupy()
+    a_tables = cupy.stack([tables[1] for tables in device])
+    b_tables = cupy.stack([tables[2] for tables in device])
+    cols = [0, *np.cumsum(widths).tolist()]
+    y0 = torch.randn(case.num_tokens, cols[-1],
+                     generator=torch.Generator().manual_seed(2)).bfloat16()
+    x, slots, ranks, scales = case.x(), case.token_slots(), pools[0].ranks, pools[0].scales
+    y = _to_device(y0)
+    kernels.bgmv_fused(_to_device(x), y, cols, _to_device(slots), a_tables, b_tables,
+                       _to_device(scales), _to_device(ranks), case.max_rank)
+    got = _to_host(y, torch.bfloat16)
+    for z, pool in enumerate(pools):
+        a_weights, b_weights = pool.weights()
+        part = slice(cols[z], cols[z + 1])
+        expected = reference.lora_delta(x, y0[:, part], slots, a_weights, b_weights, scales,
+                                        ranks, case.max_rank)
+        check_y(got[:, part], y0[:, part], expected, case, "bgmv")
 
 
 def test_sgmv_tensor_cores_at_prefill_size() -> None:

@@ -24,10 +24,12 @@ from metrale_cli.ops import host_harness, kernels, reference
 from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
+    FUSED_CASES,
     SGMV_CASES,
     Case,
     check_t,
     check_y,
+    make_pool,
 )
 
 Y_DTYPES = [torch.bfloat16, torch.float32]
@@ -292,6 +294,55 @@ def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
         "bgmv", 32, 16384, 256, 132)
 
 
+
+
+@pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
+@pytest.mark.parametrize(("case", "widths"), FUSED_CASES, ids=[c.name for c, _ in FUSED_CASES])
+def test_fused_slices_match_reference_per_slice(case: Case, widths: tuple[int, ...],
+                                                y_dtype: torch.dtype) -> None:
+    pools = [make_pool(case.in_dim, width, case.max_rank, case.ranks, case.absent, seed)
+             for seed, width in enumerate(widths)]
+    a_tables = torch.stack([pool.tables()[0] for pool in pools])
+    b_tables = torch.stack([pool.tables()[1] for pool in pools])
+    cols = [0, *np.cumsum(widths).tolist()]
+    generator = torch.Generator().manual_seed(2)
+    y = torch.randn(case.num_tokens, cols[-1], generator=generator).to(y_dtype)
+    y0 = y.clone()
+    x, slots, ranks, scales = case.x(), case.token_slots(), pools[0].ranks, pools[0].scales
+    fused_splits = kernels.shrink_splits("bgmv", len(widths) * case.num_tokens, case.in_dim,
+                                         case.max_rank, case.num_sms)
+    assert (fused_splits > 1) == (case.name == "split_k")
+    host_harness.bgmv_fused(x, y, cols, slots, a_tables, b_tables, scales, ranks,
+                            case.max_rank, num_sms=case.num_sms)
+    for z, pool in enumerate(pools):
+        a_weights, b_weights = pool.weights()
+        expected = reference.lora_delta(x, y0[:, cols[z]:cols[z + 1]], slots, a_weights,
+                                        b_weights, scales, ranks, case.max_rank)
+        check_y(y[:, cols[z]:cols[z + 1]], y0[:, cols[z]:cols[z + 1]], expected, case, "bgmv")
+
+
+def test_fused_slices_are_one_shrink_and_one_expand_launch() -> None:
+    case, widths = FUSED_CASES[0]
+    pools = [make_pool(case.in_dim, width, case.max_rank, case.ranks, case.absent, seed)
+             for seed, width in enumerate(widths)]
+    a_tables = torch.stack([pool.tables()[0] for pool in pools])
+    b_tables = torch.stack([pool.tables()[1] for pool in pools])
+    cols = torch.tensor([0, 72, 88, 128], dtype=torch.int32)
+    t = torch.zeros(3, case.num_tokens, case.max_rank)
+    y = torch.zeros(case.num_tokens, 128)
+    slots, ranks, scales = case.token_slots(), pools[0].ranks, pools[0].scales
+    shrink = kernels.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t, case.max_rank, 2)
+    assert shrink.grid == (case.num_tokens, case.max_rank // kernels.SHRINK_ROWS, 3 * 2)
+    expand = kernels.plan_bgmv_expand(t, slots, b_tables, scales, ranks, y, case.max_rank, cols)
+    assert expand.grid == (case.num_tokens, 1, 3)  # the widest slice, 72, in one CTA per token
+    with pytest.raises(ValueError, match="need slice_cols"):
+        kernels.plan_bgmv_expand(t, slots, b_tables, scales, ranks, y, case.max_rank)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        kernels.check_slice_cols([0, 72, 84, 128], 3, 128)
+    with pytest.raises(ValueError, match="past y"):
+        kernels.check_slice_cols([0, 72, 88, 136], 3, 128)
+    with pytest.raises(ValueError, match=r"t \[S, T, t_cols\]"):
+        kernels.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t[0], case.max_rank)
 
 
 # (grouped shrink, SMs): with 1 SM the grouped batch's output tiles cover the device and the

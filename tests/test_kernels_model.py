@@ -94,6 +94,47 @@ def test_the_model_s_inputs_are_the_launch_plan(shape: tuple[str, int, int, int,
             assert int(segs.rows.sum()) == tokens  # every token in one (tile, segment) pair
 
 
+@pytest.mark.parametrize(("rank", "tokens"), [(16, 1), (64, 256), (128, 8)])
+def test_the_fused_model_is_the_fused_launch_plan(rank: int, tokens: int) -> None:
+    """A fused group's records are the two launches kernels.bgmv_fused really makes: kernel,
+    grid (slices on z) and splits; and one launch floor instead of one per slice."""
+    (slices, in_dim), = bench_kernels.fused_groups(SHAPES)
+    widths = [out for _, out in slices]
+    backend = Recorder(bench_kernels.ModelDevice().sms)
+    cols = [0, *np.cumsum(widths).tolist()]
+    tables = [np.arange(1, 3 * tokens + 1, dtype=np.uint64).reshape(3, tokens) << np.uint64(20)
+              for _ in "ab"]
+    slots = bench_kernels._decode_slots(tokens, tokens)
+    batch = kernels.plan_batch(slots, np.full(tokens, rank, dtype=np.int32), rank)
+    kernels.bgmv_fused(np.empty((tokens, in_dim), dtype=np.uint16),
+                       np.empty((tokens, cols[-1]), dtype=np.uint16), cols, slots, *tables,
+                       np.ones(tokens, dtype=np.float32), np.full(tokens, rank, dtype=np.int32),
+                       rank, batch=batch, backend=backend)
+    shrink, expand = backend.plans
+    for kind, plan in (("shrink", shrink), ("expand", expand)):
+        record = bench_kernels.fused_record(slices, in_dim, rank, tokens, tokens, kind)
+        assert record is not None and record["kernel"] == plan.kernel
+        assert tuple(record["grid"]) == plan.grid and plan.grid[2] % len(slices) == 0
+        separate = [bench_kernels.model_record(n, out, in_dim, rank, tokens, tokens, kind)
+                    for n, out in slices]
+        assert record["terms"]["launch"] <= max(r["terms"]["launch"] for r in separate)
+        assert record["unfused_us"] == pytest.approx(sum(r["expected_us"] for r in separate))
+        assert record["bytes"] == sum(r["bytes"] for r in separate)
+        assert record["expected_us"] <= record["unfused_us"]
+
+
+def test_fusing_a_decode_token_s_qkv_saves_two_launch_floors_per_kernel() -> None:
+    (slices, in_dim), = bench_kernels.fused_groups(SHAPES)
+    for kind in ("shrink", "expand"):
+        record = bench_kernels.fused_record(slices, in_dim, 16, 1, 1, kind)
+        assert record is not None and record["binding"] == "launch"
+        assert record["expected_us"] == pytest.approx(2.0)
+        assert record["unfused_us"] == pytest.approx(6.0)
+    # Grouped and prefill batches run the slices one by one (the SGMV kernels do not fuse).
+    assert bench_kernels.fused_record(slices, in_dim, 16, 256, 1, "shrink") is None
+    assert bench_kernels.fused_record(slices, in_dim, 16, 4096, 8, "shrink") is None
+
+
 def test_every_record_is_at_least_its_largest_term() -> None:
     records = bench_kernels.model(SHAPES)
     device = bench_kernels.ModelDevice()

@@ -476,6 +476,86 @@ def _shapes(model_shapes: Sequence[tuple[str, int, int]], ranks: Sequence[int],
     return shapes
 
 
+# The projections a layer fuses into one launch because they read the same x, as vLLM serves
+# its qkv_proj and gate_up_proj (kernels.bgmv_fused).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fused_groups(model_shapes: Sequence[tuple[str, int, int]]
+                 ) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+    """The FUSED_GROUPS whose modules are all among `model_shapes` with one in_dim: each as its
+    ((module, out_dim) per slice, in_dim)."""
+    by_name = {name: (out_dim, in_dim) for name, out_dim, in_dim in model_shapes}
+    groups = []
+    for names in FUSED_GROUPS:
+        if all(n in by_name for n in names) and len({by_name[n][1] for n in names}) == 1:
+            groups.append((tuple((n, by_name[n][0]) for n in names), by_name[names[0]][1]))
+    return groups
+
+
+def fused_work(kind: str, slices: Sequence[int], tokens: int, rank: int, in_dim: int, sms: int,
+               y_bytes: int = 2) -> LaunchWork:
+    """The one launch kernels.bgmv_fused makes for `kind` over slices of these out_dims (the
+    per-token path): the shrink's grid.z is (slice, split), split as the planner splits S
+    slices' CTAs; the expand's grid.y covers the widest slice, and a narrower slice's spare
+    CTAs read their metadata and t row, then exit."""
+    count = len(slices)
+    splits = kernels.shrink_splits("bgmv", count * tokens, in_dim, rank, sms)
+    if kind == "shrink":
+        grid = kernels.launch_grid("bgmv_shrink", tokens, in_dim, rank, splits)
+        l2, passes, chains, cta_passes, cta_chains = _bgmv_work(
+            kind, grid, tokens, rank, in_dim, slices[0], splits, y_bytes)
+        return LaunchWork("bgmv_shrink", "per-token (fused)", (grid[0], grid[1], count * splits),
+                          splits, count * l2, count * passes, count * chains, cta_passes,
+                          cta_chains, launches=2 if splits > 1 else 1)
+    kernel = "bgmv_expand_bf16" if y_bytes == 2 else "bgmv_expand_f32"
+    widest = kernels.launch_grid(kernel, tokens, max(slices), rank)
+    l2 = passes = chains = 0
+    for out_dim in slices:
+        grid = kernels.launch_grid(kernel, tokens, out_dim, rank)
+        work = _bgmv_work(kind, grid, tokens, rank, in_dim, out_dim, 1, y_bytes)
+        spare = tokens * (widest[1] - grid[1])
+        l2 += work[0] + spare * 4 * rank
+        passes += work[1]
+        chains += work[2] + 3 * spare
+    cta_passes = -(-(rank // kernels.VECTOR) // 2)
+    return LaunchWork(kernel, "per-token (fused)", (widest[0], widest[1], count), 1, l2, passes,
+                      chains, cta_passes, 3)
+
+
+def fused_record(slices: Sequence[tuple[str, int]], in_dim: int, rank: int, tokens: int,
+                 adapters: int, kind: str, device: ModelDevice | None = None
+                 ) -> dict[str, Any] | None:
+    """The model's record for a fused group's one `kind` launch (fused_work), beside
+    `unfused_us`, what its slices' separate launches take together; None where the batch takes
+    the grouped or prefill path, on which bgmv_fused runs the slices one by one."""
+    device = device or ModelDevice()
+    if tokens > 256 or kernels.plan_batch(_decode_slots(tokens, adapters), [rank] * adapters,
+                                          rank).grouped:
+        return None
+    work = fused_work(kind, [out for _, out in slices], tokens, rank, in_dim, device.sms)
+    nbytes = sum(compulsory_bytes(kind, tokens, adapters, rank, in_dim, out)
+                 for _, out in slices)
+    cost = cost_terms(work, nbytes, device, rmw=kind == "expand")
+    separate = [model_record(name, out, in_dim, rank, tokens, adapters, kind, device)
+                for name, out in slices]
+    target = TARGET_PCT["decode", kind]
+    meets = (cost["expected_pct_peak"] >= target if cost["regime"] == "bandwidth"
+             else cost["expected_copy_ratio"] <= COPY_RATIO_TARGET)
+    footprint = sum(footprint_bytes(tokens, adapters, rank, in_dim, out) for _, out in slices)
+    groups = rotation_groups(nbytes, footprint, device.l2_bytes)
+    return {
+        "kernel": work.kernel, "path": work.path, "module": "+".join(n for n, _ in slices),
+        "out_dim": sum(out for _, out in slices), "slice_out_dims": [out for _, out in slices],
+        "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
+        "splits": work.splits, "grid": list(work.grid), **cost,
+        "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
+        "meets_target": meets, "rotation_groups": groups,
+        "l2_resident": groups * nbytes <= device.l2_bytes,
+        "unfused_us": sum(r["expected_us"] for r in separate),
+    }
+
+
 def model(
     model_shapes: Sequence[tuple[str, int, int]],
     ranks: Sequence[int] = DEFAULT_RANKS,
@@ -483,11 +563,19 @@ def model(
     adapters: Sequence[int] | None = None,
     device: ModelDevice | None = None,
 ) -> list[dict[str, Any]]:
-    """The roofline model's records for the shapes `run` would measure (no GPU needed)."""
-    return [model_record(module, out_dim, in_dim, rank, num_tokens, count, kind, device)
-            for module, out_dim, in_dim, rank, num_tokens, count in _shapes(
-                model_shapes, ranks, tokens, adapters)
-            for kind in ("shrink", "expand")]
+    """The roofline model's records for the shapes `run` would measure (no GPU needed), then
+    those of each fused group (fused_groups) on the shapes where it fuses (fused_record)."""
+    records = [model_record(module, out_dim, in_dim, rank, num_tokens, count, kind, device)
+               for module, out_dim, in_dim, rank, num_tokens, count in _shapes(
+                   model_shapes, ranks, tokens, adapters)
+               for kind in ("shrink", "expand")]
+    for slices, in_dim in fused_groups(model_shapes):
+        for _, _, _, rank, num_tokens, count in _shapes([("", 0, in_dim)], ranks, tokens,
+                                                        adapters):
+            pair = [fused_record(slices, in_dim, rank, num_tokens, count, kind, device)
+                    for kind in ("shrink", "expand")]
+            records.extend(r for r in pair if r is not None)
+    return records
 
 
 

@@ -198,6 +198,7 @@ bgmv_expand = on_host(kernels.bgmv_expand)
 sgmv_shrink = on_host(kernels.sgmv_shrink)
 sgmv_expand = on_host(kernels.sgmv_expand)
 bgmv = on_host(kernels.bgmv)
+bgmv_fused = on_host(kernels.bgmv_fused)
 sgmv = on_host(kernels.sgmv)
 
 

@@ -289,10 +289,13 @@ def check_table_alignment(table: Any, what: str) -> None:
 
 
 def _check_tables(
-    max_loras: int, ranks: Any, scale_table: Any | None, tables: dict[str, Any]
+    max_loras: int, ranks: Any, scale_table: Any | None, tables: dict[str, Any],
+    slices: int = 1,
 ) -> None:
+    """The pointer tables ([max_loras], or [slices, max_loras] for a fused BGMV launch), the
+    pool's ranks and scales ([max_loras], shared by the slices: a slot has one rank)."""
     for what, table in tables.items():
-        _check(table, what, _TABLES, (max_loras,))
+        _check(table, what, _TABLES, (max_loras,) if len(table.shape) == 1 else (slices, max_loras))
         check_table_alignment(table, what)
     _check(ranks, "ranks", ("int32",), (max_loras,))
     if scale_table is not None:
@@ -405,51 +408,87 @@ def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
     return token_order
 
 
+def _slices(table: Any, t: Any, what: str) -> tuple[int, int, Any]:
+    """(slices, max_loras, t as one plane's shape) of a BGMV launch: one (layer, module) entry
+    (`what` u64 [max_loras], t F32 [T, t_cols]) or fused slices sharing x (`what` u64
+    [S, max_loras], t F32 [S, T, t_cols])."""
+    if len(table.shape) == 1:
+        return 1, int(table.shape[0]), t
+    if len(table.shape) != 2 or len(t.shape) != 3 or int(t.shape[0]) != int(table.shape[0]):
+        raise ValueError(f"fused slices take {what} [S, max_loras] and t [S, T, t_cols]; got "
+                         f"{what} {tuple(table.shape)} and t {tuple(t.shape)}")
+    return int(table.shape[0]), int(table.shape[1]), t[0]
+
+
 def plan_bgmv_shrink(
     x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int, splits: int = 1,
 ) -> KernelLaunch:
     """t[b, :] = x[b] @ A_slot[b]^T (see kernels/bgmv.cu), K cut into `splits` whose partials
     are added into t by atomics (t must then be zero). t's width may be below max_rank (the
-    batch's widest rank): the grid covers only it."""
-    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    batch's widest rank): the grid covers only it. With a_table [S, max_loras] and t
+    [S, T, t_cols], the S slices that share x (q, k, v) are one launch."""
+    slices, max_loras, plane = _slices(a_table, t, "a_table")
+    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
     in_dim = int(x.shape[1])
-    max_loras = int(a_table.shape[0])
     _check(x, "x", _BF16, (num_tokens, in_dim), rows=True)
     _check(slots, "slots", ("int32",), (num_tokens,))
-    _check(t, "t", ("float32",), (num_tokens, t_cols))
-    _check_tables(max_loras, ranks, None, {"a_table": a_table})
+    _check(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
+    _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
     num_splits = _check_splits(splits)
-    grid = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
+    x_, rows, z = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
     args = (
         x, np.int64(_row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
         t, np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
-        np.int32(_k_chunk(in_dim, num_splits, VECTOR)),
+        np.int32(_k_chunk(in_dim, num_splits, VECTOR)), np.int32(slices),
     )
-    return KernelLaunch("bgmv_shrink", grid, (THREADS, 1, 1), args)
+    return KernelLaunch("bgmv_shrink", (x_, rows, z * slices), (THREADS, 1, 1), args)
+
+
+def check_slice_cols(slice_cols: Sequence[int], slices: int, width: int) -> list[int]:
+    """The column bounds of fused slices in one y (slice z: slice_cols[z] up to
+    slice_cols[z + 1]): S + 1 of them, from 0, increasing, multiples of 8, within y's width."""
+    cols = [int(c) for c in slice_cols]
+    if len(cols) != slices + 1 or cols[0] != 0:
+        raise ValueError(f"slice_cols must be {slices + 1} column bounds from 0, got {cols}")
+    if any(b <= a for a, b in zip(cols, cols[1:], strict=False)) or any(c % VECTOR for c in cols):
+        raise ValueError(f"slice_cols must increase in multiples of {VECTOR}, got {cols}")
+    if cols[-1] > width:
+        raise ValueError(f"slice_cols end at {cols[-1]}, past y's {width} columns")
+    return cols
 
 
 def plan_bgmv_expand(
     t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
+    slice_cols: Any | None = None,
 ) -> KernelLaunch:
     """y[b] += scale * t[b] @ B_slot[b]^T (see kernels/bgmv.cu). B rows are the pool's
-    max_rank long."""
-    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
-    out_dim = int(y.shape[1])
-    max_loras = int(b_table.shape[0])
+    max_rank long. Fused slices: b_table [S, max_loras], t [S, T, t_cols] and `slice_cols`
+    (i32 [S + 1], where the kernel reads it; a CuPy array is copied to the host for the
+    check): slice z adds into y's columns slice_cols[z] up to slice_cols[z + 1]."""
+    slices, max_loras, plane = _slices(b_table, t, "b_table")
+    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
     y_kind = "bf16" if _dtype_name(y) in _BF16 else "f32"
-    _check(t, "t", ("float32",), (num_tokens, t_cols))
+    _check(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
     _check(slots, "slots", ("int32",), (num_tokens,))
-    _check(y, "y", (*_BF16, "float32"), (num_tokens, out_dim), rows=True)
-    _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
+    _check(y, "y", (*_BF16, "float32"), (num_tokens, int(y.shape[1])), rows=True)
+    _check_tables(max_loras, ranks, scale_table, {"b_table": b_table}, slices)
+    if slice_cols is None:
+        if slices > 1:
+            raise ValueError("fused slices need slice_cols, their column bounds in y")
+        out_dim, cols_arg = int(y.shape[1]), np.uint64(0)  # a null pointer: all of y
+    else:
+        _check(slice_cols, "slice_cols", ("int32",), (slices + 1,))
+        cols = check_slice_cols(_host_values(slice_cols).tolist(), slices, int(y.shape[1]))
+        out_dim, cols_arg = max(b - a for a, b in zip(cols, cols[1:], strict=False)), slice_cols
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
-    grid = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
+    x_, blocks, _ = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
     args = (
         t, slots, b_table, scale_table, ranks, np.int32(max_loras),
         y, np.int64(_row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
-        np.int32(max_rank), np.int32(t_cols),
+        np.int32(max_rank), np.int32(t_cols), cols_arg,
     )
-    return KernelLaunch(f"bgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
+    return KernelLaunch(f"bgmv_expand_{y_kind}", (x_, blocks, slices), (THREADS, 1, 1), args)
 
 
 def check_segments(seg_starts: Any, seg_slots: Any, num_tokens: int) -> int:
@@ -691,16 +730,19 @@ CUPY = CupyBackend()
 
 
 def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
-              splits: int | None, num_sms: int | None) -> tuple[Any, int]:
-    """(t, splits) for a shrink of x: t F32 [T, t_cols] (allocated when not given), split as
-    the planner splits it unless `splits` says; zeroed when split, as the atomics add into it."""
+              splits: int | None, num_sms: int | None, slices: int = 1) -> tuple[Any, int]:
+    """(t, splits) for a shrink of x: t F32 [T, t_cols] (allocated when not given; [S, T,
+    t_cols] for S fused slices), split as the planner splits it (over all the slices' CTAs)
+    unless `splits` says; zeroed when split, as the atomics add into it."""
     num_tokens, in_dim = (int(d) for d in x.shape)
     if t is not None:
         t_cols = int(t.shape[-1])
     if splits is None:
-        splits = shrink_splits(kind, num_tokens, in_dim, t_cols, backend.num_sms(num_sms))
+        splits = shrink_splits(kind, slices * num_tokens, in_dim, t_cols,
+                               backend.num_sms(num_sms))
     if t is None:
-        t = backend.new_t(x, (num_tokens, t_cols))
+        t = backend.new_t(x, (num_tokens, t_cols) if slices == 1 else
+                          (slices, num_tokens, t_cols))
     if splits > 1:
         backend.zero(t)
     return t, splits
@@ -779,6 +821,34 @@ def bgmv(
     t = bgmv_shrink(x, slots, a_table, ranks, max_rank, num_sms=num_sms, batch=batch,
                     backend=backend)
     return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank, backend=backend)
+
+
+def bgmv_fused(
+    x: Any, y: Any, slice_cols: Sequence[int], slots: Any, a_tables: Any, b_tables: Any,
+    scale_table: Any, ranks: Any, max_rank: int, *, num_sms: int | None = None,
+    batch: BatchPlan | None = None, backend: Backend = CUPY,
+) -> Any:
+    """The decode LoRA delta of a layer's projections that share x (q, k and v; gate and up)
+    in one shrink and one expand launch, as vLLM fuses its qkv and gate_up slices: y [T,
+    slice_cols[-1]] holds the slices side by side (slice z in columns slice_cols[z] up to
+    slice_cols[z + 1]), a_tables and b_tables are u64 [S, max_loras], one row per slice's
+    (layer, module) entry. At decode sizes each launch costs a fixed floor, so S slices save
+    2 (S - 1) of them. A grouped batch (`batch.grouped`) runs each slice through `bgmv`, on the
+    SGMV kernels, which do not fuse."""
+    slices = int(a_tables.shape[0])
+    cols = check_slice_cols(slice_cols, slices, int(y.shape[1]))
+    if batch is not None and batch.grouped:
+        for z in range(slices):
+            bgmv(x, y[:, cols[z]:cols[z + 1]], slots, a_tables[z], b_tables[z], scale_table,
+                 ranks, max_rank, num_sms=num_sms, batch=batch, backend=backend)
+        return y
+    t, splits = _shrink_t(backend, "bgmv", x, None, batch.t_cols if batch else max_rank, None,
+                          num_sms, slices)
+    backend.launch(plan_bgmv_shrink(x, slots, a_tables, ranks, t, max_rank, splits))
+    bounds = backend.array(x, np.asarray(cols, dtype=np.int32))
+    backend.launch(plan_bgmv_expand(t, slots, b_tables, scale_table, ranks, y, max_rank,
+                                    bounds))
+    return y
 
 
 def sgmv(

@@ -181,6 +181,13 @@ DECODE_BATCHES = [
 ]
 
 
+# Fused slices of one x (q, k, v at different widths, kernels.bgmv_fused): the mixed case's
+# skips, and a long K over two tokens that the planner splits, so that the fused shrink's atomics
+# add each slice into its own t plane.
+FUSED_CASES = [(BGMV_CASES[0], (72, 16, 40)),
+               (Case("split_k", 2, 16384, 64, 16, [16, 9], slots=[1, 0]), (64, 24))]
+
+
 def check_t(t: torch.Tensor, expected: torch.Tensor) -> None:
     """t (its split-K partials added into it) against the reference t; every element must have
     been written."""
