@@ -31,9 +31,11 @@
 
 // Per kernel: the CTAs per SM its __launch_bounds__ guarantees (so ptxas keeps registers within
 // 65536 / (METRALE_THREADS x that)), and the independent 16-byte global loads per thread that each
-// of its hot loops issues before the first instruction that uses one of them. The second number
-// is what tests/test_kernels_sass.py checks in the sm_90 machine code and what the roofline model
-// (metrale bench kernels --model-only) turns into bytes in flight; kernels/README.md explains them.
+// of its hot loops issues before the first instruction that uses one of them (for the SGMV
+// pipelines: the cp.async copies in flight at each wait, a stage's 8 or 12 copies times the 3 or
+// 2 stages). The second number is what tests/test_kernels_sass.py checks in the sm_90 machine
+// code and what the roofline model (metrale bench kernels --model-only) turns into bytes in
+// flight; kernels/README.md explains them.
 #define BGMV_SHRINK_MIN_CTAS 6
 #define BGMV_SHRINK_LOADS 10
 #define BGMV_EXPAND_MIN_CTAS 4
