@@ -313,6 +313,21 @@ __device__ __forceinline__ void sgmv_expand_body(
                  b_keep[i] ? b_bytes : 0);
   };
 
+  // The thread's y vectors are loaded before the pipeline starts, so they travel with its first
+  // stage instead of costing the epilogue a round trip of its own, and all of them before the
+  // first is written back (clamped into the chunk and the row; only rows of the chunk inside
+  // out_dim are stored).
+  const int col = (tid & 7) * 8;
+  OutT* y_at[SG_TILE_VECS];
+  Y8 old[SG_TILE_VECS];
+#pragma unroll
+  for (int i = 0; i < SG_TILE_VECS; ++i) {
+    const int row = imin((tid >> 3) + 16 * i, chunk.rows - 1);
+    y_at[i] = y + static_cast<long long>(token_at(token_order, chunk.begin + row)) * y_stride +
+              imin(o0 + col, out_dim - 8);
+    old[i] = load_y(y_at[i]);
+  }
+
   float acc[SG_N / 8][4];
 #pragma unroll
   for (int nt = 0; nt < SG_N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -375,18 +390,6 @@ __device__ __forceinline__ void sgmv_expand_body(
     }
   }
   __syncthreads();
-  // Every y vector of the thread is loaded before the first is written back (clamped into the
-  // chunk and the row; only rows of the chunk inside out_dim are stored).
-  const int col = (tid & 7) * 8;
-  OutT* y_at[SG_TILE_VECS];
-  Y8 old[SG_TILE_VECS];
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) {
-    const int row = imin((tid >> 3) + 16 * i, chunk.rows - 1);
-    y_at[i] = y + static_cast<long long>(token_at(token_order, chunk.begin + row)) * y_stride +
-              imin(o0 + col, out_dim - 8);
-    old[i] = load_y(y_at[i]);
-  }
 #pragma unroll
   for (int i = 0; i < SG_TILE_VECS; ++i) {
     const int row = (tid >> 3) + 16 * i;

@@ -168,11 +168,11 @@ def test_l2_traffic_is_charged_and_steers_the_grouped_expand() -> None:
     record = roofline.model_record("q_proj", 8192, 2048, 64, 64, 1, "expand")
     assert record["path"] == "grouped" and record["kernel"] == "sgmv_expand_bf16"
     assert record["expected_us"] < per_token
-    # Where it does take the per-token path (rank 16: one pass of B per token, against SGMV's
-    # rank pass and y pass per (chunk, 64 outputs)), its L2 bytes are charged as such.
-    narrow = roofline.model_record("k_proj", 512, 2048, 16, 64, 8, "expand")
+    # Where it does take the per-token path (rank 16 over 8 adapters: 1,024 SGMV CTAs of one
+    # pass each are 3 waves, the 512 per-token CTAs one), its L2 bytes are charged as such.
+    narrow = roofline.model_record("q_proj", 8192, 2048, 16, 64, 8, "expand")
     assert narrow["path"] == "grouped+per-token"
-    assert narrow["l2_bytes"] >= 64 * 512 * 16 * 2
+    assert narrow["l2_bytes"] >= 64 * 8192 * 16 * 2
     assert narrow["terms"]["l2"] == pytest.approx(narrow["l2_bytes"] / 10e12 * 1e6)
     assert narrow["expected_us"] >= narrow["terms"]["l2"]
 

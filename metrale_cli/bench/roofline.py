@@ -197,9 +197,10 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens
         l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
                  + 4 * splits * tokens * rank)
         return l2, passes, 2 * ctas, int(split_passes.max()), 2
-    # expand: the rank chunks (the B tile with the t tile), then the y epilogue's pass.
+    # expand: the rank chunks (the B tile with the t tile), SGMV_EXPAND_STAGES a pass; the y
+    # vectors are loaded with the first, and their stores wait for nothing.
     rank_chunks = -(-rank // tile)
-    cta_passes = -(-rank_chunks // sources.SGMV_EXPAND_STAGES) + 1
+    cta_passes = -(-rank_chunks // sources.SGMV_EXPAND_STAGES)
     l2 = int(2 * out_dim * rank * grid[1] + grid[0] * 4 * rank * rows.sum()
              + 2 * y_bytes * out_dim * rows.sum())
     return l2, ctas * cta_passes, 2 * ctas, cta_passes, 2

@@ -540,10 +540,10 @@ def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
     if family == "sgmv":
         out_tiles = -(-out_dim // SGMV_TILE)
         ctas = out_tiles * num_chunks
-        # The rank chunks, SGMV_EXPAND_STAGES in flight a pass, then the y epilogue; the chunk,
-        # then its slot's table entry, before the stream.
+        # The rank chunks, SGMV_EXPAND_STAGES in flight a pass, y loaded with the first; the
+        # chunk, then its slot's table entry, before the stream.
         rank_chunks = -(-t_cols // SGMV_TILE)
-        passes = -(-rank_chunks // SGMV_EXPAND_STAGES) + 1
+        passes = -(-rank_chunks // SGMV_EXPAND_STAGES)
         chains, kernel = 2, "sgmv_expand_bf16"
         l2 = 2 * out_dim * t_cols * num_chunks + 4 * t_cols * num_tokens * out_tiles
     elif family == "bgmv":
