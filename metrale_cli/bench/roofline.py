@@ -76,10 +76,9 @@ class LaunchWork:
     - `l2_bytes`: the distinct bytes its loads and stores ask for (L2 hits included; clamped
       duplicates and predicated-off loads not counted, as they move nothing new);
     - `passes`: streaming round trips summed over the CTAs: each is one DRAM latency in which
-      a CTA has one pass of loads in flight (a double-buffered K tile, a pass of B vectors);
+      a CTA has one pass of loads in flight (an SGMV pipeline's stages, a pass of B vectors);
     - `chains`: dependent scalar round trips summed over the CTAs, each an L2 latency: the
-      slot -> table[slot] -> ranks[slot] chain, SGMV's binary search and per-segment metadata,
-      the split-K partials that the expand adds one split at a time;
+      slot -> table[slot] chain beside ranks[slot], an SGMV CTA's chunk -> table[slot];
     - `cta_passes`, `cta_chains`: the heaviest CTA's (the critical path);
     - `launches`: graph nodes it takes (a split-K shrink: the memset of t, then the kernel).
     """

@@ -30,8 +30,8 @@ from metrale_cli.ops.sources import (
 )
 
 # A decode batch takes the grouped (segment plan) path when its adapted tokens average at least
-# this many per distinct slot: each adapter's weights are then read once per 64-token tile
-# rather than once per token, which outweighs the mma passes a tile spends per segment.
+# this many per distinct slot: each adapter's weights are then read once per chunk of up to 64
+# tokens rather than once per token, which outweighs the mma a chunk's CTA spends on its rows.
 GROUP_MIN_TOKENS = 4
 
 # CUDA's grid limits: x up to 2^31 - 1, y and z up to 65,535 (cudaDevAttrMaxGridDimY/Z on every
@@ -488,7 +488,7 @@ class BatchPlan:
       those sorted positions (`seg_starts` int32 [S + 1], `seg_slots` int32 [S]) and the SGMV
       work list over them (`chunks`, segment_chunks), built once for every layer's launches;
     - `grouped`: whether decode takes the grouped path (SGMV over the sorted tokens, each
-      adapter's weights read once per 64-token tile) rather than the per-token BGMV path,
+      adapter's weights read once per chunk of up to 64 tokens) rather than the per-token path,
       chosen from the batch's distinct slots (GROUP_MIN_TOKENS).
     """
 
