@@ -14,14 +14,14 @@
 // and zeroed before such a launch; y BF16 or F32).
 //
 // token_order (i32 [T], or null for the identity) lets the decode path run here: the host sorts a
-// batch's tokens by slot (a segment plan, kernels.plan_batch) and the segments then index sorted
+// batch's tokens by slot (a segment plan, plans.plan_batch) and the segments then index sorted
 // positions, while x, t and y stay in token order (position p is token token_order[p]). Each
 // adapter's weight tile is then read once per 64 tokens instead of once per token. Products run on mma.sync m16n8k16 (BF16 in, F32 accumulate), so
 // sm_80 or newer. The expand rounds the F32 t to BF16 for the tensor cores (the largest error
 // source: relative 2^-9 per t element); the shrink is exact up to F32 summation order.
 //
 // Work: one CTA per (chunk, column tile), never walking segments. The launcher cuts every segment
-// into chunks of at most 64 consecutive positions (kernels.segment_chunks: on the host, O(S),
+// into chunks of at most 64 consecutive positions (plans.segment_chunks: on the host, O(S),
 // from the seg_starts it already copies to check them) and passes them as chunks i32 [C, 4] =
 // (begin, end, slot, 0): one 16-byte load gives a CTA its rows and its slot, where a CTA of a
 // fixed 64-token window used to binary-search the segments (a chain of log2(S + 1) dependent
@@ -37,12 +37,16 @@
 // The rank loop stops at r: the shrink skips 8-column mma tiles at or past r and never loads A
 // rows >= r; the expand's K loop ends at r.
 //
-// Launch shapes (picked by metrale_cli/ops/kernels.py, which the host harness shares):
+// Launch shapes (planned by metrale_cli/ops/plans.py, which the host harness shares):
 //   sgmv_shrink:    grid (ceil(t_cols / 64), chunks, num_splits), block 128 (4 warps x 16 tokens);
 //                   3 stages of a 64 x 64 x tile and a 64 x 64 A tile (48 KiB).
-//   sgmv_expand_*:  grid (ceil(out_dim / 64), chunks), block 128; a 64 token x 64 output tile,
-//                   2 stages of an F32 t tile and a B tile (48 KiB); the F32 result is staged
-//                   through the first t stage so the y read-modify-write is 16-byte coalesced.
+//   sgmv_expand_*:  grid (ceil(ceil(out_dim / 64) / out_tiles), chunks), block 128; a chunk's
+//                   tokens x out_tiles tiles of 64 outputs, its (output tile, rank chunk) items
+//                   through 2 stages of an F32 t tile and a B tile (48 KiB); each output tile's
+//                   F32 result is staged through the stage just read, so the y
+//                   read-modify-write is 16-byte coalesced. out_tiles (plans.expand_out_tiles)
+//                   is 1 where chunks fill the device, more for small chunks: a CTA then pays
+//                   its metadata once for several B tiles.
 // Shared tiles are unpadded, 64 elements a row, with their 16-byte vectors XOR-swizzled by row
 // (bf16_at, f32_at) so that the fragment reads of a warp hit distinct banks: padding would not
 // let three stages fit in the 48 KiB of static shared memory a CTA may have.
@@ -253,10 +257,11 @@ __device__ __forceinline__ void sgmv_expand_body(
     const float* __restrict__ t, const int* __restrict__ chunks,
     const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
     const float* __restrict__ scale_table, const int* __restrict__ ranks, int max_loras,
-    OutT* __restrict__ y, long long y_stride, int out_dim, int max_rank, int t_cols) {
+    OutT* __restrict__ y, long long y_stride, int out_dim, int max_rank, int t_cols,
+    int out_tiles) {
   __shared__ __align__(16) float t_tile[SGMV_EXPAND_STAGES][SG_M * SG_K];
   __shared__ __align__(16) bf16_t b_tile[SGMV_EXPAND_STAGES][SG_N * SG_K];
-  const int o0 = blockIdx.x * SG_N;
+  const int first_tile = blockIdx.x * out_tiles;
   const Chunk chunk = chunk_at(chunks, blockIdx.y);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -268,6 +273,10 @@ __device__ __forceinline__ void sgmv_expand_body(
   if (rank <= 0) return;
   const float scale = scale_table[chunk.slot];
   const int r_tiles = (rank + SG_K - 1) / SG_K;
+  // The CTA's items: (output tile, rank chunk) pairs, the rank chunks of one output tile in a
+  // row, all streamed through one pipeline.
+  const int tiles = imin(out_tiles, (out_dim + SG_N - 1) / SG_N - first_tile);
+  const int items = tiles * r_tiles;
   const bool warp_active = warp * 16 < chunk.rows;
   const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr);
 
@@ -285,18 +294,12 @@ __device__ __forceinline__ void sgmv_expand_body(
                        t_cols;
   }
   const int b_vec = (tid & 7) * 8;
-  const bf16_t* b_src[SG_TILE_VECS];
-  bool b_keep[SG_TILE_VECS];
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) {
-    const int row = (tid >> 3) + 16 * i;
-    b_keep[i] = o0 + row < out_dim;
-    b_src[i] = b_rows + static_cast<long long>(imin(o0 + row, out_dim - 1)) * max_rank;
-  }
-  // Issue rank chunk rt (the t tile with the B tile) into its stage.
-  auto issue = [&](int rt) {
-    const int kc = rt * SG_K;
-    const int stage = rt % SGMV_EXPAND_STAGES;
+  // Issue item `item` (the t tile of its rank chunk with its output tile's B tile) into its
+  // stage.
+  auto issue = [&](int item) {
+    const int o0 = (first_tile + item / r_tiles) * SG_N;
+    const int kc = (item % r_tiles) * SG_K;
+    const int stage = item % SGMV_EXPAND_STAGES;
     const int t_col = kc + t_vec;
     const int t_bytes = imax(0, imin(4, rank - t_col)) * 4;
     const int t_at = t_bytes ? t_col : kc;
@@ -308,40 +311,50 @@ __device__ __forceinline__ void sgmv_expand_body(
     const int b_bytes = imax(0, imin(8, rank - b_col)) * 2;
     const int b_at = b_bytes ? b_col : kc;
 #pragma unroll
-    for (int i = 0; i < SG_TILE_VECS; ++i)
-      cp_async16(&b_tile[stage][bf16_at((tid >> 3) + 16 * i, b_vec)], b_src[i] + b_at,
-                 b_keep[i] ? b_bytes : 0);
+    for (int i = 0; i < SG_TILE_VECS; ++i) {
+      const int out = o0 + (tid >> 3) + 16 * i;
+      cp_async16(&b_tile[stage][bf16_at((tid >> 3) + 16 * i, b_vec)],
+                 b_rows + static_cast<long long>(imin(out, out_dim - 1)) * max_rank + b_at,
+                 out < out_dim ? b_bytes : 0);
+    }
   };
-
-  // The thread's y vectors are loaded before the pipeline starts, so they travel with its first
-  // stage instead of costing the epilogue a round trip of its own, and all of them before the
-  // first is written back (clamped into the chunk and the row; only rows of the chunk inside
-  // out_dim are stored).
-  const int col = (tid & 7) * 8;
-  OutT* y_at[SG_TILE_VECS];
-  Y8 old[SG_TILE_VECS];
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) {
-    const int row = imin((tid >> 3) + 16 * i, chunk.rows - 1);
-    y_at[i] = y + static_cast<long long>(token_at(token_order, chunk.begin + row)) * y_stride +
-              imin(o0 + col, out_dim - 8);
-    old[i] = load_y(y_at[i]);
-  }
 
   float acc[SG_N / 8][4];
 #pragma unroll
   for (int nt = 0; nt < SG_N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
   for (int s = 0; s < SGMV_EXPAND_STAGES; ++s) {
-    if (s < r_tiles) issue(s);
+    if (s < items) issue(s);
     cp_async_commit();
   }
   const int g = lane >> 2;
-  for (int rt = 0; rt < r_tiles; ++rt) {
+  const int col = (tid & 7) * 8;
+  // The thread's y rows (clamped into the chunk), looked up once for every output tile.
+  OutT* y_rows[SG_TILE_VECS];
+#pragma unroll
+  for (int i = 0; i < SG_TILE_VECS; ++i) {
+    const int row = imin((tid >> 3) + 16 * i, chunk.rows - 1);
+    y_rows[i] = y + static_cast<long long>(token_at(token_order, chunk.begin + row)) * y_stride;
+  }
+  OutT* y_at[SG_TILE_VECS];
+  Y8 old[SG_TILE_VECS];
+  for (int item = 0; item < items; ++item) {
+    const int o0 = (first_tile + item / r_tiles) * SG_N;
+    if (item % r_tiles == 0) {
+      // The output tile's y vectors are loaded before its first wait, so they travel with its
+      // first stage instead of costing the epilogue a round trip of its own; all of them
+      // before the first is written back (clamped into the row; only rows of the chunk inside
+      // out_dim are stored).
+#pragma unroll
+      for (int i = 0; i < SG_TILE_VECS; ++i) {
+        y_at[i] = y_rows[i] + imin(o0 + col, out_dim - 8);
+        old[i] = load_y(y_at[i]);
+      }
+    }
     cp_async_wait<SGMV_EXPAND_STAGES - 1>();
     __syncthreads();
-    const int stage = rt % SGMV_EXPAND_STAGES;
-    const int kn = imin(SG_K, rank - rt * SG_K);
+    const int stage = item % SGMV_EXPAND_STAGES;
+    const int kn = imin(SG_K, rank - (item % r_tiles) * SG_K);
     if (warp_active) {
       const float* tt = t_tile[stage];
 #pragma unroll
@@ -369,36 +382,39 @@ __device__ __forceinline__ void sgmv_expand_body(
         }
       }
     }
-    __syncthreads();
-    if (rt + SGMV_EXPAND_STAGES < r_tiles) issue(rt + SGMV_EXPAND_STAGES);
+    __syncthreads();  // every warp is done with the stage
+    if (item % r_tiles == r_tiles - 1) {
+      // The output tile is complete. Stage the F32 result in the t half of the stage just
+      // read (free until its refill below; the other stage stays in flight) so that the y
+      // read-modify-write is done with 16-byte vectors over whole rows rather than the
+      // fragments' scattered 8-byte pieces.
+      float* staged = t_tile[stage];
+#pragma unroll
+      for (int nt = 0; nt < SG_N / 8; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float2 v;
+          v.x = acc[nt][2 * h];
+          v.y = acc[nt][2 * h + 1];
+          *reinterpret_cast<float2*>(&staged[f32_at(warp * 16 + g + h * 8, nt * 8 + (lane & 3) * 2)]) = v;
+          acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < SG_TILE_VECS; ++i) {
+        const int row = (tid >> 3) + 16 * i;
+        if (row < chunk.rows && o0 + col < out_dim) {
+          float delta[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) delta[e] = staged[f32_at(row, col + e)];
+          add_store_y(y_at[i], old[i], delta, scale);
+        }
+      }
+      __syncthreads();  // the staged tile is read before the stage is refilled
+    }
+    if (item + SGMV_EXPAND_STAGES < items) issue(item + SGMV_EXPAND_STAGES);
     cp_async_commit();
-  }
-
-  // Stage the F32 tile in shared memory (the first t stage: every copy into it has completed
-  // and every warp is past the last barrier) so that the y read-modify-write is done with
-  // 16-byte vectors over whole rows rather than the fragments' scattered 8-byte pieces.
-  float* stage = t_tile[0];
-#pragma unroll
-  for (int nt = 0; nt < SG_N / 8; ++nt) {
-    const int col = nt * 8 + (lane & 3) * 2;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float2 v;
-      v.x = acc[nt][2 * h];
-      v.y = acc[nt][2 * h + 1];
-      *reinterpret_cast<float2*>(&stage[f32_at(warp * 16 + g + h * 8, col)]) = v;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) {
-    const int row = (tid >> 3) + 16 * i;
-    if (row < chunk.rows && o0 + col < out_dim) {
-      float delta[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) delta[e] = stage[f32_at(row, col + e)];
-      add_store_y(y_at[i], old[i], delta, scale);
-    }
   }
 }
 
@@ -407,9 +423,9 @@ sgmv_expand_bf16(const float* __restrict__ t, const int* __restrict__ chunks,
                  const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
                  const float* __restrict__ scale_table, const int* __restrict__ ranks,
                  int max_loras, bf16_t* __restrict__ y, long long y_stride, int out_dim,
-                 int max_rank, int t_cols) {
+                 int max_rank, int t_cols, int out_tiles) {
   sgmv_expand_body(t, chunks, token_order, b_table, scale_table, ranks, max_loras, y, y_stride,
-                   out_dim, max_rank, t_cols);
+                   out_dim, max_rank, t_cols, out_tiles);
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CTAS)
@@ -417,7 +433,7 @@ sgmv_expand_f32(const float* __restrict__ t, const int* __restrict__ chunks,
                 const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
                 const float* __restrict__ scale_table, const int* __restrict__ ranks,
                 int max_loras, float* __restrict__ y, long long y_stride, int out_dim,
-                int max_rank, int t_cols) {
+                int max_rank, int t_cols, int out_tiles) {
   sgmv_expand_body(t, chunks, token_order, b_table, scale_table, ranks, max_loras, y, y_stride,
-                   out_dim, max_rank, t_cols);
+                   out_dim, max_rank, t_cols, out_tiles);
 }

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli.ops import plans, sources
-from tests.support.kernel_cases import SGMV_CASES
+from metrale_cli.ops import host_harness, plans, reference, sources
+from tests.support.kernel_cases import SGMV_CASES, check_y
 
 
 def _chunks(starts: list[int], slots: list[int]) -> list[list[int]]:
@@ -112,3 +112,38 @@ def test_a_stage_read_before_its_wait_fails_on_the_host(tmp_path: Path) -> None:
                             cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"t_nan": True, "y_nan": True}
+
+
+@pytest.mark.parametrize("out_tiles", [2, 3])
+@pytest.mark.parametrize("name", ["segments", "skewed"])
+def test_an_expand_cta_over_several_output_tiles_matches_reference(name: str,
+                                                                     out_tiles: int) -> None:
+    # 136 outputs are 3 tiles of 64: 2 a CTA leaves the last CTA one (a short last column), 3
+    # one CTA for all; the skewed case streams 4 rank chunks per output tile through the
+    # pipeline, so output tiles change inside it.
+    case = next(c for c in SGMV_CASES if c.name == name)
+    i = case.inputs(torch.bfloat16)
+    seg_starts, seg_slots = case.segments()
+    chunks = torch.from_numpy(plans.segment_chunks(seg_starts, seg_slots, case.num_tokens))
+    t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
+    plan = plans.plan_sgmv_expand(t, chunks, i.b_table, i.pool.scales, i.pool.ranks, i.y,
+                                  case.max_rank, out_tiles=out_tiles)
+    assert plan.grid[0] == {2: 2, 3: 1}[out_tiles]
+    host_harness.launch(plan)
+    expected = reference.lora_delta(i.x, i.y0, i.slots, i.a_weights, i.b_weights,
+                                    i.pool.scales, i.pool.ranks, case.max_rank)
+    check_y(i.y, i.y0, expected, case, "sgmv")
+
+
+def test_small_chunks_take_several_output_tiles_a_cta() -> None:
+    # A segment per token (4096 chunks of one row) over 8192 outputs: a CTA per (chunk, 64
+    # outputs) would move one 2 KiB B tile after its metadata; the planner gives each CTA more.
+    assert plans.expand_out_tiles(4096, 8192, 16, 132) > 1
+    # 64 full chunks over the same outputs fill the device either way; one wave of CTAs.
+    tiles = plans.expand_out_tiles(64, 8192, 64, 132)
+    assert -(-128 // tiles) * 64 <= 132 * sources.min_ctas_per_sm("sgmv_expand_bf16")
+    with pytest.raises(ValueError, match="out_tiles must be in"):
+        plans.plan_sgmv_expand(torch.zeros(4, 16), torch.tensor([[0, 4, 0, 0]], dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int64), torch.ones(1),
+                               torch.ones(1, dtype=torch.int32),
+                               torch.zeros(4, 64, dtype=torch.bfloat16), 16, out_tiles=0)

@@ -188,12 +188,15 @@ def test_distinct_bytes_in_flight_bound_a_segment_per_token() -> None:
     assert record["in_flight_per_sm_bytes"] == pytest.approx(3 * 3 * 17 * 128, rel=0.04)
     assert record["in_flight_per_sm_bytes"] > 0.9 * record["needed_in_flight_per_sm_bytes"]
     assert record["expected_pct_peak"] > 70
-    # The expand's CTA per (one-token chunk, 64 outputs) moves one 2 KiB B tile after its two
-    # metadata round trips: what the distinct bytes in flight still bind.
+    # The expand: a CTA per (one-token chunk, 64 outputs) would move one 2 KiB B tile after its
+    # two metadata round trips (16% of peak); the planner gives each CTA 32 output tiles,
+    # streamed through its 2 stages, so the metadata is paid once per 32 tiles. Its 2 stages of
+    # 2 KiB B tiles still hold under the 19 KiB per SM: the distinct bytes in flight bind.
     expand = roofline.model_record("q_proj", 8192, 2048, 16, 4096, 4096, "expand")
+    assert expand["grid"] == [128 // 32, 4096, 1]
     assert expand["binding"] == "in_flight"
-    assert expand["in_flight_per_sm_bytes"] < expand["needed_in_flight_per_sm_bytes"] / 2
-    assert expand["expected_pct_peak"] < 30
+    assert expand["in_flight_per_sm_bytes"] < expand["needed_in_flight_per_sm_bytes"]
+    assert 50 < expand["expected_pct_peak"] < 70
 
 
 def test_no_kernel_beats_the_launch_floor() -> None:

@@ -176,9 +176,10 @@ def _ours(kind: str, group: _Group) -> Callable[[], None]:
                                         group.max_rank, group.splits)
     elif group.grouped and (group.order is None or plans.grouped_expand(
             tokens, out_dim, group.max_rank, int(group.chunks.shape[0]), sms)):
-        plan = plans.plan_sgmv_expand(group.t, group.chunks, group.b_table, group.scales,
-                                      group.ranks, group.y, group.max_rank,
-                                      token_order=group.order)
+        plan = plans.plan_sgmv_expand(
+            group.t, group.chunks, group.b_table, group.scales, group.ranks, group.y,
+            group.max_rank, token_order=group.order, out_tiles=plans.expand_out_tiles(
+                int(group.chunks.shape[0]), out_dim, int(group.t.shape[1]), sms))
     else:
         plan = plans.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
                                         group.ranks, group.y, group.max_rank)

@@ -136,13 +136,16 @@ def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, o
             tokens, out_dim, rank, len(chunks), sms):
         family, path = "bgmv", "grouped+per-token"
     kernel = f"{family}_shrink" if kind == "shrink" else f"{family}_expand_{y_kind}"
+    out_tiles = plans.expand_out_tiles(len(chunks), out_dim, rank, sms) if (
+        kernel.startswith("sgmv_expand")) else 1
     grid = plans.launch_grid(kernel, tokens if family == "bgmv" else len(chunks),
                              in_dim if kind == "shrink" else out_dim, rank,
-                             splits if kind == "shrink" else 1)
+                             splits if kind == "shrink" else 1, out_tiles)
     if family == "bgmv":
         work = _bgmv_work(kind, grid, tokens, rank, in_dim, out_dim, splits, y_bytes)
     else:
-        work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, out_dim, splits, y_bytes)
+        work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, out_dim, splits, y_bytes,
+                          out_tiles)
     # Split-K adds its partials into one t, zeroed by a memset node first; the expand reads it.
     launches = 2 if kind == "shrink" and splits > 1 else 1
     return LaunchWork(kernel, path, grid, splits, *work, launches=launches)
@@ -174,14 +177,15 @@ def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in
 
 
 def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens: int,
-               rank: int, in_dim: int, out_dim: int, splits: int, y_bytes: int
-               ) -> tuple[int, int, int, int, int]:
+               rank: int, in_dim: int, out_dim: int, splits: int, y_bytes: int,
+               out_tiles: int = 1) -> tuple[int, int, int, int, int]:
     """(l2_bytes, passes, chains, cta_passes, cta_chains) of an SGMV launch (kernels/sgmv.cu):
-    a CTA per (chunk, column tile) of the work list `chunks` (plans.segment_chunks), its K
-    tiles (shrink) or rank chunks (expand) streamed SGMV_*_STAGES at a time, so a pass is that
-    many tiles; rows outside the chunk are zero-filled, not loaded. Before its stream a CTA
-    waits for 2 round trips: its chunk, then its slot's table entry (beside the rank, the scale
-    and the token order)."""
+    a CTA per (chunk, column tile) of the work list `chunks` (plans.segment_chunks; the
+    expand's CTA takes `out_tiles` 64-output tiles), its K tiles (shrink) or (output tile, rank
+    chunk) items (expand) streamed SGMV_*_STAGES at a time, so a pass is that many tiles; rows
+    outside the chunk are zero-filled, not loaded. Before its stream a CTA waits for 2 round
+    trips: its chunk, then its slot's table entry (beside the rank, the scale and the token
+    order)."""
     tile = sources.SGMV_TILE
     rows = (chunks[:, 1] - chunks[:, 0]).astype(np.int64)
     ctas = grid[0] * grid[1] * grid[2]
@@ -196,13 +200,16 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens
         l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
                  + 4 * splits * tokens * rank)
         return l2, passes, 2 * ctas, int(split_passes.max()), 2
-    # expand: the rank chunks (the B tile with the t tile), SGMV_EXPAND_STAGES a pass; the y
-    # vectors are loaded with the first, and their stores wait for nothing.
+    # expand: the items (an output tile's B tile with its rank chunk's t tile; t is copied
+    # again for every output tile), SGMV_EXPAND_STAGES a pass; an output tile's y vectors are
+    # loaded with its first item, and their stores wait for nothing.
     rank_chunks = -(-rank // tile)
-    cta_passes = -(-rank_chunks // sources.SGMV_EXPAND_STAGES)
-    l2 = int(2 * out_dim * rank * grid[1] + grid[0] * 4 * rank * rows.sum()
+    tiles = -(-out_dim // tile)
+    per_column = np.minimum(out_tiles, tiles - out_tiles * np.arange(grid[0])) * rank_chunks
+    column_passes = -(-per_column // sources.SGMV_EXPAND_STAGES)
+    l2 = int(2 * out_dim * rank * grid[1] + tiles * 4 * rank * rows.sum()
              + 2 * y_bytes * out_dim * rows.sum())
-    return l2, ctas * cta_passes, 2 * ctas, cta_passes, 2
+    return (l2, grid[1] * int(column_passes.sum()), 2 * ctas, int(column_passes.max()), 2)
 
 
 def rotation_groups(nbytes: int, footprint: int, l2_bytes: int, l2_multiple: float = 3.0) -> int:

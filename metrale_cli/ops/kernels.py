@@ -23,6 +23,7 @@ from metrale_cli.ops.plans import (
     BatchPlan,
     KernelLaunch,
     check_slice_cols,
+    expand_out_tiles,
     grouped_expand,
     plan_bgmv_expand,
     plan_bgmv_shrink,
@@ -178,13 +179,16 @@ def sgmv_shrink(
 def sgmv_expand(
     t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
     max_rank: int, *, token_order: Any | None = None, chunks: Any | None = None,
-    backend: Backend = CUPY,
+    num_sms: int | None = None, backend: Backend = CUPY,
 ) -> Any:
     """Prefill expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y. `chunks` as
-    in sgmv_shrink."""
+    in sgmv_shrink; each CTA takes the 64-output tiles of one chunk that expand_out_tiles plans
+    for the device's SMs."""
     work = _chunks(backend, y, seg_starts, seg_slots, int(y.shape[0]), chunks)
+    out_tiles = expand_out_tiles(int(work.shape[0]), int(y.shape[1]), int(t.shape[1]),
+                                 backend.num_sms(num_sms))
     backend.launch(plan_sgmv_expand(t, work, b_table, scale_table, ranks, y, max_rank,
-                                    token_order))
+                                    token_order, out_tiles))
     return y
 
 
@@ -207,7 +211,8 @@ def bgmv(
         if grouped_expand(batch.num_tokens, int(y.shape[1]), batch.t_cols,
                           int(batch.chunks.shape[0]), backend.num_sms(num_sms)):
             return sgmv_expand(t, batch.seg_starts, batch.seg_slots, b_table, scale_table, ranks,
-                               y, max_rank, token_order=order, chunks=chunks, backend=backend)
+                               y, max_rank, token_order=order, chunks=chunks, num_sms=num_sms,
+                               backend=backend)
         return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank, backend=backend)
     t = bgmv_shrink(x, slots, a_table, ranks, max_rank, num_sms=num_sms, batch=batch,
                     backend=backend)
@@ -254,4 +259,4 @@ def sgmv(
     t = sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
                     t_cols=t_cols, chunks=chunks, backend=backend)
     return sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y, max_rank,
-                       chunks=chunks, backend=backend)
+                       chunks=chunks, num_sms=num_sms, backend=backend)

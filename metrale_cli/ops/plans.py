@@ -231,11 +231,11 @@ def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms:
                                                                s, num_sms, chunks), 6), s))
 
 
-def launch_grid(kernel: str, rows: int, dim: int, t_cols: int,
-                splits: int = 1) -> tuple[int, int, int]:
+def launch_grid(kernel: str, rows: int, dim: int, t_cols: int, splits: int = 1,
+                out_tiles: int = 1) -> tuple[int, int, int]:
     """The grid of `kernel` (a KERNEL_SOURCES name) over `rows` (BGMV: the T tokens; SGMV: the
-    chunks of segment_chunks), its output dim (expand) or input dim (shrink: unused), t's width
-    and the shrink's split count."""
+    chunks of segment_chunks), its output dim (expand) or input dim (shrink: unused), t's width,
+    the shrink's split count and the SGMV expand's 64-output tiles per CTA."""
     if kernel == "bgmv_shrink":
         return (rows, -(-t_cols // SHRINK_ROWS), splits)
     if kernel.startswith("bgmv_expand"):
@@ -243,7 +243,8 @@ def launch_grid(kernel: str, rows: int, dim: int, t_cols: int,
     if kernel == "sgmv_shrink":
         return (-(-t_cols // SGMV_TILE), rows, splits)
     if kernel.startswith("sgmv_expand"):
-        return (-(-dim // SGMV_TILE), rows, 1)
+        tiles = -(-dim // SGMV_TILE)
+        return (-(-tiles // out_tiles), rows, 1)
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -453,10 +454,11 @@ def plan_sgmv_shrink(
 
 def plan_sgmv_expand(
     t: Any, chunks: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
-    token_order: Any | None = None,
+    token_order: Any | None = None, out_tiles: int = 1,
 ) -> KernelLaunch:
-    """y[b] += scale * t[b] @ B_seg^T (see kernels/sgmv.cu) over the work list `chunks`; B rows
-    are the pool's max_rank long."""
+    """y[b] += scale * t[b] @ B_seg^T (see kernels/sgmv.cu) over the work list `chunks`, each
+    CTA `out_tiles` 64-output tiles of one chunk (expand_out_tiles picks it); B rows are the
+    pool's max_rank long."""
     num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     out_dim = int(y.shape[1])
     max_loras = int(b_table.shape[0])
@@ -466,11 +468,14 @@ def plan_sgmv_expand(
     check_buffer(y, "y", (*BF16, "float32"), (num_tokens, out_dim), rows=True)
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
-    grid = launch_grid(f"sgmv_expand_{y_kind}", num_chunks, out_dim, t_cols)
+    if not 1 <= out_tiles <= MAX_OUT_TILES:
+        raise ValueError(f"out_tiles must be in 1..{MAX_OUT_TILES}, got {out_tiles}")
+    grid = launch_grid(f"sgmv_expand_{y_kind}", num_chunks, out_dim, t_cols,
+                       out_tiles=out_tiles)
     args = (
         t, chunks, _order_arg(token_order, num_tokens), b_table, scale_table, ranks,
         np.int32(max_loras), y, np.int64(row_stride(y, "y")), np.int32(out_dim),
-        np.int32(max_rank), np.int32(t_cols),
+        np.int32(max_rank), np.int32(t_cols), np.int32(out_tiles),
     )
     return KernelLaunch(f"sgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
 
@@ -529,6 +534,34 @@ def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndar
                      seg_starts, seg_slots, segment_chunks(seg_starts, seg_slots, slot_ids.size))
 
 
+# The SGMV expand's 64-output tiles per CTA are planned among 1..MAX_OUT_TILES.
+MAX_OUT_TILES = 32
+
+
+def sgmv_expand_stream_us(num_chunks: int, out_dim: int, t_cols: int, out_tiles: int,
+                          num_sms: int) -> float:
+    """The modelled streaming time of an SGMV expand whose CTAs take `out_tiles` 64-output
+    tiles of one chunk each: waves of resident CTAs, each its 2 metadata round trips and then
+    its (output tile, rank chunk) items, SGMV_EXPAND_STAGES in flight a pass (the y loads ride
+    with each tile's first)."""
+    tiles = -(-out_dim // SGMV_TILE)
+    per_cta = min(out_tiles, tiles) * -(-t_cols // SGMV_TILE)
+    ctas = max(1, -(-tiles // out_tiles) * num_chunks)
+    resident = min(ctas, num_sms * min_ctas_per_sm("sgmv_expand_bf16"))
+    waves = -(-ctas // resident)
+    return waves * (-(-per_cta // SGMV_EXPAND_STAGES) * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
+
+
+def expand_out_tiles(num_chunks: int, out_dim: int, t_cols: int, num_sms: int) -> int:
+    """The 64-output tiles per CTA of an SGMV expand: the count of least modelled streaming
+    time (sgmv_expand_stream_us), the fewest among equals. A CTA per (chunk, 64 outputs) is
+    best where the chunks fill the device; small chunks (a segment per token) leave a CTA one
+    small B tile after its metadata, and more tiles a CTA keep more of it in flight."""
+    candidates = range(1, min(MAX_OUT_TILES, -(-out_dim // SGMV_TILE)) + 1)
+    return min(candidates, key=lambda n: (round(sgmv_expand_stream_us(
+        num_chunks, out_dim, t_cols, n, num_sms), 6), n))
+
+
 def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
                    num_chunks: int, num_sms: int) -> float:
     """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (64 x 64
@@ -536,26 +569,20 @@ def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
     CTA per token and 1024 outputs, B read once per token). The larger of its streaming
     (waves of resident CTAs, each its passes and metadata round trips) and its L2 traffic at
     L2 bandwidth: the per-token expand re-reads B per token, which L2 must serve."""
-    vecs = -(-t_cols // VECTOR)
     if family == "sgmv":
-        out_tiles = -(-out_dim // SGMV_TILE)
-        ctas = out_tiles * num_chunks
-        # The rank chunks, SGMV_EXPAND_STAGES in flight a pass, y loaded with the first; the
-        # chunk, then its slot's table entry, before the stream.
-        rank_chunks = -(-t_cols // SGMV_TILE)
-        passes = -(-rank_chunks // SGMV_EXPAND_STAGES)
-        chains, kernel = 2, "sgmv_expand_bf16"
-        l2 = 2 * out_dim * t_cols * num_chunks + 4 * t_cols * num_tokens * out_tiles
-    elif family == "bgmv":
-        ctas = num_tokens * -(-out_dim // (THREADS * EXPAND_ROWS))
-        passes, chains, kernel = -(-vecs // 2), 3, "bgmv_expand_bf16"
-        l2 = 2 * out_dim * t_cols * num_tokens
-    else:
+        stream = sgmv_expand_stream_us(num_chunks, out_dim, t_cols, expand_out_tiles(
+            num_chunks, out_dim, t_cols, num_sms), num_sms)
+        tiles = -(-out_dim // SGMV_TILE)
+        l2 = 2 * out_dim * t_cols * num_chunks + 4 * t_cols * num_tokens * tiles
+        return max(stream, l2 / _L2_BYTES_PER_US)
+    if family != "bgmv":
         raise ValueError(f"unknown expand family {family!r}")
-    resident = min(max(ctas, 1), num_sms * min_ctas_per_sm(kernel))
-    waves = -(-max(ctas, 1) // resident)
-    stream = waves * (passes * _DRAM_LATENCY_US + chains * _L2_LATENCY_US)
-    return max(stream, l2 / _L2_BYTES_PER_US)
+    ctas = max(1, num_tokens * -(-out_dim // (THREADS * EXPAND_ROWS)))
+    resident = min(ctas, num_sms * min_ctas_per_sm("bgmv_expand_bf16"))
+    waves = -(-ctas // resident)
+    # slot -> table, ranks, then the t row: 3 round trips; then passes of 2 rank vectors.
+    stream = waves * (-(-t_cols // (2 * VECTOR)) * _DRAM_LATENCY_US + 3 * _L2_LATENCY_US)
+    return max(stream, 2 * out_dim * t_cols * num_tokens / _L2_BYTES_PER_US)
 
 
 def grouped_expand(num_tokens: int, out_dim: int, t_cols: int, num_chunks: int,

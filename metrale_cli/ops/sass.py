@@ -209,8 +209,8 @@ class Instruction:
         width = 1
         if self.is_global_load:
             width = 4 if ".128" in self.opcode else 2 if ".64" in self.opcode else 1
-        elif first.group(3):
-            width = 2
+        elif first.group(3) or ".WIDE" in self.opcode:
+            width = 2  # a 64-bit result: IMAD.WIDE writes its destination and the next
         kind, base = first.group(1), int(first.group(2))
         return {f"{kind}{base + i}" for i in range(width)}
 
