@@ -564,8 +564,9 @@ def expand_out_tiles(num_chunks: int, out_dim: int, t_cols: int, num_sms: int) -
 
 def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
                    num_chunks: int, num_sms: int) -> float:
-    """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (64 x 64
-    output tiles over the batch's `num_chunks` chunks of tokens sorted by slot) or "bgmv" (a
+    """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (a CTA
+    per chunk of the batch's `num_chunks` chunks of tokens sorted by slot and its
+    expand_out_tiles 64-output tiles) or "bgmv" (a
     CTA per token and 1024 outputs, B read once per token). The larger of its streaming
     (waves of resident CTAs, each its passes and metadata round trips) and its L2 traffic at
     L2 bandwidth: the per-token expand re-reads B per token, which L2 must serve."""
