@@ -300,26 +300,28 @@ __device__ __forceinline__ void sgmv_expand_body(
   __shared__ __align__(16) float t_tile[SGMV_EXPAND_STAGES][SG_M * SG_K];
   __shared__ __align__(16) bf16_t b_tile[SGMV_EXPAND_STAGES][SG_N * SG_K];
   const int first_tile = blockIdx.x * out_tiles;
-  const Chunk chunk = chunk_at(chunks, blockIdx.y);
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
   // grid.z is the fused slice, as in bgmv.cu: its B table row, its t plane and its columns of
   // y (slice_cols[z] up to slice_cols[z + 1]; null for one slice: all out_dim columns), the
   // bounds read beside the chunk, not behind it. out_dim is the slice's width from here on.
   const int slice = blockIdx.z;
   const int col0 = slice_cols ? slice_cols[slice] : 0;
   if (slice_cols) out_dim = slice_cols[slice + 1] - col0;
+  // The CTA's items: (output tile, rank chunk) pairs, the rank chunks of one output tile in a
+  // row, all streamed through one pipeline. A narrower slice's spare CTAs have no tile and
+  // return after the bounds, before anything else is read. CTA-uniform, before any barrier.
+  const int tiles = imin(out_tiles, (out_dim + SG_N - 1) / SG_N - first_tile);
+  if (tiles <= 0) return;
+  const Chunk chunk = chunk_at(chunks, blockIdx.y);
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
   t += static_cast<long long>(slice) * num_tokens * t_cols;
   const ptr_t b_addr = slot_address(b_table + static_cast<long long>(slice) * max_loras,
                                     chunk.slot, max_loras);
   const int listed = slot_rank(ranks, chunk.slot, max_loras);
   const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
-  // The CTA's items: (output tile, rank chunk) pairs, the rank chunks of one output tile in a
-  // row, all streamed through one pipeline. A narrower slice's spare CTAs have no tile.
-  const int tiles = imin(out_tiles, (out_dim + SG_N - 1) / SG_N - first_tile);
   // A skipped chunk leaves its y rows untouched. CTA-uniform, before any barrier.
-  if (rank <= 0 || tiles <= 0) return;
+  if (rank <= 0) return;
   const float scale = scale_table[chunk.slot];
   const int r_tiles = (rank + SG_K - 1) / SG_K;
   const int items = tiles * r_tiles;

@@ -388,7 +388,7 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
     (kernels.sgmv_fused), where the SGMV shrink's column tiles run over the slices' rank
     columns side by side and the expand takes the slice on grid.z; split as the planner splits
     the launch's CTAs. The expand's grid covers the widest slice, and a narrower slice's spare
-    CTAs read their metadata, then exit."""
+    CTAs read their metadata (SGMV: the slice's column bounds alone), then exit."""
     count, widest_out, total_out = len(slices), max(slices), sum(slices)
     y_kind = "bf16" if y_bytes == 2 else "f32"
     if tokens > 256:
@@ -416,11 +416,11 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
             grid = plans.launch_grid(kernel, len(chunks), out_dim, rank, out_tiles=out_tiles)
             work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, out_dim, 1, y_bytes,
                               out_tiles)
-            # A spare CTA reads its chunk (16 bytes) and table entry, then exits.
+            # A spare CTA reads its slice's column bounds (8 bytes), then exits.
             spare = len(chunks) * (widest[0] - grid[0])
-            l2 += work[0] + spare * 16
+            l2 += work[0] + spare * 8
             passes += work[1]
-            chains += work[2] + 2 * spare
+            chains += work[2] + spare
             cta_passes = max(cta_passes, work[3])
         return LaunchWork(kernel, f"{path} (fused)", widest, 1, l2, passes, chains, cta_passes,
                           2)
