@@ -16,10 +16,11 @@
 // issues BGMV_SHRINK_STEPS x (1 + BGMV_SHRINK_ROWS) 16-byte loads per thread before its first use.
 #define BGMV_SHRINK_ROWS 4
 #define BGMV_SHRINK_STEPS 2
-// bgmv_expand: output rows per thread (one 16-byte BF16 y vector) and rank vectors per pass: a
-// pass issues BGMV_EXPAND_ROWS x BGMV_EXPAND_COLS 16-byte B loads per thread before its first use.
+// bgmv_expand: output rows per thread in the y epilogue (one 16-byte BF16 y vector; a CTA owns
+// METRALE_THREADS x that rows), and B rows per thread per pass: a pass issues BGMV_EXPAND_STEPS
+// 16-byte B loads per thread, one per row, before its first use.
 #define BGMV_EXPAND_ROWS 8
-#define BGMV_EXPAND_COLS 2
+#define BGMV_EXPAND_STEPS 16
 // SGMV tiles: 64 tokens (4 warps x the mma's 16 rows) x 64 rank or output columns x 64 K.
 #define SGMV_TILE 64
 

@@ -186,3 +186,31 @@ def test_the_counter_sees_load_chains() -> None:
     assert sass.stream_depth(search) == 2
     streaming = parse(SERIAL_LOOP)["k"]
     assert sass.chained_loops(streaming) == []
+
+
+# A switch over two instantiations: case .L_x_2 loads a vector whose value the other case's
+# code (after it in program order) would feed into an address if the cases chained; after the
+# join, one more load on the vector each case produced.
+SWITCH = """
+.text.k:
+        /*0000*/                   LDG.E R4, desc[UR4][R2.64] ;
+        /*0010*/                   BRX R4 -0x20                    (*"BRANCH_TARGETS .L_x_1,.L_x_2"*) ;
+.L_x_1:
+        /*0020*/                   LDG.E.128.CONSTANT R8, desc[UR4][R6.64] ;
+        /*0030*/                   BRA `(.L_x_3) ;
+.L_x_2:
+        /*0040*/                   IMAD.WIDE R6, R9, 0x4, R10 ;
+        /*0050*/                   LDG.E.128.CONSTANT R12, desc[UR4][R6.64] ;
+.L_x_3:
+        /*0060*/                   LDG.E.128.CONSTANT R16, desc[UR4][R8.64] ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_the_chain_depth_follows_the_control_flow() -> None:
+    # In program order R9 (loaded at depth 1 by case 1) would make case 2's load depth 2; the
+    # cases are alternatives, so case 2's is depth 1. At the join R8 may come from case 1's
+    # load: the last load is depth 2, the deepest.
+    code = parse(SWITCH)["k"]
+    assert sass.stream_depth(code) == 2
+    assert sass.stream_depth(code[:-2] + code[-1:]) == 1

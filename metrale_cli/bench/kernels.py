@@ -376,7 +376,7 @@ def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int,
 # ceil(these / that) round trips.
 PASS_LOADS = {
     "bgmv_shrink": kernels.CONFIG["BGMV_SHRINK_STEPS"] * (1 + kernels.SHRINK_ROWS),
-    "bgmv_expand": kernels.EXPAND_ROWS * kernels.CONFIG["BGMV_EXPAND_COLS"],
+    "bgmv_expand": kernels.CONFIG["BGMV_EXPAND_STEPS"],
     "sgmv_shrink": 2 * 4,  # the next K tile: 4 x vectors and 4 A vectors per thread
     "sgmv_expand": 4 + 8,  # a rank chunk's pass: 4 B vectors and 8 t vectors per thread
 }

@@ -150,6 +150,10 @@ BGMV_CASES = [
     Case("wide_rank", 3, 64, 64, 256, [256, 131], slots=[1, 0, 1]),
     # One adapter for the whole batch (the D = 1 decode case).
     Case("one_adapter", 16, 128, 200, 32, [32], slots=[0] * 16),
+    # The expand's lane groups of 16 (9..16 rank vectors: ranks 128, 72 and 100) and 8 (40),
+    # rank prefixes shorter than B's row pitch, two CTAs of outputs (1096 = 1024 + 72) and
+    # several passes per CTA.
+    Case("lane_groups", 5, 64, 1096, 128, [128, 72, 40, 100], slots=[0, 1, 2, 3, 1]),
 ]
 
 SGMV_CASES = [
