@@ -1,19 +1,23 @@
-// host_launch.h: the host harness's translation unit. It includes every kernel source after
-// host_shim.h (force-included) and exports one C entry point that launches a kernel by name the
+// host_launch.h: the host harness's translation unit. The shim (host_shim.h) and every kernel
+// source are force-included before it; it exports one C entry point that launches a kernel by name the
 // way cuLaunchKernel does: grid and block dims, and an array of pointers to the argument values.
-// metrale_cli/host_harness.py passes the very argument tuples that metrale_cli/kernels.py hands
-// to CuPy, so both run the same launch shapes.
+// metrale_cli/ops/host_harness.py passes the very argument tuples that metrale_cli/ops/plans.py
+// plans for CuPy, so both run the same launch shapes.
 //
-// Built by metrale_cli/host_harness.py (build_command, the one place the g++ command is
-// written; `python -m metrale_cli.host_harness` prints it). The file is a .h so that the wheel's
+// Built by metrale_cli/ops/host_harness.py (build_command, the one place the g++ command is
+// written; `python -m metrale_cli.ops.host_harness` prints it). The file is a .h so that the wheel's
 // package data ships it.
 #include <cstddef>
 #include <type_traits>
 #include <utility>
 
-#include "bgmv.cu"
-#include "sgmv.cu"
-#include "expert.cu"
+// The kernel sources are force-included before this file (one `-include` each), and the table
+// below is the list METRALE_HOST_KERNELS, `METRALE_HOST_KERNEL(name),` per kernel: both come
+// from the sources themselves (metrale_cli/ops/sources.py reads their extern "C" names), so a
+// new kernel needs no entry here.
+#ifndef METRALE_HOST_KERNELS
+#error "build with metrale_cli/ops/host_harness.py (build_command), which defines METRALE_HOST_KERNELS"
+#endif
 
 namespace metrale_shim {
 
@@ -40,16 +44,7 @@ constexpr int arity(void (*)(Args...)) {
     }                                                                                    \
   }
 
-inline const KernelEntry kKernels[] = {
-    METRALE_HOST_KERNEL(bgmv_shrink),      METRALE_HOST_KERNEL(bgmv_expand_bf16),
-    METRALE_HOST_KERNEL(bgmv_expand_f32),  METRALE_HOST_KERNEL(sgmv_shrink),
-    METRALE_HOST_KERNEL(sgmv_expand_bf16), METRALE_HOST_KERNEL(sgmv_expand_f32),
-    METRALE_HOST_KERNEL(router_lora_f32),  METRALE_HOST_KERNEL(router_lora_bf16),
-    METRALE_HOST_KERNEL(expert_shrink_decode), METRALE_HOST_KERNEL(expert_shrink_prefill),
-    METRALE_HOST_KERNEL(expert_expand_decode_bf16), METRALE_HOST_KERNEL(expert_expand_decode_f32),
-    METRALE_HOST_KERNEL(expert_expand_prefill_bf16),
-    METRALE_HOST_KERNEL(expert_expand_prefill_f32), METRALE_HOST_KERNEL(overlay_gather),
-};
+inline const KernelEntry kKernels[] = {METRALE_HOST_KERNELS};
 
 }  // namespace metrale_shim
 

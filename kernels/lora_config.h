@@ -1,6 +1,7 @@
-// lora_config.h: every number that the kernels and their Python planner (metrale_cli/kernels.py)
-// share, written once. kernels.py reads this file (`#define NAME <integer>` lines only, one per
-// line), so keep each definition a plain decimal integer.
+// lora_config.h: every number that the kernels and their Python planner share, written once.
+// metrale_cli/ops/sources.py reads this file and each .cu (`#define NAME <integer>` lines only,
+// one per line), so keep each definition a plain decimal integer. A kernel's figures are named
+// by its __launch_bounds__: <PREFIX>_MIN_CTAS and <PREFIX>_LOADS.
 #pragma once
 
 // Threads per CTA for every kernel (4 warps).

@@ -28,7 +28,7 @@ from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.ops import expert_kernels as ek
-from metrale_cli.ops import host_harness, kernels, reference
+from metrale_cli.ops import host_harness, reference, sources
 from metrale_cli.pool.pool import LoraPool
 from tests.support.peft_factory import _tiny_model
 
@@ -395,8 +395,8 @@ def check_overlay_gather(peft_zoo: Any, backend: Any = HOST,
 def test_kernels_are_registered_with_their_config() -> None:
     for name in ("router_lora_f32", "expert_shrink_decode", "expert_expand_prefill_bf16",
                  "overlay_gather"):
-        assert kernels.KERNEL_SOURCES[name] == "expert.cu"
-        assert kernels.loads_in_flight(name) >= 1 and kernels.min_ctas_per_sm(name) >= 1
+        assert sources.KERNEL_SOURCES[name] == "expert.cu"
+        assert sources.loads_in_flight(name) >= 1 and sources.min_ctas_per_sm(name) >= 1
 
 
 # --- expert ids outside [0, E) (issue 18, item 9) ----------------------------------------------

@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from metrale_cli.ops import kernels
+from metrale_cli.ops import sources
 
 pytestmark = pytest.mark.nvcc
 
 ARCHS = ("sm_80", "sm_90")
-SOURCES = sorted(set(kernels.KERNEL_SOURCES.values()))
+SOURCES = sorted(set(sources.KERNEL_SOURCES.values()))
 
 
 def _nvcc() -> str:
@@ -30,7 +30,7 @@ def _nvcc() -> str:
 
 
 def _command(source: str, arch: str) -> list[str]:
-    directory = kernels.find_kernel_dir()
+    directory = sources.find_kernel_dir()
     return [
         _nvcc(), f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
         "-Xcompiler", "-Wall,-Werror", "-c", "-o", "/dev/null", str(directory / source),
@@ -59,13 +59,13 @@ def test_kernel_compiles_cleanly(source: str, arch: str) -> None:
 
 
 def test_every_kernel_is_defined_in_its_source() -> None:
-    directory = kernels.find_kernel_dir()
-    for name, source in kernels.KERNEL_SOURCES.items():
+    directory = sources.find_kernel_dir()
+    for name, source in sources.KERNEL_SOURCES.items():
         assert f"\n{name}(" in (directory / source).read_text(), f"{name} not in {source}"
 
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_header_names_its_compile_command(source: str) -> None:
-    header = (kernels.find_kernel_dir() / source).read_text().split("#include", 1)[0]
+    header = (sources.find_kernel_dir() / source).read_text().split("#include", 1)[0]
     assert "nvcc -arch=sm_90" in header and f"kernels/{source}" in header
     assert "Launch shape" in header

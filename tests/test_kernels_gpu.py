@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli.ops import kernels, reference
+from metrale_cli.ops import kernels, plans, reference, sources
 from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
@@ -112,7 +112,7 @@ def test_decode_with_a_batch_plan_on_device(case: Case, grouped: bool) -> None:
     _keep, a_table, b_table = _device_tables(pool)
     x, y0, slots = case.x(), case.y(torch.bfloat16), case.token_slots()
     y = _to_device(y0)
-    plan = kernels.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
+    plan = plans.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
                               group_min_tokens=1 if grouped else 10**9)
     kernels.bgmv(_to_device(x), y, _to_device(slots), a_table, b_table,
                  _to_device(pool.scales), _to_device(pool.ranks), case.max_rank, batch=plan)
@@ -165,5 +165,5 @@ def test_sgmv_tensor_cores_at_prefill_size() -> None:
 
 
 def test_kernels_compile_through_nvrtc() -> None:
-    for name in kernels.KERNEL_SOURCES:
+    for name in sources.KERNEL_SOURCES:
         assert kernels.get_kernel(name) is not None

@@ -20,7 +20,7 @@ import torch
 
 from metrale_cli import kernel_config
 from metrale_cli.errors import ToolMissing
-from metrale_cli.ops import host_harness, kernels, reference
+from metrale_cli.ops import host_harness, plans, reference, sources
 from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
@@ -85,11 +85,11 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
 ])
 def test_split_k_is_planned_by_modelled_cost(kind: str, tokens: int, in_dim: int, t_cols: int,
                                              want: int) -> None:
-    splits = kernels.shrink_splits(kind, tokens, in_dim, t_cols, 132)
+    splits = plans.shrink_splits(kind, tokens, in_dim, t_cols, 132)
     assert splits == want
-    least = 8 * kernels.THREADS if kind == "bgmv" else kernels.SGMV_TILE
-    costs = [kernels.shrink_cost_us(kind, tokens, in_dim, t_cols, s, 132)
-             for s in range(1, min(kernels.MAX_SPLITS, in_dim // least) + 1)]
+    least = 8 * sources.THREADS if kind == "bgmv" else sources.SGMV_TILE
+    costs = [plans.shrink_cost_us(kind, tokens, in_dim, t_cols, s, 132)
+             for s in range(1, min(sources.MAX_SPLITS, in_dim // least) + 1)]
     assert costs[splits - 1] == pytest.approx(min(costs))
 
 
@@ -98,11 +98,11 @@ def test_host_and_gpu_share_one_plan() -> None:
     pool = case.pool()
     a_table, _ = pool.tables()
     t = torch.empty(case.num_tokens, case.max_rank)
-    plan = kernels.plan_bgmv_shrink(case.x(), case.token_slots(), a_table, pool.ranks, t,
+    plan = plans.plan_bgmv_shrink(case.x(), case.token_slots(), a_table, pool.ranks, t,
                                     case.max_rank, splits=2)
     assert plan.kernel == "bgmv_shrink"
-    assert plan.grid == (case.num_tokens, case.max_rank // kernels.SHRINK_ROWS, 2)
-    assert plan.block == (kernels.THREADS, 1, 1)
+    assert plan.grid == (case.num_tokens, case.max_rank // sources.SHRINK_ROWS, 2)
+    assert plan.block == (sources.THREADS, 1, 1)
 
 
 def test_plans_refuse_unaligned_dims() -> None:
@@ -111,9 +111,9 @@ def test_plans_refuse_unaligned_dims() -> None:
     x = torch.zeros(2, 12, dtype=torch.bfloat16)  # in_dim not a multiple of 8
     t = torch.empty(2, 16)
     with pytest.raises(ValueError, match="multiples of 8"):
-        kernels.plan_bgmv_shrink(x, torch.zeros(2, dtype=torch.int32), a_table, pool.ranks, t, 16)
+        plans.plan_bgmv_shrink(x, torch.zeros(2, dtype=torch.int32), a_table, pool.ranks, t, 16)
     with pytest.raises(ValueError, match="int32"):
-        kernels.plan_bgmv_shrink(torch.zeros(2, 16, dtype=torch.bfloat16),
+        plans.plan_bgmv_shrink(torch.zeros(2, 16, dtype=torch.bfloat16),
                                  torch.zeros(2, dtype=torch.int64), a_table, pool.ranks, t, 16)
 
 
@@ -126,26 +126,26 @@ def test_empty_batch_is_a_no_op() -> None:
 
 
 def test_loader_prefers_metrale_kernel_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    source = kernels.find_kernel_dir()
+    source = sources.find_kernel_dir()
     for path in source.iterdir():
         if path.suffix in (".cu", ".cuh", ".h"):
             shutil.copy(path, tmp_path / path.name)
     monkeypatch.setenv("METRALE_KERNEL_DIR", str(tmp_path))
-    assert kernels.find_kernel_dir() == tmp_path
+    assert sources.find_kernel_dir() == tmp_path
 
 
 def test_loader_names_every_path_tried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tried = [tmp_path / "override", tmp_path / "installed", tmp_path / "checkout"]
-    monkeypatch.setattr(kernels, "kernel_dir_candidates", lambda: tried)
+    monkeypatch.setattr(sources, "kernel_dir_candidates", lambda: tried)
     with pytest.raises(ToolMissing) as error:
-        kernels.find_kernel_dir()
+        sources.find_kernel_dir()
     for path in tried:
         assert str(path) in str(error.value)
     assert error.value.exit_code == 3
 
 
 def test_sources_are_inlined_for_nvrtc() -> None:
-    source = kernels.read_source("sgmv.cu")
+    source = sources.read_source("sgmv.cu")
     assert '#include "' not in source
     assert "mma.sync.aligned.m16n8k16" in source
     assert source.count("typedef unsigned short bf16_t;") == 1
@@ -153,7 +153,7 @@ def test_sources_are_inlined_for_nvrtc() -> None:
 
 def test_host_build_is_cached_by_source_hash(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    source = kernels.find_kernel_dir()
+    source = sources.find_kernel_dir()
     for path in source.iterdir():
         if path.suffix in (".cu", ".cuh", ".h"):
             shutil.copy(path, tmp_path / path.name)
@@ -170,12 +170,12 @@ def test_missing_compiler_is_tool_missing(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_bench_counts_compulsory_bytes() -> None:
-    from metrale_cli.bench import kernels as bench_kernels
+    from metrale_cli.bench import roofline
 
     # h = 4096, r = 16, B = D = 64, F32 t: shrink = weights + x + t.
-    shrink = bench_kernels.compulsory_bytes("shrink", 64, 64, 16, 4096, 4096)
+    shrink = roofline.compulsory_bytes("shrink", 64, 64, 16, 4096, 4096)
     assert shrink == 2 * 64 * 16 * 4096 + 2 * 64 * 4096 + 4 * 64 * 16
-    expand = bench_kernels.compulsory_bytes("expand", 64, 64, 16, 4096, 4096)
+    expand = roofline.compulsory_bytes("expand", 64, 64, 16, 4096, 4096)
     assert expand == 2 * 64 * 4096 * 16 + 4 * 64 * 16 + 4 * 64 * 4096
 
 
@@ -211,11 +211,11 @@ def test_harness_takes_numpy_buffers() -> None:
 
 
 def test_constants_are_the_headers_as_compiled(tmp_path: Path) -> None:
-    # kernels.py reads lora_config.h; a C++ program including it prints what the compiler sees.
-    config = kernels.CONFIG
+    # sources.py reads lora_config.h; a C++ program including it prints what the compiler sees.
+    config = sources.CONFIG
     program = tmp_path / "print.cpp"
     program.write_text(
-        f'#include "{kernels.find_kernel_dir() / kernels.CONFIG_HEADER}"\n#include <cstdio>\n'
+        f'#include "{sources.find_kernel_dir() / sources.CONFIG_HEADER}"\n#include <cstdio>\n'
         "int main() {\n"
         + "".join(f'  std::printf("{name} %d\\n", {name});\n' for name in config)
         + "}\n"
@@ -230,11 +230,11 @@ def test_constants_are_the_headers_as_compiled(tmp_path: Path) -> None:
              "MAX_RANK": "METRALE_MAX_RANK", "SHRINK_ROWS": "BGMV_SHRINK_ROWS",
              "EXPAND_ROWS": "BGMV_EXPAND_ROWS", "SGMV_TILE": "SGMV_TILE"}
     for attribute, define in names.items():
-        assert getattr(kernels, attribute) == config[define], attribute
+        assert getattr(sources, attribute) == config[define], attribute
     # The planner's copy of the kernels' limits (no kernel sources needed to plan a layout).
-    assert (kernel_config.VECTOR, kernel_config.MAX_RANK) == (kernels.VECTOR, kernels.MAX_RANK)
-    for kernel in kernels.KERNEL_SOURCES:
-        assert kernels.loads_in_flight(kernel) > 1 and kernels.min_ctas_per_sm(kernel) >= 1
+    assert (kernel_config.VECTOR, kernel_config.MAX_RANK) == (sources.VECTOR, sources.MAX_RANK)
+    for kernel in sources.KERNEL_SOURCES:
+        assert sources.loads_in_flight(kernel) > 1 and sources.min_ctas_per_sm(kernel) >= 1
 
 
 def test_kernel_constants_import_without_torch_or_cupy() -> None:
@@ -267,17 +267,17 @@ def test_host_launches_from_two_threads_match_serial_runs() -> None:
 
 def test_batch_plan_groups_by_slot_and_narrows_to_the_ranks_present() -> None:
     ranks = [12, 64, 0, 40]
-    plan = kernels.plan_batch([1, 0, 0, -1, 0, 2, 0, 9], ranks, max_rank=64)
+    plan = plans.plan_batch([1, 0, 0, -1, 0, 2, 0, 9], ranks, max_rank=64)
     assert plan.t_cols == 64 and plan.distinct_slots == 2 and plan.adapted_tokens == 5
     assert plan.order.tolist() == [3, 1, 2, 4, 6, 0, 5, 7]
     assert plan.seg_starts.tolist() == [0, 1, 5, 6, 7, 8]
     assert plan.seg_slots.tolist() == [-1, 0, 1, 2, 9]
     assert not plan.grouped  # 5 tokens over 2 slots: under GROUP_MIN_TOKENS per slot
-    narrow = kernels.plan_batch([0] * 8 + [-1], ranks, max_rank=64)
+    narrow = plans.plan_batch([0] * 8 + [-1], ranks, max_rank=64)
     assert narrow.grouped and narrow.t_cols == 16  # rank 12, rounded up to a vector
-    everyone = kernels.plan_batch(list(range(4)), [8, 16, 24, 32], max_rank=64)
+    everyone = plans.plan_batch(list(range(4)), [8, 16, 24, 32], max_rank=64)
     assert not everyone.grouped and everyone.t_cols == 32
-    assert kernels.plan_batch([], ranks, 64).seg_starts.tolist() == [0]
+    assert plans.plan_batch([], ranks, 64).seg_starts.tolist() == [0]
 
 
 def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
@@ -287,10 +287,10 @@ def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
     wide = torch.empty(case.num_tokens, 16)
     narrow = torch.empty(case.num_tokens, 8)
     x, slots = case.x(), case.token_slots()
-    assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, wide, 16).grid[1] == 4
-    assert kernels.plan_bgmv_shrink(x, slots, a_table, pool.ranks, narrow, 16).grid[1] == 2
+    assert plans.plan_bgmv_shrink(x, slots, a_table, pool.ranks, wide, 16).grid[1] == 4
+    assert plans.plan_bgmv_shrink(x, slots, a_table, pool.ranks, narrow, 16).grid[1] == 2
     # Split-K sees the narrower grid: rank 16 in a max-rank-64 pool splits as rank 16 does.
-    assert kernels.shrink_splits("bgmv", 32, 16384, 16, 132) > kernels.shrink_splits(
+    assert plans.shrink_splits("bgmv", 32, 16384, 16, 132) > plans.shrink_splits(
         "bgmv", 32, 16384, 256, 132)
 
 
@@ -309,7 +309,7 @@ def test_fused_slices_match_reference_per_slice(case: Case, widths: tuple[int, .
     y = torch.randn(case.num_tokens, cols[-1], generator=generator).to(y_dtype)
     y0 = y.clone()
     x, slots, ranks, scales = case.x(), case.token_slots(), pools[0].ranks, pools[0].scales
-    fused_splits = kernels.shrink_splits("bgmv", len(widths) * case.num_tokens, case.in_dim,
+    fused_splits = plans.shrink_splits("bgmv", len(widths) * case.num_tokens, case.in_dim,
                                          case.max_rank, case.num_sms)
     assert (fused_splits > 1) == (case.name == "split_k")
     host_harness.bgmv_fused(x, y, cols, slots, a_tables, b_tables, scales, ranks,
@@ -331,18 +331,18 @@ def test_fused_slices_are_one_shrink_and_one_expand_launch() -> None:
     t = torch.zeros(3, case.num_tokens, case.max_rank)
     y = torch.zeros(case.num_tokens, 128)
     slots, ranks, scales = case.token_slots(), pools[0].ranks, pools[0].scales
-    shrink = kernels.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t, case.max_rank, 2)
-    assert shrink.grid == (case.num_tokens, case.max_rank // kernels.SHRINK_ROWS, 3 * 2)
-    expand = kernels.plan_bgmv_expand(t, slots, b_tables, scales, ranks, y, case.max_rank, cols)
+    shrink = plans.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t, case.max_rank, 2)
+    assert shrink.grid == (case.num_tokens, case.max_rank // sources.SHRINK_ROWS, 3 * 2)
+    expand = plans.plan_bgmv_expand(t, slots, b_tables, scales, ranks, y, case.max_rank, cols)
     assert expand.grid == (case.num_tokens, 1, 3)  # the widest slice, 72, in one CTA per token
     with pytest.raises(ValueError, match="need slice_cols"):
-        kernels.plan_bgmv_expand(t, slots, b_tables, scales, ranks, y, case.max_rank)
+        plans.plan_bgmv_expand(t, slots, b_tables, scales, ranks, y, case.max_rank)
     with pytest.raises(ValueError, match="multiples of 8"):
-        kernels.check_slice_cols([0, 72, 84, 128], 3, 128)
+        plans.check_slice_cols([0, 72, 84, 128], 3, 128)
     with pytest.raises(ValueError, match="past y"):
-        kernels.check_slice_cols([0, 72, 88, 136], 3, 128)
+        plans.check_slice_cols([0, 72, 88, 136], 3, 128)
     with pytest.raises(ValueError, match=r"t \[S, T, t_cols\]"):
-        kernels.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t[0], case.max_rank)
+        plans.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t[0], case.max_rank)
 
 
 # (grouped shrink, SMs): with 1 SM the grouped batch's output tiles cover the device and the
@@ -359,10 +359,10 @@ def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.d
     i = case.inputs(y_dtype)
     pool, a_table, b_table, x, y, y0, slots = i.pool, i.a_table, i.b_table, i.x, i.y, i.y0, i.slots
     a_weights, b_weights = i.a_weights, i.b_weights
-    plan = kernels.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
+    plan = plans.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
                               group_min_tokens=1 if grouped else 10**9)
     assert plan.grouped == grouped and plan.t_cols < case.max_rank
-    sgmv_expand = grouped and kernels.grouped_expand(case.num_tokens, case.out_dim,
+    sgmv_expand = grouped and plans.grouped_expand(case.num_tokens, case.out_dim,
                                                      plan.t_cols, plan.seg_slots.size, num_sms)
     assert sgmv_expand == (num_sms == 1)
     host_harness.bgmv(x, y, slots, a_table, b_table, pool.scales, pool.ranks, case.max_rank,
@@ -393,11 +393,11 @@ def test_misaligned_table_addresses_are_refused() -> None:
     shifted = a_table.clone()
     shifted[3] += 8  # 8 bytes off: a 128-bit load there faults on a GPU
     with pytest.raises(ValueError, match=r"a_table\[3\] .* not 16-byte aligned"):
-        kernels.plan_bgmv_shrink(case.x(), case.token_slots(), shifted, pool.ranks, t, 16)
+        plans.plan_bgmv_shrink(case.x(), case.token_slots(), shifted, pool.ranks, t, 16)
     shifted_b = b_table.numpy().view(np.uint64).copy()
     shifted_b[0] += np.uint64(2)
     with pytest.raises(ValueError, match=r"b_table\[0\]"):
-        kernels.plan_sgmv_expand(t, torch.tensor([0, 11], dtype=torch.int32),
+        plans.plan_sgmv_expand(t, torch.tensor([0, 11], dtype=torch.int32),
                                  torch.tensor([0], dtype=torch.int32), shifted_b, pool.scales,
                                  pool.ranks, case.y(torch.float32), 16)
 
@@ -469,7 +469,7 @@ def test_expand_takes_the_pool_max_rank_never_t_s_width() -> None:
     # expand used to default max_rank to t's width and read B at the wrong row stride.
     case = DECODE_BATCHES[0]
     i = case.inputs(torch.float32)
-    plan = kernels.plan_batch(i.slots.numpy(), i.pool.ranks.numpy(), case.max_rank,
+    plan = plans.plan_batch(i.slots.numpy(), i.pool.ranks.numpy(), case.max_rank,
                               group_min_tokens=10**9)
     assert plan.t_cols < case.max_rank
     t = host_harness.bgmv_shrink(i.x, i.slots, i.a_table, i.pool.ranks, case.max_rank,
@@ -478,7 +478,7 @@ def test_expand_takes_the_pool_max_rank_never_t_s_width() -> None:
         no_max_rank: Any = host_harness.bgmv_expand
         no_max_rank(t, i.slots, i.b_table, i.pool.scales, i.pool.ranks, i.y)
     with pytest.raises(TypeError, match="max_rank"):
-        kernels.plan_sgmv_expand(t, torch.tensor([0, case.num_tokens], dtype=torch.int32),
+        plans.plan_sgmv_expand(t, torch.tensor([0, case.num_tokens], dtype=torch.int32),
                                  torch.tensor([0], dtype=torch.int32), i.b_table, i.pool.scales,
                                  i.pool.ranks, i.y, None)  # type: ignore[arg-type]
     host_harness.bgmv_expand(t, i.slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
@@ -490,11 +490,11 @@ def test_expand_takes_the_pool_max_rank_never_t_s_width() -> None:
 
 def test_grids_past_cuda_s_limits_are_refused() -> None:
     # SGMV's grid.y is ceil(T / 64): past 65,535 tiles (about 4.19 M tokens) a GPU launch fails.
-    most = kernels.MAX_GRID[1] * kernels.SGMV_TILE
-    grid = kernels.launch_grid("sgmv_shrink", most, 64, 16)
-    assert grid[1] == kernels.MAX_GRID[1]
-    kernels.KernelLaunch("sgmv_shrink", grid, (kernels.THREADS, 1, 1), ())
+    most = plans.MAX_GRID[1] * sources.SGMV_TILE
+    grid = plans.launch_grid("sgmv_shrink", most, 64, 16)
+    assert grid[1] == plans.MAX_GRID[1]
+    plans.KernelLaunch("sgmv_shrink", grid, (sources.THREADS, 1, 1), ())
     for kernel in ("sgmv_shrink", "sgmv_expand_bf16"):
-        too_many = kernels.launch_grid(kernel, most + 1, 64, 16)
+        too_many = plans.launch_grid(kernel, most + 1, 64, 16)
         with pytest.raises(ValueError, match="65,535 on y"):
-            kernels.KernelLaunch(kernel, too_many, (kernels.THREADS, 1, 1), ())
+            plans.KernelLaunch(kernel, too_many, (sources.THREADS, 1, 1), ())

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from metrale_cli.bench import kernels as bench_kernels
-from metrale_cli.ops import kernels
+from metrale_cli.bench import roofline
+from metrale_cli.ops import kernels, plans, sources
 from tests.support.cli_runner import metrale
 
 # Qwen3-Next-80B-A3B's benchmark modules (out_dim, in_dim): the bench's default shapes.
@@ -23,9 +23,9 @@ class Recorder:
 
     def __init__(self, sms: int) -> None:
         self.sms = sms
-        self.plans: list[kernels.KernelLaunch] = []
+        self.plans: list[plans.KernelLaunch] = []
 
-    def launch(self, plan: kernels.KernelLaunch) -> None:
+    def launch(self, plan: plans.KernelLaunch) -> None:
         self.plans.append(plan)
 
     def new_t(self, like: Any, shape: tuple[int, ...]) -> Any:
@@ -42,22 +42,22 @@ class Recorder:
 
 
 def planned(module: str, out_dim: int, in_dim: int, rank: int, tokens: int,
-            adapters: int) -> list[kernels.KernelLaunch]:
+            adapters: int) -> list[plans.KernelLaunch]:
     """The launches the real launchers make for a benchmark shape (decode through plan_batch
     and kernels.bgmv, prefill through kernels.sgmv), on buffers of its real size (never
     touched: the recorder runs nothing)."""
-    backend = Recorder(bench_kernels.ModelDevice().sms)
+    backend = Recorder(roofline.ModelDevice().sms)
     x = np.empty((tokens, in_dim), dtype=np.uint16)
     y = np.empty((tokens, out_dim), dtype=np.uint16)
     tables = [np.arange(1, adapters + 1, dtype=np.uint64) * np.uint64(1 << 20) for _ in "ab"]
     ranks = np.full(adapters, rank, dtype=np.int32)
     scales = np.ones(adapters, dtype=np.float32)
     if tokens <= 256:
-        slots = bench_kernels._decode_slots(tokens, adapters)
-        batch = kernels.plan_batch(slots, ranks, rank)
+        slots = roofline.decode_slots(tokens, adapters)
+        batch = plans.plan_batch(slots, ranks, rank)
         kernels.bgmv(x, y, slots, *tables, scales, ranks, rank, batch=batch, backend=backend)
     else:
-        starts = bench_kernels._prefill_starts(tokens, adapters)
+        starts = roofline.prefill_starts(tokens, adapters)
         kernels.sgmv(x, y, starts, np.arange(adapters, dtype=np.int32), *tables, scales, ranks,
                      rank, t_cols=rank, backend=backend)
     return backend.plans
@@ -82,14 +82,14 @@ def test_the_model_s_inputs_are_the_launch_plan(shape: tuple[str, int, int, int,
     module, out_dim, in_dim, rank, tokens, adapters = shape
     shrink, expand = planned(*shape)
     for kind, plan in (("shrink", shrink), ("expand", expand)):
-        record = bench_kernels.model_record(module, out_dim, in_dim, rank, tokens, adapters, kind)
+        record = roofline.model_record(module, out_dim, in_dim, rank, tokens, adapters, kind)
         assert record["kernel"] == plan.kernel
         assert tuple(record["grid"]) == plan.grid
         if kind == "shrink":
             assert record["splits"] == plan.grid[2]  # split-K: the grid's z
         if plan.kernel.startswith("sgmv"):
             at = 2 if kind == "shrink" else 1  # seg_starts, then seg_slots and the count
-            segs = bench_kernels.TileSegments.of(plan.args[at], tokens)
+            segs = roofline.TileSegments.of(plan.args[at], tokens)
             assert segs.num_segments == int(plan.args[at + 2])
             assert int(segs.rows.sum()) == tokens  # every token in one (tile, segment) pair
 
@@ -98,24 +98,24 @@ def test_the_model_s_inputs_are_the_launch_plan(shape: tuple[str, int, int, int,
 def test_the_fused_model_is_the_fused_launch_plan(rank: int, tokens: int) -> None:
     """A fused group's records are the two launches kernels.bgmv_fused really makes: kernel,
     grid (slices on z) and splits; and one launch floor instead of one per slice."""
-    (slices, in_dim), = bench_kernels.fused_groups(SHAPES)
+    (slices, in_dim), = roofline.fused_groups(SHAPES)
     widths = [out for _, out in slices]
-    backend = Recorder(bench_kernels.ModelDevice().sms)
+    backend = Recorder(roofline.ModelDevice().sms)
     cols = [0, *np.cumsum(widths).tolist()]
     tables = [np.arange(1, 3 * tokens + 1, dtype=np.uint64).reshape(3, tokens) << np.uint64(20)
               for _ in "ab"]
-    slots = bench_kernels._decode_slots(tokens, tokens)
-    batch = kernels.plan_batch(slots, np.full(tokens, rank, dtype=np.int32), rank)
+    slots = roofline.decode_slots(tokens, tokens)
+    batch = plans.plan_batch(slots, np.full(tokens, rank, dtype=np.int32), rank)
     kernels.bgmv_fused(np.empty((tokens, in_dim), dtype=np.uint16),
                        np.empty((tokens, cols[-1]), dtype=np.uint16), cols, slots, *tables,
                        np.ones(tokens, dtype=np.float32), np.full(tokens, rank, dtype=np.int32),
                        rank, batch=batch, backend=backend)
     shrink, expand = backend.plans
     for kind, plan in (("shrink", shrink), ("expand", expand)):
-        record = bench_kernels.fused_record(slices, in_dim, rank, tokens, tokens, kind)
+        record = roofline.fused_record(slices, in_dim, rank, tokens, tokens, kind)
         assert record is not None and record["kernel"] == plan.kernel
         assert tuple(record["grid"]) == plan.grid and plan.grid[2] % len(slices) == 0
-        separate = [bench_kernels.model_record(n, out, in_dim, rank, tokens, tokens, kind)
+        separate = [roofline.model_record(n, out, in_dim, rank, tokens, tokens, kind)
                     for n, out in slices]
         assert record["terms"]["launch"] <= max(r["terms"]["launch"] for r in separate)
         assert record["unfused_us"] == pytest.approx(sum(r["expected_us"] for r in separate))
@@ -124,27 +124,27 @@ def test_the_fused_model_is_the_fused_launch_plan(rank: int, tokens: int) -> Non
 
 
 def test_fusing_a_decode_token_s_qkv_saves_two_launch_floors_per_kernel() -> None:
-    (slices, in_dim), = bench_kernels.fused_groups(SHAPES)
+    (slices, in_dim), = roofline.fused_groups(SHAPES)
     for kind in ("shrink", "expand"):
-        record = bench_kernels.fused_record(slices, in_dim, 16, 1, 1, kind)
+        record = roofline.fused_record(slices, in_dim, 16, 1, 1, kind)
         assert record is not None and record["binding"] == "launch"
         assert record["expected_us"] == pytest.approx(2.0)
         assert record["unfused_us"] == pytest.approx(6.0)
     # Grouped and prefill batches run the slices one by one (the SGMV kernels do not fuse).
-    assert bench_kernels.fused_record(slices, in_dim, 16, 256, 1, "shrink") is None
-    assert bench_kernels.fused_record(slices, in_dim, 16, 4096, 8, "shrink") is None
+    assert roofline.fused_record(slices, in_dim, 16, 256, 1, "shrink") is None
+    assert roofline.fused_record(slices, in_dim, 16, 4096, 8, "shrink") is None
 
 
 def test_every_record_is_at_least_its_largest_term() -> None:
-    records = bench_kernels.model(SHAPES)
-    device = bench_kernels.ModelDevice()
+    records = roofline.model(SHAPES)
+    device = roofline.ModelDevice()
     for r in records:
         terms = r["terms"]
-        assert set(bench_kernels.TERMS) <= set(terms)
+        assert set(roofline.TERMS) <= set(terms)
         assert r["expected_us"] >= max(terms.values()) - 1e-9, r
         assert r["expected_us"] >= device.launch_s * 1e6
         assert r["l2_bytes"] >= r["bytes"] - 4 * r["tokens"] * r["rank"] * r["splits"]
-        assert r["binding"] in bench_kernels.TERMS
+        assert r["binding"] in roofline.TERMS
         streamed = terms["in_flight"] + terms["serial"]
         largest = max(max(terms.values()), streamed)
         named = streamed if r["binding"] in ("in_flight", "serial") else terms[r["binding"]]
@@ -161,15 +161,15 @@ def test_every_record_is_at_least_its_largest_term() -> None:
 def test_l2_traffic_is_charged_and_steers_the_grouped_expand() -> None:
     # The per-token expand of a grouped batch reads B once per token from L2: q_proj, 64 tokens
     # on one rank-64 adapter, 64 x 8192 x 64 x 2 bytes, at least 6.7 us at 10 TB/s. The
-    # planner (kernels.grouped_expand) charges that and keeps the SGMV expand, which reads B
+    # planner (plans.grouped_expand) charges that and keeps the SGMV expand, which reads B
     # once per 64-token tile.
-    per_token = kernels.expand_cost_us("bgmv", 64, 8192, 64, 1, 132)
+    per_token = plans.expand_cost_us("bgmv", 64, 8192, 64, 1, 132)
     assert per_token >= 64 * 8192 * 64 * 2 / 10e6
-    record = bench_kernels.model_record("q_proj", 8192, 2048, 64, 64, 1, "expand")
+    record = roofline.model_record("q_proj", 8192, 2048, 64, 64, 1, "expand")
     assert record["path"] == "grouped" and record["kernel"] == "sgmv_expand_bf16"
     assert record["expected_us"] < per_token
     # Where it does take the per-token path, its L2 bytes are charged as such.
-    narrow = bench_kernels.model_record("k_proj", 512, 2048, 128, 64, 8, "expand")
+    narrow = roofline.model_record("k_proj", 512, 2048, 128, 64, 8, "expand")
     assert narrow["path"] == "grouped+per-token"
     assert narrow["l2_bytes"] >= 64 * 512 * 128 * 2
     assert narrow["terms"]["l2"] == pytest.approx(narrow["l2_bytes"] / 10e12 * 1e6)
@@ -179,7 +179,7 @@ def test_l2_traffic_is_charged_and_steers_the_grouped_expand() -> None:
 def test_distinct_bytes_in_flight_bound_a_segment_per_token() -> None:
     # Prefill, one adapter per token: each CTA walks 64 one-row segments, each pass holding one
     # x row and the rank rows of A in flight: about 2 KB a CTA, far below the 19 KiB per SM.
-    record = bench_kernels.model_record("q_proj", 8192, 2048, 16, 4096, 4096, "shrink")
+    record = roofline.model_record("q_proj", 8192, 2048, 16, 4096, 4096, "shrink")
     assert record["path"] == "segments"
     assert record["in_flight_per_sm_bytes"] < 8 * 1024
     assert record["in_flight_per_sm_bytes"] < record["needed_in_flight_per_sm_bytes"] / 2
@@ -188,24 +188,24 @@ def test_distinct_bytes_in_flight_bound_a_segment_per_token() -> None:
 
 
 def test_no_kernel_beats_the_launch_floor() -> None:
-    record = bench_kernels.model_record("o_proj", 2048, 4096, 16, 1, 1, "shrink")
+    record = roofline.model_record("o_proj", 2048, 4096, 16, 1, 1, "shrink")
     assert record["binding"] == "launch" and record["expected_us"] == pytest.approx(2.0)
     assert record["expected_copy_ratio"] == pytest.approx(1.0)
 
 
 def test_a_serial_kernel_misses_by_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     # One load in flight per thread (the pre-restructuring bgmv_shrink) starves the memory.
-    record = bench_kernels.model_record("o_proj", 2048, 4096, 64, 256, 256, "shrink")
+    record = roofline.model_record("o_proj", 2048, 4096, 64, 256, 256, "shrink")
     assert record["meets_target"] and record["regime"] == "bandwidth"
-    monkeypatch.setitem(kernels.CONFIG, "BGMV_SHRINK_LOADS", 1)
-    serial = bench_kernels.model_record("o_proj", 2048, 4096, 64, 256, 256, "shrink")
+    monkeypatch.setitem(sources.CONFIG, "BGMV_SHRINK_LOADS", 1)
+    serial = roofline.model_record("o_proj", 2048, 4096, 64, 256, 256, "shrink")
     assert not serial["meets_target"] and serial["binding"] == "in_flight"
     assert serial["expected_pct_peak"] < 0.6 * record["expected_pct_peak"]
 
 
 def test_model_plans_grids_from_the_rank_not_a_larger_pool() -> None:
-    record = bench_kernels.model_record("q_proj", 8192, 2048, 16, 64, 64, "shrink")
-    assert record["grid"][1] == 16 // kernels.SHRINK_ROWS
+    record = roofline.model_record("q_proj", 8192, 2048, 16, 64, 64, "shrink")
+    assert record["grid"][1] == 16 // sources.SHRINK_ROWS
 
 
 def test_model_only_needs_no_gpu() -> None:
@@ -214,7 +214,7 @@ def test_model_only_needs_no_gpu() -> None:
     assert result.code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["adapters"] for r in records] == [1, 1, 8, 8, 256, 256]
-    assert all(r["binding"] in bench_kernels.TERMS and "l2_bytes" in r for r in records)
+    assert all(r["binding"] in roofline.TERMS and "l2_bytes" in r for r in records)
 
 
 def model_table(tokens: int) -> str:
@@ -224,7 +224,7 @@ def model_table(tokens: int) -> str:
             "expand: path, us, binding term, % peak, x copy | MB (shrink + expand) | "
             "L2 MB (shrink + expand) |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
-    records = bench_kernels.model(SHAPES, tokens=(tokens,))
+    records = roofline.model(SHAPES, tokens=(tokens,))
     for shrink, expand in zip(records[::2], records[1::2], strict=True):
         # The figure a shape is judged by is in bold: % of peak in the bandwidth regime, the
         # copy ratio below it.

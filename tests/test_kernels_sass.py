@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from metrale_cli.bench import kernels as bench_kernels
-from metrale_cli.ops import kernels, sass
+from metrale_cli.bench import roofline
+from metrale_cli.ops import sass, sources
 from metrale_cli.ops.sass import hot_loops, loads_before_first_use, parse
 
 pytestmark = pytest.mark.nvcc
@@ -54,11 +54,11 @@ def _tools(request: pytest.FixtureRequest) -> None:
 
 
 def kernel_code(name: str, compiler: str = "nvcc") -> list[sass.Instruction]:
-    return parse(sass.listing(kernels.KERNEL_SOURCES[name], compiler, ARCH))[name]
+    return parse(sass.listing(sources.KERNEL_SOURCES[name], compiler, ARCH))[name]
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)
-@pytest.mark.parametrize("name", sorted(kernels.KERNEL_SOURCES))
+@pytest.mark.parametrize("name", sorted(sources.KERNEL_SOURCES))
 def test_no_local_memory(name: str, compiler: str) -> None:
     local = [f"{i.opcode} {i.operands}" for i in kernel_code(name, compiler)
              if i.opcode.startswith(("LDL", "STL"))]
@@ -74,7 +74,7 @@ NVRTC_SERIAL = {"sgmv_expand_bf16", "sgmv_expand_f32"}
 
 def _hot_loop_cases() -> list[Any]:
     cases = []
-    for name in sorted(kernels.KERNEL_SOURCES):
+    for name in sorted(sources.KERNEL_SOURCES):
         for compiler in COMPILERS:
             marks = [pytest.mark.xfail(strict=True, reason="NVRTC issues the SGMV expand's "
                                        "pass one load at a time (kernels/README.md)")] if (
@@ -88,7 +88,7 @@ def test_hot_loops_keep_the_documented_loads_in_flight(name: str, compiler: str)
     code = kernel_code(name, compiler)
     loops = hot_loops(code)
     assert loops, f"{name} has no loop issuing 128-bit global loads"
-    wanted = kernels.loads_in_flight(name)
+    wanted = sources.loads_in_flight(name)
     counts = [loads_before_first_use(code, head, end) for head, end in loops]
     assert min(counts) >= wanted, (
         f"{name} ({compiler}): a hot loop issues only {min(counts)} distinct, unpredicated "
@@ -103,14 +103,14 @@ def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
     the machine code has them, against the serial round trips the roofline model charges."""
     # bgmv_shrink: slots[b] -> a_table[slot] -> A: the model's 2 chains, then the stream.
     shrink = sass.kernel_report(kernel_code("bgmv_shrink", compiler))
-    work = bench_kernels.plan_launch("shrink", 256, 256, 64, 2048, 8192, 132)
+    work = roofline.plan_launch("shrink", 256, 256, 64, 2048, 8192, 132)
     assert work.kernel == "bgmv_shrink"
     assert shrink["stream_depth"] == work.cta_chains + 1
     # bgmv_expand: slots[b], then b_table[slot] beside ranks[slot] (slot_rank: not behind the
     # address), then the t row: at most the model's 3 chains before the B stream.
     for name in ("bgmv_expand_bf16", "bgmv_expand_f32"):
         expand = sass.kernel_report(kernel_code(name, compiler))
-        work = bench_kernels.plan_launch("expand", 256, 256, 64, 2048, 8192, 132)
+        work = roofline.plan_launch("expand", 256, 256, 64, 2048, 8192, 132)
         assert work.kernel.startswith("bgmv_expand")
         assert expand["stream_depth"] <= work.cta_chains + 1, name
     # SGMV's binary search for the first segment is a load chain carried around its loop:
@@ -121,7 +121,7 @@ def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
 
 def test_the_nvrtc_report_covers_every_kernel() -> None:
     report = sass.report("nvrtc", ARCH)
-    assert set(report["kernels"]) == set(kernels.KERNEL_SOURCES)
+    assert set(report["kernels"]) == set(sources.KERNEL_SOURCES)
     failing = {k for k, v in report["kernels"].items() if not v["ok"]}
     assert failing == NVRTC_SERIAL and not report["ok"]
 

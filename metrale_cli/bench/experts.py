@@ -24,23 +24,25 @@ import numpy as np
 
 from metrale_cli import compat
 from metrale_cli.bench.kernels import (
+    _copy_us,
+    _percentiles,
+    _time_cupy,
+    _time_torch,
+    device_info,
+    torch_on_device,
+)
+from metrale_cli.bench.roofline import (
     BANDWIDTH_REGIME_BYTES,
     COPY_RATIO_TARGET,
     DECODE_TOKENS,
     TARGET_PCT,
     TERMS,
     ModelDevice,
-    _copy_us,
-    _percentiles,
-    _time_cupy,
-    _time_torch,
-    device_info,
     rotation_groups,
     stream_model,
-    torch_on_device,
 )
 from metrale_cli.model.config import ModelConfig
-from metrale_cli.ops import expert_kernels, kernels
+from metrale_cli.ops import expert_kernels, kernels, plans, sources
 
 EXPERT_MODELS = ("qwen3-next-80b-a3b", "qwen3-30b-a3b")
 EXPERT_RANKS = (8, 16, 64)
@@ -135,9 +137,9 @@ def _launches(proj: str, shape: ExpertShape, batch: expert_kernels.ExpertBatch
         return [("router_lora_f32", (shape.tokens, 1, 1), requested)]
     slices, in_dim, out_dim = (2, shape.hidden, shape.inter) if proj == "gate_up" else (
         1, shape.inter, shape.hidden)
-    rows = -(-cols // kernels.SHRINK_ROWS)
+    rows = -(-cols // sources.SHRINK_ROWS)
     shrink_grid = (tiles, rows, slices)
-    expand_grid = (tiles, -(-out_dim // (kernels.THREADS * kernels.EXPAND_ROWS)), slices)
+    expand_grid = (tiles, -(-out_dim // (sources.THREADS * sources.EXPAND_ROWS)), slices)
     # Each tile reads its group's A (every x once per CTA of rank rows) and B (t once per CTA).
     shrink_req = slices * tiles * 2 * r * in_dim + rows * slices * 2 * shape.pairs * in_dim \
         + slices * 4 * shape.pairs * cols
@@ -224,7 +226,7 @@ class ExpertGroup:
             a, b = self.weights[name]
             for which, rows in ((a, a_rows), (b, b_rows)):
                 per = which[0, 0].size * 2  # bytes of one (slot, expert) matrix
-                base = kernels._address(which)
+                base = plans.address(which)
                 count = which.shape[1]
                 rows.append(base + per * (np.arange(d)[None, :] * count
                                           + np.arange(count)[:, None]))
@@ -248,7 +250,7 @@ class ExpertGroup:
         self.t_gate_up = xp.zeros((2, p, batch.t_cols), dtype=xp.float32)
         self.t_down = xp.zeros((1, p, batch.t_cols), dtype=xp.float32)
 
-    def plans(self, proj: str) -> list[kernels.KernelLaunch]:
+    def plans(self, proj: str) -> list[plans.KernelLaunch]:
         tables, batch = self.tables, self.batch
         if proj == "router":
             return [expert_kernels.plan_router_lora(self.x, self.logits, self.slots, tables)]
@@ -286,7 +288,7 @@ class ExpertGroup:
         (per pair: scale * (input @ A^T) @ B^T); raises AssertionError on a mismatch. The
         output is restored afterwards."""
         shape = self.shape
-        host = kernels._host_values
+        host = plans.host_values
         out = self.output(proj)
         before = out.copy()
         self.call(proj)()

@@ -1,13 +1,7 @@
 """`metrale bench kernels`: the LoRA delta kernels against the limit and against torch, as
-records (one dict per kernel and shape, its setup embedded). Two things:
-
-- `model`: a roofline model that needs no GPU (`metrale bench kernels --model-only`). For every
-  benchmark shape it takes the launch plan the kernels would get (path, grid, splits), counts
-  what each CTA does (bytes, streaming passes, dependent loads) and charges every cost as a term
-  (cost_terms: launch, HBM, L2, bytes in flight, serial chains, critical path); the expected
-  time is never below the largest.
-- `run`: the GPU measurement of the same shapes, which records the model's figure beside the
-  measured one.
+records (one dict per kernel and shape, its setup embedded): `run` measures on the GPU the
+shapes that the roofline model (roofline.py, `--model-only`, no GPU needed) predicts, and
+records the model's figure beside each measured one.
 
 Measurement method (docs/bench.md, after the research notes on kernel benchmarking that the
 kernels issue cites):
@@ -38,22 +32,28 @@ from typing import Any
 import numpy as np
 
 from metrale_cli import compat
+from metrale_cli.bench.roofline import (
+    DECODE_TOKENS,
+    DEFAULT_RANKS,
+    PREFILL_TOKENS,
+    ModelDevice,
+    bench_shapes,
+    decode_slots,
+    footprint_bytes,
+    model_record,
+    rotation_groups,
+)
 from metrale_cli.errors import ToolMissing, UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
-from metrale_cli.ops import kernels, reference
+from metrale_cli.ops import kernels, plans, reference
 
-DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
-PREFILL_TOKENS = (512, 2048, 4096, 8192)
-DEFAULT_RANKS = (16, 64, 128)
 WARMUP_SECONDS = 0.025
 # Baselines that materialise per-token weights (gather + bmm) are skipped above this many bytes,
 # and the per-adapter loop above this many adapters (its graph would hold thousands of launches).
 _GATHER_LIMIT_BYTES = 8 << 30
 _LOOP_LIMIT_ADAPTERS = 512
-# Device memory the rotation groups may take in all.
-_ROTATION_BUDGET_BYTES = 40 << 30
 _VALIDATE_ROWS = 64
 
 
@@ -115,470 +115,6 @@ def device_info() -> Device:
                   source)
 
 
-def compulsory_bytes(kind: str, tokens: int, adapters: int, rank: int, in_dim: int,
-                     out_dim: int, y_bytes: int = 2) -> int:
-    """Bytes a kernel must move at least (t is F32, every token adapted): distinct weights
-    once, activations once, y read and written."""
-    if kind == "shrink":
-        return 2 * adapters * rank * in_dim + 2 * tokens * in_dim + 4 * tokens * rank
-    if kind == "expand":
-        return 2 * adapters * out_dim * rank + 4 * tokens * rank + 2 * y_bytes * tokens * out_dim
-    raise ValueError(f"unknown kernel kind {kind!r}")
-
-
-# --- the roofline model (no GPU needed) --------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelDevice:
-    """What the model assumes of the device: an H200 by default."""
-
-    name: str = "H200 (model)"
-    sms: int = 132
-    peak_bytes_per_s: float = 4.8e12  # nominal HBM bandwidth
-    copy_fraction: float = 4.3 / 4.8  # a device-to-device copy's share of it, measured on an H200
-    latency_s: float = 0.6e-6  # loaded DRAM latency: what one streaming round trip costs
-    l2_latency_s: float = 0.3e-6  # a dependent load that hits L2 (metadata, split partials)
-    l2_bytes_per_s: float = 10e12  # what the L2 serves, hits and misses together
-    l2_bytes: int = 50 << 20  # L2 size: the benchmark's rotation groups are sized against it
-    launch_s: float = 2.0e-6  # a kernel node's launch and drain, even inside a CUDA graph
-    # A kernel that reads and writes y streams at this share of the copy at best (the copy's
-    # reads and writes are one pass each; y's read-modify-write waits on its loads).
-    rmw_fraction: float = 0.88
-
-
-# The kernels issue's targets: share of nominal peak in the bandwidth regime (compulsory traffic
-# of at least 64 MB), and at most 1.3x an equal-bytes copy below it, where a fixed latency
-# dominates whatever the kernel does.
-TARGET_PCT = {("decode", "shrink"): 80.0, ("decode", "expand"): 75.0,
-              ("prefill", "shrink"): 70.0, ("prefill", "expand"): 70.0}
-BANDWIDTH_REGIME_BYTES = 64 << 20
-COPY_RATIO_TARGET = 1.3
-_LOAD_BYTES = 16
-# The cost terms of a record (microseconds each), in the order the binding one is reported.
-TERMS = ("launch", "hbm", "l2", "in_flight", "serial", "critical_path")
-
-
-@dataclass(frozen=True)
-class LaunchWork:
-    """What one planned launch asks of the memory system, counted from its grid and its CTAs'
-    work (the model's inputs; tests/test_kernels_model.py ties them to kernels.plan_*):
-
-    - `l2_bytes`: the distinct bytes its loads and stores ask for (L2 hits included; clamped
-      duplicates and predicated-off loads not counted, as they move nothing new);
-    - `passes`: streaming round trips summed over the CTAs: each is one DRAM latency in which
-      a CTA has one pass of loads in flight (a double-buffered K tile, a pass of B vectors);
-    - `chains`: dependent scalar round trips summed over the CTAs, each an L2 latency: the
-      slot -> table[slot] -> ranks[slot] chain, SGMV's binary search and per-segment metadata,
-      the split-K partials that the expand adds one split at a time;
-    - `cta_passes`, `cta_chains`: the heaviest CTA's (the critical path);
-    - `launches`: graph nodes it takes (a split-K shrink: the memset of t, then the kernel).
-    """
-
-    kernel: str
-    path: str
-    grid: tuple[int, int, int]
-    splits: int
-    l2_bytes: int
-    passes: int
-    chains: int
-    cta_passes: int
-    cta_chains: int
-    launches: int = 1
-
-    @property
-    def ctas(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
-
-
-def _decode_slots(tokens: int, adapters: int) -> np.ndarray:
-    """The benchmark's decode batch: adapters interleaved over the tokens, as requests arrive."""
-    return (np.arange(tokens) % adapters).astype(np.int32)
-
-
-def _prefill_starts(tokens: int, adapters: int) -> np.ndarray:
-    """The benchmark's prefill segments: `adapters` equal runs of sorted tokens."""
-    return (np.arange(adapters + 1, dtype=np.int64) * tokens // adapters).astype(np.int32)
-
-
-@dataclass(frozen=True)
-class TileSegments:
-    """How SGMV's fixed 64-token tiles meet the segments: one entry per (tile, segment) pair
-    with tokens in both (`tile`, `rows`), and the segment count S."""
-
-    tile: np.ndarray
-    rows: np.ndarray
-    num_segments: int
-    num_tiles: int
-
-    @classmethod
-    def of(cls, seg_starts: np.ndarray, tokens: int) -> TileSegments:
-        starts = np.asarray(seg_starts, dtype=np.int64)
-        lo, hi = starts[:-1], starts[1:]
-        size = kernels.SGMV_TILE
-        keep = hi > lo
-        lo, hi = lo[keep], hi[keep]
-        first, last = lo // size, (hi - 1) // size
-        counts = last - first + 1
-        seg = np.repeat(np.arange(lo.size), counts)
-        tile = np.repeat(first, counts) + np.arange(int(counts.sum())) - np.repeat(
-            np.cumsum(counts) - counts, counts)
-        rows = np.minimum(hi[seg], (tile + 1) * size) - np.maximum(lo[seg], tile * size)
-        return cls(tile, rows, int(starts.size - 1), -(-tokens // size))
-
-    def per_tile(self, values: np.ndarray) -> np.ndarray:
-        return np.bincount(self.tile, weights=values, minlength=self.num_tiles)
-
-
-def _split_lengths(in_dim: int, splits: int, multiple: int) -> np.ndarray:
-    """K elements of each split, as kernels._k_chunk cuts them (trailing splits may be empty)."""
-    chunk = kernels._k_chunk(in_dim, splits, multiple)
-    return np.clip(in_dim - chunk * np.arange(splits), 0, chunk)
-
-
-def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, out_dim: int,
-                sms: int, y_bytes: int = 2) -> LaunchWork:
-    """The launch a benchmark shape gets, and its work: decode (<= 256 tokens) through
-    kernels.plan_batch (grouped or per-token), prefill through SGMV over sorted segments; t as
-    wide as the rank, max_rank the rank (the benchmark's pools)."""
-    y_kind = "bf16" if y_bytes == 2 else "f32"
-    if tokens > 256:
-        grouped, path = True, "segments"
-        seg_starts = _prefill_starts(tokens, adapters)
-    else:
-        plan = kernels.plan_batch(_decode_slots(tokens, adapters), [rank] * adapters, rank)
-        grouped, path = plan.grouped, "grouped" if plan.grouped else "per-token"
-        seg_starts = plan.seg_starts
-    family = "sgmv" if grouped else "bgmv"
-    splits = kernels.shrink_splits(family, tokens, in_dim, rank, sms)
-    if kind == "expand" and path == "grouped" and not kernels.grouped_expand(
-            tokens, out_dim, rank, len(seg_starts) - 1, sms):
-        family, path = "bgmv", "grouped+per-token"
-    kernel = f"{family}_shrink" if kind == "shrink" else f"{family}_expand_{y_kind}"
-    grid = kernels.launch_grid(kernel, tokens, in_dim if kind == "shrink" else out_dim, rank,
-                               splits if kind == "shrink" else 1)
-    if family == "bgmv":
-        work = _bgmv_work(kind, grid, tokens, rank, in_dim, out_dim, splits, y_bytes)
-    else:
-        work = _sgmv_work(kind, grid, TileSegments.of(seg_starts, tokens), tokens, rank, in_dim,
-                          out_dim, splits, y_bytes)
-    # Split-K adds its partials into one t, zeroed by a memset node first; the expand reads it.
-    launches = 2 if kind == "shrink" and splits > 1 else 1
-    return LaunchWork(kernel, path, grid, splits, *work, launches=launches)
-
-
-def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in_dim: int,
-               out_dim: int, splits: int, y_bytes: int) -> tuple[int, int, int, int, int]:
-    """(l2_bytes, passes, chains, cta_passes, cta_chains) of a BGMV launch, every token adapted
-    at `rank` (kernels/bgmv.cu). The shrink's splits add into t (atomics at L2)."""
-    if kind == "shrink":
-        # A CTA: 4 rank rows of one token over one split; a pass is 2 K steps of 128 x 8
-        # elements (x and 4 A rows); slot -> table, ranks first.
-        step = 2 * kernels.THREADS * kernels.VECTOR
-        lengths = _split_lengths(in_dim, splits, kernels.VECTOR)
-        per_token_rows = grid[1]
-        passes = tokens * per_token_rows * int((-(-lengths // step)).sum())
-        l2 = tokens * per_token_rows * (2 * (1 + kernels.SHRINK_ROWS) * in_dim
-                                        + 4 * kernels.SHRINK_ROWS * splits)
-        ctas = tokens * per_token_rows * splits
-        return l2, passes, 2 * ctas, int(-(-lengths.max() // step)), 2
-    # expand: a CTA is 1024 output rows of one token; slot -> table, ranks, then its t row (one
-    # L2 round trip), then passes of 8 rows x 2 rank vectors of B per thread.
-    vecs = rank // kernels.VECTOR
-    cta_passes = -(-vecs // 2)
-    blocks = grid[1]
-    l2 = tokens * (2 * out_dim * rank + 2 * y_bytes * out_dim + blocks * 4 * rank)
-    ctas = tokens * blocks
-    return l2, ctas * cta_passes, ctas * 3, cta_passes, 3
-
-
-def _sgmv_work(kind: str, grid: tuple[int, int, int], segs: TileSegments, tokens: int,
-               rank: int, in_dim: int, out_dim: int, splits: int, y_bytes: int
-               ) -> tuple[int, int, int, int, int]:
-    """(l2_bytes, passes, chains, cta_passes, cta_chains) of an SGMV launch (kernels/sgmv.cu):
-    a CTA walks the segments meeting its 64-token tile one after another, each pass loading
-    only that segment's rows."""
-    tile = kernels.SGMV_TILE
-    search = max(1, math.ceil(math.log2(segs.num_segments + 1)))  # first_segment's probes
-    per_tile_segs = np.bincount(segs.tile, minlength=segs.num_tiles)
-    tile_rows = np.minimum(tile, tokens - tile * np.arange(segs.num_tiles))
-    # slot -> table, ranks per segment; the search before the first.
-    tile_chain = search + 2 * per_tile_segs
-    if kind == "shrink":
-        lengths = _split_lengths(in_dim, splits, tile)
-        n_valid = np.minimum(tile, rank - tile * np.arange(grid[0]))  # rank rows per column tile
-        k_tiles = -(-lengths // tile)
-        live = lengths > 0  # an empty trailing split only writes zeros
-        pairs = segs.rows.size
-        passes = grid[0] * pairs * int(k_tiles.sum())
-        l2 = int(2 * in_dim * (grid[0] * segs.rows.sum() + pairs * n_valid.sum())
-                 + 4 * splits * tokens * rank)
-        chains = grid[0] * int(live.sum()) * int(tile_chain.sum())
-        cta_passes = int(per_tile_segs.max()) * int(k_tiles.max())
-        return l2, passes, chains, cta_passes, int(tile_chain.max())
-    # expand: per segment and 64-wide rank chunk, one pass of the B tile with the t tile (t
-    # holds the reduced split-K sum); the y epilogue is one more pass.
-    chunks = -(-rank // tile)
-    out_tiles = grid[0]
-    pairs = segs.rows.size
-    passes = out_tiles * (pairs * chunks + segs.num_tiles)
-    chains = out_tiles * int(tile_chain.sum())
-    l2 = int(2 * out_dim * rank * pairs + out_tiles * 4 * rank * segs.rows.sum()
-             + 2 * y_bytes * out_dim * tile_rows.sum())
-    cta_passes = int(per_tile_segs.max()) * chunks + 1
-    return l2, passes, chains, cta_passes, int(tile_chain.max())
-
-
-def rotation_groups(nbytes: int, footprint: int, l2_bytes: int, l2_multiple: float = 3.0) -> int:
-    """How many rotation groups the benchmark cycles through for a shape (each with its own
-    buffers) so that G x compulsory bytes >= l2_multiple x the L2: at most 64, and within the
-    rotation memory budget."""
-    groups = max(1, math.ceil(l2_multiple * l2_bytes / nbytes))
-    return min(groups, 64, max(1, _ROTATION_BUDGET_BYTES // footprint))
-
-
-def footprint_bytes(tokens: int, adapters: int, rank: int, in_dim: int, out_dim: int) -> int:
-    """Device bytes one rotation group holds: the pool's A and B, x, y and t."""
-    return (2 * adapters * rank * (in_dim + out_dim) + 2 * tokens * (in_dim + out_dim)
-            + 4 * tokens * rank)
-
-
-def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int, adapters: int,
-                 kind: str, device: ModelDevice | None = None) -> dict[str, Any]:
-    """The roofline model's record for one kernel and shape: its launch plan (plan_launch),
-    each cost term in microseconds (`terms`, cost_terms explains them), the term that binds,
-    and the expected time against an equal-bytes copy."""
-    device = device or ModelDevice()
-    phase = "decode" if tokens <= 256 else "prefill"
-    work = plan_launch(kind, tokens, adapters, rank, in_dim, out_dim, device.sms)
-    nbytes = compulsory_bytes(kind, tokens, adapters, rank, in_dim, out_dim)
-    cost = cost_terms(work, nbytes, device, rmw=kind == "expand")
-    target = TARGET_PCT[phase, kind]
-    meets = (cost["expected_pct_peak"] >= target if cost["regime"] == "bandwidth"
-             else cost["expected_copy_ratio"] <= COPY_RATIO_TARGET)
-    footprint = footprint_bytes(tokens, adapters, rank, in_dim, out_dim)
-    groups = rotation_groups(nbytes, footprint, device.l2_bytes)
-    return {
-        "kernel": work.kernel, "path": work.path, "module": module, "out_dim": out_dim,
-        "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
-        "splits": work.splits, "grid": list(work.grid), **cost,
-        "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
-        "meets_target": meets,
-        # What the benchmark's rotation groups read, all together, fits in L2: a measurement
-        # then reads L2, not HBM.
-        "rotation_groups": groups, "l2_resident": groups * nbytes <= device.l2_bytes,
-    }
-
-
-# The 16-byte loads per thread one streaming pass of each dense kernel issues in its source: a
-# pass costs one latency only while the machine code keeps them all in flight before the first
-# use (the SASS check's count, kernels.loads_in_flight); fewer, and the pass takes
-# ceil(these / that) round trips.
-PASS_LOADS = {
-    "bgmv_shrink": kernels.CONFIG["BGMV_SHRINK_STEPS"] * (1 + kernels.SHRINK_ROWS),
-    "bgmv_expand": kernels.CONFIG["BGMV_EXPAND_STEPS"],
-    "sgmv_shrink": 2 * 4,  # the next K tile: 4 x vectors and 4 A vectors per thread
-    "sgmv_expand": 4 + 8,  # a rank chunk's pass: 4 B vectors and 8 t vectors per thread
-}
-
-
-def pass_round_trips(kernel: str) -> int:
-    """DRAM round trips one streaming pass of `kernel` takes as its machine code issues it."""
-    family = kernel.removesuffix("_bf16").removesuffix("_f32")
-    if family not in PASS_LOADS:
-        return 1
-    return -(-PASS_LOADS[family] // kernels.loads_in_flight(kernel))
-
-
-def cost_terms(work: LaunchWork, nbytes: int, device: ModelDevice,
-               rmw: bool = False) -> dict[str, Any]:
-    """Every cost of one launch that moves `nbytes` compulsory bytes, in microseconds:
-
-    - `launch`: a kernel node's launch and drain (the floor of any kernel), per graph node;
-    - `hbm`: the compulsory bytes at the copy's bandwidth (`rmw`: at rmw_fraction of it, for a
-      kernel that reads and writes y);
-    - `l2`: every byte the loads and stores ask for (`l2_bytes`) at L2 bandwidth;
-    - `in_flight`: Little's law over the distinct bytes in flight: each streaming pass of a
-      CTA costs a DRAM latency, CTAs resident together (at most the launch bounds' per SM)
-      overlapping;
-    - `serial`: the dependent scalar loads (L2 round trips), overlapped the same way;
-    - `critical_path`: the heaviest CTA alone, its passes and its chains back to back.
-
-    expected_us = max(launch, latency + max(hbm, l2), in_flight + serial, critical_path):
-    never below any term. `binding` names the largest (`serial` where in_flight + serial binds
-    and the chains are the larger part). The copy of the same bytes takes
-    max(launch, latency + bytes at copy bandwidth)."""
-    resident = min(work.ctas, device.sms * kernels.min_ctas_per_sm(work.kernel))
-    trips = pass_round_trips(work.kernel)
-    copy_bw = device.copy_fraction * device.peak_bytes_per_s
-    terms = {
-        "launch": device.launch_s * work.launches,
-        "hbm": nbytes / (copy_bw * (device.rmw_fraction if rmw else 1.0)),
-        "l2": work.l2_bytes / device.l2_bytes_per_s,
-        "in_flight": device.latency_s * trips * work.passes / max(resident, 1),
-        "serial": device.l2_latency_s * work.chains / max(resident, 1),
-        "critical_path": (device.latency_s * trips * work.cta_passes
-                          + device.l2_latency_s * work.cta_chains),
-    }
-    streamed = terms["in_flight"] + terms["serial"]
-    # A stream of bytes also waits one DRAM latency for its first load, as the copy does.
-    expected_s = max(terms["launch"], device.latency_s + max(terms["hbm"], terms["l2"]),
-                     streamed, terms["critical_path"])
-    binding = max(TERMS, key=lambda name: streamed if name == "in_flight" else terms[name])
-    if binding == "in_flight" and terms["serial"] > terms["in_flight"]:
-        binding = "serial"
-    copy_s = max(device.launch_s, device.latency_s + nbytes / copy_bw)
-    per_pass = work.l2_bytes / max(trips * work.passes, 1)
-    return {
-        "ctas": work.ctas, "ctas_per_sm": kernels.min_ctas_per_sm(work.kernel),
-        "waves": work.ctas / (device.sms * kernels.min_ctas_per_sm(work.kernel)),
-        "loads_per_thread": kernels.loads_in_flight(work.kernel),
-        # Distinct bytes a resident CTA has in flight per pass, times the CTAs per SM.
-        "in_flight_per_sm_bytes": round(per_pass * resident / device.sms),
-        "needed_in_flight_per_sm_bytes": round(copy_bw * device.latency_s / device.sms),
-        "bytes": nbytes, "l2_bytes": work.l2_bytes, "passes": work.passes,
-        "chains": work.chains,
-        "terms": {name: value * 1e6 for name, value in terms.items()},
-        "binding": binding,
-        "expected_us": expected_s * 1e6,
-        "expected_pct_peak": 100 * nbytes / expected_s / device.peak_bytes_per_s,
-        "copy_us": copy_s * 1e6, "expected_copy_ratio": expected_s / copy_s,
-        "regime": "bandwidth" if nbytes >= BANDWIDTH_REGIME_BYTES else "latency",
-        "device": device.name,
-        "peak_tb_per_s": device.peak_bytes_per_s / 1e12, "latency_us": device.latency_s * 1e6,
-    }
-
-
-def stream_model(kernel: str, grid: tuple[int, int, int], requested_bytes: int, nbytes: int,
-                 device: ModelDevice) -> dict[str, Any]:
-    """cost_terms for a launch known only by its grid and the bytes its loads ask for (the
-    expert kernels): each CTA streams its share of `requested_bytes` in passes of the loads
-    per thread that the SASS check holds (lora_config.h), after the slot -> table chain."""
-    ctas = grid[0] * grid[1] * grid[2]
-    per_pass = kernels.loads_in_flight(kernel) * _LOAD_BYTES * kernels.THREADS
-    cta_passes = max(1, math.ceil(requested_bytes / ctas / per_pass))
-    work = LaunchWork(kernel, "", grid, 1, requested_bytes, ctas * cta_passes, 2 * ctas,
-                      cta_passes, 2)
-    return cost_terms(work, nbytes, device, rmw=kernel.startswith(("expert_expand", "router")))
-
-
-def _shapes(model_shapes: Sequence[tuple[str, int, int]], ranks: Sequence[int],
-            tokens: Sequence[int], adapters: Sequence[int] | None,
-            ) -> list[tuple[str, int, int, int, int, int]]:
-    """(module, out_dim, in_dim, rank, tokens, adapters) of every benchmark shape."""
-    shapes = []
-    for module, out_dim, in_dim in model_shapes:
-        for rank in ranks:
-            for num_tokens in tokens:
-                counts = sorted({min(a, num_tokens) for a in (adapters or (1, 8, num_tokens))})
-                shapes.extend((module, out_dim, in_dim, rank, num_tokens, count)
-                              for count in counts)
-    return shapes
-
-
-# The projections a layer fuses into one launch because they read the same x, as vLLM serves
-# its qkv_proj and gate_up_proj (kernels.bgmv_fused).
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def fused_groups(model_shapes: Sequence[tuple[str, int, int]]
-                 ) -> list[tuple[tuple[tuple[str, int], ...], int]]:
-    """The FUSED_GROUPS whose modules are all among `model_shapes` with one in_dim: each as its
-    ((module, out_dim) per slice, in_dim)."""
-    by_name = {name: (out_dim, in_dim) for name, out_dim, in_dim in model_shapes}
-    groups = []
-    for names in FUSED_GROUPS:
-        if all(n in by_name for n in names) and len({by_name[n][1] for n in names}) == 1:
-            groups.append((tuple((n, by_name[n][0]) for n in names), by_name[names[0]][1]))
-    return groups
-
-
-def fused_work(kind: str, slices: Sequence[int], tokens: int, rank: int, in_dim: int, sms: int,
-               y_bytes: int = 2) -> LaunchWork:
-    """The one launch kernels.bgmv_fused makes for `kind` over slices of these out_dims (the
-    per-token path): the shrink's grid.z is (slice, split), split as the planner splits S
-    slices' CTAs; the expand's grid.y covers the widest slice, and a narrower slice's spare
-    CTAs read their metadata and t row, then exit."""
-    count = len(slices)
-    splits = kernels.shrink_splits("bgmv", count * tokens, in_dim, rank, sms)
-    if kind == "shrink":
-        grid = kernels.launch_grid("bgmv_shrink", tokens, in_dim, rank, splits)
-        l2, passes, chains, cta_passes, cta_chains = _bgmv_work(
-            kind, grid, tokens, rank, in_dim, slices[0], splits, y_bytes)
-        return LaunchWork("bgmv_shrink", "per-token (fused)", (grid[0], grid[1], count * splits),
-                          splits, count * l2, count * passes, count * chains, cta_passes,
-                          cta_chains, launches=2 if splits > 1 else 1)
-    kernel = "bgmv_expand_bf16" if y_bytes == 2 else "bgmv_expand_f32"
-    widest = kernels.launch_grid(kernel, tokens, max(slices), rank)
-    l2 = passes = chains = 0
-    for out_dim in slices:
-        grid = kernels.launch_grid(kernel, tokens, out_dim, rank)
-        work = _bgmv_work(kind, grid, tokens, rank, in_dim, out_dim, 1, y_bytes)
-        spare = tokens * (widest[1] - grid[1])
-        l2 += work[0] + spare * 4 * rank
-        passes += work[1]
-        chains += work[2] + 3 * spare
-    cta_passes = -(-(rank // kernels.VECTOR) // 2)
-    return LaunchWork(kernel, "per-token (fused)", (widest[0], widest[1], count), 1, l2, passes,
-                      chains, cta_passes, 3)
-
-
-def fused_record(slices: Sequence[tuple[str, int]], in_dim: int, rank: int, tokens: int,
-                 adapters: int, kind: str, device: ModelDevice | None = None
-                 ) -> dict[str, Any] | None:
-    """The model's record for a fused group's one `kind` launch (fused_work), beside
-    `unfused_us`, what its slices' separate launches take together; None where the batch takes
-    the grouped or prefill path, on which bgmv_fused runs the slices one by one."""
-    device = device or ModelDevice()
-    if tokens > 256 or kernels.plan_batch(_decode_slots(tokens, adapters), [rank] * adapters,
-                                          rank).grouped:
-        return None
-    work = fused_work(kind, [out for _, out in slices], tokens, rank, in_dim, device.sms)
-    nbytes = sum(compulsory_bytes(kind, tokens, adapters, rank, in_dim, out)
-                 for _, out in slices)
-    cost = cost_terms(work, nbytes, device, rmw=kind == "expand")
-    separate = [model_record(name, out, in_dim, rank, tokens, adapters, kind, device)
-                for name, out in slices]
-    target = TARGET_PCT["decode", kind]
-    meets = (cost["expected_pct_peak"] >= target if cost["regime"] == "bandwidth"
-             else cost["expected_copy_ratio"] <= COPY_RATIO_TARGET)
-    footprint = sum(footprint_bytes(tokens, adapters, rank, in_dim, out) for _, out in slices)
-    groups = rotation_groups(nbytes, footprint, device.l2_bytes)
-    return {
-        "kernel": work.kernel, "path": work.path, "module": "+".join(n for n, _ in slices),
-        "out_dim": sum(out for _, out in slices), "slice_out_dims": [out for _, out in slices],
-        "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
-        "splits": work.splits, "grid": list(work.grid), **cost,
-        "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
-        "meets_target": meets, "rotation_groups": groups,
-        "l2_resident": groups * nbytes <= device.l2_bytes,
-        "unfused_us": sum(r["expected_us"] for r in separate),
-    }
-
-
-def model(
-    model_shapes: Sequence[tuple[str, int, int]],
-    ranks: Sequence[int] = DEFAULT_RANKS,
-    tokens: Sequence[int] = DECODE_TOKENS + PREFILL_TOKENS,
-    adapters: Sequence[int] | None = None,
-    device: ModelDevice | None = None,
-) -> list[dict[str, Any]]:
-    """The roofline model's records for the shapes `run` would measure (no GPU needed), then
-    those of each fused group (fused_groups) on the shapes where it fuses (fused_record)."""
-    records = [model_record(module, out_dim, in_dim, rank, num_tokens, count, kind, device)
-               for module, out_dim, in_dim, rank, num_tokens, count in _shapes(
-                   model_shapes, ranks, tokens, adapters)
-               for kind in ("shrink", "expand")]
-    for slices, in_dim in fused_groups(model_shapes):
-        for _, _, _, rank, num_tokens, count in _shapes([("", 0, in_dim)], ranks, tokens,
-                                                        adapters):
-            pair = [fused_record(slices, in_dim, rank, num_tokens, count, kind, device)
-                    for kind in ("shrink", "expand")]
-            records.extend(r for r in pair if r is not None)
-    return records
-
-
-
 class _Group:
     """One rotation group's buffers: a pool of `adapters` slots (A [D, r, in], B [D, out, r],
     contiguous BF16 as uint16), tables, x, y, t and the token -> slot assignment."""
@@ -615,9 +151,9 @@ class _Group:
         else:
             # Decode: adapters interleaved over the batch, as requests arrive; the batch plan
             # the host would build picks the grouped or the per-token path.
-            host_slots = _decode_slots(tokens, adapters)
+            host_slots = decode_slots(tokens, adapters)
             self.slots = cupy.asarray(host_slots)
-            plan = kernels.plan_batch(host_slots, [rank] * adapters, rank)
+            plan = plans.plan_batch(host_slots, [rank] * adapters, rank)
             self.grouped = plan.grouped
             if plan.grouped:
                 self.order = cupy.asarray(plan.order)
@@ -631,19 +167,19 @@ def _ours(kind: str, group: _Group) -> Callable[[], None]:
     tokens, out_dim = (int(d) for d in group.y.shape)
     sms = kernels.device_sm_count()
     if kind == "shrink" and group.grouped:
-        plan = kernels.plan_sgmv_shrink(group.x, group.seg_starts, group.seg_slots, group.a_table,
+        plan = plans.plan_sgmv_shrink(group.x, group.seg_starts, group.seg_slots, group.a_table,
                                         group.ranks, group.t, group.max_rank,
                                         token_order=group.order, splits=group.splits)
     elif kind == "shrink":
-        plan = kernels.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t,
+        plan = plans.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t,
                                         group.max_rank, group.splits)
-    elif group.grouped and (group.order is None or kernels.grouped_expand(
+    elif group.grouped and (group.order is None or plans.grouped_expand(
             tokens, out_dim, group.max_rank, int(group.seg_slots.shape[0]), sms)):
-        plan = kernels.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
+        plan = plans.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
                                         group.scales, group.ranks, group.y, group.max_rank,
                                         token_order=group.order)
     else:
-        plan = kernels.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
+        plan = plans.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
                                         group.ranks, group.y, group.max_rank)
     kernel = kernels.get_kernel(plan.kernel)
     if kind == "shrink" and group.splits > 1:
@@ -860,8 +396,8 @@ def run(
     torch_ok = with_torch and torch_on_device()
     rng = cupy.random.default_rng(seed)
     records: list[dict[str, Any]] = []
-    for module, out_dim, in_dim, rank, num_tokens, count in _shapes(model_shapes, ranks, tokens,
-                                                                  adapters):
+    for module, out_dim, in_dim, rank, num_tokens, count in bench_shapes(
+            model_shapes, ranks, tokens, adapters):
         for kind in ("shrink", "expand"):
             record = _measure(cupy, device, rng, module, out_dim, in_dim, rank, num_tokens,
                               count, kind, num_tokens > 256, repeats, l2_multiple, torch_ok)

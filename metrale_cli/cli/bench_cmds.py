@@ -79,6 +79,7 @@ def bench_kernels(
     Shapes are the model's modules at real size. --json prints one record per line as it is
     measured."""
     from metrale_cli.bench import kernels as bench
+    from metrale_cli.bench import roofline
     from metrale_cli.cli.render import kernel_line, kernel_model_line
     from metrale_cli.compat import cupy_module
     from metrale_cli.files.atomic import check_output, output_path
@@ -108,7 +109,7 @@ def bench_kernels(
     if tokens:
         kwargs["tokens"] = tokens
     if model_only:
-        for record in bench.model(shapes, adapters=adapters, **kwargs):
+        for record in roofline.model(shapes, adapters=adapters, **kwargs):
             if json_out:
                 emit_json(record, stream=True)
             else:

@@ -3,6 +3,7 @@ here computes what it shows, and input-derived text is escaped."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rich import box
@@ -75,27 +76,23 @@ def simulate_view(record: dict[str, Any]) -> Group:
         head.add_row("pinned", f"{len(record['pinned'])}: {', '.join(record['pinned'][:8])}"
                      + (" ..." if len(record["pinned"]) > 8 else ""))
     # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
-    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
     with_min = "min" in record["policies"]
-    for name in ("policy", "slots", "hit %", "misses", "stalls", "stall\np99", "added\np50",
-                 "added\np99", *(["misses\nvs min"] if with_min else []), "pool\nGiB"):
-        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
-                         header_style="bold")
-    previous = None
-    for r in record["results"]:
-        if previous is not None and r["policy"] != previous:
-            table.add_section()
-        previous = r["policy"]
+
+    def row(r: dict[str, Any]) -> list[str]:
         gap = r["extra_misses_vs_min"]
         vs_min = ["-" if gap is None or r["policy"] == "min" else f"+{gap:,}"] if with_min else []
         pool = f"{r['pool_bytes'] / 2**30:,.2f}"
         if r["fits_budget"] is False:
             pool = f"[red]{pool}"
-        table.add_row(
-            r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}", f"{r['misses']:,}",
-            f"{r['stalls']:,}", human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
-            human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
-            *vs_min, pool)
+        return [r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}",
+                f"{r['misses']:,}", f"{r['stalls']:,}",
+                human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
+                human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
+                *vs_min, pool]
+
+    table = _policy_table(record, ["policy", "slots", "hit %", "misses", "stalls", "stall\np99",
+                                   "added\np50", "added\np99",
+                                   *(["misses\nvs min"] if with_min else []), "pool\nGiB"], row)
     parts: list[Any] = [head, table]
     for extra in (_loads_table(record), _serving_table(record), _spread_table(record),
                   _max_rank_table(record)):
@@ -133,29 +130,23 @@ def _loads_table(record: dict[str, Any]) -> Table | None:
     replicated = record["routing"] is not None
     if not delayed and not tiered and not replicated:
         return None
-    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
     names = ["policy", "slots", "delayed\nhits", "GiB\nto GPU", "link\nwait"]
     if tiered:
         names += ["from\nhost", "from\ndisk", "GiB\nfrom disk"]
     if replicated:
         names += ["hit % by\nreplica"]
-    for name in names:
-        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
-                         header_style="bold")
-    previous = None
-    for r in record["results"]:
-        if previous is not None and r["policy"] != previous:
-            table.add_section()
-        previous = r["policy"]
-        row = [r["policy"], str(r["max_loras"]), f"{r['delayed_hits']:,}",
-               f"{r['bytes_moved'] / 2**30:,.2f}", human_seconds(r["link_wait_s"])]
+
+    def row(r: dict[str, Any]) -> list[str]:
+        cells = [r["policy"], str(r["max_loras"]), f"{r['delayed_hits']:,}",
+                 f"{r['bytes_moved'] / 2**30:,.2f}", human_seconds(r["link_wait_s"])]
         if tiered:
-            row += [f"{r['host_hits']:,}", f"{r['host_misses']:,}",
-                    f"{r['host_bytes_moved'] / 2**30:,.2f}"]
+            cells += [f"{r['host_hits']:,}", f"{r['host_misses']:,}",
+                      f"{r['host_bytes_moved'] / 2**30:,.2f}"]
         if replicated:
-            row.append(" ".join(f"{100 * x['hit_rate']:.1f}" for x in r["replicas"]))
-        table.add_row(*row)
-    return table
+            cells.append(" ".join(f"{100 * x['hit_rate']:.1f}" for x in r["replicas"]))
+        return cells
+
+    return _policy_table(record, names, row)
 
 
 def _serving_table(record: dict[str, Any]) -> Table | None:
@@ -163,24 +154,16 @@ def _serving_table(record: dict[str, Any]) -> Table | None:
     throughput per result."""
     if record["mode"] != "concurrent":
         return None
-    table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD)
-    for name in ("policy", "slots", "TTFT p50\nadapter", "TTFT p99\nadapter", "TTFT p50\nbase",
-                 "TTFT p99\nbase", "req/s"):
-        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
-                         header_style="bold")
-
     def seconds(x: float | None) -> str:
         return "-" if x is None else human_seconds(x)
 
-    previous = None
-    for r in record["results"]:
-        if previous is not None and r["policy"] != previous:
-            table.add_section()
-        previous = r["policy"]
-        table.add_row(r["policy"], str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
-                      seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
-                      seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}")
-    return table
+    def row(r: dict[str, Any]) -> list[str]:
+        return [r["policy"], str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
+                seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
+                seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}"]
+
+    return _policy_table(record, ["policy", "slots", "TTFT p50\nadapter", "TTFT p99\nadapter",
+                                  "TTFT p50\nbase", "TTFT p99\nbase", "req/s"], row)
 
 
 def _max_rank_table(record: dict[str, Any]) -> Table | None:
@@ -212,10 +195,25 @@ def _spread_table(record: dict[str, Any]) -> Table | None:
     if not record["seeds"]:
         return None
     seeds = record["seeds"]
+    def row(r: dict[str, Any]) -> list[str]:
+        spread = r["spread"]
+        hit, miss, p99 = spread["hit_rate"], spread["misses"], spread["added_latency_p99_s"]
+        return [r["policy"], str(r["max_loras"]),
+                "/".join(f"{100 * hit[k]:.2f}" for k in ("min", "median", "max")),
+                "/".join(f"{miss[k]:,.0f}" for k in ("min", "median", "max")),
+                "/".join(human_seconds(p99[k]) for k in ("min", "median", "max"))]
+
+    return _policy_table(record, ["policy", "slots", "hit %", "misses", "added p99"], row,
+                         f"over {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): min/median/max")
+
+
+def _policy_table(record: dict[str, Any], columns: list[str],
+                  row: Callable[[dict[str, Any]], list[str]], title: str | None = None) -> Table:
+    """One row per result (`row` draws its cells), a section per policy; the policy column
+    left, every figure right, no cell wrapped."""
     table = Table(padding=(0, 1), collapse_padding=True, pad_edge=False, box=box.SIMPLE_HEAD,
-                  title=f"over {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): min/median/max",
-                  title_justify="left")
-    for name in ("policy", "slots", "hit %", "misses", "added p99"):
+                  title=title, title_justify="left")
+    for name in columns:
         table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True,
                          header_style="bold")
     previous = None
@@ -223,13 +221,7 @@ def _spread_table(record: dict[str, Any]) -> Table | None:
         if previous is not None and r["policy"] != previous:
             table.add_section()
         previous = r["policy"]
-        spread = r["spread"]
-        hit, miss, p99 = spread["hit_rate"], spread["misses"], spread["added_latency_p99_s"]
-        table.add_row(
-            r["policy"], str(r["max_loras"]),
-            "/".join(f"{100 * hit[k]:.2f}" for k in ("min", "median", "max")),
-            "/".join(f"{miss[k]:,.0f}" for k in ("min", "median", "max")),
-            "/".join(human_seconds(p99[k]) for k in ("min", "median", "max")))
+        table.add_row(*row(r))
     return table
 
 

@@ -24,20 +24,20 @@ import numpy as np
 from metrale_cli import compat
 from metrale_cli.adapters.experts import ROUTER_EXPERT, ExpertProj
 from metrale_cli.layout.expert_layout import ExpertLayout
-from metrale_cli.ops import kernels
-from metrale_cli.ops.kernels import (
-    _BF16,
-    VECTOR,
-    Backend,
+from metrale_cli.ops import kernels, plans, sources
+from metrale_cli.ops.kernels import Backend
+from metrale_cli.ops.plans import (
+    BF16,
     KernelLaunch,
-    _check,
-    _dtype_name,
-    _row_stride,
+    check_buffer,
     check_table_alignment,
+    dtype_name,
+    row_stride,
 )
+from metrale_cli.ops.sources import VECTOR
 
-DECODE_TILE = kernels.CONFIG["EXPERT_DECODE_TILE"]
-PREFILL_TILE = kernels.CONFIG["EXPERT_PREFILL_TILE"]
+DECODE_TILE = sources.CONFIG["EXPERT_DECODE_TILE"]
+PREFILL_TILE = sources.CONFIG["EXPERT_PREFILL_TILE"]
 # gate_up is two slices (gate columns, then up columns); down is one.
 GATE_UP = (ExpertProj.GATE_PROJ, ExpertProj.UP_PROJ)
 DOWN = (ExpertProj.DOWN_PROJ,)
@@ -145,7 +145,7 @@ def plan_pairs(topk_ids: Any, slots: Any, ranks: Any, max_rank: int,
     this rank) are left out, the rest sorted by (slot, expert, pair) and tiled. Any other id
     outside [0, num_experts) is refused (ValueError). `tile` forces a tile size (default:
     chosen by the average group size)."""
-    ids = kernels._host_values(topk_ids).astype(np.int64)
+    ids = plans.host_values(topk_ids).astype(np.int64)
     if ids.ndim != 2:
         raise ValueError(f"topk_ids must be [T, top_k], got shape {ids.shape}")
     bad = np.flatnonzero(((ids < 0) | (ids >= num_experts)) & (ids != OFF_RANK))
@@ -154,10 +154,10 @@ def plan_pairs(topk_ids: Any, slots: Any, ranks: Any, max_rank: int,
             f"topk_ids holds expert {int(ids.ravel()[bad[0]])} (pair {int(bad[0])}), outside "
             f"[0, {num_experts}) and not {OFF_RANK} (an expert on another rank)")
     num_tokens, top_k = ids.shape
-    slot_ids = kernels._host_values(slots).astype(np.int64).ravel()
+    slot_ids = plans.host_values(slots).astype(np.int64).ravel()
     if slot_ids.size != num_tokens:
         raise ValueError(f"slots has {slot_ids.size} entries for {num_tokens} tokens")
-    rank_table = kernels._host_values(ranks).astype(np.int64).ravel()
+    rank_table = plans.host_values(ranks).astype(np.int64).ravel()
     pair_slot = np.repeat(slot_ids, top_k)
     pair_expert = ids.ravel()
     inside = (pair_slot >= 0) & (pair_slot < rank_table.size)
@@ -211,7 +211,7 @@ def align_pairs(topk_ids: Any, slots: Any, ranks: Any, num_experts: int, *, tile
         xp = compat.cupy_module()
     else:  # NumPy, or torch CPU tensors (the host harness): the same ops in NumPy
         xp = np
-        topk_ids, slots, ranks = (kernels._host_values(a) for a in (topk_ids, slots, ranks))
+        topk_ids, slots, ranks = (plans.host_values(a) for a in (topk_ids, slots, ranks))
     num_tokens, top_k = (int(d) for d in topk_ids.shape)
     pairs, max_loras = num_tokens * top_k, int(ranks.shape[0])
     none = max_loras * num_experts  # the key of pairs without adapter: sorted last
@@ -246,32 +246,32 @@ def align_pairs(topk_ids: Any, slots: Any, ranks: Any, num_experts: int, *, tile
 def _check_expert_tables(tables: ExpertTables, entries: Any, slices: int) -> None:
     max_loras = tables.max_loras
     for what, table in (("a_tables", tables.a_tables), ("b_tables", tables.b_tables)):
-        _check(table, what, ("uint64", "int64"), (None, max_loras))
+        check_buffer(table, what, ("uint64", "int64"), (None, max_loras))
         check_table_alignment(table, what)
-    _check(entries, "entries", ("int32",), (slices, tables.num_experts))
-    _check(tables.ranks, "ranks", ("int32",), (max_loras,))
-    _check(tables.scale_table, "scale_table", ("float32",), (max_loras,))
-    if tables.max_rank % VECTOR or not 0 < tables.max_rank <= kernels.MAX_RANK:
-        raise ValueError(f"max_rank must be a multiple of {VECTOR} in 1..{kernels.MAX_RANK}")
+    check_buffer(entries, "entries", ("int32",), (slices, tables.num_experts))
+    check_buffer(tables.ranks, "ranks", ("int32",), (max_loras,))
+    check_buffer(tables.scale_table, "scale_table", ("float32",), (max_loras,))
+    if tables.max_rank % VECTOR or not 0 < tables.max_rank <= sources.MAX_RANK:
+        raise ValueError(f"max_rank must be a multiple of {VECTOR} in 1..{sources.MAX_RANK}")
 
 
 def plan_router_lora(x: Any, logits: Any, slots: Any, tables: ExpertTables) -> KernelLaunch:
     """logits[b] += scale * (x[b] @ A_s^T) @ B_s^T over the router entry of the tables."""
     num_tokens, in_dim = (int(d) for d in x.shape)
     num_experts = int(logits.shape[1])
-    _check(x, "x", _BF16, (num_tokens, in_dim), rows=True)
-    _check(slots, "slots", ("int32",), (num_tokens,))
-    _check(logits, "logits", (*_BF16, "float32"), (num_tokens, num_experts), rows=True)
+    check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
+    check_buffer(slots, "slots", ("int32",), (num_tokens,))
+    check_buffer(logits, "logits", (*BF16, "float32"), (num_tokens, num_experts), rows=True)
     _check_expert_tables(tables, tables.down, 1)
     if in_dim % VECTOR:
         raise ValueError(f"in_dim ({in_dim}) must be a multiple of {VECTOR}")
-    kind = "bf16" if _dtype_name(logits) in _BF16 else "f32"
-    logits_stride = kernels._strides(logits)[0]
-    args = (x, np.int64(_row_stride(x, "x")), slots, tables.a_tables, tables.b_tables,
+    kind = "bf16" if dtype_name(logits) in BF16 else "f32"
+    logits_stride = plans.element_strides(logits)[0]
+    args = (x, np.int64(row_stride(x, "x")), slots, tables.a_tables, tables.b_tables,
             np.int32(tables.router), tables.scale_table, tables.ranks,
             np.int32(tables.max_loras), logits, np.int64(logits_stride), np.int32(in_dim),
             np.int32(num_experts), np.int32(tables.max_rank))
-    return KernelLaunch(f"router_lora_{kind}", (num_tokens, 1, 1), (kernels.THREADS, 1, 1), args)
+    return KernelLaunch(f"router_lora_{kind}", (num_tokens, 1, 1), (sources.THREADS, 1, 1), args)
 
 
 def plan_expert_shrink(x: Any, x_div: int, sorted_pairs: Any, tiles: Any, tables: ExpertTables,
@@ -280,21 +280,21 @@ def plan_expert_shrink(x: Any, x_div: int, sorted_pairs: Any, tiles: Any, tables
     slices, num_pairs, t_cols = (int(d) for d in t.shape)
     in_dim = int(x.shape[1])
     num_tiles = int(tiles.shape[0])
-    _check(x, "x", _BF16, (-(-num_pairs // x_div), in_dim), rows=True)
-    _check(t, "t", ("float32",), (slices, num_pairs, t_cols))
-    _check(tiles, "tiles", ("int32",), (num_tiles, 4))
-    _check(sorted_pairs, "sorted_pairs", ("int32",), (None,))
+    check_buffer(x, "x", BF16, (-(-num_pairs // x_div), in_dim), rows=True)
+    check_buffer(t, "t", ("float32",), (slices, num_pairs, t_cols))
+    check_buffer(tiles, "tiles", ("int32",), (num_tiles, 4))
+    check_buffer(sorted_pairs, "sorted_pairs", ("int32",), (None,))
     _check_expert_tables(tables, entries, slices)
     if in_dim % VECTOR or t_cols % VECTOR or not 0 < t_cols <= tables.max_rank:
         raise ValueError(f"in_dim ({in_dim}) and t's width ({t_cols}) must be multiples of "
                          f"{VECTOR}, t's width at most max_rank ({tables.max_rank})")
     name = "expert_shrink_prefill" if tile == PREFILL_TILE else "expert_shrink_decode"
-    grid = (num_tiles, -(-t_cols // kernels.SHRINK_ROWS), slices)
-    args = (x, np.int64(_row_stride(x, "x")), np.int32(x_div), sorted_pairs, tiles,
+    grid = (num_tiles, -(-t_cols // sources.SHRINK_ROWS), slices)
+    args = (x, np.int64(row_stride(x, "x")), np.int32(x_div), sorted_pairs, tiles,
             tables.a_tables, entries, np.int32(tables.num_experts), tables.ranks,
             np.int32(tables.max_loras), t, np.int32(num_pairs), np.int32(in_dim),
             np.int32(tables.max_rank), np.int32(t_cols))
-    return KernelLaunch(name, grid, (kernels.THREADS, 1, 1), args)
+    return KernelLaunch(name, grid, (sources.THREADS, 1, 1), args)
 
 
 def plan_expert_expand(t: Any, sorted_pairs: Any, tiles: Any, tables: ExpertTables, entries: Any,
@@ -305,20 +305,20 @@ def plan_expert_expand(t: Any, sorted_pairs: Any, tiles: Any, tables: ExpertTabl
     width = int(y.shape[1])
     out_dim = width // slices
     num_tiles = int(tiles.shape[0])
-    _check(t, "t", ("float32",), (slices, num_pairs, t_cols))
-    _check(y, "y", (*_BF16, "float32"), (num_pairs, width), rows=True)
-    _check(tiles, "tiles", ("int32",), (num_tiles, 4))
+    check_buffer(t, "t", ("float32",), (slices, num_pairs, t_cols))
+    check_buffer(y, "y", (*BF16, "float32"), (num_pairs, width), rows=True)
+    check_buffer(tiles, "tiles", ("int32",), (num_tiles, 4))
     _check_expert_tables(tables, entries, slices)
     if out_dim * slices != width or out_dim % VECTOR:
         raise ValueError(f"y's width ({width}) must be {slices} x a multiple of {VECTOR}")
-    kind = "bf16" if _dtype_name(y) in _BF16 else "f32"
+    kind = "bf16" if dtype_name(y) in BF16 else "f32"
     path = "prefill" if tile == PREFILL_TILE else "decode"
-    grid = (num_tiles, -(-out_dim // (kernels.THREADS * kernels.EXPAND_ROWS)), slices)
+    grid = (num_tiles, -(-out_dim // (sources.THREADS * sources.EXPAND_ROWS)), slices)
     args = (t, sorted_pairs, tiles, tables.b_tables, entries, np.int32(tables.num_experts),
             tables.scale_table, tables.ranks, np.int32(tables.max_loras), y,
-            np.int64(_row_stride(y, "y")), np.int32(num_pairs), np.int32(out_dim),
+            np.int64(row_stride(y, "y")), np.int32(num_pairs), np.int32(out_dim),
             np.int32(tables.max_rank), np.int32(t_cols))
-    return KernelLaunch(f"expert_expand_{path}_{kind}", grid, (kernels.THREADS, 1, 1), args)
+    return KernelLaunch(f"expert_expand_{path}_{kind}", grid, (sources.THREADS, 1, 1), args)
 
 
 # --- launchers ----------------------------------------------------------------------------------
@@ -426,17 +426,17 @@ def plan_overlay_gather(token_ids: Any, slots: Any, ids: Any, counts: Any, rows:
     """emb[b] = rows[s, i] where ids[s, i] == token_ids[b] (s = slots[b]); other rows kept."""
     num_tokens, hidden = (int(d) for d in emb.shape)
     max_loras, max_tokens = (int(d) for d in ids.shape)
-    _check(token_ids, "token_ids", ("int32",), (num_tokens,))
-    _check(slots, "slots", ("int32",), (num_tokens,))
-    _check(ids, "overlay ids", ("int32",), (max_loras, max_tokens))
-    _check(counts, "overlay counts", ("int32",), (max_loras,))
-    _check(rows, "overlay rows", _BF16, (max_loras, max_tokens, hidden))
-    _check(emb, "emb", _BF16, (num_tokens, hidden), rows=True)
+    check_buffer(token_ids, "token_ids", ("int32",), (num_tokens,))
+    check_buffer(slots, "slots", ("int32",), (num_tokens,))
+    check_buffer(ids, "overlay ids", ("int32",), (max_loras, max_tokens))
+    check_buffer(counts, "overlay counts", ("int32",), (max_loras,))
+    check_buffer(rows, "overlay rows", BF16, (max_loras, max_tokens, hidden))
+    check_buffer(emb, "emb", BF16, (num_tokens, hidden), rows=True)
     if hidden % VECTOR:
         raise ValueError(f"hidden ({hidden}) must be a multiple of {VECTOR}")
     args = (token_ids, slots, ids, counts, rows, np.int32(max_loras), np.int32(max_tokens),
-            np.int32(hidden), emb, np.int64(_row_stride(emb, "emb")))
-    return KernelLaunch("overlay_gather", (num_tokens, 1, 1), (kernels.THREADS, 1, 1), args)
+            np.int32(hidden), emb, np.int64(row_stride(emb, "emb")))
+    return KernelLaunch("overlay_gather", (num_tokens, 1, 1), (sources.THREADS, 1, 1), args)
 
 
 def overlay_gather(token_ids: Any, slots: Any, overlays: OverlayTables, emb: Any,
@@ -451,7 +451,7 @@ def overlay_gather(token_ids: Any, slots: Any, overlays: OverlayTables, emb: Any
     Returns emb."""
     ids, counts, rows = (backend.array(emb, a) for a in (overlays.ids, overlays.counts,
                                                         overlays.rows))
-    if _dtype_name(emb) == "bfloat16":
+    if dtype_name(emb) == "bfloat16":
         rows = rows.view(emb.dtype)
     backend.launch(plan_overlay_gather(token_ids, slots, ids, counts, rows, emb))
     return emb

@@ -22,6 +22,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -34,7 +35,7 @@ import numpy as np
 
 from metrale_cli import env
 from metrale_cli.errors import ToolMissing
-from metrale_cli.ops import kernels
+from metrale_cli.ops import kernels, plans, sources
 
 # -fno-strict-aliasing: the kernels read BF16 buffers through uint4 / unsigned pointers, which
 # CUDA allows and ISO C++ does not. -Wno-unknown-pragmas: g++ does not know `#pragma unroll`.
@@ -59,26 +60,31 @@ def compiler() -> str:
 
 def library_path(directory: Path | None = None) -> Path:
     """Where the build of the sources in `directory` is (or would be) cached."""
-    directory = directory or kernels.find_kernel_dir()
+    directory = directory or sources.find_kernel_dir()
     cxx = compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (kernels.sources_digest(directory), " ".join(CXX_FLAGS), cxx, version):
+    for part in (sources.sources_digest(directory), " ".join(CXX_FLAGS), cxx, version):
         digest.update(part.encode())
     return env.cache_dir() / "host" / f"libmetrale_host-{digest.hexdigest()[:16]}.so"
 
 
 def build_command(directory: Path, output: str, cxx: str | None = None) -> list[str]:
-    """The g++ command that builds the host library of the sources in `directory`."""
+    """The g++ command that builds the host library of the sources in `directory`: the shim and
+    every kernel source force-included before host_launch.h, whose table of launchable kernels
+    is METRALE_HOST_KERNELS, the kernels of sources.KERNEL_SOURCES."""
+    includes = [arg for name in (_SHIM, *dict.fromkeys(sources.KERNEL_SOURCES.values()))
+                for arg in ("-include", str(directory / name))]
+    table = "".join(f"METRALE_HOST_KERNEL({name})," for name in sources.KERNEL_SOURCES)
     return [
-        cxx or compiler(), *CXX_FLAGS, "-x", "c++", "-include", str(directory / _SHIM),
-        str(directory / _ENTRY), "-o", output,
+        cxx or compiler(), *CXX_FLAGS, "-x", "c++", *includes,
+        f"-DMETRALE_HOST_KERNELS={table}", str(directory / _ENTRY), "-o", output,
     ]
 
 
 def build(directory: Path | None = None) -> Path:
     """Compile the host library unless a build of these exact sources is cached; its path."""
-    directory = directory or kernels.find_kernel_dir()
+    directory = directory or sources.find_kernel_dir()
     target = library_path(directory)
     if target.is_file():
         return target
@@ -118,14 +124,14 @@ def _param(value: Any) -> ctypes._SimpleCData:
     if isinstance(value, np.float32):
         return ctypes.c_float(float(value))
     if hasattr(value, "shape"):  # an array: the kernel takes its address
-        return ctypes.c_void_p(kernels._address(value))
+        return ctypes.c_void_p(plans.address(value))
     raise TypeError(f"no host kernel parameter for {type(value).__name__}")
 
 
 _LAUNCH_LOCK = threading.Lock()
 
 
-def launch(plan: kernels.KernelLaunch) -> None:
+def launch(plan: plans.KernelLaunch) -> None:
     """Run one planned launch on the host; RuntimeError carries the shim's message."""
     if 0 in plan.grid:
         return  # an empty batch: a GPU launch would be invalid, and there is nothing to do
@@ -149,7 +155,7 @@ class HostBackend:
     shows up in any comparison), arrays of x's kind (torch or NumPy), an H200's SM count unless
     told otherwise."""
 
-    def launch(self, plan: kernels.KernelLaunch) -> None:
+    def launch(self, plan: plans.KernelLaunch) -> None:
         launch(plan)
 
     def new_t(self, like: Any, shape: tuple[int, ...]) -> Any:
@@ -173,7 +179,7 @@ class HostBackend:
         return np.ascontiguousarray(values)
 
     def num_sms(self, requested: int | None) -> int:
-        return kernels.H200_SMS if requested is None else requested
+        return sources.H200_SMS if requested is None else requested
 
 
 HOST = HostBackend()
@@ -203,5 +209,5 @@ sgmv = on_host(kernels.sgmv)
 
 
 if __name__ == "__main__":
-    source_dir = kernels.find_kernel_dir()
-    print(" ".join(build_command(source_dir, "libmetrale_host.so")))
+    source_dir = sources.find_kernel_dir()
+    print(shlex.join(build_command(source_dir, "libmetrale_host.so")))

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale_cli.errors import ToolMissing
-from metrale_cli.ops import kernels
+from metrale_cli.ops import sources
 
 # The options CuPy's RawModule compiles the kernels with (kernels._module), and the arch.
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -148,11 +148,11 @@ def disassemble(cubin: bytes) -> str:
 @functools.cache
 def listing(source: str, compiler: str, arch: str) -> str:
     """The disassembly of kernels/<source> compiled by `compiler` ("nvcc" or "nvrtc")."""
-    directory = kernels.find_kernel_dir()
+    directory = sources.find_kernel_dir()
     if compiler == "nvcc":
         return disassemble(nvcc_cubin(directory / source, arch))
     if compiler == "nvrtc":
-        return disassemble(nvrtc_cubin(kernels.read_source(source, directory), arch, source))
+        return disassemble(nvrtc_cubin(sources.read_source(source, directory), arch, source))
     raise ValueError(f"unknown compiler {compiler!r}")
 
 
@@ -392,10 +392,10 @@ def report(compiler: str, arch: str) -> dict[str, Any]:
     """kernel_report of every kernel, compiled by `compiler` for `arch`, with what
     lora_config.h promises (`wanted_loads`) and whether every hot loop keeps it."""
     kernels_out = {}
-    for name, source in sorted(kernels.KERNEL_SOURCES.items()):
+    for name, source in sorted(sources.KERNEL_SOURCES.items()):
         code = parse(listing(source, compiler, arch))[name]
         entry = kernel_report(code)
-        entry["wanted_loads"] = kernels.loads_in_flight(name)
+        entry["wanted_loads"] = sources.loads_in_flight(name)
         entry["ok"] = (entry["local_memory"] == 0 and bool(entry["hot_loop_loads"])
                        and min(entry["hot_loop_loads"]) >= entry["wanted_loads"])
         kernels_out[name] = entry

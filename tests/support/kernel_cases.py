@@ -173,7 +173,7 @@ SGMV_CASES = [
          seg_slots=[0, 1, 0, 1]),
 ]
 
-# Decode batches run with a batch plan (kernels.plan_batch), on both the grouped and the
+# Decode batches run with a batch plan (plans.plan_batch), on both the grouped and the
 # per-token path.
 DECODE_BATCHES = [
     # Slots shared by many tokens (grouped), rank 12 and 33 in a max-rank-48 pool (t narrows to

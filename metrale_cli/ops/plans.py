@@ -1,0 +1,518 @@
+"""Launch planning for the CUDA kernels: for each kernel, from its buffers, the grid, block and
+argument tuple that CuPy's RawKernel call and the host harness both take (`plan_*`), the
+checks every buffer gets before a launch, the split planner's costs, and the batch plan of a
+decode batch (`plan_batch`).
+
+All of it is plain Python over array shapes and addresses (NumPy, torch or CuPy arrays), so the
+CPU tests run exactly the grid, block and arguments that a GPU gets. The launchers
+(kernels.py, expert_kernels.py) run these plans on a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metrale_cli.ops.sources import (
+    EXPAND_ROWS,
+    MAX_RANK,
+    MAX_SPLITS,
+    SGMV_TILE,
+    SHRINK_ROWS,
+    THREADS,
+    VECTOR,
+    min_ctas_per_sm,
+)
+
+# A decode batch takes the grouped (segment plan) path when its adapted tokens average at least
+# this many per distinct slot: each adapter's weights are then read once per 64-token tile
+# rather than once per token, which outweighs the mma passes a tile spends per segment.
+GROUP_MIN_TOKENS = 4
+
+# CUDA's grid limits: x up to 2^31 - 1, y and z up to 65,535 (cudaDevAttrMaxGridDimY/Z on every
+# device since sm_30). A launch past them fails on the GPU while the host harness would run it.
+MAX_GRID = (2**31 - 1, 65_535, 65_535)
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch: what CuPy's RawKernel call and the host harness both take. A grid
+    past CUDA's limits (MAX_GRID) is refused here, for every kernel, on every backend."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    # Arrays (CuPy, NumPy or torch) and NumPy scalars, in the kernel's parameter order.
+    args: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        for axis, size, limit in zip("xyz", self.grid, MAX_GRID, strict=True):
+            if size > limit:
+                raise ValueError(
+                    f"{self.kernel}'s grid {self.grid} passes CUDA's limit of {limit:,} on "
+                    f"{axis}; split the batch (SGMV: at most {MAX_GRID[1] * SGMV_TILE:,} "
+                    "tokens per launch)")
+
+
+def dtype_name(array: Any) -> str:
+    return str(array.dtype).removeprefix("torch.")
+
+
+def address(array: Any) -> int:
+    if hasattr(array, "data_ptr"):  # torch
+        return int(array.data_ptr())
+    if hasattr(array, "data") and hasattr(array.data, "ptr"):  # cupy
+        return int(array.data.ptr)
+    return int(array.ctypes.data)  # numpy
+
+
+def element_strides(array: Any) -> tuple[int, ...]:
+    """Strides in elements."""
+    if callable(getattr(array, "stride", None)):  # torch
+        return tuple(array.stride())
+    return tuple(s // array.itemsize for s in array.strides)
+
+
+def host_values(array: Any) -> np.ndarray:
+    """A NumPy copy (or view) of a NumPy, torch or CuPy array."""
+    if hasattr(array, "get") and not isinstance(array, np.ndarray):  # cupy
+        return np.asarray(array.get())
+    if hasattr(array, "numpy"):  # torch
+        return array.detach().cpu().numpy()
+    return np.asarray(array)
+
+
+def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether an array of `shape` with `strides` (elements) is C-contiguous; dims of size 1
+    take any stride, as no index ever steps along them."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_buffer(array: Any, what: str, dtypes: Sequence[str], shape: Sequence[int | None],
+           *, rows: bool = False) -> None:
+    """dtype, shape, layout and alignment of a buffer a kernel reads or writes. The kernels
+    index every buffer as a dense row-major array, except those passed with their own row
+    stride (`rows`: x, y, logits, emb), which need only contiguous rows."""
+    name = dtype_name(array)
+    if name not in dtypes:
+        raise ValueError(f"{what} must be {' or '.join(dtypes)}, got {name}")
+    actual = tuple(array.shape)
+    if len(actual) != len(shape) or any(
+        want is not None and want != got for want, got in zip(shape, actual, strict=False)
+    ):
+        wanted = tuple("?" if s is None else s for s in shape)
+        raise ValueError(f"{what} must have shape {wanted}, got {actual}")
+    strides = element_strides(array)
+    if rows and actual and actual[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{what} must be contiguous along its last dimension")
+    if not rows and not _dense(actual, strides):
+        raise ValueError(f"{what} must be contiguous (the kernels index it as a dense array); "
+                         f"got strides {strides} for shape {actual}")
+    if address(array) % 16:
+        raise ValueError(f"{what} must start at a 16-byte aligned address")
+
+
+def row_stride(array: Any, what: str) -> int:
+    stride = element_strides(array)[0]
+    if stride % VECTOR:
+        raise ValueError(f"{what} row stride ({stride} elements) must be a multiple of {VECTOR}")
+    rows, width = int(array.shape[0]), int(array.shape[-1])
+    if rows > 1 and stride < width:
+        raise ValueError(f"{what}'s rows overlap (row stride {stride} < width {width})")
+    return stride
+
+
+BF16 = ("uint16", "bfloat16")
+_TABLES = ("uint64", "int64")
+
+
+def check_table_alignment(table: Any, what: str) -> None:
+    """Every weight address in a pointer table is 0 (no weights) or 16-byte aligned.
+
+    The kernels read weights with 128-bit loads: on a GPU a misaligned one faults and poisons
+    the CUDA context, while the host build would split it and pass. A CuPy table is copied to
+    the host for this (max_loras x 8 bytes)."""
+    addresses = host_values(table).view(np.uint64).ravel()
+    bad = np.flatnonzero(addresses % np.uint64(16))
+    if bad.size:
+        slot = int(bad[0])
+        raise ValueError(
+            f"{what}[{slot}] = {int(addresses[slot]):#x} is not 16-byte aligned "
+            f"({bad.size} misaligned slot(s)); the kernels' 128-bit loads need aligned weights"
+        )
+
+
+def _check_tables(
+    max_loras: int, ranks: Any, scale_table: Any | None, tables: dict[str, Any],
+    slices: int = 1,
+) -> None:
+    """The pointer tables ([max_loras], or [slices, max_loras] for a fused BGMV launch), the
+    pool's ranks and scales ([max_loras], shared by the slices: a slot has one rank)."""
+    for what, table in tables.items():
+        shape = (max_loras,) if len(table.shape) == 1 else (slices, max_loras)
+        check_buffer(table, what, _TABLES, shape)
+        check_table_alignment(table, what)
+    check_buffer(ranks, "ranks", ("int32",), (max_loras,))
+    if scale_table is not None:
+        check_buffer(scale_table, "scale_table", ("float32",), (max_loras,))
+
+
+def _check_dims(in_or_out: int, max_rank: int, t_cols: int, what: str) -> None:
+    if in_or_out % VECTOR or max_rank % VECTOR or t_cols % VECTOR:
+        raise ValueError(
+            f"{what} ({in_or_out}), max_rank ({max_rank}) and t's width ({t_cols}) must be "
+            f"multiples of {VECTOR}"
+        )
+    if not 0 < max_rank <= MAX_RANK:
+        raise ValueError(f"max_rank must be in 1..{MAX_RANK}, got {max_rank}")
+    if not 0 < t_cols <= max_rank:
+        raise ValueError(f"t's width ({t_cols}) must be in 1..max_rank ({max_rank})")
+
+
+# Split-K keeps at least this many K elements per split: one full step of 128 threads x 8 for
+# BGMV, one 64-wide tile for SGMV. A pass of a CTA streams 2 such steps (BGMV) or one tile (SGMV).
+_BGMV_MIN_K_CHUNK = THREADS * VECTOR
+_SGMV_MIN_K_CHUNK = SGMV_TILE
+_PASS_K = {"bgmv": 2 * _BGMV_MIN_K_CHUNK, "sgmv": SGMV_TILE}
+# The split planner's costs, those of the roofline model (metrale_cli/bench/roofline.py): a
+# streaming pass is one DRAM latency, a dependent metadata load one L2 latency, and split-K
+# adds its partials into t by atomics at L2 after a memset of t (one more graph node).
+_DRAM_LATENCY_US = 0.6
+_L2_LATENCY_US = 0.3
+_L2_BYTES_PER_US = 10e6
+MEMSET_US = 2.0
+
+
+def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits: int,
+                   num_sms: int) -> float:
+    """The modelled time of a `kind` ("bgmv" or "sgmv") shrink cut into `splits` K splits: CTAs
+    resident together (the launch bounds' per SM) run in waves, each CTA 2 metadata round trips
+    and then ceil(split's K / a pass's K) streaming passes; split-K adds the memset of t and
+    its partials' atomics."""
+    if kind == "bgmv":
+        base, kernel = num_tokens * -(-t_cols // SHRINK_ROWS), "bgmv_shrink"
+        chunk = k_chunk(in_dim, splits, VECTOR)
+    elif kind == "sgmv":
+        base = -(-num_tokens // SGMV_TILE) * -(-t_cols // SGMV_TILE)
+        kernel, chunk = "sgmv_shrink", k_chunk(in_dim, splits, SGMV_TILE)
+    else:
+        raise ValueError(f"unknown shrink kind {kind!r}")
+    ctas = max(base, 1) * splits
+    resident = min(ctas, num_sms * min_ctas_per_sm(kernel))
+    waves = -(-ctas // resident)
+    stream = waves * (-(-chunk // _PASS_K[kind]) * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
+    if splits == 1:
+        return stream
+    return stream + MEMSET_US + 4 * num_tokens * t_cols * splits / _L2_BYTES_PER_US
+
+
+def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int) -> int:
+    """The split-K count the `kind` ("bgmv" or "sgmv") shrink uses: the one of least modelled
+    cost (shrink_cost_us), the fewest splits among equals, at most METRALE_MAX_SPLITS and never
+    below one pass's K per split. `t_cols` is t's width: the batch's widest rank (or max_rank
+    when that is unknown)."""
+    least = _BGMV_MIN_K_CHUNK if kind == "bgmv" else _SGMV_MIN_K_CHUNK
+    candidates = range(1, max(1, min(MAX_SPLITS, in_dim // least)) + 1)
+    return min(candidates, key=lambda s: (round(shrink_cost_us(kind, num_tokens, in_dim, t_cols,
+                                                               s, num_sms), 6), s))
+
+
+def launch_grid(kernel: str, num_tokens: int, dim: int, t_cols: int,
+                splits: int = 1) -> tuple[int, int, int]:
+    """The grid of `kernel` (a KERNEL_SOURCES name) over T tokens, its output dim (expand) or
+    input dim (shrink: unused), t's width and the shrink's split count."""
+    if kernel == "bgmv_shrink":
+        return (num_tokens, -(-t_cols // SHRINK_ROWS), splits)
+    if kernel.startswith("bgmv_expand"):
+        return (num_tokens, -(-dim // (THREADS * EXPAND_ROWS)), 1)
+    if kernel == "sgmv_shrink":
+        return (-(-t_cols // SGMV_TILE), -(-num_tokens // SGMV_TILE), splits)
+    if kernel.startswith("sgmv_expand"):
+        return (-(-dim // SGMV_TILE), -(-num_tokens // SGMV_TILE), 1)
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def k_chunk(in_dim: int, splits: int, multiple: int) -> int:
+    # Splits past the end of K are harmless: their CTAs write zero partials.
+    chunk = -(-in_dim // splits)
+    return -(-chunk // multiple) * multiple
+
+
+def _t_shape(t: Any, max_rank: int) -> tuple[int, int, int]:
+    """(T, t_cols, max_rank) of a t buffer (F32 [T, t_cols]). max_rank is the pool's (A rows,
+    B's row stride) and comes from the pool or the plan: t's width is the batch's widest rank,
+    which may be narrower, so it is never taken for max_rank."""
+    if len(t.shape) != 2:
+        raise ValueError(f"t must be F32 [T, t_cols], got shape {tuple(t.shape)}")
+    num_tokens, t_cols = (int(d) for d in t.shape)
+    if isinstance(max_rank, bool) or not isinstance(max_rank, int | np.integer):
+        raise TypeError(f"max_rank must be the pool's max rank (an int), got {max_rank!r}")
+    return num_tokens, t_cols, int(max_rank)
+
+
+def _check_splits(splits: int) -> int:
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in 1..{MAX_SPLITS}, got {splits}")
+    return int(splits)
+
+
+def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
+    if token_order is None:
+        return np.uint64(0)  # a null pointer: identity order
+    check_buffer(token_order, "token_order", ("int32",), (num_tokens,))
+    return token_order
+
+
+def _slices(table: Any, t: Any, what: str) -> tuple[int, int, Any]:
+    """(slices, max_loras, t as one plane's shape) of a BGMV launch: one (layer, module) entry
+    (`what` u64 [max_loras], t F32 [T, t_cols]) or fused slices sharing x (`what` u64
+    [S, max_loras], t F32 [S, T, t_cols])."""
+    if len(table.shape) == 1:
+        return 1, int(table.shape[0]), t
+    if len(table.shape) != 2 or len(t.shape) != 3 or int(t.shape[0]) != int(table.shape[0]):
+        raise ValueError(f"fused slices take {what} [S, max_loras] and t [S, T, t_cols]; got "
+                         f"{what} {tuple(table.shape)} and t {tuple(t.shape)}")
+    return int(table.shape[0]), int(table.shape[1]), t[0]
+
+
+def plan_bgmv_shrink(
+    x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int, splits: int = 1,
+) -> KernelLaunch:
+    """t[b, :] = x[b] @ A_slot[b]^T (see kernels/bgmv.cu), K cut into `splits` whose partials
+    are added into t by atomics (t must then be zero). t's width may be below max_rank (the
+    batch's widest rank): the grid covers only it. With a_table [S, max_loras] and t
+    [S, T, t_cols], the S slices that share x (q, k, v) are one launch."""
+    slices, max_loras, plane = _slices(a_table, t, "a_table")
+    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
+    in_dim = int(x.shape[1])
+    check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
+    check_buffer(slots, "slots", ("int32",), (num_tokens,))
+    check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
+    _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
+    _check_dims(in_dim, max_rank, t_cols, "in_dim")
+    num_splits = _check_splits(splits)
+    x_, rows, z = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
+    args = (
+        x, np.int64(row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
+        t, np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
+        np.int32(k_chunk(in_dim, num_splits, VECTOR)), np.int32(slices),
+    )
+    return KernelLaunch("bgmv_shrink", (x_, rows, z * slices), (THREADS, 1, 1), args)
+
+
+def check_slice_cols(slice_cols: Sequence[int], slices: int, width: int) -> list[int]:
+    """The column bounds of fused slices in one y (slice z: slice_cols[z] up to
+    slice_cols[z + 1]): S + 1 of them, from 0, increasing, multiples of 8, within y's width."""
+    cols = [int(c) for c in slice_cols]
+    if len(cols) != slices + 1 or cols[0] != 0:
+        raise ValueError(f"slice_cols must be {slices + 1} column bounds from 0, got {cols}")
+    if any(b <= a for a, b in zip(cols, cols[1:], strict=False)) or any(c % VECTOR for c in cols):
+        raise ValueError(f"slice_cols must increase in multiples of {VECTOR}, got {cols}")
+    if cols[-1] > width:
+        raise ValueError(f"slice_cols end at {cols[-1]}, past y's {width} columns")
+    return cols
+
+
+def plan_bgmv_expand(
+    t: Any, slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
+    slice_cols: Any | None = None,
+) -> KernelLaunch:
+    """y[b] += scale * t[b] @ B_slot[b]^T (see kernels/bgmv.cu). B rows are the pool's
+    max_rank long. Fused slices: b_table [S, max_loras], t [S, T, t_cols] and `slice_cols`
+    (i32 [S + 1], where the kernel reads it; a CuPy array is copied to the host for the
+    check): slice z adds into y's columns slice_cols[z] up to slice_cols[z + 1]."""
+    slices, max_loras, plane = _slices(b_table, t, "b_table")
+    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
+    y_kind = "bf16" if dtype_name(y) in BF16 else "f32"
+    check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
+    check_buffer(slots, "slots", ("int32",), (num_tokens,))
+    check_buffer(y, "y", (*BF16, "float32"), (num_tokens, int(y.shape[1])), rows=True)
+    _check_tables(max_loras, ranks, scale_table, {"b_table": b_table}, slices)
+    if slice_cols is None:
+        if slices > 1:
+            raise ValueError("fused slices need slice_cols, their column bounds in y")
+        out_dim, cols_arg = int(y.shape[1]), np.uint64(0)  # a null pointer: all of y
+    else:
+        check_buffer(slice_cols, "slice_cols", ("int32",), (slices + 1,))
+        cols = check_slice_cols(host_values(slice_cols).tolist(), slices, int(y.shape[1]))
+        out_dim, cols_arg = max(b - a for a, b in zip(cols, cols[1:], strict=False)), slice_cols
+    _check_dims(out_dim, max_rank, t_cols, "out_dim")
+    x_, blocks, _ = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
+    args = (
+        t, slots, b_table, scale_table, ranks, np.int32(max_loras),
+        y, np.int64(row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
+        np.int32(max_rank), np.int32(t_cols), cols_arg,
+    )
+    return KernelLaunch(f"bgmv_expand_{y_kind}", (x_, blocks, slices), (THREADS, 1, 1), args)
+
+
+def check_segments(seg_starts: Any, seg_slots: Any, num_tokens: int) -> int:
+    """The segment count, after checking what the SGMV kernels assume of the segments: starts
+    non-decreasing, within [0, T], the last one T (a binary search over them finds each tile's
+    first segment; starts that go backwards give wrong rows everywhere). A CuPy seg_starts is
+    copied to the host for this ((S + 1) x 4 bytes)."""
+    num_segments = int(seg_slots.shape[0])
+    check_buffer(seg_slots, "seg_slots", ("int32",), (num_segments,))
+    check_buffer(seg_starts, "seg_starts", ("int32",), (num_segments + 1,))
+    starts = host_values(seg_starts).astype(np.int64).ravel()
+    if starts[-1] != num_tokens:
+        raise ValueError(f"seg_starts must end at the token count ({num_tokens}), "
+                         f"got {int(starts[-1])}")
+    if starts[0] < 0:
+        raise ValueError(f"seg_starts must lie within [0, {num_tokens}], got {int(starts[0])}")
+    back = np.flatnonzero(np.diff(starts) < 0)
+    if back.size:
+        i = int(back[0])
+        raise ValueError(f"seg_starts must be non-decreasing: seg_starts[{i + 1}] = "
+                         f"{int(starts[i + 1])} < seg_starts[{i}] = {int(starts[i])}")
+    return num_segments
+
+
+def plan_sgmv_shrink(
+    x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, t: Any,
+    max_rank: int, token_order: Any | None = None, splits: int = 1,
+) -> KernelLaunch:
+    """t[b, :] = x[b] @ A_seg^T (see kernels/sgmv.cu), K cut into `splits` added into t by
+    atomics (t must then be zero). With `token_order`, segments index sorted positions (the
+    grouped decode path)."""
+    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    in_dim = int(x.shape[1])
+    max_loras = int(a_table.shape[0])
+    num_segments = check_segments(seg_starts, seg_slots, num_tokens)
+    check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
+    check_buffer(t, "t", ("float32",), (num_tokens, t_cols))
+    _check_tables(max_loras, ranks, None, {"a_table": a_table})
+    _check_dims(in_dim, max_rank, t_cols, "in_dim")
+    num_splits = _check_splits(splits)
+    grid = launch_grid("sgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
+    args = (
+        x, np.int64(row_stride(x, "x")), seg_starts, seg_slots, np.int32(num_segments),
+        _order_arg(token_order, num_tokens), a_table, ranks, np.int32(max_loras), t,
+        np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
+        np.int32(k_chunk(in_dim, num_splits, SGMV_TILE)),
+    )
+    return KernelLaunch("sgmv_shrink", grid, (THREADS, 1, 1), args)
+
+
+def plan_sgmv_expand(
+    t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
+    max_rank: int, token_order: Any | None = None,
+) -> KernelLaunch:
+    """y[b] += scale * t[b] @ B_seg^T (see kernels/sgmv.cu); B rows are the pool's max_rank
+    long."""
+    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    out_dim = int(y.shape[1])
+    max_loras = int(b_table.shape[0])
+    num_segments = check_segments(seg_starts, seg_slots, num_tokens)
+    y_kind = "bf16" if dtype_name(y) in BF16 else "f32"
+    check_buffer(t, "t", ("float32",), (num_tokens, t_cols))
+    check_buffer(y, "y", (*BF16, "float32"), (num_tokens, out_dim), rows=True)
+    _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
+    _check_dims(out_dim, max_rank, t_cols, "out_dim")
+    grid = launch_grid(f"sgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
+    args = (
+        t, seg_starts, seg_slots, np.int32(num_segments),
+        _order_arg(token_order, num_tokens), b_table, scale_table, ranks, np.int32(max_loras),
+        y, np.int64(row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
+        np.int32(max_rank), np.int32(t_cols),
+    )
+    return KernelLaunch(f"sgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
+
+
+# --- the batch plan: what the host knows when it builds a batch --------------------------------
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A decode batch as the host builds it (once per forward, reused by every layer):
+
+    - `t_cols`: the widest rank among the batch's adapted tokens (rounded up to VECTOR), so
+      grids and t cover the ranks present rather than the pool's max_rank;
+    - a segment plan: `order` (int32 [T], token indices stably sorted by slot) and segments over
+      those sorted positions (`seg_starts` int32 [S + 1], `seg_slots` int32 [S]);
+    - `grouped`: whether decode takes the grouped path (SGMV over the sorted tokens, each
+      adapter's weights read once per 64-token tile) rather than the per-token BGMV path,
+      chosen from the batch's distinct slots (GROUP_MIN_TOKENS).
+    """
+
+    num_tokens: int
+    t_cols: int
+    distinct_slots: int
+    adapted_tokens: int
+    grouped: bool
+    order: np.ndarray
+    seg_starts: np.ndarray
+    seg_slots: np.ndarray
+
+
+def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray,
+               max_rank: int, *, group_min_tokens: int = GROUP_MIN_TOKENS) -> BatchPlan:
+    """The batch plan of a decode batch from its host-side slot ids and the pool's rank table
+    (slot -1, or one outside the table, is a token without adapter)."""
+    slot_ids = np.asarray(slots, dtype=np.int64).ravel()
+    rank_table = np.asarray(ranks, dtype=np.int64).ravel()
+    inside = (slot_ids >= 0) & (slot_ids < rank_table.size)
+    token_rank = np.zeros(slot_ids.size, dtype=np.int64)
+    token_rank[inside] = np.minimum(rank_table[slot_ids[inside]], max_rank)
+    adapted = token_rank > 0
+    widest = int(token_rank.max()) if slot_ids.size else 0
+    t_cols = min(max(VECTOR, -(-widest // VECTOR) * VECTOR), max_rank)
+    distinct = int(np.unique(slot_ids[adapted]).size)
+    adapted_tokens = int(adapted.sum())
+    order = np.argsort(slot_ids, kind="stable").astype(np.int32)
+    sorted_slots = slot_ids[order]
+    cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
+    seg_starts = np.concatenate(([0], cuts, [slot_ids.size])).astype(np.int32)
+    if slot_ids.size == 0:
+        seg_starts = np.zeros(1, dtype=np.int32)
+    seg_slots = sorted_slots[seg_starts[:-1]].astype(np.int32)
+    grouped = distinct > 0 and adapted_tokens >= group_min_tokens * distinct
+    return BatchPlan(int(slot_ids.size), t_cols, distinct, adapted_tokens, grouped, order,
+                     seg_starts, seg_slots)
+
+
+def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
+                   num_segments: int, num_sms: int) -> float:
+    """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (64 x 64
+    output tiles over the tokens sorted by slot, each tile walking its segments) or "bgmv" (a
+    CTA per token and 1024 outputs, B read once per token). The larger of its streaming
+    (waves of resident CTAs, each its passes and metadata round trips) and its L2 traffic at
+    L2 bandwidth: the per-token expand re-reads B per token, which L2 must serve."""
+    vecs = -(-t_cols // VECTOR)
+    if family == "sgmv":
+        tiles = -(-num_tokens // SGMV_TILE)
+        ctas = -(-out_dim // SGMV_TILE) * tiles
+        per_tile = -(-num_segments // tiles) + 1  # segments meeting a tile, at most
+        passes = per_tile * -(-t_cols // SGMV_TILE) + 1
+        chains = 2 * per_tile + max(1, num_segments).bit_length()
+        kernel = "sgmv_expand_bf16"
+        l2 = 2 * out_dim * t_cols * (num_segments + tiles) + 4 * t_cols * num_tokens * (
+            -(-out_dim // SGMV_TILE))
+    elif family == "bgmv":
+        ctas = num_tokens * -(-out_dim // (THREADS * EXPAND_ROWS))
+        passes, chains, kernel = -(-vecs // 2), 3, "bgmv_expand_bf16"
+        l2 = 2 * out_dim * t_cols * num_tokens
+    else:
+        raise ValueError(f"unknown expand family {family!r}")
+    resident = min(max(ctas, 1), num_sms * min_ctas_per_sm(kernel))
+    waves = -(-max(ctas, 1) // resident)
+    stream = waves * (passes * _DRAM_LATENCY_US + chains * _L2_LATENCY_US)
+    return max(stream, l2 / _L2_BYTES_PER_US)
+
+
+def grouped_expand(num_tokens: int, out_dim: int, t_cols: int, num_segments: int,
+                   num_sms: int) -> bool:
+    """Whether a grouped decode batch expands through SGMV too (else per token), whichever is
+    modelled cheaper (expand_cost_us): SGMV reads each adapter's B once per 64-token tile but a
+    narrow output (k_proj, v_proj) over a few token tiles leaves most SMs idle; the per-token
+    expand fills the device but reads B once per token from L2."""
+    return (expand_cost_us("sgmv", num_tokens, out_dim, t_cols, num_segments, num_sms)
+            <= expand_cost_us("bgmv", num_tokens, out_dim, t_cols, num_segments, num_sms))

@@ -1,0 +1,93 @@
+"""A new kernel touches its .cu, one launcher and the reference only: the kernel list, its
+figures and the host harness's table are read from the sources (metrale_cli/ops/sources.py).
+
+Each test copies kernels/ to a temporary directory, adds or breaks a kernel there and imports
+metrale_cli in a fresh process with METRALE_KERNEL_DIR pointing at it (the sources are read
+once, at import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from metrale_cli.ops import sources
+
+# A kernel that no Python list names: it defines its own figures in its .cu.
+SCALE_CU = """// scale.cu: y[i] *= scale, one thread per element (a test kernel).
+#include "lora_config.h"
+#define SCALE_ROWS_MIN_CTAS 2
+#define SCALE_ROWS_LOADS 3
+
+extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SCALE_ROWS_MIN_CTAS)
+scale_rows(float* __restrict__ y, float scale, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] *= scale;
+}
+"""
+
+LAUNCH_IT = """
+import json, numpy as np
+from metrale_cli.ops import host_harness, sources
+from metrale_cli.ops.plans import KernelLaunch
+y = np.arange(200, dtype=np.float32)
+host_harness.launch(KernelLaunch("scale_rows", (2, 1, 1), (sources.THREADS, 1, 1),
+                                 (y, np.float32(3.0), np.int32(200))))
+print(json.dumps({"source": sources.KERNEL_SOURCES["scale_rows"],
+                  "min_ctas": sources.min_ctas_per_sm("scale_rows"),
+                  "loads": sources.loads_in_flight("scale_rows"),
+                  "kernels": sorted(sources.KERNEL_SOURCES), "y": y.tolist()}))
+"""
+
+
+def _kernel_dir(tmp_path: Path, extra: dict[str, str]) -> Path:
+    directory = tmp_path / "kernels"
+    shutil.copytree(sources.find_kernel_dir(), directory)
+    for name, text in extra.items():
+        (directory / name).write_text(text)
+    return directory
+
+
+def _run(directory: Path, tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "METRALE_KERNEL_DIR": str(directory),
+                   "METRALE_CACHE_DIR": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=environment, check=False, timeout=600)
+
+
+def test_a_new_kernel_needs_only_its_source(tmp_path: Path) -> None:
+    result = _run(_kernel_dir(tmp_path, {"scale.cu": SCALE_CU}), tmp_path, LAUNCH_IT)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert (found["source"], found["min_ctas"], found["loads"]) == ("scale.cu", 2, 3)
+    # The host build's table holds it beside every existing kernel.
+    assert set(found["kernels"]) == {*sources.KERNEL_SOURCES, "scale_rows"}
+    assert found["y"] == [3.0 * i for i in range(200)]
+
+
+def test_a_kernel_without_its_launch_bounds_is_refused_by_name(tmp_path: Path) -> None:
+    unbounded = SCALE_CU.replace("__launch_bounds__(METRALE_THREADS, SCALE_ROWS_MIN_CTAS)", "")
+    result = _run(_kernel_dir(tmp_path, {"scale.cu": unbounded}), tmp_path,
+                  "import metrale_cli.ops.sources")
+    assert result.returncode != 0
+    assert "kernel scale_rows" in result.stderr and "__launch_bounds__" in result.stderr
+
+
+def test_a_figure_the_header_and_a_source_disagree_on_is_refused(tmp_path: Path) -> None:
+    directory = _kernel_dir(tmp_path, {"scale.cu": SCALE_CU})
+    header = directory / sources.CONFIG_HEADER
+    header.write_text(header.read_text() + "#define SCALE_ROWS_LOADS 4\n")
+    result = _run(directory, tmp_path, "import metrale_cli.ops.sources")
+    assert result.returncode != 0
+    assert "SCALE_ROWS_LOADS is defined twice" in result.stderr
+
+
+def test_a_kernel_without_its_figures_is_told_what_to_define(tmp_path: Path) -> None:
+    bare = SCALE_CU.replace("#define SCALE_ROWS_LOADS 3\n", "")
+    result = _run(_kernel_dir(tmp_path, {"scale.cu": bare}), tmp_path,
+                  "from metrale_cli.ops import sources; sources.loads_in_flight('scale_rows')")
+    assert result.returncode != 0
+    assert "#define SCALE_ROWS_LOADS <integer>" in result.stderr
