@@ -194,7 +194,7 @@ def test_the_counter_sees_load_chains() -> None:
 SWITCH = """
 .text.k:
         /*0000*/                   LDG.E R4, desc[UR4][R2.64] ;
-        /*0010*/                   BRX R4 -0x20                    (*"BRANCH_TARGETS .L_x_1,.L_x_2"*) ;
+        /*0010*/                   BRX R4 -0x20 (*"BRANCH_TARGETS .L_x_1,.L_x_2"*) ;
 .L_x_1:
         /*0020*/                   LDG.E.128.CONSTANT R8, desc[UR4][R6.64] ;
         /*0030*/                   BRA `(.L_x_3) ;

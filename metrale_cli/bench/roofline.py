@@ -191,14 +191,36 @@ def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in
                                         + 4 * sources.SHRINK_ROWS * splits)
         ctas = tokens * per_token_rows * splits
         return l2, passes, 2 * ctas, int(-(-lengths.max() // step)), 2
-    # expand: a CTA is 1024 output rows of one token; slot -> table, ranks, then its t row (one
-    # L2 round trip), then passes of 8 rows x 2 rank vectors of B per thread.
-    vecs = rank // sources.VECTOR
-    cta_passes = -(-vecs // 2)
+    # expand: a CTA is 1024 output rows of one token; slot -> table beside ranks (2 round
+    # trips), then passes of BGMV_EXPAND_STEPS rows per thread, its t values loaded beside the
+    # first; L2 serves the sectors its B loads touch, its t vectors and y read and written.
     blocks = grid[1]
-    l2 = tokens * (2 * out_dim * rank + 2 * y_bytes * out_dim + blocks * 4 * rank)
+    rows = np.minimum(plans.EXPAND_CTA_ROWS, out_dim - plans.EXPAND_CTA_ROWS * np.arange(blocks))
+    per_cta = [plans.expand_cta_passes(int(r), rank) for r in rows]
+    vecs = -(-rank // sources.VECTOR)
+    l2 = tokens * (_SECTOR * expand_b_sectors(out_dim, rank, rank) + 2 * y_bytes * out_dim
+                   + blocks * 4 * sources.VECTOR * vecs)
     ctas = tokens * blocks
-    return l2, ctas * cta_passes, ctas * 3, cta_passes, 3
+    return l2, tokens * sum(per_cta), ctas * 2, max(per_cta), 2
+
+
+_SECTOR = 32  # bytes: the unit L2 and HBM move
+
+
+def expand_b_sectors(out_dim: int, rank: int, max_rank: int) -> int:
+    """32-byte sectors that bgmv_expand's B loads touch over `out_dim` rows: each warp load's
+    rows (32 / lanes_per_row consecutive ones) read their rank prefixes (ceil(r / 8) vectors)
+    at B's row pitch of max_rank x 2 bytes; a sector two rows of one load share is one, while
+    the same sector met by two loads counts twice (each asks L2 for it). Below the pitch the
+    prefixes leave gaps: what the rows' padding columns cost is only the sectors they share."""
+    prefix = sources.VECTOR * 2 * -(-rank // sources.VECTOR)
+    pitch = 2 * max_rank
+    start = np.arange(out_dim, dtype=np.int64) * pitch
+    first, last = start // _SECTOR, (start + prefix - 1) // _SECTOR
+    sectors = int((last - first + 1).sum())
+    per_load = 32 // plans.lanes_per_row(rank)
+    shared = (first[1:] == last[:-1]) & (np.arange(1, out_dim) % per_load != 0)
+    return sectors - int(shared.sum())
 
 
 def _sgmv_work(kind: str, grid: tuple[int, int, int], segs: TileSegments, tokens: int,
@@ -407,7 +429,7 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, rank: int, in_dim:
     """The one launch kernels.bgmv_fused makes for `kind` over slices of these out_dims (the
     per-token path): the shrink's grid.z is (slice, split), split as the planner splits S
     slices' CTAs; the expand's grid.y covers the widest slice, and a narrower slice's spare
-    CTAs read their metadata and t row, then exit."""
+    CTAs read their metadata (slot, then table entry and rank), then exit."""
     count = len(slices)
     splits = plans.shrink_splits("bgmv", count * tokens, in_dim, rank, sms)
     if kind == "shrink":
@@ -424,12 +446,12 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, rank: int, in_dim:
         grid = plans.launch_grid(kernel, tokens, out_dim, rank)
         work = _bgmv_work(kind, grid, tokens, rank, in_dim, out_dim, 1, y_bytes)
         spare = tokens * (widest[1] - grid[1])
-        l2 += work[0] + spare * 4 * rank
+        l2 += work[0]
         passes += work[1]
-        chains += work[2] + 3 * spare
-    cta_passes = -(-(rank // sources.VECTOR) // 2)
+        chains += work[2] + 2 * spare
+    cta_passes = plans.expand_cta_passes(min(plans.EXPAND_CTA_ROWS, max(slices)), rank)
     return LaunchWork(kernel, "per-token (fused)", (widest[0], widest[1], count), 1, l2, passes,
-                      chains, cta_passes, 3)
+                      chains, cta_passes, 2)
 
 
 def fused_record(slices: Sequence[tuple[str, int]], in_dim: int, rank: int, tokens: int,

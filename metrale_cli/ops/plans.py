@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.ops.sources import (
+    CONFIG,
     EXPAND_ROWS,
     MAX_RANK,
     MAX_SPLITS,
@@ -35,6 +36,7 @@ GROUP_MIN_TOKENS = 4
 # CUDA's grid limits: x up to 2^31 - 1, y and z up to 65,535 (cudaDevAttrMaxGridDimY/Z on every
 # device since sm_30). A launch past them fails on the GPU while the host harness would run it.
 MAX_GRID = (2**31 - 1, 65_535, 65_535)
+EXPAND_STEPS = CONFIG["BGMV_EXPAND_STEPS"]  # B rows per bgmv_expand thread per pass
 
 
 @dataclass(frozen=True)
@@ -479,6 +481,25 @@ def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndar
                      seg_starts, seg_slots)
 
 
+# bgmv_expand's thread-to-data mapping (kernels/bgmv.cu, expand_rows): a CTA owns this many
+# output rows; each B row's rank prefix (ceil(r / 8) 16-byte vectors) is read by a group of
+# lanes_per_row(r) consecutive lanes, one vector each, so a warp load covers 32 / lanes rows and
+# a pass (BGMV_EXPAND_STEPS loads per thread, one row each) covers STEPS x THREADS / lanes rows.
+EXPAND_CTA_ROWS = THREADS * EXPAND_ROWS
+
+
+def lanes_per_row(rank: int) -> int:
+    """The lanes of a bgmv_expand group: the power of two at or above the rank's vectors."""
+    vecs = max(1, -(-rank // VECTOR))
+    return 1 << (vecs - 1).bit_length()
+
+
+def expand_cta_passes(rows: int, rank: int) -> int:
+    """Streaming passes of a bgmv_expand CTA over `rows` output rows at `rank`."""
+    per_pass = EXPAND_STEPS * THREADS // lanes_per_row(rank)
+    return max(1, -(-rows // per_pass))
+
+
 def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
                    num_segments: int, num_sms: int) -> float:
     """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (64 x 64
@@ -486,7 +507,6 @@ def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
     CTA per token and 1024 outputs, B read once per token). The larger of its streaming
     (waves of resident CTAs, each its passes and metadata round trips) and its L2 traffic at
     L2 bandwidth: the per-token expand re-reads B per token, which L2 must serve."""
-    vecs = -(-t_cols // VECTOR)
     if family == "sgmv":
         tiles = -(-num_tokens // SGMV_TILE)
         ctas = -(-out_dim // SGMV_TILE) * tiles
@@ -497,8 +517,9 @@ def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
         l2 = 2 * out_dim * t_cols * (num_segments + tiles) + 4 * t_cols * num_tokens * (
             -(-out_dim // SGMV_TILE))
     elif family == "bgmv":
-        ctas = num_tokens * -(-out_dim // (THREADS * EXPAND_ROWS))
-        passes, chains, kernel = -(-vecs // 2), 3, "bgmv_expand_bf16"
+        ctas = num_tokens * -(-out_dim // EXPAND_CTA_ROWS)
+        passes = expand_cta_passes(min(EXPAND_CTA_ROWS, out_dim), t_cols)
+        chains, kernel = 2, "bgmv_expand_bf16"
         l2 = 2 * out_dim * t_cols * num_tokens
     else:
         raise ValueError(f"unknown expand family {family!r}")

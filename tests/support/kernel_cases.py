@@ -177,9 +177,10 @@ SGMV_CASES = [
 # per-token path.
 DECODE_BATCHES = [
     # Slots shared by many tokens (grouped), rank 12 and 33 in a max-rank-48 pool (t narrows to
-    # 40), with slot -1, an absent slot, a rank-0 slot and one past the table.
-    Case("shared_slots", 21, 200, 72, 48, [12, 33, 8, 0], absent={2},
-         slots=[0, 1, 0, -1, 1, 0, 2, 0, 1, 3, 0, 1, 9, 0, 1, 0, 1, 0, 1, 0, 0]),
+    # 40), with slot -1, an absent slot, a rank-0 slot and one past the table; 42 tokens, so
+    # that on one SM the per-token expand's waves cost more than the SGMV tile's segments.
+    Case("shared_slots", 42, 200, 72, 48, [12, 33, 8, 0], absent={2},
+         slots=[0, 1, 0, -1, 1, 0, 2, 0, 1, 3, 0, 1, 9, 0, 1, 0, 1, 0, 1, 0, 0] * 2),
     # One adapter for the whole batch, over three 64-token tiles.
     Case("one_slot", 150, 64, 64, 64, [20], slots=[0] * 150),
 ]
