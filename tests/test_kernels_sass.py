@@ -214,3 +214,24 @@ def test_the_chain_depth_follows_the_control_flow() -> None:
     code = parse(SWITCH)["k"]
     assert sass.stream_depth(code) == 2
     assert sass.stream_depth(code[:-2] + code[-1:]) == 1
+
+
+# An m16n8k16 mma's B fragment is two registers: the first HMMA reads R6-R7 (not R8, which the
+# loop's first load writes); its A fragment is four (R6 as A would read R6-R9).
+MMA_LOOP = """
+.text.k:
+.L_x_1:
+        /*0000*/                   LDG.E.128.CONSTANT R8, desc[UR4][R2.64] ;
+        /*0010*/                   HMMA.16816.F32.BF16 R20, R12, R6, R20 ;
+        /*0020*/                   LDG.E.128.CONSTANT R24, desc[UR4][R4.64] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R20, R12, R8, R20 ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/                   EXIT ;
+"""
+
+
+def test_the_counter_reads_an_mma_s_fragments_at_their_widths() -> None:
+    code = parse(MMA_LOOP)["k"]
+    assert loads_before_first_use(code, 0, 4) == 2
+    a_operand = parse(MMA_LOOP.replace("R20, R12, R6, R20", "R20, R6, R14, R20"))["k"]
+    assert loads_before_first_use(a_operand, 0, 4) == 1

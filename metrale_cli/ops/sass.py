@@ -205,8 +205,9 @@ class Instruction:
         return {f"{kind}{base + i}" for i in range(width)}
 
     def reads(self) -> set[str]:
-        """Registers read, widened conservatively: a vector or matrix operand names only its
-        first register, so a 128-bit or mma operand counts as four."""
+        """Registers read, widened: a vector or matrix operand names only its first register,
+        so a 128-bit operand counts as four, and an m16n8k16 mma's A and C four and its B two
+        (HMMA.16816 D, A, B, C: its B fragment is two registers); any other mma, four each."""
         registers = self._registers()
         if self._has_destination() and registers:
             first = registers[0]
@@ -214,11 +215,13 @@ class Instruction:
                 registers = registers[1:]
         wide = 4 if (".128" in self.opcode or self.opcode.startswith("HMMA")) else 1
         read: set[str] = set()
-        for match in registers:
+        for position, match in enumerate(registers):
             kind, base = match.group(1), int(match.group(2))
             before = self.operands[: match.start()]
             in_address = before.count("[") > before.count("]")
             width = 2 if match.group(3) else (1 if in_address or kind == "P" else wide)
+            if self.opcode.startswith("HMMA.16816") and position == 1:
+                width = 2
             read.update(f"{kind}{base + i}" for i in range(width))
         if self.predicate and self.predicate != "@PT":
             read.add(self.predicate.lstrip("@!"))
