@@ -381,12 +381,13 @@ def cost_terms(work: LaunchWork, nbytes: int, device: ModelDevice,
 
 
 def stream_model(kernel: str, grid: tuple[int, int, int], requested_bytes: int, nbytes: int,
-                 device: ModelDevice) -> dict[str, Any]:
+                 device: ModelDevice, pass_bytes: int | None = None) -> dict[str, Any]:
     """cost_terms for a launch known only by its grid and the bytes its loads ask for (the
-    expert kernels): each CTA streams its share of `requested_bytes` in passes of the loads
-    per thread that the SASS check holds (lora_config.h), after the slot -> table chain."""
+    expert kernels): each CTA streams its share of `requested_bytes` in passes of
+    `pass_bytes` distinct bytes (default: the loads per thread that the SASS check holds,
+    lora_config.h, all distinct), after the slot -> table chain."""
     ctas = grid[0] * grid[1] * grid[2]
-    per_pass = sources.loads_in_flight(kernel) * _LOAD_BYTES * sources.THREADS
+    per_pass = pass_bytes or sources.loads_in_flight(kernel) * _LOAD_BYTES * sources.THREADS
     cta_passes = max(1, math.ceil(requested_bytes / ctas / per_pass))
     work = LaunchWork(kernel, "", grid, 1, requested_bytes, ctas * cta_passes, 2 * ctas,
                       cta_passes, 2)
