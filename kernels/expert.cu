@@ -572,6 +572,76 @@ __device__ __forceinline__ void expand_mma_cols(const bf16_t* __restrict__ b_row
   }
 }
 
+// The expand at rank 16 or below (kVecs = 1 or 2 vectors per B row), where a 32-wide chunk
+// would have lanes re-read their row's vectors: each lane loads its own row's vector, the quad
+// covering 4 / kVecs n8 tiles (lane q: tile q / kVecs, vector q % kVecs). The mma's 16 rows
+// keep them apart: rows 0-7 are the pairs seen through the lanes of the first tile of a view,
+// rows 8-15 through the second (each lane's t fragment is zero in the other half), so one mma
+// over a view's lanes yields two tiles' outputs, D rows 0-7 and 8-15. At one vector per row
+// the quad's 4 tiles are two views (lanes 0, 2 and 1, 3). A pass is 8 kVecs loads per lane, all
+// of the CTA's rows, every warp's load s covering the next 4 / kVecs tiles after the other
+// warps'.
+template <int kVecs>
+__device__ __forceinline__ void expand_mma_narrow(const bf16_t* __restrict__ b_rows,
+                                                  long long max_rank, int rows,
+                                                  const bf16_t (*t_hi)[kTPitch],
+                                                  const bf16_t (*t_lo)[kTPitch],
+                                                  float (*stage)[kStagePitch], int warp,
+                                                  int lane) {
+  constexpr int kLoadTiles = 4 / kVecs;  // n8 tiles one warp load covers
+  constexpr int kViews = 2 / kVecs;
+  // Loads per lane: one pass covers the CTA's 1024 outputs (8 x 4 warps x 4 tiles at one
+  // vector a row, 16 x 4 x 2 at two), every load distinct.
+  constexpr int kSteps = 8 * kVecs;
+  const int g = lane >> 2;
+  const int q = lane & 3;
+  const int mine = q / kVecs;             // this lane's tile within a load
+  const int view = mine % kViews;
+  const int half = mine / kViews;
+  const int n_tiles = rows >> 3;
+  // This lane's t values (its vector's 8, hi and lo); a view's A fragment puts them in the
+  // rows of the lane's half, zeros elsewhere and in the views the lane is not part of.
+  const uint4 th = *reinterpret_cast<const uint4*>(&t_hi[g][8 * (q % kVecs)]);
+  const uint4 tl = *reinterpret_cast<const uint4*>(&t_lo[g][8 * (q % kVecs)]);
+  const unsigned words[4][2] = {{th.x, th.y}, {th.z, th.w}, {tl.x, tl.y}, {tl.z, tl.w}};
+  static_assert(kSteps * METRALE_WARPS * kLoadTiles * 8 == kExpandRows, "one pass a CTA");
+  uint4 w[kSteps];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    const int tile = (s * METRALE_WARPS + warp) * kLoadTiles + mine;
+    w[s] = load16(b_rows + static_cast<long long>(imin(8 * tile + g, rows - 1)) * max_rank +
+                  8 * (q % kVecs));
+  }
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    const unsigned b0[2] = {w[s].x, w[s].y};
+    const unsigned b1[2] = {w[s].z, w[s].w};
+#pragma unroll
+    for (int v = 0; v < kViews; ++v) {
+      const bool lo_rows = v == view && half == 0, hi_rows = v == view && half == 1;
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const unsigned a[4] = {lo_rows ? words[m][0] : 0u, hi_rows ? words[m][0] : 0u,
+                               lo_rows ? words[m][1] : 0u, hi_rows ? words[m][1] : 0u};
+        mma_bf16_16816(d, a, m & 1 ? b1 : b0);
+      }
+      // D rows 0-7: pair g of the view's first tile (outputs 2q, 2q + 1); rows 8-15: its
+      // second.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tile = (s * METRALE_WARPS + warp) * kLoadTiles + h * kViews + v;
+        if (tile < n_tiles) {
+          float2 out;
+          out.x = d[2 * h];
+          out.y = d[2 * h + 1];
+          *reinterpret_cast<float2*>(&stage[g][8 * tile + 2 * q]) = out;
+        }
+      }
+    }
+  }
+}
+
 template <typename OutT>
 __device__ __forceinline__ void expert_expand_mma_body(
     const float* __restrict__ t, const int* __restrict__ sorted_pairs,
@@ -617,11 +687,19 @@ __device__ __forceinline__ void expert_expand_mma_body(
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr) + static_cast<long long>(o0) * max_rank;
+  if (vecs <= 2) {  // CTA-uniform: rank 16 or below
+    if (vecs == 1) {
+      expand_mma_narrow<1>(b_rows, max_rank, rows, t_hi, t_lo, stage, warp, lane);
+    } else {
+      expand_mma_narrow<2>(b_rows, max_rank, rows, t_hi, t_lo, stage, warp, lane);
+    }
+  } else {
   switch (padded) {
     case 32: expand_mma_cols<1>(b_rows, max_rank, rows, vecs, t_hi, t_lo, stage, warp, lane); break;
     case 64: expand_mma_cols<2>(b_rows, max_rank, rows, vecs, t_hi, t_lo, stage, warp, lane); break;
     case 128: expand_mma_cols<4>(b_rows, max_rank, rows, vecs, t_hi, t_lo, stage, warp, lane); break;
     default: expand_mma_cols<8>(b_rows, max_rank, rows, vecs, t_hi, t_lo, stage, warp, lane); break;
+  }
   }
   __syncthreads();
 

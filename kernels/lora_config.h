@@ -54,8 +54,8 @@
 // precede the first product; the prefill tiles run on mma: the shrink's pass is (1 x + 2 per
 // m16 tile of A) vectors per 32-wide K chunk, 18 for 1 or 4 tiles (15 for 2, which ptxas issues
 // two passes at a time: 30), the expand's 16 B vectors, double-buffered (the next pass's loads
-// in flight during this one's mma); router_lora_*: ROUTER_COLS B vectors a pass (its shrink
-// loop issues 5).
+// in flight during this one's mma; at rank 16 or below one pass of 8 or 16 holds the CTA's
+// rows, no loop); router_lora_*: ROUTER_COLS B vectors a pass (its shrink loop issues 5).
 #define EXPERT_SHRINK_DECODE_MIN_CTAS 4
 #define EXPERT_SHRINK_DECODE_LOADS 6
 #define EXPERT_SHRINK_PREFILL_MIN_CTAS 2

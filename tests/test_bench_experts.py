@@ -103,8 +103,8 @@ def test_the_torch_baseline_computes_the_same_delta(proj: str) -> None:
 def test_the_prefill_model_is_the_mma_launch_plan() -> None:
     """The model's prefill launches are the plans ExpertGroup makes (kernel and grid: 64 rank
     rows per shrink CTA on the mma tiles), and a pass's distinct bytes are what its loads
-    bring: all of them at rank 64, a quarter of the expand's at rank 8 (a B row's one vector
-    loaded by the 4 lanes of an mma quad)."""
+    bring: all of them at rank 64; at rank 8 the expand's one pass holds the CTA's 1024 rows
+    of one vector each, and the shrink's m16 tiles re-read rows past the rank."""
     shape = be.ExpertShape("m", hidden=256, inter=128, experts=4, top_k=2, rank=64, tokens=64,
                            adapters=1)
     batch = be.plan(shape)
@@ -119,5 +119,6 @@ def test_the_prefill_model_is_the_mma_launch_plan() -> None:
     loads = 16 * 128  # bytes of one 16-byte load per thread of a CTA
     assert be.prefill_pass_bytes("shrink", 64, 8) == 18 * loads
     assert be.prefill_pass_bytes("expand", 64, 8) == 16 * loads
-    assert be.prefill_pass_bytes("expand", 8, 8) == 16 * loads // 4
+    assert be.prefill_pass_bytes("expand", 8, 8) == 1024 * 16
+    assert be.prefill_pass_bytes("expand", 16, 8) == 1024 * 32
     assert be.prefill_pass_bytes("shrink", 8, 8) < 18 * loads

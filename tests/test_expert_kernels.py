@@ -466,10 +466,11 @@ def test_off_rank_experts_leave_their_rows_untouched(served: Served) -> None:
 # --- the prefill tiles on tensor cores (issue 20) ----------------------------------------------
 
 # Slot ranks that reach every shape of the mma prefill kernels in a max-rank-256 pool: the
-# shrink's 1, 2 and 4 m16 tiles per 64-row CTA (13, 24; 40 and 100 past 64: 3 tiles, read as 4;
-# 72: 4 then 1) and its four 64-row CTAs (256); the expand's 1, 2, 4 and 8 rank chunks of 32
-# (13 and 24; 40; 72 and 100; 256). Slot 6 is rank 0.
-MMA_RANKS = [256, 72, 40, 13, 100, 24, 0]
+# shrink's 1, 2 and 4 m16 tiles per 64-row CTA (5, 13, 24; 40 and 100 past 64: 3 tiles, read
+# as 4; 72: 4 then 1) and its four 64-row CTAs (256); the expand's narrow tiles at one and two
+# vectors a row (5, 13) and 1, 2, 4 and 8 rank chunks of 32 (24; 40; 72 and 100; 256). Slot 6
+# is rank 0.
+MMA_RANKS = [256, 72, 40, 13, 100, 24, 0, 5]
 
 
 def _mma_tables(in_dim: int, out_dim: int, slices: int, experts: int,
@@ -521,7 +522,7 @@ def test_the_prefill_mma_tiles_equal_the_reference_at_every_rank_shape(proj: str
     absent = {(0, 1): {2}}
     tables, a_w, b_w, _pools = _mma_tables(in_dim, out_dim, slices, experts, absent, seed=7)
     gen = torch.Generator().manual_seed(3)
-    slots = torch.tensor([(0, 1, 2, 3, 4, 5, 6, -1)[i % 8] for i in range(tokens)],
+    slots = torch.tensor([(0, 1, 2, 3, 4, 5, 6, -1, 7)[i % 9] for i in range(tokens)],
                          dtype=torch.int32)
     topk = torch.stack([torch.randperm(experts, generator=gen)[:top_k]
                         for _ in range(tokens)]).to(torch.int32)

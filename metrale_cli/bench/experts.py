@@ -130,7 +130,8 @@ def flops(proj: str, shape: ExpertShape) -> int:
 # 32-wide K chunks of the tile's x rows and of its m16 tiles of A rows, kChunks 6, 3 or 2 for
 # the 1, 2 or 4 tiles the rank reaches in a 64-row CTA (3 are read as 4); the expand's warps
 # take 16 / kChunks n8 tiles of B rows over kChunks 32-wide rank chunks (the power of two at or
-# above ceil(r / 32)).
+# above ceil(r / 32)), or, at one or two vectors a row (rank 16 or below), every lane its own
+# row's vector: one pass of the CTA's 1024 rows.
 _SHRINK_CHUNKS = {1: 6, 2: 3, 4: 2}
 
 
@@ -144,9 +145,11 @@ def prefill_pass_bytes(kind: str, rank: int, pairs_per_tile: float) -> int:
         tiles = 1 if used == 1 else 2 if used == 2 else 4
         rows = min(16 * tiles, rank)
         return round(warps * _SHRINK_CHUNKS[tiles] * 32 * 2 * (min(8, pairs_per_tile) + rows))
+    vecs = -(-rank // sources.VECTOR)
+    if vecs <= 2:
+        return sources.THREADS * sources.EXPAND_ROWS * 2 * sources.VECTOR * vecs
     chunks = 1 << (-(-rank // 32) - 1).bit_length()
-    prefix = min(32 * chunks, sources.VECTOR * -(-rank // sources.VECTOR))
-    return warps * (16 // chunks) * 8 * 2 * prefix
+    return warps * (16 // chunks) * 8 * 2 * min(32 * chunks, sources.VECTOR * vecs)
 
 
 def _launches(proj: str, shape: ExpertShape, batch: expert_kernels.ExpertBatch
