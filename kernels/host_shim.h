@@ -13,9 +13,14 @@
 //   __global__ __device__ __host__ __forceinline__ __launch_bounds__ __align__ __restrict__
 //   static __shared__ arrays (no `extern __shared__`), threadIdx blockIdx blockDim gridDim,
 //   uint3 dim3 uint4 float4 float2, __syncthreads, __shfl_xor_sync / __shfl_sync on types of up
-//   to 8 bytes, __uint_as_float, __float_as_uint, atomicAdd on float, and mma_bf16_16816
-//   (lora_common.cuh).
-// Not supported: other atomics, cooperative groups, cp.async, inline PTX, CUDA headers.
+//   to 8 bytes, __uint_as_float, __float_as_uint, atomicAdd on float, and mma_bf16_16816,
+//   cp_async16 / cp_async_commit / cp_async_wait (lora_common.cuh).
+// cp.async keeps its PTX meaning: a copy is issued into the thread's open group, commit closes
+// the group, and wait<N> completes every committed group but the N newest. The destination is
+// undefined from issue until the wait that completes it, and the shim makes it so: it is filled
+// with NaN bytes (0xff) at issue and written only at that wait. A kernel that reads a stage
+// before waiting for it, or overwrites one that another warp still reads, gets NaN.
+// Not supported: other atomics, cooperative groups, other inline PTX, CUDA headers.
 #pragma once
 #define METRALE_HOST_SHIM 1
 
@@ -75,6 +80,15 @@ constexpr int kExchangeWords = 8;
 
 enum class Wait { kNone, kBlock, kWarp, kDone };
 
+// One cp.async in flight: `bytes` of `src` land at `dst`, zeros after them up to `size`.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+  int size;
+  unsigned group;
+};
+
 struct Fiber {
   ucontext_t context;
   uint3 tid;
@@ -84,6 +98,10 @@ struct Fiber {
   // Collective calls alternate between two exchange buffers: a thread that writes buffer p for
   // call n + 1 has passed call n's barrier, so every thread has finished reading call n - 1.
   unsigned phase;
+  // This thread's cp.async copies not yet completed, and the groups committed so far (the
+  // open group is number `committed`).
+  std::vector<AsyncCopy> copies;
+  unsigned committed;
 };
 
 struct Launch {
@@ -145,6 +163,8 @@ inline bool run_block(Launch& L, std::string& error) {
     Fiber& f = L.fibers[i];
     f.wait = Wait::kNone;
     f.phase = 0;
+    f.copies.clear();
+    f.committed = 0;
     ++L.warp_live[f.warp];
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = L.stacks + static_cast<size_t>(i) * kStackBytes;
@@ -316,4 +336,33 @@ inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], const unsigned
     d[e] += sum;
   }
   f.phase ^= 1u;
+}
+
+// cp.async.cg.shared.global with a source size (lora_common.cuh documents the GPU side): the
+// copy goes into the open group; its 16 destination bytes hold NaN until a wait completes it.
+inline void cp_async16(void* dst, const void* src, int src_bytes) {
+  using namespace ::metrale_shim;
+  Fiber& f = self();
+  std::memset(dst, 0xff, 16);
+  f.copies.push_back(AsyncCopy{dst, src, src_bytes, 16, f.committed});
+}
+
+inline void cp_async_commit() { ++::metrale_shim::self().committed; }
+
+// Completes every committed group but the `pending` newest; copies issued after the last commit
+// are in no committed group and stay in flight, as in PTX.
+template <int pending>
+inline void cp_async_wait() {
+  using namespace ::metrale_shim;
+  Fiber& f = self();
+  std::vector<AsyncCopy> left;
+  for (const AsyncCopy& c : f.copies) {
+    if (c.group + pending < f.committed) {
+      std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+      std::memset(static_cast<char*>(c.dst) + c.bytes, 0, static_cast<size_t>(c.size - c.bytes));
+    } else {
+      left.push_back(c);
+    }
+  }
+  f.copies.swap(left);
 }

@@ -183,3 +183,33 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a
 __device__ __forceinline__ unsigned lds32(const bf16_t* p) {
   return *reinterpret_cast<const unsigned*>(p);
 }
+
+// Asynchronous global -> shared copies (sm_80's cp.async, LDGSTS in SASS), what the SGMV
+// pipelines stream through: a copy needs no register, so a thread can have several K tiles in
+// flight while the tensor cores work on an earlier one, and no conversion can sit between the
+// loads (NVRTC interleaved register loads with their conversions). cp_async16 copies the first
+// `src_bytes` (0..16) of 16 bytes at `src` into shared `dst` and zero-fills the rest: how the
+// SGMV kernels mask rows outside a chunk and columns past the rank or K without moving them
+// (src must still be a valid, 16-byte aligned address). It goes through L2 only (.cg): a tile
+// is read once per CTA. cp_async_commit closes the thread's open group of copies;
+// cp_async_wait<N> waits until at most N committed groups are in flight. The copies are
+// visible to other threads after the wait and a __syncthreads. The host shim emulates all three
+// with these semantics (host_shim.h).
+#ifndef METRALE_HOST_SHIM
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  unsigned shared_address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+      : "=r"(shared_address)
+      : "l"(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+#endif

@@ -24,20 +24,27 @@
 #define BGMV_EXPAND_STEPS 16
 // SGMV tiles: 64 tokens (4 warps x the mma's 16 rows) x 64 rank or output columns x 64 K.
 #define SGMV_TILE 64
+// SGMV pipeline stages: K tiles (shrink) and rank chunks (expand) in flight per CTA, streamed by
+// cp.async into shared memory; each stage is a 64 x 64 x tile and A tile (16 KiB) or an F32
+// t tile and a B tile (24 KiB), within the 48 KiB of static shared memory.
+#define SGMV_SHRINK_STAGES 3
+#define SGMV_EXPAND_STAGES 2
 
 // Per kernel: the CTAs per SM its __launch_bounds__ guarantees (so ptxas keeps registers within
 // 65536 / (METRALE_THREADS x that)), and the independent 16-byte global loads per thread that each
-// of its hot loops issues before the first instruction that uses one of them. The second number
-// is what tests/test_kernels_sass.py checks in the sm_90 machine code and what the roofline model
-// (metrale bench kernels --model-only) turns into bytes in flight; kernels/README.md explains them.
+// of its hot loops issues before the first instruction that uses one of them (for the SGMV
+// pipelines: the cp.async copies in flight at each wait, a stage's 8 or 12 copies times the 3 or
+// 2 stages). The second number is what tests/test_kernels_sass.py checks in the sm_90 machine
+// code and what the roofline model (metrale bench kernels --model-only) turns into bytes in
+// flight; kernels/README.md explains them.
 #define BGMV_SHRINK_MIN_CTAS 6
 #define BGMV_SHRINK_LOADS 10
 #define BGMV_EXPAND_MIN_CTAS 4
 #define BGMV_EXPAND_LOADS 16
 #define SGMV_SHRINK_MIN_CTAS 3
-#define SGMV_SHRINK_LOADS 8
+#define SGMV_SHRINK_LOADS 24
 #define SGMV_EXPAND_MIN_CTAS 3
-#define SGMV_EXPAND_LOADS 7
+#define SGMV_EXPAND_LOADS 24
 
 // expert.cu (kernels/README.md): pairs per tile of one (slot, expert) group on the decode and
 // the grouped prefill path (each weight vector a CTA loads feeds that many pairs); the router's

@@ -14,60 +14,65 @@
 // and zeroed before such a launch; y BF16 or F32).
 //
 // token_order (i32 [T], or null for the identity) lets the decode path run here: the host sorts a
-// batch's tokens by slot (a segment plan, kernels.plan_batch) and the segments then index sorted
+// batch's tokens by slot (a segment plan, plans.plan_batch) and the segments then index sorted
 // positions, while x, t and y stay in token order (position p is token token_order[p]). Each
 // adapter's weight tile is then read once per 64 tokens instead of once per token. Products run on mma.sync m16n8k16 (BF16 in, F32 accumulate), so
 // sm_80 or newer. The expand rounds the F32 t to BF16 for the tensor cores (the largest error
 // source: relative 2^-9 per t element); the shrink is exact up to F32 summation order.
 //
-// Tiling: a CTA owns a fixed 64-token window of the batch, not a segment, so no host-side plan is
-// needed and skewed segment lengths launch no idle CTAs. It walks the segments overlapping its
-// window (binary search for the first), and for each runs one pass in which only that segment's
-// rows are loaded (other rows are zero) and only warps whose 16 rows meet the segment issue mma.
-// Passes accumulate into the same registers; the tile is written once at the end. The rank loop
-// stops at r: shrink skips 8-column mma tiles at or past r and never loads A rows >= r; expand's K
-// loop ends at r.
+// Work: one CTA per (chunk, column tile), never walking segments. The launcher cuts every segment
+// into chunks of at most 64 consecutive positions (plans.segment_chunks: on the host, O(S),
+// from the seg_starts it already copies to check them) and passes them as chunks i32 [C, 4] =
+// (begin, end, slot, 0): one 16-byte load gives a CTA its rows and its slot, where a CTA of a
+// fixed 64-token window used to binary-search the segments (a chain of log2(S + 1) dependent
+// loads) and then walk every segment meeting its window, each a pass of its own with a pipeline
+// refill and two barriers. Tokens before the first segment form chunks of slot -1, so the
+// shrink still writes t's every row; empty segments have no chunk.
 //
-// Launch shapes (picked by metrale_cli/kernels.py, which the host harness shares):
-//   sgmv_shrink:    grid (ceil(t_cols / 64), ceil(T / 64), num_splits), block 128 (4 warps x
-//                   16 tokens); K is read in 64-wide tiles double-buffered through registers.
-//   sgmv_expand_*:  grid (ceil(out_dim / 64), ceil(T / 64)), block 128; a 64 token x 64 output
-//                   tile, staged through shared memory so the y read-modify-write is 16-byte
-//                   coalesced.
-// Memory-level parallelism (kernels/README.md): tile loads are unconditional (rows outside the
-// segment and columns past K or the rank are clamped into bounds and masked to zero), and every
-// load of a tile is issued before the first use: SGMV_SHRINK_LOADS per thread for the next K tile
-// while the tensor cores work on this one; in the expand, the B tile and the t tile together,
-// the B tile and the t tile together (SGMV_EXPAND_LOADS loads per pass).
+// Pipelines: each K tile (shrink) or rank chunk (expand) of 64 is streamed into shared memory by
+// cp.async (lora_common.cuh), SGMV_*_STAGES tiles in flight per thread: the prologue issues that
+// many, and every iteration waits for the oldest, works on it, and refills its stage with the
+// tile that many further on. Rows outside the chunk and columns past K or the rank are
+// zero-filled by the copy (source size 0), not loaded: a chunk of one token moves one x row.
+// The rank loop stops at r: the shrink skips 8-column mma tiles at or past r and never loads A
+// rows >= r; the expand's K loop ends at r.
+//
+// Launch shapes (planned by metrale_cli/ops/plans.py, which the host harness shares):
+//   sgmv_shrink:    grid (ceil(t_cols / 64), chunks, num_splits), block 128 (4 warps x 16 tokens);
+//                   3 stages of a 64 x 64 x tile and a 64 x 64 A tile (48 KiB).
+//   sgmv_expand_*:  grid (ceil(ceil(out_dim / 64) / out_tiles), chunks), block 128; a chunk's
+//                   tokens x out_tiles tiles of 64 outputs, its (output tile, rank chunk) items
+//                   through 2 stages of an F32 t tile and a B tile (48 KiB); each output tile's
+//                   F32 result is staged through the stage just read, so the y
+//                   read-modify-write is 16-byte coalesced. out_tiles (plans.expand_out_tiles)
+//                   is 1 where chunks fill the device, more for small chunks: a CTA then pays
+//                   its metadata once for several B tiles.
+// Shared tiles are unpadded, 64 elements a row, with their 16-byte vectors XOR-swizzled by row
+// (bf16_at, f32_at) so that the fragment reads of a warp hit distinct banks: padding would not
+// let three stages fit in the 48 KiB of static shared memory a CTA may have.
 //
 // Compile alone:
 //   nvcc -arch=sm_90 -std=c++17 -Werror all-warnings -Xcompiler -Wall,-Werror -c -o /dev/null kernels/sgmv.cu
 #include "lora_common.cuh"
 
-#define SG_M SGMV_TILE  // tokens per CTA: 4 warps x 16 rows (the mma M)
+#define SG_M SGMV_TILE  // positions per chunk, and per CTA: 4 warps x 16 rows (the mma M)
 #define SG_N SGMV_TILE  // rank columns (shrink) or output columns (expand) per CTA: 8 n8 tiles
-#define SG_K SGMV_TILE  // K elements per shared-memory tile
-// Padded shared row (elements): 144 bytes = 36 words, so the 32 lanes' fragment reads (rows g,
-// word q) land on 32 distinct banks.
-#define SG_LD (SG_K + 8)
-// A 64 x 64 BF16 tile is 512 16-byte vectors: 4 per thread, rows tid / 8 + 16 i, column vector
-// tid % 8.
+#define SG_K SGMV_TILE  // K elements per shared-memory tile, and a tile's row length
+// A 64 x 64 BF16 tile is 512 16-byte vectors: 4 per thread, rows tid / 8 + 16 i, vector tid % 8.
 #define SG_TILE_VECS 4
+// A 64 x 64 F32 tile is 1024: 8 per thread, rows tid / 16 + 8 i, vector tid % 16.
+#define SG_T_VECS 8
 
-// The first segment whose end lies past token m0 (num_segments if none).
-__device__ __forceinline__ int first_segment(const int* __restrict__ seg_starts, int num_segments,
-                                             int m0) {
-  int lo = 0;
-  int hi = num_segments;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (seg_starts[mid + 1] > m0) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  return lo;
+// Element offset of (row, col) in a 64 x 64 BF16 tile: 16-byte vector col / 8 of a row is
+// stored at vector (col / 8) ^ (row % 8), so the 8 rows g of a fragment read (same column) fall
+// on 8 distinct groups of 4 banks.
+__device__ __forceinline__ int bf16_at(int row, int col) {
+  return row * SG_K + ((((col >> 3) ^ row) & 7) << 3) + (col & 7);
+}
+// The same for a 64 x 64 F32 tile (16 vectors of 4 a row): vector (col / 4) ^ 2 (row % 8), so
+// the 8-byte fragment reads of a half warp (rows g < 4, columns 2q) hit 32 distinct banks.
+__device__ __forceinline__ int f32_at(int row, int col) {
+  return row * SG_K + ((((col >> 2) ^ (row << 1)) & 15) << 2) + (col & 3);
 }
 
 // The token at sorted position p.
@@ -75,138 +80,129 @@ __device__ __forceinline__ int token_at(const int* __restrict__ order, int p) {
   return order ? order[p] : p;
 }
 
-// One thread's share of a 64 x 64 BF16 tile stream: its 4 rows' start pointers and whether
-// each row holds data. Rows without data point at a row that does,
-// so every load is in bounds and unconditional; the mask zeroes them.
-struct TileRows {
-  const bf16_t* row[SG_TILE_VECS];
-  bool keep[SG_TILE_VECS];
+// A CTA's chunk: positions [begin, begin + rows) of one segment, all with `slot`.
+struct Chunk {
+  int begin;
+  int rows;
+  int slot;
 };
-
-// Load the tile at K offset k (columns at or past k_end: clamped to k_end - 8, masked).
-__device__ __forceinline__ void load_tile(uint4 (&regs)[SG_TILE_VECS], const TileRows& rows, int k,
-                                          int k_end, int tid) {
-  const int col = k + (tid & 7) * 8;
-  const bool col_ok = col < k_end;
-  const int at = col_ok ? col : k_end - 8;
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) regs[i] = load16(rows.row[i] + at);
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) regs[i] = keep16(col_ok && rows.keep[i], regs[i]);
-}
-
-__device__ __forceinline__ void store_tile(bf16_t (*tile)[SG_LD], const uint4 (&regs)[SG_TILE_VECS],
-                                           int tid) {
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) {
-    const int v = tid + i * METRALE_THREADS;
-    *reinterpret_cast<uint4*>(&tile[v >> 3][(v & 7) * 8]) = regs[i];
-  }
+__device__ __forceinline__ Chunk chunk_at(const int* __restrict__ chunks, int c) {
+  const uint4 v = load16(chunks + 4 * static_cast<long long>(c));
+  return Chunk{static_cast<int>(v.x), static_cast<int>(v.y) - static_cast<int>(v.x),
+               static_cast<int>(v.z)};
 }
 
 // acc[nt] += A_tile[warp rows, kk..kk+15] * B_tile[nt*8.., kk..kk+15]^T for nt < n_tiles.
-__device__ __forceinline__ void mma_k16(float (&acc)[SG_N / 8][4], const bf16_t (*a_tile)[SG_LD],
-                                        const bf16_t (*b_tile)[SG_LD], int warp, int lane, int kk,
+__device__ __forceinline__ void mma_k16(float (&acc)[SG_N / 8][4], const bf16_t* a_tile,
+                                        const bf16_t* b_tile, int warp, int lane, int kk,
                                         int n_tiles) {
   const int g = lane >> 2;
   const int c = kk + (lane & 3) * 2;
   const int r0 = warp * 16 + g;
   unsigned af[4];
-  af[0] = lds32(&a_tile[r0][c]);
-  af[1] = lds32(&a_tile[r0 + 8][c]);
-  af[2] = lds32(&a_tile[r0][c + 8]);
-  af[3] = lds32(&a_tile[r0 + 8][c + 8]);
+  af[0] = lds32(&a_tile[bf16_at(r0, c)]);
+  af[1] = lds32(&a_tile[bf16_at(r0 + 8, c)]);
+  af[2] = lds32(&a_tile[bf16_at(r0, c + 8)]);
+  af[3] = lds32(&a_tile[bf16_at(r0 + 8, c + 8)]);
 #pragma unroll
   for (int nt = 0; nt < SG_N / 8; ++nt) {
     if (nt < n_tiles) {
       unsigned bf[2];
-      bf[0] = lds32(&b_tile[nt * 8 + g][c]);
-      bf[1] = lds32(&b_tile[nt * 8 + g][c + 8]);
+      bf[0] = lds32(&b_tile[bf16_at(nt * 8 + g, c)]);
+      bf[1] = lds32(&b_tile[bf16_at(nt * 8 + g, c + 8)]);
       mma_bf16_16816(acc[nt], af, bf);
     }
   }
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_SHRINK_MIN_CTAS)
-sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ seg_starts,
-            const int* __restrict__ seg_slots, int num_segments,
+sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ chunks,
             const int* __restrict__ token_order, const ptr_t* __restrict__ a_table,
-            const int* __restrict__ ranks, int max_loras, float* __restrict__ t, int num_tokens,
-            int in_dim, int max_rank, int t_cols, int k_chunk) {
-  __shared__ __align__(16) bf16_t x_tile[SG_M][SG_LD];
-  __shared__ __align__(16) bf16_t a_tile[SG_N][SG_LD];
+            const int* __restrict__ ranks, int max_loras, float* __restrict__ t, int in_dim,
+            int max_rank, int t_cols, int k_chunk) {
+  __shared__ __align__(16) bf16_t x_tile[SGMV_SHRINK_STAGES][SG_M * SG_K];
+  __shared__ __align__(16) bf16_t a_tile[SGMV_SHRINK_STAGES][SG_N * SG_K];
   const int n0 = blockIdx.x * SG_N;
-  const int m0 = blockIdx.y * SG_M;
-  const int split = blockIdx.z;
+  const Chunk chunk = chunk_at(chunks, blockIdx.y);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int m_end = imin(num_tokens, m0 + SG_M);
-  const int k_begin = split * k_chunk;
+  const int k_begin = blockIdx.z * k_chunk;
   const int k_end = imin(in_dim, k_begin + k_chunk);
   const bool accumulate = gridDim.z > 1;
-  // An empty trailing split (K does not divide evenly) adds nothing: CTA-uniform, before any
-  // barrier.
-  if (accumulate && k_begin >= k_end) return;
+  const ptr_t a_addr = slot_address(a_table, chunk.slot, max_loras);
+  const int listed = slot_rank(ranks, chunk.slot, max_loras);
+  const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
+  const int k_tiles = rank > n0 && k_begin < k_end ? (k_end - k_begin + SG_K - 1) / SG_K : 0;
+  // Split-K adds into a zeroed t: a CTA with nothing to add (a skipped chunk, columns past the
+  // rank, an empty trailing split) returns. CTA-uniform, before any barrier.
+  if (accumulate && k_tiles == 0) return;
 
   float acc[SG_N / 8][4];
 #pragma unroll
   for (int nt = 0; nt < SG_N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
-  for (int seg = k_begin < k_end ? first_segment(seg_starts, num_segments, m0) : num_segments;
-       seg < num_segments && seg_starts[seg] < m_end; ++seg) {
-    // Everything below is CTA-uniform, so skipping a segment never splits a barrier.
-    const int lo = imax(seg_starts[seg], m0) - m0;
-    const int hi = imin(seg_starts[seg + 1], m_end) - m0;
-    const int slot = seg_slots[seg];
-    const ptr_t a_addr = slot_address(a_table, slot, max_loras);
-    const int listed = slot_rank(ranks, slot, max_loras);
-    const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
-    if (lo >= hi || rank <= n0) continue;
+  if (k_tiles > 0) {
     const int n_valid = imin(SG_N, rank - n0);
     const int n_tiles = (n_valid + 7) >> 3;
-    const bool warp_active = warp * 16 < hi && warp * 16 + 16 > lo;
-    const bf16_t* a_rows = reinterpret_cast<const bf16_t*>(a_addr) + static_cast<long long>(n0) * in_dim;
-
-    TileRows x_rows, a_src;
+    const bool warp_active = warp * 16 < chunk.rows;
+    const bf16_t* a_rows =
+        reinterpret_cast<const bf16_t*>(a_addr) + static_cast<long long>(n0) * in_dim;
+    const int vec = (tid & 7) * 8;
+    // This thread's 4 x rows and 4 A rows; a row without data names row 0 (a valid address)
+    // and copies nothing.
+    const bf16_t* x_src[SG_TILE_VECS];
+    const bf16_t* a_src[SG_TILE_VECS];
+    bool x_keep[SG_TILE_VECS], a_keep[SG_TILE_VECS];
 #pragma unroll
     for (int i = 0; i < SG_TILE_VECS; ++i) {
       const int row = (tid >> 3) + 16 * i;
-      const int token = token_at(token_order, m0 + imin(imax(row, lo), hi - 1));
-      x_rows.row[i] = x + static_cast<long long>(token) * x_stride;
-      x_rows.keep[i] = row >= lo && row < hi;
-      a_src.row[i] = a_rows + static_cast<long long>(imin(row, n_valid - 1)) * in_dim;
-      a_src.keep[i] = row < n_valid;
+      x_keep[i] = row < chunk.rows;
+      x_src[i] = x + static_cast<long long>(token_at(token_order, chunk.begin + (x_keep[i] ? row : 0))) *
+                         x_stride;
+      a_keep[i] = row < n_valid;
+      a_src[i] = a_rows + static_cast<long long>(a_keep[i] ? row : 0) * in_dim;
     }
-
-    uint4 x_regs[SG_TILE_VECS];
-    uint4 a_regs[SG_TILE_VECS];
-    load_tile(x_regs, x_rows, k_begin, k_end, tid);
-    load_tile(a_regs, a_src, k_begin, k_end, tid);
-    for (int k = k_begin; k < k_end; k += SG_K) {
-      __syncthreads();  // every warp is done reading the previous tile
-      store_tile(x_tile, x_regs, tid);
-      store_tile(a_tile, a_regs, tid);
-      __syncthreads();
-      // Issue the next tile's loads before the math so they overlap it (past the end: the last
-      // tile again, never stored).
-      const int k_next = k + SG_K < k_end ? k + SG_K : k;
-      load_tile(x_regs, x_rows, k_next, k_end, tid);
-      load_tile(a_regs, a_src, k_next, k_end, tid);
+    // Issue K tile kt into its stage (columns at or past k_end: zero-filled).
+    auto issue = [&](int kt) {
+      const int col = k_begin + kt * SG_K + vec;
+      const bool col_ok = col < k_end;
+      const int at = col_ok ? col : k_begin;
+      const int stage = kt % SGMV_SHRINK_STAGES;
+#pragma unroll
+      for (int i = 0; i < SG_TILE_VECS; ++i) {
+        const int row = (tid >> 3) + 16 * i;
+        cp_async16(&x_tile[stage][bf16_at(row, vec)], x_src[i] + at, col_ok && x_keep[i] ? 16 : 0);
+        cp_async16(&a_tile[stage][bf16_at(row, vec)], a_src[i] + at, col_ok && a_keep[i] ? 16 : 0);
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < SGMV_SHRINK_STAGES; ++s) {
+      if (s < k_tiles) issue(s);
+      cp_async_commit();  // empty groups too, so that every wait counts whole tiles
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<SGMV_SHRINK_STAGES - 1>();  // tile kt is here; the younger ones may fly
+      __syncthreads();                           // and so is every other thread's share of it
+      const int stage = kt % SGMV_SHRINK_STAGES;
       if (warp_active) {
 #pragma unroll
-        for (int kk = 0; kk < SG_K; kk += 16) mma_k16(acc, x_tile, a_tile, warp, lane, kk, n_tiles);
+        for (int kk = 0; kk < SG_K; kk += 16)
+          mma_k16(acc, x_tile[stage], a_tile[stage], warp, lane, kk, n_tiles);
       }
+      __syncthreads();  // every warp is done with the stage before it is refilled
+      if (kt + SGMV_SHRINK_STAGES < k_tiles) issue(kt + SGMV_SHRINK_STAGES);
+      cp_async_commit();
     }
   }
 
-  // Rows of skipped tokens and columns past the rank hold exact zeros here. One split stores
+  // Rows of a skipped chunk and columns past the rank hold exact zeros here. One split stores
   // them; split-K adds every partial into the zeroed t (lora_common.cuh, t_store).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int p = m0 + warp * 16 + (lane >> 2) + h * 8;
-    if (p >= num_tokens) continue;
-    float* out = t + static_cast<long long>(token_at(token_order, p)) * t_cols;
+    const int row = warp * 16 + (lane >> 2) + h * 8;
+    if (row >= chunk.rows) continue;
+    float* out = t + static_cast<long long>(token_at(token_order, chunk.begin + row)) * t_cols;
 #pragma unroll
     for (int nt = 0; nt < SG_N / 8; ++nt) {
       const int col = n0 + nt * 8 + (lane & 3) * 2;
@@ -256,185 +252,188 @@ __device__ __forceinline__ void add_store_y(float* y, const Y8& old, const float
   }
 }
 
-// The t tile: 64 rows x 64 F32 columns = 1024 float4, 8 per thread (rows tid / 16 + 8 i, column
-// 4 x (tid % 16)).
-#define SG_T_VECS 8
-
-__device__ __forceinline__ float4 load_f4(const float* p) {
-  const uint4 u = load16(p);
-  float4 f;
-  f.x = __uint_as_float(u.x);
-  f.y = __uint_as_float(u.y);
-  f.z = __uint_as_float(u.z);
-  f.w = __uint_as_float(u.w);
-  return f;
-}
-
 template <typename OutT>
 __device__ __forceinline__ void sgmv_expand_body(
-    const float* __restrict__ t, const int* __restrict__ seg_starts,
-    const int* __restrict__ seg_slots, int num_segments, const int* __restrict__ token_order,
-    const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
-    const int* __restrict__ ranks, int max_loras, OutT* __restrict__ y, long long y_stride,
-    int num_tokens, int out_dim, int max_rank, int t_cols) {
-  __shared__ __align__(16) bf16_t t_tile[SG_M][SG_LD];
-  __shared__ __align__(16) bf16_t b_tile[SG_N][SG_LD];
-  __shared__ __align__(16) float stage[SG_M][SG_N + 4];
-  __shared__ float row_scale[SG_M];
-  __shared__ int row_active[SG_M];
-  const int o0 = blockIdx.x * SG_N;
-  const int m0 = blockIdx.y * SG_M;
+    const float* __restrict__ t, const int* __restrict__ chunks,
+    const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
+    const float* __restrict__ scale_table, const int* __restrict__ ranks, int max_loras,
+    OutT* __restrict__ y, long long y_stride, int out_dim, int max_rank, int t_cols,
+    int out_tiles) {
+  __shared__ __align__(16) float t_tile[SGMV_EXPAND_STAGES][SG_M * SG_K];
+  __shared__ __align__(16) bf16_t b_tile[SGMV_EXPAND_STAGES][SG_N * SG_K];
+  const int first_tile = blockIdx.x * out_tiles;
+  const Chunk chunk = chunk_at(chunks, blockIdx.y);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int m_end = imin(num_tokens, m0 + SG_M);
-  const int t_col = (tid & 15) * 4;
+  const ptr_t b_addr = slot_address(b_table, chunk.slot, max_loras);
+  const int listed = slot_rank(ranks, chunk.slot, max_loras);
+  const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
+  // A skipped chunk leaves its y rows untouched. CTA-uniform, before any barrier.
+  if (rank <= 0) return;
+  const float scale = scale_table[chunk.slot];
+  const int r_tiles = (rank + SG_K - 1) / SG_K;
+  // The CTA's items: (output tile, rank chunk) pairs, the rank chunks of one output tile in a
+  // row, all streamed through one pipeline.
+  const int tiles = imin(out_tiles, (out_dim + SG_N - 1) / SG_N - first_tile);
+  const int items = tiles * r_tiles;
+  const bool warp_active = warp * 16 < chunk.rows;
+  const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr);
 
-  if (tid < SG_M) {
-    row_scale[tid] = 0.f;
-    row_active[tid] = 0;
+  // This thread's t rows (positions of the chunk) and B rows (outputs; past out_dim: the last
+  // row, copying nothing). Columns at or past the rank are zero-filled, neither loaded nor
+  // trusted to be zero padding.
+  const int t_vec = (tid & 15) * 4;
+  const float* t_src[SG_T_VECS];
+  bool t_keep[SG_T_VECS];
+#pragma unroll
+  for (int i = 0; i < SG_T_VECS; ++i) {
+    const int row = (tid >> 4) + 8 * i;
+    t_keep[i] = row < chunk.rows;
+    t_src[i] = t + static_cast<long long>(token_at(token_order, chunk.begin + (t_keep[i] ? row : 0))) *
+                       t_cols;
   }
+  const int b_vec = (tid & 7) * 8;
+  // Issue item `item` (the t tile of its rank chunk with its output tile's B tile) into its
+  // stage.
+  auto issue = [&](int item) {
+    const int o0 = (first_tile + item / r_tiles) * SG_N;
+    const int kc = (item % r_tiles) * SG_K;
+    const int stage = item % SGMV_EXPAND_STAGES;
+    const int t_col = kc + t_vec;
+    const int t_bytes = imax(0, imin(4, rank - t_col)) * 4;
+    const int t_at = t_bytes ? t_col : kc;
+#pragma unroll
+    for (int i = 0; i < SG_T_VECS; ++i)
+      cp_async16(&t_tile[stage][f32_at((tid >> 4) + 8 * i, t_vec)], t_src[i] + t_at,
+                 t_keep[i] ? t_bytes : 0);
+    const int b_col = kc + b_vec;
+    const int b_bytes = imax(0, imin(8, rank - b_col)) * 2;
+    const int b_at = b_bytes ? b_col : kc;
+#pragma unroll
+    for (int i = 0; i < SG_TILE_VECS; ++i) {
+      const int out = o0 + (tid >> 3) + 16 * i;
+      cp_async16(&b_tile[stage][bf16_at((tid >> 3) + 16 * i, b_vec)],
+                 b_rows + static_cast<long long>(imin(out, out_dim - 1)) * max_rank + b_at,
+                 out < out_dim ? b_bytes : 0);
+    }
+  };
+
   float acc[SG_N / 8][4];
 #pragma unroll
   for (int nt = 0; nt < SG_N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-
-  for (int seg = first_segment(seg_starts, num_segments, m0);
-       seg < num_segments && seg_starts[seg] < m_end; ++seg) {
-    const int lo = imax(seg_starts[seg], m0) - m0;
-    const int hi = imin(seg_starts[seg + 1], m_end) - m0;
-    const int slot = seg_slots[seg];
-    const ptr_t b_addr = slot_address(b_table, slot, max_loras);
-    const int listed = slot_rank(ranks, slot, max_loras);
-    const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
-    if (lo >= hi || rank <= 0) continue;
-    if (tid >= lo && tid < hi) {
-      row_active[tid] = 1;
-      row_scale[tid] = scale_table[slot];
-    }
-    const bool warp_active = warp * 16 < hi && warp * 16 + 16 > lo;
-    const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr);
-    // This thread's t rows (tokens; rows outside the segment read a row inside it, masked) and B
-    // rows (outputs past out_dim read the last one, masked).
-    int t_token[SG_T_VECS];
 #pragma unroll
-    for (int i = 0; i < SG_T_VECS; ++i)
-      t_token[i] = token_at(token_order, m0 + imin(imax((tid >> 4) + 8 * i, lo), hi - 1));
-    TileRows b_src;
+  for (int s = 0; s < SGMV_EXPAND_STAGES; ++s) {
+    if (s < items) issue(s);
+    cp_async_commit();
+  }
+  const int g = lane >> 2;
+  const int col = (tid & 7) * 8;
+  // The thread's y rows (clamped into the chunk), looked up once for every output tile.
+  OutT* y_rows[SG_TILE_VECS];
 #pragma unroll
-    for (int i = 0; i < SG_TILE_VECS; ++i) {
-      const int row = (tid >> 3) + 16 * i;
-      b_src.row[i] = b_rows + static_cast<long long>(imin(o0 + row, out_dim - 1)) * max_rank;
-      b_src.keep[i] = o0 + row < out_dim;
-    }
-
-    for (int kc = 0; kc < rank; kc += SG_K) {
-      const int kn = imin(SG_K, rank - kc);
-      // One pass issues the B tile and the t tile together.
-      uint4 w[SG_TILE_VECS];
-      load_tile(w, b_src, kc, kc + (kn + 7) / 8 * 8, tid);
-      const bool t_col_ok = t_col < kn;
-      const int t_at = kc + (t_col_ok ? t_col : 0);
-      float4 f[SG_T_VECS];
-#pragma unroll
-      for (int i = 0; i < SG_T_VECS; ++i)
-        f[i] = load_f4(t + static_cast<long long>(t_token[i]) * t_cols + t_at);
-      __syncthreads();  // every warp is done reading the previous tiles
-#pragma unroll
-      for (int i = 0; i < SG_T_VECS; ++i) {
-        // Columns at or past the rank are zeroed, not trusted.
-        const int row = (tid >> 4) + 8 * i;
-        const bool keep = row >= lo && row < hi && t_col_ok;
-        const float v[4] = {f[i].x, f[i].y, f[i].z, f[i].w};
-        float m[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) m[e] = keep && t_col + e < kn ? v[e] : 0.f;
-        unsigned* dst = reinterpret_cast<unsigned*>(&t_tile[row][t_col]);
-        dst[0] = pack_bf16x2(m[0], m[1]);
-        dst[1] = pack_bf16x2(m[2], m[3]);
-      }
-      // B columns at or past the rank are zeroed rather than trusted to be zero padding.
-      const int keep_cols = kn - (tid & 7) * 8;
+  for (int i = 0; i < SG_TILE_VECS; ++i) {
+    const int row = imin((tid >> 3) + 16 * i, chunk.rows - 1);
+    y_rows[i] = y + static_cast<long long>(token_at(token_order, chunk.begin + row)) * y_stride;
+  }
+  OutT* y_at[SG_TILE_VECS];
+  Y8 old[SG_TILE_VECS];
+  for (int item = 0; item < items; ++item) {
+    const int o0 = (first_tile + item / r_tiles) * SG_N;
+    if (item % r_tiles == 0) {
+      // The output tile's y vectors are loaded before its first wait, so they travel with its
+      // first stage instead of costing the epilogue a round trip of its own; all of them
+      // before the first is written back (clamped into the row; only rows of the chunk inside
+      // out_dim are stored).
 #pragma unroll
       for (int i = 0; i < SG_TILE_VECS; ++i) {
-        if (keep_cols < 8) {
-          unsigned* u = reinterpret_cast<unsigned*>(&w[i]);
+        y_at[i] = y_rows[i] + imin(o0 + col, out_dim - 8);
+        old[i] = load_y(y_at[i]);
+      }
+    }
+    cp_async_wait<SGMV_EXPAND_STAGES - 1>();
+    __syncthreads();
+    const int stage = item % SGMV_EXPAND_STAGES;
+    const int kn = imin(SG_K, rank - (item % r_tiles) * SG_K);
+    if (warp_active) {
+      const float* tt = t_tile[stage];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (2 * e >= keep_cols) {
-              u[e] = 0u;
-            } else if (2 * e + 1 >= keep_cols) {
-              u[e] &= 0xffffu;
-            }
+      for (int kk = 0; kk < SG_K; kk += 16) {
+        if (kk < kn) {
+          // The A fragment from the F32 t tile, rounded to BF16 for the tensor cores.
+          const int c = kk + (lane & 3) * 2;
+          const int r0 = warp * 16 + g;
+          const float2 t00 = *reinterpret_cast<const float2*>(&tt[f32_at(r0, c)]);
+          const float2 t10 = *reinterpret_cast<const float2*>(&tt[f32_at(r0 + 8, c)]);
+          const float2 t01 = *reinterpret_cast<const float2*>(&tt[f32_at(r0, c + 8)]);
+          const float2 t11 = *reinterpret_cast<const float2*>(&tt[f32_at(r0 + 8, c + 8)]);
+          unsigned af[4];
+          af[0] = pack_bf16x2(t00.x, t00.y);
+          af[1] = pack_bf16x2(t10.x, t10.y);
+          af[2] = pack_bf16x2(t01.x, t01.y);
+          af[3] = pack_bf16x2(t11.x, t11.y);
+#pragma unroll
+          for (int nt = 0; nt < SG_N / 8; ++nt) {
+            unsigned bf[2];
+            bf[0] = lds32(&b_tile[stage][bf16_at(nt * 8 + g, c)]);
+            bf[1] = lds32(&b_tile[stage][bf16_at(nt * 8 + g, c + 8)]);
+            mma_bf16_16816(acc[nt], af, bf);
           }
         }
       }
-      store_tile(b_tile, w, tid);
-      __syncthreads();
-      // Unrolled with a guard (kn <= 64), so that the rank-chunk loop is the innermost loop the
-      // SASS check reads, its B and t loads together.
-      if (warp_active) {
+    }
+    __syncthreads();  // every warp is done with the stage
+    if (item % r_tiles == r_tiles - 1) {
+      // The output tile is complete. Stage the F32 result in the t half of the stage just
+      // read (free until its refill below; the other stage stays in flight) so that the y
+      // read-modify-write is done with 16-byte vectors over whole rows rather than the
+      // fragments' scattered 8-byte pieces.
+      float* staged = t_tile[stage];
 #pragma unroll
-        for (int kk = 0; kk < SG_K; kk += 16) {
-          if (kk < kn) mma_k16(acc, t_tile, b_tile, warp, lane, kk, SG_N / 8);
+      for (int nt = 0; nt < SG_N / 8; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float2 v;
+          v.x = acc[nt][2 * h];
+          v.y = acc[nt][2 * h + 1];
+          *reinterpret_cast<float2*>(&staged[f32_at(warp * 16 + g + h * 8, nt * 8 + (lane & 3) * 2)]) = v;
+          acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
         }
       }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < SG_TILE_VECS; ++i) {
+        const int row = (tid >> 3) + 16 * i;
+        if (row < chunk.rows && o0 + col < out_dim) {
+          float delta[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) delta[e] = staged[f32_at(row, col + e)];
+          add_store_y(y_at[i], old[i], delta, scale);
+        }
+      }
+      __syncthreads();  // the staged tile is read before the stage is refilled
     }
-  }
-
-  // Stage the F32 tile in shared memory so that the y read-modify-write is done with 16-byte
-  // vectors over whole rows rather than the fragments' scattered 8-byte pieces.
-#pragma unroll
-  for (int nt = 0; nt < SG_N / 8; ++nt) {
-    const int col = nt * 8 + (lane & 3) * 2;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = warp * 16 + (lane >> 2) + h * 8;
-      stage[row][col] = acc[nt][2 * h];
-      stage[row][col + 1] = acc[nt][2 * h + 1];
-    }
-  }
-  __syncthreads();
-  // Every y vector of the thread is loaded before the first is written back (clamped into the
-  // batch and the row; only active rows inside it are stored).
-  OutT* y_at[SG_TILE_VECS];
-  Y8 old[SG_TILE_VECS];
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) {
-    const int row = (tid >> 3) + 16 * i;
-    const int p = imin(m0 + row, num_tokens - 1);
-    y_at[i] = y + static_cast<long long>(token_at(token_order, p)) * y_stride +
-              imin(o0 + (tid & 7) * 8, out_dim - 8);
-    old[i] = load_y(y_at[i]);
-  }
-#pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) {
-    const int row = (tid >> 3) + 16 * i;
-    const int col = (tid & 7) * 8;
-    if (row_active[row] && m0 + row < num_tokens && o0 + col < out_dim)
-      add_store_y(y_at[i], old[i], &stage[row][col], row_scale[row]);
+    if (item + SGMV_EXPAND_STAGES < items) issue(item + SGMV_EXPAND_STAGES);
+    cp_async_commit();
   }
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CTAS)
-sgmv_expand_bf16(const float* __restrict__ t, const int* __restrict__ seg_starts,
-                 const int* __restrict__ seg_slots, int num_segments,
+sgmv_expand_bf16(const float* __restrict__ t, const int* __restrict__ chunks,
                  const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
                  const float* __restrict__ scale_table, const int* __restrict__ ranks,
-                 int max_loras, bf16_t* __restrict__ y, long long y_stride, int num_tokens,
-                 int out_dim, int max_rank, int t_cols) {
-  sgmv_expand_body(t, seg_starts, seg_slots, num_segments, token_order, b_table,
-                   scale_table, ranks, max_loras, y, y_stride, num_tokens, out_dim, max_rank,
-                   t_cols);
+                 int max_loras, bf16_t* __restrict__ y, long long y_stride, int out_dim,
+                 int max_rank, int t_cols, int out_tiles) {
+  sgmv_expand_body(t, chunks, token_order, b_table, scale_table, ranks, max_loras, y, y_stride,
+                   out_dim, max_rank, t_cols, out_tiles);
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CTAS)
-sgmv_expand_f32(const float* __restrict__ t, const int* __restrict__ seg_starts,
-                const int* __restrict__ seg_slots, int num_segments,
+sgmv_expand_f32(const float* __restrict__ t, const int* __restrict__ chunks,
                 const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
                 const float* __restrict__ scale_table, const int* __restrict__ ranks,
-                int max_loras, float* __restrict__ y, long long y_stride, int num_tokens,
-                int out_dim, int max_rank, int t_cols) {
-  sgmv_expand_body(t, seg_starts, seg_slots, num_segments, token_order, b_table,
-                   scale_table, ranks, max_loras, y, y_stride, num_tokens, out_dim, max_rank,
-                   t_cols);
+                int max_loras, float* __restrict__ y, long long y_stride, int out_dim,
+                int max_rank, int t_cols, int out_tiles) {
+  sgmv_expand_body(t, chunks, token_order, b_table, scale_table, ranks, max_loras, y, y_stride,
+                   out_dim, max_rank, t_cols, out_tiles);
 }

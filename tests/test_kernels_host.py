@@ -79,9 +79,11 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
     ("bgmv", 1, 4096, 16, 1),  # 2 passes of one CTA: a memset costs more than a split saves
     ("bgmv", 1, 16384, 16, 8),  # 8 passes of one CTA: one each, for a memset
     ("bgmv", 256, 4096, 64, 1),  # the batch fills the device
-    ("sgmv", 32768, 2048, 16, 3),  # 512 CTAs are 1.3 waves of 396: 3 splits even the waves
-    ("sgmv", 256, 2048, 64, 32),  # 4 CTAs of 32 K tiles each: one tile per split
-    ("sgmv", 512, 1024, 16, 16),  # as many as K's 64-wide tiles allow
+    # 512 CTAs are 1.3 waves of 396, each 11 pipelined passes of 3 K tiles: evening the waves
+    # by splitting saves less than the memset and the atomics cost.
+    ("sgmv", 32768, 2048, 16, 1),
+    ("sgmv", 256, 2048, 64, 11),  # 4 CTAs of 32 K tiles each: one pass (3 tiles) per split
+    ("sgmv", 512, 1024, 16, 6),  # 8 CTAs of 16 K tiles: one pass per split
 ])
 def test_split_k_is_planned_by_modelled_cost(kind: str, tokens: int, in_dim: int, t_cols: int,
                                              want: int) -> None:
@@ -345,17 +347,19 @@ def test_fused_slices_are_one_shrink_and_one_expand_launch() -> None:
         plans.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t[0], case.max_rank)
 
 
-# (grouped shrink, SMs): with 1 SM the grouped batch's output tiles cover the device and the
-# expand is SGMV's too; with 132 it is the per-token expand.
-PATHS = [(True, 1), (True, 132), (False, 132)]
+# The SMs each grouped batch is planned for, and whether its expand then runs through SGMV
+# (plans.grouped_expand): SGMV's CTAs, one per (chunk, 64 outputs), read B once per chunk in
+# one pass; a wide output over 8 tokens on one SM is 32 of them, 11 waves of 3, against 8
+# per-token CTAs in 2 waves of 4.
+SGMV_EXPAND = {"shared_slots": (132, True), "one_slot": (132, True), "wide_output": (1, False)}
 
 
-@pytest.mark.parametrize(("grouped", "num_sms"), PATHS,
-                         ids=["grouped", "grouped_shrink_per_token_expand", "per_token"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_token"])
 @pytest.mark.parametrize("y_dtype", Y_DTYPES, ids=["y_bf16", "y_f32"])
 @pytest.mark.parametrize("case", DECODE_BATCHES, ids=[c.name for c in DECODE_BATCHES])
 def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.dtype,
-                                                    grouped: bool, num_sms: int) -> None:
+                                                    grouped: bool) -> None:
+    num_sms, sgmv_wanted = SGMV_EXPAND[case.name]
     i = case.inputs(y_dtype)
     pool, a_table, b_table, x, y, y0, slots = i.pool, i.a_table, i.b_table, i.x, i.y, i.y0, i.slots
     a_weights, b_weights = i.a_weights, i.b_weights
@@ -363,8 +367,8 @@ def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.d
                               group_min_tokens=1 if grouped else 10**9)
     assert plan.grouped == grouped and plan.t_cols < case.max_rank
     sgmv_expand = grouped and plans.grouped_expand(case.num_tokens, case.out_dim,
-                                                     plan.t_cols, plan.seg_slots.size, num_sms)
-    assert sgmv_expand == (num_sms == 1)
+                                                     plan.t_cols, plan.chunks.shape[0], num_sms)
+    assert sgmv_expand == (grouped and sgmv_wanted)
     host_harness.bgmv(x, y, slots, a_table, b_table, pool.scales, pool.ranks, case.max_rank,
                       batch=plan, num_sms=num_sms)
     expected = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales, pool.ranks,
@@ -397,9 +401,8 @@ def test_misaligned_table_addresses_are_refused() -> None:
     shifted_b = b_table.numpy().view(np.uint64).copy()
     shifted_b[0] += np.uint64(2)
     with pytest.raises(ValueError, match=r"b_table\[0\]"):
-        plans.plan_sgmv_expand(t, torch.tensor([0, 11], dtype=torch.int32),
-                                 torch.tensor([0], dtype=torch.int32), shifted_b, pool.scales,
-                                 pool.ranks, case.y(torch.float32), 16)
+        plans.plan_sgmv_expand(t, torch.tensor([[0, 11, 0, 0]], dtype=torch.int32), shifted_b,
+                               pool.scales, pool.ranks, case.y(torch.float32), 16)
 
 
 def test_layouts_refuse_alignments_the_kernels_cannot_load() -> None:
@@ -478,9 +481,9 @@ def test_expand_takes_the_pool_max_rank_never_t_s_width() -> None:
         no_max_rank: Any = host_harness.bgmv_expand
         no_max_rank(t, i.slots, i.b_table, i.pool.scales, i.pool.ranks, i.y)
     with pytest.raises(TypeError, match="max_rank"):
-        plans.plan_sgmv_expand(t, torch.tensor([0, case.num_tokens], dtype=torch.int32),
-                                 torch.tensor([0], dtype=torch.int32), i.b_table, i.pool.scales,
-                                 i.pool.ranks, i.y, None)  # type: ignore[arg-type]
+        plans.plan_sgmv_expand(t, torch.tensor([[0, case.num_tokens, 0, 0]], dtype=torch.int32),
+                               i.b_table, i.pool.scales, i.pool.ranks, i.y,
+                               None)  # type: ignore[arg-type]
     host_harness.bgmv_expand(t, i.slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
                              case.max_rank)
     expected = reference.lora_delta(i.x, i.y0, i.slots, i.a_weights, i.b_weights, i.pool.scales,
@@ -489,8 +492,9 @@ def test_expand_takes_the_pool_max_rank_never_t_s_width() -> None:
 
 
 def test_grids_past_cuda_s_limits_are_refused() -> None:
-    # SGMV's grid.y is ceil(T / 64): past 65,535 tiles (about 4.19 M tokens) a GPU launch fails.
-    most = plans.MAX_GRID[1] * sources.SGMV_TILE
+    # SGMV's grid.y is its chunk count (one per 64 tokens of a segment): past 65,535 chunks a
+    # GPU launch fails.
+    most = plans.MAX_GRID[1]
     grid = plans.launch_grid("sgmv_shrink", most, 64, 16)
     assert grid[1] == plans.MAX_GRID[1]
     plans.KernelLaunch("sgmv_shrink", grid, (sources.THREADS, 1, 1), ())

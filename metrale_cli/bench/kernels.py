@@ -148,6 +148,8 @@ class _Group:
                                ).astype(cupy.int32)
             self.seg_slots = cupy.arange(adapters, dtype=cupy.int32)
             self.slots = cupy.repeat(self.seg_slots, cupy.diff(self.seg_starts).get().tolist())
+            self.chunks = cupy.asarray(plans.segment_chunks(self.seg_starts, self.seg_slots,
+                                                            tokens))
         else:
             # Decode: adapters interleaved over the batch, as requests arrive; the batch plan
             # the host would build picks the grouped or the per-token path.
@@ -157,8 +159,7 @@ class _Group:
             self.grouped = plan.grouped
             if plan.grouped:
                 self.order = cupy.asarray(plan.order)
-                self.seg_starts = cupy.asarray(plan.seg_starts)
-                self.seg_slots = cupy.asarray(plan.seg_slots)
+                self.chunks = cupy.asarray(plan.chunks)
 
 
 def _ours(kind: str, group: _Group) -> Callable[[], None]:
@@ -167,17 +168,18 @@ def _ours(kind: str, group: _Group) -> Callable[[], None]:
     tokens, out_dim = (int(d) for d in group.y.shape)
     sms = kernels.device_sm_count()
     if kind == "shrink" and group.grouped:
-        plan = plans.plan_sgmv_shrink(group.x, group.seg_starts, group.seg_slots, group.a_table,
-                                        group.ranks, group.t, group.max_rank,
-                                        token_order=group.order, splits=group.splits)
+        plan = plans.plan_sgmv_shrink(group.x, group.chunks, group.a_table, group.ranks,
+                                      group.t, group.max_rank, token_order=group.order,
+                                      splits=group.splits)
     elif kind == "shrink":
         plan = plans.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t,
                                         group.max_rank, group.splits)
     elif group.grouped and (group.order is None or plans.grouped_expand(
-            tokens, out_dim, group.max_rank, int(group.seg_slots.shape[0]), sms)):
-        plan = plans.plan_sgmv_expand(group.t, group.seg_starts, group.seg_slots, group.b_table,
-                                        group.scales, group.ranks, group.y, group.max_rank,
-                                        token_order=group.order)
+            tokens, out_dim, group.max_rank, int(group.chunks.shape[0]), sms)):
+        plan = plans.plan_sgmv_expand(
+            group.t, group.chunks, group.b_table, group.scales, group.ranks, group.y,
+            group.max_rank, token_order=group.order, out_tiles=plans.expand_out_tiles(
+                int(group.chunks.shape[0]), out_dim, int(group.t.shape[1]), sms))
     else:
         plan = plans.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
                                         group.ranks, group.y, group.max_rank)

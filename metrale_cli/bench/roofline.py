@@ -76,10 +76,9 @@ class LaunchWork:
     - `l2_bytes`: the distinct bytes its loads and stores ask for (L2 hits included; clamped
       duplicates and predicated-off loads not counted, as they move nothing new);
     - `passes`: streaming round trips summed over the CTAs: each is one DRAM latency in which
-      a CTA has one pass of loads in flight (a double-buffered K tile, a pass of B vectors);
+      a CTA has one pass of loads in flight (an SGMV pipeline's stages, a pass of B vectors);
     - `chains`: dependent scalar round trips summed over the CTAs, each an L2 latency: the
-      slot -> table[slot] -> ranks[slot] chain, SGMV's binary search and per-segment metadata,
-      the split-K partials that the expand adds one split at a time;
+      slot -> table[slot] chain beside ranks[slot], an SGMV CTA's chunk -> table[slot];
     - `cta_passes`, `cta_chains`: the heaviest CTA's (the critical path);
     - `launches`: graph nodes it takes (a split-K shrink: the memset of t, then the kernel).
     """
@@ -110,35 +109,6 @@ def prefill_starts(tokens: int, adapters: int) -> np.ndarray:
     return (np.arange(adapters + 1, dtype=np.int64) * tokens // adapters).astype(np.int32)
 
 
-@dataclass(frozen=True)
-class TileSegments:
-    """How SGMV's fixed 64-token tiles meet the segments: one entry per (tile, segment) pair
-    with tokens in both (`tile`, `rows`), and the segment count S."""
-
-    tile: np.ndarray
-    rows: np.ndarray
-    num_segments: int
-    num_tiles: int
-
-    @classmethod
-    def of(cls, seg_starts: np.ndarray, tokens: int) -> TileSegments:
-        starts = np.asarray(seg_starts, dtype=np.int64)
-        lo, hi = starts[:-1], starts[1:]
-        size = sources.SGMV_TILE
-        keep = hi > lo
-        lo, hi = lo[keep], hi[keep]
-        first, last = lo // size, (hi - 1) // size
-        counts = last - first + 1
-        seg = np.repeat(np.arange(lo.size), counts)
-        tile = np.repeat(first, counts) + np.arange(int(counts.sum())) - np.repeat(
-            np.cumsum(counts) - counts, counts)
-        rows = np.minimum(hi[seg], (tile + 1) * size) - np.maximum(lo[seg], tile * size)
-        return cls(tile, rows, int(starts.size - 1), -(-tokens // size))
-
-    def per_tile(self, values: np.ndarray) -> np.ndarray:
-        return np.bincount(self.tile, weights=values, minlength=self.num_tiles)
-
-
 def _split_lengths(in_dim: int, splits: int, multiple: int) -> np.ndarray:
     """K elements of each split, as plans.k_chunk cuts them (trailing splits may be empty)."""
     chunk = plans.k_chunk(in_dim, splits, multiple)
@@ -153,24 +123,29 @@ def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, o
     y_kind = "bf16" if y_bytes == 2 else "f32"
     if tokens > 256:
         grouped, path = True, "segments"
-        seg_starts = prefill_starts(tokens, adapters)
+        chunks = plans.segment_chunks(prefill_starts(tokens, adapters),
+                                      np.arange(adapters, dtype=np.int32), tokens)
     else:
         plan = plans.plan_batch(decode_slots(tokens, adapters), [rank] * adapters, rank)
         grouped, path = plan.grouped, "grouped" if plan.grouped else "per-token"
-        seg_starts = plan.seg_starts
+        chunks = plan.chunks
     family = "sgmv" if grouped else "bgmv"
-    splits = plans.shrink_splits(family, tokens, in_dim, rank, sms)
+    splits = plans.shrink_splits(family, tokens, in_dim, rank, sms,
+                                 len(chunks) if grouped else None)
     if kind == "expand" and path == "grouped" and not plans.grouped_expand(
-            tokens, out_dim, rank, len(seg_starts) - 1, sms):
+            tokens, out_dim, rank, len(chunks), sms):
         family, path = "bgmv", "grouped+per-token"
     kernel = f"{family}_shrink" if kind == "shrink" else f"{family}_expand_{y_kind}"
-    grid = plans.launch_grid(kernel, tokens, in_dim if kind == "shrink" else out_dim, rank,
-                               splits if kind == "shrink" else 1)
+    out_tiles = plans.expand_out_tiles(len(chunks), out_dim, rank, sms) if (
+        kernel.startswith("sgmv_expand")) else 1
+    grid = plans.launch_grid(kernel, tokens if family == "bgmv" else len(chunks),
+                             in_dim if kind == "shrink" else out_dim, rank,
+                             splits if kind == "shrink" else 1, out_tiles)
     if family == "bgmv":
         work = _bgmv_work(kind, grid, tokens, rank, in_dim, out_dim, splits, y_bytes)
     else:
-        work = _sgmv_work(kind, grid, TileSegments.of(seg_starts, tokens), tokens, rank, in_dim,
-                          out_dim, splits, y_bytes)
+        work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, out_dim, splits, y_bytes,
+                          out_tiles)
     # Split-K adds its partials into one t, zeroed by a memset node first; the expand reads it.
     launches = 2 if kind == "shrink" and splits > 1 else 1
     return LaunchWork(kernel, path, grid, splits, *work, launches=launches)
@@ -223,41 +198,40 @@ def expand_b_sectors(out_dim: int, rank: int, max_rank: int) -> int:
     return sectors - int(shared.sum())
 
 
-def _sgmv_work(kind: str, grid: tuple[int, int, int], segs: TileSegments, tokens: int,
-               rank: int, in_dim: int, out_dim: int, splits: int, y_bytes: int
-               ) -> tuple[int, int, int, int, int]:
+def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens: int,
+               rank: int, in_dim: int, out_dim: int, splits: int, y_bytes: int,
+               out_tiles: int = 1) -> tuple[int, int, int, int, int]:
     """(l2_bytes, passes, chains, cta_passes, cta_chains) of an SGMV launch (kernels/sgmv.cu):
-    a CTA walks the segments meeting its 64-token tile one after another, each pass loading
-    only that segment's rows."""
+    a CTA per (chunk, column tile) of the work list `chunks` (plans.segment_chunks; the
+    expand's CTA takes `out_tiles` 64-output tiles), its K tiles (shrink) or (output tile, rank
+    chunk) items (expand) streamed SGMV_*_STAGES at a time, so a pass is that many tiles; rows
+    outside the chunk are zero-filled, not loaded. Before its stream a CTA waits for 2 round
+    trips: its chunk, then its slot's table entry (beside the rank, the scale and the token
+    order)."""
     tile = sources.SGMV_TILE
-    search = max(1, math.ceil(math.log2(segs.num_segments + 1)))  # first_segment's probes
-    per_tile_segs = np.bincount(segs.tile, minlength=segs.num_tiles)
-    tile_rows = np.minimum(tile, tokens - tile * np.arange(segs.num_tiles))
-    # slot -> table, ranks per segment; the search before the first.
-    tile_chain = search + 2 * per_tile_segs
+    rows = (chunks[:, 1] - chunks[:, 0]).astype(np.int64)
+    ctas = grid[0] * grid[1] * grid[2]
     if kind == "shrink":
         lengths = _split_lengths(in_dim, splits, tile)
         n_valid = np.minimum(tile, rank - tile * np.arange(grid[0]))  # rank rows per column tile
+        # An empty trailing split returns after its metadata, streaming nothing.
         k_tiles = -(-lengths // tile)
-        live = lengths > 0  # an empty trailing split only writes zeros
-        pairs = segs.rows.size
-        passes = grid[0] * pairs * int(k_tiles.sum())
-        l2 = int(2 * in_dim * (grid[0] * segs.rows.sum() + pairs * n_valid.sum())
+        split_passes = -(-k_tiles // sources.SGMV_SHRINK_STAGES)
+        passes = grid[0] * grid[1] * int(split_passes.sum())
+        # x once per column tile (each chunk's rows), A once per chunk, t once per split.
+        l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
                  + 4 * splits * tokens * rank)
-        chains = grid[0] * int(live.sum()) * int(tile_chain.sum())
-        cta_passes = int(per_tile_segs.max()) * int(k_tiles.max())
-        return l2, passes, chains, cta_passes, int(tile_chain.max())
-    # expand: per segment and 64-wide rank chunk, one pass of the B tile with the t tile (t
-    # holds the reduced split-K sum); the y epilogue is one more pass.
-    chunks = -(-rank // tile)
-    out_tiles = grid[0]
-    pairs = segs.rows.size
-    passes = out_tiles * (pairs * chunks + segs.num_tiles)
-    chains = out_tiles * int(tile_chain.sum())
-    l2 = int(2 * out_dim * rank * pairs + out_tiles * 4 * rank * segs.rows.sum()
-             + 2 * y_bytes * out_dim * tile_rows.sum())
-    cta_passes = int(per_tile_segs.max()) * chunks + 1
-    return l2, passes, chains, cta_passes, int(tile_chain.max())
+        return l2, passes, 2 * ctas, int(split_passes.max()), 2
+    # expand: the items (an output tile's B tile with its rank chunk's t tile; t is copied
+    # again for every output tile), SGMV_EXPAND_STAGES a pass; an output tile's y vectors are
+    # loaded with its first item, and their stores wait for nothing.
+    rank_chunks = -(-rank // tile)
+    tiles = -(-out_dim // tile)
+    per_column = np.minimum(out_tiles, tiles - out_tiles * np.arange(grid[0])) * rank_chunks
+    column_passes = -(-per_column // sources.SGMV_EXPAND_STAGES)
+    l2 = int(2 * out_dim * rank * grid[1] + tiles * 4 * rank * rows.sum()
+             + 2 * y_bytes * out_dim * rows.sum())
+    return (l2, grid[1] * int(column_passes.sum()), 2 * ctas, int(column_passes.max()), 2)
 
 
 def rotation_groups(nbytes: int, footprint: int, l2_bytes: int, l2_multiple: float = 3.0) -> int:
@@ -308,8 +282,10 @@ def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int,
 PASS_LOADS = {
     "bgmv_shrink": sources.CONFIG["BGMV_SHRINK_STEPS"] * (1 + sources.SHRINK_ROWS),
     "bgmv_expand": sources.CONFIG["BGMV_EXPAND_STEPS"],
-    "sgmv_shrink": 2 * 4,  # the next K tile: 4 x vectors and 4 A vectors per thread
-    "sgmv_expand": 4 + 8,  # a rank chunk's pass: 4 B vectors and 8 t vectors per thread
+    # The pipelines' stages, each tile 4 x and 4 A vectors per thread (shrink) or 8 t and 4 B
+    # vectors (expand), all in flight at each wait (cp.async: tests/test_kernels_sass.py).
+    "sgmv_shrink": sources.SGMV_SHRINK_STAGES * (4 + 4),
+    "sgmv_expand": sources.SGMV_EXPAND_STAGES * (8 + 4),
 }
 
 

@@ -23,11 +23,13 @@ from metrale_cli.ops.plans import (
     BatchPlan,
     KernelLaunch,
     check_slice_cols,
+    expand_out_tiles,
     grouped_expand,
     plan_bgmv_expand,
     plan_bgmv_shrink,
     plan_sgmv_expand,
     plan_sgmv_shrink,
+    segment_chunks,
     shrink_splits,
 )
 from metrale_cli.ops.sources import KERNEL_SOURCES, find_kernel_dir, read_source, sources_digest
@@ -103,16 +105,17 @@ CUPY = CupyBackend()
 
 
 def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
-              splits: int | None, num_sms: int | None, slices: int = 1) -> tuple[Any, int]:
+              splits: int | None, num_sms: int | None, slices: int = 1,
+              chunks: int | None = None) -> tuple[Any, int]:
     """(t, splits) for a shrink of x: t F32 [T, t_cols] (allocated when not given; [S, T,
-    t_cols] for S fused slices), split as the planner splits it (over all the slices' CTAs)
-    unless `splits` says; zeroed when split, as the atomics add into it."""
+    t_cols] for S fused slices), split as the planner splits it (over all the slices' CTAs, or
+    SGMV's `chunks`) unless `splits` says; zeroed when split, as the atomics add into it."""
     num_tokens, in_dim = (int(d) for d in x.shape)
     if t is not None:
         t_cols = int(t.shape[-1])
     if splits is None:
         splits = shrink_splits(kind, slices * num_tokens, in_dim, t_cols,
-                               backend.num_sms(num_sms))
+                               backend.num_sms(num_sms), chunks)
     if t is None:
         t = backend.new_t(x, (num_tokens, t_cols) if slices == 1 else
                           (slices, num_tokens, t_cols))
@@ -146,27 +149,46 @@ def bgmv_expand(
     return y
 
 
+def _chunks(backend: Backend, like: Any, seg_starts: Any, seg_slots: Any, num_tokens: int,
+            chunks: Any | None) -> Any:
+    """The SGMV work list of these segments where the kernels read it: `chunks` when the
+    caller has it (a BatchPlan's, or one shared by a shrink and its expand), else built on the
+    host (plans.segment_chunks) and moved there."""
+    if chunks is not None:
+        return chunks
+    return backend.array(like, segment_chunks(seg_starts, seg_slots, num_tokens))
+
+
 def sgmv_shrink(
     x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, max_rank: int,
     t: Any | None = None, *, splits: int | None = None, num_sms: int | None = None,
-    t_cols: int | None = None, token_order: Any | None = None, backend: Backend = CUPY,
+    t_cols: int | None = None, token_order: Any | None = None, chunks: Any | None = None,
+    backend: Backend = CUPY,
 ) -> Any:
     """Prefill shrink over segments (seg_starts i32 [S+1], seg_slots i32 [S]). Returns t F32
     [T, t_cols] (allocated when not given; t_cols defaults to max_rank); `splits` as in
-    bgmv_shrink."""
-    t, splits = _shrink_t(backend, "sgmv", x, t, t_cols or max_rank, splits, num_sms)
-    backend.launch(plan_sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, t, max_rank,
-                                    token_order, splits))
+    bgmv_shrink; `chunks`: the segments' work list (plans.segment_chunks) already on the
+    backend, else built here."""
+    work = _chunks(backend, x, seg_starts, seg_slots, int(x.shape[0]), chunks)
+    t, splits = _shrink_t(backend, "sgmv", x, t, t_cols or max_rank, splits, num_sms,
+                          chunks=int(work.shape[0]))
+    backend.launch(plan_sgmv_shrink(x, work, a_table, ranks, t, max_rank, token_order, splits))
     return t
 
 
 def sgmv_expand(
     t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    max_rank: int, *, token_order: Any | None = None, backend: Backend = CUPY,
+    max_rank: int, *, token_order: Any | None = None, chunks: Any | None = None,
+    num_sms: int | None = None, backend: Backend = CUPY,
 ) -> Any:
-    """Prefill expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y."""
-    backend.launch(plan_sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y,
-                                    max_rank, token_order))
+    """Prefill expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y. `chunks` as
+    in sgmv_shrink; each CTA takes the 64-output tiles of one chunk that expand_out_tiles plans
+    for the device's SMs."""
+    work = _chunks(backend, y, seg_starts, seg_slots, int(y.shape[0]), chunks)
+    out_tiles = expand_out_tiles(int(work.shape[0]), int(y.shape[1]), int(t.shape[1]),
+                                 backend.num_sms(num_sms))
+    backend.launch(plan_sgmv_expand(t, work, b_table, scale_table, ranks, y, max_rank,
+                                    token_order, out_tiles))
     return y
 
 
@@ -181,15 +203,16 @@ def bgmv(
     and a batch whose tokens share few slots takes the grouped path (SGMV over the tokens
     sorted by slot); without it, the per-token path over max_rank."""
     if batch is not None and batch.grouped:
-        order, starts, seg_slots = (backend.array(x, a)
-                                    for a in (batch.order, batch.seg_starts, batch.seg_slots))
-        t = sgmv_shrink(x, starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
-                        t_cols=batch.t_cols, token_order=order, backend=backend)
+        order, chunks = (backend.array(x, a) for a in (batch.order, batch.chunks))
+        t = sgmv_shrink(x, batch.seg_starts, batch.seg_slots, a_table, ranks, max_rank,
+                        num_sms=num_sms, t_cols=batch.t_cols, token_order=order, chunks=chunks,
+                        backend=backend)
         # t is in token order either way, so the expand may take the per-token path.
         if grouped_expand(batch.num_tokens, int(y.shape[1]), batch.t_cols,
-                          int(batch.seg_slots.size), backend.num_sms(num_sms)):
-            return sgmv_expand(t, starts, seg_slots, b_table, scale_table, ranks, y, max_rank,
-                               token_order=order, backend=backend)
+                          int(batch.chunks.shape[0]), backend.num_sms(num_sms)):
+            return sgmv_expand(t, batch.seg_starts, batch.seg_slots, b_table, scale_table, ranks,
+                               y, max_rank, token_order=order, chunks=chunks, num_sms=num_sms,
+                               backend=backend)
         return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank, backend=backend)
     t = bgmv_shrink(x, slots, a_table, ranks, max_rank, num_sms=num_sms, batch=batch,
                     backend=backend)
@@ -230,8 +253,10 @@ def sgmv(
     t_cols: int | None = None, backend: Backend = CUPY,
 ) -> Any:
     """The whole prefill LoRA delta for one entry over segments of tokens sharing a slot;
-    `t_cols` (the widest rank of the batch, a multiple of 8) narrows t and the shrink grid."""
+    `t_cols` (the widest rank of the batch, a multiple of 8) narrows t and the shrink grid. The
+    two launches share one work list (plans.segment_chunks)."""
+    chunks = _chunks(backend, x, seg_starts, seg_slots, int(x.shape[0]), None)
     t = sgmv_shrink(x, seg_starts, seg_slots, a_table, ranks, max_rank, num_sms=num_sms,
-                    t_cols=t_cols, backend=backend)
+                    t_cols=t_cols, chunks=chunks, backend=backend)
     return sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y, max_rank,
-                       backend=backend)
+                       chunks=chunks, num_sms=num_sms, backend=backend)

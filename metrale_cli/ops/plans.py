@@ -21,6 +21,8 @@ from metrale_cli.ops.sources import (
     EXPAND_ROWS,
     MAX_RANK,
     MAX_SPLITS,
+    SGMV_EXPAND_STAGES,
+    SGMV_SHRINK_STAGES,
     SGMV_TILE,
     SHRINK_ROWS,
     THREADS,
@@ -29,8 +31,8 @@ from metrale_cli.ops.sources import (
 )
 
 # A decode batch takes the grouped (segment plan) path when its adapted tokens average at least
-# this many per distinct slot: each adapter's weights are then read once per 64-token tile
-# rather than once per token, which outweighs the mma passes a tile spends per segment.
+# this many per distinct slot: each adapter's weights are then read once per chunk of up to 64
+# tokens rather than once per token, which outweighs the mma a chunk's CTA spends on its rows.
 GROUP_MIN_TOKENS = 4
 
 # CUDA's grid limits: x up to 2^31 - 1, y and z up to 65,535 (cudaDevAttrMaxGridDimY/Z on every
@@ -55,8 +57,8 @@ class KernelLaunch:
             if size > limit:
                 raise ValueError(
                     f"{self.kernel}'s grid {self.grid} passes CUDA's limit of {limit:,} on "
-                    f"{axis}; split the batch (SGMV: at most {MAX_GRID[1] * SGMV_TILE:,} "
-                    "tokens per launch)")
+                    f"{axis}; split the batch (SGMV: at most {MAX_GRID[1]:,} chunks per "
+                    f"launch, a segment taking one per {SGMV_TILE} tokens)")
 
 
 def dtype_name(array: Any) -> str:
@@ -180,10 +182,11 @@ def _check_dims(in_or_out: int, max_rank: int, t_cols: int, what: str) -> None:
 
 
 # Split-K keeps at least this many K elements per split: one full step of 128 threads x 8 for
-# BGMV, one 64-wide tile for SGMV. A pass of a CTA streams 2 such steps (BGMV) or one tile (SGMV).
+# BGMV, one 64-wide tile for SGMV. A pass of a CTA streams 2 such steps (BGMV) or, SGMV's
+# pipeline keeping SGMV_SHRINK_STAGES tiles in flight, that many tiles.
 _BGMV_MIN_K_CHUNK = THREADS * VECTOR
 _SGMV_MIN_K_CHUNK = SGMV_TILE
-_PASS_K = {"bgmv": 2 * _BGMV_MIN_K_CHUNK, "sgmv": SGMV_TILE}
+_PASS_K = {"bgmv": 2 * _BGMV_MIN_K_CHUNK, "sgmv": SGMV_SHRINK_STAGES * SGMV_TILE}
 # The split planner's costs, those of the roofline model (metrale_cli/bench/roofline.py): a
 # streaming pass is one DRAM latency, a dependent metadata load one L2 latency, and split-K
 # adds its partials into t by atomics at L2 after a memset of t (one more graph node).
@@ -194,16 +197,18 @@ MEMSET_US = 2.0
 
 
 def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits: int,
-                   num_sms: int) -> float:
+                   num_sms: int, chunks: int | None = None) -> float:
     """The modelled time of a `kind` ("bgmv" or "sgmv") shrink cut into `splits` K splits: CTAs
     resident together (the launch bounds' per SM) run in waves, each CTA 2 metadata round trips
     and then ceil(split's K / a pass's K) streaming passes; split-K adds the memset of t and
-    its partials' atomics."""
+    its partials' atomics. `chunks`: SGMV's chunk count (segment_chunks; default one segment's,
+    ceil(T / 64))."""
     if kind == "bgmv":
         base, kernel = num_tokens * -(-t_cols // SHRINK_ROWS), "bgmv_shrink"
         chunk = k_chunk(in_dim, splits, VECTOR)
     elif kind == "sgmv":
-        base = -(-num_tokens // SGMV_TILE) * -(-t_cols // SGMV_TILE)
+        rows = -(-num_tokens // SGMV_TILE) if chunks is None else chunks
+        base = rows * -(-t_cols // SGMV_TILE)
         kernel, chunk = "sgmv_shrink", k_chunk(in_dim, splits, SGMV_TILE)
     else:
         raise ValueError(f"unknown shrink kind {kind!r}")
@@ -216,29 +221,32 @@ def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits:
     return stream + MEMSET_US + 4 * num_tokens * t_cols * splits / _L2_BYTES_PER_US
 
 
-def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int) -> int:
+def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int,
+                  chunks: int | None = None) -> int:
     """The split-K count the `kind` ("bgmv" or "sgmv") shrink uses: the one of least modelled
     cost (shrink_cost_us), the fewest splits among equals, at most METRALE_MAX_SPLITS and never
     below one pass's K per split. `t_cols` is t's width: the batch's widest rank (or max_rank
-    when that is unknown)."""
+    when that is unknown); `chunks` SGMV's chunk count."""
     least = _BGMV_MIN_K_CHUNK if kind == "bgmv" else _SGMV_MIN_K_CHUNK
     candidates = range(1, max(1, min(MAX_SPLITS, in_dim // least)) + 1)
     return min(candidates, key=lambda s: (round(shrink_cost_us(kind, num_tokens, in_dim, t_cols,
-                                                               s, num_sms), 6), s))
+                                                               s, num_sms, chunks), 6), s))
 
 
-def launch_grid(kernel: str, num_tokens: int, dim: int, t_cols: int,
-                splits: int = 1) -> tuple[int, int, int]:
-    """The grid of `kernel` (a KERNEL_SOURCES name) over T tokens, its output dim (expand) or
-    input dim (shrink: unused), t's width and the shrink's split count."""
+def launch_grid(kernel: str, rows: int, dim: int, t_cols: int, splits: int = 1,
+                out_tiles: int = 1) -> tuple[int, int, int]:
+    """The grid of `kernel` (a KERNEL_SOURCES name) over `rows` (BGMV: the T tokens; SGMV: the
+    chunks of segment_chunks), its output dim (expand) or input dim (shrink: unused), t's width,
+    the shrink's split count and the SGMV expand's 64-output tiles per CTA."""
     if kernel == "bgmv_shrink":
-        return (num_tokens, -(-t_cols // SHRINK_ROWS), splits)
+        return (rows, -(-t_cols // SHRINK_ROWS), splits)
     if kernel.startswith("bgmv_expand"):
-        return (num_tokens, -(-dim // (THREADS * EXPAND_ROWS)), 1)
+        return (rows, -(-dim // (THREADS * EXPAND_ROWS)), 1)
     if kernel == "sgmv_shrink":
-        return (-(-t_cols // SGMV_TILE), -(-num_tokens // SGMV_TILE), splits)
+        return (-(-t_cols // SGMV_TILE), rows, splits)
     if kernel.startswith("sgmv_expand"):
-        return (-(-dim // SGMV_TILE), -(-num_tokens // SGMV_TILE), 1)
+        tiles = -(-dim // SGMV_TILE)
+        return (-(-tiles // out_tiles), rows, 1)
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -356,11 +364,12 @@ def plan_bgmv_expand(
     return KernelLaunch(f"bgmv_expand_{y_kind}", (x_, blocks, slices), (THREADS, 1, 1), args)
 
 
-def check_segments(seg_starts: Any, seg_slots: Any, num_tokens: int) -> int:
-    """The segment count, after checking what the SGMV kernels assume of the segments: starts
-    non-decreasing, within [0, T], the last one T (a binary search over them finds each tile's
-    first segment; starts that go backwards give wrong rows everywhere). A CuPy seg_starts is
-    copied to the host for this ((S + 1) x 4 bytes)."""
+def check_segments(seg_starts: Any, seg_slots: Any, num_tokens: int) -> tuple[np.ndarray,
+                                                                               np.ndarray]:
+    """The segments as host arrays (starts int64 [S + 1], slots int64 [S]), after checking what
+    segment_chunks assumes of them: starts non-decreasing, within [0, T], the last one T (starts
+    that go backwards would give rows to the wrong slot). CuPy segments are copied to the host
+    for this ((2 S + 1) x 4 bytes)."""
     num_segments = int(seg_slots.shape[0])
     check_buffer(seg_slots, "seg_slots", ("int32",), (num_segments,))
     check_buffer(seg_starts, "seg_starts", ("int32",), (num_segments + 1,))
@@ -375,56 +384,100 @@ def check_segments(seg_starts: Any, seg_slots: Any, num_tokens: int) -> int:
         i = int(back[0])
         raise ValueError(f"seg_starts must be non-decreasing: seg_starts[{i + 1}] = "
                          f"{int(starts[i + 1])} < seg_starts[{i}] = {int(starts[i])}")
-    return num_segments
+    return starts, host_values(seg_slots).astype(np.int64).ravel()
+
+
+def segment_chunks(seg_starts: Any, seg_slots: Any, num_tokens: int) -> np.ndarray:
+    """The SGMV kernels' work list, int32 [C, 4]: each segment cut into chunks of at most
+    SGMV_TILE consecutive positions, one row (begin, end, slot, 0) per chunk, in segment order;
+    the positions before the first segment (the only ones outside every segment) as chunks of
+    slot -1, so that the shrink still writes their t rows; empty segments have none. Each chunk
+    is one CTA row of the grid: no CTA walks segments, and a CTA learns its rows and slot from
+    one 16-byte load. Built on the host in O(S) array operations from the checked segments
+    (check_segments, which already copies them there); the caller moves it to the device once
+    and may reuse it for every launch over the same segments (a BatchPlan holds it)."""
+    starts, slots = check_segments(seg_starts, seg_slots, num_tokens)
+    begins = np.concatenate(([0], starts[:-1]))
+    ends = starts
+    owners = np.concatenate(([-1], slots))
+    counts = -(-(ends - begins) // SGMV_TILE)
+    chunk_of = np.repeat(np.arange(begins.size), counts)
+    first = np.cumsum(counts) - counts
+    chunk_begin = begins[chunk_of] + SGMV_TILE * (np.arange(chunk_of.size) - first[chunk_of])
+    chunks = np.zeros((chunk_of.size, 4), dtype=np.int32)
+    chunks[:, 0] = chunk_begin
+    chunks[:, 1] = np.minimum(chunk_begin + SGMV_TILE, ends[chunk_of])
+    chunks[:, 2] = owners[chunk_of]
+    return chunks
+
+
+def check_chunks(chunks: Any, num_tokens: int) -> int:
+    """The chunk count of an SGMV work list (segment_chunks' int32 [C, 4]), after checking what
+    the kernels index with it: 0 <= begin < end <= min(begin + 64, T). A CuPy list is copied to
+    the host for this (C x 16 bytes)."""
+    count = int(chunks.shape[0]) if len(chunks.shape) == 2 else -1
+    check_buffer(chunks, "chunks", ("int32",), (count, 4))
+    rows = host_values(chunks).astype(np.int64).reshape(count, 4)
+    begin, end = rows[:, 0], rows[:, 1]
+    bad = np.flatnonzero((begin < 0) | (end <= begin) | (end > np.minimum(begin + SGMV_TILE,
+                                                                            num_tokens)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"chunks[{i}] = positions [{int(begin[i])}, {int(end[i])}) is not 1 to "
+                         f"{SGMV_TILE} positions within [0, {num_tokens})")
+    return count
 
 
 def plan_sgmv_shrink(
-    x: Any, seg_starts: Any, seg_slots: Any, a_table: Any, ranks: Any, t: Any,
-    max_rank: int, token_order: Any | None = None, splits: int = 1,
+    x: Any, chunks: Any, a_table: Any, ranks: Any, t: Any, max_rank: int,
+    token_order: Any | None = None, splits: int = 1,
 ) -> KernelLaunch:
-    """t[b, :] = x[b] @ A_seg^T (see kernels/sgmv.cu), K cut into `splits` added into t by
-    atomics (t must then be zero). With `token_order`, segments index sorted positions (the
-    grouped decode path)."""
+    """t[b, :] = x[b] @ A_seg^T (see kernels/sgmv.cu) over the work list `chunks`
+    (segment_chunks, where the kernel reads it), K cut into `splits` added into t by atomics (t
+    must then be zero). With `token_order`, the chunks index sorted positions (the grouped
+    decode path)."""
     num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     in_dim = int(x.shape[1])
     max_loras = int(a_table.shape[0])
-    num_segments = check_segments(seg_starts, seg_slots, num_tokens)
+    num_chunks = check_chunks(chunks, num_tokens)
     check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
     check_buffer(t, "t", ("float32",), (num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table})
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
     num_splits = _check_splits(splits)
-    grid = launch_grid("sgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
+    grid = launch_grid("sgmv_shrink", num_chunks, in_dim, t_cols, num_splits)
     args = (
-        x, np.int64(row_stride(x, "x")), seg_starts, seg_slots, np.int32(num_segments),
-        _order_arg(token_order, num_tokens), a_table, ranks, np.int32(max_loras), t,
-        np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
+        x, np.int64(row_stride(x, "x")), chunks, _order_arg(token_order, num_tokens), a_table,
+        ranks, np.int32(max_loras), t, np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
         np.int32(k_chunk(in_dim, num_splits, SGMV_TILE)),
     )
     return KernelLaunch("sgmv_shrink", grid, (THREADS, 1, 1), args)
 
 
 def plan_sgmv_expand(
-    t: Any, seg_starts: Any, seg_slots: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any,
-    max_rank: int, token_order: Any | None = None,
+    t: Any, chunks: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
+    token_order: Any | None = None, out_tiles: int = 1,
 ) -> KernelLaunch:
-    """y[b] += scale * t[b] @ B_seg^T (see kernels/sgmv.cu); B rows are the pool's max_rank
-    long."""
+    """y[b] += scale * t[b] @ B_seg^T (see kernels/sgmv.cu) over the work list `chunks`, each
+    CTA `out_tiles` 64-output tiles of one chunk (expand_out_tiles picks it); B rows are the
+    pool's max_rank long."""
     num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
     out_dim = int(y.shape[1])
     max_loras = int(b_table.shape[0])
-    num_segments = check_segments(seg_starts, seg_slots, num_tokens)
+    num_chunks = check_chunks(chunks, num_tokens)
     y_kind = "bf16" if dtype_name(y) in BF16 else "f32"
     check_buffer(t, "t", ("float32",), (num_tokens, t_cols))
     check_buffer(y, "y", (*BF16, "float32"), (num_tokens, out_dim), rows=True)
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
-    grid = launch_grid(f"sgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
+    if not 1 <= out_tiles <= MAX_OUT_TILES:
+        raise ValueError(f"out_tiles must be in 1..{MAX_OUT_TILES}, got {out_tiles}")
+    grid = launch_grid(f"sgmv_expand_{y_kind}", num_chunks, out_dim, t_cols,
+                       out_tiles=out_tiles)
     args = (
-        t, seg_starts, seg_slots, np.int32(num_segments),
-        _order_arg(token_order, num_tokens), b_table, scale_table, ranks, np.int32(max_loras),
-        y, np.int64(row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
-        np.int32(max_rank), np.int32(t_cols),
+        t, chunks, _order_arg(token_order, num_tokens), b_table, scale_table, ranks,
+        np.int32(max_loras), y, np.int64(row_stride(y, "y")), np.int32(out_dim),
+        np.int32(max_rank), np.int32(t_cols), np.int32(out_tiles),
     )
     return KernelLaunch(f"sgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
 
@@ -438,10 +491,11 @@ class BatchPlan:
 
     - `t_cols`: the widest rank among the batch's adapted tokens (rounded up to VECTOR), so
       grids and t cover the ranks present rather than the pool's max_rank;
-    - a segment plan: `order` (int32 [T], token indices stably sorted by slot) and segments over
-      those sorted positions (`seg_starts` int32 [S + 1], `seg_slots` int32 [S]);
+    - a segment plan: `order` (int32 [T], token indices stably sorted by slot), segments over
+      those sorted positions (`seg_starts` int32 [S + 1], `seg_slots` int32 [S]) and the SGMV
+      work list over them (`chunks`, segment_chunks), built once for every layer's launches;
     - `grouped`: whether decode takes the grouped path (SGMV over the sorted tokens, each
-      adapter's weights read once per 64-token tile) rather than the per-token BGMV path,
+      adapter's weights read once per chunk of up to 64 tokens) rather than the per-token path,
       chosen from the batch's distinct slots (GROUP_MIN_TOKENS).
     """
 
@@ -453,6 +507,7 @@ class BatchPlan:
     order: np.ndarray
     seg_starts: np.ndarray
     seg_slots: np.ndarray
+    chunks: np.ndarray
 
 
 def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray,
@@ -478,7 +533,35 @@ def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndar
     seg_slots = sorted_slots[seg_starts[:-1]].astype(np.int32)
     grouped = distinct > 0 and adapted_tokens >= group_min_tokens * distinct
     return BatchPlan(int(slot_ids.size), t_cols, distinct, adapted_tokens, grouped, order,
-                     seg_starts, seg_slots)
+                     seg_starts, seg_slots, segment_chunks(seg_starts, seg_slots, slot_ids.size))
+
+
+# The SGMV expand's 64-output tiles per CTA are planned among 1..MAX_OUT_TILES.
+MAX_OUT_TILES = 32
+
+
+def sgmv_expand_stream_us(num_chunks: int, out_dim: int, t_cols: int, out_tiles: int,
+                          num_sms: int) -> float:
+    """The modelled streaming time of an SGMV expand whose CTAs take `out_tiles` 64-output
+    tiles of one chunk each: waves of resident CTAs, each its 2 metadata round trips and then
+    its (output tile, rank chunk) items, SGMV_EXPAND_STAGES in flight a pass (the y loads ride
+    with each tile's first)."""
+    tiles = -(-out_dim // SGMV_TILE)
+    per_cta = min(out_tiles, tiles) * -(-t_cols // SGMV_TILE)
+    ctas = max(1, -(-tiles // out_tiles) * num_chunks)
+    resident = min(ctas, num_sms * min_ctas_per_sm("sgmv_expand_bf16"))
+    waves = -(-ctas // resident)
+    return waves * (-(-per_cta // SGMV_EXPAND_STAGES) * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
+
+
+def expand_out_tiles(num_chunks: int, out_dim: int, t_cols: int, num_sms: int) -> int:
+    """The 64-output tiles per CTA of an SGMV expand: the count of least modelled streaming
+    time (sgmv_expand_stream_us), the fewest among equals. A CTA per (chunk, 64 outputs) is
+    best where the chunks fill the device; small chunks (a segment per token) leave a CTA one
+    small B tile after its metadata, and more tiles a CTA keep more of it in flight."""
+    candidates = range(1, min(MAX_OUT_TILES, -(-out_dim // SGMV_TILE)) + 1)
+    return min(candidates, key=lambda n: (round(sgmv_expand_stream_us(
+        num_chunks, out_dim, t_cols, n, num_sms), 6), n))
 
 
 # bgmv_expand's thread-to-data mapping (kernels/bgmv.cu, expand_rows): a CTA owns this many
@@ -501,39 +584,35 @@ def expand_cta_passes(rows: int, rank: int) -> int:
 
 
 def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
-                   num_segments: int, num_sms: int) -> float:
-    """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (64 x 64
-    output tiles over the tokens sorted by slot, each tile walking its segments) or "bgmv" (a
+                   num_chunks: int, num_sms: int) -> float:
+    """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (a CTA
+    per chunk of the batch's `num_chunks` chunks of tokens sorted by slot and its
+    expand_out_tiles 64-output tiles) or "bgmv" (a
     CTA per token and 1024 outputs, B read once per token). The larger of its streaming
     (waves of resident CTAs, each its passes and metadata round trips) and its L2 traffic at
     L2 bandwidth: the per-token expand re-reads B per token, which L2 must serve."""
     if family == "sgmv":
-        tiles = -(-num_tokens // SGMV_TILE)
-        ctas = -(-out_dim // SGMV_TILE) * tiles
-        per_tile = -(-num_segments // tiles) + 1  # segments meeting a tile, at most
-        passes = per_tile * -(-t_cols // SGMV_TILE) + 1
-        chains = 2 * per_tile + max(1, num_segments).bit_length()
-        kernel = "sgmv_expand_bf16"
-        l2 = 2 * out_dim * t_cols * (num_segments + tiles) + 4 * t_cols * num_tokens * (
-            -(-out_dim // SGMV_TILE))
-    elif family == "bgmv":
-        ctas = num_tokens * -(-out_dim // EXPAND_CTA_ROWS)
-        passes = expand_cta_passes(min(EXPAND_CTA_ROWS, out_dim), t_cols)
-        chains, kernel = 2, "bgmv_expand_bf16"
-        l2 = 2 * out_dim * t_cols * num_tokens
-    else:
+        stream = sgmv_expand_stream_us(num_chunks, out_dim, t_cols, expand_out_tiles(
+            num_chunks, out_dim, t_cols, num_sms), num_sms)
+        tiles = -(-out_dim // SGMV_TILE)
+        l2 = 2 * out_dim * t_cols * num_chunks + 4 * t_cols * num_tokens * tiles
+        return max(stream, l2 / _L2_BYTES_PER_US)
+    if family != "bgmv":
         raise ValueError(f"unknown expand family {family!r}")
-    resident = min(max(ctas, 1), num_sms * min_ctas_per_sm(kernel))
-    waves = -(-max(ctas, 1) // resident)
-    stream = waves * (passes * _DRAM_LATENCY_US + chains * _L2_LATENCY_US)
-    return max(stream, l2 / _L2_BYTES_PER_US)
+    ctas = max(1, num_tokens * -(-out_dim // EXPAND_CTA_ROWS))
+    resident = min(ctas, num_sms * min_ctas_per_sm("bgmv_expand_bf16"))
+    waves = -(-ctas // resident)
+    # slot -> table beside ranks: 2 round trips; then the CTA's passes of its lane groups.
+    passes = expand_cta_passes(min(EXPAND_CTA_ROWS, out_dim), t_cols)
+    stream = waves * (passes * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
+    return max(stream, 2 * out_dim * t_cols * num_tokens / _L2_BYTES_PER_US)
 
 
-def grouped_expand(num_tokens: int, out_dim: int, t_cols: int, num_segments: int,
+def grouped_expand(num_tokens: int, out_dim: int, t_cols: int, num_chunks: int,
                    num_sms: int) -> bool:
     """Whether a grouped decode batch expands through SGMV too (else per token), whichever is
-    modelled cheaper (expand_cost_us): SGMV reads each adapter's B once per 64-token tile but a
-    narrow output (k_proj, v_proj) over a few token tiles leaves most SMs idle; the per-token
-    expand fills the device but reads B once per token from L2."""
-    return (expand_cost_us("sgmv", num_tokens, out_dim, t_cols, num_segments, num_sms)
-            <= expand_cost_us("bgmv", num_tokens, out_dim, t_cols, num_segments, num_sms))
+    modelled cheaper (expand_cost_us): SGMV reads each adapter's B once per chunk of up to 64
+    tokens but a narrow output (k_proj, v_proj) over a few chunks leaves most SMs idle; the
+    per-token expand fills the device but reads B once per token from L2."""
+    return (expand_cost_us("sgmv", num_tokens, out_dim, t_cols, num_chunks, num_sms)
+            <= expand_cost_us("bgmv", num_tokens, out_dim, t_cols, num_chunks, num_sms))

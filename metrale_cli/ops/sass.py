@@ -6,9 +6,12 @@ on, per kernel:
 - in every hot loop (an innermost loop issuing 128-bit global loads), the distinct 128-bit loads
   issued before the first instruction that reads a register one of them loaded. Distinct: a
   load whose predicate may turn it off (`@P0 LDG`) is not counted, nor a second load of the
-  same address operand. kernels/lora_config.h states the count each kernel keeps;
+  same address operand. A pipelined loop of cp.async copies (LDGSTS, which load no register)
+  keeps its distinct copies per iteration times the groups in flight at its wait
+  (`DEPBAR.LE SB0, N`: N + 1). kernels/lora_config.h states the count each kernel keeps;
 - the dependent global-load chains: how many loads, one waiting for another's value, precede
-  the first 128-bit stream load (slot -> table[slot] -> weights is 3), and which loops carry a
+  the first 128-bit stream load (slot -> table[slot] -> weights is 3; `copy_depth`: the same
+  for cp.async copies, the SGMV pipelines' stream), and which loops carry a
   load chain from one iteration to the next (a binary search: each probe's address depends on
   the last probe's value). The roofline model (bench_kernels) charges these as serial round
   trips; tests/test_kernels_sass.py ties the two.
@@ -168,19 +171,27 @@ class Instruction:
 
     @property
     def is_global_load(self) -> bool:
-        return self.opcode.startswith("LDG")
+        return self.opcode.startswith("LDG") and not self.opcode.startswith("LDGDEPBAR")
+
+    @property
+    def is_async_copy(self) -> bool:
+        """cp.async (LDGSTS): a global load into shared memory that writes no register."""
+        return self.opcode.startswith("LDGSTS")
 
     @property
     def is_vector_load(self) -> bool:
-        return self.opcode.startswith("LDG.E.128")
+        return self.opcode.startswith("LDG.E.128") or (self.is_async_copy
+                                                        and ".128" in self.opcode)
 
     @property
     def always_runs(self) -> bool:
         return self.predicate in (None, "@PT")
 
     def address(self) -> str:
-        """The address operand of a load ('desc[UR4][R2.64+0x10]')."""
-        return self.operands.split(",", 1)[1].strip() if "," in self.operands else ""
+        """The global address operand of a load ('desc[UR4][R2.64+0x10]'): the second operand,
+        after the destination register (LDG) or shared address (LDGSTS)."""
+        parts = self.operands.split(",")
+        return parts[1].strip() if len(parts) > 1 else ""
 
     def _registers(self) -> list[re.Match[str]]:
         return list(_REGISTER.finditer(self.operands))
@@ -199,8 +210,8 @@ class Instruction:
         width = 1
         if self.is_global_load:
             width = 4 if ".128" in self.opcode else 2 if ".64" in self.opcode else 1
-        elif first.group(3):
-            width = 2
+        elif first.group(3) or ".WIDE" in self.opcode:
+            width = 2  # a 64-bit result: IMAD.WIDE writes its destination and the next
         kind, base = first.group(1), int(first.group(2))
         return {f"{kind}{base + i}" for i in range(width)}
 
@@ -284,16 +295,51 @@ def loads_before_first_use(code: list[Instruction], head: int, end: int) -> int:
             break
         if ins.is_vector_load and ins.always_runs and ins.address() not in addresses:
             count += 1
-            made_of = {f"{m.group(1)}{int(m.group(2)) + k}"
-                       for m in _REGISTER.finditer(ins.address())
-                       for k in range(2 if m.group(3) else 1)}
-            addresses[ins.address()] = made_of
+            addresses[ins.address()] = _registers_of(ins.address())
         written = ins.writes()
         if ins.is_vector_load:
             loaded |= written
         # An address whose registers are rewritten names a new address from then on.
         addresses = {a: regs for a, regs in addresses.items() if not regs & written}
     return count
+
+
+_WAIT_GROUPS = re.compile(r"SB0,\s*(0x[0-9a-f]+|\d+)")
+
+
+def async_loads_in_flight(code: list[Instruction], head: int, end: int) -> int:
+    """The 128-bit cp.async copies a thread has in flight in a pipelined loop: the distinct
+    unpredicated LDGSTS of one iteration (one commit group, LDGDEPBAR) times the groups in
+    flight at its wait (`DEPBAR.LE SB0, N` leaves N groups pending while it waits for the
+    oldest: N + 1; the smallest N if it waits more than once). A copy writes no register, so
+    no use can come between them; what serialises a pipeline is a shallower wait."""
+    body = code[head:end + 1]
+    addresses: dict[str, set[str]] = {}
+    count = 0
+    for ins in body:
+        if ins.is_async_copy and ".128" in ins.opcode and ins.always_runs \
+                and ins.address() not in addresses:
+            count += 1
+            addresses[ins.address()] = _registers_of(ins.address())
+        written = ins.writes()
+        addresses = {a: regs for a, regs in addresses.items() if not regs & written}
+    pending = [int(m.group(1), 0) for ins in body if ins.opcode.startswith("DEPBAR")
+               for m in [_WAIT_GROUPS.search(ins.operands)] if m]
+    return count * (min(pending) + 1 if pending else 1)
+
+
+def loop_loads(code: list[Instruction], head: int, end: int) -> int:
+    """The 128-bit loads a thread keeps in flight in the hot loop (head, end): its cp.async
+    copies across the pipeline's groups (async_loads_in_flight), or, for register loads, the
+    distinct ones issued before the first use (loads_before_first_use)."""
+    if any(ins.is_async_copy for ins in code[head:end + 1]):
+        return async_loads_in_flight(code, head, end)
+    return loads_before_first_use(code, head, end)
+
+
+def _registers_of(operand: str) -> set[str]:
+    return {f"{m.group(1)}{int(m.group(2)) + k}" for m in _REGISTER.finditer(operand)
+            for k in range(2 if m.group(3) else 1)}
 
 
 def _load_depths(code: Iterable[Instruction], depth: dict[str, int]) -> list[int]:
@@ -332,10 +378,11 @@ def _merge(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, int]
     return merged
 
 
-def stream_depth(code: list[Instruction]) -> int:
+def stream_depth(code: list[Instruction], copies_only: bool = False) -> int:
     """The deepest chain of dependent global loads that ends in a 128-bit (stream) load, along
     the control flow with loops run once (back edges not followed): 3 for slot -> table[slot]
-    -> weights. Each instruction sees the register depths of the paths that reach it (the fall
+    -> weights; with `copies_only`, chains that end in a cp.async copy (an SGMV pipeline's
+    stream). Each instruction sees the register depths of the paths that reach it (the fall
     through and the forward branches to its label, merged), so the alternatives of a switch
     (one instantiation per case) do not chain into one another as they would in program order.
     Code reached only by a back edge, or by a jump whose targets are unknown, sees every path
@@ -352,7 +399,7 @@ def stream_depth(code: list[Instruction]) -> int:
         level = max((state.get(r, 0) for r in ins.reads()), default=0)
         if ins.is_global_load:
             level += 1
-            if ins.is_vector_load:
+            if ins.is_vector_load and (ins.is_async_copy or not copies_only):
                 deepest = max(deepest, level)
         for register in ins.writes():
             state[register] = level
@@ -384,8 +431,9 @@ def kernel_report(code: list[Instruction]) -> dict[str, Any]:
     """What the checks read of one kernel's machine code."""
     return {
         "local_memory": sum(i.opcode.startswith(("LDL", "STL")) for i in code),
-        "hot_loop_loads": [loads_before_first_use(code, h, e) for h, e in hot_loops(code)],
+        "hot_loop_loads": [loop_loads(code, h, e) for h, e in hot_loops(code)],
         "stream_depth": stream_depth(code),
+        "copy_depth": stream_depth(code, copies_only=True),
         "chained_loops": len(chained_loops(code)),
         "instructions": len(code),
     }

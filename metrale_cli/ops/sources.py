@@ -147,6 +147,8 @@ MAX_SPLITS = CONFIG["METRALE_MAX_SPLITS"]  # split-K partials at most
 SHRINK_ROWS = CONFIG["BGMV_SHRINK_ROWS"]  # rank rows per bgmv_shrink CTA
 EXPAND_ROWS = CONFIG["BGMV_EXPAND_ROWS"]  # output rows per bgmv_expand thread
 SGMV_TILE = CONFIG["SGMV_TILE"]  # SGMV tokens x columns x K per tile
+SGMV_SHRINK_STAGES = CONFIG["SGMV_SHRINK_STAGES"]  # K tiles in flight per sgmv_shrink CTA
+SGMV_EXPAND_STAGES = CONFIG["SGMV_EXPAND_STAGES"]  # rank chunks in flight per sgmv_expand CTA
 
 
 def _figure(kernel: str, what: str) -> int:

@@ -168,9 +168,14 @@ SGMV_CASES = [
     # Split-K with an empty trailing split (4 splits of 192 over K = 584).
     Case("split_k", 70, 584, 64, 32, [32, 20], seg_starts=[0, 40, 70], seg_slots=[1, 0],
          num_splits=4),
-    # Segments that straddle the 64-token tiles.
+    # Segments that straddle the 64-token chunks.
     Case("straddle", 130, 128, 128, 64, [64, 40], seg_starts=[0, 63, 65, 129, 130],
          seg_slots=[0, 1, 0, 1]),
+    # Skewed segments: 1-token segments beside one of 150 (three chunks), K deep enough that
+    # the shrink's 3-stage pipeline refills its stages (10 K tiles) and a rank deep enough that
+    # the expand's 2 stages do (rank 200: 4 rank chunks), ranks off the 8-column vectors.
+    Case("skewed", 160, 584, 136, 200, [200, 129, 7], seg_starts=[2, 3, 4, 5, 155, 160],
+         seg_slots=[0, 1, 2, 0, 1], num_splits=1),
 ]
 
 # Decode batches run with a batch plan (plans.plan_batch), on both the grouped and the
@@ -181,8 +186,10 @@ DECODE_BATCHES = [
     # that on one SM the per-token expand's waves cost more than the SGMV tile's segments.
     Case("shared_slots", 42, 200, 72, 48, [12, 33, 8, 0], absent={2},
          slots=[0, 1, 0, -1, 1, 0, 2, 0, 1, 3, 0, 1, 9, 0, 1, 0, 1, 0, 1, 0, 0] * 2),
-    # One adapter for the whole batch, over three 64-token tiles.
+    # One adapter for the whole batch, over three 64-token chunks.
     Case("one_slot", 150, 64, 64, 64, [20], slots=[0] * 150),
+    # A wide output (16 SGMV output tiles) over 8 tokens of 2 slots: the per-token expand's.
+    Case("wide_output", 8, 64, 1024, 24, [8, 12], slots=[0, 1, 0, 1, 1, 0, 0, 1]),
 ]
 
 
