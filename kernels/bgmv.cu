@@ -33,8 +33,13 @@
 // Launch shapes (picked by metrale_cli/kernels.py, which the host harness shares):
 //   bgmv_shrink:       grid (T, t_cols / BGMV_SHRINK_ROWS, num_slices x num_splits), block 128; each CTA
 //                      computes 4 rank rows of one token over one K chunk of k_chunk elements.
-//   bgmv_expand_*:     grid (T, ceil(widest slice / (128 x 8)), num_slices), block 128; each thread owns 8
-//                      consecutive output rows (one y vector).
+//   bgmv_expand_*:     grid (T, ceil(widest slice / (128 x 8)), num_slices), block 128; a CTA owns 1024
+//                      output rows of one token. Each B row's rank prefix is read by a group of
+//                      2^k >= ceil(r / 8) consecutive lanes, one 16-byte vector each, so a warp's
+//                      load covers 32 / 2^k consecutive rows' prefixes in consecutive 16-byte pieces
+//                      (coalesced; one run when r fills max_rank); the group sums its products by
+//                      shuffles, the row sums meet in shared memory, and each thread then adds
+//                      into one y vector (8 consecutive outputs).
 // Memory-level parallelism (kernels/README.md): every load of a pass is unconditional (rows and
 // columns past the data are clamped into bounds and their results masked), and a pass issues all
 // its loads before the first product: BGMV_SHRINK_LOADS and BGMV_EXPAND_LOADS per thread.
@@ -129,6 +134,75 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   }
 }
 
+// Sums each lane's BGMV_EXPAND_STEPS values over the groups of 2^kLog consecutive lanes, halving
+// the values at every step: the lane whose offset bit is set sends its even values and keeps its
+// odd ones, its partner the reverse. After the kLog steps lane j of a group holds the group's
+// sums of values 2^kLog * i + j (or, past STEPS lanes, value j % STEPS): STEPS - 1 shuffles in
+// all for 16 values over up to 16 lanes, where one butterfly per value would take 16 x kLog.
+template <int kLog>
+__device__ __forceinline__ void group_sums(float (&v)[BGMV_EXPAND_STEPS], int lane) {
+#pragma unroll
+  for (int step = 0; step < kLog; ++step) {
+    const int offset = 1 << step;
+    const bool upper = (lane & offset) != 0;
+    const int held = BGMV_EXPAND_STEPS >> step;  // values each lane holds before this step
+    if (held > 1) {
+#pragma unroll
+      for (int i = 0; i < BGMV_EXPAND_STEPS / 2; ++i) {
+        if (i < held / 2) {
+          const float send = upper ? v[2 * i] : v[2 * i + 1];
+          const float keep = upper ? v[2 * i + 1] : v[2 * i];
+          v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+        }
+      }
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], offset);
+    }
+  }
+}
+
+// One CTA's rows of B against the token's t: rows [0, rows) of b_rows (row pitch max_rank), each
+// row's rank prefix of `vecs` 16-byte vectors read by a group of 2^kLog >= vecs consecutive lanes,
+// lane j reading vector j (a lane past vecs re-reads the last vector, and its t values `tv` are
+// zeros, so that no select or branch sits between a load and its product). A warp load
+// thus covers 32 / 2^kLog consecutive rows' prefixes, consecutive lanes on consecutive 16-byte
+// pieces (one contiguous run when the rank fills max_rank). A pass issues BGMV_EXPAND_STEPS
+// such loads per thread, each a different row, before the first product (rows past the CTA's
+// re-read its last and are never stored); the groups then sum their lanes' products
+// (group_sums) and each row's sum lands in acc_s.
+template <int kLog>
+__device__ __forceinline__ void expand_rows(const bf16_t* __restrict__ b_rows, long long max_rank,
+                                            int rows, int vecs, const float (&tv)[8],
+                                            float* __restrict__ acc_s, int tid) {
+  constexpr int kLanes = 1 << kLog;
+  constexpr int kGroups = 32 / kLanes;                      // rows per warp load
+  constexpr int kStride = METRALE_WARPS * kGroups;          // rows between a thread's loads
+  constexpr int kPass = BGMV_EXPAND_STEPS * kStride;        // rows per pass of the CTA
+  const int lane = tid & 31;
+  const bf16_t* b_col = b_rows + imin(lane & (kLanes - 1), vecs - 1) * 8;
+  const int first = (tid >> 5) * kGroups + (lane >> kLog);  // this thread's row in a pass
+  for (int r0 = 0; r0 < rows; r0 += kPass) {
+    uint4 w[BGMV_EXPAND_STEPS];
+#pragma unroll
+    for (int s = 0; s < BGMV_EXPAND_STEPS; ++s)
+      w[s] = load16(b_col + static_cast<long long>(imin(r0 + first + s * kStride, rows - 1)) *
+                                max_rank);
+    float v[BGMV_EXPAND_STEPS];
+#pragma unroll
+    for (int s = 0; s < BGMV_EXPAND_STEPS; ++s) v[s] = dot8_f32(tv, w[s]);
+    group_sums<kLog>(v, lane);
+    // Lane j now holds the sums of its group's values kLanes * i + j; with more lanes than
+    // values, lanes j and j + STEPS hold the same one and the first stores it.
+    const int j = lane & (kLanes - 1);
+#pragma unroll
+    for (int i = 0; i < (kLanes < BGMV_EXPAND_STEPS ? BGMV_EXPAND_STEPS / kLanes : 1); ++i) {
+      const int s = kLanes * i + j;
+      const int row = r0 + first + s * kStride;
+      if (s < BGMV_EXPAND_STEPS && row < rows) acc_s[row] = v[i];
+    }
+  }
+}
+
 template <typename OutT>
 __device__ __forceinline__ void bgmv_expand_body(
     const float* __restrict__ t, const int* __restrict__ slots, const ptr_t* __restrict__ b_table, const float* __restrict__ scale_table,
@@ -148,55 +222,51 @@ __device__ __forceinline__ void bgmv_expand_body(
                                     max_loras);
   const int listed = slot_rank(ranks, slot, max_loras);
   const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
-  if (rank <= 0) return;  // CTA-uniform, before any barrier: y stays bit-identical
+  constexpr int kCtaRows = METRALE_THREADS * BGMV_EXPAND_ROWS;
+  const int o0 = blockIdx.y * kCtaRows;
+  // CTA-uniform, before any barrier: a skipped token's y stays bit-identical, and a narrower
+  // fused slice's spare CTAs stop here.
+  if (rank <= 0 || o0 >= slice_out) return;
   const float scale = scale_table[slot];
   const int vecs = (rank + 7) >> 3;
-  // Passes take BGMV_EXPAND_COLS vectors; t_s is zero up to a whole number of passes.
-  const int padded = (vecs + BGMV_EXPAND_COLS - 1) / BGMV_EXPAND_COLS * BGMV_EXPAND_COLS * 8;
+  const int rows = imin(kCtaRows, slice_out - o0);
 
-  // The token's t row, zero past the rank, so that the last B vector's padding columns multiply
-  // zeros.
-  __shared__ __align__(16) float t_s[METRALE_MAX_RANK + BGMV_EXPAND_COLS * 8];
-  for (int j = tid; j < padded; j += METRALE_THREADS)
-    t_s[j] = j < rank ? t[static_cast<long long>(b) * t_cols + j] : 0.f;
-  __syncthreads();
-
-  // Each thread owns BGMV_EXPAND_ROWS consecutive output rows: its y is one vector, and its B
-  // rows are one contiguous run of BGMV_EXPAND_ROWS x max_rank elements.
-  const int o = (blockIdx.y * METRALE_THREADS + tid) * BGMV_EXPAND_ROWS;
-  if (o >= slice_out) return;  // slice widths are multiples of 8: all 8 rows of a live thread exist
-  OutT* y_out = y + static_cast<long long>(b) * y_stride + col0 + o;
+  // This thread's y vector (8 consecutive outputs), issued first so that it lands while the B
+  // passes run; slice widths are multiples of 8, so a thread's 8 outputs all exist or none.
+  const int o = tid * BGMV_EXPAND_ROWS;
+  OutT* y_out = y + static_cast<long long>(b) * y_stride + col0 + o0 + imin(o, rows - 8);
   float yv[BGMV_EXPAND_ROWS];
-  load_y8(y_out, yv);  // issued first: it lands while the B passes run
-  const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr) + static_cast<long long>(o) * max_rank;
+  load_y8(y_out, yv);
+  // The 8 t values this thread's lane multiplies (its vector j of every row: j is fixed by the
+  // lane), zero past the rank, so that the last vector's padding columns meet zeros, and zero
+  // for a lane past the rank's vectors; min(j, vecs - 1) * 8 + 8 <= t_cols keeps the read
+  // inside the t row.
+  const int lanes_log = vecs <= 1 ? 0 : vecs <= 2 ? 1 : vecs <= 4 ? 2 : vecs <= 8 ? 3
+                        : vecs <= 16 ? 4 : 5;
+  const int j = (tid & 31) & ((1 << lanes_log) - 1);
+  const int tj = imin(j, vecs - 1) * 8;
+  const float* t_row = t + static_cast<long long>(b) * t_cols + tj;
+  const uint4 t_lo = load16(t_row);
+  const uint4 t_hi = load16(t_row + 4);
+  const unsigned tu[8] = {t_lo.x, t_lo.y, t_lo.z, t_lo.w, t_hi.x, t_hi.y, t_hi.z, t_hi.w};
+  float tv[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) tv[e] = j < vecs && tj + e < rank ? __uint_as_float(tu[e]) : 0.f;
 
-  float acc[BGMV_EXPAND_ROWS];
-#pragma unroll
-  for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) acc[i] = 0.f;
-  for (int c = 0; c < vecs; c += BGMV_EXPAND_COLS) {
-    // A pass: every row's next BGMV_EXPAND_COLS vectors. A column past the rank re-reads the
-    // pass's first column (in bounds) and meets zeros in t_s.
-    uint4 w[BGMV_EXPAND_ROWS][BGMV_EXPAND_COLS];
-#pragma unroll
-    for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) {
-#pragma unroll
-      for (int q = 0; q < BGMV_EXPAND_COLS; ++q) {
-        const int col = c + q < vecs ? c + q : c;
-        w[i][q] = load16(b_rows + static_cast<long long>(i) * max_rank + col * 8);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < BGMV_EXPAND_COLS; ++q) {
-      const bool valid = c + q < vecs;
-#pragma unroll
-      for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) {
-        const float d = dot8_f32(t_s + (c + q) * 8, w[i][q]);
-        acc[i] += valid ? d : 0.f;
-      }
-    }
+  __shared__ __align__(16) float acc_s[kCtaRows];
+  const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr) + static_cast<long long>(o0) * max_rank;
+  switch (lanes_log) {
+    case 0: expand_rows<0>(b_rows, max_rank, rows, vecs, tv, acc_s, tid); break;
+    case 1: expand_rows<1>(b_rows, max_rank, rows, vecs, tv, acc_s, tid); break;
+    case 2: expand_rows<2>(b_rows, max_rank, rows, vecs, tv, acc_s, tid); break;
+    case 3: expand_rows<3>(b_rows, max_rank, rows, vecs, tv, acc_s, tid); break;
+    case 4: expand_rows<4>(b_rows, max_rank, rows, vecs, tv, acc_s, tid); break;
+    default: expand_rows<5>(b_rows, max_rank, rows, vecs, tv, acc_s, tid); break;
   }
+  __syncthreads();
+  if (o >= rows) return;
 #pragma unroll
-  for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) yv[i] += scale * acc[i];
+  for (int i = 0; i < BGMV_EXPAND_ROWS; ++i) yv[i] += scale * acc_s[o + i];
   store_y8(y_out, yv);
 }
 

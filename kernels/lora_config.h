@@ -17,10 +17,11 @@
 // issues BGMV_SHRINK_STEPS x (1 + BGMV_SHRINK_ROWS) 16-byte loads per thread before its first use.
 #define BGMV_SHRINK_ROWS 4
 #define BGMV_SHRINK_STEPS 2
-// bgmv_expand: output rows per thread (one 16-byte BF16 y vector) and rank vectors per pass: a
-// pass issues BGMV_EXPAND_ROWS x BGMV_EXPAND_COLS 16-byte B loads per thread before its first use.
+// bgmv_expand: output rows per thread in the y epilogue (one 16-byte BF16 y vector; a CTA owns
+// METRALE_THREADS x that rows), and B rows per thread per pass: a pass issues BGMV_EXPAND_STEPS
+// 16-byte B loads per thread, one per row, before its first use.
 #define BGMV_EXPAND_ROWS 8
-#define BGMV_EXPAND_COLS 2
+#define BGMV_EXPAND_STEPS 16
 // SGMV tiles: 64 tokens (4 warps x the mma's 16 rows) x 64 rank or output columns x 64 K.
 #define SGMV_TILE 64
 // SGMV pipeline stages: K tiles (shrink) and rank chunks (expand) in flight per CTA, streamed by
@@ -50,22 +51,26 @@
 // and the expand's rank vectors per pass; the overlay gather's 16-byte loads per pass.
 #define EXPERT_DECODE_TILE 2
 #define EXPERT_PREFILL_TILE 8
+// expert_shrink_prefill (tensor cores): rank rows per CTA, 4 m16 tiles.
+#define EXPERT_SHRINK_PREFILL_ROWS 64
 #define EXPERT_EXPAND_COLS 2
 #define ROUTER_COLS 4
 #define OVERLAY_LOADS 4
-// Loads in flight per thread, as ptxas schedules them (the SASS check holds them): the shrink
-// issues 4 A + TILE x vectors a pass (6 decode; 9 of the prefill's 12 before its first product);
-// the expand issues 8 rows x 2 columns of B a pass, of which 10 (decode) or 7 (prefill, 8 pairs'
-// accumulators live) precede the first product; router_lora_*: ROUTER_COLS B vectors a pass (its
-// shrink loop issues 5).
+// Loads in flight per thread, as ptxas schedules them (the SASS check holds them): the decode
+// shrink issues 4 A + 2 x vectors a pass; the decode expand 8 rows x 2 columns of B, of which 10
+// precede the first product; the prefill tiles run on mma: the shrink's pass is (1 x + 2 per
+// m16 tile of A) vectors per 32-wide K chunk, 18 for 1 or 4 tiles (15 for 2, which ptxas issues
+// two passes at a time: 30), the expand's 16 B vectors, double-buffered (the next pass's loads
+// in flight during this one's mma; at rank 16 or below one pass of 8 or 16 holds the CTA's
+// rows, no loop); router_lora_*: ROUTER_COLS B vectors a pass (its shrink loop issues 5).
 #define EXPERT_SHRINK_DECODE_MIN_CTAS 4
 #define EXPERT_SHRINK_DECODE_LOADS 6
 #define EXPERT_SHRINK_PREFILL_MIN_CTAS 2
-#define EXPERT_SHRINK_PREFILL_LOADS 9
+#define EXPERT_SHRINK_PREFILL_LOADS 18
 #define EXPERT_EXPAND_DECODE_MIN_CTAS 4
 #define EXPERT_EXPAND_DECODE_LOADS 10
 #define EXPERT_EXPAND_PREFILL_MIN_CTAS 2
-#define EXPERT_EXPAND_PREFILL_LOADS 7
+#define EXPERT_EXPAND_PREFILL_LOADS 16
 #define ROUTER_LORA_MIN_CTAS 1
 #define ROUTER_LORA_LOADS 4
 #define OVERLAY_GATHER_MIN_CTAS 1

@@ -98,3 +98,27 @@ def test_the_torch_baseline_computes_the_same_delta(proj: str) -> None:
     got, want = as_float(out), as_float(ours)
     assert not np.array_equal(got, as_float(before))
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * float(np.abs(want).max()))
+
+
+def test_the_prefill_model_is_the_mma_launch_plan() -> None:
+    """The model's prefill launches are the plans ExpertGroup makes (kernel and grid: 64 rank
+    rows per shrink CTA on the mma tiles), and a pass's distinct bytes are what its loads
+    bring: all of them at rank 64; at rank 8 the expand's one pass holds the CTA's 1024 rows
+    of one vector each, and the shrink's m16 tiles re-read rows past the rank."""
+    shape = be.ExpertShape("m", hidden=256, inter=128, experts=4, top_k=2, rank=64, tokens=64,
+                           adapters=1)
+    batch = be.plan(shape)
+    assert batch.prefill
+    group = be.ExpertGroup(np, np.random.default_rng(0), shape, batch, *be.routing(shape),
+                           host_harness.HOST)
+    for proj in ("gate_up", "down"):
+        modelled = [(kernel, grid) for kernel, grid, _, _ in be._launches(proj, shape, batch)]
+        planned = [(p.kernel.replace("_f32", "_bf16"), p.grid) for p in group.plans(proj)]
+        assert modelled == planned
+        assert planned[0][1][1] == 1  # rank 64: one 64-row CTA per tile, not 16 of 4 rows
+    loads = 16 * 128  # bytes of one 16-byte load per thread of a CTA
+    assert be.prefill_pass_bytes("shrink", 64, 8) == 18 * loads
+    assert be.prefill_pass_bytes("expand", 64, 8) == 16 * loads
+    assert be.prefill_pass_bytes("expand", 8, 8) == 1024 * 16
+    assert be.prefill_pass_bytes("expand", 16, 8) == 1024 * 32
+    assert be.prefill_pass_bytes("shrink", 8, 8) < 18 * loads

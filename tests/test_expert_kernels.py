@@ -461,3 +461,92 @@ def test_off_rank_experts_leave_their_rows_untouched(served: Served) -> None:
     strided = torch.zeros(2, 8, dtype=torch.int32)[:, :4]
     with pytest.raises(ValueError, match="tiles must be contiguous"):
         ek.plan_expert_expand(t, pairs, strided, tables, tables.down, out, 2)
+
+
+# --- the prefill tiles on tensor cores (issue 20) ----------------------------------------------
+
+# Slot ranks that reach every shape of the mma prefill kernels in a max-rank-256 pool: the
+# shrink's 1, 2 and 4 m16 tiles per 64-row CTA (5, 13, 24; 40 and 100 past 64: 3 tiles, read
+# as 4; 72: 4 then 1) and its four 64-row CTAs (256); the expand's narrow tiles at one and two
+# vectors a row (5, 13) and 1, 2, 4 and 8 rank chunks of 32 (24; 40; 72 and 100; 256). Slot 6
+# is rank 0.
+MMA_RANKS = [256, 72, 40, 13, 100, 24, 0, 5]
+
+
+def _mma_tables(in_dim: int, out_dim: int, slices: int, experts: int,
+                absent: dict[tuple[int, int], set[int]], seed: int
+                ) -> tuple[ek.ExpertTables, list[list[list[torch.Tensor | None]]],
+                           list[list[list[torch.Tensor | None]]], list[Any]]:
+    """Hand-made expert tables: one kernel_cases pool per (slice, expert) entry (slot rows at
+    the MMA_RANKS, finite junk in B's padding columns), entries row-major; `absent` names the
+    slots whose pointer is 0 in an entry."""
+    from tests.support.kernel_cases import make_pool
+
+    pools, a_rows, b_rows = [], [], []
+    a_weights: list[list[list[torch.Tensor | None]]] = []
+    b_weights: list[list[list[torch.Tensor | None]]] = []
+    for c in range(slices):
+        a_weights.append([])
+        b_weights.append([])
+        for e in range(experts):
+            pool = make_pool(in_dim, out_dim, 256, MMA_RANKS, absent.get((c, e), set()),
+                             seed + 10 * c + e)
+            a_table, b_table = pool.tables()
+            a_rows.append(a_table)
+            b_rows.append(b_table)
+            a_w, b_w = pool.weights()
+            a_weights[c].append(a_w)
+            b_weights[c].append(b_w)
+            pools.append(pool)
+    entries = torch.arange(slices * experts, dtype=torch.int32).reshape(slices, experts)
+    ranks = torch.tensor(MMA_RANKS, dtype=torch.int32)
+    tables = ek.ExpertTables(
+        a_tables=torch.stack(a_rows), b_tables=torch.stack(b_rows),
+        gate_up=entries if slices == 2 else torch.zeros(2, experts, dtype=torch.int32) - 1,
+        down=entries if slices == 1 else torch.zeros(1, experts, dtype=torch.int32) - 1,
+        router=-1, scale_table=torch.linspace(0.5, 2.0, len(MMA_RANKS)), ranks=ranks,
+        max_rank=256, num_experts=experts)
+    return tables, a_weights, b_weights, pools
+
+
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_the_prefill_mma_tiles_equal_the_reference_at_every_rank_shape(proj: str) -> None:
+    """expert_shrink_prefill and expert_expand_prefill_* (mma.sync through the shim's
+    emulation) against the torch reference: ranks reaching each instantiation, K with a
+    partial 32-wide chunk (200 = 6 x 32 + 8, 1096 = 34 x 32 + 8), outputs over two CTAs and a
+    partial n8 tile (1096), tiles of fewer than 8 pairs, a 0 pointer in one entry (its columns
+    untouched, bit for bit) and unadapted pairs (rows untouched). gate_up writes F32 h: the
+    expand's t split into BF16 hi + lo keeps it within 1e-4 of the reference."""
+    hidden, inter, experts, top_k, tokens = 200, 1096, 3, 2, 35
+    slices, in_dim, out_dim = (2, hidden, inter) if proj == "gate_up" else (1, inter, hidden)
+    absent = {(0, 1): {2}}
+    tables, a_w, b_w, _pools = _mma_tables(in_dim, out_dim, slices, experts, absent, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([(0, 1, 2, 3, 4, 5, 6, -1, 7)[i % 9] for i in range(tokens)],
+                         dtype=torch.int32)
+    topk = torch.stack([torch.randperm(experts, generator=gen)[:top_k]
+                        for _ in range(tokens)]).to(torch.int32)
+    batch = ek.plan_pairs(topk, slots, tables.ranks.numpy(), 256, ek.PREFILL_TILE,
+                          num_experts=experts)
+    assert batch.t_cols == 256 and (batch.tiles[:, 1] - batch.tiles[:, 0] < 8).any()
+    pair_slots = slots.repeat_interleave(top_k)
+    if proj == "gate_up":
+        inputs = _bf16(torch.randn(tokens, hidden, generator=gen))
+        y = torch.randn(tokens * top_k, 2 * inter, generator=gen)
+        got = ek.expert_gate_up(inputs, y.clone(), batch, tables, backend=HOST)
+        rtol, atol = 1e-4, 1e-4
+    else:
+        inputs = _bf16(torch.randn(tokens * top_k, inter, generator=gen))
+        y = _bf16(torch.randn(tokens * top_k, hidden, generator=gen))
+        got = ek.expert_down(inputs, y.clone(), batch, tables, backend=HOST)
+        rtol, atol = reference.TOLERANCES["bgmv", torch.bfloat16]
+    want = reference.routed_expert_delta(inputs, top_k if proj == "gate_up" else 1, y,
+                                         pair_slots, topk.flatten(), a_w, b_w,
+                                         tables.scale_table, tables.ranks, 256)
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+    skipped = ((pair_slots < 0) | (pair_slots == 6)).nonzero().flatten()
+    assert skipped.numel() and torch.equal(got[skipped], y[skipped])
+    if proj == "gate_up":  # slot 2's gate entry of expert 1 is 0: its gate columns untouched
+        cut = ((pair_slots == 2) & (topk.flatten() == 1)).nonzero().flatten()
+        assert cut.numel() and torch.equal(got[cut, :inter], y[cut, :inter])
+        assert not torch.equal(got[cut, inter:], y[cut, inter:])

@@ -31,6 +31,8 @@ SHAPES = [
     *be.expert_shapes(("qwen3-30b-a3b",), (16,), (8,), (8,)),
     *be.expert_shapes(("qwen3-next-80b-a3b",), (64,), (256,), (1,)),
     *be.expert_shapes(("qwen3-30b-a3b",), (8,), (4096,), (1,)),
+    # The prefill tiles' 4-tile shrink and 2-chunk expand (mma) on the device.
+    *be.expert_shapes(("qwen3-30b-a3b",), (64,), (4096,), (8,)),
 ]
 
 

@@ -208,6 +208,57 @@ def test_l2_traffic_is_charged_and_steers_the_grouped_expand() -> None:
     assert narrow["expected_us"] >= narrow["terms"]["l2"]
 
 
+def _expand_load_sectors(out_dim: int, rank: int, max_rank: int) -> int:
+    """The 32-byte sectors bgmv_expand's B loads ask for, enumerated load by load from the
+    kernel's mapping (kernels/bgmv.cu, expand_rows): warp load s of warp w in a pass at row r0
+    reads, for each lane, row r0 + w * G + s * 4 G + lane / L (clamped into the CTA) at vector
+    min(lane % L, vecs - 1), with L lanes per row and G = 32 / L rows per load."""
+    vecs = -(-rank // 8)
+    lanes = plans.lanes_per_row(rank)
+    groups = 32 // lanes
+    steps = sources.CONFIG["BGMV_EXPAND_STEPS"]
+    total = 0
+    for o0 in range(0, out_dim, plans.EXPAND_CTA_ROWS):
+        rows = min(plans.EXPAND_CTA_ROWS, out_dim - o0)
+        for r0 in range(0, rows, steps * 4 * groups):
+            for warp in range(4):
+                for s in range(steps):
+                    sectors = set()
+                    for lane in range(32):
+                        row = min(r0 + warp * groups + s * 4 * groups + lane // lanes, rows - 1)
+                        at = (o0 + row) * 2 * max_rank + 16 * min(lane % lanes, vecs - 1)
+                        sectors.add(at // 32)
+                    # A load whose rows all lie past the CTA's re-reads its last row: the same
+                    # sectors as the load that read it, asked for again only if it is another.
+                    first = r0 + warp * groups + s * 4 * groups
+                    total += len(sectors) if first < rows else 0
+    return total
+
+
+@pytest.mark.parametrize(("out_dim", "rank", "max_rank"),
+                         [(512, 64, 64), (1096, 128, 128), (200, 8, 8), (72, 40, 48),
+                          (136, 24, 24), (520, 16, 64), (64, 131, 136), (2048, 72, 256)])
+def test_the_expand_s_b_sectors_are_its_loads(out_dim: int, rank: int, max_rank: int) -> None:
+    """The L2 term charges the sectors the coalesced expand's loads touch: the rank prefixes'
+    bytes when the rank fills B's row pitch, a sector per row and load past it."""
+    sectors = roofline.expand_b_sectors(out_dim, rank, max_rank)
+    assert sectors == _expand_load_sectors(out_dim, rank, max_rank)
+    if rank == max_rank and rank % 16 == 0:
+        assert sectors * 32 == out_dim * rank * 2
+
+
+def test_the_expand_s_passes_are_its_lane_groups() -> None:
+    # A pass is 16 rows per thread: 16 x 128 / L rows of the CTA, L lanes per row.
+    assert [plans.lanes_per_row(r) for r in (8, 16, 24, 64, 72, 128, 131, 256)] == [
+        1, 2, 4, 8, 16, 16, 32, 32]
+    assert plans.expand_cta_passes(1024, 64) == 4
+    assert plans.expand_cta_passes(512, 64) == 2  # k_proj: every thread works, in half the passes
+    assert plans.expand_cta_passes(1024, 256) == 16
+    assert plans.expand_cta_passes(72, 16) == 1
+    record = roofline.model_record("k_proj", 512, 2048, 128, 64, 64, "expand")
+    assert record["kernel"].startswith("bgmv_expand") and record["passes"] == 64 * 4
+
+
 def test_distinct_bytes_in_flight_bound_a_segment_per_token() -> None:
     # Prefill, one adapter per token: a CTA per one-token chunk, its 3-stage pipeline holding
     # one x row and the 16 rank rows of A per K tile: 3 x 17 x 128 bytes a CTA, 3 CTAs an SM,

@@ -186,6 +186,55 @@ def test_the_counter_sees_load_chains() -> None:
     assert sass.chained_loops(streaming) == []
 
 
+# A switch over two instantiations: case .L_x_2 loads a vector whose value the other case's
+# code (after it in program order) would feed into an address if the cases chained; after the
+# join, one more load on the vector each case produced.
+SWITCH = """
+.text.k:
+        /*0000*/                   LDG.E R4, desc[UR4][R2.64] ;
+        /*0010*/                   BRX R4 -0x20 (*"BRANCH_TARGETS .L_x_1,.L_x_2"*) ;
+.L_x_1:
+        /*0020*/                   LDG.E.128.CONSTANT R8, desc[UR4][R6.64] ;
+        /*0030*/                   BRA `(.L_x_3) ;
+.L_x_2:
+        /*0040*/                   IMAD.WIDE R6, R9, 0x4, R10 ;
+        /*0050*/                   LDG.E.128.CONSTANT R12, desc[UR4][R6.64] ;
+.L_x_3:
+        /*0060*/                   LDG.E.128.CONSTANT R16, desc[UR4][R8.64] ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_the_chain_depth_follows_the_control_flow() -> None:
+    # In program order R9 (loaded at depth 1 by case 1) would make case 2's load depth 2; the
+    # cases are alternatives, so case 2's is depth 1. At the join R8 may come from case 1's
+    # load: the last load is depth 2, the deepest.
+    code = parse(SWITCH)["k"]
+    assert sass.stream_depth(code) == 2
+    assert sass.stream_depth(code[:-2] + code[-1:]) == 1
+
+
+# An m16n8k16 mma's B fragment is two registers: the first HMMA reads R6-R7 (not R8, which the
+# loop's first load writes); its A fragment is four (R6 as A would read R6-R9).
+MMA_LOOP = """
+.text.k:
+.L_x_1:
+        /*0000*/                   LDG.E.128.CONSTANT R8, desc[UR4][R2.64] ;
+        /*0010*/                   HMMA.16816.F32.BF16 R20, R12, R6, R20 ;
+        /*0020*/                   LDG.E.128.CONSTANT R24, desc[UR4][R4.64] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R20, R12, R8, R20 ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/                   EXIT ;
+"""
+
+
+def test_the_counter_reads_an_mma_s_fragments_at_their_widths() -> None:
+    code = parse(MMA_LOOP)["k"]
+    assert loads_before_first_use(code, 0, 4) == 2
+    a_operand = parse(MMA_LOOP.replace("R20, R12, R6, R20", "R20, R6, R14, R20"))["k"]
+    assert loads_before_first_use(a_operand, 0, 4) == 1
+
+
 PIPELINE = """
 .text.k:
         /*0000*/                   MOV R2, R4 ;

@@ -126,18 +126,45 @@ def flops(proj: str, shape: ExpertShape) -> int:
     return 2 * shape.tokens * r * (h + shape.experts)
 
 
+# The mma prefill kernels' passes (kernels/expert.cu): the shrink's warps each take kChunks
+# 32-wide K chunks of the tile's x rows and of its m16 tiles of A rows, kChunks 6, 3 or 2 for
+# the 1, 2 or 4 tiles the rank reaches in a 64-row CTA (3 are read as 4); the expand's warps
+# take 16 / kChunks n8 tiles of B rows over kChunks 32-wide rank chunks (the power of two at or
+# above ceil(r / 32)), or, at one or two vectors a row (rank 16 or below), every lane its own
+# row's vector: one pass of the CTA's 1024 rows.
+_SHRINK_CHUNKS = {1: 6, 2: 3, 4: 2}
+
+
+def prefill_pass_bytes(kind: str, rank: int, pairs_per_tile: float) -> int:
+    """Distinct bytes one pass of an mma prefill CTA (`kind` "shrink" or "expand") has in
+    flight at `rank`: rows past the rank, rank chunks past it and pairs past a tile's end
+    re-read loaded data and add nothing."""
+    warps = sources.THREADS // 32
+    if kind == "shrink":
+        used = -(-min(64, rank) // 16)
+        tiles = 1 if used == 1 else 2 if used == 2 else 4
+        rows = min(16 * tiles, rank)
+        return round(warps * _SHRINK_CHUNKS[tiles] * 32 * 2 * (min(8, pairs_per_tile) + rows))
+    vecs = -(-rank // sources.VECTOR)
+    if vecs <= 2:
+        return sources.THREADS * sources.EXPAND_ROWS * 2 * sources.VECTOR * vecs
+    chunks = 1 << (-(-rank // 32) - 1).bit_length()
+    return warps * (16 // chunks) * 8 * 2 * min(32 * chunks, sources.VECTOR * vecs)
+
+
 def _launches(proj: str, shape: ExpertShape, batch: expert_kernels.ExpertBatch
-              ) -> list[tuple[str, tuple[int, int, int], int]]:
-    """(kernel, grid, requested bytes) of the projection's launches, as planned."""
+              ) -> list[tuple[str, tuple[int, int, int], int, int | None]]:
+    """(kernel, grid, requested bytes, distinct bytes per CTA pass or None for the loads the
+    SASS check holds) of the projection's launches, as planned."""
     tiles = int(batch.tiles.shape[0])
     r, cols = shape.rank, batch.t_cols
     path = "prefill" if batch.prefill else "decode"
     if proj == "router":
         requested = compulsory_bytes(proj, shape, 0) + 2 * shape.tokens * r * shape.hidden
-        return [("router_lora_f32", (shape.tokens, 1, 1), requested)]
+        return [("router_lora_f32", (shape.tokens, 1, 1), requested, None)]
     slices, in_dim, out_dim = (2, shape.hidden, shape.inter) if proj == "gate_up" else (
         1, shape.inter, shape.hidden)
-    rows = -(-cols // sources.SHRINK_ROWS)
+    rows = -(-cols // expert_kernels.shrink_rows(batch.tile))
     shrink_grid = (tiles, rows, slices)
     expand_grid = (tiles, -(-out_dim // (sources.THREADS * sources.EXPAND_ROWS)), slices)
     # Each tile reads its group's A (every x once per CTA of rank rows) and B (t once per CTA).
@@ -145,8 +172,12 @@ def _launches(proj: str, shape: ExpertShape, batch: expert_kernels.ExpertBatch
         + slices * 4 * shape.pairs * cols
     expand_req = slices * tiles * 2 * out_dim * r + 2 * 2 * shape.pairs * slices * out_dim \
         + expand_grid[1] * slices * 4 * shape.pairs * cols
-    return [(f"expert_shrink_{path}", shrink_grid, shrink_req),
-            (f"expert_expand_{path}_bf16", expand_grid, expand_req)]
+    per_tile = shape.pairs / max(tiles, 1)
+    shrink_pass, expand_pass = ((prefill_pass_bytes("shrink", r, per_tile),
+                                 prefill_pass_bytes("expand", r, per_tile))
+                                if batch.prefill else (None, None))
+    return [(f"expert_shrink_{path}", shrink_grid, shrink_req, shrink_pass),
+            (f"expert_expand_{path}_bf16", expand_grid, expand_req, expand_pass)]
 
 
 def model_records(shapes: Sequence[ExpertShape], device: ModelDevice | None = None
@@ -161,8 +192,8 @@ def model_records(shapes: Sequence[ExpertShape], device: ModelDevice | None = No
             nbytes = compulsory_bytes(proj, shape, batch.groups)
             launches = _launches(proj, shape, batch)
             parts = [stream_model(kernel, grid, requested, nbytes * requested
-                                  // sum(q for _, _, q in launches), device)
-                     for kernel, grid, requested in launches]
+                                  // sum(q for _, _, q, _ in launches), device, pass_bytes)
+                     for kernel, grid, requested, pass_bytes in launches]
             expected_us = sum(p["expected_us"] for p in parts)
             # The launches run one after the other: each term adds up over them.
             terms = {name: sum(p["terms"][name] for p in parts) for name in TERMS}
@@ -178,7 +209,7 @@ def model_records(shapes: Sequence[ExpertShape], device: ModelDevice | None = No
                 "tiles": int(batch.tiles.shape[0]), "bytes": nbytes,
                 "l2_bytes": sum(p["l2_bytes"] for p in parts), "terms": terms,
                 "binding": max(terms, key=terms.__getitem__),
-                "kernels": [p | {"kernel": k} for p, (k, _, _) in zip(parts, launches,
+                "kernels": [p | {"kernel": k} for p, (k, _, _, _) in zip(parts, launches,
                                                                        strict=True)],
                 "expected_us": expected_us, "expected_pct_peak": pct, "copy_us": copy_us,
                 "expected_copy_ratio": expected_us / copy_us, "regime": regime,

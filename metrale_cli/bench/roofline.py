@@ -166,14 +166,36 @@ def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in
                                         + 4 * sources.SHRINK_ROWS * splits)
         ctas = tokens * per_token_rows * splits
         return l2, passes, 2 * ctas, int(-(-lengths.max() // step)), 2
-    # expand: a CTA is 1024 output rows of one token; slot -> table, ranks, then its t row (one
-    # L2 round trip), then passes of 8 rows x 2 rank vectors of B per thread.
-    vecs = rank // sources.VECTOR
-    cta_passes = -(-vecs // 2)
+    # expand: a CTA is 1024 output rows of one token; slot -> table beside ranks (2 round
+    # trips), then passes of BGMV_EXPAND_STEPS rows per thread, its t values loaded beside the
+    # first; L2 serves the sectors its B loads touch, its t vectors and y read and written.
     blocks = grid[1]
-    l2 = tokens * (2 * out_dim * rank + 2 * y_bytes * out_dim + blocks * 4 * rank)
+    rows = np.minimum(plans.EXPAND_CTA_ROWS, out_dim - plans.EXPAND_CTA_ROWS * np.arange(blocks))
+    per_cta = [plans.expand_cta_passes(int(r), rank) for r in rows]
+    vecs = -(-rank // sources.VECTOR)
+    l2 = tokens * (_SECTOR * expand_b_sectors(out_dim, rank, rank) + 2 * y_bytes * out_dim
+                   + blocks * 4 * sources.VECTOR * vecs)
     ctas = tokens * blocks
-    return l2, ctas * cta_passes, ctas * 3, cta_passes, 3
+    return l2, tokens * sum(per_cta), ctas * 2, max(per_cta), 2
+
+
+_SECTOR = 32  # bytes: the unit L2 and HBM move
+
+
+def expand_b_sectors(out_dim: int, rank: int, max_rank: int) -> int:
+    """32-byte sectors that bgmv_expand's B loads touch over `out_dim` rows: each warp load's
+    rows (32 / lanes_per_row consecutive ones) read their rank prefixes (ceil(r / 8) vectors)
+    at B's row pitch of max_rank x 2 bytes; a sector two rows of one load share is one, while
+    the same sector met by two loads counts twice (each asks L2 for it). Below the pitch the
+    prefixes leave gaps: what the rows' padding columns cost is only the sectors they share."""
+    prefix = sources.VECTOR * 2 * -(-rank // sources.VECTOR)
+    pitch = 2 * max_rank
+    start = np.arange(out_dim, dtype=np.int64) * pitch
+    first, last = start // _SECTOR, (start + prefix - 1) // _SECTOR
+    sectors = int((last - first + 1).sum())
+    per_load = 32 // plans.lanes_per_row(rank)
+    shared = (first[1:] == last[:-1]) & (np.arange(1, out_dim) % per_load != 0)
+    return sectors - int(shared.sum())
 
 
 def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens: int,
@@ -261,7 +283,7 @@ def model_record(module: str, out_dim: int, in_dim: int, rank: int, tokens: int,
 # ceil(these / that) round trips.
 PASS_LOADS = {
     "bgmv_shrink": sources.CONFIG["BGMV_SHRINK_STEPS"] * (1 + sources.SHRINK_ROWS),
-    "bgmv_expand": sources.EXPAND_ROWS * sources.CONFIG["BGMV_EXPAND_COLS"],
+    "bgmv_expand": sources.CONFIG["BGMV_EXPAND_STEPS"],
     # The pipelines' stages, each tile 4 x and 4 A vectors per thread (shrink) or 8 t and 4 B
     # vectors (expand), all in flight at each wait (cp.async: tests/test_kernels_sass.py).
     "sgmv_shrink": sources.SGMV_SHRINK_STAGES * (4 + 4),
@@ -337,12 +359,13 @@ def cost_terms(work: LaunchWork, nbytes: int, device: ModelDevice,
 
 
 def stream_model(kernel: str, grid: tuple[int, int, int], requested_bytes: int, nbytes: int,
-                 device: ModelDevice) -> dict[str, Any]:
+                 device: ModelDevice, pass_bytes: int | None = None) -> dict[str, Any]:
     """cost_terms for a launch known only by its grid and the bytes its loads ask for (the
-    expert kernels): each CTA streams its share of `requested_bytes` in passes of the loads
-    per thread that the SASS check holds (lora_config.h), after the slot -> table chain."""
+    expert kernels): each CTA streams its share of `requested_bytes` in passes of
+    `pass_bytes` distinct bytes (default: the loads per thread that the SASS check holds,
+    lora_config.h, all distinct), after the slot -> table chain."""
     ctas = grid[0] * grid[1] * grid[2]
-    per_pass = sources.loads_in_flight(kernel) * _LOAD_BYTES * sources.THREADS
+    per_pass = pass_bytes or sources.loads_in_flight(kernel) * _LOAD_BYTES * sources.THREADS
     cta_passes = max(1, math.ceil(requested_bytes / ctas / per_pass))
     work = LaunchWork(kernel, "", grid, 1, requested_bytes, ctas * cta_passes, 2 * ctas,
                       cta_passes, 2)
@@ -388,7 +411,8 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
     (kernels.sgmv_fused), where the SGMV shrink's column tiles run over the slices' rank
     columns side by side and the expand takes the slice on grid.z; split as the planner splits
     the launch's CTAs. The expand's grid covers the widest slice, and a narrower slice's spare
-    CTAs read their metadata (SGMV: the slice's column bounds alone), then exit."""
+    CTAs read their metadata (BGMV: slot, then table entry and rank; SGMV: the slice's column
+    bounds alone), then exit."""
     count, widest_out, total_out = len(slices), max(slices), sum(slices)
     y_kind = "bf16" if y_bytes == 2 else "f32"
     if tokens > 256:
@@ -439,12 +463,12 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
         grid = plans.launch_grid(kernel, tokens, out_dim, rank)
         work = _bgmv_work(kind, grid, tokens, rank, in_dim, out_dim, 1, y_bytes)
         spare = tokens * (widest[1] - grid[1])
-        l2 += work[0] + spare * 4 * rank
+        l2 += work[0]
         passes += work[1]
-        chains += work[2] + 3 * spare
-    cta_passes = -(-(rank // sources.VECTOR) // 2)
+        chains += work[2] + 2 * spare
+    cta_passes = plans.expand_cta_passes(min(plans.EXPAND_CTA_ROWS, widest_out), rank)
     path = "per-token (fused)" if path == "per-token" else "grouped+per-token (fused)"
-    return LaunchWork(kernel, path, widest, 1, l2, passes, chains, cta_passes, 3)
+    return LaunchWork(kernel, path, widest, 1, l2, passes, chains, cta_passes, 2)
 
 
 def fused_bytes(kind: str, slices: Sequence[int], tokens: int, adapters: int, rank: int,

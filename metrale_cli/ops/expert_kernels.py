@@ -38,6 +38,8 @@ from metrale_cli.ops.sources import VECTOR
 
 DECODE_TILE = sources.CONFIG["EXPERT_DECODE_TILE"]
 PREFILL_TILE = sources.CONFIG["EXPERT_PREFILL_TILE"]
+# Rank rows per expert_shrink_prefill CTA (its mma tiles); the decode shrink takes SHRINK_ROWS.
+PREFILL_SHRINK_ROWS = sources.CONFIG["EXPERT_SHRINK_PREFILL_ROWS"]
 # gate_up is two slices (gate columns, then up columns); down is one.
 GATE_UP = (ExpertProj.GATE_PROJ, ExpertProj.UP_PROJ)
 DOWN = (ExpertProj.DOWN_PROJ,)
@@ -274,6 +276,12 @@ def plan_router_lora(x: Any, logits: Any, slots: Any, tables: ExpertTables) -> K
     return KernelLaunch(f"router_lora_{kind}", (num_tokens, 1, 1), (sources.THREADS, 1, 1), args)
 
 
+def shrink_rows(tile: int) -> int:
+    """Rank rows per CTA of the expert shrink for tiles of `tile` pairs (its grid.y divides
+    t's width by it)."""
+    return PREFILL_SHRINK_ROWS if tile == PREFILL_TILE else sources.SHRINK_ROWS
+
+
 def plan_expert_shrink(x: Any, x_div: int, sorted_pairs: Any, tiles: Any, tables: ExpertTables,
                        entries: Any, t: Any, tile: int) -> KernelLaunch:
     """t[c, p, :] = x[p // x_div] @ A(c, e_p, s_p)^T for the tiles' pairs."""
@@ -289,7 +297,7 @@ def plan_expert_shrink(x: Any, x_div: int, sorted_pairs: Any, tiles: Any, tables
         raise ValueError(f"in_dim ({in_dim}) and t's width ({t_cols}) must be multiples of "
                          f"{VECTOR}, t's width at most max_rank ({tables.max_rank})")
     name = "expert_shrink_prefill" if tile == PREFILL_TILE else "expert_shrink_decode"
-    grid = (num_tiles, -(-t_cols // sources.SHRINK_ROWS), slices)
+    grid = (num_tiles, -(-t_cols // shrink_rows(tile)), slices)
     args = (x, np.int64(row_stride(x, "x")), np.int32(x_div), sorted_pairs, tiles,
             tables.a_tables, entries, np.int32(tables.num_experts), tables.ranks,
             np.int32(tables.max_loras), t, np.int32(num_pairs), np.int32(in_dim),

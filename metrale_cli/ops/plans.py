@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.ops.sources import (
+    CONFIG,
     EXPAND_ROWS,
     MAX_RANK,
     MAX_SPLITS,
@@ -37,6 +38,7 @@ GROUP_MIN_TOKENS = 4
 # CUDA's grid limits: x up to 2^31 - 1, y and z up to 65,535 (cudaDevAttrMaxGridDimY/Z on every
 # device since sm_30). A launch past them fails on the GPU while the host harness would run it.
 MAX_GRID = (2**31 - 1, 65_535, 65_535)
+EXPAND_STEPS = CONFIG["BGMV_EXPAND_STEPS"]  # B rows per bgmv_expand thread per pass
 
 
 @dataclass(frozen=True)
@@ -572,6 +574,25 @@ def expand_out_tiles(num_chunks: int, out_dim: int, t_cols: int, num_sms: int) -
         num_chunks, out_dim, t_cols, n, num_sms), 6), n))
 
 
+# bgmv_expand's thread-to-data mapping (kernels/bgmv.cu, expand_rows): a CTA owns this many
+# output rows; each B row's rank prefix (ceil(r / 8) 16-byte vectors) is read by a group of
+# lanes_per_row(r) consecutive lanes, one vector each, so a warp load covers 32 / lanes rows and
+# a pass (BGMV_EXPAND_STEPS loads per thread, one row each) covers STEPS x THREADS / lanes rows.
+EXPAND_CTA_ROWS = THREADS * EXPAND_ROWS
+
+
+def lanes_per_row(rank: int) -> int:
+    """The lanes of a bgmv_expand group: the power of two at or above the rank's vectors."""
+    vecs = max(1, -(-rank // VECTOR))
+    return 1 << (vecs - 1).bit_length()
+
+
+def expand_cta_passes(rows: int, rank: int) -> int:
+    """Streaming passes of a bgmv_expand CTA over `rows` output rows at `rank`."""
+    per_pass = EXPAND_STEPS * THREADS // lanes_per_row(rank)
+    return max(1, -(-rows // per_pass))
+
+
 def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
                    num_chunks: int, num_sms: int) -> float:
     """The modelled time of a grouped decode batch's expand through `family`: "sgmv" (a CTA
@@ -588,11 +609,12 @@ def expand_cost_us(family: str, num_tokens: int, out_dim: int, t_cols: int,
         return max(stream, l2 / _L2_BYTES_PER_US)
     if family != "bgmv":
         raise ValueError(f"unknown expand family {family!r}")
-    ctas = max(1, num_tokens * -(-out_dim // (THREADS * EXPAND_ROWS)))
+    ctas = max(1, num_tokens * -(-out_dim // EXPAND_CTA_ROWS))
     resident = min(ctas, num_sms * min_ctas_per_sm("bgmv_expand_bf16"))
     waves = -(-ctas // resident)
-    # slot -> table, ranks, then the t row: 3 round trips; then passes of 2 rank vectors.
-    stream = waves * (-(-t_cols // (2 * VECTOR)) * _DRAM_LATENCY_US + 3 * _L2_LATENCY_US)
+    # slot -> table beside ranks: 2 round trips; then the CTA's passes of its lane groups.
+    passes = expand_cta_passes(min(EXPAND_CTA_ROWS, out_dim), t_cols)
+    stream = waves * (passes * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
     return max(stream, 2 * out_dim * t_cols * num_tokens / _L2_BYTES_PER_US)
 
 

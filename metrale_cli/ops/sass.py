@@ -48,6 +48,7 @@ _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _INSTRUCTION = re.compile(
     r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
 _BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+_BRX_TARGETS = re.compile(r"\.L_x_\d+")
 _NO_DESTINATION = {"ST", "STG", "STS", "STL", "RED", "BRA", "EXIT", "BAR", "RET", "CALL",
                    "BSYNC", "BSSY", "WARPSYNC", "NOP", "DEPBAR"}
 
@@ -215,8 +216,9 @@ class Instruction:
         return {f"{kind}{base + i}" for i in range(width)}
 
     def reads(self) -> set[str]:
-        """Registers read, widened conservatively: a vector or matrix operand names only its
-        first register, so a 128-bit or mma operand counts as four."""
+        """Registers read, widened: a vector or matrix operand names only its first register,
+        so a 128-bit operand counts as four, and an m16n8k16 mma's A and C four and its B two
+        (HMMA.16816 D, A, B, C: its B fragment is two registers); any other mma, four each."""
         registers = self._registers()
         if self._has_destination() and registers:
             first = registers[0]
@@ -224,11 +226,13 @@ class Instruction:
                 registers = registers[1:]
         wide = 4 if (".128" in self.opcode or self.opcode.startswith("HMMA")) else 1
         read: set[str] = set()
-        for match in registers:
+        for position, match in enumerate(registers):
             kind, base = match.group(1), int(match.group(2))
             before = self.operands[: match.start()]
             in_address = before.count("[") > before.count("]")
             width = 2 if match.group(3) else (1 if in_address or kind == "P" else wide)
+            if self.opcode.startswith("HMMA.16816") and position == 1:
+                width = 2
             read.update(f"{kind}{base + i}" for i in range(width))
         if self.predicate and self.predicate != "@PT":
             read.add(self.predicate.lstrip("@!"))
@@ -353,20 +357,57 @@ def _load_depths(code: Iterable[Instruction], depth: dict[str, int]) -> list[int
     return found
 
 
+def _forward_targets(ins: Instruction, at: int, heads: dict[str, int]) -> list[int]:
+    """Indices a branch at `at` may jump forward to: a BRA's label, or every label a BRX (an
+    indirect branch: a switch's jump table) lists in nvdisasm's BRANCH_TARGETS note."""
+    if ins.opcode.startswith("BRX"):
+        names = _BRX_TARGETS.findall(ins.operands)
+    elif ins.opcode.startswith("BRA"):
+        names = _BRANCH_TARGET.findall(ins.operands)
+    else:
+        return []
+    return [heads[n] for n in names if heads.get(n, -1) > at]
+
+
+def _merge(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, int] | None:
+    if a is None or b is None:
+        return b if a is None else a
+    merged = dict(a)
+    for register, level in b.items():
+        merged[register] = max(level, merged.get(register, 0))
+    return merged
+
+
 def stream_depth(code: list[Instruction], copies_only: bool = False) -> int:
-    """The deepest chain of dependent global loads that ends in a 128-bit (stream) load, over
-    one pass in program order (loops once): 3 for slot -> table[slot] -> weights. With
-    `copies_only`, chains that end in a cp.async copy (an SGMV pipeline's stream)."""
-    depth: dict[str, int] = {}
+    """The deepest chain of dependent global loads that ends in a 128-bit (stream) load, along
+    the control flow with loops run once (back edges not followed): 3 for slot -> table[slot]
+    -> weights; with `copies_only`, chains that end in a cp.async copy (an SGMV pipeline's
+    stream). Each instruction sees the register depths of the paths that reach it (the fall
+    through and the forward branches to its label, merged), so the alternatives of a switch
+    (one instantiation per case) do not chain into one another as they would in program order.
+    Code reached only by a back edge, or by a jump whose targets are unknown, sees every path
+    walked so far (an upper bound)."""
+    heads = {ins.label: i for i, ins in enumerate(code) if ins.label}
+    incoming: dict[int, dict[str, int]] = {}
+    state: dict[str, int] | None = {}
+    seen: dict[str, int] = {}
     deepest = 0
-    for ins in code:
-        level = max((depth.get(r, 0) for r in ins.reads()), default=0)
+    for at, ins in enumerate(code):
+        state = _merge(state, incoming.pop(at, None))
+        if state is None:
+            state = dict(seen)
+        level = max((state.get(r, 0) for r in ins.reads()), default=0)
         if ins.is_global_load:
             level += 1
             if ins.is_vector_load and (ins.is_async_copy or not copies_only):
                 deepest = max(deepest, level)
         for register in ins.writes():
-            depth[register] = level
+            state[register] = level
+            seen[register] = max(level, seen.get(register, 0))
+        for target in _forward_targets(ins, at, heads):
+            incoming[target] = _merge(incoming.get(target), dict(state))
+        if ins.always_runs and ins.opcode.startswith(("BRA", "BRX", "EXIT", "RET")):
+            state = None  # nothing falls through an unconditional jump
     return deepest
 
 

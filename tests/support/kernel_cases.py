@@ -151,6 +151,10 @@ BGMV_CASES = [
     Case("wide_rank", 3, 64, 64, 256, [256, 131], slots=[1, 0, 1]),
     # One adapter for the whole batch (the D = 1 decode case).
     Case("one_adapter", 16, 128, 200, 32, [32], slots=[0] * 16),
+    # The expand's lane groups of 16 (9..16 rank vectors: ranks 128, 72 and 100) and 8 (40),
+    # rank prefixes shorter than B's row pitch, two CTAs of outputs (1096 = 1024 + 72) and
+    # several passes per CTA.
+    Case("lane_groups", 5, 64, 1096, 128, [128, 72, 40, 100], slots=[0, 1, 2, 3, 1]),
 ]
 
 SGMV_CASES = [
@@ -179,9 +183,10 @@ SGMV_CASES = [
 # per-token path.
 DECODE_BATCHES = [
     # Slots shared by many tokens (grouped), rank 12 and 33 in a max-rank-48 pool (t narrows to
-    # 40), with slot -1, an absent slot, a rank-0 slot and one past the table.
-    Case("shared_slots", 21, 200, 72, 48, [12, 33, 8, 0], absent={2},
-         slots=[0, 1, 0, -1, 1, 0, 2, 0, 1, 3, 0, 1, 9, 0, 1, 0, 1, 0, 1, 0, 0]),
+    # 40), with slot -1, an absent slot, a rank-0 slot and one past the table; 42 tokens, so
+    # that on one SM the per-token expand's waves cost more than the SGMV tile's segments.
+    Case("shared_slots", 42, 200, 72, 48, [12, 33, 8, 0], absent={2},
+         slots=[0, 1, 0, -1, 1, 0, 2, 0, 1, 3, 0, 1, 9, 0, 1, 0, 1, 0, 1, 0, 0] * 2),
     # One adapter for the whole batch, over three 64-token chunks.
     Case("one_slot", 150, 64, 64, 64, [20], slots=[0] * 150),
     # A wide output (16 SGMV output tiles) over 8 tokens of 2 slots: the per-token expand's.
