@@ -208,11 +208,11 @@ FUSED_WIDTHS = (72, 16, 40)
 ABSENT_IN_SLICE_1 = 0
 
 
-def fused_pools(case: Case) -> list[Pool]:
-    """One pool per slice, with finite junk in every A row past a slot's rank (the kernels
-    must never load it) and ABSENT_IN_SLICE_1 absent in slice 1 only."""
+def fused_pools(case: Case, widths: tuple[int, ...] = FUSED_WIDTHS) -> list[Pool]:
+    """One pool per slice of these widths, with finite junk in every A row past a slot's rank
+    (the kernels must never load it) and ABSENT_IN_SLICE_1 absent in slice 1 only."""
     pools = []
-    for z, width in enumerate(FUSED_WIDTHS):
+    for z, width in enumerate(widths):
         absent = case.absent | ({ABSENT_IN_SLICE_1} if z == 1 else set())
         pool = make_pool(case.in_dim, width, case.max_rank, case.ranks, absent, seed=10 + z)
         for offset, rank in zip(pool.a_offsets, case.ranks, strict=True):
@@ -229,9 +229,10 @@ def fused_tables(pools: list[Pool]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_slices(case: Case, pools: list[Pool], x: torch.Tensor, y: torch.Tensor,
                   y0: torch.Tensor, slots: torch.Tensor, family: str) -> None:
-    """Each slice's columns of y against the reference over its own pool; a token its slice
-    skips (slot -1, past the table, absent there, rank 0) keeps its row bit for bit."""
-    cols = [0, *np.cumsum(FUSED_WIDTHS).tolist()]
+    """Each slice's columns of y (side by side, as wide as its pool's out_dim) against the
+    reference over its own pool; a token its slice skips (slot -1, past the table, absent
+    there, rank 0) keeps its row bit for bit."""
+    cols = [0, *np.cumsum([pool.out_dim for pool in pools]).tolist()]
     scales, ranks = pools[0].scales, pools[0].ranks
     for z, pool in enumerate(pools):
         a_weights, b_weights = pool.weights()
