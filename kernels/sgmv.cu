@@ -13,6 +13,15 @@
 // Buffers and alignment as in bgmv.cu (t F32 [T, t_cols], split-K added into it by F32 atomics
 // and zeroed before such a launch; y BF16 or F32).
 //
+// Fused slices, as in bgmv.cu: the projections of a layer that share x (q, k and v; gate and up)
+// are one shrink and one expand launch, slice z taking its own table row (a_table, b_table u64
+// [num_slices, max_loras]), its own t plane (t F32 [num_slices, T, t_cols]) and, in the expand,
+// its own columns of one y (slice_cols i32 [num_slices + 1]); the slot, its rank and its scale
+// are the chunk's in every slice. The expand takes the slice on grid.z. The shrink does not:
+// its 64-column tiles run over the slices' rank columns side by side (column c is rank row
+// c % t_cols of slice c / t_cols), so where the slices' ranks fit in one tile (q, k and v at
+// rank 16: 48 columns) a chunk's x tiles are streamed once for all of them, not once a slice.
+//
 // token_order (i32 [T], or null for the identity) lets the decode path run here: the host sorts a
 // batch's tokens by slot (a segment plan, plans.plan_batch) and the segments then index sorted
 // positions, while x, t and y stay in token order (position p is token token_order[p]). Each
@@ -38,9 +47,10 @@
 // rows >= r; the expand's K loop ends at r.
 //
 // Launch shapes (planned by metrale_cli/ops/plans.py, which the host harness shares):
-//   sgmv_shrink:    grid (ceil(t_cols / 64), chunks, num_splits), block 128 (4 warps x 16 tokens);
-//                   3 stages of a 64 x 64 x tile and a 64 x 64 A tile (48 KiB).
-//   sgmv_expand_*:  grid (ceil(ceil(out_dim / 64) / out_tiles), chunks), block 128; a chunk's
+//   sgmv_shrink:    grid (ceil(num_slices x t_cols / 64), chunks, num_splits), block 128 (4 warps
+//                   x 16 tokens); 3 stages of a 64 x 64 x tile and a 64 x 64 A tile (48 KiB).
+//   sgmv_expand_*:  grid (ceil(ceil(out_dim / 64) / out_tiles), chunks, num_slices), block 128,
+//                   out_dim the widest slice's (a narrower slice's spare CTAs exit); a chunk's
 //                   tokens x out_tiles tiles of 64 outputs, its (output tile, rank chunk) items
 //                   through 2 stages of an F32 t tile and a B tile (48 KiB); each output tile's
 //                   F32 result is staged through the stage just read, so the y
@@ -92,10 +102,11 @@ __device__ __forceinline__ Chunk chunk_at(const int* __restrict__ chunks, int c)
                static_cast<int>(v.z)};
 }
 
-// acc[nt] += A_tile[warp rows, kk..kk+15] * B_tile[nt*8.., kk..kk+15]^T for nt < n_tiles.
+// acc[nt] += A_tile[warp rows, kk..kk+15] * B_tile[nt*8.., kk..kk+15]^T for the n8 tiles nt
+// whose bit is set in `live`.
 __device__ __forceinline__ void mma_k16(float (&acc)[SG_N / 8][4], const bf16_t* a_tile,
                                         const bf16_t* b_tile, int warp, int lane, int kk,
-                                        int n_tiles) {
+                                        unsigned live) {
   const int g = lane >> 2;
   const int c = kk + (lane & 3) * 2;
   const int r0 = warp * 16 + g;
@@ -106,7 +117,7 @@ __device__ __forceinline__ void mma_k16(float (&acc)[SG_N / 8][4], const bf16_t*
   af[3] = lds32(&a_tile[bf16_at(r0 + 8, c + 8)]);
 #pragma unroll
   for (int nt = 0; nt < SG_N / 8; ++nt) {
-    if (nt < n_tiles) {
+    if ((live >> nt) & 1u) {
       unsigned bf[2];
       bf[0] = lds32(&b_tile[bf16_at(nt * 8 + g, c)]);
       bf[1] = lds32(&b_tile[bf16_at(nt * 8 + g, c + 8)]);
@@ -118,11 +129,16 @@ __device__ __forceinline__ void mma_k16(float (&acc)[SG_N / 8][4], const bf16_t*
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_SHRINK_MIN_CTAS)
 sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ chunks,
             const int* __restrict__ token_order, const ptr_t* __restrict__ a_table,
-            const int* __restrict__ ranks, int max_loras, float* __restrict__ t, int in_dim,
-            int max_rank, int t_cols, int k_chunk) {
+            const int* __restrict__ ranks, int max_loras, float* __restrict__ t, int num_tokens,
+            int in_dim, int max_rank, int t_cols, int k_chunk, int num_slices) {
   __shared__ __align__(16) bf16_t x_tile[SGMV_SHRINK_STAGES][SG_M * SG_K];
   __shared__ __align__(16) bf16_t a_tile[SGMV_SHRINK_STAGES][SG_N * SG_K];
+  // The CTA's 64 columns of the slices' rank columns side by side: column c is rank row
+  // c % t_cols of slice c / t_cols (its own A table row and t plane). t_cols is a multiple of
+  // 8, so every n8 tile lies in one slice, and where the slices' ranks fit in one tile the x
+  // tiles of a chunk are read once for all of them.
   const int n0 = blockIdx.x * SG_N;
+  const int columns = num_slices * t_cols;
   const Chunk chunk = chunk_at(chunks, blockIdx.y);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -130,10 +146,23 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   const int k_begin = blockIdx.z * k_chunk;
   const int k_end = imin(in_dim, k_begin + k_chunk);
   const bool accumulate = gridDim.z > 1;
-  const ptr_t a_addr = slot_address(a_table, chunk.slot, max_loras);
   const int listed = slot_rank(ranks, chunk.slot, max_loras);
-  const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
-  const int k_tiles = rank > n0 && k_begin < k_end ? (k_end - k_begin + SG_K - 1) / SG_K : 0;
+  const int rank = imin(imin(listed, max_rank), t_cols);
+  // Each n8 tile's slice's table entry (the slice clamped into the table, so that no load
+  // waits behind a branch: all of them side by side with the rank, one round trip after the
+  // chunk), and the tiles with rank rows of an adapted slice (CTA-uniform).
+  ptr_t entry[SG_N / 8];
+  unsigned live = 0;
+#pragma unroll
+  for (int nt = 0; nt < SG_N / 8; ++nt) {
+    const int c = n0 + nt * 8;
+    const int slice = c / t_cols;
+    entry[nt] = slot_address(a_table + static_cast<long long>(imin(slice, num_slices - 1)) *
+                                           max_loras,
+                             chunk.slot, max_loras);
+    if (c < columns && c - slice * t_cols < rank && entry[nt]) live |= 1u << nt;
+  }
+  const int k_tiles = live && k_begin < k_end ? (k_end - k_begin + SG_K - 1) / SG_K : 0;
   // Split-K adds into a zeroed t: a CTA with nothing to add (a skipped chunk, columns past the
   // rank, an empty trailing split) returns. CTA-uniform, before any barrier.
   if (accumulate && k_tiles == 0) return;
@@ -143,14 +172,10 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   for (int nt = 0; nt < SG_N / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
   if (k_tiles > 0) {
-    const int n_valid = imin(SG_N, rank - n0);
-    const int n_tiles = (n_valid + 7) >> 3;
     const bool warp_active = warp * 16 < chunk.rows;
-    const bf16_t* a_rows =
-        reinterpret_cast<const bf16_t*>(a_addr) + static_cast<long long>(n0) * in_dim;
     const int vec = (tid & 7) * 8;
-    // This thread's 4 x rows and 4 A rows; a row without data names row 0 (a valid address)
-    // and copies nothing.
+    // This thread's 4 x rows and 4 A rows; a row without data names x's first row (a valid
+    // address) and copies nothing.
     const bf16_t* x_src[SG_TILE_VECS];
     const bf16_t* a_src[SG_TILE_VECS];
     bool x_keep[SG_TILE_VECS], a_keep[SG_TILE_VECS];
@@ -160,8 +185,17 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
       x_keep[i] = row < chunk.rows;
       x_src[i] = x + static_cast<long long>(token_at(token_order, chunk.begin + (x_keep[i] ? row : 0))) *
                          x_stride;
-      a_keep[i] = row < n_valid;
-      a_src[i] = a_rows + static_cast<long long>(a_keep[i] ? row : 0) * in_dim;
+      const int c = n0 + row;
+      const int slice = c / t_cols;
+      const int j = c - slice * t_cols;
+      a_keep[i] = ((live >> (row >> 3)) & 1u) && j < rank;
+      // The row's n8 tile is row / 8 = 2 i + tid / 64: a select between two constant indices
+      // keeps `entry` in registers (an index unknown at compile time would put it in local
+      // memory).
+      const ptr_t a_addr = (tid >> 6) ? entry[2 * i + 1] : entry[2 * i];
+      a_src[i] = a_keep[i] ? reinterpret_cast<const bf16_t*>(a_addr) +
+                                 static_cast<long long>(j) * in_dim
+                           : x;
     }
     // Issue K tile kt into its stage (columns at or past k_end: zero-filled).
     auto issue = [&](int kt) {
@@ -188,7 +222,7 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
       if (warp_active) {
 #pragma unroll
         for (int kk = 0; kk < SG_K; kk += 16)
-          mma_k16(acc, x_tile[stage], a_tile[stage], warp, lane, kk, n_tiles);
+          mma_k16(acc, x_tile[stage], a_tile[stage], warp, lane, kk, live);
       }
       __syncthreads();  // every warp is done with the stage before it is refilled
       if (kt + SGMV_SHRINK_STAGES < k_tiles) issue(kt + SGMV_SHRINK_STAGES);
@@ -202,13 +236,17 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   for (int h = 0; h < 2; ++h) {
     const int row = warp * 16 + (lane >> 2) + h * 8;
     if (row >= chunk.rows) continue;
-    float* out = t + static_cast<long long>(token_at(token_order, chunk.begin + row)) * t_cols;
+    const long long token = token_at(token_order, chunk.begin + row);
 #pragma unroll
     for (int nt = 0; nt < SG_N / 8; ++nt) {
       const int col = n0 + nt * 8 + (lane & 3) * 2;
-      if (col < t_cols) {
-        t_store(&out[col], acc[nt][2 * h], accumulate);
-        t_store(&out[col + 1], acc[nt][2 * h + 1], accumulate);
+      if (col < columns) {
+        // col and col + 1 are in one slice (t_cols is even): its plane, its rank row.
+        const int slice = col / t_cols;
+        float* out = t + (slice * static_cast<long long>(num_tokens) + token) * t_cols +
+                     (col - slice * t_cols);
+        t_store(&out[0], acc[nt][2 * h], accumulate);
+        t_store(&out[1], acc[nt][2 * h + 1], accumulate);
       }
     }
   }
@@ -257,25 +295,35 @@ __device__ __forceinline__ void sgmv_expand_body(
     const float* __restrict__ t, const int* __restrict__ chunks,
     const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
     const float* __restrict__ scale_table, const int* __restrict__ ranks, int max_loras,
-    OutT* __restrict__ y, long long y_stride, int out_dim, int max_rank, int t_cols,
-    int out_tiles) {
+    OutT* __restrict__ y, long long y_stride, int num_tokens, int out_dim, int max_rank,
+    int t_cols, int out_tiles, const int* __restrict__ slice_cols) {
   __shared__ __align__(16) float t_tile[SGMV_EXPAND_STAGES][SG_M * SG_K];
   __shared__ __align__(16) bf16_t b_tile[SGMV_EXPAND_STAGES][SG_N * SG_K];
   const int first_tile = blockIdx.x * out_tiles;
+  // grid.z is the fused slice, as in bgmv.cu: its B table row, its t plane and its columns of
+  // y (slice_cols[z] up to slice_cols[z + 1]; null for one slice: all out_dim columns), the
+  // bounds read beside the chunk, not behind it. out_dim is the slice's width from here on.
+  const int slice = blockIdx.z;
+  const int col0 = slice_cols ? slice_cols[slice] : 0;
+  if (slice_cols) out_dim = slice_cols[slice + 1] - col0;
+  // The CTA's items: (output tile, rank chunk) pairs, the rank chunks of one output tile in a
+  // row, all streamed through one pipeline. A narrower slice's spare CTAs have no tile and
+  // return after the bounds, before anything else is read. CTA-uniform, before any barrier.
+  const int tiles = imin(out_tiles, (out_dim + SG_N - 1) / SG_N - first_tile);
+  if (tiles <= 0) return;
   const Chunk chunk = chunk_at(chunks, blockIdx.y);
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const ptr_t b_addr = slot_address(b_table, chunk.slot, max_loras);
+  t += static_cast<long long>(slice) * num_tokens * t_cols;
+  const ptr_t b_addr = slot_address(b_table + static_cast<long long>(slice) * max_loras,
+                                    chunk.slot, max_loras);
   const int listed = slot_rank(ranks, chunk.slot, max_loras);
   const int rank = b_addr ? imin(imin(listed, max_rank), t_cols) : 0;
   // A skipped chunk leaves its y rows untouched. CTA-uniform, before any barrier.
   if (rank <= 0) return;
   const float scale = scale_table[chunk.slot];
   const int r_tiles = (rank + SG_K - 1) / SG_K;
-  // The CTA's items: (output tile, rank chunk) pairs, the rank chunks of one output tile in a
-  // row, all streamed through one pipeline.
-  const int tiles = imin(out_tiles, (out_dim + SG_N - 1) / SG_N - first_tile);
   const int items = tiles * r_tiles;
   const bool warp_active = warp * 16 < chunk.rows;
   const bf16_t* b_rows = reinterpret_cast<const bf16_t*>(b_addr);
@@ -334,7 +382,8 @@ __device__ __forceinline__ void sgmv_expand_body(
 #pragma unroll
   for (int i = 0; i < SG_TILE_VECS; ++i) {
     const int row = imin((tid >> 3) + 16 * i, chunk.rows - 1);
-    y_rows[i] = y + static_cast<long long>(token_at(token_order, chunk.begin + row)) * y_stride;
+    y_rows[i] = y + static_cast<long long>(token_at(token_order, chunk.begin + row)) * y_stride +
+                col0;
   }
   OutT* y_at[SG_TILE_VECS];
   Y8 old[SG_TILE_VECS];
@@ -422,18 +471,20 @@ extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CT
 sgmv_expand_bf16(const float* __restrict__ t, const int* __restrict__ chunks,
                  const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
                  const float* __restrict__ scale_table, const int* __restrict__ ranks,
-                 int max_loras, bf16_t* __restrict__ y, long long y_stride, int out_dim,
-                 int max_rank, int t_cols, int out_tiles) {
+                 int max_loras, bf16_t* __restrict__ y, long long y_stride, int num_tokens,
+                 int out_dim, int max_rank, int t_cols, int out_tiles,
+                 const int* __restrict__ slice_cols) {
   sgmv_expand_body(t, chunks, token_order, b_table, scale_table, ranks, max_loras, y, y_stride,
-                   out_dim, max_rank, t_cols, out_tiles);
+                   num_tokens, out_dim, max_rank, t_cols, out_tiles, slice_cols);
 }
 
 extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_EXPAND_MIN_CTAS)
 sgmv_expand_f32(const float* __restrict__ t, const int* __restrict__ chunks,
                 const int* __restrict__ token_order, const ptr_t* __restrict__ b_table,
                 const float* __restrict__ scale_table, const int* __restrict__ ranks,
-                int max_loras, float* __restrict__ y, long long y_stride, int out_dim,
-                int max_rank, int t_cols, int out_tiles) {
+                int max_loras, float* __restrict__ y, long long y_stride, int num_tokens,
+                int out_dim, int max_rank, int t_cols, int out_tiles,
+                const int* __restrict__ slice_cols) {
   sgmv_expand_body(t, chunks, token_order, b_table, scale_table, ranks, max_loras, y, y_stride,
-                   out_dim, max_rank, t_cols, out_tiles);
+                   num_tokens, out_dim, max_rank, t_cols, out_tiles, slice_cols);
 }

@@ -15,11 +15,14 @@ from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
     FUSED_CASES,
+    FUSED_WIDTHS,
     SGMV_CASES,
     Case,
     Pool,
+    check_slices,
     check_t,
     check_y,
+    fused_pools,
     make_pool,
 )
 
@@ -143,6 +146,37 @@ def test_fused_slices_on_device(case: Case, widths: tuple[int, ...]) -> None:
         expected = reference.lora_delta(x, y0[:, part], slots, a_weights, b_weights, scales,
                                         ranks, case.max_rank)
         check_y(got[:, part], y0[:, part], expected, case, "bgmv")
+
+
+@pytest.mark.parametrize("case", [*SGMV_CASES, *DECODE_BATCHES],
+                         ids=[c.name for c in (*SGMV_CASES, *DECODE_BATCHES)])
+def test_sgmv_fused_slices_on_device(case: Case) -> None:
+    """The SGMV kernels' fused slices: prefill segments through sgmv_fused, decode batches
+    grouped (the token order) through bgmv_fused."""
+    pools = fused_pools(case)
+    device = [_device_tables(pool) for pool in pools]
+    cupy = _cupy()
+    a_tables = cupy.stack([tables[1] for tables in device])
+    b_tables = cupy.stack([tables[2] for tables in device])
+    cols = [0, *np.cumsum(FUSED_WIDTHS).tolist()]
+    y0 = torch.randn(case.num_tokens, cols[-1],
+                     generator=torch.Generator().manual_seed(2)).bfloat16()
+    x, slots, ranks, scales = case.x(), case.token_slots(), pools[0].ranks, pools[0].scales
+    y = _to_device(y0)
+    args = (_to_device(scales), _to_device(ranks), case.max_rank)
+    if case.seg_starts is not None:
+        seg_starts, seg_slots = (_to_device(s) for s in case.segments())
+        kernels.sgmv_fused(_to_device(x), y, cols, seg_starts, seg_slots, a_tables, b_tables,
+                           *args)
+        family = "sgmv"
+    else:
+        plan = plans.plan_batch(slots.numpy(), ranks.numpy(), case.max_rank, group_min_tokens=1)
+        kernels.bgmv_fused(_to_device(x), y, cols, _to_device(slots), a_tables, b_tables, *args,
+                           batch=plan)
+        sms = kernels.device_sm_count()
+        family = "sgmv" if plans.grouped_expand(case.num_tokens, cols[-1], plan.t_cols,
+                                                len(plan.chunks), sms) else "bgmv"
+    check_slices(case, pools, x, _to_host(y, torch.bfloat16), y0, slots, family)
 
 
 def test_sgmv_tensor_cores_at_prefill_size() -> None:

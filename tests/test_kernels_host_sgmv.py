@@ -19,7 +19,17 @@ import pytest
 import torch
 
 from metrale_cli.ops import host_harness, plans, reference, sources
-from tests.support.kernel_cases import SGMV_CASES, check_y
+from tests.support.kernel_cases import (
+    DECODE_BATCHES,
+    FUSED_WIDTHS,
+    SGMV_CASES,
+    Case,
+    check_slices,
+    check_t,
+    check_y,
+    fused_pools,
+    fused_tables,
+)
 
 
 def _chunks(starts: list[int], slots: list[int]) -> list[list[int]]:
@@ -147,3 +157,112 @@ def test_small_chunks_take_several_output_tiles_a_cta() -> None:
                                torch.zeros(1, dtype=torch.int64), torch.ones(1),
                                torch.ones(1, dtype=torch.int32),
                                torch.zeros(4, 64, dtype=torch.bfloat16), 16, out_tiles=0)
+
+
+# --- fused slices (kernels.sgmv_fused; bgmv_fused on a grouped batch) --------------------------
+
+class Recording:
+    """The host backend, keeping the kernels it launches."""
+
+    def __init__(self) -> None:
+        self.kernels: list[str] = []
+
+    def launch(self, plan: plans.KernelLaunch) -> None:
+        self.kernels.append(plan.kernel)
+        host_harness.HOST.launch(plan)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(host_harness.HOST, name)
+
+
+# A long K over few chunks, which the planner splits for the fused shrink's CTAs (22 splits).
+LONG_K = Case("long_k", 6, 4096, 64, 32, [32, 20], seg_starts=[1, 4, 6], seg_slots=[1, 0])
+
+
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32], ids=["y_bf16", "y_f32"])
+@pytest.mark.parametrize("case", [*SGMV_CASES, LONG_K], ids=[c.name for c in [*SGMV_CASES, LONG_K]])
+def test_sgmv_fused_matches_reference_per_slice(case: Case, y_dtype: torch.dtype) -> None:
+    """Prefill's fused slices on every segment shape (tokens outside all segments, empty,
+    1-token, straddling and skewed segments, split-K as given and as planned): one shrink and
+    one expand launch, each slice's t plane and y columns as its own (layer, module) delta."""
+    pools = fused_pools(case)
+    a_tables, b_tables = fused_tables(pools)
+    x, slots = case.x(), case.token_slots()
+    seg_starts, seg_slots = case.segments()
+    generator = torch.Generator().manual_seed(3)
+    y = torch.randn(case.num_tokens, sum(FUSED_WIDTHS), generator=generator).to(y_dtype)
+    y0 = y.clone()
+    backend = Recording()
+    cols = [0, *np.cumsum(FUSED_WIDTHS).tolist()]
+    chunks = torch.from_numpy(plans.segment_chunks(seg_starts, seg_slots, case.num_tokens))
+    planned = plans.shrink_splits("sgmv", case.num_tokens, case.in_dim, 3 * case.max_rank,
+                                  case.num_sms, len(chunks))
+    assert (planned > 1) == (case is LONG_K)
+    host_harness.sgmv_fused(x, y, cols, seg_starts, seg_slots, a_tables, b_tables,
+                            pools[0].scales, pools[0].ranks, case.max_rank,
+                            num_sms=case.num_sms, backend=backend)
+    y_kind = "bf16" if y_dtype == torch.bfloat16 else "f32"
+    assert backend.kernels == ["sgmv_shrink", f"sgmv_expand_{y_kind}"]
+    check_slices(case, pools, x, y, y0, slots, "sgmv")
+
+    # t per slice, the case's split-K count included (split: atomics into each slice's plane).
+    t = torch.full((3, case.num_tokens, case.max_rank), float("nan"))
+    splits = case.num_splits or 1
+    if splits > 1:
+        t.zero_()
+    shrink = plans.plan_sgmv_shrink(x, chunks, a_tables, pools[0].ranks, t, case.max_rank,
+                                    splits=splits)
+    assert shrink.grid == (-(-3 * case.max_rank // 64), len(chunks), splits)
+    host_harness.launch(shrink)
+    for z, pool in enumerate(pools):
+        check_t(t[z], reference.shrink(x, slots, pool.weights()[0], pool.ranks, case.max_rank))
+
+
+# Grouped batches, the SMs planned for, the slices' widths, and whether grouped_expand sends the
+# fused expand through SGMV: narrow slices fill one SM's SGMV CTAs, while 1024 outputs over 8
+# tokens on one SM take the per-token expand.
+GROUPED_FUSED = [*((case, 132, FUSED_WIDTHS, True) for case in DECODE_BATCHES),
+                 (DECODE_BATCHES[2], 1, (512, 256, 256), False)]
+
+
+@pytest.mark.parametrize(("case", "num_sms", "widths", "sgmv_expand"), GROUPED_FUSED,
+                         ids=[f"{c.name}-{n}sm-{w[0]}" for c, n, w, _ in GROUPED_FUSED])
+def test_grouped_fused_decode_is_two_launches(case: Case, num_sms: int,
+                                              widths: tuple[int, ...], sgmv_expand: bool) -> None:
+    """A grouped batch's fused slices: the SGMV shrink over the tokens sorted by slot (token
+    order) and one expand, SGMV or per token as grouped_expand picks for the slices' outputs
+    together: 2 launches, not 2 per slice."""
+    pools = fused_pools(case, widths)
+    a_tables, b_tables = fused_tables(pools)
+    x, slots = case.x(), case.token_slots()
+    plan = plans.plan_batch(slots.numpy(), pools[0].ranks.numpy(), case.max_rank,
+                            group_min_tokens=1)
+    assert plan.grouped and (plan.order != np.arange(case.num_tokens)).any() == (
+        case.name != "one_slot")
+    y = torch.randn(case.num_tokens, sum(widths),
+                    generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y0 = y.clone()
+    backend = Recording()
+    cols = [0, *np.cumsum(widths).tolist()]
+    host_harness.bgmv_fused(x, y, cols, slots, a_tables, b_tables, pools[0].scales,
+                            pools[0].ranks, case.max_rank, batch=plan, num_sms=num_sms,
+                            backend=backend)
+    assert sgmv_expand == plans.grouped_expand(case.num_tokens, cols[-1], plan.t_cols,
+                                               len(plan.chunks), num_sms)
+    assert backend.kernels == ["sgmv_shrink",
+                               "sgmv_expand_bf16" if sgmv_expand else "bgmv_expand_bf16"]
+    check_slices(case, pools, x, y, y0, slots, "sgmv" if sgmv_expand else "bgmv")
+
+
+def test_slices_whose_ranks_fit_one_tile_read_x_once_per_chunk() -> None:
+    """q, k and v at rank 16 are 48 rank columns: one column tile, so a chunk's x tiles are
+    streamed once for the three slices (three unfused shrinks stream them three times)."""
+    x = torch.zeros(130, 64, dtype=torch.bfloat16)
+    chunks = torch.tensor([[0, 64, 0, 0], [64, 128, 0, 0], [128, 130, 0, 0]], dtype=torch.int32)
+    tables = torch.zeros(3, 2, dtype=torch.int64)
+    fused = plans.plan_sgmv_shrink(x, chunks, tables, torch.tensor([16, 16], dtype=torch.int32),
+                                   torch.zeros(3, 130, 16), 16)
+    assert fused.grid == (1, 3, 1)
+    with pytest.raises(ValueError, match=r"t \[S, T, t_cols\]"):
+        plans.plan_sgmv_shrink(x, chunks, tables, torch.tensor([16, 16], dtype=torch.int32),
+                               torch.zeros(130, 16), 16)

@@ -94,32 +94,54 @@ def test_the_model_s_inputs_are_the_launch_plan(shape: tuple[str, int, int, int,
             assert int(rows.sum()) == tokens and int(rows.max()) <= sources.SGMV_TILE
 
 
-@pytest.mark.parametrize(("rank", "tokens"), [(16, 1), (64, 256), (128, 8)])
-def test_the_fused_model_is_the_fused_launch_plan(rank: int, tokens: int) -> None:
-    """A fused group's records are the two launches kernels.bgmv_fused really makes: kernel,
-    grid (slices on z) and splits; and one launch floor instead of one per slice."""
+@pytest.mark.parametrize(("rank", "tokens", "adapters", "path"), [
+    (16, 1, 1, "per-token"), (64, 256, 256, "per-token"), (128, 8, 8, "per-token"),
+    (16, 256, 8, "grouped"), (64, 64, 1, "grouped"), (128, 256, 1, "grouped"),
+    (16, 4096, 8, "segments"), (64, 4096, 4096, "segments"), (128, 512, 1, "segments")])
+def test_the_fused_model_is_the_fused_launch_plan(rank: int, tokens: int, adapters: int,
+                                                  path: str) -> None:
+    """A fused group's records are the two launches the fused launchers really make
+    (kernels.bgmv_fused per token and on a grouped batch, kernels.sgmv_fused for prefill):
+    kernel, grid (the SGMV shrink's column tiles over the slices' rank columns, the other
+    slices on z), splits and work list; one launch floor per kernel instead of one per slice,
+    and x's bytes once."""
     (slices, in_dim), = roofline.fused_groups(SHAPES)
     widths = [out for _, out in slices]
     backend = Recorder(roofline.ModelDevice().sms)
     cols = [0, *np.cumsum(widths).tolist()]
-    tables = [np.arange(1, 3 * tokens + 1, dtype=np.uint64).reshape(3, tokens) << np.uint64(20)
-              for _ in "ab"]
-    slots = roofline.decode_slots(tokens, tokens)
-    batch = plans.plan_batch(slots, np.full(tokens, rank, dtype=np.int32), rank)
-    kernels.bgmv_fused(np.empty((tokens, in_dim), dtype=np.uint16),
-                       np.empty((tokens, cols[-1]), dtype=np.uint16), cols, slots, *tables,
-                       np.ones(tokens, dtype=np.float32), np.full(tokens, rank, dtype=np.int32),
-                       rank, batch=batch, backend=backend)
+    tables = [np.arange(1, 3 * adapters + 1, dtype=np.uint64).reshape(3, adapters)
+              << np.uint64(20) for _ in "ab"]
+    x = np.empty((tokens, in_dim), dtype=np.uint16)
+    y = np.empty((tokens, cols[-1]), dtype=np.uint16)
+    ranks = np.full(adapters, rank, dtype=np.int32)
+    pool = (np.ones(adapters, dtype=np.float32), ranks, rank)
+    if path == "segments":
+        kernels.sgmv_fused(x, y, cols, roofline.prefill_starts(tokens, adapters),
+                           np.arange(adapters, dtype=np.int32), *tables, *pool, backend=backend)
+    else:
+        slots = roofline.decode_slots(tokens, adapters)
+        batch = plans.plan_batch(slots, ranks, rank)
+        assert batch.grouped == (path == "grouped")
+        kernels.bgmv_fused(x, y, cols, slots, *tables, *pool, batch=batch, backend=backend)
     shrink, expand = backend.plans
     for kind, plan in (("shrink", shrink), ("expand", expand)):
-        record = roofline.fused_record(slices, in_dim, rank, tokens, tokens, kind)
-        assert record is not None and record["kernel"] == plan.kernel
-        assert tuple(record["grid"]) == plan.grid and plan.grid[2] % len(slices) == 0
-        separate = [roofline.model_record(n, out, in_dim, rank, tokens, tokens, kind)
+        record = roofline.fused_record(slices, in_dim, rank, tokens, adapters, kind)
+        assert record["kernel"] == plan.kernel and record["path"].startswith(path)
+        assert tuple(record["grid"]) == plan.grid
+        if plan.kernel == "sgmv_shrink":
+            assert plan.grid[0] == -(-len(slices) * rank // sources.SGMV_TILE)
+            assert record["splits"] == plan.grid[2]
+        else:
+            assert plan.grid[2] % len(slices) == 0
+        if plan.kernel.startswith("sgmv"):
+            chunks = plan.args[2 if kind == "shrink" else 1]
+            assert plan.grid[1] == len(chunks)
+        separate = [roofline.model_record(n, out, in_dim, rank, tokens, adapters, kind)
                     for n, out in slices]
         assert record["terms"]["launch"] <= max(r["terms"]["launch"] for r in separate)
         assert record["unfused_us"] == pytest.approx(sum(r["expected_us"] for r in separate))
-        assert record["bytes"] == sum(r["bytes"] for r in separate)
+        x_again = (len(slices) - 1) * 2 * tokens * in_dim if kind == "shrink" else 0
+        assert record["bytes"] == sum(r["bytes"] for r in separate) - x_again
         assert record["expected_us"] <= record["unfused_us"]
 
 
@@ -127,12 +149,21 @@ def test_fusing_a_decode_token_s_qkv_saves_two_launch_floors_per_kernel() -> Non
     (slices, in_dim), = roofline.fused_groups(SHAPES)
     for kind in ("shrink", "expand"):
         record = roofline.fused_record(slices, in_dim, 16, 1, 1, kind)
-        assert record is not None and record["binding"] == "launch"
+        assert record["binding"] == "launch"
         assert record["expected_us"] == pytest.approx(2.0)
         assert record["unfused_us"] == pytest.approx(6.0)
-    # Grouped and prefill batches run the slices one by one (the SGMV kernels do not fuse).
-    assert roofline.fused_record(slices, in_dim, 16, 256, 1, "shrink") is None
-    assert roofline.fused_record(slices, in_dim, 16, 4096, 8, "shrink") is None
+
+
+def test_fused_rank_16_qkv_reads_a_chunk_s_x_once() -> None:
+    """Prefill's fused shrink at rank 16: q, k and v are 48 rank columns, one column tile, so
+    the shrink asks L2 for x once where the three unfused shrinks ask for it three times."""
+    (slices, in_dim), = roofline.fused_groups(SHAPES)
+    record = roofline.fused_record(slices, in_dim, 16, 4096, 8, "shrink")
+    separate = [roofline.model_record(n, out, in_dim, 16, 4096, 8, "shrink")
+                for n, out in slices]
+    x_bytes = 2 * 4096 * in_dim
+    assert record["grid"][0] == 1
+    assert sum(r["l2_bytes"] for r in separate) - record["l2_bytes"] >= 2 * x_bytes
 
 
 def test_every_record_is_at_least_its_largest_term() -> None:

@@ -200,27 +200,29 @@ def expand_b_sectors(out_dim: int, rank: int, max_rank: int) -> int:
 
 def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens: int,
                rank: int, in_dim: int, out_dim: int, splits: int, y_bytes: int,
-               out_tiles: int = 1) -> tuple[int, int, int, int, int]:
+               out_tiles: int = 1, slices: int = 1) -> tuple[int, int, int, int, int]:
     """(l2_bytes, passes, chains, cta_passes, cta_chains) of an SGMV launch (kernels/sgmv.cu):
     a CTA per (chunk, column tile) of the work list `chunks` (plans.segment_chunks; the
     expand's CTA takes `out_tiles` 64-output tiles), its K tiles (shrink) or (output tile, rank
     chunk) items (expand) streamed SGMV_*_STAGES at a time, so a pass is that many tiles; rows
     outside the chunk are zero-filled, not loaded. Before its stream a CTA waits for 2 round
     trips: its chunk, then its slot's table entry (beside the rank, the scale and the token
-    order)."""
+    order). Fused `slices` (the shrink only; kernels/sgmv.cu): the column tiles run over the
+    slices' rank columns side by side, t is a plane a slice."""
     tile = sources.SGMV_TILE
     rows = (chunks[:, 1] - chunks[:, 0]).astype(np.int64)
     ctas = grid[0] * grid[1] * grid[2]
     if kind == "shrink":
         lengths = _split_lengths(in_dim, splits, tile)
-        n_valid = np.minimum(tile, rank - tile * np.arange(grid[0]))  # rank rows per column tile
+        # Rank rows per column tile (t as wide as the rank: every column of every slice).
+        n_valid = np.minimum(tile, slices * rank - tile * np.arange(grid[0]))
         # An empty trailing split returns after its metadata, streaming nothing.
         k_tiles = -(-lengths // tile)
         split_passes = -(-k_tiles // sources.SGMV_SHRINK_STAGES)
         passes = grid[0] * grid[1] * int(split_passes.sum())
         # x once per column tile (each chunk's rows), A once per chunk, t once per split.
         l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
-                 + 4 * splits * tokens * rank)
+                 + 4 * splits * tokens * slices * rank)
         return l2, passes, 2 * ctas, int(split_passes.max()), 2
     # expand: the items (an output tile's B tile with its rank chunk's t tile; t is copied
     # again for every output tile), SGMV_EXPAND_STAGES a pass; an output tile's y vectors are
@@ -385,7 +387,7 @@ def bench_shapes(model_shapes: Sequence[tuple[str, int, int]], ranks: Sequence[i
 
 
 # The projections a layer fuses into one launch because they read the same x, as vLLM serves
-# its qkv_proj and gate_up_proj (kernels.bgmv_fused).
+# its qkv_proj and gate_up_proj (kernels.bgmv_fused, kernels.sgmv_fused).
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -401,23 +403,61 @@ def fused_groups(model_shapes: Sequence[tuple[str, int, int]]
     return groups
 
 
-def fused_work(kind: str, slices: Sequence[int], tokens: int, rank: int, in_dim: int, sms: int,
-               y_bytes: int = 2) -> LaunchWork:
-    """The one launch kernels.bgmv_fused makes for `kind` over slices of these out_dims (the
-    per-token path): the shrink's grid.z is (slice, split), split as the planner splits S
-    slices' CTAs; the expand's grid.y covers the widest slice, and a narrower slice's spare
-    CTAs read their metadata (slot, then table entry and rank), then exit."""
-    count = len(slices)
-    splits = plans.shrink_splits("bgmv", count * tokens, in_dim, rank, sms)
+def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, rank: int,
+               in_dim: int, sms: int, y_bytes: int = 2) -> LaunchWork:
+    """The one `kind` launch the fused launchers make over slices of these out_dims, on the
+    path plan_launch gives the shape: per token (kernels.bgmv_fused: the shrink's grid.z is
+    (slice, split)), grouped decode (bgmv_fused on a grouped batch) or prefill
+    (kernels.sgmv_fused), where the SGMV shrink's column tiles run over the slices' rank
+    columns side by side and the expand takes the slice on grid.z; split as the planner splits
+    the launch's CTAs. The expand's grid covers the widest slice, and a narrower slice's spare
+    CTAs read their metadata (BGMV: slot, then table entry and rank; SGMV: the slice's column
+    bounds alone), then exit."""
+    count, widest_out, total_out = len(slices), max(slices), sum(slices)
+    y_kind = "bf16" if y_bytes == 2 else "f32"
+    if tokens > 256:
+        path, chunks = "segments", plans.segment_chunks(
+            prefill_starts(tokens, adapters), np.arange(adapters, dtype=np.int32), tokens)
+    else:
+        plan = plans.plan_batch(decode_slots(tokens, adapters), [rank] * adapters, rank)
+        path, chunks = ("grouped", plan.chunks) if plan.grouped else ("per-token", None)
+    if chunks is not None and kind == "shrink":
+        splits = plans.shrink_splits("sgmv", tokens, in_dim, count * rank, sms, len(chunks))
+        grid = plans.launch_grid("sgmv_shrink", len(chunks), in_dim, rank, splits,
+                                 slices=count)
+        work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, 0, splits, y_bytes,
+                          slices=count)
+        return LaunchWork("sgmv_shrink", f"{path} (fused)", grid, splits, *work,
+                          launches=2 if splits > 1 else 1)
+    if chunks is not None and (path == "segments" or plans.grouped_expand(
+            tokens, total_out, rank, len(chunks), sms)):
+        kernel = f"sgmv_expand_{y_kind}"
+        out_tiles = plans.expand_out_tiles(count * len(chunks), widest_out, rank, sms)
+        widest = plans.launch_grid(kernel, len(chunks), widest_out, rank, out_tiles=out_tiles,
+                                   slices=count)
+        l2 = passes = chains = cta_passes = 0
+        for out_dim in slices:
+            grid = plans.launch_grid(kernel, len(chunks), out_dim, rank, out_tiles=out_tiles)
+            work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, out_dim, 1, y_bytes,
+                              out_tiles)
+            # A spare CTA reads its slice's column bounds (8 bytes), then exits.
+            spare = len(chunks) * (widest[0] - grid[0])
+            l2 += work[0] + spare * 8
+            passes += work[1]
+            chains += work[2] + spare
+            cta_passes = max(cta_passes, work[3])
+        return LaunchWork(kernel, f"{path} (fused)", widest, 1, l2, passes, chains, cta_passes,
+                          2)
     if kind == "shrink":
+        splits = plans.shrink_splits("bgmv", count * tokens, in_dim, rank, sms)
         grid = plans.launch_grid("bgmv_shrink", tokens, in_dim, rank, splits)
         l2, passes, chains, cta_passes, cta_chains = _bgmv_work(
             kind, grid, tokens, rank, in_dim, slices[0], splits, y_bytes)
         return LaunchWork("bgmv_shrink", "per-token (fused)", (grid[0], grid[1], count * splits),
                           splits, count * l2, count * passes, count * chains, cta_passes,
                           cta_chains, launches=2 if splits > 1 else 1)
-    kernel = "bgmv_expand_bf16" if y_bytes == 2 else "bgmv_expand_f32"
-    widest = plans.launch_grid(kernel, tokens, max(slices), rank)
+    kernel = f"bgmv_expand_{y_kind}"
+    widest = plans.launch_grid(kernel, tokens, widest_out, rank, slices=count)
     l2 = passes = chains = 0
     for out_dim in slices:
         grid = plans.launch_grid(kernel, tokens, out_dim, rank)
@@ -426,35 +466,41 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, rank: int, in_dim:
         l2 += work[0]
         passes += work[1]
         chains += work[2] + 2 * spare
-    cta_passes = plans.expand_cta_passes(min(plans.EXPAND_CTA_ROWS, max(slices)), rank)
-    return LaunchWork(kernel, "per-token (fused)", (widest[0], widest[1], count), 1, l2, passes,
-                      chains, cta_passes, 2)
+    cta_passes = plans.expand_cta_passes(min(plans.EXPAND_CTA_ROWS, widest_out), rank)
+    path = "per-token (fused)" if path == "per-token" else "grouped+per-token (fused)"
+    return LaunchWork(kernel, path, widest, 1, l2, passes, chains, cta_passes, 2)
+
+
+def fused_bytes(kind: str, slices: Sequence[int], tokens: int, adapters: int, rank: int,
+                in_dim: int) -> int:
+    """The compulsory bytes of a fused group's `kind` launch: its slices' own, but x once
+    (the slices share it: a fused shrink needs it from HBM once, whatever L2 re-serves)."""
+    total = sum(compulsory_bytes(kind, tokens, adapters, rank, in_dim, out) for out in slices)
+    return total - (len(slices) - 1) * 2 * tokens * in_dim if kind == "shrink" else total
 
 
 def fused_record(slices: Sequence[tuple[str, int]], in_dim: int, rank: int, tokens: int,
                  adapters: int, kind: str, device: ModelDevice | None = None
-                 ) -> dict[str, Any] | None:
-    """The model's record for a fused group's one `kind` launch (fused_work), beside
-    `unfused_us`, what its slices' separate launches take together; None where the batch takes
-    the grouped or prefill path, on which bgmv_fused runs the slices one by one."""
+                 ) -> dict[str, Any]:
+    """The model's record for a fused group's one `kind` launch (fused_work) on the shape's
+    path (per token, grouped decode or prefill), beside `unfused_us`, what its slices'
+    separate launches take together."""
     device = device or ModelDevice()
-    if tokens > 256 or plans.plan_batch(decode_slots(tokens, adapters), [rank] * adapters,
-                                          rank).grouped:
-        return None
-    work = fused_work(kind, [out for _, out in slices], tokens, rank, in_dim, device.sms)
-    nbytes = sum(compulsory_bytes(kind, tokens, adapters, rank, in_dim, out)
-                 for _, out in slices)
+    phase = "decode" if tokens <= 256 else "prefill"
+    outs = [out for _, out in slices]
+    work = fused_work(kind, outs, tokens, adapters, rank, in_dim, device.sms)
+    nbytes = fused_bytes(kind, outs, tokens, adapters, rank, in_dim)
     cost = cost_terms(work, nbytes, device, rmw=kind == "expand")
     separate = [model_record(name, out, in_dim, rank, tokens, adapters, kind, device)
                 for name, out in slices]
-    target = TARGET_PCT["decode", kind]
+    target = TARGET_PCT[phase, kind]
     meets = (cost["expected_pct_peak"] >= target if cost["regime"] == "bandwidth"
              else cost["expected_copy_ratio"] <= COPY_RATIO_TARGET)
-    footprint = sum(footprint_bytes(tokens, adapters, rank, in_dim, out) for _, out in slices)
+    footprint = sum(footprint_bytes(tokens, adapters, rank, in_dim, out) for out in outs)
     groups = rotation_groups(nbytes, footprint, device.l2_bytes)
     return {
         "kernel": work.kernel, "path": work.path, "module": "+".join(n for n, _ in slices),
-        "out_dim": sum(out for _, out in slices), "slice_out_dims": [out for _, out in slices],
+        "out_dim": sum(outs), "slice_out_dims": outs,
         "in_dim": in_dim, "rank": rank, "tokens": tokens, "adapters": adapters,
         "splits": work.splits, "grid": list(work.grid), **cost,
         "target_pct_peak": target, "target_copy_ratio": COPY_RATIO_TARGET,
@@ -472,7 +518,7 @@ def model(
     device: ModelDevice | None = None,
 ) -> list[dict[str, Any]]:
     """The roofline model's records for the shapes `run` would measure (no GPU needed), then
-    those of each fused group (fused_groups) on the shapes where it fuses (fused_record)."""
+    those of each fused group (fused_groups) on every shape (fused_record)."""
     records = [model_record(module, out_dim, in_dim, rank, num_tokens, count, kind, device)
                for module, out_dim, in_dim, rank, num_tokens, count in bench_shapes(
                    model_shapes, ranks, tokens, adapters)
@@ -480,7 +526,6 @@ def model(
     for slices, in_dim in fused_groups(model_shapes):
         for _, _, _, rank, num_tokens, count in bench_shapes([("", 0, in_dim)], ranks, tokens,
                                                         adapters):
-            pair = [fused_record(slices, in_dim, rank, num_tokens, count, kind, device)
-                    for kind in ("shrink", "expand")]
-            records.extend(r for r in pair if r is not None)
+            records.extend(fused_record(slices, in_dim, rank, num_tokens, count, kind, device)
+                           for kind in ("shrink", "expand"))
     return records

@@ -206,6 +206,7 @@ sgmv_expand = on_host(kernels.sgmv_expand)
 bgmv = on_host(kernels.bgmv)
 bgmv_fused = on_host(kernels.bgmv_fused)
 sgmv = on_host(kernels.sgmv)
+sgmv_fused = on_host(kernels.sgmv_fused)
 
 
 if __name__ == "__main__":

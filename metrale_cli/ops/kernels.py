@@ -108,14 +108,16 @@ def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
               splits: int | None, num_sms: int | None, slices: int = 1,
               chunks: int | None = None) -> tuple[Any, int]:
     """(t, splits) for a shrink of x: t F32 [T, t_cols] (allocated when not given; [S, T,
-    t_cols] for S fused slices), split as the planner splits it (over all the slices' CTAs, or
-    SGMV's `chunks`) unless `splits` says; zeroed when split, as the atomics add into it."""
+    t_cols] for S fused slices), split as the planner splits it (over all the slices' CTAs:
+    BGMV's S x T token rows, SGMV's `chunks` x the slices' rank columns side by side) unless
+    `splits` says; zeroed when split, as the atomics add into it."""
     num_tokens, in_dim = (int(d) for d in x.shape)
     if t is not None:
         t_cols = int(t.shape[-1])
     if splits is None:
-        splits = shrink_splits(kind, slices * num_tokens, in_dim, t_cols,
-                               backend.num_sms(num_sms), chunks)
+        rows, columns = ((num_tokens, slices * t_cols) if kind == "sgmv"
+                         else (slices * num_tokens, t_cols))
+        splits = shrink_splits(kind, rows, in_dim, columns, backend.num_sms(num_sms), chunks)
     if t is None:
         t = backend.new_t(x, (num_tokens, t_cols) if slices == 1 else
                           (slices, num_tokens, t_cols))
@@ -185,7 +187,7 @@ def sgmv_expand(
     in sgmv_shrink; each CTA takes the 64-output tiles of one chunk that expand_out_tiles plans
     for the device's SMs."""
     work = _chunks(backend, y, seg_starts, seg_slots, int(y.shape[0]), chunks)
-    out_tiles = expand_out_tiles(int(work.shape[0]), int(y.shape[1]), int(t.shape[1]),
+    out_tiles = expand_out_tiles(int(work.shape[0]), int(y.shape[1]), int(t.shape[-1]),
                                  backend.num_sms(num_sms))
     backend.launch(plan_sgmv_expand(t, work, b_table, scale_table, ranks, y, max_rank,
                                     token_order, out_tiles))
@@ -229,21 +231,51 @@ def bgmv_fused(
     slice_cols[-1]] holds the slices side by side (slice z in columns slice_cols[z] up to
     slice_cols[z + 1]), a_tables and b_tables are u64 [S, max_loras], one row per slice's
     (layer, module) entry. At decode sizes each launch costs a fixed floor, so S slices save
-    2 (S - 1) of them. A grouped batch (`batch.grouped`) runs each slice through `bgmv`, on the
-    SGMV kernels, which do not fuse."""
+    2 (S - 1) of them. A grouped batch (`batch.grouped`) takes the SGMV kernels over its
+    sorted tokens, fused the same way (its expand per token where grouped_expand, over the
+    slices' outputs together, says so)."""
     slices = int(a_tables.shape[0])
     cols = check_slice_cols(slice_cols, slices, int(y.shape[1]))
-    if batch is not None and batch.grouped:
-        for z in range(slices):
-            bgmv(x, y[:, cols[z]:cols[z + 1]], slots, a_tables[z], b_tables[z], scale_table,
-                 ranks, max_rank, num_sms=num_sms, batch=batch, backend=backend)
-        return y
-    t, splits = _shrink_t(backend, "bgmv", x, None, batch.t_cols if batch else max_rank, None,
-                          num_sms, slices)
-    backend.launch(plan_bgmv_shrink(x, slots, a_tables, ranks, t, max_rank, splits))
     bounds = backend.array(x, np.asarray(cols, dtype=np.int32))
+    if batch is not None and batch.grouped:
+        order, chunks = (backend.array(x, a) for a in (batch.order, batch.chunks))
+        t = _sgmv_fused_shrink(x, chunks, order, a_tables, ranks, max_rank, batch.t_cols,
+                               num_sms, backend)
+        if grouped_expand(batch.num_tokens, cols[-1], batch.t_cols,
+                          int(batch.chunks.shape[0]), backend.num_sms(num_sms)):
+            return _sgmv_fused_expand(t, chunks, order, b_tables, scale_table, ranks, y,
+                                      max_rank, cols, bounds, num_sms, backend)
+    else:
+        t, splits = _shrink_t(backend, "bgmv", x, None, batch.t_cols if batch else max_rank,
+                              None, num_sms, slices)
+        backend.launch(plan_bgmv_shrink(x, slots, a_tables, ranks, t, max_rank, splits))
     backend.launch(plan_bgmv_expand(t, slots, b_tables, scale_table, ranks, y, max_rank,
                                     bounds))
+    return y
+
+
+def _sgmv_fused_shrink(x: Any, chunks: Any, order: Any | None, a_tables: Any, ranks: Any,
+                       max_rank: int, t_cols: int, num_sms: int | None,
+                       backend: Backend) -> Any:
+    """The one SGMV shrink of fused slices over the work list `chunks`: t F32 [S, T, t_cols],
+    split for the launch's CTAs (the chunks times the slices' rank columns side by side)."""
+    t, splits = _shrink_t(backend, "sgmv", x, None, t_cols, None, num_sms,
+                          int(a_tables.shape[0]), int(chunks.shape[0]))
+    backend.launch(plan_sgmv_shrink(x, chunks, a_tables, ranks, t, max_rank, order, splits))
+    return t
+
+
+def _sgmv_fused_expand(t: Any, chunks: Any, order: Any | None, b_tables: Any,
+                       scale_table: Any, ranks: Any, y: Any, max_rank: int, cols: list[int],
+                       bounds: Any, num_sms: int | None, backend: Backend) -> Any:
+    """The one SGMV expand of fused slices (on grid.z): each CTA takes the 64-output tiles of
+    one chunk of one slice that expand_out_tiles plans for the launch's chunks x slices over
+    the widest slice."""
+    widest = max(b - a for a, b in zip(cols, cols[1:], strict=False))
+    out_tiles = expand_out_tiles(int(chunks.shape[0]) * int(b_tables.shape[0]), widest,
+                                 int(t.shape[-1]), backend.num_sms(num_sms))
+    backend.launch(plan_sgmv_expand(t, chunks, b_tables, scale_table, ranks, y, max_rank,
+                                    order, out_tiles, bounds))
     return y
 
 
@@ -260,3 +292,23 @@ def sgmv(
                     t_cols=t_cols, chunks=chunks, backend=backend)
     return sgmv_expand(t, seg_starts, seg_slots, b_table, scale_table, ranks, y, max_rank,
                        chunks=chunks, num_sms=num_sms, backend=backend)
+
+
+def sgmv_fused(
+    x: Any, y: Any, slice_cols: Sequence[int], seg_starts: Any, seg_slots: Any, a_tables: Any,
+    b_tables: Any, scale_table: Any, ranks: Any, max_rank: int, *, num_sms: int | None = None,
+    t_cols: int | None = None, backend: Backend = CUPY,
+) -> Any:
+    """The prefill LoRA delta of a layer's projections that share x (q, k and v; gate and up)
+    over segments of tokens sharing a slot, in one shrink and one expand launch: y, slice_cols,
+    a_tables and b_tables as in bgmv_fused, segments and `t_cols` as in sgmv. The shrink's
+    64-column tiles run over the slices' rank columns side by side, so where the slices' ranks
+    fit in one tile (rank 16 for q, k and v) each chunk's x is read once for all of them."""
+    slices = int(a_tables.shape[0])
+    cols = check_slice_cols(slice_cols, slices, int(y.shape[1]))
+    chunks = _chunks(backend, x, seg_starts, seg_slots, int(x.shape[0]), None)
+    t = _sgmv_fused_shrink(x, chunks, None, a_tables, ranks, max_rank, t_cols or max_rank,
+                           num_sms, backend)
+    return _sgmv_fused_expand(t, chunks, None, b_tables, scale_table, ranks, y, max_rank, cols,
+                              backend.array(x, np.asarray(cols, dtype=np.int32)), num_sms,
+                              backend)

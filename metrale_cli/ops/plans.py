@@ -234,19 +234,21 @@ def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms:
 
 
 def launch_grid(kernel: str, rows: int, dim: int, t_cols: int, splits: int = 1,
-                out_tiles: int = 1) -> tuple[int, int, int]:
+                out_tiles: int = 1, slices: int = 1) -> tuple[int, int, int]:
     """The grid of `kernel` (a KERNEL_SOURCES name) over `rows` (BGMV: the T tokens; SGMV: the
-    chunks of segment_chunks), its output dim (expand) or input dim (shrink: unused), t's width,
-    the shrink's split count and the SGMV expand's 64-output tiles per CTA."""
+    chunks of segment_chunks), its output dim (expand: the widest slice's) or input dim
+    (shrink: unused), t's width, the shrink's split count, the SGMV expand's 64-output tiles
+    per CTA and the fused slices: on grid.z, except in the SGMV shrink, whose 64-column tiles
+    run over the slices' rank columns side by side (kernels/sgmv.cu)."""
     if kernel == "bgmv_shrink":
-        return (rows, -(-t_cols // SHRINK_ROWS), splits)
+        return (rows, -(-t_cols // SHRINK_ROWS), slices * splits)
     if kernel.startswith("bgmv_expand"):
-        return (rows, -(-dim // (THREADS * EXPAND_ROWS)), 1)
+        return (rows, -(-dim // (THREADS * EXPAND_ROWS)), slices)
     if kernel == "sgmv_shrink":
-        return (-(-t_cols // SGMV_TILE), rows, splits)
+        return (-(-slices * t_cols // SGMV_TILE), rows, splits)
     if kernel.startswith("sgmv_expand"):
         tiles = -(-dim // SGMV_TILE)
-        return (-(-tiles // out_tiles), rows, 1)
+        return (-(-tiles // out_tiles), rows, slices)
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -282,7 +284,7 @@ def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
 
 
 def _slices(table: Any, t: Any, what: str) -> tuple[int, int, Any]:
-    """(slices, max_loras, t as one plane's shape) of a BGMV launch: one (layer, module) entry
+    """(slices, max_loras, t as one plane's shape) of a launch: one (layer, module) entry
     (`what` u64 [max_loras], t F32 [T, t_cols]) or fused slices sharing x (`what` u64
     [S, max_loras], t F32 [S, T, t_cols])."""
     if len(table.shape) == 1:
@@ -309,13 +311,13 @@ def plan_bgmv_shrink(
     _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
     num_splits = _check_splits(splits)
-    x_, rows, z = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits)
+    grid = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits, slices=slices)
     args = (
         x, np.int64(row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
         t, np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
         np.int32(k_chunk(in_dim, num_splits, VECTOR)), np.int32(slices),
     )
-    return KernelLaunch("bgmv_shrink", (x_, rows, z * slices), (THREADS, 1, 1), args)
+    return KernelLaunch("bgmv_shrink", grid, (THREADS, 1, 1), args)
 
 
 def check_slice_cols(slice_cols: Sequence[int], slices: int, width: int) -> list[int]:
@@ -344,24 +346,30 @@ def plan_bgmv_expand(
     y_kind = "bf16" if dtype_name(y) in BF16 else "f32"
     check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
     check_buffer(slots, "slots", ("int32",), (num_tokens,))
-    check_buffer(y, "y", (*BF16, "float32"), (num_tokens, int(y.shape[1])), rows=True)
+    out_dim, cols_arg = _expand_columns(y, num_tokens, slices, slice_cols)
     _check_tables(max_loras, ranks, scale_table, {"b_table": b_table}, slices)
-    if slice_cols is None:
-        if slices > 1:
-            raise ValueError("fused slices need slice_cols, their column bounds in y")
-        out_dim, cols_arg = int(y.shape[1]), np.uint64(0)  # a null pointer: all of y
-    else:
-        check_buffer(slice_cols, "slice_cols", ("int32",), (slices + 1,))
-        cols = check_slice_cols(host_values(slice_cols).tolist(), slices, int(y.shape[1]))
-        out_dim, cols_arg = max(b - a for a, b in zip(cols, cols[1:], strict=False)), slice_cols
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
-    x_, blocks, _ = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols)
+    grid = launch_grid(f"bgmv_expand_{y_kind}", num_tokens, out_dim, t_cols, slices=slices)
     args = (
         t, slots, b_table, scale_table, ranks, np.int32(max_loras),
         y, np.int64(row_stride(y, "y")), np.int32(num_tokens), np.int32(out_dim),
         np.int32(max_rank), np.int32(t_cols), cols_arg,
     )
-    return KernelLaunch(f"bgmv_expand_{y_kind}", (x_, blocks, slices), (THREADS, 1, 1), args)
+    return KernelLaunch(f"bgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
+
+
+def _expand_columns(y: Any, num_tokens: int, slices: int, slice_cols: Any | None
+                    ) -> tuple[int, Any]:
+    """(the widest slice's width, the kernel's slice_cols argument) of an expand into y: one
+    slice takes all of y (a null slice_cols); fused slices need their column bounds."""
+    check_buffer(y, "y", (*BF16, "float32"), (num_tokens, int(y.shape[1])), rows=True)
+    if slice_cols is None:
+        if slices > 1:
+            raise ValueError("fused slices need slice_cols, their column bounds in y")
+        return int(y.shape[1]), np.uint64(0)  # a null pointer: all of y
+    check_buffer(slice_cols, "slice_cols", ("int32",), (slices + 1,))
+    cols = check_slice_cols(host_values(slice_cols).tolist(), slices, int(y.shape[1]))
+    return max(b - a for a, b in zip(cols, cols[1:], strict=False)), slice_cols
 
 
 def check_segments(seg_starts: Any, seg_slots: Any, num_tokens: int) -> tuple[np.ndarray,
@@ -435,49 +443,51 @@ def plan_sgmv_shrink(
     """t[b, :] = x[b] @ A_seg^T (see kernels/sgmv.cu) over the work list `chunks`
     (segment_chunks, where the kernel reads it), K cut into `splits` added into t by atomics (t
     must then be zero). With `token_order`, the chunks index sorted positions (the grouped
-    decode path)."""
-    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
+    decode path). Fused slices as in plan_bgmv_shrink (a_table [S, max_loras], t [S, T,
+    t_cols]): the CTAs' 64-column tiles run over the slices' rank columns side by side."""
+    slices, max_loras, plane = _slices(a_table, t, "a_table")
+    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
     in_dim = int(x.shape[1])
-    max_loras = int(a_table.shape[0])
     num_chunks = check_chunks(chunks, num_tokens)
     check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
-    check_buffer(t, "t", ("float32",), (num_tokens, t_cols))
-    _check_tables(max_loras, ranks, None, {"a_table": a_table})
+    check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
+    _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
     num_splits = _check_splits(splits)
-    grid = launch_grid("sgmv_shrink", num_chunks, in_dim, t_cols, num_splits)
+    grid = launch_grid("sgmv_shrink", num_chunks, in_dim, t_cols, num_splits, slices=slices)
     args = (
         x, np.int64(row_stride(x, "x")), chunks, _order_arg(token_order, num_tokens), a_table,
-        ranks, np.int32(max_loras), t, np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
-        np.int32(k_chunk(in_dim, num_splits, SGMV_TILE)),
+        ranks, np.int32(max_loras), t, np.int32(num_tokens), np.int32(in_dim),
+        np.int32(max_rank), np.int32(t_cols), np.int32(k_chunk(in_dim, num_splits, SGMV_TILE)),
+        np.int32(slices),
     )
     return KernelLaunch("sgmv_shrink", grid, (THREADS, 1, 1), args)
 
 
 def plan_sgmv_expand(
     t: Any, chunks: Any, b_table: Any, scale_table: Any, ranks: Any, y: Any, max_rank: int,
-    token_order: Any | None = None, out_tiles: int = 1,
+    token_order: Any | None = None, out_tiles: int = 1, slice_cols: Any | None = None,
 ) -> KernelLaunch:
     """y[b] += scale * t[b] @ B_seg^T (see kernels/sgmv.cu) over the work list `chunks`, each
     CTA `out_tiles` 64-output tiles of one chunk (expand_out_tiles picks it); B rows are the
-    pool's max_rank long."""
-    num_tokens, t_cols, max_rank = _t_shape(t, max_rank)
-    out_dim = int(y.shape[1])
-    max_loras = int(b_table.shape[0])
+    pool's max_rank long. Fused slices as in plan_bgmv_expand (b_table [S, max_loras], t
+    [S, T, t_cols], `slice_cols`), on grid.z."""
+    slices, max_loras, plane = _slices(b_table, t, "b_table")
+    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
     num_chunks = check_chunks(chunks, num_tokens)
     y_kind = "bf16" if dtype_name(y) in BF16 else "f32"
-    check_buffer(t, "t", ("float32",), (num_tokens, t_cols))
-    check_buffer(y, "y", (*BF16, "float32"), (num_tokens, out_dim), rows=True)
-    _check_tables(max_loras, ranks, scale_table, {"b_table": b_table})
+    check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
+    out_dim, cols_arg = _expand_columns(y, num_tokens, slices, slice_cols)
+    _check_tables(max_loras, ranks, scale_table, {"b_table": b_table}, slices)
     _check_dims(out_dim, max_rank, t_cols, "out_dim")
     if not 1 <= out_tiles <= MAX_OUT_TILES:
         raise ValueError(f"out_tiles must be in 1..{MAX_OUT_TILES}, got {out_tiles}")
     grid = launch_grid(f"sgmv_expand_{y_kind}", num_chunks, out_dim, t_cols,
-                       out_tiles=out_tiles)
+                       out_tiles=out_tiles, slices=slices)
     args = (
         t, chunks, _order_arg(token_order, num_tokens), b_table, scale_table, ranks,
-        np.int32(max_loras), y, np.int64(row_stride(y, "y")), np.int32(out_dim),
-        np.int32(max_rank), np.int32(t_cols), np.int32(out_tiles),
+        np.int32(max_loras), y, np.int64(row_stride(y, "y")), np.int32(num_tokens),
+        np.int32(out_dim), np.int32(max_rank), np.int32(t_cols), np.int32(out_tiles), cols_arg,
     )
     return KernelLaunch(f"sgmv_expand_{y_kind}", grid, (THREADS, 1, 1), args)
 

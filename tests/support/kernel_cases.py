@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from metrale_cli.ops import reference
@@ -198,6 +199,52 @@ DECODE_BATCHES = [
 # add each slice into its own t plane.
 FUSED_CASES = [(BGMV_CASES[0], (72, 16, 40)),
                (Case("split_k", 2, 16384, 64, 16, [16, 9], slots=[1, 0]), (64, 24))]
+
+
+# The SGMV fused slices' widths (kernels.sgmv_fused, and bgmv_fused on a grouped batch: q, k, v
+# as in a GQA layer, off the 64-output tiles), each over a pool of its own, and the slot that
+# only slice 1 does not adapt (its table entry 0 there, present in the others).
+FUSED_WIDTHS = (72, 16, 40)
+ABSENT_IN_SLICE_1 = 0
+
+
+def fused_pools(case: Case, widths: tuple[int, ...] = FUSED_WIDTHS) -> list[Pool]:
+    """One pool per slice of these widths, with finite junk in every A row past a slot's rank
+    (the kernels must never load it) and ABSENT_IN_SLICE_1 absent in slice 1 only."""
+    pools = []
+    for z, width in enumerate(widths):
+        absent = case.absent | ({ABSENT_IN_SLICE_1} if z == 1 else set())
+        pool = make_pool(case.in_dim, width, case.max_rank, case.ranks, absent, seed=10 + z)
+        for offset, rank in zip(pool.a_offsets, case.ranks, strict=True):
+            if offset is not None:
+                pool.pool[offset + rank * case.in_dim: offset + case.max_rank * case.in_dim] = 5.0
+        pools.append(pool)
+    return pools
+
+
+def fused_tables(pools: list[Pool]) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.stack([p.tables()[0] for p in pools]),
+            torch.stack([p.tables()[1] for p in pools]))
+
+
+def check_slices(case: Case, pools: list[Pool], x: torch.Tensor, y: torch.Tensor,
+                  y0: torch.Tensor, slots: torch.Tensor, family: str) -> None:
+    """Each slice's columns of y (side by side, as wide as its pool's out_dim) against the
+    reference over its own pool; a token its slice skips (slot -1, past the table, absent
+    there, rank 0) keeps its row bit for bit."""
+    cols = [0, *np.cumsum([pool.out_dim for pool in pools]).tolist()]
+    scales, ranks = pools[0].scales, pools[0].ranks
+    for z, pool in enumerate(pools):
+        a_weights, b_weights = pool.weights()
+        part, before = y[:, cols[z]:cols[z + 1]], y0[:, cols[z]:cols[z + 1]]
+        expected = reference.lora_delta(x, before, slots, a_weights, b_weights, scales, ranks,
+                                        case.max_rank)
+        for b, slot in enumerate(slots.tolist()):
+            if not 0 <= slot < len(case.ranks) or a_weights[slot] is None or not case.ranks[slot]:
+                assert torch.equal(part[b].view(torch.uint8), before[b].view(torch.uint8)), (
+                    f"slice {z}: token {b} (slot {slot}) is skipped, yet its y row changed")
+        rtol, atol = reference.TOLERANCES[family, y.dtype]
+        torch.testing.assert_close(part.float(), expected.float(), rtol=rtol, atol=atol)
 
 
 def check_t(t: torch.Tensor, expected: torch.Tensor) -> None:
