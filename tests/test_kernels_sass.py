@@ -261,3 +261,24 @@ def test_the_counter_counts_a_pipeline_s_copies_across_its_groups() -> None:
     serial = parse(PIPELINE.replace("SB0, 0x2", "SB0, 0x0"))["k"]
     assert sass.loop_loads(serial, 1, 9) == 2
     assert not code[8].is_global_load  # LDGDEPBAR commits; it loads nothing
+
+
+CARRY_CHAIN = """
+.text.k:
+        /*0000*/                   LDG.E.64.CONSTANT R14, desc[UR8][R2.64] ;
+        /*0010*/                   ISETP.EQ.U32.AND P2, PT, R14, RZ, PT ;
+        /*0020*/                   LEA R32, P2, R7, UR4, 0x2 ;
+        /*0030*/                   LEA.HI.X R33, R7, UR5, R8, 0x2, P2 ;
+        /*0040*/                   LDG.E.CONSTANT R9, desc[UR8][R32.64] ;
+        /*0050*/                   LDGSTS.E.BYPASS.128 [R10], desc[UR8][R32.64] ;
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_a_carry_out_beside_the_destination_is_written_not_read() -> None:
+    # LEA's P2 is its carry out: the address in R32:R33 does not wait for the table entry
+    # behind the older P2, so the copy is 1 load deep, not 2 (NVRTC reuses such predicates).
+    code = parse(CARRY_CHAIN)["k"]
+    assert code[2].writes() == {"R32", "P2"} and "P2" not in code[2].reads()
+    assert "P2" in code[3].reads()
+    assert sass.stream_depth(code, copies_only=True) == 1

@@ -252,6 +252,38 @@ def launch_grid(kernel: str, rows: int, dim: int, t_cols: int, splits: int = 1,
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
+# Each split's partial of one output tile in the split-K workspace: BGMV's 4 rank rows of a
+# token, SGMV's 64 x 64 tile.
+_PARTIAL_FLOATS = {"bgmv_shrink": SHRINK_ROWS, "sgmv_shrink": SGMV_TILE * SGMV_TILE}
+
+
+def split_workspace(kernel: str, grid: tuple[int, int, int], splits: int) -> tuple[int, int]:
+    """(partial floats, tickets) that a split-K `kernel` ("bgmv_shrink" or "sgmv_shrink") of
+    this grid (launch_grid's) needs in its workspace: one partial tile per split and output
+    tile, one ticket counter per output tile (kernels/lora_common.cuh, split_last)."""
+    gx, gy, gz = grid
+    tiles = gx * gy * (gz // splits if kernel == "bgmv_shrink" else 1)
+    return splits * tiles * _PARTIAL_FLOATS[kernel], tiles
+
+
+def _workspace_args(kernel: str, grid: tuple[int, int, int], splits: int,
+                    workspace: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """The kernel's (partials, tickets) arguments: null pointers for one split, else the
+    workspace's buffers, F32 and u32, dense and at least split_workspace's sizes."""
+    if splits == 1:
+        return np.uint64(0), np.uint64(0)
+    if workspace is None:
+        raise ValueError(f"a split-K {kernel} needs a workspace (partials, tickets)")
+    needs = split_workspace(kernel, grid, splits)
+    for buffer, what, dtype, need in zip(workspace, ("partials", "tickets"),
+                                         ("float32", "uint32"), needs, strict=True):
+        check_buffer(buffer, what, (dtype,), (None,))
+        if int(buffer.shape[0]) < need:
+            raise ValueError(f"the split-K workspace's {what} hold {int(buffer.shape[0])} "
+                             f"elements; this launch needs {need}")
+    return workspace
+
+
 def k_chunk(in_dim: int, splits: int, multiple: int) -> int:
     # Splits past the end of K are harmless: their CTAs write zero partials.
     chunk = -(-in_dim // splits)
@@ -307,10 +339,12 @@ def _slices(table: Any, t: Any, what: str) -> tuple[int, int, Any]:
 
 def plan_bgmv_shrink(
     x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int, splits: int = 1,
+    workspace: tuple[Any, Any] | None = None,
 ) -> KernelLaunch:
     """t[b, :] = x[b] @ A_slot[b]^T (see kernels/bgmv.cu), K cut into `splits` whose partials
-    are added into t by atomics (t must then be zero). t's width may be below max_rank (the
-    batch's widest rank): the grid covers only it. With a_table [S, max_loras] and t
+    the last split's CTA sums in order through `workspace` (partials, tickets: split_workspace's
+    sizes at least; the tickets zero, as the kernel leaves them). t's width may be below
+    max_rank (the batch's widest rank): the grid covers only it. With a_table [S, max_loras] and t
     [S, T, t_cols], the S slices that share x (q, k, v) are one launch."""
     slices, max_loras, plane = _slices(a_table, t, "a_table")
     num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
@@ -326,6 +360,7 @@ def plan_bgmv_shrink(
         x, np.int64(row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
         t, np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
         np.int32(k_chunk(in_dim, num_splits, VECTOR)), np.int32(slices),
+        *_workspace_args("bgmv_shrink", grid, num_splits, workspace),
     )
     return KernelLaunch("bgmv_shrink", grid, (THREADS, 1, 1), args)
 
@@ -456,12 +491,12 @@ def check_chunks(chunks: Any, num_tokens: int) -> int:
 
 def plan_sgmv_shrink(
     x: Any, chunks: Any, a_table: Any, ranks: Any, t: Any, max_rank: int,
-    token_order: Any | None = None, splits: int = 1,
+    token_order: Any | None = None, splits: int = 1, workspace: tuple[Any, Any] | None = None,
 ) -> KernelLaunch:
     """t[b, :] = x[b] @ A_seg^T (see kernels/sgmv.cu) over the work list `chunks`
-    (segment_chunks, where the kernel reads it), K cut into `splits` added into t by atomics (t
-    must then be zero). With `token_order`, the chunks index sorted positions (the grouped
-    decode path). Fused slices as in plan_bgmv_shrink (a_table [S, max_loras], t [S, T,
+    (segment_chunks, where the kernel reads it), K cut into `splits` reduced through
+    `workspace` as in plan_bgmv_shrink. With `token_order`, the chunks index sorted positions
+    (the grouped decode path). Fused slices as in plan_bgmv_shrink (a_table [S, max_loras], t [S, T,
     t_cols]): the CTAs' 64-column tiles run over the slices' rank columns side by side."""
     slices, max_loras, plane = _slices(a_table, t, "a_table")
     num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
@@ -477,7 +512,7 @@ def plan_sgmv_shrink(
         x, np.int64(row_stride(x, "x")), chunks, _order_arg(token_order, num_tokens), a_table,
         ranks, np.int32(max_loras), t, np.int32(num_tokens), np.int32(in_dim),
         np.int32(max_rank), np.int32(t_cols), np.int32(k_chunk(in_dim, num_splits, SGMV_TILE)),
-        np.int32(slices),
+        np.int32(slices), *_workspace_args("sgmv_shrink", grid, num_splits, workspace),
     )
     return KernelLaunch("sgmv_shrink", grid, (THREADS, 1, 1), args)
 
