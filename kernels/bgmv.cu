@@ -143,10 +143,19 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     if (tid < BGMV_SHRINK_ROWS) __stcg(&partials[(split * tiles + tile) * BGMV_SHRINK_ROWS + tid], sum);
     __shared__ unsigned ticket;
     if (!split_last(tickets, tile, active, &ticket)) return;
+    // The splits' partials in one round trip (splits x 4 <= the CTA's threads: one load a
+    // thread), then summed in split order from shared memory.
+    static_assert(METRALE_MAX_SPLITS * BGMV_SHRINK_ROWS <= METRALE_THREADS,
+                  "one partial per thread");
+    __shared__ float gathered[METRALE_MAX_SPLITS * BGMV_SHRINK_ROWS];
+    const int z = tid / BGMV_SHRINK_ROWS;
+    if (z < active)
+      gathered[tid] = __ldcg(&partials[(z * tiles + tile) * BGMV_SHRINK_ROWS +
+                                       tid % BGMV_SHRINK_ROWS]);
+    __syncthreads();
     if (tid < BGMV_SHRINK_ROWS) {
       sum = 0.f;
-      for (int z = 0; z < active; ++z)
-        sum += __ldcg(&partials[(z * tiles + tile) * BGMV_SHRINK_ROWS + tid]);
+      for (int s = 0; s < active; ++s) sum += gathered[s * BGMV_SHRINK_ROWS + tid];
     }
   }
   if (tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) t_row[j0 + tid] = sum;

@@ -76,14 +76,17 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(("kind", "tokens", "in_dim", "t_cols", "want"), [
-    ("bgmv", 1, 4096, 16, 1),  # 2 passes of one CTA: a memset costs more than a split saves
-    ("bgmv", 1, 16384, 16, 8),  # 8 passes of one CTA: one each, for a memset
+    # 2 passes of one CTA: the ticket and the partials' round trip cost more than a pass saves
+    ("bgmv", 1, 4096, 16, 1),
+    ("bgmv", 1, 16384, 16, 8),  # 8 passes of one CTA: one each, and 3 L2 round trips
     ("bgmv", 256, 4096, 64, 1),  # the batch fills the device
     # 512 CTAs are 1.3 waves of 396, each 11 pipelined passes of 3 K tiles: evening the waves
-    # by splitting saves less than the memset and the atomics cost.
+    # by splitting saves less than the reduction costs.
     ("sgmv", 32768, 2048, 16, 1),
-    ("sgmv", 256, 2048, 64, 11),  # 4 CTAs of 32 K tiles each: one pass (3 tiles) per split
-    ("sgmv", 512, 1024, 16, 6),  # 8 CTAs of 16 K tiles: one pass per split
+    # 4 CTAs of 32 K tiles each: the last CTA reads the splits one round trip each, so 4 splits
+    # of 3 passes beat 11 of one.
+    ("sgmv", 256, 2048, 64, 4),
+    ("sgmv", 512, 1024, 16, 3),  # 8 CTAs of 16 K tiles: 2 passes per split
 ])
 def test_split_k_is_planned_by_modelled_cost(kind: str, tokens: int, in_dim: int, t_cols: int,
                                              want: int) -> None:

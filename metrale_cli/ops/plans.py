@@ -188,21 +188,41 @@ _BGMV_MIN_K_CHUNK = THREADS * VECTOR
 _SGMV_MIN_K_CHUNK = SGMV_TILE
 _PASS_K = {"bgmv": 2 * _BGMV_MIN_K_CHUNK, "sgmv": SGMV_SHRINK_STAGES * SGMV_TILE}
 # The split planner's costs, those of the roofline model (metrale_cli/bench/roofline.py): a
-# streaming pass is one DRAM latency, a dependent metadata load one L2 latency, and split-K
-# adds its partials into t by atomics at L2 after a memset of t (one more graph node).
+# streaming pass is one DRAM latency, a dependent load one L2 latency. Split-K's serial
+# reduction (kernels/lora_common.cuh, split_last) writes each split's partial tile and has the
+# last CTA read them back, at L2; its ticket is a fence and an atomic round trip, and the last
+# CTA's reads are one round trip (BGMV: a partial a thread) or one per split (SGMV: each
+# thread's 32 values a split, summed in order). No memset: t is written once, by that CTA.
 _DRAM_LATENCY_US = 0.6
 _L2_LATENCY_US = 0.3
 _L2_BYTES_PER_US = 10e6
-MEMSET_US = 2.0
+TICKET_ROUND_TRIPS = 2
+
+
+def split_reduction_round_trips(kind: str, splits: int) -> int:
+    """The dependent L2 round trips split-K adds to the last CTA of a tile: its fence and
+    ticket, then its reads of the partials (kernels/bgmv.cu, sgmv.cu)."""
+    if splits == 1:
+        return 0
+    return TICKET_ROUND_TRIPS + (1 if kind == "bgmv" else splits)
+
+
+def split_partial_bytes(kind: str, tiles: int, splits: int) -> int:
+    """Bytes split-K's partials move at L2 over `tiles` output tiles: each split's F32 tile
+    written once and read once by the last CTA."""
+    if splits == 1:
+        return 0
+    floats = _PARTIAL_FLOATS[f"{kind}_shrink"]
+    return 2 * 4 * floats * tiles * splits
 
 
 def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits: int,
                    num_sms: int, chunks: int | None = None) -> float:
     """The modelled time of a `kind` ("bgmv" or "sgmv") shrink cut into `splits` K splits: CTAs
     resident together (the launch bounds' per SM) run in waves, each CTA 2 metadata round trips
-    and then ceil(split's K / a pass's K) streaming passes; split-K adds the memset of t and
-    its partials' atomics. `chunks`: SGMV's chunk count (segment_chunks; default one segment's,
-    ceil(T / 64))."""
+    and then ceil(split's K / a pass's K) streaming passes; split-K adds its reduction's round
+    trips (split_reduction_round_trips) to the last wave and its partials' bytes at L2.
+    `chunks`: SGMV's chunk count (segment_chunks; default one segment's, ceil(T / 64))."""
     if kind == "bgmv":
         base, kernel = num_tokens * -(-t_cols // SHRINK_ROWS), "bgmv_shrink"
         chunk = k_chunk(in_dim, splits, VECTOR)
@@ -216,9 +236,8 @@ def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits:
     resident = min(ctas, num_sms * min_ctas_per_sm(kernel))
     waves = -(-ctas // resident)
     stream = waves * (-(-chunk // _PASS_K[kind]) * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
-    if splits == 1:
-        return stream
-    return stream + MEMSET_US + 4 * num_tokens * t_cols * splits / _L2_BYTES_PER_US
+    return (stream + split_reduction_round_trips(kind, splits) * _L2_LATENCY_US
+            + split_partial_bytes(kind, max(base, 1), splits) / _L2_BYTES_PER_US)
 
 
 def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int,
