@@ -572,8 +572,9 @@ def sgmv_expand_stream_us(num_chunks: int, out_dim: int, t_cols: int, out_tiles:
                           num_sms: int) -> float:
     """The modelled streaming time of an SGMV expand whose CTAs take `out_tiles` 64-output
     tiles of one chunk each: waves of resident CTAs, each its 2 metadata round trips and then
-    its (output tile, rank chunk) items, SGMV_EXPAND_STAGES in flight a pass (the y loads ride
-    with each tile's first)."""
+    its (output tile, rank chunk) items, SGMV_EXPAND_STAGES in flight a pass (a tile's y
+    loads are issued a tile ahead, behind its first item's copies: no round trip of their
+    own)."""
     tiles = -(-out_dim // SGMV_TILE)
     per_cta = min(out_tiles, tiles) * -(-t_cols // SGMV_TILE)
     ctas = max(1, -(-tiles // out_tiles) * num_chunks)
