@@ -37,6 +37,9 @@ class Recorder:
     def array(self, like: Any, values: np.ndarray) -> Any:
         return np.ascontiguousarray(values)
 
+    def placement(self, like: Any) -> str:
+        return "numpy"
+
     def num_sms(self, requested: int | None) -> int:
         return self.sms if requested is None else requested
 
