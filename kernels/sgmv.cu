@@ -259,13 +259,42 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     for (int nt = 0; nt < SG_N / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-    for (int z = 0; z < active; ++z) {
+    auto partial = [&](int z, int nt, int e) {
+      return __ldcg(&partials[((z * tiles + tile) * kValues + nt * 4 + e) * METRALE_THREADS + tid]);
+    };
+    if (live < 4u) {
+      // Rank rows only in the first 16 columns (a rank-16 tile, the decode case): 8 values a
+      // split, so SGMV_SPLITS_PER_TRIP splits' loads are issued before the first add (one round
+      // trip per that many splits), then added in split order.
+      int z = 0;
+      for (; z + SGMV_SPLITS_PER_TRIP <= active; z += SGMV_SPLITS_PER_TRIP) {
+        float v[SGMV_SPLITS_PER_TRIP][2][4];
 #pragma unroll
-      for (int nt = 0; nt < SG_N / 8; ++nt)
+        for (int u = 0; u < SGMV_SPLITS_PER_TRIP; ++u)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          acc[nt][e] += __ldcg(
-              &partials[((z * tiles + tile) * kValues + nt * 4 + e) * METRALE_THREADS + tid]);
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[u][nt][e] = partial(z + u, nt, e);
+#pragma unroll
+        for (int u = 0; u < SGMV_SPLITS_PER_TRIP; ++u)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] += v[u][nt][e];
+      }
+      for (; z < active; ++z)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] += partial(z, nt, e);
+    } else {
+      // Each thread's 32 values a split: one round trip per split.
+      for (int z = 0; z < active; ++z) {
+#pragma unroll
+        for (int nt = 0; nt < SG_N / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] += partial(z, nt, e);
+      }
     }
   }
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from metrale_cli.bench import roofline
 from metrale_cli.ops import host_harness, kernels, plans, reference, sources
 from tests.support.kernel_cases import Case, check_t, make_pool
 
@@ -22,8 +23,13 @@ BGMV = Case("bgmv_split", 3, 1000, 64, 16, [16, 5, 9], slots=[0, 1, -1])
 # are empty; rank 20 beside rank 32, and a skipped slot.
 SGMV = Case("sgmv_split", 70, 584, 64, 32, [32, 20], seg_starts=[0, 40, 66, 70],
             seg_slots=[1, 0, -1])
+# Rank 16 alone: the last CTA reads SGMV_SPLITS_PER_TRIP splits at a time, then the rest one
+# by one (7 = 4 + 3).
+SGMV16 = Case("sgmv_rank16_split", 70, 584, 64, 16, [16, 12], seg_starts=[0, 40, 66, 70],
+              seg_slots=[1, 0, -1])
 BGMV_SPLITS = [1, 2, 3, 5, 8, 17, 31, 32]
 SGMV_SPLITS = [1, 2, 3, 7, 9, 10, 32]
+SGMV16_SPLITS = [2, 4, 7, 9, 32]
 
 
 def _shrink(case: Case, splits: int | None, backend: kernels.Backend,
@@ -49,7 +55,8 @@ def _tickets(backend: host_harness.HostBackend) -> np.ndarray:
     return backend.workspace(None, 0, 0)[1]
 
 
-SPLIT_CASES = [(BGMV, s) for s in BGMV_SPLITS] + [(SGMV, s) for s in SGMV_SPLITS]
+SPLIT_CASES = ([(BGMV, s) for s in BGMV_SPLITS] + [(SGMV, s) for s in SGMV_SPLITS]
+               + [(SGMV16, s) for s in SGMV16_SPLITS])
 
 
 @pytest.mark.parametrize(("case", "splits"), SPLIT_CASES,
@@ -100,6 +107,28 @@ def test_planned_splits_of_a_long_k_match_the_reference_on_both_paths() -> None:
             torch.testing.assert_close(fused[:, 64 * z:64 * (z + 1)], expected_y,
                                        **_y_tolerance(plan))
     assert not _tickets(backend).any()
+
+
+@pytest.mark.parametrize(("kind", "tokens", "in_dim", "rank", "adapters"), [
+    ("bgmv", 8, 16384, 16, 8),  # the per-token path, split 8 ways
+    ("sgmv", 8, 4096, 16, 1),  # grouped decode at rank 16: 4 splits a read round trip
+    ("sgmv", 256, 2048, 64, 1),  # grouped decode at rank 64: a round trip per split
+])
+def test_the_model_charges_the_reduction_the_launch_makes(kind: str, tokens: int, in_dim: int,
+                                                          rank: int, adapters: int) -> None:
+    """The roofline model's split shrink is the launch the launchers make: one kernel node (no
+    memset), its partials' bytes twice the workspace the launcher sizes (written, then read
+    back), and the last CTA's ticket and reads on its critical path."""
+    work = roofline.plan_launch("shrink", tokens, adapters, rank, in_dim, 4096, sources.H200_SMS)
+    assert work.splits > 1 and work.launches == 1
+    floats, tickets = plans.split_workspace(work.kernel, work.grid, work.splits)
+    assert plans.split_partial_bytes(kind, tickets, work.splits) == 2 * 4 * floats
+    assert work.cta_chains == 2 + plans.split_reduction_round_trips(kind, work.splits, rank)
+    unsplit = plans.shrink_cost_us(kind, tokens, in_dim, rank, 1, sources.H200_SMS,
+                                   None if kind == "bgmv" else work.grid[1])
+    split = plans.shrink_cost_us(kind, tokens, in_dim, rank, work.splits, sources.H200_SMS,
+                                 None if kind == "bgmv" else work.grid[1])
+    assert split < unsplit
 
 
 def _y_tolerance(plan: plans.BatchPlan | None) -> dict[str, float]:

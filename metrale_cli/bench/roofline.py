@@ -227,7 +227,7 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens
         tiles = grid[0] * grid[1]
         l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
                  + 4 * tokens * slices * rank + plans.split_partial_bytes("sgmv", tiles, splits))
-        reduction = plans.split_reduction_round_trips("sgmv", splits)
+        reduction = plans.split_reduction_round_trips("sgmv", splits, slices * rank)
         return (l2, passes, 2 * ctas + tiles * reduction, int(split_passes.max()),
                 2 + reduction)
     # expand: the items (an output tile's B tile with its rank chunk's t tile; t is copied

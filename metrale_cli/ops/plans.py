@@ -23,6 +23,7 @@ from metrale_cli.ops.sources import (
     MAX_SPLITS,
     SGMV_EXPAND_STAGES,
     SGMV_SHRINK_STAGES,
+    SGMV_SPLITS_PER_TRIP,
     SGMV_TILE,
     SHRINK_ROWS,
     THREADS,
@@ -191,20 +192,29 @@ _PASS_K = {"bgmv": 2 * _BGMV_MIN_K_CHUNK, "sgmv": SGMV_SHRINK_STAGES * SGMV_TILE
 # streaming pass is one DRAM latency, a dependent load one L2 latency. Split-K's serial
 # reduction (kernels/lora_common.cuh, split_last) writes each split's partial tile and has the
 # last CTA read them back, at L2; its ticket is a fence and an atomic round trip, and the last
-# CTA's reads are one round trip (BGMV: a partial a thread) or one per split (SGMV: each
-# thread's 32 values a split, summed in order). No memset: t is written once, by that CTA.
+# CTA's reads are one round trip (BGMV: a partial a thread) or about one per split (SGMV: each
+# thread's values a split, summed in order; split_reduction_round_trips). No memset: t is
+# written once, by that CTA.
 _DRAM_LATENCY_US = 0.6
 _L2_LATENCY_US = 0.3
 _L2_BYTES_PER_US = 10e6
 TICKET_ROUND_TRIPS = 2
 
 
-def split_reduction_round_trips(kind: str, splits: int) -> int:
+def split_reduction_round_trips(kind: str, splits: int, columns: int = SGMV_TILE) -> int:
     """The dependent L2 round trips split-K adds to the last CTA of a tile: its fence and
-    ticket, then its reads of the partials (kernels/bgmv.cu, sgmv.cu)."""
+    ticket, then its reads of the partials (kernels/bgmv.cu, sgmv.cu): BGMV's in one; SGMV's
+    a split each, or, where the tile's rank columns (`columns`: the slices' side by side) fit
+    in its first 16, SGMV_SPLITS_PER_TRIP splits a round trip (and one each for the rest)."""
     if splits == 1:
         return 0
-    return TICKET_ROUND_TRIPS + (1 if kind == "bgmv" else splits)
+    if kind == "bgmv":
+        reads = 1
+    elif columns <= 2 * VECTOR:
+        reads = splits // SGMV_SPLITS_PER_TRIP + splits % SGMV_SPLITS_PER_TRIP
+    else:
+        reads = splits
+    return TICKET_ROUND_TRIPS + reads
 
 
 def split_partial_bytes(kind: str, tiles: int, splits: int) -> int:
@@ -236,7 +246,7 @@ def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits:
     resident = min(ctas, num_sms * min_ctas_per_sm(kernel))
     waves = -(-ctas // resident)
     stream = waves * (-(-chunk // _PASS_K[kind]) * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
-    return (stream + split_reduction_round_trips(kind, splits) * _L2_LATENCY_US
+    return (stream + split_reduction_round_trips(kind, splits, t_cols) * _L2_LATENCY_US
             + split_partial_bytes(kind, max(base, 1), splits) / _L2_BYTES_PER_US)
 
 
