@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from metrale_cli.bench import roofline
-from metrale_cli.ops import sass, sources
+from metrale_cli.ops import plans, sass, sources
 from metrale_cli.ops.sass import hot_loops, loads_before_first_use, parse
 
 pytestmark = pytest.mark.nvcc
@@ -115,7 +115,10 @@ def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
         report = sass.kernel_report(kernel_code(name, compiler))
         work = roofline.plan_launch(kind, 4096, 8, 64, 2048, 8192, 132)
         assert work.kernel.startswith(name.removesuffix("_f32").removesuffix("_bf16"))
-        assert report["copy_depth"] == work.cta_chains + 1, name
+        # The split shrink's ticket and reads of the partials come after its stream.
+        after = (plans.split_reduction_round_trips("sgmv", work.splits, 64)
+                 if kind == "shrink" else 0)
+        assert report["copy_depth"] == work.cta_chains - after + 1, name
         assert report["chained_loops"] == 0, name
 
 
