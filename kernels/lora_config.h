@@ -33,6 +33,8 @@
 // the decode case) reads this many splits' partials (8 values a thread each) before its first
 // add: one L2 round trip per that many splits (plans.split_reduction_round_trips).
 #define SGMV_SPLITS_PER_TRIP 4
+// The same for any other tile (32 values a thread a split).
+#define SGMV_WIDE_SPLITS_PER_TRIP 2
 
 // Per kernel: the CTAs per SM its __launch_bounds__ guarantees (so ptxas keeps registers within
 // 65536 / (METRALE_THREADS x that)), and the independent 16-byte global loads per thread that each

@@ -288,8 +288,25 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[nt][e] += partial(z, nt, e);
     } else {
-      // Each thread's 32 values a split: one round trip per split.
-      for (int z = 0; z < active; ++z) {
+      // Each thread's 32 values a split, SGMV_WIDE_SPLITS_PER_TRIP splits' loads before the
+      // first add, then the rest one split a round trip; added in split order.
+      int z = 0;
+      for (; z + SGMV_WIDE_SPLITS_PER_TRIP <= active; z += SGMV_WIDE_SPLITS_PER_TRIP) {
+        float v[SGMV_WIDE_SPLITS_PER_TRIP][SG_N / 8][4];
+#pragma unroll
+        for (int u = 0; u < SGMV_WIDE_SPLITS_PER_TRIP; ++u)
+#pragma unroll
+          for (int nt = 0; nt < SG_N / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[u][nt][e] = partial(z + u, nt, e);
+#pragma unroll
+        for (int u = 0; u < SGMV_WIDE_SPLITS_PER_TRIP; ++u)
+#pragma unroll
+          for (int nt = 0; nt < SG_N / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] += v[u][nt][e];
+      }
+      for (; z < active; ++z) {
 #pragma unroll
         for (int nt = 0; nt < SG_N / 8; ++nt)
 #pragma unroll

@@ -228,7 +228,8 @@ def test_sgmv_fused_matches_reference_per_slice(case: Case, y_dtype: torch.dtype
     chunks = torch.from_numpy(plans.segment_chunks(seg_starts, seg_slots, case.num_tokens))
     planned = plans.shrink_splits("sgmv", case.num_tokens, case.in_dim, 3 * case.max_rank,
                                   case.num_sms, len(chunks))
-    assert (planned > 1) == (case is LONG_K)
+    # LONG_K is split; with no memset to pay, a short K over few chunks may be too.
+    assert planned > 1 or case is not LONG_K
     host_harness.sgmv_fused(x, y, cols, seg_starts, seg_slots, a_tables, b_tables,
                             pools[0].scales, pools[0].ranks, case.max_rank,
                             num_sms=case.num_sms, backend=backend)

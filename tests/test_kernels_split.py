@@ -112,7 +112,7 @@ def test_planned_splits_of_a_long_k_match_the_reference_on_both_paths() -> None:
 @pytest.mark.parametrize(("kind", "tokens", "in_dim", "rank", "adapters"), [
     ("bgmv", 8, 16384, 16, 8),  # the per-token path, split 8 ways
     ("sgmv", 8, 4096, 16, 1),  # grouped decode at rank 16: 4 splits a read round trip
-    ("sgmv", 256, 2048, 64, 1),  # grouped decode at rank 64: a round trip per split
+    ("sgmv", 256, 2048, 64, 1),  # grouped decode at rank 64: 2 splits a read round trip
 ])
 def test_the_model_charges_the_reduction_the_launch_makes(kind: str, tokens: int, in_dim: int,
                                                           rank: int, adapters: int) -> None:

@@ -25,6 +25,7 @@ from metrale_cli.ops.sources import (
     SGMV_SHRINK_STAGES,
     SGMV_SPLITS_PER_TRIP,
     SGMV_TILE,
+    SGMV_WIDE_SPLITS_PER_TRIP,
     SHRINK_ROWS,
     THREADS,
     VECTOR,
@@ -204,17 +205,15 @@ TICKET_ROUND_TRIPS = 2
 def split_reduction_round_trips(kind: str, splits: int, columns: int = SGMV_TILE) -> int:
     """The dependent L2 round trips split-K adds to the last CTA of a tile: its fence and
     ticket, then its reads of the partials (kernels/bgmv.cu, sgmv.cu): BGMV's in one; SGMV's
-    a split each, or, where the tile's rank columns (`columns`: the slices' side by side) fit
-    in its first 16, SGMV_SPLITS_PER_TRIP splits a round trip (and one each for the rest)."""
+    SGMV_WIDE_SPLITS_PER_TRIP splits a round trip, or SGMV_SPLITS_PER_TRIP where the tile's
+    rank columns (`columns`: the slices' side by side) fit in its first 16, and the splits left
+    over one a round trip."""
     if splits == 1:
         return 0
     if kind == "bgmv":
-        reads = 1
-    elif columns <= 2 * VECTOR:
-        reads = splits // SGMV_SPLITS_PER_TRIP + splits % SGMV_SPLITS_PER_TRIP
-    else:
-        reads = splits
-    return TICKET_ROUND_TRIPS + reads
+        return TICKET_ROUND_TRIPS + 1
+    per_trip = SGMV_SPLITS_PER_TRIP if columns <= 2 * VECTOR else SGMV_WIDE_SPLITS_PER_TRIP
+    return TICKET_ROUND_TRIPS + splits // per_trip + splits % per_trip
 
 
 def split_partial_bytes(kind: str, tiles: int, splits: int) -> int:
