@@ -39,9 +39,12 @@ from metrale_cli.ops import kernels, plans, sources
 
 # -fno-strict-aliasing: the kernels read BF16 buffers through uint4 / unsigned pointers, which
 # CUDA allows and ISO C++ does not. -Wno-unknown-pragmas: g++ does not know `#pragma unroll`.
+# -fno-weak: the shim puts every `__shared__` array into one section that it poisons at each
+# CTA's start, and g++ refuses to mix a template kernel's (otherwise comdat) statics with the
+# others' in one section; the build is one translation unit, so nothing needs weak symbols.
 CXX_FLAGS = (
     "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
-    "-Wall", "-Werror", "-Wno-unknown-pragmas",
+    "-fno-weak", "-Wall", "-Werror", "-Wno-unknown-pragmas",
 )
 P = ParamSpec("P")
 R = TypeVar("R")
