@@ -30,7 +30,7 @@
 // in_dim, out_dim, max_rank, t_cols, x_stride and y_stride are multiples of 8 (16-byte vectors);
 // max_rank <= METRALE_MAX_RANK.
 //
-// Launch shapes (picked by metrale_cli/kernels.py, which the host harness shares):
+// Launch shapes (planned by metrale_cli/ops/plans.py, which the host harness shares):
 //   bgmv_shrink:       grid (T, t_cols / BGMV_SHRINK_ROWS, num_slices x num_splits), block 128; each CTA
 //                      computes 4 rank rows of one token over one K chunk of k_chunk elements.
 //   bgmv_expand_*:     grid (T, ceil(widest slice / (128 x 8)), num_slices), block 128; a CTA owns 1024

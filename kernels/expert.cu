@@ -1,7 +1,7 @@
 // expert.cu: LoRA deltas of MoE layers straight from the expert pool (router, routed experts),
 // and the token-overlay gather.
 //
-// Expert pool model (metrale_cli/expert_pool.py): one expert entry per (layer, projection,
+// Expert pool model (metrale_cli/layout/expert_layout.py): one expert entry per (layer, projection,
 // expert), gate and up separate; entry n's A (BF16 [max_rank, in_dim]) and B (BF16 [out_dim,
 // max_rank]) for slot s are at a_tables[n * max_loras + s] / b_tables[...] (u64, 0 = the slot
 // does not adapt it); scale_table f32 and ranks i32 (the slot's widest expert rank) [max_loras].
@@ -19,7 +19,7 @@
 // h [P, 2 I] as gate columns then up columns, x_div = top_k; the down delta is 1 slice over the
 // activations act [P, I] into y [P, H], x_div = 1.
 //
-// The align step (metrale_cli/expert_kernels.py plan_pairs, like vLLM's moe_align_block_size)
+// The align step (metrale_cli/ops/expert_kernels.py plan_pairs, like vLLM's moe_align_block_size)
 // sorts the pairs by (slot, expert) into `sorted_pairs` (i32 [P]) and cuts each (slot, expert)
 // group into tiles of at most TILE pairs: `tiles` i32 [num_tiles, 4] = (begin, end, slot,
 // expert) over sorted positions. A CTA owns one tile: each weight vector it loads feeds all of
@@ -32,7 +32,7 @@
 // y_stride]; logits BF16 or F32 [T, logits_stride]. in_dim, out_dim, max_rank, t_cols and
 // strides are multiples of 8 (the router's num_experts may be any count).
 //
-// Launch shapes (metrale_cli/expert_kernels.py plans them; the host harness shares the plans):
+// Launch shapes (metrale_cli/ops/expert_kernels.py plans them; the host harness shares the plans):
 //   router_lora_*:        grid (T), block 128: one token, its t row in shared memory.
 //   expert_shrink_decode: grid (num_tiles, t_cols / 4, num_slices): 4 rank rows of one tile's
 //                         EXPERT_DECODE_TILE pairs over all of K, on CUDA cores.

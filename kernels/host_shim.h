@@ -1,5 +1,5 @@
 // host_shim.h: runs the kernels in kernels/*.cu on a CPU, unchanged, for the host harness
-// (metrale_cli/host_harness.py, whose build_command force-includes it ahead of the sources).
+// (metrale_cli/ops/host_harness.py, whose build_command force-includes it ahead of the sources).
 //
 // Model: a launch runs its CTAs one after another; the threads of a CTA are cooperative fibers
 // (ucontext) that switch only at barriers, so __syncthreads, warp shuffles and the warp-wide

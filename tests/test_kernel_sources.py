@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from metrale_cli.ops import sources
 
 # A kernel that no Python list names: it defines its own figures in its .cu.
@@ -68,12 +70,30 @@ def test_a_new_kernel_needs_only_its_source(tmp_path: Path) -> None:
     assert found["y"] == [3.0 * i for i in range(200)]
 
 
-def test_a_kernel_without_its_launch_bounds_is_refused_by_name(tmp_path: Path) -> None:
-    unbounded = SCALE_CU.replace("__launch_bounds__(METRALE_THREADS, SCALE_ROWS_MIN_CTAS)", "")
-    result = _run(_kernel_dir(tmp_path, {"scale.cu": unbounded}), tmp_path,
+@pytest.mark.parametrize("declaration", [
+    'extern "C" __global__ void\nscale_rows(',  # no launch bounds
+    'extern "C" __global__ void __launch_bounds__(256) scale_rows(',  # not METRALE_THREADS
+    'extern "C" __launch_bounds__(METRALE_THREADS, SCALE_ROWS_MIN_CTAS) __global__ void\n'
+    "scale_rows(",  # another order: once skipped unseen
+])
+def test_a_kernel_declared_otherwise_is_refused_with_its_line(tmp_path: Path,
+                                                              declaration: str) -> None:
+    source = SCALE_CU.replace('extern "C" __global__ void __launch_bounds__(METRALE_THREADS, '
+                              "SCALE_ROWS_MIN_CTAS)\nscale_rows(", declaration)
+    assert source != SCALE_CU
+    result = _run(_kernel_dir(tmp_path, {"scale.cu": source}), tmp_path,
                   "import metrale_cli.ops.sources")
     assert result.returncode != 0
-    assert "kernel scale_rows" in result.stderr and "__launch_bounds__" in result.stderr
+    assert "scale.cu:" in result.stderr and "__launch_bounds__(METRALE_THREADS" in result.stderr
+
+
+def test_a_global_in_a_comment_is_no_kernel(tmp_path: Path) -> None:
+    commented = "// extern \"C\" __global__ void old_kernel(float* y) {}\n" + SCALE_CU
+    directory = _kernel_dir(tmp_path, {"scale.cu": commented})
+    result = _run(directory, tmp_path,
+                  "from metrale_cli.ops import sources; print(sorted(sources.KERNEL_SOURCES))")
+    assert result.returncode == 0, result.stderr
+    assert "scale_rows" in result.stdout and "old_kernel" not in result.stdout
 
 
 def test_a_figure_the_header_and_a_source_disagree_on_is_refused(tmp_path: Path) -> None:
@@ -91,3 +111,13 @@ def test_a_kernel_without_its_figures_is_told_what_to_define(tmp_path: Path) -> 
                   "from metrale_cli.ops import sources; sources.loads_in_flight('scale_rows')")
     assert result.returncode != 0
     assert "#define SCALE_ROWS_LOADS <integer>" in result.stderr
+
+
+def test_the_host_build_lists_the_kernels_of_the_directory_it_builds(tmp_path: Path) -> None:
+    from metrale_cli.ops import host_harness
+
+    command = " ".join(host_harness.build_command(
+        _kernel_dir(tmp_path, {"scale.cu": SCALE_CU}), "lib.so", "g++"))
+    assert "METRALE_HOST_KERNEL(scale_rows)," in command and "scale.cu" in command
+    assert "scale_rows" not in " ".join(host_harness.build_command(
+        sources.find_kernel_dir(), "lib.so", "g++"))

@@ -66,6 +66,36 @@ def test_work_lists_the_kernels_cannot_index_are_refused(chunk: list[int], messa
                                torch.ones(1, dtype=torch.int32), y, 16)
 
 
+@pytest.mark.parametrize(("chunks", "message"), [
+    ([[0, 4, 0, 0], [0, 4, 0, 0]], r"chunks\[1\] starts at position 0, before chunks\[0\] ends"),
+    ([[0, 4, 0, 0], [2, 6, 1, 0]], "must not overlap"),
+    ([[8, 12, 0, 0], [0, 4, 0, 0]], "must be in order"),
+])
+def test_chunks_that_would_race_are_refused(chunks: list[list[int]], message: str) -> None:
+    # Two CTAs over one row add into y without atomics: on a GPU one update is lost.
+    t = torch.zeros(16, 16)
+    y = torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        plans.plan_sgmv_expand(t, torch.tensor(chunks, dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int64), torch.ones(1),
+                               torch.ones(1, dtype=torch.int32), y, 16)
+
+
+@pytest.mark.parametrize(("order", "message"), [
+    ([0, 1, 2, 8], r"token_order\[3\] = 8 is outside \[0, 4\)"),
+    ([0, -1, 2, 3], r"token_order\[1\] = -1"),
+    ([0, 1, 1, 3], "repeats a token"),
+])
+def test_a_token_order_that_is_no_permutation_is_refused(order: list[int], message: str) -> None:
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    t = torch.zeros(4, 16)
+    chunks = torch.tensor([[0, 4, 0, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        plans.plan_sgmv_shrink(x, chunks, torch.zeros(1, dtype=torch.int64),
+                               torch.ones(1, dtype=torch.int32), t, 16,
+                               torch.tensor(order, dtype=torch.int32))
+
+
 SKEWED = next(c for c in SGMV_CASES if c.name == "skewed")
 
 

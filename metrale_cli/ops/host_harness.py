@@ -75,10 +75,11 @@ def library_path(directory: Path | None = None) -> Path:
 def build_command(directory: Path, output: str, cxx: str | None = None) -> list[str]:
     """The g++ command that builds the host library of the sources in `directory`: the shim and
     every kernel source force-included before host_launch.h, whose table of launchable kernels
-    is METRALE_HOST_KERNELS, the kernels of sources.KERNEL_SOURCES."""
-    includes = [arg for name in (_SHIM, *dict.fromkeys(sources.KERNEL_SOURCES.values()))
+    is METRALE_HOST_KERNELS, the kernels those sources declare (sources.kernels_in)."""
+    declared, _ = sources.kernels_in(directory)
+    includes = [arg for name in (_SHIM, *dict.fromkeys(declared.values()))
                 for arg in ("-include", str(directory / name))]
-    table = "".join(f"METRALE_HOST_KERNEL({name})," for name in sources.KERNEL_SOURCES)
+    table = "".join(f"METRALE_HOST_KERNEL({name})," for name in declared)
     return [
         cxx or compiler(), *CXX_FLAGS, "-x", "c++", *includes,
         f"-DMETRALE_HOST_KERNELS={table}", str(directory / _ENTRY), "-o", output,

@@ -277,9 +277,19 @@ def _check_splits(splits: int) -> int:
 
 
 def _order_arg(token_order: Any | None, num_tokens: int) -> Any:
+    """The token order argument: a null pointer (identity order), or a permutation of the T
+    token indices. The kernels index x and y rows with it, so a value outside [0, T) reads and
+    writes out of bounds, and a repeated one has two CTAs write one row. A CuPy order is
+    copied to the host for the check (T x 4 bytes)."""
     if token_order is None:
-        return np.uint64(0)  # a null pointer: identity order
+        return np.uint64(0)
     check_buffer(token_order, "token_order", ("int32",), (num_tokens,))
+    order = host_values(token_order).astype(np.int64).ravel()
+    if not np.array_equal(np.sort(order), np.arange(num_tokens)):
+        outside = np.flatnonzero((order < 0) | (order >= num_tokens))
+        what = (f"token_order[{int(outside[0])}] = {int(order[outside[0]])} is outside "
+                f"[0, {num_tokens})" if outside.size else "token_order repeats a token")
+        raise ValueError(f"{what}: it must be a permutation of the {num_tokens} token indices")
     return token_order
 
 
@@ -421,8 +431,8 @@ def segment_chunks(seg_starts: Any, seg_slots: Any, num_tokens: int) -> np.ndarr
 
 def check_chunks(chunks: Any, num_tokens: int) -> int:
     """The chunk count of an SGMV work list (segment_chunks' int32 [C, 4]), after checking what
-    the kernels index with it: 0 <= begin < end <= min(begin + 64, T). A CuPy list is copied to
-    the host for this (C x 16 bytes)."""
+    the kernels index with it: 0 <= begin < end <= min(begin + 64, T), each chunk starting at or
+    after the end of the one before. A CuPy list is copied to the host for this (C x 16 bytes)."""
     count = int(chunks.shape[0]) if len(chunks.shape) == 2 else -1
     check_buffer(chunks, "chunks", ("int32",), (count, 4))
     rows = host_values(chunks).astype(np.int64).reshape(count, 4)
@@ -433,6 +443,14 @@ def check_chunks(chunks: Any, num_tokens: int) -> int:
         i = int(bad[0])
         raise ValueError(f"chunks[{i}] = positions [{int(begin[i])}, {int(end[i])}) is not 1 to "
                          f"{SGMV_TILE} positions within [0, {num_tokens})")
+    # Each chunk is one CTA row writing its positions' t and y rows without atomics: two
+    # chunks over one position would race on a GPU.
+    overlap = np.flatnonzero(begin[1:] < end[:-1])
+    if overlap.size:
+        i = int(overlap[0])
+        raise ValueError(f"chunks[{i + 1}] starts at position {int(begin[i + 1])}, before "
+                         f"chunks[{i}] ends at {int(end[i])}: chunks must be in order and must "
+                         "not overlap (two CTAs would write the same rows)")
     return count
 
 

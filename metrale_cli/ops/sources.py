@@ -33,6 +33,7 @@ _DEFINE = re.compile(r"^#define\s+([A-Z0-9_]+)\s+(\d+)\s*$", re.MULTILINE)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _GLOBAL = re.compile(
     r'extern\s+"C"\s+__global__\s+void\s+(__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(')
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 _BOUNDS = re.compile(r"__launch_bounds__\(\s*METRALE_THREADS\s*,\s*([A-Z0-9_]+)_MIN_CTAS\s*\)")
 
 
@@ -101,23 +102,32 @@ def sources_digest(directory: Path) -> str:
 # --- the kernels and their figures, read from the sources -------------------------------------
 
 
-def _kernels(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """({kernel: its .cu file}, {kernel: its figures' prefix}) of the sources in `directory`."""
-    sources: dict[str, str] = {}
+def kernels_in(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """({kernel: its .cu file}, {kernel: its figures' prefix}) of the sources in `directory`.
+    Every `__global__` outside a comment must be a declaration of the one form this module
+    reads; any other is refused (a kernel left out would be neither built nor tested)."""
+    found: dict[str, str] = {}
     prefixes: dict[str, str] = {}
     for path in sorted(directory.glob("*.cu")):
-        for match in _GLOBAL.finditer(path.read_text(encoding="utf-8")):
-            name = match.group(2)
-            bounds = _BOUNDS.search(match.group(0))
-            if bounds is None:
+        text = _COMMENT.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)),
+                            path.read_text(encoding="utf-8"))
+        declared = {m.start(): m for m in _GLOBAL.finditer(text)}
+        for use in re.finditer(r"\b__global__\b", text):
+            line = text.count("\n", 0, use.start()) + 1
+            match = next((m for m in declared.values() if m.start() <= use.start() < m.end()),
+                         None)
+            bounds = _BOUNDS.search(match.group(0)) if match else None
+            if match is None or bounds is None:
                 raise ToolMissing(
-                    f"kernel {name} ({path}) must be declared with __launch_bounds__"
-                    "(METRALE_THREADS, <PREFIX>_MIN_CTAS): its figures are named by it")
-            if name in sources:
-                raise ToolMissing(f"kernel {name} is defined in both {sources[name]} and "
+                    f"{path}:{line}: declare every kernel as extern \"C\" __global__ void "
+                    "__launch_bounds__(METRALE_THREADS, <PREFIX>_MIN_CTAS) name(...): its "
+                    "name and figures are read from that form")
+            name = match.group(2)
+            if name in found:
+                raise ToolMissing(f"kernel {name} is defined in both {found[name]} and "
                                   f"{path.name}")
-            sources[name], prefixes[name] = path.name, bounds.group(1)
-    return sources, prefixes
+            found[name], prefixes[name] = path.name, bounds.group(1)
+    return found, prefixes
 
 
 def _read_config(directory: Path, sources: dict[str, str],
@@ -138,7 +148,7 @@ def _read_config(directory: Path, sources: dict[str, str],
 
 _DIRECTORY = find_kernel_dir()
 # Every kernel's source file; the extern "C" names are the kernel names.
-KERNEL_SOURCES, _PREFIX = _kernels(_DIRECTORY)
+KERNEL_SOURCES, _PREFIX = kernels_in(_DIRECTORY)
 CONFIG: dict[str, int] = _read_config(_DIRECTORY, KERNEL_SOURCES, _PREFIX)
 THREADS = CONFIG["METRALE_THREADS"]  # every kernel's block
 VECTOR = CONFIG["METRALE_VECTOR"]  # BF16 per 16-byte load: dims, ranks and strides are multiples
