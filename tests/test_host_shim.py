@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from metrale_cli.ops import host_harness, reference
@@ -168,3 +169,24 @@ print(json.dumps(errors))
     shrink, expand = json.loads(result.stdout)
     assert shrink.startswith("sgmv_shrink") and "not 16-byte aligned" in shrink
     assert expand.startswith("sgmv_expand") and "source size of 17 bytes (0..16)" in expand
+
+
+@pytest.mark.parametrize(("pattern", "replacement", "message"), [
+    # The same barrier written once per branch of a divergent if: threads of one CTA at
+    # different __syncthreads (undefined on a GPU, and released together by a shim that only
+    # counted arrivals).
+    (r"\n  __syncthreads\(\);\n  if \(tid < BGMV_SHRINK_ROWS",
+     "\n  if (tid < 64) {\n    __syncthreads();\n  } else {\n    __syncthreads();\n  }\n"
+     "  if (tid < BGMV_SHRINK_ROWS", "wait at different __syncthreads"),
+    # Half of each warp skips the reduction: the other half waits at a full-mask shuffle that
+    # its lanes at the __syncthreads never reach.
+    (r"const float v = warp_sum\(acc\[i\]\);",
+     "const float v = lane < 16 ? warp_sum(acc[i]) : acc[i];",
+     "deadlock in block (0, 0, 0): warp 0 waits at a collective"),
+], ids=["divergent_syncthreads", "partial_warp_shuffle"])
+def test_divergent_barriers_fail_the_launch(tmp_path: Path, pattern: str, replacement: str,
+                                            message: str) -> None:
+    result = run_mutated(tmp_path, [("bgmv.cu", pattern, replacement, 1)], BGMV_SHRINK)
+    assert result.returncode == 0, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert error.startswith("bgmv_shrink on the host: ") and message in error
