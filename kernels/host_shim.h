@@ -126,7 +126,10 @@ struct Site {
   const char* file = "";
   int line = 0;
   bool operator==(const Site& o) const {
-    return kind == o.kind && mask == o.mask && line == o.line && std::strcmp(file, o.file) == 0;
+    // Equal __builtin_FILE literals are one string in the one translation unit: a pointer
+    // compare is the common case.
+    return kind == o.kind && mask == o.mask && line == o.line &&
+           (file == o.file || std::strcmp(file, o.file) == 0);
   }
 };
 
