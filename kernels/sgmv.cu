@@ -54,7 +54,8 @@
 //                   tokens x out_tiles tiles of 64 outputs, its (output tile, rank chunk) items
 //                   through 2 stages of an F32 t tile and a B tile (48 KiB); each output tile's
 //                   F32 result is staged through the stage just read, so the y
-//                   read-modify-write is 16-byte coalesced. out_tiles (plans.expand_out_tiles)
+//                   read-modify-write is 16-byte coalesced; its y vectors are loaded a tile
+//                   ahead (two register sets), so no item waits a round trip for them. out_tiles (plans.expand_out_tiles)
 //                   is 1 where chunks fill the device, more for small chunks: a CTA then pays
 //                   its metadata once for several B tiles.
 // Shared tiles are unpadded, 64 elements a row, with their 16-byte vectors XOR-swizzled by row
@@ -331,15 +332,18 @@ __device__ __forceinline__ void sgmv_expand_body(
   // This thread's t rows (positions of the chunk) and B rows (outputs; past out_dim: the last
   // row, copying nothing). Columns at or past the rank are zero-filled, neither loaded nor
   // trusted to be zero padding.
+  // The t rows are kept as 32-bit element offsets into the slice's plane (token x t_cols, at
+  // most 2^31 / 256 tokens), not 64-bit pointers: the F32 expand's two sets of y registers
+  // need the 8 registers that saves to stay within the launch bounds' 168 without spilling.
   const int t_vec = (tid & 15) * 4;
-  const float* t_src[SG_T_VECS];
+  unsigned t_row[SG_T_VECS];
   bool t_keep[SG_T_VECS];
 #pragma unroll
   for (int i = 0; i < SG_T_VECS; ++i) {
     const int row = (tid >> 4) + 8 * i;
     t_keep[i] = row < chunk.rows;
-    t_src[i] = t + static_cast<long long>(token_at(token_order, chunk.begin + (t_keep[i] ? row : 0))) *
-                       t_cols;
+    t_row[i] = static_cast<unsigned>(token_at(token_order, chunk.begin + (t_keep[i] ? row : 0))) *
+               static_cast<unsigned>(t_cols);
   }
   const int b_vec = (tid & 7) * 8;
   // Issue item `item` (the t tile of its rank chunk with its output tile's B tile) into its
@@ -353,7 +357,7 @@ __device__ __forceinline__ void sgmv_expand_body(
     const int t_at = t_bytes ? t_col : kc;
 #pragma unroll
     for (int i = 0; i < SG_T_VECS; ++i)
-      cp_async16(&t_tile[stage][f32_at((tid >> 4) + 8 * i, t_vec)], t_src[i] + t_at,
+      cp_async16(&t_tile[stage][f32_at((tid >> 4) + 8 * i, t_vec)], t + t_row[i] + t_at,
                  t_keep[i] ? t_bytes : 0);
     const int b_col = kc + b_vec;
     const int b_bytes = imax(0, imin(8, rank - b_col)) * 2;
@@ -377,93 +381,107 @@ __device__ __forceinline__ void sgmv_expand_body(
   }
   const int g = lane >> 2;
   const int col = (tid & 7) * 8;
-  // The thread's y rows (clamped into the chunk), looked up once for every output tile.
-  OutT* y_rows[SG_TILE_VECS];
+  // The thread's y rows' tokens (clamped into the chunk), looked up once for every output
+  // tile; kept as tokens rather than 64-bit row pointers for the registers, as t's rows.
+  int y_token[SG_TILE_VECS];
 #pragma unroll
-  for (int i = 0; i < SG_TILE_VECS; ++i) {
-    const int row = imin((tid >> 3) + 16 * i, chunk.rows - 1);
-    y_rows[i] = y + static_cast<long long>(token_at(token_order, chunk.begin + row)) * y_stride +
-                col0;
-  }
-  OutT* y_at[SG_TILE_VECS];
-  Y8 old[SG_TILE_VECS];
-  for (int item = 0; item < items; ++item) {
-    const int o0 = (first_tile + item / r_tiles) * SG_N;
-    if (item % r_tiles == 0) {
-      // The output tile's y vectors are loaded before its first wait, so they travel with its
-      // first stage instead of costing the epilogue a round trip of its own; all of them
-      // before the first is written back (clamped into the row; only rows of the chunk inside
-      // out_dim are stored).
+  for (int i = 0; i < SG_TILE_VECS; ++i)
+    y_token[i] = token_at(token_order, chunk.begin + imin((tid >> 3) + 16 * i, chunk.rows - 1));
+  auto y_at = [&](int i, int c) {
+    return y + static_cast<long long>(y_token[i]) * y_stride + col0 + c;
+  };
+  // The thread's y vectors of the output tile at o0 (clamped into the row; only rows of the
+  // chunk inside out_dim are stored).
+  auto load_tile_y = [&](int o0, Y8 (&into)[SG_TILE_VECS]) {
 #pragma unroll
-      for (int i = 0; i < SG_TILE_VECS; ++i) {
-        y_at[i] = y_rows[i] + imin(o0 + col, out_dim - 8);
-        old[i] = load_y(y_at[i]);
-      }
-    }
-    cp_async_wait<SGMV_EXPAND_STAGES - 1>();
-    __syncthreads();
-    const int stage = item % SGMV_EXPAND_STAGES;
-    const int kn = imin(SG_K, rank - (item % r_tiles) * SG_K);
-    if (warp_active) {
-      const float* tt = t_tile[stage];
+    for (int i = 0; i < SG_TILE_VECS; ++i) into[i] = load_y(y_at(i, imin(o0 + col, out_dim - 8)));
+  };
+  // Output tile n: its rank chunks' items, then its y read-modify-write from `cur`. Tile n + 1's
+  // y vectors are loaded into `next` before tile n's first wait, right behind the copies of
+  // tile n + 1's first item (issued at the end of the item before), so they travel with those
+  // copies and are in place when tile n + 1's epilogue needs them: a load issued at tile n + 1's
+  // own start would cost that epilogue a round trip of its own, as the item's copies arrived
+  // during the wait before it. The y of a tile is read before any of this CTA's stores to it
+  // (its columns are the tile's, written only in its own epilogue).
+  auto run_tile = [&](int n, const Y8 (&cur)[SG_TILE_VECS], Y8 (&next)[SG_TILE_VECS]) {
+    const int o0 = (first_tile + n) * SG_N;
+    if (n + 1 < tiles) load_tile_y(o0 + SG_N, next);
+    for (int kc = 0; kc < r_tiles; ++kc) {
+      const int item = n * r_tiles + kc;
+      cp_async_wait<SGMV_EXPAND_STAGES - 1>();
+      __syncthreads();
+      const int stage = item % SGMV_EXPAND_STAGES;
+      const int kn = imin(SG_K, rank - kc * SG_K);
+      if (warp_active) {
+        const float* tt = t_tile[stage];
 #pragma unroll
-      for (int kk = 0; kk < SG_K; kk += 16) {
-        if (kk < kn) {
-          // The A fragment from the F32 t tile, rounded to BF16 for the tensor cores.
-          const int c = kk + (lane & 3) * 2;
-          const int r0 = warp * 16 + g;
-          const float2 t00 = *reinterpret_cast<const float2*>(&tt[f32_at(r0, c)]);
-          const float2 t10 = *reinterpret_cast<const float2*>(&tt[f32_at(r0 + 8, c)]);
-          const float2 t01 = *reinterpret_cast<const float2*>(&tt[f32_at(r0, c + 8)]);
-          const float2 t11 = *reinterpret_cast<const float2*>(&tt[f32_at(r0 + 8, c + 8)]);
-          unsigned af[4];
-          af[0] = pack_bf16x2(t00.x, t00.y);
-          af[1] = pack_bf16x2(t10.x, t10.y);
-          af[2] = pack_bf16x2(t01.x, t01.y);
-          af[3] = pack_bf16x2(t11.x, t11.y);
+        for (int kk = 0; kk < SG_K; kk += 16) {
+          if (kk < kn) {
+            // The A fragment from the F32 t tile, rounded to BF16 for the tensor cores.
+            const int c = kk + (lane & 3) * 2;
+            const int r0 = warp * 16 + g;
+            const float2 t00 = *reinterpret_cast<const float2*>(&tt[f32_at(r0, c)]);
+            const float2 t10 = *reinterpret_cast<const float2*>(&tt[f32_at(r0 + 8, c)]);
+            const float2 t01 = *reinterpret_cast<const float2*>(&tt[f32_at(r0, c + 8)]);
+            const float2 t11 = *reinterpret_cast<const float2*>(&tt[f32_at(r0 + 8, c + 8)]);
+            unsigned af[4];
+            af[0] = pack_bf16x2(t00.x, t00.y);
+            af[1] = pack_bf16x2(t10.x, t10.y);
+            af[2] = pack_bf16x2(t01.x, t01.y);
+            af[3] = pack_bf16x2(t11.x, t11.y);
 #pragma unroll
-          for (int nt = 0; nt < SG_N / 8; ++nt) {
-            unsigned bf[2];
-            bf[0] = lds32(&b_tile[stage][bf16_at(nt * 8 + g, c)]);
-            bf[1] = lds32(&b_tile[stage][bf16_at(nt * 8 + g, c + 8)]);
-            mma_bf16_16816(acc[nt], af, bf);
+            for (int nt = 0; nt < SG_N / 8; ++nt) {
+              unsigned bf[2];
+              bf[0] = lds32(&b_tile[stage][bf16_at(nt * 8 + g, c)]);
+              bf[1] = lds32(&b_tile[stage][bf16_at(nt * 8 + g, c + 8)]);
+              mma_bf16_16816(acc[nt], af, bf);
+            }
           }
         }
       }
-    }
-    __syncthreads();  // every warp is done with the stage
-    if (item % r_tiles == r_tiles - 1) {
-      // The output tile is complete. Stage the F32 result in the t half of the stage just
-      // read (free until its refill below; the other stage stays in flight) so that the y
-      // read-modify-write is done with 16-byte vectors over whole rows rather than the
-      // fragments' scattered 8-byte pieces.
-      float* staged = t_tile[stage];
+      __syncthreads();  // every warp is done with the stage
+      if (kc == r_tiles - 1) {
+        // The output tile is complete. Stage the F32 result in the t half of the stage just
+        // read (free until its refill below; the other stage stays in flight) so that the y
+        // read-modify-write is done with 16-byte vectors over whole rows rather than the
+        // fragments' scattered 8-byte pieces.
+        float* staged = t_tile[stage];
 #pragma unroll
-      for (int nt = 0; nt < SG_N / 8; ++nt) {
+        for (int nt = 0; nt < SG_N / 8; ++nt) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float2 v;
-          v.x = acc[nt][2 * h];
-          v.y = acc[nt][2 * h + 1];
-          *reinterpret_cast<float2*>(&staged[f32_at(warp * 16 + g + h * 8, nt * 8 + (lane & 3) * 2)]) = v;
-          acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
+          for (int h = 0; h < 2; ++h) {
+            float2 v;
+            v.x = acc[nt][2 * h];
+            v.y = acc[nt][2 * h + 1];
+            *reinterpret_cast<float2*>(&staged[f32_at(warp * 16 + g + h * 8, nt * 8 + (lane & 3) * 2)]) = v;
+            acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
+          }
         }
-      }
-      __syncthreads();
+        __syncthreads();
 #pragma unroll
-      for (int i = 0; i < SG_TILE_VECS; ++i) {
-        const int row = (tid >> 3) + 16 * i;
-        if (row < chunk.rows && o0 + col < out_dim) {
-          float delta[8];
+        for (int i = 0; i < SG_TILE_VECS; ++i) {
+          const int row = (tid >> 3) + 16 * i;
+          if (row < chunk.rows && o0 + col < out_dim) {
+            float delta[8];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) delta[e] = staged[f32_at(row, col + e)];
-          add_store_y(y_at[i], old[i], delta, scale);
+            for (int e = 0; e < 8; ++e) delta[e] = staged[f32_at(row, col + e)];
+            add_store_y(y_at(i, o0 + col), cur[i], delta, scale);
+          }
         }
+        __syncthreads();  // the staged tile is read before the stage is refilled
       }
-      __syncthreads();  // the staged tile is read before the stage is refilled
+      if (item + SGMV_EXPAND_STAGES < items) issue(item + SGMV_EXPAND_STAGES);
+      cp_async_commit();
     }
-    if (item + SGMV_EXPAND_STAGES < items) issue(item + SGMV_EXPAND_STAGES);
-    cp_async_commit();
+  };
+  // Two sets of y registers, taken in turn by tiles two apart: the loop is unrolled by two
+  // tiles so that each set stays in its registers (a copy from one set to the other would wait
+  // for the load in flight).
+  Y8 y_even[SG_TILE_VECS], y_odd[SG_TILE_VECS];
+  load_tile_y(first_tile * SG_N, y_even);
+  for (int n = 0; n < tiles; n += 2) {
+    run_tile(n, y_even, y_odd);
+    if (n + 1 < tiles) run_tile(n + 1, y_odd, y_even);
   }
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -283,3 +284,96 @@ def test_slices_whose_ranks_fit_one_tile_read_x_once_per_chunk() -> None:
     with pytest.raises(ValueError, match=r"t \[S, T, t_cols\]"):
         plans.plan_sgmv_shrink(x, chunks, tables, torch.tensor([16, 16], dtype=torch.int32),
                                torch.zeros(130, 16), 16)
+
+
+class Uploads(Recording):
+    """The host backend, counting the host arrays it is asked to move (to the device, on a
+    GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved = 0
+
+    def array(self, like: Any, values: np.ndarray) -> Any:
+        self.moved += 1
+        return host_harness.HOST.array(like, values)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of plans.`name` (a check that, on a GPU, copies its array back)."""
+    calls = [0]
+    checked = getattr(plans, name)
+
+    def counted(*args: Any) -> Any:
+        calls[0] += 1
+        return checked(*args)
+
+    monkeypatch.setattr(plans, name, counted)
+    return calls
+
+
+def test_a_batch_plan_moves_and_checks_its_work_list_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's grouped launches of one batch plan reuse its order and work list where
+    the kernels read them: moved and checked once (BatchPlan.placed), not per launch, where
+    each check of a device array is a host sync (and no CUDA graph could hold the layer)."""
+    case = DECODE_BATCHES[0]
+    i = case.inputs(torch.bfloat16)
+    plan = plans.plan_batch(i.slots.numpy(), i.pool.ranks.numpy(), case.max_rank,
+                            group_min_tokens=1)
+    assert plan.grouped
+    chunk_checks = _counting(monkeypatch, "check_chunks")
+    order_checks = _counting(monkeypatch, "_order_arg")
+    backend = Uploads()
+    layers = 3
+    for _ in range(layers):
+        y = i.y0.clone()
+        host_harness.bgmv(i.x, y, i.slots, i.a_table, i.b_table, i.pool.scales, i.pool.ranks,
+                          case.max_rank, batch=plan, num_sms=132, backend=backend)
+        expected = reference.lora_delta(i.x, i.y0, i.slots, i.a_weights, i.b_weights,
+                                        i.pool.scales, i.pool.ranks, case.max_rank)
+        check_y(y, i.y0, expected, case, "sgmv")
+    assert backend.kernels == ["sgmv_shrink", "sgmv_expand_bf16"] * layers
+    assert (backend.moved, chunk_checks[0], order_checks[0]) == (2, 1, 1)
+    work = plan.placed("torch", lambda a: torch.from_numpy(a))
+    assert plan.placed("torch", lambda a: pytest.fail("moved twice")) is work
+    # Another placement (a NumPy caller here; another GPU there) gets its own copies.
+    numpy_work = plan.placed("numpy", np.ascontiguousarray)
+    assert numpy_work is not work and isinstance(numpy_work.chunks, np.ndarray)
+
+
+def test_a_caller_s_raw_work_list_is_still_checked_at_every_launch() -> None:
+    case = SKEWED
+    i = case.inputs(torch.bfloat16)
+    seg_starts, seg_slots = case.segments()
+    chunks = torch.from_numpy(plans.segment_chunks(seg_starts, seg_slots, case.num_tokens))
+    racing = torch.cat([chunks, chunks[-1:]])  # the last chunk twice: two CTAs, one row
+    with pytest.raises(ValueError, match="must not overlap"):
+        host_harness.sgmv_shrink(i.x, seg_starts, seg_slots, i.a_table, i.pool.ranks,
+                                 case.max_rank, chunks=racing)
+    t = host_harness.sgmv_shrink(i.x, seg_starts, seg_slots, i.a_table, i.pool.ranks,
+                                 case.max_rank, chunks=chunks)
+    with pytest.raises(ValueError, match="must not overlap"):
+        host_harness.sgmv_expand(t, seg_starts, seg_slots, i.b_table, i.pool.scales,
+                                 i.pool.ranks, i.y, case.max_rank, chunks=racing)
+
+
+def test_a_work_list_is_refused_for_another_batch_or_beside_a_token_order() -> None:
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    t = torch.zeros(4, 16)
+    table, ranks = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+    order = np.array([3, 2, 1, 0], dtype=np.int32)
+    work = plans.work_list(np.array([[0, 4, 0, 0]], dtype=np.int32), order, 4, torch.from_numpy)
+    assert plans.plan_sgmv_shrink(x, work, table, ranks, t, 16).args[3] is work.order
+    with pytest.raises(ValueError, match="give no token_order beside it"):
+        plans.plan_sgmv_shrink(x, work, table, ranks, t, 16, torch.from_numpy(order))
+    with pytest.raises(ValueError, match="checked for 4 tokens, the launch has 8"):
+        plans.plan_sgmv_shrink(torch.zeros(8, 64, dtype=torch.bfloat16), work, table, ranks,
+                               torch.zeros(8, 16), 16)
+    # Made from arrays the kernels cannot index: refused when made, as a raw list at launch.
+    with pytest.raises(ValueError, match="repeats a token"):
+        plans.work_list(np.array([[0, 4, 0, 0]], dtype=np.int32),
+                        np.array([0, 0, 1, 2], dtype=np.int32), 4, torch.from_numpy)
+    with pytest.raises(ValueError, match="must not overlap"):
+        plans.work_list(np.array([[0, 4, 0, 0], [2, 4, 0, 0]], dtype=np.int32), None, 4,
+                        torch.from_numpy)

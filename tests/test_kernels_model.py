@@ -37,6 +37,9 @@ class Recorder:
     def array(self, like: Any, values: np.ndarray) -> Any:
         return np.ascontiguousarray(values)
 
+    def placement(self, like: Any) -> str:
+        return "numpy"
+
     def num_sms(self, requested: int | None) -> int:
         return self.sms if requested is None else requested
 
@@ -350,3 +353,21 @@ def test_docs_show_the_model_as_it_is(tokens: int) -> None:
 if __name__ == "__main__":
     for count in (256, 4096):
         print(f"T = {count}\n\n{model_table(count)}")
+
+
+@pytest.mark.parametrize(("out_dim", "rank", "out_tiles"),
+                         [(8192, 16, 32), (8192, 64, 1), (512, 128, 8), (4096, 256, 3)])
+def test_the_expand_planner_charges_the_model_s_passes(out_dim: int, rank: int,
+                                                       out_tiles: int) -> None:
+    """plans.sgmv_expand_stream_us (what expand_out_tiles and grouped_expand choose on) charges
+    a CTA the round trips roofline._sgmv_work counts for it: ceil(items / SGMV_EXPAND_STAGES),
+    y adding none (tests/test_kernels_sass.py holds the kernel to that: no pipeline iteration
+    waits on a load of its own), plus its 2 metadata round trips."""
+    grid = plans.launch_grid("sgmv_expand_bf16", 1, out_dim, rank, out_tiles=out_tiles)
+    work = roofline._sgmv_work("expand", grid, np.array([[0, 1, 0, 0]]), 1, rank, 64, out_dim,
+                               1, 2, out_tiles=out_tiles)
+    items = min(out_tiles, -(-out_dim // 64)) * -(-rank // 64)
+    assert work[3] == -(-items // sources.SGMV_EXPAND_STAGES)
+    expected = work[3] * plans._DRAM_LATENCY_US + work[4] * plans._L2_LATENCY_US
+    assert plans.sgmv_expand_stream_us(1, out_dim, rank, out_tiles, 132) == pytest.approx(
+        expected)

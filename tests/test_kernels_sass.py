@@ -21,6 +21,7 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
+import numpy as np
 import pytest
 
 from metrale_cli.bench import roofline
@@ -116,6 +117,23 @@ def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
         assert work.kernel.startswith(name.removesuffix("_f32").removesuffix("_bf16"))
         assert report["copy_depth"] == work.cta_chains + 1, name
         assert report["chained_loops"] == 0, name
+
+
+@pytest.mark.parametrize(("name", "compiler"), _hot_loop_cases())
+def test_pipeline_loops_wait_for_no_load_of_their_own(name: str, compiler: str) -> None:
+    """The model charges an SGMV CTA ceil(items / SGMV_EXPAND_STAGES) round trips (roofline
+    _sgmv_work's cta_passes): true only while nothing a pipeline iteration uses is loaded in
+    that iteration. The expand's y vectors, loaded at the start of the item whose epilogue
+    adds into them, cost every such item a round trip (4 BF16 / 8 F32 loads an iteration in
+    the kernel before y was loaded a tile ahead); the check fails on that source."""
+    code = kernel_code(name, compiler)
+    trips = [sass.pipeline_round_trips(code, head, end) for head, end in hot_loops(code)]
+    assert sum(trips) == 0, f"{name} ({compiler}): pipeline loops wait on their own loads: {trips}"
+    if name.startswith("sgmv_expand"):
+        items = 2 * 3  # 2 output tiles of rank 136 (3 rank chunks each) in one CTA
+        work = roofline._sgmv_work("expand", (1, 1, 1), np.array([[0, 64, 0, 0]]), 64, 136,
+                                   64, 128, 1, 2, out_tiles=2)
+        assert work[3] == -(-items // sources.SGMV_EXPAND_STAGES)
 
 
 def test_the_nvrtc_report_covers_every_kernel() -> None:
@@ -261,3 +279,34 @@ def test_the_counter_counts_a_pipeline_s_copies_across_its_groups() -> None:
     serial = parse(PIPELINE.replace("SB0, 0x2", "SB0, 0x0"))["k"]
     assert sass.loop_loads(serial, 1, 9) == 2
     assert not code[8].is_global_load  # LDGDEPBAR commits; it loads nothing
+
+
+# A pipeline iteration that loads R20 (y) beside its copies and reads it in its epilogue: one
+# round trip of its own; the same load a tile ahead (read only by a later iteration's code,
+# outside this loop) is none.
+PIPELINE_WITH_Y = """
+.text.k:
+.L_x_1:
+        /*0000*/                   LDG.E.128 R20, desc[UR4][R4.64] ;
+        /*0010*/                   DEPBAR.LE SB0, 0x1 ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/                   HMMA.16816.F32.BF16 R8, R12, R6, R8 ;
+        /*0040*/                   FADD R21, R21, R8 ;
+        /*0050*/                   STG.E.128 desc[UR4][R4.64], R20 ;
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R10], desc[UR4][R2.64], P0 ;
+        /*0070*/                   LDGDEPBAR ;
+        /*0080*/               @P3 BRA `(.L_x_1) ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_the_counter_sees_a_pipeline_loop_s_own_round_trips() -> None:
+    code = parse(PIPELINE_WITH_Y)["k"]
+    assert sass.pipeline_round_trips(code, 0, 8) == 1
+    ahead = parse(PIPELINE_WITH_Y.replace("FADD R21, R21, R8", "FADD R31, R31, R8")
+                  .replace("[R4.64], R20", "[R4.64], R28"))["k"]
+    assert sass.pipeline_round_trips(ahead, 0, 8) == 0
+    # Without copies the loop is a register-load pass (loads_before_first_use counts it).
+    plain = parse(PIPELINE_WITH_Y.replace("LDGSTS.E.BYPASS.128 [R10], desc[UR4][R2.64], P0",
+                                          "NOP"))["k"]
+    assert sass.pipeline_round_trips(plain, 0, 8) == 0

@@ -226,7 +226,9 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens
         return l2, passes, 2 * ctas, int(split_passes.max()), 2
     # expand: the items (an output tile's B tile with its rank chunk's t tile; t is copied
     # again for every output tile), SGMV_EXPAND_STAGES a pass; an output tile's y vectors are
-    # loaded with its first item, and their stores wait for nothing.
+    # loaded a tile ahead (the first tile's with the prologue), right behind the copies of its
+    # first item, so they add no round trip (the SASS check's pipeline_round_trips is 0), and
+    # their stores wait for nothing.
     rank_chunks = -(-rank // tile)
     tiles = -(-out_dim // tile)
     per_column = np.minimum(out_tiles, tiles - out_tiles * np.arange(grid[0])) * rank_chunks

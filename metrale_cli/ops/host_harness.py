@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -183,6 +183,10 @@ class HostBackend:
 
             return torch.from_numpy(np.ascontiguousarray(values))
         return np.ascontiguousarray(values)
+
+    def placement(self, like: Any) -> Hashable:
+        """Where `array` puts its arrays: torch tensors for torch inputs, else NumPy arrays."""
+        return "torch" if hasattr(like, "data_ptr") else "numpy"
 
     def num_sms(self, requested: int | None) -> int:
         return sources.H200_SMS if requested is None else requested

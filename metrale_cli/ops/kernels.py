@@ -12,7 +12,7 @@ cupy is imported only inside functions, through compat.cupy_module().
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,7 +22,9 @@ from metrale_cli import compat
 from metrale_cli.ops.plans import (
     BatchPlan,
     KernelLaunch,
+    WorkList,
     check_slice_cols,
+    chunk_count,
     expand_out_tiles,
     grouped_expand,
     plan_bgmv_expand,
@@ -31,6 +33,7 @@ from metrale_cli.ops.plans import (
     plan_sgmv_shrink,
     segment_chunks,
     shrink_splits,
+    work_list,
 )
 from metrale_cli.ops.sources import KERNEL_SOURCES, find_kernel_dir, read_source, sources_digest
 
@@ -47,6 +50,8 @@ class Backend(Protocol):
     def zero(self, t: Any) -> None: ...
 
     def array(self, like: Any, values: np.ndarray) -> Any: ...
+
+    def placement(self, like: Any) -> Hashable: ...
 
     def num_sms(self, requested: int | None) -> int: ...
 
@@ -93,6 +98,11 @@ class CupyBackend:
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         return compat.cupy_module().asarray(values)
+
+    def placement(self, like: Any) -> Hashable:
+        """Where `array` puts its arrays: the current device (a batch plan's copies are kept
+        per device, so a plan used on two GPUs has a copy on each)."""
+        return ("cupy", compat.cupy_module().cuda.Device().id)
 
     def num_sms(self, requested: int | None) -> int:
         if requested is not None:
@@ -152,13 +162,24 @@ def bgmv_expand(
 
 
 def _chunks(backend: Backend, like: Any, seg_starts: Any, seg_slots: Any, num_tokens: int,
-            chunks: Any | None) -> Any:
+            chunks: Any | None, token_order: Any | None = None) -> Any:
     """The SGMV work list of these segments where the kernels read it: `chunks` when the
-    caller has it (a BatchPlan's, or one shared by a shrink and its expand), else built on the
-    host (plans.segment_chunks) and moved there."""
+    caller has it (a WorkList: a BatchPlan's, or one shared by a shrink and its expand; or a
+    raw array, which the launch checks), else built on the host (plans.segment_chunks) and
+    moved there, checked there once as a WorkList (a caller's `token_order` stays beside it,
+    checked by the launch)."""
     if chunks is not None:
         return chunks
-    return backend.array(like, segment_chunks(seg_starts, seg_slots, num_tokens))
+    host = segment_chunks(seg_starts, seg_slots, num_tokens)
+    if token_order is not None:
+        return backend.array(like, host)
+    return work_list(host, None, num_tokens, lambda a: backend.array(like, a))
+
+
+def _placed(backend: Backend, like: Any, batch: BatchPlan) -> WorkList:
+    """The batch plan's order and work list on `backend`, moved and checked once per plan and
+    placement (BatchPlan.placed), not per launch."""
+    return batch.placed(backend.placement(like), lambda a: backend.array(like, a))
 
 
 def sgmv_shrink(
@@ -170,10 +191,10 @@ def sgmv_shrink(
     """Prefill shrink over segments (seg_starts i32 [S+1], seg_slots i32 [S]). Returns t F32
     [T, t_cols] (allocated when not given; t_cols defaults to max_rank); `splits` as in
     bgmv_shrink; `chunks`: the segments' work list (plans.segment_chunks) already on the
-    backend, else built here."""
-    work = _chunks(backend, x, seg_starts, seg_slots, int(x.shape[0]), chunks)
+    backend (a WorkList, or a raw array checked here), else built here."""
+    work = _chunks(backend, x, seg_starts, seg_slots, int(x.shape[0]), chunks, token_order)
     t, splits = _shrink_t(backend, "sgmv", x, t, t_cols or max_rank, splits, num_sms,
-                          chunks=int(work.shape[0]))
+                          chunks=chunk_count(work))
     backend.launch(plan_sgmv_shrink(x, work, a_table, ranks, t, max_rank, token_order, splits))
     return t
 
@@ -186,8 +207,8 @@ def sgmv_expand(
     """Prefill expand: y (BF16 as uint16, or F32) [T, out_dim] += ...; returns y. `chunks` as
     in sgmv_shrink; each CTA takes the 64-output tiles of one chunk that expand_out_tiles plans
     for the device's SMs."""
-    work = _chunks(backend, y, seg_starts, seg_slots, int(y.shape[0]), chunks)
-    out_tiles = expand_out_tiles(int(work.shape[0]), int(y.shape[1]), int(t.shape[-1]),
+    work = _chunks(backend, y, seg_starts, seg_slots, int(y.shape[0]), chunks, token_order)
+    out_tiles = expand_out_tiles(chunk_count(work), int(y.shape[1]), int(t.shape[-1]),
                                  backend.num_sms(num_sms))
     backend.launch(plan_sgmv_expand(t, work, b_table, scale_table, ranks, y, max_rank,
                                     token_order, out_tiles))
@@ -205,16 +226,14 @@ def bgmv(
     and a batch whose tokens share few slots takes the grouped path (SGMV over the tokens
     sorted by slot); without it, the per-token path over max_rank."""
     if batch is not None and batch.grouped:
-        order, chunks = (backend.array(x, a) for a in (batch.order, batch.chunks))
+        work = _placed(backend, x, batch)
         t = sgmv_shrink(x, batch.seg_starts, batch.seg_slots, a_table, ranks, max_rank,
-                        num_sms=num_sms, t_cols=batch.t_cols, token_order=order, chunks=chunks,
-                        backend=backend)
+                        num_sms=num_sms, t_cols=batch.t_cols, chunks=work, backend=backend)
         # t is in token order either way, so the expand may take the per-token path.
         if grouped_expand(batch.num_tokens, int(y.shape[1]), batch.t_cols,
                           int(batch.chunks.shape[0]), backend.num_sms(num_sms)):
             return sgmv_expand(t, batch.seg_starts, batch.seg_slots, b_table, scale_table, ranks,
-                               y, max_rank, token_order=order, chunks=chunks, num_sms=num_sms,
-                               backend=backend)
+                               y, max_rank, chunks=work, num_sms=num_sms, backend=backend)
         return bgmv_expand(t, slots, b_table, scale_table, ranks, y, max_rank, backend=backend)
     t = bgmv_shrink(x, slots, a_table, ranks, max_rank, num_sms=num_sms, batch=batch,
                     backend=backend)
@@ -238,13 +257,13 @@ def bgmv_fused(
     cols = check_slice_cols(slice_cols, slices, int(y.shape[1]))
     bounds = backend.array(x, np.asarray(cols, dtype=np.int32))
     if batch is not None and batch.grouped:
-        order, chunks = (backend.array(x, a) for a in (batch.order, batch.chunks))
-        t = _sgmv_fused_shrink(x, chunks, order, a_tables, ranks, max_rank, batch.t_cols,
-                               num_sms, backend)
+        work = _placed(backend, x, batch)
+        t = _sgmv_fused_shrink(x, work, a_tables, ranks, max_rank, batch.t_cols, num_sms,
+                               backend)
         if grouped_expand(batch.num_tokens, cols[-1], batch.t_cols,
                           int(batch.chunks.shape[0]), backend.num_sms(num_sms)):
-            return _sgmv_fused_expand(t, chunks, order, b_tables, scale_table, ranks, y,
-                                      max_rank, cols, bounds, num_sms, backend)
+            return _sgmv_fused_expand(t, work, b_tables, scale_table, ranks, y, max_rank,
+                                      cols, bounds, num_sms, backend)
     else:
         t, splits = _shrink_t(backend, "bgmv", x, None, batch.t_cols if batch else max_rank,
                               None, num_sms, slices)
@@ -254,28 +273,28 @@ def bgmv_fused(
     return y
 
 
-def _sgmv_fused_shrink(x: Any, chunks: Any, order: Any | None, a_tables: Any, ranks: Any,
-                       max_rank: int, t_cols: int, num_sms: int | None,
-                       backend: Backend) -> Any:
-    """The one SGMV shrink of fused slices over the work list `chunks`: t F32 [S, T, t_cols],
-    split for the launch's CTAs (the chunks times the slices' rank columns side by side)."""
+def _sgmv_fused_shrink(x: Any, work: WorkList, a_tables: Any, ranks: Any, max_rank: int,
+                       t_cols: int, num_sms: int | None, backend: Backend) -> Any:
+    """The one SGMV shrink of fused slices over the work list `work` (with its order): t F32
+    [S, T, t_cols], split for the launch's CTAs (the chunks times the slices' rank columns
+    side by side)."""
     t, splits = _shrink_t(backend, "sgmv", x, None, t_cols, None, num_sms,
-                          int(a_tables.shape[0]), int(chunks.shape[0]))
-    backend.launch(plan_sgmv_shrink(x, chunks, a_tables, ranks, t, max_rank, order, splits))
+                          int(a_tables.shape[0]), work.count)
+    backend.launch(plan_sgmv_shrink(x, work, a_tables, ranks, t, max_rank, splits=splits))
     return t
 
 
-def _sgmv_fused_expand(t: Any, chunks: Any, order: Any | None, b_tables: Any,
-                       scale_table: Any, ranks: Any, y: Any, max_rank: int, cols: list[int],
-                       bounds: Any, num_sms: int | None, backend: Backend) -> Any:
+def _sgmv_fused_expand(t: Any, work: WorkList, b_tables: Any, scale_table: Any, ranks: Any,
+                       y: Any, max_rank: int, cols: list[int], bounds: Any,
+                       num_sms: int | None, backend: Backend) -> Any:
     """The one SGMV expand of fused slices (on grid.z): each CTA takes the 64-output tiles of
     one chunk of one slice that expand_out_tiles plans for the launch's chunks x slices over
     the widest slice."""
     widest = max(b - a for a, b in zip(cols, cols[1:], strict=False))
-    out_tiles = expand_out_tiles(int(chunks.shape[0]) * int(b_tables.shape[0]), widest,
+    out_tiles = expand_out_tiles(work.count * int(b_tables.shape[0]), widest,
                                  int(t.shape[-1]), backend.num_sms(num_sms))
-    backend.launch(plan_sgmv_expand(t, chunks, b_tables, scale_table, ranks, y, max_rank,
-                                    order, out_tiles, bounds))
+    backend.launch(plan_sgmv_expand(t, work, b_tables, scale_table, ranks, y, max_rank,
+                                    out_tiles=out_tiles, slice_cols=bounds))
     return y
 
 
@@ -307,8 +326,8 @@ def sgmv_fused(
     slices = int(a_tables.shape[0])
     cols = check_slice_cols(slice_cols, slices, int(y.shape[1]))
     chunks = _chunks(backend, x, seg_starts, seg_slots, int(x.shape[0]), None)
-    t = _sgmv_fused_shrink(x, chunks, None, a_tables, ranks, max_rank, t_cols or max_rank,
-                           num_sms, backend)
-    return _sgmv_fused_expand(t, chunks, None, b_tables, scale_table, ranks, y, max_rank, cols,
+    t = _sgmv_fused_shrink(x, chunks, a_tables, ranks, max_rank, t_cols or max_rank, num_sms,
+                           backend)
+    return _sgmv_fused_expand(t, chunks, b_tables, scale_table, ranks, y, max_rank, cols,
                               backend.array(x, np.asarray(cols, dtype=np.int32)), num_sms,
                               backend)

@@ -10,8 +10,8 @@ CPU tests run exactly the grid, block and arguments that a GPU gets. The launche
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -412,8 +412,8 @@ def segment_chunks(seg_starts: Any, seg_slots: Any, num_tokens: int) -> np.ndarr
     slot -1, so that the shrink still writes their t rows; empty segments have none. Each chunk
     is one CTA row of the grid: no CTA walks segments, and a CTA learns its rows and slot from
     one 16-byte load. Built on the host in O(S) array operations from the checked segments
-    (check_segments, which already copies them there); the caller moves it to the device once
-    and may reuse it for every launch over the same segments (a BatchPlan holds it)."""
+    (check_segments, which already copies them there); work_list checks it there and moves it
+    to the device once for every launch over the same segments (a BatchPlan keeps that)."""
     starts, slots = check_segments(seg_starts, seg_slots, num_tokens)
     begins = np.concatenate(([0], starts[:-1]))
     ends = starts
@@ -454,19 +454,69 @@ def check_chunks(chunks: Any, num_tokens: int) -> int:
     return count
 
 
+@dataclass(frozen=True)
+class WorkList:
+    """An SGMV work list and its token order where the kernels read them (`chunks`, `order`:
+    device arrays on a GPU; None for the identity order), checked on the host once, when made
+    (work_list). plan_sgmv_* take it as it is: a raw `chunks` array (and `token_order`) is
+    copied back to the host and checked at every launch, a synchronising transfer that also
+    rules out capturing the launches in a CUDA graph."""
+
+    chunks: Any
+    order: Any | None
+    num_tokens: int
+    count: int
+
+
+def work_list(chunks: np.ndarray, order: np.ndarray | None, num_tokens: int,
+              place: Callable[[np.ndarray], Any]) -> WorkList:
+    """The WorkList of host arrays `chunks` (segment_chunks) and `order` (a permutation of the
+    num_tokens token indices, or None), checked here, where they are (check_chunks,
+    _order_arg), then moved by `place` to where the kernels read them."""
+    count = check_chunks(chunks, num_tokens)
+    if order is not None:
+        _order_arg(order, num_tokens)
+    return WorkList(place(chunks), None if order is None else place(order), num_tokens, count)
+
+
+def chunk_count(chunks: Any) -> int:
+    """The chunks of a work list: a WorkList, or a raw int32 [C, 4] array."""
+    return chunks.count if isinstance(chunks, WorkList) else int(chunks.shape[0])
+
+
+def _work_args(chunks: Any, token_order: Any | None, num_tokens: int) -> tuple[Any, Any, int]:
+    """(chunks, token order argument, chunk count) of an SGMV launch: a WorkList as checked
+    when it was made (its shape and dtype only, which reads no element), or a raw work list and
+    order, checked now (check_chunks, _order_arg: each a copy to the host)."""
+    if not isinstance(chunks, WorkList):
+        count = check_chunks(chunks, num_tokens)
+        return chunks, _order_arg(token_order, num_tokens), count
+    if token_order is not None:
+        raise ValueError("a WorkList carries its token order: give no token_order beside it")
+    if chunks.num_tokens != num_tokens:
+        raise ValueError(f"the work list was checked for {chunks.num_tokens} tokens, the launch "
+                         f"has {num_tokens}")
+    check_buffer(chunks.chunks, "chunks", ("int32",), (chunks.count, 4))
+    if chunks.order is None:
+        return chunks.chunks, np.uint64(0), chunks.count
+    check_buffer(chunks.order, "token_order", ("int32",), (num_tokens,))
+    return chunks.chunks, chunks.order, chunks.count
+
+
 def plan_sgmv_shrink(
     x: Any, chunks: Any, a_table: Any, ranks: Any, t: Any, max_rank: int,
     token_order: Any | None = None, splits: int = 1,
 ) -> KernelLaunch:
     """t[b, :] = x[b] @ A_seg^T (see kernels/sgmv.cu) over the work list `chunks`
-    (segment_chunks, where the kernel reads it), K cut into `splits` added into t by atomics (t
-    must then be zero). With `token_order`, the chunks index sorted positions (the grouped
-    decode path). Fused slices as in plan_bgmv_shrink (a_table [S, max_loras], t [S, T,
-    t_cols]): the CTAs' 64-column tiles run over the slices' rank columns side by side."""
+    (segment_chunks where the kernel reads it, or a WorkList with its order), K cut into
+    `splits` added into t by atomics (t must then be zero). With `token_order`, the chunks
+    index sorted positions (the grouped decode path). Fused slices as in plan_bgmv_shrink
+    (a_table [S, max_loras], t [S, T, t_cols]): the CTAs' 64-column tiles run over the
+    slices' rank columns side by side."""
     slices, max_loras, plane = _slices(a_table, t, "a_table")
     num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
     in_dim = int(x.shape[1])
-    num_chunks = check_chunks(chunks, num_tokens)
+    chunks, order_arg, num_chunks = _work_args(chunks, token_order, num_tokens)
     check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
     check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
@@ -474,7 +524,7 @@ def plan_sgmv_shrink(
     num_splits = _check_splits(splits)
     grid = launch_grid("sgmv_shrink", num_chunks, in_dim, t_cols, num_splits, slices=slices)
     args = (
-        x, np.int64(row_stride(x, "x")), chunks, _order_arg(token_order, num_tokens), a_table,
+        x, np.int64(row_stride(x, "x")), chunks, order_arg, a_table,
         ranks, np.int32(max_loras), t, np.int32(num_tokens), np.int32(in_dim),
         np.int32(max_rank), np.int32(t_cols), np.int32(k_chunk(in_dim, num_splits, SGMV_TILE)),
         np.int32(slices),
@@ -492,7 +542,7 @@ def plan_sgmv_expand(
     [S, T, t_cols], `slice_cols`), on grid.z."""
     slices, max_loras, plane = _slices(b_table, t, "b_table")
     num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
-    num_chunks = check_chunks(chunks, num_tokens)
+    chunks, order_arg, num_chunks = _work_args(chunks, token_order, num_tokens)
     y_kind = "bf16" if dtype_name(y) in BF16 else "f32"
     check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
     out_dim, cols_arg = _expand_columns(y, num_tokens, slices, slice_cols)
@@ -503,7 +553,7 @@ def plan_sgmv_expand(
     grid = launch_grid(f"sgmv_expand_{y_kind}", num_chunks, out_dim, t_cols,
                        out_tiles=out_tiles, slices=slices)
     args = (
-        t, chunks, _order_arg(token_order, num_tokens), b_table, scale_table, ranks,
+        t, chunks, order_arg, b_table, scale_table, ranks,
         np.int32(max_loras), y, np.int64(row_stride(y, "y")), np.int32(num_tokens),
         np.int32(out_dim), np.int32(max_rank), np.int32(t_cols), np.int32(out_tiles), cols_arg,
     )
@@ -524,7 +574,9 @@ class BatchPlan:
       work list over them (`chunks`, segment_chunks), built once for every layer's launches;
     - `grouped`: whether decode takes the grouped path (SGMV over the sorted tokens, each
       adapter's weights read once per chunk of up to 64 tokens) rather than the per-token path,
-      chosen from the batch's distinct slots (GROUP_MIN_TOKENS).
+      chosen from the batch's distinct slots (GROUP_MIN_TOKENS);
+    - the order and work list where the kernels read them (`placed`): moved and checked once
+      per placement, kept with the plan, so a layer's launches upload and check nothing.
     """
 
     num_tokens: int
@@ -536,6 +588,18 @@ class BatchPlan:
     seg_starts: np.ndarray
     seg_slots: np.ndarray
     chunks: np.ndarray
+    _placed: dict[Hashable, WorkList] = field(default_factory=dict, init=False, repr=False,
+                                              compare=False)
+
+    def placed(self, key: Hashable, place: Callable[[np.ndarray], Any]) -> WorkList:
+        """The plan's order and work list where `place` moves host arrays (a backend's device,
+        named by `key`): checked and moved on the first call for `key`, the same WorkList for
+        every later one (every layer's and module's launches of the batch)."""
+        found = self._placed.get(key)
+        if found is None:
+            found = work_list(self.chunks, self.order, self.num_tokens, place)
+            self._placed[key] = found
+        return found
 
 
 def plan_batch(slots: Sequence[int] | np.ndarray, ranks: Sequence[int] | np.ndarray,
@@ -572,8 +636,9 @@ def sgmv_expand_stream_us(num_chunks: int, out_dim: int, t_cols: int, out_tiles:
                           num_sms: int) -> float:
     """The modelled streaming time of an SGMV expand whose CTAs take `out_tiles` 64-output
     tiles of one chunk each: waves of resident CTAs, each its 2 metadata round trips and then
-    its (output tile, rank chunk) items, SGMV_EXPAND_STAGES in flight a pass (the y loads ride
-    with each tile's first)."""
+    its (output tile, rank chunk) items, SGMV_EXPAND_STAGES in flight a pass (a tile's y
+    loads are issued a tile ahead, behind its first item's copies: no round trip of their
+    own)."""
     tiles = -(-out_dim // SGMV_TILE)
     per_cta = min(out_tiles, tiles) * -(-t_cols // SGMV_TILE)
     ctas = max(1, -(-tiles // out_tiles) * num_chunks)
