@@ -44,7 +44,7 @@ constexpr int arity(void (*)(Args...)) {
     }                                                                                    \
   }
 
-inline const KernelEntry kKernels[] = {METRALE_HOST_KERNELS};
+static const KernelEntry kKernels[] = {METRALE_HOST_KERNELS};
 
 }  // namespace metrale_shim
 

@@ -7,11 +7,6 @@ its destination holds NaN until then), so a pipeline that reads a stage too earl
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +26,7 @@ from tests.support.kernel_cases import (
     fused_pools,
     fused_tables,
 )
+from tests.support.mutated_kernels import run_mutated
 
 
 def _chunks(starts: list[int], slots: list[int]) -> list[list[int]]:
@@ -139,18 +135,9 @@ print(json.dumps({"t_nan": bool(torch.isnan(t).any()), "y_nan": bool(torch.isnan
 
 
 def test_a_stage_read_before_its_wait_fails_on_the_host(tmp_path: Path) -> None:
-    directory = tmp_path / "kernels"
-    shutil.copytree(sources.find_kernel_dir(), directory)
-    sgmv = directory / "sgmv.cu"
-    text, waits = re.subn(r"cp_async_wait<(SGMV_\w+_STAGES) - 1>", r"cp_async_wait<\1>",
-                          sgmv.read_text())
-    assert waits == 2  # the shrink's and the expand's
-    sgmv.write_text(text)
-    environment = {**os.environ, "METRALE_KERNEL_DIR": str(directory),
-                   "METRALE_CACHE_DIR": str(tmp_path / "cache")}
-    result = subprocess.run([sys.executable, "-c", READ_TOO_EARLY], capture_output=True,
-                            text=True, env=environment, check=False, timeout=600,
-                            cwd=Path(__file__).resolve().parent.parent)
+    # The shrink's and the expand's wait.
+    result = run_mutated(tmp_path, [("sgmv.cu", r"cp_async_wait<(SGMV_\w+_STAGES) - 1>",
+                                     r"cp_async_wait<\1>", 2)], READ_TOO_EARLY)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"t_nan": True, "y_nan": True}
 

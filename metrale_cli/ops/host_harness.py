@@ -1,7 +1,9 @@
 """Run the CUDA kernels of kernels/*.cu on the CPU, unchanged, to test them without a GPU.
 
 The sources are compiled by g++ as C++ with kernels/host_shim.h force-included (CUDA's built-ins
-emulated: CTAs run one at a time, their threads as fibers that switch at barriers) into a shared
+emulated: CTAs run one at a time, their threads as fibers that switch at barriers, a warp at a
+time; shared memory poisoned, cp.async and warp collectives checked as strictly as the
+hardware defines them, kernels/README.md's "The host shim") into a shared
 library cached under METRALE_CACHE_DIR, keyed by a hash of the sources, the flags and the
 compiler. Launches go through the very `plan_*` functions that the CuPy launchers use
 (kernels.py), so the harness runs the same grids, blocks and argument lists as a GPU; table
@@ -39,9 +41,12 @@ from metrale_cli.ops import kernels, plans, sources
 
 # -fno-strict-aliasing: the kernels read BF16 buffers through uint4 / unsigned pointers, which
 # CUDA allows and ISO C++ does not. -Wno-unknown-pragmas: g++ does not know `#pragma unroll`.
+# -fno-weak: the shim puts every `__shared__` array into one section that it poisons at each
+# CTA's start, and g++ refuses to mix a template kernel's (otherwise comdat) statics with the
+# others' in one section; the build is one translation unit, so nothing needs weak symbols.
 CXX_FLAGS = (
     "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
-    "-Wall", "-Werror", "-Wno-unknown-pragmas",
+    "-fno-weak", "-Wall", "-Werror", "-Wno-unknown-pragmas",
 )
 P = ParamSpec("P")
 R = TypeVar("R")

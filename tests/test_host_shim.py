@@ -1,0 +1,192 @@
+"""The host shim is as strict as the hardware: each test puts a bug into a copy of kernels/ that
+a more forgiving emulation hid (the kernel passed on the CPU and may fail on a GPU) and checks
+that the host run now fails, while the unbroken kernel passes the same case."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from metrale_cli.ops import host_harness, reference
+from tests.support.kernel_cases import BGMV_CASES, Case, check_t, check_y
+from tests.support.mutated_kernels import run_mutated
+
+# Two segments of exactly 64 tokens: every chunk is a full 64-row CTA (all four warps run the
+# mma), K deep enough for the shrink's 3 stages to be refilled (10 K tiles), rank 200 for the
+# expand's 2 stages (4 rank chunks an output tile).
+FULL_CHUNKS = Case("full_chunks", 128, 584, 136, 200, [200, 129], seg_starts=[0, 64, 128],
+                   seg_slots=[0, 1], num_splits=1)
+
+SGMV_FULL_CHUNKS = """
+import json, torch
+from metrale_cli.ops import host_harness, reference
+from tests.test_host_shim import FULL_CHUNKS as case
+i = case.inputs(torch.float32)
+starts, slots = case.segments()
+t = host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks, case.max_rank,
+                             splits=1)
+good_t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
+host_harness.sgmv_expand(good_t, starts, slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
+                         case.max_rank)
+print(json.dumps({"t_nan": bool(torch.isnan(t).any()), "y_nan": bool(torch.isnan(i.y).any())}))
+"""
+
+
+def test_full_chunks_pass_on_the_unbroken_kernels() -> None:
+    case = FULL_CHUNKS
+    i = case.inputs(torch.float32)
+    starts, slots = case.segments()
+    t = host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks, case.max_rank,
+                                 splits=1)
+    good_t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
+    check_t(t, good_t)
+    host_harness.sgmv_expand(good_t, starts, slots, i.b_table, i.pool.scales, i.pool.ranks,
+                             i.y, case.max_rank)
+    expected = reference.lora_delta(i.x, i.y0, i.slots, i.a_weights, i.b_weights,
+                                    i.pool.scales, i.pool.ranks, case.max_rank)
+    check_y(i.y, i.y0, expected, case, "sgmv")
+
+
+def test_a_stage_refilled_while_other_warps_read_it_fails(tmp_path: Path) -> None:
+    # The write-after-read __syncthreads before a stage is refilled, deleted in the shrink and
+    # the expand. Warps that ran in lockstep at every mma had all read the stage before any
+    # refilled it; run warp by warp, the first to reach the refill overwrites the others'
+    # operands, on full 64-row chunks as on short ones.
+    result = run_mutated(tmp_path, [
+        ("sgmv.cu", r"\n *__syncthreads\(\);  // every warp is done with the stage[^\n]*", "", 2),
+    ], SGMV_FULL_CHUNKS)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"t_nan": True, "y_nan": True}
+
+
+BGMV_SHRINK = """
+import json, torch
+from metrale_cli.ops import host_harness, reference
+from tests.support.kernel_cases import BGMV_CASES
+case = BGMV_CASES[0]
+i = case.inputs(torch.float32)
+try:
+    t = host_harness.bgmv_shrink(i.x, i.slots, i.a_table, i.pool.ranks, case.max_rank)
+except RuntimeError as error:
+    print(json.dumps({"error": str(error)}))
+else:
+    print(json.dumps({"t_nan": bool(torch.isnan(t).any())}))
+"""
+
+
+def test_shared_memory_never_written_reads_nan(tmp_path: Path) -> None:
+    # A warp whose partial sums are zero skips storing them, counting on shared memory that
+    # starts zeroed (it does not on a GPU). K = 200 is one warp's share of a pass, so warps 1-3
+    # never store: with `static` arrays they read zeros and the result was right; poisoned at
+    # each CTA's start, they read NaN.
+    assert BGMV_CASES[0].in_dim <= 32 * 8
+    result = run_mutated(tmp_path, [
+        ("bgmv.cu", r"if \(lane == 0\) partial\[warp\]\[i\] = v;",
+         "if (lane == 0 && v != 0.f) partial[warp][i] = v;", 1),
+    ], BGMV_SHRINK)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"t_nan": True}
+
+
+def test_a_lane_that_exited_fails_a_shuffle_naming_it(tmp_path: Path) -> None:
+    # The upper half of warps 1-3 (whose sums are zero at K = 200) returns before the
+    # reduction: the full-mask shuffles name exited lanes (undefined on a GPU), which the shim
+    # used to release without them, their stale exchange slots reading as zeros.
+    result = run_mutated(tmp_path, [
+        ("bgmv.cu", r"(\n  __shared__ float partial\[METRALE_WARPS\]\[BGMV_SHRINK_ROWS\];\n)",
+         r"\n  if (tid >= 32 && (tid & 31) >= 16) return;\1", 1),
+    ], BGMV_SHRINK)
+    assert result.returncode == 0, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert "lane 16, named in the mask 0xffffffff, has exited" in error
+    assert "__shfl_xor_sync at " in error and "lora_common.cuh" in error
+
+
+def test_lanes_at_different_collectives_fail(tmp_path: Path) -> None:
+    # The group sums' exchange written as two intrinsics, one per half of the lane group: the
+    # same values, but on a GPU lanes of one shuffle at different intrinsics are undefined.
+    script = """
+import json, torch
+from metrale_cli.ops import host_harness, reference
+from tests.support.kernel_cases import BGMV_CASES
+case = BGMV_CASES[0]
+i = case.inputs(torch.float32)
+t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
+try:
+    host_harness.bgmv_expand(t, i.slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
+                             case.max_rank)
+except RuntimeError as error:
+    print(json.dumps({"error": str(error)}))
+else:
+    print(json.dumps({"error": None}))
+"""
+    result = run_mutated(tmp_path, [
+        ("bgmv.cu", r"v\[i\] = keep \+ __shfl_xor_sync\(0xffffffffu, send, offset\);",
+         "v[i] = keep + (upper ? __shfl_xor_sync(0xffffffffu, send, offset)\n"
+         "                                   : __shfl_sync(0xffffffffu, send, lane ^ offset));",
+         1),
+    ], script)
+    assert result.returncode == 0, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert error is not None and "meet at different collectives" in error
+    assert "__shfl_xor_sync at " in error and "__shfl_sync at " in error
+
+
+def test_cp_async_misuse_fails_the_launch(tmp_path: Path) -> None:
+    # The shrink's x copies from a source 2 bytes off its 16-byte vectors, and the expand's B
+    # copies with a source size of 17 bytes: both undefined on a GPU (a misaligned cp.async
+    # faults); the shim used to copy them (the 17th byte landing in the next vector, which its
+    # own copy then overwrote).
+    script = """
+import json, torch
+from metrale_cli.ops import host_harness, reference
+from tests.test_host_shim import FULL_CHUNKS as case
+i = case.inputs(torch.float32)
+starts, slots = case.segments()
+errors = []
+try:
+    host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks, case.max_rank,
+                             splits=1)
+except RuntimeError as error:
+    errors.append(str(error))
+good_t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
+try:
+    host_harness.sgmv_expand(good_t, starts, slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
+                             case.max_rank)
+except RuntimeError as error:
+    errors.append(str(error))
+print(json.dumps(errors))
+"""
+    result = run_mutated(tmp_path, [
+        ("sgmv.cu", r"x_src\[i\] \+ at, col_ok", "x_src[i] + at + 1, col_ok", 1),
+        ("sgmv.cu", r"out < out_dim \? b_bytes : 0\)", "out < out_dim ? (b_bytes ? 17 : 0) : 0)",
+         1),
+    ], script)
+    assert result.returncode == 0, result.stderr
+    shrink, expand = json.loads(result.stdout)
+    assert shrink.startswith("sgmv_shrink") and "not 16-byte aligned" in shrink
+    assert expand.startswith("sgmv_expand") and "source size of 17 bytes (0..16)" in expand
+
+
+@pytest.mark.parametrize(("pattern", "replacement", "message"), [
+    # The same barrier written once per branch of a divergent if: threads of one CTA at
+    # different __syncthreads (undefined on a GPU, and released together by a shim that only
+    # counted arrivals).
+    (r"\n  __syncthreads\(\);\n  if \(tid < BGMV_SHRINK_ROWS",
+     "\n  if (tid < 64) {\n    __syncthreads();\n  } else {\n    __syncthreads();\n  }\n"
+     "  if (tid < BGMV_SHRINK_ROWS", "wait at different __syncthreads"),
+    # Half of each warp skips the reduction: the other half waits at a full-mask shuffle that
+    # its lanes at the __syncthreads never reach.
+    (r"const float v = warp_sum\(acc\[i\]\);",
+     "const float v = lane < 16 ? warp_sum(acc[i]) : acc[i];",
+     "deadlock in block (0, 0, 0): warp 0 waits at a collective"),
+], ids=["divergent_syncthreads", "partial_warp_shuffle"])
+def test_divergent_barriers_fail_the_launch(tmp_path: Path, pattern: str, replacement: str,
+                                            message: str) -> None:
+    result = run_mutated(tmp_path, [("bgmv.cu", pattern, replacement, 1)], BGMV_SHRINK)
+    assert result.returncode == 0, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert error.startswith("bgmv_shrink on the host: ") and message in error
