@@ -129,8 +129,8 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     const float v = warp_sum(acc[i]);
     if (lane == 0) partial[warp][i] = v;
   }
-  __syncthreads();
   float sum = 0.f;
+  __syncthreads();
   if (tid < BGMV_SHRINK_ROWS) {
 #pragma unroll
     for (int w = 0; w < METRALE_WARPS; ++w) sum += partial[w][tid];
