@@ -52,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(METRALE_THREADS, BGMV_SHRINK_MIN_CT
 bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ slots,
             const ptr_t* __restrict__ a_table, const int* __restrict__ ranks, int max_loras,
             float* __restrict__ t, int num_tokens, int in_dim, int max_rank, int t_cols,
-            int k_chunk, int num_slices) {
+            int k_chunk, int num_slices, float* partials, unsigned* tickets) {
   const int b = blockIdx.x;
   const int j0 = blockIdx.y * BGMV_SHRINK_ROWS;
   // grid.z is (slice, split): the fused slices of one x (q, k, v) each have their own A table
@@ -61,7 +61,11 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   const int slice = blockIdx.z / splits;
   const int split = blockIdx.z - slice * splits;
   const int tid = threadIdx.x;
-  const bool accumulate = splits > 1;
+  // Splits that start past K (the planner rounds k_chunk up) have nothing to add: they take no
+  // ticket, and the last of the `active` ones reduces.
+  const int active = imin(splits, (in_dim + k_chunk - 1) / k_chunk);
+  const bool split_k = active > 1;
+  if (split >= active) return;
   float* t_row = t + (static_cast<long long>(slice) * num_tokens + b) * t_cols;
 
   const int slot = slots[b];
@@ -70,9 +74,9 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   const int listed = slot_rank(ranks, slot, max_loras);
   const int rank = a_addr ? imin(imin(listed, max_rank), t_cols) : 0;
   if (j0 >= rank) {
-    // Padding rows and skipped tokens cost one store (none under split-K: t is zeroed), not a
-    // pass over A.
-    if (!accumulate && tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) t_row[j0 + tid] = 0.f;
+    // Padding rows and skipped tokens cost one store, not a pass over A: split 0's (the
+    // condition holds for every split of the tile, so none takes a ticket).
+    if (split == 0 && tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) t_row[j0 + tid] = 0.f;
     return;
   }
   const int rows = imin(BGMV_SHRINK_ROWS, rank - j0);
@@ -125,13 +129,36 @@ bgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     const float v = warp_sum(acc[i]);
     if (lane == 0) partial[warp][i] = v;
   }
+  float sum = 0.f;
   __syncthreads();
-  if (tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) {
-    float sum = 0.f;
+  if (tid < BGMV_SHRINK_ROWS) {
 #pragma unroll
     for (int w = 0; w < METRALE_WARPS; ++w) sum += partial[w][tid];
-    if (tid < rows || !accumulate) t_store(&t_row[j0 + tid], tid < rows ? sum : 0.f, accumulate);
+    if (tid >= rows) sum = 0.f;
   }
+  if (split_k) {
+    // The tile: (token, 4 rank rows, slice); each split's 4 partials side by side.
+    const long long tiles = static_cast<long long>(gridDim.x) * gridDim.y * num_slices;
+    const long long tile = (static_cast<long long>(slice) * gridDim.y + blockIdx.y) * gridDim.x + b;
+    if (tid < BGMV_SHRINK_ROWS) __stcg(&partials[(split * tiles + tile) * BGMV_SHRINK_ROWS + tid], sum);
+    __shared__ unsigned ticket;
+    if (!split_last(tickets, tile, active, &ticket)) return;
+    // The splits' partials in one round trip (splits x 4 <= the CTA's threads: one load a
+    // thread), then summed in split order from shared memory.
+    static_assert(METRALE_MAX_SPLITS * BGMV_SHRINK_ROWS <= METRALE_THREADS,
+                  "one partial per thread");
+    __shared__ float gathered[METRALE_MAX_SPLITS * BGMV_SHRINK_ROWS];
+    const int z = tid / BGMV_SHRINK_ROWS;
+    if (z < active)
+      gathered[tid] = __ldcg(&partials[(z * tiles + tile) * BGMV_SHRINK_ROWS +
+                                       tid % BGMV_SHRINK_ROWS]);
+    __syncthreads();
+    if (tid < BGMV_SHRINK_ROWS) {
+      sum = 0.f;
+      for (int s = 0; s < active; ++s) sum += gathered[s * BGMV_SHRINK_ROWS + tid];
+    }
+  }
+  if (tid < BGMV_SHRINK_ROWS && j0 + tid < t_cols) t_row[j0 + tid] = sum;
 }
 
 // Sums each lane's BGMV_EXPAND_STEPS values over the groups of 2^kLog consecutive lanes, halving

@@ -22,7 +22,8 @@
 //   __global__ __device__ __host__ __forceinline__ __launch_bounds__ __align__ __restrict__
 //   static __shared__ arrays (no `extern __shared__`), threadIdx blockIdx blockDim gridDim,
 //   uint3 dim3 uint4 float4 float2, __syncthreads, __shfl_xor_sync / __shfl_sync on types of up
-//   to 8 bytes, __uint_as_float, __float_as_uint, atomicAdd on float, and mma_bf16_16816,
+//   to 8 bytes, __uint_as_float, __float_as_uint, atomicAdd on float and unsigned, __stcg /
+//   __ldcg on float and __threadfence (with the store visibility below), and mma_bf16_16816,
 //   cp_async16 / cp_async_commit / cp_async_wait (lora_common.cuh).
 // cp.async keeps its PTX meaning: a copy is issued into the thread's open group, commit closes
 // the group, and wait<N> completes every committed group but the N newest. The source bytes
@@ -367,6 +368,24 @@ inline bool run_block(Launch& L, int linear, std::string& error) {
   return true;
 }
 
+struct PendingStore {
+  float* address;
+  float value;
+  unsigned block;
+  int thread;
+  bool late;
+};
+inline std::vector<PendingStore> g_pending;
+inline unsigned block_serial() {
+  const Launch& L = *g_launch;
+  return (L.block_idx.z * L.grid.y + L.block_idx.y) * L.grid.x + L.block_idx.x;
+}
+// At the end of a launch every store has landed, in program order.
+inline void land_pending() {
+  for (const PendingStore& p : g_pending) *p.address = p.value;
+  g_pending.clear();
+}
+
 // Runs `body` (a kernel call with bound arguments) over the grid; 0 on success, else 1 with a
 // message in `error` (truncated to error_len).
 inline int launch(dim3 grid, dim3 block, std::function<void()> body, char* error, int error_len) {
@@ -407,6 +426,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, char* error
         L.block_idx = uint3{x, y, z};
         ok = run_block(L, linear++, message);
       }
+  land_pending();
   g_launch = previous;
   std::free(L.stacks);
   if (!ok) {
@@ -450,6 +470,45 @@ inline void __syncthreads(const char* file = __builtin_FILE(), int line = __buil
 // of the additions (which the shim fixes: CTAs in grid order, warps in the CTA's warp order).
 inline float atomicAdd(float* address, float value) {
   const float old = *address;
+  *address = old + value;
+  return old;
+}
+
+// Split-K's serial reduction (lora_common.cuh, split_last): a store to another CTA's data
+// (__stcg) stays with the storing thread until its __threadfence(), and reads (__ldcg) see
+// memory, plus the stores of their own CTA. A store still unfenced when its CTA takes a ticket
+// (atomicAdd on unsigned) may, on a GPU, land after the ticket and after any read that the
+// ticket lets through, so the shim lands it only at the end of the launch: a kernel that
+// reduces before its partials are fenced reads stale memory here, as it may on a GPU.
+inline void __stcg(float* address, float value) {
+  ::metrale_shim::g_pending.push_back(
+      {address, value, ::metrale_shim::block_serial(), ::metrale_shim::g_launch->current, false});
+}
+inline float __ldcg(const float* address) {
+  const unsigned block = ::metrale_shim::block_serial();
+  for (auto p = ::metrale_shim::g_pending.rbegin(); p != ::metrale_shim::g_pending.rend(); ++p)
+    if (p->address == address && p->block == block) return p->value;
+  return *address;
+}
+inline void __threadfence() {
+  auto& pending = ::metrale_shim::g_pending;
+  const unsigned block = ::metrale_shim::block_serial();
+  const int thread = ::metrale_shim::g_launch->current;
+  size_t kept = 0;
+  for (const ::metrale_shim::PendingStore& p : pending) {
+    if (p.block == block && p.thread == thread && !p.late) {
+      *p.address = p.value;
+    } else {
+      pending[kept++] = p;
+    }
+  }
+  pending.resize(kept);
+}
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  const unsigned block = ::metrale_shim::block_serial();
+  for (::metrale_shim::PendingStore& p : ::metrale_shim::g_pending)
+    if (p.block == block) p.late = true;
+  const unsigned old = *address;
   *address = old + value;
   return old;
 }

@@ -103,16 +103,28 @@ __device__ __forceinline__ ptr_t slot_address(const ptr_t* table, int slot, int 
   return (slot >= 0 && slot < max_loras) ? table[slot] : 0ull;
 }
 
-// Split-K's one reduction: each K split of a shrink adds its partial sums into the one t
-// (zeroed before the launch), as vLLM's split-K shrink does. F32 atomics make the sum's order,
-// and so its last bits, vary from run to run; a single split stores plainly and writes every
-// element. On the GPU it is a RED.E.ADD.F32 at L2; the host shim runs CTAs one at a time.
-__device__ __forceinline__ void t_store(float* p, float v, bool accumulate) {
-  if (accumulate) {
-    atomicAdd(p, v);
-  } else {
-    *p = v;
+// Split-K's serial reduction (the "semaphore" design), without atomics on t and without a
+// zeroed t: every K split of an output tile stores its partial tile into `partials` (at L2,
+// st.global.cg), fences, and takes a ticket from the tile's counter; the CTA drawing the last
+// ticket reads the partials in split order (so the sum, and its last bits, is the same in
+// every run), writes t itself and resets the counter to 0. The counters are thus zero between
+// launches with no memset: they are zeroed once, when the workspace is allocated. Returns true
+// in the last CTA (after which its reads of the partials see every split's). CTA-uniform:
+// every thread of the CTA calls it, after its own partial stores. `ticket` is a shared word
+// the CTA lends (the SGMV shrink's pipeline stages fill its static shared memory, so it lends
+// a word of a stage, done with by then).
+__device__ __forceinline__ bool split_last(unsigned* tickets, long long tile, int splits,
+                                           unsigned* ticket) {
+  __threadfence();  // this thread's partial stores are visible device-wide before the ticket
+  __syncthreads();  // ... and every thread's, before thread 0 takes it
+  if (threadIdx.x == 0) *ticket = atomicAdd(&tickets[tile], 1u);
+  __syncthreads();
+  const bool last = *ticket == static_cast<unsigned>(splits - 1);
+  if (last) {
+    if (threadIdx.x == 0) tickets[tile] = 0u;  // every split has drawn: no one reads it again
+    __threadfence();                            // the partials' reads come after the ticket
   }
+  return last;
 }
 
 // The slot's rank, 0 for a slot id outside the table. Read beside the slot's table entry, not

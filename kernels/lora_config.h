@@ -29,6 +29,12 @@
 // t tile and a B tile (24 KiB), within the 48 KiB of static shared memory.
 #define SGMV_SHRINK_STAGES 3
 #define SGMV_EXPAND_STAGES 2
+// Split-K's last sgmv_shrink CTA of a tile whose rank rows lie in its first 16 columns (rank 16,
+// the decode case) reads this many splits' partials (8 values a thread each) before its first
+// add: one L2 round trip per that many splits (plans.split_reduction_round_trips).
+#define SGMV_SPLITS_PER_TRIP 4
+// The same for any other tile (32 values a thread a split).
+#define SGMV_WIDE_SPLITS_PER_TRIP 2
 
 // Per kernel: the CTAs per SM its __launch_bounds__ guarantees (so ptxas keeps registers within
 // 65536 / (METRALE_THREADS x that)), and the independent 16-byte global loads per thread that each

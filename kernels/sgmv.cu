@@ -131,7 +131,8 @@ extern "C" __global__ void __launch_bounds__(METRALE_THREADS, SGMV_SHRINK_MIN_CT
 sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restrict__ chunks,
             const int* __restrict__ token_order, const ptr_t* __restrict__ a_table,
             const int* __restrict__ ranks, int max_loras, float* __restrict__ t, int num_tokens,
-            int in_dim, int max_rank, int t_cols, int k_chunk, int num_slices) {
+            int in_dim, int max_rank, int t_cols, int k_chunk, int num_slices, float* partials,
+            unsigned* tickets) {
   __shared__ __align__(16) bf16_t x_tile[SGMV_SHRINK_STAGES][SG_M * SG_K];
   __shared__ __align__(16) bf16_t a_tile[SGMV_SHRINK_STAGES][SG_N * SG_K];
   // The CTA's 64 columns of the slices' rank columns side by side: column c is rank row
@@ -146,7 +147,10 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
   const int lane = tid & 31;
   const int k_begin = blockIdx.z * k_chunk;
   const int k_end = imin(in_dim, k_begin + k_chunk);
-  const bool accumulate = gridDim.z > 1;
+  // Splits that start past K (the planner rounds k_chunk up) take no ticket; the last of the
+  // `active` ones reduces.
+  const int active = imin(gridDim.z, (in_dim + k_chunk - 1) / k_chunk);
+  const int split = blockIdx.z;
   const int listed = slot_rank(ranks, chunk.slot, max_loras);
   const int rank = imin(imin(listed, max_rank), t_cols);
   // Each n8 tile's slice's table entry (the slice clamped into the table, so that no load
@@ -164,9 +168,12 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     if (c < columns && c - slice * t_cols < rank && entry[nt]) live |= 1u << nt;
   }
   const int k_tiles = live && k_begin < k_end ? (k_end - k_begin + SG_K - 1) / SG_K : 0;
-  // Split-K adds into a zeroed t: a CTA with nothing to add (a skipped chunk, columns past the
-  // rank, an empty trailing split) returns. CTA-uniform, before any barrier.
-  if (accumulate && k_tiles == 0) return;
+  // An empty trailing split returns (CTA-uniform, before any barrier). A tile with nothing to
+  // add (a skipped chunk, columns past the rank: the same for every split) is stored as zeros
+  // by split 0 alone, with no ticket; that test waits for the table entries, so it comes after
+  // the pipeline's issue (no copy waits behind it), where k_tiles = 0 has skipped the loop.
+  const bool split_k = live && active > 1;
+  if (split >= active) return;
 
   float acc[SG_N / 8][4];
 #pragma unroll
@@ -231,8 +238,85 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     }
   }
 
-  // Rows of a skipped chunk and columns past the rank hold exact zeros here. One split stores
-  // them; split-K adds every partial into the zeroed t (lora_common.cuh, t_store).
+  if (!live && split > 0) return;
+  if (split_k) {
+    // Each split's 64 x 64 partial tile, laid out by (fragment value, thread) so that a warp's
+    // stores and the last CTA's loads are 128 contiguous bytes; the last CTA sums the splits in
+    // order (lora_common.cuh, split_last) into its registers and stores t as one split does.
+    const long long tile = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
+    const long long tiles = static_cast<long long>(gridDim.y) * gridDim.x;
+    constexpr int kValues = SG_N / 8 * 4;
+#pragma unroll
+    for (int nt = 0; nt < SG_N / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        __stcg(&partials[((split * tiles + tile) * kValues + nt * 4 + e) * METRALE_THREADS + tid],
+               acc[nt][e]);
+    // The ticket's shared word: the first stage's, whose copies have all landed and whose
+    // mma reads ended at the loop's last barrier.
+    if (!split_last(tickets, tile, active, reinterpret_cast<unsigned*>(x_tile[0]))) return;
+#pragma unroll
+    for (int nt = 0; nt < SG_N / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+    auto partial = [&](int z, int nt, int e) {
+      return __ldcg(&partials[((z * tiles + tile) * kValues + nt * 4 + e) * METRALE_THREADS + tid]);
+    };
+    if (live < 4u) {
+      // Rank rows only in the first 16 columns (a rank-16 tile, the decode case): 8 values a
+      // split, so SGMV_SPLITS_PER_TRIP splits' loads are issued before the first add (one round
+      // trip per that many splits), then added in split order.
+      int z = 0;
+      for (; z + SGMV_SPLITS_PER_TRIP <= active; z += SGMV_SPLITS_PER_TRIP) {
+        float v[SGMV_SPLITS_PER_TRIP][2][4];
+#pragma unroll
+        for (int u = 0; u < SGMV_SPLITS_PER_TRIP; ++u)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[u][nt][e] = partial(z + u, nt, e);
+#pragma unroll
+        for (int u = 0; u < SGMV_SPLITS_PER_TRIP; ++u)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] += v[u][nt][e];
+      }
+      for (; z < active; ++z)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] += partial(z, nt, e);
+    } else {
+      // Each thread's 32 values a split, SGMV_WIDE_SPLITS_PER_TRIP splits' loads before the
+      // first add, then the rest one split a round trip; added in split order.
+      int z = 0;
+      for (; z + SGMV_WIDE_SPLITS_PER_TRIP <= active; z += SGMV_WIDE_SPLITS_PER_TRIP) {
+        float v[SGMV_WIDE_SPLITS_PER_TRIP][SG_N / 8][4];
+#pragma unroll
+        for (int u = 0; u < SGMV_WIDE_SPLITS_PER_TRIP; ++u)
+#pragma unroll
+          for (int nt = 0; nt < SG_N / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[u][nt][e] = partial(z + u, nt, e);
+#pragma unroll
+        for (int u = 0; u < SGMV_WIDE_SPLITS_PER_TRIP; ++u)
+#pragma unroll
+          for (int nt = 0; nt < SG_N / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] += v[u][nt][e];
+      }
+      for (; z < active; ++z) {
+#pragma unroll
+        for (int nt = 0; nt < SG_N / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] += partial(z, nt, e);
+      }
+    }
+  }
+
+  // Rows of a skipped chunk and columns past the rank hold exact zeros here; every t element
+  // of the CTA's rows and columns is stored once, by its one split or split-K's last CTA.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = warp * 16 + (lane >> 2) + h * 8;
@@ -246,8 +330,8 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
         const int slice = col / t_cols;
         float* out = t + (slice * static_cast<long long>(num_tokens) + token) * t_cols +
                      (col - slice * t_cols);
-        t_store(&out[0], acc[nt][2 * h], accumulate);
-        t_store(&out[1], acc[nt][2 * h + 1], accumulate);
+        out[0] = acc[nt][2 * h];
+        out[1] = acc[nt][2 * h + 1];
       }
     }
   }

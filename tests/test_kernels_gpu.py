@@ -57,7 +57,8 @@ def _device_tables(pool: Pool) -> tuple[Any, Any, Any]:
 
 
 def _nan_t(case: Case) -> Any:
-    """t NaN-filled: an element the shrink fails to write shows (a split shrink zeroes it)."""
+    """t NaN-filled: an element the shrink fails to write shows (a split shrink zeroes nothing:
+    its last CTA of each tile writes t)."""
     cupy = _cupy()
     return cupy.full((case.num_tokens, case.max_rank), cupy.nan, dtype=cupy.float32)
 

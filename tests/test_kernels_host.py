@@ -76,14 +76,19 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(("kind", "tokens", "in_dim", "t_cols", "want"), [
-    ("bgmv", 1, 4096, 16, 1),  # 2 passes of one CTA: a memset costs more than a split saves
-    ("bgmv", 1, 16384, 16, 8),  # 8 passes of one CTA: one each, for a memset
+    # 2 passes of one CTA: the ticket and the partials' round trip cost more than a pass saves
+    ("bgmv", 1, 4096, 16, 1),
+    ("bgmv", 1, 16384, 16, 8),  # 8 passes of one CTA: one each, and 3 L2 round trips
     ("bgmv", 256, 4096, 64, 1),  # the batch fills the device
     # 512 CTAs are 1.3 waves of 396, each 11 pipelined passes of 3 K tiles: evening the waves
-    # by splitting saves less than the memset and the atomics cost.
+    # by splitting saves less than the reduction costs.
     ("sgmv", 32768, 2048, 16, 1),
-    ("sgmv", 256, 2048, 64, 11),  # 4 CTAs of 32 K tiles each: one pass (3 tiles) per split
-    ("sgmv", 512, 1024, 16, 6),  # 8 CTAs of 16 K tiles: one pass per split
+    # 4 CTAs of 32 K tiles each: the last CTA reads the splits two a round trip, so 6 splits of
+    # 2 passes beat 11 of one.
+    ("sgmv", 256, 2048, 64, 6),
+    # 8 CTAs of 16 K tiles at rank 16: one pass per split, its last CTA reading 4 splits a
+    # round trip.
+    ("sgmv", 512, 1024, 16, 8),
 ])
 def test_split_k_is_planned_by_modelled_cost(kind: str, tokens: int, in_dim: int, t_cols: int,
                                              want: int) -> None:
@@ -100,11 +105,23 @@ def test_host_and_gpu_share_one_plan() -> None:
     pool = case.pool()
     a_table, _ = pool.tables()
     t = torch.empty(case.num_tokens, case.max_rank)
+    grid = (case.num_tokens, case.max_rank // sources.SHRINK_ROWS, 2)
+    floats, tickets = plans.split_workspace("bgmv_shrink", grid, 2)
+    workspace = (np.empty(floats, np.float32), np.zeros(tickets, np.uint32))
     plan = plans.plan_bgmv_shrink(case.x(), case.token_slots(), a_table, pool.ranks, t,
-                                    case.max_rank, splits=2)
+                                    case.max_rank, splits=2, workspace=workspace)
     assert plan.kernel == "bgmv_shrink"
-    assert plan.grid == (case.num_tokens, case.max_rank // sources.SHRINK_ROWS, 2)
+    assert plan.grid == grid
     assert plan.block == (sources.THREADS, 1, 1)
+    assert plan.args[-2:] == workspace
+    # A split launch without its workspace, or with one too small, is refused.
+    with pytest.raises(ValueError, match="needs a workspace"):
+        plans.plan_bgmv_shrink(case.x(), case.token_slots(), a_table, pool.ranks, t,
+                               case.max_rank, splits=2)
+    with pytest.raises(ValueError, match="tickets hold"):
+        plans.plan_bgmv_shrink(case.x(), case.token_slots(), a_table, pool.ranks, t,
+                               case.max_rank, splits=2,
+                               workspace=(workspace[0], workspace[1][:tickets - 1]))
 
 
 def test_plans_refuse_unaligned_dims() -> None:
@@ -333,8 +350,12 @@ def test_fused_slices_are_one_shrink_and_one_expand_launch() -> None:
     t = torch.zeros(3, case.num_tokens, case.max_rank)
     y = torch.zeros(case.num_tokens, 128)
     slots, ranks, scales = case.token_slots(), pools[0].ranks, pools[0].scales
-    shrink = plans.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t, case.max_rank, 2)
-    assert shrink.grid == (case.num_tokens, case.max_rank // sources.SHRINK_ROWS, 3 * 2)
+    grid = (case.num_tokens, case.max_rank // sources.SHRINK_ROWS, 3 * 2)
+    workspace = host_harness.HOST.workspace(case.x(), *plans.split_workspace("bgmv_shrink", grid,
+                                                                             2))
+    shrink = plans.plan_bgmv_shrink(case.x(), slots, a_tables, ranks, t, case.max_rank, 2,
+                                    workspace)
+    assert shrink.grid == grid
     expand = plans.plan_bgmv_expand(t, slots, b_tables, scales, ranks, y, case.max_rank, cols)
     assert expand.grid == (case.num_tokens, 1, 3)  # the widest slice, 72, in one CTA per token
     with pytest.raises(ValueError, match="need slice_cols"):

@@ -31,8 +31,8 @@ class Recorder:
     def new_t(self, like: Any, shape: tuple[int, ...]) -> Any:
         return np.empty(shape, dtype=np.float32)
 
-    def zero(self, t: Any) -> None:
-        """A memset on the GPU; nothing to run here."""
+    def workspace(self, like: Any, partials: int, tickets: int) -> tuple[Any, Any]:
+        return np.empty(partials, dtype=np.float32), np.zeros(tickets, dtype=np.uint32)
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         return np.ascontiguousarray(values)

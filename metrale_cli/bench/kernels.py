@@ -163,17 +163,24 @@ class _Group:
 
 
 def _ours(kind: str, group: _Group) -> Callable[[], None]:
-    """The launch `plan_launch` models for this group's batch, ready to call (a split-K shrink:
-    the memset of t, then the kernel, both timed)."""
+    """The launch `plan_launch` models for this group's batch, ready to call (a split-K shrink
+    through the backend's workspace: one kernel, no memset)."""
     tokens, out_dim = (int(d) for d in group.y.shape)
     sms = kernels.device_sm_count()
+    workspace = None
+    if kind == "shrink" and group.splits > 1:
+        name = "sgmv_shrink" if group.grouped else "bgmv_shrink"
+        rows = int(group.chunks.shape[0]) if group.grouped else tokens
+        grid = plans.launch_grid(name, rows, 0, int(group.t.shape[1]), group.splits)
+        workspace = kernels.CUPY.workspace(group.x,
+                                           *plans.split_workspace(name, grid, group.splits))
     if kind == "shrink" and group.grouped:
         plan = plans.plan_sgmv_shrink(group.x, group.chunks, group.a_table, group.ranks,
                                       group.t, group.max_rank, token_order=group.order,
-                                      splits=group.splits)
+                                      splits=group.splits, workspace=workspace)
     elif kind == "shrink":
         plan = plans.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t,
-                                        group.max_rank, group.splits)
+                                        group.max_rank, group.splits, workspace)
     elif group.grouped and (group.order is None or plans.grouped_expand(
             tokens, out_dim, group.max_rank, int(group.chunks.shape[0]), sms)):
         plan = plans.plan_sgmv_expand(
@@ -184,12 +191,6 @@ def _ours(kind: str, group: _Group) -> Callable[[], None]:
         plan = plans.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,
                                         group.ranks, group.y, group.max_rank)
     kernel = kernels.get_kernel(plan.kernel)
-    if kind == "shrink" and group.splits > 1:
-        def split_shrink() -> None:
-            group.t.fill(0)
-            kernel(plan.grid, plan.block, plan.args)
-
-        return split_shrink
     return lambda: kernel(plan.grid, plan.block, plan.args)
 
 

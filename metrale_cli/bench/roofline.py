@@ -80,7 +80,7 @@ class LaunchWork:
     - `chains`: dependent scalar round trips summed over the CTAs, each an L2 latency: the
       slot -> table[slot] chain beside ranks[slot], an SGMV CTA's chunk -> table[slot];
     - `cta_passes`, `cta_chains`: the heaviest CTA's (the critical path);
-    - `launches`: graph nodes it takes (a split-K shrink: the memset of t, then the kernel).
+    - `launches`: graph nodes it takes (one: split-K needs no memset of t).
     """
 
     kernel: str
@@ -146,15 +146,15 @@ def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, o
     else:
         work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, out_dim, splits, y_bytes,
                           out_tiles)
-    # Split-K adds its partials into one t, zeroed by a memset node first; the expand reads it.
-    launches = 2 if kind == "shrink" and splits > 1 else 1
-    return LaunchWork(kernel, path, grid, splits, *work, launches=launches)
+    return LaunchWork(kernel, path, grid, splits, *work)
 
 
 def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in_dim: int,
                out_dim: int, splits: int, y_bytes: int) -> tuple[int, int, int, int, int]:
     """(l2_bytes, passes, chains, cta_passes, cta_chains) of a BGMV launch, every token adapted
-    at `rank` (kernels/bgmv.cu). The shrink's splits add into t (atomics at L2)."""
+    at `rank` (kernels/bgmv.cu). The shrink's splits reduce through the workspace: their
+    partials written and read back at L2, and the last CTA of a tile waits for its ticket and
+    its reads (plans.split_reduction_round_trips)."""
     if kind == "shrink":
         # A CTA: 4 rank rows of one token over one split; a pass is 2 K steps of 128 x 8
         # elements (x and 4 A rows); slot -> table, ranks first.
@@ -162,10 +162,12 @@ def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in
         lengths = _split_lengths(in_dim, splits, sources.VECTOR)
         per_token_rows = grid[1]
         passes = tokens * per_token_rows * int((-(-lengths // step)).sum())
-        l2 = tokens * per_token_rows * (2 * (1 + sources.SHRINK_ROWS) * in_dim
-                                        + 4 * sources.SHRINK_ROWS * splits)
-        ctas = tokens * per_token_rows * splits
-        return l2, passes, 2 * ctas, int(-(-lengths.max() // step)), 2
+        tiles = tokens * per_token_rows
+        l2 = (tiles * (2 * (1 + sources.SHRINK_ROWS) * in_dim + 4 * sources.SHRINK_ROWS)
+              + plans.split_partial_bytes("bgmv", tiles, splits))
+        reduction = plans.split_reduction_round_trips("bgmv", splits)
+        chains = 2 * tiles * splits + tiles * reduction
+        return l2, passes, chains, int(-(-lengths.max() // step)), 2 + reduction
     # expand: a CTA is 1024 output rows of one token; slot -> table beside ranks (2 round
     # trips), then passes of BGMV_EXPAND_STEPS rows per thread, its t values loaded beside the
     # first; L2 serves the sectors its B loads touch, its t vectors and y read and written.
@@ -220,10 +222,14 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens
         k_tiles = -(-lengths // tile)
         split_passes = -(-k_tiles // sources.SGMV_SHRINK_STAGES)
         passes = grid[0] * grid[1] * int(split_passes.sum())
-        # x once per column tile (each chunk's rows), A once per chunk, t once per split.
+        # x once per column tile (each chunk's rows), A once per chunk, t once; split-K's
+        # partials written and read back, and the last CTA's ticket and reads as chains.
+        tiles = grid[0] * grid[1]
         l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
-                 + 4 * splits * tokens * slices * rank)
-        return l2, passes, 2 * ctas, int(split_passes.max()), 2
+                 + 4 * tokens * slices * rank + plans.split_partial_bytes("sgmv", tiles, splits))
+        reduction = plans.split_reduction_round_trips("sgmv", splits, slices * rank)
+        return (l2, passes, 2 * ctas + tiles * reduction, int(split_passes.max()),
+                2 + reduction)
     # expand: the items (an output tile's B tile with its rank chunk's t tile; t is copied
     # again for every output tile), SGMV_EXPAND_STAGES a pass; an output tile's y vectors are
     # loaded a tile ahead (the first tile's with the prologue), right behind the copies of its
@@ -429,8 +435,7 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
                                  slices=count)
         work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, 0, splits, y_bytes,
                           slices=count)
-        return LaunchWork("sgmv_shrink", f"{path} (fused)", grid, splits, *work,
-                          launches=2 if splits > 1 else 1)
+        return LaunchWork("sgmv_shrink", f"{path} (fused)", grid, splits, *work)
     if chunks is not None and (path == "segments" or plans.grouped_expand(
             tokens, total_out, rank, len(chunks), sms)):
         kernel = f"sgmv_expand_{y_kind}"
@@ -457,7 +462,7 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
             kind, grid, tokens, rank, in_dim, slices[0], splits, y_bytes)
         return LaunchWork("bgmv_shrink", "per-token (fused)", (grid[0], grid[1], count * splits),
                           splits, count * l2, count * passes, count * chains, cta_passes,
-                          cta_chains, launches=2 if splits > 1 else 1)
+                          cta_chains)
     kernel = f"bgmv_expand_{y_kind}"
     widest = plans.launch_grid(kernel, tokens, widest_out, rank, slices=count)
     l2 = passes = chains = 0

@@ -158,8 +158,8 @@ def launch(plan: plans.KernelLaunch) -> None:
 
 class HostBackend:
     """kernels.Backend for the host harness: NaN-filled t (an element a kernel fails to write
-    shows up in any comparison), arrays of x's kind (torch or NumPy), an H200's SM count unless
-    told otherwise."""
+    shows up in any comparison), a persistent split-K workspace, arrays of x's kind (torch or
+    NumPy), an H200's SM count unless told otherwise."""
 
     def launch(self, plan: plans.KernelLaunch) -> None:
         launch(plan)
@@ -171,11 +171,18 @@ class HostBackend:
             return torch.full(shape, float("nan"), dtype=torch.float32)
         return np.full(shape, np.nan, dtype=np.float32)
 
-    def zero(self, t: Any) -> None:
-        if hasattr(t, "zero_"):
-            t.zero_()
-        else:
-            t.fill(0)
+    def __init__(self) -> None:
+        self._workspace = (np.empty(0, dtype=np.float32), np.zeros(0, dtype=np.uint32))
+
+    def workspace(self, like: Any, partials: int, tickets: int) -> tuple[Any, Any]:
+        """Split-K's workspace as kernels.CupyBackend.workspace keeps it (grown when too
+        small, tickets zeroed only when allocated); new partials are NaN, so a reduction that
+        reads a split never written shows up in any comparison."""
+        held_partials, held_tickets = self._workspace
+        if held_partials.size < partials or held_tickets.size < tickets:
+            self._workspace = (np.full(max(partials, held_partials.size), np.nan, np.float32),
+                               np.zeros(max(tickets, held_tickets.size), np.uint32))
+        return self._workspace
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         if hasattr(like, "data_ptr"):

@@ -27,12 +27,14 @@ from metrale_cli.ops.plans import (
     chunk_count,
     expand_out_tiles,
     grouped_expand,
+    launch_grid,
     plan_bgmv_expand,
     plan_bgmv_shrink,
     plan_sgmv_expand,
     plan_sgmv_shrink,
     segment_chunks,
     shrink_splits,
+    split_workspace,
     work_list,
 )
 from metrale_cli.ops.sources import KERNEL_SOURCES, find_kernel_dir, read_source, sources_digest
@@ -47,7 +49,7 @@ class Backend(Protocol):
 
     def new_t(self, like: Any, shape: tuple[int, ...]) -> Any: ...
 
-    def zero(self, t: Any) -> None: ...
+    def workspace(self, like: Any, partials: int, tickets: int) -> tuple[Any, Any]: ...
 
     def array(self, like: Any, values: np.ndarray) -> Any: ...
 
@@ -93,8 +95,28 @@ class CupyBackend:
         cupy = compat.cupy_module()
         return cupy.empty(shape, dtype=cupy.float32)
 
-    def zero(self, t: Any) -> None:
-        t.fill(0)  # a memset on the current stream, before the split-K shrink adds into t
+    def __init__(self) -> None:
+        self._workspaces: dict[int, tuple[Any, Any]] = {}
+
+    def workspace(self, like: Any, partials: int, tickets: int) -> tuple[Any, Any]:
+        """Split-K's workspace on the current device: (partials F32, tickets u32) of at least
+        these sizes, kept for the backend's life and grown when too small. The tickets are
+        zeroed only when allocated: every split-K launch leaves them zero (its last CTA per tile
+        resets its counter), so no memset precedes a launch and a CUDA graph may capture it
+        (once the workspace has its size: growing it inside a capture would allocate). One
+        workspace serves one stream: split shrinks on two streams at once through one backend
+        would share partials and counters and corrupt both; give each stream its own
+        CupyBackend."""
+        cupy = compat.cupy_module()
+        device = cupy.cuda.Device().id
+        held = self._workspaces.get(device)
+        if held is None or held[0].size < partials or held[1].size < tickets:
+            floats = max(partials, held[0].size if held else 0)
+            counters = max(tickets, held[1].size if held else 0)
+            held = (cupy.empty(floats, dtype=cupy.float32),
+                    cupy.zeros(counters, dtype=cupy.uint32))
+            self._workspaces[device] = held
+        return held
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         return compat.cupy_module().asarray(values)
@@ -116,11 +138,12 @@ CUPY = CupyBackend()
 
 def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
               splits: int | None, num_sms: int | None, slices: int = 1,
-              chunks: int | None = None) -> tuple[Any, int]:
-    """(t, splits) for a shrink of x: t F32 [T, t_cols] (allocated when not given; [S, T,
-    t_cols] for S fused slices), split as the planner splits it (over all the slices' CTAs:
-    BGMV's S x T token rows, SGMV's `chunks` x the slices' rank columns side by side) unless
-    `splits` says; zeroed when split, as the atomics add into it."""
+              chunks: int | None = None) -> tuple[Any, int, tuple[Any, Any] | None]:
+    """(t, splits, workspace) for a shrink of x: t F32 [T, t_cols] (allocated when not given;
+    [S, T, t_cols] for S fused slices), split as the planner splits it (over all the slices'
+    CTAs: BGMV's S x T token rows, SGMV's `chunks` x the slices' rank columns side by side)
+    unless `splits` says; when split, the backend's split-K workspace (sized for the launch),
+    through which the last split of each tile writes t: no memset of t."""
     num_tokens, in_dim = (int(d) for d in x.shape)
     if t is not None:
         t_cols = int(t.shape[-1])
@@ -131,9 +154,12 @@ def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
     if t is None:
         t = backend.new_t(x, (num_tokens, t_cols) if slices == 1 else
                           (slices, num_tokens, t_cols))
-    if splits > 1:
-        backend.zero(t)
-    return t, splits
+    if splits == 1:
+        return t, splits, None
+    kernel = f"{kind}_shrink"
+    grid = launch_grid(kernel, num_tokens if kind == "bgmv" else int(chunks or 0), in_dim,
+                       t_cols, splits, slices=slices)
+    return t, splits, backend.workspace(x, *split_workspace(kernel, grid, splits))
 
 
 def bgmv_shrink(
@@ -144,10 +170,10 @@ def bgmv_shrink(
     """Decode shrink. x BF16 (uint16) [T, in_dim]; slots i32 [T]; a_table u64, ranks i32
     [max_loras]. Returns t F32 [T, t_cols] (allocated when not given), t_cols being max_rank,
     or the batch's widest rank when its `batch` plan is given. `splits`: the K splits (default:
-    the planner's, shrink_splits); a split shrink zeroes t first."""
-    t, splits = _shrink_t(backend, "bgmv", x, t, batch.t_cols if batch else max_rank, splits,
-                          num_sms)
-    backend.launch(plan_bgmv_shrink(x, slots, a_table, ranks, t, max_rank, splits))
+    the planner's, shrink_splits); a split shrink reduces through the backend's workspace."""
+    t, splits, workspace = _shrink_t(backend, "bgmv", x, t, batch.t_cols if batch else max_rank,
+                                     splits, num_sms)
+    backend.launch(plan_bgmv_shrink(x, slots, a_table, ranks, t, max_rank, splits, workspace))
     return t
 
 
@@ -193,9 +219,10 @@ def sgmv_shrink(
     bgmv_shrink; `chunks`: the segments' work list (plans.segment_chunks) already on the
     backend (a WorkList, or a raw array checked here), else built here."""
     work = _chunks(backend, x, seg_starts, seg_slots, int(x.shape[0]), chunks, token_order)
-    t, splits = _shrink_t(backend, "sgmv", x, t, t_cols or max_rank, splits, num_sms,
-                          chunks=chunk_count(work))
-    backend.launch(plan_sgmv_shrink(x, work, a_table, ranks, t, max_rank, token_order, splits))
+    t, splits, workspace = _shrink_t(backend, "sgmv", x, t, t_cols or max_rank, splits, num_sms,
+                                     chunks=chunk_count(work))
+    backend.launch(plan_sgmv_shrink(x, work, a_table, ranks, t, max_rank, token_order, splits,
+                                    workspace))
     return t
 
 
@@ -265,9 +292,11 @@ def bgmv_fused(
             return _sgmv_fused_expand(t, work, b_tables, scale_table, ranks, y, max_rank,
                                       cols, bounds, num_sms, backend)
     else:
-        t, splits = _shrink_t(backend, "bgmv", x, None, batch.t_cols if batch else max_rank,
-                              None, num_sms, slices)
-        backend.launch(plan_bgmv_shrink(x, slots, a_tables, ranks, t, max_rank, splits))
+        t, splits, workspace = _shrink_t(backend, "bgmv", x, None,
+                                         batch.t_cols if batch else max_rank, None, num_sms,
+                                         slices)
+        backend.launch(plan_bgmv_shrink(x, slots, a_tables, ranks, t, max_rank, splits,
+                                        workspace))
     backend.launch(plan_bgmv_expand(t, slots, b_tables, scale_table, ranks, y, max_rank,
                                     bounds))
     return y
@@ -278,9 +307,10 @@ def _sgmv_fused_shrink(x: Any, work: WorkList, a_tables: Any, ranks: Any, max_ra
     """The one SGMV shrink of fused slices over the work list `work` (with its order): t F32
     [S, T, t_cols], split for the launch's CTAs (the chunks times the slices' rank columns
     side by side)."""
-    t, splits = _shrink_t(backend, "sgmv", x, None, t_cols, None, num_sms,
-                          int(a_tables.shape[0]), work.count)
-    backend.launch(plan_sgmv_shrink(x, work, a_tables, ranks, t, max_rank, splits=splits))
+    t, splits, workspace = _shrink_t(backend, "sgmv", x, None, t_cols, None, num_sms,
+                                     int(a_tables.shape[0]), work.count)
+    backend.launch(plan_sgmv_shrink(x, work, a_tables, ranks, t, max_rank, splits=splits,
+                                    workspace=workspace))
     return t
 
 

@@ -23,7 +23,9 @@ from metrale_cli.ops.sources import (
     MAX_SPLITS,
     SGMV_EXPAND_STAGES,
     SGMV_SHRINK_STAGES,
+    SGMV_SPLITS_PER_TRIP,
     SGMV_TILE,
+    SGMV_WIDE_SPLITS_PER_TRIP,
     SHRINK_ROWS,
     THREADS,
     VECTOR,
@@ -188,21 +190,48 @@ _BGMV_MIN_K_CHUNK = THREADS * VECTOR
 _SGMV_MIN_K_CHUNK = SGMV_TILE
 _PASS_K = {"bgmv": 2 * _BGMV_MIN_K_CHUNK, "sgmv": SGMV_SHRINK_STAGES * SGMV_TILE}
 # The split planner's costs, those of the roofline model (metrale_cli/bench/roofline.py): a
-# streaming pass is one DRAM latency, a dependent metadata load one L2 latency, and split-K
-# adds its partials into t by atomics at L2 after a memset of t (one more graph node).
+# streaming pass is one DRAM latency, a dependent load one L2 latency. Split-K's serial
+# reduction (kernels/lora_common.cuh, split_last) writes each split's partial tile and has the
+# last CTA read them back, at L2; its ticket is a fence and an atomic round trip, and the last
+# CTA's reads are one round trip (BGMV: a partial a thread) or about one per split (SGMV: each
+# thread's values a split, summed in order; split_reduction_round_trips). No memset: t is
+# written once, by that CTA.
 _DRAM_LATENCY_US = 0.6
 _L2_LATENCY_US = 0.3
 _L2_BYTES_PER_US = 10e6
-MEMSET_US = 2.0
+TICKET_ROUND_TRIPS = 2
+
+
+def split_reduction_round_trips(kind: str, splits: int, columns: int = SGMV_TILE) -> int:
+    """The dependent L2 round trips split-K adds to the last CTA of a tile: its fence and
+    ticket, then its reads of the partials (kernels/bgmv.cu, sgmv.cu): BGMV's in one; SGMV's
+    SGMV_WIDE_SPLITS_PER_TRIP splits a round trip, or SGMV_SPLITS_PER_TRIP where the tile's
+    rank columns (`columns`: the slices' side by side) fit in its first 16, and the splits left
+    over one a round trip."""
+    if splits == 1:
+        return 0
+    if kind == "bgmv":
+        return TICKET_ROUND_TRIPS + 1
+    per_trip = SGMV_SPLITS_PER_TRIP if columns <= 2 * VECTOR else SGMV_WIDE_SPLITS_PER_TRIP
+    return TICKET_ROUND_TRIPS + splits // per_trip + splits % per_trip
+
+
+def split_partial_bytes(kind: str, tiles: int, splits: int) -> int:
+    """Bytes split-K's partials move at L2 over `tiles` output tiles: each split's F32 tile
+    written once and read once by the last CTA."""
+    if splits == 1:
+        return 0
+    floats = _PARTIAL_FLOATS[f"{kind}_shrink"]
+    return 2 * 4 * floats * tiles * splits
 
 
 def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits: int,
                    num_sms: int, chunks: int | None = None) -> float:
     """The modelled time of a `kind` ("bgmv" or "sgmv") shrink cut into `splits` K splits: CTAs
     resident together (the launch bounds' per SM) run in waves, each CTA 2 metadata round trips
-    and then ceil(split's K / a pass's K) streaming passes; split-K adds the memset of t and
-    its partials' atomics. `chunks`: SGMV's chunk count (segment_chunks; default one segment's,
-    ceil(T / 64))."""
+    and then ceil(split's K / a pass's K) streaming passes; split-K adds its reduction's round
+    trips (split_reduction_round_trips) to the last wave and its partials' bytes at L2.
+    `chunks`: SGMV's chunk count (segment_chunks; default one segment's, ceil(T / 64))."""
     if kind == "bgmv":
         base, kernel = num_tokens * -(-t_cols // SHRINK_ROWS), "bgmv_shrink"
         chunk = k_chunk(in_dim, splits, VECTOR)
@@ -216,9 +245,8 @@ def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits:
     resident = min(ctas, num_sms * min_ctas_per_sm(kernel))
     waves = -(-ctas // resident)
     stream = waves * (-(-chunk // _PASS_K[kind]) * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
-    if splits == 1:
-        return stream
-    return stream + MEMSET_US + 4 * num_tokens * t_cols * splits / _L2_BYTES_PER_US
+    return (stream + split_reduction_round_trips(kind, splits, t_cols) * _L2_LATENCY_US
+            + split_partial_bytes(kind, max(base, 1), splits) / _L2_BYTES_PER_US)
 
 
 def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int,
@@ -252,8 +280,40 @@ def launch_grid(kernel: str, rows: int, dim: int, t_cols: int, splits: int = 1,
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
+# Each split's partial of one output tile in the split-K workspace: BGMV's 4 rank rows of a
+# token, SGMV's 64 x 64 tile.
+_PARTIAL_FLOATS = {"bgmv_shrink": SHRINK_ROWS, "sgmv_shrink": SGMV_TILE * SGMV_TILE}
+
+
+def split_workspace(kernel: str, grid: tuple[int, int, int], splits: int) -> tuple[int, int]:
+    """(partial floats, tickets) that a split-K `kernel` ("bgmv_shrink" or "sgmv_shrink") of
+    this grid (launch_grid's) needs in its workspace: one partial tile per split and output
+    tile, one ticket counter per output tile (kernels/lora_common.cuh, split_last)."""
+    gx, gy, gz = grid
+    tiles = gx * gy * (gz // splits if kernel == "bgmv_shrink" else 1)
+    return splits * tiles * _PARTIAL_FLOATS[kernel], tiles
+
+
+def _workspace_args(kernel: str, grid: tuple[int, int, int], splits: int,
+                    workspace: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """The kernel's (partials, tickets) arguments: null pointers for one split, else the
+    workspace's buffers, F32 and u32, dense and at least split_workspace's sizes."""
+    if splits == 1:
+        return np.uint64(0), np.uint64(0)
+    if workspace is None:
+        raise ValueError(f"a split-K {kernel} needs a workspace (partials, tickets)")
+    needs = split_workspace(kernel, grid, splits)
+    for buffer, what, dtype, need in zip(workspace, ("partials", "tickets"),
+                                         ("float32", "uint32"), needs, strict=True):
+        check_buffer(buffer, what, (dtype,), (None,))
+        if int(buffer.shape[0]) < need:
+            raise ValueError(f"the split-K workspace's {what} hold {int(buffer.shape[0])} "
+                             f"elements; this launch needs {need}")
+    return workspace
+
+
 def k_chunk(in_dim: int, splits: int, multiple: int) -> int:
-    # Splits past the end of K are harmless: their CTAs write zero partials.
+    # Splits past the end of K are harmless: their CTAs return and take no ticket.
     chunk = -(-in_dim // splits)
     return -(-chunk // multiple) * multiple
 
@@ -307,10 +367,12 @@ def _slices(table: Any, t: Any, what: str) -> tuple[int, int, Any]:
 
 def plan_bgmv_shrink(
     x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int, splits: int = 1,
+    workspace: tuple[Any, Any] | None = None,
 ) -> KernelLaunch:
     """t[b, :] = x[b] @ A_slot[b]^T (see kernels/bgmv.cu), K cut into `splits` whose partials
-    are added into t by atomics (t must then be zero). t's width may be below max_rank (the
-    batch's widest rank): the grid covers only it. With a_table [S, max_loras] and t
+    the last split's CTA sums in order through `workspace` (partials, tickets: split_workspace's
+    sizes at least; the tickets zero, as the kernel leaves them). t's width may be below
+    max_rank (the batch's widest rank): the grid covers only it. With a_table [S, max_loras] and t
     [S, T, t_cols], the S slices that share x (q, k, v) are one launch."""
     slices, max_loras, plane = _slices(a_table, t, "a_table")
     num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
@@ -326,6 +388,7 @@ def plan_bgmv_shrink(
         x, np.int64(row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
         t, np.int32(num_tokens), np.int32(in_dim), np.int32(max_rank), np.int32(t_cols),
         np.int32(k_chunk(in_dim, num_splits, VECTOR)), np.int32(slices),
+        *_workspace_args("bgmv_shrink", grid, num_splits, workspace),
     )
     return KernelLaunch("bgmv_shrink", grid, (THREADS, 1, 1), args)
 
@@ -505,14 +568,14 @@ def _work_args(chunks: Any, token_order: Any | None, num_tokens: int) -> tuple[A
 
 def plan_sgmv_shrink(
     x: Any, chunks: Any, a_table: Any, ranks: Any, t: Any, max_rank: int,
-    token_order: Any | None = None, splits: int = 1,
+    token_order: Any | None = None, splits: int = 1, workspace: tuple[Any, Any] | None = None,
 ) -> KernelLaunch:
     """t[b, :] = x[b] @ A_seg^T (see kernels/sgmv.cu) over the work list `chunks`
     (segment_chunks where the kernel reads it, or a WorkList with its order), K cut into
-    `splits` added into t by atomics (t must then be zero). With `token_order`, the chunks
-    index sorted positions (the grouped decode path). Fused slices as in plan_bgmv_shrink
-    (a_table [S, max_loras], t [S, T, t_cols]): the CTAs' 64-column tiles run over the
-    slices' rank columns side by side."""
+    `splits` reduced through `workspace` as in plan_bgmv_shrink. With `token_order`, the
+    chunks index sorted positions (the grouped decode path). Fused slices as in
+    plan_bgmv_shrink (a_table [S, max_loras], t [S, T, t_cols]): the CTAs' 64-column tiles run
+    over the slices' rank columns side by side."""
     slices, max_loras, plane = _slices(a_table, t, "a_table")
     num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
     in_dim = int(x.shape[1])
@@ -527,7 +590,7 @@ def plan_sgmv_shrink(
         x, np.int64(row_stride(x, "x")), chunks, order_arg, a_table,
         ranks, np.int32(max_loras), t, np.int32(num_tokens), np.int32(in_dim),
         np.int32(max_rank), np.int32(t_cols), np.int32(k_chunk(in_dim, num_splits, SGMV_TILE)),
-        np.int32(slices),
+        np.int32(slices), *_workspace_args("sgmv_shrink", grid, num_splits, workspace),
     )
     return KernelLaunch("sgmv_shrink", grid, (THREADS, 1, 1), args)
 

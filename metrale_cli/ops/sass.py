@@ -203,31 +203,45 @@ class Instruction:
     def _has_destination(self) -> bool:
         return self.opcode.split(".")[0] not in _NO_DESTINATION
 
-    def writes(self) -> set[str]:
-        """Registers written: the destination, widened to a load's vector width."""
+    def _destinations(self) -> list[re.Match[str]]:
+        """The destination register, then the predicates written beside it: the operands
+        right after it that are predicates (ISETP's second result, the carry out of LEA,
+        IADD3 and IMAD.WIDE: `LEA R2, P0, R7, R4`); a predicate later on (LEA.HI.X's carry
+        in, SEL's condition) is read."""
         registers = self._registers()
         if not self._has_destination() or not registers:
+            return []
+        if "[" in self.operands[: registers[0].start()]:
+            return []
+        written = [registers[0]]
+        for match in registers[1:]:
+            gap = self.operands[written[-1].end(): match.start()]
+            if match.group(1) != "P" or gap.strip() != ",":
+                break
+            written.append(match)
+        return written
+
+    def writes(self) -> set[str]:
+        """Registers written: the destination, widened to a load's vector width, and the
+        predicates written beside it."""
+        written = self._destinations()
+        if not written:
             return set()
-        first = registers[0]
-        if "[" in self.operands[: first.start()]:
-            return set()
+        first = written[0]
         width = 1
         if self.is_global_load:
             width = 4 if ".128" in self.opcode else 2 if ".64" in self.opcode else 1
         elif first.group(3) or ".WIDE" in self.opcode:
             width = 2  # a 64-bit result: IMAD.WIDE writes its destination and the next
         kind, base = first.group(1), int(first.group(2))
-        return {f"{kind}{base + i}" for i in range(width)}
+        return ({f"{kind}{base + i}" for i in range(width)}
+                | {f"{m.group(1)}{m.group(2)}" for m in written[1:]})
 
     def reads(self) -> set[str]:
         """Registers read, widened: a vector or matrix operand names only its first register,
         so a 128-bit operand counts as four, and an m16n8k16 mma's A and C four and its B two
         (HMMA.16816 D, A, B, C: its B fragment is two registers); any other mma, four each."""
-        registers = self._registers()
-        if self._has_destination() and registers:
-            first = registers[0]
-            if "[" not in self.operands[: first.start()]:
-                registers = registers[1:]
+        registers = self._registers()[len(self._destinations()):]
         wide = 4 if (".128" in self.opcode or self.opcode.startswith("HMMA")) else 1
         read: set[str] = set()
         for position, match in enumerate(registers):

@@ -158,6 +158,9 @@ SHRINK_ROWS = CONFIG["BGMV_SHRINK_ROWS"]  # rank rows per bgmv_shrink CTA
 EXPAND_ROWS = CONFIG["BGMV_EXPAND_ROWS"]  # output rows per bgmv_expand thread
 SGMV_TILE = CONFIG["SGMV_TILE"]  # SGMV tokens x columns x K per tile
 SGMV_SHRINK_STAGES = CONFIG["SGMV_SHRINK_STAGES"]  # K tiles in flight per sgmv_shrink CTA
+# Split-K partials a rank-16 sgmv_shrink reduction reads at once
+SGMV_SPLITS_PER_TRIP = CONFIG["SGMV_SPLITS_PER_TRIP"]
+SGMV_WIDE_SPLITS_PER_TRIP = CONFIG["SGMV_WIDE_SPLITS_PER_TRIP"]  # the same, any other tile
 SGMV_EXPAND_STAGES = CONFIG["SGMV_EXPAND_STAGES"]  # rank chunks in flight per sgmv_expand CTA
 
 

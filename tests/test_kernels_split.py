@@ -1,0 +1,179 @@
+"""Split-K's serial reduction on the host harness (kernels/lora_common.cuh, split_last): every
+split count, forced or planned, equals the reference; the last CTA's in-order sum is the same
+in every run; the ticket counters are zero after every launch; and the shim's store visibility
+makes a kernel without its counter reset or with its fence after the ticket fail."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from metrale_cli.bench import roofline
+from metrale_cli.ops import host_harness, kernels, plans, reference, sources
+from tests.support.kernel_cases import Case, check_t, make_pool
+
+# K = 1000 is no multiple of most split counts: 17 splits round their chunk up to 64, so only
+# 16 of them have K (the 17th is an empty trailing split); 32 splits are 32 chunks of 32.
+BGMV = Case("bgmv_split", 3, 1000, 64, 16, [16, 5, 9], slots=[0, 1, -1])
+# 70 tokens (2 chunks), K = 584 (9 K tiles and 8 columns): past 10 splits the trailing ones
+# are empty; rank 20 beside rank 32, and a skipped slot.
+SGMV = Case("sgmv_split", 70, 584, 64, 32, [32, 20], seg_starts=[0, 40, 66, 70],
+            seg_slots=[1, 0, -1])
+# Rank 16 alone: the last CTA reads SGMV_SPLITS_PER_TRIP splits at a time, then the rest one
+# by one (7 = 4 + 3).
+SGMV16 = Case("sgmv_rank16_split", 70, 584, 64, 16, [16, 12], seg_starts=[0, 40, 66, 70],
+              seg_slots=[1, 0, -1])
+BGMV_SPLITS = [1, 2, 3, 5, 8, 17, 31, 32]
+SGMV_SPLITS = [1, 2, 3, 7, 9, 10, 32]
+SGMV16_SPLITS = [2, 4, 7, 9, 32]
+
+
+def _shrink(case: Case, splits: int | None, backend: kernels.Backend,
+            x: torch.Tensor | None = None) -> torch.Tensor:
+    pool = case.pool()
+    a_table, _ = pool.tables()
+    x = case.x() if x is None else x
+    if case.slots is not None:
+        return kernels.bgmv_shrink(x, case.token_slots(), a_table, pool.ranks, case.max_rank,
+                                   splits=splits, backend=backend)
+    seg_starts, seg_slots = case.segments()
+    return kernels.sgmv_shrink(x, seg_starts, seg_slots, a_table, pool.ranks, case.max_rank,
+                               splits=splits, backend=backend)
+
+
+def _expected(case: Case) -> torch.Tensor:
+    pool = case.pool()
+    return reference.shrink(case.x(), case.token_slots(), pool.weights()[0], pool.ranks,
+                            case.max_rank)
+
+
+def _tickets(backend: host_harness.HostBackend) -> np.ndarray:
+    return backend.workspace(None, 0, 0)[1]
+
+
+SPLIT_CASES = ([(BGMV, s) for s in BGMV_SPLITS] + [(SGMV, s) for s in SGMV_SPLITS]
+               + [(SGMV16, s) for s in SGMV16_SPLITS])
+
+
+@pytest.mark.parametrize(("case", "splits"), SPLIT_CASES,
+                         ids=[f"{c.name}-{s}" for c, s in SPLIT_CASES])
+def test_every_split_count_matches_the_reference_and_repeats_bit_for_bit(
+        case: Case, splits: int) -> None:
+    backend = host_harness.HostBackend()
+    first = _shrink(case, splits, backend)
+    check_t(first, _expected(case))
+    # The last CTA sums the splits in split order: a second launch (on the workspace the first
+    # left) gives the same bits, and leaves every ticket counter at zero.
+    second = _shrink(case, splits, backend)
+    assert torch.equal(first, second)
+    assert not _tickets(backend).any()
+
+
+def test_planned_splits_of_a_long_k_match_the_reference_on_both_paths() -> None:
+    """A decode batch with a long K over few tokens, which the planner splits, on the
+    per-token path and on the grouped one (SGMV over the tokens sorted by slot), fused and
+    not: t and y equal the reference, and the counters end at zero."""
+    in_dim, max_rank = 16384, 16
+    pool = make_pool(in_dim, 64, max_rank, [16, 12], set(), 0)
+    a_table, b_table = pool.tables()
+    a_weights, b_weights = pool.weights()
+    slots = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.int32)
+    x = torch.randn(8, in_dim, generator=torch.Generator().manual_seed(3)).bfloat16()
+    batch = plans.plan_batch(slots.numpy(), pool.ranks.numpy(), max_rank)
+    assert batch.grouped
+    assert plans.shrink_splits("sgmv", 8, in_dim, batch.t_cols, sources.H200_SMS,
+                               len(batch.chunks)) > 1
+    assert plans.shrink_splits("bgmv", 8, in_dim, max_rank, sources.H200_SMS) > 1
+    expected_t = reference.shrink(x, slots, a_weights, pool.ranks, max_rank)
+    backend = host_harness.HostBackend()
+    check_t(kernels.bgmv_shrink(x, slots, a_table, pool.ranks, max_rank, backend=backend),
+            expected_t)
+    y0 = torch.zeros(8, 64)
+    expected_y = reference.lora_delta(x, y0, slots, a_weights, b_weights, pool.scales,
+                                      pool.ranks, max_rank)
+    for plan in (None, batch):
+        y = kernels.bgmv(x, y0.clone(), slots, a_table, b_table, pool.scales, pool.ranks,
+                         max_rank, batch=plan, backend=backend)
+        torch.testing.assert_close(y, expected_y, **_y_tolerance(plan))
+        fused = kernels.bgmv_fused(x, torch.zeros(8, 128), [0, 64, 128], slots,
+                                   torch.stack([a_table, a_table]),
+                                   torch.stack([b_table, b_table]), pool.scales, pool.ranks,
+                                   max_rank, batch=plan, backend=backend)
+        for z in range(2):
+            torch.testing.assert_close(fused[:, 64 * z:64 * (z + 1)], expected_y,
+                                       **_y_tolerance(plan))
+    assert not _tickets(backend).any()
+
+
+@pytest.mark.parametrize(("kind", "tokens", "in_dim", "rank", "adapters"), [
+    ("bgmv", 8, 16384, 16, 8),  # the per-token path, split 8 ways
+    ("sgmv", 8, 4096, 16, 1),  # grouped decode at rank 16: 4 splits a read round trip
+    ("sgmv", 256, 2048, 64, 1),  # grouped decode at rank 64: 2 splits a read round trip
+])
+def test_the_model_charges_the_reduction_the_launch_makes(kind: str, tokens: int, in_dim: int,
+                                                          rank: int, adapters: int) -> None:
+    """The roofline model's split shrink is the launch the launchers make: one kernel node (no
+    memset), its partials' bytes twice the workspace the launcher sizes (written, then read
+    back), and the last CTA's ticket and reads on its critical path."""
+    work = roofline.plan_launch("shrink", tokens, adapters, rank, in_dim, 4096, sources.H200_SMS)
+    assert work.splits > 1 and work.launches == 1
+    floats, tickets = plans.split_workspace(work.kernel, work.grid, work.splits)
+    assert plans.split_partial_bytes(kind, tickets, work.splits) == 2 * 4 * floats
+    assert work.cta_chains == 2 + plans.split_reduction_round_trips(kind, work.splits, rank)
+    unsplit = plans.shrink_cost_us(kind, tokens, in_dim, rank, 1, sources.H200_SMS,
+                                   None if kind == "bgmv" else work.grid[1])
+    split = plans.shrink_cost_us(kind, tokens, in_dim, rank, work.splits, sources.H200_SMS,
+                                 None if kind == "bgmv" else work.grid[1])
+    assert split < unsplit
+
+
+def _y_tolerance(plan: plans.BatchPlan | None) -> dict[str, float]:
+    # The SGMV expand rounds t to BF16 for the tensor cores (reference.TOLERANCES).
+    rtol, atol = reference.TOLERANCES[("sgmv" if plan else "bgmv", torch.float32)]
+    return {"rtol": rtol, "atol": atol}
+
+
+TICKET = "  if (threadIdx.x == 0) *ticket = atomicAdd(&tickets[tile], 1u);\n"
+RESET = "    if (threadIdx.x == 0) tickets[tile] = 0u;"
+FENCE = ("  __threadfence();  // this thread's partial stores are visible device-wide before the "
+         "ticket\n")
+MUTATIONS = {
+    "no_reset": [(RESET, "")],
+    "fence_after_ticket": [(FENCE, ""), (TICKET, TICKET + FENCE)],
+}
+
+
+def _mutated(tmp_path: Path, edits: list[tuple[str, str]]) -> Path:
+    directory = tmp_path / "kernels"
+    shutil.copytree(sources.find_kernel_dir(), directory)
+    common = directory / "lora_common.cuh"
+    text = common.read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    common.write_text(text)
+    return directory
+
+
+@pytest.mark.parametrize("case", [BGMV, SGMV], ids=["bgmv", "sgmv"])
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_a_broken_reduction_fails(case: Case, mutation: str, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the tests above check goes wrong on the two ways to break the design: the last
+    CTA not resetting its counter (the next launch's tickets never reach the last), or a
+    split's partials not fenced before its ticket (the shim lands them after the launch, as a
+    GPU may)."""
+    directory = _mutated(tmp_path, MUTATIONS[mutation])
+    monkeypatch.setenv("METRALE_KERNEL_DIR", str(directory))
+    backend = host_harness.HostBackend()
+    expected = _expected(case)
+    first = _shrink(case, 4, backend)
+    second = _shrink(case, 4, backend)
+    broken = (_tickets(backend).any() or torch.isnan(first).any() or torch.isnan(second).any()
+              or not torch.allclose(first, expected, rtol=1e-3, atol=1e-3)
+              or not torch.allclose(second, expected, rtol=1e-3, atol=1e-3))
+    assert broken
