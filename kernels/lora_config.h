@@ -31,7 +31,7 @@
 #define SGMV_EXPAND_STAGES 2
 // Split-K's last sgmv_shrink CTA of a tile whose rank rows lie in its first 16 columns (rank 16,
 // the decode case) reads this many splits' partials (8 values a thread each) before its first
-// add: one L2 round trip per that many splits (plans.split_reduction_round_trips).
+// add: one L2 round trip per that many splits (costs.split_reduction_round_trips).
 #define SGMV_SPLITS_PER_TRIP 4
 // The same for any other tile (32 values a thread a split).
 #define SGMV_WIDE_SPLITS_PER_TRIP 2

@@ -55,7 +55,7 @@
 //                   through 2 stages of an F32 t tile and a B tile (48 KiB); each output tile's
 //                   F32 result is staged through the stage just read, so the y
 //                   read-modify-write is 16-byte coalesced; its y vectors are loaded a tile
-//                   ahead (two register sets), so no item waits a round trip for them. out_tiles (plans.expand_out_tiles)
+//                   ahead (two register sets), so no item waits a round trip for them. out_tiles (costs.expand_out_tiles)
 //                   is 1 where chunks fill the device, more for small chunks: a CTA then pays
 //                   its metadata once for several B tiles.
 // Shared tiles are unpadded, 64 elements a row, with their 16-byte vectors XOR-swizzled by row

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli.ops import kernels, plans, reference, sources
+from metrale_cli.ops import costs, kernels, plans, reference, sources
 from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
@@ -175,7 +175,7 @@ def test_sgmv_fused_slices_on_device(case: Case) -> None:
         kernels.bgmv_fused(_to_device(x), y, cols, _to_device(slots), a_tables, b_tables, *args,
                            batch=plan)
         sms = kernels.device_sm_count()
-        family = "sgmv" if plans.grouped_expand(case.num_tokens, cols[-1], plan.t_cols,
+        family = "sgmv" if costs.grouped_expand(case.num_tokens, cols[-1], plan.t_cols,
                                                 len(plan.chunks), sms) else "bgmv"
     check_slices(case, pools, x, _to_host(y, torch.bfloat16), y0, slots, family)
 

@@ -20,7 +20,7 @@ import torch
 
 from metrale_cli import kernel_config
 from metrale_cli.errors import ToolMissing
-from metrale_cli.ops import host_harness, plans, reference, sources
+from metrale_cli.ops import costs, host_harness, plans, reference, sources
 from tests.support.kernel_cases import (
     BGMV_CASES,
     DECODE_BATCHES,
@@ -92,12 +92,12 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
 ])
 def test_split_k_is_planned_by_modelled_cost(kind: str, tokens: int, in_dim: int, t_cols: int,
                                              want: int) -> None:
-    splits = plans.shrink_splits(kind, tokens, in_dim, t_cols, 132)
+    splits = costs.shrink_splits(kind, tokens, in_dim, t_cols, 132)
     assert splits == want
     least = 8 * sources.THREADS if kind == "bgmv" else sources.SGMV_TILE
-    costs = [plans.shrink_cost_us(kind, tokens, in_dim, t_cols, s, 132)
-             for s in range(1, min(sources.MAX_SPLITS, in_dim // least) + 1)]
-    assert costs[splits - 1] == pytest.approx(min(costs))
+    modelled = [costs.shrink_cost_us(kind, tokens, in_dim, t_cols, s, 132)
+                for s in range(1, min(sources.MAX_SPLITS, in_dim // least) + 1)]
+    assert modelled[splits - 1] == pytest.approx(min(modelled))
 
 
 def test_host_and_gpu_share_one_plan() -> None:
@@ -309,7 +309,7 @@ def test_shrink_grid_covers_the_ranks_present_not_max_rank() -> None:
     assert plans.plan_bgmv_shrink(x, slots, a_table, pool.ranks, wide, 16).grid[1] == 4
     assert plans.plan_bgmv_shrink(x, slots, a_table, pool.ranks, narrow, 16).grid[1] == 2
     # Split-K sees the narrower grid: rank 16 in a max-rank-64 pool splits as rank 16 does.
-    assert plans.shrink_splits("bgmv", 32, 16384, 16, 132) > plans.shrink_splits(
+    assert costs.shrink_splits("bgmv", 32, 16384, 16, 132) > costs.shrink_splits(
         "bgmv", 32, 16384, 256, 132)
 
 
@@ -328,7 +328,7 @@ def test_fused_slices_match_reference_per_slice(case: Case, widths: tuple[int, .
     y = torch.randn(case.num_tokens, cols[-1], generator=generator).to(y_dtype)
     y0 = y.clone()
     x, slots, ranks, scales = case.x(), case.token_slots(), pools[0].ranks, pools[0].scales
-    fused_splits = plans.shrink_splits("bgmv", len(widths) * case.num_tokens, case.in_dim,
+    fused_splits = costs.shrink_splits("bgmv", len(widths) * case.num_tokens, case.in_dim,
                                          case.max_rank, case.num_sms)
     assert (fused_splits > 1) == (case.name == "split_k")
     host_harness.bgmv_fused(x, y, cols, slots, a_tables, b_tables, scales, ranks,
@@ -369,7 +369,7 @@ def test_fused_slices_are_one_shrink_and_one_expand_launch() -> None:
 
 
 # The SMs each grouped batch is planned for, and whether its expand then runs through SGMV
-# (plans.grouped_expand): SGMV's CTAs, one per (chunk, 64 outputs), read B once per chunk in
+# (costs.grouped_expand): SGMV's CTAs, one per (chunk, 64 outputs), read B once per chunk in
 # one pass; a wide output over 8 tokens on one SM is 32 of them, 11 waves of 3, against 8
 # per-token CTAs in 2 waves of 4.
 SGMV_EXPAND = {"shared_slots": (132, True), "one_slot": (132, True), "wide_output": (1, False)}
@@ -387,7 +387,7 @@ def test_decode_with_a_batch_plan_matches_reference(case: Case, y_dtype: torch.d
     plan = plans.plan_batch(slots.numpy(), pool.ranks.numpy(), case.max_rank,
                               group_min_tokens=1 if grouped else 10**9)
     assert plan.grouped == grouped and plan.t_cols < case.max_rank
-    sgmv_expand = grouped and plans.grouped_expand(case.num_tokens, case.out_dim,
+    sgmv_expand = grouped and costs.grouped_expand(case.num_tokens, case.out_dim,
                                                      plan.t_cols, plan.chunks.shape[0], num_sms)
     assert sgmv_expand == (grouped and sgmv_wanted)
     host_harness.bgmv(x, y, slots, a_table, b_table, pool.scales, pool.ranks, case.max_rank,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from metrale_cli.ops import host_harness, plans, reference, sources
+from metrale_cli.ops import costs, host_harness, plans, reference, sources
 from tests.support.kernel_cases import (
     DECODE_BATCHES,
     FUSED_WIDTHS,
@@ -166,9 +166,9 @@ def test_an_expand_cta_over_several_output_tiles_matches_reference(name: str,
 def test_small_chunks_take_several_output_tiles_a_cta() -> None:
     # A segment per token (4096 chunks of one row) over 8192 outputs: a CTA per (chunk, 64
     # outputs) would move one 2 KiB B tile after its metadata; the planner gives each CTA more.
-    assert plans.expand_out_tiles(4096, 8192, 16, 132) > 1
+    assert costs.expand_out_tiles(4096, 8192, 16, 132) > 1
     # 64 full chunks over the same outputs fill the device either way; one wave of CTAs.
-    tiles = plans.expand_out_tiles(64, 8192, 64, 132)
+    tiles = costs.expand_out_tiles(64, 8192, 64, 132)
     assert -(-128 // tiles) * 64 <= 132 * sources.min_ctas_per_sm("sgmv_expand_bf16")
     with pytest.raises(ValueError, match="out_tiles must be in"):
         plans.plan_sgmv_expand(torch.zeros(4, 16), torch.tensor([[0, 4, 0, 0]], dtype=torch.int32),
@@ -213,7 +213,7 @@ def test_sgmv_fused_matches_reference_per_slice(case: Case, y_dtype: torch.dtype
     backend = Recording()
     cols = [0, *np.cumsum(FUSED_WIDTHS).tolist()]
     chunks = torch.from_numpy(plans.segment_chunks(seg_starts, seg_slots, case.num_tokens))
-    planned = plans.shrink_splits("sgmv", case.num_tokens, case.in_dim, 3 * case.max_rank,
+    planned = costs.shrink_splits("sgmv", case.num_tokens, case.in_dim, 3 * case.max_rank,
                                   case.num_sms, len(chunks))
     # LONG_K is split; with no memset to pay, a short K over few chunks may be too.
     assert planned > 1 or case is not LONG_K
@@ -269,7 +269,7 @@ def test_grouped_fused_decode_is_two_launches(case: Case, num_sms: int,
     host_harness.bgmv_fused(x, y, cols, slots, a_tables, b_tables, pools[0].scales,
                             pools[0].ranks, case.max_rank, batch=plan, num_sms=num_sms,
                             backend=backend)
-    assert sgmv_expand == plans.grouped_expand(case.num_tokens, cols[-1], plan.t_cols,
+    assert sgmv_expand == costs.grouped_expand(case.num_tokens, cols[-1], plan.t_cols,
                                                len(plan.chunks), num_sms)
     assert backend.kernels == ["sgmv_shrink",
                                "sgmv_expand_bf16" if sgmv_expand else "bgmv_expand_bf16"]

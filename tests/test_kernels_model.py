@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from metrale_cli.bench import roofline
-from metrale_cli.ops import kernels, plans, sources
+from metrale_cli.ops import costs, kernels, plans, sources
 from tests.support.cli_runner import metrale
 
 # Qwen3-Next-80B-A3B's benchmark modules (out_dim, in_dim): the bench's default shapes.
@@ -195,9 +195,9 @@ def test_every_record_is_at_least_its_largest_term() -> None:
 def test_l2_traffic_is_charged_and_steers_the_grouped_expand() -> None:
     # The per-token expand of a grouped batch reads B once per token from L2: q_proj, 64 tokens
     # on one rank-64 adapter, 64 x 8192 x 64 x 2 bytes, at least 6.7 us at 10 TB/s. The
-    # planner (plans.grouped_expand) charges that and keeps the SGMV expand, which reads B
+    # planner (costs.grouped_expand) charges that and keeps the SGMV expand, which reads B
     # once per 64-token tile.
-    per_token = plans.expand_cost_us("bgmv", 64, 8192, 64, 1, 132)
+    per_token = costs.expand_cost_us("bgmv", 64, 8192, 64, 1, 132)
     assert per_token >= 64 * 8192 * 64 * 2 / 10e6
     record = roofline.model_record("q_proj", 8192, 2048, 64, 64, 1, "expand")
     assert record["path"] == "grouped" and record["kernel"] == "sgmv_expand_bf16"
@@ -217,12 +217,12 @@ def _expand_load_sectors(out_dim: int, rank: int, max_rank: int) -> int:
     reads, for each lane, row r0 + w * G + s * 4 G + lane / L (clamped into the CTA) at vector
     min(lane % L, vecs - 1), with L lanes per row and G = 32 / L rows per load."""
     vecs = -(-rank // 8)
-    lanes = plans.lanes_per_row(rank)
+    lanes = costs.lanes_per_row(rank)
     groups = 32 // lanes
     steps = sources.CONFIG["BGMV_EXPAND_STEPS"]
     total = 0
-    for o0 in range(0, out_dim, plans.EXPAND_CTA_ROWS):
-        rows = min(plans.EXPAND_CTA_ROWS, out_dim - o0)
+    for o0 in range(0, out_dim, costs.EXPAND_CTA_ROWS):
+        rows = min(costs.EXPAND_CTA_ROWS, out_dim - o0)
         for r0 in range(0, rows, steps * 4 * groups):
             for warp in range(4):
                 for s in range(steps):
@@ -252,12 +252,12 @@ def test_the_expand_s_b_sectors_are_its_loads(out_dim: int, rank: int, max_rank:
 
 def test_the_expand_s_passes_are_its_lane_groups() -> None:
     # A pass is 16 rows per thread: 16 x 128 / L rows of the CTA, L lanes per row.
-    assert [plans.lanes_per_row(r) for r in (8, 16, 24, 64, 72, 128, 131, 256)] == [
+    assert [costs.lanes_per_row(r) for r in (8, 16, 24, 64, 72, 128, 131, 256)] == [
         1, 2, 4, 8, 16, 16, 32, 32]
-    assert plans.expand_cta_passes(1024, 64) == 4
-    assert plans.expand_cta_passes(512, 64) == 2  # k_proj: every thread works, in half the passes
-    assert plans.expand_cta_passes(1024, 256) == 16
-    assert plans.expand_cta_passes(72, 16) == 1
+    assert costs.expand_cta_passes(1024, 64) == 4
+    assert costs.expand_cta_passes(512, 64) == 2  # k_proj: every thread works, in half the passes
+    assert costs.expand_cta_passes(1024, 256) == 16
+    assert costs.expand_cta_passes(72, 16) == 1
     record = roofline.model_record("k_proj", 512, 2048, 128, 64, 64, "expand")
     assert record["kernel"].startswith("bgmv_expand") and record["passes"] == 64 * 4
 
@@ -359,7 +359,7 @@ if __name__ == "__main__":
                          [(8192, 16, 32), (8192, 64, 1), (512, 128, 8), (4096, 256, 3)])
 def test_the_expand_planner_charges_the_model_s_passes(out_dim: int, rank: int,
                                                        out_tiles: int) -> None:
-    """plans.sgmv_expand_stream_us (what expand_out_tiles and grouped_expand choose on) charges
+    """costs.sgmv_expand_stream_us (what expand_out_tiles and grouped_expand choose on) charges
     a CTA the round trips roofline._sgmv_work counts for it: ceil(items / SGMV_EXPAND_STAGES),
     y adding none (tests/test_kernels_sass.py holds the kernel to that: no pipeline iteration
     waits on a load of its own), plus its 2 metadata round trips."""
@@ -368,6 +368,6 @@ def test_the_expand_planner_charges_the_model_s_passes(out_dim: int, rank: int,
                                1, 2, out_tiles=out_tiles)
     items = min(out_tiles, -(-out_dim // 64)) * -(-rank // 64)
     assert work[3] == -(-items // sources.SGMV_EXPAND_STAGES)
-    expected = work[3] * plans._DRAM_LATENCY_US + work[4] * plans._L2_LATENCY_US
-    assert plans.sgmv_expand_stream_us(1, out_dim, rank, out_tiles, 132) == pytest.approx(
+    expected = work[3] * costs._DRAM_LATENCY_US + work[4] * costs._L2_LATENCY_US
+    assert costs.sgmv_expand_stream_us(1, out_dim, rank, out_tiles, 132) == pytest.approx(
         expected)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from metrale_cli.bench import roofline
-from metrale_cli.ops import plans, sass, sources
+from metrale_cli.ops import costs, sass, sources
 from metrale_cli.ops.sass import hot_loops, loads_before_first_use, parse
 
 pytestmark = pytest.mark.nvcc
@@ -116,7 +116,7 @@ def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
         work = roofline.plan_launch(kind, 4096, 8, 64, 2048, 8192, 132)
         assert work.kernel.startswith(name.removesuffix("_f32").removesuffix("_bf16"))
         # The split shrink's ticket and reads of the partials come after its stream.
-        after = (plans.split_reduction_round_trips("sgmv", work.splits, 64)
+        after = (costs.split_reduction_round_trips("sgmv", work.splits, 64)
                  if kind == "shrink" else 0)
         assert report["copy_depth"] == work.cta_chains - after + 1, name
         assert report["chained_loops"] == 0, name

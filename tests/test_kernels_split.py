@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from metrale_cli.bench import roofline
-from metrale_cli.ops import host_harness, kernels, plans, reference, sources
+from metrale_cli.ops import costs, host_harness, kernels, plans, reference, sources
 from tests.support.kernel_cases import Case, check_t, make_pool
 
 # K = 1000 is no multiple of most split counts: 17 splits round their chunk up to 64, so only
@@ -85,9 +85,9 @@ def test_planned_splits_of_a_long_k_match_the_reference_on_both_paths() -> None:
     x = torch.randn(8, in_dim, generator=torch.Generator().manual_seed(3)).bfloat16()
     batch = plans.plan_batch(slots.numpy(), pool.ranks.numpy(), max_rank)
     assert batch.grouped
-    assert plans.shrink_splits("sgmv", 8, in_dim, batch.t_cols, sources.H200_SMS,
+    assert costs.shrink_splits("sgmv", 8, in_dim, batch.t_cols, sources.H200_SMS,
                                len(batch.chunks)) > 1
-    assert plans.shrink_splits("bgmv", 8, in_dim, max_rank, sources.H200_SMS) > 1
+    assert costs.shrink_splits("bgmv", 8, in_dim, max_rank, sources.H200_SMS) > 1
     expected_t = reference.shrink(x, slots, a_weights, pool.ranks, max_rank)
     backend = host_harness.HostBackend()
     check_t(kernels.bgmv_shrink(x, slots, a_table, pool.ranks, max_rank, backend=backend),
@@ -122,11 +122,11 @@ def test_the_model_charges_the_reduction_the_launch_makes(kind: str, tokens: int
     work = roofline.plan_launch("shrink", tokens, adapters, rank, in_dim, 4096, sources.H200_SMS)
     assert work.splits > 1 and work.launches == 1
     floats, tickets = plans.split_workspace(work.kernel, work.grid, work.splits)
-    assert plans.split_partial_bytes(kind, tickets, work.splits) == 2 * 4 * floats
-    assert work.cta_chains == 2 + plans.split_reduction_round_trips(kind, work.splits, rank)
-    unsplit = plans.shrink_cost_us(kind, tokens, in_dim, rank, 1, sources.H200_SMS,
+    assert costs.split_partial_bytes(kind, tickets, work.splits) == 2 * 4 * floats
+    assert work.cta_chains == 2 + costs.split_reduction_round_trips(kind, work.splits, rank)
+    unsplit = costs.shrink_cost_us(kind, tokens, in_dim, rank, 1, sources.H200_SMS,
                                    None if kind == "bgmv" else work.grid[1])
-    split = plans.shrink_cost_us(kind, tokens, in_dim, rank, work.splits, sources.H200_SMS,
+    split = costs.shrink_cost_us(kind, tokens, in_dim, rank, work.splits, sources.H200_SMS,
                                  None if kind == "bgmv" else work.grid[1])
     assert split < unsplit
 

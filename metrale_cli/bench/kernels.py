@@ -47,7 +47,7 @@ from metrale_cli.errors import ToolMissing, UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
-from metrale_cli.ops import kernels, plans, reference
+from metrale_cli.ops import costs, kernels, plans, reference
 
 WARMUP_SECONDS = 0.025
 # Baselines that materialise per-token weights (gather + bmm) are skipped above this many bytes,
@@ -181,11 +181,11 @@ def _ours(kind: str, group: _Group) -> Callable[[], None]:
     elif kind == "shrink":
         plan = plans.plan_bgmv_shrink(group.x, group.slots, group.a_table, group.ranks, group.t,
                                         group.max_rank, group.splits, workspace)
-    elif group.grouped and (group.order is None or plans.grouped_expand(
+    elif group.grouped and (group.order is None or costs.grouped_expand(
             tokens, out_dim, group.max_rank, int(group.chunks.shape[0]), sms)):
         plan = plans.plan_sgmv_expand(
             group.t, group.chunks, group.b_table, group.scales, group.ranks, group.y,
-            group.max_rank, token_order=group.order, out_tiles=plans.expand_out_tiles(
+            group.max_rank, token_order=group.order, out_tiles=costs.expand_out_tiles(
                 int(group.chunks.shape[0]), out_dim, int(group.t.shape[1]), sms))
     else:
         plan = plans.plan_bgmv_expand(group.t, group.slots, group.b_table, group.scales,

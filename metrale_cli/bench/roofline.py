@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from metrale_cli.ops import plans, sources
+from metrale_cli.ops import costs, plans, sources
 
 DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
 PREFILL_TOKENS = (512, 2048, 4096, 8192)
@@ -110,8 +110,8 @@ def prefill_starts(tokens: int, adapters: int) -> np.ndarray:
 
 
 def _split_lengths(in_dim: int, splits: int, multiple: int) -> np.ndarray:
-    """K elements of each split, as plans.k_chunk cuts them (trailing splits may be empty)."""
-    chunk = plans.k_chunk(in_dim, splits, multiple)
+    """K elements of each split, as costs.k_chunk cuts them (trailing splits may be empty)."""
+    chunk = costs.k_chunk(in_dim, splits, multiple)
     return np.clip(in_dim - chunk * np.arange(splits), 0, chunk)
 
 
@@ -130,13 +130,13 @@ def plan_launch(kind: str, tokens: int, adapters: int, rank: int, in_dim: int, o
         grouped, path = plan.grouped, "grouped" if plan.grouped else "per-token"
         chunks = plan.chunks
     family = "sgmv" if grouped else "bgmv"
-    splits = plans.shrink_splits(family, tokens, in_dim, rank, sms,
+    splits = costs.shrink_splits(family, tokens, in_dim, rank, sms,
                                  len(chunks) if grouped else None)
-    if kind == "expand" and path == "grouped" and not plans.grouped_expand(
+    if kind == "expand" and path == "grouped" and not costs.grouped_expand(
             tokens, out_dim, rank, len(chunks), sms):
         family, path = "bgmv", "grouped+per-token"
     kernel = f"{family}_shrink" if kind == "shrink" else f"{family}_expand_{y_kind}"
-    out_tiles = plans.expand_out_tiles(len(chunks), out_dim, rank, sms) if (
+    out_tiles = costs.expand_out_tiles(len(chunks), out_dim, rank, sms) if (
         kernel.startswith("sgmv_expand")) else 1
     grid = plans.launch_grid(kernel, tokens if family == "bgmv" else len(chunks),
                              in_dim if kind == "shrink" else out_dim, rank,
@@ -154,7 +154,7 @@ def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in
     """(l2_bytes, passes, chains, cta_passes, cta_chains) of a BGMV launch, every token adapted
     at `rank` (kernels/bgmv.cu). The shrink's splits reduce through the workspace: their
     partials written and read back at L2, and the last CTA of a tile waits for its ticket and
-    its reads (plans.split_reduction_round_trips)."""
+    its reads (costs.split_reduction_round_trips)."""
     if kind == "shrink":
         # A CTA: 4 rank rows of one token over one split; a pass is 2 K steps of 128 x 8
         # elements (x and 4 A rows); slot -> table, ranks first.
@@ -164,16 +164,16 @@ def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in
         passes = tokens * per_token_rows * int((-(-lengths // step)).sum())
         tiles = tokens * per_token_rows
         l2 = (tiles * (2 * (1 + sources.SHRINK_ROWS) * in_dim + 4 * sources.SHRINK_ROWS)
-              + plans.split_partial_bytes("bgmv", tiles, splits))
-        reduction = plans.split_reduction_round_trips("bgmv", splits)
+              + costs.split_partial_bytes("bgmv", tiles, splits))
+        reduction = costs.split_reduction_round_trips("bgmv", splits)
         chains = 2 * tiles * splits + tiles * reduction
         return l2, passes, chains, int(-(-lengths.max() // step)), 2 + reduction
     # expand: a CTA is 1024 output rows of one token; slot -> table beside ranks (2 round
     # trips), then passes of BGMV_EXPAND_STEPS rows per thread, its t values loaded beside the
     # first; L2 serves the sectors its B loads touch, its t vectors and y read and written.
     blocks = grid[1]
-    rows = np.minimum(plans.EXPAND_CTA_ROWS, out_dim - plans.EXPAND_CTA_ROWS * np.arange(blocks))
-    per_cta = [plans.expand_cta_passes(int(r), rank) for r in rows]
+    rows = np.minimum(costs.EXPAND_CTA_ROWS, out_dim - costs.EXPAND_CTA_ROWS * np.arange(blocks))
+    per_cta = [costs.expand_cta_passes(int(r), rank) for r in rows]
     vecs = -(-rank // sources.VECTOR)
     l2 = tokens * (_SECTOR * expand_b_sectors(out_dim, rank, rank) + 2 * y_bytes * out_dim
                    + blocks * 4 * sources.VECTOR * vecs)
@@ -195,7 +195,7 @@ def expand_b_sectors(out_dim: int, rank: int, max_rank: int) -> int:
     start = np.arange(out_dim, dtype=np.int64) * pitch
     first, last = start // _SECTOR, (start + prefix - 1) // _SECTOR
     sectors = int((last - first + 1).sum())
-    per_load = 32 // plans.lanes_per_row(rank)
+    per_load = 32 // costs.lanes_per_row(rank)
     shared = (first[1:] == last[:-1]) & (np.arange(1, out_dim) % per_load != 0)
     return sectors - int(shared.sum())
 
@@ -226,8 +226,8 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens
         # partials written and read back, and the last CTA's ticket and reads as chains.
         tiles = grid[0] * grid[1]
         l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
-                 + 4 * tokens * slices * rank + plans.split_partial_bytes("sgmv", tiles, splits))
-        reduction = plans.split_reduction_round_trips("sgmv", splits, slices * rank)
+                 + 4 * tokens * slices * rank + costs.split_partial_bytes("sgmv", tiles, splits))
+        reduction = costs.split_reduction_round_trips("sgmv", splits, slices * rank)
         return (l2, passes, 2 * ctas + tiles * reduction, int(split_passes.max()),
                 2 + reduction)
     # expand: the items (an output tile's B tile with its rank chunk's t tile; t is copied
@@ -430,16 +430,16 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
         plan = plans.plan_batch(decode_slots(tokens, adapters), [rank] * adapters, rank)
         path, chunks = ("grouped", plan.chunks) if plan.grouped else ("per-token", None)
     if chunks is not None and kind == "shrink":
-        splits = plans.shrink_splits("sgmv", tokens, in_dim, count * rank, sms, len(chunks))
+        splits = costs.shrink_splits("sgmv", tokens, in_dim, count * rank, sms, len(chunks))
         grid = plans.launch_grid("sgmv_shrink", len(chunks), in_dim, rank, splits,
                                  slices=count)
         work = _sgmv_work(kind, grid, chunks, tokens, rank, in_dim, 0, splits, y_bytes,
                           slices=count)
         return LaunchWork("sgmv_shrink", f"{path} (fused)", grid, splits, *work)
-    if chunks is not None and (path == "segments" or plans.grouped_expand(
+    if chunks is not None and (path == "segments" or costs.grouped_expand(
             tokens, total_out, rank, len(chunks), sms)):
         kernel = f"sgmv_expand_{y_kind}"
-        out_tiles = plans.expand_out_tiles(count * len(chunks), widest_out, rank, sms)
+        out_tiles = costs.expand_out_tiles(count * len(chunks), widest_out, rank, sms)
         widest = plans.launch_grid(kernel, len(chunks), widest_out, rank, out_tiles=out_tiles,
                                    slices=count)
         l2 = passes = chains = cta_passes = 0
@@ -456,7 +456,7 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
         return LaunchWork(kernel, f"{path} (fused)", widest, 1, l2, passes, chains, cta_passes,
                           2)
     if kind == "shrink":
-        splits = plans.shrink_splits("bgmv", count * tokens, in_dim, rank, sms)
+        splits = costs.shrink_splits("bgmv", count * tokens, in_dim, rank, sms)
         grid = plans.launch_grid("bgmv_shrink", tokens, in_dim, rank, splits)
         l2, passes, chains, cta_passes, cta_chains = _bgmv_work(
             kind, grid, tokens, rank, in_dim, slices[0], splits, y_bytes)
@@ -473,7 +473,7 @@ def fused_work(kind: str, slices: Sequence[int], tokens: int, adapters: int, ran
         l2 += work[0]
         passes += work[1]
         chains += work[2] + 2 * spare
-    cta_passes = plans.expand_cta_passes(min(plans.EXPAND_CTA_ROWS, widest_out), rank)
+    cta_passes = costs.expand_cta_passes(min(costs.EXPAND_CTA_ROWS, widest_out), rank)
     path = "per-token (fused)" if path == "per-token" else "grouped+per-token (fused)"
     return LaunchWork(kernel, path, widest, 1, l2, passes, chains, cta_passes, 2)
 

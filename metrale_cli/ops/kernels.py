@@ -19,21 +19,19 @@ from typing import Any, Protocol
 import numpy as np
 
 from metrale_cli import compat
+from metrale_cli.ops.costs import expand_out_tiles, grouped_expand, shrink_splits
 from metrale_cli.ops.plans import (
     BatchPlan,
     KernelLaunch,
     WorkList,
     check_slice_cols,
     chunk_count,
-    expand_out_tiles,
-    grouped_expand,
     launch_grid,
     plan_bgmv_expand,
     plan_bgmv_shrink,
     plan_sgmv_expand,
     plan_sgmv_shrink,
     segment_chunks,
-    shrink_splits,
     split_workspace,
     work_list,
 )
