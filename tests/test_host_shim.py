@@ -12,7 +12,7 @@ import torch
 
 from metrale_cli.ops import host_harness, reference
 from tests.support.kernel_cases import BGMV_CASES, Case, check_t, check_y
-from tests.support.mutated_kernels import run_mutated
+from tests.support.mutated_kernels import run_mutated, sgmv_nan_probe
 
 # Two segments of exactly 64 tokens: every chunk is a full 64-row CTA (all four warps run the
 # mma), K deep enough for the shrink's 3 stages to be refilled (10 K tiles), rank 200 for the
@@ -20,19 +20,7 @@ from tests.support.mutated_kernels import run_mutated
 FULL_CHUNKS = Case("full_chunks", 128, 584, 136, 200, [200, 129], seg_starts=[0, 64, 128],
                    seg_slots=[0, 1], num_splits=1)
 
-SGMV_FULL_CHUNKS = """
-import json, torch
-from metrale_cli.ops import host_harness, reference
-from tests.test_host_shim import FULL_CHUNKS as case
-i = case.inputs(torch.float32)
-starts, slots = case.segments()
-t = host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks, case.max_rank,
-                             splits=1)
-good_t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
-host_harness.sgmv_expand(good_t, starts, slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
-                         case.max_rank)
-print(json.dumps({"t_nan": bool(torch.isnan(t).any()), "y_nan": bool(torch.isnan(i.y).any())}))
-"""
+SGMV_FULL_CHUNKS = sgmv_nan_probe("from tests.test_host_shim import FULL_CHUNKS as case")
 
 
 def test_full_chunks_pass_on_the_unbroken_kernels() -> None:

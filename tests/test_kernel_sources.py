@@ -2,21 +2,18 @@
 figures and the host harness's table are read from the sources (metrale_cli/ops/sources.py).
 
 Each test copies kernels/ to a temporary directory, adds or breaks a kernel there and imports
-metrale_cli in a fresh process with METRALE_KERNEL_DIR pointing at it (the sources are read
-once, at import)."""
+metrale_cli in a fresh process pointed at it (tests/support/mutated_kernels.py; the sources are
+read once, at import)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from metrale_cli.ops import sources
+from tests.support.mutated_kernels import kernel_copy, run_on
 
 # A kernel that no Python list names: it defines its own figures in its .cu.
 SCALE_CU = """// scale.cu: y[i] *= scale, one thread per element (a test kernel).
@@ -45,23 +42,8 @@ print(json.dumps({"source": sources.KERNEL_SOURCES["scale_rows"],
 """
 
 
-def _kernel_dir(tmp_path: Path, extra: dict[str, str]) -> Path:
-    directory = tmp_path / "kernels"
-    shutil.copytree(sources.find_kernel_dir(), directory)
-    for name, text in extra.items():
-        (directory / name).write_text(text)
-    return directory
-
-
-def _run(directory: Path, tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "METRALE_KERNEL_DIR": str(directory),
-                   "METRALE_CACHE_DIR": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=environment, check=False, timeout=600)
-
-
 def test_a_new_kernel_needs_only_its_source(tmp_path: Path) -> None:
-    result = _run(_kernel_dir(tmp_path, {"scale.cu": SCALE_CU}), tmp_path, LAUNCH_IT)
+    result = run_on(kernel_copy(tmp_path, files={"scale.cu": SCALE_CU}), tmp_path, LAUNCH_IT)
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout)
     assert (found["source"], found["min_ctas"], found["loads"]) == ("scale.cu", 2, 3)
@@ -81,7 +63,7 @@ def test_a_kernel_declared_otherwise_is_refused_with_its_line(tmp_path: Path,
     source = SCALE_CU.replace('extern "C" __global__ void __launch_bounds__(METRALE_THREADS, '
                               "SCALE_ROWS_MIN_CTAS)\nscale_rows(", declaration)
     assert source != SCALE_CU
-    result = _run(_kernel_dir(tmp_path, {"scale.cu": source}), tmp_path,
+    result = run_on(kernel_copy(tmp_path, files={"scale.cu": source}), tmp_path,
                   "import metrale_cli.ops.sources")
     assert result.returncode != 0
     assert "scale.cu:" in result.stderr and "__launch_bounds__(METRALE_THREADS" in result.stderr
@@ -89,25 +71,25 @@ def test_a_kernel_declared_otherwise_is_refused_with_its_line(tmp_path: Path,
 
 def test_a_global_in_a_comment_is_no_kernel(tmp_path: Path) -> None:
     commented = "// extern \"C\" __global__ void old_kernel(float* y) {}\n" + SCALE_CU
-    directory = _kernel_dir(tmp_path, {"scale.cu": commented})
-    result = _run(directory, tmp_path,
+    directory = kernel_copy(tmp_path, files={"scale.cu": commented})
+    result = run_on(directory, tmp_path,
                   "from metrale_cli.ops import sources; print(sorted(sources.KERNEL_SOURCES))")
     assert result.returncode == 0, result.stderr
     assert "scale_rows" in result.stdout and "old_kernel" not in result.stdout
 
 
 def test_a_figure_the_header_and_a_source_disagree_on_is_refused(tmp_path: Path) -> None:
-    directory = _kernel_dir(tmp_path, {"scale.cu": SCALE_CU})
+    directory = kernel_copy(tmp_path, files={"scale.cu": SCALE_CU})
     header = directory / sources.CONFIG_HEADER
     header.write_text(header.read_text() + "#define SCALE_ROWS_LOADS 4\n")
-    result = _run(directory, tmp_path, "import metrale_cli.ops.sources")
+    result = run_on(directory, tmp_path, "import metrale_cli.ops.sources")
     assert result.returncode != 0
     assert "SCALE_ROWS_LOADS is defined twice" in result.stderr
 
 
 def test_a_kernel_without_its_figures_is_told_what_to_define(tmp_path: Path) -> None:
     bare = SCALE_CU.replace("#define SCALE_ROWS_LOADS 3\n", "")
-    result = _run(_kernel_dir(tmp_path, {"scale.cu": bare}), tmp_path,
+    result = run_on(kernel_copy(tmp_path, files={"scale.cu": bare}), tmp_path,
                   "from metrale_cli.ops import sources; sources.loads_in_flight('scale_rows')")
     assert result.returncode != 0
     assert "#define SCALE_ROWS_LOADS <integer>" in result.stderr
@@ -117,7 +99,7 @@ def test_the_host_build_lists_the_kernels_of_the_directory_it_builds(tmp_path: P
     from metrale_cli.ops import host_harness
 
     command = " ".join(host_harness.build_command(
-        _kernel_dir(tmp_path, {"scale.cu": SCALE_CU}), "lib.so", "g++"))
+        kernel_copy(tmp_path, files={"scale.cu": SCALE_CU}), "lib.so", "g++"))
     assert "METRALE_HOST_KERNEL(scale_rows)," in command and "scale.cu" in command
     assert "scale_rows" not in " ".join(host_harness.build_command(
         sources.find_kernel_dir(), "lib.so", "g++"))

@@ -26,7 +26,7 @@ from tests.support.kernel_cases import (
     fused_pools,
     fused_tables,
 )
-from tests.support.mutated_kernels import run_mutated
+from tests.support.mutated_kernels import run_mutated, sgmv_nan_probe
 
 
 def _chunks(starts: list[int], slots: list[int]) -> list[list[int]]:
@@ -118,20 +118,8 @@ def test_the_launches_are_one_cta_row_per_chunk() -> None:
 # The pipelines broken in a copy of kernels/: each waits for one group fewer than the tile it
 # reads (cp_async_wait<STAGES> instead of <STAGES - 1>), so the tile is read before its copies
 # complete. On a GPU that is a race that may pass; the shim makes it fail every time.
-READ_TOO_EARLY = """
-import json, torch
-from metrale_cli.ops import host_harness, reference
-from tests.support.kernel_cases import SGMV_CASES
-case = SGMV_CASES[0]
-i = case.inputs(torch.float32)
-starts, slots = case.segments()
-t = host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks, case.max_rank,
-                             splits=1)
-good_t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
-host_harness.sgmv_expand(good_t, starts, slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
-                         case.max_rank)
-print(json.dumps({"t_nan": bool(torch.isnan(t).any()), "y_nan": bool(torch.isnan(i.y).any())}))
-"""
+READ_TOO_EARLY = sgmv_nan_probe("from tests.support.kernel_cases import SGMV_CASES; "
+                                "case = SGMV_CASES[0]")
 
 
 def test_a_stage_read_before_its_wait_fails_on_the_host(tmp_path: Path) -> None:

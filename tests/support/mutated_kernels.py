@@ -1,5 +1,7 @@
-"""The host harness run on a copy of kernels/ with a bug put in: the shim's strictness tests
-break a kernel the way a plausible edit would and check that the host run fails."""
+"""The host harness run on a copy of kernels/ with a bug put in, or a kernel added: the shim's
+strictness tests break a kernel the way a plausible edit would and check that the host run
+fails; the source-reading tests add a kernel no list names. The sources are read once per
+process, so each run is a fresh interpreter pointed at the copy."""
 
 from __future__ import annotations
 
@@ -15,19 +17,52 @@ from metrale_cli.ops import sources
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def run_mutated(tmp_path: Path, edits: list[tuple[str, str, str, int]],
-                script: str) -> subprocess.CompletedProcess[str]:
-    """`script` run by a fresh interpreter (its own host build, cached under tmp_path) on a
-    copy of kernels/ where each (file, pattern, replacement, count) edit replaced exactly
-    `count` matches of the regular expression `pattern`."""
+def kernel_copy(tmp_path: Path, edits: list[tuple[str, str, str, int]] | None = None,
+                files: dict[str, str] | None = None) -> Path:
+    """A copy of kernels/ under tmp_path where each (file, pattern, replacement, count) edit
+    replaced exactly `count` matches of the regular expression `pattern`, and each of `files`
+    (name: text) is written beside the sources."""
     directory = tmp_path / "kernels"
     shutil.copytree(sources.find_kernel_dir(), directory)
-    for name, pattern, replacement, count in edits:
+    for name, pattern, replacement, count in edits or []:
         path = directory / name
         text, made = re.subn(pattern, replacement, path.read_text())
         assert made == count, f"{name}: {pattern!r} matched {made} times, not {count}"
         path.write_text(text)
+    for name, text in (files or {}).items():
+        (directory / name).write_text(text)
+    return directory
+
+
+def run_on(directory: Path, tmp_path: Path, script: str) -> subprocess.CompletedProcess[str]:
+    """`script` run by a fresh interpreter on the kernel sources in `directory` (its own host
+    build, cached under tmp_path)."""
     environment = {**os.environ, "METRALE_KERNEL_DIR": str(directory),
                    "METRALE_CACHE_DIR": str(tmp_path / "cache")}
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=environment, check=False, timeout=600, cwd=ROOT)
+
+
+def run_mutated(tmp_path: Path, edits: list[tuple[str, str, str, int]],
+                script: str) -> subprocess.CompletedProcess[str]:
+    """`script` run on a copy of kernels/ with `edits` made (kernel_copy)."""
+    return run_on(kernel_copy(tmp_path, edits), tmp_path, script)
+
+
+def sgmv_nan_probe(case: str) -> str:
+    """A script that runs the SGMV shrink, and the expand from the reference's t, of `case` (an
+    import line binding `case` to a kernel_cases.Case) and prints whether t and y hold NaN: a
+    stage read before its copies land, or refilled while read, shows as the shim's NaN."""
+    return f"""
+import json, torch
+from metrale_cli.ops import host_harness, reference
+{case}
+i = case.inputs(torch.float32)
+starts, slots = case.segments()
+t = host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks, case.max_rank,
+                             splits=1)
+good_t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
+host_harness.sgmv_expand(good_t, starts, slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
+                         case.max_rank)
+print(json.dumps({{"t_nan": bool(torch.isnan(t).any()), "y_nan": bool(torch.isnan(i.y).any())}}))
+"""
