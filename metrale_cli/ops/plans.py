@@ -274,6 +274,21 @@ def _slices(table: Any, t: Any, what: str) -> tuple[int, int, Any]:
     return int(table.shape[0]), int(table.shape[1]), t[0]
 
 
+def _check_shrink(x: Any, a_table: Any, ranks: Any, t: Any, max_rank: int,
+                  splits: int) -> tuple[int, int, int, int, int, int, int]:
+    """(slices, max_loras, T, t_cols, max_rank, in_dim, splits) of a shrink launch, after the
+    checks both shrinks' buffers get: x BF16 [T, in_dim] by rows, t F32 ([S,] T, t_cols), the
+    A tables and ranks, the dims and the split count."""
+    slices, max_loras, plane = _slices(a_table, t, "a_table")
+    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
+    in_dim = int(x.shape[1])
+    check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
+    check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
+    _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
+    _check_dims(in_dim, max_rank, t_cols, "in_dim")
+    return slices, max_loras, num_tokens, t_cols, max_rank, in_dim, _check_splits(splits)
+
+
 def plan_bgmv_shrink(
     x: Any, slots: Any, a_table: Any, ranks: Any, t: Any, max_rank: int, splits: int = 1,
     workspace: tuple[Any, Any] | None = None,
@@ -283,15 +298,9 @@ def plan_bgmv_shrink(
     sizes at least; the tickets zero, as the kernel leaves them). t's width may be below
     max_rank (the batch's widest rank): the grid covers only it. With a_table [S, max_loras] and t
     [S, T, t_cols], the S slices that share x (q, k, v) are one launch."""
-    slices, max_loras, plane = _slices(a_table, t, "a_table")
-    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
-    in_dim = int(x.shape[1])
-    check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
+    slices, max_loras, num_tokens, t_cols, max_rank, in_dim, num_splits = _check_shrink(
+        x, a_table, ranks, t, max_rank, splits)
     check_buffer(slots, "slots", ("int32",), (num_tokens,))
-    check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
-    _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
-    _check_dims(in_dim, max_rank, t_cols, "in_dim")
-    num_splits = _check_splits(splits)
     grid = launch_grid("bgmv_shrink", num_tokens, in_dim, t_cols, num_splits, slices=slices)
     args = (
         x, np.int64(row_stride(x, "x")), slots, a_table, ranks, np.int32(max_loras),
@@ -485,15 +494,9 @@ def plan_sgmv_shrink(
     chunks index sorted positions (the grouped decode path). Fused slices as in
     plan_bgmv_shrink (a_table [S, max_loras], t [S, T, t_cols]): the CTAs' 64-column tiles run
     over the slices' rank columns side by side."""
-    slices, max_loras, plane = _slices(a_table, t, "a_table")
-    num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
-    in_dim = int(x.shape[1])
+    slices, max_loras, num_tokens, t_cols, max_rank, in_dim, num_splits = _check_shrink(
+        x, a_table, ranks, t, max_rank, splits)
     chunks, order_arg, num_chunks = _work_args(chunks, token_order, num_tokens)
-    check_buffer(x, "x", BF16, (num_tokens, in_dim), rows=True)
-    check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
-    _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
-    _check_dims(in_dim, max_rank, t_cols, "in_dim")
-    num_splits = _check_splits(splits)
     grid = launch_grid("sgmv_shrink", num_chunks, in_dim, t_cols, num_splits, slices=slices)
     args = (
         x, np.int64(row_stride(x, "x")), chunks, order_arg, a_table,
