@@ -48,6 +48,21 @@ Counts = tuple[int, int, int, int, list[float]]
 
 
 @dataclass(frozen=True)
+class CacheState:
+    """Where the adapters are after a request (paging: once it is placed; concurrent: when it
+    ends): the adapter each GPU slot holds (None: empty or
+    loading), in slot order, and the host tier's adapters, least recently used first (empty
+    without a host tier). What tests/test_engine_vllm_cache.py compares with vLLM's own."""
+
+    slots: tuple[str | None, ...]
+    host: tuple[str, ...]
+
+
+# Called after each request has been placed: (request index, the cache state then).
+Observer = Callable[[int, CacheState], None]
+
+
+@dataclass(frozen=True)
 class Link:
     """A link a slot's bytes cross on a load: a preset of BANDWIDTHS or a figure."""
 
@@ -337,9 +352,12 @@ class Replay:
         return start
 
     def run(self, policy: str, max_loras: int,
-            progress: Callable[[int], None] | None = None, detail: bool = True) -> RunResult:
+            progress: Callable[[int], None] | None = None, detail: bool = True,
+            observe: Observer | None = None) -> RunResult:
         """Replay every request at `max_loras` slots under `policy`. Without `detail` the
-        result drops its per-request arrays (a sweep of a million requests keeps none)."""
+        result drops its per-request arrays (a sweep of a million requests keeps none);
+        `observe` hears the cache state after each request is placed (a slow path, for
+        checking the replay against an engine)."""
         self._check_size(max_loras)
         manager = SlotManager(max_loras, policy=policy)
         manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
@@ -348,7 +366,9 @@ class Replay:
         served = np.zeros(n, dtype=np.int64)
         loop = self._paging if self.paging else self._concurrent
         loads = Loads(self.cost, self.load_bytes, self.host)
-        hits, delayed, misses, swaps, waits = loop(manager, loads, start, served, progress)
+        told = self._observer(manager, loads, observe) if observe is not None else None
+        hits, delayed, misses, swaps, waits = loop(manager, loads, start, served, progress,
+                                                   told)
         added = start - self.baseline
         adapter_requests = int((self.workload.adapter >= 0).sum())
         wait = np.asarray(waits) if waits else np.zeros(1)
@@ -434,6 +454,19 @@ class Replay:
             ))
         return results
 
+    def _observer(self, manager: SlotManager, loads: Loads,
+                  observe: Observer) -> Callable[[int], None]:
+        """`observe` fed the state of `manager` and `loads` after request r."""
+        names = self.workload.adapters
+
+        def told(r: int) -> None:
+            slots = tuple(s.name if manager.state(k) is SlotState.READY else None
+                          for k, s in enumerate(manager.slots()))
+            host = (tuple(names[a] for a in loads.resident) if self.host is not None
+                    else ())
+            observe(r, CacheState(slots, host))
+        return told
+
     def _load(self, manager: SlotManager) -> tuple[int, bool]:
         """Pick a victim and begin loading into it: (slot, whether it evicted an adapter)."""
         victim = manager.select_victim_slot()
@@ -442,7 +475,8 @@ class Replay:
         return victim, evicts
 
     def _paging(self, manager: SlotManager, loads: Loads, start: np.ndarray,
-                served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
+                served: np.ndarray, progress: Callable[[int], None] | None,
+                observe: Callable[[int], None] | None) -> Counts:
         names, adapter, nxt = self.workload.adapters, self._adapter, self._next
         arrival = self._arrival
         use_next, tiered = manager.policy == "min", self.host is not None
@@ -455,6 +489,8 @@ class Replay:
             if progress is not None and r % PROGRESS_EVERY == PROGRESS_EVERY - 1:
                 progress(PROGRESS_EVERY)
             if a < 0:
+                if observe is not None:
+                    observe(r)
                 continue
             if tiered:
                 loads.touch(a)
@@ -470,12 +506,15 @@ class Replay:
             touch(slot)
             if use_next:
                 set_next_use(slot, nxt[r])
+            if observe is not None:
+                observe(r)
         if progress is not None:
             progress(len(adapter) % PROGRESS_EVERY)
         return hits, 0, misses, swaps, []
 
     def _concurrent(self, manager: SlotManager, loads: Loads, start: np.ndarray,
-                    served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
+                    served: np.ndarray, progress: Callable[[int], None] | None,
+                    observe: Callable[[int], None] | None) -> Counts:
         names, adapter, arrival = self.workload.adapters, self._adapter, self._arrival
         hold, nxt = self._hold, self._next
         use_next, tiered = manager.policy == "min", self.host is not None
@@ -483,8 +522,8 @@ class Replay:
         set_next_use, touch = manager.set_next_use, manager.touch_slot
         n = len(adapter)
         seats = self.max_concurrency or n + 1
-        # Events: (time, kind, seq, x, y); kind 0 = a request ends (x = its slot or -1),
-        # kind 1 = a load ends (x = the slot, y = the adapter). At equal times, ends come
+        # Events: (time, kind, seq, x, y); kind 0 = a request ends (x = its slot or -1, y = the
+        # request), kind 1 = a load ends (x = the slot, y = the adapter). At equal times, ends come
         # before arrivals so that what they free is there for the next admission.
         events: list[tuple[float, int, int, int, int]] = []
         seq = itertools.count()  # ties in time and kind keep the order things happened in
@@ -538,7 +577,7 @@ class Replay:
                     set_next_use(slot, nxt[r])
             start[r] = now
             served[r] += 1
-            heapq.heappush(events, (now + hold[r], 0, next(seq), slot, 0))
+            heapq.heappush(events, (now + hold[r], 0, next(seq), slot, r))
 
         while i < n or events:
             if events and (i >= n or events[0][0] <= arrival[i]):
@@ -550,6 +589,8 @@ class Replay:
                         touch(x)
                         release(x)
                     running -= 1
+                    if observe is not None:
+                        observe(y)
                 else:
                     manager.finish_load(x, AdapterSlot(name=names[y]))
                     for r in loading.pop(y):
