@@ -216,7 +216,7 @@ def test_loads_share_the_link() -> None:
     # Paging mode too: a miss's load begins when the link is free.
     p = replay(workload([0, 1, 2, 0], arrival=[0.0, 0.0, 0.0, 0.0])).run("lru", 3)
     np.testing.assert_allclose(p.start, [1e-3, 2e-3, 3e-3, 0.0])
-    with pytest.raises(UsageError, match="--links must be positive"):
+    with pytest.raises(UsageError, match="--links must be between 1 and 1,024"):
         SwapCost(1, 1.0, 0.0, "x", links=0)
 
 
@@ -517,6 +517,11 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--requests", "1000000000"], "--requests 1,000,000,000 is more than a simulation takes "
                                    "(10,000,000)"),
     (["--adapters", "1000000000000"], "--adapters 1,000,000,000,000 is more than"),
+    # Issue 25 item 22: grew to 24 GB making the seeds' list; item 26: exit 70.
+    (["--adapters", "20", "--max-loras", "4,8", "--seeds", "1000000000"],
+     "--seeds 1,000,000,000 is more than a simulation takes (1,000"),
+    (["--links", "99999999999999999999"],
+     "--links must be between 1 and 1,024, got 99,999,999,999,999,999,999"),
 ])
 def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     r = metrale("simulate", *SLOT, "--requests", "200", *args)

@@ -42,6 +42,9 @@ BANDWIDTHS: dict[str, tuple[float, float, str]] = {
     "nvme": (7e9, 100e-6, "PCIe 4.0 NVMe SSD sequential read"),
 }
 PROGRESS_EVERY = 1 << 16  # requests between progress callbacks
+# Copy links per GPU: a GPU has a few copy engines; past this a figure is a typo, and the
+# link clock would allocate one entry per link.
+MAX_LINKS = 1024
 # What a replay loop counts: hits, delayed hits, misses, swaps, stall waits (s); `Loads` counts
 # what the loads moved.
 Counts = tuple[int, int, int, int, list[float]]
@@ -81,8 +84,9 @@ class SwapCost:
     links: int = 1
 
     def __post_init__(self) -> None:
-        if self.links <= 0:
-            raise UsageError(f"--links must be positive, got {self.links}")
+        if not 0 < self.links <= MAX_LINKS:
+            raise UsageError(f"--links must be between 1 and {MAX_LINKS:,}, got "
+                             f"{self.links:,}")
 
     @property
     def seconds(self) -> float:
