@@ -90,7 +90,11 @@ class SwapCost:
 
     @property
     def seconds(self) -> float:
-        return self.slot_bytes / self.bytes_per_s + self.latency_s
+        return self.load_seconds(self.slot_bytes)
+
+    def load_seconds(self, load_bytes: int) -> float:
+        """How long a load of `load_bytes` takes once it has its link."""
+        return load_bytes / self.bytes_per_s + self.latency_s
 
     def record(self) -> dict[str, Any]:
         return {**asdict(self), "swap_s": self.seconds}
@@ -133,7 +137,7 @@ class Loads:
     def __init__(self, cost: SwapCost, load_bytes: Sequence[int], host: HostTier | None) -> None:
         self.cost, self.host = cost, host
         self.load_bytes = load_bytes
-        self.load_s = [b / cost.bytes_per_s + cost.latency_s for b in load_bytes]
+        self.load_s = [cost.load_seconds(b) for b in load_bytes]
         self.gpu = LinkClock(cost.links)
         self.bytes_moved = 0
         self.swap_s = self.link_wait_s = 0.0
@@ -404,7 +408,10 @@ class Replay:
         if progress is not None:
             progress((self.workload.requests - counted.size) * len(sizes))
         asked = arrival[counted]
-        n, swap_s, links = self.workload.requests, self.cost.seconds, self.cost.links
+        # Every load moves the same bytes (sweepable): the adapters' one load, which is less
+        # than a slot when they share a rank below the pool's max rank.
+        load = self.load_bytes[0] if self.load_bytes else self.cost.slot_bytes
+        n, swap_s, links = self.workload.requests, self.cost.load_seconds(load), self.cost.links
         n_adapter = pinned_requests + counted.size
         results = []
         for size in sizes:
@@ -417,7 +424,7 @@ class Replay:
                 policy="lru", max_loras=size, pinned=len(self.pinned), requests=n,
                 adapter_requests=pinned_requests + counted.size,
                 hits=pinned_requests + counted.size - misses, delayed_hits=0, misses=misses,
-                swaps=misses - min(cache, self.unpinned), bytes_moved=misses * self.cost.slot_bytes,
+                swaps=misses - min(cache, self.unpinned), bytes_moved=misses * load,
                 swap_s=misses * swap_s, link_wait_s=float(added.sum()) - misses * swap_s,
                 host_hits=0, host_misses=0, host_bytes_moved=0,
                 stalls=0, stall_total_s=0.0, stall_p50_s=0.0, stall_p99_s=0.0,
