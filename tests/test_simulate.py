@@ -215,9 +215,26 @@ def test_loads_share_the_link() -> None:
     np.testing.assert_allclose(two.start[:4], [1e-3, 1e-3, 2e-3, 2e-3])
     # Paging mode too: a miss's load begins when the link is free.
     p = replay(workload([0, 1, 2, 0], arrival=[0.0, 0.0, 0.0, 0.0])).run("lru", 3)
-    np.testing.assert_allclose(p.start, [1e-3, 2e-3, 3e-3, 0.0])
+    np.testing.assert_allclose(p.start, [1e-3, 2e-3, 3e-3, 1e-3])
     with pytest.raises(UsageError, match="--links must be between 1 and 1,024"):
         SwapCost(1, 1.0, 0.0, "x", links=0)
+
+
+def test_a_request_before_its_adapters_load_ends_is_a_delayed_hit_in_both_modes() -> None:
+    """a0 misses at 0 and loads until 2 ms (behind a1's load on the one link); a0 again at
+    0.5 ms was a hit with no added latency in paging mode (issue 25 item 6). In both modes it
+    is a delayed hit that starts when the load ends; at 5 ms it is a plain hit."""
+    arrival = [0.0, 0.0, 0.0005, 0.005]
+    paging = replay(workload([1, 0, 0, 0], arrival=arrival)).run("lru", 2)
+    concurrent = replay(workload([1, 0, 0, 0], arrival=arrival, hold=[1e-9] * 4)).run("lru", 2)
+    assert not replay(workload([1, 0, 0, 0], arrival=arrival, hold=[1e-9] * 4)).paging
+    for r in (paging, concurrent):
+        assert (r.hits, r.delayed_hits, r.misses) == (1, 1, 2)
+        np.testing.assert_allclose(r.start, [0.001, 0.002, 0.002, 0.005])
+        assert r.added_latency_mean_s == pytest.approx((0.001 + 0.002 + 0.0015) / 4)
+    swept = replay(workload([1, 0, 0, 0], arrival=arrival)).lru_sweep([2])[0]
+    assert (swept.hits, swept.delayed_hits) == (1, 1)
+    assert swept.added_latency_mean_s == pytest.approx(paging.added_latency_mean_s)
 
 
 def test_lru_orders_by_use_not_by_admission() -> None:

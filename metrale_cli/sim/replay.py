@@ -5,8 +5,9 @@ size of a paging workload from one pass (stack distances).
 
 Two modes, chosen by the workload. **Paging** (every request holds its slot for zero time): the
 requests are served one at a time in order, the classic paging problem, where `min` (Belady) is
-the optimum. **Concurrent**: a request takes a seat (at most `max_concurrency`) and a ref count
-on its adapter's slot from admission to completion; a miss loads the adapter into the victim slot
+the optimum; a request that arrives before its adapter's load ends is a delayed hit and starts
+when the load does, as in concurrent mode. **Concurrent**: a request takes a seat (at most
+`max_concurrency`) and a ref count on its adapter's slot from admission to completion; a miss loads the adapter into the victim slot
 and the request starts when the load ends; when every cache slot has in-flight sequences the
 slot manager says `PoolFull` and the request waits at the head of the queue (admission is first
 come, first served), never evicting an adapter in flight.
@@ -408,6 +409,10 @@ class Replay:
         if progress is not None:
             progress((self.workload.requests - counted.size) * len(sizes))
         asked = arrival[counted]
+        # Each adapter's requests in order, for the load each hit waits for: its adapter's
+        # latest miss (an adapter's first request is a miss at every size).
+        by_adapter = np.lexsort((np.arange(counted.size), adapter[counted]))
+        position = np.arange(counted.size)
         # Every load moves the same bytes (sweepable): the adapters' one load, which is less
         # than a slot when they share a rank below the pool's max rank.
         load = self.load_bytes[0] if self.load_bytes else self.cost.slot_bytes
@@ -419,13 +424,21 @@ class Replay:
             miss = (distance < 0) | (distance >= cache)
             misses = int(miss.sum())
             ends = load_ends(asked[miss], swap_s, links)
-            added = np.sort(ends - asked[miss])
+            ready = np.empty(counted.size)
+            ready[miss] = ends
+            latest = np.maximum.accumulate(np.where(miss[by_adapter], position, -1))
+            ready[by_adapter] = ready[by_adapter][latest]
+            waits = ready > asked
+            delayed = int((waits & ~miss).sum())
+            added = np.sort(np.where(waits, ready - asked, 0.0))
+            load_added = float((ends - asked[miss]).sum())
             results.append(RunResult(
                 policy="lru", max_loras=size, pinned=len(self.pinned), requests=n,
                 adapter_requests=pinned_requests + counted.size,
-                hits=pinned_requests + counted.size - misses, delayed_hits=0, misses=misses,
+                hits=pinned_requests + counted.size - misses - delayed, delayed_hits=delayed,
+                misses=misses,
                 swaps=misses - min(cache, self.unpinned), bytes_moved=misses * load,
-                swap_s=misses * swap_s, link_wait_s=float(added.sum()) - misses * swap_s,
+                swap_s=misses * swap_s, link_wait_s=load_added - misses * swap_s,
                 host_hits=0, host_misses=0, host_bytes_moved=0,
                 stalls=0, stall_total_s=0.0, stall_p50_s=0.0, stall_p99_s=0.0,
                 added_latency_p50_s=_percentile_above_zeros(added, n, 50),
@@ -459,7 +472,8 @@ class Replay:
         use_next, tiered = manager.policy == "min", self.host is not None
         # A zero-length request takes and returns its count at once: a touch, one call.
         slot_of, touch, set_next_use = manager.slot_of, manager.touch_slot, manager.set_next_use
-        hits = misses = swaps = 0
+        hits = delayed = misses = swaps = 0
+        ready: dict[int, float] = {}  # adapter -> when its latest load ends
         start[:] = self.workload.arrival
         for r, a in enumerate(adapter):
             served[r] += 1
@@ -475,7 +489,10 @@ class Replay:
                 manager.finish_load(slot, AdapterSlot(name=names[a]))
                 misses += 1
                 swaps += evicts
-                start[r] = loads.load(a, arrival[r])
+                start[r] = ready[a] = loads.load(a, arrival[r])
+            elif ready.get(a, 0.0) > arrival[r]:  # its load is still under way: it waits
+                delayed += 1
+                start[r] = ready[a]
             else:
                 hits += 1
             touch(slot)
@@ -483,7 +500,7 @@ class Replay:
                 set_next_use(slot, nxt[r])
         if progress is not None:
             progress(len(adapter) % PROGRESS_EVERY)
-        return hits, 0, misses, swaps, []
+        return hits, delayed, misses, swaps, []
 
     def _concurrent(self, manager: SlotManager, loads: Loads, start: np.ndarray,
                     served: np.ndarray, progress: Callable[[int], None] | None) -> Counts:
