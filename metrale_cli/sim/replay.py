@@ -4,13 +4,13 @@ in front of the GPU slots, and each adapter's own bytes. `Replay.lru_sweep` answ
 size of a paging workload from one pass (stack distances).
 
 Two modes, chosen by the workload. **Paging** (every request holds its slot for zero time): the
-requests are served one at a time in order, the classic paging problem, where `min` (Belady) is
-the optimum; a request that arrives before its adapter's load ends is a delayed hit and starts
-when the load does, as in concurrent mode. **Concurrent**: a request takes a seat (at most
-`max_concurrency`) and a ref count on its adapter's slot from admission to completion; a miss loads the adapter into the victim slot
-and the request starts when the load ends; when every cache slot has in-flight sequences the
-slot manager says `PoolFull` and the request waits at the head of the queue (admission is first
-come, first served), never evicting an adapter in flight.
+requests are served one at a time in order, the classic paging problem, where `min` (Belady) is the
+optimum; a request that arrives before its adapter's load ends is a delayed hit and starts when the
+load does, as in concurrent mode. **Concurrent**: a request takes a seat (at most
+`max_concurrency`) and a ref count on its adapter's slot from admission to completion; a miss loads
+the adapter into the victim slot and the request starts when the load ends; when every cache slot
+has in-flight sequences the slot manager says `PoolFull` and the request waits at the head of the
+queue (admission is first come, first served), never evicting an adapter in flight.
 
 A request's added latency is how much later it starts than it would with every adapter resident
 (the same queue, no loads, no stalls).
