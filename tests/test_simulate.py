@@ -740,6 +740,22 @@ def test_admission_skip_lets_resident_adapters_go_ahead() -> None:
         Replay(w, w.hold_seconds(1.0, 1.0), COST, admission="lifo")
 
 
+def test_a_request_that_gains_from_a_stall_adds_no_negative_latency() -> None:
+    """Issue 25 item 4: one slot, two seats; a0 runs 0-1.001, a1 (0.1) stalls holding no
+    seat, and a0 again (0.2) takes the free seat under skip and starts at 0.2, before its
+    all-resident start (1.0, when the first seat frees): -0.8 was its added latency, and the
+    mean fell below what the loads cost. It adds 0 and is counted apart."""
+    w = workload([0, 1, 0], arrival=[0.0, 0.1, 0.2], hold=[1.0, 1.0, 1.0])
+    skip = Replay(w, w.hold_seconds(1.0, 1.0), COST, (), 2, admission="skip").run("lru", 1)
+    np.testing.assert_allclose(skip.start, [0.001, 1.201, 0.2])
+    assert (skip.moved_ahead, skip.gained_s) == (1, pytest.approx(0.8))
+    assert skip.added_latency_mean_s == pytest.approx((0.001 + 1.101) / 3)
+    assert skip.added_latency_p50_s == pytest.approx(0.001)
+    fcfs = Replay(w, w.hold_seconds(1.0, 1.0), COST, (), 2).run("lru", 1)
+    assert (fcfs.moved_ahead, fcfs.gained_s) == (0, 0.0)
+    assert fcfs.record()["moved_ahead"] == 0 and skip.record()["gained_s"] == pytest.approx(0.8)
+
+
 def test_cli_admission_and_ttft() -> None:
     r = metrale("simulate", *SLOT, "--requests", "800", "--adapters", "60", "--rate", "40",
                 "--max-loras", "4", "--policy", "lru", "--admission", "skip", "--json")

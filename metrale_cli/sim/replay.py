@@ -203,6 +203,11 @@ class RunResult:
     added_latency_p50_s: float
     added_latency_p99_s: float
     added_latency_mean_s: float
+    # Under --admission skip a request can start before its all-resident baseline (it took a
+    # seat a stalled head did not hold): how many did, and the seconds they gained in all.
+    # Their added latency is 0: added latency is how much later loads made a request start.
+    moved_ahead: int
+    gained_s: float
     # Time to first token (admission wait, loads, stalls, then the prefill), adapter requests
     # apart from base-model ones (None where there are none), and completed requests per second
     # from the first arrival to the last completion.
@@ -262,6 +267,20 @@ def serving_stats(start: np.ndarray, arrival: np.ndarray, hold: np.ndarray,
     out["throughput_req_s"] = _throughput(n, float(arrival.min()) if n else 0.0,
                                           float((start + hold).max()) if n else 0.0)
     return out
+
+
+def added_latency(start: np.ndarray, baseline: np.ndarray) -> dict[str, Any]:
+    """Added latency (how much later than its all-resident baseline each request started, 0
+    for one that started earlier) as its p50, p99 and mean, and apart from it the requests that
+    started earlier (`moved_ahead`) and the seconds they gained (`gained_s`)."""
+    late = start - baseline
+    ahead = late < 0
+    added = np.where(ahead, 0.0, late)
+    n = int(start.size)
+    return {"added_latency_p50_s": float(np.percentile(added, 50)) if n else 0.0,
+            "added_latency_p99_s": float(np.percentile(added, 99)) if n else 0.0,
+            "added_latency_mean_s": float(added.mean()) if n else 0.0,
+            "moved_ahead": int(ahead.sum()), "gained_s": float(-late[ahead].sum())}
 
 
 def _throughput(n: int, first: float, last: float) -> float:
@@ -358,7 +377,6 @@ class Replay:
         loop = self._paging if self.paging else self._concurrent
         loads = Loads(self.cost, self.load_bytes, self.host)
         hits, delayed, misses, swaps, waits = loop(manager, loads, start, served, progress)
-        added = start - self.baseline
         adapter_requests = int((self.workload.adapter >= 0).sum())
         wait = np.asarray(waits) if waits else np.zeros(1)
         return RunResult(
@@ -370,9 +388,7 @@ class Replay:
             stalls=len(waits), stall_total_s=float(sum(waits)),
             stall_p50_s=float(np.percentile(wait, 50)),
             stall_p99_s=float(np.percentile(wait, 99)),
-            added_latency_p50_s=float(np.percentile(added, 50)) if n else 0.0,
-            added_latency_p99_s=float(np.percentile(added, 99)) if n else 0.0,
-            added_latency_mean_s=float(added.mean()) if n else 0.0,
+            **added_latency(start, self.baseline),
             **serving_stats(start, self.workload.arrival, self.hold, self.first_token,
                             self.workload.adapter >= 0),
             pool_bytes=0, start=start if detail else np.empty(0),
@@ -444,6 +460,7 @@ class Replay:
                 added_latency_p50_s=_percentile_above_zeros(added, n, 50),
                 added_latency_p99_s=_percentile_above_zeros(added, n, 99),
                 added_latency_mean_s=float(added.sum()) / n if n else 0.0,
+                moved_ahead=0, gained_s=0.0,  # paging: every request at its arrival or later
                 # Paging: zero-length requests, so the first token is at the start.
                 ttft_adapter_p50_s=_percentile_above_zeros(added, n_adapter, 50) if n_adapter
                 else None,

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.errors import UsageError
-from metrale_cli.sim.replay import HostTier, Replay, RunResult, SwapCost, serving_stats
+from metrale_cli.sim.replay import (
+    HostTier,
+    Replay,
+    RunResult,
+    SwapCost,
+    added_latency,
+    serving_stats,
+)
 from metrale_cli.sim.workload import Workload
 
 ROUTES = ("random", "round-robin", "affinity")
@@ -129,7 +136,7 @@ def _total(policy: str, max_loras: int, pinned: int, where: np.ndarray,
     def joined(column: Callable[[RunResult, Replay], np.ndarray]) -> np.ndarray:
         return np.concatenate([column(r, sub) for r, sub in parts])
 
-    added = joined(lambda r, sub: r.start - sub.baseline)
+    late = added_latency(joined(lambda r, _: r.start), joined(lambda _, sub: sub.baseline))
     waits = joined(lambda r, _: r.waits)
     stats = serving_stats(joined(lambda r, _: r.start), joined(lambda _, s: s.workload.arrival),
                           joined(lambda _, s: s.hold), joined(lambda _, s: s.first_token),
@@ -157,9 +164,7 @@ def _total(policy: str, max_loras: int, pinned: int, where: np.ndarray,
         host_misses=total("host_misses"), host_bytes_moved=total("host_bytes_moved"),
         stalls=int(waits.size), stall_total_s=float(waits.sum()),
         stall_p50_s=float(np.percentile(wait, 50)), stall_p99_s=float(np.percentile(wait, 99)),
-        added_latency_p50_s=float(np.percentile(added, 50)),
-        added_latency_p99_s=float(np.percentile(added, 99)),
-        added_latency_mean_s=float(added.mean()), **stats, pool_bytes=0,
+        **late, **stats, pool_bytes=0,
         replicas=[{"replica": k, **{x: y for x, y in s.items() if x != "replica"}}
                   for k, s in zip(replica_of, summary, strict=True)],
     )
