@@ -23,7 +23,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -304,6 +304,94 @@ def _percentile_above_zeros(values: np.ndarray, n: int, q: float) -> float:
     return low + (high - low) * (at - lo)
 
 
+class WaitingQueue:
+    """The requests waiting for admission in a concurrent replay, in arrival order, each
+    leaving when it starts or joins a load. `indexed` (skip admission) adds an index by
+    adapter, so that a pass past a stalled head visits the requests that can start, in arrival
+    order, and not the whole queue at every event: a heap of each startable adapter's earliest
+    waiting request, checked when taken (an adapter evicted since is dropped, and offered
+    again when it next loads). Base-model requests are adapter -1, always startable."""
+
+    def __init__(self, n: int, adapter: array.array[int], indexed: bool) -> None:
+        self._order: deque[int] = deque()
+        self._gone = bytearray(n)
+        self._adapter, self._indexed = adapter, indexed
+        self._by_adapter: dict[int, deque[int]] = {}
+        self._heap: list[tuple[int, int]] = []  # (earliest waiting request, adapter)
+        self._offered: set[int] = set()
+        self.considered = 0  # requests below this were looked at by a pass past the head
+
+    def arrive(self, r: int, startable: Callable[[int], bool]) -> None:
+        self._order.append(r)
+        if self._indexed:
+            a = self._adapter[r]
+            self._by_adapter.setdefault(a, deque()).append(r)
+            if startable(a):
+                self.offer(a)
+
+    def head(self) -> int | None:
+        order, gone = self._order, self._gone
+        while order and gone[order[0]]:
+            order.popleft()
+        return order[0] if order else None
+
+    def gone(self, r: int) -> bool:
+        return bool(self._gone[r])
+
+    def leave(self, r: int) -> None:
+        self._gone[r] = 1
+
+    def _earliest(self, a: int) -> int | None:
+        waiting = self._by_adapter.get(a)
+        while waiting and self._gone[waiting[0]]:
+            waiting.popleft()
+        if not waiting:
+            self._by_adapter.pop(a, None)
+            return None
+        return waiting[0]
+
+    def offer(self, a: int) -> None:
+        """Adapter `a` became startable (it arrived so, or its load began)."""
+        if self._indexed and a not in self._offered:
+            r = self._earliest(a)
+            if r is not None:
+                self._offered.add(a)
+                heapq.heappush(self._heap, (r, a))
+
+    def startable_in_order(self, startable: Callable[[int], bool]) -> Iterator[int]:
+        """The waiting requests whose adapter is `startable`, earliest first, each leaving as
+        it is yielded (the caller stops taking them when seats run out)."""
+        heap, offered = self._heap, self._offered
+        while heap:
+            r, a = heap[0]
+            if not startable(a):
+                heapq.heappop(heap)
+                offered.discard(a)
+                continue
+            earliest = self._earliest(a)
+            if earliest is None:
+                heapq.heappop(heap)
+                offered.discard(a)
+                continue
+            if earliest != r:  # its earlier requests left: its place in the heap moves
+                heapq.heapreplace(heap, (earliest, a))
+                continue
+            self._gone[r] = 1
+            following = self._earliest(a)
+            if following is None:
+                heapq.heappop(heap)
+                offered.discard(a)
+            else:
+                heapq.heapreplace(heap, (following, a))
+            yield r
+
+    def consider(self, upto: int) -> range:
+        """Requests first looked at by this pass: from the last pass's end to `upto`."""
+        first = self.considered
+        self.considered = max(first, upto)
+        return range(first, self.considered)
+
+
 class Replay:
     """One workload, prepared once (hold times, next uses, the no-cache baseline), replayed
     against a fresh `SlotManager` per (policy, size)."""
@@ -534,45 +622,51 @@ class Replay:
         events: list[tuple[float, int, int, int, int]] = []
         seq = itertools.count()  # ties in time and kind keep the order things happened in
         loading: dict[int, list[int]] = {}  # adapter -> requests waiting for its load
-        queue: deque[int] = deque()
+        skip = self.admission == "skip"
+        queue = WaitingQueue(n, adapter, indexed=skip)
         stalled_since: dict[int, float] = {}
         waits: list[float] = []
         running = hits = delayed = misses = swaps = 0
         i = 0
 
-        skip = self.admission == "skip"
+        def startable(a: int) -> bool:
+            """A request for `a` can start now: the base model, or resident, or loading."""
+            return a < 0 or a in loading or slot_of(names[a]) is not None
 
-        def skip_ahead(now: float, running: int) -> int:
+        def skip_ahead(head: int, now: float, running: int) -> int:
             """The head cannot be placed: later requests whose adapter is resident or loading
             (or that need none) start now, in order, while seats last, as vLLM's scheduler
-            lets them; those that need a load wait behind the head. Returns `running`."""
-            nonlocal hits, delayed, queue
-            kept = deque([queue.popleft()])
-            while queue:
-                r = queue.popleft()
-                if running >= seats:
-                    kept.append(r)
-                    continue
+            lets them; those that need a load wait behind the head, stalled from the first
+            time they were passed over with a seat free. Returns `running`."""
+            nonlocal hits, delayed
+            went: list[int] = []
+            for r in queue.startable_in_order(startable):
                 a = adapter[r]
+                went.append(r)
+                running += 1
                 if a < 0:
                     serve(r, -1, now)
-                    running += 1
-                    continue
-                if tiered and r not in stalled_since:
-                    loads.touch(a)
-                slot = slot_of(names[a])
-                if slot is not None:
-                    hits += 1
-                    serve(r, slot, now)
-                    running += 1
                 elif a in loading:
                     delayed += 1
                     loading[a].append(r)
-                    running += 1
-                else:  # no slot to load it into either: it waits, stalled from now
+                else:
+                    hits += 1
+                    serve(r, slot_of(names[a]), now)
+                if running >= seats:
+                    break
+            # The requests this pass looked at for the first time: up to the one that took
+            # the last seat, or every one that has arrived. Each is touched once in the host
+            # tier (a use), and waits stalled if it is still waiting.
+            upto = went[-1] + 1 if running >= seats else i
+            left = set(went)
+            for r in queue.consider(upto):
+                a = adapter[r]
+                if r == head or a < 0 or (queue.gone(r) and r not in left):
+                    continue
+                if tiered and r not in stalled_since:
+                    loads.touch(a)
+                if not queue.gone(r):
                     stalled_since.setdefault(r, now)
-                    kept.append(r)
-            queue = kept
             return running
 
         def serve(r: int, slot: int, now: float) -> None:
@@ -601,12 +695,11 @@ class Replay:
                         serve(r, x, now)
             else:
                 now = arrival[i]
-                queue.append(i)
+                queue.arrive(i, startable)
                 i += 1
                 if progress is not None and i % PROGRESS_EVERY == 0:
                     progress(PROGRESS_EVERY)
-            while queue and running < seats:
-                r = queue[0]
+            while running < seats and (r := queue.head()) is not None:
                 a = adapter[r]
                 slot = -1
                 if a >= 0:
@@ -617,7 +710,7 @@ class Replay:
                         if a in loading:  # its load is under way: no second load
                             delayed += 1
                             loading[a].append(r)
-                            queue.popleft()
+                            queue.leave(r)
                             running += 1
                             continue
                         try:
@@ -628,20 +721,21 @@ class Replay:
                                                  "(no request in flight)") from None
                             stalled_since.setdefault(r, now)
                             if skip:
-                                running = skip_ahead(now, running)
+                                running = skip_ahead(r, now, running)
                             break
                         misses += 1
                         swaps += evicts
                         if r in stalled_since:
                             waits.append(now - stalled_since.pop(r))
                         loading[a] = [r]
+                        queue.leave(r)
+                        queue.offer(a)  # its later requests can start: a delayed hit each
                         heapq.heappush(events, (loads.load(a, now), 1, next(seq), victim, a))
-                        queue.popleft()
                         running += 1
                         continue
                     hits += 1
                 serve(r, slot, now)
-                queue.popleft()
+                queue.leave(r)
                 running += 1
         if progress is not None:
             progress(n % PROGRESS_EVERY)
