@@ -13,7 +13,9 @@ has in-flight sequences the slot manager says `PoolFull` and the request waits a
 queue (admission is first come, first served), never evicting an adapter in flight.
 
 A request's added latency is how much later it starts than it would with every adapter resident
-(the same queue, no loads, no stalls).
+(the same queue, no loads, no stalls), and never below 0: under skip admission a request that
+starts earlier (it took a seat a stalled head did not hold) is counted apart (`moved_ahead`,
+`gained_s`). Admission's waiting requests are a `WaitingQueue`, indexed by adapter for skip.
 """
 
 from __future__ import annotations
