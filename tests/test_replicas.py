@@ -30,8 +30,11 @@ def test_routes() -> None:
     assert route(w, hold, Routing(2, "round-robin"), 1, (), None).tolist() == [0, 1, 0, 1, 0, 1]
     rnd = route(w, hold, Routing(3, "random", seed=4), 1, (), None)
     assert (rnd == route(w, hold, Routing(3, "random", seed=4), 1, (), None)).all()
-    # Affinity with nothing in flight: every replica idle, ties to the lowest index.
-    assert route(w, hold, Routing(2, "affinity"), 1, (), None).tolist() == [0, 0, 0, 0, 0, 0]
+    # Affinity with nothing in flight: every replica idle. Ties went to the lowest index, so
+    # every request to replica 0 (issue 25 item 3); now a new adapter goes to the replica sent
+    # the fewest requests: a1 to 1, a2 to 0 (2 each; the lower index), evicting a0 from 0's
+    # one cache slot, so a0 goes to 1, sent fewer.
+    assert route(w, hold, Routing(2, "affinity"), 1, (), None).tolist() == [0, 1, 0, 1, 0, 1]
     # Holding 10 s: a0 to 0; a1 to the less loaded 1; a0 and a1 back where they are; a2 to 0
     # (a tie), evicting a0 from 0's one cache slot, so a0 goes to the less loaded 1.
     held = np.full(6, 10.0)
@@ -87,3 +90,34 @@ def test_cli_replicas() -> None:
     assert "2, affinity routing" in view.stdout and "hit % by" in view.stdout
     bad = metrale("simulate", *SLOT, "--requests", "30", "--replicas", "0")
     assert bad.code == 2 and "--replicas must be positive" in bad.stderr
+
+
+def test_affinity_in_paging_mode_spreads_over_every_replica() -> None:
+    """The issue's repro: zipf over 100 adapters, zero-length requests, 4 replicas; affinity
+    sent all 2,000 requests to replica 0 and listed only it."""
+    r = metrale("simulate", "--workload", "zipf", "--adapters", "100", "--requests", "2000",
+                "--input-tokens", "0", "--output-tokens", "0", "--replicas", "4", "--route",
+                "affinity", "--model", "llama-3.1-8b", "--modules", "q_proj", "--max-rank", "16",
+                "--max-loras", "8", "--policy", "lru", "--json")
+    assert r.code == 0, r.stderr
+    (x,) = r.json()["results"]
+    assert [p["replica"] for p in x["replicas"]] == [0, 1, 2, 3]
+    sent = [p["requests"] for p in x["replicas"]]
+    assert sum(sent) == 2000 and min(sent) >= 2000 // 8, sent
+    # Affinity still keeps an adapter where it is held: it beats round-robin's hit rate.
+    rr = metrale("simulate", "--workload", "zipf", "--adapters", "100", "--requests", "2000",
+                 "--input-tokens", "0", "--output-tokens", "0", "--replicas", "4", "--route",
+                 "round-robin", "--model", "llama-3.1-8b", "--modules", "q_proj", "--max-rank",
+                 "16", "--max-loras", "8", "--policy", "lru", "--json").json()["results"][0]
+    assert x["hit_rate"] > rr["hit_rate"]
+
+
+def test_a_replica_sent_no_requests_is_listed_with_zeros() -> None:
+    w = requests([0, 1])
+    total = Replicas(w, np.zeros(2), COST, (), None, [1000] * 2, None,
+                     Routing(3, "round-robin")).run("lru", 2)
+    assert [x["replica"] for x in total.replicas] == [0, 1, 2]
+    assert total.replicas[2] == {"replica": 2, "requests": 0, "adapter_requests": 0, "hits": 0,
+                                 "delayed_hits": 0, "misses": 0, "hit_rate": 0.0, "stalls": 0,
+                                 "added_latency_p99_s": 0.0}
+    assert total.requests == sum(x["requests"] for x in total.replicas) == 2

@@ -46,15 +46,20 @@ def test_distances_are_the_distinct_adapters_between_uses(refs: list[int]) -> No
     data=st.lists(st.tuples(st.integers(-1, 12), st.sampled_from([0.0, 0.0, 0.0005, 0.3, 2.0])),
                   min_size=1, max_size=120),
     pin_count=st.integers(0, 2), links=st.integers(1, 3),
+    load=st.sampled_from([None, 1000, 250, 1]),
 )
 def test_the_sweep_is_a_replay_at_every_size(data: list[tuple[int, float]], pin_count: int,
-                                             links: int) -> None:
+                                             links: int, load: int | None) -> None:
+    """Every setup the sweep takes: whole-slot loads, and one rank every adapter shares, at or
+    below the pool's max rank (250: rank 16 of 64; issue 25 item 2 charged it a slot)."""
     refs = [r for r, _ in data]
     w = paging(refs, np.cumsum([g for _, g in data]).tolist())
     used = sorted({r for r in refs if r >= 0})
     pinned = [f"a{i}" for i in used[:pin_count]]
     cost = dataclasses.replace(COST, links=links)
-    rp = Replay(w, np.zeros(len(refs)), cost, pinned)
+    rp = Replay(w, np.zeros(len(refs)), cost, pinned,
+                load_bytes=None if load is None else [load] * len(w.adapters))
+    assert rp.sweepable
     sizes = [k for k in range(1, 16) if k > len(pinned) or (k == len(pinned) and not rp.unpinned)]
     swept = rp.lru_sweep(sizes)
     for size, s in zip(sizes, swept, strict=True):
@@ -96,3 +101,22 @@ def test_a_paging_lru_sweep_takes_one_pass(monkeypatch: pytest.MonkeyPatch) -> N
     results = sim.simulate(rp, ["lru", "fifo"], [1, 2, 3, 4], lambda n: n)
     assert replayed == [("fifo", k) for k in (1, 2, 3, 4)]
     assert [r.misses for r in results if r.policy == "lru"] == [7, 7, 5, 4]
+
+
+def test_a_shared_rank_below_the_max_moves_its_share_in_the_sweep() -> None:
+    """The issue's repro: 50 distinct rank-16 adapters in a max-rank-64 pool, 50 misses each
+    way: lru (swept) and fifo (replayed) move the same bytes, a quarter of a slot each."""
+    from tests.support.cli_runner import metrale
+
+    r = metrale("simulate", "--workload", "distinct", "--requests", "50", "--ranks", "16",
+                "--model", "llama-3.1-8b", "--modules", "q_proj", "--max-rank", "64",
+                "--input-tokens", "0", "--output-tokens", "0", "--max-loras", "4",
+                "--policy", "lru,fifo", "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    lru, fifo = rec["results"]
+    quarter = rec["layout"]["slot_bytes"] // 4
+    assert lru["misses"] == fifo["misses"] == 50
+    assert lru["bytes_moved"] == fifo["bytes_moved"] == 50 * quarter
+    for f in ("swap_s", "link_wait_s", "added_latency_p99_s", "throughput_req_s"):
+        assert lru[f] == pytest.approx(fifo[f], rel=1e-9), f

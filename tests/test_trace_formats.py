@@ -109,3 +109,69 @@ def test_cli_trace_formats() -> None:
         assert len(bad.stderr.strip().splitlines()) == 1
     bad = metrale("simulate", *SLOT, "--assign", "zipf")
     assert bad.code == 2 and "--trace-format and --assign are for --trace" in bad.stderr
+
+
+ENGLISH = ["--model", "llama-3.1-8b", "--modules", "q_proj", "--max-rank", "16"]
+HEADERS = {"azure-llm": "TIMESTAMP,ContextTokens,GeneratedTokens",
+           "burstgpt": "Timestamp,Model,Request tokens,Response tokens",
+           "azure-functions": "app,func,end_timestamp,duration"}
+ROWS = {"azure-llm": "2023-11-16 18:15:47.5,{},2", "burstgpt": "1,x,{},3",
+        "azure-functions": "a,f{},5,1"}
+
+
+@pytest.mark.parametrize("fmt,name,head", [
+    ("metrale", "bad.csv", "timestamp,adapter\n0,a\n"),
+    ("metrale", "bad.jsonl", '{"timestamp": 0, "adapter": "a"}\n' * 2),
+    *((fmt, "bad.csv", HEADERS[fmt] + "\n" + ROWS[fmt].format(1) + "\n") for fmt in HEADERS),
+])
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path: Path, fmt: str, name: str,
+                                                        head: str) -> None:
+    """A byte that is not UTF-8 on line 3 (issue 25 items 7 and 26): one line naming the file
+    and that line, exit 2, in every format, never an internal error."""
+    path = tmp_path / name
+    bad = {"metrale": b"1,ad\xe9\n" if name.endswith(".csv")
+           else b'{"timestamp": 1, "adapter": "ad\xe9"}\n'}.get(fmt)
+    row = bad if bad is not None else ROWS[fmt].format(7).encode().replace(b"7", b"\xe9") + b"\n"
+    # Good rows after it: the text layer decodes a block ahead, past the line it reads.
+    path.write_bytes(head.encode() + row + (head.splitlines()[-1] + "\n").encode() * 4000)
+    args = ["--trace-format", fmt, *(["--assign", "zipf"] if fmt in ("azure-llm", "burstgpt")
+                                     else [])]
+    r = metrale("simulate", *ENGLISH, "--trace", path, *args)
+    assert r.code == 2, r.stderr
+    assert r.stderr.strip() == f"error: {path}:3: not UTF-8 text; a trace is UTF-8"
+
+
+@pytest.mark.parametrize("fmt", ["azure-llm", "burstgpt"])
+def test_token_counts_past_2_53_are_refused_naming_the_line(tmp_path: Path, fmt: str) -> None:
+    """`1e19` tokens overflowed int64 (exit 70): refused as the default format refuses it."""
+    path = tmp_path / "big.csv"
+    path.write_text(f"{HEADERS[fmt]}\n{ROWS[fmt].format(5)}\n{ROWS[fmt].format('1e19')}\n")
+    key = "ContextTokens" if fmt == "azure-llm" else "Request tokens"
+    with pytest.raises(FormatError, match=rf"big\.csv:3: {key} '1e19' is not below 2\*\*53"):
+        read_public_trace(path, fmt, ZIPF)
+    path.write_text(f"{HEADERS[fmt]}\n{ROWS[fmt].format(2**53 - 1)}\n")
+    assert read_public_trace(path, fmt, ZIPF).input_tokens.tolist() == [2**53 - 1]
+    r = metrale("simulate", *ENGLISH, "--trace", path, "--trace-format", fmt, "--assign", "zipf")
+    assert r.code == 0, r.stderr
+
+
+@pytest.mark.parametrize("fmt", list(HEADERS))
+def test_a_blank_line_before_a_bad_row_names_the_bad_rows_line(tmp_path: Path,
+                                                               fmt: str) -> None:
+    path = tmp_path / "gap.csv"
+    bad = {"azure-llm": "2023-11-16 18:15:48,x,2", "burstgpt": "2,x,x,3",
+           "azure-functions": "a,g,x,1"}[fmt]
+    path.write_text(f"{HEADERS[fmt]}\n{ROWS[fmt].format(1)}\n\n{bad}\n")
+    with pytest.raises(FormatError, match=r"gap\.csv:4: "):
+        read_public_trace(path, fmt, ZIPF if fmt != "azure-functions" else None)
+
+
+def test_azure_functions_starts_before_the_zero_are_shifted_not_clipped(tmp_path: Path) -> None:
+    """a/f ends at 1 after 5 s: it started at -4, 7 s before a/g (3 - 1 = 2), and ended before
+    a/g began; clipping its start to 0 made it hold its slot 0-5, over a/g's 2-3."""
+    path = tmp_path / "func.csv"
+    path.write_text("app,func,end_timestamp,duration\na,f,1,5\na,g,3,1\n")
+    w = read_public_trace(path, "azure-functions")
+    assert [w.adapters[a] for a in w.adapter] == ["a/f", "a/g"]
+    np.testing.assert_allclose(w.arrival, [0.0, 6.0])
+    np.testing.assert_allclose(w.arrival + w.duration, [5.0, 7.0])

@@ -1,7 +1,8 @@
 """`metrale bench slots`: does the slot manager's cost per victim, and the simulator's cost per
 request, stay flat from 64 to 4096 slots? Both sizes are timed in one run and reported as a ratio;
 a full scan (what the pool did before: a list of every cache slot per call) is timed beside
-them as the reference that does grow."""
+them as the reference that does grow. Skip admission is timed against first come, first served
+at 10,000 and 100,000 requests (it must grow as fcfs does, not with the queue squared)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,28 @@ def lru_sweep_seconds(requests: int) -> tuple[float, float]:
     return replay_s, sweep_s
 
 
+# Skip admission against first come, first served at these many requests: the setup of issue
+# 25 item 5 (zipf 1.1 over 200 adapters at 50 requests/s, 8-512 tokens each way, 4 slots),
+# where skip's pass over the whole queue at every event took 75.6 s at 10,000.
+ADMISSION_REQUESTS = (10_000, 100_000)
+
+
+def admission_seconds(requests: int) -> dict[str, float]:
+    """Seconds of one lru replay under each admission on the item-5 workload at `requests`."""
+    workload = generate(GeneratorSpec("zipf", requests, adapters=200, rate=50.0, zipf_s=1.1))
+    hold = workload.hold_seconds(10_000.0, 50.0)
+    out = {}
+    for admission in ("fcfs", "skip"):
+        replay = Replay(workload, hold, SwapCost(1 << 20, 25e9, 10e-6, "bench"),
+                        admission=admission)
+        started = time.perf_counter()
+        result = replay.run("lru", 4, detail=False)
+        out[f"{admission}_s"] = time.perf_counter() - started
+        if result.hits + result.delayed_hits + result.misses != result.adapter_requests:
+            raise UsageError(f"bench slots: {admission} admission lost requests")
+    return out
+
+
 def run(requests: int = 200_000, cycles: int = 100_000, repeats: int = 3) -> dict[str, Any]:
     """Victim cycles in alternating chunks, then `repeats` simulator runs per size and mode,
     sizes interleaved, best of each: machine noise slows both sizes, not one."""
@@ -149,6 +172,10 @@ def run(requests: int = 200_000, cycles: int = 100_000, repeats: int = 3) -> dic
                         "sweep_s": sweep_s,
                         # A sweep replayed size by size over the time of one pass: the speed-up.
                         "speedup": SWEEP_SIZES * replay_s / sweep_s}
+    out["admission"] = {}
+    for n in ADMISSION_REQUESTS:
+        times = admission_seconds(n)
+        out["admission"][str(n)] = {**times, "skip_over_fcfs": times["skip_s"] / times["fcfs_s"]}
     for paging, mode in ((True, "paging"), (False, "concurrent")):
         best = {n: float(np.max(sims[(n, paging)])) for n in SIZES}
         out[f"simulate_{mode}_req_per_s"] = {str(n): best[n] for n in SIZES}

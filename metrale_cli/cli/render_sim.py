@@ -244,4 +244,7 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
     lines.append(f"lru sweep, paging, {sweep['sizes']:,} sizes over {sweep['adapters']:,} "
                  f"adapters: {sweep['sweep_s']:.2f} s in one pass, {sweep['replay_s']:.2f} s "
                  f"per size replayed: x{sweep['speedup']:,.0f}")
+    for n, times in record["admission"].items():
+        lines.append(f"admission, {int(n):,} requests on 4 slots: skip {times['skip_s']:.2f} s, "
+                     f"fcfs {times['fcfs_s']:.2f} s: x{times['skip_over_fcfs']:.2f}")
     return Text("\n".join(lines))

@@ -175,6 +175,7 @@ def simulate(
     if trace is None and (assign is not None or trace_format != "metrale"):
         raise UsageError("--trace-format and --assign are for --trace")
     positive("--seeds", seeds)
+    sim.check_seeds(seeds)
     if seeds > 1 and trace is not None and assign is None:
         raise UsageError("--seeds needs a seeded workload: a generator, or a trace with "
                          "--assign")

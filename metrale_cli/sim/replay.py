@@ -4,15 +4,18 @@ in front of the GPU slots, and each adapter's own bytes. `Replay.lru_sweep` answ
 size of a paging workload from one pass (stack distances).
 
 Two modes, chosen by the workload. **Paging** (every request holds its slot for zero time): the
-requests are served one at a time in order, the classic paging problem, where `min` (Belady) is
-the optimum. **Concurrent**: a request takes a seat (at most `max_concurrency`) and a ref count
-on its adapter's slot from admission to completion; a miss loads the adapter into the victim slot
-and the request starts when the load ends; when every cache slot has in-flight sequences the
-slot manager says `PoolFull` and the request waits at the head of the queue (admission is first
-come, first served), never evicting an adapter in flight.
+requests are served one at a time in order, the classic paging problem, where `min` (Belady) is the
+optimum; a request that arrives before its adapter's load ends is a delayed hit and starts when the
+load does, as in concurrent mode. **Concurrent**: a request takes a seat (at most
+`max_concurrency`) and a ref count on its adapter's slot from admission to completion; a miss loads
+the adapter into the victim slot and the request starts when the load ends; when every cache slot
+has in-flight sequences the slot manager says `PoolFull` and the request waits at the head of the
+queue (admission is first come, first served), never evicting an adapter in flight.
 
 A request's added latency is how much later it starts than it would with every adapter resident
-(the same queue, no loads, no stalls).
+(the same queue, no loads, no stalls), and never below 0: under skip admission a request that
+starts earlier (it took a seat a stalled head did not hold) is counted apart (`moved_ahead`,
+`gained_s`). Admission's waiting requests are a `WaitingQueue`, indexed by adapter for skip.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -42,6 +45,9 @@ BANDWIDTHS: dict[str, tuple[float, float, str]] = {
     "nvme": (7e9, 100e-6, "PCIe 4.0 NVMe SSD sequential read"),
 }
 PROGRESS_EVERY = 1 << 16  # requests between progress callbacks
+# Copy links per GPU: a GPU has a few copy engines; past this a figure is a typo, and the
+# link clock would allocate one entry per link.
+MAX_LINKS = 1024
 # What a replay loop counts: hits, delayed hits, misses, swaps, stall waits (s); `Loads` counts
 # what the loads moved.
 Counts = tuple[int, int, int, int, list[float]]
@@ -96,12 +102,17 @@ class SwapCost:
     links: int = 1
 
     def __post_init__(self) -> None:
-        if self.links <= 0:
-            raise UsageError(f"--links must be positive, got {self.links}")
+        if not 0 < self.links <= MAX_LINKS:
+            raise UsageError(f"--links must be between 1 and {MAX_LINKS:,}, got "
+                             f"{self.links:,}")
 
     @property
     def seconds(self) -> float:
-        return self.slot_bytes / self.bytes_per_s + self.latency_s
+        return self.load_seconds(self.slot_bytes)
+
+    def load_seconds(self, load_bytes: int) -> float:
+        """How long a load of `load_bytes` takes once it has its link."""
+        return load_bytes / self.bytes_per_s + self.latency_s
 
     def record(self) -> dict[str, Any]:
         return {**asdict(self), "swap_s": self.seconds}
@@ -144,7 +155,7 @@ class Loads:
     def __init__(self, cost: SwapCost, load_bytes: Sequence[int], host: HostTier | None) -> None:
         self.cost, self.host = cost, host
         self.load_bytes = load_bytes
-        self.load_s = [b / cost.bytes_per_s + cost.latency_s for b in load_bytes]
+        self.load_s = [cost.load_seconds(b) for b in load_bytes]
         self.gpu = LinkClock(cost.links)
         self.bytes_moved = 0
         self.swap_s = self.link_wait_s = 0.0
@@ -209,6 +220,11 @@ class RunResult:
     added_latency_p50_s: float
     added_latency_p99_s: float
     added_latency_mean_s: float
+    # Under --admission skip a request can start before its all-resident baseline (it took a
+    # seat a stalled head did not hold): how many did, and the seconds they gained in all.
+    # Their added latency is 0: added latency is how much later loads made a request start.
+    moved_ahead: int
+    gained_s: float
     # Time to first token (admission wait, loads, stalls, then the prefill), adapter requests
     # apart from base-model ones (None where there are none), and completed requests per second
     # from the first arrival to the last completion.
@@ -270,6 +286,20 @@ def serving_stats(start: np.ndarray, arrival: np.ndarray, hold: np.ndarray,
     return out
 
 
+def added_latency(start: np.ndarray, baseline: np.ndarray) -> dict[str, Any]:
+    """Added latency (how much later than its all-resident baseline each request started, 0
+    for one that started earlier) as its p50, p99 and mean, and apart from it the requests that
+    started earlier (`moved_ahead`) and the seconds they gained (`gained_s`)."""
+    late = start - baseline
+    ahead = late < 0
+    added = np.where(ahead, 0.0, late)
+    n = int(start.size)
+    return {"added_latency_p50_s": float(np.percentile(added, 50)) if n else 0.0,
+            "added_latency_p99_s": float(np.percentile(added, 99)) if n else 0.0,
+            "added_latency_mean_s": float(added.mean()) if n else 0.0,
+            "moved_ahead": int(ahead.sum()), "gained_s": float(-late[ahead].sum())}
+
+
 def _throughput(n: int, first: float, last: float) -> float:
     return n / (last - first) if last > first else 0.0
 
@@ -289,6 +319,94 @@ def _percentile_above_zeros(values: np.ndarray, n: int, q: float) -> float:
 
     low, high = value(lo), value(hi)
     return low + (high - low) * (at - lo)
+
+
+class WaitingQueue:
+    """The requests waiting for admission in a concurrent replay, in arrival order, each
+    leaving when it starts or joins a load. `indexed` (skip admission) adds an index by
+    adapter, so that a pass past a stalled head visits the requests that can start, in arrival
+    order, and not the whole queue at every event: a heap of each startable adapter's earliest
+    waiting request, checked when taken (an adapter evicted since is dropped, and offered
+    again when it next loads). Base-model requests are adapter -1, always startable."""
+
+    def __init__(self, n: int, adapter: array.array[int], indexed: bool) -> None:
+        self._order: deque[int] = deque()
+        self._gone = bytearray(n)
+        self._adapter, self._indexed = adapter, indexed
+        self._by_adapter: dict[int, deque[int]] = {}
+        self._heap: list[tuple[int, int]] = []  # (earliest waiting request, adapter)
+        self._offered: set[int] = set()
+        self.considered = 0  # requests below this were looked at by a pass past the head
+
+    def arrive(self, r: int, startable: Callable[[int], bool]) -> None:
+        self._order.append(r)
+        if self._indexed:
+            a = self._adapter[r]
+            self._by_adapter.setdefault(a, deque()).append(r)
+            if startable(a):
+                self.offer(a)
+
+    def head(self) -> int | None:
+        order, gone = self._order, self._gone
+        while order and gone[order[0]]:
+            order.popleft()
+        return order[0] if order else None
+
+    def gone(self, r: int) -> bool:
+        return bool(self._gone[r])
+
+    def leave(self, r: int) -> None:
+        self._gone[r] = 1
+
+    def _earliest(self, a: int) -> int | None:
+        waiting = self._by_adapter.get(a)
+        while waiting and self._gone[waiting[0]]:
+            waiting.popleft()
+        if not waiting:
+            self._by_adapter.pop(a, None)
+            return None
+        return waiting[0]
+
+    def offer(self, a: int) -> None:
+        """Adapter `a` became startable (it arrived so, or its load began)."""
+        if self._indexed and a not in self._offered:
+            r = self._earliest(a)
+            if r is not None:
+                self._offered.add(a)
+                heapq.heappush(self._heap, (r, a))
+
+    def startable_in_order(self, startable: Callable[[int], bool]) -> Iterator[int]:
+        """The waiting requests whose adapter is `startable`, earliest first, each leaving as
+        it is yielded (the caller stops taking them when seats run out)."""
+        heap, offered = self._heap, self._offered
+        while heap:
+            r, a = heap[0]
+            if not startable(a):
+                heapq.heappop(heap)
+                offered.discard(a)
+                continue
+            earliest = self._earliest(a)
+            if earliest is None:
+                heapq.heappop(heap)
+                offered.discard(a)
+                continue
+            if earliest != r:  # its earlier requests left: its place in the heap moves
+                heapq.heapreplace(heap, (earliest, a))
+                continue
+            self._gone[r] = 1
+            following = self._earliest(a)
+            if following is None:
+                heapq.heappop(heap)
+                offered.discard(a)
+            else:
+                heapq.heapreplace(heap, (following, a))
+            yield r
+
+    def consider(self, upto: int) -> range:
+        """Requests first looked at by this pass: from the last pass's end to `upto`."""
+        first = self.considered
+        self.considered = max(first, upto)
+        return range(first, self.considered)
 
 
 class Replay:
@@ -369,7 +487,6 @@ class Replay:
         told = self._observer(manager, loads, observe) if observe is not None else None
         hits, delayed, misses, swaps, waits = loop(manager, loads, start, served, progress,
                                                    told)
-        added = start - self.baseline
         adapter_requests = int((self.workload.adapter >= 0).sum())
         wait = np.asarray(waits) if waits else np.zeros(1)
         return RunResult(
@@ -381,9 +498,7 @@ class Replay:
             stalls=len(waits), stall_total_s=float(sum(waits)),
             stall_p50_s=float(np.percentile(wait, 50)),
             stall_p99_s=float(np.percentile(wait, 99)),
-            added_latency_p50_s=float(np.percentile(added, 50)) if n else 0.0,
-            added_latency_p99_s=float(np.percentile(added, 99)) if n else 0.0,
-            added_latency_mean_s=float(added.mean()) if n else 0.0,
+            **added_latency(start, self.baseline),
             **serving_stats(start, self.workload.arrival, self.hold, self.first_token,
                             self.workload.adapter >= 0),
             pool_bytes=0, start=start if detail else np.empty(0),
@@ -420,7 +535,14 @@ class Replay:
         if progress is not None:
             progress((self.workload.requests - counted.size) * len(sizes))
         asked = arrival[counted]
-        n, swap_s, links = self.workload.requests, self.cost.seconds, self.cost.links
+        # Each adapter's requests in order, for the load each hit waits for: its adapter's
+        # latest miss (an adapter's first request is a miss at every size).
+        by_adapter = np.lexsort((np.arange(counted.size), adapter[counted]))
+        position = np.arange(counted.size)
+        # Every load moves the same bytes (sweepable): the adapters' one load, which is less
+        # than a slot when they share a rank below the pool's max rank.
+        load = self.load_bytes[0] if self.load_bytes else self.cost.slot_bytes
+        n, swap_s, links = self.workload.requests, self.cost.load_seconds(load), self.cost.links
         n_adapter = pinned_requests + counted.size
         results = []
         for size in sizes:
@@ -428,18 +550,27 @@ class Replay:
             miss = (distance < 0) | (distance >= cache)
             misses = int(miss.sum())
             ends = load_ends(asked[miss], swap_s, links)
-            added = np.sort(ends - asked[miss])
+            ready = np.empty(counted.size)
+            ready[miss] = ends
+            latest = np.maximum.accumulate(np.where(miss[by_adapter], position, -1))
+            ready[by_adapter] = ready[by_adapter][latest]
+            waits = ready > asked
+            delayed = int((waits & ~miss).sum())
+            added = np.sort(np.where(waits, ready - asked, 0.0))
+            load_added = float((ends - asked[miss]).sum())
             results.append(RunResult(
                 policy="lru", max_loras=size, pinned=len(self.pinned), requests=n,
                 adapter_requests=pinned_requests + counted.size,
-                hits=pinned_requests + counted.size - misses, delayed_hits=0, misses=misses,
-                swaps=misses - min(cache, self.unpinned), bytes_moved=misses * self.cost.slot_bytes,
-                swap_s=misses * swap_s, link_wait_s=float(added.sum()) - misses * swap_s,
+                hits=pinned_requests + counted.size - misses - delayed, delayed_hits=delayed,
+                misses=misses,
+                swaps=misses - min(cache, self.unpinned), bytes_moved=misses * load,
+                swap_s=misses * swap_s, link_wait_s=load_added - misses * swap_s,
                 host_hits=0, host_misses=0, host_bytes_moved=0,
                 stalls=0, stall_total_s=0.0, stall_p50_s=0.0, stall_p99_s=0.0,
                 added_latency_p50_s=_percentile_above_zeros(added, n, 50),
                 added_latency_p99_s=_percentile_above_zeros(added, n, 99),
                 added_latency_mean_s=float(added.sum()) / n if n else 0.0,
+                moved_ahead=0, gained_s=0.0,  # paging: every request at its arrival or later
                 # Paging: zero-length requests, so the first token is at the start.
                 ttft_adapter_p50_s=_percentile_above_zeros(added, n_adapter, 50) if n_adapter
                 else None,
@@ -482,7 +613,8 @@ class Replay:
         use_next, tiered = manager.policy == "min", self.host is not None
         # A zero-length request takes and returns its count at once: a touch, one call.
         slot_of, touch, set_next_use = manager.slot_of, manager.touch_slot, manager.set_next_use
-        hits = misses = swaps = 0
+        hits = delayed = misses = swaps = 0
+        ready: dict[int, float] = {}  # adapter -> when its latest load ends
         start[:] = self.workload.arrival
         for r, a in enumerate(adapter):
             served[r] += 1
@@ -500,7 +632,10 @@ class Replay:
                 manager.finish_load(slot, AdapterSlot(name=names[a]))
                 misses += 1
                 swaps += evicts
-                start[r] = loads.load(a, arrival[r])
+                start[r] = ready[a] = loads.load(a, arrival[r])
+            elif ready.get(a, 0.0) > arrival[r]:  # its load is still under way: it waits
+                delayed += 1
+                start[r] = ready[a]
             else:
                 hits += 1
             touch(slot)
@@ -510,7 +645,7 @@ class Replay:
                 observe(r)
         if progress is not None:
             progress(len(adapter) % PROGRESS_EVERY)
-        return hits, 0, misses, swaps, []
+        return hits, delayed, misses, swaps, []
 
     def _concurrent(self, manager: SlotManager, loads: Loads, start: np.ndarray,
                     served: np.ndarray, progress: Callable[[int], None] | None,
@@ -528,45 +663,51 @@ class Replay:
         events: list[tuple[float, int, int, int, int]] = []
         seq = itertools.count()  # ties in time and kind keep the order things happened in
         loading: dict[int, list[int]] = {}  # adapter -> requests waiting for its load
-        queue: deque[int] = deque()
+        skip = self.admission == "skip"
+        queue = WaitingQueue(n, adapter, indexed=skip)
         stalled_since: dict[int, float] = {}
         waits: list[float] = []
         running = hits = delayed = misses = swaps = 0
         i = 0
 
-        skip = self.admission == "skip"
+        def startable(a: int) -> bool:
+            """A request for `a` can start now: the base model, or resident, or loading."""
+            return a < 0 or a in loading or slot_of(names[a]) is not None
 
-        def skip_ahead(now: float, running: int) -> int:
+        def skip_ahead(head: int, now: float, running: int) -> int:
             """The head cannot be placed: later requests whose adapter is resident or loading
             (or that need none) start now, in order, while seats last, as vLLM's scheduler
-            lets them; those that need a load wait behind the head. Returns `running`."""
-            nonlocal hits, delayed, queue
-            kept = deque([queue.popleft()])
-            while queue:
-                r = queue.popleft()
-                if running >= seats:
-                    kept.append(r)
-                    continue
+            lets them; those that need a load wait behind the head, stalled from the first
+            time they were passed over with a seat free. Returns `running`."""
+            nonlocal hits, delayed
+            went: list[int] = []
+            for r in queue.startable_in_order(startable):
                 a = adapter[r]
+                went.append(r)
+                running += 1
                 if a < 0:
                     serve(r, -1, now)
-                    running += 1
-                    continue
-                if tiered and r not in stalled_since:
-                    loads.touch(a)
-                slot = slot_of(names[a])
-                if slot is not None:
-                    hits += 1
-                    serve(r, slot, now)
-                    running += 1
                 elif a in loading:
                     delayed += 1
                     loading[a].append(r)
-                    running += 1
-                else:  # no slot to load it into either: it waits, stalled from now
+                else:
+                    hits += 1
+                    serve(r, slot_of(names[a]), now)
+                if running >= seats:
+                    break
+            # The requests this pass looked at for the first time: up to the one that took
+            # the last seat, or every one that has arrived. Each is touched once in the host
+            # tier (a use), and waits stalled if it is still waiting.
+            upto = went[-1] + 1 if running >= seats else i
+            left = set(went)
+            for r in queue.consider(upto):
+                a = adapter[r]
+                if r == head or a < 0 or (queue.gone(r) and r not in left):
+                    continue
+                if tiered and r not in stalled_since:
+                    loads.touch(a)
+                if not queue.gone(r):
                     stalled_since.setdefault(r, now)
-                    kept.append(r)
-            queue = kept
             return running
 
         def serve(r: int, slot: int, now: float) -> None:
@@ -597,12 +738,11 @@ class Replay:
                         serve(r, x, now)
             else:
                 now = arrival[i]
-                queue.append(i)
+                queue.arrive(i, startable)
                 i += 1
                 if progress is not None and i % PROGRESS_EVERY == 0:
                     progress(PROGRESS_EVERY)
-            while queue and running < seats:
-                r = queue[0]
+            while running < seats and (r := queue.head()) is not None:
                 a = adapter[r]
                 slot = -1
                 if a >= 0:
@@ -613,7 +753,7 @@ class Replay:
                         if a in loading:  # its load is under way: no second load
                             delayed += 1
                             loading[a].append(r)
-                            queue.popleft()
+                            queue.leave(r)
                             running += 1
                             continue
                         try:
@@ -624,20 +764,21 @@ class Replay:
                                                  "(no request in flight)") from None
                             stalled_since.setdefault(r, now)
                             if skip:
-                                running = skip_ahead(now, running)
+                                running = skip_ahead(r, now, running)
                             break
                         misses += 1
                         swaps += evicts
                         if r in stalled_since:
                             waits.append(now - stalled_since.pop(r))
                         loading[a] = [r]
+                        queue.leave(r)
+                        queue.offer(a)  # its later requests can start: a delayed hit each
                         heapq.heappush(events, (loads.load(a, now), 1, next(seq), victim, a))
-                        queue.popleft()
                         running += 1
                         continue
                     hits += 1
                 serve(r, slot, now)
-                queue.popleft()
+                queue.leave(r)
                 running += 1
         if progress is not None:
             progress(n % PROGRESS_EVERY)

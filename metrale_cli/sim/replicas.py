@@ -2,8 +2,9 @@
 
 A router sends each request, in arrival order, to one replica: `random` (seeded),
 `round-robin`, or `affinity`, as dLoRA and Punica route: to a replica that holds the request's
-adapter and has a free seat, else to the least loaded one (fewest requests in flight, the lowest
-index on a tie). The router knows what each replica holds as a router that tracks its replicas'
+adapter and has a free seat, else to the least loaded one (fewest requests in flight; on a tie,
+the one sent the fewest requests so far, then the lowest index, so that equally loaded replicas
+share new adapters). The router knows what each replica holds as a router that tracks its replicas'
 recent adapters does: per replica, the adapters an LRU of the replica's cache slots would hold
 given the requests routed there (pinned adapters are on every replica), and which requests are
 in flight from their hold times. Each replica then replays its requests against its own slot
@@ -22,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.errors import UsageError
-from metrale_cli.sim.replay import HostTier, Replay, RunResult, SwapCost, serving_stats
+from metrale_cli.sim.replay import (
+    HostTier,
+    Replay,
+    RunResult,
+    SwapCost,
+    added_latency,
+    serving_stats,
+)
 from metrale_cli.sim.workload import Workload
 
 ROUTES = ("random", "round-robin", "affinity")
@@ -56,6 +64,7 @@ def route(workload: Workload, hold: np.ndarray, routing: Routing, cache_slots: i
     pinned_ids = {workload.adapters.index(p) for p in pinned}
     held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(count)]
     ends: list[list[float]] = [[] for _ in range(count)]  # in flight, by end time
+    sent = [0] * count  # requests routed to each replica so far
     out = np.empty(n, dtype=np.int64)
     for r, (a, t, h) in enumerate(zip(workload.adapter.tolist(), workload.arrival.tolist(),
                                       hold.tolist(), strict=True)):
@@ -65,8 +74,11 @@ def route(workload: Workload, hold: np.ndarray, routing: Routing, cache_slots: i
         load = [len(e) for e in ends]
         cached = a >= 0 and a not in pinned_ids
         holders = [k for k in range(count) if cached and a in held[k] and load[k] < seats]
-        k = min(holders or range(count), key=lambda j: (load[j], j))
+        # Equally loaded replicas (nothing in flight: every paging request) share the new
+        # adapters: the one sent the fewest requests so far, then the lowest index.
+        k = min(holders or range(count), key=lambda j: (load[j], sent[j], j))
         out[r] = k
+        sent[k] += 1
         heapq.heappush(ends[k], t + h)
         if cached and cache_slots > 0:
             lru = held[k]
@@ -116,20 +128,24 @@ class Replicas:
         for k in range(self.routing.replicas):
             mask = where == k
             if not mask.any():
-                continue
+                continue  # listed in the totals with zeros
             sub = Replay(_subset(self.workload, mask), self.hold[mask], self.cost, self.pinned,
                          self.max_concurrency, self.load_bytes, self.host,
                          self.first_token[mask], self.admission)
             parts.append((sub.run(policy, max_loras, progress, detail=True), sub))
-        return _total(policy, max_loras, len(self.pinned), where, parts)
+        return _total(policy, max_loras, len(self.pinned), where, parts, self.routing.replicas)
+
+
+SUMMARY = ("requests", "adapter_requests", "hits", "delayed_hits", "misses", "hit_rate",
+           "stalls", "added_latency_p99_s")
 
 
 def _total(policy: str, max_loras: int, pinned: int, where: np.ndarray,
-           parts: list[tuple[RunResult, Replay]]) -> RunResult:
+           parts: list[tuple[RunResult, Replay]], replicas: int) -> RunResult:
     def joined(column: Callable[[RunResult, Replay], np.ndarray]) -> np.ndarray:
         return np.concatenate([column(r, sub) for r, sub in parts])
 
-    added = joined(lambda r, sub: r.start - sub.baseline)
+    late = added_latency(joined(lambda r, _: r.start), joined(lambda _, sub: sub.baseline))
     waits = joined(lambda r, _: r.waits)
     stats = serving_stats(joined(lambda r, _: r.start), joined(lambda _, s: s.workload.arrival),
                           joined(lambda _, s: s.hold), joined(lambda _, s: s.first_token),
@@ -139,15 +155,12 @@ def _total(policy: str, max_loras: int, pinned: int, where: np.ndarray,
     def total(name: str) -> Any:
         return sum(getattr(r, name) for r, _ in parts)
 
-    summary = []
-    for (r, _) in parts:
-        summary.append({"requests": r.requests, "adapter_requests": r.adapter_requests,
-                        "hits": r.hits, "delayed_hits": r.delayed_hits, "misses": r.misses,
-                        "hit_rate": r.hit_rate, "stalls": r.stalls,
-                        "added_latency_p99_s": r.added_latency_p99_s})
-    replica_of = [int(k) for k in np.unique(where)]
-    for k, s in zip(replica_of, summary, strict=True):
-        s["replica"] = k
+    # Every replica, in order; one the router sent nothing has zeros.
+    mine = dict(zip((int(k) for k in np.unique(where)), (r for r, _ in parts), strict=True))
+    summary = [{"replica": k, **{f: getattr(mine[k], f) if k in mine
+                                    else 0.0 if f.endswith(("_rate", "_s")) else 0
+                                    for f in SUMMARY}}
+               for k in range(replicas)]
     return RunResult(
         policy=policy, max_loras=max_loras, pinned=pinned, requests=int(where.size),
         adapter_requests=total("adapter_requests"), hits=total("hits"),
@@ -157,9 +170,6 @@ def _total(policy: str, max_loras: int, pinned: int, where: np.ndarray,
         host_misses=total("host_misses"), host_bytes_moved=total("host_bytes_moved"),
         stalls=int(waits.size), stall_total_s=float(waits.sum()),
         stall_p50_s=float(np.percentile(wait, 50)), stall_p99_s=float(np.percentile(wait, 99)),
-        added_latency_p50_s=float(np.percentile(added, 50)),
-        added_latency_p99_s=float(np.percentile(added, 99)),
-        added_latency_mean_s=float(added.mean()), **stats, pool_bytes=0,
-        replicas=[{"replica": k, **{x: y for x, y in s.items() if x != "replica"}}
-                  for k, s in zip(replica_of, summary, strict=True)],
+        **late, **stats, pool_bytes=0,
+        replicas=summary,
     )

@@ -334,9 +334,18 @@ def adapter_load_bytes(workload: Workload, max_rank: int, slot_bytes: int) -> li
     return (-(-slot_bytes * rank // max_rank)).astype(np.int64).tolist()
 
 
+# Seeds in one run: each is a whole simulation, and the list of them is made first.
+MAX_SEEDS = 1000
 # The figures whose spread over seeds `run_seeds` reports.
 SPREAD_FIELDS = ("hit_rate", "misses", "stalls", "added_latency_p99_s", "ttft_adapter_p99_s",
                  "throughput_req_s")
+
+
+def check_seeds(count: int) -> None:
+    """Refuse more than MAX_SEEDS seeds before anything is made for them."""
+    if count > MAX_SEEDS:
+        raise UsageError(f"--seeds {count:,} is more than a simulation takes ({MAX_SEEDS:,}: "
+                         "each seed is a whole run)")
 
 
 def run_seeds(make: Callable[[int], Workload], seeds: Sequence[int], layout: SlotLayout,
@@ -349,6 +358,7 @@ def run_seeds(make: Callable[[int], Workload], seeds: Sequence[int], layout: Slo
     told from noise."""
     if not seeds:
         raise UsageError("--seeds must be positive")
+    check_seeds(len(seeds))
     if len(seeds) != len(set(seeds)):
         raise UsageError("--seeds: the seeds must differ")
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.sim.workload import (
+    MAX_TOKENS,
     TRACE_CHUNK,
     BoundedLines,
     Columns,
@@ -155,8 +156,9 @@ def _chunks(path: Path, fmt: str, lines: BoundedLines) -> Iterator[Columns]:
 
 def _columns(path: Path, fmt: str, where: dict[str, int], rows: list[list[str]],
              first: int, epoch: list[int]) -> Columns:
-    rows = [r for r in rows if r]
-    n = len(rows)
+    # A blank line is no request, but it is a line: number the rows before dropping them.
+    numbered = [(first + k, row) for k, row in enumerate(rows) if row]
+    n = len(numbered)
 
     def cell(row: list[str], line: int, key: str) -> str:
         i = where[key]
@@ -173,6 +175,8 @@ def _columns(path: Path, fmt: str, where: dict[str, int], rows: list[list[str]],
         if not math.isfinite(x) or x < 0 or (whole and x != int(x)):
             kind = "a whole number" if whole else "a number"
             raise FormatError(f"{path}:{line}: {key} {text!r} must be {kind} >= 0")
+        if whole and x >= MAX_TOKENS:
+            raise FormatError(f"{path}:{line}: {key} {text!r} is not below 2**53")
         return x
 
     arrival = np.empty(n)
@@ -180,8 +184,7 @@ def _columns(path: Path, fmt: str, where: dict[str, int], rows: list[list[str]],
     outputs = np.zeros(n, dtype=np.int64)
     duration = np.full(n, np.nan)
     names = [""] * n
-    for k, row in enumerate(rows):
-        line = first + k
+    for k, (line, row) in enumerate(numbered):
         if fmt == "azure-llm":
             whole, fraction = _wall_clock(path, line, cell(row, line, "TIMESTAMP"))
             if not epoch:
@@ -195,7 +198,9 @@ def _columns(path: Path, fmt: str, where: dict[str, int], rows: list[list[str]],
             outputs[k] = number(row, line, "Response tokens", whole=True)
         else:
             end, held = number(row, line, "end_timestamp"), number(row, line, "duration")
-            arrival[k], duration[k] = max(end - held, 0.0), held
+            # A start before the trace's zero (a long first invocation) stays before the
+            # others: `_from_zero` shifts every start by the earliest.
+            arrival[k], duration[k] = end - held, held
             names[k] = f"{cell(row, line, 'app')}/{cell(row, line, 'func')}"
             if names[k] == "/":
                 raise FormatError(f"{path}:{line}: no app or func")

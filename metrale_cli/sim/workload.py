@@ -8,6 +8,7 @@ seconds, and holds its slot for its `duration`, or for its tokens at a prefill a
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import itertools
@@ -238,13 +239,37 @@ class BoundedLines:
 
     def __iter__(self) -> Iterator[str]:
         line_no = 0
-        while line := self.f.readline(MAX_LINE_CHARS + 1):
+        while line := self._readline(line_no):
             line_no += 1
             if len(line) > MAX_LINE_CHARS:
                 raise FormatError(f"{self.path}:{line_no}: a line longer than "
                                   f"{MAX_LINE_CHARS} characters; not a trace")
             self.chars += len(line)
             yield line
+
+    def _readline(self, read: int) -> str:
+        try:
+            line: str = self.f.readline(MAX_LINE_CHARS + 1)
+        except UnicodeDecodeError:
+            # The text layer decodes a block ahead of the line it returns: find the line.
+            raise FormatError(f"{self.path}:{first_undecodable_line(self.path, read)}: not "
+                              "UTF-8 text; a trace is UTF-8") from None
+        return line
+
+
+def first_undecodable_line(path: Path, after: int) -> int:
+    """The number of the first line past line `after` of `path` that is not UTF-8 (a line ends
+    at a newline byte, which no multi-byte character contains)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if number <= after:
+                continue
+            try:
+                decoder.decode(line)
+            except UnicodeDecodeError:
+                return number
+    return after + 1
 
 
 def _csv_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
