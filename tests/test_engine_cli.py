@@ -107,7 +107,8 @@ def test_layout_bytes_per_gpu_tp_and_budget() -> None:
     (["layout", "--model", "qwen3-8b", "--dtype", "float16"], "--dtype need --engine vllm"),
     (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--max-loras", "4",
       "--max-cpu-loras", "2"], "below --max-loras"),
-    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--tp", "3"], "does not divide"),
+    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--tp", "3"],
+     "do not split over --tp 3"),
 ])
 def test_bad_flags_are_one_line_exit_2(args: list[str], says: str) -> None:
     done = metrale(*args)
