@@ -44,7 +44,8 @@ def engine_inspect(audited: AuditedAdapters, engine: Engine,
     record = audited.record()
     for adapter, verdict in zip(record["adapters"], verdicts, strict=True):
         adapter["engine"] = verdict.record()
-    record["engine"] = engine.inspect_record(cfg, verdicts, recommendation, flags, source)
+    record["engine"] = engine.inspect_record(cfg, verdicts, recommendation, flags, source,
+                                             reports)
     return EngineInspection(record, verdicts)
 
 

@@ -84,5 +84,6 @@ class Engine(Protocol):
         """The adapter cache `simulate` replays for these flags and bytes."""
 
     def inspect_record(self, model: ModelConfig, verdicts: list[EngineVerdict],
-                       recommendation: Any, flags: Any, source: str) -> dict[str, Any]:
-        """The `engine` part of `inspect --json`."""
+                       recommendation: Any, flags: Any, source: str,
+                       reports: list[AdapterReport]) -> dict[str, Any]:
+        """The `engine` part of `inspect --json` for `reports`, judged in `verdicts`."""

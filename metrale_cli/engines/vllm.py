@@ -19,10 +19,10 @@ How vLLM takes an adapter, in order, and where each step can say no:
    error naming it.
 4. What is left loads. A weight whose module is not wrapped (outside `--lora-target-modules`,
    or no such module on that layer) is dropped without a word: `differs` or `ignores`.
-A load error through `vllm serve` (`--lora-modules`, `/v1/load_lora_adapter`) is returned
-and the engine keeps serving (`refuses`); the same error reached through a request of the
-offline `LLM` API is raised inside the engine's step and ends it (`elsewhere["offline"]`:
-`crashes`).
+A load error meets three ends (`paths`): at runtime (`/v1/load_lora_adapter`) HTTP 500 and
+the server keeps serving (`refuses`, the verdict); at start-up (`--lora-modules`) the server
+exits with status 1 (`fails_startup`); through the offline `LLM` API it is raised inside the
+engine's step and ends it (`crashes`).
 """
 
 from __future__ import annotations
@@ -255,6 +255,32 @@ def cpu_build_support(model: ModelConfig) -> tuple[str, str] | None:
     return None
 
 
+def load_paths(v: Verdict, reason: str) -> dict[str, dict[str, str]]:
+    """The verdict on each of vLLM's three load paths, as measured against `vllm serve` and
+    the offline API (tests/test_engine_server.py): an adapter that loads loads everywhere; a
+    load error is HTTP 500 at runtime (the server keeps serving), exit status 1 at start-up
+    (`init_static_loras` raises: nothing is served), and the engine's death offline."""
+    if v is not Verdict.REFUSES:
+        return {p: {"verdict": v.value, "reason": reason} for p in ("runtime", "startup",
+                                                                    "offline")}
+    return {
+        "runtime": {"verdict": Verdict.REFUSES.value,
+                    "reason": f"POST /v1/load_lora_adapter answers HTTP 500 (Call to add_lora "
+                              f"method failed: ... {reason}); the server keeps serving the "
+                              "base and every other adapter, and a request naming this one "
+                              "gets 404"},
+        "startup": {"verdict": Verdict.FAILS_STARTUP.value,
+                    "reason": f"naming it in --lora-modules stops the server from starting "
+                              f"(init_static_loras raises {reason!r}; the process exits with "
+                              "status 1, and neither the base model nor any other adapter is "
+                              "served)"},
+        "offline": {"verdict": Verdict.CRASHES.value,
+                    "reason": "through LLM.generate(..., lora_request=...) the same error is "
+                              "raised inside the engine's step and ends it (EngineDeadError "
+                              "for every later request, the other adapters' too)"},
+    }
+
+
 def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
           flags_source: str = "given") -> EngineVerdict:
     """What vLLM 0.32's GPU build does with one adapter under `flags`; where the CPU build or
@@ -265,17 +291,11 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
 
     def verdict(v: Verdict, cls: str, reason: str,
                 outcomes: list[ModuleOutcome] | None = None) -> EngineVerdict:
-        if v is Verdict.REFUSES:
-            elsewhere["offline"] = {
-                "verdict": Verdict.CRASHES.value,
-                "reason": "through LLM.generate(..., lora_request=...) the same error is "
-                          "raised inside the engine's step and ends it (EngineDeadError for "
-                          "every later request)"}
         if cpu is not None and v is not Verdict.UNSUPPORTED_MODEL:
             elsewhere["cpu_build"] = {"verdict": Verdict.UNSUPPORTED_MODEL.value,
                                       "reason_class": cpu[0], "reason": cpu[1]}
         return EngineVerdict(NAME, VERSION, v, reason, cls, flags.record(model), flags_source,
-                             outcomes or [], elsewhere)
+                             outcomes or [], elsewhere, load_paths(v, reason))
 
     unsupported = model_support(model)
     if unsupported is not None:
@@ -436,7 +456,8 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
                                               reports).lora_bytes
         lower = (lo, freed, [n for n, r in ranks.items() if r > lo])
     model_id = _model_id(model)
-    paths = [(r.name, str(r.adapter.path)) for r in reports]
+    # Absolute: `vllm serve` resolves --lora-modules paths against its own directory.
+    paths = [(r.name, str(Path(r.adapter.path).resolve())) for r in reports]
     return Recommendation(flags, model_id, paths, memory, unused, lower, saves, shut_out)
 
 
@@ -495,11 +516,19 @@ def flags_for(model: ModelConfig, *, max_rank: int | None, max_loras: int | None
 
 def inspect_record(model: ModelConfig, verdicts: list[EngineVerdict],
                    recommendation: Recommendation, flags: Flags, source: str,
-                   ) -> dict[str, Any]:
+                   reports: list[AdapterReport] | None = None) -> dict[str, Any]:
     """The `engine` part of `inspect --engine vllm --json` (each adapter's verdict goes in
     `adapters[i].engine`)."""
+    refused = [r.name for r, v in zip(reports or [], verdicts, strict=False)
+               if v.verdict is Verdict.REFUSES]
+    offline = None
+    if refused:
+        offline = {"verdict": Verdict.CRASHES.value,
+                   "reason": f"in one offline LLM batch, {', '.join(refused)} ends the engine "
+                             "for every adapter beside it, the ones that load too"}
     return {"name": NAME, "version": VERSION, "build": "gpu", "flags": flags.record(model),
             "flags_source": source, "all_serve": all(v.serves for v in verdicts),
+            "startup_fails": bool(refused), "offline_batch": offline,
             "recommended": recommendation.record()}
 
 
@@ -598,8 +627,8 @@ class VllmEngine:
 
     def inspect_record(self, model: ModelConfig, verdicts: list[EngineVerdict],
                        recommendation: Recommendation, flags: Flags, source: str,
-                       ) -> dict[str, Any]:
-        return inspect_record(model, verdicts, recommendation, flags, source)
+                       reports: list[AdapterReport]) -> dict[str, Any]:
+        return inspect_record(model, verdicts, recommendation, flags, source, reports)
 
 
 def _kwargs(given: Mapping[str, object]) -> dict[str, Any]:
