@@ -53,6 +53,15 @@ _API = {
     "PlannedPool": "metrale_cli.layout.pipeline",
     "audit_adapters": "metrale_cli.layout.pipeline",
     "plan_pool": "metrale_cli.layout.pipeline",
+    # serving engines: what vLLM does with the adapters, its flags, memory and cache
+    "get_engine": "metrale_cli.engines",
+    "Engine": "metrale_cli.engines.engine",
+    "SlotTiers": "metrale_cli.engines.engine",
+    "Verdict": "metrale_cli.engines.verdict",
+    "EngineVerdict": "metrale_cli.engines.verdict",
+    "EngineInspection": "metrale_cli.engines.answers",
+    "engine_inspect": "metrale_cli.engines.answers",
+    "engine_layout": "metrale_cli.engines.answers",
     # the pool and its slot manager
     "LoraPool": "metrale_cli.pool.pool",
     "SlotManager": "metrale_cli.pool.slots",

@@ -40,7 +40,8 @@ def test_inspect_records_each_verdict_and_recommends_flags(adapters: dict[str, P
     assert rec["flags"]["max_lora_rank"] == 64
     assert rec["flags"]["lora_target_modules"] == ["o_proj", "qkv_proj"]
     assert rec["serve"].startswith("vllm serve ") and "--max-lora-rank 64" in rec["serve"]
-    assert f"plain={adapters['plain']}" in rec["serve"]
+    # Absolute paths: `vllm serve` resolves --lora-modules against its own directory.
+    assert f"plain={adapters['plain'].resolve()}" in rec["serve"]
     assert rec["lora_bytes"] == rec["slot_bytes"] * rec["flags"]["max_loras"]
     # The rank-8 adapter leaves most of a rank-64 slot empty; 32 would shut out `ranked`.
     padding = {p["adapter"]: p["unused_share"] for p in rec["padding"]}
@@ -57,7 +58,14 @@ def test_inspect_given_flags_judge_and_exit_1(adapters: dict[str, Path]) -> None
     assert plain["verdict"] == "serves" and plain["flags_source"] == "given"
     assert ranked["verdict"] == "refuses" and ranked["reason_class"] == "rank_above_max"
     assert ranked["reason"] == "LoRA rank 40 is greater than max_lora_rank 16."
-    assert ranked["elsewhere"]["offline"]["verdict"] == "crashes"
+    assert ranked["paths"]["offline"]["verdict"] == "crashes"
+    assert ranked["paths"]["startup"]["verdict"] == "fails_startup"
+    assert ranked["paths"]["runtime"]["verdict"] == "refuses"
+    assert "stops the server from starting" in ranked["paths"]["startup"]["reason"]
+    assert plain["paths"]["startup"]["verdict"] == "serves"
+    engine = done.json()["engine"]
+    assert engine["startup_fails"] and "ranked ends the engine" in engine["offline_batch"][
+        "reason"]
     narrowed = metrale("inspect", adapters["plain"], "--engine", "vllm", "--modules", "o_proj",
                        "--json")
     assert narrowed.code == 1
@@ -74,6 +82,9 @@ def test_inspect_view_names_verdict_and_serve_line(adapters: dict[str, Path]) ->
     assert done.code == 1
     assert "refuses" in done.stdout and "vLLM does not yet support DoRA." in done.stdout
     assert "vllm serve" in done.stdout and "dora: vLLM does not yet support DoRA." in done.stdout
+    assert "naming it in --lora-modules stops the server from starting" in done.stdout
+    serve = done.stdout[done.stdout.index("vllm serve"):]
+    assert "dora=" not in serve.split("left out")[0]
 
 
 def test_layout_bytes_per_gpu_tp_and_budget() -> None:
@@ -107,7 +118,8 @@ def test_layout_bytes_per_gpu_tp_and_budget() -> None:
     (["layout", "--model", "qwen3-8b", "--dtype", "float16"], "--dtype need --engine vllm"),
     (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--max-loras", "4",
       "--max-cpu-loras", "2"], "below --max-loras"),
-    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--tp", "3"], "does not divide"),
+    (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--tp", "3"],
+     "do not split over --tp 3"),
 ])
 def test_bad_flags_are_one_line_exit_2(args: list[str], says: str) -> None:
     done = metrale(*args)

@@ -197,7 +197,7 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
     entry = dict(_entries(run))[adapter]
     expected = judged.verdict.value
     if via == "request":
-        expected = judged.elsewhere.get("offline", {}).get("verdict", expected)
+        expected = judged.paths["offline"]["verdict"]
     assert observed(run, entry) == expected, (adapter, judged.reason, entry)
     if judged.verdict is Verdict.REFUSES and via != "request":
         text = entry["error"]["text"]

@@ -12,6 +12,7 @@ from metrale_cli import env
 from metrale_cli.errors import UsageError
 
 if TYPE_CHECKING:
+    from metrale_cli.engines.engine import Engine
     from metrale_cli.layout.sharding import ShardSpec
 
 
@@ -76,7 +77,8 @@ def online_on(flag: bool) -> bool:
 
 ENGINE = typer.Option(
     "--engine", help="Whose answer: metrale (its own pool, the default) or vllm (what vLLM "
-    "0.32.0 does with the adapters, its flags and LoRA memory; docs/engines.md).")
+    "0.32.0 does with the adapters, its flags and LoRA memory; vllm==0.32.0 names the "
+    "version; docs/engines.md). Each engine takes its own options.")
 EngineOpt = Annotated[str, ENGINE]
 DtypeOpt = Annotated[str | None, typer.Option(
     "--dtype", help="With --engine vllm: vLLM's --dtype (auto, float16, bfloat16, float32); "
@@ -89,17 +91,9 @@ MaxCpuLorasOpt = Annotated[int | None, typer.Option(
     "adapters (default: --max-loras).")]
 
 
-def engine_name(engine: str) -> str:
-    """--engine, checked against the engines metrale answers for."""
-    from metrale_cli.engines import ENGINES
+def engine_name(engine: str) -> Engine | None:
+    """--engine: None for metrale's own pool, else the registered engine it names (`vllm`,
+    `vllm==0.32.0`); an unknown name or version is a usage error listing the known ones."""
+    from metrale_cli.engines import get_engine
 
-    if engine not in ENGINES:
-        raise UsageError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
-    return engine
-
-
-def vllm_only(engine: str, **given: object) -> None:
-    """Options that mean something only to vLLM, refused on the metrale engine by name."""
-    named = [name for name, value in given.items() if value not in (None, False)]
-    if engine != "vllm" and named:
-        raise UsageError(f"{', '.join(named)} need --engine vllm")
+    return None if engine.strip() == "metrale" else get_engine(engine)

@@ -15,7 +15,8 @@ from rich.text import Text
 from metrale_cli.cli.render import human_bytes, model_line
 
 VERDICT_STYLE = {"serves": "bold green", "differs": "bold yellow", "ignores": "bold yellow",
-                 "refuses": "bold red", "crashes": "bold red", "unsupported_model": "bold red"}
+                 "refuses": "bold red", "crashes": "bold red", "fails_startup": "bold red",
+                 "unsupported_model": "bold red"}
 
 
 def engine_inspect_view(record: dict[str, Any]) -> Group:
@@ -33,6 +34,10 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
         grid.add_column()
         grid.add_row("verdict", Text(v["verdict"], style=VERDICT_STYLE[v["verdict"]]))
         grid.add_row("reason", escape(v["reason"]))
+        if v["verdict"] == "refuses":
+            for path, label in (("startup", "--lora-modules"), ("offline", "offline LLM")):
+                other = v["paths"][path]
+                grid.add_row(label, escape(f"{other['verdict']}: {other['reason']}"))
         for where, other in v["elsewhere"].items():
             label = {"offline": "offline LLM", "cpu_build": "CPU build"}.get(where, where)
             grid.add_row(label, escape(f"{other['verdict']}: {other['reason']}"))
@@ -51,8 +56,12 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
     grid.add_column()
+    if engine["offline_batch"]:
+        grid.add_row("offline batch", escape(engine["offline_batch"]["reason"]))
     grid.add_row("recommended", _flag_line(rec["flags"]))
     grid.add_row("serve", escape(rec["serve"]))
+    if rec["shut_out"]:
+        grid.add_row("", "the serve line names no adapter vLLM refuses (see left out)")
     grid.add_row("LoRA memory", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) "
                  f"per GPU, {rec['slot_bytes']:,} B a slot; host cache "
                  f"{human_bytes(rec['host_cache_bytes'])}")

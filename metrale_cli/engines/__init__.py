@@ -1,12 +1,74 @@
 """What a serving engine does with adapters, answered offline from configs and headers.
 
-One module per engine, each pinned to the engine version its rules were read from and tested
-against (`vllm.py`: vLLM 0.32.0). Each takes the audit's `AdapterReport`s and the
-`ModelConfig` and returns the same engine-neutral records (`verdict.py`), so a second engine
-is a new module beside vLLM's, not a change to the audit. `metrale` is the project's own pool,
-whose answers are the audit's and the layout's.
+Every engine is one object behind the `Engine` protocol (engine.py), registered here by name
+and pinned to the versions its rules were read from and tested against (vLLM: 0.32.0). It
+takes the audit's `AdapterReport`s and the `ModelConfig` and returns the engine-neutral
+records of verdict.py, so a second engine is a module beside vLLM's and one line in
+`_REGISTRY`, not a change to the audit or the CLI. `metrale`, the default, is the project's own
+pool, whose answers are the audit's and the layout's: it is no engine object, only the options
+the pool's commands take (`POOL_OPTIONS`).
 """
 
 from __future__ import annotations
 
-ENGINES = ("metrale", "vllm")
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+from metrale_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from metrale_cli.engines.engine import Engine
+
+# name -> the module whose `ENGINE` it is (imported on first use: no engine costs a start-up).
+_REGISTRY = {"vllm": "metrale_cli.engines.vllm"}
+ENGINES = ("metrale", *_REGISTRY)
+
+# The options `inspect` and `layout` take on metrale's own pool (beyond --model, --online,
+# --json and the adapters every engine takes).
+POOL_OPTIONS: dict[str, frozenset[str]] = {
+    "inspect": frozenset({"--max-rank", "--experts"}),
+    "layout": frozenset({"--modules", "--max-rank", "--max-loras", "--budget", "--align",
+                         "--experts", "--tp", "--ep", "--fully-sharded"}),
+}
+
+
+def get_engine(spec: str) -> Engine:
+    """The engine `spec` names: `vllm` (the rules' own version) or `vllm==X` for an X the
+    rules are pinned to; anything else is a UsageError listing what is known."""
+    if not isinstance(spec, str):
+        raise UsageError(f"engine: takes a name such as 'vllm' or 'vllm==0.32.0', got "
+                         f"{type(spec).__name__}")
+    name, _, version = spec.strip().partition("==")
+    module = _REGISTRY.get(name.strip())
+    if module is None:
+        raise UsageError(f"--engine {spec!r}: one of {', '.join(ENGINES)} (a version as "
+                         "vllm==0.32.0)")
+    engine: Engine = import_module(module).ENGINE
+    version = version.strip()
+    if version and version not in engine.versions:
+        raise UsageError(f"--engine {spec!r}: metrale has {engine.name} rules for "
+                         f"{', '.join(engine.versions)} only")
+    return engine
+
+
+def options_of(engine: str, command: str) -> frozenset[str]:
+    """The options `command` takes with --engine `engine` (a registered name or `metrale`)."""
+    if engine == "metrale":
+        return POOL_OPTIONS[command]
+    return get_engine(engine).options[command]
+
+
+def refuse_other_options(engine: str, command: str, given: dict[str, object]) -> None:
+    """Refuse, by name, options `command` does not take with `engine` (each named with the
+    engines that take it): a flag that means nothing to the chosen engine is never dropped
+    without a word."""
+    named = [name for name, value in given.items() if value not in (None, False)]
+    own = options_of(engine, command)
+    foreign = [n for n in named if n not in own]
+    if not foreign:
+        return
+    takers = [e for e in ENGINES if e != engine and all(
+        n in options_of(e, command) for n in foreign)]
+    where = f"need --engine {' or '.join(takers)}" if takers else \
+        f"are not options of `{command}` with --engine {engine}"
+    raise UsageError(f"{', '.join(foreign)} {where}")

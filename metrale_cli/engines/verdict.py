@@ -21,6 +21,8 @@ class Verdict(str, Enum):
     REFUSES = "refuses"
     # The error takes the engine down, every other adapter's requests with it.
     CRASHES = "crashes"
+    # Named at start-up, the error stops the server starting: nothing is ever served.
+    FAILS_STARTUP = "fails_startup"
     # The engine cannot serve the base model with LoRA at all.
     UNSUPPORTED_MODEL = "unsupported_model"
 
@@ -60,8 +62,11 @@ class EngineVerdict:
     # "given": the flags the user passed; "recommended": the ones metrale recommends.
     flags_source: str
     modules: list[ModuleOutcome] = field(default_factory=list)
-    # Where one engine entry point answers otherwise (vLLM's offline LLM API, its CPU build).
+    # Where another build answers otherwise (vLLM's CPU build).
     elsewhere: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Per load path (`runtime`, `startup`, `offline`): its verdict and the engine's words.
+    # `verdict` is the runtime path's.
+    paths: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def serves(self) -> bool:
@@ -71,4 +76,5 @@ class EngineVerdict:
         return {"name": self.engine, "version": self.version, "verdict": self.verdict.value,
                 "reason": self.reason, "reason_class": self.reason_class,
                 "flags": self.flags, "flags_source": self.flags_source,
-                "modules": [m.record() for m in self.modules], "elsewhere": self.elsewhere}
+                "modules": [m.record() for m in self.modules], "elsewhere": self.elsewhere,
+                "paths": self.paths}

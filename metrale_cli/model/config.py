@@ -78,6 +78,10 @@ class ModelConfig:
     composite: bool = False
     # Where the config came from: a preset name, a file path, or a hub id.
     source: str = ""
+    # The config's `architectures` as written (the model classes an engine builds from): ()
+    # when it names none, a non-name entry kept as it is; None for a preset, whose re-typed
+    # dims keep no class name (an engine then takes its family's own class).
+    architectures: tuple[Any, ...] | None = field(default=None, compare=False)
 
     def layer_type(self, layer: int) -> LayerType:
         return self.layer_types[layer]
@@ -129,6 +133,7 @@ class ModelConfig:
     def summary(self) -> dict[str, Any]:
         """The JSON record of this config (also stored in pool images)."""
         record = asdict(self)
+        del record["architectures"]  # an engine's input, not a dimension images keep
         record["layer_types"] = [t.value for t in self.layer_types]
         record["mlp_only_layers"] = list(self.mlp_only_layers)
         return record
@@ -256,6 +261,7 @@ class ModelConfig:
             tie_word_embeddings=bool(tied),
             composite=composite,
             source=source,
+            architectures=_architectures(raw),
         )
 
     @classmethod
@@ -277,7 +283,16 @@ class ModelConfig:
         preset = find_preset(name)
         if preset is None:
             raise UsageError(f"unknown preset {name!r}; `metrale models` lists them")
-        return cls.from_dict(preset.config, source=preset.name)
+        return replace(cls.from_dict(preset.config, source=preset.name), architectures=None)
+
+
+def _architectures(raw: dict[str, Any]) -> tuple[Any, ...]:
+    """`architectures` as transformers keeps it: a list as it is, one name as a list of one,
+    missing or null as none."""
+    value = raw.get("architectures")
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
 
 
 def _layer_types(
@@ -437,7 +452,7 @@ def resolve_model(spec: str, online: bool = False) -> ModelConfig:
             return replace(ModelConfig.from_hf(config), source=spec)
     preset = find_preset(spec)
     if preset is not None:
-        return ModelConfig.from_dict(preset.config, source=preset.name)
+        return ModelConfig.preset(preset.name)
     if path.exists():
         raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
                          "(a directory without config.json), and not a preset (`metrale models`)")

@@ -1,0 +1,70 @@
+"""An engine's answers to `inspect` and `layout`, as library calls: the records the CLI
+prints (`inspect --engine E --json`, `layout --engine E --json`), for any registered engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from metrale_cli.errors import NotServable
+
+if TYPE_CHECKING:
+    from metrale_cli.engines.engine import Engine
+    from metrale_cli.engines.verdict import EngineVerdict
+    from metrale_cli.layout.pipeline import AuditedAdapters
+
+
+@dataclass(frozen=True)
+class EngineInspection:
+    """The audit's record with each adapter's verdict in `adapters[i].engine` and the
+    engine's flags and recommendation in `engine`."""
+
+    record: dict[str, Any]
+    verdicts: list[EngineVerdict]
+
+    @property
+    def all_serve(self) -> bool:
+        return all(v.serves for v in self.verdicts)
+
+
+def engine_inspect(audited: AuditedAdapters, engine: Engine,
+                   given: Mapping[str, object] | None = None) -> EngineInspection:
+    """What `engine` does with each audited adapter under the flags in `given` (CLI option
+    names to values), or under the ones it recommends when none is given."""
+    given = dict(given or {})
+    cfg, reports = audited.model, audited.reports
+    # The given flags first: a bad one (a TP degree the model cannot take) is refused before
+    # any recommendation is sized for it.
+    flags = engine.flags(cfg, given)
+    recommendation = engine.recommend(reports, cfg, given)
+    source = "given" if flags is not None else "recommended"
+    flags = flags if flags is not None else recommendation.flags
+    verdicts = [engine.judge(r, cfg, flags, source) for r in reports]
+    record = audited.record()
+    for adapter, verdict in zip(record["adapters"], verdicts, strict=True):
+        adapter["engine"] = verdict.record()
+    record["engine"] = engine.inspect_record(cfg, verdicts, recommendation, flags, source,
+                                             reports)
+    return EngineInspection(record, verdicts)
+
+
+def engine_layout(audited: AuditedAdapters, engine: Engine,
+                  given: Mapping[str, object] | None = None,
+                  budget_bytes: int | None = None) -> dict[str, Any]:
+    """The engine's LoRA bytes on one GPU (and its host cache, and what `simulate` replays);
+    with adapters, their rank, count and modules fill in what `given` leaves out, and one the
+    engine would not serve as PEFT does is refused (NotServable) as `layout` refuses one the
+    pool cannot serve."""
+    cfg, reports = audited.model, audited.reports
+    flags = engine.layout_flags(cfg, reports, dict(given or {}))
+    refused = [(r, v) for r, v in ((r, engine.judge(r, cfg, flags)) for r in reports)
+               if not v.serves]
+    if refused:
+        raise NotServable(f"{len(refused)} adapter(s) not served as PEFT serves them by "
+                          f"{engine.name} {engine.version} under these flags",
+                          [f"{r.name}: {engine.name} {v.verdict.value}: {v.reason}"
+                           for r, v in refused])
+    memory = engine.memory(cfg, flags, reports or None, budget_bytes)
+    return {"model": cfg.record(), "engine": {**memory.record(),
+                                              "tiers": engine.tiers(memory).record()}}

