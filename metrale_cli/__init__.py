@@ -83,6 +83,7 @@ _API = {
     "read_trace": "metrale_cli.sim.workload",
     "Targets": "metrale_cli.sim.simulate",
     "simulate": ("metrale_cli.sim.simulate", "run"),
+    "EngineCache": "metrale_cli.sim.simulate",
 }
 
 __all__ = ["__version__", *_API]

@@ -19,7 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from metrale_cli.engines import get_engine
+from metrale_cli.model.config import ModelConfig
 from metrale_cli.sim.replay import CacheState, HostTier, Link, Replay, SwapCost
+from metrale_cli.sim.simulate import EngineCache
 from metrale_cli.sim.workload import Workload
 from tests.conftest import VLLM_PYTHON
 
@@ -40,7 +43,8 @@ def sequence() -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine_states(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """The engine's LoRA cache after each request of `sequence()`: one engine start."""
+    """The engine's LoRA cache after each request of `sequence()` (and the base model's
+    directory, beside each): one engine start."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"needs {VLLM_PYTHON}")
     from tests.support.engine_cases import PROMPT, make_case, write_model
@@ -61,10 +65,10 @@ def engine_states(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
         pytest.fail(f"the vLLM cache runner failed: {proc.stderr[-3000:]}")
     report = json.loads((out / "report.json").read_text())
     assert report["initial"] == {"slots": [None] * MAX_LORAS, "gpu_lru": [], "host_lru": []}
-    return report["states"]
+    return [{**state, "base": base} for state in report["states"]]
 
 
-def replayed(mode: str) -> list[CacheState]:
+def replayed(mode: str, base: Path) -> list[CacheState]:
     """The replay's cache state after each request of `sequence()`, with vLLM's tiers."""
     seq = np.asarray(sequence(), dtype=np.int64)
     n = seq.size
@@ -75,12 +79,18 @@ def replayed(mode: str) -> list[CacheState]:
                         arrival=np.arange(n, dtype=np.float64) * 10.0,
                         input_tokens=np.zeros(n, dtype=np.int64),
                         output_tokens=np.zeros(n, dtype=np.int64), duration=hold.copy())
+    # The engine's tiers as `simulate --engine vllm` takes them (sim.EngineCache), for the
+    # flags the engine ran with.
+    cache = EngineCache(get_engine("vllm"), ModelConfig.from_hf(base), given=(
+        ("--max-rank", 8), ("--max-cpu-loras", MAX_CPU_LORAS), ("--dtype", "float32")))
+    tiers, _ = cache.at(MAX_LORAS)
     link = Link.preset("pcie4")
-    replay = Replay(workload, hold, SwapCost(1, link.bytes_per_s, link.latency_s, "pcie4"),
-                    host=HostTier(MAX_CPU_LORAS, Link.preset("nvme")), admission="skip")
-    max_loras = MAX_LORAS
+    replay = Replay(workload, hold, SwapCost(tiers.slot_bytes, link.bytes_per_s,
+                                             link.latency_s, "pcie4"),
+                    host=HostTier(tiers.host_slots, cache.host_link), admission=tiers.admission)
     states: dict[int, CacheState] = {}
-    replay.run("lru", max_loras, observe=lambda r, state: states.__setitem__(r, state))
+    replay.run(tiers.gpu_eviction, tiers.gpu_slots,
+               observe=lambda r, state: states.__setitem__(r, state))
     assert sorted(states) == list(range(n))
     return [states[r] for r in range(n)]
 
@@ -91,7 +101,7 @@ def as_names(indices: list[int | None]) -> list[str | None]:
 
 @pytest.mark.parametrize("mode", ["paging", "concurrent"])
 def test_replay_caches_as_vllm(engine_states: list[dict[str, Any]], mode: str) -> None:
-    ours = replayed(mode)
+    ours = replayed(mode, engine_states[0]["base"])
     assert len(ours) == len(engine_states)
     for r, (state, engine) in enumerate(zip(ours, engine_states, strict=True)):
         expected = CacheState(tuple(as_names(engine["slots"])),

@@ -45,6 +45,11 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      f"completion ({record['prefill_tok_s']:g} prefill / "
                      f"{record['decode_tok_s']:g} decode tok/s), "
                      + (f"at most {seats} in flight" if seats else "no concurrency cap"))
+    if record.get("engine"):
+        e = record["engine"]
+        head.add_row("engine", f"{e['name']} {e['version']}'s own cache: its GPU slots of its "
+                     "slot bytes (--max-loras), its host cache (--max-cpu-loras), LRU in both, "
+                     "its scheduler's admission")
     per_gpu = f" per GPU at --tp {lay['tp_size']}" if "tp_size" in lay else ""
     head.add_row("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
                  f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
@@ -56,7 +61,9 @@ def simulate_view(record: dict[str, Any]) -> Group:
                     "per GPU"))
     if record["host"]:
         host = record["host"]
-        head.add_row("host", f"{host['slots']:,} adapters in host memory (an LRU, up to "
+        held = (f"{host['slots']:,} adapters" if host["slots"] is not None
+                else "as many adapters as GPU slots")
+        head.add_row("host", f"{held} in host memory (an LRU, up to "
                      f"{human_bytes(host['host_bytes'])}); a host miss reads over "
                      f"{host['bandwidth']} ({host['bytes_per_s'] / 1e9:g} GB/s + "
                      f"{1e6 * host['latency_s']:g} us)")

@@ -12,15 +12,20 @@ import typer
 
 from metrale_cli.cli.console import emit, err, handles_errors, say, warn
 from metrale_cli.cli.options import (
+    DtypeOpt,
+    EngineOpt,
     EpOpt,
     ExpertsOpt,
     ForceOpt,
     FullyShardedOpt,
     JsonOpt,
+    LoraDtypeOpt,
+    MaxCpuLorasOpt,
     MaxRankOpt,
     ModelOpt,
     ModulesOpt,
     TpOpt,
+    engine_name,
     experts_on,
     shard_spec,
 )
@@ -77,8 +82,9 @@ def simulate(
     max_concurrency: Annotated[int | None, typer.Option(
         "--max-concurrency", help="Requests in flight at most (a batch); default no cap.")]
     = None,
-    policy: Annotated[str, typer.Option("--policy", help="Comma-separated: lru, fifo, min.")]
-    = "lru,fifo,min",
+    policy: Annotated[str | None, typer.Option(
+        "--policy", help="Comma-separated: lru, fifo, min (default all three; an engine's "
+        "own with --engine).")] = None,
     pin: Annotated[list[str] | None, typer.Option(
         "--pin", help="Pin this adapter in a startup slot (repeatable).")] = None,
     pinned: Annotated[int | None, typer.Option(
@@ -100,9 +106,10 @@ def simulate(
     host_bandwidth: Annotated[str, typer.Option(
         "--host-bandwidth", help="What a host miss reads over: nvme (default), pcie4, ..., "
         "or a figure.")] = "nvme",
-    admission: Annotated[str, typer.Option(
+    admission: Annotated[str | None, typer.Option(
         "--admission", help="fcfs (default: the head waits, all behind it too) or skip (later "
-        "requests whose adapter is resident go ahead, as vLLM's scheduler).")] = "fcfs",
+        "requests whose adapter is resident go ahead, as vLLM's scheduler; an engine's own "
+        "with --engine).")] = None,
     replicas: Annotated[int, typer.Option(
         "--replicas", help="Data-parallel replicas, each its own pool of each size.")] = 1,
     route: Annotated[str, typer.Option(
@@ -124,12 +131,19 @@ def simulate(
     tp: TpOpt = None,
     ep: EpOpt = None,
     fully_sharded: FullyShardedOpt = False,
+    engine: EngineOpt = "metrale",
+    max_cpu_loras: MaxCpuLorasOpt = None,
+    dtype: DtypeOpt = None,
+    lora_dtype: LoraDtypeOpt = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Size max_loras for real traffic: replay a trace or a generated workload against the
     pool's slot manager per policy and size; hit rate, bytes moved, stalls, added latency.
-    With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU."""
+    With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU. With
+    --engine vllm, the engine's own cache: --max-loras GPU slots of vLLM's slot bytes, an LRU
+    host cache of --max-cpu-loras adapters read from disk (--host-bandwidth) on a miss,
+    vLLM's scheduler admission, --budget in vLLM's LoRA bytes."""
     from metrale_cli.cli import render_sim
     from metrale_cli.cli.parsing import (
         parse_assign,
@@ -138,12 +152,24 @@ def simulate(
         parse_size_list,
         parse_token_range,
     )
+    from metrale_cli.engines import refuse_other_options
     from metrale_cli.files.atomic import check_output, output_path
     from metrale_cli.layout.pipeline import plan_pool
     from metrale_cli.sim import simulate as sim
     from metrale_cli.sim import workload as wl
 
-    spec = shard_spec(tp, ep, fully_sharded)
+    chosen = engine_name(engine)
+    refuse_other_options(chosen.name if chosen else "metrale", "simulate", {
+        "--max-cpu-loras": max_cpu_loras, "--dtype": dtype, "--lora-dtype": lora_dtype,
+        "--host-slots": host_slots, "--pin": pin, "--pinned": pinned,
+        "--experts": experts_on(experts), "--ep": ep})
+    if chosen is not None:
+        for name, value in (("--policy", policy), ("--admission", admission)):
+            if value is not None:
+                raise UsageError(f"{name}: --engine {chosen.name} evicts and admits as the "
+                                 "engine does (docs/simulate.md); leave it out")
+    # With an engine, --tp and --fully-sharded are its flags (its bytes are one GPU's).
+    spec = shard_spec(tp, ep, fully_sharded) if chosen is None else None
     positive("--max-rank", max_rank)
     plot_path = None if plot_text is None else output_path(plot_text, "--plot")
     save_trace = None if save_trace_text is None else output_path(save_trace_text,
@@ -162,7 +188,8 @@ def simulate(
                         modules=parse_modules(modules) if modules else None, max_rank=max_rank,
                         experts=experts_on(experts))
     layouts = planned.layout, planned.expert_layout
-    warn(planned.warnings)
+    if chosen is None:  # what metrale's kernels refuse; an engine serves with its own
+        warn(planned.warnings)
     if spec is not None:
         from metrale_cli.layout.sharding import refuse_unshardable
 
@@ -218,14 +245,20 @@ def simulate(
     options: dict[str, Any] = dict(
         link=link, links=links, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
         max_concurrency=max_concurrency, pin=pin or (), pinned=pinned,
-        policies=[p.strip() for p in policy.split(",") if p.strip()],
+        policies=[p.strip() for p in (policy or "lru,fifo,min").split(",") if p.strip()],
         sizes=parse_size_list("--max-loras", max_loras) if max_loras is not None else None,
         targets=targets,
         budget_bytes=parse_size(budget) if budget is not None else None, shard=spec,
         host=(sim.HostTier(host_slots, parse_bandwidth(host_bandwidth, "--host-bandwidth"))
               if host_slots is not None else None),
         routing=sim.Routing(replicas, route, seed) if replicas != 1 or route != "affinity"
-        else None, admission=admission)
+        else None, admission=admission or "fcfs",
+        engine=None if chosen is None else sim.EngineCache(
+            chosen, planned.model, tuple(planned.reports), tuple({
+                "--max-rank": max_rank, "--max-cpu-loras": max_cpu_loras, "--tp": tp,
+                "--fully-sharded": fully_sharded, "--modules": modules, "--dtype": dtype,
+                "--lora-dtype": lora_dtype}.items()),
+            parse_bandwidth(host_bandwidth, "--host-bandwidth")))
 
     def simulate_all(progress: Callable[[int, int], None] | None) -> sim.Simulation:
         if seeds == 1:

@@ -29,6 +29,9 @@ POOL_OPTIONS: dict[str, frozenset[str]] = {
     "inspect": frozenset({"--max-rank", "--experts"}),
     "layout": frozenset({"--modules", "--max-rank", "--max-loras", "--budget", "--align",
                          "--experts", "--tp", "--ep", "--fully-sharded"}),
+    "simulate": frozenset({"--modules", "--max-rank", "--max-loras", "--budget", "--experts",
+                           "--tp", "--ep", "--fully-sharded", "--host-slots", "--pin",
+                           "--pinned"}),
 }
 
 

@@ -25,6 +25,8 @@ class SlotTiers:
     host_slots: int
     slot_bytes: int
     host_bytes: int
+    # The rank a slot is padded to: an adapter of rank r copies r/max_rank of a slot.
+    max_rank: int
     gpu_eviction: str  # "lru": the least recently used adapter not in the running batch
     host_eviction: str
     # "skip": the request waits and later requests whose adapters fit go ahead (vLLM's V1
@@ -36,6 +38,7 @@ class SlotTiers:
     def record(self) -> dict[str, Any]:
         return {"gpu_slots": self.gpu_slots, "host_slots": self.host_slots,
                 "slot_bytes": self.slot_bytes, "host_bytes": self.host_bytes,
+                "max_rank": self.max_rank,
                 "gpu_eviction": self.gpu_eviction, "host_eviction": self.host_eviction,
                 "admission": self.admission, "source": self.source}
 

@@ -547,7 +547,8 @@ class VllmEngine:
     families = FAMILIES
     options = {"inspect": frozenset({*_FLAG_OPTIONS, "--experts", "--confirm",
                                      "--engine-python", "--confirm-timeout"}),
-               "layout": frozenset({*_FLAG_OPTIONS, "--budget"})}
+               "layout": frozenset({*_FLAG_OPTIONS, "--budget"}),
+               "simulate": frozenset({*_FLAG_OPTIONS, "--budget"})}
 
     def installed_warning(self) -> str | None:
         """vLLM's installed version where `vllm` is importable here (its distribution is
@@ -617,7 +618,8 @@ class VllmEngine:
         f = memory.flags
         return SlotTiers(
             gpu_slots=f.max_loras, host_slots=f.cpu_loras, slot_bytes=memory.slot_bytes,
-            host_bytes=memory.host_cache_bytes, gpu_eviction="lru", host_eviction="lru",
+            host_bytes=memory.host_cache_bytes, max_rank=f.max_lora_rank, gpu_eviction="lru",
+            host_eviction="lru",
             admission="skip",
             source="vllm/v1/core/sched/scheduler.py Scheduler.schedule (a waiting request "
                    "whose LoRA would exceed max_loras in the batch is skipped); "

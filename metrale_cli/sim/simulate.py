@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,11 @@ from metrale_cli.sim.replay import HostTier, Link, Replay, RunResult, SwapCost
 from metrale_cli.sim.replicas import Replicas, Routing
 from metrale_cli.sim.workload import Workload
 
+if TYPE_CHECKING:
+    from metrale_cli.adapters.audit import AdapterReport
+    from metrale_cli.engines.engine import Engine, SlotTiers
+    from metrale_cli.model.config import ModelConfig
+
 
 def default_sizes(unpinned: int, pinned: int) -> list[int]:
     """Powers of two from above the pinned slots up to the size that holds every requested
@@ -37,6 +42,32 @@ def default_sizes(unpinned: int, pinned: int) -> list[int]:
             sizes.append(size)
         size *= 2
     return [*sizes, max(need, pinned + 1)]
+
+
+@dataclass(frozen=True)
+class EngineCache:
+    """A serving engine's adapter cache as `simulate --engine` replays it: at each size, the
+    engine's flags with `--max-loras` that size (the rest as `given`, the CLI's option names),
+    its LoRA bytes on one GPU (`memory`) and its tiers (`SlotTiers`: GPU slots, host cache,
+    eviction, admission). The engine's own rules refuse a size its flags cannot take."""
+
+    engine: Engine
+    model: ModelConfig
+    reports: tuple[AdapterReport, ...] = ()
+    given: tuple[tuple[str, object], ...] = ()
+    # What a host-cache miss reads the adapter over (the engine loads it from disk).
+    host_link: Link = dataclasses.field(default_factory=lambda: Link.preset("nvme"))
+
+    def at(self, max_loras: int) -> tuple[SlotTiers, int]:
+        """(the tiers, the LoRA bytes on one GPU) at `max_loras` GPU slots."""
+        given = {**dict(self.given), "--max-loras": max_loras}
+        flags = self.engine.layout_flags(self.model, list(self.reports), given)
+        memory = self.engine.memory(self.model, flags, list(self.reports) or None, None)
+        return self.engine.tiers(memory), memory.lora_bytes
+
+    def record(self, sizes: Sequence[int]) -> dict[str, Any]:
+        return {"name": self.engine.name, "version": self.engine.version,
+                "tiers": {str(n): self.at(n)[0].record() for n in sizes}}
 
 
 @dataclass(frozen=True)
@@ -74,6 +105,8 @@ class Simulation:
     host: dict[str, Any] | None = None
     routing: dict[str, Any] | None = None
     admission: str = "fcfs"
+    # --engine: the engine, its version and its tiers at each size (EngineCache.record).
+    engine: dict[str, Any] | None = None
     seeds: list[int] | None = None
     max_rank_options: list[dict[str, Any]] | None = None
     seconds: float = 0.0
@@ -116,7 +149,7 @@ class Simulation:
             "max_concurrency": self.max_concurrency, "prefill_tok_s": self.prefill_tok_s,
             "decode_tok_s": self.decode_tok_s, "policies": self.policies, "sizes": self.sizes,
             "budget_bytes": self.budget_bytes, "host": self.host, "routing": self.routing,
-            "admission": self.admission, "seeds": self.seeds,
+            "admission": self.admission, "engine": self.engine, "seeds": self.seeds,
             "max_rank_options": self.max_rank_options,
             "targets": self.targets.record() if self.targets else None,
             "smallest_meeting": self.smallest_meeting() if self.targets else None,
@@ -217,6 +250,7 @@ def run(
     host: HostTier | None = None,
     routing: Routing | None = None,
     admission: str = "fcfs",
+    engine: EngineCache | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Simulation:
     """The whole of `metrale simulate` for a workload and a pool layout, loads crossing `link`
@@ -226,7 +260,10 @@ def run(
     `budget_bytes` on the largest rank. An adapter whose rank the workload gives moves its
     share of a slot (rank r of max rank R: r/R of it); `host` puts a host tier in front of the
     GPU slots; `routing` (more than one replica) gives each replica its own pool of each size
-    behind a router. `progress(n, total)` is told of every 65,536 requests replayed."""
+    behind a router. With `engine`, the engine's own cache at each size instead of the pool's:
+    its slot bytes, GPU slots, host cache (`host` is not given), eviction and admission (not
+    given: `policies` is the engine's and `admission` too), LoRA bytes for `budget_bytes`.
+    `progress(n, total)` is told of every 65,536 requests replayed."""
     started = time.perf_counter()
     if pin and pinned is not None:
         raise UsageError("give --pin or --pinned, not both")
@@ -244,28 +281,59 @@ def run(
     swapped = [r.slot_bytes + (x.slot_bytes if x is not None else 0) for r, x in ranks]
     busiest = swapped.index(max(swapped))
     gpu_layout, gpu_experts = ranks[busiest]
-    cost = SwapCost(swapped[busiest], link.bytes_per_s, link.latency_s, link.name, links)
-    load_bytes = adapter_load_bytes(workload, layout.max_rank, cost.slot_bytes)
+    slot_bytes, max_rank = swapped[busiest], layout.max_rank
+    if engine is not None:
+        if shard is not None or names or host is not None:
+            raise UsageError(f"--engine {engine.engine.name}: the engine's own flags shard, "
+                             "pin and cache adapters (not --ep, --pin, --pinned, --host-slots)")
+        first = engine.at(min(sizes) if sizes else 1)[0]
+        slot_bytes, max_rank = first.slot_bytes, first.max_rank
+        policies, admission = [first.gpu_eviction], first.admission
+    cost = SwapCost(slot_bytes, link.bytes_per_s, link.latency_s, link.name, links)
+    load_bytes = adapter_load_bytes(workload, max_rank, cost.slot_bytes)
     hold = workload.hold_seconds(prefill_tok_s, decode_tok_s)
     first_token = workload.input_tokens / prefill_tok_s  # the prefill
-    replay: Replay | Replicas = (
-        Replay(workload, hold, cost, names, max_concurrency, load_bytes, host, first_token,
-               admission)
-        if routing is None or routing.replicas == 1
-        else Replicas(workload, hold, cost, names, max_concurrency, load_bytes, host, routing,
-                      first_token, admission))
+
+    def replay_for(host: HostTier | None) -> Replay | Replicas:
+        if routing is None or routing.replicas == 1:
+            return Replay(workload, hold, cost, names, max_concurrency, load_bytes, host,
+                          first_token, admission)
+        return Replicas(workload, hold, cost, names, max_concurrency, load_bytes, host,
+                        routing, first_token, admission)
+
+    replay = replay_for(host)
     sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
     policies = list(dict.fromkeys(policies))
     total = len(policies) * len(set(sizes)) * workload.requests
-    results = simulate(
-        replay, policies, sizes,
-        lambda n: max(PoolPlan(r, x, n).total_bytes or 0 for r, x in ranks),
-        budget_bytes, (lambda k: progress(k, total)) if progress is not None else None)
+    told = (lambda k: progress(k, total)) if progress is not None else None
+    if engine is None:
+        results = simulate(
+            replay, policies, sizes,
+            lambda n: max(PoolPlan(r, x, n).total_bytes or 0 for r, x in ranks),
+            budget_bytes, told)
+    else:
+        # The host cache's size follows --max-loras unless --max-cpu-loras fixes it: a replay
+        # per size, each with its own host tier.
+        results = []
+        for n in sorted(set(sizes)):
+            tiers, lora_bytes = engine.at(n)
+            results += simulate(replay_for(HostTier(tiers.host_slots, engine.host_link)),
+                                policies, [n], lambda _, b=lora_bytes: b, budget_bytes, told)
+    engine_record = None
+    host_tier = None if host is None else _host_record(host.slots, host.link,
+                                                       host.slots * max(load_bytes, default=0))
+    if engine is not None:
+        engine_record = engine.record(sorted(set(sizes)))
+        tiers = list(engine_record["tiers"].values())
+        held = {t["host_slots"] for t in tiers}
+        # One host size when --max-cpu-loras fixes it; else each size's own (None here).
+        host_tier = _host_record(held.pop() if len(held) == 1 else None, engine.host_link,
+                                 max(t["host_bytes"] for t in tiers))
     return Simulation(
         mode=replay.mode, workload=workload.record(),
         layout={"model": layout.model.source or layout.model.model_type,
-                "modules": [m.peft_name for m in layout.modules], "max_rank": layout.max_rank,
-                "slot_bytes": gpu_layout.slot_bytes,
+                "modules": [m.peft_name for m in layout.modules], "max_rank": max_rank,
+                "slot_bytes": slot_bytes if engine is not None else gpu_layout.slot_bytes,
                 "expert_slot_bytes": gpu_experts.slot_bytes if gpu_experts else 0,
                 "fingerprint": gpu_layout.fingerprint,
                 **({"tp_size": shard.tp_size, "ep_size": shard.ep_size,
@@ -276,14 +344,17 @@ def run(
         sizes=sorted(set(sizes)), results=results, targets=targets, budget_bytes=budget_bytes,
         routing=routing.record() if routing is not None else None, admission=admission,
         max_rank_options=(max_rank_options(workload, layout, expert_layout, budget_bytes)
-                          if shard is None else None),
-        host=None if host is None else {
-            "slots": host.slots, "bandwidth": host.link.name,
-            "bytes_per_s": host.link.bytes_per_s, "latency_s": host.link.latency_s,
-            # What the tier holds at most: its slots of the largest adapter it can be given.
-            "host_bytes": host.slots * max(load_bytes, default=0)},
+                          if shard is None and engine is None else None),
+        host=host_tier, engine=engine_record,
         seconds=time.perf_counter() - started,
     )
+
+
+def _host_record(slots: int | None, link: Link, host_bytes: int) -> dict[str, Any]:
+    """The record's host tier: its adapters (None: as many as each size's GPU slots), what a
+    miss reads over, and what it holds at most."""
+    return {"slots": slots, "bandwidth": link.name, "bytes_per_s": link.bytes_per_s,
+            "latency_s": link.latency_s, "host_bytes": host_bytes}
 
 
 def max_rank_options(workload: Workload, layout: SlotLayout,

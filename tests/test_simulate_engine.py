@@ -1,0 +1,99 @@
+"""`simulate --engine vllm`: the engine's own cache at each --max-loras (its slot bytes, GPU
+slots, host cache of --max-cpu-loras, LRU, its scheduler's admission), the bytes `layout
+--engine vllm` gives, and the options the engine does not take refused by name. That the
+replay caches as vLLM caches is held against the engine running in
+tests/test_engine_vllm_cache.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale_cli.engines import get_engine
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.sim.replay import HostTier, Link, Replay, SwapCost
+from metrale_cli.sim.simulate import EngineCache
+from metrale_cli.sim.workload import GeneratorSpec, generate
+from tests.support.cli_runner import metrale
+
+BASE = ["simulate", "--engine", "vllm", "--model", "llama-3.1-8b", "--modules", "q_proj,v_proj",
+        "--max-rank", "16", "--workload", "zipf", "--adapters", "40", "--requests", "2000",
+        "--input-tokens", "0", "--output-tokens", "0", "--ranks", "16,8", "--json"]
+
+
+def test_engine_sizes_use_the_engines_bytes_and_tiers() -> None:
+    got = metrale(*BASE, "--max-loras", "4,8", "--max-cpu-loras", "12", "--budget", "100MiB")
+    assert got.code == 0, got.stderr
+    record = got.json()
+    assert record["policies"] == ["lru"] and record["admission"] == "skip"
+    assert record["engine"]["name"] == "vllm" and record["engine"]["version"] == "0.32.0"
+    for n in (4, 8):
+        layout = metrale("layout", "--engine", "vllm", "--model", "llama-3.1-8b", "--modules",
+                         "q_proj,v_proj", "--max-rank", "16", "--max-loras", n,
+                         "--max-cpu-loras", "12", "--json").json()["engine"]
+        tiers = record["engine"]["tiers"][str(n)]
+        assert tiers == layout["tiers"]
+        assert (tiers["gpu_slots"], tiers["host_slots"]) == (n, 12)
+        result = next(r for r in record["results"] if r["max_loras"] == n)
+        assert result["pool_bytes"] == layout["lora_bytes"]
+        assert result["fits_budget"] == (layout["lora_bytes"] <= 100 * 2**20)
+        # Every GPU miss is a host-cache hit or a read from disk.
+        assert result["host_hits"] + result["host_misses"] == result["misses"]
+    assert record["swap"]["slot_bytes"] == record["engine"]["tiers"]["4"]["slot_bytes"]
+    assert record["host"]["slots"] == 12
+
+
+def test_host_cache_follows_max_loras_without_max_cpu_loras() -> None:
+    """vLLM's --max-cpu-loras defaults to --max-loras: the host cache then holds what the GPU
+    holds, so every GPU miss reads the adapter from disk."""
+    record = metrale(*BASE, "--max-loras", "4,8").json()
+    assert record["host"]["slots"] is None
+    for r in record["results"]:
+        assert record["engine"]["tiers"][str(r["max_loras"])]["host_slots"] == r["max_loras"]
+        assert r["host_hits"] == 0 and r["host_misses"] == r["misses"]
+
+
+def test_each_size_is_a_replay_of_the_engines_tiers() -> None:
+    """Every figure of a size equals a Replay built from that size's tiers by hand."""
+    record = metrale(*BASE, "--max-loras", "4,8", "--max-cpu-loras", "10").json()
+    workload = generate(GeneratorSpec("zipf", 2000, 40, 10.0, 1.0, 0, 1.5, 1.0, (0, 0),
+                                      (0, 0), (16, 8)))
+    cache = EngineCache(get_engine("vllm"), ModelConfig.preset("llama-3.1-8b"), given=(
+        ("--max-rank", 16), ("--max-cpu-loras", 10), ("--modules", "q_proj,v_proj")))
+    link = Link.preset("pcie4")
+    for r in record["results"]:
+        tiers, _ = cache.at(r["max_loras"])
+        ranks = workload.adapter_rank
+        loads = [tiers.slot_bytes * int(k) // tiers.max_rank for k in ranks]
+        replay = Replay(workload, np.zeros(workload.requests),
+                        SwapCost(tiers.slot_bytes, link.bytes_per_s, link.latency_s, "pcie4"),
+                        load_bytes=loads, host=HostTier(tiers.host_slots, cache.host_link),
+                        admission=tiers.admission)
+        mine = replay.run(tiers.gpu_eviction, tiers.gpu_slots).record()
+        for key in ("hits", "misses", "host_hits", "host_misses", "bytes_moved",
+                    "host_bytes_moved"):
+            assert mine[key] == r[key], key
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--policy", "fifo"], "--policy: --engine vllm evicts and admits as the engine does"),
+    (["--admission", "fcfs"], "--admission: --engine vllm"),
+    (["--host-slots", "8"], "--host-slots need --engine metrale"),
+    (["--pinned", "2"], "--pinned need --engine metrale"),
+    (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras 4 is below --max-loras 8"),
+    (["--max-rank", "12"], "vLLM's --max-lora-rank takes only"),
+])
+def test_what_the_engine_does_not_take_is_refused(extra: list[str], says: str) -> None:
+    args = [a for a in BASE if a != "--json"]
+    if "--max-rank" in extra:
+        i = args.index("--max-rank")
+        del args[i:i + 2]
+    got = metrale(*args, *extra)
+    assert got.code == 2 and says in got.stderr, got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1, got.stderr
+
+
+def test_max_cpu_loras_needs_an_engine() -> None:
+    got = metrale("simulate", "--model", "llama-3.1-8b", "--modules", "q_proj", "--max-rank",
+                  "16", "--max-cpu-loras", "4")
+    assert got.code == 2 and "--max-cpu-loras need --engine vllm" in got.stderr, got.stderr
