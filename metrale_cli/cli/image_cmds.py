@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, err, handles_errors
+from metrale_cli.cli.console import emit, err, handles_errors
 from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, online_on
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
@@ -24,9 +24,7 @@ def show(image: ImageArg, json_out: JsonOpt = False) -> None:
     shown = show_image(image)
     refusal = shown.refusal()
     if refusal is not None:
-        if json_out:  # the record says why, as inspect's and verify's do
-            emit_json(shown.record())
-        raise refusal
+        raise refusal  # under --json its record, which says why, is printed first
     emit(shown.record(), json_out, render.show_view)
 
 

@@ -30,8 +30,12 @@ class ImageShow:
         return not self.problems
 
     def refusal(self) -> ImageInconsistent | None:
-        """What the library raises for this image (`check`), or None when it is consistent."""
-        return inconsistency(self.tables.path, self.problems)
+        """What the library raises for this image (`check`), carrying this record (which
+        says why), or None when it is consistent."""
+        refusal = inconsistency(self.tables.path, self.problems)
+        if refusal is not None:
+            refusal.record = self.record()
+        return refusal
 
     def slot_record(self, k: int) -> dict[str, Any]:
         t, s = self.tables, self.tables.slots_doc[k]
