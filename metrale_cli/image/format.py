@@ -20,6 +20,8 @@ import numpy as np
 from metrale_cli.errors import FormatError, ImageInconsistent, MetraleError
 from metrale_cli.files.jsondoc import load_json
 from metrale_cli.files.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from metrale_cli.image import digest
+from metrale_cli.image.digest import read_digests
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.sharding import RankExpertLayout, RankLayout, ShardSpec
 from metrale_cli.layout.slot_layout import SlotLayout
@@ -60,6 +62,16 @@ class ImageTables:
     overlay_doc: dict[str, Any] | None = None
     overlay_slots: np.ndarray | None = None  # [n] i32
     overlay_tokens: np.ndarray | None = None  # [n] i64
+    # Tensor name -> SHA-256 of its bytes (image/digest.py); None in an image without digests.
+    digests: dict[str, str] | None = None
+
+    def table_arrays(self) -> dict[str, np.ndarray]:
+        """Every small table by its tensor name, as read from the file."""
+        tables = {"scales": self.scales, "ranks": self.ranks, "a_offsets": self.a_offsets,
+                  "b_offsets": self.b_offsets, "expert_a_offsets": self.expert_a_offsets,
+                  "expert_b_offsets": self.expert_b_offsets,
+                  "overlay_slots": self.overlay_slots, "overlay_tokens": self.overlay_tokens}
+        return {name: array for name, array in tables.items() if array is not None}
 
     def tensor(self, name: str) -> TensorInfo:
         return self.header.tensors[name]
@@ -197,6 +209,8 @@ def read_tables(path: str | Path) -> ImageTables:
     extra = sorted(set(header.tensors) - known)
     if extra:
         raise ImageInconsistent(f"{path}: tensor {extra[0]!r} is not part of {FORMAT}")
+    digests = (read_digests(path, header, _json_meta(path, meta, digest.KEY))
+               if digest.KEY in meta else None)
     fd = os.open(path, os.O_RDONLY)
     try:
         tables = {name: _read(fd, info) for name, info in infos.items()}
@@ -210,4 +224,5 @@ def read_tables(path: str | Path) -> ImageTables:
         expert_a_offsets=tables.get("expert_a_offsets"),
         expert_b_offsets=tables.get("expert_b_offsets"), overlay_doc=overlay_doc,
         overlay_slots=tables.get("overlay_slots"), overlay_tokens=tables.get("overlay_tokens"),
+        digests=digests,
     )

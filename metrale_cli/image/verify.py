@@ -23,7 +23,8 @@ from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
 from metrale_cli.bf16 import bf16_to_f32
 from metrale_cli.errors import FormatError, NotServable, UsageError
-from metrale_cli.image.check import check
+from metrale_cli.image.check import check, digest_state
+from metrale_cli.image.digest import content_problems
 from metrale_cli.image.format import ImageTables, read_tables
 from metrale_cli.layout.slot_layout import PaddedPair
 from metrale_cli.pool.pool import LoraPool
@@ -76,10 +77,14 @@ class VerifyResult:
     verdicts: list[AdapterVerdict]
     unchecked: list[dict[str, Any]]
     seconds: float
+    digests: str = "none"  # check.digest_state
+    # Tensors whose bytes do not match their digests (image/digest.py): changed after pack,
+    # in a slot given or not.
+    digest_differences: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(v.ok for v in self.verdicts)
+        return all(v.ok for v in self.verdicts) and not self.digest_differences
 
     @property
     def bytes_compared(self) -> int:
@@ -88,6 +93,7 @@ class VerifyResult:
     def record(self) -> dict[str, Any]:
         return {"path": str(self.path), "ok": self.ok,
                 "adapters": [v.record() for v in self.verdicts], "unchecked": self.unchecked,
+                "digests": self.digests, "digest_differences": self.digest_differences,
                 "bytes_compared": self.bytes_compared, "seconds": self.seconds,
                 "gb_per_s": self.bytes_compared / self.seconds / 1e9 if self.seconds else None}
 
@@ -134,8 +140,10 @@ class Verifier:
         given = {slot for slot, _ in self.adapters}
         unchecked = [{"slot": k, "name": s["name"]} for k, s in enumerate(self.tables.slots_doc)
                      if s.get("name") and k not in given]
-        return VerifyResult(self.tables.path, verdicts, unchecked,
-                            time.perf_counter() - started)
+        t = self.tables
+        differences = content_problems(t.path, t.header, t.digests)
+        return VerifyResult(t.path, verdicts, unchecked, time.perf_counter() - started,
+                            digest_state(t, checked=True), differences)
 
     def _verify(self, fd: int, slot: int, adapter: Adapter,
                 progress: Callable[[int], None] | None) -> AdapterVerdict:
