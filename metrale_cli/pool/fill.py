@@ -279,7 +279,7 @@ def fill_slot(report: AdapterReport, slot: int, layout: SlotLayout, region: Regi
     try:
         reader = TensorReader(fd, str(report.adapter.weights_path))
     finally:
-        os.close(fd)  # the map holds the file
+        os.close(fd)  # the reader holds its own duplicate
     try:
         writer = region.writer(slot, staging)
         read = fill_modules(reader, report, layout, writer, check_finite, progress)
