@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -117,24 +118,34 @@ def write_image(pool: LoraPool, path: str | Path, force: bool = False) -> int:
     """Write `pool` as an image at `path` atomically; returns the file size in bytes."""
     header, tensors = image_header(pool)
 
+    def chunks(name: str, array: Any) -> Iterator[Any]:
+        """The tensor's bytes in order, `COPY_CHUNK` at a time (copied off the device)."""
+        if name in _DEVICE_TENSORS and pool.device == "cuda":
+            for start in range(0, array.size, COPY_CHUNK):
+                yield pool.xp.asnumpy(array[start:start + COPY_CHUNK]).tobytes()
+        else:
+            data = memoryview(np.ascontiguousarray(array)).cast("B")
+            for start in range(0, len(data), COPY_CHUNK):
+                yield data[start:start + COPY_CHUNK]
+
     def write(f: Any) -> None:
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
         digests = {}
-        for name, array in tensors:
-            h = hashlib.sha256()
-            if array.size == 0:
-                pass  # an expert-only pool has a zero-byte slot pool
-            elif name in _DEVICE_TENSORS and pool.device == "cuda":
-                for start in range(0, array.size, COPY_CHUNK):
-                    chunk = pool.xp.asnumpy(array[start:start + COPY_CHUNK]).tobytes()
+        # Each chunk is hashed on a second thread while it is written (both release the GIL):
+        # hashing after the write made writing a 490 MB image 1.5-2.6 s slower on the VM.
+        with ThreadPoolExecutor(1) as hasher:
+            for name, array in tensors:
+                h = hashlib.sha256()
+                hashed: Future[None] | None = None
+                for chunk in chunks(name, array):
+                    if hashed is not None:
+                        hashed.result()  # in order: one chunk at a time
+                    hashed = hasher.submit(h.update, chunk)
                     f.write(chunk)
-                    h.update(chunk)
-            else:
-                data = memoryview(np.ascontiguousarray(array)).cast("B")
-                f.write(data)
-                h.update(data)
-            digests[name] = h.hexdigest()
+                if hashed is not None:
+                    hashed.result()
+                digests[name] = h.hexdigest()
         f.seek(8)
         f.write(_with_digests(header, digests))
 
