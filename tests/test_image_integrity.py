@@ -1,6 +1,7 @@
 """Pool images and the files packed into them that must be refused, not read (issue 25): JSON
-keys given twice, metadata nested past the parser, verify passing what show refuses, an
-adapter cut short while it is packed, non-finite or flipped weights, images without digests."""
+keys given twice, metadata nested past the parser, non-finite or flipped weights; and images
+without digests, which still read (verify against show: test_verify.py; an adapter cut short
+while packed: test_pack_truncated.py)."""
 
 from __future__ import annotations
 
