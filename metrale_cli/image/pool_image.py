@@ -120,6 +120,8 @@ def write_image(pool: LoraPool, path: str | Path, force: bool = False) -> int:
 
     def chunks(name: str, array: Any) -> Iterator[Any]:
         """The tensor's bytes in order, `COPY_CHUNK` at a time (copied off the device)."""
+        if array.size == 0:
+            return  # an expert-only pool has a zero-byte slot pool
         if name in _DEVICE_TENSORS and pool.device == "cuda":
             for start in range(0, array.size, COPY_CHUNK):
                 yield pool.xp.asnumpy(array[start:start + COPY_CHUNK]).tobytes()
