@@ -94,9 +94,15 @@ def __getattr__(name: str) -> Any:
     if where is None:
         raise AttributeError(f"module 'metrale_cli' has no attribute {name!r}")
     module, attr = where if isinstance(where, tuple) else (where, name)
+    import inspect
     from importlib import import_module
 
     value = getattr(import_module(module), attr)
+    if inspect.isfunction(value):
+        # Arguments of the wrong type are a UsageError naming them (arguments.py).
+        from metrale_cli.arguments import checked
+
+        value = checked(value, name)
     globals()[name] = value  # resolved once: later lookups skip __getattr__
     return value
 

@@ -8,6 +8,12 @@ import numpy as np
 RAW_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
 # The dtypes a LoRA tensor may have to be packed: exactly those this module converts.
 LORA_DTYPES = tuple(RAW_DTYPES)
+# A BF16 value is NaN or infinity when its exponent bits are all ones. As uint16 the negative
+# ones are exactly the values from 0xFF80 up, as int16 the positive ones those from 0x7F80 up:
+# two maxima, no temporary array.
+_EXPONENT = np.uint16(0x7F80)
+_NEGATIVE_NON_FINITE = np.uint16(0xFF80)
+_POSITIVE_NON_FINITE = np.int16(0x7F80)
 
 
 def f32_to_bf16(values: np.ndarray) -> np.ndarray:
@@ -40,3 +46,13 @@ def to_bf16(raw: np.ndarray, dtype: str, scale: float = 1.0) -> np.ndarray:
         # Multiply in float64 so the only rounding is the final one to BF16 (after float32).
         values = (raw.astype(np.float64) * scale).astype(np.float32)
     return f32_to_bf16(values)
+
+
+def non_finite(bits: np.ndarray) -> int:
+    """How many of the BF16 `bits` (contiguous uint16) are NaN or infinity; counted only when
+    the two maxima say some are."""
+    flat = bits.reshape(-1)
+    if flat.size == 0 or (flat.max() < _NEGATIVE_NON_FINITE
+                          and flat.view(np.int16).max() < _POSITIVE_NON_FINITE):
+        return 0
+    return int(np.count_nonzero((flat & _EXPONENT) == _EXPONENT))

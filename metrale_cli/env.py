@@ -88,6 +88,31 @@ def torchrun_rank() -> tuple[int, int] | None:
     return rank, world
 
 
+def rendezvous() -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT), the env:// rendezvous torchrun sets for its processes,
+    checked before torch reads them: an address this machine cannot resolve (`256.1.1.1`) or a
+    port outside [1, 65535] is a UsageError naming it, where torch would print dozens of lines
+    of socket warnings and then time out."""
+    import socket
+
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise UsageError(f"{' and '.join(missing)} unset: not a torchrun launch (torchrun sets "
+                         "MASTER_ADDR and MASTER_PORT with RANK and WORLD_SIZE)")
+    port = _integer("MASTER_PORT")
+    if port is None or not 0 < port < 65536:
+        raise UsageError(f"MASTER_PORT={os.environ['MASTER_PORT']!r}: not a port (an integer "
+                         "in [1, 65535])")
+    address = os.environ["MASTER_ADDR"].strip()
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise UsageError(f"MASTER_ADDR={os.environ['MASTER_ADDR']!r}: not an address or "
+                         f"host name this machine resolves ({reason})") from None
+    return address, port
+
+
 def local_rank(default: int) -> int:
     """LOCAL_RANK, this process's GPU on its node under torchrun; `default` when unset."""
     if "LOCAL_RANK" not in os.environ:

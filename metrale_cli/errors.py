@@ -18,6 +18,9 @@ class MetraleError(Exception):
     exit_code = 2
     # Lines that explain the error, each printed on its own line before it (a refusal's findings).
     details: tuple[str, ...] = ()
+    # What a command under --json prints as it refuses (cli/console.refusal_record), if not
+    # its kind and line.
+    record: dict[str, Any] | None = None
 
 
 class UsageError(MetraleError):

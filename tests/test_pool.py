@@ -410,6 +410,23 @@ def test_non_finite_weights_are_refused(tiny: dict[str, Path], tmp_path: Path,
     assert result.code == 1, result.stderr
     assert result.stderr == (f"error: bad: tensor {tensor_name!r} has 2 non-finite values "
                              "(NaN or infinity) as BF16; refusing to pack it\n")
+    # Under --json the refusal prints its record, as the audit's refusals do (issue 25 item 21).
+    out = tmp_path / "pool.safetensors"
+    result = metrale("pack", bad, "--max-loras", 1, "--device", "cpu", "--out", out, "--json")
+    assert result.code == 1 and not out.exists()
+    assert result.json() == {"refused": "non_finite_weights",
+                             "error": result.stderr.removeprefix("error: ").rstrip("\n")}
+
+
+def test_every_judged_refusal_has_a_json_record() -> None:
+    """A layout mismatch (another exit-1 refusal of pack) prints its kind and line; a usage
+    error (exit 2) prints no record, its line says what to change."""
+    from metrale_cli.cli.console import refusal_record
+    from metrale_cli.errors import LayoutMismatch, UsageError
+
+    assert refusal_record(LayoutMismatch("a: q_proj is [8, 32]")) == {
+        "refused": "layout_mismatch", "error": "a: q_proj is [8, 32]"}
+    assert refusal_record(UsageError("--max-loras must be positive")) is None
 
 
 @pytest.mark.parametrize("name", ["b", "a"])  # F32 (converted) and BF16 (copied as it is)

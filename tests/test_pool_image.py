@@ -21,6 +21,7 @@ from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
 from metrale_cli.pool.pool import LoraPool
 from tests.support.cli_runner import metrale
+from tests.support.image_edit import strip_digests
 
 DENSE = {
     "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
@@ -34,11 +35,17 @@ MOE = {
     "intermediate_size": 48, "num_experts": 4, "moe_intermediate_size": 8,
     "mlp_only_layers": [0], "vocab_size": 64,
 }
-# sha256 of the images `pinned_images` packs, written before the pool's region refactor: the
-# image format and bytes must not change.
+# sha256 of the images `pinned_images` packs, written before the pool's region refactor, and
+# without `metrale.digests` (issue 25 item 24 added it, and moved nothing else): the image
+# format and bytes must not change.
 PINNED = {
     "dense": "5faa2a9e97fbcf82b53e3ad1fee4182bb2e9d8b99d8a1f9c2e7c2251a071cf87",
     "experts": "9266f9dc6eb6cf9d21fe7949fef4124c31d2a810a5fd3c3b959a6ee29c1eed67",
+}
+# ... and with them.
+PINNED_WITH_DIGESTS = {
+    "dense": "3c1351829c3dd5e8d5fb01002b0b643b3188f40f294d4a08d55174634ce1b4ce",
+    "experts": "786e0532229606e044f818d9ef43937c602497e32d19c28a3d245501da1a7be1",
 }
 
 
@@ -78,6 +85,9 @@ def sha256(path: Path) -> str:
 
 def test_image_bytes_are_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     images = pinned_images(tmp_path, monkeypatch)
+    assert {name: sha256(path) for name, path in images.items()} == PINNED_WITH_DIGESTS
+    for path in images.values():
+        strip_digests(path)
     assert {name: sha256(path) for name, path in images.items()} == PINNED
     experts = PoolImage.open(images["experts"])
     assert experts.expert_region is not None and experts.expert_region.memory.any()
@@ -98,6 +108,19 @@ def rewrite(src: Path, dst: Path, edit: Callable[[dict[str, Any], bytearray], No
     doc = json.loads(raw[8:8 + n])
     data = bytearray(raw[8 + n:])
     edit(doc, data)
+    # A crafted image, digests and all: what meets the edit is the checks behind them (an
+    # entry the edit has made no tensor keeps no digest).
+    digests = {}
+    for name, t in doc.items():
+        try:
+            begin, end = t["data_offsets"]
+            digests[name] = hashlib.sha256(bytes(data[begin:end])).hexdigest()
+        except (KeyError, TypeError, ValueError):
+            continue
+    if isinstance(doc.get("__metadata__"), dict):
+        digests.pop("__metadata__", None)
+        doc["__metadata__"]["metrale.digests"] = json.dumps({"algorithm": "sha256",
+                                                             "tensors": digests})
     blob = json.dumps(doc).encode()
     blob += b" " * (-(8 + len(blob)) % 256)
     dst.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(data))

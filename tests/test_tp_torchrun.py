@@ -298,3 +298,24 @@ def test_what_killed_ranks_left_is_replaced_with_force(adapters: list[Path],
     assert done.code == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["rank-0-of-2.safetensors",
                                                      "rank-1-of-2.safetensors"]
+
+
+@pytest.mark.parametrize(("variables", "says"), [
+    ({"MASTER_ADDR": "256.1.1.1", "MASTER_PORT": "29500"}, "MASTER_ADDR='256.1.1.1': not an"),
+    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, "MASTER_PORT='70000': not a port"),
+    ({"MASTER_PORT": "29500"}, "MASTER_ADDR unset"),
+])
+def test_a_bad_rendezvous_is_one_line_before_torch(adapters: list[Path], tmp_path: Path,
+                                                   variables: dict[str, str],
+                                                   says: str) -> None:
+    """A launch's address that cannot be resolved printed 42 lines of torch's socket warnings
+    (C++, past any Python filter) before metrale's (issue 25 item 30): a real process, so that
+    torch's stderr would show."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-m", "metrale_cli", *pack_args(adapters, tmp_path / "out", 2)],
+        env={**environ, "RANK": "0", "WORLD_SIZE": "2", "METRALE_DIST_TIMEOUT": "5",
+             **variables}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: {says}") and done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "out").exists()

@@ -1,9 +1,11 @@
-"""`metrale verify`: a fresh pack verifies; one flipped byte, a changed scale, a swapped pair of
-offsets, a changed overlay row are each caught and named; real PEFT adapters (dense, hybrid with
+"""`metrale verify`: a fresh pack verifies; one flipped byte, a changed scale, a changed overlay
+row are each caught and named; an image show refuses (a swapped pair of offsets, tables against
+the slots' metadata) is refused alike; real PEFT adapters (dense, hybrid with
 rank/alpha patterns and BF16/F16 files, MoE experts, overlays) verify against their own pack."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from metrale_cli.image.format import read_tables
 from tests.support.cli_runner import metrale
-from tests.support.image_edit import read_element, write_element
+from tests.support.image_edit import edit_metadata, read_element, write_element
 
 MODEL = "qwen3-next-80b-a3b"
 
@@ -112,8 +114,17 @@ def test_one_flipped_byte_in_b_is_named(packed: Path, image: Path) -> None:
     assert "slot 0 a: DIFFERS" in text.stdout and "q_proj" in text.stdout
 
 
+def _slot_metadata(path: Path, slot: int, **fields: object) -> None:
+    slots = read_tables(path).slots_doc
+    slots[slot].update(fields)
+    edit_metadata(path, "metrale.slots", json.dumps(slots, separators=(",", ":")))
+
+
 def test_a_changed_scale_is_named(packed: Path, image: Path) -> None:
+    """The scale table and the slot's metadata agree (the image is consistent) on a scale
+    that is not the adapter's."""
     write_element(image, "scales", (1,), 3.0)
+    _slot_metadata(image, 1, scaling=3.0)
     result = metrale("verify", image, *_adapters(packed), "--json")
     assert result.code == 1
     a, b = result.json()["adapters"]
@@ -122,17 +133,32 @@ def test_a_changed_scale_is_named(packed: Path, image: Path) -> None:
     assert b["differences"] == []
 
 
-def test_swapped_offsets_are_named(packed: Path, image: Path) -> None:
-    x, y = read_element(image, "a_offsets", (0, 0)), read_element(image, "a_offsets", (1, 0))
-    write_element(image, "a_offsets", (0, 0), y)
-    write_element(image, "a_offsets", (1, 0), x)
+def _swap_offsets(path: Path) -> None:
+    x, y = read_element(path, "a_offsets", (0, 0)), read_element(path, "a_offsets", (1, 0))
+    write_element(path, "a_offsets", (0, 0), y)
+    write_element(path, "a_offsets", (1, 0), x)
+
+
+# Images show refuses as inconsistent (issue 25 items 21, 25): verify passed each of them.
+INCONSISTENT = {
+    "scale table against the slot's scaling": lambda p: write_element(p, "scales", (1,), 3.0),
+    "rank table against the slot's rank": lambda p: write_element(p, "ranks", (0,), 4),
+    "a rank that lies in both": lambda p: (write_element(p, "ranks", (1,), 99),
+                                           _slot_metadata(p, 1, rank=99)),
+    "swapped offsets": _swap_offsets,
+}
+
+
+@pytest.mark.parametrize("name", sorted(INCONSISTENT))
+def test_verify_refuses_what_show_refuses(packed: Path, image: Path, name: str) -> None:
+    INCONSISTENT[name](image)
+    show = metrale("show", image)
+    assert show.code == 1 and show.stderr.count("\n") == 1, show.stderr
     result = metrale("verify", image, *_adapters(packed), "--json")
-    assert result.code == 1
-    diffs = result.json()["adapters"][0]["differences"]
-    assert [(d["layer"], d["module"], d["part"], d["note"]) for d in diffs] == [
-        (0, "out_proj", "A", f"offset {y}, expected {x}"),
-        (1, "out_proj", "A", f"offset {x}, expected {y}")]
-    assert all(d["bytes_differing"] > 0 and d["max_delta_difference"] > 0 for d in diffs)
+    assert (result.code, result.stderr) == (1, show.stderr)
+    assert result.json() == {"refused": "image_inconsistent",
+                             "error": show.stderr.removeprefix("error: ").rstrip("\n")}
+    assert metrale("verify", image, *_adapters(packed)).stderr == show.stderr
 
 
 # -- real PEFT adapters ---------------------------------------------------------------------------

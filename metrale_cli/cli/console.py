@@ -108,7 +108,7 @@ def handles_errors(fn: F) -> F:
         except MetraleError as exc:
             if debug:
                 raise
-            record = getattr(exc, "record", None)
+            record = refusal_record(exc)
             if kwargs.get("json_out") and record is not None:
                 emit_json(record)  # a judged refusal's record, as inspect --json prints it
             for line in exc.details:
@@ -151,6 +151,16 @@ def said_details(fn: Callable[[], T]) -> Callable[[], T]:
             raise
 
     return run
+
+
+def refusal_record(exc: MetraleError) -> dict[str, Any] | None:
+    """What a command under --json prints as it refuses: the error's own record where it
+    carries one (the audit's, show's), else for a judged refusal (exit 1) its kind and line;
+    None for a usage or format error (exit 2), whose line alone says what to change."""
+    if exc.record is not None or exc.exit_code != 1:
+        return exc.record
+    kind = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(exc).__name__)
+    return {"refused": kind.lstrip("_"), "error": str(exc)}
 
 
 def emit_json(record: Any, stream: bool = False) -> None:

@@ -7,27 +7,39 @@ from typing import Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, err, handles_errors
+from metrale_cli.cli.console import emit, err, handles_errors, say
 from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, online_on
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
                                           show_default=False)]
 
 
+def _note_no_digests(image: Path, state: str) -> None:
+    if state == "none":
+        from metrale_cli.image.digest import NO_DIGESTS
+
+        say(f"note: {image} {NO_DIGESTS}")
+
+
 @handles_errors
-def show(image: ImageArg, json_out: JsonOpt = False) -> None:
-    """What a pool image holds, checked without reading its pool bytes. Exit 1 if its metadata
-    and tables contradict each other, 2 if it is not a pool image."""
+def show(image: ImageArg,
+         check: Annotated[bool, typer.Option(
+             "--check", help="Also read the pool bytes and check them against the image's "
+             "digests.")] = False,
+         json_out: JsonOpt = False) -> None:
+    """What a pool image holds, checked without reading its pool bytes (with --check, with
+    them). Exit 1 if its metadata and tables contradict each other or its bytes their digests,
+    2 if it is not a pool image."""
     from metrale_cli.cli import render
     from metrale_cli.image.show import show_image
 
-    shown = show_image(image)
+    shown = show_image(image, contents=check)
     refusal = shown.refusal()
     if refusal is not None:
-        if json_out:  # the record says why, as inspect's and verify's do
-            emit_json(shown.record())
-        raise refusal
-    emit(shown.record(), json_out, render.show_view)
+        raise refusal  # under --json its record, which says why, is printed first
+    record = shown.record()
+    _note_no_digests(image, record["digests"])
+    emit(record, json_out, render.show_view)
 
 
 @handles_errors
@@ -55,6 +67,7 @@ def verify(
             result = verifier.run(lambda n: bar.advance(task, n))
     else:
         result = verifier.run()
+    _note_no_digests(image, result.digests)
     emit(result.record(), json_out, render.verify_view)
     if not result.ok:
         raise typer.Exit(1)
@@ -77,4 +90,5 @@ def unpack(
     result = unpack_slot(image, out_dir, slot, name, force)
     from metrale_cli.cli import render
 
+    _note_no_digests(image, result.digests)
     emit(result.record(), json_out, render.unpack_view)

@@ -433,6 +433,11 @@ def _ranks_view(record: dict[str, Any]) -> Group:
     return Group(Text(f"{mode}: {n} rank pools{where}"), table)
 
 
+_DIGEST_LINES = {"checked": "sha256 per tensor, every tensor checked",
+                 "tables": "sha256 per tensor, the tables checked (--check reads the pool)",
+                 "none": "none (written before pool/1 carried them)"}
+
+
 def show_view(record: dict[str, Any]) -> Group:
     """`metrale show`: the image's record (see image.show.ImageShow)."""
     lay, ex = record["layout"], record["experts"]
@@ -450,6 +455,7 @@ def show_view(record: dict[str, Any]) -> Group:
                      f"{ex['expert_slot_bytes']:,} B"))
         rows.append(("expert fingerprint", ex["fingerprint"]))
     rows.append(("active", f"slot {record['active']}"))
+    rows.append(("digests", _DIGEST_LINES[record["digests"]]))
     free = record["free_slots"]
     rows.append(("free slots", ", ".join(map(str, free)) if free else "none"))
     # Figures never wrap; a long name or overlay list folds onto more lines, so every header and
@@ -532,6 +538,8 @@ def verify_view(record: dict[str, Any]) -> Group:
                                   "(--json lists every one)", style="dim"))
     for u in record["unchecked"]:
         lines.append(Text(f"slot {u['slot']} {u['name']}: unchecked (not given)", style="dim"))
+    for line in record["digest_differences"]:
+        lines.append(Text(f"DIFFERS: {line}", style="bold red"))
     rate = record["gb_per_s"]
     lines.append(Text(f"compared {human_bytes(record['bytes_compared'])} of the image in "
                       f"{record['seconds']:.3f} s"

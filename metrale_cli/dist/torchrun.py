@@ -110,11 +110,12 @@ def pack_torchrun(plan: Plan, max_loras: int, spec: ShardSpec, device: str = "au
     commit. Any failure, or a rank silent for METRALE_DIST_TIMEOUT seconds, makes every rank
     raise `RankFailed` with the failing rank's message and undo what it published, so no
     image is left. Returns the whole record on rank 0, None elsewhere."""
-    import torch.distributed as dist
-
     launch = env.torchrun_rank()
     if launch is None:
         raise UsageError("pack_torchrun runs in a process torchrun started (RANK, WORLD_SIZE)")
+    env.rendezvous()  # before torch: a bad address is one line, not torch's socket warnings
+    import torch.distributed as dist
+
     rank, world = launch
     if world != spec.tp_size:
         raise UsageError(f"--tp {spec.tp_size} under torchrun needs {spec.tp_size} processes "

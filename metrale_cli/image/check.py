@@ -14,6 +14,7 @@ import numpy as np
 
 from metrale_cli.adapters.overlays import TABLES
 from metrale_cli.errors import ImageInconsistent
+from metrale_cli.image.digest import content_problems, table_problems
 from metrale_cli.image.format import DATA_ALIGN, ImageTables
 from metrale_cli.pool.slots import U64_MASK
 
@@ -211,8 +212,11 @@ def slot_record_problems(t: ImageTables) -> list[str]:
 
 
 def problems(t: ImageTables) -> list[str]:
-    """Every inconsistency of the image, most basic first (empty: consistent)."""
-    found = layout_problems(t)
+    """Every inconsistency of the image, most basic first (empty: consistent): the small
+    tables against their digests (bytes changed after pack explain whatever else is wrong)."""
+    found = table_problems(t.digests, {name: array.tobytes()
+                                       for name, array in t.table_arrays().items()})
+    found += layout_problems(t)
     records = slot_record_problems(t)
     if records:
         return found + records
@@ -221,11 +225,21 @@ def problems(t: ImageTables) -> list[str]:
     return found + overlay_problems(t)
 
 
-def check(t: ImageTables) -> None:
-    """ImageInconsistent naming the first problem (and how many more there are)."""
-    found = inconsistency(t.path, problems(t))
+def check(t: ImageTables, contents: bool = False) -> None:
+    """ImageInconsistent naming the first problem (and how many more there are); with
+    `contents`, the pool-sized tensors are read whole and checked against their digests too."""
+    found = inconsistency(t.path, problems(t) or (
+        content_problems(t.path, t.header, t.digests) if contents else []))
     if found is not None:
         raise found
+
+
+def digest_state(t: ImageTables, checked: bool) -> str:
+    """What a record says of the image's digests: `checked` (its contents matched them),
+    `tables` (only the small tables were checked), `none` (an image without digests)."""
+    if t.digests is None:
+        return "none"
+    return "checked" if checked else "tables"
 
 
 def inconsistency(path: Path | str, found: list[str]) -> ImageInconsistent | None:

@@ -10,7 +10,6 @@ image, or is truncated, is a `FormatError` (exit 2).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,12 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.errors import FormatError, ImageInconsistent, MetraleError
+from metrale_cli.files.jsondoc import load_json
 from metrale_cli.files.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from metrale_cli.image import digest
+from metrale_cli.image.digest import read_digests
 from metrale_cli.layout.expert_layout import ExpertLayout
-from metrale_cli.layout.sharding import RankExpertLayout, RankLayout, shard_of
+from metrale_cli.layout.sharding import RankExpertLayout, RankLayout, ShardSpec
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import MAX_LAYERS, ModelConfig
 from metrale_cli.model.modules import LoraModule
@@ -60,6 +62,16 @@ class ImageTables:
     overlay_doc: dict[str, Any] | None = None
     overlay_slots: np.ndarray | None = None  # [n] i32
     overlay_tokens: np.ndarray | None = None  # [n] i64
+    # Tensor name -> SHA-256 of its bytes (image/digest.py); None in an image without digests.
+    digests: dict[str, str] | None = None
+
+    def table_arrays(self) -> dict[str, np.ndarray]:
+        """Every small table by its tensor name, as read from the file."""
+        tables = {"scales": self.scales, "ranks": self.ranks, "a_offsets": self.a_offsets,
+                  "b_offsets": self.b_offsets, "expert_a_offsets": self.expert_a_offsets,
+                  "expert_b_offsets": self.expert_b_offsets,
+                  "overlay_slots": self.overlay_slots, "overlay_tokens": self.overlay_tokens}
+        return {name: array for name, array in tables.items() if array is not None}
 
     def tensor(self, name: str) -> TensorInfo:
         return self.header.tensors[name]
@@ -84,12 +96,9 @@ class ImageTables:
 
 
 def _json_meta(path: Path, meta: dict[str, str], key: str) -> Any:
-    try:
-        return json.loads(meta[key])
-    except KeyError:
-        raise FormatError(f"{path}: no {key} in the metadata: not a complete pool image") from None
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"{path}: {key} is not JSON ({exc})") from exc
+    if key not in meta:
+        raise FormatError(f"{path}: no {key} in the metadata: not a complete pool image")
+    return load_json(path, meta[key], f"{key} (JSON)")
 
 
 def _need(path: Path, header: SafetensorsHeader, name: str, dtype: str,
@@ -132,8 +141,11 @@ def read_tables(path: str | Path) -> ImageTables:
                           f"{meta.get('metrale.format')!r}, expected {FORMAT!r})")
     layout_doc = _json_meta(path, meta, "metrale.layout")
     slots_doc = _json_meta(path, meta, "metrale.slots")
+    model_doc = _json_meta(path, meta, "metrale.model")
+    # A tensor-parallel rank's image names its rank.
+    shard_doc = _json_meta(path, meta, "metrale.shard") if "metrale.shard" in meta else None
     try:
-        model = ModelConfig.from_summary(_json_meta(path, meta, "metrale.model"))
+        model = ModelConfig.from_summary(model_doc)
         if not 0 < model.num_hidden_layers <= MAX_LAYERS:
             # A config's own bound on layers. The layout is rebuilt layer by layer: a header
             # saying 10**8 would hang here.
@@ -141,7 +153,7 @@ def read_tables(path: str | Path) -> ImageTables:
                              f"[1, {MAX_LAYERS}]")
         layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                   int(layout_doc["max_rank"]), int(layout_doc["align"]))
-        shard = shard_of(meta)  # a tensor-parallel rank's image: its own layout
+        shard = ShardSpec.from_record(shard_doc) if shard_doc is not None else None
         if shard is not None:
             layout = RankLayout.of(layout, shard)
         # Built here, so that a model summary without a dim (or a shard its model cannot split)
@@ -197,6 +209,8 @@ def read_tables(path: str | Path) -> ImageTables:
     extra = sorted(set(header.tensors) - known)
     if extra:
         raise ImageInconsistent(f"{path}: tensor {extra[0]!r} is not part of {FORMAT}")
+    digests = (read_digests(path, header, _json_meta(path, meta, digest.KEY))
+               if digest.KEY in meta else None)
     fd = os.open(path, os.O_RDONLY)
     try:
         tables = {name: _read(fd, info) for name, info in infos.items()}
@@ -210,4 +224,5 @@ def read_tables(path: str | Path) -> ImageTables:
         expert_a_offsets=tables.get("expert_a_offsets"),
         expert_b_offsets=tables.get("expert_b_offsets"), overlay_doc=overlay_doc,
         overlay_slots=tables.get("overlay_slots"), overlay_tokens=tables.get("overlay_tokens"),
+        digests=digests,
     )

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from metrale_cli.errors import ImageInconsistent
-from metrale_cli.image.check import inconsistency, problems
+from metrale_cli.image.check import digest_state, inconsistency, problems
+from metrale_cli.image.digest import content_problems
 from metrale_cli.image.format import FORMAT, ImageTables, read_tables
 
 # Which part of the file each tensor is, for the bytes-by-part view.
@@ -24,14 +25,20 @@ class ImageShow:
 
     tables: ImageTables
     problems: list[str] = field(default_factory=list)
+    # Whether the pool-sized tensors were read and checked against their digests (`--check`).
+    contents_checked: bool = False
 
     @property
     def valid(self) -> bool:
         return not self.problems
 
     def refusal(self) -> ImageInconsistent | None:
-        """What the library raises for this image (`check`), or None when it is consistent."""
-        return inconsistency(self.tables.path, self.problems)
+        """What the library raises for this image (`check`), carrying this record (which
+        says why), or None when it is consistent."""
+        refusal = inconsistency(self.tables.path, self.problems)
+        if refusal is not None:
+            refusal.record = self.record()
+        return refusal
 
     def slot_record(self, k: int) -> dict[str, Any]:
         t, s = self.tables, self.tables.slots_doc[k]
@@ -72,14 +79,19 @@ class ImageShow:
                          "entries": len(t.expert_layout.entries)}
                         if t.expert_layout is not None else None),
             "active": t.active,
+            "digests": digest_state(t, self.contents_checked),
             "slots": slots,
             "free_slots": [s["slot"] for s in slots if not s["name"]],
             "bytes": self.bytes_by_part(),
         }
 
 
-def show_image(path: str | Path) -> ImageShow:
-    """Read and check the image at `path` (header and tables only): its record, which for an
-    inconsistent image lists the problems (`refusal()` is then what `check` raises)."""
+def show_image(path: str | Path, contents: bool = False) -> ImageShow:
+    """Read and check the image at `path` (header and tables only; with `contents` the pool
+    bytes too, against their digests): its record, which for an inconsistent image lists the
+    problems (`refusal()` is then what `check` raises)."""
     tables = read_tables(path)
-    return ImageShow(tables, problems(tables))
+    found = problems(tables)
+    if contents and not found:
+        found = content_problems(tables.path, tables.header, tables.digests)
+    return ImageShow(tables, found, contents)

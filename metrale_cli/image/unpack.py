@@ -21,9 +21,10 @@ import numpy as np
 
 from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME
 from metrale_cli.adapters.overlays import OVERLAY_PART
-from metrale_cli.errors import UsageError
+from metrale_cli.bf16 import non_finite
+from metrale_cli.errors import NonFiniteWeights, UsageError
 from metrale_cli.files.atomic import atomic_directory
-from metrale_cli.image.check import check
+from metrale_cli.image.check import check, digest_state
 from metrale_cli.image.format import ImageTables, read_tables
 from metrale_cli.layout.sharding import RankLayout
 
@@ -40,11 +41,12 @@ class UnpackResult:
     modules: int
     overlay_tables: list[str]
     bytes: int
+    digests: str  # check.digest_state: `checked`, or `none` for an image without digests
 
     def record(self) -> dict[str, Any]:
         return {"path": str(self.path), "slot": self.slot, "name": self.name, "r": self.rank,
                 "lora_alpha": self.lora_alpha, "modules": self.modules,
-                "overlays": self.overlay_tables, "bytes": self.bytes}
+                "overlays": self.overlay_tables, "bytes": self.bytes, "digests": self.digests}
 
 
 def pick_slot(t: ImageTables, slot: int | None, name: str | None) -> int:
@@ -90,6 +92,7 @@ def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, lis
             # A [max_rank, in] keeps its first `rank` rows; B [out, max_rank] its first columns.
             a = np.frombuffer(os.pread(fd, e.a_bytes, pool.begin + a_off), dtype="<u2")
             b = np.frombuffer(os.pread(fd, e.b_bytes, pool.begin + b_off), dtype="<u2")
+            _refuse_non_finite(t, slot, f"layer {e.layer} {e.module.peft_name}", a, b)
             a = a.reshape(max_rank, e.in_dim)[:rank]
             b = b.reshape(e.out_dim, max_rank)[:, :rank]
             key = ADAPTER_PREFIX + path
@@ -105,6 +108,10 @@ def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, lis
             table = str(run["table"])
             token_indices[table] = [int(x) for x in t.overlay_tokens[start:start + count]]
             data = os.pread(fd, count * hidden * 4, rows.begin + start * hidden * 4)
+            if not np.isfinite(np.frombuffer(data, dtype="<f4")).all():
+                raise NonFiniteWeights(f"{t.path}: slot {slot}: the {table} overlay rows hold "
+                                       "NaN or infinity; pack never writes them, refusing to "
+                                       "unpack it")
             where = f"{prefix}.embed_tokens" if table == "embed_tokens" else "lm_head"
             tensors[f"{ADAPTER_PREFIX}{where}.{OVERLAY_PART}"] = ("F32", [count, hidden], data)
         experts = _expert_tensors(t, slot, fd, prefix)
@@ -137,6 +144,19 @@ def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, lis
     if token_indices:
         config["trainable_token_indices"] = token_indices
     return tensors, config
+
+
+def _refuse_non_finite(t: ImageTables, slot: int, entry: str, a: np.ndarray,
+                       b: np.ndarray) -> None:
+    """NonFiniteWeights naming the slot, layer and module where A or B (BF16 bits) holds NaN
+    or infinity: pack refuses them, so such bytes are damage, not an adapter."""
+    for part, bits in (("A", a), ("B", b)):
+        bad = non_finite(bits)
+        if bad:
+            name = t.slots_doc[slot].get("name")
+            raise NonFiniteWeights(f"{t.path}: slot {slot} ({name}): {entry} {part} holds "
+                                   f"{bad:,} non-finite values (NaN or infinity); pack never "
+                                   "writes them, refusing to unpack it")
 
 
 def config_alpha(recorded: Any, rank: int, scale: float) -> tuple[float, bool]:
@@ -179,6 +199,7 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
             continue
         a = np.frombuffer(os.pread(fd, e.a_bytes, info.begin + a_off), dtype="<u2")
         b = np.frombuffer(os.pread(fd, e.b_bytes, info.begin + b_off), dtype="<u2")
+        _refuse_non_finite(t, slot, t.entry_name("expert_pool", i), a, b)
         factors[(e.layer, e.proj.value, e.expert)] = (a.reshape(e.max_rank, e.in_dim),
                                                       b.reshape(e.out_dim, e.max_rank))
     model, r = t.model, ex.max_rank
@@ -254,7 +275,7 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
     (atomic.atomic_directory): built in a temporary directory beside it, then renamed into place
     without replacing what a concurrent writer put there, or swapped in with `force`."""
     t = read_tables(image)
-    check(t)
+    check(t, contents=True)  # a flipped bit anywhere in the pool is refused
     if isinstance(t.layout, RankLayout):
         # Its modules hold slices: under the full model's names they would be a wrong-shaped
         # adapter (a fully sharded A does not even have max_rank rows).
@@ -283,4 +304,5 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
     size = sum(p.stat().st_size for p in out.iterdir())
     return UnpackResult(out, k, str(t.slots_doc[k].get("name")), int(t.ranks[k]),
                         float(config["lora_alpha"]), len(config["target_modules"]),
-                        list(config.get("trainable_token_indices", {})), size)
+                        list(config.get("trainable_token_indices", {})), size,
+                        digest_state(t, checked=True))

@@ -2,9 +2,10 @@
 
 For each adapter the expected slot is produced by the packer itself (`LoraPool.load` into a
 one-slot host pool: the same BF16 rounding, scale folding and padding, the expert pool and the
-overlays included), then compared with the image: the slot's rank and scale, every entry's
-offsets, and the bytes at the offsets the image's tables give (what a server would read),
-streamed entry by entry with positional reads.
+overlays included), then compared with the image: the slot's rank and scale, the entries it
+adapts, and their bytes (what a server would read), streamed entry by entry with positional
+reads. The image is checked first as `show` and `PoolImage.open` check it (image/check.py): one
+they refuse verifies against nothing, and its offsets are then the layout's own or -1.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import numpy as np
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
 from metrale_cli.bf16 import bf16_to_f32
-from metrale_cli.errors import FormatError, ImageInconsistent, NotServable, UsageError
-from metrale_cli.image.check import layout_problems, overlay_problems, slot_record_problems
+from metrale_cli.errors import FormatError, NotServable, UsageError
+from metrale_cli.image.check import check, digest_state
+from metrale_cli.image.digest import content_problems
 from metrale_cli.image.format import ImageTables, read_tables
 from metrale_cli.layout.slot_layout import PaddedPair
 from metrale_cli.pool.pool import LoraPool
@@ -75,10 +77,14 @@ class VerifyResult:
     verdicts: list[AdapterVerdict]
     unchecked: list[dict[str, Any]]
     seconds: float
+    digests: str = "none"  # check.digest_state
+    # Tensors whose bytes do not match their digests (image/digest.py): changed after pack,
+    # in a slot given or not.
+    digest_differences: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(v.ok for v in self.verdicts)
+        return all(v.ok for v in self.verdicts) and not self.digest_differences
 
     @property
     def bytes_compared(self) -> int:
@@ -87,6 +93,7 @@ class VerifyResult:
     def record(self) -> dict[str, Any]:
         return {"path": str(self.path), "ok": self.ok,
                 "adapters": [v.record() for v in self.verdicts], "unchecked": self.unchecked,
+                "digests": self.digests, "digest_differences": self.digest_differences,
                 "bytes_compared": self.bytes_compared, "seconds": self.seconds,
                 "gb_per_s": self.bytes_compared / self.seconds / 1e9 if self.seconds else None}
 
@@ -101,11 +108,9 @@ class Verifier:
     @classmethod
     def open(cls, image: str | Path, adapters: list[Adapter]) -> Verifier:
         tables = read_tables(image)
-        # What the comparison reads must be well formed; the rest it compares and reports.
-        found = (layout_problems(tables) + slot_record_problems(tables)
-                 or overlay_problems(tables))
-        if found:
-            raise ImageInconsistent(f"{tables.path}: {found[0]}")
+        # Every check show and PoolImage.open make: an image they refuse is not one pack
+        # wrote, whatever its bytes. Every offset is then its entry's own or -1.
+        check(tables)
         slots = {s.get("name"): k for k, s in enumerate(tables.slots_doc) if s.get("name")}
         matched = []
         for a in adapters:
@@ -135,8 +140,10 @@ class Verifier:
         given = {slot for slot, _ in self.adapters}
         unchecked = [{"slot": k, "name": s["name"]} for k, s in enumerate(self.tables.slots_doc)
                      if s.get("name") and k not in given]
-        return VerifyResult(self.tables.path, verdicts, unchecked,
-                            time.perf_counter() - started)
+        t = self.tables
+        differences = content_problems(t.path, t.header, t.digests)
+        return VerifyResult(t.path, verdicts, unchecked, time.perf_counter() - started,
+                            digest_state(t, checked=True), differences)
 
     def _verify(self, fd: int, slot: int, adapter: Adapter,
                 progress: Callable[[int], None] | None) -> AdapterVerdict:
@@ -158,51 +165,45 @@ class Verifier:
         if np.float32(scale) != np.float32(want_scale):
             verdict.slot_diffs.append(f"scale {scale:.9g} in the image; the adapter's is "
                                       f"{want_scale:.9g}")
-        regions = [("pool", t.layout.entries, t.layout.slot_bytes, t.a_offsets, t.b_offsets,
-                    want.adapted, want.data)]
+        regions = [("pool", t.layout.entries, t.layout.slot_bytes, t.a_offsets, want.adapted,
+                    want.data)]
         if t.expert_layout is not None:
-            assert t.expert_a_offsets is not None and t.expert_b_offsets is not None
+            assert t.expert_a_offsets is not None
             regions.append(("expert_pool", t.expert_layout.entries,
                             t.expert_layout.slot_bytes, t.expert_a_offsets,
-                            t.expert_b_offsets, want.expert_adapted, want.expert_data))
-        for name, entries, size, a_offs, b_offs, adapted, want_bytes in regions:
-            info = t.tensor(name)
+                            want.expert_adapted, want.expert_data))
+        for name, entries, size, a_offs, adapted, want_bytes in regions:
+            begin = t.tensor(name).begin
             for i, e in enumerate(entries):
-                got = (int(a_offs[i, slot]), int(b_offs[i, slot]))
-                # Within the slot, where the layout puts the entry; -1 where pack leaves it out.
-                exp = (e.a_offset, e.b_offset) if adapted[i] else (-1, -1)
-                self._entry(fd, verdict, name, i, e, slot * size, info.begin, info.nbytes, got,
-                            exp, want_bytes, scale, want_scale, progress)
+                # check() has held every offset to the layout's own or -1 (both A and B).
+                self._entry(fd, verdict, name, i, e, begin + slot * size,
+                            int(a_offs[i, slot]) >= 0, bool(adapted[i]), want_bytes, scale,
+                            want_scale, progress)
         verdict.slot_diffs += self._overlays(fd, slot, want.overlay)
         return verdict
 
     def _entry(self, fd: int, verdict: AdapterVerdict, pool: str, i: int, e: PaddedPair,
-               base: int, pool_begin: int, pool_bytes: int, got: tuple[int, int],
-               exp: tuple[int, int], want_bytes: np.ndarray, scale: float, want_scale: float,
-               progress: Callable[[int], None] | None) -> None:
+               slot_begin: int, in_image: bool, in_pack: bool, want_bytes: np.ndarray,
+               scale: float, want_scale: float, progress: Callable[[int], None] | None) -> None:
+        """Entry `i` of the slot at file offset `slot_begin` against the packed slot's bytes
+        `want_bytes`: where both adapt it, its A and B byte by byte."""
         t = self.tables
         layer, module = t.entry_label(pool, i)
-        if exp[0] < 0 and got[0] < 0:
+        if not (in_image or in_pack):
             return
         if pool == "pool":
             verdict.entries += 1
         else:
             verdict.expert_entries += 1
-        if exp[0] < 0 or got[0] < 0:
-            note = "only in the image" if exp[0] < 0 else "not in the image"
+        if not (in_image and in_pack):
+            note = "only in the image" if in_image else "not in the image"
             verdict.diffs.append(RegionDiff(layer, module, "A+B", e.a_bytes + e.b_bytes, None,
                                             note))
             return
         regions: list[np.ndarray] = []
-        differing: list[tuple[str, int, str]] = []
-        for part, off, want_off, nbytes in (("A", got[0], base + exp[0], e.a_bytes),
-                                            ("B", got[1], base + exp[1], e.b_bytes)):
-            expected = want_bytes[want_off - base:want_off - base + nbytes]
-            if not 0 <= off <= pool_bytes - nbytes:
-                verdict.diffs.append(RegionDiff(layer, module, part, nbytes, None,
-                                                f"offset {off} is outside the pool"))
-                return
-            data = os.pread(fd, nbytes, pool_begin + off)
+        differing: list[tuple[str, int]] = []
+        for part, off, nbytes in (("A", e.a_offset, e.a_bytes), ("B", e.b_offset, e.b_bytes)):
+            data = os.pread(fd, nbytes, slot_begin + off)
             if len(data) != nbytes:
                 raise FormatError(f"{t.path}: file ended inside {pool}")
             image = np.frombuffer(data, dtype=np.uint8)
@@ -210,19 +211,18 @@ class Verifier:
             verdict.bytes_compared += nbytes
             if progress is not None:
                 progress(nbytes)
-            note = f"offset {off}, expected {want_off}" if off != want_off else ""
+            expected = want_bytes[off:off + nbytes]
             # memcmp-speed equality first; counting the differing bytes only where they differ.
-            n = 0 if np.array_equal(image, expected) else int((image != expected).sum())
-            if n or note:
-                differing.append((part, n, note))
+            if not np.array_equal(image, expected):
+                differing.append((part, int((image != expected).sum())))
         if not differing:
             return
-        a_want = want_bytes[exp[0]:exp[0] + e.a_bytes]
-        b_want = want_bytes[exp[1]:exp[1] + e.b_bytes]
+        a_want = want_bytes[e.a_offset:e.a_offset + e.a_bytes]
+        b_want = want_bytes[e.b_offset:e.b_offset + e.b_bytes]
         diff = _max_delta_difference(e, (regions[0], regions[1], scale),
                                      (a_want, b_want, want_scale))
-        for part, n, note in differing:
-            verdict.diffs.append(RegionDiff(layer, module, part, n, diff, note))
+        for part, n in differing:
+            verdict.diffs.append(RegionDiff(layer, module, part, n, diff))
 
     def _overlays(self, fd: int, slot: int, want: Any) -> list[str]:
         """The slot's overlay runs against the rows the adapter's overlays pack to."""

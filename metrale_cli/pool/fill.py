@@ -21,7 +21,7 @@ import numpy as np
 from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.adapters.experts import ExpertPair
 from metrale_cli.adapters.overlays import Overlay, OverlayRaw
-from metrale_cli.bf16 import bf16_to_f32, to_bf16
+from metrale_cli.bf16 import bf16_to_f32, non_finite, to_bf16
 from metrale_cli.errors import LayoutMismatch, NonFiniteWeights, UsageError
 from metrale_cli.files.safetensors_header import TensorInfo
 from metrale_cli.layout.expert_layout import ExpertEntry, ExpertLayout
@@ -34,13 +34,6 @@ from metrale_cli.pool.region import Region, SlotWriter, Staging
 CHUNK_BYTES = 1 << 20
 # Rows of a fused expert B read at a time: bounds the packer's memory beside the pool.
 B_CHUNK_BYTES = 32 << 20
-# A BF16 value is NaN or infinity when its exponent bits are all ones. As uint16 the negative
-# ones are exactly the values from 0xFF80 up, as int16 the positive ones those from 0x7F80 up:
-# two maxima, no temporary array.
-_BF16_EXPONENT = np.uint16(0x7F80)
-_NEGATIVE_NON_FINITE = np.uint16(0xFF80)
-_POSITIVE_NON_FINITE = np.int16(0x7F80)
-
 Progress = Callable[[int], None]
 
 
@@ -108,16 +101,6 @@ def check_fits(report: AdapterReport, layout: SlotLayout,
 # -- writing a block ----------------------------------------------------------------------------
 
 
-def _non_finite(bits: np.ndarray) -> int:
-    """How many of the BF16 `bits` (contiguous) are NaN or infinity; counted only when the two
-    maxima say some are."""
-    flat = bits.reshape(-1)
-    if flat.size == 0 or (flat.max() < _NEGATIVE_NON_FINITE
-                          and flat.view(np.int16).max() < _POSITIVE_NON_FINITE):
-        return 0
-    return int(np.count_nonzero((flat & _BF16_EXPONENT) == _BF16_EXPONENT))
-
-
 def _refuse(bad: int, adapter: str, tensor: str) -> None:
     """NaN or infinity in a slot (in the file, or a value too large for BF16 once scaled):
     every token routed to it would produce garbage."""
@@ -148,7 +131,7 @@ def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple
         chunk = dest[lo:lo + step]
         _convert(chunk, values[lo:lo + step], info.dtype, ratio)
         if check_finite:
-            bad += _non_finite(chunk)
+            bad += non_finite(chunk)
     _refuse(bad, adapter, info.name)
     return values.nbytes
 
@@ -269,7 +252,7 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
                            p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
                 _convert(b, cols, info.dtype, p.scaling / report.scaling)
                 if check_finite:
-                    bad += _non_finite(b)
+                    bad += non_finite(b)
     _refuse(bad, report.name, info.name)
     return read
 
@@ -296,7 +279,7 @@ def fill_slot(report: AdapterReport, slot: int, layout: SlotLayout, region: Regi
     try:
         reader = TensorReader(fd, str(report.adapter.weights_path))
     finally:
-        os.close(fd)  # the map holds the file
+        os.close(fd)  # the reader holds its own duplicate
     try:
         writer = region.writer(slot, staging)
         read = fill_modules(reader, report, layout, writer, check_finite, progress)

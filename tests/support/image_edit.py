@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -24,13 +25,32 @@ def read_element(path: Path, tensor: str, index: tuple[int, ...]) -> Any:
         return np.frombuffer(f.read(dtype.itemsize), dtype=dtype)[0].item()
 
 
-def write_element(path: Path, tensor: str, index: tuple[int, ...], value: Any) -> None:
+def write_element(path: Path, tensor: str, index: tuple[int, ...], value: Any,
+                  reseal: bool = True) -> None:
+    """Write one element; with `reseal` (a crafted image, not a damaged one) the tensor's
+    digest is recomputed, so that the checks behind the digests are what meets the edit."""
     info = read_header(path).tensors[tensor]
     dtype = np.dtype(_NP[info.dtype])
     flat = int(np.ravel_multi_index(index, info.shape))
     with path.open("r+b") as f:
         f.seek(info.begin + flat * dtype.itemsize)
         f.write(np.array([value], dtype=dtype).tobytes())
+    if reseal:
+        reseal_digest(path, tensor)
+
+
+def reseal_digest(path: Path, tensor: str) -> None:
+    """Give `tensor` the digest of its bytes as they are now (in an image that has digests)."""
+    meta = read_header(path).metadata
+    if "metrale.digests" not in meta:
+        return
+    info = read_header(path).tensors[tensor]
+    with path.open("rb") as f:
+        f.seek(info.begin)
+        data = f.read(info.nbytes)
+    doc = json.loads(meta["metrale.digests"])
+    doc["tensors"][tensor] = hashlib.sha256(data).hexdigest()
+    edit_metadata(path, "metrale.digests", json.dumps(doc, separators=(",", ":")))
 
 
 def edit_metadata(path: Path, key: str, value: str) -> None:
@@ -43,3 +63,29 @@ def edit_metadata(path: Path, key: str, value: str) -> None:
         assert len(blob) <= n, "the edited header is longer than the original"
         f.seek(8)
         f.write(blob + b" " * (n - len(blob)))
+
+
+def header_text(path: Path) -> bytes:
+    """The header's JSON bytes as written (padding stripped)."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).rstrip(b" ")
+
+
+def replace_header(path: Path, text: bytes) -> None:
+    """Write `text` as the header, of any length, with the data buffer unchanged after it (its
+    offsets are relative to the buffer) and the buffer still starting 256-byte aligned."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n)
+        data = f.read()
+    text += b" " * (-(8 + len(text)) % 256)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def strip_digests(path: Path) -> None:
+    """Make `path` an image as pack wrote it before pool/1 carried `metrale.digests`: the
+    header without the key, re-padded (byte for byte the old writer's output)."""
+    doc = json.loads(header_text(path))
+    del doc["__metadata__"]["metrale.digests"]
+    replace_header(path, json.dumps(doc, separators=(",", ":")).encode())

@@ -1,0 +1,76 @@
+"""Every public function of `metrale_cli.__all__` refuses an argument of the wrong type with a
+UsageError naming the argument and what it takes (issue 25 item 29: 15 calls raised a bare
+TypeError or AttributeError, `resolve_model(None)` "'NoneType' object has no attribute
+'strip'")."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import metrale_cli
+from metrale_cli.arguments import checked
+from metrale_cli.errors import UsageError
+
+FUNCTIONS = sorted(n for n in metrale_cli.__all__
+                   if inspect.isfunction(getattr(metrale_cli, n)))
+
+
+class Wrong:
+    """A value of no type any annotation asks for."""
+
+
+def test_the_api_has_functions() -> None:
+    assert {"resolve_model", "load_adapters", "plan_pool", "pack_pool", "unpack",
+            "read_trace", "simulate"} <= set(FUNCTIONS)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_every_argument_of_the_wrong_type_is_named(name: str) -> None:
+    fn = getattr(metrale_cli, name)
+    parameters = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    assert parameters, name
+    for parameter in parameters:
+        with pytest.raises(UsageError) as caught:
+            fn(**{parameter.name: Wrong()})
+        message = str(caught.value)
+        assert message.startswith(f"{name}: {parameter.name} must be "), message
+        assert ", got Wrong <" in message, message
+
+
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda: metrale_cli.resolve_model(None), "resolve_model: spec must be str, got None"),
+    (lambda: metrale_cli.load_adapters("chat"),
+     "load_adapters: args must be Sequence of str, got str 'chat'"),
+    (lambda: metrale_cli.kernel_max_rank(True), "kernel_max_rank: rank must be int, got bool"),
+    (lambda: metrale_cli.unpack("pool.safetensors", "out", slot="0"),
+     "unpack: slot must be int or None, got str '0'"),
+    (lambda: metrale_cli.show_image(3), "show_image: path must be str or Path, got int 3"),
+])
+def test_the_reported_cases(call: Any, says: str) -> None:
+    with pytest.raises(UsageError, match="^" + says.replace("(", r"\(")):
+        call()
+
+
+def test_right_types_pass_through() -> None:
+    assert metrale_cli.kernel_max_rank(16) >= 16
+    assert metrale_cli.resolve_model("qwen3-8b").model_type == "qwen3"
+
+
+def test_containers_are_checked_with_their_elements() -> None:
+    def f(names: list[str], pair: tuple[int, str], table: dict[str, int],
+          path: Path | None = None, flag: bool = False) -> None:
+        return None
+
+    g = checked(f)
+    g(["a"], (1, "x"), {"a": 1}, Path("p"), True)
+    for kwargs, bad in (({"names": ["a", 2]}, "names"), ({"pair": (1, 2)}, "pair"),
+                        ({"table": {"a": "1"}}, "table"), ({"path": "p"}, "path"),
+                        ({"flag": 1}, "flag")):
+        args = {"names": ["a"], "pair": (1, "x"), "table": {"a": 1}} | kwargs
+        with pytest.raises(UsageError, match=f"^f: {bad} must be"):
+            g(**args)
