@@ -7,12 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+# At run time, not only for type checking: the library's argument check reads them.
+from metrale_cli.engines.engine import Engine
 from metrale_cli.errors import NotServable
+from metrale_cli.layout.pipeline import AuditedAdapters
 
 if TYPE_CHECKING:
-    from metrale_cli.engines.engine import Engine
     from metrale_cli.engines.verdict import EngineVerdict
-    from metrale_cli.layout.pipeline import AuditedAdapters
 
 
 @dataclass(frozen=True)
