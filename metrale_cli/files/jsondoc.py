@@ -1,5 +1,6 @@
-"""JSON from untrusted files (adapter configs, model configs, safetensors headers): every way
-the text can fail to be a document becomes one FormatError naming the file."""
+"""JSON from untrusted files (adapter configs, model configs, safetensors headers and the pool
+image's metadata): every way the text can fail to be a document becomes one FormatError naming
+the file, a key given twice in one object among them."""
 
 from __future__ import annotations
 
@@ -10,16 +11,37 @@ from typing import Any
 from metrale_cli.errors import FormatError
 
 
+class _DuplicateKey(Exception):
+    """A key an object gives twice; not a ValueError, so that the parser lets it through."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict, refusing a key given twice: Python's parser keeps the
+    last, other readers (and the tool that wrote the file) may keep the first, so the two would
+    read different documents from the same bytes."""
+    doc: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in doc:
+            raise _DuplicateKey(key)
+        doc[key] = value
+    return doc
+
+
 def load_json(path: Path | str, text: bytes | str, what: str = "JSON file") -> Any:
-    """The document in `text`, read from `path`: FormatError for bad UTF-8, bad JSON, or JSON
-    nested deeper than the parser recurses (`[[[[...` 100,000 deep)."""
+    """The document in `text`, read from `path`: FormatError for bad UTF-8, bad JSON, a key
+    given twice in one object, or JSON nested deeper than the parser recurses (`[[[[...`
+    100,000 deep)."""
     try:
-        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text,
+                          object_pairs_hook=_unique)
     except (UnicodeDecodeError, ValueError) as exc:
         # ValueError besides JSONDecodeError: an integer of more than 4,300 digits.
         raise FormatError(f"{path}: not a readable {what} ({exc})") from exc
     except RecursionError:
         raise FormatError(f"{path}: not a readable {what} (nested too deeply)") from None
+    except _DuplicateKey as exc:
+        raise FormatError(f"{path}: not a readable {what} (key {shown(exc.args[0])} is given "
+                          "twice in one object)") from None
 
 
 def shown(value: Any, limit: int = 60) -> str:

@@ -10,7 +10,6 @@ image, or is truncated, is a `FormatError` (exit 2).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.errors import FormatError, ImageInconsistent, MetraleError
+from metrale_cli.files.jsondoc import load_json
 from metrale_cli.files.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 from metrale_cli.layout.expert_layout import ExpertLayout
-from metrale_cli.layout.sharding import RankExpertLayout, RankLayout, shard_of
+from metrale_cli.layout.sharding import RankExpertLayout, RankLayout, ShardSpec
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import MAX_LAYERS, ModelConfig
 from metrale_cli.model.modules import LoraModule
@@ -84,12 +84,9 @@ class ImageTables:
 
 
 def _json_meta(path: Path, meta: dict[str, str], key: str) -> Any:
-    try:
-        return json.loads(meta[key])
-    except KeyError:
-        raise FormatError(f"{path}: no {key} in the metadata: not a complete pool image") from None
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"{path}: {key} is not JSON ({exc})") from exc
+    if key not in meta:
+        raise FormatError(f"{path}: no {key} in the metadata: not a complete pool image")
+    return load_json(path, meta[key], f"{key} (JSON)")
 
 
 def _need(path: Path, header: SafetensorsHeader, name: str, dtype: str,
@@ -132,8 +129,11 @@ def read_tables(path: str | Path) -> ImageTables:
                           f"{meta.get('metrale.format')!r}, expected {FORMAT!r})")
     layout_doc = _json_meta(path, meta, "metrale.layout")
     slots_doc = _json_meta(path, meta, "metrale.slots")
+    model_doc = _json_meta(path, meta, "metrale.model")
+    # A tensor-parallel rank's image names its rank.
+    shard_doc = _json_meta(path, meta, "metrale.shard") if "metrale.shard" in meta else None
     try:
-        model = ModelConfig.from_summary(_json_meta(path, meta, "metrale.model"))
+        model = ModelConfig.from_summary(model_doc)
         if not 0 < model.num_hidden_layers <= MAX_LAYERS:
             # A config's own bound on layers. The layout is rebuilt layer by layer: a header
             # saying 10**8 would hang here.
@@ -141,7 +141,7 @@ def read_tables(path: str | Path) -> ImageTables:
                              f"[1, {MAX_LAYERS}]")
         layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                   int(layout_doc["max_rank"]), int(layout_doc["align"]))
-        shard = shard_of(meta)  # a tensor-parallel rank's image: its own layout
+        shard = ShardSpec.from_record(shard_doc) if shard_doc is not None else None
         if shard is not None:
             layout = RankLayout.of(layout, shard)
         # Built here, so that a model summary without a dim (or a shard its model cannot split)

@@ -21,7 +21,6 @@ its record and its fingerprint are untouched by any of this.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -394,13 +393,6 @@ class RankExpertLayout(ExpertLayout):
 
     def record(self, max_loras: int | None = None, entries: bool = True) -> dict[str, Any]:
         return {**super().record(max_loras, entries), "shard": self.shard.record()}
-
-
-def shard_of(metadata: dict[str, str]) -> ShardSpec | None:
-    """The rank a pool image's metadata names (`metrale.shard`), None for an unsharded image;
-    ValueError (or KeyError) when the record is malformed."""
-    doc = metadata.get("metrale.shard")
-    return ShardSpec.from_record(json.loads(doc)) if doc is not None else None
 
 
 def rank_layouts(layout: SlotLayout, expert_layout: ExpertLayout | None,

@@ -43,3 +43,21 @@ def edit_metadata(path: Path, key: str, value: str) -> None:
         assert len(blob) <= n, "the edited header is longer than the original"
         f.seek(8)
         f.write(blob + b" " * (n - len(blob)))
+
+
+def header_text(path: Path) -> bytes:
+    """The header's JSON bytes as written (padding stripped)."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).rstrip(b" ")
+
+
+def replace_header(path: Path, text: bytes) -> None:
+    """Write `text` as the header, of any length, with the data buffer unchanged after it (its
+    offsets are relative to the buffer) and the buffer still starting 256-byte aligned."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n)
+        data = f.read()
+    text += b" " * (-(8 + len(text)) % 256)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
