@@ -25,6 +25,7 @@ from metrale_cli.ops.plans import (
     KernelLaunch,
     WorkList,
     check_slice_cols,
+    check_splits,
     chunk_count,
     launch_grid,
     plan_bgmv_expand,
@@ -145,7 +146,9 @@ def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
     num_tokens, in_dim = (int(d) for d in x.shape)
     if t is not None:
         t_cols = int(t.shape[-1])
-    if splits is None:
+    if splits is not None:
+        splits = check_splits(splits)
+    else:
         rows, columns = ((num_tokens, slices * t_cols) if kind == "sgmv"
                          else (slices * num_tokens, t_cols))
         splits = shrink_splits(kind, rows, in_dim, columns, backend.num_sms(num_sms), chunks)
