@@ -255,3 +255,22 @@ def test_a_capture_allocates_nothing_and_its_workspace_never_grows() -> None:
     _shrink(BGMV, 8, backend)
     with backend.on_stream("other"):
         _shrink(BGMV, 8, backend)  # another stream's workspace was never captured
+
+
+def test_a_rank_16_split_stores_only_the_columns_that_hold_rank_rows() -> None:
+    """Issue 28 section 3: an SGMV split shrink whose rank rows lie in a tile's first 16
+    columns stores 2 of its partial tile's 8 column groups (the others are zeros in every
+    split): the workspace's partials (NaN when allocated, on the host backend) keep NaN in the
+    other 6, and t equals the reference."""
+    backend = host_harness.HostBackend()
+    splits = 4
+    t = _shrink(SGMV16, splits, backend)
+    check_t(t, _expected(SGMV16))
+    # 3 chunks: slot 1 (rank 16), slot 0 (rank 12), slot -1 (skipped: stored as zeros by split
+    # 0 alone, nothing in the workspace).
+    grid = plans.launch_grid("sgmv_shrink", 3, SGMV16.in_dim, 16, splits)
+    floats, _ = plans.split_workspace("sgmv_shrink", grid, splits)
+    # (split, tile, column group, fragment value, thread), as kernels/sgmv.cu lays them out.
+    partials = backend.workspace(None, 0, 0)[0][:floats].reshape(splits, 3, 8, 4, 128)
+    assert not np.isnan(partials[:, :2, :2]).any()
+    assert np.isnan(partials[:, :2, 2:]).all() and np.isnan(partials[:, 2]).all()

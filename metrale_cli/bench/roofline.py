@@ -231,8 +231,9 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens
         # partials written and read back, and the last CTA's ticket and reads as chains.
         tiles = grid[0] * grid[1]
         active = int((lengths > 0).sum())  # the splits that run (as in _bgmv_work)
+        partials = costs.split_partial_bytes("sgmv", tiles, active, slices * rank)
         l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
-                 + 4 * tokens * slices * rank + costs.split_partial_bytes("sgmv", tiles, active))
+                 + 4 * tokens * slices * rank + partials)
         reduction = costs.split_reduction_round_trips("sgmv", active, slices * rank)
         return (l2, passes, 2 * ctas + tiles * reduction, int(split_passes.max()),
                 2 + reduction)

@@ -71,12 +71,16 @@ def split_reduction_round_trips(kind: str, splits: int, columns: int = SGMV_TILE
     return TICKET_ROUND_TRIPS + splits // per_trip + splits % per_trip
 
 
-def split_partial_bytes(kind: str, tiles: int, splits: int) -> int:
+def split_partial_bytes(kind: str, tiles: int, splits: int, columns: int | None = None) -> int:
     """Bytes split-K's partials move at L2 over `tiles` output tiles: each split's F32 tile
-    written once and read once by the last CTA."""
+    written once and read once by the last CTA. SGMV with `columns` (its rank columns, the
+    slices' side by side) within the first 16 of a tile (rank 16): only those 2 of the tile's 8
+    column groups are stored and read (kernels/sgmv.cu)."""
     if splits == 1:
         return 0
     floats = PARTIAL_FLOATS[f"{kind}_shrink"]
+    if kind == "sgmv" and columns is not None and columns <= 2 * VECTOR:
+        floats //= 4
     return 2 * 4 * floats * tiles * splits
 
 
@@ -104,7 +108,7 @@ def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits:
     # The splits that run: k_chunk may leave the last ones without K (they take no ticket).
     active = -(-in_dim // chunk)
     return (stream + split_reduction_round_trips(kind, active, t_cols) * _L2_LATENCY_US
-            + split_partial_bytes(kind, max(base, 1), active) / _L2_BYTES_PER_US)
+            + split_partial_bytes(kind, max(base, 1), active, t_cols) / _L2_BYTES_PER_US)
 
 
 def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int,
