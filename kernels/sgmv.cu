@@ -243,14 +243,17 @@ sgmv_shrink(const bf16_t* __restrict__ x, long long x_stride, const int* __restr
     // Each split's 64 x 64 partial tile, laid out by (fragment value, thread) so that a warp's
     // stores and the last CTA's loads are 128 contiguous bytes; the last CTA sums the splits in
     // order (lora_common.cuh, split_last) into its registers and stores t as one split does.
+    // Where the tile's rank rows lie in its first 16 columns (live < 4: rank 16, the decode
+    // case) only those 2 of its 8 column groups are stored, the ones the last CTA reads back.
     const long long tile = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
     const long long tiles = static_cast<long long>(gridDim.y) * gridDim.x;
     constexpr int kValues = SG_N / 8 * 4;
+    const int stored = live < 4u ? 2 : SG_N / 8;
 #pragma unroll
     for (int nt = 0; nt < SG_N / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        __stcg(&partials[((split * tiles + tile) * kValues + nt * 4 + e) * METRALE_THREADS + tid],
+        if (nt < stored) __stcg(&partials[((split * tiles + tile) * kValues + nt * 4 + e) * METRALE_THREADS + tid],
                acc[nt][e]);
     // The ticket's shared word: the first stage's, whose copies have all landed and whose
     // mma reads ended at the loop's last barrier.

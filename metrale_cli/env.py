@@ -25,7 +25,8 @@ def flag(name: str) -> bool:
 
 
 def debug() -> bool:
-    """METRALE_DEBUG=1: show the traceback behind a one-line error."""
+    """METRALE_DEBUG=1: show the traceback behind a one-line error, and check split-K's
+    ticket counters after every split launch (ops/kernels.py, check_tickets)."""
     return flag("METRALE_DEBUG")
 
 

@@ -19,14 +19,19 @@
 #   memcheck     compute-sanitizer memcheck over the kernel tests with CuPy's memory pool off
 #                (cupy.cuda.set_allocator(None)), so a read past a buffer inside a pooled
 #                allocation is caught
-#   model        the roofline model for the bench's shapes (CPU only)
-# Every result lands in OUT_DIR as JSON: NAME.json per step (rc, seconds, timed_out, and the
-# step's own results: pytest's per-test outcomes, the bench records, the SASS report),
-# NAME.log with its output, and summary.json. Exit status: 0 when every step passed.
+#   model        the roofline model for the bench's shapes (CPU only; its budget holds on a
+#                loaded 2-core machine, where its 2 s once took 33)
+# A lent device returns at most 8 files from its output folder (16 MiB each, 64 MiB in all, two
+# folders deep), so the steps write into a work folder and OUT_DIR gets two files, rewritten
+# after every step (a run cut short returns what it finished; scripts/gpu_check_returns.py):
+# gpu-check.tar.gz, every step's NAME.json (rc, seconds, timed_out, and the step's own
+# results: pytest's per-test outcomes, the bench records, the SASS report), NAME.log with its
+# output and its raw files; and summary.json, each step's status, seconds and key figures.
+# Exit status: 0 when every step passed.
 #
-# --dry-run lists the steps with their budgets (--json: {"steps": [{"name", "budget_s"}],
-# "total_budget_s"}) and runs the CPU parts (the model) into OUT_DIR; tests/test_gpu_check.py
-# runs it in the suite.
+# --dry-run lists the steps with their budgets and what the run returns (--json: {"steps":
+# [{"name", "budget_s"}], "total_budget_s", "returns": {"files", "archive"}}) and runs the CPU
+# part (the model) into OUT_DIR's two files; tests/test_gpu_check.py runs it in the suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,7 +60,7 @@ if [ $json -eq 1 ] && [ $dry -eq 0 ]; then
 fi
 PYTHON=${PYTHON:-python3}
 
-# name budget_s (full) budget_s (--quick), in order of value; 420 s and 180 s in all.
+# name budget_s (full) budget_s (--quick), in order of value; 465 s and 225 s in all.
 STEPS=(
     "device 10 10"
     "correctness 110 50"
@@ -63,8 +68,15 @@ STEPS=(
     "bench 115 45"
     "sass 40 20"
     "memcheck 80 20"
-    "model 15 15"
+    "model 60 60"
 )
+# The files each step leaves in the archive beside NAME.log and NAME.json.
+declare -A RAW=(
+    [device]="device-report.json nvidia-smi.txt" [correctness]="correctness.xml"
+    [pack]="pack.xml" [bench]="bench.jsonl" [sass]="sass-report.json"
+    [memcheck]="memcheck.xml" [model]="model.jsonl"
+)
+ARCHIVE=gpu-check.tar.gz
 budget_of() {  # budget_of NAME
     local entry name full short
     for entry in "${STEPS[@]}"; do
@@ -87,21 +99,29 @@ fi
 
 total=0
 listing=""
+members=""
+order=""
 for entry in "${STEPS[@]}"; do
     read -r name _ _ <<< "$entry"
     budget=$(budget_of "$name")
     total=$((total + budget))
+    order+="${order:+ }$name"
     listing+="${listing:+, }{\"name\": \"$name\", \"budget_s\": $budget}"
+    for file in "$name.log" "$name.json" ${RAW[$name]}; do
+        members+="${members:+, }\"$file\""
+    done
 done
 
 mkdir -p "$out" || { echo "gpu_check.sh: cannot create $out" >&2; exit 3; }
+# Every step writes here; OUT_DIR gets only the archive of it and summary.json.
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 3
+trap 'rm -rf "$work"' EXIT
 status=0
-summary=""
 
 record() {  # record NAME RC SECONDS: NAME.json and a summary entry
     local name=$1 rc=$2 seconds=$3 timed_out=false
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then timed_out=true; fi
-    "$PYTHON" - "$out" "$name" "$rc" "$seconds" "$timed_out" "$(budget_of "$name")" <<'EOF'
+    "$PYTHON" - "$work" "$name" "$rc" "$seconds" "$timed_out" "$(budget_of "$name")" <<'EOF'
 import json, sys
 from pathlib import Path
 from xml.etree import ElementTree
@@ -132,7 +152,8 @@ if report.is_file():
     result["report"] = json.loads(report.read_text())
 (directory / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
 EOF
-    summary+="${summary:+, }{\"name\": \"$name\", \"rc\": $rc, \"seconds\": $seconds, \"budget_s\": $(budget_of "$name"), \"timed_out\": $timed_out}"
+    "$PYTHON" scripts/gpu_check_returns.py "$work" "$out" "$ARCHIVE" "$dry" "$quick" "$total" \
+        "$order"
 }
 
 step() {  # step NAME STDOUT COMMAND...: under the step's timeout; stdout to STDOUT (- : the
@@ -143,55 +164,52 @@ step() {  # step NAME STDOUT COMMAND...: under the step's timeout; stdout to STD
     echo "== $name (budget ${budget}s): $*"
     start=$SECONDS
     if [ "$stdout" = "-" ]; then
-        timeout --kill-after=5 "$budget" "$@" > "$out/$name.log" 2>&1
+        timeout --kill-after=5 "$budget" "$@" > "$work/$name.log" 2>&1
     else
-        timeout --kill-after=5 "$budget" "$@" > "$stdout" 2> "$out/$name.log"
+        timeout --kill-after=5 "$budget" "$@" > "$stdout" 2> "$work/$name.log"
     fi
     rc=$?
     record "$name" "$rc" $((SECONDS - start))
     if [ "$rc" -ne 0 ]; then
         status=1
-        echo "   FAILED rc=$rc (see $out/$name.log)"
+        echo "   FAILED rc=$rc (see $name.log in $out/$ARCHIVE)"
     fi
-    tail -n 2 "$out/$name.log"
+    tail -n 2 "$work/$name.log"
 }
 
 model_step() {
-    step model "$out/model.jsonl" "$PYTHON" -m metrale_cli bench kernels --model-only --json \
+    step model "$work/model.jsonl" "$PYTHON" -m metrale_cli bench kernels --model-only --json \
         "${bench_args[@]}"
 }
 
 if [ $dry -eq 1 ]; then
     if [ $json -eq 1 ]; then
-        echo "{\"steps\": [$listing], \"total_budget_s\": $total}"
+        echo "{\"steps\": [$listing], \"total_budget_s\": $total, \"returns\": {\"files\": [\"$ARCHIVE\", \"summary.json\"], \"archive\": [$members]}}"
     else
         for entry in "${STEPS[@]}"; do
             read -r name _ _ <<< "$entry"
             printf '%-12s %4ss\n' "$name" "$(budget_of "$name")"
         done
         printf '%-12s %4ss\n' total "$total"
+        echo "returns: $out/$ARCHIVE (every step's files) and $out/summary.json"
     fi
-    model_step > "$out/dry-run.log" 2>&1
-    echo "{\"dry_run\": true, \"total_budget_s\": $total, \"steps\": [$summary]}" \
-        > "$out/summary.json"
+    model_step > /dev/null 2>&1
     exit $status
 fi
 
 pytest_args=(-q -p no:cacheprovider -m gpu --require-gpu)
-step device - "$PYTHON" -m metrale_cli.bench.kernels --device-report "$out/device-report.json"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-step correctness - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$out/correctness.xml" \
+step device - "$PYTHON" -m metrale_cli.bench.kernels --device-report "$work/device-report.json"
+nvidia-smi > "$work/nvidia-smi.txt" 2>&1 || true
+step correctness - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$work/correctness.xml" \
     tests/test_kernels_gpu.py tests/test_expert_kernels_gpu.py
-step pack - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$out/pack.xml" \
+step pack - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$work/pack.xml" \
     tests/test_pool_device_path.py tests/test_seam.py
-step bench "$out/bench.jsonl" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
-step sass - "$PYTHON" -m metrale_cli.ops.sass --nvrtc-device --out "$out/sass-report.json"
+step bench "$work/bench.jsonl" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
+step sass - "$PYTHON" -m metrale_cli.ops.sass --nvrtc-device --out "$work/sass-report.json"
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 step memcheck - "$sanitizer" --tool memcheck --error-exitcode 9 --target-processes all \
     "$PYTHON" -c "import sys, cupy, pytest; cupy.cuda.set_allocator(None); \
-sys.exit(pytest.main(sys.argv[1:]))" "${pytest_args[@]}" --junitxml="$out/memcheck.xml" \
+sys.exit(pytest.main(sys.argv[1:]))" "${pytest_args[@]}" --junitxml="$work/memcheck.xml" \
     tests/test_kernels_gpu.py "${memcheck_select[@]}"
 model_step
-echo "{\"dry_run\": false, \"quick\": $([ $quick -eq 1 ] && echo true || echo false), \"total_budget_s\": $total, \"steps\": [$summary]}" \
-    > "$out/summary.json"
 exit $status

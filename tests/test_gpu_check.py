@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -24,7 +25,25 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
                           check=False)
 
 
-@pytest.mark.parametrize(("flags", "total"), [((), 420), (("--quick",), 180)],
+# What a lent device returns from its output folder (docs of the device tool).
+DEVICE_FILES, DEVICE_FILE_BYTES, DEVICE_TOTAL_BYTES, DEVICE_DEPTH = 8, 16 * 2**20, 64 * 2**20, 2
+
+
+def _returned(out: Path) -> tuple[dict, dict[str, bytes]]:
+    """(summary.json, the archive's files by name) of a run into `out`, after checking that
+    everything in `out` is within what a lent device returns."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["gpu-check.tar.gz", "summary.json"]
+    assert len(files) <= DEVICE_FILES
+    assert all(len(p.relative_to(out).parts) <= DEVICE_DEPTH for p in files)
+    assert all(p.stat().st_size <= DEVICE_FILE_BYTES for p in files)
+    assert sum(p.stat().st_size for p in files) <= DEVICE_TOTAL_BYTES
+    with tarfile.open(out / "gpu-check.tar.gz") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    return json.loads((out / "summary.json").read_text()), members
+
+
+@pytest.mark.parametrize(("flags", "total"), [((), 465), (("--quick",), 225)],
                          ids=["full", "quick"])
 def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(
         tmp_path: Path, flags: tuple[str, ...], total: int) -> None:
@@ -34,12 +53,41 @@ def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(
     assert [s["name"] for s in plan["steps"]] == ORDER
     assert all(s["budget_s"] > 0 for s in plan["steps"])
     assert plan["total_budget_s"] == sum(s["budget_s"] for s in plan["steps"]) == total
-    # The CPU part ran: the model's records for the bench's shapes, as JSON.
-    model = json.loads((tmp_path / "model.json").read_text())
+    # What the run returns: two files, every step's files in the archive.
+    assert plan["returns"]["files"] == ["gpu-check.tar.gz", "summary.json"]
+    listed = plan["returns"]["archive"]
+    assert {f"{name}.{kind}" for name in ORDER for kind in ("log", "json")} <= set(listed)
+    # The CPU part ran: the model's records for the bench's shapes, as JSON, in the archive.
+    summary, members = _returned(tmp_path)
+    assert set(members) == {"model.log", "model.json", "model.jsonl"} <= set(listed)
+    model = json.loads(members["model.json"])
     assert model["rc"] == 0 and not model["timed_out"]
     assert model["records"] and all("terms" in r and "binding" in r for r in model["records"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and [s["name"] for s in summary["steps"]] == ["model"]
+    step = summary["steps"][0]
+    assert step["status"] == "passed" and step["budget_s"] == 60
+    assert step["figures"]["records"] == len(model["records"])
+    assert step["figures"]["missing_target"] == sum(not r["meets_target"]
+                                                    for r in model["records"])
+
+
+@pytest.mark.proc
+def test_a_whole_run_returns_every_step_in_two_files(tmp_path: Path) -> None:
+    """Every step of a --quick run (those needing a GPU fail at once on a CPU machine, each
+    still leaving its files) comes back within the device's limits: the archive holds what the
+    dry run lists for the steps that wrote them, summary.json every step's status."""
+    result = run("--quick", str(tmp_path))
+    listed = json.loads(run("--quick", "--dry-run", "--json", str(tmp_path / "dry")).stdout)
+    (tmp_path / "dry" / "gpu-check.tar.gz").unlink()
+    (tmp_path / "dry" / "summary.json").unlink()
+    (tmp_path / "dry").rmdir()
+    summary, members = _returned(tmp_path)
+    assert [s["name"] for s in summary["steps"]] == ORDER
+    assert set(members) <= set(listed["returns"]["archive"])
+    assert {f"{name}.{kind}" for name in ORDER for kind in ("log", "json")} <= set(members)
+    passed = [s["name"] for s in summary["steps"] if s["status"] == "passed"]
+    assert result.returncode == (0 if passed == ORDER else 1)
+    assert all(s["status"] in ("passed", "failed", "timed_out") for s in summary["steps"])
 
 
 def test_every_module_the_script_runs_exists() -> None:

@@ -171,9 +171,106 @@ def test_a_broken_reduction_fails(case: Case, mutation: str, tmp_path: Path,
     monkeypatch.setenv("METRALE_KERNEL_DIR", str(directory))
     backend = host_harness.HostBackend()
     expected = _expected(case)
+    if mutation == "no_reset":
+        # The host backend checks the counters after every split launch (kernels.check_tickets).
+        with pytest.raises(RuntimeError, match=r"left \d+ split-K ticket counter\(s\) non-zero"):
+            _shrink(case, 4, backend)
+        return
     first = _shrink(case, 4, backend)
     second = _shrink(case, 4, backend)
     broken = (_tickets(backend).any() or torch.isnan(first).any() or torch.isnan(second).any()
               or not torch.allclose(first, expected, rtol=1e-3, atol=1e-3)
               or not torch.allclose(second, expected, rtol=1e-3, atol=1e-3))
     assert broken
+
+
+# --- the workspace: one per stream, its counters checked, CUDA graph captures (issue 25 item 12)
+
+
+def _against_reference(case: Case, backend: kernels.Backend, seed: int) -> bool:
+    """Whether a split shrink of a fresh x (`seed`) on `backend` equals the reference."""
+    x = case.x(seed)
+    pool = case.pool()
+    got = _shrink(case, 4, backend, x)
+    want = reference.shrink(x, case.token_slots(), pool.weights()[0], pool.ranks, case.max_rank)
+    return bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3))
+
+
+@pytest.mark.parametrize("case", [BGMV, SGMV], ids=["bgmv", "sgmv"])
+def test_a_stray_count_is_caught_and_does_not_corrupt_later_launches(case: Case) -> None:
+    backend = host_harness.HostBackend()
+    assert _against_reference(case, backend, 1)
+    _tickets(backend)[0] = 1  # one stray count, as a killed launch or a buggy caller leaves
+    with pytest.raises(RuntimeError, match=r"left 1 split-K ticket counter\(s\) non-zero "
+                                           r"\(tile 0: 1\).*the workspace is released"):
+        _shrink(case, 4, backend, case.x(2))
+    # The poisoned workspace is gone: three launches with fresh x each are right.
+    assert all(_against_reference(case, backend, seed) for seed in (3, 4, 5))
+    assert not _tickets(backend).any()
+
+
+def test_the_counters_are_checked_in_debug_mode_where_a_backend_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class Unchecked(host_harness.HostBackend):
+        checks_tickets = False  # as CupyBackend: no host copy after a launch by default
+
+    backend = Unchecked()
+    _shrink(BGMV, 4, backend)
+    _tickets(backend)[0] = 1
+    monkeypatch.delenv("METRALE_DEBUG", raising=False)
+    _shrink(BGMV, 4, backend)  # unchecked: the stray count goes unseen
+    assert _tickets(backend)[0] == 1
+    monkeypatch.setenv("METRALE_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="ticket counter"):
+        _shrink(BGMV, 4, backend)
+
+
+def test_each_stream_has_its_own_workspace() -> None:
+    backend = host_harness.HostBackend()
+    held = {}
+    for stream in ("s1", "s2"):
+        with backend.on_stream(stream):
+            assert _against_reference(SGMV, backend, 1)
+            held[stream] = backend.workspace(None, 0, 0)
+    one, two = held["s1"], held["s2"]
+    assert plans.address(one[0]) != plans.address(two[0])
+    assert plans.address(one[1]) != plans.address(two[1])
+    with backend.on_stream("s1"):
+        assert backend.workspace(None, 0, 0)[1] is one[1]  # kept for the stream's next launch
+
+
+def test_a_capture_allocates_nothing_and_its_workspace_never_grows() -> None:
+    backend = host_harness.HostBackend()
+    with backend.capture(), pytest.raises(RuntimeError, match="being captured into a CUDA "
+                                                              "graph.*warm it up"):
+        _shrink(BGMV, 4, backend)
+    _shrink(BGMV, 4, backend)  # warmed up outside the capture
+    with backend.capture():
+        assert _against_reference(BGMV, backend, 2)  # the warm workspace serves the capture
+        assert _against_reference(BGMV, backend, 3)
+    with pytest.raises(RuntimeError, match="captured into a CUDA graph.*would free memory the "
+                                           "graph still writes"):
+        _shrink(BGMV, 8, backend)  # more splits: a larger workspace than the graph's
+    backend.release_workspace()  # the graph is gone
+    _shrink(BGMV, 8, backend)
+    with backend.on_stream("other"):
+        _shrink(BGMV, 8, backend)  # another stream's workspace was never captured
+
+
+def test_a_rank_16_split_stores_only_the_columns_that_hold_rank_rows() -> None:
+    """Issue 28 section 3: an SGMV split shrink whose rank rows lie in a tile's first 16
+    columns stores 2 of its partial tile's 8 column groups (the others are zeros in every
+    split): the workspace's partials (NaN when allocated, on the host backend) keep NaN in the
+    other 6, and t equals the reference."""
+    backend = host_harness.HostBackend()
+    splits = 4
+    t = _shrink(SGMV16, splits, backend)
+    check_t(t, _expected(SGMV16))
+    # 3 chunks: slot 1 (rank 16), slot 0 (rank 12), slot -1 (skipped: stored as zeros by split
+    # 0 alone, nothing in the workspace).
+    grid = plans.launch_grid("sgmv_shrink", 3, SGMV16.in_dim, 16, splits)
+    floats, _ = plans.split_workspace("sgmv_shrink", grid, splits)
+    # (split, tile, column group, fragment value, thread), as kernels/sgmv.cu lays them out.
+    partials = backend.workspace(None, 0, 0)[0][:floats].reshape(splits, 3, 8, 4, 128)
+    assert not np.isnan(partials[:, :2, :2]).any()
+    assert np.isnan(partials[:, :2, 2:]).all() and np.isnan(partials[:, 2]).all()

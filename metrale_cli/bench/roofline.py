@@ -65,7 +65,7 @@ BANDWIDTH_REGIME_BYTES = 64 << 20
 COPY_RATIO_TARGET = 1.3
 _LOAD_BYTES = 16
 # The cost terms of a record (microseconds each), in the order the binding one is reported.
-TERMS = ("launch", "hbm", "l2", "in_flight", "serial", "critical_path")
+TERMS = ("launch", "hbm", "l2", "in_flight", "serial", "critical_path", "tail")
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,12 @@ def _bgmv_work(kind: str, grid: tuple[int, int, int], tokens: int, rank: int, in
         tiles = tokens * per_token_rows
         l2 = (tiles * (2 * (1 + sources.SHRINK_ROWS) * in_dim + 4 * sources.SHRINK_ROWS)
               + costs.split_partial_bytes("bgmv", tiles, splits))
-        reduction = costs.split_reduction_round_trips("bgmv", splits)
+        # The splits that run: k_chunk can leave the last ones without K (they return and take
+        # no ticket), so the last CTA waits for and reads the active ones only.
+        active = int((lengths > 0).sum())
+        l2 += costs.split_partial_bytes("bgmv", tiles, active) - costs.split_partial_bytes(
+            "bgmv", tiles, splits)
+        reduction = costs.split_reduction_round_trips("bgmv", active)
         chains = 2 * tiles * splits + tiles * reduction
         return l2, passes, chains, int(-(-lengths.max() // step)), 2 + reduction
     # expand: a CTA is 1024 output rows of one token; slot -> table beside ranks (2 round
@@ -225,9 +230,11 @@ def _sgmv_work(kind: str, grid: tuple[int, int, int], chunks: np.ndarray, tokens
         # x once per column tile (each chunk's rows), A once per chunk, t once; split-K's
         # partials written and read back, and the last CTA's ticket and reads as chains.
         tiles = grid[0] * grid[1]
+        active = int((lengths > 0).sum())  # the splits that run (as in _bgmv_work)
+        partials = costs.split_partial_bytes("sgmv", tiles, active, slices * rank)
         l2 = int(2 * in_dim * (grid[0] * rows.sum() + grid[1] * n_valid.sum())
-                 + 4 * tokens * slices * rank + costs.split_partial_bytes("sgmv", tiles, splits))
-        reduction = costs.split_reduction_round_trips("sgmv", splits, slices * rank)
+                 + 4 * tokens * slices * rank + partials)
+        reduction = costs.split_reduction_round_trips("sgmv", active, slices * rank)
         return (l2, passes, 2 * ctas + tiles * reduction, int(split_passes.max()),
                 2 + reduction)
     # expand: the items (an output tile's B tile with its rank chunk's t tile; t is copied
@@ -319,9 +326,12 @@ def cost_terms(work: LaunchWork, nbytes: int, device: ModelDevice,
       CTA costs a DRAM latency, CTAs resident together (at most the launch bounds' per SM)
       overlapping;
     - `serial`: the dependent scalar loads (L2 round trips), overlapped the same way;
-    - `critical_path`: the heaviest CTA alone, its passes and its chains back to back.
+    - `critical_path`: the heaviest CTA alone, its passes and its chains back to back;
+    - `tail`: where the CTAs are uniform (every one the heaviest's passes), ceil(waves) of them
+      back to back: a grid of 1.3 waves runs two, the last one part full, which `in_flight`
+      (the passes spread over the resident slots) prices as 1.3; 0 where CTAs differ.
 
-    expected_us = max(launch, latency + max(hbm, l2), in_flight + serial, critical_path):
+    expected_us = max(launch, latency + max(hbm, l2), in_flight + serial, critical_path, tail):
     never below any term. `binding` names the largest (`serial` where in_flight + serial binds
     and the chains are the larger part). The copy of the same bytes takes
     max(launch, latency + bytes at copy bandwidth)."""
@@ -337,10 +347,13 @@ def cost_terms(work: LaunchWork, nbytes: int, device: ModelDevice,
         "critical_path": (device.latency_s * trips * work.cta_passes
                           + device.l2_latency_s * work.cta_chains),
     }
+    uniform = work.passes == work.ctas * work.cta_passes
+    terms["tail"] = (-(-work.ctas // max(resident, 1)) * terms["critical_path"] if uniform
+                     else 0.0)
     streamed = terms["in_flight"] + terms["serial"]
     # A stream of bytes also waits one DRAM latency for its first load, as the copy does.
     expected_s = max(terms["launch"], device.latency_s + max(terms["hbm"], terms["l2"]),
-                     streamed, terms["critical_path"])
+                     streamed, terms["critical_path"], terms["tail"])
     binding = max(TERMS, key=lambda name: streamed if name == "in_flight" else terms[name])
     if binding == "in_flight" and terms["serial"] > terms["in_flight"]:
         binding = "serial"

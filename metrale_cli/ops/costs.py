@@ -71,12 +71,16 @@ def split_reduction_round_trips(kind: str, splits: int, columns: int = SGMV_TILE
     return TICKET_ROUND_TRIPS + splits // per_trip + splits % per_trip
 
 
-def split_partial_bytes(kind: str, tiles: int, splits: int) -> int:
+def split_partial_bytes(kind: str, tiles: int, splits: int, columns: int | None = None) -> int:
     """Bytes split-K's partials move at L2 over `tiles` output tiles: each split's F32 tile
-    written once and read once by the last CTA."""
+    written once and read once by the last CTA. SGMV with `columns` (its rank columns, the
+    slices' side by side) within the first 16 of a tile (rank 16): only those 2 of the tile's 8
+    column groups are stored and read (kernels/sgmv.cu)."""
     if splits == 1:
         return 0
     floats = PARTIAL_FLOATS[f"{kind}_shrink"]
+    if kind == "sgmv" and columns is not None and columns <= 2 * VECTOR:
+        floats //= 4
     return 2 * 4 * floats * tiles * splits
 
 
@@ -84,8 +88,9 @@ def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits:
                    num_sms: int, chunks: int | None = None) -> float:
     """The modelled time of a `kind` ("bgmv" or "sgmv") shrink cut into `splits` K splits: CTAs
     resident together (the launch bounds' per SM) run in waves, each CTA 2 metadata round trips
-    and then ceil(split's K / a pass's K) streaming passes; split-K adds its reduction's round
-    trips (split_reduction_round_trips) to the last wave and its partials' bytes at L2.
+    and then ceil(split's K / a pass's K) streaming passes (the tail wave priced whole); split-K
+    adds its reduction's round trips (split_reduction_round_trips, over the splits that have K)
+    to the last wave and its partials' bytes at L2.
     `chunks`: SGMV's chunk count (segment_chunks; default one segment's, ceil(T / 64))."""
     if kind == "bgmv":
         base, kernel = num_tokens * -(-t_cols // SHRINK_ROWS), "bgmv_shrink"
@@ -100,8 +105,10 @@ def shrink_cost_us(kind: str, num_tokens: int, in_dim: int, t_cols: int, splits:
     resident = min(ctas, num_sms * min_ctas_per_sm(kernel))
     waves = -(-ctas // resident)
     stream = waves * (-(-chunk // _PASS_K[kind]) * _DRAM_LATENCY_US + 2 * _L2_LATENCY_US)
-    return (stream + split_reduction_round_trips(kind, splits, t_cols) * _L2_LATENCY_US
-            + split_partial_bytes(kind, max(base, 1), splits) / _L2_BYTES_PER_US)
+    # The splits that run: k_chunk may leave the last ones without K (they take no ticket).
+    active = -(-in_dim // chunk)
+    return (stream + split_reduction_round_trips(kind, active, t_cols) * _L2_LATENCY_US
+            + split_partial_bytes(kind, max(base, 1), active, t_cols) / _L2_BYTES_PER_US)
 
 
 def shrink_splits(kind: str, num_tokens: int, in_dim: int, t_cols: int, num_sms: int,

@@ -78,6 +78,22 @@ class ExpertTables:
     max_rank: int
     num_experts: int
 
+    def __post_init__(self) -> None:
+        """The entry rows and the router entry index the pointer tables' rows (the kernels
+        read table[entry * max_loras + slot] for any entry >= 0): each -1 or a row of both
+        tables. Checked here, where a caller's values become the kernels' (the entry rows are
+        copied to the host for it: a few E x 4 bytes, once per layer)."""
+        rows = min(int(self.a_tables.shape[0]), int(self.b_tables.shape[0]))
+        for what, entries in (("gate_up", self.gate_up), ("down", self.down)):
+            values = plans.host_values(entries).astype(np.int64).ravel()
+            bad = np.flatnonzero((values < -1) | (values >= rows))
+            if bad.size:
+                raise ValueError(f"{what} entry {int(values[bad[0]])} (at {int(bad[0])}) is "
+                                 f"not -1 or a row of the {rows}-row expert tables")
+        if isinstance(self.router, bool) or not -1 <= int(self.router) < rows:
+            raise ValueError(f"router entry {self.router!r} is not -1 or a row of the "
+                             f"{rows}-row expert tables")
+
     @property
     def max_loras(self) -> int:
         return int(self.a_tables.shape[1])
@@ -125,6 +141,37 @@ class ExpertBatch:
     tile: int
     t_cols: int
     groups: int
+
+    def __post_init__(self) -> None:
+        """Where the tiles and pairs are host arrays (plan_pairs', or a caller's), what the
+        kernels index with them: each tile's [begin, end) within sorted_pairs and at most
+        `tile` pairs (an empty tile, begin = end, is a spare one whose CTA exits), every sorted
+        pair an index of the P = T x top_k pairs (rows of t and y). align_pairs' device arrays
+        are its own and are not copied back for this (nothing may stop on a device value
+        without a device-to-host copy)."""
+        # The prefill kernels take PREFILL_TILE pairs a CTA, the decode ones (any other tile)
+        # DECODE_TILE.
+        if not (1 <= self.tile <= DECODE_TILE or self.tile == PREFILL_TILE):
+            raise ValueError(f"tile must be 1..{DECODE_TILE} (the decode kernels) or "
+                             f"{PREFILL_TILE} (the prefill kernels), got {self.tile}")
+        if type(self.tiles).__module__.startswith("cupy"):
+            return
+        pairs = plans.host_values(self.sorted_pairs).astype(np.int64).ravel()
+        outside = np.flatnonzero((pairs < 0) | (pairs >= self.num_pairs))
+        if outside.size:
+            i = int(outside[0])
+            raise ValueError(f"sorted_pairs[{i}] = {int(pairs[i])} is outside the "
+                             f"{self.num_pairs} pairs [0, {self.num_pairs})")
+        tiles = plans.host_values(self.tiles).astype(np.int64)
+        if tiles.ndim != 2 or tiles.shape[1] != 4:
+            raise ValueError(f"tiles must be [num_tiles, 4], got shape {tiles.shape}")
+        begin, end = tiles[:, 0], tiles[:, 1]
+        bad = np.flatnonzero((begin < 0) | (end < begin) | (end > pairs.size)
+                             | (end - begin > self.tile))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"tiles[{i}] = pairs [{int(begin[i])}, {int(end[i])}) is not 0 to "
+                             f"{self.tile} of the {pairs.size} sorted pairs")
 
     @property
     def num_pairs(self) -> int:

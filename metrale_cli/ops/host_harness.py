@@ -20,6 +20,7 @@ ctypes releases the GIL during a call, so two threads launching at once would sh
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -29,7 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -171,18 +172,46 @@ class HostBackend:
             return torch.full(shape, float("nan"), dtype=torch.float32)
         return np.full(shape, np.nan, dtype=np.float32)
 
+    # The tests' backend: every split-K launch's ticket counters are checked afterwards.
+    checks_tickets = True
+
     def __init__(self) -> None:
-        self._workspace = (np.empty(0, dtype=np.float32), np.zeros(0, dtype=np.uint32))
+        self._workspaces = kernels.SplitWorkspaces(
+            lambda partials, tickets: (np.full(partials, np.nan, np.float32),
+                                       np.zeros(tickets, np.uint32)))
+        self._stream: Hashable = 0
+        self._capturing = False
 
     def workspace(self, like: Any, partials: int, tickets: int) -> tuple[Any, Any]:
-        """Split-K's workspace as kernels.CupyBackend.workspace keeps it (grown when too
-        small, tickets zeroed only when allocated); new partials are NaN, so a reduction that
-        reads a split never written shows up in any comparison."""
-        held_partials, held_tickets = self._workspace
-        if held_partials.size < partials or held_tickets.size < tickets:
-            self._workspace = (np.full(max(partials, held_partials.size), np.nan, np.float32),
-                               np.zeros(max(tickets, held_tickets.size), np.uint32))
-        return self._workspace
+        """Split-K's workspace of the current stream (`on_stream`), kept as
+        kernels.CupyBackend keeps it (kernels.SplitWorkspaces); new partials are NaN, so a
+        reduction that reads a split never written shows up in any comparison."""
+        return self._workspaces.get(self._stream, partials, tickets, self._capturing)
+
+    def release_workspace(self) -> None:
+        self._workspaces.release(self._stream)
+
+    def capturing(self) -> bool:
+        return self._capturing
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: Hashable) -> Iterator[None]:
+        """Launch on `stream` (a name standing for a CUDA stream) until the block ends."""
+        outer, self._stream = self._stream, stream
+        try:
+            yield
+        finally:
+            self._stream = outer
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Launches as inside a CUDA graph capture of the current stream
+        (cudaStreamIsCapturing true): what the workspaces allow and refuse there."""
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         if hasattr(like, "data_ptr"):

@@ -12,20 +12,22 @@ cupy is imported only inside functions, through compat.cupy_module().
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from metrale_cli import compat
+from metrale_cli import compat, env
 from metrale_cli.ops.costs import expand_out_tiles, grouped_expand, shrink_splits
 from metrale_cli.ops.plans import (
     BatchPlan,
     KernelLaunch,
     WorkList,
     check_slice_cols,
+    check_splits,
     chunk_count,
+    host_values,
     launch_grid,
     plan_bgmv_expand,
     plan_bgmv_shrink,
@@ -49,9 +51,17 @@ class Backend(Protocol):
 
     def workspace(self, like: Any, partials: int, tickets: int) -> tuple[Any, Any]: ...
 
+    def capturing(self) -> bool: ...
+
+    # Whether every split-K launch's ticket counters are checked afterwards (check_tickets),
+    # as they are in debug mode (METRALE_DEBUG=1) on any backend.
+    checks_tickets: bool
+
     def array(self, like: Any, values: np.ndarray) -> Any: ...
 
     def placement(self, like: Any) -> Hashable: ...
+
+    def release_workspace(self) -> None: ...
 
     def num_sms(self, requested: int | None) -> int: ...
 
@@ -80,8 +90,79 @@ def device_sm_count(device_id: int = 0) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
+class SplitWorkspaces:
+    """Split-K's persistent workspaces, one per stream (`key`: a backend's (device, stream)):
+    (partials F32, tickets u32) of at least a launch's sizes, kept and grown when too small. The
+    tickets are zeroed only when allocated: every split-K launch leaves them zero (its last CTA
+    per tile resets its counter), so no memset precedes a launch and a CUDA graph may capture
+    one. Two streams never share one (their launches would draw each other's tickets and sum
+    each other's partials). A capture bakes the workspace's addresses into its graph: inside
+    one nothing may be allocated (warm the shapes up first), and a workspace a capture has used
+    is never grown (growth would free memory the graph still writes) until `release`d."""
+
+    def __init__(self, allocate: Callable[[int, int], tuple[Any, Any]]) -> None:
+        self._allocate = allocate
+        self._held: dict[Hashable, tuple[Any, Any]] = {}
+        self._captured: set[Hashable] = set()
+
+    def get(self, key: Hashable, partials: int, tickets: int, capturing: bool
+            ) -> tuple[Any, Any]:
+        """The workspace of stream `key` for a launch needing these sizes (`capturing`: the
+        stream is being captured into a CUDA graph)."""
+        held = self._held.get(key)
+        if held is None or held[0].size < partials or held[1].size < tickets:
+            if capturing:
+                raise RuntimeError(
+                    f"a split-K launch needs a workspace of {partials:,} partials and "
+                    f"{tickets:,} tickets on stream {key}, which is being captured into a CUDA "
+                    "graph, where nothing may be allocated: run the shape once before the "
+                    "capture (warm it up) so that its workspace exists")
+            if key in self._captured:
+                raise RuntimeError(
+                    f"the split-K workspace of stream {key} was captured into a CUDA graph, "
+                    f"whose launches write its addresses: growing it to {partials:,} partials "
+                    f"and {tickets:,} tickets would free memory the graph still writes; warm "
+                    "the largest shape up before capturing, or release the workspace once the "
+                    "graph is gone")
+            floats = max(partials, held[0].size if held else 0)
+            counters = max(tickets, held[1].size if held else 0)
+            held = self._allocate(floats, counters)
+            self._held[key] = held
+        if capturing:
+            self._captured.add(key)
+        return held
+
+    def release(self, key: Hashable) -> None:
+        """Forget stream `key`'s workspace (one with stray counts, or one whose graphs are
+        gone): its next split-K launch allocates a fresh one, counters zero."""
+        self._held.pop(key, None)
+        self._captured.discard(key)
+
+
+def check_tickets(backend: Backend, kernel: str, workspace: tuple[Any, Any] | None) -> None:
+    """After a split-K launch, where the backend checks them or in debug mode (METRALE_DEBUG=1)
+    and never inside a graph capture (the check copies the counters to the host): every
+    ticket counter is back at zero. A stray count would make a later launch's last CTA reduce
+    before every split has stored, wrong rows in every later launch over that tile, so the
+    workspace is released (the next launch gets fresh counters) and the launch refused."""
+    if workspace is None or backend.capturing() or not (backend.checks_tickets or env.debug()):
+        return
+    counters = host_values(workspace[1]).ravel()
+    stray = np.flatnonzero(counters)
+    if stray.size:
+        backend.release_workspace()
+        tile = int(stray[0])
+        raise RuntimeError(
+            f"{kernel} left {stray.size} split-K ticket counter(s) non-zero (tile {tile}: "
+            f"{int(counters[tile])}): a launch's splits did not draw exactly one ticket each "
+            "(a stray count, or another launch on the same workspace); the workspace is "
+            "released and this launch's t is not to be trusted")
+
+
 class CupyBackend:
     """Launches on the current CUDA device through CuPy."""
+
+    checks_tickets = False
 
     def launch(self, plan: KernelLaunch) -> None:
         """Launch a planned kernel on CuPy's current stream."""
@@ -94,27 +175,30 @@ class CupyBackend:
         return cupy.empty(shape, dtype=cupy.float32)
 
     def __init__(self) -> None:
-        self._workspaces: dict[int, tuple[Any, Any]] = {}
+        self._workspaces = SplitWorkspaces(self._allocate)
+
+    @staticmethod
+    def _allocate(partials: int, tickets: int) -> tuple[Any, Any]:
+        cupy = compat.cupy_module()
+        return cupy.empty(partials, dtype=cupy.float32), cupy.zeros(tickets, dtype=cupy.uint32)
+
+    def _stream(self) -> Hashable:
+        cupy = compat.cupy_module()
+        return (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
 
     def workspace(self, like: Any, partials: int, tickets: int) -> tuple[Any, Any]:
-        """Split-K's workspace on the current device: (partials F32, tickets u32) of at least
-        these sizes, kept for the backend's life and grown when too small. The tickets are
-        zeroed only when allocated: every split-K launch leaves them zero (its last CTA per tile
-        resets its counter), so no memset precedes a launch and a CUDA graph may capture it
-        (once the workspace has its size: growing it inside a capture would allocate). One
-        workspace serves one stream: split shrinks on two streams at once through one backend
-        would share partials and counters and corrupt both; give each stream its own
-        CupyBackend."""
-        cupy = compat.cupy_module()
-        device = cupy.cuda.Device().id
-        held = self._workspaces.get(device)
-        if held is None or held[0].size < partials or held[1].size < tickets:
-            floats = max(partials, held[0].size if held else 0)
-            counters = max(tickets, held[1].size if held else 0)
-            held = (cupy.empty(floats, dtype=cupy.float32),
-                    cupy.zeros(counters, dtype=cupy.uint32))
-            self._workspaces[device] = held
-        return held
+        """Split-K's workspace of the current device and stream (SplitWorkspaces)."""
+        return self._workspaces.get(self._stream(), partials, tickets, self.capturing())
+
+    def release_workspace(self) -> None:
+        """Free the current stream's split-K workspace (once the graphs that captured it are
+        destroyed): its next split launch allocates afresh."""
+        self._workspaces.release(self._stream())
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph
+        (cudaStreamIsCapturing)."""
+        return bool(compat.cupy_module().cuda.get_current_stream().is_capturing())
 
     def array(self, like: Any, values: np.ndarray) -> Any:
         return compat.cupy_module().asarray(values)
@@ -145,7 +229,9 @@ def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
     num_tokens, in_dim = (int(d) for d in x.shape)
     if t is not None:
         t_cols = int(t.shape[-1])
-    if splits is None:
+    if splits is not None:
+        splits = check_splits(splits)
+    else:
         rows, columns = ((num_tokens, slices * t_cols) if kind == "sgmv"
                          else (slices * num_tokens, t_cols))
         splits = shrink_splits(kind, rows, in_dim, columns, backend.num_sms(num_sms), chunks)
@@ -160,6 +246,13 @@ def _shrink_t(backend: Backend, kind: str, x: Any, t: Any | None, t_cols: int,
     return t, splits, backend.workspace(x, *split_workspace(kernel, grid, splits))
 
 
+def _launch_shrink(backend: Backend, plan: KernelLaunch,
+                   workspace: tuple[Any, Any] | None) -> None:
+    """Launch a shrink, then check_tickets of its split-K workspace."""
+    backend.launch(plan)
+    check_tickets(backend, plan.kernel, workspace)
+
+
 def bgmv_shrink(
     x: Any, slots: Any, a_table: Any, ranks: Any, max_rank: int, t: Any | None = None,
     *, splits: int | None = None, num_sms: int | None = None, batch: BatchPlan | None = None,
@@ -171,7 +264,8 @@ def bgmv_shrink(
     the planner's, shrink_splits); a split shrink reduces through the backend's workspace."""
     t, splits, workspace = _shrink_t(backend, "bgmv", x, t, batch.t_cols if batch else max_rank,
                                      splits, num_sms)
-    backend.launch(plan_bgmv_shrink(x, slots, a_table, ranks, t, max_rank, splits, workspace))
+    _launch_shrink(backend, plan_bgmv_shrink(x, slots, a_table, ranks, t, max_rank, splits,
+                                             workspace), workspace)
     return t
 
 
@@ -219,8 +313,8 @@ def sgmv_shrink(
     work = _chunks(backend, x, seg_starts, seg_slots, int(x.shape[0]), chunks, token_order)
     t, splits, workspace = _shrink_t(backend, "sgmv", x, t, t_cols or max_rank, splits, num_sms,
                                      chunks=chunk_count(work))
-    backend.launch(plan_sgmv_shrink(x, work, a_table, ranks, t, max_rank, token_order, splits,
-                                    workspace))
+    _launch_shrink(backend, plan_sgmv_shrink(x, work, a_table, ranks, t, max_rank, token_order,
+                                             splits, workspace), workspace)
     return t
 
 
@@ -293,8 +387,8 @@ def bgmv_fused(
         t, splits, workspace = _shrink_t(backend, "bgmv", x, None,
                                          batch.t_cols if batch else max_rank, None, num_sms,
                                          slices)
-        backend.launch(plan_bgmv_shrink(x, slots, a_tables, ranks, t, max_rank, splits,
-                                        workspace))
+        _launch_shrink(backend, plan_bgmv_shrink(x, slots, a_tables, ranks, t, max_rank,
+                                                 splits, workspace), workspace)
     backend.launch(plan_bgmv_expand(t, slots, b_tables, scale_table, ranks, y, max_rank,
                                     bounds))
     return y
@@ -307,8 +401,8 @@ def _sgmv_fused_shrink(x: Any, work: WorkList, a_tables: Any, ranks: Any, max_ra
     side by side)."""
     t, splits, workspace = _shrink_t(backend, "sgmv", x, None, t_cols, None, num_sms,
                                      int(a_tables.shape[0]), work.count)
-    backend.launch(plan_sgmv_shrink(x, work, a_tables, ranks, t, max_rank, splits=splits,
-                                    workspace=workspace))
+    _launch_shrink(backend, plan_sgmv_shrink(x, work, a_tables, ranks, t, max_rank,
+                                             splits=splits, workspace=workspace), workspace)
     return t
 
 

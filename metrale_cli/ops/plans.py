@@ -37,6 +37,11 @@ GROUP_MIN_TOKENS = 4
 # device since sm_30). A launch past them fails on the GPU while the host harness would run it.
 MAX_GRID = (2**31 - 1, 65_535, 65_535)
 
+# The SGMV expand keeps each thread's t rows as unsigned 32-bit element offsets into a slice's
+# plane (kernels/sgmv.cu: 64-bit pointers would spill the F32 expand's registers), so a plane
+# holds fewer than 2^32 elements: T x t_cols below this.
+SGMV_EXPAND_T_OFFSETS = 2**32
+
 
 @dataclass(frozen=True)
 class KernelLaunch:
@@ -88,7 +93,10 @@ def host_values(array: Any) -> np.ndarray:
 
 def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """Whether an array of `shape` with `strides` (elements) is C-contiguous; dims of size 1
-    take any stride, as no index ever steps along them."""
+    take any stride, as no index ever steps along them, and so does an empty array (NumPy and
+    torch give one of T = 0 rows strides of their own), which no index reads at all."""
+    if 0 in shape:
+        return True
     expected = 1
     for size, stride in zip(reversed(shape), reversed(strides), strict=True):
         if size > 1 and stride != expected:
@@ -166,14 +174,20 @@ def _check_tables(
         check_buffer(scale_table, "scale_table", ("float32",), (max_loras,))
 
 
+def check_max_rank(max_rank: int) -> int:
+    """The pool's max rank as the kernels take it: a multiple of VECTOR in 1..MAX_RANK."""
+    if not 0 < max_rank <= MAX_RANK or max_rank % VECTOR:
+        raise ValueError(f"max_rank must be a multiple of {VECTOR} in {VECTOR}..{MAX_RANK}, "
+                         f"got {max_rank}")
+    return int(max_rank)
+
+
 def _check_dims(in_or_out: int, max_rank: int, t_cols: int, what: str) -> None:
-    if in_or_out % VECTOR or max_rank % VECTOR or t_cols % VECTOR:
+    check_max_rank(max_rank)
+    if in_or_out % VECTOR or t_cols % VECTOR:
         raise ValueError(
-            f"{what} ({in_or_out}), max_rank ({max_rank}) and t's width ({t_cols}) must be "
-            f"multiples of {VECTOR}"
+            f"{what} ({in_or_out}) and t's width ({t_cols}) must be multiples of {VECTOR}"
         )
-    if not 0 < max_rank <= MAX_RANK:
-        raise ValueError(f"max_rank must be in 1..{MAX_RANK}, got {max_rank}")
     if not 0 < t_cols <= max_rank:
         raise ValueError(f"t's width ({t_cols}) must be in 1..max_rank ({max_rank})")
 
@@ -239,7 +253,10 @@ def _t_shape(t: Any, max_rank: int) -> tuple[int, int, int]:
     return num_tokens, t_cols, int(max_rank)
 
 
-def _check_splits(splits: int) -> int:
+def check_splits(splits: int) -> int:
+    """The split-K count of a shrink launch, an int in 1..MAX_SPLITS."""
+    if isinstance(splits, bool) or not isinstance(splits, int | np.integer):
+        raise ValueError(f"splits must be an int in 1..{MAX_SPLITS}, got {splits!r}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in 1..{MAX_SPLITS}, got {splits}")
     return int(splits)
@@ -286,7 +303,7 @@ def _check_shrink(x: Any, a_table: Any, ranks: Any, t: Any, max_rank: int,
     check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
     _check_tables(max_loras, ranks, None, {"a_table": a_table}, slices)
     _check_dims(in_dim, max_rank, t_cols, "in_dim")
-    return slices, max_loras, num_tokens, t_cols, max_rank, in_dim, _check_splits(splits)
+    return slices, max_loras, num_tokens, t_cols, max_rank, in_dim, check_splits(splits)
 
 
 def plan_bgmv_shrink(
@@ -412,8 +429,11 @@ def segment_chunks(seg_starts: Any, seg_slots: Any, num_tokens: int) -> np.ndarr
 
 def check_chunks(chunks: Any, num_tokens: int) -> int:
     """The chunk count of an SGMV work list (segment_chunks' int32 [C, 4]), after checking what
-    the kernels index with it: 0 <= begin < end <= min(begin + 64, T), each chunk starting at or
-    after the end of the one before. A CuPy list is copied to the host for this (C x 16 bytes)."""
+    the kernels index with it: 0 <= begin < end <= min(begin + 64, T), and the chunks covering
+    every position once, in order (the first from 0, each starting where the one before ends,
+    the last ending at T): the shrink writes t only where a chunk is, so a gap would leave t
+    rows unwritten for the expand to read. A CuPy list is copied to the host for this (C x 16
+    bytes)."""
     count = int(chunks.shape[0]) if len(chunks.shape) == 2 else -1
     check_buffer(chunks, "chunks", ("int32",), (count, 4))
     rows = host_values(chunks).astype(np.int64).reshape(count, 4)
@@ -432,6 +452,18 @@ def check_chunks(chunks: Any, num_tokens: int) -> int:
         raise ValueError(f"chunks[{i + 1}] starts at position {int(begin[i + 1])}, before "
                          f"chunks[{i}] ends at {int(end[i])}: chunks must be in order and must "
                          "not overlap (two CTAs would write the same rows)")
+    gap = np.flatnonzero(begin[1:] > end[:-1])
+    if gap.size:
+        i = int(gap[0])
+        raise ValueError(f"chunks[{i + 1}] starts at position {int(begin[i + 1])}, after "
+                         f"chunks[{i}] ends at {int(end[i])}: positions {int(end[i])} to "
+                         f"{int(begin[i + 1]) - 1} are in no chunk, and their t rows would "
+                         "never be written; the chunks must cover every position once")
+    first, last = (int(begin[0]), int(end[-1])) if count else (0, 0)
+    if first != 0 or last != num_tokens:
+        raise ValueError(f"the chunks cover positions [{first}, {last}) of [0, {num_tokens}): "
+                         "they must cover every position once (t rows outside them would "
+                         "never be written)")
     return count
 
 
@@ -517,6 +549,11 @@ def plan_sgmv_expand(
     [S, T, t_cols], `slice_cols`), on grid.z."""
     slices, max_loras, plane = _slices(b_table, t, "b_table")
     num_tokens, t_cols, max_rank = _t_shape(plane, max_rank)
+    if num_tokens * t_cols >= SGMV_EXPAND_T_OFFSETS:
+        raise ValueError(
+            f"sgmv_expand keeps t offsets (token x t_cols) in 32 bits: {num_tokens:,} tokens x "
+            f"{t_cols} columns is {num_tokens * t_cols:,}, past {SGMV_EXPAND_T_OFFSETS:,}; "
+            "split the batch")
     chunks, order_arg, num_chunks = _work_args(chunks, token_order, num_tokens)
     y_kind = "bf16" if dtype_name(y) in BF16 else "f32"
     check_buffer(t, "t", ("float32",), tuple(t.shape[:-2]) + (num_tokens, t_cols))
