@@ -3,7 +3,8 @@
 // For one (layer, module) entry of the pool, with T tokens, token b tagged with slot s = slots[b]
 // (-1 = no adapter), r = min(ranks[s], max_rank) and A_s = a_table[s], B_s = b_table[s]:
 //
-//   bgmv_shrink:  t[b, j] (+)= sum_{k in split z} x[b, k] * A_s[j, k]      j < r
+//   bgmv_shrink:  t[b, j] = sum_k x[b, k] * A_s[j, k]                       j < r
+//                 (split-K: split z's partial sum over its K chunk, the splits added in order)
 //                 t[b, j] = 0                                             j >= r, or token skipped
 //   bgmv_expand:  y[b, o] += scale_table[s] * sum_{j < r} t[b, j] * B_s[o, j]
 //                 y[b, :] untouched (bit for bit) when the token is skipped
@@ -16,15 +17,17 @@
 //
 // A token is skipped when its slot is -1 or out of the table, the slot's pointer is 0 (the slot
 // does not adapt this entry) or its rank is 0. With one split the shrink writes every t element
-// (no memset, nothing stale for the expand); with split-K (grid.z > 1) each split adds its
-// partial into t with F32 atomics, and t must be zero before the launch (the launchers zero it).
-// Expand reads only t[b, :r].
+// (no memset, nothing stale for the expand); with split-K (grid.z > 1) each split stores its
+// partial in the workspace (`partials`) and draws a ticket (`tickets`, one u32 counter per
+// output tile: lora_common.cuh, split_last); the CTA drawing the last ticket sums the partials
+// in split order and writes t with plain stores, and resets the counter to 0. So t is never
+// zeroed, needs no memset, and holds the same bits in every run. Expand reads only t[b, :r].
 //
 // Buffers (row major; BF16 as raw uint16 bits; every base address 16-byte aligned):
 //   x  BF16 [T, in_dim], row stride x_stride elements       slots  i32 [T]
 //   A_s BF16 [max_rank, in_dim], B_s BF16 [out_dim, max_rank]  (rows / cols >= r are zero padding)
 //   a_table, b_table u64 [max_loras]; scale_table f32 [max_loras]; ranks i32 [max_loras]
-//   t  F32 [T, t_cols] (split-K reduced into it once, by atomics); t_cols <= max_rank is the
+//   t  F32 [T, t_cols] (written once, split-K's by the last split's CTA); t_cols <= max_rank is the
 //      widest rank of the batch (the host knows it), and r is clamped to it
 //   y  BF16 (bgmv_expand_bf16) or F32 (bgmv_expand_f32) [T, out_dim], row stride y_stride
 // in_dim, out_dim, max_rank, t_cols, x_stride and y_stride are multiples of 8 (16-byte vectors);

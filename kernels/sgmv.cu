@@ -5,13 +5,15 @@
 // segments whose slot is -1, out of the table, has a 0 pointer or rank 0, are skipped exactly as
 // in bgmv.cu. With s, r, A_s, B_s as there:
 //
-//   sgmv_shrink:  t[b, j] (+)= sum_{k in split z} x[b, k] * A_s[j, k]      j < r
+//   sgmv_shrink:  t[b, j] = sum_k x[b, k] * A_s[j, k]                       j < r
+//                 (split-K: split z's partial sum over its K chunk, the splits added in order)
 //                 t[b, j] = 0                                             j >= r, or token skipped
 //   sgmv_expand:  y[b, o] += scale_table[s] * sum_{j < r} t[b, j] * B_s[o, j]
 //                 y[b, :] untouched (bit for bit) when the token is skipped
 //
-// Buffers and alignment as in bgmv.cu (t F32 [T, t_cols], split-K added into it by F32 atomics
-// and zeroed before such a launch; y BF16 or F32).
+// Buffers and alignment as in bgmv.cu (t F32 [T, t_cols], written once: split-K's partials go
+// to the workspace and the CTA drawing a tile's last ticket sums them in split order and
+// stores t, as there; no memset; y BF16 or F32).
 //
 // Fused slices, as in bgmv.cu: the projections of a layer that share x (q, k and v; gate and up)
 // are one shrink and one expand launch, slice z taking its own table row (a_table, b_table u64
