@@ -140,3 +140,14 @@ def test_layout_records_what_simulate_replays() -> None:
     assert tiers["slot_bytes"] == engine["slot_bytes"]
     assert tiers["host_bytes"] == engine["host_cache_bytes"]
     assert tiers["admission"] == "skip" and "scheduler.py" in tiers["source"]
+
+
+def test_modules_help_lists_what_each_engine_takes() -> None:
+    done = metrale("inspect", "--help", columns=400)
+    assert done.code == 0
+    # Help folds at its own width, sometimes after a hyphen: join the words back.
+    text = " ".join(done.stdout.split()).replace("- ", "-")
+    assert "--lora-target-modules" in text and "qkv_proj" in text and "gate_up_proj" in text
+    assert "no 'all'" in text
+    refused = metrale("layout", "-m", "qwen3-8b", "--engine", "vllm", "--modules", "all")
+    assert refused.code == 2 and "qkv_proj" in refused.stderr

@@ -60,8 +60,9 @@ def _serve(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen[b
         [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--host", "127.0.0.1", "--port", str(port), *FLAGS, *extra],
         stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        # The runtime endpoints exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING (else 404).
         env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-             "HOME": str(log.parent)})
+             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HOME": str(log.parent)})
 
 
 def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, str]:

@@ -23,8 +23,10 @@ MODEL = typer.Option(
     "--model", "-m", help="Base model: a preset (`metrale models`), a config.json, a model "
     "directory, or a hub id (org/name[@revision]) in the local HF cache (--online: the hub).")
 MODULES = typer.Option(
-    "--modules", help="Comma-separated pool modules (q_proj, k_proj, v_proj, o_proj, gate_proj, "
-    "up_proj, down_proj, out_proj), or 'all'.")
+    "--modules", help="Comma-separated modules. metrale's pool: q_proj, k_proj, v_proj, "
+    "o_proj, gate_proj, up_proj, down_proj, out_proj, or 'all'. --engine vllm: vLLM's "
+    "--lora-target-modules, its module names (qkv_proj, o_proj, gate_up_proj, down_proj, "
+    "lm_head, embed_tokens, ...) or the adapter names packed into them (q_proj); no 'all'.")
 MAX_LORAS = typer.Option("--max-loras", help="Slots in the pool.")
 ModelOpt = Annotated[str | None, MODEL]
 ModulesOpt = Annotated[str | None, MODULES]
