@@ -8,6 +8,9 @@
 - `vllm`-marked tests (the engine verdicts against the real vLLM) skip where the vLLM venv
   (`.venv-vllm`, `make vllm`) is absent; --require-vllm turns that into a failure, as .ci/run
   does, so CI runs the real engine.
+- `sglang`-marked tests (the engine verdicts against SGLang's own LoRA code) skip where the
+  SGLang venv (`.venv-sglang`, `make sglang`) is absent; --require-sglang turns that into a
+  failure, as .ci/run does.
 - The hypothesis profile every property test runs under (fixed examples under CI).
 """
 
@@ -38,6 +41,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 # The vLLM venv `make test` builds beside .venv (Makefile VLLM_VENV).
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+# The SGLang venv beside it (Makefile SGLANG_VENV).
+SGLANG_PYTHON = Path(__file__).resolve().parent.parent / ".venv-sglang" / "bin" / "python"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -60,6 +65,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail, rather than skip, tests marked vllm when the vLLM venv (.venv-vllm) is "
         "absent",
     )
+    parser.addoption(
+        "--require-sglang",
+        action="store_true",
+        default=False,
+        help="fail, rather than skip, tests marked sglang when the SGLang venv (.venv-sglang) "
+        "is absent",
+    )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -72,6 +84,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.fail(f"--require-vllm was given but {VLLM_PYTHON} is absent (make vllm)",
                         pytrace=False)
         pytest.skip(f"needs the vLLM venv: {VLLM_PYTHON} (make vllm)")
+    if item.get_closest_marker("sglang") is not None and not SGLANG_PYTHON.exists():
+        if item.config.getoption("--require-sglang"):
+            pytest.fail(f"--require-sglang was given but {SGLANG_PYTHON} is absent "
+                        "(make sglang)", pytrace=False)
+        pytest.skip(f"needs the SGLang venv: {SGLANG_PYTHON} (make sglang)")
     if item.get_closest_marker("gpu") is None:
         return
     from metrale_cli import compat
