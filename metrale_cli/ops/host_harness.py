@@ -152,16 +152,30 @@ def parameter_names(kernel: str, directory: Path | None = None) -> tuple[str, ..
     while depth:
         depth += {"(": 1, ")": -1}.get(text[at], 0)
         at += 1
-    return tuple(re.findall(r"(\w+)\s*(?:,|$)", text[start.end(): at - 1].replace("\n", " ")))
+    declaration = text[start.end(): at - 1]
+    # A parameter list written as a macro (`EXPERT_EXPAND_PARAMS(OutT)`): its definition's.
+    for name in re.findall(r"\b([A-Z][A-Z0-9_]*)\b", declaration):
+        body = re.search(rf"#define {name}\b(?:\([^)]*\))?((?:[^\n]*\\\n)*[^\n]*)", text)
+        if body:
+            declaration = re.sub(rf"\b{name}\b(?:\s*\([^)]*\))?", body.group(1), declaration)
+    declaration = declaration.replace("\\\n", " ").replace("\n", " ")
+    return tuple(re.findall(r"(\w+)\s*(?:,|$)", declaration.strip()))
 
 
 def _buffer(value: Any) -> tuple[int, int]:
-    """(bytes, element size) of an array argument; (0, 0) for a value."""
+    """(bytes, element size) of an array argument, from its first element to the end of its
+    last (a row-strided view spans its gaps); (0, 0) for a value, an empty array, or one with a
+    negative stride (left unguarded)."""
     if isinstance(value, np.generic) or not hasattr(value, "shape"):
         return 0, 0
-    if hasattr(value, "element_size"):  # torch
-        return value.numel() * value.element_size(), value.element_size()
-    return value.nbytes, value.itemsize
+    if hasattr(value, "element_size"):  # torch: strides in elements
+        itemsize = value.element_size()
+        strides = [s * itemsize for s in value.stride()]
+    else:
+        itemsize, strides = value.itemsize, list(value.strides)
+    if 0 in value.shape or min(strides, default=0) < 0:
+        return 0, 0
+    return itemsize + sum((n - 1) * s for n, s in zip(value.shape, strides, strict=True)), itemsize
 
 
 _LAUNCH_LOCK = threading.Lock()
