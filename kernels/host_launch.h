@@ -8,6 +8,7 @@
 // written; `python -m metrale_cli.ops.host_harness` prints it). The file is a .h so that the wheel's
 // package data ships it.
 #include <cstddef>
+#include <vector>
 #include <type_traits>
 #include <utility>
 
@@ -46,11 +47,71 @@ constexpr int arity(void (*)(Args...)) {
 
 static const KernelEntry kKernels[] = {METRALE_HOST_KERNELS};
 
+// Puts each array parameter (sizes[i] > 0 bytes, counted in itemsizes[i]-byte elements) into a
+// guarded copy (host_shim.h, Buffer) and points values[i] at it; an array inside an earlier one
+// (a view) shares that one's copy.
+inline void guard_buffers(int num_params, void** params, const char* const* names,
+                          const unsigned long long* sizes, const unsigned long long* itemsizes,
+                          std::vector<void*>& values, std::vector<void*>& call) {
+  const size_t page = page_bytes();
+  g_buffers.clear();
+  for (int i = 0; i < num_params; ++i) {
+    call[i] = params[i];
+    if (sizes[i] == 0) continue;
+    char* original = *static_cast<char**>(params[i]);
+    if (original == nullptr) continue;
+    Buffer b;
+    b.name = names[i];
+    b.bytes = sizes[i];
+    b.itemsize = itemsizes[i] ? itemsizes[i] : 1;
+    b.original = original;
+    for (const Buffer& earlier : g_buffers) {
+      if (earlier.owner && original >= earlier.original &&
+          original + b.bytes <= earlier.original + earlier.bytes) {
+        b.owner = false;
+        b.data = earlier.data + (original - earlier.original);
+        break;
+      }
+    }
+    if (b.owner) {
+      const size_t padded = (b.bytes + 15) / 16 * 16;
+      const size_t data_pages = (padded + page - 1) / page;
+      b.mapped = (data_pages + 3) * page;
+      void* mapping = mmap(nullptr, b.mapped, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (mapping == MAP_FAILED) continue;  // unguarded: the kernel runs on the caller's array
+      b.mapping = static_cast<char*>(mapping);
+      mprotect(b.mapping, page, PROT_NONE);
+      mprotect(b.mapping + b.mapped - page, page, PROT_NONE);
+      std::memset(b.mapping + page, 0xff, b.mapped - 2 * page);
+      b.data = b.mapping + b.mapped - page - padded;
+      std::memcpy(b.data, original, b.bytes);
+    }
+    values[i] = b.data;
+    call[i] = &values[i];
+    g_buffers.push_back(b);
+  }
+}
+
+// Copies every guarded buffer back to the caller's array and unmaps it.
+inline void release_buffers() {
+  for (const Buffer& b : g_buffers) {
+    if (!b.owner) continue;
+    std::memcpy(b.original, b.data, b.bytes);
+    munmap(b.mapping, b.mapped);
+  }
+  g_buffers.clear();
+}
+
 }  // namespace metrale_shim
 
 // dims: grid x, y, z, block x, y, z. Returns 0, or 1 with a message in `error`.
-extern "C" __attribute__((visibility("default"))) int metrale_host_launch(const char* name, const unsigned* dims, void** params,
-                                   int num_params, char* error, int error_len) {
+// names, sizes, itemsizes: each parameter's name, and for an array its size in bytes and its
+// element size (0 for a value); seed: the CTA schedule (host_shim.h, launch).
+extern "C" __attribute__((visibility("default"))) int metrale_host_launch(
+    const char* name, const unsigned* dims, void** params, int num_params,
+    const char* const* names, const unsigned long long* sizes,
+    const unsigned long long* itemsizes, unsigned long long seed, char* error, int error_len) {
   for (const metrale_shim::KernelEntry& entry : metrale_shim::kKernels) {
     if (std::strcmp(entry.name, name) != 0) continue;
     if (entry.num_params != num_params) {
@@ -58,8 +119,13 @@ extern "C" __attribute__((visibility("default"))) int metrale_host_launch(const 
                     num_params);
       return 1;
     }
-    return metrale_shim::launch(dim3(dims[0], dims[1], dims[2]), dim3(dims[3], dims[4], dims[5]),
-                                entry.bind(params), error, error_len);
+    std::vector<void*> values(num_params), call(num_params);
+    metrale_shim::guard_buffers(num_params, params, names, sizes, itemsizes, values, call);
+    const int status = metrale_shim::launch(dim3(dims[0], dims[1], dims[2]),
+                                            dim3(dims[3], dims[4], dims[5]),
+                                            entry.bind(call.data()), seed, error, error_len);
+    metrale_shim::release_buffers();
+    return status;
   }
   std::snprintf(error, error_len, "no kernel named %s in the host build", name);
   return 1;

@@ -1,7 +1,9 @@
 // host_shim.h: runs the kernels in kernels/*.cu on a CPU, unchanged, for the host harness
 // (metrale_cli/ops/host_harness.py, whose build_command force-includes it ahead of the sources).
 //
-// Model: a launch runs its CTAs one after another; the threads of a CTA are cooperative fibers
+// Model: a launch interleaves its CTAs (launch: up to kResident resident, switching where one
+// of them reaches an atomic, a fence or an __ldcg, in a seeded schedule that every failure
+// names), and runs on guarded copies of its buffers (Buffer); the threads of a CTA are cooperative fibers
 // (ucontext) that switch only at barriers, so __syncthreads, warp shuffles and the warp-wide
 // mma emulation have their CUDA meaning. The shim is meant to be as strict as the hardware, so
 // that a kernel that may fail on a GPU fails here every time:
@@ -37,7 +39,10 @@
 #pragma once
 #define METRALE_HOST_SHIM 1
 
+#include <signal.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -46,6 +51,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #define __global__
@@ -99,7 +105,9 @@ constexpr size_t kStackBytes = 128 * 1024;
 constexpr int kExchangeWords = 8;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-enum class Wait { kNone, kBlock, kWarp, kDone };
+// kGlobal: at a point where other CTAs may run (an atomic, a fence, a load of another CTA's
+// data): the CTA yields to the launch's scheduler there.
+enum class Wait { kNone, kBlock, kWarp, kGlobal, kDone };
 enum class Collective { kShuffleXor, kShuffleIdx, kMma };
 
 inline const char* collective_name(Collective kind) {
@@ -150,9 +158,27 @@ struct Fiber {
   unsigned committed;
 };
 
+// A resident CTA that is not running: the state the running one keeps in Launch (exchanged in
+// and out whole: the fibers never move, so their contexts stay valid), and its shared memory.
+struct Cta {
+  uint3 block_idx{0, 0, 0};
+  int linear = 0;
+  std::vector<Fiber> fibers;
+  int current = 0;
+  int block_live = 0;
+  std::vector<uint32_t> published, snapshots;
+  std::vector<int> order;  // its warps' order
+  std::vector<char> shared;
+  char* stacks = nullptr;  // its slot's fiber stacks
+  size_t admitted = 0;     // its place in the admission order
+  long long held = -1;     // depth-first: when it was held at an atomic (-1: not held)
+};
+
 struct Launch {
   dim3 grid, block;
   uint3 block_idx;
+  int linear = 0;
+  std::vector<int> order;
   std::function<void()> body;
   std::vector<Fiber> fibers;
   char* stacks = nullptr;
@@ -171,6 +197,8 @@ struct Launch {
 };
 
 static Launch* g_launch = nullptr;
+// True while a kernel thread runs: a fault then is the kernel's (on_fault).
+static bool g_in_kernel = false;
 
 inline Fiber& self() { return g_launch->fibers[g_launch->current]; }
 
@@ -191,6 +219,77 @@ inline std::string block_name(const Launch& L) {
   return name;
 }
 
+// --- buffers: every array a launch passes, between poisoned guard regions ----------------------
+// The launch runs on copies (host_launch.h, guard_buffers): each sits in its own mapping that
+// ends where the copy ends (rounded up to 16 bytes), with an inaccessible page after it and a
+// poisoned page (0xff) and an inaccessible one before it. A plain load or store past the end
+// faults at once and fails the launch naming the buffer, the element and the thread (the
+// SIGSEGV handler below); one into the poisoned page or the tail's padding is caught when the
+// CTA next yields (check_guards); the shim's own loads and stores (load16, cp_async16, __ldcg,
+// __stcg, the atomics) are checked before they touch memory.
+struct Buffer {
+  std::string name;
+  char* data = nullptr;     // the copy the kernel sees
+  size_t bytes = 0;         // its size
+  size_t itemsize = 1;      // the element size the index is counted in
+  char* mapping = nullptr;  // the whole mapping: guard, poison page, data pages, guard
+  size_t mapped = 0;
+  char* original = nullptr;  // the caller's array, copied back after the launch
+  bool owner = true;        // false: an alias inside an earlier buffer's copy
+};
+static std::vector<Buffer> g_buffers;
+inline size_t page_bytes() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+
+// The poisoned bytes of buffer b lie in [poison_begin, poison_end), around its data: the page
+// before it (and the start of its first page), and its tail padding.
+inline char* poison_begin(const Buffer& b) { return b.mapping + page_bytes(); }
+inline char* poison_end(const Buffer& b) { return b.mapping + b.mapped - page_bytes(); }
+
+// "name[index]" for an address in or beside a buffer (its guard regions), else the address.
+inline std::string describe(const void* address) {
+  const char* p = static_cast<const char*>(address);
+  for (const Buffer& b : g_buffers) {
+    const long long offset = p - b.data;
+    const long long reach = static_cast<long long>(2 * page_bytes());
+    if (offset < -reach || offset >= static_cast<long long>(b.bytes) + reach) continue;
+    const long long size = static_cast<long long>(b.bytes / b.itemsize);
+    const long long index = offset >= 0 ? offset / static_cast<long long>(b.itemsize)
+                                        : -((-offset + b.itemsize - 1) / b.itemsize);
+    return b.name + "[" + std::to_string(index) + "] (" + b.name + " has " +
+           std::to_string(size) + (index < 0 || index >= size ? "; out of bounds)" : ")");
+  }
+  char text[40];
+  std::snprintf(text, sizeof text, "address %p", address);
+  return text;
+}
+
+// Whether [p, p + bytes) reaches outside the buffer it starts in or beside: the buffer, or
+// nullptr when it is in bounds (or in no buffer of the launch: a weight through a table).
+inline const Buffer* out_of_bounds(const void* address, size_t bytes) {
+  const char* p = static_cast<const char*>(address);
+  for (const Buffer& b : g_buffers) {
+    const char* lo = b.owner ? b.mapping : b.data;
+    const char* hi = b.owner ? b.mapping + b.mapped : b.data + b.bytes;
+    if (p + bytes <= lo || p >= hi) continue;
+    if (p >= b.data && p + bytes <= b.data + b.bytes) return nullptr;
+    return &b;
+  }
+  return nullptr;
+}
+
+// The first poisoned byte a plain store overwrote, as "name[index]"; empty when none.
+inline std::string check_guards() {
+  for (const Buffer& b : g_buffers) {
+    if (!b.owner) continue;
+    for (const char* p = poison_begin(b); p < poison_end(b); ++p) {
+      if (p == b.data) p += b.bytes;
+      if (p >= poison_end(b)) break;
+      if (static_cast<unsigned char>(*p) != 0xffu) return describe(p);
+    }
+  }
+  return {};
+}
+
 // Fails the launch from inside a thread: the scheduler never resumes it.
 [[noreturn]] inline void fail(const std::string& message) {
   Launch& L = *g_launch;
@@ -201,12 +300,28 @@ inline std::string block_name(const Launch& L) {
   std::abort();  // unreachable: a failed launch is abandoned
 }
 
+// A load or store of the shim's own (load16, cp_async16, __ldcg, __stcg, the atomics) outside the
+// buffer it starts in or beside fails the launch before it touches memory.
+inline void check_access(const void* address, size_t bytes, const char* what) {
+  if (out_of_bounds(address, bytes) != nullptr)
+    fail(std::string(what) + " of " + std::to_string(bytes) + " bytes at " + describe(address) +
+         " reaches past its buffer");
+}
+
 inline void wait_at(Wait kind, const Site& site) {
   Launch& L = *g_launch;
   Fiber& f = self();
   f.wait = kind;
   f.site = site;
   swapcontext(&f.context, &L.scheduler);
+}
+
+// A point where other CTAs may run: the thread stops here until its CTA's next turn.
+// `atomic`: the point is an atomic (a split-K ticket), which the depth-first schedule holds.
+inline void global_point(bool atomic = false) {
+  Site site;
+  site.mask = atomic ? 1u : 0u;
+  wait_at(Wait::kGlobal, site);
 }
 
 inline void fiber_entry() {
@@ -261,7 +376,8 @@ inline int release_collectives(Launch& L, int w, std::string& error) {
         return -1;
       }
       if (g->wait != Wait::kWarp) ready = false;  // at a __syncthreads: a deadlock, unless
-                                                  // another group releases first
+                                                  // another group releases first (or at a
+                                                  // global point: on later)
     }
     if (!ready) continue;
     uint32_t* out = L.snapshots.data() + (static_cast<size_t>(w) * 32 + f.lane) * 32 * kExchangeWords;
@@ -288,7 +404,9 @@ inline bool run_warp(Launch& L, int w, std::string& error) {
     for (int i = first; i < last; ++i) {
       if (L.fibers[i].wait != Wait::kNone) continue;
       L.current = i;
+      g_in_kernel = true;
       swapcontext(&L.scheduler, &L.fibers[i].context);
+      g_in_kernel = false;
       if (!L.error.empty()) {
         error = L.error;
         return false;
@@ -297,6 +415,8 @@ inline bool run_warp(Launch& L, int w, std::string& error) {
     const int released = release_collectives(L, w, error);
     if (released < 0) return false;
     if (released > 0) continue;
+    for (int i = first; i < last; ++i)
+      if (L.fibers[i].wait == Wait::kGlobal) return true;  // runs on at the CTA's next turn
     for (int i = first; i < last; ++i) {
       if (L.fibers[i].wait == Wait::kWarp) {
         error = "deadlock in " + block_name(L) + ": warp " + std::to_string(w) +
@@ -323,13 +443,11 @@ inline void warp_order(int linear, int num_warps, std::vector<int>& order) {
   }
 }
 
-// Runs one CTA to completion; false (with a message) on an invalid barrier.
-inline bool run_block(Launch& L, int linear, std::string& error) {
+// Makes the CTA held in L (its fibers sized and numbered) ready to start at its entry.
+inline void start_block(Launch& L, char* stacks) {
   const int n = static_cast<int>(L.fibers.size());
-  // Uninitialised shared memory: NaN as float, all ones as an integer.
-  std::memset(__start_metrale_shared, 0xff,
-              static_cast<size_t>(__stop_metrale_shared - __start_metrale_shared));
   L.block_live = n;
+  L.current = 0;
   for (int i = 0; i < n; ++i) {
     Fiber& f = L.fibers[i];
     f.wait = Wait::kNone;
@@ -337,16 +455,31 @@ inline bool run_block(Launch& L, int linear, std::string& error) {
     f.copies.clear();
     f.committed = 0;
     getcontext(&f.context);
-    f.context.uc_stack.ss_sp = L.stacks + static_cast<size_t>(i) * kStackBytes;
+    f.context.uc_stack.ss_sp = stacks + static_cast<size_t>(i) * kStackBytes;
     f.context.uc_stack.ss_size = kStackBytes;
     f.context.uc_link = &L.scheduler;
     makecontext(&f.context, fiber_entry, 0);
   }
-  std::vector<int> order;
-  warp_order(linear, L.num_warps, order);
-  while (L.block_live > 0) {
-    for (int w : order)
-      if (!run_warp(L, w, error)) return false;
+}
+
+enum class Step { kYield, kDone, kFailed };
+
+// Runs the CTA held in L until it reaches a point where another CTA may run: one of its threads
+// at an atomic, a fence or a global load of another CTA's data (__ldcg); kDone when every
+// thread has exited, kFailed (with a message) on an invalid barrier. CTAs switch only there:
+// the only cross-CTA traffic the kernels have goes through those points, and a template
+// kernel's __shared__ arrays lie outside the metrale_shared section (g++ ignores the section
+// attribute on a template's statics), so they could not be saved for a switch elsewhere.
+inline Step step_block(Launch& L, std::string& error) {
+  for (Fiber& f : L.fibers)
+    if (f.wait == Wait::kGlobal) f.wait = Wait::kNone;
+  for (;;) {
+    for (int w : L.order)
+      if (!run_warp(L, w, error)) return Step::kFailed;
+    bool yielded = false;
+    for (const Fiber& f : L.fibers) yielded = yielded || f.wait == Wait::kGlobal;
+    if (yielded) return Step::kYield;
+    if (L.block_live == 0) return Step::kDone;
     // Every live thread now waits at a __syncthreads: it releases if they all wait at one.
     const Fiber* first = nullptr;
     for (Fiber& f : L.fibers) {
@@ -359,13 +492,27 @@ inline bool run_block(Launch& L, int linear, std::string& error) {
                 " wait at different __syncthreads (" + first->site.file + ":" +
                 std::to_string(first->site.line) + " and " + f.site.file + ":" +
                 std::to_string(f.site.line) + "): divergent, undefined on a GPU";
-        return false;
+        return Step::kFailed;
       }
     }
     for (Fiber& f : L.fibers)
       if (f.wait == Wait::kBlock) f.wait = Wait::kNone;
   }
-  return true;
+}
+
+// Puts the resident CTA `c` in L (and L's previous one in `c`): its threads, exchange buffers
+// and shared memory. The fibers' storage moves with its vector, never its elements, so every
+// saved context stays where it was.
+inline void exchange(Launch& L, Cta& c) {
+  std::swap(L.block_idx, c.block_idx);
+  std::swap(L.linear, c.linear);
+  L.fibers.swap(c.fibers);
+  std::swap(L.current, c.current);
+  std::swap(L.block_live, c.block_live);
+  L.published.swap(c.published);
+  L.snapshots.swap(c.snapshots);
+  L.order.swap(c.order);
+  std::swap_ranges(__start_metrale_shared, __stop_metrale_shared, c.shared.data());
 }
 
 struct PendingStore {
@@ -376,6 +523,9 @@ struct PendingStore {
   bool late;
 };
 inline std::vector<PendingStore> g_pending;
+// Which CTA (serial) last read each address by __ldcg in this launch: a __stcg by another CTA
+// after that read is a race (nothing made the read wait for the store).
+static std::unordered_map<const float*, unsigned> g_reads;
 inline unsigned block_serial() {
   const Launch& L = *g_launch;
   return (L.block_idx.z * L.grid.y + L.block_idx.y) * L.grid.x + L.block_idx.x;
@@ -384,11 +534,79 @@ inline unsigned block_serial() {
 inline void land_pending() {
   for (const PendingStore& p : g_pending) *p.address = p.value;
   g_pending.clear();
+  g_reads.clear();
 }
 
-// Runs `body` (a kernel call with bound arguments) over the grid; 0 on success, else 1 with a
-// message in `error` (truncated to error_len).
-inline int launch(dim3 grid, dim3 block, std::function<void()> body, char* error, int error_len) {
+inline std::string block_of(unsigned serial) {
+  const Launch& L = *g_launch;
+  char name[64];
+  std::snprintf(name, sizeof name, "block (%u, %u, %u)", serial % L.grid.x,
+                serial / L.grid.x % L.grid.y, serial / (L.grid.x * L.grid.y));
+  return name;
+}
+
+// How a launch orders its CTAs (kernels/README.md, "The host shim"): resident CTAs (at most
+// kResident, admitted in the schedule's order as others finish) run by turns, each until its
+// next point where another CTA may run (step_block). Round-robin admits in grid order and runs
+// the residents in turn; reversed admits from the grid's end; random admits in a shuffled order
+// and picks the next CTA at random; depth-first runs the earliest admitted CTA until it reaches
+// an atomic, holds it there and runs the next, and when every resident CTA is held releases the
+// one held last first (so the CTA that draws split-K's last ticket is the one that ran first,
+// before any other split stored). A launch's seed chooses the schedule (seed % 4) and the
+// random one's draws, and every failure message names it.
+constexpr int kResident = 32;
+enum class Schedule { kRoundRobin, kReversed, kRandom, kDepthFirst };
+
+inline const char* schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::kRoundRobin: return "round-robin";
+    case Schedule::kReversed: return "reversed round-robin";
+    case Schedule::kRandom: return "random";
+    case Schedule::kDepthFirst: return "depth-first";
+  }
+  return "?";
+}
+
+// splitmix64: a small, seedable generator whose draws are the same on every platform.
+struct Rng {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  size_t below(size_t n) { return static_cast<size_t>(next() % n); }
+};
+
+// A kernel thread's fault (a plain load or store into a guard page, or a wild address) fails
+// the launch with the buffer, element and thread named, instead of killing the process; the
+// thread is abandoned. A fault outside a kernel thread keeps the default action.
+inline void on_fault(int signal_number, siginfo_t* info, void* context) {
+  Launch* L = g_launch;
+  if (L == nullptr || !g_in_kernel) {
+    ::signal(signal_number, SIG_DFL);
+    return;  // the access faults again, now with the default action
+  }
+  const char* access = "an access to ";
+#if defined(__x86_64__)
+  const greg_t code = static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_ERR];
+  access = (code & 2) ? "a store to " : "a load of ";
+#else
+  (void)context;
+#endif
+  Fiber& f = self();
+  L->error = block_name(*L) + " thread " + std::to_string(f.warp * 32 + f.lane) + ": " + access +
+             describe(info->si_addr) + " faulted";
+  f.wait = Wait::kDone;
+  g_in_kernel = false;
+  setcontext(&L->scheduler);
+}
+
+// Runs `body` (a kernel call with bound arguments) over the grid under the schedule `seed`
+// chooses; 0 on success, else 1 with a message in `error` (truncated to error_len).
+inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t seed, char* error,
+                  int error_len) {
   Launch L;
   L.grid = grid;
   L.block = block;
@@ -399,38 +617,121 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, char* error
     return 1;
   }
   L.num_warps = (n + 31) / 32;
-  L.fibers.resize(n);
-  L.published.assign(static_cast<size_t>(L.num_warps) * 32 * kExchangeWords, 0u);
-  L.snapshots.assign(static_cast<size_t>(L.num_warps) * 32 * 32 * kExchangeWords, 0u);
-  L.stacks = static_cast<char*>(std::aligned_alloc(64, static_cast<size_t>(n) * kStackBytes));
+  const size_t total = static_cast<size_t>(grid.x) * grid.y * grid.z;
+  const int resident = static_cast<int>(std::min<size_t>(kResident, total));
+  const size_t slot_bytes = static_cast<size_t>(n) * kStackBytes;
+  L.stacks = static_cast<char*>(std::aligned_alloc(64, slot_bytes * resident));
   if (L.stacks == nullptr) {
-    std::snprintf(error, error_len, "out of memory for %d fiber stacks", n);
+    std::snprintf(error, error_len, "out of memory for %d x %d fiber stacks", resident, n);
     return 1;
   }
-  for (int i = 0; i < n; ++i) {
-    Fiber& f = L.fibers[i];
-    // Linear thread index x-fastest, as CUDA numbers lanes into warps.
-    f.tid = uint3{static_cast<unsigned>(i) % block.x, static_cast<unsigned>(i) / block.x % block.y,
-                  static_cast<unsigned>(i) / (block.x * block.y)};
-    f.warp = i / 32;
-    f.lane = i % 32;
+  const Schedule schedule = static_cast<Schedule>(seed % 4);
+  Rng rng{seed};
+  std::vector<size_t> admission(total);
+  for (size_t i = 0; i < total; ++i)
+    admission[i] = schedule == Schedule::kReversed ? total - 1 - i : i;
+  if (schedule == Schedule::kRandom)
+    for (size_t i = total; i > 1; --i) std::swap(admission[i - 1], admission[rng.below(i)]);
+
+  const size_t shared_bytes =
+      static_cast<size_t>(__stop_metrale_shared - __start_metrale_shared);
+  std::vector<Cta> slots(resident);
+  std::vector<int> free_slots, running;
+  for (int i = resident - 1; i >= 0; --i) {
+    Cta& c = slots[i];
+    c.stacks = L.stacks + slot_bytes * i;
+    c.fibers.resize(n);
+    for (int t = 0; t < n; ++t) {
+      Fiber& f = c.fibers[t];
+      // Linear thread index x-fastest, as CUDA numbers lanes into warps.
+      f.tid = uint3{static_cast<unsigned>(t) % block.x, static_cast<unsigned>(t) / block.x % block.y,
+                    static_cast<unsigned>(t) / (block.x * block.y)};
+      f.warp = t / 32;
+      f.lane = t % 32;
+    }
+    c.published.assign(static_cast<size_t>(L.num_warps) * 32 * kExchangeWords, 0u);
+    c.snapshots.assign(static_cast<size_t>(L.num_warps) * 32 * 32 * kExchangeWords, 0u);
+    c.shared.resize(shared_bytes);
+    free_slots.push_back(i);
   }
   Launch* previous = g_launch;
   g_launch = &L;
+  struct sigaction handler {}, previous_segv {}, previous_bus {};
+  handler.sa_sigaction = on_fault;
+  handler.sa_flags = SA_SIGINFO;
+  sigemptyset(&handler.sa_mask);
+  sigaction(SIGSEGV, &handler, &previous_segv);
+  sigaction(SIGBUS, &handler, &previous_bus);
   std::string message;
-  bool ok = true;
-  int linear = 0;
-  for (unsigned z = 0; z < grid.z && ok; ++z)
-    for (unsigned y = 0; y < grid.y && ok; ++y)
-      for (unsigned x = 0; x < grid.x && ok; ++x) {
-        L.block_idx = uint3{x, y, z};
-        ok = run_block(L, linear++, message);
+  size_t admitted = 0, cursor = 0;
+  long long holds = 0;
+  while (message.empty() && (admitted < total || !running.empty())) {
+    while (admitted < total && !free_slots.empty()) {
+      const int i = free_slots.back();
+      free_slots.pop_back();
+      Cta& c = slots[i];
+      const size_t linear = admission[admitted++];
+      c.linear = static_cast<int>(linear);
+      c.admitted = admitted;
+      c.held = -1;
+      c.block_idx = uint3{static_cast<unsigned>(linear % grid.x),
+                          static_cast<unsigned>(linear / grid.x % grid.y),
+                          static_cast<unsigned>(linear / (static_cast<size_t>(grid.x) * grid.y))};
+      warp_order(c.linear, L.num_warps, c.order);
+      // Uninitialised shared memory: NaN as float, all ones as an integer.
+      std::fill(c.shared.begin(), c.shared.end(), static_cast<char>(0xff));
+      exchange(L, c);
+      start_block(L, c.stacks);
+      exchange(L, c);
+      running.push_back(i);
+    }
+    size_t pick = schedule == Schedule::kRandom ? rng.below(running.size())
+                                                 : cursor % running.size();
+    if (schedule == Schedule::kDepthFirst) {
+      // The earliest admitted CTA not held; if every one is held, the one held last.
+      size_t best = running.size();
+      for (size_t r = 0; r < running.size(); ++r) {
+        const Cta& candidate = slots[running[r]];
+        if (candidate.held < 0 &&
+            (best == running.size() || candidate.admitted < slots[running[best]].admitted))
+          best = r;
       }
+      if (best == running.size()) {
+        best = 0;
+        for (size_t r = 1; r < running.size(); ++r)
+          if (slots[running[r]].held > slots[running[best]].held) best = r;
+        slots[running[best]].held = -1;
+      }
+      pick = best;
+    }
+    Cta& c = slots[running[pick]];
+    exchange(L, c);
+    const Step step = step_block(L, message);
+    bool at_atomic = false;
+    for (const Fiber& f : L.fibers) at_atomic = at_atomic || (f.wait == Wait::kGlobal && f.site.mask);
+    if (step != Step::kFailed) {
+      const std::string stored = check_guards();
+      if (!stored.empty())
+        message = block_name(L) + ": a store to " + stored + " overwrote its guard's poison";
+    }
+    exchange(L, c);
+    if (step == Step::kDone) {
+      free_slots.push_back(running[pick]);
+      running.erase(running.begin() + static_cast<long>(pick));
+      cursor = pick;  // the next resident's turn
+    } else {
+      cursor = pick + 1;
+      if (at_atomic) c.held = holds++;
+    }
+  }
   land_pending();
+  sigaction(SIGSEGV, &previous_segv, nullptr);
+  sigaction(SIGBUS, &previous_bus, nullptr);
   g_launch = previous;
   std::free(L.stacks);
-  if (!ok) {
-    std::snprintf(error, error_len, "%s", message.c_str());
+  if (!message.empty()) {
+    std::snprintf(error, error_len, "%s [%s CTA schedule, seed %llu]", message.c_str(),
+                  schedule_name(schedule), static_cast<unsigned long long>(seed));
     return 1;
   }
   return 0;
@@ -465,10 +766,11 @@ inline void __syncthreads(const char* file = __builtin_FILE(), int line = __buil
                                                line});
 }
 
-// CTAs run one at a time and a fiber switches only at a barrier, so a read-modify-write is
-// never interleaved with another thread's: the GPU's atomicity, and its result up to the order
-// of the additions (which the shim fixes: CTAs in grid order, warps in the CTA's warp order).
+// A fiber switches only at a barrier or a global point, so a read-modify-write is never
+// interleaved with another thread's; the order of the additions follows the CTA schedule.
 inline float atomicAdd(float* address, float value) {
+  ::metrale_shim::check_access(address, sizeof(float), "atomicAdd");
+  ::metrale_shim::global_point(true);
   const float old = *address;
   *address = old + value;
   return old;
@@ -481,16 +783,33 @@ inline float atomicAdd(float* address, float value) {
 // ticket lets through, so the shim lands it only at the end of the launch: a kernel that
 // reduces before its partials are fenced reads stale memory here, as it may on a GPU.
 inline void __stcg(float* address, float value) {
+  using namespace ::metrale_shim;
+  check_access(address, sizeof(float), "__stcg");
+  const auto read = g_reads.find(address);
+  if (read != g_reads.end() && read->second != block_serial())
+    fail("__stcg to " + describe(address) + ", which " + block_of(read->second) +
+         " read (__ldcg) earlier in this launch: nothing orders that read after this store "
+         "(a race: the reader sees the value from before it)");
   ::metrale_shim::g_pending.push_back(
       {address, value, ::metrale_shim::block_serial(), ::metrale_shim::g_launch->current, false});
 }
 inline float __ldcg(const float* address) {
-  const unsigned block = ::metrale_shim::block_serial();
-  for (auto p = ::metrale_shim::g_pending.rbegin(); p != ::metrale_shim::g_pending.rend(); ++p)
-    if (p->address == address && p->block == block) return p->value;
+  using namespace ::metrale_shim;
+  check_access(address, sizeof(float), "__ldcg");
+  global_point();
+  const unsigned block = block_serial();
+  for (auto p = g_pending.rbegin(); p != g_pending.rend(); ++p) {
+    if (p->address != address) continue;
+    if (p->block == block) return p->value;
+    fail("__ldcg of " + describe(address) + ", which " + block_of(p->block) + " thread " +
+         std::to_string(p->thread) + " stored and had not fenced before its ticket (it may land "
+         "after this read on a GPU)");
+  }
+  g_reads[address] = block;
   return *address;
 }
 inline void __threadfence() {
+  ::metrale_shim::global_point();
   auto& pending = ::metrale_shim::g_pending;
   const unsigned block = ::metrale_shim::block_serial();
   const int thread = ::metrale_shim::g_launch->current;
@@ -505,6 +824,8 @@ inline void __threadfence() {
   pending.resize(kept);
 }
 inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  ::metrale_shim::check_access(address, sizeof(unsigned), "atomicAdd");
+  ::metrale_shim::global_point(true);
   const unsigned block = ::metrale_shim::block_serial();
   for (::metrale_shim::PendingStore& p : ::metrale_shim::g_pending)
     if (p.block == block) p.late = true;
@@ -585,6 +906,7 @@ inline void cp_async16(void* dst, const void* src, int src_bytes) {
                   src_bytes);
     fail(problem);
   }
+  check_access(src, static_cast<size_t>(src_bytes), "cp_async16");
   AsyncCopy copy{dst, {}, src_bytes, f.committed};
   std::memcpy(copy.bytes, src, static_cast<size_t>(src_bytes));
   std::memset(copy.bytes + src_bytes, 0, static_cast<size_t>(16 - src_bytes));

@@ -46,6 +46,7 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 // compile to a generic LD.E.128 instead of a global load through the read-only path.
 #ifdef METRALE_HOST_SHIM
 __device__ __forceinline__ uint4 load16(const void* p) {
+  ::metrale_shim::check_access(p, 16, "load16");  // bounds-checked (host_shim.h)
   return *reinterpret_cast<const uint4*>(p);
 }
 #else

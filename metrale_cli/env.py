@@ -41,6 +41,17 @@ def kernel_dir() -> Path | None:
     return Path(value) if value else None
 
 
+def host_seed() -> int | None:
+    """METRALE_HOST_SEED: the host harness's CTA schedule for every launch (a launch failure
+    names the seed it ran under; unset, each launch takes the next)."""
+    value = os.environ.get("METRALE_HOST_SEED", "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise UsageError(f"METRALE_HOST_SEED={value!r}: not a non-negative integer")
+    return int(value)
+
+
 def cache_dir() -> Path:
     """METRALE_CACHE_DIR: where compiled kernels and host-harness builds are cached."""
     value = os.environ.get("METRALE_CACHE_DIR")

@@ -5,7 +5,9 @@ that the host run now fails, while the unbroken kernel passes the same case."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -178,3 +180,128 @@ def test_divergent_barriers_fail_the_launch(tmp_path: Path, pattern: str, replac
     assert result.returncode == 0, result.stderr
     error = json.loads(result.stdout)["error"]
     assert error.startswith("bgmv_shrink on the host: ") and message in error
+
+
+# --- across CTAs: interleaved schedules, store visibility, and every buffer bounded -------------
+
+# A split shrink (4 splits) and an SGMV shrink of 70 tokens (a full chunk, then 6 rows), small
+# enough for a fresh interpreter per mutation.
+SPLIT_SHRINK = """
+import json, os, torch
+from metrale_cli.ops import host_harness, reference
+from tests.support.kernel_cases import Case, check_t
+kind = {kind!r}
+if kind == "bgmv":
+    case = Case("bgmv_split", 3, 1000, 64, 16, [16, 5, 9], slots=[0, 1, -1])
+else:  # the last chunk (rows 64-69) is adapted and ends at the last row of x and t
+    case = Case("sgmv_split", 70, 584, 64, 32, [32, 20], seg_starts=[0, 40, 70],
+                seg_slots=[1, 0])
+i = case.inputs(torch.float32)
+expected = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
+out = {{}}
+for seed in {seeds!r}:
+    os.environ["METRALE_HOST_SEED"] = str(seed)
+    try:
+        if kind == "bgmv":
+            t = host_harness.bgmv_shrink(i.x, i.slots, i.a_table, i.pool.ranks, case.max_rank,
+                                         splits={splits})
+        else:
+            starts, slots = case.segments()
+            t = host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks,
+                                         case.max_rank, splits={splits})
+    except RuntimeError as error:
+        out[seed] = str(error)
+    else:
+        out[seed] = "same" if torch.allclose(t, expected, rtol=1e-3, atol=1e-3) else "differs"
+print(json.dumps(out))
+"""
+
+
+def split_shrink(kind: str, splits: int, seeds: tuple[int, ...] = (0, 1, 2, 3)) -> str:
+    return SPLIT_SHRINK.format(kind=kind, splits=splits, seeds=list(seeds))
+
+
+def _results(result: Any) -> dict[str, str]:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+def test_every_schedule_runs_the_unbroken_split_shrinks(tmp_path: Path, kind: str) -> None:
+    # Round-robin, reversed, random and depth-first CTA schedules: the reference's t each time.
+    result = run_mutated(tmp_path, [], split_shrink(kind, 4))
+    assert _results(result) == {"0": "same", "1": "same", "2": "same", "3": "same"}
+
+
+# The last CTA's reads of the partials moved before its ticket: the CTA that draws the last
+# ticket has read while other splits had not yet stored. A shim that ran CTAs one at a time in
+# grid order passed it (the last ticket was always drawn after every split had stored).
+READ_BEFORE_TICKET = {
+    "bgmv": [
+        ("bgmv.cu", r"\n    if \(!split_last\(tickets, tile, active, &ticket\)\) return;", "", 1),
+        ("bgmv.cu", r"(tid % BGMV_SHRINK_ROWS\]\);\n)    __syncthreads\(\);",
+         r"\1    if (!split_last(tickets, tile, active, &ticket)) return;", 1),
+    ],
+    "sgmv": [
+        ("sgmv.cu", r"if \(!split_last\(tickets, tile, active, reinterpret_cast<unsigned\*>"
+                    r"\(x_tile\[0\]\)\)\) return;", "__threadfence();", 1),
+        ("sgmv.cu", r"(      \}\n    \}\n)(  \}\n\n  // Rows of a skipped chunk)",
+         r"\1    if (!split_last(tickets, tile, active, reinterpret_cast<unsigned*>(x_tile[0])))"
+         r" return;\n\2", 1),
+    ],
+}
+
+
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+def test_partials_read_before_the_last_ticket_fail_on_both_kernels(tmp_path: Path,
+                                                                   kind: str) -> None:
+    # Depth-first: the first CTA reads, is held at its ticket, and draws the last one after the
+    # other splits stored; a race of the read and a store, whichever comes first, is named.
+    results = _results(run_mutated(tmp_path, READ_BEFORE_TICKET[kind], split_shrink(kind, 4)))
+    error = results["3"]
+    assert error.startswith(f"{kind}_shrink on the host: block ("), error
+    assert re.search(r"__stcg to partials\[\d+\].*read \(__ldcg\) earlier in this launch"
+                     r"|__ldcg of partials\[\d+\].*had not fenced", error), error
+    assert error.endswith("[depth-first CTA schedule, seed 3]"), error
+
+
+def test_partials_unfenced_at_the_ticket_fail_naming_the_store(tmp_path: Path) -> None:
+    # The fence moved after the ticket: the last CTA reads a partial another CTA has stored but
+    # not fenced (on a GPU it may land after the read).
+    results = _results(run_mutated(tmp_path, [
+        ("lora_common.cuh", r"\n  __threadfence\(\);  // this thread's partial stores[^\n]*", "",
+         1),
+        ("lora_common.cuh", r"(\*ticket = atomicAdd\(&tickets\[tile\], 1u\);\n)",
+         r"\1  __threadfence();\n", 1),
+    ], split_shrink("bgmv", 4, (0,))))
+    assert "__ldcg of partials[" in results["0"] and "had not fenced" in results["0"]
+    assert results["0"].endswith("[round-robin CTA schedule, seed 0]")
+
+
+# SGMV row-bound bugs: each was caught, if at all, by a SIGSEGV of the test process.
+ROW_BOUND_BUGS = {
+    # A chunk's row count one too many: its CTA copies and writes one row past the chunk.
+    "chunk_rows_one_too_many": (
+        ("sgmv.cu", r"static_cast<int>\(v\.y\) - static_cast<int>\(v\.x\),",
+         "static_cast<int>(v.y) - static_cast<int>(v.x) + 1,", 1),
+        r"a store to t\[2240\]|cp_async16 of 16 bytes at x\[\d+\]"),
+    # The shrink copies one x row past its chunk.
+    "x_row_past_the_chunk": (
+        ("sgmv.cu", r"x_keep\[i\] = row < chunk\.rows;", "x_keep[i] = row <= chunk.rows;", 1),
+        r"cp_async16 of 16 bytes at x\[\d+\]"),
+    # The shrink stores one t row past its chunk.
+    "t_row_past_the_chunk": (
+        ("sgmv.cu", r"if \(row >= chunk\.rows\) continue;", "if (row > chunk.rows) continue;", 1),
+        r"a store to t\[2240\] \(t has 2240; out of bounds\) faulted"),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(ROW_BOUND_BUGS))
+def test_a_row_past_a_chunk_fails_naming_buffer_element_and_thread(tmp_path: Path,
+                                                                  bug: str) -> None:
+    edit, message = ROW_BOUND_BUGS[bug]
+    results = _results(run_mutated(tmp_path, [edit], split_shrink("sgmv", 1, (0,))))
+    error = results["0"]
+    assert error.startswith("sgmv_shrink on the host: block ("), error
+    assert re.search(r"block \(\d+, \d+, \d+\) thread \d+: ", error), error
+    assert re.search(message, error) and "out of bounds" in error, error

@@ -11,7 +11,10 @@ Each kernel source is compiled for sm_90 (nvcc -cubin) and disassembled (nvdisas
   loads. A loop that branches around each load, or uses each load before issuing the next, has
   a count of 1 or 2 and fails. A cp.async pipeline (the SGMV kernels) counts its distinct
   copies per iteration times the groups its wait leaves in flight: waiting for every group
-  (`cp_async_wait<0>`) drops the shrink from 24 to 8 and fails.
+  (`cp_async_wait<0>`) drops the shrink from 24 to 8 and fails;
+- split-K's hand-off (sass.split_handoff): the fence between a split's partial stores and its
+  ticket, the fence after the ticket, and L2-coherent reads of the partials; removing the
+  first fence, or reading the partials with plain loads, fails.
 
 Skipped, with the reason, where nvcc or nvdisasm is absent; --require-nvcc makes that a failure.
 """
@@ -19,6 +22,7 @@ Skipped, with the reason, where nvcc or nvdisasm is absent; --require-nvcc makes
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +31,7 @@ import pytest
 from metrale_cli.bench import roofline
 from metrale_cli.ops import costs, sass, sources
 from metrale_cli.ops.sass import hot_loops, loads_before_first_use, parse
+from tests.support.mutated_kernels import kernel_copy
 
 pytestmark = pytest.mark.nvcc
 
@@ -334,3 +339,82 @@ def test_the_counter_sees_a_pipeline_loop_s_own_round_trips() -> None:
     plain = parse(PIPELINE_WITH_Y.replace("LDGSTS.E.BYPASS.128 [R10], desc[UR4][R2.64], P0",
                                           "NOP"))["k"]
     assert sass.pipeline_round_trips(plain, 0, 8) == 0
+
+
+# --- split-K's hand-off: the release fence before the ticket, coherent reads after it --------
+
+SPLIT_KERNELS = ("bgmv_shrink", "sgmv_shrink")
+
+
+@pytest.mark.parametrize(("name", "compiler"),
+                         [pytest.param(n, c, id=f"{n}-{c}") for n in SPLIT_KERNELS
+                          for c in COMPILERS])
+def test_the_split_handoff_is_fenced_and_reads_at_l2(name: str, compiler: str) -> None:
+    handoff = sass.split_handoff(kernel_code(name, compiler))
+    assert handoff is not None, f"{name} ({compiler}) takes no ticket"
+    assert sass.handoff_ok(handoff), f"{name} ({compiler}): {handoff}"
+
+
+def test_only_the_split_kernels_take_tickets() -> None:
+    report = sass.report("nvrtc", ARCH)["kernels"]
+    assert {n for n, k in report.items() if k["split_handoff"]} == set(SPLIT_KERNELS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("edit", "broken"), [
+    # The release: without it a split's partial stores may land after its ticket, and the
+    # last CTA sums stale partials.
+    (("lora_common.cuh", r"\n  __threadfence\(\);  // this thread's partial stores[^\n]*", "",
+      1), "release"),
+    # The partials read by weak loads: the last CTA's L1 may hold lines of them from before
+    # the other splits stored (the acquire fence orders the loads, not the cache they hit).
+    (("{source}", r"__ldcg\(", "*(", 1), "weak_reads"),
+], ids=["fence_before_the_ticket_removed", "partials_read_weakly"])
+@pytest.mark.parametrize("name", SPLIT_KERNELS)
+def test_the_handoff_check_fails_without_the_fence_or_the_coherent_reads_nvcc(
+        tmp_path: Path, name: str, edit: tuple[str, str, str, int], broken: str) -> None:
+    source = sources.KERNEL_SOURCES[name]
+    file, pattern, replacement, count = edit
+    directory = kernel_copy(tmp_path, [(file.format(source=source), pattern, replacement, count)])
+    code = parse(sass.disassemble(sass.nvcc_cubin(directory / source, ARCH)))[name]
+    handoff = sass.split_handoff(code)
+    assert handoff is not None and not sass.handoff_ok(handoff)
+    assert (handoff[broken] > 0) if broken == "weak_reads" else not handoff[broken], handoff
+
+
+SPLIT_HANDOFF = """
+.text.k:
+        /*0000*/                   STG.E.STRONG.GPU desc[UR4][R2.64], R3 ;
+        /*0010*/                   MEMBAR.SC.GPU ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/                   ATOMG.E.ADD.STRONG.GPU PT, R4, desc[UR4][R6.64], R7 ;
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/                   ISETP.NE.AND P0, PT, R4, R8, PT ;
+        /*0060*/               @P0 EXIT ;
+        /*0070*/                   MEMBAR.SC.GPU ;
+.L_x_1:
+        /*0080*/                   LDG.E.STRONG.GPU R9, desc[UR4][R10.64] ;
+        /*0090*/                   LDG.E.CONSTANT R11, desc[UR4][R12.64] ;
+        /*00a0*/                   FADD R13, R9, R13 ;
+        /*00b0*/               @P1 BRA `(.L_x_1) ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+def test_the_counter_reads_the_split_handoff() -> None:
+    good = sass.split_handoff(parse(SPLIT_HANDOFF)["k"])
+    assert good == {"tickets": 1, "release": True, "acquire": True, "coherent_reads": 1,
+                    "weak_reads": 0}
+    assert sass.handoff_ok(good)
+    for old, new, broken in [
+        ("MEMBAR.SC.GPU ;\n        /*0020*/", "NOP ;\n        /*0020*/", "release"),
+        ("MEMBAR.SC.GPU ;\n.L_x_1:", "NOP ;\n.L_x_1:", "acquire"),
+        ("LDG.E.STRONG.GPU R9", "LDG.E R9", "weak_reads"),
+        ("MEMBAR.SC.GPU ;\n        /*0020*/", "MEMBAR.SC.CTA ;\n        /*0020*/", "release"),
+    ]:
+        handoff = sass.split_handoff(parse(SPLIT_HANDOFF.replace(old, new, 1))["k"])
+        assert handoff is not None and not sass.handoff_ok(handoff), (old, new)
+        assert (handoff[broken] > 0) if broken == "weak_reads" else not handoff[broken]
+    # An F32 atomic is no ticket; a kernel without one has no hand-off to check.
+    no_ticket = SPLIT_HANDOFF.replace("ATOMG.E.ADD.STRONG.GPU", "ATOMG.E.ADD.F32.FTZ.RN.STRONG.GPU")
+    assert sass.split_handoff(parse(no_ticket)["k"]) is None

@@ -166,7 +166,7 @@ def test_a_broken_reduction_fails(case: Case, mutation: str, tmp_path: Path,
     """What the tests above check goes wrong on the two ways to break the design: the last
     CTA not resetting its counter (the next launch's tickets never reach the last), or a
     split's partials not fenced before its ticket (the shim lands them after the launch, as a
-    GPU may)."""
+    GPU may, and fails the last CTA's read of one)."""
     directory = _mutated(tmp_path, MUTATIONS[mutation])
     monkeypatch.setenv("METRALE_KERNEL_DIR", str(directory))
     backend = host_harness.HostBackend()
@@ -174,6 +174,11 @@ def test_a_broken_reduction_fails(case: Case, mutation: str, tmp_path: Path,
     if mutation == "no_reset":
         # The host backend checks the counters after every split launch (kernels.check_tickets).
         with pytest.raises(RuntimeError, match=r"left \d+ split-K ticket counter\(s\) non-zero"):
+            _shrink(case, 4, backend)
+        return
+    if mutation == "fence_after_ticket":
+        # The last CTA reads a partial another split stored and has not fenced: named.
+        with pytest.raises(RuntimeError, match=r"__ldcg of partials\[\d+\].* had not fenced"):
             _shrink(case, 4, backend)
         return
     first = _shrink(case, 4, backend)

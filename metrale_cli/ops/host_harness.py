@@ -1,7 +1,8 @@
 """Run the CUDA kernels of kernels/*.cu on the CPU, unchanged, to test them without a GPU.
 
 The sources are compiled by g++ as C++ with kernels/host_shim.h force-included (CUDA's built-ins
-emulated: CTAs run one at a time, their threads as fibers that switch at barriers, a warp at a
+emulated: CTAs interleaved in a seeded schedule, every buffer between guard regions, threads
+as fibers that switch at barriers, a warp at a
 time; shared memory poisoned, cp.async and warp collectives checked as strictly as the
 hardware defines them, kernels/README.md's "The host shim") into a shared
 library cached under METRALE_CACHE_DIR, keyed by a hash of the sources, the flags and the
@@ -24,7 +25,9 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -115,7 +118,8 @@ def _library(path: str) -> ctypes.CDLL:
     library = ctypes.CDLL(path)
     library.metrale_host_launch.argtypes = [
         ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_void_p),
-        ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+        ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_ulonglong),
+        ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int,
     ]
     library.metrale_host_launch.restype = ctypes.c_int
     return library
@@ -135,7 +139,57 @@ def _param(value: Any) -> ctypes._SimpleCData:
     raise TypeError(f"no host kernel parameter for {type(value).__name__}")
 
 
+@functools.cache
+def parameter_names(kernel: str, directory: Path | None = None) -> tuple[str, ...]:
+    """The names of `kernel`'s parameters, as its declaration in the sources spells them: the
+    host shim names the buffer an out-of-bounds access reaches past."""
+    directory = directory or sources.find_kernel_dir()
+    declared, _ = sources.kernels_in(directory)
+    text = (directory / declared[kernel]).read_text(encoding="utf-8")
+    start = re.search(rf"\b{re.escape(kernel)}\s*\(", text)
+    if start is None:
+        raise RuntimeError(f"no declaration of {kernel} in {declared[kernel]}")
+    depth, at = 1, start.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[at], 0)
+        at += 1
+    declaration = text[start.end(): at - 1]
+    # A parameter list written as a macro (`EXPERT_EXPAND_PARAMS(OutT)`): its definition's.
+    for name in re.findall(r"\b([A-Z][A-Z0-9_]*)\b", declaration):
+        body = re.search(rf"#define {name}\b(?:\([^)]*\))?((?:[^\n]*\\\n)*[^\n]*)", text)
+        if body:
+            declaration = re.sub(rf"\b{name}\b(?:\s*\([^)]*\))?", body.group(1), declaration)
+    declaration = declaration.replace("\\\n", " ").replace("\n", " ")
+    return tuple(re.findall(r"(\w+)\s*(?:,|$)", declaration.strip()))
+
+
+def _buffer(value: Any) -> tuple[int, int]:
+    """(bytes, element size) of an array argument, from its first element to the end of its
+    last (a row-strided view spans its gaps); (0, 0) for a value, an empty array, or one with a
+    negative stride (left unguarded)."""
+    if isinstance(value, np.generic) or not hasattr(value, "shape"):
+        return 0, 0
+    if hasattr(value, "element_size"):  # torch: strides in elements
+        itemsize = value.element_size()
+        strides = [s * itemsize for s in value.stride()]
+    else:
+        itemsize, strides = value.itemsize, list(value.strides)
+    if 0 in value.shape or min(strides, default=0) < 0:
+        return 0, 0
+    return itemsize + sum((n - 1) * s for n, s in zip(value.shape, strides, strict=True)), itemsize
+
+
 _LAUNCH_LOCK = threading.Lock()
+# Each launch's CTA schedule (host_shim.h: seed % 4 picks round-robin, reversed, random or
+# depth-first, and seeds the random draws): the next of this count, unless METRALE_HOST_SEED
+# fixes it.
+_SEEDS = itertools.count()
+
+
+def launch_seed() -> int:
+    """The CTA schedule seed of the next host launch."""
+    fixed = env.host_seed()
+    return next(_SEEDS) if fixed is None else fixed
 
 
 def launch(plan: plans.KernelLaunch) -> None:
@@ -148,10 +202,18 @@ def launch(plan: plans.KernelLaunch) -> None:
         *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values]
     )
     dims = (ctypes.c_uint * 6)(*plan.grid, *plan.block)
+    names = parameter_names(plan.kernel, sources.find_kernel_dir())
+    if len(names) != len(values):
+        raise RuntimeError(f"{plan.kernel}: {len(values)} arguments for parameters {names}")
+    buffers = [_buffer(arg) for arg in plan.args]
+    name_array = (ctypes.c_char_p * len(values))(*(n.encode() for n in names))
+    sizes = (ctypes.c_ulonglong * len(values))(*(b[0] for b in buffers))
+    itemsizes = (ctypes.c_ulonglong * len(values))(*(b[1] for b in buffers))
     error = ctypes.create_string_buffer(512)
     with _LAUNCH_LOCK:
         status = library.metrale_host_launch(
-            plan.kernel.encode(), dims, params, len(values), error, len(error)
+            plan.kernel.encode(), dims, params, len(values), name_array, sizes, itemsizes,
+            launch_seed(), error, len(error)
         )
     if status != 0:
         raise RuntimeError(f"{plan.kernel} on the host: {error.value.decode()}")

@@ -18,7 +18,13 @@ on, per kernel:
 - in a cp.async pipeline loop, no register load whose value the same iteration reads
   (`pipeline_round_trips`): the pipeline's wait covers only copies issued iterations before,
   so such a load (the SGMV expand's y vectors, until they were loaded a tile ahead) costs every
-  iteration a round trip of its own that the model would not charge.
+  iteration a round trip of its own that the model would not charge;
+- split-K's hand-off (`split_handoff`): in a kernel that takes a ticket (a 32-bit integer
+  `ATOMG.E.ADD`), a GPU-scope fence (`MEMBAR.*.GPU` or `.SYS`) between the CTA's last global
+  store before the ticket and the ticket (the release of its partials), another between the
+  ticket and the first load after it (the acquire), and every load the ticket can reach
+  L2-coherent (`LDG.E.STRONG.GPU`) but those of the read-only path (`.CONSTANT`, which the
+  kernels use only for inputs that no thread writes). A weak `LDG.E` may hit a stale L1 line.
 
 NVRTC is loaded from the `nvidia-cuda-nvrtc` wheel (or the CUDA toolkit), which needs no GPU;
 nvdisasm likewise from `nvidia-cuda-nvdisasm`. `python -m metrale_cli.ops.sass` writes the report
@@ -466,6 +472,78 @@ def chained_loops(code: list[Instruction]) -> list[tuple[int, int]]:
     return carried
 
 
+def _successors(code: list[Instruction], at: int, heads: dict[str, int]) -> list[int]:
+    """Where control may go after instruction `at`: the next one unless an unconditional jump
+    or exit stops it, and every label a branch names (forward or back)."""
+    ins = code[at]
+    found = [] if ins.always_runs and ins.opcode.startswith(("BRA", "BRX", "EXIT", "RET")) \
+        else [at + 1]
+    if ins.opcode.startswith("BRX"):
+        found += [heads[n] for n in _BRX_TARGETS.findall(ins.operands) if n in heads]
+    elif ins.opcode.startswith("BRA"):
+        found += [heads[n] for n in _BRANCH_TARGET.findall(ins.operands) if n in heads]
+    return [i for i in found if i < len(code)]
+
+
+def _reachable(code: list[Instruction], start: int) -> set[int]:
+    heads = {ins.label: i for i, ins in enumerate(code) if ins.label}
+    seen: set[int] = set()
+    todo = [start]
+    while todo:
+        at = todo.pop()
+        if at not in seen:
+            seen.add(at)
+            todo.extend(_successors(code, at, heads))
+    return seen
+
+
+def _is_gpu_fence(ins: Instruction) -> bool:
+    return ins.opcode.startswith("MEMBAR") and ins.opcode.endswith((".GPU", ".SYS"))
+
+
+def _is_ticket(ins: Instruction) -> bool:
+    """A 32-bit integer atomic add on global memory (split_last's atomicAdd on a u32)."""
+    parts = ins.opcode.split(".")
+    return (parts[0] == "ATOMG" and "ADD" in parts
+            and not any(p.startswith(("F", "64")) for p in parts[1:]))
+
+
+def split_handoff(code: list[Instruction]) -> dict[str, Any] | None:
+    """Split-K's hand-off as the machine code has it; None where the kernel takes no ticket.
+    `release`: a GPU-scope fence lies between the last global store before each ticket and the
+    ticket; `acquire`: one lies between each ticket and the first global load after it;
+    `coherent_reads`: the L2-coherent (`.STRONG.GPU`/`.SYS`) loads the ticket reaches;
+    `weak_reads`: the loads it reaches that are neither those nor of the read-only path
+    (`.CONSTANT`), which a last CTA may answer from a stale L1 line."""
+    tickets = [i for i, ins in enumerate(code) if _is_ticket(ins)]
+    if not tickets:
+        return None
+    release = acquire = True
+    reached: set[int] = set()
+    for at in tickets:
+        stores = [i for i in range(at) if code[i].opcode.startswith("STG")]
+        if not stores or not any(_is_gpu_fence(code[i]) for i in range(stores[-1], at)):
+            release = False
+        after = sorted(i for i in _reachable(code, at) if i > at)
+        reached.update(_reachable(code, at))
+        loads = [i for i in after if code[i].is_global_load]
+        if not loads or not any(_is_gpu_fence(code[i]) for i in range(at, loads[0])):
+            acquire = False
+    loads = [code[i].opcode for i in sorted(reached) if code[i].is_global_load]
+    coherent = [op for op in loads if ".STRONG.GPU" in op or ".STRONG.SYS" in op]
+    weak = [op for op in loads if op not in coherent and ".CONSTANT" not in op]
+    return {"tickets": len(tickets), "release": release, "acquire": acquire,
+            "coherent_reads": len(coherent), "weak_reads": len(weak)}
+
+
+def handoff_ok(handoff: dict[str, Any] | None) -> bool:
+    """Whether a kernel's split hand-off (split_handoff) is fenced both ways and reads the
+    partials coherently; a kernel with no ticket has nothing to hand off."""
+    return handoff is None or (handoff["release"] and handoff["acquire"]
+                               and handoff["coherent_reads"] > 0
+                               and handoff["weak_reads"] == 0)
+
+
 def kernel_report(code: list[Instruction]) -> dict[str, Any]:
     """What the checks read of one kernel's machine code."""
     return {
@@ -475,6 +553,7 @@ def kernel_report(code: list[Instruction]) -> dict[str, Any]:
         "copy_depth": stream_depth(code, copies_only=True),
         "chained_loops": len(chained_loops(code)),
         "pipeline_round_trips": sum(pipeline_round_trips(code, h, e) for h, e in hot_loops(code)),
+        "split_handoff": split_handoff(code),
         "instructions": len(code),
     }
 
@@ -489,7 +568,8 @@ def report(compiler: str, arch: str) -> dict[str, Any]:
         entry["wanted_loads"] = sources.loads_in_flight(name)
         entry["ok"] = (entry["local_memory"] == 0 and bool(entry["hot_loop_loads"])
                        and min(entry["hot_loop_loads"]) >= entry["wanted_loads"]
-                       and entry["pipeline_round_trips"] == 0)
+                       and entry["pipeline_round_trips"] == 0
+                       and handoff_ok(entry["split_handoff"]))
         kernels_out[name] = entry
     return {"compiler": compiler, "arch": arch, "kernels": kernels_out,
             "ok": all(k["ok"] for k in kernels_out.values())}
