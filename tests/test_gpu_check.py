@@ -24,6 +24,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
                           check=False)
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize(("flags", "total"), [((), 420), (("--quick",), 180)],
                          ids=["full", "quick"])
 def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(
