@@ -46,14 +46,14 @@ vllm: $(VLLM_VENV)/.installed
 demo: $(VENV)/.installed
 	bash scripts/demo.sh "$(BIN)" "$(DEMO_OUT)"
 
-# One worker a core; loadgroup keeps each xdist_group (the engine and torchrun tests, which want
-# the whole machine) on one worker, one test at a time.
+# One worker a core, each test file on one worker (--dist loadfile): a module's fixtures, such as
+# the vLLM engines of tests/test_engine_vllm.py, are built once, and its tests run one at a time.
 test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	$(BIN)/ruff check metrale_cli tests
-	$(BIN)/python -m pytest -q -n auto --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile $(PYTEST_ARGS)
 
 quick: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n auto --dist loadgroup -m "$(QUICK_MARKERS)" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "$(QUICK_MARKERS)" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check metrale_cli tests

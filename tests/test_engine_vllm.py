@@ -28,9 +28,7 @@ from metrale_cli.model.config import ModelConfig
 from tests.conftest import VLLM_PYTHON
 from tests.support.engine_cases import PROMPT, Case, make_case, write_model
 
-# An engine wants every core and gigabytes: under `make test`'s -n one worker runs these and the
-# torchrun tests, one at a time (xdist_group with --dist loadgroup).
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("whole_machine")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 RUNNER = Path(__file__).parent / "support" / "vllm_runner.py"
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]

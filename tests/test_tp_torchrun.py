@@ -17,8 +17,7 @@ import pytest
 from tests.support.cli_runner import metrale
 from tests.support.tiny_hybrid import free_port, tiny_hybrid_adapters
 
-# torchrun's ranks want every core: one worker runs these and the engine tests, one at a time.
-pytestmark = [pytest.mark.proc, pytest.mark.xdist_group("whole_machine")]
+pytestmark = pytest.mark.proc
 TIMEOUT_S = 60
 
 
