@@ -1,4 +1,5 @@
-# The two commands: `make demo` and `make test`. Both create .venv and install what they need.
+# The commands: `make demo`, `make test` and `make quick` (the edit loop). Each creates .venv and
+# installs what it needs.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -29,8 +30,10 @@ SGLANG_LORA_DEPS ?= orjson psutil pybase64 requests packaging starlette msgspec 
 SGLANG_PIP := env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(SGLANG_VENV)/bin/pip
 # Extra pytest arguments: .ci/run passes --require-nvcc so that CI must compile every kernel.
 PYTEST_ARGS ?=
+# The cost tiers (pyproject.toml markers): `make quick` runs every test outside them.
+QUICK_MARKERS := not (slow or proc or sweep)
 
-.PHONY: demo test lint clean vllm sglang
+.PHONY: demo test quick lint clean vllm sglang
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,9 +73,17 @@ sglang: $(SGLANG_VENV)/.installed
 demo: $(VENV)/.installed
 	bash scripts/demo.sh "$(BIN)" "$(DEMO_OUT)"
 
+# One worker a core, each test file on one worker (--dist loadfile): a module's fixtures, such as
+# the vLLM engines of tests/test_engine_vllm.py, are built once, and its tests run one at a time.
+# Beside the engines' own processes a quick test can wait seconds for a core, so the full run
+# allows an unmarked test 10 s (the quick tier keeps pyproject.toml's 3 s).
+FULL_UNMARKED_LIMIT_S ?= 10
 test: $(VENV)/.installed-test $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 	$(BIN)/ruff check metrale_cli tests
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -o unmarked_limit_s=$(FULL_UNMARKED_LIMIT_S) $(PYTEST_ARGS)
+
+quick: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "$(QUICK_MARKERS)" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check metrale_cli tests

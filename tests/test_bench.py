@@ -45,6 +45,7 @@ def test_kernel_line_shows_the_record() -> None:
     assert kernel_line({**record, "speedup_vs_torch": None}).plain.endswith("no torch")
 
 
+@pytest.mark.slow
 def test_bench_pack_experts_reports_peak_memory() -> None:
     result = metrale("bench", "pack", "--model", "qwen3-30b-a3b", "--modules", "q_proj",
                      "--rank", 8, "--adapters", 1, "--repeats", 1, "--experts", "--json")
@@ -67,6 +68,7 @@ def test_bench_kernels_needs_a_gpu() -> None:
     assert result.code == 3 and result.stderr.startswith("error: a GPU is needed")
 
 
+@pytest.mark.slow
 def test_roofline_plot(tmp_path: Path) -> None:
     records = [
         {"kernel": k, "bytes": b, "flops": f, "p50_us": us, "copy_us": us * 0.8,

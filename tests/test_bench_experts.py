@@ -25,6 +25,7 @@ def _group(shape: be.ExpertShape = TINY) -> be.ExpertGroup:
                           host_harness.HOST)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proj", be.PROJECTIONS)
 def test_the_benchmark_validates_its_kernels_on_the_host(proj: str) -> None:
     group = _group()

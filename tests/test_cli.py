@@ -31,6 +31,7 @@ def synth_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return a, b
 
 
+@pytest.mark.proc
 def test_help_and_inspect_do_not_import_torch_or_cupy(synth_pair: tuple[Path, Path]) -> None:
     code = (
         "import sys\n"
@@ -169,6 +170,7 @@ def tiny_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "a"
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())

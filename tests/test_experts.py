@@ -261,6 +261,7 @@ def test_pool_clear_swap_land_keep_experts_consistent(peft_zoo, tmp_path: Path) 
 # -- layout --experts without adapters -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_layout_experts_qwen3_next_80b_r16() -> None:
     """Every routed expert's gate/up/down and the router on all 48 MoE layers at r=16: per
     expert (16*2048 + 512*16) * 2 B * 2 (gate, up) + (16*512 + 2048*16) * 2 B (down) = 245,760 B;

@@ -127,6 +127,7 @@ def command_lines(draw: st.DrawFn, tiny: Path, image: Path, out_dir: Path) -> li
     return [command, *parts]
 
 
+@pytest.mark.slow
 @given(data=st.data())
 def test_every_option_keeps_the_promise(tiny: Path, image: Path, data: st.DataObject,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,6 +171,7 @@ def with_values(base: dict[str, object], values: dict[str, str]) -> str:
     return "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in {**kept, **values}.items()) + "}"
 
 
+@pytest.mark.slow
 @given(adapter_values=st.dictionaries(st.sampled_from(ADAPTER_FIELDS), VALUES, max_size=3),
        model_values=st.dictionaries(st.sampled_from(MODEL_FIELDS), VALUES, max_size=2),
        command=st.sampled_from(["inspect", "layout", "pack"]))
@@ -258,6 +260,7 @@ def image(tiny: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @given(kind=st.sampled_from(OUTPUT_KINDS), force=st.booleans(),
        command=st.sampled_from(["pack", "synth", "unpack", "simulate"]))
 def test_output_paths_keep_the_promise(

@@ -43,6 +43,7 @@ def _returned(out: Path) -> tuple[dict, dict[str, bytes]]:
     return json.loads((out / "summary.json").read_text()), members
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize(("flags", "total"), [((), 465), (("--quick",), 225)],
                          ids=["full", "quick"])
 def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(

@@ -40,6 +40,7 @@ def test_full_chunks_pass_on_the_unbroken_kernels() -> None:
     check_y(i.y, i.y0, expected, case, "sgmv")
 
 
+@pytest.mark.proc
 def test_a_stage_refilled_while_other_warps_read_it_fails(tmp_path: Path) -> None:
     # The write-after-read __syncthreads before a stage is refilled, deleted in the shrink and
     # the expand. Warps that ran in lockstep at every mma had all read the stage before any
@@ -67,6 +68,7 @@ else:
 """
 
 
+@pytest.mark.proc
 def test_shared_memory_never_written_reads_nan(tmp_path: Path) -> None:
     # A warp whose partial sums are zero skips storing them, counting on shared memory that
     # starts zeroed (it does not on a GPU). K = 200 is one warp's share of a pass, so warps 1-3
@@ -81,6 +83,7 @@ def test_shared_memory_never_written_reads_nan(tmp_path: Path) -> None:
     assert json.loads(result.stdout) == {"t_nan": True}
 
 
+@pytest.mark.proc
 def test_a_lane_that_exited_fails_a_shuffle_naming_it(tmp_path: Path) -> None:
     # The upper half of warps 1-3 (whose sums are zero at K = 200) returns before the
     # reduction: the full-mask shuffles name exited lanes (undefined on a GPU), which the shim
@@ -95,6 +98,7 @@ def test_a_lane_that_exited_fails_a_shuffle_naming_it(tmp_path: Path) -> None:
     assert "__shfl_xor_sync at " in error and "lora_common.cuh" in error
 
 
+@pytest.mark.proc
 def test_lanes_at_different_collectives_fail(tmp_path: Path) -> None:
     # The group sums' exchange written as two intrinsics, one per half of the lane group: the
     # same values, but on a GPU lanes of one shuffle at different intrinsics are undefined.
@@ -125,6 +129,7 @@ else:
     assert "__shfl_xor_sync at " in error and "__shfl_sync at " in error
 
 
+@pytest.mark.proc
 def test_cp_async_misuse_fails_the_launch(tmp_path: Path) -> None:
     # The shrink's x copies from a source 2 bytes off its 16-byte vectors, and the expand's B
     # copies with a source size of 17 bytes: both undefined on a GPU (a misaligned cp.async
@@ -161,6 +166,7 @@ print(json.dumps(errors))
     assert expand.startswith("sgmv_expand") and "source size of 17 bytes (0..16)" in expand
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize(("pattern", "replacement", "message"), [
     # The same barrier written once per branch of a divergent if: threads of one CTA at
     # different __syncthreads (undefined on a GPU, and released together by a shim that only

@@ -258,6 +258,7 @@ def test_a_signal_during_pack_out_leaves_no_temp_file(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.proc
 def test_an_ignored_hangup_stays_ignored(tiny: Path, tmp_path: Path) -> None:
     """Under `nohup` (SIGHUP ignored) a hangup during the write does not end it."""
     target = tmp_path / "pool.safetensors"

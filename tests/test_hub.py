@@ -127,6 +127,7 @@ def test_online_inspect_reads_only_the_header(hub: Hub, tmp_path: Path) -> None:
     assert not list(cache.rglob("adapter_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_online_pack_downloads_into_the_cache(hub: Hub, tmp_path: Path) -> None:
     cache, out = tmp_path / "cache", tmp_path / "pool.safetensors"
     done = _run(hub, cache, "pack", "acme/chat", "--max-loras", 1, "--out", out,

@@ -42,6 +42,7 @@ print(json.dumps({"source": sources.KERNEL_SOURCES["scale_rows"],
 """
 
 
+@pytest.mark.proc
 def test_a_new_kernel_needs_only_its_source(tmp_path: Path) -> None:
     result = run_on(kernel_copy(tmp_path, files={"scale.cu": SCALE_CU}), tmp_path, LAUNCH_IT)
     assert result.returncode == 0, result.stderr

@@ -49,6 +49,7 @@ def _results() -> dict[tuple[str, str], subprocess.CompletedProcess[str]]:
         return dict(zip(jobs, done, strict=True))
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES)
 def test_kernel_compiles_cleanly(source: str, arch: str) -> None:

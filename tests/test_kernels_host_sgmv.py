@@ -122,6 +122,7 @@ READ_TOO_EARLY = sgmv_nan_probe("from tests.support.kernel_cases import SGMV_CAS
                                 "case = SGMV_CASES[0]")
 
 
+@pytest.mark.proc
 def test_a_stage_read_before_its_wait_fails_on_the_host(tmp_path: Path) -> None:
     # The shrink's and the expand's wait.
     result = run_mutated(tmp_path, [("sgmv.cu", r"cp_async_wait<(SGMV_\w+_STAGES) - 1>",

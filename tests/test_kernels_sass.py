@@ -65,6 +65,7 @@ def kernel_code(name: str, compiler: str = "nvcc") -> list[sass.Instruction]:
     return parse(sass.listing(sources.KERNEL_SOURCES[name], compiler, ARCH))[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("name", sorted(sources.KERNEL_SOURCES))
 def test_no_local_memory(name: str, compiler: str) -> None:
@@ -144,6 +145,7 @@ def test_pipeline_loops_wait_for_no_load_of_their_own(name: str, compiler: str) 
         assert work[3] == -(-items // sources.SGMV_EXPAND_STAGES)
 
 
+@pytest.mark.slow
 def test_the_nvrtc_report_covers_every_kernel() -> None:
     report = sass.report("nvrtc", ARCH)
     assert set(report["kernels"]) == set(sources.KERNEL_SOURCES)

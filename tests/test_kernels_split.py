@@ -73,6 +73,7 @@ def test_every_split_count_matches_the_reference_and_repeats_bit_for_bit(
     assert not _tickets(backend).any()
 
 
+@pytest.mark.slow
 def test_planned_splits_of_a_long_k_match_the_reference_on_both_paths() -> None:
     """A decode batch with a long K over few tokens, which the planner splits, on the
     per-token path and on the grouped one (SGMV over the tokens sorted by slot), fused and
@@ -159,6 +160,7 @@ def _mutated(tmp_path: Path, edits: list[tuple[str, str]]) -> Path:
     return directory
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("case", [BGMV, SGMV], ids=["bgmv", "sgmv"])
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_a_broken_reduction_fails(case: Case, mutation: str, tmp_path: Path,

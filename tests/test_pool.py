@@ -478,6 +478,7 @@ def test_an_adapter_for_other_dims_is_refused_before_a_byte_is_written(tmp_path:
     assert not pool.pool.any() and pool.manager.slot_info(1).generation == 0
 
 
+@pytest.mark.proc
 def test_kill_during_pack_leaves_no_partial_file(tmp_path: Path) -> None:
     """SIGKILL at many moments of `pack --out`: the output is absent or a whole image."""
     a = tmp_path / "big"

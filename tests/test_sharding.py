@@ -180,6 +180,7 @@ def test_layout_tp_json_and_view() -> None:
     assert f"holds {doc['max_loras']:,} slots on every rank" in view.stdout
 
 
+@pytest.mark.slow
 def test_layout_tp_with_experts_and_ep() -> None:
     result = metrale(*NEXT_ARGS, "--experts", "--tp", 4, "--ep", 2, "--max-loras", 2, "--json")
     assert result.code == 0, result.stderr

@@ -673,6 +673,7 @@ def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:
         assert s["max_loras"] == (met[0]["max_loras"] if met else None)
 
 
+@pytest.mark.sweep
 def test_progress_counts_every_request_once_and_pins_by_name() -> None:
     from metrale_cli.cli.parsing import parse_modules
     from metrale_cli.layout.plan import plan_layouts
@@ -708,6 +709,7 @@ def test_an_expert_slot_is_swapped_with_its_slot() -> None:
     assert rec["swap"]["slot_bytes"] == layout["slot_bytes"] + expert_slot
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shard", [["--tp", "4"], ["--tp", "4", "--ep", "2"],
                                    ["--tp", "2", "--fully-sharded"]])
 def test_tp_swaps_the_largest_ranks_slot_per_gpu(shard: list[str]) -> None:

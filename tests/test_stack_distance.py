@@ -41,6 +41,7 @@ def test_distances_are_the_distinct_adapters_between_uses(refs: list[int]) -> No
     assert got.tolist() == distance_by_definition(refs)
 
 
+@pytest.mark.sweep
 @settings(max_examples=300, deadline=None)
 @given(
     data=st.lists(st.tuples(st.integers(-1, 12), st.sampled_from([0.0, 0.0, 0.0005, 0.3, 2.0])),

@@ -17,7 +17,7 @@ import pytest
 from tests.support.cli_runner import metrale
 from tests.support.tiny_hybrid import free_port, tiny_hybrid_adapters
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.proc
 TIMEOUT_S = 60
 
 

@@ -3,6 +3,10 @@
 Register with ``pytest_plugins = ["tests.support.peft_fixtures"]`` in ``tests/conftest.py``. Records
 handed out are cached for the whole session and shared between test files: treat them as
 read-only (clone a tensor before modifying it).
+
+The factory (and with it torch, transformers and peft) is imported on the first adapter a test
+asks for, not when pytest loads this plugin: a test file that needs no ground truth starts in the
+time pytest itself takes.
 """
 
 from __future__ import annotations
@@ -10,17 +14,12 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.support.peft_factory import (
-    AdapterTruth,
-    HandV4Truth,
-    make_adapter,
-    make_hand_v4_expert_adapter,
-    write_base_config,
-)
+if TYPE_CHECKING:
+    from tests.support.peft_factory import AdapterTruth, HandV4Truth
 
 
 def _cache_key(*parts: Any, **kwargs: Any) -> str:
@@ -56,6 +55,8 @@ class PeftZoo:
         """``make_adapter`` with the same arguments, cached by value."""
         key = _cache_key(model_name, dtype, adapter_name, seed, **lora_kwargs)
         if key not in self._adapters:
+            from tests.support.peft_factory import make_adapter
+
             self._adapters[key] = make_adapter(
                 model_name,
                 self._fresh_dir(model_name),
@@ -70,6 +71,8 @@ class PeftZoo:
         """``make_hand_v4_expert_adapter`` with the same arguments, cached by value."""
         key = _cache_key(model_name, r, alpha, **kwargs)
         if key not in self._hand_v4:
+            from tests.support.peft_factory import make_hand_v4_expert_adapter
+
             self._hand_v4[key] = make_hand_v4_expert_adapter(
                 model_name, self._fresh_dir(f"{model_name}-v4"), r, alpha, **kwargs
             )
@@ -78,6 +81,8 @@ class PeftZoo:
     def base_dir(self, model_name: str) -> Path:
         """A directory holding only the tiny model's ``config.json``."""
         if model_name not in self._bases:
+            from tests.support.peft_factory import write_base_config
+
             base = write_base_config(model_name, self.root / f"base-{model_name}")
             self._bases[model_name] = base
         return self._bases[model_name]
