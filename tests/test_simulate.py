@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metrale_cli.cli import render
 from metrale_cli.cli.parsing import parse_bandwidth, parse_size_list
 from metrale_cli.errors import FormatError, OutputExists, UsageError
 from metrale_cli.sim.replay import Link, Replay, SwapCost
@@ -788,3 +789,17 @@ def test_a_plot_that_cannot_be_written_keeps_the_table(
     r = metrale("simulate", *SLOT, "--requests", "200", "--plot", tmp_path / "sim.png")
     assert r.code == 2 and "the PNG could not be written" in r.stderr
     assert r.stdout == metrale("simulate", *SLOT, "--requests", "200").stdout
+
+
+def test_a_pool_its_tables_push_over_the_budget_says_so_in_bytes() -> None:
+    """A budget of exactly four slots: the slots fit, their tables do not, and the two GiB
+    figures are equal; the answer line gives the bytes and how many are over."""
+    slot = metrale("layout", *SLOT, "--json").json()["slot_bytes"]
+    args = (*SLOT, "--requests", "100", "--max-loras", "4", "--target-hit-rate", "0.01",
+            "--budget", 4 * slot)
+    (best,) = metrale("simulate", *args, "--policy", "lru", "--json").json()["smallest_meeting"]
+    over = best["pool_bytes"] - 4 * slot
+    assert best["fits_budget"] is False and over > 0
+    shown = metrale("simulate", *args, "--policy", "lru").stdout
+    assert (f"does NOT fit the {render.human_bytes(4 * slot)} budget "
+            f"({best['pool_bytes']:,} B with its tables, {over:,} B over)") in shown

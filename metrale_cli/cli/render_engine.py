@@ -91,7 +91,8 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
         ("LoRA buffers", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) per GPU"),
         ("slot", f"{rec['slot_bytes']:,} B ({human_bytes(rec['slot_bytes'])}) per adapter slot"),
         ("host cache", f"{rec['host_cache_bytes']:,} B ({human_bytes(rec['host_cache_bytes'])}) "
-         f"for {rec['flags']['max_cpu_loras']} adapters, per TP worker")]
+         f"for {rec['flags']['max_cpu_loras']} adapter"
+         f"{'s' if rec['flags']['max_cpu_loras'] != 1 else ''}, per TP worker")]
     if "budget_bytes" in rec:
         rows.append(("budget", f"{human_bytes(rec['budget_bytes'])} holds "
                      f"{rec['max_loras_fit']:,} --max-loras"))

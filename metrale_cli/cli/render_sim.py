@@ -108,9 +108,15 @@ def simulate_view(record: dict[str, Any]) -> Group:
             else:
                 line = (f"{s['policy']}: {s['max_loras']} slots and every larger size reach "
                         f"{want}: {human_bytes(s['pool_bytes'])} of pool")
-                if s["fits_budget"] is not None:
-                    fits = "fits" if s["fits_budget"] else "does NOT fit"
-                    line += f", {fits} the {human_bytes(record['budget_bytes'])} budget"
+                budget = record["budget_bytes"]
+                if s["fits_budget"]:
+                    line += f", fits the {human_bytes(budget)} budget"
+                elif s["fits_budget"] is not None:
+                    # The slots alone may fit and their tables tip it over, which two equal
+                    # GiB figures would hide: the bytes say by how much.
+                    line += (f", does NOT fit the {human_bytes(budget)} budget "
+                             f"({s['pool_bytes']:,} B with its tables, "
+                             f"{s['pool_bytes'] - budget:,} B over)")
             parts.append(whole(line))
             if s["first_meeting"] is not None and s["first_meeting"] != s["max_loras"]:
                 parts.append(Text(f"  not monotonic: {s['first_meeting']} slots meet it, a "
