@@ -1,12 +1,13 @@
-"""The one place that probes for CuPy and a usable CUDA device. Nothing else imports cupy at
-module top level; call `cupy_module()` to get it."""
+"""The one place that probes for the optional extras: CuPy and a usable CUDA device
+(`cupy_module()`), and matplotlib for the --plot options (`pyplot()`). Nothing else imports
+cupy or matplotlib."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from metrale_cli.errors import NoDevice
+from metrale_cli.errors import NoDevice, ToolMissing
 
 
 @functools.cache
@@ -38,3 +39,18 @@ def cupy_module() -> Any:
     import cupy
 
     return cupy
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (PNG, no display), or ToolMissing naming the
+    install; the --plot options call it before their work, so a missing matplotlib costs no
+    run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ToolMissing("--plot needs matplotlib: pip install -e '.[plot]' from a checkout "
+                          "(pip install 'metrale[plot]' from an index)") from None
+    return plt

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from metrale_cli.adapters.findings import Code, Collector, Severity
+from metrale_cli.errors import UsageError
 from metrale_cli.image.pool_image import PoolImage
 from tests.support.cli_runner import metrale
 
@@ -74,3 +75,34 @@ def test_every_environment_variable_is_documented() -> None:
     from metrale_cli.env import FALSE, TRUE
 
     assert all(f"`{word}`" in text for word in (*TRUE, *FALSE))
+
+
+def test_the_readme_bit_flip_recipe_uses_public_names_and_flips_the_bit(tmp_path: Path) -> None:
+    """README's recipe for a `bad.safetensors` imports only from `metrale_cli` (deep paths are
+    unstable, docs/library.md) and makes the image `verify` then names: slot 1, layer 7,
+    v_proj, B."""
+    text = (DOCS.parent / "README.md").read_text()
+    code = re.search(r"\$ python - <<'EOF'\n(.*?)\nEOF\n", text, re.S).group(1)
+    assert re.findall(r"^(?:from|import) (\S+)", code, re.M) == ["metrale_cli"]
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 8,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 48}))
+    for name, rank in (("chat", 4), ("code", 2)):
+        assert metrale("synth", tmp_path / name, "--model", tmp_path, "--modules",
+                       "q_proj,v_proj", "--rank", rank).code == 0
+    image = tmp_path / "bad.safetensors"
+    assert metrale("pack", tmp_path / "chat", tmp_path / "code", "--max-loras", 2,
+                   "--device", "cpu", "--out", image).code == 0
+    before = image.read_bytes()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        exec(compile(code, "README.md", "exec"), {})
+    after = image.read_bytes()
+    assert sum(bin(x ^ y).count("1") for x, y in zip(before, after, strict=True)) == 1
+    verdict = metrale("verify", image, tmp_path / "chat", tmp_path / "code", "--json")
+    assert verdict.code == 1
+    differing = [(a["slot"], d["layer"], d["module"], d["part"])
+                 for a in verdict.json()["adapters"] for d in a["differences"]]
+    assert differing == [(1, 7, "v_proj", "B")]
+    with pytest.raises(UsageError, match="part must be 'A' or 'B'"):
+        PoolImage.open(image).region.file_offset(0, 0, "b")

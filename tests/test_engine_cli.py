@@ -142,3 +142,11 @@ def test_engine_vllm_imports_no_torch(adapters: dict[str, Path]) -> None:
         done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
                               text=True)
         assert done.returncode == 0, (args, done.stderr)
+
+
+@pytest.mark.parametrize("slots, says", [(1, "for 1 adapter, per TP worker"),
+                                         (2, "for 2 adapters, per TP worker")])
+def test_layout_host_cache_counts_adapters_in_english(slots: int, says: str) -> None:
+    done = metrale("layout", "--engine", "vllm", "--model", "qwen3-8b", "--max-loras", slots,
+                   "--max-rank", 16, "--modules", "q_proj")
+    assert done.code == 0 and says in done.stdout, done.stdout

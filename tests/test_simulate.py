@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from collections import OrderedDict, deque
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metrale_cli.cli import render
 from metrale_cli.cli.parsing import parse_bandwidth, parse_size_list
 from metrale_cli.errors import FormatError, OutputExists, UsageError
 from metrale_cli.sim.replay import Link, Replay, SwapCost
@@ -833,3 +835,47 @@ def test_seeds_report_the_spread_of_each_figure() -> None:
                            "--seeds needs a seeded workload")):
         bad = metrale("simulate", *SLOT, "--requests", "30", *args)
         assert bad.code == 2 and message in bad.stderr, bad.stderr
+
+
+def test_plot_without_matplotlib_is_refused_before_the_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No matplotlib: one line naming the install that works from a checkout, before any
+    replay (no progress line, no table), and no PNG."""
+    from metrale_cli.sim import simulate as sim
+
+    replays = []
+    monkeypatch.setattr(sim, "run", lambda *a, **k: replays.append(a))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    plot = tmp_path / "sim.png"
+    r = metrale("simulate", *SLOT, "--requests", "200", "--plot", plot)
+    assert r.code == 3 and r.stdout == "" and not plot.exists() and replays == []
+    assert r.stderr.count("\n") == 1 and "pip install -e '.[plot]'" in r.stderr
+
+
+def test_a_plot_that_cannot_be_written_keeps_the_table(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table comes first; the plot's error line follows it."""
+    from metrale_cli.errors import FormatError
+    from metrale_cli.sim import simulate as sim
+
+    def fail(*_: object) -> None:
+        raise FormatError("the PNG could not be written")
+
+    monkeypatch.setattr(sim, "plot", fail)
+    r = metrale("simulate", *SLOT, "--requests", "200", "--plot", tmp_path / "sim.png")
+    assert r.code == 2 and "the PNG could not be written" in r.stderr
+    assert r.stdout == metrale("simulate", *SLOT, "--requests", "200").stdout
+
+
+def test_a_pool_its_tables_push_over_the_budget_says_so_in_bytes() -> None:
+    """A budget of exactly four slots: the slots fit, their tables do not, and the two GiB
+    figures are equal; the answer line gives the bytes and how many are over."""
+    slot = metrale("layout", *SLOT, "--json").json()["slot_bytes"]
+    args = (*SLOT, "--requests", "100", "--max-loras", "4", "--target-hit-rate", "0.01",
+            "--budget", 4 * slot)
+    (best,) = metrale("simulate", *args, "--policy", "lru", "--json").json()["smallest_meeting"]
+    over = best["pool_bytes"] - 4 * slot
+    assert best["fits_budget"] is False and over > 0
+    shown = metrale("simulate", *args, "--policy", "lru").stdout
+    assert (f"does NOT fit the {render.human_bytes(4 * slot)} budget "
+            f"({best['pool_bytes']:,} B with its tables, {over:,} B over)") in shown

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -99,3 +100,47 @@ def test_synth_and_unpack_views_of_their_records(adapters: tuple[Path, Path],
     assert shown.stdout == rendered(render.unpack_view, {**as_json,
                                                          "path": str(tmp_path / "out")})
     assert shown.stdout.startswith(f"wrote {tmp_path / 'out'}: slot 1 (code), ")
+
+
+@pytest.mark.parametrize("args", [
+    ["simulate", "-m", MODEL, "--modules", "q_proj,v_proj", "--max-rank", "16", "--requests",
+     "200", "--max-loras", "4,8", "--target-hit-rate", "0.5", "--budget", "1GiB"],
+    ["simulate", "-m", MODEL, "--modules", "q_proj,v_proj", "--max-rank", "16", "--requests",
+     "200", "--input-tokens", "0", "--output-tokens", "0", "--max-loras", "4"],
+    ["inspect", "{chat}", "{code}"],
+    ["inspect", "{chat}", "{code}", "--engine", "vllm"],
+    ["layout", "{chat}", "{code}", "--budget", "40GiB"],
+    ["layout", "{chat}", "{code}", "--budget", "40GiB", "--tp", "4"],
+    ["layout", "--engine", "vllm", "-m", "qwen3-8b", "--modules", "q_proj", "--max-rank", "16",
+     "--max-loras", "4"],
+    ["show", "{image}"],
+    ["verify", "{image}", "{chat}", "{code}"],
+])
+@pytest.mark.parametrize("columns", [60, 80])
+def test_no_line_outside_a_table_is_folded(adapters: tuple[Path, Path], tmp_path_factory:
+                                           pytest.TempPathFactory, args: list[str],
+                                           columns: int) -> None:
+    """docs/cli.md: a line meant to be read whole or pasted (a `key  value` line, the model
+    line, `serve`) is printed whole at any width and the terminal wraps it; only tables fit
+    themselves to the width. Every such line of a 1,000-column run is a line of the narrow one.
+    """
+    chat, code = adapters
+    image = tmp_path_factory.getbasetemp() / "views-fold.safetensors"
+    if not image.exists():
+        assert metrale("pack", chat, code, "--max-loras", 4, "--out", image).code == 0
+    argv = [a.format(chat=chat, code=code, image=image) for a in args]
+    wide = metrale(*argv, columns=1000)
+    narrow = metrale(*argv, columns=columns)
+    assert wide.code == narrow.code
+
+    def lines(out: str) -> list[str]:
+        """Its lines outside tables and panels, the timings masked (two runs differ)."""
+        blocks = [block.splitlines() for block in out.split("\n\n")]
+        return [re.sub(r"in \S+ s \(\S+ GB/s\)", "in T", line.rstrip())
+                for block in blocks if not any(line.startswith("─") for line in block)
+                for line in block if line[:1] not in ("", " ", "╭", "│", "╰")]
+
+    whole = lines(wide.stdout)
+    assert whole
+    shown = set(lines(narrow.stdout))
+    assert [line for line in whole if line not in shown] == []

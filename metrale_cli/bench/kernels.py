@@ -475,13 +475,7 @@ def _measure(cupy: Any, device: Device, rng: Any, module: str, out_dim: int, in_
 def plot(records: Sequence[dict[str, Any]], path: str | Path, force: bool = False) -> None:
     """A roofline chart (PNG) of `records`: achieved FLOP/s against arithmetic intensity, under
     the device's nominal and measured-copy bandwidth roofs. Needs matplotlib (metrale[plot])."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ToolMissing("--plot needs matplotlib: pip install 'metrale[plot]'") from None
+    plt = compat.pyplot()
     if not records:
         raise UsageError("no measurements to plot")
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)

@@ -23,16 +23,17 @@ SEVERITY_STYLE = {Severity.ERROR.value: "bold red", Severity.WARNING.value: "yel
                   Severity.INFO.value: "cyan"}
 
 
-def whole(line: str) -> Text:
+def whole(line: str, style: str = "") -> Text:
     """A line that is never folded at the terminal's width (console.print_view prints it
     uncropped): a fingerprint, a path or a number with its unit stays on the line a user
     greps for. Plain text: input in it is never read as markup."""
-    return Text(line, no_wrap=True, overflow="ignore")
+    return Text(line, style=style, no_wrap=True, overflow="ignore")
 
 
-def fields(rows: list[tuple[str, str]]) -> Text:
+def fields(rows: list[tuple[str, str | Text]]) -> Text:
     """`key  value` lines, keys dim and aligned, each line whole (`whole`); where a grid would
-    fold a long value onto the next line (`6,656` / `B`), the terminal wraps it instead."""
+    fold a long value onto the next line (`6,656` / `B`), the terminal wraps it instead. A value
+    is plain text (no markup: input-derived text needs no escaping), or a styled Text."""
     width = max((len(key) for key, _ in rows), default=0)
     text = Text(no_wrap=True, overflow="ignore")
     for i, (key, value) in enumerate(rows):
@@ -69,7 +70,7 @@ def model_line(model: dict[str, Any]) -> str:
 
 def inspect_view(record: dict[str, Any]) -> Group:
     """`metrale inspect`: the audit's record (`AuditedAdapters.record`), a panel per adapter."""
-    parts: list[Any] = [Text(model_line(record["model"]), style="bold")]
+    parts: list[Any] = [whole(model_line(record["model"]), style="bold")]
     for adapter in record["adapters"]:
         parts.append(_adapter_panel(record["model"], adapter))
     return Group(*parts)

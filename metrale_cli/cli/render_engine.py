@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from metrale_cli.cli.render import human_bytes, model_line
+from metrale_cli.cli.render import fields, human_bytes, model_line, whole
 
 VERDICT_STYLE = {"serves": "bold green", "differs": "bold yellow", "ignores": "bold yellow",
                  "refuses": "bold red", "crashes": "bold red", "fails_startup": "bold red",
@@ -23,10 +23,10 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     """`metrale inspect --engine vllm`: its record, a panel per adapter with vLLM's verdict and
     modules, then the recommended flags and a ready `vllm serve`."""
     engine = record["engine"]
-    parts: list[Any] = [Text(model_line(record["model"]), style="bold"),
-                        Text(f"vLLM {engine['version']} (GPU build), flags "
-                             f"{engine['flags_source']}: {_flag_line(engine['flags'])}",
-                             style="dim")]
+    parts: list[Any] = [whole(model_line(record["model"]), style="bold"),
+                        whole(f"vLLM {engine['version']} (GPU build), flags "
+                              f"{engine['flags_source']}: {_flag_line(engine['flags'])}",
+                              style="dim")]
     for adapter in record["adapters"]:
         v = adapter["engine"]
         grid = Table.grid(padding=(0, 2))
@@ -53,32 +53,30 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
             body.append(table)
         parts.append(Panel(Group(*body), title=escape(adapter["name"]), title_align="left"))
     rec = engine["recommended"]
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column()
+    # fields, not a grid: the serve line is pasted into a shell, and a fold would cut it.
+    rows: list[tuple[str, str | Text]] = []
     if engine["offline_batch"]:
-        grid.add_row("offline batch", escape(engine["offline_batch"]["reason"]))
-    grid.add_row("recommended", _flag_line(rec["flags"]))
-    grid.add_row("serve", escape(rec["serve"]))
+        rows.append(("offline batch", engine["offline_batch"]["reason"]))
+    rows += [("recommended", _flag_line(rec["flags"])), ("serve", rec["serve"])]
     if rec["shut_out"]:
-        grid.add_row("", "the serve line names no adapter vLLM refuses (see left out)")
-    grid.add_row("LoRA memory", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) "
+        rows.append(("", "the serve line names no adapter vLLM refuses (see left out)"))
+    rows.append(("LoRA memory", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) "
                  f"per GPU, {rec['slot_bytes']:,} B a slot; host cache "
-                 f"{human_bytes(rec['host_cache_bytes'])}")
+                 f"{human_bytes(rec['host_cache_bytes'])}"))
     for pad in rec["padding"]:
-        grid.add_row("padding", f"{escape(pad['adapter'])} leaves {pad['unused_bytes']:,} B "
-                     f"({pad['unused_share']:.1%}) of its slot unused")
+        rows.append(("padding", f"{pad['adapter']} leaves {pad['unused_bytes']:,} B "
+                     f"({pad['unused_share']:.1%}) of its slot unused"))
     lower = rec["lower_max_rank"]
     if lower is not None:
-        grid.add_row("lower rank", f"--max-lora-rank {lower['max_lora_rank']} frees "
+        rows.append(("lower rank", f"--max-lora-rank {lower['max_lora_rank']} frees "
                      f"{human_bytes(lower['frees_bytes'])} and shuts out "
-                     f"{escape(', '.join(lower['shuts_out'])) or 'no adapter'}")
+                     f"{', '.join(lower['shuts_out']) or 'no adapter'}"))
     if rec["fully_sharded_saves_bytes"]:
-        grid.add_row("fully sharded", f"--fully-sharded-loras saves "
-                     f"{human_bytes(rec['fully_sharded_saves_bytes'])} per GPU")
+        rows.append(("fully sharded", f"--fully-sharded-loras saves "
+                     f"{human_bytes(rec['fully_sharded_saves_bytes'])} per GPU"))
     for line in rec["shut_out"]:
-        grid.add_row("left out", escape(line))
-    parts.append(grid)
+        rows.append(("left out", line))
+    parts.append(fields(rows))
     return Group(*parts)
 
 
@@ -95,22 +93,18 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
     """`metrale layout --engine vllm`: one GPU's vLLM LoRA buffers, as `layout` shows the
     pool, from its record."""
     rec = record["engine"]
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column()
-    grid.add_row("model", escape(model_line(record["model"])))
-    grid.add_row("engine", f"vLLM {rec['version']} (GPU build)")
-    grid.add_row("flags", _flag_line(rec["flags"]))
-    grid.add_row("LoRA buffers", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) "
-                 "per GPU")
-    grid.add_row("slot", f"{rec['slot_bytes']:,} B ({human_bytes(rec['slot_bytes'])}) per "
-                 "adapter slot")
-    grid.add_row("host cache", f"{rec['host_cache_bytes']:,} B "
-                 f"({human_bytes(rec['host_cache_bytes'])}) for "
-                 f"{rec['flags']['max_cpu_loras']} adapters, per TP worker")
+    rows: list[tuple[str, str | Text]] = [
+        ("model", model_line(record["model"])),
+        ("engine", f"vLLM {rec['version']} (GPU build)"),
+        ("flags", _flag_line(rec["flags"])),
+        ("LoRA buffers", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) per GPU"),
+        ("slot", f"{rec['slot_bytes']:,} B ({human_bytes(rec['slot_bytes'])}) per adapter slot"),
+        ("host cache", f"{rec['host_cache_bytes']:,} B ({human_bytes(rec['host_cache_bytes'])}) "
+         f"for {rec['flags']['max_cpu_loras']} adapter"
+         f"{'s' if rec['flags']['max_cpu_loras'] != 1 else ''}, per TP worker")]
     if "budget_bytes" in rec:
-        grid.add_row("budget", f"{human_bytes(rec['budget_bytes'])} holds "
-                     f"{rec['max_loras_fit']:,} --max-loras")
+        rows.append(("budget", f"{human_bytes(rec['budget_bytes'])} holds "
+                     f"{rec['max_loras_fit']:,} --max-loras"))
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     for column, justify in (("module", "left"), ("kind", "left"), ("layers", "right"),
                             ("bytes", "right"), ("%", "right")):
@@ -119,4 +113,4 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
     for m in rec["modules"]:
         table.add_row(m["module"], m["kind"], str(m["layers"] or "-"), f"{m['bytes']:,}",
                       f"{100 * m['bytes'] / total:.1f}")
-    return Group(grid, Text(""), table)
+    return Group(fields(rows), Text(""), table)

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from metrale_cli.cli.render import human_bytes, whole
+from metrale_cli.cli.render import fields, human_bytes, whole
 
 
 def human_seconds(seconds: float) -> str:
@@ -29,59 +29,57 @@ def human_seconds(seconds: float) -> str:
 def simulate_view(record: dict[str, Any]) -> Group:
     """`metrale simulate`: the setup, a row per (policy, size), and the sizing answer."""
     w, swap, lay = record["workload"], record["swap"], record["layout"]
-    head = Table.grid(padding=(0, 2))
-    head.add_column(style="dim")
-    head.add_column()
+    head: list[tuple[str, str | Text]] = []  # fields: no figure is split from its unit
     made = (f"trace {w['path']}" if w["kind"] == "trace" else
             f"{w['kind']} generator, seed {w['seed']}, {w['rate']:g} req/s, cv {w['cv']:g}")
-    head.add_row("workload", f"{made}: {w['requests']:,} requests "
+    head.append(("workload", f"{made}: {w['requests']:,} requests "
                  f"({w['adapter_requests']:,} to adapters) over {w['span_s']:,.1f} s, "
-                 f"{w['distinct_adapters']:,} distinct adapters")
+                 f"{w['distinct_adapters']:,} distinct adapters"))
     if record["mode"] == "paging":
-        head.add_row("mode", "exact paging: zero-length requests, served one at a time in order")
+        head.append(("mode", "exact paging: zero-length requests, served one at a time in order"))
     else:
         seats = record["max_concurrency"]
-        head.add_row("mode", "concurrent: requests hold their slot from admission to "
+        head.append(("mode", "concurrent: requests hold their slot from admission to "
                      f"completion ({record['prefill_tok_s']:g} prefill / "
                      f"{record['decode_tok_s']:g} decode tok/s), "
-                     + (f"at most {seats} in flight" if seats else "no concurrency cap"))
+                     + (f"at most {seats} in flight" if seats else "no concurrency cap")))
     if record.get("engine"):
         e = record["engine"]
-        head.add_row("engine", f"{e['name']} {e['version']}'s own cache: its GPU slots of its "
+        head.append(("engine", f"{e['name']} {e['version']}'s own cache: its GPU slots of its "
                      "slot bytes (--max-loras), its host cache (--max-cpu-loras), LRU in both, "
-                     "its scheduler's admission")
+                     "its scheduler's admission"))
     per_gpu = f" per GPU at --tp {lay['tp_size']}" if "tp_size" in lay else ""
-    head.add_row("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
+    head.append(("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
                  f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "
-                 f"max rank {lay['max_rank']})")
+                 f"max rank {lay['max_rank']})"))
     links = swap["links"]
-    head.add_row("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
+    head.append(("swap", f"{human_seconds(swap['swap_s'])} per load at {swap['bandwidth']} "
                  f"({swap['bytes_per_s'] / 1e9:g} GB/s + {1e6 * swap['latency_s']:g} us), "
                  + ("one load at a time per GPU" if links == 1 else f"{links} loads at a time "
-                    "per GPU"))
+                    "per GPU")))
     if record["host"]:
         host = record["host"]
         held = (f"{host['slots']:,} adapters" if host["slots"] is not None
                 else "as many adapters as GPU slots")
-        head.add_row("host", f"{held} in host memory (an LRU, up to "
+        head.append(("host", f"{held} in host memory (an LRU, up to "
                      f"{human_bytes(host['host_bytes'])}); a host miss reads over "
                      f"{host['bandwidth']} ({host['bytes_per_s'] / 1e9:g} GB/s + "
-                     f"{1e6 * host['latency_s']:g} us)")
+                     f"{1e6 * host['latency_s']:g} us)"))
     if record["admission"] == "skip":
-        head.add_row("admission", "skip: a request whose adapter cannot be placed waits while "
-                     "later ones whose adapter is resident (or loading) go ahead")
+        head.append(("admission", "skip: a request whose adapter cannot be placed waits while "
+                     "later ones whose adapter is resident (or loading) go ahead"))
     if record["routing"]:
         routing = record["routing"]
-        head.add_row("replicas", f"{routing['replicas']}, {routing['route']} routing: each "
+        head.append(("replicas", f"{routing['replicas']}, {routing['route']} routing: each "
                      "replica has its own pool of each size below (pool GiB per replica); the "
-                     "figures are totals")
+                     "figures are totals"))
     if w.get("adapter_ranks"):
-        head.add_row("ranks", ", ".join(f"{n:,} at rank {r}" for r, n in
+        head.append(("ranks", ", ".join(f"{n:,} at rank {r}" for r, n in
                                         w["adapter_ranks"].items())
-                     + f": a load moves rank/{lay['max_rank']} of a slot")
+                     + f": a load moves rank/{lay['max_rank']} of a slot"))
     if record["pinned"]:
-        head.add_row("pinned", f"{len(record['pinned'])}: {', '.join(record['pinned'][:8])}"
-                     + (" ..." if len(record["pinned"]) > 8 else ""))
+        head.append(("pinned", f"{len(record['pinned'])}: {', '.join(record['pinned'][:8])}"
+                     + (" ..." if len(record["pinned"]) > 8 else "")))
     # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
     with_min = "min" in record["policies"]
 
@@ -100,7 +98,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
     table = _policy_table(record, ["policy", "slots", "hit %", "misses", "stalls", "stall\np99",
                                    "added\np50", "added\np99",
                                    *(["misses\nvs min"] if with_min else []), "pool\nGiB"], row)
-    parts: list[Any] = [head, table]
+    parts: list[Any] = [fields(head), table]
     for extra in (_loads_table(record), _serving_table(record), _spread_table(record),
                   _max_rank_table(record)):
         if extra is not None:
@@ -117,9 +115,15 @@ def simulate_view(record: dict[str, Any]) -> Group:
             else:
                 line = (f"{s['policy']}: {s['max_loras']} slots and every larger size reach "
                         f"{want}: {human_bytes(s['pool_bytes'])} of pool")
-                if s["fits_budget"] is not None:
-                    fits = "fits" if s["fits_budget"] else "does NOT fit"
-                    line += f", {fits} the {human_bytes(record['budget_bytes'])} budget"
+                budget = record["budget_bytes"]
+                if s["fits_budget"]:
+                    line += f", fits the {human_bytes(budget)} budget"
+                elif s["fits_budget"] is not None:
+                    # The slots alone may fit and their tables tip it over, which two equal
+                    # GiB figures would hide: the bytes say by how much.
+                    line += (f", does NOT fit the {human_bytes(budget)} budget "
+                             f"({s['pool_bytes']:,} B with its tables, "
+                             f"{s['pool_bytes'] - budget:,} B over)")
             parts.append(whole(line))
             if s["first_meeting"] is not None and s["first_meeting"] != s["max_loras"]:
                 parts.append(Text(f"  not monotonic: {s['first_meeting']} slots meet it, a "

@@ -144,6 +144,7 @@ def simulate(
     --engine vllm, the engine's own cache: --max-loras GPU slots of vLLM's slot bytes, an LRU
     host cache of --max-cpu-loras adapters read from disk (--host-bandwidth) on a miss,
     vLLM's scheduler admission, --budget in vLLM's LoRA bytes."""
+    from metrale_cli import compat
     from metrale_cli.cli import render_sim
     from metrale_cli.cli.parsing import (
         parse_assign,
@@ -177,6 +178,8 @@ def simulate(
     for path in (plot_path, save_trace):
         if path is not None:
             check_output(path, force)  # before the work; the write checks again
+    if plot_path is not None:
+        compat.pyplot()  # no matplotlib: say so before the work, not after it
     if target_hit_rate is not None and not 0 < target_hit_rate <= 1:
         raise UsageError(f"--target-hit-rate must be in (0, 1], got {target_hit_rate}")
     if target_p99_ms is not None and not 0 <= target_p99_ms < math.inf:
@@ -287,6 +290,7 @@ def simulate(
                 say(f"simulating: {10 * tenth}% of {total:,} request replays")
 
         result = simulate_all(tenths)
+    # The table first: a plot that cannot be written loses no result.
+    emit(result.record(), json_out, render_sim.simulate_view)
     if plot_path is not None:
         sim.plot(result, plot_path, force)
-    emit(result.record(), json_out, render_sim.simulate_view)

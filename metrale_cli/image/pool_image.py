@@ -16,7 +16,7 @@ import numpy as np
 
 from metrale_cli.adapters.overlays import OverlayRaw
 from metrale_cli.bf16 import bf16_to_f32
-from metrale_cli.errors import FormatError
+from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.image import digest
 from metrale_cli.image.check import check, digest_state
@@ -176,6 +176,15 @@ class ImageRegion:
     memory: np.ndarray
     a_offsets: np.ndarray
     b_offsets: np.ndarray
+    begin: int  # where `memory` starts in the image file, in bytes
+
+    def file_offset(self, entry: int, slot: int, part: str) -> int | None:
+        """Where entry `entry`'s A (`part="A"`) or B (`"B"`) of `slot` starts in the image
+        file, in bytes (the first BF16 value's low byte), or None where not adapted."""
+        if part not in ("A", "B"):
+            raise UsageError(f"part must be 'A' or 'B', not {part!r}")
+        offset = int((self.a_offsets if part == "A" else self.b_offsets)[entry, slot])
+        return None if offset < 0 else self.begin + offset
 
     def host_bytes(self, slot: int) -> np.ndarray:
         size = self.layout.slot_bytes
@@ -244,11 +253,11 @@ class PoolImage:
         if ex is not None:
             assert t.expert_a_offsets is not None and t.expert_b_offsets is not None
             expert_region = ImageRegion(ex, tensor("expert_pool"), t.expert_a_offsets,
-                                        t.expert_b_offsets)
+                                        t.expert_b_offsets, t.tensor("expert_pool").begin)
         return cls(
             path=t.path, layout=t.layout, max_loras=t.max_loras, slots=slots, pinned=pinned,
             active=t.active, region=ImageRegion(t.layout, tensor("pool"), t.a_offsets,
-                                                t.b_offsets),
+                                                t.b_offsets, t.tensor("pool").begin),
             scales=t.scales, ranks=t.ranks, expert_layout=ex, expert_region=expert_region,
             overlay_raw=_overlays(t, tensor), digests=digest_state(t, check_contents),
         )

@@ -198,8 +198,9 @@ _TP_BOUNDED_BY_EXPERTS = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
 def _model_need(model: ModelConfig, count: int, parts: int, what: str, flag: str,
                 layer: str) -> None:
     if count % parts:
-        raise UsageError(f"{model.source or model.model_type}: {what} ({count}) do not split "
-                         f"over {flag} {parts}; vLLM's {layer} would refuse to build")
+        verb = "does" if what.endswith("size") else "do"  # "query heads do", "a size does"
+        raise UsageError(f"{model.source or model.model_type}: {what} ({count}) {verb} not "
+                         f"split over {flag} {parts}; vLLM's {layer} would refuse to build")
 
 
 def check_model_split(model: ModelConfig, spec: ShardSpec) -> None:

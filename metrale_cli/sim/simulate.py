@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from metrale_cli.errors import ToolMissing, UsageError
+from metrale_cli import compat
+from metrale_cli.errors import UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
@@ -191,14 +192,8 @@ def simulate(
 
 def plot(sim: Simulation, path: Path, force: bool = False) -> None:
     """Hit rate and p99 added latency against max_loras, a line per policy (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        raise ToolMissing("--plot needs matplotlib: pip install 'metrale[plot]'") from None
+    plt = compat.pyplot()
+    from matplotlib.ticker import ScalarFormatter
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), dpi=110, sharex=True)
     for policy in sim.policies:
         mine = [r for r in sim.results if r.policy == policy]
@@ -218,7 +213,7 @@ def plot(sim: Simulation, path: Path, force: bool = False) -> None:
     bottom.set_ylim(0, 2 * max([1e3 * r.added_latency_p99_s for r in sim.results] + [1.0]))
     if len(sim.sizes) > 1 and sim.sizes[-1] / sim.sizes[0] >= 16:
         bottom.set_xscale("log", base=2)
-        bottom.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        bottom.xaxis.set_major_formatter(ScalarFormatter())
     w = sim.workload
     top.set_title(f"{w.get('kind', 'trace')} workload, {w['requests']:,} requests, "
                   f"{w['distinct_adapters']:,} adapters ({sim.mode})", fontsize=10)
