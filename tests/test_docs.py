@@ -104,5 +104,6 @@ def test_the_readme_bit_flip_recipe_uses_public_names_and_flips_the_bit(tmp_path
     differing = [(a["slot"], d["layer"], d["module"], d["part"])
                  for a in verdict.json()["adapters"] for d in a["differences"]]
     assert differing == [(1, 7, "v_proj", "B")]
+    (tmp_path / "good.safetensors").write_bytes(before)  # the flipped one fails its digest
     with pytest.raises(UsageError, match="part must be 'A' or 'B'"):
-        PoolImage.open(image).region.file_offset(0, 0, "b")
+        PoolImage.open(tmp_path / "good.safetensors").region.file_offset(0, 0, "b")
