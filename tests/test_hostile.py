@@ -243,10 +243,13 @@ def test_a_signal_during_pack_out_leaves_no_temp_file(
     tiny: Path, tmp_path: Path, signum: int
 ) -> None:
     target = tmp_path / "pool.safetensors"
+    # The signal's default action, whatever the suite inherited (under nohup SIGHUP is ignored,
+    # and an ignored hangup stays ignored: the next test).
     child = subprocess.Popen(
         [sys.executable, "-c", _SLOW_PACK, "pack", str(tiny / "a"), "--model", str(tiny),
          "--max-loras", "2", "--out", str(target)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
     assert child.stderr is not None
     assert child.stderr.readline() == "written\n"
     temps = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
