@@ -73,3 +73,10 @@ def test_modules_all_lists_only_what_the_model_has(model: str, absent: str) -> N
     listed, _, missing = line.removeprefix("modules").partition("(")
     assert "q_proj" in listed and absent not in listed, line
     assert absent in missing and "not in this model" in missing, line
+
+
+def test_layout_without_modules_or_adapters_suggests_modules_all() -> None:
+    """Nothing gives the module set: one line, exit 2, and the way out (`--modules all`)."""
+    r = metrale("layout", "--model", "qwen3-8b", "--max-rank", "16")
+    assert r.code == 2 and r.stdout == "", r
+    assert len(r.stderr.strip().splitlines()) == 1 and "--modules all" in r.stderr, r.stderr
