@@ -10,6 +10,7 @@ from metrale_cli.layout.plan import PoolPlan
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
+from tests.support.cli_runner import metrale
 
 ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
 
@@ -59,3 +60,23 @@ def test_parse_size() -> None:
     for bad in ("lots", "12XB", "-1GB"):
         with pytest.raises(UsageError):
             parse_size(bad)
+
+
+@pytest.mark.parametrize(("model", "absent"), [("qwen3-8b", "out_proj"),
+                                               ("qwen3-next-80b-a3b", "gate_proj")])
+def test_modules_all_lists_only_what_the_model_has(model: str, absent: str) -> None:
+    """`--modules all` on a dense model (no out_proj) or a hybrid MoE (no dense gate/up/down):
+    the modules line lists the modules with entries and names the others as not in the model."""
+    r = metrale("layout", "--model", model, "--modules", "all", "--max-rank", "16")
+    assert r.code == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("modules"))
+    listed, _, missing = line.removeprefix("modules").partition("(")
+    assert "q_proj" in listed and absent not in listed, line
+    assert absent in missing and "not in this model" in missing, line
+
+
+def test_layout_without_modules_or_adapters_suggests_modules_all() -> None:
+    """Nothing gives the module set: one line, exit 2, and the way out (`--modules all`)."""
+    r = metrale("layout", "--model", "qwen3-8b", "--max-rank", "16")
+    assert r.code == 2 and r.stdout == "", r
+    assert len(r.stderr.strip().splitlines()) == 1 and "--modules all" in r.stderr, r.stderr

@@ -879,3 +879,21 @@ def test_a_pool_its_tables_push_over_the_budget_says_so_in_bytes() -> None:
     shown = metrale("simulate", *args, "--policy", "lru").stdout
     assert (f"does NOT fit the {render.human_bytes(4 * slot)} budget "
             f"({best['pool_bytes']:,} B with its tables, {over:,} B over)") in shown
+
+
+def test_cli_min_is_labelled_an_offline_bound() -> None:
+    """Belady's `min` needs the future: the view and the record mark it as the offline bound,
+    apart from the policies an engine runs."""
+    r = metrale("simulate", *SLOT, "--workload", "zipf", "--adapters", "30", "--requests",
+                "500", "--input-tokens", "0", "--output-tokens", "0", "--max-loras", "2..4",
+                "--policy", "lru,min", "--target-hit-rate", "0.5")
+    assert r.code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert sum(bool(re.match(r"\s*min \(offline bound\)\s+\d", x)) for x in lines) == 3, r.stdout
+    assert not any(re.match(r"\s*min\s+\d", x) for x in lines), r.stdout
+    assert "min (offline bound): 3 slots" in r.stdout and "no engine can run it" in r.stdout
+    rec = metrale("simulate", *SLOT, "--workload", "zipf", "--adapters", "30", "--requests",
+                  "500", "--max-loras", "2..4", "--policy", "lru,min", "--json")
+    assert rec.code == 0, rec.stderr
+    results = json.loads(rec.stdout)["results"]
+    assert {x["policy"]: x["offline_bound"] for x in results} == {"lru": False, "min": True}

@@ -191,9 +191,16 @@ def layout_view(record: dict[str, Any], per_gpu: bool = False) -> Group:
     above the per-rank pools of `--tp`, without the unsharded pool's size."""
     ex = record["experts"]
     max_loras = None if per_gpu else record["max_loras"]
+    # `--modules all` names every module metrale knows: list those with an entry in this model,
+    # and name the rest as absent rather than as if the slot held them.
+    present = {e["module"] for e in record["entries"]}
+    absent = [m for m in record["modules"] if m not in present]
+    modules = ", ".join(m for m in record["modules"] if m in present) or "-"
+    if absent:
+        modules += f" ({', '.join(absent)}: not in this model)"
     rows = [
         ("model", model_line(record["model"])),
-        ("modules", ", ".join(record["modules"])),
+        ("modules", modules),
         ("max rank", str(record["max_rank"])),
         ("entries", f"{len(record['entries'])} (layer, module) pairs"),
         ("slot", f"{record['slot_bytes']:,} B ({human_bytes(record['slot_bytes'])}), "

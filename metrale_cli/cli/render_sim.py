@@ -82,6 +82,9 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      + (" ..." if len(record["pinned"]) > 8 else "")))
     # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
     with_min = "min" in record["policies"]
+    if with_min:
+        head.append(("min", "Belady's offline bound (it knows every future request, so no "
+                     "engine can run it): the fewest misses any policy could have, not an answer"))
 
     def row(r: dict[str, Any]) -> list[str]:
         gap = r["extra_misses_vs_min"]
@@ -89,7 +92,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
         pool = f"{r['pool_bytes'] / 2**30:,.2f}"
         if r["fits_budget"] is False:
             pool = f"[red]{pool}"
-        return [r["policy"], str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}",
+        return [_policy_name(r), str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}",
                 f"{r['misses']:,}", f"{r['stalls']:,}",
                 human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
                 human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
@@ -110,10 +113,10 @@ def simulate_view(record: dict[str, Any]) -> Group:
             f"p99 added latency <= {t['p99_ms']:g} ms" if t["p99_ms"] is not None else "") if x)
         for s in record["smallest_meeting"]:
             if s["max_loras"] is None:
-                line = (f"{s['policy']}: no size in {record['sizes'][0]}..{record['sizes'][-1]}"
+                line = (f"{_policy_name(s)}: no size in {record['sizes'][0]}..{record['sizes'][-1]}"
                         f" reaches {want}")
             else:
-                line = (f"{s['policy']}: {s['max_loras']} slots and every larger size reach "
+                line = (f"{_policy_name(s)}: {s['max_loras']} slots and every larger size reach "
                         f"{want}: {human_bytes(s['pool_bytes'])} of pool")
                 budget = record["budget_bytes"]
                 if s["fits_budget"]:
@@ -148,7 +151,7 @@ def _loads_table(record: dict[str, Any]) -> Table | None:
         names += ["hit % by\nreplica"]
 
     def row(r: dict[str, Any]) -> list[str]:
-        cells = [r["policy"], str(r["max_loras"]), f"{r['delayed_hits']:,}",
+        cells = [_policy_name(r), str(r["max_loras"]), f"{r['delayed_hits']:,}",
                  f"{r['bytes_moved'] / 2**30:,.2f}", human_seconds(r["link_wait_s"])]
         if tiered:
             cells += [f"{r['host_hits']:,}", f"{r['host_misses']:,}",
@@ -169,7 +172,7 @@ def _serving_table(record: dict[str, Any]) -> Table | None:
         return "-" if x is None else human_seconds(x)
 
     def row(r: dict[str, Any]) -> list[str]:
-        return [r["policy"], str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
+        return [_policy_name(r), str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
                 seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
                 seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}"]
 
@@ -209,13 +212,19 @@ def _spread_table(record: dict[str, Any]) -> Table | None:
     def row(r: dict[str, Any]) -> list[str]:
         spread = r["spread"]
         hit, miss, p99 = spread["hit_rate"], spread["misses"], spread["added_latency_p99_s"]
-        return [r["policy"], str(r["max_loras"]),
+        return [_policy_name(r), str(r["max_loras"]),
                 "/".join(f"{100 * hit[k]:.2f}" for k in ("min", "median", "max")),
                 "/".join(f"{miss[k]:,.0f}" for k in ("min", "median", "max")),
                 "/".join(human_seconds(p99[k]) for k in ("min", "median", "max"))]
 
     return _policy_table(record, ["policy", "slots", "hit %", "misses", "added p99"], row,
                          f"over {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): min/median/max")
+
+
+def _policy_name(r: dict[str, Any]) -> str:
+    """A policy as the views name it: Belady's `min` marked as the offline bound it is, apart
+    from the policies an engine runs."""
+    return "min (offline bound)" if r["policy"] == "min" else r["policy"]
 
 
 def _policy_table(record: dict[str, Any], columns: list[str],

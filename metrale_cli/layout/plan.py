@@ -58,7 +58,8 @@ def plan_layouts(
     if modules is None:
         union = {m for r in reports for m in r.module_set}
         if not union and not other_content:
-            raise UsageError("--modules is required when no adapter gives the module set")
+            raise UsageError("--modules is required when no adapter gives the module set: name "
+                             "them (q_proj,v_proj,...) or pass --modules all")
         modules = [m for m in ALL if m in union]
     given = max_rank is not None
     if max_rank is None:

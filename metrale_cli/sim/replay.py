@@ -257,6 +257,9 @@ class RunResult:
             if out[optional] is None:
                 del out[optional]
         out["hit_rate"] = self.hit_rate
+        # Belady's `min` evicts the adapter wanted furthest ahead: it needs the future, so no
+        # engine can run it; it is the floor the others' misses are measured against.
+        out["offline_bound"] = self.policy == "min"
         return out
 
 
