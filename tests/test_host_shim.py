@@ -232,6 +232,7 @@ def _results(result: Any) -> dict[str, str]:
     return json.loads(result.stdout)
 
 
+@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
 @pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
 def test_every_schedule_runs_the_unbroken_split_shrinks(tmp_path: Path, kind: str) -> None:
     # Round-robin, reversed, random and depth-first CTA schedules: the reference's t each time.
@@ -258,6 +259,7 @@ READ_BEFORE_TICKET = {
 }
 
 
+@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
 @pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
 def test_partials_read_before_the_last_ticket_fail_on_both_kernels(tmp_path: Path,
                                                                    kind: str) -> None:
@@ -271,6 +273,7 @@ def test_partials_read_before_the_last_ticket_fail_on_both_kernels(tmp_path: Pat
     assert error.endswith("[depth-first CTA schedule, seed 3]"), error
 
 
+@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
 def test_partials_unfenced_at_the_ticket_fail_naming_the_store(tmp_path: Path) -> None:
     # The fence moved after the ticket: the last CTA reads a partial another CTA has stored but
     # not fenced (on a GPU it may land after the read).
@@ -302,6 +305,7 @@ ROW_BOUND_BUGS = {
 }
 
 
+@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
 @pytest.mark.parametrize("bug", sorted(ROW_BOUND_BUGS))
 def test_a_row_past_a_chunk_fails_naming_buffer_element_and_thread(tmp_path: Path,
                                                                   bug: str) -> None:
