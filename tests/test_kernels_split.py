@@ -228,7 +228,9 @@ def test_the_counters_are_checked_in_debug_mode_where_a_backend_does_not(
     _shrink(BGMV, 4, backend)  # unchecked: the stray count goes unseen
     assert _tickets(backend)[0] == 1
     monkeypatch.setenv("METRALE_DEBUG", "1")
-    with pytest.raises(RuntimeError, match="ticket counter"):
+    # The stray count is named by the debug check, or first by the shim (under some CTA
+    # schedules it makes a CTA read partials another split has not fenced yet).
+    with pytest.raises(RuntimeError, match="ticket counter|had not fenced"):
         _shrink(BGMV, 4, backend)
 
 
