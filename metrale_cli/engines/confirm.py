@@ -29,15 +29,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from metrale_cli.engines.answers import EngineInspection, engine_inspect
+
+# At run time, not only for type checking: the library's argument check reads them.
+from metrale_cli.engines.engine import Engine
 from metrale_cli.engines.verdict import Verdict
 from metrale_cli.errors import EngineFailed, EngineTimeout, UsageError
-
-if TYPE_CHECKING:
-    from metrale_cli.engines.engine import Engine
-    from metrale_cli.layout.pipeline import AuditedAdapters
+from metrale_cli.layout.pipeline import AuditedAdapters
 
 DEFAULT_TIMEOUT_S = 900.0
 # The prompt every request sends, as token ids: no tokenizer is needed (a model directory
@@ -235,9 +235,12 @@ class VllmServer:
             try:
                 self.proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                pass
+            finally:  # past the grace, or a second Ctrl-C while waiting for it
+                if self.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
         # The group outlives its leader while a member does: its id is not reused until then.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
