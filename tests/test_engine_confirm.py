@@ -156,6 +156,31 @@ def test_an_engine_that_exits_at_once_is_exit_3_with_its_error(adapter: Path,
 
 
 @pytest.mark.proc
+def test_an_engine_that_cannot_build_the_model_agrees_with_unsupported_model(
+        adapter: Path, tmp_path: Path) -> None:
+    """A model vLLM registers no class for is `unsupported_model`: an engine that exits before
+    it is ready is then what was predicted (exit 0), not the machine's failure."""
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    source = json.loads((Path(base) / "config.json").read_text())
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**source, "architectures": [
+        "FrobnicatorForCausalLM"]}))
+    fake = _fake(tmp_path, "echo \"ValueError: Model architectures ['FrobnicatorForCausalLM'] "
+                           "are not supported for now.\"; exit 1")
+    done = metrale("inspect", adapter, "--model", model, "--engine", "vllm", "--confirm",
+                   "--engine-python", fake, "--json")
+    assert done.code == 0, done
+    check = done.json()["confirm"]
+    assert check["agrees"] and check["base"] is None
+    (only,) = check["adapters"]
+    assert only["predicted"] == "unsupported_model" and only["agrees"]
+    assert only["observed"]["error"].startswith("the engine did not start: ValueError: Model "
+                                                "architectures")
+    assert all(_gone(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.proc
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, signum: int,
                                                  code: int) -> None:
