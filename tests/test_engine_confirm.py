@@ -360,3 +360,47 @@ def test_the_launcher_imports_no_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def _observed(kind: str) -> Any:
+    from metrale_cli.engines.confirm import Observed, Output
+
+    base = Output([7, 7], {7: -0.1})
+    if kind == "refused":
+        return Observed(loaded=False, status=500, error="x: vLLM does not yet support DoRA.")
+    if kind == "refused_dead":
+        return Observed(loaded=False, status=500, error="boom", engine_alive=False)
+    if kind == "gone":
+        return Observed(engine_alive=False)
+    out = Output([7, 8], {7: -2.0}) if kind == "changed" else Output([7, 7], {7: -0.1})
+    return Observed(loaded=True, status=200, output=out, delta=out.delta(base),
+                    changes_output=out.changes(base))
+
+
+@pytest.mark.parametrize(("predicted", "kind", "agrees", "said"), [
+    ("serves", "changed", True, ""),
+    ("serves", "same", True, "note: loaded, but its output equals the base's"),
+    ("serves", "refused", False, "why: vLLM refused it: x: vLLM does not yet support DoRA."),
+    ("differs", "changed", True, ""),
+    ("ignores", "same", True, ""),
+    ("ignores", "changed", False, "why: its output differs from the base's"),
+    ("refuses", "refused", True, ""),
+    ("refuses", "changed", False, "why: vLLM loaded it"),
+    ("refuses", "refused_dead", False, "why: the load took the server down"),
+    ("crashes", "refused_dead", True, "note: vLLM's words are not metrale's"),
+    ("serves", "gone", False, "why: the engine died before it was tried"),
+    ("unsupported_model", "changed", False, "why: vLLM started on this model"),
+])
+def test_each_prediction_is_judged_against_what_vllm_did(predicted: str, kind: str,
+                                                         agrees: bool, said: str) -> None:
+    from metrale_cli.engines.confirm import AdapterCheck
+
+    check = AdapterCheck("a", Verdict(predicted), "vLLM does not yet support DoRA.",
+                         _observed(kind))
+    check.judge()
+    assert check.agrees is agrees
+    if said:
+        field, text = said.split(": ", 1)
+        assert getattr(check, field).startswith(text), (check.why, check.note)
+    else:
+        assert not check.why and not check.note, (check.why, check.note)

@@ -321,10 +321,12 @@ class AdapterCheck:
         if o.loaded is None:
             self.agrees, self.why = False, "the engine died before it was tried"
         elif want == "refused":
-            self.agrees = o.loaded is False and o.engine_alive
+            # `crashes` says the error takes the engine down; the others that it keeps serving.
+            survives = o.engine_alive or self.predicted is Verdict.CRASHES
+            self.agrees = o.loaded is False and survives
             if o.loaded:
                 self.why = "vLLM loaded it; metrale said it would refuse it"
-            elif not o.engine_alive:
+            elif not survives:
                 self.why = "the load took the server down; metrale said it keeps serving"
             elif self.reason not in (o.error or ""):
                 self.note = f"vLLM's words are not metrale's ({self.reason})"
