@@ -22,6 +22,8 @@ _API = {
     "ImageInconsistent": "metrale_cli.errors",
     "PoolFull": "metrale_cli.errors",
     "SlotBusy": "metrale_cli.errors",
+    "EngineFailed": "metrale_cli.errors",
+    "EngineTimeout": "metrale_cli.errors",
     # the base model
     "ModelConfig": "metrale_cli.model.config",
     "LayerType": "metrale_cli.model.config",
@@ -62,6 +64,9 @@ _API = {
     "EngineInspection": "metrale_cli.engines.answers",
     "engine_inspect": "metrale_cli.engines.answers",
     "engine_layout": "metrale_cli.engines.answers",
+    "confirm": "metrale_cli.engines.confirm",
+    "Confirmation": "metrale_cli.engines.confirm",
+    "VllmServer": "metrale_cli.engines.confirm",
     # the pool and its slot manager
     "LoraPool": "metrale_cli.pool.pool",
     "SlotManager": "metrale_cli.pool.slots",

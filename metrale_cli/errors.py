@@ -2,7 +2,7 @@
 
 Exit codes: 1 = the input was read and judged (not servable, refused), 2 = usage (bad path,
 bad option, unreadable or malformed file), 3 = the environment lacks something (no GPU, no
-compiler).
+compiler, an engine that would not start), 4 = an engine did not answer within its time bound.
 """
 
 from __future__ import annotations
@@ -57,6 +57,19 @@ class NoDevice(MetraleError):
     """A GPU (or CuPy) was asked for and is not usable here."""
 
     exit_code = 3
+
+
+class EngineFailed(MetraleError):
+    """A serving engine started to check a prediction (`inspect --confirm`) exited before it
+    was ready, or could not answer the base model: the environment's, not a verdict."""
+
+    exit_code = 3
+
+
+class EngineTimeout(EngineFailed):
+    """That engine did not get ready, or did not answer, within its time bound."""
+
+    exit_code = 4
 
 
 class ToolMissing(MetraleError):

@@ -3,27 +3,25 @@
 with `PackageNotFoundError: vllm`), on a tiny Qwen3 with real PEFT adapters: a refused adapter
 named in `--lora-modules` stops the server (exit status 1); loaded at runtime it is HTTP 500
 with vLLM's reason while the base still answers, and a request naming it gets 404. Two server
-starts, each one to three minutes on two cores; the offline path is tests/test_engine_vllm.py's
-(`@request`). The model class judged from `architectures` is checked here too: vLLM refuses
-to start on an architecture it does not register, as metrale says."""
+starts, each one to three minutes on two cores, and one that exits early, all through the
+library's launcher (`VllmServer`, what `inspect --confirm` starts); the offline path is
+tests/test_engine_vllm.py's (`@request`). The model class judged from `architectures` is
+checked here too: vLLM refuses to start on an architecture it does not register, as metrale
+says."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
 from metrale_cli.engines import vllm
+from metrale_cli.engines.confirm import VllmServer
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import VLLM_PYTHON
 from tests.support.engine_cases import PROMPT, make_case, write_model
@@ -49,44 +47,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "base": base, "plain": plain, "dora": dora}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _serve(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--host", "127.0.0.1", "--port", str(port), *FLAGS, *extra],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        # The runtime endpoints exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING (else 404).
-        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HOME": str(log.parent)})
-
-
-def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited ({proc.returncode}): {log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(2)
-    pytest.fail(f"the server did not start in {START_S} s: {log.read_text()[-3000:]}")
+def _server(model: Path, log: Path, *extra: str) -> VllmServer:
+    """The library's launcher (what `inspect --confirm` starts), under a bare environment; the
+    runtime endpoints are on (VLLM_ALLOW_RUNTIME_LORA_UPDATING, else 404)."""
+    return VllmServer(str(VLLM_PYTHON), str(model), [*FLAGS, *extra], log,
+                      env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+                           "VLLM_CPU_KVCACHE_SPACE": "1", "HOME": str(log.parent)})
 
 
 def _judged(tiny: dict[str, Path], name: str) -> vllm.EngineVerdict:
@@ -99,14 +65,9 @@ def test_a_refused_adapter_at_startup_stops_the_server(tiny: dict[str, Path]) ->
     judged = _judged(tiny, "dora")
     assert judged.paths["startup"]["verdict"] == "fails_startup"
     log = tiny["root"] / "startup.log"
-    proc = _serve(tiny["base"], _port(), log, "--lora-modules", f"plain={tiny['plain']}",
-                  f"dora={tiny['dora']}")
-    try:
-        code = proc.wait(timeout=START_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with _server(tiny["base"], log, "--lora-modules", f"plain={tiny['plain']}",
+                 f"dora={tiny['dora']}") as server:
+        code = server.wait_exit(START_S)
     text = log.read_text()
     assert code == 1, text[-3000:]
     assert "init_static_loras" in text and judged.reason in text, text[-3000:]
@@ -116,26 +77,18 @@ def test_a_refused_adapter_at_runtime_is_500_and_the_base_still_answers(
         tiny: dict[str, Path]) -> None:
     judged = _judged(tiny, "dora")
     assert judged.paths["runtime"]["verdict"] == "refuses"
-    port = _port()
     log = tiny["root"] / "runtime.log"
-    proc = _serve(tiny["base"], port, log, "--lora-modules", f"plain={tiny['plain']}")
-    try:
-        _wait_ready(proc, port, log)
-        status, text = _post(port, "/v1/load_lora_adapter",
-                             {"lora_name": "dora", "lora_path": str(tiny["dora"])})
+    with _server(tiny["base"], log, "--lora-modules", f"plain={tiny['plain']}") as server:
+        server.wait_ready(time.monotonic() + START_S)
+        deadline = time.monotonic() + START_S
+        status, text = server.request("/v1/load_lora_adapter", {
+            "lora_name": "dora", "lora_path": str(tiny["dora"])}, deadline)
         assert status == 500 and judged.reason in text, (status, text)
         for model, want in ((str(tiny["base"]), 200), ("plain", 200), ("dora", 404)):
-            status, text = _post(port, "/v1/completions", {"model": model, "prompt": PROMPT,
-                                                           "max_tokens": 1})
+            status, text = server.request("/v1/completions", {
+                "model": model, "prompt": PROMPT, "max_tokens": 1}, deadline)
             assert status == want, (model, status, text)
-        assert proc.poll() is None
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        assert server.alive
 
 
 def test_an_unregistered_architecture_never_starts(tiny: dict[str, Path]) -> None:
@@ -151,13 +104,8 @@ def test_an_unregistered_architecture_never_starts(tiny: dict[str, Path]) -> Non
     judged = vllm.judge(report, model, vllm.Flags(16, 2, dtype="float32"))
     assert judged.verdict.value == "unsupported_model"
     log = tiny["root"] / "frobnicator.log"
-    proc = _serve(base, _port(), log)
-    try:
-        code = proc.wait(timeout=START_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with _server(base, log) as server:
+        code = server.wait_exit(START_S)
     text = log.read_text()
     assert code != 0
     said = "Model architectures ['FrobnicatorForCausalLM'] are not supported for now"

@@ -3,7 +3,7 @@ them imports torch or CuPy."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -30,6 +30,10 @@ from metrale_cli.cli.options import (
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
 from metrale_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from metrale_cli.engines.engine import Engine
+    from metrale_cli.layout.pipeline import AuditedAdapters
 
 
 @handles_errors
@@ -62,6 +66,20 @@ def inspect(
     modules: ModulesOpt = None,
     dtype: DtypeOpt = None,
     lora_dtype: LoraDtypeOpt = None,
+    confirm: Annotated[bool, typer.Option(
+        "--confirm", help="With --engine vllm: then start the installed vLLM with those flags, "
+        "load each adapter at runtime, prompt the base and each adapter, and report predicted "
+        "vs observed; exit 1 on any disagreement, 0 when every prediction held.")] = False,
+    engine_python: Annotated[str | None, typer.Option(
+        "--engine-python", help="With --confirm: the python that runs vLLM (default: this one, "
+        "if it can import vllm).", show_default=False)] = None,
+    engine_args: Annotated[str | None, typer.Option(
+        "--engine-args", help="With --confirm: more of vLLM's own arguments, as shell words "
+        "(e.g. '--max-model-len 4096 --enforce-eager'); not the ones metrale's options set.",
+        show_default=False)] = None,
+    confirm_timeout: Annotated[float | None, typer.Option(
+        "--confirm-timeout", help="With --confirm: seconds for the whole check, the engine's "
+        "start included (default 900); past it, exit 4.", show_default=False)] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
@@ -69,7 +87,8 @@ def inspect(
     The model defaults to the adapters' base_model_name_or_path. With --engine vllm, what vLLM
     0.32.0 does with each adapter under the vLLM flags given (--max-rank, --max-loras, --tp,
     --fully-sharded, --modules, --dtype, --lora-dtype), or under the ones metrale recommends;
-    exit 0 only when vLLM serves every adapter as PEFT does."""
+    exit 0 only when vLLM serves every adapter as PEFT does. With --confirm, that prediction is
+    checked against the installed vLLM running (docs/engines.md)."""
     from metrale_cli.cli import render
     from metrale_cli.engines import refuse_other_options
     from metrale_cli.layout.pipeline import audit_adapters
@@ -77,19 +96,31 @@ def inspect(
     chosen = engine_name(engine)
     given = {"--max-rank": max_rank, "--experts": experts, "--max-loras": max_loras,
              "--max-cpu-loras": max_cpu_loras, "--tp": tp, "--fully-sharded": fully_sharded,
-             "--modules": modules, "--dtype": dtype, "--lora-dtype": lora_dtype}
+             "--modules": modules, "--dtype": dtype, "--lora-dtype": lora_dtype,
+             "--confirm": confirm, "--engine-python": engine_python,
+             "--engine-args": engine_args, "--confirm-timeout": confirm_timeout}
     refuse_other_options(chosen.name if chosen else "metrale", "inspect", given)
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
     positive("--tp", tp)
+    if not confirm:
+        unused = [n for n in ("--engine-python", "--engine-args", "--confirm-timeout")
+                  if given[n] is not None]
+        if unused:
+            raise UsageError(f"{', '.join(unused)} need --confirm")
     if chosen is not None:
         from metrale_cli.cli import render_engine
         from metrale_cli.engines.answers import engine_inspect
 
         warn([w for w in (chosen.installed_warning(),) if w])
         # The engine checks ranks itself: the audit reads the files without the pool's max.
-        inspection = engine_inspect(audit_adapters(adapters, model, experts=experts_on(experts),
-                                                   online=online_on(online)), chosen, given)
+        audited = audit_adapters(adapters, model, experts=experts_on(experts),
+                                 online=online_on(online))
+        if confirm:
+            _confirm(audited, chosen, given, engine_python, engine_args, confirm_timeout,
+                     json_out)
+            return
+        inspection = engine_inspect(audited, chosen, given)
         emit(inspection.record, json_out, render_engine.engine_inspect_view)
         if not inspection.all_serve:
             raise typer.Exit(1)
@@ -99,6 +130,22 @@ def inspect(
     warn(audited.warnings)
     emit(audited.record(), json_out, render.inspect_view)
     if not audited.servable:
+        raise typer.Exit(1)
+
+
+def _confirm(audited: AuditedAdapters, engine: Engine, given: dict[str, object],
+             python: str | None, args: str | None, timeout: float | None,
+             json_out: bool) -> None:
+    """`inspect --engine vllm --confirm`: the prediction, then the engine's word on it, the
+    disagreements first; exit 1 on any."""
+    from metrale_cli.cli import render_engine
+    from metrale_cli.cli.console import say
+    from metrale_cli.engines.confirm import DEFAULT_TIMEOUT_S, confirm, engine_args
+
+    done = confirm(audited, engine, given, python=python, extra_args=engine_args(args),
+                   timeout_s=DEFAULT_TIMEOUT_S if timeout is None else timeout, progress=say)
+    emit(done.record, json_out, render_engine.engine_confirm_view)
+    if not done.agrees:
         raise typer.Exit(1)
 
 

@@ -114,3 +114,43 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
         table.add_row(m["module"], m["kind"], str(m["layers"] or "-"), f"{m['bytes']:,}",
                       f"{100 * m['bytes'] / total:.1f}")
     return Group(fields(rows), Text(""), table)
+
+
+def engine_confirm_view(record: dict[str, Any]) -> Group:
+    """`metrale inspect --engine vllm --confirm`: the disagreements first, then the prediction
+    (engine_inspect_view), then per adapter what the running engine did."""
+    check = record["confirm"]
+    engine = check["engine"]
+    by_name = {a["name"]: a for a in check["adapters"]}
+    parts: list[Any] = []
+    for name in check["disagreements"]:
+        a = by_name[name]
+        parts.append(whole(f"DISAGREES {name}: predicted {a['predicted']}, observed "
+                           f"{a['observed']['summary']}: {a['why']}", style="bold red"))
+    if parts:
+        parts.append(Text(""))
+    parts += [engine_inspect_view(record), Text("")]
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD,
+                  title=escape(f"confirmed against vLLM {engine['version'] or '?'} running"),
+                  title_justify="left")
+    for column in ("adapter", "predicted", "observed", "agrees"):
+        table.add_column(column)
+    for a in check["adapters"]:
+        table.add_row(escape(a["name"]), Text(a["predicted"], style=VERDICT_STYLE[
+            a["predicted"]]), escape(a["observed"]["summary"]),
+            Text("yes", style="green") if a["agrees"] else Text("NO", style="bold red"))
+    parts.append(table)
+    rows: list[tuple[str, str | Text]] = []
+    for a in check["adapters"]:
+        if a["note"]:
+            rows.append(("note", f"{a['name']}: {a['note']}"))
+    ready = engine["ready_s"]
+    rows += [("engine", f"vLLM {engine['version'] or '?'}, "
+              f"{'ready after ' + format(ready, '.0f') + ' s, ' if ready is not None else ''}"
+              f"{engine['seconds']:.0f} s in all"),
+             ("flags", " ".join(engine["flags"])), ("log", engine["log"]),
+             ("verdict", "every prediction held" if check["agrees"] else
+              f"{len(check['disagreements'])} disagreement(s): "
+              f"{', '.join(check['disagreements'])}")]
+    parts.append(fields(rows))
+    return Group(*parts)

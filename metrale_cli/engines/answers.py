@@ -19,10 +19,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class EngineInspection:
     """The audit's record with each adapter's verdict in `adapters[i].engine` and the
-    engine's flags and recommendation in `engine`."""
+    engine's flags and recommendation in `engine`; `flags` the engine's flags object the
+    verdicts were judged under (what `--confirm` starts the engine with)."""
 
     record: dict[str, Any]
     verdicts: list[EngineVerdict]
+    flags: Any
 
     @property
     def all_serve(self) -> bool:
@@ -47,7 +49,7 @@ def engine_inspect(audited: AuditedAdapters, engine: Engine,
         adapter["engine"] = verdict.record()
     record["engine"] = engine.inspect_record(cfg, verdicts, recommendation, flags, source,
                                              reports)
-    return EngineInspection(record, verdicts)
+    return EngineInspection(record, verdicts, flags)
 
 
 def engine_layout(audited: AuditedAdapters, engine: Engine,

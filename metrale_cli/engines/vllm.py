@@ -366,20 +366,7 @@ class Recommendation:
     shut_out: list[str] = field(default_factory=list)
 
     def serve_line(self) -> str:
-        f = self.flags
-        parts = ["vllm serve", self.model_id, "--enable-lora",
-                 f"--max-lora-rank {f.max_lora_rank}", f"--max-loras {f.max_loras}",
-                 f"--max-cpu-loras {f.cpu_loras}"]
-        if f.lora_dtype != "auto":
-            parts.append(f"--lora-dtype {f.lora_dtype}")
-        if f.dtype != "auto":
-            parts.append(f"--dtype {f.dtype}")
-        if f.target_modules:
-            parts.append("--lora-target-modules " + " ".join(f.target_modules))
-        if f.tp > 1:
-            parts.append(f"--tensor-parallel-size {f.tp}")
-        if f.fully_sharded:
-            parts.append("--fully-sharded-loras")
+        parts = ["vllm serve", self.model_id, *self.flags.serve_args()]
         if self.lora_modules:
             parts.append("--lora-modules " + " ".join(f"{n}={p}" for n, p in self.lora_modules))
         return " ".join(parts)
@@ -387,7 +374,8 @@ class Recommendation:
     def record(self) -> dict[str, Any]:
         model = self.memory.model
         return {
-            "flags": self.flags.record(model), "serve": self.serve_line(),
+            "model": self.model_id, "flags": self.flags.record(model),
+            "serve": self.serve_line(),
             "lora_modules": [{"name": n, "path": p} for n, p in self.lora_modules],
             "lora_bytes": self.memory.lora_bytes, "slot_bytes": self.memory.slot_bytes,
             "host_cache_bytes": self.memory.host_cache_bytes,
@@ -546,7 +534,7 @@ class VllmEngine:
     versions = (VERSION,)
     families = FAMILIES
     options = {"inspect": frozenset({*_FLAG_OPTIONS, "--experts", "--confirm",
-                                     "--engine-python", "--confirm-timeout"}),
+                                     "--engine-python", "--engine-args", "--confirm-timeout"}),
                "layout": frozenset({*_FLAG_OPTIONS, "--budget"}),
                "simulate": frozenset({*_FLAG_OPTIONS, "--budget"})}
 

@@ -357,6 +357,23 @@ class Flags:
                 else None, "dtype": self.model_dtype(model),
                 "lora_dtype": self.resolved_lora_dtype(model)}
 
+    def serve_args(self) -> list[str]:
+        """These flags as `vllm serve` arguments (LoRA on), leaving out what equals vLLM's
+        default where vLLM's default is metrale's too (`auto` dtypes, TP 1)."""
+        args = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras",
+                str(self.max_loras), "--max-cpu-loras", str(self.cpu_loras)]
+        if self.lora_dtype != "auto":
+            args += ["--lora-dtype", self.lora_dtype]
+        if self.dtype != "auto":
+            args += ["--dtype", self.dtype]
+        if self.target_modules:
+            args += ["--lora-target-modules", *self.target_modules]
+        if self.tp > 1:
+            args += ["--tensor-parallel-size", str(self.tp)]
+        if self.fully_sharded:
+            args.append("--fully-sharded-loras")
+        return args
+
     def wraps(self, module: EngineModule) -> bool:
         """vLLM's `is_in_target_modules`: a module is wrapped when its name, or one of the
         adapter names packed into it, is among --lora-target-modules."""

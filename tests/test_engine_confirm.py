@@ -1,0 +1,406 @@
+"""`inspect --engine vllm --confirm`: metrale's prediction set against the installed vLLM.
+
+One real server start (the CPU build's API server on a tiny Qwen3, 1-3 minutes on 2 cores)
+covers an adapter vLLM serves (its output differs from the base's), one it ignores under
+`--lora-target-modules` (its output equals the base's), one it refuses (DoRA: HTTP 500 with
+vLLM's reason, as predicted), and a disagreement: the rules in a test double forget
+`--max-lora-rank`, so they say a rank-32 adapter serves under 16, and the engine refuses it.
+The rest runs no vLLM: bad inputs, and a stand-in engine (a shell script in the python's place)
+that never gets ready, exits at once, or is interrupted, whose processes must all be gone.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from metrale_cli.engines import vllm as vllm_rules
+from metrale_cli.engines.verdict import Verdict
+from tests.conftest import VLLM_PYTHON
+from tests.support.cli_runner import Result, metrale
+
+ROOT = Path(__file__).resolve().parent.parent
+# What the CPU build needs on the tiny model beyond the LoRA flags metrale sets.
+CPU_ARGS = ("--max-model-len 64 --max-num-seqs 4 --max-num-batched-tokens 64 --enforce-eager "
+            "--skip-tokenizer-init")
+
+
+@pytest.fixture(scope="module")
+def adapter(peft_zoo) -> Path:  # type: ignore[no-untyped-def]
+    """A real PEFT adapter on the tiny Qwen3 (header-only base): the stand-in engines and the
+    bad inputs need one to predict for, never its weights in an engine."""
+    return peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"]).path
+
+
+# -- bad inputs: one line, exit 2, no engine started -----------------------------------------
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--confirm"], "--confirm need --engine vllm"),
+    (["--engine", "vllm", "--engine-python", "/bin/sh"], "--engine-python need --confirm"),
+    (["--engine", "vllm", "--confirm-timeout", "5"], "--confirm-timeout need --confirm"),
+    (["--engine", "vllm", "--confirm", "--engine-python", "/no/such/python"],
+     "--engine-python /no/such/python: no such file"),
+    (["--engine", "vllm", "--confirm", "--engine-python", "pyproject.toml"],
+     "--engine-python pyproject.toml: not executable"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--max-loras 4"],
+     "--engine-args: --max-loras is not passed through (give metrale's --max-loras)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--port=8000"],
+     "--engine-args: --port is not passed through (metrale sets it)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "'unclosed"],
+     "--engine-args \"'unclosed\": No closing quotation"),
+    (["--engine", "vllm", "--confirm", "--confirm-timeout", "0"],
+     "--confirm-timeout 0.0: a positive number of seconds"),
+])
+def test_bad_input_is_one_line_and_exit_2(adapter: Path, args: list[str], said: str) -> None:
+    done = metrale("inspect", adapter, *args)
+    assert done.code == 2, done
+    assert done.stderr.strip().splitlines() == [f"error: {said}"], done.stderr
+
+
+def test_without_vllm_here_it_asks_for_engine_python(adapter: Path) -> None:
+    """The suite's own python has no vllm: the default refuses and names the way out."""
+    done = metrale("inspect", adapter, "--engine", "vllm", "--confirm")
+    assert done.code == 2
+    assert done.stderr.strip() == (f"error: --confirm: this Python ({sys.executable}) cannot "
+                                   "import vllm; pass --engine-python PATH, the python of an "
+                                   "environment that has vLLM")
+
+
+@pytest.mark.proc
+def test_an_engine_python_without_vllm_is_refused(adapter: Path) -> None:
+    done = metrale("inspect", adapter, "--engine", "vllm", "--confirm", "--engine-python",
+                   sys.executable)
+    assert done.code == 2
+    assert done.stderr.strip() == (f"error: --engine-python {sys.executable}: cannot import "
+                                   "vllm (exit status 1)")
+
+
+# -- a stand-in engine: the time bound, an early exit, signals; no process left --------------
+
+
+def _fake(tmp: Path, body: str) -> Path:
+    """A python stand-in: it answers the vllm probe (`-c ...`) yes, and asked to serve runs
+    `body`, after writing its pid and its child's (an engine core's place)."""
+    script = tmp / "python"
+    script.write_text("#!/bin/sh\n"
+                      'case "$1" in -c) exit 0;; esac\n'
+                      f"sleep 1000 & echo $! > {tmp}/child.pid\n"
+                      f"echo $$ > {tmp}/server.pid\n"
+                      f"{body}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """No such process, or a zombie its new parent has yet to reap."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _pids(tmp: Path) -> list[int]:
+    return [int((tmp / f"{n}.pid").read_text()) for n in ("server", "child")]
+
+
+def _log_named(done: Result) -> Path:
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "; its log: " in line, done.stderr
+    return Path(line.rsplit("; its log: ", 1)[1])
+
+
+@pytest.mark.proc
+def test_an_engine_never_ready_is_the_time_bound_exit_4(adapter: Path, tmp_path: Path) -> None:
+    fake = _fake(tmp_path, "echo loading weights; wait")
+    t0 = time.monotonic()
+    done = metrale("inspect", adapter, "--engine", "vllm", "--confirm", "--engine-python", fake,
+                   "--confirm-timeout", "3")
+    assert done.code == 4, done
+    assert time.monotonic() - t0 < 60
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: vLLM was not ready within 3 s (--confirm-timeout)"), line
+    assert "loading weights" in _log_named(done).read_text()
+    assert all(_gone(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.proc
+def test_an_engine_that_exits_at_once_is_exit_3_with_its_error(adapter: Path,
+                                                                tmp_path: Path) -> None:
+    fake = _fake(tmp_path, "echo 'RuntimeError: Failed to infer device type'; exit 1")
+    done = metrale("inspect", adapter, "--engine", "vllm", "--confirm", "--engine-python", fake)
+    assert done.code == 3, done
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: vLLM exited with status 1 before it was ready: "
+                           "RuntimeError: Failed to infer device type; its log: "), line
+    assert _log_named(done).is_file()
+    assert all(_gone(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.proc
+def test_an_engine_that_cannot_build_the_model_agrees_with_unsupported_model(
+        adapter: Path, tmp_path: Path) -> None:
+    """A model vLLM registers no class for is `unsupported_model`: an engine that exits before
+    it is ready is then what was predicted (exit 0), not the machine's failure."""
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    source = json.loads((Path(base) / "config.json").read_text())
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**source, "architectures": [
+        "FrobnicatorForCausalLM"]}))
+    fake = _fake(tmp_path, "echo \"ValueError: Model architectures ['FrobnicatorForCausalLM'] "
+                           "are not supported for now.\"; exit 1")
+    done = metrale("inspect", adapter, "--model", model, "--engine", "vllm", "--confirm",
+                   "--engine-python", fake, "--json")
+    assert done.code == 0, done
+    check = done.json()["confirm"]
+    assert check["agrees"] and check["base"] is None
+    (only,) = check["adapters"]
+    assert only["predicted"] == "unsupported_model" and only["agrees"]
+    assert only["observed"]["error"].startswith("the engine did not start: ValueError: Model "
+                                                "architectures")
+    assert all(_gone(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, signum: int,
+                                                 code: int) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM to metrale while the engine starts: metrale exits as it
+    does on that signal, and takes the engine's whole process group with it."""
+    fake = _fake(tmp_path, "wait")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "metrale_cli", "inspect", str(adapter), "--engine", "vllm",
+         "--confirm", "--engine-python", str(fake)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "server.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the child's pid is written just before
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, err.decode()
+    assert all(_gone(p) for p in _pids(tmp_path))
+
+
+# -- the real vLLM: one start ----------------------------------------------------------------
+
+
+class ForgetsMaxRank(vllm_rules.VllmEngine):
+    """vLLM's rules with one deliberately wrong: an adapter above --max-lora-rank serves."""
+
+    def judge(self, report: Any, model: Any, flags: Any,
+              flags_source: str = "given") -> vllm_rules.EngineVerdict:
+        verdict = super().judge(report, model, flags, flags_source)
+        if verdict.reason_class == "rank_above_max":
+            return replace(verdict, verdict=Verdict.SERVES, reason="(the double forgets it)")
+        return verdict
+
+
+@pytest.fixture(scope="module")
+def confirmed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One `inspect --confirm --json` against the real vLLM under the wrong rules, with
+    --lora-target-modules o_proj: `attn` (q/v) is ignored, `out` (o_proj) served, `dora`
+    refused, and `wide` (rank 32 over 16) refused where the double says it serves."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"needs {VLLM_PYTHON}")
+    from tests.support.engine_cases import make_case, write_model
+
+    root = tmp_path_factory.mktemp("confirm")
+    base = write_model("qwen3", root / "base")
+    cases = {"attn": {"target_modules": ["q_proj", "v_proj"]},
+             "out": {"target_modules": ["o_proj"]},
+             "dora": {"target_modules": ["o_proj"], "use_dora": True},
+             "wide": {"target_modules": ["o_proj"], "r": 32}}
+    paths = {name: make_case("qwen3", base, root, name, **{"r": 8, "lora_alpha": 16, **kw}).path
+             for name, kw in cases.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_rules, "ENGINE", ForgetsMaxRank())
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HOME", str(root))
+        done = metrale("inspect", *(f"{n}={p}" for n, p in paths.items()), "--engine", "vllm",
+                       "--max-rank", 16, "--max-loras", 2, "--modules", "o_proj", "--dtype",
+                       "float32", "--confirm", "--engine-python", VLLM_PYTHON,
+                       "--engine-args", CPU_ARGS, "--confirm-timeout", 900, "--json")
+    assert done.code in (0, 1), done.stderr
+    record = done.json()
+    return {"code": done.code, "stderr": done.stderr, "record": record,
+            "checks": {a["name"]: a for a in record["confirm"]["adapters"]}}
+
+
+@pytest.mark.vllm
+@pytest.mark.proc
+def test_a_served_adapter_is_confirmed_and_changes_the_output(confirmed: dict[str, Any],
+                                                              ) -> None:
+    out = confirmed["checks"]["out"]
+    assert out["predicted"] == "serves" and out["agrees"] and not out["note"], out
+    observed = out["observed"]
+    assert observed["loaded"] and observed["changes_output"]
+    base = confirmed["record"]["confirm"]["base"]
+    # Strong enough that greedy decoding itself differs, not only the log-probs.
+    assert observed["output"]["tokens"] != base["tokens"], (observed, base)
+
+
+@pytest.mark.vllm
+@pytest.mark.proc
+def test_an_ignored_adapter_loads_and_changes_nothing(confirmed: dict[str, Any]) -> None:
+    attn = confirmed["checks"]["attn"]
+    assert attn["predicted"] == "ignores" and attn["agrees"], attn
+    observed = attn["observed"]
+    assert observed["loaded"] and observed["changes_output"] is False
+    assert observed["output"]["tokens"] == confirmed["record"]["confirm"]["base"]["tokens"]
+    assert observed["max_logprob_delta"] <= 1e-4
+
+
+@pytest.mark.vllm
+@pytest.mark.proc
+def test_a_refused_adapter_is_observed_refused_in_vllms_words(confirmed: dict[str, Any],
+                                                              ) -> None:
+    dora = confirmed["checks"]["dora"]
+    assert dora["predicted"] == "refuses" and dora["agrees"] and not dora["note"], dora
+    observed = dora["observed"]
+    assert observed["loaded"] is False and observed["status"] == 500
+    assert "vLLM does not yet support DoRA." in observed["error"]
+    assert observed["engine_alive"]
+
+
+@pytest.mark.vllm
+@pytest.mark.proc
+def test_a_wrong_rule_is_a_disagreement_printed_first_and_exit_1(
+        confirmed: dict[str, Any]) -> None:
+    from metrale_cli.cli.render_engine import engine_confirm_view
+
+    assert confirmed["code"] == 1
+    record = confirmed["record"]
+    assert record["confirm"]["agrees"] is False
+    assert record["confirm"]["disagreements"] == ["wide"]
+    wide = confirmed["checks"]["wide"]
+    assert wide["predicted"] == "serves" and not wide["agrees"]
+    assert "LoRA rank 32 is greater than max_lora_rank 16." in wide["observed"]["error"]
+    assert wide["why"].startswith("vLLM refused it: ")
+    # The view of this record (the output without --json) opens with the disagreement.
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    console.print(engine_confirm_view(record), crop=False)
+    first = console.file.getvalue().splitlines()[0]  # type: ignore[attr-defined]
+    assert first.startswith("DISAGREES wide: predicted serves, observed refused (HTTP 500: "), first
+
+
+@pytest.mark.vllm
+@pytest.mark.proc
+def test_the_record_names_the_engine_flags_log_and_nothing_outlives_it(
+        confirmed: dict[str, Any]) -> None:
+    engine = confirmed["record"]["confirm"]["engine"]
+    assert engine["version"] == "0.32.0"
+    assert engine["python"] == str(VLLM_PYTHON)
+    flags = " ".join(engine["flags"])
+    assert "--enable-lora --max-lora-rank 16 --max-loras 2 --max-cpu-loras 2" in flags
+    assert "--lora-target-modules o_proj" in flags and CPU_ARGS in flags
+    assert 0 < engine["ready_s"] <= engine["seconds"]
+    log = Path(engine["log"])
+    assert "load_lora_adapter" in log.read_text() or log.stat().st_size > 0
+    for line in ("starting vLLM: ", f"its log: {log}", "ready after ", "loading dora",
+                 "prompting out", "stopped vLLM after "):
+        assert line in confirmed["stderr"], confirmed["stderr"]
+    port = engine["command"][engine["command"].index("--port") + 1]
+    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _serves_on(p, port)]
+    assert not alive, alive
+
+
+def _serves_on(proc: Path, port: str) -> bool:
+    try:
+        words = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"--port" in words and port.encode() in words and any(
+        b"vllm" in w for w in words)
+
+
+def test_the_record_is_json_serialisable_without_nan() -> None:
+    """The observed record's log-prob delta is never Infinity (strict JSON): a base top
+    token missing from an adapter's top is recorded as null."""
+    from metrale_cli.engines.confirm import Observed, Output
+
+    base = Output([1, 2], {3: -0.5, 4: -1.0})
+    moved = Output([1, 2], {3: -0.5, 9: -1.0})
+    o = Observed(loaded=True, status=200, output=moved, delta=moved.delta(base),
+                 changes_output=moved.changes(base))
+    assert o.changes_output and json.loads(json.dumps(o.record(), allow_nan=False))[
+        "max_logprob_delta"] is None
+
+
+@pytest.mark.proc
+def test_the_launcher_imports_no_torch() -> None:
+    """engines/confirm.py drives the engine with the standard library alone."""
+    code = ("import sys, metrale_cli.engines.confirm\n"
+            "print(sorted(m for m in ('torch', 'vllm', 'cupy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def _observed(kind: str) -> Any:
+    from metrale_cli.engines.confirm import Observed, Output
+
+    base = Output([7, 7], {7: -0.1})
+    if kind == "refused":
+        return Observed(loaded=False, status=500, error="x: vLLM does not yet support DoRA.")
+    if kind == "refused_dead":
+        return Observed(loaded=False, status=500, error="boom", engine_alive=False)
+    if kind == "gone":
+        return Observed(engine_alive=False)
+    out = Output([7, 8], {7: -2.0}) if kind == "changed" else Output([7, 7], {7: -0.1})
+    return Observed(loaded=True, status=200, output=out, delta=out.delta(base),
+                    changes_output=out.changes(base))
+
+
+@pytest.mark.parametrize(("predicted", "kind", "agrees", "said"), [
+    ("serves", "changed", True, ""),
+    ("serves", "same", True, "note: loaded, but its output equals the base's"),
+    ("serves", "refused", False, "why: vLLM refused it: x: vLLM does not yet support DoRA."),
+    ("differs", "changed", True, ""),
+    ("ignores", "same", True, ""),
+    ("ignores", "changed", False, "why: its output differs from the base's"),
+    ("refuses", "refused", True, ""),
+    ("refuses", "changed", False, "why: vLLM loaded it"),
+    ("refuses", "refused_dead", False, "why: the load took the server down"),
+    ("crashes", "refused_dead", True, "note: vLLM's words are not metrale's"),
+    ("serves", "gone", False, "why: the engine died before it was tried"),
+    ("unsupported_model", "changed", False, "why: vLLM started on this model"),
+])
+def test_each_prediction_is_judged_against_what_vllm_did(predicted: str, kind: str,
+                                                         agrees: bool, said: str) -> None:
+    from metrale_cli.engines.confirm import AdapterCheck
+
+    check = AdapterCheck("a", Verdict(predicted), "vLLM does not yet support DoRA.",
+                         _observed(kind))
+    check.judge()
+    assert check.agrees is agrees
+    if said:
+        field, text = said.split(": ", 1)
+        assert getattr(check, field).startswith(text), (check.why, check.note)
+    else:
+        assert not check.why and not check.note, (check.why, check.note)
