@@ -375,30 +375,42 @@ def _unfolded(segment: list[str]) -> list[list[str]]:
     return groups
 
 
+def _similarity(group: list[str], line: str) -> float:
+    """How alike a shown value (its folded lines joined) and a printed line are, 0 to 1."""
+    if not group[0].strip():
+        return 1.0 if not line.strip() else 0.0
+    value = " ".join(" ".join(_inner(g).split()) for g in group)
+    return difflib.SequenceMatcher(None, value, " ".join(_inner(line).split())).ratio()
+
+
 def _place(segment: list[str], printed: list[str], start: int) -> tuple[int, int] | None:
     """The span of `printed` (from `start`) that a shown segment stands for now: an exact
-    match under the masks, else each shown value's closest printed line (in order; a value
-    folded over lines counts as one), extended over the continuation lines of the last. None if
-    a shown value has no counterpart."""
+    match under the masks, else the in-order pairing of each shown value (a value folded over
+    lines counts as one) with a printed line that is most alike in all, every pair at least
+    0.6 alike, extended over the continuation lines of the last. None if there is none."""
     want, got = masked(segment), masked(printed)
     exact = _find(want, got, start)
     if exact >= 0:
         return exact, exact + len(want)
-    first = last = None
-    at = start
-    for group in _unfolded(want):
-        if not group[0].strip():
-            scored = [(1.0, k) for k in range(at, len(got)) if not got[k].strip()][:1]
-        else:
-            value = " ".join(" ".join(_inner(line).split()) for line in group)
-            scored = [(difflib.SequenceMatcher(None, value, " ".join(_inner(got[k]).split()))
-                       .ratio(), k) for k in range(at, len(got))]
-        if not scored or max(scored)[0] < 0.6:
-            return None
-        best = max(scored, key=lambda s: (s[0], -s[1]))[1]
-        first = best if first is None else first
-        last, at = best, best + 1
-    assert first is not None and last is not None
+    groups, lines = _unfolded(want), got[start:]
+    score = [[_similarity(g, line) for line in lines] for g in groups]
+    # best[i][j]: the most alike pairing of the first i values with the first j lines.
+    none = float("-inf")
+    best = [[0.0] * (len(lines) + 1)] + [[none] * (len(lines) + 1) for _ in groups]
+    for i in range(1, len(groups) + 1):
+        for j in range(1, len(lines) + 1):
+            paired = score[i - 1][j - 1]
+            best[i][j] = max(best[i][j - 1],
+                             best[i - 1][j - 1] + paired if paired >= 0.6 else none)
+    if best[len(groups)][len(lines)] == none:
+        return None
+    placed, j = [], len(lines)
+    for i in range(len(groups), 0, -1):
+        while best[i][j] == best[i][j - 1]:
+            j -= 1
+        placed.append(start + j - 1)
+        j -= 1
+    first, last = placed[-1], placed[0]
     head = last
     while last + 1 < len(printed) and _continues(printed[last + 1], printed[head]):
         last += 1
