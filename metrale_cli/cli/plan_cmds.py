@@ -34,7 +34,9 @@ from metrale_cli.errors import UsageError
 
 @handles_errors
 def models(json_out: JsonOpt = False) -> None:
-    """List the built-in base-model presets and their key dims."""
+    """List the built-in base-model presets and their key dims.
+
+    Example: metrale models --json"""
     from metrale_cli.cli import render
     from metrale_cli.model.config import PRESETS
 
@@ -48,6 +50,7 @@ def models(json_out: JsonOpt = False) -> None:
 @handles_errors
 def inspect(
     adapters: Annotated[list[str], typer.Argument(
+        metavar="ADAPTER",
         help="Adapter directories or hub ids (org/name[@revision]), or NAME=either.",
         show_default=False)],
     model: ModelOpt = None,
@@ -69,7 +72,9 @@ def inspect(
     The model defaults to the adapters' base_model_name_or_path. With --engine vllm, what vLLM
     0.32.0 does with each adapter under the vLLM flags given (--max-rank, --max-loras, --tp,
     --fully-sharded, --modules, --dtype, --lora-dtype), or under the ones metrale recommends;
-    exit 0 only when vLLM serves every adapter as PEFT does."""
+    exit 0 only when vLLM serves every adapter as PEFT does.
+
+    Example: metrale inspect chat code --engine vllm"""
     from metrale_cli.cli import render
     from metrale_cli.engines import refuse_other_options
     from metrale_cli.layout.pipeline import audit_adapters
@@ -108,8 +113,8 @@ def inspect(
 @handles_errors
 def layout(
     adapters: Annotated[list[str] | None, typer.Argument(
-        help="Startup adapters: their modules and largest rank when --modules/--max-rank are "
-             "not given.", show_default=False)] = None,
+        metavar="ADAPTER", help="Startup adapters: their modules and largest rank when "
+        "--modules/--max-rank are not given.", show_default=False)] = None,
     model: ModelOpt = None,
     modules: ModulesOpt = None,
     max_rank: MaxRankOpt = None,
@@ -139,7 +144,9 @@ def layout(
     without adapters every expert and router of every MoE layer at --max-rank. With --engine
     vllm, the bytes vLLM 0.32.0's LoRA buffers take on each GPU, reading --max-loras,
     --max-rank, --tp, --fully-sharded and --modules as vLLM's --max-loras, --max-lora-rank,
-    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules."""
+    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules.
+
+    Example: metrale layout chat code --budget 40GiB --tp 4"""
     from metrale_cli.cli import render
     from metrale_cli.engines import refuse_other_options
     from metrale_cli.layout.pipeline import audit_adapters, plan_pool
