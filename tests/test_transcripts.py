@@ -101,7 +101,8 @@ def test_rewriting_keeps_the_elisions_and_the_written_timings() -> None:
 @pytest.mark.proc  # the setup's mkdir runs under bash
 def test_update_rewrites_a_stale_block_and_its_directives_hold(tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
-    doc.write_text("Text.\n\n<!-- transcript: setup\n$ mkdir sub\n-->\n```\n$ metrale models\n"
+    doc.write_text("Prose quoting `<!-- transcript: skip -->`.\n\n<!-- transcript: setup\n"
+                   "$ mkdir sub\n-->\n```\n$ metrale models\n"
                    "an old table\n```\n\n<!-- transcript: skip needs a GPU to run -->\n```\n"
                    "$ metrale bench kernels\nanything\n```\n")
     blocks = parse(doc)
@@ -121,10 +122,12 @@ def test_update_rewrites_a_stale_block_and_its_directives_hold(tmp_path: Path) -
     ("<!-- transcript: skip -->\n```\n$ metrale models\n```\n", "needs its reason"),
     ("<!-- transcript: sesion x -->\n```\n$ metrale models\n```\n", "unknown transcript"),
     ("<!-- transcript: skip a reason here -->\n```json\n{}\n```\n", "is no `. metrale`"),
+    ("```console\n$ metrale models\n```\n<!-- transcript: skip x y z -->\n", "not followed"),
     ("<!-- transcript: skip a reason here -->\nprose\n```\n$ metrale models\n```\n",
      "not followed"),
     ("```\noutput\n$ metrale models\n```\n", "before its first"),
-], ids=["skip-without-reason", "unknown", "not-a-transcript", "not-followed", "output-first"])
+], ids=["skip-without-reason", "unknown", "not-a-transcript", "at-the-end", "not-followed",
+     "output-first"])
 def test_a_malformed_transcript_is_named(text: str, message: str, tmp_path: Path) -> None:
     (tmp_path / "doc.md").write_text(text)
     with pytest.raises(ValueError, match=message):

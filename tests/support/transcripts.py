@@ -7,7 +7,7 @@ with what the tool prints (tests/test_transcripts.py), or rewritten from it:
 
 (`--session NAME` limits any of them to one session.)
 
-A transcript is a fenced block without an info string holding a line that starts `$ metrale `.
+A transcript is a fenced block (any info string) holding a line that starts `$ metrale `.
 Its lines starting `$ ` are commands (a trailing backslash continues one, a heredoc runs to its
 terminator); the lines after a command, up to the next, are what it prints: stdout and stderr
 as a terminal shows them, COLUMNS=100. A line `...` stands for any number of lines the text
@@ -32,8 +32,14 @@ Before comparing, each side's lines lose trailing spaces and trailing blank line
 replace what differs from run to run: the session's directory is shown as /tmp/op, and wall
 times and throughputs become `<t>`; in a line a mask changed, runs of spaces count as one (a
 table column may widen). Lines of PROGRESS (stderr's progress off a terminal) are dropped: a
-terminal's bar vanishes. `--update` keeps a line as written when it equals the new one under the
-masks, so the docs' timings do not churn.
+terminal's bar vanishes.
+
+`--update` writes what the tool prints now, keeping a line as written when it equals the new one
+under the masks (the docs' timings do not churn). An excerpt keeps its elisions: each stretch it
+shows becomes the printed lines it stands for now (its lines paired in order with the printed
+lines most alike, a folded value counting as one line, and its last value's continuation lines
+taken along); a stretch with no counterpart is reported, to be rewritten by hand. Review the
+diff: a change it shows is a change in what the tool prints.
 """
 
 from __future__ import annotations
@@ -166,7 +172,7 @@ def parse(doc: Path) -> list[Block]:
     i = 0
     while i < len(lines):
         line = lines[i]
-        if "<!--" in line and "transcript:" in line:
+        if re.match(r"<!--\s*transcript:", line):  # at a line's start: prose may quote one
             start = i
             while "-->" not in lines[i]:
                 i += 1
@@ -180,7 +186,7 @@ def parse(doc: Path) -> list[Block]:
             while not lines[end].startswith("```"):
                 end += 1
             body = lines[i + 1:end]
-            if line == "```" and any(b.startswith("$ metrale ") for b in body):
+            if any(b.startswith("$ metrale ") for b in body):  # whatever the info string
                 block = Block(doc, i + 1, session,
                               parse_commands(body, i + 1, f"{_name(doc)}:{i + 1}"))
                 _directives(block, pending)
@@ -192,9 +198,10 @@ def parse(doc: Path) -> list[Block]:
             pending = []
             i = end
         elif line.strip() and pending:
-            raise ValueError(f"{pending[0][2]}: a transcript directive not followed by its "
-                             "block")
+            break
         i += 1
+    if pending:
+        raise ValueError(f"{pending[0][2]}: a transcript directive not followed by its block")
     return blocks
 
 
@@ -236,7 +243,7 @@ def _run(command: Command, workdir: Path) -> tuple[int, str]:
 
 def _printed(text: str, workdir: Path) -> list[str]:
     """What a command printed as the docs show it: the directory as SHOWN_DIR, no progress."""
-    for path in {str(workdir.resolve()), str(workdir)}:
+    for path in sorted({str(workdir.resolve()), str(workdir)}, key=len, reverse=True):
         text = text.replace(path, SHOWN_DIR)
     lines = [line.rstrip() for line in text.splitlines() if not PROGRESS.match(line.strip())]
     while lines and not lines[-1]:
@@ -247,7 +254,9 @@ def _printed(text: str, workdir: Path) -> list[str]:
 def run_session(blocks: list[Block], workdir: Path) -> Iterator[Outcome]:
     """Run a session's blocks in `workdir`, yielding each command's outcome; a failing setup
     command raises, naming its block."""
-    with contextlib.chdir(workdir):
+    before = os.getcwd()
+    os.chdir(workdir)  # contextlib.chdir is Python 3.11's; metrale takes 3.10
+    try:
         for block in blocks:
             if block.skip is not None:
                 continue
@@ -259,6 +268,8 @@ def run_session(blocks: list[Block], workdir: Path) -> Iterator[Outcome]:
             for command in block.commands:
                 code, text = _run(command, workdir)
                 yield Outcome(block, command, code, _printed(text, workdir))
+    finally:
+        os.chdir(before)
 
 
 # -- comparing ----------------------------------------------------------------------------------
