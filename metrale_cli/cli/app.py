@@ -16,6 +16,7 @@ import typer
 from metrale_cli import __version__
 from metrale_cli.cli import bench_cmds, image_cmds, pack_cmds, plan_cmds, simulate_cmd
 from metrale_cli.cli.console import say
+from metrale_cli.cli.options import Command, Group
 
 try:  # typer >= 0.29 carries its own copy of Click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -23,7 +24,7 @@ except ImportError:  # pragma: no cover - older typer on Click >= 8.2
     from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
 
 
-class OneLineUsageErrors(typer.core.TyperGroup):
+class OneLineUsageErrors(Group):
     """Click's own usage errors (a value that is not an integer, a missing option) as one line
     on stderr and exit 2, like every other error, instead of Click's usage block."""
 
@@ -44,23 +45,25 @@ class OneLineUsageErrors(typer.core.TyperGroup):
 app = typer.Typer(
     name="metrale",
     cls=OneLineUsageErrors,
-    help="Audit, lay out, pack and benchmark multi-LoRA adapter pools for LLM serving.",
+    help="Audit, lay out, pack and benchmark multi-LoRA adapter pools for LLM serving.\n\n"
+    "Example: metrale layout -m qwen3-8b --modules q_proj,v_proj --max-rank 16 --budget 40GiB",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run.",
-                        no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run.\n\n"
+                        "Example: metrale bench kernels --model-only --rank 16 --tokens 1",
+                        cls=Group, no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
 for command in (plan_cmds.models, plan_cmds.inspect, plan_cmds.layout, pack_cmds.synth,
                 pack_cmds.pack, image_cmds.show, image_cmds.verify, image_cmds.unpack):
-    app.command()(command)
-bench_app.command("pack")(bench_cmds.bench_pack)
-bench_app.command("kernels")(bench_cmds.bench_kernels)
-bench_app.command("slots")(bench_cmds.bench_slots)
-app.command()(simulate_cmd.simulate)
+    app.command(cls=Command)(command)
+bench_app.command("pack", cls=Command)(bench_cmds.bench_pack)
+bench_app.command("kernels", cls=Command)(bench_cmds.bench_kernels)
+bench_app.command("slots", cls=Command)(bench_cmds.bench_slots)
+app.command(cls=Command)(simulate_cmd.simulate)
 
 
 def version_callback(value: bool) -> None:

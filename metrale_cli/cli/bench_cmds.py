@@ -32,7 +32,9 @@ def bench_pack(
         "--tp", help="Also the packing throughput of each of N tensor-parallel ranks.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size."""
+    """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size.
+
+    Example: metrale bench pack -m qwen3-8b --modules q_proj,v_proj --rank 16 --repeats 1"""
     from metrale_cli.bench import pack as bench
     from metrale_cli.cli import render
     from metrale_cli.model.config import resolve_model
@@ -77,7 +79,9 @@ def bench_kernels(
     """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one).
 
     Shapes are the model's modules at real size. --json prints one record per line as it is
-    measured."""
+    measured.
+
+    Example: metrale bench kernels --rank 16 --tokens 1 --tokens 512"""
     from metrale_cli.bench import kernels as bench
     from metrale_cli.bench import roofline
     from metrale_cli.cli.render import kernel_line, kernel_model_line
@@ -163,7 +167,9 @@ def bench_slots(
     repeats: Annotated[int, typer.Option("--repeats")] = 3,
     json_out: JsonOpt = False,
 ) -> None:
-    """Slot-manager victim choice and simulator requests/s at 64 vs 4096 slots, in one run."""
+    """Slot-manager victim choice and simulator requests/s at 64 vs 4096 slots, in one run.
+
+    Example: metrale bench slots --requests 20000 --cycles 10000 --repeats 1"""
     from metrale_cli.bench import slots as bench
     from metrale_cli.cli import render_sim
 

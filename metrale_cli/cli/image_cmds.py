@@ -29,7 +29,9 @@ def show(image: ImageArg,
          json_out: JsonOpt = False) -> None:
     """What a pool image holds, checked without reading its pool bytes (with --check, with
     them). Exit 1 if its metadata and tables contradict each other or its bytes their digests,
-    2 if it is not a pool image."""
+    2 if it is not a pool image.
+
+    Example: metrale show pool.safetensors --check"""
     from metrale_cli.cli import render
     from metrale_cli.image.show import show_image
 
@@ -46,13 +48,16 @@ def show(image: ImageArg,
 def verify(
     image: ImageArg,
     adapters: Annotated[list[str], typer.Argument(
+        metavar="ADAPTER",
         help="Adapter directories or hub ids (matched to slots by name), or NAME=either.",
         show_default=False)],
     online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Recompute what pack writes for each adapter and compare it with the image's bytes. Exit
-    1 on any difference."""
+    1 on any difference.
+
+    Example: metrale verify pool.safetensors chat code"""
     from metrale_cli.adapters.loading import load_adapters
     from metrale_cli.cli import render
     from metrale_cli.image.verify import Verifier
@@ -84,7 +89,9 @@ def unpack(
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Write one slot of a pool image back as a PEFT LoRA adapter directory."""
+    """Write one slot of a pool image back as a PEFT LoRA adapter directory.
+
+    Example: metrale unpack pool.safetensors --slot 1 code-again"""
     from metrale_cli.image.unpack import unpack as unpack_slot
 
     result = unpack_slot(image, out_dir, slot, name, force)

@@ -1,12 +1,14 @@
 """The options several commands share, declared once, and the steps of reading them: the shard
-spec and the opt-ins. Adapters and the base model are read by the library's plan pipeline
-(layout/pipeline.py)."""
+spec and the opt-ins; and the form every command's help takes (`Command`, `Group`). Adapters
+and the base model are read by the library's plan pipeline (layout/pipeline.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+import inspect
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from metrale_cli import env
 from metrale_cli.errors import UsageError
@@ -14,6 +16,83 @@ from metrale_cli.errors import UsageError
 if TYPE_CHECKING:
     from metrale_cli.engines.engine import Engine
     from metrale_cli.layout.sharding import ShardSpec
+
+
+# -- the help's form ----------------------------------------------------------------------------
+
+EXAMPLE = "Example:"
+# What a value is called in the help, by its Python type (typer's name, or on a typer before
+# 0.29 Click's): `--rank INT`, not typer's `--rank <int>`.
+_VALUE_NAMES = {"int": "INT", "integer": "INT", "float": "FLOAT", "str": "TEXT", "text": "TEXT",
+                "Path": "PATH", "path": "PATH"}
+
+
+class _NamedArgument(TyperArgument):
+    """An argument shown by its metavar alone: `ADAPTER...` (or `[ADAPTER...]` when optional)
+    in the usage line, and no `<list[str]>` beside it in the list of arguments."""
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        return None
+
+    def get_usage_pieces(self, ctx: Any) -> list[str]:
+        return [self.metavar if self.required else f"[{self.metavar}]"]
+
+
+def _name_values(param: Any) -> None:
+    """Give a parameter the metavar its help shows: an argument its name (or the one it
+    declares) in capitals, `...` when it takes several; an option taking a value its type's
+    name (INT, FLOAT, TEXT, PATH), unless it declares its own."""
+    if isinstance(param, TyperArgument):
+        name = (param.metavar or param.name or "value").upper()
+        param.metavar = f"{name}..." if param.nargs != 1 and not name.endswith("...") else name
+        # typer builds its parameters itself and offers no hook for their class.
+        param.__class__ = _NamedArgument
+    elif isinstance(param, TyperOption) and not param.is_flag and param.metavar is None:
+        bare = param.bare_type() if hasattr(param, "bare_type") else param.type.name
+        element = bare.removeprefix("list[").removesuffix("]")
+        param.metavar = _VALUE_NAMES.get(element, element.upper())
+
+
+def _split_examples(help_text: str | None) -> tuple[str | None, list[str]]:
+    """A docstring's help and the commands of its closing `Example:` paragraph."""
+    if help_text is None:
+        return None, []
+    text = inspect.cleandoc(help_text)
+    at = text.find(EXAMPLE)
+    if at < 0 or (at and not text[:at].endswith("\n\n")):
+        return text, []
+    examples = [line.strip() for line in text[at + len(EXAMPLE):].splitlines() if line.strip()]
+    return text[:at].rstrip(), examples
+
+
+class _HelpForm:
+    """Help in the form of every metrale command: values named INT, FLOAT, TEXT or PATH and
+    arguments by their metavar (not typer's Python types), and the docstring's `Example:`
+    commands at the end, each on one line that is never folded (a pasted example runs)."""
+
+    examples: list[str]
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        help, self.examples = _split_examples(help)
+        super().__init__(*args, help=help, **kwargs)  # type: ignore[call-arg]
+        for param in self.params:  # type: ignore[attr-defined]
+            _name_values(param)
+
+    def format_epilog(self, ctx: Any, formatter: Any) -> None:
+        super().format_epilog(ctx, formatter)  # type: ignore[misc]
+        if self.examples:
+            formatter.write_paragraph()
+            formatter.write_text(EXAMPLE)
+            for example in self.examples:  # written as is: write_text would fold it
+                formatter.write(f"{' ' * (formatter.current_indent + 2)}{example}\n")
+
+
+class Command(_HelpForm, TyperCommand):
+    """A metrale command (`app.command(cls=Command)`)."""
+
+
+class Group(_HelpForm, TyperGroup):
+    """A group of metrale commands (`typer.Typer(cls=Group)`)."""
 
 
 # Each option is one typer.Option, used through its alias; a command that requires it or gives

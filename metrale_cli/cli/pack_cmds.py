@@ -57,7 +57,9 @@ def synth(
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Write a PEFT-format adapter with random non-zero A and B for a real model size."""
+    """Write a PEFT-format adapter with random non-zero A and B for a real model size.
+
+    Example: metrale synth math -m qwen3-8b --modules q_proj,v_proj --rank 16"""
     from metrale_cli.adapters.synth import synth_adapter
     from metrale_cli.model.config import resolve_model
 
@@ -80,7 +82,8 @@ def synth(
 
 @handles_errors
 def pack(
-    adapters: Annotated[list[str], typer.Argument(help="Adapter directories, or NAME=PATH; "
+    adapters: Annotated[list[str], typer.Argument(metavar="ADAPTER",
+                                                  help="Adapter directories, or NAME=PATH; "
                                                   "they become the pinned startup slots.",
                                                   show_default=False)],
     max_loras: Annotated[int, MAX_LORAS],
@@ -104,7 +107,9 @@ def pack(
     process per rank).
 
     The model defaults to the adapters' base_model_name_or_path, the modules to the union of
-    theirs."""
+    theirs.
+
+    Example: metrale pack chat code --max-loras 4 --out pool.safetensors"""
     from metrale_cli.cli import render
     from metrale_cli.dist.torchrun import pack_torchrun, under_torchrun
     from metrale_cli.files.atomic import check_output, check_output_dir, output_dir, output_path

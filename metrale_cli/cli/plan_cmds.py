@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 
 @handles_errors
 def models(json_out: JsonOpt = False) -> None:
-    """List the built-in base-model presets and their key dims."""
+    """List the built-in base-model presets and their key dims.
+
+    Example: metrale models --json"""
     from metrale_cli.cli import render
     from metrale_cli.model.config import PRESETS
 
@@ -52,6 +54,7 @@ def models(json_out: JsonOpt = False) -> None:
 @handles_errors
 def inspect(
     adapters: Annotated[list[str], typer.Argument(
+        metavar="ADAPTER",
         help="Adapter directories or hub ids (org/name[@revision]), or NAME=either.",
         show_default=False)],
     model: ModelOpt = None,
@@ -88,7 +91,9 @@ def inspect(
     0.32.0 does with each adapter under the vLLM flags given (--max-rank, --max-loras, --tp,
     --fully-sharded, --modules, --dtype, --lora-dtype), or under the ones metrale recommends;
     exit 0 only when vLLM serves every adapter as PEFT does. With --confirm, that prediction is
-    checked against the installed vLLM running (docs/engines.md)."""
+    checked against the installed vLLM running (docs/engines.md).
+
+    Example: metrale inspect chat code --engine vllm"""
     from metrale_cli.cli import render
     from metrale_cli.engines import refuse_other_options
     from metrale_cli.layout.pipeline import audit_adapters
@@ -155,8 +160,8 @@ def _confirm(audited: AuditedAdapters, engine: Engine, given: dict[str, object],
 @handles_errors
 def layout(
     adapters: Annotated[list[str] | None, typer.Argument(
-        help="Startup adapters: their modules and largest rank when --modules/--max-rank are "
-             "not given.", show_default=False)] = None,
+        metavar="ADAPTER", help="Startup adapters: their modules and largest rank when "
+        "--modules/--max-rank are not given.", show_default=False)] = None,
     model: ModelOpt = None,
     modules: ModulesOpt = None,
     max_rank: MaxRankOpt = None,
@@ -186,7 +191,9 @@ def layout(
     without adapters every expert and router of every MoE layer at --max-rank. With --engine
     vllm, the bytes vLLM 0.32.0's LoRA buffers take on each GPU, reading --max-loras,
     --max-rank, --tp, --fully-sharded and --modules as vLLM's --max-loras, --max-lora-rank,
-    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules."""
+    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules.
+
+    Example: metrale layout chat code --budget 40GiB --tp 4"""
     from metrale_cli.cli import render
     from metrale_cli.engines import refuse_other_options
     from metrale_cli.layout.pipeline import audit_adapters, plan_pool

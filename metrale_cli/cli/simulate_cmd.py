@@ -36,8 +36,8 @@ from metrale_cli.errors import UsageError
 @handles_errors
 def simulate(
     adapters: Annotated[list[str] | None, typer.Argument(
-        help="Adapters whose modules and largest rank size a slot (else --modules and "
-             "--max-rank).", show_default=False)] = None,
+        metavar="ADAPTER", help="Adapters whose modules and largest rank size a slot (else "
+        "--modules and --max-rank).", show_default=False)] = None,
     model: ModelOpt = None,
     modules: ModulesOpt = None,
     max_rank: MaxRankOpt = None,
@@ -143,7 +143,9 @@ def simulate(
     With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU. With
     --engine vllm, the engine's own cache: --max-loras GPU slots of vLLM's slot bytes, an LRU
     host cache of --max-cpu-loras adapters read from disk (--host-bandwidth) on a miss,
-    vLLM's scheduler admission, --budget in vLLM's LoRA bytes."""
+    vLLM's scheduler admission, --budget in vLLM's LoRA bytes.
+
+    Example: metrale simulate chat code --adapters 100 --requests 5000 --max-loras 4,8,16"""
     from metrale_cli import compat
     from metrale_cli.cli import render_sim
     from metrale_cli.cli.parsing import (

@@ -17,6 +17,7 @@ class Result:
     code: int
     stdout: str
     stderr: str
+    output: str  # stdout and stderr interleaved, as a terminal shows them
 
     def json(self) -> Any:
         return json.loads(self.stdout)
@@ -30,4 +31,4 @@ def metrale(*args: object, columns: int = 100) -> Result:
     result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": str(columns)})
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
-    return Result(result.exit_code, result.stdout, result.stderr)
+    return Result(result.exit_code, result.stdout, result.stderr, result.output)

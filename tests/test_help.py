@@ -1,0 +1,123 @@
+"""Every command's `--help`, the whole command tree: values named INT, FLOAT, TEXT or PATH and
+arguments by their metavar (`ADAPTER...`), never by a Python type (typer's `<list[str]>`,
+`<int>`), and an example at the end, on one line; every example parses with its command's own
+parser, and runs."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+
+from metrale_cli.cli.app import app
+from metrale_cli.cli.options import EXAMPLE
+from tests.support.cli_runner import metrale
+
+
+def _tree() -> list[tuple[list[str], Any]]:
+    """(path, click command) of the root, every group and every command, in the help's order."""
+    found: list[tuple[list[str], Any]] = []
+
+    def walk(path: list[str], command: Any) -> None:
+        found.append((path, command))
+        for name, sub in getattr(command, "commands", {}).items():
+            walk([*path, name], sub)
+
+    walk([], typer.main.get_command(app))
+    return found
+
+
+TREE = _tree()
+EXAMPLES = [(path, example) for path, command in TREE for example in command.examples]
+PYTHON_TYPE = re.compile(r"<[A-Za-z_]+(?:\[[A-Za-z_, |]+\])?>")
+
+
+def _ids(path: list[str]) -> str:
+    return " ".join(path) or "metrale"
+
+
+@pytest.mark.parametrize(("path", "command"), TREE, ids=lambda v: _ids(v) if isinstance(v, list)
+                         else "")
+def test_help_names_its_values_and_ends_with_an_example(path: list[str], command: Any) -> None:
+    done = metrale(*path, "--help", columns=80)
+    assert done.code == 0, done.output
+    assert PYTHON_TYPE.findall(done.stdout) == [], done.stdout
+    assert not re.search(r"\{\w+\}", done.stdout.split("\n", 1)[0])  # typer's `{adapters}`
+    lines = done.stdout.splitlines()
+    examples = [line.strip() for line in lines[lines.index(EXAMPLE) + 1:]] \
+        if EXAMPLE in lines else []
+    assert examples and all(e.startswith("metrale ") for e in examples), done.stdout
+    # Each on one line, whole, though wider than the help's text: a pasted example runs.
+    assert examples == command.examples
+
+
+def test_values_and_arguments_are_named_as_the_brief_says() -> None:
+    inspect = metrale("inspect", "--help", columns=80).stdout
+    assert "inspect [OPTIONS] ADAPTER..." in inspect and "  ADAPTER...  " in inspect
+    assert "--max-rank INT " in inspect and "--model TEXT " in inspect
+    assert "simulate [OPTIONS] [ADAPTER...]" in metrale("simulate", "--help").stdout
+    assert "show [OPTIONS] IMAGE" in metrale("show", "--help").stdout
+    assert "--alpha FLOAT " in metrale("synth", "--help").stdout
+    assert "--trace PATH " in metrale("simulate", "--help").stdout
+    assert "-r, --rank INT " in metrale("bench", "kernels", "--help").stdout
+
+
+def _resolve(words: list[str]) -> tuple[list[str], Any, list[str]]:
+    """The command an example's words name, and the arguments left for it."""
+    path: list[str] = []
+    command = typer.main.get_command(app)
+    rest = list(words)
+    while rest and rest[0] in getattr(command, "commands", {}):
+        path.append(rest[0])
+        command = command.commands[rest.pop(0)]
+    return path, command, rest
+
+
+@pytest.mark.parametrize(("path", "example"), EXAMPLES, ids=lambda v: v if isinstance(v, str)
+                         else None)
+def test_every_example_parses(path: list[str], example: str) -> None:
+    """The example's command takes its options and arguments (a typo, a type that does not
+    convert, a missing required option would fail here without running anything)."""
+    words = shlex.split(example)
+    assert words[0] == "metrale"
+    target, command, rest = _resolve(words[1:])
+    assert target[:len(path)] == path or not path, (path, target)
+    assert not hasattr(command, "commands"), f"{example}: names a group, not a command"
+    context = command.make_context(" ".join(["metrale", *target]), rest)
+    assert context.params
+
+
+@pytest.fixture(scope="module")
+def examples_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The adapters the examples name: `chat` and `code`, two small Qwen3-8B adapters."""
+    here = tmp_path_factory.mktemp("examples")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(here)
+        for name, rank, seed in (("chat", 16, 0), ("code", 8, 1)):
+            made = metrale("synth", name, "-m", "qwen3-8b", "--modules", "q_proj,v_proj",
+                           "--rank", rank, "--seed", seed)
+            assert made.code == 0, made.output
+    return here
+
+
+@pytest.mark.slow
+def test_every_example_runs(examples_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each example, in the help's order, in one directory (pack's image is what show, verify
+    and unpack read); exit 0, or 3 (no GPU) for a benchmark of the CUDA kernels where no GPU is
+    usable."""
+    from metrale_cli import compat
+
+    monkeypatch.chdir(examples_dir)
+    gpu, _ = compat.gpu_status()
+    failed = []
+    for _, example in EXAMPLES:
+        done = metrale(*shlex.split(example)[1:])
+        allowed = {0} if gpu or "bench kernels" not in example or "--model-only" in example \
+            else {3}
+        if done.code not in allowed or not done.output.strip():
+            failed.append(f"{example}: exit {done.code}\n{done.output}")
+    assert not failed, "\n".join(failed)
