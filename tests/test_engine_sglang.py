@@ -59,6 +59,10 @@ ADAPTERS: dict[str, tuple[str, dict[str, Any]]] = {
     # A hand-written (or older PEFT) config keeping the string.
     "all_linear_string": ("llama", {"r": 4, "lora_alpha": 8, "config": {
         "target_modules": "all-linear"}}),
+    # added_tokens.json: two tokens past the 128-row vocabulary; a copy of base tokens.
+    "added_tokens": ("llama", {"r": 4, "lora_alpha": 8,
+                               "added_tokens": {"<a>": 128, "<b>": 129}}),
+    "added_tokens_copied": ("llama", {"r": 4, "lora_alpha": 8, "added_tokens": {"<s>": 1}}),
     "q3_plain": ("qwen3", {"r": 4, "lora_alpha": 16}),
     "q3_alpha": ("qwen3", {"r": 2, "lora_alpha": 3, "target_modules": ["q_proj", "v_proj"]}),
     "q2_plain": ("qwen2", {"r": 4, "lora_alpha": 8}),
@@ -74,7 +78,8 @@ JOBS: dict[str, dict[str, Any]] = {
                           "all_linear_peft"],
               "runtime": ["dora", "q_no_v", "v_only", "rank_above", "outside_targets",
                           "rank_pattern_q", "rank_pattern_o", "layer_replication", "regex",
-                          "modules_to_save_in_layer", "embedding"]},
+                          "modules_to_save_in_layer", "embedding", "added_tokens",
+                          "added_tokens_copied"]},
     "llama_all": {"flags": {"max_lora_rank": 8, "lora_target_modules": ["all"]},
                   "startup": ["embedding", "lm_head"],
                   "runtime": ["all_linear_string", "rank_pattern_o", "regex"]},
@@ -89,6 +94,7 @@ JOBS: dict[str, dict[str, Any]] = {
                                 "startup": ["plain"]},
     "startup_rank_above": {"flags": {"max_lora_rank": 2}, "startup": ["plain"]},
     "startup_all_linear_string": {"startup": ["all_linear_string"]},
+    "startup_added_tokens": {"startup": ["added_tokens"]},
 }
 
 # The tests that read the runner's answers; the source rules need only the installed files.
@@ -109,7 +115,10 @@ def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for seed, (name, (model, kwargs)) in enumerate(ADAPTERS.items()):
         kwargs = dict(kwargs)
         rewrite = kwargs.pop("config", None)
+        tokens = kwargs.pop("added_tokens", None)
         made[name] = make_adapter(model, tmp / name, seed=seed, **kwargs)
+        if tokens:
+            (made[name].path / "added_tokens.json").write_text(json.dumps(tokens))
         if rewrite:
             config_path = made[name].path / "adapter_config.json"
             config = json.loads(config_path.read_text())
@@ -146,7 +155,9 @@ def _pool(run: dict[str, Any], job: str) -> tuple[int, set[str]]:
 
 def _judge(run: dict[str, Any], job: str, name: str, path: str) -> sglang.Judgement:
     truth = run["made"][name]
+    vocab = json.loads((truth.base_dir / "config.json").read_text())["vocab_size"]
     return sglang.judge(name, _config(truth), _shapes(truth), pool=_pool(run, job), path=path,
+                        added_tokens=sglang.added_tokens(truth.path, vocab),
                         num_hidden_layers=2)
 
 
@@ -215,6 +226,18 @@ def test_first_batches_fail_where_sglang_fails(sglang_run: dict[str, Any]) -> No
     assert crashes == {("llama", "v_only"), ("llama", "rank_pattern_o"),
                        ("llama", "modules_to_save_in_layer"), ("llama_all", "rank_pattern_o"),
                        ("startup_rank_above", "plain")}
+
+
+@_runs
+def test_pool_bytes_are_the_buffers_sglang_allocates(sglang_run: dict[str, Any]) -> None:
+    for job in ("llama", "qwen3", "qwen2", "mistral", "startup_rank_above"):
+        report = sglang_run["jobs"][job]
+        base = sglang_run["made"][JOBS[job]["startup"][0]].base_dir
+        model = json.loads((base / "config.json").read_text())
+        predicted = sglang.pool_bytes(model, report["target_modules"], report["max_lora_rank"],
+                                      4, 4)
+        assert predicted == report["pool"]["bytes"] == sum(
+            b[-1] for b in report["pool"]["buffers"]), job
 
 
 @_runs
@@ -306,7 +329,7 @@ def test_judge_takes_names_alone_and_audit_reports(sglang_run: dict[str, Any]) -
     names_only = sglang.judge("q_no_v", _config(made["q_no_v"]), list(made["q_no_v"].tensors),
                               pool=pool)
     assert (names_only.error_type, names_only.verdict) == ("KeyError", Verdict.REFUSES)
-    for name in ("rank_pattern_q", "rslora", "layer_replication"):
+    for name in ("rank_pattern_q", "rslora", "layer_replication", "added_tokens"):
         model = ModelConfig.from_hf(made[name].base_dir)
         report = audit(Adapter.load(made[name].path), model)
         assert sglang.judge_report(report, model, pool=pool) == _judge(

@@ -14,10 +14,12 @@ scheduler's forward step and takes the server down). `judge` answers all three.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from metrale_cli.adapters.adapter import AdapterConfig
@@ -107,6 +109,23 @@ def startup_pool(configs: Iterable[Mapping[str, Any]], max_lora_rank: int | None
     return rank, targets
 
 
+def added_tokens(adapter_dir: str | Path, vocab_size: int) -> int:
+    """The tokens SGLang counts as added (srt/lora/lora_config.py LoRAConfig): the entries of
+    the adapter's `added_tokens.json` whose id is at or past the base vocabulary (a copy of the
+    base tokenizer's own is not counted); an unreadable file counts none, as SGLang logs it and
+    goes on."""
+    path = Path(adapter_dir) / "added_tokens.json"
+    if not path.is_file():
+        return 0
+    try:
+        tokens = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return 0
+    if not isinstance(tokens, dict):
+        return 0
+    return sum(1 for i in tokens.values() if isinstance(i, int) and i >= vocab_size)
+
+
 @dataclass(frozen=True)
 class Judgement:
     """One adapter through one path. `accepted`: the load succeeds (at start-up, the server
@@ -182,14 +201,14 @@ def judge(name: str, config: Mapping[str, Any],
 
 
 def judge_report(report: AdapterReport, model: ModelConfig, *,
-                 pool: tuple[int, set[str]] | None = None, added_tokens: int = 0,
+                 pool: tuple[int, set[str]] | None = None,
                  path: str | None = None) -> Judgement:
-    """`judge` on what the audit read: the config, the safetensors header's shapes and the
-    base model's layer count."""
+    """`judge` on what the audit read: the config, the safetensors header's shapes, the base
+    model's layer count, and the adapter directory's `added_tokens.json`."""
     adapter = report.adapter
     return judge(report.name, adapter.config.raw,
                  {n: t.shape for n, t in adapter.header.tensors.items()}, pool=pool,
-                 added_tokens=added_tokens, path=path,
+                 added_tokens=added_tokens(adapter.path, model.vocab_size), path=path,
                  num_hidden_layers=model.num_hidden_layers)
 
 
