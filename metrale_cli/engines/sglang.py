@@ -380,8 +380,9 @@ def _batch_errors(config: Mapping[str, Any], shapes: Mapping[str, Any],
         for tensor, shape in fused:
             module = _target_of(tensor, targets)
             (a_side if "lora_A" in tensor else b_side)[module] = shape
-        found = []
+        # Every A slot of the layer is filled before any B slot: an A mismatch comes first.
         for side, table in (("A", a_side), ("B", b_side)):
+            found = []
             for module in sorted(table):
                 shape = table[module]
                 if module not in DENSE_MODULES or shape is None:
@@ -394,8 +395,8 @@ def _batch_errors(config: Mapping[str, Any], shapes: Mapping[str, Any],
                 if tuple(shape) != view:
                     found.append(f"LoRA buffer shape {_size(view)} does not match weight "
                                  f"shape {_size(tuple(shape))}.")
-        if found:
-            return "AssertionError", tuple(found)
+            if found:
+                return "AssertionError", tuple(found)
     return None
 
 
