@@ -317,6 +317,32 @@ def test_differs_names_what_sglang_serves_otherwise(sglang_run: dict[str, Any]) 
 
 
 @_runs
+def test_each_reason_has_its_class(sglang_run: dict[str, Any]) -> None:
+    expected = {
+        ("llama", "dora", "runtime"): "dora",
+        ("llama", "added_tokens", "runtime"): "added_tokens",
+        ("llama", "q_no_v", "runtime"): "fused_part_missing",
+        ("llama", "rank_pattern_q", "runtime"): "fused_rank_mismatch",
+        ("llama", "rank_above", "runtime"): "rank_above_max",
+        ("llama", "outside_targets", "runtime"): "target_modules",
+        ("llama", "layer_replication", "runtime"): "layer_past_base",
+        ("llama", "regex", "runtime"): "string_target_modules",
+        ("startup_outside_targets", "plain", "startup"): "startup_target_modules",
+        ("llama", "v_only", "runtime"): "no_target_module",
+        ("llama", "rank_pattern_o", "runtime"): "slot_shape",
+        ("llama", "rslora", "startup"): "rslora",
+        ("llama", "alpha_pattern", "startup"): "alpha_pattern",
+        ("llama", "modules_to_save", "startup"): "modules_to_save",
+        ("llama", "trainable_tokens", "startup"): "trainable_tokens",
+        ("llama", "lora_bias", "startup"): "lora_bias",
+        ("qwen2", "q2_bias_all", "startup"): "bias",
+        ("llama", "plain", "startup"): "",
+    }
+    got = {case: _judge(sglang_run, *case).reason_class for case in expected}
+    assert got == expected
+
+
+@_runs
 def test_judge_takes_names_alone_and_audit_reports(sglang_run: dict[str, Any]) -> None:
     """Tensor names alone (no shapes) still give the load's verdict; an AdapterReport gives
     the same answer as its config and header."""

@@ -140,6 +140,9 @@ class Judgement:
     differs: tuple[str, ...] = ()
     batch_error_type: str = ""
     batch_errors: tuple[str, ...] = ()
+    # A stable name for the kind of reason (`dora`, `rank_above_max`, `slot_shape`, `rslora`,
+    # ...; the first of several differences); "" when it serves.
+    reason_class: str = ""
     path: str = "runtime"
 
     @property
@@ -186,18 +189,19 @@ def judge(name: str, config: Mapping[str, Any],
     shapes = dict(weights) if isinstance(weights, Mapping) else dict.fromkeys(weights)
     failed = _load_error(name, config, shapes, pool, added_tokens, path, num_hidden_layers)
     if failed is not None:
-        kind, text = failed
-        if path == "startup" and kind != "init_lora_shapes":
+        kind, text, why = failed
+        if path == "startup" and why != "startup_target_modules":
             # srt/lora/lora_manager.py init_lora_adapters wraps a failed load.
-            return Judgement(False, "RuntimeError", f"Failed to load LoRA adapter {name}: {text}",
-                             path=path)
-        return Judgement(False, "ValueError" if kind == "init_lora_shapes" else kind, text,
-                         path=path)
+            kind, text = "RuntimeError", f"Failed to load LoRA adapter {name}: {text}"
+        return Judgement(False, kind, text, reason_class=why, path=path)
     if pool is not None:
         batch = _batch_errors(config, shapes, pool)
         if batch is not None:
-            return Judgement(True, batch_error_type=batch[0], batch_errors=batch[1], path=path)
-    return Judgement(True, differs=_differs(config, shapes), path=path)
+            return Judgement(True, batch_error_type=batch[0], batch_errors=batch[1],
+                             reason_class=batch[2], path=path)
+    differs = _differs(config, shapes)
+    return Judgement(True, differs=tuple(d for _, d in differs),
+                     reason_class=differs[0][0] if differs else "", path=path)
 
 
 def judge_report(report: AdapterReport, model: ModelConfig, *,
@@ -214,40 +218,40 @@ def judge_report(report: AdapterReport, model: ModelConfig, *,
 
 def _load_error(name: str, config: Mapping[str, Any], shapes: dict[str, Any],
                 pool: tuple[int, set[str]] | None, added_tokens: int, path: str,
-                num_layers: int | None) -> tuple[str, str] | None:
-    """(error class, text) of the first step of `_load_lora_adapter` that raises, in its order;
-    "init_lora_shapes" as the class for the start-up's target check."""
+                num_layers: int | None) -> tuple[str, str, str] | None:
+    """(error class, text, reason class) of the first step of `_load_lora_adapter` that raises,
+    in its order, then the start-up's target check (`startup_target_modules`)."""
     # srt/lora/lora_config.py LoRAConfig.__init__ indexes these keys.
     for key in ("target_modules", "r", "lora_alpha"):
         if key not in config:
-            return "KeyError", repr(key)
+            return "KeyError", repr(key), "config_key"
     # srt/lora/lora_manager.py validate_new_adapter.
     if added_tokens > 0:
         return "ValueError", (f"Failed to load {name} because LoRA serving currently doesn't "
-                              "support adapters that add tokens to the vocabulary")
+                              "support adapters that add tokens to the vocabulary"), "added_tokens"
     if config.get("use_dora"):
         return "ValueError", (f"Failed to load {name} because LoRA serving currently doesn't "
-                              "support DoRA adapters")
+                              "support DoRA adapters"), "dora"
     targets = config["target_modules"]
     bad_string = isinstance(targets, str) and targets not in ("all", "all-linear")
     if path == "runtime" and pool is not None:
         # srt/lora/mem_pool.py LoRAMemoryPool.can_support (normalising raises on a string).
         if config["r"] > pool[0]:
-            return "ValueError", _incompatible(name, config["r"])
+            return "ValueError", _incompatible(name, config["r"]), "rank_above_max"
         if bad_string:
-            return "ValueError", _STRING_TARGETS
+            return "ValueError", _STRING_TARGETS, "string_target_modules"
         wanted = normalised_targets(targets)
         if "all" not in wanted and not wanted <= pool[1]:
-            return "ValueError", _incompatible(name, config["r"])
+            return "ValueError", _incompatible(name, config["r"]), "target_modules"
     # srt/lora/lora.py LoRAAdapter._process_weight, per tensor in the file's (sorted) order:
     # it normalises the targets first, then files a weight under its layer.
     if bad_string and shapes:
-        return "ValueError", _STRING_TARGETS
+        return "ValueError", _STRING_TARGETS, "string_target_modules"
     if num_layers is not None:
         for tensor in sorted(shapes):
             layer = _layer_of(tensor)
             if layer is not None and layer >= num_layers:
-                return "IndexError", f"index {layer} is out of range"
+                return "IndexError", f"index {layer} is out of range", "layer_past_base"
     # srt/lora/lora.py LoRAAdapter._normalize_weights, layer by layer.
     for names in _by_layer(shapes).values():
         failed = _fuse_error(names, shapes)
@@ -258,11 +262,12 @@ def _load_error(name: str, config: Mapping[str, Any], shapes: dict[str, Any],
         wanted = normalised_targets(targets)
         if "all" not in wanted and not wanted <= pool[1]:
             missing = sorted(wanted - pool[1])
-            return "init_lora_shapes", (
+            return "ValueError", (
                 f"LoRA adapter '{name}' contains target modules {missing} that are not included "
                 f"in the specified --lora-target-modules {sorted(pool[1])}. Please update "
                 "--lora-target-modules to include all required modules: "
-                f"{sorted(pool[1] | wanted)}, or use 'all' to enable all supported modules.")
+                f"{sorted(pool[1] | wanted)}, or use 'all' to enable all supported modules."), \
+                "startup_target_modules"
     return None
 
 
@@ -282,7 +287,7 @@ def _by_layer(shapes: Mapping[str, Any]) -> dict[int, list[str]]:
     return dict(sorted(layers.items()))
 
 
-def _cat_error(tensors: list[Any]) -> tuple[str, str] | None:
+def _cat_error(tensors: list[Any]) -> tuple[str, str, str] | None:
     """torch.cat along dim 0: every other dim must match the first tensor's."""
     if any(t is None for t in tensors):
         return None
@@ -292,11 +297,13 @@ def _cat_error(tensors: list[Any]) -> tuple[str, str] | None:
             if t[dim] != first[dim]:
                 return "RuntimeError", (
                     "Sizes of tensors must match except in dimension 0. Expected size "
-                    f"{first[dim]} but got size {t[dim]} for tensor number {i} in the list.")
+                    f"{first[dim]} but got size {t[dim]} for tensor number {i} in the list."), \
+                    "fused_rank_mismatch"
     return None
 
 
-def _fuse_error(names: list[str], shapes: Mapping[str, Any]) -> tuple[str, str] | None:
+def _fuse_error(names: list[str],
+                shapes: Mapping[str, Any]) -> tuple[str, str, str] | None:
     """srt/lora/lora.py normalize_qkv_proj and normalize_gate_up_proj on one layer: q_proj is
     stacked with k_proj (zeros when the layer has none) and v_proj, which must exist (a
     KeyError on its name); gate_proj with up_proj (zeros when absent). Stacking concatenates
@@ -307,9 +314,9 @@ def _fuse_error(names: list[str], shapes: Mapping[str, Any]) -> tuple[str, str] 
             continue
         k, v = n.replace("q_proj", "k_proj"), n.replace("q_proj", "v_proj")
         if has_k and k not in shapes:
-            return "KeyError", repr(k)
+            return "KeyError", repr(k), "fused_part_missing"
         if v not in shapes:
-            return "KeyError", repr(v)
+            return "KeyError", repr(v), "fused_part_missing"
         failed = _cat_error([shapes[n], shapes[k] if has_k else shapes[v], shapes[v]])
         if failed is not None:
             return failed
@@ -361,7 +368,7 @@ def _target_of(tensor: str, targets: set[str]) -> str | None:
 
 
 def _batch_errors(config: Mapping[str, Any], shapes: Mapping[str, Any],
-                  pool: tuple[int, set[str]]) -> tuple[str, tuple[str, ...]] | None:
+                  pool: tuple[int, set[str]]) -> tuple[str, tuple[str, ...], str] | None:
     """srt/lora/mem_pool.py load_lora_weight_to_buffer, layer by layer: every weight of the
     layer must name a pool target (a ValueError), then each wrapped module's slot view, A
     `[:r * c, :]` and B `[:, :r]` of a buffer sized for the pool's max rank, must have the
@@ -374,7 +381,8 @@ def _batch_errors(config: Mapping[str, Any], shapes: Mapping[str, Any],
         for tensor, _ in fused:
             if _target_of(tensor, targets) is None:
                 shown = "{" + ", ".join(repr(t) for t in sorted(targets)) + "}"
-                return "ValueError", (f"Cannot find target module name for {tensor} in {shown}",)
+                return "ValueError", (f"Cannot find target module name for {tensor} in {shown}",), \
+                    "no_target_module"
         a_side: dict[str, Any] = {}
         b_side: dict[str, Any] = {}
         for tensor, shape in fused:
@@ -396,13 +404,14 @@ def _batch_errors(config: Mapping[str, Any], shapes: Mapping[str, Any],
                     found.append(f"LoRA buffer shape {_size(view)} does not match weight "
                                  f"shape {_size(tuple(shape))}.")
             if found:
-                return "AssertionError", tuple(found)
+                return "AssertionError", tuple(found), "slot_shape"
     return None
 
 
-def _differs(config: Mapping[str, Any], shapes: Mapping[str, Any]) -> tuple[str, ...]:
-    """What an accepted adapter serves otherwise than PEFT."""
-    out = []
+def _differs(config: Mapping[str, Any],
+             shapes: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What an accepted adapter serves otherwise than PEFT: (reason class, words) each."""
+    out: list[tuple[str, str]] = []
     cfg = AdapterConfig.from_dict(dict(config))
     sglang = scaling(config)
     peft = {}
@@ -415,8 +424,8 @@ def _differs(config: Mapping[str, Any], shapes: Mapping[str, Any]) -> tuple[str,
     other = sorted({s for s in peft.values() if not math.isclose(s, sglang, rel_tol=1e-12)})
     if other:
         why = "rsLoRA" if cfg.use_rslora else "alpha_pattern"
-        out.append(f"scale {sglang:g} (lora_alpha / r) on every module where PEFT applies "
-                   f"{', '.join(f'{s:g}' for s in other)} ({why})")
+        out.append((why.lower(), f"scale {sglang:g} (lora_alpha / r) on every module where "
+                    f"PEFT applies {', '.join(f'{s:g}' for s in other)} ({why})"))
     # srt/lora/lora.py LoRAAdapter._process_weight keeps a weight off the layers only for a
     # targeted embed_tokens / lm_head; load_lora_weight_to_buffer copies only their LoRA A/B.
     targets = config["target_modules"]
@@ -440,15 +449,16 @@ def _differs(config: Mapping[str, Any], shapes: Mapping[str, Any]) -> tuple[str,
         elif not tensor.endswith(".base_layer.weight"):
             saved.add(inner.rsplit(".", 1)[0])
     if saved:
-        out.append(f"modules_to_save {sorted(saved)} not loaded")
+        out.append(("modules_to_save", f"modules_to_save {sorted(saved)} not loaded"))
     if tokens:
-        out.append(f"trainable tokens {config.get('trainable_token_indices')} not loaded")
+        out.append(("trainable_tokens",
+                    f"trainable tokens {config.get('trainable_token_indices')} not loaded"))
     if biases:
-        out.append(f"bias={config.get('bias')!r}: the {len(biases)} trained bias tensors not "
-                   "loaded")
+        out.append(("bias", f"bias={config.get('bias')!r}: the {len(biases)} trained bias "
+                    "tensors not loaded"))
     if lora_biases:
-        out.append("lora_bias: the lora_B biases not loaded")
-    return tuple(out)
+        out.append(("lora_bias", "lora_bias: the lora_B biases not loaded"))
+    return out
 
 
 @dataclass(frozen=True)
