@@ -293,6 +293,59 @@ def test_the_slot_holds_peft_lora_weights_and_nothing_else(sglang_run: dict[str,
                                         abs_tol=1e-9), (job, entry["name"], buffer, layer)
 
 
+def _parts(model: dict[str, Any], fused: str) -> list[tuple[str, int]]:
+    """The PEFT modules SGLang stacks into `fused`, with their output widths."""
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    if fused == "qkv_proj":
+        kv = model["num_key_value_heads"] * head_dim
+        return [("q_proj", model["num_attention_heads"] * head_dim), ("k_proj", kv),
+                ("v_proj", kv)]
+    if fused == "gate_up_proj":
+        return [("gate_proj", model["intermediate_size"]), ("up_proj", model["intermediate_size"])]
+    return [(fused, 0)]
+
+
+@_runs
+def test_sglang_applies_peft_delta_at_its_own_scale(sglang_run: dict[str, Any]) -> None:
+    """One decode step through SGLang's own LoRA layers: each layer's output delta is PEFT's
+    own forward delta for the same input, times SGLang's scale over PEFT's for that module;
+    so an adapter judged `serves` gives PEFT's outputs, and rsLoRA and alpha_pattern give
+    others. lora_bias is the one whose delta lacks a term (the lora_B bias)."""
+    import torch
+
+    compared = 0
+    for job, report in sglang_run["jobs"].items():
+        for path in ("startup", "runtime"):
+            for entry in report[path]:
+                if not (entry["accepted"] and entry["batch"]["ok"]):
+                    continue
+                truth = sglang_run["made"][entry["name"]]
+                config = _config(truth)
+                model = json.loads((truth.base_dir / "config.json").read_text())
+                judged = _judge(sglang_run, job, entry["name"], path)
+                exact = same_as_peft = True
+                for sg_path, seen in entry["batch"]["deltas"].items():
+                    x = torch.tensor([seen["x"]])
+                    prefix, fused = sg_path.rsplit(".", 1)
+                    want, peft = [], []
+                    for leaf, width in _parts(model, fused):
+                        module = truth.modules.get(f"{prefix}.{leaf}")
+                        if module is None:
+                            want.append(torch.zeros(width or len(seen["delta"])))
+                            peft.append(want[-1])
+                            continue
+                        peft.append(truth.forward_delta(module.path, x)[0])
+                        want.append(peft[-1] * sglang.scaling(config) / module.scaling)
+                    got = torch.tensor(seen["delta"])
+                    exact &= torch.allclose(got, torch.cat(want), rtol=1e-4, atol=1e-5)
+                    same_as_peft &= torch.allclose(got, torch.cat(peft), rtol=1e-4, atol=1e-5)
+                    compared += 1
+                assert exact == (judged.reason_class != "lora_bias"), (job, entry["name"])
+                if judged.reason_class in ("", "rslora", "alpha_pattern"):
+                    assert same_as_peft == (judged.verdict is Verdict.SERVES), entry["name"]
+    assert compared > 100
+
+
 @_runs
 def test_differs_names_what_sglang_serves_otherwise(sglang_run: dict[str, Any]) -> None:
     def differs(name: str) -> tuple[str, ...]:

@@ -18,8 +18,9 @@ and `ParallelLMHead` (named as SGLang's Llama/Qwen2/Qwen3/Mistral classes name t
 real `LoRAManager` built by its own `__init__` (so `init_state` runs whole: every start-up
 adapter through `_load_lora_adapter`, `init_lora_shapes`, `init_lora_modules` wrapping the
 layers, `init_memory_pool` with real buffers on `cpu`, `update_lora_info`; a failure there is
-the server not starting). The kernel backend is `torch_native`, the one whose constructor runs
-without a GPU; loading, validation and the pool do not depend on the backend. The only change
+the server not starting). The kernel backend is `torch_native`, the one that runs without a GPU;
+loading, validation and the pool do not depend on the backend, and its kernels compute what the
+GPU ones do (`x A^T B^T` times the adapter's scale). The only change
 to the libraries is that host tensors are not pinned (pinning needs a CUDA driver; it changes
 no value). Then each runtime adapter goes through `_load_lora_adapter`
 against the running pool (a failure is the HTTP 400 answer; the server keeps serving), and each
@@ -30,7 +31,8 @@ in the scheduler's forward step.
 OUT per job: per adapter accepted or the error's class and text; the scaling its `LoRAAdapter`
 holds; its normalised target modules; the weight names it kept per layer and off the layers;
 its first batch (ok, or the error's class and text) and, per pool buffer and layer, the sum of
-absolute values its slot holds. Then the server's target set and rank, and the pool's buffers:
+absolute values its slot holds, and one decode step's output delta through each wrapped layer
+(its input too). Then the server's target set and rank, and the pool's buffers:
 every A/B tensor's name, layer, shape and bytes, and their total. One JOB alone in, its report
 alone out.
 """
@@ -48,8 +50,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _unpinned_tensors() -> None:
-    """Pinning host memory without a CUDA driver raises (`torch.tensor(..., pin_memory=True)`,
-    `Tensor.pin_memory()`); here both leave the tensor unpinned, its values unchanged."""
+    """Pinning host memory without a CUDA driver raises (`torch.tensor` and `torch.zeros` with
+    `pin_memory=True`, `Tensor.pin_memory()`); here they leave the tensor unpinned, its values
+    unchanged."""
     import torch
 
     if torch.cuda.is_available():
@@ -60,6 +63,12 @@ def _unpinned_tensors() -> None:
         return make(*args, **kwargs)
 
     torch.tensor = tensor
+    zeros = torch.zeros
+
+    def zeros_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return zeros(*args, **kwargs)
+
+    torch.zeros = zeros_unpinned
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
 
 
@@ -119,7 +128,10 @@ def _base_model(hf_config: Any) -> Any:
             self.lm_head = (self.model.embed_tokens if getattr(c, "tie_word_embeddings", False)
                             else ParallelLMHead(c.vocab_size, c.hidden_size))
 
-    return Model()
+    model = Model()
+    for p in model.parameters():  # the LoRA delta is what is measured: a zero base
+        torch.nn.init.zeros_(p.data)
+    return model
 
 
 def _error(exc: BaseException) -> dict[str, str]:
@@ -185,7 +197,30 @@ def _first_batch(manager: Any, ref: Any) -> dict[str, Any]:
                         ("lm_head_B", pool.lm_head_B_buffer)):
         for module, t in table.items():
             mass[f"{kind}.{module}"] = [float(t[slot].double().abs().sum())]
-    return {"ok": True, "mass": mass}
+    return {"ok": True, "mass": mass, "deltas": _decode_deltas(manager, ref)}
+
+
+def _decode_deltas(manager: Any, ref: Any) -> dict[str, Any]:
+    """One decode step of one request naming the adapter, through each wrapped layer's own
+    forward (the torch_native kernels) for a seeded input: the base weights are zero, so the
+    output is the LoRA delta.
+    The batch is a stand-in `ForwardBatch` with the three fields a decode batch's LoRA
+    preparation reads."""
+    import types
+
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    manager.prepare_lora_batch(types.SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, batch_size=1, lora_ids=[ref.lora_id]))
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    with torch.no_grad():
+        for layer in manager.lora_modules:
+            for path, module in layer.items():
+                x = torch.randn(1, module.base_layer.input_size, generator=gen)
+                out[path] = {"x": x[0].tolist(), "delta": module(x)[0][0].tolist()}
+    return out
 
 
 def _pool_record(pool: Any) -> dict[str, Any]:
