@@ -7,8 +7,13 @@ and no test helper). One process, one SGLang import (tens of seconds), every job
 JOBS: {"jobs": [JOB, ...]} (or one JOB alone), each
       {"model": DIR (a base config.json), "max_loras_per_batch": N, "dtype": "float32",
        "max_lora_rank": R | null, "lora_target_modules": [..] | null,
-       "startup": [{"name": N, "path": DIR}, ...],      # --lora-paths
-       "runtime": [{"name": N, "path": DIR}, ...]}      # /load_lora_adapter, after start-up
+       "tp_size": 1,                                     # this process is TP rank 0
+       "batches": [[NAME | null, ...], ...],             # running batches through the pool
+       "startup": [{"name": N, "path": DIR}, ...],       # --lora-paths
+       "runtime": [{"name": N, "path": DIR}, ...]}       # /load_lora_adapter, after start-up
+The base model has a `ParallelLMHead` unless its embeddings are tied (so under TP the pool
+reads its vocabulary shard from it, as a server's does); `parallel_lm_head` is accepted for
+that and changes nothing.
 
 The engine cannot start on a CPU (no CPU `sgl_kernel`), so this builds the part of it that
 LoRA touches from SGLang's own classes: a base model whose decoder layers are SGLang's own
@@ -18,15 +23,15 @@ and `ParallelLMHead` (named as SGLang's Llama/Qwen2/Qwen3/Mistral classes name t
 real `LoRAManager` built by its own `__init__` (so `init_state` runs whole: every start-up
 adapter through `_load_lora_adapter`, `init_lora_shapes`, `init_lora_modules` wrapping the
 layers, `init_memory_pool` with real buffers on `cpu`, `update_lora_info`; a failure there is
-the server not starting). The kernel backend is `torch_native`, the one that runs without a GPU;
-loading, validation and the pool do not depend on the backend, and its kernels compute what the
-GPU ones do (`x A^T B^T` times the adapter's scale). The only change
-to the libraries is that host tensors are not pinned (pinning needs a CUDA driver; it changes
-no value). Then each runtime adapter goes through `_load_lora_adapter`
-against the running pool (a failure is the HTTP 400 answer; the server keeps serving), and each
-loaded adapter through its first batch: `fetch_new_loras`, which copies it into a pool slot
-(`LoRAMemoryPool.prepare_lora_batch` / `load_lora_weight_to_buffer`); an error there is raised
-in the scheduler's forward step.
+the server not starting). The kernel backend is `torch_native`, the one that runs without a
+GPU; loading, validation and the pool do not depend on the backend, and its kernels compute what
+the GPU ones do (`x A^T B^T` times the adapter's scale). The only change to the libraries is
+that host tensors are not pinned (pinning needs a CUDA driver; it changes no value). Then each
+runtime adapter goes through `_load_lora_adapter` against the running pool (a failure is the
+HTTP 400 answer; the server keeps serving), and each
+loaded adapter (at TP 1) through its first batch: `fetch_new_loras`, which copies it into a
+pool slot (`LoRAMemoryPool.prepare_lora_batch` / `load_lora_weight_to_buffer`); an error there
+is raised in the scheduler's forward step. With `batches`, those run first, in turn.
 
 OUT per job: per adapter accepted or the error's class and text; the scaling its `LoRAAdapter`
 holds; its normalised target modules; the weight names it kept per layer and off the layers;
@@ -81,11 +86,12 @@ def _publish(job: dict[str, Any]) -> Any:
         model_path=job["model"], device="cpu", enable_lora=True,
         max_loras_per_batch=job.get("max_loras_per_batch", 8),
         lora_eviction_policy=job.get("eviction_policy", "lru"),
-        lora_backend="torch_native", tp_size=1, skip_server_warmup=True,
+        lora_backend="torch_native", tp_size=job.get("tp_size", 1), skip_server_warmup=True,
     )
     set_global_server_args_for_scheduler(args)
     from sglang.srt.runtime_context import get_parallel
 
+    # This process is rank 0 of its tensor-parallel group (the pool's shapes are per rank).
     get_parallel().override_permanently(tp_rank=0)
     return args
 
@@ -285,10 +291,30 @@ def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
         else:
             report["runtime"].append({"name": ref.lora_name, "accepted": False, "error": {
                 "type": _error_class(manager, ref), "text": result.error_message}})
-    entries = {e["name"]: e for e in report["startup"] + report["runtime"]}
-    for ref in refs:
-        entries[ref.lora_name]["batch"] = _first_batch(manager, ref)
+    if "batches" in job:
+        report["batches"] = _replay_batches(manager, job["batches"])
+    if job.get("tp_size", 1) == 1:  # a rank's layers cannot run its forward without its peers
+        entries = {e["name"]: e for e in report["startup"] + report["runtime"]}
+        for ref in refs:
+            entries[ref.lora_name]["batch"] = _first_batch(manager, ref)
     return report
+
+
+def _replay_batches(manager: Any, batches: list[list[str | None]]) -> list[Any]:
+    """Job key `batches`: each a running batch's adapters by name (None: the base model), in
+    turn through `fetch_new_loras` (the pool's own `prepare_lora_batch`, its slots and
+    eviction), from the pool as `init_memory_pool` left it. After each, the adapter each slot
+    holds: its name, None for the base model, "" for an empty slot."""
+    from sglang.srt.lora.mem_pool import EMPTY_SLOT
+
+    ids = {ref.lora_name: lora_id for lora_id, ref in manager.lora_refs.items()}
+    names = {lora_id: name for name, lora_id in ids.items()}
+    states = []
+    for batch in batches:
+        manager.fetch_new_loras({None if n is None else ids[n] for n in batch})
+        states.append(["" if uid is EMPTY_SLOT else None if uid is None else names[uid]
+                       for uid in manager.memory_pool.buffer_id_to_uid])
+    return states
 
 
 def main() -> int:
@@ -296,6 +322,10 @@ def main() -> int:
         spec = json.load(f)
     out_path = sys.argv[2]
     jobs = spec.get("jobs", [spec])
+    for key, default in (("tp_size", 1), ("eviction_policy", "lru")):
+        # Published once per process (`_publish`): one value for every job.
+        if len({job.get(key, default) for job in jobs}) > 1:
+            raise SystemExit(f"sglang_runner: every job of one run needs the same {key}")
     _unpinned_tensors()
     server_args = _publish(jobs[0])
     out = {"jobs": []}
