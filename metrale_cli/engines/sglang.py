@@ -180,12 +180,14 @@ def judge(name: str, config: Mapping[str, Any],
     """What SGLang does with the adapter `name` (its `adapter_config.json` as a dict, its
     tensor names, or names to shapes: the safetensors header, which the rank checks need).
 
-    `path` is "startup" (`--lora-paths`) or "runtime" (`/load_lora_adapter`); by default
-    "runtime" when `pool` is given, else "startup". `pool` is (max rank, target set): the
-    running pool at runtime, the one the start-up builds at start-up (`startup_pool`); None at
-    start-up skips the checks against it. `added_tokens`: the adapter's `added_tokens.json`
-    entries at or past the base vocabulary; `num_hidden_layers`: the base model's."""
-    path = path or ("runtime" if pool is not None else "startup")
+    `path` is "startup" (`--lora-paths`: a load error is the RuntimeError that stops the
+    server) or "runtime" (`/load_lora_adapter`: the HTTP 400's text); by default "runtime" when
+    `pool` is given, else "load": the load alone, its error as `_load_lora_adapter` returns it.
+    `pool` is (max rank, target set): the running pool at runtime, the one the start-up builds
+    at start-up (`startup_pool`); without it no check against a pool or first batch is made.
+    `added_tokens`: the adapter's `added_tokens.json` entries at or past the base vocabulary
+    (`added_tokens`); `num_hidden_layers`: the base model's."""
+    path = path or ("runtime" if pool is not None else "load")
     shapes = dict(weights) if isinstance(weights, Mapping) else dict.fromkeys(weights)
     failed = _load_error(name, config, shapes, pool, added_tokens, path, num_hidden_layers)
     if failed is not None:
