@@ -1,108 +1,448 @@
 """metrale's SGLang 0.5.23 rules (metrale_cli/engines/sglang.py) against SGLang's own LoRA code
 running on CPU tensors (tests/support/sglang_runner.py under .venv-sglang) on PEFT-made
-adapters: acceptance and SGLang's error class and text per path, the scaling its adapter object
-holds, its normalised targets, and the bytes of the pool it allocates."""
+adapters, every case in one runner process: whether the load accepts each adapter on each path
+(and SGLang's error class and text when not), what its first batch does, the scaling its adapter
+object holds, its normalised targets, the pool start-up builds, and which of the file's weights
+land in the pool slot. Then the rules that cannot run here, held to the source text they cite."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
+import math
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors import safe_open
 
 from metrale_cli.engines import sglang
+from metrale_cli.engines.verdict import Verdict
 from tests.conftest import SGLANG_PYTHON
 from tests.support.peft_factory import make_adapter
 
 RUNNER = Path(__file__).parent / "support" / "sglang_runner.py"
+SGLANG_SRC = SGLANG_PYTHON.parent.parent / "lib" / "python3.11" / "site-packages" / "sglang" / "srt"
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow]
-
-# name: (model, make_adapter kwargs, path). One start-up set per model, the rest at runtime.
-CASES = {
-    "plain": ("llama", {"r": 4, "lora_alpha": 8}, "startup"),
-    "rslora": ("llama", {"r": 4, "lora_alpha": 8, "use_rslora": True}, "startup"),
-    "dora": ("llama", {"r": 4, "lora_alpha": 8, "use_dora": True}, "runtime"),
-    "q_no_v": ("llama", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, "runtime"),
-    "rank_above": ("llama", {"r": 8, "lora_alpha": 8}, "runtime"),
+_ALL_DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name: (tiny model, make_adapter kwargs); "config" rewrites adapter_config.json keys after.
+ADAPTERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "plain": ("llama", {"r": 4, "lora_alpha": 8}),
+    "rslora": ("llama", {"r": 4, "lora_alpha": 8, "use_rslora": True}),
+    "alpha_pattern": ("llama", {"r": 4, "lora_alpha": 8, "alpha_pattern": {"o_proj": 16}}),
+    "layers_to_transform": ("llama", {"r": 4, "lora_alpha": 8, "layers_to_transform": [1]}),
+    "lora_bias": ("llama", {"r": 4, "lora_alpha": 8, "lora_bias": True}),
+    "modules_to_save": ("llama", {"r": 4, "lora_alpha": 8, "modules_to_save": ["lm_head"]}),
+    "trainable_tokens": ("llama", {"r": 4, "lora_alpha": 8, "trainable_token_indices": [3, 5]}),
+    # PEFT saves "all-linear" as the list of module paths it matched.
+    "all_linear_peft": ("llama", {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}),
+    "dora": ("llama", {"r": 4, "lora_alpha": 8, "use_dora": True}),
+    "q_no_v": ("llama", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}),
+    "v_only": ("llama", {"r": 4, "lora_alpha": 8, "target_modules": ["v_proj"]}),
+    "rank_above": ("llama", {"r": 8, "lora_alpha": 8}),
     "outside_targets": ("llama", {"r": 4, "lora_alpha": 8,
-                                  "target_modules": ["q_proj", "v_proj", "lm_head"]}, "runtime"),
-    "attn_only": ("llama", {"r": 2, "lora_alpha": 4,
-                            "target_modules": ["q_proj", "k_proj", "v_proj"]}, "runtime"),
-    "q3_plain": ("qwen3", {"r": 4, "lora_alpha": 16}, "startup"),
-    "q3_alpha": ("qwen3", {"r": 2, "lora_alpha": 3}, "runtime"),
+                                  "target_modules": ["q_proj", "v_proj", "lm_head"]}),
+    "rank_pattern_q": ("llama", {"r": 4, "lora_alpha": 8, "rank_pattern": {"q_proj": 8}}),
+    "rank_pattern_o": ("llama", {"r": 4, "lora_alpha": 8, "rank_pattern": {"o_proj": 2}}),
+    "layer_replication": ("llama", {"r": 4, "lora_alpha": 8,
+                                    "layer_replication": [[0, 2], [1, 2]]}),
+    "regex": ("llama", {"r": 4, "lora_alpha": 8, "target_modules": r".*\.(q_proj|v_proj)"}),
+    "modules_to_save_in_layer": ("llama", {"r": 4, "lora_alpha": 8,
+                                           "modules_to_save": ["post_attention_layernorm"]}),
+    "embedding": ("llama", {"r": 4, "lora_alpha": 8,
+                            "target_modules": ["embed_tokens", "q_proj", "v_proj"]}),
+    "lm_head": ("llama", {"r": 8, "lora_alpha": 8,
+                          "target_modules": ["lm_head", "q_proj", "v_proj"]}),
+    # A hand-written (or older PEFT) config keeping the string.
+    "all_linear_string": ("llama", {"r": 4, "lora_alpha": 8, "config": {
+        "target_modules": "all-linear"}}),
+    # added_tokens.json: two tokens past the 128-row vocabulary; a copy of base tokens.
+    "added_tokens": ("llama", {"r": 4, "lora_alpha": 8,
+                               "added_tokens": {"<a>": 128, "<b>": 129}}),
+    "added_tokens_copied": ("llama", {"r": 4, "lora_alpha": 8, "added_tokens": {"<s>": 1}}),
+    "q3_plain": ("qwen3", {"r": 4, "lora_alpha": 16}),
+    "q3_alpha": ("qwen3", {"r": 2, "lora_alpha": 3, "target_modules": ["q_proj", "v_proj"]}),
+    "q2_plain": ("qwen2", {"r": 4, "lora_alpha": 8}),
+    "q2_bias_all": ("qwen2", {"r": 4, "lora_alpha": 8, "bias": "all"}),
+    "q2_bias_lora_only": ("qwen2", {"r": 4, "lora_alpha": 8, "bias": "lora_only"}),
+    "m_plain": ("mistral", {"r": 8, "lora_alpha": 16}),
 }
 
+# Each job: one server. "flags": --max-lora-rank / --lora-target-modules.
+JOBS: dict[str, dict[str, Any]] = {
+    "llama": {"startup": ["plain", "rslora", "alpha_pattern", "layers_to_transform",
+                          "lora_bias", "modules_to_save", "trainable_tokens",
+                          "all_linear_peft"],
+              "runtime": ["dora", "q_no_v", "v_only", "rank_above", "outside_targets",
+                          "rank_pattern_q", "rank_pattern_o", "layer_replication", "regex",
+                          "modules_to_save_in_layer", "embedding", "added_tokens",
+                          "added_tokens_copied"]},
+    "llama_all": {"flags": {"max_lora_rank": 8, "lora_target_modules": ["all"]},
+                  "startup": ["embedding", "lm_head"],
+                  "runtime": ["all_linear_string", "rank_pattern_o", "regex"]},
+    "qwen3": {"startup": ["q3_plain"], "runtime": ["q3_alpha"]},
+    "qwen2": {"startup": ["q2_plain", "q2_bias_all", "q2_bias_lora_only"]},
+    "mistral": {"startup": ["m_plain"]},
+    "startup_dora": {"startup": ["plain", "dora"]},
+    "startup_regex": {"startup": ["regex"]},
+    "startup_layer_replication": {"startup": ["layer_replication"]},
+    "startup_rank_pattern_q": {"startup": ["rank_pattern_q"]},
+    "startup_outside_targets": {"flags": {"lora_target_modules": ["q_proj", "v_proj"]},
+                                "startup": ["plain"]},
+    "startup_rank_above": {"flags": {"max_lora_rank": 2}, "startup": ["plain"]},
+    "startup_all_linear_string": {"startup": ["all_linear_string"]},
+    "startup_added_tokens": {"startup": ["added_tokens"]},
+}
 
-def _run(tmp: Path, model: str, max_loras: int) -> dict:
-    adapters = {n: tmp / n for n, (m, _, _) in CASES.items() if m == model}
-    for name, path in adapters.items():
-        make_adapter(model, path, seed=len(name), **CASES[name][1])
-    job = {"model": str(adapters[next(iter(adapters))] / "base"), "dtype": "float32",
-           "max_loras_per_batch": max_loras,
-           "startup": [{"name": n, "path": str(p)} for n, p in adapters.items()
-                       if CASES[n][2] == "startup"],
-           "runtime": [{"name": n, "path": str(p)} for n, p in adapters.items()
-                       if CASES[n][2] == "runtime"]}
-    (tmp / "job.json").write_text(json.dumps(job))
-    subprocess.run([str(SGLANG_PYTHON), str(RUNNER), str(tmp / "job.json"),
-                    str(tmp / "out.json")], check=True, timeout=600, capture_output=True)
-    out = json.loads((tmp / "out.json").read_text())
-    out["dirs"] = {n: str(p) for n, p in adapters.items()}
-    out["max_loras"] = max_loras
-    return out
-
-
-@pytest.fixture(scope="module", params=[("llama", 3), ("qwen3", 2)], ids=["llama", "qwen3"])
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    model, max_loras = request.param
-    return _run(tmp_path_factory.mktemp(model), model, max_loras)
-
-
-def _config(path: str) -> dict:
-    return json.loads((Path(path) / "adapter_config.json").read_text())
-
-
-def _weights(path: str) -> list[str]:
-    with safe_open(str(Path(path) / "adapter_model.safetensors"), "pt") as f:
-        return list(f.keys())
+# The tests that read the runner's answers; the source rules need only the installed files.
+_RUN = [pytest.mark.sglang, pytest.mark.proc, pytest.mark.slow]
 
 
-def test_every_adapter_judged_as_sglang_judges_it(engine: dict) -> None:
-    assert engine["started"], engine.get("start_error")
-    pool = (engine["max_lora_rank"], set(engine["target_modules"]))
-    for path_name in ("startup", "runtime"):
-        for entry in engine[path_name]:
-            d = engine["dirs"][entry["name"]]
-            got = sglang.judge(entry["name"], _config(d), _weights(d),
-                               pool=pool if path_name == "runtime" else None)
-            assert got.accepted == entry["accepted"], entry
-            if not entry["accepted"]:
-                assert (got.error_type, got.error) == (entry["error"]["type"],
-                                                       entry["error"]["text"])
+def _runs(test: Any) -> Any:
+    for mark in _RUN:
+        test = mark(test)
+    return test
 
 
-def test_scaling_and_targets_are_sglangs(engine: dict) -> None:
-    for entry in engine["startup"] + engine["runtime"]:
-        if not entry["accepted"]:
+@pytest.fixture(scope="module")
+def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every adapter made by PEFT, every job through one runner process."""
+    tmp = tmp_path_factory.mktemp("sglang")
+    made: dict[str, Any] = {}
+    for seed, (name, (model, kwargs)) in enumerate(ADAPTERS.items()):
+        kwargs = dict(kwargs)
+        rewrite = kwargs.pop("config", None)
+        tokens = kwargs.pop("added_tokens", None)
+        made[name] = make_adapter(model, tmp / name, seed=seed, **kwargs)
+        if tokens:
+            (made[name].path / "added_tokens.json").write_text(json.dumps(tokens))
+        if rewrite:
+            config_path = made[name].path / "adapter_config.json"
+            config = json.loads(config_path.read_text())
+            config.update(rewrite)
+            config_path.write_text(json.dumps(config))
+    jobs = []
+    for job in JOBS.values():
+        first = made[(job["startup"] + job.get("runtime", []))[0]]
+        jobs.append({"model": str(first.base_dir), "dtype": "float32", "max_loras_per_batch": 4,
+                     **job.get("flags", {}),
+                     **{p: [{"name": n, "path": str(made[n].path)} for n in job.get(p, [])]
+                        for p in ("startup", "runtime")}})
+    (tmp / "jobs.json").write_text(json.dumps({"jobs": jobs}))
+    done = subprocess.run([str(SGLANG_PYTHON), str(RUNNER), str(tmp / "jobs.json"),
+                           str(tmp / "out.json")], timeout=900, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads((tmp / "out.json").read_text())["jobs"]
+    return {"made": made, "jobs": dict(zip(JOBS, out, strict=True))}
+
+
+def _config(truth: Any) -> dict[str, Any]:
+    return json.loads((truth.path / "adapter_config.json").read_text())
+
+
+def _shapes(truth: Any) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(s) for n, (_, s) in truth.tensors.items()}
+
+
+def _pool(run: dict[str, Any], job: str) -> tuple[int, set[str]]:
+    spec = JOBS[job]
+    return sglang.startup_pool([_config(run["made"][n]) for n in spec["startup"]],
+                               **spec.get("flags", {}))
+
+
+def _judge(run: dict[str, Any], job: str, name: str, path: str) -> sglang.Judgement:
+    truth = run["made"][name]
+    vocab = json.loads((truth.base_dir / "config.json").read_text())["vocab_size"]
+    return sglang.judge(name, _config(truth), _shapes(truth), pool=_pool(run, job), path=path,
+                        added_tokens=sglang.added_tokens(truth.path, vocab),
+                        num_hidden_layers=2)
+
+
+@_runs
+def test_the_startup_pool_is_the_one_sglang_builds(sglang_run: dict[str, Any]) -> None:
+    for job, report in sglang_run["jobs"].items():
+        if not report["started"]:
             continue
-        config = _config(engine["dirs"][entry["name"]])
-        assert sglang.scaling(config) == entry["scaling"]
-        assert sorted(sglang.normalised_targets(config["target_modules"])) == \
-            entry["target_modules"]
-    rs = [e for e in engine["startup"] if e["name"] == "rslora"]
-    for entry in rs:  # rsLoRA: SGLang holds alpha / r where PEFT applies alpha / sqrt(r)
-        config = _config(engine["dirs"]["rslora"])
-        assert entry["scaling"] != sglang.peft_scaling(config)
-        assert sglang.judge("rslora", config, []).differs
+        rank, targets = _pool(sglang_run, job)
+        assert (rank, sorted(targets)) == (report["max_lora_rank"], report["target_modules"]), job
 
 
-def test_pool_bytes_are_the_buffers_sglang_allocates(engine: dict) -> None:
-    model = json.loads((Path(next(iter(engine["dirs"].values()))) / "base" /
-                        "config.json").read_text())
-    predicted = sglang.pool_bytes(model, engine["target_modules"], engine["max_lora_rank"],
-                                  engine["max_loras"], 4)
-    assert predicted == engine["pool"]["bytes"]
-    assert engine["pool"]["bytes"] == sum(b[-1] for b in engine["pool"]["buffers"])
+@_runs
+def test_every_load_is_judged_as_sglang_judges_it(sglang_run: dict[str, Any]) -> None:
+    """Start-up: the server starts, or the first failing adapter's error stops it; runtime:
+    each load accepted, or SGLang's error class and text (the HTTP 400's message)."""
+    checked = 0
+    for job, report in sglang_run["jobs"].items():
+        startup = [_judge(sglang_run, job, n, "startup") for n in JOBS[job]["startup"]]
+        refused = [j for j in startup if not j.accepted]
+        assert report["started"] == (not refused), (job, report.get("start_error"))
+        if refused:
+            assert refused[0].verdict is Verdict.FAILS_STARTUP
+            assert (refused[0].error_type, refused[0].error) == (
+                report["start_error"]["type"], report["start_error"]["text"]), job
+            checked += 1
+            continue
+        for entry in report["runtime"]:
+            got = _judge(sglang_run, job, entry["name"], "runtime")
+            assert got.accepted == entry["accepted"], (job, entry)
+            if not got.accepted:
+                assert got.verdict is Verdict.REFUSES
+                assert (got.error_type, got.error) == (entry["error"]["type"],
+                                                       entry["error"]["text"]), (job, entry)
+            checked += 1
+    assert checked >= 16
+
+
+@_runs
+def test_first_batches_fail_where_sglang_fails(sglang_run: dict[str, Any]) -> None:
+    """An accepted adapter's first batch copies it into a pool slot; where that raises, the
+    scheduler's forward step raises (the server goes down)."""
+    crashes = set()
+    for job, report in sglang_run["jobs"].items():
+        for path in ("startup", "runtime"):
+            for entry in report[path]:
+                if not entry["accepted"]:
+                    continue
+                got = _judge(sglang_run, job, entry["name"], path)
+                batch = entry["batch"]
+                assert (not got.batch_error_type) == batch["ok"], (job, entry["name"], batch)
+                if batch["ok"]:
+                    continue
+                assert got.verdict is Verdict.CRASHES
+                assert got.batch_error_type == batch["error"]["type"], (job, entry["name"])
+                text = batch["error"]["text"]
+                if got.batch_error_type == "ValueError":
+                    # SGLang prints the pool's targets as a set, in its hash order.
+                    head, _, targets = text.partition(" in {")
+                    mine, _, my_targets = got.batch_error.partition(" in {")
+                    assert head == mine and set(re.findall(r"'([^']+)'", targets)) == \
+                        set(re.findall(r"'([^']+)'", my_targets))
+                else:  # the first mismatched module, SGLang visiting a set's order
+                    assert text in got.batch_errors, (job, entry["name"], text)
+                crashes.add((job, entry["name"]))
+    assert crashes == {("llama", "v_only"), ("llama", "rank_pattern_o"),
+                       ("llama", "modules_to_save_in_layer"), ("llama_all", "rank_pattern_o"),
+                       ("startup_rank_above", "plain")}
+
+
+@_runs
+def test_pool_bytes_are_the_buffers_sglang_allocates(sglang_run: dict[str, Any]) -> None:
+    for job in ("llama", "qwen3", "qwen2", "mistral", "startup_rank_above"):
+        report = sglang_run["jobs"][job]
+        base = sglang_run["made"][JOBS[job]["startup"][0]].base_dir
+        model = json.loads((base / "config.json").read_text())
+        predicted = sglang.pool_bytes(model, report["target_modules"], report["max_lora_rank"],
+                                      4, 4)
+        assert predicted == report["pool"]["bytes"] == sum(
+            b[-1] for b in report["pool"]["buffers"]), job
+
+
+@_runs
+def test_scaling_and_targets_are_sglangs(sglang_run: dict[str, Any]) -> None:
+    seen = 0
+    for report in sglang_run["jobs"].values():
+        for entry in report["startup"] + report["runtime"]:
+            if not entry["accepted"]:
+                continue
+            config = _config(sglang_run["made"][entry["name"]])
+            assert sglang.scaling(config) == entry["scaling"], entry["name"]
+            assert sorted(sglang.normalised_targets(config["target_modules"])) == \
+                entry["target_modules"], entry["name"]
+            seen += 1
+    assert seen >= 20
+
+
+def _sglang_buffer(tensor: str) -> str | None:
+    """Where a LoRA tensor PEFT applies goes in SGLang's pool (by its module's name)."""
+    module = tensor.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1]
+    side = "A" if "lora_A" in tensor or "lora_embedding_A" in tensor else "B"
+    if module == "embed_tokens":
+        return f"embedding_{side}.embed_tokens"
+    if module == "lm_head":
+        return f"lm_head_{side}.lm_head"
+    return f"{side}.{sglang.normalised_targets([module]).pop()}"
+
+
+@_runs
+def test_the_slot_holds_peft_lora_weights_and_nothing_else(sglang_run: dict[str, Any]) -> None:
+    """After the first batch each pool buffer's slot holds exactly the LoRA A/B tensors PEFT
+    applies for it (their absolute sums match): biases, modules_to_save and trainable tokens
+    are not there, as `differs` says, and nothing is scaled into B."""
+    for job, report in sglang_run["jobs"].items():
+        for entry in report["startup"] + report["runtime"]:
+            if not (entry["accepted"] and entry["batch"]["ok"]):
+                continue
+            truth = sglang_run["made"][entry["name"]]
+            want: dict[tuple[str, int], float] = {}
+            with safe_open(str(truth.path / "adapter_model.safetensors"), "pt") as f:
+                for module in truth.modules.values():
+                    for key in (module.a_key, module.b_key):
+                        where = (_sglang_buffer(key), module.layer or 0)
+                        want[where] = want.get(where, 0.0) + float(
+                            f.get_tensor(key).double().abs().sum())
+                for key in truth.tensors:  # PEFT's embedding LoRA is no Linear of `modules`
+                    if "lora_embedding" in key:
+                        want[(_sglang_buffer(key), 0)] = float(
+                            f.get_tensor(key).double().abs().sum())
+            for buffer, per_layer in entry["batch"]["mass"].items():
+                for layer, mass in enumerate(per_layer):
+                    assert math.isclose(mass, want.get((buffer, layer), 0.0), rel_tol=1e-6,
+                                        abs_tol=1e-9), (job, entry["name"], buffer, layer)
+
+
+def _parts(model: dict[str, Any], fused: str) -> list[tuple[str, int]]:
+    """The PEFT modules SGLang stacks into `fused`, with their output widths."""
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    if fused == "qkv_proj":
+        kv = model["num_key_value_heads"] * head_dim
+        return [("q_proj", model["num_attention_heads"] * head_dim), ("k_proj", kv),
+                ("v_proj", kv)]
+    if fused == "gate_up_proj":
+        return [("gate_proj", model["intermediate_size"]), ("up_proj", model["intermediate_size"])]
+    return [(fused, 0)]
+
+
+@_runs
+def test_sglang_applies_peft_delta_at_its_own_scale(sglang_run: dict[str, Any]) -> None:
+    """One decode step through SGLang's own LoRA layers: each layer's output delta is PEFT's
+    own forward delta for the same input, times SGLang's scale over PEFT's for that module;
+    so an adapter judged `serves` gives PEFT's outputs, and rsLoRA and alpha_pattern give
+    others. lora_bias is the one whose delta lacks a term (the lora_B bias)."""
+    import torch
+
+    compared = 0
+    for job, report in sglang_run["jobs"].items():
+        for path in ("startup", "runtime"):
+            for entry in report[path]:
+                if not (entry["accepted"] and entry["batch"]["ok"]):
+                    continue
+                truth = sglang_run["made"][entry["name"]]
+                config = _config(truth)
+                model = json.loads((truth.base_dir / "config.json").read_text())
+                judged = _judge(sglang_run, job, entry["name"], path)
+                exact = same_as_peft = True
+                for sg_path, seen in entry["batch"]["deltas"].items():
+                    x = torch.tensor([seen["x"]])
+                    prefix, fused = sg_path.rsplit(".", 1)
+                    want, peft = [], []
+                    for leaf, width in _parts(model, fused):
+                        module = truth.modules.get(f"{prefix}.{leaf}")
+                        if module is None:
+                            want.append(torch.zeros(width or len(seen["delta"])))
+                            peft.append(want[-1])
+                            continue
+                        peft.append(truth.forward_delta(module.path, x)[0])
+                        want.append(peft[-1] * sglang.scaling(config) / module.scaling)
+                    got = torch.tensor(seen["delta"])
+                    exact &= torch.allclose(got, torch.cat(want), rtol=1e-4, atol=1e-5)
+                    same_as_peft &= torch.allclose(got, torch.cat(peft), rtol=1e-4, atol=1e-5)
+                    compared += 1
+                assert exact == (judged.reason_class != "lora_bias"), (job, entry["name"])
+                if judged.reason_class in ("", "rslora", "alpha_pattern"):
+                    assert same_as_peft == (judged.verdict is Verdict.SERVES), entry["name"]
+    assert compared > 100
+
+
+@_runs
+def test_differs_names_what_sglang_serves_otherwise(sglang_run: dict[str, Any]) -> None:
+    def differs(name: str) -> tuple[str, ...]:
+        job = next(j for j, spec in JOBS.items() if name in spec["startup"])
+        got = _judge(sglang_run, job, name, "startup")
+        assert got.verdict is (Verdict.DIFFERS if got.differs else Verdict.SERVES)
+        return got.differs
+
+    for plain in ("plain", "layers_to_transform", "all_linear_peft", "q2_plain", "q3_plain",
+                  "m_plain"):
+        assert differs(plain) == (), plain
+    assert differs("rslora") == ("scale 2 (lora_alpha / r) on every module where PEFT "
+                                 "applies 4 (rsLoRA)",)
+    assert differs("alpha_pattern") == ("scale 2 (lora_alpha / r) on every module where PEFT "
+                                        "applies 4 (alpha_pattern)",)
+    assert differs("modules_to_save") == ("modules_to_save ['lm_head'] not loaded",)
+    assert differs("trainable_tokens") == ("trainable tokens [3, 5] not loaded",)
+    assert differs("lora_bias") == ("lora_bias: the lora_B biases not loaded",)
+    assert differs("q2_bias_all") == ("bias='all': the 6 trained bias tensors not loaded",)
+    assert differs("q2_bias_lora_only") == (
+        "bias='lora_only': the 6 trained bias tensors not loaded",)
+
+
+@_runs
+def test_each_reason_has_its_class(sglang_run: dict[str, Any]) -> None:
+    expected = {
+        ("llama", "dora", "runtime"): "dora",
+        ("llama", "added_tokens", "runtime"): "added_tokens",
+        ("llama", "q_no_v", "runtime"): "fused_part_missing",
+        ("llama", "rank_pattern_q", "runtime"): "fused_rank_mismatch",
+        ("llama", "rank_above", "runtime"): "rank_above_max",
+        ("llama", "outside_targets", "runtime"): "target_modules",
+        ("llama", "layer_replication", "runtime"): "layer_past_base",
+        ("llama", "regex", "runtime"): "string_target_modules",
+        ("startup_outside_targets", "plain", "startup"): "startup_target_modules",
+        ("llama", "v_only", "runtime"): "no_target_module",
+        ("llama", "rank_pattern_o", "runtime"): "slot_shape",
+        ("llama", "rslora", "startup"): "rslora",
+        ("llama", "alpha_pattern", "startup"): "alpha_pattern",
+        ("llama", "modules_to_save", "startup"): "modules_to_save",
+        ("llama", "trainable_tokens", "startup"): "trainable_tokens",
+        ("llama", "lora_bias", "startup"): "lora_bias",
+        ("qwen2", "q2_bias_all", "startup"): "bias",
+        ("llama", "plain", "startup"): "",
+    }
+    got = {case: _judge(sglang_run, *case).reason_class for case in expected}
+    assert got == expected
+
+
+@_runs
+def test_judge_takes_names_alone_and_audit_reports(sglang_run: dict[str, Any]) -> None:
+    """Tensor names alone (no shapes) still give the load's verdict; an AdapterReport gives
+    the same answer as its config and header."""
+    from metrale_cli.adapters.adapter import Adapter
+    from metrale_cli.adapters.audit import audit
+    from metrale_cli.model.config import ModelConfig
+
+    made = sglang_run["made"]
+    pool = _pool(sglang_run, "llama")
+    names_only = sglang.judge("q_no_v", _config(made["q_no_v"]), list(made["q_no_v"].tensors),
+                              pool=pool)
+    assert (names_only.error_type, names_only.verdict) == ("KeyError", Verdict.REFUSES)
+    for name in ("rank_pattern_q", "rslora", "layer_replication", "added_tokens"):
+        model = ModelConfig.from_hf(made[name].base_dir)
+        report = audit(Adapter.load(made[name].path), model)
+        assert sglang.judge_report(report, model, pool=pool) == _judge(
+            sglang_run, "llama", name, "runtime"), name
+
+
+# -- what cannot run here, held to the source it cites -------------------------------------------
+
+
+@functools.cache
+def _parsed(path: str) -> tuple[str, ast.Module]:
+    text = (SGLANG_SRC / path).read_text()
+    return text, ast.parse(text)
+
+
+def _function_source(path: str, qualname: str) -> str:
+    text, tree = _parsed(path)
+    node: Any = tree
+    for part in qualname.split("."):
+        node = next(n for n in ast.iter_child_nodes(node)
+                    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                    and n.name == part)
+    return ast.get_source_segment(text, node) or ""
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("rule", sglang.SOURCE_RULES, ids=lambda r: r.case)
+def test_source_rules_hold_to_the_installed_source(rule: sglang.SourceRule) -> None:
+    text = _function_source(rule.file, rule.function)
+    assert rule.line in text, f"{rule.file} {rule.function} no longer says {rule.line!r}"
+
+
+def test_docs_list_every_source_rule() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "engines.md").read_text()
+    section = doc.split("### SGLang: what each adapter meets", 1)[1].split("\n## ", 1)[0]
+    for rule in sglang.SOURCE_RULES:
+        assert f"| {rule.case} |" in section and "source" in section, rule.case

@@ -1,35 +1,52 @@
-"""Runs SGLang 0.5.23's own LoRA code on CPU tensors for one job and reports, as JSON, what it
-did. Runs under `.venv-sglang`'s python, never under the suite's (it imports no metrale and no
-test helper).
+"""Runs SGLang 0.5.23's own LoRA code on CPU tensors for a list of jobs and reports, as JSON,
+what it did. Runs under `.venv-sglang`'s python, never under the suite's (it imports no metrale
+and no test helper). One process, one SGLang import (tens of seconds), every job in turn.
 
-    .venv-sglang/bin/python tests/support/sglang_runner.py JOB.json OUT.json
+    .venv-sglang/bin/python tests/support/sglang_runner.py JOBS.json OUT.json
 
-JOB: {"model": DIR (a base config.json), "max_loras_per_batch": N, "dtype": "float32",
-      "max_lora_rank": R | null, "lora_target_modules": [..] | null, "tp_size": 1,
-      "startup": [{"name": N, "path": DIR}, ...],      # --lora-paths
-      "runtime": [{"name": N, "path": DIR}, ...]}      # /load_lora_adapter, after start-up
+JOBS: {"jobs": [JOB, ...]} (or one JOB alone), each
+      {"model": DIR (a base config.json), "max_loras_per_batch": N, "dtype": "float32",
+       "max_lora_rank": R | null, "lora_target_modules": [..] | null,
+       "tp_size": 1,                                     # this process is TP rank 0
+       "batches": [[NAME | null, ...], ...],             # running batches through the pool
+       "startup": [{"name": N, "path": DIR}, ...],       # --lora-paths
+       "runtime": [{"name": N, "path": DIR}, ...]}       # /load_lora_adapter, after start-up
+The base model has a `ParallelLMHead` unless its embeddings are tied (so under TP the pool
+reads its vocabulary shard from it, as a server's does); `parallel_lm_head` is accepted for
+that and changes nothing.
 
-The engine cannot start on a CPU (no CPU `sgl_kernel`), so this drives the LoRA manager's own
-methods in the order `LoRAManager.init_state` calls them: every start-up adapter through
-`_load_lora_adapter` (its `LoRAConfig`, `validate_new_adapter` and `LoRAAdapter.
-initialize_weights` on the real directory; a failure there is `init_lora_adapters`'
-RuntimeError: the server does not start), then `init_lora_shapes` and a real `LoRAMemoryPool`
-with buffers on `cpu`; then each runtime adapter through `_load_lora_adapter` against that pool
-(a failure there is the HTTP 400 answer; the server keeps serving). What is skipped is only what
-needs the real model class or a GPU: `init_lora_modules` (wrapping layers with the LoRA kernels'
-backend) and the backend's target check. The base model is a stand-in with SGLang's default
-hidden-dim rules (`utils.get_default_hidden_dim`), right for dense Llama, Qwen2, Qwen3, Mistral.
+The engine cannot start on a CPU (no CPU `sgl_kernel`), so this builds the part of it that
+LoRA touches from SGLang's own classes: a base model whose decoder layers are SGLang's own
+`QKVParallelLinear`, `RowParallelLinear`, `MergedColumnParallelLinear`, `VocabParallelEmbedding`
+and `ParallelLMHead` (named as SGLang's Llama/Qwen2/Qwen3/Mistral classes name them, with no
+`get_hidden_dim` of their own: SGLang's default dims, right for those dense families), and a
+real `LoRAManager` built by its own `__init__` (so `init_state` runs whole: every start-up
+adapter through `_load_lora_adapter`, `init_lora_shapes`, `init_lora_modules` wrapping the
+layers, `init_memory_pool` with real buffers on `cpu`, `update_lora_info`; a failure there is
+the server not starting). The kernel backend is `torch_native`, the one that runs without a
+GPU; loading, validation and the pool do not depend on the backend, and its kernels compute what
+the GPU ones do (`x A^T B^T` times the adapter's scale). The only change to the libraries is
+that host tensors are not pinned (pinning needs a CUDA driver; it changes no value). Then each
+runtime adapter goes through `_load_lora_adapter` against the running pool (a failure is the
+HTTP 400 answer; the server keeps serving), and each
+loaded adapter (at TP 1) through its first batch: `fetch_new_loras`, which copies it into a
+pool slot (`LoRAMemoryPool.prepare_lora_batch` / `load_lora_weight_to_buffer`); an error there
+is raised in the scheduler's forward step. With `batches`, those run first, in turn.
 
-OUT per adapter: accepted or the error's class and text; the scaling its `LoRAAdapter` holds;
-its normalised target modules; the weight names it kept per layer and the embedding keys. Then
-the server's target set and rank, and the pool's buffers: every A/B tensor's name, layer, shape
-and bytes, and their total.
+OUT per job: per adapter accepted or the error's class and text; the scaling its `LoRAAdapter`
+holds; its normalised target modules; the weight names it kept per layer and off the layers;
+its first batch (ok, or the error's class and text) and, per pool buffer and layer, the sum of
+absolute values its slot holds, and one decode step's output delta through each wrapped layer
+(its input too). Then the server's target set and rank, and the pool's buffers:
+every A/B tensor's name, layer, shape and bytes, and their total. One JOB alone in, its report
+alone out.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 from typing import Any
@@ -37,7 +54,30 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _publish(job: dict[str, Any]) -> None:
+def _unpinned_tensors() -> None:
+    """Pinning host memory without a CUDA driver raises (`torch.tensor` and `torch.zeros` with
+    `pin_memory=True`, `Tensor.pin_memory()`); here they leave the tensor unpinned, its values
+    unchanged."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    make = torch.tensor
+
+    def tensor(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return make(*args, **kwargs)
+
+    torch.tensor = tensor
+    zeros = torch.zeros
+
+    def zeros_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return zeros(*args, **kwargs)
+
+    torch.zeros = zeros_unpinned
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
+def _publish(job: dict[str, Any]) -> Any:
     """The process-wide server settings SGLang's LoRA code reads (`runtime_context.get_lora`,
     `get_parallel`), published as the scheduler publishes them."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -46,100 +86,89 @@ def _publish(job: dict[str, Any]) -> None:
         model_path=job["model"], device="cpu", enable_lora=True,
         max_loras_per_batch=job.get("max_loras_per_batch", 8),
         lora_eviction_policy=job.get("eviction_policy", "lru"),
-        tp_size=job.get("tp_size", 1), skip_server_warmup=True,
+        lora_backend="torch_native", tp_size=job.get("tp_size", 1), skip_server_warmup=True,
     )
     set_global_server_args_for_scheduler(args)
     from sglang.srt.runtime_context import get_parallel
 
     # This process is rank 0 of its tensor-parallel group (the pool's shapes are per rank).
     get_parallel().override_permanently(tp_rank=0)
+    return args
 
 
-def _stand_in(hf_config: Any) -> Any:
-    """A base model with one CPU parameter and no model-specific LoRA hooks: SGLang then uses
-    its default hidden dims and stacking (`get_hidden_dim`, `get_stacked_multiply`)."""
+def _base_model(hf_config: Any) -> Any:
+    """The dense decoder's LoRA-facing layers, SGLang's own classes at SGLang's names."""
     import torch
+    from sglang.srt.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    class StandIn(torch.nn.Module):
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qkv_bias = c.model_type == "qwen2"  # Qwen2's q/k/v carry biases
+
+    def layer() -> torch.nn.Module:
+        attn = torch.nn.Module()
+        attn.qkv_proj = QKVParallelLinear(c.hidden_size, head_dim, c.num_attention_heads,
+                                          c.num_key_value_heads, bias=qkv_bias)
+        attn.o_proj = RowParallelLinear(c.num_attention_heads * head_dim, c.hidden_size,
+                                        bias=False)
+        mlp = torch.nn.Module()
+        mlp.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2,
+                                                      bias=False)
+        mlp.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, bias=False)
+        block = torch.nn.Module()
+        block.self_attn, block.mlp = attn, mlp
+        return block
+
+    class Model(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.anchor = torch.nn.Parameter(torch.zeros(1))
-            self.config = hf_config
+            self.config = c
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size)
+            self.model.layers = torch.nn.ModuleList(layer() for _ in range(c.num_hidden_layers))
+            self.lm_head = (self.model.embed_tokens if getattr(c, "tie_word_embeddings", False)
+                            else ParallelLMHead(c.vocab_size, c.hidden_size))
 
-    return StandIn()
-
-
-def _manager(job: dict[str, Any], hf_config: Any, base_model: Any) -> Any:
-    """A LoRAManager with the state `__init__` sets before `init_state`, without the kernel
-    backend (it needs a GPU); `init_lora_adapters` starts the adapter tables."""
-    import torch
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.lora.lora_manager import LoRAManager
-
-    manager = LoRAManager.__new__(LoRAManager)
-    manager.base_model = base_model
-    manager.base_hf_config = hf_config
-    manager.max_loras_per_batch = job.get("max_loras_per_batch", 8)
-    manager.load_config = LoadConfig()
-    manager.dtype = getattr(torch, job.get("dtype", "float32"))
-    manager.device = torch.device("cpu")
-    manager.attn_tp_size = job.get("tp_size", 1)
-    manager.attn_dp_enabled = False
-    manager.lora_added_tokens_size = None
-    manager.enable_lora_overlap_loading = False
-    manager.eviction_policy = job.get("eviction_policy", "lru")
-    manager.lora_strict_loading = False
-    manager.speculative_algorithm = None
-    manager.lora_backend = None
-    manager.init_lora_adapters(None)
-    return manager
+    model = Model()
+    for p in model.parameters():  # the LoRA delta is what is measured: a zero base
+        torch.nn.init.zeros_(p.data)
+    return model
 
 
-def _adapter_entry(manager: Any, ref: Any, result: Any) -> dict[str, Any]:
+def _error(exc: BaseException) -> dict[str, str]:
+    return {"type": type(exc).__name__, "text": str(exc)}
+
+
+def _strip_layer(name: str) -> str:
+    return re.sub(r"\.layers\.\d+\.", ".layers.N.", name)
+
+
+def _adapter_entry(manager: Any, ref: Any) -> dict[str, Any]:
     from sglang.srt.lora.utils import get_normalized_target_modules
 
-    entry: dict[str, Any] = {"name": ref.lora_name, "accepted": bool(result.success)}
-    if not result.success:
-        entry["error"] = {"type": "ValueError" if result.error_message else "Error",
-                          "text": result.error_message}
-        return entry
     config = manager.configs[ref.lora_id]
     adapter = manager.loras[ref.lora_id]
-    entry["scaling"] = adapter.scaling
-    entry["r"] = config.r
+    entry: dict[str, Any] = {"name": ref.lora_name, "accepted": True,
+                             "scaling": adapter.scaling, "r": config.r}
     try:
         entry["target_modules"] = sorted(get_normalized_target_modules(config.target_modules))
     except ValueError as exc:
         entry["target_modules_error"] = str(exc)
     entry["layer_weights"] = sorted({_strip_layer(n) for layer in adapter.layers
                                      for n in layer.weights})
+    entry["layers"] = sorted(i for i, layer in enumerate(adapter.layers) if layer.weights)
     entry["embedding_weights"] = sorted(adapter.embedding_layers)
     return entry
 
 
-def _strip_layer(name: str) -> str:
-    import re
-
-    return re.sub(r"\.layers\.\d+\.", ".layers.N.", name)
-
-
-def _load(manager: Any, spec: dict[str, Any], exc_class: list[str]) -> Any:
-    """`_load_lora_adapter` returns a failed result with only the text; the class comes from
-    re-raising the same steps when it failed (they are pure: no state is kept on failure
-    before `self.configs` is written, which is undone here)."""
-    from sglang.srt.lora.lora_registry import LoRARef
-
-    # pinned: the server passes False unless the request pins it (`--lora-paths` JSON).
-    ref = LoRARef(lora_name=spec["name"], lora_path=spec["path"], pinned=False)
-    result = manager._load_lora_adapter(ref)
-    if not result.success:
-        manager.configs.pop(ref.lora_id, None)
-        manager.loras.pop(ref.lora_id, None)
-        exc_class.append(_error_class(manager, ref))
-    return ref, result
-
-
 def _error_class(manager: Any, ref: Any) -> str:
+    """`_load_lora_adapter` returns only the text; the class comes from re-running the same
+    steps (pure until `self.configs` is written, which is undone here)."""
     from sglang.srt.lora.lora_config import LoRAConfig
 
     try:
@@ -155,60 +184,55 @@ def _error_class(manager: Any, ref: Any) -> str:
     return "Error"
 
 
-def main() -> int:
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
-    out_path = sys.argv[2]
-    report: dict[str, Any] = {"startup": [], "runtime": [], "started": False}
+def _first_batch(manager: Any, ref: Any) -> dict[str, Any]:
+    """The adapter's first batch: SGLang copies it into a pool slot; then the sum of absolute
+    values its slot holds per buffer (and layer), to match against the file's tensors."""
+    try:
+        manager.fetch_new_loras({ref.lora_id})
+    except Exception as exc:
+        return {"ok": False, "error": _error(exc)}
+    pool = manager.memory_pool
+    slot = pool.uid_to_buffer_id[ref.lora_id]
+    mass = {}
+    for kind, table in (("A", pool.A_buffer), ("B", pool.B_buffer)):
+        for module, per_layer in table.items():
+            mass[f"{kind}.{module}"] = [float(t[slot].double().abs().sum()) for t in per_layer]
+    for kind, table in (("embedding_A", pool.embedding_A_buffer),
+                        ("embedding_B", pool.embedding_B_buffer),
+                        ("lm_head_A", pool.lm_head_A_buffer),
+                        ("lm_head_B", pool.lm_head_B_buffer)):
+        for module, t in table.items():
+            mass[f"{kind}.{module}"] = [float(t[slot].double().abs().sum())]
+    return {"ok": True, "mass": mass, "deltas": _decode_deltas(manager, ref)}
 
-    def save() -> None:
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(out_path + ".tmp", out_path)
+
+def _decode_deltas(manager: Any, ref: Any) -> dict[str, Any]:
+    """One decode step of one request naming the adapter, through each wrapped layer's own
+    forward (the torch_native kernels) for a seeded input: the base weights are zero, so the
+    output is the LoRA delta.
+    The batch is a stand-in `ForwardBatch` with the three fields a decode batch's LoRA
+    preparation reads."""
+    import types
 
     import torch
-    from sglang.srt.lora.mem_pool import LoRAMemoryPool
-    from transformers import AutoConfig
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    _publish(job)
-    hf_config = AutoConfig.from_pretrained(job["model"])
-    base_model = _stand_in(hf_config)
-    manager = _manager(job, hf_config, base_model)
-    # init_lora_adapters: each --lora-paths adapter; the first failure stops the start-up.
-    for spec in job.get("startup", []):
-        classes: list[str] = []
-        ref, result = _load(manager, spec, classes)
-        entry = _adapter_entry(manager, ref, result)
-        if classes:
-            entry["error"]["type"] = classes[0]
-        report["startup"].append(entry)
-        if not result.success:
-            report["start_error"] = {
-                "type": "RuntimeError",
-                "text": f"Failed to load LoRA adapter {ref.lora_name}: {result.error_message}"}
-            save()
-            return 0
-    targets = job.get("lora_target_modules")
-    try:
-        manager.init_lora_shapes(max_lora_rank=job.get("max_lora_rank"),
-                                 target_modules=set(targets) if targets else None)
-        manager.experts_shared_outer_loras = False
-        pool = LoRAMemoryPool(
-            base_hf_config=hf_config, max_loras_per_batch=manager.max_loras_per_batch,
-            dtype=manager.dtype, max_lora_rank=manager.max_lora_rank,
-            target_modules=manager.target_modules, base_model=base_model,
-            eviction_policy=manager.eviction_policy,
-            lora_added_tokens_size=manager.lora_added_tokens_size)
-    except Exception as exc:  # the start-up's shape inference or the pool refused
-        report["start_error"] = {"type": type(exc).__name__, "text": str(exc)}
-        save()
-        return 0
-    manager.memory_pool = pool
-    report["started"] = True
-    report["target_modules"] = sorted(manager.target_modules)
-    report["max_lora_rank"] = manager.max_lora_rank
-    buffers = []
-    total = 0
+    manager.prepare_lora_batch(types.SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, batch_size=1, lora_ids=[ref.lora_id]))
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    with torch.no_grad():
+        for layer in manager.lora_modules:
+            for path, module in layer.items():
+                x = torch.randn(1, module.base_layer.input_size, generator=gen)
+                out[path] = {"x": x[0].tolist(), "delta": module(x)[0][0].tolist()}
+    return out
+
+
+def _pool_record(pool: Any) -> dict[str, Any]:
+    import torch
+
+    buffers, total = [], 0
     for kind, table in (("A", pool.A_buffer), ("B", pool.B_buffer)):
         for module, per_layer in table.items():
             for layer, t in enumerate(per_layer):
@@ -224,17 +248,92 @@ def main() -> int:
             size = t.numel() * t.element_size()
             buffers.append([kind, module, None, list(t.shape), size])
             total += size
-    report["pool"] = {"buffers": buffers, "bytes": total}
-    save()
-    # /load_lora_adapter: each against the running pool; a failure is HTTP 400, serving goes on.
+    return {"buffers": buffers, "bytes": total}
+
+
+def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
+    import torch
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.lora.lora_manager import LoRAManager
+    from sglang.srt.lora.lora_registry import LoRARef
+    from transformers import AutoConfig
+
+    report: dict[str, Any] = {"startup": [], "runtime": [], "started": False}
+    hf_config = AutoConfig.from_pretrained(job["model"])
+    base_model = _base_model(hf_config)
+    # pinned: the server passes False unless `--lora-paths` JSON pins it.
+    startup = [LoRARef(lora_name=s["name"], lora_path=s["path"], pinned=False)
+               for s in job.get("startup", [])]
+    targets = job.get("lora_target_modules")
+    try:
+        # ModelRunner.init_lora_manager's call, with the flags the job gives.
+        manager = LoRAManager(
+            base_model=base_model, base_hf_config=hf_config,
+            max_loras_per_batch=job.get("max_loras_per_batch", 8), load_config=LoadConfig(),
+            dtype=getattr(torch, job.get("dtype", "float32")), server_args=server_args,
+            lora_backend="torch_native", max_lora_rank=job.get("max_lora_rank"),
+            target_modules=set(targets) if targets else None, lora_paths=startup)
+    except Exception as exc:  # init_state raised: the server does not start
+        report["start_error"] = _error(exc)
+        return report
+    report["started"] = True
+    report["target_modules"] = sorted(manager.target_modules)
+    report["max_lora_rank"] = manager.max_lora_rank
+    report["pool"] = _pool_record(manager.memory_pool)
+    refs = list(startup)
+    report["startup"] = [_adapter_entry(manager, ref) for ref in startup]
     for spec in job.get("runtime", []):
-        classes = []
-        ref, result = _load(manager, spec, classes)
-        entry = _adapter_entry(manager, ref, result)
-        if classes:
-            entry["error"]["type"] = classes[0]
-        report["runtime"].append(entry)
-        save()
+        ref = LoRARef(lora_name=spec["name"], lora_path=spec["path"], pinned=False)
+        result = manager._load_lora_adapter(ref)
+        if result.success:
+            report["runtime"].append(_adapter_entry(manager, ref))
+            refs.append(ref)
+        else:
+            report["runtime"].append({"name": ref.lora_name, "accepted": False, "error": {
+                "type": _error_class(manager, ref), "text": result.error_message}})
+    if "batches" in job:
+        report["batches"] = _replay_batches(manager, job["batches"])
+    if job.get("tp_size", 1) == 1:  # a rank's layers cannot run its forward without its peers
+        entries = {e["name"]: e for e in report["startup"] + report["runtime"]}
+        for ref in refs:
+            entries[ref.lora_name]["batch"] = _first_batch(manager, ref)
+    return report
+
+
+def _replay_batches(manager: Any, batches: list[list[str | None]]) -> list[Any]:
+    """Job key `batches`: each a running batch's adapters by name (None: the base model), in
+    turn through `fetch_new_loras` (the pool's own `prepare_lora_batch`, its slots and
+    eviction), from the pool as `init_memory_pool` left it. After each, the adapter each slot
+    holds: its name, None for the base model, "" for an empty slot."""
+    from sglang.srt.lora.mem_pool import EMPTY_SLOT
+
+    ids = {ref.lora_name: lora_id for lora_id, ref in manager.lora_refs.items()}
+    names = {lora_id: name for name, lora_id in ids.items()}
+    states = []
+    for batch in batches:
+        manager.fetch_new_loras({None if n is None else ids[n] for n in batch})
+        states.append(["" if uid is EMPTY_SLOT else None if uid is None else names[uid]
+                       for uid in manager.memory_pool.buffer_id_to_uid])
+    return states
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    out_path = sys.argv[2]
+    jobs = spec.get("jobs", [spec])
+    for key, default in (("tp_size", 1), ("eviction_policy", "lru")):
+        # Published once per process (`_publish`): one value for every job.
+        if len({job.get(key, default) for job in jobs}) > 1:
+            raise SystemExit(f"sglang_runner: every job of one run needs the same {key}")
+    _unpinned_tensors()
+    server_args = _publish(jobs[0])
+    out = {"jobs": []}
+    for job in jobs:
+        out["jobs"].append(run_job(job, server_args))
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(out if "jobs" in spec else out["jobs"][0], f, indent=1)
+        os.replace(out_path + ".tmp", out_path)
     return 0
 
 
