@@ -382,7 +382,20 @@ def test_trace_rows(tmp_path: Path) -> None:
                                                             "is not a whole number"),
     ("t.csv", "timestamp,adapter\n1,a,zz\n", r"t\.csv:2: more cells than the header"),
     ("t.csv", "timestamp,adapter\n,a\n", r"t\.csv:2: no timestamp"),
-    ("t.jsonl", '{"timestamp": 1, "adapter": "a"}\n{"timestamp": 2\n', r"t\.jsonl:2: not JSON"),
+    ("t.jsonl", '{"timestamp": 1, "adapter": "a"}\n{"timestamp": 2\n',
+     r"t\.jsonl:2: not a readable JSON request \(Expecting ',' delimiter at character 17\)$"),
+    # A key given twice: the last one was kept, where another reader may keep the first (as
+    # images and configs are, issue 25 item 27); a number of 4,301 digits and nesting past
+    # the parser were internal errors (exit 70).
+    ("t.jsonl", '{"timestamp": 0, "adapter": "a"}\n{"timestamp": 0, "timestamp": 5, '
+     '"adapter": "b"}\n', r"t\.jsonl:2: not a readable JSON request \(key 'timestamp' is "
+     r"given twice in one object\)$"),
+    ("t.jsonl", '{"timestamp": 1, "adapter": {"a": 1, "a": 2}}\n',
+     r"t\.jsonl:1: .* \(key 'a' is given twice in one object\)$"),
+    ("t.jsonl", '{"timestamp": ' + "1" * 4301 + ', "adapter": "a"}\n',
+     r"t\.jsonl:1: not a readable JSON request \(Exceeds the limit"),
+    ("t.jsonl", "[" * 60_000 + "\n", r"t\.jsonl:1: not a readable JSON request \(nested too "
+     r"deeply\)$"),
     ("t.jsonl", '[1, 2]\n', r"t\.jsonl:1: a request must be a JSON object"),
     ("t.jsonl", '{"timestamp": 1}\n', r"t\.jsonl:1: no adapter"),
     ("t.jsonl", '{"timestamp": 1, "adapter": 5}\n', r"t\.jsonl:1: adapter 5 is not a name"),

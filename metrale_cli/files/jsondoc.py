@@ -34,6 +34,12 @@ def load_json(path: Path | str, text: bytes | str, what: str = "JSON file") -> A
     try:
         return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text,
                           object_pairs_hook=_unique)
+    except json.JSONDecodeError as exc:
+        # One line of text (a JSON-lines row, a safetensors header): the character, not a
+        # "line 1" (or 2, past its newline) beside the file line `path` may name.
+        at = (f"character {exc.pos + 1}" if "\n" not in exc.doc.rstrip("\r\n")
+              else f"line {exc.lineno} column {exc.colno}")
+        raise FormatError(f"{path}: not a readable {what} ({exc.msg} at {at})") from exc
     except (UnicodeDecodeError, ValueError) as exc:
         # ValueError besides JSONDecodeError: an integer of more than 4,300 digits.
         raise FormatError(f"{path}: not a readable {what} ({exc})") from exc
