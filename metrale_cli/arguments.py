@@ -8,7 +8,9 @@ Annotations are resolved on the first call (the modules use `from __future__ imp
 annotations`; a name imported only for type checking leaves that parameter unchecked).
 Containers are checked with their elements, a Protocol by its members; a TypeVar and `Any`
 accept anything;
-`bool` is not accepted where `int` or `float` is asked for.
+`bool` is not accepted where `int` or `float` is asked for. An argument annotated `Path` also
+takes a `str` or any `os.PathLike` naming a path, and the function is handed a `Path` (Python
+callers pass strings); anything else is still refused.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import collections.abc
 import functools
 import inspect
+import os
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from metrale_cli.errors import UsageError
@@ -48,6 +52,7 @@ def checked(fn: F, public_name: str | None = None) -> F:
             if hint is _UNCHECKED or kind in (inspect.Parameter.VAR_POSITIONAL,
                                               inspect.Parameter.VAR_KEYWORD):
                 continue
+            value = bound.arguments[name] = _as_path(value, hint)
             if not _matches(value, hint):
                 raise UsageError(f"{called}: {name} must be {_describe(hint)}, got "
                                  f"{_kind_of(value)}")
@@ -55,7 +60,7 @@ def checked(fn: F, public_name: str | None = None) -> F:
             signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise UsageError(f"{called}: {exc}") from None
-        return fn(*args, **kwargs)
+        return fn(*bound.args, **bound.kwargs)
 
     return wrapper  # type: ignore[return-value]
 
@@ -76,6 +81,27 @@ def _hints(fn: Callable[..., Any], signature: inspect.Signature) -> dict[str, An
                 continue
         resolved[name] = annotation
     return resolved
+
+
+def _as_path(value: Any, hint: Any) -> Any:
+    """`value` as a `Path` where `hint` asks for one and `value` names a path some other way
+    (a `str` where `str` itself is not asked for, or another `os.PathLike`); else `value`."""
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union,
+                                                                 types.UnionType) else (hint,)
+    if Path not in members or isinstance(value, Path) or (isinstance(value, str)
+                                                          and str in members):
+        return value
+    if isinstance(value, str) or (isinstance(value, os.PathLike)
+                                  and isinstance(_fspath(value), str)):
+        return Path(value)
+    return value
+
+
+def _fspath(value: os.PathLike[Any]) -> Any:
+    try:
+        return os.fspath(value)
+    except Exception:  # noqa: BLE001 - a broken __fspath__ names no path; refused as it is
+        return None
 
 
 def _matches(value: Any, hint: Any) -> bool:
@@ -122,12 +148,17 @@ def _matches(value: Any, hint: Any) -> bool:
 
 
 def _describe(hint: Any) -> str:
-    """A type as a user reads it: `str`, `Path or None`, `list of LoraModule`."""
+    """A type as a user reads it: `str`, `str or Path or None`, `list of LoraModule`; a `Path`
+    is named with the `str` it also takes."""
     if hint is None or hint is type(None):
         return "None"
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
+        if Path in args and str in args:
+            args = tuple(a for a in args if a is not str)
         return " or ".join(_describe(a) for a in args)
+    if hint is Path:
+        return "str or Path"
     if origin is typing.Literal:
         return " or ".join(repr(a) for a in args)
     if origin is not None and args:

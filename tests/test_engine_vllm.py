@@ -11,7 +11,6 @@ the GPU verdict stays the source-derived one (docs/engines.md).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from metrale_cli.engines import vllm
 from metrale_cli.engines.verdict import Verdict
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import VLLM_PYTHON
-from tests.support.engine_cases import PROMPT, Case, make_case, write_model
+from tests.support.engine_cases import PROMPT, Case, make_case, run_job, write_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -132,14 +131,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
                      for n in job.by_request]
         spec = {"model": str(base), "engine": job.engine, "prompt": PROMPT, "logprobs": 8,
                 "adapters": adapters}
-        (out / "job.json").write_text(json.dumps(spec))
-        proc = subprocess.run([str(VLLM_PYTHON), str(RUNNER), str(out / "job.json"),
-                               str(out / "report.json")], capture_output=True, text=True,
-                              timeout=900)
-        if proc.returncode or not (out / "report.json").exists():
-            pytest.fail(f"the vLLM runner failed on {key}: {proc.stderr[-3000:]}")
-        done[key] = Run(job, base, cases, json.loads((out / "report.json").read_text()),
-                        proc.stdout + proc.stderr)
+        report, log = run_job(VLLM_PYTHON, RUNNER, out, spec, f"vLLM runner on {key}")
+        done[key] = Run(job, base, cases, report, log)
     return done
 
 

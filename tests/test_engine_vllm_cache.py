@@ -10,9 +10,7 @@ differ, the replay is wrong, not the test.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +45,7 @@ def engine_states(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
     directory, beside each): one engine start."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"needs {VLLM_PYTHON}")
-    from tests.support.engine_cases import PROMPT, make_case, write_model
+    from tests.support.engine_cases import PROMPT, make_case, run_job, write_model
 
     out = tmp_path_factory.mktemp("vllm_cache")
     base = write_model("llama", out / "base")
@@ -57,13 +55,7 @@ def engine_states(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
     job = {"model": str(base), "prompt": PROMPT, "adapters": paths, "sequence": sequence(),
            "engine": {"max_lora_rank": 8, "max_loras": MAX_LORAS,
                       "max_cpu_loras": MAX_CPU_LORAS}}
-    (out / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run([str(VLLM_PYTHON), str(RUNNER), str(out / "job.json"),
-                           str(out / "report.json")], capture_output=True, text=True,
-                          timeout=900)
-    if proc.returncode or not (out / "report.json").exists():
-        pytest.fail(f"the vLLM cache runner failed: {proc.stderr[-3000:]}")
-    report = json.loads((out / "report.json").read_text())
+    report, _ = run_job(VLLM_PYTHON, RUNNER, out, job, "vLLM cache runner")
     assert report["initial"] == {"slots": [None] * MAX_LORAS, "gpu_lru": [], "host_lru": []}
     return [{**state, "base": base} for state in report["states"]]
 

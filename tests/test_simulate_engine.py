@@ -97,3 +97,32 @@ def test_max_cpu_loras_needs_an_engine() -> None:
     got = metrale("simulate", "--model", "llama-3.1-8b", "--modules", "q_proj", "--max-rank",
                   "16", "--max-cpu-loras", "4")
     assert got.code == 2 and "--max-cpu-loras need --engine vllm" in got.stderr, got.stderr
+
+
+@pytest.mark.slow  # two PEFT adapters built with torch
+def test_the_engine_judges_the_adapters_not_the_pool(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Under an engine its judgement decides, not the pool's audit. An adapter on q_proj and
+    lm_head: vLLM 0.32 serves it (the `lm_head` case of tests/test_engine_vllm.py loads in the
+    real engine and matches PEFT), the pool refuses lm_head, and `simulate --engine vllm`
+    refused it with the pool's audit; its slot is now vLLM's, the bytes `layout --engine vllm`
+    gives. The other way round, trainable tokens (the pool serves them as overlays, vLLM
+    refuses their weight) were replayed through vLLM's cache; now refused with vLLM's reason."""
+    head = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj", "lm_head"])
+    tokens = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"],
+                              trainable_token_indices=[3, 4])
+    setup = ["--model", head.base_dir, "--workload", "zipf", "--adapters", "10", "--requests",
+             "200", "--input-tokens", "0", "--output-tokens", "0", "--max-loras", "2,4", "--json"]
+    pool = metrale("simulate", head.path, *setup)
+    assert pool.code == 1 and "lm_head" in pool.stderr and "pool cannot serve" in pool.stderr
+    served = metrale("simulate", "--engine", "vllm", head.path, *setup)
+    assert served.code == 0, served.stderr
+    layout = metrale("layout", "--engine", "vllm", head.path, "--model", head.base_dir,
+                     "--max-loras", "2", "--json")
+    assert layout.code == 0, layout.stderr
+    assert "lm_head" in {m["module"] for m in layout.json()["engine"]["modules"]}
+    slot = layout.json()["engine"]["tiers"]["slot_bytes"]
+    assert served.json()["swap"]["slot_bytes"] == slot
+    assert metrale("simulate", tokens.path, *setup).code == 0  # the pool serves the overlay
+    refused = metrale("simulate", "--engine", "vllm", tokens.path, *setup[:-1])
+    assert refused.code == 1 and refused.stdout == ""
+    assert "vllm refuses" in refused.stderr and "unsupported LoRA weight" in refused.stderr

@@ -232,28 +232,28 @@ def layout_view(record: dict[str, Any], per_gpu: bool = False) -> Group:
     table = fields(rows)
 
     shares = record["shares"]
-    total = sum(shares["module"].values()) or 1
-    share_table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
-    share_table.add_column("share of a slot")
-    share_table.add_column("bytes", justify="right")
-    share_table.add_column("%", justify="right")
-    for name, size in shares["module"].items():
-        share_table.add_row(name, f"{size:,}", f"{100 * size / total:.1f}")
-    for kind, size in shares["layer_kind"].items():
-        share_table.add_row(f"[dim]{kind} layers", f"{size:,}", f"{100 * size / total:.1f}")
     parts: list[Any] = [table]
     if record["entries"]:
-        parts.append(share_table)
+        # The modules make the slot; each kind of layer's part of it is shown after them.
+        parts.append(_share_table("share of a slot", shares["module"], {
+            f"[dim]{kind} layers": size for kind, size in shares["layer_kind"].items()}))
     if ex is not None and ex["n_entries"]:
-        ex_total = sum(ex["shares"].values()) or 1
-        ex_table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
-        ex_table.add_column("share of an expert slot")
-        ex_table.add_column("bytes", justify="right")
-        ex_table.add_column("%", justify="right")
-        for name, size in ex["shares"].items():
-            ex_table.add_row(name, f"{size:,}", f"{100 * size / ex_total:.1f}")
-        parts.append(ex_table)
+        parts.append(_share_table("share of an expert slot", ex["shares"]))
     return Group(*parts)
+
+
+def _share_table(title: str, shares: dict[str, int],
+                 also: dict[str, int] | None = None) -> Table:
+    """Bytes and percent of the whole per part: `shares` make the whole, `also` (other cuts
+    of the same bytes) follow as rows of their own."""
+    total = sum(shares.values()) or 1
+    table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
+    table.add_column(title)
+    table.add_column("bytes", justify="right")
+    table.add_column("%", justify="right")
+    for name, size in {**shares, **(also or {})}.items():
+        table.add_row(name, f"{size:,}", f"{100 * size / total:.1f}")
+    return table
 
 
 def models_view(records: list[dict[str, Any]]) -> Table:

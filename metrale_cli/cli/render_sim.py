@@ -83,7 +83,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
     # Headers wrap onto two lines; cells never do, so 80 columns hold every figure.
     with_min = "min" in record["policies"]
     if with_min:
-        head.append(("min", "Belady's offline bound (it knows every future request, so no "
+        head.append((MIN_CELL, "Belady's offline bound (it knows every future request, so no "
                      "engine can run it): the fewest misses any policy could have, not an answer"))
 
     def row(r: dict[str, Any]) -> list[str]:
@@ -92,7 +92,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
         pool = f"{r['pool_bytes'] / 2**30:,.2f}"
         if r["fits_budget"] is False:
             pool = f"[red]{pool}"
-        return [_policy_name(r), str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}",
+        return [_policy_cell(r), str(r["max_loras"]), f"{100 * r['hit_rate']:.2f}",
                 f"{r['misses']:,}", f"{r['stalls']:,}",
                 human_seconds(r["stall_p99_s"]) if r["stalls"] else "-",
                 human_seconds(r["added_latency_p50_s"]), human_seconds(r["added_latency_p99_s"]),
@@ -151,7 +151,7 @@ def _loads_table(record: dict[str, Any]) -> Table | None:
         names += ["hit % by\nreplica"]
 
     def row(r: dict[str, Any]) -> list[str]:
-        cells = [_policy_name(r), str(r["max_loras"]), f"{r['delayed_hits']:,}",
+        cells = [_policy_cell(r), str(r["max_loras"]), f"{r['delayed_hits']:,}",
                  f"{r['bytes_moved'] / 2**30:,.2f}", human_seconds(r["link_wait_s"])]
         if tiered:
             cells += [f"{r['host_hits']:,}", f"{r['host_misses']:,}",
@@ -165,19 +165,25 @@ def _loads_table(record: dict[str, Any]) -> Table | None:
 
 def _serving_table(record: dict[str, Any]) -> Table | None:
     """Concurrent mode: time to first token, adapter requests apart from base-model ones, and
-    throughput per result."""
+    throughput per result; where skip admission let requests start before their all-resident
+    start (a seat a stalled head did not hold), how many and the seconds they gained."""
     if record["mode"] != "concurrent":
         return None
+    gains = any(r["moved_ahead"] for r in record["results"])
+
     def seconds(x: float | None) -> str:
         return "-" if x is None else human_seconds(x)
 
     def row(r: dict[str, Any]) -> list[str]:
-        return [_policy_name(r), str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
+        moved = [f"{r['moved_ahead']:,}",
+                 human_seconds(r["gained_s"]) if r["moved_ahead"] else "-"] if gains else []
+        return [_policy_cell(r), str(r["max_loras"]), seconds(r["ttft_adapter_p50_s"]),
                 seconds(r["ttft_adapter_p99_s"]), seconds(r["ttft_base_p50_s"]),
-                seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}"]
+                seconds(r["ttft_base_p99_s"]), f"{r['throughput_req_s']:,.2f}", *moved]
 
     return _policy_table(record, ["policy", "slots", "TTFT p50\nadapter", "TTFT p99\nadapter",
-                                  "TTFT p50\nbase", "TTFT p99\nbase", "req/s"], row)
+                                  "TTFT p50\nbase", "TTFT p99\nbase", "req/s",
+                                  *(["moved\nahead", "gained\nin all"] if gains else [])], row)
 
 
 def _max_rank_table(record: dict[str, Any]) -> Table | None:
@@ -212,7 +218,7 @@ def _spread_table(record: dict[str, Any]) -> Table | None:
     def row(r: dict[str, Any]) -> list[str]:
         spread = r["spread"]
         hit, miss, p99 = spread["hit_rate"], spread["misses"], spread["added_latency_p99_s"]
-        return [_policy_name(r), str(r["max_loras"]),
+        return [_policy_cell(r), str(r["max_loras"]),
                 "/".join(f"{100 * hit[k]:.2f}" for k in ("min", "median", "max")),
                 "/".join(f"{miss[k]:,.0f}" for k in ("min", "median", "max")),
                 "/".join(human_seconds(p99[k]) for k in ("min", "median", "max"))]
@@ -221,10 +227,20 @@ def _spread_table(record: dict[str, Any]) -> Table | None:
                          f"over {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): min/median/max")
 
 
+# Belady's `min` in a table's policy column: marked, and keyed in the head's `min*` line, as
+# the offline bound it is; "min (offline bound)" there widened every table past 80 columns.
+MIN_CELL = "min*"
+
+
 def _policy_name(r: dict[str, Any]) -> str:
-    """A policy as the views name it: Belady's `min` marked as the offline bound it is, apart
-    from the policies an engine runs."""
+    """A policy as the lines outside tables name it: Belady's `min` marked as the offline
+    bound it is, apart from the policies an engine runs."""
     return "min (offline bound)" if r["policy"] == "min" else r["policy"]
+
+
+def _policy_cell(r: dict[str, Any]) -> str:
+    """A policy as a table's policy column names it (`MIN_CELL` for `min`)."""
+    return MIN_CELL if r["policy"] == "min" else r["policy"]
 
 
 def _policy_table(record: dict[str, Any], columns: list[str],

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -31,6 +31,9 @@ from metrale_cli.cli.options import (
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
 from metrale_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from metrale_cli.layout.pipeline import AuditedAdapters, PlannedPool
 
 
 @handles_errors
@@ -157,7 +160,9 @@ def simulate(
     )
     from metrale_cli.engines import refuse_other_options
     from metrale_cli.files.atomic import check_output, output_path
-    from metrale_cli.layout.pipeline import plan_pool
+    from metrale_cli.layout.pipeline import audit_adapters, plan_pool
+    from metrale_cli.layout.slot_layout import SlotLayout
+    from metrale_cli.model.modules import ALL
     from metrale_cli.sim import simulate as sim
     from metrale_cli.sim import workload as wl
 
@@ -188,13 +193,23 @@ def simulate(
         raise UsageError(f"--target-p99-ms must be >= 0 and finite, got {target_p99_ms}")
     if model is None and not adapters:
         raise UsageError("--model is required (or give adapters)")
-    # A slot sized by an adapter pack would refuse sizes nothing: plan_pool refuses it too.
-    planned = plan_pool(adapters or [], model,
-                        modules=parse_modules(modules) if modules else None, max_rank=max_rank,
-                        experts=experts_on(experts))
-    layouts = planned.layout, planned.expert_layout
-    if chosen is None:  # what metrale's kernels refuse; an engine serves with its own
-        warn(planned.warnings)
+    module_list = parse_modules(modules) if modules else None
+    if chosen is None or not adapters:
+        # A slot sized by an adapter pack would refuse sizes nothing: plan_pool refuses it too.
+        planned: PlannedPool | AuditedAdapters = plan_pool(
+            adapters or [], model, modules=module_list, max_rank=max_rank,
+            experts=experts_on(experts))
+        layouts = planned.layout, planned.expert_layout
+        if chosen is None:  # what metrale's kernels refuse; an engine serves with its own
+            warn(planned.warnings)
+    else:
+        # The engine judges the adapters and sizes their slots (sim.EngineCache, through the
+        # seam): the pool's refusals do not apply. The layout only names the modules in the
+        # record, those of the adapters' the pool knows (or --modules).
+        planned = audit_adapters(adapters, model, experts=False)
+        layouts = SlotLayout.build(planned.model, module_list or [
+            m for m in ALL if any(m in r.module_set for r in planned.reports)],
+            max_rank or max(r.adapter.config.r for r in planned.reports)), None
     if spec is not None:
         from metrale_cli.layout.sharding import refuse_unshardable
 

@@ -3,7 +3,7 @@ prints (`inspect --engine E --json`, `layout --engine E --json`), for any regist
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,9 @@ from metrale_cli.errors import NotServable
 from metrale_cli.layout.pipeline import AuditedAdapters
 
 if TYPE_CHECKING:
+    from metrale_cli.adapters.audit import AdapterReport
     from metrale_cli.engines.verdict import EngineVerdict
+    from metrale_cli.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -61,13 +63,21 @@ def engine_layout(audited: AuditedAdapters, engine: Engine,
     pool cannot serve."""
     cfg, reports = audited.model, audited.reports
     flags = engine.layout_flags(cfg, reports, dict(given or {}))
-    refused = [(r, v) for r, v in ((r, engine.judge(r, cfg, flags)) for r in reports)
+    refuse_unserved(engine, cfg, reports, flags)
+    memory = engine.memory(cfg, flags, reports or None, budget_bytes)
+    return {"model": cfg.record(), "engine": {**memory.record(),
+                                              "tiers": engine.tiers(memory).record()}}
+
+
+def refuse_unserved(engine: Engine, model: ModelConfig, reports: Sequence[AdapterReport],
+                    flags: Any) -> None:
+    """NotServable naming every adapter `engine` would not serve as PEFT serves it under
+    `flags`, with its verdict and reason: under an engine the engine's judgement, not the
+    pool's audit, decides (`layout --engine`, `simulate --engine`)."""
+    refused = [(r, v) for r, v in ((r, engine.judge(r, model, flags)) for r in reports)
                if not v.serves]
     if refused:
         raise NotServable(f"{len(refused)} adapter(s) not served as PEFT serves them by "
                           f"{engine.name} {engine.version} under these flags",
                           [f"{r.name}: {engine.name} {v.verdict.value}: {v.reason}"
                            for r, v in refused])
-    memory = engine.memory(cfg, flags, reports or None, budget_bytes)
-    return {"model": cfg.record(), "engine": {**memory.record(),
-                                              "tiers": engine.tiers(memory).record()}}

@@ -19,12 +19,19 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object's members as a dict, refusing a key given twice: Python's parser keeps the
     last, other readers (and the tool that wrote the file) may keep the first, so the two would
     read different documents from the same bytes."""
-    doc: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in doc:
-            raise _DuplicateKey(key)
-        doc[key] = value
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return doc
+
+
+# One decoder for every document: `json.loads` with a hook builds a new one per call, which a
+# JSON-lines trace (a document a line) would pay millions of times.
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique)
 
 
 def load_json(path: Path | str, text: bytes | str, what: str = "JSON file") -> Any:
@@ -32,8 +39,13 @@ def load_json(path: Path | str, text: bytes | str, what: str = "JSON file") -> A
     given twice in one object, or JSON nested deeper than the parser recurses (`[[[[...`
     100,000 deep)."""
     try:
-        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text,
-                          object_pairs_hook=_unique)
+        return _DECODER.decode(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except json.JSONDecodeError as exc:
+        # One line of text (a JSON-lines row, a safetensors header): the character, not a
+        # "line 1" (or 2, past its newline) beside the file line `path` may name.
+        at = (f"character {exc.pos + 1}" if "\n" not in exc.doc.rstrip("\r\n")
+              else f"line {exc.lineno} column {exc.colno}")
+        raise FormatError(f"{path}: not a readable {what} ({exc.msg} at {at})") from exc
     except (UnicodeDecodeError, ValueError) as exc:
         # ValueError besides JSONDecodeError: an integer of more than 4,300 digits.
         raise FormatError(f"{path}: not a readable {what} ({exc})") from exc

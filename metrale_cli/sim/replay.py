@@ -300,7 +300,7 @@ def added_latency(start: np.ndarray, baseline: np.ndarray) -> dict[str, Any]:
     return {"added_latency_p50_s": float(np.percentile(added, 50)) if n else 0.0,
             "added_latency_p99_s": float(np.percentile(added, 99)) if n else 0.0,
             "added_latency_mean_s": float(added.mean()) if n else 0.0,
-            "moved_ahead": int(ahead.sum()), "gained_s": float(-late[ahead].sum())}
+            "moved_ahead": int(ahead.sum()), "gained_s": float((baseline - start)[ahead].sum())}
 
 
 def _throughput(n: int, first: float, last: float) -> float:

@@ -50,7 +50,8 @@ class EngineCache:
     """A serving engine's adapter cache as `simulate --engine` replays it: at each size, the
     engine's flags with `--max-loras` that size (the rest as `given`, the CLI's option names),
     its LoRA bytes on one GPU (`memory`) and its tiers (`SlotTiers`: GPU slots, host cache,
-    eviction, admission). The engine's own rules refuse a size its flags cannot take."""
+    eviction, admission). The engine's own rules refuse a size its flags cannot take, and an
+    adapter of `reports` it would not serve (metrale's pool refusals do not apply here)."""
 
     engine: Engine
     model: ModelConfig
@@ -61,8 +62,11 @@ class EngineCache:
 
     def at(self, max_loras: int) -> tuple[SlotTiers, int]:
         """(the tiers, the LoRA bytes on one GPU) at `max_loras` GPU slots."""
+        from metrale_cli.engines.answers import refuse_unserved
+
         given = {**dict(self.given), "--max-loras": max_loras}
         flags = self.engine.layout_flags(self.model, list(self.reports), given)
+        refuse_unserved(self.engine, self.model, self.reports, flags)
         memory = self.engine.memory(self.model, flags, list(self.reports) or None, None)
         return self.engine.tiers(memory), memory.lora_bytes
 

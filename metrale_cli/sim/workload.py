@@ -23,6 +23,7 @@ import numpy as np
 
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.atomic import atomic_write
+from metrale_cli.files.jsondoc import load_json
 
 GENERATORS = ("zipf", "uniform", "distinct", "identical", "slora")
 # S-LoRA's model settings (benchmarks/exp_suite.py LORA_DIR): the ranks of the adapter
@@ -384,10 +385,7 @@ def _jsonl_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise FormatError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+        row = load_json(f"{path}:{line_no}", line, "JSON request")
         if not isinstance(row, dict):
             raise FormatError(f"{path}:{line_no}: a request must be a JSON object")
         parsed.append(_parse_row(path, line_no, row))
