@@ -12,11 +12,14 @@ from metrale_cli.cli.options import (
     DtypeOpt,
     EngineOpt,
     EpOpt,
+    EvictionPolicyOpt,
     ExpertsOpt,
     FullyShardedOpt,
     JsonOpt,
+    LoraBackendOpt,
     LoraDtypeOpt,
     MaxCpuLorasOpt,
+    MaxLoadedLorasOpt,
     MaxLorasOpt,
     MaxRankOpt,
     ModelOpt,
@@ -62,6 +65,9 @@ def inspect(
     modules: ModulesOpt = None,
     dtype: DtypeOpt = None,
     lora_dtype: LoraDtypeOpt = None,
+    max_loaded_loras: MaxLoadedLorasOpt = None,
+    eviction_policy: EvictionPolicyOpt = None,
+    lora_backend: LoraBackendOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
@@ -69,7 +75,10 @@ def inspect(
     The model defaults to the adapters' base_model_name_or_path. With --engine vllm, what vLLM
     0.32.0 does with each adapter under the vLLM flags given (--max-rank, --max-loras, --tp,
     --fully-sharded, --modules, --dtype, --lora-dtype), or under the ones metrale recommends;
-    exit 0 only when vLLM serves every adapter as PEFT does."""
+    exit 0 only when vLLM serves every adapter as PEFT does. With --engine sglang, the same
+    for SGLang 0.5.23 (--max-rank, --modules, --max-loras, --max-loaded-loras,
+    --eviction-policy, --lora-backend, --tp, --dtype as its launch_server flags), per load
+    path: start-up --lora-paths and runtime /load_lora_adapter."""
     from metrale_cli.cli import render
     from metrale_cli.engines import refuse_other_options
     from metrale_cli.layout.pipeline import audit_adapters
@@ -77,7 +86,9 @@ def inspect(
     chosen = engine_name(engine)
     given = {"--max-rank": max_rank, "--experts": experts, "--max-loras": max_loras,
              "--max-cpu-loras": max_cpu_loras, "--tp": tp, "--fully-sharded": fully_sharded,
-             "--modules": modules, "--dtype": dtype, "--lora-dtype": lora_dtype}
+             "--modules": modules, "--dtype": dtype, "--lora-dtype": lora_dtype,
+             "--max-loaded-loras": max_loaded_loras, "--eviction-policy": eviction_policy,
+             "--lora-backend": lora_backend}
     refuse_other_options(chosen.name if chosen else "metrale", "inspect", given)
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
@@ -130,6 +141,9 @@ def layout(
     max_cpu_loras: MaxCpuLorasOpt = None,
     dtype: DtypeOpt = None,
     lora_dtype: LoraDtypeOpt = None,
+    max_loaded_loras: MaxLoadedLorasOpt = None,
+    eviction_policy: EvictionPolicyOpt = None,
+    lora_backend: LoraBackendOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """The byte-exact slot layout and capacity plan of a pool; with --tp, of every rank's pool,
@@ -139,7 +153,9 @@ def layout(
     without adapters every expert and router of every MoE layer at --max-rank. With --engine
     vllm, the bytes vLLM 0.32.0's LoRA buffers take on each GPU, reading --max-loras,
     --max-rank, --tp, --fully-sharded and --modules as vLLM's --max-loras, --max-lora-rank,
-    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules."""
+    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules. With --engine
+    sglang, the bytes of SGLang 0.5.23's LoRA pool on each GPU (--max-loras is its
+    --max-loras-per-batch, --tp its --tp-size; dense families)."""
     from metrale_cli.cli import render
     from metrale_cli.engines import refuse_other_options
     from metrale_cli.layout.pipeline import audit_adapters, plan_pool
@@ -149,7 +165,9 @@ def layout(
     given = {"--modules": modules, "--max-rank": max_rank, "--max-loras": max_loras,
              "--budget": budget, "--align": align, "--experts": experts_on(experts),
              "--tp": tp, "--ep": ep, "--fully-sharded": fully_sharded,
-             "--max-cpu-loras": max_cpu_loras, "--dtype": dtype, "--lora-dtype": lora_dtype}
+             "--max-cpu-loras": max_cpu_loras, "--dtype": dtype, "--lora-dtype": lora_dtype,
+             "--max-loaded-loras": max_loaded_loras, "--eviction-policy": eviction_policy,
+             "--lora-backend": lora_backend}
     refuse_other_options(chosen.name if chosen else "metrale", "layout", given)
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
