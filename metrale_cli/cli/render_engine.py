@@ -159,6 +159,9 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     total = rec["lora_bytes"] or 1
     for m in rec["modules"]:
-        table.add_row(m["module"], m["kind"], str(m["layers"] or "-"), f"{m['bytes']:,}",
+        # SGLang allocates both embedding pairs twice when both are targeted.
+        copies = f" (x{m['copies']})" if m.get("copies", 1) > 1 else ""
+        table.add_row(m["module"] + copies, m["kind"], str(m["layers"] or "-"),
+                      f"{m['bytes']:,}",
                       f"{100 * m['bytes'] / total:.1f}")
     return Group(fields(rows), Text(""), table)

@@ -21,6 +21,8 @@ class SlotTiers:
     skips the disk), each tier's eviction order, and the scheduler's admission of a request
     whose adapter cannot get a GPU slot now. Bytes are one GPU's (the engine's `memory`)."""
 
+    # The GPU slots adapters get: vLLM's --max-loras; SGLang's --max-loras-per-batch less the
+    # one its base model holds.
     gpu_slots: int
     # None: no limit (SGLang without --max-loaded-loras keeps every adapter it loaded).
     host_slots: int | None

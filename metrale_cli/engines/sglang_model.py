@@ -257,18 +257,15 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     TP, `qkv_proj` keeping whole KV heads when TP exceeds them:
     _column_parallel_lora_b_per_rank_dim), and for the embedding and output head
     get_embedding_lora_A_shape / get_embedding_lora_B_shape (A (N, r, vocab or hidden),
-    unsharded; the head's B (N, vocab shard, r): get_lm_head_lora_b_shard_size, the base
-    ParallelLMHead's share of the vocabulary padded to 64, rank 0's). Dims are
-    lora/utils.py get_default_hidden_dim's."""
+    unsharded; the head's B (N, vocab rows, r): get_lm_head_lora_b_shard_size,
+    `_lm_head_rows`). Dims are lora/utils.py get_default_hidden_dim's."""
     H, hd = model.hidden_size, model.head_dim
     heads, kv, inter, vocab = (model.num_attention_heads, model.num_key_value_heads,
                                model.intermediate_size, model.vocab_size)
     if module == "embed_tokens":
         return (slots, rank, vocab), (slots, H, rank)
     if module == "lm_head":
-        out = vocab if tp == 1 else min(-(-vocab // _VOCAB_PADDING) * _VOCAB_PADDING // tp,
-                                        vocab)
-        return (slots, rank, H), (slots, out, rank)
+        return (slots, rank, H), (slots, _lm_head_rows(model, tp), rank)
     dims = {"qkv_proj": (H, hd * (heads + 2 * kv)), "o_proj": (hd * heads, H),
             "gate_up_proj": (H, 2 * inter), "down_proj": (inter, H)}
     if module not in dims:
@@ -284,6 +281,20 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     return (slots, rank * c, d_in), (slots, d_out, rank)
 
 
+def _lm_head_rows(model: ModelConfig, tp: int) -> int:
+    """The output head's rows on TP rank 0, as its LoRA B takes them: the base ParallelLMHead's
+    `shard_indices.num_org_elements` (layers/vocab_parallel_embedding.py: the vocabulary padded
+    to 64, or to 64 * tp when that does not split over tp, rank 0's share of it, padding
+    removed). Under TP 1, or with tied embeddings (the head is then the embedding module, no
+    ParallelLMHead for mem_pool.py to find), the whole vocabulary."""
+    vocab = model.vocab_size
+    if tp == 1 or model.tie_word_embeddings:
+        return vocab
+    pad = _VOCAB_PADDING if (-(-vocab // _VOCAB_PADDING) * _VOCAB_PADDING) % tp == 0 \
+        else _VOCAB_PADDING * tp
+    return min(-(-vocab // pad) * pad // tp, vocab)
+
+
 @dataclass(frozen=True)
 class Memory:
     """SGLang's LoRA pool on one GPU for a model, flags and the pool they make."""
@@ -291,8 +302,9 @@ class Memory:
     model: ModelConfig
     flags: Flags
     pool: Pool
-    # (module, layers, A shape, B shape, bytes over its layers), per target module.
-    per_module: list[tuple[str, int, tuple[int, ...], tuple[int, ...], int]]
+    # (module, layers, copies of each layer's pair, A shape, B shape, bytes in all), per
+    # target module.
+    per_module: list[tuple[str, int, int, tuple[int, ...], tuple[int, ...], int]]
     # Adapters held in CPU memory (--max-loaded-loras of them, else every start-up one).
     host_bytes: int
     budget_bytes: int | None = None
@@ -313,12 +325,17 @@ class Memory:
         # A and B per layer.
         order = [m for m in EMBEDDINGS if m in pool.targets] + sorted(
             m for m in pool.targets if m not in EMBEDDINGS)
+        # With both targeted, each of init_buffers' two embedding tables (embedding_A/B_buffer
+        # and lm_head_A/B_buffer) takes a pair for every one of embed_tokens and lm_head
+        # (init_embedding_buffer allocates `target_modules & EMBEDDING_NAMES` into each), and
+        # only one pair of each is ever read (get_embedding_tensor): both pairs twice over.
+        copies = 2 if set(EMBEDDINGS) <= pool.targets else 1
         for module in order:
             a, b = buffer_shapes(model, module, pool.max_rank, flags.max_loras_per_batch,
                                  flags.tp)
-            layers = 1 if module in EMBEDDINGS else model.num_hidden_layers
-            per_module.append((module, layers, a, b,
-                               (math.prod(a) + math.prod(b)) * elem * layers))
+            layers, n = (1, copies) if module in EMBEDDINGS else (model.num_hidden_layers, 1)
+            per_module.append((module, layers, n, a, b,
+                               (math.prod(a) + math.prod(b)) * elem * layers * n))
         sizes = sorted((_file_bytes(r) for r in adapters or []), reverse=True)
         held = sizes if flags.max_loaded_loras is None else sizes[:flags.max_loaded_loras]
         return cls(model, flags, pool, per_module, sum(held), budget_bytes)
@@ -344,9 +361,9 @@ class Memory:
             "pool": self.pool.record(), "lora_bytes": self.lora_bytes,
             "slot_bytes": self.slot_bytes, "host_cache_bytes": self.host_bytes,
             "per_gpu": True, "checked": family(self.model).checked,
-            "modules": [{"module": m, "kind": _KINDS[m], "layers": n, "bytes": b,
-                         "buffers": [["A", list(a)], ["B", list(bb)]]}
-                        for m, n, a, bb, b in self.per_module],
+            "modules": [{"module": m, "kind": _KINDS[m], "layers": n, "copies": c,
+                         "bytes": b, "buffers": [["A", list(a)], ["B", list(bb)]]}
+                        for m, n, c, a, bb, b in self.per_module],
         }
         if self.budget_bytes is not None:
             rec["budget_bytes"] = self.budget_bytes
@@ -648,8 +665,14 @@ class SglangEngine:
 
     def tiers(self, memory: Memory) -> SlotTiers:
         f = memory.flags
+        # The base model holds a slot of its own: init_memory_pool loads it (fetch_new_loras
+        # ({None})) and prepare_lora_batch evicts it only when no adapter outside the batch
+        # can go (mem_pool.py get_available_buffer_slot: "Prefer evicting LoRA adapters over
+        # the base model"), so with two slots or more adapters get one fewer. One slot is
+        # shared with the base model, which the replay does not model.
+        slots = f.max_loras_per_batch - 1 if f.max_loras_per_batch > 1 else 1
         return SlotTiers(
-            gpu_slots=f.max_loras_per_batch, host_slots=f.max_loaded_loras,
+            gpu_slots=slots, host_slots=f.max_loaded_loras,
             slot_bytes=memory.slot_bytes, host_bytes=memory.host_bytes,
             max_rank=memory.pool.max_rank, gpu_eviction=f.eviction_policy,
             host_eviction="lru", admission="skip",

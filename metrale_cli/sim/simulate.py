@@ -312,9 +312,14 @@ def run(
         results = []
         for n in sorted(set(sizes)):
             tiers, lora_bytes = engine.at(n)
-            results += simulate(replay_for(HostTier(_host_slots(tiers, workload),
-                                                    engine.host_link)),
-                                policies, [n], lambda _, b=lora_bytes: b, budget_bytes, told)
+            # The replay runs the slots the engine gives adapters (SGLang's base model keeps
+            # one of its --max-loras-per-batch), reported under the engine's flag.
+            got = simulate(replay_for(HostTier(_host_slots(tiers, workload), engine.host_link)),
+                           policies, [tiers.gpu_slots], lambda _, b=lora_bytes: b,
+                           budget_bytes, told)
+            for result in got:
+                result.max_loras = n
+            results += got
     engine_record = None
     host_tier = None if host is None else _host_record(host.slots, host.link,
                                                        host.slots * max(load_bytes, default=0))

@@ -6,6 +6,8 @@ test helper).
 
 JOB: {"model": DIR (a base config.json), "max_loras_per_batch": N, "dtype": "float32",
       "max_lora_rank": R | null, "lora_target_modules": [..] | null, "tp_size": 1,
+      "parallel_lm_head": false,                       # the base's ParallelLMHead (TP > 1)
+      "batches": [[NAME | null, ...], ...],            # running batches through the pool
       "startup": [{"name": N, "path": DIR}, ...],      # --lora-paths
       "runtime": [{"name": N, "path": DIR}, ...]}      # /load_lora_adapter, after start-up
 
@@ -173,6 +175,8 @@ def main() -> int:
     _publish(job)
     hf_config = AutoConfig.from_pretrained(job["model"])
     base_model = _stand_in(hf_config)
+    if job.get("parallel_lm_head"):
+        _attach_lm_head(base_model, hf_config)
     manager = _manager(job, hf_config, base_model)
     # init_lora_adapters: each --lora-paths adapter; the first failure stops the start-up.
     for spec in job.get("startup", []):
@@ -235,7 +239,47 @@ def main() -> int:
             entry["error"]["type"] = classes[0]
         report["runtime"].append(entry)
         save()
+    if "batches" in job:
+        report["batches"] = _replay_batches(manager, pool, job["batches"])
+        save()
     return 0
+
+
+def _attach_lm_head(base_model: Any, hf_config: Any) -> None:
+    """Job key `parallel_lm_head`: give the stand-in the `ParallelLMHead` SGLang's dense
+    classes build when the embeddings are not tied (models/llama.py, qwen2.py, qwen3.py), so
+    that under TP the pool reads its vocabulary shard from it (mem_pool.py
+    `lm_head_shard_indices`) as a server's does. It builds on a CPU at any TP size."""
+    if getattr(hf_config, "tie_word_embeddings", False):
+        return
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    base_model.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+
+
+def _replay_batches(manager: Any, pool: Any, batches: list[list[str | None]]) -> list[Any]:
+    """Job key `batches`: each a running batch's adapters by name (None: the base model), in
+    turn through the pool's own `prepare_lora_batch` as `fetch_new_loras` calls it, after
+    `init_memory_pool`'s first call with the base model alone. After each, the adapter each
+    slot holds (its name, None for the base model, "" for an empty slot)."""
+    from sglang.srt.lora.mem_pool import EMPTY_SLOT
+
+    ids = {ref.lora_name: lora_id for lora_id, ref in manager.lora_refs.items()}
+    names = {lora_id: name for name, lora_id in ids.items()}
+    layers = [{} for _ in range(pool.num_layer)]
+
+    def prepare(uids: set[str | None]) -> None:
+        pool.prepare_lora_batch(cur_uids=uids, lora_adapters=manager.loras,
+                                lora_modules=layers, lora_refs=dict(manager.lora_refs),
+                                lora_embed_tokens_module=None, lora_lm_head_module=None)
+
+    prepare({None})
+    states = []
+    for batch in batches:
+        prepare({None if n is None else ids[n] for n in batch})
+        states.append(["" if uid is EMPTY_SLOT else None if uid is None else names[uid]
+                       for uid in pool.buffer_id_to_uid])
+    return states
 
 
 if __name__ == "__main__":
