@@ -176,13 +176,17 @@ class Flags:
 
     def model_dtype(self, model: ModelConfig) -> str:
         """`--dtype auto` (configs/model_config.py _get_and_verify_dtype): the config's dtype,
-        float32 (or none stated) cast to float16; the LoRA pool takes the model's dtype."""
+        float32 (or none stated) cast to float16; the LoRA pool takes the model's dtype
+        (lora_manager.py: the model runner's dtype)."""
         if self.dtype != "auto":
             return self.dtype
         from metrale_cli.engines.vllm_model import raw_text_config
 
         raw = raw_text_config(model)
-        stated = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        stated = raw.get("dtype") or raw.get("torch_dtype")
+        if stated is None and model.source and find_preset(model.source) is not None:
+            # A preset keeps no dtype; every preset's hub config states bfloat16.
+            stated = "bfloat16"
         return stated if stated in ("float16", "bfloat16") else "float16"
 
     def record(self, model: ModelConfig) -> dict[str, Any]:
@@ -642,14 +646,15 @@ class SglangEngine:
                   given: Mapping[str, object]) -> Recommendation:
         """The given flags, and without `--max-loras` a batch that holds every start-up
         adapter and the base model (SGLang counts a base-only request as one of
-        --max-loras-per-batch: arg_groups/fields/lora.py)."""
+        --max-loras-per-batch: arg_groups/fields/lora.py), two at least (the base model and
+        one adapter loaded at runtime)."""
         probe = _flags_from(given)
         if probe.tp > 1:
             self.check_tp(model, probe.tp, False)
         refusals = [(r, startup_refusal(r, model, probe)) for r in reports]
         kept = [r for r, why in refusals if why is None]
         shut_out = [f"{r.name}: {why[2]}" for r, why in refusals if why is not None]
-        flags = self.startup(model, _flags_from(given, len(kept) + 1), kept)
+        flags = self.startup(model, _flags_from(given, max(2, len(kept) + 1)), kept)
         memory, note = None, ""
         try:
             memory = Memory.of(model, flags, flags.pool or startup_pool(flags, []), kept)
