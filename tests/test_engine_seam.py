@@ -92,6 +92,7 @@ def test_an_installed_vllm_of_another_version_is_warned_about(tmp_path: Path) ->
     assert same.returncode == 0 and same.stderr == ""
 
 
+@pytest.mark.proc
 def test_an_installed_sglang_of_another_version_is_warned_about(tmp_path: Path) -> None:
     (tmp_path / "sglang").mkdir()
     (tmp_path / "sglang" / "__init__.py").write_text("raise SystemExit('imported')\n")
