@@ -259,3 +259,4 @@ def test_gpu_slots_evict_as_sglangs_pool(pool_states: dict[str, list], policy: s
             f"request {r} (adapter {sequence()[r]}): replay {state.slots} != SGLang {slots}")
         evicted += r > 0 and bool({s for s in engine[r - 1] if s} - theirs)
     assert evicted >= 5  # the sequence is worth checking: the slots turned over
+

@@ -238,9 +238,9 @@ def startup_pool(flags: Flags, configs: Iterable[dict[str, Any]]) -> Pool:
             try:
                 targets |= adapter_targets(config)
             except SGLangConfigError:
-                continue  # its own start-up refusal (sglang.py startup_refusal)
+                continue  # it stops the start itself (startup_refusal)
     rank = flags.max_lora_rank if flags.max_lora_rank is not None else max(
-        (int(c["r"]) for c in configs), default=0)
+        (int(c.get("r") or 0) for c in configs), default=0)
     return Pool(rank, frozenset(targets))
 
 
@@ -478,7 +478,10 @@ def verdict_of(report: AdapterReport, model: ModelConfig, flags: Flags,
         runtime = (Verdict.REFUSES, got.error_type,
                    f"POST /load_lora_adapter answers HTTP 400 ({got.error}); the server keeps "
                    "serving the base model and every other adapter")
-    paths = {"startup": {"verdict": start[0].value, "reason": start[2], "checked": checked},
+    # The failure in the first batch is read from the source: the runner wraps no LoRA
+    # layers, so its pool copies no weights.
+    paths = {"startup": {"verdict": start[0].value, "reason": start[2],
+                         "checked": "source" if start[0] is Verdict.CRASHES else checked},
              "runtime": {"verdict": runtime[0].value, "reason": runtime[2],
                          "checked": checked}}
     v, cls, reason = runtime

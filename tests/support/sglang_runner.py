@@ -261,7 +261,9 @@ def _replay_batches(manager: Any, pool: Any, batches: list[list[str | None]]) ->
     """Job key `batches`: each a running batch's adapters by name (None: the base model), in
     turn through the pool's own `prepare_lora_batch` as `fetch_new_loras` calls it, after
     `init_memory_pool`'s first call with the base model alone. After each, the adapter each
-    slot holds (its name, None for the base model, "" for an empty slot)."""
+    slot holds (its name, None for the base model, "" for an empty slot). The slots'
+    bookkeeping and eviction are the pool's own; no weights are copied (no LoRA layers are
+    wrapped: `load_lora_weight_to_buffer` copies only into the modules of `lora_modules`)."""
     from sglang.srt.lora.mem_pool import EMPTY_SLOT
 
     ids = {ref.lora_name: lora_id for lora_id, ref in manager.lora_refs.items()}
