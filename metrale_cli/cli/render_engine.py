@@ -27,6 +27,8 @@ _TITLES = {"vllm": "vLLM {} (GPU build)", "sglang": "SGLang {}"}
 _OTHER_PATHS = {"vllm": (("startup", "--lora-modules"), ("offline", "offline LLM")),
                 "sglang": (("startup", "--lora-paths"),)}
 _MODULE_COLUMN = {"vllm": "vLLM module", "sglang": "SGLang module"}
+# The flag `--budget` answers in, as metrale's --max-loras reads for each engine.
+_SLOTS_FLAG = {"vllm": "--max-loras", "sglang": "--max-loras (--max-loras-per-batch)"}
 
 
 def _title(engine: dict[str, Any]) -> str:
@@ -139,7 +141,7 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
     """`metrale layout --engine E`: one GPU's LoRA buffers of the engine, as `layout` shows
     the pool, from its record."""
     rec = record["engine"]
-    slots = "--max-loras" if rec["name"] == "vllm" else "--max-loras (--max-loras-per-batch)"
+    slots = _SLOTS_FLAG[rec["name"]]
     rows: list[tuple[str, str | Text]] = [
         ("model", model_line(record["model"])),
         ("engine", _title(rec)),
