@@ -137,9 +137,11 @@ def test_options_the_engine_does_not_take_are_refused(args: list[str], says: str
     assert done.code == 2 and done.stderr.strip() == f"error: {says}"
 
 
+@pytest.mark.slow
 def test_one_tp_rule_for_every_command_and_engine(peft_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A model with 8 query heads at --tp 16: refused alike by `layout`, `layout --engine
-    vllm` and `inspect --engine vllm`."""
+    vllm` and `inspect --engine vllm`, and by `layout`, `inspect` and `simulate --engine
+    sglang` in SGLang's name."""
     truth = peft_zoo.adapter("llama", r=8, lora_alpha=16, target_modules=["q_proj"])
     config = json.loads((truth.base_dir / "config.json").read_text())
     config.update(num_attention_heads=8, num_key_value_heads=8, hidden_size=256,
