@@ -203,12 +203,16 @@ def target_modules(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
 
 
-def adapter_targets(config: dict[str, Any]) -> set[str]:
+def adapter_targets(config: dict[str, Any], model: ModelConfig) -> set[str]:
     """An adapter's targets as init_lora_shapes reads them: a list normalised
-    (get_normalized_target_modules), `all`/`all-linear` what auto-detection finds in a dense
-    model (its linear layers, the embedding and the output head)."""
+    (get_normalized_target_modules), `all`/`all-linear` what auto_detect_lora_target_modules
+    finds in a dense model: its linear layers, the embedding and the output head, which with
+    tied embeddings is the embedding module itself (the dense classes set `lm_head =
+    model.embed_tokens`), found once as embed_tokens."""
     found = normalised_targets(config.get("target_modules") or [])
-    return {*DENSE_LINEAR, *EMBEDDINGS} if found == {ALL} else found
+    if found != {ALL}:
+        return found
+    return {*DENSE_LINEAR, "embed_tokens", *(() if model.tie_word_embeddings else ("lm_head",))}
 
 
 @dataclass(frozen=True)
@@ -223,7 +227,7 @@ class Pool:
         return {"max_lora_rank": self.max_rank, "target_modules": sorted(self.targets)}
 
 
-def startup_pool(flags: Flags, configs: Iterable[dict[str, Any]]) -> Pool:
+def startup_pool(flags: Flags, model: ModelConfig, configs: Iterable[dict[str, Any]]) -> Pool:
     """init_lora_shapes: `--lora-target-modules` normalised (`all`: every module the model
     has, the embedding and head included) or else the union of the start-up adapters'
     targets; `--max-lora-rank` or else their largest `r` (0 without adapters)."""
@@ -236,7 +240,7 @@ def startup_pool(flags: Flags, configs: Iterable[dict[str, Any]]) -> Pool:
         targets = set()
         for config in configs:
             try:
-                targets |= adapter_targets(config)
+                targets |= adapter_targets(config, model)
             except SGLangConfigError:
                 continue  # it stops the start itself (startup_refusal)
     rank = flags.max_lora_rank if flags.max_lora_rank is not None else max(
@@ -433,7 +437,7 @@ def startup_refusal(report: AdapterReport, model: ModelConfig, flags: Flags,
                 "--lora-target-modules during server startup.)")
     if flags.target_modules is not None and set(flags.target_modules) != {ALL}:
         chosen = normalised_targets(sorted(flags.target_modules))
-        wanted = adapter_targets(config)
+        wanted = adapter_targets(config, model)
         if not wanted <= chosen:
             return (Verdict.FAILS_STARTUP, "target_modules",
                     "naming it in --lora-paths stops the server from starting (init_lora_shapes: "
@@ -460,7 +464,7 @@ def verdict_of(report: AdapterReport, model: ModelConfig, flags: Flags,
                flags_source: str = "given") -> EngineVerdict:
     """The adapter on both of SGLang's load paths under `flags` (whose `pool` is the one its
     start-up adapters build); `verdict` is the runtime path's."""
-    pool = flags.pool or startup_pool(flags, [report.adapter.config.raw])
+    pool = flags.pool or startup_pool(flags, model, [report.adapter.config.raw])
     checked = family(model).checked
 
     def served(got: Judgement) -> tuple[Verdict, str, str]:
@@ -627,7 +631,8 @@ class SglangEngine:
             raise UsageError("--max-loaded-loras: The number of LoRA paths should not exceed "
                              f"max_loaded_loras. max_loaded_loras={flags.max_loaded_loras}, "
                              f"lora_paths={len(kept)}")
-        return replace(flags, pool=startup_pool(flags, [r.adapter.config.raw for r in kept]))
+        return replace(flags, pool=startup_pool(flags, model,
+                                                [r.adapter.config.raw for r in kept]))
 
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Flags:
@@ -660,7 +665,8 @@ class SglangEngine:
         flags = self.startup(model, _flags_from(given, max(2, len(kept) + 1)), kept)
         memory, note = None, ""
         try:
-            memory = Memory.of(model, flags, flags.pool or startup_pool(flags, []), kept)
+            memory = Memory.of(model, flags, flags.pool or startup_pool(flags, model, []),
+                               kept)
         except UsageError as exc:
             note = str(exc)
         paths = [(r.name, str(Path(r.adapter.path).resolve())) for r in kept]
@@ -668,7 +674,7 @@ class SglangEngine:
 
     def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
                budget_bytes: int | None) -> Memory:
-        return Memory.of(model, flags, flags.pool or startup_pool(flags, []), reports,
+        return Memory.of(model, flags, flags.pool or startup_pool(flags, model, []), reports,
                          budget_bytes)
 
     def tiers(self, memory: Memory) -> SlotTiers:
