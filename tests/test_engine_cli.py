@@ -108,7 +108,7 @@ def test_layout_bytes_per_gpu_tp_and_budget() -> None:
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["layout", "--model", "qwen3-8b", "--engine", "sglang"], "--engine 'sglang'"),
+    (["layout", "--model", "qwen3-8b", "--engine", "tgi"], "--engine 'tgi'"),
     (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--max-rank", "24"],
      "--max-lora-rank takes only"),
     (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--modules", "nope"],

@@ -1,6 +1,6 @@
-"""The engine seam: engines by name and version, the options each engine takes, one TP rule
-for every command and engine, the per-family engine table kept in step with FAMILIES, and the
-model class judged from `architectures` as vLLM picks it."""
+"""The engine seam: engines by name and version (vLLM, SGLang), the options each engine takes,
+one TP rule for every command and engine, the per-family engine tables kept in step with
+FAMILIES, and the model class judged from `architectures` as vLLM picks it."""
 
 from __future__ import annotations
 
@@ -30,22 +30,44 @@ def test_every_family_has_a_row_in_every_engine_table() -> None:
 
 
 def test_a_family_without_an_engine_row_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metrale_cli.engines import vllm_model
+    from metrale_cli.engines import sglang_model, vllm_model
     from metrale_cli.model.config import ModelConfig
 
     model = ModelConfig.preset("qwen3-8b")
     monkeypatch.delitem(vllm_model.FAMILIES, "qwen3")
     with pytest.raises(UsageError, match="no vLLM 0.32.0 rules"):
         vllm_model.engine_modules(model)
+    monkeypatch.delitem(sglang_model.FAMILIES, "qwen3")
+    done = metrale("layout", "--engine", "sglang", "-m", "qwen3-8b", "--max-rank", 8,
+                   "--modules", "q_proj")
+    assert done.code == 2 and done.stderr.strip() == (
+        "error: model type 'qwen3': no SGLang 0.5.23 rules for it "
+        "(engines/sglang_model.py FAMILIES)")
 
 
-def test_engine_versions() -> None:
-    assert get_engine("vllm").version == get_engine("vllm==0.32.0").version == "0.32.0"
-    done = metrale("layout", "--engine", "vllm==0.31.0", "-m", "qwen3-8b")
+def test_families_sglang_serves_only_from_its_source_say_so() -> None:
+    """MoE and hybrid families' SGLang facts come from reading its source (its pool is sized
+    from the model class, which does not build on a CPU): their rows, records and views say
+    so, and `layout` gives no bytes it cannot stand behind."""
+    sglang = get_engine("sglang")
+    assert {f: r.checked for f, r in sglang.families.items() if r.pool != "dense"} == {
+        f: "source" for f in ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5", "qwen3_5_moe")}
+    done = metrale("layout", "--engine", "sglang", "-m", "qwen3-30b-a3b", "--max-rank", 8,
+                   "--modules", "q_proj")
+    assert done.code == 2 and "metrale sizes dense families only" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("name", "version", "other"), [("vllm", "0.32.0", "0.31.0"),
+                                                        ("sglang", "0.5.23", "0.5.22")])
+def test_engine_versions(name: str, version: str, other: str) -> None:
+    assert get_engine(name).version == get_engine(f"{name}=={version}").version == version
+    args = ["-m", "qwen3-8b", "--max-rank", 16, "--modules", "q_proj", "--json"]
+    done = metrale("layout", "--engine", f"{name}=={other}", *args)
     assert done.code == 2
-    assert done.stderr.strip() == ("error: --engine 'vllm==0.31.0': metrale has vllm rules "
-                                   "for 0.32.0 only")
-    assert metrale("layout", "--engine", "vllm==0.32.0", "-m", "qwen3-8b", "--json").code == 0
+    assert done.stderr.strip() == (f"error: --engine '{name}=={other}': metrale has {name} "
+                                   f"rules for {version} only")
+    assert metrale("layout", "--engine", f"{name}=={version}", *args).code == 0
 
 
 def test_an_installed_vllm_of_another_version_is_warned_about(tmp_path: Path) -> None:
@@ -70,9 +92,42 @@ def test_an_installed_vllm_of_another_version_is_warned_about(tmp_path: Path) ->
     assert same.returncode == 0 and same.stderr == ""
 
 
+@pytest.mark.proc
+def test_an_installed_sglang_of_another_version_is_warned_about(tmp_path: Path) -> None:
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    info = tmp_path / "sglang-0.5.22.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.22\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    args = [sys.executable, "-m", "metrale_cli", "layout", "--engine", "sglang", "-m",
+            "qwen3-8b", "--max-rank", "8", "--modules", "q_proj", "--json"]
+    done = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == ("warning: the installed sglang is 0.5.22; these are SGLang "
+                                   "0.5.23's rules")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n")
+    same = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert same.returncode == 0 and same.stderr == ""
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--align", "512"],
      "--align need --engine metrale"),
+    (["layout", "-m", "qwen3-8b", "--engine", "sglang", "--max-cpu-loras", "4"],
+     "--max-cpu-loras need --engine vllm"),
+    (["layout", "-m", "qwen3-8b", "--engine", "sglang", "--fully-sharded", "--tp", "2"],
+     "--fully-sharded need --engine metrale or vllm"),
+    (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--max-loaded-loras", "4"],
+     "--max-loaded-loras need --engine sglang"),
+    (["layout", "-m", "qwen3-8b", "--eviction-policy", "fifo"],
+     "--eviction-policy need --engine sglang"),
+    (["inspect", "x", "--engine", "sglang", "--lora-dtype", "float16"],
+     "--lora-dtype need --engine vllm"),
+    (["simulate", "-m", "qwen3-8b", "--engine", "sglang", "--max-cpu-loras", "4"],
+     "--max-cpu-loras need --engine vllm"),
+    (["simulate", "-m", "qwen3-8b", "--engine", "sglang", "--fully-sharded"],
+     "--fully-sharded need --engine metrale or vllm"),
     (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--ep", "2"],
      "--ep need --engine metrale"),
     (["layout", "-m", "qwen3-8b", "--max-cpu-loras", "4"], "--max-cpu-loras need --engine vllm"),
@@ -82,9 +137,11 @@ def test_options_the_engine_does_not_take_are_refused(args: list[str], says: str
     assert done.code == 2 and done.stderr.strip() == f"error: {says}"
 
 
+@pytest.mark.slow
 def test_one_tp_rule_for_every_command_and_engine(peft_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A model with 8 query heads at --tp 16: refused alike by `layout`, `layout --engine
-    vllm` and `inspect --engine vllm`."""
+    vllm` and `inspect --engine vllm`, and by `layout`, `inspect` and `simulate --engine
+    sglang` in SGLang's name."""
     truth = peft_zoo.adapter("llama", r=8, lora_alpha=16, target_modules=["q_proj"])
     config = json.loads((truth.base_dir / "config.json").read_text())
     config.update(num_attention_heads=8, num_key_value_heads=8, hidden_size=256,
@@ -101,6 +158,17 @@ def test_one_tp_rule_for_every_command_and_engine(peft_zoo, tmp_path: Path) -> N
         said.add(done.stderr.strip())
     assert said == {f"error: {base / 'config.json'}: query heads (8) do not split over --tp "
                     "16; vLLM's QKVParallelLinear would refuse to build"}
+    said = set()
+    for args in (["layout", "--engine", "sglang", "-m", base, "--max-rank", 16, "--modules",
+                  "q_proj"],
+                 ["inspect", truth.path, "--engine", "sglang", "-m", base],
+                 ["simulate", "--engine", "sglang", "-m", base, "--max-rank", 16, "--modules",
+                  "q_proj", "--requests", 10]):
+        done = metrale(*args, "--tp", 16)
+        assert done.code == 2, (args, done.stdout)
+        said.add(done.stderr.strip())
+    assert said == {f"error: {base / 'config.json'}: query heads (8) do not split over --tp "
+                    "16; SGLang's QKVParallelLinear would refuse to build"}
 
 
 @pytest.mark.parametrize(("architectures", "says"), [

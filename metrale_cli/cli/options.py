@@ -105,7 +105,9 @@ MODULES = typer.Option(
     "--modules", help="Comma-separated modules. metrale's pool: q_proj, k_proj, v_proj, "
     "o_proj, gate_proj, up_proj, down_proj, out_proj, or 'all'. --engine vllm: vLLM's "
     "--lora-target-modules, its module names (qkv_proj, o_proj, gate_up_proj, down_proj, "
-    "lm_head, embed_tokens, ...) or the adapter names packed into them (q_proj); no 'all'.")
+    "lm_head, embed_tokens, ...) or the adapter names packed into them (q_proj); no 'all'. "
+    "--engine sglang: SGLang's --lora-target-modules (q_proj, ..., qkv_proj, gate_up_proj, "
+    "embed_tokens, lm_head, or all).")
 MAX_LORAS = typer.Option("--max-loras", help="Slots in the pool.")
 ModelOpt = Annotated[str | None, MODEL]
 ModulesOpt = Annotated[str | None, MODULES]
@@ -157,19 +159,30 @@ def online_on(flag: bool) -> bool:
 
 
 ENGINE = typer.Option(
-    "--engine", help="Whose answer: metrale (its own pool, the default) or vllm (what vLLM "
+    "--engine", help="Whose answer: metrale (its own pool, the default), vllm (what vLLM "
     "0.32.0 does with the adapters, its flags and LoRA memory; vllm==0.32.0 names the "
-    "version; docs/engines.md). Each engine takes its own options.")
+    "version) or sglang (SGLang 0.5.23; sglang==0.5.23); docs/engines.md. Each engine takes "
+    "its own options.")
 EngineOpt = Annotated[str, ENGINE]
 DtypeOpt = Annotated[str | None, typer.Option(
-    "--dtype", help="With --engine vllm: vLLM's --dtype (auto, float16, bfloat16, float32); "
-    "auto reads the model's config.")]
+    "--dtype", help="With --engine vllm or sglang: the engine's --dtype (auto, float16, "
+    "bfloat16, float32); auto reads the model's config.")]
 LoraDtypeOpt = Annotated[str | None, typer.Option(
     "--lora-dtype", help="With --engine vllm: vLLM's --lora-dtype (auto, float16, bfloat16); "
     "auto is the model's dtype.")]
 MaxCpuLorasOpt = Annotated[int | None, typer.Option(
     "--max-cpu-loras", help="With --engine vllm: vLLM's --max-cpu-loras, the host cache of "
     "adapters (default: --max-loras).")]
+
+MaxLoadedLorasOpt = Annotated[int | None, typer.Option(
+    "--max-loaded-loras", help="With --engine sglang: SGLang's --max-loaded-loras, the "
+    "adapters held in CPU memory (default: no limit).")]
+EvictionPolicyOpt = Annotated[str | None, typer.Option(
+    "--eviction-policy", help="With --engine sglang: SGLang's --lora-eviction-policy of its "
+    "GPU slots, lru (default) or fifo.")]
+LoraBackendOpt = Annotated[str | None, typer.Option(
+    "--lora-backend", help="With --engine sglang: SGLang's --lora-backend (csgmv, the "
+    "default, triton, ascend, torch_native, triton_v2).")]
 
 
 def engine_name(engine: str) -> Engine | None:

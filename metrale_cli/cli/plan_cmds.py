@@ -12,11 +12,14 @@ from metrale_cli.cli.options import (
     DtypeOpt,
     EngineOpt,
     EpOpt,
+    EvictionPolicyOpt,
     ExpertsOpt,
     FullyShardedOpt,
     JsonOpt,
+    LoraBackendOpt,
     LoraDtypeOpt,
     MaxCpuLorasOpt,
+    MaxLoadedLorasOpt,
     MaxLorasOpt,
     MaxRankOpt,
     ModelOpt,
@@ -83,6 +86,9 @@ def inspect(
     confirm_timeout: Annotated[float | None, typer.Option(
         "--confirm-timeout", help="With --confirm: seconds for the whole check, the engine's "
         "start included (default 900); past it, exit 4.", show_default=False)] = None,
+    max_loaded_loras: MaxLoadedLorasOpt = None,
+    eviction_policy: EvictionPolicyOpt = None,
+    lora_backend: LoraBackendOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Audit PEFT LoRA adapters against a base model. Exit 0 when all are servable, 1 if not.
@@ -90,8 +96,11 @@ def inspect(
     The model defaults to the adapters' base_model_name_or_path. With --engine vllm, what vLLM
     0.32.0 does with each adapter under the vLLM flags given (--max-rank, --max-loras, --tp,
     --fully-sharded, --modules, --dtype, --lora-dtype), or under the ones metrale recommends;
-    exit 0 only when vLLM serves every adapter as PEFT does. With --confirm, that prediction is
-    checked against the installed vLLM running (docs/engines.md).
+    exit 0 only when vLLM serves every adapter as PEFT does. With --engine sglang, the same
+    for SGLang 0.5.23 (--max-rank, --modules, --max-loras, --max-loaded-loras,
+    --eviction-policy, --lora-backend, --tp, --dtype as its launch_server flags), per load
+    path: start-up --lora-paths and runtime /load_lora_adapter. With --confirm, the vLLM
+    prediction is checked against the installed vLLM running (docs/engines.md).
 
     Example: metrale inspect chat code --engine vllm"""
     from metrale_cli.cli import render
@@ -103,7 +112,9 @@ def inspect(
              "--max-cpu-loras": max_cpu_loras, "--tp": tp, "--fully-sharded": fully_sharded,
              "--modules": modules, "--dtype": dtype, "--lora-dtype": lora_dtype,
              "--confirm": confirm, "--engine-python": engine_python,
-             "--engine-args": engine_args, "--confirm-timeout": confirm_timeout}
+             "--engine-args": engine_args, "--confirm-timeout": confirm_timeout,
+             "--max-loaded-loras": max_loaded_loras, "--eviction-policy": eviction_policy,
+             "--lora-backend": lora_backend}
     refuse_other_options(chosen.name if chosen else "metrale", "inspect", given)
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)
@@ -182,6 +193,9 @@ def layout(
     max_cpu_loras: MaxCpuLorasOpt = None,
     dtype: DtypeOpt = None,
     lora_dtype: LoraDtypeOpt = None,
+    max_loaded_loras: MaxLoadedLorasOpt = None,
+    eviction_policy: EvictionPolicyOpt = None,
+    lora_backend: LoraBackendOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """The byte-exact slot layout and capacity plan of a pool; with --tp, of every rank's pool,
@@ -191,7 +205,9 @@ def layout(
     without adapters every expert and router of every MoE layer at --max-rank. With --engine
     vllm, the bytes vLLM 0.32.0's LoRA buffers take on each GPU, reading --max-loras,
     --max-rank, --tp, --fully-sharded and --modules as vLLM's --max-loras, --max-lora-rank,
-    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules.
+    --tensor-parallel-size, --fully-sharded-loras and --lora-target-modules. With --engine
+    sglang, the bytes of SGLang 0.5.23's LoRA pool on each GPU (--max-loras is its
+    --max-loras-per-batch, --tp its --tp-size; dense families).
 
     Example: metrale layout chat code --budget 40GiB --tp 4"""
     from metrale_cli.cli import render
@@ -203,7 +219,9 @@ def layout(
     given = {"--modules": modules, "--max-rank": max_rank, "--max-loras": max_loras,
              "--budget": budget, "--align": align, "--experts": experts_on(experts),
              "--tp": tp, "--ep": ep, "--fully-sharded": fully_sharded,
-             "--max-cpu-loras": max_cpu_loras, "--dtype": dtype, "--lora-dtype": lora_dtype}
+             "--max-cpu-loras": max_cpu_loras, "--dtype": dtype, "--lora-dtype": lora_dtype,
+             "--max-loaded-loras": max_loaded_loras, "--eviction-policy": eviction_policy,
+             "--lora-backend": lora_backend}
     refuse_other_options(chosen.name if chosen else "metrale", "layout", given)
     positive("--max-rank", max_rank)
     positive("--max-loras", max_loras)

@@ -1,5 +1,7 @@
-"""Rich views of `metrale inspect --engine vllm` and `layout --engine vllm` records, as
-render.py's: nothing here computes what it shows, and input-derived text is escaped."""
+"""Rich views of `metrale inspect --engine E` and `layout --engine E` records (vLLM, SGLang),
+as render.py's: nothing here computes what it shows, and input-derived text is escaped. What
+differs by engine (its title, its flags, the names of its load paths) is looked up by the
+record's engine name."""
 
 from __future__ import annotations
 
@@ -19,14 +21,33 @@ VERDICT_STYLE = {"serves": "bold green", "differs": "bold yellow", "ignores": "b
                  "unsupported_model": "bold red"}
 
 
+# Per engine: its title, and the label of each load path the panels show beside the verdict
+# (the runtime path's).
+_TITLES = {"vllm": "vLLM {} (GPU build)", "sglang": "SGLang {}"}
+_OTHER_PATHS = {"vllm": (("startup", "--lora-modules"), ("offline", "offline LLM")),
+                "sglang": (("startup", "--lora-paths"),)}
+_MODULE_COLUMN = {"vllm": "vLLM module", "sglang": "SGLang module"}
+# The flag `--budget` answers in, as metrale's --max-loras reads for each engine.
+_SLOTS_FLAG = {"vllm": "--max-loras", "sglang": "--max-loras (--max-loras-per-batch)"}
+
+
+def _title(engine: dict[str, Any]) -> str:
+    return _TITLES[engine["name"]].format(engine["version"])
+
+
 def engine_inspect_view(record: dict[str, Any]) -> Group:
-    """`metrale inspect --engine vllm`: its record, a panel per adapter with vLLM's verdict and
-    modules, then the recommended flags and a ready `vllm serve`."""
+    """`metrale inspect --engine E`: its record, a panel per adapter with the engine's verdict
+    (and its other load paths' where they differ) and modules, then the recommended flags and
+    a ready line that starts the server."""
     engine = record["engine"]
+    name = engine["name"]
     parts: list[Any] = [whole(model_line(record["model"]), style="bold"),
-                        whole(f"vLLM {engine['version']} (GPU build), flags "
-                              f"{engine['flags_source']}: {_flag_line(engine['flags'])}",
+                        whole(f"{_title(engine)}, flags {engine['flags_source']}: "
+                              f"{_flag_line(engine['flags'], engine.get('pool'))}",
                               style="dim")]
+    if engine.get("checked") == "source":
+        parts.append(whole(f"{_title(engine)}'s answers for this family come from reading its "
+                           "source: its LoRA code was not run on it", style="dim"))
     for adapter in record["adapters"]:
         v = adapter["engine"]
         grid = Table.grid(padding=(0, 2))
@@ -34,9 +55,9 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
         grid.add_column()
         grid.add_row("verdict", Text(v["verdict"], style=VERDICT_STYLE[v["verdict"]]))
         grid.add_row("reason", escape(v["reason"]))
-        if v["verdict"] == "refuses":
-            for path, label in (("startup", "--lora-modules"), ("offline", "offline LLM")):
-                other = v["paths"][path]
+        for path, label in _OTHER_PATHS[name]:
+            other = v["paths"][path]
+            if other["verdict"] != v["verdict"] or other["reason"] != v["reason"]:
                 grid.add_row(label, escape(f"{other['verdict']}: {other['reason']}"))
         for where, other in v["elsewhere"].items():
             label = {"offline": "offline LLM", "cpu_build": "CPU build"}.get(where, where)
@@ -44,7 +65,7 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
         body: list[Any] = [grid]
         if v["modules"]:
             table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
-            for column in ("module", "vLLM module", "layers", "served"):
+            for column in ("module", _MODULE_COLUMN[name], "layers", "served"):
                 table.add_column(column)
             for m in v["modules"]:
                 table.add_row(m["module"], m["engine_module"] or "-",
@@ -55,23 +76,29 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     rec = engine["recommended"]
     # fields, not a grid: the serve line is pasted into a shell, and a fold would cut it.
     rows: list[tuple[str, str | Text]] = []
-    if engine["offline_batch"]:
+    if engine.get("offline_batch"):
         rows.append(("offline batch", engine["offline_batch"]["reason"]))
-    rows += [("recommended", _flag_line(rec["flags"])), ("serve", rec["serve"])]
+    rows += [("recommended", _flag_line(rec["flags"], rec.get("pool"))),
+             ("serve", rec["serve"] or "none: no adapter can start the server, and without "
+                                       "one it needs --max-rank and --modules")]
     if rec["shut_out"]:
-        rows.append(("", "the serve line names no adapter vLLM refuses (see left out)"))
-    rows.append(("LoRA memory", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) "
-                 f"per GPU, {rec['slot_bytes']:,} B a slot; host cache "
-                 f"{human_bytes(rec['host_cache_bytes'])}"))
-    for pad in rec["padding"]:
+        rows.append(("", f"the serve line names no adapter {_title(engine)} would not start "
+                         "with (see left out)"))
+    if rec["lora_bytes"] is not None:
+        rows.append(("LoRA memory", f"{rec['lora_bytes']:,} B "
+                     f"({human_bytes(rec['lora_bytes'])}) per GPU, {rec['slot_bytes']:,} B a "
+                     f"slot; host cache {human_bytes(rec['host_cache_bytes'])}"))
+    elif rec.get("memory_note"):
+        rows.append(("LoRA memory", rec["memory_note"]))
+    for pad in rec.get("padding", []):
         rows.append(("padding", f"{pad['adapter']} leaves {pad['unused_bytes']:,} B "
                      f"({pad['unused_share']:.1%}) of its slot unused"))
-    lower = rec["lower_max_rank"]
+    lower = rec.get("lower_max_rank")
     if lower is not None:
         rows.append(("lower rank", f"--max-lora-rank {lower['max_lora_rank']} frees "
                      f"{human_bytes(lower['frees_bytes'])} and shuts out "
                      f"{', '.join(lower['shuts_out']) or 'no adapter'}"))
-    if rec["fully_sharded_saves_bytes"]:
+    if rec.get("fully_sharded_saves_bytes"):
         rows.append(("fully sharded", f"--fully-sharded-loras saves "
                      f"{human_bytes(rec['fully_sharded_saves_bytes'])} per GPU"))
     for line in rec["shut_out"]:
@@ -80,8 +107,19 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-def _flag_line(flags: dict[str, Any]) -> str:
+def _flag_line(flags: dict[str, Any], pool: dict[str, Any] | None = None) -> str:
     targets = flags.get("lora_target_modules")
+    if "max_loras_per_batch" in flags:  # SGLang's; the pool is what its start-up infers
+        rank = flags["max_lora_rank"] if flags["max_lora_rank"] is not None else (
+            f"{pool['max_lora_rank']} (inferred)" if pool else "inferred")
+        modules = ", ".join(targets) if targets else (
+            f"{', '.join(pool['target_modules']) or 'none'} (inferred)" if pool else "inferred")
+        loaded = flags["max_loaded_loras"]
+        return (f"max_lora_rank {rank}, max_loras_per_batch {flags['max_loras_per_batch']}, "
+                f"max_loaded_loras {loaded if loaded is not None else 'no limit'}, "
+                f"eviction {flags['lora_eviction_policy']}, tp {flags['tp_size']}, "
+                f"lora_backend {flags['lora_backend']}, dtype {flags['dtype']}, target "
+                f"modules {modules}")
     return (f"max_lora_rank {flags['max_lora_rank']}, max_loras {flags['max_loras']}, "
             f"max_cpu_loras {flags['max_cpu_loras']}, tp {flags['tensor_parallel_size']}"
             f"{', fully sharded' if flags['fully_sharded_loras'] else ''}, "
@@ -89,29 +127,44 @@ def _flag_line(flags: dict[str, Any]) -> str:
             f"{', '.join(targets) if targets else 'all'}")
 
 
+def _host_held(rec: dict[str, Any]) -> str:
+    """Which adapters the host cache's bytes are: vLLM's --max-cpu-loras, SGLang's
+    --max-loaded-loras (no limit: every start-up adapter)."""
+    flags = rec["flags"]
+    held = flags.get("max_cpu_loras", flags.get("max_loaded_loras"))
+    if held is None:
+        return "every start-up adapter (no --max-loaded-loras)"
+    return f"{held} adapter{'s' if held != 1 else ''}"
+
+
 def engine_layout_view(record: dict[str, Any]) -> Group:
-    """`metrale layout --engine vllm`: one GPU's vLLM LoRA buffers, as `layout` shows the
-    pool, from its record."""
+    """`metrale layout --engine E`: one GPU's LoRA buffers of the engine, as `layout` shows
+    the pool, from its record."""
     rec = record["engine"]
+    slots = _SLOTS_FLAG[rec["name"]]
     rows: list[tuple[str, str | Text]] = [
         ("model", model_line(record["model"])),
-        ("engine", f"vLLM {rec['version']} (GPU build)"),
-        ("flags", _flag_line(rec["flags"])),
+        ("engine", _title(rec)),
+        ("flags", _flag_line(rec["flags"], rec.get("pool"))),
         ("LoRA buffers", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) per GPU"),
         ("slot", f"{rec['slot_bytes']:,} B ({human_bytes(rec['slot_bytes'])}) per adapter slot"),
         ("host cache", f"{rec['host_cache_bytes']:,} B ({human_bytes(rec['host_cache_bytes'])}) "
-         f"for {rec['flags']['max_cpu_loras']} adapter"
-         f"{'s' if rec['flags']['max_cpu_loras'] != 1 else ''}, per TP worker")]
+         f"for {_host_held(rec)}, per TP worker")]
     if "budget_bytes" in rec:
+        fit = rec["max_loras_fit"]
         rows.append(("budget", f"{human_bytes(rec['budget_bytes'])} holds "
-                     f"{rec['max_loras_fit']:,} --max-loras"))
+                     f"{fit:,} {slots}" if fit is not None else
+                     f"{human_bytes(rec['budget_bytes'])}: the pool has no slot bytes"))
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     for column, justify in (("module", "left"), ("kind", "left"), ("layers", "right"),
                             ("bytes", "right"), ("%", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     total = rec["lora_bytes"] or 1
     for m in rec["modules"]:
-        table.add_row(m["module"], m["kind"], str(m["layers"] or "-"), f"{m['bytes']:,}",
+        # SGLang allocates both embedding pairs twice when both are targeted.
+        copies = f" (x{m['copies']})" if m.get("copies", 1) > 1 else ""
+        table.add_row(m["module"] + copies, m["kind"], str(m["layers"] or "-"),
+                      f"{m['bytes']:,}",
                       f"{100 * m['bytes'] / total:.1f}")
     return Group(fields(rows), Text(""), table)
 

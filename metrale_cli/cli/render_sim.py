@@ -13,6 +13,9 @@ from rich.text import Text
 
 from metrale_cli.cli.render import fields, human_bytes, whole
 
+# The flag that sizes each engine's host cache, as the engine spells it.
+_HOST_FLAG = {"vllm": "--max-cpu-loras", "sglang": "--max-loaded-loras"}
+
 
 def human_seconds(seconds: float) -> str:
     """A duration with its unit, at most 8 characters: 0.62 ms, 5.2 s, 2.5 h."""
@@ -45,9 +48,11 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      + (f"at most {seats} in flight" if seats else "no concurrency cap")))
     if record.get("engine"):
         e = record["engine"]
+        tier = next(iter(e["tiers"].values()))
         head.append(("engine", f"{e['name']} {e['version']}'s own cache: its GPU slots of its "
-                     "slot bytes (--max-loras), its host cache (--max-cpu-loras), LRU in both, "
-                     "its scheduler's admission"))
+                     f"slot bytes (--max-loras), evicting {tier['gpu_eviction'].upper()}, its "
+                     f"host cache ({_HOST_FLAG.get(e['name'], 'host slots')}), evicting "
+                     f"{tier['host_eviction'].upper()}, its scheduler's admission"))
     per_gpu = f" per GPU at --tp {lay['tp_size']}" if "tp_size" in lay else ""
     head.append(("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "
                  f"{len(lay['modules'])} module{'s' if len(lay['modules']) != 1 else ''}, "

@@ -15,12 +15,15 @@ from metrale_cli.cli.options import (
     DtypeOpt,
     EngineOpt,
     EpOpt,
+    EvictionPolicyOpt,
     ExpertsOpt,
     ForceOpt,
     FullyShardedOpt,
     JsonOpt,
+    LoraBackendOpt,
     LoraDtypeOpt,
     MaxCpuLorasOpt,
+    MaxLoadedLorasOpt,
     MaxRankOpt,
     ModelOpt,
     ModulesOpt,
@@ -138,6 +141,9 @@ def simulate(
     max_cpu_loras: MaxCpuLorasOpt = None,
     dtype: DtypeOpt = None,
     lora_dtype: LoraDtypeOpt = None,
+    max_loaded_loras: MaxLoadedLorasOpt = None,
+    eviction_policy: EvictionPolicyOpt = None,
+    lora_backend: LoraBackendOpt = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -146,7 +152,9 @@ def simulate(
     With --tp, per GPU: each swap moves the largest rank's slot, --budget is per GPU. With
     --engine vllm, the engine's own cache: --max-loras GPU slots of vLLM's slot bytes, an LRU
     host cache of --max-cpu-loras adapters read from disk (--host-bandwidth) on a miss,
-    vLLM's scheduler admission, --budget in vLLM's LoRA bytes.
+    vLLM's scheduler admission, --budget in vLLM's LoRA bytes. With --engine sglang, SGLang's:
+    --max-loras GPU slots (--max-loras-per-batch) evicted by --eviction-policy, an LRU of
+    --max-loaded-loras adapters in CPU memory, its scheduler's admission.
 
     Example: metrale simulate chat code --adapters 100 --requests 5000 --max-loras 4,8,16"""
     from metrale_cli import compat
@@ -169,6 +177,8 @@ def simulate(
     chosen = engine_name(engine)
     refuse_other_options(chosen.name if chosen else "metrale", "simulate", {
         "--max-cpu-loras": max_cpu_loras, "--dtype": dtype, "--lora-dtype": lora_dtype,
+        "--max-loaded-loras": max_loaded_loras, "--eviction-policy": eviction_policy,
+        "--lora-backend": lora_backend, "--fully-sharded": fully_sharded,
         "--host-slots": host_slots, "--pin": pin, "--pinned": pinned,
         "--experts": experts_on(experts), "--ep": ep})
     if chosen is not None:
@@ -277,7 +287,8 @@ def simulate(
             chosen, planned.model, tuple(planned.reports), tuple({
                 "--max-rank": max_rank, "--max-cpu-loras": max_cpu_loras, "--tp": tp,
                 "--fully-sharded": fully_sharded, "--modules": modules, "--dtype": dtype,
-                "--lora-dtype": lora_dtype}.items()),
+                "--lora-dtype": lora_dtype, "--max-loaded-loras": max_loaded_loras,
+                "--eviction-policy": eviction_policy, "--lora-backend": lora_backend}.items()),
             parse_bandwidth(host_bandwidth, "--host-bandwidth")))
 
     def simulate_all(progress: Callable[[int, int], None] | None) -> sim.Simulation:

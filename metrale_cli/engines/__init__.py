@@ -1,8 +1,8 @@
 """What a serving engine does with adapters, answered offline from configs and headers.
 
 Every engine is one object behind the `Engine` protocol (engine.py), registered here by name
-and pinned to the versions its rules were read from and tested against (vLLM: 0.32.0). It
-takes the audit's `AdapterReport`s and the `ModelConfig` and returns the engine-neutral
+and pinned to the versions its rules were read from and tested against (vLLM: 0.32.0, SGLang:
+0.5.23). It takes the audit's `AdapterReport`s and the `ModelConfig` and returns the engine-neutral
 records of verdict.py, so a second engine is a module beside vLLM's and one line in
 `_REGISTRY`, not a change to the audit or the CLI. `metrale`, the default, is the project's own
 pool, whose answers are the audit's and the layout's: it is no engine object, only the options
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from metrale_cli.engines.engine import Engine
 
 # name -> the module whose `ENGINE` it is (imported on first use: no engine costs a start-up).
-_REGISTRY = {"vllm": "metrale_cli.engines.vllm"}
+_REGISTRY = {"vllm": "metrale_cli.engines.vllm", "sglang": "metrale_cli.engines.sglang_model"}
 ENGINES = ("metrale", *_REGISTRY)
 
 # The options `inspect` and `layout` take on metrale's own pool (beyond --model, --online,
@@ -36,10 +36,10 @@ POOL_OPTIONS: dict[str, frozenset[str]] = {
 
 
 def get_engine(spec: str) -> Engine:
-    """The engine `spec` names: `vllm` (the rules' own version) or `vllm==X` for an X the
-    rules are pinned to; anything else is a UsageError listing what is known."""
+    """The engine `spec` names: `vllm` or `sglang` (the rules' own version), or `NAME==X` for
+    an X the rules are pinned to; anything else is a UsageError listing what is known."""
     if not isinstance(spec, str):
-        raise UsageError(f"engine: takes a name such as 'vllm' or 'vllm==0.32.0', got "
+        raise UsageError(f"engine: takes a name such as 'vllm', 'sglang' or 'vllm==0.32.0', got "
                          f"{type(spec).__name__}")
     name, _, version = spec.strip().partition("==")
     module = _REGISTRY.get(name.strip())

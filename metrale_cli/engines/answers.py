@@ -44,7 +44,7 @@ def engine_inspect(audited: AuditedAdapters, engine: Engine,
     flags = engine.flags(cfg, given)
     recommendation = engine.recommend(reports, cfg, given)
     source = "given" if flags is not None else "recommended"
-    flags = flags if flags is not None else recommendation.flags
+    flags = engine.startup(cfg, flags if flags is not None else recommendation.flags, reports)
     verdicts = [engine.judge(r, cfg, flags, source) for r in reports]
     record = audited.record()
     for adapter, verdict in zip(record["adapters"], verdicts, strict=True):

@@ -21,13 +21,18 @@ class SlotTiers:
     skips the disk), each tier's eviction order, and the scheduler's admission of a request
     whose adapter cannot get a GPU slot now. Bytes are one GPU's (the engine's `memory`)."""
 
+    # The GPU slots adapters get: vLLM's --max-loras; SGLang's --max-loras-per-batch less the
+    # one its base model holds.
     gpu_slots: int
-    host_slots: int
+    # None: no limit (SGLang without --max-loaded-loras keeps every adapter it loaded).
+    host_slots: int | None
     slot_bytes: int
     host_bytes: int
     # The rank a slot is padded to: an adapter of rank r copies r/max_rank of a slot.
     max_rank: int
-    gpu_eviction: str  # "lru": the least recently used adapter not in the running batch
+    # "lru": the least recently used adapter not in the running batch; "fifo": the one loaded
+    # longest ago (SGLang's --lora-eviction-policy fifo).
+    gpu_eviction: str
     host_eviction: str
     # "skip": the request waits and later requests whose adapters fit go ahead (vLLM's V1
     # scheduler); "fcfs": it blocks the queue.
@@ -65,6 +70,10 @@ class Engine(Protocol):
     def flags(self, model: ModelConfig, given: Mapping[str, object]) -> Any | None:
         """The engine's flags from what the user gave, its defaults for the rest; None when
         nothing was given (then `recommend` chooses them)."""
+
+    def startup(self, model: ModelConfig, flags: Any, reports: list[AdapterReport]) -> Any:
+        """`flags` as the server holds them once `reports` are its start-up adapters (SGLang
+        sizes its pool from them; vLLM's flags are what they are)."""
 
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Any:

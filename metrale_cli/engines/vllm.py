@@ -572,6 +572,9 @@ class VllmEngine:
             self.check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]))
         return flags_for(model, **kwargs)
 
+    def startup(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport]) -> Flags:
+        return flags
+
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Flags:
         kwargs = _kwargs(given)

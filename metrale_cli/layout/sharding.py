@@ -196,42 +196,43 @@ _TP_BOUNDED_BY_EXPERTS = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
 
 
 def _model_need(model: ModelConfig, count: int, parts: int, what: str, flag: str,
-                layer: str) -> None:
+                layer: str, who: str = "vLLM") -> None:
     if count % parts:
         verb = "does" if what.endswith("size") else "do"  # "query heads do", "a size does"
         raise UsageError(f"{model.source or model.model_type}: {what} ({count}) {verb} not "
-                         f"split over {flag} {parts}; vLLM's {layer} would refuse to build")
+                         f"split over {flag} {parts}; {who}'s {layer} would refuse to build")
 
 
-def check_model_split(model: ModelConfig, spec: ShardSpec) -> None:
+def check_model_split(model: ModelConfig, spec: ShardSpec, who: str = "vLLM") -> None:
     """Refuse a deployment the base model cannot take, whatever the pool holds, as vLLM's
     parallel layers refuse to build: query heads over TP (QKVParallelLinear); KV heads over
     TP when there are at least TP of them, else TP a multiple of them (replicated heads);
     Gated-DeltaNet key and value heads over TP; the dense MLP's and the shared expert's
     intermediate size over TP (MergedColumnParallelLinear, RowParallelLinear); a routed
     expert's intermediate size over the MoE TP degree (FusedMoE); the experts over --ep, and
-    --ep only on a model with routed experts."""
+    --ep only on a model with routed experts. `who` names the engine in the refusal (SGLang's
+    parallel layers, derived from vLLM's, split alike)."""
     n = spec.tp_size
     if model.full_attention_layers:
         _model_need(model, model.num_attention_heads, n, "query heads", "--tp",
-                    "QKVParallelLinear")
+                    "QKVParallelLinear", who)
         kv = model.num_key_value_heads
         if kv >= n:
-            _model_need(model, kv, n, "KV heads", "--tp", "QKVParallelLinear")
+            _model_need(model, kv, n, "KV heads", "--tp", "QKVParallelLinear", who)
         elif n % kv:
             raise UsageError(f"{model.source or model.model_type}: KV heads ({kv}) neither "
                              f"split over --tp {n} nor divide it (replicated KV heads need tp "
-                             "a multiple of them); vLLM's QKVParallelLinear would refuse to "
+                             f"a multiple of them); {who}'s QKVParallelLinear would refuse to "
                              "build")
     if model.linear_attention_layers:
         _model_need(model, model.linear_num_key_heads, n, "linear-attention key heads",
-                    "--tp", "Gated-DeltaNet layer")
+                    "--tp", "Gated-DeltaNet layer", who)
         _model_need(model, model.linear_num_value_heads, n, "linear-attention value heads",
-                    "--tp", "Gated-DeltaNet layer")
+                    "--tp", "Gated-DeltaNet layer", who)
     moe_layers = model.moe_layers
     if len(moe_layers) < model.num_hidden_layers and model.intermediate_size:
         _model_need(model, model.intermediate_size, n, "MLP intermediate size", "--tp",
-                    "MergedColumnParallelLinear")
+                    "MergedColumnParallelLinear", who)
     if spec.ep_size > 1 and not moe_layers:
         raise UsageError(f"--ep {spec.ep_size}: {model.source or model.model_type} has no "
                          "routed experts to split (expert parallelism needs an MoE model)")
@@ -239,14 +240,14 @@ def check_model_split(model: ModelConfig, spec: ShardSpec) -> None:
         return
     if model.model_type in _TP_BOUNDED_BY_EXPERTS and n > model.num_experts:
         raise UsageError(f"{model.source or model.model_type}: --tp {n} is above the "
-                         f"{model.num_experts} routed experts; vLLM's MoE block refuses it")
+                         f"{model.num_experts} routed experts; {who}'s MoE block refuses it")
     _model_need(model, model.expert_intermediate_size, spec.moe_tp_size,
-                "expert intermediate size", "MoE TP (tp / ep)", "FusedMoE")
+                "expert intermediate size", "MoE TP (tp / ep)", "FusedMoE", who)
     if model.shared_expert_intermediate_size:
         _model_need(model, model.shared_expert_intermediate_size, n,
-                    "shared-expert intermediate size", "--tp", "MergedColumnParallelLinear")
+                    "shared-expert intermediate size", "--tp", "MergedColumnParallelLinear", who)
     _model_need(model, model.num_experts, spec.ep_size, "routed experts", "--ep",
-                "expert map (metrale splits experts contiguously)")
+                "expert map (metrale splits experts contiguously)", who)
 
 
 def refuse_unshardable(reports: list[AdapterReport], spec: ShardSpec) -> None:

@@ -316,15 +316,22 @@ def run(
         results = []
         for n in sorted(set(sizes)):
             tiers, lora_bytes = engine.at(n)
-            results += simulate(replay_for(HostTier(tiers.host_slots, engine.host_link)),
-                                policies, [n], lambda _, b=lora_bytes: b, budget_bytes, told)
+            # The replay runs the slots the engine gives adapters (SGLang's base model keeps
+            # one of its --max-loras-per-batch), reported under the engine's flag.
+            got = simulate(replay_for(HostTier(_host_slots(tiers, workload), engine.host_link)),
+                           policies, [tiers.gpu_slots], lambda _, b=lora_bytes: b,
+                           budget_bytes, told)
+            for result in got:
+                result.max_loras = n
+            results += got
     engine_record = None
     host_tier = None if host is None else _host_record(host.slots, host.link,
                                                        host.slots * max(load_bytes, default=0))
     if engine is not None:
         engine_record = engine.record(sorted(set(sizes)))
         tiers = list(engine_record["tiers"].values())
-        held = {t["host_slots"] for t in tiers}
+        held = {t["host_slots"] if t["host_slots"] is not None else len(workload.adapters)
+                for t in tiers}
         # One host size when --max-cpu-loras fixes it; else each size's own (None here).
         host_tier = _host_record(held.pop() if len(held) == 1 else None, engine.host_link,
                                  max(t["host_bytes"] for t in tiers))
@@ -347,6 +354,12 @@ def run(
         host=host_tier, engine=engine_record,
         seconds=time.perf_counter() - started,
     )
+
+
+def _host_slots(tiers: SlotTiers, workload: Workload) -> int:
+    """The engine's host tier in adapters: no limit (SGLang without --max-loaded-loras keeps
+    every adapter it has loaded) holds every adapter of the workload."""
+    return tiers.host_slots if tiers.host_slots is not None else max(1, len(workload.adapters))
 
 
 def _host_record(slots: int | None, link: Link, host_bytes: int) -> dict[str, Any]:

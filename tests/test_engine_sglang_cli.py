@@ -1,0 +1,211 @@
+"""`inspect`, `layout` and `simulate` with `--engine sglang` as users run them: records, the two
+load paths, the launch line, exit codes, one-line refusals, no torch. What SGLang's own code
+does with the same adapters and flags is tests/test_engine_sglang.py's and
+tests/test_engine_sglang_memory.py's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli_runner import metrale
+
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def adapters(peft_zoo) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    """Real PEFT adapters on the tiny Llama: plain, rsLoRA (SGLang scales it otherwise), DoRA
+    (refused), q_proj without v_proj (SGLang's loader fails on the missing key)."""
+    plain = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=LINEAR)
+    rs = peft_zoo.adapter("llama", r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          use_rslora=True, seed=1)
+    dora = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                            use_dora=True, seed=2)
+    q_only = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"], seed=3)
+    return {"plain": plain.path, "rs": rs.path, "dora": dora.path, "q_only": q_only.path}
+
+
+def _named(adapters: dict[str, Path], *names: str) -> list[str]:
+    return [f"{n}={adapters[n]}" for n in names]
+
+
+def test_inspect_gives_each_load_path_and_a_launch_line(adapters: dict[str, Path]) -> None:
+    done = metrale("inspect", *_named(adapters, "plain", "rs", "dora", "q_only"), "--engine",
+                   "sglang", "--json")
+    assert done.code == 1  # not every adapter is served as PEFT serves it
+    record = done.json()
+    by = {a["name"]: a["engine"] for a in record["adapters"]}
+    assert {e["name"] for e in by.values()} == {"sglang"}
+    assert {e["version"] for e in by.values()} == {"0.5.23"}
+    assert by["plain"]["verdict"] == "serves"
+    assert by["rs"]["verdict"] == "differs" and "rsLoRA" in by["rs"]["reason"]
+    assert by["rs"]["paths"]["startup"]["verdict"] == "differs"
+    for name in ("dora", "q_only"):
+        paths = by[name]["paths"]
+        assert by[name]["verdict"] == paths["runtime"]["verdict"] == "refuses"
+        assert "HTTP 400" in paths["runtime"]["reason"]
+        assert paths["startup"]["verdict"] == "fails_startup"
+        assert "Failed to load LoRA adapter" in paths["startup"]["reason"]
+        assert {p["checked"] for p in paths.values()} == {"run"}
+    assert "doesn't support DoRA adapters" in by["dora"]["reason"]
+    engine = record["engine"]
+    assert engine["startup_fails"] and engine["flags_source"] == "recommended"
+    # The pool the start-up infers: the largest rank and the union of the targets of the
+    # adapters that start it.
+    assert engine["pool"] == {"max_lora_rank": 8, "target_modules": [
+        "down_proj", "gate_up_proj", "o_proj", "qkv_proj"]}
+    rec = engine["recommended"]
+    assert rec["serve"].startswith("python -m sglang.launch_server --model-path ")
+    assert f"plain={adapters['plain'].resolve()}" in rec["serve"]
+    assert f"rs={adapters['rs'].resolve()}" in rec["serve"]
+    assert "dora=" not in rec["serve"] and "q_only=" not in rec["serve"]
+    # Every start-up adapter and the base model in one batch.
+    assert "--max-loras-per-batch 3" in rec["serve"]
+    assert [line.split(":")[0] for line in rec["shut_out"]] == ["dora", "q_only"]
+    assert rec["lora_bytes"] == rec["slot_bytes"] * 3
+
+
+def test_given_flags_judge_the_runtime_path_against_their_pool(
+        adapters: dict[str, Path]) -> None:
+    done = metrale("inspect", *_named(adapters, "plain", "rs"), "--engine", "sglang",
+                   "--max-rank", 4, "--modules", "q_proj,v_proj", "--json")
+    assert done.code == 1
+    plain, rs = (a["engine"] for a in done.json()["adapters"])
+    assert plain["flags_source"] == "given"
+    # plain trains o/gate/up/down too: outside the given targets, at start-up and at runtime.
+    assert plain["paths"]["startup"]["verdict"] == "fails_startup"
+    assert "not included in the specified --lora-target-modules" in \
+        plain["paths"]["startup"]["reason"]
+    assert plain["verdict"] == "refuses" and "is incompatible with the current LoRA memory " \
+        "pool configuration" in plain["reason"]
+    # rs has rank 8 over --max-lora-rank 4: loaded at start-up unchecked, it fails later.
+    assert rs["paths"]["startup"]["verdict"] == "crashes"
+    assert rs["verdict"] == "refuses" and "with rank 8" in rs["reason"]
+    # No adapter starts it: the given rank and targets size the pool alone.
+    serve = done.json()["engine"]["recommended"]["serve"]
+    assert "--lora-paths" not in serve and "--max-lora-rank 4 --lora-target-modules q_proj " \
+        "v_proj --max-loras-per-batch 2" in serve
+
+
+def test_inspect_view_speaks_sglang(adapters: dict[str, Path]) -> None:
+    done = metrale("inspect", *_named(adapters, "dora", "plain"), "--engine", "sglang",
+                   columns=200)
+    assert done.code == 1
+    assert "SGLang 0.5.23" in done.stdout and "vLLM" not in done.stdout
+    assert "--lora-paths  fails_startup: naming it in --lora-paths stops the server" in \
+        done.stdout
+    serve = done.stdout[done.stdout.index("python -m sglang.launch_server"):]
+    assert "dora=" not in serve.split("left out")[0]
+
+
+def test_layout_bytes_per_gpu_tp_budget_and_tiers() -> None:
+    def engine(*args: object) -> dict:
+        done = metrale("layout", "--engine", "sglang", "--model", "qwen3-8b", "--max-loras", 8,
+                       "--max-rank", 64, "--json", *args)
+        assert done.code == 0, done.stderr
+        return done.json()["engine"]
+
+    one = engine("--modules", "q_proj,k_proj,v_proj,o_proj")
+    two = engine("--modules", "q_proj,k_proj,v_proj,o_proj", "--tp", 2)
+    assert one["lora_bytes"] == sum(m["bytes"] for m in one["modules"]) == 8 * one["slot_bytes"]
+    assert two["lora_bytes"] < one["lora_bytes"]
+    assert one["flags"]["dtype"] == "bfloat16" and one["pool"]["max_lora_rank"] == 64
+    tiers = one["tiers"]
+    # The base model keeps one of the 8 slots.
+    assert (tiers["gpu_slots"], tiers["host_slots"], tiers["gpu_eviction"]) == (7, None, "lru")
+    assert tiers["admission"] == "skip" and "scheduler.py" in tiers["source"]
+    every = engine("--modules", "all", "--budget", "4GiB")
+    heads = {m["module"]: m for m in every["modules"] if m["module"] in ("embed_tokens",
+                                                                        "lm_head")}
+    # Both targeted: SGLang allocates each pair twice.
+    assert {m["copies"] for m in heads.values()} == {2}
+    assert every["max_loras_fit"] == (4 << 30) // every["slot_bytes"]
+    fifo = engine("--modules", "q_proj", "--eviction-policy", "fifo", "--max-loaded-loras", 16)
+    assert (fifo["tiers"]["gpu_eviction"], fifo["tiers"]["host_slots"]) == ("fifo", 16)
+
+
+def test_layout_view_speaks_sglang() -> None:
+    done = metrale("layout", "--engine", "sglang", "--model", "qwen3-8b", "--max-rank", 16,
+                   "--modules", "all", "--budget", "1GiB")
+    assert done.code == 0, done.stderr
+    assert "SGLang 0.5.23" in done.stdout and "vLLM" not in done.stdout
+    assert "embed_tokens (x2)" in done.stdout
+    assert "--max-loras (--max-loras-per-batch)" in done.stdout
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--max-loras", 8, "--max-loaded-loras", 4],
+     "max_loaded_loras should be greater than or equal to max_loras_per_batch"),
+    (["--modules", "q_proj,nope"], "SGLang's --lora-target-modules takes"),
+    (["--modules", "all,q_proj"], "it should be the only module specified"),
+    (["--eviction-policy", "lfu"], "--eviction-policy 'lfu': one of lru, fifo"),
+    (["--lora-backend", "cuda"], "--lora-backend 'cuda': one of"),
+    (["--dtype", "int8"], "--dtype 'int8': one of"),
+    (["--tp", 3], "do not split over --tp 3; SGLang's"),
+    (["--modules", "q_proj", "--max-rank", None], "needs --max-rank and --modules"),
+    (["--modules", None], "needs --max-rank and --modules"),
+])
+def test_bad_flags_are_one_line_exit_2(args: list[object], says: str) -> None:
+    given = {"--modules": "q_proj", "--max-rank": 16}
+    flags: list[object] = []
+    for name, value in zip(args[::2], args[1::2], strict=True):
+        given[str(name)] = value  # type: ignore[assignment]
+    for name, value in given.items():
+        if value is not None:
+            flags += [name, value]
+    done = metrale("layout", "--engine", "sglang", "--model", "qwen3-8b", *flags)
+    assert done.code == 2 and says in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_more_start_up_adapters_than_max_loaded_loras_is_refused(
+        adapters: dict[str, Path]) -> None:
+    done = metrale("layout", *_named(adapters, "plain", "rs"), "--engine", "sglang",
+                   "--max-loras", 1, "--max-loaded-loras", 1)
+    assert done.code == 2 and "The number of LoRA paths should not exceed max_loaded_loras" \
+        in done.stderr
+
+
+@pytest.mark.sweep
+def test_simulate_replays_sglangs_cache(adapters: dict[str, Path]) -> None:
+    done = metrale("simulate", f"plain={adapters['plain']}", "--engine", "sglang",
+                   "--requests", 500, "--adapters", 12, "--max-loras", "2,4",
+                   "--max-loaded-loras", 6, "--eviction-policy", "fifo", "--json")
+    assert done.code == 0, done.stderr
+    record = done.json()
+    assert record["policies"] == ["fifo"] and record["admission"] == "skip"
+    assert record["engine"]["name"] == "sglang" and record["host"]["slots"] == 6
+    for n in (2, 4):
+        layout = metrale("layout", f"plain={adapters['plain']}", "--engine", "sglang",
+                         "--max-loras", n, "--max-loaded-loras", 6,
+                         "--eviction-policy", "fifo", "--json").json()["engine"]
+        assert record["engine"]["tiers"][str(n)] == layout["tiers"]
+        result = next(r for r in record["results"] if r["max_loras"] == n)
+        assert result["pool_bytes"] == layout["lora_bytes"]
+        # The adapters' slots: one fewer than --max-loras (the base model keeps one).
+        assert record["engine"]["tiers"][str(n)]["gpu_slots"] == n - 1
+        assert result["host_hits"] + result["host_misses"] == result["misses"]
+    unlimited = metrale("simulate", f"plain={adapters['plain']}", "--engine", "sglang",
+                        "--requests", 200, "--adapters", 5, "--max-loras", 3, "--json").json()
+    # No --max-loaded-loras: every adapter, once loaded, stays in CPU memory.
+    assert unlimited["host"]["slots"] == 5
+    assert unlimited["results"][0]["host_misses"] <= 5
+
+
+@pytest.mark.proc
+def test_engine_sglang_imports_no_torch(adapters: dict[str, Path]) -> None:
+    code = ("import sys\nfrom metrale_cli.cli.app import main\n"
+            "sys.argv = ['metrale'] + sys.argv[1:]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "bad = [m for m in ('torch', 'cupy', 'sglang') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    for args in (["inspect", str(adapters["plain"]), "--engine", "sglang"],
+                 ["layout", "--engine", "sglang", "--model", "qwen3-8b", "--max-rank", "8",
+                  "--modules", "q_proj", "--tp", "4"]):
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, (args, done.stderr)
