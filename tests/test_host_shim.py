@@ -378,3 +378,22 @@ def test_a_row_past_a_chunk_fails_naming_buffer_element_and_thread(tmp_path: Pat
     assert error.startswith("sgmv_shrink on the host: block ("), error
     assert re.search(r"block \(\d+, \d+, \d+\) thread \d+: ", error), error
     assert re.search(message, error) and "out of bounds" in error, error
+
+
+# A rank loop one row too far: the shrink reads A's row r, past the rank. The pool promises
+# zeros there, and the cases used to keep them, so the extra row added nothing and both passed
+# every test; the cases' padding now holds finite junk (kernel_cases.make_pool), which the
+# extra row carries into t.
+RANK_TAIL_BUGS = {
+    "bgmv": ("bgmv.cu", r"const int rows = imin\(BGMV_SHRINK_ROWS, rank - j0\);",
+             "const int rows = imin(BGMV_SHRINK_ROWS, rank - j0 + 1);", 1),
+    "sgmv": ("sgmv.cu", r"&& j < rank;", "&& j <= rank;", 1),
+}
+
+
+@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
+@pytest.mark.parametrize("kind", sorted(RANK_TAIL_BUGS))
+def test_a_rank_loop_one_row_too_far_fails(tmp_path: Path, kind: str) -> None:
+    # Ranks 5 and 9 (BGMV's 4-row tiles end past them) and 20 (SGMV's n8 tile 16-23 is live).
+    results = _results(run_mutated(tmp_path, [RANK_TAIL_BUGS[kind]], split_shrink(kind, 1, (0,))))
+    assert results == {"0": "differs"}, results

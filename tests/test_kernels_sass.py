@@ -14,7 +14,9 @@ Each kernel source is compiled for sm_90 (nvcc -cubin) and disassembled (nvdisas
   (`cp_async_wait<0>`) drops the shrink from 24 to 8 and fails;
 - split-K's hand-off (sass.split_handoff): the fence between a split's partial stores and its
   ticket, the fence after the ticket, and L2-coherent reads of the partials; removing the
-  first fence, or reading the partials with plain loads, fails.
+  first fence, or reading the partials with plain loads, fails;
+- the last CTA's reads of the partials (sass.split_reads), for sm_80 and sm_90: the round
+  trips the model charges (costs.SPLIT_READS) at every split count are the machine code's.
 
 Skipped, with the reason, where nvcc or nvdisasm is absent; --require-nvcc makes that a failure.
 """
