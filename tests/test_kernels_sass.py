@@ -504,3 +504,48 @@ def test_the_read_tie_fails_on_a_mutated_model_or_kernel_nvcc(
     mutated = parse(sass.disassemble(sass.nvcc_cubin(directory / "sgmv.cu", ARCH)))["sgmv_shrink"]
     problems = split_read_mismatches(mutated, "sgmv_shrink", ARCH)
     assert problems and all("sgmv_narrow" in p for p in problems), problems
+
+
+SPLIT_READ_LISTING = """
+.text.k:
+        /*0000*/                   MEMBAR.SC.GPU ;
+        /*0010*/                   ATOMG.E.ADD.STRONG.GPU PT, R4, desc[UR4][R6.64], R7 ;
+        /*0020*/                   MEMBAR.SC.GPU ;
+        /*0030*/               @P2 BRA `(.L_x_3) ;
+.L_x_1:
+        /*0040*/                   LDG.E.STRONG.GPU R9, desc[UR4][R10.64] ;
+        /*0050*/                   LDG.E.STRONG.GPU R11, desc[UR4][R10.64+0x200] ;
+        /*0060*/                   FADD R13, R9, R13 ;
+        /*0070*/                   LDG.E.STRONG.GPU R9, desc[UR4][R10.64+0x400] ;
+        /*0080*/                   FADD R13, R11, R13 ;
+        /*0090*/                   FADD R13, R9, R13 ;
+        /*00a0*/               @P1 BRA `(.L_x_1) ;
+        /*00b0*/                   LDG.E.STRONG.GPU R9, desc[UR4][R10.64] ;
+        /*00c0*/                   FADD R13, R9, R13 ;
+        /*00d0*/                   BRA `(.L_x_4) ;
+.L_x_3:
+        /*00e0*/                   LDG.E.STRONG.GPU R9, desc[UR4][R10.64] ;
+        /*00f0*/                   LDG.E.STRONG.GPU R11, desc[UR4][R10.64+0x200] ;
+        /*0100*/                   FADD R13, R9, R13 ;
+        /*0110*/                   FADD R13, R11, R13 ;
+        /*0120*/               @P1 BRA `(.L_x_3) ;
+.L_x_4:
+        /*0130*/                   STG.E desc[UR4][R2.64], R13 ;
+        /*0140*/                   EXIT ;
+"""
+
+
+def test_the_counter_reads_the_split_reads() -> None:
+    # Two classes branch apart after the ticket and meet at the store: one a loop of 3 loads
+    # whose third is issued after a wait for the first (2 round trips), then a straight read
+    # of one; the other a loop of 2 loads issued back to back (1 round trip).
+    code = parse(SPLIT_READ_LISTING)["k"]
+    classes = [[(r.loads, r.trips, r.repeats) for r in c] for c in sass.split_reads(code)]
+    assert classes == [[(3, 2, True), (1, 1, False)], [(2, 1, True)]]
+    no_ticket = SPLIT_READ_LISTING.replace("ATOMG.E.ADD.STRONG.GPU", "NOP")
+    assert sass.split_reads(parse(no_ticket)["k"]) == []
+    # The model's reads: loops take whole iterations, largest first, a straight read the rest.
+    assert costs.read_round_trips(((4, 1, True), (1, 1, False), (2, 1, True)), 7) == 3
+    assert costs.read_round_trips(((2, 2, True), (1, 1, True)), 5) == 5
+    with pytest.raises(ValueError, match="leave 1 of 3 splits unread"):
+        costs.read_round_trips(((2, 1, True),), 3)

@@ -595,26 +595,18 @@ def split_reads(code: list[Instruction]) -> list[list[Read]]:
             loads = sum(_is_coherent_load(code[i]) for i in range(head, end + 1))
             reads.append(Read(loads, load_round_trips(code, head, end), True, head))
             looped.update(range(head, end + 1))
-    start = None
-    for i in sorted(after) + [len(code)]:
-        ins = code[i] if i < len(code) else None
-        breaks = (ins is None or i in looped or ins.label is not None
-                  or (start is not None and i != start[-1] + 1))
-        if start is not None and breaks:
-            loads = sum(_is_coherent_load(code[j]) for j in start)
-            if loads:
-                reads.append(Read(loads, load_round_trips(code, start[0], start[-1]), False,
-                                  start[0]))
-            start = None
-        if ins is None or i in looped:
-            continue
-        start = [i] if start is None else start + [i]
-        if ins.opcode.startswith(("BRA", "BRX", "EXIT", "RET")):
-            loads = sum(_is_coherent_load(code[j]) for j in start)
-            if loads:
-                reads.append(Read(loads, load_round_trips(code, start[0], start[-1]), False,
-                                  start[0]))
-            start = None
+    # The straight runs: consecutive instructions outside the loops, cut at labels and after
+    # jumps.
+    runs: list[list[int]] = []
+    for i in sorted(after - looped):
+        if (not runs or code[i].label is not None or i != runs[-1][-1] + 1
+                or code[runs[-1][-1]].opcode.startswith(("BRA", "BRX", "CALL", "EXIT", "RET"))):
+            runs.append([])
+        runs[-1].append(i)
+    for run in runs:
+        loads = sum(_is_coherent_load(code[i]) for i in run)
+        if loads:
+            reads.append(Read(loads, load_round_trips(code, run[0], run[-1]), False, run[0]))
     reads.sort(key=lambda r: r.at)
     reach = {r.at: _reachable(code, r.at) for r in reads}
     classes: list[list[Read]] = []
