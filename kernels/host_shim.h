@@ -61,8 +61,10 @@
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 // One CTA runs at a time, so a function-static array is exactly "one copy per CTA". The
-// section gathers them all, so that each CTA's start can poison them in one fill (the linker
-// defines __start_/__stop_ symbols around a section whose name is an identifier).
+// section gathers them all, so that each CTA's start can poison them in one fill and a CTA
+// switch can swap them in one exchange. g++ ignores the attribute on a template's statics,
+// which -fno-weak makes common symbols: the build's linker script places those in the section
+// too and defines __start_/__stop_ around it (host_harness.SHARED_SECTION_SCRIPT).
 #define __shared__ static __attribute__((section("metrale_shared")))
 
 struct uint3 {
@@ -467,9 +469,7 @@ enum class Step { kYield, kDone, kFailed };
 // Runs the CTA held in L until it reaches a point where another CTA may run: one of its threads
 // at an atomic, a fence or a global load of another CTA's data (__ldcg); kDone when every
 // thread has exited, kFailed (with a message) on an invalid barrier. CTAs switch only there:
-// the only cross-CTA traffic the kernels have goes through those points, and a template
-// kernel's __shared__ arrays lie outside the metrale_shared section (g++ ignores the section
-// attribute on a template's statics), so they could not be saved for a switch elsewhere.
+// the only cross-CTA traffic the kernels have goes through those points.
 inline Step step_block(Launch& L, std::string& error) {
   for (Fiber& f : L.fibers)
     if (f.wait == Wait::kGlobal) f.wait = Wait::kNone;
@@ -522,7 +522,9 @@ struct PendingStore {
   int thread;
   bool late;
 };
-inline std::vector<PendingStore> g_pending;
+// static, not inline: an inline variable would be a common symbol under -fno-weak, which the
+// build's linker script puts with the __shared__ arrays (host_harness.SHARED_SECTION_SCRIPT).
+static std::vector<PendingStore> g_pending;
 // Which CTA (serial) last read each address by __ldcg in this launch: a __stcg by another CTA
 // after that read is a race (nothing made the read wait for the store).
 static std::unordered_map<const float*, unsigned> g_reads;

@@ -31,9 +31,11 @@
 #define SGMV_EXPAND_STAGES 2
 // Split-K's last sgmv_shrink CTA of a tile whose rank rows lie in its first 16 columns (rank 16,
 // the decode case) reads this many splits' partials (8 values a thread each) before its first
-// add: one L2 round trip per that many splits (costs.split_reduction_round_trips).
+// add: one L2 round trip per that many splits (costs.SPLIT_READS has what ptxas makes of it and
+// of the splits left over, as tests/test_kernels_sass.py reads it from the machine code).
 #define SGMV_SPLITS_PER_TRIP 4
-// The same for any other tile (32 values a thread a split).
+// The same for any other tile (32 values a thread a split; on sm_90 ptxas issues 54 of the 64
+// loads before the first add, so the pair takes 2 round trips there).
 #define SGMV_WIDE_SPLITS_PER_TRIP 2
 
 // Per kernel: the CTAs per SM its __launch_bounds__ guarantees (so ptxas keeps registers within

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,67 @@ def test_shared_memory_never_written_reads_nan(tmp_path: Path) -> None:
     ], BGMV_SHRINK)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"t_nan": True}
+
+
+# B rows 0-7 of every slot zeroed: those output rows' sums are exact zeros in every CTA.
+BGMV_EXPAND_ZERO_ROWS = """
+import json, torch
+from metrale_cli.ops import host_harness, reference
+from tests.support.kernel_cases import BGMV_CASES
+case = BGMV_CASES[0]
+i = case.inputs(torch.float32)
+for b in i.b_weights:
+    if b is not None:
+        b[:8] = 0
+t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
+host_harness.bgmv_expand(t, i.slots, i.b_table, i.pool.scales, i.pool.ranks, i.y, case.max_rank)
+print(json.dumps({"y_nan": bool(torch.isnan(i.y).any())}))
+"""
+
+
+@pytest.mark.proc
+def test_a_template_kernel_s_shared_memory_never_written_reads_nan(tmp_path: Path) -> None:
+    # bgmv_expand_body is a template: its row sums' shared array was a common symbol in .bss,
+    # outside the poisoned section, zero at the first CTA and the last CTA's afterwards. A
+    # group that skips storing a zero sum (counting on shared memory that starts zeroed) read
+    # zeros in every CTA and passed; in the section, poisoned at each CTA's start, it reads NaN.
+    result = run_mutated(tmp_path, [
+        ("bgmv.cu", r"if \(s < BGMV_EXPAND_STEPS && row < rows\) acc_s\[row\] = v\[i\];",
+         "if (s < BGMV_EXPAND_STEPS && row < rows && v[i] != 0.f) acc_s[row] = v[i];", 1),
+    ], BGMV_EXPAND_ZERO_ROWS)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"y_nan": True}
+    unbroken = run_mutated(tmp_path / "unbroken", [], BGMV_EXPAND_ZERO_ROWS)
+    assert unbroken.returncode == 0, unbroken.stderr
+    assert json.loads(unbroken.stdout) == {"y_nan": False}
+
+
+def test_every_function_static_array_lies_in_the_poisoned_section() -> None:
+    # g++ ignores the section attribute on a template's statics; the build's linker script
+    # (host_harness.SHARED_SECTION_SCRIPT) gathers them, as common symbols, with the others.
+    # Every function-static object of the build (the kernels' __shared__ arrays: CUDA allows no
+    # other) lies between __start_ and __stop_metrale_shared, and nothing else does.
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is absent")
+    listing = subprocess.run([nm, "-S", str(host_harness.build())], capture_output=True,
+                             text=True, check=True).stdout
+    symbols = {}
+    for line in listing.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2] in "bBdD":
+            symbols[parts[3]] = (int(parts[0], 16), int(parts[1], 16))
+        elif len(parts) == 3 and parts[2].startswith("__st"):
+            symbols[parts[2]] = (int(parts[0], 16), 0)
+    start, stop = symbols["__start_metrale_shared"][0], symbols["__stop_metrale_shared"][0]
+    statics = {n: at for n, at in symbols.items() if n.startswith("_ZZ")}
+    templates = [n for n in statics if "_body" in n]
+    assert templates, "no template kernel's __shared__ array among the build's statics"
+    outside = [n for n, (at, size) in statics.items() if not (start <= at and at + size <= stop)]
+    assert outside == [], f"__shared__ arrays outside the poisoned section: {outside}"
+    inside = [n for n, (at, size) in symbols.items()
+              if size and start <= at < stop and n not in statics]
+    assert inside == [], f"objects that are no __shared__ array in the section: {inside}"
 
 
 @pytest.mark.proc
@@ -315,3 +378,22 @@ def test_a_row_past_a_chunk_fails_naming_buffer_element_and_thread(tmp_path: Pat
     assert error.startswith("sgmv_shrink on the host: block ("), error
     assert re.search(r"block \(\d+, \d+, \d+\) thread \d+: ", error), error
     assert re.search(message, error) and "out of bounds" in error, error
+
+
+# A rank loop one row too far: the shrink reads A's row r, past the rank. The pool promises
+# zeros there, and the cases used to keep them, so the extra row added nothing and both passed
+# every test; the cases' padding now holds finite junk (kernel_cases.make_pool), which the
+# extra row carries into t.
+RANK_TAIL_BUGS = {
+    "bgmv": ("bgmv.cu", r"const int rows = imin\(BGMV_SHRINK_ROWS, rank - j0\);",
+             "const int rows = imin(BGMV_SHRINK_ROWS, rank - j0 + 1);", 1),
+    "sgmv": ("sgmv.cu", r"&& j < rank;", "&& j <= rank;", 1),
+}
+
+
+@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
+@pytest.mark.parametrize("kind", sorted(RANK_TAIL_BUGS))
+def test_a_rank_loop_one_row_too_far_fails(tmp_path: Path, kind: str) -> None:
+    # Ranks 5 and 9 (BGMV's 4-row tiles end past them) and 20 (SGMV's n8 tile 16-23 is live).
+    results = _results(run_mutated(tmp_path, [RANK_TAIL_BUGS[kind]], split_shrink(kind, 1, (0,))))
+    assert results == {"0": "differs"}, results

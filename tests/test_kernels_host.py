@@ -80,15 +80,17 @@ def test_sgmv_matches_reference(case: Case, y_dtype: torch.dtype) -> None:
     ("bgmv", 1, 4096, 16, 1),
     ("bgmv", 1, 16384, 16, 8),  # 8 passes of one CTA: one each, and 3 L2 round trips
     ("bgmv", 256, 4096, 64, 1),  # the batch fills the device
-    # 512 CTAs are 1.3 waves of 396, each 11 pipelined passes of 3 K tiles: evening the waves
-    # by splitting saves less than the reduction costs.
-    ("sgmv", 32768, 2048, 16, 1),
-    # 4 CTAs of 32 K tiles each: the last CTA reads the splits two a round trip, so 6 splits of
-    # 2 passes beat 11 of one.
-    ("sgmv", 256, 2048, 64, 6),
-    # 8 CTAs of 16 K tiles at rank 16: one pass per split, its last CTA reading 4 splits a
-    # round trip.
-    ("sgmv", 512, 1024, 16, 8),
+    # 512 CTAs are 1.3 waves of 396, each 11 pipelined passes of 3 K tiles: 2 splits even the
+    # waves for a reduction of 3 round trips (the ticket, then both rank-16 partials in one:
+    # ptxas unrolls the read loop by two), a hair cheaper than none; 3 cost more.
+    ("sgmv", 32768, 2048, 16, 2),
+    # 4 CTAs of 32 K tiles each: on sm_90 the last CTA reads the wide splits one a round trip
+    # (a pair's 64 loads are 2), so 4 splits of 3 passes beat 6 of 2.
+    ("sgmv", 256, 2048, 64, 4),
+    # 8 CTAs of 16 K tiles at rank 16: 6 splits of 1 pass (3 K tiles), the last CTA reading 4
+    # splits in a round trip and the other 2 in one more; 8 take as many round trips (4 + 4)
+    # and move more partials at L2.
+    ("sgmv", 512, 1024, 16, 6),
 ])
 def test_split_k_is_planned_by_modelled_cost(kind: str, tokens: int, in_dim: int, t_cols: int,
                                              want: int) -> None:

@@ -23,8 +23,8 @@ BGMV = Case("bgmv_split", 3, 1000, 64, 16, [16, 5, 9], slots=[0, 1, -1])
 # are empty; rank 20 beside rank 32, and a skipped slot.
 SGMV = Case("sgmv_split", 70, 584, 64, 32, [32, 20], seg_starts=[0, 40, 66, 70],
             seg_slots=[1, 0, -1])
-# Rank 16 alone: the last CTA reads SGMV_SPLITS_PER_TRIP splits at a time, then the rest one
-# by one (7 = 4 + 3).
+# Rank 16 alone: the last CTA reads SGMV_SPLITS_PER_TRIP splits at a time, then the rest two a
+# round trip, the odd one first (7 = 4 + 1 + 2; ptxas unrolls that loop by two).
 SGMV16 = Case("sgmv_rank16_split", 70, 584, 64, 16, [16, 12], seg_starts=[0, 40, 66, 70],
               seg_slots=[1, 0, -1])
 BGMV_SPLITS = [1, 2, 3, 5, 8, 17, 31, 32]

@@ -48,27 +48,75 @@ _PASS_K = {"bgmv": 2 * _BGMV_MIN_K_CHUNK, "sgmv": SGMV_SHRINK_STAGES * SGMV_TILE
 # streaming pass is one DRAM latency, a dependent load one L2 latency. Split-K's serial
 # reduction (kernels/lora_common.cuh, split_last) writes each split's partial tile and has the
 # last CTA read them back, at L2; its ticket is a fence and an atomic round trip, and the last
-# CTA's reads are one round trip (BGMV: a partial a thread) or about one per split (SGMV: each
-# thread's values a split, summed in order; split_reduction_round_trips). No memset: t is
-# written once, by that CTA.
+# CTA's reads are one round trip (BGMV: a partial a thread) or a few splits a round trip (SGMV:
+# each thread's values a split, summed in order), as the machine code runs them (SPLIT_READS,
+# split_reduction_round_trips). No memset: t is written once, by that CTA.
 _DRAM_LATENCY_US = 0.6
 _L2_LATENCY_US = 0.3
 _L2_BYTES_PER_US = 10e6
 TICKET_ROUND_TRIPS = 2
 
+# The machine the model prices: an H200 (the roofline model's device, bench/roofline.py).
+MODEL_ARCH = "sm_90"
 
-def split_reduction_round_trips(kind: str, splits: int, columns: int = SGMV_TILE) -> int:
+# The last CTA's reads of the partials as ptxas (CUDA 13) compiles them, per arch and shape
+# class: its reads in code order, each (splits an iteration, dependent L2 round trips an
+# iteration, whether it loops). tests/test_kernels_sass.py reads them from each split kernel's
+# machine code (sass.split_reads) for sm_80 and sm_90 and holds this table to it.
+# - bgmv: one read, a partial a thread (every split in one round trip).
+# - sgmv_narrow (the tile's rank rows in its first 16 columns, rank 16: 8 values a thread a
+#   split): SGMV_SPLITS_PER_TRIP splits a round trip; the loop over the splits left after
+#   them is unrolled by two, the odd split read on its own first, then two a round trip.
+# - sgmv_wide (32 values a thread a split): SGMV_WIDE_SPLITS_PER_TRIP splits an iteration,
+#   then one a round trip; on sm_90 that iteration's 64 loads a thread do not fit its
+#   registers beside the sums (the launch bounds' 168): 54 are issued before the first add and
+#   the other 10 after it, 2 round trips for the 2 splits.
+SPLIT_READS: dict[str, dict[str, tuple[tuple[int, int, bool], ...]]] = {
+    arch: {
+        "bgmv": ((MAX_SPLITS, 1, False),),
+        "sgmv_narrow": ((SGMV_SPLITS_PER_TRIP, 1, True), (1, 1, False), (2, 1, True)),
+        "sgmv_wide": ((SGMV_WIDE_SPLITS_PER_TRIP, wide_trips, True), (1, 1, True)),
+    }
+    for arch, wide_trips in (("sm_80", 1), ("sm_90", 2))
+}
+# The partial values a thread of the last CTA reads a split (kernels/sgmv.cu: 4 of a column
+# group's mma fragment values, 2 column groups at rank 16, all 8 otherwise).
+SPLIT_READ_VALUES = {"sgmv_narrow": 2 * 4, "sgmv_wide": SGMV_TILE // 8 * 4}
+
+
+def split_read_class(kind: str, columns: int = SGMV_TILE) -> str:
+    """The shape class of a split tile's reads (SPLIT_READS): BGMV's; SGMV's narrow where its
+    rank columns (the slices' side by side) lie in the first 16 of a tile, else wide."""
+    if kind == "bgmv":
+        return "bgmv"
+    return "sgmv_narrow" if columns <= 2 * VECTOR else "sgmv_wide"
+
+
+def read_round_trips(reads: tuple[tuple[int, int, bool], ...], splits: int) -> int:
+    """The dependent round trips the reads (SPLIT_READS' form) take over `splits` partials: the
+    kernels' loops take whole iterations, the largest first (each stops where fewer splits are
+    left than an iteration reads), a straight read what is left of its size, once."""
+    left, trips = splits, 0
+    for size, per, repeats in sorted(reads, key=lambda r: -r[0]):
+        if repeats:
+            times = left // size
+            trips, left = trips + times * per, left - times * size
+        elif left:
+            trips, left = trips + per, left - min(left, size)
+    if left:
+        raise ValueError(f"the reads {reads} leave {left} of {splits} splits unread")
+    return trips
+
+
+def split_reduction_round_trips(kind: str, splits: int, columns: int = SGMV_TILE,
+                                arch: str = MODEL_ARCH) -> int:
     """The dependent L2 round trips split-K adds to the last CTA of a tile: its fence and
-    ticket, then its reads of the partials (kernels/bgmv.cu, sgmv.cu): BGMV's in one; SGMV's
-    SGMV_WIDE_SPLITS_PER_TRIP splits a round trip, or SGMV_SPLITS_PER_TRIP where the tile's
-    rank columns (`columns`: the slices' side by side) fit in its first 16, and the splits left
-    over one a round trip."""
+    ticket, then its reads of the partials as the machine code for `arch` runs them
+    (SPLIT_READS; `columns`: SGMV's rank columns, the slices' side by side)."""
     if splits == 1:
         return 0
-    if kind == "bgmv":
-        return TICKET_ROUND_TRIPS + 1
-    per_trip = SGMV_SPLITS_PER_TRIP if columns <= 2 * VECTOR else SGMV_WIDE_SPLITS_PER_TRIP
-    return TICKET_ROUND_TRIPS + splits // per_trip + splits % per_trip
+    reads = SPLIT_READS[arch][split_read_class(kind, columns)]
+    return TICKET_ROUND_TRIPS + read_round_trips(reads, splits)
 
 
 def split_partial_bytes(kind: str, tiles: int, splits: int, columns: int | None = None) -> int:

@@ -46,12 +46,31 @@ from metrale_cli.ops import kernels, plans, sources
 # -fno-strict-aliasing: the kernels read BF16 buffers through uint4 / unsigned pointers, which
 # CUDA allows and ISO C++ does not. -Wno-unknown-pragmas: g++ does not know `#pragma unroll`.
 # -fno-weak: the shim puts every `__shared__` array into one section that it poisons at each
-# CTA's start, and g++ refuses to mix a template kernel's (otherwise comdat) statics with the
+# CTA's start, and g++ refuses to mix an inline function's (otherwise comdat) statics with the
 # others' in one section; the build is one translation unit, so nothing needs weak symbols.
 CXX_FLAGS = (
     "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
     "-fno-weak", "-Wall", "-Werror", "-Wno-unknown-pragmas",
 )
+# g++ ignores the section attribute on a template's function-static arrays (a template kernel's
+# `__shared__`), and under -fno-weak emits them as common symbols; nothing else in the build is
+# common (the shim's own globals are plain statics). This addition to the linker's default
+# script (INSERT: the rest of the default script stands) places the common symbols with the
+# other `__shared__` arrays in the one section the shim poisons at each CTA's start and swaps
+# at a CTA switch; it comes before .bss, whose own rule would otherwise take them first.
+# tests/test_host_shim.py checks that every function-static array of the build lies in it.
+SHARED_SECTION_SCRIPT = """SECTIONS
+{
+  metrale_shared (NOLOAD) : ALIGN(64)
+  {
+    PROVIDE_HIDDEN(__start_metrale_shared = .);
+    *(metrale_shared)
+    *(COMMON)
+    PROVIDE_HIDDEN(__stop_metrale_shared = .);
+  }
+}
+INSERT BEFORE .bss;
+"""
 P = ParamSpec("P")
 R = TypeVar("R")
 _ENTRY = "host_launch.h"
@@ -73,7 +92,8 @@ def library_path(directory: Path | None = None) -> Path:
     cxx = compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (sources.sources_digest(directory), " ".join(CXX_FLAGS), cxx, version):
+    for part in (sources.sources_digest(directory), " ".join(CXX_FLAGS), SHARED_SECTION_SCRIPT,
+                 cxx, version):
         digest.update(part.encode())
     return env.cache_dir() / "host" / f"libmetrale_host-{digest.hexdigest()[:16]}.so"
 
@@ -81,14 +101,16 @@ def library_path(directory: Path | None = None) -> Path:
 def build_command(directory: Path, output: str, cxx: str | None = None) -> list[str]:
     """The g++ command that builds the host library of the sources in `directory`: the shim and
     every kernel source force-included before host_launch.h, whose table of launchable kernels
-    is METRALE_HOST_KERNELS, the kernels those sources declare (sources.kernels_in)."""
+    is METRALE_HOST_KERNELS, the kernels those sources declare (sources.kernels_in); linked
+    with SHARED_SECTION_SCRIPT, which it reads from `output` + ".ld" (build writes it)."""
     declared, _ = sources.kernels_in(directory)
     includes = [arg for name in (_SHIM, *dict.fromkeys(declared.values()))
                 for arg in ("-include", str(directory / name))]
     table = "".join(f"METRALE_HOST_KERNEL({name})," for name in declared)
     return [
         cxx or compiler(), *CXX_FLAGS, "-x", "c++", *includes,
-        f"-DMETRALE_HOST_KERNELS={table}", str(directory / _ENTRY), "-o", output,
+        f"-DMETRALE_HOST_KERNELS={table}", str(directory / _ENTRY), f"-Wl,-T,{output}.ld",
+        "-o", output,
     ]
 
 
@@ -103,7 +125,11 @@ def build(directory: Path | None = None) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     command = build_command(directory, partial)
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    Path(partial + ".ld").write_text(SHARED_SECTION_SCRIPT)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+    finally:
+        os.unlink(partial + ".ld")
     if result.returncode != 0:
         os.unlink(partial)
         raise RuntimeError(
@@ -320,3 +346,4 @@ sgmv_fused = on_host(kernels.sgmv_fused)
 if __name__ == "__main__":
     source_dir = sources.find_kernel_dir()
     print(shlex.join(build_command(source_dir, "libmetrale_host.so")))
+    print(f"# libmetrale_host.so.ld:\n{SHARED_SECTION_SCRIPT}", end="")

@@ -474,13 +474,14 @@ def chained_loops(code: list[Instruction]) -> list[tuple[int, int]]:
 
 def _successors(code: list[Instruction], at: int, heads: dict[str, int]) -> list[int]:
     """Where control may go after instruction `at`: the next one unless an unconditional jump
-    or exit stops it, and every label a branch names (forward or back)."""
+    or exit stops it, and every label a branch names (forward or back; ptxas also leaves a
+    loop by a predicated `CALL.REL.NOINC` to a label)."""
     ins = code[at]
     found = [] if ins.always_runs and ins.opcode.startswith(("BRA", "BRX", "EXIT", "RET")) \
         else [at + 1]
     if ins.opcode.startswith("BRX"):
         found += [heads[n] for n in _BRX_TARGETS.findall(ins.operands) if n in heads]
-    elif ins.opcode.startswith("BRA"):
+    elif ins.opcode.startswith(("BRA", "CALL.REL")):
         found += [heads[n] for n in _BRANCH_TARGET.findall(ins.operands) if n in heads]
     return [i for i in found if i < len(code)]
 
@@ -542,6 +543,79 @@ def handoff_ok(handoff: dict[str, Any] | None) -> bool:
     return handoff is None or (handoff["release"] and handoff["acquire"]
                                and handoff["coherent_reads"] > 0
                                and handoff["weak_reads"] == 0)
+
+
+def _is_coherent_load(ins: Instruction) -> bool:
+    return ins.is_global_load and (".STRONG.GPU" in ins.opcode or ".STRONG.SYS" in ins.opcode)
+
+
+def load_round_trips(code: list[Instruction], head: int, end: int) -> int:
+    """The dependent round trips of the L2-coherent loads in code[head..end] run once: a run of
+    loads issued back to back is one, and an instruction that reads a register one of them
+    loads waits for it, so a load issued after that wait starts another (in-order issue)."""
+    pending: set[str] = set()
+    trips, issuing = 0, False
+    for ins in code[head:end + 1]:
+        if ins.reads() & pending:
+            pending, issuing = set(), False
+        if _is_coherent_load(ins):
+            if not issuing:
+                trips, issuing = trips + 1, True
+            pending |= ins.writes()
+        else:
+            pending -= ins.writes()
+    return trips
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read of split-K's partials by the last CTA, as the machine code has it: a loop
+    (`repeats`) or a straight run, its L2-coherent loads per thread an iteration and the
+    dependent round trips of an iteration (load_round_trips)."""
+    loads: int
+    trips: int
+    repeats: bool
+    at: int  # the index of its first instruction
+
+
+def split_reads(code: list[Instruction]) -> list[list[Read]]:
+    """The last CTA's reads of the partials (the L2-coherent loads its ticket reaches), grouped
+    by shape class: the reads one path after the ticket can run (the loops, and the straight
+    runs between labels and branches outside them), where a class's reads reach one another
+    and no other class's (the SGMV shrink's narrow and wide tiles branch apart after the
+    ticket and meet again only at the t stores). Each class in code order; [] without a ticket."""
+    tickets = [i for i, ins in enumerate(code) if _is_ticket(ins)]
+    if not tickets:
+        return []
+    after = {i for t in tickets for i in _reachable(code, t) if i > t}
+    reads: list[Read] = []
+    looped: set[int] = set()
+    for head, end in loops(code):
+        if head in after and any(_is_coherent_load(code[i]) for i in range(head, end + 1)):
+            loads = sum(_is_coherent_load(code[i]) for i in range(head, end + 1))
+            reads.append(Read(loads, load_round_trips(code, head, end), True, head))
+            looped.update(range(head, end + 1))
+    # The straight runs: consecutive instructions outside the loops, cut at labels and after
+    # jumps.
+    runs: list[list[int]] = []
+    for i in sorted(after - looped):
+        if (not runs or code[i].label is not None or i != runs[-1][-1] + 1
+                or code[runs[-1][-1]].opcode.startswith(("BRA", "BRX", "CALL", "EXIT", "RET"))):
+            runs.append([])
+        runs[-1].append(i)
+    for run in runs:
+        loads = sum(_is_coherent_load(code[i]) for i in run)
+        if loads:
+            reads.append(Read(loads, load_round_trips(code, run[0], run[-1]), False, run[0]))
+    reads.sort(key=lambda r: r.at)
+    reach = {r.at: _reachable(code, r.at) for r in reads}
+    classes: list[list[Read]] = []
+    for read in reads:
+        joined = [c for c in classes
+                  if any(read.at in reach[r.at] or r.at in reach[read.at] for r in c)]
+        merged = [read] + [r for c in joined for r in c]
+        classes = [c for c in classes if c not in joined] + [sorted(merged, key=lambda r: r.at)]
+    return sorted(classes, key=lambda c: c[0].at)
 
 
 def kernel_report(code: list[Instruction]) -> dict[str, Any]:

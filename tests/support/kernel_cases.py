@@ -66,9 +66,12 @@ def make_pool(in_dim: int, out_dim: int, max_rank: int, ranks: list[int], absent
         b = pool[cursor + a_size : cursor + a_size + b_size].view(out_dim, max_rank)
         a[:rank] = torch.randn(rank, in_dim, generator=generator) / math.sqrt(in_dim)
         b[:, :rank] = torch.randn(out_dim, rank, generator=generator) / math.sqrt(max(rank, 1))
-        # Finite junk in the padding columns of B up to the next 8-element vector: the pool
-        # promises zeros there, but the kernels must not depend on it.
-        b[:, rank : min(max_rank, (rank + 7) // 8 * 8)] = 7.0
+        # Finite junk in the padding rows of A and columns of B: the pool promises zeros
+        # there, but the kernels must not depend on it (they never load A rows >= r; only
+        # BGMV's last B vector reaches past r, its columns there multiplied by exact zeros).
+        # A rank loop that runs one row or column too far reads junk, not zeros.
+        a[rank:] = 5.0
+        b[:, rank:] = 7.0
         a_offsets.append(cursor)
         b_offsets.append(cursor + a_size)
         cursor += a_size + b_size
