@@ -28,11 +28,10 @@ and bytes, and their total.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import traceback
 from typing import Any
+
+import job_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -155,16 +154,11 @@ def _error_class(manager: Any, ref: Any) -> str:
     return "Error"
 
 
-def main() -> int:
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
-    out_path = sys.argv[2]
+def main(job: dict[str, Any], out_path: str) -> int:
     report: dict[str, Any] = {"startup": [], "runtime": [], "started": False}
 
     def save() -> None:
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(out_path + ".tmp", out_path)
+        job_report.save(report, out_path)
 
     import torch
     from sglang.srt.lora.mem_pool import LoRAMemoryPool
@@ -239,8 +233,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    job_report.run(main)
