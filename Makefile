@@ -81,7 +81,9 @@ FULL_UNMARKED_LIMIT_S ?= 10
 # Bytecode is written even where the environment sets PYTHONDONTWRITEBYTECODE: without it every
 # worker, and every interpreter a test starts, compiles metrale_cli and pytest rewrites and
 # compiles every test module again (about 9 of the 13 CPU-seconds a worker's collection takes).
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --dist loadfile
+# --no-loadscope-reorder: the files go out in tests/conftest.py's order, the engine files first.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --dist loadfile \
+	--no-loadscope-reorder
 test: $(VENV)/.installed-test $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 	$(BIN)/ruff check metrale_cli tests
 	$(PYTEST) -o unmarked_limit_s=$(FULL_UNMARKED_LIMIT_S) $(PYTEST_ARGS)
