@@ -12,6 +12,7 @@
   SGLang venv (`.venv-sglang`, `make sglang`) is absent; --require-sglang turns that into a
   failure, as .ci/run does.
 - The hypothesis profile every property test runs under (fixed examples under CI).
+- The order of the files: those with engine tests first (see pytest_collection_modifyitems).
 """
 
 from __future__ import annotations
@@ -72,6 +73,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail, rather than skip, tests marked sglang when the SGLang venv (.venv-sglang) "
         "is absent",
     )
+
+
+# Files holding tests with these markers start the engines, the longest fixtures of the suite
+# behind few tests.
+ENGINE_MARKERS = ("vllm", "sglang")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with engine tests first, then the others by their number of tests, most first (each
+    file's tests in their own order). xdist's own order (most tests first, which `make test`
+    turns off with --no-loadscope-reorder to keep this one) would hand out the engine files
+    last, and one worker would run their engines alone at the end of the run."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def cost(tests: list[pytest.Item]) -> tuple[bool, int]:
+        engines = any(t.get_closest_marker(m) for t in tests for m in ENGINE_MARKERS)
+        return not engines, -len(tests)
+
+    items[:] = [item for tests in sorted(files.values(), key=cost) for item in tests]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -15,6 +15,7 @@ from metrale_cli.model.modules import LoraModule
 from tests.support.cli_runner import metrale
 
 
+@pytest.mark.proc
 def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     result = metrale("bench", "pack", "--model", "qwen3-8b", "--modules", "q_proj,v_proj",
                      "--rank", 8, "--adapters", 2, "--repeats", 1, "--json")

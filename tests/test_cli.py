@@ -207,6 +207,7 @@ def _sparse_adapter(path: Path, rank: int) -> int:
     return write_header_only(path / "adapter_model.safetensors", tensors)
 
 
+@pytest.mark.proc
 def test_inspect_reads_only_the_header(tmp_path: Path) -> None:
     """A 4.8 GB adapter inspects reading as many bytes as a 4 MB one: the header alone."""
     huge = _sparse_adapter(tmp_path / "huge", 8192)

@@ -131,6 +131,7 @@ def test_inspect_vllm_only_options_need_the_engine(adapters: dict[str, Path]) ->
     assert done.code == 2 and "--tp need --engine vllm" in done.stderr
 
 
+@pytest.mark.proc
 def test_engine_vllm_imports_no_torch(adapters: dict[str, Path]) -> None:
     code = ("import sys\nfrom metrale_cli.cli.app import main\n"
             "sys.argv = ['metrale'] + sys.argv[1:]\n"

@@ -70,6 +70,7 @@ def test_engine_versions(name: str, version: str, other: str) -> None:
     assert metrale("layout", "--engine", f"{name}=={version}", *args).code == 0
 
 
+@pytest.mark.proc
 def test_an_installed_vllm_of_another_version_is_warned_about(tmp_path: Path) -> None:
     """Where `vllm` is importable at a version the rules are not, one warning line; its
     metadata is read, the package never imported."""

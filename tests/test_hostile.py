@@ -203,6 +203,7 @@ def test_two_concurrent_writers_one_wins(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.safetensors"]
 
 
+@pytest.mark.proc
 def test_two_concurrent_packs_one_wins(tiny: Path, tmp_path: Path) -> None:
     target = tmp_path / "pool.safetensors"
     args = [sys.executable, "-m", "metrale_cli", "pack", str(tiny / "a"), "--model", str(tiny),
@@ -238,6 +239,7 @@ main()
 """
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_during_pack_out_leaves_no_temp_file(
     tiny: Path, tmp_path: Path, signum: int
@@ -311,6 +313,7 @@ def test_out_must_name_a_file(
 # -- 10: regexes -------------------------------------------------------------------------------
 
 
+@pytest.mark.proc
 def test_the_issues_regexes_finish(tiny: Path, tmp_path: Path) -> None:
     """`(.*.*)*z` once ran past 20 s in `re`; matched through `regex`, it finishes at once."""
     bad = copy_adapter(tiny / "a", tmp_path / "slow", target_modules="(.*.*)*z",
@@ -420,6 +423,7 @@ def test_no_internal_error_where_a_usage_error_belongs(tiny: Path, tmp_path: Pat
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.proc
 def test_an_ascii_terminal_gets_the_view(tiny: Path) -> None:
     done = run_cli("inspect", tiny / "a", "--model", tiny,
                    env_extra={"PYTHONIOENCODING": "ascii", "COLUMNS": "100"})
@@ -484,6 +488,7 @@ def test_an_adapter_directory_named_like_a_preset_does_not_hide_it(
 # -- 15: COLUMNS=0 -----------------------------------------------------------------------------
 
 
+@pytest.mark.proc
 def test_zero_columns_still_prints(tiny: Path) -> None:
     done = run_cli("inspect", tiny / "a", "--model", tiny, env_extra={"COLUMNS": "0"})
     assert done.returncode == 0, done.stderr
@@ -560,6 +565,7 @@ def test_torchrun_variables_that_are_not_a_launch_are_refused(
     assert not (tmp_path / "ranks").exists()
 
 
+@pytest.mark.proc
 def test_a_scale_past_float32_is_one_error_line(tiny: Path, tmp_path: Path) -> None:
     image = tmp_path / "pool.safetensors"
     assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
@@ -572,6 +578,7 @@ def test_a_scale_past_float32_is_one_error_line(tiny: Path, tmp_path: Path) -> N
     assert "the slot's metadata says 1e+39" in result.stderr
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("existing", [False, True])
 def test_synth_onto_a_full_disk_leaves_nothing(tmp_path: Path, existing: bool) -> None:
     # A missing parent is made for it, and removed again.
@@ -741,6 +748,7 @@ def test_an_input_that_is_not_a_regular_file_says_so(
     assert stderr == f"error: {path}: {says}, not a regular file\n"
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("online", [[], ["--online"]])
 def test_a_hugging_face_home_that_is_no_directory_is_one_line(
     tiny: Path, online: list[str]

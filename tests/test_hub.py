@@ -111,6 +111,7 @@ def hub(adapters: Path) -> Hub:
         yield hub
 
 
+@pytest.mark.proc
 def test_online_inspect_reads_only_the_header(hub: Hub, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     done = _run(hub, cache, "inspect", "acme/chat", "--online", "--json")
@@ -142,6 +143,7 @@ def test_online_pack_downloads_into_the_cache(hub: Hub, tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.proc
 def test_online_model_by_hub_id(hub: Hub, tmp_path: Path) -> None:
     done = _run(hub, tmp_path / "cache", "layout", "-m", "acme/base", "--online", "--modules",
                 "q_proj", "--max-rank", 4, "--json")
@@ -155,6 +157,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("spec, message", [
     ("acme/private", "401 unauthorized"),
     ("acme/gated", "403 forbidden"),

@@ -275,6 +275,7 @@ def _run_case(case: Case) -> torch.Tensor:
     return y
 
 
+@pytest.mark.slow
 def test_host_launches_from_two_threads_match_serial_runs() -> None:
     # ctypes releases the GIL: without the harness's lock the two launches would share the
     # emulation's globals and __shared__ arrays.

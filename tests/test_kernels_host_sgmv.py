@@ -184,10 +184,14 @@ class Recording:
 
 # A long K over few chunks, which the planner splits for the fused shrink's CTAs (22 splits).
 LONG_K = Case("long_k", 6, 4096, 64, 32, [32, 20], seg_starts=[1, 4, 6], seg_slots=[1, 0])
+FULL_SHAPES = {"skewed", "split_k", "long_k"}
 
 
 @pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32], ids=["y_bf16", "y_f32"])
-@pytest.mark.parametrize("case", [*SGMV_CASES, LONG_K], ids=[c.name for c in [*SGMV_CASES, LONG_K]])
+@pytest.mark.parametrize("case", [
+    # The quick tier keeps the small shapes; the large ones take seconds each here: slow.
+    pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in FULL_SHAPES else [])
+    for c in [*SGMV_CASES, LONG_K]])
 def test_sgmv_fused_matches_reference_per_slice(case: Case, y_dtype: torch.dtype) -> None:
     """Prefill's fused slices on every segment shape (tokens outside all segments, empty,
     1-token, straddling and skewed segments, split-K as given and as planned): one shrink and
@@ -335,6 +339,7 @@ def test_a_batch_plan_moves_and_checks_its_work_list_once(
     assert numpy_work is not work and isinstance(numpy_work.chunks, np.ndarray)
 
 
+@pytest.mark.slow
 def test_a_caller_s_raw_work_list_is_still_checked_at_every_launch() -> None:
     case = SKEWED
     i = case.inputs(torch.bfloat16)

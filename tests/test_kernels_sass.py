@@ -37,6 +37,8 @@ from metrale_cli.ops.sass import hot_loops, loads_before_first_use, parse
 from tests.support.mutated_kernels import kernel_copy
 
 pytestmark = pytest.mark.nvcc
+# The tests that compile the kernels (every source by nvcc and by NVRTC, about 50 CPU-seconds in
+# all) are slow; the counter tests read made-up listings and stay in the quick tier.
 
 ARCH = "sm_90"
 # nvcc is what CI compiles; NVRTC is what CuPy compiles with at run time.
@@ -87,6 +89,7 @@ def _hot_loop_cases() -> list[Any]:
             for name in sorted(sources.KERNEL_SOURCES) for compiler in COMPILERS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "compiler"), _hot_loop_cases())
 def test_hot_loops_keep_the_documented_loads_in_flight(name: str, compiler: str) -> None:
     code = kernel_code(name, compiler)
@@ -100,6 +103,7 @@ def test_hot_loops_keep_the_documented_loads_in_flight(name: str, compiler: str)
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
     """The dependent loads before the weight stream and the loops that carry a load chain, as
@@ -131,6 +135,7 @@ def test_load_chains_are_what_the_model_charges(compiler: str) -> None:
         assert report["chained_loops"] == 0, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "compiler"), _hot_loop_cases())
 def test_pipeline_loops_wait_for_no_load_of_their_own(name: str, compiler: str) -> None:
     """The model charges an SGMV CTA ceil(items / SGMV_EXPAND_STAGES) round trips (roofline
@@ -351,6 +356,7 @@ def test_the_counter_sees_a_pipeline_loop_s_own_round_trips() -> None:
 SPLIT_KERNELS = ("bgmv_shrink", "sgmv_shrink")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "compiler"),
                          [pytest.param(n, c, id=f"{n}-{c}") for n in SPLIT_KERNELS
                           for c in COMPILERS])
@@ -360,6 +366,7 @@ def test_the_split_handoff_is_fenced_and_reads_at_l2(name: str, compiler: str) -
     assert sass.handoff_ok(handoff), f"{name} ({compiler}): {handoff}"
 
 
+@pytest.mark.slow
 def test_only_the_split_kernels_take_tickets() -> None:
     report = sass.report("nvrtc", ARCH)["kernels"]
     assert {n for n, k in report.items() if k["split_handoff"]} == set(SPLIT_KERNELS)

@@ -212,6 +212,7 @@ def test_layout_tp_refusals_are_one_line(args: tuple[object, ...], message: str)
     assert result.stderr.strip() == f"error: {message}"
 
 
+@pytest.mark.proc
 def test_layout_tp_does_not_import_torch() -> None:
     code = ("import sys\nfrom metrale_cli.cli.app import main\n"
             "sys.argv = ['metrale'] + sys.argv[1:]\n"
@@ -223,6 +224,7 @@ def test_layout_tp_does_not_import_torch() -> None:
     assert "10,420,224" in done.stdout
 
 
+@pytest.mark.proc
 def test_bench_pack_per_rank() -> None:
     result = metrale("bench", "pack", "--model", "qwen3-8b", "--modules", "q_proj,o_proj",
                      "--rank", 8, "--adapters", 1, "--repeats", 1, "--tp", 2, "--json")

@@ -275,6 +275,7 @@ def _sparse_image(path: Path, max_loras: int) -> int:
     return path.stat().st_size
 
 
+@pytest.mark.proc
 def test_show_reads_only_the_header_and_tables(tmp_path: Path) -> None:
     """A 40 GB image shows reading the bytes a 40 MB one does, plus its larger tables."""
     sizes = {"huge": _sparse_image(tmp_path / "huge", 640),

@@ -1,6 +1,7 @@
 """Runs SGLang 0.5.23's own LoRA code on CPU tensors for a list of jobs and reports, as JSON,
-what it did. Runs under `.venv-sglang`'s python, never under the suite's (it imports no metrale
-and no test helper). One process, one SGLang import (tens of seconds), every job in turn.
+what it did. Runs under `.venv-sglang`'s python, never under the suite's (it imports no metrale,
+only tests/support/job_report.py, stdlib). One process, one SGLang import (tens of seconds),
+every job in turn.
 
     .venv-sglang/bin/python tests/support/sglang_runner.py JOBS.json OUT.json
 
@@ -44,12 +45,11 @@ alone out.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import sys
-import traceback
 from typing import Any
+
+import job_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -317,10 +317,7 @@ def _replay_batches(manager: Any, batches: list[list[str | None]]) -> list[Any]:
     return states
 
 
-def main() -> int:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    out_path = sys.argv[2]
+def main(spec: dict[str, Any], out_path: str) -> int:
     jobs = spec.get("jobs", [spec])
     for key, default in (("tp_size", 1), ("eviction_policy", "lru")):
         # Published once per process (`_publish`): one value for every job.
@@ -328,18 +325,12 @@ def main() -> int:
             raise SystemExit(f"sglang_runner: every job of one run needs the same {key}")
     _unpinned_tensors()
     server_args = _publish(jobs[0])
-    out = {"jobs": []}
+    out: dict[str, Any] = {"jobs": []}
     for job in jobs:
         out["jobs"].append(run_job(job, server_args))
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(out if "jobs" in spec else out["jobs"][0], f, indent=1)
-        os.replace(out_path + ".tmp", out_path)
+        job_report.save(out if "jobs" in spec else out["jobs"][0], out_path)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    job_report.run(main)

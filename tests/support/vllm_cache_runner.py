@@ -4,10 +4,11 @@ metrale and no test helper).
 
     .venv-vllm/bin/python tests/support/vllm_cache_runner.py JOB.json OUT.json
 
-JOB: {"model": DIR, "engine": {LLM kwargs beyond the fixed ones below},
+JOB: {"model": DIR, "engine": {LLM kwargs over vllm_runner.FIXED},
       "prompt": [token ids], "adapters": [DIR, ...], "sequence": [adapter index or -1, ...]}
 
-One offline engine (engine core in its own process, as `vllm serve` runs it). Each request of
+One offline engine started as tests/support/vllm_runner.py starts one (`start_engine`: engine
+core in its own process, as `vllm serve` runs it). Each request of
 the sequence is sent alone (`LLM.generate`, one greedy token; -1 is the base model, adapter i
 is LoRA id i + 1) and finishes before the next is sent; then the worker's LoRA manager is read
 through `collective_rpc`: which adapter each GPU slot holds (`lora_index_to_id`), the GPU
@@ -17,16 +18,11 @@ first, as adapter indices.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
-import traceback
 from typing import Any
 
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+import job_report
+from vllm_runner import start_engine
 
 
 def cache_state(worker: Any) -> dict[str, list[int | None]]:
@@ -41,31 +37,15 @@ def cache_state(worker: Any) -> dict[str, list[int | None]]:
             "host_lru": [index(i) for i in manager._registered_adapters.cache]}
 
 
-def main() -> int:
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
-    out_path = sys.argv[2]
+def main(job: dict[str, Any], out_path: str) -> int:
     report: dict[str, Any] = {"states": []}
-
-    def save() -> None:
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(out_path + ".tmp", out_path)
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, here)
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     t0 = time.monotonic()
-    kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, "enable_lora": True,
-              "dtype": "float32", "max_model_len": 64, "max_num_seqs": 4,
-              "max_num_batched_tokens": 64, **job.get("engine", {})}
-    llm = LLM(model=job["model"], **kwargs)
+    llm = start_engine(job)
     report["start_s"] = round(time.monotonic() - t0, 2)
-    # By reference: the worker imports this file as `vllm_cache_runner` (PYTHONPATH, above).
+    # By reference: the worker imports this file as `vllm_cache_runner` (start_engine).
     from vllm_cache_runner import cache_state as probe
 
     report["initial"] = llm.collective_rpc(probe)[0]
@@ -77,13 +57,9 @@ def main() -> int:
                      use_tqdm=False)
         report["states"].append(llm.collective_rpc(probe)[0])
     report["run_s"] = round(time.monotonic() - t0, 2)
-    save()
+    job_report.save(report, out_path)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    job_report.run(main)

@@ -3,7 +3,7 @@ python, never under the suite's (it imports no metrale and no test helper).
 
     .venv-vllm/bin/python tests/support/vllm_runner.py JOB.json OUT.json
 
-JOB: {"model": DIR, "engine": {LLM kwargs beyond the fixed ones below},
+JOB: {"model": DIR, "engine": {LLM kwargs over FIXED, below},
       "prompt": [token ids], "logprobs": K,
       "adapters": [{"name": N, "path": DIR, "via": "serve" | "request"}, ...]}
 
@@ -19,18 +19,35 @@ inside the engine's worker.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
-import traceback
 from typing import Any
+
+import job_report
 
 # The model's modules travel back from the worker process as plain data; vLLM serialises the
 # function that reads them only with this set.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+# Every engine here: a tiny model, no tokenizer, eager (no torch.compile), a few short requests,
+# and a KV cache of 128 MiB (the CPU build's default reserves a share of the machine's memory):
+# with an explicit size and eager mode the CPU worker skips its warm-up pass.
+FIXED = {"skip_tokenizer_init": True, "enforce_eager": True, "enable_lora": True,
+         "dtype": "float32", "max_model_len": 64, "max_num_seqs": 4,
+         "max_num_batched_tokens": 64, "kv_cache_memory_bytes": 128 << 20}
+
+
+def start_engine(job: dict[str, Any]) -> Any:
+    """The job's `LLM`: FIXED under the job's own "engine" kwargs. Its worker process can import
+    this directory's modules, so a probe passed to `apply_model` or `collective_rpc` travels by
+    reference (module and name)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    from vllm import LLM
+
+    return LLM(model=job["model"], **{**FIXED, **job.get("engine", {})})
 
 
 def lora_buffers(model: Any) -> dict[str, Any]:
@@ -63,37 +80,25 @@ def lora_buffers(model: Any) -> dict[str, Any]:
     return found
 
 
-def main() -> int:
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
-    out_path = sys.argv[2]
+def main(job: dict[str, Any], out_path: str) -> int:
     report: dict[str, Any] = {"adapters": [], "started": False}
 
     def save() -> None:
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(out_path + ".tmp", out_path)
+        job_report.save(report, out_path)
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, here)
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     t0 = time.monotonic()
-    kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, "enable_lora": True,
-              "dtype": "float32", "max_model_len": 64, "max_num_seqs": 4,
-              "max_num_batched_tokens": 64, **job.get("engine", {})}
     try:
-        llm = LLM(model=job["model"], **kwargs)
+        llm = start_engine(job)
     except Exception as exc:  # the engine refused the model or the flags
-        report["start_error"] = {"type": type(exc).__name__, "text": _text(exc)}
+        report["start_error"] = {"type": type(exc).__name__, "text": error_text(exc)}
         save()
         return 0
     report["started"] = True
     report["start_s"] = round(time.monotonic() - t0, 2)
-    # By reference: the worker imports this file as `vllm_runner` (PYTHONPATH, set above).
+    # By reference: the worker imports this file as `vllm_runner` (start_engine).
     from vllm_runner import lora_buffers as probe
 
     report["lora_buffers"] = llm.apply_model(probe)[0]
@@ -108,7 +113,7 @@ def main() -> int:
     try:
         report["base"] = {str(k): v for k, v in ask(None).items()}
     except Exception as exc:  # the engine started but cannot run this model (with LoRA)
-        report["base_error"] = {"type": type(exc).__name__, "text": _text(exc)}
+        report["base_error"] = {"type": type(exc).__name__, "text": error_text(exc)}
         save()
         return 0
     save()
@@ -126,13 +131,13 @@ def main() -> int:
             entry["logprobs"] = {str(k): v for k, v in probs.items()}
         except Exception as exc:
             entry["loaded"] = False
-            entry["error"] = {"type": type(exc).__name__, "text": _text(exc)}
+            entry["error"] = {"type": type(exc).__name__, "text": error_text(exc)}
             try:
                 ask(None)
                 entry["engine_alive"] = True
             except Exception as after:
                 entry["engine_alive"] = False
-                entry["after"] = {"type": type(after).__name__, "text": _text(after)}
+                entry["after"] = {"type": type(after).__name__, "text": error_text(after)}
         report["adapters"].append(entry)
         save()
         if entry.get("engine_alive") is False:
@@ -140,7 +145,7 @@ def main() -> int:
     return 0
 
 
-def _text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
     """The error's own text, with its causes (the engine wraps the worker's error)."""
     parts = []
     seen = 0
@@ -152,8 +157,4 @@ def _text(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    job_report.run(main)
