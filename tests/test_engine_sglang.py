@@ -22,6 +22,7 @@ from safetensors import safe_open
 from metrale_cli.engines import sglang
 from metrale_cli.engines.verdict import Verdict
 from tests.conftest import SGLANG_PYTHON
+from tests.support.cli_runner import metrale
 from tests.support.peft_factory import make_adapter
 
 RUNNER = Path(__file__).parent / "support" / "sglang_runner.py"
@@ -413,6 +414,72 @@ def test_judge_takes_names_alone_and_audit_reports(sglang_run: dict[str, Any]) -
         report = audit(Adapter.load(made[name].path), model)
         assert sglang.judge_report(report, model, pool=pool) == _judge(
             sglang_run, "llama", name, "runtime"), name
+
+
+def _inspect(run: dict[str, Any], names: list[str], flags: dict[str, Any]) -> dict[str, Any]:
+    """`inspect --engine sglang --json` on the adapters under the runner's flags."""
+    given: list[object] = ["--max-loras", 4, "--dtype", "float32"]
+    if flags.get("max_lora_rank") is not None:
+        given += ["--max-rank", flags["max_lora_rank"]]
+    if flags.get("lora_target_modules"):
+        given += ["--modules", ",".join(flags["lora_target_modules"])]
+    done = metrale("inspect", *(f"{n}={run['made'][n].path}" for n in names), "--engine",
+                   "sglang", *given, "--json")
+    assert done.code in (0, 1), done.stderr
+    return done.json()
+
+
+def _agrees(path: dict[str, str], entry: dict[str, Any]) -> None:
+    """One load path of the engine's record against what SGLang's code did with it."""
+    assert path["checked"] == "run"
+    if not entry["accepted"]:
+        assert path["verdict"] == "refuses"
+        assert f"HTTP 400 ({entry['error']['text']})" in path["reason"]
+    elif not entry["batch"]["ok"]:
+        assert path["verdict"] == "crashes"
+        assert f"raises {entry['batch']['error']['type']}: " in path["reason"]
+    else:
+        assert path["verdict"] in ("serves", "differs")
+
+
+@_runs
+def test_inspect_engine_sglang_says_what_sglang_did(sglang_run: dict[str, Any]) -> None:
+    """`inspect --engine sglang`, the CLI's verdict records, on every job the runner ran: at
+    start-up (the job's start-up adapters and flags) the server starts iff no adapter's
+    start-up path fails it, the failing one with SGLang's error and text, each first batch
+    that raised `crashes`, and the pool the start-up built; at runtime (the job's runtime
+    adapters against that pool, given as --max-rank and --modules) each load refused with
+    SGLang's HTTP 400 text, or accepted and its first batch as SGLang's."""
+    paths_seen = 0
+    for job, report in sglang_run["jobs"].items():
+        spec = JOBS[job]
+        record = _inspect(sglang_run, spec["startup"], spec.get("flags", {}))
+        startup = {a["name"]: a["engine"]["paths"]["startup"] for a in record["adapters"]}
+        failing = [p for p in startup.values() if p["verdict"] == "fails_startup"]
+        assert report["started"] == (not failing), (job, report.get("start_error"))
+        if not report["started"]:
+            error = report["start_error"]
+            assert any(f"({error['type']}: {error['text']})" in p["reason"] for p in failing)
+            paths_seen += 1
+            continue
+        for entry in report["startup"]:
+            _agrees(startup[entry["name"]], entry)
+            paths_seen += 1
+        if all(p["verdict"] in ("serves", "differs") for p in startup.values()):
+            assert record["engine"]["pool"] == {"max_lora_rank": report["max_lora_rank"],
+                                                "target_modules": report["target_modules"]}
+        if not report["runtime"]:
+            continue
+        record = _inspect(sglang_run, [e["name"] for e in report["runtime"]], {
+            "max_lora_rank": report["max_lora_rank"],
+            "lora_target_modules": report["target_modules"]})
+        runtime = {a["name"]: a["engine"] for a in record["adapters"]}
+        for entry in report["runtime"]:
+            engine = runtime[entry["name"]]
+            assert engine["verdict"] == engine["paths"]["runtime"]["verdict"]
+            _agrees(engine["paths"]["runtime"], entry)
+            paths_seen += 1
+    assert paths_seen >= 35
 
 
 # -- what cannot run here, held to the source it cites -------------------------------------------

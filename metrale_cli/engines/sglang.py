@@ -9,7 +9,9 @@ for `--lora-paths`, where an error stops the server; at runtime for `/load_lora_
 it is an HTTP 400 and the server keeps serving), the start-up's shape inference
 (`init_lora_shapes`, start-up adapters only) and its first batch, when the scheduler copies it
 into a pool slot (`LoRAMemoryPool.load_lora_weight_to_buffer`; an error there is raised in the
-scheduler's forward step and takes the server down). `judge` answers all three.
+scheduler's forward step and takes the server down). `judge` answers all three; the engine
+behind the seam (`sglang_model.py`, `ENGINE`) gives each load path's verdict as `judge_report`
+answers it.
 """
 
 from __future__ import annotations
@@ -82,13 +84,16 @@ def peft_scaling(config: Mapping[str, Any]) -> float:
 
 
 def startup_pool(configs: Iterable[Mapping[str, Any]], max_lora_rank: int | None = None,
-                 lora_target_modules: Iterable[str] | None = None) -> tuple[int, set[str]]:
+                 lora_target_modules: Iterable[str] | None = None, *,
+                 tie_word_embeddings: bool = False) -> tuple[int, set[str]]:
     """The pool `LoRAManager.init_lora_shapes` (srt/lora/lora_manager.py) sizes for the
     start-up adapters on a dense model: `--lora-target-modules` normalised (`all`: every
-    module the model has, embeddings included), else the union of the adapters' targets (a
-    string `all`/`all-linear` adds every module auto_detect_lora_target_modules finds); the
-    rank is `--max-lora-rank`, else the largest `r`. An adapter whose targets are outside given
-    `--lora-target-modules` fails the start-up (`judge(..., path="startup")` says so)."""
+    module auto_detect_lora_target_modules finds plus both embedding names), else the union of
+    the adapters' targets (a string `all`/`all-linear` adds what auto-detection finds: with
+    tied embeddings the head is the embedding module itself, which `named_modules` yields once,
+    as embed_tokens); the rank is `--max-lora-rank`, else the largest `r`. An adapter whose
+    targets are outside given `--lora-target-modules` fails the start-up (`judge(...,
+    path="startup")` says so)."""
     configs = list(configs)
     given = set(lora_target_modules or ())
     if given == {"all"}:
@@ -97,15 +102,15 @@ def startup_pool(configs: Iterable[Mapping[str, Any]], max_lora_rank: int | None
         targets = normalised_targets(given) if given else set()
         if not given:
             for config in configs:
-                t = config["target_modules"]
+                t = config.get("target_modules") or []
                 if isinstance(t, str):
                     if t not in ("all", "all-linear"):
                         continue  # its own load fails first
-                    targets |= ALL_MODULES
+                    targets |= ALL_MODULES - ({"lm_head"} if tie_word_embeddings else set())
                 else:
                     targets |= normalised_targets(t)
     rank = max_lora_rank if max_lora_rank is not None else max(
-        (c["r"] for c in configs), default=0)
+        (int(c.get("r") or 0) for c in configs), default=0)
     return rank, targets
 
 
@@ -431,7 +436,9 @@ def _differs(config: Mapping[str, Any],
     # srt/lora/lora.py LoRAAdapter._process_weight keeps a weight off the layers only for a
     # targeted embed_tokens / lm_head; load_lora_weight_to_buffer copies only their LoRA A/B.
     targets = config["target_modules"]
-    wanted = normalised_targets(targets)
+    # A string other than all/all-linear fails the load once there is a weight to file.
+    wanted = set() if isinstance(targets, str) and targets not in ("all", "all-linear") \
+        else normalised_targets(targets)
     saved, tokens, biases, lora_biases = set(), False, set(), False
     for tensor in shapes:
         inner = tensor.removeprefix(_PEFT_PREFIX)

@@ -8,33 +8,29 @@ that judge one adapter's config; this module turns them into the engine seam's a
 (`SglangEngine`, `ENGINE`): a verdict per load path, the launch line, the pool's bytes and what
 `simulate` replays.
 
-How SGLang takes adapters, in order (lora_manager.py init_state, tokenizer_control_mixin.py):
-1. `--lora-paths`: each through `_load_lora_adapter` (`sglang.judge` with no pool); the first
-   failure is `init_lora_adapters`' RuntimeError and the server never starts.
+How SGLang takes adapters, in order (lora_manager.py init_state, tokenizer_control_mixin.py),
+each answered by `sglang.judge_report` (`judgements`), never decided here:
+1. `--lora-paths`: each through `_load_lora_adapter`; the first failure is
+   `init_lora_adapters`' RuntimeError and the server never starts (`path="startup"`).
 2. init_lora_shapes: the pool's targets (`--lora-target-modules`, else the start-up adapters'
-   union) and max rank (`--max-lora-rank`, else their largest `r`); a start-up adapter outside
-   given targets, or with a string `target_modules` other than all/all-linear, stops the start.
-3. Runtime `POST /load_lora_adapter`: `sglang.judge` against that pool (its `can_support`); a
-   refusal is HTTP 400 with SGLang's text and the server keeps serving.
+   union) and max rank (`--max-lora-rank`, else their largest `r`): `sglang.startup_pool`; a
+   start-up adapter outside given targets stops the start.
+3. Runtime `POST /load_lora_adapter`: against that pool (its `can_support`, then the load); a
+   refusal is HTTP 400 with SGLang's text and the server keeps serving (`path="runtime"`).
+4. Either path's first batch naming it: a pool-slot copy that raises takes the server down.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from metrale_cli.engines import sglang
 from metrale_cli.engines.engine import SlotTiers
-from metrale_cli.engines.sglang import (
-    VERSION,
-    Judgement,
-    SGLangConfigError,
-    judge,
-    normalised_targets,
-)
+from metrale_cli.engines.sglang import VERSION, Judgement
 from metrale_cli.engines.verdict import EngineVerdict, Verdict
 from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig, find_preset
@@ -111,9 +107,7 @@ DEFAULT_MAX_LORAS_PER_BATCH = 8
 DEFAULT_LORA_BACKEND = "csgmv"
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-# What `auto_detect_lora_target_modules` (lora/utils.py) finds in a dense model: its linear
-# layers, plus the embedding and the output head (VocabParallelEmbedding, ParallelLMHead).
-DENSE_LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# lora/utils.py EMBEDDING_NAMES, in the order init_buffers allocates their pairs.
 EMBEDDINGS = ("embed_tokens", "lm_head")
 # lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP.
 _ROW_PARALLEL = ("o_proj", "down_proj")
@@ -203,18 +197,6 @@ def target_modules(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
 
 
-def adapter_targets(config: dict[str, Any], model: ModelConfig) -> set[str]:
-    """An adapter's targets as init_lora_shapes reads them: a list normalised
-    (get_normalized_target_modules), `all`/`all-linear` what auto_detect_lora_target_modules
-    finds in a dense model: its linear layers, the embedding and the output head, which with
-    tied embeddings is the embedding module itself (the dense classes set `lm_head =
-    model.embed_tokens`), found once as embed_tokens."""
-    found = normalised_targets(config.get("target_modules") or [])
-    if found != {ALL}:
-        return found
-    return {*DENSE_LINEAR, "embed_tokens", *(() if model.tie_word_embeddings else ("lm_head",))}
-
-
 @dataclass(frozen=True)
 class Pool:
     """The pool a server builds (lora_manager.py init_lora_shapes): its max rank and its
@@ -223,29 +205,20 @@ class Pool:
     max_rank: int
     targets: frozenset[str]
 
+    @classmethod
+    def at_startup(cls, flags: Flags, model: ModelConfig,
+                   configs: Iterable[Mapping[str, Any]]) -> Pool:
+        """`sglang.startup_pool` for the start-up adapters' configs under `flags`."""
+        rank, targets = sglang.startup_pool(configs, flags.max_lora_rank, flags.target_modules,
+                                            tie_word_embeddings=model.tie_word_embeddings)
+        return cls(rank, frozenset(targets))
+
+    def rules(self) -> tuple[int, set[str]]:
+        """As `sglang.judge` takes a pool."""
+        return self.max_rank, set(self.targets)
+
     def record(self) -> dict[str, Any]:
         return {"max_lora_rank": self.max_rank, "target_modules": sorted(self.targets)}
-
-
-def startup_pool(flags: Flags, model: ModelConfig, configs: Iterable[dict[str, Any]]) -> Pool:
-    """init_lora_shapes: `--lora-target-modules` normalised (`all`: every module the model
-    has, the embedding and head included) or else the union of the start-up adapters'
-    targets; `--max-lora-rank` or else their largest `r` (0 without adapters)."""
-    configs = list(configs)
-    if flags.target_modules is not None:
-        given = set(flags.target_modules)
-        targets = ({*DENSE_LINEAR, *EMBEDDINGS} if given == {ALL}
-                   else normalised_targets(sorted(given)))
-    else:
-        targets = set()
-        for config in configs:
-            try:
-                targets |= adapter_targets(config, model)
-            except SGLangConfigError:
-                continue  # it stops the start itself (startup_refusal)
-    rank = flags.max_lora_rank if flags.max_lora_rank is not None else max(
-        (int(c.get("r") or 0) for c in configs), default=0)
-    return Pool(rank, frozenset(targets))
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -389,108 +362,57 @@ def _file_bytes(report: AdapterReport) -> int:
 # -- verdicts per load path --------------------------------------------------------------------
 
 
-def _weight_names(report: AdapterReport) -> list[str]:
-    return list(report.adapter.header.tensors)
+def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
+               ) -> dict[str, Judgement]:
+    """The rules' judgement (`sglang.judge_report`) of the adapter on each load path: at
+    start-up against the pool a start-up naming it builds under `flags` (the other start-up
+    adapters can only widen a pool the flags do not fix, which changes none of its checks), at
+    runtime against the running pool (`flags.pool`, else the one it builds alone)."""
+    alone = Pool.at_startup(flags, model, [report.adapter.config.raw])
+    return {"startup": sglang.judge_report(report, model, pool=alone.rules(), path="startup"),
+            "runtime": sglang.judge_report(report, model, pool=(flags.pool or alone).rules(),
+                                           path="runtime")}
 
 
-def _added_tokens(report: AdapterReport, model: ModelConfig) -> int:
-    """lora_config.py LoRAConfig: the adapter's `added_tokens.json` entries at or above the
-    base vocabulary (a file that is not JSON is ignored, as SGLang warns and goes on)."""
-    try:
-        data = json.loads((Path(report.adapter.path) / "added_tokens.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    if not isinstance(data, dict):
-        return 0
-    return sum(1 for v in data.values() if isinstance(v, int) and v >= model.vocab_size)
+def reason(got: Judgement) -> str:
+    """A judgement in words: what the server does, and SGLang's own text where it raises."""
+    v = got.verdict
+    if v is Verdict.FAILS_STARTUP:
+        return (f"naming it in --lora-paths stops the server from starting ({got.error_type}: "
+                f"{got.error})")
+    if v is Verdict.REFUSES:
+        return (f"POST /load_lora_adapter answers HTTP 400 ({got.error}); the server keeps "
+                "serving the base model and every other adapter")
+    if v is Verdict.CRASHES:
+        loads = ("named in --lora-paths it loads" if got.path == "startup"
+                 else "POST /load_lora_adapter loads it")
+        return (f"{loads}, and the first batch naming it fails copying it into a pool slot "
+                f"(mem_pool.py load_lora_weight_to_buffer raises {got.batch_error_type}: "
+                f"{got.batch_error}), taking the scheduler and the server down")
+    if v is Verdict.DIFFERS:
+        return "loads and serves otherwise than PEFT: " + "; ".join(got.differs)
+    return "loads and applies every module at PEFT's scale (lora_alpha / r)"
 
 
-def _judge(report: AdapterReport, model: ModelConfig, pool: Pool | None) -> Judgement:
-    """`sglang.judge` on one adapter, with no pool (start-up) or against `pool` (runtime). A
-    string `target_modules` SGLang cannot read fails `can_support` at runtime
-    (get_normalized_target_modules' ValueError, returned as the load's error)."""
-    config = report.adapter.config.raw
-    try:
-        return judge(report.name, config, _weight_names(report),
-                     pool=None if pool is None else (pool.max_rank, set(pool.targets)),
-                     added_tokens=_added_tokens(report, model))
-    except SGLangConfigError as exc:
-        return Judgement(False, "ValueError", str(exc))
-
-
-def startup_refusal(report: AdapterReport, model: ModelConfig, flags: Flags,
-                    ) -> tuple[Verdict, str, str] | None:
-    """What naming the adapter in `--lora-paths` does when it does not serve: (verdict,
-    reason class, reason), or None when the server starts with it."""
-    got = _judge(report, model, None)
-    if not got.accepted:
-        return (Verdict.FAILS_STARTUP, got.error_type,
-                f"naming it in --lora-paths stops the server from starting (init_lora_adapters "
-                f"raises RuntimeError: Failed to load LoRA adapter {report.name}: {got.error})")
-    config = report.adapter.config.raw
-    targets = config.get("target_modules")
-    if isinstance(targets, str) and targets not in ("all", "all-linear"):
-        return (Verdict.FAILS_STARTUP, "target_modules",
-                "naming it in --lora-paths stops the server from starting (init_lora_shapes: "
-                f"SGLang does not recognize target_modules='{targets}'. Please use a list of "
-                "module name suffixes in the adapter's PEFT config, or explicitly specify "
-                "--lora-target-modules during server startup.)")
-    if flags.target_modules is not None and set(flags.target_modules) != {ALL}:
-        chosen = normalised_targets(sorted(flags.target_modules))
-        wanted = adapter_targets(config, model)
-        if not wanted <= chosen:
-            return (Verdict.FAILS_STARTUP, "target_modules",
-                    "naming it in --lora-paths stops the server from starting (init_lora_shapes: "
-                    f"LoRA adapter '{report.name}' contains target modules "
-                    f"{sorted(wanted - chosen)} that are not included in the specified "
-                    f"--lora-target-modules {sorted(chosen)}. Please update "
-                    "--lora-target-modules to include all required modules: "
-                    f"{sorted(chosen | wanted)}, or use 'all' to enable all supported modules.)")
-    r = int(config.get("r") or 0)
-    if flags.max_lora_rank is not None and r > flags.max_lora_rank:
-        # init_state makes the pool after the start-up adapters, and no check compares them:
-        # the first batch naming it copies rank-r weights into a rank-max slot
-        # (mem_pool.py load_lora_weight_to_buffer) and the scheduler fails there.
-        return (Verdict.CRASHES, "rank_above_max",
-                f"named in --lora-paths it loads (start-up adapters are not checked against "
-                f"--max-lora-rank {flags.max_lora_rank}), and the first batch naming it fails "
-                f"copying its rank-{r} weights into the pool (mem_pool.py "
-                "load_lora_weight_to_buffer: LoRA buffer shape ... does not match weight "
-                "shape ...), taking the scheduler down")
-    return None
+def starts(got: Judgement) -> bool:
+    """Whether a start-up judgement leaves the adapter on the launch line: the server starts
+    with it and its first batch does not take it down."""
+    return got.verdict in (Verdict.SERVES, Verdict.DIFFERS)
 
 
 def verdict_of(report: AdapterReport, model: ModelConfig, flags: Flags,
                flags_source: str = "given") -> EngineVerdict:
     """The adapter on both of SGLang's load paths under `flags` (whose `pool` is the one its
-    start-up adapters build); `verdict` is the runtime path's."""
-    pool = flags.pool or startup_pool(flags, model, [report.adapter.config.raw])
+    start-up adapters build), each the rules' judgement; `verdict` is the runtime path's. The
+    rules were run against SGLang's own code for the families marked `checked: run`."""
+    judged = judgements(report, model, flags)
     checked = family(model).checked
-
-    def served(got: Judgement) -> tuple[Verdict, str, str]:
-        if got.differs:
-            return (Verdict.DIFFERS, "differs",
-                    "loads and serves otherwise than PEFT: " + "; ".join(got.differs))
-        return (Verdict.SERVES, "", "loads and applies every module at PEFT's scale "
-                                    "(lora_alpha / r)")
-
-    start = startup_refusal(report, model, flags) or served(_judge(report, model, None))
-    got = _judge(report, model, pool)
-    if got.accepted:
-        runtime = served(got)
-    else:
-        runtime = (Verdict.REFUSES, got.error_type,
-                   f"POST /load_lora_adapter answers HTTP 400 ({got.error}); the server keeps "
-                   "serving the base model and every other adapter")
-    # The failure in the first batch is read from the source: the runner wraps no LoRA
-    # layers, so its pool copies no weights.
-    paths = {"startup": {"verdict": start[0].value, "reason": start[2],
-                         "checked": "source" if start[0] is Verdict.CRASHES else checked},
-             "runtime": {"verdict": runtime[0].value, "reason": runtime[2],
-                         "checked": checked}}
-    v, cls, reason = runtime
-    return EngineVerdict(NAME, VERSION, v, reason, cls, {**flags.record(model),
-                                                          "pool": pool.record()},
+    paths = {path: {"verdict": got.verdict.value, "reason": reason(got), "checked": checked}
+             for path, got in judged.items()}
+    runtime = judged["runtime"]
+    pool = flags.pool or Pool.at_startup(flags, model, [report.adapter.config.raw])
+    return EngineVerdict(NAME, VERSION, runtime.verdict, paths["runtime"]["reason"],
+                         runtime.reason_class, {**flags.record(model), "pool": pool.record()},
                          flags_source, [], {}, paths)
 
 
@@ -626,13 +548,13 @@ class SglangEngine:
         `--lora-paths` (the others are left out of the launch line); SGLang's start-up checks
         of the set (arg_groups/lora_hook.py) refuse it as SGLang would."""
         family(model)
-        kept = [r for r in reports if startup_refusal(r, model, flags) is None]
+        kept = [r for r in reports if starts(judgements(r, model, flags)["startup"])]
         if flags.max_loaded_loras is not None and len(kept) > flags.max_loaded_loras:
             raise UsageError("--max-loaded-loras: The number of LoRA paths should not exceed "
                              f"max_loaded_loras. max_loaded_loras={flags.max_loaded_loras}, "
                              f"lora_paths={len(kept)}")
-        return replace(flags, pool=startup_pool(flags, model,
-                                                [r.adapter.config.raw for r in kept]))
+        return replace(flags, pool=Pool.at_startup(flags, model,
+                                                   [r.adapter.config.raw for r in kept]))
 
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Flags:
@@ -659,13 +581,13 @@ class SglangEngine:
         probe = _flags_from(given)
         if probe.tp > 1:
             self.check_tp(model, probe.tp, False)
-        refusals = [(r, startup_refusal(r, model, probe)) for r in reports]
-        kept = [r for r, why in refusals if why is None]
-        shut_out = [f"{r.name}: {why[2]}" for r, why in refusals if why is not None]
+        at_startup = [(r, judgements(r, model, probe)["startup"]) for r in reports]
+        kept = [r for r, got in at_startup if starts(got)]
+        shut_out = [f"{r.name}: {reason(got)}" for r, got in at_startup if not starts(got)]
         flags = self.startup(model, _flags_from(given, max(2, len(kept) + 1)), kept)
         memory, note = None, ""
         try:
-            memory = Memory.of(model, flags, flags.pool or startup_pool(flags, model, []),
+            memory = Memory.of(model, flags, flags.pool or Pool.at_startup(flags, model, []),
                                kept)
         except UsageError as exc:
             note = str(exc)
@@ -674,7 +596,7 @@ class SglangEngine:
 
     def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
                budget_bytes: int | None) -> Memory:
-        return Memory.of(model, flags, flags.pool or startup_pool(flags, model, []), reports,
+        return Memory.of(model, flags, flags.pool or Pool.at_startup(flags, model, []), reports,
                          budget_bytes)
 
     def tiers(self, memory: Memory) -> SlotTiers:
