@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from metrale_cli.engines import sglang
+from metrale_cli.engines import sglang, sglang_model
 from metrale_cli.engines.verdict import Verdict
+from metrale_cli.model.config import ModelConfig
 from tests.conftest import SGLANG_PYTHON
 from tests.support.cli_runner import metrale
 from tests.support.peft_factory import make_adapter
@@ -234,9 +235,10 @@ def test_pool_bytes_are_the_buffers_sglang_allocates(sglang_run: dict[str, Any])
     for job in ("llama", "qwen3", "qwen2", "mistral", "startup_rank_above"):
         report = sglang_run["jobs"][job]
         base = sglang_run["made"][JOBS[job]["startup"][0]].base_dir
-        model = json.loads((base / "config.json").read_text())
-        predicted = sglang.pool_bytes(model, report["target_modules"], report["max_lora_rank"],
-                                      4, 4)
+        pool = sglang_model.Pool(report["max_lora_rank"], frozenset(report["target_modules"]))
+        predicted = sglang_model.Memory.of(
+            ModelConfig.from_hf(base), sglang_model.Flags(max_loras_per_batch=4, dtype="float32"),
+            pool).lora_bytes
         assert predicted == report["pool"]["bytes"] == sum(
             b[-1] for b in report["pool"]["buffers"]), job
 

@@ -1,4 +1,4 @@
-"""What SGLang 0.5.23 does with a PEFT adapter, and its LoRA pool's bytes for dense models,
+"""What SGLang 0.5.23 does with a PEFT adapter (its pool's bytes are sglang_model.py's),
 read from SGLang 0.5.23's installed source (`sglang/srt/lora/`); each rule names the file and
 function it comes from. Checked against SGLang's own code running on CPU tensors
 (tests/test_engine_sglang.py, through tests/support/sglang_runner.py); the rules that cannot run
@@ -43,7 +43,7 @@ _NORMALISED = {
 }
 
 # srt/lora/utils.py get_stacked_multiply: the A buffer holds c ranks for a fused module.
-_STACKED = {"qkv_proj": 3, "gate_up_proj": 2}
+STACKED = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class SGLangConfigError(ValueError):
@@ -402,7 +402,7 @@ def _batch_errors(config: Mapping[str, Any], shapes: Mapping[str, Any],
                 shape = table[module]
                 if module not in DENSE_MODULES or shape is None:
                     continue
-                c = _STACKED.get(module, 1) if side == "A" else 1
+                c = STACKED.get(module, 1) if side == "A" else 1
                 if side == "A":
                     view = (min(r * c, max_rank * c), *shape[1:])
                 else:
@@ -508,26 +508,3 @@ SOURCE_RULES = (
                "LoRAAdapter._normalize_in_proj_qkvz",
                'qkvz_name = weight_name.replace("in_proj_q", "in_proj_qkvz")'),
 )
-
-
-def pool_bytes(model: Mapping[str, Any], targets: Iterable[str], max_rank: int,
-               max_loras_per_batch: int, dtype_bytes: int) -> int:
-    """The bytes `LoRAMemoryPool.init_buffers` allocates for a dense model at TP 1
-    (srt/lora/mem_pool.py get_lora_A_shape / get_lora_B_shape: A (N, r * c, in), B (N, out,
-    r) per layer and module), with the dims of srt/lora/utils.py get_default_hidden_dim."""
-    hidden = model["hidden_size"]
-    heads = model["num_attention_heads"]
-    head_dim = model.get("head_dim") or hidden // heads
-    kv = model.get("num_key_value_heads", heads)
-    inter = model["intermediate_size"]
-    dims = {"qkv_proj": (hidden, head_dim * (heads + 2 * kv)),
-            "o_proj": (head_dim * heads, hidden),
-            "gate_up_proj": (hidden, 2 * inter),
-            "down_proj": (inter, hidden)}
-    per_layer = 0
-    for module in targets:
-        if module not in dims:
-            raise SGLangConfigError(f"no dense pool rule for {module!r}")
-        d_in, d_out = dims[module]
-        per_layer += max_rank * _STACKED.get(module, 1) * d_in + d_out * max_rank
-    return per_layer * model["num_hidden_layers"] * max_loras_per_batch * dtype_bytes

@@ -111,8 +111,6 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 EMBEDDINGS = ("embed_tokens", "lm_head")
 # lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP.
 _ROW_PARALLEL = ("o_proj", "down_proj")
-# lora/utils.py get_stacked_multiply: A holds c ranks for a fused module.
-_STACKED = {"qkv_proj": 3, "gate_up_proj": 2}
 # How each module's buffers split over TP (the view's "kind").
 _KINDS = {"qkv_proj": "column (qkv)", "gate_up_proj": "column", "o_proj": "row",
           "down_proj": "row", "embed_tokens": "embedding", "lm_head": "lm_head"}
@@ -252,7 +250,7 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     if module not in dims:
         raise UsageError(f"SGLang {VERSION}: no dense pool rule for {module!r}")
     d_in, d_out = dims[module]
-    c = _STACKED.get(module, 1)
+    c = sglang.STACKED.get(module, 1)
     if module in _ROW_PARALLEL:
         d_in = _divide(d_in, tp, module)
     elif module == "qkv_proj" and kv < tp:
