@@ -502,8 +502,9 @@ def test_the_read_tie_fails_on_a_mutated_model_or_kernel_nvcc(
     problems = split_read_mismatches(code, "sgmv_shrink", ARCH)
     assert any(p.startswith("sgmv_shrink (sm_90) sgmv_narrow: the machine code reads") for p in
                problems), problems
-    assert any("sgmv_narrow, 3 splits: the model charges 5 round trips, the machine code "
-               "takes 4" in p for p in problems), problems
+    # Named at the first split count the mutated model misprices.
+    assert any("sgmv_narrow, 2 splits: the model charges 4 round trips, the machine code "
+               "takes 3" in p for p in problems), problems
     monkeypatch.undo()
     directory = kernel_copy(tmp_path, [("sgmv.cu", r"\n(      for \(; z < active; \+\+z\)\n"
                                         r"#pragma unroll\n        for \(int nt = 0; nt < 2;)",
