@@ -86,14 +86,19 @@ def compiler() -> str:
     raise ToolMissing("the host kernel harness needs g++ (or c++) on PATH; none was found")
 
 
+@functools.cache
+def _compiler_version(cxx: str) -> str:
+    # Asked once a process: every launch looks its build up (library_path).
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+
+
 def library_path(directory: Path | None = None) -> Path:
     """Where the build of the sources in `directory` is (or would be) cached."""
     directory = directory or sources.find_kernel_dir()
     cxx = compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
     for part in (sources.sources_digest(directory), " ".join(CXX_FLAGS), SHARED_SECTION_SCRIPT,
-                 cxx, version):
+                 cxx, _compiler_version(cxx)):
         digest.update(part.encode())
     return env.cache_dir() / "host" / f"libmetrale_host-{digest.hexdigest()[:16]}.so"
 
