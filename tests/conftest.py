@@ -13,10 +13,13 @@
   failure, as .ci/run does.
 - The hypothesis profile every property test runs under (fixed examples under CI).
 - The order of the files: those with engine tests first (see pytest_collection_modifyitems).
+- The objects alive when a test module starts are frozen out of the garbage collector's reach
+  (see pytest_runtest_setup), and the host harness is built in a fixture (`host_library`).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -96,7 +99,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = [item for tests in sorted(files.values(), key=cost) for item in tests]
 
 
+_FROZEN = pytest.StashKey[set[str]]()
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    # The first test of each module freezes what is alive (the libraries imported so far, torch's
+    # and the session fixtures' objects): none of it is garbage, and without this every full
+    # collection walks it again, about a tenth of a host-harness or simulate test's time.
+    frozen = item.config.stash.setdefault(_FROZEN, set())
+    if item.module is not None and item.module.__name__ not in frozen:
+        frozen.add(item.module.__name__)
+        gc.freeze()
     if item.get_closest_marker("nvcc") is not None and shutil.which("nvcc") is None:
         if item.config.getoption("--require-nvcc"):
             pytest.fail("--require-nvcc was given but nvcc is not on PATH", pytrace=False)
@@ -121,3 +134,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.config.getoption("--require-gpu"):
         pytest.fail(f"--require-gpu was given but no GPU is usable: {reason}", pytrace=False)
     pytest.skip(f"needs a GPU: {reason}")
+
+
+@pytest.fixture(scope="session")
+def host_library() -> Path:
+    """The host harness's build of kernels/ (g++, several seconds where it is not cached), made
+    in the setup of the first test that asks, which the cost tiers do not count; the modules that
+    launch kernels on the host use it."""
+    from metrale_cli.ops import host_harness
+
+    return host_harness.build()

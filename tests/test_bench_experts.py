@@ -12,6 +12,9 @@ from metrale_cli.bench import experts as be
 from metrale_cli.ops import expert_kernels, host_harness
 from tests.support.cli_runner import metrale
 
+# The host harness is built before the first test (conftest.host_library).
+pytestmark = pytest.mark.usefixtures("host_library")
+
 TINY = be.ExpertShape("tiny", hidden=64, inter=32, experts=8, top_k=2, rank=8, tokens=5,
                       adapters=2)
 

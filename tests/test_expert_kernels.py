@@ -32,6 +32,9 @@ from metrale_cli.ops import host_harness, reference, sources
 from metrale_cli.pool.pool import LoraPool
 from tests.support.peft_factory import _tiny_model
 
+# The host harness is built before the first test (conftest.host_library).
+pytestmark = pytest.mark.usefixtures("host_library")
+
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 MAX_RANK = 8
 HOST = host_harness.HOST

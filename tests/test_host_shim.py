@@ -18,6 +18,9 @@ from metrale_cli.ops import host_harness, reference
 from tests.support.kernel_cases import BGMV_CASES, Case, check_t, check_y
 from tests.support.mutated_kernels import run_mutated, sgmv_nan_probe
 
+# The host harness is built before the first test (conftest.host_library).
+pytestmark = pytest.mark.usefixtures("host_library")
+
 # Two segments of exactly 64 tokens: every chunk is a full 64-row CTA (all four warps run the
 # mma), K deep enough for the shrink's 3 stages to be refilled (10 K tiles), rank 200 for the
 # expand's 2 stages (4 rank chunks an output tile).

@@ -10,6 +10,9 @@ import torch
 from metrale_cli.ops import expert_kernels as ek
 from metrale_cli.ops import host_harness, plans
 
+# The host harness is built before the first test (conftest.host_library).
+pytestmark = pytest.mark.usefixtures("host_library")
+
 I32 = torch.int32
 
 

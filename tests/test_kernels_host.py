@@ -32,6 +32,9 @@ from tests.support.kernel_cases import (
     make_pool,
 )
 
+# The host harness is built before the first test (conftest.host_library).
+pytestmark = pytest.mark.usefixtures("host_library")
+
 Y_DTYPES = [torch.bfloat16, torch.float32]
 
 

@@ -28,6 +28,9 @@ from tests.support.kernel_cases import (
 )
 from tests.support.mutated_kernels import run_mutated, sgmv_nan_probe
 
+# The host harness is built before the first test (conftest.host_library).
+pytestmark = pytest.mark.usefixtures("host_library")
+
 
 def _chunks(starts: list[int], slots: list[int]) -> list[list[int]]:
     return plans.segment_chunks(np.asarray(starts, dtype=np.int32),

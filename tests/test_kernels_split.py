@@ -16,6 +16,9 @@ from metrale_cli.bench import roofline
 from metrale_cli.ops import costs, host_harness, kernels, plans, reference, sources
 from tests.support.kernel_cases import Case, check_t, make_pool
 
+# The host harness is built before the first test (conftest.host_library).
+pytestmark = pytest.mark.usefixtures("host_library")
+
 # K = 1000 is no multiple of most split counts: 17 splits round their chunk up to 64, so only
 # 16 of them have K (the 17th is an empty trailing split); 32 splits are 32 chunks of 32.
 BGMV = Case("bgmv_split", 3, 1000, 64, 16, [16, 5, 9], slots=[0, 1, -1])
