@@ -17,6 +17,7 @@ import json
 import random
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,29 +81,47 @@ JOBS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Every job's adapters made by PEFT and run through SGLang's code, the runners at once."""
-    started = {}
+def sglang_out(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every job below made by PEFT and run through SGLang's code in one runner process (one
+    SGLang import, each job published as its own server): JOBS' pools, then the eviction
+    replay of `sequence()` under each policy."""
+    tmp = tmp_path_factory.mktemp("sglang_memory")
+    jobs: dict[str, dict[str, Any]] = {}
+    dirs: dict[str, dict[str, Path]] = {}
     for name, (model, adapters, startup, runtime, settings, _) in JOBS.items():
-        tmp = tmp_path_factory.mktemp(name)
-        dirs = {}
+        dirs[name] = {}
         for seed, (adapter, kwargs) in enumerate(adapters.items()):
-            make_adapter(model, tmp / adapter, seed=seed, **{"target_modules": LINEAR,
-                                                               **kwargs})
-            dirs[adapter] = tmp / adapter
-        job = {"model": str(dirs[startup[0]] / "base"), **settings,
-               "startup": [{"name": n, "path": str(dirs[n])} for n in startup],
-               "runtime": [{"name": n, "path": str(dirs[n])} for n in runtime]}
-        (tmp / "job.json").write_text(json.dumps(job))
-        started[name] = (tmp, dirs, subprocess.Popen(
-            [str(SGLANG_PYTHON), str(RUNNER), str(tmp / "job.json"), str(tmp / "out.json")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    out = {}
-    for name, (tmp, dirs, proc) in started.items():
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-2000:]
-        out[name] = {**json.loads((tmp / "out.json").read_text()), "dirs": dirs}
-    return out
+            dirs[name][adapter] = tmp / name / adapter
+            make_adapter(model, dirs[name][adapter], seed=seed,
+                         **{"target_modules": LINEAR, **kwargs})
+        jobs[name] = {"model": str(dirs[name][startup[0]] / "base"), **settings,
+                      "startup": [{"name": n, "path": str(dirs[name][n])} for n in startup],
+                      "runtime": [{"name": n, "path": str(dirs[name][n])} for n in runtime]}
+    cache = tmp / "cache"
+    for i in range(CACHE_ADAPTERS):
+        make_adapter("llama", cache / f"a{i}", seed=i, r=4 if i % 2 else 2, lora_alpha=8,
+                     target_modules=["q_proj", "v_proj"])
+    batches = [[None] if a < 0 else [f"a{a}"] for a in sequence()]
+    for policy in POLICIES:
+        jobs[f"cache_{policy}"] = {
+            "model": str(cache / "a0" / "base"), "dtype": "float32",
+            "max_loras_per_batch": CACHE_SLOTS, "eviction_policy": policy,
+            "startup": [{"name": f"a{i}", "path": str(cache / f"a{i}")} for i in range(2)],
+            "runtime": [{"name": f"a{i}", "path": str(cache / f"a{i}")}
+                        for i in range(2, CACHE_ADAPTERS)], "batches": batches}
+    (tmp / "jobs.json").write_text(json.dumps({"jobs": list(jobs.values())}))
+    done = subprocess.run([str(SGLANG_PYTHON), str(RUNNER), str(tmp / "jobs.json"),
+                           str(tmp / "out.json")], timeout=900, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads((tmp / "out.json").read_text())["jobs"]
+    return {"jobs": dict(zip(jobs, out, strict=True)), "dirs": dirs, "cache": cache}
+
+
+@pytest.fixture(scope="module")
+def runs(sglang_out: dict[str, Any]) -> dict[str, dict]:
+    """Per job of JOBS, what SGLang did, and its adapters' directories."""
+    return {name: {**sglang_out["jobs"][name], "dirs": sglang_out["dirs"][name]}
+            for name in JOBS}
 
 
 def _layout(run: dict, name: str) -> dict:
@@ -176,6 +195,7 @@ def test_runtime_loads_are_judged_against_the_start_up_pool(runs: dict[str, dict
 
 CACHE_ADAPTERS = 6
 CACHE_SLOTS = 3  # --max-loras-per-batch: the base model keeps one
+POLICIES = ("lru", "fifo")
 
 
 def sequence() -> list[int]:
@@ -187,35 +207,16 @@ def sequence() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def pool_states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[str | None]]]:
+def pool_states(sglang_out: dict[str, Any]) -> dict[str, list[list[str | None]]]:
     """Per eviction policy, the adapter each slot of SGLang's own LoRAMemoryPool holds after
     each request of `sequence()` goes through `prepare_lora_batch` alone (one request at a
     time), the adapters loaded at start-up and at runtime first."""
-    tmp = tmp_path_factory.mktemp("sglang_cache")
-    for i in range(CACHE_ADAPTERS):
-        make_adapter("llama", tmp / f"a{i}", seed=i, r=4 if i % 2 else 2, lora_alpha=8,
-                     target_modules=["q_proj", "v_proj"])
-    batches = [[None] if a < 0 else [f"a{a}"] for a in sequence()]
-    procs = {}
-    for policy in ("lru", "fifo"):
-        job = {"model": str(tmp / "a0" / "base"), "dtype": "float32",
-               "max_loras_per_batch": CACHE_SLOTS, "eviction_policy": policy,
-               "startup": [{"name": f"a{i}", "path": str(tmp / f"a{i}")} for i in range(2)],
-               "runtime": [{"name": f"a{i}", "path": str(tmp / f"a{i}")}
-                           for i in range(2, CACHE_ADAPTERS)], "batches": batches}
-        (tmp / f"{policy}.json").write_text(json.dumps(job))
-        procs[policy] = subprocess.Popen(
-            [str(SGLANG_PYTHON), str(RUNNER), str(tmp / f"{policy}.json"),
-             str(tmp / f"{policy}.out.json")], stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True)
     states = {}
-    for policy, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-2000:]
-        out = json.loads((tmp / f"{policy}.out.json").read_text())
+    for policy in POLICIES:
+        out = sglang_out["jobs"][f"cache_{policy}"]
         assert all(e["accepted"] for e in out["runtime"]), out["runtime"]
         states[policy] = out["batches"]
-    states["base"] = [[str(tmp / "a0" / "base")]]
+    states["base"] = [[str(sglang_out["cache"] / "a0" / "base")]]
     return states
 
 
@@ -244,7 +245,7 @@ def _replayed(policy: str, base: str) -> list[CacheState]:
     return [states[r] for r in range(n)]
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_gpu_slots_evict_as_sglangs_pool(pool_states: dict[str, list], policy: str) -> None:
     """After every request, the adapters in the replay's GPU slots are those in SGLang's pool
     beside the base model, which keeps a slot of its own throughout (so adapters get one slot

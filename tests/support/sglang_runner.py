@@ -1,7 +1,8 @@
 """Runs SGLang 0.5.23's own LoRA code on CPU tensors for a list of jobs and reports, as JSON,
 what it did. Runs under `.venv-sglang`'s python, never under the suite's (it imports no metrale,
 only tests/support/job_report.py, stdlib). One process, one SGLang import (tens of seconds),
-every job in turn.
+every job in turn, each published as its own server's settings (its TP size and eviction
+policy too) after SGLang's reset of the last one's.
 
     .venv-sglang/bin/python tests/support/sglang_runner.py JOBS.json OUT.json
 
@@ -9,6 +10,7 @@ JOBS: {"jobs": [JOB, ...]} (or one JOB alone), each
       {"model": DIR (a base config.json), "max_loras_per_batch": N, "dtype": "float32",
        "max_lora_rank": R | null, "lora_target_modules": [..] | null,
        "tp_size": 1,                                     # this process is TP rank 0
+       "eviction_policy": "lru",                         # --lora-eviction-policy
        "batches": [[NAME | null, ...], ...],             # running batches through the pool
        "startup": [{"name": N, "path": DIR}, ...],       # --lora-paths
        "runtime": [{"name": N, "path": DIR}, ...]}       # /load_lora_adapter, after start-up
@@ -79,8 +81,12 @@ def _unpinned_tensors() -> None:
 
 def _publish(job: dict[str, Any]) -> Any:
     """The process-wide server settings SGLang's LoRA code reads (`runtime_context.get_lora`,
-    `get_parallel`), published as the scheduler publishes them."""
+    `get_parallel`), published as the scheduler publishes them, after SGLang's own reset of
+    what the last job published (`reset_context`: a fresh server's state)."""
+    from sglang.srt.runtime_context import reset_context
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    reset_context()
 
     args = ServerArgs(
         model_path=job["model"], device="cpu", enable_lora=True,
@@ -319,15 +325,10 @@ def _replay_batches(manager: Any, batches: list[list[str | None]]) -> list[Any]:
 
 def main(spec: dict[str, Any], out_path: str) -> int:
     jobs = spec.get("jobs", [spec])
-    for key, default in (("tp_size", 1), ("eviction_policy", "lru")):
-        # Published once per process (`_publish`): one value for every job.
-        if len({job.get(key, default) for job in jobs}) > 1:
-            raise SystemExit(f"sglang_runner: every job of one run needs the same {key}")
     _unpinned_tensors()
-    server_args = _publish(jobs[0])
     out: dict[str, Any] = {"jobs": []}
     for job in jobs:
-        out["jobs"].append(run_job(job, server_args))
+        out["jobs"].append(run_job(job, _publish(job)))
         job_report.save(out if "jobs" in spec else out["jobs"][0], out_path)
     return 0
 
