@@ -45,6 +45,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 # The vLLM venv `make test` builds beside .venv (Makefile VLLM_VENV).
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+# vLLM's own cache, where the runners' engines keep it: above all its model-class inspections,
+# each a vLLM import in a subprocess (about 13 s) where missing. The tests that give a server a
+# HOME of its own point it here.
+VLLM_CACHE_ROOT = Path(os.environ.get("VLLM_CACHE_ROOT") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
 # The SGLang venv beside it (Makefile SGLANG_VENV).
 SGLANG_PYTHON = Path(__file__).resolve().parent.parent / ".venv-sglang" / "bin" / "python"
 

@@ -28,7 +28,7 @@ from rich.console import Console
 
 from metrale_cli.engines import vllm as vllm_rules
 from metrale_cli.engines.verdict import Verdict
-from tests.conftest import VLLM_PYTHON
+from tests.conftest import VLLM_CACHE_ROOT, VLLM_PYTHON
 from tests.support.cli_runner import Result, metrale
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,6 +242,7 @@ def confirmed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("HOME", str(root))
+        mp.setenv("VLLM_CACHE_ROOT", str(VLLM_CACHE_ROOT))
         done = metrale("inspect", *(f"{n}={p}" for n, p in paths.items()), "--engine", "vllm",
                        "--max-rank", 16, "--max-loras", 2, "--modules", "o_proj", "--dtype",
                        "float32", "--confirm", "--engine-python", VLLM_PYTHON,

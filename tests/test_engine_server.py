@@ -23,7 +23,7 @@ from metrale_cli.adapters.audit import audit
 from metrale_cli.engines import vllm
 from metrale_cli.engines.confirm import VllmServer
 from metrale_cli.model.config import ModelConfig
-from tests.conftest import VLLM_PYTHON
+from tests.conftest import VLLM_CACHE_ROOT, VLLM_PYTHON
 from tests.support.engine_cases import PROMPT, make_case, write_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.proc]
@@ -48,11 +48,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _server(model: Path, log: Path, *extra: str) -> VllmServer:
-    """The library's launcher (what `inspect --confirm` starts), under a bare environment; the
-    runtime endpoints are on (VLLM_ALLOW_RUNTIME_LORA_UPDATING, else 404)."""
+    """The library's launcher (what `inspect --confirm` starts), under a bare environment but
+    for vLLM's cache (conftest.VLLM_CACHE_ROOT); the runtime endpoints are on
+    (VLLM_ALLOW_RUNTIME_LORA_UPDATING, else 404)."""
     return VllmServer(str(VLLM_PYTHON), str(model), [*FLAGS, *extra], log,
                       env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
-                           "VLLM_CPU_KVCACHE_SPACE": "1", "HOME": str(log.parent)})
+                           "VLLM_CPU_KVCACHE_SPACE": "1", "HOME": str(log.parent),
+                           "VLLM_CACHE_ROOT": str(VLLM_CACHE_ROOT)})
 
 
 def _judged(tiny: dict[str, Path], name: str) -> vllm.EngineVerdict:
