@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import typer
 
-from metrale_cli.cli.app import app
 from metrale_cli.cli.options import EXAMPLE
-from tests.support.cli_runner import metrale
+from tests.support.cli_runner import command_tree, metrale
 
 
 def _tree() -> list[tuple[list[str], Any]]:
@@ -27,7 +25,7 @@ def _tree() -> list[tuple[list[str], Any]]:
         for name, sub in getattr(command, "commands", {}).items():
             walk([*path, name], sub)
 
-    walk([], typer.main.get_command(app))
+    walk([], command_tree())
     return found
 
 
@@ -69,7 +67,7 @@ def test_values_and_arguments_are_named_as_the_brief_says() -> None:
 def _resolve(words: list[str]) -> tuple[list[str], Any, list[str]]:
     """The command an example's words name, and the arguments left for it."""
     path: list[str] = []
-    command = typer.main.get_command(app)
+    command = command_tree()
     rest = list(words)
     while rest and rest[0] in getattr(command, "commands", {}):
         path.append(rest[0])

@@ -27,7 +27,7 @@ class Result:
 
 
 @functools.cache
-def command() -> Any:
+def command_tree() -> Any:
     """The command tree, built once a process as a shell's `metrale` builds it once (typer's
     `CliRunner.invoke` builds it anew on every call: every command's signature and type hints,
     about a tenth of a second, most of what a quick CLI test costs)."""
@@ -40,7 +40,7 @@ def metrale(*args: object, columns: int = 100) -> Result:
     # The consoles read COLUMNS when made, once per process as in a shell: make them anew.
     console.out.cache_clear()
     console.err.cache_clear()
-    cli = command()
+    cli = command_tree()
     code: Any = 0
     with CliRunner().isolation(env={"COLUMNS": str(columns)}) as streams:
         try:
