@@ -880,6 +880,7 @@ def test_synth_rank_is_bounded_by_the_weights_it_adapts(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.sweep
 def test_simulate_off_a_terminal_is_not_silent(tiny: Path) -> None:
     # 3 policies x 1 size x 30,000 requests: progress is told at the end of each replay.
     result = metrale("simulate", "--model", tiny, "--modules", "q_proj", "--max-rank", 8,
