@@ -52,6 +52,6 @@ def metrale(*args: object, columns: int = 100) -> Result:
             sys.stderr.flush()
         stdout, stderr, output = (s.getvalue().decode("utf-8", "replace").replace("\r\n", "\n")
                                   for s in streams)
-    if not isinstance(code, int):  # sys.exit("text"), as a shell shows it
+    if not isinstance(code, int):  # sys.exit("text"): reported as typer's runner reports it
         stdout, output, code = stdout + f"{code}\n", output + f"{code}\n", 1
     return Result(code, stdout, stderr, output)
