@@ -12,7 +12,6 @@ import functools
 import json
 import math
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from metrale_cli.engines.verdict import Verdict
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import SGLANG_PYTHON
 from tests.support.cli_runner import metrale
+from tests.support.engine_cases import run_job
 from tests.support.peft_factory import make_adapter
 
 RUNNER = Path(__file__).parent / "support" / "sglang_runner.py"
@@ -133,12 +133,8 @@ def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                      **job.get("flags", {}),
                      **{p: [{"name": n, "path": str(made[n].path)} for n in job.get(p, [])]
                         for p in ("startup", "runtime")}})
-    (tmp / "jobs.json").write_text(json.dumps({"jobs": jobs}))
-    done = subprocess.run([str(SGLANG_PYTHON), str(RUNNER), str(tmp / "jobs.json"),
-                           str(tmp / "out.json")], timeout=900, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads((tmp / "out.json").read_text())["jobs"]
-    return {"made": made, "jobs": dict(zip(JOBS, out, strict=True))}
+    report, _ = run_job(SGLANG_PYTHON, RUNNER, tmp, {"jobs": jobs}, "SGLang runner")
+    return {"made": made, "jobs": dict(zip(JOBS, report["jobs"], strict=True))}
 
 
 def _config(truth: Any) -> dict[str, Any]:

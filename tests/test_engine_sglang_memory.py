@@ -13,9 +13,7 @@ size, which the pool reads its vocabulary shard from as a server's does.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from metrale_cli.sim.simulate import EngineCache
 from metrale_cli.sim.workload import Workload
 from tests.conftest import SGLANG_PYTHON
 from tests.support.cli_runner import metrale
+from tests.support.engine_cases import run_job
 from tests.support.peft_factory import make_adapter
 
 RUNNER = Path(__file__).parent / "support" / "sglang_runner.py"
@@ -109,12 +108,9 @@ def sglang_out(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "startup": [{"name": f"a{i}", "path": str(cache / f"a{i}")} for i in range(2)],
             "runtime": [{"name": f"a{i}", "path": str(cache / f"a{i}")}
                         for i in range(2, CACHE_ADAPTERS)], "batches": batches}
-    (tmp / "jobs.json").write_text(json.dumps({"jobs": list(jobs.values())}))
-    done = subprocess.run([str(SGLANG_PYTHON), str(RUNNER), str(tmp / "jobs.json"),
-                           str(tmp / "out.json")], timeout=900, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads((tmp / "out.json").read_text())["jobs"]
-    return {"jobs": dict(zip(jobs, out, strict=True)), "dirs": dirs, "cache": cache}
+    report, _ = run_job(SGLANG_PYTHON, RUNNER, tmp, {"jobs": list(jobs.values())},
+                        "SGLang runner")
+    return {"jobs": dict(zip(jobs, report["jobs"], strict=True)), "dirs": dirs, "cache": cache}
 
 
 @pytest.fixture(scope="module")

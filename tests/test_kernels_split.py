@@ -219,11 +219,11 @@ def test_a_stray_count_is_caught_and_does_not_corrupt_later_launches(
     # A fixed schedule (round-robin): under some random ones the split that draws the early
     # "last" ticket reads a partial not yet fenced, and the shim names that race first (seed
     # 222 did, as the 222nd launch of a worker's process).
-    monkeypatch.setenv("METRALE_HOST_SEED", "0")
-    with pytest.raises(RuntimeError, match=r"left 1 split-K ticket counter\(s\) non-zero "
-                                           r"\(tile 0: 1\).*the workspace is released"):
+    with monkeypatch.context() as fixed, pytest.raises(
+            RuntimeError, match=r"left 1 split-K ticket counter\(s\) non-zero "
+                                r"\(tile 0: 1\).*the workspace is released"):
+        fixed.setenv("METRALE_HOST_SEED", "0")
         _shrink(case, 4, backend, case.x(2))
-    monkeypatch.delenv("METRALE_HOST_SEED")
     # The poisoned workspace is gone: three launches with fresh x each are right.
     assert all(_against_reference(case, backend, seed) for seed in (3, 4, 5))
     assert not _tickets(backend).any()
