@@ -12,6 +12,7 @@ the GPU verdict stays the source-derived one (docs/engines.md).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -116,15 +117,17 @@ class Run:
         return vllm.judge(report, self.model, self.flags)
 
 
-# Engines the runs fixture starts at once, each bound to its own core (vLLM's CPU worker binds
+# Runners the runs fixture starts at once, each bound to its own core (vLLM's CPU worker binds
 # its threads to core 0 unless told otherwise, and two engines on one core wait for each other).
+# Each runner imports vLLM once and starts its share of the engines one after another (each
+# engine's core and worker are two more interpreters importing vLLM, as under `vllm serve`).
 ENGINES_AT_ONCE = 2
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """Every job built with PEFT and run through the real vLLM, once: ENGINES_AT_ONCE engines
-    at a time, so that most of their start-up (three interpreters importing vLLM each) overlaps."""
+    """Every job built with PEFT and run through the real vLLM, once: ENGINES_AT_ONCE runners
+    at a time, so that most of their start-up overlaps."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"needs {VLLM_PYTHON}")
     root = tmp_path_factory.mktemp("vllm")
@@ -143,38 +146,44 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         specs[key] = spec
         built[key] = base, cases
     cores = sorted(os.sched_getaffinity(0))
-    queue = list(JOBS)
-    lock = threading.Lock()
-    results: dict[str, tuple[dict[str, Any], str] | BaseException] = {}
+    shares = [list(JOBS)[i::ENGINES_AT_ONCE] for i in range(ENGINES_AT_ONCE)]
+    results: list[tuple[dict[str, Any], str] | BaseException] = [None] * len(shares)
 
-    def engine_slot(core: int) -> None:
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        while True:
-            with lock:
-                if not queue:
-                    return
-                key = queue.pop(0)
-            try:
-                results[key] = run_job(VLLM_PYTHON, RUNNER, root / key, specs[key],
-                                       f"vLLM runner on {key}", env=env)
-            except BaseException as exc:  # pytest.fail in a thread: raised again below
-                results[key] = exc
+    def runner(i: int) -> None:
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
+        out = root / f"runner{i}"
+        out.mkdir()
+        try:
+            results[i] = run_job(VLLM_PYTHON, RUNNER, out,
+                                 {"jobs": [specs[key] for key in shares[i]]},
+                                 f"vLLM runner on {', '.join(shares[i])}", env=env)
+        except BaseException as exc:  # pytest.fail in a thread: raised again below
+            results[i] = exc
 
-    slots = [threading.Thread(target=engine_slot, args=(cores[i % len(cores)],))
-             for i in range(ENGINES_AT_ONCE)]
-    for slot in slots:
-        slot.start()
-    for slot in slots:
-        slot.join()
+    threads = [threading.Thread(target=runner, args=(i,)) for i in range(len(shares))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     done: dict[str, Run] = {}
-    for key, job in JOBS.items():
-        result = results[key]
+    for share, result in zip(shares, results, strict=True):
         if isinstance(result, BaseException):
             raise result
         report, log = result
-        base, cases = built[key]
-        done[key] = Run(job, base, cases, report, log)
+        logs = job_logs(log)
+        assert len(report["jobs"]) == len(logs) == len(share), (share, log[-3000:])
+        for key, job_report, job_log in zip(share, report["jobs"], logs, strict=True):
+            base, cases = built[key]
+            done[key] = Run(JOBS[key], base, cases, job_report, job_log)
     return done
+
+
+def job_logs(log: str) -> list[str]:
+    """A runner's log cut at each job's start (vllm_runner.JOB_LOG_MARK), one part a job."""
+    marks = list(re.finditer(r"^vllm_runner: job (\d+) starts$", log, re.MULTILINE))
+    assert [int(m.group(1)) for m in marks] == list(range(len(marks))), log[-3000:]
+    ends = [m.start() for m in marks[1:]] + [len(log)]
+    return [log[m.end():end] for m, end in zip(marks, ends, strict=True)]
 
 
 def observed(run: Run, entry: dict[str, Any]) -> str:

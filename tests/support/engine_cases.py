@@ -104,9 +104,9 @@ def make_case(family: str, base: Path, out: Path, name: str, **lora_kwargs: Any)
 def run_job(python: Path, runner: Path, out: Path, job: dict[str, Any], what: str,
             env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """`runner` under the engine's `python` on `job` (written to `out`/job.json), in `env` (or
-    this process's): the report it writes to `out`/report.json and its stdout and stderr (the
-    engine's log). The test fails, naming `what` and the runner's stderr, when it fails, runs
-    past 900 s or writes no report."""
+    this process's): the report it writes to `out`/report.json and its output, stdout and
+    stderr in the order written (the engine's log). The test fails, naming `what` and the
+    output's end, when it fails, runs past 900 s or writes no report."""
     import subprocess
 
     import pytest
@@ -114,10 +114,10 @@ def run_job(python: Path, runner: Path, out: Path, job: dict[str, Any], what: st
     (out / "job.json").write_text(json.dumps(job))
     try:
         proc = subprocess.run([str(python), str(runner), str(out / "job.json"),
-                               str(out / "report.json")], capture_output=True, text=True,
-                              timeout=900, env=env)
+                               str(out / "report.json")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=900, env=env)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the {what} failed: no end after {exc.timeout} s")
     if proc.returncode or not (out / "report.json").exists():
-        pytest.fail(f"the {what} failed: {proc.stderr[-3000:]}")
-    return json.loads((out / "report.json").read_text()), proc.stdout + proc.stderr
+        pytest.fail(f"the {what} failed: {proc.stdout[-3000:]}")
+    return json.loads((out / "report.json").read_text()), proc.stdout

@@ -1,17 +1,21 @@
-"""Runs the real vLLM on one job and reports what it did, as JSON. Runs under `.venv-vllm`'s
-python, never under the suite's (it imports no metrale and no test helper).
+"""Runs the real vLLM on a list of jobs and reports what it did, as JSON. Runs under
+`.venv-vllm`'s python, never under the suite's (it imports no metrale and no test helper).
 
-    .venv-vllm/bin/python tests/support/vllm_runner.py JOB.json OUT.json
+    .venv-vllm/bin/python tests/support/vllm_runner.py JOBS.json OUT.json
 
-JOB: {"model": DIR, "engine": {LLM kwargs over FIXED, below},
-      "prompt": [token ids], "logprobs": K,
-      "adapters": [{"name": N, "path": DIR, "via": "serve" | "request"}, ...]}
+JOBS: {"jobs": [JOB, ...]} (or one JOB alone; OUT is then its report alone), each
+      {"model": DIR, "engine": {LLM kwargs over FIXED, below},
+       "prompt": [token ids], "logprobs": K,
+       "adapters": [{"name": N, "path": DIR, "via": "serve" | "request"}, ...]}
 
-One engine per job, started the way `vllm serve` runs it (engine core in its own process), so
-an error that ends the engine here ends it there. Each adapter is then tried in turn with one
-greedy next-token request: loaded (with the top-K next-token log-probs), or the error's type and
-text, and whether the engine still answers a base-model request afterwards. The base model's
-own log-probs come first, so an adapter that changes nothing is visible as equal log-probs.
+One engine per job, started the way `vllm serve` runs it (engine core and worker each in their
+own process), so an error that ends the engine here ends it there; it is shut down before the
+next job's starts. The jobs share this process's vLLM import (about 13 CPU-seconds), not the
+engine's: each engine core and worker is a fresh interpreter, as under `vllm serve`. Each
+adapter is tried in turn with one greedy next-token request: loaded (with the top-K next-token
+log-probs), or the error's type and text, and whether the engine still answers a base-model
+request afterwards. The base model's own log-probs come first, so an adapter that changes
+nothing is visible as equal log-probs.
 OUT also holds the LoRA tensors the engine allocated, per wrapped module: every stacked A/B
 buffer's shape, dtype and bytes (a view of a buffer already counted: 0), read off the model
 inside the engine's worker.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import job_report
@@ -29,6 +34,9 @@ import job_report
 # function that reads them only with this set.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Printed as each job starts (`n`: its index in JOBS).
+JOB_LOG_MARK = "vllm_runner: job {} starts"
 
 # Every engine here: a tiny model, no tokenizer, eager (no torch.compile), a few short requests,
 # and a KV cache of 128 MiB (the CPU build's default reserves a share of the machine's memory):
@@ -80,24 +88,45 @@ def lora_buffers(model: Any) -> dict[str, Any]:
     return found
 
 
-def main(job: dict[str, Any], out_path: str) -> int:
-    report: dict[str, Any] = {"adapters": [], "started": False}
+def main(spec: dict[str, Any], out_path: str) -> int:
+    jobs = spec.get("jobs", [spec])
+    out: dict[str, Any] = {"jobs": []}
 
     def save() -> None:
-        job_report.save(report, out_path)
+        job_report.save(out if "jobs" in spec else out["jobs"][0], out_path)
 
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
+    for n, job in enumerate(jobs):
+        # The engine's processes share this output: the line tells one job's log from the next.
+        print(JOB_LOG_MARK.format(n), flush=True)
+        out["jobs"].append({"adapters": [], "started": False})
+        run_job(job, out["jobs"][-1], save)
+    return 0
 
+
+def run_job(job: dict[str, Any], report: dict[str, Any], save: Callable[[], None]) -> None:
+    """One engine on `job`, its findings in `report` (saved after each step); the engine is shut
+    down on the way out, whatever happened."""
     t0 = time.monotonic()
     try:
         llm = start_engine(job)
     except Exception as exc:  # the engine refused the model or the flags
         report["start_error"] = {"type": type(exc).__name__, "text": error_text(exc)}
         save()
-        return 0
+        return
     report["started"] = True
     report["start_s"] = round(time.monotonic() - t0, 2)
+    try:
+        ask_each(job, llm, report, save)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def ask_each(job: dict[str, Any], llm: Any, report: dict[str, Any],
+             save: Callable[[], None]) -> None:
+    """The base model, then each adapter in turn, on the started engine `llm`."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
     # By reference: the worker imports this file as `vllm_runner` (start_engine).
     from vllm_runner import lora_buffers as probe
 
@@ -115,7 +144,7 @@ def main(job: dict[str, Any], out_path: str) -> int:
     except Exception as exc:  # the engine started but cannot run this model (with LoRA)
         report["base_error"] = {"type": type(exc).__name__, "text": error_text(exc)}
         save()
-        return 0
+        return
     save()
     for i, adapter in enumerate(job["adapters"], start=1):
         entry: dict[str, Any] = {"name": adapter["name"], "via": adapter.get("via", "serve")}
@@ -142,7 +171,6 @@ def main(job: dict[str, Any], out_path: str) -> int:
         save()
         if entry.get("engine_alive") is False:
             break
-    return 0
 
 
 def error_text(exc: BaseException) -> str:
