@@ -53,7 +53,7 @@ def test_a_stage_refilled_while_other_warps_read_it_fails(tmp_path: Path) -> Non
     # operands, on full 64-row chunks as on short ones.
     result = run_mutated(tmp_path, [
         ("sgmv.cu", r"\n *__syncthreads\(\);  // every warp is done with the stage[^\n]*", "", 2),
-    ], SGMV_FULL_CHUNKS)
+    ], SGMV_FULL_CHUNKS, keep=("sgmv.cu",))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"t_nan": True, "y_nan": True}
 
@@ -83,7 +83,7 @@ def test_shared_memory_never_written_reads_nan(tmp_path: Path) -> None:
     result = run_mutated(tmp_path, [
         ("bgmv.cu", r"if \(lane == 0\) partial\[warp\]\[i\] = v;",
          "if (lane == 0 && v != 0.f) partial[warp][i] = v;", 1),
-    ], BGMV_SHRINK)
+    ], BGMV_SHRINK, keep=("bgmv.cu",))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"t_nan": True}
 
@@ -113,10 +113,10 @@ def test_a_template_kernel_s_shared_memory_never_written_reads_nan(tmp_path: Pat
     result = run_mutated(tmp_path, [
         ("bgmv.cu", r"if \(s < BGMV_EXPAND_STEPS && row < rows\) acc_s\[row\] = v\[i\];",
          "if (s < BGMV_EXPAND_STEPS && row < rows && v[i] != 0.f) acc_s[row] = v[i];", 1),
-    ], BGMV_EXPAND_ZERO_ROWS)
+    ], BGMV_EXPAND_ZERO_ROWS, keep=("bgmv.cu",))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"y_nan": True}
-    unbroken = run_mutated(tmp_path / "unbroken", [], BGMV_EXPAND_ZERO_ROWS)
+    unbroken = run_mutated(tmp_path / "unbroken", [], BGMV_EXPAND_ZERO_ROWS, keep=("bgmv.cu",))
     assert unbroken.returncode == 0, unbroken.stderr
     assert json.loads(unbroken.stdout) == {"y_nan": False}
 
@@ -157,7 +157,7 @@ def test_a_lane_that_exited_fails_a_shuffle_naming_it(tmp_path: Path) -> None:
     result = run_mutated(tmp_path, [
         ("bgmv.cu", r"(\n  __shared__ float partial\[METRALE_WARPS\]\[BGMV_SHRINK_ROWS\];\n)",
          r"\n  if (tid >= 32 && (tid & 31) >= 16) return;\1", 1),
-    ], BGMV_SHRINK)
+    ], BGMV_SHRINK, keep=("bgmv.cu",))
     assert result.returncode == 0, result.stderr
     error = json.loads(result.stdout)["error"]
     assert "lane 16, named in the mask 0xffffffff, has exited" in error
@@ -188,7 +188,7 @@ else:
          "v[i] = keep + (upper ? __shfl_xor_sync(0xffffffffu, send, offset)\n"
          "                                   : __shfl_sync(0xffffffffu, send, lane ^ offset));",
          1),
-    ], script)
+    ], script, keep=("bgmv.cu",))
     assert result.returncode == 0, result.stderr
     error = json.loads(result.stdout)["error"]
     assert error is not None and "meet at different collectives" in error
@@ -225,7 +225,7 @@ print(json.dumps(errors))
         ("sgmv.cu", r"x_src\[i\] \+ at, col_ok", "x_src[i] + at + 1, col_ok", 1),
         ("sgmv.cu", r"out < out_dim \? b_bytes : 0\)", "out < out_dim ? (b_bytes ? 17 : 0) : 0)",
          1),
-    ], script)
+    ], script, keep=("sgmv.cu",))
     assert result.returncode == 0, result.stderr
     shrink, expand = json.loads(result.stdout)
     assert shrink.startswith("sgmv_shrink") and "not 16-byte aligned" in shrink
@@ -248,7 +248,8 @@ print(json.dumps(errors))
 ], ids=["divergent_syncthreads", "partial_warp_shuffle"])
 def test_divergent_barriers_fail_the_launch(tmp_path: Path, pattern: str, replacement: str,
                                             message: str) -> None:
-    result = run_mutated(tmp_path, [("bgmv.cu", pattern, replacement, 1)], BGMV_SHRINK)
+    result = run_mutated(tmp_path, [("bgmv.cu", pattern, replacement, 1)], BGMV_SHRINK,
+                         keep=("bgmv.cu",))
     assert result.returncode == 0, result.stderr
     error = json.loads(result.stdout)["error"]
     assert error.startswith("bgmv_shrink on the host: ") and message in error
@@ -302,7 +303,7 @@ def _results(result: Any) -> dict[str, str]:
 @pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
 def test_every_schedule_runs_the_unbroken_split_shrinks(tmp_path: Path, kind: str) -> None:
     # Round-robin, reversed, random and depth-first CTA schedules: the reference's t each time.
-    result = run_mutated(tmp_path, [], split_shrink(kind, 4))
+    result = run_mutated(tmp_path, [], split_shrink(kind, 4), keep=(f"{kind}.cu",))
     assert _results(result) == {"0": "same", "1": "same", "2": "same", "3": "same"}
 
 
@@ -331,7 +332,8 @@ def test_partials_read_before_the_last_ticket_fail_on_both_kernels(tmp_path: Pat
                                                                    kind: str) -> None:
     # Depth-first: the first CTA reads, is held at its ticket, and draws the last one after the
     # other splits stored; a race of the read and a store, whichever comes first, is named.
-    results = _results(run_mutated(tmp_path, READ_BEFORE_TICKET[kind], split_shrink(kind, 4)))
+    results = _results(run_mutated(tmp_path, READ_BEFORE_TICKET[kind], split_shrink(kind, 4),
+                                   keep=(f"{kind}.cu",)))
     error = results["3"]
     assert error.startswith(f"{kind}_shrink on the host: block ("), error
     assert re.search(r"__stcg to partials\[\d+\].*read \(__ldcg\) earlier in this launch"
@@ -348,7 +350,7 @@ def test_partials_unfenced_at_the_ticket_fail_naming_the_store(tmp_path: Path) -
          1),
         ("lora_common.cuh", r"(\*ticket = atomicAdd\(&tickets\[tile\], 1u\);\n)",
          r"\1  __threadfence();\n", 1),
-    ], split_shrink("bgmv", 4, (0,))))
+    ], split_shrink("bgmv", 4, (0,)), keep=("bgmv.cu",)))
     assert "__ldcg of partials[" in results["0"] and "had not fenced" in results["0"]
     assert results["0"].endswith("[round-robin CTA schedule, seed 0]")
 
@@ -376,7 +378,8 @@ ROW_BOUND_BUGS = {
 def test_a_row_past_a_chunk_fails_naming_buffer_element_and_thread(tmp_path: Path,
                                                                   bug: str) -> None:
     edit, message = ROW_BOUND_BUGS[bug]
-    results = _results(run_mutated(tmp_path, [edit], split_shrink("sgmv", 1, (0,))))
+    results = _results(run_mutated(tmp_path, [edit], split_shrink("sgmv", 1, (0,)),
+                                   keep=("sgmv.cu",)))
     error = results["0"]
     assert error.startswith("sgmv_shrink on the host: block ("), error
     assert re.search(r"block \(\d+, \d+, \d+\) thread \d+: ", error), error
@@ -398,5 +401,6 @@ RANK_TAIL_BUGS = {
 @pytest.mark.parametrize("kind", sorted(RANK_TAIL_BUGS))
 def test_a_rank_loop_one_row_too_far_fails(tmp_path: Path, kind: str) -> None:
     # Ranks 5 and 9 (BGMV's 4-row tiles end past them) and 20 (SGMV's n8 tile 16-23 is live).
-    results = _results(run_mutated(tmp_path, [RANK_TAIL_BUGS[kind]], split_shrink(kind, 1, (0,))))
+    results = _results(run_mutated(tmp_path, [RANK_TAIL_BUGS[kind]],
+                                   split_shrink(kind, 1, (0,)), keep=(f"{kind}.cu",)))
     assert results == {"0": "differs"}, results

@@ -129,7 +129,8 @@ READ_TOO_EARLY = sgmv_nan_probe("from tests.support.kernel_cases import SGMV_CAS
 def test_a_stage_read_before_its_wait_fails_on_the_host(tmp_path: Path) -> None:
     # The shrink's and the expand's wait.
     result = run_mutated(tmp_path, [("sgmv.cu", r"cp_async_wait<(SGMV_\w+_STAGES) - 1>",
-                                     r"cp_async_wait<\1>", 2)], READ_TOO_EARLY)
+                                     r"cp_async_wait<\1>", 2)], READ_TOO_EARLY,
+                         keep=("sgmv.cu",))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"t_nan": True, "y_nan": True}
 
