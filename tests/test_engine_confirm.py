@@ -187,9 +187,10 @@ def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, s
     """Ctrl-C (SIGINT) or SIGTERM to metrale while the engine starts: metrale exits as it
     does on that signal, and takes the engine's whole process group with it."""
     fake = _fake(tmp_path, "wait")
+    # faulthandler: a metrale that outlives the signal prints where it is on SIGABRT.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "metrale_cli", "inspect", str(adapter), "--engine", "vllm",
-         "--confirm", "--engine-python", str(fake)], stdout=subprocess.PIPE,
+        [sys.executable, "-X", "faulthandler", "-m", "metrale_cli", "inspect", str(adapter),
+         "--engine", "vllm", "--confirm", "--engine-python", str(fake)], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         deadline = time.monotonic() + 60
@@ -197,7 +198,12 @@ def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, s
             time.sleep(0.1)
         time.sleep(0.5)  # the child's pid is written just before
         proc.send_signal(signum)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=60)
+            pytest.fail(f"metrale still ran 60 s after the signal; there:\n{err.decode()}")
     finally:
         if proc.poll() is None:
             proc.kill()
