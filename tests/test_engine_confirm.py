@@ -187,11 +187,15 @@ def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, s
     """Ctrl-C (SIGINT) or SIGTERM to metrale while the engine starts: metrale exits as it
     does on that signal, and takes the engine's whole process group with it."""
     fake = _fake(tmp_path, "wait")
-    # faulthandler: a metrale that outlives the signal prints where it is on SIGABRT.
+    # metrale as a terminal's foreground job starts it: SIGINT at its default, whatever this
+    # process inherited (a non-interactive shell's background job, `make test &`, ignores
+    # SIGINT, and Python then installs no KeyboardInterrupt). faulthandler: a metrale that
+    # outlives the signal prints where it is on SIGABRT.
     proc = subprocess.Popen(
         [sys.executable, "-X", "faulthandler", "-m", "metrale_cli", "inspect", str(adapter),
          "--engine", "vllm", "--confirm", "--engine-python", str(fake)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "server.pid").exists() and time.monotonic() < deadline:
