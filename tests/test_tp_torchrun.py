@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import preloaded
 from tests.support.cli_runner import metrale
 from tests.support.tiny_hybrid import free_port, tiny_hybrid_adapters
 
@@ -54,16 +55,16 @@ def test_torchrun_images_equal_single_process(adapters: list[Path], tmp_path: Pa
 
 
 def spawn(rank: int, world: int, port: int, args: list[str],
-          prelude: str = "") -> subprocess.Popen:
-    """One rank as torchrun would start it (env:// rendezvous on 127.0.0.1)."""
+          prelude: str = "") -> preloaded.Forked:
+    """One rank as torchrun would start it (env:// rendezvous on 127.0.0.1), in a process that
+    starts with torch imported (tests/support/preloaded.py)."""
     code = (f"import os, signal, sys\n{prelude}\n"
             "from metrale_cli.cli.app import main\n"
             f"sys.argv = ['metrale'] + {args!r}\nmain()\n")
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "METRALE_DIST_TIMEOUT": str(TIMEOUT_S)}
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return preloaded.start(code, env)
 
 
 def test_a_killed_rank_fails_every_rank_without_an_image(adapters: list[Path],

@@ -1,7 +1,8 @@
 """The host harness run on a copy of kernels/ with a bug put in, or a kernel added: the shim's
 strictness tests break a kernel the way a plausible edit would and check that the host run
 fails; the source-reading tests add a kernel no list names. The sources are read once per
-process, so each run is a fresh interpreter pointed at the copy."""
+process, so each run is a process of its own pointed at the copy (forked with torch already
+imported: tests/support/preloaded.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from metrale_cli.ops import sources
+from tests.support import preloaded
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -43,12 +44,11 @@ def kernel_copy(tmp_path: Path, edits: list[tuple[str, str, str, int]] | None = 
 
 
 def run_on(directory: Path, tmp_path: Path, script: str) -> subprocess.CompletedProcess[str]:
-    """`script` run by a fresh interpreter on the kernel sources in `directory` (its own host
+    """`script` run by a process of its own on the kernel sources in `directory` (its own host
     build, cached under tmp_path)."""
     environment = {**os.environ, "METRALE_KERNEL_DIR": str(directory),
                    "METRALE_CACHE_DIR": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=environment, check=False, timeout=600, cwd=ROOT)
+    return preloaded.run(script, environment, cwd=ROOT, timeout=600)
 
 
 def run_mutated(tmp_path: Path, edits: list[tuple[str, str, str, int]], script: str,
