@@ -258,7 +258,7 @@ def test_divergent_barriers_fail_the_launch(tmp_path: Path, pattern: str, replac
 # --- across CTAs: interleaved schedules, store visibility, and every buffer bounded -------------
 
 # A split shrink (4 splits) and an SGMV shrink of 70 tokens (a full chunk, then 6 rows), small
-# enough for a fresh interpreter per mutation.
+# enough for a process of its own per mutation.
 SPLIT_SHRINK = """
 import json, os, torch
 from metrale_cli.ops import host_harness, reference
@@ -299,7 +299,7 @@ def _results(result: Any) -> dict[str, str]:
     return json.loads(result.stdout)
 
 
-@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
+@pytest.mark.proc  # a process of its own builds the mutated kernels
 @pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
 def test_every_schedule_runs_the_unbroken_split_shrinks(tmp_path: Path, kind: str) -> None:
     # Round-robin, reversed, random and depth-first CTA schedules: the reference's t each time.
@@ -326,7 +326,7 @@ READ_BEFORE_TICKET = {
 }
 
 
-@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
+@pytest.mark.proc  # a process of its own builds the mutated kernels
 @pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
 def test_partials_read_before_the_last_ticket_fail_on_both_kernels(tmp_path: Path,
                                                                    kind: str) -> None:
@@ -341,7 +341,7 @@ def test_partials_read_before_the_last_ticket_fail_on_both_kernels(tmp_path: Pat
     assert error.endswith("[depth-first CTA schedule, seed 3]"), error
 
 
-@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
+@pytest.mark.proc  # a process of its own builds the mutated kernels
 def test_partials_unfenced_at_the_ticket_fail_naming_the_store(tmp_path: Path) -> None:
     # The fence moved after the ticket: the last CTA reads a partial another CTA has stored but
     # not fenced (on a GPU it may land after the read).
@@ -373,7 +373,7 @@ ROW_BOUND_BUGS = {
 }
 
 
-@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
+@pytest.mark.proc  # a process of its own builds the mutated kernels
 @pytest.mark.parametrize("bug", sorted(ROW_BOUND_BUGS))
 def test_a_row_past_a_chunk_fails_naming_buffer_element_and_thread(tmp_path: Path,
                                                                   bug: str) -> None:
@@ -397,7 +397,7 @@ RANK_TAIL_BUGS = {
 }
 
 
-@pytest.mark.proc  # a fresh interpreter builds the mutated kernels
+@pytest.mark.proc  # a process of its own builds the mutated kernels
 @pytest.mark.parametrize("kind", sorted(RANK_TAIL_BUGS))
 def test_a_rank_loop_one_row_too_far_fails(tmp_path: Path, kind: str) -> None:
     # Ranks 5 and 9 (BGMV's 4-row tiles end past them) and 20 (SGMV's n8 tile 16-23 is live).
