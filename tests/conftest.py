@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.support.cost_tiers import COST_MARKERS
+
 # Property tests: bounded examples so the whole fuzzing stays within a minute of `make test` on
 # two cores; no per-example deadline (a shared machine's timing is noise), each CLI fuzz case
 # bounds its own time instead. HYPOTHESIS_PROFILE=thorough runs five times more examples.
@@ -89,17 +91,21 @@ ENGINE_MARKERS = ("vllm", "sglang")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with engine tests first, then the others by their number of tests, most first (each
-    file's tests in their own order). xdist's own order (most tests first, which `make test`
-    turns off with --no-loadscope-reorder to keep this one) would hand out the engine files
-    last, and one worker would run their engines alone at the end of the run."""
+    """Files with engine tests first, then those with tests of a cost tier (slow, proc, sweep)
+    by their number of such tests, then the rest by their number of tests, most first (each
+    file's tests in their own order): the quick files come last and fill the run's end on
+    both workers. xdist's own order (most tests first, which `make test` turns off with
+    --no-loadscope-reorder to keep this one) would hand out the engine files last, and one
+    worker would run their engines alone at the end of the run; a few-test file that starts
+    processes (the wheel, gpu_check.sh) would come last too."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
 
-    def cost(tests: list[pytest.Item]) -> tuple[bool, int]:
+    def cost(tests: list[pytest.Item]) -> tuple[bool, int, int]:
         engines = any(t.get_closest_marker(m) for t in tests for m in ENGINE_MARKERS)
-        return not engines, -len(tests)
+        tiered = sum(any(t.get_closest_marker(m) for m in COST_MARKERS) for t in tests)
+        return not engines, -tiered, -len(tests)
 
     items[:] = [item for tests in sorted(files.values(), key=cost) for item in tests]
 
