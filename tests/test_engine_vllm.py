@@ -77,6 +77,8 @@ JOBS: dict[str, Job] = {
         ("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN}),
         ("mlp", {"r": 8, "lora_alpha": 16, "target_modules": MLP}),
     ]),
+    "mixtral": Job("mixtral", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
+                   [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
     "qwen3_next": Job("qwen3_next", {"max_lora_rank": 16, "max_loras": 2,
                                      "dtype": "bfloat16"}, [
         ("gdn", {"r": 8, "lora_alpha": 16,
@@ -85,8 +87,6 @@ JOBS: dict[str, Job] = {
     ]),
     "qwen3_moe": Job("qwen3_moe", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
                      [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
-    "mixtral": Job("mixtral", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
-                   [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
     "qwen3_5": Job("qwen3_5", {"max_lora_rank": 16, "max_loras": 2, "dtype": "bfloat16"},
                    [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
 }
@@ -119,8 +119,10 @@ class Run:
 
 # Runners the runs fixture starts at once, each bound to its own core (vLLM's CPU worker binds
 # its threads to core 0 unless told otherwise, and two engines on one core wait for each other).
-# Each runner imports vLLM once and starts its share of the engines one after another (each
-# engine's core and worker are two more interpreters importing vLLM, as under `vllm serve`).
+# Each runner imports vLLM once and starts engines one after another, taking the next job no
+# runner has claimed (each engine's core and worker are two more interpreters importing vLLM,
+# as under `vllm serve`). JOBS is in the order they are taken: the longest (most adapters)
+# first, so that the short ones fill the end.
 ENGINES_AT_ONCE = 2
 
 
@@ -132,7 +134,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         pytest.skip(f"needs {VLLM_PYTHON}")
     root = tmp_path_factory.mktemp("vllm")
     built: dict[str, tuple[Path, dict[str, Case]]] = {}
-    specs: dict[str, dict[str, Any]] = {}
+    specs: list[dict[str, Any]] = []
     for key, job in JOBS.items():
         out = root / key
         base = write_model(job.family, out / "base")
@@ -141,13 +143,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         adapters = [{"name": n, "path": str(cases[n].path)} for n, _ in job.adapters]
         adapters += [{"name": f"{n}@request", "path": str(cases[n].path), "via": "request"}
                      for n in job.by_request]
-        spec = {"model": str(base), "engine": job.engine, "prompt": PROMPT, "logprobs": 8,
-                "adapters": adapters}
-        specs[key] = spec
+        specs.append({"model": str(base), "engine": job.engine, "prompt": PROMPT,
+                      "logprobs": 8, "adapters": adapters})
         built[key] = base, cases
+    claims = root / "claims"
+    claims.mkdir()
     cores = sorted(os.sched_getaffinity(0))
-    shares = [list(JOBS)[i::ENGINES_AT_ONCE] for i in range(ENGINES_AT_ONCE)]
-    results: list[tuple[dict[str, Any], str] | BaseException | None] = [None] * len(shares)
+    results: list[tuple[dict[str, Any], str] | BaseException | None] = [None] * ENGINES_AT_ONCE
 
     def runner(i: int) -> None:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
@@ -155,37 +157,42 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         out.mkdir()
         try:
             results[i] = run_job(VLLM_PYTHON, RUNNER, out,
-                                 {"jobs": [specs[key] for key in shares[i]]},
-                                 f"vLLM runner on {', '.join(shares[i])}", env=env)
+                                 {"jobs": specs, "claims": str(claims)}, f"vLLM runner {i}",
+                                 env=env)
         except BaseException as exc:  # pytest.fail in a thread: raised again below
             results[i] = exc
 
-    threads = [threading.Thread(target=runner, args=(i,)) for i in range(len(shares))]
+    threads = [threading.Thread(target=runner, args=(i,)) for i in range(ENGINES_AT_ONCE)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    keys = list(JOBS)
     done: dict[str, Run] = {}
-    for share, result in zip(shares, results, strict=True):
+    for result in results:
         if isinstance(result, BaseException):
             raise result
+        assert result is not None
         report, log = result
         logs = job_logs(log)
-        assert len(report["jobs"]) == len(logs) == len(share), (share, log[-3000:])
-        for key, job_report, job_log in zip(share, report["jobs"], logs, strict=True):
+        assert [j["index"] for j in report["jobs"]] == list(logs), log[-3000:]
+        for job_report in report["jobs"]:
+            key = keys[job_report["index"]]
             base, cases = built[key]
-            done[key] = Run(JOBS[key], base, cases, job_report, job_log)
+            done[key] = Run(JOBS[key], base, cases, job_report, logs[job_report["index"]])
+    assert sorted(done, key=keys.index) == keys, "a job no runner ran"
     return done
 
 
-def job_logs(log: str) -> list[str]:
-    """A runner's log cut at each job's start (vllm_runner.JOB_LOG_MARK), one part a job."""
+def job_logs(log: str) -> dict[int, str]:
+    """A runner's log cut at each job's start (vllm_runner.JOB_LOG_MARK): {job index: its
+    part}, in the order the runner ran them (the order of JOBS, skipping the jobs another
+    runner took)."""
     marks = list(re.finditer(r"^vllm_runner: job (\d+) starts$", log, re.MULTILINE))
-    assert [int(m.group(1)) for m in marks] == list(range(len(marks))), log[-3000:]
-    if not marks:  # the runner ended before its first job: the caller names the log
-        return []
+    indices = [int(m.group(1)) for m in marks]
+    assert indices == sorted(set(indices)), log[-3000:]
     ends = [m.start() for m in marks[1:]] + [len(log)]
-    return [log[m.end():end] for m, end in zip(marks, ends, strict=True)]
+    return {n: log[m.end():end] for n, m, end in zip(indices, marks, ends, strict=True)}
 
 
 def observed(run: Run, entry: dict[str, Any]) -> str:

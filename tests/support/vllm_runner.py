@@ -3,10 +3,15 @@
 
     .venv-vllm/bin/python tests/support/vllm_runner.py JOBS.json OUT.json
 
-JOBS: {"jobs": [JOB, ...]} (or one JOB alone; OUT is then its report alone), each
+JOBS: {"jobs": [JOB, ...], "claims": DIR} (or one JOB alone; OUT is then its report alone), each
       {"model": DIR, "engine": {LLM kwargs over FIXED, below},
        "prompt": [token ids], "logprobs": K,
        "adapters": [{"name": N, "path": DIR, "via": "serve" | "request"}, ...]}
+
+Runners given the same JOBS and claims directory share the jobs out: each takes the next job
+no runner has claimed (a file per job in DIR, created exclusively), so a runner that drew short
+jobs goes on to the next while another still runs a long one. OUT lists the jobs this runner
+ran, each with its "index" in JOBS.
 
 One engine per job, started the way `vllm serve` runs it (engine core and worker each in their
 own process), so an error that ends the engine here ends it there; it is shut down before the
@@ -96,11 +101,23 @@ def main(spec: dict[str, Any], out_path: str) -> int:
         job_report.save(out if "jobs" in spec else out["jobs"][0], out_path)
 
     for n, job in enumerate(jobs):
+        if "claims" in spec and not claim(spec["claims"], n):
+            continue
         # The engine's processes share this output: the line tells one job's log from the next.
         print(JOB_LOG_MARK.format(n), flush=True)
-        out["jobs"].append({"adapters": [], "started": False})
+        out["jobs"].append({"index": n, "adapters": [], "started": False})
         run_job(job, out["jobs"][-1], save)
+    save()
     return 0
+
+
+def claim(directory: str, n: int) -> bool:
+    """Whether this runner takes job `n`: no other runner has (its file in `directory`)."""
+    try:
+        os.close(os.open(os.path.join(directory, str(n)), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 def run_job(job: dict[str, Any], report: dict[str, Any], save: Callable[[], None]) -> None:
