@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support import preloaded
 from tests.support.tiny_hybrid import free_port, tiny_hybrid_adapters
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.proc
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pool(adapters: list[str], max_rank: int, names: list[str]) -> object:
@@ -79,9 +81,15 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 def run_pair(adapters: list[str], receiver_rank: int, out: Path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_peer, args=(free_port(), adapters, receiver_rank, str(out)), nprocs=2, join=True)
+    """Both processes at once, each started with torch imported (tests/support/preloaded.py)."""
+    port = free_port()
+    procs = [preloaded.start("from tests.test_tp_peer import _peer\n"
+                             f"_peer({k}, {port}, {adapters!r}, {receiver_rank}, {str(out)!r})",
+                             cwd=ROOT)
+             for k in range(2)]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
 
 
