@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from metrale_cli.sim.replay import Replay, SwapCost
@@ -43,6 +43,11 @@ def test_distances_are_the_distinct_adapters_between_uses(refs: list[int]) -> No
 
 @pytest.mark.sweep
 @settings(max_examples=300, deadline=None)
+# A request that arrives as its adapter's load ends (4 + 0.0005 s, the load ending at 4.00025 +
+# 0.00025 s): the sweep's closed-form load ends rounded below the replay's, a hit against a
+# delayed hit.
+@example(data=[(0, 0.0), (1, 0.0), (0, 0.0), (1, 0.0), (0, 2.0), (0, 2.0), (1, 0.0), (0, 0.0),
+               (0, 0.0005)], pin_count=0, links=1, load=250)
 @given(
     data=st.lists(st.tuples(st.integers(-1, 12), st.sampled_from([0.0, 0.0, 0.0005, 0.3, 2.0])),
                   min_size=1, max_size=120),

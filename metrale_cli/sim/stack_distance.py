@@ -76,11 +76,15 @@ def load_ends(asked: np.ndarray, seconds: float, links: int) -> np.ndarray:
     """When each of a sequence of equal loads ends, asked for at the non-decreasing times
     `asked`, on `links` links, each load taking the link that frees first (LinkClock's rule).
     With equal loads in order, load k takes the link load k - links held, so each residue
-    class mod `links` is one link's queue: end_i = max(asked_i, end_{i-1}) + seconds, which
-    unrolls to (i + 1) * seconds + max over i' <= i of (asked_i' - i' * seconds)."""
+    class mod `links` is one link's queue: end_i = max(asked_i, end_{i-1}) + seconds. Each end
+    is computed as LinkClock computes it, one addition after the other: a closed form rounds
+    differently, and a request that arrives as its adapter's load ends would be a delayed hit
+    in the replay and a hit in the sweep, or the other way round."""
     ends = np.empty_like(asked)
     for link in range(links):
-        mine = asked[link::links]
-        steps = np.arange(mine.size) * seconds
-        ends[link::links] = np.maximum.accumulate(mine - steps) + steps + seconds
+        free, mine = 0.0, []
+        for now in asked[link::links].tolist():
+            free = (free if free > now else now) + seconds
+            mine.append(free)
+        ends[link::links] = mine
     return ends
