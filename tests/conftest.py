@@ -90,11 +90,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 ENGINE_MARKERS = ("vllm", "sglang")
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected: the tests that will run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files with engine tests first, then those with tests of a cost tier (slow, proc, sweep)
     by their number of such tests, then the rest by their number of tests, most first (each
     file's tests in their own order): the quick files come last and fill the run's end on
-    both workers. xdist's own order (most tests first, which `make test` turns off with
+    both workers (in `make quick`, which runs no tier, the order is by number of tests).
+    xdist's own order (most tests first, which `make test` turns off with
     --no-loadscope-reorder to keep this one) would hand out the engine files last, and one
     worker would run their engines alone at the end of the run; a few-test file that starts
     processes (the wheel, gpu_check.sh) would come last too."""
