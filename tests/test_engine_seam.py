@@ -172,6 +172,13 @@ def test_one_tp_rule_for_every_command_and_engine(peft_zoo, tmp_path: Path) -> N
                     "16; SGLang's QKVParallelLinear would refuse to build"}
 
 
+@pytest.fixture(scope="module")
+def llama_q(peft_zoo):  # type: ignore[no-untyped-def]
+    """A PEFT adapter on the tiny Llama, made in setup (the first one a worker makes builds
+    the model: seconds the cost tiers do not count in a test's call)."""
+    return peft_zoo.adapter("llama", r=8, lora_alpha=16, target_modules=["q_proj"])
+
+
 @pytest.mark.parametrize(("architectures", "says"), [
     (["FrobnicatorForCausalLM"], "Model architectures ['FrobnicatorForCausalLM'] are not "
                                  "supported for now"),
@@ -179,9 +186,9 @@ def test_one_tp_rule_for_every_command_and_engine(peft_zoo, tmp_path: Path) -> N
     ([123], "architectures lists 123, not a model class name"),
     (["Qwen3ForCausalLM"], "vLLM's qwen3 class, for a llama config"),
 ])
-def test_the_model_class_is_judged_from_architectures(peft_zoo, tmp_path: Path,  # type: ignore[no-untyped-def]
+def test_the_model_class_is_judged_from_architectures(llama_q, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                       architectures: object, says: str) -> None:
-    truth = peft_zoo.adapter("llama", r=8, lora_alpha=16, target_modules=["q_proj"])
+    truth = llama_q
     config = json.loads((truth.base_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     good = metrale("inspect", truth.path, "--engine", "vllm", "-m", truth.base_dir, "--json")
