@@ -512,6 +512,7 @@ def _mma_tables(in_dim: int, out_dim: int, slices: int, experts: int,
     return tables, a_weights, b_weights, pools
 
 
+@pytest.mark.slow  # every rank shape through the host harness: up to 3 s
 @pytest.mark.parametrize("proj", ["gate_up", "down"])
 def test_the_prefill_mma_tiles_equal_the_reference_at_every_rank_shape(proj: str) -> None:
     """expert_shrink_prefill and expert_expand_prefill_* (mma.sync through the shim's

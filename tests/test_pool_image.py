@@ -223,6 +223,7 @@ def mutate_json(value: Any, data: st.DataObject) -> Any:
     return data.draw(JSON_VALUES)
 
 
+@pytest.mark.slow  # 100 fuzzed images: 2 to 4 s
 @settings(max_examples=100, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())

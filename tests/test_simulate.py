@@ -567,6 +567,7 @@ def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     assert r.code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.sweep
 def test_cli_json_record(tmp_path: Path) -> None:
     trace = tmp_path / "gen.csv"
     r = metrale("simulate", *SLOT, "--workload", "slora", "--adapters", "40", "--alpha", "0.3",

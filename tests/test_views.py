@@ -39,8 +39,9 @@ def rendered(view: Callable[[Any], Any], record: Any) -> str:
     (["inspect", "{chat}", "{code}"], render.inspect_view),
     (["inspect", "{code}", "--max-rank", "4"], render.inspect_view),
     (["layout", "{chat}", "{code}", "--budget", "40GiB"], render.layout_view),
-    (["layout", "-m", MODEL, "--experts", "--max-rank", "16", "--modules", "q_proj,out_proj",
-      "--max-loras", "4"], render.layout_view),
+    pytest.param(["layout", "-m", MODEL, "--experts", "--max-rank", "16", "--modules",
+                  "q_proj,out_proj", "--max-loras", "4"], render.layout_view,
+                 marks=pytest.mark.slow),  # the expert pool's whole layout: 2 to 3 s
     (["layout", "{chat}", "{code}", "--budget", "40GiB", "--tp", "4"],
      render.sharded_layout_view),
     (["models"], render.models_view),
