@@ -63,3 +63,15 @@ def test_each_script_is_a_process_of_its_own() -> None:
                                         for p in (first, second))
     assert (pid1, pid2) == (first.pid, second.pid) and pid1 != pid2
     assert server1 == server2 != os.getpid() and os.getpid() not in (pid1, pid2)
+
+
+def test_a_server_that_ends_is_named_and_replaced() -> None:
+    """A script whose server died is an error at once, not a wait for its timeout; the next
+    script gets a new server."""
+    sleeping = preloaded.start("import time\ntime.sleep(60)")
+    assert preloaded._server is not None
+    preloaded._server.kill()
+    with pytest.raises(RuntimeError, match="the preloaded server ended"):
+        sleeping.communicate(30)
+    os.kill(sleeping.pid, 9)
+    assert preloaded.run("print('again')", timeout=60).stdout == "again\n"

@@ -159,6 +159,9 @@ class Forked:
         while self.poll() is None:
             if end is not None and time.monotonic() > end:
                 raise subprocess.TimeoutExpired(["<preloaded script>"], timeout or 0)
+            if _server is not None and _server.poll() is not None and self.poll() is None:
+                raise RuntimeError(f"the preloaded server ended (exit {_server.returncode}) "
+                                   f"before script {self.pid} did")
             time.sleep(0.01)
         stdout, stderr = (p.read_text(errors="replace") for p in self._out[:2])
         for path in self._out:
