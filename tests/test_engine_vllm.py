@@ -180,7 +180,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             key = keys[job_report["index"]]
             base, cases = built[key]
             done[key] = Run(JOBS[key], base, cases, job_report, logs[job_report["index"]])
-    assert sorted(done, key=keys.index) == keys, "a job no runner ran"
+    assert done.keys() == JOBS.keys(), "a job no runner ran"
     return done
 
 

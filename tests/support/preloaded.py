@@ -114,8 +114,8 @@ def _stop(server: subprocess.Popen[bytes]) -> None:
         server.kill()
 
 
-def _ask(request: dict[str, object]) -> int:
-    """Hand `request` to the server (started on first use); the child's pid."""
+def _ask(request: dict[str, object]) -> tuple[subprocess.Popen[bytes], int]:
+    """Hand `request` to the server (started on first use): the server and the child's pid."""
     global _server
     with _lock:
         if _server is None or _server.poll() is not None:
@@ -125,10 +125,10 @@ def _ask(request: dict[str, object]) -> int:
         assert _server.stdin is not None and _server.stdout is not None
         _server.stdin.write(json.dumps(request).encode() + b"\n")
         _server.stdin.flush()
-        answer = _server.stdout.readline()
+        server, answer = _server, _server.stdout.readline()
     if not answer:
-        raise RuntimeError(f"the preloaded server ended (exit {_server.wait()})")
-    return int(answer)
+        raise RuntimeError(f"the preloaded server ended (exit {server.wait()})")
+    return server, int(answer)
 
 
 class Forked:
@@ -140,8 +140,9 @@ class Forked:
         for path in self._out[:2]:
             path.touch()
         self.returncode: int | None = None
-        self.pid = _ask({"script": script, "env": dict(os.environ if env is None else env),
-                         "cwd": str(cwd or os.getcwd()), "out": [str(p) for p in self._out]})
+        self._server, self.pid = _ask({
+            "script": script, "env": dict(os.environ if env is None else env),
+            "cwd": str(cwd or os.getcwd()), "out": [str(p) for p in self._out]})
 
     def poll(self) -> int | None:
         if self.returncode is None and self._out[2].is_file():
@@ -159,9 +160,9 @@ class Forked:
         while self.poll() is None:
             if end is not None and time.monotonic() > end:
                 raise subprocess.TimeoutExpired(["<preloaded script>"], timeout or 0)
-            if _server is not None and _server.poll() is not None and self.poll() is None:
-                raise RuntimeError(f"the preloaded server ended (exit {_server.returncode}) "
-                                   f"before script {self.pid} did")
+            if self._server.poll() is not None and self.poll() is None:
+                raise RuntimeError(f"the preloaded server ended (exit "
+                                   f"{self._server.returncode}) before script {self.pid} did")
             time.sleep(0.01)
         stdout, stderr = (p.read_text(errors="replace") for p in self._out[:2])
         for path in self._out:
