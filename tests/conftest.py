@@ -150,6 +150,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(scope="session")
+def preloaded_server() -> None:
+    """The preloaded server (tests/support/preloaded.py) started in a setup, which the cost
+    tiers do not count: the modules whose quick tests run scripts on it use it, so that none
+    of them pays its torch import in its call."""
+    from tests.support import preloaded
+
+    preloaded.warm()
+
+
+@pytest.fixture(scope="session")
 def host_library() -> Path:
     """The host harness's build of kernels/ (g++, several seconds where it is not cached), made
     in the setup of the first test that asks, which the cost tiers do not count; the modules that

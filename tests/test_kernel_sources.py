@@ -15,6 +15,9 @@ import pytest
 from metrale_cli.ops import sources
 from tests.support.mutated_kernels import kernel_copy, run_on
 
+# Its quick tests run scripts on the preloaded server: started in a setup, not a call.
+pytestmark = pytest.mark.usefixtures("preloaded_server")
+
 # A kernel that no Python list names: it defines its own figures in its .cu.
 SCALE_CU = """// scale.cu: y[i] *= scale, one thread per element (a test kernel).
 #include "lora_config.h"

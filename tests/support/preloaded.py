@@ -114,18 +114,31 @@ def _stop(server: subprocess.Popen[bytes]) -> None:
         server.kill()
 
 
+def _running() -> subprocess.Popen[bytes]:
+    """The server, started where there is none or it ended (the lock is held)."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE)
+        atexit.register(_stop, _server)
+    return _server
+
+
+def warm() -> None:
+    """Start the server now, ahead of the first script: it starts by importing torch (about
+    2.5 s), a cost for a fixture's setup (conftest `preloaded_server`), not a test's call."""
+    with _lock:
+        _running()
+
+
 def _ask(request: dict[str, object]) -> tuple[subprocess.Popen[bytes], int]:
     """Hand `request` to the server (started on first use): the server and the child's pid."""
-    global _server
     with _lock:
-        if _server is None or _server.poll() is not None:
-            _server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE)
-            atexit.register(_stop, _server)
-        assert _server.stdin is not None and _server.stdout is not None
-        _server.stdin.write(json.dumps(request).encode() + b"\n")
-        _server.stdin.flush()
-        server, answer = _server, _server.stdout.readline()
+        server = _running()
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write(json.dumps(request).encode() + b"\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
     if not answer:
         raise RuntimeError(f"the preloaded server ended (exit {server.wait()})")
     return server, int(answer)
