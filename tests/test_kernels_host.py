@@ -187,6 +187,20 @@ def test_host_build_is_cached_by_source_hash(tmp_path: Path,
     assert host_harness.library_path(tmp_path) != first
 
 
+@pytest.mark.proc
+def test_the_host_build_is_warning_free_at_o2_too(tmp_path: Path) -> None:
+    """The harness builds at -O1 (host_harness.CXX_FLAGS); the warnings g++ finds only with
+    -O2's analyses (array bounds from value ranges, uninitialised reads across inlining) are
+    errors here, on the same command at -O2."""
+    output = str(tmp_path / "libmetrale_host.so")
+    command = host_harness.build_command(sources.find_kernel_dir(), output)
+    assert command.count("-O1") == 1
+    Path(output + ".ld").write_text(host_harness.SHARED_SECTION_SCRIPT)
+    result = subprocess.run([("-O2" if arg == "-O1" else arg) for arg in command],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+
+
 def test_missing_compiler_is_tool_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_harness.shutil, "which", lambda name: None)
     with pytest.raises(ToolMissing):
