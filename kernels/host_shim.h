@@ -4,7 +4,7 @@
 // Model: a launch interleaves its CTAs (launch: up to kResident resident, switching where one
 // of them reaches an atomic, a fence or an __ldcg, in a seeded schedule that every failure
 // names), and runs on guarded copies of its buffers (Buffer); the threads of a CTA are cooperative fibers
-// (ucontext) that switch only at barriers, so __syncthreads, warp shuffles and the warp-wide
+// (started by makecontext, switched by _setjmp/_longjmp) that switch only at barriers, so __syncthreads, warp shuffles and the warp-wide
 // mma emulation have their CUDA meaning. The shim is meant to be as strict as the hardware, so
 // that a kernel that may fail on a GPU fails here every time:
 // - Warps run one at a time: a warp runs (its collectives releasing within the warp) until each
@@ -39,6 +39,12 @@
 #pragma once
 #define METRALE_HOST_SHIM 1
 
+// The fibers switch stacks by _longjmp (see Fiber); a fortified build (Ubuntu's g++ defines
+// _FORTIFY_SOURCE at -O1 and above) would check each jump against the current stack and abort
+// on a jump to another one. This header comes first in the build, ahead of any libc header.
+#undef _FORTIFY_SOURCE
+
+#include <setjmp.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -144,8 +150,14 @@ struct Site {
   }
 };
 
+// A kernel thread. It starts on its own stack from `context` (makecontext), and after that
+// switches with the scheduler by _setjmp/_longjmp (`resume`, Launch::scheduler): swapcontext
+// saves and restores the signal mask, two system calls a switch, which were half the harness's
+// CPU time.
 struct Fiber {
   ucontext_t context;
+  jmp_buf resume;
+  bool started;
   uint3 tid;
   int warp;
   int lane;
@@ -184,7 +196,7 @@ struct Launch {
   std::function<void()> body;
   std::vector<Fiber> fibers;
   char* stacks = nullptr;
-  ucontext_t scheduler;
+  jmp_buf scheduler;  // where a thread's switch lands: the scheduler's run_warp
   int current = 0;
   int block_live = 0;
   int num_warps = 0;
@@ -313,8 +325,7 @@ inline std::string check_guards() {
   Fiber& f = self();
   L.error = block_name(L) + " thread " + std::to_string(f.warp * 32 + f.lane) + ": " + message;
   f.wait = Wait::kDone;
-  swapcontext(&f.context, &L.scheduler);
-  std::abort();  // unreachable: a failed launch is abandoned
+  _longjmp(L.scheduler, 1);  // a failed launch is abandoned: the thread is never resumed
 }
 
 // A load or store of the shim's own (load16, cp_async16, __ldcg, __stcg, the atomics) outside the
@@ -330,7 +341,7 @@ inline void wait_at(Wait kind, const Site& site) {
   Fiber& f = self();
   f.wait = kind;
   f.site = site;
-  swapcontext(&f.context, &L.scheduler);
+  if (_setjmp(f.resume) == 0) _longjmp(L.scheduler, 1);
 }
 
 // A point where other CTAs may run: the thread stops here until its CTA's next turn.
@@ -347,7 +358,7 @@ inline void fiber_entry() {
   Fiber& f = self();
   f.wait = Wait::kDone;
   --L.block_live;
-  // Returning resumes uc_link, the scheduler.
+  _longjmp(L.scheduler, 1);  // the thread's stack is done with; it never returns
 }
 
 inline std::string where(const Site& s) {
@@ -422,7 +433,12 @@ inline bool run_warp(Launch& L, int w, std::string& error) {
       if (L.fibers[i].wait != Wait::kNone) continue;
       L.current = i;
       g_in_kernel = true;
-      swapcontext(&L.scheduler, &L.fibers[i].context);
+      if (_setjmp(L.scheduler) == 0) {
+        Fiber& f = L.fibers[i];
+        if (f.started) _longjmp(f.resume, 1);
+        f.started = true;
+        setcontext(&f.context);
+      }
       g_in_kernel = false;
       if (!L.error.empty()) {
         error = L.error;
@@ -471,10 +487,11 @@ inline void start_block(Launch& L, char* stacks) {
     f.leader = 0;
     f.copies.clear();
     f.committed = 0;
+    f.started = false;
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = stacks + static_cast<size_t>(i) * kStackBytes;
     f.context.uc_stack.ss_size = kStackBytes;
-    f.context.uc_link = &L.scheduler;
+    f.context.uc_link = nullptr;  // fiber_entry never returns
     makecontext(&f.context, fiber_entry, 0);
   }
 }
@@ -625,7 +642,33 @@ inline void on_fault(int signal_number, siginfo_t* info, void* context) {
              describe(info->si_addr) + " faulted";
   f.wait = Wait::kDone;
   g_in_kernel = false;
-  setcontext(&L->scheduler);
+  // The signal is blocked while its handler runs, and the jump out of the handler does not
+  // restore the mask: unblocked here, so that the next launch's faults reach the handler too.
+  sigset_t handled;
+  sigemptyset(&handled);
+  sigaddset(&handled, signal_number);
+  pthread_sigmask(SIG_UNBLOCK, &handled, nullptr);
+  _longjmp(L->scheduler, 1);
+}
+
+// The fiber stacks, kept from one launch to the next (launches never overlap: host_harness.py
+// holds a lock around each). Fresh stacks at every launch were faulted in page by page, about a
+// million minor faults over the host-harness test files. What a launch leaves on them is never
+// read: a thread's stack starts at makecontext. The pages it touched stay with the process (a
+// 256-thread block: about 64 MiB of 32 resident CTAs).
+static char* g_stacks = nullptr;
+static size_t g_stacks_bytes = 0;
+
+// `bytes` of fiber stacks: the kept ones, grown to fit; a launch inside a launch (`own`; the
+// kernels make none) gets its own, which it frees.
+inline char* take_stacks(size_t bytes, bool own) {
+  if (own) return static_cast<char*>(std::aligned_alloc(64, bytes));
+  if (bytes > g_stacks_bytes) {
+    std::free(g_stacks);
+    g_stacks = static_cast<char*>(std::aligned_alloc(64, bytes));
+    g_stacks_bytes = g_stacks == nullptr ? 0 : bytes;
+  }
+  return g_stacks;
 }
 
 // Runs `body` (a kernel call with bound arguments) over the grid under the schedule `seed`
@@ -645,7 +688,8 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   const size_t total = static_cast<size_t>(grid.x) * grid.y * grid.z;
   const int resident = static_cast<int>(std::min<size_t>(kResident, total));
   const size_t slot_bytes = static_cast<size_t>(n) * kStackBytes;
-  L.stacks = static_cast<char*>(std::aligned_alloc(64, slot_bytes * resident));
+  const bool own_stacks = g_launch != nullptr;
+  L.stacks = take_stacks(slot_bytes * resident, own_stacks);
   if (L.stacks == nullptr) {
     std::snprintf(error, error_len, "out of memory for %d x %d fiber stacks", resident, n);
     return 1;
@@ -753,7 +797,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   sigaction(SIGSEGV, &previous_segv, nullptr);
   sigaction(SIGBUS, &previous_bus, nullptr);
   g_launch = previous;
-  std::free(L.stacks);
+  if (own_stacks) std::free(L.stacks);
   if (!message.empty()) {
     std::snprintf(error, error_len, "%s [%s CTA schedule, seed %llu]", message.c_str(),
                   schedule_name(schedule), static_cast<unsigned long long>(seed));
