@@ -68,7 +68,7 @@
 #define __align__(n) __attribute__((aligned(n)))
 // One CTA runs at a time, so a function-static array is exactly "one copy per CTA". The
 // section gathers them all, so that each CTA's start can poison them in one fill and a CTA
-// switch can swap them in one exchange. g++ ignores the attribute on a template's statics,
+// switch can move them in and out in one copy each (enter, leave). g++ ignores the attribute on a template's statics,
 // which -fno-weak makes common symbols: the build's linker script places those in the section
 // too and defines __start_/__stop_ around it (host_harness.SHARED_SECTION_SCRIPT).
 #define __shared__ static __attribute__((section("metrale_shared")))
@@ -172,7 +172,7 @@ struct Fiber {
   unsigned committed;
 };
 
-// A resident CTA that is not running: the state the running one keeps in Launch (exchanged in
+// A resident CTA that is not running: the state the running one keeps in Launch (swapped in
 // and out whole: the fibers never move, so their contexts stay valid), and its shared memory.
 struct Cta {
   uint3 block_idx{0, 0, 0};
@@ -532,14 +532,10 @@ inline Step step_block(Launch& L, std::string& error) {
   }
 }
 
-// The shared section's bytes in transit during an exchange: three memcpy move it several times
-// faster than a swap byte by byte, and the exchange runs twice at every CTA switch.
-static std::vector<char> g_shared_transit;
-
-// Puts the resident CTA `c` in L (and L's previous one in `c`): its threads, exchange buffers
-// and shared memory. The fibers' storage moves with its vector, never its elements, so every
-// saved context stays where it was.
-inline void exchange(Launch& L, Cta& c) {
+// Swaps the resident CTA `c`'s state with L's (so twice is nothing): its threads, exchange
+// buffers and warp order. The fibers' storage moves with its vector, never its elements, so
+// every saved context stays where it was.
+inline void swap_state(Launch& L, Cta& c) {
   std::swap(L.block_idx, c.block_idx);
   std::swap(L.linear, c.linear);
   L.fibers.swap(c.fibers);
@@ -548,11 +544,24 @@ inline void exchange(Launch& L, Cta& c) {
   L.published.swap(c.published);
   L.snapshots.swap(c.snapshots);
   L.order.swap(c.order);
-  const size_t bytes = static_cast<size_t>(__stop_metrale_shared - __start_metrale_shared);
-  g_shared_transit.resize(bytes);
-  std::memcpy(g_shared_transit.data(), __start_metrale_shared, bytes);
-  std::memcpy(__start_metrale_shared, c.shared.data(), bytes);
-  std::memcpy(c.shared.data(), g_shared_transit.data(), bytes);
+}
+
+inline size_t shared_section_bytes() {
+  return static_cast<size_t>(__stop_metrale_shared - __start_metrale_shared);
+}
+
+// CTA `c` runs: its state in L, its shared memory in the section the kernels address. What the
+// section held is nobody's: the CTA that ran before took its own out (leave).
+inline void enter(Launch& L, Cta& c) {
+  swap_state(L, c);
+  std::memcpy(__start_metrale_shared, c.shared.data(), shared_section_bytes());
+}
+
+// CTA `c` stops (at a point where another may run, or at its end): its state and shared memory
+// back in `c`.
+inline void leave(Launch& L, Cta& c) {
+  swap_state(L, c);
+  std::memcpy(c.shared.data(), __start_metrale_shared, shared_section_bytes());
 }
 
 struct PendingStore {
@@ -702,8 +711,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   if (schedule == Schedule::kRandom)
     for (size_t i = total; i > 1; --i) std::swap(admission[i - 1], admission[rng.below(i)]);
 
-  const size_t shared_bytes =
-      static_cast<size_t>(__stop_metrale_shared - __start_metrale_shared);
+  const size_t shared_bytes = shared_section_bytes();
   std::vector<Cta> slots(resident);
   std::vector<int> free_slots, running;
   for (int i = resident - 1; i >= 0; --i) {
@@ -749,9 +757,9 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
       warp_order(c.linear, L.num_warps, c.order);
       // Uninitialised shared memory: NaN as float, all ones as an integer.
       std::fill(c.shared.begin(), c.shared.end(), static_cast<char>(0xff));
-      exchange(L, c);
+      swap_state(L, c);  // its shared memory stays in c until it runs
       start_block(L, c.stacks);
-      exchange(L, c);
+      swap_state(L, c);
       running.push_back(i);
     }
     size_t pick = schedule == Schedule::kRandom ? rng.below(running.size())
@@ -774,7 +782,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
       pick = best;
     }
     Cta& c = slots[running[pick]];
-    exchange(L, c);
+    enter(L, c);
     const Step step = step_block(L, message);
     bool at_atomic = false;
     for (const Fiber& f : L.fibers) at_atomic = at_atomic || (f.wait == Wait::kGlobal && f.site.mask);
@@ -783,7 +791,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
       if (!stored.empty())
         message = block_name(L) + ": a store to " + stored + " overwrote its guard's poison";
     }
-    exchange(L, c);
+    leave(L, c);
     if (step == Step::kDone) {
       free_slots.push_back(running[pick]);
       running.erase(running.begin() + static_cast<long>(pick));
