@@ -3,9 +3,10 @@
 //
 // Model: a launch interleaves its CTAs (launch: up to kResident resident, switching where one
 // of them reaches an atomic, a fence or an __ldcg, in a seeded schedule that every failure
-// names), and runs on guarded copies of its buffers (Buffer); the threads of a CTA are cooperative fibers
-// (started by makecontext, switched by _setjmp/_longjmp) that switch only at barriers, so __syncthreads, warp shuffles and the warp-wide
-// mma emulation have their CUDA meaning. The shim is meant to be as strict as the hardware, so
+// names), and runs on guarded copies of its buffers (Buffer); the threads of a CTA are
+// cooperative fibers (started by makecontext, switched by _setjmp/_longjmp) that switch only at
+// barriers, so __syncthreads, warp shuffles and the warp-wide mma emulation have their CUDA
+// meaning. The shim is meant to be as strict as the hardware, so
 // that a kernel that may fail on a GPU fails here every time:
 // - Warps run one at a time: a warp runs (its collectives releasing within the warp) until each
 //   of its live threads waits at a __syncthreads or has exited, then the next warp runs; the
@@ -68,9 +69,10 @@
 #define __align__(n) __attribute__((aligned(n)))
 // One CTA runs at a time, so a function-static array is exactly "one copy per CTA". The
 // section gathers them all, so that each CTA's start can poison them in one fill and a CTA
-// switch can move them in and out in one copy each (enter, leave). g++ ignores the attribute on a template's statics,
-// which -fno-weak makes common symbols: the build's linker script places those in the section
-// too and defines __start_/__stop_ around it (host_harness.SHARED_SECTION_SCRIPT).
+// switch can move them in and out in one copy each (enter, leave). g++ ignores the attribute on
+// a template's statics, which -fno-weak makes common symbols: the build's linker script places
+// those in the section too and defines __start_/__stop_ around it
+// (host_harness.SHARED_SECTION_SCRIPT).
 #define __shared__ static __attribute__((section("metrale_shared")))
 
 struct uint3 {
@@ -152,8 +154,8 @@ struct Site {
 
 // A kernel thread. It starts on its own stack from `context` (makecontext), and after that
 // switches with the scheduler by _setjmp/_longjmp (`resume`, Launch::scheduler): swapcontext
-// saves and restores the signal mask, two system calls a switch, which were half the harness's
-// CPU time.
+// saves and restores the signal mask, two system calls a switch, which with its register saves
+// were nearly half the harness's CPU time (perf).
 struct Fiber {
   ucontext_t context;
   jmp_buf resume;
