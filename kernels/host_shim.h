@@ -6,8 +6,8 @@
 // names), and runs on guarded copies of its buffers (Buffer); the threads of a CTA are
 // cooperative fibers (started by makecontext, switched by _setjmp/_longjmp) that switch only at
 // barriers, so __syncthreads, warp shuffles and the warp-wide mma emulation have their CUDA
-// meaning. The shim is meant to be as strict as the hardware, so
-// that a kernel that may fail on a GPU fails here every time:
+// meaning. The shim is meant to be as strict as the hardware, so that a kernel that may fail on
+// a GPU fails here every time:
 // - Warps run one at a time: a warp runs (its collectives releasing within the warp) until each
 //   of its live threads waits at a __syncthreads or has exited, then the next warp runs; the
 //   warp order is forward, reversed or rotated from CTA to CTA. Nothing orders two warps but a
@@ -155,7 +155,8 @@ struct Site {
 // A kernel thread. It starts on its own stack from `context` (makecontext), and after that
 // switches with the scheduler by _setjmp/_longjmp (`resume`, Launch::scheduler): swapcontext
 // saves and restores the signal mask, two system calls a switch, which with its register saves
-// were nearly half the harness's CPU time (perf).
+// were nearly half the harness's CPU time (perf). Not for glibc's x86 shadow stacks (CET, opt-in
+// through a tunable), which swapcontext handles and a _longjmp to another stack does not.
 struct Fiber {
   ucontext_t context;
   jmp_buf resume;
@@ -662,18 +663,15 @@ inline void on_fault(int signal_number, siginfo_t* info, void* context) {
   _longjmp(L->scheduler, 1);
 }
 
-// The fiber stacks, kept from one launch to the next (launches never overlap: host_harness.py
-// holds a lock around each). Fresh stacks at every launch were faulted in page by page, about a
+// The fiber stacks, kept from one launch to the next (launches never overlap: see launch). Fresh stacks at every launch were faulted in page by page, about a
 // million minor faults over the host-harness test files. What a launch leaves on them is never
 // read: a thread's stack starts at makecontext. The pages it touched stay with the process (a
 // 256-thread block: about 64 MiB of 32 resident CTAs).
 static char* g_stacks = nullptr;
 static size_t g_stacks_bytes = 0;
 
-// `bytes` of fiber stacks: the kept ones, grown to fit; a launch inside a launch (`own`; the
-// kernels make none) gets its own, which it frees.
-inline char* take_stacks(size_t bytes, bool own) {
-  if (own) return static_cast<char*>(std::aligned_alloc(64, bytes));
+// `bytes` (> 0) of fiber stacks: the kept ones, grown to fit; null when memory is out.
+inline char* take_stacks(size_t bytes) {
   if (bytes > g_stacks_bytes) {
     std::free(g_stacks);
     g_stacks = static_cast<char*>(std::aligned_alloc(64, bytes));
@@ -695,12 +693,18 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
     std::snprintf(error, error_len, "invalid block size %d", n);
     return 1;
   }
+  if (g_launch != nullptr) {
+    // The launch state, the shared section and the stacks are the process's: one launch at a
+    // time (host_harness.py's lock), and a kernel launches none.
+    std::snprintf(error, error_len, "a launch is already running in this process");
+    return 1;
+  }
   L.num_warps = (n + 31) / 32;
   const size_t total = static_cast<size_t>(grid.x) * grid.y * grid.z;
+  if (total == 0) return 0;  // an empty grid runs nothing
   const int resident = static_cast<int>(std::min<size_t>(kResident, total));
   const size_t slot_bytes = static_cast<size_t>(n) * kStackBytes;
-  const bool own_stacks = g_launch != nullptr;
-  L.stacks = take_stacks(slot_bytes * resident, own_stacks);
+  L.stacks = take_stacks(slot_bytes * resident);
   if (L.stacks == nullptr) {
     std::snprintf(error, error_len, "out of memory for %d x %d fiber stacks", resident, n);
     return 1;
@@ -733,7 +737,6 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
     c.shared.resize(shared_bytes);
     free_slots.push_back(i);
   }
-  Launch* previous = g_launch;
   g_launch = &L;
   struct sigaction handler {}, previous_segv {}, previous_bus {};
   handler.sa_sigaction = on_fault;
@@ -806,8 +809,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   land_pending();
   sigaction(SIGSEGV, &previous_segv, nullptr);
   sigaction(SIGBUS, &previous_bus, nullptr);
-  g_launch = previous;
-  if (own_stacks) std::free(L.stacks);
+  g_launch = nullptr;
   if (!message.empty()) {
     std::snprintf(error, error_len, "%s [%s CTA schedule, seed %llu]", message.c_str(),
                   schedule_name(schedule), static_cast<unsigned long long>(seed));

@@ -60,8 +60,8 @@ CXX_FLAGS = (
 # `__shared__`), and under -fno-weak emits them as common symbols; nothing else in the build is
 # common (the shim's own globals are plain statics). This addition to the linker's default
 # script (INSERT: the rest of the default script stands) places the common symbols with the
-# other `__shared__` arrays in the one section the shim poisons at each CTA's start and swaps
-# at a CTA switch; it comes before .bss, whose own rule would otherwise take them first.
+# other `__shared__` arrays in the one section the shim poisons at each CTA's start and copies
+# in and out at a CTA switch; it comes before .bss, whose own rule would otherwise take them first.
 # tests/test_host_shim.py checks that every function-static array of the build lies in it.
 SHARED_SECTION_SCRIPT = """SECTIONS
 {

@@ -33,6 +33,7 @@ from pathlib import Path
 SERVER = r"""
 import json, os, selectors, sys, traceback
 import torch, torch.distributed, numpy
+os.write(1, b"ready\n")
 
 def child(request, closing):
     for fd in closing:
@@ -121,12 +122,17 @@ def _running() -> subprocess.Popen[bytes]:
         _server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE)
         atexit.register(_stop, _server)
+        assert _server.stdout is not None
+        # Its first line, once torch is imported: a server is started only when it has said so.
+        if _server.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"the preloaded server did not start (exit {_server.wait()})")
     return _server
 
 
 def warm() -> None:
-    """Start the server now, ahead of the first script: it starts by importing torch (about
-    2.5 s), a cost for a fixture's setup (conftest `preloaded_server`), not a test's call."""
+    """Start the server now, ahead of the first script, and wait until it has imported torch
+    (about 2.5 s): a cost for a fixture's setup (conftest `preloaded_server`), not a test's
+    call."""
     with _lock:
         _running()
 
