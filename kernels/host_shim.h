@@ -663,10 +663,11 @@ inline void on_fault(int signal_number, siginfo_t* info, void* context) {
   _longjmp(L->scheduler, 1);
 }
 
-// The fiber stacks, kept from one launch to the next (launches never overlap: see launch). Fresh stacks at every launch were faulted in page by page, about a
-// million minor faults over the host-harness test files. What a launch leaves on them is never
-// read: a thread's stack starts at makecontext. The pages it touched stay with the process (a
-// 256-thread block: about 64 MiB of 32 resident CTAs).
+// The fiber stacks, kept from one launch to the next (launches never overlap: see launch).
+// Fresh stacks at every launch were faulted in page by page, about a million minor faults over
+// the host-harness test files. What a launch leaves on them is never read: a thread's stack
+// starts at makecontext. The pages it touched stay with the process (a 256-thread block: about
+// 64 MiB of 32 resident CTAs).
 static char* g_stacks = nullptr;
 static size_t g_stacks_bytes = 0;
 
