@@ -3,16 +3,12 @@
 with `PackageNotFoundError: vllm`), on a tiny Qwen3 with real PEFT adapters: a refused adapter
 named in `--lora-modules` stops the server (exit status 1); loaded at runtime it is HTTP 500
 with vLLM's reason while the base still answers, and a request naming it gets 404. Two server
-starts, each one to three minutes on two cores, and one that exits early, all through the
-library's launcher (`VllmServer`, what `inspect --confirm` starts); the offline path is
-tests/test_engine_vllm.py's (`@request`). The model class judged from `architectures` is
-checked here too: vLLM refuses to start on an architecture it does not register, as metrale
-says."""
+starts, each one to three minutes on two cores, both through the library's launcher
+(`VllmServer`, what `inspect --confirm` starts); the offline path is tests/test_engine_vllm.py's
+(`@request`), as is the model class vLLM refuses before any engine starts (`unregistered`)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from pathlib import Path
 
@@ -92,23 +88,3 @@ def test_a_refused_adapter_at_runtime_is_500_and_the_base_still_answers(
             assert status == want, (model, status, text)
         assert server.alive
 
-
-def test_an_unregistered_architecture_never_starts(tiny: dict[str, Path]) -> None:
-    """metrale's `unsupported_model` for an architecture vLLM does not register: the engine
-    refuses the model before loading a weight."""
-    base = tiny["root"] / "frobnicator"
-    shutil.copytree(tiny["base"], base)
-    config = json.loads((base / "config.json").read_text())
-    config["architectures"] = ["FrobnicatorForCausalLM"]
-    (base / "config.json").write_text(json.dumps(config))
-    model = ModelConfig.from_hf(base)
-    report = audit(Adapter.load(tiny["plain"], "plain"), model)
-    judged = vllm.judge(report, model, vllm.Flags(16, 2, dtype="float32"))
-    assert judged.verdict.value == "unsupported_model"
-    log = tiny["root"] / "frobnicator.log"
-    with _server(base, log) as server:
-        code = server.wait_exit(START_S)
-    text = log.read_text()
-    assert code != 0
-    said = "Model architectures ['FrobnicatorForCausalLM'] are not supported for now"
-    assert said in text and said in judged.reason, text[-3000:]
