@@ -13,14 +13,14 @@ no runner has claimed (a file per job in DIR, created exclusively), so a runner 
 jobs goes on to the next while another still runs a long one. OUT lists the jobs this runner
 ran, each with its "index" in JOBS.
 
-One engine per job, started the way `vllm serve` runs it (engine core and worker each in their
-own process), so an error that ends the engine here ends it there; it is shut down before the
-next job's starts. The jobs share this process's vLLM import (about 13 CPU-seconds), not the
-engine's: each engine core and worker is a fresh interpreter, as under `vllm serve`. Each
-adapter is tried in turn with one greedy next-token request: loaded (with the top-K next-token
-log-probs), or the error's type and text, and whether the engine still answers a base-model
-request afterwards. The base model's own log-probs come first, so an adapter that changes
-nothing is visible as equal log-probs.
+One engine per job (none where vLLM refuses the model in this process, before it starts one),
+started the way `vllm serve` runs it (engine core and worker each in their own process), so an
+error that ends the engine here ends it there; it is shut down before the next job's starts. The
+jobs share this process's vLLM import (about 13 CPU-seconds), not the engine's: each engine core
+and worker is a fresh interpreter, as under `vllm serve`. Each adapter is tried in turn with one
+greedy next-token request: loaded (with the top-K next-token log-probs), or the error's type and
+text, and whether the engine still answers a base-model request afterwards. The base model's own
+log-probs come first, so an adapter that changes nothing is visible as equal log-probs.
 OUT also holds the LoRA tensors the engine allocated, per wrapped module: every stacked A/B
 buffer's shape, dtype and bytes (a view of a buffer already counted: 0), read off the model
 inside the engine's worker.
