@@ -203,7 +203,7 @@ nvidia-smi > "$work/nvidia-smi.txt" 2>&1 || true
 step correctness - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$work/correctness.xml" \
     tests/test_kernels_gpu.py tests/test_expert_kernels_gpu.py
 step pack - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$work/pack.xml" \
-    tests/test_pool_device_path.py tests/test_seam.py
+    tests/test_pool_device_path.py tests/test_kernels_end_to_end.py
 step bench "$work/bench.jsonl" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
 step sass - "$PYTHON" -m metrale_cli.ops.sass --nvrtc-device --out "$work/sass-report.json"
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
