@@ -178,3 +178,13 @@ def host_library() -> Path:
     from metrale_cli.ops import host_harness
 
     return host_harness.build()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-Next model directory (tests/support/hostile_inputs.py, TINY) holding adapter
+    `a` (rank 2 on the attention modules): what the hostile-input tests of every stage copy and
+    edit (`copy_adapter`). Shared by the session: never written to."""
+    from tests.support.hostile_inputs import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("tiny"))

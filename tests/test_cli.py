@@ -7,14 +7,18 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from metrale_cli import env
+from metrale_cli.errors import UsageError
 from tests.support.cli_runner import metrale
 from tests.support.header_only import write_header_only
+from tests.support.hostile_inputs import TINY, copy_adapter, one_line_error, run_cli
 
 ATTN = "q_proj,k_proj,v_proj,o_proj,out_proj"
 
@@ -311,3 +315,166 @@ def test_pack_warns_at_a_max_rank_the_kernels_refuse(tmp_path: Path) -> None:
     assert packed.code == 0 and packed.json()["layout"]["max_rank"] == 12
     assert packed.stderr == f"warning: {packed.json()['warnings'][0]}\n"
     assert "the nearest max rank they serve is 16" in packed.stderr
+
+
+# -- hostile input at the command line: naming, markup, usage errors, terminals, booleans -----
+
+
+def test_a_file_argument_is_named_after_its_directory(tiny: Path, tmp_path: Path) -> None:
+    x1 = copy_adapter(tiny / "a", tmp_path / "one" / "x")
+    x2 = copy_adapter(tiny / "a", tmp_path / "two" / "x")
+    # Two adapters both named `x`: once by directory, once by a file inside it.
+    dup = metrale("pack", x1, x2 / "adapter_model.safetensors", "--max-loras", 2,
+                  "--model", tiny)
+    one_line_error(dup, 2)
+    assert "two adapters are named 'x'" in dup.stderr
+    # Two config files in different directories are two adapters named after them.
+    y = copy_adapter(tiny / "a", tmp_path / "y")
+    both = metrale("inspect", x1 / "adapter_config.json", y / "adapter_config.json",
+                   "--model", tiny, "--json")
+    assert both.code == 0, both.stderr
+    assert [a["name"] for a in both.json()["adapters"]] == ["x", "y"]
+    # Any other file names no adapter, and an empty path is not the current directory.
+    (tmp_path / "notes.txt").write_text("hi")
+    one_line_error(metrale("inspect", tmp_path / "notes.txt", "--model", tiny), 2)
+    for empty in ("", "x=", " "):
+        one_line_error(metrale("inspect", empty, "--model", tiny), 2)
+
+
+def test_a_hub_id_is_named_by_the_same_rule(tiny: Path, tmp_path: Path) -> None:
+    """`org/x` and a local directory `x` are both named `x`: refused before anything is read."""
+    local = copy_adapter(tiny / "a", tmp_path / "x")
+    result = metrale("inspect", "some-org/x", local, "--model", tiny)
+    one_line_error(result, 2)
+    assert "two adapters are named 'x'" in result.stderr
+
+
+def test_synth_refuses_a_non_finite_alpha(tmp_path: Path) -> None:
+    for alpha in ("nan", "inf", "-inf"):
+        one_line_error(metrale("synth", tmp_path / alpha, "--model", "qwen3-8b", "--modules",
+                               "q_proj", "--rank", 8, "--alpha", alpha), 2)
+        assert not (tmp_path / alpha).exists()
+
+
+def test_synth_rank_is_bounded_by_the_weights_it_adapts(tmp_path: Path) -> None:
+    result = metrale("synth", tmp_path / "a", "--model", "qwen3-8b", "--modules", "q_proj",
+                     "--rank", 100_000_000)
+    one_line_error(result, 2)
+    assert "--rank 100000000 is above 4096" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_markup_in_names_is_shown_as_typed(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    copy_adapter(tiny / "a", tmp_path / "[bold red]evil")
+    copy_adapter(tiny / "a", tmp_path / "a[/]b")
+    for command in (("inspect",), ("pack", "--max-loras", 2)):
+        result = metrale(*command, "[bold red]evil", "a[/]b", "--model", tiny)
+        assert result.code == 0, result.stderr
+        assert "[bold red]evil" in result.stdout and "a[/]b" in result.stdout
+    assert metrale("synth", "[/]x", "--model", tiny, "--modules", "q_proj",
+                   "--rank", 2).stdout.startswith("wrote [/]x")
+
+
+def test_markup_in_tensor_names_is_shown_as_typed(tiny: Path, tmp_path: Path) -> None:
+    from tests.support.header_only import write_header_only
+
+    odd = copy_adapter(tiny / "a", tmp_path / "odd")
+    write_header_only(odd / "adapter_model.safetensors",
+                      [("base_model.model.[/]weird[red]", "BF16", [2, 2])])
+    result = metrale("inspect", odd, "--model", tiny)
+    assert result.code == 1, result.stderr
+    assert "[/]weird[red]" in result.stdout.replace("\n", "")
+
+
+def test_no_internal_error_where_a_usage_error_belongs(tiny: Path, tmp_path: Path) -> None:
+    one_line_error(metrale("layout", "--model", tiny, "--modules", "q_proj", "--max-rank", 8,
+                           "--budget", "1e999"), 2)
+    one_line_error(metrale("synth", tmp_path / "s", "--model", tiny, "--modules", "q_proj",
+                           "--rank", 2, "--seed", -1), 2)
+    deep = "[" * 100_000 + "]" * 100_000
+    model_dir = tmp_path / "deep-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(deep)
+    one_line_error(metrale("layout", "--model", model_dir, "--modules", "q_proj",
+                           "--max-rank", 8), 2)
+    deep_config = copy_adapter(tiny / "a", tmp_path / "deep-config")
+    (deep_config / "adapter_config.json").write_text(deep)
+    one_line_error(metrale("inspect", deep_config, "--model", tiny), 2)
+    deep_header = copy_adapter(tiny / "a", tmp_path / "deep-header")
+    blob = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (deep_header / "adapter_model.safetensors").write_bytes(len(blob).to_bytes(8, "little")
+                                                            + blob)
+    one_line_error(metrale("inspect", deep_header, "--model", tiny), 2)
+    huge = tmp_path / "huge-model"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 100_000_000}))
+    start = time.monotonic()
+    one_line_error(metrale("layout", "--model", huge, "--modules", "q_proj", "--max-rank", 8), 2)
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.proc
+def test_an_ascii_terminal_gets_the_view(tiny: Path) -> None:
+    done = run_cli("inspect", tiny / "a", "--model", tiny,
+                   env_extra={"PYTHONIOENCODING": "ascii", "COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr
+    assert "servable" in done.stdout and done.stderr == ""
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("1", True), ("true", True), (" YES ", True), ("On", True),
+    ("0", False), ("false", False), ("no", False), ("off", False), (" 0", False), ("", False),
+])
+def test_boolean_variables(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
+    for name in ("METRALE_LORA_EXPERTS", "METRALE_DEBUG", "METRALE_ONLINE"):
+        monkeypatch.setenv(name, value)
+    assert env.experts_enabled() is expected and env.debug() is expected
+    assert env.online() is expected
+
+
+@pytest.mark.parametrize("value", ["00", "maybe", "2", "y"])
+def test_a_boolean_variable_that_is_not_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tiny: Path, value: str
+) -> None:
+    monkeypatch.setenv("METRALE_LORA_EXPERTS", value)
+    with pytest.raises(UsageError, match="METRALE_LORA_EXPERTS"):
+        env.experts_enabled()
+    result = metrale("inspect", tiny / "a", "--model", tiny)
+    one_line_error(result, 2)
+    assert "METRALE_LORA_EXPERTS" in result.stderr
+    monkeypatch.delenv("METRALE_LORA_EXPERTS")
+    monkeypatch.setenv("METRALE_DEBUG", value)
+    one_line_error(metrale("inspect", tiny / "a", "--model", tiny), 2)
+
+
+def test_experts_false_means_off(monkeypatch: pytest.MonkeyPatch, tiny: Path) -> None:
+    monkeypatch.setenv("METRALE_LORA_EXPERTS", "false")
+    assert metrale("inspect", tiny / "a", "--model", tiny, "--json").json()[
+        "experts_enabled"] is False
+
+
+@pytest.mark.proc
+def test_zero_columns_still_prints(tiny: Path) -> None:
+    done = run_cli("inspect", tiny / "a", "--model", tiny, env_extra={"COLUMNS": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "servable" in done.stdout
+    refused = run_cli("inspect", "/nonexistent", env_extra={"COLUMNS": "0"})
+    assert refused.returncode == 2 and "no such adapter" in refused.stderr
+
+
+@pytest.mark.parametrize("args,says", [
+    (["layout", "--max-rank", "abc"], "'--max-rank'"),
+    (["pack", "x"], "Missing option '--max-loras'"),
+    (["inspect", "--nope"], "No such option: --nope"),
+    (["nosuch"], "No such command 'nosuch'"),
+    # Input with a line break in it still makes one line, the break shown escaped.
+    (["inspect", "a\nb"], "error: a\\nb: no such adapter directory"),
+    (["layout", "--model", "x\ry", "--max-rank", "8"], "'x\\ry'"),
+])
+def test_click_usage_errors_are_one_line(args: list[str], says: str) -> None:
+    result = metrale(*args)
+    one_line_error(result, 2)
+    assert result.stderr.startswith("error: ") and says in result.stderr

@@ -32,6 +32,7 @@ CASE_SECONDS = 30
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This module's own copy of conftest's `tiny`: the fuzzed commands write inside it."""
     return tiny_model(tmp_path_factory.mktemp("fuzz"))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import run_cli
 from tests.support.hub_server import COMMIT, Hub, cache_repo, serve
 
 MODEL = "qwen3-next-80b-a3b"
@@ -172,3 +173,18 @@ def test_hub_failures_are_one_line_exit_2(hub: Hub, tmp_path: Path, spec: str,
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"error: {spec}: adapter_config.json: {message}"), done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+# -- hostile input: a Hugging Face home that is no directory ---------------------------------------
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize("online", [[], ["--online"]])
+def test_a_hugging_face_home_that_is_no_directory_is_one_line(
+    tiny: Path, online: list[str]
+) -> None:
+    result = run_cli("inspect", tiny / "a", "--model", "org/name", *online,
+                     env_extra={"HF_HOME": os.devnull, "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Errno" not in result.stderr, result.stderr
+    assert "/dev/null" in result.stderr

@@ -17,7 +17,6 @@ from metrale_cli.files.jsondoc import load_json
 from metrale_cli.image.format import read_tables
 from metrale_cli.image.pool_image import PoolImage
 from tests.support.cli_runner import Result, metrale
-from tests.support.hostile_inputs import tiny_model
 from tests.support.image_edit import (
     header_text,
     replace_header,
@@ -25,11 +24,6 @@ from tests.support.image_edit import (
     strip_digests,
     write_element,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("integrity"))
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from metrale_cli.cli.parsing import parse_size
@@ -11,6 +13,7 @@ from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import copy_adapter, one_line_error
 
 ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
 
@@ -80,3 +83,29 @@ def test_layout_without_modules_or_adapters_suggests_modules_all() -> None:
     r = metrale("layout", "--model", "qwen3-8b", "--max-rank", "16")
     assert r.code == 2 and r.stdout == "", r
     assert len(r.stderr.strip().splitlines()) == 1 and "--modules all" in r.stderr, r.stderr
+
+
+# -- hostile input: layout refuses what pack refuses -----------------------------------------------
+
+
+def test_layout_refuses_what_pack_refuses(tiny: Path, tmp_path: Path) -> None:
+    # No (layer, module) pair applies: a dense model has no linear-attention out_proj.
+    empty = metrale("layout", "--model", "qwen3-8b", "--modules", "out_proj", "--max-rank", 8,
+                    "--budget", "40GiB")
+    one_line_error(empty, 2)
+    assert "applies to any layer" in empty.stderr
+    # An adapter above --max-rank, and a DoRA adapter: the same refusal, exit 1, by layout,
+    # simulate (which sizes its slots by the adapters) and pack.
+    dora = copy_adapter(tiny / "a", tmp_path / "dora", use_dora=True)
+    for args in ((tiny / "a", "--max-rank", 1), (dora,)):
+        planned = metrale("layout", *args, "--model", tiny)
+        simulated = metrale("simulate", *args, "--model", tiny, "--requests", 20)
+        packed = metrale("pack", *args, "--model", tiny, "--max-loras", 2)
+        assert planned.code == simulated.code == packed.code == 1, (
+            planned.stderr, simulated.stderr, packed.stderr)
+        assert planned.stderr == simulated.stderr == packed.stderr
+        assert planned.stdout == simulated.stdout == ""
+    # Modules the adapter has outside --modules: refused by both, naming the adapter.
+    narrow = metrale("layout", tiny / "a", "--model", tiny, "--modules", "k_proj")
+    one_line_error(narrow, 2)
+    assert "error: a: out_proj on layer 0 is not in the pool's layout" in narrow.stderr

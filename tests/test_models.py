@@ -11,6 +11,8 @@ import pytest
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.model.config import PRESETS, LayerType, ModelConfig, resolve_model
 from metrale_cli.model.modules import ALL, LoraModule
+from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import TINY, one_line_error
 
 # Real files copied into the project (tests/data/PROVENANCE.md says from where).
 REFERENCE = Path(__file__).resolve().parent / "data" / "model_configs"
@@ -116,3 +118,45 @@ def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert found.num_hidden_layers == 3 and found.source == "acme/tiny"
     with pytest.raises(UsageError, match="not in the local Hugging Face cache"):
         resolve_model("acme/absent")
+
+
+# -- hostile input: --model resolution and base-model configs that cannot be built -----------------
+
+
+def test_an_adapter_directory_named_like_a_preset_does_not_hide_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert metrale("synth", "qwen3-8b", "--model", "qwen3-8b", "--modules", "q_proj",
+                   "--rank", 8).code == 0
+    result = metrale("inspect", "qwen3-8b", "--json")
+    assert result.code == 0, result.stderr
+    assert result.json()["model"]["source"] == "qwen3-8b"
+    # A directory that is no preset and holds no config.json says so.
+    (tmp_path / "plain").mkdir()
+    missing = metrale("layout", "--model", "plain", "--modules", "q_proj", "--max-rank", 8)
+    one_line_error(missing, 2)
+    assert "without config.json" in missing.stderr
+
+
+@pytest.mark.parametrize("edit,says", [
+    ({"head_dim": 0}, "'head_dim' missing or not a positive integer"),
+    ({"num_key_value_heads": 7}, "'num_key_value_heads' 7 does not divide 'num_attention_heads' 2"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' missing or not a positive integer"),
+    ({"head_dim": None, "hidden_size": 1}, "no 'head_dim', and 'hidden_size' 1 is smaller"),
+])
+def test_base_model_configs_that_cannot_be_built_are_refused(
+    tmp_path: Path, edit: dict[str, object], says: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **edit}))
+    result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8)
+    one_line_error(result, 2)
+    assert says in result.stderr
+
+
+def test_a_null_head_dim_is_derived(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "head_dim": None,
+                                                      "num_key_value_heads": None}))
+    result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8,
+                     "--json")
+    assert result.code == 0, result.stderr

@@ -5,7 +5,6 @@ embedding forward returns exactly those rows (the rows replace, they do not add)
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from safetensors.numpy import load_file
 
 from metrale_cli.image.pool_image import PoolImage
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import copy_adapter
 
 pytestmark = pytest.mark.slow
 DELTA = "token_adapter.trainable_tokens_delta"
@@ -32,14 +32,6 @@ def image_rows(image: PoolImage, slot: int) -> dict[str, tuple[np.ndarray, np.nd
     assert raw is not None
     return {t: (ids, rows, tied) for t, ids, rows, tied in
             zip(raw.tables, raw.tokens, raw.rows, raw.tied_lm_head, strict=True)}
-
-
-def copy_adapter(src: Path, dst: Path, **config: object) -> Path:
-    shutil.copytree(src, dst)
-    doc = json.loads((dst / "adapter_config.json").read_text())
-    doc.update(config)
-    (dst / "adapter_config.json").write_text(json.dumps(doc))
-    return dst
 
 
 def test_overlay_rows_equal_peft_at_the_token_ids(peft_zoo, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from metrale_cli.layout.pipeline import audit_adapters, plan_pool
 from metrale_cli.model.config import resolve_model
 from metrale_cli.model.modules import LoraModule
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import copy_adapter
 
 MODEL = "qwen3-8b"
 
@@ -71,3 +72,22 @@ def test_no_adapter_and_no_model_is_a_usage_error() -> None:
         plan_pool([], modules=[LoraModule.Q_PROJ], max_rank=8)
     planned = plan_pool([], MODEL, modules=[LoraModule.Q_PROJ], max_rank=8)
     assert planned.reports == [] and planned.layout.max_rank == 8
+
+
+# -- hostile input: a refusal under --json ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["layout", "pack"])
+def test_a_json_refusal_prints_its_record(tiny: Path, tmp_path: Path, command: str) -> None:
+    bad = copy_adapter(tiny / "a", tmp_path / "bad", use_dora=True)
+    args = ["--max-loras", 2, "--out", tmp_path / "pool.safetensors"] if command == "pack" else []
+    result = metrale(command, tiny / "a", bad, "--model", tiny, *args, "--json")
+    assert result.code == 1, result.stderr
+    adapters = {a["name"]: a for a in result.json()["adapters"]}
+    assert adapters["a"]["servable"] and not adapters["bad"]["servable"]
+    assert [f["code"] for f in adapters["bad"]["findings"] if f["severity"] == "error"] == ["dora"]
+    # stderr: one line per error finding, then the summary.
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("bad: dora: ")
+    assert lines[1] == "error: 1 adapter(s) not servable: bad"
+    assert not (tmp_path / "pool.safetensors").exists()

@@ -30,6 +30,7 @@ from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import one_line_error
 
 ATTN = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")]
 NEXT = ModelConfig.preset("qwen3-next-80b-a3b")
@@ -403,3 +404,19 @@ def test_refuse_unshardable_names_the_adapter_rank_and_size() -> None:
     down = SimpleNamespace(name="moe", expert_pairs=[SimpleNamespace(
         proj=ExpertProj.DOWN_PROJ, r=6, layer=3, expert=5)])
     refuse_unshardable([down], ShardSpec(4, 0, 1, True))  # w2 A is sliced by column
+
+
+# -- hostile input: torchrun's variables where no launch set them ----------------------------------
+
+
+@pytest.mark.parametrize("rank,world", [("x", "abc"), ("0", "abc"), ("2", "2"), ("-1", "2")])
+def test_torchrun_variables_that_are_not_a_launch_are_refused(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: str, world: str
+) -> None:
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    result = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--tp", 2,
+                     "--out", tmp_path / "ranks")
+    one_line_error(result, 2)
+    assert f"RANK={rank!r} WORLD_SIZE={world!r}" in result.stderr
+    assert not (tmp_path / "ranks").exists()

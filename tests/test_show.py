@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from metrale_cli.files.safetensors_header import read_header
 from metrale_cli.image.format import read_tables
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
 from metrale_cli.pool.pool import AdapterSlot
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import one_line_error, run_cli
 from tests.support.image_edit import edit_metadata, read_element, write_element
 
 MODEL = "qwen3-next-80b-a3b"
@@ -301,3 +303,34 @@ def test_show_reads_only_the_header_and_tables(tmp_path: Path) -> None:
     # Python's own imports dominate rchar; what differs is the header and tables, read once.
     assert read["huge"] - read["tiny"] <= tables["huge"] - tables["tiny"] + 65536, read
     assert read["huge"] < sizes["huge"] / 1000, read
+
+
+# -- hostile input: images whose metadata contradicts their tables ---------------------------------
+
+
+def test_show_json_of_an_inconsistent_image_prints_its_record(tiny: Path,
+                                                              tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
+    slots = read_header(image).metadata["metrale.slots"]
+    edit_metadata(image, "metrale.slots", slots.replace('"scaling":2.0', '"scaling":3.0', 1))
+    result = metrale("show", image, "--json")
+    one_line_error(result, 1)
+    assert result.json() == {"path": str(image), "format": "pool/1", "valid": False,
+                             "problems": ["slot 0 (a): scales[0] is 2; the slot's metadata "
+                                          "says 3.0"]}
+    assert result.stderr == f"error: {image}: slot 0 (a): scales[0] is 2; the slot's metadata " \
+                            "says 3.0\n"
+
+
+@pytest.mark.proc
+def test_a_scale_past_float32_is_one_error_line(tiny: Path, tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
+    slots = read_header(image).metadata["metrale.slots"]
+    edit_metadata(image, "metrale.slots", slots.replace('"scaling":2.0', '"scaling":1e39', 1))
+    # In a process of its own: NumPy's warnings go to the real stderr.
+    result = run_cli("show", image)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("\n") == 1 and "Warning" not in result.stderr, result.stderr
+    assert "the slot's metadata says 1e+39" in result.stderr

@@ -940,3 +940,18 @@ def test_cli_min_is_labelled_an_offline_bound() -> None:
     assert rec.code == 0, rec.stderr
     results = json.loads(rec.stdout)["results"]
     assert {x["policy"]: x["offline_bound"] for x in results} == {"lru": False, "min": True}
+
+
+# -- hostile input: simulate off a terminal --------------------------------------------------------
+
+
+@pytest.mark.sweep
+def test_simulate_off_a_terminal_is_not_silent(tiny: Path) -> None:
+    # 3 policies x 1 size x 30,000 requests: progress is told at the end of each replay.
+    result = metrale("simulate", "--model", tiny, "--modules", "q_proj", "--max-rank", 8,
+                     "--workload", "zipf", "--adapters", 50, "--requests", 30_000,
+                     "--max-loras", 8)
+    assert result.code == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("simulating: ")]
+    assert said == ["simulating: 30% of 90,000 request replays",
+                    "simulating: 60% of 90,000 request replays"], result.stderr

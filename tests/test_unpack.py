@@ -277,3 +277,25 @@ def test_a_killed_unpack_leaves_a_temp_the_next_sweeps(peft_zoo, tmp_path: Path)
     finally:
         writers[1].kill()
         writers[1].wait(timeout=60)
+
+
+# -- hostile input: the alpha form an unpacked adapter is written in -------------------------------
+
+
+@pytest.mark.parametrize("rslora,alpha", [(True, 181), (False, 16), (True, 8)])
+def test_unpack_writes_the_alpha_form_the_adapter_had(tiny: Path, tmp_path: Path, rslora: bool,
+                                                      alpha: float) -> None:
+    flags = ["--rslora"] if rslora else []
+    adapter = tmp_path / "a"
+    assert metrale("synth", adapter, "--model", tiny, "--modules", "q_proj", "--rank", 8,
+                   "--alpha", alpha, *flags).code == 0
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", adapter, "--model", tiny, "--max-loras", 1, "--out", image).code == 0
+    back = tmp_path / "back"
+    result = metrale("unpack", image, "--slot", 0, back, "--json")
+    assert result.code == 0, result.stderr
+    config = json.loads((back / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (8, alpha, rslora)
+    assert result.json()["lora_alpha"] == alpha
+    # The same delta: the unpacked adapter packs to the very bytes of the slot.
+    assert metrale("verify", image, f"a={back}").code == 0

@@ -148,3 +148,44 @@ def test_no_line_outside_a_table_is_folded(adapters: tuple[Path, Path], tmp_path
     assert whole
     shown = set(lines(narrow.stdout))
     assert [line for line in whole if line not in shown] == []
+
+
+# -- hostile input: narrow terminals and NO_COLOR --------------------------------------------------
+
+
+def test_at_80_columns_no_value_is_split_across_lines(tiny: Path, tmp_path: Path) -> None:
+    image = tmp_path / "pool.safetensors"
+    pack = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image,
+                   columns=80)
+    assert pack.code == 0, pack.stderr
+    fingerprint = metrale("show", image, "--json").json()["layout"]["fingerprint"]
+    lines = pack.stdout.splitlines()
+    assert any(line.endswith(f"layout fingerprint {fingerprint}") for line in lines), lines
+    assert any(line.endswith("1 empty cache slots") for line in lines), lines
+    record = metrale("layout", tiny / "a", "--model", tiny, "--max-loras", 2800, "--json").json()
+    slot, pool = record["slot_bytes"], record["pool_bytes"]
+    show = metrale("show", image, columns=80).stdout.splitlines()
+    assert f"fingerprint  {fingerprint}" in show
+    assert any(line.startswith("layout ") and f"slot {slot:,} B, 2 slots" in line
+               for line in show), show
+    layout = metrale("layout", tiny / "a", "--model", tiny, "--max-loras", 2800,
+                     columns=80).stdout.splitlines()
+    # One separator for every count of slots, as the budget line has.
+    assert any(line.startswith("pool ") and f"2,800 slots: {pool:,} B (" in line
+               for line in layout), layout
+    assert any(line.startswith("slot ") and f"{slot:,} B (" in line for line in layout), layout
+
+
+@pytest.mark.parametrize("command", ["show", "layout", "inspect"])
+def test_no_color_on_a_terminal_sends_no_styles(tiny: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                command: str) -> None:
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image).code == 0
+    args = [image] if command == "show" else [tiny / "a", "--model", tiny]
+    monkeypatch.setenv("FORCE_COLOR", "1")  # Rich takes stdout for a terminal
+    styled = metrale(command, *args)
+    assert styled.code == 0 and "\x1b[" in styled.stdout
+    monkeypatch.setenv("NO_COLOR", "1")
+    plain = metrale(command, *args)
+    assert plain.code == 0 and "\x1b" not in plain.stdout + plain.stderr, plain.stdout
