@@ -51,12 +51,17 @@ def test_skipped_blocks_are_few_and_say_why() -> None:
     assert all(len(block.skip.split()) >= 3 for block in skipped), [b.skip for b in skipped]
 
 
-def test_the_first_screen_answers_three_questions() -> None:
-    """README's screen for a vLLM operator: inspect, layout, simulate, in that order."""
+def test_the_readme_opens_with_two_commands_install_and_a_quickstart() -> None:
+    """README's first sections: the two commands, install, then a vLLM operator's three
+    questions (inspect, layout, simulate, in that order), then the worked example."""
     head = transcripts.ROOT / "README.md"
-    first = head.read_text().split("## Two commands", 1)[0].count("\n")
+    sections = [(n, line.split(":")[0]) for n, line in
+                enumerate(head.read_text().splitlines(), 1) if line.startswith("## ")]
+    assert [name for _, name in sections[:4]] == ["## Two commands", "## Install",
+                                                  "## Quickstart", "## Worked example"]
+    start, end = sections[2][0], sections[3][0]
     commands = [c.argv[1] for block in SESSIONS["operator"] if block.doc == head
-                and block.line <= first for c in block.commands]
+                and start < block.line < end for c in block.commands]
     assert commands == ["inspect", "layout", "simulate"]
 
 

@@ -45,6 +45,6 @@ def pytest_runtest_makereport(
             report.longrepr = (
                 f"{item.nodeid} took {report.duration:.1f} s (setup {setup:.1f} s, not "
                 f"counted), over the {limit:g} s a test's call without a cost marker may take: "
-                f"mark it {', '.join(COST_MARKERS)} (README, Tests)"
+                f"mark it {', '.join(COST_MARKERS)} (tests/README.md, Cost tiers)"
             )
     return report
