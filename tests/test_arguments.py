@@ -1,5 +1,5 @@
 """Every public function of `metrale_cli.__all__` refuses an argument of the wrong type with a
-UsageError naming the argument and what it takes (issue 25 item 29: 15 calls raised a bare
+UsageError naming the argument and what it takes (15 calls once raised a bare
 TypeError or AttributeError, `resolve_model(None)` "'NoneType' object has no attribute
 'strip'")."""
 

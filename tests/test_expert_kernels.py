@@ -402,7 +402,7 @@ def test_kernels_are_registered_with_their_config() -> None:
         assert sources.loads_in_flight(name) >= 1 and sources.min_ctas_per_sm(name) >= 1
 
 
-# --- expert ids outside [0, E) (issue 18, item 9) ----------------------------------------------
+# --- expert ids outside [0, E) --------------------------------------------------------------------
 
 
 def test_off_rank_expert_ids_get_no_tile_and_others_are_refused() -> None:
@@ -466,7 +466,7 @@ def test_off_rank_experts_leave_their_rows_untouched(served: Served) -> None:
         ek.plan_expert_expand(t, pairs, strided, tables, tables.down, out, 2)
 
 
-# --- the prefill tiles on tensor cores (issue 20) ----------------------------------------------
+# --- the prefill tiles on tensor cores ------------------------------------------------------------
 
 # Slot ranks that reach every shape of the mma prefill kernels in a max-rank-256 pool: the
 # shrink's 1, 2 and 4 m16 tiles per 64-row CTA (5, 13, 24; 40 and 100 past 64: 3 tiles, read

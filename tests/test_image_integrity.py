@@ -1,7 +1,7 @@
-"""Pool images and the files packed into them that must be refused, not read (issue 25): JSON
-keys given twice, metadata nested past the parser, non-finite or flipped weights; and images
-without digests, which still read (verify against show: test_verify.py; an adapter cut short
-while packed: test_pack_truncated.py)."""
+"""Pool images and the files packed into them that must be refused, not read: JSON keys given
+twice, metadata nested past the parser, non-finite or flipped weights; and images without
+digests, which still read (verify against show: test_verify.py; an adapter cut short while
+packed: test_pack_truncated.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def one_line(result: Result, code: int) -> str:
     return result.stderr
 
 
-# -- item 27: a key given twice ------------------------------------------------------------------
+# -- a key given twice -----------------------------------------------------------------------------
 
 
 def test_a_key_given_twice_is_refused_wherever_json_is_read(tmp_path: Path) -> None:
@@ -96,7 +96,7 @@ def test_configs_with_a_key_given_twice_are_refused(tiny: Path, tmp_path: Path) 
     assert "config.json" in line and "'hidden_size' is given twice" in line
 
 
-# -- item 26: metadata nested 100,000 deep -------------------------------------------------------
+# -- metadata nested 100,000 deep ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("key", ["metrale.layout", "metrale.slots", "metrale.model",
@@ -113,7 +113,7 @@ def test_metadata_nested_past_the_parser_is_exit_2(image: Path, tmp_path: Path,
         PoolImage.open(image)
 
 
-# -- item 24: non-finite weights, and a digest per tensor ----------------------------------------
+# -- non-finite weights, and a digest per tensor ---------------------------------------------------
 
 
 def _pool_offset(path: Path, slot: int, part: str = "a") -> int:

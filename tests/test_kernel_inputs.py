@@ -1,5 +1,7 @@
-"""Launch inputs the kernels' planners must take or refuse (issue 25 item 11): every one
-answered by its own check, naming what is wrong, before anything is launched or allocated."""
+"""Launch inputs the kernels' planners must take or refuse (no tokens, split counts and max ranks
+outside the kernels' range, work lists that leave rows unwritten, offsets past 32 bits, expert
+entries, tiles and pairs outside their tables): every one answered by its own check, naming what
+is wrong, before anything is launched or allocated."""
 
 from __future__ import annotations
 

@@ -117,8 +117,8 @@ _STALE_SPLIT_K = ("(+)=", "F32 atomics", "by atomics", "must be zero before",
 
 
 def test_the_kernels_and_their_figures_describe_split_k_as_it_runs() -> None:
-    """Issue 25 item 14: no comment of the kernels says that split-K adds into a zeroed t with
-    atomics, and docs/benchmarks.md's account of the split-K design says what replaced them."""
+    """No comment of the kernels says that split-K adds into a zeroed t with atomics, and
+    docs/benchmarks.md's account of the split-K design says what replaced them."""
     root = Path(__file__).resolve().parents[1]
     for name in ("bgmv.cu", "sgmv.cu"):
         text = (root / "kernels" / name).read_text()

@@ -457,7 +457,7 @@ def test_layouts_refuse_alignments_the_kernels_cannot_load() -> None:
         check_rank_and_align(16, 8)
 
 
-# --- launches the planners must refuse (issue 18, items 7, 8, 10, 11) --------------------------
+# --- launches the planners must refuse ------------------------------------------------------------
 
 
 def test_buffers_read_as_dense_arrays_must_be_contiguous() -> None:

@@ -393,7 +393,7 @@ def test_the_expand_planner_charges_the_model_s_passes(out_dim: int, rank: int,
         expected)
 
 
-# --- what the hardware runs: whole waves, the splits that have K (issue 28 section 3) --------
+# --- what the hardware runs: whole waves, the splits that have K ----------------------------------
 
 
 def test_a_grid_of_uniform_ctas_is_priced_in_whole_waves() -> None:

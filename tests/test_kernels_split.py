@@ -198,7 +198,7 @@ def test_a_broken_reduction_fails(case: Case, mutation: str, tmp_path: Path,
     assert broken
 
 
-# --- the workspace: one per stream, its counters checked, CUDA graph captures (issue 25 item 12)
+# --- the workspace: one per stream, its counters checked, CUDA graph captures ---------------------
 
 
 def _against_reference(case: Case, backend: kernels.Backend, seed: int) -> bool:
@@ -280,10 +280,10 @@ def test_a_capture_allocates_nothing_and_its_workspace_never_grows() -> None:
 
 
 def test_a_rank_16_split_stores_only_the_columns_that_hold_rank_rows() -> None:
-    """Issue 28 section 3: an SGMV split shrink whose rank rows lie in a tile's first 16
-    columns stores 2 of its partial tile's 8 column groups (the others are zeros in every
-    split): the workspace's partials (NaN when allocated, on the host backend) keep NaN in the
-    other 6, and t equals the reference."""
+    """An SGMV split shrink whose rank rows lie in a tile's first 16 columns stores 2 of its
+    partial tile's 8 column groups (the others are zeros in every split): the workspace's
+    partials (NaN when allocated, on the host backend) keep NaN in the other 6, and t equals
+    the reference."""
     backend = host_harness.HostBackend()
     splits = 4
     t = _shrink(SGMV16, splits, backend)

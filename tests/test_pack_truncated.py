@@ -1,5 +1,5 @@
-"""An adapter file cut short while `pack` reads it (issue 25 item 20): the memory-mapped reader
-died of SIGBUS; now one line naming the file, exit 2, no image written."""
+"""An adapter file cut short while `pack` reads it: the memory-mapped reader died of SIGBUS;
+now one line naming the file, exit 2, no image written."""
 
 from __future__ import annotations
 

@@ -410,7 +410,7 @@ def test_non_finite_weights_are_refused(tiny: dict[str, Path], tmp_path: Path,
     assert result.code == 1, result.stderr
     assert result.stderr == (f"error: bad: tensor {tensor_name!r} has 2 non-finite values "
                              "(NaN or infinity) as BF16; refusing to pack it\n")
-    # Under --json the refusal prints its record, as the audit's refusals do (issue 25 item 21).
+    # Under --json the refusal prints its record, as the audit's refusals do.
     out = tmp_path / "pool.safetensors"
     result = metrale("pack", bad, "--max-loras", 1, "--device", "cpu", "--out", out, "--json")
     assert result.code == 1 and not out.exists()

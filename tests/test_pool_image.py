@@ -36,7 +36,7 @@ MOE = {
     "mlp_only_layers": [0], "vocab_size": 64,
 }
 # sha256 of the images `pinned_images` packs, written before the pool's region refactor, and
-# without `metrale.digests` (issue 25 item 24 added it, and moved nothing else): the image
+# without `metrale.digests` (the per-tensor digests came later and moved nothing else): the image
 # format and bytes must not change.
 PINNED = {
     "dense": "5faa2a9e97fbcf82b53e3ad1fee4182bb2e9d8b99d8a1f9c2e7c2251a071cf87",

@@ -31,7 +31,7 @@ def test_routes() -> None:
     rnd = route(w, hold, Routing(3, "random", seed=4), 1, (), None)
     assert (rnd == route(w, hold, Routing(3, "random", seed=4), 1, (), None)).all()
     # Affinity with nothing in flight: every replica idle. Ties went to the lowest index, so
-    # every request to replica 0 (issue 25 item 3); now a new adapter goes to the replica sent
+    # every request to replica 0; now a new adapter goes to the replica sent
     # the fewest requests: a1 to 1, a2 to 0 (2 each; the lower index), evicting a0 from 0's
     # one cache slot, so a0 goes to 1, sent fewer.
     assert route(w, hold, Routing(2, "affinity"), 1, (), None).tolist() == [0, 1, 0, 1, 0, 1]
@@ -93,7 +93,7 @@ def test_cli_replicas() -> None:
 
 
 def test_affinity_in_paging_mode_spreads_over_every_replica() -> None:
-    """The issue's repro: zipf over 100 adapters, zero-length requests, 4 replicas; affinity
+    """Zipf over 100 adapters, zero-length requests, 4 replicas; affinity
     sent all 2,000 requests to replica 0 and listed only it."""
     r = metrale("simulate", "--workload", "zipf", "--adapters", "100", "--requests", "2000",
                 "--input-tokens", "0", "--output-tokens", "0", "--replicas", "4", "--route",

@@ -45,7 +45,8 @@ def next_layout(max_rank: int = 16) -> SlotLayout:
     (8, False, 6_881_280), (4, True, 3_932_160),
 ])
 def test_qwen3_next_figures(tp: int, fully: bool, slot_bytes: int) -> None:
-    """The issue's figures, per rank, for every rank."""
+    """Qwen3-Next's slot bytes per GPU at each TP size (docs/tensor-parallel.md's table), the
+    same on every rank."""
     layout = next_layout()
     ranks = [RankLayout.of(layout, ShardSpec(tp, k, 1, fully)) for k in range(tp)]
     assert [r.slot_bytes for r in ranks] == [slot_bytes] * tp

@@ -82,7 +82,7 @@ def test_show_view(packed: tuple[Path, dict]) -> None:
 
 
 def is_field(line: str) -> bool:
-    """A `key  value` line of the view's head, which is never folded (issue 18.29): past the
+    """A `key  value` line of the view's head, which is never folded: past the
     terminal's width the terminal wraps it, and a grep finds the whole value."""
     return line.startswith(("image  ", "model  ", "layout  ", "slot 0 source  ",
                             "slot 1 source  "))
@@ -165,7 +165,7 @@ def test_an_inconsistent_image_is_one_line_exit_1(image: Path, name: str) -> Non
     breaks(image)
     result = metrale("show", image, "--json")
     assert result.code == 1, (result.stdout, result.stderr)
-    # The record says why (issue 18.28), the error line names the first problem.
+    # The --json record says why, the error line names the first problem.
     assert result.json()["valid"] is False and message in result.json()["problems"][0]
     assert result.stderr.startswith(f"error: {image}: ") and result.stderr.count("\n") == 1
     assert message in result.stderr, result.stderr

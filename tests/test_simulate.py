@@ -214,7 +214,7 @@ def test_busy_slots_make_a_request_wait_not_evict() -> None:
 
 
 def test_loads_share_the_link() -> None:
-    """Four misses at once each took the whole link (all started at 1 ms, issue 18 item 12):
+    """Four misses at once each took the whole link (all started at 1 ms):
     on one link they queue, 1, 2, 3, 4 ms; on two, two at a time. The wait is recorded."""
     w = workload([0, 1, 2, 3, 0], arrival=[0.0, 0.0, 0.0, 0.0, 5.0], hold=[1.0] * 5)
     r = replay(w).run("lru", 4)
@@ -231,7 +231,7 @@ def test_loads_share_the_link() -> None:
 
 def test_a_request_before_its_adapters_load_ends_is_a_delayed_hit_in_both_modes() -> None:
     """a0 misses at 0 and loads until 2 ms (behind a1's load on the one link); a0 again at
-    0.5 ms was a hit with no added latency in paging mode (issue 25 item 6). In both modes it
+    0.5 ms was counted a hit with no added latency in paging mode. In both modes it
     is a delayed hit that starts when the load ends; at 5 ms it is a plain hit."""
     arrival = [0.0, 0.0, 0.0005, 0.005]
     paging = replay(workload([1, 0, 0, 0], arrival=arrival)).run("lru", 2)
@@ -248,7 +248,7 @@ def test_a_request_before_its_adapters_load_ends_is_a_delayed_hit_in_both_modes(
 
 def test_lru_orders_by_use_not_by_admission() -> None:
     """a0 admitted first and running until t=10 was older than a1, which ended at t=2, so a2
-    evicted a0 (4 misses; issue 18 item 13). A sequence in flight keeps its slot in use."""
+    evicted a0 (4 misses where there are 3). A sequence in flight keeps its slot in use."""
     w = workload([0, 1, 2, 0], arrival=[0.0, 1.0, 20.0, 21.0], hold=[10.0, 1.0, 1.0, 1.0])
     r = replay(w).run("lru", 2)
     assert (r.misses, r.hits) == (3, 1)
@@ -256,7 +256,7 @@ def test_lru_orders_by_use_not_by_admission() -> None:
 
 def test_a_request_joining_a_load_is_a_delayed_hit() -> None:
     """It waits for the load another request started: neither a hit nor a miss (it was counted
-    as a hit, and --target-hit-rate read that; issue 18 item 14)."""
+    as a hit, and --target-hit-rate read that)."""
     w = workload([0, 0, 0], arrival=[0.0, 0.0005, 2.0], hold=[1.0, 1.0, 1.0])
     r = replay(w).run("lru", 1)
     assert (r.hits, r.delayed_hits, r.misses) == (1, 1, 1)
@@ -384,9 +384,9 @@ def test_trace_rows(tmp_path: Path) -> None:
     ("t.csv", "timestamp,adapter\n,a\n", r"t\.csv:2: no timestamp"),
     ("t.jsonl", '{"timestamp": 1, "adapter": "a"}\n{"timestamp": 2\n',
      r"t\.jsonl:2: not a readable JSON request \(Expecting ',' delimiter at character 17\)$"),
-    # A key given twice: the last one was kept, where another reader may keep the first (as
-    # images and configs are, issue 25 item 27); a number of 4,301 digits and nesting past
-    # the parser were internal errors (exit 70).
+    # A key given twice: the last one was kept, where another reader may keep the first (images
+    # and configs refuse such a key); a number of 4,301 digits and nesting past the parser were
+    # internal errors (exit 70).
     ("t.jsonl", '{"timestamp": 0, "adapter": "a"}\n{"timestamp": 0, "timestamp": 5, '
      '"adapter": "b"}\n', r"t\.jsonl:2: not a readable JSON request \(key 'timestamp' is "
      r"given twice in one object\)$"),
@@ -478,7 +478,7 @@ def test_a_trace_is_read_in_chunks_into_columns(tmp_path: Path,
 def test_trace_memory_follows_the_columns(tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """50,000 rows held as row objects took about 20 MB of Python objects; as columns, read 8,192
-    at a time, the reader's peak stays near the columns (issue 18 item 23: 2,000,000 rows
+    at a time, the reader's peak stays near the columns (2,000,000 rows as row objects
     took 1.14 GB)."""
     import tracemalloc
 
@@ -556,7 +556,7 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--requests", "1000000000"], "--requests 1,000,000,000 is more than a simulation takes "
                                    "(10,000,000)"),
     (["--adapters", "1000000000000"], "--adapters 1,000,000,000,000 is more than"),
-    # Issue 25 item 22: grew to 24 GB making the seeds' list; item 26: exit 70.
+    # A billion seeds grew to 24 GB making the seeds' list, and then exited 70.
     (["--adapters", "20", "--max-loras", "4,8", "--seeds", "1000000000"],
      "--seeds 1,000,000,000 is more than a simulation takes (1,000"),
     (["--links", "99999999999999999999"],
@@ -773,7 +773,7 @@ def test_admission_skip_lets_resident_adapters_go_ahead() -> None:
 
 
 def test_a_request_that_gains_from_a_stall_adds_no_negative_latency() -> None:
-    """Issue 25 item 4: one slot, two seats; a0 runs 0-1.001, a1 (0.1) stalls holding no
+    """One slot, two seats; a0 runs 0-1.001, a1 (0.1) stalls holding no
     seat, and a0 again (0.2) takes the free seat under skip and starts at 0.2, before its
     all-resident start (1.0, when the first seat frees): -0.8 was its added latency, and the
     mean fell below what the loads cost. It adds 0 and is counted apart."""
@@ -790,7 +790,7 @@ def test_a_request_that_gains_from_a_stall_adds_no_negative_latency() -> None:
 
 
 def test_the_view_shows_the_skip_gains_where_there_are_some(tmp_path: Path) -> None:
-    """Issue 25 item 4's trace through the CLI: the gains were in the record only. The serving
+    """The trace of the test above through the CLI: the gains were in the record only. The serving
     table shows `moved_ahead` and `gained_s` when a result has any, and fcfs (none) shows no
     such columns."""
     trace = tmp_path / "t.csv"
@@ -816,9 +816,10 @@ def test_the_view_shows_the_skip_gains_where_there_are_some(tmp_path: Path) -> N
 
 
 def test_skip_admission_grows_as_fcfs_does_not_with_the_queue_squared() -> None:
-    """Issue 25 item 5's setup at 10,000 requests: skip walked the whole queue at every event
-    (28 s here against fcfs's 0.12 s, x235); with the queue indexed by adapter it costs what
-    fcfs does, give or take, and gives the same record as before (stalls, hits, loads)."""
+    """Zipf 1.1 over 200 adapters at 50 requests/s, 4 slots, 10,000 requests: skip walked the
+    whole queue at every event (28 s here against fcfs's 0.12 s, x235); with the queue indexed
+    by adapter it costs what fcfs does, give or take, and gives the same record as before
+    (stalls, hits, loads)."""
     import time
 
     w = generate(GeneratorSpec("zipf", 10_000, adapters=200, rate=50.0, zipf_s=1.1))

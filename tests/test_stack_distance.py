@@ -57,7 +57,8 @@ def test_distances_are_the_distinct_adapters_between_uses(refs: list[int]) -> No
 def test_the_sweep_is_a_replay_at_every_size(data: list[tuple[int, float]], pin_count: int,
                                              links: int, load: int | None) -> None:
     """Every setup the sweep takes: whole-slot loads, and one rank every adapter shares, at or
-    below the pool's max rank (250: rank 16 of 64; issue 25 item 2 charged it a slot)."""
+    below the pool's max rank (250: rank 16 of 64, which the sweep once charged
+    a whole slot)."""
     refs = [r for r, _ in data]
     w = paging(refs, np.cumsum([g for _, g in data]).tolist())
     used = sorted({r for r in refs if r >= 0})
@@ -110,7 +111,7 @@ def test_a_paging_lru_sweep_takes_one_pass(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_a_shared_rank_below_the_max_moves_its_share_in_the_sweep() -> None:
-    """The issue's repro: 50 distinct rank-16 adapters in a max-rank-64 pool, 50 misses each
+    """50 distinct rank-16 adapters in a max-rank-64 pool, 50 misses each
     way: lru (swept) and fifo (replayed) move the same bytes, a quarter of a slot each."""
     from tests.support.cli_runner import metrale
 

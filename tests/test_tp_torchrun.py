@@ -160,7 +160,7 @@ def test_an_image_written_meanwhile_fails_every_rank_and_is_kept(adapters: list[
     assert sorted(p.name for p in out.iterdir()) == ["rank-1-of-2.safetensors"]
 
 
-# -- every rank packs the same thing (issue 18 item 1) -------------------------------------------
+# -- every rank packs the same thing ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_identical_copies_on_each_node_are_taken(other_inputs: dict[str, list[Pa
     assert [p.returncode for p in procs] == [0, 0], results
 
 
-# -- all or nothing (issue 18 item 2) ----------------------------------------------------------
+# -- all or nothing --------------------------------------------------------------------------------
 
 # Dies as soon as every rank has answered that it staged its image.
 KILL_BEFORE_RESERVE = ("from metrale_cli.dist import torchrun as distributed\n"
@@ -310,7 +310,7 @@ def test_a_bad_rendezvous_is_one_line_before_torch(adapters: list[Path], tmp_pat
                                                    variables: dict[str, str],
                                                    says: str) -> None:
     """A launch's address that cannot be resolved printed 42 lines of torch's socket warnings
-    (C++, past any Python filter) before metrale's (issue 25 item 30): a real process, so that
+    (C++, past any Python filter) before metrale's: a real process, so that
     torch's stderr would show."""
     environ = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run(

@@ -126,8 +126,8 @@ ROWS = {"azure-llm": "2023-11-16 18:15:47.5,{},2", "burstgpt": "1,x,{},3",
 ])
 def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path: Path, fmt: str, name: str,
                                                         head: str) -> None:
-    """A byte that is not UTF-8 on line 3 (issue 25 items 7 and 26): one line naming the file
-    and that line, exit 2, in every format, never an internal error."""
+    """A byte that is not UTF-8 on line 3: one line naming the file and that line, exit 2, in
+    every format, never an internal error."""
     path = tmp_path / name
     bad = {"metrale": b"1,ad\xe9\n" if name.endswith(".csv")
            else b'{"timestamp": 1, "adapter": "ad\xe9"}\n'}.get(fmt)

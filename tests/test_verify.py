@@ -139,7 +139,7 @@ def _swap_offsets(path: Path) -> None:
     write_element(path, "a_offsets", (1, 0), x)
 
 
-# Images show refuses as inconsistent (issue 25 items 21, 25): verify passed each of them.
+# Images show refuses as inconsistent: verify once passed each of them.
 INCONSISTENT = {
     "scale table against the slot's scaling": lambda p: write_element(p, "scales", (1,), 3.0),
     "rank table against the slot's rank": lambda p: write_element(p, "ranks", (0,), 4),

@@ -3,8 +3,7 @@ records (one dict per kernel and shape, its setup embedded): `run` measures on t
 shapes that the roofline model (roofline.py, `--model-only`, no GPU needed) predicts, and
 records the model's figure beside each measured one.
 
-Measurement method (docs/bench.md, after the research notes on kernel benchmarking that the
-kernels issue cites):
+Measurement method (docs/bench.md):
 - Validate first: every shape's kernels are checked against reference.py (on a sample of rows)
   before anything is timed; a mismatch raises.
 - Defeat the L2: G rotation groups, each with its own x, y, t, weights and pointer tables, with

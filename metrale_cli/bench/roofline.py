@@ -56,7 +56,7 @@ class ModelDevice:
     rmw_fraction: float = 0.88
 
 
-# The kernels issue's targets: share of nominal peak in the bandwidth regime (compulsory traffic
+# The kernels' targets: share of nominal peak in the bandwidth regime (compulsory traffic
 # of at least 64 MB), and at most 1.3x an equal-bytes copy below it, where a fixed latency
 # dominates whatever the kernel does.
 TARGET_PCT = {("decode", "shrink"): 80.0, ("decode", "expand"): 75.0,

@@ -123,9 +123,9 @@ def lru_sweep_seconds(requests: int) -> tuple[float, float]:
     return replay_s, sweep_s
 
 
-# Skip admission against first come, first served at these many requests: the setup of issue
-# 25 item 5 (zipf 1.1 over 200 adapters at 50 requests/s, 8-512 tokens each way, 4 slots),
-# where skip's pass over the whole queue at every event took 75.6 s at 10,000.
+# Skip admission against first come, first served at these many requests, on the setup where
+# skip was found quadratic in the queue (zipf 1.1 over 200 adapters at 50 requests/s, 8-512
+# tokens each way, 4 slots): its pass over the whole queue at every event took 75.6 s at 10,000.
 ADMISSION_REQUESTS = (10_000, 100_000)
 
 
