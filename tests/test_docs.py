@@ -1,5 +1,6 @@
 """The docs hold: the pool-format reader in docs/pool-format.md gives the same delta as
-metrale's own reading of the image, and docs/inspect.md documents exactly the finding codes."""
+metrale's own reading of the image, docs/inspect.md documents exactly the finding codes, and every
+file the docs name by path exists."""
 
 from __future__ import annotations
 
@@ -107,3 +108,22 @@ def test_the_readme_bit_flip_recipe_uses_public_names_and_flips_the_bit(tmp_path
     (tmp_path / "good.safetensors").write_bytes(before)  # the flipped one fails its digest
     with pytest.raises(UsageError, match="part must be 'A' or 'B'"):
         PoolImage.open(tmp_path / "good.safetensors").region.file_offset(0, 0, "b")
+
+
+# -- the files the docs name ----------------------------------------------------------------------
+
+# A path in the checkout as the docs write one: `tests/test_show.py`, scripts/gpu_check.sh.
+CHECKOUT_PATH = re.compile(r"(?<![\w./-])((?:tests|docs|scripts|kernels|metrale_cli)/[\w./-]*\w"
+                           r"\.(?:py|md|sh|cu|cuh|h|json))\b")
+
+
+def test_every_file_the_docs_name_exists() -> None:
+    """README.md, tests/README.md (the suite's map), kernels/README.md and docs/*.md name test
+    files, scripts and modules by path: a renamed or split file leaves none of them stale."""
+    root = DOCS.parent
+    documents = [root / "README.md", root / "tests" / "README.md", root / "kernels" / "README.md",
+                 *sorted(DOCS.glob("*.md"))]
+    named = {(doc.relative_to(root), found) for doc in documents
+             for found in CHECKOUT_PATH.findall(doc.read_text())}
+    assert len(named) > 100  # the pattern finds what the docs name
+    assert [(str(doc), path) for doc, path in sorted(named) if not (root / path).exists()] == []
