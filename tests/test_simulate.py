@@ -500,6 +500,28 @@ def test_trace_memory_follows_the_columns(tmp_path: Path,
     assert peak < 5 * columns + (2 << 20), f"peak {peak / 2**20:.1f} MiB"
 
 
+@pytest.mark.parametrize("suffix,row", [(".csv", "{t},a\n"),
+                                        (".jsonl", '{{"timestamp": {t}, "adapter": "a"}}\n')])
+def test_blank_lines_count_toward_the_request_bound(tmp_path: Path, suffix: str, row: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of blank lines holds no request, but each is read: a 2 GB one took 17 minutes
+    before saying so. They count toward the bound, and reading stops at the chunk that
+    passes it."""
+    import metrale_cli.sim.workload as wl
+
+    monkeypatch.setattr(wl, "MAX_REQUESTS", 9)
+    monkeypatch.setattr(wl, "TRACE_CHUNK", 4)
+    p = tmp_path / f"t{suffix}"
+    header = "timestamp,adapter\n" if suffix == ".csv" else ""
+    p.write_text(header + row.format(t=0) + row.format(t=1) + "\n" * 40)
+    seen: list[int] = []
+    with pytest.raises(UsageError, match=r"more than 9 requests and blank lines, the most"):
+        read_trace(p, progress=lambda done, _: seen.append(done))
+    assert seen and seen[-1] < p.stat().st_size  # stopped before the end of the file
+    p.write_text(header + row.format(t=0) + row.format(t=1) + "\n" * 5)
+    assert read_trace(p).requests == 2
+
+
 def test_a_trace_that_is_not_a_regular_file_is_never_read(tmp_path: Path) -> None:
     fifo = tmp_path / "requests.jsonl"
     os.mkfifo(fifo)  # opening it would wait for a writer forever
@@ -565,6 +587,23 @@ def test_parse_sizes_and_bandwidth() -> None:
 def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     r = metrale("simulate", *SLOT, "--requests", "200", *args)
     assert r.code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_size_past_every_adapter_resident_replays_as_that_size() -> None:
+    """--max-loras 10**20 allocated slots until memory ran out (exit 70), and 10**6 beside 20
+    adapters took 14 s: past every adapter resident, a size replays as that size, and only its
+    pool's bytes differ."""
+    r = metrale("simulate", *SLOT, "--adapters", "20", "--requests", "300", "--policy",
+                "lru,fifo", "--max-loras", "20,99999999999999999999", "--json")
+    assert r.code == 0, r.stderr
+    results = r.json()["results"]
+    for policy in ("lru", "fifo"):
+        small, huge = (x for x in results if x["policy"] == policy)
+        assert (small["max_loras"], huge["max_loras"]) == (20, 99999999999999999999)
+        assert huge["pool_bytes"] > small["pool_bytes"]
+        differ = {"max_loras", "pool_bytes"}
+        assert {k: v for k, v in huge.items() if k not in differ} == \
+            {k: v for k, v in small.items() if k not in differ}
 
 
 @pytest.mark.sweep

@@ -186,6 +186,7 @@ def simulate(
             if value is not None:
                 raise UsageError(f"{name}: --engine {chosen.name} evicts and admits as the "
                                  "engine does (docs/simulate.md); leave it out")
+    positive("--tp", tp)  # SGLang's rules would run --tp 0 as 1
     # With an engine, --tp and --fully-sharded are its flags (its bytes are one GPU's).
     spec = shard_spec(tp, ep, fully_sharded) if chosen is None else None
     positive("--max-rank", max_rank)
