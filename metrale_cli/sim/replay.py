@@ -474,22 +474,62 @@ class Replay:
 
     def run(self, policy: str, max_loras: int,
             progress: Callable[[int], None] | None = None, detail: bool = True,
-            observe: Observer | None = None) -> RunResult:
+            observe: Observer | None = None, compiled: bool = True) -> RunResult:
         """Replay every request at `max_loras` slots under `policy`. Without `detail` the
         result drops its per-request arrays (a sweep of a million requests keeps none);
         `observe` hears the cache state after each request is placed (a slow path, for
-        checking the replay against an engine)."""
+        checking the replay against an engine). A paging replay runs in the compiled core
+        (sim/core.py) unless `compiled` is False or `observe` is given: then in the Python
+        loop that drives the pool's own `SlotManager`, the reference the core is tested
+        against."""
         self._check_size(max_loras)
-        manager = SlotManager(max_loras, policy=policy)
-        manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
         n = len(self._adapter)
         start = np.empty(n)
+        loads = Loads(self.cost, self.load_bytes, self.host)
+        if self.paging and compiled and observe is None:
+            served = np.ones(n, dtype=np.int64)
+            hits, delayed, misses, swaps, waits = self._paging_core(policy, max_loras, loads,
+                                                                    start)
+            if progress is not None:
+                progress(n)
+            return self._result(policy, max_loras, loads, start, served, [0] * max_loras,
+                                hits, delayed, misses, swaps, waits, detail)
+        manager = SlotManager(max_loras, policy=policy)
+        manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
         served = np.zeros(n, dtype=np.int64)
         loop = self._paging if self.paging else self._concurrent
-        loads = Loads(self.cost, self.load_bytes, self.host)
         told = self._observer(manager, loads, observe) if observe is not None else None
         hits, delayed, misses, swaps, waits = loop(manager, loads, start, served, progress,
                                                    told)
+        return self._result(policy, max_loras, loads, start, served,
+                            [manager.ref_count(k) for k in range(max_loras)],
+                            hits, delayed, misses, swaps, waits, detail)
+
+    def _paging_core(self, policy: str, max_loras: int, loads: Loads,
+                     start: np.ndarray) -> Counts:
+        """The paging replay in the compiled core, its totals written into `loads`."""
+        from metrale_cli.sim import core
+
+        names = {name: a for a, name in enumerate(self.workload.adapters)}
+        adapters = len(names)
+        # A pinned adapter no request names holds its slot all the same (-1).
+        pinned = np.array([names.get(p, -1) for p in self.pinned], dtype=np.int64)
+        read_s = (np.asarray(loads.read_s, dtype=np.float64) if self.host is not None
+                  else np.zeros(adapters))
+        (hits, delayed, misses, swaps, loads.bytes_moved, loads.swap_s, loads.link_wait_s,
+         loads.host_hits, loads.host_misses, loads.host_bytes_moved) = core.paging(
+            np.frombuffer(self._adapter, dtype=np.int64),
+            np.frombuffer(self._arrival, dtype=np.float64),
+            np.frombuffer(self._next, dtype=np.int64), core.POLICY_CODES[policy], max_loras,
+            pinned, adapters, np.asarray(loads.load_s, dtype=np.float64),
+            np.asarray(self.load_bytes, dtype=np.int64), self.cost.links,
+            self.host.slots if self.host is not None else 0, read_s, start)
+        return hits, delayed, misses, swaps, []
+
+    def _result(self, policy: str, max_loras: int, loads: Loads, start: np.ndarray,
+                served: np.ndarray, ref_counts: list[int], hits: int, delayed: int,
+                misses: int, swaps: int, waits: list[float], detail: bool) -> RunResult:
+        n = len(self._adapter)
         adapter_requests = int((self.workload.adapter >= 0).sum())
         wait = np.asarray(waits) if waits else np.zeros(1)
         return RunResult(
@@ -506,7 +546,7 @@ class Replay:
                             self.workload.adapter >= 0),
             pool_bytes=0, start=start if detail else np.empty(0),
             served=served if detail else np.empty(0, dtype=np.int64),
-            ref_counts_at_end=[manager.ref_count(k) for k in range(max_loras)],
+            ref_counts_at_end=ref_counts,
             waits=np.asarray(waits, dtype=np.float64) if detail else np.empty(0),
         )
 

@@ -1,0 +1,247 @@
+"""The replay core at compiled speed: a paging replay (`Replay.run` of a workload whose requests
+hold no slot) as one numba function over integer columns, result for result the Python loop's
+(`Replay._paging` driving `SlotManager`), which stays as the reference the tests hold it to.
+
+Why numba: the Python loop costs 2-7 us a request (a string-keyed slot lookup, a lock taken per
+call, objects per event); the same steps over int64 and float64 arrays cost about 0.05 us, and
+numba ships as a wheel (no compiler on the user's machine). It is imported here only, and this
+module only when a replay runs: `metrale --help`, `inspect` and `layout` never load it. Compiled
+functions are cached on disk (`cache=True`), so a run after the first does not compile again.
+
+The state mirrors `SlotManager`'s for paging, where a load begins and ends in one step: per slot
+the adapter it holds (-1 empty), its victim key and a version; victim candidates in a binary
+heap of (key, slot, version) with lazy deletion and the same keys (empty slots first, lowest
+index; then lru's last-use tick, fifo's load order, or min's minus next use), so every victim is
+the one `select_victim_slot` picks. Loads cross `links` links (a heap of busy-until times, as
+`LinkClock`), and with a host tier an LRU of adapters (a linked list) read over one disk link.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from metrale_cli.pool.slots import EMPTY_KEY, NEVER
+
+POLICY_CODES = {"lru": 0, "fifo": 1, "min": 2}
+
+
+@njit(cache=True, inline="always")
+def _less(keys: Any, slots: Any, vers: Any, i: int, j: int) -> bool:
+    """Heap entry i before entry j: (key, slot, version) compared as Python compares tuples."""
+    if keys[i] != keys[j]:
+        return keys[i] < keys[j]
+    if slots[i] != slots[j]:
+        return slots[i] < slots[j]
+    return vers[i] < vers[j]
+
+
+@njit(cache=True)
+def _sift_down(keys: Any, slots: Any, vers: Any, size: int, i: int) -> None:
+    while True:
+        child = 2 * i + 1
+        if child >= size:
+            return
+        if child + 1 < size and _less(keys, slots, vers, child + 1, child):
+            child += 1
+        if not _less(keys, slots, vers, child, i):
+            return
+        keys[i], keys[child] = keys[child], keys[i]
+        slots[i], slots[child] = slots[child], slots[i]
+        vers[i], vers[child] = vers[child], vers[i]
+        i = child
+
+
+@njit(cache=True)
+def _push(keys: Any, slots: Any, vers: Any, size: int, key: int, slot: int, ver: int) -> int:
+    i = size
+    keys[i], slots[i], vers[i] = key, slot, ver
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _less(keys, slots, vers, i, parent):
+            break
+        keys[i], keys[parent] = keys[parent], keys[i]
+        slots[i], slots[parent] = slots[parent], slots[i]
+        vers[i], vers[parent] = vers[parent], vers[i]
+        i = parent
+    return size + 1
+
+
+@njit(cache=True)
+def _pop(keys: Any, slots: Any, vers: Any, size: int) -> int:
+    size -= 1
+    keys[0], slots[0], vers[0] = keys[size], slots[size], vers[size]
+    _sift_down(keys, slots, vers, size, 0)
+    return size
+
+
+@njit(cache=True)
+def _link_load(free: Any, now: float, seconds: float) -> tuple[float, float]:
+    """`LinkClock.load`: free[0] is the earliest-free link of a heap of busy-until times."""
+    first = free[0]
+    begin = first if first > now else now
+    free[0] = begin + seconds
+    n, i = free.size, 0
+    while True:  # heapreplace's sift down (ties keep the parent, as heapq does)
+        child = 2 * i + 1
+        if child >= n:
+            break
+        if child + 1 < n and not free[child] < free[child + 1]:
+            child += 1
+        if free[child] < free[i]:
+            free[i], free[child] = free[child], free[i]
+            i = child
+        else:
+            break
+    return begin + seconds, begin - now
+
+
+@njit(cache=True)
+def paging(adapter: Any, arrival: Any, nxt: Any, policy: int, max_loras: int, pinned: Any,
+           n_adapters: int, load_s: Any, load_bytes: Any, links: int, host_slots: int,
+           read_s: Any, start: Any) -> tuple[Any, ...]:
+    """Replay requests `adapter` (-1: the base model) arriving at `arrival` one at a time
+    against `max_loras` slots, `pinned` adapters in the first ones (-1: one no request
+    names), under `policy`
+    (POLICY_CODES); `nxt[r]` is the position of request r's adapter's next request (NEVER:
+    none). Writes each request's start into `start`. Returns (hits, delayed hits, misses, swaps,
+    bytes moved, swap seconds, link wait seconds, host hits, host misses, host bytes moved)."""
+    n_pinned = pinned.size
+    slot_of = np.full(n_adapters, -1, np.int64)
+    held = np.full(max_loras, -1, np.int64)
+    for k in range(n_pinned):
+        if pinned[k] >= 0:
+            slot_of[pinned[k]] = k
+        held[k] = pinned[k]
+    last_used = np.zeros(max_loras, np.int64)
+    loaded_at = np.zeros(max_loras, np.int64)
+    next_use = np.full(max_loras, NEVER, np.int64)
+    version = np.zeros(max_loras, np.int64)
+    cap = 2 * max_loras + 64 + 1
+    hkey = np.empty(cap, np.int64)
+    hslot = np.empty(cap, np.int64)
+    hver = np.empty(cap, np.int64)
+    size = 0
+    for k in range(n_pinned, max_loras):  # empty cache slots, lowest index first
+        version[k] += 1
+        size = _push(hkey, hslot, hver, size, EMPTY_KEY, k, version[k])
+    tick = 0
+    load_seq = 0
+    ready = np.zeros(n_adapters)
+    free = np.zeros(links)
+    disk = np.zeros(1)
+    # The host tier: an LRU list of adapters (head the least recently used), -1 ends it.
+    resident = np.zeros(n_adapters, np.bool_)
+    before = np.full(n_adapters, -1, np.int64)
+    after = np.full(n_adapters, -1, np.int64)
+    head = -1
+    tail = -1
+    in_host = 0
+    hits = delayed = misses = swaps = bytes_moved = 0
+    host_hits = host_misses = host_bytes = 0
+    swap_s = link_wait_s = 0.0
+    for r in range(adapter.size):
+        a = adapter[r]
+        start[r] = arrival[r]
+        if a < 0:
+            continue
+        if host_slots > 0 and resident[a] and a != tail:  # a use moves it up the host LRU
+            b, f = before[a], after[a]
+            if b >= 0:
+                after[b] = f
+            else:
+                head = f
+            before[f] = b
+            before[a], after[a] = tail, -1
+            after[tail] = a
+            tail = a
+        k = slot_of[a]
+        loaded = k < 0
+        if loaded:
+            # The victim: the heap's live top (select_victim_slot).
+            while True:
+                top = hslot[0]
+                if hver[0] == version[top]:
+                    break
+                size = _pop(hkey, hslot, hver, size)
+            k = top
+            if held[k] >= 0:
+                swaps += 1
+                slot_of[held[k]] = -1
+            held[k] = a
+            slot_of[a] = k
+            load_seq += 1
+            loaded_at[k] = load_seq
+            misses += 1
+            now = arrival[r]
+            ready_at = now
+            if host_slots > 0:
+                if resident[a]:
+                    host_hits += 1
+                else:
+                    host_misses += 1
+                    host_bytes += load_bytes[a]
+                    if in_host == host_slots:  # evict the least recently used
+                        old = head
+                        head = after[old]
+                        if head >= 0:
+                            before[head] = -1
+                        else:
+                            tail = -1
+                        resident[old] = False
+                        in_host -= 1
+                    resident[a] = True
+                    before[a], after[a] = tail, -1
+                    if tail >= 0:
+                        after[tail] = a
+                    else:
+                        head = a
+                    tail = a
+                    in_host += 1
+                    ready_at, _ = _link_load(disk, now, read_s[a])
+            end, wait = _link_load(free, ready_at, load_s[a])
+            bytes_moved += load_bytes[a]
+            swap_s += load_s[a]
+            link_wait_s += wait
+            start[r] = end
+            ready[a] = end
+        elif ready[a] > arrival[r]:  # its load is still under way: it waits
+            delayed += 1
+            start[r] = ready[a]
+        else:
+            hits += 1
+        # Touch, then (min) the next use: a new key for a cache slot under lru and min, and
+        # after a load under every policy.
+        tick += 1
+        last_used[k] = tick
+        if policy == 2:
+            next_use[k] = nxt[r]
+        if k >= n_pinned and (policy != 1 or loaded):
+            version[k] += 1
+            if policy == 0:
+                key = last_used[k]
+            elif policy == 1:
+                key = loaded_at[k]
+            else:
+                key = -next_use[k]
+            if size > 2 * max_loras + 64:  # only live entries stay (SlotManager._requeue)
+                live = 0
+                for i in range(size):
+                    if hver[i] == version[hslot[i]]:
+                        hkey[live], hslot[live], hver[live] = hkey[i], hslot[i], hver[i]
+                        live += 1
+                size = live
+                for i in range(size // 2 - 1, -1, -1):
+                    _sift_down(hkey, hslot, hver, size, i)
+            size = _push(hkey, hslot, hver, size, key, k, version[k])
+    return (hits, delayed, misses, swaps, bytes_moved, swap_s, link_wait_s, host_hits,
+            host_misses, host_bytes)
+
+
+def compile_now() -> None:
+    """Compile (or load from the cache) every function of the core: `make` runs it once."""
+    one = np.zeros(1, np.int64)
+    paging(one, np.zeros(1), one, 0, 1, np.zeros(0, np.int64), 1, np.zeros(1), one, 1, 0,
+           np.zeros(1), np.zeros(1))
