@@ -240,8 +240,142 @@ def paging(adapter: Any, arrival: Any, nxt: Any, policy: int, max_loras: int, pi
             host_misses, host_bytes)
 
 
+@njit(cache=True)
+def stack_distances(prev: Any, cold: int) -> Any:
+    """Per request, the distinct other adapters requested since its adapter's previous request
+    at `prev[j]` (`cold` where there is none): a Fenwick tree marks each adapter's latest
+    request; the distance is the marks after `prev[j]`."""
+    n = prev.size
+    out = np.full(n, cold, np.int64)
+    tree = np.zeros(n + 1, np.int64)
+    distinct = 0
+    for j in range(n):
+        p = prev[j]
+        if p < 0:
+            distinct += 1
+        else:
+            i, marks = p + 1, 0  # marks at positions <= p, then its mark moves to j
+            while i:
+                marks += tree[i]
+                i &= i - 1
+            out[j] = distinct - marks
+            i = p + 1
+            while i <= n:
+                tree[i] -= 1
+                i += i & -i
+        i = j + 1
+        while i <= n:
+            tree[i] += 1
+            i += i & -i
+    return out
+
+
+@njit(cache=True)
+def _rank(count: int, m: int, q: float) -> tuple[int, int, float]:
+    """np.percentile(q)'s two neighbours among `count` values, `count - m` zeros then `m`
+    positive ones: their indices into the positive ones (-1: a zero) and the weight."""
+    at = q / 100 * (count - 1)
+    lo = int(np.floor(at))
+    hi = min(lo + 1, count - 1)
+    zeros = count - m
+    return lo - zeros, hi - zeros, at - lo
+
+
+@njit(cache=True)
+def _order_statistics(ranks: Any, below: Any, equal: int, seconds: float,
+                      above: Any) -> Any:
+    """The values at `ranks` (-1: a zero) of the sorted positive values: those of `below`,
+    `equal` times `seconds`, those of `above`; each part partitioned once, only when a rank
+    falls in it (most waits are one load's `seconds`, so the parts are small)."""
+    nb = below.size
+    out = np.zeros(ranks.size)
+    low = ranks[(ranks >= 0) & (ranks < nb)]
+    high = ranks[ranks >= nb + equal] - nb - equal
+    low_part = np.partition(below, np.unique(low)) if low.size else below
+    high_part = np.partition(above, np.unique(high)) if high.size else above
+    for i in range(ranks.size):
+        k = ranks[i]
+        if k < 0:
+            continue
+        if k < nb:
+            out[i] = low_part[k]
+        elif k < nb + equal:
+            out[i] = seconds
+        else:
+            out[i] = high_part[k - nb - equal]
+    return out
+
+
+@njit(cache=True)
+def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: float,
+              links: int, n_adapters: int, n: int, n_adapter: int) -> Any:
+    """Per cache size of `caches`, the LRU paging replay of the requests `adapter` (ids >= 0,
+    pinned ones left out) asked for at `asked`, from their stack distances: a request misses
+    where its distance is COLD or at least the size; each miss's load queues on `links` links
+    (load i takes the link load i - links held: LinkClock's rule for equal loads), and a hit
+    waits for its adapter's latest load. Rows of [size, 9]: misses, delayed hits, the loads'
+    summed end - ask, added latency's sum, the latest load end (0: none), and added
+    latency's p50 and p99 over `n` requests and over `n_adapter` (the added latency of the
+    requests left out is 0)."""
+    out = np.zeros((caches.size, 9))
+    # An adapter's first request misses at every size, so its entry is written before read.
+    latest = np.zeros(n_adapters)
+    ring = np.zeros(max(links, 1))
+    below = np.empty(adapter.size)
+    above = np.empty(adapter.size)
+    counts = np.array([n, n, n_adapter, n_adapter])
+    qs = np.array([50.0, 99.0, 50.0, 99.0])
+    for s in range(caches.size):
+        cache = caches[s]
+        ring[:] = 0.0
+        misses = delayed = nb = na = equal = 0
+        load_added = added = last = 0.0
+        for j in range(adapter.size):
+            a = adapter[j]
+            now = asked[j]
+            d = distance[j]
+            if d < 0 or d >= cache:
+                free = ring[misses % links]
+                end = (free if free > now else now) + seconds
+                ring[misses % links] = end
+                misses += 1
+                latest[a] = end
+                load_added += end - now
+                last = max(last, end)
+                wait = end - now
+            else:
+                wait = latest[a] - now
+                if wait > 0:
+                    delayed += 1
+            if wait > 0:
+                added += wait
+                if wait == seconds:
+                    equal += 1
+                elif wait < seconds:
+                    below[nb] = wait
+                    nb += 1
+                else:
+                    above[na] = wait
+                    na += 1
+        ranks = np.empty(8, np.int64)
+        weights = np.empty(4)
+        for i in range(4):
+            ranks[2 * i], ranks[2 * i + 1], weights[i] = _rank(counts[i], nb + equal + na,
+                                                               qs[i])
+        value = _order_statistics(ranks, below[:nb], equal, seconds, above[:na])
+        out[s, 0], out[s, 1], out[s, 2], out[s, 3], out[s, 4] = (misses, delayed, load_added,
+                                                                 added, last)
+        for i in range(4):
+            if counts[i]:
+                low, high = value[2 * i], value[2 * i + 1]
+                out[s, 5 + i] = low + (high - low) * weights[i]
+    return out
+
+
 def compile_now() -> None:
     """Compile (or load from the cache) every function of the core: `make` runs it once."""
     one = np.zeros(1, np.int64)
     paging(one, np.zeros(1), one, 0, 1, np.zeros(0, np.int64), 1, np.zeros(1), one, 1, 0,
            np.zeros(1), np.zeros(1))
+    stack_distances(np.full(1, -1, np.int64), -1)
+    lru_sweep(one, np.zeros(1), one, one, 1.0, 1, 1, 1, 1)

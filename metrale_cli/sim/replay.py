@@ -33,7 +33,7 @@ import numpy as np
 
 from metrale_cli.errors import PoolFull, UsageError
 from metrale_cli.pool.slots import NEVER, AdapterSlot, SlotManager, SlotState
-from metrale_cli.sim.stack_distance import load_ends, stack_distances
+from metrale_cli.sim.stack_distance import stack_distances
 from metrale_cli.sim.workload import Workload
 
 # Named links a slot's bytes cross on a swap: (bytes per second, per-swap latency in seconds,
@@ -307,23 +307,6 @@ def _throughput(n: int, first: float, last: float) -> float:
     return n / (last - first) if last > first else 0.0
 
 
-def _percentile_above_zeros(values: np.ndarray, n: int, q: float) -> float:
-    """np.percentile(q) (linear) of `n` values: `n - len(values)` zeros, then sorted `values`
-    (>= 0), without building the `n` of them (a sweep does it per size)."""
-    if n == 0:
-        return 0.0
-    zeros = n - values.size
-    at = q / 100 * (n - 1)
-    lo = int(math.floor(at))
-    hi = min(lo + 1, n - 1)
-
-    def value(i: int) -> float:
-        return 0.0 if i < zeros else float(values[i - zeros])
-
-    low, high = value(lo), value(hi)
-    return low + (high - low) * (at - lo)
-
-
 class WaitingQueue:
     """The requests waiting for admission in a concurrent replay, in arrival order, each
     leaving when it starts or joins a load. `indexed` (skip admission) adds an index by
@@ -567,63 +550,50 @@ class Replay:
         if not (self.paging and self.sweepable):
             raise UsageError("the one-pass LRU sweep is for paging mode (requests that hold "
                              "no slot) with equal loads and no host tier")
+        from metrale_cli.sim import core
+
         for size in sizes:
             self._check_size(size)
         adapter, arrival = self.workload.adapter, self.workload.arrival
-        pinned_ids = [self.workload.adapters.index(n) for n in self.pinned]
+        pinned_ids = [a for a, name in enumerate(self.workload.adapters) if name in self.pinned]
         counted = np.flatnonzero((adapter >= 0) & ~np.isin(adapter, pinned_ids))
         pinned_requests = int((adapter >= 0).sum()) - counted.size
         ticks = None if progress is None else (lambda k: progress(k * len(sizes)))
         distance = stack_distances(adapter[counted], ticks)
         if progress is not None:
             progress((self.workload.requests - counted.size) * len(sizes))
-        asked = arrival[counted]
-        # Each adapter's requests in order, for the load each hit waits for: its adapter's
-        # latest miss (an adapter's first request is a miss at every size).
-        by_adapter = np.lexsort((np.arange(counted.size), adapter[counted]))
-        position = np.arange(counted.size)
         # Every load moves the same bytes (sweepable): the adapters' one load, which is less
         # than a slot when they share a rank below the pool's max rank.
         load = self.load_bytes[0] if self.load_bytes else self.cost.slot_bytes
         n, swap_s, links = self.workload.requests, self.cost.load_seconds(load), self.cost.links
         n_adapter = pinned_requests + counted.size
+        rows = core.lru_sweep(
+            np.ascontiguousarray(adapter[counted]), np.ascontiguousarray(arrival[counted]),
+            distance, np.array([size - len(self.pinned) for size in sizes], dtype=np.int64),
+            swap_s, links, len(self.workload.adapters), n, n_adapter)
         results = []
-        for size in sizes:
+        for size, row in zip(sizes, rows.tolist(), strict=True):
             cache = size - len(self.pinned)
-            miss = (distance < 0) | (distance >= cache)
-            misses = int(miss.sum())
-            ends = load_ends(asked[miss], swap_s, links)
-            ready = np.empty(counted.size)
-            ready[miss] = ends
-            latest = np.maximum.accumulate(np.where(miss[by_adapter], position, -1))
-            ready[by_adapter] = ready[by_adapter][latest]
-            waits = ready > asked
-            delayed = int((waits & ~miss).sum())
-            added = np.sort(np.where(waits, ready - asked, 0.0))
-            load_added = float((ends - asked[miss]).sum())
+            misses, delayed = int(row[0]), int(row[1])
+            load_added, added, last, p50, p99, ttft50, ttft99 = row[2:]
             results.append(RunResult(
                 policy="lru", max_loras=size, pinned=len(self.pinned), requests=n,
-                adapter_requests=pinned_requests + counted.size,
-                hits=pinned_requests + counted.size - misses - delayed, delayed_hits=delayed,
-                misses=misses,
+                adapter_requests=n_adapter, hits=n_adapter - misses - delayed,
+                delayed_hits=delayed, misses=misses,
                 swaps=misses - min(cache, self.unpinned), bytes_moved=misses * load,
                 swap_s=misses * swap_s, link_wait_s=load_added - misses * swap_s,
                 host_hits=0, host_misses=0, host_bytes_moved=0,
                 stalls=0, stall_total_s=0.0, stall_p50_s=0.0, stall_p99_s=0.0,
-                added_latency_p50_s=_percentile_above_zeros(added, n, 50),
-                added_latency_p99_s=_percentile_above_zeros(added, n, 99),
-                added_latency_mean_s=float(added.sum()) / n if n else 0.0,
+                added_latency_p50_s=p50, added_latency_p99_s=p99,
+                added_latency_mean_s=added / n if n else 0.0,
                 moved_ahead=0, gained_s=0.0,  # paging: every request at its arrival or later
                 # Paging: zero-length requests, so the first token is at the start.
-                ttft_adapter_p50_s=_percentile_above_zeros(added, n_adapter, 50) if n_adapter
-                else None,
-                ttft_adapter_p99_s=_percentile_above_zeros(added, n_adapter, 99) if n_adapter
-                else None,
+                ttft_adapter_p50_s=ttft50 if n_adapter else None,
+                ttft_adapter_p99_s=ttft99 if n_adapter else None,
                 ttft_base_p50_s=0.0 if n_adapter < n else None,
                 ttft_base_p99_s=0.0 if n_adapter < n else None,
                 throughput_req_s=_throughput(n, float(arrival[0]) if n else 0.0,
-                                             max(float(arrival[-1]) if n else 0.0,
-                                                 float(ends.max()) if ends.size else 0.0)),
+                                             max(float(arrival[-1]) if n else 0.0, last)),
                 pool_bytes=0, ref_counts_at_end=[0] * size,
             ))
         return results
