@@ -715,12 +715,22 @@ def test_bench_slots_record() -> None:
     sweep = rec["lru_sweep"]
     assert sweep["sizes"] == 1000 and sweep["adapters"] == 100_000
     assert sweep["speedup"] == 1000 * sweep["replay_s"] / sweep["sweep_s"] > 0
+    assert sweep["over_one_replay"] == sweep["sweep_s"] / sweep["replay_s"]
+    # libCacheSim (the test extra) on the same trace: the misses are checked before the times.
+    theirs = rec["libcachesim"]
+    assert theirs["sizes"] == [10, 50, 100, 200, 500] and theirs["requests"] == 2000
+    for policy in ("fifo", "lru"):
+        t = theirs[policy]
+        assert t["ratio"] == t["metrale_s"] / t["libcachesim_s"] > 0
+        assert t["misses"] == sorted(t["misses"], reverse=True) and t["misses"][0] < 2000
     assert set(rec["admission"]) == {"10000", "100000"}
     for times in rec["admission"].values():
         assert times["skip_over_fcfs"] == times["skip_s"] / times["fcfs_s"] > 0
     from metrale_cli.cli.render_sim import bench_slots_view
 
-    assert "admission, 100,000 requests on 4 slots: skip" in str(bench_slots_view(rec))
+    view = str(bench_slots_view(rec))
+    assert "admission, 100,000 requests on 4 slots: skip" in view
+    assert "  lru, paging: metrale" in view and "the same misses" in view
     r = metrale("bench", "slots", "--repeats", "0")
     assert r.code == 2 and "must be positive" in r.stderr
 
