@@ -1,8 +1,9 @@
 """The compiled replay core (sim/core.py) against the Python replay that drives the pool's own
 `SlotManager` (`Replay.run(..., compiled=False)`), request by request: every figure of the
-record and every request's start, on seeded random workloads across the policies, sizes,
+record and every request's start, on seeded random workloads in both modes (concurrent under
+fcfs admission, with and without a cap on requests in flight) across the policies, sizes,
 pinned adapters, adapters' own load sizes, links, the host tier and arrivals dense enough for
-loads to queue and hits to be delayed."""
+loads to queue, hits to be delayed and requests to stall."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from metrale_cli.sim.replay import HostTier, Link, Replay, SwapCost
 from metrale_cli.sim.workload import Workload
 
 
-def random_replay(seed: int) -> tuple[Replay, list[int]]:
-    """A paging replay drawn from `seed`, and the sizes to run it at."""
+def random_replay(seed: int, concurrent: bool = False) -> tuple[Replay, list[int]]:
+    """A replay drawn from `seed` (paging, or with requests that hold their slot), and the
+    sizes to run it at."""
     rng = np.random.default_rng(seed)
     adapters = int(rng.integers(1, 40))
     n = int(rng.integers(1, 3000))
@@ -38,14 +40,20 @@ def random_replay(seed: int) -> tuple[Replay, list[int]]:
             if rng.random() < 0.5 else None)
     cost = SwapCost(3000, 1e6, float(rng.choice([0.0, 1e-5])), "test",
                     links=int(rng.integers(1, 4)))
-    replay = Replay(w, np.zeros(n), cost, pinned, load_bytes=load_bytes, host=host)
+    # Held from nothing to many loads' time; some requests hold it for nothing.
+    hold = (rng.exponential(10 ** rng.uniform(-4, -1), n) * (rng.random(n) < 0.9)
+            if concurrent else np.zeros(n))
+    seats = int(rng.integers(1, 12)) if concurrent and rng.random() < 0.5 else None
+    replay = Replay(w, hold, cost, pinned, seats, load_bytes=load_bytes, host=host)
     sizes = sorted({len(pinned) + int(k) for k in rng.integers(1, adapters + 3, 3)})
     return replay, sizes
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_core_is_the_python_replay_request_by_request(seed: int) -> None:
-    replay, sizes = random_replay(seed)
+def test_the_core_is_the_python_replay_request_by_request(seed: int, concurrent: bool) -> None:
+    replay, sizes = random_replay(seed, concurrent)
+    assert replay.mode == ("concurrent" if concurrent else "paging")
     for policy in ("lru", "fifo", "min"):
         for size in sizes:
             core = replay.run(policy, size)

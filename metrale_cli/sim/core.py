@@ -372,6 +372,283 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     return out
 
 
+@njit(cache=True, inline="always")
+def _event_before(t: Any, kind: Any, seq: Any, i: int, j: int) -> bool:
+    """Event i before event j: by time, then kind (request ends before load ends), then the
+    order they were made in."""
+    if t[i] != t[j]:
+        return t[i] < t[j]
+    if kind[i] != kind[j]:
+        return kind[i] < kind[j]
+    return seq[i] < seq[j]
+
+
+@njit(cache=True)
+def _event_swap(t: Any, kind: Any, seq: Any, x: Any, y: Any, i: int, j: int) -> None:
+    t[i], t[j] = t[j], t[i]
+    kind[i], kind[j] = kind[j], kind[i]
+    seq[i], seq[j] = seq[j], seq[i]
+    x[i], x[j] = x[j], x[i]
+    y[i], y[j] = y[j], y[i]
+
+
+@njit(cache=True)
+def _event_push(t: Any, kind: Any, seq: Any, x: Any, y: Any, size: int, when: float,
+                what: int, order: int, at: int, who: int) -> int:
+    i = size
+    t[i], kind[i], seq[i], x[i], y[i] = when, what, order, at, who
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _event_before(t, kind, seq, i, parent):
+            break
+        _event_swap(t, kind, seq, x, y, i, parent)
+        i = parent
+    return size + 1
+
+
+@njit(cache=True)
+def _event_pop(t: Any, kind: Any, seq: Any, x: Any, y: Any, size: int) -> int:
+    size -= 1
+    _event_swap(t, kind, seq, x, y, 0, size)
+    i = 0
+    while True:
+        child = 2 * i + 1
+        if child >= size:
+            return size
+        if child + 1 < size and _event_before(t, kind, seq, child + 1, child):
+            child += 1
+        if not _event_before(t, kind, seq, child, i):
+            return size
+        _event_swap(t, kind, seq, x, y, i, child)
+        i = child
+
+
+@njit(cache=True)
+def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max_loras: int,
+               pinned: Any, n_adapters: int, seats: int, load_s: Any, load_bytes: Any,
+               links: int, host_slots: int, read_s: Any, start: Any, waits: Any) -> Any:
+    """Replay requests that hold their slot for `hold[r]` seconds (`Replay._concurrent` under
+    first come, first served admission): at most `seats` in flight, each with a count on its
+    adapter's slot; a miss loads into the policy's victim among idle slots, and its request
+    (and any for the same adapter meanwhile, delayed hits) starts when the load ends; with no
+    idle slot the head waits, stalled, until a request ends. Writes each request's start into
+    `start` and each stall's wait into `waits`. Returns [hits, delayed hits, misses, swaps,
+    stalls, bytes moved, host hits, host misses, host bytes moved, error] (error 1: a stall
+    with nothing in flight) and [swap seconds, link wait seconds]."""
+    n = adapter.size
+    n_pinned = pinned.size
+    slot_of = np.full(n_adapters, -1, np.int64)
+    held = np.full(max_loras, -1, np.int64)
+    for k in range(n_pinned):
+        if pinned[k] >= 0:
+            slot_of[pinned[k]] = k
+        held[k] = pinned[k]
+    # A slot: 0 empty, 1 loading, 2 ready; its count of requests in flight and victim keys.
+    state = np.zeros(max_loras, np.int64)
+    state[:n_pinned] = 2
+    refs = np.zeros(max_loras, np.int64)
+    last_used = np.zeros(max_loras, np.int64)
+    loaded_at = np.zeros(max_loras, np.int64)
+    next_use = np.full(max_loras, NEVER, np.int64)
+    version = np.zeros(max_loras, np.int64)
+    cap = 2 * max_loras + 64 + 1
+    hkey = np.empty(cap, np.int64)
+    hslot = np.empty(cap, np.int64)
+    hver = np.empty(cap, np.int64)
+    size = 0
+    for k in range(n_pinned, max_loras):
+        version[k] += 1
+        size = _push(hkey, hslot, hver, size, EMPTY_KEY, k, version[k])
+    tick = load_seq = 0
+    # Events: request ends (kind 0: x its slot or -1, y the request) and load ends (kind 1:
+    # x the slot, y the adapter).
+    ecap = n + max_loras + 1
+    et = np.empty(ecap)
+    ekind = np.empty(ecap, np.int64)
+    eseq = np.empty(ecap, np.int64)
+    ex = np.empty(ecap, np.int64)
+    ey = np.empty(ecap, np.int64)
+    events = order = 0
+    # Requests waiting on an adapter's load, in order: a list per adapter.
+    loading = np.zeros(n_adapters, np.bool_)
+    first_waiting = np.full(n_adapters, -1, np.int64)
+    last_waiting = np.full(n_adapters, -1, np.int64)
+    next_waiting = np.full(n, -1, np.int64)
+    stalled = np.zeros(n, np.bool_)
+    stalled_at = np.zeros(n)
+    free = np.zeros(links)
+    disk = np.zeros(1)
+    resident = np.zeros(n_adapters, np.bool_)
+    before = np.full(n_adapters, -1, np.int64)
+    after = np.full(n_adapters, -1, np.int64)
+    head_host = tail_host = -1
+    in_host = 0
+    hits = delayed = misses = swaps = stalls = bytes_moved = 0
+    host_hits = host_misses = host_bytes = 0
+    swap_s = link_wait_s = 0.0
+    running = 0
+    i = 0  # the next arrival
+    head = 0  # the queue is [head, i): first come, first served leaves only at its head
+    error = 0
+    now = 0.0
+    while i < n or events:
+        if events and (i >= n or et[0] <= arrival[i]):
+            now, kind, x, y = et[0], ekind[0], ex[0], ey[0]
+            events = _event_pop(et, ekind, eseq, ex, ey, events)
+            if kind == 0:
+                if x >= 0:
+                    # touch, then release: its key is its last use once no request holds it.
+                    tick += 1
+                    last_used[x] = tick
+                    refs[x] -= 1
+                    version[x] += 1
+                    if refs[x] == 0 and x >= n_pinned:
+                        if size > 2 * max_loras + 64:
+                            size = _compact(hkey, hslot, hver, size, version)
+                        key = (last_used[x] if policy == 0 else loaded_at[x] if policy == 1
+                               else -next_use[x])
+                        size = _push(hkey, hslot, hver, size, key, x, version[x])
+                running -= 1
+            else:
+                state[x] = 2
+                held[x] = y
+                slot_of[y] = x
+                load_seq += 1
+                loaded_at[x] = load_seq
+                loading[y] = False
+                r = first_waiting[y]
+                first_waiting[y] = -1
+                while r >= 0:  # each waiting request starts on the slot
+                    refs[x] += 1
+                    tick += 1
+                    last_used[x] = tick
+                    if policy == 2:
+                        next_use[x] = nxt[r]
+                    version[x] += 1
+                    start[r] = now
+                    events = _event_push(et, ekind, eseq, ex, ey, events, now + hold[r], 0,
+                                         order, x, r)
+                    order += 1
+                    r = next_waiting[r]
+        else:
+            now = arrival[i]
+            i += 1
+        while running < seats and head < i:
+            r = head
+            a = adapter[r]
+            k = -1
+            if a >= 0:
+                if host_slots > 0 and not stalled[r] and resident[a] and a != tail_host:
+                    b, f = before[a], after[a]
+                    if b >= 0:
+                        after[b] = f
+                    else:
+                        head_host = f
+                    before[f] = b
+                    before[a], after[a] = tail_host, -1
+                    after[tail_host] = a
+                    tail_host = a
+                k = slot_of[a]
+                if k < 0:
+                    if loading[a]:  # its load is under way: no second load
+                        delayed += 1
+                        next_waiting[r] = -1
+                        next_waiting[last_waiting[a]] = r
+                        last_waiting[a] = r
+                        head += 1
+                        running += 1
+                        continue
+                    while size and hver[0] != version[hslot[0]]:
+                        size = _pop(hkey, hslot, hver, size)
+                    if size == 0:  # PoolFull
+                        if not events:
+                            error = 1
+                            break
+                        if not stalled[r]:
+                            stalled[r] = True
+                            stalled_at[r] = now
+                        break
+                    victim = hslot[0]
+                    if state[victim] == 2:
+                        swaps += 1
+                        slot_of[held[victim]] = -1
+                    held[victim] = -1
+                    state[victim] = 1
+                    version[victim] += 1  # loading: no longer a candidate
+                    misses += 1
+                    if stalled[r]:
+                        waits[stalls] = now - stalled_at[r]
+                        stalls += 1
+                    loading[a] = True
+                    first_waiting[a] = last_waiting[a] = r
+                    next_waiting[r] = -1
+                    head += 1
+                    ready_at = now
+                    if host_slots > 0:
+                        if resident[a]:
+                            host_hits += 1
+                        else:
+                            host_misses += 1
+                            host_bytes += load_bytes[a]
+                            if in_host == host_slots:
+                                old = head_host
+                                head_host = after[old]
+                                if head_host >= 0:
+                                    before[head_host] = -1
+                                else:
+                                    tail_host = -1
+                                resident[old] = False
+                                in_host -= 1
+                            resident[a] = True
+                            before[a], after[a] = tail_host, -1
+                            if tail_host >= 0:
+                                after[tail_host] = a
+                            else:
+                                head_host = a
+                            tail_host = a
+                            in_host += 1
+                            ready_at, _ = _link_load(disk, now, read_s[a])
+                    end, wait = _link_load(free, ready_at, load_s[a])
+                    bytes_moved += load_bytes[a]
+                    swap_s += load_s[a]
+                    link_wait_s += wait
+                    events = _event_push(et, ekind, eseq, ex, ey, events, end, 1, order,
+                                         victim, a)
+                    order += 1
+                    running += 1
+                    continue
+                hits += 1
+                refs[k] += 1
+                tick += 1
+                last_used[k] = tick
+                if policy == 2:
+                    next_use[k] = nxt[r]
+                version[k] += 1
+            start[r] = now
+            events = _event_push(et, ekind, eseq, ex, ey, events, now + hold[r], 0, order, k, r)
+            order += 1
+            head += 1
+            running += 1
+        if error:
+            break
+    counts = np.array([hits, delayed, misses, swaps, stalls, bytes_moved, host_hits,
+                       host_misses, host_bytes, error], np.int64)
+    return counts, np.array([swap_s, link_wait_s])
+
+
+@njit(cache=True)
+def _compact(keys: Any, slots: Any, vers: Any, size: int, version: Any) -> int:
+    """Keep only the live entries of the victim heap (SlotManager._requeue's rebuild)."""
+    live = 0
+    for i in range(size):
+        if vers[i] == version[slots[i]]:
+            keys[live], slots[live], vers[live] = keys[i], slots[i], vers[i]
+            live += 1
+    for i in range(live // 2 - 1, -1, -1):
+        _sift_down(keys, slots, vers, live, i)
+    return live
+
+
 def compile_now() -> None:
     """Compile (or load from the cache) every function of the core: `make` runs it once."""
     one = np.zeros(1, np.int64)
@@ -379,3 +656,5 @@ def compile_now() -> None:
            np.zeros(1), np.zeros(1))
     stack_distances(np.full(1, -1, np.int64), -1)
     lru_sweep(one, np.zeros(1), one, one, 1.0, 1, 1, 1, 1)
+    concurrent(one, np.zeros(1), np.zeros(1), one, 0, 1, np.zeros(0, np.int64), 1, 2,
+               np.zeros(1), one, 1, 0, np.zeros(1), np.zeros(1), np.zeros(1))

@@ -461,18 +461,18 @@ class Replay:
         """Replay every request at `max_loras` slots under `policy`. Without `detail` the
         result drops its per-request arrays (a sweep of a million requests keeps none);
         `observe` hears the cache state after each request is placed (a slow path, for
-        checking the replay against an engine). A paging replay runs in the compiled core
-        (sim/core.py) unless `compiled` is False or `observe` is given: then in the Python
-        loop that drives the pool's own `SlotManager`, the reference the core is tested
-        against."""
+        checking the replay against an engine). A paging replay, and a concurrent one under
+        fcfs admission, runs in the compiled core (sim/core.py) unless `compiled` is False or
+        `observe` is given: then in the Python loop that drives the pool's own `SlotManager`,
+        the reference the core is tested against (and skip admission's loop)."""
         self._check_size(max_loras)
         n = len(self._adapter)
         start = np.empty(n)
         loads = Loads(self.cost, self.load_bytes, self.host)
-        if self.paging and compiled and observe is None:
+        if compiled and observe is None and (self.paging or self.admission == "fcfs"):
             served = np.ones(n, dtype=np.int64)
-            hits, delayed, misses, swaps, waits = self._paging_core(policy, max_loras, loads,
-                                                                    start)
+            hits, delayed, misses, swaps, waits = self._in_core(policy, max_loras, loads,
+                                                                start)
             if progress is not None:
                 progress(n)
             return self._result(policy, max_loras, loads, start, served, [0] * max_loras,
@@ -488,9 +488,9 @@ class Replay:
                             [manager.ref_count(k) for k in range(max_loras)],
                             hits, delayed, misses, swaps, waits, detail)
 
-    def _paging_core(self, policy: str, max_loras: int, loads: Loads,
-                     start: np.ndarray) -> Counts:
-        """The paging replay in the compiled core, its totals written into `loads`."""
+    def _in_core(self, policy: str, max_loras: int, loads: Loads, start: np.ndarray) -> Counts:
+        """The replay in the compiled core (paging, or concurrent under fcfs admission), its
+        load totals written into `loads`."""
         from metrale_cli.sim import core
 
         names = {name: a for a, name in enumerate(self.workload.adapters)}
@@ -499,15 +499,30 @@ class Replay:
         pinned = np.array([names.get(p, -1) for p in self.pinned], dtype=np.int64)
         read_s = (np.asarray(loads.read_s, dtype=np.float64) if self.host is not None
                   else np.zeros(adapters))
-        (hits, delayed, misses, swaps, loads.bytes_moved, loads.swap_s, loads.link_wait_s,
-         loads.host_hits, loads.host_misses, loads.host_bytes_moved) = core.paging(
-            np.frombuffer(self._adapter, dtype=np.int64),
-            np.frombuffer(self._arrival, dtype=np.float64),
-            np.frombuffer(self._next, dtype=np.int64), core.POLICY_CODES[policy], max_loras,
-            pinned, adapters, np.asarray(loads.load_s, dtype=np.float64),
-            np.asarray(self.load_bytes, dtype=np.int64), self.cost.links,
-            self.host.slots if self.host is not None else 0, read_s, start)
-        return hits, delayed, misses, swaps, []
+        adapter = np.frombuffer(self._adapter, dtype=np.int64)
+        arrival = np.frombuffer(self._arrival, dtype=np.float64)
+        nxt = np.frombuffer(self._next, dtype=np.int64)
+        load_s = np.asarray(loads.load_s, dtype=np.float64)
+        load_bytes = np.asarray(self.load_bytes, dtype=np.int64)
+        host_slots = self.host.slots if self.host is not None else 0
+        if self.paging:
+            (hits, delayed, misses, swaps, loads.bytes_moved, loads.swap_s, loads.link_wait_s,
+             loads.host_hits, loads.host_misses, loads.host_bytes_moved) = core.paging(
+                adapter, arrival, nxt, core.POLICY_CODES[policy], max_loras, pinned, adapters,
+                load_s, load_bytes, self.cost.links, host_slots, read_s, start)
+            return hits, delayed, misses, swaps, []
+        waits = np.empty(len(adapter))
+        counts, seconds = core.concurrent(
+            adapter, arrival, np.frombuffer(self._hold, dtype=np.float64), nxt,
+            core.POLICY_CODES[policy], max_loras, pinned, adapters,
+            self.max_concurrency or len(adapter) + 1, load_s, load_bytes, self.cost.links,
+            host_slots, read_s, start, waits)
+        (hits, delayed, misses, swaps, stalls, loads.bytes_moved, loads.host_hits,
+         loads.host_misses, loads.host_bytes_moved, error) = counts.tolist()
+        if error:
+            raise UsageError("the slot cache can never free a slot (no request in flight)")
+        loads.swap_s, loads.link_wait_s = seconds.tolist()
+        return hits, delayed, misses, swaps, waits[:stalls].tolist()
 
     def _result(self, policy: str, max_loras: int, loads: Loads, start: np.ndarray,
                 served: np.ndarray, ref_counts: list[int], hits: int, delayed: int,
