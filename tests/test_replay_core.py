@@ -1,7 +1,7 @@
 """The compiled replay core (sim/core.py) against the Python replay that drives the pool's own
 `SlotManager` (`Replay.run(..., compiled=False)`), request by request: every figure of the
 record and every request's start, on seeded random workloads in both modes (concurrent under
-fcfs admission, with and without a cap on requests in flight) across the policies, sizes,
+fcfs and skip admission, with and without a cap on requests in flight) across the policies, sizes,
 pinned adapters, adapters' own load sizes, links, the host tier and arrivals dense enough for
 loads to queue, hits to be delayed and requests to stall."""
 
@@ -44,7 +44,9 @@ def random_replay(seed: int, concurrent: bool = False) -> tuple[Replay, list[int
     hold = (rng.exponential(10 ** rng.uniform(-4, -1), n) * (rng.random(n) < 0.9)
             if concurrent else np.zeros(n))
     seats = int(rng.integers(1, 12)) if concurrent and rng.random() < 0.5 else None
-    replay = Replay(w, hold, cost, pinned, seats, load_bytes=load_bytes, host=host)
+    admission = "skip" if concurrent and rng.random() < 0.5 else "fcfs"
+    replay = Replay(w, hold, cost, pinned, seats, load_bytes=load_bytes, host=host,
+                    admission=admission)
     sizes = sorted({len(pinned) + int(k) for k in rng.integers(1, adapters + 3, 3)})
     return replay, sizes
 

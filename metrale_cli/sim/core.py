@@ -424,17 +424,46 @@ def _event_pop(t: Any, kind: Any, seq: Any, x: Any, y: Any, size: int) -> int:
 
 
 @njit(cache=True)
+def _host_touch(a: int, resident: Any, before: Any, after: Any, ends: Any) -> None:
+    """A use of `a`: up to the host tier LRU's end if it is there (`ends`: its head, tail)."""
+    if not resident[a] or a == ends[1]:
+        return
+    b, f = before[a], after[a]
+    if b >= 0:
+        after[b] = f
+    else:
+        ends[0] = f
+    before[f] = b
+    before[a], after[a] = ends[1], -1
+    after[ends[1]] = a
+    ends[1] = a
+
+
+@njit(cache=True)
+def _earliest(first: Any, next_same: Any, gone: Any, a1: int) -> int:
+    """The earliest waiting request for adapter `a1 - 1` (-1: none), the gone ones dropped."""
+    r = first[a1]
+    while r >= 0 and gone[r]:
+        r = next_same[r]
+    first[a1] = r
+    return r
+
+
+@njit(cache=True)
 def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max_loras: int,
-               pinned: Any, n_adapters: int, seats: int, load_s: Any, load_bytes: Any,
-               links: int, host_slots: int, read_s: Any, start: Any, waits: Any) -> Any:
-    """Replay requests that hold their slot for `hold[r]` seconds (`Replay._concurrent` under
-    first come, first served admission): at most `seats` in flight, each with a count on its
-    adapter's slot; a miss loads into the policy's victim among idle slots, and its request
-    (and any for the same adapter meanwhile, delayed hits) starts when the load ends; with no
-    idle slot the head waits, stalled, until a request ends. Writes each request's start into
-    `start` and each stall's wait into `waits`. Returns [hits, delayed hits, misses, swaps,
-    stalls, bytes moved, host hits, host misses, host bytes moved, error] (error 1: a stall
-    with nothing in flight) and [swap seconds, link wait seconds]."""
+               pinned: Any, n_adapters: int, seats: int, skip: bool, load_s: Any,
+               load_bytes: Any, links: int, host_slots: int, read_s: Any, start: Any,
+               waits: Any) -> Any:
+    """Replay requests that hold their slot for `hold[r]` seconds (`Replay._concurrent`): at
+    most `seats` in flight, each with a count on its adapter's slot; a miss loads into the
+    policy's victim among idle slots, and its request (and any for the same adapter meanwhile,
+    delayed hits) starts when the load ends; with no idle slot the head waits, stalled, until
+    a request ends, and under `skip` admission later requests whose adapter is resident or
+    loading go ahead (WaitingQueue's index: a heap of each startable adapter's earliest
+    waiting request). Writes each request's start into `start` and each stall's wait into
+    `waits`. Returns [hits, delayed hits, misses, swaps, stalls, bytes moved, host hits, host
+    misses, host bytes moved, error] (error 1: a stall with nothing in flight) and [swap
+    seconds, link wait seconds]."""
     n = adapter.size
     n_pinned = pinned.size
     slot_of = np.full(n_adapters, -1, np.int64)
@@ -476,19 +505,35 @@ def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max
     next_waiting = np.full(n, -1, np.int64)
     stalled = np.zeros(n, np.bool_)
     stalled_at = np.zeros(n)
+    # The waiting queue: [head, i) less the requests gone; under skip, indexed by adapter
+    # (index a + 1, the base model's 0): each adapter's waiting requests in arrival order and
+    # a heap of (earliest waiting request, adapter) of the startable ones offered.
+    gone = np.zeros(n, np.bool_)
+    first_same = np.full(n_adapters + 1, -1, np.int64)
+    last_same = np.full(n_adapters + 1, -1, np.int64)
+    next_same = np.full(n, -1, np.int64)
+    offered = np.zeros(n_adapters + 1, np.bool_)
+    qcap = n_adapters + 2
+    qr = np.empty(qcap, np.int64)
+    qa = np.empty(qcap, np.int64)
+    qzero = np.zeros(qcap, np.int64)
+    queued = 0
+    considered = 0
+    went = np.full(n, -1, np.int64)  # the pass past a stalled head a request went in
+    passes = 0
     free = np.zeros(links)
     disk = np.zeros(1)
     resident = np.zeros(n_adapters, np.bool_)
     before = np.full(n_adapters, -1, np.int64)
     after = np.full(n_adapters, -1, np.int64)
-    head_host = tail_host = -1
+    ends = np.full(2, -1, np.int64)  # the host tier LRU's head and tail
     in_host = 0
     hits = delayed = misses = swaps = stalls = bytes_moved = 0
     host_hits = host_misses = host_bytes = 0
     swap_s = link_wait_s = 0.0
     running = 0
     i = 0  # the next arrival
-    head = 0  # the queue is [head, i): first come, first served leaves only at its head
+    head = 0
     error = 0
     now = 0.0
     while i < n or events:
@@ -532,22 +577,30 @@ def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max
                     r = next_waiting[r]
         else:
             now = arrival[i]
+            if skip:
+                a1 = adapter[i] + 1
+                if first_same[a1] < 0:
+                    first_same[a1] = i
+                else:
+                    next_same[last_same[a1]] = i
+                last_same[a1] = i
+                a = adapter[i]
+                if (a < 0 or loading[a] or slot_of[a] >= 0) and not offered[a1]:
+                    offered[a1] = True
+                    queued = _push(qr, qa, qzero, queued, _earliest(first_same, next_same,
+                                                                    gone, a1), a, 0)
             i += 1
-        while running < seats and head < i:
+        while running < seats:
+            while head < i and gone[head]:
+                head += 1
+            if head >= i:
+                break
             r = head
             a = adapter[r]
             k = -1
             if a >= 0:
-                if host_slots > 0 and not stalled[r] and resident[a] and a != tail_host:
-                    b, f = before[a], after[a]
-                    if b >= 0:
-                        after[b] = f
-                    else:
-                        head_host = f
-                    before[f] = b
-                    before[a], after[a] = tail_host, -1
-                    after[tail_host] = a
-                    tail_host = a
+                if host_slots > 0 and not stalled[r]:
+                    _host_touch(a, resident, before, after, ends)
                 k = slot_of[a]
                 if k < 0:
                     if loading[a]:  # its load is under way: no second load
@@ -555,7 +608,7 @@ def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max
                         next_waiting[r] = -1
                         next_waiting[last_waiting[a]] = r
                         last_waiting[a] = r
-                        head += 1
+                        gone[r] = True
                         running += 1
                         continue
                     while size and hver[0] != version[hslot[0]]:
@@ -567,6 +620,71 @@ def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max
                         if not stalled[r]:
                             stalled[r] = True
                             stalled_at[r] = now
+                        if not skip:
+                            break
+                        # Later requests that can start now go ahead, in order, while seats
+                        # last; those that need a load wait behind the head, stalled from
+                        # the first time they were passed over.
+                        passes += 1
+                        last = -1
+                        while queued and running < seats:
+                            e, b = qr[0], qa[0]
+                            if not (b < 0 or loading[b] or slot_of[b] >= 0):
+                                queued = _pop(qr, qa, qzero, queued)
+                                offered[b + 1] = False
+                                continue
+                            earliest = _earliest(first_same, next_same, gone, b + 1)
+                            if earliest < 0:
+                                queued = _pop(qr, qa, qzero, queued)
+                                offered[b + 1] = False
+                                continue
+                            if earliest != e:  # its earlier requests left: its place moves
+                                queued = _pop(qr, qa, qzero, queued)
+                                queued = _push(qr, qa, qzero, queued, earliest, b, 0)
+                                continue
+                            gone[e] = True
+                            following = _earliest(first_same, next_same, gone, b + 1)
+                            queued = _pop(qr, qa, qzero, queued)
+                            if following < 0:
+                                offered[b + 1] = False
+                            else:
+                                queued = _push(qr, qa, qzero, queued, following, b, 0)
+                            went[e] = passes
+                            last = e
+                            running += 1
+                            if b >= 0 and loading[b]:
+                                delayed += 1
+                                next_waiting[e] = -1
+                                next_waiting[last_waiting[b]] = e
+                                last_waiting[b] = e
+                                continue
+                            g = -1
+                            if b >= 0:
+                                hits += 1
+                                g = slot_of[b]
+                                refs[g] += 1
+                                tick += 1
+                                last_used[g] = tick
+                                if policy == 2:
+                                    next_use[g] = nxt[e]
+                                version[g] += 1
+                            start[e] = now
+                            events = _event_push(et, ekind, eseq, ex, ey, events,
+                                                 now + hold[e], 0, order, g, e)
+                            order += 1
+                        # The requests this pass looked at first: up to the one that took
+                        # the last seat, or every one that has arrived.
+                        upto = last + 1 if running >= seats else i
+                        for c in range(considered, max(considered, upto)):
+                            b = adapter[c]
+                            if c == r or b < 0 or (gone[c] and went[c] != passes):
+                                continue
+                            if host_slots > 0 and not stalled[c]:
+                                _host_touch(b, resident, before, after, ends)
+                            if not gone[c] and not stalled[c]:
+                                stalled[c] = True
+                                stalled_at[c] = now
+                        considered = max(considered, upto)
                         break
                     victim = hslot[0]
                     if state[victim] == 2:
@@ -582,7 +700,12 @@ def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max
                     loading[a] = True
                     first_waiting[a] = last_waiting[a] = r
                     next_waiting[r] = -1
-                    head += 1
+                    gone[r] = True
+                    if skip and not offered[a + 1]:  # its later requests can start
+                        earliest = _earliest(first_same, next_same, gone, a + 1)
+                        if earliest >= 0:
+                            offered[a + 1] = True
+                            queued = _push(qr, qa, qzero, queued, earliest, a, 0)
                     ready_at = now
                     if host_slots > 0:
                         if resident[a]:
@@ -591,21 +714,21 @@ def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max
                             host_misses += 1
                             host_bytes += load_bytes[a]
                             if in_host == host_slots:
-                                old = head_host
-                                head_host = after[old]
-                                if head_host >= 0:
-                                    before[head_host] = -1
+                                old = ends[0]
+                                ends[0] = after[old]
+                                if ends[0] >= 0:
+                                    before[ends[0]] = -1
                                 else:
-                                    tail_host = -1
+                                    ends[1] = -1
                                 resident[old] = False
                                 in_host -= 1
                             resident[a] = True
-                            before[a], after[a] = tail_host, -1
-                            if tail_host >= 0:
-                                after[tail_host] = a
+                            before[a], after[a] = ends[1], -1
+                            if ends[1] >= 0:
+                                after[ends[1]] = a
                             else:
-                                head_host = a
-                            tail_host = a
+                                ends[0] = a
+                            ends[1] = a
                             in_host += 1
                             ready_at, _ = _link_load(disk, now, read_s[a])
                     end, wait = _link_load(free, ready_at, load_s[a])
@@ -627,7 +750,7 @@ def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max
             start[r] = now
             events = _event_push(et, ekind, eseq, ex, ey, events, now + hold[r], 0, order, k, r)
             order += 1
-            head += 1
+            gone[r] = True
             running += 1
         if error:
             break
@@ -656,5 +779,5 @@ def compile_now() -> None:
            np.zeros(1), np.zeros(1))
     stack_distances(np.full(1, -1, np.int64), -1)
     lru_sweep(one, np.zeros(1), one, one, 1.0, 1, 1, 1, 1)
-    concurrent(one, np.zeros(1), np.zeros(1), one, 0, 1, np.zeros(0, np.int64), 1, 2,
+    concurrent(one, np.zeros(1), np.zeros(1), one, 0, 1, np.zeros(0, np.int64), 1, 2, False,
                np.zeros(1), one, 1, 0, np.zeros(1), np.zeros(1), np.zeros(1))

@@ -461,15 +461,15 @@ class Replay:
         """Replay every request at `max_loras` slots under `policy`. Without `detail` the
         result drops its per-request arrays (a sweep of a million requests keeps none);
         `observe` hears the cache state after each request is placed (a slow path, for
-        checking the replay against an engine). A paging replay, and a concurrent one under
-        fcfs admission, runs in the compiled core (sim/core.py) unless `compiled` is False or
-        `observe` is given: then in the Python loop that drives the pool's own `SlotManager`,
-        the reference the core is tested against (and skip admission's loop)."""
+        checking the replay against an engine). The replay runs in the compiled core
+        (sim/core.py) unless `compiled` is False or `observe` is given: then in the Python
+        loop that drives the pool's own `SlotManager`, the reference the core is tested
+        against."""
         self._check_size(max_loras)
         n = len(self._adapter)
         start = np.empty(n)
         loads = Loads(self.cost, self.load_bytes, self.host)
-        if compiled and observe is None and (self.paging or self.admission == "fcfs"):
+        if compiled and observe is None:
             served = np.ones(n, dtype=np.int64)
             hits, delayed, misses, swaps, waits = self._in_core(policy, max_loras, loads,
                                                                 start)
@@ -489,8 +489,7 @@ class Replay:
                             hits, delayed, misses, swaps, waits, detail)
 
     def _in_core(self, policy: str, max_loras: int, loads: Loads, start: np.ndarray) -> Counts:
-        """The replay in the compiled core (paging, or concurrent under fcfs admission), its
-        load totals written into `loads`."""
+        """The replay in the compiled core, its load totals written into `loads`."""
         from metrale_cli.sim import core
 
         names = {name: a for a, name in enumerate(self.workload.adapters)}
@@ -515,7 +514,8 @@ class Replay:
         counts, seconds = core.concurrent(
             adapter, arrival, np.frombuffer(self._hold, dtype=np.float64), nxt,
             core.POLICY_CODES[policy], max_loras, pinned, adapters,
-            self.max_concurrency or len(adapter) + 1, load_s, load_bytes, self.cost.links,
+            self.max_concurrency or len(adapter) + 1, self.admission == "skip", load_s,
+            load_bytes, self.cost.links,
             host_slots, read_s, start, waits)
         (hits, delayed, misses, swaps, stalls, loads.bytes_moved, loads.host_hits,
          loads.host_misses, loads.host_bytes_moved, error) = counts.tolist()
