@@ -144,3 +144,22 @@ def test_sglang_takes_tp_as_every_command_does() -> None:
     one = metrale(*args, "--json").json()
     assert "tp_size" not in one["layout"]
     assert record["swap"]["slot_bytes"] < one["swap"]["slot_bytes"]
+
+
+def test_a_flag_conflict_at_any_size_is_refused_before_the_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-cpu-loras below the largest swept --max-loras: refused before the first size's
+    replay, not after it."""
+    replayed: list[int] = []
+    real = Replay.run
+
+    def spy(self: Replay, policy: str, size: int, *args: object, **kw: object) -> object:
+        replayed.append(size)
+        return real(self, policy, size, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Replay, "run", spy)
+    got = metrale(*[a for a in BASE if a != "--json"], "--max-loras", "4,8,16",
+                  "--max-cpu-loras", "12")
+    assert got.code == 2 and "--max-cpu-loras 12 is below --max-loras 16" in got.stderr, \
+        got.stderr
+    assert replayed == []

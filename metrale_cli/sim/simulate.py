@@ -318,8 +318,10 @@ def run(
         # The host cache's size follows --max-loras unless --max-cpu-loras fixes it: a replay
         # per size, each with its own host tier.
         results = []
-        for n in sorted(set(sizes)):
-            tiers, lora_bytes = engine.at(n)
+        # Every size's flags judged before any replay: a flag conflict at the largest size
+        # (--max-cpu-loras below it) is refused before the work, not half-way through it.
+        at = {n: engine.at(n) for n in sorted(set(sizes))}
+        for n, (tiers, lora_bytes) in at.items():
             # The replay runs the slots the engine gives adapters (SGLang's base model keeps
             # one of its --max-loras-per-batch), reported under the engine's flag.
             got = simulate(replay_for(HostTier(_host_slots(tiers, workload), engine.host_link)),
