@@ -16,6 +16,7 @@
 - The objects alive when a test module starts are frozen out of the garbage collector's reach
   (see pytest_runtest_setup), and the host harness is built in a fixture (`host_library`).
 - With an xdist worker a core, torch runs one thread in each (see pytest_configure).
+- The compiled replay core is loaded in a session setup (`replay_core`).
 """
 
 from __future__ import annotations
@@ -188,3 +189,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.support.hostile_inputs import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def replay_core() -> None:
+    """The compiled replay core (metrale_cli/sim/core.py) imported and loaded from numba's
+    cache in a setup, which the cost tiers do not count: about a second a process (numba's
+    import), paid once and not in the call of whichever test first replays a workload."""
+    from metrale_cli.sim import core
+
+    core.compile_now()

@@ -500,6 +500,28 @@ def test_trace_memory_follows_the_columns(tmp_path: Path,
     assert peak < 5 * columns + (2 << 20), f"peak {peak / 2**20:.1f} MiB"
 
 
+@pytest.mark.parametrize("suffix,row", [(".csv", "{t},a\n"),
+                                        (".jsonl", '{{"timestamp": {t}, "adapter": "a"}}\n')])
+def test_blank_lines_count_toward_the_request_bound(tmp_path: Path, suffix: str, row: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of blank lines holds no request, but each is read: a 2 GB one took 17 minutes
+    before saying so. They count toward the bound, and reading stops at the chunk that
+    passes it."""
+    import metrale_cli.sim.workload as wl
+
+    monkeypatch.setattr(wl, "MAX_REQUESTS", 9)
+    monkeypatch.setattr(wl, "TRACE_CHUNK", 4)
+    p = tmp_path / f"t{suffix}"
+    header = "timestamp,adapter\n" if suffix == ".csv" else ""
+    p.write_text(header + row.format(t=0) + row.format(t=1) + "\n" * 40)
+    seen: list[int] = []
+    with pytest.raises(UsageError, match=r"more than 9 requests and blank lines, the most"):
+        read_trace(p, progress=lambda done, _: seen.append(done))
+    assert seen and seen[-1] < p.stat().st_size  # stopped before the end of the file
+    p.write_text(header + row.format(t=0) + row.format(t=1) + "\n" * 5)
+    assert read_trace(p).requests == 2
+
+
 def test_a_trace_that_is_not_a_regular_file_is_never_read(tmp_path: Path) -> None:
     fifo = tmp_path / "requests.jsonl"
     os.mkfifo(fifo)  # opening it would wait for a writer forever
@@ -567,6 +589,23 @@ def test_bad_options_are_one_line(args: list[str], message: str) -> None:
     assert r.code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_size_past_every_adapter_resident_replays_as_that_size() -> None:
+    """--max-loras 10**20 allocated slots until memory ran out (exit 70), and 10**6 beside 20
+    adapters took 14 s: past every adapter resident, a size replays as that size, and only its
+    pool's bytes differ."""
+    r = metrale("simulate", *SLOT, "--adapters", "20", "--requests", "300", "--policy",
+                "lru,fifo", "--max-loras", "20,99999999999999999999", "--json")
+    assert r.code == 0, r.stderr
+    results = r.json()["results"]
+    for policy in ("lru", "fifo"):
+        small, huge = (x for x in results if x["policy"] == policy)
+        assert (small["max_loras"], huge["max_loras"]) == (20, 99999999999999999999)
+        assert huge["pool_bytes"] > small["pool_bytes"]
+        differ = {"max_loras", "pool_bytes"}
+        assert {k: v for k, v in huge.items() if k not in differ} == \
+            {k: v for k, v in small.items() if k not in differ}
+
+
 @pytest.mark.sweep
 def test_cli_json_record(tmp_path: Path) -> None:
     trace = tmp_path / "gen.csv"
@@ -610,6 +649,25 @@ def test_cli_json_record(tmp_path: Path) -> None:
     # --save-trace never overwrites without --force.
     r = metrale("simulate", *SLOT, "--requests", "10", "--save-trace", trace)
     assert r.code == 2 and "exists" in r.stderr
+
+
+def test_help_groups_the_options_in_panels() -> None:
+    """56 options in one list: each is in the panel of what it sets, --help alone under
+    Options, every panel's options in the panel's order."""
+    from metrale_cli.cli.simulate_cmd import SimulateCommand
+    from tests.support.cli_runner import command_tree
+
+    command = command_tree().commands["simulate"]
+    flags = {p.opts[0] for p in command.params if p.param_type_name == "option"}
+    paneled = [f for panel in SimulateCommand.panels.values() for f in panel]
+    assert len(paneled) == len(set(paneled)) and set(paneled) == flags
+    out = metrale("simulate", "--help").stdout
+    headings = [line for line in out.splitlines() if line.endswith(":") and line[0] != " "]
+    assert headings == ["Arguments:", *(f"{t}:" for t in SimulateCommand.panels), "Options:",
+                        "Example:"]
+    shown = re.findall(r"^  (?:-\w, )?(--[\w-]+)", out[out.index("\nPool:"):],
+                       flags=re.MULTILINE)
+    assert shown == [*paneled, "--help"]
 
 
 def test_cli_paging_mode_view_and_plot(tmp_path: Path) -> None:
@@ -657,12 +715,22 @@ def test_bench_slots_record() -> None:
     sweep = rec["lru_sweep"]
     assert sweep["sizes"] == 1000 and sweep["adapters"] == 100_000
     assert sweep["speedup"] == 1000 * sweep["replay_s"] / sweep["sweep_s"] > 0
+    assert sweep["over_one_replay"] == sweep["sweep_s"] / sweep["replay_s"]
+    # libCacheSim (the test extra) on the same trace: the misses are checked before the times.
+    theirs = rec["libcachesim"]
+    assert theirs["sizes"] == [10, 50, 100, 200, 500] and theirs["requests"] == 2000
+    for policy in ("fifo", "lru"):
+        t = theirs[policy]
+        assert t["ratio"] == t["metrale_s"] / t["libcachesim_s"] > 0
+        assert t["misses"] == sorted(t["misses"], reverse=True) and t["misses"][0] < 2000
     assert set(rec["admission"]) == {"10000", "100000"}
     for times in rec["admission"].values():
         assert times["skip_over_fcfs"] == times["skip_s"] / times["fcfs_s"] > 0
     from metrale_cli.cli.render_sim import bench_slots_view
 
-    assert "admission, 100,000 requests on 4 slots: skip" in str(bench_slots_view(rec))
+    view = str(bench_slots_view(rec))
+    assert "admission, 100,000 requests on 4 slots: skip" in view
+    assert "  lru, paging: metrale" in view and "the same misses" in view
     r = metrale("bench", "slots", "--repeats", "0")
     assert r.code == 2 and "must be positive" in r.stderr
 

@@ -126,3 +126,40 @@ def test_the_engine_judges_the_adapters_not_the_pool(peft_zoo) -> None:  # type:
     refused = metrale("simulate", "--engine", "vllm", tokens.path, *setup[:-1])
     assert refused.code == 1 and refused.stdout == ""
     assert "vllm refuses" in refused.stderr and "unsupported LoRA weight" in refused.stderr
+
+
+def test_sglang_takes_tp_as_every_command_does() -> None:
+    """--tp 0 ran as --tp 1 (exit 0) and --tp 2 was never mentioned: refused as everywhere
+    else, and the slot said per GPU at that --tp."""
+    args = ["simulate", "--engine", "sglang", "--model", "llama-3.1-8b", "--modules",
+            "q_proj,v_proj", "--max-rank", "16", "--adapters", "20", "--requests", "200",
+            "--max-loras", "4"]
+    got = metrale(*args, "--tp", "0")
+    assert got.code == 2 and got.stderr == "error: --tp must be positive, got 0\n", got.stderr
+    got = metrale(*args, "--tp", "2", columns=200)
+    assert got.code == 0, got.stderr
+    assert "per GPU at --tp 2" in got.stdout, got.stdout
+    record = metrale(*args, "--tp", "2", "--json").json()
+    assert record["layout"]["tp_size"] == 2
+    one = metrale(*args, "--json").json()
+    assert "tp_size" not in one["layout"]
+    assert record["swap"]["slot_bytes"] < one["swap"]["slot_bytes"]
+
+
+def test_a_flag_conflict_at_any_size_is_refused_before_the_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-cpu-loras below the largest swept --max-loras: refused before the first size's
+    replay, not after it."""
+    replayed: list[int] = []
+    real = Replay.run
+
+    def spy(self: Replay, policy: str, size: int, *args: object, **kw: object) -> object:
+        replayed.append(size)
+        return real(self, policy, size, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Replay, "run", spy)
+    got = metrale(*[a for a in BASE if a != "--json"], "--max-loras", "4,8,16",
+                  "--max-cpu-loras", "12")
+    assert got.code == 2 and "--max-cpu-loras 12 is below --max-loras 16" in got.stderr, \
+        got.stderr
+    assert replayed == []

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from metrale_cli.sim.replay import Replay, SwapCost
-from metrale_cli.sim.stack_distance import COLD, load_ends, stack_distances
+from metrale_cli.sim.stack_distance import COLD, stack_distances
 from metrale_cli.sim.workload import Workload
 
 COST = SwapCost(slot_bytes=1000, bytes_per_s=1e6, latency_s=0.0, bandwidth="test")  # 1 ms
@@ -82,12 +82,6 @@ def test_the_sweep_is_a_replay_at_every_size(data: list[tuple[int, float]], pin_
             want = getattr(r, f)
             assert getattr(s, f) == (None if want is None else
                                      pytest.approx(want, rel=1e-9, abs=1e-12)), (f, size)
-
-
-def test_load_ends_queue_per_link() -> None:
-    asked = np.array([0.0, 0.0, 0.0, 0.5, 10.0])
-    np.testing.assert_allclose(load_ends(asked, 1.0, 1), [1.0, 2.0, 3.0, 4.0, 11.0])
-    np.testing.assert_allclose(load_ends(asked, 1.0, 2), [1.0, 1.0, 2.0, 2.0, 11.0])
 
 
 def test_a_paging_lru_sweep_takes_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:

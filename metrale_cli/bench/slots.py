@@ -2,11 +2,15 @@
 request, stay flat from 64 to 4096 slots? Both sizes are timed in one run and reported as a ratio;
 a full scan (what the pool did before: a list of every cache slot per call) is timed beside
 them as the reference that does grow. Skip admission is timed against first come, first served
-at 10,000 and 100,000 requests (it must grow as fcfs does, not with the queue squared)."""
+at 10,000 and 100,000 requests (it must grow as fcfs does, not with the queue squared). Where
+libCacheSim is installed (the `libcachesim` extra), a zipf trace replayed by metrale (read from
+its file, 5 sizes) and by libCacheSim in one run: the times as ratios, the misses compared."""
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,7 +18,8 @@ import numpy as np
 from metrale_cli.errors import UsageError
 from metrale_cli.pool.slots import AdapterSlot, SlotManager
 from metrale_cli.sim.replay import Replay, SwapCost
-from metrale_cli.sim.workload import GeneratorSpec, generate
+from metrale_cli.sim.simulate import simulate
+from metrale_cli.sim.workload import GeneratorSpec, generate, read_trace
 
 SIZES = (64, 4096)
 
@@ -145,6 +150,69 @@ def admission_seconds(requests: int) -> dict[str, float]:
     return out
 
 
+# The comparison with libCacheSim: a zipf(1.0) trace over this many adapters at these sizes.
+LIBCACHESIM_ADAPTERS = 1_000
+LIBCACHESIM_SIZES = (10, 50, 100, 200, 500)
+
+
+def against_libcachesim(requests: int) -> dict[str, Any] | None:
+    """metrale and libCacheSim (C) on one zipf trace of `requests` requests written as CSV, each
+    policy at LIBCACHESIM_SIZES: metrale's seconds (reading the file, then `simulate` as the
+    CLI runs it: LRU swept in one pass, FIFO replayed per size, in paging mode), libCacheSim's
+    (its CSV reader and cache per size), and for concurrent mode (requests hold their slot,
+    which libCacheSim has no mode for) metrale's LRU against libCacheSim's paging LRU. The
+    misses must be libCacheSim's at every size (its miss ratio times the requests; a delayed
+    hit is a hit to it), or UsageError. None where libCacheSim is not installed."""
+    try:
+        import libcachesim as lcs
+    except ImportError:
+        return None
+    spec = GeneratorSpec("zipf", requests, adapters=LIBCACHESIM_ADAPTERS, zipf_s=1.0,
+                         input_range=(0, 0), output_range=(0, 0))
+    cost = SwapCost(1 << 20, 25e9, 10e-6, "bench")
+    sizes = list(LIBCACHESIM_SIZES)
+    params = lcs.ReaderInitParam(has_header=True, has_header_set=True, delimiter=",",
+                                 obj_id_is_num=False, obj_id_is_num_set=True,
+                                 ignore_obj_size=True)
+    params.time_field, params.obj_id_field = 1, 2  # timestamp, adapter (1-based columns)
+    out: dict[str, Any] = {"requests": requests, "adapters": LIBCACHESIM_ADAPTERS,
+                           "sizes": sizes}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "zipf.csv"
+        generate(spec).save(path, force=False)
+
+        def theirs(cache: Any) -> tuple[float, list[int]]:
+            started = time.perf_counter()
+            ratios = [cache(cache_size=n).process_trace(
+                lcs.TraceReader(str(path), lcs.TraceType.CSV_TRACE, params))[0] for n in sizes]
+            return time.perf_counter() - started, [round(r * requests) for r in ratios]
+
+        for policy, cache in (("fifo", lcs.FIFO), ("lru", lcs.LRU)):
+            started = time.perf_counter()
+            workload = read_trace(path)
+            results = simulate(Replay(workload, np.zeros(workload.requests), cost), [policy],
+                               sizes, lambda n: 0)
+            ours_s = time.perf_counter() - started
+            their_s, their_misses = theirs(cache)
+            misses = [r.misses for r in results]
+            if misses != their_misses:
+                raise UsageError(f"bench slots: {policy} misses {misses} at sizes {sizes}, "
+                                 f"libCacheSim's {their_misses}")
+            out[policy] = {"metrale_s": ours_s, "libcachesim_s": their_s,
+                           "ratio": ours_s / their_s, "misses": misses,
+                           "hit_rate": [1 - m / requests for m in misses]}
+        workload = generate(GeneratorSpec("zipf", requests, adapters=LIBCACHESIM_ADAPTERS,
+                                          zipf_s=1.0))
+        started = time.perf_counter()
+        simulate(Replay(workload, workload.hold_seconds(10_000.0, 50.0), cost), ["lru"], sizes,
+                 lambda n: 0)
+        ours_s = time.perf_counter() - started
+        out["concurrent_lru"] = {"metrale_s": ours_s, "libcachesim_paging_lru_s":
+                                 out["lru"]["libcachesim_s"],
+                                 "ratio": ours_s / out["lru"]["libcachesim_s"]}
+    return out
+
+
 def run(requests: int = 200_000, cycles: int = 100_000, repeats: int = 3) -> dict[str, Any]:
     """Victim cycles in alternating chunks, then `repeats` simulator runs per size and mode,
     sizes interleaved, best of each: machine noise slows both sizes, not one."""
@@ -171,7 +239,9 @@ def run(requests: int = 200_000, cycles: int = 100_000, repeats: int = 3) -> dic
     out["lru_sweep"] = {"sizes": SWEEP_SIZES, "adapters": SWEEP_ADAPTERS, "replay_s": replay_s,
                         "sweep_s": sweep_s,
                         # A sweep replayed size by size over the time of one pass: the speed-up.
-                        "speedup": SWEEP_SIZES * replay_s / sweep_s}
+                        "speedup": SWEEP_SIZES * replay_s / sweep_s,
+                        "over_one_replay": sweep_s / replay_s}
+    out["libcachesim"] = against_libcachesim(requests)
     out["admission"] = {}
     for n in ADMISSION_REQUESTS:
         times = admission_seconds(n)

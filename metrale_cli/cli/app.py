@@ -63,7 +63,7 @@ for command in (plan_cmds.models, plan_cmds.inspect, plan_cmds.layout, pack_cmds
 bench_app.command("pack", cls=Command)(bench_cmds.bench_pack)
 bench_app.command("kernels", cls=Command)(bench_cmds.bench_kernels)
 bench_app.command("slots", cls=Command)(bench_cmds.bench_slots)
-app.command(cls=Command)(simulate_cmd.simulate)
+app.command(cls=simulate_cmd.SimulateCommand)(simulate_cmd.simulate)
 
 
 def version_callback(value: bool) -> None:

@@ -71,12 +71,39 @@ class _HelpForm:
     commands at the end, each on one line that is never folded (a pasted example runs)."""
 
     examples: list[str]
+    # The option panels of a command with many options, in the order shown: title -> its
+    # options' first flags. Options in none are shown last under "Options".
+    panels: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
         help, self.examples = _split_examples(help)
         super().__init__(*args, help=help, **kwargs)  # type: ignore[call-arg]
         for param in self.params:  # type: ignore[attr-defined]
             _name_values(param)
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        if not self.panels:
+            return super().format_options(ctx, formatter)  # type: ignore[misc]
+        place = {flag: (title, k) for title, flags in self.panels.items()
+                 for k, flag in enumerate(flags)}
+        arguments: list[tuple[str, str]] = []
+        sections: dict[str, list[tuple[int, tuple[str, str]]]] = {
+            title: [] for title in [*self.panels, "Options"]}
+        for param in self.get_params(ctx):  # type: ignore[attr-defined]
+            row = param.get_help_record(ctx)
+            if row is None:
+                continue
+            if isinstance(param, TyperArgument):
+                arguments.append(row)
+            else:
+                title, k = place.get(param.opts[0], ("Options", 0))
+                sections[title].append((k, row))
+        for title, rows in (("Arguments", arguments),
+                            *((t, [row for _, row in sorted(placed, key=lambda p: p[0])])
+                              for t, placed in sections.items())):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
     def format_epilog(self, ctx: Any, formatter: Any) -> None:
         super().format_epilog(ctx, formatter)  # type: ignore[misc]

@@ -284,7 +284,22 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
     sweep = record["lru_sweep"]
     lines.append(f"lru sweep, paging, {sweep['sizes']:,} sizes over {sweep['adapters']:,} "
                  f"adapters: {sweep['sweep_s']:.2f} s in one pass, {sweep['replay_s']:.2f} s "
-                 f"per size replayed: x{sweep['speedup']:,.0f}")
+                 f"per size replayed: x{sweep['speedup']:,.0f}, one pass = "
+                 f"{sweep['over_one_replay']:.1f} replays")
+    theirs = record.get("libcachesim")
+    if theirs is None:
+        lines.append("libCacheSim: not installed (pip install 'metrale[libcachesim]')")
+    else:
+        lines.append(f"against libCacheSim: {theirs['requests']:,} zipf requests over "
+                     f"{theirs['adapters']:,} adapters, {len(theirs['sizes'])} sizes, the "
+                     "trace read from its file")
+        for policy in ("fifo", "lru"):
+            t = theirs[policy]
+            lines.append(f"  {policy}, paging: metrale {t['metrale_s']:.2f} s, libCacheSim "
+                         f"{t['libcachesim_s']:.2f} s: x{t['ratio']:.1f}, the same misses")
+        c = theirs["concurrent_lru"]
+        lines.append(f"  lru, concurrent (requests hold slots): metrale {c['metrale_s']:.2f} s:"
+                     f" x{c['ratio']:.1f} libCacheSim's paging lru")
     for n, times in record["admission"].items():
         lines.append(f"admission, {int(n):,} requests on 4 slots: skip {times['skip_s']:.2f} s, "
                      f"fcfs {times['fcfs_s']:.2f} s: x{times['skip_over_fcfs']:.2f}")

@@ -12,6 +12,7 @@ import typer
 
 from metrale_cli.cli.console import emit, err, handles_errors, say, warn
 from metrale_cli.cli.options import (
+    Command,
     DtypeOpt,
     EngineOpt,
     EpOpt,
@@ -37,6 +38,28 @@ from metrale_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from metrale_cli.layout.pipeline import AuditedAdapters, PlannedPool
+
+
+class SimulateCommand(Command):
+    """`metrale simulate`'s help: its options in panels by what they set."""
+
+    panels = {
+        "Pool": ("--model", "--modules", "--max-rank", "--experts", "--max-loras", "--pin",
+                 "--pinned", "--tp", "--ep", "--fully-sharded", "--budget"),
+        "Workload: a trace": ("--trace", "--trace-format", "--assign"),
+        "Workload: generated": ("--workload", "--requests", "--adapters", "--rate", "--cv",
+                                "--seed", "--seeds", "--zipf-s", "--alpha", "--input-tokens",
+                                "--output-tokens", "--ranks", "--save-trace"),
+        "Serving": ("--policy", "--admission", "--max-concurrency", "--prefill-tok-s",
+                    "--decode-tok-s", "--replicas", "--route"),
+        "Loads": ("--bandwidth", "--swap-latency-ms", "--links", "--host-slots",
+                  "--host-bandwidth"),
+        "Engine (--engine vllm or sglang)": (
+            "--engine", "--max-cpu-loras", "--dtype", "--lora-dtype", "--max-loaded-loras",
+            "--eviction-policy", "--lora-backend"),
+        "Answer and output": ("--target-hit-rate", "--target-p99-ms", "--plot", "--json",
+                              "--force"),
+    }
 
 
 @handles_errors
@@ -186,6 +209,7 @@ def simulate(
             if value is not None:
                 raise UsageError(f"{name}: --engine {chosen.name} evicts and admits as the "
                                  "engine does (docs/simulate.md); leave it out")
+    positive("--tp", tp)  # SGLang's rules would run --tp 0 as 1
     # With an engine, --tp and --fully-sharded are its flags (its bytes are one GPU's).
     spec = shard_spec(tp, ep, fully_sharded) if chosen is None else None
     positive("--max-rank", max_rank)

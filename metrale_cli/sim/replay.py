@@ -33,7 +33,7 @@ import numpy as np
 
 from metrale_cli.errors import PoolFull, UsageError
 from metrale_cli.pool.slots import NEVER, AdapterSlot, SlotManager, SlotState
-from metrale_cli.sim.stack_distance import load_ends, stack_distances
+from metrale_cli.sim.stack_distance import stack_distances
 from metrale_cli.sim.workload import Workload
 
 # Named links a slot's bytes cross on a swap: (bytes per second, per-swap latency in seconds,
@@ -307,23 +307,6 @@ def _throughput(n: int, first: float, last: float) -> float:
     return n / (last - first) if last > first else 0.0
 
 
-def _percentile_above_zeros(values: np.ndarray, n: int, q: float) -> float:
-    """np.percentile(q) (linear) of `n` values: `n - len(values)` zeros, then sorted `values`
-    (>= 0), without building the `n` of them (a sweep does it per size)."""
-    if n == 0:
-        return 0.0
-    zeros = n - values.size
-    at = q / 100 * (n - 1)
-    lo = int(math.floor(at))
-    hi = min(lo + 1, n - 1)
-
-    def value(i: int) -> float:
-        return 0.0 if i < zeros else float(values[i - zeros])
-
-    low, high = value(lo), value(hi)
-    return low + (high - low) * (at - lo)
-
-
 class WaitingQueue:
     """The requests waiting for admission in a concurrent replay, in arrival order, each
     leaving when it starts or joins a load. `indexed` (skip admission) adds an index by
@@ -474,22 +457,77 @@ class Replay:
 
     def run(self, policy: str, max_loras: int,
             progress: Callable[[int], None] | None = None, detail: bool = True,
-            observe: Observer | None = None) -> RunResult:
+            observe: Observer | None = None, compiled: bool = True) -> RunResult:
         """Replay every request at `max_loras` slots under `policy`. Without `detail` the
         result drops its per-request arrays (a sweep of a million requests keeps none);
         `observe` hears the cache state after each request is placed (a slow path, for
-        checking the replay against an engine)."""
+        checking the replay against an engine). The replay runs in the compiled core
+        (sim/core.py) unless `compiled` is False or `observe` is given: then in the Python
+        loop that drives the pool's own `SlotManager`, the reference the core is tested
+        against."""
         self._check_size(max_loras)
-        manager = SlotManager(max_loras, policy=policy)
-        manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
         n = len(self._adapter)
         start = np.empty(n)
+        loads = Loads(self.cost, self.load_bytes, self.host)
+        if compiled and observe is None:
+            served = np.ones(n, dtype=np.int64)
+            hits, delayed, misses, swaps, waits = self._in_core(policy, max_loras, loads,
+                                                                start)
+            if progress is not None:
+                progress(n)
+            return self._result(policy, max_loras, loads, start, served, [0] * max_loras,
+                                hits, delayed, misses, swaps, waits, detail)
+        manager = SlotManager(max_loras, policy=policy)
+        manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
         served = np.zeros(n, dtype=np.int64)
         loop = self._paging if self.paging else self._concurrent
-        loads = Loads(self.cost, self.load_bytes, self.host)
         told = self._observer(manager, loads, observe) if observe is not None else None
         hits, delayed, misses, swaps, waits = loop(manager, loads, start, served, progress,
                                                    told)
+        return self._result(policy, max_loras, loads, start, served,
+                            [manager.ref_count(k) for k in range(max_loras)],
+                            hits, delayed, misses, swaps, waits, detail)
+
+    def _in_core(self, policy: str, max_loras: int, loads: Loads, start: np.ndarray) -> Counts:
+        """The replay in the compiled core, its load totals written into `loads`."""
+        from metrale_cli.sim import core
+
+        names = {name: a for a, name in enumerate(self.workload.adapters)}
+        adapters = len(names)
+        # A pinned adapter no request names holds its slot all the same (-1).
+        pinned = np.array([names.get(p, -1) for p in self.pinned], dtype=np.int64)
+        read_s = (np.asarray(loads.read_s, dtype=np.float64) if self.host is not None
+                  else np.zeros(adapters))
+        adapter = np.frombuffer(self._adapter, dtype=np.int64)
+        arrival = np.frombuffer(self._arrival, dtype=np.float64)
+        nxt = np.frombuffer(self._next, dtype=np.int64)
+        load_s = np.asarray(loads.load_s, dtype=np.float64)
+        load_bytes = np.asarray(self.load_bytes, dtype=np.int64)
+        host_slots = self.host.slots if self.host is not None else 0
+        if self.paging:
+            (hits, delayed, misses, swaps, loads.bytes_moved, loads.swap_s, loads.link_wait_s,
+             loads.host_hits, loads.host_misses, loads.host_bytes_moved) = core.paging(
+                adapter, arrival, nxt, core.POLICY_CODES[policy], max_loras, pinned, adapters,
+                load_s, load_bytes, self.cost.links, host_slots, read_s, start)
+            return hits, delayed, misses, swaps, []
+        waits = np.empty(len(adapter))
+        counts, seconds = core.concurrent(
+            adapter, arrival, np.frombuffer(self._hold, dtype=np.float64), nxt,
+            core.POLICY_CODES[policy], max_loras, pinned, adapters,
+            self.max_concurrency or len(adapter) + 1, self.admission == "skip", load_s,
+            load_bytes, self.cost.links,
+            host_slots, read_s, start, waits)
+        (hits, delayed, misses, swaps, stalls, loads.bytes_moved, loads.host_hits,
+         loads.host_misses, loads.host_bytes_moved, error) = counts.tolist()
+        if error:
+            raise UsageError("the slot cache can never free a slot (no request in flight)")
+        loads.swap_s, loads.link_wait_s = seconds.tolist()
+        return hits, delayed, misses, swaps, waits[:stalls].tolist()
+
+    def _result(self, policy: str, max_loras: int, loads: Loads, start: np.ndarray,
+                served: np.ndarray, ref_counts: list[int], hits: int, delayed: int,
+                misses: int, swaps: int, waits: list[float], detail: bool) -> RunResult:
+        n = len(self._adapter)
         adapter_requests = int((self.workload.adapter >= 0).sum())
         wait = np.asarray(waits) if waits else np.zeros(1)
         return RunResult(
@@ -506,7 +544,7 @@ class Replay:
                             self.workload.adapter >= 0),
             pool_bytes=0, start=start if detail else np.empty(0),
             served=served if detail else np.empty(0, dtype=np.int64),
-            ref_counts_at_end=[manager.ref_count(k) for k in range(max_loras)],
+            ref_counts_at_end=ref_counts,
             waits=np.asarray(waits, dtype=np.float64) if detail else np.empty(0),
         )
 
@@ -527,63 +565,50 @@ class Replay:
         if not (self.paging and self.sweepable):
             raise UsageError("the one-pass LRU sweep is for paging mode (requests that hold "
                              "no slot) with equal loads and no host tier")
+        from metrale_cli.sim import core
+
         for size in sizes:
             self._check_size(size)
         adapter, arrival = self.workload.adapter, self.workload.arrival
-        pinned_ids = [self.workload.adapters.index(n) for n in self.pinned]
+        pinned_ids = [a for a, name in enumerate(self.workload.adapters) if name in self.pinned]
         counted = np.flatnonzero((adapter >= 0) & ~np.isin(adapter, pinned_ids))
         pinned_requests = int((adapter >= 0).sum()) - counted.size
         ticks = None if progress is None else (lambda k: progress(k * len(sizes)))
         distance = stack_distances(adapter[counted], ticks)
         if progress is not None:
             progress((self.workload.requests - counted.size) * len(sizes))
-        asked = arrival[counted]
-        # Each adapter's requests in order, for the load each hit waits for: its adapter's
-        # latest miss (an adapter's first request is a miss at every size).
-        by_adapter = np.lexsort((np.arange(counted.size), adapter[counted]))
-        position = np.arange(counted.size)
         # Every load moves the same bytes (sweepable): the adapters' one load, which is less
         # than a slot when they share a rank below the pool's max rank.
         load = self.load_bytes[0] if self.load_bytes else self.cost.slot_bytes
         n, swap_s, links = self.workload.requests, self.cost.load_seconds(load), self.cost.links
         n_adapter = pinned_requests + counted.size
+        rows = core.lru_sweep(
+            np.ascontiguousarray(adapter[counted]), np.ascontiguousarray(arrival[counted]),
+            distance, np.array([size - len(self.pinned) for size in sizes], dtype=np.int64),
+            swap_s, links, len(self.workload.adapters), n, n_adapter)
         results = []
-        for size in sizes:
+        for size, row in zip(sizes, rows.tolist(), strict=True):
             cache = size - len(self.pinned)
-            miss = (distance < 0) | (distance >= cache)
-            misses = int(miss.sum())
-            ends = load_ends(asked[miss], swap_s, links)
-            ready = np.empty(counted.size)
-            ready[miss] = ends
-            latest = np.maximum.accumulate(np.where(miss[by_adapter], position, -1))
-            ready[by_adapter] = ready[by_adapter][latest]
-            waits = ready > asked
-            delayed = int((waits & ~miss).sum())
-            added = np.sort(np.where(waits, ready - asked, 0.0))
-            load_added = float((ends - asked[miss]).sum())
+            misses, delayed = int(row[0]), int(row[1])
+            load_added, added, last, p50, p99, ttft50, ttft99 = row[2:]
             results.append(RunResult(
                 policy="lru", max_loras=size, pinned=len(self.pinned), requests=n,
-                adapter_requests=pinned_requests + counted.size,
-                hits=pinned_requests + counted.size - misses - delayed, delayed_hits=delayed,
-                misses=misses,
+                adapter_requests=n_adapter, hits=n_adapter - misses - delayed,
+                delayed_hits=delayed, misses=misses,
                 swaps=misses - min(cache, self.unpinned), bytes_moved=misses * load,
                 swap_s=misses * swap_s, link_wait_s=load_added - misses * swap_s,
                 host_hits=0, host_misses=0, host_bytes_moved=0,
                 stalls=0, stall_total_s=0.0, stall_p50_s=0.0, stall_p99_s=0.0,
-                added_latency_p50_s=_percentile_above_zeros(added, n, 50),
-                added_latency_p99_s=_percentile_above_zeros(added, n, 99),
-                added_latency_mean_s=float(added.sum()) / n if n else 0.0,
+                added_latency_p50_s=p50, added_latency_p99_s=p99,
+                added_latency_mean_s=added / n if n else 0.0,
                 moved_ahead=0, gained_s=0.0,  # paging: every request at its arrival or later
                 # Paging: zero-length requests, so the first token is at the start.
-                ttft_adapter_p50_s=_percentile_above_zeros(added, n_adapter, 50) if n_adapter
-                else None,
-                ttft_adapter_p99_s=_percentile_above_zeros(added, n_adapter, 99) if n_adapter
-                else None,
+                ttft_adapter_p50_s=ttft50 if n_adapter else None,
+                ttft_adapter_p99_s=ttft99 if n_adapter else None,
                 ttft_base_p50_s=0.0 if n_adapter < n else None,
                 ttft_base_p99_s=0.0 if n_adapter < n else None,
                 throughput_req_s=_throughput(n, float(arrival[0]) if n else 0.0,
-                                             max(float(arrival[-1]) if n else 0.0,
-                                                 float(ends.max()) if ends.size else 0.0)),
+                                             max(float(arrival[-1]) if n else 0.0, last)),
                 pool_bytes=0, ref_counts_at_end=[0] * size,
             ))
         return results

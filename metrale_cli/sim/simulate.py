@@ -175,13 +175,17 @@ def simulate(
         raise UsageError(f"--policy: {', '.join(bad) or 'none given'}; choose from "
                          f"{', '.join(POLICIES)}")
     results = []
+    sizes = sorted(set(sizes))
+    # Past every requested adapter resident, more slots change nothing but the pool's bytes:
+    # such a size replays at that one (--max-loras 10**20 allocated 10**20 slots).
+    replayed = [min(size, max(replay.unpinned + len(replay.pinned), 1)) for size in sizes]
     for policy in dict.fromkeys(policies):
         if policy == "lru" and replay.paging and replay.sweepable:  # every size in one pass
-            swept = replay.lru_sweep(sorted(set(sizes)), progress)
+            swept = replay.lru_sweep(replayed, progress)
         else:
-            swept = [replay.run(policy, size, progress, detail=False)
-                     for size in sorted(set(sizes))]
-        for result, size in zip(swept, sorted(set(sizes)), strict=True):
+            swept = [replay.run(policy, size, progress, detail=False) for size in replayed]
+        for result, size in zip(swept, sizes, strict=True):
+            result.max_loras = size
             result.pool_bytes = pool_bytes(size)
             if budget_bytes is not None:
                 result.fits_budget = result.pool_bytes <= budget_bytes
@@ -314,8 +318,10 @@ def run(
         # The host cache's size follows --max-loras unless --max-cpu-loras fixes it: a replay
         # per size, each with its own host tier.
         results = []
-        for n in sorted(set(sizes)):
-            tiers, lora_bytes = engine.at(n)
+        # Every size's flags judged before any replay: a flag conflict at the largest size
+        # (--max-cpu-loras below it) is refused before the work, not half-way through it.
+        at = {n: engine.at(n) for n in sorted(set(sizes))}
+        for n, (tiers, lora_bytes) in at.items():
             # The replay runs the slots the engine gives adapters (SGLang's base model keeps
             # one of its --max-loras-per-batch), reported under the engine's flag.
             got = simulate(replay_for(HostTier(_host_slots(tiers, workload), engine.host_link)),
@@ -335,6 +341,8 @@ def run(
         # One host size when --max-cpu-loras fixes it; else each size's own (None here).
         host_tier = _host_record(held.pop() if len(held) == 1 else None, engine.host_link,
                                  max(t["host_bytes"] for t in tiers))
+    # An engine's --tp is its own flag, and its slot bytes are one GPU's.
+    engine_tp = dict(engine.given).get("--tp") if engine is not None else None
     return Simulation(
         mode=replay.mode, workload=workload.record(),
         layout={"model": layout.model.source or layout.model.model_type,
@@ -344,7 +352,8 @@ def run(
                 "fingerprint": gpu_layout.fingerprint,
                 **({"tp_size": shard.tp_size, "ep_size": shard.ep_size,
                     "fully_sharded": shard.fully_sharded, "tp_rank": busiest}
-                   if shard is not None else {})},
+                   if shard is not None else {}),
+                **({"tp_size": engine_tp} if engine_tp else {})},
         cost=cost, pinned=replay.pinned, max_concurrency=max_concurrency,
         prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, policies=policies,
         sizes=sorted(set(sizes)), results=results, targets=targets, budget_bytes=budget_bytes,

@@ -99,7 +99,7 @@ def read_public_trace(path: Path, fmt: str, assign: Assign | None = None,
     with open(path, encoding="utf-8-sig", newline="") as f:
         lines = BoundedLines(path, f)
         for chunk in _chunks(path, fmt, lines):
-            columns.add(*chunk)
+            columns.add(*chunk, blank=lines.blank)
             if progress is not None:
                 progress(min(lines.chars, size), size)
     workload = columns.workload()

@@ -170,7 +170,7 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
         chunks = _csv_chunks(path, lines) if path.suffix.lower() == ".csv" else _jsonl_chunks(
             path, lines)
         for chunk in chunks:
-            columns.add(*chunk)
+            columns.add(*chunk, blank=lines.blank)
             if progress is not None:
                 progress(min(lines.chars, size), size)
     return columns.workload()
@@ -189,11 +189,15 @@ class TraceColumns:
         self.parts: list[tuple[np.ndarray, ...]] = []
 
     def add(self, arrival: np.ndarray, names: list[str], inputs: np.ndarray,
-            outputs: np.ndarray, duration: np.ndarray, rank: np.ndarray) -> None:
+            outputs: np.ndarray, duration: np.ndarray, rank: np.ndarray,
+            blank: int = 0) -> None:
+        """One chunk of rows, `blank` the blank lines read so far: they count toward the
+        bound too (a 2 GB file of blank lines took 17 minutes to say it held no request)."""
         self.rows += len(names)
-        if self.rows > MAX_REQUESTS:
-            raise UsageError(f"{self.path}: more than {MAX_REQUESTS:,} requests, the most a "
-                             "simulation takes; cut the trace")
+        if self.rows + blank > MAX_REQUESTS:
+            raise UsageError(f"{self.path}: more than {MAX_REQUESTS:,} requests"
+                             f"{' and blank lines' if blank else ''}, the most a simulation "
+                             "takes; cut the trace")
         index = self.index
         ids = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
                        dtype=np.int64)
@@ -233,10 +237,12 @@ class TraceColumns:
 
 class BoundedLines:
     """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
-    FormatError naming it, before more of it is read. Counts the characters read."""
+    FormatError naming it, before more of it is read. Counts the characters read and the blank
+    lines."""
 
     def __init__(self, path: Path, f: Any) -> None:
         self.path, self.f, self.chars = path, f, 0
+        self.blank = 0  # lines of only white space
 
     def __iter__(self) -> Iterator[str]:
         line_no = 0
@@ -246,6 +252,8 @@ class BoundedLines:
                 raise FormatError(f"{self.path}:{line_no}: a line longer than "
                                   f"{MAX_LINE_CHARS} characters; not a trace")
             self.chars += len(line)
+            if line.isspace():
+                self.blank += 1
             yield line
 
     def _readline(self, read: int) -> str:
@@ -383,13 +391,12 @@ def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | Non
 def _jsonl_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
     parsed = []
     for line_no, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        row = load_json(f"{path}:{line_no}", line, "JSON request")
-        if not isinstance(row, dict):
-            raise FormatError(f"{path}:{line_no}: a request must be a JSON object")
-        parsed.append(_parse_row(path, line_no, row))
-        if len(parsed) == TRACE_CHUNK:
+        if line.strip():
+            row = load_json(f"{path}:{line_no}", line, "JSON request")
+            if not isinstance(row, dict):
+                raise FormatError(f"{path}:{line_no}: a request must be a JSON object")
+            parsed.append(_parse_row(path, line_no, row))
+        if line_no % TRACE_CHUNK == 0:  # by lines: blank ones count toward the bound too
             yield _parsed_columns(parsed)
             parsed = []
     if parsed:
