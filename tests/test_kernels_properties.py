@@ -1,0 +1,347 @@
+"""The kernels on the host harness over what a caller may vary, drawn by hypothesis.
+
+Each launcher's legal input space, not a handful of fixed cases: row-strided views of x, y and
+the embeddings (a slice of a wider buffer, as engines pass them, with junk in the gap), a pool
+whose max rank lies above the batch's ranks, ranks off every vector and tile size, slots of
+different ranks in one launch, t narrowed to the batch's widest rank, split-K counts, token
+orders, segments anywhere; overlay tables with several overlaying slots, ids above a slot's
+last and junk past each slot's count. Outputs are held to a float64 reference within an error
+bound (kernel_cases.check_bound), skipped rows and the strided gaps bit for bit.
+
+A drawn case carries its `seed` (the pool's and inputs' values, and the host harness's CTA
+schedule and cp.async landing for every launch of the example: METRALE_HOST_SEED), so a
+failure's falsifying example names everything needed to rerun it. The quick tier runs a few
+examples of each; the tests marked `slow` many more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metrale_cli.ops import expert_kernels as ek
+from metrale_cli.ops import host_harness, plans, reference
+from tests.support.kernel_cases import (
+    check_bound,
+    check_unbiased,
+    expand64,
+    make_pool,
+    shrink64,
+)
+
+# The host harness is built before the first test (conftest.host_library).
+pytestmark = pytest.mark.usefixtures("host_library")
+
+QUICK = settings(max_examples=8, print_blob=True)
+# The overlay gather costs a few ms an example: the quick tier affords more of them.
+QUICK_CHEAP = settings(max_examples=24, print_blob=True)
+MANY = settings(max_examples=60, print_blob=True)
+Y_DTYPES = st.sampled_from([torch.bfloat16, torch.float32])
+# Finite junk in a strided view's gap: a kernel that steps rows by their width reads it.
+GAP_JUNK = 4096.0
+
+
+@contextlib.contextmanager
+def host_seed(seed: int) -> Iterator[None]:
+    """Every host launch in the block under schedule `seed` (METRALE_HOST_SEED)."""
+    before = os.environ.get("METRALE_HOST_SEED")
+    os.environ["METRALE_HOST_SEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["METRALE_HOST_SEED"]
+        else:
+            os.environ["METRALE_HOST_SEED"] = before
+
+
+def strided(rows: int, width: int, pad: int, dtype: torch.dtype, seed: int,
+            scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(view, whole): a [rows, width] view into a [rows, width + pad] buffer of random values
+    whose last `pad` columns hold GAP_JUNK."""
+    generator = torch.Generator().manual_seed(seed)
+    whole = torch.full((rows, width + pad), GAP_JUNK)
+    whole[:, :width] = torch.randn(rows, width, generator=generator) * scale
+    whole = whole.to(dtype)
+    return whole[:, :width], whole
+
+
+def bits(values: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a BF16 or F32 tensor, as integers of its width."""
+    return values.view(torch.int16 if values.element_size() == 2 else torch.int32)
+
+
+def check_kept(what: str, after: torch.Tensor, before: torch.Tensor, written: list[int],
+               width: int) -> None:
+    """Everything outside the written rows' first `width` columns (skipped rows, the strided
+    gap) unchanged, bit for bit."""
+    mask = torch.ones(after.shape, dtype=torch.bool)
+    mask[written, :width] = False
+    changed = bits(after) != bits(before)
+    bad = (changed & mask).nonzero()
+    assert not bad.numel(), (f"{what}{bad[0].tolist()} changed, outside the rows and columns "
+                             f"the kernel adds to ({len(bad)} elements)")
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A pool's legal shape: dims, its max rank and the slots' ranks and absences."""
+
+    seed: int
+    in_dim: int
+    out_dim: int
+    max_rank: int
+    ranks: tuple[int, ...]
+    absent: frozenset[int]
+    x_pad: int
+    y_pad: int
+    splits: int | None
+    num_sms: int
+
+
+@st.composite
+def pooled(draw: st.DrawFn, max_dim: int) -> Pooled:
+    max_rank = 8 * draw(st.integers(1, 12))
+    slots = draw(st.integers(1, 4))
+    # Any rank up to the pool's: off the 8-column vectors and the 16- and 64-column tiles.
+    ranks = tuple(draw(st.lists(st.integers(0, max_rank), min_size=slots, max_size=slots)))
+    absent = frozenset(draw(st.sets(st.integers(0, slots - 1), max_size=slots - 1)))
+    return Pooled(
+        seed=draw(st.integers(0, 2**20)),
+        in_dim=8 * draw(st.integers(1, max_dim // 8)),
+        out_dim=8 * draw(st.integers(1, max_dim // 8)),
+        max_rank=max_rank, ranks=ranks, absent=absent,
+        x_pad=8 * draw(st.integers(0, 2)), y_pad=8 * draw(st.integers(0, 2)),
+        splits=draw(st.sampled_from([None, 1, 2, 3])),
+        num_sms=draw(st.sampled_from([1, 2, 132])))
+
+
+@dataclass(frozen=True)
+class Decode:
+    pool: Pooled
+    slots: tuple[int, ...]  # per token; -1, or past the table, skip it
+    narrow: bool  # t as wide as the batch's widest rank (plans.plan_batch), not max_rank
+
+
+@st.composite
+def decodes(draw: st.DrawFn) -> Decode:
+    p = draw(pooled(max_dim=264))
+    slots = tuple(draw(st.lists(st.integers(-1, len(p.ranks)), min_size=1, max_size=9)))
+    return Decode(p, slots, draw(st.booleans()))
+
+
+@dataclass(frozen=True)
+class Prefill:
+    pool: Pooled
+    seg_starts: tuple[int, ...]
+    seg_slots: tuple[int, ...]
+    order: tuple[int, ...] | None  # token_order: position p holds token order[p]
+    narrow: bool  # t as wide as the widest rank among the segments' slots
+
+    def token_slots(self) -> list[int]:
+        by_position = reference.segments_to_slots(
+            torch.tensor(self.seg_starts), torch.tensor(self.seg_slots),
+            self.seg_starts[-1]).tolist()
+        if self.order is None:
+            return by_position
+        slots = [0] * len(by_position)
+        for position, token in enumerate(self.order):
+            slots[token] = by_position[position]
+        return slots
+
+
+@st.composite
+def prefills(draw: st.DrawFn) -> Prefill:
+    p = draw(pooled(max_dim=200))
+    tokens = draw(st.integers(1, 80))
+    cuts = sorted(draw(st.lists(st.integers(0, tokens), min_size=1, max_size=6)))
+    seg_starts = (*cuts, tokens)  # positions before the first cut lie in no segment
+    seg_slots = tuple(draw(st.lists(st.integers(-1, len(p.ranks)), min_size=len(cuts),
+                                    max_size=len(cuts))))
+    order = draw(st.none() | st.permutations(range(tokens)).map(tuple))
+    return Prefill(p, seg_starts, seg_slots, order, draw(st.booleans()))
+
+
+def _pool_inputs(p: Pooled, tokens: int, y_dtype: torch.dtype):
+    pool = make_pool(p.in_dim, p.out_dim, p.max_rank, list(p.ranks), set(p.absent), p.seed)
+    x, _ = strided(tokens, p.in_dim, p.x_pad, torch.bfloat16, p.seed + 1)
+    y, y_whole = strided(tokens, p.out_dim, p.y_pad, y_dtype, p.seed + 2)
+    return pool, x, y, y_whole
+
+
+def run_decode(case: Decode, y_dtype: torch.dtype) -> None:
+    p = case.pool
+    pool, x, y, y_whole = _pool_inputs(p, len(case.slots), y_dtype)
+    a_table, b_table = pool.tables()
+    a_weights, b_weights = pool.weights()
+    slots = torch.tensor(case.slots, dtype=torch.int32)
+    batch = plans.plan_batch(case.slots, pool.ranks.numpy(), p.max_rank) if case.narrow else None
+    before, y0 = y_whole.clone(), y.clone()
+    with host_seed(p.seed):
+        t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, p.max_rank, splits=p.splits,
+                                     num_sms=p.num_sms, batch=batch)
+        exact_t, magnitude = shrink64(x, list(case.slots), a_weights, pool.ranks, t.shape[1])
+        check_bound("t", t, exact_t, magnitude, p.in_dim, rounded_to_bf16=False)
+        host_harness.bgmv_expand(t, slots, b_table, pool.scales, pool.ranks, y, p.max_rank)
+    _check_y(y, y_whole, before, y0, t.double().numpy(), list(case.slots), b_weights, pool,
+             p.out_dim)
+
+
+def _check_y(y: torch.Tensor, y_whole: torch.Tensor, before: torch.Tensor, y0: torch.Tensor,
+             t_read: np.ndarray, slots: list[int], b_weights: list, pool, out_dim: int) -> None:
+    exact, magnitude, terms = expand64(t_read, y0, slots, b_weights, pool.scales, pool.ranks)
+    written = [b for b, n in enumerate(terms.tolist()) if n > 1]
+    check_kept("y", y_whole, before, written, out_dim)
+    bf16 = y.dtype == torch.bfloat16
+    check_bound("y", y, exact, magnitude, terms, rounded_to_bf16=bf16)
+    if bf16:
+        check_unbiased("y", y, exact, written)
+
+
+def run_prefill(case: Prefill, y_dtype: torch.dtype) -> None:
+    p = case.pool
+    tokens = case.seg_starts[-1]
+    pool, x, y, y_whole = _pool_inputs(p, tokens, y_dtype)
+    a_table, b_table = pool.tables()
+    a_weights, b_weights = pool.weights()
+    slots = case.token_slots()
+    starts = torch.tensor(case.seg_starts, dtype=torch.int32)
+    seg_slots = torch.tensor(case.seg_slots, dtype=torch.int32)
+    order = None if case.order is None else torch.tensor(case.order, dtype=torch.int32)
+    t_cols = None
+    if case.narrow:
+        widest = max([min(p.ranks[s], p.max_rank) for s in case.seg_slots
+                      if 0 <= s < len(p.ranks)] + [1])
+        t_cols = min(p.max_rank, -(-widest // 8) * 8)
+    before, y0 = y_whole.clone(), y.clone()
+    with host_seed(p.seed):
+        t = host_harness.sgmv_shrink(x, starts, seg_slots, a_table, pool.ranks, p.max_rank,
+                                     splits=p.splits, num_sms=p.num_sms, t_cols=t_cols,
+                                     token_order=order)
+        exact_t, magnitude = shrink64(x, slots, a_weights, pool.ranks, t.shape[1])
+        check_bound("t", t, exact_t, magnitude, p.in_dim, rounded_to_bf16=False)
+        host_harness.sgmv_expand(t, starts, seg_slots, b_table, pool.scales, pool.ranks, y,
+                                 p.max_rank, token_order=order, num_sms=p.num_sms)
+    # The expand feeds t to the tensor cores as BF16 (rounded to nearest even).
+    t_read = t.to(torch.bfloat16).double().numpy()
+    _check_y(y, y_whole, before, y0, t_read, slots, b_weights, pool, p.out_dim)
+
+
+@QUICK
+@given(case=decodes(), y_dtype=Y_DTYPES)
+def test_bgmv_holds_its_error_bound_on_legal_batches(case: Decode, y_dtype: torch.dtype) -> None:
+    run_decode(case, y_dtype)
+
+
+@pytest.mark.slow
+@MANY
+@given(case=decodes(), y_dtype=Y_DTYPES)
+def test_bgmv_holds_its_error_bound_on_many_legal_batches(case: Decode,
+                                                          y_dtype: torch.dtype) -> None:
+    run_decode(case, y_dtype)
+
+
+@QUICK
+@given(case=prefills(), y_dtype=Y_DTYPES)
+def test_sgmv_holds_its_error_bound_on_legal_batches(case: Prefill,
+                                                     y_dtype: torch.dtype) -> None:
+    run_prefill(case, y_dtype)
+
+
+@pytest.mark.slow
+@MANY
+@given(case=prefills(), y_dtype=Y_DTYPES)
+def test_sgmv_holds_its_error_bound_on_many_legal_batches(case: Prefill,
+                                                          y_dtype: torch.dtype) -> None:
+    run_prefill(case, y_dtype)
+
+
+# --- token overlays ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Overlays:
+    seed: int
+    hidden: int
+    emb_pad: int
+    per_slot: tuple[tuple[int, ...] | None, ...]  # each slot's overlaid ids (None: no table)
+    spare: int  # columns past the widest slot's count, junk ids and rows
+    tokens: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@st.composite
+def overlay_cases(draw: st.DrawFn) -> Overlays:
+    slots = draw(st.integers(1, 4))
+    # Several overlaying slots, in any order, each with its own ids (some above every token,
+    # some between them) or none at all.
+    per_slot = tuple(draw(st.none() | st.sets(st.integers(0, 40), max_size=7)
+                          .map(lambda ids: tuple(sorted(ids)))) for _ in range(slots))
+    # Each token's slot (-1, or past the table, keep its row), and mostly a token its slot
+    # overlays (its first, last or any id), else any id.
+    token_slots = draw(st.lists(st.integers(-1, slots), min_size=1, max_size=10))
+    tokens = []
+    for slot in token_slots:
+        ids = per_slot[slot] if 0 <= slot < slots else None
+        tokens.append(draw(st.sampled_from(ids) if ids and draw(st.booleans())
+                           else st.integers(0, 45)))
+    return Overlays(
+        seed=draw(st.integers(0, 2**20)),
+        hidden=draw(st.sampled_from([8, 72, 1024, 4104])),
+        emb_pad=8 * draw(st.integers(0, 2)),
+        per_slot=per_slot, spare=draw(st.integers(0, 3)), tokens=tuple(tokens),
+        slots=tuple(token_slots))
+
+
+def run_overlays(case: Overlays) -> None:
+    generator = torch.Generator().manual_seed(case.seed)
+    rng = np.random.default_rng(case.seed)
+    width = max([len(ids) for ids in case.per_slot if ids] + [1]) + case.spare
+    max_loras = len(case.per_slot)
+    # Past each slot's count: junk ids (unsorted, some of them tokens of the batch) and junk
+    # rows; the kernel must search only the first counts[s].
+    ids = rng.integers(0, 46, size=(max_loras, width)).astype(np.int32)
+    counts = np.zeros(max_loras, dtype=np.int32)
+    rows = torch.randn(max_loras, width, case.hidden, generator=generator).to(torch.bfloat16)
+    overlays: list[dict[int, torch.Tensor] | None] = []
+    for s, slot_ids in enumerate(case.per_slot):
+        if slot_ids is None:
+            overlays.append(None)
+            continue
+        ids[s, :len(slot_ids)] = slot_ids
+        counts[s] = len(slot_ids)
+        overlays.append({token: rows[s, i] for i, token in enumerate(slot_ids)})
+    tables = ek.OverlayTables(ids, counts, rows.view(torch.uint16).numpy())
+    emb, whole = strided(len(case.tokens), case.hidden, case.emb_pad, torch.bfloat16,
+                         case.seed + 1)
+    before = whole.clone()
+    token_ids = torch.tensor(case.tokens, dtype=torch.int32)
+    slots = torch.tensor(case.slots, dtype=torch.int32)
+    want = reference.overlay_gather(token_ids, slots, overlays, emb)
+    with host_seed(case.seed):
+        ek.overlay_gather(token_ids, slots, tables, emb, backend=host_harness.HOST)
+    assert torch.equal(bits(emb), bits(want)), (
+        f"emb rows {sorted(set((emb != want).nonzero()[:, 0].tolist()))} differ from the "
+        "reference")
+    check_kept("emb", whole, before, list(range(len(case.tokens))), case.hidden)
+
+
+@QUICK_CHEAP
+@given(case=overlay_cases())
+def test_overlay_gather_equals_the_reference_on_legal_tables(case: Overlays) -> None:
+    run_overlays(case)
+
+
+@pytest.mark.slow
+@MANY
+@given(case=overlay_cases())
+def test_overlay_gather_equals_the_reference_on_many_legal_tables(case: Overlays) -> None:
+    run_overlays(case)
