@@ -345,3 +345,63 @@ def test_overlay_gather_equals_the_reference_on_legal_tables(case: Overlays) -> 
 @given(case=overlay_cases())
 def test_overlay_gather_equals_the_reference_on_many_legal_tables(case: Overlays) -> None:
     run_overlays(case)
+
+
+# --- rounding, bit for bit ---------------------------------------------------------------------
+# Small integers make every F32 step exact: x in {-1, 0, 1}, A in [-2, 2] (|t| <= 2 in_dim =
+# 128, so t is exact in BF16 too), B in [-8, 8], power-of-two scales and integer y: y0 + scale t
+# B^T stays below 2^24, exact in F32 whatever the order of the sums, so the one rounding left
+# is the kernel's F32 -> BF16 of y, to nearest even. Its results reach 2^17 with up to 17
+# significant bits, so most outputs round and many are ties: the BF16 outputs must equal the
+# exact value rounded to nearest even (torch's cast) bit for bit, and F32 ones the exact value.
+EXACT_SCALES = (1.0, 0.5, 2.0, 0.25)
+
+
+def exact_inputs(tokens: int, in_dim: int, out_dim: int, max_rank: int, ranks: list[int],
+                 y_dtype: torch.dtype, seed: int):
+    pool = make_pool(in_dim, out_dim, max_rank, ranks, set(), seed)
+    generator = torch.Generator().manual_seed(seed)
+    a_size, b_size = max_rank * in_dim, out_dim * max_rank
+    for offset, rank in zip(pool.a_offsets, ranks, strict=True):
+        a = pool.pool[offset: offset + a_size].view(max_rank, in_dim)
+        b = pool.pool[offset + a_size: offset + a_size + b_size].view(out_dim, max_rank)
+        a[:rank] = torch.randint(-2, 3, (rank, in_dim), generator=generator).bfloat16()
+        b[:, :rank] = torch.randint(-8, 9, (out_dim, rank), generator=generator).bfloat16()
+    pool.scales = torch.tensor(EXACT_SCALES[:len(ranks)], dtype=torch.float32)
+    x = torch.randint(-1, 2, (tokens, in_dim), generator=generator).bfloat16()
+    y = torch.randint(-4096, 4097, (tokens, out_dim), generator=generator).to(y_dtype)
+    return pool, x, y
+
+
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32], ids=["y_bf16", "y_f32"])
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+def test_outputs_are_the_exact_value_rounded_to_nearest_even(kind: str,
+                                                             y_dtype: torch.dtype) -> None:
+    ranks = [33, 64, 17]
+    tokens, in_dim, out_dim, max_rank = 24, 64, 136, 72  # max rank above the batch's widest
+    pool, x, y = exact_inputs(tokens, in_dim, out_dim, max_rank, ranks, y_dtype, seed=5)
+    a_table, b_table = pool.tables()
+    a_weights, b_weights = pool.weights()
+    slot_list = [(b * 7) % 4 - 1 for b in range(tokens)]  # -1 and slots 0..2, interleaved
+    slots = torch.tensor(slot_list, dtype=torch.int32)
+    y0 = y.clone()
+    if kind == "bgmv":
+        t = host_harness.bgmv_shrink(x, slots, a_table, pool.ranks, max_rank, splits=2)
+        host_harness.bgmv_expand(t, slots, b_table, pool.scales, pool.ranks, y, max_rank)
+    else:
+        batch = plans.plan_batch(slot_list, pool.ranks.numpy(), max_rank)
+        starts, seg_slots, order = (torch.from_numpy(a) for a in
+                                    (batch.seg_starts, batch.seg_slots, batch.order))
+        t = host_harness.sgmv_shrink(x, starts, seg_slots, a_table, pool.ranks, max_rank,
+                                     splits=2, token_order=order)
+        host_harness.sgmv_expand(t, starts, seg_slots, b_table, pool.scales, pool.ranks, y,
+                                 max_rank, token_order=order)
+    exact_t, _ = shrink64(x, slot_list, a_weights, pool.ranks, max_rank)
+    assert np.array_equal(t.double().numpy(), exact_t), "t is not the exact x A^T"
+    exact_y, _, _ = expand64(exact_t, y0, slot_list, b_weights, pool.scales, pool.ranks)
+    want = torch.from_numpy(exact_y).to(y_dtype)
+    differ = (bits(y) != bits(want)).nonzero()
+    assert len(differ) == 0, (
+        f"{len(differ)} of {y.numel()} outputs are not the exact value rounded to nearest even; "
+        f"first y{differ[0].tolist()} = {y[tuple(differ[0])].item()!r}, exact "
+        f"{exact_y[tuple(differ[0])]!r}, rounded {want[tuple(differ[0])].item()!r}")
