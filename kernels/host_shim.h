@@ -32,10 +32,11 @@
 // the group, and wait<N> completes every committed group but the N newest. The source bytes
 // are read at issue (the hardware may read them any time until the wait). The destination is
 // undefined from issue until the wait that completes it, and the shim makes it so: it is filled
-// with NaN bytes (0xff) at issue and written only at that wait. A kernel that reads a stage
-// before waiting for it, or overwrites one that another warp still reads, gets NaN. A copy
-// whose source or destination is not 16-byte aligned, or whose source size is outside 0..16,
-// fails the launch.
+// with NaN bytes (0xff) at issue, and the copy lands (Landing) at that wait, at issue or at a
+// random point between; a launch with copies runs under two landings and fails when its results
+// differ (host_launch.h), and a store to a destination while its copy is in flight fails it as
+// a race naming the storing warp and the copy. A copy whose source or destination is not
+// 16-byte aligned, or whose source size is outside 0..16, fails the launch.
 // Not supported: other atomics, cooperative groups, other inline PTX, CUDA headers.
 #pragma once
 #define METRALE_HOST_SHIM 1
@@ -130,13 +131,34 @@ inline const char* collective_name(Collective kind) {
 }
 
 // One cp.async in flight: its source bytes (read at issue), landing at `dst` with zeros after
-// them up to 16 bytes.
+// them up to 16 bytes; the thread and call site that issued it, for a race's message.
 struct AsyncCopy {
   void* dst;
   unsigned char bytes[16];
   int src_bytes;
   unsigned group;
+  int thread;
+  const char* file;
+  int line;
 };
+
+// When a launch's cp.async copies land (kernels/README.md, "The host shim"): at the wait that
+// completes them, at issue, or at a seeded random point between (each of the issuing thread's
+// switch points, cp.async calls and waits lands each of its copies with probability 1/4). On a
+// GPU a copy may land any time from its issue to its wait; a correct kernel's results are the
+// same bits in all three, and a launch that issues copies runs in two of them
+// (host_launch.h, launch_two_landings) and fails when they differ.
+enum class Landing { kAtWait, kAtIssue, kRandom };
+constexpr int kLandings = 3;
+
+inline const char* landing_name(Landing l) {
+  switch (l) {
+    case Landing::kAtWait: return "cp.async landing at its wait";
+    case Landing::kAtIssue: return "cp.async landing at issue";
+    case Landing::kRandom: return "cp.async landing at random points";
+  }
+  return "?";
+}
 
 // Where a thread waits: a barrier's kind, call site and (warp collectives) mask.
 struct Site {
@@ -211,6 +233,9 @@ struct Launch {
   // Set by a fiber that found the launch invalid (cp.async misuse, a shuffle from outside its
   // mask); the scheduler then abandons the launch.
   std::string error;
+  Landing landing = Landing::kAtWait;
+  uint64_t landing_state = 0;  // the random landing's draws (splitmix64, as Rng)
+  bool copied = false;         // whether any thread issued a cp.async
 };
 
 static Launch* g_launch = nullptr;
@@ -322,13 +347,20 @@ inline std::string check_guards() {
   return {};
 }
 
-// Fails the launch from inside a thread: the scheduler never resumes it.
-[[noreturn]] inline void fail(const std::string& message) {
+// Fails the launch from inside a thread with `error`, the whole message: the scheduler never
+// resumes the thread.
+[[noreturn]] inline void abandon(const std::string& error) {
   Launch& L = *g_launch;
-  Fiber& f = self();
-  L.error = block_name(L) + " thread " + std::to_string(f.warp * 32 + f.lane) + ": " + message;
-  f.wait = Wait::kDone;
+  L.error = error;
+  self().wait = Wait::kDone;
   _longjmp(L.scheduler, 1);  // a failed launch is abandoned: the thread is never resumed
+}
+
+// Fails the launch from inside a thread, naming its CTA and thread.
+[[noreturn]] inline void fail(const std::string& message) {
+  const Fiber& f = self();
+  abandon(block_name(*g_launch) + " thread " + std::to_string(f.warp * 32 + f.lane) + ": " +
+          message);
 }
 
 // A load or store of the shim's own (load16, cp_async16, __ldcg, __stcg, the atomics) outside the
@@ -339,8 +371,79 @@ inline void check_access(const void* address, size_t bytes, const char* what) {
          " reaches past its buffer");
 }
 
+// --- cp.async landing --------------------------------------------------------------------------
+
+// Where an address lies in the __shared__ section, for a message.
+inline std::string shared_at(const void* address) {
+  return "shared byte " +
+         std::to_string(static_cast<const char*>(address) - __start_metrale_shared);
+}
+
+inline std::string copy_name(const AsyncCopy& c) {
+  return "thread " + std::to_string(c.thread) + "'s cp_async16 at " + c.file + ":" +
+         std::to_string(c.line);
+}
+
+// Whether copy c's destination still holds the NaN bytes its issue wrote: nothing stored there
+// while it was in flight.
+inline bool destination_intact(const AsyncCopy& c) {
+  const char* dst = static_cast<const char*>(c.dst);
+  return first_unpoisoned(dst, dst + 16) == dst + 16;
+}
+
+// Warp w stored to copy c's destination while c was in flight: a race (on a GPU the copy may
+// land before or after the store). Warps run one at a time and the CTA's copies are checked
+// after each warp's run (copies_intact), so the store is the last warp's to run, or the running
+// one's.
+inline std::string store_race(const Launch& L, int w, const AsyncCopy& c) {
+  return block_name(L) + ": warp " + std::to_string(w) + " (threads " + std::to_string(32 * w) +
+         ".." + std::to_string(32 * w + 31) + ") stored to " + shared_at(c.dst) +
+         ", the destination of " + copy_name(c) +
+         ", while that copy was in flight (a race: on a GPU the copy may land before or after "
+         "the store)";
+}
+
+// Lands copy c: its bytes over its destination.
+inline void land(const AsyncCopy& c) {
+  if (!destination_intact(c)) abandon(store_race(*g_launch, self().warp, c));
+  std::memcpy(c.dst, c.bytes, sizeof c.bytes);
+}
+
+// The random landing: each copy the running thread has in flight lands with probability 1/4.
+inline void land_some() {
+  Launch& L = *g_launch;
+  if (L.landing != Landing::kRandom) return;
+  Fiber& f = self();
+  size_t kept = 0;
+  for (size_t i = 0; i < f.copies.size(); ++i) {
+    uint64_t z = (L.landing_state += 0x9e3779b97f4a7c15ull);  // splitmix64, as Rng
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    if (((z ^ (z >> 31)) & 3u) == 0) {
+      land(f.copies[i]);
+    } else {
+      f.copies[kept++] = f.copies[i];
+    }
+  }
+  f.copies.resize(kept);
+}
+
+// After warp w ran: a copy still in flight whose destination no longer holds its issue's NaN was
+// stored over by that warp, a race naming both sides.
+inline bool copies_intact(const Launch& L, int w, std::string& error) {
+  for (const Fiber& f : L.fibers) {
+    for (const AsyncCopy& c : f.copies) {
+      if (destination_intact(c)) continue;
+      error = store_race(L, w, c);
+      return false;
+    }
+  }
+  return true;
+}
+
 inline void wait_at(Wait kind, const Site& site) {
   Launch& L = *g_launch;
+  land_some();
   Fiber& f = self();
   f.wait = kind;
   f.site = site;
@@ -509,8 +612,10 @@ inline Step step_block(Launch& L, std::string& error) {
   for (Fiber& f : L.fibers)
     if (f.wait == Wait::kGlobal) f.wait = Wait::kNone;
   for (;;) {
-    for (int w : L.order)
+    for (int w : L.order) {
       if (!run_warp(L, w, error)) return Step::kFailed;
+      if (L.copied && !copies_intact(L, w, error)) return Step::kFailed;
+    }
     bool yielded = false;
     for (const Fiber& f : L.fibers) yielded = yielded || f.wait == Wait::kGlobal;
     if (yielded) return Step::kYield;
@@ -682,13 +787,17 @@ inline char* take_stacks(size_t bytes) {
 }
 
 // Runs `body` (a kernel call with bound arguments) over the grid under the schedule `seed`
-// chooses; 0 on success, else 1 with a message in `error` (truncated to error_len).
-inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t seed, char* error,
-                  int error_len) {
+// chooses, its cp.async copies landing as `landing` says; 0 on success, else 1 with a message
+// in `error` (truncated to error_len). `copied`: whether any thread issued a cp.async.
+inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t seed,
+                  Landing landing, bool* copied, char* error, int error_len) {
   Launch L;
   L.grid = grid;
   L.block = block;
   L.body = std::move(body);
+  L.landing = landing;
+  L.landing_state = seed ^ 0x6c616e64696e6773ull;
+  *copied = false;
   const int n = static_cast<int>(block.x * block.y * block.z);
   if (n <= 0 || n > 1024) {
     std::snprintf(error, error_len, "invalid block size %d", n);
@@ -811,9 +920,12 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   sigaction(SIGSEGV, &previous_segv, nullptr);
   sigaction(SIGBUS, &previous_bus, nullptr);
   g_launch = nullptr;
+  *copied = L.copied;
   if (!message.empty()) {
-    std::snprintf(error, error_len, "%s [%s CTA schedule, seed %llu]", message.c_str(),
-                  schedule_name(schedule), static_cast<unsigned long long>(seed));
+    std::snprintf(error, error_len, "%s [%s CTA schedule, %sseed %llu]", message.c_str(),
+                  schedule_name(schedule),
+                  L.copied ? (std::string(landing_name(landing)) + ", ").c_str() : "",
+                  static_cast<unsigned long long>(seed));
     return 1;
   }
   return 0;
@@ -972,10 +1084,13 @@ inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], const unsigned
 
 // cp.async.cg.shared.global with a source size (lora_common.cuh documents the GPU side): the
 // copy goes into the open group with its source bytes read now; its 16 destination bytes hold
-// NaN until a wait completes it. Both addresses must be 16-byte aligned and the source size in
-// 0..16, or the instruction is undefined (a misaligned address faults).
-inline void cp_async16(void* dst, const void* src, int src_bytes) {
+// NaN until it lands (Landing: at issue, at the wait that completes it, or at a random point
+// between). Both addresses must be 16-byte aligned and the source size in 0..16, or the
+// instruction is undefined (a misaligned address faults).
+inline void cp_async16(void* dst, const void* src, int src_bytes,
+                       const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   using namespace ::metrale_shim;
+  land_some();
   Fiber& f = self();
   char problem[128];
   if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
@@ -989,25 +1104,34 @@ inline void cp_async16(void* dst, const void* src, int src_bytes) {
     fail(problem);
   }
   check_access(src, static_cast<size_t>(src_bytes), "cp_async16");
-  AsyncCopy copy{dst, {}, src_bytes, f.committed};
+  AsyncCopy copy{dst, {}, src_bytes, f.committed, f.warp * 32 + f.lane, file, line};
   std::memcpy(copy.bytes, src, static_cast<size_t>(src_bytes));
   std::memset(copy.bytes + src_bytes, 0, static_cast<size_t>(16 - src_bytes));
+  g_launch->copied = true;
+  if (g_launch->landing == Landing::kAtIssue) {
+    std::memcpy(dst, copy.bytes, sizeof copy.bytes);
+    return;
+  }
   std::memset(dst, 0xff, 16);
   f.copies.push_back(copy);
 }
 
-inline void cp_async_commit() { ++::metrale_shim::self().committed; }
+inline void cp_async_commit() {
+  ::metrale_shim::land_some();
+  ++::metrale_shim::self().committed;
+}
 
 // Completes every committed group but the `pending` newest; copies issued after the last commit
 // are in no committed group and stay in flight, as in PTX.
 template <int pending>
 inline void cp_async_wait() {
   using namespace ::metrale_shim;
+  land_some();
   Fiber& f = self();
   std::vector<AsyncCopy> left;
   for (const AsyncCopy& c : f.copies) {
     if (c.group + pending < f.committed) {
-      std::memcpy(c.dst, c.bytes, sizeof c.bytes);
+      land(c);
     } else {
       left.push_back(c);
     }
