@@ -51,10 +51,11 @@ static const KernelEntry kKernels[] = {METRALE_HOST_KERNELS};
 
 // Puts each array parameter (sizes[i] > 0 bytes, counted in itemsizes[i]-byte elements) into a
 // guarded copy (host_shim.h, Buffer) and points values[i] at it; an array inside an earlier one
-// (a view) shares that one's copy.
+// (a view) shares that one's copy. contended[i]: several CTAs write the array (Buffer).
 inline void guard_buffers(int num_params, void** params, const char* const* names,
                           const unsigned long long* sizes, const unsigned long long* itemsizes,
-                          std::vector<void*>& values, std::vector<void*>& call) {
+                          const unsigned char* contended, std::vector<void*>& values,
+                          std::vector<void*>& call) {
   const size_t page = page_bytes();
   g_buffers.clear();
   for (int i = 0; i < num_params; ++i) {
@@ -67,6 +68,7 @@ inline void guard_buffers(int num_params, void** params, const char* const* name
     b.bytes = sizes[i];
     b.itemsize = itemsizes[i] ? itemsizes[i] : 1;
     b.original = original;
+    b.contended = contended[i] != 0;
     for (const Buffer& earlier : g_buffers) {
       if (earlier.owner && original >= earlier.original &&
           original + b.bytes <= earlier.original + earlier.bytes) {
@@ -167,11 +169,13 @@ inline void release_buffers() {
 
 // dims: grid x, y, z, block x, y, z. Returns 0, or 1 with a message in `error`.
 // names, sizes, itemsizes: each parameter's name, and for an array its size in bytes and its
-// element size (0 for a value); seed: the CTA schedule (host_shim.h, launch).
+// element size (0 for a value); contended: whether several CTAs write it (1) or not (0); seed:
+// the CTA schedule and cp.async landing (host_shim.h, launch).
 extern "C" __attribute__((visibility("default"))) int metrale_host_launch(
     const char* name, const unsigned* dims, void** params, int num_params,
     const char* const* names, const unsigned long long* sizes,
-    const unsigned long long* itemsizes, unsigned long long seed, char* error, int error_len) {
+    const unsigned long long* itemsizes, const unsigned char* contended,
+    unsigned long long seed, char* error, int error_len) {
   for (const metrale_shim::KernelEntry& entry : metrale_shim::kKernels) {
     if (std::strcmp(entry.name, name) != 0) continue;
     if (entry.num_params != num_params) {
@@ -180,7 +184,8 @@ extern "C" __attribute__((visibility("default"))) int metrale_host_launch(
       return 1;
     }
     std::vector<void*> values(num_params), call(num_params);
-    metrale_shim::guard_buffers(num_params, params, names, sizes, itemsizes, values, call);
+    metrale_shim::guard_buffers(num_params, params, names, sizes, itemsizes, contended, values,
+                                call);
     const int status = metrale_shim::launch_two_landings(
         dim3(dims[0], dims[1], dims[2]), dim3(dims[3], dims[4], dims[5]), entry.bind(call.data()),
         seed, error, error_len);

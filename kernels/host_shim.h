@@ -2,8 +2,9 @@
 // (metrale_cli/ops/host_harness.py, whose build_command force-includes it ahead of the sources).
 //
 // Model: a launch interleaves its CTAs (launch: up to kResident resident, switching where one
-// of them reaches an atomic, a fence or an __ldcg, in a seeded schedule that every failure
-// names), and runs on guarded copies of its buffers (Buffer); the threads of a CTA are
+// of them reaches an atomic, a fence, an __ldcg or a plain access of memory other CTAs write,
+// in a seeded schedule that every failure names), and runs on guarded copies of its buffers
+// (Buffer); the threads of a CTA are
 // cooperative fibers (started by makecontext, switched by _setjmp/_longjmp) that switch only at
 // barriers, so __syncthreads, warp shuffles and the warp-wide mma emulation have their CUDA
 // meaning. The shim is meant to be as strict as the hardware, so that a kernel that may fail on
@@ -278,6 +279,11 @@ struct Buffer {
   size_t mapped = 0;
   char* original = nullptr;  // the caller's array, copied back after the launch
   bool owner = true;        // false: an alias inside an earlier buffer's copy
+  // Written by several CTAs of the launch (split-K's partials and tickets): its data pages are
+  // inaccessible during a CTA's turn, so a plain load or store there is a point where another
+  // CTA may run (contended_access).
+  bool contended = false;
+  bool sealed = false;  // its data pages are inaccessible now
 };
 static std::vector<Buffer> g_buffers;
 // Read once, at load (check_guards asks at every CTA switch), into a plain static: a function's
@@ -320,6 +326,48 @@ inline const Buffer* out_of_bounds(const void* address, size_t bytes) {
     return &b;
   }
   return nullptr;
+}
+
+// --- plain accesses to memory other CTAs write: points where another CTA may run -------------
+// A contended buffer's data pages are sealed (PROT_NONE) while a CTA runs. A plain load or store
+// of the kernel there faults; the fault handler makes it a point where other CTAs may run
+// (contended_access), then unseals the pages and single-steps the access (the trap flag), and
+// the trap seals them again: every plain access of such memory is preceded by a CTA switch,
+// so a read-modify-write that is not atomic (a ticket drawn by a plain load and store) loses
+// updates here as on a GPU. The shim's own accesses (its atomics, __ldcg, the fence's stores)
+// unseal the buffer (touch) for the rest of the CTA's turn. x86-64 only (the trap flag); on
+// other machines the buffers stay open and plain accesses never switch.
+inline char* data_pages(const Buffer& b) { return b.mapping + 2 * page_bytes(); }
+inline char* data_end(const Buffer& b) { return b.mapping + b.mapped - page_bytes(); }
+
+inline void seal(Buffer& b, bool sealed) {
+  if (b.sealed == sealed) return;
+  mprotect(data_pages(b), data_end(b) - data_pages(b), sealed ? PROT_NONE : PROT_READ | PROT_WRITE);
+  b.sealed = sealed;
+}
+
+// Seals (at the start of a CTA's turn) or opens (at its end: the guards' check reads the poison
+// beside the data) every contended buffer.
+inline void seal_contended(bool sealed) {
+#if defined(__x86_64__)
+  for (Buffer& b : g_buffers)
+    if (b.contended && b.owner) seal(b, sealed);
+#else
+  (void)sealed;
+#endif
+}
+
+// The contended buffer whose sealed data pages hold `address`, or nullptr.
+inline Buffer* sealed_at(const void* address) {
+  const char* p = static_cast<const char*>(address);
+  for (Buffer& b : g_buffers)
+    if (b.sealed && p >= data_pages(b) && p < data_end(b)) return &b;
+  return nullptr;
+}
+
+// The shim is about to access `address` itself: its buffer opens for the rest of the turn.
+inline void touch(const void* address) {
+  if (Buffer* b = sealed_at(address)) seal(*b, false);
 }
 
 // The first byte in [p, end) that is not poison (0xff), or end. Eight bytes at a time: it runs
@@ -738,6 +786,31 @@ struct Rng {
   size_t below(size_t n) { return static_cast<size_t>(next() % n); }
 };
 
+#if defined(__x86_64__)
+// The buffer whose pages a single-stepped access opened: the trap after it seals them again.
+static Buffer* g_stepping = nullptr;
+constexpr greg_t kTrapFlag = 0x100;  // EFLAGS.TF: a debug trap after the next instruction
+
+// A kernel thread's plain load or store of a sealed contended buffer (on_fault): other CTAs may
+// run first (the depth-first schedule holds the CTA here, as at an atomic); when this CTA runs
+// again its buffers are sealed anew, and the access is let through alone: the buffer opened,
+// the trap flag set, so that the access traps as soon as it is done (on_trap). Runs inside the
+// SIGSEGV handler, on the thread's stack, which the switch leaves as it is.
+inline void contended_access(Buffer& b, ucontext_t* context) {
+  global_point(true);
+  seal(b, false);
+  g_stepping = &b;
+  context->uc_mcontext.gregs[REG_EFL] |= kTrapFlag;
+}
+
+// The single-stepped access is done: its buffer sealed again, the trap flag cleared.
+inline void on_trap(int, siginfo_t*, void* context) {
+  static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_EFL] &= ~kTrapFlag;
+  if (g_stepping != nullptr) seal(*g_stepping, true);
+  g_stepping = nullptr;
+}
+#endif
+
 // A kernel thread's fault (a plain load or store into a guard page, or a wild address) fails
 // the launch with the buffer, element and thread named, instead of killing the process; the
 // thread is abandoned. A fault outside a kernel thread keeps the default action.
@@ -747,6 +820,12 @@ inline void on_fault(int signal_number, siginfo_t* info, void* context) {
     ::signal(signal_number, SIG_DFL);
     return;  // the access faults again, now with the default action
   }
+#if defined(__x86_64__)
+  if (Buffer* b = signal_number == SIGSEGV ? sealed_at(info->si_addr) : nullptr) {
+    contended_access(*b, static_cast<ucontext_t*>(context));
+    return;  // the access runs now, alone, and traps (on_trap)
+  }
+#endif
   const char* access = "an access to ";
 #if defined(__x86_64__)
   const greg_t code = static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_ERR];
@@ -767,6 +846,7 @@ inline void on_fault(int signal_number, siginfo_t* info, void* context) {
   pthread_sigmask(SIG_UNBLOCK, &handled, nullptr);
   _longjmp(L->scheduler, 1);
 }
+
 
 // The fiber stacks, kept from one launch to the next (launches never overlap: see launch).
 // Fresh stacks at every launch were faulted in page by page, about a million minor faults over
@@ -848,12 +928,21 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
     free_slots.push_back(i);
   }
   g_launch = &L;
-  struct sigaction handler {}, previous_segv {}, previous_bus {};
+  struct sigaction handler {}, previous_segv {}, previous_bus {}, previous_trap {};
   handler.sa_sigaction = on_fault;
-  handler.sa_flags = SA_SIGINFO;
+  // SA_NODEFER: a contended access switches fibers from inside the handler (contended_access),
+  // and the other threads' faults must still reach it.
+  handler.sa_flags = SA_SIGINFO | SA_NODEFER;
   sigemptyset(&handler.sa_mask);
   sigaction(SIGSEGV, &handler, &previous_segv);
   sigaction(SIGBUS, &handler, &previous_bus);
+#if defined(__x86_64__)
+  struct sigaction trap {};
+  trap.sa_sigaction = on_trap;
+  trap.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&trap.sa_mask);
+  sigaction(SIGTRAP, &trap, &previous_trap);
+#endif
   std::string message;
   size_t admitted = 0, cursor = 0;
   long long holds = 0;
@@ -898,7 +987,9 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
     }
     Cta& c = slots[running[pick]];
     enter(L, c);
+    seal_contended(true);
     const Step step = step_block(L, message);
+    seal_contended(false);
     bool at_atomic = false;
     for (const Fiber& f : L.fibers) at_atomic = at_atomic || (f.wait == Wait::kGlobal && f.site.mask);
     if (step != Step::kFailed) {
@@ -919,6 +1010,9 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   land_pending();
   sigaction(SIGSEGV, &previous_segv, nullptr);
   sigaction(SIGBUS, &previous_bus, nullptr);
+#if defined(__x86_64__)
+  sigaction(SIGTRAP, &previous_trap, nullptr);
+#endif
   g_launch = nullptr;
   *copied = L.copied;
   if (!message.empty()) {
@@ -965,6 +1059,7 @@ inline void __syncthreads(const char* file = __builtin_FILE(), int line = __buil
 inline float atomicAdd(float* address, float value) {
   ::metrale_shim::check_access(address, sizeof(float), "atomicAdd");
   ::metrale_shim::global_point(true);
+  ::metrale_shim::touch(address);
   const float old = *address;
   *address = old + value;
   return old;
@@ -1000,6 +1095,7 @@ inline float __ldcg(const float* address) {
          "after this read on a GPU)");
   }
   g_reads[address] = block;
+  touch(address);
   return *address;
 }
 inline void __threadfence() {
@@ -1010,6 +1106,7 @@ inline void __threadfence() {
   size_t kept = 0;
   for (const ::metrale_shim::PendingStore& p : pending) {
     if (p.block == block && p.thread == thread && !p.late) {
+      ::metrale_shim::touch(p.address);
       *p.address = p.value;
     } else {
       pending[kept++] = p;
@@ -1023,6 +1120,7 @@ inline unsigned atomicAdd(unsigned* address, unsigned value) {
   const unsigned block = ::metrale_shim::block_serial();
   for (::metrale_shim::PendingStore& p : ::metrale_shim::g_pending)
     if (p.block == block) p.late = true;
+  ::metrale_shim::touch(address);
   const unsigned old = *address;
   *address = old + value;
   return old;

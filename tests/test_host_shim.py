@@ -436,3 +436,23 @@ def test_a_store_to_a_stage_in_flight_is_a_race_naming_both_sides(tmp_path: Path
                      r"\d+\.\.\d+\) stored to shared byte \d+, the destination of thread \d+'s "
                      r"cp_async16 at .*sgmv\.cu:\d+, while that copy was in flight",
                      outcome["y"]), outcome
+
+
+# split_last's ticket drawn by a plain load and store of the counter instead of atomicAdd.
+PLAIN_TICKET = ("lora_common.cuh", r"\*ticket = atomicAdd\(&tickets\[tile\], 1u\);",
+                "{ *ticket = tickets[tile]; tickets[tile] = *ticket + 1u; }", 1)
+
+
+@pytest.mark.proc  # a process of its own builds the mutated kernels
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+def test_a_ticket_drawn_by_a_plain_read_and_write_loses_updates(tmp_path: Path,
+                                                                kind: str) -> None:
+    # On a GPU two splits may read the counter before either writes it back: both draw the same
+    # ticket and one count is lost. The shim seals the workspace while a CTA runs, so each plain
+    # load or store of it is a point where another CTA may run: under round-robin every split
+    # reads the counter before any writes it, no split draws the last ticket, and the launch
+    # leaves t unwritten and its counters non-zero, which the harness refuses.
+    results = _results(run_mutated(tmp_path, [PLAIN_TICKET], split_shrink(kind, 4),
+                                   keep=(f"{kind}.cu",)))
+    assert results["0"].startswith(f"{kind}_shrink left ") and "ticket counter" in results["0"], (
+        results)
