@@ -20,11 +20,12 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from metrale_cli.ops import expert_kernels as ek
@@ -36,6 +37,7 @@ from tests.support.kernel_cases import (
     make_pool,
     shrink64,
 )
+from tests.support.mutated_kernels import run_mutated
 
 # The host harness is built before the first test (conftest.host_library).
 pytestmark = pytest.mark.usefixtures("host_library")
@@ -235,7 +237,23 @@ def run_prefill(case: Prefill, y_dtype: torch.dtype) -> None:
     _check_y(y, y_whole, before, y0, t_read, slots, b_weights, pool, p.out_dim)
 
 
+# Fixed cases of the drawn kinds, run as explicit examples of the quick tests (and by the
+# planted bugs' tests at the end).
+STRIDED_DECODE = Decode(Pooled(seed=1, in_dim=64, out_dim=64, max_rank=32, ranks=(20, 32),
+                               absent=frozenset(), x_pad=16, y_pad=8, splits=1, num_sms=132),
+                        slots=(0, 1, -1, 1), narrow=False)
+# A pool max rank (64) above the batch's widest rank (20): t is 24 columns wide.
+NARROW_DECODE = Decode(Pooled(seed=2, in_dim=72, out_dim=48, max_rank=64, ranks=(12, 20),
+                              absent=frozenset(), x_pad=0, y_pad=0, splits=None, num_sms=132),
+                       slots=(1, 0, 1, -1, 0), narrow=True)
+STRIDED_PREFILL = Prefill(Pooled(seed=3, in_dim=64, out_dim=72, max_rank=24, ranks=(17, 24),
+                                 absent=frozenset(), x_pad=8, y_pad=16, splits=1, num_sms=132),
+                          seg_starts=(2, 30, 40), seg_slots=(1, 0), order=None, narrow=False)
+
+
 @QUICK
+@example(case=STRIDED_DECODE, y_dtype=torch.bfloat16)
+@example(case=NARROW_DECODE, y_dtype=torch.float32)
 @given(case=decodes(), y_dtype=Y_DTYPES)
 def test_bgmv_holds_its_error_bound_on_legal_batches(case: Decode, y_dtype: torch.dtype) -> None:
     run_decode(case, y_dtype)
@@ -250,6 +268,7 @@ def test_bgmv_holds_its_error_bound_on_many_legal_batches(case: Decode,
 
 
 @QUICK
+@example(case=STRIDED_PREFILL, y_dtype=torch.bfloat16)
 @given(case=prefills(), y_dtype=Y_DTYPES)
 def test_sgmv_holds_its_error_bound_on_legal_batches(case: Prefill,
                                                      y_dtype: torch.dtype) -> None:
@@ -334,7 +353,13 @@ def run_overlays(case: Overlays) -> None:
     check_kept("emb", whole, before, list(range(len(case.tokens))), case.hidden)
 
 
+# Two overlaying slots, the wider one first, junk past the narrower's count.
+OVERLAYS = Overlays(seed=4, hidden=72, emb_pad=8, per_slot=((3, 9, 17, 30), (5, 40)), spare=1,
+                    tokens=(40, 5, 17, 9, 30, 6), slots=(1, 1, 0, 0, 0, 1))
+
+
 @QUICK_CHEAP
+@example(case=OVERLAYS)
 @given(case=overlay_cases())
 def test_overlay_gather_equals_the_reference_on_legal_tables(case: Overlays) -> None:
     run_overlays(case)
@@ -405,3 +430,56 @@ def test_outputs_are_the_exact_value_rounded_to_nearest_even(kind: str,
         f"{len(differ)} of {y.numel()} outputs are not the exact value rounded to nearest even; "
         f"first y{differ[0].tolist()} = {y[tuple(differ[0])].item()!r}, exact "
         f"{exact_y[tuple(differ[0])]!r}, rounded {want[tuple(differ[0])].item()!r}")
+
+
+# --- the bugs these tests were built to catch, planted -------------------------------------------
+# Each edit put into a copy of kernels/ (tests/support/mutated_kernels.py), and the fixed example
+# that the quick tests run on the unbroken kernels run on it in a process of its own: the check
+# fails with its message.
+PLANTED_PROBE = """
+import torch
+from tests.test_kernels_properties import *
+try:
+    {call}
+except (AssertionError, RuntimeError) as error:
+    print("failed: " + str(error).splitlines()[0])
+else:
+    print("passed")
+"""
+EXACT_BGMV = 'test_outputs_are_the_exact_value_rounded_to_nearest_even("bgmv", torch.bfloat16)'
+PLANTED = [
+    # x stepped through by its width, not its row stride.
+    pytest.param("bgmv.cu", r"x \+ static_cast<long long>\(b\) \* x_stride",
+                 "x + static_cast<long long>(b) * in_dim",
+                 "run_decode(STRIDED_DECODE, torch.bfloat16)", "t: ", id="bgmv_x_by_width"),
+    # y stepped through by its width: rows land in the gap of the rows before.
+    pytest.param("sgmv.cu", r"y \+ static_cast<long long>\(y_token\[i\]\) \* y_stride",
+                 "y + static_cast<long long>(y_token[i]) * out_dim",
+                 "run_prefill(STRIDED_PREFILL, torch.bfloat16)", "y[", id="sgmv_y_by_width"),
+    # B's row pitch taken from t's width (the batch's widest rank), not the pool's max rank.
+    pytest.param("bgmv.cu",
+                 r"(  const int rank = b_addr \? imin\(imin\(listed, max_rank\), t_cols\) : 0;)",
+                 r"  max_rank = t_cols;\n\1",
+                 "run_decode(NARROW_DECODE, torch.float32)", "y: ", id="bgmv_b_pitch_of_t"),
+    # The overlay search over the whole row, not the slot's count.
+    pytest.param("expert.cu", r"int lo = 0, hi = overlay_counts\[slot\];",
+                 "int lo = 0, hi = max_tokens;", "run_overlays(OVERLAYS)", "emb rows",
+                 id="overlay_search_past_count"),
+    # BF16 rounding that truncates, or that breaks ties away from zero.
+    pytest.param("lora_common.cuh", r"u \+= 0x7fffu \+ \(\(u >> 16\) & 1u\);", "u += 0u;",
+                 EXACT_BGMV, "1006 of 3264 outputs are not the exact value", id="bf16_truncated"),
+    pytest.param("lora_common.cuh", r"u \+= 0x7fffu \+ \(\(u >> 16\) & 1u\);",
+                 "u += 0x8000u;", EXACT_BGMV, "168 of 3264 outputs are not the exact value",
+                 id="bf16_ties_away"),
+]
+
+
+@pytest.mark.proc  # a process of its own builds the mutated kernels
+@pytest.mark.parametrize(("source", "pattern", "replacement", "call", "message"), PLANTED)
+def test_a_planted_bug_fails_its_check(tmp_path: Path, source: str, pattern: str,
+                                       replacement: str, call: str, message: str) -> None:
+    keep = {"lora_common.cuh": "bgmv.cu"}.get(source, source)
+    result = run_mutated(tmp_path, [(source, pattern, replacement, 1)],
+                         PLANTED_PROBE.format(call=call), keep=(keep,))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"failed: {message}"), result.stdout
