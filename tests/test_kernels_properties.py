@@ -17,6 +17,7 @@ examples of each; the tests marked `slow` many more.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,9 +32,11 @@ from hypothesis import strategies as st
 from metrale_cli.ops import expert_kernels as ek
 from metrale_cli.ops import host_harness, plans, reference
 from tests.support.kernel_cases import (
+    active_rank,
     check_bound,
     check_unbiased,
     expand64,
+    gamma,
     make_pool,
     shrink64,
 )
@@ -283,6 +286,139 @@ def test_sgmv_holds_its_error_bound_on_many_legal_batches(case: Prefill,
     run_prefill(case, y_dtype)
 
 
+# --- routed experts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A legal expert batch: each (slice, expert)'s table row or -1 (an expert no slot adapts),
+    slots absent from a row (pointer 0), ranks below the pool's max rank, experts off this rank
+    (-1) and tokens without adapter."""
+
+    pool: Pooled
+    gate_up: bool  # two slices (gate, up) over x rows shared by top_k pairs; else down
+    num_experts: int
+    entries: tuple[tuple[int, ...], ...]  # [slices][experts]: a table row, or -1
+    row_absent: tuple[frozenset[int], ...]  # per table row: the slots it does not adapt
+    slots: tuple[int, ...]  # per token
+    topk: tuple[tuple[int, ...], ...]  # per token: its experts (-1: on another rank)
+    prefill: bool  # forced PREFILL_TILE tiles (tensor cores), else the planner's
+
+
+@st.composite
+def expert_cases(draw: st.DrawFn) -> Experts:
+    p = draw(pooled(max_dim=136))
+    experts = draw(st.integers(1, 5))
+    gate_up = draw(st.booleans())
+    slices = 2 if gate_up else 1
+    rows = iter(range(slices * experts))
+    entries = tuple(tuple(next(rows) if draw(st.integers(0, 4)) else -1 for _ in range(experts))
+                    for _ in range(slices))
+    row_absent = tuple(frozenset(draw(st.sets(st.integers(0, len(p.ranks) - 1))))
+                       for _ in range(slices * experts))
+    tokens = draw(st.integers(1, 10))
+    top_k = draw(st.integers(1, experts))
+    slots = tuple(draw(st.lists(st.integers(-1, len(p.ranks)), min_size=tokens,
+                                max_size=tokens)))
+    topk = tuple(tuple(draw(st.lists(st.integers(-1, experts - 1), min_size=top_k,
+                                     max_size=top_k))) for _ in range(tokens))
+    return Experts(p, gate_up, experts, entries, row_absent, slots, topk, draw(st.booleans()))
+
+
+def run_experts(case: Experts, y_dtype: torch.dtype) -> None:
+    p = case.pool
+    slices = len(case.entries)
+    top_k = len(case.topk[0])
+    pairs = len(case.slots) * top_k
+    x_div = top_k if case.gate_up else 1
+    pools = [make_pool(p.in_dim, p.out_dim, p.max_rank, list(p.ranks),
+                       set(p.absent) | set(absent), p.seed + n)
+             for n, absent in enumerate(case.row_absent)]
+    tables = ek.ExpertTables(
+        torch.stack([pool.tables()[0] for pool in pools]),
+        torch.stack([pool.tables()[1] for pool in pools]),
+        torch.tensor(case.entries[:2] if case.gate_up else [[-1] * case.num_experts] * 2,
+                     dtype=torch.int32),
+        torch.tensor(case.entries[:1], dtype=torch.int32),
+        -1, pools[0].scales, pools[0].ranks, p.max_rank, case.num_experts)
+    x, _ = strided(-(-pairs // x_div), p.in_dim, p.x_pad, torch.bfloat16, p.seed + 1)
+    y, y_whole = strided(pairs, slices * p.out_dim, p.y_pad, y_dtype, p.seed + 2)
+    topk = torch.tensor(case.topk, dtype=torch.int32)
+    batch = ek.plan_pairs(topk, torch.tensor(case.slots, dtype=torch.int32), tables.ranks,
+                          p.max_rank, ek.PREFILL_TILE if case.prefill else None,
+                          num_experts=case.num_experts)
+    before, y0 = y_whole.clone(), y.clone()
+    with host_seed(p.seed):
+        launcher = ek.expert_gate_up if case.gate_up else ek.expert_down
+        launcher(x, y, batch, tables, backend=host_harness.HOST)
+    # Per (slice, expert): its pairs through that expert's table row, in float64; t as wide as
+    # the batch's widest rank, which the prefill expand feeds to the tensor cores as BF16.
+    exact = y0.double().numpy().copy()
+    magnitude, terms = np.abs(exact), np.ones_like(exact)
+    inherited = np.zeros_like(exact)
+    written = np.zeros(exact.shape, dtype=bool)
+    pair_slots = np.repeat(case.slots, top_k).tolist()
+    pair_experts = topk.flatten().tolist()
+    for c, row in enumerate(case.entries):
+        cols = slice(c * p.out_dim, (c + 1) * p.out_dim)
+        for e, n in enumerate(row):
+            rows = [q for q in range(pairs) if pair_experts[q] == e]
+            if n < 0 or not rows:
+                continue
+            a_weights, b_weights = pools[n].weights()
+            slots = [pair_slots[q] for q in rows]
+            t, t_magnitude = shrink64(x[[q // x_div for q in rows]], slots, a_weights,
+                                      tables.ranks, batch.t_cols)
+            t_error = gamma(p.in_dim) * t_magnitude + (2.0**-8 * np.abs(t) if case.prefill
+                                                      else 0.0)
+            part, part_magnitude, part_terms = expand64(t, y0[rows][:, cols], slots, b_weights,
+                                                        tables.scale_table, tables.ranks)
+            exact[rows, cols], magnitude[rows, cols] = part, part_magnitude
+            terms[rows, cols] = part_terms[:, None]
+            for i, (q, slot) in enumerate(zip(rows, slots, strict=True)):
+                r = active_rank(slot, b_weights, tables.ranks, batch.t_cols)
+                if r:
+                    written[q, cols] = True
+                    b = b_weights[slot][:, :r].double().numpy()
+                    inherited[q, cols] = (abs(float(tables.scale_table[slot]))
+                                          * (np.abs(b) @ t_error[i, :r]))
+    kept = np.ones(before.shape, dtype=bool)
+    kept[:, :slices * p.out_dim] = ~written
+    changed = (bits(y_whole) != bits(before)).numpy() & kept
+    assert not changed.any(), (f"y{np.argwhere(changed)[0].tolist()} changed, outside the pairs "
+                               "and slices the kernels add to")
+    check_bound("y", y, exact, magnitude, terms, y_dtype == torch.bfloat16, inherited)
+
+
+# gate_up over three experts: the third no slot adapts, slot 1 absent from the first's gate
+# row; ranks 12 and 20 in a max-rank-48 pool (t 24 wide), a pair on another rank, x strided;
+# on the decode tiles and on the prefill (tensor-core) ones.
+EXPERTS = Experts(Pooled(seed=5, in_dim=64, out_dim=48, max_rank=48, ranks=(12, 20),
+                         absent=frozenset(), x_pad=8, y_pad=8, splits=None, num_sms=132),
+                  gate_up=True, num_experts=3, entries=((0, 1, -1), (2, 3, -1)),
+                  row_absent=(frozenset({1}), frozenset(), frozenset(), frozenset(),
+                              frozenset(), frozenset()),
+                  slots=(0, 1, -1, 1), topk=((0, 1), (1, 2), (0, 2), (2, -1)), prefill=False)
+EXPERTS_PREFILL = dataclasses.replace(EXPERTS, prefill=True)
+
+
+@QUICK
+@example(case=EXPERTS, y_dtype=torch.float32)
+@example(case=EXPERTS_PREFILL, y_dtype=torch.bfloat16)
+@given(case=expert_cases(), y_dtype=Y_DTYPES)
+def test_routed_experts_hold_their_error_bound_on_legal_tables(case: Experts,
+                                                               y_dtype: torch.dtype) -> None:
+    run_experts(case, y_dtype)
+
+
+@pytest.mark.slow
+@MANY
+@given(case=expert_cases(), y_dtype=Y_DTYPES)
+def test_routed_experts_hold_their_error_bound_on_many_legal_tables(
+        case: Experts, y_dtype: torch.dtype) -> None:
+    run_experts(case, y_dtype)
+
+
 # --- token overlays ----------------------------------------------------------------------------
 
 
@@ -450,36 +586,48 @@ EXACT_BGMV = 'test_outputs_are_the_exact_value_rounded_to_nearest_even("bgmv", t
 PLANTED = [
     # x stepped through by its width, not its row stride.
     pytest.param("bgmv.cu", r"x \+ static_cast<long long>\(b\) \* x_stride",
-                 "x + static_cast<long long>(b) * in_dim",
+                 "x + static_cast<long long>(b) * in_dim", 1,
                  "run_decode(STRIDED_DECODE, torch.bfloat16)", "t: ", id="bgmv_x_by_width"),
     # y stepped through by its width: rows land in the gap of the rows before.
     pytest.param("sgmv.cu", r"y \+ static_cast<long long>\(y_token\[i\]\) \* y_stride",
-                 "y + static_cast<long long>(y_token[i]) * out_dim",
+                 "y + static_cast<long long>(y_token[i]) * out_dim", 1,
                  "run_prefill(STRIDED_PREFILL, torch.bfloat16)", "y[", id="sgmv_y_by_width"),
     # B's row pitch taken from t's width (the batch's widest rank), not the pool's max rank.
     pytest.param("bgmv.cu",
                  r"(  const int rank = b_addr \? imin\(imin\(listed, max_rank\), t_cols\) : 0;)",
-                 r"  max_rank = t_cols;\n\1",
+                 r"  max_rank = t_cols;\n\1", 1,
                  "run_decode(NARROW_DECODE, torch.float32)", "y: ", id="bgmv_b_pitch_of_t"),
+    # The same in both expert expands (decode and prefill tiles).
+    pytest.param("expert.cu",
+                 r"(  const int rank = b_addr \? imin\(imin\(ranks\[tile.slot\], max_rank\), "
+                 r"t_cols\) : 0;)", r"  max_rank = t_cols;\n\1", 2,
+                 "run_experts(EXPERTS_PREFILL, torch.bfloat16)", "y: ",
+                 id="expert_b_pitch_of_t"),
+    # The expert decode shrink steps x by its width.
+    pytest.param("expert.cu", r"(x_row\[m\] = x \+ static_cast<long long>\(pair\[m\] / x_div\) "
+                 r"\* )x_stride;", r"\1in_dim;", 1, "run_experts(EXPERTS, torch.float32)", "y: ",
+                 id="expert_x_by_width"),
     # The overlay search over the whole row, not the slot's count.
     pytest.param("expert.cu", r"int lo = 0, hi = overlay_counts\[slot\];",
-                 "int lo = 0, hi = max_tokens;", "run_overlays(OVERLAYS)", "emb rows",
+                 "int lo = 0, hi = max_tokens;", 1, "run_overlays(OVERLAYS)", "emb rows",
                  id="overlay_search_past_count"),
     # BF16 rounding that truncates, or that breaks ties away from zero.
-    pytest.param("lora_common.cuh", r"u \+= 0x7fffu \+ \(\(u >> 16\) & 1u\);", "u += 0u;",
+    pytest.param("lora_common.cuh", r"u \+= 0x7fffu \+ \(\(u >> 16\) & 1u\);", "u += 0u;", 1,
                  EXACT_BGMV, "1006 of 3264 outputs are not the exact value", id="bf16_truncated"),
     pytest.param("lora_common.cuh", r"u \+= 0x7fffu \+ \(\(u >> 16\) & 1u\);",
-                 "u += 0x8000u;", EXACT_BGMV, "168 of 3264 outputs are not the exact value",
+                 "u += 0x8000u;", 1, EXACT_BGMV, "168 of 3264 outputs are not the exact value",
                  id="bf16_ties_away"),
 ]
 
 
 @pytest.mark.proc  # a process of its own builds the mutated kernels
-@pytest.mark.parametrize(("source", "pattern", "replacement", "call", "message"), PLANTED)
+@pytest.mark.parametrize(("source", "pattern", "replacement", "count", "call", "message"),
+                         PLANTED)
 def test_a_planted_bug_fails_its_check(tmp_path: Path, source: str, pattern: str,
-                                       replacement: str, call: str, message: str) -> None:
+                                       replacement: str, count: int, call: str,
+                                       message: str) -> None:
     keep = {"lora_common.cuh": "bgmv.cu"}.get(source, source)
-    result = run_mutated(tmp_path, [(source, pattern, replacement, 1)],
+    result = run_mutated(tmp_path, [(source, pattern, replacement, count)],
                          PLANTED_PROBE.format(call=call), keep=(keep,))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"failed: {message}"), result.stdout

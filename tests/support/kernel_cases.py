@@ -344,11 +344,15 @@ def expand64(t: np.ndarray, y0: torch.Tensor, slots: list[int],
 
 
 def check_bound(what: str, got: torch.Tensor, exact: np.ndarray, magnitude: np.ndarray,
-                terms: np.ndarray | int, rounded_to_bf16: bool) -> None:
-    """Every element of `got` within gamma(terms) * magnitude of the float64 `exact` (plus half
-    a BF16 ulp where the output is BF16, rounded once to nearest even)."""
+                terms: np.ndarray | int, rounded_to_bf16: bool,
+                inherited: np.ndarray | float = 0.0) -> None:
+    """Every element of `got` within gamma(terms) * magnitude of the float64 `exact`, plus the
+    error `inherited` from inputs that were not exact (plus half a BF16 ulp where the output is
+    BF16, rounded once to nearest even)."""
     values = got.double().numpy()
-    bound = gamma(np.asarray(terms)[..., None] if np.ndim(terms) else terms) * magnitude
+    # terms: one count, or one a row (an output row's terms), or one an element.
+    bound = gamma(np.asarray(terms)[:, None] if np.ndim(terms) == 1 else terms) * magnitude
+    bound = bound + inherited
     if rounded_to_bf16:
         bound = bound + bf16_spacing(np.abs(exact) + bound) / 2
     error = np.abs(values - exact)
