@@ -222,8 +222,9 @@ def _buffer(value: Any) -> tuple[int, int]:
 CONTENDED = frozenset({"partials", "tickets"})
 
 _LAUNCH_LOCK = threading.Lock()
-# Each launch's CTA schedule (host_shim.h: seed % 4 picks round-robin, reversed, random or
-# depth-first, and seeds the random draws): the next of this count, unless METRALE_HOST_SEED
+# Each launch's CTA schedule and cp.async landing (host_shim.h: seed % 4 picks round-robin,
+# reversed, random or depth-first, seed % 3 copies landing at their wait, at issue or at random
+# points, and the seed the random draws): the next of this count, unless METRALE_HOST_SEED
 # fixes it.
 _SEEDS = itertools.count()
 
