@@ -928,7 +928,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
     free_slots.push_back(i);
   }
   g_launch = &L;
-  struct sigaction handler {}, previous_segv {}, previous_bus {}, previous_trap {};
+  struct sigaction handler {}, previous_segv {}, previous_bus {};
   handler.sa_sigaction = on_fault;
   // SA_NODEFER: a contended access switches fibers from inside the handler (contended_access),
   // and the other threads' faults must still reach it.
@@ -937,7 +937,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   sigaction(SIGSEGV, &handler, &previous_segv);
   sigaction(SIGBUS, &handler, &previous_bus);
 #if defined(__x86_64__)
-  struct sigaction trap {};
+  struct sigaction trap {}, previous_trap {};
   trap.sa_sigaction = on_trap;
   trap.sa_flags = SA_SIGINFO | SA_NODEFER;
   sigemptyset(&trap.sa_mask);
