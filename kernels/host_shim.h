@@ -2,8 +2,9 @@
 // (metrale_cli/ops/host_harness.py, whose build_command force-includes it ahead of the sources).
 //
 // Model: a launch interleaves its CTAs (launch: up to kResident resident, switching where one
-// of them reaches an atomic, a fence or an __ldcg, in a seeded schedule that every failure
-// names), and runs on guarded copies of its buffers (Buffer); the threads of a CTA are
+// of them reaches an atomic, a fence, an __ldcg or a plain access of memory other CTAs write,
+// in a seeded schedule that every failure names), and runs on guarded copies of its buffers
+// (Buffer); the threads of a CTA are
 // cooperative fibers (started by makecontext, switched by _setjmp/_longjmp) that switch only at
 // barriers, so __syncthreads, warp shuffles and the warp-wide mma emulation have their CUDA
 // meaning. The shim is meant to be as strict as the hardware, so that a kernel that may fail on
@@ -32,10 +33,11 @@
 // the group, and wait<N> completes every committed group but the N newest. The source bytes
 // are read at issue (the hardware may read them any time until the wait). The destination is
 // undefined from issue until the wait that completes it, and the shim makes it so: it is filled
-// with NaN bytes (0xff) at issue and written only at that wait. A kernel that reads a stage
-// before waiting for it, or overwrites one that another warp still reads, gets NaN. A copy
-// whose source or destination is not 16-byte aligned, or whose source size is outside 0..16,
-// fails the launch.
+// with NaN bytes (0xff) at issue, and the copy lands (Landing) at that wait, at issue or at a
+// random point between; a launch with copies runs under two landings and fails when its results
+// differ (host_launch.h), and a store to a destination while its copy is in flight fails it as
+// a race naming the storing warp and the copy. A copy whose source or destination is not
+// 16-byte aligned, or whose source size is outside 0..16, fails the launch.
 // Not supported: other atomics, cooperative groups, other inline PTX, CUDA headers.
 #pragma once
 #define METRALE_HOST_SHIM 1
@@ -130,13 +132,34 @@ inline const char* collective_name(Collective kind) {
 }
 
 // One cp.async in flight: its source bytes (read at issue), landing at `dst` with zeros after
-// them up to 16 bytes.
+// them up to 16 bytes; the thread and call site that issued it, for a race's message.
 struct AsyncCopy {
   void* dst;
   unsigned char bytes[16];
   int src_bytes;
   unsigned group;
+  int thread;
+  const char* file;
+  int line;
 };
+
+// When a launch's cp.async copies land (kernels/README.md, "The host shim"): at the wait that
+// completes them, at issue, or at a seeded random point between (each of the issuing thread's
+// switch points, cp.async calls and waits lands each of its copies with probability 1/4). On a
+// GPU a copy may land any time from its issue to its wait; a correct kernel's results are the
+// same bits in all three, and a launch that issues copies runs in two of them
+// (host_launch.h, launch_two_landings) and fails when they differ.
+enum class Landing { kAtWait, kAtIssue, kRandom };
+constexpr int kLandings = 3;
+
+inline const char* landing_name(Landing l) {
+  switch (l) {
+    case Landing::kAtWait: return "cp.async landing at its wait";
+    case Landing::kAtIssue: return "cp.async landing at issue";
+    case Landing::kRandom: return "cp.async landing at random points";
+  }
+  return "?";
+}
 
 // Where a thread waits: a barrier's kind, call site and (warp collectives) mask.
 struct Site {
@@ -211,6 +234,9 @@ struct Launch {
   // Set by a fiber that found the launch invalid (cp.async misuse, a shuffle from outside its
   // mask); the scheduler then abandons the launch.
   std::string error;
+  Landing landing = Landing::kAtWait;
+  uint64_t landing_state = 0;  // the random landing's draws (splitmix64, as Rng)
+  bool copied = false;         // whether any thread issued a cp.async
 };
 
 static Launch* g_launch = nullptr;
@@ -253,6 +279,11 @@ struct Buffer {
   size_t mapped = 0;
   char* original = nullptr;  // the caller's array, copied back after the launch
   bool owner = true;        // false: an alias inside an earlier buffer's copy
+  // Written by several CTAs of the launch (split-K's partials and tickets): its data pages are
+  // inaccessible during a CTA's turn, so a plain load or store there is a point where another
+  // CTA may run (contended_access).
+  bool contended = false;
+  bool sealed = false;  // its data pages are inaccessible now
 };
 static std::vector<Buffer> g_buffers;
 // Read once, at load (check_guards asks at every CTA switch), into a plain static: a function's
@@ -297,6 +328,48 @@ inline const Buffer* out_of_bounds(const void* address, size_t bytes) {
   return nullptr;
 }
 
+// --- plain accesses to memory other CTAs write: points where another CTA may run -------------
+// A contended buffer's data pages are sealed (PROT_NONE) while a CTA runs. A plain load or store
+// of the kernel there faults; the fault handler makes it a point where other CTAs may run
+// (contended_access), then unseals the pages and single-steps the access (the trap flag), and
+// the trap seals them again: every plain access of such memory is preceded by a CTA switch,
+// so a read-modify-write that is not atomic (a ticket drawn by a plain load and store) loses
+// updates here as on a GPU. The shim's own accesses (its atomics, __ldcg, the fence's stores)
+// unseal the buffer (touch) for the rest of the CTA's turn. x86-64 only (the trap flag); on
+// other machines the buffers stay open and plain accesses never switch.
+inline char* data_pages(const Buffer& b) { return b.mapping + 2 * page_bytes(); }
+inline char* data_end(const Buffer& b) { return b.mapping + b.mapped - page_bytes(); }
+
+inline void seal(Buffer& b, bool sealed) {
+  if (b.sealed == sealed) return;
+  mprotect(data_pages(b), data_end(b) - data_pages(b), sealed ? PROT_NONE : PROT_READ | PROT_WRITE);
+  b.sealed = sealed;
+}
+
+// Seals (at the start of a CTA's turn) or opens (at its end: the guards' check reads the poison
+// beside the data) every contended buffer.
+inline void seal_contended(bool sealed) {
+#if defined(__x86_64__)
+  for (Buffer& b : g_buffers)
+    if (b.contended && b.owner) seal(b, sealed);
+#else
+  (void)sealed;
+#endif
+}
+
+// The contended buffer whose sealed data pages hold `address`, or nullptr.
+inline Buffer* sealed_at(const void* address) {
+  const char* p = static_cast<const char*>(address);
+  for (Buffer& b : g_buffers)
+    if (b.sealed && p >= data_pages(b) && p < data_end(b)) return &b;
+  return nullptr;
+}
+
+// The shim is about to access `address` itself: its buffer opens for the rest of the turn.
+inline void touch(const void* address) {
+  if (Buffer* b = sealed_at(address)) seal(*b, false);
+}
+
 // The first byte in [p, end) that is not poison (0xff), or end. Eight bytes at a time: it runs
 // over every buffer's poison at each CTA switch.
 inline const char* first_unpoisoned(const char* p, const char* end) {
@@ -322,13 +395,20 @@ inline std::string check_guards() {
   return {};
 }
 
-// Fails the launch from inside a thread: the scheduler never resumes it.
-[[noreturn]] inline void fail(const std::string& message) {
+// Fails the launch from inside a thread with `error`, the whole message: the scheduler never
+// resumes the thread.
+[[noreturn]] inline void abandon(const std::string& error) {
   Launch& L = *g_launch;
-  Fiber& f = self();
-  L.error = block_name(L) + " thread " + std::to_string(f.warp * 32 + f.lane) + ": " + message;
-  f.wait = Wait::kDone;
+  L.error = error;
+  self().wait = Wait::kDone;
   _longjmp(L.scheduler, 1);  // a failed launch is abandoned: the thread is never resumed
+}
+
+// Fails the launch from inside a thread, naming its CTA and thread.
+[[noreturn]] inline void fail(const std::string& message) {
+  const Fiber& f = self();
+  abandon(block_name(*g_launch) + " thread " + std::to_string(f.warp * 32 + f.lane) + ": " +
+          message);
 }
 
 // A load or store of the shim's own (load16, cp_async16, __ldcg, __stcg, the atomics) outside the
@@ -339,8 +419,79 @@ inline void check_access(const void* address, size_t bytes, const char* what) {
          " reaches past its buffer");
 }
 
+// --- cp.async landing --------------------------------------------------------------------------
+
+// Where an address lies in the __shared__ section, for a message.
+inline std::string shared_at(const void* address) {
+  return "shared byte " +
+         std::to_string(static_cast<const char*>(address) - __start_metrale_shared);
+}
+
+inline std::string copy_name(const AsyncCopy& c) {
+  return "thread " + std::to_string(c.thread) + "'s cp_async16 at " + c.file + ":" +
+         std::to_string(c.line);
+}
+
+// Whether copy c's destination still holds the NaN bytes its issue wrote: nothing stored there
+// while it was in flight.
+inline bool destination_intact(const AsyncCopy& c) {
+  const char* dst = static_cast<const char*>(c.dst);
+  return first_unpoisoned(dst, dst + 16) == dst + 16;
+}
+
+// Warp w stored to copy c's destination while c was in flight: a race (on a GPU the copy may
+// land before or after the store). Warps run one at a time and the CTA's copies are checked
+// after each warp's run (copies_intact), so the store is the last warp's to run, or the running
+// one's.
+inline std::string store_race(const Launch& L, int w, const AsyncCopy& c) {
+  return block_name(L) + ": warp " + std::to_string(w) + " (threads " + std::to_string(32 * w) +
+         ".." + std::to_string(32 * w + 31) + ") stored to " + shared_at(c.dst) +
+         ", the destination of " + copy_name(c) +
+         ", while that copy was in flight (a race: on a GPU the copy may land before or after "
+         "the store)";
+}
+
+// Lands copy c: its bytes over its destination.
+inline void land(const AsyncCopy& c) {
+  if (!destination_intact(c)) abandon(store_race(*g_launch, self().warp, c));
+  std::memcpy(c.dst, c.bytes, sizeof c.bytes);
+}
+
+// The random landing: each copy the running thread has in flight lands with probability 1/4.
+inline void land_some() {
+  Launch& L = *g_launch;
+  if (L.landing != Landing::kRandom) return;
+  Fiber& f = self();
+  size_t kept = 0;
+  for (size_t i = 0; i < f.copies.size(); ++i) {
+    uint64_t z = (L.landing_state += 0x9e3779b97f4a7c15ull);  // splitmix64, as Rng
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    if (((z ^ (z >> 31)) & 3u) == 0) {
+      land(f.copies[i]);
+    } else {
+      f.copies[kept++] = f.copies[i];
+    }
+  }
+  f.copies.resize(kept);
+}
+
+// After warp w ran: a copy still in flight whose destination no longer holds its issue's NaN was
+// stored over by that warp, a race naming both sides.
+inline bool copies_intact(const Launch& L, int w, std::string& error) {
+  for (const Fiber& f : L.fibers) {
+    for (const AsyncCopy& c : f.copies) {
+      if (destination_intact(c)) continue;
+      error = store_race(L, w, c);
+      return false;
+    }
+  }
+  return true;
+}
+
 inline void wait_at(Wait kind, const Site& site) {
   Launch& L = *g_launch;
+  land_some();
   Fiber& f = self();
   f.wait = kind;
   f.site = site;
@@ -509,8 +660,10 @@ inline Step step_block(Launch& L, std::string& error) {
   for (Fiber& f : L.fibers)
     if (f.wait == Wait::kGlobal) f.wait = Wait::kNone;
   for (;;) {
-    for (int w : L.order)
+    for (int w : L.order) {
       if (!run_warp(L, w, error)) return Step::kFailed;
+      if (L.copied && !copies_intact(L, w, error)) return Step::kFailed;
+    }
     bool yielded = false;
     for (const Fiber& f : L.fibers) yielded = yielded || f.wait == Wait::kGlobal;
     if (yielded) return Step::kYield;
@@ -633,6 +786,31 @@ struct Rng {
   size_t below(size_t n) { return static_cast<size_t>(next() % n); }
 };
 
+#if defined(__x86_64__)
+// The buffer whose pages a single-stepped access opened: the trap after it seals them again.
+static Buffer* g_stepping = nullptr;
+constexpr greg_t kTrapFlag = 0x100;  // EFLAGS.TF: a debug trap after the next instruction
+
+// A kernel thread's plain load or store of a sealed contended buffer (on_fault): other CTAs may
+// run first (the depth-first schedule holds the CTA here, as at an atomic); when this CTA runs
+// again its buffers are sealed anew, and the access is let through alone: the buffer opened,
+// the trap flag set, so that the access traps as soon as it is done (on_trap). Runs inside the
+// SIGSEGV handler, on the thread's stack, which the switch leaves as it is.
+inline void contended_access(Buffer& b, ucontext_t* context) {
+  global_point(true);
+  seal(b, false);
+  g_stepping = &b;
+  context->uc_mcontext.gregs[REG_EFL] |= kTrapFlag;
+}
+
+// The single-stepped access is done: its buffer sealed again, the trap flag cleared.
+inline void on_trap(int, siginfo_t*, void* context) {
+  static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_EFL] &= ~kTrapFlag;
+  if (g_stepping != nullptr) seal(*g_stepping, true);
+  g_stepping = nullptr;
+}
+#endif
+
 // A kernel thread's fault (a plain load or store into a guard page, or a wild address) fails
 // the launch with the buffer, element and thread named, instead of killing the process; the
 // thread is abandoned. A fault outside a kernel thread keeps the default action.
@@ -642,6 +820,12 @@ inline void on_fault(int signal_number, siginfo_t* info, void* context) {
     ::signal(signal_number, SIG_DFL);
     return;  // the access faults again, now with the default action
   }
+#if defined(__x86_64__)
+  if (Buffer* b = signal_number == SIGSEGV ? sealed_at(info->si_addr) : nullptr) {
+    contended_access(*b, static_cast<ucontext_t*>(context));
+    return;  // the access runs now, alone, and traps (on_trap)
+  }
+#endif
   const char* access = "an access to ";
 #if defined(__x86_64__)
   const greg_t code = static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_ERR];
@@ -663,6 +847,7 @@ inline void on_fault(int signal_number, siginfo_t* info, void* context) {
   _longjmp(L->scheduler, 1);
 }
 
+
 // The fiber stacks, kept from one launch to the next (launches never overlap: see launch).
 // Fresh stacks at every launch were faulted in page by page, about a million minor faults over
 // the host-harness test files. What a launch leaves on them is never read: a thread's stack
@@ -682,13 +867,17 @@ inline char* take_stacks(size_t bytes) {
 }
 
 // Runs `body` (a kernel call with bound arguments) over the grid under the schedule `seed`
-// chooses; 0 on success, else 1 with a message in `error` (truncated to error_len).
-inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t seed, char* error,
-                  int error_len) {
+// chooses, its cp.async copies landing as `landing` says; 0 on success, else 1 with a message
+// in `error` (truncated to error_len). `copied`: whether any thread issued a cp.async.
+inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t seed,
+                  Landing landing, bool* copied, char* error, int error_len) {
   Launch L;
   L.grid = grid;
   L.block = block;
   L.body = std::move(body);
+  L.landing = landing;
+  L.landing_state = seed ^ 0x6c616e64696e6773ull;
+  *copied = false;
   const int n = static_cast<int>(block.x * block.y * block.z);
   if (n <= 0 || n > 1024) {
     std::snprintf(error, error_len, "invalid block size %d", n);
@@ -741,10 +930,19 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   g_launch = &L;
   struct sigaction handler {}, previous_segv {}, previous_bus {};
   handler.sa_sigaction = on_fault;
-  handler.sa_flags = SA_SIGINFO;
+  // SA_NODEFER: a contended access switches fibers from inside the handler (contended_access),
+  // and the other threads' faults must still reach it.
+  handler.sa_flags = SA_SIGINFO | SA_NODEFER;
   sigemptyset(&handler.sa_mask);
   sigaction(SIGSEGV, &handler, &previous_segv);
   sigaction(SIGBUS, &handler, &previous_bus);
+#if defined(__x86_64__)
+  struct sigaction trap {}, previous_trap {};
+  trap.sa_sigaction = on_trap;
+  trap.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&trap.sa_mask);
+  sigaction(SIGTRAP, &trap, &previous_trap);
+#endif
   std::string message;
   size_t admitted = 0, cursor = 0;
   long long holds = 0;
@@ -789,7 +987,9 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
     }
     Cta& c = slots[running[pick]];
     enter(L, c);
+    seal_contended(true);
     const Step step = step_block(L, message);
+    seal_contended(false);
     bool at_atomic = false;
     for (const Fiber& f : L.fibers) at_atomic = at_atomic || (f.wait == Wait::kGlobal && f.site.mask);
     if (step != Step::kFailed) {
@@ -810,10 +1010,16 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, uint64_t se
   land_pending();
   sigaction(SIGSEGV, &previous_segv, nullptr);
   sigaction(SIGBUS, &previous_bus, nullptr);
+#if defined(__x86_64__)
+  sigaction(SIGTRAP, &previous_trap, nullptr);
+#endif
   g_launch = nullptr;
+  *copied = L.copied;
   if (!message.empty()) {
-    std::snprintf(error, error_len, "%s [%s CTA schedule, seed %llu]", message.c_str(),
-                  schedule_name(schedule), static_cast<unsigned long long>(seed));
+    std::snprintf(error, error_len, "%s [%s CTA schedule, %sseed %llu]", message.c_str(),
+                  schedule_name(schedule),
+                  L.copied ? (std::string(landing_name(landing)) + ", ").c_str() : "",
+                  static_cast<unsigned long long>(seed));
     return 1;
   }
   return 0;
@@ -853,6 +1059,7 @@ inline void __syncthreads(const char* file = __builtin_FILE(), int line = __buil
 inline float atomicAdd(float* address, float value) {
   ::metrale_shim::check_access(address, sizeof(float), "atomicAdd");
   ::metrale_shim::global_point(true);
+  ::metrale_shim::touch(address);
   const float old = *address;
   *address = old + value;
   return old;
@@ -888,6 +1095,7 @@ inline float __ldcg(const float* address) {
          "after this read on a GPU)");
   }
   g_reads[address] = block;
+  touch(address);
   return *address;
 }
 inline void __threadfence() {
@@ -898,6 +1106,7 @@ inline void __threadfence() {
   size_t kept = 0;
   for (const ::metrale_shim::PendingStore& p : pending) {
     if (p.block == block && p.thread == thread && !p.late) {
+      ::metrale_shim::touch(p.address);
       *p.address = p.value;
     } else {
       pending[kept++] = p;
@@ -911,6 +1120,7 @@ inline unsigned atomicAdd(unsigned* address, unsigned value) {
   const unsigned block = ::metrale_shim::block_serial();
   for (::metrale_shim::PendingStore& p : ::metrale_shim::g_pending)
     if (p.block == block) p.late = true;
+  ::metrale_shim::touch(address);
   const unsigned old = *address;
   *address = old + value;
   return old;
@@ -972,10 +1182,13 @@ inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], const unsigned
 
 // cp.async.cg.shared.global with a source size (lora_common.cuh documents the GPU side): the
 // copy goes into the open group with its source bytes read now; its 16 destination bytes hold
-// NaN until a wait completes it. Both addresses must be 16-byte aligned and the source size in
-// 0..16, or the instruction is undefined (a misaligned address faults).
-inline void cp_async16(void* dst, const void* src, int src_bytes) {
+// NaN until it lands (Landing: at issue, at the wait that completes it, or at a random point
+// between). Both addresses must be 16-byte aligned and the source size in 0..16, or the
+// instruction is undefined (a misaligned address faults).
+inline void cp_async16(void* dst, const void* src, int src_bytes,
+                       const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   using namespace ::metrale_shim;
+  land_some();
   Fiber& f = self();
   char problem[128];
   if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
@@ -989,25 +1202,34 @@ inline void cp_async16(void* dst, const void* src, int src_bytes) {
     fail(problem);
   }
   check_access(src, static_cast<size_t>(src_bytes), "cp_async16");
-  AsyncCopy copy{dst, {}, src_bytes, f.committed};
+  AsyncCopy copy{dst, {}, src_bytes, f.committed, f.warp * 32 + f.lane, file, line};
   std::memcpy(copy.bytes, src, static_cast<size_t>(src_bytes));
   std::memset(copy.bytes + src_bytes, 0, static_cast<size_t>(16 - src_bytes));
+  g_launch->copied = true;
+  if (g_launch->landing == Landing::kAtIssue) {
+    std::memcpy(dst, copy.bytes, sizeof copy.bytes);
+    return;
+  }
   std::memset(dst, 0xff, 16);
   f.copies.push_back(copy);
 }
 
-inline void cp_async_commit() { ++::metrale_shim::self().committed; }
+inline void cp_async_commit() {
+  ::metrale_shim::land_some();
+  ++::metrale_shim::self().committed;
+}
 
 // Completes every committed group but the `pending` newest; copies issued after the last commit
 // are in no committed group and stay in flight, as in PTX.
 template <int pending>
 inline void cp_async_wait() {
   using namespace ::metrale_shim;
+  land_some();
   Fiber& f = self();
   std::vector<AsyncCopy> left;
   for (const AsyncCopy& c : f.copies) {
     if (c.group + pending < f.committed) {
-      std::memcpy(c.dst, c.bytes, sizeof c.bytes);
+      land(c);
     } else {
       left.push_back(c);
     }

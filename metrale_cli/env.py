@@ -42,8 +42,8 @@ def kernel_dir() -> Path | None:
 
 
 def host_seed() -> int | None:
-    """METRALE_HOST_SEED: the host harness's CTA schedule for every launch (a launch failure
-    names the seed it ran under; unset, each launch takes the next)."""
+    """METRALE_HOST_SEED: the host harness's CTA schedule and cp.async landing for every launch
+    (a launch failure names the seed it ran under; unset, each launch takes the next)."""
     value = os.environ.get("METRALE_HOST_SEED", "").strip()
     if not value:
         return None

@@ -5,6 +5,7 @@ that the host run now fails, while the unbroken kernel passes the same case."""
 from __future__ import annotations
 
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import torch
 
 from metrale_cli.ops import host_harness, reference
 from tests.support.kernel_cases import BGMV_CASES, Case, check_t, check_y
-from tests.support.mutated_kernels import run_mutated, sgmv_nan_probe
+from tests.support.mutated_kernels import run_mutated, sgmv_stage_probe, stage_race
 
 # The host harness is built before the first test (conftest.host_library).
 pytestmark = pytest.mark.usefixtures("host_library")
@@ -27,7 +28,11 @@ pytestmark = pytest.mark.usefixtures("host_library")
 FULL_CHUNKS = Case("full_chunks", 128, 584, 136, 200, [200, 129], seg_starts=[0, 64, 128],
                    seg_slots=[0, 1], num_splits=1)
 
-SGMV_FULL_CHUNKS = sgmv_nan_probe("from tests.test_host_shim import FULL_CHUNKS as case")
+# On one SM an expand CTA takes several output tiles (costs.expand_out_tiles: 4 of the 4 here),
+# so the next tile's first item is in flight when a tile's epilogue runs.
+TILES_IN_FLIGHT = Case("tiles_in_flight", 70, 64, 256, 128, [128, 100], seg_starts=[0, 64, 70],
+                       seg_slots=[0, 1], num_splits=1, num_sms=1)
+SGMV_FULL_CHUNKS = sgmv_stage_probe("from tests.test_host_shim import FULL_CHUNKS as case")
 
 
 def test_full_chunks_pass_on_the_unbroken_kernels() -> None:
@@ -55,7 +60,9 @@ def test_a_stage_refilled_while_other_warps_read_it_fails(tmp_path: Path) -> Non
         ("sgmv.cu", r"\n *__syncthreads\(\);  // every warp is done with the stage[^\n]*", "", 2),
     ], SGMV_FULL_CHUNKS, keep=("sgmv.cu",))
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"t_nan": True, "y_nan": True}
+    outcome = json.loads(result.stdout)
+    assert stage_race(outcome["t"], "sgmv_shrink"), outcome
+    assert stage_race(outcome["y"], "sgmv_expand_f32"), outcome
 
 
 BGMV_SHRINK = """
@@ -338,7 +345,9 @@ def test_partials_read_before_the_last_ticket_fail_on_both_kernels(tmp_path: Pat
     assert error.startswith(f"{kind}_shrink on the host: block ("), error
     assert re.search(r"__stcg to partials\[\d+\].*read \(__ldcg\) earlier in this launch"
                      r"|__ldcg of partials\[\d+\].*had not fenced", error), error
-    assert error.endswith("[depth-first CTA schedule, seed 3]"), error
+    # The SGMV shrink issues cp.async copies: its failures name their landing too.
+    assert re.search(r"\[depth-first CTA schedule, (cp\.async landing at its wait, )?seed 3\]$",
+                     error), error
 
 
 @pytest.mark.proc  # a process of its own builds the mutated kernels
@@ -406,3 +415,47 @@ def test_a_rank_loop_one_row_too_far_fails(tmp_path: Path, kind: str) -> None:
     results = _results(run_mutated(tmp_path, [RANK_TAIL_BUGS[kind]],
                                    split_shrink(kind, 1, (0,)), keep=(f"{kind}.cu",)))
     assert results == {"0": "differs"}, results
+
+
+@pytest.mark.proc  # a process of its own builds the mutated kernels
+def test_a_store_to_a_stage_in_flight_is_a_race_naming_both_sides(tmp_path: Path) -> None:
+    # The expand stages its finished output tile in the stage whose copies (the next item's)
+    # are still in flight, and reads it back before the wait that lands them. Copies that land
+    # only at their wait never show it (the stores are read and then overwritten by the copies,
+    # as the kernel meant); on a GPU the copies may land in between. The shim checks, after each
+    # warp runs, that no store reached a copy's destination while it was in flight.
+    result = run_mutated(tmp_path, [
+        ("sgmv.cu", r"float\* staged = t_tile\[stage\];",
+         "float* staged = t_tile[(stage + 1) % SGMV_EXPAND_STAGES];", 1),
+    ], sgmv_stage_probe("from tests.test_host_shim import TILES_IN_FLIGHT as case"),
+        keep=("sgmv.cu",))
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout)
+    assert outcome["t"] == "ok", outcome
+    # The writer (a warp of the CTA) and the copy (its thread and the cp_async16 call site).
+    assert re.search(r"^sgmv_expand_f32 on the host: block \(\d+, \d+, \d+\): warp \d \(threads "
+                     r"\d+\.\.\d+\) stored to shared byte \d+, the destination of thread \d+'s "
+                     r"cp_async16 at .*sgmv\.cu:\d+, while that copy was in flight",
+                     outcome["y"]), outcome
+
+
+# split_last's ticket drawn by a plain load and store of the counter instead of atomicAdd.
+PLAIN_TICKET = ("lora_common.cuh", r"\*ticket = atomicAdd\(&tickets\[tile\], 1u\);",
+                "{ *ticket = tickets[tile]; tickets[tile] = *ticket + 1u; }", 1)
+
+
+@pytest.mark.proc  # a process of its own builds the mutated kernels
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="the shim single-steps plain accesses by x86-64's trap flag")
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+def test_a_ticket_drawn_by_a_plain_read_and_write_loses_updates(tmp_path: Path,
+                                                                kind: str) -> None:
+    # On a GPU two splits may read the counter before either writes it back: both draw the same
+    # ticket and one count is lost. The shim seals the workspace while a CTA runs, so each plain
+    # load or store of it is a point where another CTA may run: under round-robin every split
+    # reads the counter before any writes it, no split draws the last ticket, and the launch
+    # leaves t unwritten and its counters non-zero, which the harness refuses.
+    results = _results(run_mutated(tmp_path, [PLAIN_TICKET], split_shrink(kind, 4),
+                                   keep=(f"{kind}.cu",)))
+    assert results["0"].startswith(f"{kind}_shrink left ") and "ticket counter" in results["0"], (
+        results)

@@ -443,7 +443,8 @@ def expert_down(act: Any, y: Any, batch: ExpertBatch, tables: ExpertTables,
 @dataclass(frozen=True)
 class OverlayTables:
     """Every slot's overlaid token ids (int32 [max_loras, max_tokens], ascending, the first
-    counts[s] valid, the rest a sentinel) and rows (BF16 bits uint16 [max_loras, max_tokens,
+    counts[s] valid, the rest anything: the kernel searches only those; from_pool writes a
+    sentinel) and rows (BF16 bits uint16 [max_loras, max_tokens,
     hidden]) of one table (embed_tokens)."""
 
     ids: np.ndarray

@@ -154,7 +154,8 @@ def _library(path: str) -> ctypes.CDLL:
     library.metrale_host_launch.argtypes = [
         ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_void_p),
         ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_ulonglong),
-        ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int,
+        ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ubyte), ctypes.c_ulonglong,
+        ctypes.c_char_p, ctypes.c_int,
     ]
     library.metrale_host_launch.restype = ctypes.c_int
     return library
@@ -214,9 +215,16 @@ def _buffer(value: Any) -> tuple[int, int]:
     return itemsize + sum((n - 1) * s for n, s in zip(value.shape, strides, strict=True)), itemsize
 
 
+# The kernel parameters that several CTAs of one launch write: split-K's workspace (the partials
+# and the ticket counters, lora_common.cuh's split_last). The shim seals them while a CTA runs,
+# so that a plain load or store of them is a point where another CTA may run (host_shim.h,
+# contended_access): a ticket drawn by a plain read and write loses updates, as on a GPU.
+CONTENDED = frozenset({"partials", "tickets"})
+
 _LAUNCH_LOCK = threading.Lock()
-# Each launch's CTA schedule (host_shim.h: seed % 4 picks round-robin, reversed, random or
-# depth-first, and seeds the random draws): the next of this count, unless METRALE_HOST_SEED
+# Each launch's CTA schedule and cp.async landing (host_shim.h: seed % 4 picks round-robin,
+# reversed, random or depth-first, seed % 3 copies landing at their wait, at issue or at random
+# points, and the seed the random draws): the next of this count, unless METRALE_HOST_SEED
 # fixes it.
 _SEEDS = itertools.count()
 
@@ -244,11 +252,12 @@ def launch(plan: plans.KernelLaunch) -> None:
     name_array = (ctypes.c_char_p * len(values))(*(n.encode() for n in names))
     sizes = (ctypes.c_ulonglong * len(values))(*(b[0] for b in buffers))
     itemsizes = (ctypes.c_ulonglong * len(values))(*(b[1] for b in buffers))
+    contended = (ctypes.c_ubyte * len(values))(*(name in CONTENDED for name in names))
     error = ctypes.create_string_buffer(512)
     with _LAUNCH_LOCK:
         status = library.metrale_host_launch(
             plan.kernel.encode(), dims, params, len(values), name_array, sizes, itemsizes,
-            launch_seed(), error, len(error)
+            contended, launch_seed(), error, len(error)
         )
     if status != 0:
         raise RuntimeError(f"{plan.kernel} on the host: {error.value.decode()}")

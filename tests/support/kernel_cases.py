@@ -273,3 +273,117 @@ def check_y(y: torch.Tensor, y0: torch.Tensor, expected: torch.Tensor, case: Cas
             )
     rtol, atol = reference.TOLERANCES[family, y.dtype]
     torch.testing.assert_close(y.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+# --- float64 references and error bounds ---------------------------------------------------
+# The kernels add exact BF16 products (and, in the BGMV expand, F32 t times BF16 B) in F32 in
+# an order of their own; whatever the order, n additions of terms whose magnitudes sum to m
+# err by at most gamma(n) * m (Higham, "Accuracy and Stability of Numerical Algorithms", 3.1).
+# The unit is 2^-23, twice F32's, so the bound also holds for an accumulation that truncates
+# (the tensor cores' may). A BF16 output is then rounded once, to nearest even: half a BF16 ulp
+# more. So an output off by a BF16 ulp, or a reduction that drops a term, fails the bound,
+# where a blanket relative tolerance of 1e-2 would accept both.
+ACCUMULATION_UNIT = 2.0**-23
+
+
+def gamma(n: int | np.ndarray) -> np.ndarray:
+    """gamma(n) = n u / (1 - n u): the relative bound on n roundings of a sum."""
+    nu = np.asarray(n, dtype=np.float64) * ACCUMULATION_UNIT
+    return nu / (1.0 - nu)
+
+
+def bf16_spacing(values: np.ndarray) -> np.ndarray:
+    """The spacing of BF16 numbers at each |value| (its ulp: 2^(e - 8) for |value| in
+    [2^(e-1), 2^e)); 0 at 0."""
+    mantissa, exponent = np.frexp(np.abs(np.asarray(values, dtype=np.float64)))
+    return np.where(mantissa == 0, 0.0, np.ldexp(1.0, exponent - 8))
+
+
+def active_rank(slot: int, weights: list[torch.Tensor | None], ranks: torch.Tensor,
+                cols: int) -> int:
+    """The rank rows a token of `slot` uses: 0 where the kernels skip it (slot -1, past the
+    table, a 0 pointer, rank 0), else min(ranks[slot], cols)."""
+    if slot < 0 or slot >= len(weights) or weights[slot] is None:
+        return 0
+    return max(0, min(int(ranks[slot]), cols))
+
+
+def shrink64(x: torch.Tensor, slots: list[int], a_weights: list[torch.Tensor | None],
+             ranks: torch.Tensor, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """t = x A^T in float64 [T, cols] (zero past each token's rank, and for skipped tokens),
+    and the sum of the magnitudes of each element's terms (its error bound's scale)."""
+    xs = x.double().numpy()
+    t = np.zeros((xs.shape[0], cols))
+    magnitude = np.zeros_like(t)
+    for b, slot in enumerate(slots):
+        r = active_rank(slot, a_weights, ranks, cols)
+        if r:
+            a = a_weights[slot][:r].double().numpy()
+            t[b, :r] = a @ xs[b]
+            magnitude[b, :r] = np.abs(a) @ np.abs(xs[b])
+    return t, magnitude
+
+
+def expand64(t: np.ndarray, y0: torch.Tensor, slots: list[int],
+             b_weights: list[torch.Tensor | None], scales: torch.Tensor, ranks: torch.Tensor,
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """y0 + scale t B^T in float64 from the t the expand read (the kernel's own, as its
+    products see it); with the magnitudes of each output's terms and their count."""
+    y = y0.double().numpy().copy()
+    magnitude = np.abs(y)
+    terms = np.ones(y.shape[0])
+    for b, slot in enumerate(slots):
+        r = active_rank(slot, b_weights, ranks, t.shape[1])
+        if r:
+            w = b_weights[slot][:, :r].double().numpy()
+            scale = float(scales[slot])
+            y[b] += scale * (w @ t[b, :r])
+            magnitude[b] += abs(scale) * (np.abs(w) @ np.abs(t[b, :r]))
+            terms[b] = r + 3  # r products, r - 1 additions, the scale, y's addition
+    return y, magnitude, terms
+
+
+def check_bound(what: str, got: torch.Tensor, exact: np.ndarray, magnitude: np.ndarray,
+                terms: np.ndarray | int, rounded_to_bf16: bool,
+                inherited: np.ndarray | float = 0.0) -> None:
+    """Every element of `got` within gamma(terms) * magnitude of the float64 `exact`, plus the
+    error `inherited` from inputs that were not exact (plus half a BF16 ulp where the output is
+    BF16, rounded once to nearest even)."""
+    values = got.double().numpy()
+    # terms: one count, or one a row (an output row's terms), or one an element.
+    bound = gamma(np.asarray(terms)[:, None] if np.ndim(terms) == 1 else terms) * magnitude
+    bound = bound + inherited
+    if rounded_to_bf16:
+        bound = bound + bf16_spacing(np.abs(exact) + bound) / 2
+    error = np.abs(values - exact)
+    bad = np.argwhere(~(error <= bound))
+    if bad.size:
+        at = tuple(int(i) for i in bad[0])
+        raise AssertionError(
+            f"{what}: {len(bad)} of {error.size} elements outside their error bound; first "
+            f"{what}{list(at)} = {values[at]!r}, exact {exact[at]!r}, off by {error[at]:.3g} "
+            f"> bound {bound[at]:.3g}")
+
+
+# The mean signed error of correctly rounded outputs, in ulps, is about 0 (their errors are
+# spread over [-1/2, 1/2] with a standard deviation of at most 1/2); a rounding that truncates,
+# or that breaks ties one way, moves it by up to half an ulp on every output.
+BIAS_SIGMAS = 6.0
+
+
+def check_unbiased(what: str, got: torch.Tensor, exact: np.ndarray, rows: list[int]) -> None:
+    """The BF16 outputs of `rows` (those the kernel wrote) err by a mean of about 0 ulps, both
+    signed and towards zero: within BIAS_SIGMAS standard errors (of 1/2 ulp each)."""
+    values = got.double().numpy()[rows].ravel()
+    want = exact[rows].ravel()
+    spacing = bf16_spacing(want)
+    keep = spacing > 0
+    if keep.sum() < 64:
+        return  # too few outputs for a mean to mean anything
+    error = (values[keep] - want[keep]) / spacing[keep]
+    limit = BIAS_SIGMAS * 0.5 / math.sqrt(error.size)
+    for kind, mean in (("signed", error.mean()),
+                       ("towards zero", (error * np.sign(want[keep])).mean())):
+        assert abs(mean) <= limit, (
+            f"{what}: the mean {kind} error of {error.size} BF16 outputs is {mean:+.3f} ulp, "
+            f"more than {limit:.3f}: a biased rounding")

@@ -58,20 +58,41 @@ def run_mutated(tmp_path: Path, edits: list[tuple[str, str, str, int]], script: 
     return run_on(kernel_copy(tmp_path, edits, keep=keep), tmp_path, script)
 
 
-def sgmv_nan_probe(case: str) -> str:
+def sgmv_stage_probe(case: str) -> str:
     """A script that runs the SGMV shrink, and the expand from the reference's t, of `case` (an
-    import line binding `case` to a kernel_cases.Case) and prints whether t and y hold NaN: a
-    stage read before its copies land, or refilled while read, shows as the shim's NaN."""
+    import line binding `case` to a kernel_cases.Case; the expand planned for its num_sms) and
+    prints, for t and y, the launch's
+    error, else "nan" where the result holds NaN, else "ok". A stage read before its copies
+    land, or refilled while read, gives results that depend on when the copies land: the host
+    launch (which runs a launch that issues copies under every landing) fails naming the
+    first element that differs."""
     return f"""
 import json, torch
 from metrale_cli.ops import host_harness, reference
 {case}
 i = case.inputs(torch.float32)
 starts, slots = case.segments()
-t = host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks, case.max_rank,
-                             splits=1)
 good_t = reference.shrink(i.x, i.slots, i.a_weights, i.pool.ranks, case.max_rank)
-host_harness.sgmv_expand(good_t, starts, slots, i.b_table, i.pool.scales, i.pool.ranks, i.y,
-                         case.max_rank)
-print(json.dumps({{"t_nan": bool(torch.isnan(t).any()), "y_nan": bool(torch.isnan(i.y).any())}}))
+def outcome(launch):
+    try:
+        result = launch()
+    except RuntimeError as error:
+        return str(error)
+    return "nan" if bool(torch.isnan(result).any()) else "ok"
+print(json.dumps({{
+    "t": outcome(lambda: host_harness.sgmv_shrink(i.x, starts, slots, i.a_table, i.pool.ranks,
+                                                  case.max_rank, splits=1)),
+    "y": outcome(lambda: host_harness.sgmv_expand(good_t, starts, slots, i.b_table,
+                                                  i.pool.scales, i.pool.ranks, i.y,
+                                                  case.max_rank, num_sms=case.num_sms)),
+}}))
 """
+
+
+def stage_race(outcome: str, kernel: str) -> bool:
+    """Whether a host launch's error (an sgmv_stage_probe outcome) is `kernel`'s race on a
+    pipeline stage: its result differing between cp.async landings, or a store to a copy's
+    destination while the copy was in flight."""
+    return (outcome.startswith(f"{kernel} on the host: ")
+            and ("when the copies land changed the result" in outcome
+                 or "while that copy was in flight" in outcome))
