@@ -45,3 +45,136 @@ def test_a_new_family_is_one_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert {e.layer for e in planned.layout.entries} == {3, 7, 11, 15, 19, 23, 27, 31, 35}
     q = next(e for e in planned.layout.entries if e.module.peft_name == "q_proj")
     assert q.out_dim == 2 * model.num_attention_heads * model.head_dim
+
+
+# -- every family's modules against transformers' own model ------------------------------------
+
+# Tiny text configs, one per family: (transformers model_type, kwargs over _TINY). Widths are
+# chosen apart (head_dim 24 != 64 / 4, intermediate 96) so a wrong width cannot pass by accident.
+_TINY = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 96,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_SLIDING = {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8}
+_GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 12, "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"] * 2}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40}
+META_CASES: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 24}),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 24, **_MOE}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_next": ("qwen3_next", {**_GDN, **_MOE, "shared_expert_intermediate_size": 24}),
+    "qwen3_5": ("qwen3_5_text", _GDN),
+    "qwen3_5_moe": ("qwen3_5_moe_text", {**_GDN, **_MOE,
+                                         "shared_expert_intermediate_size": 24}),
+    "gemma": ("gemma", {"head_dim": 24}),
+    "gemma2": ("gemma2", {"head_dim": 24, **_SLIDING}),
+    "gemma3": ("gemma3_text", {"head_dim": 24, **_SLIDING}),
+    "granite": ("granite", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo3": ("olmo3", _SLIDING),
+    "cohere": ("cohere", {}),
+    "cohere2": ("cohere2", {"head_dim": 24, **_SLIDING}),
+    "exaone4": ("exaone4", _SLIDING),
+    "ernie4_5": ("ernie4_5", {"head_dim": 24}),
+    "seed_oss": ("seed_oss", {"head_dim": 24}),
+    "smollm3": ("smollm3", {}),
+    "ministral": ("ministral", {"head_dim": 24, **_SLIDING}),
+    "phi3": ("phi3", {}),
+    "glm4": ("glm4", {"head_dim": 24}),
+}
+# Linear layers of a decoder layer that no family module declares, by family: what the audit
+# names as not servable (Gated-DeltaNet input projections, the shared expert and its gate).
+# Anything else undeclared fails the test: a module the family row forgot.
+_GDN_IN = {"linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"}
+_GDN35_IN = {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a",
+             "linear_attn.in_proj_b"}
+_SHARED = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+           "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"}
+UNDECLARED = {"qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
+              "qwen3_5_moe": _GDN35_IN | _SHARED}
+
+
+@pytest.fixture(scope="module")
+def transformers_models() -> None:
+    """transformers' import and its shared modeling code, paid once in setup (seconds): one
+    tiny llama built on the meta device."""
+    from transformers import AutoConfig
+
+    _meta_model(AutoConfig.for_model("llama", **_TINY))
+
+
+def _meta_model(config: object) -> object:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _differences(model: ModelConfig, hf_model: object, undeclared: set[str]) -> list[str]:
+    """Every (layer, module) whose presence or `(out, in)` in transformers' decoder layers
+    differs from the family's entry, and every Linear the family neither declares nor
+    knowingly leaves out."""
+    from torch import nn
+
+    from metrale_cli.model.modules import family_modules
+
+    modules = family_modules(model)
+    paths = {m.path_in(model) for m in modules}
+    layers = hf_model.model.layers  # type: ignore[attr-defined]
+    assert len(layers) == model.num_hidden_layers
+    out = []
+    for i, layer in enumerate(layers):
+        linears = {name: (m.out_features, m.in_features) for name, m in layer.named_modules()
+                   if isinstance(m, nn.Linear)}
+        for module in modules:
+            path, applies = module.path_in(model), module.applies_to_layer(model, i)
+            if applies != (path in linears):
+                out.append(f"layer {i} {path}: metrale says {'present' if applies else 'absent'}")
+            elif applies and module.dims(model) != linears[path]:
+                out.append(f"layer {i} {path}: metrale {module.dims(model)}, "
+                           f"transformers {linears[path]}")
+        out += [f"layer {i} {p}: no family module" for p in set(linears) - paths - undeclared]
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(META_CASES))
+def test_family_modules_match_transformers(family: str, tmp_path: Path,
+                                          transformers_models: None) -> None:
+    """The config.json transformers writes (its non-default values only, as checkpoints carry
+    them) read by metrale, against the model transformers builds from it on the meta device."""
+    from transformers import AutoConfig
+
+    model_type, kwargs = META_CASES[family]
+    config = AutoConfig.for_model(model_type, **{**_TINY, **kwargs})
+    config.save_pretrained(tmp_path)
+    model = ModelConfig.from_hf(tmp_path)
+    assert model.model_type == family
+    assert _differences(model, _meta_model(config), UNDECLARED.get(family, set())) == []
+
+
+def test_every_family_has_a_meta_case() -> None:
+    assert set(META_CASES) == set(FAMILIES)
+
+
+REAL_SIZES = {"qwen3-8b.config.json": "qwen3", "llama-3.1-8b.config.json": "llama",
+              "olmo-3-7b.config.json": "olmo3", "gemma-3-27b-it.config.json": "gemma3"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file", sorted(REAL_SIZES))
+def test_real_sizes_match_transformers(file: str) -> None:
+    """Published configs at full size, built by transformers on the meta device."""
+    from transformers import AutoConfig
+
+    raw = json.loads((QWEN3.parent / file).read_text())
+    model = ModelConfig.from_dict(raw, source=file)
+    assert model.model_type == REAL_SIZES[file]
+    config = AutoConfig.for_model(**raw)
+    if model.composite:
+        config = config.get_text_config()
+    assert _differences(model, _meta_model(config), set()) == []
