@@ -165,16 +165,42 @@ REAL_SIZES = {"qwen3-8b.config.json": "qwen3", "llama-3.1-8b.config.json": "llam
               "olmo-3-7b.config.json": "olmo3", "gemma-3-27b-it.config.json": "gemma3"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("file", sorted(REAL_SIZES))
-def test_real_sizes_match_transformers(file: str) -> None:
-    """Published configs at full size, built by transformers on the meta device."""
+def _real_size_differences(raw: dict[str, object], source: str) -> list[str]:
     from transformers import AutoConfig
 
-    raw = json.loads((QWEN3.parent / file).read_text())
-    model = ModelConfig.from_dict(raw, source=file)
-    assert model.model_type == REAL_SIZES[file]
+    model = ModelConfig.from_dict(raw, source=source)
     config = AutoConfig.for_model(**raw)
     if model.composite:
         config = config.get_text_config()
-    assert _differences(model, _meta_model(config), set()) == []
+    return _differences(model, _meta_model(config), UNDECLARED.get(model.model_type, set()))
+
+
+@pytest.mark.parametrize("file", sorted(REAL_SIZES))
+def test_real_configs_match_transformers(file: str, transformers_models: None) -> None:
+    """Published configs at full size, built by transformers on the meta device."""
+    raw = json.loads((QWEN3.parent / file).read_text())
+    assert ModelConfig.from_dict(raw).model_type == REAL_SIZES[file]
+    assert _real_size_differences(raw, file) == []
+
+
+@pytest.mark.parametrize("preset", [p.name for p in PRESETS])
+def test_presets_match_transformers(preset: str, transformers_models: None) -> None:
+    """Every preset at full size, built by transformers on the meta device from its values."""
+    raw = next(p.config for p in PRESETS if p.name == preset)
+    assert _real_size_differences(raw, preset) == []
+
+
+@pytest.fixture(scope="module")
+def peft_targets() -> dict[str, list[str]]:
+    """PEFT 0.21's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (its import: seconds)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    return TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+
+@pytest.mark.parametrize("family", sorted(META_CASES))
+def test_peft_default_targets_are_peft_s(family: str, peft_targets: dict[str, list[str]]) -> None:
+    """What a config without target_modules meant: PEFT's own table, by the model_type
+    transformers writes (gemma3's text model: gemma3_text)."""
+    model_type = META_CASES[family][0]
+    assert FAMILIES[family].peft_default_targets == tuple(peft_targets.get(model_type) or ())

@@ -22,6 +22,8 @@ REAL = {
     "qwen3-30b-a3b": "qwen3-30b-a3b.config.json",
     "llama-3.1-8b": "llama-3.1-8b.config.json",
     "mixtral-8x7b": "mixtral-8x7b-v0.1.config.json",
+    "gemma-3-27b": "gemma-3-27b-it.config.json",
+    "olmo-3-7b": "olmo-3-7b.config.json",
 }
 
 

@@ -376,6 +376,11 @@ def _hybrid_text(**values: Any) -> dict[str, Any]:
     return {"full_attention_interval": 4, **values}
 
 
+def _sliding(layers: int, every: int) -> list[str]:
+    """`layer_types` with every `every`-th layer full attention, the others sliding-window."""
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+
+
 # Values re-typed from the public config.json of each model (see docs/models.md for sources).
 PRESETS: tuple[Preset, ...] = (
     Preset(
@@ -446,6 +451,38 @@ PRESETS: tuple[Preset, ...] = (
         {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
          "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
          "vocab_size": 128256},
+    ),
+    Preset(
+        "gemma-3-27b",
+        ("google/gemma-3-27b-it", "google/gemma-3-27b-pt"),
+        {"model_type": "gemma3", "tie_word_embeddings": True, "text_config": {
+            "model_type": "gemma3_text", "hidden_size": 5376, "num_hidden_layers": 62,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+            "intermediate_size": 21504, "layer_types": _sliding(62, 6), "vocab_size": 262144,
+        }},
+    ),
+    Preset(
+        "olmo-3-7b",
+        ("allenai/Olmo-3-7B", "allenai/Olmo-3-1025-7B"),
+        {"model_type": "olmo3", "hidden_size": 4096, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+         "layer_types": _sliding(32, 4), "vocab_size": 100278},
+    ),
+    # ibm-granite/granite-3.3-8b-instruct's config.json (docs/models.md gives the source).
+    Preset(
+        "granite-3.3-8b",
+        ("ibm-granite/granite-3.3-8b-instruct", "ibm-granite/granite-3.3-8b-base"),
+        {"model_type": "granite", "hidden_size": 4096, "num_hidden_layers": 40,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12800,
+         "vocab_size": 49159, "tie_word_embeddings": True},
+    ),
+    # microsoft/Phi-4-mini-instruct's config.json: fused qkv_proj and gate_up_proj.
+    Preset(
+        "phi-4-mini",
+        ("microsoft/Phi-4-mini-instruct",),
+        {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32,
+         "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+         "vocab_size": 200064, "tie_word_embeddings": True},
     ),
     Preset(
         "mixtral-8x7b",
