@@ -204,3 +204,12 @@ def test_peft_default_targets_are_peft_s(family: str, peft_targets: dict[str, li
     transformers writes (gemma3's text model: gemma3_text)."""
     model_type = META_CASES[family][0]
     assert FAMILIES[family].peft_default_targets == tuple(peft_targets.get(model_type) or ())
+
+
+def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
+    """An adapter's module set (vocabulary order) is then its pool's slot order."""
+    from metrale_cli.model.modules import ALL
+
+    for family in FAMILIES.values():
+        names = [m.name for m in family.modules]
+        assert names == [m.value for m in ALL if m.value in names], family.model_type

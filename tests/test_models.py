@@ -68,10 +68,10 @@ def test_hybrid_layer_types_and_applicability() -> None:
     assert not any(gate.applies_to_layer(cfg, i) for i in range(48))
     dense = ModelConfig.preset("qwen3.5-9b")
     assert all(gate.applies_to_layer(dense, i) for i in range(32))
-    # The seed's eight in their slot order: the vocabulary's first, and every seed family's set.
+    # The seed's eight in their slot order, in the vocabulary and as every seed family's set.
     seed = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
             "out_proj"]
-    assert [m.peft_name for m in ALL[:8]] == seed
+    assert [m.peft_name for m in ALL if m.peft_name in seed] == seed
     for model in (cfg, dense, ModelConfig.preset("llama-3.1-8b")):
         assert [m.peft_name for m in family_modules(model)] == seed
 

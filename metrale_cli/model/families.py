@@ -89,7 +89,7 @@ GATE_UP_PROJ = _mlp("gate_up_proj", ("intermediate_size", "intermediate_size"))
 SEED_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, OUT_PROJ)
 # The llama-like decoder layer: attention and a gated MLP, nothing else LoRA-able.
 DENSE_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
-# Every module name a family may declare (the `--modules` vocabulary), seed order first.
+# Every module a family may declare: the `--modules` vocabulary (model/modules.py LoraModule).
 VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ)
 
 

@@ -11,20 +11,23 @@ from metrale_cli.model.families import VOCABULARY, Layers, ModuleSpec
 
 
 class LoraModule(str, Enum):
+    """The vocabulary in layer order: a fused projection sits where its slices would, so the
+    seed's eight keep their relative order and any family's modules read in this order."""
+
     Q_PROJ = "q_proj"
     K_PROJ = "k_proj"
     V_PROJ = "v_proj"
+    # Fused projections (phi3's q|k|v and gate|up, glm4's gate|up): one pair spans the slices.
+    QKV_PROJ = "qkv_proj"
     O_PROJ = "o_proj"
     GATE_PROJ = "gate_proj"
     UP_PROJ = "up_proj"
+    GATE_UP_PROJ = "gate_up_proj"
     DOWN_PROJ = "down_proj"
     # The Gated-DeltaNet block's output projection (`linear_attn.out_proj`), linear-attention
     # value width to hidden. O_PROJ instead reads the attention head width and applies only to
     # attention layers.
     OUT_PROJ = "out_proj"
-    # Fused projections (phi3's q|k|v and gate|up, glm4's gate|up): one pair spans the slices.
-    QKV_PROJ = "qkv_proj"
-    GATE_UP_PROJ = "gate_up_proj"
 
     @property
     def peft_name(self) -> str:
@@ -98,7 +101,6 @@ class LoraModule(str, Enum):
 
 
 _VOCABULARY = {spec.name: spec for spec in VOCABULARY}
-# The vocabulary, the seed's eight first in their slot order.
 ALL: tuple[LoraModule, ...] = tuple(LoraModule)
 
 
