@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
-from metrale_cli.model.config import PRESETS, LayerType, ModelConfig, resolve_model
+from metrale_cli.model.config import PRESETS, LayerType, ModelConfig
 from metrale_cli.model.modules import ALL, LoraModule, family_modules
+from metrale_cli.model.resolve import resolve_model
 
 # Real files copied into the project (tests/data/PROVENANCE.md says from where).
 REFERENCE = Path(__file__).resolve().parent / "data" / "model_configs"

@@ -1,13 +1,5 @@
-"""Base-model configs: what `--model` names, read into one `ModelConfig`.
-
-`--model` (or an adapter's `base_model_name_or_path`) is resolved in this order (docs/cli.md):
-1. a path to a `config.json` file, or to a directory that holds one;
-2. a hub id (`org/name[@revision]`) whose `config.json` is in the local Hugging Face cache, or
-   with `--online` on the hub;
-3. a built-in preset, by its name or one of its hub ids;
-4. anything else is an error (a path that exists without a `config.json` says so). A directory
-   without `config.json` (an adapter directory named like a preset, say) never hides a preset.
-The network is used only with `--online`.
+"""Base-model configs: `ModelConfig`, read from a `config.json` or a preset (`--model` is
+resolved to one by model/resolve.py).
 """
 
 from __future__ import annotations
@@ -18,12 +10,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from metrale_cli import env
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
-from metrale_cli.files.hub import cached, fetch, parse_hub_id
-from metrale_cli.files.jsondoc import load_json
+from metrale_cli.files.jsondoc import load_json, shown
 from metrale_cli.files.regular import refuse_not_regular
-from metrale_cli.model.families import FAMILIES, Family
+from metrale_cli.model.families import FAMILIES, VOCABULARY, Family, Layers, ModuleSpec, Split
 
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
@@ -36,6 +26,10 @@ MAX_WIDTH = 1 << 22
 MAX_VOCAB = 1 << 26
 # Routed experts over all MoE layers (Qwen3-Next: 48 x 512 = 24,576): bounds the expert layout.
 MAX_LAYER_EXPERTS = 1 << 18
+# `ModelConfig.shapes_from`: where a model's module shapes came from.
+SHAPES_CONFIG = "config"
+SHAPES_CHECKED = "config checked against weights"
+SHAPES_WEIGHTS = "weights"
 _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS,
            "num_local_experts": MAX_EXPERTS, "vocab_size": MAX_VOCAB}
 
@@ -85,14 +79,20 @@ class ModelConfig:
     # when it names none, a non-name entry kept as it is; None for a preset, whose re-typed
     # dims keep no class name (an engine then takes its family's own class).
     architectures: tuple[Any, ...] | None = field(default=None, compare=False)
+    # A model_type no FAMILIES row knows: its family as its checkpoint's tensor names and
+    # shapes give it (model/weights.py), kept in pool images; None for a known type.
+    weights_family: Family | None = None
+    # Where the modules' shapes came from: the config alone, the config checked against the
+    # weights' headers, or the weights (SHAPES_*).
+    shapes_from: str = field(default="config", compare=False)
 
     def layer_type(self, layer: int) -> LayerType:
         return self.layer_types[layer]
 
     @property
     def family(self) -> Family:
-        """What differs by `model_type` (model/families.py)."""
-        return FAMILIES[self.model_type]
+        """What differs by `model_type` (model/families.py), or what the weights gave."""
+        return self.weights_family or FAMILIES[self.model_type]
 
     @property
     def is_hybrid(self) -> bool:
@@ -157,6 +157,11 @@ class ModelConfig:
         """The JSON record of this config (also stored in pool images)."""
         record = asdict(self)
         del record["architectures"]  # an engine's input, not a dimension images keep
+        del record["shapes_from"]  # how this run learnt the shapes, not the model's
+        if self.weights_family is None:
+            del record["weights_family"]  # images of known families read as they always did
+        else:
+            record["weights_family"] = _family_record(self.weights_family)
         record["layer_types"] = [t.value for t in self.layer_types]
         record["mlp_only_layers"] = list(self.mlp_only_layers)
         return record
@@ -164,7 +169,8 @@ class ModelConfig:
     def record(self) -> dict[str, Any]:
         """The summary with the counts a view of the model shows (records of `models`,
         `inspect`, `layout` and `show`); images store the summary alone."""
-        return {**self.summary(), "full_attention_layers": len(self.full_attention_layers),
+        return {**self.summary(), "shapes_from": self.shapes_from,
+                "full_attention_layers": len(self.full_attention_layers),
                 "linear_attention_layers": len(self.linear_attention_layers),
                 "expert_intermediate_size": self.expert_intermediate_size}
 
@@ -175,6 +181,10 @@ class ModelConfig:
         fields = dict(record)
         fields["layer_types"] = tuple(LayerType(t) for t in fields["layer_types"])
         fields["mlp_only_layers"] = tuple(fields.get("mlp_only_layers") or ())
+        if "weights_family" in fields:
+            fields["weights_family"] = _family_from_record(fields["model_type"],
+                                                           fields["weights_family"])
+            fields["shapes_from"] = SHAPES_WEIGHTS
         kinds = {"int": int, "bool": bool, "str": str}
         for f in dataclass_fields(cls):
             kind = kinds.get(str(f.type))
@@ -193,18 +203,23 @@ class ModelConfig:
     # -- named constructors -------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "") -> ModelConfig:
-        """Read an HF `config.json` dict (composite configs use their `text_config`)."""
+    def from_dict(cls, raw: dict[str, Any], source: str = "",
+                  family: Family | None = None) -> ModelConfig:
+        """Read an HF `config.json` dict (composite configs use their `text_config`); `family`
+        serves a `model_type` no FAMILIES row knows (read from its weights: model/weights.py)."""
         if not isinstance(raw, dict):
             raise FormatError(f"{source or 'config'}: not a JSON object")
         composite = isinstance(raw.get("text_config"), dict)
         text = raw["text_config"] if composite else raw
         model_type = str(text.get("model_type") or raw.get("model_type") or "")
         model_type = model_type.removesuffix("_text")
-        if model_type not in FAMILIES:
+        known = FAMILIES.get(model_type) or family
+        if known is None:
             raise UnsupportedModel(
                 f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported; "
-                f"supported: {', '.join(FAMILIES)}"
+                f"supported: {', '.join(FAMILIES)}; or from its weights: pass the model "
+                "directory holding its model.safetensors (or index and shards), or its hub id "
+                "(with --online when not cached)"
             )
 
         def bounded(key: str, value: int) -> int:
@@ -251,7 +266,7 @@ class ModelConfig:
             # Grouped-query attention: each KV head serves a whole group of query heads.
             raise FormatError(f"{source or 'config'}: 'num_key_value_heads' {kv_heads} does not "
                               f"divide 'num_attention_heads' {heads}")
-        layer_types = _layer_types(text, model_type, layers, source)
+        layer_types = _layer_types(text, known.hybrid, layers, source)
         only = text.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in only
@@ -259,7 +274,7 @@ class ModelConfig:
             raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
         tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         gate = text.get("attn_output_gate")
-        attn_gated = gate is not False if FAMILIES[model_type].hybrid else bool(gate)
+        attn_gated = gate is not False if known.hybrid else bool(gate)
         return cls(
             model_type=model_type,
             hidden_size=hidden,
@@ -285,11 +300,12 @@ class ModelConfig:
             composite=composite,
             source=source,
             architectures=_architectures(raw),
+            weights_family=None if model_type in FAMILIES else known,
         )
 
     @classmethod
-    def from_hf(cls, path: str | Path) -> ModelConfig:
-        """A `config.json` file, or a directory holding one."""
+    def from_hf(cls, path: str | Path, family: Family | None = None) -> ModelConfig:
+        """A `config.json` file, or a directory holding one (`family` as `from_dict`'s)."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         refuse_not_regular(file)
@@ -299,7 +315,7 @@ class ModelConfig:
             text = file.read_bytes()
         except OSError as exc:
             raise FormatError(f"{file}: not a readable JSON config ({exc})") from exc
-        return cls.from_dict(load_json(file, text, "JSON config"), source=str(file))
+        return cls.from_dict(load_json(file, text, "JSON config"), source=str(file), family=family)
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
@@ -318,8 +334,45 @@ def _architectures(raw: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, list) else (value,)
 
 
+# The widths a family read from weights may name (the vocabulary's): any other is given in
+# elements.
+_WIDTH_NAMES = frozenset(w for spec in VOCABULARY for w in (*spec.out, spec.in_))
+
+
+def _family_record(family: Family) -> dict[str, Any]:
+    """A family read from weights, as pool images keep it: its modules, each width in elements
+    or by the config's name for it."""
+    return {"modules": [{"name": m.name, "path": m.path, "out": list(m.out), "in": m.in_,
+                         "split": m.split.value, "layers": list(m.on_layers)}
+                        for m in family.modules]}
+
+
+def _family_from_record(model_type: str, record: Any) -> Family:
+    """The family `_family_record` kept; ValueError or TypeError for anything else (an image's
+    metadata is input)."""
+    names = {spec.name for spec in VOCABULARY}
+    modules: list[ModuleSpec] = []
+    for m in record["modules"]:
+        widths = [*m["out"], m["in"]]
+        known_widths = all((isinstance(w, int) and not isinstance(w, bool) and 0 < w <= MAX_WIDTH)
+                           or (isinstance(w, str) and w in _WIDTH_NAMES) for w in widths)
+        if (m["name"] not in names or any(m["name"] == k.name for k in modules)
+                or not isinstance(m["path"], str) or not m["out"] or not known_widths):
+            raise ValueError(f"weights_family module {shown(m['name'])} is not a module of "
+                             "known widths")
+        layers = m["layers"]
+        if not isinstance(layers, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_LAYERS
+                for i in layers):
+            raise ValueError(f"weights_family module {m['name']!r}: layers is not a list of "
+                             "layer numbers")
+        modules.append(ModuleSpec(m["name"], m["path"], tuple(m["out"]), m["in"], Layers.LISTED,
+                                  Split(m["split"]), tuple(layers)))
+    return Family(model_type, modules=tuple(modules))
+
+
 def _layer_types(
-    text: dict[str, Any], model_type: str, layers: int, source: str
+    text: dict[str, Any], hybrid: bool, layers: int, source: str
 ) -> tuple[LayerType, ...]:
     """Per-layer attention kind: `layer_types`, else `full_attention_interval`, else
     `sliding_window_pattern` (every Nth layer full, the rest sliding, as gemma3's config derives
@@ -344,7 +397,7 @@ def _layer_types(
             for i in range(layers)
         )
     interval = text.get("full_attention_interval")
-    if interval is None and FAMILIES[model_type].hybrid:
+    if interval is None and hybrid:
         interval = DEFAULT_FULL_ATTENTION_INTERVAL
     if interval is None:
         return (LayerType.FULL_ATTENTION,) * layers
@@ -502,32 +555,3 @@ def find_preset(name: str) -> Preset | None:
             return preset
     return None
 
-
-def resolve_model(spec: str, online: bool = False) -> ModelConfig:
-    """`--model`, in the order the module docstring gives: a config.json or a directory holding
-    one; a hub id (`org/name[@revision]`) from the local Hugging Face cache, or with `online`
-    from the hub; a preset (by name or hub id: a hub id that is not in the local cache but
-    names a preset's model gives that preset when offline)."""
-    spec = spec.strip()
-    if not spec:
-        raise UsageError("--model is empty")
-    path = Path(spec).expanduser()
-    refuse_not_regular(path / "config.json" if path.is_dir() else path)
-    if path.is_file() or (path / "config.json").is_file():
-        return ModelConfig.from_hf(path)
-    ref = parse_hub_id(spec)
-    if ref is not None:
-        config = fetch(ref, "config.json", online=True) if online else cached(ref, "config.json")
-        if config is not None:
-            return replace(ModelConfig.from_hf(config), source=spec)
-    preset = find_preset(spec)
-    if preset is not None:
-        return ModelConfig.preset(preset.name)
-    if path.exists():
-        raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
-                         "(a directory without config.json), and not a preset (`metrale models`)")
-    raise UsageError(
-        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache "
-        f"({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
-        "directory, or --online to fetch a hub id"
-    )

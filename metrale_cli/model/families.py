@@ -28,6 +28,9 @@ class Layers(str, Enum):
     LINEAR_ATTENTION = "linear_attention"
     # Every layer of a model without routed experts (its dense MLP).
     DENSE_MLP = "dense_mlp"
+    # The layers `ModuleSpec.on_layers` lists: a family read from a checkpoint's own tensor
+    # names (model/weights.py).
+    LISTED = "listed"
 
 
 class Split(str, Enum):
@@ -44,14 +47,16 @@ class ModuleSpec:
     `out` and `in_` name widths of a `ModelConfig` (its fields or properties: `hidden_size`,
     `q_width`, `kv_width`, `attn_width`, `intermediate_size`, `linear_value_width`); a fused
     projection's `out` names one width per slice, in the order the weight stacks them (phi3's
-    `qkv_proj` is q|k|v), and its output is their sum."""
+    `qkv_proj` is q|k|v), and its output is their sum. A family read from a checkpoint's weights
+    gives a width the config does not name in elements (an int)."""
 
     name: str
     path: str
-    out: tuple[str, ...]
-    in_: str
+    out: tuple[str | int, ...]
+    in_: str | int
     layers: Layers
     split: Split
+    on_layers: tuple[int, ...] = ()  # with Layers.LISTED
 
     @property
     def fused(self) -> bool:

@@ -57,6 +57,8 @@ class LoraModule(str, Enum):
         spec = self.spec(cfg)
         if spec is None:
             return False
+        if spec.layers is Layers.LISTED:
+            return layer in spec.on_layers
         kind = cfg.layer_type(layer)
         if spec.layers is Layers.DENSE_MLP:
             return cfg.num_experts == 0
@@ -68,12 +70,12 @@ class LoraModule(str, Enum):
         """`(out_dim, in_dim)` of the base projection: A is `[r, in_dim]`, B is `[out_dim, r]`.
         On a gated-attention model q_proj's output includes the gate, so it is twice
         `num_attention_heads * head_dim`; a fused projection's output is its slices' sum."""
-        return sum(self.slices(cfg)), getattr(cfg, self.declared(cfg).in_)
+        return sum(self.slices(cfg)), _width(cfg, self.declared(cfg).in_)
 
     def slices(self, cfg: ModelConfig) -> tuple[int, ...]:
         """The output widths of the projection's slices, in the weight's order (one for an
         unfused projection)."""
-        return tuple(getattr(cfg, w) for w in self.declared(cfg).out)
+        return tuple(_width(cfg, w) for w in self.declared(cfg).out)
 
     def declared(self, cfg: ModelConfig) -> ModuleSpec:
         """The family's entry for this module; ValueError where its layers have none."""
@@ -98,6 +100,11 @@ class LoraModule(str, Enum):
                     f"unknown module {name!r}; modules: {', '.join(m.value for m in ALL)}"
                 ) from None
         return [m for m in ALL if m in chosen]
+
+
+def _width(cfg: ModelConfig, width: str | int) -> int:
+    """A width a family names (a `ModelConfig` field or property), or gives in elements."""
+    return width if isinstance(width, int) else getattr(cfg, width)
 
 
 _VOCABULARY = {spec.name: spec for spec in VOCABULARY}
