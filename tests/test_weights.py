@@ -21,7 +21,7 @@ from metrale_cli.model.families import FAMILIES
 from metrale_cli.model.resolve import resolve_model
 from tests.support.cli_runner import metrale
 from tests.support.header_only import write_header_only
-from tests.support.hub_server import cache_repo
+from tests.support.hub_server import Hub, cache_repo, run_metrale, serve
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -369,3 +369,28 @@ def test_a_cached_index_without_its_shards_needs_online(saved: dict[str, Path],
     line = _refused("layout", "-m", "acme/partial", "--modules", "q_proj", "--max-rank", 8)
     assert "acme/partial: model.safetensors.index.json names model-0000" in line
     assert "pass --online to read its header from the hub" in line
+
+
+# -- the hub, online: the index downloaded, each shard's header by ranged reads -----------------
+
+
+@pytest.mark.proc
+def test_online_weights_are_headers_only(saved: dict[str, Path], tmp_path: Path) -> None:
+    hub = Hub()
+    hub.add("acme/sharded", saved["sharded"])
+    hub.add("acme/llm", saved["renamed"])
+    with serve(hub):
+        for repo, shapes in (("acme/sharded", "config checked against weights"),
+                             ("acme/llm", "weights")):
+            cache = tmp_path / repo.replace("/", "-")
+            done = run_metrale(hub, cache, "layout", "-m", repo, "--online", "--modules", "all",
+                               "--max-rank", 8, "--json")
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout)["model"]["shapes_from"] == shapes
+            files = hub.repos[repo]
+            for name, data in files.items():
+                if name.endswith(".safetensors"):
+                    # Exactly the 8-byte length and the header: never a tensor's byte.
+                    header = 8 + int.from_bytes(data[:8], "little")
+                    assert hub.served[(repo, name)] == header < len(data), name
+            assert not list(cache.rglob("*.safetensors"))
