@@ -59,6 +59,8 @@ _GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head
         "linear_value_head_dim": 12, "head_dim": 16,
         "layer_types": ["linear_attention", "full_attention"] * 2}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40}
+_QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                "out_hidden_size": 64}
 META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "llama": ("llama", {}),
     "mistral": ("mistral", {}),
@@ -85,6 +87,19 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "ministral": ("ministral", {"head_dim": 24, **_SLIDING}),
     "phi3": ("phi3", {}),
     "glm4": ("glm4", {"head_dim": 24}),
+    # Vision-language wrappers: the text model under text_config (a tiny vision tower beside).
+    "qwen2_vl": ("qwen2_vl", {"vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2,
+                                                "hidden_size": 64, "mlp_ratio": 2}}),
+    "qwen2_5_vl": ("qwen2_5_vl", {"vision_config": _QWEN_VISION}),
+    "qwen3_vl": ("qwen3_vl", {"head_dim": 24, "vision_config": _QWEN_VISION}),
+}
+# mistral3's language model is a mistral, gemma3's a gemma3_text: families of their own.
+VL_OF = {"mistral3": "mistral", "gemma3": "gemma3"}
+_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+VL_CASES: dict[str, dict[str, object]] = {
+    "mistral3": {"vision_config": {**_SIGLIP, "head_dim": 16}},
+    "gemma3": {"vision_config": _SIGLIP, "text_config_type": "gemma3_text"},
 }
 # Linear layers of a decoder layer that no family module declares, by family: what the audit
 # names as not servable (Gated-DeltaNet input projections, the shared expert and its gate).
@@ -109,10 +124,26 @@ def transformers_models() -> None:
 
 def _meta_model(config: object) -> object:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else (
+        AutoModelForCausalLM)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config)
+
+
+def _tiny_config(model_type: str, kwargs: dict[str, object]) -> object:
+    """transformers' config of one META_CASES entry: a composite one (vision_config given)
+    takes the tiny text settings under text_config."""
+    from transformers import AutoConfig
+
+    kwargs = dict(kwargs)
+    vision = kwargs.pop("vision_config", None)
+    if vision is None:
+        return AutoConfig.for_model(model_type, **{**_TINY, **kwargs})
+    text_type = kwargs.pop("text_config_type", None)
+    text = {**_TINY, **kwargs, **({"model_type": text_type} if text_type else {})}
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
 
 
 def _differences(model: ModelConfig, hf_model: object, undeclared: set[str]) -> list[str]:
@@ -125,7 +156,8 @@ def _differences(model: ModelConfig, hf_model: object, undeclared: set[str]) -> 
 
     modules = family_modules(model)
     paths = {m.path_in(model) for m in modules}
-    layers = hf_model.model.layers  # type: ignore[attr-defined]
+    inner = hf_model.model  # type: ignore[attr-defined]
+    layers = getattr(inner, "language_model", inner).layers
     assert len(layers) == model.num_hidden_layers
     out = []
     for i, layer in enumerate(layers):
@@ -147,14 +179,24 @@ def test_family_modules_match_transformers(family: str, tmp_path: Path,
                                           transformers_models: None) -> None:
     """The config.json transformers writes (its non-default values only, as checkpoints carry
     them) read by metrale, against the model transformers builds from it on the meta device."""
-    from transformers import AutoConfig
-
     model_type, kwargs = META_CASES[family]
-    config = AutoConfig.for_model(model_type, **{**_TINY, **kwargs})
+    config = _tiny_config(model_type, kwargs)
     config.save_pretrained(tmp_path)
     model = ModelConfig.from_hf(tmp_path)
     assert model.model_type == family
     assert _differences(model, _meta_model(config), UNDECLARED.get(family, set())) == []
+
+
+@pytest.mark.parametrize("wrapper", sorted(VL_CASES))
+def test_vision_language_wrappers_match_transformers(wrapper: str, tmp_path: Path,
+                                                     transformers_models: None) -> None:
+    """A wrapper whose language model is another family's: that family's modules, on
+    model.language_model.layers.N."""
+    config = _tiny_config(wrapper, VL_CASES[wrapper])
+    config.save_pretrained(tmp_path)
+    model = ModelConfig.from_hf(tmp_path)
+    assert model.model_type == VL_OF[wrapper] and model.composite
+    assert _differences(model, _meta_model(config), set()) == []
 
 
 def test_every_family_has_a_meta_case() -> None:

@@ -52,6 +52,12 @@ CASES = {
                               "alpha_pattern": {"q_proj": 5}}),
     "moe attention": ("qwen3_moe", {"r": 4, "lora_alpha": 8, "target_modules": ATTN}),
     "vl": ("qwen3_5_vl", {"r": 4, "lora_alpha": 8, "target_modules": ATTN + ["out_proj"]}),
+    # The language model of a wrapper whose tower the plain suffixes would reach too.
+    "gemma3 vl": ("gemma3_vl", {"r": 4, "lora_alpha": 8, "target_modules":
+                                r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|"
+                                r"up_proj|down_proj)"}),
+    "mistral3 vl": ("mistral3_vl", {"r": 4, "lora_alpha": 8, "target_modules":
+                                    r".*language_model.*\.(q_proj|v_proj|down_proj)"}),
 }
 
 

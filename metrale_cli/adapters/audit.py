@@ -179,8 +179,10 @@ _UNSERVABLE_TOP = (
     (re.compile(r"^lm_head$"), "the output head (lm_head)"),
     (re.compile(r"^(score|classifier|classification_head|qa_outputs)(\..*)?$"),
      "a classifier head"),
-    (re.compile(r"^model\.(visual|vision_tower|vision_model)\."), "the vision tower"),
 )
+# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`): PEFT's
+# suffix matching adapts its q_proj or gate_proj as readily as the language model's.
+_VISION_TOWER = re.compile(r"^(model\.(?:visual|vision_tower|vision_model))\.")
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
@@ -235,8 +237,13 @@ def _audit_tensors(
 
     expert_modules: dict[str, dict[str, AdapterKey]] = {}
     overlay_keys: list[AdapterKey] = []
+    towers: dict[str, list[str]] = defaultdict(list)  # vision tower -> its adapted modules
     for module_key, parts in sorted(by_module.items(), key=lambda kv: _sort_key(kv[1])):
         any_key = next(iter(parts.values()))
+        tower = _VISION_TOWER.match(any_key.sub) if any_key.layer is None else None
+        if tower is not None:
+            towers[tower.group(1)].append(any_key.sub)
+            continue
         if overlays.OVERLAY_PART in parts:
             overlay_keys.append(parts.pop(overlays.OVERLAY_PART))
             if not parts:
@@ -250,6 +257,12 @@ def _audit_tensors(
         if record is not None:
             report.modules.append(record)
 
+    for tower, subs in towers.items():
+        leaves = sorted({sub.rsplit(".", 1)[-1] for sub in subs})
+        out.add(Severity.ERROR, Code.UNSERVABLE_MODULE,
+                f"{tower}: the vision tower has {len(subs)} adapted module"
+                f"{'s' if len(subs) > 1 else ''} ({', '.join(leaves)}); the pool serves the "
+                "language model's layers only (target_modules matched the tower's too)")
     pairs = experts.scan(adapter, model, expert_modules, out) if expert_modules else []
     if expert_modules or adapter.config.target_parameters:
         _explain_experts(adapter, model, sorted({k.layer for p in expert_modules.values()

@@ -90,6 +90,9 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("smollm3", ("SmolLM3ForCausalLM",)),
     # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM.
     VllmFamily("ministral", ()),
+    VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
+    VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
+    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
     VllmFamily("phi3", ("Phi3ForCausalLM",), embedding_lora=True),
     VllmFamily("glm4", ("Glm4ForCausalLM",)),
 )}

@@ -161,6 +161,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("seed_oss"),
     _dense("smollm3"),
     _dense("ministral"),
+    # The language models of vision-language wrappers (text settings under text_config, layers
+    # under model.language_model.layers.N); mistral3's is mistral's, gemma3's is above.
+    _dense("qwen2_vl"),
+    _dense("qwen2_5_vl"),
+    _dense("qwen3_vl"),
     # Fused projections: one pair spans q|k|v (phi3) or gate|up (phi3, glm4).
     _dense("phi3", modules=_PHI3),
     _dense("glm4", modules=_GLM4),

@@ -150,6 +150,14 @@ DENSE_FAMILIES_KWARGS = (
 )
 
 
+# Tiny vision towers of the wrappers: SigLIP (gemma3; mistral3's Pixtral takes a head_dim) and
+# Qwen-VL's `visual`.
+_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+_QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                "out_hidden_size": 64}
+
+
 def _tiny(*models: TinyModel) -> dict[str, TinyModel]:
     return {m.name: m for m in models}
 
@@ -212,6 +220,18 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
               targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     TinyModel("glm4", "Glm4Config", "Glm4ForCausalLM", {**_DENSE, "head_dim": 24},
               targets=(*_ATTN, "gate_up_proj", "down_proj")),
+    # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
+    # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
+    TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",
+              {**_DENSE, "head_dim": 24, **_SLIDING}, vision_kwargs=_SIGLIP,
+              targets=_ATTN + _MLP),
+    TinyModel("mistral3_vl", "Mistral3Config", "Mistral3ForConditionalGeneration",
+              {**_DENSE, "head_dim": 24}, vision_kwargs={**_SIGLIP, "head_dim": 16},
+              targets=_ATTN + _MLP),
+    TinyModel("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", _DENSE,
+              vision_kwargs=_QWEN_VISION, targets=_ATTN + _MLP),
+    TinyModel("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+              {**_DENSE, "head_dim": 24}, vision_kwargs=_QWEN_VISION, targets=_ATTN + _MLP),
 )  # fmt: skip
 
 
