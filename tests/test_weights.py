@@ -311,6 +311,23 @@ def test_weights_without_a_decoder_stack_of_the_config_s_layers(saved: dict[str,
             and "with the config's 5 layers (layers per stack: model.layers: 2)" in line)
 
 
+def test_absurd_layer_numbers_in_names_are_not_layers(saved: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    """A name whose layer number has thousands of digits (int() refuses 4,300) or is past the
+    config's layers is no decoder layer's: the family is read from the others."""
+    folder = _copy(saved["renamed"], tmp_path / "renamed")
+    doc = _layout(folder)
+    (folder / "model.safetensors").unlink()
+    tensors = [(f"model.layers.{n}.{m['path']}.weight", "F32", [e["out_dim"], e["in_dim"]])
+               for m in doc["model"]["weights_family"]["modules"] for n in (0, 1)
+               for e in doc["entries"] if (e["layer"], e["module"]) == (n, m["name"])]
+    tensors += [("model.layers." + "9" * 5000 + ".self_attn.q_proj.weight", "F32", [1, 1]),
+                ("model.layers.99999999.mlp.w9.weight", "F32", [1, 1])]
+    write_header_only(folder / "model.safetensors", tensors)
+    again = _layout(folder)
+    assert again["model"]["weights_family"] == doc["model"]["weights_family"]
+
+
 # -- real sizes, no data ------------------------------------------------------------------------
 
 

@@ -24,8 +24,10 @@ from metrale_cli.model.config import SHAPES_CHECKED, SHAPES_WEIGHTS, ModelConfig
 from metrale_cli.model.families import VOCABULARY, Family, Layers, ModuleSpec
 from metrale_cli.model.modules import family_modules
 
-# `<stack>.N.<path>.<leaf>`: the first `layers.N` of the name is the decoder stack's.
-_IN_LAYER = re.compile(r"^(?P<stack>(?:[^.]+\.)*?layers)\.(?P<layer>0|[1-9]\d*)\.(?P<rest>.+)$")
+# `<stack>.N.<path>.<leaf>`: the first `layers.N` of the name is the decoder stack's. N has at
+# most 9 digits: a name is input, and int() refuses 4,300.
+_IN_LAYER = re.compile(
+    r"^(?P<stack>(?:[^.]+\.)*?layers)\.(?P<layer>0|[1-9]\d{0,8})\.(?P<rest>.+)$")
 # Dtypes whose tensors hold the projection's logical shape (FP8 checkpoints keep it too); the
 # integer ones hold packed quantized words.
 _FLOAT = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2",
