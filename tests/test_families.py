@@ -87,6 +87,8 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "ministral": ("ministral", {"head_dim": 24, **_SLIDING}),
     "phi3": ("phi3", {}),
     "glm4": ("glm4", {"head_dim": 24}),
+    "gpt_oss": ("gpt_oss", {"head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
+                            **_SLIDING}),
     # Vision-language wrappers: the text model under text_config (a tiny vision tower beside).
     "qwen2_vl": ("qwen2_vl", {"vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2,
                                                 "hidden_size": 64, "mlp_ratio": 2}}),
@@ -204,7 +206,8 @@ def test_every_family_has_a_meta_case() -> None:
 
 
 REAL_SIZES = {"qwen3-8b.config.json": "qwen3", "llama-3.1-8b.config.json": "llama",
-              "olmo-3-7b.config.json": "olmo3", "gemma-3-27b-it.config.json": "gemma3"}
+              "olmo-3-7b.config.json": "olmo3", "gemma-3-27b-it.config.json": "gemma3",
+              "gpt-oss-20b.config.json": "gpt_oss"}
 
 
 def _real_size_differences(raw: dict[str, object], source: str) -> list[str]:

@@ -25,6 +25,7 @@ REAL = {
     "mixtral-8x7b": "mixtral-8x7b-v0.1.config.json",
     "gemma-3-27b": "gemma-3-27b-it.config.json",
     "olmo-3-7b": "olmo-3-7b.config.json",
+    "gpt-oss-20b": "gpt-oss-20b.config.json",
 }
 
 

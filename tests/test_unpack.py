@@ -76,11 +76,11 @@ def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> No
     assert metrale("verify", image, f"x={out}").code == 0
 
 
-@pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4"])
+@pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "gpt_oss"])
 def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: str) -> None:
     """Each family's PEFT adapter over every LoRA-able projection of its layers (phi3's fused
-    qkv_proj and gate_up_proj, glm4's gate_up_proj): packed, unpacked, and loaded by PEFT onto
-    the same base with PEFT's own deltas."""
+    qkv_proj and gate_up_proj, glm4's gate_up_proj, gpt_oss's attention beside its experts):
+    packed, unpacked, and loaded by PEFT onto the same base with PEFT's own deltas."""
     truth = peft_zoo.adapter(model, r=4, lora_alpha=8, dtype="bf16")
     image = tmp_path / "pool.safetensors"
     packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)

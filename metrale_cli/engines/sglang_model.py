@@ -99,6 +99,8 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "dense", "source"),
+    SglangFamily("gpt_oss", ("GptOssForCausalLM",), "moe", "source",
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
     SglangFamily("phi3", ("Phi3ForCausalLM",), "dense", "source",
                  "models/llama.py's Phi3ForCausalLM; qkv_proj and gate_up_proj stacked"),
     SglangFamily("glm4", ("Glm4ForCausalLM",), "dense", "source"),

@@ -537,6 +537,23 @@ PRESETS: tuple[Preset, ...] = (
          "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
          "vocab_size": 200064, "tie_word_embeddings": True},
     ),
+    # Every layer MoE; sliding and full attention alternate (the attention is the slot pool's).
+    Preset(
+        "gpt-oss-20b",
+        ("openai/gpt-oss-20b",),
+        {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
+         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+         "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4,
+         "layer_types": _sliding(24, 2), "vocab_size": 201088},
+    ),
+    Preset(
+        "gpt-oss-120b",
+        ("openai/gpt-oss-120b",),
+        {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36,
+         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+         "intermediate_size": 2880, "num_local_experts": 128, "num_experts_per_tok": 4,
+         "layer_types": _sliding(36, 2), "vocab_size": 201088},
+    ),
     Preset(
         "mixtral-8x7b",
         ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"),

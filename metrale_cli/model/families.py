@@ -118,6 +118,9 @@ class Family:
     expert_leaves: tuple[tuple[str, str], ...] = tuple(EXPERT_LEAVES.items())
     # The LoRA-able projections of a decoder layer, in slot order.
     modules: tuple[ModuleSpec, ...] = SEED_MODULES
+    # The expert pool reads this family's routed-expert LoRA (gate and up stacked, (E, out, in)
+    # experts); false where the experts' layout differs and the pool would misread it.
+    expert_lora: bool = True
 
     def module(self, name: str) -> ModuleSpec | None:
         """This family's entry for the module PEFT calls `name`; None where its layers have
@@ -166,6 +169,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("qwen2_vl"),
     _dense("qwen2_5_vl"),
     _dense("qwen3_vl"),
+    # Every layer MoE (routed experts only, no dense MLP): the attention modules, with their
+    # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
+    # and store (E, in, out): not the expert pool's layout, so their LoRA is refused.
+    Family("gpt_oss", peft_rewrites_moe_targets=False, modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
+           expert_lora=False),
     # Fused projections: one pair spans q|k|v (phi3) or gate|up (phi3, glm4).
     _dense("phi3", modules=_PHI3),
     _dense("glm4", modules=_GLM4),

@@ -220,6 +220,11 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
               targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     TinyModel("glm4", "Glm4Config", "Glm4ForCausalLM", {**_DENSE, "head_dim": 24},
               targets=(*_ATTN, "gate_up_proj", "down_proj")),
+    # Routed experts on every layer (fused, gate and up interleaved); attention with biases and
+    # sinks; sliding and full attention alternating.
+    TinyModel("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
+              {**_DENSE, "head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
+               **_SLIDING}, targets=_ATTN),
     # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
     # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
     TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",
