@@ -22,6 +22,7 @@ from metrale_cli.model.resolve import resolve_model
 from tests.support.cli_runner import metrale
 from tests.support.header_only import write_header_only
 from tests.support.hub_server import Hub, cache_repo, run_metrale, serve
+from tests.support.peft_factory import TINY_MODELS
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -114,6 +115,16 @@ def test_a_config_that_contradicts_its_weights_names_the_tensor(
     (lying / "config.json").write_text(json.dumps({**config, key: value}))
     line = _refused("layout", "-m", lying, "--modules", "q_proj", "--max-rank", 8)
     assert line == f"error: {lying / 'config.json'}: {message.format(lying / weights)}\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_every_tiny_family_s_saved_weights_check(name: str, tmp_path: Path) -> None:
+    """Each family's row against the checkpoint transformers itself saves (vision-language
+    wrappers, fused projections, hybrids and MoE among them): every module it declares is
+    there, at the config's shape."""
+    TINY_MODELS[name].build_model(0).save_pretrained(tmp_path)
+    assert resolve_model(str(tmp_path)).shapes_from == "config checked against weights"
 
 
 # -- a family no row knows: served from the weights ---------------------------------------------
