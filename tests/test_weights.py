@@ -9,6 +9,7 @@ tensor's data (a real-size checkpoint whose data is a sparse hole)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -337,6 +338,39 @@ def test_absurd_layer_numbers_in_names_are_not_layers(saved: dict[str, Path],
     write_header_only(folder / "model.safetensors", tensors)
     again = _layout(folder)
     assert again["model"]["weights_family"] == doc["model"]["weights_family"]
+
+
+@pytest.mark.parametrize("names, words", [
+    (["transformer.h.{n}.attn.c_attn.weight"],
+     "no decoder stack in the weights ({}) with the config's 2 layers (layers per stack: none)"),
+    (["model.layers.{n}.attn.c_attn.weight", "model.layers.{n}.mlp.experts.0.up_proj.weight"],
+     "model type 'acme_llm' is not one metrale knows, and its weights ({}) hold no "
+     "decoder-layer projection it pools (model.layers.N.<path>.weight, 2-D, named one of q_proj"),
+])
+def test_weights_with_nothing_metrale_pools_are_refused(saved: dict[str, Path], tmp_path: Path,
+                                                        names: list[str], words: str) -> None:
+    folder = tmp_path / "acme"
+    folder.mkdir()
+    shutil.copy(saved["renamed"] / "config.json", folder)
+    write_header_only(folder / "model.safetensors", [
+        (name.format(n=n), "F32", [8, 8]) for name in names for n in (0, 1)])
+    line = _refused("layout", "-m", folder, "--modules", "q_proj", "--max-rank", 8)
+    assert words.format(folder / "model.safetensors") in line, line
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json",
+                                  "model-00002-of-00014.safetensors"])
+def test_a_checkpoint_file_that_is_a_fifo_says_so(saved: dict[str, Path], tmp_path: Path,
+                                                 name: str) -> None:
+    """Reading it would block: refused by what it is, never opened."""
+    folder = _copy(saved["sharded" if "-of-" in name or "index" in name else "llama"],
+                   tmp_path / "model")
+    (folder / name).unlink(missing_ok=True)
+    if name == "model.safetensors":
+        (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    os.mkfifo(folder / name)
+    line = _refused("layout", "-m", folder, "--modules", "q_proj", "--max-rank", 8)
+    assert line == f"error: {folder / name}: a FIFO, not a regular file\n"
 
 
 # -- real sizes, no data ------------------------------------------------------------------------
