@@ -159,6 +159,34 @@ def test_an_unknown_family_takes_its_modules_from_the_weights(
     assert "2 layers; shapes from the weights" in shown.stdout
 
 
+def test_a_module_is_on_the_layers_whose_weights_carry_it(saved: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    """Layer 1 without down_proj, layer 0 with an up_proj of another shape: down_proj is on
+    layer 0 only, and an adapter on it at layer 1 is refused saying why; up_proj, whose shape
+    differs by layer, is no module (one shape per module is what a slot holds)."""
+    from tests.support.peft_factory import read_safetensors_header
+
+    folder = _copy(saved["renamed"], tmp_path / "acme")
+    header = read_safetensors_header(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    del header["model.layers.1.mlp.down_proj.weight"]
+    header["model.layers.0.mlp.up_proj.weight"] = ("F32", (50, 64))
+    write_header_only(folder / "model.safetensors",
+                      [(name, dtype, list(shape)) for name, (dtype, shape) in header.items()])
+    family = _layout(folder)["model"]["weights_family"]
+    modules = {m["name"]: m["layers"] for m in family["modules"]}
+    assert (modules["down_proj"], "up_proj" in modules) == ([0], False)
+    adapter = tmp_path / "adapter"
+    assert metrale("synth", adapter, "-m", saved["renamed"], "--modules", "down_proj",
+                   "-r", 8).code == 0
+    result = metrale("inspect", adapter, "-m", folder, "--json")
+    assert result.code == 1
+    [finding] = [f for f in result.json()["adapters"][0]["findings"]
+                 if f["code"] == "module_not_applicable"]
+    assert finding["message"] == ("down_proj on layer 1: the base model's weights carry no such "
+                                  "module on this layer")
+
+
 def test_a_family_from_weights_names_widths_the_config_gives_and_counts_the_rest(
         saved: dict[str, Path], tmp_path: Path) -> None:
     """A width the config names keeps its name (TP splits q_proj by heads as for a known

@@ -22,6 +22,7 @@ from metrale_cli.adapters.pair_checks import check_pair, rank_and_scale
 from metrale_cli.errors import PatternTimeout
 from metrale_cli.files.safetensors_header import TensorInfo
 from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.families import Layers
 from metrale_cli.model.modules import ALL, LoraModule, family_modules
 
 BYTES_PER_ELEMENT = 2  # the pool holds BF16
@@ -402,9 +403,12 @@ def _audit_module(
                layer)
         return None
     if not module.applies_to_layer(model, layer):
-        out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE,
-               f"{module.peft_name}{{where}}: the module does not apply on "
-               f"{_layer_kind(model, layer)}", layer)
+        spec = module.spec(model)
+        why = ("the base model's weights carry no such module on this layer"
+               if spec is not None and spec.layers is Layers.LISTED
+               else f"the module does not apply on {_layer_kind(model, layer)}")
+        out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE, f"{module.peft_name}{{where}}: {why}",
+               layer)
         return None
 
     pair = check_pair(adapter, a_key, b_key, module.peft_name, layer, out, module.dims(model))
