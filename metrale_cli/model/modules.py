@@ -51,8 +51,9 @@ class LoraModule(str, Enum):
     def applies_to_layer(self, cfg: ModelConfig, layer: int) -> bool:
         """Whether `layer` carries this module, as the family declares it: attention modules
         on attention layers (full or sliding window), the dense MLP's on every layer of a model
-        with no routed experts, out_proj on linear-attention layers; never where the family has
-        no such module. Layout, packing and landing all filter by it, so the reserved and the
+        with no routed experts, out_proj on linear-attention layers, a family read from weights'
+        modules on the layers whose weights carry them; never where the family has no such
+        module. Layout, packing and landing all filter by it, so the reserved and the
         written offsets agree."""
         spec = self.spec(cfg)
         if spec is None:
