@@ -94,6 +94,8 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
     VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
     VllmFamily("gpt_oss", ("GptOssForCausalLM",)),
+    VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",)),
+    VllmFamily("deepseek_v3", ("DeepseekV3ForCausalLM",)),
     VllmFamily("phi3", ("Phi3ForCausalLM",), embedding_lora=True),
     VllmFamily("glm4", ("Glm4ForCausalLM",)),
 )}
