@@ -262,7 +262,7 @@ class ModelConfig:
                 "directory holding its model.safetensors (or index and shards), or its hub id "
                 "(with --online when not cached)"
             )
-        defaults = FAMILIES[model_type].config_defaults
+        defaults = known.config_defaults
         if defaults:
             text = dict(text)
             for key, value in defaults:
@@ -420,7 +420,7 @@ def _family_from_record(model_type: str, record: Any) -> Family:
             raise ValueError(f"weights_family module {m['name']!r}: layers is not a list of "
                              "layer numbers")
         modules.append(ModuleSpec(m["name"], m["path"], tuple(m["out"]), m["in"], Layers.LISTED,
-                                  Split(m["split"]), tuple(layers)))
+                                  Split(m["split"]), on_layers=tuple(layers)))
     return Family(model_type, modules=tuple(modules))
 
 

@@ -118,7 +118,8 @@ def family_from_weights(cfg: ModelConfig, checkpoint: Checkpoint) -> ModelConfig
         [path] = found
         (out, in_), = set(shapes[path].values())
         modules.append(ModuleSpec(known.name, path, _out(cfg, known, out), _in(cfg, known, in_),
-                                  Layers.LISTED, known.split, tuple(sorted(shapes[path]))))
+                                  Layers.LISTED, known.split,
+                                  on_layers=tuple(sorted(shapes[path]))))
     if not modules:
         raise FormatError(f"{cfg.source}: model type {cfg.model_type!r} is not one metrale knows, "
                           f"and its weights ({checkpoint.source}) hold no decoder-layer "
