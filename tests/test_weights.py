@@ -128,6 +128,33 @@ def test_every_tiny_family_s_saved_weights_check(name: str, tmp_path: Path) -> N
     assert resolve_model(str(tmp_path)).shapes_from == "config checked against weights"
 
 
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Mixtral as transformers saves it: 4 experts a layer, one by one (w1, w2, w3)."""
+    folder = tmp_path_factory.mktemp("mixtral")
+    TINY_MODELS["mixtral"].build_model(0).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("num_local_experts", 3, "model.layers.0.block_sparse_moe.experts.3.w1.weight is in the "
+                             "weights ({}), past the config's 3 experts"),
+    ("num_local_experts", 5, "model.layers.0.block_sparse_moe.experts.4.w1.weight is not in the "
+                             "weights ({}), where the config's layer 0 has 5 experts"),
+    ("intermediate_size", 40, "model.layers.0.block_sparse_moe.experts.0.w1.weight is [48, 64] "
+                              "in the weights ({}), the config gives [40, 64]"),
+])
+def test_routed_experts_stored_one_by_one_are_checked(mixtral: Path, tmp_path: Path, key: str,
+                                                      value: int, message: str) -> None:
+    assert _layout(mixtral)["model"]["shapes_from"] == "config checked against weights"
+    lying = _copy(mixtral, tmp_path / "mixtral")
+    config = json.loads((lying / "config.json").read_text())
+    (lying / "config.json").write_text(json.dumps({**config, key: value}))
+    line = _refused("layout", "-m", lying, "--modules", "q_proj", "--max-rank", 8)
+    assert line == (f"error: {lying / 'config.json'}: "
+                    f"{message.format(lying / 'model.safetensors')}\n")
+
+
 # -- a family no row knows: served from the weights ---------------------------------------------
 
 

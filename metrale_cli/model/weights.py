@@ -4,9 +4,10 @@ against them, or, for a `model_type` no family row knows, the family read from t
 A decoder layer's LoRA-able projection is a tensor `<stack>.N.<path>.weight` (the stack is
 `model.layers`, `model.language_model.layers`, ...): 2-D, `[out, in]`, the module's name the
 last part of its path. A checked config must put every module its family declares on every
-layer the family says, at the config's `(out, in)`; a weight stored quantized (an integer dtype,
-or `qweight` and no `weight`) holds a packed shape, so only its presence is checked. A family
-read from weights takes each module metrale pools (the `--modules` vocabulary) that sits at one
+layer the family says, at the config's `(out, in)`, and every routed expert stored one by one at
+the config's expert width; a weight stored quantized (an integer dtype, or `qweight` and no
+`weight`) holds a packed shape, so only its presence is checked. A family read from weights
+takes each module metrale pools (the `--modules` vocabulary) that sits at one
 path with one shape on every layer that carries it (routed experts, in a numbered list inside
 the layer, are not among them); a name outside the vocabulary, a name at two paths, or a shape
 that differs by layer is left out: no adapter on it can be pooled.
@@ -92,7 +93,40 @@ def check_shapes(cfg: ModelConfig, checkpoint: Checkpoint) -> ModelConfig:
             raise FormatError(f"{cfg.source}: {name} is {list(weight.shape)} in the weights "
                               f"({checkpoint.source}), the config gives "
                               f"{list(module.dims(cfg))}")
+    _check_experts(cfg, checkpoint, stack)
     return replace(cfg, shapes_from=SHAPES_CHECKED)
+
+
+def _check_experts(cfg: ModelConfig, checkpoint: Checkpoint, stack: DecoderStack) -> None:
+    """Routed experts stored one by one (`<block>.experts.E.<leaf>.weight`, as Mixtral, Qwen3-MoE
+    and DeepSeek checkpoints are): on each MoE layer whose expert 0 is stored so, every one of
+    the config's experts at `[expert width, hidden]` (`[hidden, expert width]` for down_proj),
+    and none past them. Experts stored fused (3-D parameters) are left unchecked."""
+    family, width, hidden = cfg.family, cfg.expert_intermediate_size, cfg.hidden_size
+    for layer in cfg.moe_layers:
+        for proj, leaf in family.expert_leaves:
+            path = f"{family.moe_block}.experts.{{}}.{leaf}"
+            if (layer, path.format(0)) not in stack.modules:
+                continue
+            shape = (hidden, width) if proj == "down_proj" else (width, hidden)
+            for expert in range(cfg.num_experts + 1):
+                tensors = stack.modules.get((layer, path.format(expert)))
+                name = stack.weight(layer, path.format(expert))
+                if expert == cfg.num_experts:
+                    if tensors is not None:
+                        raise FormatError(f"{cfg.source}: {name} is in the weights "
+                                          f"({checkpoint.source}), past the config's "
+                                          f"{cfg.num_experts} experts")
+                    continue
+                if tensors is None:
+                    raise FormatError(f"{cfg.source}: {name} is not in the weights "
+                                      f"({checkpoint.source}), where the config's layer {layer} "
+                                      f"has {cfg.num_experts} experts")
+                weight = tensors.get("weight")
+                if weight is not None and weight.dtype in _FLOAT and weight.shape != shape:
+                    raise FormatError(f"{cfg.source}: {name} is {list(weight.shape)} in the "
+                                      f"weights ({checkpoint.source}), the config gives "
+                                      f"{list(shape)}")
 
 
 def family_from_weights(cfg: ModelConfig, checkpoint: Checkpoint) -> ModelConfig:
