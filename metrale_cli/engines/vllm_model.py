@@ -59,6 +59,10 @@ class VllmFamily:
     # The decoder layer's MoE block name as vLLM's class spells it (its LoRA loader renames
     # no module: Mixtral keeps transformers 4's `block_sparse_moe`).
     moe_block: str = "mlp"
+    # Why `engine_modules` (llama-shaped layers, GDN, Qwen-style MoE) does not model this
+    # class's LoRA layers, so that vLLM's bytes and verdicts are refused, not guessed; "" when
+    # it does.
+    unmodelled: str = ""
 
 
 FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
@@ -93,11 +97,16 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
     VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
-    VllmFamily("gpt_oss", ("GptOssForCausalLM",)),
-    VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",)),
-    VllmFamily("deepseek_v3", ("DeepseekV3ForCausalLM",)),
-    VllmFamily("phi3", ("Phi3ForCausalLM",), embedding_lora=True),
-    VllmFamily("glm4", ("Glm4ForCausalLM",)),
+    VllmFamily("gpt_oss", ("GptOssForCausalLM",),
+               unmodelled="attention sinks and interleaved gate/up experts"),
+    VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
+               unmodelled="multi-head latent attention"),
+    VllmFamily("deepseek_v3", ("DeepseekV3ForCausalLM",),
+               unmodelled="multi-head latent attention"),
+    VllmFamily("phi3", ("Phi3ForCausalLM",), embedding_lora=True,
+               unmodelled="qkv_proj and gate_up_proj fused in the checkpoint"),
+    VllmFamily("glm4", ("Glm4ForCausalLM",),
+               unmodelled="gate_up_proj fused in the checkpoint"),
 )}
 
 
@@ -255,7 +264,12 @@ def raw_text_config(model: ModelConfig) -> dict[str, Any]:
 
 def engine_modules(model: ModelConfig) -> list[EngineModule]:
     """Every module vLLM 0.32 wraps for LoRA in `model` (with no --lora-target-modules), one
-    entry per (path, kind) with the layers it sits on."""
+    entry per (path, kind) with the layers it sits on; UsageError for a family whose layers
+    this does not model."""
+    why = family(model).unmodelled
+    if why:
+        raise UsageError(f"--engine vllm: metrale does not model vLLM {VERSION}'s LoRA layers "
+                         f"of a {model.model_type} model ({why}); use --engine metrale")
     H, hd = model.hidden_size, model.head_dim
     full = tuple(model.attention_layers)
     linear = tuple(model.linear_attention_layers)
