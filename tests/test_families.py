@@ -92,6 +92,7 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "ministral": ("ministral", {"head_dim": 24, **_SLIDING}),
     "phi3": ("phi3", {}),
     "glm4": ("glm4", {"head_dim": 24}),
+    "starcoder2": ("starcoder2", {}),
     "deepseek_v2": ("deepseek_v2", _MLA),
     "deepseek_v3": ("deepseek_v3", {**_MLA, "q_lora_rank": 24}),
     "gpt_oss": ("gpt_oss", {"head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2,

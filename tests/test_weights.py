@@ -92,6 +92,9 @@ def test_known_family_is_checked_against_its_weights(saved: dict[str, Path],
         assert checked["model"]["shapes_from"] == "config checked against weights"
         assert (checked["entries"], checked["slot_bytes"]) == (plain["entries"],
                                                               plain["slot_bytes"])
+    # A config.json named in its model directory is the directory.
+    named = _layout(saved["sharded"] / "config.json")
+    assert named["model"]["shapes_from"] == "config checked against weights"
     shown = metrale("layout", "-m", saved["sharded"], "--modules", "q_proj", "--max-rank", 8)
     assert "(llama): 2 layers; shapes from the config checked against weights" in shown.stdout
     assert "shapes from" not in metrale("layout", "-m", alone, "--modules", "q_proj",

@@ -99,6 +99,7 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "dense", "source"),
+    SglangFamily("starcoder2", ("Starcoder2ForCausalLM",), "dense", "source"),
     SglangFamily("gpt_oss", ("GptOssForCausalLM",), "moe", "source",
                  "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
     SglangFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), "moe", "source",

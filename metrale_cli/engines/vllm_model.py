@@ -97,6 +97,8 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
     VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
+    # Registered to vLLM's transformers backend.
+    VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), unmodelled="the c_fc/c_proj MLP"),
     VllmFamily("gpt_oss", ("GptOssForCausalLM",),
                unmodelled="attention sinks and interleaved gate/up experts"),
     VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),

@@ -96,6 +96,9 @@ OUT_PROJ = ModuleSpec("out_proj", "linear_attn.out_proj", ("hidden_size",),
 QKV_PROJ = _attn("qkv_proj", ("q_width", "kv_width", "kv_width"))
 GATE_UP_PROJ = _mlp("gate_up_proj", ("intermediate_size", "intermediate_size"))
 
+# starcoder2's MLP: no gate, one up projection (c_fc) and one down (c_proj).
+C_FC = _mlp("c_fc", ("intermediate_size",))
+C_PROJ = _mlp("c_proj", ("hidden_size",), "intermediate_size", Split.ROW)
 # Multi-head latent attention (deepseek_v2/v3): a low-rank query (or one q_proj without
 # q_lora_rank), the compressed KV and its up-projection, and o_proj over the heads' values.
 MLA_Q_PROJ = ModuleSpec("q_proj", "self_attn.q_proj", ("mla_q_width",), "hidden_size",
@@ -118,7 +121,8 @@ SEED_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, O
 # The llama-like decoder layer: attention and a gated MLP, nothing else LoRA-able.
 DENSE_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 # Every module a family may declare: the `--modules` vocabulary (model/modules.py LoraModule).
-VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ, Q_A_PROJ, Q_B_PROJ, KV_A_PROJ, KV_B_PROJ)
+VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ, Q_A_PROJ, Q_B_PROJ, KV_A_PROJ, KV_B_PROJ,
+              C_FC, C_PROJ)
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("qwen2_vl"),
     _dense("qwen2_5_vl"),
     _dense("qwen3_vl"),
+    # Attention (with biases) as llama's; a two-projection MLP (c_fc, c_proj, with biases).
+    _dense("starcoder2", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, C_FC, C_PROJ)),
     # Every layer MoE (routed experts only, no dense MLP): the attention modules, with their
     # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
     # and store (E, in, out): not the expert pool's layout, so their LoRA is refused.

@@ -1,8 +1,8 @@
 """What `--model` names, resolved to one `ModelConfig`.
 
 `--model` (or an adapter's `base_model_name_or_path`) is resolved in this order (docs/cli.md):
-1. a path to a `config.json` file, or to a directory that holds one (with its weights, when it
-   holds `model.safetensors` or an index and its shards);
+1. a path to a `config.json` file, or to a directory that holds one (with the weights in its
+   folder, when that holds `model.safetensors` or an index and its shards);
 2. a hub id (`org/name[@revision]`) whose `config.json` is in the local Hugging Face cache (with
    the weights the cache holds), or with `--online` on the hub (the weights' headers by ranged
    reads);
@@ -40,10 +40,11 @@ def resolve_model(spec: str, online: bool = False) -> ModelConfig:
         raise UsageError("--model is empty")
     path = Path(spec).expanduser()
     refuse_not_regular(path / "config.json" if path.is_dir() else path)
-    if path.is_file():
-        return ModelConfig.from_hf(path)
-    if (path / "config.json").is_file():
-        return with_weights(path / "config.json", lambda: read_local(path))
+    if path.is_file() and path.name != "config.json":
+        return ModelConfig.from_hf(path)  # a config file by another name: no model directory
+    folder = path.parent if path.is_file() else path
+    if (folder / "config.json").is_file():
+        return with_weights(folder / "config.json", lambda: read_local(folder))
     ref = parse_hub_id(spec)
     if ref is not None:
         config = fetch(ref, "config.json", online=True) if online else cached(ref, "config.json")

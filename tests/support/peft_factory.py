@@ -225,6 +225,9 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
               targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     TinyModel("glm4", "Glm4Config", "Glm4ForCausalLM", {**_DENSE, "head_dim": 24},
               targets=(*_ATTN, "gate_up_proj", "down_proj")),
+    # Attention with biases, an MLP of c_fc and c_proj.
+    TinyModel("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", _DENSE,
+              targets=(*_ATTN, "c_fc", "c_proj")),
     # Routed experts on every layer (fused, gate and up interleaved); attention with biases and
     # sinks; sliding and full attention alternating.
     TinyModel("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
