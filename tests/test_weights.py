@@ -167,8 +167,9 @@ def test_an_unknown_family_without_weights_says_what_would_serve_it(saved: dict[
     alone.mkdir()
     shutil.copy(saved["renamed"] / "config.json", alone)
     line = _refused("layout", "-m", alone, "--modules", "q_proj", "--max-rank", 8)
-    assert "model type 'acme_llm' is not supported; supported: llama," in line
-    assert "model.safetensors" in line and "--online" in line
+    assert "model type 'acme_llm' is not supported: no family row" in line
+    assert "its weights would (the model directory holding its model.safetensors" in line
+    assert "--online" in line and "supported: llama," in line
 
 
 @pytest.mark.parametrize("name, modules", [("renamed", ATTN + MLP),

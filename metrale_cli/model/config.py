@@ -257,10 +257,11 @@ class ModelConfig:
         known = FAMILIES.get(model_type) or family
         if known is None:
             raise UnsupportedModel(
-                f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported; "
-                f"supported: {', '.join(FAMILIES)}; or from its weights: pass the model "
-                "directory holding its model.safetensors (or index and shards), or its hub id "
-                "(with --online when not cached)"
+                f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported: "
+                "no family row says which modules its decoder layers carry; its weights would "
+                "(the model directory holding its model.safetensors, or index and shards; its "
+                "hub id, with --online when not cached), or a row in model/families.py; "
+                f"supported: {', '.join(FAMILIES)}"
             )
         defaults = known.config_defaults
         if defaults:
