@@ -97,6 +97,9 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
     VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
+    VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",)),
+    VllmFamily("olmoe", ("OlmoeForCausalLM",)),
+    VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), unmodelled="shared_experts"),
     # Registered to vLLM's transformers backend.
     VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), unmodelled="the c_fc/c_proj MLP"),
     VllmFamily("gpt_oss", ("GptOssForCausalLM",),

@@ -206,6 +206,19 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("qwen3_vl"),
     # Attention (with biases) as llama's; a two-projection MLP (c_fc, c_proj, with biases).
     _dense("starcoder2", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, C_FC, C_PROJ)),
+    # Routed experts in transformers 5's fused layout (gate|up (E, 2I, H), down (E, H, I)) and
+    # the router `mlp.gate`: the expert pool's, with --experts. qwen2_moe's layers in
+    # mlp_only_layers (or off the sparse step) and glm4_moe's first ones have a dense MLP; the
+    # shared expert(s) beside the routed ones are not served (the audit says so).
+    Family("qwen2_moe", sparse_step=True, peft_rewrites_moe_targets=False,
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST), config_defaults=(
+               ("num_experts", 60), ("moe_intermediate_size", 1408),
+               ("shared_expert_intermediate_size", 5632))),
+    Family("olmoe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
+           config_defaults=(("num_experts", 64),)),
+    Family("glm4_moe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST),
+           config_defaults=(("n_routed_experts", 128), ("first_k_dense_replace", 1),
+                            ("moe_intermediate_size", 1408), ("num_experts_per_tok", 8))),
     # Every layer MoE (routed experts only, no dense MLP): the attention modules, with their
     # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
     # and store (E, in, out): not the expert pool's layout, so their LoRA is refused.
