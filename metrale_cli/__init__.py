@@ -28,7 +28,7 @@ _API = {
     "ModelConfig": "metrale_cli.model.config",
     "LayerType": "metrale_cli.model.config",
     "PRESETS": "metrale_cli.model.config",
-    "resolve_model": "metrale_cli.model.config",
+    "resolve_model": "metrale_cli.model.resolve",
     "LoraModule": "metrale_cli.model.modules",
     # adapters: loading, the audit, synthetic adapters
     "Adapter": "metrale_cli.adapters.adapter",

@@ -74,6 +74,46 @@ def test_pool_targets_are_servable(peft_zoo, model: str) -> None:
     assert_matches_peft(truth, report)
 
 
+# PEFT's suffix match reaches each wrapper's vision tower too: (tower, its adapted modules).
+VISION_TOWERS = {"gemma3_vl": ("model.vision_tower", 3), "mistral3_vl": ("model.vision_tower", 7),
+                 "qwen2_5_vl": ("model.visual", 3)}
+
+
+@pytest.mark.parametrize("model", sorted(VISION_TOWERS))
+def test_targets_reaching_the_vision_tower_are_named(peft_zoo, model: str) -> None:
+    """The language model audited exactly as PEFT built it; the tower's modules one finding
+    naming the tower and how many of its modules PEFT adapted."""
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8)
+    tower, count = VISION_TOWERS[model]
+    assert sum(p.startswith(tower + ".") for p in truth.modules) == count
+    code, report = inspect_json(truth)
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    found = [f for f in report["findings"] if f["message"].startswith(tower + ":")]
+    assert len(found) == 1 and f"has {count} adapted modules" in found[0]["message"]
+    # Targets that stop at the language model (a regex over its path) are servable.
+    lm_only = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=lm_only)
+    code, report = inspect_json(truth)
+    assert code == 0, report["findings"]
+    assert_matches_peft(truth, report)
+
+
+def test_gpt_oss_expert_lora_is_refused_by_name(peft_zoo) -> None:
+    """gpt_oss's fused experts interleave gate and up and store (E, in, out): the expert pool
+    would misread PEFT's pairs, so even with --experts they are refused; the attention beside
+    them is audited as PEFT built it."""
+    truth = peft_zoo.adapter("gpt_oss", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                             target_parameters=list(EXPERT_TARGET_PARAMETERS))
+    assert truth.params
+    code, report = inspect_json(truth, "--experts")
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    refused = [f for f in report["findings"] if f["code"] == "expert_lora"]
+    assert refused and all("interleave gate and up" in f["message"] for f in refused)
+    assert report["expert_pairs"] == 0
+
+
 def test_rslora_and_patterns_like_peft(peft_zoo) -> None:
     """docs/peft_format.md §1.4's table, checked with PEFT: rank/alpha patterns with rsLoRA."""
     truth = peft_zoo.adapter(

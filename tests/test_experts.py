@@ -17,7 +17,8 @@ from metrale_cli.adapters.experts import ExpertProj
 from metrale_cli.image.pool_image import PoolImage
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.slot_layout import SlotLayout
-from metrale_cli.model.config import ModelConfig, resolve_model
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.resolve import resolve_model
 from metrale_cli.pool.pool import LoraPool
 from tests.support.cli_runner import metrale
 from tests.support.peft_factory import AdapterTruth, HandV4Truth, peft_v4_expert_deltas

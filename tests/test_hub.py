@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.cli_runner import metrale
 from tests.support.hostile_inputs import run_cli
-from tests.support.hub_server import COMMIT, Hub, cache_repo, serve
+from tests.support.hub_server import COMMIT, Hub, cache_repo, run_metrale, serve
 
 MODEL = "qwen3-next-80b-a3b"
 
@@ -93,16 +91,6 @@ def test_model_by_hub_id_from_the_cache(cache: Path, adapters: Path) -> None:
 # -- the hub, online ----------------------------------------------------------------------------
 
 
-def _run(hub: Hub | str, cache: Path, *args: object, **env: str) -> subprocess.CompletedProcess:
-    """`metrale ARGS` in a fresh interpreter whose hub is `hub` (or an endpoint URL)."""
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("HF_", "METRALE_ONLINE"))}
-    environ |= {"HF_HUB_CACHE": str(cache), "HF_TOKEN": "hf_test",
-                "HF_ENDPOINT": hub if isinstance(hub, str) else hub.endpoint, **env}
-    return subprocess.run([sys.executable, "-m", "metrale_cli", *map(str, args)],
-                          capture_output=True, text=True, env=environ, timeout=300)
-
-
 @pytest.fixture
 def hub(adapters: Path) -> Hub:
     hub = Hub(refuse={"acme/private": 401, "acme/gated": 403})
@@ -115,7 +103,7 @@ def hub(adapters: Path) -> Hub:
 @pytest.mark.proc
 def test_online_inspect_reads_only_the_header(hub: Hub, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    done = _run(hub, cache, "inspect", "acme/chat", "--online", "--json")
+    done = run_metrale(hub, cache, "inspect", "acme/chat", "--online", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["adapters"][0]["servable"]
     weights = hub.repos["acme/chat"]["adapter_model.safetensors"]
@@ -132,22 +120,22 @@ def test_online_inspect_reads_only_the_header(hub: Hub, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_online_pack_downloads_into_the_cache(hub: Hub, tmp_path: Path) -> None:
     cache, out = tmp_path / "cache", tmp_path / "pool.safetensors"
-    done = _run(hub, cache, "pack", "acme/chat", "--max-loras", 1, "--out", out,
-                METRALE_ONLINE="1")
+    done = run_metrale(hub, cache, "pack", "acme/chat", "--max-loras", 1, "--out", out,
+                       METRALE_ONLINE="1")
     assert done.returncode == 0, done.stderr
     weights = hub.repos["acme/chat"]["adapter_model.safetensors"]
     assert hub.served[("acme/chat", "adapter_model.safetensors")] == len(weights)
     [cached] = cache.rglob("adapter_model.safetensors")
     assert cached.read_bytes() == weights
     # Now it is cached: offline, with no hub at all, the same pack and verify work.
-    again = _run("http://127.0.0.1:9", cache, "verify", out, "acme/chat")
+    again = run_metrale("http://127.0.0.1:9", cache, "verify", out, "acme/chat")
     assert again.returncode == 0, again.stderr
 
 
 @pytest.mark.proc
 def test_online_model_by_hub_id(hub: Hub, tmp_path: Path) -> None:
-    done = _run(hub, tmp_path / "cache", "layout", "-m", "acme/base", "--online", "--modules",
-                "q_proj", "--max-rank", 4, "--json")
+    done = run_metrale(hub, tmp_path / "cache", "layout", "-m", "acme/base", "--online",
+                       "--modules", "q_proj", "--max-rank", 4, "--json")
     assert done.returncode == 0, done.stderr
     assert hub.served[("acme/base", "config.json")] > 0
 
@@ -169,7 +157,7 @@ def _closed_port() -> int:
 def test_hub_failures_are_one_line_exit_2(hub: Hub, tmp_path: Path, spec: str,
                                           message: str) -> None:
     endpoint = f"http://127.0.0.1:{_closed_port()}" if "reach" in message else hub
-    done = _run(endpoint, tmp_path / "cache", "inspect", spec, "--online")
+    done = run_metrale(endpoint, tmp_path / "cache", "inspect", spec, "--online")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"error: {spec}: adapter_config.json: {message}"), done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

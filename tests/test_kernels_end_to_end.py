@@ -29,7 +29,7 @@ import torch
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
 from metrale_cli.layout.plan import plan_layouts
-from metrale_cli.model.config import resolve_model
+from metrale_cli.model.resolve import resolve_model
 from metrale_cli.ops import host_harness, kernels, reference
 from metrale_cli.pool.pool import LoraPool
 from tests.support.peft_factory import TINY_MODELS, AdapterTruth

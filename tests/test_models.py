@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
-from metrale_cli.model.config import PRESETS, LayerType, ModelConfig, resolve_model
-from metrale_cli.model.modules import ALL, LoraModule
+from metrale_cli.model.config import PRESETS, LayerType, ModelConfig
+from metrale_cli.model.modules import ALL, LoraModule, family_modules
+from metrale_cli.model.resolve import resolve_model
 from tests.support.cli_runner import metrale
 from tests.support.hostile_inputs import TINY, one_line_error
 
@@ -24,6 +25,11 @@ REAL = {
     "qwen3-30b-a3b": "qwen3-30b-a3b.config.json",
     "llama-3.1-8b": "llama-3.1-8b.config.json",
     "mixtral-8x7b": "mixtral-8x7b-v0.1.config.json",
+    "gemma-3-27b": "gemma-3-27b-it.config.json",
+    "olmo-3-7b": "olmo-3-7b.config.json",
+    "gpt-oss-20b": "gpt-oss-20b.config.json",
+    "deepseek-v2-lite": "deepseek-v2-lite.config.json",
+    "deepseek-v3": "deepseek-v3.config.json",
 }
 
 
@@ -68,8 +74,12 @@ def test_hybrid_layer_types_and_applicability() -> None:
     assert not any(gate.applies_to_layer(cfg, i) for i in range(48))
     dense = ModelConfig.preset("qwen3.5-9b")
     assert all(gate.applies_to_layer(dense, i) for i in range(32))
-    assert [m.peft_name for m in ALL] == [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj"]
+    # The seed's eight in their slot order, in the vocabulary and as every seed family's set.
+    seed = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            "out_proj"]
+    assert [m.peft_name for m in ALL if m.peft_name in seed] == seed
+    for model in (cfg, dense, ModelConfig.preset("llama-3.1-8b")):
+        assert [m.peft_name for m in family_modules(model)] == seed
 
 
 def test_config_rules(tmp_path: Path) -> None:
@@ -90,8 +100,8 @@ def test_config_rules(tmp_path: Path) -> None:
         **base, "model_type": "qwen3_5_text", "full_attention_interval": 2}})
     assert composite.model_type == "qwen3_5" and composite.composite
     assert composite.full_attention_layers == [1, 3]
-    with pytest.raises(UnsupportedModel, match="deepseek_v3.*supported: llama"):
-        ModelConfig.from_dict({**base, "model_type": "deepseek_v3"})
+    with pytest.raises(UnsupportedModel, match="gpt2.*supported: llama"):
+        ModelConfig.from_dict({**base, "model_type": "gpt2"})
     with pytest.raises(FormatError, match="layer_types"):
         ModelConfig.from_dict({**base, "layer_types": ["full_attention"]})
     with pytest.raises(FormatError, match="hidden_size"):

@@ -10,8 +10,8 @@ import pytest
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.errors import NotServable, UsageError
 from metrale_cli.layout.pipeline import audit_adapters, plan_pool
-from metrale_cli.model.config import resolve_model
 from metrale_cli.model.modules import LoraModule
+from metrale_cli.model.resolve import resolve_model
 from tests.support.cli_runner import metrale
 from tests.support.hostile_inputs import copy_adapter
 

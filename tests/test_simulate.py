@@ -761,7 +761,7 @@ def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:
 def test_progress_counts_every_request_once_and_pins_by_name() -> None:
     from metrale_cli.cli.parsing import parse_modules
     from metrale_cli.layout.plan import plan_layouts
-    from metrale_cli.model.config import resolve_model
+    from metrale_cli.model.resolve import resolve_model
     from metrale_cli.sim import simulate as sim
 
     layouts = plan_layouts(resolve_model("qwen3-8b"), [], parse_modules("q_proj"), 8)

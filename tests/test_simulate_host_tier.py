@@ -177,8 +177,8 @@ def test_max_rank_options_trade_slots_for_adapters() -> None:
     budget holds, and the adapters (and requests) above it."""
     from metrale_cli.layout.plan import PoolPlan, plan_layouts
     from metrale_cli.layout.slot_layout import SlotLayout
-    from metrale_cli.model.config import resolve_model
     from metrale_cli.model.modules import LoraModule
+    from metrale_cli.model.resolve import resolve_model
     from metrale_cli.sim.simulate import max_rank_options
 
     model = resolve_model("qwen3-8b")

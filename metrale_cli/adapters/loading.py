@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from metrale_cli.adapters.adapter import Adapter, load_adapter, parse_adapter_args
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import ModelConfig, resolve_model
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.resolve import resolve_model
 
 
 def load_adapters(args: Sequence[str], online: bool = False,

@@ -37,7 +37,7 @@ def bench_pack(
     Example: metrale bench pack -m qwen3-8b --modules q_proj,v_proj --rank 16 --repeats 1"""
     from metrale_cli.bench import pack as bench
     from metrale_cli.cli import render
-    from metrale_cli.model.config import resolve_model
+    from metrale_cli.model.resolve import resolve_model
 
     spec = shard_spec(tp, None, False)
     positive("--rank", rank)
@@ -87,7 +87,7 @@ def bench_kernels(
     from metrale_cli.cli.render import kernel_line, kernel_model_line
     from metrale_cli.compat import cupy_module
     from metrale_cli.files.atomic import check_output, output_path
-    from metrale_cli.model.config import resolve_model
+    from metrale_cli.model.resolve import resolve_model
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else

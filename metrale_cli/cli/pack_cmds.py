@@ -61,7 +61,7 @@ def synth(
 
     Example: metrale synth math -m qwen3-8b --modules q_proj,v_proj --rank 16"""
     from metrale_cli.adapters.synth import synth_adapter
-    from metrale_cli.model.config import resolve_model
+    from metrale_cli.model.resolve import resolve_model
 
     if not out_dir.strip():
         raise UsageError("the adapter directory is empty")

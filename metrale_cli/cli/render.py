@@ -65,7 +65,11 @@ def model_line(model: dict[str, Any]) -> str:
         else f"{model['num_hidden_layers']} layers"
     )
     experts = f", {model['num_experts']} routed experts" if model["num_experts"] else ""
-    return f"{model['source'] or model['model_type']} ({model['model_type']}): {kinds}{experts}"
+    # Said where weights were read; the config alone (every preset) keeps the line it had.
+    shapes = (f"; shapes from the {model['shapes_from']}"
+              if model["shapes_from"] != "config" else "")
+    return (f"{model['source'] or model['model_type']} ({model['model_type']}): "
+            f"{kinds}{experts}{shapes}")
 
 
 def inspect_view(record: dict[str, Any]) -> Group:

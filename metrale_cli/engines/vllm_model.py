@@ -59,6 +59,10 @@ class VllmFamily:
     # The decoder layer's MoE block name as vLLM's class spells it (its LoRA loader renames
     # no module: Mixtral keeps transformers 4's `block_sparse_moe`).
     moe_block: str = "mlp"
+    # Why `engine_modules` (llama-shaped layers, GDN, Qwen-style MoE) does not model this
+    # class's LoRA layers, so that vLLM's bytes and verdicts are refused, not guessed; "" when
+    # it does.
+    unmodelled: str = ""
 
 
 FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
@@ -74,6 +78,40 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                embedding_lora=True),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
                embedding_lora=True, experts_3d=True),
+    VllmFamily("gemma", ("GemmaForCausalLM",)),
+    VllmFamily("gemma2", ("Gemma2ForCausalLM",)),
+    VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
+    VllmFamily("granite", ("GraniteForCausalLM",), embedding_lora=True),
+    # Registered to vLLM's transformers backend (TransformersForCausalLM), not a native class.
+    VllmFamily("olmo2", ("Olmo2ForCausalLM",)),
+    VllmFamily("olmo3", ("Olmo3ForCausalLM",)),
+    VllmFamily("cohere", ("CohereForCausalLM",), embedding_lora=True),
+    VllmFamily("cohere2", ("Cohere2ForCausalLM",), embedding_lora=True),
+    VllmFamily("exaone4", ("Exaone4ForCausalLM",), embedding_lora=True),
+    # Subclasses of vLLM's LlamaForCausalLM: its embedding_modules.
+    VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), embedding_lora=True),
+    VllmFamily("seed_oss", ("SeedOssForCausalLM",)),
+    VllmFamily("smollm3", ("SmolLM3ForCausalLM",)),
+    # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM.
+    VllmFamily("ministral", ()),
+    VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
+    VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
+    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
+    VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",)),
+    VllmFamily("olmoe", ("OlmoeForCausalLM",)),
+    VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), unmodelled="shared_experts"),
+    # Registered to vLLM's transformers backend.
+    VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), unmodelled="the c_fc/c_proj MLP"),
+    VllmFamily("gpt_oss", ("GptOssForCausalLM",),
+               unmodelled="attention sinks and interleaved gate/up experts"),
+    VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
+               unmodelled="multi-head latent attention"),
+    VllmFamily("deepseek_v3", ("DeepseekV3ForCausalLM",),
+               unmodelled="multi-head latent attention"),
+    VllmFamily("phi3", ("Phi3ForCausalLM",), embedding_lora=True,
+               unmodelled="qkv_proj and gate_up_proj fused in the checkpoint"),
+    VllmFamily("glm4", ("Glm4ForCausalLM",),
+               unmodelled="gate_up_proj fused in the checkpoint"),
 )}
 
 
@@ -231,9 +269,14 @@ def raw_text_config(model: ModelConfig) -> dict[str, Any]:
 
 def engine_modules(model: ModelConfig) -> list[EngineModule]:
     """Every module vLLM 0.32 wraps for LoRA in `model` (with no --lora-target-modules), one
-    entry per (path, kind) with the layers it sits on."""
+    entry per (path, kind) with the layers it sits on; UsageError for a family whose layers
+    this does not model."""
+    why = family(model).unmodelled
+    if why:
+        raise UsageError(f"--engine vllm: metrale does not model vLLM {VERSION}'s LoRA layers "
+                         f"of a {model.model_type} model ({why}); use --engine metrale")
     H, hd = model.hidden_size, model.head_dim
-    full = tuple(model.full_attention_layers)
+    full = tuple(model.attention_layers)
     linear = tuple(model.linear_attention_layers)
     moe = tuple(model.moe_layers)
     dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)

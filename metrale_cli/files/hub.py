@@ -84,6 +84,20 @@ def cached(hub: HubId, filename: str) -> Path | None:
         return None
 
 
+def on_hub(hub: HubId, filename: str) -> bool:
+    """Whether the hub holds `filename` of `hub` (one HEAD): a 404 is False, any other failure
+    the one line of `hub_error`."""
+    from huggingface_hub import get_hf_file_metadata
+
+    try:
+        get_hf_file_metadata(_url(hub, filename))
+    except Exception as exc:
+        if _status(exc) == 404:
+            return False
+        raise hub_error(hub, filename, True, exc) from None
+    return True
+
+
 def remote_header(hub: HubId, filename: str) -> SafetensorsHeader:
     """The safetensors header of `filename` on the hub from two ranged reads (its length, then
     the JSON), never the tensor data."""

@@ -1,13 +1,5 @@
-"""Base-model configs: what `--model` names, read into one `ModelConfig`.
-
-`--model` (or an adapter's `base_model_name_or_path`) is resolved in this order (docs/cli.md):
-1. a path to a `config.json` file, or to a directory that holds one;
-2. a hub id (`org/name[@revision]`) whose `config.json` is in the local Hugging Face cache, or
-   with `--online` on the hub;
-3. a built-in preset, by its name or one of its hub ids;
-4. anything else is an error (a path that exists without a `config.json` says so). A directory
-   without `config.json` (an adapter directory named like a preset, say) never hides a preset.
-The network is used only with `--online`.
+"""Base-model configs: `ModelConfig`, read from a `config.json` or a preset (`--model` is
+resolved to one by model/resolve.py).
 """
 
 from __future__ import annotations
@@ -18,15 +10,16 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from metrale_cli import env
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
-from metrale_cli.files.hub import cached, fetch, parse_hub_id
-from metrale_cli.files.jsondoc import load_json
+from metrale_cli.files.jsondoc import load_json, shown
 from metrale_cli.files.regular import refuse_not_regular
-from metrale_cli.model.families import FAMILIES, Family
+from metrale_cli.model.families import FAMILIES, VOCABULARY, Family, Layers, ModuleSpec, Split
 
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
+# ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers).
+_MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "first_k_dense_replace")
 # Upper bounds on a config's counts and widths, far above any real model (the largest have
 # ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
 # pool stays quick: a config past them is malformed, not a bigger model.
@@ -36,13 +29,21 @@ MAX_WIDTH = 1 << 22
 MAX_VOCAB = 1 << 26
 # Routed experts over all MoE layers (Qwen3-Next: 48 x 512 = 24,576): bounds the expert layout.
 MAX_LAYER_EXPERTS = 1 << 18
+# `ModelConfig.shapes_from`: where a model's module shapes came from.
+SHAPES_CONFIG = "config"
+SHAPES_CHECKED = "config checked against weights"
+SHAPES_WEIGHTS = "weights"
 _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS,
-           "num_local_experts": MAX_EXPERTS, "vocab_size": MAX_VOCAB}
+           "num_local_experts": MAX_EXPERTS, "n_routed_experts": MAX_EXPERTS,
+           "vocab_size": MAX_VOCAB}
 
 
 class LayerType(str, Enum):
     FULL_ATTENTION = "full_attention"
     LINEAR_ATTENTION = "linear_attention"
+    # Attention over a window of recent tokens (gemma2/3, cohere2, olmo3, exaone4, ministral):
+    # the same projections as full attention, so the same LoRA modules.
+    SLIDING_ATTENTION = "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,17 @@ class ModelConfig:
     # The output head shares the input embedding: a token overlay on one is on both (PEFT ties
     # its trainable-token adapter on lm_head to the embedding's).
     tie_word_embeddings: bool = False
+    # Multi-head latent attention (deepseek_v2/v3): the query's low-rank width (0: one q_proj,
+    # no q_a_proj/q_b_proj), the compressed KV width, and the per-head widths of the query's
+    # rope-free and rope parts and of the value. Summaries leave them out while 0 (_MLA).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # The first layers whose MLP is dense although the model has routed experts (deepseek's
+    # first_k_dense_replace).
+    first_k_dense_replace: int = 0
     # The config nests the text model under `text_config` (a vision-language checkpoint).
     composite: bool = False
     # Where the config came from: a preset name, a file path, or a hub id.
@@ -82,18 +94,59 @@ class ModelConfig:
     # when it names none, a non-name entry kept as it is; None for a preset, whose re-typed
     # dims keep no class name (an engine then takes its family's own class).
     architectures: tuple[Any, ...] | None = field(default=None, compare=False)
+    # A model_type no FAMILIES row knows: its family as its checkpoint's tensor names and
+    # shapes give it (model/weights.py), kept in pool images; None for a known type.
+    weights_family: Family | None = None
+    # Where the modules' shapes came from: the config alone, the config checked against the
+    # weights' headers, or the weights (SHAPES_*).
+    shapes_from: str = field(default="config", compare=False)
 
     def layer_type(self, layer: int) -> LayerType:
         return self.layer_types[layer]
 
     @property
     def family(self) -> Family:
-        """What differs by `model_type` (model/families.py)."""
-        return FAMILIES[self.model_type]
+        """What differs by `model_type` (model/families.py), or what the weights gave."""
+        return self.weights_family or FAMILIES[self.model_type]
 
     @property
     def is_hybrid(self) -> bool:
         return self.family.hybrid
+
+    @property
+    def q_width(self) -> int:
+        """q_proj's output: the query heads, each with its gate on a gated-attention model."""
+        return (2 if self.attn_gated else 1) * self.attn_width
+
+    @property
+    def kv_width(self) -> int:
+        """k_proj's and v_proj's output: the KV heads."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def attn_width(self) -> int:
+        """The attention heads' width, o_proj's input."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def mla_q_width(self) -> int:
+        """MLA's query (q_proj, or q_b_proj's output): each head's rope-free and rope parts."""
+        return self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+
+    @property
+    def mla_kv_a_width(self) -> int:
+        """kv_a_proj_with_mqa's output: the compressed KV and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mla_kv_b_width(self) -> int:
+        """kv_b_proj's output: each head's rope-free key and its value."""
+        return self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim)
+
+    @property
+    def mla_v_width(self) -> int:
+        """The heads' values, o_proj's input under MLA."""
+        return self.num_attention_heads * self.v_head_dim
 
     @property
     def linear_value_width(self) -> int:
@@ -108,10 +161,13 @@ class ModelConfig:
         return self.moe_intermediate_size or self.intermediate_size
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether `layer`'s MLP is routed experts: every layer, unless the family's MoE layers
-        follow the sparse step (qwen3_moe, qwen3_next): then not in `mlp_only_layers` and
+        """Whether `layer`'s MLP is routed experts: every layer from `first_k_dense_replace` on
+        (deepseek's dense first layers; 0 elsewhere), unless the family's MoE layers follow the
+        sparse step (qwen3_moe, qwen3_next): then not in `mlp_only_layers` and
         `(layer + 1) % decoder_sparse_step == 0` (their decoder layers' rule)."""
         if not self.num_experts:
+            return False
+        if layer < self.first_k_dense_replace:
             return False
         if not self.family.sparse_step:
             return True
@@ -121,6 +177,11 @@ class ModelConfig:
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Layers with softmax attention, full or sliding-window (not linear attention)."""
+        return [i for i, t in enumerate(self.layer_types) if t is not LayerType.LINEAR_ATTENTION]
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -134,14 +195,23 @@ class ModelConfig:
         """The JSON record of this config (also stored in pool images)."""
         record = asdict(self)
         del record["architectures"]  # an engine's input, not a dimension images keep
+        del record["shapes_from"]  # how this run learnt the shapes, not the model's
+        if self.weights_family is None:
+            del record["weights_family"]  # images of known families read as they always did
+        else:
+            record["weights_family"] = _family_record(self.weights_family)
         record["layer_types"] = [t.value for t in self.layer_types]
         record["mlp_only_layers"] = list(self.mlp_only_layers)
+        for name in _MLA:  # absent on every other family, so their images read as before
+            if not record[name]:
+                del record[name]
         return record
 
     def record(self) -> dict[str, Any]:
         """The summary with the counts a view of the model shows (records of `models`,
         `inspect`, `layout` and `show`); images store the summary alone."""
-        return {**self.summary(), "full_attention_layers": len(self.full_attention_layers),
+        return {**self.summary(), "shapes_from": self.shapes_from,
+                "full_attention_layers": len(self.full_attention_layers),
                 "linear_attention_layers": len(self.linear_attention_layers),
                 "expert_intermediate_size": self.expert_intermediate_size}
 
@@ -152,6 +222,10 @@ class ModelConfig:
         fields = dict(record)
         fields["layer_types"] = tuple(LayerType(t) for t in fields["layer_types"])
         fields["mlp_only_layers"] = tuple(fields.get("mlp_only_layers") or ())
+        if "weights_family" in fields:
+            fields["weights_family"] = _family_from_record(fields["model_type"],
+                                                           fields["weights_family"])
+            fields["shapes_from"] = SHAPES_WEIGHTS
         kinds = {"int": int, "bool": bool, "str": str}
         for f in dataclass_fields(cls):
             kind = kinds.get(str(f.type))
@@ -170,19 +244,31 @@ class ModelConfig:
     # -- named constructors -------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "") -> ModelConfig:
-        """Read an HF `config.json` dict (composite configs use their `text_config`)."""
+    def from_dict(cls, raw: dict[str, Any], source: str = "",
+                  family: Family | None = None) -> ModelConfig:
+        """Read an HF `config.json` dict (composite configs use their `text_config`); `family`
+        serves a `model_type` no FAMILIES row knows (read from its weights: model/weights.py)."""
         if not isinstance(raw, dict):
             raise FormatError(f"{source or 'config'}: not a JSON object")
         composite = isinstance(raw.get("text_config"), dict)
         text = raw["text_config"] if composite else raw
         model_type = str(text.get("model_type") or raw.get("model_type") or "")
         model_type = model_type.removesuffix("_text")
-        if model_type not in FAMILIES:
+        known = FAMILIES.get(model_type) or family
+        if known is None:
             raise UnsupportedModel(
-                f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported; "
+                f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported: "
+                "no family row says which modules its decoder layers carry; its weights would "
+                "(the model directory holding its model.safetensors, or index and shards; its "
+                "hub id, with --online when not cached), or a row in model/families.py; "
                 f"supported: {', '.join(FAMILIES)}"
             )
+        defaults = known.config_defaults
+        if defaults:
+            text = dict(text)
+            for key, value in defaults:
+                if key not in text:  # absent; an explicit null stays null
+                    text[key] = text.get(value) if isinstance(value, str) else value
 
         def bounded(key: str, value: int) -> int:
             limit = _LIMITS.get(key, MAX_WIDTH)
@@ -212,7 +298,7 @@ class ModelConfig:
 
         hidden = need("hidden_size")
         layers = need("num_hidden_layers")
-        num_experts = opt("num_experts") or opt("num_local_experts")
+        num_experts = opt("num_experts") or opt("num_local_experts") or opt("n_routed_experts")
         if layers * num_experts > MAX_LAYER_EXPERTS:
             raise FormatError(f"{source or 'config'}: {layers} layers x {num_experts} experts "
                               f"is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; not a "
@@ -228,7 +314,7 @@ class ModelConfig:
             # Grouped-query attention: each KV head serves a whole group of query heads.
             raise FormatError(f"{source or 'config'}: 'num_key_value_heads' {kv_heads} does not "
                               f"divide 'num_attention_heads' {heads}")
-        layer_types = _layer_types(text, model_type, layers, source)
+        layer_types = _layer_types(text, known.hybrid, layers, source)
         only = text.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in only
@@ -236,7 +322,7 @@ class ModelConfig:
             raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
         tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         gate = text.get("attn_output_gate")
-        attn_gated = gate is not False if FAMILIES[model_type].hybrid else bool(gate)
+        attn_gated = gate is not False if known.hybrid else bool(gate)
         return cls(
             model_type=model_type,
             hidden_size=hidden,
@@ -258,15 +344,22 @@ class ModelConfig:
             vocab_size=opt("vocab_size"),
             mlp_only_layers=tuple(sorted(set(only))),
             decoder_sparse_step=opt("decoder_sparse_step", 1) or 1,
+            q_lora_rank=opt("q_lora_rank"),
+            kv_lora_rank=opt("kv_lora_rank"),
+            qk_nope_head_dim=opt("qk_nope_head_dim"),
+            qk_rope_head_dim=opt("qk_rope_head_dim"),
+            v_head_dim=opt("v_head_dim"),
+            first_k_dense_replace=opt("first_k_dense_replace") if num_experts else 0,
             tie_word_embeddings=bool(tied),
             composite=composite,
             source=source,
             architectures=_architectures(raw),
+            weights_family=None if model_type in FAMILIES else known,
         )
 
     @classmethod
-    def from_hf(cls, path: str | Path) -> ModelConfig:
-        """A `config.json` file, or a directory holding one."""
+    def from_hf(cls, path: str | Path, family: Family | None = None) -> ModelConfig:
+        """A `config.json` file, or a directory holding one (`family` as `from_dict`'s)."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         refuse_not_regular(file)
@@ -276,7 +369,7 @@ class ModelConfig:
             text = file.read_bytes()
         except OSError as exc:
             raise FormatError(f"{file}: not a readable JSON config ({exc})") from exc
-        return cls.from_dict(load_json(file, text, "JSON config"), source=str(file))
+        return cls.from_dict(load_json(file, text, "JSON config"), source=str(file), family=family)
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
@@ -295,11 +388,49 @@ def _architectures(raw: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, list) else (value,)
 
 
+# The widths a family read from weights may name (the vocabulary's): any other is given in
+# elements.
+_WIDTH_NAMES = frozenset(w for spec in VOCABULARY for w in (*spec.out, spec.in_))
+
+
+def _family_record(family: Family) -> dict[str, Any]:
+    """A family read from weights, as pool images keep it: its modules, each width in elements
+    or by the config's name for it."""
+    return {"modules": [{"name": m.name, "path": m.path, "out": list(m.out), "in": m.in_,
+                         "split": m.split.value, "layers": list(m.on_layers)}
+                        for m in family.modules]}
+
+
+def _family_from_record(model_type: str, record: Any) -> Family:
+    """The family `_family_record` kept; ValueError or TypeError for anything else (an image's
+    metadata is input)."""
+    names = {spec.name for spec in VOCABULARY}
+    modules: list[ModuleSpec] = []
+    for m in record["modules"]:
+        widths = [*m["out"], m["in"]]
+        known_widths = all((isinstance(w, int) and not isinstance(w, bool) and 0 < w <= MAX_WIDTH)
+                           or (isinstance(w, str) and w in _WIDTH_NAMES) for w in widths)
+        if (m["name"] not in names or any(m["name"] == k.name for k in modules)
+                or not isinstance(m["path"], str) or not m["out"] or not known_widths):
+            raise ValueError(f"weights_family module {shown(m['name'])} is not a module of "
+                             "known widths")
+        layers = m["layers"]
+        if not isinstance(layers, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_LAYERS
+                for i in layers):
+            raise ValueError(f"weights_family module {m['name']!r}: layers is not a list of "
+                             "layer numbers")
+        modules.append(ModuleSpec(m["name"], m["path"], tuple(m["out"]), m["in"], Layers.LISTED,
+                                  Split(m["split"]), on_layers=tuple(layers)))
+    return Family(model_type, modules=tuple(modules))
+
+
 def _layer_types(
-    text: dict[str, Any], model_type: str, layers: int, source: str
+    text: dict[str, Any], hybrid: bool, layers: int, source: str
 ) -> tuple[LayerType, ...]:
-    """Per-layer attention kind: `layer_types`, else `full_attention_interval`, else all full
-    attention (hybrid families default to transformers' interval of 4)."""
+    """Per-layer attention kind: `layer_types`, else `full_attention_interval`, else
+    `sliding_window_pattern` (every Nth layer full, the rest sliding, as gemma3's config derives
+    them), else all full attention (hybrid families default to transformers' interval of 4)."""
     raw = text.get("layer_types")
     if raw is not None:
         if not isinstance(raw, list) or len(raw) != layers:
@@ -310,8 +441,17 @@ def _layer_types(
             return tuple(LayerType(t) for t in raw)
         except ValueError as exc:
             raise FormatError(f"{source or 'config'}: {exc}") from exc
+    pattern = text.get("sliding_window_pattern")
+    if text.get("full_attention_interval") is None and pattern is not None:
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+            raise FormatError(f"{source or 'config'}: sliding_window_pattern must be a "
+                              "positive int")
+        return tuple(
+            LayerType.SLIDING_ATTENTION if (i + 1) % pattern else LayerType.FULL_ATTENTION
+            for i in range(layers)
+        )
     interval = text.get("full_attention_interval")
-    if interval is None and FAMILIES[model_type].hybrid:
+    if interval is None and hybrid:
         interval = DEFAULT_FULL_ATTENTION_INTERVAL
     if interval is None:
         return (LayerType.FULL_ATTENTION,) * layers
@@ -341,6 +481,11 @@ class Preset:
 
 def _hybrid_text(**values: Any) -> dict[str, Any]:
     return {"full_attention_interval": 4, **values}
+
+
+def _sliding(layers: int, every: int) -> list[str]:
+    """`layer_types` with every `every`-th layer full attention, the others sliding-window."""
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
 
 
 # Values re-typed from the public config.json of each model (see docs/models.md for sources).
@@ -415,6 +560,71 @@ PRESETS: tuple[Preset, ...] = (
          "vocab_size": 128256},
     ),
     Preset(
+        "gemma-3-27b",
+        ("google/gemma-3-27b-it", "google/gemma-3-27b-pt"),
+        {"model_type": "gemma3", "tie_word_embeddings": True, "text_config": {
+            "model_type": "gemma3_text", "hidden_size": 5376, "num_hidden_layers": 62,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+            "intermediate_size": 21504, "layer_types": _sliding(62, 6), "vocab_size": 262144,
+        }},
+    ),
+    Preset(
+        "olmo-3-7b",
+        ("allenai/Olmo-3-7B", "allenai/Olmo-3-1025-7B"),
+        {"model_type": "olmo3", "hidden_size": 4096, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+         "layer_types": _sliding(32, 4), "vocab_size": 100278},
+    ),
+    # ibm-granite/granite-3.3-8b-instruct's config.json (docs/models.md gives the source).
+    Preset(
+        "granite-3.3-8b",
+        ("ibm-granite/granite-3.3-8b-instruct", "ibm-granite/granite-3.3-8b-base"),
+        {"model_type": "granite", "hidden_size": 4096, "num_hidden_layers": 40,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12800,
+         "vocab_size": 49159, "tie_word_embeddings": True},
+    ),
+    # microsoft/Phi-4-mini-instruct's config.json: fused qkv_proj and gate_up_proj.
+    Preset(
+        "phi-4-mini",
+        ("microsoft/Phi-4-mini-instruct",),
+        {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32,
+         "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+         "vocab_size": 200064, "tie_word_embeddings": True},
+    ),
+    # Every layer MoE; sliding and full attention alternate (the attention is the slot pool's).
+    Preset(
+        "gpt-oss-20b",
+        ("openai/gpt-oss-20b",),
+        {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
+         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+         "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4,
+         "layer_types": _sliding(24, 2), "vocab_size": 201088},
+    ),
+    Preset(
+        "gpt-oss-120b",
+        ("openai/gpt-oss-120b",),
+        {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36,
+         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+         "intermediate_size": 2880, "num_local_experts": 128, "num_experts_per_tok": 4,
+         "layer_types": _sliding(36, 2), "vocab_size": 201088},
+    ),
+    # Multi-head latent attention; dense first layers, then routed and shared experts.
+    Preset(
+        "deepseek-v2-lite",
+        ("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
+        {"model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
+         "moe_intermediate_size": 1408, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+         "q_lora_rank": None, "vocab_size": 102400},
+    ),
+    Preset(
+        "deepseek-v3",
+        ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3-0324"),
+        {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+         "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+         "vocab_size": 129280},
+    ),
+    Preset(
         "mixtral-8x7b",
         ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
         {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32,
@@ -432,32 +642,3 @@ def find_preset(name: str) -> Preset | None:
             return preset
     return None
 
-
-def resolve_model(spec: str, online: bool = False) -> ModelConfig:
-    """`--model`, in the order the module docstring gives: a config.json or a directory holding
-    one; a hub id (`org/name[@revision]`) from the local Hugging Face cache, or with `online`
-    from the hub; a preset (by name or hub id: a hub id that is not in the local cache but
-    names a preset's model gives that preset when offline)."""
-    spec = spec.strip()
-    if not spec:
-        raise UsageError("--model is empty")
-    path = Path(spec).expanduser()
-    refuse_not_regular(path / "config.json" if path.is_dir() else path)
-    if path.is_file() or (path / "config.json").is_file():
-        return ModelConfig.from_hf(path)
-    ref = parse_hub_id(spec)
-    if ref is not None:
-        config = fetch(ref, "config.json", online=True) if online else cached(ref, "config.json")
-        if config is not None:
-            return replace(ModelConfig.from_hf(config), source=spec)
-    preset = find_preset(spec)
-    if preset is not None:
-        return ModelConfig.preset(preset.name)
-    if path.exists():
-        raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
-                         "(a directory without config.json), and not a preset (`metrale models`)")
-    raise UsageError(
-        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache "
-        f"({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
-        "directory, or --online to fetch a hub id"
-    )

@@ -1,12 +1,16 @@
 """A local stand-in for the Hugging Face hub on 127.0.0.1: answers what `huggingface_hub` asks of
 `{endpoint}/{org}/{name}/resolve/{revision}/{filename}` (HEAD with `X-Repo-Commit`, `ETag` and
 `Content-Length`; GET with `Range` support), refuses repositories with a chosen status, and counts
-the bytes of every file it serves. Also the local cache layout `huggingface_hub` writes."""
+the bytes of every file it serves. Also the local cache layout `huggingface_hub` writes, and
+`metrale` run in a fresh interpreter against either."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -113,3 +117,14 @@ def cache_repo(cache: Path, repo: str, directory: Path, ref: str = "main") -> Pa
         blob.write_bytes(data)
         (snapshot / path.name).symlink_to(Path("../../blobs") / blob.name)
     return snapshot
+
+
+def run_metrale(hub: Hub | str, cache: Path, *args: object,
+                **env: str) -> subprocess.CompletedProcess:
+    """`metrale ARGS` in a fresh interpreter whose hub is `hub` (or an endpoint URL)."""
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("HF_", "METRALE_ONLINE"))}
+    environ |= {"HF_HUB_CACHE": str(cache), "HF_TOKEN": "hf_test",
+                "HF_ENDPOINT": hub if isinstance(hub, str) else hub.endpoint, **env}
+    return subprocess.run([sys.executable, "-m", "metrale_cli", *map(str, args)],
+                          capture_output=True, text=True, env=environ, timeout=300)

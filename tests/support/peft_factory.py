@@ -128,6 +128,41 @@ _VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 
            "temporal_patch_size": 2, "num_position_embeddings": 16}  # fmt: skip
 
 
+# Dense families: 4 layers so that sliding and full attention alternate; token ids inside the
+# tiny vocabulary (the configs' defaults are real vocabularies' ids).
+_DENSE = {**_BASE, "num_hidden_layers": 4, "intermediate_size": 96, "pad_token_id": 0,
+          "bos_token_id": 1, "eos_token_id": 2}
+_SLIDING = {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8}
+DENSE_FAMILIES_KWARGS = (
+    ("gemma", "GemmaConfig", "GemmaForCausalLM", {"head_dim": 24}),
+    ("gemma2", "Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 24, **_SLIDING}),
+    ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 24, **_SLIDING}),
+    ("granite", "GraniteConfig", "GraniteForCausalLM", {}),
+    ("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {}),
+    ("olmo3", "Olmo3Config", "Olmo3ForCausalLM", _SLIDING),
+    ("cohere", "CohereConfig", "CohereForCausalLM", {}),
+    ("cohere2", "Cohere2Config", "Cohere2ForCausalLM", {"head_dim": 24, **_SLIDING}),
+    ("exaone4", "Exaone4Config", "Exaone4ForCausalLM", _SLIDING),
+    ("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 24}),
+    ("seed_oss", "SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 24}),
+    ("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", {}),
+    ("ministral", "MinistralConfig", "MinistralForCausalLM", {"head_dim": 24, **_SLIDING}),
+)
+
+
+_MLA_DIMS = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+             "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12, "n_group": 1,
+             "topk_group": 1}
+_MLA_ATTN = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# Tiny vision towers of the wrappers: SigLIP (gemma3; mistral3's Pixtral takes a head_dim) and
+# Qwen-VL's `visual`.
+_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+_QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                "out_hidden_size": 64}
+
+
 def _tiny(*models: TinyModel) -> dict[str, TinyModel]:
     return {m.name: m for m in models}
 
@@ -182,7 +217,59 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
     TinyModel("qwen3_5_moe_vl", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
               _QWEN35_MOE_TEXT, vision_kwargs=_VISION,
               targets=(*_ATTN, *_GDN_35, *_MLP, "shared_expert_gate")),
+    # The dense llama-like families (model/families.py), each as transformers builds it.
+    *(TinyModel(name, config, causal, {**_DENSE, **extra}, targets=_ATTN + _MLP)
+      for name, config, causal, extra in DENSE_FAMILIES_KWARGS),
+    # Fused projections: one LoRA pair over q|k|v and over gate|up.
+    TinyModel("phi3", "Phi3Config", "Phi3ForCausalLM", _DENSE,
+              targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    TinyModel("glm4", "Glm4Config", "Glm4ForCausalLM", {**_DENSE, "head_dim": 24},
+              targets=(*_ATTN, "gate_up_proj", "down_proj")),
+    # Routed experts in transformers 5's fused layout: qwen2_moe's layer 0 dense (mlp_only_layers)
+    # and a shared expert elsewhere, olmoe's every layer, glm4_moe's layer 0 dense
+    # (first_k_dense_replace) and shared experts after it.
+    TinyModel("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+              {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+               "shared_expert_intermediate_size": 24, "mlp_only_layers": [0]}, targets=_ATTN),
+    TinyModel("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
+              {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
+    TinyModel("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
+              {**_DENSE, "n_routed_experts": 4, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 40, "first_k_dense_replace": 1, "n_group": 1,
+               "topk_group": 1, "head_dim": 24}, targets=_ATTN),
+    # Attention with biases, an MLP of c_fc and c_proj.
+    TinyModel("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", _DENSE,
+              targets=(*_ATTN, "c_fc", "c_proj")),
+    # Routed experts on every layer (fused, gate and up interleaved); attention with biases and
+    # sinks; sliding and full attention alternating.
+    TinyModel("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
+              {**_DENSE, "head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
+               **_SLIDING}, targets=_ATTN),
+    # Multi-head latent attention (v2 without, v3 with the low-rank query); layer 0 dense MLP,
+    # layers 1-3 routed experts beside a shared expert. PEFT rewrites gate/up/down targets into
+    # expert LoRA here (and then adapts neither the dense MLP nor the shared expert), so the
+    # usual targets are the attention's.
+    TinyModel("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+              {**_DENSE, **_MLA_DIMS, "q_lora_rank": None}, targets=_MLA_ATTN),
+    TinyModel("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+              {**_DENSE, **_MLA_DIMS, "q_lora_rank": 24}, targets=_MLA_ATTN),
+    # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
+    # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
+    TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",
+              {**_DENSE, "head_dim": 24, **_SLIDING}, vision_kwargs=_SIGLIP,
+              targets=_ATTN + _MLP),
+    TinyModel("mistral3_vl", "Mistral3Config", "Mistral3ForConditionalGeneration",
+              {**_DENSE, "head_dim": 24}, vision_kwargs={**_SIGLIP, "head_dim": 16},
+              targets=_ATTN + _MLP),
+    TinyModel("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", _DENSE,
+              vision_kwargs=_QWEN_VISION, targets=_ATTN + _MLP),
+    TinyModel("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+              {**_DENSE, "head_dim": 24}, vision_kwargs=_QWEN_VISION, targets=_ATTN + _MLP),
 )  # fmt: skip
+
+
+# The tiny models of the dense llama-like families, by name.
+DENSE_FAMILIES = tuple(name for name, *_ in DENSE_FAMILIES_KWARGS)
 
 
 def _tiny_model(name: str) -> TinyModel:
