@@ -455,6 +455,41 @@ def test_every_chunk_is_checked_and_counted(tiny: dict[str, Path], tmp_path: Pat
         LoraPool.load(layout, 1, [report])
 
 
+@pytest.mark.parametrize(("name", "rank", "direct"), [("d", 4, True), ("b", 2, False)])
+def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: int,
+                                        direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copy, conversion and finite check are fused per chunk: no read is larger than one chunk
+    of the slot (or one row), and a BF16 adapter at the pool's rank (its bytes are the slot's)
+    is read straight into the slot, with no buffer between (`bench pack` measures the rate)."""
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    reads: list[tuple[bool, int, int]] = []  # (straight into the slot, BF16 bytes, one row's)
+    block, rows_into = fill.TensorReader.block, fill.TensorReader.rows_into
+
+    def counted_block(self, info, rows, cols):  # type: ignore[no-untyped-def]
+        width = (cols[1] - cols[0]) * 2
+        reads.append((False, (rows[1] - rows[0]) * width, width))
+        return block(self, info, rows, cols)
+
+    def counted_rows(self, info, rows, out):  # type: ignore[no-untyped-def]
+        reads.append((True, out.nbytes, out.nbytes // max(1, rows[1] - rows[0])))
+        return rows_into(self, info, rows, out)
+
+    monkeypatch.setattr(fill.TensorReader, "block", counted_block)
+    monkeypatch.setattr(fill.TensorReader, "rows_into", counted_rows)
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tiny[name]), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, rank)
+    pool, _ = LoraPool.load(layout, 1, [report])
+    assert reads and all(straight == direct for straight, _, _ in reads), reads
+    assert all(nbytes <= max(64, row) for _, nbytes, row in reads), reads
+    # A whole tensor is more than one chunk, so the bound means something.
+    assert max(m.a.shape[0] * m.a.shape[1] * 2 for m in report.modules) > 64
+    # The bytes are those of a pack a tensor at a time.
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 1 << 30)
+    assert np.array_equal(pool.region.host_bytes(0),
+                          LoraPool.load(layout, 1, [report])[0].region.host_bytes(0))
+
+
 def test_an_adapter_for_other_dims_is_refused_before_a_byte_is_written(tmp_path: Path) -> None:
     """Audited against intermediate_size 96, packed into a layout for 48: refused, naming the
     module and both shapes."""
