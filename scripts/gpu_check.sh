@@ -13,7 +13,8 @@
 #   correctness  every kernel against the torch reference on the device (pytest -m gpu)
 #   pack         the CuPy pack path and the kernels on a real-PEFT pool (pytest -m gpu)
 #   bench        a trimmed `metrale bench kernels --json`: each record carries the measured
-#                figures beside the model's (expected_us, terms, binding, l2_resident)
+#                figures beside the model's (expected_us, terms, binding, l2_resident); the
+#                measurements' lines, as they are made, are in its log
 #   sass         CuPy's compiler (NVRTC) for this device: its machine code through the same
 #                SASS counter as nvcc's (metrale_cli.ops.sass)
 #   memcheck     compute-sanitizer memcheck over the kernel tests with CuPy's memory pool off
@@ -73,8 +74,8 @@ STEPS=(
 # The files each step leaves in the archive beside NAME.log and NAME.json.
 declare -A RAW=(
     [device]="device-report.json nvidia-smi.txt" [correctness]="correctness.xml"
-    [pack]="pack.xml" [bench]="bench.jsonl" [sass]="sass-report.json"
-    [memcheck]="memcheck.xml" [model]="model.jsonl"
+    [pack]="pack.xml" [bench]="bench-records.json" [sass]="sass-report.json"
+    [memcheck]="memcheck.xml" [model]="model-records.json"
 )
 ARCHIVE=gpu-check.tar.gz
 budget_of() {  # budget_of NAME
@@ -143,10 +144,12 @@ if junit.is_file():  # pytest's outcomes, test by test
     result["tests"] = tests
     result["counts"] = {o: sum(t["outcome"] == o for t in tests)
                         for o in ("passed", "failed", "error", "skipped")}
-records = directory / f"{name}.jsonl"
-if records.is_file():  # one JSON record per line (the bench, the model)
-    result["records"] = [json.loads(line) for line in records.read_text().splitlines()
-                         if line.strip()]
+records = directory / f"{name}-records.json"
+if records.is_file():  # the bench's and the model's JSON document (none if cut short)
+    try:
+        result["records"] = json.loads(records.read_text())["records"]
+    except ValueError:
+        result["records"] = []
 report = directory / f"{name}-report.json"  # the device's, the SASS counter's
 if report.is_file():
     result["report"] = json.loads(report.read_text())
@@ -178,7 +181,7 @@ step() {  # step NAME STDOUT COMMAND...: under the step's timeout; stdout to STD
 }
 
 model_step() {
-    step model "$work/model.jsonl" "$PYTHON" -m metrale_cli bench kernels --model-only --json \
+    step model "$work/model-records.json" "$PYTHON" -m metrale_cli bench kernels --model-only --json \
         "${bench_args[@]}"
 }
 
@@ -204,7 +207,7 @@ step correctness - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$work/cor
     tests/test_kernels_gpu.py tests/test_expert_kernels_gpu.py
 step pack - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$work/pack.xml" \
     tests/test_pool_device_path.py tests/test_seam.py
-step bench "$work/bench.jsonl" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
+step bench "$work/bench-records.json" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
 step sass - "$PYTHON" -m metrale_cli.ops.sass --nvrtc-device --out "$work/sass-report.json"
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 step memcheck - "$sanitizer" --tool memcheck --error-exitcode 9 --target-processes all \

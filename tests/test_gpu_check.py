@@ -60,7 +60,7 @@ def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(
     assert {f"{name}.{kind}" for name in ORDER for kind in ("log", "json")} <= set(listed)
     # The CPU part ran: the model's records for the bench's shapes, as JSON, in the archive.
     summary, members = _returned(tmp_path)
-    assert set(members) == {"model.log", "model.json", "model.jsonl"} <= set(listed)
+    assert set(members) == {"model.log", "model.json", "model-records.json"} <= set(listed)
     model = json.loads(members["model.json"])
     assert model["rc"] == 0 and not model["timed_out"]
     assert model["records"] and all("terms" in r and "binding" in r for r in model["records"])

@@ -163,13 +163,10 @@ def refusal_record(exc: MetraleError) -> dict[str, Any] | None:
     return {"refused": kind.lstrip("_"), "error": str(exc)}
 
 
-def emit_json(record: Any, stream: bool = False) -> None:
-    """The one JSON writer of every command: a record, indented; with `stream`, one record of
-    many on one line (JSON lines), flushed so a reader sees it as it is measured."""
+def emit_json(record: Any) -> None:
+    """The one JSON writer of every command: one document, indented."""
     # allow_nan=False: a NaN or Infinity that got this far is a bug, never invalid JSON out.
-    sys.stdout.write(json.dumps(record, indent=None if stream else 2, allow_nan=False) + "\n")
-    if stream:
-        sys.stdout.flush()
+    sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
 
 
 def emit(record: Any, json_out: bool, view: Callable[[Any], Any]) -> None:

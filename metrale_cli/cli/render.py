@@ -321,16 +321,6 @@ def kernel_line(record: dict[str, Any]) -> Text:
         + (f"{speedup:5.2f}x {record['torch_best']}" if speedup else "no torch"))
 
 
-def kernel_model_line(record: dict[str, Any]) -> Text:
-    """One shape of the `bench kernels --model-only` roofline model on one line."""
-    return Text(
-        f"{record['kernel']:<16} {record['path']:<17} {record['module']:<8} "
-        f"r{record['rank']:<3} T{record['tokens']:<4} D{record['adapters']:<4} "
-        f"{record['ctas']:>5} CTAs {record['in_flight_per_sm_bytes'] / 1024:5.1f} KiB/SM "
-        f"{record['expected_pct_peak']:5.1f}% peak {record['expected_copy_ratio']:4.2f}x copy "
-        f"{'meets' if record['meets_target'] else 'MISSES'}")
-
-
 def _expert_head(record: dict[str, Any]) -> str:
     return (f"{record['projection']:<8} {record['model']:<19} r{record['rank']:<3} "
             f"T{record['tokens']:<5} D{record['adapters']:<2} {record['path']:<7} ")
@@ -345,12 +335,45 @@ def expert_kernel_line(record: dict[str, Any]) -> Text:
         + (f"{speedup:5.2f}x gather_bmm" if speedup else "no torch"))
 
 
-def expert_model_line(record: dict[str, Any]) -> Text:
-    """One shape and projection of the `bench kernels --experts --model-only` model."""
-    return Text(
-        _expert_head(record) + f"{record['bytes'] / 1e6:9.2f} MB {record['expected_us']:8.2f} us "
-        f"{record['expected_pct_peak']:5.1f}% peak {record['expected_copy_ratio']:4.2f}x copy "
-        f"{'meets' if record['meets_target'] else 'MISSES'}")
+def kernel_model_view(record: dict[str, Any]) -> Group:
+    """`bench kernels --model-only` (with `--experts` too): the device the model assumes, a
+    table per module (per model with `--experts`) with a row per kernel (projection) and shape,
+    and what the columns mean."""
+    d = record["assumed_device"]
+    experts = record["experts"]
+    group_key = "model" if experts else "module"
+    first = "projection" if experts else "kernel"
+    sizes = ("MB", "us") if experts else ("CTAs", "KiB/SM")
+    peak = f"{d['peak_bytes_per_s'] / 1e12:.1f} TB/s"
+    tables: dict[str, Table] = {}
+    for r in record["records"]:
+        table = tables.get(r[group_key])
+        if table is None:
+            table = tables[r[group_key]] = Table(
+                title=r[group_key], title_justify="left", title_style="bold",
+                header_style="bold", padding=0, show_edge=False,
+                box=box.SIMPLE_HEAD)
+            for col in (first, "path", "r", "T", "D", *sizes, "%peak", "xcopy", "target"):
+                table.add_column(col, justify="left" if col in (first, "path", "target")
+                                 else "right", no_wrap=col != "path")
+        table.add_row(
+            r[first], r["path"], str(r["rank"]), str(r["tokens"]), str(r["adapters"]),
+            f"{r['bytes'] / 1e6:.2f}" if experts else str(r["ctas"]),
+            f"{r['expected_us']:.2f}" if experts else f"{r['in_flight_per_sm_bytes'] / 1024:.1f}",
+            f"{r['expected_pct_peak']:.1f}", f"{r['expected_copy_ratio']:.2f}",
+            "meets" if r["meets_target"] else "MISSES")
+    what = ("MB: compulsory bytes; us: the expected time of the projection's launches"
+            if experts else "CTAs: the launch's thread blocks; KiB/SM: the bytes each SM has "
+            "in flight per pass")
+    return Group(
+        Text(f"Roofline model (no GPU is used) of an {d['name']}: {d['sms']} SMs, "
+             f"{human_bytes(d['l2_bytes'])} L2, nominal HBM peak {peak}."),
+        *tables.values(),
+        Text(f"r: rank; T: tokens in the batch; D: distinct adapters among them; {what}; "
+             f"%peak: the expected share of the {peak} peak; xcopy: the expected time over an "
+             "equal-bytes device copy; target: meets or MISSES the kernels' target (at least "
+             "80 / 75 / 70 % of peak for decode shrink / decode expand / prefill from 64 MiB "
+             "of traffic, at most 1.3x a copy below)."))
 
 
 def pack_view(record: dict[str, Any]) -> Group:
