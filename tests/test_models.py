@@ -11,6 +11,7 @@ import pytest
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.model.config import PRESETS, LayerType, ModelConfig, resolve_model
 from metrale_cli.model.modules import ALL, LoraModule
+from tests.support.cli_runner import metrale
 
 # Real files copied into the project (tests/data/PROVENANCE.md says from where).
 REFERENCE = Path(__file__).resolve().parent / "data" / "model_configs"
@@ -94,6 +95,15 @@ def test_config_rules(tmp_path: Path) -> None:
         ModelConfig.from_dict({**base, "layer_types": ["full_attention"]})
     with pytest.raises(FormatError, match="hidden_size"):
         ModelConfig.from_dict({**base, "hidden_size": "big"})
+
+
+def test_a_mistyped_preset_gets_the_nearest_name() -> None:
+    done = metrale("layout", "-m", "llama3.1-8b", "--modules", "q_proj", "--max-rank", 8)
+    assert done.code == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("error: --model 'llama3.1-8b': not a preset (did you mean "
+                                  "'llama-3.1-8b'?), not a path")
+    with pytest.raises(UsageError, match=r"not a preset, not a path"):  # nothing near: no guess
+        resolve_model("zzzz")
 
 
 def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from metrale_cli.cli.console import emit, err, handles_errors, out
-from metrale_cli.cli.options import MODEL, MODULES, ForceOpt, JsonOpt, shard_spec
+from metrale_cli.cli.options import MODEL, POOL_MODULES, ForceOpt, JsonOpt, shard_spec
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
 
@@ -23,7 +23,7 @@ BENCH_MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
 @handles_errors
 def bench_pack(
     model: Annotated[str, MODEL] = BENCH_MODEL,
-    modules: Annotated[str, MODULES] = BENCH_MODULES,
+    modules: Annotated[str, POOL_MODULES] = BENCH_MODULES,
     rank: Annotated[int, typer.Option("--rank", "-r")] = 64,
     adapters: Annotated[int, typer.Option("--adapters", help="Synthetic adapters to pack.")] = 4,
     dtype: Annotated[str, typer.Option("--dtype", help="Adapter file dtype.")] = "bf16",
@@ -58,7 +58,7 @@ def bench_pack(
 @handles_errors
 def bench_kernels(
     model: Annotated[str, MODEL] = BENCH_MODEL,
-    modules: Annotated[str, MODULES] = BENCH_MODULES,
+    modules: Annotated[str, POOL_MODULES] = BENCH_MODULES,
     rank: Annotated[list[int] | None, typer.Option("--rank", "-r", help="Repeatable; "
                                                    "default 16, 64, 128.")] = None,
     tokens: Annotated[list[int] | None, typer.Option(

@@ -19,7 +19,7 @@ from metrale_cli.cli.console import (
 from metrale_cli.cli.options import (
     MAX_LORAS,
     MODEL,
-    MODULES,
+    POOL_MODULES,
     EpOpt,
     ExpertsOpt,
     ForceOpt,
@@ -27,8 +27,8 @@ from metrale_cli.cli.options import (
     JsonOpt,
     MaxRankOpt,
     ModelOpt,
-    ModulesOpt,
     OnlineOpt,
+    PoolModulesOpt,
     TpOpt,
     experts_on,
     online_on,
@@ -48,7 +48,7 @@ def synth(
     out_dir: Annotated[str, typer.Argument(help="Directory to write the adapter into.",
                                            show_default=False)],
     model: Annotated[str, MODEL],
-    modules: Annotated[str, MODULES],
+    modules: Annotated[str, POOL_MODULES],
     rank: Annotated[int, typer.Option("--rank", "-r")],
     alpha: Annotated[float | None, typer.Option("--alpha", help="Default: 2 * rank.")] = None,
     rslora: Annotated[bool, typer.Option("--rslora", help="Scale alpha/sqrt(r).")] = False,
@@ -89,7 +89,7 @@ def pack(
     max_loras: Annotated[int, MAX_LORAS],
     model: ModelOpt = None,
     max_rank: MaxRankOpt = None,
-    modules: ModulesOpt = None,
+    modules: PoolModulesOpt = None,
     out_text: Annotated[str | None, typer.Option("--out", "-o", help="Write the pool image "
                                                  "here (safetensors, format pool/1); with --tp "
                                                  "a directory of rank images.")] = None,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale_cli import env
-from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
+from metrale_cli.errors import FormatError, UnsupportedModel, UsageError, did_you_mean
 from metrale_cli.files.hub import cached, fetch, parse_hub_id
 from metrale_cli.files.jsondoc import load_json
 from metrale_cli.files.regular import refuse_not_regular
@@ -456,8 +456,9 @@ def resolve_model(spec: str, online: bool = False) -> ModelConfig:
     if path.exists():
         raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
                          "(a directory without config.json), and not a preset (`metrale models`)")
+    hint = did_you_mean(spec, [p.name for p in PRESETS])
     raise UsageError(
-        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache "
-        f"({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
+        f"--model {spec!r}: not a preset{hint}, not a path, and not in the local Hugging Face "
+        f"cache ({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
         "directory, or --online to fetch a hub id"
     )
