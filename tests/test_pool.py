@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -375,6 +376,31 @@ def test_pack_refuses_and_never_overwrites(tiny: dict[str, Path], tmp_path: Path
 
 
 @pytest.mark.skipif(compat.has_gpu(), reason="a GPU is present")
+def test_pack_tells_its_stages_and_what_it_wrote(tiny: dict[str, Path], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped, a pack that runs long is told at each tenth of each stage, in MiB as its summary
+    counts: reading the adapters, then writing the image (the bar sat at 100% while the image
+    was written, and piped a pack said nothing). Without --out it says it wrote nothing."""
+    from metrale_cli.cli import console
+
+    monkeypatch.setattr(console, "QUIET_S", 0.0)  # as if it had run long
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)  # many small reads: many steps to tell
+    out = tmp_path / "pool.safetensors"
+    done = metrale("pack", tiny["a"], tiny["d"], "--max-loras", 2, "--out", out)
+    assert done.code == 0, done.stderr
+    lines = done.stderr.splitlines()
+    stages = [line.split(":")[0] for line in lines]
+    assert stages == sorted(stages, key=["packing", "writing the image"].index), lines
+    assert {"packing", "writing the image"} == set(stages)
+    assert all(re.fullmatch(r"(packing|writing the image): \d0% of \d+\.\d MiB", line)
+                            for line in lines), lines
+    assert "nothing was written" not in done.stderr
+    none = metrale("pack", tiny["a"], "--max-loras", 2, "--json")
+    assert none.code == 0 and none.json()["image"] is None
+    assert none.stderr == ("note: no --out, so nothing was written: the pool was packed in "
+                           "memory and let go\n")
+
+
 def test_pack_on_cuda_without_a_gpu_exits_3(tiny: dict[str, Path]) -> None:
     gpu = metrale("pack", tiny["a"], "--max-loras", 1, "--device", "cuda")
     assert gpu.code == 3 and gpu.stderr.startswith("error: a GPU is needed")

@@ -940,3 +940,19 @@ def test_cli_min_is_labelled_an_offline_bound() -> None:
     assert rec.code == 0, rec.stderr
     results = json.loads(rec.stdout)["results"]
     assert {x["policy"]: x["offline_bound"] for x in results} == {"lru": False, "min": True}
+
+
+def test_progress_off_a_terminal_is_quiet_for_short_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped, a simulate of well under a second prints no progress (it printed a line at each
+    tenth, however short); work that runs past the quiet time is told at each tenth."""
+    from metrale_cli.cli import console
+
+    args = ["simulate", *SLOT, "--workload", "zipf", "--adapters", 50, "--requests", 300,
+            "--max-loras", 8]
+    short = metrale(*args)
+    assert short.code == 0 and short.stderr == "", short.stderr
+    monkeypatch.setattr(console, "QUIET_S", 0.0)  # as if it had run long
+    told = metrale(*args).stderr.splitlines()
+    assert told and all(re.fullmatch(r"simulating: \d0% of 900 request replays", line)
+                        for line in told), told

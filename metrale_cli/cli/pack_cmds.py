@@ -10,10 +10,10 @@ import typer
 
 from metrale_cli.cli.console import (
     emit,
-    err,
     handles_errors,
-    progress_bar,
+    progress,
     said_details,
+    say,
     warn,
 )
 from metrale_cli.cli.options import (
@@ -142,12 +142,15 @@ def pack(
         if spec is not None and target is not None:  # before the audit, as a file --out is
             check_output_dir(target, force, owned=OWNED_GLOBS)
         the_layout, expert_layout, reports = prepare()
-        # A bar for the one pool (a rank's share of the bytes is not known ahead).
-        with progress_bar("packing", tensor_bytes(reports),
-                          spec is None and err().is_terminal and not json_out) as progress:
+        # Progress for the one pool (a rank's share of the bytes is not known ahead): reading
+        # the adapters, then writing the image.
+        with progress("packing", tensor_bytes(reports), spec is None and not json_out) as shown:
             result = pack_pool(the_layout, max_loras, reports, device, target, force,
-                               progress, expert_layout, spec)
+                               None if shown is None else shown.advance, expert_layout, spec,
+                               None if shown is None else shown.next_stage("writing the image"))
     if result is None:
         return  # a torchrun rank other than 0: rank 0 reports for all
     warn(result.warnings)
     emit(result.record(), json_out, render.pack_view)
+    if target is None:
+        say("note: no --out, so nothing was written: the pool was packed in memory and let go")
