@@ -152,5 +152,5 @@ def pack(
         return  # a torchrun rank other than 0: rank 0 reports for all
     warn(result.warnings)
     emit(result.record(), json_out, render.pack_view)
-    if target is None:
+    if target is None and not json_out:  # the record says it: its image is null
         say("note: no --out, so nothing was written: the pool was packed in memory and let go")
