@@ -50,9 +50,9 @@ def err() -> Console:
 
 
 def print_view(view: Any) -> None:
-    """A view on stdout. Its whole lines (render.whole, render.fields: a fingerprint, a path,
-    a number with its unit) pass the terminal's width uncropped and unfolded, so the terminal
-    wraps them and a line a user greps for stays one line; tables fit the width as laid out."""
+    """A view on stdout. Its whole lines (render.whole: a command to paste, a path) pass the
+    terminal's width uncropped and unfolded, so the terminal wraps them and a line a user greps
+    for stays one line; key/value lines (render.fields) and tables fit the width themselves."""
     out().print(view, crop=False)
 
 

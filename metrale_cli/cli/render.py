@@ -30,18 +30,70 @@ def whole(line: str, style: str = "") -> Text:
     return Text(line, style=style, no_wrap=True, overflow="ignore")
 
 
-def fields(rows: list[tuple[str, str | Text]]) -> Text:
-    """`key  value` lines, keys dim and aligned, each line whole (`whole`); where a grid would
-    fold a long value onto the next line (`6,656` / `B`), the terminal wraps it instead. A value
-    is plain text (no markup: input-derived text needs no escaping), or a styled Text."""
-    width = max((len(key) for key, _ in rows), default=0)
-    text = Text(no_wrap=True, overflow="ignore")
-    for i, (key, value) in enumerate(rows):
-        if i:
-            text.append("\n")
-        text.append(key.ljust(width), style="dim")
-        text.append(f"  {value}")
-    return text
+class Fields:
+    """`key  value` lines, keys dim and aligned, each value wrapped to the terminal's width onto
+    lines indented to its column: after a `, ` or `; ` where one falls in the line's second
+    half, else at a space, never inside a word nor between a number and what follows it
+    (`6,656 B`); a word longer than the line stays whole. A value that is a `whole` Text (a
+    command to paste, a path) stays on one line, which the terminal wraps. A value is plain text
+    (no markup: input-derived text needs no escaping), or a styled Text."""
+
+    def __init__(self, rows: list[tuple[str, str | Text]], style: str = "",
+                 hang: int = 0) -> None:
+        self.rows = rows
+        self.style = style
+        self.hang = hang  # continuation lines' indent beyond the value's column
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        width = max((len(key) for key, _ in self.rows), default=0)
+        indent = (width + 2 if width else 0) + self.hang
+        for key, value in self.rows:
+            text = value if isinstance(value, Text) else Text(value)
+            line = Text(no_wrap=True, overflow="ignore", style=self.style)
+            if width:
+                line.append(key.ljust(width) + "  ", style="dim")
+            if text.no_wrap:
+                yield line.append_text(text)
+                continue
+            first = max(20, options.max_width - indent + self.hang)
+            pieces = [piece for part in text.split("\n")  # a value's own lines, each wrapped
+                      for piece in part.divide(_breaks(part.plain, first, first - self.hang))]
+            for i, piece in enumerate(pieces):
+                piece.rstrip()
+                yield (line if i == 0 else Text(" " * indent, no_wrap=True, overflow="ignore",
+                                                style=self.style)).append_text(piece)
+
+
+def _breaks(plain: str, first: int, width: int) -> list[int]:
+    """Where `Fields` breaks `plain` into a line of at most `first` characters, then lines of
+    at most `width`."""
+    breaks, start, limit = [], 0, first
+    while len(plain) - start > limit:
+        window = plain[start:start + limit + 1]
+        cut = max(window.rfind(", "), window.rfind("; "))
+        if cut >= limit // 2:
+            cut += 2
+        else:  # the last space not after a digit (`6,656 B` stays together)
+            cut = next((i + 1 for i in range(len(window) - 1, 0, -1)
+                        if window[i] == " " and not window[i - 1].isdigit()), 0)
+        if cut <= 0:  # no place to break within the line: after the word it starts with
+            cut = plain.find(" ", start + limit + 1) + 1 - start
+            if cut <= 0:
+                break
+        start += cut
+        breaks.append(start)
+        limit = width
+    return breaks
+
+
+def fields(rows: list[tuple[str, str | Text]]) -> Fields:
+    """`key  value` lines, wrapped as `Fields` wraps them."""
+    return Fields(rows)
+
+
+def wrapped(line: str, style: str = "") -> Fields:
+    """One line of text, wrapped as a `Fields` value is, its continuation lines indented."""
+    return Fields([("", line)], style, hang=2)
 
 
 def human_bytes(n: float) -> str:
@@ -473,7 +525,7 @@ def show_view(record: dict[str, Any]) -> Group:
     """`metrale show`: the image's record (see image.show.ImageShow)."""
     lay, ex = record["layout"], record["experts"]
     rows = [
-        ("image", f"{record['path']} ({record['format']}, consistent)"),
+        ("image", whole(f"{record['path']} ({record['format']}, consistent)")),
         ("model", model_line(record["model"])),
         ("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
                    f"({', '.join(lay['modules']) or 'no modules'}), slot "
@@ -506,7 +558,7 @@ def show_view(record: dict[str, Any]) -> Group:
         table.add_row(str(s["slot"]), s["name"], str(s["generation"]), str(s["rank"]),
                       _fmt(s["alpha"]), f"{s['scale']:.6g}", "yes" if s["pinned"] else "",
                       str(s["entries"]), str(s["expert_entries"] or "·"), overlays or "·")
-        sources.append((f"slot {s['slot']} source", s["source"]))
+        sources.append((f"slot {s['slot']} source", whole(s["source"])))  # a path, whole
     sizes = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     sizes.add_column("part")
     sizes.add_column("bytes", justify="right")
