@@ -135,8 +135,9 @@ def _measured(line: Callable[[dict[str, Any]], Text], json_out: bool
         console = err() if json_out else out()
         if not shown:
             shown.append(record["device"])
+            source = f" ({record['peak_source']})" if "peak_source" in record else ""
             console.print(f"{record['device']}: nominal HBM peak {record['peak_tb_per_s']:.2f} "
-                          f"TB/s ({record['peak_source']}); % peak is of it", soft_wrap=True)
+                          f"TB/s{source}; % peak is of it", soft_wrap=True)
         console.print(line(record), soft_wrap=True)
 
     return show
