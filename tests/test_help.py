@@ -131,11 +131,16 @@ def test_dash_h_is_help_everywhere(path: list[str], command: Any) -> None:
 
 
 def test_shell_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Typer's completion: the script to show or install, and the completions it asks for."""
-    shown = metrale("--show-completion", "bash")
+    """Typer's completion: the script to show or install for the shell it runs in (found from
+    the processes above it: bash here, whatever runs the tests), and the completions it asks
+    for."""
+    import shellingham
+
+    monkeypatch.setattr(shellingham, "detect_shell", lambda: ("bash", "/bin/bash"))
+    shown = metrale("--show-completion")
     assert shown.code == 0 and "_METRALE_COMPLETE=complete_bash" in shown.stdout, shown.output
     monkeypatch.setenv("HOME", str(tmp_path))
-    installed = metrale("--install-completion", "bash")
+    installed = metrale("--install-completion")
     assert installed.code == 0, installed.output
     assert "_METRALE_COMPLETE=complete_bash" in (tmp_path / ".bash_completions"
                                                  / "metrale.sh").read_text()

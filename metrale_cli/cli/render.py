@@ -527,9 +527,10 @@ def show_view(record: dict[str, Any]) -> Group:
     rows = [
         ("image", whole(f"{record['path']} ({record['format']}, consistent)")),
         ("model", model_line(record["model"])),
-        ("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
-                   f"({', '.join(lay['modules']) or 'no modules'}), slot "
-                   f"{lay['slot_bytes']:,} B, {lay['max_loras']:,} slots"),
+        # The sizes first: at 80 columns they stay on the key's line, the module list wraps.
+        ("layout", f"slot {lay['slot_bytes']:,} B, {lay['max_loras']:,} slots; max rank "
+                   f"{lay['max_rank']}, {lay['entries']} entries "
+                   f"({', '.join(lay['modules']) or 'no modules'})"),
         ("fingerprint", lay["fingerprint"]),
     ]
     if ex is not None:
