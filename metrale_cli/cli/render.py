@@ -32,8 +32,8 @@ def whole(line: str, style: str = "") -> Text:
 
 class Fields:
     """`key  value` lines, keys dim and aligned, each value wrapped to the terminal's width onto
-    lines indented to its column: after a `, ` or `; ` where one falls in the line's second
-    half, else at a space, never inside a word nor between a number and what follows it
+    lines indented to its column: after a `; ` in the line's second half or a `, ` in its last
+    quarter, else at a space, never inside a word nor between a number and what follows it
     (`6,656 B`); a word longer than the line stays whole. A value that is a `whole` Text (a
     command to paste, a path) stays on one line, which the terminal wraps. A value is plain text
     (no markup: input-derived text needs no escaping), or a styled Text."""
@@ -70,8 +70,10 @@ def _breaks(plain: str, first: int, width: int) -> list[int]:
     breaks, start, limit = [], 0, first
     while len(plain) - start > limit:
         window = plain[start:start + limit + 1]
-        cut = max(window.rfind(", "), window.rfind("; "))
-        if cut >= limit // 2:
+        # Between clauses, or list items, unless that leaves the line short.
+        cut = max(window.rfind("; ") if window.rfind("; ") >= limit // 2 else -1,
+                  window.rfind(", ") if window.rfind(", ") >= limit * 3 // 4 else -1)
+        if cut >= 0:
             cut += 2
         else:  # the last space not after a digit (`6,656 B` stays together)
             cut = next((i + 1 for i in range(len(window) - 1, 0, -1)
