@@ -186,9 +186,10 @@ def test_key_value_lines_wrap_and_pasted_lines_stay_whole(
     assert whole
     assert " ".join(shown).split() == " ".join(whole).split()
     # Past the width: a whole line (the model line opens a view; `serve` is pasted; `wrote`,
-    # `image` and a slot's `source` name a path), or a word too long to break (a path), after
-    # its key or alone.
+    # `image` and a slot's `source` name a path; simulate's answer per policy is grepped), or
+    # a word too long to break (a path), after its key or alone.
     kept = [line for line in shown if len(line) > columns]
     assert all((line in whole and (line.startswith(("serve ", "wrote ", "image ", "slot "))
+                                   or re.match(r"[\w ()]+: (\d+ slots|no size)", line)
                                    or line == whole[0]))
                or len(line.split()) <= 2 for line in kept), kept

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from metrale_cli.cli.render import fields, human_bytes, wrapped
+from metrale_cli.cli.render import fields, human_bytes, whole
 
 # The flag that sizes each engine's host cache, as the engine spells it.
 _HOST_FLAG = {"vllm": "--max-cpu-loras", "sglang": "--max-loaded-loras"}
@@ -132,7 +132,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
                     line += (f", does NOT fit the {human_bytes(budget)} budget "
                              f"({s['pool_bytes']:,} B with its tables, "
                              f"{s['pool_bytes'] - budget:,} B over)")
-            parts.append(wrapped(line))
+            parts.append(whole(line))  # the answer, one line to grep
             if s["first_meeting"] is not None and s["first_meeting"] != s["max_loras"]:
                 parts.append(Text(f"  not monotonic: {s['first_meeting']} slots meet it, a "
                                   "larger size does not"))
