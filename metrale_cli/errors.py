@@ -27,6 +27,15 @@ class UsageError(MetraleError):
     """A bad argument, a missing path, an unknown model."""
 
 
+def did_you_mean(wanted: str, known: Sequence[str]) -> str:
+    """` (did you mean 'x'?)` for the known name closest to a mistyped one, else nothing: the
+    tail of a usage error's line."""
+    import difflib
+
+    close = difflib.get_close_matches(wanted.strip().lower(), known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class FormatError(MetraleError):
     """A file that is not what it claims to be (bad safetensors header, bad JSON, ...)."""
 

@@ -6,21 +6,24 @@
 #
 #   bash scripts/gpu_check.sh [--quick] [--dry-run [--json]] OUT_DIR
 #
-# Steps run in order of value, each under its own `timeout` (budgets below: 7 minutes in all,
-# 3 with --quick), and a step that fails or runs out of time does not stop the next one:
+# Steps run in order of value, each under its own `timeout` (budgets below: 400 s in all, 180 s
+# with --quick; a lent device gives 15 minutes including its start, so a run must fit 420 s to
+# leave time for a second), and a step that fails or runs out of time does not stop the next:
 #   device       the device as CuPy and nvidia-smi see it (the memory clock guarded: CUDA 13
 #                dropped it from the device properties)
 #   correctness  every kernel against the torch reference on the device (pytest -m gpu)
 #   pack         the CuPy pack path and the kernels on a real-PEFT pool (pytest -m gpu)
 #   bench        a trimmed `metrale bench kernels --json`: each record carries the measured
-#                figures beside the model's (expected_us, terms, binding, l2_resident)
+#                figures beside the model's (expected_us, terms, binding, l2_resident); the
+#                measurements' lines, as they are made, are in its log
 #   sass         CuPy's compiler (NVRTC) for this device: its machine code through the same
 #                SASS counter as nvcc's (metrale_cli.ops.sass)
 #   memcheck     compute-sanitizer memcheck over the kernel tests with CuPy's memory pool off
 #                (cupy.cuda.set_allocator(None)), so a read past a buffer inside a pooled
 #                allocation is caught
-#   model        the roofline model for the bench's shapes (CPU only; its budget holds on a
-#                loaded 2-core machine, where its 2 s once took 33)
+#   model        the roofline model for the bench's shapes (CPU only, 2 s on an idle machine:
+#                15 s on the device; the dry run gives it 60 s, which holds on a loaded 2-core
+#                machine, where its 2 s once took 33)
 # A lent device returns at most 8 files from its output folder (16 MiB each, 64 MiB in all, two
 # folders deep), so the steps write into a work folder and OUT_DIR gets two files, rewritten
 # after every step (a run cut short returns what it finished; scripts/gpu_check_returns.py):
@@ -30,8 +33,9 @@
 # Exit status: 0 when every step passed.
 #
 # --dry-run lists the steps with their budgets and what the run returns (--json: {"steps":
-# [{"name", "budget_s"}], "total_budget_s", "returns": {"files", "archive"}}) and runs the CPU
-# part (the model) into OUT_DIR's two files; tests/test_gpu_check.py runs it in the suite.
+# [{"name", "budget_s"}], "total_budget_s", "overhead_s", "fit_s", "returns": {"files",
+# "archive"}}) and runs the CPU part (the model) into OUT_DIR's two files;
+# tests/test_gpu_check.py runs it in the suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +48,7 @@ for arg in "$@"; do
         --quick) quick=1 ;;
         --dry-run) dry=1 ;;
         --json) json=1 ;;
-        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
         -*) echo "gpu_check.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
         *) if [ -n "$out" ]; then echo "gpu_check.sh: one OUT_DIR only" >&2; exit 2; fi
            out=$arg ;;
@@ -60,21 +64,26 @@ if [ $json -eq 1 ] && [ $dry -eq 0 ]; then
 fi
 PYTHON=${PYTHON:-python3}
 
-# name budget_s (full) budget_s (--quick), in order of value; 465 s and 225 s in all.
+# name budget_s (full) budget_s (--quick), in order of value; 400 s and 180 s in all, which
+# with the script's own work between steps (each step's record and the archive: OVERHEAD_S)
+# fits FIT_S (tests/test_gpu_check.py checks the sums).
 STEPS=(
     "device 10 10"
-    "correctness 110 50"
+    "correctness 105 50"
     "pack 50 20"
     "bench 115 45"
-    "sass 40 20"
-    "memcheck 80 20"
-    "model 60 60"
+    "sass 35 20"
+    "memcheck 70 20"
+    "model 15 15"
 )
+FIT_S=420
+OVERHEAD_S=20
+DRY_MODEL_S=60  # the model step of --dry-run, on whatever CPU machine runs it
 # The files each step leaves in the archive beside NAME.log and NAME.json.
 declare -A RAW=(
     [device]="device-report.json nvidia-smi.txt" [correctness]="correctness.xml"
-    [pack]="pack.xml" [bench]="bench.jsonl" [sass]="sass-report.json"
-    [memcheck]="memcheck.xml" [model]="model.jsonl"
+    [pack]="pack.xml" [bench]="bench-records.json" [sass]="sass-report.json"
+    [memcheck]="memcheck.xml" [model]="model-records.json"
 )
 ARCHIVE=gpu-check.tar.gz
 budget_of() {  # budget_of NAME
@@ -118,10 +127,10 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 3
 trap 'rm -rf "$work"' EXIT
 status=0
 
-record() {  # record NAME RC SECONDS: NAME.json and a summary entry
-    local name=$1 rc=$2 seconds=$3 timed_out=false
+record() {  # record NAME RC SECONDS BUDGET: NAME.json and a summary entry
+    local name=$1 rc=$2 seconds=$3 budget=$4 timed_out=false
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then timed_out=true; fi
-    "$PYTHON" - "$work" "$name" "$rc" "$seconds" "$timed_out" "$(budget_of "$name")" <<'EOF'
+    "$PYTHON" - "$work" "$name" "$rc" "$seconds" "$timed_out" "$budget" <<'EOF'
 import json, sys
 from pathlib import Path
 from xml.etree import ElementTree
@@ -143,10 +152,12 @@ if junit.is_file():  # pytest's outcomes, test by test
     result["tests"] = tests
     result["counts"] = {o: sum(t["outcome"] == o for t in tests)
                         for o in ("passed", "failed", "error", "skipped")}
-records = directory / f"{name}.jsonl"
-if records.is_file():  # one JSON record per line (the bench, the model)
-    result["records"] = [json.loads(line) for line in records.read_text().splitlines()
-                         if line.strip()]
+records = directory / f"{name}-records.json"
+if records.is_file():  # the bench's and the model's JSON document (none if cut short)
+    try:
+        result["records"] = json.loads(records.read_text())["records"]
+    except ValueError:
+        result["records"] = []
 report = directory / f"{name}-report.json"  # the device's, the SASS counter's
 if report.is_file():
     result["report"] = json.loads(report.read_text())
@@ -161,6 +172,7 @@ step() {  # step NAME STDOUT COMMAND...: under the step's timeout; stdout to STD
     local name=$1 stdout=$2 budget start rc
     shift 2
     budget=$(budget_of "$name")
+    if [ $dry -eq 1 ] && [ "$name" = model ]; then budget=$DRY_MODEL_S; fi
     echo "== $name (budget ${budget}s): $*"
     start=$SECONDS
     if [ "$stdout" = "-" ]; then
@@ -169,7 +181,7 @@ step() {  # step NAME STDOUT COMMAND...: under the step's timeout; stdout to STD
         timeout --kill-after=5 "$budget" "$@" > "$stdout" 2> "$work/$name.log"
     fi
     rc=$?
-    record "$name" "$rc" $((SECONDS - start))
+    record "$name" "$rc" $((SECONDS - start)) "$budget"
     if [ "$rc" -ne 0 ]; then
         status=1
         echo "   FAILED rc=$rc (see $name.log in $out/$ARCHIVE)"
@@ -178,19 +190,20 @@ step() {  # step NAME STDOUT COMMAND...: under the step's timeout; stdout to STD
 }
 
 model_step() {
-    step model "$work/model.jsonl" "$PYTHON" -m metrale_cli bench kernels --model-only --json \
+    step model "$work/model-records.json" "$PYTHON" -m metrale_cli bench kernels --model-only --json \
         "${bench_args[@]}"
 }
 
 if [ $dry -eq 1 ]; then
     if [ $json -eq 1 ]; then
-        echo "{\"steps\": [$listing], \"total_budget_s\": $total, \"returns\": {\"files\": [\"$ARCHIVE\", \"summary.json\"], \"archive\": [$members]}}"
+        echo "{\"steps\": [$listing], \"total_budget_s\": $total, \"overhead_s\": $OVERHEAD_S, \"fit_s\": $FIT_S, \"returns\": {\"files\": [\"$ARCHIVE\", \"summary.json\"], \"archive\": [$members]}}"
     else
         for entry in "${STEPS[@]}"; do
             read -r name _ _ <<< "$entry"
             printf '%-12s %4ss\n' "$name" "$(budget_of "$name")"
         done
-        printf '%-12s %4ss\n' total "$total"
+        printf '%-12s %4ss, and %ss of the script'"'"'s own: within %ss\n' total "$total" \
+            "$OVERHEAD_S" "$FIT_S"
         echo "returns: $out/$ARCHIVE (every step's files) and $out/summary.json"
     fi
     model_step > /dev/null 2>&1
@@ -204,7 +217,7 @@ step correctness - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$work/cor
     tests/test_kernels_gpu.py tests/test_expert_kernels_gpu.py
 step pack - "$PYTHON" -m pytest "${pytest_args[@]}" --junitxml="$work/pack.xml" \
     tests/test_pool_device_path.py tests/test_kernels_end_to_end.py
-step bench "$work/bench.jsonl" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
+step bench "$work/bench-records.json" "$PYTHON" -m metrale_cli bench kernels --json "${bench_args[@]}"
 step sass - "$PYTHON" -m metrale_cli.ops.sass --nvrtc-device --out "$work/sass-report.json"
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 step memcheck - "$sanitizer" --tool memcheck --error-exitcode 9 --target-processes all \

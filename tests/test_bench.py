@@ -89,3 +89,31 @@ def test_kernel_shapes_are_the_modules_that_apply() -> None:
     modules = [LoraModule.Q_PROJ, LoraModule.GATE_PROJ, LoraModule.OUT_PROJ]
     assert module_shapes(ModelConfig.preset("qwen3-next-80b-a3b"), modules) == [
         ("q_proj", 8192, 2048), ("out_proj", 2048, 4096)]
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_measured_lines_name_the_device_peak_first(json_out: bool,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPU run's lines, as they are measured: first the device and the peak its `% peak` is
+    of, then a line per record; under --json on stderr (stdout holds the one document)."""
+    from metrale_cli.cli import bench_cmds, console
+
+    console.out.cache_clear()
+    console.err.cache_clear()
+    record = {"kernel": "bgmv_shrink", "module": "q_proj", "rank": 16, "tokens": 8,
+              "adapters": 8, "p50_us": 3.25, "tb_per_s": 1.5, "pct_peak": 31.25,
+              "pct_copy": 80.0, "speedup_vs_torch": None, "torch_best": None,
+              "device": "NVIDIA H100 80GB HBM3", "peak_tb_per_s": 3.35}
+    show = bench_cmds._measured(kernel_line, json_out)
+    try:
+        show(record)
+        show({**record, "peak_source": "memory clock x bus width"})  # the device line once
+    finally:  # the consoles bound to this test's captured streams go with it
+        console.out.cache_clear()
+        console.err.cache_clear()
+    out, err = capsys.readouterr()
+    lines = (err if json_out else out).splitlines()
+    assert (out if json_out else err) == ""
+    assert lines[0] == "NVIDIA H100 80GB HBM3: nominal HBM peak 3.35 TB/s; % peak is of it"
+    assert len(lines) == 3 and lines[1] == kernel_line(record).plain
+

@@ -68,7 +68,7 @@ def test_compulsory_bytes_count_each_group_once() -> None:
 def test_model_only_covers_both_models_ranks_and_paths() -> None:
     result = metrale("bench", "kernels", "--experts", "--model-only", "--json")
     assert result.code == 0, result.stderr
-    records = [__import__("json").loads(line) for line in result.stdout.splitlines()]
+    records = result.json()["records"]
     assert {r["model"] for r in records} == set(be.EXPERT_MODELS)
     assert {r["rank"] for r in records} == set(be.EXPERT_RANKS)
     assert {r["tokens"] for r in records} == set(be.EXPERT_TOKENS)

@@ -151,3 +151,10 @@ def test_layout_host_cache_counts_adapters_in_english(slots: int, says: str) -> 
     done = metrale("layout", "--engine", "vllm", "--model", "qwen3-8b", "--max-loras", slots,
                    "--max-rank", 16, "--modules", "q_proj")
     assert done.code == 0 and says in done.stdout, done.stdout
+
+
+def test_a_mistyped_engine_gets_the_nearest_name(tmp_path: Path) -> None:
+    done = metrale("inspect", tmp_path, "--engine", "vlm")
+    assert done.code == 2 and done.stderr == (
+        "error: --engine 'vlm' (did you mean 'vllm'?): one of metrale, vllm, sglang (a version "
+        "as vllm==0.32.0)\n")

@@ -43,8 +43,28 @@ def _returned(out: Path) -> tuple[dict, dict[str, bytes]]:
     return json.loads((out / "summary.json").read_text()), members
 
 
+# A lent device gives 15 minutes, its start included: one run must fit this, to leave time to
+# run it again.
+FIT_S = 420
+
+
+@pytest.mark.parametrize("flags", [(), ("--quick",)], ids=["full", "quick"])
+def test_the_budgets_fit_a_run_and_a_rerun(flags: tuple[str, ...]) -> None:
+    """The steps' budgets, as the script declares them, sum to its total, and the total with
+    the script's own work between steps (its records and archive) fits 420 s (465 s once)."""
+    text = SCRIPT.read_text()
+    table = text[text.index("STEPS=("):text.index(")", text.index("STEPS=("))]
+    declared = {name: int(quick if flags else full)
+                for name, full, quick in re.findall(r'"(\w+) (\d+) (\d+)"', table)}
+    assert list(declared) == ORDER
+    overhead = int(re.search(r"^OVERHEAD_S=(\d+)$", text, re.M).group(1))
+    assert int(re.search(r"^FIT_S=(\d+)$", text, re.M).group(1)) == FIT_S
+    assert overhead >= 2 * len(ORDER)  # a second or more per step for its record and archive
+    assert sum(declared.values()) + overhead <= FIT_S, declared
+
+
 @pytest.mark.proc
-@pytest.mark.parametrize(("flags", "total"), [((), 465), (("--quick",), 225)],
+@pytest.mark.parametrize(("flags", "total"), [((), 400), (("--quick",), 180)],
                          ids=["full", "quick"])
 def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(
         tmp_path: Path, flags: tuple[str, ...], total: int) -> None:
@@ -54,19 +74,22 @@ def test_dry_run_lists_the_steps_within_budget_and_runs_the_model(
     assert [s["name"] for s in plan["steps"]] == ORDER
     assert all(s["budget_s"] > 0 for s in plan["steps"])
     assert plan["total_budget_s"] == sum(s["budget_s"] for s in plan["steps"]) == total
+    assert plan["fit_s"] == FIT_S and total + plan["overhead_s"] <= FIT_S
     # What the run returns: two files, every step's files in the archive.
     assert plan["returns"]["files"] == ["gpu-check.tar.gz", "summary.json"]
     listed = plan["returns"]["archive"]
     assert {f"{name}.{kind}" for name in ORDER for kind in ("log", "json")} <= set(listed)
     # The CPU part ran: the model's records for the bench's shapes, as JSON, in the archive.
     summary, members = _returned(tmp_path)
-    assert set(members) == {"model.log", "model.json", "model.jsonl"} <= set(listed)
+    assert set(members) == {"model.log", "model.json", "model-records.json"} <= set(listed)
     model = json.loads(members["model.json"])
     assert model["rc"] == 0 and not model["timed_out"]
     assert model["records"] and all("terms" in r and "binding" in r for r in model["records"])
     assert summary["dry_run"] and [s["name"] for s in summary["steps"]] == ["model"]
     step = summary["steps"][0]
+    # The dry run's model gets 60 s (any CPU machine, loaded), the device run's 15.
     assert step["status"] == "passed" and step["budget_s"] == 60
+    assert next(s["budget_s"] for s in plan["steps"] if s["name"] == "model") == 15
     assert step["figures"]["records"] == len(model["records"])
     assert step["figures"]["missing_target"] == sum(not r["meets_target"]
                                                     for r in model["records"])

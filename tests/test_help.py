@@ -119,3 +119,49 @@ def test_every_example_runs(examples_dir: Path, monkeypatch: pytest.MonkeyPatch)
         if done.code not in allowed or not done.output.strip():
             failed.append(f"{example}: exit {done.code}\n{done.output}")
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize(("path", "command"), TREE, ids=lambda v: _ids(v) if isinstance(v, list)
+                         else "")
+def test_dash_h_is_help_everywhere(path: list[str], command: Any) -> None:
+    short = metrale(*path, "-h", columns=80)
+    assert short.code == 0, short.output
+    assert short.stdout == metrale(*path, "--help", columns=80).stdout
+    assert "-h, --help" in short.stdout
+
+
+def test_shell_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Typer's completion: the script to show or install for the shell it runs in (found from
+    the processes above it: bash here, whatever runs the tests), and the completions it asks
+    for."""
+    import shellingham
+
+    monkeypatch.setattr(shellingham, "detect_shell", lambda: ("bash", "/bin/bash"))
+    shown = metrale("--show-completion")
+    assert shown.code == 0 and "_METRALE_COMPLETE=complete_bash" in shown.stdout, shown.output
+    monkeypatch.setenv("HOME", str(tmp_path))
+    installed = metrale("--install-completion")
+    assert installed.code == 0, installed.output
+    assert "_METRALE_COMPLETE=complete_bash" in (tmp_path / ".bash_completions"
+                                                 / "metrale.sh").read_text()
+    monkeypatch.setenv("_METRALE_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", "metrale inspect --eng")
+    monkeypatch.setenv("COMP_CWORD", "2")
+    assert metrale().stdout.split() == ["--engine", "--engine-python", "--engine-args"]
+
+
+def test_a_missing_argument_shows_the_usage_on_its_line() -> None:
+    done = metrale("inspect")
+    assert done.code == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr == ("error: Missing argument 'ADAPTER...'. Usage: metrale inspect "
+                           "[OPTIONS] ADAPTER... (metrale inspect -h for help)\n")
+
+
+@pytest.mark.parametrize("path", [["synth"], ["pack"], ["bench", "pack"], ["bench", "kernels"]])
+def test_modules_help_names_only_the_values_the_command_takes(path: list[str]) -> None:
+    """These commands build metrale's own pool: no --engine, so no engine's module names."""
+    shown = " ".join(metrale(*path, "--help", columns=200).stdout.split())
+    said = shown[shown.index("--modules TEXT"):]
+    said = said[:said.index(" --", len("--modules TEXT"))]
+    assert "out_proj, or 'all'" in said and "engine" not in said.lower()
+    assert "qkv_proj" not in said and "--engine" not in shown

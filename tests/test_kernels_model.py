@@ -3,7 +3,6 @@ kernels would get and the loads in flight their SASS is checked to keep."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -329,7 +328,7 @@ def test_model_only_needs_no_gpu() -> None:
     result = metrale("bench", "kernels", "--model-only", "--tokens", "256", "--rank", "16",
                      "--modules", "q_proj", "--json")
     assert result.code == 0, result.stderr
-    records = [json.loads(line) for line in result.stdout.splitlines()]
+    records = result.json()["records"]
     assert [r["adapters"] for r in records] == [1, 1, 8, 8, 256, 256]
     assert all(r["binding"] in roofline.TERMS and "l2_bytes" in r for r in records)
 

@@ -70,7 +70,8 @@ def test_parse_size() -> None:
 def test_modules_all_lists_only_what_the_model_has(model: str, absent: str) -> None:
     """`--modules all` on a dense model (no out_proj) or a hybrid MoE (no dense gate/up/down):
     the modules line lists the modules with entries and names the others as not in the model."""
-    r = metrale("layout", "--model", model, "--modules", "all", "--max-rank", "16")
+    r = metrale("layout", "--model", model, "--modules", "all", "--max-rank", "16",
+                columns=200)  # wide enough that the field is one line
     assert r.code == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("modules"))
     listed, _, missing = line.removeprefix("modules").partition("(")

@@ -108,6 +108,15 @@ def test_config_rules(tmp_path: Path) -> None:
         ModelConfig.from_dict({**base, "hidden_size": "big"})
 
 
+def test_a_mistyped_preset_gets_the_nearest_name() -> None:
+    done = metrale("layout", "-m", "llama3.1-8b", "--modules", "q_proj", "--max-rank", 8)
+    assert done.code == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("error: --model 'llama3.1-8b': not a preset (did you mean "
+                                  "'llama-3.1-8b'?), not a path")
+    with pytest.raises(UsageError, match=r"not a preset, not a path"):  # nothing near: no guess
+        resolve_model("zzzz")
+
+
 def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_model("Qwen3-8B").source == "qwen3-8b"
     assert resolve_model("Qwen/Qwen3-Next-80B-A3B-Instruct").model_type == "qwen3_next"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -375,6 +376,33 @@ def test_pack_refuses_and_never_overwrites(tiny: dict[str, Path], tmp_path: Path
 
 
 @pytest.mark.skipif(compat.has_gpu(), reason="a GPU is present")
+def test_pack_tells_its_stages_and_what_it_wrote(tiny: dict[str, Path], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped, a pack that runs long is told at each tenth of each stage, in MiB as its summary
+    counts: reading the adapters, then writing the image (the bar sat at 100% while the image
+    was written, and piped a pack said nothing). Without --out it says it wrote nothing."""
+    from metrale_cli.cli import console
+
+    monkeypatch.setattr(console, "QUIET_S", 0.0)  # as if it had run long
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)  # many small reads: many steps to tell
+    out = tmp_path / "pool.safetensors"
+    done = metrale("pack", tiny["a"], tiny["d"], "--max-loras", 2, "--out", out)
+    assert done.code == 0, done.stderr
+    lines = done.stderr.splitlines()
+    stages = [line.split(":")[0] for line in lines]
+    assert stages == sorted(stages, key=["packing", "writing the image"].index), lines
+    assert {"packing", "writing the image"} == set(stages)
+    assert all(re.fullmatch(r"(packing|writing the image): \d0% of \d+\.\d MiB", line)
+                            for line in lines), lines
+    assert "nothing was written" not in done.stderr
+    monkeypatch.undo()  # a short pack again: quiet
+    none = metrale("pack", tiny["a"], "--max-loras", 2)
+    assert none.code == 0 and "packed" in none.stdout
+    assert none.stderr == ("note: no --out, so nothing was written: the pool was packed in "
+                           "memory and let go\n")
+    assert metrale("pack", tiny["a"], "--max-loras", 2, "--json").json()["image"] is None
+
+
 def test_pack_on_cuda_without_a_gpu_exits_3(tiny: dict[str, Path]) -> None:
     gpu = metrale("pack", tiny["a"], "--max-loras", 1, "--device", "cuda")
     assert gpu.code == 3 and gpu.stderr.startswith("error: a GPU is needed")
@@ -453,6 +481,41 @@ def test_every_chunk_is_checked_and_counted(tiny: dict[str, Path], tmp_path: Pat
     assert layout.entries[0].out_dim > 1  # the two values land in different chunks
     with pytest.raises(NonFiniteWeights, match=f"tensor {info.name!r} has 2 non-finite"):
         LoraPool.load(layout, 1, [report])
+
+
+@pytest.mark.parametrize(("name", "rank", "direct"), [("d", 4, True), ("b", 2, False)])
+def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: int,
+                                        direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copy, conversion and finite check are fused per chunk: no read is larger than one chunk
+    of the slot (or one row), and a BF16 adapter at the pool's rank (its bytes are the slot's)
+    is read straight into the slot, with no buffer between (`bench pack` measures the rate)."""
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    reads: list[tuple[bool, int, int]] = []  # (straight into the slot, BF16 bytes, one row's)
+    block, rows_into = fill.TensorReader.block, fill.TensorReader.rows_into
+
+    def counted_block(self, info, rows, cols):  # type: ignore[no-untyped-def]
+        width = (cols[1] - cols[0]) * 2
+        reads.append((False, (rows[1] - rows[0]) * width, width))
+        return block(self, info, rows, cols)
+
+    def counted_rows(self, info, rows, out):  # type: ignore[no-untyped-def]
+        reads.append((True, out.nbytes, out.nbytes // max(1, rows[1] - rows[0])))
+        return rows_into(self, info, rows, out)
+
+    monkeypatch.setattr(fill.TensorReader, "block", counted_block)
+    monkeypatch.setattr(fill.TensorReader, "rows_into", counted_rows)
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tiny[name]), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, rank)
+    pool, _ = LoraPool.load(layout, 1, [report])
+    assert reads and all(straight == direct for straight, _, _ in reads), reads
+    assert all(nbytes <= max(64, row) for _, nbytes, row in reads), reads
+    # A whole tensor is more than one chunk, so the bound means something.
+    assert max(m.a.shape[0] * m.a.shape[1] * 2 for m in report.modules) > 64
+    # The bytes are those of a pack a tensor at a time.
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 1 << 30)
+    assert np.array_equal(pool.region.host_bytes(0),
+                          LoraPool.load(layout, 1, [report])[0].region.host_bytes(0))
 
 
 def test_an_adapter_for_other_dims_is_refused_before_a_byte_is_written(tmp_path: Path) -> None:

@@ -82,10 +82,10 @@ def test_show_view(packed: tuple[Path, dict]) -> None:
 
 
 def is_field(line: str) -> bool:
-    """A `key  value` line of the view's head, which is never folded: past the
-    terminal's width the terminal wraps it, and a grep finds the whole value."""
-    return line.startswith(("image  ", "model  ", "layout  ", "slot 0 source  ",
-                            "slot 1 source  "))
+    """A `key  value` line of the view's head that holds a path, which is never folded: past
+    the terminal's width the terminal wraps it, and a grep finds the whole path. The other
+    head lines (`layout`, 130 columns once) wrap to the width."""
+    return line.startswith(("image  ", "model  ", "slot 0 source  ", "slot 1 source  "))
 
 
 LONG_NAME = "customer-support-assistant-v2-finetuned-on-2026-tickets"

@@ -1011,16 +1011,17 @@ def test_cli_min_is_labelled_an_offline_bound() -> None:
     assert {x["policy"]: x["offline_bound"] for x in results} == {"lru": False, "min": True}
 
 
-# -- hostile input: simulate off a terminal --------------------------------------------------------
+def test_progress_off_a_terminal_is_quiet_for_short_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped, a simulate of well under a second prints no progress (it printed a line at each
+    tenth, however short); work that runs past the quiet time is told at each tenth."""
+    from metrale_cli.cli import console
 
-
-@pytest.mark.sweep
-def test_simulate_off_a_terminal_is_not_silent(tiny: Path) -> None:
-    # 3 policies x 1 size x 30,000 requests: progress is told at the end of each replay.
-    result = metrale("simulate", "--model", tiny, "--modules", "q_proj", "--max-rank", 8,
-                     "--workload", "zipf", "--adapters", 50, "--requests", 30_000,
-                     "--max-loras", 8)
-    assert result.code == 0, result.stderr
-    said = [line for line in result.stderr.splitlines() if line.startswith("simulating: ")]
-    assert said == ["simulating: 30% of 90,000 request replays",
-                    "simulating: 60% of 90,000 request replays"], result.stderr
+    args = ["simulate", *SLOT, "--workload", "zipf", "--adapters", 50, "--requests", 300,
+            "--max-loras", 8]
+    short = metrale(*args)
+    assert short.code == 0 and short.stderr == "", short.stderr
+    monkeypatch.setattr(console, "QUIET_S", 0.0)  # as if it had run long
+    told = metrale(*args).stderr.splitlines()
+    assert told and all(re.fullmatch(r"simulating: \d0% of 900 request replays", line)
+                        for line in told), told

@@ -62,24 +62,55 @@ def test_show_view_of_the_json_record(adapters: tuple[Path, Path], tmp_path: Pat
     assert shown.stdout == rendered(render.show_view, json.loads(as_json.stdout))
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_one_json_writer_refuses_nan(stream: bool, capsys: pytest.CaptureFixture[str]) -> None:
-    """Whole records and streamed JSON lines go through one writer: a NaN that got this far is
-    a bug, never invalid JSON on stdout."""
+def test_one_json_writer_refuses_nan(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every record goes through one writer: a NaN that got this far is a bug, never invalid
+    JSON on stdout."""
     from metrale_cli.cli.console import emit_json
 
-    emit_json({"p50_us": 1.5}, stream=stream)
+    emit_json({"p50_us": 1.5})
     assert json.loads(capsys.readouterr().out) == {"p50_us": 1.5}
     with pytest.raises(ValueError, match="JSON compliant"):
-        emit_json({"p50_us": float("nan")}, stream=stream)
+        emit_json({"p50_us": float("nan")})
 
 
-def test_bench_json_lines_are_one_record_each() -> None:
+@pytest.fixture(scope="module")
+def bench_imported() -> None:
+    """`bench kernels` imports torch (its reference kernels) once per process: setup's cost."""
+    import metrale_cli.bench.kernels  # noqa: F401
+
+
+@pytest.mark.usefixtures("bench_imported")
+def test_bench_kernels_json_is_one_document() -> None:
+    """`bench kernels --json` prints one JSON document, as every command does (it printed JSON
+    lines): the model's device, then every record."""
     shown = metrale("bench", "kernels", "--model-only", "--tokens", "1", "--rank", "16",
                     "--adapters", "1", "--json")
-    assert shown.code == 0
-    lines = shown.stdout.splitlines()
-    assert lines and all(json.loads(line)["kernel"] for line in lines)
+    assert shown.code == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    assert doc["bench"] == "kernels" and doc["model_only"] and not doc["experts"]
+    assert doc["assumed_device"]["peak_bytes_per_s"] == 4.8e12
+    assert doc["records"] and all(r["kernel"] for r in doc["records"])
+
+
+@pytest.mark.usefixtures("bench_imported")
+def test_bench_kernels_model_view_explains_itself() -> None:
+    """The model's table: the GPU whose peak it assumes, a header over every table, and a
+    legend for T, D and meets / MISSES; at 80 columns no cell is cut short."""
+    shown = metrale("bench", "kernels", "--model-only", "--tokens", "1", "--tokens", "4096",
+                    "--rank", "16", "--modules", "q_proj,k_proj,v_proj", columns=80)
+    assert shown.code == 0, shown.stderr
+    text = shown.stdout
+    assert text.startswith("Roofline model (no GPU is used) of an H200")
+    assert "nominal HBM peak 4.8 TB/s" in text
+    header = ["kernel", "path", "r", "T", "D", "CTAs", "KiB/SM", "%peak", "xcopy", "target"]
+    lines = text.splitlines()
+    titles = [lines[i - 1].strip() for i, line in enumerate(lines) if line.split() == header]
+    assert titles == ["q_proj", "k_proj", "v_proj", "q_proj+k_proj+v_proj"]
+    legend = " ".join(text.split("\n\n")[-1].split())
+    for words in ("T: tokens in the batch", "D: distinct adapters among them",
+                  "meets or MISSES the kernels' target"):
+        assert words in legend
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
 
 
 def test_synth_and_unpack_views_of_their_records(adapters: tuple[Path, Path],
@@ -121,13 +152,13 @@ def test_synth_and_unpack_views_of_their_records(adapters: tuple[Path, Path],
     ["verify", "{image}", "{chat}", "{code}"],
 ])
 @pytest.mark.parametrize("columns", [60, 80])
-def test_no_line_outside_a_table_is_folded(adapters: tuple[Path, Path], tmp_path_factory:
-                                           pytest.TempPathFactory, args: list[str],
-                                           columns: int) -> None:
-    """docs/cli.md: a line meant to be read whole or pasted (a `key  value` line, the model
-    line, `serve`) is printed whole at any width and the terminal wraps it; only tables fit
-    themselves to the width. Every such line of a 1,000-column run is a line of the narrow one.
-    """
+def test_key_value_lines_wrap_and_pasted_lines_stay_whole(
+        adapters: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+        args: list[str], columns: int) -> None:
+    """docs/cli.md: outside tables, a view's `key  value` lines and its headers wrap to the
+    terminal at word boundaries, onto lines indented to the value (they ran to 170 columns at
+    80), losing and splitting no word; only a line to paste or grep (`serve`, the model line, a
+    path) stays whole. Every word of a 1,000-column run is in the narrow one, in order."""
     chat, code = adapters
     image = tmp_path_factory.getbasetemp() / "views-fold.safetensors"
     if not image.exists():
@@ -138,16 +169,30 @@ def test_no_line_outside_a_table_is_folded(adapters: tuple[Path, Path], tmp_path
     assert wide.code == narrow.code
 
     def lines(out: str) -> list[str]:
-        """Its lines outside tables and panels, the timings masked (two runs differ)."""
-        blocks = [block.splitlines() for block in out.split("\n\n")]
-        return [re.sub(r"in \S+ s \(\S+ GB/s\)", "in T", line.rstrip())
-                for block in blocks if not any(line.startswith("─") for line in block)
-                for line in block if line[:1] not in ("", " ", "╭", "│", "╰")]
+        """Its lines outside tables and panels, the timings masked (two runs differ). A table
+        opens with its blank top edge, or on its first line: a block's lines from there to its
+        end are the table's."""
+        kept = []
+        for block in (block.splitlines() for block in out.split("\n\n")):
+            rule = next((k for k, line in enumerate(block)
+                         if line.lstrip().startswith("─")), len(block))
+            top = max((k for k in range(rule) if not block[k].strip()), default=0)
+            kept += [re.sub(r"in \S+ s \(\S+ GB/s\)", "in T", line.rstrip())
+                     for line in block[:top if rule < len(block) else rule]
+                     if line.strip() and line[:1] not in ("╭", "│", "╰")]
+        return kept
 
-    whole = lines(wide.stdout)
+    whole, shown = lines(wide.stdout), lines(narrow.stdout)
     assert whole
-    shown = set(lines(narrow.stdout))
-    assert [line for line in whole if line not in shown] == []
+    assert " ".join(shown).split() == " ".join(whole).split()
+    # Past the width: a whole line (the model line opens a view; `serve` is pasted; `wrote`,
+    # `image` and a slot's `source` name a path; simulate's answer per policy is grepped), or
+    # a word too long to break (a path), after its key or alone.
+    kept = [line for line in shown if len(line) > columns]
+    assert all((line in whole and (line.startswith(("serve ", "wrote ", "image ", "slot "))
+                                   or re.match(r"[\w ()]+: (\d+ slots|no size)", line)
+                                   or line == whole[0]))
+               or len(line.split()) <= 2 for line in kept), kept
 
 
 # -- hostile input: narrow terminals and NO_COLOR --------------------------------------------------

@@ -117,6 +117,6 @@ def test_the_installed_wheel_runs_the_commands(wheel: Path, tmp_path: Path) -> N
     run("layout", "-m", "qwen3-8b", "--modules", "q_proj", "--max-rank", 16)
     run("pack", work / "a", "--max-loras", 2, "--device", "cpu", "--out", work / "pool.st")
     assert "slot" in run("show", work / "pool.st").stdout
-    records = run("bench", "kernels", "--model-only", "--tokens", 16, "--rank", 16,
-                  "--modules", "q_proj", "--json").stdout.splitlines()
-    assert records and all("binding" in json.loads(line) for line in records)
+    records = json.loads(run("bench", "kernels", "--model-only", "--tokens", 16, "--rank", 16,
+                             "--modules", "q_proj", "--json").stdout)["records"]
+    assert records and all("binding" in r for r in records)

@@ -19,9 +19,13 @@ from metrale_cli.cli.console import say
 from metrale_cli.cli.options import Command, Group
 
 try:  # typer >= 0.29 carries its own copy of Click
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    from typer._click.exceptions import ClickException, MissingParameter, NoArgsIsHelpError
 except ImportError:  # pragma: no cover - older typer on Click >= 8.2
-    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
+    from click.exceptions import (  # type: ignore[no-redef]
+        ClickException,
+        MissingParameter,
+        NoArgsIsHelpError,
+    )
 
 
 class OneLineUsageErrors(Group):
@@ -37,7 +41,13 @@ class OneLineUsageErrors(Group):
             exc.show()  # the help, as Click gives it for a bare `metrale` or `metrale bench`
             sys.exit(exc.exit_code)
         except ClickException as exc:
-            say(f"error: {' '.join(exc.format_message().split())}")
+            line = f"error: {' '.join(exc.format_message().split())}"
+            ctx = getattr(exc, "ctx", None)
+            if isinstance(exc, MissingParameter) and ctx is not None:
+                # What the command takes, on the same line: `metrale inspect` alone.
+                usage = " ".join(ctx.get_usage().split()).removeprefix("Usage: ")
+                line += f" Usage: {usage} ({ctx.command_path} -h for help)"
+            say(line)
             sys.exit(exc.exit_code)
         sys.exit(code if isinstance(code, int) else 0)
 
@@ -48,7 +58,8 @@ app = typer.Typer(
     help="Audit, lay out, pack and benchmark multi-LoRA adapter pools for LLM serving.\n\n"
     "Example: metrale layout -m qwen3-8b --modules q_proj,v_proj --max-rank 16 --budget 40GiB",
     no_args_is_help=True,
-    add_completion=False,
+    # -h as well as --help, on every command (a subcommand's context inherits it).
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from metrale_cli.cli.console import emit, emit_json, handles_errors, out
-from metrale_cli.cli.options import MODEL, MODULES, ForceOpt, JsonOpt, shard_spec
+from metrale_cli.cli.console import emit, err, handles_errors, out
+from metrale_cli.cli.options import MODEL, POOL_MODULES, ForceOpt, JsonOpt, shard_spec
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 BENCH_MODEL = "qwen3-next-80b-a3b"
 BENCH_MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
@@ -18,7 +23,7 @@ BENCH_MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
 @handles_errors
 def bench_pack(
     model: Annotated[str, MODEL] = BENCH_MODEL,
-    modules: Annotated[str, MODULES] = BENCH_MODULES,
+    modules: Annotated[str, POOL_MODULES] = BENCH_MODULES,
     rank: Annotated[int, typer.Option("--rank", "-r")] = 64,
     adapters: Annotated[int, typer.Option("--adapters", help="Synthetic adapters to pack.")] = 4,
     dtype: Annotated[str, typer.Option("--dtype", help="Adapter file dtype.")] = "bf16",
@@ -53,7 +58,7 @@ def bench_pack(
 @handles_errors
 def bench_kernels(
     model: Annotated[str, MODEL] = BENCH_MODEL,
-    modules: Annotated[str, MODULES] = BENCH_MODULES,
+    modules: Annotated[str, POOL_MODULES] = BENCH_MODULES,
     rank: Annotated[list[int] | None, typer.Option("--rank", "-r", help="Repeatable; "
                                                    "default 16, 64, 128.")] = None,
     tokens: Annotated[list[int] | None, typer.Option(
@@ -78,84 +83,80 @@ def bench_kernels(
 ) -> None:
     """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one).
 
-    Shapes are the model's modules at real size. --json prints one record per line as it is
-    measured.
+    Shapes are the model's modules at real size. Each measurement's line is printed as it is
+    measured (on stderr under --json, which prints the JSON record of the whole run at the end).
 
     Example: metrale bench kernels --rank 16 --tokens 1 --tokens 512"""
     from metrale_cli.bench import kernels as bench
     from metrale_cli.bench import roofline
-    from metrale_cli.cli.render import kernel_line, kernel_model_line
+    from metrale_cli.cli.render import kernel_line
     from metrale_cli.compat import cupy_module
     from metrale_cli.files.atomic import check_output, output_path
     from metrale_cli.model.resolve import resolve_model
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else
-    if experts:
-        _bench_experts(rank, tokens, adapters, repeats, plot_text, force, model_only, json_out)
-        return
-    shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
     positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
     positive("--repeats", repeats)
     plot_path = None if plot_text is None else output_path(plot_text, "--plot")
     if plot_path is not None:
         check_output(plot_path, force)
+    if experts:
+        records = _bench_experts(rank, tokens, adapters, repeats, model_only, json_out)
+    else:
+        shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
+        kwargs: dict[str, Any] = {}
+        if rank:
+            kwargs["ranks"] = rank
+        if tokens:
+            kwargs["tokens"] = tokens
+        records = (roofline.model(shapes, adapters=adapters, **kwargs) if model_only
+                   else bench.run(shapes, adapters=adapters, repeats=repeats,
+                                  progress=_measured(kernel_line, json_out), **kwargs))
+    record = {"bench": "kernels", "experts": experts, "model_only": model_only,
+              # What the model assumes; a measurement's record names its own device and peak.
+              "assumed_device": dataclasses.asdict(roofline.ModelDevice()),
+              "records": records}
+    if model_only or json_out:
+        from metrale_cli.cli import render
+
+        emit(record, json_out, render.kernel_model_view)
+    if plot_path is not None and not model_only:
+        bench.plot(records, plot_path, force)
+
+
+def _measured(line: Callable[[dict[str, Any]], Text], json_out: bool
+              ) -> Callable[[dict[str, Any]], None]:
+    """Each measurement's line as it is measured, after one naming the device and its peak:
+    the view on stdout, progress on stderr under --json (stdout then holds one document)."""
+    shown: list[str] = []
 
     def show(record: dict[str, Any]) -> None:
-        if json_out:
-            emit_json(record, stream=True)
-        else:
-            out().print(kernel_line(record))
+        console = err() if json_out else out()
+        if not shown:
+            shown.append(record["device"])
+            source = f" ({record['peak_source']})" if "peak_source" in record else ""
+            console.print(f"{record['device']}: nominal HBM peak {record['peak_tb_per_s']:.2f} "
+                          f"TB/s{source}; % peak is of it", soft_wrap=True)
+        console.print(line(record), soft_wrap=True)
 
-    kwargs: dict[str, Any] = {}
-    if rank:
-        kwargs["ranks"] = rank
-    if tokens:
-        kwargs["tokens"] = tokens
-    if model_only:
-        for record in roofline.model(shapes, adapters=adapters, **kwargs):
-            if json_out:
-                emit_json(record, stream=True)
-            else:
-                out().print(kernel_model_line(record), soft_wrap=True)
-        return
-    records = bench.run(shapes, adapters=adapters, repeats=repeats, progress=show, **kwargs)
-    if plot_path is not None:
-        bench.plot(records, plot_path, force)
+    return show
 
 
 def _bench_experts(rank: list[int] | None, tokens: list[int] | None,
-                   adapters: list[int] | None, repeats: int, plot_text: str | None,
-                   force: bool, model_only: bool, json_out: bool) -> None:
+                   adapters: list[int] | None, repeats: int, model_only: bool,
+                   json_out: bool) -> list[dict[str, Any]]:
     """`bench kernels --experts`: the expert kernels' records (or their roofline model)."""
     from metrale_cli.bench import experts as bench_experts
-    from metrale_cli.bench import kernels as bench
-    from metrale_cli.cli.render import expert_kernel_line, expert_model_line
-    from metrale_cli.files.atomic import check_output, output_path
+    from metrale_cli.cli.render import expert_kernel_line
 
-    positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
-    positive("--repeats", repeats)
-    plot_path = None if plot_text is None else output_path(plot_text, "--plot")
-    if plot_path is not None:
-        check_output(plot_path, force)
     shapes = bench_experts.expert_shapes(
         ranks=rank or bench_experts.EXPERT_RANKS, tokens=tokens or bench_experts.EXPERT_TOKENS,
         adapters=adapters or bench_experts.EXPERT_ADAPTERS)
-    line = expert_model_line if model_only else expert_kernel_line
-
-    def show(record: dict[str, Any]) -> None:
-        if json_out:
-            emit_json(record, stream=True)
-        else:
-            out().print(line(record), soft_wrap=True)
-
     if model_only:
-        for record in bench_experts.model_records(shapes):
-            show(record)
-        return
-    records = bench_experts.run(shapes, repeats=repeats, progress=show)
-    if plot_path is not None:
-        bench.plot(records, plot_path, force)
+        return bench_experts.model_records(shapes)
+    return bench_experts.run(shapes, repeats=repeats,
+                             progress=_measured(expert_kernel_line, json_out))
 
 
 @handles_errors

@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -49,32 +50,97 @@ def err() -> Console:
 
 
 def print_view(view: Any) -> None:
-    """A view on stdout. Its whole lines (render.whole, render.fields: a fingerprint, a path,
-    a number with its unit) pass the terminal's width uncropped and unfolded, so the terminal
-    wraps them and a line a user greps for stays one line; tables fit the width as laid out."""
+    """A view on stdout. Its whole lines (render.whole: a command to paste, a path) pass the
+    terminal's width uncropped and unfolded, so the terminal wraps them and a line a user greps
+    for stays one line; key/value lines (render.fields) and tables fit the width themselves."""
     out().print(view, crop=False)
 
 
+# Off a terminal, progress is told only for work that runs at least this long: a line at each
+# tenth of it reached from then on.
+QUIET_S = 1.0
+
+
+class Progress:
+    """A command's progress on stderr, stage by stage (pack: reading the adapters, then writing
+    the image), in bytes (counted in MiB, as the summaries) or in `unit`s. On a terminal, a
+    transient bar per stage; off one (piped, logged), a line at each tenth of a stage
+    (`packing: 40% of 1,234.5 MiB`) once the command has run `QUIET_S`: short work prints
+    nothing, long work is not silent. The core takes `advance` as its callback; only the CLI
+    draws."""
+
+    def __init__(self, unit: str | None, bar: Any) -> None:
+        self.unit = unit  # None: bytes
+        self.bar = bar  # a rich Progress on a terminal, else None
+        self.task: Any = None
+        self.started = time.monotonic()
+        self.what, self.done, self.total, self.said = "", 0, None, 0
+
+    def stage(self, what: str, total: int | None) -> None:
+        self.what, self.done, self.total, self.said = what, 0, total, 0
+        if self.bar is not None:
+            if self.task is not None:
+                self.bar.remove_task(self.task)
+            self.task = self.bar.add_task(what, total=total)
+
+    def next_stage(self, what: str) -> Callable[[int, int], None]:
+        """A callback `(n, total)` that starts stage `what` of `total` on its first call, then
+        advances it (the core learns the total only as the stage begins)."""
+
+        def advance(n: int, total: int) -> None:
+            if self.what != what:
+                self.stage(what, total)
+            self.advance(n)
+
+        return advance
+
+    def advance(self, n: int, total: int | None = None) -> None:
+        """`n` more done; `total` when it is learnt on the way (a trace's requests)."""
+        self.done += n
+        if total is not None:
+            self.total = total
+        if self.bar is not None:
+            self.bar.update(self.task, advance=n, total=self.total)
+            return
+        tenth = 10 * self.done // self.total if self.total else 0
+        if (0 < tenth < 10 and tenth > self.said
+                and time.monotonic() - self.started >= QUIET_S):
+            self.said = tenth
+            whole = (f"{self.total / 2**20:,.1f} MiB" if self.unit is None
+                     else f"{self.total:,} {self.unit}")
+            say(f"{self.what}: {10 * tenth}% of {whole}")
+
+
 @contextlib.contextmanager
-def progress_bar(what: str, total: int, shown: bool) -> Iterator[Callable[[int], None] | None]:
-    """A transient bar on stderr of `total` bytes while the block runs: yields the callback
-    that advances it (None, and no bar, unless `shown`). The core takes the callback; only the
-    CLI draws."""
+def progress(what: str, total: int | None, shown: bool,
+             unit: str | None = None) -> Iterator[Progress | None]:
+    """`Progress` on stderr while the block runs, its first stage `what` of `total` (None: not
+    known yet); None, and nothing shown, unless `shown` (not under --json)."""
     if not shown:
         yield None
+        return
+    if not err().is_terminal:
+        report = Progress(unit, None)
+        report.stage(what, total)
+        yield report
         return
     from rich.progress import (
         BarColumn,
         DownloadColumn,
-        Progress,
+        MofNCompleteColumn,
+        TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
+    from rich.progress import Progress as Bar
 
-    with Progress(what, BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=err(), transient=True) as bar:
-        task = bar.add_task(what, total=total)
-        yield lambda n: bar.advance(task, n)
+    amount = ((DownloadColumn(binary_units=True), TransferSpeedColumn()) if unit is None
+              else (MofNCompleteColumn(), TextColumn(unit)))
+    with Bar(TextColumn("{task.description}"), BarColumn(), *amount, TimeRemainingColumn(),
+             console=err(), transient=True) as bar:
+        report = Progress(unit, bar)
+        report.stage(what, total)
+        yield report
 
 
 def say(line: str) -> None:
@@ -163,13 +229,10 @@ def refusal_record(exc: MetraleError) -> dict[str, Any] | None:
     return {"refused": kind.lstrip("_"), "error": str(exc)}
 
 
-def emit_json(record: Any, stream: bool = False) -> None:
-    """The one JSON writer of every command: a record, indented; with `stream`, one record of
-    many on one line (JSON lines), flushed so a reader sees it as it is measured."""
+def emit_json(record: Any) -> None:
+    """The one JSON writer of every command: one document, indented."""
     # allow_nan=False: a NaN or Infinity that got this far is a bug, never invalid JSON out.
-    sys.stdout.write(json.dumps(record, indent=None if stream else 2, allow_nan=False) + "\n")
-    if stream:
-        sys.stdout.flush()
+    sys.stdout.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
 
 
 def emit(record: Any, json_out: bool, view: Callable[[Any], Any]) -> None:

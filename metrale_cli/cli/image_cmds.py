@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from metrale_cli.cli.console import emit, err, handles_errors, say
+from metrale_cli.cli.console import emit, handles_errors, progress, say
 from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, online_on
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
@@ -63,15 +63,8 @@ def verify(
     from metrale_cli.image.verify import Verifier
 
     verifier = Verifier.open(image, load_adapters(adapters, online_on(online), weights=True))
-    if err().is_terminal and not json_out:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-        with Progress("verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      console=err(), transient=True) as bar:
-            task = bar.add_task("verify", total=verifier.total_bytes)
-            result = verifier.run(lambda n: bar.advance(task, n))
-    else:
-        result = verifier.run()
+    with progress("verifying", verifier.total_bytes, not json_out) as shown:
+        result = verifier.run(None if shown is None else shown.advance)
     _note_no_digests(image, result.digests)
     emit(result.record(), json_out, render.verify_view)
     if not result.ok:

@@ -128,16 +128,21 @@ class Group(_HelpForm, TyperGroup):
 MODEL = typer.Option(
     "--model", "-m", help="Base model: a preset (`metrale models`), a config.json, a model "
     "directory, or a hub id (org/name[@revision]) in the local HF cache (--online: the hub).")
+# --modules of the commands that build metrale's pool alone (synth, pack, bench), and of those
+# that also answer for an engine (inspect, layout, simulate), whose help names its values.
+_POOL_MODULES = ("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, out_proj, or "
+                 "'all'")
+POOL_MODULES = typer.Option("--modules", help=f"Comma-separated modules: {_POOL_MODULES}.")
 MODULES = typer.Option(
-    "--modules", help="Comma-separated modules. metrale's pool: q_proj, k_proj, v_proj, "
-    "o_proj, gate_proj, up_proj, down_proj, out_proj, or 'all'. --engine vllm: vLLM's "
-    "--lora-target-modules, its module names (qkv_proj, o_proj, gate_up_proj, down_proj, "
-    "lm_head, embed_tokens, ...) or the adapter names packed into them (q_proj); no 'all'. "
-    "--engine sglang: SGLang's --lora-target-modules (q_proj, ..., qkv_proj, gate_up_proj, "
-    "embed_tokens, lm_head, or all).")
+    "--modules", help=f"Comma-separated modules. metrale's pool: {_POOL_MODULES}. --engine "
+    "vllm: vLLM's --lora-target-modules, its module names (qkv_proj, o_proj, gate_up_proj, "
+    "down_proj, lm_head, embed_tokens, ...) or the adapter names packed into them (q_proj); "
+    "no 'all'. --engine sglang: SGLang's --lora-target-modules (q_proj, ..., qkv_proj, "
+    "gate_up_proj, embed_tokens, lm_head, or all).")
 MAX_LORAS = typer.Option("--max-loras", help="Slots in the pool.")
 ModelOpt = Annotated[str | None, MODEL]
 ModulesOpt = Annotated[str | None, MODULES]
+PoolModulesOpt = Annotated[str | None, POOL_MODULES]
 MaxLorasOpt = Annotated[int | None, MAX_LORAS]
 MaxRankOpt = Annotated[int | None, typer.Option(
     "--max-rank", help="The pool's max rank: every slot pads to it; higher ranks are not "

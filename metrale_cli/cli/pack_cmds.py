@@ -10,16 +10,16 @@ import typer
 
 from metrale_cli.cli.console import (
     emit,
-    err,
     handles_errors,
-    progress_bar,
+    progress,
     said_details,
+    say,
     warn,
 )
 from metrale_cli.cli.options import (
     MAX_LORAS,
     MODEL,
-    MODULES,
+    POOL_MODULES,
     EpOpt,
     ExpertsOpt,
     ForceOpt,
@@ -27,8 +27,8 @@ from metrale_cli.cli.options import (
     JsonOpt,
     MaxRankOpt,
     ModelOpt,
-    ModulesOpt,
     OnlineOpt,
+    PoolModulesOpt,
     TpOpt,
     experts_on,
     online_on,
@@ -48,7 +48,7 @@ def synth(
     out_dir: Annotated[str, typer.Argument(help="Directory to write the adapter into.",
                                            show_default=False)],
     model: Annotated[str, MODEL],
-    modules: Annotated[str, MODULES],
+    modules: Annotated[str, POOL_MODULES],
     rank: Annotated[int, typer.Option("--rank", "-r")],
     alpha: Annotated[float | None, typer.Option("--alpha", help="Default: 2 * rank.")] = None,
     rslora: Annotated[bool, typer.Option("--rslora", help="Scale alpha/sqrt(r).")] = False,
@@ -89,7 +89,7 @@ def pack(
     max_loras: Annotated[int, MAX_LORAS],
     model: ModelOpt = None,
     max_rank: MaxRankOpt = None,
-    modules: ModulesOpt = None,
+    modules: PoolModulesOpt = None,
     out_text: Annotated[str | None, typer.Option("--out", "-o", help="Write the pool image "
                                                  "here (safetensors, format pool/1); with --tp "
                                                  "a directory of rank images.")] = None,
@@ -142,12 +142,15 @@ def pack(
         if spec is not None and target is not None:  # before the audit, as a file --out is
             check_output_dir(target, force, owned=OWNED_GLOBS)
         the_layout, expert_layout, reports = prepare()
-        # A bar for the one pool (a rank's share of the bytes is not known ahead).
-        with progress_bar("packing", tensor_bytes(reports),
-                          spec is None and err().is_terminal and not json_out) as progress:
+        # Progress for the one pool (a rank's share of the bytes is not known ahead): reading
+        # the adapters, then writing the image.
+        with progress("packing", tensor_bytes(reports), spec is None and not json_out) as shown:
             result = pack_pool(the_layout, max_loras, reports, device, target, force,
-                               progress, expert_layout, spec)
+                               None if shown is None else shown.advance, expert_layout, spec,
+                               None if shown is None else shown.next_stage("writing the image"))
     if result is None:
         return  # a torchrun rank other than 0: rank 0 reports for all
     warn(result.warnings)
     emit(result.record(), json_out, render.pack_view)
+    if target is None and not json_out:  # the record says it: its image is null
+        say("note: no --out, so nothing was written: the pool was packed in memory and let go")

@@ -30,18 +30,72 @@ def whole(line: str, style: str = "") -> Text:
     return Text(line, style=style, no_wrap=True, overflow="ignore")
 
 
-def fields(rows: list[tuple[str, str | Text]]) -> Text:
-    """`key  value` lines, keys dim and aligned, each line whole (`whole`); where a grid would
-    fold a long value onto the next line (`6,656` / `B`), the terminal wraps it instead. A value
-    is plain text (no markup: input-derived text needs no escaping), or a styled Text."""
-    width = max((len(key) for key, _ in rows), default=0)
-    text = Text(no_wrap=True, overflow="ignore")
-    for i, (key, value) in enumerate(rows):
-        if i:
-            text.append("\n")
-        text.append(key.ljust(width), style="dim")
-        text.append(f"  {value}")
-    return text
+class Fields:
+    """`key  value` lines, keys dim and aligned, each value wrapped to the terminal's width onto
+    lines indented to its column: after a `; ` in the line's second half or a `, ` in its last
+    quarter, else at a space, never inside a word nor between a number and what follows it
+    (`6,656 B`); a word longer than the line stays whole. A value that is a `whole` Text (a
+    command to paste, a path) stays on one line, which the terminal wraps. A value is plain text
+    (no markup: input-derived text needs no escaping), or a styled Text."""
+
+    def __init__(self, rows: list[tuple[str, str | Text]], style: str = "",
+                 hang: int = 0) -> None:
+        self.rows = rows
+        self.style = style
+        self.hang = hang  # continuation lines' indent beyond the value's column
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        width = max((len(key) for key, _ in self.rows), default=0)
+        indent = (width + 2 if width else 0) + self.hang
+        for key, value in self.rows:
+            text = value if isinstance(value, Text) else Text(value)
+            line = Text(no_wrap=True, overflow="ignore", style=self.style)
+            if width:
+                line.append(key.ljust(width) + "  ", style="dim")
+            if text.no_wrap:
+                yield line.append_text(text)
+                continue
+            first = max(20, options.max_width - indent + self.hang)
+            pieces = [piece for part in text.split("\n")  # a value's own lines, each wrapped
+                      for piece in part.divide(_breaks(part.plain, first, first - self.hang))]
+            for i, piece in enumerate(pieces):
+                piece.rstrip()
+                yield (line if i == 0 else Text(" " * indent, no_wrap=True, overflow="ignore",
+                                                style=self.style)).append_text(piece)
+
+
+def _breaks(plain: str, first: int, width: int) -> list[int]:
+    """Where `Fields` breaks `plain` into a line of at most `first` characters, then lines of
+    at most `width`."""
+    breaks, start, limit = [], 0, first
+    while len(plain) - start > limit:
+        window = plain[start:start + limit + 1]
+        # Between clauses, or list items, unless that leaves the line short.
+        cut = max(window.rfind("; ") if window.rfind("; ") >= limit // 2 else -1,
+                  window.rfind(", ") if window.rfind(", ") >= limit * 3 // 4 else -1)
+        if cut >= 0:
+            cut += 2
+        else:  # the last space not after a digit (`6,656 B` stays together)
+            cut = next((i + 1 for i in range(len(window) - 1, 0, -1)
+                        if window[i] == " " and not window[i - 1].isdigit()), 0)
+        if cut <= 0:  # no place to break within the line: after the word it starts with
+            cut = plain.find(" ", start + limit + 1) + 1 - start
+            if cut <= 0:
+                break
+        start += cut
+        breaks.append(start)
+        limit = width
+    return breaks
+
+
+def fields(rows: list[tuple[str, str | Text]]) -> Fields:
+    """`key  value` lines, wrapped as `Fields` wraps them."""
+    return Fields(rows)
+
+
+def wrapped(line: str, style: str = "") -> Fields:
+    """One line of text, wrapped as a `Fields` value is, its continuation lines indented."""
+    return Fields([("", line)], style, hang=2)
 
 
 def human_bytes(n: float) -> str:
@@ -325,16 +379,6 @@ def kernel_line(record: dict[str, Any]) -> Text:
         + (f"{speedup:5.2f}x {record['torch_best']}" if speedup else "no torch"))
 
 
-def kernel_model_line(record: dict[str, Any]) -> Text:
-    """One shape of the `bench kernels --model-only` roofline model on one line."""
-    return Text(
-        f"{record['kernel']:<16} {record['path']:<17} {record['module']:<8} "
-        f"r{record['rank']:<3} T{record['tokens']:<4} D{record['adapters']:<4} "
-        f"{record['ctas']:>5} CTAs {record['in_flight_per_sm_bytes'] / 1024:5.1f} KiB/SM "
-        f"{record['expected_pct_peak']:5.1f}% peak {record['expected_copy_ratio']:4.2f}x copy "
-        f"{'meets' if record['meets_target'] else 'MISSES'}")
-
-
 def _expert_head(record: dict[str, Any]) -> str:
     return (f"{record['projection']:<8} {record['model']:<19} r{record['rank']:<3} "
             f"T{record['tokens']:<5} D{record['adapters']:<2} {record['path']:<7} ")
@@ -349,12 +393,45 @@ def expert_kernel_line(record: dict[str, Any]) -> Text:
         + (f"{speedup:5.2f}x gather_bmm" if speedup else "no torch"))
 
 
-def expert_model_line(record: dict[str, Any]) -> Text:
-    """One shape and projection of the `bench kernels --experts --model-only` model."""
-    return Text(
-        _expert_head(record) + f"{record['bytes'] / 1e6:9.2f} MB {record['expected_us']:8.2f} us "
-        f"{record['expected_pct_peak']:5.1f}% peak {record['expected_copy_ratio']:4.2f}x copy "
-        f"{'meets' if record['meets_target'] else 'MISSES'}")
+def kernel_model_view(record: dict[str, Any]) -> Group:
+    """`bench kernels --model-only` (with `--experts` too): the device the model assumes, a
+    table per module (per model with `--experts`) with a row per kernel (projection) and shape,
+    and what the columns mean."""
+    d = record["assumed_device"]
+    experts = record["experts"]
+    group_key = "model" if experts else "module"
+    first = "projection" if experts else "kernel"
+    sizes = ("MB", "us") if experts else ("CTAs", "KiB/SM")
+    peak = f"{d['peak_bytes_per_s'] / 1e12:.1f} TB/s"
+    tables: dict[str, Table] = {}
+    for r in record["records"]:
+        table = tables.get(r[group_key])
+        if table is None:
+            table = tables[r[group_key]] = Table(
+                title=r[group_key], title_justify="left", title_style="bold",
+                header_style="bold", padding=0, show_edge=False,
+                box=box.SIMPLE_HEAD)
+            for col in (first, "path", "r", "T", "D", *sizes, "%peak", "xcopy", "target"):
+                table.add_column(col, justify="left" if col in (first, "path", "target")
+                                 else "right", no_wrap=col != "path")
+        table.add_row(
+            r[first], r["path"], str(r["rank"]), str(r["tokens"]), str(r["adapters"]),
+            f"{r['bytes'] / 1e6:.2f}" if experts else str(r["ctas"]),
+            f"{r['expected_us']:.2f}" if experts else f"{r['in_flight_per_sm_bytes'] / 1024:.1f}",
+            f"{r['expected_pct_peak']:.1f}", f"{r['expected_copy_ratio']:.2f}",
+            "meets" if r["meets_target"] else "MISSES")
+    what = ("MB: compulsory bytes; us: the expected time of the projection's launches"
+            if experts else "CTAs: the launch's thread blocks; KiB/SM: the bytes each SM has "
+            "in flight per pass")
+    return Group(
+        Text(f"Roofline model (no GPU is used) of an {d['name']}: {d['sms']} SMs, "
+             f"{human_bytes(d['l2_bytes'])} L2, nominal HBM peak {peak}."),
+        *tables.values(),
+        Text(f"r: rank; T: tokens in the batch; D: distinct adapters among them; {what}; "
+             f"%peak: the expected share of the {peak} peak; xcopy: the expected time over an "
+             "equal-bytes device copy; target: meets or MISSES the kernels' target (at least "
+             "80 / 75 / 70 % of peak for decode shrink / decode expand / prefill from 64 MiB "
+             "of traffic, at most 1.3x a copy below)."))
 
 
 def pack_view(record: dict[str, Any]) -> Group:
@@ -454,11 +531,12 @@ def show_view(record: dict[str, Any]) -> Group:
     """`metrale show`: the image's record (see image.show.ImageShow)."""
     lay, ex = record["layout"], record["experts"]
     rows = [
-        ("image", f"{record['path']} ({record['format']}, consistent)"),
+        ("image", whole(f"{record['path']} ({record['format']}, consistent)")),
         ("model", model_line(record["model"])),
-        ("layout", f"max rank {lay['max_rank']}, {lay['entries']} entries "
-                   f"({', '.join(lay['modules']) or 'no modules'}), slot "
-                   f"{lay['slot_bytes']:,} B, {lay['max_loras']:,} slots"),
+        # The sizes first: at 80 columns they stay on the key's line, the module list wraps.
+        ("layout", f"slot {lay['slot_bytes']:,} B, {lay['max_loras']:,} slots; max rank "
+                   f"{lay['max_rank']}, {lay['entries']} entries "
+                   f"({', '.join(lay['modules']) or 'no modules'})"),
         ("fingerprint", lay["fingerprint"]),
     ]
     if ex is not None:
@@ -487,7 +565,7 @@ def show_view(record: dict[str, Any]) -> Group:
         table.add_row(str(s["slot"]), s["name"], str(s["generation"]), str(s["rank"]),
                       _fmt(s["alpha"]), f"{s['scale']:.6g}", "yes" if s["pinned"] else "",
                       str(s["entries"]), str(s["expert_entries"] or "·"), overlays or "·")
-        sources.append((f"slot {s['slot']} source", s["source"]))
+        sources.append((f"slot {s['slot']} source", whole(s["source"])))  # a path, whole
     sizes = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     sizes.add_column("part")
     sizes.add_column("bytes", justify="right")

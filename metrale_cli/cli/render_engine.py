@@ -14,7 +14,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from metrale_cli.cli.render import fields, human_bytes, model_line, whole
+from metrale_cli.cli.render import fields, human_bytes, model_line, whole, wrapped
 
 VERDICT_STYLE = {"serves": "bold green", "differs": "bold yellow", "ignores": "bold yellow",
                  "refuses": "bold red", "crashes": "bold red", "fails_startup": "bold red",
@@ -42,12 +42,12 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     engine = record["engine"]
     name = engine["name"]
     parts: list[Any] = [whole(model_line(record["model"]), style="bold"),
-                        whole(f"{_title(engine)}, flags {engine['flags_source']}: "
-                              f"{_flag_line(engine['flags'], engine.get('pool'))}",
-                              style="dim")]
+                        wrapped(f"{_title(engine)}, flags {engine['flags_source']}: "
+                                f"{_flag_line(engine['flags'], engine.get('pool'))}",
+                                style="dim")]
     if engine.get("checked") == "source":
-        parts.append(whole(f"{_title(engine)}'s answers for this family come from reading its "
-                           "source: its LoRA code was not run on it", style="dim"))
+        parts.append(wrapped(f"{_title(engine)}'s answers for this family come from reading "
+                             "its source: its LoRA code was not run on it", style="dim"))
     for adapter in record["adapters"]:
         v = adapter["engine"]
         grid = Table.grid(padding=(0, 2))
@@ -74,13 +74,13 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
             body.append(table)
         parts.append(Panel(Group(*body), title=escape(adapter["name"]), title_align="left"))
     rec = engine["recommended"]
-    # fields, not a grid: the serve line is pasted into a shell, and a fold would cut it.
+    # The serve line whole: it is pasted into a shell, and a fold would cut it.
     rows: list[tuple[str, str | Text]] = []
     if engine.get("offline_batch"):
         rows.append(("offline batch", engine["offline_batch"]["reason"]))
     rows += [("recommended", _flag_line(rec["flags"], rec.get("pool"))),
-             ("serve", rec["serve"] or "none: no adapter can start the server, and without "
-                                       "one it needs --max-rank and --modules")]
+             ("serve", whole(rec["serve"]) if rec["serve"] else "none: no adapter can start "
+              "the server, and without one it needs --max-rank and --modules")]
     if rec["shut_out"]:
         rows.append(("", f"the serve line names no adapter {_title(engine)} would not start "
                          "with (see left out)"))

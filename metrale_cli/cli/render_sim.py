@@ -132,7 +132,7 @@ def simulate_view(record: dict[str, Any]) -> Group:
                     line += (f", does NOT fit the {human_bytes(budget)} budget "
                              f"({s['pool_bytes']:,} B with its tables, "
                              f"{s['pool_bytes'] - budget:,} B over)")
-            parts.append(whole(line))
+            parts.append(whole(line))  # the answer, one line to grep
             if s["first_meeting"] is not None and s["first_meeting"] != s["max_loras"]:
                 parts.append(Text(f"  not monotonic: {s['first_meeting']} slots meet it, a "
                                   "larger size does not"))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from metrale_cli.cli.console import emit, err, handles_errors, say, warn
+from metrale_cli.cli.console import emit, handles_errors, progress, warn
 from metrale_cli.cli.options import (
     Command,
     DtypeOpt,
@@ -279,16 +279,9 @@ def simulate(
             trace, trace_format, parse_assign(assign, n_adapters, s) if assign is not None
             else None, progress)
 
-    if trace is not None and err().is_terminal and not json_out:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-
-        with Progress("reading", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                      console=err(), transient=True) as bar:
-            task = bar.add_task("read", total=None)
-            requested = make(seed, lambda done, total: bar.update(task, completed=done,
-                                                                  total=total))
-    else:
-        requested = make(seed)
+    with progress("reading", None, trace is not None and not json_out) as shown:
+        requested = make(seed, None if shown is None
+                         else lambda done, total: shown.advance(done - shown.done, total))
     if save_trace is not None:
         requested.save(save_trace, force)
     targets = (sim.Targets(target_hit_rate, target_p99_ms)
@@ -323,25 +316,8 @@ def simulate(
                              [seed + k for k in range(seeds)], *layouts, progress=progress,
                              **options)
 
-    if err().is_terminal and not json_out:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-        with Progress("simulating", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=err(), transient=True) as bar:
-            task = bar.add_task("simulate", total=None)
-            result = simulate_all(lambda n, total: bar.update(task, advance=n, total=total))
-    else:
-        # Off a terminal (piped, logged) a line at each tenth: a long sweep is not silent.
-        done, said = [0], [0]
-
-        def tenths(n: int, total: int) -> None:
-            done[0] += n
-            tenth = 10 * done[0] // max(total, 1)
-            if tenth > said[0] and tenth < 10:
-                said[0] = tenth
-                say(f"simulating: {10 * tenth}% of {total:,} request replays")
-
-        result = simulate_all(tenths)
+    with progress("simulating", None, not json_out, unit="request replays") as shown:
+        result = simulate_all(None if shown is None else shown.advance)
     # The table first: a plot that cannot be written loses no result.
     emit(result.record(), json_out, render_sim.simulate_view)
     if plot_path is not None:

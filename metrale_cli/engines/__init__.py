@@ -14,7 +14,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 
 if TYPE_CHECKING:
     from metrale_cli.engines.engine import Engine
@@ -44,8 +44,8 @@ def get_engine(spec: str) -> Engine:
     name, _, version = spec.strip().partition("==")
     module = _REGISTRY.get(name.strip())
     if module is None:
-        raise UsageError(f"--engine {spec!r}: one of {', '.join(ENGINES)} (a version as "
-                         "vllm==0.32.0)")
+        raise UsageError(f"--engine {spec!r}{did_you_mean(name, ENGINES)}: one of "
+                         f"{', '.join(ENGINES)} (a version as vllm==0.32.0)")
     engine: Engine = import_module(module).ENGINE
     version = version.strip()
     if version and version not in engine.versions:

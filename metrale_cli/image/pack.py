@@ -78,11 +78,13 @@ def pool_record(pool: LoraPool, stats: list[PackStats], pack_seconds: float,
 def pack_rank(layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras: int,
               reports: list[AdapterReport], spec: ShardSpec | None = None,
               device: str = "auto", path: Path | None = None, force: bool = False,
-              progress: Callable[[int], None] | None = None) -> tuple[LoraPool, dict[str, Any]]:
+              progress: Callable[[int], None] | None = None,
+              written: Callable[[int, int], None] | None = None
+              ) -> tuple[LoraPool, dict[str, Any]]:
     """One pool, of rank `spec`'s layouts (the whole weights' without `spec`), with `reports`
     packed into slots [0, n); its image written to `path` if given. Returns the pool and its
     pack record, with the rank's `shard` under tensor parallelism. `progress` gets the file
-    bytes read."""
+    bytes read, `written` the image's bytes as they are written (`write_image`)."""
     if path is not None:  # the image never replaces one of the files it is packed from
         check_not_an_input(path, [p for r in reports for p in (r.adapter.weights_path,
                                                                r.adapter.config_path)])
@@ -95,7 +97,7 @@ def pack_rank(layout: SlotLayout, expert_layout: ExpertLayout | None, max_loras:
     image_bytes, write_seconds = 0, 0.0
     if path is not None:
         started = time.perf_counter()
-        image_bytes = write_image(pool, path, force)
+        image_bytes = write_image(pool, path, force, written)
         write_seconds = time.perf_counter() - started
     record = pool_record(pool, stats, pack_seconds, path, image_bytes, write_seconds)
     return pool, record if spec is None else {"shard": spec.record(), **record}
@@ -136,14 +138,16 @@ def pack_pool(layout: SlotLayout, max_loras: int, reports: list[AdapterReport],
               device: str = "auto", out: Path | None = None, force: bool = False,
               progress: Callable[[int], None] | None = None,
               expert_layout: ExpertLayout | None = None,
-              spec: ShardSpec | None = None) -> PackResult:
+              spec: ShardSpec | None = None,
+              written: Callable[[int, int], None] | None = None) -> PackResult:
     """Pack `reports` into slots [0, n) of a new pool (with an expert pool laid out by
     `expert_layout` when given), or with `spec` into every rank's pool one after another in
     this process, and write the image to `out` if given. With `spec`, `out` is a directory
-    where the rank images land all at once: a failure leaves no directory."""
+    where the rank images land all at once: a failure leaves no directory. `progress` and
+    `written` as `pack_rank` takes them (`written` for the one pool's image)."""
     if spec is None:
         pool, record = pack_rank(layout, expert_layout, max_loras, reports, None, device, out,
-                                 force, progress)
+                                 force, progress, written)
         return PackResult(None, out, [record], pool)
     specs = spec.all_ranks()
     refuse_unshardable(reports, spec)

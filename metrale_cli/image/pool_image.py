@@ -114,9 +114,12 @@ def _overlay_tensors(
     ], {"hidden_size": hidden, "runs": runs}
 
 
-def write_image(pool: LoraPool, path: str | Path, force: bool = False) -> int:
-    """Write `pool` as an image at `path` atomically; returns the file size in bytes."""
+def write_image(pool: LoraPool, path: str | Path, force: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> int:
+    """Write `pool` as an image at `path` atomically; returns the file size in bytes.
+    `progress` gets the bytes of each chunk of the tensors written and their total."""
     header, tensors = image_header(pool)
+    data_bytes = sum(array.nbytes for _, array in tensors)
 
     def chunks(name: str, array: Any) -> Iterator[Any]:
         """The tensor's bytes in order, `COPY_CHUNK` at a time (copied off the device)."""
@@ -145,6 +148,8 @@ def write_image(pool: LoraPool, path: str | Path, force: bool = False) -> int:
                         hashed.result()  # in order: one chunk at a time
                     hashed = hasher.submit(h.update, chunk)
                     f.write(chunk)
+                    if progress is not None:
+                        progress(len(chunk), data_bytes)
                 if hashed is not None:
                     hashed.result()
                 digests[name] = h.hexdigest()

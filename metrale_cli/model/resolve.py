@@ -21,11 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from metrale_cli import env
-from metrale_cli.errors import UnsupportedModel, UsageError
+from metrale_cli.errors import UnsupportedModel, UsageError, did_you_mean
 from metrale_cli.files.checkpoint import Checkpoint, read_hub, read_local
 from metrale_cli.files.hub import cached, fetch, parse_hub_id
 from metrale_cli.files.regular import refuse_not_regular
-from metrale_cli.model.config import ModelConfig, find_preset
+from metrale_cli.model.config import PRESETS, ModelConfig, find_preset
 from metrale_cli.model.families import Family
 from metrale_cli.model.weights import check_shapes, family_from_weights
 
@@ -57,9 +57,10 @@ def resolve_model(spec: str, online: bool = False) -> ModelConfig:
     if path.exists():
         raise UsageError(f"--model {spec!r}: neither a config.json nor a directory holding one "
                          "(a directory without config.json), and not a preset (`metrale models`)")
+    hint = did_you_mean(spec, [p.name for p in PRESETS])
     raise UsageError(
-        f"--model {spec!r}: not a preset, not a path, and not in the local Hugging Face cache "
-        f"({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
+        f"--model {spec!r}: not a preset{hint}, not a path, and not in the local Hugging Face "
+        f"cache ({env.hf_hub_cache()}); pass a preset (`metrale models`), a config.json, a model "
         "directory, or --online to fetch a hub id"
     )
 

@@ -3,10 +3,11 @@ filled with the part of the whole weight's pair it holds (`entry.held`), which i
 an unsharded pool and a tensor-parallel rank's slice in a rank's pool.
 
 Before a byte is written every module and expert pair is checked against its layout entry
-(`check_fits`). Each block is then read from the adapter file (`TensorReader`), converted to
-BF16 and written through a `SlotWriter` (straight into the pool on the host, through pinned
-staging buffers on a GPU) a chunk at a time, and each chunk is checked finite as soon as it is
-written, while its bytes are still in cache.
+(`check_fits`). Each block is then filled through a `SlotWriter` (straight into the pool on the
+host, through pinned staging buffers on a GPU) a cache-sized chunk at a time: the chunk's rows
+are read from the adapter file (`TensorReader`) and converted to BF16, or, where the file's
+bytes are the slot's, read straight into the slot, and the chunk is checked finite while its
+bytes are still in cache.
 """
 
 from __future__ import annotations
@@ -122,18 +123,30 @@ def _convert(dest: np.ndarray, values: np.ndarray, dtype: str, ratio: float) -> 
 def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
          dest: np.ndarray, ratio: float, adapter: str, check_finite: bool) -> int:
     """Rows `rows` and columns `cols` of the file's tensor `info` into `dest` as `_convert`
-    writes them (unscaled BF16 copied bit for bit), `CHUNK_BYTES` of `dest` at a time, each
-    chunk checked finite right after it is written. Returns the file bytes read."""
-    values = reader.block(info, rows, cols)
-    step = max(1, CHUNK_BYTES // max(1, dest.shape[1] * BF16_BYTES))
-    bad = 0
-    for lo in range(0, dest.shape[0], step):
-        chunk = dest[lo:lo + step]
-        _convert(chunk, values[lo:lo + step], info.dtype, ratio)
+    writes them (unscaled BF16 copied bit for bit), fused per `CHUNK_BYTES` of `dest`: a chunk's
+    rows are read, converted and checked finite while they are in cache. Where the file's
+    bytes are the slot's (BF16, unscaled, whole rows, no padding) they are read straight into
+    the slot: one copy, as `numpy.copyto` makes. Returns the file bytes read."""
+    n, width = dest.shape
+    direct = (info.dtype == "BF16" and ratio == 1.0
+              and cols == (0, info.shape[1]) and width == info.shape[1])
+    step = max(1, CHUNK_BYTES // max(1, width * BF16_BYTES))
+    bad = read = 0
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        chunk = dest[lo:hi]
+        block = (rows[0] + lo, rows[0] + hi)
+        if direct:
+            reader.rows_into(info, block, chunk)
+            read += chunk.nbytes
+        else:
+            values = reader.block(info, block, cols)
+            _convert(chunk, values, info.dtype, ratio)
+            read += values.nbytes
         if check_finite:
             bad += non_finite(chunk)
     _refuse(bad, adapter, info.name)
-    return values.nbytes
+    return read
 
 
 def _bits(span: np.ndarray, width: int) -> np.ndarray:

@@ -30,6 +30,7 @@ class RawReader(Protocol):
     def read(self, info: TensorInfo) -> np.ndarray: ...
     def block(self, info: TensorInfo, rows: tuple[int, int],
               cols: tuple[int, int]) -> np.ndarray: ...
+    def rows_into(self, info: TensorInfo, rows: tuple[int, int], out: np.ndarray) -> None: ...
 
 
 class TensorReader:
@@ -70,11 +71,26 @@ class TensorReader:
         data = self._span(info, start, info.begin + (r1 - 1) * row + c1 * item)
         return np.ndarray(shape, dtype, data, 0, (row, item))
 
-    def _span(self, info: TensorInfo, start: int, end: int) -> np.ndarray:
-        """The file's bytes `[start, end)` of tensor `info`, read whole or a FormatError."""
+    def rows_into(self, info: TensorInfo, rows: tuple[int, int], out: np.ndarray) -> None:
+        """Whole rows `[r0, r1)` of a 2-D tensor, their raw bytes as the file holds them, read
+        straight into `out` (contiguous, exactly their size): no buffer between the file and
+        `out`, which the fill makes a span of the pool."""
+        n_rows, n_cols = info.shape
+        r0, r1 = rows
+        row = n_cols * RAW_DTYPES[info.dtype].itemsize
+        if not 0 <= r0 <= r1 <= n_rows or out.nbytes != (r1 - r0) * row:
+            raise FormatError(f"{self.name}: read past the end of tensor {info.name!r}")
+        self._span(info, info.begin + r0 * row, info.begin + r1 * row,
+                   out.reshape(-1).view(np.uint8))
+
+    def _span(self, info: TensorInfo, start: int, end: int,
+              data: np.ndarray | None = None) -> np.ndarray:
+        """The file's bytes `[start, end)` of tensor `info` (into `data`, contiguous u8 of
+        that length, when given), read whole or a FormatError."""
         if end > self.size or end > info.begin + info.nbytes:
             raise FormatError(f"{self.name}: file ended inside tensor {info.name!r}")
-        data = np.empty(end - start, np.uint8)
+        if data is None:
+            data = np.empty(end - start, np.uint8)
         done = 0
         while done < len(data):  # a positional read may return less than asked
             n = os.preadv(self.fd, [data[done:]], start + done)

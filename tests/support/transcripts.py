@@ -71,7 +71,8 @@ MASKS = (
 )
 # A column of throughputs under a `GB/s` header (pack --tp's rank table).
 RATE_HEADER = "GB/s"
-PROGRESS = re.compile(r"^simulating: \d+% of [\d,]+ request replays$")
+PROGRESS = re.compile(r"^(?:packing|writing the image|verifying|reading|simulating): \d+% of "
+                      r"[\d,]+(?:\.\d)? (?:MiB|request replays)$")
 DIRECTIVE = re.compile(r"<!--\s*transcript:\s*(\w+)\s*(.*?)\s*-->", re.S)
 
 
