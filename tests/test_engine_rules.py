@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
-from metrale_cli.engines import vllm
 from metrale_cli.engines.verdict import Verdict
+from metrale_cli.engines.vllm import rules as vllm
 from metrale_cli.model.config import ModelConfig
 
 FLAGS = vllm.Flags(16, 2)

@@ -1,5 +1,5 @@
-"""metrale's SGLang 0.5.23 rules (metrale_cli/engines/sglang.py) against SGLang's own LoRA code
-running on CPU tensors (tests/support/sglang_runner.py under .venv-sglang) on PEFT-made
+"""metrale's SGLang 0.5.23 rules (metrale_cli/engines/sglang/rules.py) against SGLang's own LoRA
+code running on CPU tensors (tests/support/sglang_runner.py under .venv-sglang) on PEFT-made
 adapters, every case in one runner process: whether the load accepts each adapter on each path
 (and SGLang's error class and text when not), what its first batch does, the scaling its adapter
 object holds, its normalised targets, the pool start-up builds, and which of the file's weights
@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from metrale_cli.engines import sglang, sglang_model
+from metrale_cli.engines.sglang import flags as sglang_flags
+from metrale_cli.engines.sglang import model as sglang_model
+from metrale_cli.engines.sglang import rules as sglang
 from metrale_cli.engines.verdict import Verdict
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import SGLANG_PYTHON
@@ -233,7 +235,7 @@ def test_pool_bytes_are_the_buffers_sglang_allocates(sglang_run: dict[str, Any])
         base = sglang_run["made"][JOBS[job]["startup"][0]].base_dir
         pool = sglang_model.Pool(report["max_lora_rank"], frozenset(report["target_modules"]))
         predicted = sglang_model.Memory.of(
-            ModelConfig.from_hf(base), sglang_model.Flags(max_loras_per_batch=4, dtype="float32"),
+            ModelConfig.from_hf(base), sglang_flags.Flags(max_loras_per_batch=4, dtype="float32"),
             pool).lora_bytes
         assert predicted == report["pool"]["bytes"] == sum(
             b[-1] for b in report["pool"]["buffers"]), job

@@ -51,7 +51,8 @@ JOBS = {
                                             "tp_size": 2, "parallel_lm_head": True},
                   ["--max-loras", 3, "--dtype", "float32", "--tp", 2]),
     # 2 KV heads under TP 4: each rank keeps one whole KV head (qkv_proj's B). (k_proj and
-    # v_proj without q_proj are left unstacked, and their first batch fails: engines/sglang.py.)
+    # v_proj without q_proj are left unstacked, and their first batch fails:
+    # engines/sglang/rules.py.)
     "qwen3_tp4": ("qwen3", {"linear": {"r": 8, "lora_alpha": 16},
                             "head": {"r": 4, "lora_alpha": 4, "target_modules": [
                                 "q_proj", "k_proj", "v_proj", "lm_head"]}},

@@ -26,8 +26,8 @@ import pytest
 
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
-from metrale_cli.engines import vllm
 from metrale_cli.engines.verdict import Verdict
+from metrale_cli.engines.vllm import rules as vllm
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import VLLM_PYTHON
 from tests.support.engine_cases import PROMPT, Case, make_case, run_job, write_model

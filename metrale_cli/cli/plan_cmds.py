@@ -152,14 +152,13 @@ def inspect(
 def _confirm(audited: AuditedAdapters, engine: Engine, given: dict[str, object],
              python: str | None, args: str | None, timeout: float | None,
              json_out: bool) -> None:
-    """`inspect --engine vllm --confirm`: the prediction, then the engine's word on it, the
+    """`inspect --engine E --confirm`: the prediction, then the engine's word on it, the
     disagreements first; exit 1 on any."""
     from metrale_cli.cli import render_engine
     from metrale_cli.cli.console import say
-    from metrale_cli.engines.confirm import DEFAULT_TIMEOUT_S, confirm, engine_args
 
-    done = confirm(audited, engine, given, python=python, extra_args=engine_args(args),
-                   timeout_s=DEFAULT_TIMEOUT_S if timeout is None else timeout, progress=say)
+    done = engine.confirm(audited, given, python=python, engine_args=args, timeout_s=timeout,
+                          progress=say)
     emit(done.record, json_out, render_engine.engine_confirm_view)
     if not done.agrees:
         raise typer.Exit(1)

@@ -1,39 +1,30 @@
 """vLLM 0.32.0's model as its LoRA code sees it: the modules it wraps per family and layer
-type, the flags it reads, and the bytes its stacked LoRA buffers take per GPU (host cache too).
-From configs only; read from vLLM's source (`vllm/lora/layers`, `vllm/lora/model_manager.py`,
-`vllm/config/lora.py`, the models' `packed_modules_mapping`) and checked against the engine's
-own allocation in tests/test_engine_vllm.py. `vllm.py` judges adapters against it."""
+type, and the bytes its stacked LoRA buffers take per GPU (host cache too) under its flags
+(flags.py). From configs only; read from vLLM's source (`vllm/lora/layers`,
+`vllm/lora/model_manager.py`, the models' `packed_modules_mapping`) and checked against the
+engine's own allocation in tests/test_engine_vllm.py. rules.py judges adapters against it."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metrale_cli.errors import UsageError
-from metrale_cli.files.jsondoc import load_json
-from metrale_cli.model.config import ModelConfig, find_preset
+from metrale_cli.engines.shared import DTYPE_BYTES, divide, family_row, raw_text_config
+from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
+    from metrale_cli.engines.vllm.flags import Flags
 
-# `--max-lora-rank` takes only these (vllm/config/lora.py MaxLoRARanks).
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-DEFAULT_MAX_LORA_RANK = 16
-LORA_DTYPES = ("auto", "float16", "bfloat16")
-DTYPES = ("auto", "float16", "bfloat16", "float32")
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # LogitsProcessorWithLoRA refuses a larger output head.
 MAX_LORA_VOCAB = 258048
 # GDN's short convolution width when a config does not say (transformers' default).
 DEFAULT_CONV_KERNEL = 4
-# init_lora_weights strings vLLM accepts: they only set the initial weights.
-_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
 NAME = "vllm"
-VERSION = "0.32.0"  # every rule here and in vllm.py is this version's
+VERSION = "0.32.0"  # every rule of this package is this version's
 
 
 @dataclass(frozen=True)
@@ -79,11 +70,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
 
 def family(model: ModelConfig) -> VllmFamily:
     """The row for `model`'s family; a family without one is refused, never guessed."""
-    row = FAMILIES.get(model.model_type)
-    if row is None:
-        raise UsageError(f"model type {model.model_type!r}: no vLLM {VERSION} rules for it "
-                         "(engines/vllm_model.py FAMILIES)")
-    return row
+    return family_row(FAMILIES, model, f"vLLM {VERSION}", "engines/vllm/model.py FAMILIES")
 
 
 class Kind(str, Enum):
@@ -207,26 +194,10 @@ def _spread(names: tuple[str, ...], slices: int) -> tuple[str, ...]:
 
 
 def _divide(size: int, tp: int, what: str) -> int:
-    if size % tp:
-        raise UsageError(f"--tp {tp} does not divide {what} ({size}): vLLM cannot shard it")
-    return size // tp
+    return divide(size, tp, what, "vLLM")
 
 
 # -- the model as vLLM builds it -----------------------------------------------------------------
-
-
-def raw_text_config(model: ModelConfig) -> dict[str, Any]:
-    """The config.json behind `model` (its text part), for the keys ModelConfig does not keep
-    (dtype, the GDN convolution width): the preset's, or the file's; {} for a hub id."""
-    preset = find_preset(model.source) if model.source else None
-    raw: Any = preset.config if preset is not None else {}
-    path = Path(model.source) if model.source and preset is None else None
-    if path is not None and path.is_file():
-        raw = load_json(path, path.read_bytes(), "JSON config")
-    if not isinstance(raw, dict):
-        return {}
-    text = raw.get("text_config")
-    return {**raw, **text} if isinstance(text, dict) else raw
 
 
 def engine_modules(model: ModelConfig) -> list[EngineModule]:
@@ -298,89 +269,6 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
 def expected_names(modules: list[EngineModule]) -> set[str]:
     """The leaf names vLLM accepts in an adapter's tensor names for this model."""
     return {n for m in modules for n in m.adapter_names}
-
-
-# -- flags -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Flags:
-    """The vLLM serve flags that change a verdict or the LoRA memory."""
-
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
-    max_loras: int = 1
-    max_cpu_loras: int | None = None
-    tp: int = 1
-    fully_sharded: bool = False
-    # --lora-target-modules; None: every LoRA-capable module (vLLM's default).
-    target_modules: tuple[str, ...] | None = None
-    dtype: str = "auto"
-    lora_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.max_lora_rank not in MAX_LORA_RANKS:
-            raise UsageError(f"--max-rank {self.max_lora_rank}: vLLM's --max-lora-rank takes "
-                             f"only {', '.join(map(str, MAX_LORA_RANKS))}")
-        if self.max_loras < 1 or self.tp < 1:
-            raise UsageError("--max-loras and --tp must be at least 1")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise UsageError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras "
-                             f"{self.max_loras}; vLLM refuses that")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
-        if self.lora_dtype not in LORA_DTYPES:
-            raise UsageError(f"--lora-dtype {self.lora_dtype!r}: one of "
-                             f"{', '.join(LORA_DTYPES)}")
-
-    @property
-    def cpu_loras(self) -> int:
-        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
-
-    def model_dtype(self, model: ModelConfig) -> str:
-        """`--dtype auto`: the config's dtype, float32 cast down to bfloat16 (the GPU build's
-        first choice); a config without one reads as float32, so bfloat16 too."""
-        if self.dtype != "auto":
-            return self.dtype
-        raw = raw_text_config(model)
-        stated = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
-        return stated if stated in ("float16", "bfloat16") else "bfloat16"
-
-    def resolved_lora_dtype(self, model: ModelConfig) -> str:
-        """`--lora-dtype auto` is the model's dtype."""
-        return self.model_dtype(model) if self.lora_dtype == "auto" else self.lora_dtype
-
-    def record(self, model: ModelConfig) -> dict[str, Any]:
-        return {"max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras,
-                "max_cpu_loras": self.cpu_loras, "tensor_parallel_size": self.tp,
-                "fully_sharded_loras": self.fully_sharded,
-                "lora_target_modules": list(self.target_modules) if self.target_modules
-                else None, "dtype": self.model_dtype(model),
-                "lora_dtype": self.resolved_lora_dtype(model)}
-
-    def serve_args(self) -> list[str]:
-        """These flags as `vllm serve` arguments (LoRA on), leaving out what equals vLLM's
-        default where vLLM's default is metrale's too (`auto` dtypes, TP 1)."""
-        args = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras",
-                str(self.max_loras), "--max-cpu-loras", str(self.cpu_loras)]
-        if self.lora_dtype != "auto":
-            args += ["--lora-dtype", self.lora_dtype]
-        if self.dtype != "auto":
-            args += ["--dtype", self.dtype]
-        if self.target_modules:
-            args += ["--lora-target-modules", *self.target_modules]
-        if self.tp > 1:
-            args += ["--tensor-parallel-size", str(self.tp)]
-        if self.fully_sharded:
-            args.append("--fully-sharded-loras")
-        return args
-
-    def wraps(self, module: EngineModule) -> bool:
-        """vLLM's `is_in_target_modules`: a module is wrapped when its name, or one of the
-        adapter names packed into it, is among --lora-target-modules."""
-        if self.target_modules is None:
-            return True
-        chosen = set(self.target_modules)
-        return module.name in chosen or any(n in chosen for n in module.adapter_names)
 
 
 # -- memory ----------------------------------------------------------------------------------
