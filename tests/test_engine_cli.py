@@ -3,6 +3,7 @@ one-line refusals, no torch. What vLLM itself does is tests/test_engine_vllm.py'
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from tests.support.cli_runner import metrale
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+DATA = Path(__file__).parent / "data" / "model_configs"
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,8 @@ def adapters(peft_zoo) -> dict[str, Path]:  # type: ignore[no-untyped-def]
                               rank_pattern={"q_proj": 40}, seed=1)
     dora = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"],
                             use_dora=True, seed=2)
-    return {"plain": plain.path, "ranked": ranked.path, "dora": dora.path}
+    return {"plain": plain.path, "ranked": ranked.path, "dora": dora.path,
+            "base": plain.base_dir}
 
 
 def test_inspect_records_each_verdict_and_recommends_flags(adapters: dict[str, Path]) -> None:
@@ -151,3 +154,50 @@ def test_layout_host_cache_counts_adapters_in_english(slots: int, says: str) -> 
     done = metrale("layout", "--engine", "vllm", "--model", "qwen3-8b", "--max-loras", slots,
                    "--max-rank", 16, "--modules", "q_proj")
     assert done.code == 0 and says in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("abc", "missing or not a positive integer"), ([4], "missing or not a positive integer"),
+    (-4, "missing or not a positive integer"), (1e30, "missing or not a positive integer"),
+    (True, "missing or not a positive integer"),
+    (10**30, f"is {10**30}, above the 4,194,304 that metrale accepts; not a real model's "
+             "config"),
+])
+def test_the_gdn_convolution_width_is_checked_as_every_width(tmp_path: Path, value: object,
+                                                              says: str) -> None:
+    """Qwen3.5's `linear_conv_kernel_dim`, which vLLM wraps as conv1d's input width: a bad
+    value is one line and exit 2, as a bad `hidden_size` is, never a traceback or a size."""
+    config = json.loads((DATA / "qwen3.5-35b-a3b.config.json").read_text())
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(config))
+    args = ["layout", "--engine", "vllm", "--max-rank", 16, "--json"]
+    conv = [m for m in metrale(*args, "-m", good).json()["engine"]["modules"]
+            if m["module"] == "linear_attn.conv1d"]
+    assert conv and conv[0]["buffers"][0][1][-1] == 4
+    config["text_config"]["linear_conv_kernel_dim"] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(config))
+    done = metrale(*args, "-m", bad)
+    assert done.code == 2 and done.stdout == ""
+    assert done.stderr == f"error: {bad}: 'linear_conv_kernel_dim' {says}\n"
+
+
+def test_inspect_reads_the_config_once_for_the_rules(adapters: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base model's config.json is read twice per `inspect --engine vllm`: once for
+    ModelConfig, once for the keys the vLLM rules read besides (dtype, the convolution
+    width), however many modules and flags ask; a 50 MB config took a minute at 21 reads."""
+    reads: dict[Path, int] = {}
+    read_bytes = Path.read_bytes
+
+    def counted(path: Path) -> bytes:
+        if path.name == "config.json":
+            reads[path] = reads.get(path, 0) + 1
+        return read_bytes(path)
+
+    base = adapters["base"] / "config.json"
+    monkeypatch.setattr(Path, "read_bytes", counted)
+    done = metrale("inspect", adapters["plain"], "-m", base, "--engine", "vllm", "--max-rank",
+                   64, "--max-loras", 2, "--json")
+    assert done.code == 0, done.stderr
+    assert reads == {base: 2}

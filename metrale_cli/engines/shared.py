@@ -1,5 +1,6 @@
 """What every engine's rules read alike, in one place: the dtypes and their widths, the
-config.json behind a model (read once, however many rules ask), the per-family table lookup
+config.json behind a model (read once, however many rules ask) and its widths that
+ModelConfig does not keep (checked as it checks its own), the per-family table lookup
 that refuses a family without a row, the TP split of a buffer and of the model, the name a
 launch line gives the model, and the warning about an installed engine of another version."""
 
@@ -11,9 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.jsondoc import load_json
-from metrale_cli.model.config import ModelConfig, find_preset
+from metrale_cli.model.config import MAX_WIDTH, ModelConfig, find_preset
 
 # The engines' --dtype choices and each dtype's width.
 DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -69,6 +70,22 @@ def raw_text_config(model: ModelConfig) -> dict[str, Any]:
         return {}
     text = raw.get("text_config")
     return {**raw, **text} if isinstance(text, dict) else raw
+
+
+def config_width(model: ModelConfig, key: str, default: int) -> int:
+    """A width of the config that ModelConfig does not keep (`linear_conv_kernel_dim`), checked
+    as ModelConfig checks every width it reads: a positive integer no wider than MAX_WIDTH;
+    `default` when the config leaves it out (or null)."""
+    value = raw_text_config(model).get(key)
+    if value is None:
+        return default
+    source = model.source or "config"
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise FormatError(f"{source}: {key!r} missing or not a positive integer")
+    if value > MAX_WIDTH:
+        raise FormatError(f"{source}: {key!r} is {value}, above the {MAX_WIDTH:,} that metrale "
+                          "accepts; not a real model's config")
+    return value
 
 
 def model_id(model: ModelConfig, absolute: bool) -> str:

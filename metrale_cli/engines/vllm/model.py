@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from metrale_cli.engines.shared import DTYPE_BYTES, divide, family_row, raw_text_config
+from metrale_cli.engines.shared import DTYPE_BYTES, config_width, divide, family_row
 from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
         kd = model.linear_num_key_heads * model.linear_key_head_dim
         vd = model.linear_value_width
         nv = model.linear_num_value_heads
-        conv = raw_text_config(model).get("linear_conv_kernel_dim") or DEFAULT_CONV_KERNEL
+        conv = config_width(model, "linear_conv_kernel_dim", DEFAULT_CONV_KERNEL)
         if family(model).fused_qkvz:
             # One fused, head-interleaved output each (gqa_interleaved_layout).
             out += [EngineModule("linear_attn.in_proj_qkvz", Kind.COLUMN, linear, H,
@@ -234,7 +234,7 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                                  ("in_proj_b", "in_proj_a"))]
         # The short convolution is a ColumnParallelLinear over the kernel taps: vLLM wraps it
         # like any other linear layer although no PEFT adapter can target it as one.
-        out += [EngineModule("linear_attn.conv1d", Kind.COLUMN, linear, int(conv),
+        out += [EngineModule("linear_attn.conv1d", Kind.COLUMN, linear, conv,
                              (2 * kd + vd,), ("conv1d",)),
                 EngineModule("linear_attn.out_proj", Kind.ROW, linear, vd, (H,), ("out_proj",))]
     if dense:
