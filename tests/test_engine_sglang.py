@@ -11,7 +11,9 @@ import ast
 import functools
 import json
 import math
+import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -513,3 +515,64 @@ def test_docs_list_every_source_rule() -> None:
     section = doc.split("### SGLang: what each adapter meets", 1)[1].split("\n## ", 1)[0]
     for rule in sglang.SOURCE_RULES:
         assert f"| {rule.case} |" in section and "source" in section, rule.case
+
+
+# -- the model SGLang builds from `architectures` ------------------------------------------------
+
+_MODEL_CONFIG = """
+import json, sys
+from sglang.srt.configs.model_config import ModelConfig
+out = {}
+for path in sys.argv[1:]:
+    try:
+        ModelConfig(path)
+        out[path] = "built"
+    except Exception as exc:
+        out[path] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.proc
+@pytest.mark.slow
+def test_a_config_without_architectures_is_judged_as_sglang_builds_it(
+        tmp_path: Path) -> None:
+    """SGLang's own `ModelConfig` (what launch_server builds first) on the tiny Llama's config
+    with `architectures` left out and empty: each fails, so every adapter is
+    `unsupported_model` on both load paths, in SGLang's words, and the launch line names none.
+    With `architectures` as written it builds."""
+    truth = make_adapter("llama", tmp_path / "adapter", r=4, lora_alpha=8,
+                         target_modules=["q_proj", "v_proj"])
+    config = json.loads((truth.base_dir / "config.json").read_text())
+    dirs = {}
+    for name, archs in (("written", config["architectures"]), ("none", None), ("empty", [])):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        edited = {k: v for k, v in config.items() if k != "architectures"}
+        if archs is not None:
+            edited["architectures"] = archs
+        (dirs[name] / "config.json").write_text(json.dumps(edited))
+    done = subprocess.run([str(SGLANG_PYTHON), "-c", _MODEL_CONFIG, *map(str, dirs.values())],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    assert built[str(dirs["written"])] == "built"
+    for name in ("none", "empty"):
+        said = built[str(dirs[name])]
+        assert said != "built"
+        inspected = metrale("inspect", truth.path, "--engine", "sglang", "-m", dirs[name],
+                            "--json")
+        assert inspected.code == 1, inspected.stderr
+        record = inspected.json()
+        engine = record["adapters"][0]["engine"]
+        assert engine["verdict"] == "unsupported_model"
+        assert engine["reason_class"] == "architecture"
+        assert engine["reason"].startswith(f"{said}: ")
+        assert {p["verdict"] for p in engine["paths"].values()} == {"unsupported_model"}
+        rec = record["engine"]["recommended"]
+        assert rec["serve"] is None and rec["lora_paths"] == [] and len(rec["shut_out"]) == 1
+    written = metrale("inspect", truth.path, "--engine", "sglang", "-m", dirs["written"],
+                      "--json")
+    assert written.code == 0, written.stdout

@@ -21,6 +21,7 @@ from metrale_cli.engines.sglang.model import (
     Recommendation,
     family,
     judgements,
+    model_support,
     reason,
     starts,
     verdict_of,
@@ -125,15 +126,23 @@ class SglangEngine:
         if probe.tp > 1:
             check_tp(model, probe.tp, False, self.label)
         at_startup = [(r, judgements(r, model, probe)["startup"]) for r in reports]
-        kept = [r for r, got in at_startup if starts(got)]
-        shut_out = [f"{r.name}: {reason(got)}" for r, got in at_startup if not starts(got)]
+        unsupported = model_support(model)
+        if unsupported is not None:
+            # No adapter starts a server that cannot start: each is left out with the reason.
+            kept, shut_out = [], [f"{r.name}: {unsupported[1]}" for r in reports]
+        else:
+            kept = [r for r, got in at_startup if starts(got)]
+            shut_out = [f"{r.name}: {reason(got)}" for r, got in at_startup if not starts(got)]
         flags = self.startup(model, flags_from(given, max(2, len(kept) + 1)), kept)
         memory, note = None, ""
-        try:
-            memory = Memory.of(model, flags, flags.pool or Pool.at_startup(flags, model, []),
-                               kept)
-        except UsageError as exc:
-            note = str(exc)
+        if unsupported is not None:
+            note = f"none: SGLang never starts on this model ({unsupported[1]})"
+        else:
+            try:
+                memory = Memory.of(model, flags, flags.pool or Pool.at_startup(flags, model, []),
+                                   kept)
+            except UsageError as exc:
+                note = str(exc)
         paths = [(r.name, str(Path(r.adapter.path).resolve())) for r in kept]
         return Recommendation(flags, model, paths, memory, note, shut_out)
 

@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 from metrale_cli.engines.sglang import rules
 from metrale_cli.engines.sglang.flags import DEFAULT_LORA_BACKEND, Flags
 from metrale_cli.engines.sglang.rules import VERSION, Judgement
-from metrale_cli.engines.shared import DTYPE_BYTES, divide, family_row, model_id
+from metrale_cli.engines.shared import (
+    DTYPE_BYTES,
+    divide,
+    family_row,
+    model_id,
+    raw_text_config,
+)
 from metrale_cli.engines.verdict import EngineVerdict, Verdict
 from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig
@@ -301,20 +307,47 @@ def starts(got: Judgement) -> bool:
     return got.verdict in (Verdict.SERVES, Verdict.DIFFERS)
 
 
+def model_support(model: ModelConfig) -> tuple[str, str] | None:
+    """Why SGLang cannot start on `model` whatever the adapters, or None. SGLang reads the
+    config's `architectures[0]` before it picks a model class: none at all (or null) is a
+    TypeError in configs/model_config.py `ModelConfig.__init__` (`self.hf_config.
+    architectures[0] in mm_disabled_models`), an empty list an IndexError as the config is
+    loaded (utils/hf_transformers/config.py `HFConfigParser.parse`: `config.architectures[0]
+    == "Phi4MMForCausalLM"`); either stops the server starting. A preset names none: its
+    family's own class."""
+    if model.architectures is None or model.architectures:
+        return None
+    if raw_text_config(model).get("architectures") is None:
+        return ("architecture", "TypeError: 'NoneType' object is not subscriptable: the "
+                "config has no `architectures`, which SGLang indexes to pick its model class "
+                "(configs/model_config.py ModelConfig.__init__); the server never starts")
+    return ("architecture", "IndexError: list index out of range: the config's "
+            "`architectures` is empty, and SGLang indexes it as it loads the config "
+            "(utils/hf_transformers/config.py HFConfigParser.parse); the server never starts")
+
+
 def verdict_of(report: AdapterReport, model: ModelConfig, flags: Flags,
                flags_source: str = "given") -> EngineVerdict:
     """The adapter on both of SGLang's load paths under `flags` (whose `pool` is the one its
     start-up adapters build), each the rules' judgement; `verdict` is the runtime path's. The
-    rules were run against SGLang's own code for the families marked `checked: run`."""
+    rules were run against SGLang's own code for the families marked `checked: run`. On a
+    model SGLang cannot start (`model_support`), `unsupported_model` on both paths."""
+    pool = flags.pool or Pool.at_startup(flags, model, [report.adapter.config.raw])
+    record = {**flags.record(model), "pool": pool.record()}
+    unsupported = model_support(model)
+    if unsupported is not None:
+        cls, text = unsupported
+        paths = {path: {"verdict": Verdict.UNSUPPORTED_MODEL.value, "reason": text,
+                        "checked": "run"} for path in ("startup", "runtime")}
+        return EngineVerdict(NAME, VERSION, Verdict.UNSUPPORTED_MODEL, text, cls, record,
+                             flags_source, [], {}, paths)
     judged = judgements(report, model, flags)
     checked = family(model).checked
     paths = {path: {"verdict": got.verdict.value, "reason": reason(got), "checked": checked}
              for path, got in judged.items()}
     runtime = judged["runtime"]
-    pool = flags.pool or Pool.at_startup(flags, model, [report.adapter.config.raw])
     return EngineVerdict(NAME, VERSION, runtime.verdict, paths["runtime"]["reason"],
-                         runtime.reason_class, {**flags.record(model), "pool": pool.record()},
-                         flags_source, [], {}, paths)
+                         runtime.reason_class, record, flags_source, [], {}, paths)
 
 
 # -- the launch line metrale recommends --------------------------------------------------------
