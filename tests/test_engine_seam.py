@@ -147,6 +147,28 @@ def test_options_the_engine_does_not_take_are_refused(args: list[str], says: str
     assert done.code == 2 and done.stderr.strip() == f"error: {says}"
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["layout", "--engine", "sglang", "--max-rank", 99999999999, "--modules", "q_proj"],
+     "SGLang 0.5.23's LoRA buffers would take 1,061,683,199,989,383,168 B (965,595 TiB) per "
+     "GPU, past the 1,024 TiB no machine holds: check --max-rank and --max-loras"),
+    (["layout", "--engine", "sglang", "--max-rank", 64, "--max-loras", 10**12, "--modules",
+      "q_proj"], "SGLang 0.5.23's LoRA buffers would take"),
+    (["simulate", "--engine", "sglang", "--max-rank", 10**11, "--modules", "q_proj",
+      "--requests", 10], "SGLang 0.5.23's LoRA buffers would take"),
+    (["layout", "--engine", "vllm", "--max-rank", 512, "--max-loras", 10**11],
+     "vLLM 0.32.0's LoRA buffers would take"),
+    (["layout", "--engine", "vllm", "--max-rank", 16, "--max-cpu-loras", 10**11],
+     "vLLM 0.32.0's host cache would take 9,728,000,000,000,000,000 B (8,847,564 TiB) per TP "
+     "worker, past the 1,024 TiB no machine holds: check --max-cpu-loras"),
+])
+def test_a_plan_no_machine_holds_is_refused(args: list[object], says: str) -> None:
+    """Sizes past any GPU's memory are typos: exit 2 naming the size and the flags, not a plan
+    of 965,595 TiB per GPU and exit 0."""
+    done = metrale(*args, "-m", "qwen3-8b")
+    assert done.code == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"error: {says}") and done.stderr.count("\n") == 1
+
+
 @pytest.mark.slow
 def test_one_tp_rule_for_every_command_and_engine(peft_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A model with 8 query heads at --tp 16: refused alike by `layout`, `layout --engine

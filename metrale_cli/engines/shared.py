@@ -2,7 +2,8 @@
 config.json behind a model (read once, however many rules ask) and its widths that
 ModelConfig does not keep (checked as it checks its own), the per-family table lookup
 that refuses a family without a row, the TP split of a buffer and of the model, the name a
-launch line gives the model, and the warning about an installed engine of another version."""
+launch line gives the model, the bound on a plan's bytes, and the warning about an installed
+engine of another version."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from typing import Any, TypeVar
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.jsondoc import load_json
 from metrale_cli.model.config import MAX_WIDTH, ModelConfig, find_preset
+
+# LoRA bytes past which a plan is refused: a thousand times the largest GPU's memory (and any
+# host's), so a plan past it is a typo in --max-rank or --max-loras, never a deployment.
+MAX_PLAN_BYTES = 1 << 50
 
 # The engines' --dtype choices and each dtype's width.
 DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -70,6 +75,18 @@ def raw_text_config(model: ModelConfig) -> dict[str, Any]:
         return {}
     text = raw.get("text_config")
     return {**raw, **text} if isinstance(text, dict) else raw
+
+
+def refuse_absurd(who: str, lora_bytes: int, host_bytes: int, host_flag: str) -> None:
+    """Refuse an engine's plan whose LoRA buffers on one GPU, or host cache (sized by
+    `host_flag`), pass MAX_PLAN_BYTES: UsageError naming the size and the flags that make it."""
+    for what, n, flags in (("LoRA buffers", lora_bytes, "--max-rank and --max-loras"),
+                           ("host cache", host_bytes, host_flag)):
+        if n > MAX_PLAN_BYTES:
+            raise UsageError(f"{who}'s {what} would take {n:,} B ({n / 2**40:,.0f} TiB) per "
+                             f"{'GPU' if what == 'LoRA buffers' else 'TP worker'}, past the "
+                             f"{MAX_PLAN_BYTES / 2**40:,.0f} TiB no machine holds: check "
+                             f"{flags}")
 
 
 def config_width(model: ModelConfig, key: str, default: int) -> int:

@@ -36,6 +36,7 @@ from metrale_cli.engines.shared import (
     family_row,
     model_id,
     raw_text_config,
+    refuse_absurd,
 )
 from metrale_cli.engines.verdict import EngineVerdict, Verdict
 from metrale_cli.errors import UsageError
@@ -226,6 +227,8 @@ class Memory:
                                (math.prod(a) + math.prod(b)) * elem * layers * n))
         sizes = sorted((_file_bytes(r) for r in adapters or []), reverse=True)
         held = sizes if flags.max_loaded_loras is None else sizes[:flags.max_loaded_loras]
+        refuse_absurd(f"SGLang {VERSION}", sum(b for *_, b in per_module), sum(held),
+                      "--max-loaded-loras")
         return cls(model, flags, pool, per_module, sum(held), budget_bytes)
 
     @property

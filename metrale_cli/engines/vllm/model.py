@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from metrale_cli.engines.shared import DTYPE_BYTES, config_width, divide, family_row
+from metrale_cli.engines.shared import (
+    DTYPE_BYTES,
+    config_width,
+    divide,
+    family_row,
+    refuse_absurd,
+)
 from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -302,6 +308,8 @@ class Memory:
             one = sum(m.adapter_elements(set(m.adapter_names), flags.max_lora_rank)
                       * max(1, len(m.layers)) for m in wrapped) * elem
             host = one * flags.cpu_loras
+        refuse_absurd(f"vLLM {VERSION}", sum(b for _, b in per_module), host,
+                      "--max-cpu-loras")
         return cls(model, flags, per_module, host, budget_bytes)
 
     @property
