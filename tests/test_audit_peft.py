@@ -74,6 +74,31 @@ def test_pool_targets_are_servable(peft_zoo, model: str) -> None:
     assert_matches_peft(truth, report)
 
 
+# PEFT's suffix match reaches each wrapper's vision tower too: (tower, its adapted modules).
+VISION_TOWERS = {"gemma3_vl": ("model.vision_tower", 3), "mistral3_vl": ("model.vision_tower", 7),
+                 "qwen2_5_vl": ("model.visual", 3)}
+
+
+@pytest.mark.parametrize("model", sorted(VISION_TOWERS))
+def test_targets_reaching_the_vision_tower_are_named(peft_zoo, model: str) -> None:
+    """The language model audited exactly as PEFT built it; the tower's modules one finding
+    naming the tower and how many of its modules PEFT adapted."""
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8)
+    tower, count = VISION_TOWERS[model]
+    assert sum(p.startswith(tower + ".") for p in truth.modules) == count
+    code, report = inspect_json(truth)
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    found = [f for f in report["findings"] if f["message"].startswith(tower + ":")]
+    assert len(found) == 1 and f"has {count} adapted modules" in found[0]["message"]
+    # Targets that stop at the language model (a regex over its path) are servable.
+    lm_only = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=lm_only)
+    code, report = inspect_json(truth)
+    assert code == 0, report["findings"]
+    assert_matches_peft(truth, report)
+
+
 def test_rslora_and_patterns_like_peft(peft_zoo) -> None:
     """docs/peft_format.md §1.4's table, checked with PEFT: rank/alpha patterns with rsLoRA."""
     truth = peft_zoo.adapter(

@@ -45,3 +45,213 @@ def test_a_new_family_is_one_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert {e.layer for e in planned.layout.entries} == {3, 7, 11, 15, 19, 23, 27, 31, 35}
     q = next(e for e in planned.layout.entries if e.module.peft_name == "q_proj")
     assert q.out_dim == 2 * model.num_attention_heads * model.head_dim
+
+
+# -- every family's modules against transformers' own model ------------------------------------
+
+# Tiny text configs, one per family: (transformers model_type, kwargs over _TINY). Widths are
+# chosen apart (head_dim 24 != 64 / 4, intermediate 96) so a wrong width cannot pass by accident.
+_TINY = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 96,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_SLIDING = {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8}
+_GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 12, "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"] * 2}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40}
+_QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                "out_hidden_size": 64}
+META_CASES: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 24}),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 24, **_MOE}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_next": ("qwen3_next", {**_GDN, **_MOE, "shared_expert_intermediate_size": 24}),
+    "qwen3_5": ("qwen3_5_text", _GDN),
+    "qwen3_5_moe": ("qwen3_5_moe_text", {**_GDN, **_MOE,
+                                         "shared_expert_intermediate_size": 24}),
+    "gemma": ("gemma", {"head_dim": 24}),
+    "gemma2": ("gemma2", {"head_dim": 24, **_SLIDING}),
+    "gemma3": ("gemma3_text", {"head_dim": 24, **_SLIDING}),
+    "granite": ("granite", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo3": ("olmo3", _SLIDING),
+    "cohere": ("cohere", {}),
+    "cohere2": ("cohere2", {"head_dim": 24, **_SLIDING}),
+    "exaone4": ("exaone4", _SLIDING),
+    "ernie4_5": ("ernie4_5", {"head_dim": 24}),
+    "seed_oss": ("seed_oss", {"head_dim": 24}),
+    "smollm3": ("smollm3", {}),
+    "ministral": ("ministral", {"head_dim": 24, **_SLIDING}),
+    "phi3": ("phi3", {}),
+    "glm4": ("glm4", {"head_dim": 24}),
+    # Vision-language wrappers: the text model under text_config (a tiny vision tower beside).
+    "qwen2_vl": ("qwen2_vl", {"vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2,
+                                                "hidden_size": 64, "mlp_ratio": 2}}),
+    "qwen2_5_vl": ("qwen2_5_vl", {"vision_config": _QWEN_VISION}),
+    "qwen3_vl": ("qwen3_vl", {"head_dim": 24, "vision_config": _QWEN_VISION}),
+}
+# mistral3's language model is a mistral, gemma3's a gemma3_text: families of their own.
+VL_OF = {"mistral3": "mistral", "gemma3": "gemma3"}
+_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+VL_CASES: dict[str, dict[str, object]] = {
+    "mistral3": {"vision_config": {**_SIGLIP, "head_dim": 16}},
+    "gemma3": {"vision_config": _SIGLIP, "text_config_type": "gemma3_text"},
+}
+# Linear layers of a decoder layer that no family module declares, by family: what the audit
+# names as not servable (Gated-DeltaNet input projections, the shared expert and its gate).
+# Anything else undeclared fails the test: a module the family row forgot.
+_GDN_IN = {"linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"}
+_GDN35_IN = {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a",
+             "linear_attn.in_proj_b"}
+_SHARED = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+           "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"}
+UNDECLARED = {"qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
+              "qwen3_5_moe": _GDN35_IN | _SHARED}
+
+
+@pytest.fixture(scope="module")
+def transformers_models() -> None:
+    """transformers' import and its shared modeling code, paid once in setup (seconds): one
+    tiny llama built on the meta device."""
+    from transformers import AutoConfig
+
+    _meta_model(AutoConfig.for_model("llama", **_TINY))
+
+
+def _meta_model(config: object) -> object:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else (
+        AutoModelForCausalLM)
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+def _tiny_config(model_type: str, kwargs: dict[str, object]) -> object:
+    """transformers' config of one META_CASES entry: a composite one (vision_config given)
+    takes the tiny text settings under text_config."""
+    from transformers import AutoConfig
+
+    kwargs = dict(kwargs)
+    vision = kwargs.pop("vision_config", None)
+    if vision is None:
+        return AutoConfig.for_model(model_type, **{**_TINY, **kwargs})
+    text_type = kwargs.pop("text_config_type", None)
+    text = {**_TINY, **kwargs, **({"model_type": text_type} if text_type else {})}
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
+
+
+def _differences(model: ModelConfig, hf_model: object, undeclared: set[str]) -> list[str]:
+    """Every (layer, module) whose presence or `(out, in)` in transformers' decoder layers
+    differs from the family's entry, and every Linear the family neither declares nor
+    knowingly leaves out."""
+    from torch import nn
+
+    from metrale_cli.model.modules import family_modules
+
+    modules = family_modules(model)
+    paths = {m.path_in(model) for m in modules}
+    inner = hf_model.model  # type: ignore[attr-defined]
+    layers = getattr(inner, "language_model", inner).layers
+    assert len(layers) == model.num_hidden_layers
+    out = []
+    for i, layer in enumerate(layers):
+        linears = {name: (m.out_features, m.in_features) for name, m in layer.named_modules()
+                   if isinstance(m, nn.Linear)}
+        for module in modules:
+            path, applies = module.path_in(model), module.applies_to_layer(model, i)
+            if applies != (path in linears):
+                out.append(f"layer {i} {path}: metrale says {'present' if applies else 'absent'}")
+            elif applies and module.dims(model) != linears[path]:
+                out.append(f"layer {i} {path}: metrale {module.dims(model)}, "
+                           f"transformers {linears[path]}")
+        out += [f"layer {i} {p}: no family module" for p in set(linears) - paths - undeclared]
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(META_CASES))
+def test_family_modules_match_transformers(family: str, tmp_path: Path,
+                                          transformers_models: None) -> None:
+    """The config.json transformers writes (its non-default values only, as checkpoints carry
+    them) read by metrale, against the model transformers builds from it on the meta device."""
+    model_type, kwargs = META_CASES[family]
+    config = _tiny_config(model_type, kwargs)
+    config.save_pretrained(tmp_path)
+    model = ModelConfig.from_hf(tmp_path)
+    assert model.model_type == family
+    assert _differences(model, _meta_model(config), UNDECLARED.get(family, set())) == []
+
+
+@pytest.mark.parametrize("wrapper", sorted(VL_CASES))
+def test_vision_language_wrappers_match_transformers(wrapper: str, tmp_path: Path,
+                                                     transformers_models: None) -> None:
+    """A wrapper whose language model is another family's: that family's modules, on
+    model.language_model.layers.N."""
+    config = _tiny_config(wrapper, VL_CASES[wrapper])
+    config.save_pretrained(tmp_path)
+    model = ModelConfig.from_hf(tmp_path)
+    assert model.model_type == VL_OF[wrapper] and model.composite
+    assert _differences(model, _meta_model(config), set()) == []
+
+
+def test_every_family_has_a_meta_case() -> None:
+    assert set(META_CASES) == set(FAMILIES)
+
+
+REAL_SIZES = {"qwen3-8b.config.json": "qwen3", "llama-3.1-8b.config.json": "llama",
+              "olmo-3-7b.config.json": "olmo3", "gemma-3-27b-it.config.json": "gemma3"}
+
+
+def _real_size_differences(raw: dict[str, object], source: str) -> list[str]:
+    from transformers import AutoConfig
+
+    model = ModelConfig.from_dict(raw, source=source)
+    config = AutoConfig.for_model(**raw)
+    if model.composite:
+        config = config.get_text_config()
+    return _differences(model, _meta_model(config), UNDECLARED.get(model.model_type, set()))
+
+
+@pytest.mark.parametrize("file", sorted(REAL_SIZES))
+def test_real_configs_match_transformers(file: str, transformers_models: None) -> None:
+    """Published configs at full size, built by transformers on the meta device."""
+    raw = json.loads((QWEN3.parent / file).read_text())
+    assert ModelConfig.from_dict(raw).model_type == REAL_SIZES[file]
+    assert _real_size_differences(raw, file) == []
+
+
+@pytest.mark.parametrize("preset", [p.name for p in PRESETS])
+def test_presets_match_transformers(preset: str, transformers_models: None) -> None:
+    """Every preset at full size, built by transformers on the meta device from its values."""
+    raw = next(p.config for p in PRESETS if p.name == preset)
+    assert _real_size_differences(raw, preset) == []
+
+
+@pytest.fixture(scope="module")
+def peft_targets() -> dict[str, list[str]]:
+    """PEFT 0.21's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (its import: seconds)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    return TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+
+@pytest.mark.parametrize("family", sorted(META_CASES))
+def test_peft_default_targets_are_peft_s(family: str, peft_targets: dict[str, list[str]]) -> None:
+    """What a config without target_modules meant: PEFT's own table, by the model_type
+    transformers writes (gemma3's text model: gemma3_text)."""
+    model_type = META_CASES[family][0]
+    assert FAMILIES[family].peft_default_targets == tuple(peft_targets.get(model_type) or ())
+
+
+def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
+    """An adapter's module set (vocabulary order) is then its pool's slot order."""
+    from metrale_cli.model.modules import ALL
+
+    for family in FAMILIES.values():
+        names = [m.name for m in family.modules]
+        assert names == [m.value for m in ALL if m.value in names], family.model_type

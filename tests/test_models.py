@@ -10,7 +10,7 @@ import pytest
 
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.model.config import PRESETS, LayerType, ModelConfig, resolve_model
-from metrale_cli.model.modules import ALL, LoraModule
+from metrale_cli.model.modules import ALL, LoraModule, family_modules
 
 # Real files copied into the project (tests/data/PROVENANCE.md says from where).
 REFERENCE = Path(__file__).resolve().parent / "data" / "model_configs"
@@ -22,6 +22,8 @@ REAL = {
     "qwen3-30b-a3b": "qwen3-30b-a3b.config.json",
     "llama-3.1-8b": "llama-3.1-8b.config.json",
     "mixtral-8x7b": "mixtral-8x7b-v0.1.config.json",
+    "gemma-3-27b": "gemma-3-27b-it.config.json",
+    "olmo-3-7b": "olmo-3-7b.config.json",
 }
 
 
@@ -66,8 +68,12 @@ def test_hybrid_layer_types_and_applicability() -> None:
     assert not any(gate.applies_to_layer(cfg, i) for i in range(48))
     dense = ModelConfig.preset("qwen3.5-9b")
     assert all(gate.applies_to_layer(dense, i) for i in range(32))
-    assert [m.peft_name for m in ALL] == [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj"]
+    # The seed's eight in their slot order, in the vocabulary and as every seed family's set.
+    seed = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            "out_proj"]
+    assert [m.peft_name for m in ALL if m.peft_name in seed] == seed
+    for model in (cfg, dense, ModelConfig.preset("llama-3.1-8b")):
+        assert [m.peft_name for m in family_modules(model)] == seed
 
 
 def test_config_rules(tmp_path: Path) -> None:

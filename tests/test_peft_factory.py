@@ -39,6 +39,7 @@ def transformers_imported() -> None:
     import transformers  # noqa: F401
 
 
+@pytest.mark.slow  # every family's config class (27 models): over 3 s
 def test_base_configs_are_what_the_tool_reads(tmp_path, transformers_imported):
     for name in TINY_MODELS:
         cfg = json.loads((write_base_config(name, tmp_path / name) / "config.json").read_text())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.cli_runner import metrale
-from tests.support.peft_factory import TINY_MODELS, AdapterTruth
+from tests.support.peft_factory import DENSE_FAMILIES, TINY_MODELS, AdapterTruth
 
 pytestmark = pytest.mark.slow
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -52,6 +52,12 @@ CASES = {
                               "alpha_pattern": {"q_proj": 5}}),
     "moe attention": ("qwen3_moe", {"r": 4, "lora_alpha": 8, "target_modules": ATTN}),
     "vl": ("qwen3_5_vl", {"r": 4, "lora_alpha": 8, "target_modules": ATTN + ["out_proj"]}),
+    # The language model of a wrapper whose tower the plain suffixes would reach too.
+    "gemma3 vl": ("gemma3_vl", {"r": 4, "lora_alpha": 8, "target_modules":
+                                r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|"
+                                r"up_proj|down_proj)"}),
+    "mistral3 vl": ("mistral3_vl", {"r": 4, "lora_alpha": 8, "target_modules":
+                                    r".*language_model.*\.(q_proj|v_proj|down_proj)"}),
 }
 
 
@@ -67,6 +73,23 @@ def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> No
     assert result.json()["modules"] == len(truth.modules)
     assert _assert_deltas_equal(truth, _load_unpacked(truth.model_name, out)) == len(truth.modules)
     # Repacked, the unpacked adapter is byte for byte the slot it came from.
+    assert metrale("verify", image, f"x={out}").code == 0
+
+
+@pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4"])
+def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: str) -> None:
+    """Each family's PEFT adapter over every LoRA-able projection of its layers (phi3's fused
+    qkv_proj and gate_up_proj, glm4's gate_up_proj): packed, unpacked, and loaded by PEFT onto
+    the same base with PEFT's own deltas."""
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, dtype="bf16")
+    image = tmp_path / "pool.safetensors"
+    packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
+    assert packed.code == 0, packed.stderr
+    out = tmp_path / "back"
+    result = metrale("unpack", image, "--name", "x", out, "--json")
+    assert result.code == 0, result.stderr
+    assert result.json()["modules"] == len(truth.modules)
+    assert _assert_deltas_equal(truth, _load_unpacked(model, out)) == len(truth.modules)
     assert metrale("verify", image, f"x={out}").code == 0
 
 

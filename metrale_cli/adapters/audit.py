@@ -22,7 +22,7 @@ from metrale_cli.adapters.pair_checks import check_pair, rank_and_scale
 from metrale_cli.errors import PatternTimeout
 from metrale_cli.files.safetensors_header import TensorInfo
 from metrale_cli.model.config import ModelConfig
-from metrale_cli.model.modules import ALL, LoraModule
+from metrale_cli.model.modules import ALL, LoraModule, family_modules
 
 BYTES_PER_ELEMENT = 2  # the pool holds BF16
 # The scales a pool can hold: its scale tables are float32, and each module's scale relative to
@@ -159,7 +159,6 @@ def layer_rows(model: ModelConfig, report: AdapterReport) -> list[dict[str, Any]
 
 # -- what a key names ---------------------------------------------------------------------------
 
-_SERVABLE = {m.peft_path: m for m in ALL}
 # Modules a decoder layer has that the pool's eight modules do not cover, and why.
 _UNSERVABLE_IN_LAYER = (
     (re.compile(r"^linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_a|"
@@ -180,8 +179,10 @@ _UNSERVABLE_TOP = (
     (re.compile(r"^lm_head$"), "the output head (lm_head)"),
     (re.compile(r"^(score|classifier|classification_head|qa_outputs)(\..*)?$"),
      "a classifier head"),
-    (re.compile(r"^model\.(visual|vision_tower|vision_model)\."), "the vision tower"),
 )
+# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`): PEFT's
+# suffix matching adapts its q_proj or gate_proj as readily as the language model's.
+_VISION_TOWER = re.compile(r"^(model\.(?:visual|vision_tower|vision_model))\.")
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
@@ -236,8 +237,13 @@ def _audit_tensors(
 
     expert_modules: dict[str, dict[str, AdapterKey]] = {}
     overlay_keys: list[AdapterKey] = []
+    towers: dict[str, list[str]] = defaultdict(list)  # vision tower -> its adapted modules
     for module_key, parts in sorted(by_module.items(), key=lambda kv: _sort_key(kv[1])):
         any_key = next(iter(parts.values()))
+        tower = _VISION_TOWER.match(any_key.sub) if any_key.layer is None else None
+        if tower is not None:
+            towers[tower.group(1)].append(any_key.sub)
+            continue
         if overlays.OVERLAY_PART in parts:
             overlay_keys.append(parts.pop(overlays.OVERLAY_PART))
             if not parts:
@@ -251,6 +257,12 @@ def _audit_tensors(
         if record is not None:
             report.modules.append(record)
 
+    for tower, subs in towers.items():
+        leaves = sorted({sub.rsplit(".", 1)[-1] for sub in subs})
+        out.add(Severity.ERROR, Code.UNSERVABLE_MODULE,
+                f"{tower}: the vision tower has {len(subs)} adapted module"
+                f"{'s' if len(subs) > 1 else ''} ({', '.join(leaves)}); the pool serves the "
+                "language model's layers only (target_modules matched the tower's too)")
     pairs = experts.scan(adapter, model, expert_modules, out) if expert_modules else []
     if expert_modules or adapter.config.target_parameters:
         _explain_experts(adapter, model, sorted({k.layer for p in expert_modules.values()
@@ -265,8 +277,8 @@ def _audit_tensors(
     ):
         out.add(Severity.ERROR, Code.NO_SERVABLE_MODULES,
                 "the adapter adapts none of the pool's modules "
-                f"({', '.join(m.peft_name for m in ALL)}), no routed expert or router, and "
-                "overlays no token")
+                f"({', '.join(m.peft_name for m in family_modules(model))}), no routed expert or "
+                "router, and overlays no token")
     _missing_targets(adapter, model, report.modules, out)
     if max_rank is not None:
         over = [m for m in report.modules if m.r > max_rank]
@@ -285,7 +297,8 @@ def _audit_tensors(
             out.add(Severity.ERROR, Code.RANK_ABOVE_MAX,
                     f"expert {proj.value} has rank {', '.join(map(str, ranks))} above "
                     f"--max-rank {max_rank}{rewrite}")
-    report.modules.sort(key=lambda m: (m.layer, ALL.index(m.module)))
+    order = family_modules(model)
+    report.modules.sort(key=lambda m: (m.layer, order.index(m.module)))
     _check_scales(report, out)
 
 
@@ -378,7 +391,7 @@ def _audit_module(
         if rx.match(sub):
             out.at(Severity.ERROR, Code.UNSERVABLE_MODULE, f"{sub}{{where}}: {why}", layer)
             return None
-    module = _SERVABLE.get(sub)
+    module = next((m for m in family_modules(model) if m.path_in(model) == sub), None)
     if module is None:
         out.at(Severity.ERROR, Code.UNSERVABLE_MODULE,
                f"{sub}{{where}}: not one of the pool's modules", layer)
@@ -508,13 +521,13 @@ def _missing_targets(
     present = {(m.layer, m.module) for m in modules}
     vl = any(k.module_key.startswith("model.language_model.") for k in adapter.keys)
     prefix = "model.language_model.layers" if vl else "model.layers"
-    for module in ALL:
+    for module in family_modules(model):
         missing = [
             layer
             for layer in range(model.num_hidden_layers)
             if module.applies_to_layer(model, layer)
             and (layer, module) not in present
-            and adapter.config.is_targeted(f"{prefix}.{layer}.{module.peft_path}")
+            and adapter.config.is_targeted(f"{prefix}.{layer}.{module.path_in(model)}")
         ]
         for layer in missing:
             out.at(Severity.WARNING, Code.TARGETED_MISSING,

@@ -21,7 +21,7 @@ from metrale_cli.bf16 import f32_to_bf16
 from metrale_cli.errors import OutputExists, UsageError
 from metrale_cli.files.atomic import atomic_directory
 from metrale_cli.model.config import ModelConfig
-from metrale_cli.model.modules import ALL, LoraModule
+from metrale_cli.model.modules import LoraModule, in_slot_order
 
 DTYPES = {"f32": ("F32", 4), "bf16": ("BF16", 2), "f16": ("F16", 2)}
 # Rows generated at a time: bounds memory for the largest tensors.
@@ -67,12 +67,12 @@ def synth_adapter(
     plan: list[tuple[str, int, int, float]] = []
     narrowest = math.inf  # the narrower side of the smallest weight adapted
     for layer in range(model.num_hidden_layers):
-        for module in ALL:
-            if module not in modules or not module.applies_to_layer(model, layer):
+        for module in in_slot_order(model, modules):
+            if not module.applies_to_layer(model, layer):
                 continue
             out_dim, in_dim = module.dims(model)
             narrowest = min(narrowest, out_dim, in_dim)
-            key = f"base_model.model.model.layers.{layer}.{module.peft_path}"
+            key = f"base_model.model.model.layers.{layer}.{module.path_in(model)}"
             plan.append((f"{key}.lora_A.weight", rank, in_dim, 1 / math.sqrt(in_dim)))
             plan.append((f"{key}.lora_B.weight", out_dim, rank, 1 / math.sqrt(rank)))
     h, i, n_exp = model.hidden_size, model.expert_intermediate_size, model.num_experts

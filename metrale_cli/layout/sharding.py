@@ -40,10 +40,8 @@ from metrale_cli.layout.slot_layout import (
     place_pair,
 )
 from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.families import ModuleSpec, Split
 from metrale_cli.model.modules import LoraModule
-
-COLUMN_PARALLEL = (LoraModule.Q_PROJ, LoraModule.K_PROJ, LoraModule.V_PROJ,
-                   LoraModule.GATE_PROJ, LoraModule.UP_PROJ)
 
 
 @dataclass(frozen=True)
@@ -115,14 +113,15 @@ def _need(count: int, parts: int, what: str, flag: str) -> None:
         raise UsageError(f"{what} ({count}) does not split over {flag} {parts}")
 
 
-def _column_rows(model: ModelConfig, module: LoraModule, n: int, k: int) -> tuple[int, int]:
+def _column_rows(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: int,
+                 k: int) -> tuple[int, int]:
     out_dim = module.dims(model)[0]
-    if module is LoraModule.Q_PROJ:
+    if spec.out == ("q_width",):
         heads = model.num_attention_heads
         what = "q_proj heads" + (" (each with its gate)" if model.attn_gated else "")
         _need(heads, n, what, "--tp")
         return _part(out_dim, n, k)
-    if module in (LoraModule.K_PROJ, LoraModule.V_PROJ):
+    if spec.out == ("kv_width",):
         kv, hd = model.num_key_value_heads, model.head_dim
         if kv >= n:
             _need(kv, n, f"{module.value} KV heads", "--tp")
@@ -137,11 +136,12 @@ def _column_rows(model: ModelConfig, module: LoraModule, n: int, k: int) -> tupl
     return _part(out_dim, n, k)
 
 
-def _row_cols(model: ModelConfig, module: LoraModule, n: int, k: int) -> tuple[int, int]:
+def _row_cols(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: int,
+              k: int) -> tuple[int, int]:
     in_dim = module.dims(model)[1]
-    if module is LoraModule.O_PROJ:
+    if spec.in_ == "attn_width":
         _need(model.num_attention_heads, n, "o_proj input heads", "--tp")
-    elif module is LoraModule.OUT_PROJ:
+    elif spec.in_ == "linear_value_width":
         _need(model.linear_num_value_heads, n, "out_proj linear-attention value heads", "--tp")
     else:
         _need(in_dim, n, f"{module.value} input columns", "--tp")
@@ -161,14 +161,20 @@ def module_slice(model: ModelConfig, module: LoraModule, spec: ShardSpec,
     n, k = spec.tp_size, spec.tp_rank
     out_dim, in_dim = module.dims(model)
     full = (out_dim, in_dim)
-    if module in COLUMN_PARALLEL:
-        return Slice(full, _column_rows(model, module, n, k), (0, in_dim),
+    declared = module.declared(model)
+    if declared.fused and n > 1:
+        # Each slice splits over the ranks on its own (q, k and v heads; gate and up rows), so
+        # a rank's B rows are not one run: a Slice holds one.
+        raise UsageError(f"{module.value}: a fused projection ({len(declared.out)} slices) "
+                         "over --tp is not supported yet; use --tp 1")
+    if declared.split is Split.COLUMN:
+        return Slice(full, _column_rows(model, module, declared, n, k), (0, in_dim),
                      _rank_rows(max_rank, spec))
     rows = (0, out_dim)
     if spec.fully_sharded:
         _need(out_dim, n, f"--fully-sharded: {module.value} output rows", "--tp")
         rows = _part(out_dim, n, k)
-    return Slice(full, rows, _row_cols(model, module, n, k))
+    return Slice(full, rows, _row_cols(model, module, declared, n, k))
 
 
 def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank: int) -> Slice:
@@ -213,7 +219,7 @@ def check_model_split(model: ModelConfig, spec: ShardSpec, who: str = "vLLM") ->
     --ep only on a model with routed experts. `who` names the engine in the refusal (SGLang's
     parallel layers, derived from vLLM's, split alike)."""
     n = spec.tp_size
-    if model.full_attention_layers:
+    if model.attention_layers:
         _model_need(model, model.num_attention_heads, n, "query heads", "--tp",
                     "QKVParallelLinear", who)
         kv = model.num_key_value_heads

@@ -1,9 +1,10 @@
 """The byte-exact layout of one pool slot, and the capacity plan of a pool of such slots.
 
 Every (layer, module) pair with the module in the set and `applies_to_layer` true is an entry, in
-layer order then `ALL` order. Each entry reserves A `[max_rank, in_dim]` then B
-`[out_dim, max_rank]`, row-major BF16, each at an aligned offset; `slot_bytes` is the total rounded
-up to the alignment. Nothing is reserved where a module does not apply.
+layer order then the family's module order (model/families.py). Each entry reserves A
+`[max_rank, in_dim]` then B `[out_dim, max_rank]`, row-major BF16, each at an aligned offset;
+`slot_bytes` is the total rounded up to the alignment. Nothing is reserved where a module does not
+apply.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig
-from metrale_cli.model.modules import ALL, LoraModule
+from metrale_cli.model.modules import LoraModule, in_slot_order
 
 BF16_BYTES = 2
 DEFAULT_ALIGN = 256
@@ -170,8 +171,7 @@ class SlotLayout:
         cls, model: ModelConfig, modules: list[LoraModule] | tuple[LoraModule, ...],
         max_rank: int, align: int = DEFAULT_ALIGN,
     ) -> SlotLayout:
-        ordered = tuple(m for m in ALL if m in set(modules))
-        return cls(model, ordered, max_rank, align)
+        return cls(model, in_slot_order(model, modules), max_rank, align)
 
     def applied(self) -> Iterator[tuple[int, LoraModule]]:
         """Every (layer, module) pair with the module in the set and applying to the layer, in

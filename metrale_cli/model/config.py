@@ -43,6 +43,9 @@ _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS,
 class LayerType(str, Enum):
     FULL_ATTENTION = "full_attention"
     LINEAR_ATTENTION = "linear_attention"
+    # Attention over a window of recent tokens (gemma2/3, cohere2, olmo3, exaone4, ministral):
+    # the same projections as full attention, so the same LoRA modules.
+    SLIDING_ATTENTION = "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,21 @@ class ModelConfig:
         return self.family.hybrid
 
     @property
+    def q_width(self) -> int:
+        """q_proj's output: the query heads, each with its gate on a gated-attention model."""
+        return (2 if self.attn_gated else 1) * self.attn_width
+
+    @property
+    def kv_width(self) -> int:
+        """k_proj's and v_proj's output: the KV heads."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def attn_width(self) -> int:
+        """The attention heads' width, o_proj's input."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
     def linear_value_width(self) -> int:
         """Gated-DeltaNet value width `Nv * dv`: the input width of `linear_attn.out_proj`."""
         return self.linear_num_value_heads * self.linear_value_head_dim
@@ -121,6 +139,11 @@ class ModelConfig:
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Layers with softmax attention, full or sliding-window (not linear attention)."""
+        return [i for i, t in enumerate(self.layer_types) if t is not LayerType.LINEAR_ATTENTION]
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -298,8 +321,9 @@ def _architectures(raw: dict[str, Any]) -> tuple[Any, ...]:
 def _layer_types(
     text: dict[str, Any], model_type: str, layers: int, source: str
 ) -> tuple[LayerType, ...]:
-    """Per-layer attention kind: `layer_types`, else `full_attention_interval`, else all full
-    attention (hybrid families default to transformers' interval of 4)."""
+    """Per-layer attention kind: `layer_types`, else `full_attention_interval`, else
+    `sliding_window_pattern` (every Nth layer full, the rest sliding, as gemma3's config derives
+    them), else all full attention (hybrid families default to transformers' interval of 4)."""
     raw = text.get("layer_types")
     if raw is not None:
         if not isinstance(raw, list) or len(raw) != layers:
@@ -310,6 +334,15 @@ def _layer_types(
             return tuple(LayerType(t) for t in raw)
         except ValueError as exc:
             raise FormatError(f"{source or 'config'}: {exc}") from exc
+    pattern = text.get("sliding_window_pattern")
+    if text.get("full_attention_interval") is None and pattern is not None:
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+            raise FormatError(f"{source or 'config'}: sliding_window_pattern must be a "
+                              "positive int")
+        return tuple(
+            LayerType.SLIDING_ATTENTION if (i + 1) % pattern else LayerType.FULL_ATTENTION
+            for i in range(layers)
+        )
     interval = text.get("full_attention_interval")
     if interval is None and FAMILIES[model_type].hybrid:
         interval = DEFAULT_FULL_ATTENTION_INTERVAL
@@ -341,6 +374,11 @@ class Preset:
 
 def _hybrid_text(**values: Any) -> dict[str, Any]:
     return {"full_attention_interval": 4, **values}
+
+
+def _sliding(layers: int, every: int) -> list[str]:
+    """`layer_types` with every `every`-th layer full attention, the others sliding-window."""
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
 
 
 # Values re-typed from the public config.json of each model (see docs/models.md for sources).
@@ -413,6 +451,38 @@ PRESETS: tuple[Preset, ...] = (
         {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
          "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
          "vocab_size": 128256},
+    ),
+    Preset(
+        "gemma-3-27b",
+        ("google/gemma-3-27b-it", "google/gemma-3-27b-pt"),
+        {"model_type": "gemma3", "tie_word_embeddings": True, "text_config": {
+            "model_type": "gemma3_text", "hidden_size": 5376, "num_hidden_layers": 62,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+            "intermediate_size": 21504, "layer_types": _sliding(62, 6), "vocab_size": 262144,
+        }},
+    ),
+    Preset(
+        "olmo-3-7b",
+        ("allenai/Olmo-3-7B", "allenai/Olmo-3-1025-7B"),
+        {"model_type": "olmo3", "hidden_size": 4096, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+         "layer_types": _sliding(32, 4), "vocab_size": 100278},
+    ),
+    # ibm-granite/granite-3.3-8b-instruct's config.json (docs/models.md gives the source).
+    Preset(
+        "granite-3.3-8b",
+        ("ibm-granite/granite-3.3-8b-instruct", "ibm-granite/granite-3.3-8b-base"),
+        {"model_type": "granite", "hidden_size": 4096, "num_hidden_layers": 40,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12800,
+         "vocab_size": 49159, "tie_word_embeddings": True},
+    ),
+    # microsoft/Phi-4-mini-instruct's config.json: fused qkv_proj and gate_up_proj.
+    Preset(
+        "phi-4-mini",
+        ("microsoft/Phi-4-mini-instruct",),
+        {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32,
+         "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+         "vocab_size": 200064, "tie_word_embeddings": True},
     ),
     Preset(
         "mixtral-8x7b",

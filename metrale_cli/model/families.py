@@ -1,16 +1,96 @@
-"""The model families metrale knows, one row each: every fact that differs by `model_type`.
+"""The model families metrale knows, one row each: every fact that differs by `model_type`,
+the modules its decoder layers carry among them.
 
-A new family whose layers carry the eight pool modules (model/modules.py) is one row here, a
-preset in model/config.py if it has one, and its tests; the config parser, the audit, the
-expert keys and PEFT's defaults all read this table (docs/architecture.md).
+A family is data. Its `modules` say, per LoRA-able projection of a decoder layer: the name PEFT
+targets, the path inside the layer, `(out, in)` as named widths of the config, which layers
+carry it, how TP splits it, and for a fused projection its slices. A new family with a known
+vocabulary is one row here, a preset in model/config.py if it has one, and its tests; the config
+parser, the audit, the layouts, the expert keys and PEFT's defaults all read this table
+(docs/architecture.md). tests/test_families.py builds every row's model with transformers on the
+meta device and fails on any module whose presence or shape differs from its row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 # transformers-4 per-expert leaf names of the routed experts' projections, most families'.
 EXPERT_LEAVES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+
+class Layers(str, Enum):
+    """Which decoder layers carry a module (read by `LoraModule.applies_to_layer`)."""
+
+    # Attention layers: full or sliding-window (not a hybrid's linear-attention layers).
+    ATTENTION = "attention"
+    # A hybrid's Gated-DeltaNet layers.
+    LINEAR_ATTENTION = "linear_attention"
+    # Every layer of a model without routed experts (its dense MLP).
+    DENSE_MLP = "dense_mlp"
+
+
+class Split(str, Enum):
+    """How tensor parallelism splits the base projection (layout/sharding.py)."""
+
+    COLUMN = "column"  # output rows over the ranks; the LoRA A whole
+    ROW = "row"  # input columns over the ranks; the LoRA B whole
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One LoRA-able projection of a family's decoder layer.
+
+    `out` and `in_` name widths of a `ModelConfig` (its fields or properties: `hidden_size`,
+    `q_width`, `kv_width`, `attn_width`, `intermediate_size`, `linear_value_width`); a fused
+    projection's `out` names one width per slice, in the order the weight stacks them (phi3's
+    `qkv_proj` is q|k|v), and its output is their sum."""
+
+    name: str
+    path: str
+    out: tuple[str, ...]
+    in_: str
+    layers: Layers
+    split: Split
+
+    @property
+    def fused(self) -> bool:
+        return len(self.out) > 1
+
+
+def _attn(name: str, out: tuple[str, ...], in_: str = "hidden_size",
+          split: Split = Split.COLUMN) -> ModuleSpec:
+    return ModuleSpec(name, f"self_attn.{name}", out, in_, Layers.ATTENTION, split)
+
+
+def _mlp(name: str, out: tuple[str, ...], in_: str = "hidden_size",
+         split: Split = Split.COLUMN) -> ModuleSpec:
+    return ModuleSpec(name, f"mlp.{name}", out, in_, Layers.DENSE_MLP, split)
+
+
+Q_PROJ = _attn("q_proj", ("q_width",))
+K_PROJ = _attn("k_proj", ("kv_width",))
+V_PROJ = _attn("v_proj", ("kv_width",))
+O_PROJ = _attn("o_proj", ("hidden_size",), "attn_width", Split.ROW)
+GATE_PROJ = _mlp("gate_proj", ("intermediate_size",))
+UP_PROJ = _mlp("up_proj", ("intermediate_size",))
+DOWN_PROJ = _mlp("down_proj", ("hidden_size",), "intermediate_size", Split.ROW)
+# The Gated-DeltaNet block's output projection, linear-attention value width to hidden. o_proj
+# instead reads the attention head width and applies only to attention layers.
+OUT_PROJ = ModuleSpec("out_proj", "linear_attn.out_proj", ("hidden_size",),
+                      "linear_value_width", Layers.LINEAR_ATTENTION, Split.ROW)
+# Fused projections (phi3, glm4): one LoRA pair spans every slice.
+QKV_PROJ = _attn("qkv_proj", ("q_width", "kv_width", "kv_width"))
+GATE_UP_PROJ = _mlp("gate_up_proj", ("intermediate_size", "intermediate_size"))
+
+# The seed's eight, in the order a slot's entries follow: every seed family carries all eight
+# (out_proj on no layer of a model without linear attention), so their layouts and pool images
+# are what they were before families became data.
+SEED_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, OUT_PROJ)
+# The llama-like decoder layer: attention and a gated MLP, nothing else LoRA-able.
+DENSE_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
+# Every module a family may declare: the `--modules` vocabulary (model/modules.py LoraModule).
+VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ)
 
 
 @dataclass(frozen=True)
@@ -31,9 +111,25 @@ class Family:
     # The decoder layer's MoE block and its experts' projection leaves (transformers 4 names).
     moe_block: str = "mlp"
     expert_leaves: tuple[tuple[str, str], ...] = tuple(EXPERT_LEAVES.items())
+    # The LoRA-able projections of a decoder layer, in slot order.
+    modules: tuple[ModuleSpec, ...] = SEED_MODULES
+
+    def module(self, name: str) -> ModuleSpec | None:
+        """This family's entry for the module PEFT calls `name`; None where its layers have
+        none."""
+        return next((m for m in self.modules if m.name == name), None)
 
 
 _Q_V = ("q_proj", "v_proj")
+_PHI3 = (QKV_PROJ, O_PROJ, GATE_UP_PROJ, DOWN_PROJ)
+_GLM4 = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_UP_PROJ, DOWN_PROJ)
+
+
+def _dense(model_type: str, *targets: str, modules: tuple[ModuleSpec, ...] = DENSE_MODULES
+           ) -> Family:
+    return Family(model_type, peft_default_targets=targets, modules=modules)
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", peft_default_targets=_Q_V),
     Family("mistral", peft_default_targets=_Q_V),
@@ -45,4 +141,27 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_next", hybrid=True, sparse_step=True),
     Family("qwen3_5", hybrid=True),
     Family("qwen3_5_moe", hybrid=True, peft_rewrites_moe_targets=False),
+    # Dense, llama-like layers (sliding-window layers carry the same modules). gemma3 is the
+    # text model of Gemma 3 (gemma3_text) and of its vision-language wrapper (gemma3).
+    _dense("gemma", *_Q_V),
+    _dense("gemma2", *_Q_V),
+    _dense("gemma3", *_Q_V),
+    _dense("granite"),
+    _dense("olmo2"),
+    _dense("olmo3"),
+    _dense("cohere"),
+    _dense("cohere2"),
+    _dense("exaone4"),
+    _dense("ernie4_5"),
+    _dense("seed_oss"),
+    _dense("smollm3"),
+    _dense("ministral"),
+    # The language models of vision-language wrappers (text settings under text_config, layers
+    # under model.language_model.layers.N); mistral3's is mistral's, gemma3's is above.
+    _dense("qwen2_vl"),
+    _dense("qwen2_5_vl"),
+    _dense("qwen3_vl"),
+    # Fused projections: one pair spans q|k|v (phi3) or gate|up (phi3, glm4).
+    _dense("phi3", modules=_PHI3),
+    _dense("glm4", modules=_GLM4),
 )}

@@ -1,33 +1,33 @@
-"""The eight pool modules (`LoraModule`, in the fixed `ALL` order a slot's entries follow),
-where each applies, and their dims."""
+"""The pool's LoRA modules (`LoraModule`, the `--modules` vocabulary), where each applies and
+its dims, as the model's family declares them (model/families.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 
 from metrale_cli.model.config import LayerType, ModelConfig
+from metrale_cli.model.families import VOCABULARY, Layers, ModuleSpec
 
 
 class LoraModule(str, Enum):
+    """The vocabulary in layer order: a fused projection sits where its slices would, so the
+    seed's eight keep their relative order and any family's modules read in this order."""
+
     Q_PROJ = "q_proj"
     K_PROJ = "k_proj"
     V_PROJ = "v_proj"
+    # Fused projections (phi3's q|k|v and gate|up, glm4's gate|up): one pair spans the slices.
+    QKV_PROJ = "qkv_proj"
     O_PROJ = "o_proj"
     GATE_PROJ = "gate_proj"
     UP_PROJ = "up_proj"
+    GATE_UP_PROJ = "gate_up_proj"
     DOWN_PROJ = "down_proj"
     # The Gated-DeltaNet block's output projection (`linear_attn.out_proj`), linear-attention
     # value width to hidden. O_PROJ instead reads the attention head width and applies only to
-    # full-attention layers.
+    # attention layers.
     OUT_PROJ = "out_proj"
-
-    @property
-    def is_dense_ffn(self) -> bool:
-        return self in (LoraModule.GATE_PROJ, LoraModule.UP_PROJ, LoraModule.DOWN_PROJ)
-
-    @property
-    def is_gdn_out(self) -> bool:
-        return self is LoraModule.OUT_PROJ
 
     @property
     def peft_name(self) -> str:
@@ -36,41 +36,51 @@ class LoraModule(str, Enum):
 
     @property
     def peft_path(self) -> str:
-        """The module's path inside a decoder layer (`self_attn.q_proj`, `linear_attn.out_proj`)."""
-        if self.is_dense_ffn:
-            return f"mlp.{self.value}"
-        if self.is_gdn_out:
-            return f"linear_attn.{self.value}"
-        return f"self_attn.{self.value}"
+        """The module's usual path inside a decoder layer (`self_attn.q_proj`,
+        `linear_attn.out_proj`); `spec(cfg).path` is a family's own."""
+        return _VOCABULARY[self.value].path
+
+    def path_in(self, cfg: ModelConfig) -> str:
+        """The module's path inside one of `cfg`'s decoder layers, as its family declares it."""
+        return self.declared(cfg).path
+
+    def spec(self, cfg: ModelConfig) -> ModuleSpec | None:
+        """The family's entry for this module; None where its layers have none."""
+        return cfg.family.module(self.value)
 
     def applies_to_layer(self, cfg: ModelConfig, layer: int) -> bool:
-        """q/k/v/o on full-attention layers; gate/up/down on every layer of a model with no
-        routed experts; out_proj on every other layer. Layout, packing and landing all filter by
-        it, so the reserved and the written offsets agree."""
-        full_attn = cfg.layer_type(layer) is LayerType.FULL_ATTENTION
-        if self.is_dense_ffn:
+        """Whether `layer` carries this module, as the family declares it: attention modules
+        on attention layers (full or sliding window), the dense MLP's on every layer of a model
+        with no routed experts, out_proj on linear-attention layers; never where the family has
+        no such module. Layout, packing and landing all filter by it, so the reserved and the
+        written offsets agree."""
+        spec = self.spec(cfg)
+        if spec is None:
+            return False
+        kind = cfg.layer_type(layer)
+        if spec.layers is Layers.DENSE_MLP:
             return cfg.num_experts == 0
-        if self.is_gdn_out:
-            return not full_attn
-        return full_attn
+        if spec.layers is Layers.LINEAR_ATTENTION:
+            return kind is LayerType.LINEAR_ATTENTION
+        return kind is not LayerType.LINEAR_ATTENTION
 
     def dims(self, cfg: ModelConfig) -> tuple[int, int]:
         """`(out_dim, in_dim)` of the base projection: A is `[r, in_dim]`, B is `[out_dim, r]`.
         On a gated-attention model q_proj's output includes the gate, so it is twice
-        `num_attention_heads * head_dim`."""
-        h = cfg.hidden_size
-        attn_width = cfg.num_attention_heads * cfg.head_dim
-        if self is LoraModule.Q_PROJ:
-            return (2 if cfg.attn_gated else 1) * attn_width, h
-        if self in (LoraModule.K_PROJ, LoraModule.V_PROJ):
-            return cfg.num_key_value_heads * cfg.head_dim, h
-        if self is LoraModule.O_PROJ:
-            return h, attn_width
-        if self in (LoraModule.GATE_PROJ, LoraModule.UP_PROJ):
-            return cfg.intermediate_size, h
-        if self is LoraModule.DOWN_PROJ:
-            return h, cfg.intermediate_size
-        return h, cfg.linear_value_width
+        `num_attention_heads * head_dim`; a fused projection's output is its slices' sum."""
+        return sum(self.slices(cfg)), getattr(cfg, self.declared(cfg).in_)
+
+    def slices(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """The output widths of the projection's slices, in the weight's order (one for an
+        unfused projection)."""
+        return tuple(getattr(cfg, w) for w in self.declared(cfg).out)
+
+    def declared(self, cfg: ModelConfig) -> ModuleSpec:
+        """The family's entry for this module; ValueError where its layers have none."""
+        spec = self.spec(cfg)
+        if spec is None:
+            raise ValueError(f"{cfg.model_type} layers have no {self.value}")
+        return spec
 
     @classmethod
     def parse_list(cls, text: str) -> list[LoraModule]:
@@ -90,4 +100,17 @@ class LoraModule(str, Enum):
         return [m for m in ALL if m in chosen]
 
 
+_VOCABULARY = {spec.name: spec for spec in VOCABULARY}
 ALL: tuple[LoraModule, ...] = tuple(LoraModule)
+
+
+def family_modules(cfg: ModelConfig) -> tuple[LoraModule, ...]:
+    """The modules `cfg`'s family declares, in its slot order."""
+    return tuple(LoraModule(spec.name) for spec in cfg.family.modules)
+
+
+def in_slot_order(cfg: ModelConfig, modules: Iterable[LoraModule]) -> tuple[LoraModule, ...]:
+    """`modules` that `cfg`'s family declares, in the family's slot order (a module it does not
+    declare applies on no layer, so it holds no bytes)."""
+    chosen = set(modules)
+    return tuple(m for m in family_modules(cfg) if m in chosen)

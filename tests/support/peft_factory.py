@@ -128,6 +128,36 @@ _VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 
            "temporal_patch_size": 2, "num_position_embeddings": 16}  # fmt: skip
 
 
+# Dense families: 4 layers so that sliding and full attention alternate; token ids inside the
+# tiny vocabulary (the configs' defaults are real vocabularies' ids).
+_DENSE = {**_BASE, "num_hidden_layers": 4, "intermediate_size": 96, "pad_token_id": 0,
+          "bos_token_id": 1, "eos_token_id": 2}
+_SLIDING = {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8}
+DENSE_FAMILIES_KWARGS = (
+    ("gemma", "GemmaConfig", "GemmaForCausalLM", {"head_dim": 24}),
+    ("gemma2", "Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 24, **_SLIDING}),
+    ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 24, **_SLIDING}),
+    ("granite", "GraniteConfig", "GraniteForCausalLM", {}),
+    ("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {}),
+    ("olmo3", "Olmo3Config", "Olmo3ForCausalLM", _SLIDING),
+    ("cohere", "CohereConfig", "CohereForCausalLM", {}),
+    ("cohere2", "Cohere2Config", "Cohere2ForCausalLM", {"head_dim": 24, **_SLIDING}),
+    ("exaone4", "Exaone4Config", "Exaone4ForCausalLM", _SLIDING),
+    ("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 24}),
+    ("seed_oss", "SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 24}),
+    ("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", {}),
+    ("ministral", "MinistralConfig", "MinistralForCausalLM", {"head_dim": 24, **_SLIDING}),
+)
+
+
+# Tiny vision towers of the wrappers: SigLIP (gemma3; mistral3's Pixtral takes a head_dim) and
+# Qwen-VL's `visual`.
+_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+_QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                "out_hidden_size": 64}
+
+
 def _tiny(*models: TinyModel) -> dict[str, TinyModel]:
     return {m.name: m for m in models}
 
@@ -182,7 +212,31 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
     TinyModel("qwen3_5_moe_vl", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
               _QWEN35_MOE_TEXT, vision_kwargs=_VISION,
               targets=(*_ATTN, *_GDN_35, *_MLP, "shared_expert_gate")),
+    # The dense llama-like families (model/families.py), each as transformers builds it.
+    *(TinyModel(name, config, causal, {**_DENSE, **extra}, targets=_ATTN + _MLP)
+      for name, config, causal, extra in DENSE_FAMILIES_KWARGS),
+    # Fused projections: one LoRA pair over q|k|v and over gate|up.
+    TinyModel("phi3", "Phi3Config", "Phi3ForCausalLM", _DENSE,
+              targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    TinyModel("glm4", "Glm4Config", "Glm4ForCausalLM", {**_DENSE, "head_dim": 24},
+              targets=(*_ATTN, "gate_up_proj", "down_proj")),
+    # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
+    # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
+    TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",
+              {**_DENSE, "head_dim": 24, **_SLIDING}, vision_kwargs=_SIGLIP,
+              targets=_ATTN + _MLP),
+    TinyModel("mistral3_vl", "Mistral3Config", "Mistral3ForConditionalGeneration",
+              {**_DENSE, "head_dim": 24}, vision_kwargs={**_SIGLIP, "head_dim": 16},
+              targets=_ATTN + _MLP),
+    TinyModel("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", _DENSE,
+              vision_kwargs=_QWEN_VISION, targets=_ATTN + _MLP),
+    TinyModel("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+              {**_DENSE, "head_dim": 24}, vision_kwargs=_QWEN_VISION, targets=_ATTN + _MLP),
 )  # fmt: skip
+
+
+# The tiny models of the dense llama-like families, by name.
+DENSE_FAMILIES = tuple(name for name, *_ in DENSE_FAMILIES_KWARGS)
 
 
 def _tiny_model(name: str) -> TinyModel:

@@ -71,6 +71,27 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                embedding_lora=True),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
                embedding_lora=True, experts_3d=True),
+    VllmFamily("gemma", ("GemmaForCausalLM",)),
+    VllmFamily("gemma2", ("Gemma2ForCausalLM",)),
+    VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
+    VllmFamily("granite", ("GraniteForCausalLM",), embedding_lora=True),
+    # Registered to vLLM's transformers backend (TransformersForCausalLM), not a native class.
+    VllmFamily("olmo2", ("Olmo2ForCausalLM",)),
+    VllmFamily("olmo3", ("Olmo3ForCausalLM",)),
+    VllmFamily("cohere", ("CohereForCausalLM",), embedding_lora=True),
+    VllmFamily("cohere2", ("Cohere2ForCausalLM",), embedding_lora=True),
+    VllmFamily("exaone4", ("Exaone4ForCausalLM",), embedding_lora=True),
+    # Subclasses of vLLM's LlamaForCausalLM: its embedding_modules.
+    VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), embedding_lora=True),
+    VllmFamily("seed_oss", ("SeedOssForCausalLM",)),
+    VllmFamily("smollm3", ("SmolLM3ForCausalLM",)),
+    # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM.
+    VllmFamily("ministral", ()),
+    VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
+    VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
+    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
+    VllmFamily("phi3", ("Phi3ForCausalLM",), embedding_lora=True),
+    VllmFamily("glm4", ("Glm4ForCausalLM",)),
 )}
 
 
@@ -210,7 +231,7 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     """Every module vLLM 0.32 wraps for LoRA in `model` (with no --lora-target-modules), one
     entry per (path, kind) with the layers it sits on."""
     H, hd = model.hidden_size, model.head_dim
-    full = tuple(model.full_attention_layers)
+    full = tuple(model.attention_layers)
     linear = tuple(model.linear_attention_layers)
     moe = tuple(model.moe_layers)
     dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)
