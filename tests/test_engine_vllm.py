@@ -41,6 +41,10 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15}
 
 
+# The families' engines: float32, as PEFT's reference.
+FLOAT32 = {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"}
+
+
 @dataclass
 class Job:
     """One engine (or its refusal to start): its model, flags, and adapters in the order they
@@ -94,6 +98,34 @@ JOBS: dict[str, Job] = {
                      [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
     "qwen3_5": Job("qwen3_5", {"max_lora_rank": 16, "max_loras": 2, "dtype": "bfloat16"},
                    [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
+    # The families' classes, one engine each (FLOAT32 below): phi3.py packs qkv_proj and
+    # gate_up_proj as themselves; glm4.py packs gate_up_proj from gate/up, so PEFT's fused
+    # gate_up_proj is a name it does not expect; Gemma 3 declares no embedding_modules, Cohere
+    # embed_tokens alone, Granite both; OLMo 2 runs on vLLM's transformers backend.
+    "phi3": Job("phi3", FLOAT32, [
+        ("fused", {"r": 8, "lora_alpha": 16,
+                   "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}),
+        ("lm_head", {"r": 8, "lora_alpha": 16, "target_modules": ["qkv_proj", "lm_head"]}),
+    ]),
+    "glm4": Job("glm4", FLOAT32, [
+        ("attn", {"r": 8, "lora_alpha": 16, "target_modules": [*ATTN, "down_proj"]}),
+        ("gate_up", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "gate_up_proj"]}),
+    ]),
+    "gemma3": Job("gemma3_text", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+        ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "embed_tokens"]}),
+    ]),
+    "cohere": Job("cohere", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+        ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "embed_tokens"]}),
+    ]),
+    "granite": Job("granite", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+        ("lm_head", {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "lm_head"]}),
+    ]),
+    "olmo2": Job("olmo2", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+    ]),
     # metrale's `unsupported_model` for an architecture vLLM does not register: the engine
     # refuses the model before loading a weight (in the runner's process: no engine starts).
     "unregistered": Job("qwen3", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},

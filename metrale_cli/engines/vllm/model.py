@@ -33,21 +33,41 @@ NAME = "vllm"
 VERSION = "0.32.0"  # every rule of this package is this version's
 
 
+# packed_modules_mapping as most classes declare it (llama.py's LlamaForCausalLM): PEFT's q/k/v
+# and gate/up land in one fused layer each, one LoRA slice per adapter name.
+_PACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+           ("gate_up_proj", ("gate_proj", "up_proj")))
+# phi3.py's Phi3ForCausalLM: each fused layer packs itself, as the checkpoint (and PEFT) fuse
+# it: one LoRA pair spans q|k|v, one gate|up (QKVParallelLinearWithLoRA and
+# ColumnParallelLinearWithLoRA, one slice each).
+_PACKED_AS_ITSELF = (("qkv_proj", ("qkv_proj",)), ("gate_up_proj", ("gate_up_proj",)))
+# The class declares `embedding_modules` with both (llama.py's LlamaForCausalLM): embed_tokens
+# gets VocabParallelEmbeddingWithLoRA, lm_head LogitsProcessorWithLoRA.
+_EMBED_HEAD = ("embed_tokens", "lm_head")
+# vLLM's transformers backend (model_executor/models/transformers/base.py `Base`):
+# embedding_modules = {"embed_tokens": ...}, no lm_head.
+_EMBED = ("embed_tokens",)
+
+
 @dataclass(frozen=True)
 class VllmFamily:
     """What vLLM 0.32's model class for one `model_type` does that changes its LoRA: one row
     per row of model/families.py FAMILIES (tests/test_engine_rules.py holds the two tables to
     the same keys, so a new family is never silently "supported"). TP bounds are the one TP
-    rule every command and engine applies (layout/sharding.py `check_model_split`)."""
+    rule every command and engine applies (layout/sharding.py `check_model_split`).
+    docs/engines.md's family table says how each row was checked: the engine run on a tiny
+    model (tests/test_engine_vllm.py), or the source line cited here."""
 
     model_type: str
     # The `architectures` names vLLM's registry (model_executor/models/registry.py) builds
     # this family's class from; vLLM picks the class from `architectures`, not `model_type`.
     architectures: tuple[str, ...]
-    # The class declares `embedding_modules`: embed_tokens and lm_head get LoRA (vLLM's Qwen2,
-    # Mistral and Qwen3-Next classes declare none, so an adapter training either names a
-    # module vLLM does not expect).
-    embedding_lora: bool = False
+    # The class's `embedding_modules` keys: which of embed_tokens and lm_head get LoRA (vLLM's
+    # Qwen2, Mistral, Gemma, GLM-4 and Qwen3-Next classes declare none, so an adapter training
+    # either names a module vLLM does not expect; Cohere's declares embed_tokens alone).
+    embedding_modules: tuple[str, ...] = ()
+    # The class's `packed_modules_mapping`: fused layer -> the adapter names it takes.
+    packed_modules: tuple[tuple[str, tuple[str, ...]], ...] = _PACKED
     # Gated-DeltaNet in_proj_qkvz and in_proj_ba as one fused, head-interleaved output each
     # (qwen3_next.py's gqa_interleaved_layout); else split per slice (qwen3_5.py).
     fused_qkvz: bool = False
@@ -57,40 +77,53 @@ class VllmFamily:
     # no module: Mixtral keeps transformers 4's `block_sparse_moe`).
     moe_block: str = "mlp"
 
+    def packs(self, fused: str) -> tuple[str, ...]:
+        """The adapter names vLLM loads into the fused layer `fused`."""
+        return dict(self.packed_modules)[fused]
+
 
 FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
-    VllmFamily("llama", ("LlamaForCausalLM", "LLaMAForCausalLM"), embedding_lora=True),
+    VllmFamily("llama", ("LlamaForCausalLM", "LLaMAForCausalLM"), _EMBED_HEAD),
     VllmFamily("mistral", ("MistralForCausalLM", "Ministral3ForCausalLM")),
     VllmFamily("qwen2", ("Qwen2ForCausalLM",)),
-    VllmFamily("qwen3", ("Qwen3ForCausalLM",), embedding_lora=True),
-    VllmFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), embedding_lora=True),
-    VllmFamily("mixtral", ("MixtralForCausalLM",), embedding_lora=True,
-               moe_block="block_sparse_moe"),
+    VllmFamily("qwen3", ("Qwen3ForCausalLM",), _EMBED_HEAD),
+    VllmFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), _EMBED_HEAD),
+    VllmFamily("mixtral", ("MixtralForCausalLM",), _EMBED_HEAD, moe_block="block_sparse_moe"),
     VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), fused_qkvz=True),
     VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-               embedding_lora=True),
+               _EMBED_HEAD),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-               embedding_lora=True, experts_3d=True),
+               _EMBED_HEAD, experts_3d=True),
+    # gemma.py, gemma2.py, gemma3.py: no embedding_modules (the head is the tied embedding).
     VllmFamily("gemma", ("GemmaForCausalLM",)),
     VllmFamily("gemma2", ("Gemma2ForCausalLM",)),
     VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
-    VllmFamily("granite", ("GraniteForCausalLM",), embedding_lora=True),
-    # Registered to vLLM's transformers backend (TransformersForCausalLM), not a native class.
-    VllmFamily("olmo2", ("Olmo2ForCausalLM",)),
-    VllmFamily("olmo3", ("Olmo3ForCausalLM",)),
-    VllmFamily("cohere", ("CohereForCausalLM",), embedding_lora=True),
-    VllmFamily("cohere2", ("Cohere2ForCausalLM",), embedding_lora=True),
-    VllmFamily("exaone4", ("Exaone4ForCausalLM",), embedding_lora=True),
-    # Subclasses of vLLM's LlamaForCausalLM: its embedding_modules.
-    VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), embedding_lora=True),
-    VllmFamily("seed_oss", ("SeedOssForCausalLM",)),
-    VllmFamily("smollm3", ("SmolLM3ForCausalLM",)),
+    # granite.py's GraniteForCausalLM (GraniteSWAForCausalLM too).
+    VllmFamily("granite", ("GraniteForCausalLM",), _EMBED_HEAD),
+    # registry.py maps these to the transformers backend (TransformersForCausalLM), not a
+    # native class: its fusers pack q/k/v and gate/up as the native classes do.
+    VllmFamily("olmo2", ("Olmo2ForCausalLM",), _EMBED),
+    VllmFamily("olmo3", ("Olmo3ForCausalLM",), _EMBED),
+    # commandr.py's CohereForCausalLM serves both: embedding_modules = {"embed_tokens"}, and
+    # lm_head is the tied embedding (no module of its own).
+    VllmFamily("cohere", ("CohereForCausalLM",), _EMBED),
+    VllmFamily("cohere2", ("Cohere2ForCausalLM",), _EMBED),
+    VllmFamily("exaone4", ("Exaone4ForCausalLM",), _EMBED_HEAD),
+    # ernie45.py: a subclass of vLLM's LlamaForCausalLM, its embedding_modules.
+    VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), _EMBED_HEAD),
+    VllmFamily("seed_oss", ("SeedOssForCausalLM",), _EMBED),
+    VllmFamily("smollm3", ("SmolLM3ForCausalLM",), _EMBED),
     # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM.
     VllmFamily("ministral", ()),
+    # The wrappers' language models: Qwen2's class (none), Qwen3's (both).
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
-    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
-    VllmFamily("phi3", ("Phi3ForCausalLM",), embedding_lora=True),
+    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), _EMBED_HEAD),
+    # phi3.py: a LlamaForCausalLM whose fused layers pack themselves.
+    VllmFamily("phi3", ("Phi3ForCausalLM",), _EMBED_HEAD, _PACKED_AS_ITSELF),
+    # glm4.py packs gate_proj and up_proj into gate_up_proj, as llama.py does, although the
+    # checkpoint (and a PEFT adapter) has gate_up_proj fused: an adapter's gate_up_proj is a
+    # module name vLLM does not expect.
     VllmFamily("glm4", ("Glm4ForCausalLM",)),
 )}
 
@@ -103,7 +136,9 @@ def family(model: ModelConfig) -> VllmFamily:
 class Kind(str, Enum):
     """The LoRA wrapper vLLM puts on a layer, which decides its buffers' shapes."""
 
-    QKV = "qkv"  # MergedQKVParallelLinearWithLoRA: slices q, k, v
+    # MergedQKVParallelLinearWithLoRA: slices q, k, v; QKVParallelLinearWithLoRA where one
+    # adapter name packs all three (one slice over q|k|v).
+    QKV = "qkv"
     COLUMN = "column"  # (Merged)ColumnParallelLinearWithLoRA: one A/B per output slice
     ROW = "row"  # RowParallelLinearWithLoRA
     REPLICATED = "replicated"  # ReplicatedLinearWithLoRA (routers, the shared-expert gate)
@@ -151,6 +186,9 @@ class EngineModule:
             q, kv = self.out_sizes[0], self.kv_heads * self.head_dim
             kv_rank = (self.kv_heads // tp if tp <= self.kv_heads else 1) * self.head_dim
             outs = (_divide(q, tp, self.path), kv_rank if kv else 0, kv_rank if kv else 0)
+            if len(self.adapter_names) == 1:
+                # One slice: B spans this GPU's q, k and v rows (output_size_per_partition).
+                return [("lora_a", (L, 1, r_col, self.in_size)), ("lora_b", (L, 1, sum(outs), R))]
             return ([("lora_a", (L, 1, r_col, self.in_size))] * 3
                     + [("lora_b", (L, 1, o, R)) for o in outs])
         if self.kind is Kind.COLUMN:
@@ -211,7 +249,8 @@ class EngineModule:
     def _slice_outs(self) -> tuple[int, ...]:
         if self.kind is Kind.QKV:
             kv = self.kv_heads * self.head_dim
-            return (self.out_sizes[0], kv, kv)
+            return ((self.out_sizes[0] + 2 * kv,) if len(self.adapter_names) == 1 else
+                    (self.out_sizes[0], kv, kv))
         return self.out_sizes
 
 
@@ -237,10 +276,10 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)
     gate = 2 if model.attn_gated else 1
     q = model.num_attention_heads * hd
+    row = family(model)
     out: list[EngineModule] = [
-        EngineModule("self_attn.qkv_proj", Kind.QKV, full, H, (gate * q,),
-                     ("q_proj", "k_proj", "v_proj"), head_dim=hd,
-                     kv_heads=model.num_key_value_heads),
+        EngineModule("self_attn.qkv_proj", Kind.QKV, full, H, (gate * q,), row.packs("qkv_proj"),
+                     head_dim=hd, kv_heads=model.num_key_value_heads),
         EngineModule("self_attn.o_proj", Kind.ROW, full, q, (H,), ("o_proj",)),
     ]
     if linear:
@@ -248,7 +287,7 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
         vd = model.linear_value_width
         nv = model.linear_num_value_heads
         conv = config_width(model, "linear_conv_kernel_dim", DEFAULT_CONV_KERNEL)
-        if family(model).fused_qkvz:
+        if row.fused_qkvz:
             # One fused, head-interleaved output each (gqa_interleaved_layout).
             out += [EngineModule("linear_attn.in_proj_qkvz", Kind.COLUMN, linear, H,
                                  (2 * kd + 2 * vd,), ("in_proj_qkvz",)),
@@ -266,15 +305,17 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                 EngineModule("linear_attn.out_proj", Kind.ROW, linear, vd, (H,), ("out_proj",))]
     if dense:
         ffn = model.intermediate_size
-        out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, dense, H, (ffn, ffn),
-                             ("gate_proj", "up_proj")),
+        gate_up = row.packs("gate_up_proj")
+        # One slice per adapter name: gate|up as one output where one name packs both.
+        out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, dense, H,
+                             (ffn, ffn) if len(gate_up) == 2 else (2 * ffn,), gate_up),
                 EngineModule("mlp.down_proj", Kind.ROW, dense, ffn, (H,), ("down_proj",))]
     if moe:
         E = model.num_experts
-        experts = Kind.EXPERTS_3D if family(model).experts_3d else Kind.EXPERTS
+        experts = Kind.EXPERTS_3D if row.experts_3d else Kind.EXPERTS
         # PEFT's transformers-5 `mlp.gate` / `mlp.experts` weights match nothing under
         # Mixtral's `block_sparse_moe`.
-        block = family(model).moe_block
+        block = row.moe_block
         out += [EngineModule(f"{block}.gate", Kind.REPLICATED, moe, H, (E,), ("gate",)),
                 EngineModule(f"{block}.experts", experts, moe, H,
                              (model.expert_intermediate_size,), ("experts",), experts=E)]
@@ -287,9 +328,10 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                     EngineModule("mlp.shared_expert_gate", Kind.REPLICATED, moe, H, (1,),
                                  ("shared_expert_gate",))]
     V = model.vocab_size
-    if family(model).embedding_lora:
-        out += [EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)),
-                EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",))]
+    if "embed_tokens" in row.embedding_modules:
+        out.append(EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)))
+    if "lm_head" in row.embedding_modules:
+        out.append(EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",)))
     return [m for m in out if m.layers or m.top_level]
 
 

@@ -239,7 +239,7 @@ def model_support(model: ModelConfig) -> tuple[str, str] | None:
     arch = architecture_support(model)
     if arch is not None:
         return arch
-    if model.vocab_size > MAX_LORA_VOCAB and family(model).embedding_lora:
+    if model.vocab_size > MAX_LORA_VOCAB and "lm_head" in family(model).embedding_modules:
         return ("vocab_too_large", f"When using LoRA, vocab size must be <= {MAX_LORA_VOCAB} "
                 f"(the model has {model.vocab_size})")
     return None
