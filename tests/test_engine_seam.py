@@ -337,9 +337,11 @@ class ToyEngine:
     def flag_line(self, flags: Mapping[str, Any], pool: Mapping[str, Any] | None) -> str:
         return f"toy rank {flags['max_rank']}, toy slots {flags['slots']}"
 
-    def flags(self, model: ModelConfig, given: Mapping[str, object]) -> ToyFlags | None:
+    def flags(self, model: ModelConfig, given: Mapping[str, object],
+              recommended: ToyFlags) -> ToyFlags | None:
         rank = given.get("--max-rank")
-        return None if rank is None else ToyFlags(int(rank))  # type: ignore[call-overload]
+        return None if rank is None else dataclasses.replace(
+            recommended, max_rank=int(rank))  # type: ignore[call-overload]
 
     def startup(self, model: ModelConfig, flags: ToyFlags, reports: list[Any]) -> ToyFlags:
         return flags

@@ -86,7 +86,7 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
                      f"{human_bytes(lower['frees_bytes'])} and shuts out "
                      f"{', '.join(lower['shuts_out']) or 'no adapter'}"))
     if rec.get("fully_sharded_saves_bytes"):
-        rows.append(("fully sharded", f"--fully-sharded-loras saves "
+        rows.append(("fully sharded", f"--fully-sharded-loras (--fully-sharded) would save "
                      f"{human_bytes(rec['fully_sharded_saves_bytes'])} per GPU"))
     for line in rec["shut_out"]:
         rows.append(("left out", line))

@@ -36,13 +36,13 @@ class EngineInspection:
 def engine_inspect(audited: AuditedAdapters, engine: Engine,
                    given: Mapping[str, object] | None = None) -> EngineInspection:
     """What `engine` does with each audited adapter under the flags in `given` (CLI option
-    names to values), or under the ones it recommends when none is given."""
+    names to values) and the ones it recommends for the rest."""
     given = dict(given or {})
     cfg, reports = audited.model, audited.reports
-    # The given flags first: a bad one (a TP degree the model cannot take) is refused before
-    # any recommendation is sized for it.
-    flags = engine.flags(cfg, given)
+    # `recommend` refuses a TP degree the model cannot take before it sizes anything; the
+    # given flags then replace the recommended ones they name, and only those.
     recommendation = engine.recommend(reports, cfg, given)
+    flags = engine.flags(cfg, given, recommendation.flags)
     source = "given" if flags is not None else "recommended"
     flags = engine.startup(cfg, flags if flags is not None else recommendation.flags, reports)
     verdicts = [engine.judge(r, cfg, flags, source) for r in reports]
