@@ -33,6 +33,18 @@ def _named(adapters: dict[str, Path], *names: str) -> list[str]:
     return [f"{n}={adapters[n]}" for n in names]
 
 
+def test_inspect_ends_with_why_it_exits_1(adapters: dict[str, Path]) -> None:
+    """An adapter SGLang serves otherwise than PEFT (`differs`) makes exit 1 as a refusal
+    does: the last line names each with its verdict."""
+    done = metrale("inspect", *_named(adapters, "plain", "rs", "dora"), "--engine", "sglang")
+    assert done.code == 1
+    assert done.stderr == ("exit 1: 2 of 3 adapter(s) not served as PEFT serves them by "
+                           "SGLang 0.5.23: rs (differs), dora (refuses)\n")
+    assert done.output.endswith(done.stderr)
+    served = metrale("inspect", *_named(adapters, "plain"), "--engine", "sglang")
+    assert served.code == 0 and served.stderr == ""
+
+
 def test_inspect_gives_each_load_path_and_a_launch_line(adapters: dict[str, Path]) -> None:
     done = metrale("inspect", *_named(adapters, "plain", "rs", "dora", "q_only"), "--engine",
                    "sglang", "--json")
