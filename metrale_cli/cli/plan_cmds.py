@@ -250,6 +250,11 @@ def layout(
                                               online=online_on(online)), chosen, given,
                                budget_bytes)
         emit(record, json_out, render_engine.engine_layout_view)
+        not_served = record["engine"]["not_served"]
+        if not_served:
+            _exit_1([f"{n['adapter']} ({n['verdict']})" for n in not_served],
+                    len(adapters or []), f"not served as PEFT serves them by {chosen.label} "
+                    f"{chosen.version}, though it allocates these buffers")
         return
     spec = shard_spec(tp, ep, fully_sharded)
     module_list = parse_modules(modules) if modules else None

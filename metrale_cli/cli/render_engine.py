@@ -121,6 +121,8 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
         rows.append(("budget", f"{human_bytes(rec['budget_bytes'])} holds "
                      f"{fit:,} {who.slots_flag}" if fit is not None else
                      f"{human_bytes(rec['budget_bytes'])}: the pool has no slot bytes"))
+    for n in rec["not_served"]:
+        rows.append(("not served", f"{n['adapter']}: {n['verdict']}: {n['reason']}"))
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     for column, justify in (("module", "left"), ("kind", "left"), ("layers", "right"),
                             ("bytes", "right"), ("%", "right")):
