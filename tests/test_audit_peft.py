@@ -99,6 +99,21 @@ def test_targets_reaching_the_vision_tower_are_named(peft_zoo, model: str) -> No
     assert_matches_peft(truth, report)
 
 
+def test_gpt_oss_expert_lora_is_refused_by_name(peft_zoo) -> None:
+    """gpt_oss's fused experts interleave gate and up and store (E, in, out): the expert pool
+    would misread PEFT's pairs, so even with --experts they are refused; the attention beside
+    them is audited as PEFT built it."""
+    truth = peft_zoo.adapter("gpt_oss", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                             target_parameters=list(EXPERT_TARGET_PARAMETERS))
+    assert truth.params
+    code, report = inspect_json(truth, "--experts")
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    refused = [f for f in report["findings"] if f["code"] == "expert_lora"]
+    assert refused and all("interleave gate and up" in f["message"] for f in refused)
+    assert report["expert_pairs"] == 0
+
+
 def test_rslora_and_patterns_like_peft(peft_zoo) -> None:
     """docs/peft_format.md §1.4's table, checked with PEFT: rank/alpha patterns with rsLoRA."""
     truth = peft_zoo.adapter(

@@ -201,3 +201,33 @@ def test_inspect_reads_the_config_once_for_the_rules(adapters: dict[str, Path],
                    64, "--max-loras", 2, "--json")
     assert done.code == 0, done.stderr
     assert reads == {base: 2}
+
+
+def test_inspect_tp_alone_keeps_the_recommended_flags(adapters: dict[str, Path]) -> None:
+    """`--tp 2` alone is the user's TP degree; every flag not given stays the recommended one
+    (not vLLM's defaults, rank 16 and one slot, which would refuse the rank-40 adapter), and the
+    LoRA bytes per GPU are `layout --tp 2`'s: fully sharded LoRA is said to save bytes, never
+    assumed."""
+    named = [f"plain={adapters['plain']}", f"ranked={adapters['ranked']}"]
+    done = metrale("inspect", *named, "--engine", "vllm", "--tp", 2, "--json")
+    assert done.code == 0, done.stdout
+    engine = done.json()["engine"]
+    rec = engine["recommended"]
+    assert engine["flags_source"] == "given"
+    assert engine["flags"] == {**rec["flags"], "tensor_parallel_size": 2}
+    assert (engine["flags"]["max_lora_rank"], engine["flags"]["max_loras"]) == (64, 2)
+    assert not engine["flags"]["fully_sharded_loras"]
+    assert "--tensor-parallel-size 2" in rec["serve"] and "--fully-sharded" not in rec["serve"]
+    laid = metrale("layout", *named, "--engine", "vllm", "--tp", 2, "--json")
+    assert laid.code == 0, laid.stderr
+    assert rec["lora_bytes"] == laid.json()["engine"]["lora_bytes"]
+    sharded = metrale("layout", *named, "--engine", "vllm", "--tp", 2, "--fully-sharded",
+                      "--json").json()["engine"]["lora_bytes"]
+    assert rec["fully_sharded_saves_bytes"] == rec["lora_bytes"] - sharded > 0
+    # A flag given is the user's, the rest still recommended.
+    given = metrale("inspect", *named, "--engine", "vllm", "--tp", 2, "--max-rank", 16,
+                    "--json")
+    assert given.code == 1
+    flags = given.json()["engine"]["flags"]
+    assert (flags["max_lora_rank"], flags["max_loras"], flags["tensor_parallel_size"]) == (
+        16, 2, 2)

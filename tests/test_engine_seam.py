@@ -60,7 +60,8 @@ def test_families_sglang_serves_only_from_its_source_say_so() -> None:
     so, and `layout` gives no bytes it cannot stand behind."""
     sglang = get_engine("sglang")
     assert {f: r.checked for f, r in sglang.families.items() if r.pool != "dense"} == {
-        f: "source" for f in ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5", "qwen3_5_moe")}
+        f: "source" for f in ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+                              "gpt_oss", "deepseek_v2", "deepseek_v3")}
     done = metrale("layout", "--engine", "sglang", "-m", "qwen3-30b-a3b", "--max-rank", 8,
                    "--modules", "q_proj")
     assert done.code == 2 and "metrale sizes dense families only" in done.stderr
@@ -337,9 +338,11 @@ class ToyEngine:
     def flag_line(self, flags: Mapping[str, Any], pool: Mapping[str, Any] | None) -> str:
         return f"toy rank {flags['max_rank']}, toy slots {flags['slots']}"
 
-    def flags(self, model: ModelConfig, given: Mapping[str, object]) -> ToyFlags | None:
+    def flags(self, model: ModelConfig, given: Mapping[str, object],
+              recommended: ToyFlags) -> ToyFlags | None:
         rank = given.get("--max-rank")
-        return None if rank is None else ToyFlags(int(rank))  # type: ignore[call-overload]
+        return None if rank is None else dataclasses.replace(
+            recommended, max_rank=int(rank))  # type: ignore[call-overload]
 
     def startup(self, model: ModelConfig, flags: ToyFlags, reports: list[Any]) -> ToyFlags:
         return flags

@@ -59,6 +59,11 @@ _GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head
         "linear_value_head_dim": 12, "head_dim": 16,
         "layer_types": ["linear_attention", "full_attention"] * 2}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40}
+# Multi-head latent attention, every width apart; layer 0 dense, layers 1-3 routed experts.
+_MLA = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+        "q_lora_rank": None, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12,
+        "n_group": 1, "topk_group": 1}
 _QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                 "out_hidden_size": 64}
 META_CASES: dict[str, tuple[str, dict[str, object]]] = {
@@ -87,6 +92,10 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "ministral": ("ministral", {"head_dim": 24, **_SLIDING}),
     "phi3": ("phi3", {}),
     "glm4": ("glm4", {"head_dim": 24}),
+    "deepseek_v2": ("deepseek_v2", _MLA),
+    "deepseek_v3": ("deepseek_v3", {**_MLA, "q_lora_rank": 24}),
+    "gpt_oss": ("gpt_oss", {"head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
+                            **_SLIDING}),
     # Vision-language wrappers: the text model under text_config (a tiny vision tower beside).
     "qwen2_vl": ("qwen2_vl", {"vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2,
                                                 "hidden_size": 64, "mlp_ratio": 2}}),
@@ -109,8 +118,11 @@ _GDN35_IN = {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in
              "linear_attn.in_proj_b"}
 _SHARED = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
            "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"}
+_SHARED_EXPERTS = {"mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
+                   "mlp.shared_experts.down_proj"}
 UNDECLARED = {"qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
-              "qwen3_5_moe": _GDN35_IN | _SHARED}
+              "qwen3_5_moe": _GDN35_IN | _SHARED, "deepseek_v2": _SHARED_EXPERTS,
+              "deepseek_v3": _SHARED_EXPERTS}
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +216,9 @@ def test_every_family_has_a_meta_case() -> None:
 
 
 REAL_SIZES = {"qwen3-8b.config.json": "qwen3", "llama-3.1-8b.config.json": "llama",
-              "olmo-3-7b.config.json": "olmo3", "gemma-3-27b-it.config.json": "gemma3"}
+              "olmo-3-7b.config.json": "olmo3", "gemma-3-27b-it.config.json": "gemma3",
+              "gpt-oss-20b.config.json": "gpt_oss", "deepseek-v2-lite.config.json": "deepseek_v2",
+              "deepseek-v3.config.json": "deepseek_v3"}
 
 
 def _real_size_differences(raw: dict[str, object], source: str) -> list[str]:
@@ -255,3 +269,14 @@ def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
     for family in FAMILIES.values():
         names = [m.name for m in family.modules]
         assert names == [m.value for m in ALL if m.value in names], family.model_type
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "gpt-oss-20b"])
+def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled(preset: str) -> None:
+    """MLA, gpt_oss's sinks and experts: metrale's model of vLLM's LoRA layers is
+    llama-shaped, so `--engine vllm` refuses rather than guesses (phi3's and glm4's fused
+    layers it models: tests/test_engine_vllm.py runs them)."""
+    done = metrale("layout", "-m", preset, "--modules", "q_proj,o_proj", "--max-rank", 16,
+                   "--max-loras", 4, "--engine", "vllm")
+    assert done.code == 2 and "does not model vLLM" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

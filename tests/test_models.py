@@ -24,6 +24,9 @@ REAL = {
     "mixtral-8x7b": "mixtral-8x7b-v0.1.config.json",
     "gemma-3-27b": "gemma-3-27b-it.config.json",
     "olmo-3-7b": "olmo-3-7b.config.json",
+    "gpt-oss-20b": "gpt-oss-20b.config.json",
+    "deepseek-v2-lite": "deepseek-v2-lite.config.json",
+    "deepseek-v3": "deepseek-v3.config.json",
 }
 
 
@@ -94,8 +97,8 @@ def test_config_rules(tmp_path: Path) -> None:
         **base, "model_type": "qwen3_5_text", "full_attention_interval": 2}})
     assert composite.model_type == "qwen3_5" and composite.composite
     assert composite.full_attention_layers == [1, 3]
-    with pytest.raises(UnsupportedModel, match="deepseek_v3.*supported: llama"):
-        ModelConfig.from_dict({**base, "model_type": "deepseek_v3"})
+    with pytest.raises(UnsupportedModel, match="gpt2.*supported: llama"):
+        ModelConfig.from_dict({**base, "model_type": "gpt2"})
     with pytest.raises(FormatError, match="layer_types"):
         ModelConfig.from_dict({**base, "layer_types": ["full_attention"]})
     with pytest.raises(FormatError, match="hidden_size"):

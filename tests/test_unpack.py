@@ -76,11 +76,12 @@ def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> No
     assert metrale("verify", image, f"x={out}").code == 0
 
 
-@pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4"])
+@pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "gpt_oss", "deepseek_v2",
+                                   "deepseek_v3"])
 def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: str) -> None:
     """Each family's PEFT adapter over every LoRA-able projection of its layers (phi3's fused
-    qkv_proj and gate_up_proj, glm4's gate_up_proj): packed, unpacked, and loaded by PEFT onto
-    the same base with PEFT's own deltas."""
+    qkv_proj and gate_up_proj, glm4's gate_up_proj, gpt_oss's attention beside its experts):
+    packed, unpacked, and loaded by PEFT onto the same base with PEFT's own deltas."""
     truth = peft_zoo.adapter(model, r=4, lora_alpha=8, dtype="bf16")
     image = tmp_path / "pool.safetensors"
     packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
@@ -112,7 +113,7 @@ def _param_deltas(peft_model: object) -> dict[str, np.ndarray]:
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next", "deepseek_v3"])
 def test_peft_loads_unpacked_expert_lora(peft_zoo, tmp_path: Path, model: str) -> None:
     """Fused experts and the router, beside attention modules: PEFT's per-expert deltas of the
     unpacked adapter equal the original's."""

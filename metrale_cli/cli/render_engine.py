@@ -86,7 +86,7 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
                      f"{human_bytes(lower['frees_bytes'])} and shuts out "
                      f"{', '.join(lower['shuts_out']) or 'no adapter'}"))
     if rec.get("fully_sharded_saves_bytes"):
-        rows.append(("fully sharded", f"--fully-sharded-loras saves "
+        rows.append(("fully sharded", f"--fully-sharded-loras (--fully-sharded) would save "
                      f"{human_bytes(rec['fully_sharded_saves_bytes'])} per GPU"))
     for line in rec["shut_out"]:
         rows.append(("left out", line))
@@ -121,6 +121,8 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
         rows.append(("budget", f"{human_bytes(rec['budget_bytes'])} holds "
                      f"{fit:,} {who.slots_flag}" if fit is not None else
                      f"{human_bytes(rec['budget_bytes'])}: the pool has no slot bytes"))
+    for n in rec["not_served"]:
+        rows.append(("not served", f"{n['adapter']}: {n['verdict']}: {n['reason']}"))
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     for column, justify in (("module", "left"), ("kind", "left"), ("layers", "right"),
                             ("bytes", "right"), ("%", "right")):

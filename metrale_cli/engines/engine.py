@@ -110,9 +110,10 @@ class Engine(Protocol):
         """The flags of a record (`flags.record()`, and the pool its start-up infers where
         the engine infers one) in one line of words, for the views."""
 
-    def flags(self, model: ModelConfig, given: Mapping[str, object]) -> Any | None:
-        """The engine's flags from what the user gave, its defaults for the rest; None when
-        nothing was given (then `recommend` chooses them)."""
+    def flags(self, model: ModelConfig, given: Mapping[str, object],
+              recommended: Any) -> Any | None:
+        """The flags the user gave, the `recommended` ones (`recommend`'s) for the rest; None
+        when nothing was given (then the recommended ones are judged under)."""
 
     def startup(self, model: ModelConfig, flags: Any, reports: list[AdapterReport]) -> Any:
         """`flags` as the server holds them once `reports` are its start-up adapters (SGLang
@@ -128,7 +129,9 @@ class Engine(Protocol):
 
     def recommend(self, reports: list[AdapterReport], model: ModelConfig,
                   given: Mapping[str, object]) -> Recommendation:
-        """The smallest flags under which every adapter the engine can take loads."""
+        """The smallest flags under which every adapter the engine can take loads, at the
+        deployment `given` names (its TP degree, dtypes); a TP degree the model cannot take is
+        refused (UsageError) before anything is sized."""
 
     def memory(self, model: ModelConfig, flags: Any, reports: list[AdapterReport] | None,
                budget_bytes: int | None) -> Any:

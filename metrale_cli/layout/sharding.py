@@ -167,6 +167,8 @@ def module_slice(model: ModelConfig, module: LoraModule, spec: ShardSpec,
         # a rank's B rows are not one run: a Slice holds one.
         raise UsageError(f"{module.value}: a fused projection ({len(declared.out)} slices) "
                          "over --tp is not supported yet; use --tp 1")
+    if declared.split is Split.REPLICATED:
+        return Slice(full, (0, out_dim), (0, in_dim))
     if declared.split is Split.COLUMN:
         return Slice(full, _column_rows(model, module, declared, n, k), (0, in_dim),
                      _rank_rows(max_rank, spec))

@@ -27,6 +27,9 @@ from metrale_cli.model.families import FAMILIES, Family
 
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
+# ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers).
+_MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "first_k_dense_replace")
 # Upper bounds on a config's counts and widths, far above any real model (the largest have
 # ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
 # pool stays quick: a config past them is malformed, not a bigger model.
@@ -37,7 +40,8 @@ MAX_VOCAB = 1 << 26
 # Routed experts over all MoE layers (Qwen3-Next: 48 x 512 = 24,576): bounds the expert layout.
 MAX_LAYER_EXPERTS = 1 << 18
 _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS,
-           "num_local_experts": MAX_EXPERTS, "vocab_size": MAX_VOCAB}
+           "num_local_experts": MAX_EXPERTS, "n_routed_experts": MAX_EXPERTS,
+           "vocab_size": MAX_VOCAB}
 
 
 class LayerType(str, Enum):
@@ -77,6 +81,17 @@ class ModelConfig:
     # The output head shares the input embedding: a token overlay on one is on both (PEFT ties
     # its trainable-token adapter on lm_head to the embedding's).
     tie_word_embeddings: bool = False
+    # Multi-head latent attention (deepseek_v2/v3): the query's low-rank width (0: one q_proj,
+    # no q_a_proj/q_b_proj), the compressed KV width, and the per-head widths of the query's
+    # rope-free and rope parts and of the value. Summaries leave them out while 0 (_MLA).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # The first layers whose MLP is dense although the model has routed experts (deepseek's
+    # first_k_dense_replace).
+    first_k_dense_replace: int = 0
     # The config nests the text model under `text_config` (a vision-language checkpoint).
     composite: bool = False
     # Where the config came from: a preset name, a file path, or a hub id.
@@ -114,6 +129,26 @@ class ModelConfig:
         return self.num_attention_heads * self.head_dim
 
     @property
+    def mla_q_width(self) -> int:
+        """MLA's query (q_proj, or q_b_proj's output): each head's rope-free and rope parts."""
+        return self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+
+    @property
+    def mla_kv_a_width(self) -> int:
+        """kv_a_proj_with_mqa's output: the compressed KV and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mla_kv_b_width(self) -> int:
+        """kv_b_proj's output: each head's rope-free key and its value."""
+        return self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim)
+
+    @property
+    def mla_v_width(self) -> int:
+        """The heads' values, o_proj's input under MLA."""
+        return self.num_attention_heads * self.v_head_dim
+
+    @property
     def linear_value_width(self) -> int:
         """Gated-DeltaNet value width `Nv * dv`: the input width of `linear_attn.out_proj`."""
         return self.linear_num_value_heads * self.linear_value_head_dim
@@ -126,10 +161,13 @@ class ModelConfig:
         return self.moe_intermediate_size or self.intermediate_size
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether `layer`'s MLP is routed experts: every layer, unless the family's MoE layers
-        follow the sparse step (qwen3_moe, qwen3_next): then not in `mlp_only_layers` and
+        """Whether `layer`'s MLP is routed experts: every layer from `first_k_dense_replace` on
+        (deepseek's dense first layers; 0 elsewhere), unless the family's MoE layers follow the
+        sparse step (qwen3_moe, qwen3_next): then not in `mlp_only_layers` and
         `(layer + 1) % decoder_sparse_step == 0` (their decoder layers' rule)."""
         if not self.num_experts:
+            return False
+        if layer < self.first_k_dense_replace:
             return False
         if not self.family.sparse_step:
             return True
@@ -159,6 +197,9 @@ class ModelConfig:
         del record["architectures"]  # an engine's input, not a dimension images keep
         record["layer_types"] = [t.value for t in self.layer_types]
         record["mlp_only_layers"] = list(self.mlp_only_layers)
+        for name in _MLA:  # absent on every other family, so their images read as before
+            if not record[name]:
+                del record[name]
         return record
 
     def record(self) -> dict[str, Any]:
@@ -206,6 +247,12 @@ class ModelConfig:
                 f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported; "
                 f"supported: {', '.join(FAMILIES)}"
             )
+        defaults = FAMILIES[model_type].config_defaults
+        if defaults:
+            text = dict(text)
+            for key, value in defaults:
+                if key not in text:  # absent; an explicit null stays null
+                    text[key] = text.get(value) if isinstance(value, str) else value
 
         def bounded(key: str, value: int) -> int:
             limit = _LIMITS.get(key, MAX_WIDTH)
@@ -235,7 +282,7 @@ class ModelConfig:
 
         hidden = need("hidden_size")
         layers = need("num_hidden_layers")
-        num_experts = opt("num_experts") or opt("num_local_experts")
+        num_experts = opt("num_experts") or opt("num_local_experts") or opt("n_routed_experts")
         if layers * num_experts > MAX_LAYER_EXPERTS:
             raise FormatError(f"{source or 'config'}: {layers} layers x {num_experts} experts "
                               f"is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; not a "
@@ -281,6 +328,12 @@ class ModelConfig:
             vocab_size=opt("vocab_size"),
             mlp_only_layers=tuple(sorted(set(only))),
             decoder_sparse_step=opt("decoder_sparse_step", 1) or 1,
+            q_lora_rank=opt("q_lora_rank"),
+            kv_lora_rank=opt("kv_lora_rank"),
+            qk_nope_head_dim=opt("qk_nope_head_dim"),
+            qk_rope_head_dim=opt("qk_rope_head_dim"),
+            v_head_dim=opt("v_head_dim"),
+            first_k_dense_replace=opt("first_k_dense_replace") if num_experts else 0,
             tie_word_embeddings=bool(tied),
             composite=composite,
             source=source,
@@ -483,6 +536,39 @@ PRESETS: tuple[Preset, ...] = (
         {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32,
          "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
          "vocab_size": 200064, "tie_word_embeddings": True},
+    ),
+    # Every layer MoE; sliding and full attention alternate (the attention is the slot pool's).
+    Preset(
+        "gpt-oss-20b",
+        ("openai/gpt-oss-20b",),
+        {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
+         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+         "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4,
+         "layer_types": _sliding(24, 2), "vocab_size": 201088},
+    ),
+    Preset(
+        "gpt-oss-120b",
+        ("openai/gpt-oss-120b",),
+        {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36,
+         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+         "intermediate_size": 2880, "num_local_experts": 128, "num_experts_per_tok": 4,
+         "layer_types": _sliding(36, 2), "vocab_size": 201088},
+    ),
+    # Multi-head latent attention; dense first layers, then routed and shared experts.
+    Preset(
+        "deepseek-v2-lite",
+        ("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
+        {"model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
+         "moe_intermediate_size": 1408, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+         "q_lora_rank": None, "vocab_size": 102400},
+    ),
+    Preset(
+        "deepseek-v3",
+        ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3-0324"),
+        {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+         "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+         "vocab_size": 129280},
     ),
     Preset(
         "mixtral-8x7b",

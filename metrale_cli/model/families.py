@@ -28,6 +28,9 @@ class Layers(str, Enum):
     LINEAR_ATTENTION = "linear_attention"
     # Every layer of a model without routed experts (its dense MLP).
     DENSE_MLP = "dense_mlp"
+    # The layers whose MLP is dense in a model with routed experts too (deepseek's first
+    # `first_k_dense_replace` layers): every layer that is not an MoE layer.
+    DENSE_MLP_LAYERS = "dense_mlp_layers"
 
 
 class Split(str, Enum):
@@ -35,6 +38,7 @@ class Split(str, Enum):
 
     COLUMN = "column"  # output rows over the ranks; the LoRA A whole
     ROW = "row"  # input columns over the ranks; the LoRA B whole
+    REPLICATED = "replicated"  # whole on every rank (MLA's q_a_proj, kv_a_proj_with_mqa)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class ModuleSpec:
     in_: str
     layers: Layers
     split: Split
+    # A config field that must be non-zero for the module to exist (`needs`), or zero
+    # (`unless`): MLA has q_a_proj/q_b_proj with a `q_lora_rank`, else one q_proj.
+    needs: str = ""
+    unless: str = ""
 
     @property
     def fused(self) -> bool:
@@ -83,6 +91,21 @@ OUT_PROJ = ModuleSpec("out_proj", "linear_attn.out_proj", ("hidden_size",),
 QKV_PROJ = _attn("qkv_proj", ("q_width", "kv_width", "kv_width"))
 GATE_UP_PROJ = _mlp("gate_up_proj", ("intermediate_size", "intermediate_size"))
 
+# Multi-head latent attention (deepseek_v2/v3): a low-rank query (or one q_proj without
+# q_lora_rank), the compressed KV and its up-projection, and o_proj over the heads' values.
+MLA_Q_PROJ = ModuleSpec("q_proj", "self_attn.q_proj", ("mla_q_width",), "hidden_size",
+                        Layers.ATTENTION, Split.COLUMN, unless="q_lora_rank")
+Q_A_PROJ = ModuleSpec("q_a_proj", "self_attn.q_a_proj", ("q_lora_rank",), "hidden_size",
+                      Layers.ATTENTION, Split.REPLICATED, needs="q_lora_rank")
+Q_B_PROJ = ModuleSpec("q_b_proj", "self_attn.q_b_proj", ("mla_q_width",), "q_lora_rank",
+                      Layers.ATTENTION, Split.COLUMN, needs="q_lora_rank")
+KV_A_PROJ = _attn("kv_a_proj_with_mqa", ("mla_kv_a_width",), split=Split.REPLICATED)
+KV_B_PROJ = _attn("kv_b_proj", ("mla_kv_b_width",), "kv_lora_rank")
+MLA_O_PROJ = _attn("o_proj", ("hidden_size",), "mla_v_width", Split.ROW)
+_DENSE_FIRST = tuple(ModuleSpec(m.name, m.path, m.out, m.in_, Layers.DENSE_MLP_LAYERS, m.split)
+                     for m in (GATE_PROJ, UP_PROJ, DOWN_PROJ))
+_MLA = (MLA_Q_PROJ, Q_A_PROJ, Q_B_PROJ, KV_A_PROJ, KV_B_PROJ, MLA_O_PROJ, *_DENSE_FIRST)
+
 # The seed's eight, in the order a slot's entries follow: every seed family carries all eight
 # (out_proj on no layer of a model without linear attention), so their layouts and pool images
 # are what they were before families became data.
@@ -90,7 +113,7 @@ SEED_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, O
 # The llama-like decoder layer: attention and a gated MLP, nothing else LoRA-able.
 DENSE_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 # Every module a family may declare: the `--modules` vocabulary (model/modules.py LoraModule).
-VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ)
+VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ, Q_A_PROJ, Q_B_PROJ, KV_A_PROJ, KV_B_PROJ)
 
 
 @dataclass(frozen=True)
@@ -113,6 +136,13 @@ class Family:
     expert_leaves: tuple[tuple[str, str], ...] = tuple(EXPERT_LEAVES.items())
     # The LoRA-able projections of a decoder layer, in slot order.
     modules: tuple[ModuleSpec, ...] = SEED_MODULES
+    # transformers' config-class defaults for keys a config.json may leave out, where they are
+    # not metrale's (`head_dim` from `hidden_size / heads`, 0 for the rest): a value, or the
+    # name of another key whose value it takes (deepseek's head_dim is its qk_rope_head_dim).
+    config_defaults: tuple[tuple[str, int | str], ...] = ()
+    # The expert pool reads this family's routed-expert LoRA (gate and up stacked, (E, out, in)
+    # experts); false where the experts' layout differs and the pool would misread it.
+    expert_lora: bool = True
 
     def module(self, name: str) -> ModuleSpec | None:
         """This family's entry for the module PEFT calls `name`; None where its layers have
@@ -122,6 +152,10 @@ class Family:
 
 _Q_V = ("q_proj", "v_proj")
 _PHI3 = (QKV_PROJ, O_PROJ, GATE_UP_PROJ, DOWN_PROJ)
+# DeepseekV2Config's and DeepseekV3Config's defaults (transformers 5).
+_MLA_DEFAULTS: tuple[tuple[str, int | str], ...] = (
+    ("q_lora_rank", 1536), ("kv_lora_rank", 512), ("qk_nope_head_dim", 128),
+    ("qk_rope_head_dim", 64), ("v_head_dim", 128), ("head_dim", "qk_rope_head_dim"))
 _GLM4 = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_UP_PROJ, DOWN_PROJ)
 
 
@@ -161,6 +195,18 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("qwen2_vl"),
     _dense("qwen2_5_vl"),
     _dense("qwen3_vl"),
+    # Every layer MoE (routed experts only, no dense MLP): the attention modules, with their
+    # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
+    # and store (E, in, out): not the expert pool's layout, so their LoRA is refused.
+    Family("gpt_oss", peft_rewrites_moe_targets=False, modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
+           expert_lora=False),
+    # Multi-head latent attention; dense MLPs on the first `first_k_dense_replace` layers, then
+    # routed experts with shared experts beside them (PEFT rewrites gate/up/down targets there).
+    Family("deepseek_v2", modules=_MLA, config_defaults=(
+        *_MLA_DEFAULTS, ("n_routed_experts", 64), ("moe_intermediate_size", 1407))),
+    Family("deepseek_v3", modules=_MLA, config_defaults=(
+        *_MLA_DEFAULTS, ("n_routed_experts", 256), ("moe_intermediate_size", 2048),
+        ("first_k_dense_replace", 3), ("num_experts_per_tok", 8))),
     # Fused projections: one pair spans q|k|v (phi3) or gate|up (phi3, glm4).
     _dense("phi3", modules=_PHI3),
     _dense("glm4", modules=_GLM4),

@@ -15,6 +15,11 @@ class LoraModule(str, Enum):
     seed's eight keep their relative order and any family's modules read in this order."""
 
     Q_PROJ = "q_proj"
+    # Multi-head latent attention's low-rank query and compressed KV (deepseek_v2/v3).
+    Q_A_PROJ = "q_a_proj"
+    Q_B_PROJ = "q_b_proj"
+    KV_A_PROJ_WITH_MQA = "kv_a_proj_with_mqa"
+    KV_B_PROJ = "kv_b_proj"
     K_PROJ = "k_proj"
     V_PROJ = "v_proj"
     # Fused projections (phi3's q|k|v and gate|up, glm4's gate|up): one pair spans the slices.
@@ -51,15 +56,19 @@ class LoraModule(str, Enum):
     def applies_to_layer(self, cfg: ModelConfig, layer: int) -> bool:
         """Whether `layer` carries this module, as the family declares it: attention modules
         on attention layers (full or sliding window), the dense MLP's on every layer of a model
-        with no routed experts, out_proj on linear-attention layers; never where the family has
-        no such module. Layout, packing and landing all filter by it, so the reserved and the
-        written offsets agree."""
+        with no routed experts (deepseek's: on its dense first layers), out_proj on
+        linear-attention layers; never where the family has no such module, or the config
+        lacks what it needs (MLA's q_a_proj without a q_lora_rank). Layout, packing and landing
+        all filter by it, so the reserved and the written offsets agree."""
         spec = self.spec(cfg)
-        if spec is None:
+        if spec is None or (spec.needs and not getattr(cfg, spec.needs)) or (
+                spec.unless and getattr(cfg, spec.unless)):
             return False
         kind = cfg.layer_type(layer)
         if spec.layers is Layers.DENSE_MLP:
             return cfg.num_experts == 0
+        if spec.layers is Layers.DENSE_MLP_LAYERS:
+            return not cfg.is_moe_layer(layer)
         if spec.layers is Layers.LINEAR_ATTENTION:
             return kind is LayerType.LINEAR_ATTENTION
         return kind is not LayerType.LINEAR_ATTENTION

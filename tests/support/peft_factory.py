@@ -150,6 +150,11 @@ DENSE_FAMILIES_KWARGS = (
 )
 
 
+_MLA_DIMS = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+             "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12, "n_group": 1,
+             "topk_group": 1}
+_MLA_ATTN = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 # Tiny vision towers of the wrappers: SigLIP (gemma3; mistral3's Pixtral takes a head_dim) and
 # Qwen-VL's `visual`.
 _SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
@@ -220,6 +225,19 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
               targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     TinyModel("glm4", "Glm4Config", "Glm4ForCausalLM", {**_DENSE, "head_dim": 24},
               targets=(*_ATTN, "gate_up_proj", "down_proj")),
+    # Routed experts on every layer (fused, gate and up interleaved); attention with biases and
+    # sinks; sliding and full attention alternating.
+    TinyModel("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
+              {**_DENSE, "head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
+               **_SLIDING}, targets=_ATTN),
+    # Multi-head latent attention (v2 without, v3 with the low-rank query); layer 0 dense MLP,
+    # layers 1-3 routed experts beside a shared expert. PEFT rewrites gate/up/down targets into
+    # expert LoRA here (and then adapts neither the dense MLP nor the shared expert), so the
+    # usual targets are the attention's.
+    TinyModel("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+              {**_DENSE, **_MLA_DIMS, "q_lora_rank": None}, targets=_MLA_ATTN),
+    TinyModel("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+              {**_DENSE, **_MLA_DIMS, "q_lora_rank": 24}, targets=_MLA_ATTN),
     # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
     # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
     TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",

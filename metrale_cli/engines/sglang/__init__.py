@@ -78,10 +78,13 @@ class SglangEngine:
                 f"lora_backend {flags['lora_backend']}, dtype {flags['dtype']}, target "
                 f"modules {modules}")
 
-    def flags(self, model: ModelConfig, given: Mapping[str, object]) -> Flags | None:
+    def flags(self, model: ModelConfig, given: Mapping[str, object],
+              recommended: Flags) -> Flags | None:
+        """The flags given, the recommended --max-loras-per-batch where it is not (the rest
+        are what the start-up infers, as in the recommendation)."""
         if all(given.get(k) in (None, False) for k in FLAG_OPTIONS):
             return None
-        flags = flags_from(given)
+        flags = flags_from(given, recommended.max_loras_per_batch)
         if flags.tp > 1:
             check_tp(model, flags.tp, False, self.label)
         return flags

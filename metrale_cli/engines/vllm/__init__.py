@@ -6,6 +6,7 @@ metrale recommends (rules.py), and `inspect --confirm` against the installed vLL
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from metrale_cli.engines.engine import SlotTiers
@@ -20,6 +21,7 @@ from metrale_cli.engines.vllm.rules import (
     inspect_record,
     judge,
     recommend,
+    target_modules,
 )
 
 if TYPE_CHECKING:
@@ -67,11 +69,23 @@ class VllmEngine:
                 f"lora_dtype {flags['lora_dtype']}, target modules "
                 f"{', '.join(targets) if targets else 'all'}")
 
-    def flags(self, model: ModelConfig, given: Mapping[str, object]) -> Flags | None:
+    def flags(self, model: ModelConfig, given: Mapping[str, object],
+              recommended: Flags) -> Flags | None:
+        """The flags given, the recommended ones for the rest (--fully-sharded, a switch, is
+        off unless given)."""
         kwargs = _kwargs(given)
+        if all(v is None for k, v in kwargs.items() if k != "fully_sharded") and \
+                not kwargs["fully_sharded"]:
+            return None
         if kwargs["tp"] is not None:
             check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]), self.label)
-        return flags_for(model, **kwargs)
+        chosen = {"max_lora_rank": kwargs["max_rank"], "max_loras": kwargs["max_loras"],
+                  "max_cpu_loras": kwargs["max_cpu_loras"], "tp": kwargs["tp"],
+                  "target_modules": target_modules(model, kwargs["modules"])
+                  if kwargs["modules"] else None,
+                  "dtype": kwargs["dtype"], "lora_dtype": kwargs["lora_dtype"]}
+        return replace(recommended, fully_sharded=bool(kwargs["fully_sharded"]),
+                       **{k: v for k, v in chosen.items() if v is not None})
 
     def startup(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport]) -> Flags:
         return flags
@@ -99,8 +113,11 @@ class VllmEngine:
     def recommend(self, reports: list[AdapterReport], model: ModelConfig,
                   given: Mapping[str, object]) -> Recommendation:
         kwargs = _kwargs(given)
+        if kwargs["tp"] is not None:
+            check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]), self.label)
         return recommend(reports, model, tp=kwargs["tp"] or 1, dtype=kwargs["dtype"] or "auto",
-                         lora_dtype=kwargs["lora_dtype"] or "auto")
+                         lora_dtype=kwargs["lora_dtype"] or "auto",
+                         fully_sharded=bool(kwargs["fully_sharded"]))
 
     def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
                budget_bytes: int | None) -> Memory:

@@ -18,6 +18,7 @@ from metrale_cli.engines.shared import (
     family_row,
     refuse_absurd,
 )
+from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ class VllmFamily:
     # The decoder layer's MoE block name as vLLM's class spells it (its LoRA loader renames
     # no module: Mixtral keeps transformers 4's `block_sparse_moe`).
     moe_block: str = "mlp"
+    # Why `engine_modules` (llama-shaped layers, GDN, Qwen-style MoE) does not model this
+    # class's LoRA layers, so that vLLM's bytes and verdicts are refused, not guessed; "" when
+    # it does.
+    unmodelled: str = ""
 
     def packs(self, fused: str) -> tuple[str, ...]:
         """The adapter names vLLM loads into the fused layer `fused`."""
@@ -119,6 +124,12 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
     VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), _EMBED_HEAD),
+    VllmFamily("gpt_oss", ("GptOssForCausalLM",),
+               unmodelled="attention sinks and interleaved gate/up experts"),
+    VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
+               unmodelled="multi-head latent attention"),
+    VllmFamily("deepseek_v3", ("DeepseekV3ForCausalLM",),
+               unmodelled="multi-head latent attention"),
     # phi3.py: a LlamaForCausalLM whose fused layers pack themselves.
     VllmFamily("phi3", ("Phi3ForCausalLM",), _EMBED_HEAD, _PACKED_AS_ITSELF),
     # glm4.py packs gate_proj and up_proj into gate_up_proj, as llama.py does, although the
@@ -268,7 +279,12 @@ def _divide(size: int, tp: int, what: str) -> int:
 
 def engine_modules(model: ModelConfig) -> list[EngineModule]:
     """Every module vLLM 0.32 wraps for LoRA in `model` (with no --lora-target-modules), one
-    entry per (path, kind) with the layers it sits on."""
+    entry per (path, kind) with the layers it sits on; UsageError for a family whose layers
+    this does not model."""
+    why = family(model).unmodelled
+    if why:
+        raise UsageError(f"--engine vllm: metrale does not model vLLM {VERSION}'s LoRA layers "
+                         f"of a {model.model_type} model ({why}); use --engine metrale")
     H, hd = model.hidden_size, model.head_dim
     full = tuple(model.attention_layers)
     linear = tuple(model.linear_attention_layers)

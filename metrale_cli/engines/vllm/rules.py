@@ -390,15 +390,18 @@ class Recommendation:
 
 
 def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
-              dtype: str = "auto", lora_dtype: str = "auto") -> Recommendation:
-    """The flags for `reports` on `model` at `tp`: the smallest allowed --max-lora-rank over
-    every adapter's r and rank_pattern, one GPU slot and one host slot per adapter,
-    --lora-target-modules when the adapters use fewer modules than vLLM wraps, and
-    --fully-sharded-loras under TP when it takes fewer bytes."""
+              dtype: str = "auto", lora_dtype: str = "auto",
+              fully_sharded: bool = False) -> Recommendation:
+    """The flags for `reports` on `model` at `tp` (and `fully_sharded`, the user's switch):
+    the smallest allowed --max-lora-rank over every adapter's r and rank_pattern, one GPU slot
+    and one host slot per adapter, and --lora-target-modules when the adapters use fewer
+    modules than vLLM wraps; under TP without --fully-sharded-loras, what turning it on would
+    save (`fully_sharded_saves`), never turned on unasked: the bytes are those of the flags
+    the serve line names, as `layout` gives them."""
     # An adapter vLLM refuses under any rank (DoRA, modules_to_save, a module name the model
     # lacks) gets no slot: it is named in `shut_out` with vLLM's reason instead.
-    widest = Flags(MAX_LORA_RANKS[-1], max(1, len(reports)), tp=tp, dtype=dtype,
-                   lora_dtype=lora_dtype)
+    widest = Flags(MAX_LORA_RANKS[-1], max(1, len(reports)), tp=tp,
+                   fully_sharded=fully_sharded, dtype=dtype, lora_dtype=lora_dtype)
     shut_out: list[str] = []
     kept = []
     for r in reports:
@@ -412,7 +415,8 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
     top = max(ranks.values(), default=DEFAULT_MAX_LORA_RANK)
     max_rank = allowed_rank(top) or MAX_LORA_RANKS[-1]
     modules = engine_modules(model)
-    probe = Flags(max_rank, max(1, len(reports)), tp=tp, dtype=dtype, lora_dtype=lora_dtype)
+    probe = Flags(max_rank, max(1, len(reports)), tp=tp, fully_sharded=fully_sharded,
+                  dtype=dtype, lora_dtype=lora_dtype)
     used: set[str] = set()
     for r in reports:
         for o in _outcomes(r, modules, probe):
@@ -421,13 +425,11 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
     wrapped = {m.name for m in modules}
     targets = tuple(sorted(used)) if used and used != wrapped else None
     flags = replace(probe, target_modules=targets)
-    saves = 0
-    if tp > 1:
-        plain = Memory.of(model, flags, reports).lora_bytes
-        sharded = Memory.of(model, replace(flags, fully_sharded=True), reports).lora_bytes
-        if sharded < plain:
-            flags, saves = replace(flags, fully_sharded=True), plain - sharded
     memory = Memory.of(model, flags, reports)
+    saves = 0
+    if tp > 1 and not fully_sharded:
+        sharded = Memory.of(model, replace(flags, fully_sharded=True), reports).lora_bytes
+        saves = max(0, memory.lora_bytes - sharded)
     elem = DTYPE_BYTES[flags.resolved_lora_dtype(model)]
     # Padding is judged on one unsharded slot: TP splits the slot and the adapter alike.
     slot = Memory.of(model, replace(flags, tp=1, fully_sharded=False), reports).slot_bytes
