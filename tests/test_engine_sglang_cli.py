@@ -67,6 +67,12 @@ def test_inspect_gives_each_load_path_and_a_launch_line(adapters: dict[str, Path
         assert "Failed to load LoRA adapter" in paths["startup"]["reason"]
         assert {p["checked"] for p in paths.values()} == {"run"}
     assert "doesn't support DoRA adapters" in by["dora"]["reason"]
+    # SGLang's KeyError names a tensor; the reason says what is missing, on both paths.
+    words = ("layer 0 has q_proj without v_proj, and SGLang stacks each layer's q_proj, "
+             "k_proj and v_proj into one qkv_proj, which needs v_proj beside q_proj")
+    assert all(words in p["reason"] for p in by["q_only"]["paths"].values())
+    assert "q_only: naming it in --lora-paths stops the server" in "\n".join(
+        record["engine"]["recommended"]["shut_out"])
     engine = record["engine"]
     assert engine["startup_fails"] and engine["flags_source"] == "recommended"
     # The pool the start-up infers: the largest rank and the union of the targets of the

@@ -23,6 +23,7 @@ each answered by `rules.judge_report` (`judgements`), never decided here:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -311,15 +312,32 @@ def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
                                            path="runtime")}
 
 
+# A stacked part's tensor name, as SGLang's KeyError gives it.
+_FUSED_PART = re.compile(r"layers\.(\d+)\.(?:[\w.]*\.)?([kv]_proj)\.lora_[AB]\.weight")
+
+
+def _in_words(got: Judgement) -> str:
+    """What SGLang's text leaves unsaid, where it is a bare tensor name (its KeyError when a
+    layer's q_proj cannot be stacked: lora.py normalize_qkv_proj): empty elsewhere."""
+    found = _FUSED_PART.search(got.error) if got.reason_class == "fused_part_missing" else None
+    if found is None:
+        return ""
+    layer, missing = found.groups()
+    return (f": layer {layer} has q_proj without {missing}, and SGLang stacks each layer's "
+            "q_proj, k_proj and v_proj into one qkv_proj, which needs v_proj beside q_proj "
+            "(and k_proj where the layer has any)")
+
+
 def reason(got: Judgement) -> str:
-    """A judgement in words: what the server does, and SGLang's own text where it raises."""
+    """A judgement in words: what the server does, and SGLang's own text where it raises (in
+    words where that text is a bare tensor name)."""
     v = got.verdict
     if v is Verdict.FAILS_STARTUP:
         return (f"naming it in --lora-paths stops the server from starting ({got.error_type}: "
-                f"{got.error})")
+                f"{got.error}){_in_words(got)}")
     if v is Verdict.REFUSES:
-        return (f"POST /load_lora_adapter answers HTTP 400 ({got.error}); the server keeps "
-                "serving the base model and every other adapter")
+        return (f"POST /load_lora_adapter answers HTTP 400 ({got.error}){_in_words(got)}; the "
+                "server keeps serving the base model and every other adapter")
     if v is Verdict.CRASHES:
         loads = ("named in --lora-paths it loads" if got.path == "startup"
                  else "POST /load_lora_adapter loads it")
