@@ -48,6 +48,7 @@ _EMBED_HEAD = ("embed_tokens", "lm_head")
 # vLLM's transformers backend (model_executor/models/transformers/base.py `Base`):
 # embedding_modules = {"embed_tokens": ...}, no lm_head.
 _EMBED = ("embed_tokens",)
+_BACKEND = "transformers/base.py Base"
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,14 @@ class VllmFamily:
     # The `architectures` names vLLM's registry (model_executor/models/registry.py) builds
     # this family's class from; vLLM picks the class from `architectures`, not `model_type`.
     architectures: tuple[str, ...]
+    # Where the rest of the row is read: the file under vllm/model_executor/models/ and the
+    # class whose `embedding_modules` and `packed_modules_mapping` (its own or its bases') the
+    # row copies (tests/test_engine_rules.py holds each row to it).
+    cites: str
+    # "run": tests/test_engine_vllm.py starts the CPU build on a tiny model of the family (its
+    # verdicts and LoRA bytes, or the CPU build's failure with LoRA on MoE layers); "source":
+    # the row is the cited source alone.
+    checked: str
     # The class's `embedding_modules` keys: which of embed_tokens and lm_head get LoRA (vLLM's
     # Qwen2, Mistral, Gemma, GLM-4 and Qwen3-Next classes declare none, so an adapter training
     # either names a module vLLM does not expect; Cohere's declares embed_tokens alone).
@@ -88,54 +97,73 @@ class VllmFamily:
 
 
 FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
-    VllmFamily("llama", ("LlamaForCausalLM", "LLaMAForCausalLM"), _EMBED_HEAD),
-    VllmFamily("mistral", ("MistralForCausalLM", "Ministral3ForCausalLM")),
-    VllmFamily("qwen2", ("Qwen2ForCausalLM",)),
-    VllmFamily("qwen3", ("Qwen3ForCausalLM",), _EMBED_HEAD),
-    VllmFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), _EMBED_HEAD),
-    VllmFamily("mixtral", ("MixtralForCausalLM",), _EMBED_HEAD, moe_block="block_sparse_moe"),
-    VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), fused_qkvz=True),
-    VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    VllmFamily("llama", ("LlamaForCausalLM", "LLaMAForCausalLM"), "llama.py LlamaForCausalLM",
+               "run", _EMBED_HEAD),
+    VllmFamily("mistral", ("MistralForCausalLM", "Ministral3ForCausalLM",
+                           "Mistral3ForConditionalGeneration"),
+               "mistral.py MistralForCausalLM", "source"),
+    VllmFamily("qwen2", ("Qwen2ForCausalLM",), "qwen2.py Qwen2ForCausalLM", "source"),
+    VllmFamily("qwen3", ("Qwen3ForCausalLM",), "qwen3.py Qwen3ForCausalLM", "run",
                _EMBED_HEAD),
+    VllmFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe.py Qwen3MoeForCausalLM",
+               "run", _EMBED_HEAD),
+    VllmFamily("mixtral", ("MixtralForCausalLM",), "mixtral.py MixtralForCausalLM", "run",
+               _EMBED_HEAD, moe_block="block_sparse_moe"),
+    VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), "qwen3_next.py Qwen3NextForCausalLM",
+               "run", fused_qkvz=True),
+    VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+               "qwen3_5.py Qwen3_5ForCausalLM", "source", _EMBED_HEAD),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-               _EMBED_HEAD, experts_3d=True),
-    # gemma.py, gemma2.py, gemma3.py: no embedding_modules (the head is the tied embedding).
-    VllmFamily("gemma", ("GemmaForCausalLM",)),
-    VllmFamily("gemma2", ("Gemma2ForCausalLM",)),
-    VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
-    # granite.py's GraniteForCausalLM (GraniteSWAForCausalLM too).
-    VllmFamily("granite", ("GraniteForCausalLM",), _EMBED_HEAD),
+               "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True),
+    # No embedding_modules (the head is the tied embedding).
+    VllmFamily("gemma", ("GemmaForCausalLM",), "gemma.py GemmaForCausalLM", "source"),
+    VllmFamily("gemma2", ("Gemma2ForCausalLM",), "gemma2.py Gemma2ForCausalLM", "source"),
+    VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+               "gemma3.py Gemma3ForCausalLM", "run"),
+    VllmFamily("granite", ("GraniteForCausalLM",), "granite.py GraniteForCausalLM", "run",
+               _EMBED_HEAD),
     # registry.py maps these to the transformers backend (TransformersForCausalLM), not a
-    # native class: its fusers pack q/k/v and gate/up as the native classes do.
-    VllmFamily("olmo2", ("Olmo2ForCausalLM",), _EMBED),
-    VllmFamily("olmo3", ("Olmo3ForCausalLM",), _EMBED),
-    # commandr.py's CohereForCausalLM serves both: embedding_modules = {"embed_tokens"}, and
-    # lm_head is the tied embedding (no module of its own).
-    VllmFamily("cohere", ("CohereForCausalLM",), _EMBED),
-    VllmFamily("cohere2", ("Cohere2ForCausalLM",), _EMBED),
-    VllmFamily("exaone4", ("Exaone4ForCausalLM",), _EMBED_HEAD),
-    # ernie45.py: a subclass of vLLM's LlamaForCausalLM, its embedding_modules.
-    VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), _EMBED_HEAD),
-    VllmFamily("seed_oss", ("SeedOssForCausalLM",), _EMBED),
-    VllmFamily("smollm3", ("SmolLM3ForCausalLM",), _EMBED),
-    # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM.
-    VllmFamily("ministral", ()),
-    # The wrappers' language models: Qwen2's class (none), Qwen3's (both).
-    VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
-    VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
-    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), _EMBED_HEAD),
-    VllmFamily("gpt_oss", ("GptOssForCausalLM",),
+    # native class: its fusers pack q/k/v and gate/up at load time as the native classes do.
+    VllmFamily("olmo2", ("Olmo2ForCausalLM",), _BACKEND, "run", _EMBED),
+    VllmFamily("olmo3", ("Olmo3ForCausalLM",), _BACKEND, "source", _EMBED),
+    # One class serves both: lm_head is the tied embedding (no module of its own).
+    VllmFamily("cohere", ("CohereForCausalLM",), "commandr.py CohereForCausalLM", "run",
+               _EMBED),
+    VllmFamily("cohere2", ("Cohere2ForCausalLM",), "commandr.py CohereForCausalLM", "source",
+               _EMBED),
+    VllmFamily("exaone4", ("Exaone4ForCausalLM",), "exaone4.py Exaone4ForCausalLM", "source",
+               _EMBED_HEAD),
+    # A subclass of vLLM's LlamaForCausalLM: its embedding_modules.
+    VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), "ernie45.py Ernie4_5ForCausalLM",
+               "source", _EMBED_HEAD),
+    VllmFamily("seed_oss", ("SeedOssForCausalLM",), _BACKEND, "source", _EMBED),
+    VllmFamily("smollm3", ("SmolLM3ForCausalLM",), _BACKEND, "source", _EMBED),
+    # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM: no
+    # class, so unsupported_model.
+    VllmFamily("ministral", (), "", "source"),
+    # The wrappers build their language model's class (init_vllm_registered_model's
+    # `architectures`), whose embedding_modules and packing the LoRA manager reads.
+    VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "qwen2.py Qwen2ForCausalLM",
+               "source"),
+    VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",),
+               "qwen2.py Qwen2ForCausalLM", "source"),
+    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "qwen3.py Qwen3ForCausalLM",
+               "source", _EMBED_HEAD),
+    VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "source",
                unmodelled="attention sinks and interleaved gate/up experts"),
     VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
+               "deepseek_v2.py DeepseekV2ForCausalLM", "source",
                unmodelled="multi-head latent attention"),
     VllmFamily("deepseek_v3", ("DeepseekV3ForCausalLM",),
+               "deepseek_v2.py DeepseekV3ForCausalLM", "source",
                unmodelled="multi-head latent attention"),
-    # phi3.py: a LlamaForCausalLM whose fused layers pack themselves.
-    VllmFamily("phi3", ("Phi3ForCausalLM",), _EMBED_HEAD, _PACKED_AS_ITSELF),
-    # glm4.py packs gate_proj and up_proj into gate_up_proj, as llama.py does, although the
-    # checkpoint (and a PEFT adapter) has gate_up_proj fused: an adapter's gate_up_proj is a
-    # module name vLLM does not expect.
-    VllmFamily("glm4", ("Glm4ForCausalLM",)),
+    # A LlamaForCausalLM whose fused layers pack themselves.
+    VllmFamily("phi3", ("Phi3ForCausalLM",), "phi3.py Phi3ForCausalLM", "run", _EMBED_HEAD,
+               _PACKED_AS_ITSELF),
+    # Packs gate_proj and up_proj into gate_up_proj, as llama.py does, although the checkpoint
+    # (and a PEFT adapter) has gate_up_proj fused: an adapter's gate_up_proj is a module name
+    # vLLM does not expect.
+    VllmFamily("glm4", ("Glm4ForCausalLM",), "glm4.py Glm4ForCausalLM", "run"),
 )}
 
 
