@@ -254,3 +254,23 @@ def _holds_packing(row: VllmFamily, packed: dict[str, list[str]] | None, where: 
     for fused, names in row.packed_modules:
         if fused in packed:
             assert tuple(packed[fused]) == names, (where, fused)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["mistral3_vl", "gemma3_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_vision_language_wrapper_is_its_registered_class(peft_zoo, wrapper: str) -> None:  # type: ignore[no-untyped-def]
+    """A wrapper's config names the wrapper class (Mistral3ForConditionalGeneration, ...),
+    which vLLM registers with LoRA: its language-model adapter is judged, not refused as an
+    unregistered architecture. Where q_proj and v_proj also name the vision tower's modules
+    (SigLIP, Pixtral), PEFT adapts them and vLLM does not: without
+    --enable-tower-connector-lora the tower has no punica wrapper (lora/model_manager.py
+    `_create_lora_modules`), so those weights load and are never applied."""
+    truth = peft_zoo.adapter(wrapper, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    assert model.architectures and model.architectures[0].endswith("ForConditionalGeneration")
+    verdict = vllm.judge(audit(Adapter.load(truth.path), model), model, FLAGS)
+    tower = {m.module.split(".", 1)[0] for m in verdict.modules if not m.served}
+    if wrapper in ("mistral3_vl", "gemma3_vl"):
+        assert verdict.verdict is Verdict.DIFFERS and tower == {"vision_tower"}, verdict.reason
+    else:  # Qwen's tower names its projections qkv and proj
+        assert verdict.verdict is Verdict.SERVES and not tower, verdict.reason
