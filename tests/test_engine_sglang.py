@@ -75,6 +75,16 @@ ADAPTERS: dict[str, tuple[str, dict[str, Any]]] = {
     "q2_bias_all": ("qwen2", {"r": 4, "lora_alpha": 8, "bias": "all"}),
     "q2_bias_lora_only": ("qwen2", {"r": 4, "lora_alpha": 8, "bias": "lora_only"}),
     "m_plain": ("mistral", {"r": 8, "lora_alpha": 16}),
+    # The families' dense classes (SGLang's gemma3_causal.py, granite.py, commandr.py, olmo2.py:
+    # the same qkv_proj / gate_up_proj layers, no get_hidden_dim of their own), and the fused
+    # checkpoints: phi3's qkv_proj and gate_up_proj, glm4's gate_up_proj, each one PEFT pair.
+    "gemma3_plain": ("gemma3_text", {"r": 4, "lora_alpha": 8}),
+    "granite_plain": ("granite", {"r": 4, "lora_alpha": 8}),
+    "cohere_plain": ("cohere", {"r": 4, "lora_alpha": 8}),
+    "olmo2_plain": ("olmo2", {"r": 4, "lora_alpha": 8}),
+    "phi3_fused": ("phi3", {"r": 4, "lora_alpha": 8}),
+    "phi3_qkv": ("phi3", {"r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj"]}),
+    "glm4_fused": ("glm4", {"r": 4, "lora_alpha": 8}),
 }
 
 # Each job: one server. "flags": --max-lora-rank / --lora-target-modules.
@@ -92,6 +102,12 @@ JOBS: dict[str, dict[str, Any]] = {
     "qwen3": {"startup": ["q3_plain"], "runtime": ["q3_alpha"]},
     "qwen2": {"startup": ["q2_plain", "q2_bias_all", "q2_bias_lora_only"]},
     "mistral": {"startup": ["m_plain"]},
+    "gemma3": {"startup": ["gemma3_plain"]},
+    "granite": {"startup": ["granite_plain"]},
+    "cohere": {"startup": ["cohere_plain"]},
+    "olmo2": {"startup": ["olmo2_plain"]},
+    "phi3": {"startup": ["phi3_fused"], "runtime": ["phi3_qkv"]},
+    "glm4": {"startup": ["glm4_fused"]},
     "startup_dora": {"startup": ["plain", "dora"]},
     "startup_regex": {"startup": ["regex"]},
     "startup_layer_replication": {"startup": ["layer_replication"]},
@@ -102,6 +118,9 @@ JOBS: dict[str, dict[str, Any]] = {
     "startup_all_linear_string": {"startup": ["all_linear_string"]},
     "startup_added_tokens": {"startup": ["added_tokens"]},
 }
+
+# The families' jobs: SGLang's own LoRA code on their PEFT adapters.
+FAMILY_JOBS = ("gemma3", "granite", "cohere", "olmo2", "phi3", "glm4")
 
 # The tests that read the runner's answers; the source rules need only the installed files.
 _RUN = [pytest.mark.sglang, pytest.mark.proc, pytest.mark.slow]
@@ -157,10 +176,10 @@ def _pool(run: dict[str, Any], job: str) -> tuple[int, set[str]]:
 
 def _judge(run: dict[str, Any], job: str, name: str, path: str) -> sglang.Judgement:
     truth = run["made"][name]
-    vocab = json.loads((truth.base_dir / "config.json").read_text())["vocab_size"]
+    base = json.loads((truth.base_dir / "config.json").read_text())
     return sglang.judge(name, _config(truth), _shapes(truth), pool=_pool(run, job), path=path,
-                        added_tokens=sglang.added_tokens(truth.path, vocab),
-                        num_hidden_layers=2)
+                        added_tokens=sglang.added_tokens(truth.path, base["vocab_size"]),
+                        num_hidden_layers=base["num_hidden_layers"])
 
 
 @_runs
@@ -232,7 +251,7 @@ def test_first_batches_fail_where_sglang_fails(sglang_run: dict[str, Any]) -> No
 
 @_runs
 def test_pool_bytes_are_the_buffers_sglang_allocates(sglang_run: dict[str, Any]) -> None:
-    for job in ("llama", "qwen3", "qwen2", "mistral", "startup_rank_above"):
+    for job in ("llama", "qwen3", "qwen2", "mistral", "startup_rank_above", *FAMILY_JOBS):
         report = sglang_run["jobs"][job]
         base = sglang_run["made"][JOBS[job]["startup"][0]].base_dir
         pool = sglang_model.Pool(report["max_lora_rank"], frozenset(report["target_modules"]))
@@ -284,7 +303,11 @@ def test_the_slot_holds_peft_lora_weights_and_nothing_else(sglang_run: dict[str,
                 for module in truth.modules.values():
                     for key in (module.a_key, module.b_key):
                         where = (_sglang_buffer(key), module.layer or 0)
-                        want[where] = want.get(where, 0.0) + float(
+                        # A fused PEFT A (phi3's qkv_proj) is stacked once per slice
+                        # (lora.py normalize_qkv_proj / normalize_gate_up_proj repeat it).
+                        copies = _FUSED_SLICES.get(module.path.rsplit(".", 1)[-1], 1) \
+                            if key == module.a_key else 1
+                        want[where] = want.get(where, 0.0) + copies * float(
                             f.get_tensor(key).double().abs().sum())
                 for key in truth.tensors:  # PEFT's embedding LoRA is no Linear of `modules`
                     if "lora_embedding" in key:
@@ -294,6 +317,10 @@ def test_the_slot_holds_peft_lora_weights_and_nothing_else(sglang_run: dict[str,
                 for layer, mass in enumerate(per_layer):
                     assert math.isclose(mass, want.get((buffer, layer), 0.0), rel_tol=1e-6,
                                         abs_tol=1e-9), (job, entry["name"], buffer, layer)
+
+
+# Slices of a layer that PEFT can adapt whole (phi3's qkv_proj, phi3's and glm4's gate_up_proj).
+_FUSED_SLICES = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 def _parts(model: dict[str, Any], fused: str) -> list[tuple[str, int]]:
@@ -331,7 +358,9 @@ def test_sglang_applies_peft_delta_at_its_own_scale(sglang_run: dict[str, Any]) 
                     x = torch.tensor([seen["x"]])
                     prefix, fused = sg_path.rsplit(".", 1)
                     want, peft = [], []
-                    for leaf, width in _parts(model, fused):
+                    # PEFT's own fused module where the checkpoint fuses it, else its parts.
+                    whole = f"{prefix}.{fused}" in truth.modules
+                    for leaf, width in [(fused, 0)] if whole else _parts(model, fused):
                         module = truth.modules.get(f"{prefix}.{leaf}")
                         if module is None:
                             want.append(torch.zeros(width or len(seen["delta"])))

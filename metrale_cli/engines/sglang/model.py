@@ -92,12 +92,12 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("gemma", ("GemmaForCausalLM",), "dense", "source"),
     SglangFamily("gemma2", ("Gemma2ForCausalLM",), "dense", "source"),
     SglangFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "dense",
-                 "source"),
-    SglangFamily("granite", ("GraniteForCausalLM",), "dense", "source"),
-    SglangFamily("olmo2", ("Olmo2ForCausalLM",), "dense", "source"),
+                 "run"),
+    SglangFamily("granite", ("GraniteForCausalLM",), "dense", "run"),
+    SglangFamily("olmo2", ("Olmo2ForCausalLM",), "dense", "run"),
     SglangFamily("olmo3", ("Olmo2ForCausalLM",), "dense", "source",
                  "configs/olmo3.py renames Olmo3ForCausalLM to the Olmo2 class"),
-    SglangFamily("cohere", ("CohereForCausalLM",), "dense", "source"),
+    SglangFamily("cohere", ("CohereForCausalLM",), "dense", "run"),
     SglangFamily("cohere2", ("Cohere2ForCausalLM",), "dense", "source"),
     SglangFamily("exaone4", ("Exaone4ForCausalLM",), "dense", "source"),
     SglangFamily("ernie4_5", ("Ernie4_5_ForCausalLM",), "dense", "source"),
@@ -113,9 +113,10 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
                  "multi-head latent attention; routed experts per expert as qwen3_moe"),
     SglangFamily("deepseek_v3", ("DeepseekV3ForCausalLM",), "moe", "source",
                  "multi-head latent attention; routed experts per expert as qwen3_moe"),
-    SglangFamily("phi3", ("Phi3ForCausalLM",), "dense", "source",
-                 "models/llama.py's Phi3ForCausalLM; qkv_proj and gate_up_proj stacked"),
-    SglangFamily("glm4", ("Glm4ForCausalLM",), "dense", "source"),
+    SglangFamily("phi3", ("Phi3ForCausalLM",), "dense", "run",
+                 "models/llama.py's Phi3ForCausalLM; a checkpoint-fused qkv_proj or "
+                 "gate_up_proj A is stacked once per slice (lora.py normalize_qkv_proj)"),
+    SglangFamily("glm4", ("Glm4ForCausalLM",), "dense", "run"),
 )}
 
 
