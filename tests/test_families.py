@@ -92,6 +92,13 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "ministral": ("ministral", {"head_dim": 24, **_SLIDING}),
     "phi3": ("phi3", {}),
     "glm4": ("glm4", {"head_dim": 24}),
+    "starcoder2": ("starcoder2", {}),
+    "qwen2_moe": ("qwen2_moe", {**_MOE, "shared_expert_intermediate_size": 24,
+                                "mlp_only_layers": [0]}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "glm4_moe": ("glm4_moe", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 40, "first_k_dense_replace": 1,
+                              "n_group": 1, "topk_group": 1, "head_dim": 24}),
     "deepseek_v2": ("deepseek_v2", _MLA),
     "deepseek_v3": ("deepseek_v3", {**_MLA, "q_lora_rank": 24}),
     "gpt_oss": ("gpt_oss", {"head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -122,7 +129,8 @@ _SHARED_EXPERTS = {"mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
                    "mlp.shared_experts.down_proj"}
 UNDECLARED = {"qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
               "qwen3_5_moe": _GDN35_IN | _SHARED, "deepseek_v2": _SHARED_EXPERTS,
-              "deepseek_v3": _SHARED_EXPERTS}
+              "deepseek_v3": _SHARED_EXPERTS, "qwen2_moe": _SHARED,
+              "glm4_moe": _SHARED_EXPERTS}
 
 
 @pytest.fixture(scope="module")

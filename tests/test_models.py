@@ -125,3 +125,56 @@ def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert found.num_hidden_layers == 3 and found.source == "acme/tiny"
     with pytest.raises(UsageError, match="not in the local Hugging Face cache"):
         resolve_model("acme/absent")
+
+
+# -- a local checkpoint's shapes against its config ---------------------------------------------
+
+
+def _checkpoint(name: str, out: Path, **save: object) -> Path:
+    """A tiny model of `name` saved by transformers (config.json and safetensors weights)."""
+    from tests.support.peft_factory import TINY_MODELS
+
+    TINY_MODELS[name].build_model().save_pretrained(out, **save)
+    return out
+
+
+def _layout(model: Path) -> object:
+    from tests.support.cli_runner import metrale
+
+    return metrale("layout", "-m", model, "--modules", "all", "--max-rank", 8, "--max-loras", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "phi3", "deepseek_v3", "gemma3_vl"])
+def test_a_checkpoint_agrees_with_its_config(tmp_path: Path, name: str) -> None:
+    """transformers' own weights (single file, and sharded with an index) pass the check;
+    the headers alone are read."""
+    assert _layout(_checkpoint(name, tmp_path / "one")).code == 0
+    sharded = _checkpoint(name, tmp_path / "sharded", max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert _layout(sharded).code == 0
+
+
+@pytest.mark.slow
+def test_a_config_that_contradicts_its_weights_names_the_tensor(tmp_path: Path) -> None:
+    model = _checkpoint("llama", tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+    done = _layout(model)
+    assert done.code == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "tensor model.layers.0.mlp.gate_proj.weight is [96, 64] in the weights" in done.stderr
+    # The same config without weights beside it is taken at its word.
+    (model / "model.safetensors").unlink()
+    assert _layout(model).code == 0
+
+
+@pytest.mark.slow
+def test_an_index_that_lies_is_refused(tmp_path: Path) -> None:
+    model = _checkpoint("llama", tmp_path / "m", max_shard_size="20KB")
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    name, shard = next(iter(index["weight_map"].items()))
+    other = next(s for s in index["weight_map"].values() if s != shard)
+    index["weight_map"][name] = other
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    done = _layout(model)
+    assert done.code == 2 and f"names tensor {name!r} in {other}" in done.stderr

@@ -76,8 +76,9 @@ def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> No
     assert metrale("verify", image, f"x={out}").code == 0
 
 
-@pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "gpt_oss", "deepseek_v2",
-                                   "deepseek_v3"])
+@pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "starcoder2", "gpt_oss",
+                                   "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe",
+                                   "glm4_moe"])
 def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: str) -> None:
     """Each family's PEFT adapter over every LoRA-able projection of its layers (phi3's fused
     qkv_proj and gate_up_proj, glm4's gate_up_proj, gpt_oss's attention beside its experts):
@@ -113,7 +114,8 @@ def _param_deltas(peft_model: object) -> dict[str, np.ndarray]:
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next", "deepseek_v3"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next", "deepseek_v3", "qwen2_moe",
+                                   "olmoe", "glm4_moe"])
 def test_peft_loads_unpacked_expert_lora(peft_zoo, tmp_path: Path, model: str) -> None:
     """Fused experts and the router, beside attention modules: PEFT's per-expert deltas of the
     unpacked adapter equal the original's."""

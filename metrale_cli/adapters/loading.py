@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from metrale_cli.adapters.adapter import Adapter, load_adapter, parse_adapter_args
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import ModelConfig, resolve_model
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.weights import resolve_checked
 
 
 def load_adapters(args: Sequence[str], online: bool = False,
@@ -23,10 +24,11 @@ def load_adapters(args: Sequence[str], online: bool = False,
 
 
 def model_for(spec: str | None, adapters: Sequence[Adapter], online: bool = False) -> ModelConfig:
-    """The base model: `spec` (a `--model` value, see `resolve_model`), else the adapters'
-    common `base_model_name_or_path`."""
+    """The base model: `spec` (a `--model` value, see `resolve_model`; a local checkpoint's
+    shapes checked against its headers, model/weights.py), else the adapters' common
+    `base_model_name_or_path`."""
     if spec:
-        return resolve_model(spec, online)
+        return resolve_checked(spec, online)
     bases = {a.config.base_model_name_or_path for a in adapters}
     if None in bases or not bases:
         names = [a.name for a in adapters if a.config.base_model_name_or_path is None]
@@ -37,7 +39,7 @@ def model_for(spec: str | None, adapters: Sequence[Adapter], online: bool = Fals
     resolved = []
     for base in sorted(b for b in bases if b is not None):
         try:
-            resolved.append(resolve_model(base, online))
+            resolved.append(resolve_checked(base, online))
         except UsageError as exc:
             raise UsageError(
                 f"base_model_name_or_path {base!r} resolves to nothing here ({exc}); pass "

@@ -37,7 +37,7 @@ def bench_pack(
     Example: metrale bench pack -m qwen3-8b --modules q_proj,v_proj --rank 16 --repeats 1"""
     from metrale_cli.bench import pack as bench
     from metrale_cli.cli import render
-    from metrale_cli.model.config import resolve_model
+    from metrale_cli.model.weights import resolve_checked
 
     spec = shard_spec(tp, None, False)
     positive("--rank", rank)
@@ -45,7 +45,7 @@ def bench_pack(
     positive("--repeats", repeats)
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    record = bench.run(resolve_model(model), model, parse_modules(modules), rank, adapters,
+    record = bench.run(resolve_checked(model), model, parse_modules(modules), rank, adapters,
                        dtype, repeats, device=device, experts=experts, tp=spec)
     emit(record, json_out, render.bench_pack_view)
 
@@ -87,14 +87,14 @@ def bench_kernels(
     from metrale_cli.cli.render import kernel_line, kernel_model_line
     from metrale_cli.compat import cupy_module
     from metrale_cli.files.atomic import check_output, output_path
-    from metrale_cli.model.config import resolve_model
+    from metrale_cli.model.weights import resolve_checked
 
     if not model_only:
         cupy_module()  # no GPU: exit 3 before anything else
     if experts:
         _bench_experts(rank, tokens, adapters, repeats, plot_text, force, model_only, json_out)
         return
-    shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
+    shapes = bench.module_shapes(resolve_checked(model), parse_modules(modules))
     positive("--rank/--tokens/--adapters", *(rank or []), *(tokens or []), *(adapters or []))
     positive("--repeats", repeats)
     plot_path = None if plot_text is None else output_path(plot_text, "--plot")

@@ -61,7 +61,7 @@ def synth(
 
     Example: metrale synth math -m qwen3-8b --modules q_proj,v_proj --rank 16"""
     from metrale_cli.adapters.synth import synth_adapter
-    from metrale_cli.model.config import resolve_model
+    from metrale_cli.model.weights import resolve_checked
 
     if not out_dir.strip():
         raise UsageError("the adapter directory is empty")
@@ -70,7 +70,7 @@ def synth(
         raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
     if seed < 0:
         raise UsageError(f"--seed must be non-negative, got {seed}")
-    result = synth_adapter(Path(out_dir), resolve_model(model), model, module_list, rank, alpha,
+    result = synth_adapter(Path(out_dir), resolve_checked(model), model, module_list, rank, alpha,
                            rslora, dtype, seed, force)
     from metrale_cli.cli import render
 

@@ -135,7 +135,11 @@ class Engine(Protocol):
 
     def memory(self, model: ModelConfig, flags: Any, reports: list[AdapterReport] | None,
                budget_bytes: int | None) -> Any:
-        """The engine's LoRA bytes on one GPU; has `.record()`."""
+        """The engine's LoRA bytes on one GPU: has `.lora_bytes` and `.record()`, the
+        `engine` part of `layout --json` (`name`, `version`, `flags`, `lora_bytes`,
+        `slot_bytes`, `host_cache_bytes`, `modules`: each `module`, `kind`, `layers`,
+        `bytes`; under a budget `budget_bytes` and `max_loras_fit`), which the views draw;
+        a plan no machine holds is refused (engines/shared.py `refuse_absurd`)."""
 
     def tiers(self, memory: Any) -> SlotTiers:
         """The adapter cache `simulate` replays for these flags and bytes."""

@@ -244,8 +244,9 @@ class ModelConfig:
         model_type = model_type.removesuffix("_text")
         if model_type not in FAMILIES:
             raise UnsupportedModel(
-                f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported; "
-                f"supported: {', '.join(FAMILIES)}"
+                f"{source or 'config'}: model type {model_type or '(none)'!r} is not supported: "
+                "no family row says which modules its decoder layers carry (a row in "
+                f"model/families.py would serve it); supported: {', '.join(FAMILIES)}"
             )
         defaults = FAMILIES[model_type].config_defaults
         if defaults:

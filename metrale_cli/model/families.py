@@ -91,6 +91,9 @@ OUT_PROJ = ModuleSpec("out_proj", "linear_attn.out_proj", ("hidden_size",),
 QKV_PROJ = _attn("qkv_proj", ("q_width", "kv_width", "kv_width"))
 GATE_UP_PROJ = _mlp("gate_up_proj", ("intermediate_size", "intermediate_size"))
 
+# starcoder2's MLP: no gate, one up projection (c_fc) and one down (c_proj).
+C_FC = _mlp("c_fc", ("intermediate_size",))
+C_PROJ = _mlp("c_proj", ("hidden_size",), "intermediate_size", Split.ROW)
 # Multi-head latent attention (deepseek_v2/v3): a low-rank query (or one q_proj without
 # q_lora_rank), the compressed KV and its up-projection, and o_proj over the heads' values.
 MLA_Q_PROJ = ModuleSpec("q_proj", "self_attn.q_proj", ("mla_q_width",), "hidden_size",
@@ -113,7 +116,8 @@ SEED_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, O
 # The llama-like decoder layer: attention and a gated MLP, nothing else LoRA-able.
 DENSE_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 # Every module a family may declare: the `--modules` vocabulary (model/modules.py LoraModule).
-VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ, Q_A_PROJ, Q_B_PROJ, KV_A_PROJ, KV_B_PROJ)
+VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ, Q_A_PROJ, Q_B_PROJ, KV_A_PROJ, KV_B_PROJ,
+              C_FC, C_PROJ)
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,21 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("qwen2_vl"),
     _dense("qwen2_5_vl"),
     _dense("qwen3_vl"),
+    # Attention (with biases) as llama's; a two-projection MLP (c_fc, c_proj, with biases).
+    _dense("starcoder2", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, C_FC, C_PROJ)),
+    # Routed experts in transformers 5's fused layout (gate|up (E, 2I, H), down (E, H, I)) and
+    # the router `mlp.gate`: the expert pool's, with --experts. qwen2_moe's layers in
+    # mlp_only_layers (or off the sparse step) and glm4_moe's first ones have a dense MLP; the
+    # shared expert(s) beside the routed ones are not served (the audit says so).
+    Family("qwen2_moe", sparse_step=True, peft_rewrites_moe_targets=False,
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST), config_defaults=(
+               ("num_experts", 60), ("moe_intermediate_size", 1408),
+               ("shared_expert_intermediate_size", 5632))),
+    Family("olmoe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
+           config_defaults=(("num_experts", 64),)),
+    Family("glm4_moe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST),
+           config_defaults=(("n_routed_experts", 128), ("first_k_dense_replace", 1),
+                            ("moe_intermediate_size", 1408), ("num_experts_per_tok", 8))),
     # Every layer MoE (routed experts only, no dense MLP): the attention modules, with their
     # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
     # and store (E, in, out): not the expert pool's layout, so their LoRA is refused.

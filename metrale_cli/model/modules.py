@@ -29,6 +29,9 @@ class LoraModule(str, Enum):
     UP_PROJ = "up_proj"
     GATE_UP_PROJ = "gate_up_proj"
     DOWN_PROJ = "down_proj"
+    # starcoder2's MLP: up (c_fc) and down (c_proj), no gate.
+    C_FC = "c_fc"
+    C_PROJ = "c_proj"
     # The Gated-DeltaNet block's output projection (`linear_attn.out_proj`), linear-attention
     # value width to hidden. O_PROJ instead reads the attention head width and applies only to
     # attention layers.

@@ -225,6 +225,21 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
               targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     TinyModel("glm4", "Glm4Config", "Glm4ForCausalLM", {**_DENSE, "head_dim": 24},
               targets=(*_ATTN, "gate_up_proj", "down_proj")),
+    # Routed experts in transformers 5's fused layout: qwen2_moe's layer 0 dense (mlp_only_layers)
+    # and a shared expert elsewhere, olmoe's every layer, glm4_moe's layer 0 dense
+    # (first_k_dense_replace) and shared experts after it.
+    TinyModel("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+              {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+               "shared_expert_intermediate_size": 24, "mlp_only_layers": [0]}, targets=_ATTN),
+    TinyModel("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
+              {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
+    TinyModel("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
+              {**_DENSE, "n_routed_experts": 4, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 40, "first_k_dense_replace": 1, "n_group": 1,
+               "topk_group": 1, "head_dim": 24}, targets=_ATTN),
+    # Attention with biases, an MLP of c_fc and c_proj.
+    TinyModel("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", _DENSE,
+              targets=(*_ATTN, "c_fc", "c_proj")),
     # Routed experts on every layer (fused, gate and up interleaved); attention with biases and
     # sinks; sliding and full attention alternating.
     TinyModel("gpt_oss", "GptOssConfig", "GptOssForCausalLM",

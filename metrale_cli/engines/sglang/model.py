@@ -1,12 +1,11 @@
-"""SGLang 0.5.23's model as its LoRA code sees it: the per-family table, the server flags it
-reads (as `python -m sglang.launch_server` spells them, validated as its start-up validates
-them), the pool a server builds from its start-up adapters, and the bytes of that pool's A and
-B buffers per GPU. From configs only; read from SGLang 0.5.23's installed source
+"""SGLang 0.5.23's model as its LoRA code sees it: the per-family table, the pool a server
+builds from its start-up adapters under its flags (flags.py), and the bytes of that pool's A
+and B buffers per GPU. From configs only; read from SGLang 0.5.23's installed source
 (`sglang/srt/lora/`, `sglang/srt/arg_groups/`) and checked against its own `LoRAMemoryPool`
 running on CPU tensors (tests/test_engine_sglang_memory.py). `rules.py` holds the rules
-that judge one adapter's config; this module turns them into the engine seam's answers
-(`SglangEngine`, `ENGINE`): a verdict per load path, the launch line, the pool's bytes and what
-`simulate` replays.
+that judge one adapter's config; this module turns them into what the engine behind the seam
+(`SglangEngine` in __init__.py) answers: a verdict per load path, the launch line, the pool's
+bytes.
 
 How SGLang takes adapters, in order (lora_manager.py init_state, tokenizer_control_mixin.py),
 each answered by `rules.judge_report` (`judgements`), never decided here:
@@ -107,6 +106,13 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "dense", "source"),
+    SglangFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "moe", "source",
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+    SglangFamily("olmoe", ("OlmoeForCausalLM",), "moe", "source",
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+    SglangFamily("glm4_moe", ("Glm4MoeForCausalLM",), "moe", "source",
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+    SglangFamily("starcoder2", ("Starcoder2ForCausalLM",), "dense", "source"),
     SglangFamily("gpt_oss", ("GptOssForCausalLM",), "moe", "source",
                  "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
     SglangFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), "moe", "source",

@@ -1,4 +1,4 @@
-"""What SGLang 0.5.23 does with a PEFT adapter (its pool's bytes are sglang_model.py's),
+"""What SGLang 0.5.23 does with a PEFT adapter (its pool's bytes are model.py's),
 read from SGLang 0.5.23's installed source (`sglang/srt/lora/`); each rule names the file and
 function it comes from. Checked against SGLang's own code running on CPU tensors
 (tests/test_engine_sglang.py, through tests/support/sglang_runner.py); the rules that cannot run
@@ -10,7 +10,7 @@ it is an HTTP 400 and the server keeps serving), the start-up's shape inference
 (`init_lora_shapes`, start-up adapters only) and its first batch, when the scheduler copies it
 into a pool slot (`LoRAMemoryPool.load_lora_weight_to_buffer`; an error there is raised in the
 scheduler's forward step and takes the server down). `judge` answers all three; the engine
-behind the seam (`sglang_model.py`, `ENGINE`) gives each load path's verdict as `judge_report`
+behind the seam (`SglangEngine`, __init__.py) gives each load path's verdict as `judge_report`
 answers it.
 """
 
