@@ -274,3 +274,17 @@ def test_a_vision_language_wrapper_is_its_registered_class(peft_zoo, wrapper: st
         assert verdict.verdict is Verdict.DIFFERS and tower == {"vision_tower"}, verdict.reason
     else:  # Qwen's tower names its projections qkv and proj
         assert verdict.verdict is Verdict.SERVES and not tower, verdict.reason
+
+
+def test_phi3_fused_layers_take_one_slice_each_under_tp() -> None:
+    """phi3.py packs qkv_proj and gate_up_proj as themselves: QKVParallelLinearWithLoRA and
+    ColumnParallelLinearWithLoRA, one A and one B each, B over this GPU's output rows
+    (`output_size_per_partition`: q and KV heads over TP, gate|up over TP)."""
+    model = ModelConfig.preset("phi-4-mini")  # hidden 3072, 24 heads, 8 KV heads of 128
+    modules = {m.path: m for m in vllm.engine_modules(model)}
+    assert modules["self_attn.qkv_proj"].adapter_names == ("qkv_proj",)
+    assert modules["self_attn.qkv_proj"].buffers(1, 64, 2, False) == [
+        ("lora_a", (1, 1, 64, 3072)), ("lora_b", (1, 1, 1536 + 2 * 512, 64))]
+    assert modules["mlp.gate_up_proj"].buffers(1, 64, 2, False) == [
+        ("lora_a", (1, 1, 64, 3072)), ("lora_b", (1, 1, 8192, 64))]
+    assert vllm.target_modules(model, "qkv_proj,gate_up_proj") == ("qkv_proj", "gate_up_proj")
