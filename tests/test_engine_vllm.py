@@ -101,8 +101,9 @@ JOBS: dict[str, Job] = {
                    [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
     # The families' classes, one engine each: phi3.py packs qkv_proj and gate_up_proj as
     # themselves; glm4.py packs gate_up_proj from gate/up, so PEFT's fused gate_up_proj is a
-    # name it does not expect, and declares no embedding_modules; Cohere's declares
-    # embed_tokens alone; OLMo 2 runs on vLLM's transformers backend (its packing is made at
+    # name it does not expect, and declares no embedding_modules, as Gemma 3's (sliding-window
+    # layers) does not, so an embed_tokens adapter is refused; Cohere's declares embed_tokens
+    # alone; OLMo 2 runs on vLLM's transformers backend (its packing is made at
     # load time, so no source line holds it). The other families' rows are held to the source
     # they cite (tests/test_engine_rules.py).
     "phi3": Job("phi3", FLOAT32, [
@@ -113,6 +114,10 @@ JOBS: dict[str, Job] = {
     "glm4": Job("glm4", FLOAT32, [
         ("attn", {"r": 8, "lora_alpha": 16, "target_modules": [*ATTN, "down_proj"]}),
         ("gate_up", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "gate_up_proj"]}),
+    ]),
+    "gemma3": Job("gemma3_text", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+        ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "embed_tokens"]}),
     ]),
     "cohere": Job("cohere", FLOAT32, [
         ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),

@@ -55,6 +55,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                  "layer_types": _HYBRID}),
     # The families' dense classes (model/families.py): one of each way vLLM's class differs
     # (its embedding_modules, its packed_modules_mapping, the transformers backend).
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    {**_DENSE, "layer_types": ["sliding_attention", "full_attention"],
+                     "sliding_window": 8}),
     "cohere": ("CohereConfig", "CohereForCausalLM", _DENSE),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _DENSE),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _DENSE),

@@ -119,7 +119,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("gemma", ("GemmaForCausalLM",), "gemma.py GemmaForCausalLM", "source"),
     VllmFamily("gemma2", ("Gemma2ForCausalLM",), "gemma2.py Gemma2ForCausalLM", "source"),
     VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
-               "gemma3.py Gemma3ForCausalLM", "source"),
+               "gemma3.py Gemma3ForCausalLM", "run"),
     VllmFamily("granite", ("GraniteForCausalLM",), "granite.py GraniteForCausalLM", "source",
                _EMBED_HEAD),
     # registry.py maps these to the transformers backend (TransformersForCausalLM), not a
