@@ -64,9 +64,9 @@ _API = {
     "EngineInspection": "metrale_cli.engines.answers",
     "engine_inspect": "metrale_cli.engines.answers",
     "engine_layout": "metrale_cli.engines.answers",
-    "confirm": "metrale_cli.engines.confirm",
-    "Confirmation": "metrale_cli.engines.confirm",
-    "VllmServer": "metrale_cli.engines.confirm",
+    "confirm": "metrale_cli.engines.vllm.confirm",
+    "Confirmation": "metrale_cli.engines.vllm.confirm",
+    "VllmServer": "metrale_cli.engines.vllm.confirm",
     # the pool and its slot manager
     "LoraPool": "metrale_cli.pool.pool",
     "SlotManager": "metrale_cli.pool.slots",

@@ -3,6 +3,7 @@ one-line refusals, no torch. What vLLM itself does is tests/test_engine_vllm.py'
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from tests.support.cli_runner import metrale
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+DATA = Path(__file__).parent / "data" / "model_configs"
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,8 @@ def adapters(peft_zoo) -> dict[str, Path]:  # type: ignore[no-untyped-def]
                               rank_pattern={"q_proj": 40}, seed=1)
     dora = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"],
                             use_dora=True, seed=2)
-    return {"plain": plain.path, "ranked": ranked.path, "dora": dora.path}
+    return {"plain": plain.path, "ranked": ranked.path, "dora": dora.path,
+            "base": plain.base_dir}
 
 
 def test_inspect_records_each_verdict_and_recommends_flags(adapters: dict[str, Path]) -> None:
@@ -158,3 +161,80 @@ def test_a_mistyped_engine_gets_the_nearest_name(tmp_path: Path) -> None:
     assert done.code == 2 and done.stderr == (
         "error: --engine 'vlm' (did you mean 'vllm'?): one of metrale, vllm, sglang (a version "
         "as vllm==0.32.0)\n")
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("abc", "missing or not a positive integer"), ([4], "missing or not a positive integer"),
+    (-4, "missing or not a positive integer"), (1e30, "missing or not a positive integer"),
+    (True, "missing or not a positive integer"),
+    (10**30, f"is {10**30}, above the 4,194,304 that metrale accepts; not a real model's "
+             "config"),
+])
+def test_the_gdn_convolution_width_is_checked_as_every_width(tmp_path: Path, value: object,
+                                                              says: str) -> None:
+    """Qwen3.5's `linear_conv_kernel_dim`, which vLLM wraps as conv1d's input width: a bad
+    value is one line and exit 2, as a bad `hidden_size` is, never a traceback or a size."""
+    config = json.loads((DATA / "qwen3.5-35b-a3b.config.json").read_text())
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(config))
+    args = ["layout", "--engine", "vllm", "--max-rank", 16, "--json"]
+    conv = [m for m in metrale(*args, "-m", good).json()["engine"]["modules"]
+            if m["module"] == "linear_attn.conv1d"]
+    assert conv and conv[0]["buffers"][0][1][-1] == 4
+    config["text_config"]["linear_conv_kernel_dim"] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(config))
+    done = metrale(*args, "-m", bad)
+    assert done.code == 2 and done.stdout == ""
+    assert done.stderr == f"error: {bad}: 'linear_conv_kernel_dim' {says}\n"
+
+
+def test_inspect_reads_the_config_once_for_the_rules(adapters: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base model's config.json is read twice per `inspect --engine vllm`: once for
+    ModelConfig, once for the keys the vLLM rules read besides (dtype, the convolution
+    width), however many modules and flags ask; a 50 MB config took a minute at 21 reads."""
+    reads: dict[Path, int] = {}
+    read_bytes = Path.read_bytes
+
+    def counted(path: Path) -> bytes:
+        if path.name == "config.json":
+            reads[path] = reads.get(path, 0) + 1
+        return read_bytes(path)
+
+    base = adapters["base"] / "config.json"
+    monkeypatch.setattr(Path, "read_bytes", counted)
+    done = metrale("inspect", adapters["plain"], "-m", base, "--engine", "vllm", "--max-rank",
+                   64, "--max-loras", 2, "--json")
+    assert done.code == 0, done.stderr
+    assert reads == {base: 2}
+
+
+def test_inspect_tp_alone_keeps_the_recommended_flags(adapters: dict[str, Path]) -> None:
+    """`--tp 2` alone is the user's TP degree; every flag not given stays the recommended one
+    (not vLLM's defaults, rank 16 and one slot, which would refuse the rank-40 adapter), and the
+    LoRA bytes per GPU are `layout --tp 2`'s: fully sharded LoRA is said to save bytes, never
+    assumed."""
+    named = [f"plain={adapters['plain']}", f"ranked={adapters['ranked']}"]
+    done = metrale("inspect", *named, "--engine", "vllm", "--tp", 2, "--json")
+    assert done.code == 0, done.stdout
+    engine = done.json()["engine"]
+    rec = engine["recommended"]
+    assert engine["flags_source"] == "given"
+    assert engine["flags"] == {**rec["flags"], "tensor_parallel_size": 2}
+    assert (engine["flags"]["max_lora_rank"], engine["flags"]["max_loras"]) == (64, 2)
+    assert not engine["flags"]["fully_sharded_loras"]
+    assert "--tensor-parallel-size 2" in rec["serve"] and "--fully-sharded" not in rec["serve"]
+    laid = metrale("layout", *named, "--engine", "vllm", "--tp", 2, "--json")
+    assert laid.code == 0, laid.stderr
+    assert rec["lora_bytes"] == laid.json()["engine"]["lora_bytes"]
+    sharded = metrale("layout", *named, "--engine", "vllm", "--tp", 2, "--fully-sharded",
+                      "--json").json()["engine"]["lora_bytes"]
+    assert rec["fully_sharded_saves_bytes"] == rec["lora_bytes"] - sharded > 0
+    # A flag given is the user's, the rest still recommended.
+    given = metrale("inspect", *named, "--engine", "vllm", "--tp", 2, "--max-rank", 16,
+                    "--json")
+    assert given.code == 1
+    flags = given.json()["engine"]["flags"]
+    assert (flags["max_lora_rank"], flags["max_loras"], flags["tensor_parallel_size"]) == (
+        16, 2, 2)

@@ -26,8 +26,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from metrale_cli.engines import vllm as vllm_rules
-from metrale_cli.engines.verdict import Verdict
+from metrale_cli.engines import vllm as vllm_engine
+from metrale_cli.engines.verdict import EngineVerdict, Verdict
+from metrale_cli.engines.vllm import VllmEngine
 from tests.conftest import VLLM_CACHE_ROOT, VLLM_PYTHON
 from tests.support.cli_runner import Result, metrale
 
@@ -219,11 +220,11 @@ def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, s
 # -- the real vLLM: one start ----------------------------------------------------------------
 
 
-class ForgetsMaxRank(vllm_rules.VllmEngine):
+class ForgetsMaxRank(VllmEngine):
     """vLLM's rules with one deliberately wrong: an adapter above --max-lora-rank serves."""
 
     def judge(self, report: Any, model: Any, flags: Any,
-              flags_source: str = "given") -> vllm_rules.EngineVerdict:
+              flags_source: str = "given") -> EngineVerdict:
         verdict = super().judge(report, model, flags, flags_source)
         if verdict.reason_class == "rank_above_max":
             return replace(verdict, verdict=Verdict.SERVES, reason="(the double forgets it)")
@@ -248,7 +249,7 @@ def confirmed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     paths = {name: make_case("qwen3", base, root, name, **{"r": 8, "lora_alpha": 16, **kw}).path
              for name, kw in cases.items()}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vllm_rules, "ENGINE", ForgetsMaxRank())
+        mp.setattr(vllm_engine, "ENGINE", ForgetsMaxRank())
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("HOME", str(root))
@@ -353,7 +354,7 @@ def _serves_on(proc: Path, port: str) -> bool:
 def test_the_record_is_json_serialisable_without_nan() -> None:
     """The observed record's log-prob delta is never Infinity (strict JSON): a base top
     token missing from an adapter's top is recorded as null."""
-    from metrale_cli.engines.confirm import Observed, Output
+    from metrale_cli.engines.vllm.confirm import Observed, Output
 
     base = Output([1, 2], {3: -0.5, 4: -1.0})
     moved = Output([1, 2], {3: -0.5, 9: -1.0})
@@ -365,8 +366,8 @@ def test_the_record_is_json_serialisable_without_nan() -> None:
 
 @pytest.mark.proc
 def test_the_launcher_imports_no_torch() -> None:
-    """engines/confirm.py drives the engine with the standard library alone."""
-    code = ("import sys, metrale_cli.engines.confirm\n"
+    """engines/vllm/confirm.py drives the engine with the standard library alone."""
+    code = ("import sys, metrale_cli.engines.vllm.confirm\n"
             "print(sorted(m for m in ('torch', 'vllm', 'cupy') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -374,7 +375,7 @@ def test_the_launcher_imports_no_torch() -> None:
 
 
 def _observed(kind: str) -> Any:
-    from metrale_cli.engines.confirm import Observed, Output
+    from metrale_cli.engines.vllm.confirm import Observed, Output
 
     base = Output([7, 7], {7: -0.1})
     if kind == "refused":
@@ -404,7 +405,7 @@ def _observed(kind: str) -> Any:
 ])
 def test_each_prediction_is_judged_against_what_vllm_did(predicted: str, kind: str,
                                                          agrees: bool, said: str) -> None:
-    from metrale_cli.engines.confirm import AdapterCheck
+    from metrale_cli.engines.vllm.confirm import AdapterCheck
 
     check = AdapterCheck("a", Verdict(predicted), "vLLM does not yet support DoRA.",
                          _observed(kind))

@@ -4,13 +4,21 @@ own record. tests/test_engine_vllm.py holds everything the CPU build can run."""
 
 from __future__ import annotations
 
+import ast
+import functools
 from dataclasses import replace
+from typing import Any
+
+import pytest
 
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
-from metrale_cli.engines import vllm
 from metrale_cli.engines.verdict import Verdict
+from metrale_cli.engines.vllm import rules as vllm
+from metrale_cli.engines.vllm.model import FAMILIES as VLLM_FAMILIES
+from metrale_cli.engines.vllm.model import VllmFamily
 from metrale_cli.model.config import ModelConfig
+from tests.conftest import VLLM_PYTHON
 
 FLAGS = vllm.Flags(16, 2)
 
@@ -123,3 +131,160 @@ def test_a_hostile_config_is_a_refusal_not_a_traceback(peft_zoo, tmp_path) -> No
         verdict = vllm.judge(report, model, FLAGS)
         assert verdict.verdict is Verdict.REFUSES and says in verdict.reason
         assert vllm.recommend([report], model).shut_out
+
+
+# -- every vLLM row held to the source it cites ----------------------------------------------
+
+VLLM_MODELS = (VLLM_PYTHON.parent.parent / "lib" / "python3.11" / "site-packages" / "vllm"
+               / "model_executor" / "models")
+
+
+@functools.cache
+def _parsed(file: str) -> ast.Module:
+    return ast.parse((VLLM_MODELS / file).read_text())
+
+
+@functools.cache
+def _registry() -> dict[str, tuple[str, str]]:
+    """registry.py's tables: architecture -> (module, class), every dict literal of the file."""
+    tree = _parsed("registry.py")
+    found: dict[str, tuple[str, str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if (isinstance(key, ast.Constant) and isinstance(value, ast.Tuple)
+                        and len(value.elts) == 2
+                        and all(isinstance(e, ast.Constant) for e in value.elts)):
+                    found[key.value] = (value.elts[0].value, value.elts[1].value)
+    return found
+
+
+def _class_chain(file: str, name: str) -> list[tuple[str, ast.ClassDef]]:
+    """The class `name` of models/`file` and its bases defined in vLLM's model files (same
+    file, or imported from a sibling module), nearest first, each with its file."""
+    tree = _parsed(file)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    assert cls is not None, f"vLLM {vllm.VERSION}: no class {name} in models/{file}"
+    chain = [(file, cls)]
+    for base in cls.bases:
+        module = _home(file, tree, base.id) if isinstance(base, ast.Name) else None
+        if module is not None:
+            chain += _class_chain(module, base.id)
+    return chain
+
+
+def _home(file: str, tree: ast.Module, name: str) -> str | None:
+    """The model file that defines class `name` as `file` sees it (itself, or the sibling it
+    imports it from); None for anything else (torch, the interfaces)."""
+    if any(isinstance(n, ast.ClassDef) and n.name == name for n in tree.body):
+        return file
+    module = next((node.module.rsplit(".", 1)[-1] for node in tree.body
+                   if isinstance(node, ast.ImportFrom) and node.module
+                   and any((a.asname or a.name) == name for a in node.names)), "")
+    found = VLLM_MODELS / f"{module}.py"
+    return f"{module}.py" if module and module != "interfaces" and found.exists() else None
+
+
+def _declared(chain: list[tuple[str, ast.ClassDef]], attr: str) -> Any:
+    """The class attribute `attr` as the nearest class of `chain` assigns it (a literal, or
+    another class's attribute `|` a literal), or None where none does."""
+    for file, cls in chain:
+        for node in cls.body:
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+            if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
+                value = node.value  # type: ignore[union-attr]
+                if isinstance(value, ast.BinOp) and isinstance(value.left, ast.Attribute) \
+                        and isinstance(value.left.value, ast.Name):
+                    other = value.left.value.id
+                    home = _home(file, _parsed(file), other)
+                    assert home is not None, (file, other)
+                    return {**_declared(_class_chain(home, other), value.left.attr),
+                            **ast.literal_eval(value.right)}
+                return ast.literal_eval(value)
+    return None
+
+
+def _bases(chain: list[tuple[str, ast.ClassDef]]) -> set[str]:
+    return {b.id for _, cls in chain for b in cls.bases if isinstance(b, ast.Name)}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("row", list(VLLM_FAMILIES.values()), ids=lambda r: r.model_type)
+def test_each_vllm_row_is_the_source_it_cites(row: VllmFamily) -> None:
+    """Every architecture of the row is one vLLM's registry builds, its class (and the class
+    the row cites, a wrapper's language model) registers LoRA support (SupportsLoRA), and the
+    row's embedding modules and packing are what the cited class declares; a family whose
+    architecture vLLM does not register has none, so it is unsupported_model."""
+    registry = _registry()
+    if not row.architectures:
+        hf_name = {"ministral": "MinistralForCausalLM"}[row.model_type]
+        assert hf_name not in registry
+        return
+    for arch in row.architectures:
+        assert arch in registry, f"{arch} is not in vLLM {vllm.VERSION}'s registry"
+        module, name = registry[arch]
+        path = "transformers/base.py" if module == "transformers" else f"{module}.py"
+        built = _class_chain(path, "Base" if module == "transformers" else name)
+        assert "SupportsLoRA" in _bases(built), f"{arch}: {name} does not support LoRA"
+        if module == "transformers":
+            assert row.cites == "transformers/base.py Base", arch
+        # The wrapper's own packing wins over its language model's.
+        _holds_packing(row, _declared(built, "packed_modules_mapping"), arch)
+    file, name = row.cites.split()
+    cited = _class_chain(file, name)
+    assert "SupportsLoRA" in _bases(cited), row.cites
+    assert tuple(_declared(cited, "embedding_modules") or ()) == row.embedding_modules
+    packed = _declared(cited, "packed_modules_mapping")
+    if packed is None:
+        # The transformers backend packs at load time (its fusers); tests/test_engine_vllm.py
+        # runs OLMo 2 on it.
+        assert file == "transformers/base.py", row.cites
+        assert dict(row.packed_modules) == {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                            "gate_up_proj": ("gate_proj", "up_proj")}
+    else:
+        _holds_packing(row, packed, row.cites)
+
+
+def _holds_packing(row: VllmFamily, packed: dict[str, list[str]] | None, where: str) -> None:
+    """The class's packing of the fused layers the row models (a class without a dense MLP
+    packs no gate_up_proj); a family metrale refuses to model (`unmodelled`) is not held."""
+    if row.unmodelled or not packed:
+        return
+    for fused, names in row.packed_modules:
+        if fused in packed:
+            assert tuple(packed[fused]) == names, (where, fused)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["mistral3_vl", "gemma3_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_vision_language_wrapper_is_its_registered_class(peft_zoo, wrapper: str) -> None:  # type: ignore[no-untyped-def]
+    """A wrapper's config names the wrapper class (Mistral3ForConditionalGeneration, ...),
+    which vLLM registers with LoRA: its language-model adapter is judged, not refused as an
+    unregistered architecture. Where q_proj and v_proj also name the vision tower's modules
+    (SigLIP, Pixtral), PEFT adapts them and vLLM does not: without
+    --enable-tower-connector-lora the tower has no punica wrapper (lora/model_manager.py
+    `_create_lora_modules`), so those weights load and are never applied."""
+    truth = peft_zoo.adapter(wrapper, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    assert model.architectures and model.architectures[0].endswith("ForConditionalGeneration")
+    verdict = vllm.judge(audit(Adapter.load(truth.path), model), model, FLAGS)
+    tower = {m.module.split(".", 1)[0] for m in verdict.modules if not m.served}
+    if wrapper in ("mistral3_vl", "gemma3_vl"):
+        assert verdict.verdict is Verdict.DIFFERS and tower == {"vision_tower"}, verdict.reason
+    else:  # Qwen's tower names its projections qkv and proj
+        assert verdict.verdict is Verdict.SERVES and not tower, verdict.reason
+
+
+def test_phi3_fused_layers_take_one_slice_each_under_tp() -> None:
+    """phi3.py packs qkv_proj and gate_up_proj as themselves: QKVParallelLinearWithLoRA and
+    ColumnParallelLinearWithLoRA, one A and one B each, B over this GPU's output rows
+    (`output_size_per_partition`: q and KV heads over TP, gate|up over TP)."""
+    model = ModelConfig.preset("phi-4-mini")  # hidden 3072, 24 heads, 8 KV heads of 128
+    modules = {m.path: m for m in vllm.engine_modules(model)}
+    assert modules["self_attn.qkv_proj"].adapter_names == ("qkv_proj",)
+    assert modules["self_attn.qkv_proj"].buffers(1, 64, 2, False) == [
+        ("lora_a", (1, 1, 64, 3072)), ("lora_b", (1, 1, 1536 + 2 * 512, 64))]
+    assert modules["mlp.gate_up_proj"].buffers(1, 64, 2, False) == [
+        ("lora_a", (1, 1, 64, 3072)), ("lora_b", (1, 1, 8192, 64))]
+    assert vllm.target_modules(model, "qkv_proj,gate_up_proj") == ("qkv_proj", "gate_up_proj")

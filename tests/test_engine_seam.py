@@ -1,20 +1,28 @@
 """The engine seam: engines by name and version (vLLM, SGLang), the options each engine takes,
 one TP rule for every command and engine, the per-family engine tables kept in step with
-FAMILIES, and the model class judged from `architectures` as vLLM picks it."""
+FAMILIES, the model class judged from `architectures` as vLLM picks it, and a third engine
+registered from a test reaching every command and view."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from metrale_cli.engines import ENGINES, get_engine
+from metrale_cli import engines
+from metrale_cli.engines import get_engine, names
+from metrale_cli.engines.engine import SlotTiers
+from metrale_cli.engines.verdict import EngineVerdict, Verdict
 from metrale_cli.errors import UsageError
+from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.families import FAMILIES
 from tests.support.cli_runner import metrale
 
@@ -24,13 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_family_has_a_row_in_every_engine_table() -> None:
     """A FAMILIES row without an engine row is a family the engine's rules never covered: it
     must fail here, not be silently "supported"."""
-    for name in ENGINES[1:]:
+    for name in names()[1:]:
         engine = get_engine(name)
         assert set(engine.families) == set(FAMILIES), name
 
 
 def test_a_family_without_an_engine_row_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metrale_cli.engines import sglang_model, vllm_model
+    from metrale_cli.engines.sglang import model as sglang_model
+    from metrale_cli.engines.vllm import model as vllm_model
     from metrale_cli.model.config import ModelConfig
 
     model = ModelConfig.preset("qwen3-8b")
@@ -42,7 +51,7 @@ def test_a_family_without_an_engine_row_is_refused(monkeypatch: pytest.MonkeyPat
                    "--modules", "q_proj")
     assert done.code == 2 and done.stderr.strip() == (
         "error: model type 'qwen3': no SGLang 0.5.23 rules for it "
-        "(engines/sglang_model.py FAMILIES)")
+        "(engines/sglang/model.py FAMILIES)")
 
 
 def test_families_sglang_serves_only_from_its_source_say_so() -> None:
@@ -140,6 +149,28 @@ def test_options_the_engine_does_not_take_are_refused(args: list[str], says: str
     assert done.code == 2 and done.stderr.strip() == f"error: {says}"
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["layout", "--engine", "sglang", "--max-rank", 99999999999, "--modules", "q_proj"],
+     "SGLang 0.5.23's LoRA buffers would take 1,061,683,199,989,383,168 B (965,595 TiB) per "
+     "GPU, past the 1,024 TiB no machine holds: check --max-rank and --max-loras"),
+    (["layout", "--engine", "sglang", "--max-rank", 64, "--max-loras", 10**12, "--modules",
+      "q_proj"], "SGLang 0.5.23's LoRA buffers would take"),
+    (["simulate", "--engine", "sglang", "--max-rank", 10**11, "--modules", "q_proj",
+      "--requests", 10], "SGLang 0.5.23's LoRA buffers would take"),
+    (["layout", "--engine", "vllm", "--max-rank", 512, "--max-loras", 10**11],
+     "vLLM 0.32.0's LoRA buffers would take"),
+    (["layout", "--engine", "vllm", "--max-rank", 16, "--max-cpu-loras", 10**11],
+     "vLLM 0.32.0's host cache would take 9,728,000,000,000,000,000 B (8,847,564 TiB) per TP "
+     "worker, past the 1,024 TiB no machine holds: check --max-cpu-loras"),
+])
+def test_a_plan_no_machine_holds_is_refused(args: list[object], says: str) -> None:
+    """Sizes past any GPU's memory are typos: exit 2 naming the size and the flags, not a plan
+    of 965,595 TiB per GPU and exit 0."""
+    done = metrale(*args, "-m", "qwen3-8b")
+    assert done.code == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"error: {says}") and done.stderr.count("\n") == 1
+
+
 @pytest.mark.slow
 def test_one_tp_rule_for_every_command_and_engine(peft_zoo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A model with 8 query heads at --tp 16: refused alike by `layout`, `layout --engine
@@ -229,3 +260,199 @@ def test_modules_help_lists_what_each_engine_takes() -> None:
     assert "no 'all'" in text
     refused = metrale("layout", "-m", "qwen3-8b", "--engine", "vllm", "--modules", "all")
     assert refused.code == 2 and "qkv_proj" in refused.stderr
+
+
+# -- a third engine, from the test alone ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyFlags:
+    max_rank: int = 16
+    slots: int = 2
+
+    def record(self) -> dict[str, int]:
+        return {"max_rank": self.max_rank, "slots": self.slots}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyMemory:
+    """One slot: an A [rank, hidden] and a B [hidden, rank] of bf16 q_proj per layer."""
+
+    model: ModelConfig
+    flags: ToyFlags
+    budget_bytes: int | None = None
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.model.num_hidden_layers * 2 * self.model.hidden_size * self.flags.max_rank * 2
+
+    @property
+    def lora_bytes(self) -> int:
+        return self.slot_bytes * self.flags.slots
+
+    def record(self) -> dict[str, Any]:
+        budget = {} if self.budget_bytes is None else {
+            "budget_bytes": self.budget_bytes,
+            "max_loras_fit": self.budget_bytes // self.slot_bytes}
+        return {"name": "toy", "version": "1.0", "flags": self.flags.record(),
+                "lora_bytes": self.lora_bytes, "slot_bytes": self.slot_bytes,
+                "host_cache_bytes": 0, "per_gpu": True, **budget,
+                "modules": [{"module": "q_proj", "kind": "column",
+                             "layers": self.model.num_hidden_layers, "bytes": self.lora_bytes}]}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyRecommendation:
+    flags: ToyFlags
+    memory: ToyMemory
+
+    def serve_line(self) -> str:
+        return f"toy-serve --rank {self.flags.max_rank} --slots {self.flags.slots}"
+
+    def record(self) -> dict[str, Any]:
+        return {"flags": self.flags.record(), "serve": self.serve_line(),
+                "lora_bytes": self.memory.lora_bytes, "slot_bytes": self.memory.slot_bytes,
+                "host_cache_bytes": 0, "shut_out": []}
+
+
+class ToyEngine:
+    """An engine no file of metrale knows: it serves an adapter whose rank fits its slots."""
+
+    name = "toy"
+    version = "1.0"
+    versions = ("1.0",)
+    families = dict.fromkeys(FAMILIES, "toy row")
+    options = {"inspect": frozenset({"--max-rank"}),
+               "layout": frozenset({"--max-rank", "--max-loras", "--budget"}),
+               "simulate": frozenset({"--max-rank", "--max-loras", "--budget"})}
+    label = "Toy"
+    title = "Toy 1.0 (test build)"
+    module_column = "toy module"
+    other_paths = (("startup", "--toy-adapters"),)
+    slots_flag = "--toy-slots"
+    host_flag = "--toy-host-cache"
+    can_confirm = False
+
+    def installed_warning(self) -> None:
+        return None
+
+    def flag_line(self, flags: Mapping[str, Any], pool: Mapping[str, Any] | None) -> str:
+        return f"toy rank {flags['max_rank']}, toy slots {flags['slots']}"
+
+    def flags(self, model: ModelConfig, given: Mapping[str, object],
+              recommended: ToyFlags) -> ToyFlags | None:
+        rank = given.get("--max-rank")
+        return None if rank is None else dataclasses.replace(
+            recommended, max_rank=int(rank))  # type: ignore[call-overload]
+
+    def startup(self, model: ModelConfig, flags: ToyFlags, reports: list[Any]) -> ToyFlags:
+        return flags
+
+    def layout_flags(self, model: ModelConfig, reports: list[Any],
+                     given: Mapping[str, object]) -> ToyFlags:
+        rank = given.get("--max-rank") or max((r.adapter.config.r for r in reports), default=16)
+        return ToyFlags(int(rank), int(given.get("--max-loras") or 2))  # type: ignore[call-overload]
+
+    def judge(self, report: Any, model: ModelConfig, flags: ToyFlags,
+              flags_source: str = "given") -> EngineVerdict:
+        fits = report.adapter.config.r <= flags.max_rank
+        verdict = Verdict.SERVES if fits else Verdict.REFUSES
+        why = "fits a toy slot" if fits else f"rank {report.adapter.config.r} over the toy's"
+        paths = {"runtime": {"verdict": verdict.value, "reason": why},
+                 "startup": {"verdict": verdict.value, "reason": why}}
+        return EngineVerdict("toy", "1.0", verdict, why, "" if fits else "rank_above_max",
+                             flags.record(), flags_source, [], {}, paths)
+
+    def recommend(self, reports: list[Any], model: ModelConfig,
+                  given: Mapping[str, object]) -> ToyRecommendation:
+        flags = ToyFlags(max((r.adapter.config.r for r in reports), default=16),
+                         max(1, len(reports)))
+        return ToyRecommendation(flags, ToyMemory(model, flags))
+
+    def memory(self, model: ModelConfig, flags: ToyFlags, reports: list[Any] | None,
+               budget_bytes: int | None) -> ToyMemory:
+        return ToyMemory(model, flags, budget_bytes)
+
+    def tiers(self, memory: ToyMemory) -> SlotTiers:
+        return SlotTiers(gpu_slots=memory.flags.slots, host_slots=None,
+                         slot_bytes=memory.slot_bytes, host_bytes=0,
+                         max_rank=memory.flags.max_rank, gpu_eviction="fifo",
+                         host_eviction="lru", admission="fcfs", source="the test")
+
+    def inspect_record(self, model: ModelConfig, verdicts: list[EngineVerdict],
+                       recommendation: ToyRecommendation, flags: ToyFlags, source: str,
+                       reports: list[Any]) -> dict[str, Any]:
+        return {"name": "toy", "version": "1.0", "flags": flags.record(),
+                "flags_source": source, "all_serve": all(v.serves for v in verdicts),
+                "recommended": recommendation.record()}
+
+    def confirm(self, *args: object, **kwargs: object) -> Any:
+        raise UsageError("the toy engine does not run")
+
+
+@pytest.fixture
+def toy(monkeypatch: pytest.MonkeyPatch) -> ToyEngine:
+    """The toy engine registered for one test (the registry as it was, after)."""
+    monkeypatch.setattr(engines, "_REGISTRY", dict(engines._REGISTRY))
+    engine = ToyEngine()
+    engines.register(engine)
+    return engine
+
+
+def test_a_third_engine_plugs_in_from_outside(toy: ToyEngine, llama_q) -> None:  # type: ignore[no-untyped-def]
+    """A toy engine, registered from this test: `inspect`, `layout` and `simulate --engine toy`
+    ask it through the CLI, each view in its words, and no file of metrale names it."""
+    source = "\n".join(p.read_text() for p in (REPO / "metrale_cli").rglob("*.py"))
+    assert "toy" not in source.lower()
+    assert "toy" in names()
+    base = llama_q.base_dir
+    model = ModelConfig.from_hf(base)
+    slot = model.num_hidden_layers * 2 * model.hidden_size * 8 * 2
+
+    done = metrale("inspect", llama_q.path, "--engine", "toy", "-m", base, "--json")
+    assert done.code == 0, done.stderr
+    record = done.json()
+    assert record["adapters"][0]["engine"]["verdict"] == "serves"
+    assert record["engine"]["recommended"]["serve"] == "toy-serve --rank 8 --slots 1"
+    shown = metrale("inspect", llama_q.path, "--engine", "toy", "-m", base, columns=200)
+    assert shown.code == 0, shown.stderr
+    assert "Toy 1.0 (test build), flags recommended: toy rank 8, toy slots 1" in shown.stdout
+    refused = metrale("inspect", llama_q.path, "--engine", "toy", "-m", base, "--max-rank", 4,
+                      columns=200)
+    assert refused.code == 1 and "rank 8 over the toy's" in refused.stdout
+    assert "toy rank 4" in refused.stdout
+    # Options it does not take are refused by name, as for every engine.
+    other = metrale("inspect", llama_q.path, "--engine", "toy", "--max-loras", 2)
+    assert other.code == 2 and other.stderr.strip() == (
+        "error: --max-loras need --engine vllm or sglang")
+    confirm = metrale("inspect", llama_q.path, "--engine", "toy", "--confirm")
+    assert confirm.code == 2 and "--confirm need --engine vllm" in confirm.stderr
+
+    laid = metrale("layout", "--engine", "toy", "-m", base, "--max-rank", 8, "--max-loras", 3,
+                   "--budget", "1MiB", columns=200)
+    assert laid.code == 0, laid.stderr
+    lines = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip()
+             for line in laid.stdout.splitlines()[:7]}
+    assert lines["engine"] == "Toy 1.0 (test build)"
+    assert lines["flags"] == "toy rank 8, toy slots 3"
+    assert lines["LoRA buffers"].startswith(f"{3 * slot:,} B")
+    assert lines["host cache"].endswith("for every start-up adapter (no --toy-host-cache), per "
+                                        "TP worker")
+    assert lines["budget"] == f"1.00 MiB holds {2**20 // slot:,} --toy-slots"
+    assert metrale("layout", "--engine", "toy", "-m", base, "--max-rank", 8, "--json",
+                   ).json()["engine"]["tiers"]["slot_bytes"] == slot
+
+    sim = ("simulate", "--engine", "toy", "-m", base, "--modules", "q_proj", "--max-rank", 8,
+           "--requests", 40, "--adapters", 4, "--max-loras", "1,2")
+    run = metrale(*sim, "--json")
+    assert run.code == 0, run.stderr
+    record = run.json()
+    assert record["engine"]["name"] == "toy"
+    assert [(r["policy"], r["max_loras"]) for r in record["results"]] == [("fifo", 1),
+                                                                          ("fifo", 2)]
+    assert [t["gpu_slots"] for t in record["engine"]["tiers"].values()] == [1, 2]
+    assert record["swap"]["slot_bytes"] == slot
+    shown = metrale(*sim, columns=300)
+    assert shown.code == 0, shown.stderr
+    assert ("engine    toy 1.0's own cache: its GPU slots of its slot bytes (--max-loras), "
+            "evicting FIFO, its host cache (--toy-host-cache), evicting LRU") in shown.stdout

@@ -16,8 +16,8 @@ import pytest
 
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
-from metrale_cli.engines import vllm
-from metrale_cli.engines.confirm import VllmServer
+from metrale_cli.engines.vllm import rules as vllm
+from metrale_cli.engines.vllm.confirm import VllmServer
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import VLLM_CACHE_ROOT, VLLM_PYTHON
 from tests.support.engine_cases import PROMPT, make_case, write_model

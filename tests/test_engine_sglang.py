@@ -1,5 +1,5 @@
-"""metrale's SGLang 0.5.23 rules (metrale_cli/engines/sglang.py) against SGLang's own LoRA code
-running on CPU tensors (tests/support/sglang_runner.py under .venv-sglang) on PEFT-made
+"""metrale's SGLang 0.5.23 rules (metrale_cli/engines/sglang/rules.py) against SGLang's own LoRA
+code running on CPU tensors (tests/support/sglang_runner.py under .venv-sglang) on PEFT-made
 adapters, every case in one runner process: whether the load accepts each adapter on each path
 (and SGLang's error class and text when not), what its first batch does, the scaling its adapter
 object holds, its normalised targets, the pool start-up builds, and which of the file's weights
@@ -11,14 +11,18 @@ import ast
 import functools
 import json
 import math
+import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from safetensors import safe_open
 
-from metrale_cli.engines import sglang, sglang_model
+from metrale_cli.engines.sglang import flags as sglang_flags
+from metrale_cli.engines.sglang import model as sglang_model
+from metrale_cli.engines.sglang import rules as sglang
 from metrale_cli.engines.verdict import Verdict
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import SGLANG_PYTHON
@@ -71,6 +75,16 @@ ADAPTERS: dict[str, tuple[str, dict[str, Any]]] = {
     "q2_bias_all": ("qwen2", {"r": 4, "lora_alpha": 8, "bias": "all"}),
     "q2_bias_lora_only": ("qwen2", {"r": 4, "lora_alpha": 8, "bias": "lora_only"}),
     "m_plain": ("mistral", {"r": 8, "lora_alpha": 16}),
+    # The families' dense classes (SGLang's gemma3_causal.py, granite.py, commandr.py, olmo2.py:
+    # the same qkv_proj / gate_up_proj layers, no get_hidden_dim of their own), and the fused
+    # checkpoints: phi3's qkv_proj and gate_up_proj, glm4's gate_up_proj, each one PEFT pair.
+    "gemma3_plain": ("gemma3_text", {"r": 4, "lora_alpha": 8}),
+    "granite_plain": ("granite", {"r": 4, "lora_alpha": 8}),
+    "cohere_plain": ("cohere", {"r": 4, "lora_alpha": 8}),
+    "olmo2_plain": ("olmo2", {"r": 4, "lora_alpha": 8}),
+    "phi3_fused": ("phi3", {"r": 4, "lora_alpha": 8}),
+    "phi3_qkv": ("phi3", {"r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj"]}),
+    "glm4_fused": ("glm4", {"r": 4, "lora_alpha": 8}),
 }
 
 # Each job: one server. "flags": --max-lora-rank / --lora-target-modules.
@@ -88,6 +102,12 @@ JOBS: dict[str, dict[str, Any]] = {
     "qwen3": {"startup": ["q3_plain"], "runtime": ["q3_alpha"]},
     "qwen2": {"startup": ["q2_plain", "q2_bias_all", "q2_bias_lora_only"]},
     "mistral": {"startup": ["m_plain"]},
+    "gemma3": {"startup": ["gemma3_plain"]},
+    "granite": {"startup": ["granite_plain"]},
+    "cohere": {"startup": ["cohere_plain"]},
+    "olmo2": {"startup": ["olmo2_plain"]},
+    "phi3": {"startup": ["phi3_fused"], "runtime": ["phi3_qkv"]},
+    "glm4": {"startup": ["glm4_fused"]},
     "startup_dora": {"startup": ["plain", "dora"]},
     "startup_regex": {"startup": ["regex"]},
     "startup_layer_replication": {"startup": ["layer_replication"]},
@@ -98,6 +118,9 @@ JOBS: dict[str, dict[str, Any]] = {
     "startup_all_linear_string": {"startup": ["all_linear_string"]},
     "startup_added_tokens": {"startup": ["added_tokens"]},
 }
+
+# The families' jobs: SGLang's own LoRA code on their PEFT adapters.
+FAMILY_JOBS = ("gemma3", "granite", "cohere", "olmo2", "phi3", "glm4")
 
 # The tests that read the runner's answers; the source rules need only the installed files.
 _RUN = [pytest.mark.sglang, pytest.mark.proc, pytest.mark.slow]
@@ -153,10 +176,10 @@ def _pool(run: dict[str, Any], job: str) -> tuple[int, set[str]]:
 
 def _judge(run: dict[str, Any], job: str, name: str, path: str) -> sglang.Judgement:
     truth = run["made"][name]
-    vocab = json.loads((truth.base_dir / "config.json").read_text())["vocab_size"]
+    base = json.loads((truth.base_dir / "config.json").read_text())
     return sglang.judge(name, _config(truth), _shapes(truth), pool=_pool(run, job), path=path,
-                        added_tokens=sglang.added_tokens(truth.path, vocab),
-                        num_hidden_layers=2)
+                        added_tokens=sglang.added_tokens(truth.path, base["vocab_size"]),
+                        num_hidden_layers=base["num_hidden_layers"])
 
 
 @_runs
@@ -228,12 +251,12 @@ def test_first_batches_fail_where_sglang_fails(sglang_run: dict[str, Any]) -> No
 
 @_runs
 def test_pool_bytes_are_the_buffers_sglang_allocates(sglang_run: dict[str, Any]) -> None:
-    for job in ("llama", "qwen3", "qwen2", "mistral", "startup_rank_above"):
+    for job in ("llama", "qwen3", "qwen2", "mistral", "startup_rank_above", *FAMILY_JOBS):
         report = sglang_run["jobs"][job]
         base = sglang_run["made"][JOBS[job]["startup"][0]].base_dir
         pool = sglang_model.Pool(report["max_lora_rank"], frozenset(report["target_modules"]))
         predicted = sglang_model.Memory.of(
-            ModelConfig.from_hf(base), sglang_model.Flags(max_loras_per_batch=4, dtype="float32"),
+            ModelConfig.from_hf(base), sglang_flags.Flags(max_loras_per_batch=4, dtype="float32"),
             pool).lora_bytes
         assert predicted == report["pool"]["bytes"] == sum(
             b[-1] for b in report["pool"]["buffers"]), job
@@ -280,7 +303,11 @@ def test_the_slot_holds_peft_lora_weights_and_nothing_else(sglang_run: dict[str,
                 for module in truth.modules.values():
                     for key in (module.a_key, module.b_key):
                         where = (_sglang_buffer(key), module.layer or 0)
-                        want[where] = want.get(where, 0.0) + float(
+                        # A fused PEFT A (phi3's qkv_proj) is stacked once per slice
+                        # (lora.py normalize_qkv_proj / normalize_gate_up_proj repeat it).
+                        copies = _FUSED_SLICES.get(module.path.rsplit(".", 1)[-1], 1) \
+                            if key == module.a_key else 1
+                        want[where] = want.get(where, 0.0) + copies * float(
                             f.get_tensor(key).double().abs().sum())
                 for key in truth.tensors:  # PEFT's embedding LoRA is no Linear of `modules`
                     if "lora_embedding" in key:
@@ -290,6 +317,10 @@ def test_the_slot_holds_peft_lora_weights_and_nothing_else(sglang_run: dict[str,
                 for layer, mass in enumerate(per_layer):
                     assert math.isclose(mass, want.get((buffer, layer), 0.0), rel_tol=1e-6,
                                         abs_tol=1e-9), (job, entry["name"], buffer, layer)
+
+
+# Slices of a layer that PEFT can adapt whole (phi3's qkv_proj, phi3's and glm4's gate_up_proj).
+_FUSED_SLICES = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 def _parts(model: dict[str, Any], fused: str) -> list[tuple[str, int]]:
@@ -327,7 +358,9 @@ def test_sglang_applies_peft_delta_at_its_own_scale(sglang_run: dict[str, Any]) 
                     x = torch.tensor([seen["x"]])
                     prefix, fused = sg_path.rsplit(".", 1)
                     want, peft = [], []
-                    for leaf, width in _parts(model, fused):
+                    # PEFT's own fused module where the checkpoint fuses it, else its parts.
+                    whole = f"{prefix}.{fused}" in truth.modules
+                    for leaf, width in [(fused, 0)] if whole else _parts(model, fused):
                         module = truth.modules.get(f"{prefix}.{leaf}")
                         if module is None:
                             want.append(torch.zeros(width or len(seen["delta"])))
@@ -511,3 +544,64 @@ def test_docs_list_every_source_rule() -> None:
     section = doc.split("### SGLang: what each adapter meets", 1)[1].split("\n## ", 1)[0]
     for rule in sglang.SOURCE_RULES:
         assert f"| {rule.case} |" in section and "source" in section, rule.case
+
+
+# -- the model SGLang builds from `architectures` ------------------------------------------------
+
+_MODEL_CONFIG = """
+import json, sys
+from sglang.srt.configs.model_config import ModelConfig
+out = {}
+for path in sys.argv[1:]:
+    try:
+        ModelConfig(path)
+        out[path] = "built"
+    except Exception as exc:
+        out[path] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.proc
+@pytest.mark.slow
+def test_a_config_without_architectures_is_judged_as_sglang_builds_it(
+        tmp_path: Path) -> None:
+    """SGLang's own `ModelConfig` (what launch_server builds first) on the tiny Llama's config
+    with `architectures` left out and empty: each fails, so every adapter is
+    `unsupported_model` on both load paths, in SGLang's words, and the launch line names none.
+    With `architectures` as written it builds."""
+    truth = make_adapter("llama", tmp_path / "adapter", r=4, lora_alpha=8,
+                         target_modules=["q_proj", "v_proj"])
+    config = json.loads((truth.base_dir / "config.json").read_text())
+    dirs = {}
+    for name, archs in (("written", config["architectures"]), ("none", None), ("empty", [])):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        edited = {k: v for k, v in config.items() if k != "architectures"}
+        if archs is not None:
+            edited["architectures"] = archs
+        (dirs[name] / "config.json").write_text(json.dumps(edited))
+    done = subprocess.run([str(SGLANG_PYTHON), "-c", _MODEL_CONFIG, *map(str, dirs.values())],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    assert built[str(dirs["written"])] == "built"
+    for name in ("none", "empty"):
+        said = built[str(dirs[name])]
+        assert said != "built"
+        inspected = metrale("inspect", truth.path, "--engine", "sglang", "-m", dirs[name],
+                            "--json")
+        assert inspected.code == 1, inspected.stderr
+        record = inspected.json()
+        engine = record["adapters"][0]["engine"]
+        assert engine["verdict"] == "unsupported_model"
+        assert engine["reason_class"] == "architecture"
+        assert engine["reason"].startswith(f"{said}: ")
+        assert {p["verdict"] for p in engine["paths"].values()} == {"unsupported_model"}
+        rec = record["engine"]["recommended"]
+        assert rec["serve"] is None and rec["lora_paths"] == [] and len(rec["shut_out"]) == 1
+    written = metrale("inspect", truth.path, "--engine", "sglang", "-m", dirs["written"],
+                      "--json")
+    assert written.code == 0, written.stdout

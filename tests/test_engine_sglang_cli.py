@@ -26,11 +26,26 @@ def adapters(peft_zoo) -> dict[str, Path]:  # type: ignore[no-untyped-def]
     dora = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                             use_dora=True, seed=2)
     q_only = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj"], seed=3)
-    return {"plain": plain.path, "rs": rs.path, "dora": dora.path, "q_only": q_only.path}
+    bias = peft_zoo.adapter("llama", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                            lora_bias=True, seed=4)
+    return {"plain": plain.path, "rs": rs.path, "dora": dora.path, "q_only": q_only.path,
+            "bias": bias.path}
 
 
 def _named(adapters: dict[str, Path], *names: str) -> list[str]:
     return [f"{n}={adapters[n]}" for n in names]
+
+
+def test_inspect_ends_with_why_it_exits_1(adapters: dict[str, Path]) -> None:
+    """An adapter SGLang serves otherwise than PEFT (`differs`) makes exit 1 as a refusal
+    does: the last line names each with its verdict."""
+    done = metrale("inspect", *_named(adapters, "plain", "rs", "dora"), "--engine", "sglang")
+    assert done.code == 1
+    assert done.stderr == ("exit 1: 2 of 3 adapter(s) not served as PEFT serves them by "
+                           "SGLang 0.5.23: rs (differs), dora (refuses)\n")
+    assert done.output.endswith(done.stderr)
+    served = metrale("inspect", *_named(adapters, "plain"), "--engine", "sglang")
+    assert served.code == 0 and served.stderr == ""
 
 
 def test_inspect_gives_each_load_path_and_a_launch_line(adapters: dict[str, Path]) -> None:
@@ -52,6 +67,12 @@ def test_inspect_gives_each_load_path_and_a_launch_line(adapters: dict[str, Path
         assert "Failed to load LoRA adapter" in paths["startup"]["reason"]
         assert {p["checked"] for p in paths.values()} == {"run"}
     assert "doesn't support DoRA adapters" in by["dora"]["reason"]
+    # SGLang's KeyError names a tensor; the reason says what is missing, on both paths.
+    words = ("layer 0 has q_proj without v_proj, and SGLang stacks each layer's q_proj, "
+             "k_proj and v_proj into one qkv_proj, which needs v_proj beside q_proj")
+    assert all(words in p["reason"] for p in by["q_only"]["paths"].values())
+    assert "q_only: naming it in --lora-paths stops the server" in "\n".join(
+        record["engine"]["recommended"]["shut_out"])
     engine = record["engine"]
     assert engine["startup_fails"] and engine["flags_source"] == "recommended"
     # The pool the start-up infers: the largest rank and the union of the targets of the
@@ -126,6 +147,26 @@ def test_layout_bytes_per_gpu_tp_budget_and_tiers() -> None:
     assert every["max_loras_fit"] == (4 << 30) // every["slot_bytes"]
     fifo = engine("--modules", "q_proj", "--eviction-policy", "fifo", "--max-loaded-loras", 16)
     assert (fifo["tiers"]["gpu_eviction"], fifo["tiers"]["host_slots"]) == ("fifo", 16)
+
+
+def test_layout_gives_the_memory_of_an_adapter_served_otherwise(
+        adapters: dict[str, Path]) -> None:
+    """SGLang loads a `lora_bias` adapter and drops its biases: it still starts with it and
+    allocates its pool, so `layout` gives the bytes, flags the adapter, and exits 1."""
+    done = metrale("layout", *_named(adapters, "plain", "bias"), "--engine", "sglang", "--json")
+    assert done.code == 1
+    engine = done.json()["engine"]
+    assert [(n["adapter"], n["verdict"]) for n in engine["not_served"]] == [("bias", "differs")]
+    assert "lora_bias" in engine["not_served"][0]["reason"]
+    alone = metrale("layout", *_named(adapters, "plain"), "--engine", "sglang", "--json")
+    assert alone.code == 0 and alone.json()["engine"]["not_served"] == []
+    assert engine["lora_bytes"] == alone.json()["engine"]["lora_bytes"] > 0
+    assert done.stderr == ("exit 1: 1 of 2 adapter(s) not served as PEFT serves them by SGLang "
+                           "0.5.23, though it allocates these buffers: bias (differs)\n")
+    shown = metrale("layout", *_named(adapters, "plain", "bias"), "--engine", "sglang",
+                    columns=300)
+    assert shown.code == 1 and f"{engine['lora_bytes']:,} B" in shown.stdout
+    assert "not served    bias: differs: loads and serves otherwise than PEFT" in shown.stdout
 
 
 def test_layout_view_speaks_sglang() -> None:

@@ -51,7 +51,8 @@ JOBS = {
                                             "tp_size": 2, "parallel_lm_head": True},
                   ["--max-loras", 3, "--dtype", "float32", "--tp", 2]),
     # 2 KV heads under TP 4: each rank keeps one whole KV head (qkv_proj's B). (k_proj and
-    # v_proj without q_proj are left unstacked, and their first batch fails: engines/sglang.py.)
+    # v_proj without q_proj are left unstacked, and their first batch fails:
+    # engines/sglang/rules.py.)
     "qwen3_tp4": ("qwen3", {"linear": {"r": 8, "lora_alpha": 16},
                             "head": {"r": 4, "lora_alpha": 4, "target_modules": [
                                 "q_proj", "k_proj", "v_proj", "lm_head"]}},
@@ -76,6 +77,15 @@ JOBS = {
     "mistral_tp2": ("mistral", {"linear": {"r": 4, "lora_alpha": 8}}, ["linear"], [],
                     {"max_loras_per_batch": 2, "dtype": "float32", "tp_size": 2},
                     ["--max-loras", 2, "--dtype", "float32", "--tp", 2]),
+    # Phi-3's checkpoint-fused qkv_proj and gate_up_proj: the same stacked buffers as PEFT's
+    # q/k/v and gate/up would take, split over TP 2.
+    "phi3_tp2": ("phi3", {"fused": {"r": 4, "lora_alpha": 8, "target_modules": [
+                              "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]},
+                          "heads": {"r": 8, "lora_alpha": 16, "target_modules": [
+                              "qkv_proj", "embed_tokens", "lm_head"]}},
+                 ["fused", "heads"], [], {"max_loras_per_batch": 2, "dtype": "float32",
+                                          "tp_size": 2, "parallel_lm_head": True},
+                 ["--max-loras", 2, "--dtype", "float32", "--tp", 2]),
 }
 
 

@@ -26,8 +26,9 @@ import pytest
 
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
-from metrale_cli.engines import vllm
 from metrale_cli.engines.verdict import Verdict
+from metrale_cli.engines.vllm import rules as vllm
+from metrale_cli.engines.vllm.model import FAMILIES as VLLM_FAMILIES
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import VLLM_PYTHON
 from tests.support.engine_cases import PROMPT, Case, make_case, run_job, write_model
@@ -39,6 +40,10 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 # float32 engines match PEFT to four decimals; BF16 ones (the CPU GDN) to BF16's rounding.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15}
+
+
+# The families' engines: float32, as PEFT's reference.
+FLOAT32 = {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"}
 
 
 @dataclass
@@ -94,6 +99,33 @@ JOBS: dict[str, Job] = {
                      [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
     "qwen3_5": Job("qwen3_5", {"max_lora_rank": 16, "max_loras": 2, "dtype": "bfloat16"},
                    [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
+    # The families' classes, one engine each: phi3.py packs qkv_proj and gate_up_proj as
+    # themselves; glm4.py packs gate_up_proj from gate/up, so PEFT's fused gate_up_proj is a
+    # name it does not expect, and declares no embedding_modules, as Gemma 3's (sliding-window
+    # layers) does not, so an embed_tokens adapter is refused; Cohere's declares embed_tokens
+    # alone; OLMo 2 runs on vLLM's transformers backend (its packing is made at
+    # load time, so no source line holds it). The other families' rows are held to the source
+    # they cite (tests/test_engine_rules.py).
+    "phi3": Job("phi3", FLOAT32, [
+        ("fused", {"r": 8, "lora_alpha": 16,
+                   "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}),
+        ("lm_head", {"r": 8, "lora_alpha": 16, "target_modules": ["qkv_proj", "lm_head"]}),
+    ]),
+    "glm4": Job("glm4", FLOAT32, [
+        ("attn", {"r": 8, "lora_alpha": 16, "target_modules": [*ATTN, "down_proj"]}),
+        ("gate_up", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "gate_up_proj"]}),
+    ]),
+    "gemma3": Job("gemma3_text", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+        ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "embed_tokens"]}),
+    ]),
+    "cohere": Job("cohere", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+        ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "embed_tokens"]}),
+    ]),
+    "olmo2": Job("olmo2", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+    ]),
     # metrale's `unsupported_model` for an architecture vLLM does not register: the engine
     # refuses the model before loading a weight (in the runner's process: no engine starts).
     "unregistered": Job("qwen3", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
@@ -312,3 +344,10 @@ def test_runner_is_not_imported_by_metrale() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_rows_marked_run_are_the_families_started_here(runs: dict[str, Run]) -> None:
+    """A vLLM row says `checked: run` exactly where a job of this file started the CPU build on
+    its family (docs/engines.md's family table reads the same field)."""
+    started = {run.model.model_type for run in runs.values() if run.report["started"]}
+    assert {f for f, row in VLLM_FAMILIES.items() if row.checked == "run"} == started

@@ -56,6 +56,8 @@ def test_the_examples_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "1 adapter(s) not servable: chat" in out
     assert "chat: rank_above_max: " in out
     assert "[2, 3]" in out
+    assert "code: naming it in --lora-paths stops the server from starting" in out
+    assert "layer 0 has q_proj without v_proj" in out
     assert (tmp_path / "chat-again" / "adapter_config.json").is_file()
 
 

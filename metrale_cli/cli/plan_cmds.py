@@ -139,27 +139,39 @@ def inspect(
         inspection = engine_inspect(audited, chosen, given)
         emit(inspection.record, json_out, render_engine.engine_inspect_view)
         if not inspection.all_serve:
-            raise typer.Exit(1)
+            _exit_1([f"{r.name} ({v.verdict.value})" for r, v in zip(
+                audited.reports, inspection.verdicts, strict=True) if not v.serves],
+                len(audited.reports), f"not served as PEFT serves them by {chosen.label} "
+                f"{chosen.version}")
         return
     audited = audit_adapters(adapters, model, max_rank=max_rank, experts=experts_on(experts),
                              online=online_on(online))
     warn(audited.warnings)
     emit(audited.record(), json_out, render.inspect_view)
     if not audited.servable:
-        raise typer.Exit(1)
+        _exit_1([r.name for r in audited.reports if not r.servable], len(audited.reports),
+                "not servable")
+
+
+def _exit_1(refused: list[str], total: int, what: str) -> None:
+    """End `inspect` with exit 1 and one line on stderr saying why: how many adapters are
+    `what`, and which (a long inspection's reader sees the end first)."""
+    from metrale_cli.cli.console import say
+
+    say(f"exit 1: {len(refused)} of {total} adapter(s) {what}: {', '.join(refused)}")
+    raise typer.Exit(1)
 
 
 def _confirm(audited: AuditedAdapters, engine: Engine, given: dict[str, object],
              python: str | None, args: str | None, timeout: float | None,
              json_out: bool) -> None:
-    """`inspect --engine vllm --confirm`: the prediction, then the engine's word on it, the
+    """`inspect --engine E --confirm`: the prediction, then the engine's word on it, the
     disagreements first; exit 1 on any."""
     from metrale_cli.cli import render_engine
     from metrale_cli.cli.console import say
-    from metrale_cli.engines.confirm import DEFAULT_TIMEOUT_S, confirm, engine_args
 
-    done = confirm(audited, engine, given, python=python, extra_args=engine_args(args),
-                   timeout_s=DEFAULT_TIMEOUT_S if timeout is None else timeout, progress=say)
+    done = engine.confirm(audited, given, python=python, engine_args=args, timeout_s=timeout,
+                          progress=say)
     emit(done.record, json_out, render_engine.engine_confirm_view)
     if not done.agrees:
         raise typer.Exit(1)
@@ -238,6 +250,11 @@ def layout(
                                               online=online_on(online)), chosen, given,
                                budget_bytes)
         emit(record, json_out, render_engine.engine_layout_view)
+        not_served = record["engine"]["not_served"]
+        if not_served:
+            _exit_1([f"{n['adapter']} ({n['verdict']})" for n in not_served],
+                    len(adapters or []), f"not served as PEFT serves them by {chosen.label} "
+                    f"{chosen.version}, though it allocates these buffers")
         return
     spec = shard_spec(tp, ep, fully_sharded)
     module_list = parse_modules(modules) if modules else None

@@ -1,7 +1,7 @@
-"""Rich views of `metrale inspect --engine E` and `layout --engine E` records (vLLM, SGLang),
-as render.py's: nothing here computes what it shows, and input-derived text is escaped. What
-differs by engine (its title, its flags, the names of its load paths) is looked up by the
-record's engine name."""
+"""Rich views of `metrale inspect --engine E` and `layout --engine E` records (any registered
+engine), as render.py's: nothing here computes what it shows, and input-derived text is
+escaped. What differs by engine (its title, its flags in words, the names of its load paths)
+is the engine's own (engines/engine.py `Engine`), found by the record's engine name."""
 
 from __future__ import annotations
 
@@ -15,24 +15,11 @@ from rich.table import Table
 from rich.text import Text
 
 from metrale_cli.cli.render import fields, human_bytes, model_line, whole, wrapped
+from metrale_cli.engines import get_engine
 
 VERDICT_STYLE = {"serves": "bold green", "differs": "bold yellow", "ignores": "bold yellow",
                  "refuses": "bold red", "crashes": "bold red", "fails_startup": "bold red",
                  "unsupported_model": "bold red"}
-
-
-# Per engine: its title, and the label of each load path the panels show beside the verdict
-# (the runtime path's).
-_TITLES = {"vllm": "vLLM {} (GPU build)", "sglang": "SGLang {}"}
-_OTHER_PATHS = {"vllm": (("startup", "--lora-modules"), ("offline", "offline LLM")),
-                "sglang": (("startup", "--lora-paths"),)}
-_MODULE_COLUMN = {"vllm": "vLLM module", "sglang": "SGLang module"}
-# The flag `--budget` answers in, as metrale's --max-loras reads for each engine.
-_SLOTS_FLAG = {"vllm": "--max-loras", "sglang": "--max-loras (--max-loras-per-batch)"}
-
-
-def _title(engine: dict[str, Any]) -> str:
-    return _TITLES[engine["name"]].format(engine["version"])
 
 
 def engine_inspect_view(record: dict[str, Any]) -> Group:
@@ -40,14 +27,14 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     (and its other load paths' where they differ) and modules, then the recommended flags and
     a ready line that starts the server."""
     engine = record["engine"]
-    name = engine["name"]
+    who = get_engine(f"{engine['name']}=={engine['version']}")
     parts: list[Any] = [whole(model_line(record["model"]), style="bold"),
-                        wrapped(f"{_title(engine)}, flags {engine['flags_source']}: "
-                                f"{_flag_line(engine['flags'], engine.get('pool'))}",
+                        wrapped(f"{who.title}, flags {engine['flags_source']}: "
+                                f"{who.flag_line(engine['flags'], engine.get('pool'))}",
                                 style="dim")]
     if engine.get("checked") == "source":
-        parts.append(wrapped(f"{_title(engine)}'s answers for this family come from reading "
-                             "its source: its LoRA code was not run on it", style="dim"))
+        parts.append(wrapped(f"{who.title}'s answers for this family come from reading its "
+                             "source: its LoRA code was not run on it", style="dim"))
     for adapter in record["adapters"]:
         v = adapter["engine"]
         grid = Table.grid(padding=(0, 2))
@@ -55,7 +42,7 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
         grid.add_column()
         grid.add_row("verdict", Text(v["verdict"], style=VERDICT_STYLE[v["verdict"]]))
         grid.add_row("reason", escape(v["reason"]))
-        for path, label in _OTHER_PATHS[name]:
+        for path, label in who.other_paths:
             other = v["paths"][path]
             if other["verdict"] != v["verdict"] or other["reason"] != v["reason"]:
                 grid.add_row(label, escape(f"{other['verdict']}: {other['reason']}"))
@@ -65,7 +52,7 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
         body: list[Any] = [grid]
         if v["modules"]:
             table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
-            for column in ("module", _MODULE_COLUMN[name], "layers", "served"):
+            for column in ("module", who.module_column, "layers", "served"):
                 table.add_column(column)
             for m in v["modules"]:
                 table.add_row(m["module"], m["engine_module"] or "-",
@@ -78,11 +65,11 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     rows: list[tuple[str, str | Text]] = []
     if engine.get("offline_batch"):
         rows.append(("offline batch", engine["offline_batch"]["reason"]))
-    rows += [("recommended", _flag_line(rec["flags"], rec.get("pool"))),
+    rows += [("recommended", who.flag_line(rec["flags"], rec.get("pool"))),
              ("serve", whole(rec["serve"]) if rec["serve"] else "none: no adapter can start "
               "the server, and without one it needs --max-rank and --modules")]
     if rec["shut_out"]:
-        rows.append(("", f"the serve line names no adapter {_title(engine)} would not start "
+        rows.append(("", f"the serve line names no adapter {who.title} would not start "
                          "with (see left out)"))
     if rec["lora_bytes"] is not None:
         rows.append(("LoRA memory", f"{rec['lora_bytes']:,} B "
@@ -99,7 +86,7 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
                      f"{human_bytes(lower['frees_bytes'])} and shuts out "
                      f"{', '.join(lower['shuts_out']) or 'no adapter'}"))
     if rec.get("fully_sharded_saves_bytes"):
-        rows.append(("fully sharded", f"--fully-sharded-loras saves "
+        rows.append(("fully sharded", f"--fully-sharded-loras (--fully-sharded) would save "
                      f"{human_bytes(rec['fully_sharded_saves_bytes'])} per GPU"))
     for line in rec["shut_out"]:
         rows.append(("left out", line))
@@ -107,33 +94,12 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-def _flag_line(flags: dict[str, Any], pool: dict[str, Any] | None = None) -> str:
-    targets = flags.get("lora_target_modules")
-    if "max_loras_per_batch" in flags:  # SGLang's; the pool is what its start-up infers
-        rank = flags["max_lora_rank"] if flags["max_lora_rank"] is not None else (
-            f"{pool['max_lora_rank']} (inferred)" if pool else "inferred")
-        modules = ", ".join(targets) if targets else (
-            f"{', '.join(pool['target_modules']) or 'none'} (inferred)" if pool else "inferred")
-        loaded = flags["max_loaded_loras"]
-        return (f"max_lora_rank {rank}, max_loras_per_batch {flags['max_loras_per_batch']}, "
-                f"max_loaded_loras {loaded if loaded is not None else 'no limit'}, "
-                f"eviction {flags['lora_eviction_policy']}, tp {flags['tp_size']}, "
-                f"lora_backend {flags['lora_backend']}, dtype {flags['dtype']}, target "
-                f"modules {modules}")
-    return (f"max_lora_rank {flags['max_lora_rank']}, max_loras {flags['max_loras']}, "
-            f"max_cpu_loras {flags['max_cpu_loras']}, tp {flags['tensor_parallel_size']}"
-            f"{', fully sharded' if flags['fully_sharded_loras'] else ''}, "
-            f"lora_dtype {flags['lora_dtype']}, target modules "
-            f"{', '.join(targets) if targets else 'all'}")
-
-
-def _host_held(rec: dict[str, Any]) -> str:
-    """Which adapters the host cache's bytes are: vLLM's --max-cpu-loras, SGLang's
-    --max-loaded-loras (no limit: every start-up adapter)."""
-    flags = rec["flags"]
-    held = flags.get("max_cpu_loras", flags.get("max_loaded_loras"))
+def _host_held(rec: dict[str, Any], host_flag: str) -> str:
+    """Which adapters the host cache's bytes are: the host tier's slots (`host_flag`; no
+    limit: every start-up adapter)."""
+    held = rec["tiers"]["host_slots"]
     if held is None:
-        return "every start-up adapter (no --max-loaded-loras)"
+        return f"every start-up adapter (no {host_flag})"
     return f"{held} adapter{'s' if held != 1 else ''}"
 
 
@@ -141,20 +107,22 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
     """`metrale layout --engine E`: one GPU's LoRA buffers of the engine, as `layout` shows
     the pool, from its record."""
     rec = record["engine"]
-    slots = _SLOTS_FLAG[rec["name"]]
+    who = get_engine(f"{rec['name']}=={rec['version']}")
     rows: list[tuple[str, str | Text]] = [
         ("model", model_line(record["model"])),
-        ("engine", _title(rec)),
-        ("flags", _flag_line(rec["flags"], rec.get("pool"))),
+        ("engine", who.title),
+        ("flags", who.flag_line(rec["flags"], rec.get("pool"))),
         ("LoRA buffers", f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) per GPU"),
         ("slot", f"{rec['slot_bytes']:,} B ({human_bytes(rec['slot_bytes'])}) per adapter slot"),
         ("host cache", f"{rec['host_cache_bytes']:,} B ({human_bytes(rec['host_cache_bytes'])}) "
-         f"for {_host_held(rec)}, per TP worker")]
+         f"for {_host_held(rec, who.host_flag)}, per TP worker")]
     if "budget_bytes" in rec:
         fit = rec["max_loras_fit"]
         rows.append(("budget", f"{human_bytes(rec['budget_bytes'])} holds "
-                     f"{fit:,} {slots}" if fit is not None else
+                     f"{fit:,} {who.slots_flag}" if fit is not None else
                      f"{human_bytes(rec['budget_bytes'])}: the pool has no slot bytes"))
+    for n in rec["not_served"]:
+        rows.append(("not served", f"{n['adapter']}: {n['verdict']}: {n['reason']}"))
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     for column, justify in (("module", "left"), ("kind", "left"), ("layers", "right"),
                             ("bytes", "right"), ("%", "right")):
@@ -170,10 +138,11 @@ def engine_layout_view(record: dict[str, Any]) -> Group:
 
 
 def engine_confirm_view(record: dict[str, Any]) -> Group:
-    """`metrale inspect --engine vllm --confirm`: the disagreements first, then the prediction
+    """`metrale inspect --engine E --confirm`: the disagreements first, then the prediction
     (engine_inspect_view), then per adapter what the running engine did."""
     check = record["confirm"]
     engine = check["engine"]
+    label = get_engine(record["engine"]["name"]).label
     by_name = {a["name"]: a for a in check["adapters"]}
     parts: list[Any] = []
     for name in check["disagreements"]:
@@ -184,7 +153,7 @@ def engine_confirm_view(record: dict[str, Any]) -> Group:
         parts.append(Text(""))
     parts += [engine_inspect_view(record), Text("")]
     table = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD,
-                  title=escape(f"confirmed against vLLM {engine['version'] or '?'} running"),
+                  title=escape(f"confirmed against {label} {engine['version'] or '?'} running"),
                   title_justify="left")
     for column in ("adapter", "predicted", "observed", "agrees"):
         table.add_column(column)
@@ -198,7 +167,7 @@ def engine_confirm_view(record: dict[str, Any]) -> Group:
         if a["note"]:
             rows.append(("note", f"{a['name']}: {a['note']}"))
     ready = engine["ready_s"]
-    rows += [("engine", f"vLLM {engine['version'] or '?'}, "
+    rows += [("engine", f"{label} {engine['version'] or '?'}, "
               f"{'ready after ' + format(ready, '.0f') + ' s, ' if ready is not None else ''}"
               f"{engine['seconds']:.0f} s in all"),
              ("flags", " ".join(engine["flags"])), ("log", engine["log"]),

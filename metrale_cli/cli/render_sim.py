@@ -12,9 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metrale_cli.cli.render import fields, human_bytes, whole
-
-# The flag that sizes each engine's host cache, as the engine spells it.
-_HOST_FLAG = {"vllm": "--max-cpu-loras", "sglang": "--max-loaded-loras"}
+from metrale_cli.engines import get_engine
 
 
 def human_seconds(seconds: float) -> str:
@@ -48,10 +46,11 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      + (f"at most {seats} in flight" if seats else "no concurrency cap")))
     if record.get("engine"):
         e = record["engine"]
+        host_flag = get_engine(f"{e['name']}=={e['version']}").host_flag
         tier = next(iter(e["tiers"].values()))
         head.append(("engine", f"{e['name']} {e['version']}'s own cache: its GPU slots of its "
                      f"slot bytes (--max-loras), evicting {tier['gpu_eviction'].upper()}, its "
-                     f"host cache ({_HOST_FLAG.get(e['name'], 'host slots')}), evicting "
+                     f"host cache ({host_flag}), evicting "
                      f"{tier['host_eviction'].upper()}, its scheduler's admission"))
     per_gpu = f" per GPU at --tp {lay['tp_size']}" if "tp_size" in lay else ""
     head.append(("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "

@@ -1,12 +1,15 @@
 """What a serving engine does with adapters, answered offline from configs and headers.
 
-Every engine is one object behind the `Engine` protocol (engine.py), registered here by name
-and pinned to the versions its rules were read from and tested against (vLLM: 0.32.0, SGLang:
-0.5.23). It takes the audit's `AdapterReport`s and the `ModelConfig` and returns the engine-neutral
-records of verdict.py, so a second engine is a module beside vLLM's and one line in
-`_REGISTRY`, not a change to the audit or the CLI. `metrale`, the default, is the project's own
-pool, whose answers are the audit's and the layout's: it is no engine object, only the options
-the pool's commands take (`POOL_OPTIONS`).
+Every engine is one package (its rules, its model, its flags: vllm/, sglang/) whose object
+satisfies the `Engine` protocol (engine.py), registered here by name and pinned to the versions
+its rules were read from and tested against (vLLM: 0.32.0, SGLang: 0.5.23). It takes the
+audit's `AdapterReport`s and the `ModelConfig` and returns the engine-neutral records of
+verdict.py, and carries what the commands and views ask of it (its title, load paths, flags,
+options, host-cache flag, whether it can be confirmed), so a third engine is a package and one
+`register` call, not a change to the audit, the CLI or the views; what engines read alike is
+shared.py's. `metrale`, the default, is the project's own pool, whose answers are the audit's
+and the layout's: it is no engine object, only the options the pool's commands take
+(`POOL_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from metrale_cli.errors import UsageError, did_you_mean
 if TYPE_CHECKING:
     from metrale_cli.engines.engine import Engine
 
-# name -> the module whose `ENGINE` it is (imported on first use: no engine costs a start-up).
-_REGISTRY = {"vllm": "metrale_cli.engines.vllm", "sglang": "metrale_cli.engines.sglang_model"}
-ENGINES = ("metrale", *_REGISTRY)
+# name -> the engine, or the module whose `ENGINE` it is (the built-in engines, imported on
+# first use: no engine costs a start-up).
+_REGISTRY: dict[str, Engine | str] = {"vllm": "metrale_cli.engines.vllm",
+                                      "sglang": "metrale_cli.engines.sglang"}
 
 # The options `inspect` and `layout` take on metrale's own pool (beyond --model, --online,
 # --json and the adapters every engine takes).
@@ -35,6 +39,19 @@ POOL_OPTIONS: dict[str, frozenset[str]] = {
 }
 
 
+def register(engine: Engine) -> None:
+    """Answer `--engine NAME` (and the library's `get_engine`) with `engine`, NAME its `name`:
+    every command and view then asks it, and no other file needs to know it."""
+    if engine.name == "metrale" or engine.name in _REGISTRY:
+        raise UsageError(f"engine {engine.name!r} is registered already")
+    _REGISTRY[engine.name] = engine
+
+
+def names() -> tuple[str, ...]:
+    """Every `--engine` name: metrale's own pool, then the registered engines."""
+    return ("metrale", *_REGISTRY)
+
+
 def get_engine(spec: str) -> Engine:
     """The engine `spec` names: `vllm` or `sglang` (the rules' own version), or `NAME==X` for
     an X the rules are pinned to; anything else is a UsageError listing what is known."""
@@ -42,11 +59,12 @@ def get_engine(spec: str) -> Engine:
         raise UsageError(f"engine: takes a name such as 'vllm', 'sglang' or 'vllm==0.32.0', got "
                          f"{type(spec).__name__}")
     name, _, version = spec.strip().partition("==")
-    module = _REGISTRY.get(name.strip())
-    if module is None:
-        raise UsageError(f"--engine {spec!r}{did_you_mean(name, ENGINES)}: one of "
-                         f"{', '.join(ENGINES)} (a version as vllm==0.32.0)")
-    engine: Engine = import_module(module).ENGINE
+    entry = _REGISTRY.get(name.strip())
+    if entry is None:
+        raise UsageError(f"--engine {spec!r}{did_you_mean(name, names())}: one of "
+                         f"{', '.join(names())} (a version as "
+                         "vllm==0.32.0)")
+    engine: Engine = import_module(entry).ENGINE if isinstance(entry, str) else entry
     version = version.strip()
     if version and version not in engine.versions:
         raise UsageError(f"--engine {spec!r}: metrale has {engine.name} rules for "
@@ -70,7 +88,7 @@ def refuse_other_options(engine: str, command: str, given: dict[str, object]) ->
     foreign = [n for n in named if n not in own]
     if not foreign:
         return
-    takers = [e for e in ENGINES if e != engine and all(
+    takers = [e for e in names() if e != engine and all(
         n in options_of(e, command) for n in foreign)]
     where = f"need --engine {' or '.join(takers)}" if takers else \
         f"are not options of `{command}` with --engine {engine}"

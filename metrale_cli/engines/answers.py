@@ -36,13 +36,13 @@ class EngineInspection:
 def engine_inspect(audited: AuditedAdapters, engine: Engine,
                    given: Mapping[str, object] | None = None) -> EngineInspection:
     """What `engine` does with each audited adapter under the flags in `given` (CLI option
-    names to values), or under the ones it recommends when none is given."""
+    names to values) and the ones it recommends for the rest."""
     given = dict(given or {})
     cfg, reports = audited.model, audited.reports
-    # The given flags first: a bad one (a TP degree the model cannot take) is refused before
-    # any recommendation is sized for it.
-    flags = engine.flags(cfg, given)
+    # `recommend` refuses a TP degree the model cannot take before it sizes anything; the
+    # given flags then replace the recommended ones they name, and only those.
     recommendation = engine.recommend(reports, cfg, given)
+    flags = engine.flags(cfg, given, recommendation.flags)
     source = "given" if flags is not None else "recommended"
     flags = engine.startup(cfg, flags if flags is not None else recommendation.flags, reports)
     verdicts = [engine.judge(r, cfg, flags, source) for r in reports]
@@ -58,24 +58,34 @@ def engine_layout(audited: AuditedAdapters, engine: Engine,
                   given: Mapping[str, object] | None = None,
                   budget_bytes: int | None = None) -> dict[str, Any]:
     """The engine's LoRA bytes on one GPU (and its host cache, and what `simulate` replays);
-    with adapters, their rank, count and modules fill in what `given` leaves out, and one the
-    engine would not serve as PEFT does is refused (NotServable) as `layout` refuses one the
-    pool cannot serve."""
+    with adapters, their rank, count and modules fill in what `given` leaves out. The engine
+    allocates its buffers whatever it does with the adapters: each it would not serve as PEFT
+    serves it is named in `engine.not_served` with its verdict and reason (`layout` then
+    exits 1), the bytes given all the same."""
     cfg, reports = audited.model, audited.reports
     flags = engine.layout_flags(cfg, reports, dict(given or {}))
-    refuse_unserved(engine, cfg, reports, flags)
     memory = engine.memory(cfg, flags, reports or None, budget_bytes)
+    not_served = [{"adapter": r.name, "verdict": v.verdict.value, "reason": v.reason}
+                  for r, v in unserved(engine, cfg, reports, flags)]
     return {"model": cfg.record(), "engine": {**memory.record(),
-                                              "tiers": engine.tiers(memory).record()}}
+                                              "tiers": engine.tiers(memory).record(),
+                                              "not_served": not_served}}
+
+
+def unserved(engine: Engine, model: ModelConfig, reports: Sequence[AdapterReport],
+             flags: Any) -> list[tuple[AdapterReport, EngineVerdict]]:
+    """Each adapter `engine` would not serve as PEFT serves it under `flags`, with its
+    verdict: under an engine the engine's judgement, not the pool's audit, decides."""
+    return [(r, v) for r, v in ((r, engine.judge(r, model, flags)) for r in reports)
+            if not v.serves]
 
 
 def refuse_unserved(engine: Engine, model: ModelConfig, reports: Sequence[AdapterReport],
                     flags: Any) -> None:
     """NotServable naming every adapter `engine` would not serve as PEFT serves it under
-    `flags`, with its verdict and reason: under an engine the engine's judgement, not the
-    pool's audit, decides (`layout --engine`, `simulate --engine`)."""
-    refused = [(r, v) for r, v in ((r, engine.judge(r, model, flags)) for r in reports)
-               if not v.serves]
+    `flags`, with its verdict and reason (`simulate --engine` replays only adapters the
+    engine serves)."""
+    refused = unserved(engine, model, reports, flags)
     if refused:
         raise NotServable(f"{len(refused)} adapter(s) not served as PEFT serves them by "
                           f"{engine.name} {engine.version} under these flags",

@@ -25,6 +25,9 @@ _BASE = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 2,
 _GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
 _HYBRID = ["linear_attention", "full_attention"]
+# Token ids inside the tiny vocabulary (the families' config defaults are real vocabularies').
+_DENSE = {**_BASE, "num_hidden_layers": 2, "intermediate_size": 96, "pad_token_id": 0,
+          "bos_token_id": 1, "eos_token_id": 2}
 
 # family -> (config class, model class, config kwargs)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -50,6 +53,15 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                 {**_BASE, **_GDN, "num_hidden_layers": 2, "intermediate_size": 96,
                  "layer_types": _HYBRID}),
+    # The families' dense classes (model/families.py): one of each way vLLM's class differs
+    # (its embedding_modules, its packed_modules_mapping, the transformers backend).
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    {**_DENSE, "layer_types": ["sliding_attention", "full_attention"],
+                     "sliding_window": 8}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", _DENSE),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _DENSE),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", _DENSE),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", _DENSE),
 }
 
 
@@ -106,7 +118,9 @@ def run_job(python: Path, runner: Path, out: Path, job: dict[str, Any], what: st
     """`runner` under the engine's `python` on `job` (written to `out`/job.json), in `env` (or
     this process's): the report it writes to `out`/report.json and its output, stdout and
     stderr in the order written (the engine's log). The test fails, naming `what` and the
-    output's end, when it fails, runs past 900 s or writes no report."""
+    output's end, when it fails, runs past its limit (300 s and 150 s per job: on a loaded
+    machine one vLLM engine takes minutes to start) or writes no report."""
+    limit = 300 + 150 * len(job.get("jobs", [job]))
     import subprocess
 
     import pytest
@@ -115,7 +129,7 @@ def run_job(python: Path, runner: Path, out: Path, job: dict[str, Any], what: st
     try:
         proc = subprocess.run([str(python), str(runner), str(out / "job.json"),
                                str(out / "report.json")], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=900, env=env)
+                              stderr=subprocess.STDOUT, text=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the {what} failed: no end after {exc.timeout} s")
     if proc.returncode or not (out / "report.json").exists():

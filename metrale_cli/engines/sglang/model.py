@@ -1,19 +1,18 @@
-"""SGLang 0.5.23's model as its LoRA code sees it: the per-family table, the server flags it
-reads (as `python -m sglang.launch_server` spells them, validated as its start-up validates
-them), the pool a server builds from its start-up adapters, and the bytes of that pool's A and
-B buffers per GPU. From configs only; read from SGLang 0.5.23's installed source
+"""SGLang 0.5.23's model as its LoRA code sees it: the per-family table, the pool a server
+builds from its start-up adapters under its flags (flags.py), and the bytes of that pool's A
+and B buffers per GPU. From configs only; read from SGLang 0.5.23's installed source
 (`sglang/srt/lora/`, `sglang/srt/arg_groups/`) and checked against its own `LoRAMemoryPool`
-running on CPU tensors (tests/test_engine_sglang_memory.py). `sglang.py` holds the rules
-that judge one adapter's config; this module turns them into the engine seam's answers
-(`SglangEngine`, `ENGINE`): a verdict per load path, the launch line, the pool's bytes and what
-`simulate` replays.
+running on CPU tensors (tests/test_engine_sglang_memory.py). `rules.py` holds the rules
+that judge one adapter's config; this module turns them into what the engine behind the seam
+(`SglangEngine` in __init__.py) answers: a verdict per load path, the launch line, the pool's
+bytes.
 
 How SGLang takes adapters, in order (lora_manager.py init_state, tokenizer_control_mixin.py),
-each answered by `sglang.judge_report` (`judgements`), never decided here:
+each answered by `rules.judge_report` (`judgements`), never decided here:
 1. `--lora-paths`: each through `_load_lora_adapter`; the first failure is
    `init_lora_adapters`' RuntimeError and the server never starts (`path="startup"`).
 2. init_lora_shapes: the pool's targets (`--lora-target-modules`, else the start-up adapters'
-   union) and max rank (`--max-lora-rank`, else their largest `r`): `sglang.startup_pool`; a
+   union) and max rank (`--max-lora-rank`, else their largest `r`): `rules.startup_pool`; a
    start-up adapter outside given targets stops the start.
 3. Runtime `POST /load_lora_adapter`: against that pool (its `can_support`, then the load); a
    refusal is HTTP 400 with SGLang's text and the server keeps serving (`path="runtime"`).
@@ -23,17 +22,25 @@ each answered by `sglang.judge_report` (`judgements`), never decided here:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from metrale_cli.engines import sglang
-from metrale_cli.engines.engine import SlotTiers
-from metrale_cli.engines.sglang import VERSION, Judgement
+from metrale_cli.engines.sglang import rules
+from metrale_cli.engines.sglang.flags import DEFAULT_LORA_BACKEND, Flags
+from metrale_cli.engines.sglang.rules import VERSION, Judgement
+from metrale_cli.engines.shared import (
+    DTYPE_BYTES,
+    divide,
+    family_row,
+    model_id,
+    raw_text_config,
+    refuse_absurd,
+)
 from metrale_cli.engines.verdict import EngineVerdict, Verdict
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import ModelConfig, find_preset
+from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
@@ -84,12 +91,12 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("gemma", ("GemmaForCausalLM",), "dense", "source"),
     SglangFamily("gemma2", ("Gemma2ForCausalLM",), "dense", "source"),
     SglangFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "dense",
-                 "source"),
-    SglangFamily("granite", ("GraniteForCausalLM",), "dense", "source"),
-    SglangFamily("olmo2", ("Olmo2ForCausalLM",), "dense", "source"),
+                 "run"),
+    SglangFamily("granite", ("GraniteForCausalLM",), "dense", "run"),
+    SglangFamily("olmo2", ("Olmo2ForCausalLM",), "dense", "run"),
     SglangFamily("olmo3", ("Olmo2ForCausalLM",), "dense", "source",
                  "configs/olmo3.py renames Olmo3ForCausalLM to the Olmo2 class"),
-    SglangFamily("cohere", ("CohereForCausalLM",), "dense", "source"),
+    SglangFamily("cohere", ("CohereForCausalLM",), "dense", "run"),
     SglangFamily("cohere2", ("Cohere2ForCausalLM",), "dense", "source"),
     SglangFamily("exaone4", ("Exaone4ForCausalLM",), "dense", "source"),
     SglangFamily("ernie4_5", ("Ernie4_5_ForCausalLM",), "dense", "source"),
@@ -112,35 +119,18 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
                  "multi-head latent attention; routed experts per expert as qwen3_moe"),
     SglangFamily("deepseek_v3", ("DeepseekV3ForCausalLM",), "moe", "source",
                  "multi-head latent attention; routed experts per expert as qwen3_moe"),
-    SglangFamily("phi3", ("Phi3ForCausalLM",), "dense", "source",
-                 "models/llama.py's Phi3ForCausalLM; qkv_proj and gate_up_proj stacked"),
-    SglangFamily("glm4", ("Glm4ForCausalLM",), "dense", "source"),
+    SglangFamily("phi3", ("Phi3ForCausalLM",), "dense", "run",
+                 "models/llama.py's Phi3ForCausalLM; a checkpoint-fused qkv_proj or "
+                 "gate_up_proj A is stacked once per slice (lora.py normalize_qkv_proj)"),
+    SglangFamily("glm4", ("Glm4ForCausalLM",), "dense", "run"),
 )}
 
 
 def family(model: ModelConfig) -> SglangFamily:
     """The row for `model`'s family; a family without one is refused, never guessed."""
-    row = FAMILIES.get(model.model_type)
-    if row is None:
-        raise UsageError(f"model type {model.model_type!r}: no SGLang {VERSION} rules for it "
-                         "(engines/sglang_model.py FAMILIES)")
-    return row
+    return family_row(FAMILIES, model, f"SGLang {VERSION}", "engines/sglang/model.py FAMILIES")
 
 
-# utils/common.py SUPPORTED_LORA_TARGET_MODULES (the `--lora-target-modules` choices), and
-# LORA_TARGET_ALL_MODULES, which must stand alone (arg_groups/lora_hook.py).
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa",
-                     "q_b_proj", "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj",
-                     "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens",
-                     "lm_head", "qkvr", "wo_ud")
-ALL = "all"
-# arg_groups/fields/lora.py: the choices and defaults of the LoRA flags.
-LORA_BACKENDS = ("triton", "csgmv", "ascend", "torch_native", "triton_v2")
-EVICTION_POLICIES = ("lru", "fifo")
-DEFAULT_MAX_LORAS_PER_BATCH = 8
-DEFAULT_LORA_BACKEND = "csgmv"
-DTYPES = ("auto", "float16", "bfloat16", "float32")
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # lora/utils.py EMBEDDING_NAMES, in the order init_buffers allocates their pairs.
 EMBEDDINGS = ("embed_tokens", "lm_head")
 # lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP.
@@ -150,83 +140,6 @@ _KINDS = {"qkv_proj": "column (qkv)", "gate_up_proj": "column", "o_proj": "row",
           "down_proj": "row", "embed_tokens": "embedding", "lm_head": "lm_head"}
 # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE.
 _VOCAB_PADDING = 64
-
-
-@dataclass(frozen=True)
-class Flags:
-    """The `sglang.launch_server` LoRA flags that change a verdict or the pool."""
-
-    # --max-lora-rank; None: the largest `r` of the start-up adapters (init_lora_shapes).
-    max_lora_rank: int | None = None
-    # --lora-target-modules as given; None: the union of the start-up adapters' targets.
-    target_modules: tuple[str, ...] | None = None
-    max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
-    # --max-loaded-loras; None: no limit on the adapters held in CPU memory.
-    max_loaded_loras: int | None = None
-    lora_backend: str = DEFAULT_LORA_BACKEND
-    eviction_policy: str = "lru"
-    tp: int = 1
-    dtype: str = "auto"
-    # The pool the server builds from its start-up adapters (SglangEngine.startup); None
-    # before they are known.
-    pool: Pool | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        # arg_groups/lora_hook.py check_lora_server_args, in its words where it has them.
-        if self.max_loras_per_batch < 1:
-            raise UsageError("--max-loras (SGLang's --max-loras-per-batch): "
-                             "max_loras_per_batch must be positive")
-        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
-            raise UsageError(
-                "--max-loaded-loras: max_loaded_loras should be greater than or equal to "
-                f"max_loras_per_batch. max_loaded_loras={self.max_loaded_loras}, "
-                f"max_loras_per_batch={self.max_loras_per_batch}")
-        if self.max_lora_rank is not None and self.max_lora_rank < 1:
-            raise UsageError(f"--max-rank {self.max_lora_rank}: must be at least 1")
-        if self.tp < 1:
-            raise UsageError("--tp must be at least 1")
-        if self.target_modules is not None:
-            bad = [m for m in self.target_modules if m not in (*SUPPORTED_TARGETS, ALL)]
-            if bad or not self.target_modules:
-                raise UsageError(f"--modules: SGLang's --lora-target-modules takes "
-                                 f"{', '.join(SUPPORTED_TARGETS)} or {ALL} (not "
-                                 f"{', '.join(bad) or 'nothing'})")
-            if ALL in self.target_modules and len(self.target_modules) > 1:
-                raise UsageError("--modules: If 'all' is specified in --lora-target-modules, "
-                                 "it should be the only module specified.")
-        for flag, value, choices in (("--lora-backend", self.lora_backend, LORA_BACKENDS),
-                                     ("--eviction-policy", self.eviction_policy,
-                                      EVICTION_POLICIES), ("--dtype", self.dtype, DTYPES)):
-            if value not in choices:
-                raise UsageError(f"{flag} {value!r}: one of {', '.join(choices)}")
-
-    def model_dtype(self, model: ModelConfig) -> str:
-        """`--dtype auto` (configs/model_config.py _get_and_verify_dtype): the config's dtype,
-        float32 (or none stated) cast to float16; the LoRA pool takes the model's dtype
-        (lora_manager.py: the model runner's dtype)."""
-        if self.dtype != "auto":
-            return self.dtype
-        from metrale_cli.engines.vllm_model import raw_text_config
-
-        raw = raw_text_config(model)
-        stated = raw.get("dtype") or raw.get("torch_dtype")
-        if stated is None and model.source and find_preset(model.source) is not None:
-            # A preset keeps no dtype; every preset's hub config states bfloat16.
-            stated = "bfloat16"
-        return stated if stated in ("float16", "bfloat16") else "float16"
-
-    def record(self, model: ModelConfig) -> dict[str, Any]:
-        return {"max_lora_rank": self.max_lora_rank,
-                "lora_target_modules": list(self.target_modules) if self.target_modules
-                else None, "max_loras_per_batch": self.max_loras_per_batch,
-                "max_loaded_loras": self.max_loaded_loras, "lora_backend": self.lora_backend,
-                "lora_eviction_policy": self.eviction_policy, "tp_size": self.tp,
-                "dtype": self.model_dtype(model)}
-
-
-def target_modules(text: str) -> tuple[str, ...]:
-    """`--modules` as SGLang's --lora-target-modules (Flags validates the names)."""
-    return tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
 
 
 @dataclass(frozen=True)
@@ -240,13 +153,13 @@ class Pool:
     @classmethod
     def at_startup(cls, flags: Flags, model: ModelConfig,
                    configs: Iterable[Mapping[str, Any]]) -> Pool:
-        """`sglang.startup_pool` for the start-up adapters' configs under `flags`."""
-        rank, targets = sglang.startup_pool(configs, flags.max_lora_rank, flags.target_modules,
+        """`rules.startup_pool` for the start-up adapters' configs under `flags`."""
+        rank, targets = rules.startup_pool(configs, flags.max_lora_rank, flags.target_modules,
                                             tie_word_embeddings=model.tie_word_embeddings)
         return cls(rank, frozenset(targets))
 
     def rules(self) -> tuple[int, set[str]]:
-        """As `sglang.judge` takes a pool."""
+        """As `rules.judge` takes a pool."""
         return self.max_rank, set(self.targets)
 
     def record(self) -> dict[str, Any]:
@@ -257,9 +170,7 @@ class Pool:
 
 
 def _divide(size: int, tp: int, what: str) -> int:
-    if size % tp:
-        raise UsageError(f"--tp {tp} does not divide {what} ({size}): SGLang cannot shard it")
-    return size // tp
+    return divide(size, tp, what, "SGLang")
 
 
 def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: int,
@@ -284,7 +195,7 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     if module not in dims:
         raise UsageError(f"SGLang {VERSION}: no dense pool rule for {module!r}")
     d_in, d_out = dims[module]
-    c = sglang.STACKED.get(module, 1)
+    c = rules.STACKED.get(module, 1)
     if module in _ROW_PARALLEL:
         d_in = _divide(d_in, tp, module)
     elif module == "qkv_proj" and kv < tp:
@@ -351,6 +262,8 @@ class Memory:
                                (math.prod(a) + math.prod(b)) * elem * layers * n))
         sizes = sorted((_file_bytes(r) for r in adapters or []), reverse=True)
         held = sizes if flags.max_loaded_loras is None else sizes[:flags.max_loaded_loras]
+        refuse_absurd(f"SGLang {VERSION}", sum(b for *_, b in per_module), sum(held),
+                      "--max-loaded-loras")
         return cls(model, flags, pool, per_module, sum(held), budget_bytes)
 
     @property
@@ -396,25 +309,42 @@ def _file_bytes(report: AdapterReport) -> int:
 
 def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
                ) -> dict[str, Judgement]:
-    """The rules' judgement (`sglang.judge_report`) of the adapter on each load path: at
+    """The rules' judgement (`rules.judge_report`) of the adapter on each load path: at
     start-up against the pool a start-up naming it builds under `flags` (the other start-up
     adapters can only widen a pool the flags do not fix, which changes none of its checks), at
     runtime against the running pool (`flags.pool`, else the one it builds alone)."""
     alone = Pool.at_startup(flags, model, [report.adapter.config.raw])
-    return {"startup": sglang.judge_report(report, model, pool=alone.rules(), path="startup"),
-            "runtime": sglang.judge_report(report, model, pool=(flags.pool or alone).rules(),
+    return {"startup": rules.judge_report(report, model, pool=alone.rules(), path="startup"),
+            "runtime": rules.judge_report(report, model, pool=(flags.pool or alone).rules(),
                                            path="runtime")}
 
 
+# A stacked part's tensor name, as SGLang's KeyError gives it.
+_FUSED_PART = re.compile(r"layers\.(\d+)\.(?:[\w.]*\.)?([kv]_proj)\.lora_[AB]\.weight")
+
+
+def _in_words(got: Judgement) -> str:
+    """What SGLang's text leaves unsaid, where it is a bare tensor name (its KeyError when a
+    layer's q_proj cannot be stacked: lora.py normalize_qkv_proj): empty elsewhere."""
+    found = _FUSED_PART.search(got.error) if got.reason_class == "fused_part_missing" else None
+    if found is None:
+        return ""
+    layer, missing = found.groups()
+    return (f": layer {layer} has q_proj without {missing}, and SGLang stacks each layer's "
+            "q_proj, k_proj and v_proj into one qkv_proj, which needs v_proj beside q_proj "
+            "(and k_proj where the layer has any)")
+
+
 def reason(got: Judgement) -> str:
-    """A judgement in words: what the server does, and SGLang's own text where it raises."""
+    """A judgement in words: what the server does, and SGLang's own text where it raises (in
+    words where that text is a bare tensor name)."""
     v = got.verdict
     if v is Verdict.FAILS_STARTUP:
         return (f"naming it in --lora-paths stops the server from starting ({got.error_type}: "
-                f"{got.error})")
+                f"{got.error}){_in_words(got)}")
     if v is Verdict.REFUSES:
-        return (f"POST /load_lora_adapter answers HTTP 400 ({got.error}); the server keeps "
-                "serving the base model and every other adapter")
+        return (f"POST /load_lora_adapter answers HTTP 400 ({got.error}){_in_words(got)}; the "
+                "server keeps serving the base model and every other adapter")
     if v is Verdict.CRASHES:
         loads = ("named in --lora-paths it loads" if got.path == "startup"
                  else "POST /load_lora_adapter loads it")
@@ -432,33 +362,50 @@ def starts(got: Judgement) -> bool:
     return got.verdict in (Verdict.SERVES, Verdict.DIFFERS)
 
 
+def model_support(model: ModelConfig) -> tuple[str, str] | None:
+    """Why SGLang cannot start on `model` whatever the adapters, or None. SGLang reads the
+    config's `architectures[0]` before it picks a model class: none at all (or null) is a
+    TypeError in configs/model_config.py `ModelConfig.__init__` (`self.hf_config.
+    architectures[0] in mm_disabled_models`), an empty list an IndexError as the config is
+    loaded (utils/hf_transformers/config.py `HFConfigParser.parse`: `config.architectures[0]
+    == "Phi4MMForCausalLM"`); either stops the server starting. A preset names none: its
+    family's own class."""
+    if model.architectures is None or model.architectures:
+        return None
+    if raw_text_config(model).get("architectures") is None:
+        return ("architecture", "TypeError: 'NoneType' object is not subscriptable: the "
+                "config has no `architectures`, which SGLang indexes to pick its model class "
+                "(configs/model_config.py ModelConfig.__init__); the server never starts")
+    return ("architecture", "IndexError: list index out of range: the config's "
+            "`architectures` is empty, and SGLang indexes it as it loads the config "
+            "(utils/hf_transformers/config.py HFConfigParser.parse); the server never starts")
+
+
 def verdict_of(report: AdapterReport, model: ModelConfig, flags: Flags,
                flags_source: str = "given") -> EngineVerdict:
     """The adapter on both of SGLang's load paths under `flags` (whose `pool` is the one its
     start-up adapters build), each the rules' judgement; `verdict` is the runtime path's. The
-    rules were run against SGLang's own code for the families marked `checked: run`."""
+    rules were run against SGLang's own code for the families marked `checked: run`. On a
+    model SGLang cannot start (`model_support`), `unsupported_model` on both paths."""
+    pool = flags.pool or Pool.at_startup(flags, model, [report.adapter.config.raw])
+    record = {**flags.record(model), "pool": pool.record()}
+    unsupported = model_support(model)
+    if unsupported is not None:
+        cls, text = unsupported
+        paths = {path: {"verdict": Verdict.UNSUPPORTED_MODEL.value, "reason": text,
+                        "checked": "run"} for path in ("startup", "runtime")}
+        return EngineVerdict(NAME, VERSION, Verdict.UNSUPPORTED_MODEL, text, cls, record,
+                             flags_source, [], {}, paths)
     judged = judgements(report, model, flags)
     checked = family(model).checked
     paths = {path: {"verdict": got.verdict.value, "reason": reason(got), "checked": checked}
              for path, got in judged.items()}
     runtime = judged["runtime"]
-    pool = flags.pool or Pool.at_startup(flags, model, [report.adapter.config.raw])
     return EngineVerdict(NAME, VERSION, runtime.verdict, paths["runtime"]["reason"],
-                         runtime.reason_class, {**flags.record(model), "pool": pool.record()},
-                         flags_source, [], {}, paths)
+                         runtime.reason_class, record, flags_source, [], {}, paths)
 
 
 # -- the launch line metrale recommends --------------------------------------------------------
-
-
-def _model_path(model: ModelConfig) -> str:
-    preset = find_preset(model.source) if model.source else None
-    if preset is not None:
-        return preset.hub_ids[0]
-    path = Path(model.source) if model.source else None
-    if path is not None and path.name == "config.json":
-        return str(path.parent.resolve())
-    return model.source or "MODEL"
 
 
 @dataclass(frozen=True)
@@ -477,8 +424,8 @@ class Recommendation:
         f = self.flags
         if not self.lora_paths and (f.max_lora_rank is None or f.target_modules is None):
             return None  # SGLang refuses a LoRA server with nothing to size its pool from
-        parts = ["python -m sglang.launch_server", "--model-path", _model_path(self.model),
-                 "--enable-lora"]
+        parts = ["python -m sglang.launch_server", "--model-path",
+                 model_id(self.model, absolute=True), "--enable-lora"]
         if self.lora_paths:
             parts.append("--lora-paths " + " ".join(f"{n}={p}" for n, p in self.lora_paths))
         if f.max_lora_rank is not None:
@@ -511,159 +458,3 @@ class Recommendation:
             # Adapters the launch line leaves out, each with SGLang's reason.
             "shut_out": self.shut_out,
         }
-
-
-# -- the engine behind the seam (engines/engine.py) --------------------------------------------
-
-_FLAG_OPTIONS = ("--max-rank", "--modules", "--max-loras", "--max-loaded-loras",
-                 "--lora-backend", "--eviction-policy", "--tp", "--dtype")
-
-
-def _flags_from(given: Mapping[str, object], default_loras: int | None = None) -> Flags:
-    g = {k: given.get(k) for k in _FLAG_OPTIONS}
-    modules = g["--modules"]
-    return Flags(
-        max_lora_rank=g["--max-rank"],  # type: ignore[arg-type]
-        target_modules=target_modules(str(modules)) if modules else None,
-        max_loras_per_batch=g["--max-loras"] or default_loras or  # type: ignore[arg-type]
-        DEFAULT_MAX_LORAS_PER_BATCH,
-        max_loaded_loras=g["--max-loaded-loras"],  # type: ignore[arg-type]
-        lora_backend=g["--lora-backend"] or DEFAULT_LORA_BACKEND,  # type: ignore[arg-type]
-        eviction_policy=g["--eviction-policy"] or "lru",  # type: ignore[arg-type]
-        tp=g["--tp"] or 1, dtype=g["--dtype"] or "auto")  # type: ignore[arg-type]
-
-
-class SglangEngine:
-    """SGLang 0.5.23 as an `Engine`: its options, verdicts per load path, launch line, pool
-    bytes and cache."""
-
-    name = NAME
-    version = VERSION
-    versions = (VERSION,)
-    families = FAMILIES
-    options = {"inspect": frozenset(_FLAG_OPTIONS),
-               "layout": frozenset({*_FLAG_OPTIONS, "--budget"}),
-               "simulate": frozenset({*_FLAG_OPTIONS, "--budget"})}
-
-    def installed_warning(self) -> str | None:
-        """SGLang's installed version where `sglang` is importable here, read from its
-        metadata without importing it."""
-        import importlib.metadata
-        import importlib.util
-
-        try:
-            if importlib.util.find_spec("sglang") is None:
-                return None
-            installed = importlib.metadata.version("sglang")
-        except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
-            return None
-        if installed.split("+", 1)[0] != VERSION:
-            return f"the installed sglang is {installed}; these are SGLang {VERSION}'s rules"
-        return None
-
-    def check_tp(self, model: ModelConfig, tp: int, fully_sharded: bool) -> None:
-        from metrale_cli.layout.sharding import ShardSpec, check_model_split
-
-        check_model_split(model, ShardSpec(tp, 0, 1, False), who="SGLang")
-
-    def flags(self, model: ModelConfig, given: Mapping[str, object]) -> Flags | None:
-        if all(given.get(k) in (None, False) for k in _FLAG_OPTIONS):
-            return None
-        flags = _flags_from(given)
-        if flags.tp > 1:
-            self.check_tp(model, flags.tp, False)
-        return flags
-
-    def startup(self, model: ModelConfig, flags: Flags,
-                reports: list[AdapterReport]) -> Flags:
-        """`flags` with the pool a server builds when every adapter that can start it is in
-        `--lora-paths` (the others are left out of the launch line); SGLang's start-up checks
-        of the set (arg_groups/lora_hook.py) refuse it as SGLang would."""
-        family(model)
-        kept = [r for r in reports if starts(judgements(r, model, flags)["startup"])]
-        if flags.max_loaded_loras is not None and len(kept) > flags.max_loaded_loras:
-            raise UsageError("--max-loaded-loras: The number of LoRA paths should not exceed "
-                             f"max_loaded_loras. max_loaded_loras={flags.max_loaded_loras}, "
-                             f"lora_paths={len(kept)}")
-        return replace(flags, pool=Pool.at_startup(flags, model,
-                                                   [r.adapter.config.raw for r in kept]))
-
-    def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
-                     given: Mapping[str, object]) -> Flags:
-        flags = _flags_from(given)
-        if not reports and (flags.max_lora_rank is None or flags.target_modules is None):
-            raise UsageError("--engine sglang without adapters needs --max-rank and --modules: "
-                             "When no initial --lora-paths is provided, you need to specify "
-                             "both --max-lora-rank and --lora-target-modules for LoRA "
-                             "initialization.")
-        if flags.tp > 1:
-            self.check_tp(model, flags.tp, False)
-        return self.startup(model, flags, reports)
-
-    def judge(self, report: AdapterReport, model: ModelConfig, flags: Flags,
-              flags_source: str = "given") -> EngineVerdict:
-        return verdict_of(report, model, flags, flags_source)
-
-    def recommend(self, reports: list[AdapterReport], model: ModelConfig,
-                  given: Mapping[str, object]) -> Recommendation:
-        """The given flags, and without `--max-loras` a batch that holds every start-up
-        adapter and the base model (SGLang counts a base-only request as one of
-        --max-loras-per-batch: arg_groups/fields/lora.py), two at least (the base model and
-        one adapter loaded at runtime)."""
-        probe = _flags_from(given)
-        if probe.tp > 1:
-            self.check_tp(model, probe.tp, False)
-        at_startup = [(r, judgements(r, model, probe)["startup"]) for r in reports]
-        kept = [r for r, got in at_startup if starts(got)]
-        shut_out = [f"{r.name}: {reason(got)}" for r, got in at_startup if not starts(got)]
-        flags = self.startup(model, _flags_from(given, max(2, len(kept) + 1)), kept)
-        memory, note = None, ""
-        try:
-            memory = Memory.of(model, flags, flags.pool or Pool.at_startup(flags, model, []),
-                               kept)
-        except UsageError as exc:
-            note = str(exc)
-        paths = [(r.name, str(Path(r.adapter.path).resolve())) for r in kept]
-        return Recommendation(flags, model, paths, memory, note, shut_out)
-
-    def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
-               budget_bytes: int | None) -> Memory:
-        return Memory.of(model, flags, flags.pool or Pool.at_startup(flags, model, []), reports,
-                         budget_bytes)
-
-    def tiers(self, memory: Memory) -> SlotTiers:
-        f = memory.flags
-        # The base model holds a slot of its own: init_memory_pool loads it (fetch_new_loras
-        # ({None})) and prepare_lora_batch evicts it only when no adapter outside the batch
-        # can go (mem_pool.py get_available_buffer_slot: "Prefer evicting LoRA adapters over
-        # the base model"), so with two slots or more adapters get one fewer. One slot is
-        # shared with the base model, which the replay does not model.
-        slots = f.max_loras_per_batch - 1 if f.max_loras_per_batch > 1 else 1
-        return SlotTiers(
-            gpu_slots=slots, host_slots=f.max_loaded_loras,
-            slot_bytes=memory.slot_bytes, host_bytes=memory.host_bytes,
-            max_rank=memory.pool.max_rank, gpu_eviction=f.eviction_policy,
-            host_eviction="lru", admission="skip",
-            source="sglang/srt/managers/scheduler.py get_new_batch_prefill / "
-                   "can_schedule_lora_req (a waiting request whose adapter does not fit the "
-                   "batch is skipped: lora/lora_manager.py validate_lora_batch); "
-                   "lora/mem_pool.py prepare_lora_batch and lora/eviction_policy.py (GPU "
-                   "slots, --lora-eviction-policy); managers/tokenizer_control_mixin.py "
-                   "load_lora_adapter and lora/lora_registry.py lru_lora_name (after a load, "
-                   "the least recently used unpinned adapter over --max-loaded-loras is "
-                   "unloaded; a later request reloads it from disk: tokenizer_manager.py "
-                   "_resolve_lora_path)")
-
-    def inspect_record(self, model: ModelConfig, verdicts: list[EngineVerdict],
-                       recommendation: Recommendation, flags: Flags, source: str,
-                       reports: list[AdapterReport]) -> dict[str, Any]:
-        fails = [r.name for r, v in zip(reports, verdicts, strict=True)
-                 if v.paths["startup"]["verdict"] != Verdict.SERVES.value
-                 and v.paths["startup"]["verdict"] != Verdict.DIFFERS.value]
-        return {"name": NAME, "version": VERSION, "flags": flags.record(model),
-                "pool": flags.pool.record() if flags.pool else None, "flags_source": source,
-                "all_serve": all(v.serves for v in verdicts), "startup_fails": bool(fails),
-                "checked": family(model).checked, "recommended": recommendation.record()}
-
-
-ENGINE = SglangEngine()

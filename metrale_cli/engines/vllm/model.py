@@ -1,39 +1,54 @@
 """vLLM 0.32.0's model as its LoRA code sees it: the modules it wraps per family and layer
-type, the flags it reads, and the bytes its stacked LoRA buffers take per GPU (host cache too).
-From configs only; read from vLLM's source (`vllm/lora/layers`, `vllm/lora/model_manager.py`,
-`vllm/config/lora.py`, the models' `packed_modules_mapping`) and checked against the engine's
-own allocation in tests/test_engine_vllm.py. `vllm.py` judges adapters against it."""
+type, and the bytes its stacked LoRA buffers take per GPU (host cache too) under its flags
+(flags.py). From configs only; read from vLLM's source (`vllm/lora/layers`,
+`vllm/lora/model_manager.py`, the models' `packed_modules_mapping`) and checked against the
+engine's own allocation in tests/test_engine_vllm.py. rules.py judges adapters against it."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from metrale_cli.engines.shared import (
+    DTYPE_BYTES,
+    config_width,
+    divide,
+    family_row,
+    refuse_absurd,
+)
 from metrale_cli.errors import UsageError
-from metrale_cli.files.jsondoc import load_json
-from metrale_cli.model.config import ModelConfig, find_preset
+from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
+    from metrale_cli.engines.vllm.flags import Flags
 
-# `--max-lora-rank` takes only these (vllm/config/lora.py MaxLoRARanks).
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-DEFAULT_MAX_LORA_RANK = 16
-LORA_DTYPES = ("auto", "float16", "bfloat16")
-DTYPES = ("auto", "float16", "bfloat16", "float32")
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # LogitsProcessorWithLoRA refuses a larger output head.
 MAX_LORA_VOCAB = 258048
 # GDN's short convolution width when a config does not say (transformers' default).
 DEFAULT_CONV_KERNEL = 4
-# init_lora_weights strings vLLM accepts: they only set the initial weights.
-_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
 NAME = "vllm"
-VERSION = "0.32.0"  # every rule here and in vllm.py is this version's
+VERSION = "0.32.0"  # every rule of this package is this version's
+
+
+# packed_modules_mapping as most classes declare it (llama.py's LlamaForCausalLM): PEFT's q/k/v
+# and gate/up land in one fused layer each, one LoRA slice per adapter name.
+_PACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+           ("gate_up_proj", ("gate_proj", "up_proj")))
+# phi3.py's Phi3ForCausalLM: each fused layer packs itself, as the checkpoint (and PEFT) fuse
+# it: one LoRA pair spans q|k|v, one gate|up (QKVParallelLinearWithLoRA and
+# ColumnParallelLinearWithLoRA, one slice each).
+_PACKED_AS_ITSELF = (("qkv_proj", ("qkv_proj",)), ("gate_up_proj", ("gate_up_proj",)))
+# The class declares `embedding_modules` with both (llama.py's LlamaForCausalLM): embed_tokens
+# gets VocabParallelEmbeddingWithLoRA, lm_head LogitsProcessorWithLoRA.
+_EMBED_HEAD = ("embed_tokens", "lm_head")
+# vLLM's transformers backend (model_executor/models/transformers/base.py `Base`):
+# embedding_modules = {"embed_tokens": ...}, no lm_head.
+_EMBED = ("embed_tokens",)
+_BACKEND = "transformers/base.py Base"
 
 
 @dataclass(frozen=True)
@@ -41,16 +56,28 @@ class VllmFamily:
     """What vLLM 0.32's model class for one `model_type` does that changes its LoRA: one row
     per row of model/families.py FAMILIES (tests/test_engine_rules.py holds the two tables to
     the same keys, so a new family is never silently "supported"). TP bounds are the one TP
-    rule every command and engine applies (layout/sharding.py `check_model_split`)."""
+    rule every command and engine applies (layout/sharding.py `check_model_split`).
+    docs/engines.md's family table says how each row was checked: the engine run on a tiny
+    model (tests/test_engine_vllm.py), or the source line cited here."""
 
     model_type: str
     # The `architectures` names vLLM's registry (model_executor/models/registry.py) builds
     # this family's class from; vLLM picks the class from `architectures`, not `model_type`.
     architectures: tuple[str, ...]
-    # The class declares `embedding_modules`: embed_tokens and lm_head get LoRA (vLLM's Qwen2,
-    # Mistral and Qwen3-Next classes declare none, so an adapter training either names a
-    # module vLLM does not expect).
-    embedding_lora: bool = False
+    # Where the rest of the row is read: the file under vllm/model_executor/models/ and the
+    # class whose `embedding_modules` and `packed_modules_mapping` (its own or its bases') the
+    # row copies (tests/test_engine_rules.py holds each row to it).
+    cites: str
+    # "run": tests/test_engine_vllm.py starts the CPU build on a tiny model of the family (its
+    # verdicts and LoRA bytes, or the CPU build's failure with LoRA on MoE layers); "source":
+    # the row is the cited source alone.
+    checked: str
+    # The class's `embedding_modules` keys: which of embed_tokens and lm_head get LoRA (vLLM's
+    # Qwen2, Mistral, Gemma, GLM-4 and Qwen3-Next classes declare none, so an adapter training
+    # either names a module vLLM does not expect; Cohere's declares embed_tokens alone).
+    embedding_modules: tuple[str, ...] = ()
+    # The class's `packed_modules_mapping`: fused layer -> the adapter names it takes.
+    packed_modules: tuple[tuple[str, tuple[str, ...]], ...] = _PACKED
     # Gated-DeltaNet in_proj_qkvz and in_proj_ba as one fused, head-interleaved output each
     # (qwen3_next.py's gqa_interleaved_layout); else split per slice (qwen3_5.py).
     fused_qkvz: bool = False
@@ -64,70 +91,101 @@ class VllmFamily:
     # it does.
     unmodelled: str = ""
 
+    def packs(self, fused: str) -> tuple[str, ...]:
+        """The adapter names vLLM loads into the fused layer `fused`."""
+        return dict(self.packed_modules)[fused]
+
 
 FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
-    VllmFamily("llama", ("LlamaForCausalLM", "LLaMAForCausalLM"), embedding_lora=True),
-    VllmFamily("mistral", ("MistralForCausalLM", "Ministral3ForCausalLM")),
-    VllmFamily("qwen2", ("Qwen2ForCausalLM",)),
-    VllmFamily("qwen3", ("Qwen3ForCausalLM",), embedding_lora=True),
-    VllmFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), embedding_lora=True),
-    VllmFamily("mixtral", ("MixtralForCausalLM",), embedding_lora=True,
-               moe_block="block_sparse_moe"),
-    VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), fused_qkvz=True),
+    VllmFamily("llama", ("LlamaForCausalLM", "LLaMAForCausalLM"), "llama.py LlamaForCausalLM",
+               "run", _EMBED_HEAD),
+    VllmFamily("mistral", ("MistralForCausalLM", "Ministral3ForCausalLM",
+                           "Mistral3ForConditionalGeneration"),
+               "mistral.py MistralForCausalLM", "source"),
+    VllmFamily("qwen2", ("Qwen2ForCausalLM",), "qwen2.py Qwen2ForCausalLM", "source"),
+    VllmFamily("qwen3", ("Qwen3ForCausalLM",), "qwen3.py Qwen3ForCausalLM", "run",
+               _EMBED_HEAD),
+    VllmFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe.py Qwen3MoeForCausalLM",
+               "run", _EMBED_HEAD),
+    VllmFamily("mixtral", ("MixtralForCausalLM",), "mixtral.py MixtralForCausalLM", "run",
+               _EMBED_HEAD, moe_block="block_sparse_moe"),
+    VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), "qwen3_next.py Qwen3NextForCausalLM",
+               "run", fused_qkvz=True),
     VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-               embedding_lora=True),
+               "qwen3_5.py Qwen3_5ForCausalLM", "source", _EMBED_HEAD),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-               embedding_lora=True, experts_3d=True),
-    VllmFamily("gemma", ("GemmaForCausalLM",)),
-    VllmFamily("gemma2", ("Gemma2ForCausalLM",)),
-    VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
-    VllmFamily("granite", ("GraniteForCausalLM",), embedding_lora=True),
-    # Registered to vLLM's transformers backend (TransformersForCausalLM), not a native class.
-    VllmFamily("olmo2", ("Olmo2ForCausalLM",)),
-    VllmFamily("olmo3", ("Olmo3ForCausalLM",)),
-    VllmFamily("cohere", ("CohereForCausalLM",), embedding_lora=True),
-    VllmFamily("cohere2", ("Cohere2ForCausalLM",), embedding_lora=True),
-    VllmFamily("exaone4", ("Exaone4ForCausalLM",), embedding_lora=True),
-    # Subclasses of vLLM's LlamaForCausalLM: its embedding_modules.
-    VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), embedding_lora=True),
-    VllmFamily("seed_oss", ("SeedOssForCausalLM",)),
-    VllmFamily("smollm3", ("SmolLM3ForCausalLM",)),
-    # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM.
-    VllmFamily("ministral", ()),
-    VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",)),
-    VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",)),
-    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",)),
-    VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",)),
-    VllmFamily("olmoe", ("OlmoeForCausalLM",)),
-    VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), unmodelled="shared_experts"),
-    # Registered to vLLM's transformers backend.
-    VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), unmodelled="the c_fc/c_proj MLP"),
-    VllmFamily("gpt_oss", ("GptOssForCausalLM",),
+               "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True),
+    # No embedding_modules (the head is the tied embedding).
+    VllmFamily("gemma", ("GemmaForCausalLM",), "gemma.py GemmaForCausalLM", "source"),
+    VllmFamily("gemma2", ("Gemma2ForCausalLM",), "gemma2.py Gemma2ForCausalLM", "source"),
+    VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+               "gemma3.py Gemma3ForCausalLM", "run"),
+    VllmFamily("granite", ("GraniteForCausalLM",), "granite.py GraniteForCausalLM", "source",
+               _EMBED_HEAD),
+    # registry.py maps these to the transformers backend (TransformersForCausalLM), not a
+    # native class: its fusers pack q/k/v and gate/up at load time as the native classes do.
+    VllmFamily("olmo2", ("Olmo2ForCausalLM",), _BACKEND, "run", _EMBED),
+    VllmFamily("olmo3", ("Olmo3ForCausalLM",), _BACKEND, "source", _EMBED),
+    # One class serves both: lm_head is the tied embedding (no module of its own).
+    VllmFamily("cohere", ("CohereForCausalLM",), "commandr.py CohereForCausalLM", "run",
+               _EMBED),
+    VllmFamily("cohere2", ("Cohere2ForCausalLM",), "commandr.py CohereForCausalLM", "source",
+               _EMBED),
+    VllmFamily("exaone4", ("Exaone4ForCausalLM",), "exaone4.py Exaone4ForCausalLM", "source",
+               _EMBED_HEAD),
+    # A subclass of vLLM's LlamaForCausalLM: its embedding_modules.
+    VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), "ernie45.py Ernie4_5ForCausalLM",
+               "source", _EMBED_HEAD),
+    VllmFamily("seed_oss", ("SeedOssForCausalLM",), _BACKEND, "source", _EMBED),
+    VllmFamily("smollm3", ("SmolLM3ForCausalLM",), _BACKEND, "source", _EMBED),
+    # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM: no
+    # class, so unsupported_model.
+    VllmFamily("ministral", (), "", "source"),
+    # The wrappers build their language model's class (init_vllm_registered_model's
+    # `architectures`), whose embedding_modules and packing the LoRA manager reads.
+    VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "qwen2.py Qwen2ForCausalLM",
+               "source"),
+    VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",),
+               "qwen2.py Qwen2ForCausalLM", "source"),
+    VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "qwen3.py Qwen3ForCausalLM",
+               "source", _EMBED_HEAD),
+    # MoE families: their classes declare no embedding_modules.
+    VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
+               "source"),
+    VllmFamily("olmoe", ("OlmoeForCausalLM",), "olmoe.py OlmoeForCausalLM", "source"),
+    VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), "glm4_moe.py Glm4MoeForCausalLM",
+               "source", unmodelled="shared_experts"),
+    VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "source", _EMBED,
+               unmodelled="the c_fc/c_proj MLP"),
+    VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "source",
                unmodelled="attention sinks and interleaved gate/up experts"),
     VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
+               "deepseek_v2.py DeepseekV2ForCausalLM", "source",
                unmodelled="multi-head latent attention"),
     VllmFamily("deepseek_v3", ("DeepseekV3ForCausalLM",),
+               "deepseek_v2.py DeepseekV3ForCausalLM", "source",
                unmodelled="multi-head latent attention"),
-    VllmFamily("phi3", ("Phi3ForCausalLM",), embedding_lora=True,
-               unmodelled="qkv_proj and gate_up_proj fused in the checkpoint"),
-    VllmFamily("glm4", ("Glm4ForCausalLM",),
-               unmodelled="gate_up_proj fused in the checkpoint"),
+    # A LlamaForCausalLM whose fused layers pack themselves.
+    VllmFamily("phi3", ("Phi3ForCausalLM",), "phi3.py Phi3ForCausalLM", "run", _EMBED_HEAD,
+               _PACKED_AS_ITSELF),
+    # Packs gate_proj and up_proj into gate_up_proj, as llama.py does, although the checkpoint
+    # (and a PEFT adapter) has gate_up_proj fused: an adapter's gate_up_proj is a module name
+    # vLLM does not expect.
+    VllmFamily("glm4", ("Glm4ForCausalLM",), "glm4.py Glm4ForCausalLM", "run"),
 )}
 
 
 def family(model: ModelConfig) -> VllmFamily:
     """The row for `model`'s family; a family without one is refused, never guessed."""
-    row = FAMILIES.get(model.model_type)
-    if row is None:
-        raise UsageError(f"model type {model.model_type!r}: no vLLM {VERSION} rules for it "
-                         "(engines/vllm_model.py FAMILIES)")
-    return row
+    return family_row(FAMILIES, model, f"vLLM {VERSION}", "engines/vllm/model.py FAMILIES")
 
 
 class Kind(str, Enum):
     """The LoRA wrapper vLLM puts on a layer, which decides its buffers' shapes."""
 
-    QKV = "qkv"  # MergedQKVParallelLinearWithLoRA: slices q, k, v
+    # MergedQKVParallelLinearWithLoRA: slices q, k, v; QKVParallelLinearWithLoRA where one
+    # adapter name packs all three (one slice over q|k|v).
+    QKV = "qkv"
     COLUMN = "column"  # (Merged)ColumnParallelLinearWithLoRA: one A/B per output slice
     ROW = "row"  # RowParallelLinearWithLoRA
     REPLICATED = "replicated"  # ReplicatedLinearWithLoRA (routers, the shared-expert gate)
@@ -175,6 +233,9 @@ class EngineModule:
             q, kv = self.out_sizes[0], self.kv_heads * self.head_dim
             kv_rank = (self.kv_heads // tp if tp <= self.kv_heads else 1) * self.head_dim
             outs = (_divide(q, tp, self.path), kv_rank if kv else 0, kv_rank if kv else 0)
+            if len(self.adapter_names) == 1:
+                # One slice: B spans this GPU's q, k and v rows (output_size_per_partition).
+                return [("lora_a", (L, 1, r_col, self.in_size)), ("lora_b", (L, 1, sum(outs), R))]
             return ([("lora_a", (L, 1, r_col, self.in_size))] * 3
                     + [("lora_b", (L, 1, o, R)) for o in outs])
         if self.kind is Kind.COLUMN:
@@ -235,7 +296,8 @@ class EngineModule:
     def _slice_outs(self) -> tuple[int, ...]:
         if self.kind is Kind.QKV:
             kv = self.kv_heads * self.head_dim
-            return (self.out_sizes[0], kv, kv)
+            return ((self.out_sizes[0] + 2 * kv,) if len(self.adapter_names) == 1 else
+                    (self.out_sizes[0], kv, kv))
         return self.out_sizes
 
 
@@ -245,26 +307,10 @@ def _spread(names: tuple[str, ...], slices: int) -> tuple[str, ...]:
 
 
 def _divide(size: int, tp: int, what: str) -> int:
-    if size % tp:
-        raise UsageError(f"--tp {tp} does not divide {what} ({size}): vLLM cannot shard it")
-    return size // tp
+    return divide(size, tp, what, "vLLM")
 
 
 # -- the model as vLLM builds it -----------------------------------------------------------------
-
-
-def raw_text_config(model: ModelConfig) -> dict[str, Any]:
-    """The config.json behind `model` (its text part), for the keys ModelConfig does not keep
-    (dtype, the GDN convolution width): the preset's, or the file's; {} for a hub id."""
-    preset = find_preset(model.source) if model.source else None
-    raw: Any = preset.config if preset is not None else {}
-    path = Path(model.source) if model.source and preset is None else None
-    if path is not None and path.is_file():
-        raw = load_json(path, path.read_bytes(), "JSON config")
-    if not isinstance(raw, dict):
-        return {}
-    text = raw.get("text_config")
-    return {**raw, **text} if isinstance(text, dict) else raw
 
 
 def engine_modules(model: ModelConfig) -> list[EngineModule]:
@@ -282,18 +328,18 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)
     gate = 2 if model.attn_gated else 1
     q = model.num_attention_heads * hd
+    row = family(model)
     out: list[EngineModule] = [
-        EngineModule("self_attn.qkv_proj", Kind.QKV, full, H, (gate * q,),
-                     ("q_proj", "k_proj", "v_proj"), head_dim=hd,
-                     kv_heads=model.num_key_value_heads),
+        EngineModule("self_attn.qkv_proj", Kind.QKV, full, H, (gate * q,), row.packs("qkv_proj"),
+                     head_dim=hd, kv_heads=model.num_key_value_heads),
         EngineModule("self_attn.o_proj", Kind.ROW, full, q, (H,), ("o_proj",)),
     ]
     if linear:
         kd = model.linear_num_key_heads * model.linear_key_head_dim
         vd = model.linear_value_width
         nv = model.linear_num_value_heads
-        conv = raw_text_config(model).get("linear_conv_kernel_dim") or DEFAULT_CONV_KERNEL
-        if family(model).fused_qkvz:
+        conv = config_width(model, "linear_conv_kernel_dim", DEFAULT_CONV_KERNEL)
+        if row.fused_qkvz:
             # One fused, head-interleaved output each (gqa_interleaved_layout).
             out += [EngineModule("linear_attn.in_proj_qkvz", Kind.COLUMN, linear, H,
                                  (2 * kd + 2 * vd,), ("in_proj_qkvz",)),
@@ -306,20 +352,22 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                                  ("in_proj_b", "in_proj_a"))]
         # The short convolution is a ColumnParallelLinear over the kernel taps: vLLM wraps it
         # like any other linear layer although no PEFT adapter can target it as one.
-        out += [EngineModule("linear_attn.conv1d", Kind.COLUMN, linear, int(conv),
+        out += [EngineModule("linear_attn.conv1d", Kind.COLUMN, linear, conv,
                              (2 * kd + vd,), ("conv1d",)),
                 EngineModule("linear_attn.out_proj", Kind.ROW, linear, vd, (H,), ("out_proj",))]
     if dense:
         ffn = model.intermediate_size
-        out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, dense, H, (ffn, ffn),
-                             ("gate_proj", "up_proj")),
+        gate_up = row.packs("gate_up_proj")
+        # One slice per adapter name: gate|up as one output where one name packs both.
+        out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, dense, H,
+                             (ffn, ffn) if len(gate_up) == 2 else (2 * ffn,), gate_up),
                 EngineModule("mlp.down_proj", Kind.ROW, dense, ffn, (H,), ("down_proj",))]
     if moe:
         E = model.num_experts
-        experts = Kind.EXPERTS_3D if family(model).experts_3d else Kind.EXPERTS
+        experts = Kind.EXPERTS_3D if row.experts_3d else Kind.EXPERTS
         # PEFT's transformers-5 `mlp.gate` / `mlp.experts` weights match nothing under
         # Mixtral's `block_sparse_moe`.
-        block = family(model).moe_block
+        block = row.moe_block
         out += [EngineModule(f"{block}.gate", Kind.REPLICATED, moe, H, (E,), ("gate",)),
                 EngineModule(f"{block}.experts", experts, moe, H,
                              (model.expert_intermediate_size,), ("experts",), experts=E)]
@@ -332,98 +380,16 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                     EngineModule("mlp.shared_expert_gate", Kind.REPLICATED, moe, H, (1,),
                                  ("shared_expert_gate",))]
     V = model.vocab_size
-    if family(model).embedding_lora:
-        out += [EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)),
-                EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",))]
+    if "embed_tokens" in row.embedding_modules:
+        out.append(EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)))
+    if "lm_head" in row.embedding_modules:
+        out.append(EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",)))
     return [m for m in out if m.layers or m.top_level]
 
 
 def expected_names(modules: list[EngineModule]) -> set[str]:
     """The leaf names vLLM accepts in an adapter's tensor names for this model."""
     return {n for m in modules for n in m.adapter_names}
-
-
-# -- flags -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Flags:
-    """The vLLM serve flags that change a verdict or the LoRA memory."""
-
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
-    max_loras: int = 1
-    max_cpu_loras: int | None = None
-    tp: int = 1
-    fully_sharded: bool = False
-    # --lora-target-modules; None: every LoRA-capable module (vLLM's default).
-    target_modules: tuple[str, ...] | None = None
-    dtype: str = "auto"
-    lora_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.max_lora_rank not in MAX_LORA_RANKS:
-            raise UsageError(f"--max-rank {self.max_lora_rank}: vLLM's --max-lora-rank takes "
-                             f"only {', '.join(map(str, MAX_LORA_RANKS))}")
-        if self.max_loras < 1 or self.tp < 1:
-            raise UsageError("--max-loras and --tp must be at least 1")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise UsageError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras "
-                             f"{self.max_loras}; vLLM refuses that")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
-        if self.lora_dtype not in LORA_DTYPES:
-            raise UsageError(f"--lora-dtype {self.lora_dtype!r}: one of "
-                             f"{', '.join(LORA_DTYPES)}")
-
-    @property
-    def cpu_loras(self) -> int:
-        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
-
-    def model_dtype(self, model: ModelConfig) -> str:
-        """`--dtype auto`: the config's dtype, float32 cast down to bfloat16 (the GPU build's
-        first choice); a config without one reads as float32, so bfloat16 too."""
-        if self.dtype != "auto":
-            return self.dtype
-        raw = raw_text_config(model)
-        stated = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
-        return stated if stated in ("float16", "bfloat16") else "bfloat16"
-
-    def resolved_lora_dtype(self, model: ModelConfig) -> str:
-        """`--lora-dtype auto` is the model's dtype."""
-        return self.model_dtype(model) if self.lora_dtype == "auto" else self.lora_dtype
-
-    def record(self, model: ModelConfig) -> dict[str, Any]:
-        return {"max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras,
-                "max_cpu_loras": self.cpu_loras, "tensor_parallel_size": self.tp,
-                "fully_sharded_loras": self.fully_sharded,
-                "lora_target_modules": list(self.target_modules) if self.target_modules
-                else None, "dtype": self.model_dtype(model),
-                "lora_dtype": self.resolved_lora_dtype(model)}
-
-    def serve_args(self) -> list[str]:
-        """These flags as `vllm serve` arguments (LoRA on), leaving out what equals vLLM's
-        default where vLLM's default is metrale's too (`auto` dtypes, TP 1)."""
-        args = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras",
-                str(self.max_loras), "--max-cpu-loras", str(self.cpu_loras)]
-        if self.lora_dtype != "auto":
-            args += ["--lora-dtype", self.lora_dtype]
-        if self.dtype != "auto":
-            args += ["--dtype", self.dtype]
-        if self.target_modules:
-            args += ["--lora-target-modules", *self.target_modules]
-        if self.tp > 1:
-            args += ["--tensor-parallel-size", str(self.tp)]
-        if self.fully_sharded:
-            args.append("--fully-sharded-loras")
-        return args
-
-    def wraps(self, module: EngineModule) -> bool:
-        """vLLM's `is_in_target_modules`: a module is wrapped when its name, or one of the
-        adapter names packed into it, is among --lora-target-modules."""
-        if self.target_modules is None:
-            return True
-        chosen = set(self.target_modules)
-        return module.name in chosen or any(n in chosen for n in module.adapter_names)
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -457,6 +423,8 @@ class Memory:
             one = sum(m.adapter_elements(set(m.adapter_names), flags.max_lora_rank)
                       * max(1, len(m.layers)) for m in wrapped) * elem
             host = one * flags.cpu_loras
+        refuse_absurd(f"vLLM {VERSION}", sum(b for _, b in per_module), host,
+                      "--max-cpu-loras")
         return cls(model, flags, per_module, host, budget_bytes)
 
     @property
