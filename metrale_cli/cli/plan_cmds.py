@@ -81,11 +81,13 @@ def inspect(
         "if it can import vllm).", show_default=False)] = None,
     engine_args: Annotated[str | None, typer.Option(
         "--engine-args", help="With --confirm: more of vLLM's own arguments, as shell words "
-        "(e.g. '--max-model-len 4096 --enforce-eager'); not the ones metrale's options set.",
+        "(e.g. '--max-model-len 4096 --enforce-eager'); none that vLLM would read as one "
+        "metrale sets.",
         show_default=False)] = None,
     confirm_timeout: Annotated[float | None, typer.Option(
         "--confirm-timeout", help="With --confirm: seconds for the whole check, the engine's "
-        "start included (default 900); past it, exit 4.", show_default=False)] = None,
+        "start included (default 900, at most 604800); past it, exit 4.",
+        show_default=False)] = None,
     max_loaded_loras: MaxLoadedLorasOpt = None,
     eviction_policy: EvictionPolicyOpt = None,
     lora_backend: LoraBackendOpt = None,
