@@ -248,10 +248,27 @@ def layout(
                         experts=experts_on(experts), online=online_on(online))
     if spec is not None:
         sharded = planned.sharded(spec, max_loras, budget_bytes)
+        if budget is not None and not sharded.plan.max_loras:
+            raise _nothing_fits(budget, max(r.bytes_per_slot for r in sharded.ranks), " per GPU")
         warn(sharded.plan.warnings)
         emit(sharded.record(), json_out, render.sharded_layout_view)
         return
     plan = planned.sized(max_loras, budget_bytes)
+    if budget is not None and not plan.max_loras:
+        raise _nothing_fits(budget, plan.bytes_per_slot)
     warn(plan.warnings)
     emit(plan.record(), json_out, render.layout_view)
+
+
+def _nothing_fits(budget: str, slot_bytes: int, where: str = "") -> UsageError:
+    """`layout --budget` below one slot: what one slot takes, and what a bare number meant."""
+    from metrale_cli.cli.render import human_bytes
+
+    size = parse_size(budget)
+    bare = budget.strip().replace("_", "").replace(".", "", 1).isdigit()
+    unit = f" (a number without a unit is bytes; for gibibytes write {budget.strip()}GiB)"
+    said = f"{size:,} B{unit if bare else ''}"
+    return UsageError(f"--budget {budget}: nothing fits in {said}{where}; one slot with its "
+                      f"share of the tables takes {slot_bytes:,} B ({human_bytes(slot_bytes)})"
+                      f"{where}")
 
