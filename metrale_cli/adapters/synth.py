@@ -56,6 +56,11 @@ def synth_adapter(
     MoE layers, as PEFT's `target_parameters` saves it."""
     if rank <= 0:
         raise UsageError(f"--rank must be positive, got {rank}")
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        # json.dumps would write NaN or Infinity: a config no JSON reader takes.
+        raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
+    if seed < 0:
+        raise UsageError(f"--seed must be non-negative, got {seed}")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -66,10 +65,6 @@ def synth(
     if not out_dir.strip():
         raise UsageError("the adapter directory is empty")
     module_list = parse_modules(modules)
-    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
-        raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
-    if seed < 0:
-        raise UsageError(f"--seed must be non-negative, got {seed}")
     result = synth_adapter(Path(out_dir), resolve_model(model), model, module_list, rank, alpha,
                            rslora, dtype, seed, force)
     from metrale_cli.cli import render

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # At run time, not only for type checking: the library's argument check reads them.
+from metrale_cli.engines import check_given
 from metrale_cli.engines.engine import Engine
 from metrale_cli.errors import NotServable
 from metrale_cli.layout.pipeline import AuditedAdapters
@@ -38,6 +39,7 @@ def engine_inspect(audited: AuditedAdapters, engine: Engine,
     """What `engine` does with each audited adapter under the flags in `given` (CLI option
     names to values), or under the ones it recommends when none is given."""
     given = dict(given or {})
+    check_given("engine_inspect", given)
     cfg, reports = audited.model, audited.reports
     # The given flags first: a bad one (a TP degree the model cannot take) is refused before
     # any recommendation is sized for it.
@@ -61,8 +63,10 @@ def engine_layout(audited: AuditedAdapters, engine: Engine,
     with adapters, their rank, count and modules fill in what `given` leaves out, and one the
     engine would not serve as PEFT does is refused (NotServable) as `layout` refuses one the
     pool cannot serve."""
+    given = dict(given or {})
+    check_given("engine_layout", given)
     cfg, reports = audited.model, audited.reports
-    flags = engine.layout_flags(cfg, reports, dict(given or {}))
+    flags = engine.layout_flags(cfg, reports, given)
     refuse_unserved(engine, cfg, reports, flags)
     memory = engine.memory(cfg, flags, reports or None, budget_bytes)
     return {"model": cfg.record(), "engine": {**memory.record(),

@@ -21,6 +21,7 @@ from metrale_cli import env
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import AdapterReport, audit, layer_rows
 from metrale_cli.adapters.loading import load_adapters, model_for
+from metrale_cli.arguments import checked_as
 from metrale_cli.errors import NotServable
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import Footprint, PoolPlan, max_rank_warnings, plan_layouts
@@ -113,10 +114,12 @@ class PlannedPool:
         """What the kernels would refuse about the pool's max rank (its layout holds)."""
         return max_rank_warnings(self.layout.max_rank)
 
+    @checked_as("PlannedPool.sized")
     def sized(self, max_loras: int | None = None, budget_bytes: int | None = None) -> PoolPlan:
         """`max_loras` slots, or as many as fit in `budget_bytes` (both pools and tables)."""
         return PoolPlan.sized(self.layout, self.expert_layout, max_loras, budget_bytes)
 
+    @checked_as("PlannedPool.sharded")
     def sharded(self, spec: ShardSpec, max_loras: int | None = None,
                 budget_bytes: int | None = None) -> ShardedPlan:
         """Every rank's pool of the deployment `spec` names, `budget_bytes` per GPU; an adapter
