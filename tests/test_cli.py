@@ -311,3 +311,17 @@ def test_pack_warns_at_a_max_rank_the_kernels_refuse(tmp_path: Path) -> None:
     assert packed.code == 0 and packed.json()["layout"]["max_rank"] == 12
     assert packed.stderr == f"warning: {packed.json()['warnings'][0]}\n"
     assert "the nearest max rank they serve is 16" in packed.stderr
+
+
+def test_synth_modules_all_names_the_modules_the_model_has(tmp_path: Path) -> None:
+    """`--modules all` on Llama writes q..down, not `out_proj` (Qwen3-Next's GDN module) with
+    no tensor: layout and SGLang's rules then read the adapter as written."""
+    out = tmp_path / "all"
+    r = metrale("synth", out, "-m", "llama-3.1-8b", "--modules", "all", "--rank", "1")
+    assert r.code == 0, r
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                        "up_proj", "v_proj"]
+    for engine in ("metrale", "sglang"):
+        done = metrale("layout", out, "--engine", engine)
+        assert done.code == 0, (engine, done)
