@@ -1,6 +1,8 @@
 """`metrale synth` and `pack`: writing adapters and pool images."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the options' annotations are evaluated once, here
+# (cached in the .pyc), not compiled from strings by Typer each time the command tree is built,
+# which was most of what `metrale --help` took beyond importing typer (scripts/bench_startup.py).
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -117,7 +119,7 @@ def pack(
 
     module_list = parse_modules(modules) if modules else None
 
-    def prepare() -> tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]:
+    def prepare() -> "tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]":
         """Audit the adapters (refusing any that is not servable) and plan the layouts."""
         planned = plan_pool(adapters, model, modules=module_list, max_rank=max_rank,
                             experts=experts_on(experts), online=online_on(online),

@@ -1,7 +1,9 @@
 """`metrale models`, `inspect` and `layout`: the answers before anything is loaded. None of
 them imports torch or CuPy."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the options' annotations are evaluated once, here
+# (cached in the .pyc), not compiled from strings by Typer each time the command tree is built,
+# which was most of what `metrale --help` took beyond importing typer (scripts/bench_startup.py).
 
 from typing import TYPE_CHECKING, Annotated
 
@@ -151,7 +153,7 @@ def inspect(
         raise typer.Exit(1)
 
 
-def _confirm(audited: AuditedAdapters, engine: Engine, given: dict[str, object],
+def _confirm(audited: "AuditedAdapters", engine: "Engine", given: dict[str, object],
              python: str | None, args: str | None, timeout: float | None,
              json_out: bool) -> None:
     """`inspect --engine vllm --confirm`: the prediction, then the engine's word on it, the
