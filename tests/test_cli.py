@@ -350,7 +350,7 @@ def test_one_answer_to_how_big_a_slot_is(tmp_path: Path) -> None:
                    image).code == 0
     assert metrale("show", image, "--json").json()["layout"]["slot_bytes"] == slot
     text = metrale("inspect", *adapters, "--model", model).stdout
-    assert f"slot  {slot:,} B (" in text and "in a pool of these adapters" in text
-    assert text.count("│ alone ") == 2 and "│ slot " not in text
+    assert f"slot size  {slot:,} B (" in text and "in a pool of these adapters" in text
+    assert text.count("│ own slot ") == 2 and "│ slot " not in text
     verified = metrale("verify", image, *adapters).stdout
     assert "of its entries compared)" in verified

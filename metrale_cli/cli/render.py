@@ -75,8 +75,8 @@ def inspect_view(record: dict[str, Any]) -> Group:
     if pool is not None:
         # The one answer to "how big is a slot": layout, pack and show give the same figure.
         parts.append(fields([
-            ("slot", f"{pool['slot_bytes']:,} B ({human_bytes(pool['slot_bytes'])}) in a pool of "
-                     "these adapters, as layout, pack and show say"),
+            ("slot size", f"{pool['slot_bytes']:,} B ({human_bytes(pool['slot_bytes'])}) in a "
+                          "pool of these adapters, as layout, pack and show say"),
             ("", f"{', '.join(pool['modules'])} at max rank {pool['max_rank']}")]))
     for adapter in record["adapters"]:
         parts.append(_adapter_panel(record["model"], adapter))
@@ -107,7 +107,7 @@ def _adapter_panel(model: dict[str, Any], a: dict[str, Any]) -> Panel:
     if a["slot_max_rank"] is not None:
         # The slot of a pool of this adapter alone; the pool's slot is the line above the panels.
         summary.add_row(
-            "alone",
+            "own slot",
             f"{human_bytes(a['slot_bytes'])} ({a['slot_bytes']:,} B) at rank "
             f"{a['slot_max_rank']}: {a['slot_rank_reason']}",
         )
