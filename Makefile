@@ -87,14 +87,14 @@ FULL_UNMARKED_LIMIT_S ?= 10
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --dist loadfile \
 	--no-loadscope-reorder
 test: $(VENV)/.installed-test $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
-	$(BIN)/ruff check metrale_cli tests
+	$(BIN)/ruff check metrale metrale_cli tests
 	$(PYTEST) -o unmarked_limit_s=$(FULL_UNMARKED_LIMIT_S) $(PYTEST_ARGS)
 
 quick: $(VENV)/.installed-test
 	$(PYTEST) -m "$(QUICK_MARKERS)" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check metrale_cli tests
+	$(BIN)/ruff check metrale metrale_cli tests
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DEMO_OUT) .pytest_cache .ruff_cache .hypothesis

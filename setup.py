@@ -2,10 +2,11 @@
 
 pyproject.toml can either list packages or find them, not both, and the kernel sources need
 both: every package under metrale_cli/ is found, and metrale_cli.kernel_src, which lives in the
-checkout's kernels/ (pyproject's package-dir maps it), is added by name.
+checkout's kernels/ (pyproject's package-dir maps it), is added by name. `metrale` is the library
+API under the install name (`import metrale`), a package of its own beside metrale_cli.
 """
 
 from setuptools import find_packages, setup
 
-setup(packages=[*find_packages(include=["metrale_cli", "metrale_cli.*"]),
+setup(packages=["metrale", *find_packages(include=["metrale_cli", "metrale_cli.*"]),
                 "metrale_cli.kernel_src"])

@@ -57,6 +57,58 @@ def test_the_reported_cases(call: Any, says: str) -> None:
         call()
 
 
+def _planned() -> Any:
+    return metrale_cli.plan_pool([], "llama-3.1-8b", modules=[metrale_cli.LoraModule.Q_PROJ],
+                                 max_rank=8)
+
+
+def _audited() -> Any:
+    return metrale_cli.audit_adapters([], "llama-3.1-8b")
+
+
+# The classes and methods the API exports get the functions' check, and their own values are
+# checked as the CLI checks its options: each of these raised a bare TypeError or
+# AttributeError, ran 22 s into a MemoryError, or wrote a config with NaN.
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda: metrale_cli.PoolImage.open(123), "PoolImage.open: path must be str or Path, got "
+     "int 123"),
+    (lambda: metrale_cli.PoolImage.open(None), "PoolImage.open: path must be str or Path, got "
+     "None"),
+    (lambda: metrale_cli.SlotManager("4"), "SlotManager: max_loras must be int, got str '4'"),
+    (lambda: metrale_cli.SlotManager(4).acquire_slot(None), "slot must be int, got None"),
+    (lambda: metrale_cli.SlotManager(4).release_slot("0"), "slot must be int, got str '0'"),
+    (lambda: metrale_cli.SlotManager(10**12), "max_loras 1,000,000,000,000 is more slots than "
+     "a slot manager holds (at most 1,048,576)"),
+    (lambda: metrale_cli.LoraPool(None, 2), "LoraPool: layout must be SlotLayout, got None"),
+    (lambda: metrale_cli.generate(metrale_cli.GeneratorSpec("zipf", 10, seed=float("nan"))),
+     "--seed must be non-negative, an integer, got nan"),
+    (lambda: metrale_cli.engine_inspect(_audited(), metrale_cli.get_engine("vllm"),
+                                        {"--max-loras": "x"}),
+     "engine_inspect: given['--max-loras'] must be int, got str 'x'"),
+    (lambda: metrale_cli.engine_layout(_audited(), metrale_cli.get_engine("sglang"),
+                                       {"--max-loras": True}),
+     "engine_layout: given['--max-loras'] must be int, got bool True"),
+    (lambda: metrale_cli.engine_inspect(_audited(), metrale_cli.get_engine("vllm"),
+                                        {"--max-lora-rank": 8}),
+     "engine_inspect: given holds str '--max-lora-rank', not an option name"),
+    (lambda: metrale_cli.synth_adapter("/nonexistent/a", metrale_cli.resolve_model(
+        "llama-3.1-8b"), "llama-3.1-8b", [metrale_cli.LoraModule.Q_PROJ], 8, alpha=float("nan")),
+     "--alpha must be a positive finite number, got nan"),
+    (lambda: metrale_cli.SlotLayout.build(metrale_cli.resolve_model("llama-3.1-8b"),
+                                          "q_proj,v_proj", max_rank=16),
+     "SlotLayout.build: modules must be list of LoraModule or tuple of LoraModule, got str "
+     "'q_proj,v_proj'"),
+    (lambda: _planned().sized(budget_bytes="40GiB"), "PlannedPool.sized: budget_bytes must be "
+     "int or None, got str '40GiB'"),
+    (lambda: _planned().sharded(metrale_cli.ShardSpec(2), max_loras="2"),
+     "PlannedPool.sharded: max_loras must be int or None, got str '2'"),
+])
+def test_the_classes_reported_cases(call: Any, says: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        call()
+    assert str(caught.value).startswith(says), str(caught.value)
+
+
 def test_right_types_pass_through() -> None:
     assert metrale_cli.kernel_max_rank(16) >= 16
     assert metrale_cli.resolve_model("qwen3-8b").model_type == "qwen3"

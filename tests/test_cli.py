@@ -491,3 +491,46 @@ def test_click_usage_errors_are_one_line(args: list[str], says: str) -> None:
     result = metrale(*args)
     one_line_error(result, 2)
     assert result.stderr.startswith("error: ") and says in result.stderr
+
+
+def test_synth_modules_all_names_the_modules_the_model_has(tmp_path: Path) -> None:
+    """`--modules all` on Llama writes q..down, not `out_proj` (Qwen3-Next's GDN module) with
+    no tensor: layout and SGLang's rules then read the adapter as written."""
+    out = tmp_path / "all"
+    r = metrale("synth", out, "-m", "llama-3.1-8b", "--modules", "all", "--rank", "1")
+    assert r.code == 0, r
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                        "up_proj", "v_proj"]
+    for engine in ("metrale", "sglang"):
+        done = metrale("layout", out, "--engine", engine)
+        assert done.code == 0, (engine, done)
+
+
+def test_one_answer_to_how_big_a_slot_is(tmp_path: Path) -> None:
+    """Adapters of rank 8 (q, v) and 64 (q, k, v, o): inspect, layout, pack and show give the
+    same slot; inspect's per-adapter figure is labelled as what it is (the adapter alone), and
+    verify's as the bytes of its entries, not a second slot size."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512}))
+    for name, modules, rank in (("a8", "q_proj,v_proj", 8), ("a64", "q_proj,k_proj,v_proj,o_proj",
+                                                                64)):
+        assert metrale("synth", tmp_path / name, "--model", model, "--modules", modules,
+                       "--rank", rank).code == 0
+    adapters = [tmp_path / "a8", tmp_path / "a64"]
+    inspected = metrale("inspect", *adapters, "--model", model, "--json").json()
+    slot = metrale("layout", *adapters, "--model", model, "--json").json()["slot_bytes"]
+    assert inspected["pool_slot"] == {"slot_bytes": slot, "max_rank": 64, "modules": [
+        "q_proj", "k_proj", "v_proj", "o_proj"]}
+    image = tmp_path / "pool.st"
+    assert metrale("pack", *adapters, "--model", model, "--max-loras", 2, "--out",
+                   image).code == 0
+    assert metrale("show", image, "--json").json()["layout"]["slot_bytes"] == slot
+    text = metrale("inspect", *adapters, "--model", model).stdout
+    assert f"slot size  {slot:,} B (" in text and "in a pool of these adapters" in text
+    assert text.count("│ own slot ") == 2 and "│ slot " not in text
+    verified = metrale("verify", image, *adapters).stdout
+    assert "of its entries compared)" in verified

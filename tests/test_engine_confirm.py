@@ -63,7 +63,44 @@ def adapter(peft_zoo) -> Path:  # type: ignore[no-untyped-def]
     (["--engine", "vllm", "--confirm", "--engine-args", "'unclosed"],
      "--engine-args \"'unclosed\": No closing quotation"),
     (["--engine", "vllm", "--confirm", "--confirm-timeout", "0"],
-     "--confirm-timeout 0.0: a positive number of seconds"),
+     "--confirm-timeout 0.0: a positive number of seconds, at most 604800 (a week)"),
+    # Spellings vLLM's parser takes for the options metrale sets (a prefix, `_` for `-`, the
+    # `--no-` of a boolean, a dotted JSON key): the server would listen beyond 127.0.0.1.
+    (["--engine", "vllm", "--confirm", "--engine-args", "--hos 0.0.0.0"],
+     "--engine-args: --hos is vLLM's --host, not passed through (metrale sets it)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--ho=0.0.0.0"],
+     "--engine-args: --ho is vLLM's --host, not passed through (metrale sets it)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--enforce-eager --por 8000"],
+     "--engine-args: --por is vLLM's --port, not passed through (metrale sets it)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--max_loras 9"],
+     "--engine-args: --max_loras is vLLM's --max-loras, not passed through (give metrale's "
+     "--max-loras)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--max-lora_rank 64"],
+     "--engine-args: --max-lora_rank is vLLM's --max-lora-rank, not passed through (give "
+     "metrale's --max-rank)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--tensor_parallel_size 2"],
+     "--engine-args: --tensor_parallel_size is vLLM's --tensor-parallel-size, not passed "
+     "through (give metrale's --tp)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "-t 2"],
+     "--engine-args: -t is vLLM's -tp, not passed through (give metrale's --tp)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--lora_modules z=/etc"],
+     "--engine-args: --lora_modules is vLLM's --lora-modules, not passed through (metrale "
+     "sets it)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--no-enable-lora"],
+     "--engine-args: --no-enable-lora is not passed through (metrale sets it)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--host.x 1"],
+     "--engine-args: --host.x is vLLM's --host, not passed through (metrale sets it)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--config serve.yaml"],
+     "--engine-args: --config is not passed through (its file could set what metrale sets; "
+     "give its options as words)"),
+    (["--engine", "vllm", "--confirm", "--engine-args", "--enforce-eager --"],
+     "--engine-args: -- is not passed through (it would end vLLM's options before "
+     "metrale's)"),
+    # Past what the clock and sockets can add to a time (an OverflowError once vLLM was up).
+    *[(["--engine", "vllm", "--confirm", "--confirm-timeout", given],
+       f"--confirm-timeout {read}: a positive number of seconds, at most 604800 (a week)")
+      for given, read in (("inf", "inf"), ("1e10", "10000000000.0"), ("1e300", "1e+300"),
+                          ("99999999999999999999999", "1e+23"), ("nan", "nan"))],
 ])
 def test_bad_input_is_one_line_and_exit_2(adapter: Path, args: list[str], said: str) -> None:
     done = metrale("inspect", adapter, *args)
@@ -87,6 +124,88 @@ def test_an_engine_python_without_vllm_is_refused(adapter: Path) -> None:
     assert done.code == 2
     assert done.stderr.strip() == (f"error: --engine-python {sys.executable}: cannot import "
                                    "vllm (exit status 1)")
+
+
+def _own_spellings() -> list[str]:
+    """Every spelling vLLM's parser could take for an option metrale sets: each prefix of each
+    name (argparse's abbreviations), `_` for `-`, a `=value` and a dotted JSON key."""
+    from metrale_cli.engines.vllm.confirm import _OWN_ARGS
+
+    words = set()
+    for own in _OWN_ARGS:
+        dashes = 2 if own.startswith("--") else 1
+        for end in range(dashes + 1, len(own) + 1):
+            prefix = own[:end]
+            variants = {prefix, prefix[:dashes] + prefix[dashes:].replace("-", "_")} \
+                if dashes == 2 else {prefix}
+            for v in variants:
+                words |= {v, f"{v}=0.0.0.0", f"{v}.key"}
+    return sorted(words)
+
+
+@pytest.mark.vllm
+@pytest.mark.proc
+def test_engine_args_refuse_what_vllms_own_parser_reads_as_metrales(tmp_path: Path) -> None:
+    """Against the parser of the installed vLLM: every word it reads as an option metrale sets
+    is refused, every other option it has is passed, a refused word is one vLLM reads as
+    metrale's or refuses (unknown, or a prefix of several), and in the command metrale builds
+    metrale's values are the ones vLLM ends with."""
+    from metrale_cli.engines.vllm.confirm import _OWN_ARGS, VllmServer, refuse_own_args
+    from metrale_cli.errors import UsageError
+
+    def refused(words: list[str]) -> bool:
+        try:
+            refuse_own_args(words)
+        except UsageError:
+            return True
+        return False
+
+    words = _own_spellings()
+    extra = ["--max-model-len", "64", "--enforce-eager", "--uvicorn-log-level", "debug"]
+    server = VllmServer("python", "/m", ["--enable-lora", "--max-lora-rank", "16",
+                                         "--max-loras", "2"], tmp_path / "log", extra=extra,
+                        port=23456)
+    (tmp_path / "in.json").write_text(json.dumps({"words": words,
+                                                  "argv": server.command[3:]}))
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests/support/vllm_argparse.py"),
+                    str(tmp_path / "in.json"), str(tmp_path / "out.json")], check=True,
+                   capture_output=True, timeout=600)
+    out = json.loads((tmp_path / "out.json").read_text())
+    own = {out["options"][o] for o in _OWN_ARGS}
+    assert own >= {"host", "port", "max_loras", "max_lora_rank", "enable_lora"}
+    # null: an option vLLM does not know (it exits on it); "ambiguous": a prefix of several.
+    wrong = [(word, dest) for word, dest in out["resolved"].items()
+             if refused([word, "1"]) != (dest in own)
+             and not (dest in ("ambiguous", None) and refused([word, "1"]))]
+    assert not wrong
+    passed = [o for o, dest in out["options"].items() if dest not in own]
+    assert len(passed) > 300 and not [o for o in passed if refused([o, "1"])]
+    assert server.command.index("--model") == 3 + len(extra)
+    assert out["parsed"] == {**out["parsed"], "host": "127.0.0.1", "port": 23456,
+                             "model": "/m", "enable_lora": True, "max_lora_rank": 16,
+                             "max_loras": 2}
+
+
+def test_metrales_options_follow_the_users_words_in_the_command(tmp_path: Path) -> None:
+    """vLLM keeps an option's last value: the user's words go first, metrale's after."""
+    from metrale_cli.engines.vllm.confirm import VllmServer
+
+    server = VllmServer("py", "m", ["--max-loras", "2"], tmp_path / "log",
+                        extra=["--max-model-len", "64"], port=1234)
+    assert server.command == ["py", "-m", "vllm.entrypoints.openai.api_server",
+                              "--max-model-len", "64", "--model", "m", "--host", "127.0.0.1",
+                              "--port", "1234", "--max-loras", "2"]
+
+
+def test_the_library_refuses_metrales_options_in_extra_args(adapter: Path) -> None:
+    """`confirm(..., extra_args=...)` checks the words as --engine-args does, before anything
+    starts."""
+    from metrale_cli import UsageError, audit_adapters, confirm, get_engine
+
+    audited = audit_adapters([str(adapter)])
+    with pytest.raises(UsageError, match="--hos is vLLM's --host"):
+        confirm(audited, get_engine("vllm"), extra_args=["--hos", "0.0.0.0"],
+                python="/no/such/python")
 
 
 # -- a stand-in engine: the time bound, an early exit, signals; no process left --------------
@@ -130,6 +249,38 @@ def _log_named(done: Result) -> Path:
 
 
 @pytest.mark.proc
+def test_the_vllm_probe_keeps_to_the_time_bound_reads_nothing_and_leaves_nothing(
+        adapter: Path, tmp_path: Path) -> None:
+    """An --engine-python whose probe forks a child and prints /dev/zero: metrale keeps none of
+    the output (it runs under 2 GiB of address space), gives up at --confirm-timeout (exit 4),
+    and takes the probe's whole process group with it."""
+    import resource
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n"
+                    f"sleep 1000 & echo $! > {tmp_path}/child.pid\n"
+                    f"echo $$ > {tmp_path}/server.pid\n"
+                    "cat /dev/zero\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "metrale_cli", "inspect", str(adapter),
+                           "--engine", "vllm", "--confirm", "--engine-python", str(fake),
+                           "--confirm-timeout", "3"], capture_output=True, text=True,
+                          timeout=120, preexec_fn=limit,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 4, done.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert done.stderr.strip().splitlines() == [
+        f"error: --engine-python {fake}: no answer to whether it can import vllm within 3 s "
+        "(--confirm-timeout)"]
+    assert all(_gone(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.proc
 def test_an_engine_never_ready_is_the_time_bound_exit_4(adapter: Path, tmp_path: Path) -> None:
     fake = _fake(tmp_path, "echo loading weights; wait")
     t0 = time.monotonic()
@@ -141,6 +292,17 @@ def test_an_engine_never_ready_is_the_time_bound_exit_4(adapter: Path, tmp_path:
     assert line.startswith("error: vLLM was not ready within 3 s (--confirm-timeout)"), line
     assert "loading weights" in _log_named(done).read_text()
     assert all(_gone(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.proc
+def test_a_time_bound_below_a_second_is_said_as_given(adapter: Path, tmp_path: Path) -> None:
+    """--confirm-timeout 1e-9 is past before anything answers: the message says 1e-09 s, not
+    a rounded, negative `-0 s`."""
+    fake = _fake(tmp_path, "wait")
+    done = metrale("inspect", adapter, "--engine", "vllm", "--confirm", "--engine-python", fake,
+                   "--confirm-timeout", "1e-9")
+    assert done.code == 4, done
+    assert "within 1e-09 s (--confirm-timeout)" in done.stderr and "-0 s" not in done.stderr
 
 
 @pytest.mark.proc

@@ -185,6 +185,9 @@ def test_layout_view_speaks_sglang() -> None:
     (["--modules", "all,q_proj"], "it should be the only module specified"),
     (["--eviction-policy", "lfu"], "--eviction-policy 'lfu': one of lru, fifo"),
     (["--lora-backend", "cuda"], "--lora-backend 'cuda': one of"),
+    # Empty is the user's value too, not the default's.
+    (["--eviction-policy", ""], "--eviction-policy '': one of lru, fifo"),
+    (["--lora-backend", ""], "--lora-backend '': one of"),
     (["--dtype", "int8"], "--dtype 'int8': one of"),
     (["--tp", 3], "do not split over --tp 3; SGLang's"),
     (["--modules", "q_proj", "--max-rank", None], "needs --max-rank and --modules"),

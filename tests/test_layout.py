@@ -110,3 +110,23 @@ def test_layout_refuses_what_pack_refuses(tiny: Path, tmp_path: Path) -> None:
     narrow = metrale("layout", tiny / "a", "--model", tiny, "--modules", "k_proj")
     one_line_error(narrow, 2)
     assert "error: a: out_proj on layer 0 is not in the pool's layout" in narrow.stderr
+
+
+@pytest.mark.parametrize(("budget", "extra", "said"), [
+    ("40", [], "nothing fits in 40 B (a number without a unit is bytes; for gibibytes write "
+     "40GiB); one slot with its share of the tables takes 4,194,824 B (4.00 MiB)"),
+    ("1MiB", ["--json"], "nothing fits in 1,048,576 B; one slot with its share of the tables "
+     "takes 4,194,824 B (4.00 MiB)"),
+    ("0GiB", [], "nothing fits in 0 B; one slot with its share of the tables takes "
+     "4,194,824 B (4.00 MiB)"),
+    ("40", ["--tp", "2"], "nothing fits in 40 B (a number without a unit is bytes; for "
+     "gibibytes write 40GiB) per GPU; one slot with its share of the tables takes 3,146,248 B "
+     "(3.00 MiB) per GPU"),
+])
+def test_a_budget_below_one_slot_says_nothing_fits_and_what_a_slot_takes(
+        budget: str, extra: list[str], said: str) -> None:
+    r = metrale("layout", "-m", "llama-3.1-8b", "--modules", "q_proj", "--max-rank", "8",
+                "--budget", budget, *extra)
+    assert r.code == 2, r
+    assert r.stderr.strip().splitlines() == [f"error: --budget {budget}: {said}"]
+    assert r.stdout == ""

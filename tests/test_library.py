@@ -36,6 +36,28 @@ def test_import_is_lazy() -> None:
     assert done.stdout.split() == ["[]", "False", "True", "False"]
 
 
+def test_import_metrale_is_the_api_under_the_install_name() -> None:
+    """The distribution is `metrale`: `import metrale` gives every name of the API, the same
+    objects as `metrale_cli`'s, lazily (no stage, no NumPy on import)."""
+    import metrale
+
+    assert metrale.__all__ == metrale_cli.__all__ and metrale.__version__ == \
+        metrale_cli.__version__
+    for name in metrale.__all__:
+        assert getattr(metrale, name) is getattr(metrale_cli, name), name
+    assert set(metrale.__all__) <= set(dir(metrale))
+    with pytest.raises(AttributeError, match="module 'metrale' has no attribute 'cli'"):
+        metrale.cli  # noqa: B018
+    with pytest.raises(metrale.UsageError, match="resolve_model: spec must be str, got None"):
+        metrale.resolve_model(None)
+    code = ("import sys, metrale\n"
+            "print(sorted(m for m in sys.modules if m.startswith('metrale_cli.')), "
+            "'numpy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=DOC.parents[1])
+    assert done.stdout.split() == ["[]", "False"]
+
+
 def test_every_documented_name_is_in_the_api() -> None:
     text = DOC.read_text()
     imported = {name.strip() for line in re.findall(r"^from metrale_cli import (.+)$", text, re.M)

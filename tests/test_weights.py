@@ -96,7 +96,8 @@ def test_known_family_is_checked_against_its_weights(saved: dict[str, Path],
     named = _layout(saved["sharded"] / "config.json")
     assert named["model"]["shapes_from"] == "config checked against weights"
     shown = metrale("layout", "-m", saved["sharded"], "--modules", "q_proj", "--max-rank", 8)
-    assert "(llama): 2 layers; shapes from the config checked against weights" in " ".join(shown.stdout.split())
+    assert "(llama): 2 layers; shapes from the config checked against weights" in " ".join(
+        shown.stdout.split())
     assert "shapes from" not in metrale("layout", "-m", alone, "--modules", "q_proj",
                                         "--max-rank", 8).stdout
 

@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "metrale_cli"
+API = ROOT / "metrale"  # `import metrale`: the library API under the install name
 KERNELS = ROOT / "kernels"
 KERNEL_SUFFIXES = (".cu", ".cuh", ".h")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -39,6 +40,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             shutil.copy2(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
     shutil.copytree(PACKAGE, src / "metrale_cli", ignore=ignore)
+    shutil.copytree(API, src / "metrale", ignore=ignore)
     shutil.copytree(KERNELS, src / "kernels", ignore=ignore)
     out = tmp_path_factory.mktemp("wheel")
     built = subprocess.run(
@@ -66,7 +68,7 @@ def test_the_wheel_holds_every_package_and_kernel_source(wheel: Path) -> None:
     assert packages - in_wheel == set()
     modules = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")}
     assert modules - set(names) == set()
-    assert "metrale_cli/py.typed" in names
+    assert {"metrale_cli/py.typed", "metrale/__init__.py", "metrale/py.typed"} <= set(names)
     shipped = {n.removeprefix("metrale_cli/kernel_src/") for n in names
                if n.startswith("metrale_cli/kernel_src/")}
     assert _kernel_sources_needed() - shipped == set()
@@ -100,11 +102,13 @@ def test_the_installed_wheel_runs_the_commands(wheel: Path, tmp_path: Path) -> N
         return done
 
     where = subprocess.run([venv / "bin" / "python", "-c",
-                            "import metrale_cli, metrale_cli.ops.sources as s; "
-                            "print(metrale_cli.__file__); print(s.find_kernel_dir())"],
+                            "import metrale, metrale_cli, metrale_cli.ops.sources as s; "
+                            "print(metrale_cli.__file__); print(s.find_kernel_dir()); "
+                            "print(metrale.__file__, metrale.plan_pool.__name__)"],
                            cwd=work, env=env, capture_output=True, text=True, check=True)
-    package_file, kernel_dir = where.stdout.split()
-    assert Path(package_file).is_relative_to(venv)
+    package_file, kernel_dir, api_file, plan_pool = where.stdout.split()
+    assert Path(package_file).is_relative_to(venv) and Path(api_file).is_relative_to(venv)
+    assert plan_pool == "plan_pool"
     assert Path(kernel_dir) == Path(package_file).parent / "kernel_src"
 
     (work / "model").mkdir()

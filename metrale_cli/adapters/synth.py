@@ -56,6 +56,11 @@ def synth_adapter(
     MoE layers, as PEFT's `target_parameters` saves it."""
     if rank <= 0:
         raise UsageError(f"--rank must be positive, got {rank}")
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        # json.dumps would write NaN or Infinity: a config no JSON reader takes.
+        raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
+    if seed < 0:
+        raise UsageError(f"--seed must be non-negative, got {seed}")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
@@ -65,12 +70,17 @@ def synth_adapter(
 
     # (name, rows, cols, std): A [r, in] and B [out, r] per applicable (layer, module).
     plan: list[tuple[str, int, int, float]] = []
+    # The modules with tensors: `--modules all` names every module metrale knows, and
+    # target_modules lists only those this model has (an `out_proj` there with no tensor is a
+    # module the layout and the engines look for and do not find).
+    written: set[LoraModule] = set()
     narrowest = math.inf  # the narrower side of the smallest weight adapted
     for layer in range(model.num_hidden_layers):
         for module in in_slot_order(model, modules):
             if not module.applies_to_layer(model, layer):
                 continue
             out_dim, in_dim = module.dims(model)
+            written.add(module)
             narrowest = min(narrowest, out_dim, in_dim)
             key = f"base_model.model.model.layers.{layer}.{module.path_in(model)}"
             plan.append((f"{key}.lora_A.weight", rank, in_dim, 1 / math.sqrt(in_dim)))
@@ -122,7 +132,7 @@ def synth_adapter(
         "r": rank,
         "lora_alpha": alpha if alpha is not None else 2 * rank,
         "use_rslora": rslora,
-        "target_modules": sorted(m.peft_name for m in modules),
+        "target_modules": sorted(m.peft_name for m in written),
         "lora_dropout": 0.0,
         "bias": "none",
         "use_dora": False,

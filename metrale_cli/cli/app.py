@@ -6,7 +6,8 @@ the core it calls inside itself, so `metrale --help` imports typer and little el
 and `inspect` and `layout` import neither torch nor cupy.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the callback's annotations are evaluated here, not
+# compiled from strings each time Typer builds the command tree (scripts/bench_startup.py).
 
 import sys
 from typing import Annotated, Any

@@ -1,6 +1,8 @@
 """`metrale bench pack|kernels|slots`: benchmarks, reported as ratios measured in one run."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the options' annotations are evaluated once, here
+# (cached in the .pyc), not compiled from strings by Typer each time the command tree is built,
+# which was most of what `metrale --help` took beyond importing typer (scripts/bench_startup.py).
 
 import dataclasses
 from collections.abc import Callable

@@ -1,6 +1,8 @@
 """`metrale show`, `verify` and `unpack`: reading pool images back."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the options' annotations are evaluated once, here
+# (cached in the .pyc), not compiled from strings by Typer each time the command tree is built,
+# which was most of what `metrale --help` took beyond importing typer (scripts/bench_startup.py).
 
 from pathlib import Path
 from typing import Annotated

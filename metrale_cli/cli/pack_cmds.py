@@ -1,8 +1,9 @@
 """`metrale synth` and `pack`: writing adapters and pool images."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the options' annotations are evaluated once, here
+# (cached in the .pyc), not compiled from strings by Typer each time the command tree is built,
+# which was most of what `metrale --help` took beyond importing typer (scripts/bench_startup.py).
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -66,10 +67,6 @@ def synth(
     if not out_dir.strip():
         raise UsageError("the adapter directory is empty")
     module_list = parse_modules(modules)
-    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
-        raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
-    if seed < 0:
-        raise UsageError(f"--seed must be non-negative, got {seed}")
     result = synth_adapter(Path(out_dir), resolve_model(model), model, module_list, rank, alpha,
                            rslora, dtype, seed, force)
     from metrale_cli.cli import render
@@ -122,7 +119,7 @@ def pack(
 
     module_list = parse_modules(modules) if modules else None
 
-    def prepare() -> tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]:
+    def prepare() -> "tuple[SlotLayout, ExpertLayout | None, list[AdapterReport]]":
         """Audit the adapters (refusing any that is not servable) and plan the layouts."""
         planned = plan_pool(adapters, model, modules=module_list, max_rank=max_rank,
                             experts=experts_on(experts), online=online_on(online),

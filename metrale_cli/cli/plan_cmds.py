@@ -1,7 +1,9 @@
 """`metrale models`, `inspect` and `layout`: the answers before anything is loaded. None of
 them imports torch or CuPy."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the options' annotations are evaluated once, here
+# (cached in the .pyc), not compiled from strings by Typer each time the command tree is built,
+# which was most of what `metrale --help` took beyond importing typer (scripts/bench_startup.py).
 
 from typing import TYPE_CHECKING, Annotated
 
@@ -81,11 +83,13 @@ def inspect(
         "if it can import vllm).", show_default=False)] = None,
     engine_args: Annotated[str | None, typer.Option(
         "--engine-args", help="With --confirm: more of vLLM's own arguments, as shell words "
-        "(e.g. '--max-model-len 4096 --enforce-eager'); not the ones metrale's options set.",
+        "(e.g. '--max-model-len 4096 --enforce-eager'); none that vLLM would read as one "
+        "metrale sets.",
         show_default=False)] = None,
     confirm_timeout: Annotated[float | None, typer.Option(
         "--confirm-timeout", help="With --confirm: seconds for the whole check, the engine's "
-        "start included (default 900); past it, exit 4.", show_default=False)] = None,
+        "start included (default 900, at most 604800); past it, exit 4.",
+        show_default=False)] = None,
     max_loaded_loras: MaxLoadedLorasOpt = None,
     eviction_policy: EvictionPolicyOpt = None,
     lora_backend: LoraBackendOpt = None,
@@ -162,7 +166,7 @@ def _exit_1(refused: list[str], total: int, what: str) -> None:
     raise typer.Exit(1)
 
 
-def _confirm(audited: AuditedAdapters, engine: Engine, given: dict[str, object],
+def _confirm(audited: "AuditedAdapters", engine: "Engine", given: dict[str, object],
              python: str | None, args: str | None, timeout: float | None,
              json_out: bool) -> None:
     """`inspect --engine E --confirm`: the prediction, then the engine's word on it, the
@@ -263,10 +267,27 @@ def layout(
                         experts=experts_on(experts), online=online_on(online))
     if spec is not None:
         sharded = planned.sharded(spec, max_loras, budget_bytes)
+        if budget is not None and not sharded.plan.max_loras:
+            raise _nothing_fits(budget, max(r.bytes_per_slot for r in sharded.ranks), " per GPU")
         warn(sharded.plan.warnings)
         emit(sharded.record(), json_out, render.sharded_layout_view)
         return
     plan = planned.sized(max_loras, budget_bytes)
+    if budget is not None and not plan.max_loras:
+        raise _nothing_fits(budget, plan.bytes_per_slot)
     warn(plan.warnings)
     emit(plan.record(), json_out, render.layout_view)
+
+
+def _nothing_fits(budget: str, slot_bytes: int, where: str = "") -> UsageError:
+    """`layout --budget` below one slot: what one slot takes, and what a bare number meant."""
+    from metrale_cli.cli.render import human_bytes
+
+    size = parse_size(budget)
+    bare = budget.strip().replace("_", "").replace(".", "", 1).isdigit()
+    unit = f" (a number without a unit is bytes; for gibibytes write {budget.strip()}GiB)"
+    said = f"{size:,} B{unit if bare else ''}"
+    return UsageError(f"--budget {budget}: nothing fits in {said}{where}; one slot with its "
+                      f"share of the tables takes {slot_bytes:,} B ({human_bytes(slot_bytes)})"
+                      f"{where}")
 

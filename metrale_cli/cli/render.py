@@ -129,6 +129,13 @@ def model_line(model: dict[str, Any]) -> str:
 def inspect_view(record: dict[str, Any]) -> Group:
     """`metrale inspect`: the audit's record (`AuditedAdapters.record`), a panel per adapter."""
     parts: list[Any] = [whole(model_line(record["model"]), style="bold")]
+    pool = record.get("pool_slot")
+    if pool is not None:
+        # The one answer to "how big is a slot": layout, pack and show give the same figure.
+        parts.append(fields([
+            ("slot size", f"{pool['slot_bytes']:,} B ({human_bytes(pool['slot_bytes'])}) in a "
+                          "pool of these adapters, as layout, pack and show say"),
+            ("", f"{', '.join(pool['modules'])} at max rank {pool['max_rank']}")]))
     for adapter in record["adapters"]:
         parts.append(_adapter_panel(record["model"], adapter))
     return Group(*parts)
@@ -156,8 +163,9 @@ def _adapter_panel(model: dict[str, Any], a: dict[str, Any]) -> Panel:
     summary.add_row("pairs", f"{len(a['modules'])} (layer, module) pairs"
                     + (f", {'/'.join(dtypes)}" if dtypes else ""))
     if a["slot_max_rank"] is not None:
+        # The slot of a pool of this adapter alone; the pool's slot is the line above the panels.
         summary.add_row(
-            "slot",
+            "own slot",
             f"{human_bytes(a['slot_bytes'])} ({a['slot_bytes']:,} B) at rank "
             f"{a['slot_max_rank']}: {a['slot_rank_reason']}",
         )
@@ -600,12 +608,15 @@ def verify_view(record: dict[str, Any]) -> Group:
     """`metrale verify`: per adapter ok or what differs (see verify.VerifyResult)."""
     lines: list[Any] = []
     for a in record["adapters"]:
-        head = Text(f"slot {a['slot']} {a['name']}: ", style="bold")
+        # Whole, as `whole` prints a line: the terminal wraps it, never the view.
+        head = Text(f"slot {a['slot']} {a['name']}: ", style="bold", no_wrap=True,
+                    overflow="ignore")
         if a["ok"]:
             head.append("ok", style="bold green")
             head.append(f" ({a['entries']} entries"
                         + (f", {a['expert_entries']} expert entries" if a["expert_entries"]
-                           else "") + f", {human_bytes(a['bytes_compared'])} compared)")
+                           else "") + f", {human_bytes(a['bytes_compared'])} of its entries "
+                           "compared)")
             lines.append(head)
             continue
         head.append("DIFFERS", style="bold red")

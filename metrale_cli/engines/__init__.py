@@ -14,6 +14,7 @@ and the layout's: it is no engine object, only the options the pool's commands t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import import_module
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,37 @@ def options_of(engine: str, command: str) -> frozenset[str]:
     if engine == "metrale":
         return POOL_OPTIONS[command]
     return get_engine(engine).options[command]
+
+
+# Each option a `given` mapping may hold -> the type of its value (None or False: not given), as
+# the CLI hands them over: the library's callers are held to the same.
+GIVEN_TYPES: dict[str, type] = {
+    **dict.fromkeys(("--max-rank", "--max-loras", "--max-cpu-loras", "--tp", "--ep", "--align",
+                     "--max-loaded-loras"), int),
+    **dict.fromkeys(("--experts", "--fully-sharded", "--confirm"), bool),
+    **dict.fromkeys(("--modules", "--dtype", "--lora-dtype", "--eviction-policy",
+                     "--lora-backend", "--budget", "--engine-python", "--engine-args"), str),
+    "--confirm-timeout": float,
+}
+
+
+def check_given(called: str, given: Mapping[str, object]) -> None:
+    """A UsageError, naming `called`, for an option `given` cannot hold or a value of the wrong
+    type (`{'--max-loras': 'x'}`), before any engine reads it."""
+    from metrale_cli.arguments import describe_argument
+
+    for name, value in given.items():
+        kind = GIVEN_TYPES.get(name) if isinstance(name, str) else None
+        if kind is None:
+            raise UsageError(f"{called}: given holds {describe_argument(name)}, not an option "
+                             f"name ({', '.join(GIVEN_TYPES)})")
+        if value is None or value is False:
+            continue
+        fits = isinstance(value, (int, float) if kind is float else kind) and (
+            kind is bool or not isinstance(value, bool))
+        if not fits:
+            raise UsageError(f"{called}: given[{name!r}] must be {kind.__name__}, got "
+                             f"{describe_argument(value)}")
 
 
 def refuse_other_options(engine: str, command: str, given: dict[str, object]) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # At run time, not only for type checking: the library's argument check reads them.
+from metrale_cli.engines import check_given
 from metrale_cli.engines.engine import Engine
 from metrale_cli.errors import NotServable
 from metrale_cli.layout.pipeline import AuditedAdapters
@@ -38,6 +39,7 @@ def engine_inspect(audited: AuditedAdapters, engine: Engine,
     """What `engine` does with each audited adapter under the flags in `given` (CLI option
     names to values) and the ones it recommends for the rest."""
     given = dict(given or {})
+    check_given("engine_inspect", given)
     cfg, reports = audited.model, audited.reports
     # `recommend` refuses a TP degree the model cannot take before it sizes anything; the
     # given flags then replace the recommended ones they name, and only those.
@@ -62,8 +64,10 @@ def engine_layout(audited: AuditedAdapters, engine: Engine,
     allocates its buffers whatever it does with the adapters: each it would not serve as PEFT
     serves it is named in `engine.not_served` with its verdict and reason (`layout` then
     exits 1), the bytes given all the same."""
+    given = dict(given or {})
+    check_given("engine_layout", given)
     cfg, reports = audited.model, audited.reports
-    flags = engine.layout_flags(cfg, reports, dict(given or {}))
+    flags = engine.layout_flags(cfg, reports, given)
     memory = engine.memory(cfg, flags, reports or None, budget_bytes)
     not_served = [{"adapter": r.name, "verdict": v.verdict.value, "reason": v.reason}
                   for r, v in unserved(engine, cfg, reports, flags)]

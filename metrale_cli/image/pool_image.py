@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.adapters.overlays import OverlayRaw
+from metrale_cli.arguments import checked_as
 from metrale_cli.bf16 import bf16_to_f32
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.atomic import atomic_write
@@ -232,6 +233,7 @@ class PoolImage:
     digests: str = "none"  # check.digest_state: `checked`, `tables` or `none`
 
     @classmethod
+    @checked_as("PoolImage.open")
     def open(cls, path: str | Path, check_contents: bool = True) -> PoolImage:
         """Open the image at `path`: not an image, or truncated, is a FormatError; one whose
         tables contradict its layout (a pointer that would land outside the pool, among

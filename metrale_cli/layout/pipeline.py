@@ -21,6 +21,7 @@ from metrale_cli import env
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import AdapterReport, audit, layer_rows
 from metrale_cli.adapters.loading import load_adapters, model_for
+from metrale_cli.arguments import checked_as
 from metrale_cli.errors import NotServable
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import Footprint, PoolPlan, max_rank_warnings, plan_layouts
@@ -66,9 +67,21 @@ class AuditedAdapters:
                 [f"{r.name}: {f.code}: {f.message}" for r in refused for f in r.errors()],
                 self.record())
 
+    def pool_slot(self) -> dict[str, Any] | None:
+        """The slot of a pool of these adapters, the one `layout`, `pack` and `show` report:
+        their modules' union at `max_rank` (or their largest rank rounded up to one the kernels
+        serve). None when no adapter gives modules and a usable rank."""
+        usable = [r for r in self.reports if r.rank is not None and r.module_set]
+        if not usable:
+            return None
+        layout, _ = plan_layouts(self.model, usable, None, self.max_rank)
+        return {"slot_bytes": layout.slot_bytes, "max_rank": layout.max_rank,
+                "modules": [m.peft_name for m in layout.modules]}
+
     def record(self) -> dict[str, Any]:
-        """`metrale inspect --json`: the model summary, the warnings about the max rank, and
-        each adapter's report with its footprint."""
+        """`metrale inspect --json`: the model summary, the warnings about the max rank, the
+        slot of a pool of these adapters (`pool_slot`), and each adapter's report with its
+        footprint (`slot_bytes`: what it alone takes, at its own rank unless --max-rank)."""
         adapters = []
         for report, footprint in zip(self.reports, self.footprints(), strict=True):
             slot, expert_slot = footprint.layout, footprint.expert_layout
@@ -88,7 +101,7 @@ class AuditedAdapters:
                                             else None),
             })
         return {"model": self.model.record(), "experts_enabled": self.experts,
-                "warnings": self.warnings, "adapters": adapters}
+                "warnings": self.warnings, "pool_slot": self.pool_slot(), "adapters": adapters}
 
 
 @dataclass(frozen=True)
@@ -113,10 +126,12 @@ class PlannedPool:
         """What the kernels would refuse about the pool's max rank (its layout holds)."""
         return max_rank_warnings(self.layout.max_rank)
 
+    @checked_as("PlannedPool.sized")
     def sized(self, max_loras: int | None = None, budget_bytes: int | None = None) -> PoolPlan:
         """`max_loras` slots, or as many as fit in `budget_bytes` (both pools and tables)."""
         return PoolPlan.sized(self.layout, self.expert_layout, max_loras, budget_bytes)
 
+    @checked_as("PlannedPool.sharded")
     def sharded(self, spec: ShardSpec, max_loras: int | None = None,
                 budget_bytes: int | None = None) -> ShardedPlan:
         """Every rank's pool of the deployment `spec` names, `budget_bytes` per GPU; an adapter

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from metrale_cli.arguments import checked_as
 from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule, in_slot_order
@@ -167,6 +168,7 @@ class SlotLayout:
         # token overlays (the CLI refuses an empty --modules itself).
 
     @classmethod
+    @checked_as("SlotLayout.build")
     def build(
         cls, model: ModelConfig, modules: list[LoraModule] | tuple[LoraModule, ...],
         max_rank: int, align: int = DEFAULT_ALIGN,

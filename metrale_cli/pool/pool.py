@@ -25,6 +25,7 @@ import numpy as np
 
 from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.adapters.overlays import OverlayRaw
+from metrale_cli.arguments import checked_as
 from metrale_cli.compat import cupy_module, has_gpu
 from metrale_cli.errors import FormatError, LayoutMismatch, PoolTooLarge, UsageError
 from metrale_cli.layout.expert_layout import ExpertLayout
@@ -75,6 +76,7 @@ class LoraPool:
     """`max_loras` slots of `layout.slot_bytes` each in one allocation (and as many expert
     slots of `expert_layout.slot_bytes` in another), with their tables and slot manager."""
 
+    @checked_as("LoraPool")
     def __init__(
         self, layout: SlotLayout, max_loras: int, device: str = "cpu",
         expert_layout: ExpertLayout | None = None,

@@ -19,14 +19,19 @@ import bisect
 import enum
 import hashlib
 import heapq
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from metrale_cli.arguments import checked_as, describe_argument
 from metrale_cli.errors import PoolFull, SlotBusy, UsageError
 
 U64_MASK = (1 << 64) - 1
 POLICIES = ("lru", "fifo", "min")
+# The most slots one manager holds (its state is about 350 B of Python objects a slot): far past
+# any pool a device holds (a slot is KiB to MiB), and refused before it takes seconds and GiB.
+MAX_SLOTS = 1 << 20
 # A slot whose adapter is not requested again (the `min` policy's "farthest ahead").
 NEVER = 1 << 62
 # Heap key of an empty cache slot: below every READY key (ticks, load order, -next use), so
@@ -100,9 +105,13 @@ class SlotManager:
     farthest ahead goes).
     """
 
+    @checked_as("SlotManager")
     def __init__(self, max_loras: int, pinned: int = 0, policy: str = "lru") -> None:
         if max_loras <= 0:
             raise UsageError(f"max_loras must be positive, got {max_loras}")
+        if max_loras > MAX_SLOTS:
+            raise UsageError(f"max_loras {max_loras:,} is more slots than a slot manager holds "
+                             f"(at most {MAX_SLOTS:,})")
         if not 0 <= pinned <= max_loras:
             raise UsageError(f"pinned must be in [0, {max_loras}], got {pinned}")
         if policy not in POLICIES:
@@ -156,7 +165,10 @@ class SlotManager:
         return self._tick
 
     def resolve(self, slot: int) -> int:
-        """The one slot-id rule: -1 is the active slot, `[0, max_loras)` is that slot."""
+        """The one slot-id rule: -1 is the active slot, `[0, max_loras)` is that slot; anything
+        but an integer is a UsageError."""
+        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral):
+            raise UsageError(f"slot must be int, got {describe_argument(slot)}")
         if slot == -1:
             return self._active
         if not 0 <= slot < self._max_loras:
@@ -225,7 +237,7 @@ class SlotManager:
         """A sequence takes a count on the resolved slot (a new LRU tick); returns that slot.
         An empty slot is refused (UsageError), a loading one is busy (SlotBusy)."""
         with self._lock:
-            k = slot if 0 <= slot < self._max_loras else self.resolve(slot)
+            k = slot if type(slot) is int and 0 <= slot < self._max_loras else self.resolve(slot)
             if self._state[k] is not SlotState.READY:
                 if self._state[k] is SlotState.LOADING:
                     raise SlotBusy(f"slot {k} is loading")
@@ -239,7 +251,7 @@ class SlotManager:
 
     def release_slot(self, slot: int) -> None:
         with self._lock:
-            k = slot if 0 <= slot < self._max_loras else self.resolve(slot)
+            k = slot if type(slot) is int and 0 <= slot < self._max_loras else self.resolve(slot)
             refs = self._refs[k]
             if refs == 0:
                 raise UsageError(f"slot {k} released more often than acquired")
@@ -249,7 +261,7 @@ class SlotManager:
 
     def touch_slot(self, slot: int) -> None:
         with self._lock:
-            k = slot if 0 <= slot < self._max_loras else self.resolve(slot)
+            k = slot if type(slot) is int and 0 <= slot < self._max_loras else self.resolve(slot)
             self._tick += 1
             self._last_used[k] = self._tick
             if self._policy == "lru":

@@ -484,8 +484,8 @@ class GeneratorSpec:
             if value > MAX_REQUESTS:  # refused before a column is allocated
                 raise UsageError(f"{name} {value:,} is more than a simulation takes "
                                  f"({MAX_REQUESTS:,})")
-        if self.seed < 0:
-            raise UsageError(f"--seed must be non-negative, got {self.seed}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise UsageError(f"--seed must be non-negative, an integer, got {self.seed!r}")
         for name, (lo, hi) in (("--input-tokens", self.input_range),
                                ("--output-tokens", self.output_range)):
             if lo < 0 or hi < lo:

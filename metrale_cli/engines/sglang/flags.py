@@ -120,6 +120,9 @@ def flags_from(given: Mapping[str, object], default_loras: int | None = None) ->
         max_loras_per_batch=g["--max-loras"] or default_loras or  # type: ignore[arg-type]
         DEFAULT_MAX_LORAS_PER_BATCH,
         max_loaded_loras=g["--max-loaded-loras"],  # type: ignore[arg-type]
-        lora_backend=g["--lora-backend"] or DEFAULT_LORA_BACKEND,  # type: ignore[arg-type]
-        eviction_policy=g["--eviction-policy"] or "lru",  # type: ignore[arg-type]
+        # `is None`, not `or`: an empty value is the user's, refused as any unknown one.
+        lora_backend=DEFAULT_LORA_BACKEND if g["--lora-backend"] is None  # type: ignore[arg-type]
+        else g["--lora-backend"],
+        eviction_policy="lru" if g["--eviction-policy"] is None  # type: ignore[arg-type]
+        else g["--eviction-policy"],
         tp=g["--tp"] or 1, dtype=g["--dtype"] or "auto")  # type: ignore[arg-type]

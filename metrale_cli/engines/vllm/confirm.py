@@ -42,6 +42,9 @@ from metrale_cli.errors import EngineFailed, EngineTimeout, UsageError
 from metrale_cli.layout.pipeline import AuditedAdapters
 
 DEFAULT_TIMEOUT_S = 900.0
+# The longest --confirm-timeout taken (a week): far past any engine's start, and far below what
+# the clock and the socket layer can add to a time (1e10 s overflows them).
+MAX_TIMEOUT_S = 7 * 86400.0
 # The prompt every request sends, as token ids: no tokenizer is needed (a model directory
 # without one serves under --skip-tokenizer-init), and ids this small exist in every vocabulary.
 PROMPT_IDS = (1, 5, 9, 17, 33, 2)
@@ -65,20 +68,32 @@ EXPECTED = {
     Verdict.UNSUPPORTED_MODEL: "not_started",
 }
 
-# vLLM's arguments metrale sets itself -> the metrale option that sets it (None: metrale's own).
+# vLLM's options metrale sets itself, each spelling vLLM 0.32's parser has for it -> the metrale
+# option that sets it (None: metrale's own). `--config` too: vLLM reads options out of its file.
 _OWN_ARGS = {
     "--model": None, "--host": None, "--port": None, "--enable-lora": None,
-    "--lora-modules": None, "--max-lora-rank": "--max-rank", "--max-loras": "--max-loras",
+    "--no-enable-lora": None, "--lora-modules": None, "--config": None,
+    "--max-lora-rank": "--max-rank", "--max-loras": "--max-loras",
     "--max-cpu-loras": "--max-cpu-loras", "--lora-dtype": "--lora-dtype", "--dtype": "--dtype",
     "--lora-target-modules": "--modules", "--tensor-parallel-size": "--tp", "-tp": "--tp",
-    "--fully-sharded-loras": "--fully-sharded",
+    "--fully-sharded-loras": "--fully-sharded", "--no-fully-sharded-loras": "--fully-sharded",
 }
 
 
-def engine_python(given: str | None) -> str:
+def check_timeout(timeout_s: float) -> None:
+    """`--confirm-timeout`: seconds, more than 0 and at most MAX_TIMEOUT_S (a UsageError
+    otherwise: NaN, infinity and the overflowing sizes among them)."""
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise UsageError(f"--confirm-timeout {timeout_s}: a positive number of seconds, at "
+                         f"most {MAX_TIMEOUT_S:.0f} (a week)")
+
+
+def engine_python(given: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """The Python that runs vLLM: `given` (`--engine-python`), which must be a file that can
     import vllm, else the running interpreter where it can; anything else is one UsageError
-    saying what to pass. vLLM is found, not imported (an import takes seconds)."""
+    saying what to pass. vLLM is found, not imported (an import takes seconds). The probe of
+    `given` runs in its own process group with its output discarded, within `timeout_s`
+    (EngineTimeout past it); its whole group is killed when it ends or is given up on."""
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     if given is None:
         if importlib.util.find_spec("vllm") is not None:
@@ -92,32 +107,70 @@ def engine_python(given: str | None) -> str:
     if not os.access(path, os.X_OK):
         raise UsageError(f"--engine-python {given}: not executable")
     try:
-        done = subprocess.run([path, "-c", probe], capture_output=True, timeout=120,
-                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = subprocess.Popen([path, "-c", probe], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError as exc:
         raise UsageError(f"--engine-python {given}: cannot run it ({exc})") from None
-    if done.returncode != 0:
-        raise UsageError(f"--engine-python {given}: cannot import vllm (exit status "
-                         f"{done.returncode})")
+    try:
+        status = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise EngineTimeout(f"--engine-python {given}: no answer to whether it can import "
+                            f"vllm within {timeout_s:g} s (--confirm-timeout)") from None
+    finally:  # what the probe forked goes with it, and a probe given up on is killed
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if status != 0:
+        raise UsageError(f"--engine-python {given}: cannot import vllm (exit status {status})")
     return path
 
 
 def engine_args(text: str | None) -> list[str]:
-    """`--engine-args`: more of vLLM's own arguments (shell words), none of those metrale sets
-    from its options (each refused naming the option to use instead)."""
+    """`--engine-args`: more of vLLM's own arguments (shell words), none that vLLM's parser
+    would read as an option metrale sets (`refuse_own_args`)."""
     if not text:
         return []
     try:
         words = shlex.split(text)
     except ValueError as exc:
         raise UsageError(f"--engine-args {text!r}: {exc}") from None
-    for word in words:
-        name = word.split("=", 1)[0]
-        if name in _OWN_ARGS:
-            own = _OWN_ARGS[name]
-            instead = f"give metrale's {own}" if own else "metrale sets it"
-            raise UsageError(f"--engine-args: {name} is not passed through ({instead})")
+    refuse_own_args(words)
     return words
+
+
+def refuse_own_args(words: Sequence[str]) -> None:
+    """A UsageError naming the first word vLLM's parser could read as one of the options metrale
+    sets, under any spelling it takes: `_` for `-` in a long name, a `=value` or `.key` tail
+    (a JSON option's), and any prefix of the name (argparse's `allow_abbrev`: `--hos` is
+    `--host`; a prefix of several is refused too, vLLM refuses it as ambiguous). A bare `--`
+    is refused too: it would make metrale's options, which follow, positional words."""
+    for word in words:
+        if word == "--":
+            raise UsageError("--engine-args: -- is not passed through (it would end vLLM's "
+                             "options before metrale's)")
+        if not word.startswith("-") or word == "-":
+            continue
+        name = word.split("=", 1)[0]
+        if name.startswith("--"):
+            # FlexibleArgumentParser: `_` read as `-` from the dashes to the first `.`.
+            name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
+        else:
+            name = name.split(".", 1)[0]
+        if name in ("--", "-"):
+            continue
+        hits = [own for own in _OWN_ARGS if own.startswith(name)
+                and own.startswith("--") == name.startswith("--")]
+        if not hits:
+            continue
+        givers = sorted({g for g in (_OWN_ARGS[h] for h in hits) if g})
+        instead = f"give metrale's {' or '.join(givers)}" if givers else "metrale sets it"
+        if hits == ["--config"]:
+            instead = "its file could set what metrale sets; give its options as words"
+        if hits == [word.split("=", 1)[0]]:
+            raise UsageError(f"--engine-args: {hits[0]} is not passed through ({instead})")
+        raise UsageError(f"--engine-args: {word.split('=', 1)[0]} is vLLM's "
+                         f"{' or '.join(hits)}, not passed through ({instead})")
 
 
 def free_port() -> int:
@@ -131,16 +184,20 @@ class VllmServer:
     """One `vllm serve` (its API server module) on 127.0.0.1, its output in `log` (created,
     never overwritten), in its own session so that stopping it reaches its engine-core
     processes and a Ctrl-C in the terminal reaches metrale alone. Use it as a context manager:
-    leaving the block stops the engine, however the block is left."""
+    leaving the block stops the engine, however the block is left. `extra` (the user's words)
+    come first and metrale's options (`args`, the model, host and port) after them: vLLM's
+    parser keeps the last value given, so metrale's are the ones that hold."""
 
     def __init__(self, python: str, model: str, args: Sequence[str], log: Path, *,
-                 env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+                 extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 port: int | None = None) -> None:
+        refuse_own_args(extra)
         self.python = python
         self.model = model
         self.port = port or free_port()
         self.log = log
-        self.command = [python, "-m", SERVER_MODULE, "--model", model, "--host", "127.0.0.1",
-                        "--port", str(self.port), *args]
+        self.command = [python, "-m", SERVER_MODULE, *extra, "--model", model, "--host",
+                        "127.0.0.1", "--port", str(self.port), *args]
         # The runtime load endpoints exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING.
         self.env = {**(os.environ if env is None else env),
                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
@@ -169,9 +226,10 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             return None
 
-    def wait_ready(self, deadline: float) -> float:
+    def wait_ready(self, deadline: float, timeout_s: float | None = None) -> float:
         """Seconds until `/health` answers. EngineFailed when the server exits first (its
-        last error line), EngineTimeout at `deadline` (time.monotonic)."""
+        last error line), EngineTimeout at `deadline` (time.monotonic; `timeout_s`: the
+        --confirm-timeout it was set from, for the message)."""
         t0 = time.monotonic()
         while True:
             if not self.alive:
@@ -184,7 +242,8 @@ class VllmServer:
             except OSError:
                 pass
             if time.monotonic() >= deadline:
-                raise EngineTimeout(f"vLLM was not ready within {deadline - t0:.0f} s "
+                bound = deadline - t0 if timeout_s is None else timeout_s
+                raise EngineTimeout(f"vLLM was not ready within {bound:g} s "
                                     f"(--confirm-timeout); its log: {self.log}")
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
@@ -399,30 +458,31 @@ def confirm(audited: AuditedAdapters, engine: Engine,
     if engine.name != NAME:
         # Another engine confirms through its own `Engine.confirm`.
         raise UsageError(f"--confirm: this check starts vLLM, not {engine.name}")
-    if not timeout_s > 0:
-        raise UsageError(f"--confirm-timeout {timeout_s}: a positive number of seconds")
+    check_timeout(timeout_s)
+    refuse_own_args(extra_args)
     say = progress or (lambda _line: None)
-    python = engine_python(python)
-    inspection = engine_inspect(audited, engine, given)
     t0 = time.monotonic()
     deadline = t0 + timeout_s
+    python = engine_python(python, timeout_s)
+    inspection = engine_inspect(audited, engine, given)
     if log is None:
         log = Path(tempfile.mkdtemp(prefix="metrale-confirm-")) / "vllm.log"
     model = inspection.record["engine"]["recommended"]["model"]
-    args = [*inspection.flags.serve_args(), *extra_args]
+    args = inspection.flags.serve_args()
     reports = audited.reports
     checks = [AdapterCheck(r.name, v.verdict, v.reason, Observed())
               for r, v in zip(reports, inspection.verdicts, strict=True)]
-    engine_record: dict[str, Any] = {"python": python, "model": model, "flags": args,
+    engine_record: dict[str, Any] = {"python": python, "model": model,
+                                     "flags": [*extra_args, *args],
                                      "log": str(log), "version": None, "ready_s": None}
     from metrale_cli.files.atomic import cleanup_on_signals
 
-    with cleanup_on_signals(), VllmServer(python, model, args, log) as server:
+    with cleanup_on_signals(), VllmServer(python, model, args, log, extra=extra_args) as server:
         engine_record["command"] = server.command
         say(f"starting vLLM: {shlex.join(server.command)}")
         say(f"its log: {log}")
         try:
-            ready = server.wait_ready(deadline)
+            ready = server.wait_ready(deadline, timeout_s)
         except EngineFailed:
             if checks and all(c.expected == "not_started" for c in checks):
                 # Predicted: vLLM cannot serve this model with LoRA; it did not start.
