@@ -127,7 +127,7 @@ def bench_kernels(
         bench.plot(records, plot_path, force)
 
 
-def _measured(line: Callable[[dict[str, Any]], Text], json_out: bool
+def _measured(line: Callable[[dict[str, Any]], "Text"], json_out: bool
               ) -> Callable[[dict[str, Any]], None]:
     """Each measurement's line as it is measured, after one naming the device and its peak:
     the view on stdout, progress on stderr under --json (stdout then holds one document)."""
