@@ -100,11 +100,11 @@ def test_inspect_ends_with_why_it_exits_1(synth_pair: tuple[Path, Path]) -> None
     a, b = synth_pair
     done = metrale("inspect", a, f"other={b}", f"again={a}", "--max-rank", 8)
     assert done.code == 1
-    assert done.stderr == "exit 1: 2 of 3 adapter(s) not servable: chat, again\n"
+    assert done.stderr == "error: 2 of 3 adapter(s) not servable: chat, again\n"
     assert done.output.endswith(done.stderr)
     as_json = metrale("inspect", a, f"other={b}", "--max-rank", 8, "--json")
     assert as_json.code == 1 and as_json.json()["adapters"][0]["servable"] is False
-    assert as_json.stderr == "exit 1: 1 of 2 adapter(s) not servable: chat\n"
+    assert as_json.stderr == "error: 1 of 2 adapter(s) not servable: chat\n"
 
 
 @pytest.mark.parametrize(

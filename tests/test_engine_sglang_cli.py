@@ -41,7 +41,7 @@ def test_inspect_ends_with_why_it_exits_1(adapters: dict[str, Path]) -> None:
     does: the last line names each with its verdict."""
     done = metrale("inspect", *_named(adapters, "plain", "rs", "dora"), "--engine", "sglang")
     assert done.code == 1
-    assert done.stderr == ("exit 1: 2 of 3 adapter(s) not served as PEFT serves them by "
+    assert done.stderr == ("error: 2 of 3 adapter(s) not served as PEFT serves them by "
                            "SGLang 0.5.23: rs (differs), dora (refuses)\n")
     assert done.output.endswith(done.stderr)
     served = metrale("inspect", *_named(adapters, "plain"), "--engine", "sglang")
@@ -161,7 +161,7 @@ def test_layout_gives_the_memory_of_an_adapter_served_otherwise(
     alone = metrale("layout", *_named(adapters, "plain"), "--engine", "sglang", "--json")
     assert alone.code == 0 and alone.json()["engine"]["not_served"] == []
     assert engine["lora_bytes"] == alone.json()["engine"]["lora_bytes"] > 0
-    assert done.stderr == ("exit 1: 1 of 2 adapter(s) not served as PEFT serves them by SGLang "
+    assert done.stderr == ("error: 1 of 2 adapter(s) not served as PEFT serves them by SGLang "
                            "0.5.23, though it allocates these buffers: bias (differs)\n")
     shown = metrale("layout", *_named(adapters, "plain", "bias"), "--engine", "sglang",
                     columns=300)

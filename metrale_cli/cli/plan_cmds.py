@@ -162,7 +162,7 @@ def _exit_1(refused: list[str], total: int, what: str) -> None:
     `what`, and which (a long inspection's reader sees the end first)."""
     from metrale_cli.cli.console import say
 
-    say(f"exit 1: {len(refused)} of {total} adapter(s) {what}: {', '.join(refused)}")
+    say(f"error: {len(refused)} of {total} adapter(s) {what}: {', '.join(refused)}")
     raise typer.Exit(1)
 
 
