@@ -10,9 +10,7 @@ from metrale_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from metrale_cli.model.modules import LoraModule
-
-if TYPE_CHECKING:
-    from metrale_cli.sim.replay import Link
+    from metrale_cli.sim.costs import Link
     from metrale_cli.sim.trace_formats import Assign
 
 _SIZE_UNITS = {
@@ -146,7 +144,7 @@ def parse_ranks(text: str) -> tuple[int, ...]:
 def parse_bandwidth(text: str, option: str = "--bandwidth") -> Link:
     """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
     the link, with the preset's per-swap latency (0 for a figure)."""
-    from metrale_cli.sim.replay import BANDWIDTHS, Link  # NumPy: not at --help
+    from metrale_cli.sim.costs import BANDWIDTHS, Link  # the simulator stage: not at --help
 
     key = text.strip().lower()
     if key in BANDWIDTHS:
