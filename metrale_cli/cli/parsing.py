@@ -37,15 +37,9 @@ def parse_size(text: str) -> int:
 
 def parse_modules(text: str, option: str = "--modules") -> list[LoraModule]:
     """`q_proj,k_proj,...` or `all` -> pool modules in their fixed order; never empty."""
-    from metrale_cli.model.modules import LoraModule
+    from metrale_cli.model.modules import LoraModule  # the model stage: not at --help
 
-    try:
-        modules = LoraModule.parse_list(text)
-    except ValueError as exc:
-        raise UsageError(f"{option}: {exc}") from None
-    if not modules:
-        raise UsageError(f"{option} is empty")
-    return modules
+    return LoraModule.parse_option(text, option)
 
 
 def positive(option: str, *values: int | None) -> None:
