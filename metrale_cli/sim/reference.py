@@ -1,5 +1,6 @@
 """The reference replay: the two event loops, paging and concurrent, that drive the pool's own
-`SlotManager` request by request. The compiled core (sim/core.py) runs the same replay and is
+slot state machine (`SlotCache`, the core `SlotManager` wraps in its lock) request by request,
+with adapter indices for keys. The compiled core (sim/core.py) runs the same replay and is
 tested against these (tests/test_replay_core.py); they also run whenever an observer wants the
 cache state after each request (tests/test_engine_vllm_cache.py).
 
@@ -9,7 +10,7 @@ arrives before its adapter's load ends is a delayed hit and starts when the load
 **Concurrent**: a request takes a seat (at most `max_concurrency`) and a ref count on its
 adapter's slot from admission to completion; a miss loads the adapter into the victim slot and
 the request starts when the load ends; when every cache slot has in-flight sequences the slot
-manager says `PoolFull` and the request waits at the head of the queue (`WaitingQueue`), never
+cache says `PoolFull` and the request waits at the head of the queue (`WaitingQueue`), never
 evicting an adapter in flight.
 """
 
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from metrale_cli.errors import PoolFull, UsageError
-from metrale_cli.pool.slots import NEVER, AdapterSlot, SlotManager, SlotState
+from metrale_cli.pool.slot_cache import NEVER, SlotCache, SlotState
 from metrale_cli.sim.admission import WaitingQueue
 from metrale_cli.sim.costs import Loads
 from metrale_cli.sim.results import CacheState, Observer
@@ -62,37 +63,37 @@ def _column(code: str, values: np.ndarray) -> array.array[Any]:
     return column
 
 
-def observer(replay: Replay, manager: SlotManager, loads: Loads,
+def observer(replay: Replay, cache: SlotCache, loads: Loads,
              observe: Observer) -> Callable[[int], None]:
-    """`observe` fed the state of `manager` and `loads` after request r."""
+    """`observe` fed the state of `cache` and `loads` after request r."""
     names = replay.workload.adapters
 
     def told(r: int) -> None:
-        slots = tuple(s.name if manager.state(k) is SlotState.READY else None
-                      for k, s in enumerate(manager.slots()))
+        slots = tuple(replay.adapter_name(a) if state is SlotState.READY else None
+                      for a, state in zip(cache.adapter, cache.state, strict=True))
         host = (tuple(names[a] for a in loads.resident) if replay.host is not None
                 else ())
         observe(r, CacheState(slots, host))
     return told
 
 
-def _load(manager: SlotManager) -> tuple[int, bool]:
+def _load(cache: SlotCache) -> tuple[int, bool]:
     """Pick a victim and begin loading into it: (slot, whether it evicted an adapter)."""
-    victim = manager.select_victim_slot()
-    evicts = manager.state(victim) is SlotState.READY
-    manager.begin_load(victim)
+    victim = cache.select_victim()
+    evicts = cache.state[victim] is SlotState.READY
+    cache.begin_load(victim)
     return victim, evicts
 
 
-def paging(replay: Replay, manager: SlotManager, loads: Loads, start: np.ndarray,
+def paging(replay: Replay, cache: SlotCache, loads: Loads, start: np.ndarray,
            served: np.ndarray, progress: Callable[[int], None] | None,
            observe: Callable[[int], None] | None) -> Counts:
     """Every request in order, one at a time, each placed at once."""
-    names, columns = replay.workload.adapters, replay.columns
+    columns = replay.columns
     adapter, arrival, nxt = columns.adapter, columns.arrival, columns.next_use
-    use_next, tiered = manager.policy == "min", replay.host is not None
+    use_next, tiered = cache.policy == "min", replay.host is not None
     # A zero-length request takes and returns its count at once: a touch, one call.
-    slot_of, touch, set_next_use = manager.slot_of, manager.touch_slot, manager.set_next_use
+    slot_of, touch, set_next_use = cache.slot_of, cache.touch, cache.set_next_use
     hits = delayed = misses = swaps = 0
     ready: dict[int, float] = {}  # adapter -> when its latest load ends
     start[:] = replay.workload.arrival
@@ -106,10 +107,10 @@ def paging(replay: Replay, manager: SlotManager, loads: Loads, start: np.ndarray
             continue
         if tiered:
             loads.touch(a)
-        slot = slot_of(names[a])
+        slot = slot_of(a)
         if slot is None:
-            slot, evicts = _load(manager)
-            manager.finish_load(slot, AdapterSlot(name=names[a]))
+            slot, evicts = _load(cache)
+            cache.finish_load(slot, a)
             misses += 1
             swaps += evicts
             start[r] = ready[a] = loads.load(a, arrival[r])
@@ -128,16 +129,16 @@ def paging(replay: Replay, manager: SlotManager, loads: Loads, start: np.ndarray
     return hits, delayed, misses, swaps, []
 
 
-def concurrent(replay: Replay, manager: SlotManager, loads: Loads, start: np.ndarray,
+def concurrent(replay: Replay, cache: SlotCache, loads: Loads, start: np.ndarray,
                served: np.ndarray, progress: Callable[[int], None] | None,
                observe: Callable[[int], None] | None) -> Counts:
     """Arrivals, request ends and load ends as events in time order, each request holding a
     seat and its slot from its start to its end."""
-    names, columns = replay.workload.adapters, replay.columns
+    columns = replay.columns
     adapter, arrival, hold, nxt = columns.adapter, columns.arrival, columns.hold, columns.next_use
-    use_next, tiered = manager.policy == "min", replay.host is not None
-    slot_of, acquire, release = manager.slot_of, manager.acquire_slot, manager.release_slot
-    set_next_use, touch = manager.set_next_use, manager.touch_slot
+    use_next, tiered = cache.policy == "min", replay.host is not None
+    slot_of, acquire, release = cache.slot_of, cache.acquire, cache.release
+    set_next_use, touch = cache.set_next_use, cache.touch
     n = len(adapter)
     seats = replay.max_concurrency or n + 1
     # Events: (time, kind, seq, x, y); kind 0 = a request ends (x = its slot or -1, y = the
@@ -155,7 +156,7 @@ def concurrent(replay: Replay, manager: SlotManager, loads: Loads, start: np.nda
 
     def startable(a: int) -> bool:
         """A request for `a` can start now: the base model, or resident, or loading."""
-        return a < 0 or a in loading or slot_of(names[a]) is not None
+        return a < 0 or a in loading or slot_of(a) is not None
 
     def skip_ahead(head: int, now: float, running: int) -> int:
         """The head cannot be placed: later requests whose adapter is resident or loading
@@ -175,7 +176,7 @@ def concurrent(replay: Replay, manager: SlotManager, loads: Loads, start: np.nda
                 loading[a].append(r)
             else:
                 hits += 1
-                serve(r, slot_of(names[a]), now)
+                serve(r, slot_of(a), now)
             if running >= seats:
                 break
         # The requests this pass looked at for the first time: up to the one that took
@@ -216,7 +217,7 @@ def concurrent(replay: Replay, manager: SlotManager, loads: Loads, start: np.nda
                 if observe is not None:
                     observe(y)
             else:
-                manager.finish_load(x, AdapterSlot(name=names[y]))
+                cache.finish_load(x, y)
                 for r in loading.pop(y):
                     serve(r, x, now)
         else:
@@ -231,7 +232,7 @@ def concurrent(replay: Replay, manager: SlotManager, loads: Loads, start: np.nda
             if a >= 0:
                 if tiered and r not in stalled_since:  # one use, however long it waits
                     loads.touch(a)
-                slot = slot_of(names[a])
+                slot = slot_of(a)
                 if slot is None:
                     if a in loading:  # its load is under way: no second load
                         delayed += 1
@@ -240,7 +241,7 @@ def concurrent(replay: Replay, manager: SlotManager, loads: Loads, start: np.nda
                         running += 1
                         continue
                     try:
-                        victim, evicts = _load(manager)
+                        victim, evicts = _load(cache)
                     except PoolFull:
                         if not events:
                             raise UsageError("the slot cache can never free a slot "

@@ -1,9 +1,10 @@
 """One workload replayed at one policy and size (`Replay.run`), or every LRU size of a paging
 workload from one pass (`Replay.lru_sweep`, stack distances). The workload is prepared once (hold
 times, next uses, the all-resident baseline); each run goes to the compiled core (sim/core.py)
-or to the reference loops that drive the pool's own `SlotManager` (sim/reference.py), which the
-core is tested against. What loads cost is in sim/costs.py, what a run reports in sim/results.py,
-the admission queue in sim/admission.py.
+or to the reference loops (sim/reference.py) that drive the pool's own slot state machine
+(`SlotCache`, which `SlotManager` wraps in its lock), the reference the core is tested against.
+What loads cost is in sim/costs.py, what a run reports in sim/results.py, the admission queue in
+sim/admission.py.
 
 A request's added latency is how much later it starts than it would with every adapter resident
 (the same queue, no loads, no stalls), and never below 0: under skip admission a request that
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from metrale_cli.errors import UsageError
-from metrale_cli.pool.slots import AdapterSlot, SlotManager
+from metrale_cli.pool.slot_cache import SlotCache
 from metrale_cli.sim import reference
 from metrale_cli.sim.admission import ADMISSIONS
 from metrale_cli.sim.costs import HostTier, Loads, SwapCost
@@ -31,7 +32,7 @@ from metrale_cli.sim.workload import Workload
 
 class Replay:
     """One workload, prepared once (hold times, next uses, the no-cache baseline), replayed
-    against a fresh `SlotManager` per (policy, size)."""
+    against a fresh `SlotCache` per (policy, size)."""
 
     def __init__(self, workload: Workload, hold: np.ndarray, cost: SwapCost,
                  pinned: Sequence[str] = (), max_concurrency: int | None = None,
@@ -70,6 +71,16 @@ class Replay:
     def mode(self) -> str:
         return "paging" if self.paging else "concurrent"
 
+    def _pinned_keys(self) -> list[int]:
+        """The pinned adapters as `SlotCache` keys: the workload's index, or for one no
+        request names (it holds its slot all the same) a key below -1, that of `adapter_name`."""
+        index = {name: a for a, name in enumerate(self.workload.adapters)}
+        return [index.get(name, -2 - i) for i, name in enumerate(self.pinned)]
+
+    def adapter_name(self, key: int) -> str:
+        """The adapter a `SlotCache` key of this replay names (`_pinned_keys`)."""
+        return self.workload.adapters[key] if key >= 0 else self.pinned[-2 - key]
+
     def _baseline(self, hold: np.ndarray) -> np.ndarray:
         """Start times with every adapter resident: arrival, or the first free seat."""
         arrival = self.workload.arrival
@@ -91,7 +102,7 @@ class Replay:
         `observe` hears the cache state after each request is placed (a slow path, for
         checking the replay against an engine). The replay runs in the compiled core
         (sim/core.py) unless `compiled` is False or `observe` is given: then in the Python
-        loop that drives the pool's own `SlotManager`, the reference the core is tested
+        loop that drives the pool's own `SlotCache`, the reference the core is tested
         against."""
         self._check_size(max_loras)
         n = len(self.columns.adapter)
@@ -105,15 +116,15 @@ class Replay:
                 progress(n)
             return self._result(policy, max_loras, loads, start, served, [0] * max_loras,
                                 hits, delayed, misses, swaps, waits, detail)
-        manager = SlotManager(max_loras, policy=policy)
-        manager.load_pinned([AdapterSlot(name=n) for n in self.pinned])
+        cache = SlotCache(max_loras, policy=policy)
+        cache.load_pinned(self._pinned_keys())
         served = np.zeros(n, dtype=np.int64)
         loop = reference.paging if self.paging else reference.concurrent
-        told = reference.observer(self, manager, loads, observe) if observe is not None else None
-        hits, delayed, misses, swaps, waits = loop(self, manager, loads, start, served, progress,
+        told = reference.observer(self, cache, loads, observe) if observe is not None else None
+        hits, delayed, misses, swaps, waits = loop(self, cache, loads, start, served, progress,
                                                    told)
         return self._result(policy, max_loras, loads, start, served,
-                            [manager.ref_count(k) for k in range(max_loras)],
+                            list(cache.refs),
                             hits, delayed, misses, swaps, waits, detail)
 
     def _in_core(self, policy: str, max_loras: int, loads: Loads, start: np.ndarray) -> Counts:
