@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from metrale_cli.errors import UsageError
 from metrale_cli.layout.sharding import ShardSpec
 from metrale_cli.model.modules import LoraModule
+from metrale_cli.pool.slot_cache import POLICIES
 from metrale_cli.sim import simulate as sim
 from metrale_cli.sim.costs import HostTier, Link
 from metrale_cli.sim.replicas import Routing
@@ -219,7 +220,7 @@ class SimulateRequest:
             link=self.bandwidth, links=self.links, prefill_tok_s=self.prefill_tok_s,
             decode_tok_s=self.decode_tok_s, max_concurrency=self.max_concurrency,
             pin=self.pin, pinned=self.pinned,
-            policies=list(self.policies or ("lru", "fifo", "min")),
+            policies=list(self.policies or POLICIES),
             sizes=list(self.sizes) if self.sizes is not None else None, targets=targets,
             budget_bytes=self.budget_bytes, shard=self.shard,
             host=(HostTier(self.host_slots, self.host_bandwidth)
