@@ -89,6 +89,7 @@ _API = {
     "Targets": "metrale_cli.sim.simulate",
     "simulate": ("metrale_cli.sim.simulate", "run"),
     "EngineCache": "metrale_cli.sim.simulate",
+    "SimulateRequest": "metrale_cli.sim.request",
 }
 
 __all__ = ["__version__", *_API]

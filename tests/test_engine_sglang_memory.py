@@ -22,7 +22,9 @@ import pytest
 
 from metrale_cli.engines import get_engine
 from metrale_cli.model.config import ModelConfig
-from metrale_cli.sim.replay import CacheState, Link, Replay, SwapCost
+from metrale_cli.sim.costs import Link, SwapCost
+from metrale_cli.sim.replay import Replay
+from metrale_cli.sim.results import CacheState
 from metrale_cli.sim.simulate import EngineCache
 from metrale_cli.sim.workload import Workload
 from tests.conftest import SGLANG_PYTHON

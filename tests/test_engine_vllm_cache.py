@@ -19,7 +19,9 @@ import pytest
 
 from metrale_cli.engines import get_engine
 from metrale_cli.model.config import ModelConfig
-from metrale_cli.sim.replay import CacheState, HostTier, Link, Replay, SwapCost
+from metrale_cli.sim.costs import HostTier, Link, SwapCost
+from metrale_cli.sim.replay import Replay
+from metrale_cli.sim.results import CacheState
 from metrale_cli.sim.simulate import EngineCache
 from metrale_cli.sim.workload import Workload
 from tests.conftest import VLLM_PYTHON

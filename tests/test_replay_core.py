@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metrale_cli.sim.replay import HostTier, Link, Replay, SwapCost
+from metrale_cli.sim.costs import HostTier, Link, SwapCost
+from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.workload import Workload
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from metrale_cli.errors import UsageError
-from metrale_cli.sim.replay import Replay, SwapCost
+from metrale_cli.sim.costs import SwapCost
+from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.replicas import Replicas, Routing, route
 from metrale_cli.sim.workload import GeneratorSpec, Workload, generate
 from tests.support.cli_runner import metrale

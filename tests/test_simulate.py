@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from metrale_cli.cli import render
 from metrale_cli.cli.parsing import parse_bandwidth, parse_size_list
 from metrale_cli.errors import FormatError, OutputExists, UsageError
-from metrale_cli.sim.replay import Link, Replay, SwapCost
+from metrale_cli.sim.costs import Link, SwapCost
+from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.workload import GeneratorSpec, Workload, generate, read_trace
 from tests.support.cli_runner import metrale
 

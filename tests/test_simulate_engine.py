@@ -11,7 +11,8 @@ import pytest
 
 from metrale_cli.engines import get_engine
 from metrale_cli.model.config import ModelConfig
-from metrale_cli.sim.replay import HostTier, Link, Replay, SwapCost
+from metrale_cli.sim.costs import HostTier, Link, SwapCost
+from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.simulate import EngineCache
 from metrale_cli.sim.workload import GeneratorSpec, generate
 from tests.support.cli_runner import metrale

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale_cli.errors import FormatError, UsageError
-from metrale_cli.sim.replay import HostTier, Link, Replay, SwapCost
+from metrale_cli.sim.costs import HostTier, Link, SwapCost
+from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.simulate import adapter_load_bytes
 from metrale_cli.sim.workload import SLORA_RANKS, GeneratorSpec, Workload, generate, read_trace
 from tests.support.cli_runner import metrale

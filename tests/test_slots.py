@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale_cli.errors import PoolFull, SlotBusy, UsageError
+from metrale_cli.pool.slot_cache import NEVER
 from metrale_cli.pool.slots import (
-    NEVER,
     AdapterSlot,
     SlotManager,
     SlotState,
@@ -277,7 +277,7 @@ def test_heap_stays_bounded() -> None:
     for i in range(20_000):
         m.touch_slot(1 + i % 7)  # slot 0 stays the least recently used, at the heap's top
         assert m.select_victim_slot() == 0
-    assert len(m._heap) <= 2 * 8 + 65
+    assert len(m._cache.heap) <= 2 * 8 + 65
 
 
 def test_load_runs_outside_the_lock() -> None:

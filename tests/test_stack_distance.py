@@ -10,7 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from metrale_cli.sim.replay import Replay, SwapCost
+from metrale_cli.sim.costs import SwapCost
+from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.stack_distance import COLD, stack_distances
 from metrale_cli.sim.workload import Workload
 

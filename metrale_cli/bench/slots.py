@@ -17,7 +17,8 @@ import numpy as np
 
 from metrale_cli.errors import UsageError
 from metrale_cli.pool.slots import AdapterSlot, SlotManager
-from metrale_cli.sim.replay import Replay, SwapCost
+from metrale_cli.sim.costs import SwapCost
+from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.simulate import simulate
 from metrale_cli.sim.workload import GeneratorSpec, generate, read_trace
 

@@ -11,7 +11,6 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from metrale_cli import env
-from metrale_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from metrale_cli.engines.engine import Engine
@@ -166,13 +165,9 @@ FullyShardedOpt = Annotated[bool, typer.Option(
 
 def shard_spec(tp: int | None, ep: int | None, fully_sharded: bool) -> ShardSpec | None:
     """Rank 0 of the deployment --tp/--ep/--fully-sharded name, or None without --tp."""
-    from metrale_cli.layout.sharding import ShardSpec
+    from metrale_cli.layout.sharding import ShardSpec  # the layout stage: not at --help
 
-    if tp is None:
-        if ep is not None or fully_sharded:
-            raise UsageError("--ep and --fully-sharded need --tp")
-        return None
-    return ShardSpec(tp, 0, 1 if ep is None else ep, fully_sharded)
+    return ShardSpec.from_options(tp, ep, fully_sharded)
 
 
 def experts_on(flag: bool) -> bool:

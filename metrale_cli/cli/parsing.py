@@ -10,9 +10,7 @@ from metrale_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from metrale_cli.model.modules import LoraModule
-
-if TYPE_CHECKING:
-    from metrale_cli.sim.replay import Link
+    from metrale_cli.sim.costs import Link
     from metrale_cli.sim.trace_formats import Assign
 
 _SIZE_UNITS = {
@@ -39,15 +37,9 @@ def parse_size(text: str) -> int:
 
 def parse_modules(text: str, option: str = "--modules") -> list[LoraModule]:
     """`q_proj,k_proj,...` or `all` -> pool modules in their fixed order; never empty."""
-    from metrale_cli.model.modules import LoraModule
+    from metrale_cli.model.modules import LoraModule  # the model stage: not at --help
 
-    try:
-        modules = LoraModule.parse_list(text)
-    except ValueError as exc:
-        raise UsageError(f"{option}: {exc}") from None
-    if not modules:
-        raise UsageError(f"{option} is empty")
-    return modules
+    return LoraModule.parse_option(text, option)
 
 
 def positive(option: str, *values: int | None) -> None:
@@ -146,7 +138,7 @@ def parse_ranks(text: str) -> tuple[int, ...]:
 def parse_bandwidth(text: str, option: str = "--bandwidth") -> Link:
     """A preset (`pcie4`, `pcie5`, `nvlink`, `nvme`) or a figure like `25GB/s` or `800MiB/s`:
     the link, with the preset's per-swap latency (0 for a figure)."""
-    from metrale_cli.sim.replay import BANDWIDTHS, Link  # NumPy: not at --help
+    from metrale_cli.sim.costs import BANDWIDTHS, Link  # the simulator stage: not at --help
 
     key = text.strip().lower()
     if key in BANDWIDTHS:

@@ -5,10 +5,8 @@
 # which was most of what `metrale --help` took beyond importing typer (scripts/bench_startup.py).
 
 import dataclasses
-import math
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -31,15 +29,8 @@ from metrale_cli.cli.options import (
     ModelOpt,
     ModulesOpt,
     TpOpt,
-    engine_name,
     experts_on,
-    shard_spec,
 )
-from metrale_cli.cli.parsing import parse_modules, parse_size, positive
-from metrale_cli.errors import UsageError
-
-if TYPE_CHECKING:
-    from metrale_cli.layout.pipeline import AuditedAdapters, PlannedPool
 
 
 class SimulateCommand(Command):
@@ -188,33 +179,42 @@ def simulate(
         parse_assign,
         parse_bandwidth,
         parse_ranks,
+        parse_size,
         parse_size_list,
         parse_token_range,
     )
-    from metrale_cli.engines import refuse_other_options
     from metrale_cli.files.atomic import check_output, output_path
-    from metrale_cli.layout.pipeline import audit_adapters, plan_pool
-    from metrale_cli.layout.slot_layout import SlotLayout
-    from metrale_cli.model.modules import ALL
-    from metrale_cli.sim import simulate as sim
-    from metrale_cli.sim import workload as wl
+    from metrale_cli.sim.request import SimulateRequest
+    from metrale_cli.sim.simulate import plot
 
-    chosen = engine_name(engine)
-    refuse_other_options(chosen.name if chosen else "metrale", "simulate", {
-        "--max-cpu-loras": max_cpu_loras, "--dtype": dtype, "--lora-dtype": lora_dtype,
-        "--max-loaded-loras": max_loaded_loras, "--eviction-policy": eviction_policy,
-        "--lora-backend": lora_backend, "--fully-sharded": fully_sharded,
-        "--host-slots": host_slots, "--pin": pin, "--pinned": pinned,
-        "--experts": experts_on(experts), "--ep": ep})
-    if chosen is not None:
-        for name, value in (("--policy", policy), ("--admission", admission)):
-            if value is not None:
-                raise UsageError(f"{name}: --engine {chosen.name} evicts and admits as the "
-                                 "engine does (docs/simulate.md); leave it out")
-    positive("--tp", tp)  # SGLang's rules would run --tp 0 as 1
-    # With an engine, --tp and --fully-sharded are its flags (its bytes are one GPU's).
-    spec = shard_spec(tp, ep, fully_sharded) if chosen is None else None
-    positive("--max-rank", max_rank)
+    link = parse_bandwidth(bandwidth)
+    if swap_latency_ms is not None:
+        link = dataclasses.replace(link, latency_s=swap_latency_ms / 1e3)
+    request = SimulateRequest(
+        adapters=tuple(adapters or ()), model=model, modules=modules, max_rank=max_rank,
+        experts=experts_on(experts), trace=trace, trace_format=trace_format,
+        assign=parse_assign(assign, n_adapters, seed) if assign is not None else None,
+        workload=workload, requests=n_requests, adapter_count=n_adapters, rate=rate, cv=cv,
+        seed=seed, seeds=seeds, zipf_s=zipf_s, alpha=alpha,
+        input_tokens=parse_token_range("--input-tokens", input_tokens),
+        output_tokens=parse_token_range("--output-tokens", output_tokens),
+        ranks=parse_ranks(ranks) if ranks is not None else None,
+        prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
+        max_concurrency=max_concurrency,
+        policies=(tuple(p.strip() for p in policy.split(",") if p.strip())
+                  if policy is not None else None),
+        pin=tuple(pin or ()), pinned=pinned,
+        sizes=(tuple(parse_size_list("--max-loras", max_loras)) if max_loras is not None
+               else None),
+        bandwidth=link, links=links, host_slots=host_slots,
+        host_bandwidth=parse_bandwidth(host_bandwidth, "--host-bandwidth"),
+        admission=admission, replicas=replicas, route=route,
+        target_hit_rate=target_hit_rate, target_p99_ms=target_p99_ms,
+        budget_bytes=parse_size(budget) if budget is not None else None,
+        tp=tp, ep=ep, fully_sharded=fully_sharded, engine=engine,
+        max_cpu_loras=max_cpu_loras, dtype=dtype, lora_dtype=lora_dtype,
+        max_loaded_loras=max_loaded_loras, eviction_policy=eviction_policy,
+        lora_backend=lora_backend)
     plot_path = None if plot_text is None else output_path(plot_text, "--plot")
     save_trace = None if save_trace_text is None else output_path(save_trace_text,
                                                                  "--save-trace")
@@ -223,104 +223,17 @@ def simulate(
             check_output(path, force)  # before the work; the write checks again
     if plot_path is not None:
         compat.pyplot()  # no matplotlib: say so before the work, not after it
-    if target_hit_rate is not None and not 0 < target_hit_rate <= 1:
-        raise UsageError(f"--target-hit-rate must be in (0, 1], got {target_hit_rate}")
-    if target_p99_ms is not None and not 0 <= target_p99_ms < math.inf:
-        raise UsageError(f"--target-p99-ms must be >= 0 and finite, got {target_p99_ms}")
-    if model is None and not adapters:
-        raise UsageError("--model is required (or give adapters)")
-    module_list = parse_modules(modules) if modules else None
-    if chosen is None or not adapters:
-        # A slot sized by an adapter pack would refuse sizes nothing: plan_pool refuses it too.
-        planned: PlannedPool | AuditedAdapters = plan_pool(
-            adapters or [], model, modules=module_list, max_rank=max_rank,
-            experts=experts_on(experts))
-        layouts = planned.layout, planned.expert_layout
-        if chosen is None:  # what metrale's kernels refuse; an engine serves with its own
-            warn(planned.warnings)
-    else:
-        # The engine judges the adapters and sizes their slots (sim.EngineCache, through the
-        # seam): the pool's refusals do not apply. The layout only names the modules in the
-        # record, those of the adapters' the pool knows (or --modules).
-        planned = audit_adapters(adapters, model, experts=False)
-        layouts = SlotLayout.build(planned.model, module_list or [
-            m for m in ALL if any(m in r.module_set for r in planned.reports)],
-            max_rank or max(r.adapter.config.r for r in planned.reports)), None
-    if spec is not None:
-        from metrale_cli.layout.sharding import refuse_unshardable
-
-        refuse_unshardable(planned.reports, spec)
-    if trace is not None and workload is not None:
-        raise UsageError("give --trace or --workload, not both")
-    if trace is not None and ranks is not None:
-        raise UsageError("--ranks is for generated workloads; a trace gives ranks in its "
-                         "rank column")
-    if trace is None and (assign is not None or trace_format != "metrale"):
-        raise UsageError("--trace-format and --assign are for --trace")
-    positive("--seeds", seeds)
-    sim.check_seeds(seeds)
-    if seeds > 1 and trace is not None and assign is None:
-        raise UsageError("--seeds needs a seeded workload: a generator, or a trace with "
-                         "--assign")
-    spec_tokens = (parse_token_range("--input-tokens", input_tokens),
-                   parse_token_range("--output-tokens", output_tokens),
-                   parse_ranks(ranks) if ranks is not None else ())
-    if trace is not None:
-        from metrale_cli.sim import trace_formats
-
-    def make(s: int, progress: Callable[[int, int], None] | None = None) -> wl.Workload:
-        """The workload under seed `s` (a generator's draw, or --assign's)."""
-        if trace is None:
-            return wl.generate(wl.GeneratorSpec(workload or "zipf", n_requests, n_adapters,
-                                                rate, cv, s, zipf_s, alpha, *spec_tokens))
-        if trace_format == "metrale":
-            if assign is not None:
-                raise UsageError("--assign is for trace formats that name no adapter")
-            return wl.read_trace(trace, progress)
-        return trace_formats.read_public_trace(
-            trace, trace_format, parse_assign(assign, n_adapters, s) if assign is not None
-            else None, progress)
-
+    planned = request.plan()
+    warn(list(planned.warnings))
     with progress("reading", None, trace is not None and not json_out) as shown:
-        requested = make(seed, None if shown is None
-                         else lambda done, total: shown.advance(done - shown.done, total))
+        first = request.read(progress=None if shown is None else
+                             lambda done, total: shown.advance(done - shown.done, total))
     if save_trace is not None:
-        requested.save(save_trace, force)
-    targets = (sim.Targets(target_hit_rate, target_p99_ms)
-               if target_hit_rate is not None or target_p99_ms is not None else None)
-    link = parse_bandwidth(bandwidth)
-    if swap_latency_ms is not None:
-        link = dataclasses.replace(link, latency_s=swap_latency_ms / 1e3)
-    options: dict[str, Any] = dict(
-        link=link, links=links, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s,
-        max_concurrency=max_concurrency, pin=pin or (), pinned=pinned,
-        policies=[p.strip() for p in (policy or "lru,fifo,min").split(",") if p.strip()],
-        sizes=parse_size_list("--max-loras", max_loras) if max_loras is not None else None,
-        targets=targets,
-        budget_bytes=parse_size(budget) if budget is not None else None, shard=spec,
-        host=(sim.HostTier(host_slots, parse_bandwidth(host_bandwidth, "--host-bandwidth"))
-              if host_slots is not None else None),
-        routing=sim.Routing(replicas, route, seed) if replicas != 1 or route != "affinity"
-        else None, admission=admission or "fcfs",
-        engine=None if chosen is None else sim.EngineCache(
-            chosen, planned.model, tuple(planned.reports), tuple({
-                "--max-rank": max_rank, "--max-cpu-loras": max_cpu_loras, "--tp": tp,
-                "--fully-sharded": fully_sharded, "--modules": modules, "--dtype": dtype,
-                "--lora-dtype": lora_dtype, "--max-loaded-loras": max_loaded_loras,
-                "--eviction-policy": eviction_policy, "--lora-backend": lora_backend}.items()),
-            parse_bandwidth(host_bandwidth, "--host-bandwidth")))
-
-    def simulate_all(progress: Callable[[int, int], None] | None) -> sim.Simulation:
-        if seeds == 1:
-            return sim.run(requested, *layouts, **options, progress=progress)
-        first = iter([requested])  # the first seed's workload is read already
-        return sim.run_seeds(lambda s: next(first, None) or make(s),
-                             [seed + k for k in range(seeds)], *layouts, progress=progress,
-                             **options)
-
+        first.save(save_trace, force)
     with progress("simulating", None, not json_out, unit="request replays") as shown:
-        result = simulate_all(None if shown is None else shown.advance)
+        result = request.run(None if shown is None else shown.advance, planned=planned,
+                             first=first)
     # The table first: a plot that cannot be written loses no result.
     emit(result.record(), json_out, render_sim.simulate_view)
     if plot_path is not None:
-        sim.plot(result, plot_path, force)
+        plot(result, plot_path, force)

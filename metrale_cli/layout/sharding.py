@@ -71,6 +71,16 @@ class ShardSpec:
             raise UsageError("--ep with --fully-sharded is refused (vLLM refuses expert "
                              "parallelism with fully sharded LoRA)")
 
+    @classmethod
+    def from_options(cls, tp: int | None, ep: int | None,
+                     fully_sharded: bool) -> ShardSpec | None:
+        """Rank 0 of the deployment --tp/--ep/--fully-sharded name, or None without --tp."""
+        if tp is None:
+            if ep is not None or fully_sharded:
+                raise UsageError("--ep and --fully-sharded need --tp")
+            return None
+        return cls(tp, 0, 1 if ep is None else ep, fully_sharded)
+
     @property
     def moe_tp_size(self) -> int:
         return self.tp_size // self.ep_size

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum
 
+from metrale_cli.errors import UsageError
 from metrale_cli.model.config import LayerType, ModelConfig
 from metrale_cli.model.families import VOCABULARY, Layers, ModuleSpec
 
@@ -113,6 +114,17 @@ class LoraModule(str, Enum):
                     f"unknown module {name!r}; modules: {', '.join(m.value for m in ALL)}"
                 ) from None
         return [m for m in ALL if m in chosen]
+
+    @classmethod
+    def parse_option(cls, text: str, option: str = "--modules") -> list[LoraModule]:
+        """`parse_list` for an option's value: a UsageError naming `option`; never empty."""
+        try:
+            modules = cls.parse_list(text)
+        except ValueError as exc:
+            raise UsageError(f"{option}: {exc}") from None
+        if not modules:
+            raise UsageError(f"{option} is empty")
+        return modules
 
 
 def _width(cfg: ModelConfig, width: str | int) -> int:

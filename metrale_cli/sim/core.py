@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from metrale_cli.pool.slots import EMPTY_KEY, NEVER
+from metrale_cli.pool.slot_cache import EMPTY_KEY, NEVER
 
 POLICY_CODES = {"lru": 0, "fifo": 1, "min": 2}
 

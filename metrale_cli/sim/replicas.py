@@ -23,14 +23,9 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.errors import UsageError
-from metrale_cli.sim.replay import (
-    HostTier,
-    Replay,
-    RunResult,
-    SwapCost,
-    added_latency,
-    serving_stats,
-)
+from metrale_cli.sim.costs import HostTier, SwapCost
+from metrale_cli.sim.replay import Replay
+from metrale_cli.sim.results import RunResult, added_latency, serving_stats
 from metrale_cli.sim.workload import Workload
 
 ROUTES = ("random", "round-robin", "affinity")

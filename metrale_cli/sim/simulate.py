@@ -22,9 +22,11 @@ from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
 from metrale_cli.layout.sharding import ShardSpec, rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
-from metrale_cli.pool.slots import POLICIES
-from metrale_cli.sim.replay import HostTier, Link, Replay, RunResult, SwapCost
+from metrale_cli.pool.slot_cache import POLICIES
+from metrale_cli.sim.costs import HostTier, Link, SwapCost
+from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.replicas import Replicas, Routing
+from metrale_cli.sim.results import RunResult
 from metrale_cli.sim.workload import Workload
 
 if TYPE_CHECKING:
