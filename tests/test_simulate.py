@@ -10,6 +10,7 @@ import re
 import sys
 from collections import OrderedDict, deque
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -474,6 +475,65 @@ def test_a_trace_is_read_in_chunks_into_columns(tmp_path: Path,
     monkeypatch.setattr(wl, "MAX_REQUESTS", 9)
     with pytest.raises(UsageError, match=r"more than 9 requests, the most a simulation takes"):
         read_trace(p)
+
+
+PLAIN_CSV_CASES = [
+    b"timestamp,adapter,input_tokens\n0.5,a,3\n0.25,b,4\n1,a,5\n",
+    b"\xef\xbb\xbftimestamp,adapter\r\n0,a\r\n1, b \r\n2,\r\n",  # BOM, CRLF, base model
+    b"timestamp,adapter,duration\n0,a,\n\n1,b, 2\n \n",  # blank lines, empty optional cell
+    b"timestamp,adapter,rank\n0,a,8\n1,a,16\n",  # an adapter given two ranks
+    b"timestamp,adapter,x,x\n0,a,1,2\n1,b,3\n",  # a repeated column, a short row
+    b"timestamp,adapter\n0,a\n1,b,c\n",  # more cells than the header
+    b"timestamp,adapter\n0,a\n1,b\n-2,c\n",  # out of bounds, line 4
+    b"timestamp,adapter,input_tokens\n0,a,1.5\n",  # not whole
+    b"timestamp,adapter\n0,a\n1,\xff\n",  # not UTF-8, line 3
+    b'timestamp,adapter\n0,"a,b"\n1,b\n',  # a quoted cell
+    b"timestamp,adapter\n0,a\r1,b\n",  # a lone carriage return
+    b"time,adapter\n0,a\n",  # no timestamp column
+    b"timestamp,adapter\n0,a\n1," + b"b" * 70_000 + b"\n",  # a line too long
+    b"",
+]
+
+
+@pytest.mark.parametrize("data", PLAIN_CSV_CASES)
+def test_the_block_reader_reads_what_the_line_reader_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
+    """A CSV file read by blocks (split at its commas, `_plain_csv_chunks`) gives the workload,
+    or the one-line error, that the csv module's line reader gives."""
+    import metrale_cli.sim.workload as wl
+
+    p = tmp_path / "t.csv"
+    p.write_bytes(data)
+    monkeypatch.setattr(wl, "TRACE_CHUNK", 2)  # blocks of two lines
+
+    def read() -> tuple[str, ...] | str:
+        try:
+            w = read_trace(p)
+        except (FormatError, UsageError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return (repr(w.adapters), repr(w.adapter_rank), *(
+            getattr(w, c).tobytes().hex() for c in ("adapter", "arrival", "input_tokens",
+                                                   "output_tokens", "duration")))
+
+    blocks = read()
+
+    def not_plain(path: Path) -> Any:
+        raise wl._NotPlain
+
+    monkeypatch.setattr(wl, "_plain_csv_chunks", not_plain)
+    assert blocks == read()
+
+
+def test_a_plain_csv_trace_is_read_without_the_line_reader(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import metrale_cli.sim.workload as wl
+
+    p = tmp_path / "t.csv"
+    p.write_bytes(PLAIN_CSV_CASES[0])
+    monkeypatch.setattr(wl, "BoundedLines", None)  # the line reader, unusable
+    w = read_trace(p)
+    assert w.adapters == ("a", "b") and w.arrival.tolist() == [0.25, 0.5, 1.0]
+    assert w.input_tokens.tolist() == [4, 3, 5]
 
 
 def test_trace_memory_follows_the_columns(tmp_path: Path,

@@ -248,6 +248,6 @@ class Replay:
                 ttft_base_p99_s=0.0 if n_adapter < n else None,
                 throughput_req_s=throughput(n, float(arrival[0]) if n else 0.0,
                                              max(float(arrival[-1]) if n else 0.0, last)),
-                pool_bytes=0, ref_counts_at_end=[0] * size,
+                pool_bytes=0,
             ))
         return results

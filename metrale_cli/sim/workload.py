@@ -162,6 +162,16 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
         # A device (/dev/zero), a FIFO or a directory: never read, it might not end.
         raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
     size = path.stat().st_size
+    if path.suffix.lower() == ".csv":
+        columns = TraceColumns(path)
+        try:
+            for chunk, blank, done in _plain_csv_chunks(path):
+                columns.add(*chunk, blank=blank)
+                if progress is not None:
+                    progress(min(done, size), size)
+            return columns.workload()
+        except _NotPlain:
+            pass  # quoted cells, bad bytes or a long line: the line reader below names them
     columns = TraceColumns(path)
     # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
     # otherwise become part of the first column's name.
@@ -199,8 +209,10 @@ class TraceColumns:
                              f"{' and blank lines' if blank else ''}, the most a simulation "
                              "takes; cut the trace")
         index = self.index
-        ids = np.array([index.setdefault(n, len(index)) if n else -1 for n in names],
-                       dtype=np.int64)
+        for name in dict.fromkeys(names):  # new names in order of first use, at C speed
+            if name and name not in index:
+                index[name] = len(index)
+        ids = np.fromiter(map({**index, "": -1}.__getitem__, names), np.int64, len(names))
         self.parts.append((arrival, ids, inputs, outputs, duration, rank))
 
     def workload(self) -> Workload:
@@ -281,6 +293,80 @@ def first_undecodable_line(path: Path, after: int) -> int:
     return after + 1
 
 
+class _NotPlain(Exception):
+    """A CSV file the block reader leaves to the line reader."""
+
+
+def _plain_csv_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
+    """(columns, blank lines so far, bytes read) per block of TRACE_CHUNK lines of a plain CSV
+    file: UTF-8, no quote character, no line past MAX_LINE_CHARS, line ends
+    `\n` or `\r\n`. Such a file is what csv.reader reads as each line split at its commas,
+    so a block is split at C speed, with no reader per line; rows are numbered by their
+    lines, and a bad cell is named as the line reader names it (`_csv_columns`). Anything
+    else raises _NotPlain before a row of it is used, and the caller reads the file again
+    line by line."""
+    blank = done = 0
+    first = 1  # the line number of the block's first line
+    header: list[str] | None = None
+    with open(path, "rb") as f:
+        rest, more = b"", True
+        while True:
+            while more and rest.count(b"\n") < TRACE_CHUNK:
+                if len(rest) - rest.rfind(b"\n") > MAX_LINE_CHARS + 1:
+                    raise _NotPlain  # a line too long: read no more of it here
+                data = f.read(max(TRACE_CHUNK * 64, MAX_LINE_CHARS))
+                more = bool(data)
+                rest += data
+            cut = (int(np.flatnonzero(np.frombuffer(rest, np.uint8) == 10)[TRACE_CHUNK - 1]) + 1
+                   if more else len(rest))
+            block, rest = rest[:cut], rest[cut:]
+            if not block:
+                if header is None:
+                    raise _NotPlain  # an empty file: the line reader says what it lacks
+                return
+            done += len(block)
+            if b'"' in block or b"\r" in block.replace(b"\r\n", b"\n"):
+                raise _NotPlain
+            raw = np.frombuffer(block, dtype=np.uint8)
+            ends = np.flatnonzero(raw == 10)
+            longest = int(np.diff(ends, prepend=-1).max()) if ends.size else 0
+            if max(longest, len(block) - 1 - (int(ends[-1]) if ends.size else -1)) > (
+                    MAX_LINE_CHARS):
+                raise _NotPlain
+            try:
+                text = block.decode("utf-8")
+            except UnicodeDecodeError:
+                raise _NotPlain from None
+            lines = text.replace("\r\n", "\n").split("\n")
+            if lines[-1] == "":
+                lines.pop()  # the block ends at a line end
+            if header is None:
+                header = lines[0].removeprefix("\ufeff").split(",")
+                missing = [c for c in ("timestamp", "adapter") if c not in header]
+                if missing:
+                    raise _NotPlain  # the line reader names what the header lacks
+                lines = lines[1:]
+                first = 2
+            # Commas per line, from the bytes: where every line has the header's count (no
+            # blank line), the columns are slices of one split of the whole block.
+            bounds = ends if block.endswith(b"\n") else np.append(ends, len(block) - 1)
+            commas = np.diff(np.searchsorted(np.flatnonzero(raw == 44), bounds),
+                             prepend=0)[len(bounds) - len(lines):]
+            width = len(header)
+            fast = None
+            if lines and len(set(header)) == width and bool((commas == width - 1).all()):
+                flat = ",".join(lines).split(",")
+                fast = _cell_columns(header, lambda i, f=flat, w=width: f[i::w], len(lines))
+            else:
+                blank += sum(1 for line in lines if not line or line.isspace())
+            if fast is None and lines:
+                rows = [line.split(",") if line else [] for line in lines]
+                fast = _csv_columns(path, header, rows, range(first, first + len(lines)))
+            if fast is not None:
+                yield fast, blank, done
+            first += len(lines)
+
+
 def _csv_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
     reader = csv.reader(lines)
     try:
@@ -357,24 +443,35 @@ def _parsed_columns(parsed: list[tuple[float, str, int, int, float, int]]) -> Co
 def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | None:
     """Well-formed CSV rows read column by column; None when any cell is out of the ordinary,
     so that the row-by-row reader names it."""
-    where = {name: i for i, name in enumerate(header)}
-    if len(where) != len(header) or any(len(r) != len(header) for r in rows):
+    if len(set(header)) != len(header) or any(len(r) != len(header) for r in rows):
         return None
+    return _cell_columns(header, lambda i: [r[i] for r in rows], len(rows))
+
+
+def _cell_columns(header: list[str], column: Callable[[int], list[str]],
+                  n: int) -> Columns | None:
+    """The columns of `n` rows whose cells in column i are `column(i)` (as read, unstripped),
+    under `header` (no name twice); None when a cell is out of the ordinary."""
+    where = {name: i for i, name in enumerate(header)}
 
     def numbers(key: str, empty: str | None) -> np.ndarray | None:
         if key not in where:
-            return np.full(len(rows), np.nan if empty == "nan" else 0.0)
-        i = where[key]
-        cells = [r[i].strip() for r in rows]
-        if empty is None and not all(cells):
-            return None
-        try:
-            values = np.array([c or empty for c in cells], dtype=np.float64)
-        except ValueError:
-            return None
-        given = np.array([bool(c) for c in cells], dtype=bool)  # bool even with no rows
+            return np.full(n, np.nan if empty == "nan" else 0.0)
+        cells = column(where[key])
+        try:  # float() reads surrounding white space as its strip would
+            values = np.array(cells, dtype=np.float64)
+            given = None
+        except ValueError:  # an empty cell, or not a number
+            cells = [c.strip() for c in cells]
+            if empty is None and not all(cells):
+                return None
+            try:
+                values = np.array([c or empty for c in cells], dtype=np.float64)
+            except ValueError:
+                return None
+            given = np.array([bool(c) for c in cells], dtype=bool)  # bool even with no rows
         good = np.isfinite(values) & (values >= 0)
-        return values if bool((good | ~given).all()) else None
+        return values if bool((good if given is None else good | ~given).all()) else None
 
     arrival = numbers("timestamp", None)
     inputs, outputs = numbers("input_tokens", "0"), numbers("output_tokens", "0")
@@ -383,8 +480,7 @@ def _csv_columns_fast(header: list[str], rows: list[list[str]]) -> Columns | Non
         return None
     if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs, rank)):
         return None
-    i = where["adapter"]
-    return (arrival, [r[i].strip() for r in rows], inputs.astype(np.int64),
+    return (arrival, [c.strip() for c in column(where["adapter"])], inputs.astype(np.int64),
             outputs.astype(np.int64), duration, rank.astype(np.int64))
 
 
