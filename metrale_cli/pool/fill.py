@@ -8,8 +8,7 @@ host, through pinned staging buffers on a GPU) a cache-sized chunk at a time: th
 are read from the adapter file (`TensorReader`) and converted to BF16, or, where the file's
 bytes are the slot's, read straight into the slot, and the chunk is checked finite while its
 bytes are still in cache. On the host those tensors are read last, in runs of tensors end to
-end in the file (one positional read a chunk), the next run's read on a second thread while the
-last is checked (`_read_runs`).
+end in the file, one positional read a chunk (`_read_runs`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -185,30 +183,20 @@ def _runs(parts: list[Part]) -> list[list[Part]]:
 def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite: bool,
                progress: Progress | None) -> int:
     """Read `parts` into the pool a run (`_runs`) at a time, each checked finite while it is in
-    cache. The read of the next run (the kernel's copy, with the GIL released) runs on a second
-    thread while this one checks the last: the check costs no time beside the copy, on any
-    machine with two cores. A short file is the failing run's error, in file order; a
-    non-finite value is refused once every run is read, naming the first such tensor in the
-    file with its whole count. Returns the bytes read."""
-    runs = _runs(parts)
+    cache. A short file is the failing run's error, in file order; a non-finite value is
+    refused once every run is read, naming the first such tensor in the file with its whole
+    count. Returns the bytes read."""
     bad: Counter[str] = Counter()
     read = 0
-
-    def load(run: list[Part]) -> None:
+    for run in _runs(parts):
         reader.into(run[0][0], [(info, span) for _, info, span in run])
-
-    with ThreadPoolExecutor(1, thread_name_prefix="metrale-read") as ahead:
-        loading = [ahead.submit(load, run) for run in runs[:1]]
-        for k, run in enumerate(runs):
-            loading.pop().result()
-            loading += [ahead.submit(load, after) for after in runs[k + 1:k + 2]]
-            if check_finite:
-                for _, info, span in run:
-                    bad[info.name] += non_finite(span.view(np.uint16))
-            size = sum(span.nbytes for _, _, span in run)
-            if progress is not None:
-                progress(size)
-            read += size
+        if check_finite:
+            for _, info, span in run:
+                bad[info.name] += non_finite(span.view(np.uint16))
+        size = sum(span.nbytes for _, _, span in run)
+        if progress is not None:
+            progress(size)
+        read += size
     for name, count in bad.items():
         _refuse(count, adapter, name)
     return read
