@@ -7,11 +7,11 @@ straight into the slot or converts from there: a tensor-parallel rank's column s
 read call (with the other columns of the rows it spans), where a call per row was slower.
 Bytes that go into the pool as the file holds them are read straight into it (`into`): tensors
 end to end in the file with one call, scattered to their spans. The reads are checked: a file
-cut short while it is packed (by another process) is a short read, a
-FormatError naming it, where the memory map this reader used before faulted the process
-(SIGBUS) with no line. Measured against the map, `bench pack --tp 4 --adapters 2 --repeats 2`
-on the 2-core VM (load 4), two runs each: pack 49-51% of numpy.copyto (map 37-47%), the ranks
-29-53% (map 17-35%), peak RSS 169 MiB (map 178 MiB).
+cut short while it is packed (by another process) is a short read, a FormatError naming it,
+where the memory map this reader used before faulted the process (SIGBUS) with no line.
+Measured against the map, `bench pack --tp 4 --adapters 2 --repeats 2` on the 2-core VM (load
+4), two runs each: pack 49-51% of numpy.copyto (map 37-47%), the ranks 29-53% (map 17-35%),
+peak RSS 169 MiB (map 178 MiB).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class TensorReader:
         end = start
         for info, out in parts:
             if end < info.begin:
-                raise FormatError(f"{self.name}: read past the end of tensor {info.name!r}")
+                raise FormatError(f"{self.name}: read outside tensor {info.name!r}")
             end += out.nbytes
             if end > self.size or end > info.begin + info.nbytes:
                 raise FormatError(f"{self.name}: file ended inside tensor {info.name!r}")
