@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -488,22 +489,24 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
                                         direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Copy, conversion and finite check are fused per chunk: no read is larger than one chunk
     of the slot (or one row), and a BF16 adapter at the pool's rank (its bytes are the slot's)
-    is read straight into the slot, with no buffer between (`bench pack` measures the rate)."""
+    is read straight into the slot, with no buffer between, tensors end to end in the file
+    in one read (`bench pack` measures the rate)."""
     monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
     reads: list[tuple[bool, int, int]] = []  # (straight into the slot, BF16 bytes, one row's)
-    block, rows_into = fill.TensorReader.block, fill.TensorReader.rows_into
+    block, into = fill.TensorReader.block, fill.TensorReader.into
 
     def counted_block(self, info, rows, cols):  # type: ignore[no-untyped-def]
         width = (cols[1] - cols[0]) * 2
         reads.append((False, (rows[1] - rows[0]) * width, width))
         return block(self, info, rows, cols)
 
-    def counted_rows(self, info, rows, out):  # type: ignore[no-untyped-def]
-        reads.append((True, out.nbytes, out.nbytes // max(1, rows[1] - rows[0])))
-        return rows_into(self, info, rows, out)
+    def counted_into(self, start, parts):  # type: ignore[no-untyped-def]
+        if all(out.base is not None for _, out in parts):  # spans of the slot, not a buffer
+            reads.append((True, sum(out.nbytes for _, out in parts), 0))
+        return into(self, start, parts)
 
     monkeypatch.setattr(fill.TensorReader, "block", counted_block)
-    monkeypatch.setattr(fill.TensorReader, "rows_into", counted_rows)
+    monkeypatch.setattr(fill.TensorReader, "into", counted_into)
     cfg = ModelConfig.from_hf(tiny["model"])
     report = audit(Adapter.load(tiny[name]), cfg)
     layout = SlotLayout.build(cfg, report.module_set, rank)
@@ -514,8 +517,37 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
     assert max(m.a.shape[0] * m.a.shape[1] * 2 for m in report.modules) > 64
     # The bytes are those of a pack a tensor at a time.
     monkeypatch.setattr(fill, "CHUNK_BYTES", 1 << 30)
+    reads.clear()
     assert np.array_equal(pool.region.host_bytes(0),
                           LoraPool.load(layout, 1, [report])[0].region.host_bytes(0))
+    if direct:  # every tensor lies end to end with the next in the file: one read in all
+        assert len(reads) == 1 < 2 * len(report.modules), reads
+
+
+def test_a_file_cut_short_between_reads_fails_the_fill(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors end to end in the file are read a chunk at a time: a file cut short after the
+    first chunk was read fails the fill, naming the tensor the next read was in."""
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    shutil.copytree(tiny["d"], tmp_path / "d")
+    weights = tmp_path / "d" / "adapter_model.safetensors"
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tmp_path / "d"), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    into = fill.TensorReader.into
+    second: list[str] = []
+
+    def cut_before_the_second(self, start, parts):  # type: ignore[no-untyped-def]
+        if not second and start > min(m.a.begin for m in report.modules):
+            second.append(parts[0][0].name)
+            os.truncate(weights, start)  # the file now ends where this read begins
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", cut_before_the_second)
+    with pytest.raises(FormatError) as failed:
+        LoraPool.load(layout, 1, [report])
+    assert second and str(failed.value) == (f"{weights}: file ended inside tensor "
+                                            f"{second[0]!r} (cut short while it was read)")
 
 
 def test_an_adapter_for_other_dims_is_refused_before_a_byte_is_written(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ Before a byte is written every module and expert pair is checked against its lay
 host, through pinned staging buffers on a GPU) a cache-sized chunk at a time: the chunk's rows
 are read from the adapter file (`TensorReader`) and converted to BF16, or, where the file's
 bytes are the slot's, read straight into the slot, and the chunk is checked finite while its
-bytes are still in cache.
+bytes are still in cache. On the host those tensors are read last, in runs of tensors end to
+end in the file, one positional read a chunk (`_read_runs`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from metrale_cli.errors import LayoutMismatch, NonFiniteWeights, UsageError
 from metrale_cli.files.safetensors_header import TensorInfo
 from metrale_cli.layout.expert_layout import ExpertEntry, ExpertLayout
 from metrale_cli.layout.slot_layout import BF16_BYTES, SlotLayout
-from metrale_cli.pool.reader import RawReader, TensorReader
+from metrale_cli.pool.reader import IOV_MAX, RawReader, TensorReader
 from metrale_cli.pool.region import Region, SlotWriter, Staging
 
 # Destination bytes written, then checked, at a time: small enough to be checked from cache
@@ -128,8 +129,7 @@ def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple
     bytes are the slot's (BF16, unscaled, whole rows, no padding) they are read straight into
     the slot: one copy, as `numpy.copyto` makes. Returns the file bytes read."""
     n, width = dest.shape
-    direct = (info.dtype == "BF16" and ratio == 1.0
-              and cols == (0, info.shape[1]) and width == info.shape[1])
+    direct = _direct(info, cols, width, ratio)
     step = max(1, CHUNK_BYTES // max(1, width * BF16_BYTES))
     bad = read = 0
     for lo in range(0, n, step):
@@ -146,6 +146,59 @@ def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple
         if check_finite:
             bad += non_finite(chunk)
     _refuse(bad, adapter, info.name)
+    return read
+
+
+def _direct(info: TensorInfo, cols: tuple[int, int], width: int, ratio: float) -> bool:
+    """Whether the file's bytes of a block of `info`'s rows are the slot's, as they are: BF16,
+    unscaled, whole rows, as wide as the slot's rows."""
+    return (info.dtype == "BF16" and ratio == 1.0 and cols == (0, info.shape[1])
+            and width == info.shape[1])
+
+
+# A tensor's rows read straight into the pool: (file offset, tensor, the span of the pool).
+Part = tuple[int, TensorInfo, np.ndarray]
+
+
+def _runs(parts: list[Part]) -> list[list[Part]]:
+    """`parts` as runs of at most `CHUNK_BYTES`, each of pieces end to end in the file (A and B
+    of a module, often a whole file), a part larger than a chunk split: one read each."""
+    step = max(BF16_BYTES, CHUNK_BYTES - CHUNK_BYTES % BF16_BYTES)
+    runs: list[list[Part]] = []
+    size = 0
+    for start, info, span in sorted(parts, key=lambda part: part[0]):
+        for lo in range(0, span.nbytes, step):
+            piece = span[lo:lo + step]
+            run = runs[-1] if runs else []
+            if (not run or start + lo != run[-1][0] + run[-1][2].nbytes
+                    or size + piece.nbytes > step or len(run) == IOV_MAX):
+                run = []
+                runs.append(run)
+                size = 0
+            run.append((start + lo, info, piece))
+            size += piece.nbytes
+    return runs
+
+
+def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite: bool,
+               progress: Progress | None) -> int:
+    """Read `parts` into the pool a run (`_runs`) at a time, each checked finite while it is in
+    cache. A short file is the failing run's error, in file order; a non-finite value is
+    refused once every run is read, naming the first such tensor in the file with its whole
+    count. Returns the bytes read."""
+    bad: Counter[str] = Counter()
+    read = 0
+    for run in _runs(parts):
+        reader.into(run[0][0], [(info, span) for _, info, span in run])
+        if check_finite:
+            for _, info, span in run:
+                bad[info.name] += non_finite(span.view(np.uint16))
+        size = sum(span.nbytes for _, _, span in run)
+        if progress is not None:
+            progress(size)
+        read += size
+    for name, count in bad.items():
+        _refuse(count, adapter, name)
     return read
 
 
@@ -167,6 +220,17 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
     round-to-nearest-even, each module's PEFT scaling relative to the slot's scale folded into
     its B, so that `scale * (x @ A^T) @ B^T` is PEFT's delta (a rank's part of it) for every
     module. Reads only the held bytes of the file; returns how many."""
+    # On the host, tensors whose file bytes are the slot's are read after the others, in runs.
+    parts: list[Part] = []
+
+    def put(info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int], span: np.ndarray,
+            width: int, ratio: float) -> int:
+        if writer.staging is None and _direct(info, cols, width, ratio):
+            parts.append((info.begin + rows[0] * width * BF16_BYTES, info, span))
+            return 0
+        return _put(reader, info, rows, cols, _bits(span, width), ratio, report.name,
+                    check_finite)
+
     read = 0
     for m in report.modules:
         e = layout.entries[layout.index[(m.layer, m.module)]]
@@ -176,15 +240,13 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
         done = 0
         if top > lo:
             a = writer.span(e.a_offset, (top - lo) * e.in_dim * BF16_BYTES)
-            done += _put(reader, m.a, (lo, top), s.cols, _bits(a, e.in_dim), 1.0, report.name,
-                         check_finite)
+            done += put(m.a, (lo, top), s.cols, a, e.in_dim, 1.0)
         b = writer.span(e.b_offset, e.b_bytes)
-        done += _put(reader, m.b, s.rows, (0, m.r), _bits(b, e.max_rank),
-                     m.scaling / report.scaling, report.name, check_finite)
+        done += put(m.b, s.rows, (0, m.r), b, e.max_rank, m.scaling / report.scaling)
         read += done
-        if progress is not None:
+        if progress is not None and done:
             progress(done)
-    return read
+    return read + _read_runs(reader, parts, report.name, check_finite, progress)
 
 
 def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,

@@ -4,12 +4,14 @@ time, with checked positional reads.
 A block is one `preadv` of the bytes its rows span into a buffer of its own, handed out as a
 (strided, where it takes some columns of each row) view of that buffer, which the fill copies
 straight into the slot or converts from there: a tensor-parallel rank's column slice costs one
-read call (with the other columns of the rows it spans), where a call per row was slower. The
-reads are checked: a file cut short while it is packed (by another process) is a short read, a
-FormatError naming it, where the memory map this reader used before faulted the process
-(SIGBUS) with no line. Measured against the map, `bench pack --tp 4 --adapters 2 --repeats 2`
-on the 2-core VM (load 4), two runs each: pack 49-51% of numpy.copyto (map 37-47%), the ranks
-29-53% (map 17-35%), peak RSS 169 MiB (map 178 MiB).
+read call (with the other columns of the rows it spans), where a call per row was slower.
+Bytes that go into the pool as the file holds them are read straight into it (`into`): tensors
+end to end in the file with one call, scattered to their spans. The reads are checked: a file
+cut short while it is packed (by another process) is a short read, a FormatError naming it,
+where the memory map this reader used before faulted the process (SIGBUS) with no line.
+Measured against the map, `bench pack --tp 4 --adapters 2 --repeats 2` on the 2-core VM (load
+4), two runs each: pack 49-51% of numpy.copyto (map 37-47%), the ranks 29-53% (map 17-35%),
+peak RSS 169 MiB (map 178 MiB).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from metrale_cli.bf16 import RAW_DTYPES
 from metrale_cli.errors import FormatError
 from metrale_cli.files.safetensors_header import TensorInfo
 
+# Buffers one `preadv` takes at most (Linux's UIO_MAXIOV).
+IOV_MAX = 1024
+
 
 class RawReader(Protocol):
     """Reads a tensor's raw elements: whole, or a block of its rows and columns."""
@@ -31,6 +36,7 @@ class RawReader(Protocol):
     def block(self, info: TensorInfo, rows: tuple[int, int],
               cols: tuple[int, int]) -> np.ndarray: ...
     def rows_into(self, info: TensorInfo, rows: tuple[int, int], out: np.ndarray) -> None: ...
+    def into(self, start: int, parts: list[tuple[TensorInfo, np.ndarray]]) -> None: ...
 
 
 class TensorReader:
@@ -80,22 +86,34 @@ class TensorReader:
         row = n_cols * RAW_DTYPES[info.dtype].itemsize
         if not 0 <= r0 <= r1 <= n_rows or out.nbytes != (r1 - r0) * row:
             raise FormatError(f"{self.name}: read past the end of tensor {info.name!r}")
-        self._span(info, info.begin + r0 * row, info.begin + r1 * row,
-                   out.reshape(-1).view(np.uint8))
+        self.into(info.begin + r0 * row, [(info, out.reshape(-1).view(np.uint8))])
 
-    def _span(self, info: TensorInfo, start: int, end: int,
-              data: np.ndarray | None = None) -> np.ndarray:
-        """The file's bytes `[start, end)` of tensor `info` (into `data`, contiguous u8 of
-        that length, when given), read whole or a FormatError."""
-        if end > self.size or end > info.begin + info.nbytes:
-            raise FormatError(f"{self.name}: file ended inside tensor {info.name!r}")
-        if data is None:
-            data = np.empty(end - start, np.uint8)
-        done = 0
-        while done < len(data):  # a positional read may return less than asked
-            n = os.preadv(self.fd, [data[done:]], start + done)
+    def into(self, start: int, parts: list[tuple[TensorInfo, np.ndarray]]) -> None:
+        """The file's bytes from `start` on, read straight into each part's `out` in turn
+        (contiguous u8, bytes of its tensor `info`) with one positional read for them all:
+        tensors that lie end to end in the file cost one call, whatever their number."""
+        end = start
+        for info, out in parts:
+            if end < info.begin:
+                raise FormatError(f"{self.name}: read outside tensor {info.name!r}")
+            end += out.nbytes
+            if end > self.size or end > info.begin + info.nbytes:
+                raise FormatError(f"{self.name}: file ended inside tensor {info.name!r}")
+        todo = [(info, out) for info, out in parts if out.nbytes]
+        while todo:  # a positional read may return less than asked
+            n = os.preadv(self.fd, [out for _, out in todo[:IOV_MAX]], start)
             if n == 0:
-                raise FormatError(f"{self.name}: file ended inside tensor {info.name!r} (cut "
-                                  "short while it was read)")
-            done += n
+                raise FormatError(f"{self.name}: file ended inside tensor {todo[0][0].name!r} "
+                                  "(cut short while it was read)")
+            start += n
+            while todo and n >= todo[0][1].nbytes:
+                n -= todo.pop(0)[1].nbytes
+            if n:
+                todo[0] = (todo[0][0], todo[0][1][n:])
+
+    def _span(self, info: TensorInfo, start: int, end: int) -> np.ndarray:
+        """The file's bytes `[start, end)` of tensor `info` in a buffer of their own, read whole
+        or a FormatError."""
+        data = np.empty(max(0, end - start), np.uint8)
+        self.into(start, [(info, data)])
         return data
