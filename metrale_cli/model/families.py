@@ -31,6 +31,8 @@ class Layers(str, Enum):
     # The layers whose MLP is dense in a model with routed experts too (deepseek's first
     # `first_k_dense_replace` layers): every layer that is not an MoE layer.
     DENSE_MLP_LAYERS = "dense_mlp_layers"
+    # A block-typed hybrid's MLP blocks (nemotron_h's `-` layers: an MLP and nothing else).
+    MLP_BLOCKS = "mlp_blocks"
     # The layers `ModuleSpec.on_layers` lists: a family read from a checkpoint's own tensor
     # names (model/weights.py).
     LISTED = "listed"
@@ -99,6 +101,15 @@ GATE_UP_PROJ = _mlp("gate_up_proj", ("intermediate_size", "intermediate_size"))
 # starcoder2's MLP: no gate, one up projection (c_fc) and one down (c_proj).
 C_FC = _mlp("c_fc", ("intermediate_size",))
 C_PROJ = _mlp("c_proj", ("hidden_size",), "intermediate_size", Split.ROW)
+# Nemotron-H: each layer is one block (`mixer`) of one kind: Mamba-2, attention, an MLP
+# (non-gated: up and down) or MoE. PEFT 0.21 refuses LoRA on a Mamba `out_proj`
+# (_check_lora_target_modules_mamba), so the Mamba blocks carry no module of the pool.
+_NEMOTRON_H = (*(ModuleSpec(m.name, f"mixer.{m.name}", m.out, m.in_, Layers.ATTENTION, m.split)
+                 for m in (Q_PROJ, K_PROJ, V_PROJ, O_PROJ)),
+               ModuleSpec("up_proj", "mixer.up_proj", ("intermediate_size",), "hidden_size",
+                          Layers.MLP_BLOCKS, Split.COLUMN),
+               ModuleSpec("down_proj", "mixer.down_proj", ("hidden_size",), "intermediate_size",
+                          Layers.MLP_BLOCKS, Split.ROW))
 # Multi-head latent attention (deepseek_v2/v3): a low-rank query (or one q_proj without
 # q_lora_rank), the compressed KV and its up-projection, and o_proj over the heads' values.
 MLA_Q_PROJ = ModuleSpec("q_proj", "self_attn.q_proj", ("mla_q_width",), "hidden_size",
@@ -134,6 +145,10 @@ class Family:
     # MoE layers follow `mlp_only_layers` and `decoder_sparse_step` (qwen3_moe's decoder
     # layers); otherwise, with routed experts, every layer is MoE.
     sparse_step: bool = False
+    # Each layer is one block whose kind `layers_block_type` (or `hybrid_override_pattern`)
+    # gives: Mamba-2 (linear attention), attention, MLP or MoE (nemotron_h); the list's length
+    # is the layer count, and MoE layers are the MoE blocks.
+    block_types: bool = False
     # PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: what a config without
     # target_modules meant when it was trained (none for the MoE and hybrid types).
     peft_default_targets: tuple[str, ...] = ()
@@ -231,6 +246,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v3", modules=_MLA, config_defaults=(
         *_MLA_DEFAULTS, ("n_routed_experts", 256), ("moe_intermediate_size", 2048),
         ("first_k_dense_replace", 3), ("num_experts_per_tok", 8))),
+    # Mamba-2, attention, MLP and MoE blocks, one per layer: attention modules on the attention
+    # blocks, up/down on the MLP blocks; the MoE blocks' non-gated experts (up, down) and shared
+    # experts are not served, nor the Mamba blocks' projections (PEFT refuses out_proj).
+    # transformers' NemotronHConfig defaults.
+    Family("nemotron_h", block_types=True, peft_default_targets=("q_proj", "k_proj", "v_proj",
+                                                                 "o_proj"),
+           peft_rewrites_moe_targets=False, modules=_NEMOTRON_H, expert_lora=False,
+           config_defaults=(("hidden_size", 4096), ("num_attention_heads", 32),
+                            ("num_key_value_heads", 8), ("head_dim", 128),
+                            ("intermediate_size", 21504), ("n_routed_experts", 8),
+                            ("moe_intermediate_size", 7688), ("num_experts_per_tok", 2))),
     # Fused projections: one pair spans q|k|v (phi3) or gate|up (phi3, glm4).
     _dense("phi3", modules=_PHI3),
     _dense("glm4", modules=_GLM4),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum
 
-from metrale_cli.model.config import LayerType, ModelConfig
+from metrale_cli.model.config import ATTENTION_KINDS, LayerType, ModelConfig
 from metrale_cli.model.families import VOCABULARY, Layers, ModuleSpec
 
 
@@ -60,8 +60,8 @@ class LoraModule(str, Enum):
         """Whether `layer` carries this module, as the family declares it: attention modules
         on attention layers (full or sliding window), the dense MLP's on every layer of a model
         with no routed experts (deepseek's: on its dense first layers), out_proj on
-        linear-attention layers, a family read from weights' modules on the layers whose weights
-        carry them; never where the family has no such module, or the config lacks what it needs
+        linear-attention layers, nemotron_h's up/down on its MLP blocks, a family read from
+        weights' modules on the layers whose weights carry them; never where the family has no such module, or the config lacks what it needs
         (MLA's q_a_proj without a q_lora_rank). Layout, packing and landing all filter by it, so
         the reserved and the written offsets agree."""
         spec = self.spec(cfg)
@@ -77,7 +77,9 @@ class LoraModule(str, Enum):
             return not cfg.is_moe_layer(layer)
         if spec.layers is Layers.LINEAR_ATTENTION:
             return kind is LayerType.LINEAR_ATTENTION
-        return kind is not LayerType.LINEAR_ATTENTION
+        if spec.layers is Layers.MLP_BLOCKS:
+            return kind is LayerType.MLP
+        return kind in ATTENTION_KINDS
 
     def dims(self, cfg: ModelConfig) -> tuple[int, int]:
         """`(out_dim, in_dim)` of the base projection: A is `[r, in_dim]`, B is `[out_dim, r]`.

@@ -172,6 +172,13 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # (and a PEFT adapter) has gate_up_proj fused: an adapter's gate_up_proj is a module name
     # vLLM does not expect.
     VllmFamily("glm4", ("Glm4ForCausalLM",), "glm4.py Glm4ForCausalLM", "run"),
+    # One block a layer: q/k/v packed into qkv_proj on the attention blocks, a non-gated MLP
+    # (up_proj, down_proj) on the MLP blocks, Mamba-2 mixers (in_proj, out_proj) and non-gated
+    # MoE beside them.
+    VllmFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"),
+               "nemotron_h.py NemotronHForCausalLM", "source", _EMBED_HEAD,
+               (("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
+               unmodelled="Mamba-2 mixers and one block kind a layer"),
 )}
 
 
