@@ -230,3 +230,26 @@ def test_nemotron_h_as_peft_adapts_it(peft_zoo) -> None:
     assert any("shared-expert projection" in f["message"] for f in report["findings"])
     with pytest.raises(ValueError, match="incompatible with Mamba"):
         peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=["out_proj"])
+
+
+def test_llama4_as_peft_adapts_it(peft_zoo) -> None:
+    """PEFT 0.21 on Llama 4's text model: a plain `gate_proj` reaches the dense layers' MLP and
+    the MoE layers' shared expert (not servable, named), never the fused experts; those, as
+    target_parameters, are refused even with --experts ((E, in, out), as gpt_oss's)."""
+    truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["gate_proj"])
+    assert set(truth.modules) == {"model.layers.0.feed_forward.gate_proj",
+                                  "model.layers.1.feed_forward.shared_expert.gate_proj",
+                                  "model.layers.2.feed_forward.gate_proj",
+                                  "model.layers.3.feed_forward.shared_expert.gate_proj"}
+    code, report = inspect_json(truth)
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    assert any("shared-expert projection" in f["message"] for f in report["findings"])
+    truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=["feed_forward.experts.gate_up_proj"])
+    assert truth.params
+    code, report = inspect_json(truth, "--experts")
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    assert any(f["code"] == "expert_lora" and "(experts, in, out)" in f["message"]
+               for f in report["findings"])

@@ -109,6 +109,11 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
                             **_SLIDING}),
     # One block a layer: Mamba-2, attention, MLP, MoE (its shared expert and non-gated experts).
     "nemotron_h": ("nemotron_h", {**_NEMOTRON_H, "head_dim": 24}),
+    # MoE on odd layers (its shared expert and router), a dense MLP intermediate_size_mlp wide
+    # on even ones; chunked attention on all but the last.
+    "llama4": ("llama4_text", {"head_dim": 24, "intermediate_size": 40,
+                               "intermediate_size_mlp": 96, "num_local_experts": 4,
+                               "interleave_moe_layer_step": 2, "attention_chunk_size": 8}),
     # Vision-language wrappers: the text model under text_config (a tiny vision tower beside).
     "qwen2_vl": ("qwen2_vl", {"vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2,
                                                 "hidden_size": 64, "mlp_ratio": 2}}),
@@ -136,7 +141,10 @@ _SHARED_EXPERTS = {"mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
 # nemotron_h's Mamba-2 projections (PEFT refuses its out_proj) and MoE blocks' shared experts.
 _NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj", "mixer.shared_experts.up_proj",
                    "mixer.shared_experts.down_proj"}
-UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
+_LLAMA4_MOE = {"feed_forward.router", "feed_forward.shared_expert.gate_proj",
+               "feed_forward.shared_expert.up_proj", "feed_forward.shared_expert.down_proj"}
+UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "llama4": _LLAMA4_MOE,
+              "qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
               "qwen3_5_moe": _GDN35_IN | _SHARED, "deepseek_v2": _SHARED_EXPERTS,
               "deepseek_v3": _SHARED_EXPERTS, "qwen2_moe": _SHARED,
               "glm4_moe": _SHARED_EXPERTS}
@@ -352,3 +360,18 @@ def test_vllm_refuses_nemotron_h_in_its_words(tmp_path: Path) -> None:
                        for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
         (i, m) for i, c in enumerate(_NEMOTRON_H_8B["hybrid_override_pattern"]) if c == "-"
         for m in ("up_proj", "down_proj")}
+
+
+def test_llama4_s_moe_layers_list_matches_transformers(tmp_path: Path,
+                                                       transformers_models: None) -> None:
+    """`moe_layers` names the MoE layers over the interleave step; the rest are dense. vLLM's
+    Llama4ForCausalLM takes LoRA, but metrale does not model its layers: refused in one line."""
+    config = _tiny_config("llama4_text", {**META_CASES["llama4"][1], "moe_layers": [0, 3]})
+    config.save_pretrained(tmp_path)
+    model = ModelConfig.from_hf(tmp_path)
+    assert model.moe_layers == [0, 3] and model.intermediate_size_mlp == 96
+    assert _differences(model, _meta_model(config), _LLAMA4_MOE) == []
+    done = metrale("layout", "-m", tmp_path, "--modules", "q_proj", "--max-rank", 8,
+                   "--engine", "vllm")
+    assert done.code == 2 and "MoE layers interleaved" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

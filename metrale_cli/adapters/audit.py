@@ -167,7 +167,7 @@ _UNSERVABLE_IN_LAYER = (
      "a Gated-DeltaNet input projection; the pool serves linear_attn.out_proj only"),
     (re.compile(r"^mixer\.in_proj$"),
      "a Mamba-2 input projection (nemotron_h): the pool serves no Mamba-2 module"),
-    (re.compile(r"^(mlp|mixer)\.shared_experts?\.(gate_proj|up_proj|down_proj)$"),
+    (re.compile(r"^(mlp|mixer|feed_forward)\.shared_experts?\.(gate_proj|up_proj|down_proj)$"),
      "a shared-expert projection: the shared expert is a dense MLP beside the routed ones, and "
      "neither the slot pool (gate/up/down only on models without routed experts) nor the "
      "expert pool (routed experts and the router) holds it"),

@@ -17,9 +17,10 @@ from metrale_cli.model.families import FAMILIES, VOCABULARY, Family, Layers, Mod
 
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
-# ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers).
-_MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        "first_k_dense_replace")
+# ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers,
+# llama4's dense-MLP width).
+_WHEN_SET = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+             "v_head_dim", "first_k_dense_replace", "intermediate_size_mlp")
 # Upper bounds on a config's counts and widths, far above any real model (the largest have
 # ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
 # pool stays quick: a config past them is malformed, not a bigger model.
@@ -44,13 +45,16 @@ class LayerType(str, Enum):
     # Attention over a window of recent tokens (gemma2/3, cohere2, olmo3, exaone4, ministral):
     # the same projections as full attention, so the same LoRA modules.
     SLIDING_ATTENTION = "sliding_attention"
+    # llama4's attention over chunks of the sequence (its rope layers): the same projections.
+    CHUNKED_ATTENTION = "chunked_attention"
     # A block-typed hybrid's layers without attention (nemotron_h): an MLP, or routed experts.
     MLP = "mlp"
     MOE = "moe"
 
 
 # Attention of either kind: the layers the attention modules apply to.
-ATTENTION_KINDS = (LayerType.FULL_ATTENTION, LayerType.SLIDING_ATTENTION)
+ATTENTION_KINDS = (LayerType.FULL_ATTENTION, LayerType.SLIDING_ATTENTION,
+                   LayerType.CHUNKED_ATTENTION)
 # nemotron_h's `hybrid_override_pattern`, one character a layer (transformers' mapping).
 _BLOCK_PATTERN = {"M": LayerType.LINEAR_ATTENTION, "*": LayerType.FULL_ATTENTION,
                   "-": LayerType.MLP, "E": LayerType.MOE}
@@ -81,13 +85,15 @@ class ModelConfig:
     # Layers whose MLP is dense although the model has routed experts (qwen3_moe, qwen3_next);
     # with `decoder_sparse_step` this decides which layers carry experts (transformers' rule).
     mlp_only_layers: tuple[int, ...] = ()
+    # llama4's dense layers' MLP width (its `intermediate_size` is one expert's); 0 elsewhere.
+    intermediate_size_mlp: int = 0
     decoder_sparse_step: int = 1
     # The output head shares the input embedding: a token overlay on one is on both (PEFT ties
     # its trainable-token adapter on lm_head to the embedding's).
     tie_word_embeddings: bool = False
     # Multi-head latent attention (deepseek_v2/v3): the query's low-rank width (0: one q_proj,
     # no q_a_proj/q_b_proj), the compressed KV width, and the per-head widths of the query's
-    # rope-free and rope parts and of the value. Summaries leave them out while 0 (_MLA).
+    # rope-free and rope parts and of the value. Summaries leave them out while 0 (_WHEN_SET).
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -215,7 +221,7 @@ class ModelConfig:
             record["weights_family"] = _family_record(self.weights_family)
         record["layer_types"] = [t.value for t in self.layer_types]
         record["mlp_only_layers"] = list(self.mlp_only_layers)
-        for name in _MLA:  # absent on every other family, so their images read as before
+        for name in _WHEN_SET:  # absent on other families, so their images read as before
             if not record[name]:
                 del record[name]
         return record
@@ -335,6 +341,12 @@ class ModelConfig:
                               f"divide 'num_attention_heads' {heads}")
         layer_types = blocks or _layer_types(text, known.hybrid, layers, source)
         only = text.get("mlp_only_layers") or []
+        step = opt("decoder_sparse_step", 1) or 1
+        moe = text.get("moe_layers")
+        if known.sparse_step and isinstance(moe, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in moe):
+            # llama4's explicit MoE layers (over its interleave step): the rest are dense.
+            only, step = [i for i in range(layers) if i not in moe], 1
         if not isinstance(only, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in only
         ):
@@ -362,7 +374,8 @@ class ModelConfig:
             linear_value_head_dim=opt("linear_value_head_dim"),
             vocab_size=opt("vocab_size"),
             mlp_only_layers=tuple(sorted(set(only))),
-            decoder_sparse_step=opt("decoder_sparse_step", 1) or 1,
+            intermediate_size_mlp=opt("intermediate_size_mlp"),
+            decoder_sparse_step=step,
             q_lora_rank=opt("q_lora_rank"),
             kv_lora_rank=opt("kv_lora_rank"),
             qk_nope_head_dim=opt("qk_nope_head_dim"),

@@ -110,6 +110,12 @@ _NEMOTRON_H = (*(ModuleSpec(m.name, f"mixer.{m.name}", m.out, m.in_, Layers.ATTE
                           Layers.MLP_BLOCKS, Split.COLUMN),
                ModuleSpec("down_proj", "mixer.down_proj", ("hidden_size",), "intermediate_size",
                           Layers.MLP_BLOCKS, Split.ROW))
+# Llama 4's dense layers: a gated MLP under `feed_forward`, `intermediate_size_mlp` wide.
+_LLAMA4 = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *(
+    ModuleSpec(m.name, f"feed_forward.{m.name}", tuple("intermediate_size_mlp" if w ==
+                                                        "intermediate_size" else w for w in m.out),
+               "intermediate_size_mlp" if m.in_ == "intermediate_size" else m.in_,
+               Layers.DENSE_MLP_LAYERS, m.split) for m in (GATE_PROJ, UP_PROJ, DOWN_PROJ)))
 # Multi-head latent attention (deepseek_v2/v3): a low-rank query (or one q_proj without
 # q_lora_rank), the compressed KV and its up-projection, and o_proj over the heads' values.
 MLA_Q_PROJ = ModuleSpec("q_proj", "self_attn.q_proj", ("mla_q_width",), "hidden_size",
@@ -164,9 +170,10 @@ class Family:
     # not metrale's (`head_dim` from `hidden_size / heads`, 0 for the rest): a value, or the
     # name of another key whose value it takes (deepseek's head_dim is its qk_rope_head_dim).
     config_defaults: tuple[tuple[str, int | str], ...] = ()
-    # The expert pool reads this family's routed-expert LoRA (gate and up stacked, (E, out, in)
-    # experts); false where the experts' layout differs and the pool would misread it.
-    expert_lora: bool = True
+    # Why the expert pool cannot read this family's routed-expert LoRA (it reads gate and up
+    # stacked, (E, out, in) experts): the experts' own layout, which it would misread; "" where
+    # it reads it.
+    experts_unreadable: str = ""
 
     def module(self, name: str) -> ModuleSpec | None:
         """This family's entry for the module PEFT calls `name`; None where its layers have
@@ -238,7 +245,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
     # and store (E, in, out): not the expert pool's layout, so their LoRA is refused.
     Family("gpt_oss", peft_rewrites_moe_targets=False, modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
-           expert_lora=False),
+           experts_unreadable="interleave gate and up and store (experts, in, out)"),
     # Multi-head latent attention; dense MLPs on the first `first_k_dense_replace` layers, then
     # routed experts with shared experts beside them (PEFT rewrites gate/up/down targets there).
     Family("deepseek_v2", modules=_MLA, config_defaults=(
@@ -252,11 +259,26 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # transformers' NemotronHConfig defaults.
     Family("nemotron_h", block_types=True, peft_default_targets=("q_proj", "k_proj", "v_proj",
                                                                  "o_proj"),
-           peft_rewrites_moe_targets=False, modules=_NEMOTRON_H, expert_lora=False,
+           peft_rewrites_moe_targets=False, modules=_NEMOTRON_H,
+           experts_unreadable="are non-gated (up and down, no gate)",
            config_defaults=(("hidden_size", 4096), ("num_attention_heads", 32),
                             ("num_key_value_heads", 8), ("head_dim", 128),
                             ("intermediate_size", 21504), ("n_routed_experts", 8),
                             ("moe_intermediate_size", 7688), ("num_experts_per_tok", 2))),
+    # Llama 4 (llama4_text, and the language model of the llama4 wrapper): MoE layers every
+    # `interleave_moe_layer_step` (or those `moe_layers` lists), dense MLPs on the rest; the
+    # MoE layers' shared expert (`feed_forward.shared_expert`) and router are not served, and
+    # their fused experts store (E, in, out) as gpt_oss's: refused. PEFT's default targets are
+    # the wrapper's (q_proj, v_proj on every q_proj/v_proj, the vision tower's too); the text
+    # model has none. transformers' Llama4TextConfig defaults.
+    Family("llama4", sparse_step=True, peft_rewrites_moe_targets=False, moe_block="feed_forward",
+           modules=_LLAMA4,
+           experts_unreadable="store gate|up and down as (experts, in, out)", config_defaults=(
+               ("hidden_size", 5120), ("num_hidden_layers", 48), ("num_attention_heads", 40),
+               ("num_key_value_heads", 8), ("head_dim", 128), ("intermediate_size", 8192),
+               ("intermediate_size_mlp", 16384), ("num_local_experts", 16),
+               ("num_experts_per_tok", 1), ("decoder_sparse_step", "interleave_moe_layer_step"),
+               ("shared_expert_intermediate_size", "intermediate_size"))),
     # Fused projections: one pair spans q|k|v (phi3) or gate|up (phi3, glm4).
     _dense("phi3", modules=_PHI3),
     _dense("glm4", modules=_GLM4),

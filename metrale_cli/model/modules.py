@@ -58,12 +58,13 @@ class LoraModule(str, Enum):
 
     def applies_to_layer(self, cfg: ModelConfig, layer: int) -> bool:
         """Whether `layer` carries this module, as the family declares it: attention modules
-        on attention layers (full or sliding window), the dense MLP's on every layer of a model
-        with no routed experts (deepseek's: on its dense first layers), out_proj on
-        linear-attention layers, nemotron_h's up/down on its MLP blocks, a family read from
-        weights' modules on the layers whose weights carry them; never where the family has no such module, or the config lacks what it needs
-        (MLA's q_a_proj without a q_lora_rank). Layout, packing and landing all filter by it, so
-        the reserved and the written offsets agree."""
+        on attention layers (full, sliding-window or chunked), the dense MLP's on every layer of
+        a model with no routed experts (deepseek's and llama4's: on its dense layers), out_proj
+        on linear-attention layers, nemotron_h's up/down on its MLP blocks, a family read from
+        weights' modules on the layers whose weights carry them; never where the family has no
+        such module, or the config lacks what it needs (MLA's q_a_proj without a q_lora_rank).
+        Layout, packing and landing all filter by it, so the reserved and the written offsets
+        agree."""
         spec = self.spec(cfg)
         if spec is None or (spec.needs and not getattr(cfg, spec.needs)) or (
                 spec.unless and getattr(cfg, spec.unless)):

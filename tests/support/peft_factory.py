@@ -263,6 +263,14 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
                "moe_shared_expert_intermediate_size": 24,
                "layers_block_type": ["linear_attention", "full_attention", "mlp", "moe"]},
               targets=(*_ATTN, "mixer.up_proj", "mixer.down_proj")),
+    # Llama 4's text model: dense MLP (intermediate_size_mlp) on even layers, MoE on odd ones
+    # (fused experts, a router, a shared expert); `feed_forward.` spelled so that the targets
+    # reach the dense MLP and not the shared expert.
+    TinyModel("llama4", "Llama4TextConfig", "Llama4ForCausalLM",
+              {**_DENSE, "head_dim": 24, "intermediate_size": 40, "intermediate_size_mlp": 96,
+               "num_local_experts": 4, "interleave_moe_layer_step": 2,
+               "attention_chunk_size": 8},
+              targets=(*_ATTN, *(f"feed_forward.{m}" for m in _MLP))),
     # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
     # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
     TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",
