@@ -109,6 +109,7 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
                             **_SLIDING}),
     # One block a layer: Mamba-2, attention, MLP, MoE (its shared expert and non-gated experts).
     "nemotron_h": ("nemotron_h", {**_NEMOTRON_H, "head_dim": 24}),
+    "phimoe": ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # MoE on odd layers (its shared expert and router), a dense MLP intermediate_size_mlp wide
     # on even ones; chunked attention on all but the last.
     "llama4": ("llama4_text", {"head_dim": 24, "intermediate_size": 40,
@@ -143,7 +144,7 @@ _NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj", "mixer.shared_experts.up_p
                    "mixer.shared_experts.down_proj"}
 _LLAMA4_MOE = {"feed_forward.router", "feed_forward.shared_expert.gate_proj",
                "feed_forward.shared_expert.up_proj", "feed_forward.shared_expert.down_proj"}
-UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "llama4": _LLAMA4_MOE,
+UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "llama4": _LLAMA4_MOE, "phimoe": {"mlp.router"},
               "qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
               "qwen3_5_moe": _GDN35_IN | _SHARED, "deepseek_v2": _SHARED_EXPERTS,
               "deepseek_v3": _SHARED_EXPERTS, "qwen2_moe": _SHARED,

@@ -265,6 +265,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                             ("num_key_value_heads", 8), ("head_dim", 128),
                             ("intermediate_size", 21504), ("n_routed_experts", 8),
                             ("moe_intermediate_size", 7688), ("num_experts_per_tok", 2))),
+    # Phi-3.5-MoE: every layer routed experts (transformers 5: fused under `mlp`, the router
+    # `mlp.router`; transformers 4 and its adapters: Mixtral's `block_sparse_moe` and w1/w3/w2),
+    # attention as llama's. transformers' PhimoeConfig defaults.
+    Family("phimoe", moe_block="block_sparse_moe",
+           expert_leaves=(("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")),
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ), config_defaults=(
+               ("num_key_value_heads", 8), ("intermediate_size", 6400),
+               ("num_local_experts", 16), ("num_experts_per_tok", 2))),
     # Llama 4 (llama4_text, and the language model of the llama4 wrapper): MoE layers every
     # `interleave_moe_layer_step` (or those `moe_layers` lists), dense MLPs on the rest; the
     # MoE layers' shared expert (`feed_forward.shared_expert`) and router are not served, and

@@ -263,6 +263,9 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
                "moe_shared_expert_intermediate_size": 24,
                "layers_block_type": ["linear_attention", "full_attention", "mlp", "moe"]},
               targets=(*_ATTN, "mixer.up_proj", "mixer.down_proj")),
+    # Phi-3.5-MoE: every layer routed experts (fused under `mlp`), router `mlp.router`.
+    TinyModel("phimoe", "PhimoeConfig", "PhimoeForCausalLM",
+              {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
     # Llama 4's text model: dense MLP (intermediate_size_mlp) on even layers, MoE on odd ones
     # (fused experts, a router, a shared expert); `feed_forward.` spelled so that the targets
     # reach the dense MLP and not the shared expert.

@@ -172,6 +172,9 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # (and a PEFT adapter) has gate_up_proj fused: an adapter's gate_up_proj is a module name
     # vLLM does not expect.
     VllmFamily("glm4", ("Glm4ForCausalLM",), "glm4.py Glm4ForCausalLM", "run"),
+    # Mixtral's layout (block_sparse_moe: gate, experts), every layer MoE; packs q/k/v.
+    VllmFamily("phimoe", ("PhiMoEForCausalLM",), "phimoe.py PhiMoEForCausalLM", "source",
+               _EMBED_HEAD, moe_block="block_sparse_moe"),
     # A LlamaForCausalLM (its embedding_modules) whose layers interleave MoE (fused experts, a
     # shared expert) and dense MLPs; the wrapper (mllama4.py) packs alike.
     VllmFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
