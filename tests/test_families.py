@@ -110,6 +110,7 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     # One block a layer: Mamba-2, attention, MLP, MoE (its shared expert and non-gated experts).
     "nemotron_h": ("nemotron_h", {**_NEMOTRON_H, "head_dim": 24}),
     "phimoe": ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoe": ("granitemoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # MoE on odd layers (its shared expert and router), a dense MLP intermediate_size_mlp wide
     # on even ones; chunked attention on all but the last.
     "llama4": ("llama4_text", {"head_dim": 24, "intermediate_size": 40,

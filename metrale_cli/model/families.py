@@ -164,6 +164,9 @@ class Family:
     # The decoder layer's MoE block and its experts' projection leaves (transformers 4 names).
     moe_block: str = "mlp"
     expert_leaves: tuple[tuple[str, str], ...] = tuple(EXPERT_LEAVES.items())
+    # The block holding transformers 5's fused experts (`experts.gate_up_proj`, `.down_proj`)
+    # and router (`gate`), as PEFT's target_parameters name them: `mlp` on most families.
+    fused_experts_block: str = "mlp"
     # The LoRA-able projections of a decoder layer, in slot order.
     modules: tuple[ModuleSpec, ...] = SEED_MODULES
     # transformers' config-class defaults for keys a config.json may leave out, where they are
@@ -265,6 +268,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                             ("num_key_value_heads", 8), ("head_dim", 128),
                             ("intermediate_size", 21504), ("n_routed_experts", 8),
                             ("moe_intermediate_size", 7688), ("num_experts_per_tok", 2))),
+    # Granite 3 MoE: every layer routed experts under `block_sparse_moe` (fused experts one
+    # intermediate_size wide, a router parameter), attention as llama's. Its
+    # GraniteMoeConfig defaults.
+    Family("granitemoe", moe_block="block_sparse_moe", fused_experts_block="block_sparse_moe",
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
+           config_defaults=(("num_local_experts", 8), ("num_experts_per_tok", 2))),
     # Phi-3.5-MoE: every layer routed experts (transformers 5: fused under `mlp`, the router
     # `mlp.router`; transformers 4 and its adapters: Mixtral's `block_sparse_moe` and w1/w3/w2),
     # attention as llama's. transformers' PhimoeConfig defaults.

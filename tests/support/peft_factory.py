@@ -263,6 +263,9 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
                "moe_shared_expert_intermediate_size": 24,
                "layers_block_type": ["linear_attention", "full_attention", "mlp", "moe"]},
               targets=(*_ATTN, "mixer.up_proj", "mixer.down_proj")),
+    # Granite 3 MoE: every layer routed experts, fused under `block_sparse_moe`.
+    TinyModel("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM",
+              {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
     # Phi-3.5-MoE: every layer routed experts (fused under `mlp`), router `mlp.router`.
     TinyModel("phimoe", "PhimoeConfig", "PhimoeForCausalLM",
               {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
