@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from metrale_cli.adapters.adapter import AdapterConfig
+from metrale_cli.cli.render import model_line
 from metrale_cli.errors import FormatError, UnsupportedModel
 from metrale_cli.layout.pipeline import plan_pool
 from metrale_cli.model.config import PRESETS, LayerType, ModelConfig
@@ -289,6 +290,9 @@ def test_nemotron_h_pattern_config_matches_transformers(transformers_models: Non
     assert model.moe_layers == [38] and model.num_experts == 8
     assert model.attention_layers == [7, 16, 25, 34, 39]
     assert _real_size_differences(_NEMOTRON_H_8B, "nemotron-h-8b") == []
+    # Every layer counted in the views' model line.
+    assert "5 full-attention + 17 linear-attention + 18 MLP or MoE layers" in model_line(
+        model.record())
     dense = {**_NEMOTRON_H_8B, "hybrid_override_pattern": "M-M*"}
     assert ModelConfig.from_dict(dense).num_experts == 0  # a config default, on no layer
 
