@@ -228,6 +228,11 @@ def test_nemotron_h_as_peft_adapts_it(peft_zoo) -> None:
     assert code == 1 and not report["servable"]
     assert_matches_peft(truth, report)
     assert any("shared-expert projection" in f["message"] for f in report["findings"])
+    truth = peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=["in_proj"])
+    assert set(truth.modules) == {"model.layers.0.mixer.in_proj"}
+    code, report = inspect_json(truth)
+    assert code == 1 and any("Mamba-2 input projection" in f["message"]
+                             for f in report["findings"])
     with pytest.raises(ValueError, match="incompatible with Mamba"):
         peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=["out_proj"])
 
