@@ -7,12 +7,15 @@ import re
 
 import pytest
 
+from metrale_cli.model.families import FAMILIES
 from metrale_cli.model.modules import LoraModule
 from tests.support.cli_runner import metrale
 from tests.support.peft_factory import EXPERT_TARGET_PARAMETERS, TINY_MODELS, AdapterTruth
 
 pytestmark = pytest.mark.slow
-SERVABLE = {m.peft_path: m for m in LoraModule}
+# Every path a family's pool module has in a decoder layer (nemotron_h's `mixer.q_proj` too).
+SERVABLE = {m.peft_path: m for m in LoraModule} | {
+    spec.path: LoraModule(spec.name) for f in FAMILIES.values() for spec in f.modules}
 _LAYERED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
 
 
@@ -206,3 +209,52 @@ def test_overlapping_patterns_are_reported(peft_zoo) -> None:
     assert mismatch["message"].startswith("q_proj on layer 0: tensors have rank 4")
     # The report serves what the tensors hold, which is what PEFT trained.
     assert_matches_peft(truth, report)
+
+
+def test_nemotron_h_as_peft_adapts_it(peft_zoo) -> None:
+    """PEFT 0.21 on Nemotron-H: its default targets are the attention blocks'; a plain `up_proj`
+    reaches the MLP block's and the MoE block's shared expert (not servable, named); it
+    refuses a Mamba `out_proj` outright, so no family module is one."""
+    truth = peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=None)
+    code, report = inspect_json(truth)
+    assert code == 0, report["findings"]
+    assert_matches_peft(truth, report)
+    assert {(m["layer"], m["module"]) for m in report["modules"]} == {
+        (1, "q_proj"), (1, "k_proj"), (1, "v_proj"), (1, "o_proj")}
+    truth = peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=["up_proj"])
+    assert set(truth.modules) == {"model.layers.2.mixer.up_proj",
+                                  "model.layers.3.mixer.shared_experts.up_proj"}
+    code, report = inspect_json(truth)
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    assert any("shared-expert projection" in f["message"] for f in report["findings"])
+    truth = peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=["in_proj"])
+    assert set(truth.modules) == {"model.layers.0.mixer.in_proj"}
+    code, report = inspect_json(truth)
+    assert code == 1 and any("Mamba-2 input projection" in f["message"]
+                             for f in report["findings"])
+    with pytest.raises(ValueError, match="incompatible with Mamba"):
+        peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=["out_proj"])
+
+
+def test_llama4_as_peft_adapts_it(peft_zoo) -> None:
+    """PEFT 0.21 on Llama 4's text model: a plain `gate_proj` reaches the dense layers' MLP and
+    the MoE layers' shared expert (not servable, named), never the fused experts; those, as
+    target_parameters, are refused even with --experts ((E, in, out), as gpt_oss's)."""
+    truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["gate_proj"])
+    assert set(truth.modules) == {"model.layers.0.feed_forward.gate_proj",
+                                  "model.layers.1.feed_forward.shared_expert.gate_proj",
+                                  "model.layers.2.feed_forward.gate_proj",
+                                  "model.layers.3.feed_forward.shared_expert.gate_proj"}
+    code, report = inspect_json(truth)
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    assert any("shared-expert projection" in f["message"] for f in report["findings"])
+    truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=["feed_forward.experts.gate_up_proj"])
+    assert truth.params
+    code, report = inspect_json(truth, "--experts")
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    assert any(f["code"] == "expert_lora" and "(experts, in, out)" in f["message"]
+               for f in report["findings"])

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from metrale_cli.adapters.adapter import AdapterConfig
-from metrale_cli.errors import UnsupportedModel
+from metrale_cli.cli.render import model_line
+from metrale_cli.errors import FormatError, UnsupportedModel
 from metrale_cli.layout.pipeline import plan_pool
 from metrale_cli.model.config import PRESETS, LayerType, ModelConfig
 from metrale_cli.model.families import FAMILIES, Family
@@ -64,6 +65,10 @@ _MLA = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size"
         "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
         "q_lora_rank": None, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12,
         "n_group": 1, "topk_group": 1}
+_NEMOTRON_H = {"layers_block_type": ["linear_attention", "full_attention", "mlp", "moe"],
+               "mamba_num_heads": 4, "mamba_head_dim": 12, "n_groups": 1, "ssm_state_size": 8,
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+               "moe_shared_expert_intermediate_size": 24}
 _QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                 "out_hidden_size": 64}
 META_CASES: dict[str, tuple[str, dict[str, object]]] = {
@@ -103,6 +108,15 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "deepseek_v3": ("deepseek_v3", {**_MLA, "q_lora_rank": 24}),
     "gpt_oss": ("gpt_oss", {"head_dim": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
                             **_SLIDING}),
+    # One block a layer: Mamba-2, attention, MLP, MoE (its shared expert and non-gated experts).
+    "nemotron_h": ("nemotron_h", {**_NEMOTRON_H, "head_dim": 24}),
+    "phimoe": ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoe": ("granitemoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # MoE on odd layers (its shared expert and router), a dense MLP intermediate_size_mlp wide
+    # on even ones; chunked attention on all but the last.
+    "llama4": ("llama4_text", {"head_dim": 24, "intermediate_size": 40,
+                               "intermediate_size_mlp": 96, "num_local_experts": 4,
+                               "interleave_moe_layer_step": 2, "attention_chunk_size": 8}),
     # Vision-language wrappers: the text model under text_config (a tiny vision tower beside).
     "qwen2_vl": ("qwen2_vl", {"vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2,
                                                 "hidden_size": 64, "mlp_ratio": 2}}),
@@ -127,7 +141,13 @@ _SHARED = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
            "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"}
 _SHARED_EXPERTS = {"mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
                    "mlp.shared_experts.down_proj"}
-UNDECLARED = {"qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
+# nemotron_h's Mamba-2 projections (PEFT refuses its out_proj) and MoE blocks' shared experts.
+_NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj", "mixer.shared_experts.up_proj",
+                   "mixer.shared_experts.down_proj"}
+_LLAMA4_MOE = {"feed_forward.router", "feed_forward.shared_expert.gate_proj",
+               "feed_forward.shared_expert.up_proj", "feed_forward.shared_expert.down_proj"}
+UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "llama4": _LLAMA4_MOE, "phimoe": {"mlp.router"},
+              "qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
               "qwen3_5_moe": _GDN35_IN | _SHARED, "deepseek_v2": _SHARED_EXPERTS,
               "deepseek_v3": _SHARED_EXPERTS, "qwen2_moe": _SHARED,
               "glm4_moe": _SHARED_EXPERTS}
@@ -254,6 +274,46 @@ def test_presets_match_transformers(preset: str, transformers_models: None) -> N
     assert _real_size_differences(raw, preset) == []
 
 
+# Nemotron-H 8B's widths (nvidia/Nemotron-H-8B-Base-8K) in the legacy form checkpoints carry:
+# `hybrid_override_pattern`, one character a layer, and a num_hidden_layers transformers ignores.
+_NEMOTRON_H_8B = {"model_type": "nemotron_h", "hidden_size": 4096, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "intermediate_size": 21504, "mamba_num_heads": 128,
+                  "mamba_head_dim": 64, "n_groups": 8, "num_hidden_layers": 99,
+                  "hybrid_override_pattern": "M-M-M-M*-" * 4 + "M-E*"}
+
+
+def test_nemotron_h_pattern_config_matches_transformers(transformers_models: None) -> None:
+    """The pattern's blocks are the layers (its length, not num_hidden_layers); head_dim 128
+    transformers' default; an MoE block counts its experts."""
+    model = ModelConfig.from_dict(_NEMOTRON_H_8B)
+    assert model.num_hidden_layers == 40 and model.head_dim == 128
+    assert model.moe_layers == [38] and model.num_experts == 8
+    assert model.attention_layers == [7, 16, 25, 34, 39]
+    assert _real_size_differences(_NEMOTRON_H_8B, "nemotron-h-8b") == []
+    # Every layer counted in the views' model line.
+    assert "5 full-attention + 17 linear-attention + 18 MLP or MoE layers" in model_line(
+        model.record())
+    dense = {**_NEMOTRON_H_8B, "hybrid_override_pattern": "M-M*"}
+    assert ModelConfig.from_dict(dense).num_experts == 0  # a config default, on no layer
+
+
+@pytest.mark.parametrize("bad", [{"hybrid_override_pattern": "M-X*"},
+                                 {"layers_block_type": ["mlp", "attention"]},
+                                 {"layers_block_type": []}])
+def test_nemotron_h_bad_block_types_are_one_line(bad: dict[str, object], tmp_path: Path) -> None:
+    raw = {k: v for k, v in _NEMOTRON_H_8B.items() if k != "hybrid_override_pattern"}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **bad}))
+    done = metrale("layout", "-m", tmp_path, "--modules", "q_proj", "--max-rank", 8)
+    assert done.code == 2 and "layers_block_type" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_block_kinds_are_nemotron_h_s_alone() -> None:
+    raw = {**json.loads(QWEN3.read_text()), "layer_types": ["mlp"] * 36}
+    with pytest.raises(FormatError, match="only a block-typed hybrid"):
+        ModelConfig.from_dict(raw)
+
+
 @pytest.fixture(scope="module")
 def peft_targets() -> dict[str, list[str]]:
     """PEFT 0.21's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (its import: seconds)."""
@@ -287,4 +347,37 @@ def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled(preset: str) -
     done = metrale("layout", "-m", preset, "--modules", "q_proj,o_proj", "--max-rank", 16,
                    "--max-loras", 4, "--engine", "vllm")
     assert done.code == 2 and "does not model vLLM" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_vllm_refuses_nemotron_h_in_its_words(tmp_path: Path) -> None:
+    """vLLM's NemotronHForCausalLM takes LoRA (Mamba-2 in_proj/out_proj included), but its
+    layers by block kind are not metrale's llama-shaped model of vLLM: refused, not guessed."""
+    (tmp_path / "config.json").write_text(json.dumps(_NEMOTRON_H_8B))
+    done = metrale("layout", "-m", tmp_path, "--modules", "q_proj,o_proj", "--max-rank", 16,
+                   "--max-loras", 4, "--engine", "vllm")
+    assert done.code == 2 and "Mamba-2 mixers" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    plain = metrale("layout", "-m", tmp_path, "--modules", "all", "--max-rank", 16, "--json")
+    assert plain.code == 0, plain.stderr
+    # Attention modules on the 5 attention blocks, up/down on the 17 MLP blocks, none elsewhere.
+    entries = {(e["layer"], e["module"]) for e in plain.json()["entries"]}
+    assert entries == {(i, m) for i in (7, 16, 25, 34, 39)
+                       for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
+        (i, m) for i, c in enumerate(_NEMOTRON_H_8B["hybrid_override_pattern"]) if c == "-"
+        for m in ("up_proj", "down_proj")}
+
+
+def test_llama4_s_moe_layers_list_matches_transformers(tmp_path: Path,
+                                                       transformers_models: None) -> None:
+    """`moe_layers` names the MoE layers over the interleave step; the rest are dense. vLLM's
+    Llama4ForCausalLM takes LoRA, but metrale does not model its layers: refused in one line."""
+    config = _tiny_config("llama4_text", {**META_CASES["llama4"][1], "moe_layers": [0, 3]})
+    config.save_pretrained(tmp_path)
+    model = ModelConfig.from_hf(tmp_path)
+    assert model.moe_layers == [0, 3] and model.intermediate_size_mlp == 96
+    assert _differences(model, _meta_model(config), _LLAMA4_MOE) == []
+    done = metrale("layout", "-m", tmp_path, "--modules", "q_proj", "--max-rank", 8,
+                   "--engine", "vllm")
+    assert done.code == 2 and "MoE layers interleaved" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -78,7 +78,8 @@ def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> No
 
 @pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "starcoder2", "gpt_oss",
                                    "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe",
-                                   "glm4_moe"])
+                                   "glm4_moe", "nemotron_h", "llama4", "phimoe",
+                                   "granitemoe"])
 def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: str) -> None:
     """Each family's PEFT adapter over every LoRA-able projection of its layers (phi3's fused
     qkv_proj and gate_up_proj, glm4's gate_up_proj, gpt_oss's attention beside its experts):
@@ -115,12 +116,17 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next", "deepseek_v3", "qwen2_moe",
-                                   "olmoe", "glm4_moe"])
+                                   "olmoe", "glm4_moe", "phimoe", "granitemoe"])
 def test_peft_loads_unpacked_expert_lora(peft_zoo, tmp_path: Path, model: str) -> None:
     """Fused experts and the router, beside attention modules: PEFT's per-expert deltas of the
-    unpacked adapter equal the original's."""
+    unpacked adapter equal the original's (phimoe's router is `mlp.router`, a Linear, not the
+    pool's `mlp.gate`, and granitemoe's experts sit under `block_sparse_moe`: their experts
+    alone)."""
+    params = {"phimoe": EXPERT_PARAMS[:2],
+              "granitemoe": [p.replace("mlp.", "block_sparse_moe.") for p in EXPERT_PARAMS[:2]],
+              }.get(model, EXPERT_PARAMS)
     truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=["q_proj"],
-                             target_parameters=EXPERT_PARAMS)
+                             target_parameters=params)
     image = tmp_path / "pool.safetensors"
     assert metrale("pack", f"m={truth.path}", "--max-loras", 1, "--experts", "--out",
                    image).code == 0

@@ -165,7 +165,9 @@ _UNSERVABLE_IN_LAYER = (
     (re.compile(r"^linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_a|"
                 r"in_proj_b|conv1d)$"),
      "a Gated-DeltaNet input projection; the pool serves linear_attn.out_proj only"),
-    (re.compile(r"^mlp\.shared_experts?\.(gate_proj|up_proj|down_proj)$"),
+    (re.compile(r"^mixer\.in_proj$"),
+     "a Mamba-2 input projection (nemotron_h): the pool serves no Mamba-2 module"),
+    (re.compile(r"^(mlp|mixer|feed_forward)\.shared_experts?\.(gate_proj|up_proj|down_proj)$"),
      "a shared-expert projection: the shared expert is a dense MLP beside the routed ones, and "
      "neither the slot pool (gate/up/down only on models without routed experts) nor the "
      "expert pool (routed experts and the router) holds it"),

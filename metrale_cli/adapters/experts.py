@@ -154,11 +154,11 @@ def scan(
             out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE,
                    f"{sub}{{where}}: the model has no routed experts", layer)
             continue
-        if not model.family.expert_lora:
+        if model.family.experts_unreadable:
             out.at(Severity.ERROR, Code.EXPERT_LORA,
-                   f"{sub}{{where}}: {model.model_type}'s routed experts interleave gate and up "
-                   "and store (experts, in, out); the expert pool does not read that layout",
-                   layer)
+                   f"{sub}{{where}}: {model.model_type}'s routed experts "
+                   f"{model.family.experts_unreadable}; the expert pool does not read that "
+                   "layout", layer)
             continue
         if layer >= model.num_hidden_layers or not model.is_moe_layer(layer):
             where = ("past the model's layers" if layer >= model.num_hidden_layers

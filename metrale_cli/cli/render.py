@@ -112,9 +112,12 @@ def _fmt(x: float) -> str:
 
 def model_line(model: dict[str, Any]) -> str:
     """A model record (`ModelConfig.record`) in one line."""
+    # nemotron_h's blocks without attention (mlp, moe) beside its Mamba-2 and attention ones.
+    blocks = sum(t in ("mlp", "moe") for t in model["layer_types"])
     kinds = (
         f"{model['full_attention_layers']} full-attention + "
-        f"{model['linear_attention_layers']} linear-attention layers"
+        f"{model['linear_attention_layers']} linear-attention "
+        + (f"+ {blocks} MLP or MoE " if blocks else "") + "layers"
         if model["linear_attention_layers"]
         else f"{model['num_hidden_layers']} layers"
     )

@@ -177,16 +177,17 @@ class _Experts:
     ranks: dict[str, int] = field(default_factory=dict)
 
 
-GATE_UP, DOWN, ROUTER = "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"
-
-
 def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts:
     """The slot's expert pool in transformers-5 fused form, what PEFT's `target_parameters`
     saves: per MoE layer `mlp.experts` `lora_A [E*r, in]` and `lora_B [out, E*r]` (expert
     `e`'s B in columns `e, E + e, ...`), gate_up's rows `[gate; up]`; the router `mlp.gate`
     `A [r, H]`, `B [E, r]`. With both fused parameters PEFT nests the wrappers, the first
-    target (gate_up) inner at `experts.base_layer`. Experts the slot does not adapt are zero."""
+    target (gate_up) inner at `experts.base_layer`. Experts the slot does not adapt are zero.
+    The block is the family's (`mlp`, granitemoe's `block_sparse_moe`)."""
     done = _Experts()
+    block = t.model.family.fused_experts_block
+    gate_up_param, down_param = f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
+    router_param = f"{block}.gate.weight"
     ex, offsets = t.expert_layout, t.expert_a_offsets
     if ex is None or offsets is None or not (offsets[:, slot] >= 0).any():
         return done
@@ -213,15 +214,15 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
                  and (layer, "up_proj", x) in factors)
     gate_up_rank = r if shared else 2 * r
     if projs & {"gate_proj", "up_proj"}:
-        done.ranks[GATE_UP] = gate_up_rank
+        done.ranks[gate_up_param] = gate_up_rank
     if "down_proj" in projs:
-        done.ranks[DOWN] = r
+        done.ranks[down_param] = r
     if "router" in projs:
-        done.ranks[ROUTER] = r
+        done.ranks[router_param] = r
     for layer in model.moe_layers:
-        base = f"{ADAPTER_PREFIX}{prefix}.layers.{layer}.mlp"
-        nested = GATE_UP in done.ranks and DOWN in done.ranks
-        if GATE_UP in done.ranks:
+        base = f"{ADAPTER_PREFIX}{prefix}.layers.{layer}.{block}"
+        nested = gate_up_param in done.ranks and down_param in done.ranks
+        if gate_up_param in done.ranks:
             a_all = np.zeros((n_e, gate_up_rank, hidden), dtype="<u2")
             b_all = np.zeros((2 * inter, gate_up_rank, n_e), dtype="<u2")
             for x in range(n_e):
@@ -235,7 +236,7 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
             key = f"{base}.experts{'.base_layer' if nested else ''}"
             _put(done, key, a_all.reshape(n_e * gate_up_rank, hidden),
                  b_all.reshape(2 * inter, gate_up_rank * n_e))
-        if DOWN in done.ranks:
+        if down_param in done.ranks:
             a_all = np.zeros((n_e, r, inter), dtype="<u2")
             b_all = np.zeros((hidden, r, n_e), dtype="<u2")
             for x in range(n_e):
@@ -243,7 +244,7 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
                     a_all[x], b_all[:, :, x] = factors[(layer, "down_proj", x)]
             _put(done, f"{base}.experts", a_all.reshape(n_e * r, inter),
                  b_all.reshape(hidden, r * n_e))
-        if ROUTER in done.ranks:
+        if router_param in done.ranks:
             a, b = factors.get((layer, "router", -1), (np.zeros((r, hidden), dtype="<u2"),
                                                        np.zeros((n_e, r), dtype="<u2")))
             _put(done, f"{base}.gate", a, b)

@@ -17,9 +17,10 @@ from metrale_cli.model.families import FAMILIES, VOCABULARY, Family, Layers, Mod
 
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
-# ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers).
-_MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        "first_k_dense_replace")
+# ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers,
+# llama4's dense-MLP width).
+_WHEN_SET = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+             "v_head_dim", "first_k_dense_replace", "intermediate_size_mlp")
 # Upper bounds on a config's counts and widths, far above any real model (the largest have
 # ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
 # pool stays quick: a config past them is malformed, not a bigger model.
@@ -44,6 +45,19 @@ class LayerType(str, Enum):
     # Attention over a window of recent tokens (gemma2/3, cohere2, olmo3, exaone4, ministral):
     # the same projections as full attention, so the same LoRA modules.
     SLIDING_ATTENTION = "sliding_attention"
+    # llama4's attention over chunks of the sequence (its rope layers): the same projections.
+    CHUNKED_ATTENTION = "chunked_attention"
+    # A block-typed hybrid's layers without attention (nemotron_h): an MLP, or routed experts.
+    MLP = "mlp"
+    MOE = "moe"
+
+
+# Attention of either kind: the layers the attention modules apply to.
+ATTENTION_KINDS = (LayerType.FULL_ATTENTION, LayerType.SLIDING_ATTENTION,
+                   LayerType.CHUNKED_ATTENTION)
+# nemotron_h's `hybrid_override_pattern`, one character a layer (transformers' mapping).
+_BLOCK_PATTERN = {"M": LayerType.LINEAR_ATTENTION, "*": LayerType.FULL_ATTENTION,
+                  "-": LayerType.MLP, "E": LayerType.MOE}
 
 
 @dataclass(frozen=True)
@@ -71,13 +85,15 @@ class ModelConfig:
     # Layers whose MLP is dense although the model has routed experts (qwen3_moe, qwen3_next);
     # with `decoder_sparse_step` this decides which layers carry experts (transformers' rule).
     mlp_only_layers: tuple[int, ...] = ()
+    # llama4's dense layers' MLP width (its `intermediate_size` is one expert's); 0 elsewhere.
+    intermediate_size_mlp: int = 0
     decoder_sparse_step: int = 1
     # The output head shares the input embedding: a token overlay on one is on both (PEFT ties
     # its trainable-token adapter on lm_head to the embedding's).
     tie_word_embeddings: bool = False
     # Multi-head latent attention (deepseek_v2/v3): the query's low-rank width (0: one q_proj,
     # no q_a_proj/q_b_proj), the compressed KV width, and the per-head widths of the query's
-    # rope-free and rope parts and of the value. Summaries leave them out while 0 (_MLA).
+    # rope-free and rope parts and of the value. Summaries leave them out while 0 (_WHEN_SET).
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -167,6 +183,8 @@ class ModelConfig:
         `(layer + 1) % decoder_sparse_step == 0` (their decoder layers' rule)."""
         if not self.num_experts:
             return False
+        if self.family.block_types:
+            return self.layer_type(layer) is LayerType.MOE
         if layer < self.first_k_dense_replace:
             return False
         if not self.family.sparse_step:
@@ -180,8 +198,9 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> list[int]:
-        """Layers with softmax attention, full or sliding-window (not linear attention)."""
-        return [i for i, t in enumerate(self.layer_types) if t is not LayerType.LINEAR_ATTENTION]
+        """Layers with softmax attention, full or sliding-window (not linear attention, not
+        nemotron_h's MLP and MoE blocks)."""
+        return [i for i, t in enumerate(self.layer_types) if t in ATTENTION_KINDS]
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -202,7 +221,7 @@ class ModelConfig:
             record["weights_family"] = _family_record(self.weights_family)
         record["layer_types"] = [t.value for t in self.layer_types]
         record["mlp_only_layers"] = list(self.mlp_only_layers)
-        for name in _MLA:  # absent on every other family, so their images read as before
+        for name in _WHEN_SET:  # absent on other families, so their images read as before
             if not record[name]:
                 del record[name]
         return record
@@ -269,6 +288,10 @@ class ModelConfig:
             for key, value in defaults:
                 if key not in text:  # absent; an explicit null stays null
                     text[key] = text.get(value) if isinstance(value, str) else value
+        blocks = _block_types(text, source) if known.block_types else None
+        if blocks is not None:
+            # transformers derives the layer count from the blocks and ignores the key.
+            text = {**text, "num_hidden_layers": len(blocks)}
 
         def bounded(key: str, value: int) -> int:
             limit = _LIMITS.get(key, MAX_WIDTH)
@@ -299,6 +322,8 @@ class ModelConfig:
         hidden = need("hidden_size")
         layers = need("num_hidden_layers")
         num_experts = opt("num_experts") or opt("num_local_experts") or opt("n_routed_experts")
+        if blocks is not None and LayerType.MOE not in blocks:
+            num_experts = 0  # a config default, on no layer
         if layers * num_experts > MAX_LAYER_EXPERTS:
             raise FormatError(f"{source or 'config'}: {layers} layers x {num_experts} experts "
                               f"is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; not a "
@@ -314,8 +339,14 @@ class ModelConfig:
             # Grouped-query attention: each KV head serves a whole group of query heads.
             raise FormatError(f"{source or 'config'}: 'num_key_value_heads' {kv_heads} does not "
                               f"divide 'num_attention_heads' {heads}")
-        layer_types = _layer_types(text, known.hybrid, layers, source)
+        layer_types = blocks or _layer_types(text, known.hybrid, layers, source)
         only = text.get("mlp_only_layers") or []
+        step = opt("decoder_sparse_step", 1) or 1
+        moe = text.get("moe_layers")
+        if known.sparse_step and isinstance(moe, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in moe):
+            # llama4's explicit MoE layers (over its interleave step): the rest are dense.
+            only, step = [i for i in range(layers) if i not in moe], 1
         if not isinstance(only, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in only
         ):
@@ -343,7 +374,8 @@ class ModelConfig:
             linear_value_head_dim=opt("linear_value_head_dim"),
             vocab_size=opt("vocab_size"),
             mlp_only_layers=tuple(sorted(set(only))),
-            decoder_sparse_step=opt("decoder_sparse_step", 1) or 1,
+            intermediate_size_mlp=opt("intermediate_size_mlp"),
+            decoder_sparse_step=step,
             q_lora_rank=opt("q_lora_rank"),
             kv_lora_rank=opt("kv_lora_rank"),
             qk_nope_head_dim=opt("qk_nope_head_dim"),
@@ -425,6 +457,26 @@ def _family_from_record(model_type: str, record: Any) -> Family:
     return Family(model_type, modules=tuple(modules))
 
 
+def _block_types(text: dict[str, Any], source: str) -> tuple[LayerType, ...]:
+    """A block-typed hybrid's layer kinds (nemotron_h): `layers_block_type` (transformers 5,
+    `layer_types` its alias), else `hybrid_override_pattern` (`M`amba, `*` attention, `-` MLP,
+    `E` MoE), else transformers' default four."""
+    raw = text.get("layers_block_type")
+    raw = text.get("layer_types") if raw is None else raw
+    pattern = text.get("hybrid_override_pattern")
+    if raw is None and isinstance(pattern, str) and pattern:
+        raw = [_BLOCK_PATTERN.get(c, c) for c in pattern]
+    elif raw is None:
+        raw = ["linear_attention", "moe", "full_attention", "mlp"]
+    kinds = (LayerType.LINEAR_ATTENTION, LayerType.FULL_ATTENTION, LayerType.MLP, LayerType.MOE)
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_LAYERS or not all(
+            isinstance(k, str) and k in kinds for k in raw):
+        raise FormatError(f"{source or 'config'}: layers_block_type (or hybrid_override_pattern) "
+                          f"must give 1 to {MAX_LAYERS} layers, each one of "
+                          f"{', '.join(k.value for k in kinds)} (M, *, -, E)")
+    return tuple(LayerType(k) for k in raw)
+
+
 def _layer_types(
     text: dict[str, Any], hybrid: bool, layers: int, source: str
 ) -> tuple[LayerType, ...]:
@@ -438,9 +490,13 @@ def _layer_types(
                 f"{source or 'config'}: layer_types must list {layers} entries, one per layer"
             )
         try:
-            return tuple(LayerType(t) for t in raw)
+            types = tuple(LayerType(t) for t in raw)
         except ValueError as exc:
             raise FormatError(f"{source or 'config'}: {exc}") from exc
+        if LayerType.MLP in types or LayerType.MOE in types:
+            raise FormatError(f"{source or 'config'}: layer_types names mlp or moe blocks, "
+                              "which only a block-typed hybrid (nemotron_h) has")
+        return types
     pattern = text.get("sliding_window_pattern")
     if text.get("full_attention_interval") is None and pattern is not None:
         if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:

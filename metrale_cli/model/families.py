@@ -31,6 +31,8 @@ class Layers(str, Enum):
     # The layers whose MLP is dense in a model with routed experts too (deepseek's first
     # `first_k_dense_replace` layers): every layer that is not an MoE layer.
     DENSE_MLP_LAYERS = "dense_mlp_layers"
+    # A block-typed hybrid's MLP blocks (nemotron_h's `-` layers: an MLP and nothing else).
+    MLP_BLOCKS = "mlp_blocks"
     # The layers `ModuleSpec.on_layers` lists: a family read from a checkpoint's own tensor
     # names (model/weights.py).
     LISTED = "listed"
@@ -99,6 +101,21 @@ GATE_UP_PROJ = _mlp("gate_up_proj", ("intermediate_size", "intermediate_size"))
 # starcoder2's MLP: no gate, one up projection (c_fc) and one down (c_proj).
 C_FC = _mlp("c_fc", ("intermediate_size",))
 C_PROJ = _mlp("c_proj", ("hidden_size",), "intermediate_size", Split.ROW)
+# Nemotron-H: each layer is one block (`mixer`) of one kind: Mamba-2, attention, an MLP
+# (non-gated: up and down) or MoE. PEFT 0.21 refuses LoRA on a Mamba `out_proj`
+# (_check_lora_target_modules_mamba), so the Mamba blocks carry no module of the pool.
+_NEMOTRON_H = (*(ModuleSpec(m.name, f"mixer.{m.name}", m.out, m.in_, Layers.ATTENTION, m.split)
+                 for m in (Q_PROJ, K_PROJ, V_PROJ, O_PROJ)),
+               ModuleSpec("up_proj", "mixer.up_proj", ("intermediate_size",), "hidden_size",
+                          Layers.MLP_BLOCKS, Split.COLUMN),
+               ModuleSpec("down_proj", "mixer.down_proj", ("hidden_size",), "intermediate_size",
+                          Layers.MLP_BLOCKS, Split.ROW))
+# Llama 4's dense layers: a gated MLP under `feed_forward`, `intermediate_size_mlp` wide.
+_LLAMA4 = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *(
+    ModuleSpec(m.name, f"feed_forward.{m.name}", tuple("intermediate_size_mlp" if w ==
+                                                        "intermediate_size" else w for w in m.out),
+               "intermediate_size_mlp" if m.in_ == "intermediate_size" else m.in_,
+               Layers.DENSE_MLP_LAYERS, m.split) for m in (GATE_PROJ, UP_PROJ, DOWN_PROJ)))
 # Multi-head latent attention (deepseek_v2/v3): a low-rank query (or one q_proj without
 # q_lora_rank), the compressed KV and its up-projection, and o_proj over the heads' values.
 MLA_Q_PROJ = ModuleSpec("q_proj", "self_attn.q_proj", ("mla_q_width",), "hidden_size",
@@ -134,6 +151,10 @@ class Family:
     # MoE layers follow `mlp_only_layers` and `decoder_sparse_step` (qwen3_moe's decoder
     # layers); otherwise, with routed experts, every layer is MoE.
     sparse_step: bool = False
+    # Each layer is one block whose kind `layers_block_type` (or `hybrid_override_pattern`)
+    # gives: Mamba-2 (linear attention), attention, MLP or MoE (nemotron_h); the list's length
+    # is the layer count, and MoE layers are the MoE blocks.
+    block_types: bool = False
     # PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: what a config without
     # target_modules meant when it was trained (none for the MoE and hybrid types).
     peft_default_targets: tuple[str, ...] = ()
@@ -143,15 +164,19 @@ class Family:
     # The decoder layer's MoE block and its experts' projection leaves (transformers 4 names).
     moe_block: str = "mlp"
     expert_leaves: tuple[tuple[str, str], ...] = tuple(EXPERT_LEAVES.items())
+    # The block holding transformers 5's fused experts (`experts.gate_up_proj`, `.down_proj`)
+    # and router (`gate`), as PEFT's target_parameters name them: `mlp` on most families.
+    fused_experts_block: str = "mlp"
     # The LoRA-able projections of a decoder layer, in slot order.
     modules: tuple[ModuleSpec, ...] = SEED_MODULES
     # transformers' config-class defaults for keys a config.json may leave out, where they are
     # not metrale's (`head_dim` from `hidden_size / heads`, 0 for the rest): a value, or the
     # name of another key whose value it takes (deepseek's head_dim is its qk_rope_head_dim).
     config_defaults: tuple[tuple[str, int | str], ...] = ()
-    # The expert pool reads this family's routed-expert LoRA (gate and up stacked, (E, out, in)
-    # experts); false where the experts' layout differs and the pool would misread it.
-    expert_lora: bool = True
+    # Why the expert pool cannot read this family's routed-expert LoRA (it reads gate and up
+    # stacked, (E, out, in) experts): the experts' own layout, which it would misread; "" where
+    # it reads it.
+    experts_unreadable: str = ""
 
     def module(self, name: str) -> ModuleSpec | None:
         """This family's entry for the module PEFT calls `name`; None where its layers have
@@ -223,7 +248,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
     # and store (E, in, out): not the expert pool's layout, so their LoRA is refused.
     Family("gpt_oss", peft_rewrites_moe_targets=False, modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
-           expert_lora=False),
+           experts_unreadable="interleave gate and up and store (experts, in, out)"),
     # Multi-head latent attention; dense MLPs on the first `first_k_dense_replace` layers, then
     # routed experts with shared experts beside them (PEFT rewrites gate/up/down targets there).
     Family("deepseek_v2", modules=_MLA, config_defaults=(
@@ -231,6 +256,46 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v3", modules=_MLA, config_defaults=(
         *_MLA_DEFAULTS, ("n_routed_experts", 256), ("moe_intermediate_size", 2048),
         ("first_k_dense_replace", 3), ("num_experts_per_tok", 8))),
+    # Mamba-2, attention, MLP and MoE blocks, one per layer: attention modules on the attention
+    # blocks, up/down on the MLP blocks; the MoE blocks' non-gated experts (up, down) and shared
+    # experts are not served, nor the Mamba blocks' projections (PEFT refuses out_proj).
+    # transformers' NemotronHConfig defaults.
+    Family("nemotron_h", block_types=True, peft_default_targets=("q_proj", "k_proj", "v_proj",
+                                                                 "o_proj"),
+           peft_rewrites_moe_targets=False, modules=_NEMOTRON_H,
+           experts_unreadable="are non-gated (up and down, no gate)",
+           config_defaults=(("hidden_size", 4096), ("num_attention_heads", 32),
+                            ("num_key_value_heads", 8), ("head_dim", 128),
+                            ("intermediate_size", 21504), ("n_routed_experts", 8),
+                            ("moe_intermediate_size", 7688), ("num_experts_per_tok", 2))),
+    # Granite 3 MoE: every layer routed experts under `block_sparse_moe` (fused experts one
+    # intermediate_size wide, a router parameter), attention as llama's. Its
+    # GraniteMoeConfig defaults.
+    Family("granitemoe", moe_block="block_sparse_moe", fused_experts_block="block_sparse_moe",
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
+           config_defaults=(("num_local_experts", 8), ("num_experts_per_tok", 2))),
+    # Phi-3.5-MoE: every layer routed experts (transformers 5: fused under `mlp`, the router
+    # `mlp.router`; transformers 4 and its adapters: Mixtral's `block_sparse_moe` and w1/w3/w2),
+    # attention as llama's. transformers' PhimoeConfig defaults.
+    Family("phimoe", moe_block="block_sparse_moe",
+           expert_leaves=(("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")),
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ), config_defaults=(
+               ("num_key_value_heads", 8), ("intermediate_size", 6400),
+               ("num_local_experts", 16), ("num_experts_per_tok", 2))),
+    # Llama 4 (llama4_text, and the language model of the llama4 wrapper): MoE layers every
+    # `interleave_moe_layer_step` (or those `moe_layers` lists), dense MLPs on the rest; the
+    # MoE layers' shared expert (`feed_forward.shared_expert`) and router are not served, and
+    # their fused experts store (E, in, out) as gpt_oss's: refused. PEFT's default targets are
+    # the wrapper's (q_proj, v_proj on every q_proj/v_proj, the vision tower's too); the text
+    # model has none. transformers' Llama4TextConfig defaults.
+    Family("llama4", sparse_step=True, peft_rewrites_moe_targets=False, moe_block="feed_forward",
+           modules=_LLAMA4,
+           experts_unreadable="store gate|up and down as (experts, in, out)", config_defaults=(
+               ("hidden_size", 5120), ("num_hidden_layers", 48), ("num_attention_heads", 40),
+               ("num_key_value_heads", 8), ("head_dim", 128), ("intermediate_size", 8192),
+               ("intermediate_size_mlp", 16384), ("num_local_experts", 16),
+               ("num_experts_per_tok", 1), ("decoder_sparse_step", "interleave_moe_layer_step"),
+               ("shared_expert_intermediate_size", "intermediate_size"))),
     # Fused projections: one pair spans q|k|v (phi3) or gate|up (phi3, glm4).
     _dense("phi3", modules=_PHI3),
     _dense("glm4", modules=_GLM4),

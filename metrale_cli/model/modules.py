@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from enum import Enum
 
 from metrale_cli.errors import UsageError
-from metrale_cli.model.config import LayerType, ModelConfig
+from metrale_cli.model.config import ATTENTION_KINDS, LayerType, ModelConfig
 from metrale_cli.model.families import VOCABULARY, Layers, ModuleSpec
 
 
@@ -59,12 +59,13 @@ class LoraModule(str, Enum):
 
     def applies_to_layer(self, cfg: ModelConfig, layer: int) -> bool:
         """Whether `layer` carries this module, as the family declares it: attention modules
-        on attention layers (full or sliding window), the dense MLP's on every layer of a model
-        with no routed experts (deepseek's: on its dense first layers), out_proj on
-        linear-attention layers, a family read from weights' modules on the layers whose weights
-        carry them; never where the family has no such module, or the config lacks what it needs
-        (MLA's q_a_proj without a q_lora_rank). Layout, packing and landing all filter by it, so
-        the reserved and the written offsets agree."""
+        on attention layers (full, sliding-window or chunked), the dense MLP's on every layer of
+        a model with no routed experts (deepseek's and llama4's: on its dense layers), out_proj
+        on linear-attention layers, nemotron_h's up/down on its MLP blocks, a family read from
+        weights' modules on the layers whose weights carry them; never where the family has no
+        such module, or the config lacks what it needs (MLA's q_a_proj without a q_lora_rank).
+        Layout, packing and landing all filter by it, so the reserved and the written offsets
+        agree."""
         spec = self.spec(cfg)
         if spec is None or (spec.needs and not getattr(cfg, spec.needs)) or (
                 spec.unless and getattr(cfg, spec.unless)):
@@ -78,7 +79,9 @@ class LoraModule(str, Enum):
             return not cfg.is_moe_layer(layer)
         if spec.layers is Layers.LINEAR_ATTENTION:
             return kind is LayerType.LINEAR_ATTENTION
-        return kind is not LayerType.LINEAR_ATTENTION
+        if spec.layers is Layers.MLP_BLOCKS:
+            return kind is LayerType.MLP
+        return kind in ATTENTION_KINDS
 
     def dims(self, cfg: ModelConfig) -> tuple[int, int]:
         """`(out_dim, in_dim)` of the base projection: A is `[r, in_dim]`, B is `[out_dim, r]`.

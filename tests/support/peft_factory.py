@@ -253,6 +253,30 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
               {**_DENSE, **_MLA_DIMS, "q_lora_rank": None}, targets=_MLA_ATTN),
     TinyModel("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
               {**_DENSE, **_MLA_DIMS, "q_lora_rank": 24}, targets=_MLA_ATTN),
+    # One block a layer: Mamba-2, attention, MLP (up, down: no gate), MoE (non-gated experts and
+    # a shared expert). PEFT refuses the Mamba out_proj; up_proj and down_proj are spelled
+    # `mixer.` so that they reach the MLP block and not the MoE block's shared expert.
+    TinyModel("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM",
+              {**_DENSE, "head_dim": 24, "mamba_num_heads": 4, "mamba_head_dim": 12,
+               "n_groups": 1, "ssm_state_size": 8, "n_routed_experts": 4,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+               "moe_shared_expert_intermediate_size": 24,
+               "layers_block_type": ["linear_attention", "full_attention", "mlp", "moe"]},
+              targets=(*_ATTN, "mixer.up_proj", "mixer.down_proj")),
+    # Granite 3 MoE: every layer routed experts, fused under `block_sparse_moe`.
+    TinyModel("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM",
+              {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
+    # Phi-3.5-MoE: every layer routed experts (fused under `mlp`), router `mlp.router`.
+    TinyModel("phimoe", "PhimoeConfig", "PhimoeForCausalLM",
+              {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
+    # Llama 4's text model: dense MLP (intermediate_size_mlp) on even layers, MoE on odd ones
+    # (fused experts, a router, a shared expert); `feed_forward.` spelled so that the targets
+    # reach the dense MLP and not the shared expert.
+    TinyModel("llama4", "Llama4TextConfig", "Llama4ForCausalLM",
+              {**_DENSE, "head_dim": 24, "intermediate_size": 40, "intermediate_size_mlp": 96,
+               "num_local_experts": 4, "interleave_moe_layer_step": 2,
+               "attention_chunk_size": 8},
+              targets=(*_ATTN, *(f"feed_forward.{m}" for m in _MLP))),
     # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
     # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
     TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",

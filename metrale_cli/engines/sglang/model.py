@@ -123,6 +123,16 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
                  "models/llama.py's Phi3ForCausalLM; a checkpoint-fused qkv_proj or "
                  "gate_up_proj A is stacked once per slice (lora.py normalize_qkv_proj)"),
     SglangFamily("glm4", ("Glm4ForCausalLM",), "dense", "run"),
+    SglangFamily("granitemoe", ("GraniteMoeForCausalLM",), "moe", "source",
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+    SglangFamily("phimoe", ("PhiMoEForCausalLM",), "moe", "source",
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+    SglangFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "moe",
+                 "source", "routed experts per expert as qwen3_moe; the wrapper "
+                 "(models/mllama4.py) defines its own get_hidden_dim"),
+    SglangFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"), "hybrid",
+                 "source", "the class defines its own get_hidden_dim, by block kind (a MoE "
+                 "block's up_proj/down_proj are its shared expert's)"),
 )}
 
 

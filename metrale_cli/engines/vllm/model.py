@@ -172,6 +172,23 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # (and a PEFT adapter) has gate_up_proj fused: an adapter's gate_up_proj is a module name
     # vLLM does not expect.
     VllmFamily("glm4", ("Glm4ForCausalLM",), "glm4.py Glm4ForCausalLM", "run"),
+    # Mixtral's layout (block_sparse_moe: gate, experts), every layer MoE; packs q/k/v.
+    VllmFamily("granitemoe", ("GraniteMoeForCausalLM",), "granitemoe.py GraniteMoeForCausalLM",
+               "source", _EMBED_HEAD, moe_block="block_sparse_moe"),
+    VllmFamily("phimoe", ("PhiMoEForCausalLM",), "phimoe.py PhiMoEForCausalLM", "source",
+               _EMBED_HEAD, moe_block="block_sparse_moe"),
+    # A LlamaForCausalLM (its embedding_modules) whose layers interleave MoE (fused experts, a
+    # shared expert) and dense MLPs; the wrapper (mllama4.py) packs alike.
+    VllmFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+               "llama4.py Llama4ForCausalLM", "source", _EMBED_HEAD,
+               unmodelled="MoE layers interleaved with dense ones, and their shared expert"),
+    # One block a layer: q/k/v packed into qkv_proj on the attention blocks, a non-gated MLP
+    # (up_proj, down_proj) on the MLP blocks, Mamba-2 mixers (in_proj, out_proj) and non-gated
+    # MoE beside them.
+    VllmFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"),
+               "nemotron_h.py NemotronHForCausalLM", "source", _EMBED_HEAD,
+               (("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
+               unmodelled="Mamba-2 mixers and one block kind a layer"),
 )}
 
 
