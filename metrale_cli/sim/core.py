@@ -328,6 +328,20 @@ def _all_miss_loads(asked: Any, seconds: float, links: int) -> tuple[Any, Any]:
     return end, start
 
 
+@njit(cache=True, inline="always")
+def _tally(wait: float, seconds: float, below: Any, above: Any, nb: int,
+           na: int) -> tuple[int, int, int]:
+    """A positive wait counted where the added-latency order statistics read it: one load time
+    exactly (how many), or kept below or above it. Returns (equal added, nb, na)."""
+    if wait == seconds:
+        return 1, nb, na
+    if wait < seconds:
+        below[nb] = wait
+        return 0, nb + 1, na
+    above[na] = wait
+    return 0, nb, na + 1
+
+
 @njit(cache=True)
 def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: float,
               links: int, n_adapters: int, n: int, n_adapter: int) -> Any:
@@ -420,14 +434,8 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
                 if wait > 0:
                     delayed += 1
                     added += wait
-                    if wait == seconds:
-                        equal += 1
-                    elif wait < seconds:
-                        below[nb] = wait
-                        nb += 1
-                    else:
-                        above[na] = wait
-                        na += 1
+                    eq, nb, na = _tally(wait, seconds, below, above, nb, na)
+                    equal += eq
                 continue
             if not every and run[j] == j:  # every link is free here at every size
                 ring[:] = 0.0 if j == 0 else -np.inf
@@ -446,16 +454,9 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
             last = max(last, end)
             wait = end - now
             added += wait
-            if wait <= 0:
-                continue
-            if wait == seconds:
-                equal += 1
-            elif wait < seconds:
-                below[nb] = wait
-                nb += 1
-            else:
-                above[na] = wait
-                na += 1
+            if wait > 0:
+                eq, nb, na = _tally(wait, seconds, below, above, nb, na)
+                equal += eq
         for i in range(0 if every else waiting.size):
             j = waiting[i]
             if key[j] >= cache:
@@ -468,14 +469,8 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
                     if wait > 0:
                         delayed += 1
                         added += wait
-                        if wait == seconds:
-                            equal += 1
-                        elif wait < seconds:
-                            below[nb] = wait
-                            nb += 1
-                        else:
-                            above[na] = wait
-                            na += 1
+                        eq, nb, na = _tally(wait, seconds, below, above, nb, na)
+                        equal += eq
                     break
                 q = prev[q]
         ranks = np.empty(8, np.int64)
