@@ -147,6 +147,17 @@ def test_sglang_takes_tp_as_every_command_does() -> None:
     assert record["swap"]["slot_bytes"] < one["swap"]["slot_bytes"]
 
 
+def test_a_host_cache_without_adapter_files_states_no_bound() -> None:
+    """SGLang sizes its host cache by its start-up adapters' files; a generated workload has
+    none, and the host line said "up to 0 B" beside 20 adapters held. It says no bound then."""
+    got = metrale("simulate", "--engine", "sglang", "--model", "llama-3.1-8b", "--modules",
+                  "q_proj,v_proj", "--max-rank", "16", "--adapters", "20", "--requests", "200",
+                  "--max-loras", "4", columns=200)
+    assert got.code == 0, got.stderr
+    [host] = [line for line in got.stdout.splitlines() if line.startswith("host ")]
+    assert "20 adapters in host memory (an LRU);" in host and "0 B" not in host, host
+
+
 def test_a_flag_conflict_at_any_size_is_refused_before_the_work(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """--max-cpu-loras below the largest swept --max-loras: refused before the first size's

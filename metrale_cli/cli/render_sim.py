@@ -65,8 +65,10 @@ def simulate_view(record: dict[str, Any]) -> Group:
         host = record["host"]
         held = (f"{host['slots']:,} adapters" if host["slots"] is not None
                 else "as many adapters as GPU slots")
-        head.append(("host", f"{held} in host memory (an LRU, up to "
-                     f"{human_bytes(host['host_bytes'])}); a host miss reads over "
+        # No bytes where the engine sizes its host cache by adapter files the workload has
+        # not got (SGLang's: its start-up adapters' files; a generated workload has none).
+        bound = f", up to {human_bytes(host['host_bytes'])}" if host["host_bytes"] else ""
+        head.append(("host", f"{held} in host memory (an LRU{bound}); a host miss reads over "
                      f"{host['bandwidth']} ({host['bytes_per_s'] / 1e9:g} GB/s + "
                      f"{1e6 * host['latency_s']:g} us)"))
     if record["admission"] == "skip":
