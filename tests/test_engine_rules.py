@@ -28,6 +28,8 @@ def _judge(truth, flags: vllm.Flags = FLAGS) -> vllm.EngineVerdict:  # type: ign
     return vllm.judge(audit(Adapter.load(truth.path), model), model, flags)
 
 
+# Builds a PEFT MoE model in its call on a cold worker: 3-7 s, past the quick tier's 3 s.
+@pytest.mark.slow
 def test_peft_3d_experts_on_a_2d_moe_wrapper_are_refused(peft_zoo) -> None:  # type: ignore[no-untyped-def]
     """Qwen3-MoE's vLLM wrapper is 2-D: PEFT's fused expert weights need
     --enable-mixed-moe-lora-format (model_manager._validate_moe_lora_format)."""
