@@ -99,6 +99,33 @@ def _link_load(free: Any, now: float, seconds: float) -> tuple[float, float]:
 
 
 @njit(cache=True)
+def _new_slots(pinned: Any, n_adapters: int, max_loras: int) -> tuple[Any, ...]:
+    """The slot tables both replays start from: the pinned adapters in the first slots
+    (slot_of by adapter, held by slot), the victim keys (last use, load time, next use, the
+    slot's version) and the victim heap holding every other slot empty, lowest index first.
+    Returns (slot_of, held, last_used, loaded_at, next_use, version, heap keys, heap slots,
+    heap versions, heap size)."""
+    n_pinned = pinned.size
+    slot_of = np.full(n_adapters, -1, np.int64)
+    held = np.full(max_loras, -1, np.int64)
+    for k in range(n_pinned):
+        if pinned[k] >= 0:
+            slot_of[pinned[k]] = k
+        held[k] = pinned[k]
+    version = np.zeros(max_loras, np.int64)
+    cap = 2 * max_loras + 64 + 1
+    hkey = np.empty(cap, np.int64)
+    hslot = np.empty(cap, np.int64)
+    hver = np.empty(cap, np.int64)
+    size = 0
+    for k in range(n_pinned, max_loras):
+        version[k] += 1
+        size = _push(hkey, hslot, hver, size, EMPTY_KEY, k, version[k])
+    return (slot_of, held, np.zeros(max_loras, np.int64), np.zeros(max_loras, np.int64),
+            np.full(max_loras, NEVER, np.int64), version, hkey, hslot, hver, size)
+
+
+@njit(cache=True)
 def paging(adapter: Any, arrival: Any, nxt: Any, policy: int, max_loras: int, pinned: Any,
            n_adapters: int, load_s: Any, load_bytes: Any, links: int, host_slots: int,
            read_s: Any, start: Any) -> tuple[Any, ...]:
@@ -109,24 +136,8 @@ def paging(adapter: Any, arrival: Any, nxt: Any, policy: int, max_loras: int, pi
     none). Writes each request's start into `start`. Returns (hits, delayed hits, misses, swaps,
     bytes moved, swap seconds, link wait seconds, host hits, host misses, host bytes moved)."""
     n_pinned = pinned.size
-    slot_of = np.full(n_adapters, -1, np.int64)
-    held = np.full(max_loras, -1, np.int64)
-    for k in range(n_pinned):
-        if pinned[k] >= 0:
-            slot_of[pinned[k]] = k
-        held[k] = pinned[k]
-    last_used = np.zeros(max_loras, np.int64)
-    loaded_at = np.zeros(max_loras, np.int64)
-    next_use = np.full(max_loras, NEVER, np.int64)
-    version = np.zeros(max_loras, np.int64)
-    cap = 2 * max_loras + 64 + 1
-    hkey = np.empty(cap, np.int64)
-    hslot = np.empty(cap, np.int64)
-    hver = np.empty(cap, np.int64)
-    size = 0
-    for k in range(n_pinned, max_loras):  # empty cache slots, lowest index first
-        version[k] += 1
-        size = _push(hkey, hslot, hver, size, EMPTY_KEY, k, version[k])
+    (slot_of, held, last_used, loaded_at, next_use, version, hkey, hslot, hver,
+     size) = _new_slots(pinned, n_adapters, max_loras)
     tick = 0
     load_seq = 0
     ready = np.zeros(n_adapters)
@@ -582,28 +593,12 @@ def concurrent(adapter: Any, arrival: Any, hold: Any, nxt: Any, policy: int, max
     seconds, link wait seconds]."""
     n = adapter.size
     n_pinned = pinned.size
-    slot_of = np.full(n_adapters, -1, np.int64)
-    held = np.full(max_loras, -1, np.int64)
-    for k in range(n_pinned):
-        if pinned[k] >= 0:
-            slot_of[pinned[k]] = k
-        held[k] = pinned[k]
-    # A slot: 0 empty, 1 loading, 2 ready; its count of requests in flight and victim keys.
+    (slot_of, held, last_used, loaded_at, next_use, version, hkey, hslot, hver,
+     size) = _new_slots(pinned, n_adapters, max_loras)
+    # A slot: 0 empty, 1 loading, 2 ready; its count of requests in flight.
     state = np.zeros(max_loras, np.int64)
     state[:n_pinned] = 2
     refs = np.zeros(max_loras, np.int64)
-    last_used = np.zeros(max_loras, np.int64)
-    loaded_at = np.zeros(max_loras, np.int64)
-    next_use = np.full(max_loras, NEVER, np.int64)
-    version = np.zeros(max_loras, np.int64)
-    cap = 2 * max_loras + 64 + 1
-    hkey = np.empty(cap, np.int64)
-    hslot = np.empty(cap, np.int64)
-    hver = np.empty(cap, np.int64)
-    size = 0
-    for k in range(n_pinned, max_loras):
-        version[k] += 1
-        size = _push(hkey, hslot, hver, size, EMPTY_KEY, k, version[k])
     tick = load_seq = 0
     # Events: request ends (kind 0: x its slot or -1, y the request) and load ends (kind 1:
     # x the slot, y the adapter).
