@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from metrale_cli.adapters.experts import ExpertProj
 from metrale_cli.errors import NotServable, UsageError
@@ -71,15 +73,15 @@ def test_column_row_and_fully_sharded_slices() -> None:
     value = NEXT.linear_value_width
     q, o, out = (2 * attn, h), (h, attn), (h, value)
     # Gated q_proj: 2 * 16 * 256 rows, a quarter each: 4 whole heads with their gates.
-    assert module_slice(NEXT, LoraModule.Q_PROJ, spec, 16) == Slice(q, (2048, 4096), (0, h))
-    assert module_slice(NEXT, LoraModule.O_PROJ, spec, 16) == Slice(o, (0, h), (1024, 2048))
+    assert module_slice(NEXT, LoraModule.Q_PROJ, spec, 16) == Slice(q, ((2048, 4096),), (0, h))
+    assert module_slice(NEXT, LoraModule.O_PROJ, spec, 16) == Slice(o, ((0, h),), (1024, 2048))
     assert module_slice(NEXT, LoraModule.OUT_PROJ, spec, 16) == Slice(
-        out, (0, h), (value // 4, value // 2))
+        out, ((0, h),), (value // 4, value // 2))
     fully = ShardSpec(4, 3, fully_sharded=True)
     assert module_slice(NEXT, LoraModule.Q_PROJ, fully, 16) == Slice(
-        q, (3 * 2 * attn // 4, 2 * attn), (0, h), (12, 16))
+        q, ((3 * 2 * attn // 4, 2 * attn),), (0, h), (12, 16))
     assert module_slice(NEXT, LoraModule.O_PROJ, fully, 16) == Slice(
-        o, (3 * h // 4, h), (3 * attn // 4, attn))
+        o, ((3 * h // 4, h),), (3 * attn // 4, attn))
 
 
 @pytest.mark.parametrize(("tp", "heads"), [(2, [0, 1]), (4, [0, 0, 1, 1]),
@@ -89,7 +91,7 @@ def test_fewer_kv_heads_than_ranks(tp: int, heads: list[int]) -> None:
     for k, head in enumerate(heads):
         for module in (LoraModule.K_PROJ, LoraModule.V_PROJ):
             s = module_slice(NEXT, module, ShardSpec(tp, k), 16)
-            assert s.rows == (head * 256, (head + 1) * 256)
+            assert s.rows == ((head * 256, (head + 1) * 256),)
 
 
 def test_counts_that_do_not_split_are_refused() -> None:
@@ -118,11 +120,11 @@ def test_experts_by_moe_tp_and_ep() -> None:
     assert [owns_expert(NEXT, s, 300) for s in specs] == [False, False, True, True]
     assert all(owns_expert(NEXT, s, -1) for s in specs)
     assert expert_slice(NEXT, ExpertProj.UP_PROJ, specs[1], 16) == Slice(
-        (inter, h), (inter // 2, inter), (0, h))
+        (inter, h), ((inter // 2, inter),), (0, h))
     assert expert_slice(NEXT, ExpertProj.DOWN_PROJ, specs[3], 16) == Slice(
-        (h, inter), (0, h), (inter // 2, inter))
+        (h, inter), ((0, h),), (inter // 2, inter))
     assert expert_slice(NEXT, ExpertProj.ROUTER, specs[3], 16) == Slice(
-        (NEXT.num_experts, h), (0, NEXT.num_experts), (0, h))
+        (NEXT.num_experts, h), ((0, NEXT.num_experts),), (0, h))
     full = ExpertLayout.for_model(NEXT, 16)
     ranked = RankExpertLayout.of(full, specs[2])
     experts = {e.expert for e in ranked.entries if e.proj is not ExpertProj.ROUTER}
@@ -158,6 +160,139 @@ def test_budget_is_per_gpu() -> None:
     assert group["ranks"] == [0, 1, 2, 3] and group["slot_bytes"] == 8_060_928
     assert len(set(group["fingerprints"])) == 4
     assert record["slot_bytes"] == 15_335_424
+
+
+# -- fused projections (phi3's qkv_proj, phi3's and glm4's gate_up_proj) --------------------------
+
+PHI4 = ModelConfig.preset("phi-4-mini")  # 24 query heads, 8 KV heads of 128, I 8192
+# THUDM/GLM-4-9B-0414's config.json: 32 query heads, 2 KV heads of 128, I 13696.
+GLM4 = ModelConfig.from_dict({"model_type": "glm4", "hidden_size": 4096, "num_hidden_layers": 40,
+                              "num_attention_heads": 32, "num_key_value_heads": 2,
+                              "head_dim": 128, "intermediate_size": 13696,
+                              "vocab_size": 151552}, "glm-4-9b")
+PHI_MODULES = [LoraModule(m) for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+GLM_MODULES = [LoraModule(m) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
+                                       "down_proj")]
+FUSED_CASES = [(PHI4, PHI_MODULES, tp) for tp in (2, 4, 8)] + [
+    (dataclasses.replace(PHI4, num_key_value_heads=2), PHI_MODULES, 4),  # a KV head per 2 ranks
+    *((GLM4, GLM_MODULES, tp) for tp in (2, 4))]
+
+
+def _pair_bytes(out: int, in_: int, a_rows: int, max_rank: int) -> int:
+    """A `[a_rows, in]` then B `[out, max_rank]`, BF16, each region 256-byte aligned."""
+    return (-(-a_rows * in_ * 2 // 256) * 256) + (-(-out * max_rank * 2 // 256) * 256)
+
+
+@pytest.mark.parametrize("fully", [False, True])
+@pytest.mark.parametrize(("model", "modules", "tp"), FUSED_CASES)
+def test_fused_per_rank_bytes_by_hand(model: ModelConfig, modules: list[LoraModule], tp: int,
+                                      fully: bool) -> None:
+    """Per rank and layer: qkv_proj B holds q/N rows and, of k and v each, kv/N heads (one
+    head when there are fewer KV heads than ranks), A whole (rank rows R/N fully sharded);
+    gate_up_proj B 2I/N rows; o_proj and down_proj A input columns / N, B whole (output rows /
+    N fully sharded). Every rank alike."""
+    r = 16
+    h, hd, inter = model.hidden_size, model.head_dim, model.intermediate_size
+    q, kv = model.num_attention_heads * hd, model.num_key_value_heads
+    kv_rows = kv * hd // tp if kv >= tp else hd
+    col_a = r // tp if fully else r
+    row_out = h // tp if fully else h
+    per_module = {
+        "qkv_proj": _pair_bytes(q // tp + 2 * kv_rows, h, col_a, r),
+        "q_proj": _pair_bytes(q // tp, h, col_a, r),
+        "k_proj": _pair_bytes(kv_rows, h, col_a, r),
+        "v_proj": _pair_bytes(kv_rows, h, col_a, r),
+        "o_proj": _pair_bytes(row_out, q // tp, r, r),
+        "gate_up_proj": _pair_bytes(2 * inter // tp, h, col_a, r),
+        "down_proj": _pair_bytes(row_out, inter // tp, r, r),
+    }
+    want = model.num_hidden_layers * sum(per_module[m.value] for m in modules)
+    layout = SlotLayout.build(model, modules, r)
+    plan = ShardedPlan.sized(layout, None, ShardSpec(tp, 0, 1, fully), max_loras=3)
+    assert [p.layout.slot_bytes for p in plan.ranks] == [want] * tp
+    [group] = plan.record()["rank_layouts"]
+    assert group["ranks"] == list(range(tp)) and group["slot_bytes"] == want
+    assert len(set(group["fingerprints"])) == tp  # every rank holds its own rows
+
+
+@pytest.mark.parametrize(("model", "modules", "tp"), FUSED_CASES)
+def test_fused_rows_are_each_slice_s_torch_chunk(model: ModelConfig, modules: list[LoraModule],
+                                                 tp: int) -> None:
+    """A rank's B rows of a fused projection are, slice after slice, the rows torch.chunk of
+    that slice gives the rank (k and v chunked by KV head and shared by tp / kv ranks when
+    there are fewer KV heads than ranks); over the ranks every row is held, each as often as
+    its slice is replicated; A is whole on every rank."""
+    kv = model.num_key_value_heads
+    for module in (m for m in modules if m.declared(model).fused):
+        out_dim, in_dim = module.dims(model)
+        widths = module.slices(model)
+        held = torch.zeros(out_dim, dtype=torch.int64)
+        for k in range(tp):
+            s = module_slice(model, module, ShardSpec(tp, k), 16)
+            assert s.full == (out_dim, in_dim) and s.cols == (0, in_dim) and s.ranks is None
+            rows = torch.cat([torch.arange(lo, hi) for lo, hi in s.rows])
+            want = []
+            for i, piece in enumerate(torch.arange(out_dim).split(list(widths))):
+                is_kv = module is LoraModule.QKV_PROJ and i > 0
+                if is_kv and kv < tp:
+                    want.append(piece.chunk(kv)[k // (tp // kv)])
+                else:
+                    want.append(piece.chunk(tp)[k])
+            assert torch.equal(rows, torch.cat(want)), (module, k)
+            held[rows] += 1
+            entries = [e for e in RankLayout.of(SlotLayout.build(model, modules, 16),
+                                                ShardSpec(tp, k)).entries
+                       if e.module is module]
+            assert {(e.out_dim, e.in_dim, e.a_rows) for e in entries} == {(len(rows), in_dim,
+                                                                            16)}
+        copies = torch.ones(out_dim, dtype=torch.int64)
+        if module is LoraModule.QKV_PROJ and kv < tp:
+            copies[widths[0]:] = tp // kv
+        assert torch.equal(held, copies), module
+
+
+def test_fused_slices_record_their_runs_and_tp_1_is_whole() -> None:
+    """A rank's qkv_proj records its three runs; gate_up_proj its two; at --tp 1 a fused
+    projection is one run, the unsharded bytes and fingerprint."""
+    q, kv = 24 * 128, 8 * 128
+    ranked = RankLayout.of(SlotLayout.build(PHI4, PHI_MODULES, 16), ShardSpec(4, 1))
+    record = {e["module"]: e["slice"] for e in ranked.record()["entries"] if e["layer"] == 0}
+    assert record["qkv_proj"] == {"full": [q + 2 * kv, 3072],
+                                  "rows": [[q // 4, q // 2], [q + kv // 4, q + kv // 2],
+                                           [q + kv + kv // 4, q + kv + kv // 2]],
+                                  "cols": [0, 3072]}
+    assert record["gate_up_proj"]["rows"] == [[2048, 4096], [8192 + 2048, 8192 + 4096]]
+    layout = SlotLayout.build(PHI4, PHI_MODULES, 16)
+    for fully in (False, True):
+        assert RankLayout.of(layout, ShardSpec(1, 0, 1, fully)).fingerprint == layout.fingerprint
+    assert module_slice(PHI4, LoraModule.QKV_PROJ, ShardSpec(1), 16).rows == ((0, q + 2 * kv),)
+    # docs/tensor-parallel.md's example and figures are these.
+    text = " ".join((Path(__file__).parents[1] / "docs" / "tensor-parallel.md").read_text().split())
+    assert f'"rows": {json.dumps(record["qkv_proj"]["rows"])}' in text
+    assert (f"{layout.slot_bytes:,} B unsharded, "
+            f"{RankLayout.of(layout, ShardSpec(4)).slot_bytes:,} B at TP 4") in text
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("-m", "phi-4-mini", "--tp", 5), "phi-4-mini: query heads (24) do not split over --tp 5"),
+    (("-m", "phi-4-mini", "--tp", 16), "phi-4-mini: query heads (24) do not split over --tp 16"),
+    (("-m", "phi-4-mini", "--tp", 3), "phi-4-mini: KV heads (8) do not split over --tp 3"),
+])
+def test_fused_heads_that_do_not_split_are_one_line(args: tuple[object, ...],
+                                                    message: str) -> None:
+    result = metrale("layout", *args, "--modules", "qkv_proj,gate_up_proj", "--max-rank", 16)
+    assert result.code == 2, result.stdout
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {message}"), line
+
+
+def test_fused_slice_refuses_kv_heads_that_neither_split_nor_divide() -> None:
+    """module_slice on its own (a rank image names its shard) refuses as the unfused
+    k_proj does, naming the fused slice."""
+    with pytest.raises(UsageError, match="qkv_proj slice 1: 8 KV heads neither split over "
+                                         "--tp 12 nor divide it"):
+        module_slice(dataclasses.replace(PHI4, num_attention_heads=48), LoraModule.QKV_PROJ,
+                     ShardSpec(12, 0), 16)
 
 
 # -- `metrale layout --tp` ------------------------------------------------------------------------

@@ -92,9 +92,12 @@ def reassembled(images: list[PoolImage], key: tuple, slot: int, x: np.ndarray,
     delta = np.full((x.shape[0], out_dim), np.nan)
     for s, _, b in parts:
         rows = scale * full @ b.T.astype(np.float64)
-        placed = delta[:, s.rows[0]:s.rows[1]]
-        assert np.isnan(placed).all() or np.array_equal(placed, rows), key
-        delta[:, s.rows[0]:s.rows[1]] = rows
+        at = 0  # B's rows are the slice's runs end to end (one run per slice of a fused pair)
+        for lo, hi in s.rows:
+            placed, mine = delta[:, lo:hi], rows[:, at:at + hi - lo]
+            assert np.isnan(placed).all() or np.array_equal(placed, mine), key
+            delta[:, lo:hi] = mine
+            at += hi - lo
     assert not np.isnan(delta).any(), f"{key}: rows no rank holds"
     return delta
 
@@ -168,7 +171,8 @@ def check_slices_of_unsharded(images: list[PoolImage], whole: PoolImage) -> None
                     s = re_.slice
                     lo, hi = s.ranks or (0, e.max_rank)
                     np.testing.assert_array_equal(ra, a[lo:hi, s.cols[0]:s.cols[1]])
-                    np.testing.assert_array_equal(rb, b[s.rows[0]:s.rows[1]])
+                    np.testing.assert_array_equal(
+                        rb, np.concatenate([b[lo:hi] for lo, hi in s.rows]))
 
 
 @pytest.mark.parametrize("fully", [False, True])
@@ -184,6 +188,26 @@ def test_dense_gqa(peft_zoo, tmp_path: Path, tp: int, fully: bool) -> None:
     for slot, truth in enumerate(truths):
         assert check_modules(images, slot, truth) == len(truth.modules)
     check_slices_of_unsharded(images, PoolImage.open(pack(tmp_path, truths, "--max-rank", 8)))
+
+
+@pytest.mark.parametrize("fully", [False, True])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_fused_projections(peft_zoo, tmp_path: Path, family: str, tp: int, fully: bool) -> None:
+    """phi3's qkv_proj and gate_up_proj, glm4's gate_up_proj: one PEFT pair over q|k|v or
+    gate|up, each slice split on its own (4 query heads, 2 KV heads: at TP 4 each KV head on
+    two ranks). The engines' reassembly of the rank images is PEFT's delta, each rank's B is
+    its slices' rows of the unsharded image's, and verify passes every rank image."""
+    truth = peft_zoo.adapter(family, r=4, lora_alpha=8)
+    assert {m.leaf for m in truth.modules.values()} >= {"gate_up_proj"}
+    shard = ("--tp", tp, *(["--fully-sharded"] if fully else []))
+    out = pack(tmp_path, [truth], "--max-rank", 8, *shard)
+    images = rank_images(out, tp)
+    assert check_modules(images, 0, truth) == len(truth.modules)
+    check_slices_of_unsharded(images, PoolImage.open(pack(tmp_path, [truth], "--max-rank", 8)))
+    for k in range(tp):
+        verified = metrale("verify", out / f"rank-{k}-of-{tp}.safetensors", f"a0={truth.path}")
+        assert verified.code == 0, verified.stderr
 
 
 @pytest.mark.parametrize(("tp", "ep", "fully"), [(2, 1, False), (4, 1, False), (2, 1, True),
@@ -214,7 +238,7 @@ def test_moe_expert_parallel_only(peft_zoo, tmp_path: Path) -> None:
                              target_parameters=EXPERTS)
     images = rank_images(pack(tmp_path, [truth], "--tp", 2, "--ep", 2, "--experts"), 2)
     for image in images:  # MoE TP 1: every expert whole
-        assert all(e.slice == Slice((e.out_dim, e.in_dim), (0, e.out_dim), (0, e.in_dim))
+        assert all(e.slice == Slice.whole(e.out_dim, e.in_dim)
                    for e in image.expert_layout.entries)
     assert check_modules(images, 0, truth) == len(truth.modules)
     assert check_experts(images, 0, truth) > 0

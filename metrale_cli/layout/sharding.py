@@ -7,6 +7,9 @@ N = `tp_size`, k = `tp_rank`, R = `max_rank`. A is `[R, in]`, B is `[out, R]`, a
 - Column-parallel (q_proj, k_proj, v_proj, gate_proj, up_proj): A whole; B output rows
   `[k*out/N, (k+1)*out/N)`. With fewer KV heads than N, k_proj/v_proj hold the one KV head
   `k // (N / num_kv_heads)`. A gated q_proj (`[query, gate]` per head) is sliced in whole heads.
+  A fused projection (phi3's qkv_proj, phi3's and glm4's gate_up_proj: one LoRA pair over
+  q|k|v or gate|up) splits each slice on its own by those rules, so a rank's B rows are one run
+  per slice, concatenated in the slot's B as the engines concatenate them; A whole.
 - Row-parallel (o_proj, down_proj, linear_attn.out_proj): A input columns `[k*in/N, ...)`; B
   whole. A rank's delta is a partial sum that the layer's all-reduce completes.
 - Fully sharded (vLLM `fully_sharded_loras`): column layers also hold only A's rank rows
@@ -34,6 +37,7 @@ from metrale_cli.layout.plan import PoolPlan
 from metrale_cli.layout.slot_layout import (
     LAYOUT_FORMAT,
     LayoutEntry,
+    RowRuns,
     Slice,
     SlotLayout,
     fingerprint_of,
@@ -123,27 +127,47 @@ def _need(count: int, parts: int, what: str, flag: str) -> None:
         raise UsageError(f"{what} ({count}) does not split over {flag} {parts}")
 
 
-def _column_rows(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: int,
-                 k: int) -> tuple[int, int]:
-    out_dim = module.dims(model)[0]
-    if spec.out == ("q_width",):
-        heads = model.num_attention_heads
-        what = "q_proj heads" + (" (each with its gate)" if model.attn_gated else "")
-        _need(heads, n, what, "--tp")
-        return _part(out_dim, n, k)
-    if spec.out == ("kv_width",):
+def _slice_rows(model: ModelConfig, what: str, width: str | int, rows: int, n: int,
+                k: int) -> tuple[int, int]:
+    """The output rows `[lo, hi)` of one column-parallel slice `rows` wide (`width`, as the
+    family names it) that rank k of n holds, within the slice: query heads (each with its gate
+    on a gated model) or KV heads split whole, any other width by rows."""
+    if width == "q_width":
+        _need(model.num_attention_heads, n, f"{what} heads" + (
+            " (each with its gate)" if model.attn_gated else ""), "--tp")
+        return _part(rows, n, k)
+    if width == "kv_width":
         kv, hd = model.num_key_value_heads, model.head_dim
         if kv >= n:
-            _need(kv, n, f"{module.value} KV heads", "--tp")
-            return _part(out_dim, n, k)
+            _need(kv, n, f"{what} KV heads", "--tp")
+            return _part(rows, n, k)
         if n % kv:
-            raise UsageError(f"{module.value}: {kv} KV heads neither split over --tp {n} nor "
-                             "divide it (one KV head per rank needs tp a multiple of them)")
+            raise UsageError(f"{what}: {kv} KV heads neither split over --tp {n} nor divide "
+                             "it (one KV head per rank needs tp a multiple of them)")
         # Fewer KV heads than ranks: each holds one whole head, as the base weight loader does.
         head = k // (n // kv)
         return head * hd, (head + 1) * hd
-    _need(out_dim, n, f"{module.value} output rows", "--tp")
-    return _part(out_dim, n, k)
+    _need(rows, n, f"{what} output rows", "--tp")
+    return _part(rows, n, k)
+
+
+def _column_rows(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: int,
+                 k: int) -> RowRuns:
+    """B's output rows rank k of n holds: each slice of a fused projection split on its own
+    (q, k, v by heads; gate, up by rows), as vLLM's QKVParallelLinearWithLoRA and
+    ColumnParallelLinearWithLoRA (a merged base layer) and SGLang's slice_lora_b_weights cut
+    one PEFT pair's B; runs that meet are one."""
+    runs: list[tuple[int, int]] = []
+    offset = 0
+    for i, (width, rows) in enumerate(zip(spec.out, module.slices(model), strict=True)):
+        what = module.value if not spec.fused else f"{module.value} slice {i}"
+        lo, hi = _slice_rows(model, what, width, rows, n, k)
+        if runs and runs[-1][1] == offset + lo:
+            runs[-1] = (runs[-1][0], offset + hi)
+        else:
+            runs.append((offset + lo, offset + hi))
+        offset += rows
+    return tuple(runs)
 
 
 def _row_cols(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: int,
@@ -172,13 +196,8 @@ def module_slice(model: ModelConfig, module: LoraModule, spec: ShardSpec,
     out_dim, in_dim = module.dims(model)
     full = (out_dim, in_dim)
     declared = module.declared(model)
-    if declared.fused and n > 1:
-        # Each slice splits over the ranks on its own (q, k and v heads; gate and up rows), so
-        # a rank's B rows are not one run: a Slice holds one.
-        raise UsageError(f"{module.value}: a fused projection ({len(declared.out)} slices) "
-                         "over --tp is not supported yet; use --tp 1")
     if declared.split is Split.REPLICATED:
-        return Slice(full, (0, out_dim), (0, in_dim))
+        return Slice.whole(out_dim, in_dim)
     if declared.split is Split.COLUMN:
         return Slice(full, _column_rows(model, module, declared, n, k), (0, in_dim),
                      _rank_rows(max_rank, spec))
@@ -186,7 +205,7 @@ def module_slice(model: ModelConfig, module: LoraModule, spec: ShardSpec,
     if spec.fully_sharded:
         _need(out_dim, n, f"--fully-sharded: {module.value} output rows", "--tp")
         rows = _part(out_dim, n, k)
-    return Slice(full, rows, _row_cols(model, module, declared, n, k))
+    return Slice(full, (rows,), _row_cols(model, module, declared, n, k))
 
 
 def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank: int) -> Slice:
@@ -195,7 +214,7 @@ def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank
     out_dim, in_dim = proj.dims(model)
     full = (out_dim, in_dim)
     if proj is ExpertProj.ROUTER:
-        return Slice(full, (0, out_dim), (0, in_dim))
+        return Slice.whole(out_dim, in_dim)
     m, j = spec.moe_tp_size, spec.moe_tp_rank
     inter = model.expert_intermediate_size
     _need(inter, m, "expert intermediate size", "MoE TP (tp / ep)")
@@ -204,8 +223,8 @@ def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank
         if spec.fully_sharded:
             _need(out_dim, spec.tp_size, "--fully-sharded: expert down_proj output rows", "--tp")
             rows = _part(out_dim, spec.tp_size, spec.tp_rank)
-        return Slice(full, rows, _part(in_dim, m, j))
-    return Slice(full, _part(out_dim, m, j), (0, in_dim), _rank_rows(max_rank, spec))
+        return Slice(full, (rows,), _part(in_dim, m, j))
+    return Slice(full, (_part(out_dim, m, j),), (0, in_dim), _rank_rows(max_rank, spec))
 
 
 # The MoE blocks of vLLM's qwen3_moe.py and qwen3_next.py (which Qwen3.5-MoE reuses) raise
@@ -340,7 +359,7 @@ class RankLayout(SlotLayout):
                   for m in dict.fromkeys(m for _, m in self.applied())}
         for layer, module in self.applied():
             s = slices[module]
-            out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]
+            out_dim, in_dim = s.out_rows, s.cols[1] - s.cols[0]
             a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
                                                     self.align, s.a_rows(self.max_rank))
             entries.append(ShardEntry(layer, module, s, out_dim=out_dim, in_dim=in_dim,
@@ -390,7 +409,7 @@ class RankExpertLayout(ExpertLayout):
                   for p in dict.fromkeys(k[1] for k in self.keys)}
         for layer, proj, expert in self.keys:
             s = slices[proj]
-            out_dim, in_dim = s.rows[1] - s.rows[0], s.cols[1] - s.cols[0]
+            out_dim, in_dim = s.out_rows, s.cols[1] - s.cols[0]
             a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
                                                     self.align, s.a_rows(self.max_rank))
             entries.append(ShardExpertEntry(layer, proj, expert, s, out_dim=out_dim,

@@ -71,34 +71,49 @@ def check_rank_and_align(max_rank: int, align: int) -> None:
         raise UsageError(f"alignment must be at least 16 bytes (the kernels' loads), got {align}")
 
 
+# B's output rows `[lo, hi)` an entry holds, as runs in B's row order.
+RowRuns = tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True)
 class Slice:
     """Which part of a `full` `[out, in]` weight's LoRA pair an entry holds: B's output `rows`
-    `[lo, hi)` (all R columns), A's input `cols` `[lo, hi)`, and, fully sharded column-parallel,
-    only A's padded rank rows `ranks` `[lo, hi)`. An unsharded entry holds the whole pair."""
+    (all R columns) as runs `[lo, hi)`, A's input `cols` `[lo, hi)`, and, fully sharded
+    column-parallel, only A's padded rank rows `ranks` `[lo, hi)`. An unsharded entry holds the
+    whole pair: one run of every row. A column-parallel rank of a fused projection (q|k|v,
+    gate|up) holds one run per slice, end to end in its B, as the engines concatenate them."""
 
     full: tuple[int, int]
-    rows: tuple[int, int]
+    rows: RowRuns
     cols: tuple[int, int]
     ranks: tuple[int, int] | None = None
 
     @classmethod
     def whole(cls, out_dim: int, in_dim: int) -> Slice:
-        return cls((out_dim, in_dim), (0, out_dim), (0, in_dim))
+        return cls((out_dim, in_dim), ((0, out_dim),), (0, in_dim))
+
+    @property
+    def out_rows(self) -> int:
+        """How many of B's output rows the entry holds (its `out_dim`)."""
+        return sum(hi - lo for lo, hi in self.rows)
 
     def a_rows(self, max_rank: int) -> int:
         return self.ranks[1] - self.ranks[0] if self.ranks is not None else max_rank
 
     def is_whole(self, max_rank: int) -> bool:
         """Whether the entry holds the whole pair (its bytes are the unsharded entry's)."""
-        return (self.rows == (0, self.full[0]) and self.cols == (0, self.full[1])
+        return (self.rows == ((0, self.full[0]),) and self.cols == (0, self.full[1])
                 and self.ranks in (None, (0, max_rank)))
 
-    def flat(self) -> list[int]:
-        return [*self.rows, *self.cols, *(self.ranks or ())]
+    def _rows_record(self) -> list[Any]:
+        # One run is `[lo, hi]`, as every image before fused slices recorded it.
+        return list(self.rows[0]) if len(self.rows) == 1 else [list(r) for r in self.rows]
+
+    def flat(self) -> list[Any]:
+        return [*self._rows_record(), *self.cols, *(self.ranks or ())]
 
     def record(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"full": list(self.full), "rows": list(self.rows),
+        record: dict[str, Any] = {"full": list(self.full), "rows": self._rows_record(),
                                   "cols": list(self.cols)}
         if self.ranks is not None:
             record["ranks"] = list(self.ranks)

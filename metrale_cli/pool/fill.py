@@ -216,10 +216,10 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
     """Write every module of `report` into a slot, each entry's held part: A `[r, in]` as the
     first r rows of its `[max_rank, in]` region (a fully sharded rank: its rank rows below r;
     a row-parallel rank: its input columns), B `[out, r]` as the first r columns of its
-    `[out, max_rank]` region (a column-parallel rank: its output rows), BF16
-    round-to-nearest-even, each module's PEFT scaling relative to the slot's scale folded into
-    its B, so that `scale * (x @ A^T) @ B^T` is PEFT's delta (a rank's part of it) for every
-    module. Reads only the held bytes of the file; returns how many."""
+    `[out, max_rank]` region (a column-parallel rank: its output rows, a run per slice of a
+    fused projection), BF16 round-to-nearest-even, each module's PEFT scaling relative to the
+    slot's scale folded into its B, so that `scale * (x @ A^T) @ B^T` is PEFT's delta (a
+    rank's part of it) for every module. Reads only the held bytes of the file; returns how many."""
     # On the host, tensors whose file bytes are the slot's are read after the others, in runs.
     parts: list[Part] = []
 
@@ -241,8 +241,13 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
         if top > lo:
             a = writer.span(e.a_offset, (top - lo) * e.in_dim * BF16_BYTES)
             done += put(m.a, (lo, top), s.cols, a, e.in_dim, 1.0)
-        b = writer.span(e.b_offset, e.b_bytes)
-        done += put(m.b, s.rows, (0, m.r), b, e.max_rank, m.scaling / report.scaling)
+        # B's held rows, run after run (a fused projection's rank holds one per slice).
+        b_offset = e.b_offset
+        for rows in s.rows:
+            size = (rows[1] - rows[0]) * e.max_rank * BF16_BYTES
+            done += put(m.b, rows, (0, m.r), writer.span(b_offset, size), e.max_rank,
+                        m.scaling / report.scaling)
+            b_offset += size
         read += done
         if progress is not None and done:
             progress(done)
@@ -307,8 +312,9 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
                    group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
                    check_finite: bool) -> int:
     info = group[0][0].b
-    # The file rows of B each pair holds: its entry's held output rows, from its b_row on.
-    spans = [(p.b_row + e.held.rows[0], p.b_row + e.held.rows[1]) for p, e in group]
+    # The file rows of B each pair holds: its entry's held output rows (one run: an expert's
+    # projection is not fused), from its b_row on.
+    spans = [(p.b_row + e.held.rows[0][0], p.b_row + e.held.rows[0][1]) for p, e in group]
     row_bytes = info.nbytes // max(1, info.shape[0])
     step = max(1, B_CHUNK_BYTES // max(1, row_bytes))
     read = bad = 0
