@@ -16,7 +16,7 @@ import pytest
 
 from tests.support import preloaded
 from tests.support.cli_runner import metrale
-from tests.support.tiny_hybrid import free_port, tiny_hybrid_adapters
+from tests.support.tiny_hybrid import FUSED, free_port, tiny_hybrid_adapters
 
 pytestmark = pytest.mark.proc
 TIMEOUT_S = 60
@@ -28,14 +28,23 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         ("a", 8, "q_proj,k_proj,v_proj,o_proj,out_proj"), ("b", 4, "q_proj,out_proj")])
 
 
+@pytest.fixture(scope="module")
+def fused_adapters(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Phi-3's fused qkv_proj and gate_up_proj: a rank's B rows are one run per slice."""
+    return tiny_hybrid_adapters(tmp_path_factory.mktemp("tp_torchrun_fused"), [
+        ("a", 8, "qkv_proj,o_proj,gate_up_proj,down_proj"), ("b", 4, "qkv_proj")], FUSED)
+
+
 def pack_args(adapters: list[Path], out: Path, tp: int) -> list[str]:
     return ["pack", *map(str, adapters), "--max-loras", "3", "--tp", str(tp), "--device",
             "cpu", "--out", str(out)]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_torchrun_images_equal_single_process(adapters: list[Path], tmp_path: Path,
-                                              tp: int) -> None:
+@pytest.mark.parametrize(("which", "tp"), [("adapters", 2), ("adapters", 4),
+                                         ("fused_adapters", 4)])
+def test_torchrun_images_equal_single_process(request: pytest.FixtureRequest, tmp_path: Path,
+                                              which: str, tp: int) -> None:
+    adapters = request.getfixturevalue(which)
     single = tmp_path / "single"
     assert metrale(*pack_args(adapters, single, tp)).code == 0
     run = tmp_path / "torchrun"

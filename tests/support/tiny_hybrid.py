@@ -1,5 +1,5 @@
-"""A tiny hybrid (Qwen3-Next) base config with synthetic adapters, and a free local port: what
-the multi-process tests (torchrun, peer landing) start from."""
+"""A tiny hybrid (Qwen3-Next) or fused (Phi-3) base config with synthetic adapters, and a free
+local port: what the multi-process tests (torchrun, peer landing) start from."""
 
 from __future__ import annotations
 
@@ -9,15 +9,22 @@ from pathlib import Path
 
 from tests.support.cli_runner import metrale
 
+HYBRID = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "intermediate_size": 96, "linear_num_value_heads": 4, "linear_value_head_dim": 8,
+          "full_attention_interval": 2}
+# Phi-3's fused qkv_proj and gate_up_proj, 4 query heads and 2 KV heads of 16.
+FUSED = {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+         "vocab_size": 128}
 
-def tiny_hybrid_adapters(root: Path, specs: list[tuple[str, int, str]]) -> list[Path]:
-    """Write a 4-layer Qwen3-Next `config.json` (gated q_proj, out_proj, 2 KV heads) into
-    `root` and one synthetic F32 adapter per (name, rank, modules) beside it."""
-    (root / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "intermediate_size": 96, "linear_num_value_heads": 4, "linear_value_head_dim": 8,
-        "full_attention_interval": 2}))
+
+def tiny_hybrid_adapters(root: Path, specs: list[tuple[str, int, str]],
+                         config: dict[str, object] = HYBRID) -> list[Path]:
+    """Write a tiny base `config.json` (by default a 4-layer Qwen3-Next: gated q_proj,
+    out_proj, 2 KV heads) into `root` and one synthetic F32 adapter per (name, rank, modules)
+    beside it."""
+    (root / "config.json").write_text(json.dumps(config))
     for name, rank, modules in specs:
         done = metrale("synth", root / name, "--model", root, "--modules", modules, "--rank",
                        rank, "--dtype", "f32", "--seed", rank)
