@@ -130,3 +130,26 @@ def test_a_budget_below_one_slot_says_nothing_fits_and_what_a_slot_takes(
     assert r.code == 2, r
     assert r.stderr.strip().splitlines() == [f"error: --budget {budget}: {said}"]
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize(("engine", "label"), [("vllm", "vLLM 0.32.0"),
+                                               ("sglang", "SGLang 0.5.23")])
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_an_engine_budget_below_one_slot_is_the_same_answer(engine: str, label: str,
+                                                            extra: list[str]) -> None:
+    """`layout --engine` under a budget below one of the engine's slots answers as `layout
+    --tp 1` does (it said "holds 0 --max-loras" and exited 0): exit 2, nothing fits, what one
+    slot of the engine's buffers takes, per GPU."""
+    args = ("layout", "-m", "llama-3.1-8b", "--modules", "q_proj", "--max-rank", "8")
+    fits = metrale(*args, "--engine", engine, "--budget", "1GiB", "--json")
+    assert fits.code == 0, fits.stderr
+    slot = fits.json()["engine"]["slot_bytes"]
+    said = ("nothing fits in 40 B (a number without a unit is bytes; for gibibytes write 40GiB) "
+            "per GPU")
+    r = metrale(*args, "--engine", engine, "--budget", "40", *extra)
+    assert (r.code, r.stdout) == (2, "")
+    assert r.stderr.strip().splitlines() == [
+        f"error: --budget 40: {said}; one slot of {label}'s LoRA buffers takes {slot:,} B "
+        f"({slot / 2**20:.2f} MiB) per GPU"]
+    plain = metrale(*args, "--tp", "1", "--budget", "40", *extra)
+    assert plain.code == 2 and plain.stderr.startswith(f"error: --budget 40: {said}; one slot ")

@@ -253,6 +253,9 @@ def layout(
         record = engine_layout(audit_adapters(adapters or [], model, experts=False,
                                               online=online_on(online)), chosen, given,
                                budget_bytes)
+        if record["engine"].get("max_loras_fit") == 0:
+            raise _nothing_fits(budget or "", record["engine"]["slot_bytes"], " per GPU",
+                                f"one slot of {chosen.label} {chosen.version}'s LoRA buffers")
         emit(record, json_out, render_engine.engine_layout_view)
         not_served = record["engine"]["not_served"]
         if not_served:
@@ -279,15 +282,16 @@ def layout(
     emit(plan.record(), json_out, render.layout_view)
 
 
-def _nothing_fits(budget: str, slot_bytes: int, where: str = "") -> UsageError:
-    """`layout --budget` below one slot: what one slot takes, and what a bare number meant."""
+def _nothing_fits(budget: str, slot_bytes: int, where: str = "",
+                  slot: str = "one slot with its share of the tables") -> UsageError:
+    """`layout --budget` below one slot (metrale's, or an engine's): what one slot takes, and
+    what a bare number meant."""
     from metrale_cli.cli.render import human_bytes
 
     size = parse_size(budget)
     bare = budget.strip().replace("_", "").replace(".", "", 1).isdigit()
     unit = f" (a number without a unit is bytes; for gibibytes write {budget.strip()}GiB)"
     said = f"{size:,} B{unit if bare else ''}"
-    return UsageError(f"--budget {budget}: nothing fits in {said}{where}; one slot with its "
-                      f"share of the tables takes {slot_bytes:,} B ({human_bytes(slot_bytes)})"
-                      f"{where}")
+    return UsageError(f"--budget {budget}: nothing fits in {said}{where}; {slot} takes "
+                      f"{slot_bytes:,} B ({human_bytes(slot_bytes)}){where}")
 
