@@ -136,6 +136,35 @@ def test_device_path_matches_host_path(adapters, tmp_path: Path,
     assert np.array_equal(device.region.host_bytes(2), host.region.host_bytes(1))
 
 
+def test_device_path_fills_a_fused_rank_s_runs(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TP rank of Phi-3's fused qkv_proj and gate_up_proj holds B as one run per slice (a
+    KV head on two ranks at TP 4): the staged device fill writes each rank's runs as the host
+    fill does, from BF16 (read straight on the host) and F32 files alike."""
+    from metrale_cli.layout.sharding import ShardSpec, rank_layouts
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "phi3", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48,
+        "vocab_size": 64}))
+    for name, rank, dtype in (("a", 4, "bf16"), ("b", 2, "f32")):
+        assert metrale("synth", tmp_path / name, "--model", tmp_path, "--modules",
+                       "qkv_proj,gate_up_proj,down_proj", "--rank", rank, "--dtype",
+                       dtype).code == 0
+    model = ModelConfig.from_hf(tmp_path)
+    reports = [audit(Adapter.load(tmp_path / n), model) for n in ("a", "b")]
+    layout, _ = plan_layouts(model, reports)
+    for k in range(4):
+        ranked, _ = rank_layouts(layout, None, ShardSpec(4, k))
+        assert any(len(e.slice.rows) == 3 for e in ranked.entries)
+        monkeypatch.undo()
+        host, _ = LoraPool.load(ranked, 2, reports, device="cpu")
+        monkeypatch.setattr(pool_module, "cupy_module", lambda: FakeCupy)
+        device, _ = LoraPool.load(ranked, 2, reports, device="cuda")
+        for slot in (0, 1):
+            assert np.array_equal(device.region.host_bytes(slot), host.region.host_bytes(slot))
+
+
 def test_device_packs_stage_through_two_pinned_buffers(adapters, monkeypatch) -> None:
     """Many slots packed and swapped on the device path: two pinned staging buffers and one
     stream in all, reused; stale slots come out byte-equal to the host path's."""
