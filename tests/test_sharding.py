@@ -273,6 +273,20 @@ def test_fused_slices_record_their_runs_and_tp_1_is_whole() -> None:
             f"{RankLayout.of(layout, ShardSpec(4)).slot_bytes:,} B at TP 4") in text
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_fused_rank_bytes_are_what_vllm_allocates(tp: int) -> None:
+    """Phi-4-mini per GPU: vLLM's phi3 LoRA buffers (QKVParallelLinearWithLoRA and, over the
+    merged gate_up, ColumnParallelLinearWithLoRA: one `[R, in]` A and the rank's B rows each)
+    as `layout --engine vllm` sizes them are a metrale rank's slot to the byte (every region
+    here is a multiple of the 256-byte alignment)."""
+    args = ("layout", "-m", "phi-4-mini", "--modules", "qkv_proj,o_proj,gate_up_proj,down_proj",
+            "--max-rank", 16, "--tp", tp, "--max-loras", 1, "--json")
+    ours, vllm = metrale(*args), metrale(*args, "--engine", "vllm")
+    assert ours.code == vllm.code == 0, (ours.stderr, vllm.stderr)
+    assert {g["slot_bytes"] for g in ours.json()["rank_layouts"]} == {
+        vllm.json()["engine"]["slot_bytes"]}
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("-m", "phi-4-mini", "--tp", 5), "phi-4-mini: query heads (24) do not split over --tp 5"),
     (("-m", "phi-4-mini", "--tp", 16), "phi-4-mini: query heads (24) do not split over --tp 16"),
