@@ -43,6 +43,7 @@ def test_peft_3d_experts_on_a_2d_moe_wrapper_are_refused(peft_zoo) -> None:  # t
     assert verdict.elsewhere["cpu_build"]["verdict"] == "unsupported_model"
 
 
+@pytest.mark.slow  # it builds a PEFT MoE model in its call: 3-15 s on a cold or loaded worker
 def test_mixtral_transformers5_expert_weights_reach_nothing(peft_zoo) -> None:  # type: ignore[no-untyped-def]
     """vLLM's Mixtral keeps `block_sparse_moe`; PEFT's transformers-5 `mlp.experts` and
     `mlp.gate` weights pass the name check (their leaf names exist) and are never applied."""
