@@ -195,7 +195,7 @@ def _differences(model: ModelConfig, hf_model: object, undeclared: set[str]) -> 
     from metrale_cli.model.modules import family_modules
 
     modules = family_modules(model)
-    paths = {m.path_in(model) for m in modules}
+    paths = {spec.path for spec in model.family.modules}
     inner = hf_model.model  # type: ignore[attr-defined]
     layers = getattr(inner, "language_model", inner).layers
     assert len(layers) == model.num_hidden_layers
@@ -204,12 +204,16 @@ def _differences(model: ModelConfig, hf_model: object, undeclared: set[str]) -> 
         linears = {name: (m.out_features, m.in_features) for name, m in layer.named_modules()
                    if isinstance(m, nn.Linear)}
         for module in modules:
-            path, applies = module.path_in(model), module.applies_to_layer(model, i)
-            if applies != (path in linears):
-                out.append(f"layer {i} {path}: metrale says {'present' if applies else 'absent'}")
-            elif applies and module.dims(model) != linears[path]:
-                out.append(f"layer {i} {path}: metrale {module.dims(model)}, "
-                           f"transformers {linears[path]}")
+            # The module's entry on this layer, and its other entries' paths, absent here.
+            spec = module.spec(model, i)
+            if spec is not None and spec.path not in linears:
+                out.append(f"layer {i} {spec.path}: metrale says present")
+            elif spec is not None and module.dims(model, i) != linears[spec.path]:
+                out.append(f"layer {i} {spec.path}: metrale {module.dims(model, i)}, "
+                           f"transformers {linears[spec.path]}")
+            elsewhere = {s.path for s in model.family.modules if s.name == module.value}
+            elsewhere -= {spec.path} if spec is not None else set()
+            out += [f"layer {i} {p}: metrale says absent" for p in sorted(elsewhere & set(linears))]
         out += [f"layer {i} {p}: no family module" for p in set(linears) - paths - undeclared]
     return out
 

@@ -71,14 +71,14 @@ def test_column_row_and_fully_sharded_slices() -> None:
     value = NEXT.linear_value_width
     q, o, out = (2 * attn, h), (h, attn), (h, value)
     # Gated q_proj: 2 * 16 * 256 rows, a quarter each: 4 whole heads with their gates.
-    assert module_slice(NEXT, LoraModule.Q_PROJ, spec, 16) == Slice(q, (2048, 4096), (0, h))
-    assert module_slice(NEXT, LoraModule.O_PROJ, spec, 16) == Slice(o, (0, h), (1024, 2048))
-    assert module_slice(NEXT, LoraModule.OUT_PROJ, spec, 16) == Slice(
+    assert module_slice(NEXT, LoraModule.Q_PROJ, 3, spec, 16) == Slice(q, (2048, 4096), (0, h))
+    assert module_slice(NEXT, LoraModule.O_PROJ, 3, spec, 16) == Slice(o, (0, h), (1024, 2048))
+    assert module_slice(NEXT, LoraModule.OUT_PROJ, 0, spec, 16) == Slice(
         out, (0, h), (value // 4, value // 2))
     fully = ShardSpec(4, 3, fully_sharded=True)
-    assert module_slice(NEXT, LoraModule.Q_PROJ, fully, 16) == Slice(
+    assert module_slice(NEXT, LoraModule.Q_PROJ, 3, fully, 16) == Slice(
         q, (3 * 2 * attn // 4, 2 * attn), (0, h), (12, 16))
-    assert module_slice(NEXT, LoraModule.O_PROJ, fully, 16) == Slice(
+    assert module_slice(NEXT, LoraModule.O_PROJ, 3, fully, 16) == Slice(
         o, (3 * h // 4, h), (3 * attn // 4, attn))
 
 
@@ -88,17 +88,17 @@ def test_fewer_kv_heads_than_ranks(tp: int, heads: list[int]) -> None:
     """Qwen3-Next has 2 KV heads of 256: rank k holds head k // (tp / 2)."""
     for k, head in enumerate(heads):
         for module in (LoraModule.K_PROJ, LoraModule.V_PROJ):
-            s = module_slice(NEXT, module, ShardSpec(tp, k), 16)
+            s = module_slice(NEXT, module, 3, ShardSpec(tp, k), 16)
             assert s.rows == (head * 256, (head + 1) * 256)
 
 
 def test_counts_that_do_not_split_are_refused() -> None:
     cfg = dataclasses.replace(NEXT, num_key_value_heads=3)
     with pytest.raises(UsageError, match="3 KV heads neither split over --tp 4"):
-        module_slice(cfg, LoraModule.K_PROJ, ShardSpec(4, 0), 16)
+        module_slice(cfg, LoraModule.K_PROJ, 3, ShardSpec(4, 0), 16)
     with pytest.raises(UsageError, match=r"q_proj heads \(each with its gate\) \(16\) does not "
                                          "split over --tp 32"):
-        module_slice(NEXT, LoraModule.Q_PROJ, ShardSpec(32, 0), 16)
+        module_slice(NEXT, LoraModule.Q_PROJ, 3, ShardSpec(32, 0), 16)
     with pytest.raises(UsageError, match="max rank .12. does not split over --tp 8"):
         RankLayout.of(next_layout(12), ShardSpec(8, 0, fully_sharded=True)).entries  # noqa: B018
     with pytest.raises(UsageError, match="--ep with --fully-sharded is refused"):

@@ -390,30 +390,29 @@ def _audit_module(
     if experts.is_expert_key(sub):
         # Expert keys with parts other than A/B (DoRA, biases): reported above, not served.
         return None
-    for rx, why in _UNSERVABLE_IN_LAYER:
-        if rx.match(sub):
-            out.at(Severity.ERROR, Code.UNSERVABLE_MODULE, f"{sub}{{where}}: {why}", layer)
-            return None
-    module = next((m for m in family_modules(model) if m.path_in(model) == sub), None)
-    if module is None:
-        out.at(Severity.ERROR, Code.UNSERVABLE_MODULE,
-               f"{sub}{{where}}: not one of the pool's modules", layer)
+    # The family's entries at this path (a module may sit elsewhere on other layers).
+    at_path = [spec for spec in model.family.modules if spec.path == sub]
+    if not at_path:
+        why = next((why for rx, why in _UNSERVABLE_IN_LAYER if rx.match(sub)),
+                   "not one of the pool's modules")
+        out.at(Severity.ERROR, Code.UNSERVABLE_MODULE, f"{sub}{{where}}: {why}", layer)
         return None
+    module = LoraModule(at_path[0].name)
     if layer >= model.num_hidden_layers:
         out.at(Severity.ERROR, Code.LAYER_OUT_OF_RANGE,
                f"{module.peft_name}{{where}}: past the model's {model.num_hidden_layers} layers",
                layer)
         return None
-    if not module.applies_to_layer(model, layer):
-        spec = module.spec(model)
+    if module.spec(model, layer) not in at_path:
         why = ("the base model's weights carry no such module on this layer"
-               if spec is not None and spec.layers is Layers.LISTED
+               if at_path[0].layers is Layers.LISTED
                else f"the module does not apply on {_layer_kind(model, layer)}")
         out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE, f"{module.peft_name}{{where}}: {why}",
                layer)
         return None
 
-    pair = check_pair(adapter, a_key, b_key, module.peft_name, layer, out, module.dims(model))
+    pair = check_pair(adapter, a_key, b_key, module.peft_name, layer, out,
+                      module.dims(model, layer))
     if pair is None:
         return None
     a, b = pair
@@ -533,7 +532,7 @@ def _missing_targets(
             for layer in range(model.num_hidden_layers)
             if module.applies_to_layer(model, layer)
             and (layer, module) not in present
-            and adapter.config.is_targeted(f"{prefix}.{layer}.{module.path_in(model)}")
+            and adapter.config.is_targeted(f"{prefix}.{layer}.{module.path_in(model, layer)}")
         ]
         for layer in missing:
             out.at(Severity.WARNING, Code.TARGETED_MISSING,

@@ -87,7 +87,7 @@ def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, lis
             a_off, b_off = int(t.a_offsets[i, slot]), int(t.b_offsets[i, slot])
             if a_off < 0:
                 continue
-            path = f"{prefix}.layers.{e.layer}.{e.module.path_in(t.model)}"
+            path = f"{prefix}.layers.{e.layer}.{e.module.path_in(t.model, e.layer)}"
             targets.append(path)
             # A [max_rank, in] keeps its first `rank` rows; B [out, max_rank] its first columns.
             a = np.frombuffer(os.pread(fd, e.a_bytes, pool.begin + a_off), dtype="<u2")

@@ -442,8 +442,8 @@ def _family_from_record(model_type: str, record: Any) -> Family:
         widths = [*m["out"], m["in"]]
         known_widths = all((isinstance(w, int) and not isinstance(w, bool) and 0 < w <= MAX_WIDTH)
                            or (isinstance(w, str) and w in _WIDTH_NAMES) for w in widths)
-        if (m["name"] not in names or any(m["name"] == k.name for k in modules)
-                or not isinstance(m["path"], str) or not m["out"] or not known_widths):
+        if (m["name"] not in names or not isinstance(m["path"], str) or not m["out"]
+                or not known_widths):
             raise ValueError(f"weights_family module {shown(m['name'])} is not a module of "
                              "known widths")
         layers = m["layers"]
@@ -452,6 +452,9 @@ def _family_from_record(model_type: str, record: Any) -> Family:
                 for i in layers):
             raise ValueError(f"weights_family module {m['name']!r}: layers is not a list of "
                              "layer numbers")
+        if any(k.name == m["name"] and set(k.on_layers) & set(layers) for k in modules):
+            raise ValueError(f"weights_family module {m['name']!r} is declared twice on one "
+                             "layer")
         modules.append(ModuleSpec(m["name"], m["path"], tuple(m["out"]), m["in"], Layers.LISTED,
                                   Split(m["split"]), on_layers=tuple(layers)))
     return Family(model_type, modules=tuple(modules))

@@ -31,6 +31,8 @@ class Layers(str, Enum):
     # The layers whose MLP is dense in a model with routed experts too (deepseek's first
     # `first_k_dense_replace` layers): every layer that is not an MoE layer.
     DENSE_MLP_LAYERS = "dense_mlp_layers"
+    # The layers with routed experts (`ModelConfig.is_moe_layer`): their shared expert's.
+    MOE_LAYERS = "moe_layers"
     # A block-typed hybrid's MLP blocks (nemotron_h's `-` layers: an MLP and nothing else).
     MLP_BLOCKS = "mlp_blocks"
     # The layers `ModuleSpec.on_layers` lists: a family read from a checkpoint's own tensor
@@ -167,7 +169,10 @@ class Family:
     # The block holding transformers 5's fused experts (`experts.gate_up_proj`, `.down_proj`)
     # and router (`gate`), as PEFT's target_parameters name them: `mlp` on most families.
     fused_experts_block: str = "mlp"
-    # The LoRA-able projections of a decoder layer, in slot order.
+    # The LoRA-able projections of a decoder layer, in slot order. A module whose path or
+    # widths differ by layer (the dense MLP's gate_proj and the MoE layers' shared expert's) is
+    # declared once per group of layers, the groups disjoint; it sits in the slot where its
+    # first entry does.
     modules: tuple[ModuleSpec, ...] = SEED_MODULES
     # transformers' config-class defaults for keys a config.json may leave out, where they are
     # not metrale's (`head_dim` from `hidden_size / heads`, 0 for the rest): a value, or the
@@ -177,11 +182,6 @@ class Family:
     # stacked, (E, out, in) experts): the experts' own layout, which it would misread; "" where
     # it reads it.
     experts_unreadable: str = ""
-
-    def module(self, name: str) -> ModuleSpec | None:
-        """This family's entry for the module PEFT calls `name`; None where its layers have
-        none."""
-        return next((m for m in self.modules if m.name == name), None)
 
 
 _Q_V = ("q_proj", "v_proj")
