@@ -169,8 +169,8 @@ _UNSERVABLE_IN_LAYER = (
      "a Mamba-2 input projection (nemotron_h): the pool serves no Mamba-2 module"),
     (re.compile(r"^(mlp|mixer|feed_forward)\.shared_experts?\.(gate_proj|up_proj|down_proj)$"),
      "a shared-expert projection: the shared expert is a dense MLP beside the routed ones, and "
-     "neither the slot pool (gate/up/down only on models without routed experts) nor the "
-     "expert pool (routed experts and the router) holds it"),
+     "neither this family's slot modules (qwen3_next's and qwen3_5_moe's layouts hold none) "
+     "nor the expert pool (routed experts and the router) hold it"),
     (re.compile(r"^mlp\.shared_expert_gate$"),
      "the shared-expert gate (a [1, hidden] sigmoid gate): neither the slot pool nor the "
      "expert pool (routed experts and the router) holds it"),
