@@ -13,7 +13,12 @@ from tests.support.cli_runner import metrale
 from tests.support.peft_factory import EXPERT_TARGET_PARAMETERS, TINY_MODELS, AdapterTruth
 
 pytestmark = pytest.mark.slow
-_LAYERED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+# A decoder layer's path: `model.layers.N`, a wrapper's `model.language_model.layers.N`, or
+# llama4's wrapper's `language_model.model.layers.N`.
+_LAYERED = re.compile(
+    r"^(?:model\.(?:language_model\.)?|language_model\.model\.)layers\.(\d+)\.(.+)$")
 
 
 def _pool_module(model: ModelConfig, path: str) -> tuple[int, LoraModule] | None:
@@ -88,7 +93,7 @@ def test_pool_targets_are_servable(peft_zoo, model: str) -> None:
 
 # PEFT's suffix match reaches each wrapper's vision tower too: (tower, its adapted modules).
 VISION_TOWERS = {"gemma3_vl": ("model.vision_tower", 3), "mistral3_vl": ("model.vision_tower", 7),
-                 "qwen2_5_vl": ("model.visual", 3)}
+                 "qwen2_5_vl": ("model.visual", 3), "llama4_vl": ("vision_model", 4)}
 
 
 @pytest.mark.parametrize("model", sorted(VISION_TOWERS))
@@ -109,6 +114,24 @@ def test_targets_reaching_the_vision_tower_are_named(peft_zoo, model: str) -> No
     code, report = inspect_json(truth)
     assert code == 0, report["findings"]
     assert_matches_peft(truth, report)
+
+
+def test_the_llama4_wrapper_audits_as_its_text_model(peft_zoo) -> None:
+    """Llama4ForConditionalGeneration's language model (`language_model.model.layers.N`):
+    every module, its rank, scaling and shapes, as on Llama4ForCausalLM (the dense layers' MLP
+    and the MoE layers' shared expert at their own widths)."""
+    lm_only = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    wrapped = peft_zoo.adapter("llama4_vl", r=4, lora_alpha=8, target_modules=lm_only)
+    assert all(p.startswith("language_model.model.layers.") for p in wrapped.modules)
+    text = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=list(_ATTN + _MLP))
+    reports = []
+    for truth in (wrapped, text):
+        code, report = inspect_json(truth)
+        assert code == 0, report["findings"]
+        assert_matches_peft(truth, report)
+        reports.append([{k: m[k] for k in ("layer", "module", "r", "alpha", "scaling",
+                                            "a_shape", "b_shape")} for m in report["modules"]])
+    assert reports[0] == reports[1] and len(reports[0]) == 28
 
 
 def test_gpt_oss_expert_lora_is_refused_by_name(peft_zoo) -> None:

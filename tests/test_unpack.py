@@ -58,6 +58,10 @@ CASES = {
                                 r"up_proj|down_proj)"}),
     "mistral3 vl": ("mistral3_vl", {"r": 4, "lora_alpha": 8, "target_modules":
                                     r".*language_model.*\.(q_proj|v_proj|down_proj)"}),
+    # llama4's wrapper keeps its text model at `language_model.model.layers.N`; the dense
+    # layers' MLP and the MoE layers' shared expert.
+    "llama4 vl": ("llama4_vl", {"r": 4, "lora_alpha": 8, "target_modules":
+                                r".*language_model.*\.(q_proj|o_proj|gate_proj|down_proj)"}),
 }
 
 

@@ -183,9 +183,10 @@ _UNSERVABLE_TOP = (
     (re.compile(r"^(score|classifier|classification_head|qa_outputs)(\..*)?$"),
      "a classifier head"),
 )
-# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`): PEFT's
-# suffix matching adapts its q_proj or gate_proj as readily as the language model's.
-_VISION_TOWER = re.compile(r"^(model\.(?:visual|vision_tower|vision_model))\.")
+# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`, llama4's
+# top-level `vision_model`): PEFT's suffix matching adapts its q_proj or gate_proj as readily
+# as the language model's.
+_VISION_TOWER = re.compile(r"^((?:model\.)?(?:visual|vision_tower|vision_model))\.")
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
@@ -524,8 +525,10 @@ def _missing_targets(
 ) -> None:
     """Pool modules the config selects on a layer where the file has no tensors for them."""
     present = {(m.layer, m.module) for m in modules}
-    vl = any(k.module_key.startswith("model.language_model.") for k in adapter.keys)
-    prefix = "model.language_model.layers" if vl else "model.layers"
+    # The decoder stack as the file names it (`model.layers`, a wrapper's
+    # `model.language_model.layers` or llama4's `language_model.model.layers`).
+    prefix = next((k.module_key.removesuffix(f".{k.layer}.{k.sub}") for k in adapter.keys
+                   if k.layer is not None), "model.layers")
     for module in family_modules(model):
         missing = [
             layer

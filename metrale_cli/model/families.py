@@ -192,6 +192,10 @@ class Family:
     # not metrale's (`head_dim` from `hidden_size / heads`, 0 for the rest): a value, or the
     # name of another key whose value it takes (deepseek's head_dim is its qk_rope_head_dim).
     config_defaults: tuple[tuple[str, int | str], ...] = ()
+    # Where this family's vision-language wrapper keeps its language model (its decoder layers
+    # are `<language_model>.layers.N`): `model.language_model` in transformers 5, llama4's
+    # `language_model.model`.
+    language_model: str = "model.language_model"
     # Why the expert pool cannot read this family's routed-expert LoRA (it reads gate and up
     # stacked, (E, out, in) experts): the experts' own layout, which it would misread; "" where
     # it reads it.
@@ -323,10 +327,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # gate_proj target reaches both) is the slot pool's too, their router is not served, and
     # their fused experts store (E, in, out) as gpt_oss's: refused. PEFT's default targets are
     # the wrapper's (q_proj, v_proj on every q_proj/v_proj, the vision tower's too); the text
-    # model has none. transformers' Llama4TextConfig defaults.
+    # model has none. The wrapper (Llama4ForConditionalGeneration) keeps its text model at
+    # `language_model.model` and its vision tower at `vision_model`. transformers'
+    # Llama4TextConfig defaults.
     Family("llama4", sparse_step=True, peft_rewrites_moe_targets=False, moe_block="feed_forward",
            modules=(*_LLAMA4, *_shared("feed_forward.shared_expert",
                                        "shared_expert_intermediate_size")),
+           language_model="language_model.model",
            experts_unreadable="store gate|up and down as (experts, in, out)", config_defaults=(
                ("hidden_size", 5120), ("num_hidden_layers", 48), ("num_attention_heads", 40),
                ("num_key_value_heads", 8), ("head_dim", 128), ("intermediate_size", 8192),

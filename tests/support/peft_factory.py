@@ -288,6 +288,15 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
     TinyModel("mistral3_vl", "Mistral3Config", "Mistral3ForConditionalGeneration",
               {**_DENSE, "head_dim": 24}, vision_kwargs={**_SIGLIP, "head_dim": 16},
               targets=_ATTN + _MLP),
+    # Llama 4's wrapper: transformers 5 keeps its text model at `language_model.model.layers.N`
+    # and its vision tower at `vision_model` (whose q/k/v/o the same suffixes reach).
+    TinyModel("llama4_vl", "Llama4Config", "Llama4ForConditionalGeneration",
+              {**_DENSE, "head_dim": 24, "intermediate_size": 40, "intermediate_size_mlp": 96,
+               "num_local_experts": 4, "interleave_moe_layer_step": 2,
+               "attention_chunk_size": 8},
+              vision_kwargs={**_SIGLIP, "vision_output_dim": 32, "projector_input_dim": 32,
+                             "projector_output_dim": 32, "pixel_shuffle_ratio": 0.5},
+              targets=_ATTN + _MLP),
     TinyModel("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", _DENSE,
               vision_kwargs=_QWEN_VISION, targets=_ATTN + _MLP),
     TinyModel("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
