@@ -132,25 +132,20 @@ VL_CASES: dict[str, dict[str, object]] = {
     "gemma3": {"vision_config": _SIGLIP, "text_config_type": "gemma3_text"},
 }
 # Linear layers of a decoder layer that no family module declares, by family: what the audit
-# names as not servable (Gated-DeltaNet input projections, the shared expert and its gate).
-# Anything else undeclared fails the test: a module the family row forgot.
+# names as not servable (Gated-DeltaNet input projections, the seed families' shared expert,
+# qwen2_moe's shared-expert gate, llama4's router). Anything else undeclared fails the test: a
+# module the family row forgot.
 _GDN_IN = {"linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"}
 _GDN35_IN = {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a",
              "linear_attn.in_proj_b"}
 _SHARED = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
            "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"}
-_SHARED_EXPERTS = {"mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
-                   "mlp.shared_experts.down_proj"}
-# nemotron_h's Mamba-2 projections (PEFT refuses its out_proj) and MoE blocks' shared experts.
-_NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj", "mixer.shared_experts.up_proj",
-                   "mixer.shared_experts.down_proj"}
-_LLAMA4_MOE = {"feed_forward.router", "feed_forward.shared_expert.gate_proj",
-               "feed_forward.shared_expert.up_proj", "feed_forward.shared_expert.down_proj"}
+# nemotron_h's Mamba-2 projections (PEFT refuses its out_proj).
+_NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj"}
+_LLAMA4_MOE = {"feed_forward.router"}
 UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "llama4": _LLAMA4_MOE, "phimoe": {"mlp.router"},
               "qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
-              "qwen3_5_moe": _GDN35_IN | _SHARED, "deepseek_v2": _SHARED_EXPERTS,
-              "deepseek_v3": _SHARED_EXPERTS, "qwen2_moe": _SHARED,
-              "glm4_moe": _SHARED_EXPERTS}
+              "qwen3_5_moe": _GDN35_IN | _SHARED, "qwen2_moe": {"mlp.shared_expert_gate"}}
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +190,7 @@ def _differences(model: ModelConfig, hf_model: object, undeclared: set[str]) -> 
     from metrale_cli.model.modules import family_modules
 
     modules = family_modules(model)
-    paths = {m.path_in(model) for m in modules}
+    paths = {spec.path for spec in model.family.modules}
     inner = hf_model.model  # type: ignore[attr-defined]
     layers = getattr(inner, "language_model", inner).layers
     assert len(layers) == model.num_hidden_layers
@@ -204,12 +199,16 @@ def _differences(model: ModelConfig, hf_model: object, undeclared: set[str]) -> 
         linears = {name: (m.out_features, m.in_features) for name, m in layer.named_modules()
                    if isinstance(m, nn.Linear)}
         for module in modules:
-            path, applies = module.path_in(model), module.applies_to_layer(model, i)
-            if applies != (path in linears):
-                out.append(f"layer {i} {path}: metrale says {'present' if applies else 'absent'}")
-            elif applies and module.dims(model) != linears[path]:
-                out.append(f"layer {i} {path}: metrale {module.dims(model)}, "
-                           f"transformers {linears[path]}")
+            # The module's entry on this layer, and its other entries' paths, absent here.
+            spec = module.spec(model, i)
+            if spec is not None and spec.path not in linears:
+                out.append(f"layer {i} {spec.path}: metrale says present")
+            elif spec is not None and module.dims(model, i) != linears[spec.path]:
+                out.append(f"layer {i} {spec.path}: metrale {module.dims(model, i)}, "
+                           f"transformers {linears[spec.path]}")
+            elsewhere = {s.path for s in model.family.modules if s.name == module.value}
+            elsewhere -= {spec.path} if spec is not None else set()
+            out += [f"layer {i} {p}: metrale says absent" for p in sorted(elsewhere & set(linears))]
         out += [f"layer {i} {p}: no family module" for p in set(linears) - paths - undeclared]
     return out
 
@@ -335,7 +334,9 @@ def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
     from metrale_cli.model.modules import ALL
 
     for family in FAMILIES.values():
-        names = [m.name for m in family.modules]
+        # A module declared again for other layers (a shared expert's gate_proj) sits where its
+        # first entry does.
+        names = list(dict.fromkeys(m.name for m in family.modules))
         assert names == [m.value for m in ALL if m.value in names], family.model_type
 
 
@@ -360,11 +361,14 @@ def test_vllm_refuses_nemotron_h_in_its_words(tmp_path: Path) -> None:
     assert len(done.stderr.strip().splitlines()) == 1
     plain = metrale("layout", "-m", tmp_path, "--modules", "all", "--max-rank", 16, "--json")
     assert plain.code == 0, plain.stderr
-    # Attention modules on the 5 attention blocks, up/down on the 17 MLP blocks, none elsewhere.
-    entries = {(e["layer"], e["module"]) for e in plain.json()["entries"]}
-    assert entries == {(i, m) for i in (7, 16, 25, 34, 39)
-                       for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
-        (i, m) for i, c in enumerate(_NEMOTRON_H_8B["hybrid_override_pattern"]) if c == "-"
+    # Attention modules on the 5 attention blocks, up/down on the 17 MLP blocks (21504 wide)
+    # and on the MoE block's shared experts (7688, transformers' default), none elsewhere.
+    entries = {(e["layer"], e["module"], e["out_dim"]) for e in plain.json()["entries"]}
+    attention = {"q_proj": 4096, "k_proj": 1024, "v_proj": 1024, "o_proj": 4096}
+    up = {"-": 21504, "E": 7688}
+    assert entries == {(i, m, w) for i in (7, 16, 25, 34, 39) for m, w in attention.items()} | {
+        (i, m, up[c] if m == "up_proj" else 4096)
+        for i, c in enumerate(_NEMOTRON_H_8B["hybrid_override_pattern"]) if c in up
         for m in ("up_proj", "down_proj")}
 
 

@@ -61,7 +61,7 @@ DIMS = {
 def test_module_dims(preset: str) -> None:
     cfg = ModelConfig.preset(preset)
     for name, dims in DIMS[preset].items():
-        assert LoraModule(name).dims(cfg) == dims, name
+        assert LoraModule(name).shapes(cfg) == (dims,), name
 
 
 def test_hybrid_layer_types_and_applicability() -> None:

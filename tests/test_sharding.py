@@ -73,15 +73,30 @@ def test_column_row_and_fully_sharded_slices() -> None:
     value = NEXT.linear_value_width
     q, o, out = (2 * attn, h), (h, attn), (h, value)
     # Gated q_proj: 2 * 16 * 256 rows, a quarter each: 4 whole heads with their gates.
-    assert module_slice(NEXT, LoraModule.Q_PROJ, spec, 16) == Slice(q, ((2048, 4096),), (0, h))
-    assert module_slice(NEXT, LoraModule.O_PROJ, spec, 16) == Slice(o, ((0, h),), (1024, 2048))
-    assert module_slice(NEXT, LoraModule.OUT_PROJ, spec, 16) == Slice(
+    assert module_slice(NEXT, LoraModule.Q_PROJ, 3, spec, 16) == Slice(q, ((2048, 4096),), (0, h))
+    assert module_slice(NEXT, LoraModule.O_PROJ, 3, spec, 16) == Slice(o, ((0, h),), (1024, 2048))
+    assert module_slice(NEXT, LoraModule.OUT_PROJ, 0, spec, 16) == Slice(
         out, ((0, h),), (value // 4, value // 2))
     fully = ShardSpec(4, 3, fully_sharded=True)
-    assert module_slice(NEXT, LoraModule.Q_PROJ, fully, 16) == Slice(
+    assert module_slice(NEXT, LoraModule.Q_PROJ, 3, fully, 16) == Slice(
         q, ((3 * 2 * attn // 4, 2 * attn),), (0, h), (12, 16))
-    assert module_slice(NEXT, LoraModule.O_PROJ, fully, 16) == Slice(
+    assert module_slice(NEXT, LoraModule.O_PROJ, 3, fully, 16) == Slice(
         o, ((3 * h // 4, h),), (3 * attn // 4, attn))
+
+
+def test_a_module_is_sliced_at_each_layer_s_own_width() -> None:
+    """DeepSeek-V2-Lite: gate_proj is the dense MLP's (10944 rows) on layer 0 and the two
+    shared experts' (2 * 1408) on the MoE layers; each splits its own rows (down_proj its own
+    columns) over the ranks."""
+    lite = ModelConfig.preset("deepseek-v2-lite")
+    layout = SlotLayout.build(lite, [LoraModule.GATE_PROJ, LoraModule.DOWN_PROJ], 16)
+    rank = RankLayout.of(layout, ShardSpec(2, 1))
+    got = {(e.layer, e.module.value): (e.slice.rows, e.slice.cols) for e in rank.entries
+           if e.layer < 2}
+    assert got == {(0, "gate_proj"): (((5472, 10944),), (0, 2048)),
+                   (0, "down_proj"): (((0, 2048),), (5472, 10944)),
+                   (1, "gate_proj"): (((1408, 2816),), (0, 2048)),
+                   (1, "down_proj"): (((0, 2048),), (1408, 2816))}
 
 
 @pytest.mark.parametrize(("tp", "heads"), [(2, [0, 1]), (4, [0, 0, 1, 1]),
@@ -90,17 +105,17 @@ def test_fewer_kv_heads_than_ranks(tp: int, heads: list[int]) -> None:
     """Qwen3-Next has 2 KV heads of 256: rank k holds head k // (tp / 2)."""
     for k, head in enumerate(heads):
         for module in (LoraModule.K_PROJ, LoraModule.V_PROJ):
-            s = module_slice(NEXT, module, ShardSpec(tp, k), 16)
+            s = module_slice(NEXT, module, 3, ShardSpec(tp, k), 16)
             assert s.rows == ((head * 256, (head + 1) * 256),)
 
 
 def test_counts_that_do_not_split_are_refused() -> None:
     cfg = dataclasses.replace(NEXT, num_key_value_heads=3)
     with pytest.raises(UsageError, match="3 KV heads neither split over --tp 4"):
-        module_slice(cfg, LoraModule.K_PROJ, ShardSpec(4, 0), 16)
+        module_slice(cfg, LoraModule.K_PROJ, 3, ShardSpec(4, 0), 16)
     with pytest.raises(UsageError, match=r"q_proj heads \(each with its gate\) \(16\) does not "
                                          "split over --tp 32"):
-        module_slice(NEXT, LoraModule.Q_PROJ, ShardSpec(32, 0), 16)
+        module_slice(NEXT, LoraModule.Q_PROJ, 3, ShardSpec(32, 0), 16)
     with pytest.raises(UsageError, match="max rank .12. does not split over --tp 8"):
         RankLayout.of(next_layout(12), ShardSpec(8, 0, fully_sharded=True)).entries  # noqa: B018
     with pytest.raises(UsageError, match="--ep with --fully-sharded is refused"):
@@ -223,12 +238,12 @@ def test_fused_rows_are_each_slice_s_torch_chunk(model: ModelConfig, modules: li
     there are fewer KV heads than ranks); over the ranks every row is held, each as often as
     its slice is replicated; A is whole on every rank."""
     kv = model.num_key_value_heads
-    for module in (m for m in modules if m.declared(model).fused):
-        out_dim, in_dim = module.dims(model)
-        widths = module.slices(model)
+    for module in (m for m in modules if m.declared(model, 0).fused):
+        out_dim, in_dim = module.dims(model, 0)
+        widths = module.slices(model, 0)
         held = torch.zeros(out_dim, dtype=torch.int64)
         for k in range(tp):
-            s = module_slice(model, module, ShardSpec(tp, k), 16)
+            s = module_slice(model, module, 0, ShardSpec(tp, k), 16)
             assert s.full == (out_dim, in_dim) and s.cols == (0, in_dim) and s.ranks is None
             rows = torch.cat([torch.arange(lo, hi) for lo, hi in s.rows])
             want = []
@@ -265,7 +280,7 @@ def test_fused_slices_record_their_runs_and_tp_1_is_whole() -> None:
     layout = SlotLayout.build(PHI4, PHI_MODULES, 16)
     for fully in (False, True):
         assert RankLayout.of(layout, ShardSpec(1, 0, 1, fully)).fingerprint == layout.fingerprint
-    assert module_slice(PHI4, LoraModule.QKV_PROJ, ShardSpec(1), 16).rows == ((0, q + 2 * kv),)
+    assert module_slice(PHI4, LoraModule.QKV_PROJ, 0, ShardSpec(1), 16).rows == ((0, q + 2 * kv),)
     # docs/tensor-parallel.md's example and figures are these.
     text = " ".join((Path(__file__).parents[1] / "docs" / "tensor-parallel.md").read_text().split())
     assert f'"rows": {json.dumps(record["qkv_proj"]["rows"])}' in text
@@ -306,7 +321,7 @@ def test_fused_slice_refuses_kv_heads_that_neither_split_nor_divide() -> None:
     with pytest.raises(UsageError, match="qkv_proj slice 1: 8 KV heads neither split over "
                                          "--tp 12 nor divide it"):
         module_slice(dataclasses.replace(PHI4, num_attention_heads=48), LoraModule.QKV_PROJ,
-                     ShardSpec(12, 0), 16)
+                     0, ShardSpec(12, 0), 16)
 
 
 # -- `metrale layout --tp` ------------------------------------------------------------------------

@@ -193,9 +193,10 @@ def test_an_unknown_family_takes_its_modules_from_the_weights(
 
 def test_a_module_is_on_the_layers_whose_weights_carry_it(saved: dict[str, Path],
                                                           tmp_path: Path) -> None:
-    """Layer 1 without down_proj, layer 0 with an up_proj of another shape: down_proj is on
-    layer 0 only, and an adapter on it at layer 1 is refused saying why; up_proj, whose shape
-    differs by layer, is no module (one shape per module is what a slot holds)."""
+    """Layer 1 without down_proj, layer 0 with an up_proj of another shape, layer 1's gate_proj
+    at another path: down_proj is on layer 0 only, and an adapter on it at layer 1 is refused
+    saying why; up_proj and gate_proj are served per group of layers, each at its own shape and
+    path; o_proj, at two paths of layer 0, is no module (PEFT adapts both, a slot holds one)."""
     from tests.support.peft_factory import read_safetensors_header
 
     folder = _copy(saved["renamed"], tmp_path / "acme")
@@ -203,11 +204,26 @@ def test_a_module_is_on_the_layers_whose_weights_carry_it(saved: dict[str, Path]
     (folder / "model.safetensors").unlink()
     del header["model.layers.1.mlp.down_proj.weight"]
     header["model.layers.0.mlp.up_proj.weight"] = ("F32", (50, 64))
+    header["model.layers.1.mlp.shared_expert.gate_proj.weight"] = header.pop(
+        "model.layers.1.mlp.gate_proj.weight")
+    header["model.layers.0.mlp.extra.o_proj.weight"] = ("F32", (64, 64))
     write_header_only(folder / "model.safetensors",
                       [(name, dtype, list(shape)) for name, (dtype, shape) in header.items()])
-    family = _layout(folder)["model"]["weights_family"]
-    modules = {m["name"]: m["layers"] for m in family["modules"]}
-    assert (modules["down_proj"], "up_proj" in modules) == ([0], False)
+    doc = _layout(folder)
+    modules = [(m["name"], m["path"], m["out"], m["layers"])
+               for m in doc["model"]["weights_family"]["modules"]]
+    assert [m for m in modules if m[0] in ("gate_proj", "up_proj", "down_proj", "o_proj")] == [
+        ("gate_proj", "mlp.gate_proj", ["intermediate_size"], [0]),
+        ("gate_proj", "mlp.shared_expert.gate_proj", ["intermediate_size"], [1]),
+        ("up_proj", "mlp.up_proj", [50], [0]),
+        ("up_proj", "mlp.up_proj", ["intermediate_size"], [1]),
+        ("down_proj", "mlp.down_proj", ["hidden_size"], [0])]
+    assert [(e["layer"], e["out_dim"]) for e in doc["entries"] if e["module"] == "up_proj"] == [
+        (0, 50), (1, 96)]
+    # The slot's layer-1 gate_proj is the shared expert's: synth writes it there.
+    gated = tmp_path / "gated"
+    assert metrale("synth", gated, "-m", folder, "--modules", "gate_proj", "-r", 8).code == 0
+    assert metrale("inspect", gated, "-m", folder).code == 0
     adapter = tmp_path / "adapter"
     assert metrale("synth", adapter, "-m", saved["renamed"], "--modules", "down_proj",
                    "-r", 8).code == 0
@@ -244,6 +260,14 @@ def test_a_family_from_weights_round_trips_through_an_image_s_record(
     bad["weights_family"]["modules"][0]["out"] = [0]
     with pytest.raises(ValueError, match="not a module of known widths"):
         ModelConfig.from_summary(bad)
+    # A module may be declared again on other layers, never twice on one.
+    again = cfg.summary()
+    modules = again["weights_family"]["modules"]
+    modules.append({**modules[0], "path": "elsewhere.q_proj", "layers": [7]})
+    assert ModelConfig.from_summary(again).family.modules[-1].on_layers == (7,)
+    modules[-1]["layers"] = [1]
+    with pytest.raises(ValueError, match="'q_proj' is declared twice on one layer"):
+        ModelConfig.from_summary(again)
 
 
 @pytest.mark.slow

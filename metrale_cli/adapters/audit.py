@@ -169,8 +169,8 @@ _UNSERVABLE_IN_LAYER = (
      "a Mamba-2 input projection (nemotron_h): the pool serves no Mamba-2 module"),
     (re.compile(r"^(mlp|mixer|feed_forward)\.shared_experts?\.(gate_proj|up_proj|down_proj)$"),
      "a shared-expert projection: the shared expert is a dense MLP beside the routed ones, and "
-     "neither the slot pool (gate/up/down only on models without routed experts) nor the "
-     "expert pool (routed experts and the router) holds it"),
+     "neither this family's slot modules (qwen3_next's and qwen3_5_moe's layouts hold none) "
+     "nor the expert pool (routed experts and the router) hold it"),
     (re.compile(r"^mlp\.shared_expert_gate$"),
      "the shared-expert gate (a [1, hidden] sigmoid gate): neither the slot pool nor the "
      "expert pool (routed experts and the router) holds it"),
@@ -183,9 +183,10 @@ _UNSERVABLE_TOP = (
     (re.compile(r"^(score|classifier|classification_head|qa_outputs)(\..*)?$"),
      "a classifier head"),
 )
-# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`): PEFT's
-# suffix matching adapts its q_proj or gate_proj as readily as the language model's.
-_VISION_TOWER = re.compile(r"^(model\.(?:visual|vision_tower|vision_model))\.")
+# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`, llama4's
+# top-level `vision_model`): PEFT's suffix matching adapts its q_proj or gate_proj as readily
+# as the language model's.
+_VISION_TOWER = re.compile(r"^((?:model\.)?(?:visual|vision_tower|vision_model))\.")
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
@@ -390,30 +391,29 @@ def _audit_module(
     if experts.is_expert_key(sub):
         # Expert keys with parts other than A/B (DoRA, biases): reported above, not served.
         return None
-    for rx, why in _UNSERVABLE_IN_LAYER:
-        if rx.match(sub):
-            out.at(Severity.ERROR, Code.UNSERVABLE_MODULE, f"{sub}{{where}}: {why}", layer)
-            return None
-    module = next((m for m in family_modules(model) if m.path_in(model) == sub), None)
-    if module is None:
-        out.at(Severity.ERROR, Code.UNSERVABLE_MODULE,
-               f"{sub}{{where}}: not one of the pool's modules", layer)
+    # The family's entries at this path (a module may sit elsewhere on other layers).
+    at_path = [spec for spec in model.family.modules if spec.path == sub]
+    if not at_path:
+        why = next((why for rx, why in _UNSERVABLE_IN_LAYER if rx.match(sub)),
+                   "not one of the pool's modules")
+        out.at(Severity.ERROR, Code.UNSERVABLE_MODULE, f"{sub}{{where}}: {why}", layer)
         return None
+    module = LoraModule(at_path[0].name)
     if layer >= model.num_hidden_layers:
         out.at(Severity.ERROR, Code.LAYER_OUT_OF_RANGE,
                f"{module.peft_name}{{where}}: past the model's {model.num_hidden_layers} layers",
                layer)
         return None
-    if not module.applies_to_layer(model, layer):
-        spec = module.spec(model)
+    if module.spec(model, layer) not in at_path:
         why = ("the base model's weights carry no such module on this layer"
-               if spec is not None and spec.layers is Layers.LISTED
+               if at_path[0].layers is Layers.LISTED
                else f"the module does not apply on {_layer_kind(model, layer)}")
         out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE, f"{module.peft_name}{{where}}: {why}",
                layer)
         return None
 
-    pair = check_pair(adapter, a_key, b_key, module.peft_name, layer, out, module.dims(model))
+    pair = check_pair(adapter, a_key, b_key, module.peft_name, layer, out,
+                      module.dims(model, layer))
     if pair is None:
         return None
     a, b = pair
@@ -525,15 +525,17 @@ def _missing_targets(
 ) -> None:
     """Pool modules the config selects on a layer where the file has no tensors for them."""
     present = {(m.layer, m.module) for m in modules}
-    vl = any(k.module_key.startswith("model.language_model.") for k in adapter.keys)
-    prefix = "model.language_model.layers" if vl else "model.layers"
+    # The decoder stack as the file names it (`model.layers`, a wrapper's
+    # `model.language_model.layers` or llama4's `language_model.model.layers`).
+    prefix = next((k.module_key.removesuffix(f".{k.layer}.{k.sub}") for k in adapter.keys
+                   if k.layer is not None), "model.layers")
     for module in family_modules(model):
         missing = [
             layer
             for layer in range(model.num_hidden_layers)
             if module.applies_to_layer(model, layer)
             and (layer, module) not in present
-            and adapter.config.is_targeted(f"{prefix}.{layer}.{module.path_in(model)}")
+            and adapter.config.is_targeted(f"{prefix}.{layer}.{module.path_in(model, layer)}")
         ]
         for layer in missing:
             out.at(Severity.WARNING, Code.TARGETED_MISSING,

@@ -79,10 +79,10 @@ def synth_adapter(
         for module in in_slot_order(model, modules):
             if not module.applies_to_layer(model, layer):
                 continue
-            out_dim, in_dim = module.dims(model)
+            out_dim, in_dim = module.dims(model, layer)
             written.add(module)
             narrowest = min(narrowest, out_dim, in_dim)
-            key = f"base_model.model.model.layers.{layer}.{module.path_in(model)}"
+            key = f"base_model.model.model.layers.{layer}.{module.path_in(model, layer)}"
             plan.append((f"{key}.lora_A.weight", rank, in_dim, 1 / math.sqrt(in_dim)))
             plan.append((f"{key}.lora_B.weight", out_dim, rank, 1 / math.sqrt(rank)))
     h, i, n_exp = model.hidden_size, model.expert_intermediate_size, model.num_experts

@@ -367,10 +367,10 @@ def _copy_us(cupy: Any, nbytes: int, groups: int, repeats: int) -> float:
 
 
 def module_shapes(model: ModelConfig, modules: Sequence[LoraModule]) -> list[tuple[str, int, int]]:
-    """`(module_name, out_dim, in_dim)` of each module that applies on some layer of `model`:
-    the shapes `run` times, at the model's real size."""
-    return [(m.peft_name, *m.dims(model)) for m in modules
-            if any(m.applies_to_layer(model, i) for i in range(model.num_hidden_layers))]
+    """`(module_name, out_dim, in_dim)` of each shape a module has on `model`'s layers (a
+    module whose widths differ by layer, one per width): the shapes `run` times, at the model's
+    real size."""
+    return [(m.peft_name, *shape) for m in modules for shape in m.shapes(model)]
 
 
 def run(

@@ -68,9 +68,10 @@ def pick_slot(t: ImageTables, slot: int | None, name: str | None) -> int:
 
 
 def _module_prefix(t: ImageTables) -> str:
-    """Where PEFT puts the decoder layers: `model.language_model.layers` on a vision-language
-    checkpoint, else `model.layers`."""
-    return "model.language_model" if t.model.composite else "model"
+    """Where PEFT puts the decoder layers: on a vision-language checkpoint its family's language
+    model (`model.language_model.layers`, llama4's `language_model.model.layers`), else
+    `model.layers`."""
+    return t.model.family.language_model if t.model.composite else "model"
 
 
 def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, list[int], bytes]],
@@ -87,7 +88,7 @@ def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, lis
             a_off, b_off = int(t.a_offsets[i, slot]), int(t.b_offsets[i, slot])
             if a_off < 0:
                 continue
-            path = f"{prefix}.layers.{e.layer}.{e.module.path_in(t.model)}"
+            path = f"{prefix}.layers.{e.layer}.{e.module.path_in(t.model, e.layer)}"
             targets.append(path)
             # A [max_rank, in] keeps its first `rank` rows; B [out, max_rank] its first columns.
             a = np.frombuffer(os.pread(fd, e.a_bytes, pool.begin + a_off), dtype="<u2")

@@ -151,7 +151,7 @@ def _slice_rows(model: ModelConfig, what: str, width: str | int, rows: int, n: i
     return _part(rows, n, k)
 
 
-def _column_rows(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: int,
+def _column_rows(model: ModelConfig, module: LoraModule, layer: int, spec: ModuleSpec, n: int,
                  k: int) -> RowRuns:
     """B's output rows rank k of n holds: each slice of a fused projection split on its own
     (q, k, v by heads; gate, up by rows), as vLLM's QKVParallelLinearWithLoRA and
@@ -159,7 +159,7 @@ def _column_rows(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: in
     one PEFT pair's B; runs that meet are one."""
     runs: list[tuple[int, int]] = []
     offset = 0
-    for i, (width, rows) in enumerate(zip(spec.out, module.slices(model), strict=True)):
+    for i, (width, rows) in enumerate(zip(spec.out, module.slices(model, layer), strict=True)):
         what = module.value if not spec.fused else f"{module.value} slice {i}"
         lo, hi = _slice_rows(model, what, width, rows, n, k)
         if runs and runs[-1][1] == offset + lo:
@@ -170,9 +170,9 @@ def _column_rows(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: in
     return tuple(runs)
 
 
-def _row_cols(model: ModelConfig, module: LoraModule, spec: ModuleSpec, n: int,
+def _row_cols(model: ModelConfig, module: LoraModule, layer: int, spec: ModuleSpec, n: int,
               k: int) -> tuple[int, int]:
-    in_dim = module.dims(model)[1]
+    in_dim = module.dims(model, layer)[1]
     if spec.in_ == "attn_width":
         _need(model.num_attention_heads, n, "o_proj input heads", "--tp")
     elif spec.in_ == "linear_value_width":
@@ -189,23 +189,23 @@ def _rank_rows(max_rank: int, spec: ShardSpec) -> tuple[int, int] | None:
     return _part(max_rank, spec.tp_size, spec.tp_rank)
 
 
-def module_slice(model: ModelConfig, module: LoraModule, spec: ShardSpec,
+def module_slice(model: ModelConfig, module: LoraModule, layer: int, spec: ShardSpec,
                  max_rank: int) -> Slice:
-    """The slice of `module`'s pair that rank `spec.tp_rank` holds."""
+    """The slice of `module`'s pair on `layer` that rank `spec.tp_rank` holds."""
     n, k = spec.tp_size, spec.tp_rank
-    out_dim, in_dim = module.dims(model)
+    out_dim, in_dim = module.dims(model, layer)
     full = (out_dim, in_dim)
-    declared = module.declared(model)
+    declared = module.declared(model, layer)
     if declared.split is Split.REPLICATED:
         return Slice.whole(out_dim, in_dim)
     if declared.split is Split.COLUMN:
-        return Slice(full, _column_rows(model, module, declared, n, k), (0, in_dim),
+        return Slice(full, _column_rows(model, module, layer, declared, n, k), (0, in_dim),
                      _rank_rows(max_rank, spec))
     rows = (0, out_dim)
     if spec.fully_sharded:
         _need(out_dim, n, f"--fully-sharded: {module.value} output rows", "--tp")
         rows = _part(out_dim, n, k)
-    return Slice(full, (rows,), _row_cols(model, module, declared, n, k))
+    return Slice(full, (rows,), _row_cols(model, module, layer, declared, n, k))
 
 
 def expert_slice(model: ModelConfig, proj: ExpertProj, spec: ShardSpec, max_rank: int) -> Slice:
@@ -354,11 +354,15 @@ class RankLayout(SlotLayout):
     def entries(self) -> tuple[ShardEntry, ...]:  # type: ignore[override]
         entries = []
         offset = 0
-        # In layout order, so the first count that does not split is the one named.
-        slices = {m: module_slice(self.model, m, self.shard, self.max_rank)
-                  for m in dict.fromkeys(m for _, m in self.applied())}
+        # In layout order, so the first count that does not split is the one named; once per
+        # family entry (a module whose widths differ by layer has one per group of layers).
+        slices = {}
         for layer, module in self.applied():
-            s = slices[module]
+            declared = module.declared(self.model, layer)
+            if declared not in slices:
+                slices[declared] = module_slice(self.model, module, layer, self.shard,
+                                                self.max_rank)
+            s = slices[declared]
             out_dim, in_dim = s.out_rows, s.cols[1] - s.cols[0]
             a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
                                                     self.align, s.a_rows(self.max_rank))

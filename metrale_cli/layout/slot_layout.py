@@ -203,7 +203,7 @@ class SlotLayout:
         entries = []
         offset = 0
         for layer, module in self.applied():
-            out_dim, in_dim = module.dims(self.model)
+            out_dim, in_dim = module.dims(self.model, layer)
             a_offset, b_offset, offset = place_pair(offset, out_dim, in_dim, self.max_rank,
                                                     self.align)
             entries.append(LayoutEntry(layer, module, out_dim=out_dim, in_dim=in_dim,

@@ -20,7 +20,7 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4
 # ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers,
 # llama4's dense-MLP width).
 _WHEN_SET = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-             "v_head_dim", "first_k_dense_replace", "intermediate_size_mlp")
+             "v_head_dim", "first_k_dense_replace", "intermediate_size_mlp", "n_shared_experts")
 # Upper bounds on a config's counts and widths, far above any real model (the largest have
 # ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
 # pool stays quick: a config past them is malformed, not a bigger model.
@@ -77,6 +77,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # deepseek's and glm4_moe's shared experts: this many of `moe_intermediate_size`, one MLP
+    # of their summed width (`shared_experts_width`) on each MoE layer.
+    n_shared_experts: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -168,6 +171,12 @@ class ModelConfig:
     def linear_value_width(self) -> int:
         """Gated-DeltaNet value width `Nv * dv`: the input width of `linear_attn.out_proj`."""
         return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def shared_experts_width(self) -> int:
+        """The width of deepseek's and glm4_moe's shared-experts MLP: `n_shared_experts` experts
+        of `moe_intermediate_size` side by side, as transformers builds it."""
+        return self.n_shared_experts * self.moe_intermediate_size
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -368,6 +377,7 @@ class ModelConfig:
             num_experts_per_tok=opt("num_experts_per_tok"),
             moe_intermediate_size=opt("moe_intermediate_size"),
             shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
+            n_shared_experts=opt("n_shared_experts") if num_experts else 0,
             linear_num_key_heads=opt("linear_num_key_heads"),
             linear_num_value_heads=opt("linear_num_value_heads"),
             linear_key_head_dim=opt("linear_key_head_dim"),
@@ -442,8 +452,8 @@ def _family_from_record(model_type: str, record: Any) -> Family:
         widths = [*m["out"], m["in"]]
         known_widths = all((isinstance(w, int) and not isinstance(w, bool) and 0 < w <= MAX_WIDTH)
                            or (isinstance(w, str) and w in _WIDTH_NAMES) for w in widths)
-        if (m["name"] not in names or any(m["name"] == k.name for k in modules)
-                or not isinstance(m["path"], str) or not m["out"] or not known_widths):
+        if (m["name"] not in names or not isinstance(m["path"], str) or not m["out"]
+                or not known_widths):
             raise ValueError(f"weights_family module {shown(m['name'])} is not a module of "
                              "known widths")
         layers = m["layers"]
@@ -452,6 +462,9 @@ def _family_from_record(model_type: str, record: Any) -> Family:
                 for i in layers):
             raise ValueError(f"weights_family module {m['name']!r}: layers is not a list of "
                              "layer numbers")
+        if any(k.name == m["name"] and set(k.on_layers) & set(layers) for k in modules):
+            raise ValueError(f"weights_family module {m['name']!r} is declared twice on one "
+                             "layer")
         modules.append(ModuleSpec(m["name"], m["path"], tuple(m["out"]), m["in"], Layers.LISTED,
                                   Split(m["split"]), on_layers=tuple(layers)))
     return Family(model_type, modules=tuple(modules))

@@ -46,60 +46,61 @@ class LoraModule(str, Enum):
     @property
     def peft_path(self) -> str:
         """The module's usual path inside a decoder layer (`self_attn.q_proj`,
-        `linear_attn.out_proj`); `spec(cfg).path` is a family's own."""
+        `linear_attn.out_proj`); `path_in(cfg, layer)` is a family's own."""
         return _VOCABULARY[self.value].path
 
-    def path_in(self, cfg: ModelConfig) -> str:
-        """The module's path inside one of `cfg`'s decoder layers, as its family declares it."""
-        return self.declared(cfg).path
+    def path_in(self, cfg: ModelConfig, layer: int) -> str:
+        """The module's path inside `cfg`'s decoder layer `layer`, as its family declares it."""
+        return self.declared(cfg, layer).path
 
-    def spec(self, cfg: ModelConfig) -> ModuleSpec | None:
-        """The family's entry for this module; None where its layers have none."""
-        return cfg.family.module(self.value)
+    def spec(self, cfg: ModelConfig, layer: int) -> ModuleSpec | None:
+        """The family's entry for this module on `layer`: attention modules on attention
+        layers (full, sliding-window or chunked), the dense MLP's on every layer of a model with
+        no routed experts (deepseek's and llama4's: on its dense layers), a shared expert's on
+        the MoE layers, out_proj on linear-attention layers, nemotron_h's up/down on its MLP
+        blocks, a family read from weights' modules on the layers whose weights carry them;
+        None where the family has no such module there, or the config lacks what it needs
+        (MLA's q_a_proj without a q_lora_rank). A family declares a module once per group of
+        layers whose path or widths differ; ValueError where two of its entries claim `layer`
+        (a family row's mistake: tests/test_families.py asks every layer of every family)."""
+        name = self.value
+        found = [spec for spec in cfg.family.modules
+                 if spec.name == name and _on_layer(cfg, spec, layer)]
+        if len(found) > 1:
+            raise ValueError(f"{cfg.model_type} declares {self.value} {len(found)} times on "
+                             f"layer {layer}")
+        return found[0] if found else None
 
     def applies_to_layer(self, cfg: ModelConfig, layer: int) -> bool:
-        """Whether `layer` carries this module, as the family declares it: attention modules
-        on attention layers (full, sliding-window or chunked), the dense MLP's on every layer of
-        a model with no routed experts (deepseek's and llama4's: on its dense layers), out_proj
-        on linear-attention layers, nemotron_h's up/down on its MLP blocks, a family read from
-        weights' modules on the layers whose weights carry them; never where the family has no
-        such module, or the config lacks what it needs (MLA's q_a_proj without a q_lora_rank).
-        Layout, packing and landing all filter by it, so the reserved and the written offsets
-        agree."""
-        spec = self.spec(cfg)
-        if spec is None or (spec.needs and not getattr(cfg, spec.needs)) or (
-                spec.unless and getattr(cfg, spec.unless)):
-            return False
-        if spec.layers is Layers.LISTED:
-            return layer in spec.on_layers
-        kind = cfg.layer_type(layer)
-        if spec.layers is Layers.DENSE_MLP:
-            return cfg.num_experts == 0
-        if spec.layers is Layers.DENSE_MLP_LAYERS:
-            return not cfg.is_moe_layer(layer)
-        if spec.layers is Layers.LINEAR_ATTENTION:
-            return kind is LayerType.LINEAR_ATTENTION
-        if spec.layers is Layers.MLP_BLOCKS:
-            return kind is LayerType.MLP
-        return kind in ATTENTION_KINDS
+        """Whether `layer` carries this module, as the family declares it (`spec`). Layout,
+        packing and landing all filter by it, so the reserved and the written offsets agree."""
+        return self.spec(cfg, layer) is not None
 
-    def dims(self, cfg: ModelConfig) -> tuple[int, int]:
-        """`(out_dim, in_dim)` of the base projection: A is `[r, in_dim]`, B is `[out_dim, r]`.
-        On a gated-attention model q_proj's output includes the gate, so it is twice
-        `num_attention_heads * head_dim`; a fused projection's output is its slices' sum."""
-        return sum(self.slices(cfg)), _width(cfg, self.declared(cfg).in_)
+    def dims(self, cfg: ModelConfig, layer: int) -> tuple[int, int]:
+        """`(out_dim, in_dim)` of the base projection on `layer`: A is `[r, in_dim]`, B is
+        `[out_dim, r]`. On a gated-attention model q_proj's output includes the gate, so it is
+        twice `num_attention_heads * head_dim`; a fused projection's output is its slices'
+        sum."""
+        spec = self.declared(cfg, layer)
+        return sum(_width(cfg, w) for w in spec.out), _width(cfg, spec.in_)
 
-    def slices(self, cfg: ModelConfig) -> tuple[int, ...]:
-        """The output widths of the projection's slices, in the weight's order (one for an
-        unfused projection)."""
-        return tuple(_width(cfg, w) for w in self.declared(cfg).out)
+    def slices(self, cfg: ModelConfig, layer: int) -> tuple[int, ...]:
+        """The output widths of the projection's slices on `layer`, in the weight's order (one
+        for an unfused projection)."""
+        return tuple(_width(cfg, w) for w in self.declared(cfg, layer).out)
 
-    def declared(self, cfg: ModelConfig) -> ModuleSpec:
-        """The family's entry for this module; ValueError where its layers have none."""
-        spec = self.spec(cfg)
+    def declared(self, cfg: ModelConfig, layer: int) -> ModuleSpec:
+        """The family's entry for this module on `layer`; ValueError where it has none."""
+        spec = self.spec(cfg, layer)
         if spec is None:
-            raise ValueError(f"{cfg.model_type} layers have no {self.value}")
+            raise ValueError(f"{cfg.model_type} layer {layer} has no {self.value}")
         return spec
+
+    def shapes(self, cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+        """Every `(out_dim, in_dim)` the module has on `cfg`'s layers, in layer order, once
+        each."""
+        return tuple(dict.fromkeys(self.dims(cfg, layer) for layer in range(cfg.num_hidden_layers)
+                                   if self.applies_to_layer(cfg, layer)))
 
     @classmethod
     def parse_list(cls, text: str) -> list[LoraModule]:
@@ -130,6 +131,26 @@ class LoraModule(str, Enum):
         return modules
 
 
+def _on_layer(cfg: ModelConfig, spec: ModuleSpec, layer: int) -> bool:
+    """Whether `spec`'s layers (its `Layers` kind, its config condition) include `layer`."""
+    if (spec.needs and not getattr(cfg, spec.needs)) or (spec.unless and getattr(cfg, spec.unless)):
+        return False
+    if spec.layers is Layers.LISTED:
+        return layer in spec.on_layers
+    kind = cfg.layer_type(layer)
+    if spec.layers is Layers.DENSE_MLP:
+        return cfg.num_experts == 0
+    if spec.layers is Layers.DENSE_MLP_LAYERS:
+        return not cfg.is_moe_layer(layer)
+    if spec.layers is Layers.MOE_LAYERS:
+        return cfg.is_moe_layer(layer)
+    if spec.layers is Layers.LINEAR_ATTENTION:
+        return kind is LayerType.LINEAR_ATTENTION
+    if spec.layers is Layers.MLP_BLOCKS:
+        return kind is LayerType.MLP
+    return kind in ATTENTION_KINDS
+
+
 def _width(cfg: ModelConfig, width: str | int) -> int:
     """A width a family names (a `ModelConfig` field or property), or gives in elements."""
     return width if isinstance(width, int) else getattr(cfg, width)
@@ -140,8 +161,9 @@ ALL: tuple[LoraModule, ...] = tuple(LoraModule)
 
 
 def family_modules(cfg: ModelConfig) -> tuple[LoraModule, ...]:
-    """The modules `cfg`'s family declares, in its slot order."""
-    return tuple(LoraModule(spec.name) for spec in cfg.family.modules)
+    """The modules `cfg`'s family declares, in its slot order (a module declared for several
+    groups of layers sits where its first entry does)."""
+    return tuple(dict.fromkeys(LoraModule(spec.name) for spec in cfg.family.modules))
 
 
 def in_slot_order(cfg: ModelConfig, modules: Iterable[LoraModule]) -> tuple[LoraModule, ...]:

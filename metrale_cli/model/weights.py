@@ -7,10 +7,11 @@ last part of its path. A checked config must put every module its family declare
 layer the family says, at the config's `(out, in)`, and every routed expert stored one by one at
 the config's expert width; a weight stored quantized (an integer dtype, or `qweight` and no
 `weight`) holds a packed shape, so only its presence is checked. A family read from weights
-takes each module metrale pools (the `--modules` vocabulary) that sits at one
-path with one shape on every layer that carries it (routed experts, in a numbered list inside
-the layer, are not among them); a name outside the vocabulary, a name at two paths, or a shape
-that differs by layer is left out: no adapter on it can be pooled.
+takes each module metrale pools (the `--modules` vocabulary) that sits at one path on each layer
+that carries it (routed experts, in a numbered list inside the layer, are not among them), one
+entry per group of layers where its path and shape are one (a dense MLP's gate_proj and a shared
+expert's, a width that differs by layer); a name outside the vocabulary, or a name at two paths
+of one layer, is left out: no adapter on it can be pooled.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def check_shapes(cfg: ModelConfig, checkpoint: Checkpoint) -> ModelConfig:
     """`cfg` marked as checked against `checkpoint`: every module its family declares, on every
     layer it applies to, is in the weights at the config's `(out, in)`; FormatError names the
     first tensor that is missing or of another shape."""
-    expected = [(layer, module, module.path_in(cfg))
+    expected = [(layer, module, module.path_in(cfg, layer))
                 for layer in range(cfg.num_hidden_layers) for module in family_modules(cfg)
                 if module.applies_to_layer(cfg, layer)]
     # The stack that holds most of what the config expects: the language model's, not a
@@ -89,10 +90,10 @@ def check_shapes(cfg: ModelConfig, checkpoint: Checkpoint) -> ModelConfig:
         weight = tensors.get("weight")
         if weight is None or weight.dtype not in _FLOAT:
             continue  # quantized: the header holds a packed shape
-        if weight.shape != module.dims(cfg):
+        if weight.shape != module.dims(cfg, layer):
             raise FormatError(f"{cfg.source}: {name} is {list(weight.shape)} in the weights "
                               f"({checkpoint.source}), the config gives "
-                              f"{list(module.dims(cfg))}")
+                              f"{list(module.dims(cfg, layer))}")
     _check_experts(cfg, checkpoint, stack)
     return replace(cfg, shapes_from=SHAPES_CHECKED)
 
@@ -147,13 +148,19 @@ def family_from_weights(cfg: ModelConfig, checkpoint: Checkpoint) -> ModelConfig
     modules = []
     for known in VOCABULARY:
         found = paths.get(known.name, [])
-        if len(found) != 1 or len(set(shapes[found[0]].values())) != 1:
-            continue
-        [path] = found
-        (out, in_), = set(shapes[path].values())
-        modules.append(ModuleSpec(known.name, path, _out(cfg, known, out), _in(cfg, known, in_),
-                                  Layers.LISTED, known.split,
-                                  on_layers=tuple(sorted(shapes[path]))))
+        layers = [layer for path in found for layer in shapes[path]]
+        if len(set(layers)) != len(layers):
+            continue  # two paths on one layer: PEFT adapts both, a slot holds one
+        # One entry per (path, shape), its layers in order: the groups of layers on which the
+        # module sits at one path with one shape.
+        groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        for path in found:
+            for layer, shape in sorted(shapes[path].items()):
+                groups.setdefault((path, shape), []).append(layer)
+        for (path, (out, in_)), on_layers in sorted(groups.items(), key=lambda g: g[1][0]):
+            modules.append(ModuleSpec(known.name, path, _out(cfg, known, out),
+                                      _in(cfg, known, in_), Layers.LISTED, known.split,
+                                      on_layers=tuple(on_layers)))
     if not modules:
         raise FormatError(f"{cfg.source}: model type {cfg.model_type!r} is not one metrale knows, "
                           f"and its weights ({checkpoint.source}) hold no decoder-layer "
