@@ -796,6 +796,36 @@ def test_bench_slots_record() -> None:
     assert r.code == 2 and "must be positive" in r.stderr
 
 
+@pytest.mark.slow  # about 3 s: a process for each side, numba and libCacheSim imported in each
+def test_bench_slots_at_scale_record() -> None:
+    r = metrale("bench", "slots", "--scale", "20000", "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    assert rec["requests"] == 20000 and rec["policies"] == ["lru", "fifo", "min"]
+    assert rec["sizes"] == [10, 25, 50, 100, 200, 300, 500, 750]
+    ours, theirs = rec["metrale"], rec["libcachesim"]
+    # The same misses as libCacheSim's LRU, FIFO and Belady (checked before anything is timed
+    # as a result), falling as the pool grows; min below the others.
+    assert ours["misses"] == theirs["misses"]
+    for policy in ("lru", "fifo", "min"):
+        misses = ours["misses"][policy]
+        assert misses == sorted(misses, reverse=True) and 0 < misses[-1] < misses[0] < 20000
+    assert all(m < f for m, f in zip(ours["misses"]["min"], ours["misses"]["fifo"],
+                                     strict=True))
+    assert ours["total_s"] == pytest.approx(ours["read_s"] + sum(ours["seconds"].values()))
+    assert rec["ratio"] == ours["total_s"] / theirs["total_s"] > 0
+    for side in (ours, theirs):
+        # Each side's own process: its peak is at least what it held once imported.
+        assert side["peak_rss"] >= side["rss_after_imports"] > 10 << 20
+    from metrale_cli.cli.render_sim import bench_slots_scale_view
+
+    view = str(bench_slots_scale_view(rec))
+    assert "20,000 zipf requests over 1,000 adapters" in view and "the same misses" in view
+    for bad in ("0", "10000001"):
+        r = metrale("bench", "slots", "--scale", bad)
+        assert r.code == 2 and "--scale must be 1 to 10,000,000 requests" in r.stderr
+
+
 def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:
     adapter = tmp_path / "a"
     assert metrale("synth", adapter, "--model", "qwen3-8b", "--modules", "q_proj,v_proj",
