@@ -532,7 +532,9 @@ _NUMBER = r"(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
 _CHARS = r'[^"\\\x00-\x1f]*'
 _VALUES = {
     "timestamp": f"({_NUMBER})",
-    "adapter": f'(?:"({_CHARS})"|null)',  # null and "" alike: the base model
+    # null and "" alike: the base model. A name with blanks at either end is left to `json`
+    # (read stripped), so that the names captured need no strip.
+    "adapter": f'(?:"(?!\\s)({_CHARS})(?<!\\s)"|null)',
     **{key: f"(?:({_NUMBER})|null)"  # null: not given
        for key in ("input_tokens", "output_tokens", "duration", RANK_COLUMN)},
 }
@@ -650,7 +652,7 @@ def _jsonl_columns(path: Path, lines: list[str], first: int, ended: bool,
                 whole = (values == np.floor(values)) & (values < MAX_TOKENS)
                 fast &= whole
                 column[:] = np.where(whole, values, 0)
-        names = [name.strip() for name in cells["adapter"]]
+        names = list(cells["adapter"])
     blank = np.zeros(n, dtype=bool)
     for k in np.flatnonzero(~fast).tolist():
         line = lines[k] + ("\n" if k < n - 1 or ended else "")
