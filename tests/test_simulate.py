@@ -936,6 +936,9 @@ def test_bench_slots_at_scale_record() -> None:
 
     view = str(bench_slots_scale_view(rec))
     assert "20,000 zipf requests over 1,000 adapters" in view and "the same misses" in view
+    del rec["libcachesim"], rec["ratio"]  # the record where libCacheSim is not installed
+    view = str(bench_slots_scale_view(rec))
+    assert "libCacheSim: not installed" in view and "the same misses" not in view
     for bad in ("0", "10000001"):
         r = metrale("bench", "slots", "--scale", bad)
         assert r.code == 2 and "--scale must be 1 to 10,000,000 requests" in r.stderr
