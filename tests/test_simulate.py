@@ -396,6 +396,9 @@ def test_trace_rows(tmp_path: Path) -> None:
      r"t\.jsonl:1: .* \(key 'a' is given twice in one object\)$"),
     ("t.jsonl", '{"timestamp": ' + "1" * 4301 + ', "adapter": "a"}\n',
      r"t\.jsonl:1: not a readable JSON request \(Exceeds the limit"),
+    # An integer past float64: was an internal error (OverflowError).
+    ("t.jsonl", '{"timestamp": 1' + "0" * 400 + ', "adapter": "a"}\n',
+     r"t\.jsonl:1: timestamp 10{400} must be a finite number >= 0$"),
     ("t.jsonl", "[" * 60_000 + "\n", r"t\.jsonl:1: not a readable JSON request \(nested too "
      r"deeply\)$"),
     ("t.jsonl", '[1, 2]\n', r"t\.jsonl:1: a request must be a JSON object"),
@@ -495,6 +498,23 @@ PLAIN_CSV_CASES = [
 ]
 
 
+def _trace_or_error(p: Path) -> tuple[str, ...] | str:
+    """What `read_trace` makes of `p`: every column to the bit, or its error line."""
+    try:
+        w = read_trace(p)
+    except (FormatError, UsageError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return (repr(w.adapters), repr(w.adapter_rank), *(
+        getattr(w, c).tobytes().hex() for c in ("adapter", "arrival", "input_tokens",
+                                               "output_tokens", "duration")))
+
+
+def _not_plain(path: Path) -> Any:
+    import metrale_cli.sim.workload as wl
+
+    raise wl._NotPlain
+
+
 @pytest.mark.parametrize("data", PLAIN_CSV_CASES)
 def test_the_block_reader_reads_what_the_line_reader_reads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
@@ -505,23 +525,118 @@ def test_the_block_reader_reads_what_the_line_reader_reads(
     p = tmp_path / "t.csv"
     p.write_bytes(data)
     monkeypatch.setattr(wl, "TRACE_CHUNK", 2)  # blocks of two lines
+    blocks = _trace_or_error(p)
+    monkeypatch.setattr(wl, "_plain_csv_chunks", _not_plain)
+    assert blocks == _trace_or_error(p)
 
-    def read() -> tuple[str, ...] | str:
-        try:
-            w = read_trace(p)
-        except (FormatError, UsageError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return (repr(w.adapters), repr(w.adapter_rank), *(
-            getattr(w, c).tobytes().hex() for c in ("adapter", "arrival", "input_tokens",
-                                                   "output_tokens", "duration")))
 
-    blocks = read()
+# JSON-lines lines of every kind the block reader must take as `json` does, or leave to it:
+# spacings, nulls, fractions and exponents, values out of bounds, escapes, other columns,
+# duplicate keys, keys out of order, and lines that are no request.
+_JSON_VALUES = ["0", "1", "2.5", "1e3", "1E+2", "7.0", "1e400", "1" + "0" * 400, "-1", "-0",
+                "01", "1.", '"3"', '""', "null", "true", "9007199254740993",
+                "9007199254740991", "1" * 30, "0.1e-5", "[1]", "{}"]
+_JSON_NAMES = ['"a"', '"b"', '" a "', '"\\u0062"', '"\\"q"', '""', "null", "5", '"\u00e9"',
+               '"\u2028"', '"x,y"', '"a\\tb"']
+_JSON_OTHERS = ['"x": 1', '"x": -2.5', '"x": "s"', '"x": [1, {"y": 2}]', '"x": true',
+                '"x": ' + "1" * 120, '"tim\\u0065stamp": 4', '"\u00fc": null']
 
-    def not_plain(path: Path) -> Any:
-        raise wl._NotPlain
 
-    monkeypatch.setattr(wl, "_plain_csv_chunks", not_plain)
-    assert blocks == read()
+def _jsonl_file(rng: np.random.Generator) -> str:
+    """A random JSON-lines file: most lines objects of one set of keys in one order and
+    spacing (what the block reader's pattern takes), some of them with a value out of
+    bounds, some lines of another shape, blank or no request; line ends \\n or \\r\\n, the
+    last sometimes missing, sometimes blank lines at the end."""
+    keys = ["timestamp", "adapter"] + [k for k in ("input_tokens", "output_tokens", "duration",
+                                                   "rank") if rng.random() < 0.5]
+    other = str(rng.choice(_JSON_OTHERS)) if rng.random() < 0.3 else None
+    rng.shuffle(keys)
+    spacing = int(rng.integers(3))
+
+    def line() -> str:
+        r = rng.random()
+        if r < 0.06:
+            return str(rng.choice(["", " ", "\t", "  \t ", "\x0c", "\u00a0"]))  # blank
+        if r < 0.08:
+            return str(rng.choice(["[1, 2]", "{", '{"timestamp": 1, "adapter": "a"} x', "nul",
+                                   '{"timestamp": 1, "adapter": "a",}', "\ufeff{}"]))
+        values = {k: str(rng.choice(["0", "1", "2.5", "1e3", "0.25", "17"])) for k in keys}
+        values["adapter"] = str(rng.choice(_JSON_NAMES[:4]))
+        for k in ("input_tokens", "output_tokens", "duration", "rank"):
+            if k in values:
+                values[k] = str(rng.choice(["3", "0", "null", "12", "4.0"]))
+        if rng.random() < 0.12:  # a value of any kind, most of them refused
+            k = str(rng.choice(keys))
+            values[k] = str(rng.choice(_JSON_NAMES if k == "adapter" else _JSON_VALUES))
+        texts = [f'"{k}": {v}' for k, v in values.items()]
+        if other is not None:
+            texts.append(other)
+        if rng.random() < 0.02:
+            texts.append('"timestamp": 5')  # a key given twice
+        if rng.random() < 0.02:
+            texts = [t for t in texts if not t.startswith('"adapter"')]
+        if rng.random() < 0.05:
+            rng.shuffle(texts)
+        style = spacing if rng.random() < 0.9 else int(rng.integers(3))
+        if style == 0:
+            return "{" + ", ".join(texts) + "}"
+        if style == 1:
+            return "{" + ",".join(t.replace(": ", ":") for t in texts) + "}"
+        return " {\t" + " ,  ".join(t.replace(": ", " :\t") for t in texts) + " } "
+
+    end = "\r\n" if rng.random() < 0.2 else "\n"
+    lines = [line() for _ in range(int(rng.integers(1, 14)))]
+    lines += [""] * (int(rng.integers(1, 5)) if rng.random() < 0.3 else 0)
+    return end.join(lines) + (end if rng.random() < 0.8 else "")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_jsonl_block_reader_reads_what_the_line_reader_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Random JSON-lines files (blocks of 3 lines, line ends \\n or \\r\\n, with or without
+    the last, sometimes a bound of 12 requests and blank lines) read by blocks
+    (`_plain_jsonl_chunks`: one regular expression a block, `json` for the lines it leaves) and
+    by the line reader (`json` per line): the same columns to the bit, or the same error
+    line."""
+    import metrale_cli.sim.workload as wl
+
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(wl, "TRACE_CHUNK", 3)
+    p = tmp_path / "t.jsonl"
+    outcomes: dict[str, int] = {}
+    calls = 0  # of the line reader's `_jsonl_row`
+    read_row = wl._jsonl_row
+
+    def counted(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return read_row(*args)
+
+    monkeypatch.setattr(wl, "_jsonl_row", counted)
+    lines_total = by_json = 0  # lines read; of them, those the block reader left to `json`
+    row = '{"timestamp": 1, "adapter": "a"}\n'
+    # Two cases chance seldom makes: a last line with no line end whose error is at its end
+    # (the character counts the line end), and blank lines in a last block short of
+    # TRACE_CHUNK lines, which take a trace past the bound only in a full block.
+    fixed = [(row + '{"timestamp": 2', 10_000_000), (row * 6 + "\n\n", 7)]
+    for _ in range(150):
+        text, bound = fixed.pop() if fixed else (_jsonl_file(rng), int(rng.choice(
+            [4, 7] + [10_000_000] * 8)))
+        p.write_bytes(text.encode())
+        monkeypatch.setattr(wl, "MAX_REQUESTS", bound)
+        before = calls
+        blocks = _trace_or_error(p)
+        by_json += calls - before
+        lines_total += text.count("\n") + 1
+        with monkeypatch.context() as m:
+            m.setattr(wl, "_plain_jsonl_chunks", _not_plain)
+            lines_read = _trace_or_error(p)
+        assert blocks == lines_read, text
+        kind = blocks.split(":")[0] if isinstance(blocks, str) else "read"
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+    # Each kind of outcome met, and most lines of the files read by the regular expression.
+    assert set(outcomes) == {"read", "FormatError", "UsageError"} and outcomes["read"] > 30
+    assert by_json < lines_total / 2
 
 
 def test_a_plain_csv_trace_is_read_without_the_line_reader(
@@ -794,6 +909,39 @@ def test_bench_slots_record() -> None:
     assert "  lru, paging: metrale" in view and "the same misses" in view
     r = metrale("bench", "slots", "--repeats", "0")
     assert r.code == 2 and "must be positive" in r.stderr
+
+
+@pytest.mark.slow  # about 3 s: a process for each side, numba and libCacheSim imported in each
+def test_bench_slots_at_scale_record() -> None:
+    r = metrale("bench", "slots", "--scale", "20000", "--json")
+    assert r.code == 0, r.stderr
+    rec = r.json()
+    assert rec["requests"] == 20000 and rec["policies"] == ["lru", "fifo", "min"]
+    assert rec["sizes"] == [10, 25, 50, 100, 200, 300, 500, 750]
+    ours, theirs = rec["metrale"], rec["libcachesim"]
+    # The same misses as libCacheSim's LRU, FIFO and Belady (checked before anything is timed
+    # as a result), falling as the pool grows; min below the others.
+    assert ours["misses"] == theirs["misses"]
+    for policy in ("lru", "fifo", "min"):
+        misses = ours["misses"][policy]
+        assert misses == sorted(misses, reverse=True) and 0 < misses[-1] < misses[0] < 20000
+    assert all(m < f for m, f in zip(ours["misses"]["min"], ours["misses"]["fifo"],
+                                     strict=True))
+    assert ours["total_s"] == pytest.approx(ours["read_s"] + sum(ours["seconds"].values()))
+    assert rec["ratio"] == ours["total_s"] / theirs["total_s"] > 0
+    for side in (ours, theirs):
+        # Each side's own process: its peak is at least what it held once imported.
+        assert side["peak_rss"] >= side["rss_after_imports"] > 10 << 20
+    from metrale_cli.cli.render_sim import bench_slots_scale_view
+
+    view = str(bench_slots_scale_view(rec))
+    assert "20,000 zipf requests over 1,000 adapters" in view and "the same misses" in view
+    del rec["libcachesim"], rec["ratio"]  # the record where libCacheSim is not installed
+    view = str(bench_slots_scale_view(rec))
+    assert "libCacheSim: not installed" in view and "the same misses" not in view
+    for bad in ("0", "10000001"):
+        r = metrale("bench", "slots", "--scale", bad)
+        assert r.code == 2 and "--scale must be 1 to 10,000,000 requests" in r.stderr
 
 
 def test_slot_bytes_come_from_the_layout_planner(tmp_path: Path) -> None:

@@ -103,6 +103,9 @@ def test_a_paging_lru_sweep_takes_one_pass(monkeypatch: pytest.MonkeyPatch) -> N
     results = sim.simulate(rp, ["lru", "fifo"], [1, 2, 3, 4], lambda n: n)
     assert replayed == [("fifo", k) for k in (1, 2, 3, 4)]
     assert [r.misses for r in results if r.policy == "lru"] == [7, 7, 5, 4]
+    # Sizes in any order: the core sweeps them ascending, each result where its size was asked.
+    assert [(r.max_loras, r.misses) for r in rp.lru_sweep([3, 1, 4, 2])] == [
+        (3, 5), (1, 7), (4, 4), (2, 7)]
 
 
 def test_a_shared_rank_below_the_max_moves_its_share_in_the_sweep() -> None:

@@ -4,10 +4,16 @@ a full scan (what the pool did before: a list of every cache slot per call) is t
 them as the reference that does grow. Skip admission is timed against first come, first served
 at 10,000 and 100,000 requests (it must grow as fcfs does, not with the queue squared). Where
 libCacheSim is installed (the `libcachesim` extra), a zipf trace replayed by metrale (read from
-its file, 5 sizes) and by libCacheSim in one run: the times as ratios, the misses compared."""
+its file, 5 sizes) and by libCacheSim in one run: the times as ratios, the misses compared.
+`at_scale` does the same at a real trace's size (10 million requests, 3 policies, 8 sizes), each
+side in a process of its own so that its peak memory is its own."""
 
 from __future__ import annotations
 
+import json
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +26,7 @@ from metrale_cli.pool.slots import AdapterSlot, SlotManager
 from metrale_cli.sim.costs import SwapCost
 from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.simulate import simulate
-from metrale_cli.sim.workload import GeneratorSpec, generate, read_trace
+from metrale_cli.sim.workload import MAX_REQUESTS, GeneratorSpec, generate, read_trace
 
 SIZES = (64, 4096)
 
@@ -211,6 +217,125 @@ def against_libcachesim(requests: int) -> dict[str, Any] | None:
         out["concurrent_lru"] = {"metrale_s": ours_s, "libcachesim_paging_lru_s":
                                  out["lru"]["libcachesim_s"],
                                  "ratio": ours_s / out["lru"]["libcachesim_s"]}
+    return out
+
+
+# A real trace's size: `at_scale` replays one zipf(1.0) trace over SCALE_ADAPTERS adapters under
+# every policy at SCALE_SIZES.
+SCALE_ADAPTERS = 1_000
+SCALE_SIZES = (10, 25, 50, 100, 200, 300, 500, 750)
+SCALE_POLICIES = ("lru", "fifo", "min")
+
+
+def _rss_bytes(field: str) -> int:
+    """This process's `VmRSS` or `VmHWM` (its peak) from /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB
+    raise UsageError(f"bench slots --scale: no {field} in /proc/self/status (Linux only)")
+
+
+def scale_side(side: str, path: str, requests: str) -> None:
+    """One side of `at_scale`, run as a child process: replay the CSV trace at `path` under
+    every SCALE_POLICIES at SCALE_SIZES and print one JSON line: seconds per policy, and in all
+    (`total_s`: metrale reads the file once, libCacheSim once per policy and size), misses per
+    size, this process's resident bytes once its modules are imported and its peak
+    (`ru_maxrss`) at the end."""
+    n, sizes = int(requests), list(SCALE_SIZES)
+    out: dict[str, Any] = {"seconds": {}, "misses": {}}
+    if side == "metrale":
+        from metrale_cli.sim import core  # noqa: F401  (the compiled core's modules: numba)
+
+        out["rss_after_imports"] = _rss_bytes("VmRSS")
+        started = time.perf_counter()
+        workload = read_trace(Path(path))
+        replay = Replay(workload, np.zeros(workload.requests),
+                        SwapCost(1 << 20, 25e9, 10e-6, "bench"))
+        out["read_s"] = time.perf_counter() - started
+        for policy in SCALE_POLICIES:
+            begun = time.perf_counter()
+            results = simulate(replay, [policy], sizes, lambda size: 0)
+            out["seconds"][policy] = time.perf_counter() - begun
+            out["misses"][policy] = [r.misses for r in results]
+    else:
+        import libcachesim as lcs
+
+        out["rss_after_imports"] = _rss_bytes("VmRSS")
+        params = lcs.ReaderInitParam(has_header=True, has_header_set=True, delimiter=",",
+                                     obj_id_is_num=False, obj_id_is_num_set=True,
+                                     ignore_obj_size=True)
+        params.time_field, params.obj_id_field = 1, 2  # timestamp, adapter (1-based columns)
+        caches = {"lru": lcs.LRU, "fifo": lcs.FIFO, "min": lcs.Belady}
+        for policy in SCALE_POLICIES:
+            begun = time.perf_counter()
+            trace, kind, given = path, lcs.TraceType.CSV_TRACE, params
+            if policy == "min":
+                # Belady needs each request's next use, which only its oracle format carries:
+                # the conversion (a pass over the CSV) is part of its time.
+                trace = str(Path(path).with_suffix(".oracle"))
+                lcs.Util.convert_to_oracleGeneral(
+                    lcs.TraceReader(path, lcs.TraceType.CSV_TRACE, params)._reader, trace)
+                kind, given = lcs.TraceType.ORACLE_GENERAL_TRACE, lcs.ReaderInitParam(
+                    ignore_obj_size=True)
+            ratios = [caches[policy](cache_size=size).process_trace(
+                lcs.TraceReader(trace, kind, given))[0] for size in sizes]
+            out["seconds"][policy] = time.perf_counter() - begun
+            out["misses"][policy] = [round(r * n) for r in ratios]
+    out["total_s"] = out.get("read_s", 0.0) + sum(out["seconds"].values())
+    # Linux gives ru_maxrss in KiB.
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(out))
+
+
+def _scale_child(side: str, path: Path, requests: int) -> dict[str, Any]:
+    command = [sys.executable, "-c", "import sys; from metrale_cli.bench.slots import "
+               "scale_side; scale_side(*sys.argv[1:])", side, str(path), str(requests)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"bench slots --scale: the {side} process failed "
+                         f"(exit {done.returncode}): {tail}")
+    record: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return record
+
+
+def at_scale(requests: int) -> dict[str, Any]:
+    """A zipf trace of `requests` requests (10 million is the most a trace may hold), written
+    as CSV, replayed under every SCALE_POLICIES at SCALE_SIZES by metrale (`simulate` as the
+    CLI runs it: LRU swept in one pass, FIFO and min replayed per size, paging mode) and by
+    libCacheSim where it is installed, each in a fresh process: seconds per policy (the file
+    read included), misses per size (libCacheSim's must equal metrale's, or UsageError), and
+    each process's peak resident memory (`ru_maxrss`) beside its resident memory once its
+    modules are imported."""
+    spec = GeneratorSpec("zipf", requests, adapters=SCALE_ADAPTERS, zipf_s=1.0,
+                         input_range=(0, 0), output_range=(0, 0))
+    if not 0 < requests <= MAX_REQUESTS:
+        raise UsageError(f"--scale must be 1 to {MAX_REQUESTS:,} requests (the most a trace "
+                         f"may hold), got {requests:,}")
+    try:
+        import libcachesim  # noqa: F401
+        sides = ("metrale", "libcachesim")
+    except ImportError:
+        sides = ("metrale",)
+    out: dict[str, Any] = {"requests": requests, "adapters": SCALE_ADAPTERS,
+                           "sizes": list(SCALE_SIZES), "policies": list(SCALE_POLICIES),
+                           "memory": "peak_rss: ru_maxrss of each side's own process; "
+                                     "rss_after_imports: its VmRSS before the trace is read"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "zipf.csv"
+        generate(spec).save(path, force=False)
+        out["trace_bytes"] = path.stat().st_size
+        for side in sides:
+            out[side] = _scale_child(side, path, requests)
+    if "libcachesim" in out:
+        ours, theirs = out["metrale"], out["libcachesim"]
+        for policy in SCALE_POLICIES:
+            if ours["misses"][policy] != theirs["misses"][policy]:
+                raise UsageError(f"bench slots --scale: {policy} misses "
+                                 f"{ours['misses'][policy]}, libCacheSim's "
+                                 f"{theirs['misses'][policy]}")
+        out["ratio"] = ours["total_s"] / theirs["total_s"]
     return out
 
 

@@ -168,6 +168,10 @@ def bench_slots(
     cycles: Annotated[int, typer.Option("--cycles", help="Victim choices per timing.")]
     = 100_000,
     repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    scale: Annotated[int | None, typer.Option(
+        "--scale", help="Instead: a trace of this many requests (10000000: a real trace's "
+        "size) through lru, fifo and min at 8 sizes, against libCacheSim, with each side's "
+        "peak memory. Minutes.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Slot-manager victim choice and simulator requests/s at 64 vs 4096 slots, in one run.
@@ -176,6 +180,9 @@ def bench_slots(
     from metrale_cli.bench import slots as bench
     from metrale_cli.cli import render_sim
 
+    if scale is not None:
+        emit(bench.at_scale(scale), json_out, render_sim.bench_slots_scale_view)
+        return
     record = bench.run(requests, cycles, repeats)
     emit(record, json_out, render_sim.bench_slots_view)
 

@@ -305,3 +305,24 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
         lines.append(f"admission, {int(n):,} requests on 4 slots: skip {times['skip_s']:.2f} s, "
                      f"fcfs {times['fcfs_s']:.2f} s: x{times['skip_over_fcfs']:.2f}")
     return Text("\n".join(lines))
+
+
+def bench_slots_scale_view(record: dict[str, Any]) -> Text:
+    """`metrale bench slots --scale N`: each side's seconds and peak memory, and the ratio."""
+    mib = 1 << 20
+    lines = [f"{record['requests']:,} zipf requests over {record['adapters']:,} adapters "
+             f"({record['trace_bytes'] / mib:,.0f} MiB of CSV), {', '.join(record['policies'])}"
+             f" at {len(record['sizes'])} sizes"]
+    for side in ("metrale", "libcachesim"):
+        if side not in record:
+            lines.append("libCacheSim: not installed (pip install 'metrale[libcachesim]')")
+            continue
+        r = record[side]
+        read = f"read {r['read_s']:.1f} s, " if "read_s" in r else ""
+        each = ", ".join(f"{p} {s:.1f} s" for p, s in r["seconds"].items())
+        lines.append(f"{side}: {r['total_s']:.1f} s ({read}{each}); peak RSS "
+                     f"{r['peak_rss'] / mib:,.0f} MiB ({r['rss_after_imports'] / mib:,.0f} MiB "
+                     "once imported)")
+    if "ratio" in record:
+        lines.append(f"metrale / libCacheSim: x{record['ratio']:.2f}, the same misses")
+    return Text("\n".join(lines))

@@ -317,26 +317,42 @@ def _order_statistics(ranks: Any, below: Any, equal: int, seconds: float,
     return out
 
 
+# A pivot whose per-size work passes 1/PIVOT_SPLIT of a pass over every request serves only the
+# sizes below twice itself; the next pivot is prepared (a few passes and a sort) for the rest.
+PIVOT_SPLIT = 16
+
+
 @njit(cache=True)
-def _all_miss_loads(asked: Any, seconds: float, links: int) -> tuple[Any, Any]:
-    """Every request a miss (the most loads any size sees): per request its load's end, and the
-    start of its run (requests from one point where every link is free to the next). Loads of
-    equal length on `links` links under LinkClock's rule: with fewer loads each link is free no
-    later, so a load that waits for no link here waits for none at any size, and a run's start
-    frees every link at every size."""
+def _pivot_loads(asked: Any, load: Any, seconds: float, links: int) -> tuple[Any, Any, Any]:
+    """The requests `load` marks as misses (those of the pivot, the smallest size swept; at
+    every larger size the misses are among them): per load its end, and the start of its run
+    (loads from one point where every link is free to the next), and per run start whether a
+    load of the run waits for a link. Loads of equal length on `links` links under LinkClock's
+    rule: with fewer loads each link is free no later, so a load that waits for no link here
+    waits for none at a larger size, it ends no later there, and a run's start frees every
+    link at every larger size."""
     n = asked.size
-    end = np.empty(n)
-    start = np.empty(n, np.int64)
+    end = np.zeros(n)
+    start = np.zeros(n, np.int64)
+    busy = np.zeros(n, np.bool_)
     ring = np.zeros(max(links, 1))
     latest = 0.0
+    k = run = 0
     for j in range(n):
+        if not load[j]:
+            continue
         now = asked[j]
-        start[j] = j if j == 0 or latest <= now else start[j - 1]
-        free = ring[j % links]
+        if k == 0 or latest <= now:
+            run = j
+        start[j] = run
+        free = ring[k % links]
+        if free > now:
+            busy[run] = True
         end[j] = (free if free > now else now) + seconds
-        ring[j % links] = end[j]
+        ring[k % links] = end[j]
         latest = end[j]
-    return end, start
+        k += 1
+    return end, start, busy
 
 
 @njit(cache=True, inline="always")
@@ -356,8 +372,9 @@ def _tally(wait: float, seconds: float, below: Any, above: Any, nb: int,
 @njit(cache=True)
 def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: float,
               links: int, n_adapters: int, n: int, n_adapter: int) -> Any:
-    """Per cache size of `caches`, the LRU paging replay of the requests `adapter` (ids >= 0,
-    pinned ones left out) asked for at `asked` (non-decreasing), from their stack distances: a
+    """Per cache size of `caches` (ascending), the LRU paging replay of the requests `adapter`
+    (ids >= 0, pinned ones left out) asked for at `asked` (non-decreasing), from their stack
+    distances: a
     request misses where its distance is COLD or at least the size; each miss's load queues on
     `links` links (load i takes the link load i - links held: LinkClock's rule for equal loads),
     and a hit waits for its adapter's latest load. Rows of [size, 9]: misses, delayed hits, the
@@ -365,61 +382,22 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     latency's p50 and p99 over `n` requests and over `n_adapter` (the added latency of the
     requests left out is 0).
 
-    The per-request work is done once. With every request a miss, a load that waits for no link
-    waits for none at any size, and ends at its ask plus `seconds`: only runs holding a load that
-    can wait ("busy" runs: requests between two points where every link is free) are replayed
-    per size. Misses elsewhere are counted by distance (sorted once), and a hit can wait only
-    where an earlier load of its adapter ends after it when every request misses: those few
-    follow their adapter's uses back to its latest miss at each size."""
+    The per-request work is done once per pivot, the smallest size of a group of sizes: the
+    misses at any size of the group are among the pivot's, so with the pivot's misses loaded,
+    a load that waits for no link waits for none at a size of the group, and ends at its ask
+    plus `seconds`: only runs holding a load that can wait ("busy" runs: loads between two
+    points where every link is free) are replayed per size. Misses elsewhere are counted by
+    distance (sorted once), and a hit can wait only where an earlier load of its adapter ends
+    after it at the pivot: those few follow their adapter's loads back to its latest miss at
+    each size. Where that work per size is small, the first pivot serves every size; where
+    the links are crowded (`PIVOT_SPLIT`), a pivot serves the sizes below twice itself, and
+    the next, with fewer misses, leaves fewer busy runs."""
     m = adapter.size
     out = np.zeros((caches.size, 9))
     if m == 0:
         return out
     big = np.iinfo(np.int64).max
     key = np.where(distance < 0, big, distance)  # a request misses at sizes <= its key
-    prev = np.empty(m, np.int64)  # its adapter's previous request, -1: none
-    seen = np.full(n_adapters, -1, np.int64)
-    for j in range(m):
-        prev[j] = seen[adapter[j]]
-        seen[adapter[j]] = j
-    all_end, run = _all_miss_loads(asked, seconds, links)
-    # A run is busy when one of its loads waits for a link with every request a miss.
-    busy = np.zeros(m, np.bool_)
-    for j in range(m):
-        lo = j - links
-        if (all_end[lo] if lo >= 0 else 0.0) > asked[j]:
-            busy[run[j]] = True
-    replayed = np.flatnonzero(busy[run])
-    # The other misses end at ask + seconds at every size: by key, descending, their counts,
-    # summed end - ask and latest end for every prefix.
-    calm = np.flatnonzero(~busy[run])
-    by_key = calm[np.argsort(-key[calm], kind="mergesort")]
-    calm_keys = -key[by_key]  # ascending, for searchsorted
-    calm_wait = np.zeros(by_key.size + 1)
-    calm_last = np.zeros(by_key.size + 1)
-    calm_positive = np.zeros(by_key.size + 1, np.int64)  # waits > 0 (all, unless seconds is 0)
-    for i in range(by_key.size):
-        j = by_key[i]
-        end = asked[j] + seconds
-        calm_wait[i + 1] = calm_wait[i] + (end - asked[j])
-        calm_last[i + 1] = max(calm_last[i], end)
-        calm_positive[i + 1] = calm_positive[i] + (end - asked[j] > 0)
-    # Hits that can wait: an earlier load of their adapter ends after them with every miss.
-    can_wait = np.zeros(m, np.bool_)
-    for j in range(m):
-        can_wait[j] = prev[j] >= 0 and all_end[prev[j]] > asked[j]
-    waiting = np.flatnonzero(can_wait)
-    # The most steps per size: the busy runs and each waiting hit's uses back to where its
-    # adapter's loads end before it. Past half a pass over every request (links crowded),
-    # each size is one pass over every request instead.
-    steps = replayed.size
-    for i in range(waiting.size):
-        j = waiting[i]
-        q = prev[j]
-        while q >= 0 and all_end[q] > asked[j] and steps <= m // 2:
-            steps += 1
-            q = prev[q]
-    every = steps > m // 2
     latest = np.zeros(n_adapters)  # for a pass over every request: its adapter's latest load end
     sim_end = np.zeros(m)
     ring = np.zeros(max(links, 1))
@@ -427,75 +405,126 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     above = np.empty(m)
     counts = np.array([n, n, n_adapter, n_adapter])
     qs = np.array([50.0, 99.0, 50.0, 99.0])
-    for s in range(caches.size):
-        cache = caches[s]
-        calm_misses = np.searchsorted(calm_keys, -cache, side="right")
-        misses, equal = calm_misses, calm_positive[calm_misses]
-        load_added = calm_wait[calm_misses]
-        added, last = load_added, calm_last[calm_misses]
-        delayed = nb = na = k = 0
-        if every:
-            misses = equal = 0
-            load_added = added = last = 0.0
-            ring[:] = 0.0
-        for i in range(m if every else replayed.size):
-            j = i if every else replayed[i]
-            if every and key[j] < cache:
-                wait = latest[adapter[j]] - asked[j]
-                if wait > 0:
-                    delayed += 1
-                    added += wait
-                    eq, nb, na = _tally(wait, seconds, below, above, nb, na)
-                    equal += eq
-                continue
-            if not every and run[j] == j:  # every link is free here at every size
-                ring[:] = 0.0 if j == 0 else -np.inf
-                k = 0
-            if key[j] < cache:
-                continue
-            now = asked[j]
-            free = ring[k % links]
-            end = (free if free > now else now) + seconds
-            ring[k % links] = end
-            k += 1
-            sim_end[j] = end
-            latest[adapter[j]] = end
-            misses += 1
-            load_added += end - now
-            last = max(last, end)
-            wait = end - now
-            added += wait
-            if wait > 0:
-                eq, nb, na = _tally(wait, seconds, below, above, nb, na)
-                equal += eq
-        for i in range(0 if every else waiting.size):
+    prev = np.empty(m, np.int64)  # its adapter's previous load at the pivot, -1: none
+    seen = np.full(n_adapters, -1, np.int64)
+    first = 0  # the first size of the pivot's group
+    while first < caches.size:
+        pivot = caches[first]
+        load = key >= pivot
+        seen[:] = -1
+        for j in range(m):
+            prev[j] = seen[adapter[j]]
+            if load[j]:
+                seen[adapter[j]] = j
+        all_end, run, busy = _pivot_loads(asked, load, seconds, links)
+        replayed = np.flatnonzero(load & busy[run])
+        # The other loads end at ask + seconds at every size of the group: by key, descending,
+        # their counts, summed end - ask and latest end for every prefix.
+        calm = np.flatnonzero(load & ~busy[run])
+        by_key = calm[np.argsort(-key[calm], kind="mergesort")]
+        calm_keys = -key[by_key]  # ascending, for searchsorted
+        calm_wait = np.zeros(by_key.size + 1)
+        calm_last = np.zeros(by_key.size + 1)
+        calm_positive = np.zeros(by_key.size + 1, np.int64)  # waits > 0 (all, unless seconds 0)
+        for i in range(by_key.size):
+            j = by_key[i]
+            end = asked[j] + seconds
+            calm_wait[i + 1] = calm_wait[i] + (end - asked[j])
+            calm_last[i + 1] = max(calm_last[i], end)
+            calm_positive[i + 1] = calm_positive[i] + (end - asked[j] > 0)
+        # Hits that can wait: an earlier load of their adapter ends after them at the pivot.
+        can_wait = np.zeros(m, np.bool_)
+        for j in range(m):
+            can_wait[j] = prev[j] >= 0 and all_end[prev[j]] > asked[j]
+        waiting = np.flatnonzero(can_wait)
+        # The most steps per size: the busy runs and each waiting hit's uses back to where its
+        # adapter's loads end before it. Past half a pass over every request (links crowded),
+        # each size is one pass over every request instead.
+        steps = replayed.size
+        for i in range(waiting.size):
             j = waiting[i]
-            if key[j] >= cache:
-                continue
-            q = prev[j]  # back to its adapter's latest miss at this size, while it may end late
-            while q >= 0 and all_end[q] > asked[j]:
-                if key[q] >= cache:
-                    end = sim_end[q] if busy[run[q]] else asked[q] + seconds
-                    wait = end - asked[j]
+            q = prev[j]
+            while q >= 0 and all_end[q] > asked[j] and steps <= m // 2:
+                steps += 1
+                q = prev[q]
+        every = steps > m // 2
+        # The group: every larger size where a size costs little; else the sizes below twice
+        # the pivot, and the next group's pivot, with fewer loads, crowds the links less.
+        last = caches.size
+        if steps > m // PIVOT_SPLIT:
+            last = first + 1
+            while last < caches.size and caches[last] < 2 * pivot:
+                last += 1
+        for s in range(first, last):
+            cache = caches[s]
+            calm_misses = np.searchsorted(calm_keys, -cache, side="right")
+            misses, equal = calm_misses, calm_positive[calm_misses]
+            load_added = calm_wait[calm_misses]
+            added, last_end = load_added, calm_last[calm_misses]
+            delayed = nb = na = k = 0
+            if every:
+                misses = equal = 0
+                load_added = added = last_end = 0.0
+                ring[:] = 0.0
+            for i in range(m if every else replayed.size):
+                j = i if every else replayed[i]
+                if every and key[j] < cache:
+                    wait = latest[adapter[j]] - asked[j]
                     if wait > 0:
                         delayed += 1
                         added += wait
                         eq, nb, na = _tally(wait, seconds, below, above, nb, na)
                         equal += eq
-                    break
-                q = prev[q]
-        ranks = np.empty(8, np.int64)
-        weights = np.empty(4)
-        for i in range(4):
-            ranks[2 * i], ranks[2 * i + 1], weights[i] = _rank(counts[i], nb + equal + na,
-                                                               qs[i])
-        value = _order_statistics(ranks, below[:nb], equal, seconds, above[:na])
-        out[s, 0], out[s, 1], out[s, 2], out[s, 3], out[s, 4] = (misses, delayed, load_added,
-                                                                 added, last)
-        for i in range(4):
-            if counts[i]:
-                low, high = value[2 * i], value[2 * i + 1]
-                out[s, 5 + i] = low + (high - low) * weights[i]
+                    continue
+                if not every and run[j] == j:  # every link is free here at every size
+                    ring[:] = 0.0 if j == 0 else -np.inf
+                    k = 0
+                if key[j] < cache:
+                    continue
+                now = asked[j]
+                free = ring[k % links]
+                end = (free if free > now else now) + seconds
+                ring[k % links] = end
+                k += 1
+                sim_end[j] = end
+                latest[adapter[j]] = end
+                misses += 1
+                load_added += end - now
+                last_end = max(last_end, end)
+                wait = end - now
+                added += wait
+                if wait > 0:
+                    eq, nb, na = _tally(wait, seconds, below, above, nb, na)
+                    equal += eq
+            for i in range(0 if every else waiting.size):
+                j = waiting[i]
+                if key[j] >= cache:
+                    continue
+                q = prev[j]  # back to its adapter's latest miss at this size while it may end late
+                while q >= 0 and all_end[q] > asked[j]:
+                    if key[q] >= cache:
+                        end = sim_end[q] if busy[run[q]] else asked[q] + seconds
+                        wait = end - asked[j]
+                        if wait > 0:
+                            delayed += 1
+                            added += wait
+                            eq, nb, na = _tally(wait, seconds, below, above, nb, na)
+                            equal += eq
+                        break
+                    q = prev[q]
+            ranks = np.empty(8, np.int64)
+            weights = np.empty(4)
+            for i in range(4):
+                ranks[2 * i], ranks[2 * i + 1], weights[i] = _rank(counts[i], nb + equal + na,
+                                                                   qs[i])
+            value = _order_statistics(ranks, below[:nb], equal, seconds, above[:na])
+            out[s, 0], out[s, 1], out[s, 2], out[s, 3], out[s, 4] = (misses, delayed, load_added,
+                                                                     added, last_end)
+            for i in range(4):
+                if counts[i]:
+                    low, high = value[2 * i], value[2 * i + 1]
+                    out[s, 5 + i] = low + (high - low) * weights[i]
+        first = last
     return out
 
 

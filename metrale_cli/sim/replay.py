@@ -221,10 +221,12 @@ class Replay:
         load = self.load_bytes[0] if self.load_bytes else self.cost.slot_bytes
         n, swap_s, links = self.workload.requests, self.cost.load_seconds(load), self.cost.links
         n_adapter = pinned_requests + counted.size
-        rows = core.lru_sweep(
+        caches = np.array([size - len(self.pinned) for size in sizes], dtype=np.int64)
+        order = np.argsort(caches, kind="stable")
+        rows = np.empty((len(sizes), 9))
+        rows[order] = core.lru_sweep(
             np.ascontiguousarray(adapter[counted]), np.ascontiguousarray(arrival[counted]),
-            distance, np.array([size - len(self.pinned) for size in sizes], dtype=np.int64),
-            swap_s, links, len(self.workload.adapters), n, n_adapter)
+            distance, caches[order], swap_s, links, len(self.workload.adapters), n, n_adapter)
         results = []
         for size, row in zip(sizes, rows.tolist(), strict=True):
             cache = size - len(self.pinned)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import codecs
 import csv
+import functools
 import io
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,23 +164,22 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
         # A device (/dev/zero), a FIFO or a directory: never read, it might not end.
         raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
     size = path.stat().st_size
-    if path.suffix.lower() == ".csv":
-        columns = TraceColumns(path)
-        try:
-            for chunk, blank, done in _plain_csv_chunks(path):
-                columns.add(*chunk, blank=blank)
-                if progress is not None:
-                    progress(min(done, size), size)
-            return columns.workload()
-        except _NotPlain:
-            pass  # quoted cells, bad bytes or a long line: the line reader below names them
+    is_csv = path.suffix.lower() == ".csv"
+    columns = TraceColumns(path)
+    try:
+        for chunk, blank, done in (_plain_csv_chunks if is_csv else _plain_jsonl_chunks)(path):
+            columns.add(*chunk, blank=blank)
+            if progress is not None:
+                progress(min(done, size), size)
+        return columns.workload()
+    except _NotPlain:
+        pass  # quoted cells, bad bytes or a long line: the line reader below names them
     columns = TraceColumns(path)
     # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
     # otherwise become part of the first column's name.
     with open(path, encoding="utf-8-sig", newline="") as f:
         lines = BoundedLines(path, f)
-        chunks = _csv_chunks(path, lines) if path.suffix.lower() == ".csv" else _jsonl_chunks(
-            path, lines)
+        chunks = _csv_chunks(path, lines) if is_csv else _jsonl_chunks(path, lines)
         for chunk in chunks:
             columns.add(*chunk, blank=lines.blank)
             if progress is not None:
@@ -294,20 +295,15 @@ def first_undecodable_line(path: Path, after: int) -> int:
 
 
 class _NotPlain(Exception):
-    """A CSV file the block reader leaves to the line reader."""
+    """A trace file the block readers leave to the line reader."""
 
 
-def _plain_csv_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
-    """(columns, blank lines so far, bytes read) per block of TRACE_CHUNK lines of a plain CSV
-    file: UTF-8, no quote character, no line past MAX_LINE_CHARS, line ends
-    `\n` or `\r\n`. Such a file is what csv.reader reads as each line split at its commas,
-    so a block is split at C speed, with no reader per line; rows are numbered by their
-    lines, and a bad cell is named as the line reader names it (`_csv_columns`). Anything
-    else raises _NotPlain before a row of it is used, and the caller reads the file again
-    line by line."""
-    blank = done = 0
-    first = 1  # the line number of the block's first line
-    header: list[str] | None = None
+def _plain_blocks(path: Path) -> Iterator[tuple[bytes, str, int]]:
+    """(the bytes, their text, bytes read so far) per block of TRACE_CHUNK lines of a plain
+    text file (the last block may be shorter; none for an empty file): UTF-8, no line past
+    MAX_LINE_CHARS, line ends `\n` or `\r\n`, which is what the line reader (BoundedLines)
+    splits it into. Anything else raises _NotPlain before the block is yielded."""
+    done = 0
     with open(path, "rb") as f:
         rest, more = b"", True
         while True:
@@ -321,14 +317,12 @@ def _plain_csv_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
                    if more else len(rest))
             block, rest = rest[:cut], rest[cut:]
             if not block:
-                if header is None:
-                    raise _NotPlain  # an empty file: the line reader says what it lacks
                 return
             done += len(block)
-            if b'"' in block or b"\r" in block.replace(b"\r\n", b"\n"):
+            # A lone carriage return ends a line for the line reader (universal newlines).
+            if b"\r" in block and b"\r" in block.replace(b"\r\n", b"\n"):
                 raise _NotPlain
-            raw = np.frombuffer(block, dtype=np.uint8)
-            ends = np.flatnonzero(raw == 10)
+            ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10)
             longest = int(np.diff(ends, prepend=-1).max()) if ends.size else 0
             if max(longest, len(block) - 1 - (int(ends[-1]) if ends.size else -1)) > (
                     MAX_LINE_CHARS):
@@ -337,34 +331,54 @@ def _plain_csv_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
                 text = block.decode("utf-8")
             except UnicodeDecodeError:
                 raise _NotPlain from None
-            lines = text.replace("\r\n", "\n").split("\n")
-            if lines[-1] == "":
-                lines.pop()  # the block ends at a line end
-            if header is None:
-                header = lines[0].removeprefix("\ufeff").split(",")
-                missing = [c for c in ("timestamp", "adapter") if c not in header]
-                if missing:
-                    raise _NotPlain  # the line reader names what the header lacks
-                lines = lines[1:]
-                first = 2
-            # Commas per line, from the bytes: where every line has the header's count (no
-            # blank line), the columns are slices of one split of the whole block.
-            bounds = ends if block.endswith(b"\n") else np.append(ends, len(block) - 1)
-            commas = np.diff(np.searchsorted(np.flatnonzero(raw == 44), bounds),
-                             prepend=0)[len(bounds) - len(lines):]
-            width = len(header)
-            fast = None
-            if lines and len(set(header)) == width and bool((commas == width - 1).all()):
-                flat = ",".join(lines).split(",")
-                fast = _cell_columns(header, lambda i, f=flat, w=width: f[i::w], len(lines))
-            else:
-                blank += sum(1 for line in lines if not line or line.isspace())
-            if fast is None and lines:
-                rows = [line.split(",") if line else [] for line in lines]
-                fast = _csv_columns(path, header, rows, range(first, first + len(lines)))
-            if fast is not None:
-                yield fast, blank, done
-            first += len(lines)
+            yield block, text, done
+
+
+def _plain_csv_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
+    """(columns, blank lines so far, bytes read) per block of TRACE_CHUNK lines of a plain CSV
+    file (`_plain_blocks`) with no quote character. Such a file is what csv.reader reads as
+    each line split at its commas, so a block is split at C speed, with no reader per line;
+    rows are numbered by their lines, and a bad cell is named as the line reader names it
+    (`_csv_columns`). Anything else raises _NotPlain before a row of it is used, and the
+    caller reads the file again line by line."""
+    blank = 0
+    first = 1  # the line number of the block's first line
+    header: list[str] | None = None
+    for block, text, done in _plain_blocks(path):
+        if b'"' in block:
+            raise _NotPlain
+        raw = np.frombuffer(block, dtype=np.uint8)
+        ends = np.flatnonzero(raw == 10)
+        lines = text.replace("\r\n", "\n").split("\n")
+        if lines[-1] == "":
+            lines.pop()  # the block ends at a line end
+        if header is None:
+            header = lines[0].removeprefix("\ufeff").split(",")
+            missing = [c for c in ("timestamp", "adapter") if c not in header]
+            if missing:
+                raise _NotPlain  # the line reader names what the header lacks
+            lines = lines[1:]
+            first = 2
+        # Commas per line, from the bytes: where every line has the header's count (no
+        # blank line), the columns are slices of one split of the whole block.
+        bounds = ends if block.endswith(b"\n") else np.append(ends, len(block) - 1)
+        commas = np.diff(np.searchsorted(np.flatnonzero(raw == 44), bounds),
+                         prepend=0)[len(bounds) - len(lines):]
+        width = len(header)
+        fast = None
+        if lines and len(set(header)) == width and bool((commas == width - 1).all()):
+            flat = ",".join(lines).split(",")
+            fast = _cell_columns(header, lambda i, f=flat, w=width: f[i::w], len(lines))
+        else:
+            blank += sum(1 for line in lines if not line or line.isspace())
+        if fast is None and lines:
+            rows = [line.split(",") if line else [] for line in lines]
+            fast = _csv_columns(path, header, rows, range(first, first + len(lines)))
+        if fast is not None:
+            yield fast, blank, done
+        first += len(lines)
+    if header is None:
+        raise _NotPlain  # an empty file: the line reader says what it lacks
 
 
 def _csv_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
@@ -487,16 +501,172 @@ def _cell_columns(header: list[str], column: Callable[[int], list[str]],
 def _jsonl_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
     parsed = []
     for line_no, line in enumerate(lines, start=1):
-        if line.strip():
-            row = load_json(f"{path}:{line_no}", line, "JSON request")
-            if not isinstance(row, dict):
-                raise FormatError(f"{path}:{line_no}: a request must be a JSON object")
-            parsed.append(_parse_row(path, line_no, row))
+        row = _jsonl_row(path, line_no, line)
+        if row is not None:
+            parsed.append(row)
         if line_no % TRACE_CHUNK == 0:  # by lines: blank ones count toward the bound too
             yield _parsed_columns(parsed)
             parsed = []
     if parsed:
         yield _parsed_columns(parsed)
+
+
+def _jsonl_row(path: Path, line_no: int,
+               line: str) -> tuple[float, str, int, int, float, int] | None:
+    """The request on JSON-lines line `line_no` (its text with its line end), None for a
+    blank line."""
+    if not line.strip():
+        return None
+    row = load_json(f"{path}:{line_no}", line, "JSON request")
+    if not isinstance(row, dict):
+        raise FormatError(f"{path}:{line_no}: a request must be a JSON object")
+    return _parse_row(path, line_no, row)
+
+
+# The JSON-lines block reader's grammar for the common line, a flat object of plain values:
+# a number with no sign, a string with no escape or control character, null, and for a key
+# metrale does not read also a sign, true and false, and at most 100 integer digits (JSON reads
+# 4,301 as an error; a column metrale reads gives such a number inf, which is refused after).
+# A line the pattern does not take whole goes to `json`.
+_NUMBER = r"(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
+_CHARS = r'[^"\\\x00-\x1f]*'
+_VALUES = {
+    "timestamp": f"({_NUMBER})",
+    # null and "" alike: the base model. A name with blanks at either end is left to `json`
+    # (read stripped), so that the names captured need no strip.
+    "adapter": f'(?:"(?!\\s)({_CHARS})(?<!\\s)"|null)',
+    **{key: f"(?:({_NUMBER})|null)"  # null: not given
+       for key in ("input_tokens", "output_tokens", "duration", RANK_COLUMN)},
+}
+_BOUNDED_NUMBER = r"-?(?:0|[1-9][0-9]{0,99})(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
+_OTHER_VALUE = f'(?:{_BOUNDED_NUMBER}|"{_CHARS}"|true|false|null)'
+# (between members, between a key and its value, around the object): json.dumps' default
+# separators, its compact ones, then any of JSON's blanks within a line (the slowest to match).
+_WS = r"[ \t]*"
+_STYLES = ((", ", ": ", ""), (",", ":", ""), (f"{_WS},{_WS}", f"{_WS}:{_WS}", _WS))
+
+
+@functools.lru_cache(maxsize=64)
+def _jsonl_pattern(keys: tuple[str, ...], style: int) -> re.Pattern[str] | None:
+    """A regular expression that takes one line and its `\n`: either the flat object of `keys`
+    in this order, spaced as _STYLES[style] (a group per column metrale reads, in key order,
+    the timestamp's never empty), or any other line (every group empty). None where a key is not
+    written plain, or the line reader needs one metrale reads that `keys` lacks."""
+    if "timestamp" not in keys or "adapter" not in keys:
+        return None
+    items, colon, around = _STYLES[style]
+    parts = []
+    for key in keys:
+        if json.dumps(key, ensure_ascii=False) != f'"{key}"':
+            return None  # a key JSON writes with escapes: the pattern would not be its text
+        parts.append(f'"{re.escape(key)}"{colon}{_VALUES.get(key, _OTHER_VALUE)}')
+    body = items.join(parts)
+    return re.compile(f"(?:{around}\\{{{around}{body}{around}\\}}{around}\\r?|[^\\n]*)\\n")
+
+
+def _block_pattern(path: Path, lines: list[str], first: int) -> tuple[
+        tuple[str, ...], re.Pattern[str] | None]:
+    """The keys, in order, of the block's first request line, and the first of their
+    patterns (`_jsonl_pattern`) that takes that line; no pattern where the line reader reads
+    that line with an error (it names the error) or none takes it."""
+    for k, line in enumerate(lines):
+        if line.strip():
+            try:
+                row = load_json(f"{path}:{first + k}", line, "JSON request")
+            except FormatError:
+                break
+            if not isinstance(row, dict):
+                break
+            keys = tuple(row)
+            for style in range(len(_STYLES)):
+                pattern = _jsonl_pattern(keys, style)
+                if pattern is None:
+                    break
+                read = [key for key in keys if key in _VALUES]
+                if pattern.match(line + "\n").group(read.index("timestamp") + 1):
+                    return keys, pattern
+            break
+    return (), None
+
+
+def _plain_jsonl_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
+    """(columns, blank lines so far, bytes read) per block of TRACE_CHUNK lines of a plain
+    JSON-lines file (`_plain_blocks`): the lines of the shape of the block's first request
+    (`_block_pattern`) are read by one regular expression over the block and converted a
+    column at a time; every other line, and a line whose values are out of bounds, is read as
+    the line reader reads it (`_jsonl_row`), in line order, so a bad line is named with the
+    same error. A block of only blank lines counts toward the bound as the line reader's
+    chunks do (one of TRACE_CHUNK lines, not the file's last)."""
+    blank = 0
+    first = 1  # the line number of the block's first line
+    for _, text, done in _plain_blocks(path):
+        if first == 1:
+            text = text.removeprefix("\ufeff")  # as the line reader's utf-8-sig
+        ended = text.endswith("\n")
+        lines = (text[:-1] if ended else text).split("\n") if text else []
+        keys, pattern = _block_pattern(path, lines, first)
+        columns, blanks = _jsonl_columns(path, lines, first, ended, keys, pattern)
+        blank += blanks
+        if len(lines) > blanks or len(lines) == TRACE_CHUNK:
+            yield columns, blank, done
+        first += len(lines)
+
+
+def _jsonl_columns(path: Path, lines: list[str], first: int, ended: bool,
+                   keys: tuple[str, ...], pattern: re.Pattern[str] | None) -> tuple[
+                       Columns, int]:
+    """(columns, blank lines) of JSON-lines `lines` (without their `\\n`; the last had one if
+    `ended`), the first on line `first`; the lines `pattern` takes (objects of `keys`) read
+    by it, the others by `_jsonl_row`."""
+    n = len(lines)
+    arrival, duration = np.full(n, np.nan), np.full(n, np.nan)
+    inputs, outputs, rank = (np.zeros(n, dtype=np.int64) for _ in range(3))
+    names = [""] * n
+    fast = np.zeros(n, dtype=bool)
+    if pattern is not None and n:
+        cells = dict(zip([k for k in keys if k in _VALUES],
+                         zip(*pattern.findall("\n".join(lines) + "\n"), strict=True),
+                         strict=True))
+
+        def filled(key: str, default: str) -> tuple[str, ...]:
+            """Column `key`, `default` for null and on the lines not taken (empty)."""
+            column: tuple[str, ...] = cells[key]
+            return tuple(c or default for c in column) if "" in column else column
+
+        # Past float64, as `json` reads it too: inf, refused. A line not taken: NaN.
+        arrival[:] = np.array(filled("timestamp", "nan"), dtype=np.float64)
+        fast = np.isfinite(arrival)
+        if "duration" in cells:
+            duration[:] = np.array(filled("duration", "nan"), dtype=np.float64)
+            fast &= ~np.isinf(duration)  # NaN: not given
+        for key, column in (("input_tokens", inputs), ("output_tokens", outputs),
+                            (RANK_COLUMN, rank)):
+            if key in cells:
+                try:  # JSON integers, the common case: read as int64 at thrice the speed
+                    column[:] = np.array(filled(key, "0"), dtype=np.int64)
+                    fast &= column < MAX_TOKENS
+                    continue
+                except (ValueError, OverflowError):  # a fraction or an exponent; past int64
+                    pass
+                values = np.array(filled(key, "0"), dtype=np.float64)
+                whole = (values == np.floor(values)) & (values < MAX_TOKENS)
+                fast &= whole
+                column[:] = np.where(whole, values, 0)
+        names = list(cells["adapter"])
+    blank = np.zeros(n, dtype=bool)
+    for k in np.flatnonzero(~fast).tolist():
+        line = lines[k] + ("\n" if k < n - 1 or ended else "")
+        row = _jsonl_row(path, first + k, line)
+        if row is None:
+            blank[k] = True
+            continue
+        arrival[k], names[k], inputs[k], outputs[k], duration[k], rank[k] = row
+    if blank.any():
+        keep = ~blank
+        names = [name for name, b in zip(names, blank.tolist(), strict=True) if not b]
+        arrival, inputs, outputs, duration, rank = (
+            c[keep] for c in (arrival, inputs, outputs, duration, rank))
+    return (arrival, names, inputs, outputs, duration, rank), int(blank.sum())
 
 
 def _parse_row(path: Path, line: int,
@@ -515,6 +685,8 @@ def _parse_row(path: Path, line: int,
             x = float(value)
         except (TypeError, ValueError):
             raise FormatError(f"{where}: {key} {value!r} is not a number") from None
+        except OverflowError:  # an integer past float64 (JSON reads up to 4,300 digits)
+            x = math.inf
         if not math.isfinite(x) or x < 0:
             raise FormatError(f"{where}: {key} {value!r} must be a finite number >= 0")
         return x
