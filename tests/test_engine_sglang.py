@@ -601,6 +601,58 @@ def test_source_rules_hold_to_the_installed_source(rule: sglang.SourceRule) -> N
     assert rule.line in text, f"{rule.file} {rule.function} no longer says {rule.line!r}"
 
 
+@pytest.mark.sglang
+def test_the_transformers_backend_rules_hold_to_the_source() -> None:
+    """rules.py's Transformers-backend rule (`hf_backbone_judgement`), each line it rests on:
+    the wrap by last name, the backbone's 3-D input, and the GPU kernels' 2-D assertion (the
+    torch_native kernel's error is run in `test_first_batches_fail_where_sglang_fails`)."""
+    kernels = SGLANG_SRC.parent / "kernels" / "ops" / "lora" / "dense"
+    for path, function, line in (
+            ("lora/lora_manager.py", "LoRAManager.init_lora_modules",
+             "parts[-1] in self.target_modules"),
+            ("models/transformers.py", "TransformersBase._run_hf_backbone",
+             "hf_input_ids = None if input_ids is None else input_ids[None, ...]"),
+            ("models/transformers.py", "replace_linear_class", "return super().forward(input)[0]"),
+            ("lora/layers.py", "get_lora_layer", "RowParallelLinear: RowParallelLinearWithLoRA")):
+        assert line in _function_source(path, function), (path, function, line)
+    for kernel, function in (("chunked_sgmv_shrink.py", "chunked_sgmv_lora_shrink_forward"),
+                             ("sgemm_lora_a.py", "sgemm_lora_a_fwd")):
+        text = (kernels / kernel).read_text()
+        node = next(n for n in ast.parse(text).body
+                    if isinstance(n, ast.FunctionDef) and n.name == function)
+        assert "assert len(x.shape) == 2" in (ast.get_source_segment(text, node) or ""), kernel
+    assert {b for b, (kind, _) in sglang.HF_BACKBONE_ERRORS.items()
+            if kind == "AssertionError"} == {"csgmv", "triton"}
+
+
+# Imports transformers' model classes: 5-9 s.
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_each_rows_classes_are_sglangs_registry() -> None:
+    """A row's `architectures` are classes SGLang registers (a models/*.py `EntryClass`); its
+    `transformers` names are none it registers, but transformers' own classes, which SGLang's
+    registry sends to its Transformers backend."""
+    import transformers
+
+    registered: set[str] = set()
+    for path in (SGLANG_SRC / "models").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets):
+                value = node.value
+                names = value.elts if isinstance(value, ast.List) else [value]
+                registered |= {n.id for n in names if isinstance(n, ast.Name)}
+    assert "TransformersForCausalLM" in registered
+    rows = sglang_model.FAMILIES.values()
+    for row in rows:
+        assert not set(row.transformers) & registered, row.model_type
+        assert all(hasattr(transformers, name) for name in row.transformers), row.model_type
+    fallback = {row.model_type for row in rows if row.transformers}
+    assert fallback == {"seed_oss", "smollm3", "ministral", "ernie4_5"}
+    for row in rows:
+        assert set(row.architectures) <= registered, row.model_type
+
+
 def test_docs_list_every_source_rule() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "engines.md").read_text()
     section = doc.split("### SGLang: what each adapter meets", 1)[1].split("\n## ", 1)[0]
