@@ -97,6 +97,10 @@ JOBS: dict[str, Job] = {
     ]),
     "qwen3_moe": Job("qwen3_moe", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
                      [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
+    # Llama 4's interleaved MoE and dense layers (feed_forward: router, shared expert, experts):
+    # the engine starts (buffers checked), and its fused-MoE LoRA has no CPU kernel.
+    "llama4": Job("llama4", FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,
+                                                 "target_modules": ATTN})]),
     "qwen3_5": Job("qwen3_5", {"max_lora_rank": 16, "max_loras": 2, "dtype": "bfloat16"},
                    [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
     # The families' classes, one engine each: phi3.py packs qkv_proj and gate_up_proj as

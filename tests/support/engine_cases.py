@@ -62,6 +62,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _DENSE),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _DENSE),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", _DENSE),
+    # Layer 0 a dense MLP, layer 1 routed experts beside a shared expert (the interleave step);
+    # one attention chunk spans the whole context (vLLM's chunked attention takes a chunk that
+    # is a multiple of its 128-token block).
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               {**_DENSE, "intermediate_size": 32, "intermediate_size_mlp": 96,
+                "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                "attention_chunk_size": 128, "no_rope_layers": [1, 0],
+                "layer_types": ["chunked_attention", "full_attention"]}),
 }
 
 

@@ -154,7 +154,7 @@ def _weight_errors(report: AdapterReport, expected: set[str], model: ModelConfig
 
 def _moe_format_error(report: AdapterReport, modules: list[EngineModule]) -> tuple[str, str] | None:
     """The GPU build's 2-D fused-MoE wrapper refuses PEFT's fused 3-D expert weights."""
-    two_d = {m.path for m in modules if m.kind is Kind.EXPERTS}
+    two_d = {m.path for m in modules if m.kind in (Kind.EXPERTS, Kind.EXPERTS_UP)}
     # Only weights at the wrapper's own path reach it (Mixtral's `mlp.experts` does not).
     fused = sorted({k.module_key for k in report.adapter.keys if k.layer is not None
                     and k.sub.removesuffix(".base_layer") in two_d
