@@ -383,11 +383,14 @@ def reason(got: Judgement) -> str:
         loads = ("named in --lora-paths it loads" if got.path == "startup"
                  else "POST /load_lora_adapter loads it")
         if got.reason_class == "hf_backbone_forward":
+            # The GPU kernels' bare assert has no text: its line says what failed.
+            raised = (f"{got.batch_error_type}: {got.batch_error}" if got.batch_error else
+                      f"{got.batch_error_type} (assert len(x.shape) == 2)")
             return (f"{loads}, and the first forward pass fails: SGLang builds its "
                     "Transformers backend for this model (no class of its own), whose "
                     "LoRA-wrapped o_proj/down_proj (RowParallelLinearWithLoRA) are handed HF's "
                     "(1, tokens, hidden) input where SGLang's LoRA kernels take (tokens, "
-                    f"hidden): the kernel raises {got.batch_error_type}: {got.batch_error}, "
+                    f"hidden): the kernel raises {raised}, "
                     "taking the scheduler and the server down whatever adapter the batch "
                     "names")
         return (f"{loads}, and the first batch naming it fails copying it into a pool slot "

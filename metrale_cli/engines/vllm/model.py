@@ -205,7 +205,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # blocks, a non-gated MLP (up_proj, down_proj) on the MLP blocks, Mamba-2 mixers (in_proj,
     # conv1d, out_proj) and non-gated MoE (experts, shared experts; no router LoRA) beside them.
     VllmFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"),
-               "nemotron_h.py NemotronHForCausalLM", "source", _EMBED_HEAD,
+               "nemotron_h.py NemotronHForCausalLM", "run", _EMBED_HEAD,
                (("qkv_proj", ("q_proj", "k_proj", "v_proj")),), blocks=True),
 )}
 

