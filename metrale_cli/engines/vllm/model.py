@@ -99,9 +99,9 @@ class VllmFamily:
     moe_step: str = ""
     # One block a layer, its `mixer` of the layer's kind (nemotron_h.py): `_block_modules`.
     blocks: bool = False
-    # Why `engine_modules` (llama-shaped layers, GDN, Qwen-style MoE) does not model this
-    # class's LoRA layers, so that vLLM's bytes and verdicts are refused, not guessed; "" when
-    # it does.
+    # Why `engine_modules` (llama-shaped layers, GDN, Qwen- and Llama-4-style MoE, nemotron_h's
+    # blocks) does not model this class's LoRA layers, so that vLLM's bytes and verdicts are
+    # refused, not guessed; "" when it does.
     unmodelled: str = ""
 
     def packs(self, fused: str) -> tuple[str, ...]:
