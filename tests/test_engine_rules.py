@@ -291,3 +291,156 @@ def test_phi3_fused_layers_take_one_slice_each_under_tp() -> None:
     assert modules["mlp.gate_up_proj"].buffers(1, 64, 2, False) == [
         ("lora_a", (1, 1, 64, 3072)), ("lora_b", (1, 1, 8192, 64))]
     assert vllm.target_modules(model, "qkv_proj,gate_up_proj") == ("qkv_proj", "gate_up_proj")
+
+
+def _function(file: str, qualname: str) -> str:
+    """The source of `qualname` (a function, a class, or Class.method) in vllm/`file`."""
+    text = (VLLM_MODELS.parent.parent / file).read_text()
+    node: Any = ast.parse(text)
+    for part in qualname.split("."):
+        node = next(n for n in ast.iter_child_nodes(node)
+                    if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part)
+    return ast.get_source_segment(text, node) or ""
+
+
+_L4 = "model_executor/models/llama4.py"
+_NH = "model_executor/models/nemotron_h.py"
+_MAMBA = "model_executor/layers/mamba/mamba_mixer2.py"
+# The lines each rule of a family's row rests on: (family, what the row says, file under
+# vllm/, function or class, the line).
+ROW_RULES = (
+    ("llama4", "moe_step: MoE layers every interleave_moe_layer_step, no list read", _L4,
+     "Llama4DecoderLayer.__init__",
+     "and (self.layer_idx + 1) % config.interleave_moe_layer_step == 0"),
+    ("llama4", "mlp_block: the dense MLP is `feed_forward`", _L4,
+     "Llama4DecoderLayer.__init__", 'prefix=f"{prefix}.feed_forward",'),
+    ("llama4", "the dense MLP is intermediate_size_mlp wide", _L4,
+     "Llama4DecoderLayer.__init__", "intermediate_size=config.intermediate_size_mlp,"),
+    ("llama4", "router: the MoE block's router is `router`, a GateLinear", _L4,
+     "Llama4MoE.__init__", "self.router = GateLinear("),
+    ("llama4", "a GateLinear is a ReplicatedLinear (ReplicatedLinearWithLoRA)",
+     "model_executor/layers/fused_moe/router/gate_linear.py", "GateLinear",
+     "class GateLinear(ReplicatedLinear):"),
+    ("llama4", "shared_expert_gate=False: the shared expert is a LlamaMLP, no gate", _L4,
+     "Llama4MoE.__init__", "self.shared_expert = LlamaMLP("),
+    ("llama4", "experts and shared expert are intermediate_size wide", _L4,
+     "Llama4MoE.__init__", "intermediate_size_moe = config.intermediate_size"),
+    ("nemotron_h", "blocks: a Mamba layer's mixer is MambaMixer2", _NH,
+     "NemotronHMambaDecoderLayer.__init__", "self.mixer = MambaMixer2("),
+    ("nemotron_h", "the Mamba inner width is mamba_num_heads * mamba_head_dim", _NH,
+     "NemotronHMambaDecoderLayer.__init__",
+     "intermediate_size=config.mamba_num_heads * config.mamba_head_dim,"),
+    ("nemotron_h", "in_proj: five slices (z, x, B, C, dt), a merged column", _MAMBA,
+     "MambaMixer2.__init__", "self.in_proj = MergedColumnParallelLinear("),
+    ("nemotron_h", "conv1d: three slices (x, B, C) over the kernel taps", _MAMBA,
+     "MambaMixer2.__init__", "self.conv1d = MergedColumnParallelLinear("),
+    ("nemotron_h", "B and C are n_groups * ssm_state_size wide", _MAMBA, "MambaMixer2.__init__",
+     "self.groups_ssm_state_size = self.n_groups * self.ssm_state_size"),
+    ("nemotron_h", "a merged column of 3+ slices, one adapter name: a LoRA slice per slice",
+     "lora/layers/column_parallel_linear.py",
+     "MergedColumnParallelLinearVariableSliceWithLoRA.can_replace_layer",
+     "and len(source_layer.output_sizes) >= 3"),
+    ("nemotron_h", "out_proj is row-parallel", _MAMBA, "MambaMixer2.__init__",
+     "self.out_proj = RowParallelLinear("),
+    ("nemotron_h", "the MLP blocks are non-gated: up_proj, down_proj", _NH,
+     "NemotronHMLP.__init__", "self.up_proj = ColumnParallelLinear("),
+    ("nemotron_h", "the MoE is non-gated", _NH, "NemotronHForCausalLM",
+     "is_non_gated_moe = True"),
+    ("nemotron_h", "EXPERTS_UP: a non-gated MoE's wrapper has one w13 slice",
+     "lora/layers/fused_moe.py", "FusedMoEWithLoRA.__init__",
+     "self._w13_slices = 2 if base_layer.moe_config.is_act_and_mul else 1"),
+    ("nemotron_h", "no router LoRA: mixer.gate skipped on a non-gated MoE",
+     "lora/model_manager.py", "LoRAModelManager._create_lora_modules",
+     'if self._is_non_gated_moe and module_name.endswith("mixer.gate"):'),
+    ("nemotron_h", "the shared experts are `mixer.shared_experts`", _NH, "NemotronHMoE.__init__",
+     'prefix=f"{prefix}.shared_experts",'),
+    ("nemotron_h", "shared experts moe_shared_expert_intermediate_size * n_shared_experts", _NH,
+     "NemotronHMoE.__init__",
+     "config.moe_shared_expert_intermediate_size * config.n_shared_experts"),
+    ("nemotron_h", "with moe_latent_size, the experts run at the latent width", _NH,
+     "NemotronHMoE.__init__", "hidden_size=self.moe_hidden_size,"),
+    ("nemotron_h", "fc1_latent_proj / fc2_latent_proj are ReplicatedLinear", _NH,
+     "NemotronHMoE.__init__", "self.fc1_latent_proj = ReplicatedLinear("),
+)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("rule", ROW_RULES, ids=lambda r: f"{r[0]}: {r[1]}")
+def test_each_row_rule_is_the_line_it_cites(rule: tuple[str, str, str, str, str]) -> None:
+    family, _, file, function, line = rule
+    assert family in VLLM_FAMILIES
+    assert line in _function(file, function), (file, function, line)
+
+
+@pytest.mark.vllm
+def test_llama4_experts_take_the_2d_wrapper() -> None:
+    """No class of Llama4ForCausalLM's chain sets is_3d_moe_weight: the 2-D FusedMoEWithLoRA
+    (lora/model_manager.py `_is_3d_moe_model`), as the row models (experts_3d=False)."""
+    chain = _class_chain("llama4.py", "Llama4ForCausalLM")
+    assert _declared(chain, "is_3d_moe_weight") is None
+    assert not VLLM_FAMILIES["llama4"].experts_3d
+
+
+# Builds a PEFT Llama 4 model in its call: several seconds.
+@pytest.mark.slow
+def test_llama4_layers_are_the_ones_vllm_wraps(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Llama 4 under --engine vllm: attention on every layer, the dense `feed_forward` MLP on
+    the layers between MoE ones, and on the MoE layers the router, the shared expert's packed
+    gate|up and its down (LlamaMLP) and the 2-D fused experts; a PEFT adapter on the attention,
+    both MLPs and the router is served whole (the shared expert's gate_proj/up_proj/down_proj
+    are leaf names vLLM expects)."""
+    truth = peft_zoo.adapter("llama4", r=8, lora_alpha=16,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                             "up_proj", "down_proj", "router"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    moe = tuple(model.moe_layers)
+    dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)
+    assert moe and dense
+    every = tuple(range(model.num_hidden_layers))
+    got = {m.path: (m.kind, m.layers) for m in vllm.engine_modules(model)}
+    K = vllm.Kind
+    assert got == {
+        "self_attn.qkv_proj": (K.QKV, every), "self_attn.o_proj": (K.ROW, every),
+        "feed_forward.gate_up_proj": (K.COLUMN, dense), "feed_forward.down_proj": (K.ROW, dense),
+        "feed_forward.router": (K.REPLICATED, moe), "feed_forward.experts": (K.EXPERTS, moe),
+        "feed_forward.shared_expert.gate_up_proj": (K.COLUMN, moe),
+        "feed_forward.shared_expert.down_proj": (K.ROW, moe),
+        "embed_tokens": (K.EMBEDDING, ()), "lm_head": (K.LOGITS, ())}
+    widths = {m.path: m.out_sizes for m in vllm.engine_modules(model)}
+    assert widths["feed_forward.gate_up_proj"] == (model.intermediate_size_mlp,) * 2
+    assert widths["feed_forward.shared_expert.gate_up_proj"] == (model.intermediate_size,) * 2
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.SERVES, verdict.reason
+    assert all(m.served for m in verdict.modules)
+    assert {m.module for m in verdict.modules} >= {"feed_forward.router",
+                                                    "feed_forward.shared_expert.gate_proj"}
+
+
+# Builds a PEFT Nemotron-H model in its call: several seconds.
+@pytest.mark.slow
+def test_nemotron_h_blocks_are_the_ones_vllm_wraps(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Nemotron-H under --engine vllm, one block a layer: a PEFT adapter on the attention
+    block, the MLP block and the Mamba block's in_proj is served whole (PEFT's one in_proj pair
+    over vLLM's five slices); the MoE block's experts are the non-gated wrapper's (one w13
+    slice) and its router takes no LoRA."""
+    truth = peft_zoo.adapter("nemotron_h", r=8, lora_alpha=16,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                             "mixer.up_proj", "mixer.down_proj", "in_proj"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    kinds = {m.path: (m.kind, m.layers) for m in vllm.engine_modules(model)}
+    K = vllm.Kind
+    mamba, attn, mlp, moe = ((i,) for i in range(4))  # the tiny model's blocks, in order
+    assert kinds == {
+        "mixer.in_proj": (K.COLUMN, mamba), "mixer.conv1d": (K.COLUMN, mamba),
+        "mixer.out_proj": (K.ROW, mamba), "mixer.qkv_proj": (K.QKV, attn),
+        "mixer.o_proj": (K.ROW, attn), "mixer.up_proj": (K.COLUMN, mlp),
+        "mixer.down_proj": (K.ROW, mlp), "mixer.experts": (K.EXPERTS_UP, moe),
+        "mixer.shared_experts.up_proj": (K.COLUMN, moe),
+        "mixer.shared_experts.down_proj": (K.ROW, moe),
+        "embed_tokens": (K.EMBEDDING, ()), "lm_head": (K.LOGITS, ())}
+    experts = next(m for m in vllm.engine_modules(model) if m.path == "mixer.experts")
+    assert [n for n, _ in experts.buffers(2, 8, 1, False)] == [
+        "w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b"]
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.SERVES, verdict.reason
+    assert {m.module for m in verdict.modules if m.served} >= {"mixer.in_proj", "mixer.up_proj"}

@@ -85,6 +85,17 @@ ADAPTERS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3_fused": ("phi3", {"r": 4, "lora_alpha": 8}),
     "phi3_qkv": ("phi3", {"r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj"]}),
     "glm4_fused": ("glm4", {"r": 4, "lora_alpha": 8}),
+    # Families SGLang has no class for: its Transformers backend around the HF model. Each
+    # family's every-module adapter (o_proj and down_proj wrapped: the first forward fails)
+    # and a q/v one (nothing wrapped: ignored); lm_head is wrapped as on a native class.
+    **{f"{family}_{kind}": (family, {"r": 4, "lora_alpha": 8, **kwargs})
+       for family in ("seed_oss", "smollm3", "ministral", "ernie4_5")
+       for kind, kwargs in (("plain", {}), ("qv", {"target_modules": ["q_proj", "v_proj"]}))},
+    "seed_oss_head": ("seed_oss", {"r": 4, "lora_alpha": 8,
+                                   "target_modules": ["q_proj", "v_proj", "lm_head"]}),
+    # ERNIE 4.5 under SGLang's own class name (models/ernie4.py): a Llama-shaped class.
+    "ernie4_5_native": ("ernie4_5", {"r": 4, "lora_alpha": 8,
+                                     "architecture": "Ernie4_5_ForCausalLM"}),
 }
 
 # Each job: one server. "flags": --max-lora-rank / --lora-target-modules.
@@ -108,6 +119,15 @@ JOBS: dict[str, dict[str, Any]] = {
     "olmo2": {"startup": ["olmo2_plain"]},
     "phi3": {"startup": ["phi3_fused"], "runtime": ["phi3_qkv"]},
     "glm4": {"startup": ["glm4_fused"]},
+    # The Transformers backend: a pool of q/v (and lm_head) serves nothing of q/v, and refuses
+    # an every-module adapter at runtime (o_proj is outside it); a pool with o_proj/down_proj
+    # fails its first forward.
+    "seed_oss": {"startup": ["seed_oss_qv", "seed_oss_head"], "runtime": ["seed_oss_plain"]},
+    **{family: {"startup": [f"{family}_qv"], "runtime": [f"{family}_plain"]}
+       for family in ("smollm3", "ministral", "ernie4_5")},
+    **{f"{family}_all": {"startup": [f"{family}_plain"]}
+       for family in ("seed_oss", "smollm3", "ministral", "ernie4_5")},
+    "ernie4_5_native": {"startup": ["ernie4_5_native"]},
     "startup_dora": {"startup": ["plain", "dora"]},
     "startup_regex": {"startup": ["regex"]},
     "startup_layer_replication": {"startup": ["layer_replication"]},
@@ -120,7 +140,11 @@ JOBS: dict[str, dict[str, Any]] = {
 }
 
 # The families' jobs: SGLang's own LoRA code on their PEFT adapters.
-FAMILY_JOBS = ("gemma3", "granite", "cohere", "olmo2", "phi3", "glm4")
+FAMILY_JOBS = ("gemma3", "granite", "cohere", "olmo2", "phi3", "glm4", "seed_oss", "smollm3",
+               "ministral", "ernie4_5", "ernie4_5_native")
+# The jobs whose model SGLang builds on its Transformers backend.
+HF_BACKBONE_JOBS = ("seed_oss", "smollm3", "ministral", "ernie4_5", "seed_oss_all",
+                    "smollm3_all", "ministral_all", "ernie4_5_all")
 
 # The tests that read the runner's answers; the source rules need only the installed files.
 _RUN = [pytest.mark.sglang, pytest.mark.proc, pytest.mark.slow]
@@ -141,7 +165,12 @@ def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         kwargs = dict(kwargs)
         rewrite = kwargs.pop("config", None)
         tokens = kwargs.pop("added_tokens", None)
+        architecture = kwargs.pop("architecture", None)
         made[name] = make_adapter(model, tmp / name, seed=seed, **kwargs)
+        if architecture:
+            base_config = made[name].base_dir / "config.json"
+            base_config.write_text(json.dumps({**json.loads(base_config.read_text()),
+                                               "architectures": [architecture]}))
         if tokens:
             (made[name].path / "added_tokens.json").write_text(json.dumps(tokens))
         if rewrite:
@@ -179,7 +208,9 @@ def _judge(run: dict[str, Any], job: str, name: str, path: str) -> sglang.Judgem
     base = json.loads((truth.base_dir / "config.json").read_text())
     return sglang.judge(name, _config(truth), _shapes(truth), pool=_pool(run, job), path=path,
                         added_tokens=sglang.added_tokens(truth.path, base["vocab_size"]),
-                        num_hidden_layers=base["num_hidden_layers"])
+                        num_hidden_layers=base["num_hidden_layers"],
+                        hf_backbone=sglang_model.hf_backbone(ModelConfig.from_hf(truth.base_dir)),
+                        lora_backend="torch_native")  # the runner's backend
 
 
 @_runs
@@ -246,7 +277,31 @@ def test_first_batches_fail_where_sglang_fails(sglang_run: dict[str, Any]) -> No
                 crashes.add((job, entry["name"]))
     assert crashes == {("llama", "v_only"), ("llama", "rank_pattern_o"),
                        ("llama", "modules_to_save_in_layer"), ("llama_all", "rank_pattern_o"),
-                       ("startup_rank_above", "plain")}
+                       ("startup_rank_above", "plain"),
+                       *((f"{f}_all", f"{f}_plain")
+                         for f in ("seed_oss", "smollm3", "ministral", "ernie4_5"))}
+
+
+@_runs
+def test_the_class_sglang_builds_is_the_rows(sglang_run: dict[str, Any]) -> None:
+    """SGLang's own class resolution (get_model_architecture) picks its Transformers backend
+    exactly where metrale's family row says (`hf_backbone`), and there its LoRA manager wraps
+    the pool's targets but qkv_proj and gate_up_proj, which name no module of the HF model; an
+    adapter that reaches only those is `ignores`, one with lm_head beside them `differs`."""
+    for job, report in sglang_run["jobs"].items():
+        base = sglang_run["made"][JOBS[job]["startup"][0]].base_dir
+        backbone = report["model_class"].startswith("Transformers")
+        assert sglang_model.hf_backbone(ModelConfig.from_hf(base)) == backbone, job
+        assert backbone == (job in HF_BACKBONE_JOBS), (job, report["model_class"])
+        if backbone:
+            assert report["wrapped"] == sorted(
+                set(report["target_modules"]) - sglang.HF_BACKBONE_UNWRAPPED), job
+    assert sglang_run["jobs"]["ernie4_5_native"]["model_class"] == "Ernie4_5_ForCausalLM"
+    for name, verdict in (("seed_oss_qv", Verdict.IGNORES), ("seed_oss_head", Verdict.DIFFERS),
+                          ("smollm3_qv", Verdict.IGNORES), ("ernie4_5_native", Verdict.SERVES)):
+        job = next(j for j, spec in JOBS.items() if spec["startup"][0] == name
+                   or name in spec["startup"])
+        assert _judge(sglang_run, job, name, "startup").verdict is verdict, name
 
 
 @_runs
@@ -292,7 +347,8 @@ def _sglang_buffer(tensor: str) -> str | None:
 def test_the_slot_holds_peft_lora_weights_and_nothing_else(sglang_run: dict[str, Any]) -> None:
     """After the first batch each pool buffer's slot holds exactly the LoRA A/B tensors PEFT
     applies for it (their absolute sums match): biases, modules_to_save and trainable tokens
-    are not there, as `differs` says, and nothing is scaled into B."""
+    are not there, as `differs` says, and nothing is scaled into B; on the Transformers
+    backend, nothing of q/k/v or gate/up either."""
     for job, report in sglang_run["jobs"].items():
         for entry in report["startup"] + report["runtime"]:
             if not (entry["accepted"] and entry["batch"]["ok"]):
@@ -313,6 +369,11 @@ def test_the_slot_holds_peft_lora_weights_and_nothing_else(sglang_run: dict[str,
                     if "lora_embedding" in key:
                         want[(_sglang_buffer(key), 0)] = float(
                             f.get_tensor(key).double().abs().sum())
+            if job in HF_BACKBONE_JOBS:
+                # A slot takes a layer's weights for the modules wrapped on it (mem_pool.py
+                # load_lora_weight_to_buffer): none named qkv_proj or gate_up_proj there.
+                want = {k: v for k, v in want.items()
+                        if k[0].split(".", 1)[-1] not in sglang.HF_BACKBONE_UNWRAPPED}
             for buffer, per_layer in entry["batch"]["mass"].items():
                 for layer, mass in enumerate(per_layer):
                     assert math.isclose(mass, want.get((buffer, layer), 0.0), rel_tol=1e-6,
@@ -449,7 +510,8 @@ def test_judge_takes_names_alone_and_audit_reports(sglang_run: dict[str, Any]) -
 
 def _inspect(run: dict[str, Any], names: list[str], flags: dict[str, Any]) -> dict[str, Any]:
     """`inspect --engine sglang --json` on the adapters under the runner's flags."""
-    given: list[object] = ["--max-loras", 4, "--dtype", "float32"]
+    given: list[object] = ["--max-loras", 4, "--dtype", "float32",
+                           "--lora-backend", "torch_native"]  # the runner's
     if flags.get("max_lora_rank") is not None:
         given += ["--max-rank", flags["max_lora_rank"]]
     if flags.get("lora_target_modules"):
@@ -470,7 +532,7 @@ def _agrees(path: dict[str, str], entry: dict[str, Any]) -> None:
         assert path["verdict"] == "crashes"
         assert f"raises {entry['batch']['error']['type']}: " in path["reason"]
     else:
-        assert path["verdict"] in ("serves", "differs")
+        assert path["verdict"] in ("serves", "differs", "ignores")
 
 
 @_runs
@@ -496,7 +558,7 @@ def test_inspect_engine_sglang_says_what_sglang_did(sglang_run: dict[str, Any]) 
         for entry in report["startup"]:
             _agrees(startup[entry["name"]], entry)
             paths_seen += 1
-        if all(p["verdict"] in ("serves", "differs") for p in startup.values()):
+        if all(p["verdict"] in ("serves", "differs", "ignores") for p in startup.values()):
             assert record["engine"]["pool"] == {"max_lora_rank": report["max_lora_rank"],
                                                 "target_modules": report["target_modules"]}
         if not report["runtime"]:
@@ -537,6 +599,58 @@ def _function_source(path: str, qualname: str) -> str:
 def test_source_rules_hold_to_the_installed_source(rule: sglang.SourceRule) -> None:
     text = _function_source(rule.file, rule.function)
     assert rule.line in text, f"{rule.file} {rule.function} no longer says {rule.line!r}"
+
+
+@pytest.mark.sglang
+def test_the_transformers_backend_rules_hold_to_the_source() -> None:
+    """rules.py's Transformers-backend rule (`hf_backbone_judgement`), each line it rests on:
+    the wrap by last name, the backbone's 3-D input, and the GPU kernels' 2-D assertion (the
+    torch_native kernel's error is run in `test_first_batches_fail_where_sglang_fails`)."""
+    kernels = SGLANG_SRC.parent / "kernels" / "ops" / "lora" / "dense"
+    for path, function, line in (
+            ("lora/lora_manager.py", "LoRAManager.init_lora_modules",
+             "parts[-1] in self.target_modules"),
+            ("models/transformers.py", "TransformersBase._run_hf_backbone",
+             "hf_input_ids = None if input_ids is None else input_ids[None, ...]"),
+            ("models/transformers.py", "replace_linear_class", "return super().forward(input)[0]"),
+            ("lora/layers.py", "get_lora_layer", "RowParallelLinear: RowParallelLinearWithLoRA")):
+        assert line in _function_source(path, function), (path, function, line)
+    for kernel, function in (("chunked_sgmv_shrink.py", "chunked_sgmv_lora_shrink_forward"),
+                             ("sgemm_lora_a.py", "sgemm_lora_a_fwd")):
+        text = (kernels / kernel).read_text()
+        node = next(n for n in ast.parse(text).body
+                    if isinstance(n, ast.FunctionDef) and n.name == function)
+        assert "assert len(x.shape) == 2" in (ast.get_source_segment(text, node) or ""), kernel
+    assert {b for b, (kind, _) in sglang.HF_BACKBONE_ERRORS.items()
+            if kind == "AssertionError"} == {"csgmv", "triton"}
+
+
+# Imports transformers' model classes: 5-9 s.
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_each_rows_classes_are_sglangs_registry() -> None:
+    """A row's `architectures` are classes SGLang registers (a models/*.py `EntryClass`); its
+    `transformers` names are none it registers, but transformers' own classes, which SGLang's
+    registry sends to its Transformers backend."""
+    import transformers
+
+    registered: set[str] = set()
+    for path in (SGLANG_SRC / "models").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets):
+                value = node.value
+                names = value.elts if isinstance(value, ast.List) else [value]
+                registered |= {n.id for n in names if isinstance(n, ast.Name)}
+    assert "TransformersForCausalLM" in registered
+    rows = sglang_model.FAMILIES.values()
+    for row in rows:
+        assert not set(row.transformers) & registered, row.model_type
+        assert all(hasattr(transformers, name) for name in row.transformers), row.model_type
+    fallback = {row.model_type for row in rows if row.transformers}
+    assert fallback == {"seed_oss", "smollm3", "ministral", "ernie4_5"}
+    for row in rows:
+        assert set(row.architectures) <= registered, row.model_type
 
 
 def test_docs_list_every_source_rule() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from metrale_cli.adapters.adapter import AdapterConfig
 from metrale_cli.cli.render import model_line
+from metrale_cli.engines.vllm.model import engine_modules as vllm_engine_modules
 from metrale_cli.errors import FormatError, UnsupportedModel
 from metrale_cli.layout.pipeline import plan_pool
 from metrale_cli.model.config import PRESETS, LayerType, ModelConfig
@@ -351,13 +352,31 @@ def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled(preset: str) -
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def test_vllm_refuses_nemotron_h_in_its_words(tmp_path: Path) -> None:
-    """vLLM's NemotronHForCausalLM takes LoRA (Mamba-2 in_proj/out_proj included), but its
-    layers by block kind are not metrale's llama-shaped model of vLLM: refused, not guessed."""
+def test_vllm_wraps_nemotron_h_by_block(tmp_path: Path) -> None:
+    """vLLM's NemotronHForCausalLM takes LoRA by block kind: the Mamba-2 mixers' in_proj (five
+    slices), conv1d (three) and out_proj, attention's qkv_proj/o_proj, the MLP blocks' up/down,
+    the MoE blocks' non-gated experts and shared experts; a TP that does not divide n_groups
+    builds other Mamba layers, which metrale refuses in one line."""
     (tmp_path / "config.json").write_text(json.dumps(_NEMOTRON_H_8B))
+    pattern = _NEMOTRON_H_8B["hybrid_override_pattern"]
+    on = {m.path: (m.layers, m.out_sizes) for m in vllm_engine_modules(ModelConfig.from_hf(
+        tmp_path))}
+    mamba = tuple(i for i, c in enumerate(pattern) if c == "M")
+    assert on["mixer.in_proj"] == (mamba, (8192, 8192, 1024, 1024, 128))
+    assert on["mixer.conv1d"] == (mamba, (8192, 1024, 1024))
+    assert on["mixer.qkv_proj"][0] == (7, 16, 25, 34, 39)
+    assert on["mixer.up_proj"][0] == tuple(i for i, c in enumerate(pattern) if c == "-")
+    assert on["mixer.experts"][0] == on["mixer.shared_experts.up_proj"][0] == (38,)
     done = metrale("layout", "-m", tmp_path, "--modules", "q_proj,o_proj", "--max-rank", 16,
-                   "--max-loras", 4, "--engine", "vllm")
-    assert done.code == 2 and "Mamba-2 mixers" in done.stderr
+                   "--max-loras", 4, "--engine", "vllm", "--json")
+    assert done.code == 0, done.stderr
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({**_NEMOTRON_H_8B,
+                                                   "hybrid_override_pattern": "M-M*"}))
+    done = metrale("layout", "-m", dense, "--modules", "q_proj,o_proj", "--max-rank", 16,
+                   "--max-loras", 4, "--engine", "vllm", "--tp", 16)
+    assert done.code == 2 and "n_groups" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     plain = metrale("layout", "-m", tmp_path, "--modules", "all", "--max-rank", 16, "--json")
     assert plain.code == 0, plain.stderr
@@ -375,13 +394,15 @@ def test_vllm_refuses_nemotron_h_in_its_words(tmp_path: Path) -> None:
 def test_llama4_s_moe_layers_list_matches_transformers(tmp_path: Path,
                                                        transformers_models: None) -> None:
     """`moe_layers` names the MoE layers over the interleave step; the rest are dense. vLLM's
-    Llama4ForCausalLM takes LoRA, but metrale does not model its layers: refused in one line."""
+    Llama4ForCausalLM reads the step alone (llama4.py Llama4DecoderLayer), so under --engine
+    vllm its experts sit on layers 1 and 3, its dense MLP on 0 and 2."""
     config = _tiny_config("llama4_text", {**META_CASES["llama4"][1], "moe_layers": [0, 3]})
     config.save_pretrained(tmp_path)
     model = ModelConfig.from_hf(tmp_path)
     assert model.moe_layers == [0, 3] and model.intermediate_size_mlp == 96
     assert _differences(model, _meta_model(config), _LLAMA4_MOE) == []
+    on = {m.path: m.layers for m in vllm_engine_modules(model)}
+    assert on["feed_forward.experts"] == (1, 3) and on["feed_forward.gate_up_proj"] == (0, 2)
     done = metrale("layout", "-m", tmp_path, "--modules", "q_proj", "--max-rank", 8,
-                   "--engine", "vllm")
-    assert done.code == 2 and "MoE layers interleaved" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
+                   "--engine", "vllm", "--json")
+    assert done.code == 0, done.stderr

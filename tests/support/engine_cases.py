@@ -29,6 +29,11 @@ _HYBRID = ["linear_attention", "full_attention"]
 _DENSE = {**_BASE, "num_hidden_layers": 2, "intermediate_size": 96, "pad_token_id": 0,
           "bos_token_id": 1, "eos_token_id": 2}
 
+_NEMOTRON_H = {**_DENSE, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1,
+               "ssm_state_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+               "n_group": 1, "topk_group": 1}
+
 # family -> (config class, model class, config kwargs)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
@@ -62,6 +67,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _DENSE),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _DENSE),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", _DENSE),
+    # Layer 0 a dense MLP, layer 1 routed experts beside a shared expert (the interleave step);
+    # one attention chunk spans the whole context (vLLM's chunked attention takes a chunk that
+    # is a multiple of its 128-token block).
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               {**_DENSE, "intermediate_size": 32, "intermediate_size_mlp": 96,
+                "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                "attention_chunk_size": 128, "no_rope_layers": [1, 0],
+                "layer_types": ["chunked_attention", "full_attention"]}),
+    # One block a layer: Mamba-2, attention, MLP; the MoE variant adds a non-gated MoE block.
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
+        **_NEMOTRON_H, "num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "mlp"]}),
+    "nemotron_h_moe": ("NemotronHConfig", "NemotronHForCausalLM", {
+        **_NEMOTRON_H, "num_hidden_layers": 4,
+        "layers_block_type": ["mamba", "attention", "mlp", "moe"]}),
 }
 
 

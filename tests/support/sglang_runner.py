@@ -19,7 +19,12 @@ reads its vocabulary shard from it, as a server's does); `parallel_lm_head` is a
 that and changes nothing.
 
 The engine cannot start on a CPU (no CPU `sgl_kernel`), so this builds the part of it that
-LoRA touches from SGLang's own classes: a base model whose decoder layers are SGLang's own
+LoRA touches from SGLang's own classes. First it asks SGLang which class it builds for the
+model (model_loader/utils.py `get_model_architecture`, reported as `model_class`). Where that is
+its Transformers backend (`TransformersForCausalLM`: no class of SGLang's own for the config's
+architecture), it builds that class itself, SGLang's code around the HF model, as one rank of
+one (its pipeline and tensor-parallel groups stated as such). Else it builds a base model whose
+decoder layers are SGLang's own
 `QKVParallelLinear`, `RowParallelLinear`, `MergedColumnParallelLinear`, `VocabParallelEmbedding`
 and `ParallelLMHead` (named as SGLang's Llama/Qwen2/Qwen3/Mistral classes name them, with no
 `get_hidden_dim` of their own: SGLang's default dims, right for those dense families), and a
@@ -34,13 +39,19 @@ runtime adapter goes through `_load_lora_adapter` against the running pool (a fa
 HTTP 400 answer; the server keeps serving), and each
 loaded adapter (at TP 1) through its first batch: `fetch_new_loras`, which copies it into a
 pool slot (`LoRAMemoryPool.prepare_lora_batch` / `load_lora_weight_to_buffer`); an error there
-is raised in the scheduler's forward step. With `batches`, those run first, in turn.
+is raised in the scheduler's forward step. On the Transformers backend the batch then runs one
+forward pass of the HF backbone as `_run_hf_backbone` shapes it (one token, a batch dimension of
+1), with HF's eager attention in place of SGLang's RadixAttention (which needs a server's
+forward batch): the LoRA-wrapped layers see the input they see in a server, and an error there
+is the first batch's. With `batches`, those run first, in turn.
 
 OUT per job: per adapter accepted or the error's class and text; the scaling its `LoRAAdapter`
 holds; its normalised target modules; the weight names it kept per layer and off the layers;
 its first batch (ok, or the error's class and text) and, per pool buffer and layer, the sum of
 absolute values its slot holds, and one decode step's output delta through each wrapped layer
-(its input too). Then the server's target set and rank, and the pool's buffers:
+(its input too; none on the Transformers backend, whose forward is the backbone's). Then the
+class SGLang builds, the modules its LoRA manager wrapped (their last names), the server's
+target set and rank, and the pool's buffers:
 every A/B tensor's name, layer, shape and bytes, and their total. One JOB alone in, its report
 alone out.
 """
@@ -100,6 +111,32 @@ def _publish(job: dict[str, Any]) -> Any:
     # This process is rank 0 of its tensor-parallel group (the pool's shapes are per rank).
     get_parallel().override_permanently(tp_rank=0)
     return args
+
+
+def _model_class(model_dir: str) -> tuple[Any, str]:
+    """The class SGLang builds for the model, and the architecture it resolved."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    return get_model_architecture(ModelConfig(model_dir))
+
+
+def _hf_backbone_model(cls: Any, hf_config: Any) -> Any:
+    """SGLang's Transformers backend class, built on the CPU as rank 0 of one: the pipeline and
+    tensor-parallel groups it reads are stated as one rank's (a server builds them with
+    torch.distributed; at one rank they only say "first, last, alone")."""
+    import types
+
+    import torch
+    from sglang.srt.runtime_context import get_parallel
+
+    alone = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1,
+                                  rank_in_group=0)
+    get_parallel().override_permanently(pp_group=alone, tp_group=alone)
+    model = cls(hf_config)
+    for p in model.parameters():  # as the stand-in's: a zero base
+        torch.nn.init.zeros_(p.data)
+    return model
 
 
 def _base_model(hf_config: Any) -> Any:
@@ -190,9 +227,10 @@ def _error_class(manager: Any, ref: Any) -> str:
     return "Error"
 
 
-def _first_batch(manager: Any, ref: Any) -> dict[str, Any]:
+def _first_batch(manager: Any, ref: Any, hf_backbone: bool) -> dict[str, Any]:
     """The adapter's first batch: SGLang copies it into a pool slot; then the sum of absolute
-    values its slot holds per buffer (and layer), to match against the file's tensors."""
+    values its slot holds per buffer (and layer), to match against the file's tensors, and the
+    forward pass (`_hf_forward` on the Transformers backend, else `_decode_deltas`)."""
     try:
         manager.fetch_new_loras({ref.lora_id})
     except Exception as exc:
@@ -209,7 +247,32 @@ def _first_batch(manager: Any, ref: Any) -> dict[str, Any]:
                         ("lm_head_B", pool.lm_head_B_buffer)):
         for module, t in table.items():
             mass[f"{kind}.{module}"] = [float(t[slot].double().abs().sum())]
-    return {"ok": True, "mass": mass, "deltas": _decode_deltas(manager, ref)}
+    if not hf_backbone:
+        return {"ok": True, "mass": mass, "deltas": _decode_deltas(manager, ref)}
+    try:
+        _hf_forward(manager, ref)
+    except Exception as exc:
+        return {"ok": False, "error": _error(exc), "mass": mass}
+    return {"ok": True, "mass": mass, "deltas": {}}
+
+
+def _hf_forward(manager: Any, ref: Any) -> None:
+    """One decode step of one request naming the adapter through the Transformers backend's HF
+    model, its input shaped as `TransformersBase._run_hf_backbone` shapes it
+    (`input_ids[None, ...]`), attention eager (module docstring)."""
+    import types
+
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    manager.prepare_lora_batch(types.SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, batch_size=1, lora_ids=[ref.lora_id]))
+    hf_model = manager.base_model.model
+    hf_model.config._attn_implementation = "eager"
+    ids = torch.tensor([5])
+    with torch.no_grad():
+        hf_model(input_ids=ids[None, ...], position_ids=torch.zeros_like(ids)[None, ...],
+                 use_cache=False, return_dict=False)
 
 
 def _decode_deltas(manager: Any, ref: Any) -> dict[str, Any]:
@@ -266,7 +329,9 @@ def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
 
     report: dict[str, Any] = {"startup": [], "runtime": [], "started": False}
     hf_config = AutoConfig.from_pretrained(job["model"])
-    base_model = _base_model(hf_config)
+    cls, report["model_class"] = _model_class(job["model"])
+    hf_backbone = report["model_class"].startswith("Transformers")
+    base_model = _hf_backbone_model(cls, hf_config) if hf_backbone else _base_model(hf_config)
     # pinned: the server passes False unless `--lora-paths` JSON pins it.
     startup = [LoRARef(lora_name=s["name"], lora_path=s["path"], pinned=False)
                for s in job.get("startup", [])]
@@ -283,6 +348,9 @@ def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
         report["start_error"] = _error(exc)
         return report
     report["started"] = True
+    tops = {"embed_tokens": manager.embed_tokens_module, "lm_head": manager.lm_head_module}
+    report["wrapped"] = sorted({name.rsplit(".", 1)[-1] for layer in manager.lora_modules
+                                for name in layer} | {m for m, w in tops.items() if w is not None})
     report["target_modules"] = sorted(manager.target_modules)
     report["max_lora_rank"] = manager.max_lora_rank
     report["pool"] = _pool_record(manager.memory_pool)
@@ -302,7 +370,7 @@ def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
     if job.get("tp_size", 1) == 1:  # a rank's layers cannot run its forward without its peers
         entries = {e["name"]: e for e in report["startup"] + report["runtime"]}
         for ref in refs:
-            entries[ref.lora_name]["batch"] = _first_batch(manager, ref)
+            entries[ref.lora_name]["batch"] = _first_batch(manager, ref, hf_backbone)
     return report
 
 

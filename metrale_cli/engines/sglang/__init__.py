@@ -181,8 +181,8 @@ class SglangEngine:
                        recommendation: Recommendation, flags: Flags, source: str,
                        reports: list[AdapterReport]) -> dict[str, Any]:
         fails = [r.name for r, v in zip(reports, verdicts, strict=True)
-                 if v.paths["startup"]["verdict"] != Verdict.SERVES.value
-                 and v.paths["startup"]["verdict"] != Verdict.DIFFERS.value]
+                 if v.paths["startup"]["verdict"] not in (
+                     Verdict.SERVES.value, Verdict.DIFFERS.value, Verdict.IGNORES.value)]
         return {"name": NAME, "version": VERSION, "flags": flags.record(model),
                 "pool": flags.pool.record() if flags.pool else None, "flags_source": source,
                 "all_serve": all(v.serves for v in verdicts), "startup_fails": bool(fails),

@@ -67,6 +67,10 @@ class SglangFamily:
     # the answer comes from reading the source only.
     checked: str
     note: str = ""
+    # The config class names SGLang registers no class for, so that it builds its Transformers
+    # backend (model_loader/utils.py get_model_architecture, resolve_transformers_arch:
+    # models/transformers.py TransformersForCausalLM) around the HF model (`hf_backbone`).
+    transformers: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
@@ -99,10 +103,17 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("cohere", ("CohereForCausalLM",), "dense", "run"),
     SglangFamily("cohere2", ("Cohere2ForCausalLM",), "dense", "source"),
     SglangFamily("exaone4", ("Exaone4ForCausalLM",), "dense", "source"),
-    SglangFamily("ernie4_5", ("Ernie4_5_ForCausalLM",), "dense", "source"),
-    SglangFamily("seed_oss", (), "dense", "source", "no class registered"),
-    SglangFamily("smollm3", (), "dense", "source", "no class registered"),
-    SglangFamily("ministral", (), "dense", "source", "no class registered"),
+    # models/ernie4.py registers `Ernie4_5_ForCausalLM` (Llama-shaped: qkv_proj, gate_up_proj);
+    # transformers' own class name, `Ernie4_5ForCausalLM`, gets the Transformers backend.
+    SglangFamily("ernie4_5", ("Ernie4_5_ForCausalLM",), "dense", "run",
+                 "Ernie4_5ForCausalLM: the Transformers backend", ("Ernie4_5ForCausalLM",)),
+    SglangFamily("seed_oss", (), "dense", "run", "the Transformers backend",
+                 ("SeedOssForCausalLM",)),
+    SglangFamily("smollm3", (), "dense", "run", "the Transformers backend",
+                 ("SmolLM3ForCausalLM",)),
+    # models/ministral3.py registers Ministral3ForCausalLM only.
+    SglangFamily("ministral", (), "dense", "run", "the Transformers backend",
+                 ("MinistralForCausalLM",)),
     SglangFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "dense", "source"),
@@ -139,6 +150,17 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
 def family(model: ModelConfig) -> SglangFamily:
     """The row for `model`'s family; a family without one is refused, never guessed."""
     return family_row(FAMILIES, model, f"SGLang {VERSION}", "engines/sglang/model.py FAMILIES")
+
+
+def hf_backbone(model: ModelConfig) -> bool:
+    """Whether SGLang builds its Transformers backend for `model`: its config names a class
+    SGLang registers none of (its row's `transformers`), and none it registers (a class of
+    `architectures` wins: get_model_architecture's `is_native_supported`). Its pool is the
+    dense one (TransformersForCausalLM defines no get_hidden_dim); its LoRA is
+    `rules.hf_backbone_judgement`'s."""
+    row = family(model)
+    named = set(model.architectures or ())
+    return bool(named & set(row.transformers)) and not named & set(row.architectures)
 
 
 # lora/utils.py EMBEDDING_NAMES, in the order init_buffers allocates their pairs.
@@ -324,9 +346,11 @@ def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
     adapters can only widen a pool the flags do not fix, which changes none of its checks), at
     runtime against the running pool (`flags.pool`, else the one it builds alone)."""
     alone = Pool.at_startup(flags, model, [report.adapter.config.raw])
-    return {"startup": rules.judge_report(report, model, pool=alone.rules(), path="startup"),
+    backend = {"hf_backbone": hf_backbone(model), "lora_backend": flags.lora_backend}
+    return {"startup": rules.judge_report(report, model, pool=alone.rules(), path="startup",
+                                          **backend),
             "runtime": rules.judge_report(report, model, pool=(flags.pool or alone).rules(),
-                                           path="runtime")}
+                                           path="runtime", **backend)}
 
 
 # A stacked part's tensor name, as SGLang's KeyError gives it.
@@ -358,9 +382,22 @@ def reason(got: Judgement) -> str:
     if v is Verdict.CRASHES:
         loads = ("named in --lora-paths it loads" if got.path == "startup"
                  else "POST /load_lora_adapter loads it")
+        if got.reason_class == "hf_backbone_forward":
+            # The GPU kernels' bare assert has no text: its line says what failed.
+            raised = (f"{got.batch_error_type}: {got.batch_error}" if got.batch_error else
+                      f"{got.batch_error_type} (assert len(x.shape) == 2)")
+            return (f"{loads}, and the first forward pass fails: SGLang builds its "
+                    "Transformers backend for this model (no class of its own), whose "
+                    "LoRA-wrapped o_proj/down_proj (RowParallelLinearWithLoRA) are handed HF's "
+                    "(1, tokens, hidden) input where SGLang's LoRA kernels take (tokens, "
+                    f"hidden): the kernel raises {raised}, "
+                    "taking the scheduler and the server down whatever adapter the batch "
+                    "names")
         return (f"{loads}, and the first batch naming it fails copying it into a pool slot "
                 f"(mem_pool.py load_lora_weight_to_buffer raises {got.batch_error_type}: "
                 f"{got.batch_error}), taking the scheduler and the server down")
+    if v is Verdict.IGNORES:
+        return "loads and changes nothing: " + "; ".join(got.differs)
     if v is Verdict.DIFFERS:
         return "loads and serves otherwise than PEFT: " + "; ".join(got.differs)
     return "loads and applies every module at PEFT's scale (lora_alpha / r)"
@@ -369,7 +406,7 @@ def reason(got: Judgement) -> str:
 def starts(got: Judgement) -> bool:
     """Whether a start-up judgement leaves the adapter on the launch line: the server starts
     with it and its first batch does not take it down."""
-    return got.verdict in (Verdict.SERVES, Verdict.DIFFERS)
+    return got.verdict in (Verdict.SERVES, Verdict.DIFFERS, Verdict.IGNORES)
 
 
 def model_support(model: ModelConfig) -> tuple[str, str] | None:

@@ -149,6 +149,8 @@ class Judgement:
     # ...; the first of several differences); "" when it serves.
     reason_class: str = ""
     path: str = "runtime"
+    # Accepted, and no LoRA weight of it is ever applied (`ignores`).
+    ignored: bool = False
 
     @property
     def batch_error(self) -> str:
@@ -160,6 +162,8 @@ class Judgement:
             return Verdict.FAILS_STARTUP if self.path == "startup" else Verdict.REFUSES
         if self.batch_error_type:
             return Verdict.CRASHES
+        if self.ignored:
+            return Verdict.IGNORES
         return Verdict.DIFFERS if self.differs else Verdict.SERVES
 
 
@@ -181,7 +185,8 @@ def _size(shape: tuple[int, ...]) -> str:
 def judge(name: str, config: Mapping[str, Any],
           weights: Iterable[str] | Mapping[str, tuple[int, ...]], *,
           pool: tuple[int, set[str]] | None = None, added_tokens: int = 0,
-          path: str | None = None, num_hidden_layers: int | None = None) -> Judgement:
+          path: str | None = None, num_hidden_layers: int | None = None,
+          hf_backbone: bool = False, lora_backend: str = "csgmv") -> Judgement:
     """What SGLang does with the adapter `name` (its `adapter_config.json` as a dict, its
     tensor names, or names to shapes: the safetensors header, which the rank checks need).
 
@@ -191,7 +196,8 @@ def judge(name: str, config: Mapping[str, Any],
     `pool` is (max rank, target set): the running pool at runtime, the one the start-up builds
     at start-up (`startup_pool`); without it no check against a pool or first batch is made.
     `added_tokens`: the adapter's `added_tokens.json` entries at or past the base vocabulary
-    (`added_tokens`); `num_hidden_layers`: the base model's."""
+    (`added_tokens`); `num_hidden_layers`: the base model's. `hf_backbone`: SGLang builds its
+    Transformers backend for the model (`hf_backbone_judgement`), under `lora_backend`."""
     path = path or ("runtime" if pool is not None else "load")
     shapes = dict(weights) if isinstance(weights, Mapping) else dict.fromkeys(weights)
     failed = _load_error(name, config, shapes, pool, added_tokens, path, num_hidden_layers)
@@ -207,20 +213,25 @@ def judge(name: str, config: Mapping[str, Any],
             return Judgement(True, batch_error_type=batch[0], batch_errors=batch[1],
                              reason_class=batch[2], path=path)
     differs = _differs(config, shapes)
-    return Judgement(True, differs=tuple(d for _, d in differs),
-                     reason_class=differs[0][0] if differs else "", path=path)
+    judged = Judgement(True, differs=tuple(d for _, d in differs),
+                       reason_class=differs[0][0] if differs else "", path=path)
+    if hf_backbone and pool is not None:
+        return hf_backbone_judgement(judged, config, pool[1], lora_backend)
+    return judged
 
 
 def judge_report(report: AdapterReport, model: ModelConfig, *,
                  pool: tuple[int, set[str]] | None = None,
-                 path: str | None = None) -> Judgement:
+                 path: str | None = None, hf_backbone: bool = False,
+                 lora_backend: str = "csgmv") -> Judgement:
     """`judge` on what the audit read: the config, the safetensors header's shapes, the base
     model's layer count, and the adapter directory's `added_tokens.json`."""
     adapter = report.adapter
     return judge(report.name, adapter.config.raw,
                  {n: t.shape for n, t in adapter.header.tensors.items()}, pool=pool,
                  added_tokens=added_tokens(adapter.path, model.vocab_size), path=path,
-                 num_hidden_layers=model.num_hidden_layers)
+                 num_hidden_layers=model.num_hidden_layers, hf_backbone=hf_backbone,
+                 lora_backend=lora_backend)
 
 
 def _load_error(name: str, config: Mapping[str, Any], shapes: dict[str, Any],
@@ -477,6 +488,58 @@ def _differs(config: Mapping[str, Any],
     if lora_biases:
         out.append(("lora_bias", "lora_bias: the lora_B biases not loaded"))
     return out
+
+
+# -- SGLang's Transformers backend ------------------------------------------------------------
+
+# models/transformers.py TransformersBase.recursive_replace: the HF model's own modules, each
+# nn.Linear swapped for an SGLang linear under its HF name (`replace_linear_class`), so the
+# attention keeps q_proj, k_proj, v_proj apart and the MLP gate_proj, up_proj. The LoRA manager
+# wraps a module whose last name is a normalised target (lora/lora_manager.py
+# init_lora_modules: `parts[-1] in self.target_modules`), and normalising turns q/k/v into
+# `qkv_proj` and gate/up into `gate_up_proj`, names no module there has.
+HF_BACKBONE_UNWRAPPED = frozenset({"qkv_proj", "gate_up_proj"})
+# The row-parallel layers that keep their names, wrapped by RowParallelLinearWithLoRA, whose
+# forward takes the (tokens, hidden) input SGLang's own models give it; the backbone hands it
+# HF's (1, tokens, hidden) (`_run_hf_backbone`: `input_ids[None, ...]`).
+HF_BACKBONE_WRAPPED_3D = frozenset({"o_proj", "down_proj"})
+# The LoRA A kernel each --lora-backend runs on that 3-D input, and what it raises:
+# csgmv: kernels/ops/lora/dense/chunked_sgmv_shrink.py chunked_sgmv_lora_shrink_forward and
+# triton: kernels/ops/lora/dense/sgemm_lora_a.py sgemm_lora_a_fwd (`assert len(x.shape) ==
+# 2`); torch_native: lora/torch_ops/lora_ops.py sgemm_lora_a_fwd (`total_seq_len, input_dim =
+# inputs.shape`, run in tests/test_engine_sglang.py).
+HF_BACKBONE_ERRORS = {"csgmv": ("AssertionError", ""), "triton": ("AssertionError", ""),
+                      "torch_native": ("ValueError", "too many values to unpack (expected 2)")}
+
+
+def hf_backbone_judgement(judged: Judgement, config: Mapping[str, Any], targets: set[str],
+                          lora_backend: str) -> Judgement:
+    """An accepted adapter on SGLang's Transformers backend (a model whose architecture
+    SGLang has no class for: model_loader/utils.py get_model_architecture), against the
+    running pool's `targets`. Where the pool wraps o_proj or down_proj, the first forward pass
+    through them raises in the scheduler, whatever the batch's adapters (`crashes`); else
+    the adapter's q/k/v and gate/up weights load and are never applied: `ignores` where nothing
+    else of it is applied (embed_tokens and lm_head are wrapped as on a native class)."""
+    if not judged.accepted or judged.batch_error_type:
+        return judged
+    if targets & HF_BACKBONE_WRAPPED_3D:
+        kind, text = HF_BACKBONE_ERRORS.get(lora_backend, (
+            "an error", f"--lora-backend {lora_backend}'s kernel was not read: metrale read "
+            f"{', '.join(HF_BACKBONE_ERRORS)}'s"))
+        return Judgement(True, differs=judged.differs, batch_error_type=kind,
+                         batch_errors=(text,), reason_class="hf_backbone_forward",
+                         path=judged.path)
+    raw = config["target_modules"]
+    wanted = set(ALL_MODULES) if isinstance(raw, str) else normalised_targets(raw)
+    lost = sorted(wanted & HF_BACKBONE_UNWRAPPED)
+    if not lost:
+        return judged
+    applied = wanted - HF_BACKBONE_UNWRAPPED
+    why = (f"{' and '.join(lost)} never applied: SGLang's Transformers backend keeps HF's "
+           "separate q_proj/k_proj/v_proj and gate_proj/up_proj modules, and its LoRA manager "
+           f"wraps only modules named {', '.join(lost)}")
+    return Judgement(True, differs=(why, *judged.differs), reason_class="hf_backbone_unwrapped",
+                     path=judged.path, ignored=not applied)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ from metrale_cli.engines.shared import (
     config_width,
     divide,
     family_row,
+    raw_text_config,
     refuse_absurd,
 )
-from metrale_cli.errors import UsageError
-from metrale_cli.model.config import ModelConfig
+from metrale_cli.errors import FormatError, UsageError
+from metrale_cli.model.config import LayerType, ModelConfig
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
@@ -86,9 +87,21 @@ class VllmFamily:
     # The decoder layer's MoE block name as vLLM's class spells it (its LoRA loader renames
     # no module: Mixtral keeps transformers 4's `block_sparse_moe`).
     moe_block: str = "mlp"
-    # Why `engine_modules` (llama-shaped layers, GDN, Qwen-style MoE) does not model this
-    # class's LoRA layers, so that vLLM's bytes and verdicts are refused, not guessed; "" when
-    # it does.
+    # The dense MLP's name in the decoder layer (Llama 4's `feed_forward`), the MoE block's
+    # router leaf (Llama 4's `router`), and whether its shared expert has a gate of its own
+    # (`shared_expert_gate`: Qwen2-MoE's, Qwen3-Next's; not Llama 4's).
+    mlp_block: str = "mlp"
+    router: str = "gate"
+    shared_expert_gate: bool = True
+    # The config key whose step alone places the MoE layers, where vLLM's class reads no list
+    # of them (Llama 4: `interleave_moe_layer_step`, not transformers' `moe_layers`); "": the
+    # layers ModelConfig gives.
+    moe_step: str = ""
+    # One block a layer, its `mixer` of the layer's kind (nemotron_h.py): `_block_modules`.
+    blocks: bool = False
+    # Why `engine_modules` (llama-shaped layers, GDN, Qwen- and Llama-4-style MoE, nemotron_h's
+    # blocks) does not model this class's LoRA layers, so that vLLM's bytes and verdicts are
+    # refused, not guessed; "" when it does.
     unmodelled: str = ""
 
     def packs(self, fused: str) -> tuple[str, ...]:
@@ -177,18 +190,23 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "source", _EMBED_HEAD, moe_block="block_sparse_moe"),
     VllmFamily("phimoe", ("PhiMoEForCausalLM",), "phimoe.py PhiMoEForCausalLM", "source",
                _EMBED_HEAD, moe_block="block_sparse_moe"),
-    # A LlamaForCausalLM (its embedding_modules) whose layers interleave MoE (fused experts, a
-    # shared expert) and dense MLPs; the wrapper (mllama4.py) packs alike.
+    # A LlamaForCausalLM (its embedding_modules) whose layers interleave MoE and dense MLPs,
+    # both under `feed_forward` (llama4.py Llama4DecoderLayer: MoE where `(layer_idx + 1) %
+    # interleave_moe_layer_step == 0`, else a LlamaMLP `intermediate_size_mlp` wide). The MoE
+    # block (Llama4MoE): a `router` (GateLinear, a ReplicatedLinear), a `shared_expert` LlamaMLP
+    # (gate_up_proj packed, `intermediate_size` wide, no gate of its own) and the fused experts
+    # (2-D wrapper: the class does not set is_3d_moe_weight). The wrapper (mllama4.py) packs
+    # alike.
     VllmFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
-               "llama4.py Llama4ForCausalLM", "source", _EMBED_HEAD,
-               unmodelled="MoE layers interleaved with dense ones, and their shared expert"),
-    # One block a layer: q/k/v packed into qkv_proj on the attention blocks, a non-gated MLP
-    # (up_proj, down_proj) on the MLP blocks, Mamba-2 mixers (in_proj, out_proj) and non-gated
-    # MoE beside them.
+               "llama4.py Llama4ForCausalLM", "run", _EMBED_HEAD, moe_block="feed_forward",
+               mlp_block="feed_forward", router="router", shared_expert_gate=False,
+               moe_step="interleave_moe_layer_step"),
+    # One block a layer (`_block_modules`): q/k/v packed into qkv_proj on the attention
+    # blocks, a non-gated MLP (up_proj, down_proj) on the MLP blocks, Mamba-2 mixers (in_proj,
+    # conv1d, out_proj) and non-gated MoE (experts, shared experts; no router LoRA) beside them.
     VllmFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"),
-               "nemotron_h.py NemotronHForCausalLM", "source", _EMBED_HEAD,
-               (("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
-               unmodelled="Mamba-2 mixers and one block kind a layer"),
+               "nemotron_h.py NemotronHForCausalLM", "run", _EMBED_HEAD,
+               (("qkv_proj", ("q_proj", "k_proj", "v_proj")),), blocks=True),
 )}
 
 
@@ -210,6 +228,9 @@ class Kind(str, Enum):
     LOGITS = "logits"  # LogitsProcessorWithLoRA (lm_head)
     EXPERTS = "experts"  # FusedMoEWithLoRA: gate (w1) and up (w3) in separate slices
     EXPERTS_3D = "experts_3d"  # FusedMoE3DWithLoRA: gate_up fused, as PEFT's 3-D format
+    # FusedMoEWithLoRA on a non-gated MoE (`is_act_and_mul` False: nemotron_h): one w13 slice,
+    # the up projection alone.
+    EXPERTS_UP = "experts_up"
 
 
 @dataclass(frozen=True)
@@ -274,8 +295,12 @@ class EngineModule:
         E, H = self.experts, self.in_size
         ffn = _divide(self.out_sizes[0], tp, self.path)
         h_out = _divide(H, tp, self.path) if fully_sharded else H
+        # fused_moe.py FusedMoEWithLoRA: `_w13_slices` A and B pairs (2 gated, 1 non-gated);
+        # FusedMoE3DWithLoRA: one pair, B over gate|up.
         w13 = ([("w13_lora_a", (L, E, r_col, H))] * 2 + [("w13_lora_b", (L, E, ffn, R))] * 2
                if self.kind is Kind.EXPERTS else
+               [("w13_lora_a", (L, E, r_col, H)), ("w13_lora_b", (L, E, ffn, R))]
+               if self.kind is Kind.EXPERTS_UP else
                [("w13_lora_a", (L, E, r_col, H)), ("w13_lora_b", (L, E, 2 * ffn, R))])
         return w13 + [("w2_lora_a", (L, E, R, ffn)), ("w2_lora_b", (L, E, h_out, R))]
 
@@ -287,10 +312,12 @@ class EngineModule:
     def adapter_elements(self, names: set[str], rank: int) -> int:
         """Elements one adapter's own A and B take for this module on one layer at `rank`,
         for the leaf names it has (unsharded: what the host cache holds)."""
-        if self.kind in (Kind.EXPERTS, Kind.EXPERTS_3D):
+        if self.kind in (Kind.EXPERTS, Kind.EXPERTS_3D, Kind.EXPERTS_UP):
             h, ffn = self.in_size, self.out_sizes[0]
-            # Per expert: gate and up A [r, h] and B [ffn, r] (one A for the fused 3-D gate_up),
-            # down A [r, ffn] and B [h, r].
+            # Per expert: gate and up A [r, h] and B [ffn, r] (one A for the fused 3-D gate_up;
+            # up alone where non-gated), down A [r, ffn] and B [h, r].
+            if self.kind is Kind.EXPERTS_UP:
+                return self.experts * rank * (h + ffn + ffn + h) if names else 0
             a_in = 2 * h if self.kind is Kind.EXPERTS else h
             return self.experts * rank * (a_in + 2 * ffn + ffn + h) if names else 0
         outs = self._slice_outs()
@@ -338,14 +365,16 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     if why:
         raise UsageError(f"--engine vllm: metrale does not model vLLM {VERSION}'s LoRA layers "
                          f"of a {model.model_type} model ({why}); use --engine metrale")
+    if family(model).blocks:
+        return _block_modules(model, family(model))
     H, hd = model.hidden_size, model.head_dim
     full = tuple(model.attention_layers)
     linear = tuple(model.linear_attention_layers)
-    moe = tuple(model.moe_layers)
+    row = family(model)
+    moe = _moe_layers(model, row)
     dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)
     gate = 2 if model.attn_gated else 1
     q = model.num_attention_heads * hd
-    row = family(model)
     out: list[EngineModule] = [
         EngineModule("self_attn.qkv_proj", Kind.QKV, full, H, (gate * q,), row.packs("qkv_proj"),
                      head_dim=hd, kv_heads=model.num_key_value_heads),
@@ -373,35 +402,112 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                              (2 * kd + vd,), ("conv1d",)),
                 EngineModule("linear_attn.out_proj", Kind.ROW, linear, vd, (H,), ("out_proj",))]
     if dense:
-        ffn = model.intermediate_size
+        ffn = model.intermediate_size_mlp or model.intermediate_size
         gate_up = row.packs("gate_up_proj")
+        mlp = row.mlp_block
         # One slice per adapter name: gate|up as one output where one name packs both.
-        out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, dense, H,
+        out += [EngineModule(f"{mlp}.gate_up_proj", Kind.COLUMN, dense, H,
                              (ffn, ffn) if len(gate_up) == 2 else (2 * ffn,), gate_up),
-                EngineModule("mlp.down_proj", Kind.ROW, dense, ffn, (H,), ("down_proj",))]
+                EngineModule(f"{mlp}.down_proj", Kind.ROW, dense, ffn, (H,), ("down_proj",))]
     if moe:
         E = model.num_experts
         experts = Kind.EXPERTS_3D if row.experts_3d else Kind.EXPERTS
         # PEFT's transformers-5 `mlp.gate` / `mlp.experts` weights match nothing under
         # Mixtral's `block_sparse_moe`.
         block = row.moe_block
-        out += [EngineModule(f"{block}.gate", Kind.REPLICATED, moe, H, (E,), ("gate",)),
+        out += [EngineModule(f"{block}.{row.router}", Kind.REPLICATED, moe, H, (E,),
+                             (row.router,)),
                 EngineModule(f"{block}.experts", experts, moe, H,
                              (model.expert_intermediate_size,), ("experts",), experts=E)]
         shared = model.shared_expert_intermediate_size
         if shared:
-            out += [EngineModule("mlp.shared_expert.gate_up_proj", Kind.COLUMN, moe, H,
+            out += [EngineModule(f"{block}.shared_expert.gate_up_proj", Kind.COLUMN, moe, H,
                                  (shared, shared), ("gate_proj", "up_proj")),
-                    EngineModule("mlp.shared_expert.down_proj", Kind.ROW, moe, shared, (H,),
-                                 ("down_proj",)),
-                    EngineModule("mlp.shared_expert_gate", Kind.REPLICATED, moe, H, (1,),
-                                 ("shared_expert_gate",))]
+                    EngineModule(f"{block}.shared_expert.down_proj", Kind.ROW, moe, shared,
+                                 (H,), ("down_proj",))]
+            if row.shared_expert_gate:
+                out.append(EngineModule(f"{block}.shared_expert_gate", Kind.REPLICATED, moe, H,
+                                        (1,), ("shared_expert_gate",)))
     V = model.vocab_size
     if "embed_tokens" in row.embedding_modules:
         out.append(EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)))
     if "lm_head" in row.embedding_modules:
         out.append(EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",)))
     return [m for m in out if m.layers or m.top_level]
+
+
+# transformers' NemotronHConfig defaults for the Mamba-2 mixer's widths.
+_MAMBA_DEFAULTS = (("mamba_num_heads", 128), ("mamba_head_dim", 64), ("n_groups", 8),
+                   ("ssm_state_size", 128), ("conv_kernel", 4))
+
+
+def _block_modules(model: ModelConfig, row: VllmFamily) -> list[EngineModule]:
+    """nemotron_h.py NemotronHModel: each layer one block, its `mixer` of the layer's kind.
+    Mamba-2 (layers/mamba/mamba_mixer2.py MambaMixer2): `in_proj` a MergedColumnParallelLinear
+    of five slices (z and x, `mamba_num_heads * mamba_head_dim` each; B and C, `n_groups *
+    ssm_state_size` each; dt, one per head), `conv1d` one of three over the kernel taps (x, B,
+    C), both wrapped one LoRA slice per output slice (MergedColumnParallelLinearVariableSlice-
+    WithLoRA), and `out_proj` row-parallel. Attention (NemotronHAttention): `qkv_proj` and
+    `o_proj`. MLP (NemotronHMLP): `up_proj`, `down_proj`, non-gated. MoE (NemotronHMoE): its
+    non-gated fused experts (one w13 slice), its `shared_experts` NemotronHMLP, and with
+    `moe_latent_size` the experts' latent projections `fc1_latent_proj`/`fc2_latent_proj`
+    (ReplicatedLinear); its `gate` takes no LoRA (lora/model_manager.py
+    `_create_lora_modules` skips `mixer.gate` on a non-gated MoE)."""
+    H, hd = model.hidden_size, model.head_dim
+    on = {kind: tuple(i for i, t in enumerate(model.layer_types) if t is kind) for kind in
+          (LayerType.LINEAR_ATTENTION, LayerType.MLP, LayerType.MOE)}
+    mamba, mlp, moe = on[LayerType.LINEAR_ATTENTION], on[LayerType.MLP], on[LayerType.MOE]
+    w = {key: config_width(model, key, default) for key, default in _MAMBA_DEFAULTS}
+    inner = w["mamba_num_heads"] * w["mamba_head_dim"]
+    groups = w["n_groups"] * w["ssm_state_size"]
+    q = model.num_attention_heads * hd
+    ffn = model.intermediate_size
+    out = [EngineModule("mixer.in_proj", Kind.COLUMN, mamba, H,
+                        (inner, inner, groups, groups, w["mamba_num_heads"]), ("in_proj",)),
+           EngineModule("mixer.conv1d", Kind.COLUMN, mamba, w["conv_kernel"],
+                        (inner, groups, groups), ("conv1d",)),
+           EngineModule("mixer.out_proj", Kind.ROW, mamba, inner, (H,), ("out_proj",)),
+           EngineModule("mixer.qkv_proj", Kind.QKV, tuple(model.attention_layers), H, (q,),
+                        row.packs("qkv_proj"), head_dim=hd, kv_heads=model.num_key_value_heads),
+           EngineModule("mixer.o_proj", Kind.ROW, tuple(model.attention_layers), q, (H,),
+                        ("o_proj",)),
+           EngineModule("mixer.up_proj", Kind.COLUMN, mlp, H, (ffn,), ("up_proj",)),
+           EngineModule("mixer.down_proj", Kind.ROW, mlp, ffn, (H,), ("down_proj",))]
+    if moe:
+        raw = raw_text_config(model)
+        latent = config_width(model, "moe_latent_size", 0) if raw.get("moe_latent_size") \
+            else 0
+        out.append(EngineModule("mixer.experts", Kind.EXPERTS_UP, moe, latent or H,
+                                (model.expert_intermediate_size,), ("experts",),
+                                experts=model.num_experts))
+        # transformers' NemotronHConfig: one shared expert unless the config says otherwise.
+        if raw.get("n_shared_experts", 1):
+            shared = config_width(model, "moe_shared_expert_intermediate_size", 7688) * \
+                config_width(model, "n_shared_experts", 1)
+            out += [EngineModule("mixer.shared_experts.up_proj", Kind.COLUMN, moe, H, (shared,),
+                                 ("up_proj",)),
+                    EngineModule("mixer.shared_experts.down_proj", Kind.ROW, moe, shared, (H,),
+                                 ("down_proj",))]
+        if latent:
+            out += [EngineModule("mixer.fc1_latent_proj", Kind.REPLICATED, moe, H, (latent,),
+                                 ("fc1_latent_proj",)),
+                    EngineModule("mixer.fc2_latent_proj", Kind.REPLICATED, moe, latent, (H,),
+                                 ("fc2_latent_proj",))]
+    V = model.vocab_size
+    out += [EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)),
+            EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",))]
+    return [m for m in out if m.layers or m.top_level]
+
+
+def _moe_layers(model: ModelConfig, row: VllmFamily) -> tuple[int, ...]:
+    """The layers vLLM builds routed experts on: ModelConfig's, or where the row names a step
+    key, every layer `(i + 1) % step == 0` (none for a step of 0; transformers' default 1)."""
+    if not row.moe_step or not model.num_experts:
+        return tuple(model.moe_layers)
+    step = raw_text_config(model).get(row.moe_step, 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise FormatError(f"{model.source or 'config'}: {row.moe_step!r} is not a count")
+    return tuple(i for i in range(model.num_hidden_layers) if step and (i + 1) % step == 0)
 
 
 def expected_names(modules: list[EngineModule]) -> set[str]:
@@ -427,6 +533,12 @@ class Memory:
     def of(cls, model: ModelConfig, flags: Flags, adapters: list[AdapterReport] | None = None,
            budget_bytes: int | None = None) -> Memory:
         elem = DTYPE_BYTES[flags.resolved_lora_dtype(model)]
+        if family(model).blocks and flags.tp > 1 and \
+                config_width(model, "n_groups", dict(_MAMBA_DEFAULTS)["n_groups"]) % flags.tp:
+            # mamba_mixer2.py: in_proj and conv1d are then one ColumnParallelLinear whose
+            # groups are repeated over the ranks (extra_groups_for_head_shards).
+            raise UsageError(f"--engine vllm: metrale models vLLM {VERSION}'s Mamba-2 LoRA "
+                             "layers where --tp divides n_groups only")
         wrapped = [m for m in engine_modules(model) if flags.wraps(m)]
         per_module = [(m, m.layer_bytes(flags.max_loras, flags.max_lora_rank, flags.tp,
                                         flags.fully_sharded, elem) * max(1, len(m.layers)))

