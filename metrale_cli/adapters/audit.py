@@ -180,12 +180,20 @@ _UNSERVABLE_TOP = (
      "the input embedding (embed_tokens): embedding LoRA adds a rank-r term to every row of "
      "the table, and overlays only replace listed rows"),
     (re.compile(r"^lm_head$"), "the output head (lm_head)"),
+    # gemma4's: every layer's per-layer input, projected from the embeddings at once.
+    (re.compile(r"^model\.per_layer_model_projection$"),
+     "the per-layer inputs' projection (per_layer_model_projection), outside the decoder "
+     "layers"),
+    # gemma4's projections of its vision and audio towers' output into the language model.
+    (re.compile(r"^model\.(embed_vision|embed_audio)\..*$"),
+     "a multimodal projector into the language model"),
     (re.compile(r"^(score|classifier|classification_head|qa_outputs)(\..*)?$"),
      "a classifier head"),
 )
-# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`): PEFT's
-# suffix matching adapts its q_proj or gate_proj as readily as the language model's.
-_VISION_TOWER = re.compile(r"^(model\.(?:visual|vision_tower|vision_model))\.")
+# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`) or audio
+# tower (gemma4's): PEFT's suffix matching adapts its q_proj or gate_proj as readily as the
+# language model's.
+_TOWER = re.compile(r"^(model\.(?:visual|vision_tower|vision_model|audio_tower))\.")
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
@@ -199,7 +207,8 @@ def audit(
     METRALE_LORA_EXPERTS."""
     if experts_enabled is None:
         experts_enabled = env.experts_enabled()
-    adapter = replace(adapter, config=adapter.config.with_default_targets(model.family))
+    adapter = replace(adapter, config=adapter.config.with_default_targets(
+        model.family, model.composite))
     report = AdapterReport(adapter)
     out = Collector()
     too_large = adapter.config.size_errors()
@@ -240,10 +249,10 @@ def _audit_tensors(
 
     expert_modules: dict[str, dict[str, AdapterKey]] = {}
     overlay_keys: list[AdapterKey] = []
-    towers: dict[str, list[str]] = defaultdict(list)  # vision tower -> its adapted modules
+    towers: dict[str, list[str]] = defaultdict(list)  # tower -> its adapted modules
     for module_key, parts in sorted(by_module.items(), key=lambda kv: _sort_key(kv[1])):
         any_key = next(iter(parts.values()))
-        tower = _VISION_TOWER.match(any_key.sub) if any_key.layer is None else None
+        tower = _TOWER.match(any_key.sub) if any_key.layer is None else None
         if tower is not None:
             towers[tower.group(1)].append(any_key.sub)
             continue
@@ -261,9 +270,11 @@ def _audit_tensors(
             report.modules.append(record)
 
     for tower, subs in towers.items():
-        leaves = sorted({sub.rsplit(".", 1)[-1] for sub in subs})
+        # gemma4's towers wrap each Linear (`q_proj.linear`): the projection names it.
+        leaves = sorted({sub.removesuffix(".linear").rsplit(".", 1)[-1] for sub in subs})
+        kind = "audio" if tower.endswith("audio_tower") else "vision"
         out.add(Severity.ERROR, Code.UNSERVABLE_MODULE,
-                f"{tower}: the vision tower has {len(subs)} adapted module"
+                f"{tower}: the {kind} tower has {len(subs)} adapted module"
                 f"{'s' if len(subs) > 1 else ''} ({', '.join(leaves)}); the pool serves the "
                 "language model's layers only (target_modules matched the tower's too)")
     pairs = experts.scan(adapter, model, expert_modules, out) if expert_modules else []

@@ -130,6 +130,10 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "moe",
                  "source", "routed experts per expert as qwen3_moe; the wrapper "
                  "(models/mllama4.py) defines its own get_hidden_dim"),
+    SglangFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), "hybrid",
+                 "source", "models/gemma4_mm.py's wrapper defines its own get_hidden_dim, every "
+                 "layer at head_dim (the full-attention layers' global_head_dim is not its "
+                 "width); models/gemma4_causal.py's text class marks supports_lora = False"),
     SglangFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"), "hybrid",
                  "source", "the class defines its own get_hidden_dim, by block kind (a MoE "
                  "block's up_proj/down_proj are its shared expert's)"),
