@@ -457,3 +457,30 @@ def test_gemma4_bad_widths_are_one_line(bad: dict[str, object], says: str,
     done = metrale("layout", "-m", tmp_path, "--modules", "q_proj", "--max-rank", 8)
     assert done.code == 2 and says in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_gemma4_modules_its_layers_lack_are_named_by_why(tmp_path: Path) -> None:
+    """An adapter made for Gemma 4 layers that all compute their own keys and values, against
+    one whose last two layers reuse earlier ones' (no k_proj, v_proj) and whose full layers'
+    keys are their values (no v_proj): each pair it cannot hold is named with the reason."""
+    raw = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+           "global_head_dim": 40, "layer_types": _SLIDING["layer_types"]}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "config.json").write_text(json.dumps(
+        {**raw, "num_kv_shared_layers": 2, "attention_k_eq_v": True}))
+    assert metrale("synth", tmp_path / "a", "--model", tmp_path / "plain", "--modules",
+                   "k_proj,v_proj", "--rank", 4).code == 0
+    done = metrale("inspect", tmp_path / "a", "--model", tmp_path / "shared", "--json")
+    assert done.code == 1
+    messages = sorted(f["message"] for f in done.json()["adapters"][0]["findings"])
+    shared = "layers reusing an earlier layer's keys and values"
+    assert messages == [
+        f"k_proj on layer 2: the module does not apply on sliding-attention {shared}",
+        f"k_proj on layer 3: the module does not apply on full-attention {shared}",
+        "v_proj on layer 1: the module does not apply on full-attention layers whose keys "
+        "are their values (attention_k_eq_v)",
+        f"v_proj on layer 2: the module does not apply on sliding-attention {shared}",
+        f"v_proj on layer 3: the module does not apply on full-attention {shared}"], messages

@@ -444,6 +444,10 @@ def _audit_module(
 def _layer_kind(model: ModelConfig, layer: int) -> str:
     kind = model.layer_type(layer).value.replace("_", "-")
     moe = " of a model with routed experts" if model.num_experts else ""
+    if model.is_kv_shared_layer(layer):  # gemma4's last layers: no k_proj, v_proj
+        return f"{kind} layers reusing an earlier layer's keys and values{moe}"
+    if model.attention_k_eq_v and kind == "full-attention":
+        return f"{kind} layers whose keys are their values (attention_k_eq_v){moe}"
     return f"{kind} layers{moe}"
 
 
