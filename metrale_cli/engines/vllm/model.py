@@ -188,9 +188,10 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # (_gemma4_layer_weights_mapper: an adapter's k_proj delta reaches K alone, PEFT's reaches
     # the values too), KV-shared layers with a q_proj of their own instead of qkv_proj
     # (Gemma4Attention), the per-layer input's ReplicatedLinear pair; the wrapper
-    # (gemma4_mm.py Gemma4ForConditionalGeneration) packs alike.
+    # (gemma4_mm.py Gemma4ForConditionalGeneration) packs alike. The CPU build serves PEFT's
+    # log-probs but for a k_proj delta on a keys-as-values layer (tests/test_engine_vllm.py).
     VllmFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-               "gemma4.py Gemma4ForCausalLM", "source",
+               "gemma4.py Gemma4ForCausalLM", "run",
                unmodelled="sliding and full attention of different head widths, KV-shared "
                           "layers with q_proj alone, keys as values (attention_k_eq_v)"),
     # One block a layer: q/k/v packed into qkv_proj on the attention blocks, a non-gated MLP
