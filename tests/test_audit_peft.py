@@ -9,25 +9,39 @@ import shutil
 
 import pytest
 
-from metrale_cli.model.families import FAMILIES
-from metrale_cli.model.modules import LoraModule
+from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.modules import LoraModule, family_modules
 from tests.support.cli_runner import metrale
 from tests.support.peft_factory import EXPERT_TARGET_PARAMETERS, TINY_MODELS, AdapterTruth
 
 pytestmark = pytest.mark.slow
-# Every path a family's pool module has in a decoder layer (nemotron_h's `mixer.q_proj` too).
-SERVABLE = {m.peft_path: m for m in LoraModule} | {
-    spec.path: LoraModule(spec.name) for f in FAMILIES.values() for spec in f.modules}
-_LAYERED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+# A decoder layer's path: `model.layers.N`, a wrapper's `model.language_model.layers.N`, or
+# llama4's wrapper's `language_model.model.layers.N`.
+_LAYERED = re.compile(
+    r"^(?:model\.(?:language_model\.)?|language_model\.model\.)layers\.(\d+)\.(.+)$")
+
+
+def _pool_module(model: ModelConfig, path: str) -> tuple[int, LoraModule] | None:
+    """The (layer, module) whose path in its layer, as the family declares it there, is
+    `path`'s (nemotron_h's `mixer.q_proj`, a shared expert's `mlp.shared_expert.gate_proj`)."""
+    hit = _LAYERED.match(path)
+    if hit is None:
+        return None
+    layer = int(hit.group(1))
+    return next(((layer, m) for m in family_modules(model) if m.applies_to_layer(model, layer)
+                 and m.path_in(model, layer) == hit.group(2)), None)
 
 
 def servable_truth(truth: AdapterTruth) -> dict[tuple[int, str], object]:
     """PEFT's adapted Linears that are pool modules, keyed like inspect's JSON."""
+    model = ModelConfig.from_hf(truth.base_dir)
     found = {}
     for path, m in truth.modules.items():
-        hit = _LAYERED.match(path)
-        if hit and hit.group(2) in SERVABLE:
-            found[(int(hit.group(1)), SERVABLE[hit.group(2)].peft_name)] = m
+        key = _pool_module(model, path)
+        if key is not None:
+            found[(key[0], key[1].peft_name)] = m
     return found
 
 
@@ -57,8 +71,8 @@ def test_every_model_type_inspects_like_peft(peft_zoo, model: str) -> None:
     code, report = inspect_json(truth)
     assert_matches_peft(truth, report)
     codes = {f["code"] for f in report["findings"]}
-    unservable = [p for p in truth.modules if not (_LAYERED.match(p) and
-                                                   _LAYERED.match(p).group(2) in SERVABLE)]
+    model = ModelConfig.from_hf(truth.base_dir)
+    unservable = [p for p in truth.modules if _pool_module(model, p) is None]
     if unservable or truth.params:
         assert code == 1 and not report["servable"]
         assert codes & {"unservable_module", "expert_lora", "module_not_applicable"}
@@ -81,7 +95,7 @@ def test_pool_targets_are_servable(peft_zoo, model: str) -> None:
 
 # PEFT's suffix match reaches each wrapper's vision tower too: (tower, its adapted modules).
 VISION_TOWERS = {"gemma3_vl": ("model.vision_tower", 3), "mistral3_vl": ("model.vision_tower", 7),
-                 "qwen2_5_vl": ("model.visual", 3)}
+                 "qwen2_5_vl": ("model.visual", 3), "llama4_vl": ("vision_model", 4)}
 
 
 @pytest.mark.parametrize("model", sorted(VISION_TOWERS))
@@ -142,6 +156,24 @@ def test_gemma4_all_linear_names_the_tower_and_what_lies_outside_the_layers(
     # q_proj on every layer, v_proj on the one layer that has it (0: sliding, its own KV).
     assert sorted((m["layer"], m["module"]) for m in report["modules"]) == [
         (0, "q_proj"), (0, "v_proj"), (1, "q_proj"), (2, "q_proj"), (3, "q_proj")]
+
+
+def test_the_llama4_wrapper_audits_as_its_text_model(peft_zoo) -> None:
+    """Llama4ForConditionalGeneration's language model (`language_model.model.layers.N`):
+    every module, its rank, scaling and shapes, as on Llama4ForCausalLM (the dense layers' MLP
+    and the MoE layers' shared expert at their own widths)."""
+    lm_only = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    wrapped = peft_zoo.adapter("llama4_vl", r=4, lora_alpha=8, target_modules=lm_only)
+    assert all(p.startswith("language_model.model.layers.") for p in wrapped.modules)
+    text = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=list(_ATTN + _MLP))
+    reports = []
+    for truth in (wrapped, text):
+        code, report = inspect_json(truth)
+        assert code == 0, report["findings"]
+        assert_matches_peft(truth, report)
+        reports.append([{k: m[k] for k in ("layer", "module", "r", "alpha", "scaling",
+                                            "a_shape", "b_shape")} for m in report["modules"]])
+    assert reports[0] == reports[1] and len(reports[0]) == 28
 
 
 def test_gpt_oss_expert_lora_is_refused_by_name(peft_zoo) -> None:
@@ -255,8 +287,8 @@ def test_overlapping_patterns_are_reported(peft_zoo) -> None:
 
 def test_nemotron_h_as_peft_adapts_it(peft_zoo) -> None:
     """PEFT 0.21 on Nemotron-H: its default targets are the attention blocks'; a plain `up_proj`
-    reaches the MLP block's and the MoE block's shared expert (not servable, named); it
-    refuses a Mamba `out_proj` outright, so no family module is one."""
+    reaches the MLP block's and the MoE block's shared experts, each served at its own width;
+    it refuses a Mamba `out_proj` outright, so no family module is one."""
     truth = peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=None)
     code, report = inspect_json(truth)
     assert code == 0, report["findings"]
@@ -267,9 +299,10 @@ def test_nemotron_h_as_peft_adapts_it(peft_zoo) -> None:
     assert set(truth.modules) == {"model.layers.2.mixer.up_proj",
                                   "model.layers.3.mixer.shared_experts.up_proj"}
     code, report = inspect_json(truth)
-    assert code == 1 and not report["servable"]
+    assert code == 0 and report["servable"], report["findings"]
     assert_matches_peft(truth, report)
-    assert any("shared-expert projection" in f["message"] for f in report["findings"])
+    assert {(m["layer"], m["module"], m["b_shape"][0]) for m in report["modules"]} == {
+        (2, "up_proj", 96), (3, "up_proj", 24)}
     truth = peft_zoo.adapter("nemotron_h", r=4, lora_alpha=8, target_modules=["in_proj"])
     assert set(truth.modules) == {"model.layers.0.mixer.in_proj"}
     code, report = inspect_json(truth)
@@ -280,18 +313,19 @@ def test_nemotron_h_as_peft_adapts_it(peft_zoo) -> None:
 
 
 def test_llama4_as_peft_adapts_it(peft_zoo) -> None:
-    """PEFT 0.21 on Llama 4's text model: a plain `gate_proj` reaches the dense layers' MLP and
-    the MoE layers' shared expert (not servable, named), never the fused experts; those, as
-    target_parameters, are refused even with --experts ((E, in, out), as gpt_oss's)."""
+    """PEFT 0.21 on Llama 4's text model: a plain `gate_proj` reaches the dense layers' MLP
+    (`intermediate_size_mlp` wide) and the MoE layers' shared expert (`intermediate_size`),
+    both served, never the fused experts; those, as target_parameters, are refused even with
+    --experts ((E, in, out), as gpt_oss's)."""
     truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["gate_proj"])
     assert set(truth.modules) == {"model.layers.0.feed_forward.gate_proj",
                                   "model.layers.1.feed_forward.shared_expert.gate_proj",
                                   "model.layers.2.feed_forward.gate_proj",
                                   "model.layers.3.feed_forward.shared_expert.gate_proj"}
     code, report = inspect_json(truth)
-    assert code == 1 and not report["servable"]
+    assert code == 0 and report["servable"], report["findings"]
     assert_matches_peft(truth, report)
-    assert any("shared-expert projection" in f["message"] for f in report["findings"])
+    assert [m["b_shape"][0] for m in report["modules"]] == [96, 40, 96, 40]
     truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["q_proj"],
                              target_parameters=["feed_forward.experts.gate_up_proj"])
     assert truth.params

@@ -89,6 +89,10 @@ def test_kernel_shapes_are_the_modules_that_apply() -> None:
     modules = [LoraModule.Q_PROJ, LoraModule.GATE_PROJ, LoraModule.OUT_PROJ]
     assert module_shapes(ModelConfig.preset("qwen3-next-80b-a3b"), modules) == [
         ("q_proj", 8192, 2048), ("out_proj", 2048, 4096)]
+    # DeepSeek-V3: gate_proj on the 3 dense layers and on the MoE layers' shared expert, each
+    # width once.
+    assert module_shapes(ModelConfig.preset("deepseek-v3"), [LoraModule.GATE_PROJ]) == [
+        ("gate_proj", 18432, 7168), ("gate_proj", 2048, 7168)]
 
 
 @pytest.mark.parametrize("json_out", [False, True])

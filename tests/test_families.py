@@ -143,25 +143,20 @@ VL_CASES: dict[str, dict[str, object]] = {
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16}},
 }
 # Linear layers of a decoder layer that no family module declares, by family: what the audit
-# names as not servable (Gated-DeltaNet input projections, the shared expert and its gate).
-# Anything else undeclared fails the test: a module the family row forgot.
+# names as not servable (Gated-DeltaNet input projections, the seed families' shared expert,
+# qwen2_moe's shared-expert gate, llama4's router). Anything else undeclared fails the test: a
+# module the family row forgot.
 _GDN_IN = {"linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"}
 _GDN35_IN = {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a",
              "linear_attn.in_proj_b"}
 _SHARED = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
            "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"}
-_SHARED_EXPERTS = {"mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
-                   "mlp.shared_experts.down_proj"}
-# nemotron_h's Mamba-2 projections (PEFT refuses its out_proj) and MoE blocks' shared experts.
-_NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj", "mixer.shared_experts.up_proj",
-                   "mixer.shared_experts.down_proj"}
-_LLAMA4_MOE = {"feed_forward.router", "feed_forward.shared_expert.gate_proj",
-               "feed_forward.shared_expert.up_proj", "feed_forward.shared_expert.down_proj"}
+# nemotron_h's Mamba-2 projections (PEFT refuses its out_proj).
+_NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj"}
+_LLAMA4_MOE = {"feed_forward.router"}
 UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "llama4": _LLAMA4_MOE, "phimoe": {"mlp.router"},
               "qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
-              "qwen3_5_moe": _GDN35_IN | _SHARED, "deepseek_v2": _SHARED_EXPERTS,
-              "deepseek_v3": _SHARED_EXPERTS, "qwen2_moe": _SHARED,
-              "glm4_moe": _SHARED_EXPERTS}
+              "qwen3_5_moe": _GDN35_IN | _SHARED, "qwen2_moe": {"mlp.shared_expert_gate"}}
 
 
 @pytest.fixture(scope="module")
@@ -350,7 +345,8 @@ def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
     from metrale_cli.model.modules import ALL
 
     for family in FAMILIES.values():
-        # A module declared once per group of layers (gemma4's) sits where its first entry does.
+        # A module declared again for other layers (a shared expert's gate_proj, gemma4's
+        # full-attention q_proj) sits where its first entry does.
         names = list(dict.fromkeys(m.name for m in family.modules))
         assert names == [m.value for m in ALL if m.value in names], family.model_type
 
@@ -376,11 +372,14 @@ def test_vllm_refuses_nemotron_h_in_its_words(tmp_path: Path) -> None:
     assert len(done.stderr.strip().splitlines()) == 1
     plain = metrale("layout", "-m", tmp_path, "--modules", "all", "--max-rank", 16, "--json")
     assert plain.code == 0, plain.stderr
-    # Attention modules on the 5 attention blocks, up/down on the 17 MLP blocks, none elsewhere.
-    entries = {(e["layer"], e["module"]) for e in plain.json()["entries"]}
-    assert entries == {(i, m) for i in (7, 16, 25, 34, 39)
-                       for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
-        (i, m) for i, c in enumerate(_NEMOTRON_H_8B["hybrid_override_pattern"]) if c == "-"
+    # Attention modules on the 5 attention blocks, up/down on the 17 MLP blocks (21504 wide)
+    # and on the MoE block's shared experts (7688, transformers' default), none elsewhere.
+    entries = {(e["layer"], e["module"], e["out_dim"]) for e in plain.json()["entries"]}
+    attention = {"q_proj": 4096, "k_proj": 1024, "v_proj": 1024, "o_proj": 4096}
+    up = {"-": 21504, "E": 7688}
+    assert entries == {(i, m, w) for i in (7, 16, 25, 34, 39) for m, w in attention.items()} | {
+        (i, m, up[c] if m == "up_proj" else 4096)
+        for i, c in enumerate(_NEMOTRON_H_8B["hybrid_override_pattern"]) if c in up
         for m in ("up_proj", "down_proj")}
 
 

@@ -82,6 +82,21 @@ def test_column_row_and_fully_sharded_slices() -> None:
         o, (3 * h // 4, h), (3 * attn // 4, attn))
 
 
+def test_a_module_is_sliced_at_each_layer_s_own_width() -> None:
+    """DeepSeek-V2-Lite: gate_proj is the dense MLP's (10944 rows) on layer 0 and the two
+    shared experts' (2 * 1408) on the MoE layers; each splits its own rows (down_proj its own
+    columns) over the ranks."""
+    lite = ModelConfig.preset("deepseek-v2-lite")
+    layout = SlotLayout.build(lite, [LoraModule.GATE_PROJ, LoraModule.DOWN_PROJ], 16)
+    rank = RankLayout.of(layout, ShardSpec(2, 1))
+    got = {(e.layer, e.module.value): (e.slice.rows, e.slice.cols) for e in rank.entries
+           if e.layer < 2}
+    assert got == {(0, "gate_proj"): ((5472, 10944), (0, 2048)),
+                   (0, "down_proj"): ((0, 2048), (5472, 10944)),
+                   (1, "gate_proj"): ((1408, 2816), (0, 2048)),
+                   (1, "down_proj"): ((0, 2048), (1408, 2816))}
+
+
 @pytest.mark.parametrize(("tp", "heads"), [(2, [0, 1]), (4, [0, 0, 1, 1]),
                                            (8, [0, 0, 0, 0, 1, 1, 1, 1])])
 def test_fewer_kv_heads_than_ranks(tp: int, heads: list[int]) -> None:

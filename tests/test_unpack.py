@@ -58,6 +58,10 @@ CASES = {
                                 r"up_proj|down_proj)"}),
     "mistral3 vl": ("mistral3_vl", {"r": 4, "lora_alpha": 8, "target_modules":
                                     r".*language_model.*\.(q_proj|v_proj|down_proj)"}),
+    # llama4's wrapper keeps its text model at `language_model.model.layers.N`; the dense
+    # layers' MLP and the MoE layers' shared expert.
+    "llama4 vl": ("llama4_vl", {"r": 4, "lora_alpha": 8, "target_modules":
+                                r".*language_model.*\.(q_proj|o_proj|gate_proj|down_proj)"}),
     # Every layer kind of Gemma 4's language model (sliding, full at its own widths, KV-shared
     # with a double-wide MLP), the per-layer input's projections too.
     "gemma4 vl": ("gemma4_vl", {"r": 4, "lora_alpha": 8, "dtype": "bf16"}),
@@ -98,6 +102,33 @@ def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: 
     assert result.json()["modules"] == len(truth.modules)
     assert _assert_deltas_equal(truth, _load_unpacked(model, out)) == len(truth.modules)
     assert metrale("verify", image, f"x={out}").code == 0
+
+
+@pytest.mark.parametrize("model", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
+def test_shared_experts_of_an_adapter_made_before_peft_s_moe_rewrite(
+        tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PEFT 0.21 with transformers 5 turns gate/up/down targets on these types into expert LoRA
+    and adapts neither the dense MLP nor the shared experts; an adapter made before that rewrite
+    (transformers 4) carries both, each at its own width (the shared experts'
+    `n_shared_experts * moe_intermediate_size`). Made and loaded with the rewrite off, as then:
+    packed, unpacked, and loaded by PEFT with the original's deltas."""
+    import peft.utils.transformers_weight_conversion as conversion
+
+    from tests.support.peft_factory import make_adapter
+
+    monkeypatch.setattr(conversion, "_convert_peft_config_moe", lambda *args: None)
+    truth = make_adapter(model, tmp_path / "adapter", r=4, lora_alpha=8, dtype="bf16",
+                         target_modules=MLP)
+    assert {p.split(".", 3)[3] for p in truth.modules} == {
+        *(f"mlp.{m}" for m in MLP), *(f"mlp.shared_experts.{m}" for m in MLP)}
+    image = tmp_path / "pool.safetensors"
+    packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
+    assert packed.code == 0, packed.stderr
+    out = tmp_path / "back"
+    result = metrale("unpack", image, "--name", "x", out, "--json")
+    assert result.code == 0, result.stderr
+    assert result.json()["modules"] == len(truth.modules)
+    assert _assert_deltas_equal(truth, _load_unpacked(model, out)) == len(truth.modules)
 
 
 def _param_deltas(peft_model: object) -> dict[str, np.ndarray]:

@@ -169,8 +169,8 @@ _UNSERVABLE_IN_LAYER = (
      "a Mamba-2 input projection (nemotron_h): the pool serves no Mamba-2 module"),
     (re.compile(r"^(mlp|mixer|feed_forward)\.shared_experts?\.(gate_proj|up_proj|down_proj)$"),
      "a shared-expert projection: the shared expert is a dense MLP beside the routed ones, and "
-     "neither the slot pool (gate/up/down only on models without routed experts) nor the "
-     "expert pool (routed experts and the router) holds it"),
+     "neither this family's slot modules (qwen3_next's and qwen3_5_moe's layouts hold none) "
+     "nor the expert pool (routed experts and the router) hold it"),
     (re.compile(r"^mlp\.shared_expert_gate$"),
      "the shared-expert gate (a [1, hidden] sigmoid gate): neither the slot pool nor the "
      "expert pool (routed experts and the router) holds it"),
@@ -190,10 +190,10 @@ _UNSERVABLE_TOP = (
     (re.compile(r"^(score|classifier|classification_head|qa_outputs)(\..*)?$"),
      "a classifier head"),
 )
-# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`) or audio
-# tower (gemma4's): PEFT's suffix matching adapts its q_proj or gate_proj as readily as the
-# language model's.
-_TOWER = re.compile(r"^(model\.(?:visual|vision_tower|vision_model|audio_tower))\.")
+# A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`, llama4's
+# top-level `vision_model`) or audio tower (gemma4's): PEFT's suffix matching adapts its q_proj
+# or gate_proj as readily as the language model's.
+_TOWER = re.compile(r"^((?:model\.)?(?:visual|vision_tower|vision_model|audio_tower))\.")
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
@@ -539,8 +539,10 @@ def _missing_targets(
 ) -> None:
     """Pool modules the config selects on a layer where the file has no tensors for them."""
     present = {(m.layer, m.module) for m in modules}
-    vl = any(k.module_key.startswith("model.language_model.") for k in adapter.keys)
-    prefix = "model.language_model.layers" if vl else "model.layers"
+    # The decoder stack as the file names it (`model.layers`, a wrapper's
+    # `model.language_model.layers` or llama4's `language_model.model.layers`).
+    prefix = next((k.module_key.removesuffix(f".{k.layer}.{k.sub}") for k in adapter.keys
+                   if k.layer is not None), "model.layers")
     for module in family_modules(model):
         missing = [
             layer

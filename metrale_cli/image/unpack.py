@@ -68,9 +68,10 @@ def pick_slot(t: ImageTables, slot: int | None, name: str | None) -> int:
 
 
 def _module_prefix(t: ImageTables) -> str:
-    """Where PEFT puts the decoder layers: `model.language_model.layers` on a vision-language
-    checkpoint, else `model.layers`."""
-    return "model.language_model" if t.model.composite else "model"
+    """Where PEFT puts the decoder layers: on a vision-language checkpoint its family's language
+    model (`model.language_model.layers`, llama4's `language_model.model.layers`), else
+    `model.layers`."""
+    return t.model.family.language_model if t.model.composite else "model"
 
 
 def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, list[int], bytes]],

@@ -20,9 +20,9 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4
 # ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers,
 # llama4's dense-MLP width).
 _WHEN_SET = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-             "v_head_dim", "first_k_dense_replace", "intermediate_size_mlp", "global_head_dim",
-             "num_global_key_value_heads", "attention_k_eq_v", "num_kv_shared_layers",
-             "use_double_wide_mlp", "hidden_size_per_layer_input")
+             "v_head_dim", "first_k_dense_replace", "intermediate_size_mlp", "n_shared_experts",
+             "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+             "num_kv_shared_layers", "use_double_wide_mlp", "hidden_size_per_layer_input")
 # Upper bounds on a config's counts and widths, far above any real model (the largest have
 # ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
 # pool stays quick: a config past them is malformed, not a bigger model.
@@ -79,6 +79,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # deepseek's and glm4_moe's shared experts: this many of `moe_intermediate_size`, one MLP
+    # of their summed width (`shared_experts_width`) on each MoE layer.
+    n_shared_experts: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -212,6 +215,12 @@ class ModelConfig:
     def linear_value_width(self) -> int:
         """Gated-DeltaNet value width `Nv * dv`: the input width of `linear_attn.out_proj`."""
         return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def shared_experts_width(self) -> int:
+        """The width of deepseek's and glm4_moe's shared-experts MLP: `n_shared_experts` experts
+        of `moe_intermediate_size` side by side, as transformers builds it."""
+        return self.n_shared_experts * self.moe_intermediate_size
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -427,6 +436,7 @@ class ModelConfig:
             num_experts_per_tok=opt("num_experts_per_tok"),
             moe_intermediate_size=opt("moe_intermediate_size"),
             shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
+            n_shared_experts=opt("n_shared_experts") if num_experts else 0,
             linear_num_key_heads=opt("linear_num_key_heads"),
             linear_num_value_heads=opt("linear_num_value_heads"),
             linear_key_head_dim=opt("linear_key_head_dim"),

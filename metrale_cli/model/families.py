@@ -113,6 +113,20 @@ GATE_UP_PROJ = _mlp("gate_up_proj", ("intermediate_size", "intermediate_size"))
 # starcoder2's MLP: no gate, one up projection (c_fc) and one down (c_proj).
 C_FC = _mlp("c_fc", ("intermediate_size",))
 C_PROJ = _mlp("c_proj", ("hidden_size",), "intermediate_size", Split.ROW)
+
+
+def _shared(block: str, width: str, names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+            ) -> tuple[ModuleSpec, ...]:
+    """An MoE layer's shared expert(s) under `block`: a dense MLP beside the routed experts, `width`
+    wide (while the config gives it), whose projections PEFT names as a dense MLP's, so a plain
+    `gate_proj` target reaches both (where PEFT does not rewrite it into expert LoRA). Gate and up
+    split by columns under TP, down by rows."""
+    return tuple(ModuleSpec(name, f"{block}.{name}", ("hidden_size",) if name == "down_proj"
+                            else (width,), width if name == "down_proj" else "hidden_size",
+                            Layers.MOE_LAYERS, Split.ROW if name == "down_proj" else Split.COLUMN,
+                            needs=width) for name in names)
+
+
 # Nemotron-H: each layer is one block (`mixer`) of one kind: Mamba-2, attention, an MLP
 # (non-gated: up and down) or MoE. PEFT 0.21 refuses LoRA on a Mamba `out_proj`
 # (_check_lora_target_modules_mamba), so the Mamba blocks carry no module of the pool.
@@ -230,6 +244,10 @@ class Family:
     # not metrale's (`head_dim` from `hidden_size / heads`, 0 for the rest): a value, or the
     # name of another key whose value it takes (deepseek's head_dim is its qk_rope_head_dim).
     config_defaults: tuple[tuple[str, int | str], ...] = ()
+    # Where this family's vision-language wrapper keeps its language model (its decoder layers
+    # are `<language_model>.layers.N`): `model.language_model` in transformers 5, llama4's
+    # `language_model.model`.
+    language_model: str = "model.language_model"
     # Why the expert pool cannot read this family's routed-expert LoRA (it reads gate and up
     # stacked, (E, out, in) experts): the experts' own layout, which it would misread; "" where
     # it reads it.
@@ -292,16 +310,25 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("starcoder2", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, C_FC, C_PROJ)),
     # Routed experts in transformers 5's fused layout (gate|up (E, 2I, H), down (E, H, I)) and
     # the router `mlp.gate`: the expert pool's, with --experts. qwen2_moe's layers in
-    # mlp_only_layers (or off the sparse step) and glm4_moe's first ones have a dense MLP; the
-    # shared expert(s) beside the routed ones are not served (the audit says so).
+    # mlp_only_layers (or off the sparse step) and glm4_moe's first ones have a dense MLP, the
+    # MoE layers a shared expert (glm4_moe's `n_shared_experts` of them, one MLP) beside the
+    # routed ones: gate/up/down of the slot pool on both. PEFT 0.21 adapts qwen2_moe's with a
+    # plain gate_proj target; on glm4_moe it rewrites the target into expert LoRA and adapts
+    # neither (an adapter made before the rewrite carries both). qwen2_moe's
+    # `shared_expert_gate` ([1, hidden]) is not served: one output row, under the kernels'
+    # 8-wide vector.
     Family("qwen2_moe", sparse_step=True, peft_rewrites_moe_targets=False,
-           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST), config_defaults=(
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST,
+                    *_shared("mlp.shared_expert", "shared_expert_intermediate_size")),
+           config_defaults=(
                ("num_experts", 60), ("moe_intermediate_size", 1408),
                ("shared_expert_intermediate_size", 5632))),
     Family("olmoe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
            config_defaults=(("num_experts", 64),)),
-    Family("glm4_moe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST),
+    Family("glm4_moe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST,
+                                *_shared("mlp.shared_experts", "shared_experts_width")),
            config_defaults=(("n_routed_experts", 128), ("first_k_dense_replace", 1),
+                            ("n_shared_experts", 1),
                             ("moe_intermediate_size", 1408), ("num_experts_per_tok", 8))),
     # Every layer MoE (routed experts only, no dense MLP): the attention modules, with their
     # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
@@ -309,24 +336,36 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gpt_oss", peft_rewrites_moe_targets=False, modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
            experts_unreadable="interleave gate and up and store (experts, in, out)"),
     # Multi-head latent attention; dense MLPs on the first `first_k_dense_replace` layers, then
-    # routed experts with shared experts beside them (PEFT rewrites gate/up/down targets there).
-    Family("deepseek_v2", modules=_MLA, config_defaults=(
-        *_MLA_DEFAULTS, ("n_routed_experts", 64), ("moe_intermediate_size", 1407))),
-    Family("deepseek_v3", modules=_MLA, config_defaults=(
-        *_MLA_DEFAULTS, ("n_routed_experts", 256), ("moe_intermediate_size", 2048),
-        ("first_k_dense_replace", 3), ("num_experts_per_tok", 8))),
+    # routed experts with shared experts beside them (`n_shared_experts` of them, one MLP): the
+    # dense MLP's and the shared experts' gate/up/down are the slot pool's. PEFT 0.21 rewrites
+    # gate/up/down targets into expert LoRA here and adapts neither; an adapter made before the
+    # rewrite (transformers 4) carries both.
+    Family("deepseek_v2", modules=(*_MLA, *_shared("mlp.shared_experts", "shared_experts_width")),
+           config_defaults=(*_MLA_DEFAULTS, ("n_routed_experts", 64),
+                            ("moe_intermediate_size", 1407), ("n_shared_experts", 2))),
+    Family("deepseek_v3", modules=(*_MLA, *_shared("mlp.shared_experts", "shared_experts_width")),
+           config_defaults=(*_MLA_DEFAULTS, ("n_routed_experts", 256),
+                            ("moe_intermediate_size", 2048), ("first_k_dense_replace", 3),
+                            ("num_experts_per_tok", 8), ("n_shared_experts", 1))),
     # Mamba-2, attention, MLP and MoE blocks, one per layer: attention modules on the attention
-    # blocks, up/down on the MLP blocks; the MoE blocks' non-gated experts (up, down) and shared
-    # experts are not served, nor the Mamba blocks' projections (PEFT refuses out_proj).
-    # transformers' NemotronHConfig defaults.
+    # blocks, up/down on the MLP blocks and on the MoE blocks' shared experts (non-gated,
+    # `moe_shared_expert_intermediate_size` wide: a plain up_proj target reaches both); the MoE
+    # blocks' non-gated routed experts are not served, nor the Mamba blocks' projections (PEFT
+    # refuses out_proj). transformers' NemotronHConfig defaults.
     Family("nemotron_h", block_types=True, peft_default_targets=("q_proj", "k_proj", "v_proj",
                                                                  "o_proj"),
-           peft_rewrites_moe_targets=False, modules=_NEMOTRON_H,
+           peft_rewrites_moe_targets=False,
+           modules=(*_NEMOTRON_H, *_shared("mixer.shared_experts",
+                                           "shared_expert_intermediate_size",
+                                           ("up_proj", "down_proj"))),
            experts_unreadable="are non-gated (up and down, no gate)",
            config_defaults=(("hidden_size", 4096), ("num_attention_heads", 32),
                             ("num_key_value_heads", 8), ("head_dim", 128),
                             ("intermediate_size", 21504), ("n_routed_experts", 8),
-                            ("moe_intermediate_size", 7688), ("num_experts_per_tok", 2))),
+                            ("moe_intermediate_size", 7688), ("num_experts_per_tok", 2),
+                            ("moe_shared_expert_intermediate_size", 7688),
+                            ("shared_expert_intermediate_size",
+                             "moe_shared_expert_intermediate_size"))),
     # Granite 3 MoE: every layer routed experts under `block_sparse_moe` (fused experts one
     # intermediate_size wide, a router parameter), attention as llama's. Its
     # GraniteMoeConfig defaults.
@@ -343,12 +382,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                ("num_local_experts", 16), ("num_experts_per_tok", 2))),
     # Llama 4 (llama4_text, and the language model of the llama4 wrapper): MoE layers every
     # `interleave_moe_layer_step` (or those `moe_layers` lists), dense MLPs on the rest; the
-    # MoE layers' shared expert (`feed_forward.shared_expert`) and router are not served, and
+    # MoE layers' shared expert (`feed_forward.shared_expert`, `intermediate_size` wide: a plain
+    # gate_proj target reaches both) is the slot pool's too, their router is not served, and
     # their fused experts store (E, in, out) as gpt_oss's: refused. PEFT's default targets are
     # the wrapper's (q_proj, v_proj on every q_proj/v_proj, the vision tower's too); the text
-    # model has none. transformers' Llama4TextConfig defaults.
+    # model has none. The wrapper (Llama4ForConditionalGeneration) keeps its text model at
+    # `language_model.model` and its vision tower at `vision_model`. transformers'
+    # Llama4TextConfig defaults.
     Family("llama4", sparse_step=True, peft_rewrites_moe_targets=False, moe_block="feed_forward",
-           modules=_LLAMA4,
+           modules=(*_LLAMA4, *_shared("feed_forward.shared_expert",
+                                       "shared_expert_intermediate_size")),
+           language_model="language_model.model",
            experts_unreadable="store gate|up and down as (experts, in, out)", config_defaults=(
                ("hidden_size", 5120), ("num_hidden_layers", 48), ("num_attention_heads", 40),
                ("num_key_value_heads", 8), ("head_dim", 128), ("intermediate_size", 8192),

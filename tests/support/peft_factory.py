@@ -242,11 +242,13 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
     TinyModel("glm4", "Glm4Config", "Glm4ForCausalLM", {**_DENSE, "head_dim": 24},
               targets=(*_ATTN, "gate_up_proj", "down_proj")),
     # Routed experts in transformers 5's fused layout: qwen2_moe's layer 0 dense (mlp_only_layers)
-    # and a shared expert elsewhere, olmoe's every layer, glm4_moe's layer 0 dense
-    # (first_k_dense_replace) and shared experts after it.
+    # and a shared expert elsewhere (a plain gate/up/down target reaches both), olmoe's every
+    # layer, glm4_moe's layer 0 dense (first_k_dense_replace) and shared experts after it
+    # (PEFT rewrites gate/up/down targets there into expert LoRA).
     TinyModel("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
               {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
-               "shared_expert_intermediate_size": 24, "mlp_only_layers": [0]}, targets=_ATTN),
+               "shared_expert_intermediate_size": 24, "mlp_only_layers": [0]},
+              targets=_ATTN + _MLP),
     TinyModel("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
               {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
     TinyModel("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
@@ -266,19 +268,20 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
     # expert LoRA here (and then adapts neither the dense MLP nor the shared expert), so the
     # usual targets are the attention's.
     TinyModel("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM",
-              {**_DENSE, **_MLA_DIMS, "q_lora_rank": None}, targets=_MLA_ATTN),
+              {**_DENSE, **_MLA_DIMS, "q_lora_rank": None, "n_shared_experts": 2},
+              targets=_MLA_ATTN),
     TinyModel("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
               {**_DENSE, **_MLA_DIMS, "q_lora_rank": 24}, targets=_MLA_ATTN),
     # One block a layer: Mamba-2, attention, MLP (up, down: no gate), MoE (non-gated experts and
-    # a shared expert). PEFT refuses the Mamba out_proj; up_proj and down_proj are spelled
-    # `mixer.` so that they reach the MLP block and not the MoE block's shared expert.
+    # a shared expert). PEFT refuses the Mamba out_proj; up_proj and down_proj reach the MLP
+    # block and the MoE block's shared expert.
     TinyModel("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM",
               {**_DENSE, "head_dim": 24, "mamba_num_heads": 4, "mamba_head_dim": 12,
                "n_groups": 1, "ssm_state_size": 8, "n_routed_experts": 4,
                "num_experts_per_tok": 2, "moe_intermediate_size": 40,
                "moe_shared_expert_intermediate_size": 24,
                "layers_block_type": ["linear_attention", "full_attention", "mlp", "moe"]},
-              targets=(*_ATTN, "mixer.up_proj", "mixer.down_proj")),
+              targets=(*_ATTN, "up_proj", "down_proj")),
     # Granite 3 MoE: every layer routed experts, fused under `block_sparse_moe`.
     TinyModel("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM",
               {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
@@ -286,13 +289,13 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
     TinyModel("phimoe", "PhimoeConfig", "PhimoeForCausalLM",
               {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}, targets=_ATTN),
     # Llama 4's text model: dense MLP (intermediate_size_mlp) on even layers, MoE on odd ones
-    # (fused experts, a router, a shared expert); `feed_forward.` spelled so that the targets
-    # reach the dense MLP and not the shared expert.
+    # (fused experts, a router, a shared expert intermediate_size wide); gate/up/down reach the
+    # dense MLP and the shared expert.
     TinyModel("llama4", "Llama4TextConfig", "Llama4ForCausalLM",
               {**_DENSE, "head_dim": 24, "intermediate_size": 40, "intermediate_size_mlp": 96,
                "num_local_experts": 4, "interleave_moe_layer_step": 2,
                "attention_chunk_size": 8},
-              targets=(*_ATTN, *(f"feed_forward.{m}" for m in _MLP))),
+              targets=_ATTN + _MLP),
     TinyModel("gemma4", "Gemma4TextConfig", "Gemma4ForCausalLM", _GEMMA4_TEXT,
               targets=_ATTN + _MLP + _GEMMA4_PLE),
     # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
@@ -309,6 +312,15 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
     TinyModel("gemma4_vl", "Gemma4Config", "Gemma4ForConditionalGeneration", _GEMMA4_TEXT,
               vision_kwargs=_GEMMA4_VISION,
               targets=rf".*language_model.*\.({'|'.join(_ATTN + _MLP + _GEMMA4_PLE)})"),
+    # Llama 4's wrapper: transformers 5 keeps its text model at `language_model.model.layers.N`
+    # and its vision tower at `vision_model` (whose q/k/v/o the same suffixes reach).
+    TinyModel("llama4_vl", "Llama4Config", "Llama4ForConditionalGeneration",
+              {**_DENSE, "head_dim": 24, "intermediate_size": 40, "intermediate_size_mlp": 96,
+               "num_local_experts": 4, "interleave_moe_layer_step": 2,
+               "attention_chunk_size": 8},
+              vision_kwargs={**_SIGLIP, "vision_output_dim": 32, "projector_input_dim": 32,
+                             "projector_output_dim": 32, "pixel_shuffle_ratio": 0.5},
+              targets=_ATTN + _MLP),
     TinyModel("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", _DENSE,
               vision_kwargs=_QWEN_VISION, targets=_ATTN + _MLP),
     TinyModel("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
