@@ -176,6 +176,27 @@ def test_the_llama4_wrapper_audits_as_its_text_model(peft_zoo) -> None:
     assert reports[0] == reports[1] and len(reports[0]) == 28
 
 
+def test_gemma4_s_experts_and_router_are_named_not_servable(peft_zoo) -> None:
+    """Gemma 4's MoE beside its dense MLP: the experts PEFT adapts through target_parameters
+    and the router Linear are each one finding saying why the expert pool does not read them;
+    the dense MLP and attention beside them audited as PEFT built them."""
+    truth = peft_zoo.adapter("gemma4_moe", r=4, lora_alpha=8,
+                             target_modules=["q_proj", "gate_proj", "router.proj"],
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    assert truth.params
+    code, report = inspect_json(truth, "--experts")
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    errors = [f["message"] for f in report["findings"] if f["severity"] == "error"]
+    assert sorted(m.split(":")[0] for m in errors) == ["experts on layers 0-3",
+                                                       "router.proj on layers 0-3"]
+    assert all("the expert pool reads" in m for m in errors)
+    # A plain gate_proj reaches the dense MLP, not the experts (no rewrite on gemma4).
+    warned = [f["message"] for f in report["findings"] if f["code"] == "moe_rewrite"]
+    assert len(warned) == 1 and "reach only the dense MLP" in warned[0]
+    assert report["expert_pairs"] == 0
+
+
 def test_gpt_oss_expert_lora_is_refused_by_name(peft_zoo) -> None:
     """gpt_oss's fused experts interleave gate and up and store (E, in, out): the expert pool
     would misread PEFT's pairs, so even with --experts they are refused; the attention beside

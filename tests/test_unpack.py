@@ -86,7 +86,7 @@ def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> No
 @pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "starcoder2", "gpt_oss",
                                    "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe",
                                    "glm4_moe", "nemotron_h", "llama4", "phimoe",
-                                   "granitemoe", "gemma4"])
+                                   "granitemoe", "gemma4", "gemma4_moe"])
 def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: str) -> None:
     """Each family's PEFT adapter over every LoRA-able projection of its layers (phi3's fused
     qkv_proj and gate_up_proj, glm4's gate_up_proj, gpt_oss's attention beside its experts,

@@ -162,6 +162,13 @@ def layer_rows(model: ModelConfig, report: AdapterReport) -> list[dict[str, Any]
 
 # Modules a decoder layer has that the pool's eight modules do not cover, and why.
 _UNSERVABLE_IN_LAYER = (
+    # gemma4's MoE sits beside the dense MLP at the layer's top level, not under an MoE block.
+    (re.compile(r"^experts$"),
+     "gemma4's routed experts (`experts`, beside the dense MLP): the expert pool reads routed "
+     "experts under an MoE block (`mlp.experts`), not these"),
+    (re.compile(r"^router\.proj$"),
+     "gemma4's router (`router.proj`): the expert pool reads a router under an MoE block "
+     "(`mlp.gate`), not this one"),
     (re.compile(r"^linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_a|"
                 r"in_proj_b|conv1d)$"),
      "a Gated-DeltaNet input projection; the pool serves linear_attn.out_proj only"),
@@ -522,8 +529,9 @@ def _explain_experts(
     if not model.family.peft_rewrites_moe_targets:
         out.add(Severity.WARNING, Code.MOE_REWRITE,
                 f"on {model.model_type}, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
-                "targets into expert LoRA: they reach only the shared expert, and routed experts "
-                "get LoRA only through target_parameters (mlp.experts.gate_up_proj/down_proj)")
+                "targets into expert LoRA: they reach only the dense MLP or shared expert beside "
+                "the routed experts, which get LoRA only through target_parameters "
+                "(experts.gate_up_proj/down_proj)")
         return
     out.add(Severity.WARNING, Code.MOE_REWRITE,
             f"on {model.model_type} (routed experts), PEFT >= 0.19 with transformers 5 turns "

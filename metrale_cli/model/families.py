@@ -402,14 +402,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Gemma 4 (gemma4_text, and the language model of the gemma4 wrapper): sliding and full
     # attention layers of different widths, KV-shared last layers, the per-layer input's
     # projections, a dense MLP on every layer and, with enable_moe_block, routed experts beside
-    # it (`experts`, the router `router.proj`: not served). PEFT's default targets are the
+    # it (`experts`, the router `router.proj`: not served, the audit says why). PEFT's default
+    # targets are the
     # wrapper's (a regex reaching the language model's q_proj and v_proj alone); the text model
     # has none. transformers' Gemma4TextConfig defaults.
     Family("gemma4", peft_rewrites_moe_targets=False, modules=_GEMMA4, global_attention=True,
            moe_flag="enable_moe_block",
            peft_wrapper_targets=r".*language_model\..*\.(q_proj|v_proj)",
-           experts_unreadable="sit beside the dense MLP at the layer's top level (`experts`, "
-                              "routed by `router.proj`)",
            config_defaults=(
                ("hidden_size", 2304), ("intermediate_size", 9216), ("num_hidden_layers", 30),
                ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),

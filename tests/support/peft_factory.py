@@ -298,6 +298,11 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
               targets=_ATTN + _MLP),
     TinyModel("gemma4", "Gemma4TextConfig", "Gemma4ForCausalLM", _GEMMA4_TEXT,
               targets=_ATTN + _MLP + _GEMMA4_PLE),
+    # With routed experts on every layer beside the dense MLP (`experts`, `router.proj`): PEFT
+    # adapts gate/up/down as the dense MLP's, no rewrite into expert LoRA.
+    TinyModel("gemma4_moe", "Gemma4TextConfig", "Gemma4ForCausalLM",
+              {**_GEMMA4_TEXT, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+               "moe_intermediate_size": 40}, targets=_ATTN + _MLP + _GEMMA4_PLE),
     # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
     # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
     TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",
