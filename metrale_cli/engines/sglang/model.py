@@ -130,6 +130,9 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "moe",
                  "source", "routed experts per expert as qwen3_moe; the wrapper "
                  "(models/mllama4.py) defines its own get_hidden_dim"),
+    # Its verdicts are the generic rules' (a q_proj without v_proj on a layer, as PEFT's
+    # gemma4 adapters have on keys-as-values and KV-shared layers, fails lora.py
+    # normalize_qkv_proj); a full layer's q/k/v/o wider than the wrapper's buffers is not judged.
     SglangFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), "hybrid",
                  "source", "models/gemma4_mm.py's wrapper defines its own get_hidden_dim, every "
                  "layer at head_dim (the full-attention layers' global_head_dim is not its "
