@@ -156,7 +156,10 @@ _NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj"}
 _LLAMA4_MOE = {"feed_forward.router"}
 UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "llama4": _LLAMA4_MOE, "phimoe": {"mlp.router"},
               "qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
-              "qwen3_5_moe": _GDN35_IN | _SHARED, "qwen2_moe": {"mlp.shared_expert_gate"}}
+              "qwen3_5_moe": _GDN35_IN | _SHARED, "qwen2_moe": {"mlp.shared_expert_gate"},
+              # gemma4's router beside the dense MLP, with enable_moe_block (its experts are
+              # 3-D parameters, not Linears).
+              "gemma4": {"router.proj"}}
 
 
 @pytest.fixture(scope="module")
@@ -399,8 +402,8 @@ def test_llama4_s_moe_layers_list_matches_transformers(tmp_path: Path,
 
 
 # Gemma 4's other shapes: routed experts beside the dense MLP on every layer (their router
-# `router.proj` is a Linear no family module declares), the expert sizes without the flag that
-# builds them, KV-shared layers whose MLP keeps its width, no per-layer input.
+# `router.proj` is a Linear no family module declares: UNDECLARED), the expert sizes without
+# the flag that builds them, KV-shared layers whose MLP keeps its width, no per-layer input.
 _GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
                "moe_intermediate_size": 40}
 GEMMA4_VARIANTS: dict[str, tuple[dict[str, object], int]] = {
@@ -421,8 +424,7 @@ def test_gemma4_variants_match_transformers(variant: str, tmp_path: Path,
     config.save_pretrained(tmp_path)
     model = ModelConfig.from_hf(tmp_path)
     assert model.num_experts == experts and model.moe_layers == ([0, 1, 2, 3] if experts else [])
-    undeclared = {"router.proj"} if experts else set()
-    assert _differences(model, _meta_model(config), undeclared) == []
+    assert _differences(model, _meta_model(config), UNDECLARED["gemma4"]) == []
 
 
 def test_gemma4_reads_the_global_widths_transformers_reads() -> None:
@@ -483,3 +485,18 @@ def test_gemma4_modules_its_layers_lack_are_named_by_why(tmp_path: Path) -> None
         "are their values (attention_k_eq_v)",
         f"v_proj on layer 2: the module does not apply on sliding-attention {shared}",
         f"v_proj on layer 3: the module does not apply on full-attention {shared}"], messages
+
+
+def test_gemma4_at_full_size_with_every_option(transformers_models: None) -> None:
+    """transformers' Gemma4TextConfig defaults (30 layers, full ones at global_head_dim 512)
+    with every option on, as Google's configs write them (global_head_dim and
+    num_global_key_value_heads, no per_layer_config): keys as values on the full layers,
+    the last 10 layers reusing KV with a double-wide MLP, 128 routed experts beside the MLP."""
+    raw = {"model_type": "gemma4_text", "attention_k_eq_v": True,
+           "num_global_key_value_heads": 2, "num_kv_shared_layers": 10,
+           "use_double_wide_mlp": True, "enable_moe_block": True, "num_experts": 128,
+           "top_k_experts": 8, "moe_intermediate_size": 704}
+    model = ModelConfig.from_dict(raw)
+    assert (model.global_kv_width, model.kv_shared_mlp_width) == (1024, 18432)
+    assert model.num_experts == 128 and model.num_experts_per_tok == 8
+    assert _real_size_differences(raw, "gemma4 every option") == []
