@@ -66,8 +66,9 @@ class LoraModule(str, Enum):
         (MLA's q_a_proj without a q_lora_rank). A family declares a module once per group of
         layers whose path or widths differ; ValueError where two of its entries claim `layer`
         (a family row's mistake: tests/test_families.py asks every layer of every family)."""
+        name = self.value
         found = [spec for spec in cfg.family.modules
-                 if spec.name == self.value and _on_layer(cfg, spec, layer)]
+                 if spec.name == name and _on_layer(cfg, spec, layer)]
         if len(found) > 1:
             raise ValueError(f"{cfg.model_type} declares {self.value} {len(found)} times on "
                              f"layer {layer}")
@@ -83,12 +84,8 @@ class LoraModule(str, Enum):
         `[out_dim, r]`. On a gated-attention model q_proj's output includes the gate, so it is
         twice `num_attention_heads * head_dim`; a fused projection's output is its slices'
         sum."""
-        return sum(self.slices(cfg, layer)), _width(cfg, self.declared(cfg, layer).in_)
-
-    def slices(self, cfg: ModelConfig, layer: int) -> tuple[int, ...]:
-        """The output widths of the projection's slices on `layer`, in the weight's order (one
-        for an unfused projection)."""
-        return tuple(_width(cfg, w) for w in self.declared(cfg, layer).out)
+        spec = self.declared(cfg, layer)
+        return sum(_width(cfg, w) for w in spec.out), _width(cfg, spec.in_)
 
     def declared(self, cfg: ModelConfig, layer: int) -> ModuleSpec:
         """The family's entry for this module on `layer`; ValueError where it has none."""
