@@ -3,7 +3,9 @@ model type: metrale must report exactly PEFT's per-module r, alpha, scaling and 
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import pytest
 
@@ -116,6 +118,46 @@ def test_targets_reaching_the_vision_tower_are_named(peft_zoo, model: str) -> No
     assert_matches_peft(truth, report)
 
 
+def test_gemma4_all_linear_names_the_tower_and_what_lies_outside_the_layers(
+        peft_zoo, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """all-linear on Gemma 4's wrapper: PEFT adapts the vision tower's wrapped Linears
+    (`q_proj.linear`) and patch embedder, the vision embedder's projection and the per-layer
+    inputs' projection beside the language model; each is one finding, the language model's
+    31 pairs (its every layer kind) audited exactly. Without target_modules, PEFT's own default
+    for the wrapper (a regex over the language model's q_proj and v_proj) is servable."""
+    truth = peft_zoo.adapter("gemma4_vl", r=4, lora_alpha=8, target_modules="all-linear")
+    code, report = inspect_json(truth)
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    assert len(report["modules"]) == 31
+    messages = [f["message"] for f in report["findings"]]
+    tower = sum(p.startswith("model.vision_tower.") for p in truth.modules)
+    assert tower == 8 and any(m.startswith(
+        f"model.vision_tower: the vision tower has {tower} adapted modules (down_proj, "
+        "gate_proj, input_proj, k_proj, o_proj, q_proj, up_proj, v_proj)") for m in messages)
+    assert any(m.startswith("model.embed_vision.embedding_projection: a multimodal projector")
+               for m in messages)
+    assert any(m.startswith("model.per_layer_model_projection: the per-layer inputs'")
+               for m in messages)
+    assert len(messages) == 3, messages
+    truth = peft_zoo.adapter("gemma4_vl", r=4, lora_alpha=8, target_modules=None)
+    # PEFT writes the default it resolved; a config that leaves it null means the same.
+    assert truth.config["target_modules"] == r".*language_model\..*\.(q_proj|v_proj)"
+    null = tmp_path / "null"
+    shutil.copytree(truth.path, null)
+    config = json.loads((null / "adapter_config.json").read_text())
+    (null / "adapter_config.json").write_text(json.dumps({**config, "target_modules": None}))
+    for path in (truth.path, null):
+        result = metrale("inspect", path, "--json")
+        assert result.code == 0, result.stdout
+        report = result.json()["adapters"][0]
+        assert_matches_peft(truth, report)
+        assert report["findings"] == []  # the config selects exactly what the file holds
+    # q_proj on every layer, v_proj on the one layer that has it (0: sliding, its own KV).
+    assert sorted((m["layer"], m["module"]) for m in report["modules"]) == [
+        (0, "q_proj"), (0, "v_proj"), (1, "q_proj"), (2, "q_proj"), (3, "q_proj")]
+
+
 def test_the_llama4_wrapper_audits_as_its_text_model(peft_zoo) -> None:
     """Llama4ForConditionalGeneration's language model (`language_model.model.layers.N`):
     every module, its rank, scaling and shapes, as on Llama4ForCausalLM (the dense layers' MLP
@@ -132,6 +174,27 @@ def test_the_llama4_wrapper_audits_as_its_text_model(peft_zoo) -> None:
         reports.append([{k: m[k] for k in ("layer", "module", "r", "alpha", "scaling",
                                             "a_shape", "b_shape")} for m in report["modules"]])
     assert reports[0] == reports[1] and len(reports[0]) == 28
+
+
+def test_gemma4_s_experts_and_router_are_named_not_servable(peft_zoo) -> None:
+    """Gemma 4's MoE beside its dense MLP: the experts PEFT adapts through target_parameters
+    and the router Linear are each one finding saying why the expert pool does not read them;
+    the dense MLP and attention beside them audited as PEFT built them."""
+    truth = peft_zoo.adapter("gemma4_moe", r=4, lora_alpha=8,
+                             target_modules=["q_proj", "gate_proj", "router.proj"],
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    assert truth.params
+    code, report = inspect_json(truth, "--experts")
+    assert code == 1 and not report["servable"]
+    assert_matches_peft(truth, report)
+    errors = [f["message"] for f in report["findings"] if f["severity"] == "error"]
+    assert sorted(m.split(":")[0] for m in errors) == ["experts on layers 0-3",
+                                                       "router.proj on layers 0-3"]
+    assert all("the expert pool reads" in m for m in errors)
+    # A plain gate_proj reaches the dense MLP, not the experts (no rewrite on gemma4).
+    warned = [f["message"] for f in report["findings"] if f["code"] == "moe_rewrite"]
+    assert len(warned) == 1 and "reach only the dense MLP" in warned[0]
+    assert report["expert_pairs"] == 0
 
 
 def test_gpt_oss_expert_lora_is_refused_by_name(peft_zoo) -> None:

@@ -63,7 +63,7 @@ def test_families_sglang_serves_only_from_its_source_say_so() -> None:
         f: "source" for f in ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5", "qwen3_5_moe",
                               "gpt_oss", "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe",
                               "glm4_moe", "nemotron_h", "llama4", "phimoe",
-                              "granitemoe")}
+                              "granitemoe", "gemma4")}
     done = metrale("layout", "--engine", "sglang", "-m", "qwen3-30b-a3b", "--max-rank", 8,
                    "--modules", "q_proj")
     assert done.code == 2 and "metrale sizes dense families only" in done.stderr

@@ -719,3 +719,33 @@ def test_a_config_without_architectures_is_judged_as_sglang_builds_it(
     written = metrale("inspect", truth.path, "--engine", "sglang", "-m", dirs["written"],
                       "--json")
     assert written.code == 0, written.stdout
+
+
+@pytest.mark.sglang
+@pytest.mark.proc
+@pytest.mark.slow
+def test_a_text_only_gemma4_config_stops_sglang_as_metrale_says(tmp_path: Path) -> None:
+    """SGLang's own `ModelConfig` on Gemma 4's text-only config (full layers at their own head
+    width and KV heads: transformers' per_layer_config) fails, its transformers refusing the
+    per-layer attribute SGLang's config parser reads off the whole config; on the wrapper's
+    config it builds. metrale says unsupported_model for the first, in those words, and judges
+    adapters on the second."""
+    text = make_adapter("gemma4", tmp_path / "text", r=4, lora_alpha=8)
+    wrapper = make_adapter("gemma4_vl", tmp_path / "wrapper", r=4, lora_alpha=8)
+    done = subprocess.run([str(SGLANG_PYTHON), "-c", _MODEL_CONFIG, str(text.base_dir),
+                           str(wrapper.base_dir)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    assert built[str(wrapper.base_dir)] == "built"
+    said = built[str(text.base_dir)]
+    assert said.startswith("AmbiguousGlobalPerLayerAttributeError: "), said
+    for truth, refused in ((text, True), (wrapper, False)):
+        inspected = metrale("inspect", truth.path, "--engine", "sglang", "--json")
+        engine = inspected.json()["adapters"][0]["engine"]
+        assert (engine["verdict"] == "unsupported_model") is refused, engine
+    assert engine["reason_class"] != "per_layer_config"
+    inspected = metrale("inspect", text.path, "--engine", "sglang", "--json")
+    engine = inspected.json()["adapters"][0]["engine"]
+    assert engine["reason_class"] == "per_layer_config"
+    assert engine["reason"].startswith("AmbiguousGlobalPerLayerAttributeError: ")

@@ -70,6 +70,13 @@ _NEMOTRON_H = {"layers_block_type": ["linear_attention", "full_attention", "mlp"
                "mamba_num_heads": 4, "mamba_head_dim": 12, "n_groups": 1, "ssm_state_size": 8,
                "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
                "moe_shared_expert_intermediate_size": 24}
+# Gemma 4: sliding layers 0 and 2 (head_dim 24), full layers 1 and 3 (global_head_dim 40, one
+# KV head, keys as values: no v_proj); layers 2 and 3 reuse layers 0's and 1's KV (no k_proj,
+# v_proj) with an MLP twice as wide; every layer's per-layer-input gate and projection.
+_GEMMA4 = {**_SLIDING, "head_dim": 24, "global_head_dim": 40, "attention_k_eq_v": True,
+           "num_global_key_value_heads": 1, "num_kv_shared_layers": 2,
+           "use_double_wide_mlp": True, "hidden_size_per_layer_input": 16,
+           "vocab_size_per_layer_input": 128}
 _QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                 "out_hidden_size": 64}
 META_CASES: dict[str, tuple[str, dict[str, object]]] = {
@@ -86,6 +93,7 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "gemma": ("gemma", {"head_dim": 24}),
     "gemma2": ("gemma2", {"head_dim": 24, **_SLIDING}),
     "gemma3": ("gemma3_text", {"head_dim": 24, **_SLIDING}),
+    "gemma4": ("gemma4_text", _GEMMA4),
     "granite": ("granite", {}),
     "olmo2": ("olmo2", {}),
     "olmo3": ("olmo3", _SLIDING),
@@ -125,12 +133,15 @@ META_CASES: dict[str, tuple[str, dict[str, object]]] = {
     "qwen3_vl": ("qwen3_vl", {"head_dim": 24, "vision_config": _QWEN_VISION}),
 }
 # mistral3's language model is a mistral, gemma3's a gemma3_text: families of their own.
-VL_OF = {"mistral3": "mistral", "gemma3": "gemma3"}
+VL_OF = {"mistral3": "mistral", "gemma3": "gemma3", "gemma4": "gemma4"}
 _SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
            "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
 VL_CASES: dict[str, dict[str, object]] = {
     "mistral3": {"vision_config": {**_SIGLIP, "head_dim": 16}},
     "gemma3": {"vision_config": _SIGLIP, "text_config_type": "gemma3_text"},
+    "gemma4": {**_GEMMA4, "text_config_type": "gemma4_text", "vision_config": {
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16}},
 }
 # Linear layers of a decoder layer that no family module declares, by family: what the audit
 # names as not servable (Gated-DeltaNet input projections, the seed families' shared expert,
@@ -146,7 +157,10 @@ _NEMOTRON_H_OUT = {"mixer.in_proj", "mixer.out_proj"}
 _LLAMA4_MOE = {"feed_forward.router"}
 UNDECLARED = {"nemotron_h": _NEMOTRON_H_OUT, "llama4": _LLAMA4_MOE, "phimoe": {"mlp.router"},
               "qwen3_next": _GDN_IN | _SHARED, "qwen3_5": _GDN35_IN,
-              "qwen3_5_moe": _GDN35_IN | _SHARED, "qwen2_moe": {"mlp.shared_expert_gate"}}
+              "qwen3_5_moe": _GDN35_IN | _SHARED, "qwen2_moe": {"mlp.shared_expert_gate"},
+              # gemma4's router beside the dense MLP, with enable_moe_block (its experts are
+              # 3-D parameters, not Linears).
+              "gemma4": {"router.proj"}}
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +349,8 @@ def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
     from metrale_cli.model.modules import ALL
 
     for family in FAMILIES.values():
-        # A module declared again for other layers (a shared expert's gate_proj) sits where its
-        # first entry does.
+        # A module declared again for other layers (a shared expert's gate_proj, gemma4's
+        # full-attention q_proj) sits where its first entry does.
         names = list(dict.fromkeys(m.name for m in family.modules))
         assert names == [m.value for m in ALL if m.value in names], family.model_type
 
@@ -406,3 +420,104 @@ def test_llama4_s_moe_layers_list_matches_transformers(tmp_path: Path,
     done = metrale("layout", "-m", tmp_path, "--modules", "q_proj", "--max-rank", 8,
                    "--engine", "vllm", "--json")
     assert done.code == 0, done.stderr
+
+
+# Gemma 4's other shapes: routed experts beside the dense MLP on every layer (their router
+# `router.proj` is a Linear no family module declares: UNDECLARED), the expert sizes without
+# the flag that builds them, KV-shared layers whose MLP keeps its width, no per-layer input.
+_GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+               "moe_intermediate_size": 40}
+GEMMA4_VARIANTS: dict[str, tuple[dict[str, object], int]] = {
+    "moe": ({**_GEMMA4, **_GEMMA4_MOE}, 4),
+    "moe sizes, no moe block": ({**_GEMMA4, **_GEMMA4_MOE, "enable_moe_block": False}, 0),
+    "shared kv, single-wide mlp": ({**_GEMMA4, "use_double_wide_mlp": False,
+                                    "attention_k_eq_v": False}, 0),
+    "no per-layer input": ({**_SLIDING, "head_dim": 24, "global_head_dim": 40,
+                            "hidden_size_per_layer_input": 0}, 0),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GEMMA4_VARIANTS))
+def test_gemma4_variants_match_transformers(variant: str, tmp_path: Path,
+                                            transformers_models: None) -> None:
+    kwargs, experts = GEMMA4_VARIANTS[variant]
+    config = _tiny_config("gemma4_text", kwargs)
+    config.save_pretrained(tmp_path)
+    model = ModelConfig.from_hf(tmp_path)
+    assert model.num_experts == experts and model.moe_layers == ([0, 1, 2, 3] if experts else [])
+    assert _differences(model, _meta_model(config), UNDECLARED["gemma4"]) == []
+
+
+def test_gemma4_reads_the_global_widths_transformers_reads() -> None:
+    """A config as Google's checkpoints write it (`global_head_dim`,
+    `num_global_key_value_heads`, taken only with attention_k_eq_v) and without layer_types
+    (five sliding layers to one full, the last layer forced full)."""
+    raw = {"model_type": "gemma4_text", "num_hidden_layers": 8, "global_head_dim": 64,
+           "num_global_key_value_heads": 1}
+    model = ModelConfig.from_dict(raw)
+    assert model.full_attention_layers == [5, 7]
+    assert (model.global_head_dim, model.num_global_key_value_heads) == (64, 0)
+    model = ModelConfig.from_dict({**raw, "attention_k_eq_v": True})
+    assert model.global_kv_width == 64 and model.num_global_key_value_heads == 1
+
+
+@pytest.mark.parametrize(("bad", "says"), [
+    ({"per_layer_config": {"1": {"head_dim": 40}, "3": {"head_dim": 48}}}, "same head_dim"),
+    ({"per_layer_config": {"0": {"head_dim": 40}}}, "no other layer"),
+    ({"per_layer_config": {"1": {"head_dim": -4}}}, "positive integer"),
+    ({"per_layer_config": [40]}, "map layer numbers"),
+    ({"global_head_dim": "wide"}, "positive integers"),
+    ({"num_kv_shared_layers": 5}, "more than the 4 layers"),
+    ({"attention_k_eq_v": True, "num_global_key_value_heads": 3}, "do not divide"),
+])
+def test_gemma4_bad_widths_are_one_line(bad: dict[str, object], says: str,
+                                        tmp_path: Path) -> None:
+    raw = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+           "layer_types": _SLIDING["layer_types"], **bad}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    done = metrale("layout", "-m", tmp_path, "--modules", "q_proj", "--max-rank", 8)
+    assert done.code == 2 and says in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_gemma4_modules_its_layers_lack_are_named_by_why(tmp_path: Path) -> None:
+    """An adapter made for Gemma 4 layers that all compute their own keys and values, against
+    one whose last two layers reuse earlier ones' (no k_proj, v_proj) and whose full layers'
+    keys are their values (no v_proj): each pair it cannot hold is named with the reason."""
+    raw = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+           "global_head_dim": 40, "layer_types": _SLIDING["layer_types"]}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "config.json").write_text(json.dumps(
+        {**raw, "num_kv_shared_layers": 2, "attention_k_eq_v": True}))
+    assert metrale("synth", tmp_path / "a", "--model", tmp_path / "plain", "--modules",
+                   "k_proj,v_proj", "--rank", 4).code == 0
+    done = metrale("inspect", tmp_path / "a", "--model", tmp_path / "shared", "--json")
+    assert done.code == 1
+    messages = sorted(f["message"] for f in done.json()["adapters"][0]["findings"])
+    shared = "layers reusing an earlier layer's keys and values"
+    assert messages == [
+        f"k_proj on layer 2: the module does not apply on sliding-attention {shared}",
+        f"k_proj on layer 3: the module does not apply on full-attention {shared}",
+        "v_proj on layer 1: the module does not apply on full-attention layers whose keys "
+        "are their values (attention_k_eq_v)",
+        f"v_proj on layer 2: the module does not apply on sliding-attention {shared}",
+        f"v_proj on layer 3: the module does not apply on full-attention {shared}"], messages
+
+
+def test_gemma4_at_full_size_with_every_option(transformers_models: None) -> None:
+    """transformers' Gemma4TextConfig defaults (30 layers, full ones at global_head_dim 512)
+    with every option on, as Google's configs write them (global_head_dim and
+    num_global_key_value_heads, no per_layer_config): keys as values on the full layers,
+    the last 10 layers reusing KV with a double-wide MLP, 128 routed experts beside the MLP."""
+    raw = {"model_type": "gemma4_text", "attention_k_eq_v": True,
+           "num_global_key_value_heads": 2, "num_kv_shared_layers": 10,
+           "use_double_wide_mlp": True, "enable_moe_block": True, "num_experts": 128,
+           "top_k_experts": 8, "moe_intermediate_size": 704}
+    model = ModelConfig.from_dict(raw)
+    assert (model.global_kv_width, model.kv_shared_mlp_width) == (1024, 18432)
+    assert model.num_experts == 128 and model.num_experts_per_tok == 8
+    assert _real_size_differences(raw, "gemma4 every option") == []

@@ -55,6 +55,10 @@ DIMS = {
     "llama-3.1-8b": {"q_proj": (4096, 4096), "v_proj": (1024, 4096),
                      "up_proj": (14336, 4096), "down_proj": (4096, 14336)},
 }
+# Gemma 4 (transformers' defaults): sliding layers' widths, then the full layers'.
+GEMMA4_SHAPES = {"q_proj": ((2048, 2304), (4096, 2304)), "k_proj": ((1024, 2304), (2048, 2304)),
+                 "o_proj": ((2304, 2048), (2304, 4096)), "down_proj": ((2304, 9216),),
+                 "per_layer_input_gate": ((256, 2304),), "per_layer_projection": ((2304, 256),)}
 
 
 @pytest.mark.parametrize("preset", sorted(DIMS))
@@ -62,6 +66,13 @@ def test_module_dims(preset: str) -> None:
     cfg = ModelConfig.preset(preset)
     for name, dims in DIMS[preset].items():
         assert LoraModule(name).shapes(cfg) == (dims,), name
+
+
+def test_gemma4_shapes_by_layer_kind() -> None:
+    cfg = ModelConfig.preset("gemma-4-defaults")
+    assert cfg.full_attention_layers == [5, 11, 17, 23, 29]
+    for name, shapes in GEMMA4_SHAPES.items():
+        assert LoraModule(name).shapes(cfg) == shapes, name
 
 
 def test_hybrid_layer_types_and_applicability() -> None:

@@ -210,6 +210,22 @@ def test_fused_projections(peft_zoo, tmp_path: Path, family: str, tp: int, fully
         assert verified.code == 0, verified.stderr
 
 
+@pytest.mark.parametrize("fully", [False, True])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gemma4_layer_kinds(peft_zoo, tmp_path: Path, tp: int, fully: bool) -> None:
+    """Gemma 4: each layer kind split at its own widths (sliding heads of 24 over 2 KV heads,
+    full ones of 40 over one KV head, whole on every rank; the KV-shared layers' double-wide
+    MLP) and the per-layer input's projections whole on every rank."""
+    truth = peft_zoo.adapter("gemma4", r=4, lora_alpha=8)
+    shard = ("--tp", tp, *(["--fully-sharded"] if fully else []))
+    images = rank_images(pack(tmp_path, [truth], "--max-rank", 8, *shard), tp)
+    assert check_modules(images, 0, truth) == len(truth.modules) == 31
+    # The full layer's one KV head: every rank holds its whole k_proj B rows.
+    full_k = [held(image, (1, LoraModule.K_PROJ), 0, False)[0] for image in images]
+    assert {s.rows for s in full_k} == {((0, 40),)}
+    check_slices_of_unsharded(images, PoolImage.open(pack(tmp_path, [truth], "--max-rank", 8)))
+
+
 @pytest.mark.parametrize(("tp", "ep", "fully"), [(2, 1, False), (4, 1, False), (2, 1, True),
                                                  (4, 1, True), (2, 2, False), (4, 2, False)])
 def test_gated_hybrid_with_experts(peft_zoo, tmp_path: Path, tp: int, ep: int,

@@ -62,6 +62,9 @@ CASES = {
     # layers' MLP and the MoE layers' shared expert.
     "llama4 vl": ("llama4_vl", {"r": 4, "lora_alpha": 8, "target_modules":
                                 r".*language_model.*\.(q_proj|o_proj|gate_proj|down_proj)"}),
+    # Every layer kind of Gemma 4's language model (sliding, full at its own widths, KV-shared
+    # with a double-wide MLP), the per-layer input's projections too.
+    "gemma4 vl": ("gemma4_vl", {"r": 4, "lora_alpha": 8, "dtype": "bf16"}),
 }
 
 
@@ -83,10 +86,11 @@ def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> No
 @pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "starcoder2", "gpt_oss",
                                    "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe",
                                    "glm4_moe", "nemotron_h", "llama4", "phimoe",
-                                   "granitemoe"])
+                                   "granitemoe", "gemma4", "gemma4_moe"])
 def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: str) -> None:
     """Each family's PEFT adapter over every LoRA-able projection of its layers (phi3's fused
-    qkv_proj and gate_up_proj, glm4's gate_up_proj, gpt_oss's attention beside its experts):
+    qkv_proj and gate_up_proj, glm4's gate_up_proj, gpt_oss's attention beside its experts,
+    gemma4's modules at each layer's own widths):
     packed, unpacked, and loaded by PEFT onto the same base with PEFT's own deltas."""
     truth = peft_zoo.adapter(model, r=4, lora_alpha=8, dtype="bf16")
     image = tmp_path / "pool.safetensors"

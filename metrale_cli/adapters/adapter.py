@@ -246,9 +246,14 @@ class AdapterConfig:
         return {name: frozenset(value) for name in ("target_modules", "exclude_modules")
                 if isinstance(value := getattr(self, name), list)}
 
-    def with_default_targets(self, family: Family) -> AdapterConfig:
-        """This config with PEFT's default for the family when `target_modules` is null."""
-        if self.target_modules is not None or not family.peft_default_targets:
+    def with_default_targets(self, family: Family, composite: bool = False) -> AdapterConfig:
+        """This config with PEFT's default for the family when `target_modules` is null: the
+        vision-language wrapper's (`composite`) where PEFT keys one of its own."""
+        if self.target_modules is not None:
+            return self
+        if composite and family.peft_wrapper_targets:
+            return replace(self, target_modules=family.peft_wrapper_targets)
+        if not family.peft_default_targets:
             return self
         return replace(self, target_modules=list(family.peft_default_targets))
 

@@ -162,6 +162,13 @@ def layer_rows(model: ModelConfig, report: AdapterReport) -> list[dict[str, Any]
 
 # Modules a decoder layer has that the pool's eight modules do not cover, and why.
 _UNSERVABLE_IN_LAYER = (
+    # gemma4's MoE sits beside the dense MLP at the layer's top level, not under an MoE block.
+    (re.compile(r"^experts$"),
+     "gemma4's routed experts (`experts`, beside the dense MLP): the expert pool reads routed "
+     "experts under an MoE block (`mlp.experts`), not these"),
+    (re.compile(r"^router\.proj$"),
+     "gemma4's router (`router.proj`): the expert pool reads a router under an MoE block "
+     "(`mlp.gate`), not this one"),
     (re.compile(r"^linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_a|"
                 r"in_proj_b|conv1d)$"),
      "a Gated-DeltaNet input projection; the pool serves linear_attn.out_proj only"),
@@ -180,13 +187,20 @@ _UNSERVABLE_TOP = (
      "the input embedding (embed_tokens): embedding LoRA adds a rank-r term to every row of "
      "the table, and overlays only replace listed rows"),
     (re.compile(r"^lm_head$"), "the output head (lm_head)"),
+    # gemma4's: every layer's per-layer input, projected from the embeddings at once.
+    (re.compile(r"^model\.per_layer_model_projection$"),
+     "the per-layer inputs' projection (per_layer_model_projection), outside the decoder "
+     "layers"),
+    # gemma4's projections of its vision and audio towers' output into the language model.
+    (re.compile(r"^model\.(embed_vision|embed_audio)\..*$"),
+     "a multimodal projector into the language model"),
     (re.compile(r"^(score|classifier|classification_head|qa_outputs)(\..*)?$"),
      "a classifier head"),
 )
 # A vision-language checkpoint's vision tower (SigLIP, Pixtral, Qwen-VL's `visual`, llama4's
-# top-level `vision_model`): PEFT's suffix matching adapts its q_proj or gate_proj as readily
-# as the language model's.
-_VISION_TOWER = re.compile(r"^((?:model\.)?(?:visual|vision_tower|vision_model))\.")
+# top-level `vision_model`) or audio tower (gemma4's): PEFT's suffix matching adapts its q_proj
+# or gate_proj as readily as the language model's.
+_TOWER = re.compile(r"^((?:model\.)?(?:visual|vision_tower|vision_model|audio_tower))\.")
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
@@ -200,7 +214,8 @@ def audit(
     METRALE_LORA_EXPERTS."""
     if experts_enabled is None:
         experts_enabled = env.experts_enabled()
-    adapter = replace(adapter, config=adapter.config.with_default_targets(model.family))
+    adapter = replace(adapter, config=adapter.config.with_default_targets(
+        model.family, model.composite))
     report = AdapterReport(adapter)
     out = Collector()
     too_large = adapter.config.size_errors()
@@ -241,10 +256,10 @@ def _audit_tensors(
 
     expert_modules: dict[str, dict[str, AdapterKey]] = {}
     overlay_keys: list[AdapterKey] = []
-    towers: dict[str, list[str]] = defaultdict(list)  # vision tower -> its adapted modules
+    towers: dict[str, list[str]] = defaultdict(list)  # tower -> its adapted modules
     for module_key, parts in sorted(by_module.items(), key=lambda kv: _sort_key(kv[1])):
         any_key = next(iter(parts.values()))
-        tower = _VISION_TOWER.match(any_key.sub) if any_key.layer is None else None
+        tower = _TOWER.match(any_key.sub) if any_key.layer is None else None
         if tower is not None:
             towers[tower.group(1)].append(any_key.sub)
             continue
@@ -262,9 +277,11 @@ def _audit_tensors(
             report.modules.append(record)
 
     for tower, subs in towers.items():
-        leaves = sorted({sub.rsplit(".", 1)[-1] for sub in subs})
+        # gemma4's towers wrap each Linear (`q_proj.linear`): the projection names it.
+        leaves = sorted({sub.removesuffix(".linear").rsplit(".", 1)[-1] for sub in subs})
+        kind = "audio" if tower.endswith("audio_tower") else "vision"
         out.add(Severity.ERROR, Code.UNSERVABLE_MODULE,
-                f"{tower}: the vision tower has {len(subs)} adapted module"
+                f"{tower}: the {kind} tower has {len(subs)} adapted module"
                 f"{'s' if len(subs) > 1 else ''} ({', '.join(leaves)}); the pool serves the "
                 "language model's layers only (target_modules matched the tower's too)")
     pairs = experts.scan(adapter, model, expert_modules, out) if expert_modules else []
@@ -434,6 +451,10 @@ def _audit_module(
 def _layer_kind(model: ModelConfig, layer: int) -> str:
     kind = model.layer_type(layer).value.replace("_", "-")
     moe = " of a model with routed experts" if model.num_experts else ""
+    if model.is_kv_shared_layer(layer):  # gemma4's last layers: no k_proj, v_proj
+        return f"{kind} layers reusing an earlier layer's keys and values{moe}"
+    if model.attention_k_eq_v and kind == "full-attention":
+        return f"{kind} layers whose keys are their values (attention_k_eq_v){moe}"
     return f"{kind} layers{moe}"
 
 
@@ -508,8 +529,9 @@ def _explain_experts(
     if not model.family.peft_rewrites_moe_targets:
         out.add(Severity.WARNING, Code.MOE_REWRITE,
                 f"on {model.model_type}, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
-                "targets into expert LoRA: they reach only the shared expert, and routed experts "
-                "get LoRA only through target_parameters (mlp.experts.gate_up_proj/down_proj)")
+                "targets into expert LoRA: they reach only the dense MLP or shared expert beside "
+                "the routed experts, which get LoRA only through target_parameters "
+                "(experts.gate_up_proj/down_proj)")
         return
     out.add(Severity.WARNING, Code.MOE_REWRITE,
             f"on {model.model_type} (routed experts), PEFT >= 0.19 with transformers 5 turns "

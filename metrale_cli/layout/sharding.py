@@ -132,12 +132,14 @@ def _slice_rows(model: ModelConfig, what: str, width: str | int, rows: int, n: i
     """The output rows `[lo, hi)` of one column-parallel slice `rows` wide (`width`, as the
     family names it) that rank k of n holds, within the slice: query heads (each with its gate
     on a gated model) or KV heads split whole, any other width by rows."""
-    if width == "q_width":
+    if width in ("q_width", "global_attn_width"):
         _need(model.num_attention_heads, n, f"{what} heads" + (
             " (each with its gate)" if model.attn_gated else ""), "--tp")
         return _part(rows, n, k)
-    if width == "kv_width":
-        kv, hd = model.num_key_value_heads, model.head_dim
+    kv_heads = {"kv_width": (model.num_key_value_heads, model.head_dim),
+                "global_kv_width": (model.global_kv_heads, model.global_head_width)}
+    if width in kv_heads:
+        kv, hd = kv_heads[width]
         if kv >= n:
             _need(kv, n, f"{what} KV heads", "--tp")
             return _part(rows, n, k)
@@ -173,7 +175,7 @@ def _column_rows(model: ModelConfig, module: LoraModule, layer: int, spec: Modul
 def _row_cols(model: ModelConfig, module: LoraModule, layer: int, spec: ModuleSpec, n: int,
               k: int) -> tuple[int, int]:
     in_dim = module.dims(model, layer)[1]
-    if spec.in_ == "attn_width":
+    if spec.in_ in ("attn_width", "global_attn_width"):
         _need(model.num_attention_heads, n, "o_proj input heads", "--tp")
     elif spec.in_ == "linear_value_width":
         _need(model.linear_num_value_heads, n, "out_proj linear-attention value heads", "--tp")
@@ -253,14 +255,18 @@ def check_model_split(model: ModelConfig, spec: ShardSpec, who: str = "vLLM") ->
     if model.attention_layers:
         _model_need(model, model.num_attention_heads, n, "query heads", "--tp",
                     "QKVParallelLinear", who)
-        kv = model.num_key_value_heads
-        if kv >= n:
-            _model_need(model, kv, n, "KV heads", "--tp", "QKVParallelLinear", who)
-        elif n % kv:
-            raise UsageError(f"{model.source or model.model_type}: KV heads ({kv}) neither "
-                             f"split over --tp {n} nor divide it (replicated KV heads need tp "
-                             f"a multiple of them); {who}'s QKVParallelLinear would refuse to "
-                             "build")
+        # gemma4's full-attention layers have KV heads of their own.
+        for kv, what in ((model.num_key_value_heads, "KV heads"),
+                         (model.num_global_key_value_heads, "full-attention KV heads")):
+            if not kv:
+                continue
+            if kv >= n:
+                _model_need(model, kv, n, what, "--tp", "QKVParallelLinear", who)
+            elif n % kv:
+                raise UsageError(f"{model.source or model.model_type}: {what} ({kv}) neither "
+                                 f"split over --tp {n} nor divide it (replicated KV heads need "
+                                 f"tp a multiple of them); {who}'s QKVParallelLinear would "
+                                 "refuse to build")
     if model.linear_attention_layers:
         _model_need(model, model.linear_num_key_heads, n, "linear-attention key heads",
                     "--tp", "Gated-DeltaNet layer", who)

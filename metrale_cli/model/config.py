@@ -20,7 +20,9 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4
 # ModelConfig fields a summary carries only when set (deepseek's MLA and dense first layers,
 # llama4's dense-MLP width).
 _WHEN_SET = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-             "v_head_dim", "first_k_dense_replace", "intermediate_size_mlp", "n_shared_experts")
+             "v_head_dim", "first_k_dense_replace", "intermediate_size_mlp", "n_shared_experts",
+             "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+             "num_kv_shared_layers", "use_double_wide_mlp", "hidden_size_per_layer_input")
 # Upper bounds on a config's counts and widths, far above any real model (the largest have
 # ~126 layers, 512 experts, a 262k vocabulary, 53k-wide FFNs) and low enough that planning a
 # pool stays quick: a config past them is malformed, not a bigger model.
@@ -105,6 +107,18 @@ class ModelConfig:
     # The first layers whose MLP is dense although the model has routed experts (deepseek's
     # first_k_dense_replace).
     first_k_dense_replace: int = 0
+    # gemma4: the full-attention layers' head width and KV heads (0: head_dim and
+    # num_key_value_heads, as on the sliding layers and every other family); whether those layers
+    # compute keys alone, k_proj's output serving as the values (no v_proj there); how many last
+    # layers reuse an earlier layer's keys and values (no k_proj, v_proj there), and whether
+    # their MLP is twice intermediate_size wide; the per-layer input's width (each layer's
+    # per_layer_input_gate and per_layer_projection, 0: none). Summaries leave them out while 0.
+    global_head_dim: int = 0
+    num_global_key_value_heads: int = 0
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
     # The config nests the text model under `text_config` (a vision-language checkpoint).
     composite: bool = False
     # Where the config came from: a preset name, a file path, or a hub id.
@@ -146,6 +160,36 @@ class ModelConfig:
     def attn_width(self) -> int:
         """The attention heads' width, o_proj's input."""
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def global_head_width(self) -> int:
+        """A gemma4 full-attention layer's head width."""
+        return self.global_head_dim or self.head_dim
+
+    @property
+    def global_kv_heads(self) -> int:
+        """A gemma4 full-attention layer's KV heads."""
+        return self.num_global_key_value_heads or self.num_key_value_heads
+
+    @property
+    def global_attn_width(self) -> int:
+        """A gemma4 full-attention layer's query heads: q_proj's output, o_proj's input."""
+        return self.num_attention_heads * self.global_head_width
+
+    @property
+    def global_kv_width(self) -> int:
+        """A gemma4 full-attention layer's KV heads: k_proj's (and v_proj's) output."""
+        return self.global_kv_heads * self.global_head_width
+
+    @property
+    def kv_shared_mlp_width(self) -> int:
+        """The MLP width of a layer that reuses another's KV: doubled with use_double_wide_mlp."""
+        return self.intermediate_size * (2 if self.use_double_wide_mlp else 1)
+
+    def is_kv_shared_layer(self, layer: int) -> bool:
+        """Whether `layer` reuses an earlier layer's keys and values (gemma4's last
+        `num_kv_shared_layers`): its attention has no k_proj or v_proj."""
+        return layer >= self.num_hidden_layers - self.num_kv_shared_layers
 
     @property
     def mla_q_width(self) -> int:
@@ -349,6 +393,21 @@ class ModelConfig:
             raise FormatError(f"{source or 'config'}: 'num_key_value_heads' {kv_heads} does not "
                               f"divide 'num_attention_heads' {heads}")
         layer_types = blocks or _layer_types(text, known.hybrid, layers, source)
+        global_head_dim = global_kv_heads = 0
+        if known.global_attention:
+            # transformers forces the last layer to full attention (with a warning).
+            layer_types = (*layer_types[:-1], LayerType.FULL_ATTENTION)
+            global_head_dim, global_kv_heads = _global_attention(text, layer_types, source)
+            if global_kv_heads and heads % global_kv_heads:
+                raise FormatError(f"{source or 'config'}: the full-attention layers' "
+                                  f"{global_kv_heads} KV heads do not divide "
+                                  f"'num_attention_heads' {heads}")
+        if known.moe_flag and not text.get(known.moe_flag):
+            num_experts = 0  # the experts' sizes without the block that holds them
+        shared_kv = opt("num_kv_shared_layers")
+        if shared_kv > layers:
+            raise FormatError(f"{source or 'config'}: 'num_kv_shared_layers' {shared_kv} is more "
+                              f"than the {layers} layers")
         only = text.get("mlp_only_layers") or []
         step = opt("decoder_sparse_step", 1) or 1
         moe = text.get("moe_layers")
@@ -392,6 +451,12 @@ class ModelConfig:
             qk_rope_head_dim=opt("qk_rope_head_dim"),
             v_head_dim=opt("v_head_dim"),
             first_k_dense_replace=opt("first_k_dense_replace") if num_experts else 0,
+            global_head_dim=global_head_dim,
+            num_global_key_value_heads=global_kv_heads,
+            attention_k_eq_v=bool(text.get("attention_k_eq_v")),
+            num_kv_shared_layers=shared_kv,
+            use_double_wide_mlp=bool(text.get("use_double_wide_mlp")),
+            hidden_size_per_layer_input=opt("hidden_size_per_layer_input"),
             tie_word_embeddings=bool(tied),
             composite=composite,
             source=source,
@@ -468,6 +533,42 @@ def _family_from_record(model_type: str, record: Any) -> Family:
         modules.append(ModuleSpec(m["name"], m["path"], tuple(m["out"]), m["in"], Layers.LISTED,
                                   Split(m["split"]), on_layers=tuple(layers)))
     return Family(model_type, modules=tuple(modules))
+
+
+def _global_attention(text: dict[str, Any], layer_types: tuple[LayerType, ...],
+                      source: str) -> tuple[int, int]:
+    """gemma4's full-attention layers' head width and KV heads (0: the config's own):
+    transformers' `per_layer_config` (what it writes: layer number -> overrides), else
+    `global_head_dim` and, with attention_k_eq_v, `num_global_key_value_heads` (what it reads).
+    metrale models one width for every full layer and none apart on the sliding ones."""
+    where = source or "config"
+
+    def width(v: Any) -> bool:
+        return v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_WIDTH)
+
+    per_layer = text.get("per_layer_config")
+    if per_layer is None:
+        head_dim, kv_heads = text.get("global_head_dim"), (
+            text.get("num_global_key_value_heads") if text.get("attention_k_eq_v") else None)
+        if not (width(head_dim) and width(kv_heads)):
+            raise FormatError(f"{where}: 'global_head_dim' and 'num_global_key_value_heads' "
+                              "must be positive integers")
+        return head_dim or 0, kv_heads or 0
+    entries = per_layer.items() if isinstance(per_layer, dict) else [(None, None)]
+    if not all(isinstance(k, str) and k.isdigit() and isinstance(v, dict)
+               and set(v) <= {"head_dim", "num_key_value_heads"} and all(map(width, v.values()))
+               for k, v in entries):
+        raise FormatError(f"{where}: per_layer_config must map layer numbers to a head_dim and "
+                          "num_key_value_heads, each a positive integer")
+    overrides = {int(k): (v.get("head_dim"), v.get("num_key_value_heads")) for k, v in entries}
+    full = {i for i, t in enumerate(layer_types) if t is LayerType.FULL_ATTENTION}
+    widths = set(overrides.values())
+    if (overrides and set(overrides) != full) or len(widths) > 1:
+        raise FormatError(f"{where}: per_layer_config must give every full-attention layer the "
+                          "same head_dim and num_key_value_heads, and no other layer any: "
+                          "metrale models gemma4's sliding and full widths alone")
+    head_dim, kv_heads = next(iter(widths), (None, None))
+    return head_dim or 0, kv_heads or 0
 
 
 def _block_types(text: dict[str, Any], source: str) -> tuple[LayerType, ...]:
@@ -692,6 +793,15 @@ PRESETS: tuple[Preset, ...] = (
         {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
          "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
          "vocab_size": 129280},
+    ),
+    # transformers' Gemma4TextConfig defaults (no published Gemma 4 config.json was at hand to
+    # re-type: no hub id): sliding layers at head_dim 256, every sixth full at 512.
+    Preset(
+        "gemma-4-defaults", (),
+        {"model_type": "gemma4_text", "hidden_size": 2304, "num_hidden_layers": 30,
+         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+         "global_head_dim": 512, "intermediate_size": 9216, "hidden_size_per_layer_input": 256,
+         "layer_types": _sliding(30, 6), "vocab_size": 262144, "tie_word_embeddings": True},
     ),
     Preset(
         "mixtral-8x7b",

@@ -35,6 +35,13 @@ class Layers(str, Enum):
     MOE_LAYERS = "moe_layers"
     # A block-typed hybrid's MLP blocks (nemotron_h's `-` layers: an MLP and nothing else).
     MLP_BLOCKS = "mlp_blocks"
+    # Layers computing their own keys and values: every layer but gemma4's last
+    # `num_kv_shared_layers` (`ModelConfig.is_kv_shared_layer`), which reuse an earlier layer's
+    # and so have no k_proj or v_proj (and, with use_double_wide_mlp, an MLP twice as wide).
+    OWN_KV = "own_kv"
+    SHARED_KV = "shared_kv"
+    # Every decoder layer (gemma4's per-layer-input projections).
+    EVERY = "every"
     # The layers `ModuleSpec.on_layers` lists: a family read from a checkpoint's own tensor
     # names (model/weights.py).
     LISTED = "listed"
@@ -69,6 +76,9 @@ class ModuleSpec:
     needs: str = ""
     unless: str = ""
     on_layers: tuple[int, ...] = ()  # with Layers.LISTED
+    # Only on layers of this `layer_types` kind: gemma4's sliding and full attention layers
+    # differ in head width (`head_dim`, `global_head_dim`), so each has an entry.
+    layer_type: str = ""
 
     @property
     def fused(self) -> bool:
@@ -132,6 +142,45 @@ _LLAMA4 = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *(
                                                         "intermediate_size" else w for w in m.out),
                "intermediate_size_mlp" if m.in_ == "intermediate_size" else m.in_,
                Layers.DENSE_MLP_LAYERS, m.split) for m in (GATE_PROJ, UP_PROJ, DOWN_PROJ)))
+# Gemma 4's per-layer input (PLE): each layer gates the hidden state down to the per-layer
+# input's width and projects it back (vLLM's ReplicatedLinear: whole on every rank).
+PER_LAYER_INPUT_GATE = ModuleSpec("per_layer_input_gate", "per_layer_input_gate",
+                                  ("hidden_size_per_layer_input",), "hidden_size", Layers.EVERY,
+                                  Split.REPLICATED, needs="hidden_size_per_layer_input")
+PER_LAYER_PROJECTION = ModuleSpec("per_layer_projection", "per_layer_projection",
+                                  ("hidden_size",), "hidden_size_per_layer_input", Layers.EVERY,
+                                  Split.REPLICATED, needs="hidden_size_per_layer_input")
+
+
+def _gemma4_attention() -> tuple[ModuleSpec, ...]:
+    """Each attention module once per layer kind: sliding layers at `head_dim` and the KV
+    heads, full layers at `global_head_dim` and their own KV heads; k_proj and v_proj only on
+    layers computing their own KV, and no v_proj on full layers with attention_k_eq_v (k_proj's
+    output is the values too)."""
+    out = []
+    for m, full_out, full_in in ((Q_PROJ, "global_attn_width", "hidden_size"),
+                                 (K_PROJ, "global_kv_width", "hidden_size"),
+                                 (V_PROJ, "global_kv_width", "hidden_size"),
+                                 (O_PROJ, "hidden_size", "global_attn_width")):
+        layers = Layers.OWN_KV if m in (K_PROJ, V_PROJ) else Layers.ATTENTION
+        out += [ModuleSpec(m.name, m.path, m.out, m.in_, layers, m.split,
+                           layer_type="sliding_attention"),
+                ModuleSpec(m.name, m.path, (full_out,), full_in, layers, m.split,
+                           unless="attention_k_eq_v" if m is V_PROJ else "",
+                           layer_type="full_attention")]
+    return tuple(out)
+
+
+# Gemma 4's MLP, on every layer (beside the routed experts too): intermediate_size wide, twice
+# that on the KV-shared layers with use_double_wide_mlp (`kv_shared_mlp_width`).
+_GEMMA4_MLP = tuple(
+    spec for m in (GATE_PROJ, UP_PROJ, DOWN_PROJ) for spec in (
+        ModuleSpec(m.name, m.path, m.out, m.in_, Layers.OWN_KV, m.split),
+        ModuleSpec(m.name, m.path, tuple("kv_shared_mlp_width" if w == "intermediate_size"
+                                         else w for w in m.out),
+                   "kv_shared_mlp_width" if m.in_ == "intermediate_size" else m.in_,
+                   Layers.SHARED_KV, m.split)))
+_GEMMA4 = (*_gemma4_attention(), *_GEMMA4_MLP, PER_LAYER_INPUT_GATE, PER_LAYER_PROJECTION)
 # Multi-head latent attention (deepseek_v2/v3): a low-rank query (or one q_proj without
 # q_lora_rank), the compressed KV and its up-projection, and o_proj over the heads' values.
 MLA_Q_PROJ = ModuleSpec("q_proj", "self_attn.q_proj", ("mla_q_width",), "hidden_size",
@@ -155,7 +204,7 @@ SEED_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, O
 DENSE_MODULES = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 # Every module a family may declare: the `--modules` vocabulary (model/modules.py LoraModule).
 VOCABULARY = (*SEED_MODULES, QKV_PROJ, GATE_UP_PROJ, Q_A_PROJ, Q_B_PROJ, KV_A_PROJ, KV_B_PROJ,
-              C_FC, C_PROJ)
+              C_FC, C_PROJ, PER_LAYER_INPUT_GATE, PER_LAYER_PROJECTION)
 
 
 @dataclass(frozen=True)
@@ -174,6 +223,9 @@ class Family:
     # PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: what a config without
     # target_modules meant when it was trained (none for the MoE and hybrid types).
     peft_default_targets: tuple[str, ...] = ()
+    # PEFT's default for the family's vision-language wrapper where its model_type has one of
+    # its own (a regex over the whole model: gemma4's reaches the language model alone).
+    peft_wrapper_targets: str = ""
     # PEFT >= 0.19 with transformers 5 rewrites gate/up/down targets into expert LoRA on this
     # type (PEFT 0.21's conversion table, checked against PEFT); only with routed experts.
     peft_rewrites_moe_targets: bool = True
@@ -200,6 +252,13 @@ class Family:
     # stacked, (E, out, in) experts): the experts' own layout, which it would misread; "" where
     # it reads it.
     experts_unreadable: str = ""
+    # Full-attention layers with widths of their own: `global_head_dim` (or transformers'
+    # `per_layer_config`) and, with attention_k_eq_v, `num_global_key_value_heads`; the last
+    # layer always full attention, as transformers forces it (gemma4).
+    global_attention: bool = False
+    # A config key that must be true for the routed experts to exist, their sizes given or not
+    # (gemma4's enable_moe_block).
+    moe_flag: str = ""
 
 
 _Q_V = ("q_proj", "v_proj")
@@ -340,6 +399,22 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                ("intermediate_size_mlp", 16384), ("num_local_experts", 16),
                ("num_experts_per_tok", 1), ("decoder_sparse_step", "interleave_moe_layer_step"),
                ("shared_expert_intermediate_size", "intermediate_size"))),
+    # Gemma 4 (gemma4_text, and the language model of the gemma4 wrapper): sliding and full
+    # attention layers of different widths, KV-shared last layers, the per-layer input's
+    # projections, a dense MLP on every layer and, with enable_moe_block, routed experts beside
+    # it (`experts`, the router `router.proj`: not served, the audit says why). PEFT's default
+    # targets are the
+    # wrapper's (a regex reaching the language model's q_proj and v_proj alone); the text model
+    # has none. transformers' Gemma4TextConfig defaults.
+    Family("gemma4", peft_rewrites_moe_targets=False, modules=_GEMMA4, global_attention=True,
+           moe_flag="enable_moe_block",
+           peft_wrapper_targets=r".*language_model\..*\.(q_proj|v_proj)",
+           config_defaults=(
+               ("hidden_size", 2304), ("intermediate_size", 9216), ("num_hidden_layers", 30),
+               ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),
+               ("global_head_dim", 512), ("hidden_size_per_layer_input", 256),
+               ("vocab_size", 262144), ("sliding_window_pattern", 6),
+               ("num_experts_per_tok", "top_k_experts"), ("tie_word_embeddings", True))),
     # Fused projections: one pair spans q|k|v (phi3) or gate|up (phi3, glm4).
     _dense("phi3", modules=_PHI3),
     _dense("glm4", modules=_GLM4),

@@ -33,6 +33,9 @@ class LoraModule(str, Enum):
     # starcoder2's MLP: up (c_fc) and down (c_proj), no gate.
     C_FC = "c_fc"
     C_PROJ = "c_proj"
+    # Gemma 4's per-layer input: hidden to its width (gate) and back (projection).
+    PER_LAYER_INPUT_GATE = "per_layer_input_gate"
+    PER_LAYER_PROJECTION = "per_layer_projection"
     # The Gated-DeltaNet block's output projection (`linear_attn.out_proj`), linear-attention
     # value width to hidden. O_PROJ instead reads the attention head width and applies only to
     # attention layers.
@@ -138,6 +141,14 @@ def _on_layer(cfg: ModelConfig, spec: ModuleSpec, layer: int) -> bool:
     if spec.layers is Layers.LISTED:
         return layer in spec.on_layers
     kind = cfg.layer_type(layer)
+    if spec.layer_type and kind.value != spec.layer_type:
+        return False
+    if spec.layers is Layers.EVERY:
+        return True
+    if spec.layers is Layers.OWN_KV:
+        return not cfg.is_kv_shared_layer(layer)
+    if spec.layers is Layers.SHARED_KV:
+        return cfg.is_kv_shared_layer(layer)
     if spec.layers is Layers.DENSE_MLP:
         return cfg.num_experts == 0
     if spec.layers is Layers.DENSE_MLP_LAYERS:

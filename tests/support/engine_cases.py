@@ -63,6 +63,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                     {**_DENSE, "layer_types": ["sliding_attention", "full_attention"],
                      "sliding_window": 8}),
+    # Gemma 4: a sliding layer (head width 32) and a full one (64) whose one KV head's keys
+    # are its values (no v_proj); each layer's per-layer-input projections.
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+                    {**_DENSE, "layer_types": ["sliding_attention", "full_attention"],
+                     "sliding_window": 8, "global_head_dim": 64, "attention_k_eq_v": True,
+                     "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 16,
+                     "vocab_size_per_layer_input": 128}),
     "cohere": ("CohereConfig", "CohereForCausalLM", _DENSE),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _DENSE),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _DENSE),

@@ -62,8 +62,9 @@ class TinyModel:
     vision_kwargs: Mapping[str, Any] | None = None
     checkpoint_class: str | None = None
     # The usual serving targets present in this model (what make_adapter uses when the caller
-    # names no targets); MoE leaves are spelled as users write them, PEFT may rewrite them.
-    targets: tuple[str, ...] = ()
+    # names no targets); MoE leaves are spelled as users write them, PEFT may rewrite them. A
+    # regex where PEFT builds no adapter from names (gemma4's wrapper).
+    targets: tuple[str, ...] | str = ()
 
     @property
     def is_composite(self) -> bool:
@@ -161,6 +162,21 @@ _SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
            "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
 _QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                 "out_hidden_size": 64}
+
+
+# Gemma 4's text model, every layer kind it has: sliding layers 0 and 2 (head_dim 24), full
+# layers 1 and 3 (global_head_dim 40, one KV head, keys as values: no v_proj); layers 2 and 3
+# reuse layers 0's and 1's KV (no k_proj, v_proj) and their MLP is twice as wide (192); every
+# layer's per-layer-input gate (16, 64) and projection (64, 16).
+_GEMMA4_TEXT = {**_DENSE, **_SLIDING, "head_dim": 24, "global_head_dim": 40,
+                "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+                "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128}
+_GEMMA4_PLE = ("per_layer_input_gate", "per_layer_projection")
+# Gemma 4's vision tower: its projections wrap their Linear (`q_proj.linear`).
+_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+                  "patch_size": 4, "pooling_kernel_size": 1, "position_embedding_size": 64}
 
 
 def _tiny(*models: TinyModel) -> dict[str, TinyModel]:
@@ -280,6 +296,13 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
                "num_local_experts": 4, "interleave_moe_layer_step": 2,
                "attention_chunk_size": 8},
               targets=_ATTN + _MLP),
+    TinyModel("gemma4", "Gemma4TextConfig", "Gemma4ForCausalLM", _GEMMA4_TEXT,
+              targets=_ATTN + _MLP + _GEMMA4_PLE),
+    # With routed experts on every layer beside the dense MLP (`experts`, `router.proj`): PEFT
+    # adapts gate/up/down as the dense MLP's, no rewrite into expert LoRA.
+    TinyModel("gemma4_moe", "Gemma4TextConfig", "Gemma4ForCausalLM",
+              {**_GEMMA4_TEXT, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+               "moe_intermediate_size": 40}, targets=_ATTN + _MLP + _GEMMA4_PLE),
     # Vision-language wrappers: keys `model.language_model.layers.N` and the tower's
     # (`model.vision_tower.`, `model.visual.`), which the same suffixes reach.
     TinyModel("gemma3_vl", "Gemma3Config", "Gemma3ForConditionalGeneration",
@@ -288,6 +311,12 @@ TINY_MODELS: dict[str, TinyModel] = _tiny(
     TinyModel("mistral3_vl", "Mistral3Config", "Mistral3ForConditionalGeneration",
               {**_DENSE, "head_dim": 24}, vision_kwargs={**_SIGLIP, "head_dim": 16},
               targets=_ATTN + _MLP),
+    # The vision tower's projections are Gemma4ClippableLinear (a Linear inside), which PEFT
+    # refuses to adapt: a name the tower shares (q_proj) fails the whole adapter, so the
+    # targets are a regex over the language model (PEFT's own default for gemma4 is one).
+    TinyModel("gemma4_vl", "Gemma4Config", "Gemma4ForConditionalGeneration", _GEMMA4_TEXT,
+              vision_kwargs=_GEMMA4_VISION,
+              targets=rf".*language_model.*\.({'|'.join(_ATTN + _MLP + _GEMMA4_PLE)})"),
     # Llama 4's wrapper: transformers 5 keeps its text model at `language_model.model.layers.N`
     # and its vision tower at `vision_model` (whose q/k/v/o the same suffixes reach).
     TinyModel("llama4_vl", "Llama4Config", "Llama4ForConditionalGeneration",
@@ -451,7 +480,8 @@ def make_adapter(
     out = Path(out_dir)
     base_dir = write_base_config(model_name, out / "base").resolve()
     if "target_modules" not in lora_kwargs and "target_parameters" not in lora_kwargs:
-        lora_kwargs["target_modules"] = list(tiny.targets)
+        targets = tiny.targets
+        lora_kwargs["target_modules"] = targets if isinstance(targets, str) else list(targets)
     adapter = adapter_name or "default"
 
     model = tiny.build_model(seed)

@@ -141,6 +141,13 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "moe",
                  "source", "routed experts per expert as qwen3_moe; the wrapper "
                  "(models/mllama4.py) defines its own get_hidden_dim"),
+    # Its verdicts are the generic rules' (a q_proj without v_proj on a layer, as PEFT's
+    # gemma4 adapters have on keys-as-values and KV-shared layers, fails lora.py
+    # normalize_qkv_proj); a full layer's q/k/v/o wider than the wrapper's buffers is not judged.
+    SglangFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), "hybrid",
+                 "source", "models/gemma4_mm.py's wrapper defines its own get_hidden_dim, every "
+                 "layer at head_dim (the full-attention layers' global_head_dim is not its "
+                 "width); models/gemma4_causal.py's text class marks supports_lora = False"),
     SglangFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"), "hybrid",
                  "source", "the class defines its own get_hidden_dim, by block kind (a MoE "
                  "block's up_proj/down_proj are its shared expert's)"),
@@ -410,13 +417,26 @@ def starts(got: Judgement) -> bool:
 
 
 def model_support(model: ModelConfig) -> tuple[str, str] | None:
-    """Why SGLang cannot start on `model` whatever the adapters, or None. SGLang reads the
+    """Why SGLang cannot start on `model` whatever the adapters, or None: a text-only gemma4
+    config with per-layer widths (below), or no model class to pick. SGLang reads the
     config's `architectures[0]` before it picks a model class: none at all (or null) is a
     TypeError in configs/model_config.py `ModelConfig.__init__` (`self.hf_config.
     architectures[0] in mm_disabled_models`), an empty list an IndexError as the config is
     loaded (utils/hf_transformers/config.py `HFConfigParser.parse`: `config.architectures[0]
     == "Phi4MMForCausalLM"`); either stops the server starting. A preset names none: its
     family's own class."""
+    if model.family.global_attention and not model.composite and (
+            model.global_head_width != model.head_dim
+            or model.global_kv_heads != model.num_key_value_heads):
+        # A text-only gemma4 config whose full layers differ (transformers' per_layer_config):
+        # under SGLang's transformers 5.19 a per-layer attribute read off the whole config
+        # raises; the wrapper's config (text settings under text_config) does not.
+        return ("per_layer_config", "AmbiguousGlobalPerLayerAttributeError: the full-attention "
+                "layers' head_dim and KV heads differ from the sliding layers' (per_layer_config), "
+                "and SGLang reads every key of a text config off the config object "
+                "(utils/hf_transformers/config.py HFConfigParser.parse: `hasattr(config, key)`), "
+                "which transformers refuses for a per-layer attribute; the server never starts "
+                "(the gemma4 wrapper's config, text settings under text_config, does)")
     if model.architectures is None or model.architectures:
         return None
     if raw_text_config(model).get("architectures") is None:

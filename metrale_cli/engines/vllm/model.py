@@ -201,6 +201,18 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "llama4.py Llama4ForCausalLM", "run", _EMBED_HEAD, moe_block="feed_forward",
                mlp_block="feed_forward", router="router", shared_expert_gate=False,
                moe_step="interleave_moe_layer_step"),
+    # Packs q/k/v and gate/up as llama.py (_PACKED), no embedding_modules; but its layers are
+    # not one shape: full-attention layers at global_head_dim with their own KV heads, whose
+    # checkpoint k_proj is loaded into both the K and V shards where attention_k_eq_v
+    # (_gemma4_layer_weights_mapper: an adapter's k_proj delta reaches K alone, PEFT's reaches
+    # the values too), KV-shared layers with a q_proj of their own instead of qkv_proj
+    # (Gemma4Attention), the per-layer input's ReplicatedLinear pair; the wrapper
+    # (gemma4_mm.py Gemma4ForConditionalGeneration) packs alike. The CPU build serves PEFT's
+    # log-probs but for a k_proj delta on a keys-as-values layer (tests/test_engine_vllm.py).
+    VllmFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+               "gemma4.py Gemma4ForCausalLM", "run",
+               unmodelled="sliding and full attention of different head widths, KV-shared "
+                          "layers with q_proj alone, keys as values (attention_k_eq_v)"),
     # One block a layer (`_block_modules`): q/k/v packed into qkv_proj on the attention
     # blocks, a non-gated MLP (up_proj, down_proj) on the MLP blocks, Mamba-2 mixers (in_proj,
     # conv1d, out_proj) and non-gated MoE (experts, shared experts; no router LoRA) beside them.
