@@ -86,6 +86,17 @@ class VllmFamily:
     # The decoder layer's MoE block name as vLLM's class spells it (its LoRA loader renames
     # no module: Mixtral keeps transformers 4's `block_sparse_moe`).
     moe_block: str = "mlp"
+    # The MoE layers' shared expert(s), as the class builds them beside FusedMoE: a dense MLP
+    # under this path (gate_up_proj MergedColumnParallelLinear, down_proj RowParallelLinear),
+    # which the LoRA manager wraps as any other MLP (lora/model_manager.py
+    # `_create_lora_modules`: the leaf names gate_up_proj and down_proj), so an adapter's
+    # `<path>.gate_proj` reaches it through packed_modules_mapping. Its width is the config's
+    # shared_expert_intermediate_size (qwen2_moe.py) or n_shared_experts x
+    # moe_intermediate_size (glm4_moe.py Glm4MoE); none where the config sets neither.
+    shared_expert: str = "mlp.shared_expert"
+    # Qwen's sigmoid gate over the shared expert (qwen2_moe.py Qwen2MoeSparseMoeBlock
+    # `shared_expert_gate`, a ReplicatedLinear with one output): wrapped too.
+    shared_expert_gate: bool = True
     # Why `engine_modules` (llama-shaped layers, GDN, Qwen-style MoE) does not model this
     # class's LoRA layers, so that vLLM's bytes and verdicts are refused, not guessed; "" when
     # it does.
@@ -153,8 +164,10 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
                "source"),
     VllmFamily("olmoe", ("OlmoeForCausalLM",), "olmoe.py OlmoeForCausalLM", "source"),
+    # Glm4MoE: the router a GateLinear (a ReplicatedLinear), `n_shared_experts` shared experts
+    # as one Glm4MoeMLP under mlp.shared_experts, no gate over them.
     VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), "glm4_moe.py Glm4MoeForCausalLM",
-               "source", unmodelled="shared_experts"),
+               "source", shared_expert="mlp.shared_experts", shared_expert_gate=False),
     VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "source", _EMBED,
                unmodelled="the c_fc/c_proj MLP"),
     VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "source",
@@ -388,14 +401,16 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
         out += [EngineModule(f"{block}.gate", Kind.REPLICATED, moe, H, (E,), ("gate",)),
                 EngineModule(f"{block}.experts", experts, moe, H,
                              (model.expert_intermediate_size,), ("experts",), experts=E)]
-        shared = model.shared_expert_intermediate_size
+        shared = model.shared_expert_intermediate_size or model.shared_experts_width
         if shared:
-            out += [EngineModule("mlp.shared_expert.gate_up_proj", Kind.COLUMN, moe, H,
+            path = row.shared_expert
+            out += [EngineModule(f"{path}.gate_up_proj", Kind.COLUMN, moe, H,
                                  (shared, shared), ("gate_proj", "up_proj")),
-                    EngineModule("mlp.shared_expert.down_proj", Kind.ROW, moe, shared, (H,),
-                                 ("down_proj",)),
-                    EngineModule("mlp.shared_expert_gate", Kind.REPLICATED, moe, H, (1,),
-                                 ("shared_expert_gate",))]
+                    EngineModule(f"{path}.down_proj", Kind.ROW, moe, shared, (H,),
+                                 ("down_proj",))]
+            if row.shared_expert_gate:
+                out.append(EngineModule(f"{path}_gate", Kind.REPLICATED, moe, H, (1,),
+                                        ("shared_expert_gate",)))
     V = model.vocab_size
     if "embed_tokens" in row.embedding_modules:
         out.append(EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)))
