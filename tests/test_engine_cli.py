@@ -255,7 +255,8 @@ def test_glm4_moe_shared_experts_take_vllm_buffers_in_layout_and_simulate(
     """glm4_moe.py's shared experts are one dense MLP, n_shared_experts x
     moe_intermediate_size wide, on each MoE layer: `layout --engine vllm` gives their
     MergedColumn / Row buffers (lora/layers `create_lora_weights`) at TP 2, and `simulate`
-    swaps slots of the bytes `layout` gives."""
+    swaps slots of the bytes `layout` gives; metrale's own TP 2 rank slot for the same MLPs is
+    vLLM's."""
     (tmp_path / "config.json").write_text(json.dumps(GLM45_AIR))
     args = ["--engine", "vllm", "-m", tmp_path, "--max-rank", 16, "--max-loras", 2,
             "--tp", 2]
@@ -281,3 +282,13 @@ def test_glm4_moe_shared_experts_take_vllm_buffers_in_layout_and_simulate(
     assert sim.json()["swap"]["slot_bytes"] == narrowed["slot_bytes"]
     assert {m["module"] for m in narrowed["modules"]} >= {
         "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj"}
+    # metrale's own pool at TP 2 reserves the same gate, up and down (the first layer's dense
+    # MLP, the shared experts after it) to the byte: a rank's slot is vLLM's.
+    ours = metrale("layout", "-m", tmp_path, "--modules", "gate_proj,up_proj,down_proj",
+                   "--max-rank", 16, "--tp", 2, "--max-loras", 1, "--json")
+    mlp = metrale("layout", "--engine", "vllm", "-m", tmp_path, "--modules",
+                  "gate_up_proj,down_proj", "--max-rank", 16, "--tp", 2, "--max-loras", 1,
+                  "--dtype", "bfloat16", "--json")
+    assert ours.code == mlp.code == 0, (ours.stderr, mlp.stderr)
+    assert {g["slot_bytes"] for g in ours.json()["rank_layouts"]} == {
+        mlp.json()["engine"]["slot_bytes"]}
