@@ -374,3 +374,8 @@ def test_the_shared_expert_rows_are_the_source_they_cite() -> None:
             in source("qwen2_moe.py", "Qwen2MoeSparseMoeBlock"))
     assert "shared_expert_gate" not in source("glm4_moe.py", "Glm4MoE")
     assert not VLLM_FAMILIES["glm4_moe"].shared_expert_gate
+    # The FusedMoE runner holds the same shared-expert module (and Qwen2MoeMLP the same gate)
+    # under a second path; the manager rewires an alias to the first wrapper, so each takes
+    # its buffers once.
+    manager = (VLLM_MODELS.parents[1] / "lora" / "model_manager.py").read_text()
+    assert "existing_wrapper = wrapped_by_id.get(id(module))" in manager
