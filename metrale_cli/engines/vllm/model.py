@@ -92,11 +92,12 @@ class VllmFamily:
     # `_create_lora_modules`: the leaf names gate_up_proj and down_proj), so an adapter's
     # `<path>.gate_proj` reaches it through packed_modules_mapping. Its width is the config's
     # shared_expert_intermediate_size (qwen2_moe.py) or n_shared_experts x
-    # moe_intermediate_size (glm4_moe.py Glm4MoE); none where the config sets neither.
-    shared_expert: str = "mlp.shared_expert"
+    # moe_intermediate_size (glm4_moe.py Glm4MoE). "": the row models none, so a family
+    # whose shared expert is built otherwise (non-gated, another path) is never given Qwen's.
+    shared_expert: str = ""
     # Qwen's sigmoid gate over the shared expert (qwen2_moe.py Qwen2MoeSparseMoeBlock
     # `shared_expert_gate`, a ReplicatedLinear with one output): wrapped too.
-    shared_expert_gate: bool = True
+    shared_expert_gate: bool = False
     # Why `engine_modules` (llama-shaped layers, GDN, Qwen-style MoE) does not model this
     # class's LoRA layers, so that vLLM's bytes and verdicts are refused, not guessed; "" when
     # it does.
@@ -121,11 +122,13 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("mixtral", ("MixtralForCausalLM",), "mixtral.py MixtralForCausalLM", "run",
                _EMBED_HEAD, moe_block="block_sparse_moe"),
     VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), "qwen3_next.py Qwen3NextForCausalLM",
-               "run", fused_qkvz=True),
+               "run", fused_qkvz=True, shared_expert="mlp.shared_expert",
+               shared_expert_gate=True),
     VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                "qwen3_5.py Qwen3_5ForCausalLM", "source", _EMBED_HEAD),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-               "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True),
+               "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True,
+               shared_expert="mlp.shared_expert", shared_expert_gate=True),
     # No embedding_modules (the head is the tied embedding).
     VllmFamily("gemma", ("GemmaForCausalLM",), "gemma.py GemmaForCausalLM", "source"),
     VllmFamily("gemma2", ("Gemma2ForCausalLM",), "gemma2.py Gemma2ForCausalLM", "source"),
@@ -162,12 +165,12 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "source", _EMBED_HEAD),
     # MoE families: their classes declare no embedding_modules.
     VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
-               "source"),
+               "source", shared_expert="mlp.shared_expert", shared_expert_gate=True),
     VllmFamily("olmoe", ("OlmoeForCausalLM",), "olmoe.py OlmoeForCausalLM", "source"),
     # Glm4MoE: the router a GateLinear (a ReplicatedLinear), `n_shared_experts` shared experts
     # as one Glm4MoeMLP under mlp.shared_experts, no gate over them.
     VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), "glm4_moe.py Glm4MoeForCausalLM",
-               "source", shared_expert="mlp.shared_experts", shared_expert_gate=False),
+               "source", shared_expert="mlp.shared_experts"),
     VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "source", _EMBED,
                unmodelled="the c_fc/c_proj MLP"),
     VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "source",
@@ -402,7 +405,7 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                 EngineModule(f"{block}.experts", experts, moe, H,
                              (model.expert_intermediate_size,), ("experts",), experts=E)]
         shared = model.shared_expert_intermediate_size or model.shared_experts_width
-        if shared:
+        if shared and row.shared_expert:
             path = row.shared_expert
             out += [EngineModule(f"{path}.gate_up_proj", Kind.COLUMN, moe, H,
                                  (shared, shared), ("gate_proj", "up_proj")),
