@@ -379,3 +379,17 @@ def test_the_shared_expert_rows_are_the_source_they_cite() -> None:
     # its buffers once.
     manager = (VLLM_MODELS.parents[1] / "lora" / "model_manager.py").read_text()
     assert "existing_wrapper = wrapped_by_id.get(id(module))" in manager
+
+
+def test_a_row_without_a_shared_expert_models_none() -> None:
+    """Only a row that names its shared expert gets one: Qwen3-MoE's class builds none, so a
+    shared width in its config adds no buffers, where Qwen2-MoE's adds gate_up, down and the
+    gate at that width."""
+    width = 512
+    qwen3 = replace(ModelConfig.preset("qwen3-30b-a3b"), shared_expert_intermediate_size=width)
+    assert not [m for m in vllm.engine_modules(qwen3) if "shared" in m.path]
+    qwen2 = replace(qwen3, model_type="qwen2_moe", architectures=None)
+    shared = {m.path: m.out_sizes for m in vllm.engine_modules(qwen2) if "shared" in m.path}
+    assert shared == {"mlp.shared_expert.gate_up_proj": (width, width),
+                      "mlp.shared_expert.down_proj": (qwen3.hidden_size,),
+                      "mlp.shared_expert_gate": (1,)}
