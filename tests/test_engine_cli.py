@@ -238,3 +238,57 @@ def test_inspect_tp_alone_keeps_the_recommended_flags(adapters: dict[str, Path])
     flags = given.json()["engine"]["flags"]
     assert (flags["max_lora_rank"], flags["max_loras"], flags["tensor_parallel_size"]) == (
         16, 2, 2)
+
+
+# GLM-4.5-Air's shape (zai-org/GLM-4.5-Air config.json): 46 layers, the first dense, then 128
+# routed experts and one shared expert of moe_intermediate_size 1408 beside them.
+GLM45_AIR = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+             "hidden_size": 4096, "num_hidden_layers": 46, "num_attention_heads": 96,
+             "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
+             "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+             "num_experts_per_tok": 8, "first_k_dense_replace": 1, "vocab_size": 151552,
+             "torch_dtype": "bfloat16"}
+
+
+def test_glm4_moe_shared_experts_take_vllm_buffers_in_layout_and_simulate(
+        tmp_path: Path) -> None:
+    """glm4_moe.py's shared experts are one dense MLP, n_shared_experts x
+    moe_intermediate_size wide, on each MoE layer: `layout --engine vllm` gives their
+    MergedColumn / Row buffers (lora/layers `create_lora_weights`) at TP 2, and `simulate`
+    swaps slots of the bytes `layout` gives; metrale's own TP 2 rank slot for the same MLPs is
+    vLLM's."""
+    (tmp_path / "config.json").write_text(json.dumps(GLM45_AIR))
+    args = ["--engine", "vllm", "-m", tmp_path, "--max-rank", 16, "--max-loras", 2,
+            "--tp", 2]
+    done = metrale("layout", *args, "--json")
+    assert done.code == 0, done.stderr
+    engine = done.json()["engine"]
+    modules = {m["module"]: m for m in engine["modules"]}
+    L, R, H, S = 2, 16, 4096, 1408
+    assert modules["mlp.shared_experts.gate_up_proj"]["buffers"] == [
+        ["lora_a", [L, 1, R, H]]] * 2 + [["lora_b", [L, 1, S // 2, R]]] * 2
+    assert modules["mlp.shared_experts.down_proj"]["buffers"] == [
+        ["lora_a", [L, 1, R, S // 2]], ["lora_b", [L, 1, H, R]]]
+    per_layer = (2 * L * R * H + 2 * L * (S // 2) * R) + (L * R * (S // 2) + L * H * R)
+    assert (modules["mlp.shared_experts.gate_up_proj"]["bytes"]
+            + modules["mlp.shared_experts.down_proj"]["bytes"]) == 45 * per_layer * 2
+    assert "mlp.shared_experts_gate" not in modules
+    sim = metrale("simulate", *args, "--modules", "qkv_proj,gate_up_proj,down_proj",
+                  "--workload", "zipf", "--adapters", 8, "--requests", 200,
+                  "--input-tokens", 0, "--output-tokens", 0, "--ranks", 16, "--json")
+    assert sim.code == 0, sim.stderr
+    narrowed = metrale("layout", *args, "--modules", "qkv_proj,gate_up_proj,down_proj",
+                       "--json").json()["engine"]
+    assert sim.json()["swap"]["slot_bytes"] == narrowed["slot_bytes"]
+    assert {m["module"] for m in narrowed["modules"]} >= {
+        "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj"}
+    # metrale's own pool at TP 2 reserves the same gate, up and down (the first layer's dense
+    # MLP, the shared experts after it) to the byte: a rank's slot is vLLM's.
+    ours = metrale("layout", "-m", tmp_path, "--modules", "gate_proj,up_proj,down_proj",
+                   "--max-rank", 16, "--tp", 2, "--max-loras", 1, "--json")
+    mlp = metrale("layout", "--engine", "vllm", "-m", tmp_path, "--modules",
+                  "gate_up_proj,down_proj", "--max-rank", 16, "--tp", 2, "--max-loras", 1,
+                  "--dtype", "bfloat16", "--json")
+    assert ours.code == mlp.code == 0, (ours.stderr, mlp.stderr)
+    assert {g["slot_bytes"] for g in ours.json()["rank_layouts"]} == {
+        mlp.json()["engine"]["slot_bytes"]}

@@ -444,3 +444,105 @@ def test_nemotron_h_blocks_are_the_ones_vllm_wraps(peft_zoo) -> None:  # type: i
     verdict = _judge(truth)
     assert verdict.verdict is Verdict.SERVES, verdict.reason
     assert {m.module for m in verdict.modules if m.served} >= {"mixer.in_proj", "mixer.up_proj"}
+
+
+# -- shared experts: dense MLPs beside FusedMoE, wrapped as any other -------------------------
+
+# The tiny models' widths (tests/support/peft_factory.py): hidden 64, MoE on layers 1-3;
+# qwen2_moe's shared expert 24 wide, glm4_moe's one shared expert of moe_intermediate_size 40.
+SHARED = {"qwen2_moe": ("mlp.shared_expert", 24, True),
+          "glm4_moe": ("mlp.shared_experts", 40, False)}
+
+
+def _shared_expert_bytes(width: int, gated: bool, L: int, R: int, tp: int, elem: int) -> int:
+    """One MoE layer's shared-expert LoRA bytes on one GPU, by hand from vLLM 0.32's
+    `create_lora_weights` (lora/layers): MergedColumnParallelLinearWithLoRA's gate_up_proj, two
+    A [L, 1, R, H] and two B [L, 1, S/tp, R]; RowParallelLinearWithLoRA's down_proj, A
+    [L, 1, R, S/tp] and B [L, 1, H, R]; qwen's shared_expert_gate a ReplicatedLinearWithLoRA,
+    A [L, 1, R, H] and B [L, 1, 1, R]."""
+    H = 64
+    gate_up = 2 * L * R * H + 2 * L * (width // tp) * R
+    down = L * R * (width // tp) + L * H * R
+    gate = L * R * H + L * 1 * R if gated else 0
+    return (gate_up + down + gate) * elem
+
+
+@pytest.mark.slow  # builds a PEFT MoE model in its call
+@pytest.mark.parametrize("family", sorted(SHARED))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_shared_expert_takes_lora_as_a_dense_mlp(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, family: str, tp: int) -> None:  # type: ignore[no-untyped-def]
+    """qwen2_moe.py and glm4_moe.py build the MoE layers' shared expert(s) as a dense MLP
+    (gate_up_proj, down_proj) that the LoRA manager wraps; packed_modules_mapping's
+    gate_up_proj takes an adapter's `<shared>.gate_proj` and `.up_proj`, so an adapter made
+    before PEFT's MoE rewrite (glm4_moe: made with it off, as under transformers 4) is served
+    whole, and its buffers are the hand formula's bytes at the shared expert's own width."""
+    import peft.utils.transformers_weight_conversion as conversion
+
+    from tests.support.peft_factory import make_adapter
+
+    monkeypatch.setattr(conversion, "_convert_peft_config_moe", lambda *args: None)
+    truth = make_adapter(family, tmp_path / "a", r=8, lora_alpha=16,
+                         target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
+    path, width, gated = SHARED[family]
+    flags = vllm.Flags(16, 2, tp=tp, lora_dtype="float16")
+    verdict = _judge(truth, flags)
+    assert verdict.verdict is Verdict.SERVES, verdict.reason
+    shared = {(m.module, m.engine_module, m.layers) for m in verdict.modules
+              if m.module.startswith(path + ".")}
+    assert shared == {(f"{path}.gate_proj", f"{path}.gate_up_proj", (1, 2, 3)),
+                      (f"{path}.up_proj", f"{path}.gate_up_proj", (1, 2, 3)),
+                      (f"{path}.down_proj", f"{path}.down_proj", (1, 2, 3))}
+    model = ModelConfig.from_hf(truth.base_dir)
+    memory = vllm.Memory.of(model, flags)
+    got = sum(b for m, b in memory.per_module if m.path.startswith(path))
+    assert got == 3 * _shared_expert_bytes(width, gated, 2, 16, tp, 2)
+
+
+@pytest.mark.vllm
+def test_the_shared_expert_rows_are_the_source_they_cite() -> None:
+    """The lines the shared-expert rows stand on: each class builds its shared expert as its
+    dense MLP at the width the row reads, and that MLP is a MergedColumnParallelLinear
+    gate_up_proj and a RowParallelLinear down_proj; Qwen's gate over it a one-output
+    ReplicatedLinear."""
+    def source(file: str, cls: str) -> str:
+        text = (VLLM_MODELS / file).read_text()
+        node = next(n for n in _parsed(file).body if isinstance(n, ast.ClassDef)
+                    and n.name == cls)
+        return " ".join((ast.get_source_segment(text, node) or "").split())
+
+    for file, mlp, block, built in (
+            ("qwen2_moe.py", "Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock",
+             "self.shared_expert = Qwen2MoeMLP( hidden_size=config.hidden_size, "
+             "intermediate_size=config.shared_expert_intermediate_size,"),
+            ("glm4_moe.py", "Glm4MoeMLP", "Glm4MoE",
+             "intermediate_size = config.moe_intermediate_size * config.n_shared_experts "
+             "self.shared_experts = Glm4MoeMLP(")):
+        assert built in source(file, block), file
+        assert VLLM_FAMILIES[file.removesuffix(".py")].shared_expert == (
+            "mlp.shared_expert" if file == "qwen2_moe.py" else "mlp.shared_experts")
+        assert "self.gate_up_proj = MergedColumnParallelLinear(" in source(file, mlp)
+        assert "self.down_proj = RowParallelLinear(" in source(file, mlp)
+    assert ("self.shared_expert_gate = ReplicatedLinear( config.hidden_size, 1,"
+            in source("qwen2_moe.py", "Qwen2MoeSparseMoeBlock"))
+    assert "shared_expert_gate" not in source("glm4_moe.py", "Glm4MoE")
+    assert not VLLM_FAMILIES["glm4_moe"].shared_expert_gate
+    # The FusedMoE runner holds the same shared-expert module (and Qwen2MoeMLP the same gate)
+    # under a second path; the manager rewires an alias to the first wrapper, so each takes
+    # its buffers once.
+    manager = (VLLM_MODELS.parents[1] / "lora" / "model_manager.py").read_text()
+    assert "existing_wrapper = wrapped_by_id.get(id(module))" in manager
+
+
+def test_a_row_without_a_shared_expert_models_none() -> None:
+    """Only a row that names its shared expert gets one: Qwen3-MoE's class builds none, so a
+    shared width in its config adds no buffers, where Qwen2-MoE's adds gate_up, down and the
+    gate at that width."""
+    width = 512
+    qwen3 = replace(ModelConfig.preset("qwen3-30b-a3b"), shared_expert_intermediate_size=width)
+    assert not [m for m in vllm.engine_modules(qwen3) if "shared" in m.path]
+    qwen2 = replace(qwen3, model_type="qwen2_moe", architectures=None)
+    shared = {m.path: m.out_sizes for m in vllm.engine_modules(qwen2) if "shared" in m.path}
+    assert shared == {"mlp.shared_expert.gate_up_proj": (width, width),
+                      "mlp.shared_expert.down_proj": (qwen3.hidden_size,),
+                      "mlp.shared_expert_gate": (1,)}

@@ -302,6 +302,42 @@ def test_fused_rank_bytes_are_what_vllm_allocates(tp: int) -> None:
         vllm.json()["engine"]["slot_bytes"]}
 
 
+@pytest.mark.parametrize(("model", "modules", "extra_a"), [
+    # Phi-4-mini: vLLM's one slice per fused layer is metrale's A; SGLang stacks a fused A
+    # once per slice (lora.py normalize_qkv_proj, normalize_gate_up_proj): 2 more on qkv, 1
+    # more on gate_up.
+    ("phi-4-mini", "qkv_proj,o_proj,gate_up_proj,down_proj", {"vllm": 0, "sglang": 3}),
+    # GLM-4: both engines pack gate_up_proj from gate/up, one A per slice (vLLM's
+    # MergedColumnParallelLinearWithLoRA, SGLang's stacked buffer), where metrale keeps the
+    # checkpoint's one fused A.
+    ("glm-4", "qkv_proj,o_proj,gate_up_proj,down_proj", {"vllm": 1, "sglang": 1}),
+])
+def test_fused_rank_bytes_against_both_engines_at_tp_2(tmp_path: Path, model: str, modules: str,
+                                                       extra_a: dict[str, int]) -> None:
+    """At --tp 2 each engine's slot is a metrale rank's slot plus the A copies it stacks per
+    slice (`[R, hidden]` each, A is whole on every rank); the B rows, split over TP, agree."""
+    config = PHI4 if model == "phi-4-mini" else GLM4
+    if model == "glm-4":
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"model_type": "glm4", "architectures": ["Glm4ForCausalLM"], "hidden_size": 4096,
+             "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+             "head_dim": 128, "intermediate_size": 13696, "vocab_size": 151552}))
+        model = str(tmp_path)
+    ours_modules = modules if config is PHI4 else "q_proj,k_proj,v_proj,o_proj," + \
+        modules.split(",", 2)[2]
+    args = ("-m", model, "--max-rank", 16, "--tp", 2, "--max-loras", 1, "--json")
+    ours = metrale("layout", "--modules", ours_modules, *args)
+    assert ours.code == 0, ours.stderr
+    [rank_slot] = {g["slot_bytes"] for g in ours.json()["rank_layouts"]}
+    for engine, extra in extra_a.items():
+        got = metrale("layout", "--engine", engine, "--modules", modules, *args,
+                      "--dtype", "bfloat16")
+        assert got.code == 0, got.stderr
+        a = 16 * config.hidden_size * 2  # one A [R, hidden], BF16
+        assert got.json()["engine"]["slot_bytes"] == rank_slot + config.num_hidden_layers * \
+            extra * a, engine
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("-m", "phi-4-mini", "--tp", 5), "phi-4-mini: query heads (24) do not split over --tp 5"),
     (("-m", "phi-4-mini", "--tp", 16), "phi-4-mini: query heads (24) do not split over --tp 16"),

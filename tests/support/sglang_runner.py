@@ -10,6 +10,7 @@ JOBS: {"jobs": [JOB, ...]} (or one JOB alone), each
       {"model": DIR (a base config.json), "max_loras_per_batch": N, "dtype": "float32",
        "max_lora_rank": R | null, "lora_target_modules": [..] | null,
        "tp_size": 1,                                     # this process is TP rank 0
+       "shared_experts": {"path": P, "width": W, "layers": [..]} | null,  # _base_model
        "eviction_policy": "lru",                         # --lora-eviction-policy
        "batches": [[NAME | null, ...], ...],             # running batches through the pool
        "startup": [{"name": N, "path": DIR}, ...],       # --lora-paths
@@ -139,8 +140,13 @@ def _hf_backbone_model(cls: Any, hf_config: Any) -> Any:
     return model
 
 
-def _base_model(hf_config: Any) -> Any:
-    """The dense decoder's LoRA-facing layers, SGLang's own classes at SGLang's names."""
+def _base_model(hf_config: Any, shared: dict[str, Any] | None = None) -> Any:
+    """The dense decoder's LoRA-facing layers, SGLang's own classes at SGLang's names. With
+    `shared` ({"path": "mlp.shared_expert", "width": W, "layers": [...]}), those layers hold
+    an MoE block's shared expert instead of the dense MLP: the same two classes at that path
+    and width, as SGLang's qwen2_moe.py (Qwen2MoeMLP) and glm4_moe.py build it; the routed
+    experts beside it are not built (FusedMoE needs a GPU kernel), so the pool has no `_moe`
+    buffers."""
     import torch
     from sglang.srt.layers.linear import (
         MergedColumnParallelLinear,
@@ -153,18 +159,22 @@ def _base_model(hf_config: Any) -> Any:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     qkv_bias = c.model_type == "qwen2"  # Qwen2's q/k/v carry biases
 
-    def layer() -> torch.nn.Module:
+    def layer(i: int) -> torch.nn.Module:
         attn = torch.nn.Module()
         attn.qkv_proj = QKVParallelLinear(c.hidden_size, head_dim, c.num_attention_heads,
                                           c.num_key_value_heads, bias=qkv_bias)
         attn.o_proj = RowParallelLinear(c.num_attention_heads * head_dim, c.hidden_size,
                                         bias=False)
+        width = c.intermediate_size
         mlp = torch.nn.Module()
-        mlp.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2,
-                                                      bias=False)
-        mlp.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, bias=False)
         block = torch.nn.Module()
         block.self_attn, block.mlp = attn, mlp
+        if shared and i in shared["layers"]:
+            width = shared["width"]
+            mlp = torch.nn.Module()
+            setattr(block.mlp, shared["path"].split(".", 1)[1], mlp)
+        mlp.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [width] * 2, bias=False)
+        mlp.down_proj = RowParallelLinear(width, c.hidden_size, bias=False)
         return block
 
     class Model(torch.nn.Module):
@@ -173,7 +183,7 @@ def _base_model(hf_config: Any) -> Any:
             self.config = c
             self.model = torch.nn.Module()
             self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size)
-            self.model.layers = torch.nn.ModuleList(layer() for _ in range(c.num_hidden_layers))
+            self.model.layers = torch.nn.ModuleList(layer(i) for i in range(c.num_hidden_layers))
             self.lm_head = (self.model.embed_tokens if getattr(c, "tie_word_embeddings", False)
                             else ParallelLMHead(c.vocab_size, c.hidden_size))
 
@@ -331,7 +341,8 @@ def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
     hf_config = AutoConfig.from_pretrained(job["model"])
     cls, report["model_class"] = _model_class(job["model"])
     hf_backbone = report["model_class"].startswith("Transformers")
-    base_model = _hf_backbone_model(cls, hf_config) if hf_backbone else _base_model(hf_config)
+    base_model = _hf_backbone_model(cls, hf_config) if hf_backbone else _base_model(
+        hf_config, job.get("shared_experts"))
     # pinned: the server passes False unless `--lora-paths` JSON pins it.
     startup = [LoRARef(lora_name=s["name"], lora_path=s["path"], pinned=False)
                for s in job.get("startup", [])]

@@ -71,6 +71,11 @@ class SglangFamily:
     # backend (model_loader/utils.py get_model_architecture, resolve_transformers_arch:
     # models/transformers.py TransformersForCausalLM) around the HF model (`hf_backbone`).
     transformers: tuple[str, ...] = ()
+    # What `--lora-target-modules all` (or an adapter's string `all`/`all-linear`) resolves
+    # to on this class, embeddings aside, where it is not the dense set (rules.DENSE_MODULES):
+    # lora/utils.py auto_detect_lora_target_modules, the class's LinearBase leaves normalised
+    # plus its own `supported_lora_modules` (those it bypasses normalisation for).
+    all_targets: frozenset[str] | None = None
 
 
 FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
@@ -150,7 +155,15 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
                  "width); models/gemma4_causal.py's text class marks supports_lora = False"),
     SglangFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"), "hybrid",
                  "source", "the class defines its own get_hidden_dim, by block kind (a MoE "
-                 "block's up_proj/down_proj are its shared expert's)"),
+                 "block's up_proj/down_proj are its shared expert's)",
+                 # models/nemotron_h.py NemotronHForCausalLM.supported_lora_modules (its
+                 # leaves, in_proj/out_proj/up_proj/down_proj/qkv_proj/o_proj, and FusedMoE's
+                 # gate_up_proj, are among them): with `all` the MLP blocks' and the shared
+                 # experts' up_proj get their own buffers (get_hidden_dim "up_proj"); a
+                 # normalised up_proj target is gate_up_proj, which neither is.
+                 all_targets=frozenset({"qkv_proj", "o_proj", "out_proj", "in_proj", "up_proj",
+                                        "gate_up_proj", "down_proj", "fc1_latent_proj",
+                                        "fc2_latent_proj"})),
 )}
 
 
@@ -194,7 +207,8 @@ class Pool:
                    configs: Iterable[Mapping[str, Any]]) -> Pool:
         """`rules.startup_pool` for the start-up adapters' configs under `flags`."""
         rank, targets = rules.startup_pool(configs, flags.max_lora_rank, flags.target_modules,
-                                            tie_word_embeddings=model.tie_word_embeddings)
+                                            tie_word_embeddings=model.tie_word_embeddings,
+                                            all_targets=family(model).all_targets)
         return cls(rank, frozenset(targets))
 
     def rules(self) -> tuple[int, set[str]]:

@@ -68,7 +68,7 @@ _STRING_TARGETS = "Only 'all' or 'all-linear' can be used as the string for targ
 # srt/lora/utils.py auto_detect_lora_target_modules on a dense model: its LinearBase leaves
 # (normalised), ParallelLMHead and VocabParallelEmbedding.
 DENSE_MODULES = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
-ALL_MODULES = DENSE_MODULES | {"embed_tokens", "lm_head"}
+EMBEDDING_MODULES = frozenset({"embed_tokens", "lm_head"})
 
 
 def scaling(config: Mapping[str, Any]) -> float:
@@ -85,7 +85,8 @@ def peft_scaling(config: Mapping[str, Any]) -> float:
 
 def startup_pool(configs: Iterable[Mapping[str, Any]], max_lora_rank: int | None = None,
                  lora_target_modules: Iterable[str] | None = None, *,
-                 tie_word_embeddings: bool = False) -> tuple[int, set[str]]:
+                 tie_word_embeddings: bool = False,
+                 all_targets: frozenset[str] | None = None) -> tuple[int, set[str]]:
     """The pool `LoRAManager.init_lora_shapes` (srt/lora/lora_manager.py) sizes for the
     start-up adapters on a dense model: `--lora-target-modules` normalised (`all`: every
     module auto_detect_lora_target_modules finds plus both embedding names), else the union of
@@ -93,11 +94,13 @@ def startup_pool(configs: Iterable[Mapping[str, Any]], max_lora_rank: int | None
     tied embeddings the head is the embedding module itself, which `named_modules` yields once,
     as embed_tokens); the rank is `--max-lora-rank`, else the largest `r`. An adapter whose
     targets are outside given `--lora-target-modules` fails the start-up (`judge(...,
-    path="startup")` says so)."""
+    path="startup")` says so). `all_targets`: what auto-detection finds on a class that is not
+    dense-shaped (model.py SglangFamily.all_targets), embeddings aside."""
     configs = list(configs)
+    found = (all_targets or DENSE_MODULES) | EMBEDDING_MODULES
     given = set(lora_target_modules or ())
     if given == {"all"}:
-        targets = set(ALL_MODULES)
+        targets = set(found)
     else:
         targets = normalised_targets(given) if given else set()
         if not given:
@@ -106,7 +109,7 @@ def startup_pool(configs: Iterable[Mapping[str, Any]], max_lora_rank: int | None
                 if isinstance(t, str):
                     if t not in ("all", "all-linear"):
                         continue  # its own load fails first
-                    targets |= ALL_MODULES - ({"lm_head"} if tie_word_embeddings else set())
+                    targets |= found - ({"lm_head"} if tie_word_embeddings else set())
                 else:
                     targets |= normalised_targets(t)
     rank = max_lora_rank if max_lora_rank is not None else max(
@@ -530,7 +533,8 @@ def hf_backbone_judgement(judged: Judgement, config: Mapping[str, Any], targets:
                          batch_errors=(text,), reason_class="hf_backbone_forward",
                          path=judged.path)
     raw = config["target_modules"]
-    wanted = set(ALL_MODULES) if isinstance(raw, str) else normalised_targets(raw)
+    wanted = (set(DENSE_MODULES | EMBEDDING_MODULES) if isinstance(raw, str)
+              else normalised_targets(raw))
     lost = sorted(wanted & HF_BACKBONE_UNWRAPPED)
     if not lost:
         return judged

@@ -87,12 +87,22 @@ class VllmFamily:
     # The decoder layer's MoE block name as vLLM's class spells it (its LoRA loader renames
     # no module: Mixtral keeps transformers 4's `block_sparse_moe`).
     moe_block: str = "mlp"
-    # The dense MLP's name in the decoder layer (Llama 4's `feed_forward`), the MoE block's
-    # router leaf (Llama 4's `router`), and whether its shared expert has a gate of its own
-    # (`shared_expert_gate`: Qwen2-MoE's, Qwen3-Next's; not Llama 4's).
+    # The MoE layers' shared expert(s), as the class builds them beside FusedMoE: a dense MLP
+    # under this path (gate_up_proj MergedColumnParallelLinear, down_proj RowParallelLinear),
+    # which the LoRA manager wraps as any other MLP (lora/model_manager.py
+    # `_create_lora_modules`: the leaf names gate_up_proj and down_proj), so an adapter's
+    # `<path>.gate_proj` reaches it through packed_modules_mapping. Its width is the config's
+    # shared_expert_intermediate_size (qwen2_moe.py) or n_shared_experts x
+    # moe_intermediate_size (glm4_moe.py Glm4MoE). "": the row models none, so a family
+    # whose shared expert is built otherwise (non-gated, another path) is never given Qwen's.
+    shared_expert: str = ""
+    # Qwen's sigmoid gate over the shared expert (qwen2_moe.py Qwen2MoeSparseMoeBlock
+    # `shared_expert_gate`, a ReplicatedLinear with one output): wrapped too.
+    shared_expert_gate: bool = False
+    # The dense MLP's name in the decoder layer (Llama 4's `feed_forward`) and the MoE block's
+    # router leaf (Llama 4's `router`).
     mlp_block: str = "mlp"
     router: str = "gate"
-    shared_expert_gate: bool = True
     # The config key whose step alone places the MoE layers, where vLLM's class reads no list
     # of them (Llama 4: `interleave_moe_layer_step`, not transformers' `moe_layers`); "": the
     # layers ModelConfig gives.
@@ -123,11 +133,13 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("mixtral", ("MixtralForCausalLM",), "mixtral.py MixtralForCausalLM", "run",
                _EMBED_HEAD, moe_block="block_sparse_moe"),
     VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), "qwen3_next.py Qwen3NextForCausalLM",
-               "run", fused_qkvz=True),
+               "run", fused_qkvz=True, shared_expert="mlp.shared_expert",
+               shared_expert_gate=True),
     VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                "qwen3_5.py Qwen3_5ForCausalLM", "source", _EMBED_HEAD),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-               "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True),
+               "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True,
+               shared_expert="mlp.shared_expert", shared_expert_gate=True),
     # No embedding_modules (the head is the tied embedding).
     VllmFamily("gemma", ("GemmaForCausalLM",), "gemma.py GemmaForCausalLM", "source"),
     VllmFamily("gemma2", ("Gemma2ForCausalLM",), "gemma2.py Gemma2ForCausalLM", "source"),
@@ -164,10 +176,12 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "source", _EMBED_HEAD),
     # MoE families: their classes declare no embedding_modules.
     VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
-               "source"),
+               "source", shared_expert="mlp.shared_expert", shared_expert_gate=True),
     VllmFamily("olmoe", ("OlmoeForCausalLM",), "olmoe.py OlmoeForCausalLM", "source"),
+    # Glm4MoE: the router a GateLinear (a ReplicatedLinear), `n_shared_experts` shared experts
+    # as one Glm4MoeMLP under mlp.shared_experts, no gate over them.
     VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), "glm4_moe.py Glm4MoeForCausalLM",
-               "source", unmodelled="shared_experts"),
+               "source", shared_expert="mlp.shared_experts"),
     VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "source", _EMBED,
                unmodelled="the c_fc/c_proj MLP"),
     VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "source",
@@ -199,7 +213,8 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # alike.
     VllmFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
                "llama4.py Llama4ForCausalLM", "run", _EMBED_HEAD, moe_block="feed_forward",
-               mlp_block="feed_forward", router="router", shared_expert_gate=False,
+               mlp_block="feed_forward", router="router",
+               shared_expert="feed_forward.shared_expert",
                moe_step="interleave_moe_layer_step"),
     # Packs q/k/v and gate/up as llama.py (_PACKED), no embedding_modules; but its layers are
     # not one shape: full-attention layers at global_head_dim with their own KV heads, whose
@@ -431,15 +446,16 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                              (row.router,)),
                 EngineModule(f"{block}.experts", experts, moe, H,
                              (model.expert_intermediate_size,), ("experts",), experts=E)]
-        shared = model.shared_expert_intermediate_size
-        if shared:
-            out += [EngineModule(f"{block}.shared_expert.gate_up_proj", Kind.COLUMN, moe, H,
+        shared = model.shared_expert_intermediate_size or model.shared_experts_width
+        if shared and row.shared_expert:
+            path = row.shared_expert
+            out += [EngineModule(f"{path}.gate_up_proj", Kind.COLUMN, moe, H,
                                  (shared, shared), ("gate_proj", "up_proj")),
-                    EngineModule(f"{block}.shared_expert.down_proj", Kind.ROW, moe, shared,
-                                 (H,), ("down_proj",))]
+                    EngineModule(f"{path}.down_proj", Kind.ROW, moe, shared, (H,),
+                                 ("down_proj",))]
             if row.shared_expert_gate:
-                out.append(EngineModule(f"{block}.shared_expert_gate", Kind.REPLICATED, moe, H,
-                                        (1,), ("shared_expert_gate",)))
+                out.append(EngineModule(f"{path}_gate", Kind.REPLICATED, moe, H, (1,),
+                                        ("shared_expert_gate",)))
     V = model.vocab_size
     if "embed_tokens" in row.embedding_modules:
         out.append(EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)))
