@@ -385,3 +385,37 @@ def test_llama4_s_moe_layers_list_matches_transformers(tmp_path: Path,
                    "--engine", "vllm")
     assert done.code == 2 and "MoE layers interleaved" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+DEEPSEEK_V2_LITE = QWEN3.parent / "deepseek-v2-lite.config.json"
+
+
+@pytest.mark.parametrize(("count", "width"), [(None, 0), (0, 0), ("absent", 2 * 1408),
+                                              (2, 2 * 1408)])
+def test_deepseek_s_shared_experts_width_is_their_count_of_expert_widths(count: object,
+                                                                         width: int) -> None:
+    """DeepSeek-V2-Lite's shared experts: one MLP `n_shared_experts * moe_intermediate_size`
+    wide on each MoE layer (absent: transformers' default, 2; null or 0: none, as transformers
+    builds no shared experts for null)."""
+    from metrale_cli.model.modules import LoraModule
+
+    raw = json.loads(DEEPSEEK_V2_LITE.read_text())
+    raw.pop("n_shared_experts")
+    cfg = ModelConfig.from_dict(raw if count == "absent" else {**raw, "n_shared_experts": count})
+    assert cfg.shared_experts_width == width
+    shapes = LoraModule.GATE_PROJ.shapes(cfg)
+    assert shapes == (((10944, 2048), (width, 2048)) if width else ((10944, 2048),))
+
+
+@pytest.mark.parametrize("count", [2980, 1 << 22])
+def test_a_shared_experts_width_past_every_width_is_one_line(tmp_path: Path, count: int) -> None:
+    """`n_shared_experts` times the expert width is the shared MLP's width: past the bound on
+    every width it is a malformed config, one line and exit 2; it was planned (a 4 GiB slot,
+    and at 2**22 experts a synth that wrote until the disk filled)."""
+    raw = {**json.loads(DEEPSEEK_V2_LITE.read_text()), "n_shared_experts": count}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    done = metrale("layout", "-m", tmp_path, "--modules", "gate_proj", "--max-rank", 8)
+    assert done.code == 2 and done.stdout == ""
+    assert done.stderr == (f"error: {tmp_path / 'config.json'}: 'n_shared_experts' {count} x "
+                           "'moe_intermediate_size' 1408 is above the 4,194,304 that metrale "
+                           "accepts; not a real model's config\n")
