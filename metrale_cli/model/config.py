@@ -173,6 +173,13 @@ class ModelConfig:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
+    def language_model(self) -> str:
+        """Where PEFT finds the language model (its `layers`, `embed_tokens`): `model`, or on a
+        vision-language checkpoint its family's (`model.language_model`, llama4's
+        `language_model.model`). Unpack writes its keys there and synth its adapters."""
+        return self.family.language_model if self.composite else "model"
+
+    @property
     def shared_experts_width(self) -> int:
         """The width of deepseek's and glm4_moe's shared-experts MLP: `n_shared_experts` experts
         of `moe_intermediate_size` side by side, as transformers builds it."""
