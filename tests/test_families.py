@@ -419,3 +419,27 @@ def test_a_shared_experts_width_past_every_width_is_one_line(tmp_path: Path, cou
     assert done.stderr == (f"error: {tmp_path / 'config.json'}: 'n_shared_experts' {count} x "
                            "'moe_intermediate_size' 1408 is above the 4,194,304 that metrale "
                            "accepts; not a real model's config\n")
+
+
+def test_a_module_at_the_other_layers_path_is_named_with_this_layer_s(tmp_path: Path) -> None:
+    """DeepSeek's gate_proj is the dense MLP's (`mlp.gate_proj`) on layer 0 and the shared
+    experts' on the MoE layers: an adapter with them swapped is not applicable there, and the
+    finding says where the layer has the module; it said the module does not apply on those
+    layers at all."""
+    from tests.support.image_edit import header_text, replace_header
+
+    adapter = tmp_path / "swapped"
+    assert metrale("synth", adapter, "-m", "deepseek-v2-lite", "--modules", "gate_proj",
+                   "--rank", 1).code == 0
+    weights = adapter / "adapter_model.safetensors"
+    replace_header(weights, header_text(weights).replace(
+        b"model.layers.0.mlp.gate_proj", b"model.layers.0.mlp.shared_experts.gate_proj").replace(
+        b"model.layers.5.mlp.shared_experts.gate_proj", b"model.layers.5.mlp.gate_proj"))
+    done = metrale("inspect", adapter, "-m", "deepseek-v2-lite", "--json")
+    assert done.code == 1
+    assert sorted(f["message"] for f in done.json()["adapters"][0]["findings"]
+                  if f["code"] == "module_not_applicable") == [
+        "gate_proj on layer 0: the layer's gate_proj is mlp.gate_proj, not "
+        "mlp.shared_experts.gate_proj",
+        "gate_proj on layer 5: the layer's gate_proj is mlp.shared_experts.gate_proj, not "
+        "mlp.gate_proj"]

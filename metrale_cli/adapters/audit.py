@@ -404,8 +404,12 @@ def _audit_module(
                f"{module.peft_name}{{where}}: past the model's {model.num_hidden_layers} layers",
                layer)
         return None
-    if module.spec(model, layer) not in at_path:
-        why = ("the base model's weights carry no such module on this layer"
+    here = module.spec(model, layer)
+    if here not in at_path:
+        # On this layer the module is at another path (deepseek's dense MLP and shared
+        # experts), or nowhere.
+        why = (f"the layer's {module.peft_name} is {here.path}, not {sub}" if here is not None
+               else "the base model's weights carry no such module on this layer"
                if at_path[0].layers is Layers.LISTED
                else f"the module does not apply on {_layer_kind(model, layer)}")
         out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE, f"{module.peft_name}{{where}}: {why}",
