@@ -585,3 +585,25 @@ def test_torchrun_variables_that_are_not_a_launch_are_refused(
     one_line_error(result, 2)
     assert f"RANK={rank!r} WORLD_SIZE={world!r}" in result.stderr
     assert not (tmp_path / "ranks").exists()
+
+
+@pytest.mark.parametrize(("modules", "says"), [
+    ("gate_proj", "gate_proj (mlp.shared_experts.gate_proj) output rows (1407) does not split "
+                  "over --tp 2"),
+    ("down_proj", "down_proj (mlp.shared_experts.down_proj) input columns (1407) does not split "
+                  "over --tp 2"),
+])
+def test_a_module_at_two_paths_is_refused_with_the_path_that_does_not_split(
+        tmp_path: Path, modules: str, says: str) -> None:
+    """DeepSeek's gate_proj is the dense MLP's (10944 rows) on layer 0 and the shared experts'
+    (`n_shared_experts * moe_intermediate_size`) on the MoE layers: a width of the shared
+    experts that --tp does not split is named with its path, not as a bare gate_proj whose
+    dense width splits."""
+    raw = json.loads((Path(__file__).parent / "data" / "model_configs" /
+                      "deepseek-v2-lite.config.json").read_text())
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**raw, "moe_intermediate_size": 1407, "n_shared_experts": 1}))
+    done = metrale("layout", "-m", config, "--modules", modules, "--max-rank", 8, "--tp", 2,
+                   "--ep", 2, "--experts")
+    one_line_error(done, 2)
+    assert done.stderr == f"error: {says}\n"

@@ -127,6 +127,13 @@ def _need(count: int, parts: int, what: str, flag: str) -> None:
         raise UsageError(f"{what} ({count}) does not split over {flag} {parts}")
 
 
+def _named(model: ModelConfig, module: LoraModule, spec: ModuleSpec) -> str:
+    """The module as a refusal names it: with its path where the family declares it at more
+    than one (deepseek's gate_proj: the dense MLP's, the shared experts')."""
+    paths = {m.path for m in model.family.modules if m.name == module.value}
+    return f"{module.value} ({spec.path})" if len(paths) > 1 else module.value
+
+
 def _slice_rows(model: ModelConfig, what: str, width: str | int, rows: int, n: int,
                 k: int) -> tuple[int, int]:
     """The output rows `[lo, hi)` of one column-parallel slice `rows` wide (`width`, as the
@@ -160,7 +167,7 @@ def _column_rows(model: ModelConfig, module: LoraModule, layer: int, spec: Modul
     runs: list[tuple[int, int]] = []
     offset = 0
     for i, (width, rows) in enumerate(zip(spec.out, module.slices(model, layer), strict=True)):
-        what = module.value if not spec.fused else f"{module.value} slice {i}"
+        what = _named(model, module, spec) + (f" slice {i}" if spec.fused else "")
         lo, hi = _slice_rows(model, what, width, rows, n, k)
         if runs and runs[-1][1] == offset + lo:
             runs[-1] = (runs[-1][0], offset + hi)
@@ -178,7 +185,7 @@ def _row_cols(model: ModelConfig, module: LoraModule, layer: int, spec: ModuleSp
     elif spec.in_ == "linear_value_width":
         _need(model.linear_num_value_heads, n, "out_proj linear-attention value heads", "--tp")
     else:
-        _need(in_dim, n, f"{module.value} input columns", "--tp")
+        _need(in_dim, n, f"{_named(model, module, spec)} input columns", "--tp")
     return _part(in_dim, n, k)
 
 
@@ -203,7 +210,8 @@ def module_slice(model: ModelConfig, module: LoraModule, layer: int, spec: Shard
                      _rank_rows(max_rank, spec))
     rows = (0, out_dim)
     if spec.fully_sharded:
-        _need(out_dim, n, f"--fully-sharded: {module.value} output rows", "--tp")
+        _need(out_dim, n, f"--fully-sharded: {_named(model, module, declared)} output rows",
+              "--tp")
         rows = _part(out_dim, n, k)
     return Slice(full, (rows,), _row_cols(model, module, layer, declared, n, k))
 
