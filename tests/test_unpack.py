@@ -65,19 +65,25 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> None:
-    model, kwargs = CASES[case]
-    truth = peft_zoo.adapter(model, **kwargs)
+def _round_trips(truth: AdapterTruth, model_name: str, tmp_path: Path) -> None:
+    """`truth` packed, unpacked, and loaded by PEFT onto the same base with its own deltas;
+    repacked, the unpacked adapter is byte for byte the slot it came from."""
     image = tmp_path / "pool.safetensors"
-    assert metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image).code == 0
+    packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
+    assert packed.code == 0, packed.stderr
     out = tmp_path / "back"
     result = metrale("unpack", image, "--name", "x", out, "--json")
     assert result.code == 0, result.stderr
     assert result.json()["modules"] == len(truth.modules)
-    assert _assert_deltas_equal(truth, _load_unpacked(truth.model_name, out)) == len(truth.modules)
-    # Repacked, the unpacked adapter is byte for byte the slot it came from.
+    assert _assert_deltas_equal(truth, _load_unpacked(model_name, out)) == len(truth.modules)
     assert metrale("verify", image, f"x={out}").code == 0
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> None:
+    model, kwargs = CASES[case]
+    truth = peft_zoo.adapter(model, **kwargs)
+    _round_trips(truth, truth.model_name, tmp_path)
 
 
 @pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "starcoder2", "gpt_oss",
@@ -89,15 +95,7 @@ def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: 
     qkv_proj and gate_up_proj, glm4's gate_up_proj, gpt_oss's attention beside its experts):
     packed, unpacked, and loaded by PEFT onto the same base with PEFT's own deltas."""
     truth = peft_zoo.adapter(model, r=4, lora_alpha=8, dtype="bf16")
-    image = tmp_path / "pool.safetensors"
-    packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
-    assert packed.code == 0, packed.stderr
-    out = tmp_path / "back"
-    result = metrale("unpack", image, "--name", "x", out, "--json")
-    assert result.code == 0, result.stderr
-    assert result.json()["modules"] == len(truth.modules)
-    assert _assert_deltas_equal(truth, _load_unpacked(model, out)) == len(truth.modules)
-    assert metrale("verify", image, f"x={out}").code == 0
+    _round_trips(truth, model, tmp_path)
 
 
 @pytest.mark.parametrize("model", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
@@ -117,14 +115,7 @@ def test_shared_experts_of_an_adapter_made_before_peft_s_moe_rewrite(
                          target_modules=MLP)
     assert {p.split(".", 3)[3] for p in truth.modules} == {
         *(f"mlp.{m}" for m in MLP), *(f"mlp.shared_experts.{m}" for m in MLP)}
-    image = tmp_path / "pool.safetensors"
-    packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
-    assert packed.code == 0, packed.stderr
-    out = tmp_path / "back"
-    result = metrale("unpack", image, "--name", "x", out, "--json")
-    assert result.code == 0, result.stderr
-    assert result.json()["modules"] == len(truth.modules)
-    assert _assert_deltas_equal(truth, _load_unpacked(model, out)) == len(truth.modules)
+    _round_trips(truth, model, tmp_path)
 
 
 def _param_deltas(peft_model: object) -> dict[str, np.ndarray]:
