@@ -443,3 +443,26 @@ def test_a_module_at_the_other_layers_path_is_named_with_this_layer_s(tmp_path: 
         "mlp.shared_experts.gate_proj",
         "gate_proj on layer 5: the layer's gate_proj is mlp.shared_experts.gate_proj, not "
         "mlp.gate_proj"]
+
+
+def test_where_peft_does_not_rewrite_gate_proj_the_warning_says_what_it_reaches(
+        tmp_path: Path) -> None:
+    """Qwen2-MoE with a dense layer (mlp_only_layers): PEFT 0.21 does not rewrite a plain
+    gate_proj target, which then adapts the dense MLP and the shared expert (both pooled); the
+    warning beside routed-expert target_parameters said it reached only the shared expert."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+        "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [0], "vocab_size": 128}))
+    adapter = tmp_path / "adapter"
+    assert metrale("synth", adapter, "-m", tmp_path, "--modules", "gate_proj", "-r", 4).code == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {**config, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}))
+    report = metrale("inspect", adapter, "-m", tmp_path, "--json").json()["adapters"][0]
+    assert {(m["layer"], m["module"]) for m in report["modules"]} == {(0, "gate_proj"),
+                                                                      (1, "gate_proj")}
+    [warning] = [f["message"] for f in report["findings"] if f["code"] == "moe_rewrite"]
+    assert "reach the dense-MLP and shared-expert projections where it has them, never the " \
+           "routed experts" in warning

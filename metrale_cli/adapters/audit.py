@@ -512,8 +512,9 @@ def _explain_experts(
     if not model.family.peft_rewrites_moe_targets:
         out.add(Severity.WARNING, Code.MOE_REWRITE,
                 f"on {model.model_type}, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
-                "targets into expert LoRA: they reach only the shared expert, and routed experts "
-                "get LoRA only through target_parameters (mlp.experts.gate_up_proj/down_proj)")
+                "targets into expert LoRA: they reach the dense-MLP and shared-expert "
+                "projections where it has them, never the routed experts, which get LoRA only "
+                "through target_parameters (mlp.experts.gate_up_proj/down_proj)")
         return
     out.add(Severity.WARNING, Code.MOE_REWRITE,
             f"on {model.model_type} (routed experts), PEFT >= 0.19 with transformers 5 turns "
