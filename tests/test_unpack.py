@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,29 @@ def _round_trips(truth: AdapterTruth, model_name: str, tmp_path: Path) -> None:
     assert result.json()["modules"] == len(truth.modules)
     assert _assert_deltas_equal(truth, _load_unpacked(model_name, out)) == len(truth.modules)
     assert metrale("verify", image, f"x={out}").code == 0
+
+
+@pytest.mark.parametrize("model", ["gemma3_vl", "llama4_vl"])
+def test_peft_loads_a_synthetic_adapter_onto_a_wrapper(tmp_path: Path, model: str) -> None:
+    """synth on a vision-language wrapper's config writes its keys where unpack does, under the
+    language model: PEFT loads every tensor onto the wrapper as written (it found none under
+    `model.layers`)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.support.peft_factory import write_base_config
+
+    base = write_base_config(model, tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    done = metrale("synth", adapter, "-m", base, "--modules", "q_proj,gate_proj", "-r", 4,
+                   "--dtype", "f32")
+    assert done.code == 0, done.stderr
+    loaded = PeftModel.from_pretrained(TINY_MODELS[model].build_model(0), str(adapter))
+    written = load_file(str(adapter / "adapter_model.safetensors"))
+    params = dict(loaded.named_parameters())
+    for key, value in written.items():
+        name = re.sub(r"\.lora_([AB])\.weight$", r".lora_\1.default.weight", key)
+        assert torch.equal(params[name].detach(), value), key
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
