@@ -275,8 +275,11 @@ def check_model_split(model: ModelConfig, spec: ShardSpec, who: str = "vLLM") ->
         _model_need(model, model.linear_num_value_heads, n, "linear-attention value heads",
                     "--tp", "Gated-DeltaNet layer", who)
     moe_layers = model.moe_layers
-    if len(moe_layers) < model.num_hidden_layers and model.intermediate_size:
-        _model_need(model, model.intermediate_size, n, "MLP intermediate size", "--tp",
+    # The dense layers' MLP width: llama4's is `intermediate_size_mlp` (its `intermediate_size`
+    # is the experts' and the shared expert's).
+    dense_width = model.intermediate_size_mlp or model.intermediate_size
+    if len(moe_layers) < model.num_hidden_layers and dense_width:
+        _model_need(model, dense_width, n, "MLP intermediate size", "--tp",
                     "MergedColumnParallelLinear", who)
     if spec.ep_size > 1 and not moe_layers:
         raise UsageError(f"--ep {spec.ep_size}: {model.source or model.model_type} has no "
@@ -288,9 +291,11 @@ def check_model_split(model: ModelConfig, spec: ShardSpec, who: str = "vLLM") ->
                          f"{model.num_experts} routed experts; {who}'s MoE block refuses it")
     _model_need(model, model.expert_intermediate_size, spec.moe_tp_size,
                 "expert intermediate size", "MoE TP (tp / ep)", "FusedMoE", who)
-    if model.shared_expert_intermediate_size:
-        _model_need(model, model.shared_expert_intermediate_size, n,
-                    "shared-expert intermediate size", "--tp", "MergedColumnParallelLinear", who)
+    # The shared expert's width (deepseek's and glm4_moe's: their shared experts' sum).
+    shared_width = model.shared_expert_intermediate_size or model.shared_experts_width
+    if shared_width:
+        _model_need(model, shared_width, n, "shared-expert intermediate size", "--tp",
+                    "MergedColumnParallelLinear", who)
     _model_need(model, model.num_experts, spec.ep_size, "routed experts", "--ep",
                 "expert map (metrale splits experts contiguously)", who)
 
