@@ -193,7 +193,7 @@ def test_gemma4_s_experts_and_router_are_named_not_servable(peft_zoo) -> None:
     assert all("the expert pool reads" in m for m in errors)
     # A plain gate_proj reaches the dense MLP, not the experts (no rewrite on gemma4).
     warned = [f["message"] for f in report["findings"] if f["code"] == "moe_rewrite"]
-    assert len(warned) == 1 and "reach only the dense MLP" in warned[0]
+    assert len(warned) == 1 and "reach the dense-MLP and shared-expert projections" in warned[0]
     assert report["expert_pairs"] == 0
 
 

@@ -507,6 +507,42 @@ def test_synth_modules_all_names_the_modules_the_model_has(tmp_path: Path) -> No
         assert done.code == 0, (engine, done)
 
 
+def _tensor_names(adapter: Path) -> list[str]:
+    raw = (adapter / "adapter_model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    return sorted(k for k in header if k != "__metadata__")
+
+
+_LLAMA4_WRAPPER = {"model_type": "llama4", "text_config": {
+    "model_type": "llama4_text", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32,
+    "intermediate_size_mlp": 64, "num_local_experts": 2, "interleave_moe_layer_step": 2,
+    "vocab_size": 128}}
+
+
+@pytest.mark.parametrize(("model", "stack"), [
+    ("gemma-3-27b", "model.language_model.layers"),
+    (_LLAMA4_WRAPPER, "language_model.model.layers"),
+])
+def test_synth_writes_a_vision_language_wrapper_s_layers_where_peft_has_them(
+        tmp_path: Path, model: object, stack: str) -> None:
+    """A wrapper's decoder layers are under its language model (PEFT's module names on
+    Gemma3ForConditionalGeneration, llama4's `language_model.model`): synth writes its keys
+    there, as unpack does, so a synthetic adapter packs and unpacks to its own tensor names.
+    It wrote `model.layers`, keys PEFT does not load onto the wrapper."""
+    if isinstance(model, dict):
+        (tmp_path / "config.json").write_text(json.dumps(model))
+        model = tmp_path / "config.json"
+    made, image, back = tmp_path / "made", tmp_path / "pool.safetensors", tmp_path / "back"
+    done = metrale("synth", made, "-m", model, "--modules", "q_proj,gate_proj", "--rank", 4)
+    assert done.code == 0, done.stderr
+    names = _tensor_names(made)
+    assert names and all(n.startswith(f"base_model.model.{stack}.") for n in names), names[0]
+    assert metrale("pack", made, "-m", model, "--max-loras", 1, "--out", image).code == 0
+    assert metrale("unpack", image, back, "--slot", 0).code == 0
+    assert _tensor_names(back) == names
+
+
 def test_one_answer_to_how_big_a_slot_is(tmp_path: Path) -> None:
     """Adapters of rank 8 (q, v) and 64 (q, k, v, o): inspect, layout, pack and show give the
     same slot; inspect's per-adapter figure is labelled as what it is (the adapter alone), and

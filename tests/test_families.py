@@ -521,3 +521,84 @@ def test_gemma4_at_full_size_with_every_option(transformers_models: None) -> Non
     assert (model.global_kv_width, model.kv_shared_mlp_width) == (1024, 18432)
     assert model.num_experts == 128 and model.num_experts_per_tok == 8
     assert _real_size_differences(raw, "gemma4 every option") == []
+
+
+DEEPSEEK_V2_LITE = QWEN3.parent / "deepseek-v2-lite.config.json"
+
+
+@pytest.mark.parametrize(("count", "width"), [(None, 0), (0, 0), ("absent", 2 * 1408),
+                                              (2, 2 * 1408)])
+def test_deepseek_s_shared_experts_width_is_their_count_of_expert_widths(count: object,
+                                                                         width: int) -> None:
+    """DeepSeek-V2-Lite's shared experts: one MLP `n_shared_experts * moe_intermediate_size`
+    wide on each MoE layer (absent: transformers' default, 2; null or 0: none, as transformers
+    builds no shared experts for null)."""
+    from metrale_cli.model.modules import LoraModule
+
+    raw = json.loads(DEEPSEEK_V2_LITE.read_text())
+    raw.pop("n_shared_experts")
+    cfg = ModelConfig.from_dict(raw if count == "absent" else {**raw, "n_shared_experts": count})
+    assert cfg.shared_experts_width == width
+    shapes = LoraModule.GATE_PROJ.shapes(cfg)
+    assert shapes == (((10944, 2048), (width, 2048)) if width else ((10944, 2048),))
+
+
+@pytest.mark.parametrize("count", [2980, 1 << 22])
+def test_a_shared_experts_width_past_every_width_is_one_line(tmp_path: Path, count: int) -> None:
+    """`n_shared_experts` times the expert width is the shared MLP's width: past the bound on
+    every width it is a malformed config, one line and exit 2; it was planned (a 4 GiB slot,
+    and at 2**22 experts a synth that wrote until the disk filled)."""
+    raw = {**json.loads(DEEPSEEK_V2_LITE.read_text()), "n_shared_experts": count}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    done = metrale("layout", "-m", tmp_path, "--modules", "gate_proj", "--max-rank", 8)
+    assert done.code == 2 and done.stdout == ""
+    assert done.stderr == (f"error: {tmp_path / 'config.json'}: 'n_shared_experts' {count} x "
+                           "'moe_intermediate_size' 1408 is above the 4,194,304 that metrale "
+                           "accepts; not a real model's config\n")
+
+
+def test_a_module_at_the_other_layers_path_is_named_with_this_layer_s(tmp_path: Path) -> None:
+    """DeepSeek's gate_proj is the dense MLP's (`mlp.gate_proj`) on layer 0 and the shared
+    experts' on the MoE layers: an adapter with them swapped is not applicable there, and the
+    finding says where the layer has the module; it said the module does not apply on those
+    layers at all."""
+    from tests.support.image_edit import header_text, replace_header
+
+    adapter = tmp_path / "swapped"
+    assert metrale("synth", adapter, "-m", "deepseek-v2-lite", "--modules", "gate_proj",
+                   "--rank", 1).code == 0
+    weights = adapter / "adapter_model.safetensors"
+    replace_header(weights, header_text(weights).replace(
+        b"model.layers.0.mlp.gate_proj", b"model.layers.0.mlp.shared_experts.gate_proj").replace(
+        b"model.layers.5.mlp.shared_experts.gate_proj", b"model.layers.5.mlp.gate_proj"))
+    done = metrale("inspect", adapter, "-m", "deepseek-v2-lite", "--json")
+    assert done.code == 1
+    assert sorted(f["message"] for f in done.json()["adapters"][0]["findings"]
+                  if f["code"] == "module_not_applicable") == [
+        "gate_proj on layer 0: the layer's gate_proj is mlp.gate_proj, not "
+        "mlp.shared_experts.gate_proj",
+        "gate_proj on layer 5: the layer's gate_proj is mlp.shared_experts.gate_proj, not "
+        "mlp.gate_proj"]
+
+
+def test_where_peft_does_not_rewrite_gate_proj_the_warning_says_what_it_reaches(
+        tmp_path: Path) -> None:
+    """Qwen2-MoE with a dense layer (mlp_only_layers): PEFT 0.21 does not rewrite a plain
+    gate_proj target, which then adapts the dense MLP and the shared expert (both pooled); the
+    warning beside routed-expert target_parameters said it reached only the shared expert."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+        "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [0], "vocab_size": 128}))
+    adapter = tmp_path / "adapter"
+    assert metrale("synth", adapter, "-m", tmp_path, "--modules", "gate_proj", "-r", 4).code == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {**config, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}))
+    report = metrale("inspect", adapter, "-m", tmp_path, "--json").json()["adapters"][0]
+    assert {(m["layer"], m["module"]) for m in report["modules"]} == {(0, "gate_proj"),
+                                                                      (1, "gate_proj")}
+    [warning] = [f["message"] for f in report["findings"] if f["code"] == "moe_rewrite"]
+    assert "reach the dense-MLP and shared-expert projections where it has them, never the " \
+           "routed experts" in warning

@@ -525,6 +525,15 @@ def test_a_tp_the_model_cannot_take_is_refused(args: tuple[object, ...], message
      r"--tp 4 is above the 2 routed experts"),
     (dataclasses.replace(MOE, intermediate_size=6145, mlp_only_layers=(0,)), ShardSpec(4),
      r"MLP intermediate size \(6145\) does not split over --tp 4"),
+    # Llama 4's dense layers are intermediate_size_mlp wide (its intermediate_size, the
+    # experts' and the shared expert's, splits), DeepSeek's shared experts n_shared_experts
+    # expert widths: neither was checked, so a layout vLLM cannot build was planned.
+    (dataclasses.replace(ModelConfig.preset("deepseek-v2-lite"), moe_intermediate_size=1407,
+                         n_shared_experts=1), ShardSpec(2, 0, 2),
+     r"shared-expert intermediate size \(1407\) does not split over --tp 2"),
+    (ModelConfig.from_dict({"model_type": "llama4_text", "intermediate_size_mlp": 16383,
+                            "interleave_moe_layer_step": 2}),
+     ShardSpec(2), r"MLP intermediate size \(16383\) does not split over --tp 2"),
 ])
 def test_every_dimension_vllm_divides_is_checked(model: ModelConfig, spec: ShardSpec,
                                                  message: str) -> None:
@@ -621,3 +630,23 @@ def test_torchrun_variables_that_are_not_a_launch_are_refused(
     one_line_error(result, 2)
     assert f"RANK={rank!r} WORLD_SIZE={world!r}" in result.stderr
     assert not (tmp_path / "ranks").exists()
+
+
+@pytest.mark.parametrize(("module", "says"), [
+    (LoraModule.GATE_PROJ, "gate_proj (mlp.shared_experts.gate_proj) output rows (1407) does not "
+                           "split over --tp 2"),
+    (LoraModule.DOWN_PROJ, "down_proj (mlp.shared_experts.down_proj) input columns (1407) does "
+                           "not split over --tp 2"),
+])
+def test_a_module_at_two_paths_is_refused_with_the_path_that_does_not_split(
+        module: LoraModule, says: str) -> None:
+    """DeepSeek's gate_proj is the dense MLP's (10944 rows) on layer 0 and the shared experts'
+    (`n_shared_experts * moe_intermediate_size`) on the MoE layers: a slot width --tp does not
+    split is named with its path, not as a bare gate_proj whose dense width splits (the CLI
+    refuses this model first, as vLLM would; a family read from weights reaches it)."""
+    lite = dataclasses.replace(ModelConfig.preset("deepseek-v2-lite"),
+                               moe_intermediate_size=1407, n_shared_experts=1)
+    layout = SlotLayout.build(lite, [module], 8)
+    with pytest.raises(UsageError) as refused:
+        RankLayout.of(layout, ShardSpec(2, 0)).entries  # noqa: B018
+    assert str(refused.value) == says

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,19 +69,48 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> None:
-    model, kwargs = CASES[case]
-    truth = peft_zoo.adapter(model, **kwargs)
+def _round_trips(truth: AdapterTruth, model_name: str, tmp_path: Path) -> None:
+    """`truth` packed, unpacked, and loaded by PEFT onto the same base with its own deltas;
+    repacked, the unpacked adapter is byte for byte the slot it came from."""
     image = tmp_path / "pool.safetensors"
-    assert metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image).code == 0
+    packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
+    assert packed.code == 0, packed.stderr
     out = tmp_path / "back"
     result = metrale("unpack", image, "--name", "x", out, "--json")
     assert result.code == 0, result.stderr
     assert result.json()["modules"] == len(truth.modules)
-    assert _assert_deltas_equal(truth, _load_unpacked(truth.model_name, out)) == len(truth.modules)
-    # Repacked, the unpacked adapter is byte for byte the slot it came from.
+    assert _assert_deltas_equal(truth, _load_unpacked(model_name, out)) == len(truth.modules)
     assert metrale("verify", image, f"x={out}").code == 0
+
+
+@pytest.mark.parametrize("model", ["gemma3_vl", "llama4_vl"])
+def test_peft_loads_a_synthetic_adapter_onto_a_wrapper(tmp_path: Path, model: str) -> None:
+    """synth on a vision-language wrapper's config writes its keys where unpack does, under the
+    language model: PEFT loads every tensor onto the wrapper as written (it found none under
+    `model.layers`)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.support.peft_factory import write_base_config
+
+    base = write_base_config(model, tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    done = metrale("synth", adapter, "-m", base, "--modules", "q_proj,gate_proj", "-r", 4,
+                   "--dtype", "f32")
+    assert done.code == 0, done.stderr
+    loaded = PeftModel.from_pretrained(TINY_MODELS[model].build_model(0), str(adapter))
+    written = load_file(str(adapter / "adapter_model.safetensors"))
+    params = dict(loaded.named_parameters())
+    for key, value in written.items():
+        name = re.sub(r"\.lora_([AB])\.weight$", r".lora_\1.default.weight", key)
+        assert torch.equal(params[name].detach(), value), key
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peft_loads_the_unpacked_slot(peft_zoo, tmp_path: Path, case: str) -> None:
+    model, kwargs = CASES[case]
+    truth = peft_zoo.adapter(model, **kwargs)
+    _round_trips(truth, truth.model_name, tmp_path)
 
 
 @pytest.mark.parametrize("model", [*DENSE_FAMILIES, "phi3", "glm4", "starcoder2", "gpt_oss",
@@ -93,15 +123,7 @@ def test_every_family_round_trips_through_peft(peft_zoo, tmp_path: Path, model: 
     gemma4's modules at each layer's own widths):
     packed, unpacked, and loaded by PEFT onto the same base with PEFT's own deltas."""
     truth = peft_zoo.adapter(model, r=4, lora_alpha=8, dtype="bf16")
-    image = tmp_path / "pool.safetensors"
-    packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
-    assert packed.code == 0, packed.stderr
-    out = tmp_path / "back"
-    result = metrale("unpack", image, "--name", "x", out, "--json")
-    assert result.code == 0, result.stderr
-    assert result.json()["modules"] == len(truth.modules)
-    assert _assert_deltas_equal(truth, _load_unpacked(model, out)) == len(truth.modules)
-    assert metrale("verify", image, f"x={out}").code == 0
+    _round_trips(truth, model, tmp_path)
 
 
 @pytest.mark.parametrize("model", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
@@ -121,14 +143,7 @@ def test_shared_experts_of_an_adapter_made_before_peft_s_moe_rewrite(
                          target_modules=MLP)
     assert {p.split(".", 3)[3] for p in truth.modules} == {
         *(f"mlp.{m}" for m in MLP), *(f"mlp.shared_experts.{m}" for m in MLP)}
-    image = tmp_path / "pool.safetensors"
-    packed = metrale("pack", f"x={truth.path}", "--max-loras", 2, "--out", image)
-    assert packed.code == 0, packed.stderr
-    out = tmp_path / "back"
-    result = metrale("unpack", image, "--name", "x", out, "--json")
-    assert result.code == 0, result.stderr
-    assert result.json()["modules"] == len(truth.modules)
-    assert _assert_deltas_equal(truth, _load_unpacked(model, out)) == len(truth.modules)
+    _round_trips(truth, model, tmp_path)
 
 
 def _param_deltas(peft_model: object) -> dict[str, np.ndarray]:

@@ -421,8 +421,12 @@ def _audit_module(
                f"{module.peft_name}{{where}}: past the model's {model.num_hidden_layers} layers",
                layer)
         return None
-    if module.spec(model, layer) not in at_path:
-        why = ("the base model's weights carry no such module on this layer"
+    here = module.spec(model, layer)
+    if here not in at_path:
+        # On this layer the module is at another path (deepseek's dense MLP and shared
+        # experts), or nowhere.
+        why = (f"the layer's {module.peft_name} is {here.path}, not {sub}" if here is not None
+               else "the base model's weights carry no such module on this layer"
                if at_path[0].layers is Layers.LISTED
                else f"the module does not apply on {_layer_kind(model, layer)}")
         out.at(Severity.ERROR, Code.MODULE_NOT_APPLICABLE, f"{module.peft_name}{{where}}: {why}",
@@ -529,9 +533,9 @@ def _explain_experts(
     if not model.family.peft_rewrites_moe_targets:
         out.add(Severity.WARNING, Code.MOE_REWRITE,
                 f"on {model.model_type}, PEFT (0.21) does not rewrite gate_proj/up_proj/down_proj "
-                "targets into expert LoRA: they reach only the dense MLP or shared expert beside "
-                "the routed experts, which get LoRA only through target_parameters "
-                "(experts.gate_up_proj/down_proj)")
+                "targets into expert LoRA: they reach the dense-MLP and shared-expert "
+                "projections where it has them, never the routed experts, which get LoRA only "
+                "through target_parameters (mlp.experts.gate_up_proj/down_proj)")
         return
     out.add(Severity.WARNING, Code.MOE_REWRITE,
             f"on {model.model_type} (routed experts), PEFT >= 0.19 with transformers 5 turns "

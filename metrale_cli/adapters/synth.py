@@ -75,6 +75,8 @@ def synth_adapter(
     # module the layout and the engines look for and do not find).
     written: set[LoraModule] = set()
     narrowest = math.inf  # the narrower side of the smallest weight adapted
+    # PEFT's keys for the decoder layers (a vision-language wrapper's under its language model).
+    prefix = f"base_model.model.{model.language_model}.layers"
     for layer in range(model.num_hidden_layers):
         for module in in_slot_order(model, modules):
             if not module.applies_to_layer(model, layer):
@@ -82,12 +84,12 @@ def synth_adapter(
             out_dim, in_dim = module.dims(model, layer)
             written.add(module)
             narrowest = min(narrowest, out_dim, in_dim)
-            key = f"base_model.model.model.layers.{layer}.{module.path_in(model, layer)}"
+            key = f"{prefix}.{layer}.{module.path_in(model, layer)}"
             plan.append((f"{key}.lora_A.weight", rank, in_dim, 1 / math.sqrt(in_dim)))
             plan.append((f"{key}.lora_B.weight", out_dim, rank, 1 / math.sqrt(rank)))
     h, i, n_exp = model.hidden_size, model.expert_intermediate_size, model.num_experts
     for layer in model.moe_layers[:expert_layers]:
-        key = f"base_model.model.model.layers.{layer}.mlp.experts"
+        key = f"{prefix}.{layer}.mlp.experts"
         # Two wrapped parameters: the inner one (gate_up_proj) sits under `.base_layer.`.
         for name, in_dim, out_dim in ((f"{key}.base_layer", h, 2 * i), (key, i, h)):
             narrowest = min(narrowest, in_dim, out_dim)

@@ -67,18 +67,11 @@ def pick_slot(t: ImageTables, slot: int | None, name: str | None) -> int:
     return slot
 
 
-def _module_prefix(t: ImageTables) -> str:
-    """Where PEFT puts the decoder layers: on a vision-language checkpoint its family's language
-    model (`model.language_model.layers`, llama4's `language_model.model.layers`), else
-    `model.layers`."""
-    return t.model.family.language_model if t.model.composite else "model"
-
-
 def adapter_tensors(t: ImageTables, slot: int) -> tuple[dict[str, tuple[str, list[int], bytes]],
                                                          dict[str, Any]]:
     """The slot's tensors in PEFT's names (`name -> (dtype, shape, bytes)`) and its config."""
     rank, max_rank = int(t.ranks[slot]), t.layout.max_rank
-    prefix = _module_prefix(t)
+    prefix = t.model.language_model
     tensors: dict[str, tuple[str, list[int], bytes]] = {}
     targets: list[str] = []
     pool = t.tensor("pool")

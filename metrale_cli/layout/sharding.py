@@ -127,6 +127,13 @@ def _need(count: int, parts: int, what: str, flag: str) -> None:
         raise UsageError(f"{what} ({count}) does not split over {flag} {parts}")
 
 
+def _named(model: ModelConfig, module: LoraModule, spec: ModuleSpec) -> str:
+    """The module as a refusal names it: with its path where the family declares it at more
+    than one (deepseek's gate_proj: the dense MLP's, the shared experts')."""
+    paths = {m.path for m in model.family.modules if m.name == module.value}
+    return f"{module.value} ({spec.path})" if len(paths) > 1 else module.value
+
+
 def _slice_rows(model: ModelConfig, what: str, width: str | int, rows: int, n: int,
                 k: int) -> tuple[int, int]:
     """The output rows `[lo, hi)` of one column-parallel slice `rows` wide (`width`, as the
@@ -162,7 +169,7 @@ def _column_rows(model: ModelConfig, module: LoraModule, layer: int, spec: Modul
     runs: list[tuple[int, int]] = []
     offset = 0
     for i, (width, rows) in enumerate(zip(spec.out, module.slices(model, layer), strict=True)):
-        what = module.value if not spec.fused else f"{module.value} slice {i}"
+        what = _named(model, module, spec) + (f" slice {i}" if spec.fused else "")
         lo, hi = _slice_rows(model, what, width, rows, n, k)
         if runs and runs[-1][1] == offset + lo:
             runs[-1] = (runs[-1][0], offset + hi)
@@ -180,7 +187,7 @@ def _row_cols(model: ModelConfig, module: LoraModule, layer: int, spec: ModuleSp
     elif spec.in_ == "linear_value_width":
         _need(model.linear_num_value_heads, n, "out_proj linear-attention value heads", "--tp")
     else:
-        _need(in_dim, n, f"{module.value} input columns", "--tp")
+        _need(in_dim, n, f"{_named(model, module, spec)} input columns", "--tp")
     return _part(in_dim, n, k)
 
 
@@ -205,7 +212,8 @@ def module_slice(model: ModelConfig, module: LoraModule, layer: int, spec: Shard
                      _rank_rows(max_rank, spec))
     rows = (0, out_dim)
     if spec.fully_sharded:
-        _need(out_dim, n, f"--fully-sharded: {module.value} output rows", "--tp")
+        _need(out_dim, n, f"--fully-sharded: {_named(model, module, declared)} output rows",
+              "--tp")
         rows = _part(out_dim, n, k)
     return Slice(full, (rows,), _row_cols(model, module, layer, declared, n, k))
 
@@ -273,8 +281,11 @@ def check_model_split(model: ModelConfig, spec: ShardSpec, who: str = "vLLM") ->
         _model_need(model, model.linear_num_value_heads, n, "linear-attention value heads",
                     "--tp", "Gated-DeltaNet layer", who)
     moe_layers = model.moe_layers
-    if len(moe_layers) < model.num_hidden_layers and model.intermediate_size:
-        _model_need(model, model.intermediate_size, n, "MLP intermediate size", "--tp",
+    # The dense layers' MLP width: llama4's is `intermediate_size_mlp` (its `intermediate_size`
+    # is the experts' and the shared expert's).
+    dense_width = model.intermediate_size_mlp or model.intermediate_size
+    if len(moe_layers) < model.num_hidden_layers and dense_width:
+        _model_need(model, dense_width, n, "MLP intermediate size", "--tp",
                     "MergedColumnParallelLinear", who)
     if spec.ep_size > 1 and not moe_layers:
         raise UsageError(f"--ep {spec.ep_size}: {model.source or model.model_type} has no "
@@ -286,9 +297,11 @@ def check_model_split(model: ModelConfig, spec: ShardSpec, who: str = "vLLM") ->
                          f"{model.num_experts} routed experts; {who}'s MoE block refuses it")
     _model_need(model, model.expert_intermediate_size, spec.moe_tp_size,
                 "expert intermediate size", "MoE TP (tp / ep)", "FusedMoE", who)
-    if model.shared_expert_intermediate_size:
-        _model_need(model, model.shared_expert_intermediate_size, n,
-                    "shared-expert intermediate size", "--tp", "MergedColumnParallelLinear", who)
+    # The shared expert's width (deepseek's and glm4_moe's: their shared experts' sum).
+    shared_width = model.shared_expert_intermediate_size or model.shared_experts_width
+    if shared_width:
+        _model_need(model, shared_width, n, "shared-expert intermediate size", "--tp",
+                    "MergedColumnParallelLinear", who)
     _model_need(model, model.num_experts, spec.ep_size, "routed experts", "--ep",
                 "expert map (metrale splits experts contiguously)", who)
 

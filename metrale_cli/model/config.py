@@ -217,6 +217,13 @@ class ModelConfig:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
+    def language_model(self) -> str:
+        """Where PEFT finds the language model (its `layers`, `embed_tokens`): `model`, or on a
+        vision-language checkpoint its family's (`model.language_model`, llama4's
+        `language_model.model`). Unpack writes its keys there and synth its adapters."""
+        return self.family.language_model if self.composite else "model"
+
+    @property
     def shared_experts_width(self) -> int:
         """The width of deepseek's and glm4_moe's shared-experts MLP: `n_shared_experts` experts
         of `moe_intermediate_size` side by side, as transformers builds it."""
@@ -419,6 +426,13 @@ class ModelConfig:
             isinstance(i, int) and not isinstance(i, bool) for i in only
         ):
             raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
+        shared_experts = opt("n_shared_experts") if num_experts else 0
+        if shared_experts * opt("moe_intermediate_size") > MAX_WIDTH:
+            # One MLP of their summed width: a width, bounded as every width is.
+            raise FormatError(f"{source or 'config'}: 'n_shared_experts' {shared_experts} x "
+                              f"'moe_intermediate_size' {opt('moe_intermediate_size')} is above "
+                              f"the {MAX_WIDTH:,} that metrale accepts; not a real model's "
+                              "config")
         tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         gate = text.get("attn_output_gate")
         attn_gated = gate is not False if known.hybrid else bool(gate)
@@ -436,7 +450,7 @@ class ModelConfig:
             num_experts_per_tok=opt("num_experts_per_tok"),
             moe_intermediate_size=opt("moe_intermediate_size"),
             shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
-            n_shared_experts=opt("n_shared_experts") if num_experts else 0,
+            n_shared_experts=shared_experts,
             linear_num_key_heads=opt("linear_num_key_heads"),
             linear_num_value_heads=opt("linear_num_value_heads"),
             linear_key_head_dim=opt("linear_key_head_dim"),
