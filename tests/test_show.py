@@ -334,3 +334,16 @@ def test_a_scale_past_float32_is_one_error_line(tiny: Path, tmp_path: Path) -> N
     assert result.returncode == 1, result.stderr
     assert result.stderr.count("\n") == 1 and "Warning" not in result.stderr, result.stderr
     assert "the slot's metadata says 1e+39" in result.stderr
+
+
+def test_an_image_whose_layout_this_metrale_builds_otherwise_says_so(image: Path) -> None:
+    """An image whose recorded model and modules give another layout here (a family whose
+    modules changed since it was packed: qwen2_moe's shared experts joined its gate/up/down)
+    is one line saying so; it was the pool tensor's size against the new layout's."""
+    doc = read_tables(image).layout_doc
+    edit_metadata(image, "metrale.layout", json.dumps(
+        doc | {"modules": ["q_proj"]}, separators=(",", ":")))
+    result = metrale("show", image)
+    assert result.code == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert f"its layout ({doc['slot_bytes']} B a slot, fingerprint {doc['fingerprint']})" \
+        in result.stderr and "packed by another metrale version, or edited" in result.stderr

@@ -168,6 +168,15 @@ def read_tables(path: str | Path) -> ImageTables:
         raise ImageInconsistent(f"{path}: max_loras is {max_loras}")
     if not isinstance(slots_doc, list):
         raise FormatError(f"{path}: metrale.slots is not a list")
+    if (layout_doc.get("fingerprint") != layout.fingerprint
+            and layout_doc.get("slot_bytes") != layout.slot_bytes):
+        # The model and modules it records give another layout here: a family whose modules
+        # changed since the image was packed (qwen2_moe's shared experts), or an edit.
+        raise ImageInconsistent(
+            f"{path}: its layout ({layout_doc.get('slot_bytes')} B a slot, fingerprint "
+            f"{layout_doc.get('fingerprint')}) is not the one this metrale builds for its "
+            f"model and modules ({layout.slot_bytes} B, {layout.fingerprint}): packed by "
+            "another metrale version, or edited; pack its adapters again")
     # The metadata fixes every table's shape: check them all before reading any.
     _need(path, header, "pool", "U8", (max_loras * layout.slot_bytes,))
     needs = {"scales": ("F32", (max_loras,)), "ranks": ("I32", (max_loras,)),
