@@ -129,8 +129,14 @@ MODEL = typer.Option(
     "directory, or a hub id (org/name[@revision]) in the local HF cache (--online: the hub).")
 # --modules of the commands that build metrale's pool alone (synth, pack, bench), and of those
 # that also answer for an engine (inspect, layout, simulate), whose help names its values.
-_POOL_MODULES = ("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, out_proj, or "
-                 "'all'")
+# Written out, not read from LoraModule (that would import the model into --help);
+# tests/test_help.py holds it to the vocabulary.
+_POOL_MODULES = ("those the model's family has, of q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                 "up_proj, down_proj (llama-like layers), out_proj (Gated-DeltaNet layers), "
+                 "qkv_proj, gate_up_proj (phi3, glm4), q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+                 "kv_b_proj (DeepSeek's latent attention), c_fc, c_proj (starcoder2), "
+                 "per_layer_input_gate, per_layer_projection (gemma4); or 'all', every module "
+                 "the model has")
 POOL_MODULES = typer.Option("--modules", help=f"Comma-separated modules: {_POOL_MODULES}.")
 MODULES = typer.Option(
     "--modules", help=f"Comma-separated modules. metrale's pool: {_POOL_MODULES}. --engine "
