@@ -152,6 +152,13 @@ JOBS: dict[str, Job] = {
     "olmo2": Job("olmo2", FLOAT32, [
         ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
     ]),
+    # StarCoder 2 on the same backend: q/k/v fused, c_fc and c_proj one layer each; an
+    # embed_tokens adapter (the backend's embedding_modules) and an lm_head one (none).
+    "starcoder2": Job("starcoder2", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": [*ATTN, "c_fc", "c_proj"]}),
+        ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["c_fc", "embed_tokens"]}),
+        ("lm_head", {"r": 8, "lora_alpha": 16, "target_modules": ["c_proj", "lm_head"]}),
+    ]),
     # metrale's `unsupported_model` for an architecture vLLM does not register: the engine
     # refuses the model before loading a weight (in the runner's process: no engine starts).
     "unregistered": Job("qwen3", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},

@@ -72,6 +72,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                      "vocab_size_per_layer_input": 128}),
     "cohere": ("CohereConfig", "CohereForCausalLM", _DENSE),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _DENSE),
+    # Attention with biases; a non-gated MLP of c_fc and c_proj (on vLLM's transformers backend).
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", _DENSE),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _DENSE),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", _DENSE),
     # Layer 0 a dense MLP, layer 1 routed experts beside a shared expert (the interleave step);

@@ -93,6 +93,10 @@ class VllmFamily:
     mlp_block: str = "mlp"
     router: str = "gate"
     shared_expert_gate: bool = True
+    # A non-gated dense MLP's up and down projections (starcoder2's c_fc and c_proj), each a
+    # layer of its own (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA); () where the
+    # MLP is gated (gate_up_proj, down_proj).
+    up_down: tuple[str, str] = ()
     # The config key whose step alone places the MoE layers, where vLLM's class reads no list
     # of them (Llama 4: `interleave_moe_layer_step`, not transformers' `moe_layers`); "": the
     # layers ModelConfig gives.
@@ -168,8 +172,11 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("olmoe", ("OlmoeForCausalLM",), "olmoe.py OlmoeForCausalLM", "source"),
     VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), "glm4_moe.py Glm4MoeForCausalLM",
                "source", unmodelled="shared_experts"),
-    VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "source", _EMBED,
-               unmodelled="the c_fc/c_proj MLP"),
+    # The transformers backend again: its QKVFuser packs q/k/v; the MLP is no GLU, so no fuser
+    # matches it and c_fc and c_proj stay one linear each, replaced by the config's TP plan
+    # (base_model_tp_plan: c_fc colwise, c_proj rowwise; base.py `recursive_replace`).
+    VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "run", _EMBED,
+               up_down=("c_fc", "c_proj")),
     VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "source",
                unmodelled="attention sinks and interleaved gate/up experts"),
     VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
@@ -415,12 +422,18 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                 EngineModule("linear_attn.out_proj", Kind.ROW, linear, vd, (H,), ("out_proj",))]
     if dense:
         ffn = model.intermediate_size_mlp or model.intermediate_size
-        gate_up = row.packs("gate_up_proj")
         mlp = row.mlp_block
-        # One slice per adapter name: gate|up as one output where one name packs both.
-        out += [EngineModule(f"{mlp}.gate_up_proj", Kind.COLUMN, dense, H,
-                             (ffn, ffn) if len(gate_up) == 2 else (2 * ffn,), gate_up),
-                EngineModule(f"{mlp}.down_proj", Kind.ROW, dense, ffn, (H,), ("down_proj",))]
+        if row.up_down:
+            up, down = row.up_down
+            out += [EngineModule(f"{mlp}.{up}", Kind.COLUMN, dense, H, (ffn,), (up,)),
+                    EngineModule(f"{mlp}.{down}", Kind.ROW, dense, ffn, (H,), (down,))]
+        else:
+            gate_up = row.packs("gate_up_proj")
+            # One slice per adapter name: gate|up as one output where one name packs both.
+            out += [EngineModule(f"{mlp}.gate_up_proj", Kind.COLUMN, dense, H,
+                                 (ffn, ffn) if len(gate_up) == 2 else (2 * ffn,), gate_up),
+                    EngineModule(f"{mlp}.down_proj", Kind.ROW, dense, ffn, (H,),
+                                 ("down_proj",))]
     if moe:
         E = model.num_experts
         experts = Kind.EXPERTS_3D if row.experts_3d else Kind.EXPERTS
