@@ -366,6 +366,41 @@ def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled(preset: str) -
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+_GEMMA4_SHARED = {"model_type": "gemma4_text", "vocab_size": 128, "hidden_size": 64,
+                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                  "num_hidden_layers": 4, "intermediate_size": 96, "sliding_window": 8,
+                  "layer_types": ["sliding_attention", "full_attention"] * 2,
+                  "global_head_dim": 64, "attention_k_eq_v": True,
+                  "num_global_key_value_heads": 1, "num_kv_shared_layers": 2,
+                  "use_double_wide_mlp": True, "hidden_size_per_layer_input": 16}
+
+
+def test_vllm_wraps_gemma4_by_layer_kind(tmp_path: Path) -> None:
+    """vLLM's Gemma4ForCausalLM: qkv_proj at each layer kind's width on the layers computing
+    their own KV (the full ones' keys as values), q_proj alone on the KV-shared layers, their
+    MLP twice as wide, the model's per_layer_model_projection; routed experts beside the MLP
+    are refused in one line (tests/test_engine_vllm.py runs the CPU build on the rest)."""
+    (tmp_path / "config.json").write_text(json.dumps(_GEMMA4_SHARED))
+    on = {(m.path, m.layers): (m.out_sizes, m.keys_as_values) for m in vllm_engine_modules(
+        ModelConfig.from_hf(tmp_path))}
+    assert on[("self_attn.qkv_proj", (0,))] == ((64,), False)
+    assert on[("self_attn.qkv_proj", (1,))] == ((128,), True)
+    assert on[("self_attn.q_proj", (2,))] == ((64,), False)
+    assert on[("self_attn.q_proj", (3,))] == ((128,), False)
+    assert on[("mlp.gate_up_proj", (0, 1))] == ((96, 96), False)
+    assert on[("mlp.gate_up_proj", (2, 3))] == ((192, 192), False)
+    assert on[("per_layer_model_projection", ())] == ((64,), False)
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({
+        **_GEMMA4_SHARED, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 32}))
+    done = metrale("layout", "-m", moe, "--modules", "q_proj,o_proj", "--max-rank", 16,
+                   "--max-loras", 4, "--engine", "vllm")
+    assert done.code == 2 and "routed experts" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 def test_vllm_wraps_nemotron_h_by_block(tmp_path: Path) -> None:
     """vLLM's NemotronHForCausalLM takes LoRA by block kind: the Mamba-2 mixers' in_proj (five
     slices), conv1d (three) and out_proj, attention's qkv_proj/o_proj, the MLP blocks' up/down,

@@ -103,6 +103,9 @@ class VllmFamily:
     moe_step: str = ""
     # One block a layer, its `mixer` of the layer's kind (nemotron_h.py): `_block_modules`.
     blocks: bool = False
+    # Attention of each layer's own widths, KV-shared layers, the per-layer input (gemma4.py):
+    # `_gemma4_modules`.
+    layer_kinds: bool = False
     # Why `engine_modules` (llama-shaped layers, GDN, Qwen- and Llama-4-style MoE, nemotron_h's
     # blocks) does not model this class's LoRA layers, so that vLLM's bytes and verdicts are
     # refused, not guessed; "" when it does.
@@ -208,18 +211,11 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "llama4.py Llama4ForCausalLM", "run", _EMBED_HEAD, moe_block="feed_forward",
                mlp_block="feed_forward", router="router", shared_expert_gate=False,
                moe_step="interleave_moe_layer_step"),
-    # Packs q/k/v and gate/up as llama.py (_PACKED), no embedding_modules; but its layers are
-    # not one shape: full-attention layers at global_head_dim with their own KV heads, whose
-    # checkpoint k_proj is loaded into both the K and V shards where attention_k_eq_v
-    # (_gemma4_layer_weights_mapper: an adapter's k_proj delta reaches K alone, PEFT's reaches
-    # the values too), KV-shared layers with a q_proj of their own instead of qkv_proj
-    # (Gemma4Attention), the per-layer input's ReplicatedLinear pair; the wrapper
-    # (gemma4_mm.py Gemma4ForConditionalGeneration) packs alike. The CPU build serves PEFT's
-    # log-probs but for a k_proj delta on a keys-as-values layer (tests/test_engine_vllm.py).
+    # Packs q/k/v and gate/up as llama.py (_PACKED), no embedding_modules; its layers are not
+    # one shape (`_gemma4_modules`). The wrapper (gemma4_mm.py Gemma4ForConditionalGeneration)
+    # packs alike.
     VllmFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-               "gemma4.py Gemma4ForCausalLM", "run",
-               unmodelled="sliding and full attention of different head widths, KV-shared "
-                          "layers with q_proj alone, keys as values (attention_k_eq_v)"),
+               "gemma4.py Gemma4ForCausalLM", "run", layer_kinds=True),
     # One block a layer (`_block_modules`): q/k/v packed into qkv_proj on the attention
     # blocks, a non-gated MLP (up_proj, down_proj) on the MLP blocks, Mamba-2 mixers (in_proj,
     # conv1d, out_proj) and non-gated MoE (experts, shared experts; no router LoRA) beside them.
@@ -269,6 +265,12 @@ class EngineModule:
     kv_heads: int = 0
     # EXPERTS: routed experts; in_size is hidden, out_sizes is (expert FFN width,).
     experts: int = 0
+    # A linear layer of the model, outside the decoder layers (gemma4's
+    # per_layer_model_projection).
+    model_level: bool = False
+    # QKV: the layer's k_proj weight is loaded into both the K and V shards (gemma4's
+    # attention_k_eq_v), so an adapter's k_proj delta reaches the keys alone.
+    keys_as_values: bool = False
 
     @property
     def name(self) -> str:
@@ -276,7 +278,7 @@ class EngineModule:
 
     @property
     def top_level(self) -> bool:
-        return self.kind in (Kind.EMBEDDING, Kind.LOGITS)
+        return self.model_level or self.kind in (Kind.EMBEDDING, Kind.LOGITS)
 
     def buffers(self, max_loras: int, rank: int, tp: int, fully_sharded: bool,
                 ) -> list[tuple[str, tuple[int, ...]]]:
@@ -386,6 +388,8 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                          f"of a {model.model_type} model ({why}); use --engine metrale")
     if family(model).blocks:
         return _block_modules(model, family(model))
+    if family(model).layer_kinds:
+        return _gemma4_modules(model)
     H, hd = model.hidden_size, model.head_dim
     full = tuple(model.attention_layers)
     linear = tuple(model.linear_attention_layers)
@@ -458,6 +462,54 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
         out.append(EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)))
     if "lm_head" in row.embedding_modules:
         out.append(EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",)))
+    return [m for m in out if m.layers or m.top_level]
+
+
+def _gemma4_modules(model: ModelConfig) -> list[EngineModule]:
+    """gemma4.py Gemma4DecoderLayer: attention at each layer's own head width and KV heads
+    (`per_layer_config`: full layers at `global_head_dim`), a `qkv_proj` on the layers
+    computing their own KV (Gemma4Attention; with attention_k_eq_v the full layers' K shard
+    loaded into V too, `_gemma4_layer_weights_mapper`) and a `q_proj` ColumnParallelLinear
+    alone on the last `num_kv_shared_layers`; Gemma4MLP's `gate_up_proj`, twice as wide on the
+    KV-shared layers with `use_double_wide_mlp`; the per-layer input's `per_layer_input_gate`
+    and `per_layer_projection` (ReplicatedLinear) and the model's `per_layer_model_projection`
+    (Gemma4Model: a ColumnParallelLinear over every layer's slice). The routed experts beside
+    the MLP (`router`, `experts`) are not modelled: refused."""
+    if model.num_experts:
+        raise UsageError(f"--engine vllm: metrale does not model vLLM {VERSION}'s LoRA layers "
+                         "of a gemma4 model with routed experts beside the MLP; use "
+                         "--engine metrale")
+    H, N = model.hidden_size, model.num_attention_heads
+    every = range(model.num_hidden_layers)
+    out: list[EngineModule] = []
+    for full in (False, True):
+        on = tuple(i for i in every if model.layer_types[i] is LayerType.FULL_ATTENTION) if full \
+            else tuple(i for i in every if model.layer_types[i] is not LayerType.FULL_ATTENTION)
+        hd = model.global_head_width if full else model.head_dim
+        kv = model.global_kv_heads if full else model.num_key_value_heads
+        own = tuple(i for i in on if not model.is_kv_shared_layer(i))
+        shared = tuple(i for i in on if model.is_kv_shared_layer(i))
+        out += [EngineModule("self_attn.qkv_proj", Kind.QKV, own, H, (N * hd,),
+                             ("q_proj", "k_proj", "v_proj"), head_dim=hd, kv_heads=kv,
+                             keys_as_values=full and model.attention_k_eq_v),
+                EngineModule("self_attn.q_proj", Kind.COLUMN, shared, H, (N * hd,),
+                             ("q_proj",)),
+                EngineModule("self_attn.o_proj", Kind.ROW, on, N * hd, (H,), ("o_proj",))]
+    for wide in (False, True):
+        on = tuple(i for i in every if model.is_kv_shared_layer(i) == wide)
+        ffn = model.kv_shared_mlp_width if wide else model.intermediate_size
+        out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, on, H, (ffn, ffn),
+                             ("gate_proj", "up_proj")),
+                EngineModule("mlp.down_proj", Kind.ROW, on, ffn, (H,), ("down_proj",))]
+    per = model.hidden_size_per_layer_input
+    if per:
+        out += [EngineModule("per_layer_input_gate", Kind.REPLICATED, tuple(every), H, (per,),
+                             ("per_layer_input_gate",)),
+                EngineModule("per_layer_projection", Kind.REPLICATED, tuple(every), per, (H,),
+                             ("per_layer_projection",)),
+                EngineModule("per_layer_model_projection", Kind.COLUMN, (), H,
+                             (model.num_hidden_layers * per,), ("per_layer_model_projection",),
+                             model_level=True)]
     return [m for m in out if m.layers or m.top_level]
 
 
