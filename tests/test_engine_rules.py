@@ -17,7 +17,7 @@ from metrale_cli.engines.verdict import Verdict
 from metrale_cli.engines.vllm import rules as vllm
 from metrale_cli.engines.vllm.model import FAMILIES as VLLM_FAMILIES
 from metrale_cli.engines.vllm.model import VllmFamily
-from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.config import LayerType, ModelConfig
 from tests.conftest import VLLM_PYTHON
 
 FLAGS = vllm.Flags(16, 2)
@@ -414,6 +414,29 @@ def test_llama4_layers_are_the_ones_vllm_wraps(peft_zoo) -> None:  # type: ignor
     assert all(m.served for m in verdict.modules)
     assert {m.module for m in verdict.modules} >= {"feed_forward.router",
                                                     "feed_forward.shared_expert.gate_proj"}
+
+
+# Builds a PEFT Gemma 4 model in its call: several seconds.
+@pytest.mark.slow
+def test_gemma4_keys_as_values_differ(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Gemma 4 under --engine vllm: PEFT's q_proj on the KV-shared layers lands in their q_proj
+    of its own, every other module in its layer kind's; k_proj on a full layer whose keys are
+    its values reaches the keys alone (keys_as_values): the adapter differs from PEFT there and
+    nowhere else."""
+    truth = peft_zoo.adapter("gemma4", r=8, lora_alpha=16,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                             "up_proj", "down_proj"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    shared = tuple(i for i in range(model.num_hidden_layers) if model.is_kv_shared_layer(i))
+    full = tuple(i for i, t in enumerate(model.layer_types)
+                 if t is LayerType.FULL_ATTENTION and i not in shared)
+    assert shared and full
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.DIFFERS and verdict.reason_class == "keys_as_values"
+    outcomes = {(o.module, o.layers): (o.engine_module, o.served) for o in verdict.modules}
+    assert outcomes[("self_attn.k_proj", full)] == ("self_attn.qkv_proj", False)
+    assert outcomes[("self_attn.q_proj", shared)] == ("self_attn.q_proj", True)
+    assert [m for (m, _), (_, served) in outcomes.items() if not served] == ["self_attn.k_proj"]
 
 
 # Builds a PEFT Nemotron-H model in its call: several seconds.

@@ -203,7 +203,8 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
                      "load and are never applied")].append(-1 if key.layer is None
                                                           else key.layer)
         elif module.keys_as_values and sub.endswith("k_proj"):
-            grouped[(sub, module.path, False, KEYS_AS_VALUES)].append(key.layer or 0)
+            grouped[(sub, module.path, False, KEYS_AS_VALUES)].append(
+                -1 if key.layer is None else key.layer)
         elif not flags.wraps(module):
             grouped[(sub, module.path, False, "outside --lora-target-modules "
                      f"({', '.join(flags.target_modules or ())}): the module has no LoRA "
