@@ -106,9 +106,9 @@ class VllmFamily:
     # Attention of each layer's own widths, KV-shared layers, the per-layer input (gemma4.py):
     # `_gemma4_modules`.
     layer_kinds: bool = False
-    # Why `engine_modules` (llama-shaped layers, GDN, Qwen- and Llama-4-style MoE, nemotron_h's
-    # blocks) does not model this class's LoRA layers, so that vLLM's bytes and verdicts are
-    # refused, not guessed; "" when it does.
+    # Why `engine_modules` (llama-shaped layers, non-gated MLPs, GDN, Qwen- and Llama-4-style
+    # MoE, nemotron_h's blocks, gemma4's layer kinds) does not model this class's LoRA layers,
+    # so that vLLM's bytes and verdicts are refused, not guessed; "" when it does.
     unmodelled: str = ""
 
     def packs(self, fused: str) -> tuple[str, ...]:
