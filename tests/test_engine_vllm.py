@@ -101,6 +101,10 @@ JOBS: dict[str, Job] = {
     # the engine starts (buffers checked), and its fused-MoE LoRA has no CPU kernel.
     "llama4": Job("llama4", FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,
                                                  "target_modules": ATTN})]),
+    # gpt_oss: `attn` (vLLM's name for self_attn), the router, the 3-D experts: the engine
+    # starts (buffers checked), and its fused-MoE LoRA has no CPU kernel.
+    "gpt_oss": Job("gpt_oss", FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,
+                                                   "target_modules": ATTN})]),
     # Nemotron-H's blocks: PEFT's one in_proj pair over vLLM's five Mamba-2 slices, the non-gated
     # MLP, attention; the MoE variant's non-gated experts have no CPU kernel at all.
     "nemotron_h": Job("nemotron_h", FLOAT32, [

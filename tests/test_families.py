@@ -355,15 +355,30 @@ def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
         assert names == [m.value for m in ALL if m.value in names], family.model_type
 
 
-@pytest.mark.parametrize("preset", ["deepseek-v3", "gpt-oss-20b"])
-def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled(preset: str) -> None:
-    """MLA, gpt_oss's sinks and experts: metrale's model of vLLM's LoRA layers is
-    llama-shaped, so `--engine vllm` refuses rather than guesses (phi3's and glm4's fused
-    layers it models: tests/test_engine_vllm.py runs them)."""
-    done = metrale("layout", "-m", preset, "--modules", "q_proj,o_proj", "--max-rank", 16,
-                   "--max-loras", 4, "--engine", "vllm")
+def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled() -> None:
+    """MLA: metrale does not model vLLM's LoRA layers of DeepSeek's attention, so `--engine
+    vllm` refuses rather than guesses (phi3's, glm4's, gpt_oss's and gemma4's layers it models:
+    tests/test_engine_vllm.py runs them)."""
+    done = metrale("layout", "-m", "deepseek-v3", "--modules", "q_proj,o_proj", "--max-rank",
+                   16, "--max-loras", 4, "--engine", "vllm")
     assert done.code == 2 and "does not model vLLM" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_vllm_wraps_gpt_oss_under_its_own_names() -> None:
+    """gpt_oss under --engine vllm: the attention as vLLM names it (`attn`), the router and the
+    3-D fused experts on every layer (gpt-oss-20b: 24 layers, 32 experts of 2880), bf16."""
+    done = metrale("layout", "-m", "gpt-oss-20b", "--modules", "q_proj,o_proj,router,experts",
+                   "--max-rank", 16, "--max-loras", 4, "--engine", "vllm", "--json")
+    assert done.code == 0, done.stderr
+    got = {m["module"]: (m["kind"], m["layers"], m["bytes"])
+           for m in done.json()["engine"]["modules"]}
+    # Per expert and slot: gate|up A [16, 2880] and B [5760, 16], down A [16, 2880] and B
+    # [2880, 16]; 4 slots, 32 experts, 24 layers, 2 bytes.
+    experts = 4 * 32 * 16 * (2880 + 5760 + 2880 + 2880) * 24 * 2
+    assert got["mlp.experts"] == ("experts_3d", 24, experts)
+    assert got["mlp.router"][:2] == ("replicated", 24)
+    assert {"attn.qkv_proj", "attn.o_proj"} <= got.keys()
 
 
 _GEMMA4_SHARED = {"model_type": "gemma4_text", "vocab_size": 128, "hidden_size": 64,

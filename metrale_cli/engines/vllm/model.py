@@ -101,6 +101,9 @@ class VllmFamily:
     # of them (Llama 4: `interleave_moe_layer_step`, not transformers' `moe_layers`); "": the
     # layers ModelConfig gives.
     moe_step: str = ""
+    # The attention's name in vLLM's decoder layer where its hf_to_vllm_mapper renames the
+    # checkpoint's (and an adapter's) `self_attn` (gpt_oss.py: `attn`).
+    attn_block: str = "self_attn"
     # One block a layer, its `mixer` of the layer's kind (nemotron_h.py): `_block_modules`.
     blocks: bool = False
     # Attention of each layer's own widths, KV-shared layers, the per-layer input (gemma4.py):
@@ -180,8 +183,14 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # (base_model_tp_plan: c_fc colwise, c_proj rowwise; base.py `recursive_replace`).
     VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "run", _EMBED,
                up_down=("c_fc", "c_proj")),
-    VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "source",
-               unmodelled="attention sinks and interleaved gate/up experts"),
+    # Packs q/k/v alone, no embedding_modules; its hf_to_vllm_mapper renames `.self_attn.` to
+    # `.attn.` (LoRA tensor names too: lora/utils.py parse_fine_tuned_lora_name). Every layer
+    # MoE: the `router` (GateLinear: replicated) and the 3-D fused experts (is_3d_moe_weight),
+    # whose interleaved gate|up LoRA B the loader splits (model_manager.py: `gate_up_b[:, ::2]`
+    # for GptOssForCausalLM). The attention sinks are a parameter, not a LoRA layer.
+    VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "run",
+               packed_modules=(("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
+               experts_3d=True, router="router", attn_block="attn"),
     VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
                "deepseek_v2.py DeepseekV2ForCausalLM", "source",
                unmodelled="multi-head latent attention"),
@@ -265,6 +274,9 @@ class EngineModule:
     kv_heads: int = 0
     # EXPERTS: routed experts; in_size is hidden, out_sizes is (expert FFN width,).
     experts: int = 0
+    # Where the module sits as an adapter's tensor names spell it, where vLLM's class renames
+    # them (gpt_oss's `self_attn`, its `attn`); "": the path's own.
+    adapter_parent: str = ""
     # A linear layer of the model, outside the decoder layers (gemma4's
     # per_layer_model_projection).
     model_level: bool = False
@@ -398,10 +410,13 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)
     gate = 2 if model.attn_gated else 1
     q = model.num_attention_heads * hd
+    attn = row.attn_block
     out: list[EngineModule] = [
-        EngineModule("self_attn.qkv_proj", Kind.QKV, full, H, (gate * q,), row.packs("qkv_proj"),
-                     head_dim=hd, kv_heads=model.num_key_value_heads),
-        EngineModule("self_attn.o_proj", Kind.ROW, full, q, (H,), ("o_proj",)),
+        EngineModule(f"{attn}.qkv_proj", Kind.QKV, full, H, (gate * q,), row.packs("qkv_proj"),
+                     head_dim=hd, kv_heads=model.num_key_value_heads,
+                     adapter_parent="self_attn"),
+        EngineModule(f"{attn}.o_proj", Kind.ROW, full, q, (H,), ("o_proj",),
+                     adapter_parent="self_attn"),
     ]
     if linear:
         kd = model.linear_num_key_heads * model.linear_key_head_dim

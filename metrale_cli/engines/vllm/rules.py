@@ -181,7 +181,7 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
     dropped."""
     by_path: dict[tuple[str, int | None], EngineModule] = {}
     for m in modules:
-        parent = m.path.rsplit(".", 1)[0] if "." in m.path else ""
+        parent = m.adapter_parent or (m.path.rsplit(".", 1)[0] if "." in m.path else "")
         for name in m.adapter_names:
             sub = f"{parent}.{name}" if parent else name
             for layer in m.layers or (None,):
