@@ -202,14 +202,14 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
             grouped[(sub, None, False, f"vLLM's model has no {sub} on {where}: the weights "
                      "load and are never applied")].append(-1 if key.layer is None
                                                           else key.layer)
-        elif module.keys_as_values and sub.endswith("k_proj"):
-            grouped[(sub, module.path, False, KEYS_AS_VALUES)].append(
-                -1 if key.layer is None else key.layer)
         elif not flags.wraps(module):
             grouped[(sub, module.path, False, "outside --lora-target-modules "
                      f"({', '.join(flags.target_modules or ())}): the module has no LoRA "
                      "buffers, the weights load and are never applied")].append(
                          -1 if key.layer is None else key.layer)
+        elif module.keys_as_values and sub.endswith("k_proj"):
+            grouped[(sub, module.path, False, KEYS_AS_VALUES)].append(
+                -1 if key.layer is None else key.layer)
         else:
             grouped[(sub, module.path, True, "")].append(-1 if key.layer is None else key.layer)
     return [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served, why)
