@@ -17,7 +17,7 @@ from metrale_cli.engines.verdict import Verdict
 from metrale_cli.engines.vllm import rules as vllm
 from metrale_cli.engines.vllm.model import FAMILIES as VLLM_FAMILIES
 from metrale_cli.engines.vllm.model import VllmFamily
-from metrale_cli.model.config import ModelConfig
+from metrale_cli.model.config import LayerType, ModelConfig
 from tests.conftest import VLLM_PYTHON
 
 FLAGS = vllm.Flags(16, 2)
@@ -306,9 +306,21 @@ def _function(file: str, qualname: str) -> str:
 _L4 = "model_executor/models/llama4.py"
 _NH = "model_executor/models/nemotron_h.py"
 _MAMBA = "model_executor/layers/mamba/mamba_mixer2.py"
+_GO = "model_executor/models/gpt_oss.py"
 # The lines each rule of a family's row rests on: (family, what the row says, file under
 # vllm/, function or class, the line).
 ROW_RULES = (
+    ("gpt_oss", "attn_block: the checkpoint's (and an adapter's) self_attn is vLLM's attn", _GO,
+     "GptOssForCausalLM", '".self_attn.": ".attn.",'),
+    ("gpt_oss", "attn_block: the decoder layer's attention is `attn`", _GO,
+     "TransformerBlock.__init__", "self.attn = self.attention_cls("),
+    ("gpt_oss", "router: the MoE block's router is `router`, a GateLinear", _GO,
+     "MLPBlock.__init__", "self.router = GateLinear("),
+    ("gpt_oss", "experts_3d: the fused experts take the 3-D wrapper", _GO,
+     "GptOssForCausalLM", "is_3d_moe_weight: typing.ClassVar[bool] = True"),
+    ("gpt_oss", "the interleaved gate|up LoRA B is split gate, up by the loader",
+     "lora/model_manager.py", "LoRAModelManager._convert_3d_to_2d_moe_lora",
+     "w1_b = gate_up_b[:, ::2, :].contiguous()"),
     ("llama4", "moe_step: MoE layers every interleave_moe_layer_step, no list read", _L4,
      "Llama4DecoderLayer.__init__",
      "and (self.layer_idx + 1) % config.interleave_moe_layer_step == 0"),
@@ -414,6 +426,48 @@ def test_llama4_layers_are_the_ones_vllm_wraps(peft_zoo) -> None:  # type: ignor
     assert all(m.served for m in verdict.modules)
     assert {m.module for m in verdict.modules} >= {"feed_forward.router",
                                                     "feed_forward.shared_expert.gate_proj"}
+
+
+# Builds PEFT gpt_oss models in its call: several seconds.
+@pytest.mark.slow
+def test_gpt_oss_adapters_land_in_vllms_renamed_layers(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """gpt_oss under --engine vllm: PEFT's `self_attn` projections land in vLLM's `attn`
+    (its hf_to_vllm_mapper renames LoRA names too) and its 3-D expert parameters in the 3-D
+    fused-experts wrapper, whose loader splits the interleaved gate|up (ROW_RULES): served."""
+    attn = peft_zoo.adapter("gpt_oss", r=8, lora_alpha=16,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    experts = peft_zoo.adapter("gpt_oss", r=8, lora_alpha=16, target_modules=["q_proj"],
+                               target_parameters=["mlp.experts.gate_up_proj",
+                                                  "mlp.experts.down_proj"])
+    for truth, landed in ((attn, {"attn.qkv_proj", "attn.o_proj"}),
+                          (experts, {"attn.qkv_proj", "mlp.experts"})):
+        verdict = _judge(truth)
+        assert verdict.verdict is Verdict.SERVES, verdict.reason
+        assert {m.engine_module for m in verdict.modules} == landed
+        assert all(m.module.startswith(("self_attn.", "mlp.")) for m in verdict.modules)
+
+
+# Builds a PEFT Gemma 4 model in its call: several seconds.
+@pytest.mark.slow
+def test_gemma4_keys_as_values_differ(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """Gemma 4 under --engine vllm: PEFT's q_proj on the KV-shared layers lands in their q_proj
+    of its own, every other module in its layer kind's; k_proj on a full layer whose keys are
+    its values reaches the keys alone (keys_as_values): the adapter differs from PEFT there and
+    nowhere else."""
+    truth = peft_zoo.adapter("gemma4", r=8, lora_alpha=16,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                             "up_proj", "down_proj"])
+    model = ModelConfig.from_hf(truth.base_dir)
+    shared = tuple(i for i in range(model.num_hidden_layers) if model.is_kv_shared_layer(i))
+    full = tuple(i for i, t in enumerate(model.layer_types)
+                 if t is LayerType.FULL_ATTENTION and i not in shared)
+    assert shared and full
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.DIFFERS and verdict.reason_class == "keys_as_values"
+    outcomes = {(o.module, o.layers): (o.engine_module, o.served) for o in verdict.modules}
+    assert outcomes[("self_attn.k_proj", full)] == ("self_attn.qkv_proj", False)
+    assert outcomes[("self_attn.q_proj", shared)] == ("self_attn.q_proj", True)
+    assert [m for (m, _), (_, served) in outcomes.items() if not served] == ["self_attn.k_proj"]
 
 
 # Builds a PEFT Nemotron-H model in its call: several seconds.

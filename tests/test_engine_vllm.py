@@ -29,7 +29,6 @@ from metrale_cli.adapters.audit import audit
 from metrale_cli.engines.verdict import Verdict
 from metrale_cli.engines.vllm import rules as vllm
 from metrale_cli.engines.vllm.model import FAMILIES as VLLM_FAMILIES
-from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig
 from tests.conftest import VLLM_PYTHON
 from tests.support.engine_cases import PROMPT, Case, make_case, run_job, write_model
@@ -102,6 +101,10 @@ JOBS: dict[str, Job] = {
     # the engine starts (buffers checked), and its fused-MoE LoRA has no CPU kernel.
     "llama4": Job("llama4", FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,
                                                  "target_modules": ATTN})]),
+    # gpt_oss: `attn` (vLLM's name for self_attn), the router, the 3-D experts: the engine
+    # starts (buffers checked), and its fused-MoE LoRA has no CPU kernel.
+    "gpt_oss": Job("gpt_oss", FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,
+                                                   "target_modules": ATTN})]),
     # Nemotron-H's blocks: PEFT's one in_proj pair over vLLM's five Mamba-2 slices, the non-gated
     # MLP, attention; the MoE variant's non-gated experts have no CPU kernel at all.
     "nemotron_h": Job("nemotron_h", FLOAT32, [
@@ -133,8 +136,8 @@ JOBS: dict[str, Job] = {
         ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
         ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "embed_tokens"]}),
     ]),
-    # Gemma 4, whose layers metrale does not model for vLLM (`--engine vllm` refuses): what
-    # the engine does, each adapter on one kind of layer (GEMMA4_ENGINE).
+    # Gemma 4's layers of each kind, an adapter each: a sliding layer (head width 32), a full
+    # one (64) whose keys are its values, the per-layer-input projections.
     "gemma4": Job("gemma4_text", FLOAT32, [
         ("q", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}),
         ("k_sliding", {"r": 8, "lora_alpha": 16, "target_modules": ["k_proj"],
@@ -152,6 +155,13 @@ JOBS: dict[str, Job] = {
     "olmo2": Job("olmo2", FLOAT32, [
         ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
     ]),
+    # StarCoder 2 on the same backend: q/k/v fused, c_fc and c_proj one layer each; an
+    # embed_tokens adapter (the backend's embedding_modules) and an lm_head one (none).
+    "starcoder2": Job("starcoder2", FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": [*ATTN, "c_fc", "c_proj"]}),
+        ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["c_fc", "embed_tokens"]}),
+        ("lm_head", {"r": 8, "lora_alpha": 16, "target_modules": ["c_proj", "lm_head"]}),
+    ]),
     # metrale's `unsupported_model` for an architecture vLLM does not register: the engine
     # refuses the model before loading a weight (in the runner's process: no engine starts).
     "unregistered": Job("qwen3", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
@@ -159,14 +169,6 @@ JOBS: dict[str, Job] = {
                                     "target_modules": ["q_proj", "v_proj"]})],
                         architecture="FrobnicatorForCausalLM"),
 }
-
-
-# What vLLM 0.32 does with each gemma4 adapter: PEFT's log-probs at every layer's own widths,
-# except a k_proj delta on a full layer whose keys are its values: vLLM loads that layer's
-# k_proj into both the K and V shards (gemma4.py _gemma4_layer_weights_mapper) but applies the
-# adapter's delta to K alone, where PEFT's k_proj output is the values too.
-GEMMA4_ENGINE = {"q": Verdict.SERVES, "k_sliding": Verdict.SERVES, "k_eq_v": Verdict.DIFFERS,
-                 "rest": Verdict.SERVES}
 
 
 @dataclass
@@ -189,15 +191,10 @@ class Run:
         return vllm.Flags(e["max_lora_rank"], e["max_loras"], dtype=e["dtype"],
                           target_modules=tuple(targets) if targets else None)
 
-    def judged(self, name: str) -> vllm.EngineVerdict | None:
-        """metrale's verdict; None where it refuses to model the family's vLLM layers (the
-        one line `--engine vllm` exits with)."""
-        report = audit(Adapter.load(self.cases[name].path, name), self.model)
-        try:
-            return vllm.judge(report, self.model, self.flags)
-        except UsageError as exc:
-            assert "does not model vLLM" in str(exc), exc
-            return None
+    def judged(self, name: str) -> vllm.EngineVerdict:
+        """metrale's verdict."""
+        return vllm.judge(audit(Adapter.load(self.cases[name].path, name), self.model),
+                          self.model, self.flags)
 
 
 # Runners the runs fixture starts at once, each bound to its own core (vLLM's CPU worker binds
@@ -313,7 +310,7 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
     run = runs[job]
     name, via = adapter.partition("@")[::2]
     judged = run.judged(name)
-    cpu = judged.elsewhere.get("cpu_build") if judged else None
+    cpu = judged.elsewhere.get("cpu_build")
     if run.job.architecture is not None:
         # No build serves it: the engine never starts, refused in the words metrale gives.
         said = f"Model architectures ['{run.job.architecture}'] are not supported for now"
@@ -342,11 +339,6 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
         assert said in error and said in cpu["reason"], error[-2000:]
         return
     entry = dict(_entries(run))[adapter]
-    if VLLM_FAMILIES[run.model.model_type].unmodelled:
-        # metrale refuses to predict; the engine's own behaviour is the table's.
-        assert judged is None
-        assert observed(run, entry) == GEMMA4_ENGINE[name].value, (adapter, entry)
-        return
     assert cpu is None
     expected = judged.verdict.value
     if via == "request":
@@ -372,17 +364,17 @@ def test_lora_bytes_equal_allocation(runs: dict[str, Run], job: str) -> None:
             job in ("qwen3_5", "nemotron_h_moe") or run.job.architecture is not None), \
             f"{job}: the engine allocated nothing to compare"
         return
-    if VLLM_FAMILIES[run.model.model_type].unmodelled:
-        with pytest.raises(UsageError, match="does not model vLLM"):
-            vllm.Memory.of(run.model, run.flags)
-        return
     measured: dict[str, int] = {}
     for module, info in buffers.items():
         path = module.split(".layers.", 1)[-1].split(".", 1)[-1] if ".layers." in module \
-            else {"model.embed_tokens": "embed_tokens", "logits_processor": "lm_head"}[module]
+            else "lm_head" if module == "logits_processor" else module.removeprefix("model.")
         measured[path] = measured.get(path, 0) + sum(t[3] for t in info["tensors"])
     memory = vllm.Memory.of(run.model, run.flags)
-    predicted = {m.path: b for m, b in memory.per_module}
+    # A path on layers of different widths (gemma4's sliding and full attention) is one entry
+    # per width.
+    predicted: dict[str, int] = {}
+    for m, b in memory.per_module:
+        predicted[m.path] = predicted.get(m.path, 0) + b
     assert predicted == measured
     assert memory.lora_bytes == sum(measured.values())
 

@@ -355,14 +355,64 @@ def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
         assert names == [m.value for m in ALL if m.value in names], family.model_type
 
 
-@pytest.mark.parametrize("preset", ["deepseek-v3", "gpt-oss-20b"])
-def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled(preset: str) -> None:
-    """MLA, gpt_oss's sinks and experts: metrale's model of vLLM's LoRA layers is
-    llama-shaped, so `--engine vllm` refuses rather than guesses (phi3's and glm4's fused
-    layers it models: tests/test_engine_vllm.py runs them)."""
-    done = metrale("layout", "-m", preset, "--modules", "q_proj,o_proj", "--max-rank", 16,
-                   "--max-loras", 4, "--engine", "vllm")
+def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled() -> None:
+    """MLA: metrale does not model vLLM's LoRA layers of DeepSeek's attention, so `--engine
+    vllm` refuses rather than guesses (phi3's, glm4's, gpt_oss's and gemma4's layers it models:
+    tests/test_engine_vllm.py runs them)."""
+    done = metrale("layout", "-m", "deepseek-v3", "--modules", "q_proj,o_proj", "--max-rank",
+                   16, "--max-loras", 4, "--engine", "vllm")
     assert done.code == 2 and "does not model vLLM" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_vllm_wraps_gpt_oss_under_its_own_names() -> None:
+    """gpt_oss under --engine vllm: the attention as vLLM names it (`attn`), the router and the
+    3-D fused experts on every layer (gpt-oss-20b: 24 layers, 32 experts of 2880), bf16."""
+    done = metrale("layout", "-m", "gpt-oss-20b", "--modules", "q_proj,o_proj,router,experts",
+                   "--max-rank", 16, "--max-loras", 4, "--engine", "vllm", "--json")
+    assert done.code == 0, done.stderr
+    got = {m["module"]: (m["kind"], m["layers"], m["bytes"])
+           for m in done.json()["engine"]["modules"]}
+    # Per expert and slot: gate|up A [16, 2880] and B [5760, 16], down A [16, 2880] and B
+    # [2880, 16]; 4 slots, 32 experts, 24 layers, 2 bytes.
+    experts = 4 * 32 * 16 * (2880 + 5760 + 2880 + 2880) * 24 * 2
+    assert got["mlp.experts"] == ("experts_3d", 24, experts)
+    assert got["mlp.router"][:2] == ("replicated", 24)
+    assert {"attn.qkv_proj", "attn.o_proj"} <= got.keys()
+
+
+_GEMMA4_SHARED = {"model_type": "gemma4_text", "vocab_size": 128, "hidden_size": 64,
+                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                  "num_hidden_layers": 4, "intermediate_size": 96, "sliding_window": 8,
+                  "layer_types": ["sliding_attention", "full_attention"] * 2,
+                  "global_head_dim": 64, "attention_k_eq_v": True,
+                  "num_global_key_value_heads": 1, "num_kv_shared_layers": 2,
+                  "use_double_wide_mlp": True, "hidden_size_per_layer_input": 16}
+
+
+def test_vllm_wraps_gemma4_by_layer_kind(tmp_path: Path) -> None:
+    """vLLM's Gemma4ForCausalLM: qkv_proj at each layer kind's width on the layers computing
+    their own KV (the full ones' keys as values), q_proj alone on the KV-shared layers, their
+    MLP twice as wide, the model's per_layer_model_projection; routed experts beside the MLP
+    are refused in one line (tests/test_engine_vllm.py runs the CPU build on the rest)."""
+    (tmp_path / "config.json").write_text(json.dumps(_GEMMA4_SHARED))
+    on = {(m.path, m.layers): (m.out_sizes, m.keys_as_values) for m in vllm_engine_modules(
+        ModelConfig.from_hf(tmp_path))}
+    assert on[("self_attn.qkv_proj", (0,))] == ((64,), False)
+    assert on[("self_attn.qkv_proj", (1,))] == ((128,), True)
+    assert on[("self_attn.q_proj", (2,))] == ((64,), False)
+    assert on[("self_attn.q_proj", (3,))] == ((128,), False)
+    assert on[("mlp.gate_up_proj", (0, 1))] == ((96, 96), False)
+    assert on[("mlp.gate_up_proj", (2, 3))] == ((192, 192), False)
+    assert on[("per_layer_model_projection", ())] == ((64,), False)
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({
+        **_GEMMA4_SHARED, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 32}))
+    done = metrale("layout", "-m", moe, "--modules", "q_proj,o_proj", "--max-rank", 16,
+                   "--max-loras", 4, "--engine", "vllm")
+    assert done.code == 2 and "routed experts" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 

@@ -72,6 +72,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                      "vocab_size_per_layer_input": 128}),
     "cohere": ("CohereConfig", "CohereForCausalLM", _DENSE),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _DENSE),
+    # Attention with biases; a non-gated MLP of c_fc and c_proj (on vLLM's transformers backend).
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", _DENSE),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _DENSE),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", _DENSE),
     # Layer 0 a dense MLP, layer 1 routed experts beside a shared expert (the interleave step);
@@ -82,6 +84,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                 "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
                 "attention_chunk_size": 128, "no_rope_layers": [1, 0],
                 "layer_types": ["chunked_attention", "full_attention"]}),
+    # Routed experts on every layer (3-D, gate and up interleaved) beside the router; attention
+    # with sinks, sliding then full.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}),
     # One block a layer: Mamba-2, attention, MLP; the MoE variant adds a non-gated MoE block.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
         **_NEMOTRON_H, "num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "mlp"]}),

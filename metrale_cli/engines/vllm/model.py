@@ -103,15 +103,25 @@ class VllmFamily:
     # router leaf (Llama 4's `router`).
     mlp_block: str = "mlp"
     router: str = "gate"
+    # A non-gated dense MLP's up and down projections (starcoder2's c_fc and c_proj), each a
+    # layer of its own (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA); () where the
+    # MLP is gated (gate_up_proj, down_proj).
+    up_down: tuple[str, str] = ()
     # The config key whose step alone places the MoE layers, where vLLM's class reads no list
     # of them (Llama 4: `interleave_moe_layer_step`, not transformers' `moe_layers`); "": the
     # layers ModelConfig gives.
     moe_step: str = ""
+    # The attention's name in vLLM's decoder layer where its hf_to_vllm_mapper renames the
+    # checkpoint's (and an adapter's) `self_attn` (gpt_oss.py: `attn`).
+    attn_block: str = "self_attn"
     # One block a layer, its `mixer` of the layer's kind (nemotron_h.py): `_block_modules`.
     blocks: bool = False
-    # Why `engine_modules` (llama-shaped layers, GDN, Qwen- and Llama-4-style MoE, nemotron_h's
-    # blocks) does not model this class's LoRA layers, so that vLLM's bytes and verdicts are
-    # refused, not guessed; "" when it does.
+    # Attention of each layer's own widths, KV-shared layers, the per-layer input (gemma4.py):
+    # `_gemma4_modules`.
+    layer_kinds: bool = False
+    # Why `engine_modules` (llama-shaped layers, non-gated MLPs, GDN, Qwen- and Llama-4-style
+    # MoE, nemotron_h's blocks, gemma4's layer kinds) does not model this class's LoRA layers,
+    # so that vLLM's bytes and verdicts are refused, not guessed; "" when it does.
     unmodelled: str = ""
 
     def packs(self, fused: str) -> tuple[str, ...]:
@@ -182,10 +192,19 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # as one Glm4MoeMLP under mlp.shared_experts, no gate over them.
     VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), "glm4_moe.py Glm4MoeForCausalLM",
                "source", shared_expert="mlp.shared_experts"),
-    VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "source", _EMBED,
-               unmodelled="the c_fc/c_proj MLP"),
-    VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "source",
-               unmodelled="attention sinks and interleaved gate/up experts"),
+    # The transformers backend again: its QKVFuser packs q/k/v; the MLP is no GLU, so no fuser
+    # matches it and c_fc and c_proj stay one linear each, replaced by the config's TP plan
+    # (base_model_tp_plan: c_fc colwise, c_proj rowwise; base.py `recursive_replace`).
+    VllmFamily("starcoder2", ("Starcoder2ForCausalLM",), _BACKEND, "run", _EMBED,
+               up_down=("c_fc", "c_proj")),
+    # Packs q/k/v alone, no embedding_modules; its hf_to_vllm_mapper renames `.self_attn.` to
+    # `.attn.` (LoRA tensor names too: lora/utils.py parse_fine_tuned_lora_name). Every layer
+    # MoE: the `router` (GateLinear: replicated) and the 3-D fused experts (is_3d_moe_weight),
+    # whose interleaved gate|up LoRA B the loader splits (model_manager.py: `gate_up_b[:, ::2]`
+    # for GptOssForCausalLM). The attention sinks are a parameter, not a LoRA layer.
+    VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "run",
+               packed_modules=(("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
+               experts_3d=True, router="router", attn_block="attn"),
     VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
                "deepseek_v2.py DeepseekV2ForCausalLM", "source",
                unmodelled="multi-head latent attention"),
@@ -216,18 +235,11 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                mlp_block="feed_forward", router="router",
                shared_expert="feed_forward.shared_expert",
                moe_step="interleave_moe_layer_step"),
-    # Packs q/k/v and gate/up as llama.py (_PACKED), no embedding_modules; but its layers are
-    # not one shape: full-attention layers at global_head_dim with their own KV heads, whose
-    # checkpoint k_proj is loaded into both the K and V shards where attention_k_eq_v
-    # (_gemma4_layer_weights_mapper: an adapter's k_proj delta reaches K alone, PEFT's reaches
-    # the values too), KV-shared layers with a q_proj of their own instead of qkv_proj
-    # (Gemma4Attention), the per-layer input's ReplicatedLinear pair; the wrapper
-    # (gemma4_mm.py Gemma4ForConditionalGeneration) packs alike. The CPU build serves PEFT's
-    # log-probs but for a k_proj delta on a keys-as-values layer (tests/test_engine_vllm.py).
+    # Packs q/k/v and gate/up as llama.py (_PACKED), no embedding_modules; its layers are not
+    # one shape (`_gemma4_modules`). The wrapper (gemma4_mm.py Gemma4ForConditionalGeneration)
+    # packs alike.
     VllmFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-               "gemma4.py Gemma4ForCausalLM", "run",
-               unmodelled="sliding and full attention of different head widths, KV-shared "
-                          "layers with q_proj alone, keys as values (attention_k_eq_v)"),
+               "gemma4.py Gemma4ForCausalLM", "run", layer_kinds=True),
     # One block a layer (`_block_modules`): q/k/v packed into qkv_proj on the attention
     # blocks, a non-gated MLP (up_proj, down_proj) on the MLP blocks, Mamba-2 mixers (in_proj,
     # conv1d, out_proj) and non-gated MoE (experts, shared experts; no router LoRA) beside them.
@@ -277,6 +289,15 @@ class EngineModule:
     kv_heads: int = 0
     # EXPERTS: routed experts; in_size is hidden, out_sizes is (expert FFN width,).
     experts: int = 0
+    # Where the module sits as an adapter's tensor names spell it, where vLLM's class renames
+    # them (gpt_oss's `self_attn`, its `attn`); "": the path's own.
+    adapter_parent: str = ""
+    # A linear layer of the model, outside the decoder layers (gemma4's
+    # per_layer_model_projection).
+    model_level: bool = False
+    # QKV: the layer's k_proj weight is loaded into both the K and V shards (gemma4's
+    # attention_k_eq_v), so an adapter's k_proj delta reaches the keys alone.
+    keys_as_values: bool = False
 
     @property
     def name(self) -> str:
@@ -284,7 +305,7 @@ class EngineModule:
 
     @property
     def top_level(self) -> bool:
-        return self.kind in (Kind.EMBEDDING, Kind.LOGITS)
+        return self.model_level or self.kind in (Kind.EMBEDDING, Kind.LOGITS)
 
     def buffers(self, max_loras: int, rank: int, tp: int, fully_sharded: bool,
                 ) -> list[tuple[str, tuple[int, ...]]]:
@@ -394,6 +415,8 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                          f"of a {model.model_type} model ({why}); use --engine metrale")
     if family(model).blocks:
         return _block_modules(model, family(model))
+    if family(model).layer_kinds:
+        return _gemma4_modules(model)
     H, hd = model.hidden_size, model.head_dim
     full = tuple(model.attention_layers)
     linear = tuple(model.linear_attention_layers)
@@ -402,10 +425,13 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     dense = tuple(i for i in range(model.num_hidden_layers) if i not in moe)
     gate = 2 if model.attn_gated else 1
     q = model.num_attention_heads * hd
+    attn = row.attn_block
     out: list[EngineModule] = [
-        EngineModule("self_attn.qkv_proj", Kind.QKV, full, H, (gate * q,), row.packs("qkv_proj"),
-                     head_dim=hd, kv_heads=model.num_key_value_heads),
-        EngineModule("self_attn.o_proj", Kind.ROW, full, q, (H,), ("o_proj",)),
+        EngineModule(f"{attn}.qkv_proj", Kind.QKV, full, H, (gate * q,), row.packs("qkv_proj"),
+                     head_dim=hd, kv_heads=model.num_key_value_heads,
+                     adapter_parent="self_attn"),
+        EngineModule(f"{attn}.o_proj", Kind.ROW, full, q, (H,), ("o_proj",),
+                     adapter_parent="self_attn"),
     ]
     if linear:
         kd = model.linear_num_key_heads * model.linear_key_head_dim
@@ -430,12 +456,18 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
                 EngineModule("linear_attn.out_proj", Kind.ROW, linear, vd, (H,), ("out_proj",))]
     if dense:
         ffn = model.intermediate_size_mlp or model.intermediate_size
-        gate_up = row.packs("gate_up_proj")
         mlp = row.mlp_block
-        # One slice per adapter name: gate|up as one output where one name packs both.
-        out += [EngineModule(f"{mlp}.gate_up_proj", Kind.COLUMN, dense, H,
-                             (ffn, ffn) if len(gate_up) == 2 else (2 * ffn,), gate_up),
-                EngineModule(f"{mlp}.down_proj", Kind.ROW, dense, ffn, (H,), ("down_proj",))]
+        if row.up_down:
+            up, down = row.up_down
+            out += [EngineModule(f"{mlp}.{up}", Kind.COLUMN, dense, H, (ffn,), (up,)),
+                    EngineModule(f"{mlp}.{down}", Kind.ROW, dense, ffn, (H,), (down,))]
+        else:
+            gate_up = row.packs("gate_up_proj")
+            # One slice per adapter name: gate|up as one output where one name packs both.
+            out += [EngineModule(f"{mlp}.gate_up_proj", Kind.COLUMN, dense, H,
+                                 (ffn, ffn) if len(gate_up) == 2 else (2 * ffn,), gate_up),
+                    EngineModule(f"{mlp}.down_proj", Kind.ROW, dense, ffn, (H,),
+                                 ("down_proj",))]
     if moe:
         E = model.num_experts
         experts = Kind.EXPERTS_3D if row.experts_3d else Kind.EXPERTS
@@ -461,6 +493,54 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
         out.append(EngineModule("embed_tokens", Kind.EMBEDDING, (), V, (H,), ("embed_tokens",)))
     if "lm_head" in row.embedding_modules:
         out.append(EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",)))
+    return [m for m in out if m.layers or m.top_level]
+
+
+def _gemma4_modules(model: ModelConfig) -> list[EngineModule]:
+    """gemma4.py Gemma4DecoderLayer: attention at each layer's own head width and KV heads
+    (`per_layer_config`: full layers at `global_head_dim`), a `qkv_proj` on the layers
+    computing their own KV (Gemma4Attention; with attention_k_eq_v the full layers' K shard
+    loaded into V too, `_gemma4_layer_weights_mapper`) and a `q_proj` ColumnParallelLinear
+    alone on the last `num_kv_shared_layers`; Gemma4MLP's `gate_up_proj`, twice as wide on the
+    KV-shared layers with `use_double_wide_mlp`; the per-layer input's `per_layer_input_gate`
+    and `per_layer_projection` (ReplicatedLinear) and the model's `per_layer_model_projection`
+    (Gemma4Model: a ColumnParallelLinear over every layer's slice). The routed experts beside
+    the MLP (`router`, `experts`) are not modelled: refused."""
+    if model.num_experts:
+        raise UsageError(f"--engine vllm: metrale does not model vLLM {VERSION}'s LoRA layers "
+                         "of a gemma4 model with routed experts beside the MLP; use "
+                         "--engine metrale")
+    H, N = model.hidden_size, model.num_attention_heads
+    every = range(model.num_hidden_layers)
+    out: list[EngineModule] = []
+    for full in (False, True):
+        on = tuple(i for i in every if model.layer_types[i] is LayerType.FULL_ATTENTION) if full \
+            else tuple(i for i in every if model.layer_types[i] is not LayerType.FULL_ATTENTION)
+        hd = model.global_head_width if full else model.head_dim
+        kv = model.global_kv_heads if full else model.num_key_value_heads
+        own = tuple(i for i in on if not model.is_kv_shared_layer(i))
+        shared = tuple(i for i in on if model.is_kv_shared_layer(i))
+        out += [EngineModule("self_attn.qkv_proj", Kind.QKV, own, H, (N * hd,),
+                             ("q_proj", "k_proj", "v_proj"), head_dim=hd, kv_heads=kv,
+                             keys_as_values=full and model.attention_k_eq_v),
+                EngineModule("self_attn.q_proj", Kind.COLUMN, shared, H, (N * hd,),
+                             ("q_proj",)),
+                EngineModule("self_attn.o_proj", Kind.ROW, on, N * hd, (H,), ("o_proj",))]
+    for wide in (False, True):
+        on = tuple(i for i in every if model.is_kv_shared_layer(i) == wide)
+        ffn = model.kv_shared_mlp_width if wide else model.intermediate_size
+        out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, on, H, (ffn, ffn),
+                             ("gate_proj", "up_proj")),
+                EngineModule("mlp.down_proj", Kind.ROW, on, ffn, (H,), ("down_proj",))]
+    per = model.hidden_size_per_layer_input
+    if per:
+        out += [EngineModule("per_layer_input_gate", Kind.REPLICATED, tuple(every), H, (per,),
+                             ("per_layer_input_gate",)),
+                EngineModule("per_layer_projection", Kind.REPLICATED, tuple(every), per, (H,),
+                             ("per_layer_projection",)),
+                EngineModule("per_layer_model_projection", Kind.COLUMN, (), H,
+                             (model.num_hidden_layers * per,), ("per_layer_model_projection",),
+                             model_level=True)]
     return [m for m in out if m.layers or m.top_level]
 
 

@@ -167,13 +167,21 @@ def _moe_format_error(report: AdapterReport, modules: list[EngineModule]) -> tup
     return None
 
 
+# gemma4.py _gemma4_layer_weights_mapper: with attention_k_eq_v a full layer's checkpoint k_proj
+# is loaded into both the K and V shards of qkv_proj, while an adapter's k_proj lands in the K
+# slice alone (PEFT's k_proj output is that layer's values too).
+KEYS_AS_VALUES = ("vLLM loads this layer's k_proj into both the K and V shards (keys as "
+                  "values) and applies the adapter's k_proj delta to the keys alone; PEFT's "
+                  "reaches the values too")
+
+
 def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
               ) -> list[ModuleOutcome]:
     """Per adapter module and layer: the wrapped vLLM module it lands in, or why it is
     dropped."""
     by_path: dict[tuple[str, int | None], EngineModule] = {}
     for m in modules:
-        parent = m.path.rsplit(".", 1)[0] if "." in m.path else ""
+        parent = m.adapter_parent or (m.path.rsplit(".", 1)[0] if "." in m.path else "")
         for name in m.adapter_names:
             sub = f"{parent}.{name}" if parent else name
             for layer in m.layers or (None,):
@@ -199,6 +207,9 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
                      f"({', '.join(flags.target_modules or ())}): the module has no LoRA "
                      "buffers, the weights load and are never applied")].append(
                          -1 if key.layer is None else key.layer)
+        elif module.keys_as_values and sub.endswith("k_proj"):
+            grouped[(sub, module.path, False, KEYS_AS_VALUES)].append(
+                -1 if key.layer is None else key.layer)
         else:
             grouped[(sub, module.path, True, "")].append(-1 if key.layer is None else key.layer)
     return [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served, why)
@@ -321,15 +332,17 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     outcomes = _outcomes(report, modules, flags)
     served = [o for o in outcomes if o.served]
     dropped = [o for o in outcomes if not o.served]
-    if not served:
+    # A keys-as-values k_proj is applied, to the keys alone: the adapter changes the output.
+    if not served and all(o.why != KEYS_AS_VALUES for o in dropped):
         return verdict(Verdict.IGNORES, "target_modules" if any(
             "--lora-target-modules" in o.why for o in dropped) else "missing_module",
             "every LoRA weight loads and none is applied: " + "; ".join(
                 f"{o.module}: {o.why}" for o in dropped), outcomes)
     if dropped:
         return verdict(Verdict.DIFFERS, "target_modules" if any(
-            "--lora-target-modules" in o.why for o in dropped) else "missing_module",
-            "part of the adapter is never applied: " + "; ".join(
+            "--lora-target-modules" in o.why for o in dropped) else "keys_as_values" if any(
+            o.why == KEYS_AS_VALUES for o in dropped) else "missing_module",
+            "part of the adapter is not applied as PEFT applies it: " + "; ".join(
                 f"{o.module} on layers {o.record()['layer_ranges']}: {o.why}"
                 for o in dropped), outcomes)
     return verdict(Verdict.SERVES, "", "loads and applies every module at PEFT's rank and "
