@@ -197,19 +197,28 @@ def test_gemma4_s_experts_and_router_are_named_not_servable(peft_zoo) -> None:
     assert report["expert_pairs"] == 0
 
 
-def test_gpt_oss_expert_lora_is_refused_by_name(peft_zoo) -> None:
-    """gpt_oss's fused experts interleave gate and up and store (E, in, out): the expert pool
-    would misread PEFT's pairs, so even with --experts they are refused; the attention beside
-    them is audited as PEFT built it."""
-    truth = peft_zoo.adapter("gpt_oss", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+def test_gpt_oss_expert_lora_is_read_with_the_opt_in(peft_zoo, monkeypatch) -> None:
+    """gpt_oss's fused experts ((E, in, out), gate and up interleaved) are the expert pool's
+    with --experts, refused without it; the attention beside them is audited as PEFT built it.
+    Its router is `mlp.router`, never the pool's `mlp.gate`: `layout --experts` reserves no
+    router entry, so its expert slot is the bytes inspect sizes for an adapter of every
+    expert."""
+    monkeypatch.delenv("METRALE_LORA_EXPERTS", raising=False)
+    truth = peft_zoo.adapter("gpt_oss", r=8, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                              target_parameters=list(EXPERT_TARGET_PARAMETERS))
     assert truth.params
-    code, report = inspect_json(truth, "--experts")
+    code, report = inspect_json(truth)
     assert code == 1 and not report["servable"]
+    assert any(f["code"] == "expert_lora" and "--experts" in f["message"]
+               for f in report["findings"])
+    code, report = inspect_json(truth, "--experts")
+    assert code == 0 and report["servable"], report["findings"]
     assert_matches_peft(truth, report)
-    refused = [f for f in report["findings"] if f["code"] == "expert_lora"]
-    assert refused and all("interleave gate and up" in f["message"] for f in refused)
-    assert report["expert_pairs"] == 0
+    assert report["expert_pairs"] == 4 * 4 * 3  # layers x experts x gate/up/down
+    layout = metrale("layout", "-m", truth.base_dir / "config.json", "--experts",
+                     "--max-rank", 8, "--modules", "q_proj,o_proj", "--json").json()
+    assert layout["experts"]["n_entries"] == report["expert_pairs"]
+    assert layout["experts"]["expert_slot_bytes"] == report["expert_slot_bytes"]
 
 
 def test_rslora_and_patterns_like_peft(peft_zoo) -> None:
@@ -337,7 +346,7 @@ def test_llama4_as_peft_adapts_it(peft_zoo) -> None:
     """PEFT 0.21 on Llama 4's text model: a plain `gate_proj` reaches the dense layers' MLP
     (`intermediate_size_mlp` wide) and the MoE layers' shared expert (`intermediate_size`),
     both served, never the fused experts; those, as target_parameters, are refused even with
-    --experts ((E, in, out), as gpt_oss's)."""
+    --experts ((E, in, out) as gpt_oss's, but PEFT swaps their A and B roles)."""
     truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["gate_proj"])
     assert set(truth.modules) == {"model.layers.0.feed_forward.gate_proj",
                                   "model.layers.1.feed_forward.shared_expert.gate_proj",
@@ -353,5 +362,9 @@ def test_llama4_as_peft_adapts_it(peft_zoo) -> None:
     code, report = inspect_json(truth, "--experts")
     assert code == 1 and not report["servable"]
     assert_matches_peft(truth, report)
-    assert any(f["code"] == "expert_lora" and "(experts, in, out)" in f["message"]
-               for f in report["findings"])
+    assert any(f["code"] == "expert_lora" and "lora_A holds each expert's output side"
+               in f["message"] for f in report["findings"])
+    # What the refusal says, in PEFT's own tensors: A [E*r, 2I], B [H, E*r], the delta added
+    # to expert e's (H, 2I) parameter is B_e A_e (so the weight's is (B_e A_e)^T).
+    assert all(p.a_shape[1] == 2 * 40 and p.b_shape[0] == 64 and not p.in_out
+               for p in truth.params.values())

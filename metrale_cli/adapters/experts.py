@@ -7,7 +7,7 @@ Two on-disk formats name the same thing (docs/peft_format.md §2.5, §2.6):
 - transformers-5 fused `target_parameters`: `mlp.experts(.base_layer).lora_A [E*r, in]` and
   `lora_B [out, E*r]`, expert e's factors `A.reshape(E, r, in)[e]` and
   `B.reshape(out, r, E)[:, :, e]` (the expert index runs fastest along B's columns), with
-  `gate_up_proj`'s rows `[gate; up]`.
+  `gate_up_proj`'s rows `[gate; up]` (gpt_oss: gate and up interleaved, `B[0::2]`, `B[1::2]`).
 
 Both, and the router (`mlp.gate` / `block_sparse_moe.gate`: `A [r, H]`, `B [E, r]`), are
 normalised to `ExpertPair`s, one rank-r pair per (layer, projection, expert) that says where its
@@ -76,9 +76,10 @@ class ExpertPair:
     """One rank-r pair of one (layer, projection, expert), and where it sits in the file.
 
     A is rows `[a_row, a_row + r)` of the file's A tensor (all columns). B is rows
-    `[b_row, b_row + out_dim)` and columns `b_col + j * b_col_step` (j < r) of the file's B:
-    a per-expert v4 pair is the whole of both tensors (0, 0, 0, 1); a fused v5 pair has
-    `a_row = e * r`, `b_col = e`, `b_col_step = E`, and gate/up take `b_row` 0 and I.
+    `b_row + k * b_row_step` (k < out_dim) and columns `b_col + j * b_col_step` (j < r) of the
+    file's B: a per-expert v4 pair is the whole of both tensors (0, 0, 0, 1); a fused v5 pair
+    has `a_row = e * r`, `b_col = e`, `b_col_step = E`, and gate/up take `b_row` 0 and I
+    (stacked) or 0 and 1 with `b_row_step = 2` (interleaved, gpt_oss).
     """
 
     layer: int
@@ -95,6 +96,7 @@ class ExpertPair:
     b_row: int = 0
     b_col: int = 0
     b_col_step: int = 1
+    b_row_step: int = 1
     # "v4" (per-expert Linears) or "v5" (fused target_parameters).
     source: str = "v4"
 
@@ -254,6 +256,7 @@ def _scan_fused(
             continue
         found[param] = (a, b)
     pairs: list[ExpertPair] = []
+    interleaved = model.family.experts_gate_up == "interleaved"
     for param, (a, b) in found.items():
         r = a.shape[0] // n_exp
         param_key = f"{module_key}.{param}"
@@ -269,10 +272,13 @@ def _scan_fused(
                 pairs.append(ExpertPair(layer, ExpertProj.DOWN_PROJ, e, out_dim=h, a_row=e * r,
                                         b_row=0, b_col=e, **common))
             else:
-                # gate_up's rows are [gate; up]: one A, two row blocks of B.
-                for proj, row in ((ExpertProj.GATE_PROJ, 0), (ExpertProj.UP_PROJ, i)):
-                    pairs.append(ExpertPair(layer, proj, e, out_dim=i, a_row=e * r, b_row=row,
-                                            b_col=e, **common))
+                # gate_up's rows are [gate; up], or gate and up interleaved: one A, two row
+                # sets of B.
+                for proj, row in ((ExpertProj.GATE_PROJ, 0), (ExpertProj.UP_PROJ, 1)):
+                    pairs.append(ExpertPair(layer, proj, e, out_dim=i, a_row=e * r,
+                                            b_row=row if interleaved else row * i,
+                                            b_row_step=2 if interleaved else 1, b_col=e,
+                                            **common))
     return pairs
 
 

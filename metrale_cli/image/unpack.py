@@ -174,10 +174,11 @@ class _Experts:
 def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts:
     """The slot's expert pool in transformers-5 fused form, what PEFT's `target_parameters`
     saves: per MoE layer `mlp.experts` `lora_A [E*r, in]` and `lora_B [out, E*r]` (expert
-    `e`'s B in columns `e, E + e, ...`), gate_up's rows `[gate; up]`; the router `mlp.gate`
-    `A [r, H]`, `B [E, r]`. With both fused parameters PEFT nests the wrappers, the first
-    target (gate_up) inner at `experts.base_layer`. Experts the slot does not adapt are zero.
-    The block is the family's (`mlp`, granitemoe's `block_sparse_moe`)."""
+    `e`'s B in columns `e, E + e, ...`), gate_up's rows `[gate; up]` (gpt_oss's
+    interleaved); the router `mlp.gate` `A [r, H]`, `B [E, r]`. With both fused parameters
+    PEFT nests the wrappers, the first target (gate_up) inner at `experts.base_layer`.
+    Experts the slot does not adapt are zero. The block is the family's (`mlp`, granitemoe's
+    `block_sparse_moe`)."""
     done = _Experts()
     block = t.model.family.fused_experts_block
     gate_up_param, down_param = f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
@@ -213,6 +214,9 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
         done.ranks[down_param] = r
     if "router" in projs:
         done.ranks[router_param] = r
+    # gate_up's output rows: [gate; up], or gate and up interleaved (gpt_oss), as PEFT has them.
+    rows = ((slice(0, None, 2), slice(1, None, 2)) if model.family.experts_gate_up == "interleaved"
+            else (slice(0, inter), slice(inter, None)))
     for layer in model.moe_layers:
         base = f"{ADAPTER_PREFIX}{prefix}.layers.{layer}.{block}"
         nested = gate_up_param in done.ranks and down_param in done.ranks
@@ -226,7 +230,7 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
                     a, b = factors[(layer, proj, x)]
                     cols = slice(0, r) if shared else slice(half * r, (half + 1) * r)
                     a_all[x, cols] = a
-                    b_all[half * inter:(half + 1) * inter, cols, x] = b
+                    b_all[rows[half], cols, x] = b
             key = f"{base}.experts{'.base_layer' if nested else ''}"
             _put(done, key, a_all.reshape(n_e * gate_up_rank, hidden),
                  b_all.reshape(2 * inter, gate_up_rank * n_e))

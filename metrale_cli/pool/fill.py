@@ -93,7 +93,8 @@ def check_fits(report: AdapterReport, layout: SlotLayout,
         a_rows, a_cols = p.a.shape if len(p.a.shape) == 2 else (0, 0)
         b_rows, b_cols = p.b.shape if len(p.b.shape) == 2 else (0, 0)
         if ((p.out_dim, p.in_dim) != (out_dim, in_dim) or a_cols != in_dim
-                or p.a_row + p.r > a_rows or p.b_row + p.out_dim > b_rows
+                or p.a_row + p.r > a_rows
+                or p.b_row + (p.out_dim - 1) * p.b_row_step >= b_rows
                 or p.b_col + (p.r - 1) * p.b_col_step >= b_cols):
             raise LayoutMismatch(
                 f"{where}: A {list(p.a.shape)}, B {list(p.b.shape)} do not fit the pool's "
@@ -312,9 +313,11 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
                    group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
                    check_finite: bool) -> int:
     info = group[0][0].b
-    # The file rows of B each pair holds: its entry's held output rows (one run: an expert's
-    # projection is not fused), from its b_row on.
-    spans = [(p.b_row + e.held.rows[0][0], p.b_row + e.held.rows[0][1]) for p, e in group]
+    # The file rows of B each pair holds: its entry's held output rows k (one run: an expert's
+    # projection is not fused) are the file's rows `b_row + k * b_row_step`.
+    held = [e.held.rows[0] for _, e in group]
+    spans = [(p.b_row + lo * p.b_row_step, p.b_row + (hi - 1) * p.b_row_step + 1)
+             for (p, _), (lo, hi) in zip(group, held, strict=True)]
     row_bytes = info.nbytes // max(1, info.shape[0])
     step = max(1, B_CHUNK_BYTES // max(1, row_bytes))
     read = bad = 0
@@ -323,13 +326,16 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
             stop = min(last, start + step)
             raw = reader.block(info, (start, stop), (0, info.shape[1]))
             read += raw.nbytes
-            for (p, e), (held_lo, held_hi) in zip(group, spans, strict=True):
-                lo, hi = max(start, held_lo), min(stop, held_hi)
+            for (p, e), (held_lo, held_hi) in zip(group, held, strict=True):
+                # The pair's held rows k whose file row falls in [start, stop).
+                lo = max(held_lo, -(-(start - p.b_row) // p.b_row_step))
+                hi = min(held_hi, -(-(stop - p.b_row) // p.b_row_step))
                 if lo >= hi:
                     continue
                 b = _bits(writer.span(e.b_offset + (lo - held_lo) * e.max_rank * BF16_BYTES,
                                       (hi - lo) * e.max_rank * BF16_BYTES), e.max_rank)
-                cols = raw[lo - start:hi - start,
+                first_row = p.b_row + lo * p.b_row_step - start
+                cols = raw[first_row:first_row + (hi - lo - 1) * p.b_row_step + 1:p.b_row_step,
                            p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
                 _convert(b, cols, info.dtype, p.scaling / report.scaling)
                 if check_finite:
