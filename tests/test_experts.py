@@ -105,6 +105,21 @@ def test_gpt_oss_interleaved_in_out_experts_equal_peft(peft_zoo, tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_llama4_swapped_experts_equal_peft(peft_zoo, tmp_path: Path) -> None:
+    """llama4's experts are `(E, in, out)` but not marked `is_transposed`, so PEFT swaps in and
+    out: gate_up's A `[E*r, 2I]`, B `[H, E*r]`, and the delta on expert e's `[in, out]` is
+    `B_e A_e`. The pool reads A's side as B and B's as A (read unswapped, the shapes fit
+    neither parameter)."""
+    params = [p.replace("mlp.", "feed_forward.") for p in EXPERTS]
+    truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=params)
+    gate_up = next(p for p in truth.params.values() if p.param == "gate_up_proj")
+    assert gate_up.a_shape == (4 * 4, 2 * 40) and gate_up.b_shape == (64, 4 * 4)
+    image = pack_image(tmp_path, truth.path)
+    assert check_truth(image, 0, truth) == 2 * 4 * 3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("param", EXPERTS)
 def test_one_fused_parameter_is_told_apart_by_shapes(peft_zoo, param: str,
                                                      tmp_path: Path) -> None:

@@ -234,11 +234,15 @@ def test_gated_hybrid_with_experts(peft_zoo, tmp_path: Path, tp: int, ep: int,
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_gpt_oss_interleaved_experts_sharded(peft_zoo, tmp_path: Path, ep: int) -> None:
-    """gpt_oss's (E, in, out) experts with gate and up interleaved, at TP 2: each rank holds
-    its rows of gate and up (every other row of PEFT's B), or whole experts with EP 2."""
-    truth = peft_zoo.adapter("gpt_oss", r=4, lora_alpha=8, target_modules=ATTN,
-                             target_parameters=EXPERTS)
+@pytest.mark.parametrize("model", ["gpt_oss", "llama4"])
+def test_in_out_experts_sharded(peft_zoo, tmp_path: Path, model: str, ep: int) -> None:
+    """(E, in, out) experts at TP 2: gpt_oss's, gate and up interleaved (each rank holds its
+    rows of gate and up: every other row of PEFT's B), and llama4's, which PEFT wraps with A
+    and B swapped (a rank's rows of gate are columns of PEFT's A); whole experts with EP 2."""
+    params = [p.replace("mlp.", "feed_forward.") for p in EXPERTS] if model == "llama4" \
+        else EXPERTS
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=ATTN,
+                             target_parameters=params)
     images = rank_images(pack(tmp_path, [truth], "--tp", 2, "--ep", ep, "--experts"), 2)
     assert check_modules(images, 0, truth) == len(truth.modules)
     assert check_experts(images, 0, truth) == len(truth.per_expert_deltas()) > 0

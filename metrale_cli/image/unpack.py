@@ -217,6 +217,7 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
     # gate_up's output rows: [gate; up], or gate and up interleaved (gpt_oss), as PEFT has them.
     rows = ((slice(0, None, 2), slice(1, None, 2)) if model.family.experts_gate_up == "interleaved"
             else (slice(0, inter), slice(inter, None)))
+    swapped = model.family.experts_peft_swapped
     for layer in model.moe_layers:
         base = f"{ADAPTER_PREFIX}{prefix}.layers.{layer}.{block}"
         nested = gate_up_param in done.ranks and down_param in done.ranks
@@ -231,22 +232,30 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
                     cols = slice(0, r) if shared else slice(half * r, (half + 1) * r)
                     a_all[x, cols] = a
                     b_all[rows[half], cols, x] = b
-            key = f"{base}.experts{'.base_layer' if nested else ''}"
-            _put(done, key, a_all.reshape(n_e * gate_up_rank, hidden),
-                 b_all.reshape(2 * inter, gate_up_rank * n_e))
+            _put_fused(done, f"{base}.experts{'.base_layer' if nested else ''}", a_all, b_all,
+                       swapped)
         if down_param in done.ranks:
             a_all = np.zeros((n_e, r, inter), dtype="<u2")
             b_all = np.zeros((hidden, r, n_e), dtype="<u2")
             for x in range(n_e):
                 if (layer, "down_proj", x) in factors:
                     a_all[x], b_all[:, :, x] = factors[(layer, "down_proj", x)]
-            _put(done, f"{base}.experts", a_all.reshape(n_e * r, inter),
-                 b_all.reshape(hidden, r * n_e))
+            _put_fused(done, f"{base}.experts", a_all, b_all, swapped)
         if router_param in done.ranks:
             a, b = factors.get((layer, "router", -1), (np.zeros((r, hidden), dtype="<u2"),
                                                        np.zeros((n_e, r), dtype="<u2")))
             _put(done, f"{base}.gate", a, b)
     return done
+
+
+def _put_fused(done: _Experts, key: str, a: np.ndarray, b: np.ndarray, swapped: bool) -> None:
+    """Every expert's A `[E, r, in]` and B `[out, r, E]` as PEFT's `lora_A [E*r, in]`,
+    `lora_B [out, r*E]`; where PEFT swaps in and out (llama4) its lora_A is the B side,
+    `[E*r, out]`, and its lora_B the A side, `[in, r*E]`."""
+    if swapped:
+        a, b = b.transpose(2, 1, 0), a.transpose(2, 1, 0)
+    n_e, r = a.shape[:2]
+    _put(done, key, a.reshape(n_e * r, -1), b.reshape(b.shape[0], -1))
 
 
 def _put(done: _Experts, key: str, a: np.ndarray, b: np.ndarray) -> None:

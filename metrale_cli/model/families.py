@@ -261,6 +261,10 @@ class Family:
     # adapter of the family has one (gpt_oss's router is `mlp.router`), so `layout --experts`
     # reserves none.
     expert_router: bool = True
+    # PEFT swaps A's and B's roles on the fused experts: they are (E, in, out) without
+    # transformers' `is_transposed` mark (llama4), so PEFT's in and out are the weight's out and
+    # in: gate_up's A [E*r, 2I], B [H, E*r], the weight's delta per expert `A_e^T B_e^T`.
+    experts_peft_swapped: bool = False
     # Full-attention layers with widths of their own: `global_head_dim` (or transformers'
     # `per_layer_config`) and, with attention_k_eq_v, `num_global_key_value_heads`; the last
     # layer always full attention, as transformers forces it (gemma4).
@@ -396,7 +400,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # gate_proj target reaches both) is the slot pool's too, their router is not served, and
     # their fused experts store (E, in, out) as gpt_oss's but are not marked `is_transposed`,
     # so PEFT swaps in and out there (gate_up's A [E*r, 2I], B [H, E*r]: A holds each expert's
-    # output side, B its input side): refused, the pool reads A as the input side. PEFT's
+    # output side, B its input side): the expert pool reads them so with --experts. PEFT's
     # default targets are the wrapper's (q_proj, v_proj on every q_proj/v_proj, the vision
     # tower's too); the text model has none. The wrapper (Llama4ForConditionalGeneration)
     # keeps its text model at `language_model.model` and its vision tower at `vision_model`.
@@ -405,9 +409,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            modules=(*_LLAMA4, *_shared("feed_forward.shared_expert",
                                        "shared_expert_intermediate_size")),
            language_model="language_model.model",
-           experts_unreadable=("store gate|up and down as (experts, in, out) without "
-                               "transformers' is_transposed mark, so PEFT's lora_A holds each "
-                               "expert's output side and lora_B its input side"),
+           fused_experts_block="feed_forward", experts_peft_swapped=True, expert_router=False,
            config_defaults=(
                ("hidden_size", 5120), ("num_hidden_layers", 48), ("num_attention_heads", 40),
                ("num_key_value_heads", 8), ("head_dim", 128), ("intermediate_size", 8192),

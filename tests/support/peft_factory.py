@@ -39,6 +39,8 @@ EXPERT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # Fused experts whose gate_up_proj interleaves gate and up columns (transformers' gpt_oss:
 # `gate, up = gate_up[..., ::2], gate_up[..., 1::2]`).
 INTERLEAVED_GATE_UP = frozenset({"gpt_oss"})
+# Fused experts stored (E, in, out) (transformers' gpt_oss and llama4: `x @ gate_up_proj[e]`).
+IN_OUT_EXPERTS = frozenset({"gpt_oss", "llama4"})
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -401,9 +403,9 @@ class ParamTruth:
     # float32: PEFT's get_delta_weight in the parameter's own layout, one delta per expert (E=1
     # for 2-D): [E, out, in], or [E, in, out] where `in_out`.
     expert_deltas: torch.Tensor = field(repr=False)
-    # 3-D experts marked `is_transposed` ((E, in, out), gpt_oss's): PEFT did not swap in and
-    # out, so the delta is B_e A_e transposed. (llama4's (E, in, out) experts are not marked:
-    # PEFT swaps, its A and B take each other's roles, and this stays False.)
+    # 3-D experts stored (E, in, out) (gpt_oss's, llama4's): the delta is each expert's weight
+    # delta transposed, whether PEFT swapped in and out (llama4: A and B take each other's
+    # roles) or not (gpt_oss, marked `is_transposed`: the delta is (B_e A_e)^T).
     in_out: bool = False
 
 
@@ -581,7 +583,7 @@ def make_adapter(
                     in_features=int(mod.in_features),
                     out_features=int(mod.out_features),
                     expert_deltas=delta,
-                    in_out=mod._param_ndim == 3 and not mod._did_swap_in_out_features,
+                    in_out=mod._param_ndim == 3 and model_name in IN_OUT_EXPERTS,
                     **common,
                 )
             else:
