@@ -197,19 +197,28 @@ def test_gemma4_s_experts_and_router_are_named_not_servable(peft_zoo) -> None:
     assert report["expert_pairs"] == 0
 
 
-def test_gpt_oss_expert_lora_is_refused_by_name(peft_zoo) -> None:
-    """gpt_oss's fused experts interleave gate and up and store (E, in, out): the expert pool
-    would misread PEFT's pairs, so even with --experts they are refused; the attention beside
-    them is audited as PEFT built it."""
-    truth = peft_zoo.adapter("gpt_oss", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+def test_gpt_oss_expert_lora_is_read_with_the_opt_in(peft_zoo, monkeypatch) -> None:
+    """gpt_oss's fused experts ((E, in, out), gate and up interleaved) are the expert pool's
+    with --experts, refused without it; the attention beside them is audited as PEFT built it.
+    Its router is `mlp.router`, never the pool's `mlp.gate`: `layout --experts` reserves no
+    router entry, so its expert slot is the bytes inspect sizes for an adapter of every
+    expert."""
+    monkeypatch.delenv("METRALE_LORA_EXPERTS", raising=False)
+    truth = peft_zoo.adapter("gpt_oss", r=8, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                              target_parameters=list(EXPERT_TARGET_PARAMETERS))
     assert truth.params
-    code, report = inspect_json(truth, "--experts")
+    code, report = inspect_json(truth)
     assert code == 1 and not report["servable"]
+    assert any(f["code"] == "expert_lora" and "--experts" in f["message"]
+               for f in report["findings"])
+    code, report = inspect_json(truth, "--experts")
+    assert code == 0 and report["servable"], report["findings"]
     assert_matches_peft(truth, report)
-    refused = [f for f in report["findings"] if f["code"] == "expert_lora"]
-    assert refused and all("interleave gate and up" in f["message"] for f in refused)
-    assert report["expert_pairs"] == 0
+    assert report["expert_pairs"] == 4 * 4 * 3  # layers x experts x gate/up/down
+    layout = metrale("layout", "-m", truth.base_dir / "config.json", "--experts",
+                     "--max-rank", 8, "--modules", "q_proj,o_proj", "--json").json()
+    assert layout["experts"]["n_entries"] == report["expert_pairs"]
+    assert layout["experts"]["expert_slot_bytes"] == report["expert_slot_bytes"]
 
 
 def test_rslora_and_patterns_like_peft(peft_zoo) -> None:
@@ -336,8 +345,8 @@ def test_nemotron_h_as_peft_adapts_it(peft_zoo) -> None:
 def test_llama4_as_peft_adapts_it(peft_zoo) -> None:
     """PEFT 0.21 on Llama 4's text model: a plain `gate_proj` reaches the dense layers' MLP
     (`intermediate_size_mlp` wide) and the MoE layers' shared expert (`intermediate_size`),
-    both served, never the fused experts; those, as target_parameters, are refused even with
-    --experts ((E, in, out), as gpt_oss's)."""
+    both served, never the fused experts; those, as target_parameters, are the expert pool's
+    with --experts ((E, in, out) as gpt_oss's, and PEFT swaps their A and B roles)."""
     truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["gate_proj"])
     assert set(truth.modules) == {"model.layers.0.feed_forward.gate_proj",
                                   "model.layers.1.feed_forward.shared_expert.gate_proj",
@@ -347,11 +356,17 @@ def test_llama4_as_peft_adapts_it(peft_zoo) -> None:
     assert code == 0 and report["servable"], report["findings"]
     assert_matches_peft(truth, report)
     assert [m["b_shape"][0] for m in report["modules"]] == [96, 40, 96, 40]
-    truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["q_proj"],
+    truth = peft_zoo.adapter("llama4", r=8, lora_alpha=8, target_modules=["q_proj"],
                              target_parameters=["feed_forward.experts.gate_up_proj"])
     assert truth.params
+    # PEFT swaps in and out on these unmarked (E, in, out) experts: A [E*r, 2I], B [H, E*r].
+    assert all(p.a_shape == (4 * 8, 2 * 40) and p.b_shape == (64, 8 * 4)
+               for p in truth.params.values())
     code, report = inspect_json(truth, "--experts")
-    assert code == 1 and not report["servable"]
+    assert code == 0 and report["servable"], report["findings"]
     assert_matches_peft(truth, report)
-    assert any(f["code"] == "expert_lora" and "(experts, in, out)" in f["message"]
-               for f in report["findings"])
+    assert report["expert_pairs"] == 2 * 4 * 2  # MoE layers 1, 3 x experts x gate/up
+    # The router (`feed_forward.router`) is not the pool's: layout reserves none.
+    layout = metrale("layout", "-m", truth.base_dir / "config.json", "--experts",
+                     "--max-rank", 8, "--modules", "q_proj", "--json").json()
+    assert layout["experts"]["n_entries"] == 2 * 4 * 3

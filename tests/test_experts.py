@@ -5,7 +5,7 @@ transformers-4 per-expert adapters, each expert's delta weight read from the poo
 
 from __future__ import annotations
 
-import re
+import json
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,6 @@ from metrale_cli.pool.pool import LoraPool
 from tests.support.cli_runner import metrale
 from tests.support.peft_factory import AdapterTruth, HandV4Truth, peft_v4_expert_deltas
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ROUTER = ["mlp.gate.weight"]
 
@@ -49,25 +48,6 @@ def assert_close(got: np.ndarray | None, want: np.ndarray, what: object) -> None
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * scale, err_msg=str(what))
 
 
-def peft_param_deltas(truth: AdapterTruth) -> dict[tuple[int, str, int], np.ndarray]:
-    """PEFT's per-expert deltas keyed (layer, proj, expert); gate_up split by rows [gate; up]."""
-    found: dict[tuple[int, str, int], np.ndarray] = {}
-    for path, p in truth.params.items():
-        layer = int(_LAYER.search(path).group(1))
-        deltas = p.expert_deltas.numpy()
-        if p.param == "gate_up_proj":
-            inter = deltas.shape[1] // 2
-            for e in range(deltas.shape[0]):
-                found[(layer, "gate_proj", e)] = deltas[e, :inter]
-                found[(layer, "up_proj", e)] = deltas[e, inter:]
-        elif p.param == "down_proj":
-            for e in range(deltas.shape[0]):
-                found[(layer, "down_proj", e)] = deltas[e]
-        else:
-            found[(layer, "router", -1)] = deltas[0]
-    return found
-
-
 def pack_image(tmp_path: Path, *paths: object, extra: tuple[object, ...] = ()) -> PoolImage:
     out = tmp_path / "pool.safetensors"
     args = [f"a{i}={p}" for i, p in enumerate(paths)]
@@ -78,7 +58,7 @@ def pack_image(tmp_path: Path, *paths: object, extra: tuple[object, ...] = ()) -
 
 
 def check_truth(image: PoolImage, slot: int, truth: AdapterTruth) -> int:
-    want = peft_param_deltas(truth)
+    want = truth.per_expert_deltas()
     assert want, "the adapter has no expert parameters"
     for key, delta in want.items():
         assert_close(image_expert_delta(image, slot, *key), delta, key)
@@ -101,6 +81,42 @@ def test_fused_experts_and_router_equal_peft(peft_zoo, model: str, tmp_path: Pat
     assert check_truth(image, 0, truth) > 0
     assert image.expert_region is not None
     assert not image.expert_region.adapted(1).any()  # the cache slot adapts nothing
+
+
+@pytest.mark.slow
+def test_gpt_oss_interleaved_in_out_experts_equal_peft(peft_zoo, tmp_path: Path) -> None:
+    """gpt_oss's experts are `(E, in, out)` with gate and up interleaved along gate_up's
+    columns (`gate_up[..., ::2]`, `[..., 1::2]`). Its experts are marked `is_transposed`, so
+    PEFT keeps A `[E*r, in]`, B `[out, E*r]` and adds `(B_e A_e)^T` to each expert's
+    `[in, out]`: read back from the pool as `[out, in]`, gate is the even rows of that, up the
+    odd ones. The stacked reading (gate the first half) fails this."""
+    truth = peft_zoo.adapter("gpt_oss", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=EXPERTS)
+    model = json.loads((truth.base_dir / "config.json").read_text())
+    hidden, inter = model["hidden_size"], model["intermediate_size"]
+    gate_up = next(p for p in truth.params.values() if p.param == "gate_up_proj")
+    assert gate_up.in_out and gate_up.expert_deltas.shape[1:] == (hidden, 2 * inter)
+    assert gate_up.a_shape[1] == hidden and gate_up.b_shape[0] == 2 * inter
+    image = pack_image(tmp_path, truth.path)
+    assert check_truth(image, 0, truth) > 0
+    stacked = gate_up.expert_deltas[0].numpy().T[:inter]  # expert 0's first half: not gate
+    with pytest.raises(AssertionError):
+        assert_close(image_expert_delta(image, 0, gate_up.layer, "gate_proj", 0), stacked, 0)
+
+
+@pytest.mark.slow
+def test_llama4_swapped_experts_equal_peft(peft_zoo, tmp_path: Path) -> None:
+    """llama4's experts are `(E, in, out)` but not marked `is_transposed`, so PEFT swaps in and
+    out: gate_up's A `[E*r, 2I]`, B `[H, E*r]`, and the delta on expert e's `[in, out]` is
+    `B_e A_e`. The pool reads A's side as B and B's as A (read unswapped, the shapes fit
+    neither parameter)."""
+    params = [p.replace("mlp.", "feed_forward.") for p in EXPERTS]
+    truth = peft_zoo.adapter("llama4", r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=params)
+    gate_up = next(p for p in truth.params.values() if p.param == "gate_up_proj")
+    assert gate_up.a_shape == (4 * 4, 2 * 40) and gate_up.b_shape == (64, 4 * 4)
+    image = pack_image(tmp_path, truth.path)
+    assert check_truth(image, 0, truth) == 2 * 4 * 3
 
 
 @pytest.mark.slow

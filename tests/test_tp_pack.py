@@ -23,7 +23,6 @@ from tests.support.peft_factory import AdapterTruth
 
 pytestmark = pytest.mark.slow
 _LAYERED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
@@ -122,27 +121,14 @@ def check_experts(images: list[PoolImage], slot: int, truth: AdapterTruth) -> in
     """Each expert's (and router's) delta on x against PEFT's `get_delta_weight` for it."""
     rng = np.random.default_rng(100 + slot)
     compared = 0
-    for path, p in truth.params.items():
-        layer = int(_LAYER.search(path).group(1))
-        deltas = p.expert_deltas.numpy()
-        for e in range(deltas.shape[0]):
-            if p.param == "gate_up_proj":
-                inter = deltas.shape[1] // 2
-                wants = [(ExpertProj.GATE_PROJ, deltas[e, :inter]),
-                         (ExpertProj.UP_PROJ, deltas[e, inter:])]
-            elif p.param == "down_proj":
-                wants = [(ExpertProj.DOWN_PROJ, deltas[e])]
-            else:
-                wants = [(ExpertProj.ROUTER, deltas[0])]
-            for proj, delta in wants:
-                expert = -1 if proj is ExpertProj.ROUTER else e
-                x = rng.standard_normal((3, delta.shape[1])).astype(np.float32)
-                want = x.astype(np.float64) @ delta.T.astype(np.float64)
-                got = reassembled(images, (layer, proj, expert), slot, x, delta.shape[0],
-                                  expert=True)
-                np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max(),
-                                           err_msg=f"{path} {proj.value} {expert}")
-                compared += 1
+    for (layer, proj, expert), delta in truth.per_expert_deltas().items():
+        x = rng.standard_normal((3, delta.shape[1])).astype(np.float32)
+        want = x.astype(np.float64) @ delta.T.astype(np.float64)
+        got = reassembled(images, (layer, ExpertProj(proj), expert), slot, x, delta.shape[0],
+                          expert=True)
+        np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max(),
+                                   err_msg=f"layer {layer} {proj} {expert}")
+        compared += 1
     return compared
 
 
@@ -245,6 +231,21 @@ def test_gated_hybrid_with_experts(peft_zoo, tmp_path: Path, tp: int, ep: int,
         assert owned == [set(range(2 * (k // groups), 2 * (k // groups) + 2))
                          for k in range(tp)]
     check_slices_of_unsharded(images, PoolImage.open(pack(tmp_path, [truth], "--experts")))
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("model", ["gpt_oss", "llama4"])
+def test_in_out_experts_sharded(peft_zoo, tmp_path: Path, model: str, ep: int) -> None:
+    """(E, in, out) experts at TP 2: gpt_oss's, gate and up interleaved (each rank holds its
+    rows of gate and up: every other row of PEFT's B), and llama4's, which PEFT wraps with A
+    and B swapped (a rank's rows of gate are columns of PEFT's A); whole experts with EP 2."""
+    params = [p.replace("mlp.", "feed_forward.") for p in EXPERTS] if model == "llama4" \
+        else EXPERTS
+    truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=ATTN,
+                             target_parameters=params)
+    images = rank_images(pack(tmp_path, [truth], "--tp", 2, "--ep", ep, "--experts"), 2)
+    assert check_modules(images, 0, truth) == len(truth.modules)
+    assert check_experts(images, 0, truth) == len(truth.per_expert_deltas()) > 0
 
 
 def test_moe_expert_parallel_only(peft_zoo, tmp_path: Path) -> None:

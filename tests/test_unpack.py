@@ -166,13 +166,16 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_next", "deepseek_v3", "qwen2_moe",
-                                   "olmoe", "glm4_moe", "phimoe", "granitemoe"])
+                                   "olmoe", "glm4_moe", "phimoe", "granitemoe", "gpt_oss",
+                                   "llama4"])
 def test_peft_loads_unpacked_expert_lora(peft_zoo, tmp_path: Path, model: str) -> None:
     """Fused experts and the router, beside attention modules: PEFT's per-expert deltas of the
-    unpacked adapter equal the original's (phimoe's router is `mlp.router`, a Linear, not the
-    pool's `mlp.gate`, and granitemoe's experts sit under `block_sparse_moe`: their experts
-    alone)."""
-    params = {"phimoe": EXPERT_PARAMS[:2],
+    unpacked adapter equal the original's (phimoe's and gpt_oss's router is `mlp.router`, not
+    the pool's `mlp.gate`, and granitemoe's experts sit under `block_sparse_moe`: their experts
+    alone; gpt_oss's interleave gate and up in (E, in, out) experts; llama4's, (E, in, out)
+    too, PEFT wraps with A and B swapped)."""
+    params = {"phimoe": EXPERT_PARAMS[:2], "gpt_oss": EXPERT_PARAMS[:2],
+              "llama4": [p.replace("mlp.", "feed_forward.") for p in EXPERT_PARAMS[:2]],
               "granitemoe": [p.replace("mlp.", "block_sparse_moe.") for p in EXPERT_PARAMS[:2]],
               }.get(model, EXPERT_PARAMS)
     truth = peft_zoo.adapter(model, r=4, lora_alpha=8, target_modules=["q_proj"],

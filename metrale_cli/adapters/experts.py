@@ -7,7 +7,8 @@ Two on-disk formats name the same thing (docs/peft_format.md §2.5, §2.6):
 - transformers-5 fused `target_parameters`: `mlp.experts(.base_layer).lora_A [E*r, in]` and
   `lora_B [out, E*r]`, expert e's factors `A.reshape(E, r, in)[e]` and
   `B.reshape(out, r, E)[:, :, e]` (the expert index runs fastest along B's columns), with
-  `gate_up_proj`'s rows `[gate; up]`.
+  `gate_up_proj`'s rows `[gate; up]` (gpt_oss: gate and up interleaved, `B[0::2]`, `B[1::2]`;
+  llama4: PEFT swaps in and out, so A holds the output side and B the input side).
 
 Both, and the router (`mlp.gate` / `block_sparse_moe.gate`: `A [r, H]`, `B [E, r]`), are
 normalised to `ExpertPair`s, one rank-r pair per (layer, projection, expert) that says where its
@@ -76,9 +77,15 @@ class ExpertPair:
     """One rank-r pair of one (layer, projection, expert), and where it sits in the file.
 
     A is rows `[a_row, a_row + r)` of the file's A tensor (all columns). B is rows
-    `[b_row, b_row + out_dim)` and columns `b_col + j * b_col_step` (j < r) of the file's B:
-    a per-expert v4 pair is the whole of both tensors (0, 0, 0, 1); a fused v5 pair has
-    `a_row = e * r`, `b_col = e`, `b_col_step = E`, and gate/up take `b_row` 0 and I.
+    `b_row + k * b_row_step` (k < out_dim) and columns `b_col + j * b_col_step` (j < r) of the
+    file's B: a per-expert v4 pair is the whole of both tensors (0, 0, 0, 1); a fused v5 pair
+    has `a_row = e * r`, `b_col = e`, `b_col_step = E`, and gate/up take `b_row` 0 and I
+    (stacked) or 0 and 1 with `b_row_step = 2` (interleaved, gpt_oss).
+
+    `swapped` (llama4, whose experts PEFT wraps with in and out swapped): the file's B holds
+    the pair's A side and its A the B side: the pair's A is the transpose of the file B's
+    columns `b_col + j * b_col_step` (all rows), its B the transpose of the file A's rows
+    `[a_row, a_row + r)`, columns `[b_row, b_row + out_dim)`.
     """
 
     layer: int
@@ -95,6 +102,8 @@ class ExpertPair:
     b_row: int = 0
     b_col: int = 0
     b_col_step: int = 1
+    b_row_step: int = 1
+    swapped: bool = False
     # "v4" (per-expert Linears) or "v5" (fused target_parameters).
     source: str = "v4"
 
@@ -226,6 +235,7 @@ def _scan_fused(
     never from the nesting: A's in-dim is H for gate_up and I for down, B's out-dim 2I or H
     (the two cannot both coincide)."""
     h, i, n_exp = model.hidden_size, model.expert_intermediate_size, model.num_experts
+    swapped = model.family.experts_peft_swapped
     found: dict[str, tuple[TensorInfo, TensorInfo]] = {}
     for suffix in ("", ".inner"):
         pair = check_pair(adapter, parts.get("lora_A.weight" + suffix),
@@ -233,15 +243,19 @@ def _scan_fused(
         if pair is None:
             continue
         a, b = pair
-        if a.shape[1] == h and b.shape[0] == 2 * i:
+        # (in, out) of the expert's weight as the tensors hold them.
+        in_out = (b.shape[0], a.shape[1]) if swapped else (a.shape[1], b.shape[0])
+        if in_out == (h, 2 * i):
             param = "gate_up_proj"
-        elif a.shape[1] == i and b.shape[0] == h:
+        elif in_out == (i, h):
             param = "down_proj"
         else:
+            shapes = ((f"A [E*r, {2 * i}], B [{h}, E*r]", f"A [E*r, {h}], B [{i}, E*r]")
+                      if swapped else
+                      (f"A [E*r, {h}], B [{2 * i}, E*r]", f"A [E*r, {i}], B [{h}, E*r]"))
             out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
                    f"fused experts{{where}}: A {list(a.shape)}, B {list(b.shape)} fit neither "
-                   f"gate_up_proj (A [E*r, {h}], B [{2 * i}, E*r]) nor down_proj "
-                   f"(A [E*r, {i}], B [{h}, E*r])", layer)
+                   f"gate_up_proj ({shapes[0]}) nor down_proj ({shapes[1]})", layer)
             continue
         if a.shape[0] % n_exp:
             out.at(Severity.ERROR, Code.SHAPE_MISMATCH,
@@ -254,6 +268,7 @@ def _scan_fused(
             continue
         found[param] = (a, b)
     pairs: list[ExpertPair] = []
+    interleaved = model.family.experts_gate_up == "interleaved"
     for param, (a, b) in found.items():
         r = a.shape[0] // n_exp
         param_key = f"{module_key}.{param}"
@@ -262,17 +277,21 @@ def _scan_fused(
                    f"{param}{{where}}: has tensors, but target_parameters does not select it",
                    layer)
         alpha, scaling = rank_and_scale(adapter, param_key, param, r, layer, out)
-        common = {"r": r, "alpha": alpha, "scaling": scaling, "in_dim": a.shape[1], "a": a,
-                  "b": b, "b_col_step": n_exp, "source": "v5"}
+        common = {"r": r, "alpha": alpha, "scaling": scaling,
+                  "in_dim": b.shape[0] if swapped else a.shape[1], "a": a, "b": b,
+                  "b_col_step": n_exp, "swapped": swapped, "source": "v5"}
         for e in range(n_exp):
             if param == "down_proj":
                 pairs.append(ExpertPair(layer, ExpertProj.DOWN_PROJ, e, out_dim=h, a_row=e * r,
                                         b_row=0, b_col=e, **common))
             else:
-                # gate_up's rows are [gate; up]: one A, two row blocks of B.
-                for proj, row in ((ExpertProj.GATE_PROJ, 0), (ExpertProj.UP_PROJ, i)):
-                    pairs.append(ExpertPair(layer, proj, e, out_dim=i, a_row=e * r, b_row=row,
-                                            b_col=e, **common))
+                # gate_up's rows are [gate; up], or gate and up interleaved: one A, two row
+                # sets of B.
+                for proj, row in ((ExpertProj.GATE_PROJ, 0), (ExpertProj.UP_PROJ, 1)):
+                    pairs.append(ExpertPair(layer, proj, e, out_dim=i, a_row=e * r,
+                                            b_row=row if interleaved else row * i,
+                                            b_row_step=2 if interleaved else 1, b_col=e,
+                                            **common))
     return pairs
 
 

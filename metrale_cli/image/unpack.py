@@ -174,10 +174,11 @@ class _Experts:
 def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts:
     """The slot's expert pool in transformers-5 fused form, what PEFT's `target_parameters`
     saves: per MoE layer `mlp.experts` `lora_A [E*r, in]` and `lora_B [out, E*r]` (expert
-    `e`'s B in columns `e, E + e, ...`), gate_up's rows `[gate; up]`; the router `mlp.gate`
-    `A [r, H]`, `B [E, r]`. With both fused parameters PEFT nests the wrappers, the first
-    target (gate_up) inner at `experts.base_layer`. Experts the slot does not adapt are zero.
-    The block is the family's (`mlp`, granitemoe's `block_sparse_moe`)."""
+    `e`'s B in columns `e, E + e, ...`), gate_up's rows `[gate; up]` (gpt_oss's
+    interleaved); the router `mlp.gate` `A [r, H]`, `B [E, r]`. With both fused parameters
+    PEFT nests the wrappers, the first target (gate_up) inner at `experts.base_layer`.
+    Experts the slot does not adapt are zero. The block is the family's (`mlp`, granitemoe's
+    `block_sparse_moe`)."""
     done = _Experts()
     block = t.model.family.fused_experts_block
     gate_up_param, down_param = f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
@@ -213,6 +214,10 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
         done.ranks[down_param] = r
     if "router" in projs:
         done.ranks[router_param] = r
+    # gate_up's output rows: [gate; up], or gate and up interleaved (gpt_oss), as PEFT has them.
+    rows = ((slice(0, None, 2), slice(1, None, 2)) if model.family.experts_gate_up == "interleaved"
+            else (slice(0, inter), slice(inter, None)))
+    swapped = model.family.experts_peft_swapped
     for layer in model.moe_layers:
         base = f"{ADAPTER_PREFIX}{prefix}.layers.{layer}.{block}"
         nested = gate_up_param in done.ranks and down_param in done.ranks
@@ -226,23 +231,31 @@ def _expert_tensors(t: ImageTables, slot: int, fd: int, prefix: str) -> _Experts
                     a, b = factors[(layer, proj, x)]
                     cols = slice(0, r) if shared else slice(half * r, (half + 1) * r)
                     a_all[x, cols] = a
-                    b_all[half * inter:(half + 1) * inter, cols, x] = b
-            key = f"{base}.experts{'.base_layer' if nested else ''}"
-            _put(done, key, a_all.reshape(n_e * gate_up_rank, hidden),
-                 b_all.reshape(2 * inter, gate_up_rank * n_e))
+                    b_all[rows[half], cols, x] = b
+            _put_fused(done, f"{base}.experts{'.base_layer' if nested else ''}", a_all, b_all,
+                       swapped)
         if down_param in done.ranks:
             a_all = np.zeros((n_e, r, inter), dtype="<u2")
             b_all = np.zeros((hidden, r, n_e), dtype="<u2")
             for x in range(n_e):
                 if (layer, "down_proj", x) in factors:
                     a_all[x], b_all[:, :, x] = factors[(layer, "down_proj", x)]
-            _put(done, f"{base}.experts", a_all.reshape(n_e * r, inter),
-                 b_all.reshape(hidden, r * n_e))
+            _put_fused(done, f"{base}.experts", a_all, b_all, swapped)
         if router_param in done.ranks:
             a, b = factors.get((layer, "router", -1), (np.zeros((r, hidden), dtype="<u2"),
                                                        np.zeros((n_e, r), dtype="<u2")))
             _put(done, f"{base}.gate", a, b)
     return done
+
+
+def _put_fused(done: _Experts, key: str, a: np.ndarray, b: np.ndarray, swapped: bool) -> None:
+    """Every expert's A `[E, r, in]` and B `[out, r, E]` as PEFT's `lora_A [E*r, in]`,
+    `lora_B [out, r*E]`; where PEFT swaps in and out (llama4) its lora_A is the B side,
+    `[E*r, out]`, and its lora_B the A side, `[in, r*E]`."""
+    if swapped:
+        a, b = b.transpose(2, 1, 0), a.transpose(2, 1, 0)
+    n_e, r = a.shape[:2]
+    _put(done, key, a.reshape(n_e * r, -1), b.reshape(b.shape[0], -1))
 
 
 def _put(done: _Experts, key: str, a: np.ndarray, b: np.ndarray) -> None:

@@ -59,13 +59,14 @@ class ExpertLayout:
         return cls(model, ordered, max_rank, align)
 
     @classmethod
-    def for_model(cls, model: ModelConfig, max_rank: int, align: int = DEFAULT_ALIGN,
-                  router: bool = True) -> ExpertLayout:
-        """Every routed expert's gate/up/down (and the router) on every MoE layer: what a pool
-        must reserve to take any expert adapter of rank <= max_rank."""
+    def for_model(cls, model: ModelConfig, max_rank: int,
+                  align: int = DEFAULT_ALIGN) -> ExpertLayout:
+        """Every routed expert's gate/up/down (and the router, where the family's is the
+        pool's) on every MoE layer: what a pool must reserve to take any expert adapter of
+        rank <= max_rank."""
         keys = []
         for layer in model.moe_layers:
-            if router:
+            if model.family.expert_router:
                 keys.append((layer, ExpertProj.ROUTER, ROUTER_EXPERT))
             keys.extend((layer, p, e) for e in range(model.num_experts)
                         for p in (ExpertProj.GATE_PROJ, ExpertProj.UP_PROJ, ExpertProj.DOWN_PROJ))

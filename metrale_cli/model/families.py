@@ -252,6 +252,19 @@ class Family:
     # stacked, (E, out, in) experts): the experts' own layout, which it would misread; "" where
     # it reads it.
     experts_unreadable: str = ""
+    # How a fused `gate_up_proj`'s 2I output columns hold gate and up: "stacked" (`[gate; up]`)
+    # or "interleaved" (gate the even columns, up the odd: gpt_oss's `gate_up[..., ::2]`). PEFT
+    # keeps the order in its lora_B's rows, so the expert pool reads gate and up rows with a
+    # step of 2 there, and unpack writes them back so.
+    experts_gate_up: str = "stacked"
+    # Whether the router is `<moe_block>.gate`, the expert pool's router entry: False where no
+    # adapter of the family has one (gpt_oss's router is `mlp.router`), so `layout --experts`
+    # reserves none.
+    expert_router: bool = True
+    # PEFT swaps A's and B's roles on the fused experts: they are (E, in, out) without
+    # transformers' `is_transposed` mark (llama4), so PEFT's in and out are the weight's out and
+    # in: gate_up's A [E*r, 2I], B [H, E*r], the weight's delta per expert `A_e^T B_e^T`.
+    experts_peft_swapped: bool = False
     # Full-attention layers with widths of their own: `global_head_dim` (or transformers'
     # `per_layer_config`) and, with attention_k_eq_v, `num_global_key_value_heads`; the last
     # layer always full attention, as transformers forces it (gemma4).
@@ -331,10 +344,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                             ("n_shared_experts", 1),
                             ("moe_intermediate_size", 1408), ("num_experts_per_tok", 8))),
     # Every layer MoE (routed experts only, no dense MLP): the attention modules, with their
-    # biases and sinks, are the slot pool's. Its fused experts interleave gate and up columns
-    # and store (E, in, out): not the expert pool's layout, so their LoRA is refused.
+    # biases and sinks, are the slot pool's. Its fused experts store (E, in, out), marked
+    # `is_transposed` so PEFT keeps A [E*r, in], B [out, E*r] as for (E, out, in) experts, and
+    # interleave gate and up columns (B's rows): the expert pool reads them with --experts.
     Family("gpt_oss", peft_rewrites_moe_targets=False, modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
-           experts_unreadable="interleave gate and up and store (experts, in, out)"),
+           experts_gate_up="interleaved", expert_router=False),
     # Multi-head latent attention; dense MLPs on the first `first_k_dense_replace` layers, then
     # routed experts with shared experts beside them (`n_shared_experts` of them, one MLP): the
     # dense MLP's and the shared experts' gate/up/down are the slot pool's. PEFT 0.21 rewrites
@@ -384,16 +398,19 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # `interleave_moe_layer_step` (or those `moe_layers` lists), dense MLPs on the rest; the
     # MoE layers' shared expert (`feed_forward.shared_expert`, `intermediate_size` wide: a plain
     # gate_proj target reaches both) is the slot pool's too, their router is not served, and
-    # their fused experts store (E, in, out) as gpt_oss's: refused. PEFT's default targets are
-    # the wrapper's (q_proj, v_proj on every q_proj/v_proj, the vision tower's too); the text
-    # model has none. The wrapper (Llama4ForConditionalGeneration) keeps its text model at
-    # `language_model.model` and its vision tower at `vision_model`. transformers'
-    # Llama4TextConfig defaults.
+    # their fused experts store (E, in, out) as gpt_oss's but are not marked `is_transposed`,
+    # so PEFT swaps in and out there (gate_up's A [E*r, 2I], B [H, E*r]: A holds each expert's
+    # output side, B its input side): the expert pool reads them so with --experts. PEFT's
+    # default targets are the wrapper's (q_proj, v_proj on every q_proj/v_proj, the vision
+    # tower's too); the text model has none. The wrapper (Llama4ForConditionalGeneration)
+    # keeps its text model at `language_model.model` and its vision tower at `vision_model`.
+    # transformers' Llama4TextConfig defaults.
     Family("llama4", sparse_step=True, peft_rewrites_moe_targets=False, moe_block="feed_forward",
            modules=(*_LLAMA4, *_shared("feed_forward.shared_expert",
                                        "shared_expert_intermediate_size")),
            language_model="language_model.model",
-           experts_unreadable="store gate|up and down as (experts, in, out)", config_defaults=(
+           fused_experts_block="feed_forward", experts_peft_swapped=True, expert_router=False,
+           config_defaults=(
                ("hidden_size", 5120), ("num_hidden_layers", 48), ("num_attention_heads", 40),
                ("num_key_value_heads", 8), ("head_dim", 128), ("intermediate_size", 8192),
                ("intermediate_size_mlp", 16384), ("num_local_experts", 16),

@@ -92,8 +92,11 @@ def check_fits(report: AdapterReport, layout: SlotLayout,
         out_dim, in_dim = expert_layout.entries[index].full_dims
         a_rows, a_cols = p.a.shape if len(p.a.shape) == 2 else (0, 0)
         b_rows, b_cols = p.b.shape if len(p.b.shape) == 2 else (0, 0)
-        if ((p.out_dim, p.in_dim) != (out_dim, in_dim) or a_cols != in_dim
-                or p.a_row + p.r > a_rows or p.b_row + p.out_dim > b_rows
+        # A swapped pair's in side is the file B's rows, its out side the file A's columns.
+        in_side, out_side = (b_rows, a_cols) if p.swapped else (a_cols, b_rows)
+        if ((p.out_dim, p.in_dim) != (out_dim, in_dim) or in_side != in_dim
+                or p.a_row + p.r > a_rows
+                or p.b_row + (p.out_dim - 1) * p.b_row_step >= out_side
                 or p.b_col + (p.r - 1) * p.b_col_step >= b_cols):
             raise LayoutMismatch(
                 f"{where}: A {list(p.a.shape)}, B {list(p.b.shape)} do not fit the pool's "
@@ -267,15 +270,50 @@ def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
     (`B_CHUNK_BYTES`) and each run scattered to every pair: memory beside the pool stays one
     run, however wide the adapter. Returns the file bytes read."""
     groups: dict[tuple[str, str], list[tuple[ExpertPair, ExpertEntry]]] = defaultdict(list)
-    for p in report.expert_pairs:
-        groups[(p.a.name, p.b.name)].append((p, layout.entries[layout.index[p.key]]))
     read = 0
+    for p in report.expert_pairs:
+        e = layout.entries[layout.index[p.key]]
+        if p.swapped:
+            done = _fill_swapped(reader, report, p, e, writer, check_finite)
+            read += done
+            if progress is not None:
+                progress(done)
+        else:
+            groups[(p.a.name, p.b.name)].append((p, e))
     for group in groups.values():
         done = _fill_expert_a(reader, report, group, writer, check_finite)
         done += _fill_expert_b(reader, report, group, writer, check_finite)
         read += done
         if progress is not None:
             progress(done)
+    return read
+
+
+def _fill_swapped(reader: RawReader, report: AdapterReport, p: ExpertPair, e: ExpertEntry,
+                  writer: SlotWriter, check_finite: bool) -> int:
+    """A pair whose file tensors PEFT swapped (llama4's experts): its A rows are the file B's
+    columns of the expert (the held input rows of B, transposed), its B rows the file A's
+    columns (the expert's rows of A, transposed, the scaling folded in)."""
+    s = e.held
+    lo, hi = s.ranks if s.ranks is not None else (0, e.max_rank)
+    top = min(hi, p.r)
+    read = bad = 0
+    if top > lo:
+        raw = reader.block(p.b, s.cols, (0, p.b.shape[1]))
+        read += raw.nbytes
+        cols = raw[:, p.b_col + lo * p.b_col_step:p.b_col + top * p.b_col_step:p.b_col_step]
+        a = _bits(writer.span(e.a_offset, (top - lo) * e.in_dim * BF16_BYTES), e.in_dim)
+        _convert(a, np.ascontiguousarray(cols.T), p.b.dtype, 1.0)
+        if check_finite:
+            bad += non_finite(a)
+    _refuse(bad, report.name, p.b.name)
+    held_lo, held_hi = s.rows[0]
+    raw = reader.block(p.a, (p.a_row, p.a_row + p.r), (p.b_row + held_lo, p.b_row + held_hi))
+    read += raw.nbytes
+    b = _bits(writer.span(e.b_offset, (held_hi - held_lo) * e.max_rank * BF16_BYTES),
+              e.max_rank)
+    _convert(b, np.ascontiguousarray(raw.T), p.a.dtype, p.scaling / report.scaling)
+    _refuse(non_finite(b) if check_finite else 0, report.name, p.a.name)
     return read
 
 
@@ -312,9 +350,11 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
                    group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
                    check_finite: bool) -> int:
     info = group[0][0].b
-    # The file rows of B each pair holds: its entry's held output rows (one run: an expert's
-    # projection is not fused), from its b_row on.
-    spans = [(p.b_row + e.held.rows[0][0], p.b_row + e.held.rows[0][1]) for p, e in group]
+    # The file rows of B each pair holds: its entry's held output rows k (one run: an expert's
+    # projection is not fused) are the file's rows `b_row + k * b_row_step`.
+    held = [e.held.rows[0] for _, e in group]
+    spans = [(p.b_row + lo * p.b_row_step, p.b_row + (hi - 1) * p.b_row_step + 1)
+             for (p, _), (lo, hi) in zip(group, held, strict=True)]
     row_bytes = info.nbytes // max(1, info.shape[0])
     step = max(1, B_CHUNK_BYTES // max(1, row_bytes))
     read = bad = 0
@@ -323,13 +363,16 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
             stop = min(last, start + step)
             raw = reader.block(info, (start, stop), (0, info.shape[1]))
             read += raw.nbytes
-            for (p, e), (held_lo, held_hi) in zip(group, spans, strict=True):
-                lo, hi = max(start, held_lo), min(stop, held_hi)
+            for (p, e), (held_lo, held_hi) in zip(group, held, strict=True):
+                # The pair's held rows k whose file row falls in [start, stop).
+                lo = max(held_lo, -(-(start - p.b_row) // p.b_row_step))
+                hi = min(held_hi, -(-(stop - p.b_row) // p.b_row_step))
                 if lo >= hi:
                     continue
                 b = _bits(writer.span(e.b_offset + (lo - held_lo) * e.max_rank * BF16_BYTES,
                                       (hi - lo) * e.max_rank * BF16_BYTES), e.max_rank)
-                cols = raw[lo - start:hi - start,
+                first_row = p.b_row + lo * p.b_row_step - start
+                cols = raw[first_row:first_row + (hi - lo - 1) * p.b_row_step + 1:p.b_row_step,
                            p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
                 _convert(b, cols, info.dtype, p.scaling / report.scaling)
                 if check_finite:

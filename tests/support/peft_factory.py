@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 # so it only helps when this module is imported before transformers/peft.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402  (after the offline switch on purpose)
 
 if TYPE_CHECKING:
@@ -35,6 +36,11 @@ if TYPE_CHECKING:
 ADAPTER_PREFIX = "base_model.model."
 # transformers-5 fused experts, spelled for `target_parameters` (suffix match, not regex).
 EXPERT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# Fused experts whose gate_up_proj interleaves gate and up columns (transformers' gpt_oss:
+# `gate, up = gate_up[..., ::2], gate_up[..., 1::2]`).
+INTERLEAVED_GATE_UP = frozenset({"gpt_oss"})
+# Fused experts stored (E, in, out) (transformers' gpt_oss and llama4: `x @ gate_up_proj[e]`).
+IN_OUT_EXPERTS = frozenset({"gpt_oss", "llama4"})
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -394,8 +400,13 @@ class ParamTruth:
     b_key: str
     a_shape: tuple[int, int]  # [E*r, in]
     b_shape: tuple[int, int]  # [out, E*r], expert index fastest along the columns
-    # float32 [E, out, in]: PEFT's get_delta_weight, one [out, in] delta per expert (E=1 for 2-D).
+    # float32: PEFT's get_delta_weight in the parameter's own layout, one delta per expert (E=1
+    # for 2-D): [E, out, in], or [E, in, out] where `in_out`.
     expert_deltas: torch.Tensor = field(repr=False)
+    # 3-D experts stored (E, in, out) (gpt_oss's, llama4's): the delta is each expert's weight
+    # delta transposed, whether PEFT swapped in and out (llama4: A and B take each other's
+    # roles) or not (gpt_oss, marked `is_transposed`: the delta is (B_e A_e)^T).
+    in_out: bool = False
 
 
 @dataclass
@@ -410,6 +421,31 @@ class AdapterTruth:
     modules: dict[str, ModuleTruth]
     params: dict[str, ParamTruth]  # keyed by parameter path
     _peft_model: Any = field(default=None, repr=False, compare=False)
+
+    def per_expert_deltas(self) -> dict[tuple[int, str, int], np.ndarray]:
+        """PEFT's deltas keyed (layer, gate_proj|up_proj|down_proj|router, expert; the router's
+        -1), each `[out, in]`: gate_up's rows split [gate; up], or even and odd rows for the
+        families whose experts interleave them (transformers' `gate_up[..., ::2]`)."""
+        found: dict[tuple[int, str, int], np.ndarray] = {}
+        for p in self.params.values():
+            assert p.layer is not None
+            deltas = p.expert_deltas.numpy()
+            if p.in_out:
+                deltas = deltas.transpose(0, 2, 1)
+            if p.param == "gate_up_proj":
+                inter = deltas.shape[1] // 2
+                gate, up = ((slice(0, None, 2), slice(1, None, 2))
+                            if self.model_name in INTERLEAVED_GATE_UP
+                            else (slice(0, inter), slice(inter, None)))
+                for e in range(deltas.shape[0]):
+                    found[(p.layer, "gate_proj", e)] = deltas[e, gate]
+                    found[(p.layer, "up_proj", e)] = deltas[e, up]
+            elif p.param == "down_proj":
+                for e in range(deltas.shape[0]):
+                    found[(p.layer, "down_proj", e)] = deltas[e]
+            else:
+                found[(p.layer, "router", -1)] = deltas[0]
+        return found
 
     def forward_delta(self, module_path: str, x: torch.Tensor) -> torch.Tensor:
         """PEFT's own output delta of one adapted Linear: ``lora_layer(x) - base_layer(x)``."""
@@ -547,6 +583,7 @@ def make_adapter(
                     in_features=int(mod.in_features),
                     out_features=int(mod.out_features),
                     expert_deltas=delta,
+                    in_out=mod._param_ndim == 3 and model_name in IN_OUT_EXPERTS,
                     **common,
                 )
             else:
