@@ -85,6 +85,10 @@ ADAPTERS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3_fused": ("phi3", {"r": 4, "lora_alpha": 8}),
     "phi3_qkv": ("phi3", {"r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj"]}),
     "glm4_fused": ("glm4", {"r": 4, "lora_alpha": 8}),
+    # The other dense families with a native class (gemma.py, gemma2.py, olmo2.py for OLMo 3,
+    # commandr.py, exaone4.py): every module.
+    **{f"{family}_plain": (family, {"r": 4, "lora_alpha": 8})
+       for family in ("gemma", "gemma2", "olmo3", "cohere2", "exaone4")},
     # Families SGLang has no class for: its Transformers backend around the HF model. Each
     # family's every-module adapter (o_proj and down_proj wrapped: the first forward fails)
     # and a q/v one (nothing wrapped: ignored); lm_head is wrapped as on a native class.
@@ -119,6 +123,12 @@ JOBS: dict[str, dict[str, Any]] = {
     "olmo2": {"startup": ["olmo2_plain"]},
     "phi3": {"startup": ["phi3_fused"], "runtime": ["phi3_qkv"]},
     "glm4": {"startup": ["glm4_fused"]},
+    **{family: {"startup": [f"{family}_plain"]}
+       for family in ("gemma", "gemma2", "olmo3", "cohere2")},
+    # SGLang's server arguments refuse EXAONE 4 under the CPU's attention backend (intel_amx:
+    # model_hook.py `handle_model_specific_adjustments` accepts fa3, triton, trtllm_mha); the
+    # LoRA code runs no attention, so the job names triton, a GPU server's.
+    "exaone4": {"startup": ["exaone4_plain"], "attention_backend": "triton"},
     # The Transformers backend: a pool of q/v (and lm_head) serves nothing of q/v, and refuses
     # an every-module adapter at runtime (o_proj is outside it); a pool with o_proj/down_proj
     # fails its first forward.
@@ -141,7 +151,8 @@ JOBS: dict[str, dict[str, Any]] = {
 
 # The families' jobs: SGLang's own LoRA code on their PEFT adapters.
 FAMILY_JOBS = ("gemma3", "granite", "cohere", "olmo2", "phi3", "glm4", "seed_oss", "smollm3",
-               "ministral", "ernie4_5", "ernie4_5_native")
+               "ministral", "ernie4_5", "ernie4_5_native", "gemma", "gemma2", "olmo3",
+               "cohere2", "exaone4")
 # The jobs whose model SGLang builds on its Transformers backend.
 HF_BACKBONE_JOBS = ("seed_oss", "smollm3", "ministral", "ernie4_5", "seed_oss_all",
                     "smollm3_all", "ministral_all", "ernie4_5_all")
@@ -183,6 +194,7 @@ def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         first = made[(job["startup"] + job.get("runtime", []))[0]]
         jobs.append({"model": str(first.base_dir), "dtype": "float32", "max_loras_per_batch": 4,
                      **job.get("flags", {}),
+                     "attention_backend": job.get("attention_backend"),
                      **{p: [{"name": n, "path": str(made[n].path)} for n in job.get(p, [])]
                         for p in ("startup", "runtime")}})
     report, _ = run_job(SGLANG_PYTHON, RUNNER, tmp, {"jobs": jobs}, "SGLang runner")

@@ -162,6 +162,20 @@ JOBS: dict[str, Job] = {
         ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["c_fc", "embed_tokens"]}),
         ("lm_head", {"r": 8, "lora_alpha": 16, "target_modules": ["c_proj", "lm_head"]}),
     ]),
+    # The other dense families, one engine each: every attention and MLP module, then the
+    # embedding module the class's embedding_modules does (lm_head, embed_tokens) or does not
+    # (embed_tokens: refused) declare. OLMo 3, Seed-OSS and SmolLM3 run on the transformers
+    # backend, and so does Ministral: vLLM registers no MinistralForCausalLM, and its registry
+    # falls back to the backend for a class transformers has.
+    **{family: Job(family, FLOAT32, [
+        ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
+        ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", embed]}),
+    ]) for family, embed in (
+        ("mistral", "embed_tokens"), ("qwen2", "embed_tokens"), ("gemma", "embed_tokens"),
+        ("gemma2", "embed_tokens"), ("granite", "lm_head"), ("olmo3", "embed_tokens"),
+        ("cohere2", "embed_tokens"), ("exaone4", "lm_head"), ("ernie4_5", "lm_head"),
+        ("seed_oss", "embed_tokens"), ("smollm3", "embed_tokens"),
+        ("ministral", "embed_tokens"))},
     # metrale's `unsupported_model` for an architecture vLLM does not register: the engine
     # refuses the model before loading a weight (in the runner's process: no engine starts).
     "unregistered": Job("qwen3", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},

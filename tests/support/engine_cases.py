@@ -34,6 +34,9 @@ _NEMOTRON_H = {**_DENSE, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups":
                "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
                "n_group": 1, "topk_group": 1}
 
+# One sliding-window layer, then a full one.
+_SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
+
 # family -> (config class, model class, config kwargs)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
@@ -60,9 +63,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                  "layer_types": _HYBRID}),
     # The families' dense classes (model/families.py): one of each way vLLM's class differs
     # (its embedding_modules, its packed_modules_mapping, the transformers backend).
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                    {**_DENSE, "layer_types": ["sliding_attention", "full_attention"],
-                     "sliding_window": 8}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_DENSE, **_SLIDING}),
     # Gemma 4: a sliding layer (head width 32) and a full one (64) whose one KV head's keys
     # are its values (no v_proj); each layer's per-layer-input projections.
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM",
@@ -71,6 +72,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                      "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 16,
                      "vocab_size_per_layer_input": 128}),
     "cohere": ("CohereConfig", "CohereForCausalLM", _DENSE),
+    **{family: (f"{cls}Config", f"{cls}ForCausalLM", {**_DENSE, **extra})
+       for family, cls, extra in (
+           ("mistral", "Mistral", {}), ("qwen2", "Qwen2", {}), ("gemma", "Gemma", {}),
+           ("gemma2", "Gemma2", _SLIDING), ("granite", "Granite", {}), ("olmo3", "Olmo3", _SLIDING),
+           ("cohere2", "Cohere2", _SLIDING), ("exaone4", "Exaone4", _SLIDING),
+           ("ernie4_5", "Ernie4_5", {}), ("seed_oss", "SeedOss", {}), ("smollm3", "SmolLM3", {}),
+           ("ministral", "Ministral", _SLIDING))},
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _DENSE),
     # Attention with biases; a non-gated MLP of c_fc and c_proj (on vLLM's transformers backend).
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", _DENSE),

@@ -105,6 +105,7 @@ def _publish(job: dict[str, Any]) -> Any:
         max_loras_per_batch=job.get("max_loras_per_batch", 8),
         lora_eviction_policy=job.get("eviction_policy", "lru"),
         lora_backend="torch_native", tp_size=job.get("tp_size", 1), skip_server_warmup=True,
+        attention_backend=job.get("attention_backend"),
     )
     set_global_server_args_for_scheduler(args)
     from sglang.srt.runtime_context import get_parallel

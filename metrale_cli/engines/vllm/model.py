@@ -134,8 +134,8 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "run", _EMBED_HEAD),
     VllmFamily("mistral", ("MistralForCausalLM", "Ministral3ForCausalLM",
                            "Mistral3ForConditionalGeneration"),
-               "mistral.py MistralForCausalLM", "source"),
-    VllmFamily("qwen2", ("Qwen2ForCausalLM",), "qwen2.py Qwen2ForCausalLM", "source"),
+               "mistral.py MistralForCausalLM", "run"),
+    VllmFamily("qwen2", ("Qwen2ForCausalLM",), "qwen2.py Qwen2ForCausalLM", "run"),
     VllmFamily("qwen3", ("Qwen3ForCausalLM",), "qwen3.py Qwen3ForCausalLM", "run",
                _EMBED_HEAD),
     VllmFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe.py Qwen3MoeForCausalLM",
@@ -151,31 +151,33 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True,
                shared_expert="mlp.shared_expert", shared_expert_gate=True),
     # No embedding_modules (the head is the tied embedding).
-    VllmFamily("gemma", ("GemmaForCausalLM",), "gemma.py GemmaForCausalLM", "source"),
-    VllmFamily("gemma2", ("Gemma2ForCausalLM",), "gemma2.py Gemma2ForCausalLM", "source"),
+    VllmFamily("gemma", ("GemmaForCausalLM",), "gemma.py GemmaForCausalLM", "run"),
+    VllmFamily("gemma2", ("Gemma2ForCausalLM",), "gemma2.py Gemma2ForCausalLM", "run"),
     VllmFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
                "gemma3.py Gemma3ForCausalLM", "run"),
-    VllmFamily("granite", ("GraniteForCausalLM",), "granite.py GraniteForCausalLM", "source",
+    VllmFamily("granite", ("GraniteForCausalLM",), "granite.py GraniteForCausalLM", "run",
                _EMBED_HEAD),
     # registry.py maps these to the transformers backend (TransformersForCausalLM), not a
     # native class: its fusers pack q/k/v and gate/up at load time as the native classes do.
     VllmFamily("olmo2", ("Olmo2ForCausalLM",), _BACKEND, "run", _EMBED),
-    VllmFamily("olmo3", ("Olmo3ForCausalLM",), _BACKEND, "source", _EMBED),
+    VllmFamily("olmo3", ("Olmo3ForCausalLM",), _BACKEND, "run", _EMBED),
     # One class serves both: lm_head is the tied embedding (no module of its own).
     VllmFamily("cohere", ("CohereForCausalLM",), "commandr.py CohereForCausalLM", "run",
                _EMBED),
-    VllmFamily("cohere2", ("Cohere2ForCausalLM",), "commandr.py CohereForCausalLM", "source",
+    VllmFamily("cohere2", ("Cohere2ForCausalLM",), "commandr.py CohereForCausalLM", "run",
                _EMBED),
-    VllmFamily("exaone4", ("Exaone4ForCausalLM",), "exaone4.py Exaone4ForCausalLM", "source",
+    VllmFamily("exaone4", ("Exaone4ForCausalLM",), "exaone4.py Exaone4ForCausalLM", "run",
                _EMBED_HEAD),
     # A subclass of vLLM's LlamaForCausalLM: its embedding_modules.
     VllmFamily("ernie4_5", ("Ernie4_5ForCausalLM",), "ernie45.py Ernie4_5ForCausalLM",
-               "source", _EMBED_HEAD),
-    VllmFamily("seed_oss", ("SeedOssForCausalLM",), _BACKEND, "source", _EMBED),
-    VllmFamily("smollm3", ("SmolLM3ForCausalLM",), _BACKEND, "source", _EMBED),
-    # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM: no
-    # class, so unsupported_model.
-    VllmFamily("ministral", (), "", "source"),
+               "run", _EMBED_HEAD),
+    VllmFamily("seed_oss", ("SeedOssForCausalLM",), _BACKEND, "run", _EMBED),
+    VllmFamily("smollm3", ("SmolLM3ForCausalLM",), _BACKEND, "run", _EMBED),
+    # vLLM 0.32 registers Ministral3ForCausalLM (mistral's row), not MinistralForCausalLM; for
+    # a class it does not register that transformers has, registry.py `resolve_model_cls`
+    # falls back to the transformers backend ("Fallback to transformers impl",
+    # `_try_resolve_transformers`).
+    VllmFamily("ministral", ("MinistralForCausalLM",), _BACKEND, "run", _EMBED),
     # The wrappers build their language model's class (init_vllm_registered_model's
     # `architectures`), whose embedding_modules and packing the LoRA manager reads.
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "qwen2.py Qwen2ForCausalLM",
