@@ -220,16 +220,33 @@ class Run:
 ENGINES_AT_ONCE = 2
 
 
+def selected_jobs(request: pytest.FixtureRequest) -> list[str]:
+    """The jobs this session's selected tests of this file ask for, in JOBS' order (`-k
+    qwen2_moe` starts that engine alone); every job where a selected test reads them all."""
+    wanted: set[str] = set()
+    for item in request.session.items:
+        if item.module is not request.module or "runs" not in getattr(item, "fixturenames", ()):
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "job" not in callspec.params:
+            return list(JOBS)
+        wanted.add(callspec.params["job"])
+    return [key for key in JOBS if key in wanted]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """Every job built with PEFT and run through the real vLLM, once: ENGINES_AT_ONCE runners
-    at a time, so that most of their start-up overlaps."""
+def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
+         ) -> dict[str, Run]:
+    """The selected jobs built with PEFT and run through the real vLLM, once: ENGINES_AT_ONCE
+    runners at a time, so that most of their start-up overlaps."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"needs {VLLM_PYTHON}")
     root = tmp_path_factory.mktemp("vllm")
+    keys = selected_jobs(request)
     built: dict[str, tuple[Path, dict[str, Case]]] = {}
     specs: list[dict[str, Any]] = []
-    for key, job in JOBS.items():
+    for key in keys:
+        job = JOBS[key]
         out = root / key
         base = write_model(job.family, out / "base")
         cases = {name: make_case(job.family, base, out, name, **kwargs)
@@ -265,7 +282,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         thread.start()
     for thread in threads:
         thread.join()
-    keys = list(JOBS)
     done: dict[str, Run] = {}
     for result in results:
         if isinstance(result, BaseException):
@@ -278,7 +294,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             key = keys[job_report["index"]]
             base, cases = built[key]
             done[key] = Run(JOBS[key], base, cases, job_report, logs[job_report["index"]])
-    assert done.keys() == JOBS.keys(), "a job no runner ran"
+    assert done.keys() == set(keys), "a job no runner ran"
     return done
 
 
