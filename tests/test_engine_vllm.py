@@ -97,6 +97,12 @@ JOBS: dict[str, Job] = {
     ]),
     "qwen3_moe": Job("qwen3_moe", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
                      [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
+    # The other MoE families, one engine each (engine_cases.py: a dense layer and a shared
+    # expert where the family has them): the engine starts (buffers checked), and its
+    # fused-MoE LoRA has no CPU kernel.
+    **{family: Job(family, FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,
+                                               "target_modules": ATTN})])
+       for family in ("qwen2_moe",)},
     # Llama 4's interleaved MoE and dense layers (feed_forward: router, shared expert, experts):
     # the engine starts (buffers checked), and its fused-MoE LoRA has no CPU kernel.
     "llama4": Job("llama4", FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,

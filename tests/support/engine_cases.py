@@ -97,6 +97,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2,
                  "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}),
+    # The other MoE families: qwen2_moe's and glm4_moe's layer 0 dense, layer 1 routed experts
+    # beside a shared expert (qwen2_moe's with its gate); routed experts on every layer of the
+    # rest.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                   "mlp_only_layers": [0]}),
     # One block a layer: Mamba-2, attention, MLP; the MoE variant adds a non-gated MoE block.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
         **_NEMOTRON_H, "num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "mlp"]}),

@@ -188,7 +188,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "source", _EMBED_HEAD),
     # MoE families: their classes declare no embedding_modules.
     VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
-               "source", shared_expert="mlp.shared_expert", shared_expert_gate=True),
+               "run", shared_expert="mlp.shared_expert", shared_expert_gate=True),
     VllmFamily("olmoe", ("OlmoeForCausalLM",), "olmoe.py OlmoeForCausalLM", "source"),
     # Glm4MoE: the router a GateLinear (a ReplicatedLinear), `n_shared_experts` shared experts
     # as one Glm4MoeMLP under mlp.shared_experts, no gate over them.
