@@ -104,6 +104,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                   {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                    "mlp_only_layers": [0]}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              {**_DENSE, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}),
     # One block a layer: Mamba-2, attention, MLP; the MoE variant adds a non-gated MoE block.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
         **_NEMOTRON_H, "num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "mlp"]}),

@@ -189,7 +189,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # MoE families: their classes declare no embedding_modules.
     VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
                "run", shared_expert="mlp.shared_expert", shared_expert_gate=True),
-    VllmFamily("olmoe", ("OlmoeForCausalLM",), "olmoe.py OlmoeForCausalLM", "source"),
+    VllmFamily("olmoe", ("OlmoeForCausalLM",), "olmoe.py OlmoeForCausalLM", "run"),
     # Glm4MoE: the router a GateLinear (a ReplicatedLinear), `n_shared_experts` shared experts
     # as one Glm4MoeMLP under mlp.shared_experts, no gate over them.
     VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), "glm4_moe.py Glm4MoeForCausalLM",
