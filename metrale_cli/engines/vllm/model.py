@@ -193,7 +193,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # Glm4MoE: the router a GateLinear (a ReplicatedLinear), `n_shared_experts` shared experts
     # as one Glm4MoeMLP under mlp.shared_experts, no gate over them.
     VllmFamily("glm4_moe", ("Glm4MoeForCausalLM",), "glm4_moe.py Glm4MoeForCausalLM",
-               "source", shared_expert="mlp.shared_experts"),
+               "run", shared_expert="mlp.shared_experts"),
     # The transformers backend again: its QKVFuser packs q/k/v; the MLP is no GLU, so no fuser
     # matches it and c_fc and c_proj stay one linear each, replaced by the config's TP plan
     # (base_model_tp_plan: c_fc colwise, c_proj rowwise; base.py `recursive_replace`).
