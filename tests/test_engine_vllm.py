@@ -102,7 +102,7 @@ JOBS: dict[str, Job] = {
     # fused-MoE LoRA has no CPU kernel.
     **{family: Job(family, FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,
                                                "target_modules": ATTN})])
-       for family in ("qwen2_moe", "olmoe", "glm4_moe")},
+       for family in ("qwen2_moe", "olmoe", "glm4_moe", "granitemoe")},
     # Llama 4's interleaved MoE and dense layers (feed_forward: router, shared expert, experts):
     # the engine starts (buffers checked), and its fused-MoE LoRA has no CPU kernel.
     "llama4": Job("llama4", FLOAT32, [("attn", {"r": 8, "lora_alpha": 16,

@@ -222,7 +222,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("glm4", ("Glm4ForCausalLM",), "glm4.py Glm4ForCausalLM", "run"),
     # Mixtral's layout (block_sparse_moe: gate, experts), every layer MoE; packs q/k/v.
     VllmFamily("granitemoe", ("GraniteMoeForCausalLM",), "granitemoe.py GraniteMoeForCausalLM",
-               "source", _EMBED_HEAD, moe_block="block_sparse_moe"),
+               "run", _EMBED_HEAD, moe_block="block_sparse_moe"),
     VllmFamily("phimoe", ("PhiMoEForCausalLM",), "phimoe.py PhiMoEForCausalLM", "source",
                _EMBED_HEAD, moe_block="block_sparse_moe"),
     # A LlamaForCausalLM (its embedding_modules) whose layers interleave MoE and dense MLPs,
