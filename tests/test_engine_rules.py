@@ -16,7 +16,7 @@ from metrale_cli.adapters.audit import audit
 from metrale_cli.engines.verdict import Verdict
 from metrale_cli.engines.vllm import rules as vllm
 from metrale_cli.engines.vllm.model import FAMILIES as VLLM_FAMILIES
-from metrale_cli.engines.vllm.model import VllmFamily
+from metrale_cli.engines.vllm.model import TRANSFORMERS_FALLBACK, VllmFamily
 from metrale_cli.model.config import LayerType, ModelConfig
 from tests.conftest import VLLM_PYTHON
 
@@ -213,7 +213,9 @@ def _bases(chain: list[tuple[str, ast.ClassDef]]) -> set[str]:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("row", list(VLLM_FAMILIES.values()), ids=lambda r: r.model_type)
+@pytest.mark.parametrize("row", [*VLLM_FAMILIES.values(), *TRANSFORMERS_FALLBACK.values()],
+                         ids=[*VLLM_FAMILIES, *(f"{t}-transformers" for t in
+                                                TRANSFORMERS_FALLBACK)])
 def test_each_vllm_row_is_the_source_it_cites(row: VllmFamily) -> None:
     """Every architecture of the row is one vLLM's registry builds, its class (and the class
     the row cites, a wrapper's language model) registers LoRA support (SupportsLoRA), and the
@@ -248,6 +250,71 @@ def test_each_vllm_row_is_the_source_it_cites(row: VllmFamily) -> None:
                                             "gate_up_proj": ("gate_proj", "up_proj")}
     else:
         _holds_packing(row, packed, row.cites)
+
+
+def _transformers_causal_lm() -> dict[str, str]:
+    """transformers' model_type -> causal-LM class, as the transformers beside vLLM maps them
+    (models/auto/modeling_auto.py MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, read, not imported)."""
+    path = VLLM_MODELS.parents[2] / "transformers" / "models" / "auto" / "modeling_auto.py"
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+                for t in node.targets):
+            pairs = node.value.args[0].elts  # OrderedDict([(model_type, class), ...])
+            return {p.elts[0].value: p.elts[1].value for p in pairs
+                    if isinstance(p, ast.Tuple) and isinstance(p.elts[1], ast.Constant)}
+    raise AssertionError(f"no MODEL_FOR_CAUSAL_LM_MAPPING_NAMES in {path}")
+
+
+@pytest.mark.vllm
+def test_each_family_is_judged_under_the_class_transformers_writes() -> None:
+    """A checkpoint transformers saves names transformers' own class (`config.architectures`):
+    for every family, vLLM registers it (a row's architecture), or its registry falls back to
+    the transformers backend, which TRANSFORMERS_FALLBACK models (phimoe: transformers writes
+    PhimoeForCausalLM, vLLM registers PhiMoEForCausalLM)."""
+    causal = _transformers_causal_lm()
+    registry = _registry()
+    for model_type, row in VLLM_FAMILIES.items():
+        cls = causal.get(model_type)
+        if cls is None or cls in row.architectures:
+            continue
+        assert cls not in registry, (model_type, cls)
+        assert cls in TRANSFORMERS_FALLBACK[model_type].architectures, (model_type, cls)
+    for model_type, row in TRANSFORMERS_FALLBACK.items():
+        assert row.architectures == (causal[model_type],), model_type
+
+
+def test_an_unregistered_transformers_class_is_built_on_the_backend(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """registry.py `resolve_model_cls`: where vLLM registers none of `architectures`, the first,
+    a class transformers has, is built on the transformers backend (embed_tokens alone,
+    transformers' `mlp.router` and `mlp.experts`); one registered class among them wins; a
+    class neither has is refused in vLLM's words."""
+    import json
+
+    def judged(*archs: str) -> tuple[str, tuple[str, ...] | None]:
+        config = {"model_type": "phimoe", "architectures": list(archs), "vocab_size": 128,
+                  "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+                  "num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 4,
+                  "num_experts_per_tok": 2}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        model = ModelConfig.from_hf(tmp_path)
+        refused = vllm.model_support(model)
+        if refused is not None:
+            return refused[1], None
+        return vllm.family(model).cites, tuple(m.path for m in vllm.engine_modules(model))
+
+    cites, paths = judged("PhimoeForCausalLM")
+    assert cites == "transformers/base.py Base"
+    assert paths is not None and "mlp.router" in paths and "mlp.experts" in paths
+    assert "lm_head" not in paths and "embed_tokens" in paths
+    for archs in (("PhimoeForCausalLM", "PhiMoEForCausalLM"), ("PhiMoEForCausalLM",)):
+        cites, paths = judged(*archs)
+        assert cites == "phimoe.py PhiMoEForCausalLM", archs
+        assert paths is not None and "block_sparse_moe.gate" in paths and "lm_head" in paths
+    said, paths = judged("PhimoeForCausalLMv2")
+    assert paths is None and said.startswith(
+        "Model architectures ['PhimoeForCausalLMv2'] are not supported for now")
 
 
 def _holds_packing(row: VllmFamily, packed: dict[str, list[str]] | None, where: str) -> None:

@@ -110,9 +110,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                  {**_DENSE, "n_routed_experts": 4, "n_shared_experts": 1,
                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
-    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
-                   {**_DENSE, "intermediate_size": 32, "num_local_experts": 4,
-                    "num_experts_per_tok": 2}),
+    **{family: (f"{cls}Config", f"{cls}ForCausalLM",
+                {**_DENSE, "intermediate_size": 32, "num_local_experts": 4,
+                 "num_experts_per_tok": 2})
+       for family, cls in (("granitemoe", "GraniteMoe"), ("phimoe", "Phimoe"))},
     # One block a layer: Mamba-2, attention, MLP; the MoE variant adds a non-gated MoE block.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
         **_NEMOTRON_H, "num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "mlp"]}),

@@ -223,7 +223,9 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # Mixtral's layout (block_sparse_moe: gate, experts), every layer MoE; packs q/k/v.
     VllmFamily("granitemoe", ("GraniteMoeForCausalLM",), "granitemoe.py GraniteMoeForCausalLM",
                "run", _EMBED_HEAD, moe_block="block_sparse_moe"),
-    VllmFamily("phimoe", ("PhiMoEForCausalLM",), "phimoe.py PhiMoEForCausalLM", "source",
+    # The published checkpoints' spelling; transformers' own (what it writes on save) is
+    # TRANSFORMERS_FALLBACK's.
+    VllmFamily("phimoe", ("PhiMoEForCausalLM",), "phimoe.py PhiMoEForCausalLM", "run",
                _EMBED_HEAD, moe_block="block_sparse_moe"),
     # A LlamaForCausalLM (its embedding_modules) whose layers interleave MoE and dense MLPs,
     # both under `feed_forward` (llama4.py Llama4DecoderLayer: MoE where `(layer_idx + 1) %
@@ -251,9 +253,33 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
 )}
 
 
+# Where transformers names a family's class otherwise than vLLM registers it: a config naming
+# only classes vLLM does not register is built on the transformers backend from its first
+# (registry.py `resolve_model_cls`, "Fallback to transformers impl": `_try_resolve_transformers`
+# takes a class transformers has; config/model.py `_get_transformers_backend_cls`:
+# TransformersMoEForCausalLM for an MoE config). transformers writes its own spelling into a
+# checkpoint it saves (phimoe: PhimoeForCausalLM, where vLLM registers PhiMoEForCausalLM).
+# The backend wraps what transformers builds: attention and MLP as the fusers pack them,
+# transformers' own router (`mlp.router`) and experts (`mlp.experts`, replaced by a 2-D
+# fused MoE: moe.py `MoEMixin.recursive_replace`), `embed_tokens` alone.
+TRANSFORMERS_FALLBACK: dict[str, VllmFamily] = {f.model_type: f for f in (
+    VllmFamily("phimoe", ("PhimoeForCausalLM",), _BACKEND, "run", _EMBED, router="router"),
+)}
+
+
 def family(model: ModelConfig) -> VllmFamily:
-    """The row for `model`'s family; a family without one is refused, never guessed."""
-    return family_row(FAMILIES, model, f"vLLM {VERSION}", "engines/vllm/model.py FAMILIES")
+    """The row for `model`'s family, as vLLM's registry picks the class from `architectures`:
+    its native class, or the transformers backend where the config names transformers' class
+    and none vLLM registers (TRANSFORMERS_FALLBACK); a family without one is refused, never
+    guessed."""
+    row = family_row(FAMILIES, model, f"vLLM {VERSION}", "engines/vllm/model.py FAMILIES")
+    fallback = TRANSFORMERS_FALLBACK.get(model.model_type)
+    archs = model.architectures or ()
+    registered = {a for f in FAMILIES.values() for a in f.architectures}
+    if fallback and archs and archs[0] in fallback.architectures and \
+            not registered.intersection(archs):
+        return fallback
+    return row
 
 
 class Kind(str, Enum):

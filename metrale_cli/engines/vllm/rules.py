@@ -42,6 +42,7 @@ from metrale_cli.engines.vllm.model import (
     FAMILIES,
     MAX_LORA_VOCAB,
     NAME,
+    TRANSFORMERS_FALLBACK,
     VERSION,
     EngineModule,
     Kind,
@@ -219,9 +220,11 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
 
 def architecture_support(model: ModelConfig) -> tuple[str, str] | None:
     """Why vLLM cannot build `model` from its `architectures`, or None. vLLM picks the model
-    class from `architectures`, not `model_type` (registry.py `inspect_model_cls`: each name
-    in turn, the first it registers wins; none at all is "No model architectures are
-    specified"). A preset names none: its family's own class."""
+    class from `architectures`, not `model_type` (registry.py `inspect_model_cls`: where it
+    registers none of them, the transformers backend for the first if transformers has that
+    class (TRANSFORMERS_FALLBACK); else each name in turn, the first it registers wins; none
+    at all is "No model architectures are specified"). A preset names none: its family's own
+    class."""
     archs = model.architectures
     if archs is None:
         return None
@@ -235,9 +238,14 @@ def architecture_support(model: ModelConfig) -> tuple[str, str] | None:
     known = {a: f for f in FAMILIES.values() for a in f.architectures}
     chosen = next((a for a in archs if a in known), None)
     if chosen is None:
+        fallback = TRANSFORMERS_FALLBACK.get(model.model_type)
+        if fallback is not None and family(model) is fallback:
+            return None
         return ("architecture", f"Model architectures {list(archs)} are not supported for "
                 f"now (none is a class vLLM {VERSION} registers for "
-                f"{', '.join(sorted(FAMILIES))}; a server never starts on this model)")
+                f"{', '.join(sorted(FAMILIES))}, nor transformers' class for a "
+                f"{model.model_type} config, which its registry would build on the transformers "
+                "backend; a server never starts on this model)")
     if known[chosen].model_type != model.model_type:
         return ("architecture", f"architectures names {chosen}, vLLM's "
                 f"{known[chosen].model_type} class, for a {model.model_type} config: vLLM "
