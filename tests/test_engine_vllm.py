@@ -163,6 +163,10 @@ JOBS: dict[str, Job] = {
                   "target_modules": ["v_proj", "o_proj", *MLP, "per_layer_input_gate",
                                      "per_layer_projection"]}),
     ]),
+    # With routed experts beside each layer's MLP: the router's `router.proj` and the 2-D fused
+    # experts; the engine starts (buffers checked), and its fused-MoE LoRA has no CPU kernel.
+    "gemma4_moe": Job("gemma4_moe", FLOAT32, [("q", {"r": 8, "lora_alpha": 16,
+                                                     "target_modules": ["q_proj"]})]),
     "cohere": Job("cohere", FLOAT32, [
         ("plain", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP}),
         ("embed", {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "embed_tokens"]}),

@@ -393,8 +393,11 @@ _GEMMA4_SHARED = {"model_type": "gemma4_text", "vocab_size": 128, "hidden_size":
 def test_vllm_wraps_gemma4_by_layer_kind(tmp_path: Path) -> None:
     """vLLM's Gemma4ForCausalLM: qkv_proj at each layer kind's width on the layers computing
     their own KV (the full ones' keys as values), q_proj alone on the KV-shared layers, their
-    MLP twice as wide, the model's per_layer_model_projection; routed experts beside the MLP
-    are refused in one line (tests/test_engine_vllm.py runs the CPU build on the rest)."""
+    MLP twice as wide, the model's per_layer_model_projection; with routed experts beside the
+    MLP, the router's `router.proj` and the 2-D fused experts on every layer
+    (tests/test_engine_vllm.py runs the CPU build on both); expert sizes without
+    enable_moe_block, where vLLM builds experts transformers does not, are refused in one
+    line."""
     (tmp_path / "config.json").write_text(json.dumps(_GEMMA4_SHARED))
     on = {(m.path, m.layers): (m.out_sizes, m.keys_as_values) for m in vllm_engine_modules(
         ModelConfig.from_hf(tmp_path))}
@@ -410,9 +413,22 @@ def test_vllm_wraps_gemma4_by_layer_kind(tmp_path: Path) -> None:
     (moe / "config.json").write_text(json.dumps({
         **_GEMMA4_SHARED, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
         "moe_intermediate_size": 32}))
-    done = metrale("layout", "-m", moe, "--modules", "q_proj,o_proj", "--max-rank", 16,
-                   "--max-loras", 4, "--engine", "vllm")
-    assert done.code == 2 and "routed experts" in done.stderr, done.stderr
+    on = {m.path: (m.kind.value, m.layers, m.out_sizes, m.experts) for m in vllm_engine_modules(
+        ModelConfig.from_hf(moe))}
+    assert on["router.proj"] == ("replicated", (0, 1, 2, 3), (4,), 0)
+    assert on["experts"] == ("experts", (0, 1, 2, 3), (32,), 4)
+    done = metrale("layout", "-m", moe, "--modules", "proj,experts", "--max-rank", 16,
+                   "--max-loras", 4, "--engine", "vllm", "--json")
+    assert done.code == 0, done.stderr
+    assert {m["module"] for m in json.loads(done.stdout)["engine"]["modules"]} == {
+        "router.proj", "experts"}
+    # Expert sizes without enable_moe_block: vLLM builds experts transformers does not.
+    (moe / "config.json").write_text(json.dumps({
+        **_GEMMA4_SHARED, "enable_moe_block": False, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 32}))
+    done = metrale("layout", "-m", moe, "--modules", "q_proj", "--max-rank", 16,
+                   "--engine", "vllm")
+    assert done.code == 2 and "num_experts without enable_moe_block" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 

@@ -71,6 +71,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                      "sliding_window": 8, "global_head_dim": 64, "attention_k_eq_v": True,
                      "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 16,
                      "vocab_size_per_layer_input": 128}),
+    # The same with routed experts beside each layer's MLP (its router's `router.proj`).
+    "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+                   {**_DENSE, "layer_types": ["sliding_attention", "full_attention"],
+                    "sliding_window": 8, "global_head_dim": 64, "attention_k_eq_v": True,
+                    "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 16,
+                    "vocab_size_per_layer_input": 128, "enable_moe_block": True,
+                    "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}),
     "cohere": ("CohereConfig", "CohereForCausalLM", _DENSE),
     **{family: (f"{cls}Config", f"{cls}ForCausalLM", {**_DENSE, **extra})
        for family, cls, extra in (

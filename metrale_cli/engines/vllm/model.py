@@ -532,12 +532,17 @@ def _gemma4_modules(model: ModelConfig) -> list[EngineModule]:
     alone on the last `num_kv_shared_layers`; Gemma4MLP's `gate_up_proj`, twice as wide on the
     KV-shared layers with `use_double_wide_mlp`; the per-layer input's `per_layer_input_gate`
     and `per_layer_projection` (ReplicatedLinear) and the model's `per_layer_model_projection`
-    (Gemma4Model: a ColumnParallelLinear over every layer's slice). The routed experts beside
-    the MLP (`router`, `experts`) are not modelled: refused."""
-    if model.num_experts:
-        raise UsageError(f"--engine vllm: metrale does not model vLLM {VERSION}'s LoRA layers "
-                         "of a gemma4 model with routed experts beside the MLP; use "
-                         "--engine metrale")
+    (Gemma4Model: a ColumnParallelLinear over every layer's slice). With routed experts beside
+    the MLP (Gemma4DecoderLayer's `enable_moe_block`), the router's `router.proj` (a
+    GateLinear: replicated) and the `experts` (FusedMoEFactory, gated: the 2-D wrapper, the
+    class sets no is_3d_moe_weight) `moe_intermediate_size` wide."""
+    if raw_text_config(model).get("num_experts") is not None and not model.moe_layers:
+        # vLLM builds the experts wherever num_experts is set; transformers (and metrale) only
+        # with enable_moe_block, so the checkpoint has none for vLLM's layers to load.
+        raise UsageError(f"--engine vllm: this gemma4 config sets num_experts without "
+                         f"enable_moe_block: vLLM {VERSION} builds routed experts on every layer "
+                         "(gemma4.py Gemma4DecoderLayer: `num_experts is not None`), "
+                         "transformers none; metrale does not model that model")
     H, N = model.hidden_size, model.num_attention_heads
     every = range(model.num_hidden_layers)
     out: list[EngineModule] = []
@@ -560,6 +565,11 @@ def _gemma4_modules(model: ModelConfig) -> list[EngineModule]:
         out += [EngineModule("mlp.gate_up_proj", Kind.COLUMN, on, H, (ffn, ffn),
                              ("gate_proj", "up_proj")),
                 EngineModule("mlp.down_proj", Kind.ROW, on, ffn, (H,), ("down_proj",))]
+    if model.moe_layers:
+        E, moe = model.num_experts, tuple(model.moe_layers)
+        out += [EngineModule("router.proj", Kind.REPLICATED, moe, H, (E,), ("proj",)),
+                EngineModule("experts", Kind.EXPERTS, moe, H, (model.expert_intermediate_size,),
+                             ("experts",), experts=E)]
     per = model.hidden_size_per_layer_input
     if per:
         out += [EngineModule("per_layer_input_gate", Kind.REPLICATED, tuple(every), H, (per,),
