@@ -375,6 +375,7 @@ _L4 = "model_executor/models/llama4.py"
 _NH = "model_executor/models/nemotron_h.py"
 _MAMBA = "model_executor/layers/mamba/mamba_mixer2.py"
 _GO = "model_executor/models/gpt_oss.py"
+_G4 = "model_executor/models/gemma4.py"
 # The lines each rule of a family's row rests on: (family, what the row says, file under
 # vllm/, function or class, the line).
 ROW_RULES = (
@@ -405,6 +406,26 @@ ROW_RULES = (
      "Llama4MoE.__init__", "self.shared_expert = LlamaMLP("),
     ("llama4", "experts and shared expert are intermediate_size wide", _L4,
      "Llama4MoE.__init__", "intermediate_size_moe = config.intermediate_size"),
+    ("gemma4", "routed experts wherever the config sets num_experts", _G4,
+     "Gemma4DecoderLayer.__init__",
+     'self.enable_moe_block = getattr(config, "num_experts", None) is not None'),
+    ("gemma4", "router.proj: the router's projection, a GateLinear", _G4,
+     "Gemma4Router.__init__", "self.proj = GateLinear("),
+    ("gemma4", "experts: gated fused experts moe_intermediate_size wide", _G4,
+     "Gemma4DecoderLayer.__init__",
+     'names = ("moe_intermediate_size", "expert_intermediate_size")'),
+    ("phimoe", "TRANSFORMERS_FALLBACK: no registered class, the first on the backend",
+     "model_executor/models/registry.py", "_ModelRegistry.resolve_model_cls",
+     "arch = self._try_resolve_transformers(architectures[0], model_config)"),
+    ("phimoe", "TRANSFORMERS_FALLBACK: a class transformers has",
+     "model_executor/models/registry.py", "_ModelRegistry._try_resolve_transformers",
+     "model_module = getattr(transformers, architecture, None)"),
+    ("phimoe", "TRANSFORMERS_FALLBACK: an MoE config's backend is TransformersMoEForCausalLM",
+     "config/model.py", "ModelConfig._get_transformers_backend_cls",
+     'cls += "MoE" if self.is_moe else ""'),
+    ("phimoe", "TRANSFORMERS_FALLBACK: the backend's experts are transformers' `experts`",
+     "model_executor/models/transformers/moe.py", "MoEMixin.recursive_replace",
+     'experts_name = "experts"'),
     ("nemotron_h", "blocks: a Mamba layer's mixer is MambaMixer2", _NH,
      "NemotronHMambaDecoderLayer.__init__", "self.mixer = MambaMixer2("),
     ("nemotron_h", "the Mamba inner width is mamba_num_heads * mamba_head_dim", _NH,
