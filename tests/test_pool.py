@@ -550,6 +550,123 @@ def test_a_file_cut_short_between_reads_fails_the_fill(
                                             f"{second[0]!r} (cut short while it was read)")
 
 
+def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Fills share their reads with a helper thread whatever their size and this machine's
+    cores, a run of 64 bytes at a time; returns the names of the threads that read, a read
+    at a time."""
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(fill, "SHARED_BYTES", 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    readers: list[str] = []
+    into = fill.TensorReader.into
+
+    def named_into(self, start, parts):  # type: ignore[no-untyped-def]
+        readers.append(threading.current_thread().name)
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", named_into)
+    return readers
+
+
+def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fill whose bytes warrant it shares its runs with a helper thread (each reads a run
+    straight into the slot and checks it); the slot's bytes and the progress told are those of
+    one thread, and a fill below `SHARED_BYTES` starts no thread."""
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tiny["d"]), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    one, _ = LoraPool.load(layout, 1, [report])
+    assert fill._threads(fill.SHARED_BYTES - 1) == 1
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def slow_first(self, start, parts):  # type: ignore[no-untyped-def]
+        if not readers:
+            time.sleep(0.05)  # whichever thread reads first, the other takes runs meanwhile
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", slow_first)
+    told: list[int] = []
+    pool = LoraPool(layout, 1, "cpu")
+    read, _ = fill.fill_slot(report, 0, layout, pool.region, progress=told.append)
+    assert {"MainThread", "metrale-fill"} <= set(readers), readers
+    assert np.array_equal(pool.region.host_bytes(0), one.region.host_bytes(0))
+    assert sum(told) == read == sum(m.a.nbytes + m.b.nbytes for m in report.modules)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})  # one usable core
+    assert fill._threads(1 << 40) == 1
+    readers.clear()
+    LoraPool.load(layout, 1, [report])
+    assert readers and set(readers) == {"MainThread"}
+
+
+def test_two_threads_refuse_the_first_non_finite_tensor_in_the_file(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-finite values in two tensors, the first read last (its thread held up): the
+    refusal names the first tensor in the file, with its count, as one thread's does."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny["d"], bad)
+    weights = bad / "adapter_model.safetensors"
+    tensors = sorted(read_header(weights).tensors.values(), key=lambda t: t.begin)
+    first, last = tensors[0], tensors[-1]
+    nan = f32_to_bf16(np.array([np.nan, np.inf], np.float32)).tobytes()
+    with open(weights, "r+b") as f:
+        for info, raw in ((first, nan), (last, nan[:2])):
+            f.seek(info.begin)
+            f.write(raw)
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(bad), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
+        if start == first.begin:
+            time.sleep(0.05)  # the other thread reads on, to the last tensor
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", first_read_last)
+    with pytest.raises(NonFiniteWeights) as refused:
+        LoraPool.load(layout, 1, [report])
+    assert str(refused.value) == (f"bad: tensor {first.name!r} has 2 non-finite values (NaN "
+                                  "or infinity) as BF16; refusing to pack it")
+    assert "metrale-fill" in readers
+
+
+def test_two_threads_fail_a_file_cut_short_as_one_does(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file cut short near the end of a tensor: with two threads reading, the error names
+    that tensor, the first read in the file past the cut, as one thread's does, though the
+    other thread failed first in the next tensor; raised once both threads have stopped."""
+    shutil.copytree(tiny["d"], tmp_path / "d")
+    weights = tmp_path / "d" / "adapter_model.safetensors"
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tmp_path / "d"), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    tensors = sorted(read_header(weights).tensors.values(), key=lambda t: t.begin)
+    cut = tensors[len(tensors) // 2]
+    end = cut.begin + cut.nbytes - 10  # the next read past the cut is in the next tensor
+    os.truncate(weights, end)
+    with pytest.raises(FormatError) as one:
+        LoraPool.load(layout, 1, [report])
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def first_past_the_cut_late(self, start, parts):  # type: ignore[no-untyped-def]
+        if start <= end < start + 64:
+            time.sleep(0.05)  # the other thread meets a later short read first
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", first_past_the_cut_late)
+    with pytest.raises(FormatError) as two:
+        LoraPool.load(layout, 1, [report])
+    assert str(two.value) == str(one.value) and repr(cut.name) in str(one.value)
+    assert "metrale-fill" in readers
+    reads = len(readers)
+    time.sleep(0.1)
+    assert len(readers) == reads  # both threads stopped before the error was raised
+
+
 def test_an_adapter_for_other_dims_is_refused_before_a_byte_is_written(tmp_path: Path) -> None:
     """Audited against intermediate_size 96, packed into a layout for 48: refused, naming the
     module and both shapes."""

@@ -14,6 +14,7 @@ end in the file, one positional read a chunk (`_read_runs`).
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import replace
@@ -36,6 +37,9 @@ from metrale_cli.pool.region import Region, SlotWriter, Staging
 CHUNK_BYTES = 1 << 20
 # Rows of a fused expert B read at a time: bounds the packer's memory beside the pool.
 B_CHUNK_BYTES = 32 << 20
+# File bytes of one fill from which a second thread shares its chunks (`_each`): below, the
+# thread's start costs more than it saves, and a small pack stays on one thread.
+SHARED_BYTES = 16 << 20
 Progress = Callable[[int], None]
 
 
@@ -186,23 +190,94 @@ def _runs(parts: list[Part]) -> list[list[Part]]:
 def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite: bool,
                progress: Progress | None) -> int:
     """Read `parts` into the pool a run (`_runs`) at a time, each checked finite while it is in
-    cache. A short file is the failing run's error, in file order; a non-finite value is
-    refused once every run is read, naming the first such tensor in the file with its whole
-    count. Returns the bytes read."""
-    bad: Counter[str] = Counter()
-    read = 0
-    for run in _runs(parts):
+    cache, the runs shared by two threads where the bytes warrant it (`_each`). A short file is
+    the failing run's error, in file order; a non-finite value is refused once every run is
+    read, naming the first such tensor in the file with its whole count. Returns the bytes
+    read."""
+    runs = _runs(parts)
+    # Each run's (tensor, non-finite count) pairs, merged in file order once all are read.
+    found: list[list[tuple[str, int]]] = [[] for _ in runs]
+
+    def read(index: int) -> int:
+        run = runs[index]
         reader.into(run[0][0], [(info, span) for _, info, span in run])
         if check_finite:
             for _, info, span in run:
-                bad[info.name] += non_finite(span.view(np.uint16))
-        size = sum(span.nbytes for _, _, span in run)
-        if progress is not None:
-            progress(size)
-        read += size
+                count = non_finite(span.view(np.uint16))
+                if count:
+                    found[index].append((info.name, count))
+        return sum(span.nbytes for _, _, span in run)
+
+    read = _each(len(runs), read, sum(span.nbytes for _, _, span in parts), progress)
+    bad: Counter[str] = Counter()
+    for pairs in found:
+        for name, count in pairs:
+            bad[name] += count
     for name, count in bad.items():
         _refuse(count, adapter, name)
     return read
+
+
+def _threads(nbytes: int) -> int:
+    """How many threads read `nbytes`: two where the bytes warrant a second thread and this
+    process may run on two cores (its affinity, not the machine's count), else one."""
+    if nbytes < SHARED_BYTES:
+        return 1
+    return min(2, len(os.sched_getaffinity(0)))
+
+
+def _each(count: int, work: Callable[[int], int], nbytes: int,
+          progress: Progress | None) -> int:
+    """`work(i)` for every i in `range(count)`, the indices taken in order by this thread and,
+    where `_threads(nbytes)` says two, by a helper thread: `os.preadv` and NumPy's copies,
+    conversions and reductions release the GIL, so one thread reads or converts a chunk while
+    the other checks its own. Each `work(i)` returns the bytes it read; their sum is told to
+    `progress` on this thread (a Rich bar is this thread's) and returned. A failure stops both
+    threads taking more; once both have stopped, the failure of the lowest index is raised:
+    every lower index was taken before it and finished, so it is the error one thread meets."""
+    lock = threading.Lock()
+    indices = iter(range(count))
+    failed: dict[int, Exception] = {}
+    stopped = False
+    done = [0, 0]  # bytes read by this thread, by the helper
+    told = 0  # bytes told to `progress`
+
+    def tell() -> None:
+        nonlocal told
+        now = sum(done)  # the helper may add to it meanwhile
+        if progress is not None and now > told:
+            progress(now - told)
+            told = now
+
+    def take() -> int | None:
+        with lock:
+            return None if failed or stopped else next(indices, None)
+
+    def run(who: int) -> None:
+        while (index := take()) is not None:
+            try:
+                done[who] += work(index)
+            except Exception as error:  # raised by this thread once the helper stopped
+                with lock:
+                    failed[index] = error
+                return
+            if who == 0:
+                tell()
+
+    helper = (threading.Thread(target=run, args=(1,), name="metrale-fill", daemon=True)
+              if _threads(nbytes) > 1 else None)
+    if helper is not None:
+        helper.start()
+    try:
+        run(0)
+    finally:
+        stopped = True  # an interrupt of this thread stops the helper at its next index
+        if helper is not None:
+            helper.join()
+    if failed:
+        raise failed[min(failed)]
+    tell()  # the helper's bytes read after this thread's last report
+    return sum(done)
 
 
 def _bits(span: np.ndarray, width: int) -> np.ndarray:
