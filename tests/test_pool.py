@@ -20,7 +20,7 @@ import pytest
 from metrale_cli import compat
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
-from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16
+from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16, to_bf16_into
 from metrale_cli.errors import (
     FormatError,
     LayoutMismatch,
@@ -87,6 +87,72 @@ def test_bf16_round_to_nearest_even() -> None:
     theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(mine, theirs)
     assert np.isnan(bf16_to_f32(f32_to_bf16(np.array([np.nan], np.float32))))[0]
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3.0, 1e30])
+def test_conversions_into_a_slot_match_torch_bit_for_bit(dtype: str, scale: float) -> None:
+    """Every conversion the fill makes (a file dtype times a PEFT scaling relative to the
+    slot's, rounded once to BF16; BF16 times a float32 scale), written straight into a strided
+    slot region with reused buffers, is torch's, bit for bit: a scale too large is infinity,
+    which the finite check then refuses. The columns past the values are left alone."""
+    import torch
+
+    from metrale_cli.bf16 import Scratch, to_bf16_into
+
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal((33, 40)) * 10.0 ** rng.uniform(-6, 3, (33, 40))).astype(
+        np.float32)
+    values[0, :4] = [np.inf, -np.inf, 0.0, -0.0]
+    theirs = torch.from_numpy(values)
+    if dtype == "BF16":
+        raw = theirs.bfloat16().view(torch.int16).numpy().view(np.uint16)
+        want = theirs.bfloat16().float() * float(np.float32(scale))
+    else:
+        raw = values.astype(np.float16) if dtype == "F16" else values
+        want = (torch.from_numpy(raw).double() * scale).float()
+    want_bits = want.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    scratch = Scratch()
+    for cols in ((0, 40), (5, 21)):  # the second a strided view of the file's rows
+        dest = np.full((33, 48), 0xABCD, np.uint16)
+        k = cols[1] - cols[0]
+        to_bf16_into(dest[:, :k], raw[:, cols[0]:cols[1]], dtype, scale, scratch)
+        assert np.array_equal(dest[:, :k], want_bits[:, cols[0]:cols[1]])
+        assert (dest[:, k:] == 0xABCD).all()
+    nan = np.array([[np.nan, 1.0]], np.float32)
+    out = np.zeros((1, 2), np.uint16)
+    to_bf16_into(out, nan if dtype == "F32" else nan.astype(np.float16) if dtype == "F16"
+                 else f32_to_bf16(nan), dtype, scale, scratch)
+    assert np.isnan(bf16_to_f32(out[0, :1]))[0]
+
+
+def test_a_fill_converts_in_buffers_it_reuses(tiny: dict[str, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An F32 adapter read a few rows at a time: every chunk's conversion (and its read) goes
+    through the same few buffers, grown only when a chunk is larger, not fresh ones a chunk
+    (NumPy's temporaries were fresh pages for the kernel to fault in, each chunk)."""
+    from metrale_cli.bf16 import Scratch
+
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    grown: list[str] = []
+    take = Scratch.take
+
+    def counted_take(self, role, shape, dtype):  # type: ignore[no-untyped-def]
+        before = self.buffers.get(role)
+        got = take(self, role, shape, dtype)
+        if self.buffers[role] is not before:
+            grown.append(role)
+        return got
+
+    monkeypatch.setattr(Scratch, "take", counted_take)
+    calls: list[int] = []
+    monkeypatch.setattr(fill, "to_bf16_into", lambda *args: calls.append(1) or
+                        to_bf16_into(*args))
+    cfg, (b,) = reports(tiny, "b")
+    layout = SlotLayout.build(cfg, b.module_set, 4)
+    LoraPool.load(layout, 1, [b])
+    assert len(calls) > 4 * len(b.modules)  # many chunks a tensor
+    assert set(grown) <= {"read", "values", "wide", "rounded"} and len(grown) <= 12, grown
 
 
 def test_pack_tables_and_delta(tiny: dict[str, Path]) -> None:
@@ -196,10 +262,10 @@ class HeldReader(fill.TensorReader):
     entered = threading.Event()
     release = threading.Event()
 
-    def block(self, info, rows, cols):  # type: ignore[no-untyped-def]
+    def block(self, info, rows, cols, scratch=None):  # type: ignore[no-untyped-def]
         HeldReader.entered.set()
         assert HeldReader.release.wait(30), "the test never released the reader"
-        return super().block(info, rows, cols)
+        return super().block(info, rows, cols, scratch)
 
 
 def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],
@@ -495,13 +561,19 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
     reads: list[tuple[bool, int, int]] = []  # (straight into the slot, BF16 bytes, one row's)
     block, into = fill.TensorReader.block, fill.TensorReader.into
 
-    def counted_block(self, info, rows, cols):  # type: ignore[no-untyped-def]
+    in_block: list[bool] = []  # a block's own read into its buffer is not counted again
+
+    def counted_block(self, info, rows, cols, scratch=None):  # type: ignore[no-untyped-def]
         width = (cols[1] - cols[0]) * 2
         reads.append((False, (rows[1] - rows[0]) * width, width))
-        return block(self, info, rows, cols)
+        in_block.append(True)
+        try:
+            return block(self, info, rows, cols, scratch)
+        finally:
+            in_block.pop()
 
     def counted_into(self, start, parts):  # type: ignore[no-untyped-def]
-        if all(out.base is not None for _, out in parts):  # spans of the slot, not a buffer
+        if not in_block:  # spans of the slot, not a buffer
             reads.append((True, sum(out.nbytes for _, out in parts), 0))
         return into(self, start, parts)
 

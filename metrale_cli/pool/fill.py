@@ -24,7 +24,7 @@ import numpy as np
 from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.adapters.experts import ExpertPair
 from metrale_cli.adapters.overlays import Overlay, OverlayRaw
-from metrale_cli.bf16 import bf16_to_f32, non_finite, to_bf16
+from metrale_cli.bf16 import Scratch, bf16_to_f32, non_finite, to_bf16_into
 from metrale_cli.errors import LayoutMismatch, NonFiniteWeights, UsageError
 from metrale_cli.files.safetensors_header import TensorInfo
 from metrale_cli.layout.expert_layout import ExpertEntry, ExpertLayout
@@ -118,18 +118,20 @@ def _refuse(bad: int, adapter: str, tensor: str) -> None:
                                "(NaN or infinity) as BF16; refusing to pack it")
 
 
-def _convert(dest: np.ndarray, values: np.ndarray, dtype: str, ratio: float) -> None:
+def _convert(dest: np.ndarray, values: np.ndarray, dtype: str, ratio: float,
+             scratch: Scratch) -> None:
     """`dest` (`[n, width]` BF16 bits): its first columns are `values` (`[n, k]` raw elements,
     strided or not) times `ratio` rounded once, the rest zero (a B region's columns past the
-    adapter's rank)."""
+    adapter's rank). Converted straight into `dest`, the temporaries in `scratch`."""
     k = values.shape[1]
-    dest[:, :k] = to_bf16(values, dtype, ratio).reshape(dest.shape[0], k)
+    to_bf16_into(dest[:, :k], values, dtype, ratio, scratch)
     if k < dest.shape[1]:
         dest[:, k:] = 0
 
 
 def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
-         dest: np.ndarray, ratio: float, adapter: str, check_finite: bool) -> int:
+         dest: np.ndarray, ratio: float, adapter: str, check_finite: bool,
+         scratch: Scratch) -> int:
     """Rows `rows` and columns `cols` of the file's tensor `info` into `dest` as `_convert`
     writes them (unscaled BF16 copied bit for bit), fused per `CHUNK_BYTES` of `dest`: a chunk's
     rows are read, converted and checked finite while they are in cache. Where the file's
@@ -147,8 +149,8 @@ def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple
             reader.rows_into(info, block, chunk)
             read += chunk.nbytes
         else:
-            values = reader.block(info, block, cols)
-            _convert(chunk, values, info.dtype, ratio)
+            values = reader.block(info, block, cols, scratch)
+            _convert(chunk, values, info.dtype, ratio, scratch)
             read += values.nbytes
         if check_finite:
             bad += non_finite(chunk)
@@ -299,6 +301,7 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
     slot's scale folded into its B, so that `scale * (x @ A^T) @ B^T` is PEFT's delta (a
     rank's part of it) for every module. Reads only the held bytes of the file; returns how many."""
     # On the host, tensors whose file bytes are the slot's are read after the others, in runs.
+    scratch = Scratch()  # the conversions' buffers, shared by the chunks of every tensor
     parts: list[Part] = []
 
     def put(info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int], span: np.ndarray,
@@ -307,7 +310,7 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
             parts.append((info.begin + rows[0] * width * BF16_BYTES, info, span))
             return 0
         return _put(reader, info, rows, cols, _bits(span, width), ratio, report.name,
-                    check_finite)
+                    check_finite, scratch)
 
     read = 0
     for m in report.modules:
@@ -345,19 +348,20 @@ def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
     (`B_CHUNK_BYTES`) and each run scattered to every pair: memory beside the pool stays one
     run, however wide the adapter. Returns the file bytes read."""
     groups: dict[tuple[str, str], list[tuple[ExpertPair, ExpertEntry]]] = defaultdict(list)
+    scratch = Scratch()
     read = 0
     for p in report.expert_pairs:
         e = layout.entries[layout.index[p.key]]
         if p.swapped:
-            done = _fill_swapped(reader, report, p, e, writer, check_finite)
+            done = _fill_swapped(reader, report, p, e, writer, check_finite, scratch)
             read += done
             if progress is not None:
                 progress(done)
         else:
             groups[(p.a.name, p.b.name)].append((p, e))
     for group in groups.values():
-        done = _fill_expert_a(reader, report, group, writer, check_finite)
-        done += _fill_expert_b(reader, report, group, writer, check_finite)
+        done = _fill_expert_a(reader, report, group, writer, check_finite, scratch)
+        done += _fill_expert_b(reader, report, group, writer, check_finite, scratch)
         read += done
         if progress is not None:
             progress(done)
@@ -365,7 +369,7 @@ def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
 
 
 def _fill_swapped(reader: RawReader, report: AdapterReport, p: ExpertPair, e: ExpertEntry,
-                  writer: SlotWriter, check_finite: bool) -> int:
+                  writer: SlotWriter, check_finite: bool, scratch: Scratch) -> int:
     """A pair whose file tensors PEFT swapped (llama4's experts): its A rows are the file B's
     columns of the expert (the held input rows of B, transposed), its B rows the file A's
     columns (the expert's rows of A, transposed, the scaling folded in)."""
@@ -378,7 +382,7 @@ def _fill_swapped(reader: RawReader, report: AdapterReport, p: ExpertPair, e: Ex
         read += raw.nbytes
         cols = raw[:, p.b_col + lo * p.b_col_step:p.b_col + top * p.b_col_step:p.b_col_step]
         a = _bits(writer.span(e.a_offset, (top - lo) * e.in_dim * BF16_BYTES), e.in_dim)
-        _convert(a, np.ascontiguousarray(cols.T), p.b.dtype, 1.0)
+        _convert(a, np.ascontiguousarray(cols.T), p.b.dtype, 1.0, scratch)
         if check_finite:
             bad += non_finite(a)
     _refuse(bad, report.name, p.b.name)
@@ -387,14 +391,14 @@ def _fill_swapped(reader: RawReader, report: AdapterReport, p: ExpertPair, e: Ex
     read += raw.nbytes
     b = _bits(writer.span(e.b_offset, (held_hi - held_lo) * e.max_rank * BF16_BYTES),
               e.max_rank)
-    _convert(b, np.ascontiguousarray(raw.T), p.a.dtype, p.scaling / report.scaling)
+    _convert(b, np.ascontiguousarray(raw.T), p.a.dtype, p.scaling / report.scaling, scratch)
     _refuse(non_finite(b) if check_finite else 0, report.name, p.a.name)
     return read
 
 
 def _fill_expert_a(reader: RawReader, report: AdapterReport,
                    group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
-                   check_finite: bool) -> int:
+                   check_finite: bool, scratch: Scratch) -> int:
     blocks = []
     for p, e in group:
         s = e.held
@@ -415,7 +419,7 @@ def _fill_expert_a(reader: RawReader, report: AdapterReport,
         if block in shared:
             a[:] = shared[block]
             continue
-        read += _put(reader, p.a, rows, cols, a, 1.0, report.name, check_finite)
+        read += _put(reader, p.a, rows, cols, a, 1.0, report.name, check_finite, scratch)
         if takers[block] > 1:
             shared[block] = a.copy()
     return read
@@ -423,7 +427,7 @@ def _fill_expert_a(reader: RawReader, report: AdapterReport,
 
 def _fill_expert_b(reader: RawReader, report: AdapterReport,
                    group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
-                   check_finite: bool) -> int:
+                   check_finite: bool, scratch: Scratch) -> int:
     info = group[0][0].b
     # The file rows of B each pair holds: its entry's held output rows k (one run: an expert's
     # projection is not fused) are the file's rows `b_row + k * b_row_step`.
@@ -436,7 +440,7 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
     for first, last in _merged(spans):
         for start in range(first, last, step):
             stop = min(last, start + step)
-            raw = reader.block(info, (start, stop), (0, info.shape[1]))
+            raw = reader.block(info, (start, stop), (0, info.shape[1]), scratch)
             read += raw.nbytes
             for (p, e), (held_lo, held_hi) in zip(group, held, strict=True):
                 # The pair's held rows k whose file row falls in [start, stop).
@@ -449,7 +453,7 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
                 first_row = p.b_row + lo * p.b_row_step - start
                 cols = raw[first_row:first_row + (hi - lo - 1) * p.b_row_step + 1:p.b_row_step,
                            p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
-                _convert(b, cols, info.dtype, p.scaling / report.scaling)
+                _convert(b, cols, info.dtype, p.scaling / report.scaling, scratch)
                 if check_finite:
                     bad += non_finite(b)
     _refuse(bad, report.name, info.name)
