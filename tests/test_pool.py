@@ -629,6 +629,7 @@ def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
     monkeypatch.setattr(fill, "SHARED_BYTES", 0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(fill, "_runnable", lambda: 1)  # this thread alone: a core idle
     readers: list[str] = []
     into = fill.TensorReader.into
 
@@ -642,14 +643,16 @@ def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fill whose bytes warrant it shares its runs with a helper thread (each reads a run
-    straight into the slot and checks it); the slot's bytes and the progress told are those of
-    one thread, and a fill below `SHARED_BYTES` starts no thread."""
+    """A fill whose bytes warrant it, where a second core is usable and idle, shares its runs
+    with a helper thread (each reads a run straight into the slot and checks it); the slot's
+    bytes and the progress told are those of one thread. A fill below `SHARED_BYTES`, on one
+    core or on a busy machine starts no thread."""
     cfg = ModelConfig.from_hf(tiny["model"])
     report = audit(Adapter.load(tiny["d"]), cfg)
     layout = SlotLayout.build(cfg, report.module_set, 4)
     one, _ = LoraPool.load(layout, 1, [report])
     assert fill._threads(fill.SHARED_BYTES - 1) == 1
+    assert fill._runnable() >= 1  # this thread, at least
     readers = two_threads(monkeypatch)
     into = fill.TensorReader.into
 
@@ -665,6 +668,10 @@ def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path],
     assert {"MainThread", "metrale-fill"} <= set(readers), readers
     assert np.array_equal(pool.region.host_bytes(0), one.region.host_bytes(0))
     assert sum(told) == read == sum(m.a.nbytes + m.b.nbytes for m in report.modules)
+    assert fill._threads(1 << 40) == 2
+    monkeypatch.setattr(fill, "_runnable", lambda: 2)  # another thread runs: no core idle
+    assert fill._threads(1 << 40) == 1
+    monkeypatch.setattr(fill, "_runnable", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})  # one usable core
     assert fill._threads(1 << 40) == 1
     readers.clear()
