@@ -8,7 +8,9 @@ host, through pinned staging buffers on a GPU) a cache-sized chunk at a time: th
 are read from the adapter file (`TensorReader`) and converted to BF16, or, where the file's
 bytes are the slot's, read straight into the slot, and the chunk is checked finite while its
 bytes are still in cache. On the host those tensors are read last, in runs of tensors end to
-end in the file, one positional read a chunk (`_read_runs`).
+end in the file, one positional read a chunk (`_read_runs`), shared by two threads where the
+bytes warrant it and a core is idle (`_each`). Conversions go straight into the slot through
+buffers reused chunk after chunk (`Scratch`).
 """
 
 from __future__ import annotations
