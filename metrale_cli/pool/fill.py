@@ -224,15 +224,21 @@ def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite:
 
 def _threads(nbytes: int) -> int:
     """How many threads read `nbytes`: two where the bytes warrant a second thread, this
-    process may run on two cores (its affinity, not the machine's count) and one of them is
-    idle now, else one. On a busy machine a second thread only waits: for a core, and for the
-    GIL behind the first whenever the kernel preempts it holding it (`bench pack` under load 11:
-    0.47-0.53 of `numpy.copyto` in the median pass against 0.56-0.61 on one thread)."""
+    process may run on two cores (`usable_cores`) and one of them is idle now, else one. On a
+    busy machine a second thread only waits: for a core, and for the GIL behind the first
+    whenever the kernel preempts it holding it (`bench pack` under load 11: 0.47-0.53 of
+    `numpy.copyto` in the median pass against 0.56-0.61 on one thread)."""
     if nbytes < SHARED_BYTES:
         return 1
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else os.cpu_count() or 1)
+    cores = usable_cores()
     return 2 if cores >= 2 and _runnable() <= cores - 1 else 1
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _runnable() -> int:
