@@ -641,14 +641,16 @@ def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return readers
 
 
-def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path],
+@pytest.mark.parametrize("name", ["d", "b"])  # BF16 read straight, F32 converted
+def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path], name: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fill whose bytes warrant it, where a second core is usable and idle, shares its runs
-    with a helper thread (each reads a run straight into the slot and checks it); the slot's
-    bytes and the progress told are those of one thread. A fill below `SHARED_BYTES`, on one
-    core or on a busy machine starts no thread."""
+    """A fill whose bytes warrant it, where a second core is usable and idle, shares its chunks
+    with a helper thread (each reads a run straight into the slot, or a block into its own
+    buffers and converts it, and checks it); the slot's bytes and the progress told are those
+    of one thread. A fill below `SHARED_BYTES`, on one core or on a busy machine starts no
+    thread."""
     cfg = ModelConfig.from_hf(tiny["model"])
-    report = audit(Adapter.load(tiny["d"]), cfg)
+    report = audit(Adapter.load(tiny[name]), cfg)
     layout = SlotLayout.build(cfg, report.module_set, 4)
     one, _ = LoraPool.load(layout, 1, [report])
     assert fill._threads(fill.SHARED_BYTES - 1) == 1
@@ -702,6 +704,38 @@ def test_two_threads_refuse_the_first_non_finite_tensor_in_the_file(
     def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
         if start == first.begin:
             time.sleep(0.05)  # the other thread reads on, to the last tensor
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", first_read_last)
+    with pytest.raises(NonFiniteWeights) as refused:
+        LoraPool.load(layout, 1, [report])
+    assert str(refused.value) == (f"bad: tensor {first.name!r} has 2 non-finite values (NaN "
+                                  "or infinity) as BF16; refusing to pack it")
+    assert "metrale-fill" in readers
+
+
+def test_two_threads_refuse_the_first_non_finite_tensor_converted(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An F32 adapter (converted) with non-finite values in its first and last tensors, the
+    first converted last (its thread held up): the refusal names the first, with its count,
+    as one thread's does."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny["b"], bad)
+    cfg = ModelConfig.from_hf(tiny["model"])
+    clean = audit(Adapter.load(bad), cfg)
+    first, last = clean.modules[0].a, clean.modules[-1].b
+    with open(bad / "adapter_model.safetensors", "r+b") as f:
+        for info, values in ((first, [np.nan, np.inf]), (last, [np.nan])):
+            f.seek(info.begin)
+            f.write(np.array(values, "<f4").tobytes())
+    report = audit(Adapter.load(bad), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
+        if start == first.begin:
+            time.sleep(0.05)  # the other thread converts on, to the last tensor
         return into(self, start, parts)
 
     monkeypatch.setattr(fill.TensorReader, "into", first_read_last)

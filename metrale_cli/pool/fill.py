@@ -39,8 +39,8 @@ from metrale_cli.pool.region import Region, SlotWriter, Staging
 CHUNK_BYTES = 1 << 20
 # Rows of a fused expert B read at a time: bounds the packer's memory beside the pool.
 B_CHUNK_BYTES = 32 << 20
-# File bytes of one fill from which a second thread shares its chunks (`_each`): below, the
-# thread's start costs more than it saves, and a small pack stays on one thread.
+# Slot bytes of one fill's reads or conversions from which a second thread shares its chunks
+# (`_each`): below, the thread's start costs more than it saves; a small pack stays on one.
 SHARED_BYTES = 16 << 20
 Progress = Callable[[int], None]
 
@@ -139,24 +139,71 @@ def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple
     rows are read, converted and checked finite while they are in cache. Where the file's
     bytes are the slot's (BF16, unscaled, whole rows, no padding) they are read straight into
     the slot: one copy, as `numpy.copyto` makes. Returns the file bytes read."""
-    n, width = dest.shape
-    direct = _direct(info, cols, width, ratio)
-    step = max(1, CHUNK_BYTES // max(1, width * BF16_BYTES))
+    direct = _direct(info, cols, dest.shape[1], ratio)
     bad = read = 0
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        chunk = dest[lo:hi]
-        block = (rows[0] + lo, rows[0] + hi)
-        if direct:
-            reader.rows_into(info, block, chunk)
-            read += chunk.nbytes
-        else:
-            values = reader.block(info, block, cols, scratch)
-            _convert(chunk, values, info.dtype, ratio, scratch)
-            read += values.nbytes
-        if check_finite:
-            bad += non_finite(chunk)
+    for lo, hi in _chunks(dest):
+        done, count = _put_chunk(reader, info, (rows[0] + lo, rows[0] + hi), cols, dest[lo:hi],
+                                 ratio, direct, check_finite, scratch)
+        read += done
+        bad += count
     _refuse(bad, adapter, info.name)
+    return read
+
+
+def _chunks(dest: np.ndarray) -> list[tuple[int, int]]:
+    """The rows `[lo, hi)` of `dest` (`[n, width]` BF16 bits) a chunk at a time: at most
+    `CHUNK_BYTES` of it, or one row."""
+    n, width = dest.shape
+    step = max(1, CHUNK_BYTES // max(1, width * BF16_BYTES))
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _put_chunk(reader: RawReader, info: TensorInfo, rows: tuple[int, int],
+               cols: tuple[int, int], chunk: np.ndarray, ratio: float, direct: bool,
+               check_finite: bool, scratch: Scratch) -> tuple[int, int]:
+    """One chunk of `_put`: the file rows `rows` (columns `cols`) of `info` read straight into
+    `chunk` (`direct`) or into `scratch` and converted into it, then checked. Returns the file
+    bytes read and the chunk's non-finite count."""
+    if direct:
+        reader.rows_into(info, rows, chunk)
+        read = chunk.nbytes
+    else:
+        values = reader.block(info, rows, cols, scratch)
+        _convert(chunk, values, info.dtype, ratio, scratch)
+        read = values.nbytes
+    return read, non_finite(chunk) if check_finite else 0
+
+
+# A block of a tensor converted into the pool on the host: (tensor, its file rows, its file
+# columns, the slot's `[n, width]` BF16 bits it fills, the scaling ratio).
+Convert = tuple[TensorInfo, tuple[int, int], tuple[int, int], np.ndarray, float]
+
+
+def _convert_all(reader: RawReader, converts: list[Convert], adapter: str, check_finite: bool,
+                 progress: Progress | None) -> int:
+    """Each of `converts` filled as `_put` fills it, a chunk at a time, the chunks shared by two
+    threads where the bytes warrant it (`_each`; each thread its own buffers). A short file is
+    the first failing chunk's error; a non-finite value is refused once every chunk is written,
+    naming the first such tensor of `converts` with its whole count. Returns the bytes read."""
+    jobs = [(t, lo, hi) for t, (_, _, _, dest, _) in enumerate(converts)
+            for lo, hi in _chunks(dest)]
+    scratches = (Scratch(), Scratch())  # one a thread
+    found = [0] * len(jobs)  # each chunk's non-finite count, summed per tensor once all are in
+
+    def convert(index: int, thread: int) -> int:
+        t, lo, hi = jobs[index]
+        info, rows, cols, dest, ratio = converts[t]
+        read, found[index] = _put_chunk(reader, info, (rows[0] + lo, rows[0] + hi), cols,
+                                        dest[lo:hi], ratio, False, check_finite,
+                                        scratches[thread])
+        return read
+
+    read = _each(len(jobs), convert, sum(c[3].nbytes for c in converts), progress)
+    bad = [0] * len(converts)
+    for (t, _, _), count in zip(jobs, found, strict=True):
+        bad[t] += count
+    for (info, *_), count in zip(converts, bad, strict=True):
+        _refuse(count, adapter, info.name)
     return read
 
 
@@ -202,7 +249,7 @@ def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite:
     # Each run's (tensor, non-finite count) pairs, merged in file order once all are read.
     found: list[list[tuple[str, int]]] = [[] for _ in runs]
 
-    def read(index: int) -> int:
+    def read(index: int, thread: int) -> int:
         run = runs[index]
         reader.into(run[0][0], [(info, span) for _, info, span in run])
         if check_finite:
@@ -223,7 +270,7 @@ def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite:
 
 
 def _threads(nbytes: int) -> int:
-    """How many threads read `nbytes`: two where the bytes warrant a second thread, this
+    """How many threads fill `nbytes` of a slot: two where they warrant a second thread, this
     process may run on two cores (`usable_cores`) and one of them is idle now, else one. On a
     busy machine a second thread only waits: for a core, and for the GIL behind the first
     whenever the kernel preempts it holding it (`bench pack` under load 11: 0.47-0.53 of
@@ -251,12 +298,13 @@ def _runnable() -> int:
         return os.cpu_count() or 1
 
 
-def _each(count: int, work: Callable[[int], int], nbytes: int,
+def _each(count: int, work: Callable[[int, int], int], nbytes: int,
           progress: Progress | None) -> int:
-    """`work(i)` for every i in `range(count)`, the indices taken in order by this thread and,
-    where `_threads(nbytes)` says two, by a helper thread: `os.preadv` and NumPy's copies,
-    conversions and reductions release the GIL, so one thread reads or converts a chunk while
-    the other checks its own. Each `work(i)` returns the bytes it read; their sum is told to
+    """`work(i, thread)` for every i in `range(count)`, the indices taken in order by this
+    thread (0) and, where `_threads(nbytes)` (the slot bytes the work fills) says two, by a
+    helper thread (1): `os.preadv` and NumPy's copies, conversions and reductions release the
+    GIL, so one thread reads or converts a chunk while the other checks its own. Each call
+    returns the file bytes it read; their sum is told to
     `progress` on this thread (a Rich bar is this thread's) and returned. A failure stops both
     threads taking more; once both have stopped, the failure of the lowest index is raised:
     every lower index was taken before it and finished, so it is the error one thread meets."""
@@ -281,7 +329,7 @@ def _each(count: int, work: Callable[[int], int], nbytes: int,
     def run(who: int) -> None:
         while (index := take()) is not None:
             try:
-                done[who] += work(index)
+                done[who] += work(index, who)
             except Exception as error:  # raised by this thread once the helper stopped
                 with lock:
                     failed[index] = error
@@ -323,17 +371,24 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
     fused projection), BF16 round-to-nearest-even, each module's PEFT scaling relative to the
     slot's scale folded into its B, so that `scale * (x @ A^T) @ B^T` is PEFT's delta (a
     rank's part of it) for every module. Reads only the held bytes of the file; returns how many."""
-    # On the host, tensors whose file bytes are the slot's are read after the others, in runs.
-    scratch = Scratch()  # the conversions' buffers, shared by the chunks of every tensor
+    # On the host the blocks are filled once every span is known: those to convert
+    # (`_convert_all`), then the tensors whose file bytes are the slot's, in runs
+    # (`_read_runs`); both shared by two threads where that pays. On a GPU, block by block
+    # through the staging buffers.
+    converts: list[Convert] = []
     parts: list[Part] = []
+    scratch = Scratch()  # the GPU path's conversion buffers, shared by every chunk
 
     def put(info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int], span: np.ndarray,
             width: int, ratio: float) -> int:
-        if writer.staging is None and _direct(info, cols, width, ratio):
+        if writer.staging is not None:
+            return _put(reader, info, rows, cols, _bits(span, width), ratio, report.name,
+                        check_finite, scratch)
+        if _direct(info, cols, width, ratio):
             parts.append((info.begin + rows[0] * width * BF16_BYTES, info, span))
-            return 0
-        return _put(reader, info, rows, cols, _bits(span, width), ratio, report.name,
-                    check_finite, scratch)
+        else:
+            converts.append((info, rows, cols, _bits(span, width), ratio))
+        return 0
 
     read = 0
     for m in report.modules:
@@ -355,6 +410,7 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
         read += done
         if progress is not None and done:
             progress(done)
+    read += _convert_all(reader, converts, report.name, check_finite, progress)
     return read + _read_runs(reader, parts, report.name, check_finite, progress)
 
 
