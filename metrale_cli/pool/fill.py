@@ -249,7 +249,7 @@ def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite:
     # Each run's (tensor, non-finite count) pairs, merged in file order once all are read.
     found: list[list[tuple[str, int]]] = [[] for _ in runs]
 
-    def read(index: int, thread: int) -> int:
+    def read_run(index: int, thread: int) -> int:
         run = runs[index]
         reader.into(run[0][0], [(info, span) for _, info, span in run])
         if check_finite:
@@ -259,7 +259,7 @@ def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite:
                     found[index].append((info.name, count))
         return sum(span.nbytes for _, _, span in run)
 
-    read = _each(len(runs), read, sum(span.nbytes for _, _, span in parts), progress)
+    read = _each(len(runs), read_run, sum(span.nbytes for _, _, span in parts), progress)
     bad: Counter[str] = Counter()
     for pairs in found:
         for name, count in pairs:
@@ -304,10 +304,10 @@ def _each(count: int, work: Callable[[int, int], int], nbytes: int,
     thread (0) and, where `_threads(nbytes)` (the slot bytes the work fills) says two, by a
     helper thread (1): `os.preadv` and NumPy's copies, conversions and reductions release the
     GIL, so one thread reads or converts a chunk while the other checks its own. Each call
-    returns the file bytes it read; their sum is told to
-    `progress` on this thread (a Rich bar is this thread's) and returned. A failure stops both
-    threads taking more; once both have stopped, the failure of the lowest index is raised:
-    every lower index was taken before it and finished, so it is the error one thread meets."""
+    returns the file bytes it read; their sum is told to `progress` on this thread (a Rich bar
+    is this thread's) and returned. A failure stops both threads taking more; once both have
+    stopped, the failure of the lowest index is raised: every lower index was taken before it
+    and finished, so it is the error one thread meets."""
     lock = threading.Lock()
     indices = iter(range(count))
     failed: dict[int, Exception] = {}
@@ -330,7 +330,7 @@ def _each(count: int, work: Callable[[int, int], int], nbytes: int,
         while (index := take()) is not None:
             try:
                 done[who] += work(index, who)
-            except Exception as error:  # raised by this thread once the helper stopped
+            except Exception as error:  # raised on this thread once both have stopped
                 with lock:
                     failed[index] = error
                 return
