@@ -33,6 +33,9 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     view = bench_pack_view(record).plain
     assert f"pack      {record['pack_gb_per_s']:.2f} GB/s" in view
     assert f"({record['memcpy_gb_per_s']:.2f} GB/s)" in view and "2 x qwen3-8b r=8" in view
+    # What the pack ran on: its second reader needs a usable core idle.
+    assert 1 <= record["setup"]["cpus_usable"] <= record["setup"]["cpus"]
+    assert f"load average {record['setup']['load_average_1m']:.1f} " in view
 
 
 def test_kernel_line_shows_the_record() -> None:

@@ -20,7 +20,7 @@ import pytest
 from metrale_cli import compat
 from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import audit
-from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16
+from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16, to_bf16_into
 from metrale_cli.errors import (
     FormatError,
     LayoutMismatch,
@@ -87,6 +87,72 @@ def test_bf16_round_to_nearest_even() -> None:
     theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(mine, theirs)
     assert np.isnan(bf16_to_f32(f32_to_bf16(np.array([np.nan], np.float32))))[0]
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3.0, 1e30])
+def test_conversions_into_a_slot_match_torch_bit_for_bit(dtype: str, scale: float) -> None:
+    """Every conversion the fill makes (a file dtype times a PEFT scaling relative to the
+    slot's, rounded once to BF16; BF16 times a float32 scale), written straight into a strided
+    slot region with reused buffers, is torch's, bit for bit: a scale too large is infinity,
+    which the finite check then refuses. The columns past the values are left alone."""
+    import torch
+
+    from metrale_cli.bf16 import Scratch, to_bf16_into
+
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal((33, 40)) * 10.0 ** rng.uniform(-6, 3, (33, 40))).astype(
+        np.float32)
+    values[0, :4] = [np.inf, -np.inf, 0.0, -0.0]
+    theirs = torch.from_numpy(values)
+    if dtype == "BF16":
+        raw = theirs.bfloat16().view(torch.int16).numpy().view(np.uint16)
+        want = theirs.bfloat16().float() * float(np.float32(scale))
+    else:
+        raw = values.astype(np.float16) if dtype == "F16" else values
+        want = (torch.from_numpy(raw).double() * scale).float()
+    want_bits = want.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    scratch = Scratch()
+    for cols in ((0, 40), (5, 21)):  # the second a strided view of the file's rows
+        dest = np.full((33, 48), 0xABCD, np.uint16)
+        k = cols[1] - cols[0]
+        to_bf16_into(dest[:, :k], raw[:, cols[0]:cols[1]], dtype, scale, scratch)
+        assert np.array_equal(dest[:, :k], want_bits[:, cols[0]:cols[1]])
+        assert (dest[:, k:] == 0xABCD).all()
+    nan = np.array([[np.nan, 1.0]], np.float32)
+    out = np.zeros((1, 2), np.uint16)
+    to_bf16_into(out, nan if dtype == "F32" else nan.astype(np.float16) if dtype == "F16"
+                 else f32_to_bf16(nan), dtype, scale, scratch)
+    assert np.isnan(bf16_to_f32(out[0, :1]))[0]
+
+
+def test_a_fill_converts_in_buffers_it_reuses(tiny: dict[str, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An F32 adapter read a few rows at a time: every chunk's conversion (and its read) goes
+    through the same few buffers, grown only when a chunk is larger, not fresh ones a chunk
+    (NumPy's temporaries were fresh pages for the kernel to fault in, each chunk)."""
+    from metrale_cli.bf16 import Scratch
+
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    grown: list[str] = []
+    take = Scratch.take
+
+    def counted_take(self, role, shape, dtype):  # type: ignore[no-untyped-def]
+        before = self.buffers.get(role)
+        got = take(self, role, shape, dtype)
+        if self.buffers[role] is not before:
+            grown.append(role)
+        return got
+
+    monkeypatch.setattr(Scratch, "take", counted_take)
+    calls: list[int] = []
+    monkeypatch.setattr(fill, "to_bf16_into", lambda *args: calls.append(1) or
+                        to_bf16_into(*args))
+    cfg, (b,) = reports(tiny, "b")
+    layout = SlotLayout.build(cfg, b.module_set, 4)
+    LoraPool.load(layout, 1, [b])
+    assert len(calls) > 4 * len(b.modules)  # many chunks a tensor
+    assert set(grown) <= {"read", "values", "wide", "rounded"} and len(grown) <= 12, grown
 
 
 def test_pack_tables_and_delta(tiny: dict[str, Path]) -> None:
@@ -196,10 +262,10 @@ class HeldReader(fill.TensorReader):
     entered = threading.Event()
     release = threading.Event()
 
-    def block(self, info, rows, cols):  # type: ignore[no-untyped-def]
+    def block(self, info, rows, cols, scratch=None):  # type: ignore[no-untyped-def]
         HeldReader.entered.set()
         assert HeldReader.release.wait(30), "the test never released the reader"
-        return super().block(info, rows, cols)
+        return super().block(info, rows, cols, scratch)
 
 
 def test_swap_in_packs_outside_the_lock(tiny: dict[str, Path],
@@ -495,13 +561,19 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
     reads: list[tuple[bool, int, int]] = []  # (straight into the slot, BF16 bytes, one row's)
     block, into = fill.TensorReader.block, fill.TensorReader.into
 
-    def counted_block(self, info, rows, cols):  # type: ignore[no-untyped-def]
+    in_block: list[bool] = []  # a block's own read into its buffer is not counted again
+
+    def counted_block(self, info, rows, cols, scratch=None):  # type: ignore[no-untyped-def]
         width = (cols[1] - cols[0]) * 2
         reads.append((False, (rows[1] - rows[0]) * width, width))
-        return block(self, info, rows, cols)
+        in_block.append(True)
+        try:
+            return block(self, info, rows, cols, scratch)
+        finally:
+            in_block.pop()
 
     def counted_into(self, start, parts):  # type: ignore[no-untyped-def]
-        if all(out.base is not None for _, out in parts):  # spans of the slot, not a buffer
+        if not in_block:  # spans of the slot, not a buffer
             reads.append((True, sum(out.nbytes for _, out in parts), 0))
         return into(self, start, parts)
 
@@ -548,6 +620,164 @@ def test_a_file_cut_short_between_reads_fails_the_fill(
         LoraPool.load(layout, 1, [report])
     assert second and str(failed.value) == (f"{weights}: file ended inside tensor "
                                             f"{second[0]!r} (cut short while it was read)")
+
+
+def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Fills share their reads with a helper thread whatever their size and this machine's
+    cores, a run of 64 bytes at a time; returns the names of the threads that read, a read
+    at a time."""
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(fill, "SHARED_BYTES", 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(fill, "_runnable", lambda: 1)  # this thread alone: a core idle
+    readers: list[str] = []
+    into = fill.TensorReader.into
+
+    def named_into(self, start, parts):  # type: ignore[no-untyped-def]
+        readers.append(threading.current_thread().name)
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", named_into)
+    return readers
+
+
+@pytest.mark.parametrize("name", ["d", "b"])  # BF16 read straight, F32 converted
+def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path], name: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fill whose bytes warrant it, where a second core is usable and idle, shares its chunks
+    with a helper thread (each reads a run straight into the slot, or a block into its own
+    buffers and converts it, and checks it); the slot's bytes and the progress told are those
+    of one thread. A fill below `SHARED_BYTES`, on one core or on a busy machine starts no
+    thread."""
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tiny[name]), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    one, _ = LoraPool.load(layout, 1, [report])
+    assert fill._threads(fill.SHARED_BYTES - 1) == 1
+    assert fill._runnable() >= 1  # this thread, at least
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def slow_first(self, start, parts):  # type: ignore[no-untyped-def]
+        if not readers:
+            time.sleep(0.05)  # whichever thread reads first, the other takes runs meanwhile
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", slow_first)
+    told: list[int] = []
+    pool = LoraPool(layout, 1, "cpu")
+    read, _ = fill.fill_slot(report, 0, layout, pool.region, progress=told.append)
+    assert {"MainThread", "metrale-fill"} <= set(readers), readers
+    assert np.array_equal(pool.region.host_bytes(0), one.region.host_bytes(0))
+    assert sum(told) == read == sum(m.a.nbytes + m.b.nbytes for m in report.modules)
+    assert fill._threads(1 << 40) == 2
+    monkeypatch.setattr(fill, "_runnable", lambda: 2)  # another thread runs: no core idle
+    assert fill._threads(1 << 40) == 1
+    monkeypatch.setattr(fill, "_runnable", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})  # one usable core
+    assert fill._threads(1 << 40) == 1
+    readers.clear()
+    LoraPool.load(layout, 1, [report])
+    assert readers and set(readers) == {"MainThread"}
+
+
+def test_two_threads_refuse_the_first_non_finite_tensor_in_the_file(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-finite values in two tensors, the first read last (its thread held up): the
+    refusal names the first tensor in the file, with its count, as one thread's does."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny["d"], bad)
+    weights = bad / "adapter_model.safetensors"
+    tensors = sorted(read_header(weights).tensors.values(), key=lambda t: t.begin)
+    first, last = tensors[0], tensors[-1]
+    nan = f32_to_bf16(np.array([np.nan, np.inf], np.float32)).tobytes()
+    with open(weights, "r+b") as f:
+        for info, raw in ((first, nan), (last, nan[:2])):
+            f.seek(info.begin)
+            f.write(raw)
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(bad), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
+        if start == first.begin:
+            time.sleep(0.05)  # the other thread reads on, to the last tensor
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", first_read_last)
+    with pytest.raises(NonFiniteWeights) as refused:
+        LoraPool.load(layout, 1, [report])
+    assert str(refused.value) == (f"bad: tensor {first.name!r} has 2 non-finite values (NaN "
+                                  "or infinity) as BF16; refusing to pack it")
+    assert "metrale-fill" in readers
+
+
+def test_two_threads_refuse_the_first_non_finite_tensor_converted(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An F32 adapter (converted) with non-finite values in its first and last tensors, the
+    first converted last (its thread held up): the refusal names the first, with its count,
+    as one thread's does."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny["b"], bad)
+    cfg = ModelConfig.from_hf(tiny["model"])
+    clean = audit(Adapter.load(bad), cfg)
+    first, last = clean.modules[0].a, clean.modules[-1].b
+    with open(bad / "adapter_model.safetensors", "r+b") as f:
+        for info, values in ((first, [np.nan, np.inf]), (last, [np.nan])):
+            f.seek(info.begin)
+            f.write(np.array(values, "<f4").tobytes())
+    report = audit(Adapter.load(bad), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
+        if start == first.begin:
+            time.sleep(0.05)  # the other thread converts on, to the last tensor
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", first_read_last)
+    with pytest.raises(NonFiniteWeights) as refused:
+        LoraPool.load(layout, 1, [report])
+    assert str(refused.value) == (f"bad: tensor {first.name!r} has 2 non-finite values (NaN "
+                                  "or infinity) as BF16; refusing to pack it")
+    assert "metrale-fill" in readers
+
+
+def test_two_threads_fail_a_file_cut_short_as_one_does(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file cut short near the end of a tensor: with two threads reading, the error names
+    that tensor, the first read in the file past the cut, as one thread's does, though the
+    other thread failed first in the next tensor; raised once both threads have stopped."""
+    shutil.copytree(tiny["d"], tmp_path / "d")
+    weights = tmp_path / "d" / "adapter_model.safetensors"
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tmp_path / "d"), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    tensors = sorted(read_header(weights).tensors.values(), key=lambda t: t.begin)
+    cut = tensors[len(tensors) // 2]
+    end = cut.begin + cut.nbytes - 10  # the next read past the cut is in the next tensor
+    os.truncate(weights, end)
+    with pytest.raises(FormatError) as one:
+        LoraPool.load(layout, 1, [report])
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def first_past_the_cut_late(self, start, parts):  # type: ignore[no-untyped-def]
+        if start <= end < start + 64:
+            time.sleep(0.05)  # the other thread meets a later short read first
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", first_past_the_cut_late)
+    with pytest.raises(FormatError) as two:
+        LoraPool.load(layout, 1, [report])
+    assert str(two.value) == str(one.value) and repr(cut.name) in str(one.value)
+    assert "metrale-fill" in readers
+    reads = len(readers)
+    time.sleep(0.1)
+    assert len(readers) == reads  # both threads stopped before the error was raised
 
 
 def test_an_adapter_for_other_dims_is_refused_before_a_byte_is_written(tmp_path: Path) -> None:

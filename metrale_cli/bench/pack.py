@@ -25,7 +25,7 @@ from metrale_cli.layout.sharding import ShardSpec, rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
-from metrale_cli.pool.fill import fill_slot
+from metrale_cli.pool.fill import fill_slot, usable_cores
 from metrale_cli.pool.pool import LoraPool
 from metrale_cli.pool.region import Region
 
@@ -153,6 +153,8 @@ def run(
         from metrale_cli.compat import cupy_module
 
         cupy_module()  # no GPU: exit 3 before any work
+    # What the host pack had to run on: its second reader runs only where a core is idle.
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         root = Path(tmp)
         paths = []
@@ -188,7 +190,8 @@ def run(
         "bench": "pack",
         "setup": {"model": model_spec, "modules": [m.peft_name for m in modules], "rank": rank,
                   "adapters": adapters, "dtype": dtype, "repeats": repeats, "device": device,
-                  "cpus": os.cpu_count()},
+                  "cpus": os.cpu_count(), "cpus_usable": usable_cores(),
+                  "load_average_1m": load},
         "tensor_bytes": tensor_bytes,
         "pool_bytes": pool_bytes,
         # The plain copy: numpy.copyto on the host, pinned host to device memory on a GPU.

@@ -8,12 +8,15 @@ host, through pinned staging buffers on a GPU) a cache-sized chunk at a time: th
 are read from the adapter file (`TensorReader`) and converted to BF16, or, where the file's
 bytes are the slot's, read straight into the slot, and the chunk is checked finite while its
 bytes are still in cache. On the host those tensors are read last, in runs of tensors end to
-end in the file, one positional read a chunk (`_read_runs`).
+end in the file, one positional read a chunk (`_read_runs`), shared by two threads where the
+bytes warrant it and a core is idle (`_each`). Conversions go straight into the slot through
+buffers reused chunk after chunk (`Scratch`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import replace
@@ -23,7 +26,7 @@ import numpy as np
 from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.adapters.experts import ExpertPair
 from metrale_cli.adapters.overlays import Overlay, OverlayRaw
-from metrale_cli.bf16 import bf16_to_f32, non_finite, to_bf16
+from metrale_cli.bf16 import Scratch, bf16_to_f32, non_finite, to_bf16_into
 from metrale_cli.errors import LayoutMismatch, NonFiniteWeights, UsageError
 from metrale_cli.files.safetensors_header import TensorInfo
 from metrale_cli.layout.expert_layout import ExpertEntry, ExpertLayout
@@ -36,6 +39,9 @@ from metrale_cli.pool.region import Region, SlotWriter, Staging
 CHUNK_BYTES = 1 << 20
 # Rows of a fused expert B read at a time: bounds the packer's memory beside the pool.
 B_CHUNK_BYTES = 32 << 20
+# Slot bytes of one fill's reads or conversions from which a second thread shares its chunks
+# (`_each`): below, the thread's start costs more than it saves; a small pack stays on one.
+SHARED_BYTES = 16 << 20
 Progress = Callable[[int], None]
 
 
@@ -114,41 +120,90 @@ def _refuse(bad: int, adapter: str, tensor: str) -> None:
                                "(NaN or infinity) as BF16; refusing to pack it")
 
 
-def _convert(dest: np.ndarray, values: np.ndarray, dtype: str, ratio: float) -> None:
+def _convert(dest: np.ndarray, values: np.ndarray, dtype: str, ratio: float,
+             scratch: Scratch) -> None:
     """`dest` (`[n, width]` BF16 bits): its first columns are `values` (`[n, k]` raw elements,
     strided or not) times `ratio` rounded once, the rest zero (a B region's columns past the
-    adapter's rank)."""
+    adapter's rank). Converted straight into `dest`, the temporaries in `scratch`."""
     k = values.shape[1]
-    dest[:, :k] = to_bf16(values, dtype, ratio).reshape(dest.shape[0], k)
+    to_bf16_into(dest[:, :k], values, dtype, ratio, scratch)
     if k < dest.shape[1]:
         dest[:, k:] = 0
 
 
 def _put(reader: RawReader, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
-         dest: np.ndarray, ratio: float, adapter: str, check_finite: bool) -> int:
+         dest: np.ndarray, ratio: float, adapter: str, check_finite: bool,
+         scratch: Scratch) -> int:
     """Rows `rows` and columns `cols` of the file's tensor `info` into `dest` as `_convert`
     writes them (unscaled BF16 copied bit for bit), fused per `CHUNK_BYTES` of `dest`: a chunk's
     rows are read, converted and checked finite while they are in cache. Where the file's
     bytes are the slot's (BF16, unscaled, whole rows, no padding) they are read straight into
     the slot: one copy, as `numpy.copyto` makes. Returns the file bytes read."""
-    n, width = dest.shape
-    direct = _direct(info, cols, width, ratio)
-    step = max(1, CHUNK_BYTES // max(1, width * BF16_BYTES))
+    direct = _direct(info, cols, dest.shape[1], ratio)
     bad = read = 0
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        chunk = dest[lo:hi]
-        block = (rows[0] + lo, rows[0] + hi)
-        if direct:
-            reader.rows_into(info, block, chunk)
-            read += chunk.nbytes
-        else:
-            values = reader.block(info, block, cols)
-            _convert(chunk, values, info.dtype, ratio)
-            read += values.nbytes
-        if check_finite:
-            bad += non_finite(chunk)
+    for lo, hi in _chunks(dest):
+        done, count = _put_chunk(reader, info, (rows[0] + lo, rows[0] + hi), cols, dest[lo:hi],
+                                 ratio, direct, check_finite, scratch)
+        read += done
+        bad += count
     _refuse(bad, adapter, info.name)
+    return read
+
+
+def _chunks(dest: np.ndarray) -> list[tuple[int, int]]:
+    """The rows `[lo, hi)` of `dest` (`[n, width]` BF16 bits) a chunk at a time: at most
+    `CHUNK_BYTES` of it, or one row."""
+    n, width = dest.shape
+    step = max(1, CHUNK_BYTES // max(1, width * BF16_BYTES))
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _put_chunk(reader: RawReader, info: TensorInfo, rows: tuple[int, int],
+               cols: tuple[int, int], chunk: np.ndarray, ratio: float, direct: bool,
+               check_finite: bool, scratch: Scratch) -> tuple[int, int]:
+    """One chunk of `_put`: the file rows `rows` (columns `cols`) of `info` read straight into
+    `chunk` (`direct`) or into `scratch` and converted into it, then checked. Returns the file
+    bytes read and the chunk's non-finite count."""
+    if direct:
+        reader.rows_into(info, rows, chunk)
+        read = chunk.nbytes
+    else:
+        values = reader.block(info, rows, cols, scratch)
+        _convert(chunk, values, info.dtype, ratio, scratch)
+        read = values.nbytes
+    return read, non_finite(chunk) if check_finite else 0
+
+
+# A block of a tensor converted into the pool on the host: (tensor, its file rows, its file
+# columns, the slot's `[n, width]` BF16 bits it fills, the scaling ratio).
+Convert = tuple[TensorInfo, tuple[int, int], tuple[int, int], np.ndarray, float]
+
+
+def _convert_all(reader: RawReader, converts: list[Convert], adapter: str, check_finite: bool,
+                 progress: Progress | None) -> int:
+    """Each of `converts` filled as `_put` fills it, a chunk at a time, the chunks shared by two
+    threads where the bytes warrant it (`_each`; each thread its own buffers). A short file is
+    the first failing chunk's error; a non-finite value is refused once every chunk is written,
+    naming the first such tensor of `converts` with its whole count. Returns the bytes read."""
+    jobs = [(t, lo, hi) for t, (_, _, _, dest, _) in enumerate(converts)
+            for lo, hi in _chunks(dest)]
+    scratches = (Scratch(), Scratch())  # one a thread
+    found = [0] * len(jobs)  # each chunk's non-finite count, summed per tensor once all are in
+
+    def convert(index: int, thread: int) -> int:
+        t, lo, hi = jobs[index]
+        info, rows, cols, dest, ratio = converts[t]
+        read, found[index] = _put_chunk(reader, info, (rows[0] + lo, rows[0] + hi), cols,
+                                        dest[lo:hi], ratio, False, check_finite,
+                                        scratches[thread])
+        return read
+
+    read = _each(len(jobs), convert, sum(c[3].nbytes for c in converts), progress)
+    bad = [0] * len(converts)
+    for (t, _, _), count in zip(jobs, found, strict=True):
+        bad[t] += count
+    for (info, *_), count in zip(converts, bad, strict=True):
+        _refuse(count, adapter, info.name)
     return read
 
 
@@ -186,23 +241,116 @@ def _runs(parts: list[Part]) -> list[list[Part]]:
 def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite: bool,
                progress: Progress | None) -> int:
     """Read `parts` into the pool a run (`_runs`) at a time, each checked finite while it is in
-    cache. A short file is the failing run's error, in file order; a non-finite value is
-    refused once every run is read, naming the first such tensor in the file with its whole
-    count. Returns the bytes read."""
-    bad: Counter[str] = Counter()
-    read = 0
-    for run in _runs(parts):
+    cache, the runs shared by two threads where the bytes warrant it (`_each`). A short file is
+    the failing run's error, in file order; a non-finite value is refused once every run is
+    read, naming the first such tensor in the file with its whole count. Returns the bytes
+    read."""
+    runs = _runs(parts)
+    # Each run's (tensor, non-finite count) pairs, merged in file order once all are read.
+    found: list[list[tuple[str, int]]] = [[] for _ in runs]
+
+    def read_run(index: int, thread: int) -> int:
+        run = runs[index]
         reader.into(run[0][0], [(info, span) for _, info, span in run])
         if check_finite:
             for _, info, span in run:
-                bad[info.name] += non_finite(span.view(np.uint16))
-        size = sum(span.nbytes for _, _, span in run)
-        if progress is not None:
-            progress(size)
-        read += size
+                count = non_finite(span.view(np.uint16))
+                if count:
+                    found[index].append((info.name, count))
+        return sum(span.nbytes for _, _, span in run)
+
+    read = _each(len(runs), read_run, sum(span.nbytes for _, _, span in parts), progress)
+    bad: Counter[str] = Counter()
+    for pairs in found:
+        for name, count in pairs:
+            bad[name] += count
     for name, count in bad.items():
         _refuse(count, adapter, name)
     return read
+
+
+def _threads(nbytes: int) -> int:
+    """How many threads fill `nbytes` of a slot: two where they warrant a second thread, this
+    process may run on two cores (`usable_cores`) and one of them is idle now, else one. On a
+    busy machine a second thread only waits: for a core, and for the GIL behind the first
+    whenever the kernel preempts it holding it (`bench pack` under load 11: 0.47-0.53 of
+    `numpy.copyto` in the median pass against 0.56-0.61 on one thread)."""
+    if nbytes < SHARED_BYTES:
+        return 1
+    cores = usable_cores()
+    return 2 if cores >= 2 and _runnable() <= cores - 1 else 1
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _runnable() -> int:
+    """Threads runnable on the machine at this moment, this one included (the fourth field
+    of /proc/loadavg, `running/total`); where that is unknown, as many as if all were busy."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return os.cpu_count() or 1
+
+
+def _each(count: int, work: Callable[[int, int], int], nbytes: int,
+          progress: Progress | None) -> int:
+    """`work(i, thread)` for every i in `range(count)`, the indices taken in order by this
+    thread (0) and, where `_threads(nbytes)` (the slot bytes the work fills) says two, by a
+    helper thread (1): `os.preadv` and NumPy's copies, conversions and reductions release the
+    GIL, so one thread reads or converts a chunk while the other checks its own. Each call
+    returns the file bytes it read; their sum is told to `progress` on this thread (a Rich bar
+    is this thread's) and returned. A failure stops both threads taking more; once both have
+    stopped, the failure of the lowest index is raised: every lower index was taken before it
+    and finished, so it is the error one thread meets."""
+    lock = threading.Lock()
+    indices = iter(range(count))
+    failed: dict[int, Exception] = {}
+    stopped = False
+    done = [0, 0]  # bytes read by this thread, by the helper
+    told = 0  # bytes told to `progress`
+
+    def tell() -> None:
+        nonlocal told
+        now = sum(done)  # the helper may add to it meanwhile
+        if progress is not None and now > told:
+            progress(now - told)
+            told = now
+
+    def take() -> int | None:
+        with lock:
+            return None if failed or stopped else next(indices, None)
+
+    def run(who: int) -> None:
+        while (index := take()) is not None:
+            try:
+                done[who] += work(index, who)
+            except Exception as error:  # raised on this thread once both have stopped
+                with lock:
+                    failed[index] = error
+                return
+            if who == 0:
+                tell()
+
+    helper = (threading.Thread(target=run, args=(1,), name="metrale-fill", daemon=True)
+              if _threads(nbytes) > 1 else None)
+    if helper is not None:
+        helper.start()
+    try:
+        run(0)
+    finally:
+        stopped = True  # an interrupt of this thread stops the helper at its next index
+        if helper is not None:
+            helper.join()
+    if failed:
+        raise failed[min(failed)]
+    tell()  # the helper's bytes read after this thread's last report
+    return sum(done)
 
 
 def _bits(span: np.ndarray, width: int) -> np.ndarray:
@@ -223,16 +371,24 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
     fused projection), BF16 round-to-nearest-even, each module's PEFT scaling relative to the
     slot's scale folded into its B, so that `scale * (x @ A^T) @ B^T` is PEFT's delta (a
     rank's part of it) for every module. Reads only the held bytes of the file; returns how many."""
-    # On the host, tensors whose file bytes are the slot's are read after the others, in runs.
+    # On the host the blocks are filled once every span is known: those to convert
+    # (`_convert_all`), then the tensors whose file bytes are the slot's, in runs
+    # (`_read_runs`); both shared by two threads where that pays. On a GPU, block by block
+    # through the staging buffers.
+    converts: list[Convert] = []
     parts: list[Part] = []
+    scratch = Scratch()  # the GPU path's conversion buffers, shared by every chunk
 
     def put(info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int], span: np.ndarray,
             width: int, ratio: float) -> int:
-        if writer.staging is None and _direct(info, cols, width, ratio):
+        if writer.staging is not None:
+            return _put(reader, info, rows, cols, _bits(span, width), ratio, report.name,
+                        check_finite, scratch)
+        if _direct(info, cols, width, ratio):
             parts.append((info.begin + rows[0] * width * BF16_BYTES, info, span))
-            return 0
-        return _put(reader, info, rows, cols, _bits(span, width), ratio, report.name,
-                    check_finite)
+        else:
+            converts.append((info, rows, cols, _bits(span, width), ratio))
+        return 0
 
     read = 0
     for m in report.modules:
@@ -254,6 +410,7 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
         read += done
         if progress is not None and done:
             progress(done)
+    read += _convert_all(reader, converts, report.name, check_finite, progress)
     return read + _read_runs(reader, parts, report.name, check_finite, progress)
 
 
@@ -270,19 +427,20 @@ def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
     (`B_CHUNK_BYTES`) and each run scattered to every pair: memory beside the pool stays one
     run, however wide the adapter. Returns the file bytes read."""
     groups: dict[tuple[str, str], list[tuple[ExpertPair, ExpertEntry]]] = defaultdict(list)
+    scratch = Scratch()
     read = 0
     for p in report.expert_pairs:
         e = layout.entries[layout.index[p.key]]
         if p.swapped:
-            done = _fill_swapped(reader, report, p, e, writer, check_finite)
+            done = _fill_swapped(reader, report, p, e, writer, check_finite, scratch)
             read += done
             if progress is not None:
                 progress(done)
         else:
             groups[(p.a.name, p.b.name)].append((p, e))
     for group in groups.values():
-        done = _fill_expert_a(reader, report, group, writer, check_finite)
-        done += _fill_expert_b(reader, report, group, writer, check_finite)
+        done = _fill_expert_a(reader, report, group, writer, check_finite, scratch)
+        done += _fill_expert_b(reader, report, group, writer, check_finite, scratch)
         read += done
         if progress is not None:
             progress(done)
@@ -290,7 +448,7 @@ def fill_experts(reader: RawReader, report: AdapterReport, layout: ExpertLayout,
 
 
 def _fill_swapped(reader: RawReader, report: AdapterReport, p: ExpertPair, e: ExpertEntry,
-                  writer: SlotWriter, check_finite: bool) -> int:
+                  writer: SlotWriter, check_finite: bool, scratch: Scratch) -> int:
     """A pair whose file tensors PEFT swapped (llama4's experts): its A rows are the file B's
     columns of the expert (the held input rows of B, transposed), its B rows the file A's
     columns (the expert's rows of A, transposed, the scaling folded in)."""
@@ -303,7 +461,7 @@ def _fill_swapped(reader: RawReader, report: AdapterReport, p: ExpertPair, e: Ex
         read += raw.nbytes
         cols = raw[:, p.b_col + lo * p.b_col_step:p.b_col + top * p.b_col_step:p.b_col_step]
         a = _bits(writer.span(e.a_offset, (top - lo) * e.in_dim * BF16_BYTES), e.in_dim)
-        _convert(a, np.ascontiguousarray(cols.T), p.b.dtype, 1.0)
+        _convert(a, np.ascontiguousarray(cols.T), p.b.dtype, 1.0, scratch)
         if check_finite:
             bad += non_finite(a)
     _refuse(bad, report.name, p.b.name)
@@ -312,14 +470,14 @@ def _fill_swapped(reader: RawReader, report: AdapterReport, p: ExpertPair, e: Ex
     read += raw.nbytes
     b = _bits(writer.span(e.b_offset, (held_hi - held_lo) * e.max_rank * BF16_BYTES),
               e.max_rank)
-    _convert(b, np.ascontiguousarray(raw.T), p.a.dtype, p.scaling / report.scaling)
+    _convert(b, np.ascontiguousarray(raw.T), p.a.dtype, p.scaling / report.scaling, scratch)
     _refuse(non_finite(b) if check_finite else 0, report.name, p.a.name)
     return read
 
 
 def _fill_expert_a(reader: RawReader, report: AdapterReport,
                    group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
-                   check_finite: bool) -> int:
+                   check_finite: bool, scratch: Scratch) -> int:
     blocks = []
     for p, e in group:
         s = e.held
@@ -340,7 +498,7 @@ def _fill_expert_a(reader: RawReader, report: AdapterReport,
         if block in shared:
             a[:] = shared[block]
             continue
-        read += _put(reader, p.a, rows, cols, a, 1.0, report.name, check_finite)
+        read += _put(reader, p.a, rows, cols, a, 1.0, report.name, check_finite, scratch)
         if takers[block] > 1:
             shared[block] = a.copy()
     return read
@@ -348,7 +506,7 @@ def _fill_expert_a(reader: RawReader, report: AdapterReport,
 
 def _fill_expert_b(reader: RawReader, report: AdapterReport,
                    group: list[tuple[ExpertPair, ExpertEntry]], writer: SlotWriter,
-                   check_finite: bool) -> int:
+                   check_finite: bool, scratch: Scratch) -> int:
     info = group[0][0].b
     # The file rows of B each pair holds: its entry's held output rows k (one run: an expert's
     # projection is not fused) are the file's rows `b_row + k * b_row_step`.
@@ -361,7 +519,7 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
     for first, last in _merged(spans):
         for start in range(first, last, step):
             stop = min(last, start + step)
-            raw = reader.block(info, (start, stop), (0, info.shape[1]))
+            raw = reader.block(info, (start, stop), (0, info.shape[1]), scratch)
             read += raw.nbytes
             for (p, e), (held_lo, held_hi) in zip(group, held, strict=True):
                 # The pair's held rows k whose file row falls in [start, stop).
@@ -374,7 +532,7 @@ def _fill_expert_b(reader: RawReader, report: AdapterReport,
                 first_row = p.b_row + lo * p.b_row_step - start
                 cols = raw[first_row:first_row + (hi - lo - 1) * p.b_row_step + 1:p.b_row_step,
                            p.b_col:p.b_col + p.r * p.b_col_step:p.b_col_step]
-                _convert(b, cols, info.dtype, p.scaling / report.scaling)
+                _convert(b, cols, info.dtype, p.scaling / report.scaling, scratch)
                 if check_finite:
                     bad += non_finite(b)
     _refuse(bad, report.name, info.name)

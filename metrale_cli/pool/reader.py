@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from metrale_cli.bf16 import RAW_DTYPES
+from metrale_cli.bf16 import RAW_DTYPES, Scratch
 from metrale_cli.errors import FormatError
 from metrale_cli.files.safetensors_header import TensorInfo
 
@@ -33,8 +33,8 @@ class RawReader(Protocol):
     """Reads a tensor's raw elements: whole, or a block of its rows and columns."""
 
     def read(self, info: TensorInfo) -> np.ndarray: ...
-    def block(self, info: TensorInfo, rows: tuple[int, int],
-              cols: tuple[int, int]) -> np.ndarray: ...
+    def block(self, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
+              scratch: Scratch | None = None) -> np.ndarray: ...
     def rows_into(self, info: TensorInfo, rows: tuple[int, int], out: np.ndarray) -> None: ...
     def into(self, start: int, parts: list[tuple[TensorInfo, np.ndarray]]) -> None: ...
 
@@ -60,10 +60,11 @@ class TensorReader:
         return self._span(info, info.begin, info.begin + info.nbytes).view(
             RAW_DTYPES[info.dtype])
 
-    def block(self, info: TensorInfo, rows: tuple[int, int],
-              cols: tuple[int, int]) -> np.ndarray:
+    def block(self, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int],
+              scratch: Scratch | None = None) -> np.ndarray:
         """Rows `[r0, r1)` and columns `[c0, c1)` of a 2-D tensor as a `[r1 - r0, c1 - c0]`
-        view of raw elements over a buffer read for it."""
+        view of raw elements over a buffer read for it: `scratch`'s read buffer where given
+        (valid until the next block read with it), else a fresh one."""
         n_rows, n_cols = info.shape
         (r0, r1), (c0, c1) = rows, cols
         if not (0 <= r0 <= r1 <= n_rows and 0 <= c0 <= c1 <= n_cols):
@@ -74,7 +75,12 @@ class TensorReader:
             return np.empty(shape, dtype)
         item, row = dtype.itemsize, n_cols * dtype.itemsize
         start = info.begin + r0 * row + c0 * item
-        data = self._span(info, start, info.begin + (r1 - 1) * row + c1 * item)
+        end = info.begin + (r1 - 1) * row + c1 * item
+        if scratch is None:
+            data = self._span(info, start, end)
+        else:
+            data = scratch.take("read", (end - start,), np.uint8)
+            self.into(start, [(info, data)])
         return np.ndarray(shape, dtype, data, 0, (row, item))
 
     def rows_into(self, info: TensorInfo, rows: tuple[int, int], out: np.ndarray) -> None:
