@@ -33,6 +33,7 @@ from metrale_cli.sim.workload import (
     Columns,
     TraceColumns,
     Workload,
+    intern_names,
 )
 
 FORMATS = ("metrale", "azure-llm", "burstgpt", "azure-functions")
@@ -205,7 +206,7 @@ def _columns(path: Path, fmt: str, where: dict[str, int], rows: list[list[str]],
             if names[k] == "/":
                 raise FormatError(f"{path}:{line}: no app or func")
     # Unnamed rows become base-model requests until Assign gives each one an adapter.
-    return arrival, names, inputs, outputs, duration, np.zeros(n, dtype=np.int64)
+    return arrival, *intern_names(names), inputs, outputs, duration, np.zeros(n, dtype=np.int64)
 
 
 def _wall_clock(path: Path, line: int, text: str) -> tuple[int, float]:
