@@ -200,7 +200,9 @@ def _scan(buf: Any, kinds: Any, keys: Any, key_ends: Any, json: bool) -> tuple[A
     n = _lines(buf)
     taken = np.zeros(n, dtype=np.bool_)
     adapter = np.full(n, -1, dtype=np.int64)
-    whole = np.zeros((3, n), dtype=np.int64)  # input tokens, output tokens, rank
+    inputs = np.zeros(n, dtype=np.int64)
+    outputs = np.zeros(n, dtype=np.int64)
+    rank = np.zeros(n, dtype=np.int64)
     has_duration = np.zeros(n, dtype=np.bool_)
     times = np.empty(buf.size + n, dtype=np.uint8)
     durations = np.empty(buf.size + n, dtype=np.uint8)
@@ -300,7 +302,12 @@ def _scan(buf: Any, kinds: Any, keys: Any, key_ends: Any, json: bool) -> tuple[A
                 else:
                     value = _whole(buf, i, j) if is_whole and count <= 18 else -1
                     ok = value >= 0
-                    whole[kind - INPUT, line] = value
+                    if kind == INPUT:
+                        inputs[line] = value
+                    elif kind == OUTPUT:
+                        outputs[line] = value
+                    else:
+                        rank[line] = value
                 i = j
         if ok and json:
             i = _skip_blanks(buf, i, end)
@@ -319,7 +326,7 @@ def _scan(buf: Any, kinds: Any, keys: Any, key_ends: Any, json: bool) -> tuple[A
         elif not json:
             break
         line_start = next_start
-    return (taken, adapter, whole, has_duration, times[:used_t], durations[:used_d],
+    return (taken, adapter, inputs, outputs, rank, has_duration, times[:used_t], durations[:used_d],
             starts[:seen], ends[:seen], first[:seen])
 
 
@@ -334,10 +341,9 @@ class Scan:
         kinds = np.array([KINDS.get(c, OTHER) for c in columns], dtype=np.int64)
         quoted = [f'"{c}"'.encode() for c in columns] if json else []
         key_ends = np.cumsum([0] + [len(k) for k in quoted])[1:].astype(np.int64)
-        (self.taken, self.adapter, whole, has_duration, times, durations, starts, ends,
-         self.first_line) = _scan(buf, kinds, np.frombuffer(b"".join(quoted), dtype=np.uint8),
-                                  key_ends, json)
-        self.inputs, self.outputs, self.rank = whole
+        (self.taken, self.adapter, self.inputs, self.outputs, self.rank, has_duration, times,
+         durations, starts, ends, self.first_line) = _scan(
+            buf, kinds, np.frombuffer(b"".join(quoted), dtype=np.uint8), key_ends, json)
         n = self.taken.size
         self.arrival, self.duration = np.full(n, np.nan), np.full(n, np.nan)
         self.arrival[self.taken] = _floats(times)
