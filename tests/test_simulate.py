@@ -815,33 +815,34 @@ def test_trace_memory_follows_the_columns(tmp_path: Path,
     assert peak < 5 * columns + (2 << 20), f"peak {peak / 2**20:.1f} MiB"
 
 
-def test_the_reader_joins_its_chunks_a_column_at_a_time(tmp_path: Path) -> None:
-    """Joining a trace's chunks holds one whole column beside them, not a second copy of every
-    column (10,000,000 requests: 480 MB less at the reader's peak), keeps no rank column for a
-    trace without ranks, and moves nothing for a trace already in time order."""
+def test_the_reader_fills_its_columns_in_place(tmp_path: Path) -> None:
+    """Chunks go straight into columns sized from the file's bytes per row: no chunk is kept
+    to be joined (joined chunks left 976 MiB resident for 400 MB of columns at 10,000,000
+    requests), no rank column is kept for a trace without ranks, and a trace already in time
+    order is not moved."""
     import tracemalloc
 
     from metrale_cli.sim.workload import TraceColumns
 
-    n, chunks = 8192, 16
-    columns = TraceColumns(tmp_path / "t.csv")
+    n, chunks, row_bytes = 8192, 16, 40
+    columns = TraceColumns(tmp_path / "t.csv", size=n * chunks * row_bytes)
     tracemalloc.start()
     try:
         for k in range(chunks):
             columns.add(np.arange(k * n, (k + 1) * n, dtype=np.float64), ["a", "b"],
                         np.arange(n, dtype=np.int64) % 3 - 1, np.ones(n, dtype=np.int64),
                         np.zeros(n, dtype=np.int64), np.full(n, np.nan),
-                        np.zeros(n, dtype=np.int64))
-        held, _ = tracemalloc.get_traced_memory()
-        tracemalloc.reset_peak()
+                        np.zeros(n, dtype=np.int64), done=(k + 1) * n * row_bytes)
         w = columns.workload()
-        _, peak = tracemalloc.get_traced_memory()
+        held, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert w.requests == n * chunks and w.adapter_rank is None and w.adapters == ("a", "b")
     assert w.arrival.tolist() == list(range(n * chunks))
-    assert held < 5 * 8 * n * chunks * 1.1  # five 8-byte columns as chunks, no rank
-    assert peak - held < 0.3 * held, f"{(peak - held) / held:.2f} of the chunks"
+    assert w.adapter.tolist() == (np.arange(n * chunks) % n % 3 - 1).tolist()
+    whole = 5 * 8 * n * chunks  # five 8-byte columns, no rank
+    assert peak < 1.25 * whole, f"peak {peak / whole:.2f} of the columns"
+    assert held < 1.15 * whole, f"held {held / whole:.2f} of the columns"
 
 
 @pytest.mark.parametrize("suffix,row", [(".csv", "{t},a\n"),

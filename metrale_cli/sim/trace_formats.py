@@ -96,11 +96,11 @@ def read_public_trace(path: Path, fmt: str, assign: Assign | None = None,
         raise UsageError(f"the {fmt} format names its adapters; --assign is for formats that "
                          "do not")
     size = path.stat().st_size
-    columns = TraceColumns(path)
+    columns = TraceColumns(path, size)
     with open(path, encoding="utf-8-sig", newline="") as f:
         lines = BoundedLines(path, f)
         for chunk in _chunks(path, fmt, lines):
-            columns.add(*chunk, blank=lines.blank)
+            columns.add(*chunk, blank=lines.blank, done=lines.chars)
             if progress is not None:
                 progress(min(lines.chars, size), size)
     workload = columns.workload()
