@@ -221,8 +221,11 @@ class Replay:
         pinned_ids = [a for a, name in enumerate(self.workload.adapters) if name in self.pinned]
         counted = np.flatnonzero((adapter >= 0) & ~np.isin(adapter, pinned_ids))
         pinned_requests = int((adapter >= 0).sum()) - counted.size
+        # The requests a cache slot serves; every one: the columns themselves, not copies.
+        cached_adapter, cached_arrival = ((adapter, arrival) if counted.size == adapter.size
+                                          else (adapter[counted], arrival[counted]))
         ticks = None if progress is None else (lambda k: progress(k * len(sizes)))
-        distance = stack_distances(adapter[counted], ticks)
+        distance = stack_distances(cached_adapter, ticks)
         if progress is not None:
             progress((self.workload.requests - counted.size) * len(sizes))
         # Every load moves the same bytes (sweepable): the adapters' one load, which is less
@@ -234,8 +237,8 @@ class Replay:
         order = np.argsort(caches, kind="stable")
         rows = np.empty((len(sizes), 9))
         rows[order] = core.lru_sweep(
-            np.ascontiguousarray(adapter[counted]), np.ascontiguousarray(arrival[counted]),
-            distance, caches[order], swap_s, links, len(self.workload.adapters), n, n_adapter)
+            np.ascontiguousarray(cached_adapter), np.ascontiguousarray(cached_arrival), distance,
+            caches[order], swap_s, links, len(self.workload.adapters), n, n_adapter)
         results = []
         for size, row in zip(sizes, rows.tolist(), strict=True):
             cache = size - len(self.pinned)

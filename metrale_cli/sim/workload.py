@@ -74,10 +74,10 @@ class Workload:
         """[N] int64: the index of the next request for the same adapter, or -1 when none (and
         for base-model requests). Belady's rule reads it."""
         n = self.requests
-        order = np.lexsort((np.arange(n), self.adapter))  # by adapter, then request order
+        order = np.argsort(self.adapter, kind="stable")  # by adapter, then request order
         nxt_sorted = np.full(n, -1, dtype=np.int64)
-        same = self.adapter[order[1:]] == self.adapter[order[:-1]]
-        nxt_sorted[:-1] = np.where(same, order[1:], -1)
+        nxt_sorted[:-1] = order[1:]
+        nxt_sorted[:-1][self.adapter[order[1:]] != self.adapter[order[:-1]]] = -1
         nxt = np.empty(n, dtype=np.int64)
         nxt[order] = nxt_sorted
         nxt[self.adapter < 0] = -1
