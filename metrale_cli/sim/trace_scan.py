@@ -124,17 +124,18 @@ def _copy_number(buf: Any, i: int, end: int, out: Any, used: int) -> int:
 
 
 @njit(cache=True)
-def _literal(buf: Any, i: int, end: int, text: Any) -> int:
-    """The end of `text` (uint8) at i, or -1."""
-    if end - i < text.size:
+def _literal(buf: Any, i: int, end: int, text: Any, start: int, stop: int) -> int:
+    """The end of text[start:stop] (uint8) at buf[i], or -1 (offsets, not a slice: a slice
+    is an array object a line)."""
+    if end - i < stop - start:
         return -1
-    for j in range(text.size):
-        if buf[i + j] != text[j]:
+    for j in range(stop - start):
+        if buf[i + j] != text[start + j]:
             return -1
-    return i + text.size
+    return i + stop - start
 
 
-_NULL, _TRUE, _FALSE = (np.frombuffer(w, dtype=np.uint8) for w in (b"null", b"true", b"false"))
+_WORDS = np.frombuffer(b"nulltruefalse", dtype=np.uint8)  # null [0, 4), true, false [8, 13)
 
 
 @njit(cache=True)
@@ -241,7 +242,7 @@ def _scan(buf: Any, kinds: Any, keys: Any, key_ends: Any, json: bool) -> tuple[A
                         ok = False
                         break
                     i = _skip_blanks(buf, i + 1, end)
-                i = _literal(buf, i, end, keys[key_ends[q - 1] if q else 0:key_ends[q]])
+                i = _literal(buf, i, end, keys, key_ends[q - 1] if q else 0, key_ends[q])
                 if i < 0:
                     ok = False
                     break
@@ -261,7 +262,7 @@ def _scan(buf: Any, kinds: Any, keys: Any, key_ends: Any, json: bool) -> tuple[A
                 while cell_end < end and buf[cell_end] != _COMMA:
                     cell_end += 1
             kind = kinds[q]
-            null = json and _literal(buf, i, end, _NULL) >= 0
+            null = json and _literal(buf, i, end, _WORDS, 0, 4) >= 0
             if kind == ADAPTER:
                 if null:
                     i += 4
@@ -281,8 +282,9 @@ def _scan(buf: Any, kinds: Any, keys: Any, key_ends: Any, json: bool) -> tuple[A
                     if j < 0 or j - i > 101:
                         j = _string(buf, i, end)
                     if j < 0:
-                        j = max(_literal(buf, i, end, _NULL), _literal(buf, i, end, _TRUE),
-                                _literal(buf, i, end, _FALSE))
+                        j = max(_literal(buf, i, end, _WORDS, 0, 4),
+                                _literal(buf, i, end, _WORDS, 4, 8),
+                                _literal(buf, i, end, _WORDS, 8, 13))
                     ok = j >= 0
                     i = j
                 else:
