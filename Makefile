@@ -42,8 +42,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e .
-	# The replay core compiles once here, not inside the first test that replays (seconds).
-	$(BIN)/python -c "from metrale_cli.sim import core; core.compile_now()"
+	# The replay core and the trace scan compile once here, not inside the first test that
+	# replays or reads a trace (seconds).
+	$(BIN)/python -c "from metrale_cli.sim import core, trace_scan; core.compile_now(); trace_scan.compile_now()"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -193,9 +193,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def replay_core() -> None:
-    """The compiled replay core (metrale_cli/sim/core.py) imported and loaded from numba's
-    cache in a setup, which the cost tiers do not count: about a second a process (numba's
-    import), paid once and not in the call of whichever test first replays a workload."""
-    from metrale_cli.sim import core
+    """The compiled replay core (metrale_cli/sim/core.py) and trace scan (sim/trace_scan.py)
+    imported and loaded from numba's cache in a setup, which the cost tiers do not count: about
+    a second a process (numba's import), paid once and not in the call of whichever test first
+    replays a workload or reads a trace."""
+    from metrale_cli.sim import core, trace_scan
 
     core.compile_now()
+    trace_scan.compile_now()

@@ -36,13 +36,13 @@ def synth_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.mark.proc
-def test_help_and_inspect_do_not_import_torch_or_cupy(synth_pair: tuple[Path, Path]) -> None:
+def test_help_and_inspect_do_not_import_torch_cupy_or_numba(synth_pair: tuple[Path, Path]) -> None:
     code = (
         "import sys\n"
         "from metrale_cli.cli.app import main\n"
         "sys.argv = ['metrale'] + sys.argv[1:]\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "bad = [m for m in ('torch', 'cupy') if m in sys.modules]\n"
+        "bad = [m for m in ('torch', 'cupy', 'numba') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
     for args in (["--help"], ["inspect", str(synth_pair[0])],

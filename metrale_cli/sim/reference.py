@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from metrale_cli.errors import PoolFull, UsageError
-from metrale_cli.pool.slot_cache import NEVER, SlotCache, SlotState
+from metrale_cli.pool.slot_cache import SlotCache, SlotState
 from metrale_cli.sim.admission import WaitingQueue
 from metrale_cli.sim.costs import Loads
 from metrale_cli.sim.results import CacheState, Observer
@@ -50,16 +50,16 @@ class Columns(NamedTuple):
     next_use: array.array[int]     # the next request for the same adapter, NEVER if none
 
     @classmethod
-    def of(cls, workload: Workload, hold: np.ndarray) -> Columns:
-        nxt = workload.next_use()
+    def of(cls, workload: Workload, hold: np.ndarray, next_use: np.ndarray) -> Columns:
         return cls(_column("q", workload.adapter), _column("d", workload.arrival),
-                   _column("d", hold), _column("q", np.where(nxt < 0, NEVER, nxt)))
+                   _column("d", hold), _column("q", next_use))
 
 
 def _column(code: str, values: np.ndarray) -> array.array[Any]:
     column = array.array(code)
+    # The array's own bytes (a view, no copy between).
     column.frombytes(np.ascontiguousarray(values, dtype=np.float64 if code == "d"
-                                          else np.int64).tobytes())
+                                          else np.int64).view(np.uint8))
     return column
 
 

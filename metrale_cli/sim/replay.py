@@ -14,13 +14,14 @@ starts earlier (it took a seat a stalled head did not hold) is counted apart (`m
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from metrale_cli.errors import UsageError
-from metrale_cli.pool.slot_cache import SlotCache
+from metrale_cli.pool.slot_cache import NEVER, SlotCache
 from metrale_cli.sim import reference
 from metrale_cli.sim.admission import ADMISSIONS
 from metrale_cli.sim.costs import HostTier, Loads, SwapCost
@@ -61,11 +62,19 @@ class Replay:
         self.pinned = list(dict.fromkeys(pinned))
         self.max_concurrency = max_concurrency
         self.paging = not bool(hold.any())
-        self.columns = Columns.of(workload, hold)
+        # [N] int64: the next request for the same adapter, NEVER if none (the core's, and
+        # min's). The other columns the core reads are the workload's own, not copies.
+        self.next_use = workload.next_use()
+        self.next_use[self.next_use < 0] = NEVER
         pinned_set = set(self.pinned)
         used = {workload.adapters[a] for a in np.unique(workload.adapter[workload.adapter >= 0])}
         self.unpinned = len(used - pinned_set)  # requested adapters that need a cache slot
         self.baseline = self._baseline(hold)
+
+    @functools.cached_property
+    def columns(self) -> Columns:
+        """The columns the Python loop indexes (`reference.py`), made on its first run."""
+        return Columns.of(self.workload, self.hold, self.next_use)
 
     @property
     def mode(self) -> str:
@@ -85,7 +94,7 @@ class Replay:
         """Start times with every adapter resident: arrival, or the first free seat."""
         arrival = self.workload.arrival
         if self.paging or self.max_concurrency is None:
-            return arrival.copy()
+            return arrival  # read, never written
         seats: list[float] = []
         start = np.empty_like(arrival)
         for r, (t, h) in enumerate(zip(arrival.tolist(), hold.tolist(), strict=True)):
@@ -105,7 +114,7 @@ class Replay:
         loop that drives the pool's own `SlotCache`, the reference the core is tested
         against."""
         self._check_size(max_loras)
-        n = len(self.columns.adapter)
+        n = self.workload.requests
         start = np.empty(n)
         loads = Loads(self.cost, self.load_bytes, self.host)
         if compiled and observe is None:
@@ -137,9 +146,9 @@ class Replay:
         pinned = np.array([names.get(p, -1) for p in self.pinned], dtype=np.int64)
         read_s = (np.asarray(loads.read_s, dtype=np.float64) if self.host is not None
                   else np.zeros(adapters))
-        adapter = np.frombuffer(self.columns.adapter, dtype=np.int64)
-        arrival = np.frombuffer(self.columns.arrival, dtype=np.float64)
-        nxt = np.frombuffer(self.columns.next_use, dtype=np.int64)
+        adapter = np.ascontiguousarray(self.workload.adapter, dtype=np.int64)
+        arrival = np.ascontiguousarray(self.workload.arrival, dtype=np.float64)
+        nxt = self.next_use
         load_s = np.asarray(loads.load_s, dtype=np.float64)
         load_bytes = np.asarray(self.load_bytes, dtype=np.int64)
         host_slots = self.host.slots if self.host is not None else 0
@@ -151,7 +160,7 @@ class Replay:
             return hits, delayed, misses, swaps, []
         waits = np.empty(len(adapter))
         counts, seconds = core.concurrent(
-            adapter, arrival, np.frombuffer(self.columns.hold, dtype=np.float64), nxt,
+            adapter, arrival, np.ascontiguousarray(self.hold, dtype=np.float64), nxt,
             core.POLICY_CODES[policy], max_loras, pinned, adapters,
             self.max_concurrency or len(adapter) + 1, self.admission == "skip", load_s,
             load_bytes, self.cost.links,
@@ -166,7 +175,7 @@ class Replay:
     def _result(self, policy: str, max_loras: int, loads: Loads, start: np.ndarray,
                 served: np.ndarray, ref_counts: list[int], hits: int, delayed: int,
                 misses: int, swaps: int, waits: list[float], detail: bool) -> RunResult:
-        n = len(self.columns.adapter)
+        n = self.workload.requests
         adapter_requests = int((self.workload.adapter >= 0).sum())
         wait = np.asarray(waits) if waits else np.zeros(1)
         return RunResult(
@@ -212,8 +221,11 @@ class Replay:
         pinned_ids = [a for a, name in enumerate(self.workload.adapters) if name in self.pinned]
         counted = np.flatnonzero((adapter >= 0) & ~np.isin(adapter, pinned_ids))
         pinned_requests = int((adapter >= 0).sum()) - counted.size
+        # The requests a cache slot serves; every one: the columns themselves, not copies.
+        cached_adapter, cached_arrival = ((adapter, arrival) if counted.size == adapter.size
+                                          else (adapter[counted], arrival[counted]))
         ticks = None if progress is None else (lambda k: progress(k * len(sizes)))
-        distance = stack_distances(adapter[counted], ticks)
+        distance = stack_distances(cached_adapter, ticks)
         if progress is not None:
             progress((self.workload.requests - counted.size) * len(sizes))
         # Every load moves the same bytes (sweepable): the adapters' one load, which is less
@@ -225,8 +237,8 @@ class Replay:
         order = np.argsort(caches, kind="stable")
         rows = np.empty((len(sizes), 9))
         rows[order] = core.lru_sweep(
-            np.ascontiguousarray(adapter[counted]), np.ascontiguousarray(arrival[counted]),
-            distance, caches[order], swap_s, links, len(self.workload.adapters), n, n_adapter)
+            np.ascontiguousarray(cached_adapter), np.ascontiguousarray(cached_arrival), distance,
+            caches[order], swap_s, links, len(self.workload.adapters), n, n_adapter)
         results = []
         for size, row in zip(sizes, rows.tolist(), strict=True):
             cache = size - len(self.pinned)

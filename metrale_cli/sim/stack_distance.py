@@ -37,10 +37,10 @@ def stack_distances(adapter: np.ndarray,
 def previous_use(adapter: np.ndarray) -> np.ndarray:
     """[N] int64: the index of the previous request for the same adapter, or -1."""
     n = int(adapter.size)
-    order = np.lexsort((np.arange(n), adapter))  # by adapter, then request order
+    order = np.argsort(adapter, kind="stable")  # by adapter, then request order
     prev_sorted = np.full(n, -1, dtype=np.int64)
-    same = adapter[order[1:]] == adapter[order[:-1]]
-    prev_sorted[1:] = np.where(same, order[:-1], -1)
+    prev_sorted[1:] = order[:-1]
+    prev_sorted[1:][adapter[order[1:]] != adapter[order[:-1]]] = -1  # no copy of `order`
     prev = np.empty(n, dtype=np.int64)
     prev[order] = prev_sorted
     return prev

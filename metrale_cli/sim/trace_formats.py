@@ -33,6 +33,7 @@ from metrale_cli.sim.workload import (
     Columns,
     TraceColumns,
     Workload,
+    intern_names,
 )
 
 FORMATS = ("metrale", "azure-llm", "burstgpt", "azure-functions")
@@ -95,11 +96,11 @@ def read_public_trace(path: Path, fmt: str, assign: Assign | None = None,
         raise UsageError(f"the {fmt} format names its adapters; --assign is for formats that "
                          "do not")
     size = path.stat().st_size
-    columns = TraceColumns(path)
+    columns = TraceColumns(path, size)
     with open(path, encoding="utf-8-sig", newline="") as f:
         lines = BoundedLines(path, f)
         for chunk in _chunks(path, fmt, lines):
-            columns.add(*chunk, blank=lines.blank)
+            columns.add(*chunk, blank=lines.blank, done=lines.chars)
             if progress is not None:
                 progress(min(lines.chars, size), size)
     workload = columns.workload()
@@ -205,7 +206,7 @@ def _columns(path: Path, fmt: str, where: dict[str, int], rows: list[list[str]],
             if names[k] == "/":
                 raise FormatError(f"{path}:{line}: no app or func")
     # Unnamed rows become base-model requests until Assign gives each one an adapter.
-    return arrival, names, inputs, outputs, duration, np.zeros(n, dtype=np.int64)
+    return arrival, *intern_names(names), inputs, outputs, duration, np.zeros(n, dtype=np.int64)
 
 
 def _wall_clock(path: Path, line: int, text: str) -> tuple[int, float]:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import codecs
 import csv
-import functools
 import io
 import itertools
 import json
 import math
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,10 +74,10 @@ class Workload:
         """[N] int64: the index of the next request for the same adapter, or -1 when none (and
         for base-model requests). Belady's rule reads it."""
         n = self.requests
-        order = np.lexsort((np.arange(n), self.adapter))  # by adapter, then request order
+        order = np.argsort(self.adapter, kind="stable")  # by adapter, then request order
         nxt_sorted = np.full(n, -1, dtype=np.int64)
-        same = self.adapter[order[1:]] == self.adapter[order[:-1]]
-        nxt_sorted[:-1] = np.where(same, order[1:], -1)
+        nxt_sorted[:-1] = order[1:]
+        nxt_sorted[:-1][self.adapter[order[1:]] != self.adapter[order[:-1]]] = -1
         nxt = np.empty(n, dtype=np.int64)
         nxt[order] = nxt_sorted
         nxt[self.adapter < 0] = -1
@@ -165,87 +163,131 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
         raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
     size = path.stat().st_size
     is_csv = path.suffix.lower() == ".csv"
-    columns = TraceColumns(path)
+    columns = TraceColumns(path, size)
     try:
         for chunk, blank, done in (_plain_csv_chunks if is_csv else _plain_jsonl_chunks)(path):
-            columns.add(*chunk, blank=blank)
+            columns.add(*chunk, blank=blank, done=done)
             if progress is not None:
                 progress(min(done, size), size)
         return columns.workload()
     except _NotPlain:
         pass  # quoted cells, bad bytes or a long line: the line reader below names them
-    columns = TraceColumns(path)
+    columns = TraceColumns(path, size)
     # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
     # otherwise become part of the first column's name.
     with open(path, encoding="utf-8-sig", newline="") as f:
         lines = BoundedLines(path, f)
         chunks = _csv_chunks(path, lines) if is_csv else _jsonl_chunks(path, lines)
         for chunk in chunks:
-            columns.add(*chunk, blank=lines.blank)
+            columns.add(*chunk, blank=lines.blank, done=lines.chars)
             if progress is not None:
                 progress(min(lines.chars, size), size)
     return columns.workload()
 
 
-Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+# A chunk of rows: arrival, the adapter names in order of first use, each row's adapter (an
+# index of those names, -1 the base model), input and output tokens, duration and rank.
+Columns = tuple[np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                np.ndarray]
+
+
+def intern_names(names: list[str]) -> tuple[list[str], np.ndarray]:
+    """Per-row adapter names (empty: the base model) as (the names in order of first use, each
+    row's index of them, -1 for the base model), as `Columns` carries them."""
+    index = {name: k for k, name in enumerate(name for name in dict.fromkeys(names) if name)}
+    ids = np.fromiter(map({**index, "": -1}.__getitem__, names), np.int64, len(names))
+    return list(index), ids
 
 
 class TraceColumns:
     """A trace's columns as they are read: NumPy chunks, adapter names interned to ids."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, size: int = 0) -> None:
         self.path = path
+        self.size = size  # the file's bytes, from which the columns are sized
         self.index: dict[str, int] = {}
         self.rows = 0
-        self.parts: list[tuple[np.ndarray, ...]] = []
+        # arrival, adapter, input and output tokens, duration: `rows` filled of each. They are
+        # sized for the whole file (its bytes over those of the rows read so far), so a trace
+        # is read into them in place, with no chunks to join: chunks that were joined left
+        # their memory to the allocator (10,000,000 requests: 976 MiB resident for columns of
+        # 400 MB). Pages past `rows` are never touched, so they take no memory.
+        self.columns = [np.empty(0), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64),
+                        np.empty(0, dtype=np.int64), np.empty(0)]
+        # (adapter, rank) of only the rows that give a rank: most traces have none.
+        self.ranked: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def add(self, arrival: np.ndarray, names: list[str], inputs: np.ndarray,
-            outputs: np.ndarray, duration: np.ndarray, rank: np.ndarray,
-            blank: int = 0) -> None:
-        """One chunk of rows, `blank` the blank lines read so far: they count toward the
-        bound too (a 2 GB file of blank lines took 17 minutes to say it held no request)."""
-        self.rows += len(names)
+    def add(self, arrival: np.ndarray, names: list[str], adapter: np.ndarray,
+            inputs: np.ndarray, outputs: np.ndarray, duration: np.ndarray, rank: np.ndarray,
+            blank: int = 0, done: int = 0) -> None:
+        """One chunk of rows (`Columns`), `blank` the blank lines read so far: they count
+        toward the bound too (a 2 GB file of blank lines took 17 minutes to say it held no
+        request); `done` the bytes (or characters) read so far."""
+        first, count = self.rows, len(adapter)
+        self.rows += count
         if self.rows + blank > MAX_REQUESTS:
             raise UsageError(f"{self.path}: more than {MAX_REQUESTS:,} requests"
                              f"{' and blank lines' if blank else ''}, the most a simulation "
                              "takes; cut the trace")
         index = self.index
-        for name in dict.fromkeys(names):  # new names in order of first use, at C speed
-            if name and name not in index:
-                index[name] = len(index)
-        ids = np.fromiter(map({**index, "": -1}.__getitem__, names), np.int64, len(names))
-        self.parts.append((arrival, ids, inputs, outputs, duration, rank))
+        # The chunk's names in their order of first use, so the trace's are too; -1 stays -1.
+        to_trace = np.array([index.setdefault(name, len(index)) for name in names] + [-1],
+                            dtype=np.int64)
+        ids = to_trace[adapter]
+        given = (ids >= 0) & (rank > 0)
+        if given.any():
+            self.ranked.append((ids[given], rank[given]))
+        capacity = self.columns[0].size
+        if self.rows > capacity:
+            # The rows the whole file holds at the bytes per row so far, and some; at least a
+            # quarter more than now (twice, without a size), so a file whose rows grow longer
+            # is copied a few times, not once a chunk.
+            whole = int(self.rows * self.size / done * 1.05) + 1 if done else 0
+            more = capacity * 5 // 4 if done else capacity * 2
+            capacity = min(MAX_REQUESTS, max(self.rows, whole, more))
+            self.columns = [_grown(c, first, capacity) for c in self.columns]
+        for column, values in zip(self.columns, (arrival, ids, inputs, outputs, duration),
+                                  strict=True):
+            column[first:self.rows] = values
 
     def workload(self) -> Workload:
         if not self.rows:
             raise FormatError(f"{self.path}: no requests")
-        arrival, adapter, inputs, outputs, duration, rank = (
-            np.concatenate(c) for c in zip(*self.parts, strict=True))
-        self.parts.clear()
-        order = np.argsort(arrival, kind="stable")
+        columns = [c[:self.rows] for c in self.columns]
+        self.columns = []
+        if (columns[0][1:] < columns[0][:-1]).any():  # not in time order: sorted, stably
+            order = np.argsort(columns[0], kind="stable")
+            for c in range(len(columns)):
+                columns[c] = columns[c][order]
+        arrival, adapter, inputs, outputs, duration = columns
         return Workload(
-            adapters=tuple(self.index), adapter=adapter[order], arrival=arrival[order],
-            input_tokens=inputs[order], output_tokens=outputs[order], duration=duration[order],
-            source={"kind": "trace", "path": str(self.path)},
-            adapter_rank=self._ranks(adapter, rank),
-        )
+            adapters=tuple(self.index), adapter=adapter, arrival=arrival, input_tokens=inputs,
+            output_tokens=outputs, duration=duration,
+            source={"kind": "trace", "path": str(self.path)}, adapter_rank=self._ranks())
 
-    def _ranks(self, adapter: np.ndarray, rank: np.ndarray) -> np.ndarray | None:
+    def _ranks(self) -> np.ndarray | None:
         """Each adapter's rank from the `rank` column (None without one): the rows that give
         it must agree."""
-        given = (adapter >= 0) & (rank > 0)
-        if not given.any():
+        if not self.ranked:
             return None
+        adapter, rank = (np.concatenate(c) for c in zip(*self.ranked, strict=True))
         count = len(self.index)
         high, low = np.zeros(count, dtype=np.int64), np.full(count, MAX_TOKENS, dtype=np.int64)
-        np.maximum.at(high, adapter[given], rank[given])
-        np.minimum.at(low, adapter[given], rank[given])
+        np.maximum.at(high, adapter, rank)
+        np.minimum.at(low, adapter, rank)
         bad = np.flatnonzero((high > 0) & (low != high))
         if bad.size:
             a = int(bad[0])
             raise FormatError(f"{self.path}: adapter {list(self.index)[a]!r} is given rank "
                               f"{low[a]} and rank {high[a]}; an adapter has one rank")
         return high
+
+
+def _grown(column: np.ndarray, rows: int, capacity: int) -> np.ndarray:
+    """`column`'s first `rows` values in a column of `capacity`."""
+    out = np.empty(capacity, dtype=column.dtype)
+    out[:rows] = column[:rows]
+    return out
 
 
 class BoundedLines:
@@ -337,34 +379,45 @@ def _plain_blocks(path: Path) -> Iterator[tuple[bytes, str, int]]:
 def _plain_csv_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
     """(columns, blank lines so far, bytes read) per block of TRACE_CHUNK lines of a plain CSV
     file (`_plain_blocks`) with no quote character. Such a file is what csv.reader reads as
-    each line split at its commas, so a block is split at C speed, with no reader per line;
-    rows are numbered by their lines, and a bad cell is named as the line reader names it
-    (`_csv_columns`). Anything else raises _NotPlain before a row of it is used, and the
-    caller reads the file again line by line."""
+    each line split at its commas, so a block is read with no reader per line: by one compiled
+    scan (`trace_scan`) where it takes every line, else split at C speed; rows are numbered by
+    their lines, and a bad cell is named as the line reader names it (`_csv_columns`).
+    Anything else raises _NotPlain before a row of it is used, and the caller reads the file
+    again line by line."""
+    from metrale_cli.sim import trace_scan
+
     blank = 0
     first = 1  # the line number of the block's first line
     header: list[str] | None = None
     for block, text, done in _plain_blocks(path):
         if b'"' in block:
             raise _NotPlain
+        if header is None:
+            head, _, block = block.partition(b"\n")
+            text = text.partition("\n")[2]
+            header = head.decode("utf-8").removeprefix("\ufeff").removesuffix("\r").split(",")
+            missing = [c for c in ("timestamp", "adapter") if c not in header]
+            if missing:
+                raise _NotPlain  # the line reader names what the header lacks
+            first = 2
+        width = len(header)
+        scan = trace_scan.Scan(block, header if len(set(header)) == width else [], json=False)
+        if scan.taken.size and scan.taken.all() and np.isfinite(scan.arrival).all() and (
+                not np.isinf(scan.duration).any()):
+            yield (scan.arrival, scan.names, scan.adapter, scan.inputs, scan.outputs,
+                   scan.duration, scan.rank), blank, done
+            first += scan.taken.size
+            continue
         raw = np.frombuffer(block, dtype=np.uint8)
         ends = np.flatnonzero(raw == 10)
         lines = text.replace("\r\n", "\n").split("\n")
         if lines[-1] == "":
             lines.pop()  # the block ends at a line end
-        if header is None:
-            header = lines[0].removeprefix("\ufeff").split(",")
-            missing = [c for c in ("timestamp", "adapter") if c not in header]
-            if missing:
-                raise _NotPlain  # the line reader names what the header lacks
-            lines = lines[1:]
-            first = 2
         # Commas per line, from the bytes: where every line has the header's count (no
         # blank line), the columns are slices of one split of the whole block.
         bounds = ends if block.endswith(b"\n") else np.append(ends, len(block) - 1)
         commas = np.diff(np.searchsorted(np.flatnonzero(raw == 44), bounds),
                          prepend=0)[len(bounds) - len(lines):]
-        width = len(header)
         fast = None
         if lines and len(set(header)) == width and bool((commas == width - 1).all()):
             flat = ",".join(lines).split(",")
@@ -447,7 +500,8 @@ def _csv_line_numbers(path: Path, skip: int, count: int) -> list[int]:
 
 
 def _parsed_columns(parsed: list[tuple[float, str, int, int, float, int]]) -> Columns:
-    return (np.array([r[0] for r in parsed], dtype=np.float64), [r[1] for r in parsed],
+    return (np.array([r[0] for r in parsed], dtype=np.float64),
+            *intern_names([r[1] for r in parsed]),
             np.array([r[2] for r in parsed], dtype=np.int64),
             np.array([r[3] for r in parsed], dtype=np.int64),
             np.array([r[4] for r in parsed], dtype=np.float64),
@@ -494,8 +548,8 @@ def _cell_columns(header: list[str], column: Callable[[int], list[str]],
         return None
     if any((t != np.floor(t)).any() or (t >= MAX_TOKENS).any() for t in (inputs, outputs, rank)):
         return None
-    return (arrival, [c.strip() for c in column(where["adapter"])], inputs.astype(np.int64),
-            outputs.astype(np.int64), duration, rank.astype(np.int64))
+    return (arrival, *intern_names([c.strip() for c in column(where["adapter"])]),
+            inputs.astype(np.int64), outputs.astype(np.int64), duration, rank.astype(np.int64))
 
 
 def _jsonl_chunks(path: Path, lines: BoundedLines) -> Iterator[Columns]:
@@ -523,150 +577,80 @@ def _jsonl_row(path: Path, line_no: int,
     return _parse_row(path, line_no, row)
 
 
-# The JSON-lines block reader's grammar for the common line, a flat object of plain values:
-# a number with no sign, a string with no escape or control character, null, and for a key
-# metrale does not read also a sign, true and false, and at most 100 integer digits (JSON reads
-# 4,301 as an error; a column metrale reads gives such a number inf, which is refused after).
-# A line the pattern does not take whole goes to `json`.
-_NUMBER = r"(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
-_CHARS = r'[^"\\\x00-\x1f]*'
-_VALUES = {
-    "timestamp": f"({_NUMBER})",
-    # null and "" alike: the base model. A name with blanks at either end is left to `json`
-    # (read stripped), so that the names captured need no strip.
-    "adapter": f'(?:"(?!\\s)({_CHARS})(?<!\\s)"|null)',
-    **{key: f"(?:({_NUMBER})|null)"  # null: not given
-       for key in ("input_tokens", "output_tokens", "duration", RANK_COLUMN)},
-}
-_BOUNDED_NUMBER = r"-?(?:0|[1-9][0-9]{0,99})(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
-_OTHER_VALUE = f'(?:{_BOUNDED_NUMBER}|"{_CHARS}"|true|false|null)'
-# (between members, between a key and its value, around the object): json.dumps' default
-# separators, its compact ones, then any of JSON's blanks within a line (the slowest to match).
-_WS = r"[ \t]*"
-_STYLES = ((", ", ": ", ""), (",", ":", ""), (f"{_WS},{_WS}", f"{_WS}:{_WS}", _WS))
-
-
-@functools.lru_cache(maxsize=64)
-def _jsonl_pattern(keys: tuple[str, ...], style: int) -> re.Pattern[str] | None:
-    """A regular expression that takes one line and its `\n`: either the flat object of `keys`
-    in this order, spaced as _STYLES[style] (a group per column metrale reads, in key order,
-    the timestamp's never empty), or any other line (every group empty). None where a key is not
-    written plain, or the line reader needs one metrale reads that `keys` lacks."""
-    if "timestamp" not in keys or "adapter" not in keys:
-        return None
-    items, colon, around = _STYLES[style]
-    parts = []
-    for key in keys:
-        if json.dumps(key, ensure_ascii=False) != f'"{key}"':
-            return None  # a key JSON writes with escapes: the pattern would not be its text
-        parts.append(f'"{re.escape(key)}"{colon}{_VALUES.get(key, _OTHER_VALUE)}')
-    body = items.join(parts)
-    return re.compile(f"(?:{around}\\{{{around}{body}{around}\\}}{around}\\r?|[^\\n]*)\\n")
-
-
-def _block_pattern(path: Path, lines: list[str], first: int) -> tuple[
-        tuple[str, ...], re.Pattern[str] | None]:
-    """The keys, in order, of the block's first request line, and the first of their
-    patterns (`_jsonl_pattern`) that takes that line; no pattern where the line reader reads
-    that line with an error (it names the error) or none takes it."""
-    for k, line in enumerate(lines):
+def _block_keys(path: Path, text: str, first: int) -> list[str] | None:
+    """The keys, in order, of the block's first request line, where the scan can take lines
+    of that shape (`trace_scan`): they name the timestamp and the adapter, each written plain
+    by `json`; None where they do not, or where the line reader reads that line with an error
+    (it names the error)."""
+    for k, line in enumerate(text.split("\n", 64)):
         if line.strip():
             try:
                 row = load_json(f"{path}:{first + k}", line, "JSON request")
             except FormatError:
-                break
-            if not isinstance(row, dict):
-                break
-            keys = tuple(row)
-            for style in range(len(_STYLES)):
-                pattern = _jsonl_pattern(keys, style)
-                if pattern is None:
-                    break
-                read = [key for key in keys if key in _VALUES]
-                if pattern.match(line + "\n").group(read.index("timestamp") + 1):
-                    return keys, pattern
-            break
-    return (), None
+                return None
+            if not isinstance(row, dict) or "timestamp" not in row or "adapter" not in row:
+                return None
+            if any(json.dumps(key, ensure_ascii=False) != f'"{key}"' for key in row):
+                return None  # a key JSON writes with escapes: not its text in the line
+            return list(row)
+    return None
 
 
 def _plain_jsonl_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
     """(columns, blank lines so far, bytes read) per block of TRACE_CHUNK lines of a plain
     JSON-lines file (`_plain_blocks`): the lines of the shape of the block's first request
-    (`_block_pattern`) are read by one regular expression over the block and converted a
-    column at a time; every other line, and a line whose values are out of bounds, is read as
-    the line reader reads it (`_jsonl_row`), in line order, so a bad line is named with the
-    same error. A block of only blank lines counts toward the bound as the line reader's
-    chunks do (one of TRACE_CHUNK lines, not the file's last)."""
+    (`_block_keys`) are read by one compiled scan of the block (`trace_scan`); every other
+    line, and a line whose values are out of bounds, is read as the line reader reads it
+    (`_jsonl_row`), in line order, so a bad line is named with the same error. A block of only
+    blank lines counts toward the bound as the line reader's chunks do (one of TRACE_CHUNK
+    lines, not the file's last)."""
     blank = 0
     first = 1  # the line number of the block's first line
-    for _, text, done in _plain_blocks(path):
-        if first == 1:
-            text = text.removeprefix("\ufeff")  # as the line reader's utf-8-sig
-        ended = text.endswith("\n")
-        lines = (text[:-1] if ended else text).split("\n") if text else []
-        keys, pattern = _block_pattern(path, lines, first)
-        columns, blanks = _jsonl_columns(path, lines, first, ended, keys, pattern)
+    for block, text, done in _plain_blocks(path):
+        if first == 1 and text.startswith("\ufeff"):  # as the line reader's utf-8-sig
+            block, text = block[3:], text[1:]
+        columns, lines, blanks = _jsonl_columns(path, block, text, first)
         blank += blanks
-        if len(lines) > blanks or len(lines) == TRACE_CHUNK:
+        if lines > blanks or lines == TRACE_CHUNK:
             yield columns, blank, done
-        first += len(lines)
+        first += lines
 
 
-def _jsonl_columns(path: Path, lines: list[str], first: int, ended: bool,
-                   keys: tuple[str, ...], pattern: re.Pattern[str] | None) -> tuple[
-                       Columns, int]:
-    """(columns, blank lines) of JSON-lines `lines` (without their `\\n`; the last had one if
-    `ended`), the first on line `first`; the lines `pattern` takes (objects of `keys`) read
-    by it, the others by `_jsonl_row`."""
-    n = len(lines)
-    arrival, duration = np.full(n, np.nan), np.full(n, np.nan)
-    inputs, outputs, rank = (np.zeros(n, dtype=np.int64) for _ in range(3))
-    names = [""] * n
-    fast = np.zeros(n, dtype=bool)
-    if pattern is not None and n:
-        cells = dict(zip([k for k in keys if k in _VALUES],
-                         zip(*pattern.findall("\n".join(lines) + "\n"), strict=True),
-                         strict=True))
+def _jsonl_columns(path: Path, block: bytes, text: str, first: int) -> tuple[Columns, int, int]:
+    """(columns, lines, blank lines) of the JSON-lines block `block` (`text` decoded), its
+    first line on line `first`: the lines the scan takes by it, the others by `_jsonl_row`."""
+    from metrale_cli.sim import trace_scan
 
-        def filled(key: str, default: str) -> tuple[str, ...]:
-            """Column `key`, `default` for null and on the lines not taken (empty)."""
-            column: tuple[str, ...] = cells[key]
-            return tuple(c or default for c in column) if "" in column else column
-
-        # Past float64, as `json` reads it too: inf, refused. A line not taken: NaN.
-        arrival[:] = np.array(filled("timestamp", "nan"), dtype=np.float64)
-        fast = np.isfinite(arrival)
-        if "duration" in cells:
-            duration[:] = np.array(filled("duration", "nan"), dtype=np.float64)
-            fast &= ~np.isinf(duration)  # NaN: not given
-        for key, column in (("input_tokens", inputs), ("output_tokens", outputs),
-                            (RANK_COLUMN, rank)):
-            if key in cells:
-                try:  # JSON integers, the common case: read as int64 at thrice the speed
-                    column[:] = np.array(filled(key, "0"), dtype=np.int64)
-                    fast &= column < MAX_TOKENS
-                    continue
-                except (ValueError, OverflowError):  # a fraction or an exponent; past int64
-                    pass
-                values = np.array(filled(key, "0"), dtype=np.float64)
-                whole = (values == np.floor(values)) & (values < MAX_TOKENS)
-                fast &= whole
-                column[:] = np.where(whole, values, 0)
-        names = list(cells["adapter"])
+    scan = trace_scan.Scan(block, _block_keys(path, text, first) or [], json=True)
+    arrival, duration, adapter = scan.arrival, scan.duration, scan.adapter
+    inputs, outputs, rank = scan.inputs, scan.outputs, scan.rank
+    n = scan.taken.size
+    # Past float64, as `json` reads it too: inf, refused by the line reader.
+    rest = np.flatnonzero(~(scan.taken & ~np.isinf(arrival) & ~np.isinf(duration)))
+    names = scan.names
     blank = np.zeros(n, dtype=bool)
-    for k in np.flatnonzero(~fast).tolist():
-        line = lines[k] + ("\n" if k < n - 1 or ended else "")
-        row = _jsonl_row(path, first + k, line)
-        if row is None:
-            blank[k] = True
-            continue
-        arrival[k], names[k], inputs[k], outputs[k], duration[k], rank[k] = row
+    if rest.size:
+        lines = text.split("\n")  # past a last line end, one more empty string
+        # The names in order of first use: the scan's, each at its first line, and those of
+        # the lines read by `json`, at theirs.
+        uses = list(zip(scan.first_line.tolist(), names, strict=True))
+        for k in rest.tolist():
+            row = _jsonl_row(path, first + k, lines[k] + ("\n" if k < len(lines) - 1 else ""))
+            if row is None:
+                blank[k] = True
+                continue
+            arrival[k], name, inputs[k], outputs[k], duration[k], rank[k] = row
+            adapter[k] = len(uses)
+            uses.append((k, name))
+        names = intern_names([name for _, name in sorted(uses)])[0]
+        where = {name: k for k, name in enumerate(names)}
+        where[""] = -1
+        adapter = np.array([where[name] for _, name in uses] + [-1], dtype=np.int64)[adapter]
     if blank.any():
         keep = ~blank
-        names = [name for name, b in zip(names, blank.tolist(), strict=True) if not b]
-        arrival, inputs, outputs, duration, rank = (
-            c[keep] for c in (arrival, inputs, outputs, duration, rank))
-    return (arrival, names, inputs, outputs, duration, rank), int(blank.sum())
+        arrival, adapter, inputs, outputs, duration, rank = (
+            c[keep] for c in (arrival, adapter, inputs, outputs, duration, rank))
+    return (arrival, names, adapter, inputs, outputs, duration, rank), n, int(blank.sum())
 
 
 def _parse_row(path: Path, line: int,
