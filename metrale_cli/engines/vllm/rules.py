@@ -40,6 +40,7 @@ from metrale_cli.engines.verdict import EngineVerdict, ModuleOutcome, Verdict
 from metrale_cli.engines.vllm.flags import DEFAULT_MAX_LORA_RANK, MAX_LORA_RANKS, Flags
 from metrale_cli.engines.vllm.model import (
     FAMILIES,
+    KV_B_UNAPPLIED,
     MAX_LORA_VOCAB,
     NAME,
     VERSION,
@@ -210,6 +211,9 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
         elif module.keys_as_values and sub.endswith("k_proj"):
             grouped[(sub, module.path, False, KEYS_AS_VALUES)].append(
                 -1 if key.layer is None else key.layer)
+        elif module.unapplied:
+            grouped[(sub, module.path, False, module.unapplied)].append(
+                -1 if key.layer is None else key.layer)
         else:
             grouped[(sub, module.path, True, "")].append(-1 if key.layer is None else key.layer)
     return [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served, why)
@@ -297,6 +301,19 @@ def load_paths(v: Verdict, reason: str) -> dict[str, dict[str, str]]:
     }
 
 
+def _dropped_class(dropped: list[ModuleOutcome]) -> str:
+    """The reason class of an adapter whose `dropped` weights load and are not applied as PEFT
+    applies them: the flag that drops them, else the first of vLLM's own reasons."""
+    whys = {o.why for o in dropped}
+    if any("--lora-target-modules" in why for why in whys):
+        return "target_modules"
+    if KEYS_AS_VALUES in whys:
+        return "keys_as_values"
+    if KV_B_UNAPPLIED in whys:
+        return "mla_kv_b_unapplied"
+    return "missing_module"
+
+
 def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
           flags_source: str = "given") -> EngineVerdict:
     """What vLLM 0.32's GPU build does with one adapter under `flags`; where the CPU build or
@@ -334,17 +351,14 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     dropped = [o for o in outcomes if not o.served]
     # A keys-as-values k_proj is applied, to the keys alone: the adapter changes the output.
     if not served and all(o.why != KEYS_AS_VALUES for o in dropped):
-        return verdict(Verdict.IGNORES, "target_modules" if any(
-            "--lora-target-modules" in o.why for o in dropped) else "missing_module",
-            "every LoRA weight loads and none is applied: " + "; ".join(
-                f"{o.module}: {o.why}" for o in dropped), outcomes)
+        return verdict(Verdict.IGNORES, _dropped_class(dropped),
+                       "every LoRA weight loads and none is applied: " + "; ".join(
+                           f"{o.module}: {o.why}" for o in dropped), outcomes)
     if dropped:
-        return verdict(Verdict.DIFFERS, "target_modules" if any(
-            "--lora-target-modules" in o.why for o in dropped) else "keys_as_values" if any(
-            o.why == KEYS_AS_VALUES for o in dropped) else "missing_module",
-            "part of the adapter is not applied as PEFT applies it: " + "; ".join(
-                f"{o.module} on layers {o.record()['layer_ranges']}: {o.why}"
-                for o in dropped), outcomes)
+        return verdict(Verdict.DIFFERS, _dropped_class(dropped),
+                       "part of the adapter is not applied as PEFT applies it: " + "; ".join(
+                           f"{o.module} on layers {o.record()['layer_ranges']}: {o.why}"
+                           for o in dropped), outcomes)
     return verdict(Verdict.SERVES, "", "loads and applies every module at PEFT's rank and "
                    "scale (rank_pattern, alpha_pattern and rsLoRA as PEFT reads them)", outcomes)
 
