@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from metrale_cli.engines.vllm.model import FAMILIES as VLLM_FAMILIES
 from metrale_cli.engines.vllm.model import VllmFamily
 from metrale_cli.model.config import LayerType, ModelConfig
 from tests.conftest import VLLM_PYTHON
+from tests.support.cli_runner import metrale
 
 FLAGS = vllm.Flags(16, 2)
 
@@ -118,7 +121,6 @@ def test_no_embedding_lora_where_the_model_class_declares_none(peft_zoo) -> None
 def test_a_hostile_config_is_a_refusal_not_a_traceback(peft_zoo, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A rank_pattern that is not a mapping, or a rank that is not a number, is what vLLM's
     PEFTHelper fails on: `refuses`, with the field named."""
-    import json
     import shutil
 
     truth = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"])
@@ -705,3 +707,18 @@ def test_mla_buffers_follow_vllm_create_lora_weights() -> None:
     for sharded in (False, True):
         assert kv_a.buffers(1, 64, 2, sharded) == [("lora_a", (1, 1, 64, 2048)),
                                                    ("lora_b", (1, 1, 512 + 64, 64))]
+
+
+@pytest.mark.parametrize("change", [{"moe_layer_freq": 2},
+                                    {"qk_nope_head_dim": 0, "qk_rope_head_dim": 0}])
+def test_deepseek_layers_mla_does_not_model_are_refused(tmp_path, change: dict[str, int]) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's DeepSeek class puts MoE layers every `moe_layer_freq` and builds plain attention
+    (qkv_proj) where both qk head widths are 0: metrale models neither, so `--engine vllm`
+    refuses in one line, exit 2, rather than guess."""
+    lite = Path(__file__).parent / "data" / "model_configs" / "deepseek-v2-lite.config.json"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**json.loads(lite.read_text()), **change}))
+    done = metrale("layout", "-m", config, "--max-rank", 16, "--engine", "vllm")
+    assert done.code == 2 and "multi-head latent attention" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert metrale("layout", "-m", lite, "--max-rank", 16, "--engine", "vllm").code == 0

@@ -515,10 +515,10 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
 
 # mla_attention.py: the attention backend's impl (MLACommonBaseImpl and its subclasses, the
 # CPU's CPUMLAImpl; no torch module) keeps the kv_b_proj it was built with and calls that layer
-# in prefill (forward_mha);
-# decode multiplies by W_UK_T and W_UV, split off kv_b_proj's base weight at load
-# (process_weights_after_loading). The LoRA manager swaps the wrapper in on the modules that
-# hold kv_b_proj as a submodule, never in the impl, so its LoRA is applied on no token.
+# in prefill (forward_mha); decode multiplies by W_UK_T and W_UV, split off kv_b_proj's base
+# weight at load (process_weights_after_loading). The LoRA manager swaps the wrapper in on the
+# modules that hold kv_b_proj as a submodule, never in the impl, so its LoRA is applied on no
+# token.
 KV_B_UNAPPLIED = ("vLLM's MLA backend runs kv_b_proj's base weight itself (prefill through "
                   "the layer it was built with, decode through the weights absorbed from it): "
                   "the weights load into kv_b_proj's LoRA buffers and are never applied")
