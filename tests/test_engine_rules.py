@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from metrale_cli.engines.vllm.model import FAMILIES as VLLM_FAMILIES
 from metrale_cli.engines.vllm.model import TRANSFORMERS_FALLBACK, VllmFamily
 from metrale_cli.model.config import LayerType, ModelConfig
 from tests.conftest import VLLM_PYTHON
+from tests.support.cli_runner import metrale
 
 FLAGS = vllm.Flags(16, 2)
 
@@ -118,7 +121,6 @@ def test_no_embedding_lora_where_the_model_class_declares_none(peft_zoo) -> None
 def test_a_hostile_config_is_a_refusal_not_a_traceback(peft_zoo, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A rank_pattern that is not a mapping, or a rank that is not a number, is what vLLM's
     PEFTHelper fails on: `refuses`, with the field named."""
-    import json
     import shutil
 
     truth = peft_zoo.adapter("qwen3", r=8, lora_alpha=16, target_modules=["q_proj"])
@@ -319,8 +321,8 @@ def test_an_unregistered_transformers_class_is_built_on_the_backend(tmp_path) ->
 
 def _holds_packing(row: VllmFamily, packed: dict[str, list[str]] | None, where: str) -> None:
     """The class's packing of the fused layers the row models (a class without a dense MLP
-    packs no gate_up_proj); a family metrale refuses to model (`unmodelled`) is not held."""
-    if row.unmodelled or not packed:
+    packs no gate_up_proj; DeepSeek's adds fused_qkv_a_proj in __init__: ROW_RULES)."""
+    if not packed:
         return
     for fused, names in row.packed_modules:
         if fused in packed:
@@ -376,6 +378,8 @@ _NH = "model_executor/models/nemotron_h.py"
 _MAMBA = "model_executor/layers/mamba/mamba_mixer2.py"
 _GO = "model_executor/models/gpt_oss.py"
 _G4 = "model_executor/models/gemma4.py"
+_DS = "model_executor/models/deepseek_v2.py"
+_MLA_LAYER = "model_executor/layers/attention/mla_attention.py"
 # The lines each rule of a family's row rests on: (family, what the row says, file under
 # vllm/, function or class, the line).
 ROW_RULES = (
@@ -462,6 +466,58 @@ ROW_RULES = (
      "NemotronHMoE.__init__", "hidden_size=self.moe_hidden_size,"),
     ("nemotron_h", "fc1_latent_proj / fc2_latent_proj are ReplicatedLinear", _NH,
      "NemotronHMoE.__init__", "self.fc1_latent_proj = ReplicatedLinear("),
+    ("deepseek_v3", "_PACKED_MLA: q_a_proj and kv_a_proj_with_mqa pack into fused_qkv_a_proj",
+     _DS, "DeepseekV2ForCausalLM.__init__",
+     'self.packed_modules_mapping["fused_qkv_a_proj"] = ['),
+    ("deepseek_v3", "fused_qkv_a_proj only where the config has a q_lora_rank", _DS,
+     "DeepseekV2ForCausalLM.__init__",
+     'hasattr(config, "q_lora_rank") and config.q_lora_rank is not None'),
+    ("deepseek_v3", "fused_qkv_a_proj: q_lora_rank | kv_lora_rank + rope", _DS,
+     "DeepseekV2MLAAttention.__init__",
+     "[self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim],"),
+    ("deepseek_v3", "REPLICATED: fused_qkv_a_proj is built unsharded", _DS,
+     "DeepSeekV2FusedQkvAProjLinear.__init__", "disable_tp=True,"),
+    ("deepseek_v3", "an unsharded merged subclass takes the 2-slice wrapper, fully sharded "
+     "or not", "lora/layers/column_parallel_linear.py",
+     "MergedColumnParallelLinearWithLoRA.can_replace_layer", "return tp_size == 1"),
+    ("deepseek_v3", "q_b_proj is column-parallel", _DS, "DeepseekV2MLAAttention.__init__",
+     "self.q_b_proj = q_proj_cls("),
+    ("deepseek_v2", "without a q_lora_rank, q_proj is column-parallel", _DS,
+     "DeepseekV2MLAAttention.__init__", "self.q_proj = q_proj_cls("),
+    ("deepseek_v2", "without a q_lora_rank, kv_a_proj_with_mqa is a ReplicatedLinear", _DS,
+     "DeepseekV2MLAAttention.__init__", "self.kv_a_proj_with_mqa = ReplicatedLinear("),
+    ("deepseek_v2", "kv_b_proj is column-parallel", _DS, "DeepseekV2MLAAttention.__init__",
+     "self.kv_b_proj = ColumnParallelLinear("),
+    ("deepseek_v2", "o_proj is row-parallel over the heads' values", _DS,
+     "DeepseekV2MLAAttention.__init__", "self.num_heads * self.v_head_dim,"),
+    ("deepseek_v2", "the MLA wrapper calls the projections through its own attributes",
+     "model_executor/layers/mla.py", "MultiHeadLatentAttentionWrapper.forward",
+     "q = q_proj_layer(q_proj_input)[0]"),
+    ("deepseek_v2", "... which the manager rewires to the one wrapper", "lora/model_manager.py",
+     "LoRAModelManager._create_lora_modules",
+     'setattr(parent, module_name.rpartition(".")[-1], existing_wrapper)'),
+    ("deepseek_v2", "KV_B_UNAPPLIED: the impl keeps the kv_b_proj it was built with",
+     _MLA_LAYER, "MLACommonBaseImpl.__init__", "self.kv_b_proj = kv_b_proj"),
+    ("deepseek_v2", "KV_B_UNAPPLIED: the CPU impl too", "v1/attention/backends/mla/cpu_mla.py",
+     "CPUMLAImpl.__init__", 'self.kv_b_proj = mla_args["kv_b_proj"]'),
+    ("deepseek_v2", "KV_B_UNAPPLIED: the impl is no torch module (the manager never sees its "
+     "attribute)", "v1/attention/backend.py", "MLAAttentionImpl",
+     "class MLAAttentionImpl(AttentionImplBase[T], Generic[T]):"),
+    ("deepseek_v2", "KV_B_UNAPPLIED: prefill runs the impl's kv_b_proj", _MLA_LAYER,
+     "MLACommonBaseImpl.forward_mha", "kv_nope = self.kv_b_proj(kv_c_normed)[0].view("),
+    ("deepseek_v2", "KV_B_UNAPPLIED: decode the weights absorbed from it at load", _MLA_LAYER,
+     "MLAAttention.process_weights_after_loading", "W_UK, W_UV = split_kv_b_proj("),
+    ("deepseek_v2", "MoE from first_k_dense_replace on, every moe_layer_freq", _DS,
+     "DeepseekV2DecoderLayer.__init__", "and layer_idx >= config.first_k_dense_replace"),
+    ("deepseek_v2", "router: `gate`, a GateLinear", _DS, "DeepseekV2MoE.__init__",
+     "self.gate = GateLinear("),
+    ("deepseek_v2", "shared_expert: mlp.shared_experts, n_shared_experts x "
+     "moe_intermediate_size", _DS, "DeepseekV2MoE.__init__",
+     "intermediate_size = config.moe_intermediate_size * config.n_shared_experts"),
+    ("deepseek_v2", "the shared experts are a DeepseekV2MLP (gate_up_proj, down_proj)", _DS,
+     "DeepseekV2MoE.__init__", "self.shared_experts = DeepseekV2MLP("),
+    ("deepseek_v3", "V3 is V2's class", _DS, "DeepseekV3ForCausalLM",
+     "class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):"),
 )
 
 
@@ -689,3 +745,82 @@ def test_a_row_without_a_shared_expert_models_none() -> None:
     assert shared == {"mlp.shared_expert.gate_up_proj": (width, width),
                       "mlp.shared_expert.down_proj": (qwen3.hidden_size,),
                       "mlp.shared_expert_gate": (1,)}
+
+
+# -- DeepSeek's multi-head latent attention ---------------------------------------------------
+
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+@pytest.mark.slow  # builds a PEFT DeepSeek model in its call
+def test_mla_kv_b_proj_loads_and_is_never_applied(peft_zoo) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek-V3 under --engine vllm: q_a_proj and kv_a_proj_with_mqa land in the fused
+    `fused_qkv_a_proj`, q_b_proj and o_proj in their own layers; kv_b_proj loads into its
+    buffers and is never applied (KV_B_UNAPPLIED: the run in tests/test_engine_vllm.py gives the
+    base model's log-probs for it): beside the others the adapter differs, alone it ignores,
+    and the flags metrale recommends wrap no kv_b_proj."""
+    both = peft_zoo.adapter("deepseek_v3", r=8, lora_alpha=16, target_modules=MLA_TARGETS)
+    verdict = _judge(both)
+    assert verdict.verdict is Verdict.DIFFERS and verdict.reason_class == "mla_kv_b_unapplied"
+    landed = {m.module: (m.engine_module, m.served) for m in verdict.modules}
+    assert landed == {"self_attn.q_a_proj": ("self_attn.fused_qkv_a_proj", True),
+                      "self_attn.kv_a_proj_with_mqa": ("self_attn.fused_qkv_a_proj", True),
+                      "self_attn.q_b_proj": ("self_attn.q_b_proj", True),
+                      "self_attn.kv_b_proj": ("self_attn.kv_b_proj", False),
+                      "self_attn.o_proj": ("self_attn.o_proj", True)}
+    # The tiny model has MoE layers: the CPU build cannot serve it with LoRA.
+    assert verdict.elsewhere["cpu_build"]["reason_class"] == "cpu_fused_moe_lora"
+    model = ModelConfig.from_hf(both.base_dir)
+    report = audit(Adapter.load(both.path), model)
+    assert vllm.recommend([report], model).flags.target_modules == (
+        "fused_qkv_a_proj", "o_proj", "q_b_proj")
+    alone = peft_zoo.adapter("deepseek_v3", r=8, lora_alpha=16, target_modules=["kv_b_proj"])
+    verdict = _judge(alone)
+    assert verdict.verdict is Verdict.IGNORES and verdict.reason_class == "mla_kv_b_unapplied"
+
+
+def test_mla_buffers_follow_vllm_create_lora_weights() -> None:
+    """DeepSeek-V2-Lite (no q_lora_rank; hidden 2048, 16 heads, kv_lora_rank 512, rope 64,
+    nope 128, v 128) at TP 2: q_proj a column layer (B split; fully sharded, A's rank too),
+    kv_a_proj_with_mqa a ReplicatedLinearWithLoRA whole on every GPU, fully sharded or not."""
+    model = ModelConfig.preset("deepseek-v2-lite")
+    modules = {m.path: m for m in vllm.engine_modules(model)}
+    assert [p for p in modules if p.startswith("self_attn.")] == [
+        "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+        "self_attn.o_proj"]
+    q, kv_a = modules["self_attn.q_proj"], modules["self_attn.kv_a_proj_with_mqa"]
+    assert q.buffers(1, 64, 2, False) == [("lora_a", (1, 1, 64, 2048)),
+                                          ("lora_b", (1, 1, 16 * 192 // 2, 64))]
+    assert q.buffers(1, 64, 2, True)[0] == ("lora_a", (1, 1, 32, 2048))
+    for sharded in (False, True):
+        assert kv_a.buffers(1, 64, 2, sharded) == [("lora_a", (1, 1, 64, 2048)),
+                                                   ("lora_b", (1, 1, 512 + 64, 64))]
+
+
+@pytest.mark.parametrize("change", [{"moe_layer_freq": 2},
+                                    {"qk_nope_head_dim": 0, "qk_rope_head_dim": 0}])
+def test_deepseek_layers_mla_does_not_model_are_refused(tmp_path, change: dict[str, int]) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's DeepSeek class puts MoE layers every `moe_layer_freq` and builds plain attention
+    (qkv_proj) where both qk head widths are 0: metrale models neither, so `--engine vllm`
+    refuses in one line, exit 2, rather than guess."""
+    lite = Path(__file__).parent / "data" / "model_configs" / "deepseek-v2-lite.config.json"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**json.loads(lite.read_text()), **change}))
+    done = metrale("layout", "-m", config, "--max-rank", 16, "--engine", "vllm")
+    assert done.code == 2 and "multi-head latent attention" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert metrale("layout", "-m", lite, "--max-rank", 16, "--engine", "vllm").code == 0
+
+
+@pytest.mark.vllm
+def test_cpu_build_moe_takes_triton_whenever_lora_is_enabled() -> None:
+    """The cpu_build record's rule: with LoRA enabled vLLM picks the Triton MoE LoRA backend
+    before any other (the CPU build has no Triton), whatever --lora-target-modules wraps."""
+    source = _function("model_executor/layers/fused_moe/oracle/unquantized.py",
+                       "select_unquantized_moe_backend")
+    lora = source.index("if moe_config.is_lora_enabled:")
+    assert lora < source.index("return UnquantizedMoeBackend.TRITON") < source.index(
+        "AVAILABLE_BACKENDS = _get_priority_backends(moe_config)")
+    assert "target_modules" not in source
+    model = ModelConfig.preset("deepseek-v3")
+    assert "Triton" in (vllm.cpu_build_support(model) or ("", ""))[1]

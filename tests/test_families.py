@@ -355,13 +355,30 @@ def test_every_family_lists_its_modules_in_vocabulary_order() -> None:
         assert names == [m.value for m in ALL if m.value in names], family.model_type
 
 
-def test_vllm_sizes_are_refused_where_its_layers_are_not_modelled() -> None:
-    """MLA: metrale does not model vLLM's LoRA layers of DeepSeek's attention, so `--engine
-    vllm` refuses rather than guesses (phi3's, glm4's, gpt_oss's and gemma4's layers it models:
-    tests/test_engine_vllm.py runs them)."""
-    done = metrale("layout", "-m", "deepseek-v3", "--modules", "q_proj,o_proj", "--max-rank",
-                   16, "--max-loras", 4, "--engine", "vllm")
-    assert done.code == 2 and "does not model vLLM" in done.stderr
+def test_vllm_sizes_deepseek_s_latent_attention_per_gpu() -> None:
+    """MLA under --engine vllm, DeepSeek-V3 (61 layers, 128 heads, hidden 7168, q_lora_rank
+    1536, kv_lora_rank 512, rope 64, nope 128, v 128) at TP 2, bf16: fused_qkv_a_proj is
+    built unsharded, so every GPU holds its two slices whole; q_b_proj and kv_b_proj split
+    their B rows, o_proj its A columns (deepseek_v2.py DeepseekV2MLAAttention; the CPU build
+    allocates these shapes on a tiny model: tests/test_engine_vllm.py). DeepSeek's q_proj
+    is not a module of V3's (its query is low-rank): refused, naming the ones it has."""
+    args = ["-m", "deepseek-v3", "--max-rank", 16, "--max-loras", 4, "--engine", "vllm",
+            "--tp", 2]
+    done = metrale("layout", *args, "--modules", "q_a_proj,q_b_proj,kv_b_proj,o_proj", "--json")
+    assert done.code == 0, done.stderr
+    got = {m["module"]: (m["kind"], m["layers"], m["bytes"])
+           for m in done.json()["engine"]["modules"]}
+    L, R, layers, elem = 4, 16, 61, 2
+    assert got == {
+        "self_attn.fused_qkv_a_proj": ("replicated", layers,
+                                       L * R * (2 * 7168 + 1536 + 576) * layers * elem),
+        "self_attn.q_b_proj": ("column", layers,
+                               L * R * (1536 + 128 * 192 // 2) * layers * elem),
+        "self_attn.kv_b_proj": ("column", layers,
+                                L * R * (512 + 128 * 256 // 2) * layers * elem),
+        "self_attn.o_proj": ("row", layers, L * R * (128 * 128 // 2 + 7168) * layers * elem)}
+    done = metrale("layout", *args, "--modules", "q_proj,o_proj")
+    assert done.code == 2 and "fused_qkv_a_proj" in done.stderr and "q_a_proj" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 

