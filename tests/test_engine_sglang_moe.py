@@ -27,7 +27,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.proc, pytest.mark.slow]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LINEAR = [*ATTN, "gate_proj", "up_proj", "down_proj"]
 
-# job: (tiny model, --lora-target-modules, --max-lora-rank, --max-loras-per-batch, TP, dtype)
+MLA = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+# job: (config, --lora-target-modules, --max-lora-rank, --max-loras-per-batch, TP, dtype)
 JOBS: dict[str, tuple[str, list[str], int, int, int, str]] = {
     # No shared expert: routed experts' buffers alone (SGLang makes every layer sparse).
     "qwen3_moe": ("qwen3_moe", LINEAR, 8, 2, 1, "float32"),
@@ -42,6 +45,17 @@ JOBS: dict[str, tuple[str, list[str], int, int, int, str]] = {
     # A dense first layer, shared experts after it: the 3-D buffers' widths differ by layer.
     "glm4_moe": ("glm4_moe", LINEAR, 8, 2, 1, "float32"),
     "glm4_moe_tp2": ("glm4_moe", [*LINEAR, "lm_head"], 4, 2, 2, "float32"),
+    # Multi-head latent attention: the fused q_a / kv_a down-projection (replicated), q_b_proj
+    # and kv_b_proj (column), o_proj at v_head_dim; a dense first layer, then shared experts.
+    # q_proj takes a qkv_proj buffer SGLang's DeepSeek class never reads.
+    "deepseek_v3": ("deepseek_v3", [*MLA, *MLP], 8, 2, 1, "float32"),
+    "deepseek_v3_tp2": ("deepseek_v3", [*MLA, *MLP], 4, 3, 2, "bfloat16"),
+    "deepseek_v2": ("deepseek_v2", ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *MLP],
+                    8, 2, 1, "float32"),
+    # Without a head_dim in the config (as V2's checkpoints): the config class's is
+    # qk_rope_head_dim, not hidden / heads.
+    "deepseek_v2_head_dim": ("deepseek_v2_head_dim", ["q_proj", "kv_b_proj"], 8, 2, 1,
+                             "float32"),
     # Mixtral's experts alone (its attention's pool raises: below); Llama 4's attention alone
     # (its MLP targets' pool raises).
     "mixtral_experts": ("mixtral", ["gate_proj", "up_proj", "down_proj"], 8, 2, 1, "float32"),
@@ -49,12 +63,22 @@ JOBS: dict[str, tuple[str, list[str], int, int, int, str]] = {
     # SGLang's start raises.
     "mixtral": ("mixtral", LINEAR, 8, 2, 1, "float32"),
     "llama4": ("llama4", LINEAR, 8, 2, 1, "float32"),
+    # DeepSeek-V2 without the query's low rank: q_b_proj has no input width.
+    "deepseek_v2_q_b": ("deepseek_v2", ["q_b_proj", "kv_b_proj"], 8, 2, 1, "float32"),
 }
-RAISES = {"mixtral": "TypeError", "llama4": "KeyError"}
-# Config keys as the published checkpoints write them, where transformers 5's differ:
-# Phi-3.5-MoE's class name (transformers spells it PhimoeForCausalLM, which SGLang does not
-# register: its Transformers backend).
-CONFIG_KEYS = {"phimoe": {"architectures": ["PhiMoEForCausalLM"]}}
+RAISES = {"mixtral": "TypeError", "llama4": "KeyError", "deepseek_v2_q_b": "TypeError"}
+# config: (tiny model, keys as the published checkpoints write them where transformers 5's
+# differ). Phi-3.5-MoE's class name (transformers spells it PhimoeForCausalLM, which SGLang
+# does not register: its Transformers backend); DeepSeek's MoE keys, which SGLang's class reads
+# (transformers 5's config drops them); DeepSeek-V2's config without a head_dim.
+_DEEPSEEK = {"moe_layer_freq": 1, "scoring_func": "softmax", "topk_method": "greedy"}
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "phimoe": ("phimoe", {"architectures": ["PhiMoEForCausalLM"]}),
+    "deepseek_v2": ("deepseek_v2", _DEEPSEEK),
+    "deepseek_v2_head_dim": ("deepseek_v2", {**_DEEPSEEK, "head_dim": None}),
+    "deepseek_v3": ("deepseek_v3", {**_DEEPSEEK, "scoring_func": "sigmoid",
+                                    "topk_method": "noaux_tc"}),
+}
 
 
 def _flags(name: str) -> list[Any]:
@@ -68,8 +92,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Every job's pool from SGLang's code in one runner process (no start-up adapters: the
     flags give the pool), and the config each ran on."""
     tmp = tmp_path_factory.mktemp("sglang_moe")
-    configs = {model: write_base_config(model, tmp / model) for model, *_ in JOBS.values()}
-    for model, keys in CONFIG_KEYS.items():
+    configs = {}
+    for model, *_ in JOBS.values():
+        tiny, keys = CONFIGS.get(model, (model, {}))
+        configs[model] = write_base_config(tiny, tmp / model)
         path = configs[model] / "config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **keys}))
     jobs = [{"model": str(configs[model]), "own_class": True, "lora_target_modules": targets,
@@ -109,9 +135,10 @@ def test_moe_pool_buffers_are_the_ones_sglang_allocates(runs: dict[str, dict], n
 @pytest.mark.parametrize("name", list(RAISES))
 def test_a_pool_sglang_cannot_start_is_refused_in_its_words(runs: dict[str, dict],
                                                             name: str) -> None:
-    """Mixtral's qkv_proj / o_proj (its config's head_dim None under SGLang's transformers)
-    and Llama 4's gate_up_proj / down_proj (dense and shared-expert linears with no buffer):
-    SGLang's start raises, and `layout` refuses the pool with that error, one line, exit 2."""
+    """Mixtral's qkv_proj / o_proj (the config's head_dim None under SGLang's
+    transformers), DeepSeek-V2's q_b_proj (no q_lora_rank) and Llama 4's gate_up_proj /
+    down_proj (dense and shared-expert linears with no buffer): SGLang's start raises, and
+    `layout` refuses the pool with that error, one line, exit 2."""
     run = runs[name]
     assert not run["started"]
     error = run["start_error"]

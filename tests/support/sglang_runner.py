@@ -147,14 +147,19 @@ def _class_model(cls: Any, hf_config: Any, tp: int) -> Any:
     """The class SGLang builds for the model (`_model_class`: its own, or its Transformers
     backend around the HF model), built on the CPU as TP rank 0 of `tp` (`_rank_zero_groups`),
     its weights zero. SGLang's own classes bring their FusedMoE experts, shared experts and
-    dense layers at SGLang's widths, which its pool reads. Their rotary embeddings take their
-    CPU path: off CUDA, layers/rotary_embedding/base.py imports a fallback kernel
-    (vllm._custom_ops) unless SGLang runs its CPU engine (`_is_cpu`), which needs sgl_kernel's
-    CPU build; the embeddings are no part of LoRA and the flag changes nothing else there."""
+    dense layers at SGLang's widths, which its pool reads. Their rotary embeddings are the
+    ones a GPU server builds, on their CPU path: off CUDA, layers/rotary_embedding/base.py
+    imports a fallback kernel (vllm._custom_ops) unless SGLang runs its CPU engine (`_is_cpu`),
+    which needs sgl_kernel's CPU build; and on a `cpu` device factory.py get_rope_wrapper
+    (DeepSeek's attention) takes get_rope_cpu, which has DeepSeek's YaRN alone, where a GPU
+    server takes get_rope (the same arguments, the device aside). The embeddings are no part
+    of LoRA and neither change touches anything else."""
     import sglang.srt.layers.rotary_embedding.base as rotary
+    import sglang.srt.layers.rotary_embedding.factory as rope_factory
     import torch
 
     rotary._is_cpu = True
+    rope_factory.get_rope_cpu = lambda *args: rope_factory.get_rope(*args[:-1])
     _rank_zero_groups(tp)
     model = cls(hf_config)
     for p in model.parameters():  # as the stand-in's: a zero base

@@ -61,8 +61,8 @@ class SglangFamily:
     # and stacking (lora/utils.py get_default_hidden_dim, get_stacked_multiply), which metrale
     # sizes. "moe": the same beside FusedMoE experts, whose MLP targets take per-expert 4-D
     # buffers (mem_pool.py init_buffers, `*_moe`), which metrale sizes too
-    # (`moe_buffer_shapes`). "mla" / "hybrid": multi-head latent attention's own modules, or
-    # the class's own `get_hidden_dim` (models/qwen3_5.py): metrale gives no bytes for them.
+    # (`moe_buffer_shapes`). "hybrid": the class's own `get_hidden_dim` (models/qwen3_5.py):
+    # metrale gives no bytes for them.
     pool: str
     # "run": SGLang's own LoRA code was run on this family's PEFT adapters (tests); "source":
     # the answer comes from reading the source only.
@@ -143,10 +143,14 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("gpt_oss", ("GptOssForCausalLM",), "moe", "source",
                  "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert",
                  pool_checked="run"),
-    SglangFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), "mla", "source",
-                 "multi-head latent attention; routed experts per expert as qwen3_moe"),
-    SglangFamily("deepseek_v3", ("DeepseekV3ForCausalLM",), "mla", "source",
-                 "multi-head latent attention; routed experts per expert as qwen3_moe"),
+    SglangFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), "moe", "source",
+                 "multi-head latent attention (fused_qkv_a_proj_with_mqa, q_b_proj, kv_b_proj); "
+                 "routed experts per expert, the dense first layers and the shared experts 3-D",
+                 pool_checked="run"),
+    SglangFamily("deepseek_v3", ("DeepseekV3ForCausalLM",), "moe", "source",
+                 "multi-head latent attention (fused_qkv_a_proj_with_mqa, q_b_proj, kv_b_proj); "
+                 "routed experts per expert, the dense first layers and the shared experts 3-D",
+                 pool_checked="run"),
     SglangFamily("phi3", ("Phi3ForCausalLM",), "dense", "run",
                  "models/llama.py's Phi3ForCausalLM; a checkpoint-fused qkv_proj or "
                  "gate_up_proj A is stacked once per slice (lora.py normalize_qkv_proj)"),
@@ -201,19 +205,23 @@ def hf_backbone(model: ModelConfig) -> bool:
 
 # lora/utils.py EMBEDDING_NAMES, in the order init_buffers allocates their pairs.
 EMBEDDINGS = ("embed_tokens", "lm_head")
-# lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP.
+# lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP;
+# REPLICATED_LINEAR_LORA_NAMES: neither split.
 _ROW_PARALLEL = ("o_proj", "down_proj")
+_REPLICATED = ("fused_qkv_a_proj_with_mqa",)
 # How each module's buffers split over TP (the view's "kind").
 _KINDS = {"qkv_proj": "column (qkv)", "gate_up_proj": "column", "o_proj": "row",
           "down_proj": "row", "embed_tokens": "embedding", "lm_head": "lm_head",
-          "gate_up_proj_moe": "experts (column)", "down_proj_moe": "experts (row)"}
+          "gate_up_proj_moe": "experts (column)", "down_proj_moe": "experts (row)",
+          "fused_qkv_a_proj_with_mqa": "replicated (q_a, kv_a)", "q_b_proj": "column",
+          "kv_b_proj": "column"}
 # The MLP targets init_buffers calls ambiguous: on a model with FusedMoE experts each takes a
 # per-expert buffer (`<module>_moe`) and, where the config has shared experts, a 3-D one too.
 _MLP = ("gate_up_proj", "down_proj")
 # Config classes (transformers 5.19, SGLang's) whose `head_dim` is None unless the file sets
 # it (models/mixtral/configuration_mixtral.py MixtralConfig: `head_dim: int | None = None`):
 # lora/utils.py get_default_hidden_dim's `getattr(config, "head_dim", hidden // heads)` then
-# multiplies None for qkv_proj and o_proj.
+# multiplies None for qkv_proj (and o_proj without a v_head_dim).
 _HEAD_DIM_NONE = frozenset({"mixtral"})
 # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE.
 _VOCAB_PADDING = 64
@@ -260,21 +268,31 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     _column_parallel_lora_b_per_rank_dim), and for the embedding and output head
     get_embedding_lora_A_shape / get_embedding_lora_B_shape (A (N, r, vocab or hidden),
     unsharded; the head's B (N, vocab rows, r): get_lm_head_lora_b_shard_size,
-    `_lm_head_rows`). Dims are lora/utils.py get_default_hidden_dim's."""
-    H, hd = model.hidden_size, model.head_dim
+    `_lm_head_rows`). Dims are lora/utils.py get_default_hidden_dim's: `o_proj` at the
+    config's `v_head_dim` where it has one (multi-head latent attention), its fused
+    `q_a`/`kv_a` down-projection (`fused_qkv_a_proj_with_mqa`, replicated: neither split),
+    `q_b_proj` and `kv_b_proj` from its ranks and per-head widths."""
+    H, hd = model.hidden_size, _config_head_dim(model) or 0
     heads, kv, inter, vocab = (model.num_attention_heads, model.num_key_value_heads,
                                model.intermediate_size, model.vocab_size)
     if module == "embed_tokens":
         return (slots, rank, vocab), (slots, H, rank)
     if module == "lm_head":
         return (slots, rank, H), (slots, _lm_head_rows(model, tp), rank)
-    dims = {"qkv_proj": (H, hd * (heads + 2 * kv)), "o_proj": (hd * heads, H),
+    rope, nope = model.qk_rope_head_dim, model.qk_nope_head_dim
+    dims = {"qkv_proj": (H, hd * (heads + 2 * kv)), "o_proj": ((model.v_head_dim or hd) * heads, H),
             "gate_up_proj": (H, 2 * inter), "down_proj": (inter, H)}
+    if model.kv_lora_rank:
+        dims |= {"fused_qkv_a_proj_with_mqa": (H, model.q_lora_rank + model.kv_lora_rank + rope),
+                 "q_b_proj": (model.q_lora_rank, heads * (nope + rope)),
+                 "kv_b_proj": (model.kv_lora_rank, heads * (nope + model.v_head_dim))}
     if module not in dims:
         raise UsageError(f"SGLang {VERSION}: no dense pool rule for {module!r}")
     d_in, d_out = dims[module]
     c = rules.STACKED.get(module, 1)
-    if module in _ROW_PARALLEL:
+    if module in _REPLICATED:
+        pass
+    elif module in _ROW_PARALLEL:
         d_in = _divide(d_in, tp, module)
     elif module == "qkv_proj" and kv < tp:
         d_out = _divide(hd * heads, tp, module) + 2 * hd
@@ -310,16 +328,33 @@ def _mlp_width(model: ModelConfig, layer: int) -> int:
     return model.shared_experts_width or model.shared_expert_intermediate_size
 
 
+def _config_head_dim(model: ModelConfig) -> int | None:
+    """The `head_dim` SGLang's LoRA pool reads off the config object (lora/utils.py
+    get_default_hidden_dim): DeepSeek's config classes set it to `qk_rope_head_dim`
+    whatever the file says (configuration_deepseek_v2.py, _v3.py `__post_init__`);
+    `_HEAD_DIM_NONE`'s hold the file's, or None."""
+    if model.model_type in ("deepseek_v2", "deepseek_v3"):
+        return model.qk_rope_head_dim
+    if model.model_type in _HEAD_DIM_NONE:
+        return raw_text_config(model).get("head_dim")
+    return model.head_dim
+
+
 def moe_pool_error(model: ModelConfig, targets: Iterable[str]) -> str | None:
     """Why LoRAManager.init_state raises on a MoE model for a pool of `targets` (the server
     never starts), in SGLang's words, or None."""
     targets = set(targets)
-    if model.model_type in _HEAD_DIM_NONE and targets & {"qkv_proj", "o_proj"} and \
-            raw_text_config(model).get("head_dim") is None:
+    if _config_head_dim(model) is None and ("qkv_proj" in targets or (
+            "o_proj" in targets and not model.v_head_dim)):
         return ("TypeError: unsupported operand type(s) for *: 'NoneType' and 'int': the "
-                "config sets no head_dim, which transformers' MixtralConfig then holds as None, "
-                "and SGLang's LoRA pool multiplies it for qkv_proj / o_proj (lora/utils.py "
-                "get_default_hidden_dim, from mem_pool.py init_buffers)")
+                f"config sets no head_dim, which transformers' {model.model_type} config class "
+                "then holds as None, and SGLang's LoRA pool multiplies it for qkv_proj / "
+                "o_proj (lora/utils.py get_default_hidden_dim, from mem_pool.py init_buffers)")
+    if "q_b_proj" in targets and model.kv_lora_rank and not model.q_lora_rank:
+        return ("TypeError: zeros(): argument 'size' failed to unpack the object at pos 3 with "
+                "error \"type must be tuple of ints,but got NoneType\": the config has no "
+                "q_lora_rank (one q_proj, no q_b_proj), which lora/utils.py "
+                "get_default_hidden_dim gives as q_b_proj's input width")
     dense = next((m for m in _MLP if m in targets), None)
     if dense is not None and not _has_shared_experts(model) and any(
             _mlp_width(model, i) for i in range(model.num_hidden_layers)):
