@@ -56,8 +56,8 @@ def test_a_family_without_an_engine_row_is_refused(monkeypatch: pytest.MonkeyPat
 
 def test_families_sglang_serves_only_from_its_source_say_so() -> None:
     """MoE and hybrid families' SGLang verdicts come from reading its source; the MoE pools'
-    bytes were run (tests/test_engine_sglang_moe.py) and their records say so; the hybrid and
-    MLA pools (sized by the class's own dims) get no bytes metrale cannot stand behind."""
+    bytes were run (tests/test_engine_sglang_moe.py) and their records say so; the hybrid pools
+    (sized by the class's own dims) get no bytes metrale cannot stand behind."""
     sglang = get_engine("sglang")
     assert {f: r.checked for f, r in sglang.families.items() if r.pool != "dense"} == {
         f: "source" for f in ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5", "qwen3_5_moe",
@@ -72,7 +72,7 @@ def test_families_sglang_serves_only_from_its_source_say_so() -> None:
     engine = done.json()["engine"]
     assert engine["checked"] == "run"
     assert [m["module"] for m in engine["modules"]] == ["gate_up_proj_moe", "qkv_proj"]
-    done = metrale("layout", "--engine", "sglang", "-m", "qwen3-next-80b-a3b", "--max-rank", 8,
+    done = metrale("layout", "--engine", "sglang", "-m", "qwen3.5-9b", "--max-rank", 8,
                    "--modules", "q_proj")
     assert done.code == 2 and "metrale sizes the dense and MoE families' text" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

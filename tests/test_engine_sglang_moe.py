@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import SGLANG_PYTHON
 from tests.support.cli_runner import metrale
 from tests.support.engine_cases import run_job
-from tests.support.peft_factory import write_base_config
+from tests.support.peft_factory import make_adapter, write_base_config
 
 RUNNER = Path(__file__).parent / "support" / "sglang_runner.py"
 
@@ -56,17 +56,32 @@ JOBS: dict[str, tuple[str, list[str], int, int, int, str]] = {
     # qk_rope_head_dim, not hidden / heads.
     "deepseek_v2_head_dim": ("deepseek_v2_head_dim", ["q_proj", "kv_b_proj"], 8, 2, 1,
                              "float32"),
-    # Mixtral's experts alone (its attention's pool raises: below); Llama 4's attention alone
-    # (its MLP targets' pool raises).
-    "mixtral_experts": ("mixtral", ["gate_proj", "up_proj", "down_proj"], 8, 2, 1, "float32"),
+    # Mixtral's config without a head_dim: SGLang's config loading gives it (transformers'
+    # MixtralConfig alone would hold None). Llama 4's attention alone (its MLP targets' pool
+    # raises).
+    "mixtral": ("mixtral", LINEAR, 8, 2, 1, "float32"),
     "llama4_attention": ("llama4", ATTN, 8, 2, 1, "float32"),
     # SGLang's start raises.
-    "mixtral": ("mixtral", LINEAR, 8, 2, 1, "float32"),
     "llama4": ("llama4", LINEAR, 8, 2, 1, "float32"),
     # DeepSeek-V2 without the query's low rank: q_b_proj has no input width.
     "deepseek_v2_q_b": ("deepseek_v2", ["q_b_proj", "kv_b_proj"], 8, 2, 1, "float32"),
+    # Qwen3-Next's class has no get_hidden_dim: attention at the default dims (its output gate
+    # not counted), every layer sparse with a shared expert.
+    "qwen3_next": ("qwen3_next", LINEAR, 8, 2, 1, "float32"),
 }
-RAISES = {"mixtral": "TypeError", "llama4": "KeyError", "deepseek_v2_q_b": "TypeError"}
+# PEFT adapters named at start-up (no pool flags: their targets make the pool) whose start
+# SGLang stops once they load, building the pool: `inspect` says `fails_startup` in its words.
+# Qwen3-Next's usual targets (its shared expert's gate a plain torch Linear), its Gated-DeltaNet
+# projections (no default dims), Llama 4's MLP (no buffer for its dense and shared linears).
+STARTUP: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_next_gate": ("qwen3_next", {"r": 4, "lora_alpha": 8}),
+    "qwen3_next_gdn": ("qwen3_next", {"r": 4, "lora_alpha": 8, "target_modules": [
+        *ATTN, "in_proj_qkvz", "in_proj_ba", "out_proj"]}),
+    "llama4_mlp": ("llama4", {"r": 4, "lora_alpha": 8}),
+}
+STARTUP_RAISES = {"qwen3_next_gate": "Exception", "qwen3_next_gdn": "NotImplementedError",
+                  "llama4_mlp": "KeyError"}
+RAISES = {"llama4": "KeyError", "deepseek_v2_q_b": "TypeError"}
 # config: (tiny model, keys as the published checkpoints write them where transformers 5's
 # differ). Phi-3.5-MoE's class name (transformers spells it PhimoeForCausalLM, which SGLang
 # does not register: its Transformers backend); DeepSeek's MoE keys, which SGLang's class reads
@@ -78,7 +93,18 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v2_head_dim": ("deepseek_v2", {**_DEEPSEEK, "head_dim": None}),
     "deepseek_v3": ("deepseek_v3", {**_DEEPSEEK, "scoring_func": "sigmoid",
                                     "topk_method": "noaux_tc"}),
+    # Qwen3-Next's layer pattern as its checkpoints give it (SGLang's config class reads it).
+    "qwen3_next": ("qwen3_next", {"full_attention_interval": 2}),
 }
+# SGLang's hybrid (Mamba-state) models take a radix-cache strategy the CPU platform supports.
+SERVER_ARGS = {"qwen3_next": {"mamba_radix_cache_strategy": "no_buffer",
+                              "disable_overlap_schedule": True}}
+
+
+def _config_keys(config: Path, name: str) -> None:
+    """`name`'s CONFIGS keys written into the config.json at `config`."""
+    keys = CONFIGS.get(name, (name, {}))[1]
+    config.write_text(json.dumps({**json.loads(config.read_text()), **keys}))
 
 
 def _flags(name: str) -> list[Any]:
@@ -94,16 +120,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("sglang_moe")
     configs = {}
     for model, *_ in JOBS.values():
-        tiny, keys = CONFIGS.get(model, (model, {}))
-        configs[model] = write_base_config(tiny, tmp / model)
-        path = configs[model] / "config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **keys}))
+        configs[model] = write_base_config(CONFIGS.get(model, (model, {}))[0], tmp / model)
+        _config_keys(configs[model] / "config.json", model)
     jobs = [{"model": str(configs[model]), "own_class": True, "lora_target_modules": targets,
-             "max_lora_rank": rank, "max_loras_per_batch": slots, "tp_size": tp, "dtype": dtype}
+             "max_lora_rank": rank, "max_loras_per_batch": slots, "tp_size": tp, "dtype": dtype,
+             "server_args": SERVER_ARGS.get(model, {})}
             for model, targets, rank, slots, tp, dtype in JOBS.values()]
+    adapters = {}
+    for name, (model, kwargs) in STARTUP.items():
+        adapters[name] = tmp / name
+        make_adapter(model, adapters[name], **kwargs)
+        _config_keys(adapters[name] / "base" / "config.json", model)
+        jobs.append({"model": str(adapters[name] / "base"), "own_class": True,
+                     "max_loras_per_batch": 2, "dtype": "float32",
+                     "server_args": SERVER_ARGS.get(model, {}),
+                     "startup": [{"name": name, "path": str(adapters[name])}]})
     report, _ = run_job(SGLANG_PYTHON, RUNNER, tmp, {"jobs": jobs}, "SGLang runner")
-    return {name: {**out, "config": configs[JOBS[name][0]] / "config.json"}
-            for name, out in zip(JOBS, report["jobs"], strict=True)}
+    out = dict(zip([*JOBS, *STARTUP], report["jobs"], strict=True))
+    return {**{name: {**out[name], "config": configs[JOBS[name][0]] / "config.json"}
+               for name in JOBS},
+            **{name: {**out[name], "adapter": adapters[name]} for name in STARTUP}}
 
 
 @pytest.mark.parametrize("name", [n for n in JOBS if n not in RAISES])
@@ -135,8 +171,7 @@ def test_moe_pool_buffers_are_the_ones_sglang_allocates(runs: dict[str, dict], n
 @pytest.mark.parametrize("name", list(RAISES))
 def test_a_pool_sglang_cannot_start_is_refused_in_its_words(runs: dict[str, dict],
                                                             name: str) -> None:
-    """Mixtral's qkv_proj / o_proj (the config's head_dim None under SGLang's
-    transformers), DeepSeek-V2's q_b_proj (no q_lora_rank) and Llama 4's gate_up_proj /
+    """DeepSeek-V2's q_b_proj (no q_lora_rank) and Llama 4's gate_up_proj /
     down_proj (dense and shared-expert linears with no buffer): SGLang's start raises, and
     `layout` refuses the pool with that error, one line, exit 2."""
     run = runs[name]
@@ -148,3 +183,28 @@ def test_a_pool_sglang_cannot_start_is_refused_in_its_words(runs: dict[str, dict
     said = f"{error['type']}: {error['text']}".replace("'", "")
     assert said in done.stderr.replace("'", ""), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", list(STARTUP))
+def test_a_start_up_adapter_whose_pool_sglang_cannot_build_fails_startup(
+        runs: dict[str, dict], name: str) -> None:
+    """Named in --lora-paths, the adapter loads, and the pool its targets make raises as
+    SGLang builds it: `inspect --engine sglang` says `fails_startup` with SGLang's error (for
+    a module without default dims, the one SGLang met first among those it names), and leaves
+    it off the launch line."""
+    run = runs[name]
+    assert not run["started"]
+    error = run["start_error"]
+    assert error["type"] == STARTUP_RAISES[name]
+    done = metrale("inspect", f"{name}={run['adapter']}", "--engine", "sglang", "--max-loras", 2,
+                   "--dtype", "float32", "--json")
+    got = done.json()["adapters"][0]["engine"]["paths"]["startup"]
+    assert got["verdict"] == "fails_startup", got
+    said = got["reason"].replace("'", "")
+    if error["type"] == "NotImplementedError":
+        assert error["text"].startswith("get_hidden_dim not implemented for ")
+        assert f"{error['type']}: get_hidden_dim not implemented for" in said
+        assert error["text"].rsplit(" ", 1)[-1] in said
+    else:
+        assert f"{error['type']}: {error['text']}".replace("'", "") in said, said
+    assert f"{name}=" not in (done.json()["engine"]["recommended"]["serve"] or "")

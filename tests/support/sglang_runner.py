@@ -12,6 +12,7 @@ JOBS: {"jobs": [JOB, ...]} (or one JOB alone), each
        "tp_size": 1,                                     # this process is TP rank 0
        "shared_experts": {"path": P, "width": W, "layers": [..]} | null,  # _base_model
        "own_class": false,                               # SGLang's class: _class_model
+       "server_args": {},                                # more ServerArgs fields
        "eviction_policy": "lru",                         # --lora-eviction-policy
        "batches": [[NAME | null, ...], ...],             # running batches through the pool
        "startup": [{"name": N, "path": DIR}, ...],       # --lora-paths
@@ -111,18 +112,21 @@ def _publish(job: dict[str, Any]) -> Any:
         max_loras_per_batch=job.get("max_loras_per_batch", 8),
         lora_eviction_policy=job.get("eviction_policy", "lru"),
         lora_backend="torch_native", tp_size=job.get("tp_size", 1), skip_server_warmup=True,
-        attention_backend=job.get("attention_backend"),
+        attention_backend=job.get("attention_backend"), **job.get("server_args", {}),
     )
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
     return args
 
 
-def _model_class(model_dir: str) -> tuple[Any, str]:
-    """The class SGLang builds for the model, and the architecture it resolved."""
+def _model_class(model_dir: str) -> tuple[Any, str, Any]:
+    """The class SGLang builds for the model, the architecture it resolved, and the config
+    object SGLang loads (its own config classes where it has them: configs/qwen3_next.py's
+    `layers_block_type`), which a server hands its model class and LoRA manager."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.utils import get_model_architecture
 
-    return get_model_architecture(ModelConfig(model_dir))
+    config = ModelConfig(model_dir)
+    return (*get_model_architecture(config), config.hf_config)
 
 
 def _rank_zero_groups(tp: int) -> None:
@@ -365,10 +369,10 @@ def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
     from transformers import AutoConfig
 
     report: dict[str, Any] = {"startup": [], "runtime": [], "started": False}
-    hf_config = AutoConfig.from_pretrained(job["model"])
-    cls, report["model_class"] = _model_class(job["model"])
+    cls, report["model_class"], sglang_config = _model_class(job["model"])
     hf_backbone = report["model_class"].startswith("Transformers")
     own = job.get("own_class", False) and not hf_backbone
+    hf_config = sglang_config if own else AutoConfig.from_pretrained(job["model"])
     base_model = (_class_model(cls, hf_config, job.get("tp_size", 1)) if hf_backbone or own
                   else _base_model(hf_config, job.get("shared_experts")))
     # pinned: the server passes False unless `--lora-paths` JSON pins it.

@@ -93,12 +93,13 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
                  "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert, "
                  "on every layer (SGLang's class reads no mlp_only_layers)", pool_checked="run"),
     SglangFamily("mixtral", ("MixtralForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert; "
-                 "without a head_dim in the config a qkv_proj / o_proj pool raises",
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert",
                  pool_checked="run"),
-    SglangFamily("qwen3_next", ("Qwen3NextForCausalLM",), "hybrid", "source",
-                 "Gated-DeltaNet in_proj_qkvz stacks 4 ranks (get_stacked_multiply); MoE "
-                 "experts as qwen3_moe"),
+    SglangFamily("qwen3_next", ("Qwen3NextForCausalLM",), "moe", "source",
+                 "the class defines no get_hidden_dim: a Gated-DeltaNet target's pool raises "
+                 "(get_default_hidden_dim has no in_proj_qkvz, in_proj_ba or out_proj); "
+                 "attention at the default dims (the output gate not counted), routed experts "
+                 "per expert and the shared expert 3-D on every layer", pool_checked="run"),
     SglangFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                  "hybrid", "source",
                  "the class defines its own get_hidden_dim and should_apply_lora"),
@@ -132,7 +133,8 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "moe", "source",
                  "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert, "
-                 "the shared expert 3-D ones", pool_checked="run"),
+                 "the shared expert 3-D ones; its gate (a torch Linear) takes no LoRA",
+                 pool_checked="run"),
     SglangFamily("olmoe", ("OlmoeForCausalLM",), "moe", "source",
                  "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert",
                  pool_checked="run"),
@@ -218,11 +220,6 @@ _KINDS = {"qkv_proj": "column (qkv)", "gate_up_proj": "column", "o_proj": "row",
 # The MLP targets init_buffers calls ambiguous: on a model with FusedMoE experts each takes a
 # per-expert buffer (`<module>_moe`) and, where the config has shared experts, a 3-D one too.
 _MLP = ("gate_up_proj", "down_proj")
-# Config classes (transformers 5.19, SGLang's) whose `head_dim` is None unless the file sets
-# it (models/mixtral/configuration_mixtral.py MixtralConfig: `head_dim: int | None = None`):
-# lora/utils.py get_default_hidden_dim's `getattr(config, "head_dim", hidden // heads)` then
-# multiplies None for qkv_proj (and o_proj without a v_head_dim).
-_HEAD_DIM_NONE = frozenset({"mixtral"})
 # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE.
 _VOCAB_PADDING = 64
 
@@ -272,7 +269,7 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     config's `v_head_dim` where it has one (multi-head latent attention), its fused
     `q_a`/`kv_a` down-projection (`fused_qkv_a_proj_with_mqa`, replicated: neither split),
     `q_b_proj` and `kv_b_proj` from its ranks and per-head widths."""
-    H, hd = model.hidden_size, _config_head_dim(model) or 0
+    H, hd = model.hidden_size, _config_head_dim(model)
     heads, kv, inter, vocab = (model.num_attention_heads, model.num_key_value_heads,
                                model.intermediate_size, model.vocab_size)
     if module == "embed_tokens":
@@ -328,37 +325,50 @@ def _mlp_width(model: ModelConfig, layer: int) -> int:
     return model.shared_experts_width or model.shared_expert_intermediate_size
 
 
-def _config_head_dim(model: ModelConfig) -> int | None:
+# Families whose SGLang class builds `mlp.shared_expert_gate` as a torch.nn.Linear (the
+# ReplicatedLinear only on a CPU AMX engine): models/qwen2_moe.py Qwen2MoeSparseMoeBlock, which
+# models/qwen3_next.py builds too.
+_PLAIN_SHARED_GATE = frozenset({"qwen2_moe", "qwen3_next"})
+
+
+def _config_head_dim(model: ModelConfig) -> int:
     """The `head_dim` SGLang's LoRA pool reads off the config object (lora/utils.py
     get_default_hidden_dim): DeepSeek's config classes set it to `qk_rope_head_dim`
-    whatever the file says (configuration_deepseek_v2.py, _v3.py `__post_init__`);
-    `_HEAD_DIM_NONE`'s hold the file's, or None."""
+    whatever the file says (transformers' configuration_deepseek_v2.py, _v3.py
+    `__post_init__`)."""
     if model.model_type in ("deepseek_v2", "deepseek_v3"):
         return model.qk_rope_head_dim
-    if model.model_type in _HEAD_DIM_NONE:
-        return raw_text_config(model).get("head_dim")
     return model.head_dim
 
 
-def moe_pool_error(model: ModelConfig, targets: Iterable[str]) -> str | None:
-    """Why LoRAManager.init_state raises on a MoE model for a pool of `targets` (the server
-    never starts), in SGLang's words, or None."""
+def moe_pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | None:
+    """Why LoRAManager.init_state raises on a MoE model for a pool of `targets` once its
+    adapters have loaded (init_memory_pool, update_lora_info: the server never starts): the
+    exception's class and SGLang's text, with what it means; or None."""
     targets = set(targets)
-    if _config_head_dim(model) is None and ("qkv_proj" in targets or (
-            "o_proj" in targets and not model.v_head_dim)):
-        return ("TypeError: unsupported operand type(s) for *: 'NoneType' and 'int': the "
-                f"config sets no head_dim, which transformers' {model.model_type} config class "
-                "then holds as None, and SGLang's LoRA pool multiplies it for qkv_proj / "
-                "o_proj (lora/utils.py get_default_hidden_dim, from mem_pool.py init_buffers)")
+    if "shared_expert_gate" in targets and model.model_type in _PLAIN_SHARED_GATE:
+        # init_lora_modules wraps every module named by a target, before the pool.
+        return ("Exception", "No corresponding LoRA layer supported for <class "
+                "'torch.nn.modules.linear.Linear'>.: SGLang builds the shared expert's gate "
+                "as a plain torch Linear off a CPU engine (models/qwen2_moe.py "
+                "Qwen2MoeSparseMoeBlock), which lora/layers.py get_lora_layer cannot wrap")
+    # lora/utils.py get_default_hidden_dim's modules (the class defines no get_hidden_dim):
+    # init_buffers raises for any other, whichever of them its set order meets first.
+    undimmed = sorted(targets - set(_KINDS) - set(EMBEDDINGS))
+    if undimmed:
+        return ("NotImplementedError", f"get_hidden_dim not implemented for {undimmed[0]}: "
+                "SGLang's class for this model defines no get_hidden_dim, and lora/utils.py "
+                "get_default_hidden_dim has no width for " + ", ".join(undimmed) +
+                " (init_buffers raises at the first of them it meets)")
     if "q_b_proj" in targets and model.kv_lora_rank and not model.q_lora_rank:
-        return ("TypeError: zeros(): argument 'size' failed to unpack the object at pos 3 with "
+        return ("TypeError", "zeros(): argument 'size' failed to unpack the object at pos 3 with "
                 "error \"type must be tuple of ints,but got NoneType\": the config has no "
                 "q_lora_rank (one q_proj, no q_b_proj), which lora/utils.py "
                 "get_default_hidden_dim gives as q_b_proj's input width")
     dense = next((m for m in _MLP if m in targets), None)
     if dense is not None and not _has_shared_experts(model) and any(
             _mlp_width(model, i) for i in range(model.num_hidden_layers)):
-        return (f"KeyError: '{dense}': SGLang wraps the model's dense MLP / shared-expert "
+        return ("KeyError", f"'{dense}': SGLang wraps the model's dense MLP / shared-expert "
                 f"{dense} linears but gives them no buffer (mem_pool.py init_buffers allocates "
                 "a 3-D gate_up_proj / down_proj only when the config has "
                 "shared_expert_intermediate_size or n_shared_experts; lora_manager.py "
@@ -427,14 +437,14 @@ class Memory:
         if row.pool not in ("dense", "moe") or (row.pool == "moe" and model.composite):
             raise UsageError(
                 f"--engine sglang: SGLang {VERSION} sizes the LoRA pool of a {row.model_type} "
-                f"model ({'wrapper' if model.composite else row.pool}) from its model class "
+                f"model ({'wrapper' if row.pool == 'moe' else row.pool}) from its model class "
                 f"({row.note}); metrale sizes the dense and MoE families' text models (" +
                 ", ".join(f for f, r in FAMILIES.items() if r.pool in ("dense", "moe")) + ")")
         moe = row.pool == "moe"
         failed = moe_pool_error(model, pool.targets) if moe else None
         if failed is not None:
             raise UsageError(f"--engine sglang: SGLang {VERSION} never starts with this pool "
-                             f"({failed})")
+                             f"({failed[0]}: {failed[1]})")
         elem = DTYPE_BYTES[flags.model_dtype(model)]
         per_module = []
         # mem_pool.py init_buffers: the embedding and head pairs, then every other target's
@@ -521,8 +531,13 @@ def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
     runtime against the running pool (`flags.pool`, else the one it builds alone)."""
     alone = Pool.at_startup(flags, model, [report.adapter.config.raw])
     backend = {"hf_backbone": hf_backbone(model), "lora_backend": flags.lora_backend}
-    return {"startup": rules.judge_report(report, model, pool=alone.rules(), path="startup",
-                                          **backend),
+    startup = rules.judge_report(report, model, pool=alone.rules(), path="startup", **backend)
+    # Once its adapters load, a start-up builds the pool (init_memory_pool) and points the
+    # wrapped modules at it (update_lora_info): a MoE pool SGLang cannot build stops it there.
+    failed = moe_pool_error(model, alone.targets) if family(model).pool == "moe" else None
+    if failed is not None and startup.accepted:
+        startup = Judgement(False, *failed, reason_class="pool_build", path="startup")
+    return {"startup": startup,
             "runtime": rules.judge_report(report, model, pool=(flags.pool or alone).rules(),
                                            path="runtime", **backend)}
 
