@@ -68,6 +68,10 @@ JOBS: dict[str, tuple[str, list[str], int, int, int, str]] = {
     # Qwen3-Next's class has no get_hidden_dim: attention at the default dims (its output gate
     # not counted), every layer sparse with a shared expert.
     "qwen3_next": ("qwen3_next", LINEAR, 8, 2, 1, "float32"),
+    # Qwen3.5's text classes (models/qwen3_5_text.py) have no get_hidden_dim either: the
+    # default dims, dense or with routed and shared experts.
+    "qwen3_5": ("qwen3_5", [*LINEAR, "embed_tokens"], 8, 2, 1, "float32"),
+    "qwen3_5_moe": ("qwen3_5_moe", LINEAR, 8, 2, 1, "float32"),
 }
 # PEFT adapters named at start-up (no pool flags: their targets make the pool) whose start
 # SGLang stops once they load, building the pool: `inspect` says `fails_startup` in its words.
@@ -78,9 +82,12 @@ STARTUP: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next_gdn": ("qwen3_next", {"r": 4, "lora_alpha": 8, "target_modules": [
         *ATTN, "in_proj_qkvz", "in_proj_ba", "out_proj"]}),
     "llama4_mlp": ("llama4", {"r": 4, "lora_alpha": 8}),
+    "qwen3_5_gdn": ("qwen3_5", {"r": 4, "lora_alpha": 8}),
+    "qwen3_5_moe_gate": ("qwen3_5_moe", {"r": 4, "lora_alpha": 8}),
 }
 STARTUP_RAISES = {"qwen3_next_gate": "Exception", "qwen3_next_gdn": "NotImplementedError",
-                  "llama4_mlp": "KeyError"}
+                  "llama4_mlp": "KeyError", "qwen3_5_gdn": "NotImplementedError",
+                  "qwen3_5_moe_gate": "Exception"}
 RAISES = {"llama4": "KeyError", "deepseek_v2_q_b": "TypeError"}
 # config: (tiny model, keys as the published checkpoints write them where transformers 5's
 # differ). Phi-3.5-MoE's class name (transformers spells it PhimoeForCausalLM, which SGLang
@@ -93,12 +100,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v2_head_dim": ("deepseek_v2", {**_DEEPSEEK, "head_dim": None}),
     "deepseek_v3": ("deepseek_v3", {**_DEEPSEEK, "scoring_func": "sigmoid",
                                     "topk_method": "noaux_tc"}),
-    # Qwen3-Next's layer pattern as its checkpoints give it (SGLang's config class reads it).
-    "qwen3_next": ("qwen3_next", {"full_attention_interval": 2}),
+    # Qwen3-Next's and Qwen3.5's layer pattern as their checkpoints give it (SGLang's config
+    # classes read it).
+    **{m: (m, {"full_attention_interval": 2}) for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe")},
 }
 # SGLang's hybrid (Mamba-state) models take a radix-cache strategy the CPU platform supports.
-SERVER_ARGS = {"qwen3_next": {"mamba_radix_cache_strategy": "no_buffer",
-                              "disable_overlap_schedule": True}}
+SERVER_ARGS = {m: {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
+               for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe")}
 
 
 def _config_keys(config: Path, name: str) -> None:

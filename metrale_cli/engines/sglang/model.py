@@ -100,12 +100,18 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
                  "(get_default_hidden_dim has no in_proj_qkvz, in_proj_ba or out_proj); "
                  "attention at the default dims (the output gate not counted), routed experts "
                  "per expert and the shared expert 3-D on every layer", pool_checked="run"),
+    # The text classes (models/qwen3_5_text.py, the registry's pick for a text config) define
+    # no get_hidden_dim; the wrappers (models/qwen3_5.py) take the model's own.
     SglangFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-                 "hybrid", "source",
-                 "the class defines its own get_hidden_dim and should_apply_lora"),
+                 "dense", "source",
+                 "the text class: the default dims (a Gated-DeltaNet target's pool raises); "
+                 "the wrapper defines its own get_hidden_dim and should_apply_lora",
+                 pool_checked="run"),
     SglangFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM",
-                                 "Qwen3_5MoeForConditionalGeneration"), "hybrid", "source",
-                 "the class defines its own get_hidden_dim and should_apply_lora"),
+                                 "Qwen3_5MoeForConditionalGeneration"), "moe", "source",
+                 "the text class: the default dims, routed and shared experts as qwen3_next; "
+                 "the wrapper defines its own get_hidden_dim and should_apply_lora",
+                 pool_checked="run"),
     SglangFamily("gemma", ("GemmaForCausalLM",), "dense", "run"),
     SglangFamily("gemma2", ("Gemma2ForCausalLM",), "dense", "run"),
     SglangFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "dense",
@@ -327,8 +333,8 @@ def _mlp_width(model: ModelConfig, layer: int) -> int:
 
 # Families whose SGLang class builds `mlp.shared_expert_gate` as a torch.nn.Linear (the
 # ReplicatedLinear only on a CPU AMX engine): models/qwen2_moe.py Qwen2MoeSparseMoeBlock, which
-# models/qwen3_next.py builds too.
-_PLAIN_SHARED_GATE = frozenset({"qwen2_moe", "qwen3_next"})
+# models/qwen3_next.py and qwen3_5.py build too.
+_PLAIN_SHARED_GATE = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe"})
 
 
 def _config_head_dim(model: ModelConfig) -> int:
@@ -341,8 +347,8 @@ def _config_head_dim(model: ModelConfig) -> int:
     return model.head_dim
 
 
-def moe_pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | None:
-    """Why LoRAManager.init_state raises on a MoE model for a pool of `targets` once its
+def pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | None:
+    """Why LoRAManager.init_state raises on a model for a pool of `targets` once its
     adapters have loaded (init_memory_pool, update_lora_info: the server never starts): the
     exception's class and SGLang's text, with what it means; or None."""
     targets = set(targets)
@@ -366,7 +372,7 @@ def moe_pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str
                 "q_lora_rank (one q_proj, no q_b_proj), which lora/utils.py "
                 "get_default_hidden_dim gives as q_b_proj's input width")
     dense = next((m for m in _MLP if m in targets), None)
-    if dense is not None and not _has_shared_experts(model) and any(
+    if dense is not None and model.num_experts and not _has_shared_experts(model) and any(
             _mlp_width(model, i) for i in range(model.num_hidden_layers)):
         return ("KeyError", f"'{dense}': SGLang wraps the model's dense MLP / shared-expert "
                 f"{dense} linears but gives them no buffer (mem_pool.py init_buffers allocates "
@@ -432,16 +438,18 @@ class Memory:
            adapters: list[AdapterReport] | None = None,
            budget_bytes: int | None = None) -> Memory:
         row = family(model)
-        # Llama 4's wrapper (models/mllama4.py Llama4ForConditionalGeneration) has a
-        # get_hidden_dim of its own.
-        if row.pool not in ("dense", "moe") or (row.pool == "moe" and model.composite):
+        # The rows run over SGLang's own text class: their wrappers (models/mllama4.py,
+        # qwen3_5.py) have a get_hidden_dim of their own.
+        wrapper = bool(model.composite and row.pool_checked)
+        if row.pool not in ("dense", "moe") or wrapper:
             raise UsageError(
                 f"--engine sglang: SGLang {VERSION} sizes the LoRA pool of a {row.model_type} "
-                f"model ({'wrapper' if row.pool == 'moe' else row.pool}) from its model class "
+                f"model ({'wrapper' if wrapper else row.pool}) from its model class "
                 f"({row.note}); metrale sizes the dense and MoE families' text models (" +
                 ", ".join(f for f, r in FAMILIES.items() if r.pool in ("dense", "moe")) + ")")
         moe = row.pool == "moe"
-        failed = moe_pool_error(model, pool.targets) if moe else None
+        # The rows run over SGLang's own class (`pool_checked`): what stops their start.
+        failed = pool_error(model, pool.targets) if row.pool_checked else None
         if failed is not None:
             raise UsageError(f"--engine sglang: SGLang {VERSION} never starts with this pool "
                              f"({failed[0]}: {failed[1]})")
@@ -534,7 +542,7 @@ def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
     startup = rules.judge_report(report, model, pool=alone.rules(), path="startup", **backend)
     # Once its adapters load, a start-up builds the pool (init_memory_pool) and points the
     # wrapped modules at it (update_lora_info): a MoE pool SGLang cannot build stops it there.
-    failed = moe_pool_error(model, alone.targets) if family(model).pool == "moe" else None
+    failed = pool_error(model, alone.targets) if family(model).pool_checked else None
     if failed is not None and startup.accepted:
         startup = Judgement(False, *failed, reason_class="pool_build", path="startup")
     return {"startup": startup,
