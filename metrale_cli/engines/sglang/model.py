@@ -541,7 +541,7 @@ def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
     backend = {"hf_backbone": hf_backbone(model), "lora_backend": flags.lora_backend}
     startup = rules.judge_report(report, model, pool=alone.rules(), path="startup", **backend)
     # Once its adapters load, a start-up builds the pool (init_memory_pool) and points the
-    # wrapped modules at it (update_lora_info): a MoE pool SGLang cannot build stops it there.
+    # wrapped modules at it (update_lora_info): a pool SGLang cannot build stops it there.
     failed = pool_error(model, alone.targets) if family(model).pool_checked else None
     if failed is not None and startup.accepted:
         startup = Judgement(False, *failed, reason_class="pool_build", path="startup")
