@@ -11,6 +11,8 @@ JOBS: {"jobs": [JOB, ...]} (or one JOB alone), each
        "max_lora_rank": R | null, "lora_target_modules": [..] | null,
        "tp_size": 1,                                     # this process is TP rank 0
        "shared_experts": {"path": P, "width": W, "layers": [..]} | null,  # _base_model
+       "own_class": false,                               # SGLang's class: _class_model
+       "server_args": {},                                # more ServerArgs fields
        "eviction_policy": "lru",                         # --lora-eviction-policy
        "batches": [[NAME | null, ...], ...],             # running batches through the pool
        "startup": [{"name": N, "path": DIR}, ...],       # --lora-paths
@@ -28,7 +30,10 @@ one (its pipeline and tensor-parallel groups stated as such). Else it builds a b
 decoder layers are SGLang's own
 `QKVParallelLinear`, `RowParallelLinear`, `MergedColumnParallelLinear`, `VocabParallelEmbedding`
 and `ParallelLMHead` (named as SGLang's Llama/Qwen2/Qwen3/Mistral classes name them, with no
-`get_hidden_dim` of their own: SGLang's default dims, right for those dense families), and a
+`get_hidden_dim` of their own: SGLang's default dims, right for those dense families); with
+`own_class`, SGLang's own class for the model instead (`_class_model`: a MoE family's FusedMoE
+experts, shared experts and dense layers as SGLang builds them, which is what its pool reads),
+whose first batch is not run (FusedMoE's forward needs its GPU kernel). Then a
 real `LoRAManager` built by its own `__init__` (so `init_state` runs whole: every start-up
 adapter through `_load_lora_adapter`, `init_lora_shapes`, `init_lora_modules` wrapping the
 layers, `init_memory_pool` with real buffers on `cpu`, `update_lora_info`; a failure there is
@@ -93,10 +98,12 @@ def _unpinned_tensors() -> None:
 
 def _publish(job: dict[str, Any]) -> Any:
     """The process-wide server settings SGLang's LoRA code reads (`runtime_context.get_lora`,
-    `get_parallel`), published as the scheduler publishes them, after SGLang's own reset of
-    what the last job published (`reset_context`: a fresh server's state)."""
-    from sglang.srt.runtime_context import reset_context
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    `get_parallel`), published as the scheduler of TP rank 0 publishes them (`publish` with
+    the launcher's placement, world rank 0: every TP, pipeline, attention and MoE rank its
+    own rules give rank 0), after SGLang's own reset of what the last job published
+    (`reset_context`: a fresh server's state)."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
 
     reset_context()
 
@@ -105,36 +112,59 @@ def _publish(job: dict[str, Any]) -> Any:
         max_loras_per_batch=job.get("max_loras_per_batch", 8),
         lora_eviction_policy=job.get("eviction_policy", "lru"),
         lora_backend="torch_native", tp_size=job.get("tp_size", 1), skip_server_warmup=True,
-        attention_backend=job.get("attention_backend"),
+        attention_backend=job.get("attention_backend"), **job.get("server_args", {}),
     )
-    set_global_server_args_for_scheduler(args)
-    from sglang.srt.runtime_context import get_parallel
-
-    # This process is rank 0 of its tensor-parallel group (the pool's shapes are per rank).
-    get_parallel().override_permanently(tp_rank=0)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
     return args
 
 
-def _model_class(model_dir: str) -> tuple[Any, str]:
-    """The class SGLang builds for the model, and the architecture it resolved."""
+def _model_class(model_dir: str) -> tuple[Any, str, Any]:
+    """The class SGLang builds for the model, the architecture it resolved, and the config
+    object SGLang loads (its own config classes where it has them: configs/qwen3_next.py's
+    `layers_block_type`), which a server hands its model class and LoRA manager."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.utils import get_model_architecture
 
-    return get_model_architecture(ModelConfig(model_dir))
+    config = ModelConfig(model_dir)
+    return (*get_model_architecture(config), config.hf_config)
 
 
-def _hf_backbone_model(cls: Any, hf_config: Any) -> Any:
-    """SGLang's Transformers backend class, built on the CPU as rank 0 of one: the pipeline and
-    tensor-parallel groups it reads are stated as one rank's (a server builds them with
-    torch.distributed; at one rank they only say "first, last, alone")."""
+def _rank_zero_groups(tp: int) -> None:
+    """The process groups a model class reads as it is built, stated as TP rank 0's of `tp`
+    (a server builds them with torch.distributed; building reads only their sizes and this
+    rank's place): the pipeline group of one, the TP group, and the MoE TP group, which at
+    expert parallelism 1 is the TP group itself (layers/moe/utils.py
+    post_experts_reduction_group compares them by identity)."""
     import types
 
-    import torch
     from sglang.srt.runtime_context import get_parallel
 
     alone = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1,
                                   rank_in_group=0)
-    get_parallel().override_permanently(pp_group=alone, tp_group=alone)
+    tp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=tp,
+                                     rank_in_group=0, cpu_group=None, device_group=None)
+    get_parallel().override_permanently(pp_group=alone, tp_group=tp_group,
+                                        moe_tp_group=tp_group)
+
+
+def _class_model(cls: Any, hf_config: Any, tp: int) -> Any:
+    """The class SGLang builds for the model (`_model_class`: its own, or its Transformers
+    backend around the HF model), built on the CPU as TP rank 0 of `tp` (`_rank_zero_groups`),
+    its weights zero. SGLang's own classes bring their FusedMoE experts, shared experts and
+    dense layers at SGLang's widths, which its pool reads. Their rotary embeddings are the
+    ones a GPU server builds, on their CPU path: off CUDA, layers/rotary_embedding/base.py
+    imports a fallback kernel (vllm._custom_ops) unless SGLang runs its CPU engine (`_is_cpu`),
+    which needs sgl_kernel's CPU build; and on a `cpu` device factory.py get_rope_wrapper
+    (DeepSeek's attention) takes get_rope_cpu, which has DeepSeek's YaRN alone, where a GPU
+    server takes get_rope (the same arguments, the device aside). The embeddings are no part
+    of LoRA and neither change touches anything else."""
+    import sglang.srt.layers.rotary_embedding.base as rotary
+    import sglang.srt.layers.rotary_embedding.factory as rope_factory
+    import torch
+
+    rotary._is_cpu = True
+    rope_factory.get_rope_cpu = lambda *args: rope_factory.get_rope(*args[:-1])
+    _rank_zero_groups(tp)
     model = cls(hf_config)
     for p in model.parameters():  # as the stand-in's: a zero base
         torch.nn.init.zeros_(p.data)
@@ -339,11 +369,12 @@ def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
     from transformers import AutoConfig
 
     report: dict[str, Any] = {"startup": [], "runtime": [], "started": False}
-    hf_config = AutoConfig.from_pretrained(job["model"])
-    cls, report["model_class"] = _model_class(job["model"])
+    cls, report["model_class"], sglang_config = _model_class(job["model"])
     hf_backbone = report["model_class"].startswith("Transformers")
-    base_model = _hf_backbone_model(cls, hf_config) if hf_backbone else _base_model(
-        hf_config, job.get("shared_experts"))
+    own = job.get("own_class", False) and not hf_backbone
+    hf_config = sglang_config if own else AutoConfig.from_pretrained(job["model"])
+    base_model = (_class_model(cls, hf_config, job.get("tp_size", 1)) if hf_backbone or own
+                  else _base_model(hf_config, job.get("shared_experts")))
     # pinned: the server passes False unless `--lora-paths` JSON pins it.
     startup = [LoRARef(lora_name=s["name"], lora_path=s["path"], pinned=False)
                for s in job.get("startup", [])]
@@ -379,7 +410,9 @@ def run_job(job: dict[str, Any], server_args: Any) -> dict[str, Any]:
                 "type": _error_class(manager, ref), "text": result.error_message}})
     if "batches" in job:
         report["batches"] = _replay_batches(manager, job["batches"])
-    if job.get("tp_size", 1) == 1:  # a rank's layers cannot run its forward without its peers
+    # A rank's layers cannot run its forward without its peers, nor FusedMoE without its GPU
+    # kernel: SGLang's own class gives the pool only.
+    if job.get("tp_size", 1) == 1 and not own:
         entries = {e["name"]: e for e in report["startup"] + report["runtime"]}
         for ref in refs:
             entries[ref.lora_name]["batch"] = _first_batch(manager, ref, hf_backbone)

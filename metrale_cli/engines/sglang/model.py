@@ -59,9 +59,10 @@ class SglangFamily:
     architectures: tuple[str, ...]
     # "dense": the class defines no `get_hidden_dim`, so the pool takes SGLang's default dims
     # and stacking (lora/utils.py get_default_hidden_dim, get_stacked_multiply), which metrale
-    # sizes. "moe" / "hybrid": per-expert 4-D buffers (mem_pool.py init_buffers, `*_moe`) or
-    # the class's own `get_hidden_dim` (models/qwen3_5.py): sized from the model object, which
-    # does not build on a CPU, so metrale gives no bytes for them.
+    # sizes. "moe": the same beside FusedMoE experts, whose MLP targets take per-expert 4-D
+    # buffers (mem_pool.py init_buffers, `*_moe`), which metrale sizes too
+    # (`moe_buffer_shapes`). "hybrid": the class's own `get_hidden_dim` (models/qwen3_5.py):
+    # metrale gives no bytes for them.
     pool: str
     # "run": SGLang's own LoRA code was run on this family's PEFT adapters (tests); "source":
     # the answer comes from reading the source only.
@@ -76,6 +77,10 @@ class SglangFamily:
     # lora/utils.py auto_detect_lora_target_modules, the class's LinearBase leaves normalised
     # plus its own `supported_lora_modules` (those it bypasses normalisation for).
     all_targets: frozenset[str] | None = None
+    # How the pool's bytes were checked where not as the verdicts (`checked`): "run", SGLang's
+    # own LoRAMemoryPool was built over its own class for this family
+    # (tests/test_engine_sglang_moe.py).
+    pool_checked: str = ""
 
 
 FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
@@ -85,18 +90,28 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("qwen2", ("Qwen2ForCausalLM",), "dense", "run"),
     SglangFamily("qwen3", ("Qwen3ForCausalLM",), "dense", "run"),
     SglangFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert, "
+                 "on every layer (SGLang's class reads no mlp_only_layers)", pool_checked="run"),
     SglangFamily("mixtral", ("MixtralForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
-    SglangFamily("qwen3_next", ("Qwen3NextForCausalLM",), "hybrid", "source",
-                 "Gated-DeltaNet in_proj_qkvz stacks 4 ranks (get_stacked_multiply); MoE "
-                 "experts as qwen3_moe"),
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert",
+                 pool_checked="run"),
+    SglangFamily("qwen3_next", ("Qwen3NextForCausalLM",), "moe", "source",
+                 "the class defines no get_hidden_dim: a Gated-DeltaNet target's pool raises "
+                 "(get_default_hidden_dim has no in_proj_qkvz, in_proj_ba or out_proj); "
+                 "attention at the default dims (the output gate not counted), routed experts "
+                 "per expert and the shared expert 3-D on every layer", pool_checked="run"),
+    # The text classes (models/qwen3_5_text.py, the registry's pick for a text config) define
+    # no get_hidden_dim; the wrappers (models/qwen3_5.py) take the model's own.
     SglangFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-                 "hybrid", "source",
-                 "the class defines its own get_hidden_dim and should_apply_lora"),
+                 "dense", "source",
+                 "the text class: the default dims (a Gated-DeltaNet target's pool raises); "
+                 "the wrapper defines its own get_hidden_dim and should_apply_lora",
+                 pool_checked="run"),
     SglangFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM",
-                                 "Qwen3_5MoeForConditionalGeneration"), "hybrid", "source",
-                 "the class defines its own get_hidden_dim and should_apply_lora"),
+                                 "Qwen3_5MoeForConditionalGeneration"), "moe", "source",
+                 "the text class: the default dims, routed and shared experts as qwen3_next; "
+                 "the wrapper defines its own get_hidden_dim and should_apply_lora",
+                 pool_checked="run"),
     SglangFamily("gemma", ("GemmaForCausalLM",), "dense", "run"),
     SglangFamily("gemma2", ("Gemma2ForCausalLM",), "dense", "run"),
     SglangFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "dense",
@@ -123,29 +138,42 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "dense", "source"),
     SglangFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert, "
+                 "the shared expert 3-D ones; its gate (a torch Linear) takes no LoRA",
+                 pool_checked="run"),
     SglangFamily("olmoe", ("OlmoeForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert",
+                 pool_checked="run"),
     SglangFamily("glm4_moe", ("Glm4MoeForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert, "
+                 "the dense first layers and the shared experts 3-D ones", pool_checked="run"),
     SglangFamily("starcoder2", ("Starcoder2ForCausalLM",), "dense", "source"),
     SglangFamily("gpt_oss", ("GptOssForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert",
+                 pool_checked="run"),
     SglangFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), "moe", "source",
-                 "multi-head latent attention; routed experts per expert as qwen3_moe"),
+                 "multi-head latent attention (fused_qkv_a_proj_with_mqa, q_b_proj, kv_b_proj); "
+                 "routed experts per expert, the dense first layers and the shared experts 3-D",
+                 pool_checked="run"),
     SglangFamily("deepseek_v3", ("DeepseekV3ForCausalLM",), "moe", "source",
-                 "multi-head latent attention; routed experts per expert as qwen3_moe"),
+                 "multi-head latent attention (fused_qkv_a_proj_with_mqa, q_b_proj, kv_b_proj); "
+                 "routed experts per expert, the dense first layers and the shared experts 3-D",
+                 pool_checked="run"),
     SglangFamily("phi3", ("Phi3ForCausalLM",), "dense", "run",
                  "models/llama.py's Phi3ForCausalLM; a checkpoint-fused qkv_proj or "
                  "gate_up_proj A is stacked once per slice (lora.py normalize_qkv_proj)"),
     SglangFamily("glm4", ("Glm4ForCausalLM",), "dense", "run"),
     SglangFamily("granitemoe", ("GraniteMoeForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert",
+                 pool_checked="run"),
     SglangFamily("phimoe", ("PhiMoEForCausalLM",), "moe", "source",
-                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert"),
+                 "routed experts take gate_up_proj_moe / down_proj_moe buffers per expert",
+                 pool_checked="run"),
     SglangFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "moe",
-                 "source", "routed experts per expert as qwen3_moe; the wrapper "
-                 "(models/mllama4.py) defines its own get_hidden_dim"),
+                 "source", "routed experts per expert as qwen3_moe; a gate_up_proj / "
+                 "down_proj pool raises (its dense and shared-expert linears get no buffer); "
+                 "the wrapper (models/mllama4.py) defines its own get_hidden_dim",
+                 pool_checked="run"),
     # Its verdicts are the generic rules' (a q_proj without v_proj on a layer, as PEFT's
     # gemma4 adapters have on keys-as-values and KV-shared layers, fails lora.py
     # normalize_qkv_proj); a full layer's q/k/v/o wider than the wrapper's buffers is not judged.
@@ -185,11 +213,19 @@ def hf_backbone(model: ModelConfig) -> bool:
 
 # lora/utils.py EMBEDDING_NAMES, in the order init_buffers allocates their pairs.
 EMBEDDINGS = ("embed_tokens", "lm_head")
-# lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP.
+# lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP;
+# REPLICATED_LINEAR_LORA_NAMES: neither split.
 _ROW_PARALLEL = ("o_proj", "down_proj")
+_REPLICATED = ("fused_qkv_a_proj_with_mqa",)
 # How each module's buffers split over TP (the view's "kind").
 _KINDS = {"qkv_proj": "column (qkv)", "gate_up_proj": "column", "o_proj": "row",
-          "down_proj": "row", "embed_tokens": "embedding", "lm_head": "lm_head"}
+          "down_proj": "row", "embed_tokens": "embedding", "lm_head": "lm_head",
+          "gate_up_proj_moe": "experts (column)", "down_proj_moe": "experts (row)",
+          "fused_qkv_a_proj_with_mqa": "replicated (q_a, kv_a)", "q_b_proj": "column",
+          "kv_b_proj": "column"}
+# The MLP targets init_buffers calls ambiguous: on a model with FusedMoE experts each takes a
+# per-expert buffer (`<module>_moe`) and, where the config has shared experts, a 3-D one too.
+_MLP = ("gate_up_proj", "down_proj")
 # layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE.
 _VOCAB_PADDING = 64
 
@@ -235,27 +271,138 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     _column_parallel_lora_b_per_rank_dim), and for the embedding and output head
     get_embedding_lora_A_shape / get_embedding_lora_B_shape (A (N, r, vocab or hidden),
     unsharded; the head's B (N, vocab rows, r): get_lm_head_lora_b_shard_size,
-    `_lm_head_rows`). Dims are lora/utils.py get_default_hidden_dim's."""
-    H, hd = model.hidden_size, model.head_dim
+    `_lm_head_rows`). Dims are lora/utils.py get_default_hidden_dim's: `o_proj` at the
+    config's `v_head_dim` where it has one (multi-head latent attention), its fused
+    `q_a`/`kv_a` down-projection (`fused_qkv_a_proj_with_mqa`, replicated: neither split),
+    `q_b_proj` and `kv_b_proj` from its ranks and per-head widths."""
+    H, hd = model.hidden_size, _config_head_dim(model)
     heads, kv, inter, vocab = (model.num_attention_heads, model.num_key_value_heads,
                                model.intermediate_size, model.vocab_size)
     if module == "embed_tokens":
         return (slots, rank, vocab), (slots, H, rank)
     if module == "lm_head":
         return (slots, rank, H), (slots, _lm_head_rows(model, tp), rank)
-    dims = {"qkv_proj": (H, hd * (heads + 2 * kv)), "o_proj": (hd * heads, H),
+    rope, nope = model.qk_rope_head_dim, model.qk_nope_head_dim
+    dims = {"qkv_proj": (H, hd * (heads + 2 * kv)), "o_proj": ((model.v_head_dim or hd) * heads, H),
             "gate_up_proj": (H, 2 * inter), "down_proj": (inter, H)}
+    if model.kv_lora_rank:
+        dims |= {"fused_qkv_a_proj_with_mqa": (H, model.q_lora_rank + model.kv_lora_rank + rope),
+                 "q_b_proj": (model.q_lora_rank, heads * (nope + rope)),
+                 "kv_b_proj": (model.kv_lora_rank, heads * (nope + model.v_head_dim))}
     if module not in dims:
         raise UsageError(f"SGLang {VERSION}: no dense pool rule for {module!r}")
     d_in, d_out = dims[module]
     c = rules.STACKED.get(module, 1)
-    if module in _ROW_PARALLEL:
+    if module in _REPLICATED:
+        pass
+    elif module in _ROW_PARALLEL:
         d_in = _divide(d_in, tp, module)
     elif module == "qkv_proj" and kv < tp:
         d_out = _divide(hd * heads, tp, module) + 2 * hd
     else:
         d_out = _divide(d_out, tp, module)
     return (slots, rank * c, d_in), (slots, d_out, rank)
+
+
+def _has_shared_experts(model: ModelConfig) -> bool:
+    """mem_pool.py init_buffers' `has_shared_experts`: the config's
+    `shared_expert_intermediate_size` or `n_shared_experts` above 0. Llama 4's config has
+    neither key (transformers' configuration_llama4.py; metrale's ModelConfig gives its
+    shared expert `intermediate_size` wide)."""
+    if model.model_type == "llama4":
+        return False
+    return model.shared_expert_intermediate_size > 0 or model.n_shared_experts > 0
+
+
+def _mlp_width(model: ModelConfig, layer: int) -> int:
+    """The width of the gate_up_proj / down_proj linears SGLang's class builds on `layer` of a
+    MoE model, beside its FusedMoE experts (0: none), which mem_pool.py _dense_local_dim reads
+    the 3-D buffers' widths from: llama4's dense MLP (intermediate_size_mlp) or its MoE
+    layers' shared expert (intermediate_size) (models/llama4.py); a dense first layer
+    (first_k_dense_replace: intermediate_size) or the shared experts after it
+    (n_shared_experts x moe_intermediate_size) (models/deepseek_v2.py, glm4_moe.py); qwen2_moe's
+    shared expert (models/qwen2_moe.py Qwen2MoeSparseMoeBlock; SGLang makes every layer
+    sparse: Qwen2MoeDecoderLayer.stage_facts)."""
+    if model.model_type == "llama4":
+        return model.intermediate_size if model.is_moe_layer(layer) else (
+            model.intermediate_size_mlp)
+    if layer < model.first_k_dense_replace:
+        return model.intermediate_size
+    return model.shared_experts_width or model.shared_expert_intermediate_size
+
+
+# Families whose SGLang class builds `mlp.shared_expert_gate` as a torch.nn.Linear (the
+# ReplicatedLinear only on a CPU AMX engine): models/qwen2_moe.py Qwen2MoeSparseMoeBlock, which
+# models/qwen3_next.py and qwen3_5.py build too.
+_PLAIN_SHARED_GATE = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe"})
+
+
+def _config_head_dim(model: ModelConfig) -> int:
+    """The `head_dim` SGLang's LoRA pool reads off the config object (lora/utils.py
+    get_default_hidden_dim): DeepSeek's config classes set it to `qk_rope_head_dim`
+    whatever the file says (transformers' configuration_deepseek_v2.py, _v3.py
+    `__post_init__`)."""
+    if model.model_type in ("deepseek_v2", "deepseek_v3"):
+        return model.qk_rope_head_dim
+    return model.head_dim
+
+
+def pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | None:
+    """Why LoRAManager.init_state raises on a model for a pool of `targets` once its
+    adapters have loaded (init_memory_pool, update_lora_info: the server never starts): the
+    exception's class and SGLang's text, with what it means; or None."""
+    targets = set(targets)
+    if "shared_expert_gate" in targets and model.model_type in _PLAIN_SHARED_GATE:
+        # init_lora_modules wraps every module named by a target, before the pool.
+        return ("Exception", "No corresponding LoRA layer supported for <class "
+                "'torch.nn.modules.linear.Linear'>.: SGLang builds the shared expert's gate "
+                "as a plain torch Linear off a CPU engine (models/qwen2_moe.py "
+                "Qwen2MoeSparseMoeBlock), which lora/layers.py get_lora_layer cannot wrap")
+    # lora/utils.py get_default_hidden_dim's modules (the class defines no get_hidden_dim):
+    # init_buffers raises for any other, whichever of them its set order meets first.
+    undimmed = sorted(targets - set(_KINDS) - set(EMBEDDINGS))
+    if undimmed:
+        return ("NotImplementedError", f"get_hidden_dim not implemented for {undimmed[0]}: "
+                "SGLang's class for this model defines no get_hidden_dim, and lora/utils.py "
+                "get_default_hidden_dim has no width for " + ", ".join(undimmed) +
+                " (init_buffers raises at the first of them it meets)")
+    if "q_b_proj" in targets and model.kv_lora_rank and not model.q_lora_rank:
+        return ("TypeError", "zeros(): argument 'size' failed to unpack the object at pos 3 with "
+                "error \"type must be tuple of ints,but got NoneType\": the config has no "
+                "q_lora_rank (one q_proj, no q_b_proj), which lora/utils.py "
+                "get_default_hidden_dim gives as q_b_proj's input width")
+    dense = next((m for m in _MLP if m in targets), None)
+    if dense is not None and model.num_experts and not _has_shared_experts(model) and any(
+            _mlp_width(model, i) for i in range(model.num_hidden_layers)):
+        return ("KeyError", f"'{dense}': SGLang wraps the model's dense MLP / shared-expert "
+                f"{dense} linears but gives them no buffer (mem_pool.py init_buffers allocates "
+                "a 3-D gate_up_proj / down_proj only when the config has "
+                "shared_expert_intermediate_size or n_shared_experts; lora_manager.py "
+                "update_lora_info then looks it up)")
+    return None
+
+
+def moe_buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: int,
+                      layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The A and B buffers one GPU allocates for pool key `module` on `layer` of a MoE model
+    (mem_pool.py init_buffers over SGLang's class, expert parallelism 1): a per-expert
+    `gate_up_proj_moe` / `down_proj_moe` (get_lora_A_shape / get_lora_B_shape: (N, E, r * c,
+    in) and (N, E, out, r), get_default_hidden_dim's `moe_intermediate_size or
+    intermediate_size` split over the MoE TP group, which is TP); a 3-D gate_up_proj /
+    down_proj at the layer's dense MLP or shared-expert width (`_mlp_width`, split over TP);
+    attention as on a dense model (`buffer_shapes`)."""
+    H, E = model.hidden_size, model.num_experts
+    if module.endswith("_moe"):
+        inter = _divide(model.expert_intermediate_size, tp, module)
+        if module == "gate_up_proj_moe":
+            return (slots, E, 2 * rank, H), (slots, E, 2 * inter, rank)
+        return (slots, E, rank, inter), (slots, E, H, rank)
+    if module in _MLP:
+        width = _divide(_mlp_width(model, layer), tp, module)
+        if module == "gate_up_proj":
+            return (slots, 2 * rank, H), (slots, 2 * width, rank)
+        return (slots, rank, width), (slots, H, rank)
+    return buffer_shapes(model, module, rank, slots, tp)
 
 
 def _lm_head_rows(model: ModelConfig, tp: int) -> int:
@@ -291,28 +438,51 @@ class Memory:
            adapters: list[AdapterReport] | None = None,
            budget_bytes: int | None = None) -> Memory:
         row = family(model)
-        if row.pool != "dense":
+        # The rows run over SGLang's own text class: their wrappers (models/mllama4.py,
+        # qwen3_5.py) have a get_hidden_dim of their own.
+        wrapper = bool(model.composite and row.pool_checked)
+        if row.pool not in ("dense", "moe") or wrapper:
             raise UsageError(
                 f"--engine sglang: SGLang {VERSION} sizes the LoRA pool of a {row.model_type} "
-                f"model ({row.pool}) from its model class ({row.note}); metrale sizes dense "
-                f"families only ({', '.join(f for f, r in FAMILIES.items() if r.pool == 'dense')})")
+                f"model ({'wrapper' if wrapper else row.pool}) from its model class "
+                f"({row.note}); metrale sizes the dense and MoE families' text models (" +
+                ", ".join(f for f, r in FAMILIES.items() if r.pool in ("dense", "moe")) + ")")
+        moe = row.pool == "moe"
+        # The rows run over SGLang's own class (`pool_checked`): what stops their start.
+        failed = pool_error(model, pool.targets) if row.pool_checked else None
+        if failed is not None:
+            raise UsageError(f"--engine sglang: SGLang {VERSION} never starts with this pool "
+                             f"({failed[0]}: {failed[1]})")
         elem = DTYPE_BYTES[flags.model_dtype(model)]
         per_module = []
         # mem_pool.py init_buffers: the embedding and head pairs, then every other target's
-        # A and B per layer.
-        order = [m for m in EMBEDDINGS if m in pool.targets] + sorted(
-            m for m in pool.targets if m not in EMBEDDINGS)
+        # A and B per layer; on a MoE model gate_up_proj and down_proj take per-expert buffers
+        # (`_moe`), and 3-D ones only where the config has shared experts.
+        layered = sorted(m for m in pool.targets if m not in EMBEDDINGS)
+        if moe:
+            layered = sorted(k for m in layered for k in (
+                (m, f"{m}_moe") if m in _MLP and _has_shared_experts(model) else
+                (f"{m}_moe",) if m in _MLP else (m,)))
+        order = [m for m in EMBEDDINGS if m in pool.targets] + layered
         # With both targeted, each of init_buffers' two embedding tables (embedding_A/B_buffer
         # and lm_head_A/B_buffer) takes a pair for every one of embed_tokens and lm_head
         # (init_embedding_buffer allocates `target_modules & EMBEDDING_NAMES` into each), and
         # only one pair of each is ever read (get_embedding_tensor): both pairs twice over.
         copies = 2 if set(EMBEDDINGS) <= pool.targets else 1
+        slots, rank, tp = flags.max_loras_per_batch, pool.max_rank, flags.tp
         for module in order:
-            a, b = buffer_shapes(model, module, pool.max_rank, flags.max_loras_per_batch,
-                                 flags.tp)
-            layers, n = (1, copies) if module in EMBEDDINGS else (model.num_hidden_layers, 1)
-            per_module.append((module, layers, n, a, b,
-                               (math.prod(a) + math.prod(b)) * elem * layers * n))
+            if module in EMBEDDINGS or not moe:
+                a, b = buffer_shapes(model, module, rank, slots, tp)
+                layers, n = (1, copies) if module in EMBEDDINGS else (model.num_hidden_layers, 1)
+                per_module.append((module, layers, n, a, b,
+                                   (math.prod(a) + math.prod(b)) * elem * layers * n))
+                continue
+            # Every layer takes the key's pair (init_buffer: `for idx in range(num_layer)`),
+            # each at its own layer's widths; the record shows layer 0's.
+            shapes = [moe_buffer_shapes(model, module, rank, slots, tp, i)
+                      for i in range(model.num_hidden_layers)]
+            per_module.append((module, len(shapes), 1, *shapes[0],
+                               sum(math.prod(a) + math.prod(b) for a, b in shapes) * elem))
         sizes = sorted((_file_bytes(r) for r in adapters or []), reverse=True)
         held = sizes if flags.max_loaded_loras is None else sizes[:flags.max_loaded_loras]
         refuse_absurd(f"SGLang {VERSION}", sum(b for *_, b in per_module), sum(held),
@@ -339,7 +509,8 @@ class Memory:
             "name": NAME, "version": VERSION, "flags": self.flags.record(self.model),
             "pool": self.pool.record(), "lora_bytes": self.lora_bytes,
             "slot_bytes": self.slot_bytes, "host_cache_bytes": self.host_bytes,
-            "per_gpu": True, "checked": family(self.model).checked,
+            "per_gpu": True,
+            "checked": family(self.model).pool_checked or family(self.model).checked,
             "modules": [{"module": m, "kind": _KINDS[m], "layers": n, "copies": c,
                          "bytes": b, "buffers": [["A", list(a)], ["B", list(bb)]]}
                         for m, n, c, a, bb, b in self.per_module],
@@ -368,8 +539,13 @@ def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
     runtime against the running pool (`flags.pool`, else the one it builds alone)."""
     alone = Pool.at_startup(flags, model, [report.adapter.config.raw])
     backend = {"hf_backbone": hf_backbone(model), "lora_backend": flags.lora_backend}
-    return {"startup": rules.judge_report(report, model, pool=alone.rules(), path="startup",
-                                          **backend),
+    startup = rules.judge_report(report, model, pool=alone.rules(), path="startup", **backend)
+    # Once its adapters load, a start-up builds the pool (init_memory_pool) and points the
+    # wrapped modules at it (update_lora_info): a pool SGLang cannot build stops it there.
+    failed = pool_error(model, alone.targets) if family(model).pool_checked else None
+    if failed is not None and startup.accepted:
+        startup = Judgement(False, *failed, reason_class="pool_build", path="startup")
+    return {"startup": startup,
             "runtime": rules.judge_report(report, model, pool=(flags.pool or alone).rules(),
                                            path="runtime", **backend)}
 

@@ -40,10 +40,13 @@ _NORMALISED = {
     "embed_tokens": "embed_tokens", "vocab_emb": "embed_tokens", "embeddings": "embed_tokens",
     "word_embeddings": "embed_tokens", "lm_head": "lm_head", "output": "lm_head",
     "unembed_tokens": "lm_head",
+    # Multi-head latent attention's query and KV down-projections, one fused linear in
+    # SGLang's DeepSeek class.
+    "q_a_proj": "fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
 }
 
 # srt/lora/utils.py get_stacked_multiply: the A buffer holds c ranks for a fused module.
-STACKED = {"qkv_proj": 3, "gate_up_proj": 2}
+STACKED = {"qkv_proj": 3, "gate_up_proj": 2, "fused_qkv_a_proj_with_mqa": 2}
 
 
 class SGLangConfigError(ValueError):
