@@ -292,81 +292,55 @@ def _rank(count: int, m: int, q: float) -> tuple[int, int, float]:
     return lo - zeros, hi - zeros, at - lo
 
 
-@njit(cache=True)
-def _order_statistics(ranks: Any, below: Any, equal: int, seconds: float,
-                      above: Any) -> Any:
-    """The values at `ranks` (-1: a zero) of the sorted positive values: those of `below`,
-    `equal` times `seconds`, those of `above`; each part partitioned once, only when a rank
-    falls in it (most waits are one load's `seconds`, so the parts are small)."""
-    nb = below.size
-    out = np.zeros(ranks.size)
-    low = ranks[(ranks >= 0) & (ranks < nb)]
-    high = ranks[ranks >= nb + equal] - nb - equal
-    low_part = np.partition(below, np.unique(low)) if low.size else below
-    high_part = np.partition(above, np.unique(high)) if high.size else above
-    for i in range(ranks.size):
-        k = ranks[i]
-        if k < 0:
-            continue
-        if k < nb:
-            out[i] = low_part[k]
-        elif k < nb + equal:
-            out[i] = seconds
-        else:
-            out[i] = high_part[k - nb - equal]
-    return out
-
-
-# A pivot whose per-size work passes 1/PIVOT_SPLIT of a pass over every request serves only the
-# sizes below twice itself; the next pivot is prepared (a few passes and a sort) for the rest.
-PIVOT_SPLIT = 16
+@njit(cache=True, inline="always")
+def _accumulate(total: Any, x: float) -> None:
+    """total[0] += x, its rounding error kept in total[1] (Neumaier): the sweep's summed load
+    waits take and give back every load's wait once per change, so plain sums would drift."""
+    s = total[0]
+    t = s + x
+    if abs(s) >= abs(x):
+        total[1] += (s - t) + x
+    else:
+        total[1] += (x - t) + s
+    total[0] = t
 
 
 @njit(cache=True)
-def _pivot_loads(asked: Any, load: Any, seconds: float, links: int) -> tuple[Any, Any, Any]:
-    """The requests `load` marks as misses (those of the pivot, the smallest size swept; at
-    every larger size the misses are among them): per load its end, and the start of its run
-    (loads from one point where every link is free to the next), and per run start whether a
-    load of the run waits for a link. Loads of equal length on `links` links under LinkClock's
-    rule: with fewer loads each link is free no later, so a load that waits for no link here
-    waits for none at a larger size, it ends no later there, and a run's start frees every
-    link at every larger size."""
-    n = asked.size
-    end = np.zeros(n)
-    start = np.zeros(n, np.int64)
-    busy = np.zeros(n, np.bool_)
-    ring = np.zeros(max(links, 1))
-    latest = 0.0
-    k = run = 0
-    for j in range(n):
-        if not load[j]:
+def _replay_run(first: int, last: int, cache: int, fresh: bool, key: Any, asked: Any,
+                seconds: float, links: int, ring: Any, end: Any, lag: Any, run_of: Any,
+                run_last: Any, run_busy: Any, total: Any, n_queued: Any) -> None:
+    """Replay the loads among requests first..last (those whose key is at least `cache`), every
+    link free at the first (LinkClock's rule for equal loads: load i takes the link load
+    i - links held), setting each load's end and, where it waited for a link, its end - ask
+    (`lag`, else 0), and split them into runs: loads from one point where every link is free to
+    the next, `run_of` a load's run (its first load), `run_last` its last load, `run_busy`
+    whether one of its loads waited. Unless `fresh`, the loads' previous waits leave `total`
+    and `n_queued` first; their new ones join them."""
+    ring[:] = 0.0  # at or before the first ask: every end so far, or LinkClock's start
+    at, latest, run, busy, previous = 0, 0.0, -1, False, -1
+    for j in range(first, last + 1):
+        if key[j] < cache:
             continue
         now = asked[j]
-        if k == 0 or latest <= now:
-            run = j
-        start[j] = run
-        free = ring[k % links]
-        if free > now:
-            busy[run] = True
-        end[j] = (free if free > now else now) + seconds
-        ring[k % links] = end[j]
-        latest = end[j]
-        k += 1
-    return end, start, busy
-
-
-@njit(cache=True, inline="always")
-def _tally(wait: float, seconds: float, below: Any, above: Any, nb: int,
-           na: int) -> tuple[int, int, int]:
-    """A positive wait counted where the added-latency order statistics read it: one load time
-    exactly (how many), or kept below or above it. Returns (equal added, nb, na)."""
-    if wait == seconds:
-        return 1, nb, na
-    if wait < seconds:
-        below[nb] = wait
-        return 0, nb + 1, na
-    above[na] = wait
-    return 0, nb, na + 1
+        if not fresh:
+            _accumulate(total, -(end[j] - now))
+            n_queued[0] -= lag[j] > 0
+        if run < 0 or latest <= now:  # every link free (ends never decrease): a new run
+            if run >= 0:
+                run_last[run], run_busy[run] = previous, busy
+            run, busy = j, False
+        free = ring[at]
+        waits = free > now
+        latest = (free if waits else now) + seconds
+        ring[at] = latest
+        at = at + 1 if at + 1 < links else 0
+        end[j], lag[j], run_of[j] = latest, latest - now if waits else 0.0, run
+        busy |= waits
+        n_queued[0] += waits
+        _accumulate(total, latest - now)
+        previous = j
+    if run >= 0:
+        run_last[run], run_busy[run] = previous, busy
 
 
 @njit(cache=True)
@@ -374,157 +348,193 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
               links: int, n_adapters: int, n: int, n_adapter: int) -> Any:
     """Per cache size of `caches` (ascending), the LRU paging replay of the requests `adapter`
     (ids >= 0, pinned ones left out) asked for at `asked` (non-decreasing), from their stack
-    distances: a
-    request misses where its distance is COLD or at least the size; each miss's load queues on
-    `links` links (load i takes the link load i - links held: LinkClock's rule for equal loads),
-    and a hit waits for its adapter's latest load. Rows of [size, 9]: misses, delayed hits, the
-    loads' summed end - ask, added latency's sum, the latest load end (0: none), and added
-    latency's p50 and p99 over `n` requests and over `n_adapter` (the added latency of the
-    requests left out is 0).
+    distances: a request misses where its distance is COLD or at least the size; each miss's
+    load queues on `links` links (load i takes the link load i - links held: LinkClock's rule
+    for equal loads), and a hit waits for its adapter's latest load. Rows of [size, 9]:
+    misses, delayed hits, the loads' summed end - ask, added latency's sum, the latest load end
+    (0: none), and added latency's p50 and p99 over `n` requests and over `n_adapter` (the
+    added latency of the requests left out is 0).
 
-    The per-request work is done once per pivot, the smallest size of a group of sizes: the
-    misses at any size of the group are among the pivot's, so with the pivot's misses loaded,
-    a load that waits for no link waits for none at a size of the group, and ends at its ask
-    plus `seconds`: only runs holding a load that can wait ("busy" runs: loads between two
-    points where every link is free) are replayed per size. Misses elsewhere are counted by
-    distance (sorted once), and a hit can wait only where an earlier load of its adapter ends
-    after it at the pivot: those few follow their adapter's loads back to its latest miss at
-    each size. Where that work per size is small, the first pivot serves every size; where
-    the links are crowded (`PIVOT_SPLIT`), a pivot serves the sizes below twice itself, and
-    the next, with fewer misses, leaves fewer busy runs."""
+    The smallest size is replayed once; each larger size is the one before it less the loads
+    whose distance lies between the two, and only what those change is done again. The loads
+    at a larger size are among those at a smaller one, so every load that stays ends no later
+    (equal loads, first come first served) and every request's added latency can only fall:
+    a point where every link is free stays one, so only the runs of loads between such points
+    that lost a load and held one that waited are replayed; a load that did not wait never
+    will; a hit can be delayed only where it was (or is a new hit), and by the latest load of
+    its adapter, found through its previous request. The percentiles read most waits as one
+    load time and select among the loads that waited through a candidate set: those whose wait
+    was at least a threshold when it was built hold every wait at or above it since, so it
+    serves until fewer than the rank sought remain above the threshold."""
     m = adapter.size
     out = np.zeros((caches.size, 9))
     if m == 0:
         return out
-    big = np.iinfo(np.int64).max
-    key = np.where(distance < 0, big, distance)  # a request misses at sizes <= its key
-    latest = np.zeros(n_adapters)  # for a pass over every request: its adapter's latest load end
-    sim_end = np.zeros(m)
+    key = np.where(distance < 0, np.iinfo(np.int64).max, distance)  # a load at sizes <= key
+    order = np.argsort(key, kind="mergesort")  # the order requests become hits in
+    prev = np.empty(m, np.int64)  # the previous request for the same adapter, -1: none
+    seen = np.full(n_adapters, -1, np.int64)
+    for j in range(m):
+        prev[j], seen[adapter[j]] = seen[adapter[j]], j
     ring = np.zeros(max(links, 1))
-    below = np.empty(m)
-    above = np.empty(m)
+    end = np.zeros(m)
+    lag = np.zeros(m)  # a load's end - ask where it waited for a link, else 0
+    run_of = np.full(m, -1, np.int64)
+    run_last = np.zeros(m, np.int64)
+    run_busy = np.zeros(m, np.bool_)
+    dirty = np.zeros(m, np.bool_)
+    dirty_runs = np.empty(m, np.int64)
+    total = np.zeros(2)  # the loads' summed end - ask, compensated
+    n_queued = np.zeros(1, np.int64)
+    delayed = np.empty(m, np.int64)  # the delayed hits, by index
+    n_delayed = 0
+    is_delayed = np.zeros(m, np.bool_)
+    waits_on = np.zeros(m, np.int64)  # a delayed hit's load
+    new_delayed = np.empty(m, np.int64)
+    candidates = np.empty(m, np.int64)  # requests whose wait was >= threshold when built
+    n_candidates, threshold, built = 0, -np.inf, False
+    values = np.empty(m)
     counts = np.array([n, n, n_adapter, n_adapter])
     qs = np.array([50.0, 99.0, 50.0, 99.0])
-    prev = np.empty(m, np.int64)  # its adapter's previous load at the pivot, -1: none
-    seen = np.full(n_adapters, -1, np.int64)
-    first = 0  # the first size of the pivot's group
-    while first < caches.size:
-        pivot = caches[first]
-        load = key >= pivot
-        seen[:] = -1
-        for j in range(m):
-            prev[j] = seen[adapter[j]]
-            if load[j]:
-                seen[adapter[j]] = j
-        all_end, run, busy = _pivot_loads(asked, load, seconds, links)
-        replayed = np.flatnonzero(load & busy[run])
-        # The other loads end at ask + seconds at every size of the group: by key, descending,
-        # their counts, summed end - ask and latest end for every prefix.
-        calm = np.flatnonzero(load & ~busy[run])
-        by_key = calm[np.argsort(-key[calm], kind="mergesort")]
-        calm_keys = -key[by_key]  # ascending, for searchsorted
-        calm_wait = np.zeros(by_key.size + 1)
-        calm_last = np.zeros(by_key.size + 1)
-        calm_positive = np.zeros(by_key.size + 1, np.int64)  # waits > 0 (all, unless seconds 0)
-        for i in range(by_key.size):
-            j = by_key[i]
-            end = asked[j] + seconds
-            calm_wait[i + 1] = calm_wait[i] + (end - asked[j])
-            calm_last[i + 1] = max(calm_last[i], end)
-            calm_positive[i + 1] = calm_positive[i] + (end - asked[j] > 0)
-        # Hits that can wait: an earlier load of their adapter ends after them at the pivot.
-        can_wait = np.zeros(m, np.bool_)
-        for j in range(m):
-            can_wait[j] = prev[j] >= 0 and all_end[prev[j]] > asked[j]
-        waiting = np.flatnonzero(can_wait)
-        # The most steps per size: the busy runs and each waiting hit's uses back to where its
-        # adapter's loads end before it. Past half a pass over every request (links crowded),
-        # each size is one pass over every request instead.
-        steps = replayed.size
-        for i in range(waiting.size):
-            j = waiting[i]
-            q = prev[j]
-            while q >= 0 and all_end[q] > asked[j] and steps <= m // 2:
-                steps += 1
-                q = prev[q]
-        every = steps > m // 2
-        # The group: every larger size where a size costs little; else the sizes below twice
-        # the pivot, and the next group's pivot, with fewer loads, crowds the links less.
-        last = caches.size
-        if steps > m // PIVOT_SPLIT:
-            last = first + 1
-            while last < caches.size and caches[last] < 2 * pivot:
-                last += 1
-        for s in range(first, last):
-            cache = caches[s]
-            calm_misses = np.searchsorted(calm_keys, -cache, side="right")
-            misses, equal = calm_misses, calm_positive[calm_misses]
-            load_added = calm_wait[calm_misses]
-            added, last_end = load_added, calm_last[calm_misses]
-            delayed = nb = na = k = 0
-            if every:
-                misses = equal = 0
-                load_added = added = last_end = 0.0
-                ring[:] = 0.0
-            for i in range(m if every else replayed.size):
-                j = i if every else replayed[i]
-                if every and key[j] < cache:
-                    wait = latest[adapter[j]] - asked[j]
-                    if wait > 0:
-                        delayed += 1
-                        added += wait
-                        eq, nb, na = _tally(wait, seconds, below, above, nb, na)
-                        equal += eq
-                    continue
-                if not every and run[j] == j:  # every link is free here at every size
-                    ring[:] = 0.0 if j == 0 else -np.inf
-                    k = 0
-                if key[j] < cache:
-                    continue
-                now = asked[j]
-                free = ring[k % links]
-                end = (free if free > now else now) + seconds
-                ring[k % links] = end
+    hits, last = 0, m - 1
+    for s in range(caches.size):
+        cache = caches[s]
+        was = hits
+        while hits < m and key[order[hits]] < cache:
+            hits += 1
+        if s == 0:
+            _replay_run(0, m - 1, cache, True, key, asked, seconds, links, ring, end, lag,
+                        run_of, run_last, run_busy, total, n_queued)
+        else:
+            n_dirty = 0
+            for i in range(was, hits):
+                j = order[i]
+                _accumulate(total, -(end[j] - asked[j]))
+                n_queued[0] -= lag[j] > 0
+                lag[j] = 0.0
+                r = run_of[j]
+                if run_busy[r] and not dirty[r]:
+                    dirty[r] = True
+                    dirty_runs[n_dirty] = r
+                    n_dirty += 1
+            for i in range(n_dirty):
+                r = dirty_runs[i]
+                dirty[r] = run_busy[r] = False
+                _replay_run(r, run_last[r], cache, False, key, asked, seconds, links, ring, end,
+                            lag, run_of, run_last, run_busy, total, n_queued)
+        while last >= 0 and key[last] < cache:
+            last -= 1
+        # Delayed hits: the last size's and the new hits, by index, so a hit's previous
+        # request (a load, or a hit delayed by its adapter's latest load) is settled first.
+        new_hits = np.sort(order[was:hits])
+        i = k = n_new = 0
+        delayed_s = 0.0
+        while i < n_delayed or k < new_hits.size:
+            if k >= new_hits.size or (i < n_delayed and delayed[i] < new_hits[k]):
+                j = delayed[i]
+                i += 1
+            else:
+                j = new_hits[k]
                 k += 1
-                sim_end[j] = end
-                latest[adapter[j]] = end
-                misses += 1
-                load_added += end - now
-                last_end = max(last_end, end)
-                wait = end - now
-                added += wait
-                if wait > 0:
-                    eq, nb, na = _tally(wait, seconds, below, above, nb, na)
-                    equal += eq
-            for i in range(0 if every else waiting.size):
-                j = waiting[i]
-                if key[j] >= cache:
-                    continue
-                q = prev[j]  # back to its adapter's latest miss at this size while it may end late
-                while q >= 0 and all_end[q] > asked[j]:
-                    if key[q] >= cache:
-                        end = sim_end[q] if busy[run[q]] else asked[q] + seconds
-                        wait = end - asked[j]
-                        if wait > 0:
-                            delayed += 1
-                            added += wait
-                            eq, nb, na = _tally(wait, seconds, below, above, nb, na)
-                            equal += eq
-                        break
-                    q = prev[q]
-            ranks = np.empty(8, np.int64)
-            weights = np.empty(4)
-            for i in range(4):
-                ranks[2 * i], ranks[2 * i + 1], weights[i] = _rank(counts[i], nb + equal + na,
-                                                                   qs[i])
-            value = _order_statistics(ranks, below[:nb], equal, seconds, above[:na])
-            out[s, 0], out[s, 1], out[s, 2], out[s, 3], out[s, 4] = (misses, delayed, load_added,
-                                                                     added, last_end)
-            for i in range(4):
-                if counts[i]:
-                    low, high = value[2 * i], value[2 * i + 1]
-                    out[s, 5 + i] = low + (high - low) * weights[i]
-        first = last
+            p, q = prev[j], -1
+            if p >= 0:
+                q = p if key[p] >= cache else (waits_on[p] if is_delayed[p] else -1)
+            is_delayed[j] = q >= 0 and end[q] > asked[j]
+            if is_delayed[j]:
+                waits_on[j] = q
+                new_delayed[n_new] = j
+                n_new += 1
+                delayed_s += end[q] - asked[j]
+        n_delayed = n_new
+        delayed[:n_delayed] = new_delayed[:n_delayed]
+        late = np.empty(n_delayed)
+        for i in range(n_delayed):
+            late[i] = end[waits_on[delayed[i]]] - asked[delayed[i]]
+        below = np.sort(late[late < seconds])
+        above = late[late > seconds]
+        # Positive added latencies ascending: delayed hits below one load time, the loads that
+        # waited for no link (one load time) and delayed hits at it, then the loads that waited
+        # and the delayed hits above it ("top": read from the largest down).
+        misses = m - hits
+        ones = (misses - n_queued[0] if seconds > 0 else 0) + n_delayed - below.size - above.size
+        n_top = n_queued[0] + above.size
+        positive = below.size + ones + n_top
+        ranks = np.empty(8, np.int64)
+        weights = np.empty(4)
+        need = 0
+        for i in range(4):
+            ranks[2 * i], ranks[2 * i + 1], weights[i] = _rank(counts[i], positive, qs[i])
+        for i in range(8):
+            if ranks[i] >= below.size + ones:
+                need = max(need, positive - ranks[i])
+        size = 0
+        if need and built:  # the candidates still at or above the threshold, and delayed hits
+            kept = 0
+            for i in range(n_candidates):
+                j = candidates[i]
+                if lag[j] > 0 and lag[j] >= threshold:
+                    candidates[kept] = j
+                    values[size] = lag[j]
+                    kept += 1
+                    size += 1
+            n_candidates = kept
+            for v in above:
+                if v >= threshold:
+                    values[size] = v
+                    size += 1
+            want = 2 * need + 256
+            if kept > 2 * want:  # the threshold raised: fewer candidates at the next sizes
+                threshold = np.partition(values[:kept], kept - want)[kept - want]
+                n_candidates = 0
+                for i in range(kept):
+                    if values[i] >= threshold:
+                        candidates[n_candidates] = candidates[i]
+                        n_candidates += 1
+        if need and size < need:  # every load that waited; the candidates built again
+            size = 0
+            for j in range(m):
+                if lag[j] > 0:
+                    values[size] = lag[j]
+                    size += 1
+            want = 2 * need + 256
+            threshold = (np.partition(values[:size], size - want)[size - want] if want < size
+                         else -np.inf)
+            n_candidates = 0
+            for j in range(m):
+                if lag[j] > 0 and lag[j] >= threshold:
+                    candidates[n_candidates] = j
+                    n_candidates += 1
+            built = True
+            values[size:size + above.size] = above
+            size += above.size
+        top = values[:size]
+        picks = np.empty(8, np.int64)
+        n_picks = 0
+        for i in range(8):
+            if ranks[i] >= below.size + ones:
+                picks[n_picks] = size - (positive - ranks[i])
+                n_picks += 1
+        if n_picks:
+            top = np.partition(top, np.unique(picks[:n_picks]))
+        value = np.zeros(8)
+        for i in range(8):
+            r = ranks[i]
+            if r < 0:
+                continue
+            if r < below.size:
+                value[i] = below[r]
+            elif r < below.size + ones:
+                value[i] = seconds
+            else:
+                value[i] = top[size - (positive - r)]
+        out[s, 0], out[s, 1] = misses, n_delayed
+        out[s, 2] = total[0] + total[1]
+        out[s, 3] = out[s, 2] + delayed_s
+        out[s, 4] = max(end[last], 0.0) if last >= 0 else 0.0
+        for i in range(4):
+            if counts[i]:
+                low, high = value[2 * i], value[2 * i + 1]
+                out[s, 5 + i] = low + (high - low) * weights[i]
     return out
 
 
