@@ -305,26 +305,109 @@ def _accumulate(total: Any, x: float) -> None:
     total[0] = t
 
 
+@njit(cache=True, inline="always")
+def _wait_falls(j: int, old: float, new: float, hi: Any, lo: Any, above_hi: Any, members: Any,
+                n_members: Any) -> None:
+    """Load j's wait for a link fell from `old` to `new` (0: it waited for none, or is a hit
+    now): past a window's top it leaves the count above the window, into the window it joins
+    the window's members."""
+    for g in range(hi.size):
+        if old > hi[g] >= new:
+            above_hi[g] -= 1
+            if new > 0 and new >= lo[g]:
+                members[g, n_members[g]] = j
+                n_members[g] += 1
+
+
+@njit(cache=True)
+def _largest(tops: Any, g: int, lag: Any, above: Any, hi: Any, lo: Any, above_hi: Any,
+             members: Any, n_members: Any, values: Any, queued: Any, n_queued: Any) -> Any:
+    """The values at from-the-largest indices `tops` (ascending) among the waits of the loads
+    that waited for a link (`lag` > 0) and of the delayed hits `above`. Window g (waits in
+    [lo[g], hi[g]], above_hi[g] of the loads' waits above it) answers where it holds every
+    index sought; else every wait is gathered and the window set again around the indices,
+    with room to spare: waits only fall from one size to the next, so a load's wait in the
+    window was in it or above it when the window was set, and it stays valid until the
+    indices sought fall below it. `queued[:n_queued[1]]` holds every load that waits (and
+    some that no longer do: a load that waits for no link never will again)."""
+    out = np.empty(tops.size)
+    count = above_hi[g]
+    for v in above:
+        count += v > hi[g]
+    size = kept = 0
+    for i in range(n_members[g]):
+        j = members[g, i]
+        if lag[j] > 0 and lag[j] >= lo[g]:
+            members[g, kept] = j
+            values[size] = lag[j]
+            kept += 1
+            size += 1
+    n_members[g] = kept
+    for v in above:
+        if lo[g] <= v <= hi[g]:
+            values[size] = v
+            size += 1
+    if count <= tops[0] and tops[-1] < count + size:
+        picks = size - 1 - (tops - count)
+        part = np.partition(values[:size], np.unique(picks))
+        for i in range(tops.size):
+            out[i] = part[picks[i]]
+        return out
+    size = 0
+    for i in range(n_queued[1]):
+        j = queued[i]
+        if lag[j] > 0:
+            queued[size] = j
+            values[size] = lag[j]
+            size += 1
+    n_queued[1] = size
+    for v in above:
+        values[size] = v
+        size += 1
+    # No room above the indices: waits only leave the count above the window.
+    bottom = tops[-1] + 256 + tops[-1] // 4
+    picks = np.empty(tops.size + 1, np.int64)
+    picks[:tops.size] = size - 1 - tops
+    picks[tops.size] = size - 1 - min(bottom, size - 1)
+    part = np.partition(values[:size], np.unique(picks))
+    hi[g] = part[size - 1 - tops[0]]
+    lo[g] = part[size - 1 - bottom] if bottom < size else -np.inf
+    above_hi[g] = n_members[g] = 0
+    for i in range(n_queued[1]):
+        j = queued[i]
+        v = lag[j]
+        if v > hi[g]:
+            above_hi[g] += 1
+        elif v > 0 and v >= lo[g]:
+            members[g, n_members[g]] = j
+            n_members[g] += 1
+    for i in range(tops.size):
+        out[i] = part[size - 1 - tops[i]]
+    return out
+
+
 @njit(cache=True)
 def _replay_run(first: int, last: int, cache: int, fresh: bool, key: Any, asked: Any,
                 seconds: float, links: int, ring: Any, end: Any, lag: Any, run_of: Any,
-                run_last: Any, run_busy: Any, total: Any, n_queued: Any) -> None:
+                run_last: Any, run_busy: Any, total: Any, n_queued: Any, hi: Any, lo: Any,
+                above_hi: Any, members: Any, n_members: Any) -> None:
     """Replay the loads among requests first..last (those whose key is at least `cache`), every
     link free at the first (LinkClock's rule for equal loads: load i takes the link load
     i - links held), setting each load's end and, where it waited for a link, its end - ask
     (`lag`, else 0), and split them into runs: loads from one point where every link is free to
     the next, `run_of` a load's run (its first load), `run_last` its last load, `run_busy`
     whether one of its loads waited. Unless `fresh`, the loads' previous waits leave `total`
-    and `n_queued` first; their new ones join them."""
+    and `n_queued` first; their new ones join them, and the windows of `_largest` hear of
+    the waits that fell."""
     ring[:] = 0.0  # at or before the first ask: every end so far, or LinkClock's start
     at, latest, run, busy, previous = 0, 0.0, -1, False, -1
     for j in range(first, last + 1):
         if key[j] < cache:
             continue
-        now = asked[j]
+        now, old = asked[j], lag[j]
         if not fresh:
             _accumulate(total, -(end[j] - now))
-            n_queued[0] -= lag[j] > 0
+            n_queued[0] -= old > 0
         if run < 0 or latest <= now:  # every link free (ends never decrease): a new run
             if run >= 0:
                 run_last[run], run_busy[run] = previous, busy
@@ -338,6 +421,8 @@ def _replay_run(first: int, last: int, cache: int, fresh: bool, key: Any, asked:
         busy |= waits
         n_queued[0] += waits
         _accumulate(total, latest - now)
+        if old > 0 and not fresh:
+            _wait_falls(j, old, lag[j], hi, lo, above_hi, members, n_members)
         previous = j
     if run >= 0:
         run_last[run], run_busy[run] = previous, busy
@@ -363,9 +448,8 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     that lost a load and held one that waited are replayed; a load that did not wait never
     will; a hit can be delayed only where it was (or is a new hit), and by the latest load of
     its adapter, found through its previous request. The percentiles read most waits as one
-    load time and select among the loads that waited through a candidate set: those whose wait
-    was at least a threshold when it was built hold every wait at or above it since, so it
-    serves until fewer than the rank sought remain above the threshold."""
+    load time (the loads that waited for no link) and select the others from a window of
+    waits around the rank sought (`_largest`), set again only when the waits fall past it."""
     m = adapter.size
     out = np.zeros((caches.size, 9))
     if m == 0:
@@ -385,14 +469,19 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     dirty = np.zeros(m, np.bool_)
     dirty_runs = np.empty(m, np.int64)
     total = np.zeros(2)  # the loads' summed end - ask, compensated
-    n_queued = np.zeros(1, np.int64)
+    n_queued = np.zeros(2, np.int64)  # the loads that wait; how many `queued` holds
+    queued = np.empty(m, np.int64)  # the loads that wait, by index (and some that no longer do)
     delayed = np.empty(m, np.int64)  # the delayed hits, by index
     n_delayed = 0
     is_delayed = np.zeros(m, np.bool_)
     waits_on = np.zeros(m, np.int64)  # a delayed hit's load
     new_delayed = np.empty(m, np.int64)
-    candidates = np.empty(m, np.int64)  # requests whose wait was >= threshold when built
-    n_candidates, threshold, built = 0, -np.inf, False
+    groups = 2 if n_adapter == n else 4  # percentile windows: p50, p99 over n (n_adapter)
+    hi = np.full(groups, np.inf)  # no window yet: none holds an index sought
+    lo = np.full(groups, np.inf)
+    above_hi = np.zeros(groups, np.int64)
+    members = np.empty((groups, m), np.int32)
+    n_members = np.zeros(groups, np.int64)
     values = np.empty(m)
     counts = np.array([n, n, n_adapter, n_adapter])
     qs = np.array([50.0, 99.0, 50.0, 99.0])
@@ -404,13 +493,19 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
             hits += 1
         if s == 0:
             _replay_run(0, m - 1, cache, True, key, asked, seconds, links, ring, end, lag,
-                        run_of, run_last, run_busy, total, n_queued)
+                        run_of, run_last, run_busy, total, n_queued, hi, lo, above_hi, members,
+                        n_members)
+            for j in range(m):
+                if lag[j] > 0:
+                    queued[n_queued[1]] = j
+                    n_queued[1] += 1
         else:
             n_dirty = 0
             for i in range(was, hits):
                 j = order[i]
                 _accumulate(total, -(end[j] - asked[j]))
                 n_queued[0] -= lag[j] > 0
+                _wait_falls(j, lag[j], 0.0, hi, lo, above_hi, members, n_members)
                 lag[j] = 0.0
                 r = run_of[j]
                 if run_busy[r] and not dirty[r]:
@@ -421,7 +516,8 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
                 r = dirty_runs[i]
                 dirty[r] = run_busy[r] = False
                 _replay_run(r, run_last[r], cache, False, key, asked, seconds, links, ring, end,
-                            lag, run_of, run_last, run_busy, total, n_queued)
+                            lag, run_of, run_last, run_busy, total, n_queued, hi, lo, above_hi,
+                            members, n_members)
         while last >= 0 and key[last] < cache:
             last -= 1
         # Delayed hits: the last size's and the new hits, by index, so a hit's previous
@@ -461,72 +557,28 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
         positive = below.size + ones + n_top
         ranks = np.empty(8, np.int64)
         weights = np.empty(4)
-        need = 0
         for i in range(4):
             ranks[2 * i], ranks[2 * i + 1], weights[i] = _rank(counts[i], positive, qs[i])
-        for i in range(8):
-            if ranks[i] >= below.size + ones:
-                need = max(need, positive - ranks[i])
-        size = 0
-        if need and built:  # the candidates still at or above the threshold, and delayed hits
-            kept = 0
-            for i in range(n_candidates):
-                j = candidates[i]
-                if lag[j] > 0 and lag[j] >= threshold:
-                    candidates[kept] = j
-                    values[size] = lag[j]
-                    kept += 1
-                    size += 1
-            n_candidates = kept
-            for v in above:
-                if v >= threshold:
-                    values[size] = v
-                    size += 1
-            want = 2 * need + 256
-            if kept > 2 * want:  # the threshold raised: fewer candidates at the next sizes
-                threshold = np.partition(values[:kept], kept - want)[kept - want]
-                n_candidates = 0
-                for i in range(kept):
-                    if values[i] >= threshold:
-                        candidates[n_candidates] = candidates[i]
-                        n_candidates += 1
-        if need and size < need:  # every load that waited; the candidates built again
-            size = 0
-            for j in range(m):
-                if lag[j] > 0:
-                    values[size] = lag[j]
-                    size += 1
-            want = 2 * need + 256
-            threshold = (np.partition(values[:size], size - want)[size - want] if want < size
-                         else -np.inf)
-            n_candidates = 0
-            for j in range(m):
-                if lag[j] > 0 and lag[j] >= threshold:
-                    candidates[n_candidates] = j
-                    n_candidates += 1
-            built = True
-            values[size:size + above.size] = above
-            size += above.size
-        top = values[:size]
-        picks = np.empty(8, np.int64)
-        n_picks = 0
-        for i in range(8):
-            if ranks[i] >= below.size + ones:
-                picks[n_picks] = size - (positive - ranks[i])
-                n_picks += 1
-        if n_picks:
-            top = np.partition(top, np.unique(picks[:n_picks]))
         value = np.zeros(8)
+        first = below.size + ones  # the first index of the top part
         for i in range(8):
-            r = ranks[i]
-            if r < 0:
-                continue
-            if r < below.size:
-                value[i] = below[r]
-            elif r < below.size + ones:
+            if 0 <= ranks[i] < below.size:
+                value[i] = below[ranks[i]]
+            elif below.size <= ranks[i] < first:
                 value[i] = seconds
-            else:
-                value[i] = top[size - (positive - r)]
+        for g in range(4):
+            low, high = ranks[2 * g], ranks[2 * g + 1]  # low <= high
+            if g >= groups:  # n_adapter == n: the same ranks
+                value[2 * g], value[2 * g + 1] = value[2 * g - 4], value[2 * g - 3]
+            elif high >= first:
+                both = low >= first
+                tops = np.full(2 if both else 1, positive - 1 - high)
+                tops[-1] = positive - 1 - (low if both else high)
+                got = _largest(tops, g, lag, above, hi, lo, above_hi, members, n_members,
+                               values, queued, n_queued)
+                value[2 * g + 1] = got[0]
+                if both:
+                    value[2 * g] = got[1]
         out[s, 0], out[s, 1] = misses, n_delayed
         out[s, 2] = total[0] + total[1]
         out[s, 3] = out[s, 2] + delayed_s
