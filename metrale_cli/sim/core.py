@@ -364,8 +364,9 @@ def _largest(tops: Any, g: int, lag: Any, above: Any, hi: Any, lo: Any, above_hi
     for v in above:
         values[size] = v
         size += 1
-    # No room above the indices: waits only leave the count above the window.
-    bottom = tops[-1] + 256 + tops[-1] // 4
+    # No room above the indices (waits only leave the count above the window); below, room
+    # for a quarter of the deepest index or 1/32 of the waits, whichever is more.
+    bottom = tops[-1] + 256 + max(tops[-1] // 4, size // 32)
     picks = np.empty(tops.size + 1, np.int64)
     picks[:tops.size] = size - 1 - tops
     picks[tops.size] = size - 1 - min(bottom, size - 1)
@@ -455,7 +456,18 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     if m == 0:
         return out
     key = np.where(distance < 0, np.iinfo(np.int64).max, distance)  # a load at sizes <= key
-    order = np.argsort(key, kind="mergesort")  # the order requests become hits in
+    # The requests that become hits at each size, by index: the first size whose cache
+    # exceeds a request's key (caches.size: none), counted, then placed in request order.
+    step = np.searchsorted(caches, key, side="right")
+    at = np.zeros(caches.size + 2, np.int64)
+    for j in range(m):
+        at[step[j] + 1] += 1
+    at = np.cumsum(at)
+    order = np.empty(m, np.int64)
+    for j in range(m):
+        order[at[step[j]]] = j
+        at[step[j]] += 1
+    hits = 0
     prev = np.empty(m, np.int64)  # the previous request for the same adapter, -1: none
     seen = np.full(n_adapters, -1, np.int64)
     for j in range(m):
@@ -485,12 +497,11 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     values = np.empty(m)
     counts = np.array([n, n, n_adapter, n_adapter])
     qs = np.array([50.0, 99.0, 50.0, 99.0])
-    hits, last = 0, m - 1
+    last = m - 1
     for s in range(caches.size):
         cache = caches[s]
         was = hits
-        while hits < m and key[order[hits]] < cache:
-            hits += 1
+        hits = at[s]  # placed: the bucket of size s ends where bucket s + 1 began
         if s == 0:
             _replay_run(0, m - 1, cache, True, key, asked, seconds, links, ring, end, lag,
                         run_of, run_last, run_busy, total, n_queued, hi, lo, above_hi, members,
@@ -522,7 +533,7 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
             last -= 1
         # Delayed hits: the last size's and the new hits, by index, so a hit's previous
         # request (a load, or a hit delayed by its adapter's latest load) is settled first.
-        new_hits = np.sort(order[was:hits])
+        new_hits = order[was:hits]
         i = k = n_new = 0
         delayed_s = 0.0
         while i < n_delayed or k < new_hits.size:
