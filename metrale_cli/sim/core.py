@@ -458,36 +458,38 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     key = np.where(distance < 0, np.iinfo(np.int64).max, distance)  # a load at sizes <= key
     # The requests that become hits at each size, by index: the first size whose cache
     # exceeds a request's key (caches.size: none), counted, then placed in request order.
-    step = np.searchsorted(caches, key, side="right")
+    step = np.empty(m, np.int32)  # int32 here and below: a trace holds at most 10,000,000
+    for j in range(m):
+        step[j] = np.searchsorted(caches, key[j], side="right")
     at = np.zeros(caches.size + 2, np.int64)
     for j in range(m):
         at[step[j] + 1] += 1
     at = np.cumsum(at)
-    order = np.empty(m, np.int64)
+    order = np.empty(m, np.int32)
     for j in range(m):
         order[at[step[j]]] = j
         at[step[j]] += 1
     hits = 0
-    prev = np.empty(m, np.int64)  # the previous request for the same adapter, -1: none
-    seen = np.full(n_adapters, -1, np.int64)
+    prev = np.empty(m, np.int32)  # the previous request for the same adapter, -1: none
+    seen = np.full(n_adapters, -1, np.int32)
     for j in range(m):
         prev[j], seen[adapter[j]] = seen[adapter[j]], j
     ring = np.zeros(max(links, 1))
     end = np.zeros(m)
     lag = np.zeros(m)  # a load's end - ask where it waited for a link, else 0
-    run_of = np.full(m, -1, np.int64)
-    run_last = np.zeros(m, np.int64)
+    run_of = np.full(m, -1, np.int32)
+    run_last = np.zeros(m, np.int32)
     run_busy = np.zeros(m, np.bool_)
     dirty = np.zeros(m, np.bool_)
-    dirty_runs = np.empty(m, np.int64)
+    dirty_runs = np.empty(m, np.int32)
     total = np.zeros(2)  # the loads' summed end - ask, compensated
     n_queued = np.zeros(2, np.int64)  # the loads that wait; how many `queued` holds
-    queued = np.empty(m, np.int64)  # the loads that wait, by index (and some that no longer do)
-    delayed = np.empty(m, np.int64)  # the delayed hits, by index
+    queued = np.empty(m, np.int32)  # the loads that wait, by index (and some that no longer do)
+    delayed = np.empty(m, np.int32)  # the delayed hits, by index
     n_delayed = 0
     is_delayed = np.zeros(m, np.bool_)
-    waits_on = np.zeros(m, np.int64)  # a delayed hit's load
-    new_delayed = np.empty(m, np.int64)
+    waits_on = np.zeros(m, np.int32)  # a delayed hit's load
+    new_delayed = np.empty(m, np.int32)
     groups = 2 if n_adapter == n else 4  # percentile windows: p50, p99 over n (n_adapter)
     hi = np.full(groups, np.inf)  # no window yet: none holds an index sought
     lo = np.full(groups, np.inf)
@@ -524,11 +526,11 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
                     dirty_runs[n_dirty] = r
                     n_dirty += 1
             for i in range(n_dirty):
-                r = dirty_runs[i]
+                r = int(dirty_runs[i])
                 dirty[r] = run_busy[r] = False
-                _replay_run(r, run_last[r], cache, False, key, asked, seconds, links, ring, end,
-                            lag, run_of, run_last, run_busy, total, n_queued, hi, lo, above_hi,
-                            members, n_members)
+                _replay_run(r, int(run_last[r]), cache, False, key, asked, seconds, links, ring,
+                            end, lag, run_of, run_last, run_busy, total, n_queued, hi, lo,
+                            above_hi, members, n_members)
         while last >= 0 and key[last] < cache:
             last -= 1
         # Delayed hits: the last size's and the new hits, by index, so a hit's previous
