@@ -1057,10 +1057,11 @@ def test_bench_slots_record() -> None:
         assert set(rec[key]) == {"64", "4096"} and min(rec[key].values()) > 0
     ns = rec["victim_cycle_ns"]
     assert rec["victim_cycle_ratio"] == ns["4096"] / ns["64"]
-    sweep = rec["lru_sweep"]
-    assert sweep["sizes"] == 1000 and sweep["adapters"] == 100_000
-    assert sweep["speedup"] == 1000 * sweep["replay_s"] / sweep["sweep_s"] > 0
-    assert sweep["over_one_replay"] == sweep["sweep_s"] / sweep["replay_s"]
+    for name, rate in (("lru_sweep", 10), ("lru_sweep_overloaded", 20_000)):
+        sweep = rec[name]
+        assert sweep["sizes"] == 1000 and sweep["adapters"] == 100_000 and sweep["rate"] == rate
+        assert sweep["speedup"] == 1000 * sweep["replay_s"] / sweep["sweep_s"] > 0
+        assert sweep["over_one_replay"] == sweep["sweep_s"] / sweep["replay_s"]
     # libCacheSim (the test extra) on the same trace: the misses are checked before the times.
     theirs = rec["libcachesim"]
     assert theirs["sizes"] == [10, 50, 100, 200, 500] and theirs["requests"] == 2000
@@ -1076,6 +1077,7 @@ def test_bench_slots_record() -> None:
     view = str(bench_slots_view(rec))
     assert "admission, 100,000 requests on 4 slots: skip" in view
     assert "  lru, paging: metrale" in view and "the same misses" in view
+    assert "100,000 adapters at 20,000 req/s:" in view
     r = metrale("bench", "slots", "--repeats", "0")
     assert r.code == 2 and "must be positive" in r.stderr
 

@@ -125,3 +125,39 @@ def test_a_shared_rank_below_the_max_moves_its_share_in_the_sweep() -> None:
     assert lru["bytes_moved"] == fifo["bytes_moved"] == 50 * quarter
     for f in ("swap_s", "link_wait_s", "added_latency_p99_s", "throughput_req_s"):
         assert lru[f] == pytest.approx(fifo[f], rel=1e-9), f
+
+
+@pytest.mark.parametrize(("seed", "links", "pin_count", "load"),
+                         [(0, 1, 0, None), (1, 2, 1, 250), (2, 3, 0, None), (3, 1, 2, 1000)])
+def test_the_sweep_is_a_replay_on_overloaded_links(seed: int, links: int, pin_count: int,
+                                                   load: int | None) -> None:
+    """Traces long enough that the sweep's percentile windows are set, outrun and set again:
+    3,000 zipf-like requests over 400 adapters, asked for faster than the links load them at
+    the small sizes (bursts of requests together, then lulls), with base requests among them;
+    60 sizes, each against a replay at that size."""
+    rng = np.random.default_rng(seed)
+    n = 3000
+    refs = np.minimum(rng.zipf(1.3, n) - 1, 399)
+    refs[rng.random(n) < 0.05] = -1  # base requests: no adapter
+    gaps = np.where(rng.random(n) < 0.7, 0.0, rng.exponential(0.004 / links, n))  # 1 ms loads
+    w = paging(refs.tolist(), np.cumsum(gaps).tolist())
+    used = sorted({int(r) for r in refs if r >= 0})
+    pinned = [f"a{i}" for i in used[:pin_count]]
+    cost = dataclasses.replace(COST, links=links)
+    rp = Replay(w, np.zeros(n), cost, pinned,
+                load_bytes=None if load is None else [load] * len(w.adapters))
+    sizes = sorted(rng.choice(np.arange(pin_count + 1, 420), 60, replace=False).tolist())
+    swept = rp.lru_sweep(sizes)
+    waited = 0
+    for size, s in zip(sizes, swept, strict=True):
+        r = rp.run("lru", size, detail=False)
+        assert (s.hits, s.delayed_hits, s.misses, s.swaps) == (
+            r.hits, r.delayed_hits, r.misses, r.swaps), size
+        for f in ("link_wait_s", "added_latency_p50_s", "added_latency_p99_s",
+                  "added_latency_mean_s", "ttft_adapter_p50_s", "ttft_adapter_p99_s",
+                  "throughput_req_s"):
+            assert getattr(s, f) == pytest.approx(getattr(r, f), rel=1e-9, abs=1e-12), (f, size)
+        waited += r.link_wait_s > 0
+    # Loads queued at every size, half a load time each on average at the smallest.
+    assert swept[0].delayed_hits and swept[0].link_wait_s > swept[0].swap_s / 2
+    assert waited == len(sizes)

@@ -282,11 +282,13 @@ def bench_slots_view(record: dict[str, Any]) -> Text:
         lines.append(
             f"simulate, {mode}, every request a miss: {rps[lo]:,.0f} req/s at {lo} slots, "
             f"{rps[hi]:,.0f} at {hi}: cost per request x{ratio:.2f}")
-    sweep = record["lru_sweep"]
-    lines.append(f"lru sweep, paging, {sweep['sizes']:,} sizes over {sweep['adapters']:,} "
-                 f"adapters: {sweep['sweep_s']:.2f} s in one pass, {sweep['replay_s']:.2f} s "
-                 f"per size replayed: x{sweep['speedup']:,.0f}, one pass = "
-                 f"{sweep['over_one_replay']:.1f} replays")
+    for name in ("lru_sweep", "lru_sweep_overloaded"):
+        sweep = record[name]
+        lines.append(f"lru sweep, paging, {sweep['sizes']:,} sizes over {sweep['adapters']:,} "
+                     f"adapters at {sweep['rate']:,.0f} req/s: {sweep['sweep_s']:.2f} s in one "
+                     f"pass, {sweep['replay_s']:.2f} s per size replayed: "
+                     f"x{sweep['speedup']:,.0f}, one pass = {sweep['over_one_replay']:.1f} "
+                     "replays")
     theirs = record.get("libcachesim")
     if theirs is None:
         lines.append("libCacheSim: not installed (pip install 'metrale[libcachesim]')")

@@ -292,81 +292,141 @@ def _rank(count: int, m: int, q: float) -> tuple[int, int, float]:
     return lo - zeros, hi - zeros, at - lo
 
 
-@njit(cache=True)
-def _order_statistics(ranks: Any, below: Any, equal: int, seconds: float,
-                      above: Any) -> Any:
-    """The values at `ranks` (-1: a zero) of the sorted positive values: those of `below`,
-    `equal` times `seconds`, those of `above`; each part partitioned once, only when a rank
-    falls in it (most waits are one load's `seconds`, so the parts are small)."""
-    nb = below.size
-    out = np.zeros(ranks.size)
-    low = ranks[(ranks >= 0) & (ranks < nb)]
-    high = ranks[ranks >= nb + equal] - nb - equal
-    low_part = np.partition(below, np.unique(low)) if low.size else below
-    high_part = np.partition(above, np.unique(high)) if high.size else above
-    for i in range(ranks.size):
-        k = ranks[i]
-        if k < 0:
-            continue
-        if k < nb:
-            out[i] = low_part[k]
-        elif k < nb + equal:
-            out[i] = seconds
-        else:
-            out[i] = high_part[k - nb - equal]
-    return out
-
-
-# A pivot whose per-size work passes 1/PIVOT_SPLIT of a pass over every request serves only the
-# sizes below twice itself; the next pivot is prepared (a few passes and a sort) for the rest.
-PIVOT_SPLIT = 16
-
-
-@njit(cache=True)
-def _pivot_loads(asked: Any, load: Any, seconds: float, links: int) -> tuple[Any, Any, Any]:
-    """The requests `load` marks as misses (those of the pivot, the smallest size swept; at
-    every larger size the misses are among them): per load its end, and the start of its run
-    (loads from one point where every link is free to the next), and per run start whether a
-    load of the run waits for a link. Loads of equal length on `links` links under LinkClock's
-    rule: with fewer loads each link is free no later, so a load that waits for no link here
-    waits for none at a larger size, it ends no later there, and a run's start frees every
-    link at every larger size."""
-    n = asked.size
-    end = np.zeros(n)
-    start = np.zeros(n, np.int64)
-    busy = np.zeros(n, np.bool_)
-    ring = np.zeros(max(links, 1))
-    latest = 0.0
-    k = run = 0
-    for j in range(n):
-        if not load[j]:
-            continue
-        now = asked[j]
-        if k == 0 or latest <= now:
-            run = j
-        start[j] = run
-        free = ring[k % links]
-        if free > now:
-            busy[run] = True
-        end[j] = (free if free > now else now) + seconds
-        ring[k % links] = end[j]
-        latest = end[j]
-        k += 1
-    return end, start, busy
+@njit(cache=True, inline="always")
+def _accumulate(total: Any, x: float) -> None:
+    """total[0] += x, its rounding error kept in total[1] (Neumaier): the sweep's summed load
+    waits take and give back every load's wait once per change, so plain sums would drift."""
+    s = total[0]
+    t = s + x
+    if abs(s) >= abs(x):
+        total[1] += (s - t) + x
+    else:
+        total[1] += (x - t) + s
+    total[0] = t
 
 
 @njit(cache=True, inline="always")
-def _tally(wait: float, seconds: float, below: Any, above: Any, nb: int,
-           na: int) -> tuple[int, int, int]:
-    """A positive wait counted where the added-latency order statistics read it: one load time
-    exactly (how many), or kept below or above it. Returns (equal added, nb, na)."""
-    if wait == seconds:
-        return 1, nb, na
-    if wait < seconds:
-        below[nb] = wait
-        return 0, nb + 1, na
-    above[na] = wait
-    return 0, nb, na + 1
+def _wait_falls(j: int, old: float, new: float, hi: Any, lo: Any, above_hi: Any, members: Any,
+                n_members: Any) -> None:
+    """Load j's wait for a link fell from `old` to `new` (0: it waited for none, or is a hit
+    now): past a window's top it leaves the count above the window, into the window it joins
+    the window's members."""
+    for g in range(hi.size):
+        if old > hi[g] >= new:
+            above_hi[g] -= 1
+            if new > 0 and new >= lo[g]:
+                members[g, n_members[g]] = j
+                n_members[g] += 1
+
+
+@njit(cache=True)
+def _largest(tops: Any, g: int, lag: Any, above: Any, hi: Any, lo: Any, above_hi: Any,
+             members: Any, n_members: Any, values: Any, queued: Any, n_queued: Any) -> Any:
+    """The values at from-the-largest indices `tops` (ascending) among the waits of the loads
+    that waited for a link (`lag` > 0) and of the delayed hits `above`. Window g (waits in
+    [lo[g], hi[g]], above_hi[g] of the loads' waits above it) answers where it holds every
+    index sought; else every wait is gathered and the window set again around the indices,
+    with room to spare: waits only fall from one size to the next, so a load's wait in the
+    window was in it or above it when the window was set, and it stays valid until the
+    indices sought fall below it. `queued[:n_queued[1]]` holds every load that waits (and
+    some that no longer do: a load that waits for no link never will again)."""
+    out = np.empty(tops.size)
+    count = above_hi[g]
+    for v in above:
+        count += v > hi[g]
+    size = kept = 0
+    for i in range(n_members[g]):
+        j = members[g, i]
+        if lag[j] > 0 and lag[j] >= lo[g]:
+            members[g, kept] = j
+            values[size] = lag[j]
+            kept += 1
+            size += 1
+    n_members[g] = kept
+    for v in above:
+        if lo[g] <= v <= hi[g]:
+            values[size] = v
+            size += 1
+    if count <= tops[0] and tops[-1] < count + size:
+        picks = size - 1 - (tops - count)
+        part = np.partition(values[:size], np.unique(picks))
+        for i in range(tops.size):
+            out[i] = part[picks[i]]
+        return out
+    size = 0
+    for i in range(n_queued[1]):
+        j = queued[i]
+        if lag[j] > 0:
+            queued[size] = j
+            values[size] = lag[j]
+            size += 1
+    n_queued[1] = size
+    for v in above:
+        values[size] = v
+        size += 1
+    # No room above the indices (waits only leave the count above the window); below, room
+    # for a quarter of the deepest index or 1/32 of the waits, whichever is more.
+    bottom = tops[-1] + 256 + max(tops[-1] // 4, size // 32)
+    picks = np.empty(tops.size + 1, np.int64)
+    picks[:tops.size] = size - 1 - tops
+    picks[tops.size] = size - 1 - min(bottom, size - 1)
+    part = np.partition(values[:size], np.unique(picks))
+    hi[g] = part[size - 1 - tops[0]]
+    lo[g] = part[size - 1 - bottom] if bottom < size else -np.inf
+    above_hi[g] = n_members[g] = 0
+    for i in range(n_queued[1]):
+        j = queued[i]
+        v = lag[j]
+        if v > hi[g]:
+            above_hi[g] += 1
+        elif v > 0 and v >= lo[g]:
+            members[g, n_members[g]] = j
+            n_members[g] += 1
+    for i in range(tops.size):
+        out[i] = part[size - 1 - tops[i]]
+    return out
+
+
+@njit(cache=True)
+def _replay_run(first: int, last: int, cache: int, fresh: bool, key: Any, asked: Any,
+                seconds: float, links: int, ring: Any, end: Any, lag: Any, run_of: Any,
+                run_last: Any, run_busy: Any, total: Any, n_queued: Any, hi: Any, lo: Any,
+                above_hi: Any, members: Any, n_members: Any) -> None:
+    """Replay the loads among requests first..last (those whose key is at least `cache`), every
+    link free at the first (LinkClock's rule for equal loads: load i takes the link load
+    i - links held), setting each load's end and, where it waited for a link, its end - ask
+    (`lag`, else 0), and split them into runs: loads from one point where every link is free to
+    the next, `run_of` a load's run (its first load), `run_last` its last load, `run_busy`
+    whether one of its loads waited. Unless `fresh`, the loads' previous waits leave `total`
+    and `n_queued` first; their new ones join them, and the windows of `_largest` hear of
+    the waits that fell."""
+    ring[:] = 0.0  # at or before the first ask: every end so far, or LinkClock's start
+    at, latest, run, busy, previous = 0, 0.0, -1, False, -1
+    for j in range(first, last + 1):
+        if key[j] < cache:
+            continue
+        now, old = asked[j], lag[j]
+        if not fresh:
+            _accumulate(total, -(end[j] - now))
+            n_queued[0] -= old > 0
+        if run < 0 or latest <= now:  # every link free (ends never decrease): a new run
+            if run >= 0:
+                run_last[run], run_busy[run] = previous, busy
+            run, busy = j, False
+        free = ring[at]
+        waits = free > now
+        latest = (free if waits else now) + seconds
+        ring[at] = latest
+        at = at + 1 if at + 1 < links else 0
+        end[j], lag[j], run_of[j] = latest, latest - now if waits else 0.0, run
+        busy |= waits
+        n_queued[0] += waits
+        _accumulate(total, latest - now)
+        if old > 0 and not fresh:
+            _wait_falls(j, old, lag[j], hi, lo, above_hi, members, n_members)
+        previous = j
+    if run >= 0:
+        run_last[run], run_busy[run] = previous, busy
 
 
 @njit(cache=True)
@@ -374,157 +434,172 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
               links: int, n_adapters: int, n: int, n_adapter: int) -> Any:
     """Per cache size of `caches` (ascending), the LRU paging replay of the requests `adapter`
     (ids >= 0, pinned ones left out) asked for at `asked` (non-decreasing), from their stack
-    distances: a
-    request misses where its distance is COLD or at least the size; each miss's load queues on
-    `links` links (load i takes the link load i - links held: LinkClock's rule for equal loads),
-    and a hit waits for its adapter's latest load. Rows of [size, 9]: misses, delayed hits, the
-    loads' summed end - ask, added latency's sum, the latest load end (0: none), and added
-    latency's p50 and p99 over `n` requests and over `n_adapter` (the added latency of the
-    requests left out is 0).
+    distances: a request misses where its distance is COLD or at least the size; each miss's
+    load queues on `links` links (load i takes the link load i - links held: LinkClock's rule
+    for equal loads), and a hit waits for its adapter's latest load. Rows of [size, 9]:
+    misses, delayed hits, the loads' summed end - ask, added latency's sum, the latest load end
+    (0: none), and added latency's p50 and p99 over `n` requests and over `n_adapter` (the
+    added latency of the requests left out is 0).
 
-    The per-request work is done once per pivot, the smallest size of a group of sizes: the
-    misses at any size of the group are among the pivot's, so with the pivot's misses loaded,
-    a load that waits for no link waits for none at a size of the group, and ends at its ask
-    plus `seconds`: only runs holding a load that can wait ("busy" runs: loads between two
-    points where every link is free) are replayed per size. Misses elsewhere are counted by
-    distance (sorted once), and a hit can wait only where an earlier load of its adapter ends
-    after it at the pivot: those few follow their adapter's loads back to its latest miss at
-    each size. Where that work per size is small, the first pivot serves every size; where
-    the links are crowded (`PIVOT_SPLIT`), a pivot serves the sizes below twice itself, and
-    the next, with fewer misses, leaves fewer busy runs."""
+    The smallest size is replayed once; each larger size is the one before it less the loads
+    whose distance lies between the two, and only what those change is done again. The loads
+    at a larger size are among those at a smaller one, so every load that stays ends no later
+    (equal loads, first come first served) and every request's added latency can only fall:
+    a point where every link is free stays one, so only the runs of loads between such points
+    that lost a load and held one that waited are replayed; a load that did not wait never
+    will; a hit can be delayed only where it was (or is a new hit), and by the latest load of
+    its adapter, found through its previous request. The percentiles read most waits as one
+    load time (the loads that waited for no link) and select the others from a window of
+    waits around the rank sought (`_largest`), set again only when the waits fall past it."""
     m = adapter.size
     out = np.zeros((caches.size, 9))
     if m == 0:
         return out
-    big = np.iinfo(np.int64).max
-    key = np.where(distance < 0, big, distance)  # a request misses at sizes <= its key
-    latest = np.zeros(n_adapters)  # for a pass over every request: its adapter's latest load end
-    sim_end = np.zeros(m)
+    key = np.where(distance < 0, np.iinfo(np.int64).max, distance)  # a load at sizes <= key
+    # The requests that become hits at each size, by index: the first size whose cache
+    # exceeds a request's key (caches.size: none), counted, then placed in request order.
+    step = np.empty(m, np.int32)  # int32 here and below: a trace holds at most 10,000,000
+    for j in range(m):
+        step[j] = np.searchsorted(caches, key[j], side="right")
+    at = np.zeros(caches.size + 2, np.int64)
+    for j in range(m):
+        at[step[j] + 1] += 1
+    at = np.cumsum(at)
+    order = np.empty(m, np.int32)
+    for j in range(m):
+        order[at[step[j]]] = j
+        at[step[j]] += 1
+    hits = 0
+    prev = np.empty(m, np.int32)  # the previous request for the same adapter, -1: none
+    seen = np.full(n_adapters, -1, np.int32)
+    for j in range(m):
+        prev[j], seen[adapter[j]] = seen[adapter[j]], j
     ring = np.zeros(max(links, 1))
-    below = np.empty(m)
-    above = np.empty(m)
+    end = np.zeros(m)
+    lag = np.zeros(m)  # a load's end - ask where it waited for a link, else 0
+    run_of = np.full(m, -1, np.int32)
+    run_last = np.zeros(m, np.int32)
+    run_busy = np.zeros(m, np.bool_)
+    dirty = np.zeros(m, np.bool_)
+    dirty_runs = np.empty(m, np.int32)
+    total = np.zeros(2)  # the loads' summed end - ask, compensated
+    n_queued = np.zeros(2, np.int64)  # the loads that wait; how many `queued` holds
+    queued = np.empty(m, np.int32)  # the loads that wait, by index (and some that no longer do)
+    delayed = np.empty(m, np.int32)  # the delayed hits, by index
+    n_delayed = 0
+    is_delayed = np.zeros(m, np.bool_)
+    waits_on = np.zeros(m, np.int32)  # a delayed hit's load
+    new_delayed = np.empty(m, np.int32)
+    groups = 2 if n_adapter == n else 4  # percentile windows: p50, p99 over n (n_adapter)
+    hi = np.full(groups, np.inf)  # no window yet: none holds an index sought
+    lo = np.full(groups, np.inf)
+    above_hi = np.zeros(groups, np.int64)
+    members = np.empty((groups, m), np.int32)
+    n_members = np.zeros(groups, np.int64)
+    values = np.empty(m)
     counts = np.array([n, n, n_adapter, n_adapter])
     qs = np.array([50.0, 99.0, 50.0, 99.0])
-    prev = np.empty(m, np.int64)  # its adapter's previous load at the pivot, -1: none
-    seen = np.full(n_adapters, -1, np.int64)
-    first = 0  # the first size of the pivot's group
-    while first < caches.size:
-        pivot = caches[first]
-        load = key >= pivot
-        seen[:] = -1
-        for j in range(m):
-            prev[j] = seen[adapter[j]]
-            if load[j]:
-                seen[adapter[j]] = j
-        all_end, run, busy = _pivot_loads(asked, load, seconds, links)
-        replayed = np.flatnonzero(load & busy[run])
-        # The other loads end at ask + seconds at every size of the group: by key, descending,
-        # their counts, summed end - ask and latest end for every prefix.
-        calm = np.flatnonzero(load & ~busy[run])
-        by_key = calm[np.argsort(-key[calm], kind="mergesort")]
-        calm_keys = -key[by_key]  # ascending, for searchsorted
-        calm_wait = np.zeros(by_key.size + 1)
-        calm_last = np.zeros(by_key.size + 1)
-        calm_positive = np.zeros(by_key.size + 1, np.int64)  # waits > 0 (all, unless seconds 0)
-        for i in range(by_key.size):
-            j = by_key[i]
-            end = asked[j] + seconds
-            calm_wait[i + 1] = calm_wait[i] + (end - asked[j])
-            calm_last[i + 1] = max(calm_last[i], end)
-            calm_positive[i + 1] = calm_positive[i] + (end - asked[j] > 0)
-        # Hits that can wait: an earlier load of their adapter ends after them at the pivot.
-        can_wait = np.zeros(m, np.bool_)
-        for j in range(m):
-            can_wait[j] = prev[j] >= 0 and all_end[prev[j]] > asked[j]
-        waiting = np.flatnonzero(can_wait)
-        # The most steps per size: the busy runs and each waiting hit's uses back to where its
-        # adapter's loads end before it. Past half a pass over every request (links crowded),
-        # each size is one pass over every request instead.
-        steps = replayed.size
-        for i in range(waiting.size):
-            j = waiting[i]
-            q = prev[j]
-            while q >= 0 and all_end[q] > asked[j] and steps <= m // 2:
-                steps += 1
-                q = prev[q]
-        every = steps > m // 2
-        # The group: every larger size where a size costs little; else the sizes below twice
-        # the pivot, and the next group's pivot, with fewer loads, crowds the links less.
-        last = caches.size
-        if steps > m // PIVOT_SPLIT:
-            last = first + 1
-            while last < caches.size and caches[last] < 2 * pivot:
-                last += 1
-        for s in range(first, last):
-            cache = caches[s]
-            calm_misses = np.searchsorted(calm_keys, -cache, side="right")
-            misses, equal = calm_misses, calm_positive[calm_misses]
-            load_added = calm_wait[calm_misses]
-            added, last_end = load_added, calm_last[calm_misses]
-            delayed = nb = na = k = 0
-            if every:
-                misses = equal = 0
-                load_added = added = last_end = 0.0
-                ring[:] = 0.0
-            for i in range(m if every else replayed.size):
-                j = i if every else replayed[i]
-                if every and key[j] < cache:
-                    wait = latest[adapter[j]] - asked[j]
-                    if wait > 0:
-                        delayed += 1
-                        added += wait
-                        eq, nb, na = _tally(wait, seconds, below, above, nb, na)
-                        equal += eq
-                    continue
-                if not every and run[j] == j:  # every link is free here at every size
-                    ring[:] = 0.0 if j == 0 else -np.inf
-                    k = 0
-                if key[j] < cache:
-                    continue
-                now = asked[j]
-                free = ring[k % links]
-                end = (free if free > now else now) + seconds
-                ring[k % links] = end
+    last = m - 1
+    for s in range(caches.size):
+        cache = caches[s]
+        was = hits
+        hits = at[s]  # placed: the bucket of size s ends where bucket s + 1 began
+        if s == 0:
+            _replay_run(0, m - 1, cache, True, key, asked, seconds, links, ring, end, lag,
+                        run_of, run_last, run_busy, total, n_queued, hi, lo, above_hi, members,
+                        n_members)
+            for j in range(m):
+                if lag[j] > 0:
+                    queued[n_queued[1]] = j
+                    n_queued[1] += 1
+        else:
+            n_dirty = 0
+            for i in range(was, hits):
+                j = order[i]
+                _accumulate(total, -(end[j] - asked[j]))
+                n_queued[0] -= lag[j] > 0
+                _wait_falls(j, lag[j], 0.0, hi, lo, above_hi, members, n_members)
+                lag[j] = 0.0
+                r = run_of[j]
+                if run_busy[r] and not dirty[r]:
+                    dirty[r] = True
+                    dirty_runs[n_dirty] = r
+                    n_dirty += 1
+            for i in range(n_dirty):
+                r = int(dirty_runs[i])
+                dirty[r] = run_busy[r] = False
+                _replay_run(r, int(run_last[r]), cache, False, key, asked, seconds, links, ring,
+                            end, lag, run_of, run_last, run_busy, total, n_queued, hi, lo,
+                            above_hi, members, n_members)
+        while last >= 0 and key[last] < cache:
+            last -= 1
+        # Delayed hits: the last size's and the new hits, by index, so a hit's previous
+        # request (a load, or a hit delayed by its adapter's latest load) is settled first.
+        new_hits = order[was:hits]
+        i = k = n_new = 0
+        delayed_s = 0.0
+        while i < n_delayed or k < new_hits.size:
+            if k >= new_hits.size or (i < n_delayed and delayed[i] < new_hits[k]):
+                j = delayed[i]
+                i += 1
+            else:
+                j = new_hits[k]
                 k += 1
-                sim_end[j] = end
-                latest[adapter[j]] = end
-                misses += 1
-                load_added += end - now
-                last_end = max(last_end, end)
-                wait = end - now
-                added += wait
-                if wait > 0:
-                    eq, nb, na = _tally(wait, seconds, below, above, nb, na)
-                    equal += eq
-            for i in range(0 if every else waiting.size):
-                j = waiting[i]
-                if key[j] >= cache:
-                    continue
-                q = prev[j]  # back to its adapter's latest miss at this size while it may end late
-                while q >= 0 and all_end[q] > asked[j]:
-                    if key[q] >= cache:
-                        end = sim_end[q] if busy[run[q]] else asked[q] + seconds
-                        wait = end - asked[j]
-                        if wait > 0:
-                            delayed += 1
-                            added += wait
-                            eq, nb, na = _tally(wait, seconds, below, above, nb, na)
-                            equal += eq
-                        break
-                    q = prev[q]
-            ranks = np.empty(8, np.int64)
-            weights = np.empty(4)
-            for i in range(4):
-                ranks[2 * i], ranks[2 * i + 1], weights[i] = _rank(counts[i], nb + equal + na,
-                                                                   qs[i])
-            value = _order_statistics(ranks, below[:nb], equal, seconds, above[:na])
-            out[s, 0], out[s, 1], out[s, 2], out[s, 3], out[s, 4] = (misses, delayed, load_added,
-                                                                     added, last_end)
-            for i in range(4):
-                if counts[i]:
-                    low, high = value[2 * i], value[2 * i + 1]
-                    out[s, 5 + i] = low + (high - low) * weights[i]
-        first = last
+            p, q = prev[j], -1
+            if p >= 0:
+                q = p if key[p] >= cache else (waits_on[p] if is_delayed[p] else -1)
+            is_delayed[j] = q >= 0 and end[q] > asked[j]
+            if is_delayed[j]:
+                waits_on[j] = q
+                new_delayed[n_new] = j
+                n_new += 1
+                delayed_s += end[q] - asked[j]
+        n_delayed = n_new
+        delayed[:n_delayed] = new_delayed[:n_delayed]
+        late = np.empty(n_delayed)
+        for i in range(n_delayed):
+            late[i] = end[waits_on[delayed[i]]] - asked[delayed[i]]
+        below = np.sort(late[late < seconds])
+        above = late[late > seconds]
+        # Positive added latencies ascending: delayed hits below one load time, the loads that
+        # waited for no link (one load time) and delayed hits at it, then the loads that waited
+        # and the delayed hits above it ("top": read from the largest down).
+        misses = m - hits
+        ones = (misses - n_queued[0] if seconds > 0 else 0) + n_delayed - below.size - above.size
+        n_top = n_queued[0] + above.size
+        positive = below.size + ones + n_top
+        ranks = np.empty(8, np.int64)
+        weights = np.empty(4)
+        for i in range(4):
+            ranks[2 * i], ranks[2 * i + 1], weights[i] = _rank(counts[i], positive, qs[i])
+        value = np.zeros(8)
+        first = below.size + ones  # the first index of the top part
+        for i in range(8):
+            if 0 <= ranks[i] < below.size:
+                value[i] = below[ranks[i]]
+            elif below.size <= ranks[i] < first:
+                value[i] = seconds
+        for g in range(4):
+            low, high = ranks[2 * g], ranks[2 * g + 1]  # low <= high
+            if g >= groups:  # n_adapter == n: the same ranks
+                value[2 * g], value[2 * g + 1] = value[2 * g - 4], value[2 * g - 3]
+            elif high >= first:
+                both = low >= first
+                tops = np.full(2 if both else 1, positive - 1 - high)
+                tops[-1] = positive - 1 - (low if both else high)
+                got = _largest(tops, g, lag, above, hi, lo, above_hi, members, n_members,
+                               values, queued, n_queued)
+                value[2 * g + 1] = got[0]
+                if both:
+                    value[2 * g] = got[1]
+        out[s, 0], out[s, 1] = misses, n_delayed
+        out[s, 2] = total[0] + total[1]
+        out[s, 3] = out[s, 2] + delayed_s
+        out[s, 4] = max(end[last], 0.0) if last >= 0 else 0.0
+        for i in range(4):
+            if counts[i]:
+                low, high = value[2 * i], value[2 * i + 1]
+                out[s, 5 + i] = low + (high - low) * weights[i]
     return out
 
 
