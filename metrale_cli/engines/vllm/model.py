@@ -119,6 +119,14 @@ class VllmFamily:
     # Attention of each layer's own widths, KV-shared layers, the per-layer input (gemma4.py):
     # `_gemma4_modules`.
     layer_kinds: bool = False
+    # The wrapper's vision tower (vLLM's prefix for it, as an adapter's `model.visual.` reads
+    # after the class's hf_to_vllm_mapper) and the leaf names of its linear layers: lora/utils.py
+    # get_supported_lora_modules takes every LinearBase of the model, the tower's too, so their
+    # weights pass the name check (lora_model.py check_unexpected_modules); without
+    # --enable-tower-connector-lora the tower gets no punica wrapper (model_manager.py
+    # `_maybe_init_mm`) and no LoRA layer, so they load and are never applied.
+    tower: str = ""
+    tower_modules: tuple[str, ...] = ()
     # Why `engine_modules` (llama-shaped layers, non-gated MLPs, GDN, Qwen- and Llama-4-style
     # MoE, nemotron_h's blocks, gemma4's layer kinds) does not model this class's LoRA layers,
     # so that vLLM's bytes and verdicts are refused, not guessed; "" when it does.
@@ -146,7 +154,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
                "run", fused_qkvz=True, shared_expert="mlp.shared_expert",
                shared_expert_gate=True),
     VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-               "qwen3_5.py Qwen3_5ForCausalLM", "source", _EMBED_HEAD),
+               "qwen3_5.py Qwen3_5ForCausalLM", "run", _EMBED_HEAD),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
                "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True,
                shared_expert="mlp.shared_expert", shared_expert_gate=True),
@@ -179,13 +187,19 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # `_try_resolve_transformers`).
     VllmFamily("ministral", ("MinistralForCausalLM",), _BACKEND, "run", _EMBED),
     # The wrappers build their language model's class (init_vllm_registered_model's
-    # `architectures`), whose embedding_modules and packing the LoRA manager reads.
+    # `architectures`), whose embedding_modules and packing the LoRA manager reads. Their
+    # towers' linear layers: attention `qkv` and `proj`, the MLP (Qwen2-VL's fc1, fc2;
+    # Qwen2.5-VL's gate_up_proj, packing gate_proj and up_proj, and down_proj; Qwen3-VL's
+    # linear_fc1, linear_fc2, its mergers' too) and the merger's `mlp.0`, `mlp.2` (an
+    # nn.ModuleList or nn.Sequential of two linears around a GELU).
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "qwen2.py Qwen2ForCausalLM",
-               "source"),
+               "run", tower="visual", tower_modules=("qkv", "proj", "fc1", "fc2", "0", "2")),
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",),
-               "qwen2.py Qwen2ForCausalLM", "source"),
+               "qwen2.py Qwen2ForCausalLM", "run", tower="visual",
+               tower_modules=("qkv", "proj", "gate_proj", "up_proj", "down_proj", "0", "2")),
     VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "qwen3.py Qwen3ForCausalLM",
-               "source", _EMBED_HEAD),
+               "run", _EMBED_HEAD, tower="visual",
+               tower_modules=("qkv", "proj", "linear_fc1", "linear_fc2")),
     # MoE families: their classes declare no embedding_modules.
     VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
                "source", shared_expert="mlp.shared_expert", shared_expert_gate=True),

@@ -175,10 +175,16 @@ KEYS_AS_VALUES = ("vLLM loads this layer's k_proj into both the K and V shards (
                   "reaches the values too")
 
 
+# model.py VllmFamily.tower: the tower's weights pass the name check and find no LoRA layer.
+TOWER_NOT_APPLIED = ("the vision tower's linear layers are LoRA modules of the model, so the "
+                     "weights load, but without --enable-tower-connector-lora the tower has no "
+                     "LoRA layer: they are never applied (model_manager.py _maybe_init_mm)")
+
+
 def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
-              ) -> list[ModuleOutcome]:
+              tower: str = "") -> list[ModuleOutcome]:
     """Per adapter module and layer: the wrapped vLLM module it lands in, or why it is
-    dropped."""
+    dropped (`tower`: the vision tower's prefix, model.py VllmFamily.tower)."""
     by_path: dict[tuple[str, int | None], EngineModule] = {}
     for m in modules:
         parent = m.adapter_parent or (m.path.rsplit(".", 1)[0] if "." in m.path else "")
@@ -188,6 +194,7 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
                 by_path[(sub, layer)] = m
     grouped: dict[tuple[str, str | None, bool, str], list[int]] = defaultdict(list)
     seen: set[tuple[str, int | None]] = set()
+    tower_subs: set[str] = set()
     for key in report.adapter.keys:
         if not key.part.startswith(("lora_A", "lora_B", "lora_embedding")):
             continue
@@ -197,7 +204,9 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
             continue
         seen.add((sub, key.layer))
         module = by_path.get((sub, key.layer))
-        if module is None:
+        if tower and sub.startswith(f"{tower}."):
+            tower_subs.add(sub)
+        elif module is None:
             where = f"layer {key.layer}" if key.layer is not None else "the model"
             grouped[(sub, None, False, f"vLLM's model has no {sub} on {where}: the weights "
                      "load and are never applied")].append(-1 if key.layer is None
@@ -212,9 +221,15 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
                 -1 if key.layer is None else key.layer)
         else:
             grouped[(sub, module.path, True, "")].append(-1 if key.layer is None else key.layer)
-    return [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served, why)
-            for (sub, engine, served, why), layers in sorted(
-                grouped.items(), key=lambda kv: (min(kv[1]), kv[0][0]))]
+    outcomes = [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served,
+                              why) for (sub, engine, served, why), layers in sorted(
+                                  grouped.items(), key=lambda kv: (min(kv[1]), kv[0][0]))]
+    if tower_subs:
+        # One outcome for the tower: its modules are named, not each given the same reason.
+        outcomes.append(ModuleOutcome(tower, None, (), False, f"{len(tower_subs)} adapted "
+                                      f"module{'s' if len(tower_subs) > 1 else ''} ("
+                                      f"{', '.join(sorted(tower_subs))}): {TOWER_NOT_APPLIED}"))
+    return outcomes
 
 
 def architecture_support(model: ModelConfig) -> tuple[str, str] | None:
@@ -320,7 +335,8 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if errors:
         # vLLM joins every config error into one message; the first names the class.
         return verdict(Verdict.REFUSES, errors[0][0], " ".join(text for _, text in errors))
-    error = _weight_errors(report, expected_names(modules), model)
+    row = family(model)
+    error = _weight_errors(report, expected_names(modules) | set(row.tower_modules), model)
     error = error or _moe_format_error(report, modules)
     if error is not None:
         return verdict(Verdict.REFUSES, *error)
@@ -329,7 +345,7 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if shape is not None:
         return verdict(Verdict.REFUSES, "shape",
                        f"the weights do not fit the model's buffers ({shape.message})")
-    outcomes = _outcomes(report, modules, flags)
+    outcomes = _outcomes(report, modules, flags, row.tower)
     served = [o for o in outcomes if o.served]
     dropped = [o for o in outcomes if not o.served]
     # A keys-as-values k_proj is applied, to the keys alone: the adapter changes the output.
@@ -341,7 +357,8 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if dropped:
         return verdict(Verdict.DIFFERS, "target_modules" if any(
             "--lora-target-modules" in o.why for o in dropped) else "keys_as_values" if any(
-            o.why == KEYS_AS_VALUES for o in dropped) else "missing_module",
+            o.why == KEYS_AS_VALUES for o in dropped) else "vision_tower" if all(
+            o.why.endswith(TOWER_NOT_APPLIED) for o in dropped) else "missing_module",
             "part of the adapter is not applied as PEFT applies it: " + "; ".join(
                 f"{o.module} on layers {o.record()['layer_ranges']}: {o.why}"
                 for o in dropped), outcomes)
