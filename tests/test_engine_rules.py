@@ -281,12 +281,14 @@ def test_a_vision_language_wrapper_is_its_registered_class(peft_zoo, wrapper: st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("wrapper", ["qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"])
 def test_a_qwen_tower_adapter_loads_and_is_never_applied(peft_zoo, wrapper: str) -> None:  # type: ignore[no-untyped-def]
-    """PEFT's all-linear on a Qwen-VL wrapper adapts the tower's qkv, proj and MLP as well:
-    their leaf names are LoRA modules of vLLM's model (ROW_RULES), so the adapter is not
-    refused, and the tower has no LoRA layer, so its weights are never applied: `differs`,
-    the language model's modules served (run: tests/test_engine_vllm.py)."""
+    """PEFT's all-linear on a Qwen-VL wrapper (Qwen3.5's too) adapts the tower's qkv, proj
+    and MLP as well: their leaf names are LoRA modules of vLLM's model (ROW_RULES), so the
+    adapter is not refused, and the tower has no LoRA layer, so its weights are never applied:
+    `differs`, the language model's modules served (run: tests/test_engine_vllm.py). vLLM's
+    Qwen3.5 text class, built on the same checkpoint where `architectures` names it, has no
+    tower: the same names are unexpected there."""
     truth = peft_zoo.adapter(wrapper, r=8, lora_alpha=16, target_modules="all-linear")
     verdict = _judge(truth)
     assert verdict.verdict is Verdict.DIFFERS, verdict.reason
@@ -296,6 +298,12 @@ def test_a_qwen_tower_adapter_loads_and_is_never_applied(peft_zoo, wrapper: str)
     assert "visual.blocks.0.attn.qkv" in dropped[0].why
     assert {m.engine_module for m in verdict.modules if m.served} >= {
         "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+    if wrapper == "qwen3_5_vl":
+        model = ModelConfig.from_hf(truth.base_dir)
+        text = replace(model, architectures=("Qwen3_5ForCausalLM",))
+        verdict = vllm.judge(audit(Adapter.load(truth.path), text), text, FLAGS)
+        assert verdict.verdict is Verdict.REFUSES, verdict.reason
+        assert "model.visual.blocks.0.attn.qkv" in verdict.reason
 
 
 def test_phi3_fused_layers_take_one_slice_each_under_tp() -> None:
@@ -378,6 +386,11 @@ ROW_RULES = (
      "self.down_proj = RowParallelLinear("),
     ("qwen2_5_vl", "tower_modules: the merger's mlp.0 and mlp.2", _Q25VL,
      "Qwen2_5_VisionPatchMerger.__init__", "self.mlp = nn.Sequential("),
+    ("qwen3_5", "tower: the wrapper is Qwen3-VL's", "model_executor/models/qwen3_5.py",
+     "Qwen3_5ForConditionalGeneration",
+     "class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, IsHybrid):"),
+    ("qwen3_5", "tower_modules: Qwen3-VL's tower", "model_executor/models/qwen3_5.py",
+     "Qwen3_5ForConditionalGeneration.__init__", "self.visual = Qwen3_VisionTransformer("),
     ("qwen3_vl", "tower: the adapter's model.visual. is vLLM's visual.", _Q3VL,
      "Qwen3VLForConditionalGeneration", '"model.visual.": "visual.",'),
     ("qwen3_vl", "tower_modules: attention qkv and proj are Qwen2.5-VL's", _Q3VL,

@@ -384,7 +384,7 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
     if judged.reason_class == "vision_tower":
         # Only the tower's weights are not applied: a text prompt never runs the tower, so the
         # log-probs are PEFT's, and no module under the tower has LoRA buffers to apply them.
-        tower = VLLM_FAMILIES[run.model.model_type].tower
+        tower = vllm.vision_tower(run.model)[0]
         assert not [m for m in run.report["lora_buffers"] if m.startswith(f"{tower}.")]
         expected = Verdict.SERVES.value
     assert observed(run, entry) == expected, (adapter, judged.reason, entry)

@@ -124,7 +124,8 @@ class VllmFamily:
     # get_supported_lora_modules takes every LinearBase of the model, the tower's too, so their
     # weights pass the name check (lora_model.py check_unexpected_modules); without
     # --enable-tower-connector-lora the tower gets no punica wrapper (model_manager.py
-    # `_maybe_init_mm`) and no LoRA layer, so they load and are never applied.
+    # `_maybe_init_mm`) and no LoRA layer, so they load and are never applied. Only where vLLM
+    # builds the wrapper (`vision_tower`): a text class beside it has none.
     tower: str = ""
     tower_modules: tuple[str, ...] = ()
     # Why `engine_modules` (llama-shaped layers, non-gated MLPs, GDN, Qwen- and Llama-4-style
@@ -153,8 +154,11 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), "qwen3_next.py Qwen3NextForCausalLM",
                "run", fused_qkvz=True, shared_expert="mlp.shared_expert",
                shared_expert_gate=True),
+    # The wrapper (Qwen3_5ForConditionalGeneration, a Qwen3VLForConditionalGeneration) builds
+    # Qwen3-VL's tower.
     VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-               "qwen3_5.py Qwen3_5ForCausalLM", "run", _EMBED_HEAD),
+               "qwen3_5.py Qwen3_5ForCausalLM", "run", _EMBED_HEAD, tower="visual",
+               tower_modules=("qkv", "proj", "linear_fc1", "linear_fc2")),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
                "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True,
                shared_expert="mlp.shared_expert", shared_expert_gate=True),
@@ -268,6 +272,18 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
 def family(model: ModelConfig) -> VllmFamily:
     """The row for `model`'s family; a family without one is refused, never guessed."""
     return family_row(FAMILIES, model, f"vLLM {VERSION}", "engines/vllm/model.py FAMILIES")
+
+
+def vision_tower(model: ModelConfig) -> tuple[str, tuple[str, ...]]:
+    """The vision tower of the class vLLM builds for `model` (VllmFamily.tower and
+    tower_modules), or ("", ()) where that class is a text model: the wrapper's when the
+    config's `architectures` names a ForConditionalGeneration class (a preset names none: the
+    family's own class, its first)."""
+    row = family(model)
+    built = model.architectures or row.architectures[:1]
+    if not any(str(a).endswith("ForConditionalGeneration") for a in built):
+        return "", ()
+    return row.tower, row.tower_modules
 
 
 class Kind(str, Enum):

@@ -49,6 +49,7 @@ from metrale_cli.engines.vllm.model import (
     engine_modules,
     expected_names,
     family,
+    vision_tower,
 )
 from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig
@@ -175,7 +176,7 @@ KEYS_AS_VALUES = ("vLLM loads this layer's k_proj into both the K and V shards (
                   "reaches the values too")
 
 
-# model.py VllmFamily.tower: the tower's weights pass the name check and find no LoRA layer.
+# model.py vision_tower: the tower's weights pass the name check and find no LoRA layer.
 TOWER_NOT_APPLIED = ("the vision tower's linear layers are LoRA modules of the model, so the "
                      "weights load, but without --enable-tower-connector-lora the tower has no "
                      "LoRA layer: they are never applied (model_manager.py _maybe_init_mm)")
@@ -184,7 +185,7 @@ TOWER_NOT_APPLIED = ("the vision tower's linear layers are LoRA modules of the m
 def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
               tower: str = "") -> list[ModuleOutcome]:
     """Per adapter module and layer: the wrapped vLLM module it lands in, or why it is
-    dropped (`tower`: the vision tower's prefix, model.py VllmFamily.tower)."""
+    dropped (`tower`: the vision tower's prefix, model.py vision_tower)."""
     by_path: dict[tuple[str, int | None], EngineModule] = {}
     for m in modules:
         parent = m.adapter_parent or (m.path.rsplit(".", 1)[0] if "." in m.path else "")
@@ -335,8 +336,8 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if errors:
         # vLLM joins every config error into one message; the first names the class.
         return verdict(Verdict.REFUSES, errors[0][0], " ".join(text for _, text in errors))
-    row = family(model)
-    error = _weight_errors(report, expected_names(modules) | set(row.tower_modules), model)
+    tower, tower_modules = vision_tower(model)
+    error = _weight_errors(report, expected_names(modules) | set(tower_modules), model)
     error = error or _moe_format_error(report, modules)
     if error is not None:
         return verdict(Verdict.REFUSES, *error)
@@ -345,7 +346,7 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if shape is not None:
         return verdict(Verdict.REFUSES, "shape",
                        f"the weights do not fit the model's buffers ({shape.message})")
-    outcomes = _outcomes(report, modules, flags, row.tower)
+    outcomes = _outcomes(report, modules, flags, tower)
     served = [o for o in outcomes if o.served]
     dropped = [o for o in outcomes if not o.served]
     # A keys-as-values k_proj is applied, to the keys alone: the adapter changes the output.
