@@ -190,13 +190,16 @@ JOBS: dict[str, Job] = {
     # tokenizer and an image processor: vLLM builds the wrapper's multimodal processor as it
     # starts): the language model's attention and MLP alone (PEFT's target_modules a regex
     # over the language model's names), then the same names beside the tower's own (which
-    # Qwen2.5-VL's MLP shares), whose weights load and find no LoRA layer.
-    **{family: Job(family, VISION_LANGUAGE, [
+    # Qwen2.5-VL's MLP shares), whose weights load and find no LoRA layer. Qwen3.5's wrapper
+    # has Qwen3-VL's tower, in BF16 (the CPU GDN).
+    **{family: Job(family, {**VISION_LANGUAGE, "dtype": dtype}, [
         ("language", {"r": 8, "lora_alpha": 16, "target_modules": LANGUAGE_MODEL}),
         ("tower", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP + tower}),
-    ]) for family, tower in (("qwen2_vl", ["qkv", "proj", "fc1", "fc2"]),
-                             ("qwen2_5_vl", ["qkv", "proj"]),
-                             ("qwen3_vl", ["qkv", "proj", "linear_fc1", "linear_fc2"]))},
+    ]) for family, dtype, tower in (
+        ("qwen2_vl", "float32", ["qkv", "proj", "fc1", "fc2"]),
+        ("qwen2_5_vl", "float32", ["qkv", "proj"]),
+        ("qwen3_vl", "float32", ["qkv", "proj", "linear_fc1", "linear_fc2"]),
+        ("qwen3_5_vl", "bfloat16", ["qkv", "proj", "linear_fc1", "linear_fc2"]))},
     # metrale's `unsupported_model` for an architecture vLLM does not register: the engine
     # refuses the model before loading a weight (in the runner's process: no engine starts).
     "unregistered": Job("qwen3", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},

@@ -39,6 +39,12 @@ _NEMOTRON_H = {**_DENSE, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups":
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
 _VL_TOKENS = {"image_token_id": 120, "video_token_id": 121, "vision_start_token_id": 122,
               "vision_end_token_id": 123}
+_QWEN3_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 96, "num_heads": 2,
+                 "out_hidden_size": 64, "patch_size": 16, "num_position_embeddings": 16}
+# Qwen3.5's text model. The CPU build's GDN kernel (chunk_gated_delta_rule_cpu) takes the real
+# models' head width, 128 (it refuses 16 and 32).
+_QWEN35_TEXT = {**_BASE, **_GDN, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "num_hidden_layers": 2, "intermediate_size": 96, "layer_types": _HYBRID}
 
 # One sliding-window layer, then a full one.
 _SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
@@ -81,15 +87,15 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                           "fullatt_block_indexes": [0]}}),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {
         "text_config": {**_DENSE, "rope_parameters": {**_MROPE, "mrope_interleaved": True}},
-        **_VL_TOKENS,
-        "vision_config": {"depth": 1, "hidden_size": 64, "intermediate_size": 96,
-                          "num_heads": 2, "out_hidden_size": 64, "patch_size": 16,
-                          "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}}),
-    # The CPU build's GDN kernel (chunk_gated_delta_rule_cpu) takes the real models' head
-    # width, 128 (it refuses 16 and 32).
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
-                {**_BASE, **_GDN, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                 "num_hidden_layers": 2, "intermediate_size": 96, "layer_types": _HYBRID}),
+        **_VL_TOKENS, "vision_config": {**_QWEN3_VISION, "deepstack_visual_indexes": [0]}}),
+    # Qwen3.5's wrapper: the text model above (rotary over a quarter of the head width, 4
+    # frequencies in mRoPE sections) beside Qwen3-VL's tower.
+    "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {
+        "text_config": {**_QWEN35_TEXT, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+        **_VL_TOKENS, "vision_config": _QWEN3_VISION}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _QWEN35_TEXT),
     # The families' dense classes (model/families.py): one of each way vLLM's class differs
     # (its embedding_modules, its packed_modules_mapping, the transformers backend).
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_DENSE, **_SLIDING}),
@@ -161,6 +167,11 @@ def write_model(family: str, out: Path) -> Path:
     return out
 
 
+# The processor class each wrapper's checkpoints name (Qwen3.5's is Qwen3-VL's).
+PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+              "qwen3_vl": "Qwen3VLProcessor", "qwen3_5": "Qwen3VLProcessor"}
+
+
 def _write_processor(config: Any, out: Path) -> None:
     """A Qwen vision-language wrapper's tokenizer and image processor, which vLLM's multimodal
     processor loads as the engine starts: one word per token id (the wrapper's image and
@@ -176,7 +187,7 @@ def _write_processor(config: Any, out: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens(list(special))
     tokenizer.save(str(out / "tokenizer.json"))
-    processor = config.architectures[0].replace("ForConditionalGeneration", "Processor")
+    processor = PROCESSORS[config.model_type]
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": processor,
         "unk_token": "t3", "pad_token": "t0", "bos_token": "t1", "eos_token": "t2",
