@@ -281,23 +281,28 @@ def test_a_vision_language_wrapper_is_its_registered_class(peft_zoo, wrapper: st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper", ["qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"])
-def test_a_qwen_tower_adapter_loads_and_is_never_applied(peft_zoo, wrapper: str) -> None:  # type: ignore[no-untyped-def]
-    """PEFT's all-linear on a Qwen-VL wrapper (Qwen3.5's too) adapts the tower's qkv, proj
-    and MLP as well: their leaf names are LoRA modules of vLLM's model (ROW_RULES), so the
-    adapter is not refused, and the tower has no LoRA layer, so its weights are never applied:
-    `differs`, the language model's modules served (run: tests/test_engine_vllm.py). vLLM's
-    Qwen3.5 text class, built on the same checkpoint where `architectures` names it, has no
-    tower: the same names are unexpected there."""
+@pytest.mark.parametrize(("wrapper", "towers", "mlp"), [
+    ("qwen2_5_vl", {"visual"}, "mlp"), ("qwen3_vl", {"visual"}, "mlp"),
+    ("qwen3_5_vl", {"visual"}, "mlp"),
+    ("llama4_vl", {"vision_model", "multi_modal_projector"}, "feed_forward")])
+def test_a_tower_adapter_loads_and_is_never_applied(peft_zoo, wrapper: str, towers: set[str],  # type: ignore[no-untyped-def]
+                                                    mlp: str) -> None:
+    """PEFT's all-linear on a Qwen-VL wrapper (Qwen3.5's, Llama 4's too) adapts the tower's
+    attention and MLP, and Llama 4's projector, as well: their leaf names are LoRA modules of
+    vLLM's model (ROW_RULES), so the adapter is not refused, and they have no LoRA layer, so
+    their weights are never applied: `differs`, the language model's modules served (run for
+    the Qwen wrappers: tests/test_engine_vllm.py). vLLM's Qwen3.5 text class, built on the
+    same checkpoint where `architectures` names it, has no tower: the same names are
+    unexpected there."""
     truth = peft_zoo.adapter(wrapper, r=8, lora_alpha=16, target_modules="all-linear")
     verdict = _judge(truth)
     assert verdict.verdict is Verdict.DIFFERS, verdict.reason
     assert verdict.reason_class == "vision_tower"
     dropped = [m for m in verdict.modules if not m.served]
-    assert [m.module for m in dropped] == ["visual"]
-    assert "visual.blocks.0.attn.qkv" in dropped[0].why
+    assert {m.module for m in dropped} == towers
+    assert all(m.why.endswith(vllm.TOWER_NOT_APPLIED) for m in dropped)
     assert {m.engine_module for m in verdict.modules if m.served} >= {
-        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+        "self_attn.qkv_proj", "self_attn.o_proj", f"{mlp}.gate_up_proj", f"{mlp}.down_proj"}
     if wrapper == "qwen3_5_vl":
         model = ModelConfig.from_hf(truth.base_dir)
         text = replace(model, architectures=("Qwen3_5ForCausalLM",))
@@ -386,6 +391,19 @@ ROW_RULES = (
      "self.down_proj = RowParallelLinear("),
     ("qwen2_5_vl", "tower_modules: the merger's mlp.0 and mlp.2", _Q25VL,
      "Qwen2_5_VisionPatchMerger.__init__", "self.mlp = nn.Sequential("),
+    ("llama4", "towers: the vision tower and projector", "model_executor/models/mllama4.py",
+     "Llama4ForConditionalGeneration.get_mm_mapping", 'tower_model="vision_model.",'),
+    ("llama4", "tower_modules: attention qkv_proj (q/k/v packed)",
+     "model_executor/models/mllama4.py", "Llama4VisionAttention.__init__",
+     "self.qkv_proj = QKVParallelLinear("),
+    ("llama4", "tower_modules: attention o_proj", "model_executor/models/mllama4.py",
+     "Llama4VisionAttention.__init__", "self.o_proj = RowParallelLinear("),
+    ("llama4", "tower_modules: MLP fc1, fc2", "model_executor/models/mllama4.py",
+     "Llama4VisionMLP.__init__", "self.fc1 = ColumnParallelLinear("),
+    ("llama4", "tower_modules: the patch embedding's linear", "model_executor/models/mllama4.py",
+     "Llama4UnfoldConvolution.__init__", "self.linear = ColumnParallelLinear("),
+    ("llama4", "tower_modules: the projector's linear_1", "model_executor/models/mllama4.py",
+     "Llama4MultiModalProjector.__init__", "self.linear_1 = ColumnParallelLinear("),
     ("qwen3_5", "tower: the wrapper is Qwen3-VL's", "model_executor/models/qwen3_5.py",
      "Qwen3_5ForConditionalGeneration",
      "class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, IsHybrid):"),

@@ -387,8 +387,8 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
     if judged.reason_class == "vision_tower":
         # Only the tower's weights are not applied: a text prompt never runs the tower, so the
         # log-probs are PEFT's, and no module under the tower has LoRA buffers to apply them.
-        tower = vllm.vision_tower(run.model)[0]
-        assert not [m for m in run.report["lora_buffers"] if m.startswith(f"{tower}.")]
+        towers = tuple(f"{t}." for t in vllm.vision_tower(run.model)[0])
+        assert not [m for m in run.report["lora_buffers"] if m.startswith(towers)]
         expected = Verdict.SERVES.value
     assert observed(run, entry) == expected, (adapter, judged.reason, entry)
     if judged.verdict is Verdict.REFUSES and via != "request":

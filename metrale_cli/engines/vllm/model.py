@@ -119,14 +119,15 @@ class VllmFamily:
     # Attention of each layer's own widths, KV-shared layers, the per-layer input (gemma4.py):
     # `_gemma4_modules`.
     layer_kinds: bool = False
-    # The wrapper's vision tower (vLLM's prefix for it, as an adapter's `model.visual.` reads
-    # after the class's hf_to_vllm_mapper) and the leaf names of its linear layers: lora/utils.py
-    # get_supported_lora_modules takes every LinearBase of the model, the tower's too, so their
-    # weights pass the name check (lora_model.py check_unexpected_modules); without
-    # --enable-tower-connector-lora the tower gets no punica wrapper (model_manager.py
-    # `_maybe_init_mm`) and no LoRA layer, so they load and are never applied. Only where vLLM
-    # builds the wrapper (`vision_tower`): a text class beside it has none.
-    tower: str = ""
+    # The wrapper's vision tower and its connector into the language model (vLLM's prefixes,
+    # as an adapter's `model.visual.` reads after the class's hf_to_vllm_mapper) and the leaf
+    # names of their linear layers: lora/utils.py get_supported_lora_modules takes every
+    # LinearBase of the model, the tower's too, so their weights pass the name check
+    # (lora_model.py check_unexpected_modules); without --enable-tower-connector-lora they get no
+    # punica wrapper (model_manager.py `_maybe_init_mm`) and no LoRA layer, so they load and are
+    # never applied. Only where vLLM builds the wrapper (`vision_tower`): a text class beside
+    # it has none.
+    towers: tuple[str, ...] = ()
     tower_modules: tuple[str, ...] = ()
     # Why `engine_modules` (llama-shaped layers, non-gated MLPs, GDN, Qwen- and Llama-4-style
     # MoE, nemotron_h's blocks, gemma4's layer kinds) does not model this class's LoRA layers,
@@ -157,7 +158,7 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # The wrapper (Qwen3_5ForConditionalGeneration, a Qwen3VLForConditionalGeneration) builds
     # Qwen3-VL's tower.
     VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-               "qwen3_5.py Qwen3_5ForCausalLM", "run", _EMBED_HEAD, tower="visual",
+               "qwen3_5.py Qwen3_5ForCausalLM", "run", _EMBED_HEAD, towers=("visual",),
                tower_modules=("qkv", "proj", "linear_fc1", "linear_fc2")),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
                "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True,
@@ -197,12 +198,12 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # linear_fc1, linear_fc2, its mergers' too) and the merger's `mlp.0`, `mlp.2` (an
     # nn.ModuleList or nn.Sequential of two linears around a GELU).
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "qwen2.py Qwen2ForCausalLM",
-               "run", tower="visual", tower_modules=("qkv", "proj", "fc1", "fc2", "0", "2")),
+               "run", towers=("visual",), tower_modules=("qkv", "proj", "fc1", "fc2", "0", "2")),
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",),
-               "qwen2.py Qwen2ForCausalLM", "run", tower="visual",
+               "qwen2.py Qwen2ForCausalLM", "run", towers=("visual",),
                tower_modules=("qkv", "proj", "gate_proj", "up_proj", "down_proj", "0", "2")),
     VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "qwen3.py Qwen3ForCausalLM",
-               "run", _EMBED_HEAD, tower="visual",
+               "run", _EMBED_HEAD, towers=("visual",),
                tower_modules=("qkv", "proj", "linear_fc1", "linear_fc2")),
     # MoE families: their classes declare no embedding_modules.
     VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
@@ -249,12 +250,17 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # block (Llama4MoE): a `router` (GateLinear, a ReplicatedLinear), a `shared_expert` LlamaMLP
     # (gate_up_proj packed, `intermediate_size` wide, no gate of its own) and the fused experts
     # (2-D wrapper: the class does not set is_3d_moe_weight). The wrapper (mllama4.py) packs
-    # alike.
+    # alike; its tower (vision_model: attention qkv_proj, packing q/k/v, and o_proj, MLPs fc1
+    # and fc2, the patch embedding's `linear`) and projector (multi_modal_projector.linear_1)
+    # are vLLM linears.
     VllmFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
                "llama4.py Llama4ForCausalLM", "run", _EMBED_HEAD, moe_block="feed_forward",
                mlp_block="feed_forward", router="router",
                shared_expert="feed_forward.shared_expert",
-               moe_step="interleave_moe_layer_step"),
+               moe_step="interleave_moe_layer_step",
+               towers=("vision_model", "multi_modal_projector"),
+               tower_modules=("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "linear",
+                              "linear_1")),
     # Packs q/k/v and gate/up as llama.py (_PACKED), no embedding_modules; its layers are not
     # one shape (`_gemma4_modules`). The wrapper (gemma4_mm.py Gemma4ForConditionalGeneration)
     # packs alike.
@@ -274,16 +280,16 @@ def family(model: ModelConfig) -> VllmFamily:
     return family_row(FAMILIES, model, f"vLLM {VERSION}", "engines/vllm/model.py FAMILIES")
 
 
-def vision_tower(model: ModelConfig) -> tuple[str, tuple[str, ...]]:
-    """The vision tower of the class vLLM builds for `model` (VllmFamily.tower and
-    tower_modules), or ("", ()) where that class is a text model: the wrapper's when the
+def vision_tower(model: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The vision tower and connector of the class vLLM builds for `model` (VllmFamily.towers
+    and tower_modules), or ((), ()) where that class is a text model: the wrapper's when the
     config's `architectures` names a ForConditionalGeneration class (a preset names none: the
     family's own class, its first)."""
     row = family(model)
     built = model.architectures or row.architectures[:1]
     if not any(str(a).endswith("ForConditionalGeneration") for a in built):
-        return "", ()
-    return row.tower, row.tower_modules
+        return (), ()
+    return row.towers, row.tower_modules
 
 
 class Kind(str, Enum):

@@ -177,15 +177,16 @@ KEYS_AS_VALUES = ("vLLM loads this layer's k_proj into both the K and V shards (
 
 
 # model.py vision_tower: the tower's weights pass the name check and find no LoRA layer.
-TOWER_NOT_APPLIED = ("the vision tower's linear layers are LoRA modules of the model, so the "
-                     "weights load, but without --enable-tower-connector-lora the tower has no "
-                     "LoRA layer: they are never applied (model_manager.py _maybe_init_mm)")
+TOWER_NOT_APPLIED = ("the vision tower's and its connector's linear layers are LoRA modules of "
+                     "the model, so the weights load, but without --enable-tower-connector-lora "
+                     "they have no LoRA layer: they are never applied (model_manager.py "
+                     "_maybe_init_mm)")
 
 
 def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
-              tower: str = "") -> list[ModuleOutcome]:
+              towers: tuple[str, ...] = ()) -> list[ModuleOutcome]:
     """Per adapter module and layer: the wrapped vLLM module it lands in, or why it is
-    dropped (`tower`: the vision tower's prefix, model.py vision_tower)."""
+    dropped (`towers`: the vision tower's and connector's prefixes, model.py vision_tower)."""
     by_path: dict[tuple[str, int | None], EngineModule] = {}
     for m in modules:
         parent = m.adapter_parent or (m.path.rsplit(".", 1)[0] if "." in m.path else "")
@@ -195,7 +196,7 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
                 by_path[(sub, layer)] = m
     grouped: dict[tuple[str, str | None, bool, str], list[int]] = defaultdict(list)
     seen: set[tuple[str, int | None]] = set()
-    tower_subs: set[str] = set()
+    tower_subs: dict[str, set[str]] = defaultdict(set)
     for key in report.adapter.keys:
         if not key.part.startswith(("lora_A", "lora_B", "lora_embedding")):
             continue
@@ -205,8 +206,9 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
             continue
         seen.add((sub, key.layer))
         module = by_path.get((sub, key.layer))
-        if tower and sub.startswith(f"{tower}."):
-            tower_subs.add(sub)
+        tower = next((t for t in towers if sub.startswith(f"{t}.")), None)
+        if tower is not None:
+            tower_subs[tower].add(sub)
         elif module is None:
             where = f"layer {key.layer}" if key.layer is not None else "the model"
             grouped[(sub, None, False, f"vLLM's model has no {sub} on {where}: the weights "
@@ -225,11 +227,11 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
     outcomes = [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served,
                               why) for (sub, engine, served, why), layers in sorted(
                                   grouped.items(), key=lambda kv: (min(kv[1]), kv[0][0]))]
-    if tower_subs:
-        # One outcome for the tower: its modules are named, not each given the same reason.
-        outcomes.append(ModuleOutcome(tower, None, (), False, f"{len(tower_subs)} adapted "
-                                      f"module{'s' if len(tower_subs) > 1 else ''} ("
-                                      f"{', '.join(sorted(tower_subs))}): {TOWER_NOT_APPLIED}"))
+    for tower, subs in tower_subs.items():
+        # One outcome a tower: its modules are named, not each given the same reason.
+        outcomes.append(ModuleOutcome(tower, None, (), False, f"{len(subs)} adapted "
+                                      f"module{'s' if len(subs) > 1 else ''} ("
+                                      f"{', '.join(sorted(subs))}): {TOWER_NOT_APPLIED}"))
     return outcomes
 
 
@@ -336,7 +338,7 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if errors:
         # vLLM joins every config error into one message; the first names the class.
         return verdict(Verdict.REFUSES, errors[0][0], " ".join(text for _, text in errors))
-    tower, tower_modules = vision_tower(model)
+    towers, tower_modules = vision_tower(model)
     error = _weight_errors(report, expected_names(modules) | set(tower_modules), model)
     error = error or _moe_format_error(report, modules)
     if error is not None:
@@ -346,7 +348,7 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if shape is not None:
         return verdict(Verdict.REFUSES, "shape",
                        f"the weights do not fit the model's buffers ({shape.message})")
-    outcomes = _outcomes(report, modules, flags, tower)
+    outcomes = _outcomes(report, modules, flags, towers)
     served = [o for o in outcomes if o.served]
     dropped = [o for o in outcomes if not o.served]
     # A keys-as-values k_proj is applied, to the keys alone: the adapter changes the output.
