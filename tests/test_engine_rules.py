@@ -349,6 +349,37 @@ def test_a_vision_language_wrapper_is_its_registered_class(peft_zoo, wrapper: st
         assert verdict.verdict is Verdict.SERVES and not tower, verdict.reason
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("wrapper", "towers", "mlp"), [
+    ("qwen2_5_vl", {"visual"}, "mlp"), ("qwen3_vl", {"visual"}, "mlp"),
+    ("qwen3_5_vl", {"visual"}, "mlp"),
+    ("llama4_vl", {"vision_model", "multi_modal_projector"}, "feed_forward")])
+def test_a_tower_adapter_loads_and_is_never_applied(peft_zoo, wrapper: str, towers: set[str],  # type: ignore[no-untyped-def]
+                                                    mlp: str) -> None:
+    """PEFT's all-linear on a Qwen-VL wrapper (Qwen3.5's, Llama 4's too) adapts the tower's
+    attention and MLP, and Llama 4's projector, as well: their leaf names are LoRA modules of
+    vLLM's model (ROW_RULES), so the adapter is not refused, and they have no LoRA layer, so
+    their weights are never applied: `differs`, the language model's modules served (run for
+    the Qwen wrappers: tests/test_engine_vllm.py). vLLM's Qwen3.5 text class, built on the
+    same checkpoint where `architectures` names it, has no tower: the same names are
+    unexpected there."""
+    truth = peft_zoo.adapter(wrapper, r=8, lora_alpha=16, target_modules="all-linear")
+    verdict = _judge(truth)
+    assert verdict.verdict is Verdict.DIFFERS, verdict.reason
+    assert verdict.reason_class == "vision_tower"
+    dropped = [m for m in verdict.modules if not m.served]
+    assert {m.module for m in dropped} == towers
+    assert all(m.why.endswith(vllm.TOWER_NOT_APPLIED) for m in dropped)
+    assert {m.engine_module for m in verdict.modules if m.served} >= {
+        "self_attn.qkv_proj", "self_attn.o_proj", f"{mlp}.gate_up_proj", f"{mlp}.down_proj"}
+    if wrapper == "qwen3_5_vl":
+        model = ModelConfig.from_hf(truth.base_dir)
+        text = replace(model, architectures=("Qwen3_5ForCausalLM",))
+        verdict = vllm.judge(audit(Adapter.load(truth.path), text), text, FLAGS)
+        assert verdict.verdict is Verdict.REFUSES, verdict.reason
+        assert "model.visual.blocks.0.attn.qkv" in verdict.reason
+
+
 def test_phi3_fused_layers_take_one_slice_each_under_tp() -> None:
     """phi3.py packs qkv_proj and gate_up_proj as themselves: QKVParallelLinearWithLoRA and
     ColumnParallelLinearWithLoRA, one A and one B each, B over this GPU's output rows
@@ -380,6 +411,10 @@ _GO = "model_executor/models/gpt_oss.py"
 _G4 = "model_executor/models/gemma4.py"
 _DS = "model_executor/models/deepseek_v2.py"
 _MLA_LAYER = "model_executor/layers/attention/mla_attention.py"
+_Q2VL = "model_executor/models/qwen2_vl.py"
+_Q25VL = "model_executor/models/qwen2_5_vl.py"
+_Q3VL = "model_executor/models/qwen3_vl.py"
+_MM = "lora/model_manager.py"
 # The lines each rule of a family's row rests on: (family, what the row says, file under
 # vllm/, function or class, the line).
 ROW_RULES = (
@@ -394,6 +429,68 @@ ROW_RULES = (
     ("gpt_oss", "the interleaved gate|up LoRA B is split gate, up by the loader",
      "lora/model_manager.py", "LoRAModelManager._convert_3d_to_2d_moe_lora",
      "w1_b = gate_up_b[:, ::2, :].contiguous()"),
+    # The vision-language wrappers' towers (VllmFamily.tower, tower_modules): their linear
+    # layers' leaf names are LoRA module names of the model, so an adapter's tower weights
+    # pass the name check, and the tower gets no punica wrapper unless the flag is on.
+    ("qwen2_vl", "tower_modules: every LinearBase of the model names a LoRA module",
+     "lora/utils.py", "get_supported_lora_modules",
+     "if isinstance(module, (LinearBase, MoERunner)):"),
+    ("qwen2_vl", "tower: no punica wrapper without --enable-tower-connector-lora", _MM,
+     "LoRAModelManager._maybe_init_mm", "if not self.lora_config.enable_tower_connector_lora:"),
+    ("qwen2_vl", "tower: a module without a punica wrapper gets no LoRA layer", _MM,
+     "LoRAModelManager._create_lora_modules", "if punica_wrapper is None:"),
+    ("qwen2_vl", "tower: the adapter's model.visual. is vLLM's visual.", _Q2VL,
+     "Qwen2VLForConditionalGeneration", '"model.visual.": "visual.",'),
+    ("qwen2_vl", "tower_modules: attention qkv", _Q2VL, "Qwen2VisionAttention.__init__",
+     "self.qkv = ColumnParallelLinear("),
+    ("qwen2_vl", "tower_modules: attention proj", _Q2VL, "Qwen2VisionAttention.__init__",
+     "self.proj = RowParallelLinear("),
+    ("qwen2_vl", "tower_modules: MLP fc1", _Q2VL, "Qwen2VisionMLP.__init__",
+     "self.fc1 = ColumnParallelLinear("),
+    ("qwen2_vl", "tower_modules: MLP fc2", _Q2VL, "Qwen2VisionMLP.__init__",
+     "self.fc2 = RowParallelLinear("),
+    ("qwen2_vl", "tower_modules: the merger's mlp.0 and mlp.2", _Q2VL,
+     "Qwen2VisionPatchMerger.__init__", "self.mlp = nn.ModuleList("),
+    ("qwen2_5_vl", "tower: the adapter's model.visual. is vLLM's visual.", _Q25VL,
+     "Qwen2_5_VLForConditionalGeneration", '"model.visual.": "visual.",'),
+    ("qwen2_5_vl", "tower_modules: attention qkv (packing itself)", _Q25VL,
+     "Qwen2_5_VLForConditionalGeneration", '"qkv": ["qkv"],'),
+    ("qwen2_5_vl", "tower_modules: attention proj", _Q25VL, "Qwen2_5_VisionAttention.__init__",
+     "self.proj = RowParallelLinear("),
+    ("qwen2_5_vl", "tower_modules: MLP gate_proj, up_proj packed in gate_up_proj", _Q25VL,
+     "Qwen2_5_VisionMLP.__init__", "self.gate_up_proj = MergedColumnParallelLinear("),
+    ("qwen2_5_vl", "tower_modules: MLP down_proj", _Q25VL, "Qwen2_5_VisionMLP.__init__",
+     "self.down_proj = RowParallelLinear("),
+    ("qwen2_5_vl", "tower_modules: the merger's mlp.0 and mlp.2", _Q25VL,
+     "Qwen2_5_VisionPatchMerger.__init__", "self.mlp = nn.Sequential("),
+    ("llama4", "towers: the vision tower and projector", "model_executor/models/mllama4.py",
+     "Llama4ForConditionalGeneration.get_mm_mapping", 'tower_model="vision_model.",'),
+    ("llama4", "tower_modules: attention qkv_proj (q/k/v packed)",
+     "model_executor/models/mllama4.py", "Llama4VisionAttention.__init__",
+     "self.qkv_proj = QKVParallelLinear("),
+    ("llama4", "tower_modules: attention o_proj", "model_executor/models/mllama4.py",
+     "Llama4VisionAttention.__init__", "self.o_proj = RowParallelLinear("),
+    ("llama4", "tower_modules: MLP fc1, fc2", "model_executor/models/mllama4.py",
+     "Llama4VisionMLP.__init__", "self.fc1 = ColumnParallelLinear("),
+    ("llama4", "tower_modules: the patch embedding's linear", "model_executor/models/mllama4.py",
+     "Llama4UnfoldConvolution.__init__", "self.linear = ColumnParallelLinear("),
+    ("llama4", "tower_modules: the projector's linear_1", "model_executor/models/mllama4.py",
+     "Llama4MultiModalProjector.__init__", "self.linear_1 = ColumnParallelLinear("),
+    ("qwen3_5", "tower: the wrapper is Qwen3-VL's", "model_executor/models/qwen3_5.py",
+     "Qwen3_5ForConditionalGeneration",
+     "class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, IsHybrid):"),
+    ("qwen3_5", "tower_modules: Qwen3-VL's tower", "model_executor/models/qwen3_5.py",
+     "Qwen3_5ForConditionalGeneration.__init__", "self.visual = Qwen3_VisionTransformer("),
+    ("qwen3_vl", "tower: the adapter's model.visual. is vLLM's visual.", _Q3VL,
+     "Qwen3VLForConditionalGeneration", '"model.visual.": "visual.",'),
+    ("qwen3_vl", "tower_modules: attention qkv and proj are Qwen2.5-VL's", _Q3VL,
+     "Qwen3_VisionBlock.__init__", "self.attn = Qwen2_5_VisionAttention("),
+    ("qwen3_vl", "tower_modules: MLP linear_fc1", _Q3VL, "Qwen3_VisionMLP.__init__",
+     "self.linear_fc1 = ColumnParallelLinear("),
+    ("qwen3_vl", "tower_modules: MLP linear_fc2", _Q3VL, "Qwen3_VisionMLP.__init__",
+     "self.linear_fc2 = RowParallelLinear("),
+    ("qwen3_vl", "tower_modules: the mergers' linear_fc1, linear_fc2", _Q3VL,
+     "Qwen3_VisionPatchMerger.__init__", "self.linear_fc1 = ColumnParallelLinear("),
     ("llama4", "moe_step: MoE layers every interleave_moe_layer_step, no list read", _L4,
      "Llama4DecoderLayer.__init__",
      "and (self.layer_idx + 1) % config.interleave_moe_layer_step == 0"),

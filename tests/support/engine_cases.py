@@ -45,6 +45,18 @@ _MLA = {**{k: v for k, v in _DENSE.items() if k != "head_dim"}, "num_key_value_h
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc"}
 
+# The vision-language text models' rotary embedding: three mRoPE sections (time, height,
+# width) over the head width's 16 frequencies.
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+_VL_TOKENS = {"image_token_id": 120, "video_token_id": 121, "vision_start_token_id": 122,
+              "vision_end_token_id": 123}
+_QWEN3_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 96, "num_heads": 2,
+                 "out_hidden_size": 64, "patch_size": 16, "num_position_embeddings": 16}
+# Qwen3.5's text model. The CPU build's GDN kernel (chunk_gated_delta_rule_cpu) takes the real
+# models' head width, 128 (it refuses 16 and 32).
+_QWEN35_TEXT = {**_BASE, **_GDN, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "num_hidden_layers": 2, "intermediate_size": 96, "layer_types": _HYBRID}
+
 # One sliding-window layer, then a full one.
 _SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
 
@@ -69,9 +81,32 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                     "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [0],
                     "layer_types": _HYBRID}),
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
-                {**_BASE, **_GDN, "num_hidden_layers": 2, "intermediate_size": 96,
-                 "layer_types": _HYBRID}),
+    # The vision-language wrappers: the dense text model above (its rotary embedding in
+    # mRoPE sections over the head width of 32) beside a one-block vision tower whose linear
+    # layers are the checkpoint's own (Qwen2-VL: attn.qkv, attn.proj, mlp.fc1, mlp.fc2;
+    # Qwen2.5-VL: attn.qkv, attn.proj, mlp.gate_proj/up_proj/down_proj; Qwen3-VL: attn.qkv,
+    # attn.proj, mlp.linear_fc1/2), and the merger into the language model; the image and video
+    # token ids inside the tiny vocabulary.
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {
+        "text_config": {**_DENSE, "rope_parameters": _MROPE}, **_VL_TOKENS,
+        "vision_config": {"depth": 1, "embed_dim": 64, "hidden_size": 64, "num_heads": 2,
+                          "mlp_ratio": 2, "patch_size": 14}}),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {
+        "text_config": {**_DENSE, "rope_parameters": _MROPE}, **_VL_TOKENS,
+        "vision_config": {"depth": 1, "hidden_size": 64, "intermediate_size": 96,
+                          "num_heads": 2, "out_hidden_size": 64, "patch_size": 14,
+                          "fullatt_block_indexes": [0]}}),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {
+        "text_config": {**_DENSE, "rope_parameters": {**_MROPE, "mrope_interleaved": True}},
+        **_VL_TOKENS, "vision_config": {**_QWEN3_VISION, "deepstack_visual_indexes": [0]}}),
+    # Qwen3.5's wrapper: the text model above (rotary over a quarter of the head width, 4
+    # frequencies in mRoPE sections) beside Qwen3-VL's tower.
+    "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {
+        "text_config": {**_QWEN35_TEXT, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+        **_VL_TOKENS, "vision_config": _QWEN3_VISION}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _QWEN35_TEXT),
     # The families' dense classes (model/families.py): one of each way vLLM's class differs
     # (its embedding_modules, its packed_modules_mapping, the transformers backend).
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_DENSE, **_SLIDING}),
@@ -170,7 +205,47 @@ def write_model(family: str, out: Path) -> Path:
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config).float().eval()
     model.save_pretrained(out)
+    if "vision_config" in kwargs:
+        _write_processor(config, out)
     return out
+
+
+# The processor class each wrapper's checkpoints name (Qwen3.5's is Qwen3-VL's).
+PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+              "qwen3_vl": "Qwen3VLProcessor", "qwen3_5": "Qwen3VLProcessor"}
+
+
+def _write_processor(config: Any, out: Path) -> None:
+    """A Qwen vision-language wrapper's tokenizer and image processor, which vLLM's multimodal
+    processor loads as the engine starts: one word per token id (the wrapper's image and
+    video tokens at the config's ids) and images of one size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = {"<|image_pad|>": config.image_token_id, "<|video_pad|>": config.video_token_id,
+               "<|vision_start|>": config.vision_start_token_id,
+               "<|vision_end|>": config.vision_end_token_id}
+    vocab = {f"t{i}": i for i in range(config.text_config.vocab_size)
+             if i not in special.values()} | special
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(list(special))
+    tokenizer.save(str(out / "tokenizer.json"))
+    processor = PROCESSORS[config.model_type]
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": processor,
+        "unk_token": "t3", "pad_token": "t0", "bos_token": "t1", "eos_token": "t2",
+        "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}))
+    patch = config.vision_config.patch_size
+    # Square images of 2 x 2 tokens, each 2 x 2 patches merged (one token is too few for
+    # vLLM's dummy video: a division by zero).
+    pixels = (patch * 2 * 2) ** 2
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
+        "min_pixels": pixels, "max_pixels": pixels,
+        "size": {"shortest_edge": pixels, "longest_edge": pixels}, "patch_size": patch,
+        "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3}))
 
 
 def make_case(family: str, base: Path, out: Path, name: str, moe_rewrite: bool = True,

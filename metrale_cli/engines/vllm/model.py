@@ -125,6 +125,16 @@ class VllmFamily:
     layer_kinds: bool = False
     # Multi-head latent attention (deepseek_v2.py DeepseekV2MLAAttention): `_mla_modules`.
     mla: bool = False
+    # The wrapper's vision tower and its connector into the language model (vLLM's prefixes,
+    # as an adapter's `model.visual.` reads after the class's hf_to_vllm_mapper) and the leaf
+    # names of their linear layers: lora/utils.py get_supported_lora_modules takes every
+    # LinearBase of the model, the tower's too, so their weights pass the name check
+    # (lora_model.py check_unexpected_modules); without --enable-tower-connector-lora they get no
+    # punica wrapper (model_manager.py `_maybe_init_mm`) and no LoRA layer, so they load and are
+    # never applied. Only where vLLM builds the wrapper (`vision_tower`): a text class beside
+    # it has none.
+    towers: tuple[str, ...] = ()
+    tower_modules: tuple[str, ...] = ()
 
     def packs(self, fused: str) -> tuple[str, ...]:
         """The adapter names vLLM loads into the fused layer `fused`."""
@@ -147,8 +157,11 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     VllmFamily("qwen3_next", ("Qwen3NextForCausalLM",), "qwen3_next.py Qwen3NextForCausalLM",
                "run", fused_qkvz=True, shared_expert="mlp.shared_expert",
                shared_expert_gate=True),
+    # The wrapper (Qwen3_5ForConditionalGeneration, a Qwen3VLForConditionalGeneration) builds
+    # Qwen3-VL's tower.
     VllmFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-               "qwen3_5.py Qwen3_5ForCausalLM", "source", _EMBED_HEAD),
+               "qwen3_5.py Qwen3_5ForCausalLM", "run", _EMBED_HEAD, towers=("visual",),
+               tower_modules=("qkv", "proj", "linear_fc1", "linear_fc2")),
     VllmFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
                "qwen3_5.py Qwen3_5MoeForCausalLM", "source", _EMBED_HEAD, experts_3d=True,
                shared_expert="mlp.shared_expert", shared_expert_gate=True),
@@ -181,13 +194,19 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # `_try_resolve_transformers`).
     VllmFamily("ministral", ("MinistralForCausalLM",), _BACKEND, "run", _EMBED),
     # The wrappers build their language model's class (init_vllm_registered_model's
-    # `architectures`), whose embedding_modules and packing the LoRA manager reads.
+    # `architectures`), whose embedding_modules and packing the LoRA manager reads. Their
+    # towers' linear layers: attention `qkv` and `proj`, the MLP (Qwen2-VL's fc1, fc2;
+    # Qwen2.5-VL's gate_up_proj, packing gate_proj and up_proj, and down_proj; Qwen3-VL's
+    # linear_fc1, linear_fc2, its mergers' too) and the merger's `mlp.0`, `mlp.2` (an
+    # nn.ModuleList or nn.Sequential of two linears around a GELU).
     VllmFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), "qwen2.py Qwen2ForCausalLM",
-               "source"),
+               "run", towers=("visual",), tower_modules=("qkv", "proj", "fc1", "fc2", "0", "2")),
     VllmFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",),
-               "qwen2.py Qwen2ForCausalLM", "source"),
+               "qwen2.py Qwen2ForCausalLM", "run", towers=("visual",),
+               tower_modules=("qkv", "proj", "gate_proj", "up_proj", "down_proj", "0", "2")),
     VllmFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "qwen3.py Qwen3ForCausalLM",
-               "source", _EMBED_HEAD),
+               "run", _EMBED_HEAD, towers=("visual",),
+               tower_modules=("qkv", "proj", "linear_fc1", "linear_fc2")),
     # MoE families: their classes declare no embedding_modules.
     VllmFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe.py Qwen2MoeForCausalLM",
                "run", shared_expert="mlp.shared_expert", shared_expert_gate=True),
@@ -242,12 +261,17 @@ FAMILIES: dict[str, VllmFamily] = {f.model_type: f for f in (
     # block (Llama4MoE): a `router` (GateLinear, a ReplicatedLinear), a `shared_expert` LlamaMLP
     # (gate_up_proj packed, `intermediate_size` wide, no gate of its own) and the fused experts
     # (2-D wrapper: the class does not set is_3d_moe_weight). The wrapper (mllama4.py) packs
-    # alike.
+    # alike; its tower (vision_model: attention qkv_proj, packing q/k/v, and o_proj, MLPs fc1
+    # and fc2, the patch embedding's `linear`) and projector (multi_modal_projector.linear_1)
+    # are vLLM linears.
     VllmFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
                "llama4.py Llama4ForCausalLM", "run", _EMBED_HEAD, moe_block="feed_forward",
                mlp_block="feed_forward", router="router",
                shared_expert="feed_forward.shared_expert",
-               moe_step="interleave_moe_layer_step"),
+               moe_step="interleave_moe_layer_step",
+               towers=("vision_model", "multi_modal_projector"),
+               tower_modules=("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "linear",
+                              "linear_1")),
     # Packs q/k/v and gate/up as llama.py (_PACKED), no embedding_modules; its layers are not
     # one shape (`_gemma4_modules`). The wrapper (gemma4_mm.py Gemma4ForConditionalGeneration)
     # packs alike.
@@ -289,6 +313,18 @@ def family(model: ModelConfig) -> VllmFamily:
             not registered.intersection(archs):
         return fallback
     return row
+
+
+def vision_tower(model: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The vision tower and connector of the class vLLM builds for `model` (VllmFamily.towers
+    and tower_modules), or ((), ()) where that class is a text model: the wrapper's when the
+    config's `architectures` names a ForConditionalGeneration class (a preset names none: the
+    family's own class, its first)."""
+    row = family(model)
+    built = model.architectures or row.architectures[:1]
+    if not any(str(a).endswith("ForConditionalGeneration") for a in built):
+        return (), ()
+    return row.towers, row.tower_modules
 
 
 class Kind(str, Enum):

@@ -51,6 +51,7 @@ from metrale_cli.engines.vllm.model import (
     engine_modules,
     expected_names,
     family,
+    vision_tower,
 )
 from metrale_cli.errors import UsageError
 from metrale_cli.model.config import ModelConfig
@@ -177,10 +178,17 @@ KEYS_AS_VALUES = ("vLLM loads this layer's k_proj into both the K and V shards (
                   "reaches the values too")
 
 
+# model.py vision_tower: the tower's weights pass the name check and find no LoRA layer.
+TOWER_NOT_APPLIED = ("the vision tower's and its connector's linear layers are LoRA modules of "
+                     "the model, so the weights load, but without --enable-tower-connector-lora "
+                     "they have no LoRA layer: they are never applied (model_manager.py "
+                     "_maybe_init_mm)")
+
+
 def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
-              ) -> list[ModuleOutcome]:
+              towers: tuple[str, ...] = ()) -> list[ModuleOutcome]:
     """Per adapter module and layer: the wrapped vLLM module it lands in, or why it is
-    dropped."""
+    dropped (`towers`: the vision tower's and connector's prefixes, model.py vision_tower)."""
     by_path: dict[tuple[str, int | None], EngineModule] = {}
     for m in modules:
         parent = m.adapter_parent or (m.path.rsplit(".", 1)[0] if "." in m.path else "")
@@ -190,6 +198,7 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
                 by_path[(sub, layer)] = m
     grouped: dict[tuple[str, str | None, bool, str], list[int]] = defaultdict(list)
     seen: set[tuple[str, int | None]] = set()
+    tower_subs: dict[str, set[str]] = defaultdict(set)
     for key in report.adapter.keys:
         if not key.part.startswith(("lora_A", "lora_B", "lora_embedding")):
             continue
@@ -199,7 +208,10 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
             continue
         seen.add((sub, key.layer))
         module = by_path.get((sub, key.layer))
-        if module is None:
+        tower = next((t for t in towers if sub.startswith(f"{t}.")), None)
+        if tower is not None:
+            tower_subs[tower].add(sub)
+        elif module is None:
             where = f"layer {key.layer}" if key.layer is not None else "the model"
             grouped[(sub, None, False, f"vLLM's model has no {sub} on {where}: the weights "
                      "load and are never applied")].append(-1 if key.layer is None
@@ -217,9 +229,15 @@ def _outcomes(report: AdapterReport, modules: list[EngineModule], flags: Flags,
                 -1 if key.layer is None else key.layer)
         else:
             grouped[(sub, module.path, True, "")].append(-1 if key.layer is None else key.layer)
-    return [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served, why)
-            for (sub, engine, served, why), layers in sorted(
-                grouped.items(), key=lambda kv: (min(kv[1]), kv[0][0]))]
+    outcomes = [ModuleOutcome(sub, engine, tuple(sorted(x for x in layers if x >= 0)), served,
+                              why) for (sub, engine, served, why), layers in sorted(
+                                  grouped.items(), key=lambda kv: (min(kv[1]), kv[0][0]))]
+    for tower, subs in tower_subs.items():
+        # One outcome a tower: its modules are named, not each given the same reason.
+        outcomes.append(ModuleOutcome(tower, None, (), False, f"{len(subs)} adapted "
+                                      f"module{'s' if len(subs) > 1 else ''} ("
+                                      f"{', '.join(sorted(subs))}): {TOWER_NOT_APPLIED}"))
+    return outcomes
 
 
 def architecture_support(model: ModelConfig) -> tuple[str, str] | None:
@@ -324,6 +342,8 @@ def _dropped_class(dropped: list[ModuleOutcome]) -> str:
         return "keys_as_values"
     if KV_B_UNAPPLIED in whys:
         return "mla_kv_b_unapplied"
+    if all(why.endswith(TOWER_NOT_APPLIED) for why in whys):
+        return "vision_tower"
     return "missing_module"
 
 
@@ -350,7 +370,8 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if errors:
         # vLLM joins every config error into one message; the first names the class.
         return verdict(Verdict.REFUSES, errors[0][0], " ".join(text for _, text in errors))
-    error = _weight_errors(report, expected_names(modules), model)
+    towers, tower_modules = vision_tower(model)
+    error = _weight_errors(report, expected_names(modules) | set(tower_modules), model)
     error = error or _moe_format_error(report, modules)
     if error is not None:
         return verdict(Verdict.REFUSES, *error)
@@ -359,7 +380,7 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
     if shape is not None:
         return verdict(Verdict.REFUSES, "shape",
                        f"the weights do not fit the model's buffers ({shape.message})")
-    outcomes = _outcomes(report, modules, flags)
+    outcomes = _outcomes(report, modules, flags, towers)
     served = [o for o in outcomes if o.served]
     dropped = [o for o in outcomes if not o.served]
     # A keys-as-values k_proj is applied, to the keys alone: the adapter changes the output.
