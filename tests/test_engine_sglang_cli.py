@@ -5,6 +5,7 @@ tests/test_engine_sglang_memory.py's."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -253,3 +254,23 @@ def test_engine_sglang_imports_no_torch(adapters: dict[str, Path]) -> None:
         done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
                               text=True)
         assert done.returncode == 0, (args, done.stderr)
+
+
+def test_architectures_holding_no_class_name_is_one_verdict(
+        adapters: dict[str, Path], tmp_path: Path) -> None:
+    """A config whose `architectures` holds a list or an object, not a class name: SGLang's
+    registry cannot look it up (the server never starts), so the adapter is
+    `unsupported_model` on both paths, exit 1; it was an internal error (exit 70), the
+    Transformers-backend check putting the entries in a set."""
+    base = json.loads((adapters["plain"] / "adapter_config.json").read_text())
+    config = json.loads((Path(base["base_model_name_or_path"]) / "config.json").read_text())
+    for archs in ([["LlamaForCausalLM"]], {"LlamaForCausalLM": 1}):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": archs}))
+        done = metrale("inspect", adapters["plain"], "--engine", "sglang", "-m", tmp_path,
+                       "--json")
+        assert done.code == 1, done.stderr
+        engine = done.json()["adapters"][0]["engine"]
+        assert engine["verdict"] == "unsupported_model"
+        assert engine["reason_class"] == "architecture"
+        assert "not a class name" in engine["reason"]
+        assert {p["verdict"] for p in engine["paths"].values()} == {"unsupported_model"}

@@ -184,6 +184,23 @@ def test_base_model_configs_that_cannot_be_built_are_refused(
     assert says in result.stderr
 
 
+@pytest.mark.parametrize("edit", [{"kv_lora_rank": 0}, {"kv_lora_rank": None},
+                                  {"v_head_dim": 0}, {"v_head_dim": None}])
+def test_latent_attention_at_width_0_is_refused(tmp_path: Path, edit: dict[str, object]) -> None:
+    """DeepSeek's kv_b_proj reads the compressed KV (kv_lora_rank) and o_proj the heads' values
+    (v_head_dim): at 0 (or null) `synth` divided by zero (exit 70) and `layout` planned
+    zero-width layers; now one line naming the key, exit 2."""
+    config = json.loads((REFERENCE / "deepseek-v2-lite.config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **edit}))
+    key = next(iter(edit))
+    for args in (("synth", tmp_path / "out", "--model", tmp_path, "--modules", "kv_b_proj",
+                  "--rank", 4),
+                 ("layout", "--model", tmp_path, "--modules", "kv_b_proj", "--max-rank", 8)):
+        result = metrale(*args)
+        one_line_error(result, 2)
+        assert f"{key!r} missing or not a positive integer" in result.stderr
+
+
 def test_a_null_head_dim_is_derived(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "head_dim": None,
                                                       "num_key_value_heads": None}))

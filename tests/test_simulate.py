@@ -487,6 +487,11 @@ PLAIN_CSV_CASES = [
     b"timestamp,adapter,rank\n0,a,8\n1,a,16\n",  # an adapter given two ranks
     b"timestamp,adapter,x,x\n0,a,1,2\n1,b,3\n",  # a repeated column, a short row
     b"timestamp,adapter\n0,a\n1,b,c\n",  # more cells than the header
+    # More cells on a last line with no line end: its last comma went uncounted, so the block
+    # was split as if every line had the header's cells (an internal error, or columns
+    # shifted: a wrong workload read).
+    b"adapter,timestamp\na,0\nb,1,",
+    b"adapter,timestamp,rank\na,0.1,\nb,1,0,",
     b"timestamp,adapter\n0,a\n1,b\n-2,c\n",  # out of bounds, line 4
     b"timestamp,adapter,input_tokens\n0,a,1.5\n",  # not whole
     b"timestamp,adapter\n0,a\n1,\xff\n",  # not UTF-8, line 3

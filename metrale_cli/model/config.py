@@ -13,7 +13,15 @@ from typing import Any
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.files.jsondoc import load_json, shown
 from metrale_cli.files.regular import refuse_not_regular
-from metrale_cli.model.families import FAMILIES, VOCABULARY, Family, Layers, ModuleSpec, Split
+from metrale_cli.model.families import (
+    FAMILIES,
+    KV_B_PROJ,
+    VOCABULARY,
+    Family,
+    Layers,
+    ModuleSpec,
+    Split,
+)
 
 # transformers' default when a hybrid config carries neither `layer_types` nor the interval.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
@@ -460,10 +468,13 @@ class ModelConfig:
             intermediate_size_mlp=opt("intermediate_size_mlp"),
             decoder_sparse_step=step,
             q_lora_rank=opt("q_lora_rank"),
-            kv_lora_rank=opt("kv_lora_rank"),
+            # Latent attention's kv_b_proj reads the compressed KV and o_proj the heads'
+            # values: neither is a layer at width 0 (a zero-width A was a division by zero).
+            kv_lora_rank=need("kv_lora_rank") if KV_B_PROJ in known.modules else opt(
+                "kv_lora_rank"),
             qk_nope_head_dim=opt("qk_nope_head_dim"),
             qk_rope_head_dim=opt("qk_rope_head_dim"),
-            v_head_dim=opt("v_head_dim"),
+            v_head_dim=need("v_head_dim") if KV_B_PROJ in known.modules else opt("v_head_dim"),
             first_k_dense_replace=opt("first_k_dense_replace") if num_experts else 0,
             global_head_dim=global_head_dim,
             num_global_key_value_heads=global_kv_heads,

@@ -414,8 +414,9 @@ def _plain_csv_chunks(path: Path) -> Iterator[tuple[Columns, int, int]]:
         if lines[-1] == "":
             lines.pop()  # the block ends at a line end
         # Commas per line, from the bytes: where every line has the header's count (no
-        # blank line), the columns are slices of one split of the whole block.
-        bounds = ends if block.endswith(b"\n") else np.append(ends, len(block) - 1)
+        # blank line), the columns are slices of one split of the whole block. A line's
+        # commas are those before its end: a last line with no line end ends past the block.
+        bounds = ends if block.endswith(b"\n") else np.append(ends, len(block))
         commas = np.diff(np.searchsorted(np.flatnonzero(raw == 44), bounds),
                          prepend=0)[len(bounds) - len(lines):]
         fast = None

@@ -40,6 +40,7 @@ from metrale_cli.engines.shared import (
 )
 from metrale_cli.engines.verdict import EngineVerdict, Verdict
 from metrale_cli.errors import UsageError
+from metrale_cli.files.jsondoc import shown
 from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ def hf_backbone(model: ModelConfig) -> bool:
     dense one (TransformersForCausalLM defines no get_hidden_dim); its LoRA is
     `rules.hf_backbone_judgement`'s."""
     row = family(model)
-    named = set(model.architectures or ())
+    named = {a for a in model.architectures or () if isinstance(a, str)}  # a list: no name
     return bool(named & set(row.transformers)) and not named & set(row.architectures)
 
 
@@ -627,6 +628,12 @@ def model_support(model: ModelConfig) -> tuple[str, str] | None:
                 "(utils/hf_transformers/config.py HFConfigParser.parse: `hasattr(config, key)`), "
                 "which transformers refuses for a per-layer attribute; the server never starts "
                 "(the gemma4 wrapper's config, text settings under text_config, does)")
+    odd = next((a for a in model.architectures or () if isinstance(a, (list, dict))), None)
+    if odd is not None:
+        return ("architecture", f"the config's `architectures` holds {shown(odd)}, not a "
+                "class name: SGLang cannot pick a model class by it (models/registry.py "
+                "`_normalize_archs` looks each entry up in a dict: a TypeError); the server "
+                "never starts")
     if model.architectures is None or model.architectures:
         return None
     if raw_text_config(model).get("architectures") is None:
