@@ -61,8 +61,9 @@ class SglangFamily:
     # and stacking (lora/utils.py get_default_hidden_dim, get_stacked_multiply), which metrale
     # sizes. "moe": the same beside FusedMoE experts, whose MLP targets take per-expert 4-D
     # buffers (mem_pool.py init_buffers, `*_moe`), which metrale sizes too
-    # (`moe_buffer_shapes`). "hybrid": the class's own `get_hidden_dim` (models/qwen3_5.py):
-    # metrale gives no bytes for them.
+    # (`moe_buffer_shapes`); a wrapper's own `get_hidden_dim` where metrale has read it
+    # (`_WRAPPER_DIMS`). "hybrid": the class's own `get_hidden_dim` (models/nemotron_h.py,
+    # gemma4_mm.py): metrale gives no bytes for them.
     pool: str
     # "run": SGLang's own LoRA code was run on this family's PEFT adapters (tests); "source":
     # the answer comes from reading the source only.
@@ -101,17 +102,18 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
                  "attention at the default dims (the output gate not counted), routed experts "
                  "per expert and the shared expert 3-D on every layer", pool_checked="run"),
     # The text classes (models/qwen3_5_text.py, the registry's pick for a text config) define
-    # no get_hidden_dim; the wrappers (models/qwen3_5.py) take the model's own.
+    # no get_hidden_dim; the wrappers (models/qwen3_5.py) take the model's own
+    # (`_WRAPPER_DIMS`).
     SglangFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                  "dense", "source",
                  "the text class: the default dims (a Gated-DeltaNet target's pool raises); "
-                 "the wrapper defines its own get_hidden_dim and should_apply_lora",
-                 pool_checked="run"),
+                 "the wrapper: its own get_hidden_dim (qkv_proj with the query's gate, "
+                 "out_proj at the value heads' width)", pool_checked="run"),
     SglangFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM",
                                  "Qwen3_5MoeForConditionalGeneration"), "moe", "source",
                  "the text class: the default dims, routed and shared experts as qwen3_next; "
-                 "the wrapper defines its own get_hidden_dim and should_apply_lora",
-                 pool_checked="run"),
+                 "the wrapper: its own get_hidden_dim (qkv_proj with the query's gate, "
+                 "out_proj at the value heads' width)", pool_checked="run"),
     SglangFamily("gemma", ("GemmaForCausalLM",), "dense", "run"),
     SglangFamily("gemma2", ("Gemma2ForCausalLM",), "dense", "run"),
     SglangFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "dense",
@@ -172,7 +174,7 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "moe",
                  "source", "routed experts per expert as qwen3_moe; a gate_up_proj / "
                  "down_proj pool raises (its dense and shared-expert linears get no buffer); "
-                 "the wrapper (models/mllama4.py) defines its own get_hidden_dim",
+                 "the wrapper (models/mllama4.py): its own get_hidden_dim, attention alone",
                  pool_checked="run"),
     # Its verdicts are the generic rules' (a q_proj without v_proj on a layer, as PEFT's
     # gemma4 adapters have on keys-as-values and KV-shared layers, fails lora.py
@@ -215,14 +217,31 @@ def hf_backbone(model: ModelConfig) -> bool:
 EMBEDDINGS = ("embed_tokens", "lm_head")
 # lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP;
 # REPLICATED_LINEAR_LORA_NAMES: neither split.
-_ROW_PARALLEL = ("o_proj", "down_proj")
+_ROW_PARALLEL = ("o_proj", "out_proj", "down_proj")
 _REPLICATED = ("fused_qkv_a_proj_with_mqa",)
 # How each module's buffers split over TP (the view's "kind").
 _KINDS = {"qkv_proj": "column (qkv)", "gate_up_proj": "column", "o_proj": "row",
           "down_proj": "row", "embed_tokens": "embedding", "lm_head": "lm_head",
           "gate_up_proj_moe": "experts (column)", "down_proj_moe": "experts (row)",
           "fused_qkv_a_proj_with_mqa": "replicated (q_a, kv_a)", "q_b_proj": "column",
-          "kv_b_proj": "column"}
+          "kv_b_proj": "column", "out_proj": "row"}
+# The pool keys lora/utils.py get_default_hidden_dim gives widths for (a class without a
+# get_hidden_dim of its own): out_proj is a Qwen3.5 wrapper's alone (`_WRAPPER_DIMS`).
+_DEFAULT_DIMS = frozenset(_KINDS) - {"out_proj"}
+# The wrappers whose own get_hidden_dim the pool reads (lora/utils.py get_hidden_dim prefers
+# the model's): the pool keys each gives widths for; it raises NotImplementedError for any
+# other. models/mllama4.py Llama4ForConditionalGeneration.get_hidden_dim: attention and a 3-D
+# MLP (which init_buffers never asks for: Llama 4's config has no shared-expert key), no
+# `_moe` key, no embeddings, its error without text. models/qwen3_5.py
+# Qwen3_5ForCausalLM.get_hidden_dim (both wrappers' `self.model`): qkv_proj with the query's
+# output gate (`attn_output_gate`, default true), out_proj from the value heads, the MLP, the
+# experts and the embeddings at the default widths; its error names the module.
+_WRAPPER_DIMS = {
+    "llama4": frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), frozenset({
+        "qkv_proj", "o_proj", "out_proj", "gate_up_proj", "down_proj", "gate_up_proj_moe",
+        "down_proj_moe", "embed_tokens", "lm_head"})),
+}
 # The MLP targets init_buffers calls ambiguous: on a model with FusedMoE experts each takes a
 # per-expert buffer (`<module>_moe`) and, where the config has shared experts, a 3-D one too.
 _MLP = ("gate_up_proj", "down_proj")
@@ -274,17 +293,21 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     `_lm_head_rows`). Dims are lora/utils.py get_default_hidden_dim's: `o_proj` at the
     config's `v_head_dim` where it has one (multi-head latent attention), its fused
     `q_a`/`kv_a` down-projection (`fused_qkv_a_proj_with_mqa`, replicated: neither split),
-    `q_b_proj` and `kv_b_proj` from its ranks and per-head widths."""
+    `q_b_proj` and `kv_b_proj` from its ranks and per-head widths. A Qwen3.5 wrapper's own
+    (`_WRAPPER_DIMS`): the query with its gate, `out_proj` from the value heads."""
     H, hd = model.hidden_size, _config_head_dim(model)
     heads, kv, inter, vocab = (model.num_attention_heads, model.num_key_value_heads,
                                model.intermediate_size, model.vocab_size)
+    own = _wrapper_dims(model) or frozenset()
+    q = model.q_width if "out_proj" in own else hd * heads
     if module == "embed_tokens":
         return (slots, rank, vocab), (slots, H, rank)
     if module == "lm_head":
         return (slots, rank, H), (slots, _lm_head_rows(model, tp), rank)
     rope, nope = model.qk_rope_head_dim, model.qk_nope_head_dim
-    dims = {"qkv_proj": (H, hd * (heads + 2 * kv)), "o_proj": ((model.v_head_dim or hd) * heads, H),
-            "gate_up_proj": (H, 2 * inter), "down_proj": (inter, H)}
+    dims = {"qkv_proj": (H, q + 2 * hd * kv), "o_proj": ((model.v_head_dim or hd) * heads, H),
+            "gate_up_proj": (H, 2 * inter), "down_proj": (inter, H),
+            "out_proj": (model.linear_value_width, H)}
     if model.kv_lora_rank:
         dims |= {"fused_qkv_a_proj_with_mqa": (H, model.q_lora_rank + model.kv_lora_rank + rope),
                  "q_b_proj": (model.q_lora_rank, heads * (nope + rope)),
@@ -298,7 +321,7 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     elif module in _ROW_PARALLEL:
         d_in = _divide(d_in, tp, module)
     elif module == "qkv_proj" and kv < tp:
-        d_out = _divide(hd * heads, tp, module) + 2 * hd
+        d_out = _divide(q, tp, module) + 2 * hd
     else:
         d_out = _divide(d_out, tp, module)
     return (slots, rank * c, d_in), (slots, d_out, rank)
@@ -347,6 +370,24 @@ def _config_head_dim(model: ModelConfig) -> int:
     return model.head_dim
 
 
+def _wrapper_dims(model: ModelConfig) -> frozenset[str] | None:
+    """The pool keys a wrapper SGLang builds for `model` gives widths for (`_WRAPPER_DIMS`), or
+    None where the class it builds takes the default dims."""
+    return _WRAPPER_DIMS.get(model.model_type) if model.composite else None
+
+
+def _pool_keys(model: ModelConfig, targets: Iterable[str]) -> list[str]:
+    """mem_pool.py init_buffers' keys for `targets`: on a MoE model gate_up_proj and down_proj
+    take per-expert buffers (`_moe`), and 3-D ones only where the config has shared experts."""
+    keys = []
+    for m in sorted(targets):
+        if m in _MLP and model.num_experts:
+            keys += [m, f"{m}_moe"] if _has_shared_experts(model) else [f"{m}_moe"]
+        else:
+            keys.append(m)
+    return keys
+
+
 def pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | None:
     """Why LoRAManager.init_state raises on a model for a pool of `targets` once its
     adapters have loaded (init_memory_pool, update_lora_info: the server never starts): the
@@ -358,9 +399,25 @@ def pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | 
                 "'torch.nn.modules.linear.Linear'>.: SGLang builds the shared expert's gate "
                 "as a plain torch Linear off a CPU engine (models/qwen2_moe.py "
                 "Qwen2MoeSparseMoeBlock), which lora/layers.py get_lora_layer cannot wrap")
+    own = _wrapper_dims(model)
+    if own is not None:
+        # The wrapper's own get_hidden_dim: init_buffers raises for any other key, whichever
+        # its set order meets first.
+        undimmed = [k for k in _pool_keys(model, targets) if k not in own]
+        if undimmed and model.model_type == "llama4":
+            return ("NotImplementedError", "(no text): models/mllama4.py "
+                    "Llama4ForConditionalGeneration.get_hidden_dim gives widths for qkv_proj, "
+                    "o_proj and a 3-D MLP alone, and mem_pool.py init_buffers asks it for " +
+                    ", ".join(undimmed))
+        if undimmed:
+            return ("NotImplementedError", f"get_hidden_dim not implemented for {undimmed[0]}: "
+                    "models/qwen3_5.py Qwen3_5ForCausalLM.get_hidden_dim (the wrapper's) has "
+                    "no width for " + ", ".join(undimmed) +
+                    " (init_buffers raises at the first of them it meets)")
+        return None
     # lora/utils.py get_default_hidden_dim's modules (the class defines no get_hidden_dim):
     # init_buffers raises for any other, whichever of them its set order meets first.
-    undimmed = sorted(targets - set(_KINDS) - set(EMBEDDINGS))
+    undimmed = sorted(targets - _DEFAULT_DIMS - set(EMBEDDINGS))
     if undimmed:
         return ("NotImplementedError", f"get_hidden_dim not implemented for {undimmed[0]}: "
                 "SGLang's class for this model defines no get_hidden_dim, and lora/utils.py "
@@ -438,14 +495,11 @@ class Memory:
            adapters: list[AdapterReport] | None = None,
            budget_bytes: int | None = None) -> Memory:
         row = family(model)
-        # The rows run over SGLang's own text class: their wrappers (models/mllama4.py,
-        # qwen3_5.py) have a get_hidden_dim of their own.
-        wrapper = bool(model.composite and row.pool_checked)
-        if row.pool not in ("dense", "moe") or wrapper:
+        if row.pool not in ("dense", "moe"):
             raise UsageError(
                 f"--engine sglang: SGLang {VERSION} sizes the LoRA pool of a {row.model_type} "
-                f"model ({'wrapper' if wrapper else row.pool}) from its model class "
-                f"({row.note}); metrale sizes the dense and MoE families' text models (" +
+                f"model ({row.pool}) from its model class "
+                f"({row.note}); metrale sizes the dense and MoE families (" +
                 ", ".join(f for f, r in FAMILIES.items() if r.pool in ("dense", "moe")) + ")")
         moe = row.pool == "moe"
         # The rows run over SGLang's own class (`pool_checked`): what stops their start.
@@ -456,13 +510,8 @@ class Memory:
         elem = DTYPE_BYTES[flags.model_dtype(model)]
         per_module = []
         # mem_pool.py init_buffers: the embedding and head pairs, then every other target's
-        # A and B per layer; on a MoE model gate_up_proj and down_proj take per-expert buffers
-        # (`_moe`), and 3-D ones only where the config has shared experts.
-        layered = sorted(m for m in pool.targets if m not in EMBEDDINGS)
-        if moe:
-            layered = sorted(k for m in layered for k in (
-                (m, f"{m}_moe") if m in _MLP and _has_shared_experts(model) else
-                (f"{m}_moe",) if m in _MLP else (m,)))
+        # A and B per layer (`_pool_keys`).
+        layered = sorted(_pool_keys(model, (m for m in pool.targets if m not in EMBEDDINGS)))
         order = [m for m in EMBEDDINGS if m in pool.targets] + layered
         # With both targeted, each of init_buffers' two embedding tables (embedding_A/B_buffer
         # and lm_head_A/B_buffer) takes a pair for every one of embed_tokens and lm_head
