@@ -66,7 +66,7 @@ def test_families_sglang_serves_only_from_its_source_say_so() -> None:
                               "gpt_oss", "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe",
                               "glm4_moe", "nemotron_h", "llama4", "phimoe",
                               "granitemoe", "gemma4")}
-    assert {f for f, r in sglang.families.items() if r.pool == "moe"} | {"qwen3_5"} == {
+    assert {f for f, r in sglang.families.items() if r.pool == "moe"} | {"qwen3_5", "gemma4"} == {
         f for f, r in sglang.families.items() if r.pool_checked == "run"}
     done = metrale("layout", "--engine", "sglang", "-m", "qwen3-30b-a3b", "--max-rank", 8,
                    "--modules", "q_proj,gate_proj", "--json")

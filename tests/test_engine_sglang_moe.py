@@ -81,8 +81,17 @@ JOBS: dict[str, tuple[str, list[str], int, int, int, str]] = {
     "qwen3_5_wrapper": ("qwen3_5_vl", [*LINEAR, "embed_tokens"], 8, 2, 1, "float32"),
     "qwen3_5_wrapper_tp2": ("qwen3_5_vl_kv1", [*LINEAR, "lm_head"], 8, 2, 2, "bfloat16"),
     "qwen3_5_moe_wrapper_tp2": ("qwen3_5_moe_vl", [*LINEAR, "lm_head"], 8, 2, 2, "float32"),
-    # SGLang's start raises: the Llama 4 wrapper's get_hidden_dim has no embeddings.
+    # Gemma 4's: attention at head_dim, where the full layers' widths are the others'.
+    "gemma4_wrapper": ("gemma4_vl_uniform", ATTN, 8, 2, 1, "float32"),
+    "gemma4_wrapper_tp2": ("gemma4_vl_uniform", ATTN, 4, 3, 2, "bfloat16"),
+    # SGLang's start raises: the Llama 4 wrapper's get_hidden_dim has no embeddings; Gemma 4's
+    # reads head_dim off a config whose full layers differ, takes an int intermediate_size for
+    # a list, has no embeddings, and its tied head has no org_vocab_size.
     "llama4_wrapper_embed": ("llama4_vl", [*ATTN, "embed_tokens"], 8, 2, 1, "float32"),
+    "gemma4_wrapper_per_layer": ("gemma4_vl", ATTN, 8, 2, 1, "float32"),
+    "gemma4_wrapper_mlp": ("gemma4_vl_uniform", ["gate_proj"], 8, 2, 1, "float32"),
+    "gemma4_wrapper_embed": ("gemma4_vl_uniform", [*ATTN, "embed_tokens"], 8, 2, 1, "float32"),
+    "gemma4_wrapper_head": ("gemma4_vl_uniform", ["lm_head"], 8, 2, 1, "float32"),
 }
 # PEFT adapters named at start-up (no pool flags: their targets make the pool) whose start
 # SGLang stops once they load, building the pool: `inspect` says `fails_startup` in its words.
@@ -112,7 +121,10 @@ STARTUP_RAISES = {"qwen3_next_gate": "Exception", "qwen3_next_gdn": "NotImplemen
                   "qwen3_5_moe_gate": "Exception", "qwen3_5_wrapper_gdn": "NotImplementedError",
                   "llama4_wrapper_mlp": "NotImplementedError"}
 RAISES = {"llama4": "KeyError", "deepseek_v2_q_b": "TypeError",
-          "llama4_wrapper_embed": "NotImplementedError"}
+          "llama4_wrapper_embed": "NotImplementedError",
+          "gemma4_wrapper_per_layer": "AmbiguousGlobalPerLayerAttributeError",
+          "gemma4_wrapper_mlp": "TypeError", "gemma4_wrapper_embed": "NotImplementedError",
+          "gemma4_wrapper_head": "AttributeError"}
 # config: (tiny model, keys as the published checkpoints write them where transformers 5's
 # differ). Phi-3.5-MoE's class name (transformers spells it PhimoeForCausalLM, which SGLang
 # does not register: its Transformers backend); DeepSeek's MoE keys, which SGLang's class reads
@@ -130,6 +142,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # classes read it).
     **{m: (m, {"full_attention_interval": 2}) for m in _HYBRID},
     "qwen3_5_vl_kv1": ("qwen3_5_vl", {"full_attention_interval": 2, "num_key_value_heads": 1}),
+    # Gemma 4's full layers at the sliding layers' widths: no per-layer overrides.
+    "gemma4_vl_uniform": ("gemma4_vl", {"global_head_dim": 24, "num_global_key_value_heads": 2,
+                                        "per_layer_config": {}}),
 }
 # SGLang's hybrid (Mamba-state) models take a radix-cache strategy the CPU platform supports.
 SERVER_ARGS = {m: {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
@@ -224,7 +239,8 @@ def test_a_pool_sglang_cannot_start_is_refused_in_its_words(runs: dict[str, dict
                                                             name: str) -> None:
     """DeepSeek-V2's q_b_proj (no q_lora_rank), Llama 4's gate_up_proj / down_proj (dense
     and shared-expert linears with no buffer) and its wrapper's embed_tokens (no width in the
-    wrapper's get_hidden_dim, an error without text): SGLang's start raises, and
+    wrapper's get_hidden_dim, an error without text), Gemma 4's wrapper beyond attention at
+    uniform widths: SGLang's start raises, and
     `layout` refuses the pool with that error, one line, exit 2."""
     run = runs[name]
     assert not run["started"]

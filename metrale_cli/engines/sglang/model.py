@@ -62,8 +62,8 @@ class SglangFamily:
     # sizes. "moe": the same beside FusedMoE experts, whose MLP targets take per-expert 4-D
     # buffers (mem_pool.py init_buffers, `*_moe`), which metrale sizes too
     # (`moe_buffer_shapes`); a wrapper's own `get_hidden_dim` where metrale has read it
-    # (`_WRAPPER_DIMS`). "hybrid": the class's own `get_hidden_dim` (models/nemotron_h.py,
-    # gemma4_mm.py): metrale gives no bytes for them.
+    # (`_WRAPPER_DIMS`). "hybrid": the class's own `get_hidden_dim` (models/nemotron_h.py):
+    # metrale gives no bytes for them, but for a wrapper in `_WRAPPER_DIMS` (Gemma 4's).
     pool: str
     # "run": SGLang's own LoRA code was run on this family's PEFT adapters (tests); "source":
     # the answer comes from reading the source only.
@@ -182,7 +182,9 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), "hybrid",
                  "source", "models/gemma4_mm.py's wrapper defines its own get_hidden_dim, every "
                  "layer at head_dim (the full-attention layers' global_head_dim is not its "
-                 "width); models/gemma4_causal.py's text class marks supports_lora = False"),
+                 "width): attention alone, and only where the full layers' widths are the "
+                 "others'; models/gemma4_causal.py's text class marks supports_lora = False",
+                 pool_checked="run"),
     SglangFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"), "hybrid",
                  "source", "the class defines its own get_hidden_dim, by block kind (a MoE "
                  "block's up_proj/down_proj are its shared expert's)",
@@ -238,6 +240,9 @@ _DEFAULT_DIMS = frozenset(_KINDS) - {"out_proj"}
 # experts and the embeddings at the default widths; its error names the module.
 _WRAPPER_DIMS = {
     "llama4": frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
+    # models/gemma4_mm.py Gemma4ForConditionalGeneration.get_hidden_dim: attention at the
+    # config's head_dim (`_gemma4_wrapper_error`: what it raises for the rest).
+    "gemma4": frozenset({"qkv_proj", "o_proj"}),
     **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), frozenset({
         "qkv_proj", "o_proj", "out_proj", "gate_up_proj", "down_proj", "gate_up_proj_moe",
         "down_proj_moe", "embed_tokens", "lm_head"})),
@@ -370,6 +375,13 @@ def _config_head_dim(model: ModelConfig) -> int:
     return model.head_dim
 
 
+def _pool_run(model: ModelConfig) -> bool:
+    """Whether SGLang's pool over `model`'s class was run (`pool_checked`), so `pool_error`
+    answers for it: a hybrid row's only on a wrapper in `_WRAPPER_DIMS`."""
+    row = family(model)
+    return bool(row.pool_checked) and (row.pool != "hybrid" or bool(_wrapper_dims(model)))
+
+
 def _wrapper_dims(model: ModelConfig) -> frozenset[str] | None:
     """The pool keys a wrapper SGLang builds for `model` gives widths for (`_WRAPPER_DIMS`), or
     None where the class it builds takes the default dims."""
@@ -388,6 +400,58 @@ def _pool_keys(model: ModelConfig, targets: Iterable[str]) -> list[str]:
     return keys
 
 
+# transformers' refusal of a per-layer attribute read off a heterogeneous config
+# (integrations/heterogeneity/configuration_utils.py HeterogeneousConfigMixin.__getattribute__).
+_PER_LAYER_HEAD_DIM = (
+    "'head_dim' is a per-layer attribute and may vary across layers. Access it via the "
+    "individual layer configs instead (e.g. config.per_layer_config[i].head_dim). To read the "
+    "global config value from config.head_dim anyway, set `allow_global_per_layer_attribute_"
+    "access` to `True` on the config. Warning: only do this if the caller can safely handle "
+    "heterogeneous configs; code that assumes a homogeneous model may use the global value "
+    "incorrectly.")
+
+
+def _gemma4_wrapper_error(model: ModelConfig, targets: set[str]) -> tuple[str, str] | None:
+    """What LoRAManager.init_state raises on Gemma 4's wrapper (models/gemma4_mm.py
+    Gemma4ForConditionalGeneration) for a pool of `targets`, in its order: init_lora_modules
+    builds a separate ParallelLMHead for a head tied to the embedding from the embedding's
+    `org_vocab_size`, which Gemma's embedding has not; init_buffers asks the wrapper's
+    get_hidden_dim for the embeddings, then each layered key in its set order: qkv_proj and
+    o_proj read the config's `head_dim`, which transformers refuses on a config whose full
+    layers differ (per_layer_config); gate_up_proj and down_proj assert one width over
+    `set(config.intermediate_size)`, an int; any other key raises with no text."""
+    if "lm_head" in targets and model.tie_word_embeddings:
+        return ("AttributeError", "'Gemma3TextScaledWordEmbedding' object has no attribute "
+                "'org_vocab_size': the head is tied to the embedding, so lora_manager.py "
+                "init_lora_modules builds a ParallelLMHead from the embedding's org_vocab_size, "
+                "which Gemma's embedding class has not")
+    keys = [m for m in EMBEDDINGS if m in targets] + _pool_keys(
+        model, (m for m in targets if m not in EMBEDDINGS))
+    raised = {}
+    for key in keys:
+        if key in _MLP:
+            raised.setdefault("TypeError", f"'int' object is not iterable: "
+                              "models/gemma4_mm.py get_hidden_dim takes the config's "
+                              f"intermediate_size for a list of per-layer widths ({key})")
+        elif key in ("qkv_proj", "o_proj") and (
+                model.global_head_width != model.head_dim
+                or model.global_kv_heads != model.num_key_value_heads):
+            raised.setdefault("AmbiguousGlobalPerLayerAttributeError", _PER_LAYER_HEAD_DIM +
+                              ": the full layers' head width or KV heads differ "
+                              "(per_layer_config), and models/gemma4_mm.py get_hidden_dim "
+                              f"reads config.head_dim ({key})")
+        elif key not in ("qkv_proj", "o_proj"):
+            raised.setdefault("NotImplementedError", "(no text): models/gemma4_mm.py "
+                              f"get_hidden_dim has no width for {key}")
+        if key in EMBEDDINGS and raised:  # init_buffers' embeddings come first
+            break
+    if not raised:
+        return None
+    return (" or ".join(raised), "; ".join(f"{c}: {t}" if len(raised) > 1 else t
+                                          for c, t in raised.items()) +
+            (" (init_buffers raises at the first it meets)" if len(raised) > 1 else ""))
+
+
 def pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | None:
     """Why LoRAManager.init_state raises on a model for a pool of `targets` once its
     adapters have loaded (init_memory_pool, update_lora_info: the server never starts): the
@@ -400,6 +464,8 @@ def pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | 
                 "as a plain torch Linear off a CPU engine (models/qwen2_moe.py "
                 "Qwen2MoeSparseMoeBlock), which lora/layers.py get_lora_layer cannot wrap")
     own = _wrapper_dims(model)
+    if model.model_type == "gemma4" and own is not None:
+        return _gemma4_wrapper_error(model, targets)
     if own is not None:
         # The wrapper's own get_hidden_dim: init_buffers raises for any other key, whichever
         # its set order meets first.
@@ -495,7 +561,7 @@ class Memory:
            adapters: list[AdapterReport] | None = None,
            budget_bytes: int | None = None) -> Memory:
         row = family(model)
-        if row.pool not in ("dense", "moe"):
+        if row.pool not in ("dense", "moe") and _wrapper_dims(model) is None:
             raise UsageError(
                 f"--engine sglang: SGLang {VERSION} sizes the LoRA pool of a {row.model_type} "
                 f"model ({row.pool}) from its model class "
@@ -503,7 +569,7 @@ class Memory:
                 ", ".join(f for f, r in FAMILIES.items() if r.pool in ("dense", "moe")) + ")")
         moe = row.pool == "moe"
         # The rows run over SGLang's own class (`pool_checked`): what stops their start.
-        failed = pool_error(model, pool.targets) if row.pool_checked else None
+        failed = pool_error(model, pool.targets) if _pool_run(model) else None
         if failed is not None:
             raise UsageError(f"--engine sglang: SGLang {VERSION} never starts with this pool "
                              f"({failed[0]}: {failed[1]})")
@@ -591,7 +657,7 @@ def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
     startup = rules.judge_report(report, model, pool=alone.rules(), path="startup", **backend)
     # Once its adapters load, a start-up builds the pool (init_memory_pool) and points the
     # wrapped modules at it (update_lora_info): a pool SGLang cannot build stops it there.
-    failed = pool_error(model, alone.targets) if family(model).pool_checked else None
+    failed = pool_error(model, alone.targets) if _pool_run(model) else None
     if failed is not None and startup.accepted:
         startup = Judgement(False, *failed, reason_class="pool_build", path="startup")
     return {"startup": startup,
