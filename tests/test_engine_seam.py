@@ -56,8 +56,9 @@ def test_a_family_without_an_engine_row_is_refused(monkeypatch: pytest.MonkeyPat
 
 def test_families_sglang_serves_only_from_its_source_say_so() -> None:
     """MoE and hybrid families' SGLang verdicts come from reading its source; the MoE pools'
-    bytes were run (tests/test_engine_sglang_moe.py) and their records say so; the hybrid pools
-    (sized by the class's own dims) get no bytes metrale cannot stand behind."""
+    bytes were run (tests/test_engine_sglang_moe.py) and their records say so, a wrapper's own
+    dims too where metrale has read them; the hybrid pools (sized by the class's own dims) get
+    no bytes metrale cannot stand behind."""
     sglang = get_engine("sglang")
     assert {f: r.checked for f, r in sglang.families.items()
             if r.pool != "dense" or r.pool_checked} == {
@@ -65,7 +66,7 @@ def test_families_sglang_serves_only_from_its_source_say_so() -> None:
                               "gpt_oss", "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe",
                               "glm4_moe", "nemotron_h", "llama4", "phimoe",
                               "granitemoe", "gemma4")}
-    assert {f for f, r in sglang.families.items() if r.pool == "moe"} | {"qwen3_5"} == {
+    assert {f for f, r in sglang.families.items() if r.pool == "moe"} | {"qwen3_5", "gemma4"} == {
         f for f, r in sglang.families.items() if r.pool_checked == "run"}
     done = metrale("layout", "--engine", "sglang", "-m", "qwen3-30b-a3b", "--max-rank", 8,
                    "--modules", "q_proj,gate_proj", "--json")
@@ -73,11 +74,16 @@ def test_families_sglang_serves_only_from_its_source_say_so() -> None:
     engine = done.json()["engine"]
     assert engine["checked"] == "run"
     assert [m["module"] for m in engine["modules"]] == ["gate_up_proj_moe", "qkv_proj"]
-    for preset in ("gemma-4-defaults", "qwen3.5-9b"):  # a hybrid's own dims; a wrapper's
-        done = metrale("layout", "--engine", "sglang", "-m", preset, "--max-rank", 8,
-                       "--modules", "q_proj")
-        assert done.code == 2 and "metrale sizes the dense and MoE families' text" in done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1
+    done = metrale("layout", "--engine", "sglang", "-m", "gemma-4-defaults", "--max-rank", 8,
+                   "--modules", "q_proj")  # a hybrid's own dims
+    assert done.code == 2 and "metrale sizes the dense and MoE families (" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    # A wrapper whose own dims metrale has read: Qwen3.5's query with its output gate.
+    done = metrale("layout", "--engine", "sglang", "-m", "qwen3.5-9b", "--max-rank", 8,
+                   "--modules", "q_proj", "--json")
+    assert done.code == 0, done.stderr
+    [qkv] = done.json()["engine"]["modules"]
+    assert qkv["buffers"][1] == ["B", [8, 256 * (2 * 16 + 2 * 4), 8]]
 
 
 @pytest.mark.parametrize(("name", "version", "other"), [("vllm", "0.32.0", "0.31.0"),

@@ -62,8 +62,9 @@ class SglangFamily:
     # and stacking (lora/utils.py get_default_hidden_dim, get_stacked_multiply), which metrale
     # sizes. "moe": the same beside FusedMoE experts, whose MLP targets take per-expert 4-D
     # buffers (mem_pool.py init_buffers, `*_moe`), which metrale sizes too
-    # (`moe_buffer_shapes`). "hybrid": the class's own `get_hidden_dim` (models/qwen3_5.py):
-    # metrale gives no bytes for them.
+    # (`moe_buffer_shapes`); a wrapper's own `get_hidden_dim` where metrale has read it
+    # (`_WRAPPER_DIMS`). "hybrid": the class's own `get_hidden_dim` (models/nemotron_h.py):
+    # metrale gives no bytes for them, but for a wrapper in `_WRAPPER_DIMS` (Gemma 4's).
     pool: str
     # "run": SGLang's own LoRA code was run on this family's PEFT adapters (tests); "source":
     # the answer comes from reading the source only.
@@ -102,17 +103,18 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
                  "attention at the default dims (the output gate not counted), routed experts "
                  "per expert and the shared expert 3-D on every layer", pool_checked="run"),
     # The text classes (models/qwen3_5_text.py, the registry's pick for a text config) define
-    # no get_hidden_dim; the wrappers (models/qwen3_5.py) take the model's own.
+    # no get_hidden_dim; the wrappers (models/qwen3_5.py) take the model's own
+    # (`_WRAPPER_DIMS`).
     SglangFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                  "dense", "source",
                  "the text class: the default dims (a Gated-DeltaNet target's pool raises); "
-                 "the wrapper defines its own get_hidden_dim and should_apply_lora",
-                 pool_checked="run"),
+                 "the wrapper: its own get_hidden_dim (qkv_proj with the query's gate, "
+                 "out_proj at the value heads' width)", pool_checked="run"),
     SglangFamily("qwen3_5_moe", ("Qwen3_5MoeForCausalLM",
                                  "Qwen3_5MoeForConditionalGeneration"), "moe", "source",
                  "the text class: the default dims, routed and shared experts as qwen3_next; "
-                 "the wrapper defines its own get_hidden_dim and should_apply_lora",
-                 pool_checked="run"),
+                 "the wrapper: its own get_hidden_dim (qkv_proj with the query's gate, "
+                 "out_proj at the value heads' width)", pool_checked="run"),
     SglangFamily("gemma", ("GemmaForCausalLM",), "dense", "run"),
     SglangFamily("gemma2", ("Gemma2ForCausalLM",), "dense", "run"),
     SglangFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "dense",
@@ -173,7 +175,7 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "moe",
                  "source", "routed experts per expert as qwen3_moe; a gate_up_proj / "
                  "down_proj pool raises (its dense and shared-expert linears get no buffer); "
-                 "the wrapper (models/mllama4.py) defines its own get_hidden_dim",
+                 "the wrapper (models/mllama4.py): its own get_hidden_dim, attention alone",
                  pool_checked="run"),
     # Its verdicts are the generic rules' (a q_proj without v_proj on a layer, as PEFT's
     # gemma4 adapters have on keys-as-values and KV-shared layers, fails lora.py
@@ -181,7 +183,9 @@ FAMILIES: dict[str, SglangFamily] = {f.model_type: f for f in (
     SglangFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), "hybrid",
                  "source", "models/gemma4_mm.py's wrapper defines its own get_hidden_dim, every "
                  "layer at head_dim (the full-attention layers' global_head_dim is not its "
-                 "width); models/gemma4_causal.py's text class marks supports_lora = False"),
+                 "width): attention alone, and only where the full layers' widths are the "
+                 "others'; models/gemma4_causal.py's text class marks supports_lora = False",
+                 pool_checked="run"),
     SglangFamily("nemotron_h", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"), "hybrid",
                  "source", "the class defines its own get_hidden_dim, by block kind (a MoE "
                  "block's up_proj/down_proj are its shared expert's)",
@@ -216,14 +220,34 @@ def hf_backbone(model: ModelConfig) -> bool:
 EMBEDDINGS = ("embed_tokens", "lm_head")
 # lora/utils.py ROW_PARALLELISM_LINEAR_LORA_NAMES (the dense ones): A's input split over TP;
 # REPLICATED_LINEAR_LORA_NAMES: neither split.
-_ROW_PARALLEL = ("o_proj", "down_proj")
+_ROW_PARALLEL = ("o_proj", "out_proj", "down_proj")
 _REPLICATED = ("fused_qkv_a_proj_with_mqa",)
 # How each module's buffers split over TP (the view's "kind").
 _KINDS = {"qkv_proj": "column (qkv)", "gate_up_proj": "column", "o_proj": "row",
           "down_proj": "row", "embed_tokens": "embedding", "lm_head": "lm_head",
           "gate_up_proj_moe": "experts (column)", "down_proj_moe": "experts (row)",
           "fused_qkv_a_proj_with_mqa": "replicated (q_a, kv_a)", "q_b_proj": "column",
-          "kv_b_proj": "column"}
+          "kv_b_proj": "column", "out_proj": "row"}
+# The pool keys lora/utils.py get_default_hidden_dim gives widths for (a class without a
+# get_hidden_dim of its own): out_proj is a Qwen3.5 wrapper's alone (`_WRAPPER_DIMS`).
+_DEFAULT_DIMS = frozenset(_KINDS) - {"out_proj"}
+# The wrappers whose own get_hidden_dim the pool reads (lora/utils.py get_hidden_dim prefers
+# the model's): the pool keys each gives widths for; it raises NotImplementedError for any
+# other. models/mllama4.py Llama4ForConditionalGeneration.get_hidden_dim: attention and a 3-D
+# MLP (which init_buffers never asks for: Llama 4's config has no shared-expert key), no
+# `_moe` key, no embeddings, its error without text. models/qwen3_5.py
+# Qwen3_5ForCausalLM.get_hidden_dim (both wrappers' `self.model`): qkv_proj with the query's
+# output gate (`attn_output_gate`, default true), out_proj from the value heads, the MLP, the
+# experts and the embeddings at the default widths; its error names the module.
+_WRAPPER_DIMS = {
+    "llama4": frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
+    # models/gemma4_mm.py Gemma4ForConditionalGeneration.get_hidden_dim: attention at the
+    # config's head_dim (`_gemma4_wrapper_error`: what it raises for the rest).
+    "gemma4": frozenset({"qkv_proj", "o_proj"}),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), frozenset({
+        "qkv_proj", "o_proj", "out_proj", "gate_up_proj", "down_proj", "gate_up_proj_moe",
+        "down_proj_moe", "embed_tokens", "lm_head"})),
+}
 # The MLP targets init_buffers calls ambiguous: on a model with FusedMoE experts each takes a
 # per-expert buffer (`<module>_moe`) and, where the config has shared experts, a 3-D one too.
 _MLP = ("gate_up_proj", "down_proj")
@@ -275,17 +299,21 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     `_lm_head_rows`). Dims are lora/utils.py get_default_hidden_dim's: `o_proj` at the
     config's `v_head_dim` where it has one (multi-head latent attention), its fused
     `q_a`/`kv_a` down-projection (`fused_qkv_a_proj_with_mqa`, replicated: neither split),
-    `q_b_proj` and `kv_b_proj` from its ranks and per-head widths."""
+    `q_b_proj` and `kv_b_proj` from its ranks and per-head widths. A Qwen3.5 wrapper's own
+    (`_WRAPPER_DIMS`): the query with its gate, `out_proj` from the value heads."""
     H, hd = model.hidden_size, _config_head_dim(model)
     heads, kv, inter, vocab = (model.num_attention_heads, model.num_key_value_heads,
                                model.intermediate_size, model.vocab_size)
+    own = _wrapper_dims(model) or frozenset()
+    q = model.q_width if "out_proj" in own else hd * heads
     if module == "embed_tokens":
         return (slots, rank, vocab), (slots, H, rank)
     if module == "lm_head":
         return (slots, rank, H), (slots, _lm_head_rows(model, tp), rank)
     rope, nope = model.qk_rope_head_dim, model.qk_nope_head_dim
-    dims = {"qkv_proj": (H, hd * (heads + 2 * kv)), "o_proj": ((model.v_head_dim or hd) * heads, H),
-            "gate_up_proj": (H, 2 * inter), "down_proj": (inter, H)}
+    dims = {"qkv_proj": (H, q + 2 * hd * kv), "o_proj": ((model.v_head_dim or hd) * heads, H),
+            "gate_up_proj": (H, 2 * inter), "down_proj": (inter, H),
+            "out_proj": (model.linear_value_width, H)}
     if model.kv_lora_rank:
         dims |= {"fused_qkv_a_proj_with_mqa": (H, model.q_lora_rank + model.kv_lora_rank + rope),
                  "q_b_proj": (model.q_lora_rank, heads * (nope + rope)),
@@ -299,7 +327,7 @@ def buffer_shapes(model: ModelConfig, module: str, rank: int, slots: int, tp: in
     elif module in _ROW_PARALLEL:
         d_in = _divide(d_in, tp, module)
     elif module == "qkv_proj" and kv < tp:
-        d_out = _divide(hd * heads, tp, module) + 2 * hd
+        d_out = _divide(q, tp, module) + 2 * hd
     else:
         d_out = _divide(d_out, tp, module)
     return (slots, rank * c, d_in), (slots, d_out, rank)
@@ -348,6 +376,83 @@ def _config_head_dim(model: ModelConfig) -> int:
     return model.head_dim
 
 
+def _pool_run(model: ModelConfig) -> bool:
+    """Whether SGLang's pool over `model`'s class was run (`pool_checked`), so `pool_error`
+    answers for it: a hybrid row's only on a wrapper in `_WRAPPER_DIMS`."""
+    row = family(model)
+    return bool(row.pool_checked) and (row.pool != "hybrid" or bool(_wrapper_dims(model)))
+
+
+def _wrapper_dims(model: ModelConfig) -> frozenset[str] | None:
+    """The pool keys a wrapper SGLang builds for `model` gives widths for (`_WRAPPER_DIMS`), or
+    None where the class it builds takes the default dims."""
+    return _WRAPPER_DIMS.get(model.model_type) if model.composite else None
+
+
+def _pool_keys(model: ModelConfig, targets: Iterable[str]) -> list[str]:
+    """mem_pool.py init_buffers' keys for `targets`: on a MoE model gate_up_proj and down_proj
+    take per-expert buffers (`_moe`), and 3-D ones only where the config has shared experts."""
+    keys = []
+    for m in sorted(targets):
+        if m in _MLP and model.num_experts:
+            keys += [m, f"{m}_moe"] if _has_shared_experts(model) else [f"{m}_moe"]
+        else:
+            keys.append(m)
+    return keys
+
+
+# transformers' refusal of a per-layer attribute read off a heterogeneous config
+# (integrations/heterogeneity/configuration_utils.py HeterogeneousConfigMixin.__getattribute__).
+_PER_LAYER_HEAD_DIM = (
+    "'head_dim' is a per-layer attribute and may vary across layers. Access it via the "
+    "individual layer configs instead (e.g. config.per_layer_config[i].head_dim). To read the "
+    "global config value from config.head_dim anyway, set `allow_global_per_layer_attribute_"
+    "access` to `True` on the config. Warning: only do this if the caller can safely handle "
+    "heterogeneous configs; code that assumes a homogeneous model may use the global value "
+    "incorrectly.")
+
+
+def _gemma4_wrapper_error(model: ModelConfig, targets: set[str]) -> tuple[str, str] | None:
+    """What LoRAManager.init_state raises on Gemma 4's wrapper (models/gemma4_mm.py
+    Gemma4ForConditionalGeneration) for a pool of `targets`, in its order: init_lora_modules
+    builds a separate ParallelLMHead for a head tied to the embedding from the embedding's
+    `org_vocab_size`, which Gemma's embedding has not; init_buffers asks the wrapper's
+    get_hidden_dim for the embeddings, then each layered key in its set order: qkv_proj and
+    o_proj read the config's `head_dim`, which transformers refuses on a config whose full
+    layers differ (per_layer_config); gate_up_proj and down_proj assert one width over
+    `set(config.intermediate_size)`, an int; any other key raises with no text."""
+    if "lm_head" in targets and model.tie_word_embeddings:
+        return ("AttributeError", "'Gemma3TextScaledWordEmbedding' object has no attribute "
+                "'org_vocab_size': the head is tied to the embedding, so lora_manager.py "
+                "init_lora_modules builds a ParallelLMHead from the embedding's org_vocab_size, "
+                "which Gemma's embedding class has not")
+    keys = [m for m in EMBEDDINGS if m in targets] + _pool_keys(
+        model, (m for m in targets if m not in EMBEDDINGS))
+    raised = {}
+    for key in keys:
+        if key in _MLP:
+            raised.setdefault("TypeError", f"'int' object is not iterable: "
+                              "models/gemma4_mm.py get_hidden_dim takes the config's "
+                              f"intermediate_size for a list of per-layer widths ({key})")
+        elif key in ("qkv_proj", "o_proj") and (
+                model.global_head_width != model.head_dim
+                or model.global_kv_heads != model.num_key_value_heads):
+            raised.setdefault("AmbiguousGlobalPerLayerAttributeError", _PER_LAYER_HEAD_DIM +
+                              ": the full layers' head width or KV heads differ "
+                              "(per_layer_config), and models/gemma4_mm.py get_hidden_dim "
+                              f"reads config.head_dim ({key})")
+        elif key not in ("qkv_proj", "o_proj"):
+            raised.setdefault("NotImplementedError", "(no text): models/gemma4_mm.py "
+                              f"get_hidden_dim has no width for {key}")
+        if key in EMBEDDINGS and raised:  # init_buffers' embeddings come first
+            break
+    if not raised:
+        return None
+    return (" or ".join(raised), "; ".join(f"{c}: {t}" if len(raised) > 1 else t
+                                          for c, t in raised.items()) +
+            (" (init_buffers raises at the first it meets)" if len(raised) > 1 else ""))
+
+
 def pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | None:
     """Why LoRAManager.init_state raises on a model for a pool of `targets` once its
     adapters have loaded (init_memory_pool, update_lora_info: the server never starts): the
@@ -359,9 +464,27 @@ def pool_error(model: ModelConfig, targets: Iterable[str]) -> tuple[str, str] | 
                 "'torch.nn.modules.linear.Linear'>.: SGLang builds the shared expert's gate "
                 "as a plain torch Linear off a CPU engine (models/qwen2_moe.py "
                 "Qwen2MoeSparseMoeBlock), which lora/layers.py get_lora_layer cannot wrap")
+    own = _wrapper_dims(model)
+    if model.model_type == "gemma4" and own is not None:
+        return _gemma4_wrapper_error(model, targets)
+    if own is not None:
+        # The wrapper's own get_hidden_dim: init_buffers raises for any other key, whichever
+        # its set order meets first.
+        undimmed = [k for k in _pool_keys(model, targets) if k not in own]
+        if undimmed and model.model_type == "llama4":
+            return ("NotImplementedError", "(no text): models/mllama4.py "
+                    "Llama4ForConditionalGeneration.get_hidden_dim gives widths for qkv_proj, "
+                    "o_proj and a 3-D MLP alone, and mem_pool.py init_buffers asks it for " +
+                    ", ".join(undimmed))
+        if undimmed:
+            return ("NotImplementedError", f"get_hidden_dim not implemented for {undimmed[0]}: "
+                    "models/qwen3_5.py Qwen3_5ForCausalLM.get_hidden_dim (the wrapper's) has "
+                    "no width for " + ", ".join(undimmed) +
+                    " (init_buffers raises at the first of them it meets)")
+        return None
     # lora/utils.py get_default_hidden_dim's modules (the class defines no get_hidden_dim):
     # init_buffers raises for any other, whichever of them its set order meets first.
-    undimmed = sorted(targets - set(_KINDS) - set(EMBEDDINGS))
+    undimmed = sorted(targets - _DEFAULT_DIMS - set(EMBEDDINGS))
     if undimmed:
         return ("NotImplementedError", f"get_hidden_dim not implemented for {undimmed[0]}: "
                 "SGLang's class for this model defines no get_hidden_dim, and lora/utils.py "
@@ -439,31 +562,23 @@ class Memory:
            adapters: list[AdapterReport] | None = None,
            budget_bytes: int | None = None) -> Memory:
         row = family(model)
-        # The rows run over SGLang's own text class: their wrappers (models/mllama4.py,
-        # qwen3_5.py) have a get_hidden_dim of their own.
-        wrapper = bool(model.composite and row.pool_checked)
-        if row.pool not in ("dense", "moe") or wrapper:
+        if row.pool not in ("dense", "moe") and _wrapper_dims(model) is None:
             raise UsageError(
                 f"--engine sglang: SGLang {VERSION} sizes the LoRA pool of a {row.model_type} "
-                f"model ({'wrapper' if wrapper else row.pool}) from its model class "
-                f"({row.note}); metrale sizes the dense and MoE families' text models (" +
+                f"model ({row.pool}) from its model class "
+                f"({row.note}); metrale sizes the dense and MoE families (" +
                 ", ".join(f for f, r in FAMILIES.items() if r.pool in ("dense", "moe")) + ")")
         moe = row.pool == "moe"
         # The rows run over SGLang's own class (`pool_checked`): what stops their start.
-        failed = pool_error(model, pool.targets) if row.pool_checked else None
+        failed = pool_error(model, pool.targets) if _pool_run(model) else None
         if failed is not None:
             raise UsageError(f"--engine sglang: SGLang {VERSION} never starts with this pool "
                              f"({failed[0]}: {failed[1]})")
         elem = DTYPE_BYTES[flags.model_dtype(model)]
         per_module = []
         # mem_pool.py init_buffers: the embedding and head pairs, then every other target's
-        # A and B per layer; on a MoE model gate_up_proj and down_proj take per-expert buffers
-        # (`_moe`), and 3-D ones only where the config has shared experts.
-        layered = sorted(m for m in pool.targets if m not in EMBEDDINGS)
-        if moe:
-            layered = sorted(k for m in layered for k in (
-                (m, f"{m}_moe") if m in _MLP and _has_shared_experts(model) else
-                (f"{m}_moe",) if m in _MLP else (m,)))
+        # A and B per layer (`_pool_keys`).
+        layered = sorted(_pool_keys(model, (m for m in pool.targets if m not in EMBEDDINGS)))
         order = [m for m in EMBEDDINGS if m in pool.targets] + layered
         # With both targeted, each of init_buffers' two embedding tables (embedding_A/B_buffer
         # and lm_head_A/B_buffer) takes a pair for every one of embed_tokens and lm_head
@@ -543,7 +658,7 @@ def judgements(report: AdapterReport, model: ModelConfig, flags: Flags,
     startup = rules.judge_report(report, model, pool=alone.rules(), path="startup", **backend)
     # Once its adapters load, a start-up builds the pool (init_memory_pool) and points the
     # wrapped modules at it (update_lora_info): a pool SGLang cannot build stops it there.
-    failed = pool_error(model, alone.targets) if family(model).pool_checked else None
+    failed = pool_error(model, alone.targets) if _pool_run(model) else None
     if failed is not None and startup.accepted:
         startup = Judgement(False, *failed, reason_class="pool_build", path="startup")
     return {"startup": startup,
