@@ -252,16 +252,19 @@ def paging(adapter: Any, arrival: Any, nxt: Any, policy: int, max_loras: int, pi
 
 
 @njit(cache=True)
-def stack_distances(prev: Any, cold: int) -> Any:
-    """Per request, the distinct other adapters requested since its adapter's previous request
-    at `prev[j]` (`cold` where there is none): a Fenwick tree marks each adapter's latest
-    request; the distance is the marks after `prev[j]`."""
-    n = prev.size
+def stack_distances(adapter: Any, cold: int) -> Any:
+    """Per request of `adapter` (ids >= 0), the distinct other adapters requested since its
+    adapter's previous request (`cold` where there is none): a Fenwick tree marks each
+    adapter's latest request; the distance is the marks after it. The latest request of each
+    adapter is kept per id as the pass goes (no sort by adapter: at 1,000,000 requests that
+    took longer than the tree)."""
+    n = adapter.size
     out = np.full(n, cold, np.int64)
     tree = np.zeros(n + 1, np.int64)
+    latest = np.full(adapter.max() + 1 if n else 0, -1, np.int64)
     distinct = 0
     for j in range(n):
-        p = prev[j]
+        p, latest[adapter[j]] = latest[adapter[j]], j
         if p < 0:
             distinct += 1
         else:
@@ -388,21 +391,37 @@ def _largest(tops: Any, g: int, lag: Any, above: Any, hi: Any, lo: Any, above_hi
 
 
 @njit(cache=True)
-def _replay_run(first: int, last: int, cache: int, fresh: bool, key: Any, asked: Any,
-                seconds: float, links: int, ring: Any, end: Any, lag: Any, run_of: Any,
-                run_last: Any, run_busy: Any, total: Any, n_queued: Any, hi: Any, lo: Any,
-                above_hi: Any, members: Any, n_members: Any) -> None:
-    """Replay the loads among requests first..last (those whose key is at least `cache`), every
-    link free at the first (LinkClock's rule for equal loads: load i takes the link load
-    i - links held), setting each load's end and, where it waited for a link, its end - ask
-    (`lag`, else 0), and split them into runs: loads from one point where every link is free to
-    the next, `run_of` a load's run (its first load), `run_last` its last load, `run_busy`
-    whether one of its loads waited. Unless `fresh`, the loads' previous waits leave `total`
-    and `n_queued` first; their new ones join them, and the windows of `_largest` hear of
-    the waits that fell."""
+def _replay_run(first: int, start: int, last: int, cache: int, fresh: bool, key: Any,
+                asked: Any, seconds: float, links: int, ring: Any, end: Any, lag: Any,
+                run_of: Any, run_last: Any, run_busy: Any, total: Any, n_queued: Any, hi: Any,
+                lo: Any, above_hi: Any, members: Any, n_members: Any) -> None:
+    """Replay the loads among requests start..last (those whose key is at least `cache`) of the
+    run that begins at `first`, every link free there (LinkClock's rule for equal loads: load i
+    takes the link load i - links held); the loads before `start` keep their ends. Set each
+    load's end and, where it waited for a link, its end - ask (`lag`, else 0), and split them
+    into runs: loads from one point where every link is free to the next, `run_of` a load's
+    run (its first load), `run_last` its last load, `run_busy` whether one of its loads
+    waited. Unless `fresh`, the loads' previous waits leave `total` and `n_queued` first; their
+    new ones join them, and the windows of `_largest` hear of the waits that fell."""
     ring[:] = 0.0  # at or before the first ask: every end so far, or LinkClock's start
     at, latest, run, busy, previous = 0, 0.0, -1, False, -1
-    for j in range(first, last + 1):
+    if start > first:
+        # The run goes on from the loads before `start`: the links hold the ends of the last
+        # `links` of them (oldest first, where load `start` looks), the latest is the last's.
+        held, j = links, start - 1
+        while held > 0 and j >= first:
+            if key[j] >= cache:
+                held -= 1
+                ring[held] = end[j]
+                if previous < 0:
+                    previous, latest = j, end[j]
+            j -= 1
+        run = first
+        for j in range(first, start):
+            if lag[j] > 0:
+                busy = True
+                break
+    for j in range(start, last + 1):
         if key[j] < cache:
             continue
         now, old = asked[j], lag[j]
@@ -482,6 +501,7 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
     run_busy = np.zeros(m, np.bool_)
     dirty = np.zeros(m, np.bool_)
     dirty_runs = np.empty(m, np.int32)
+    dirty_from = np.empty(m, np.int32)
     total = np.zeros(2)  # the loads' summed end - ask, compensated
     n_queued = np.zeros(2, np.int64)  # the loads that wait; how many `queued` holds
     queued = np.empty(m, np.int32)  # the loads that wait, by index (and some that no longer do)
@@ -505,7 +525,7 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
         was = hits
         hits = at[s]  # placed: the bucket of size s ends where bucket s + 1 began
         if s == 0:
-            _replay_run(0, m - 1, cache, True, key, asked, seconds, links, ring, end, lag,
+            _replay_run(0, 0, m - 1, cache, True, key, asked, seconds, links, ring, end, lag,
                         run_of, run_last, run_busy, total, n_queued, hi, lo, above_hi, members,
                         n_members)
             for j in range(m):
@@ -521,16 +541,17 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
                 _wait_falls(j, lag[j], 0.0, hi, lo, above_hi, members, n_members)
                 lag[j] = 0.0
                 r = run_of[j]
-                if run_busy[r] and not dirty[r]:
+                if run_busy[r] and not dirty[r]:  # its first lost load: new hits ascend
                     dirty[r] = True
-                    dirty_runs[n_dirty] = r
+                    dirty_runs[n_dirty], dirty_from[n_dirty] = r, j
                     n_dirty += 1
             for i in range(n_dirty):
                 r = int(dirty_runs[i])
                 dirty[r] = run_busy[r] = False
-                _replay_run(r, int(run_last[r]), cache, False, key, asked, seconds, links, ring,
-                            end, lag, run_of, run_last, run_busy, total, n_queued, hi, lo,
-                            above_hi, members, n_members)
+                # The loads before its first lost one keep their ends: replayed from there.
+                _replay_run(r, int(dirty_from[i]), int(run_last[r]), cache, False, key, asked,
+                            seconds, links, ring, end, lag, run_of, run_last, run_busy, total,
+                            n_queued, hi, lo, above_hi, members, n_members)
         while last >= 0 and key[last] < cache:
             last -= 1
         # Delayed hits: the last size's and the new hits, by index, so a hit's previous
@@ -992,7 +1013,7 @@ def compile_now() -> None:
     one = np.zeros(1, np.int64)
     paging(one, np.zeros(1), one, 0, 1, np.zeros(0, np.int64), 1, np.zeros(1), one, 1, 0,
            np.zeros(1), np.zeros(1))
-    stack_distances(np.full(1, -1, np.int64), -1)
+    stack_distances(one, -1)
     lru_sweep(one, np.zeros(1), one, one, 1.0, 1, 1, 1, 1)
     concurrent(one, np.zeros(1), np.zeros(1), one, 0, 1, np.zeros(0, np.int64), 1, 2, False,
                np.zeros(1), one, 1, 0, np.zeros(1), np.zeros(1), np.zeros(1))

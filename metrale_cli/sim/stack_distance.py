@@ -28,19 +28,7 @@ def stack_distances(adapter: np.ndarray,
     seen so far less the marks up to `p`. O(N log N), one pass, in the compiled core."""
     from metrale_cli.sim import core
 
-    out = core.stack_distances(previous_use(adapter), COLD)
+    out = core.stack_distances(adapter, COLD)
     if progress is not None:
         progress(int(adapter.size))
     return out
-
-
-def previous_use(adapter: np.ndarray) -> np.ndarray:
-    """[N] int64: the index of the previous request for the same adapter, or -1."""
-    n = int(adapter.size)
-    order = np.argsort(adapter, kind="stable")  # by adapter, then request order
-    prev_sorted = np.full(n, -1, dtype=np.int64)
-    prev_sorted[1:] = order[:-1]
-    prev_sorted[1:][adapter[order[1:]] != adapter[order[:-1]]] = -1  # no copy of `order`
-    prev = np.empty(n, dtype=np.int64)
-    prev[order] = prev_sorted
-    return prev
