@@ -29,7 +29,7 @@ from metrale_cli.sim.simulate import EngineCache
 from metrale_cli.sim.workload import Workload
 from tests.conftest import SGLANG_PYTHON
 from tests.support.cli_runner import metrale
-from tests.support.engine_cases import run_job
+from tests.support.engine_cases import assert_sglang_pool, run_job
 from tests.support.peft_factory import make_adapter
 
 RUNNER = Path(__file__).parent / "support" / "sglang_runner.py"
@@ -147,18 +147,7 @@ def test_pool_buffers_are_the_ones_sglang_allocates(runs: dict[str, dict], name:
     run = runs[name]
     assert run["started"], run.get("start_error")
     engine = _layout(run, name)
-    shapes: dict[str, dict[str, list[int]]] = {}
-    allocated: dict[str, int] = {}
-    for kind, module, layer, shape, size in run["pool"]["buffers"]:
-        allocated[module] = allocated.get(module, 0) + size
-        if layer in (0, None):
-            shapes.setdefault(module, {})[kind.rsplit("_", 1)[-1]] = shape
-    predicted = {m["module"]: m for m in engine["modules"]}
-    assert set(predicted) == set(shapes)
-    for module, m in predicted.items():
-        assert dict(m["buffers"]) == shapes[module], module
-        assert m["bytes"] == allocated[module], module
-    assert engine["lora_bytes"] == run["pool"]["bytes"]
+    assert_sglang_pool(run, engine)
     assert engine["slot_bytes"] * JOBS[name][4]["max_loras_per_batch"] == run["pool"]["bytes"]
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import SGLANG_PYTHON
 from tests.support.cli_runner import metrale
-from tests.support.engine_cases import run_job
+from tests.support.engine_cases import assert_sglang_pool, run_job
 from tests.support.peft_factory import make_adapter, write_base_config
 
 RUNNER = Path(__file__).parent / "support" / "sglang_runner.py"
@@ -218,18 +218,7 @@ def _assert_pool(run: dict[str, Any], done: Any) -> None:
     assert run["started"], run.get("start_error")
     assert done.code == 0, done.stderr
     engine = done.json()["engine"]
-    shapes: dict[str, dict[str, list[int]]] = {}
-    allocated: dict[str, int] = {}
-    for kind, module, layer, shape, size in run["pool"]["buffers"]:
-        allocated[module] = allocated.get(module, 0) + size
-        if layer in (0, None):
-            shapes.setdefault(module, {})[kind.rsplit("_", 1)[-1]] = shape
-    predicted = {m["module"]: m for m in engine["modules"]}
-    assert set(predicted) == set(shapes)
-    for module, m in predicted.items():
-        assert dict(m["buffers"]) == shapes[module], module
-        assert m["bytes"] == allocated[module], module
-    assert engine["lora_bytes"] == run["pool"]["bytes"]
+    assert_sglang_pool(run, engine)
     assert engine["pool"] == {"max_lora_rank": run["max_lora_rank"],
                               "target_modules": run["target_modules"]}
 

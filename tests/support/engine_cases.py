@@ -302,3 +302,21 @@ def run_job(python: Path, runner: Path, out: Path, job: dict[str, Any], what: st
     if proc.returncode or not (out / "report.json").exists():
         pytest.fail(f"the {what} failed: {proc.stdout[-3000:]}")
     return json.loads((out / "report.json").read_text()), proc.stdout
+
+
+def assert_sglang_pool(run: dict[str, Any], engine: dict[str, Any]) -> None:
+    """metrale's SGLang record (`engine`, from `layout --engine sglang --json`) against the
+    buffers SGLang's own LoRAMemoryPool allocated in `run`: per module, layer 0's A and B
+    shapes and the bytes over every layer, and the total."""
+    shapes: dict[str, dict[str, list[int]]] = {}
+    allocated: dict[str, int] = {}
+    for kind, module, layer, shape, size in run["pool"]["buffers"]:
+        allocated[module] = allocated.get(module, 0) + size
+        if layer in (0, None):
+            shapes.setdefault(module, {})[kind.rsplit("_", 1)[-1]] = shape
+    predicted = {m["module"]: m for m in engine["modules"]}
+    assert set(predicted) == set(shapes)
+    for module, m in predicted.items():
+        assert dict(m["buffers"]) == shapes[module], module
+        assert m["bytes"] == allocated[module], module
+    assert engine["lora_bytes"] == run["pool"]["bytes"]
