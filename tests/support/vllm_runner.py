@@ -29,6 +29,7 @@ inside the engine's worker.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -104,7 +105,11 @@ def main(spec: dict[str, Any], out_path: str) -> int:
         if "claims" in spec and not claim(spec["claims"], n):
             continue
         # The engine's processes share this output: the line tells one job's log from the next.
-        print(JOB_LOG_MARK.format(n), flush=True)
+        # One write, from a line's start: the last job's engine may still be writing a line in
+        # pieces as it shuts down (a resource_tracker warning), which would otherwise run on
+        # into the mark and hide it (a runner's job missing from its log, seen once in CI).
+        sys.stdout.write("\n" + JOB_LOG_MARK.format(n) + "\n")
+        sys.stdout.flush()
         out["jobs"].append({"index": n, "adapters": [], "started": False})
         run_job(job, out["jobs"][-1], save)
     save()
