@@ -681,6 +681,29 @@ def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path], name: str,
     assert readers and set(readers) == {"MainThread"}
 
 
+def _two_threads_refuse_first(bad: Path, cfg: ModelConfig, begin: int, name: str,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pack the adapter at `bad` on two threads, the tensor at file offset `begin` read (or
+    converted) last, its thread held up while the other goes on to the last tensor: the
+    refusal names that tensor, `name`, with its 2 non-finite values, as one thread's does."""
+    report = audit(Adapter.load(bad), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    readers = two_threads(monkeypatch)
+    into = fill.TensorReader.into
+
+    def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
+        if start == begin:
+            time.sleep(0.05)  # the other thread reads or converts on, to the last tensor
+        return into(self, start, parts)
+
+    monkeypatch.setattr(fill.TensorReader, "into", first_read_last)
+    with pytest.raises(NonFiniteWeights) as refused:
+        LoraPool.load(layout, 1, [report])
+    assert str(refused.value) == (f"bad: tensor {name!r} has 2 non-finite values (NaN "
+                                  "or infinity) as BF16; refusing to pack it")
+    assert "metrale-fill" in readers
+
+
 def test_two_threads_refuse_the_first_non_finite_tensor_in_the_file(
         tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Non-finite values in two tensors, the first read last (its thread held up): the
@@ -696,22 +719,7 @@ def test_two_threads_refuse_the_first_non_finite_tensor_in_the_file(
             f.seek(info.begin)
             f.write(raw)
     cfg = ModelConfig.from_hf(tiny["model"])
-    report = audit(Adapter.load(bad), cfg)
-    layout = SlotLayout.build(cfg, report.module_set, 4)
-    readers = two_threads(monkeypatch)
-    into = fill.TensorReader.into
-
-    def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
-        if start == first.begin:
-            time.sleep(0.05)  # the other thread reads on, to the last tensor
-        return into(self, start, parts)
-
-    monkeypatch.setattr(fill.TensorReader, "into", first_read_last)
-    with pytest.raises(NonFiniteWeights) as refused:
-        LoraPool.load(layout, 1, [report])
-    assert str(refused.value) == (f"bad: tensor {first.name!r} has 2 non-finite values (NaN "
-                                  "or infinity) as BF16; refusing to pack it")
-    assert "metrale-fill" in readers
+    _two_threads_refuse_first(bad, cfg, first.begin, first.name, monkeypatch)
 
 
 def test_two_threads_refuse_the_first_non_finite_tensor_converted(
@@ -728,22 +736,7 @@ def test_two_threads_refuse_the_first_non_finite_tensor_converted(
         for info, values in ((first, [np.nan, np.inf]), (last, [np.nan])):
             f.seek(info.begin)
             f.write(np.array(values, "<f4").tobytes())
-    report = audit(Adapter.load(bad), cfg)
-    layout = SlotLayout.build(cfg, report.module_set, 4)
-    readers = two_threads(monkeypatch)
-    into = fill.TensorReader.into
-
-    def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
-        if start == first.begin:
-            time.sleep(0.05)  # the other thread converts on, to the last tensor
-        return into(self, start, parts)
-
-    monkeypatch.setattr(fill.TensorReader, "into", first_read_last)
-    with pytest.raises(NonFiniteWeights) as refused:
-        LoraPool.load(layout, 1, [report])
-    assert str(refused.value) == (f"bad: tensor {first.name!r} has 2 non-finite values (NaN "
-                                  "or infinity) as BF16; refusing to pack it")
-    assert "metrale-fill" in readers
+    _two_threads_refuse_first(bad, cfg, first.begin, first.name, monkeypatch)
 
 
 def test_two_threads_fail_a_file_cut_short_as_one_does(
