@@ -35,7 +35,10 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     assert f"({record['memcpy_gb_per_s']:.2f} GB/s)" in view and "2 x qwen3-8b r=8" in view
     # What the pack ran on: its second reader needs a usable core idle.
     assert 1 <= record["setup"]["cpus_usable"] <= record["setup"]["cpus"]
-    assert f"load average {record['setup']['load_average_1m']:.1f} " in view
+    assert f"load average {record['setup']['load_average_1m']:.1f}; " in view
+    # Each adapter's 7.6 MB stays below SHARED_BYTES: no fill asks for a second reader.
+    assert record["shared_fills"] == [0, 0]
+    assert "a second reader on 0 of 0 large fills" in view
 
 
 def test_kernel_line_shows_the_record() -> None:

@@ -629,7 +629,7 @@ def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
     monkeypatch.setattr(fill, "SHARED_BYTES", 0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(fill, "_runnable", lambda: 1)  # this thread alone: a core idle
+    monkeypatch.setattr(fill, "_load", lambda: (1, 1.0))  # this thread alone: a core idle
     readers: list[str] = []
     into = fill.TensorReader.into
 
@@ -654,7 +654,8 @@ def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path], name: str,
     layout = SlotLayout.build(cfg, report.module_set, 4)
     one, _ = LoraPool.load(layout, 1, [report])
     assert fill._threads(fill.SHARED_BYTES - 1) == 1
-    assert fill._runnable() >= 1  # this thread, at least
+    runnable, average = fill._load()
+    assert runnable >= 1 and average >= 0  # this thread, at least
     readers = two_threads(monkeypatch)
     into = fill.TensorReader.into
 
@@ -671,9 +672,14 @@ def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path], name: str,
     assert np.array_equal(pool.region.host_bytes(0), one.region.host_bytes(0))
     assert sum(told) == read == sum(m.a.nbytes + m.b.nbytes for m in report.modules)
     assert fill._threads(1 << 40) == 2
-    monkeypatch.setattr(fill, "_runnable", lambda: 2)  # another thread runs: no core idle
+    # Another thread runs at this moment, the last minute's average leaves a core idle (a
+    # kernel thread, or the last fill's helper exiting): two; busy by both: one.
+    monkeypatch.setattr(fill, "_load", lambda: (2, 1.2))
+    assert fill._threads(1 << 40) == 2
+    monkeypatch.setattr(fill, "_load", lambda: (2, 1.6))
     assert fill._threads(1 << 40) == 1
-    monkeypatch.setattr(fill, "_runnable", lambda: 1)
+    monkeypatch.setattr(fill, "_load", lambda: (1, 7.0))  # a load that has just ended
+    assert fill._threads(1 << 40) == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})  # one usable core
     assert fill._threads(1 << 40) == 1
     readers.clear()

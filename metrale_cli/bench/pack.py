@@ -25,7 +25,7 @@ from metrale_cli.layout.sharding import ShardSpec, rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
-from metrale_cli.pool.fill import fill_slot, usable_cores
+from metrale_cli.pool.fill import SHARED_FILLS, fill_slot, usable_cores
 from metrale_cli.pool.pool import LoraPool
 from metrale_cli.pool.region import Region
 
@@ -174,7 +174,9 @@ def run(
                          if experts else None)
 
         copy_rate = _copy_rate(tensor_bytes, repeats, device)
+        before = SHARED_FILLS.copy()
         pack_rate = _pack_rate(reports, layout, device, repeats, check_finite=True)
+        shared = SHARED_FILLS - before
         unchecked_rate = _pack_rate(reports, layout, device, repeats, check_finite=False)
         ranks = []
         for spec in tp.all_ranks() if tp is not None else []:
@@ -198,6 +200,8 @@ def run(
         "memcpy_gb_per_s": copy_rate / 1e9,
         "pack_gb_per_s": pack_rate / 1e9,
         "pack_vs_memcpy": pack_rate / copy_rate,
+        # The checked passes' host fills large enough to share their reads: on two threads, of all.
+        "shared_fills": [shared[2], shared[1] + shared[2]],
         "pack_unchecked_gb_per_s": unchecked_rate / 1e9,
         # > 1: how much longer the pack takes with the NaN/Inf check than without.
         "finite_check_cost": unchecked_rate / pack_rate,

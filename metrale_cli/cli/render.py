@@ -352,11 +352,14 @@ def bench_pack_view(record: dict[str, Any]) -> Text:
     setup = record["setup"]
     within = "within" if record["rss_within_pool_plus_256mib"] else "OVER"
     copy = "a pinned host-to-device copy" if setup["device"] == "cuda" else "numpy.copyto"
+    two, large = record["shared_fills"]
+    readers = (f"; a second reader on {two} of {large} large fills (only where a core is idle)"
+               if setup["device"] == "cpu" else "")
     text = Text(
         f"{setup['adapters']} x {setup['model']} r={setup['rank']} {setup['dtype']} adapters, "
         f"{human_bytes(record['tensor_bytes'])} of tensors, into {setup['device']} memory\n"
-        f"cores     {setup['cpus_usable']} usable, load average {setup['load_average_1m']:.1f} "
-        "(a second reader only if one is idle)\n"
+        f"cores     {setup['cpus_usable']} usable, load average {setup['load_average_1m']:.1f}"
+        f"{readers}\n"
         f"pack      {record['pack_gb_per_s']:.2f} GB/s = {100 * record['pack_vs_memcpy']:.0f}% "
         f"of {copy} ({record['memcpy_gb_per_s']:.2f} GB/s), same bytes, same run\n"
         f"NaN/Inf check: the pack takes {record['finite_check_cost']:.2f}x as long as "

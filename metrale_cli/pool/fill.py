@@ -42,6 +42,9 @@ B_CHUNK_BYTES = 32 << 20
 # Slot bytes of one fill's reads or conversions from which a second thread shares its chunks
 # (`_each`): below, the thread's start costs more than it saves; a small pack stays on one.
 SHARED_BYTES = 16 << 20
+# Of the fills large enough to share (`SHARED_BYTES`), how many ran on 1 and on 2 threads in
+# this process: `bench pack` reports whether its second reader ran.
+SHARED_FILLS: Counter[int] = Counter()
 Progress = Callable[[int], None]
 
 
@@ -271,14 +274,14 @@ def _read_runs(reader: RawReader, parts: list[Part], adapter: str, check_finite:
 
 def _threads(nbytes: int) -> int:
     """How many threads fill `nbytes` of a slot: two where they warrant a second thread, this
-    process may run on two cores (`usable_cores`) and one of them is idle now, else one. On a
-    busy machine a second thread only waits: for a core, and for the GIL behind the first
-    whenever the kernel preempts it holding it (`bench pack` under load 11: 0.47-0.53 of
+    process may run on two cores (`usable_cores`) and one of them is idle (`_core_idle`), else
+    one. On a busy machine a second thread only waits: for a core, and for the GIL behind the
+    first whenever the kernel preempts it holding it (`bench pack` under load 11: 0.47-0.53 of
     `numpy.copyto` in the median pass against 0.56-0.61 on one thread)."""
     if nbytes < SHARED_BYTES:
         return 1
     cores = usable_cores()
-    return 2 if cores >= 2 and _runnable() <= cores - 1 else 1
+    return 2 if cores >= 2 and _core_idle(cores) else 1
 
 
 def usable_cores() -> int:
@@ -288,14 +291,27 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _runnable() -> int:
-    """Threads runnable on the machine at this moment, this one included (the fourth field
-    of /proc/loadavg, `running/total`); where that is unknown, as many as if all were busy."""
+def _core_idle(cores: int) -> bool:
+    """Whether one of `cores` is idle for a second thread: the threads runnable at this moment
+    (this one included) leave one, or the last minute's load average does. The moment alone
+    misread an idle machine: a kernel thread runnable just then kept half the fills of `bench
+    pack` on one thread (24 of 48 on the idle VM: 0.64-0.66 of `numpy.copyto`); the average
+    alone lags a load that has just begun or ended."""
+    runnable, average = _load()
+    return runnable <= cores - 1 or average <= cores - 0.5
+
+
+def _load() -> tuple[int, float]:
+    """The threads runnable on the machine at this moment, this one included (the fourth field
+    of /proc/loadavg, `running/total`) and the one-minute load average (its first); where they
+    are unknown, as if every core were busy."""
     try:
         with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
+            fields = f.read().split()
+        return int(fields[3].split("/")[0]), float(fields[0])
     except (OSError, ValueError, IndexError):
-        return os.cpu_count() or 1
+        busy = os.cpu_count() or 1
+        return busy, float(busy)
 
 
 def _each(count: int, work: Callable[[int, int], int], nbytes: int,
@@ -337,8 +353,11 @@ def _each(count: int, work: Callable[[int, int], int], nbytes: int,
             if who == 0:
                 tell()
 
+    threads = _threads(nbytes)
+    if nbytes >= SHARED_BYTES:
+        SHARED_FILLS[threads] += 1
     helper = (threading.Thread(target=run, args=(1,), name="metrale-fill", daemon=True)
-              if _threads(nbytes) > 1 else None)
+              if threads > 1 else None)
     if helper is not None:
         helper.start()
     try:
