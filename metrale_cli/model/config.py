@@ -142,6 +142,43 @@ class ModelConfig:
     # weights' headers, or the weights (SHAPES_*).
     shapes_from: str = field(default="config", compare=False)
 
+    def __post_init__(self) -> None:
+        self._check_routed_experts()
+
+    def _check_routed_experts(self) -> None:
+        """A FormatError naming the config key where the routed experts are not a model
+        transformers can run (its modeling code, per family): a family that builds its MoE
+        layers' block whatever the count with none in it, experts 0 wide, a token routed to
+        more experts than there are, MoE layers every 0th layer. Here, so that a config read
+        from any file, a preset and a pool image's header meet the same rule (a config's top-k
+        of 0 is from_dict's: an image written without a top-k keeps 0)."""
+        family = self.weights_family or FAMILIES.get(self.model_type)
+        if family is None or not family.experts_key:
+            return
+        where = self.source or "config"
+        if not self.num_experts:
+            # gemma4's block is built only with its flag, which from_dict reads; nemotron_h's
+            # on the MoE blocks of its pattern.
+            builds = (LayerType.MOE in self.layer_types if family.block_types
+                      else not (family.experts_optional or family.moe_flag))
+            if builds:
+                raise FormatError(f"{where}: {family.experts_key!r} is 0 or missing: every "
+                                  f"{self.model_type} MoE layer routes each token to its "
+                                  "routed experts, and transformers builds that block with none")
+            return
+        width = family.expert_width
+        if getattr(self, width) <= 0:
+            raise FormatError(f"{where}: {width!r} is 0 or missing: it is one routed expert's "
+                              "FFN width, and experts 0 wide compute nothing")
+        if self.num_experts_per_tok > self.num_experts:
+            raise FormatError(f"{where}: {family.key_of('num_experts_per_tok')!r} is "
+                              f"{self.num_experts_per_tok}, more than the {self.num_experts} "
+                              "routed experts each token goes to that many of (transformers' "
+                              "top-k fails)")
+        if family.sparse_step and self.decoder_sparse_step <= 0:
+            raise FormatError(f"{where}: {family.key_of('decoder_sparse_step')!r} is 0: the MoE "
+                              "layers are every that many layers (transformers divides by it)")
+
     def layer_type(self, layer: int) -> LayerType:
         return self.layer_types[layer]
 
@@ -239,10 +276,14 @@ class ModelConfig:
 
     @property
     def expert_intermediate_size(self) -> int:
-        """One routed expert's FFN width (Mixtral's experts use `intermediate_size`)."""
+        """One routed expert's FFN width: the family's `expert_width` key (Mixtral's experts use
+        `intermediate_size`); for a family read from weights, whose experts are not read,
+        `moe_intermediate_size` where the config gives it."""
         if not self.num_experts:
             return 0
-        return self.moe_intermediate_size or self.intermediate_size
+        if not self.family.experts_key:
+            return self.moe_intermediate_size or self.intermediate_size
+        return int(getattr(self, self.family.expert_width))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is routed experts: every layer from `first_k_dense_replace` on
@@ -257,8 +298,7 @@ class ModelConfig:
             return False
         if not self.family.sparse_step:
             return True
-        step = self.decoder_sparse_step or 1
-        return layer not in self.mlp_only_layers and (layer + 1) % step == 0
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     @property
     def moe_layers(self) -> list[int]:
@@ -419,12 +459,23 @@ class ModelConfig:
                                   f"'num_attention_heads' {heads}")
         if known.moe_flag and not text.get(known.moe_flag):
             num_experts = 0  # the experts' sizes without the block that holds them
+        elif known.moe_flag and not num_experts:
+            raise FormatError(f"{source or 'config'}: {known.moe_flag!r} is set and "
+                              f"{known.experts_key!r} is 0 or missing: transformers builds each "
+                              "layer's routed-expert block with no experts in it")
+        if num_experts and known.expert_defaults:
+            text = {**dict(known.expert_defaults), **text}
+        per_token = known.key_of("num_experts_per_tok")
+        if num_experts and text.get(per_token) == 0:
+            # Absent, it is not known (0, as pool images written without it keep it).
+            raise FormatError(f"{source or 'config'}: {per_token!r} is 0: each token goes to "
+                              "no routed expert, which is no MoE")
         shared_kv = opt("num_kv_shared_layers")
         if shared_kv > layers:
             raise FormatError(f"{source or 'config'}: 'num_kv_shared_layers' {shared_kv} is more "
                               f"than the {layers} layers")
         only = text.get("mlp_only_layers") or []
-        step = opt("decoder_sparse_step", 1) or 1
+        step = opt("decoder_sparse_step", 1)  # 0 with experts: refused (__post_init__)
         moe = text.get("moe_layers")
         if known.sparse_step and isinstance(moe, list) and all(
                 isinstance(i, int) and not isinstance(i, bool) for i in moe):
