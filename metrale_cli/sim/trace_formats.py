@@ -100,9 +100,9 @@ def read_public_trace(path: Path, fmt: str, assign: Assign | None = None,
     with open(path, encoding="utf-8-sig", newline="") as f:
         lines = BoundedLines(path, f)
         for chunk in _chunks(path, fmt, lines):
-            columns.add(*chunk, blank=lines.blank, done=lines.chars)
+            columns.add(*chunk, blank=lines.blank, done=lines.done)
             if progress is not None:
-                progress(min(lines.chars, size), size)
+                progress(min(lines.done, size), size)
     workload = columns.workload()
     workload = _from_zero(workload)
     if assign is not None:
