@@ -294,6 +294,10 @@ def test_routed_experts_are_read_as_transformers_reads_them() -> None:
 
     assert read(_QWEN3_MOE, {}, ("moe_intermediate_size",)).expert_intermediate_size == 768
     assert read(_MIXTRAL, {}, ("num_local_experts",)).num_experts == 8
+    # A dense family's class never reads an expert count: its MLP is on every layer (a llama
+    # config with `num_local_experts` was planned with routed experts and no gate_proj).
+    llama = read("llama-3.1-8b.config.json", {"num_local_experts": 8, "num_experts_per_tok": 2})
+    assert llama.num_experts == 0 and LoraModule.GATE_PROJ.applies_to_layer(llama, 0)
     # 0 experts is a dense model where transformers builds them only with `num_experts > 0`.
     dense = read(_QWEN3_MOE, {"num_experts": 0})
     assert dense.num_experts == 0 and not dense.moe_layers

@@ -430,6 +430,8 @@ class ModelConfig:
         hidden = need("hidden_size")
         layers = need("num_hidden_layers")
         num_experts = opt("num_experts") or opt("num_local_experts") or opt("n_routed_experts")
+        if model_type in FAMILIES and not known.experts_key:
+            num_experts = 0  # a dense family's model class never reads the keys (transformers')
         if blocks is not None and LayerType.MOE not in blocks:
             num_experts = 0  # a config default, on no layer
         if layers * num_experts > MAX_LAYER_EXPERTS:
