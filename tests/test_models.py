@@ -298,6 +298,10 @@ def test_routed_experts_are_read_as_transformers_reads_them() -> None:
     # config with `num_local_experts` was planned with routed experts and no gate_proj).
     llama = read("llama-3.1-8b.config.json", {"num_local_experts": 8, "num_experts_per_tok": 2})
     assert llama.num_experts == 0 and LoraModule.GATE_PROJ.applies_to_layer(llama, 0)
+    # Nor does a family without shared experts read their keys (Qwen3-MoE has none; SGLang's
+    # plan of it gained a shared gate_up_proj from a stray n_shared_experts).
+    qwen = read(_QWEN3_MOE, {"n_shared_experts": 2, "shared_expert_intermediate_size": 64})
+    assert qwen.shared_experts_width == 0 and qwen.shared_expert_intermediate_size == 0
     # 0 experts is a dense model where transformers builds them only with `num_experts > 0`.
     dense = read(_QWEN3_MOE, {"num_experts": 0})
     assert dense.num_experts == 0 and not dense.moe_layers

@@ -487,7 +487,12 @@ class ModelConfig:
             isinstance(i, int) and not isinstance(i, bool) for i in only
         ):
             raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
-        shared_experts = opt("n_shared_experts") if num_experts else 0
+        def shared(key: str) -> int:
+            # A known family whose class has no such shared experts never reads the key.
+            return opt(key) if model_type not in FAMILIES or key == known.shared_experts_key \
+                else 0
+
+        shared_experts = shared("n_shared_experts") if num_experts else 0
         if shared_experts * opt("moe_intermediate_size") > MAX_WIDTH:
             # One MLP of their summed width: a width, bounded as every width is.
             raise FormatError(f"{source or 'config'}: 'n_shared_experts' {shared_experts} x "
@@ -510,7 +515,7 @@ class ModelConfig:
             num_experts=num_experts,
             num_experts_per_tok=opt("num_experts_per_tok"),
             moe_intermediate_size=opt("moe_intermediate_size"),
-            shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
+            shared_expert_intermediate_size=shared("shared_expert_intermediate_size"),
             n_shared_experts=shared_experts,
             linear_num_key_heads=opt("linear_num_key_heads"),
             linear_num_value_heads=opt("linear_num_value_heads"),

@@ -285,6 +285,10 @@ class Family:
     # transformers' defaults for keys that size the routed experts, on an `experts_optional`
     # family: applied only where the config gives experts, so a dense config reads as before.
     expert_defaults: tuple[tuple[str, int], ...] = ()
+    # The config key sizing the shared experts beside the routed ones, where the family has
+    # them: `shared_expert_intermediate_size` (one MLP that wide) or `n_shared_experts` (that
+    # many of `moe_intermediate_size`, one MLP); another family's class never reads either.
+    shared_experts_key: str = ""
 
     def key_of(self, name: str) -> str:
         """The config key a `ModelConfig` field is read from: the one `config_defaults` takes
@@ -319,9 +323,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            experts_key="num_local_experts", expert_width="intermediate_size",
            config_defaults=(("num_local_experts", 8), ("intermediate_size", 14336))),
     Family("qwen3_next", hybrid=True, sparse_step=True, experts_key="num_experts",
+           shared_experts_key="shared_expert_intermediate_size",
            experts_optional=True, expert_defaults=(("moe_intermediate_size", 512),)),
     Family("qwen3_5", hybrid=True),
     Family("qwen3_5_moe", hybrid=True, peft_rewrites_moe_targets=False, experts_key="num_experts",
+           shared_experts_key="shared_expert_intermediate_size",
            config_defaults=(("num_experts", 256), ("moe_intermediate_size", 512))),
     # Dense, llama-like layers (sliding-window layers carry the same modules). gemma3 is the
     # text model of Gemma 3 (gemma3_text) and of its vision-language wrapper (gemma3).
@@ -356,6 +362,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # 8-wide vector.
     Family("qwen2_moe", sparse_step=True, peft_rewrites_moe_targets=False,
            experts_key="num_experts", experts_optional=True,
+           shared_experts_key="shared_expert_intermediate_size",
            modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST,
                     *_shared("mlp.shared_expert", "shared_expert_intermediate_size")),
            config_defaults=(
@@ -366,7 +373,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            config_defaults=(("num_experts", 64), ("intermediate_size", 2048))),
     Family("glm4_moe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST,
                                 *_shared("mlp.shared_experts", "shared_experts_width")),
-           experts_key="n_routed_experts",
+           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
            config_defaults=(("n_routed_experts", 128), ("first_k_dense_replace", 1),
                             ("n_shared_experts", 1),
                             ("moe_intermediate_size", 1408), ("num_experts_per_tok", 8))),
@@ -384,11 +391,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # gate/up/down targets into expert LoRA here and adapts neither; an adapter made before the
     # rewrite (transformers 4) carries both.
     Family("deepseek_v2", modules=(*_MLA, *_shared("mlp.shared_experts", "shared_experts_width")),
-           experts_key="n_routed_experts",
+           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
            config_defaults=(*_MLA_DEFAULTS, ("n_routed_experts", 64),
                             ("moe_intermediate_size", 1407), ("n_shared_experts", 2))),
     Family("deepseek_v3", modules=(*_MLA, *_shared("mlp.shared_experts", "shared_experts_width")),
-           experts_key="n_routed_experts",
+           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
            config_defaults=(*_MLA_DEFAULTS, ("n_routed_experts", 256),
                             ("moe_intermediate_size", 2048), ("first_k_dense_replace", 3),
                             ("num_experts_per_tok", 8), ("n_shared_experts", 1))),
@@ -404,7 +411,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                            "shared_expert_intermediate_size",
                                            ("up_proj", "down_proj"))),
            experts_unreadable="are non-gated (up and down, no gate)",
-           experts_key="n_routed_experts",
+           experts_key="n_routed_experts", shared_experts_key="shared_expert_intermediate_size",
            config_defaults=(("hidden_size", 4096), ("num_attention_heads", 32),
                             ("num_key_value_heads", 8), ("head_dim", 128),
                             ("intermediate_size", 21504), ("n_routed_experts", 8),
@@ -446,6 +453,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            language_model="language_model.model",
            fused_experts_block="feed_forward", experts_peft_swapped=True, expert_router=False,
            experts_key="num_local_experts", expert_width="intermediate_size",
+           shared_experts_key="shared_expert_intermediate_size",
            config_defaults=(
                ("hidden_size", 5120), ("num_hidden_layers", 48), ("num_attention_heads", 40),
                ("num_key_value_heads", 8), ("head_dim", 128), ("intermediate_size", 8192),
