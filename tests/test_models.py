@@ -316,10 +316,17 @@ def test_routed_experts_are_read_as_transformers_reads_them() -> None:
                                 "n_routed_experts": 0}).num_experts == 0
 
 
-def test_an_image_header_with_experts_0_wide_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("field,value,says", [
+    ("moe_intermediate_size", 0, "'moe_intermediate_size' is 0 or missing"),
+    ("num_experts_per_tok", 5, "'num_experts_per_tok' is 5, more than the 4 routed experts"),
+    # The bounds a config file meets: a header claiming 10**12 experts was shown, exit 0.
+    ("num_experts", 10**12, "2 layers x 1000000000000 experts is above the 262,144"),
+])
+def test_an_image_header_whose_experts_are_no_model_is_refused(
+        tmp_path: Path, field: str, value: int, says: str) -> None:
     """The header reader meets the rule a config file does: its model summary is a config."""
     from metrale_cli.image.format import read_tables
-    from tests.support.image_edit import edit_metadata
+    from tests.support.image_edit import header_text, replace_header
 
     config = {"model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
@@ -333,9 +340,11 @@ def test_an_image_header_with_experts_0_wide_is_refused(tmp_path: Path) -> None:
                      "--max-rank", 2, "--device", "cpu", "--out", image)
     assert packed.code == 0, packed.stderr
     assert metrale("show", image).code == 0
+    header = json.loads(header_text(image))
     summary = json.loads(read_tables(image).header.metadata["metrale.model"])
-    edit_metadata(image, "metrale.model", json.dumps(summary | {"moe_intermediate_size": 0},
-                                                     separators=(",", ":")))
+    header["__metadata__"]["metrale.model"] = json.dumps(summary | {field: value})
+    replace_header(image, json.dumps(header).encode())
     result = metrale("show", image)
     one_line_error(result, 2)
-    assert "'moe_intermediate_size' is 0 or missing" in result.stderr
+    assert f"{image}: metadata does not describe a layout (" in result.stderr
+    assert says in result.stderr, result.stderr

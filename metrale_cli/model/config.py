@@ -149,13 +149,24 @@ class ModelConfig:
         """A FormatError naming the config key where the routed experts are not a model
         transformers can run (its modeling code, per family): a family that builds its MoE
         layers' block whatever the count with none in it, experts 0 wide, a token routed to
-        more experts than there are, MoE layers every 0th layer. Here, so that a config read
+        more experts than there are, MoE layers every 0th layer; and metrale's bounds on the
+        experts over all layers and on the shared experts' width. Here, so that a config read
         from any file, a preset and a pool image's header meet the same rule (a config's top-k
         of 0 is from_dict's: an image written without a top-k keeps 0)."""
+        where = self.source or "config"
+        if self.num_hidden_layers * self.num_experts > MAX_LAYER_EXPERTS:
+            raise FormatError(f"{where}: {self.num_hidden_layers} layers x {self.num_experts} "
+                              f"experts is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; "
+                              "not a real model's config")
+        if self.shared_experts_width > MAX_WIDTH:
+            # One MLP of their summed width: a width, bounded as every width is.
+            raise FormatError(f"{where}: 'n_shared_experts' {self.n_shared_experts} x "
+                              f"'moe_intermediate_size' {self.moe_intermediate_size} is above "
+                              f"the {MAX_WIDTH:,} that metrale accepts; not a real model's "
+                              "config")
         family = self.weights_family or FAMILIES.get(self.model_type)
         if family is None or not family.experts_key:
             return
-        where = self.source or "config"
         if not self.num_experts:
             # gemma4's block is built only with its flag, which from_dict reads; nemotron_h's
             # on the MoE blocks of its pattern.
@@ -434,10 +445,6 @@ class ModelConfig:
             num_experts = 0  # a dense family's model class never reads the keys (transformers')
         if blocks is not None and LayerType.MOE not in blocks:
             num_experts = 0  # a config default, on no layer
-        if layers * num_experts > MAX_LAYER_EXPERTS:
-            raise FormatError(f"{source or 'config'}: {layers} layers x {num_experts} experts "
-                              f"is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; not a "
-                              "real model's config")
         heads = need("num_attention_heads")
         # Absent (or null) means hidden_size / heads, as transformers derives it; 0 is no width.
         head_dim = given("head_dim") or hidden // heads
@@ -493,12 +500,6 @@ class ModelConfig:
                 else 0
 
         shared_experts = shared("n_shared_experts") if num_experts else 0
-        if shared_experts * opt("moe_intermediate_size") > MAX_WIDTH:
-            # One MLP of their summed width: a width, bounded as every width is.
-            raise FormatError(f"{source or 'config'}: 'n_shared_experts' {shared_experts} x "
-                              f"'moe_intermediate_size' {opt('moe_intermediate_size')} is above "
-                              f"the {MAX_WIDTH:,} that metrale accepts; not a real model's "
-                              "config")
         tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         gate = text.get("attn_output_gate")
         attn_gated = gate is not False if known.hybrid else bool(gate)
