@@ -474,11 +474,11 @@ class ModelConfig:
                               "layer's routed-expert block with no experts in it")
         if num_experts and known.expert_defaults:
             text = {**dict(known.expert_defaults), **text}
-        per_token = known.key_of("num_experts_per_tok")
-        if num_experts and text.get(per_token) == 0:
+        top_k = opt("num_experts_per_tok")
+        if num_experts and not top_k and text.get("num_experts_per_tok") is not None:
             # Absent, it is not known (0, as pool images written without it keep it).
-            raise FormatError(f"{source or 'config'}: {per_token!r} is 0: each token goes to "
-                              "no routed expert, which is no MoE")
+            raise FormatError(f"{source or 'config'}: {known.key_of('num_experts_per_tok')!r} "
+                              "is 0: each token goes to no routed expert, which is no MoE")
         shared_kv = opt("num_kv_shared_layers")
         if shared_kv > layers:
             raise FormatError(f"{source or 'config'}: 'num_kv_shared_layers' {shared_kv} is more "
@@ -496,8 +496,8 @@ class ModelConfig:
             raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
         def shared(key: str) -> int:
             # A known family whose class has no such shared experts never reads the key.
-            return opt(key) if model_type not in FAMILIES or key == known.shared_experts_key \
-                else 0
+            unread = model_type in FAMILIES and key != known.shared_experts_key
+            return 0 if unread else opt(key)
 
         shared_experts = shared("n_shared_experts") if num_experts else 0
         tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
@@ -514,7 +514,7 @@ class ModelConfig:
             layer_types=layer_types,
             attn_gated=attn_gated,
             num_experts=num_experts,
-            num_experts_per_tok=opt("num_experts_per_tok"),
+            num_experts_per_tok=top_k,
             moe_intermediate_size=opt("moe_intermediate_size"),
             shared_expert_intermediate_size=shared("shared_expert_intermediate_size"),
             n_shared_experts=shared_experts,
