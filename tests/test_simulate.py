@@ -511,6 +511,22 @@ def test_progress_goes_on_where_a_block_falls_back_to_the_line_reader(
 
 
 
+def test_progress_ends_at_the_size_past_blank_last_lines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JSON-lines file's last block of only blank lines holds no row and is no chunk: the
+    count stopped at the block before it, short of the file's size (found by a hypothesis
+    search over traces)."""
+    import metrale_cli.sim.workload as wl
+
+    monkeypatch.setattr(wl, "TRACE_CHUNK", 3)
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(f'{{"timestamp": {t}, "adapter": "a"}}\n' for t in range(9)) + "\n\n")
+    seen: list[int] = []
+    assert read_trace(p, progress=lambda done, _: seen.append(done)).requests == 9
+    assert seen[-1] == p.stat().st_size and seen == sorted(set(seen)), seen
+
+
+
 PLAIN_CSV_CASES = [
     b"timestamp,adapter,input_tokens\n0.5,a,3\n0.25,b,4\n1,a,5\n",
     b"\xef\xbb\xbftimestamp,adapter\r\n0,a\r\n1, b \r\n2,\r\n",  # BOM, CRLF, base model

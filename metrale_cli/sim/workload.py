@@ -179,19 +179,22 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
         for chunk, blank, done in (_plain_csv_chunks if is_csv else _plain_jsonl_chunks)(path):
             columns.add(*chunk, blank=blank, done=done)
             tell(done)
-        return columns.workload()
+        plain = True
     except _NotPlain:
-        pass  # quoted cells, bad bytes or a long line: the line reader below names them
-    columns = TraceColumns(path, size)
-    # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
-    # otherwise become part of the first column's name.
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        lines = BoundedLines(path, f)
-        chunks = _csv_chunks(path, lines) if is_csv else _jsonl_chunks(path, lines)
-        for chunk in chunks:
-            columns.add(*chunk, blank=lines.blank, done=lines.done)
-            tell(lines.done)
-    tell(size)  # a byte-order mark is read but not counted
+        plain = False  # quoted cells, bad bytes or a long line: the line reader below names them
+    if not plain:
+        columns = TraceColumns(path, size)
+        # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
+        # otherwise become part of the first column's name.
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            lines = BoundedLines(path, f)
+            chunks = _csv_chunks(path, lines) if is_csv else _jsonl_chunks(path, lines)
+            for chunk in chunks:
+                columns.add(*chunk, blank=lines.blank, done=lines.done)
+                tell(lines.done)
+    # The end: past blank last lines (no chunk of rows), or a byte-order mark the line reader
+    # reads but does not count.
+    tell(size)
     return columns.workload()
 
 
