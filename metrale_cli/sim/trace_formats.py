@@ -103,6 +103,8 @@ def read_public_trace(path: Path, fmt: str, assign: Assign | None = None,
             columns.add(*chunk, blank=lines.blank, done=lines.done)
             if progress is not None:
                 progress(min(lines.done, size), size)
+    if progress is not None and lines.done < size:
+        progress(size, size)  # a byte-order mark is read but not counted
     workload = columns.workload()
     workload = _from_zero(workload)
     if assign is not None:
