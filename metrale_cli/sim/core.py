@@ -363,15 +363,16 @@ def _set_window(tops: Any, g: int, room: int, lag: Any, bits: Any, above: Any, h
         count += hist[b]
         b -= 1
     lo[g] = -np.inf if b == 0 else np.array([(b + base) << BUCKET_SHIFT]).view(np.float64)[0]
-    above_hi[g] = n_members[g] = 0
+    top, bottom, over, inside = hi[g], lo[g], 0, 0  # in locals: the stores could alias them
     for i in range(size):
         j = queued[i]
         v = lag[j]
-        if v > hi[g]:
-            above_hi[g] += 1
-        elif v >= lo[g]:
-            members[g, n_members[g]] = j
-            n_members[g] += 1
+        if v > top:
+            over += 1
+        elif v >= bottom:
+            members[g, inside] = j
+            inside += 1
+    above_hi[g], n_members[g] = over, inside
 
 
 @njit(cache=True)
@@ -393,20 +394,21 @@ def _largest(tops: Any, g: int, lag: Any, bits: Any, above: Any, hi: Any, lo: An
     5-8% more, 1/8 about as much)."""
     out = np.empty(tops.size)
     for attempt in range(2):
+        top, bottom = hi[g], max(lo[g], 0.0)  # in locals: the stores below could alias them
         count = above_hi[g]
         for v in above:
-            count += v > hi[g]
-        size = kept = 0
+            count += v > top
+        size = 0
         for i in range(n_members[g]):
             j = members[g, i]
-            if lag[j] > 0 and lag[j] >= lo[g]:
-                members[g, kept] = j
-                values[size] = lag[j]
-                kept += 1
+            v = lag[j]
+            if v > 0 and v >= bottom:
+                members[g, size] = j
+                values[size] = v
                 size += 1
-        n_members[g] = kept
+        n_members[g] = size
         for v in above:
-            if lo[g] <= v <= hi[g]:
+            if bottom <= v <= top:
                 values[size] = v
                 size += 1
         if (count <= tops[0] and tops[-1] < count + size) or attempt:
