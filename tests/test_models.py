@@ -207,3 +207,144 @@ def test_a_null_head_dim_is_derived(tmp_path: Path) -> None:
     result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8,
                      "--json")
     assert result.code == 0, result.stderr
+
+
+# -- routed experts: what transformers builds, per family ----------------------------------------
+
+_MIXTRAL = "mixtral-8x7b-v0.1.config.json"
+_QWEN3_MOE = "qwen3-30b-a3b.config.json"
+_DEEPSEEK = "deepseek-v2-lite.config.json"
+_GPT_OSS = "gpt-oss-20b.config.json"
+_QWEN35_MOE = "qwen3.5-35b-a3b.config.json"
+_GEMMA4_MOE = {"model_type": "gemma4_text", "hidden_size": 32, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+               "intermediate_size": 48, "layer_types": ["sliding_attention", "full_attention"],
+               "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+               "moe_intermediate_size": 8}
+_NEMOTRON_MOE = {"model_type": "nemotron_h", "hidden_size": 32, "num_attention_heads": 2,
+                 "num_key_value_heads": 1, "head_dim": 16, "hybrid_override_pattern": "M*E-"}
+
+
+def _config(base: str | dict[str, object], edit: dict[str, object]) -> dict[str, object]:
+    """A reference config (by file name) or a dict, `edit` merged into its text config."""
+    config = json.loads((REFERENCE / base).read_text()) if isinstance(base, str) else dict(base)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = {**config["text_config"], **edit}
+        return config
+    return {**config, **edit}
+
+
+@pytest.mark.parametrize("base,edit,says", [
+    # The repro: experts 0 wide were planned at intermediate_size, a top-k of 0 routed nothing.
+    (_QWEN3_MOE, {"moe_intermediate_size": 0}, "'moe_intermediate_size' is 0 or missing"),
+    (_QWEN3_MOE, {"moe_intermediate_size": None}, "'moe_intermediate_size' is 0 or missing"),
+    (_QWEN3_MOE, {"num_experts_per_tok": 0}, "'num_experts_per_tok' is 0: each token goes to "
+                                             "no routed expert"),
+    (_QWEN3_MOE, {"num_experts_per_tok": 129}, "'num_experts_per_tok' is 129, more than the "
+                                               "128 routed experts"),
+    (_QWEN3_MOE, {"decoder_sparse_step": 0}, "'decoder_sparse_step' is 0"),
+    # Families whose MoE block transformers builds whatever the count: 0 experts is no model
+    # (it was planned as a dense one, with a dense MLP these models do not have).
+    (_MIXTRAL, {"num_local_experts": 0}, "'num_local_experts' is 0 or missing: every mixtral"),
+    (_MIXTRAL, {"intermediate_size": 0}, "'intermediate_size' is 0 or missing: it is one "
+                                         "routed expert's FFN width"),
+    (_GPT_OSS, {"num_local_experts": 0}, "'num_local_experts' is 0 or missing"),
+    (_QWEN35_MOE, {"num_experts": 0}, "'num_experts' is 0 or missing: every qwen3_5_moe"),
+    (_DEEPSEEK, {"n_routed_experts": 0}, "'n_routed_experts' is 0 or missing"),
+    (_DEEPSEEK, {"moe_intermediate_size": 0}, "'moe_intermediate_size' is 0 or missing"),
+    (_NEMOTRON_MOE, {"n_routed_experts": 0}, "'n_routed_experts' is 0 or missing: every "
+                                              "nemotron_h MoE layer"),
+    (_GEMMA4_MOE, {"num_experts": 0}, "'enable_moe_block' is set and 'num_experts' is 0"),
+    (_GEMMA4_MOE, {"top_k_experts": 0}, "'top_k_experts' is 0"),
+    (_GEMMA4_MOE, {"moe_intermediate_size": None}, "'moe_intermediate_size' is 0 or missing"),
+])
+def test_routed_experts_transformers_cannot_build_are_refused(
+        tmp_path: Path, base: str | dict[str, object], edit: dict[str, object], says: str) -> None:
+    """A config whose routed experts are not a model (transformers builds experts 0 wide, a
+    block of no experts, a top-k of none or of more than there are) was planned with exit 0:
+    now one line naming the key and the file, exit 2, on every command that reads it."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for root, config in ((good, _config(base, {})), (bad, _config(base, edit))):
+        root.mkdir()
+        (root / "config.json").write_text(json.dumps(config))
+    adapter = tmp_path / "a"
+    assert metrale("synth", adapter, "--model", good, "--modules", "q_proj", "--rank", 1).code == 0
+    file = bad / "config.json"
+    for args in (("layout", "--model", bad, "--modules", "q_proj", "--max-rank", 8),
+                 ("inspect", adapter, "--model", bad),
+                 ("pack", adapter, "--model", bad, "--max-loras", 1, "--device", "cpu",
+                  "--out", tmp_path / "pool.safetensors"),
+                 ("simulate", "--model", bad, "--modules", "q_proj", "--max-rank", 8,
+                  "--requests", 10, "--adapters", 2, "--max-loras", 2)):
+        result = metrale(*args)
+        one_line_error(result, 2)
+        assert f"{file}: {says}" in result.stderr, (args, result.stderr)
+
+
+def test_routed_experts_are_read_as_transformers_reads_them() -> None:
+    """Absent keys are transformers' defaults (an expert's width was the dense MLP's, an
+    absent count a dense model of a family that has no dense MLP); a 0 that means none where a
+    family (or an engine) documents it stays accepted."""
+    def read(base: str | dict[str, object], edit: dict[str, object],
+             drop: tuple[str, ...] = ()) -> ModelConfig:
+        config = _config(base, edit)
+        for key in drop:
+            config.pop(key)
+        return ModelConfig.from_dict(config, source="config.json")
+
+    assert read(_QWEN3_MOE, {}, ("moe_intermediate_size",)).expert_intermediate_size == 768
+    assert read(_MIXTRAL, {}, ("num_local_experts",)).num_experts == 8
+    # A dense family's class never reads an expert count: its MLP is on every layer (a llama
+    # config with `num_local_experts` was planned with routed experts and no gate_proj).
+    llama = read("llama-3.1-8b.config.json", {"num_local_experts": 8, "num_experts_per_tok": 2})
+    assert llama.num_experts == 0 and LoraModule.GATE_PROJ.applies_to_layer(llama, 0)
+    # Nor does a family without shared experts read their keys (Qwen3-MoE has none; SGLang's
+    # plan of it gained a shared gate_up_proj from a stray n_shared_experts).
+    qwen = read(_QWEN3_MOE, {"n_shared_experts": 2, "shared_expert_intermediate_size": 64})
+    assert qwen.shared_experts_width == 0 and qwen.shared_expert_intermediate_size == 0
+    # 0 experts is a dense model where transformers builds them only with `num_experts > 0`.
+    dense = read(_QWEN3_MOE, {"num_experts": 0})
+    assert dense.num_experts == 0 and not dense.moe_layers
+    # No shared experts (SGLang's `n_shared_experts > 0`): the routed ones alone.
+    unshared = read(_DEEPSEEK, {"n_shared_experts": 0})
+    assert unshared.num_experts == 64 and unshared.shared_experts_width == 0
+    # A top-k a config leaves out is not known (0), not refused.
+    assert read(_DEEPSEEK, {}, ("num_experts_per_tok",)).num_experts_per_tok == 0
+    # gemma4's experts only with its flag; nemotron_h's only on its MoE blocks.
+    assert read(_GEMMA4_MOE, {"enable_moe_block": False, "num_experts": 0}).num_experts == 0
+    assert read(_NEMOTRON_MOE, {"hybrid_override_pattern": "M*-",
+                                "n_routed_experts": 0}).num_experts == 0
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("moe_intermediate_size", 0, "'moe_intermediate_size' is 0 or missing"),
+    ("num_experts_per_tok", 5, "'num_experts_per_tok' is 5, more than the 4 routed experts"),
+    # The bounds a config file meets: a header claiming 10**12 experts was shown, exit 0.
+    ("num_experts", 10**12, "2 layers x 1000000000000 experts is above the 262,144"),
+])
+def test_an_image_header_whose_experts_are_no_model_is_refused(
+        tmp_path: Path, field: str, value: int, says: str) -> None:
+    """The header reader meets the rule a config file does: its model summary is a config."""
+    from metrale_cli.image.format import read_tables
+    from tests.support.image_edit import header_text, replace_header
+
+    config = {"model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+              "intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert metrale("synth", tmp_path / "a", "--model", tmp_path, "--modules", "q_proj",
+                   "--rank", 2).code == 0
+    image = tmp_path / "pool.safetensors"
+    packed = metrale("pack", tmp_path / "a", "--model", tmp_path, "--max-loras", 2,
+                     "--max-rank", 2, "--device", "cpu", "--out", image)
+    assert packed.code == 0, packed.stderr
+    assert metrale("show", image).code == 0
+    header = json.loads(header_text(image))
+    summary = json.loads(read_tables(image).header.metadata["metrale.model"])
+    header["__metadata__"]["metrale.model"] = json.dumps(summary | {field: value})
+    replace_header(image, json.dumps(header).encode())
+    result = metrale("show", image)
+    one_line_error(result, 2)
+    assert f"{image}: metadata does not describe a layout (" in result.stderr
+    assert says in result.stderr, result.stderr

@@ -521,7 +521,7 @@ def test_a_tp_the_model_cannot_take_is_refused(args: tuple[object, ...], message
      r"expert intermediate size \(770\) does not split over MoE TP \(tp / ep\) 4"),
     (dataclasses.replace(MOE, num_experts=100), ShardSpec(8, 0, 8),
      r"routed experts \(100\) do not split over --ep 8"),
-    (dataclasses.replace(MOE, num_experts=2), ShardSpec(4),
+    (dataclasses.replace(MOE, num_experts=2, num_experts_per_tok=2), ShardSpec(4),
      r"--tp 4 is above the 2 routed experts"),
     (dataclasses.replace(MOE, intermediate_size=6145, mlp_only_layers=(0,)), ShardSpec(4),
      r"MLP intermediate size \(6145\) does not split over --tp 4"),

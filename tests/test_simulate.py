@@ -480,6 +480,53 @@ def test_a_trace_is_read_in_chunks_into_columns(tmp_path: Path,
         read_trace(p)
 
 
+@pytest.mark.parametrize("suffix,row,odd", [
+    # A lone carriage return ends a JSON line for the line reader, not for the block scan.
+    (".jsonl", '{{"timestamp": {t}, "adapter": "é{t}"}}\n',
+     '{{"timestamp": {t}, "adapter": "é"}}\r'),
+    # A quoted cell: csv's reader reads it, the plain-CSV blocks do not.
+    (".csv", "{t},é{t}\n", '{t},"é"\n'),
+])
+def test_progress_goes_on_where_a_block_falls_back_to_the_line_reader(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, row: str,
+        odd: str) -> None:
+    """The block readers leave a file to the line reader at its first block they cannot
+    read, which reads it again from the start: the count told to the progress bar started
+    again from 0 (a bar at 67% went back to 0%), and ended short of the file's size where the
+    line reader counted characters of a non-ASCII trace, or a byte-order mark. Now it never
+    goes back, and ends at the size."""
+    import metrale_cli.sim.workload as wl
+
+    monkeypatch.setattr(wl, "TRACE_CHUNK", 3)
+    p = tmp_path / f"t{suffix}"
+    lines = [(odd if t == 7 else row).format(t=t) for t in range(10)]
+    header = "timestamp,adapter\n" if suffix == ".csv" else ""
+    p.write_text("\ufeff" + header + "".join(lines), encoding="utf-8")
+    seen: list[tuple[int, int]] = []
+    assert read_trace(p, progress=lambda done, total: seen.append((done, total))).requests == 10
+    size = p.stat().st_size
+    counts = [done for done, _ in seen]
+    assert len(seen) > 3 and counts == sorted(set(counts)), seen  # on, never back
+    assert {total for _, total in seen} == {size} and counts[-1] == size
+
+
+
+def test_progress_ends_at_the_size_past_blank_last_lines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JSON-lines file's last block of only blank lines holds no row and is no chunk: the
+    count stopped at the block before it, short of the file's size (found by a hypothesis
+    search over traces)."""
+    import metrale_cli.sim.workload as wl
+
+    monkeypatch.setattr(wl, "TRACE_CHUNK", 3)
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(f'{{"timestamp": {t}, "adapter": "a"}}\n' for t in range(9)) + "\n\n")
+    seen: list[int] = []
+    assert read_trace(p, progress=lambda done, _: seen.append(done)).requests == 9
+    assert seen[-1] == p.stat().st_size and seen == sorted(set(seen)), seen
+
+
+
 PLAIN_CSV_CASES = [
     b"timestamp,adapter,input_tokens\n0.5,a,3\n0.25,b,4\n1,a,5\n",
     b"\xef\xbb\xbftimestamp,adapter\r\n0,a\r\n1, b \r\n2,\r\n",  # BOM, CRLF, base model

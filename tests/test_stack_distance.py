@@ -161,3 +161,32 @@ def test_the_sweep_is_a_replay_on_overloaded_links(seed: int, links: int, pin_co
     # Loads queued at every size, half a load time each on average at the smallest.
     assert swept[0].delayed_hits and swept[0].link_wait_s > swept[0].swap_s / 2
     assert waited == len(sizes)
+
+
+@pytest.mark.parametrize(("seed", "links", "pin_count"), [(0, 1, 0), (1, 2, 1), (2, 1, 0)])
+def test_the_sweep_reads_queued_medians_as_a_replay_does(seed: int, links: int,
+                                                         pin_count: int) -> None:
+    """Where the median itself is a load's wait for the link (more than half the requests
+    queued), its window is read at many sizes in a row while the waits fall under it: 4,000
+    requests, half spread over 400 adapters, asked for 2.5 times as fast as the links load
+    them; 50 sizes, the p50 and p99 at each against a replay at that size."""
+    rng = np.random.default_rng(seed)
+    n = 4000
+    refs = np.where(rng.random(n) < 0.5, np.minimum(rng.zipf(1.5, n) - 1, 399),
+                    rng.integers(0, 400, n))
+    refs[rng.random(n) < 0.03] = -1  # base requests: no adapter
+    w = paging(refs.tolist(), np.cumsum(rng.exponential(0.0004 / links, n)).tolist())
+    pinned = [f"a{i}" for i in sorted({int(r) for r in refs if r >= 0})[:pin_count]]
+    rp = Replay(w, np.zeros(n), dataclasses.replace(COST, links=links), pinned)
+    sizes = sorted(rng.choice(np.arange(pin_count + 1, 300), 50, replace=False).tolist())
+    swept = rp.lru_sweep(sizes)
+    queued = {"added_latency_p50_s": 0, "added_latency_p99_s": 0}
+    for size, s in zip(sizes, swept, strict=True):
+        r = rp.run("lru", size, detail=False)
+        assert (s.hits, s.delayed_hits, s.misses) == (r.hits, r.delayed_hits, r.misses), size
+        for f in ("link_wait_s", "added_latency_p50_s", "added_latency_p99_s",
+                  "ttft_adapter_p50_s", "ttft_adapter_p99_s"):
+            assert getattr(s, f) == pytest.approx(getattr(r, f), rel=1e-9, abs=1e-12), (f, size)
+        for f in queued:
+            queued[f] += getattr(r, f) > r.swap_s / r.misses  # above one load time: queued
+    assert queued["added_latency_p50_s"] >= 15 and queued["added_latency_p99_s"] == len(sizes)

@@ -175,3 +175,17 @@ def test_azure_functions_starts_before_the_zero_are_shifted_not_clipped(tmp_path
     assert [w.adapters[a] for a in w.adapter] == ["a/f", "a/g"]
     np.testing.assert_allclose(w.arrival, [0.0, 6.0])
     np.testing.assert_allclose(w.arrival + w.duration, [5.0, 7.0])
+
+
+def test_progress_ends_at_the_size_of_a_trace_with_a_byte_order_mark(tmp_path: Path) -> None:
+    """The line reader counts what it decodes: a spreadsheet's byte-order mark is not, and
+    neither were the extra bytes of a non-ASCII name, so the count ended short of the size."""
+    p = tmp_path / "f.csv"
+    p.write_text("\ufeffapp,func,end_timestamp,duration\nä,f,2.0,1.5\nä,g,3.0,0.5\n",
+                 encoding="utf-8")
+    seen: list[tuple[int, int]] = []
+    w = read_public_trace(p, "azure-functions", progress=lambda done, total: seen.append(
+        (done, total)))
+    size = p.stat().st_size
+    assert w.requests == 2 and seen[-1] == (size, size)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)

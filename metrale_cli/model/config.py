@@ -142,6 +142,54 @@ class ModelConfig:
     # weights' headers, or the weights (SHAPES_*).
     shapes_from: str = field(default="config", compare=False)
 
+    def __post_init__(self) -> None:
+        self._check_routed_experts()
+
+    def _check_routed_experts(self) -> None:
+        """A FormatError naming the config key where the routed experts are not a model
+        transformers can run (its modeling code, per family): a family that builds its MoE
+        layers' block whatever the count with none in it, experts 0 wide, a token routed to
+        more experts than there are, MoE layers every 0th layer; and metrale's bounds on the
+        experts over all layers and on the shared experts' width. Here, so that a config read
+        from any file, a preset and a pool image's header meet the same rule (a config's top-k
+        of 0 is from_dict's: an image written without a top-k keeps 0)."""
+        where = self.source or "config"
+        if self.num_hidden_layers * self.num_experts > MAX_LAYER_EXPERTS:
+            raise FormatError(f"{where}: {self.num_hidden_layers} layers x {self.num_experts} "
+                              f"experts is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; "
+                              "not a real model's config")
+        if self.shared_experts_width > MAX_WIDTH:
+            # One MLP of their summed width: a width, bounded as every width is.
+            raise FormatError(f"{where}: 'n_shared_experts' {self.n_shared_experts} x "
+                              f"'moe_intermediate_size' {self.moe_intermediate_size} is above "
+                              f"the {MAX_WIDTH:,} that metrale accepts; not a real model's "
+                              "config")
+        family = self.weights_family or FAMILIES.get(self.model_type)
+        if family is None or not family.experts_key:
+            return
+        if not self.num_experts:
+            # gemma4's block is built only with its flag, which from_dict reads; nemotron_h's
+            # on the MoE blocks of its pattern.
+            builds = (LayerType.MOE in self.layer_types if family.block_types
+                      else not (family.experts_optional or family.moe_flag))
+            if builds:
+                raise FormatError(f"{where}: {family.experts_key!r} is 0 or missing: every "
+                                  f"{self.model_type} MoE layer routes each token to its "
+                                  "routed experts, and transformers builds that block with none")
+            return
+        width = family.expert_width
+        if getattr(self, width) <= 0:
+            raise FormatError(f"{where}: {width!r} is 0 or missing: it is one routed expert's "
+                              "FFN width, and experts 0 wide compute nothing")
+        if self.num_experts_per_tok > self.num_experts:
+            raise FormatError(f"{where}: {family.key_of('num_experts_per_tok')!r} is "
+                              f"{self.num_experts_per_tok}, more than the {self.num_experts} "
+                              "routed experts each token goes to that many of (transformers' "
+                              "top-k fails)")
+        if family.sparse_step and self.decoder_sparse_step <= 0:
+            raise FormatError(f"{where}: {family.key_of('decoder_sparse_step')!r} is 0: the MoE "
+                              "layers are every that many layers (transformers divides by it)")
+
     def layer_type(self, layer: int) -> LayerType:
         return self.layer_types[layer]
 
@@ -239,10 +287,14 @@ class ModelConfig:
 
     @property
     def expert_intermediate_size(self) -> int:
-        """One routed expert's FFN width (Mixtral's experts use `intermediate_size`)."""
+        """One routed expert's FFN width: the family's `expert_width` key (Mixtral's experts use
+        `intermediate_size`); for a family read from weights, whose experts are not read,
+        `moe_intermediate_size` where the config gives it."""
         if not self.num_experts:
             return 0
-        return self.moe_intermediate_size or self.intermediate_size
+        if not self.family.experts_key:
+            return self.moe_intermediate_size or self.intermediate_size
+        return int(getattr(self, self.family.expert_width))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is routed experts: every layer from `first_k_dense_replace` on
@@ -257,8 +309,7 @@ class ModelConfig:
             return False
         if not self.family.sparse_step:
             return True
-        step = self.decoder_sparse_step or 1
-        return layer not in self.mlp_only_layers and (layer + 1) % step == 0
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     @property
     def moe_layers(self) -> list[int]:
@@ -390,12 +441,10 @@ class ModelConfig:
         hidden = need("hidden_size")
         layers = need("num_hidden_layers")
         num_experts = opt("num_experts") or opt("num_local_experts") or opt("n_routed_experts")
+        if model_type in FAMILIES and not known.experts_key:
+            num_experts = 0  # a dense family's model class never reads the keys (transformers')
         if blocks is not None and LayerType.MOE not in blocks:
             num_experts = 0  # a config default, on no layer
-        if layers * num_experts > MAX_LAYER_EXPERTS:
-            raise FormatError(f"{source or 'config'}: {layers} layers x {num_experts} experts "
-                              f"is above the {MAX_LAYER_EXPERTS:,} that metrale accepts; not a "
-                              "real model's config")
         heads = need("num_attention_heads")
         # Absent (or null) means hidden_size / heads, as transformers derives it; 0 is no width.
         head_dim = given("head_dim") or hidden // heads
@@ -419,12 +468,23 @@ class ModelConfig:
                                   f"'num_attention_heads' {heads}")
         if known.moe_flag and not text.get(known.moe_flag):
             num_experts = 0  # the experts' sizes without the block that holds them
+        elif known.moe_flag and not num_experts:
+            raise FormatError(f"{source or 'config'}: {known.moe_flag!r} is set and "
+                              f"{known.experts_key!r} is 0 or missing: transformers builds each "
+                              "layer's routed-expert block with no experts in it")
+        if num_experts and known.expert_defaults:
+            text = {**dict(known.expert_defaults), **text}
+        top_k = opt("num_experts_per_tok")
+        if num_experts and not top_k and text.get("num_experts_per_tok") is not None:
+            # Absent, it is not known (0, as pool images written without it keep it).
+            raise FormatError(f"{source or 'config'}: {known.key_of('num_experts_per_tok')!r} "
+                              "is 0: each token goes to no routed expert, which is no MoE")
         shared_kv = opt("num_kv_shared_layers")
         if shared_kv > layers:
             raise FormatError(f"{source or 'config'}: 'num_kv_shared_layers' {shared_kv} is more "
                               f"than the {layers} layers")
         only = text.get("mlp_only_layers") or []
-        step = opt("decoder_sparse_step", 1) or 1
+        step = opt("decoder_sparse_step", 1)  # 0 with experts: refused (__post_init__)
         moe = text.get("moe_layers")
         if known.sparse_step and isinstance(moe, list) and all(
                 isinstance(i, int) and not isinstance(i, bool) for i in moe):
@@ -434,13 +494,12 @@ class ModelConfig:
             isinstance(i, int) and not isinstance(i, bool) for i in only
         ):
             raise FormatError(f"{source or 'config'}: 'mlp_only_layers' must be a list of ints")
-        shared_experts = opt("n_shared_experts") if num_experts else 0
-        if shared_experts * opt("moe_intermediate_size") > MAX_WIDTH:
-            # One MLP of their summed width: a width, bounded as every width is.
-            raise FormatError(f"{source or 'config'}: 'n_shared_experts' {shared_experts} x "
-                              f"'moe_intermediate_size' {opt('moe_intermediate_size')} is above "
-                              f"the {MAX_WIDTH:,} that metrale accepts; not a real model's "
-                              "config")
+        def shared(key: str) -> int:
+            # A known family whose class has no such shared experts never reads the key.
+            unread = model_type in FAMILIES and key != known.shared_experts_key
+            return 0 if unread else opt(key)
+
+        shared_experts = shared("n_shared_experts") if num_experts else 0
         tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         gate = text.get("attn_output_gate")
         attn_gated = gate is not False if known.hybrid else bool(gate)
@@ -455,9 +514,9 @@ class ModelConfig:
             layer_types=layer_types,
             attn_gated=attn_gated,
             num_experts=num_experts,
-            num_experts_per_tok=opt("num_experts_per_tok"),
+            num_experts_per_tok=top_k,
             moe_intermediate_size=opt("moe_intermediate_size"),
-            shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
+            shared_expert_intermediate_size=shared("shared_expert_intermediate_size"),
             n_shared_experts=shared_experts,
             linear_num_key_heads=opt("linear_num_key_heads"),
             linear_num_value_heads=opt("linear_num_value_heads"),

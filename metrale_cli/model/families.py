@@ -272,6 +272,29 @@ class Family:
     # A config key that must be true for the routed experts to exist, their sizes given or not
     # (gemma4's enable_moe_block).
     moe_flag: str = ""
+    # Routed experts (transformers' modeling code): the config key counting them, "" for a
+    # family without any (and for one read from weights: its experts are not read); the key
+    # giving one expert's FFN width, `intermediate_size` where the experts are as wide as a
+    # dense MLP (mixtral, olmoe, gpt_oss, granitemoe, phimoe, llama4). A count of 0 is a dense
+    # model where transformers builds the experts only with `num_experts > 0`
+    # (`experts_optional`: qwen2_moe, qwen3_moe, qwen3_next); elsewhere it builds every MoE
+    # layer's block whatever the count, and a block of no experts routes a token nowhere.
+    experts_key: str = ""
+    expert_width: str = "moe_intermediate_size"
+    experts_optional: bool = False
+    # transformers' defaults for keys that size the routed experts, on an `experts_optional`
+    # family: applied only where the config gives experts, so a dense config reads as before.
+    expert_defaults: tuple[tuple[str, int], ...] = ()
+    # The config key sizing the shared experts beside the routed ones, where the family has
+    # them: `shared_expert_intermediate_size` (one MLP that wide) or `n_shared_experts` (that
+    # many of `moe_intermediate_size`, one MLP); another family's class never reads either.
+    shared_experts_key: str = ""
+
+    def key_of(self, name: str) -> str:
+        """The config key a `ModelConfig` field is read from: the one `config_defaults` takes
+        it from where it names one (gemma4's `top_k_experts`), else its own."""
+        alias = dict(self.config_defaults).get(name)
+        return alias if isinstance(alias, str) else name
 
 
 _Q_V = ("q_proj", "v_proj")
@@ -293,12 +316,19 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", peft_default_targets=_Q_V),
     Family("qwen2", peft_default_targets=_Q_V),
     Family("qwen3", peft_default_targets=_Q_V),
-    Family("qwen3_moe", sparse_step=True),
+    Family("qwen3_moe", sparse_step=True, experts_key="num_experts", experts_optional=True,
+           expert_defaults=(("moe_intermediate_size", 768),)),
     Family("mixtral", peft_default_targets=_Q_V, moe_block="block_sparse_moe",
-           expert_leaves=(("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))),
-    Family("qwen3_next", hybrid=True, sparse_step=True),
+           expert_leaves=(("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")),
+           experts_key="num_local_experts", expert_width="intermediate_size",
+           config_defaults=(("num_local_experts", 8), ("intermediate_size", 14336))),
+    Family("qwen3_next", hybrid=True, sparse_step=True, experts_key="num_experts",
+           shared_experts_key="shared_expert_intermediate_size",
+           experts_optional=True, expert_defaults=(("moe_intermediate_size", 512),)),
     Family("qwen3_5", hybrid=True),
-    Family("qwen3_5_moe", hybrid=True, peft_rewrites_moe_targets=False),
+    Family("qwen3_5_moe", hybrid=True, peft_rewrites_moe_targets=False, experts_key="num_experts",
+           shared_experts_key="shared_expert_intermediate_size",
+           config_defaults=(("num_experts", 256), ("moe_intermediate_size", 512))),
     # Dense, llama-like layers (sliding-window layers carry the same modules). gemma3 is the
     # text model of Gemma 3 (gemma3_text) and of its vision-language wrapper (gemma3).
     _dense("gemma", *_Q_V),
@@ -331,15 +361,19 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # `shared_expert_gate` ([1, hidden]) is not served: one output row, under the kernels'
     # 8-wide vector.
     Family("qwen2_moe", sparse_step=True, peft_rewrites_moe_targets=False,
+           experts_key="num_experts", experts_optional=True,
+           shared_experts_key="shared_expert_intermediate_size",
            modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST,
                     *_shared("mlp.shared_expert", "shared_expert_intermediate_size")),
            config_defaults=(
                ("num_experts", 60), ("moe_intermediate_size", 1408),
                ("shared_expert_intermediate_size", 5632))),
-    Family("olmoe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
-           config_defaults=(("num_experts", 64),)),
+    Family("olmoe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ), experts_key="num_experts",
+           expert_width="intermediate_size",
+           config_defaults=(("num_experts", 64), ("intermediate_size", 2048))),
     Family("glm4_moe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST,
                                 *_shared("mlp.shared_experts", "shared_experts_width")),
+           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
            config_defaults=(("n_routed_experts", 128), ("first_k_dense_replace", 1),
                             ("n_shared_experts", 1),
                             ("moe_intermediate_size", 1408), ("num_experts_per_tok", 8))),
@@ -348,16 +382,20 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # `is_transposed` so PEFT keeps A [E*r, in], B [out, E*r] as for (E, out, in) experts, and
     # interleave gate and up columns (B's rows): the expert pool reads them with --experts.
     Family("gpt_oss", peft_rewrites_moe_targets=False, modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
-           experts_gate_up="interleaved", expert_router=False),
+           experts_gate_up="interleaved", expert_router=False, experts_key="num_local_experts",
+           expert_width="intermediate_size",
+           config_defaults=(("num_local_experts", 128), ("intermediate_size", 2880))),
     # Multi-head latent attention; dense MLPs on the first `first_k_dense_replace` layers, then
     # routed experts with shared experts beside them (`n_shared_experts` of them, one MLP): the
     # dense MLP's and the shared experts' gate/up/down are the slot pool's. PEFT 0.21 rewrites
     # gate/up/down targets into expert LoRA here and adapts neither; an adapter made before the
     # rewrite (transformers 4) carries both.
     Family("deepseek_v2", modules=(*_MLA, *_shared("mlp.shared_experts", "shared_experts_width")),
+           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
            config_defaults=(*_MLA_DEFAULTS, ("n_routed_experts", 64),
                             ("moe_intermediate_size", 1407), ("n_shared_experts", 2))),
     Family("deepseek_v3", modules=(*_MLA, *_shared("mlp.shared_experts", "shared_experts_width")),
+           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
            config_defaults=(*_MLA_DEFAULTS, ("n_routed_experts", 256),
                             ("moe_intermediate_size", 2048), ("first_k_dense_replace", 3),
                             ("num_experts_per_tok", 8), ("n_shared_experts", 1))),
@@ -373,6 +411,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                            "shared_expert_intermediate_size",
                                            ("up_proj", "down_proj"))),
            experts_unreadable="are non-gated (up and down, no gate)",
+           experts_key="n_routed_experts", shared_experts_key="shared_expert_intermediate_size",
            config_defaults=(("hidden_size", 4096), ("num_attention_heads", 32),
                             ("num_key_value_heads", 8), ("head_dim", 128),
                             ("intermediate_size", 21504), ("n_routed_experts", 8),
@@ -384,14 +423,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # intermediate_size wide, a router parameter), attention as llama's. Its
     # GraniteMoeConfig defaults.
     Family("granitemoe", moe_block="block_sparse_moe", fused_experts_block="block_sparse_moe",
-           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
-           config_defaults=(("num_local_experts", 8), ("num_experts_per_tok", 2))),
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ), experts_key="num_local_experts",
+           expert_width="intermediate_size",
+           config_defaults=(("num_local_experts", 8), ("intermediate_size", 11008),
+                            ("num_experts_per_tok", 2))),
     # Phi-3.5-MoE: every layer routed experts (transformers 5: fused under `mlp`, the router
     # `mlp.router`; transformers 4 and its adapters: Mixtral's `block_sparse_moe` and w1/w3/w2),
     # attention as llama's. transformers' PhimoeConfig defaults.
     Family("phimoe", moe_block="block_sparse_moe",
            expert_leaves=(("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")),
-           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ), config_defaults=(
+           modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ), experts_key="num_local_experts",
+           expert_width="intermediate_size", config_defaults=(
                ("num_key_value_heads", 8), ("intermediate_size", 6400),
                ("num_local_experts", 16), ("num_experts_per_tok", 2))),
     # Llama 4 (llama4_text, and the language model of the llama4 wrapper): MoE layers every
@@ -410,6 +452,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                        "shared_expert_intermediate_size")),
            language_model="language_model.model",
            fused_experts_block="feed_forward", experts_peft_swapped=True, expert_router=False,
+           experts_key="num_local_experts", expert_width="intermediate_size",
+           shared_experts_key="shared_expert_intermediate_size",
            config_defaults=(
                ("hidden_size", 5120), ("num_hidden_layers", 48), ("num_attention_heads", 40),
                ("num_key_value_heads", 8), ("head_dim", 128), ("intermediate_size", 8192),
@@ -424,7 +468,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # wrapper's (a regex reaching the language model's q_proj and v_proj alone); the text model
     # has none. transformers' Gemma4TextConfig defaults.
     Family("gemma4", peft_rewrites_moe_targets=False, modules=_GEMMA4, global_attention=True,
-           moe_flag="enable_moe_block",
+           moe_flag="enable_moe_block", experts_key="num_experts",
            peft_wrapper_targets=r".*language_model\..*\.(q_proj|v_proj)",
            config_defaults=(
                ("hidden_size", 2304), ("intermediate_size", 9216), ("num_hidden_layers", 30),

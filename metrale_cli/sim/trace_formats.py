@@ -100,9 +100,11 @@ def read_public_trace(path: Path, fmt: str, assign: Assign | None = None,
     with open(path, encoding="utf-8-sig", newline="") as f:
         lines = BoundedLines(path, f)
         for chunk in _chunks(path, fmt, lines):
-            columns.add(*chunk, blank=lines.blank, done=lines.chars)
+            columns.add(*chunk, blank=lines.blank, done=lines.done)
             if progress is not None:
-                progress(min(lines.chars, size), size)
+                progress(min(lines.done, size), size)
+    if progress is not None and lines.done < size:
+        progress(size, size)  # a byte-order mark is read but not counted
     workload = columns.workload()
     workload = _from_zero(workload)
     if assign is not None:

@@ -154,7 +154,8 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
     optionally `input_tokens`, `output_tokens` and `duration`. Other columns are ignored. Rows
     are sorted by timestamp (stably). A malformed row is a FormatError naming its line; more than
     MAX_REQUESTS rows is a UsageError. Read `TRACE_CHUNK` rows at a time into columns, so memory
-    follows the columns, never the rows; `progress(characters read, file size)` after each."""
+    follows the columns, never the rows; `progress(bytes read, file size)` after each, the
+    count never going back and ending at the file size."""
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: no such file")
@@ -163,25 +164,37 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
         raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
     size = path.stat().st_size
     is_csv = path.suffix.lower() == ".csv"
+    told = 0
+
+    def tell(done: int) -> None:
+        # A block the block readers leave to the line reader has the file read again from its
+        # start: the count waits where it had got to until the line reader passes it.
+        nonlocal told
+        if progress is not None and done > told:
+            told = min(done, size)
+            progress(told, size)
+
     columns = TraceColumns(path, size)
     try:
         for chunk, blank, done in (_plain_csv_chunks if is_csv else _plain_jsonl_chunks)(path):
             columns.add(*chunk, blank=blank, done=done)
-            if progress is not None:
-                progress(min(done, size), size)
-        return columns.workload()
+            tell(done)
+        plain = True
     except _NotPlain:
-        pass  # quoted cells, bad bytes or a long line: the line reader below names them
-    columns = TraceColumns(path, size)
-    # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
-    # otherwise become part of the first column's name.
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        lines = BoundedLines(path, f)
-        chunks = _csv_chunks(path, lines) if is_csv else _jsonl_chunks(path, lines)
-        for chunk in chunks:
-            columns.add(*chunk, blank=lines.blank, done=lines.chars)
-            if progress is not None:
-                progress(min(lines.chars, size), size)
+        plain = False  # quoted cells, bad bytes or a long line: the line reader below names them
+    if not plain:
+        columns = TraceColumns(path, size)
+        # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which would
+        # otherwise become part of the first column's name.
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            lines = BoundedLines(path, f)
+            chunks = _csv_chunks(path, lines) if is_csv else _jsonl_chunks(path, lines)
+            for chunk in chunks:
+                columns.add(*chunk, blank=lines.blank, done=lines.done)
+                tell(lines.done)
+    # The end: past blank last lines (no chunk of rows), or a byte-order mark the line reader
+    # reads but does not count.
+    tell(size)
     return columns.workload()
 
 
@@ -292,11 +305,11 @@ def _grown(column: np.ndarray, rows: int, capacity: int) -> np.ndarray:
 
 class BoundedLines:
     """The lines of text file `f`, each read with a bound: a line past MAX_LINE_CHARS is a
-    FormatError naming it, before more of it is read. Counts the characters read and the blank
-    lines."""
+    FormatError naming it, before more of it is read. Counts the bytes read (`done`, as UTF-8:
+    a progress count of the file's size) and the blank lines."""
 
     def __init__(self, path: Path, f: Any) -> None:
-        self.path, self.f, self.chars = path, f, 0
+        self.path, self.f, self.done = path, f, 0
         self.blank = 0  # lines of only white space
 
     def __iter__(self) -> Iterator[str]:
@@ -306,7 +319,7 @@ class BoundedLines:
             if len(line) > MAX_LINE_CHARS:
                 raise FormatError(f"{self.path}:{line_no}: a line longer than "
                                   f"{MAX_LINE_CHARS} characters; not a trace")
-            self.chars += len(line)
+            self.done += len(line) if line.isascii() else len(line.encode("utf-8"))
             if line.isspace():
                 self.blank += 1
             yield line

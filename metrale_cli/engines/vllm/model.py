@@ -631,12 +631,10 @@ def _gemma4_modules(model: ModelConfig) -> list[EngineModule]:
     text = raw_text_config(model)
     if text.get("num_experts") is not None and not model.moe_layers:
         # vLLM builds the experts wherever num_experts is set; transformers (and metrale) only
-        # with enable_moe_block, so the checkpoint has none for vLLM's layers to load. With
-        # the block, no experts are none (num_experts 0) to metrale, a block of none to vLLM.
-        why = ("sets num_experts 0 with enable_moe_block: vLLM {} builds a routed-expert block "
-               "of no experts" if text.get("enable_moe_block") else
-               "sets num_experts without enable_moe_block: vLLM {} builds routed experts")
-        raise UsageError(f"--engine vllm: this gemma4 config {why.format(VERSION)} on every "
+        # with enable_moe_block, so the checkpoint has none for vLLM's layers to load. (The
+        # block with num_experts 0 is refused where the config is read, model/config.py.)
+        raise UsageError(f"--engine vllm: this gemma4 config sets num_experts without "
+                         f"enable_moe_block: vLLM {VERSION} builds routed experts on every "
                          "layer (gemma4.py Gemma4DecoderLayer: `num_experts is not None`), "
                          "transformers none; metrale does not model that model")
     H, N = model.hidden_size, model.num_attention_heads
