@@ -293,6 +293,16 @@ def test_routed_experts_are_read_as_transformers_reads_them() -> None:
         return ModelConfig.from_dict(config, source="config.json")
 
     assert read(_QWEN3_MOE, {}, ("moe_intermediate_size",)).expert_intermediate_size == 768
+    # The shared expert transformers builds beside the routed ones whatever the config says:
+    # 512 wide where it leaves the width out (Qwen3NextConfig's, Qwen3_5MoeTextConfig's).
+    next_moe = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+                "num_experts_per_tok": 2}
+    for base in (next_moe, _QWEN35_MOE):
+        config = _config(base, {})
+        text = config.get("text_config", config)
+        text.pop("shared_expert_intermediate_size", None)
+        assert ModelConfig.from_dict(config).shared_expert_intermediate_size == 512, base
     assert read(_MIXTRAL, {}, ("num_local_experts",)).num_experts == 8
     # A dense family's class never reads an expert count: its MLP is on every layer (a llama
     # config with `num_local_experts` was planned with routed experts and no gate_proj).

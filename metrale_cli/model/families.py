@@ -282,8 +282,9 @@ class Family:
     experts_key: str = ""
     expert_width: str = "moe_intermediate_size"
     experts_optional: bool = False
-    # transformers' defaults for keys that size the routed experts, on an `experts_optional`
-    # family: applied only where the config gives experts, so a dense config reads as before.
+    # transformers' defaults for keys that size the routed experts and the shared expert
+    # beside them, on an `experts_optional` family: applied only where the config gives
+    # experts, so a dense config reads as before.
     expert_defaults: tuple[tuple[str, int], ...] = ()
     # The config key sizing the shared experts beside the routed ones, where the family has
     # them: `shared_expert_intermediate_size` (one MLP that wide) or `n_shared_experts` (that
@@ -324,11 +325,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            config_defaults=(("num_local_experts", 8), ("intermediate_size", 14336))),
     Family("qwen3_next", hybrid=True, sparse_step=True, experts_key="num_experts",
            shared_experts_key="shared_expert_intermediate_size",
-           experts_optional=True, expert_defaults=(("moe_intermediate_size", 512),)),
+           experts_optional=True, expert_defaults=(("moe_intermediate_size", 512),
+                                                   ("shared_expert_intermediate_size", 512))),
     Family("qwen3_5", hybrid=True),
     Family("qwen3_5_moe", hybrid=True, peft_rewrites_moe_targets=False, experts_key="num_experts",
            shared_experts_key="shared_expert_intermediate_size",
-           config_defaults=(("num_experts", 256), ("moe_intermediate_size", 512))),
+           config_defaults=(("num_experts", 256), ("moe_intermediate_size", 512),
+                            ("shared_expert_intermediate_size", 512))),
     # Dense, llama-like layers (sliding-window layers carry the same modules). gemma3 is the
     # text model of Gemma 3 (gemma3_text) and of its vision-language wrapper (gemma3).
     _dense("gemma", *_Q_V),
