@@ -315,6 +315,14 @@ def test_routed_experts_are_read_as_transformers_reads_them() -> None:
     # 0 experts is a dense model where transformers builds them only with `num_experts > 0`.
     dense = read(_QWEN3_MOE, {"num_experts": 0})
     assert dense.num_experts == 0 and not dense.moe_layers
+    # No layer builds the block (every layer in mlp_only_layers, or the step past the last
+    # layer): transformers never reads the step, the experts' width or the top-k, and runs it.
+    layers = _config(_QWEN3_MOE, {})["num_hidden_layers"]
+    for edit in ({"mlp_only_layers": list(range(layers)), "decoder_sparse_step": 0},
+                 {"decoder_sparse_step": layers + 1}):
+        unrouted = read(_QWEN3_MOE, {**edit, "num_experts_per_tok": 200,
+                                     "moe_intermediate_size": 0})
+        assert unrouted.num_experts == 128 and not unrouted.moe_layers, edit
     # No shared experts (SGLang's `n_shared_experts > 0`): the routed ones alone.
     unshared = read(_DEEPSEEK, {"n_shared_experts": 0})
     assert unshared.num_experts == 64 and unshared.shared_experts_width == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from enum import Enum
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,8 @@ class ModelConfig:
         """A FormatError naming the config key where the routed experts are not a model
         transformers can run (its modeling code, per family): a family that builds its MoE
         layers' block whatever the count with none in it, experts 0 wide, a token routed to
-        more experts than there are, MoE layers every 0th layer; and metrale's bounds on the
+        more experts than there are, MoE layers every 0th layer (each only where a layer
+        builds the block: with none, transformers reads neither); and metrale's bounds on the
         experts over all layers and on the shared experts' width. Here, so that a config read
         from any file, a preset and a pool image's header meet the same rule (a config's top-k
         of 0 is from_dict's: an image written without a top-k keeps 0)."""
@@ -177,6 +179,12 @@ class ModelConfig:
                                   f"{self.model_type} MoE layer routes each token to its "
                                   "routed experts, and transformers builds that block with none")
             return
+        if family.sparse_step and self.decoder_sparse_step <= 0 and not self._mlp_only.issuperset(
+                range(self.num_hidden_layers)):
+            raise FormatError(f"{where}: {family.key_of('decoder_sparse_step')!r} is 0: the MoE "
+                              "layers are every that many layers (transformers divides by it)")
+        if not any(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
+            return  # no layer builds the block: transformers reads neither width nor top-k
         width = family.expert_width
         if getattr(self, width) <= 0:
             raise FormatError(f"{where}: {width!r} is 0 or missing: it is one routed expert's "
@@ -186,9 +194,10 @@ class ModelConfig:
                               f"{self.num_experts_per_tok}, more than the {self.num_experts} "
                               "routed experts each token goes to that many of (transformers' "
                               "top-k fails)")
-        if family.sparse_step and self.decoder_sparse_step <= 0:
-            raise FormatError(f"{where}: {family.key_of('decoder_sparse_step')!r} is 0: the MoE "
-                              "layers are every that many layers (transformers divides by it)")
+
+    @cached_property
+    def _mlp_only(self) -> frozenset[int]:
+        return frozenset(self.mlp_only_layers)
 
     def layer_type(self, layer: int) -> LayerType:
         return self.layer_types[layer]
@@ -309,7 +318,7 @@ class ModelConfig:
             return False
         if not self.family.sparse_step:
             return True
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        return layer not in self._mlp_only and (layer + 1) % self.decoder_sparse_step == 0
 
     @property
     def moe_layers(self) -> list[int]:
