@@ -34,6 +34,7 @@ from metrale_cli.sim.workload import (
     TraceColumns,
     Workload,
     intern_names,
+    progress_teller,
 )
 
 FORMATS = ("metrale", "azure-llm", "burstgpt", "azure-functions")
@@ -97,14 +98,13 @@ def read_public_trace(path: Path, fmt: str, assign: Assign | None = None,
                          "do not")
     size = path.stat().st_size
     columns = TraceColumns(path, size)
+    tell = progress_teller(progress, size)
     with open(path, encoding="utf-8-sig", newline="") as f:
         lines = BoundedLines(path, f)
         for chunk in _chunks(path, fmt, lines):
             columns.add(*chunk, blank=lines.blank, done=lines.done)
-            if progress is not None:
-                progress(min(lines.done, size), size)
-    if progress is not None and lines.done < size:
-        progress(size, size)  # a byte-order mark is read but not counted
+            tell(lines.done)
+    tell(size)  # a byte-order mark is read but not counted
     workload = columns.workload()
     workload = _from_zero(workload)
     if assign is not None:

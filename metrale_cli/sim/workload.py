@@ -164,16 +164,9 @@ def read_trace(path: Path, progress: Callable[[int, int], None] | None = None) -
         raise UsageError(f"{path} is not a regular file; a trace is a CSV or JSON-lines file")
     size = path.stat().st_size
     is_csv = path.suffix.lower() == ".csv"
-    told = 0
-
-    def tell(done: int) -> None:
-        # A block the block readers leave to the line reader has the file read again from its
-        # start: the count waits where it had got to until the line reader passes it.
-        nonlocal told
-        if progress is not None and done > told:
-            told = min(done, size)
-            progress(told, size)
-
+    # A block the block readers leave to the line reader has the file read again from its
+    # start: the count waits where it had got to until the line reader passes it.
+    tell = progress_teller(progress, size)
     columns = TraceColumns(path, size)
     try:
         for chunk, blank, done in (_plain_csv_chunks if is_csv else _plain_jsonl_chunks)(path):
@@ -301,6 +294,23 @@ def _grown(column: np.ndarray, rows: int, capacity: int) -> np.ndarray:
     out = np.empty(capacity, dtype=column.dtype)
     out[:rows] = column[:rows]
     return out
+
+
+def progress_teller(progress: Callable[[int, int], None] | None,
+                    size: int) -> Callable[[int], None]:
+    """`tell(done)`: `progress(done, size)` for a reading that has got `done` bytes into a file
+    of `size`, told only where it passes what was told before, and at most `size`: the count
+    never goes back and ends at the size once `tell(size)` closes the reading. Nothing without
+    `progress`."""
+    told = 0
+
+    def tell(done: int) -> None:
+        nonlocal told
+        if progress is not None and min(done, size) > told:
+            told = min(done, size)
+            progress(told, size)
+
+    return tell
 
 
 class BoundedLines:
