@@ -325,6 +325,18 @@ BUCKET_SHIFT = 45
 
 
 @njit(cache=True, inline="always")
+def _bits(x: float) -> int:
+    """The float64 `x`'s bits as an int64."""
+    return np.array([x]).view(np.int64)[0]
+
+
+@njit(cache=True, inline="always")
+def _from_bits(bits: int) -> float:
+    """The float64 whose bits are the int64 `bits`."""
+    return np.array([bits]).view(np.float64)[0]
+
+
+@njit(cache=True, inline="always")
 def _bucket(bits: int, base: int, hist: Any) -> int:
     """The histogram bucket of a positive wait's float64 `bits` (`base`: the bucket of one
     load time), clamped to the histogram: a wait below one load time falls in the first."""
@@ -357,12 +369,11 @@ def _set_window(tops: Any, g: int, room: int, lag: Any, bits: Any, above: Any, h
         count += hist[b]
         b -= 1
     # The last float of bucket b; the last bucket holds every larger wait.
-    hi[g] = np.inf if b == hist.size - 1 else np.array(
-        [((b + 1 + base) << BUCKET_SHIFT) - 1]).view(np.float64)[0]
+    hi[g] = np.inf if b == hist.size - 1 else _from_bits(((b + 1 + base) << BUCKET_SHIFT) - 1)
     while b > 0 and count + hist[b] <= tops[-1] + room:
         count += hist[b]
         b -= 1
-    lo[g] = -np.inf if b == 0 else np.array([(b + base) << BUCKET_SHIFT]).view(np.float64)[0]
+    lo[g] = -np.inf if b == 0 else _from_bits((b + base) << BUCKET_SHIFT)
     top, bottom, over, inside = hi[g], lo[g], 0, 0  # in locals: the stores could alias them
     for i in range(size):
         j = queued[i]
@@ -590,9 +601,8 @@ def lru_sweep(adapter: Any, asked: Any, distance: Any, caches: Any, seconds: flo
                     longest = max(longest, lag[j])
             # The windows' histogram spans the waits from one load time to the longest now
             # (waits only fall; a delayed hit waits no longer than its load did).
-            base = np.array([seconds]).view(np.int64)[0] >> BUCKET_SHIFT
-            hist = np.zeros(max((np.array([longest]).view(np.int64)[0] >> BUCKET_SHIFT)
-                                - base + 1, 1), np.int64)
+            base = _bits(seconds) >> BUCKET_SHIFT
+            hist = np.zeros(max((_bits(longest) >> BUCKET_SHIFT) - base + 1, 1), np.int64)
         else:
             n_dirty = 0
             for i in range(was, hits):
