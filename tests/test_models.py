@@ -337,12 +337,18 @@ def test_routed_experts_are_read_as_transformers_reads_them() -> None:
 @pytest.mark.parametrize("field,value,says", [
     ("moe_intermediate_size", 0, "'moe_intermediate_size' is 0 or missing"),
     ("num_experts_per_tok", 5, "'num_experts_per_tok' is 5, more than the 4 routed experts"),
-    # The bounds a config file meets: a header claiming 10**12 experts was shown, exit 0.
-    ("num_experts", 10**12, "2 layers x 1000000000000 experts is above the 262,144"),
+    # The bounds a config file meets, each count and width: a header claiming 10**12 experts
+    # was shown, exit 0, and one 10**9 wide too.
+    ("num_experts", 10**12, "model num_experts 1000000000000 is above the 8,192"),
+    ("hidden_size", 10**9, "model hidden_size 1000000000 is above the 4,194,304"),
+    ("moe_intermediate_size", 1 << 23, "model moe_intermediate_size 8388608 is above the "
+                                       "4,194,304"),
+    ("vocab_size", 1 << 27, "model vocab_size 134217728 is above the 67,108,864"),
 ])
 def test_an_image_header_whose_experts_are_no_model_is_refused(
         tmp_path: Path, field: str, value: int, says: str) -> None:
-    """The header reader meets the rule a config file does: its model summary is a config."""
+    """The header reader meets the rules and bounds a config file does: its model summary is a
+    config (`show`, `verify` and `unpack` read it there)."""
     from metrale_cli.image.format import read_tables
     from tests.support.image_edit import header_text, replace_header
 
@@ -362,7 +368,9 @@ def test_an_image_header_whose_experts_are_no_model_is_refused(
     summary = json.loads(read_tables(image).header.metadata["metrale.model"])
     header["__metadata__"]["metrale.model"] = json.dumps(summary | {field: value})
     replace_header(image, json.dumps(header).encode())
-    result = metrale("show", image)
-    one_line_error(result, 2)
-    assert f"{image}: metadata does not describe a layout (" in result.stderr
-    assert says in result.stderr, result.stderr
+    for args in (("show", image), ("verify", image, tmp_path / "a"),
+                 ("unpack", image, tmp_path / "out")):
+        result = metrale(*args)
+        one_line_error(result, 2)
+        assert f"{image}: metadata does not describe a layout (" in result.stderr, args
+        assert says in result.stderr, result.stderr

@@ -25,7 +25,7 @@ from metrale_cli.image.digest import read_digests
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.sharding import RankExpertLayout, RankLayout, ShardSpec
 from metrale_cli.layout.slot_layout import SlotLayout
-from metrale_cli.model.config import MAX_LAYERS, ModelConfig
+from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
 
 FORMAT = "pool/1"
@@ -145,12 +145,7 @@ def read_tables(path: str | Path) -> ImageTables:
     # A tensor-parallel rank's image names its rank.
     shard_doc = _json_meta(path, meta, "metrale.shard") if "metrale.shard" in meta else None
     try:
-        model = ModelConfig.from_summary(model_doc)
-        if not 0 < model.num_hidden_layers <= MAX_LAYERS:
-            # A config's own bound on layers. The layout is rebuilt layer by layer: a header
-            # saying 10**8 would hang here.
-            raise ValueError(f"num_hidden_layers {model.num_hidden_layers!r} is not in "
-                             f"[1, {MAX_LAYERS}]")
+        model = ModelConfig.from_summary(model_doc)  # within a config file's bounds
         layout = SlotLayout.build(model, [LoraModule(m) for m in layout_doc["modules"]],
                                   int(layout_doc["max_rank"]), int(layout_doc["align"]))
         shard = ShardSpec.from_record(shard_doc) if shard_doc is not None else None

@@ -50,6 +50,12 @@ _LIMITS = {"num_hidden_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS,
            "vocab_size": MAX_VOCAB}
 
 
+def _limit(key: str) -> int:
+    """The bound on a config key's or a `ModelConfig` field's value, a config file's and a pool
+    image header's alike: `_LIMITS`, else a width's."""
+    return _LIMITS.get(key, MAX_WIDTH)
+
+
 class LayerType(str, Enum):
     FULL_ATTENTION = "full_attention"
     LINEAR_ATTENTION = "linear_attention"
@@ -383,6 +389,13 @@ class ModelConfig:
                                                                 or value < 0)):
                 raise ValueError(f"model {f.name} {value!r} is not a "
                                  f"{'non-negative integer' if kind is int else kind.__name__}")
+            if kind is int and value > _limit(f.name):
+                # A config file's bounds: a header is a config too (10**9 layers would hang
+                # the layout's rebuild, a width that wide its tables).
+                raise ValueError(f"model {f.name} {value} is above the {_limit(f.name):,} that "
+                                 "metrale accepts")
+        if not fields.get("num_hidden_layers"):
+            raise ValueError("model num_hidden_layers is 0 or missing")
         if not all(isinstance(i, int) and not isinstance(i, bool)
                    for i in fields["mlp_only_layers"]):
             raise ValueError("model mlp_only_layers is not a list of layer numbers")
@@ -422,7 +435,7 @@ class ModelConfig:
             text = {**text, "num_hidden_layers": len(blocks)}
 
         def bounded(key: str, value: int) -> int:
-            limit = _LIMITS.get(key, MAX_WIDTH)
+            limit = _limit(key)
             if value > limit:
                 raise FormatError(f"{source or 'config'}: {key!r} is {value}, above the {limit:,} "
                                   "that metrale accepts; not a real model's config")
