@@ -310,6 +310,7 @@ def test_moe_layers_follow_transformers() -> None:
     assert resolve_model("qwen3-next-80b-a3b").moe_layers == list(range(48))
     cfg = ModelConfig.from_dict({"model_type": "qwen3_moe", "hidden_size": 64,
                                  "num_hidden_layers": 4, "num_attention_heads": 4,
-                                 "num_experts": 4, "moe_intermediate_size": 8,
-                                 "mlp_only_layers": [0], "decoder_sparse_step": 2})
+                                 "num_experts": 4, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 8, "mlp_only_layers": [0],
+                                 "decoder_sparse_step": 2})
     assert cfg.moe_layers == [1, 3]

@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from metrale_cli.errors import FormatError, UnsupportedModel, UsageError
 from metrale_cli.model.config import PRESETS, LayerType, ModelConfig
+from metrale_cli.model.families import FAMILIES
 from metrale_cli.model.modules import ALL, LoraModule, family_modules
 from metrale_cli.model.resolve import resolve_model
 from tests.support.cli_runner import metrale
 from tests.support.hostile_inputs import TINY, one_line_error
+from tests.test_families import (  # noqa: F401  transformers_models: their fixture
+    _TINY,
+    META_CASES,
+    UNDECLARED,
+    _differences,
+    _meta_model,
+    transformers_models,
+)
 
 # Real files copied into the project (tests/data/PROVENANCE.md says from where).
 REFERENCE = Path(__file__).resolve().parent / "data" / "model_configs"
@@ -243,6 +253,10 @@ def _config(base: str | dict[str, object], edit: dict[str, object]) -> dict[str,
     (_QWEN3_MOE, {"num_experts_per_tok": 129}, "'num_experts_per_tok' is 129, more than the "
                                                "128 routed experts"),
     (_QWEN3_MOE, {"decoder_sparse_step": 0}, "'decoder_sparse_step' is 0"),
+    # DeepseekV2Config has no default top-k: its router's topk of None fails.
+    (_DEEPSEEK, {"num_experts_per_tok": None}, "'num_experts_per_tok' is missing or null: "
+                                               "transformers' deepseek_v2 class has no "
+                                               "default"),
     # Families whose MoE block transformers builds whatever the count: 0 experts is no model
     # (it was planned as a dense one, with a dense MLP these models do not have).
     (_MIXTRAL, {"num_local_experts": 0}, "'num_local_experts' is 0 or missing: every mixtral"),
@@ -256,6 +270,8 @@ def _config(base: str | dict[str, object], edit: dict[str, object]) -> dict[str,
                                               "nemotron_h MoE layer"),
     (_GEMMA4_MOE, {"num_experts": 0}, "'enable_moe_block' is set and 'num_experts' is 0"),
     (_GEMMA4_MOE, {"top_k_experts": 0}, "'top_k_experts' is 0"),
+    (_GEMMA4_MOE, {"top_k_experts": None}, "'top_k_experts' is missing or null: transformers' "
+                                           "gemma4 class has no default"),
     (_GEMMA4_MOE, {"moe_intermediate_size": None}, "'moe_intermediate_size' is 0 or missing"),
 ])
 def test_routed_experts_transformers_cannot_build_are_refused(
@@ -320,14 +336,16 @@ def test_routed_experts_are_read_as_transformers_reads_them() -> None:
     layers = _config(_QWEN3_MOE, {})["num_hidden_layers"]
     for edit in ({"mlp_only_layers": list(range(layers)), "decoder_sparse_step": 0},
                  {"decoder_sparse_step": layers + 1}):
-        unrouted = read(_QWEN3_MOE, {**edit, "num_experts_per_tok": 200,
-                                     "moe_intermediate_size": 0})
-        assert unrouted.num_experts == 128 and not unrouted.moe_layers, edit
+        for top_k in (200, 0):  # a top-k of 0 too: no router reads it
+            unrouted = read(_QWEN3_MOE, {**edit, "num_experts_per_tok": top_k,
+                                         "moe_intermediate_size": 0})
+            assert unrouted.num_experts == 128 and not unrouted.moe_layers, edit
     # No shared experts (SGLang's `n_shared_experts > 0`): the routed ones alone.
     unshared = read(_DEEPSEEK, {"n_shared_experts": 0})
     assert unshared.num_experts == 64 and unshared.shared_experts_width == 0
-    # A top-k a config leaves out is not known (0), not refused.
-    assert read(_DEEPSEEK, {}, ("num_experts_per_tok",)).num_experts_per_tok == 0
+    # A top-k a config leaves out is its class's default.
+    assert read(_MIXTRAL, {}, ("num_experts_per_tok",)).num_experts_per_tok == 2
+    assert read(_QWEN3_MOE, {}, ("num_experts_per_tok",)).num_experts_per_tok == 8
     # gemma4's experts only with its flag; nemotron_h's only on its MoE blocks.
     assert read(_GEMMA4_MOE, {"enable_moe_block": False, "num_experts": 0}).num_experts == 0
     assert read(_NEMOTRON_MOE, {"hybrid_override_pattern": "M*-",
@@ -374,3 +392,107 @@ def test_an_image_header_whose_experts_are_no_model_is_refused(
         one_line_error(result, 2)
         assert f"{image}: metadata does not describe a layout (" in result.stderr, args
         assert says in result.stderr, result.stderr
+
+
+# -- keys a config leaves out or names its own way: what transformers builds ---------------------
+
+# Each MoE family's tiny case (test_families) with the keys sizing its experts left out: the
+# count (under every name its class reads), an expert's width, the top-k, the shared experts',
+# the MoE layers' step, list and dense first layers, and the dense MLP's width. gemma4's class
+# has no defaults for its experts (None: refused), nor deepseek_v2's for the top-k (kept here).
+_LEFT_OUT = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+             "moe_intermediate_size", "shared_expert_intermediate_size",
+             "moe_shared_expert_intermediate_size", "n_shared_experts", "decoder_sparse_step",
+             "mlp_only_layers", "first_k_dense_replace", "interleave_moe_layer_step",
+             "moe_layers", "intermediate_size")
+_MOE_FAMILIES = sorted(f.model_type for f in FAMILIES.values()
+                       if f.experts_key and not f.moe_flag)
+
+
+def _experts_by_layer(hf_model: Any, hidden: int) -> list[tuple[int, int, int] | None]:
+    """Per decoder layer transformers built: (routed experts, one expert's width, top-k), None
+    on a layer without routed experts. The width is the fused down projection's side that is
+    not `hidden` ((E, H, I), or (E, I, H) for gpt_oss and llama4)."""
+    out: list[tuple[int, int, int] | None] = []
+    for layer in hf_model.model.layers:
+        down = next((p for n, p in layer.named_parameters() if n.endswith("experts.down_proj")),
+                    None)
+        if down is None:
+            out.append(None)
+            continue
+        experts, a, b = down.shape
+        top_k = next(m.top_k for m in layer.modules() if isinstance(getattr(m, "top_k", None),
+                                                                    int))
+        out.append((experts, a if b == hidden else b, top_k))
+    return out
+
+
+def _build_both(tmp_path: Path, raw: dict[str, Any]) -> tuple[ModelConfig, Any]:
+    """`raw` as metrale reads it from a config.json, and as transformers builds it on the meta
+    device from the same keys."""
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return ModelConfig.from_hf(tmp_path), _meta_model(AutoConfig.for_model(**raw))
+
+
+def _check_against_transformers(model: ModelConfig, hf_model: Any) -> None:
+    assert [(model.num_experts, model.expert_intermediate_size, model.num_experts_per_tok)
+            if model.is_moe_layer(i) else None for i in range(model.num_hidden_layers)] == (
+        _experts_by_layer(hf_model, model.hidden_size))
+    assert _differences(model, hf_model, UNDECLARED.get(model.model_type, set())) == []
+
+
+@pytest.mark.usefixtures("transformers_models")
+@pytest.mark.parametrize("family", _MOE_FAMILIES)
+def test_absent_expert_keys_are_transformers_defaults(family: str, tmp_path: Path) -> None:
+    """A qwen3_moe or qwen3_next config without an expert count was read as dense while
+    transformers builds 128 or 512 experts; a missing top-k read as 0. Every MoE family's
+    absent keys against the model transformers builds from the same file."""
+    model_type, kwargs = META_CASES[family]
+    keep = ("num_experts_per_tok",) if family == "deepseek_v2" else ()
+    raw = {"model_type": model_type, **{k: v for k, v in {**_TINY, **kwargs}.items()
+                                        if k not in _LEFT_OUT or k in keep}}
+    model, hf_model = _build_both(tmp_path, raw)
+    assert model.moe_layers, "no layer with experts: nothing compared"
+    _check_against_transformers(model, hf_model)
+
+
+# The expert count under each name transformers' classes read (attribute_map), and under one a
+# class does not (qwen3_next's num_local_experts: its 512); given both, the alias wins, in
+# either order.
+_COUNT_NAMES = [(f.model_type, {alias: 3}) for f in FAMILIES.values()
+                for alias in f.experts_aliases] + [
+    ("qwen3_next", {"num_local_experts": 3}), ("qwen3_moe", {"num_local_experts": 0}),
+    ("olmoe", {"num_experts": 5, "num_local_experts": 3}),
+    ("glm4_moe", {"num_local_experts": 5, "n_routed_experts": 3}),
+    ("glm4_moe", {"n_routed_experts": 3, "num_local_experts": 5})]
+
+
+@pytest.mark.usefixtures("transformers_models")
+@pytest.mark.parametrize("family,names", _COUNT_NAMES, ids=str)
+def test_expert_count_names_are_read_as_transformers_reads_them(
+        family: str, names: dict[str, int], tmp_path: Path) -> None:
+    model_type, kwargs = META_CASES[family]
+    raw = {"model_type": model_type, **{k: v for k, v in {**_TINY, **kwargs}.items()
+                                        if k not in ("num_experts", "num_local_experts",
+                                                     "n_routed_experts")}, **names}
+    model, hf_model = _build_both(tmp_path, raw)
+    _check_against_transformers(model, hf_model)
+
+
+@pytest.mark.parametrize("family,key", [(f.model_type, alias) for f in FAMILIES.values()
+                                        for alias in f.experts_aliases
+                                        if not f.experts_optional])
+def test_no_experts_under_another_name_is_refused_naming_it(family: str, key: str,
+                                                            tmp_path: Path) -> None:
+    """glm4_moe's, deepseek_v3's and nemotron_h's `num_local_experts: 0` fell through to the
+    default count, and a 0 refused named the family's key, not the file's."""
+    model_type, kwargs = META_CASES[family]
+    raw = {"model_type": model_type, **{k: v for k, v in {**_TINY, **kwargs}.items()
+                                        if k not in ("num_experts", "num_local_experts",
+                                                     "n_routed_experts")}, key: 0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    result = metrale("layout", "--model", tmp_path, "--modules", "q_proj", "--max-rank", 8)
+    one_line_error(result, 2)
+    assert f"config.json: {key!r} is 0 or missing: every" in result.stderr

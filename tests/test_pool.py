@@ -44,7 +44,7 @@ TINY = {
     "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
     "intermediate_size": 48, "linear_num_value_heads": 3, "linear_value_head_dim": 8,
-    "full_attention_interval": 2, "num_experts": 4,
+    "full_attention_interval": 2, "num_experts": 4, "num_experts_per_tok": 2,
 }
 MODULES = "q_proj,k_proj,v_proj,o_proj,out_proj"
 

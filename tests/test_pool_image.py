@@ -27,25 +27,27 @@ DENSE = {
     "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4,
     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
     "intermediate_size": 48, "linear_num_value_heads": 3, "linear_value_head_dim": 8,
-    "full_attention_interval": 2,
+    "full_attention_interval": 2, "num_experts": 0,
 }
 MOE = {
     "model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 3,
     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
     "intermediate_size": 48, "num_experts": 4, "moe_intermediate_size": 8,
-    "mlp_only_layers": [0], "vocab_size": 64,
+    "num_experts_per_tok": 2, "mlp_only_layers": [0], "vocab_size": 64,
 }
 # sha256 of the images `pinned_images` packs, written before the pool's region refactor, and
 # without `metrale.digests` (the per-tensor digests came later and moved nothing else): the image
-# format and bytes must not change.
+# format and bytes must not change. The experts image's model gained a top-k of 2 (its config
+# had none: Qwen3MoeConfig's 8 is more than its 4 experts, which transformers cannot route); its
+# bytes are the first pin's with that one digit of the metrale.model summary 0 where it is 2.
 PINNED = {
     "dense": "5faa2a9e97fbcf82b53e3ad1fee4182bb2e9d8b99d8a1f9c2e7c2251a071cf87",
-    "experts": "9266f9dc6eb6cf9d21fe7949fef4124c31d2a810a5fd3c3b959a6ee29c1eed67",
+    "experts": "ec2dc42562aaf35e8a8ce88bdea293f9919ab0e28a55bce5b4f496c3fce989e1",
 }
 # ... and with them.
 PINNED_WITH_DIGESTS = {
     "dense": "3c1351829c3dd5e8d5fb01002b0b643b3188f40f294d4a08d55174634ce1b4ce",
-    "experts": "786e0532229606e044f818d9ef43937c602497e32d19c28a3d245501da1a7be1",
+    "experts": "831e5ab4a5e8469a0387801bddd56d29c6b04b02eb7756a0a1c568b91a31ed4e",
 }
 
 

@@ -148,6 +148,10 @@ class ModelConfig:
     # Where the modules' shapes came from: the config alone, the config checked against the
     # weights' headers, or the weights (SHAPES_*).
     shapes_from: str = field(default="config", compare=False)
+    # The config key the expert count was read from where the file gave one: the family's
+    # `experts_key` or another name transformers' class reads as it (`experts_aliases`), so
+    # that messages name the key the file has; "" for a preset's default and an image's.
+    experts_key: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         self._check_routed_experts()
@@ -181,13 +185,13 @@ class ModelConfig:
             builds = (LayerType.MOE in self.layer_types if family.block_types
                       else not (family.experts_optional or family.moe_flag))
             if builds:
-                raise FormatError(f"{where}: {family.experts_key!r} is 0 or missing: every "
+                raise FormatError(f"{where}: {self.key_of('num_experts')!r} is 0 or missing: every "
                                   f"{self.model_type} MoE layer routes each token to its "
                                   "routed experts, and transformers builds that block with none")
             return
         if family.sparse_step and self.decoder_sparse_step <= 0 and not self._mlp_only.issuperset(
                 range(self.num_hidden_layers)):
-            raise FormatError(f"{where}: {family.key_of('decoder_sparse_step')!r} is 0: the MoE "
+            raise FormatError(f"{where}: {self.key_of('decoder_sparse_step')!r} is 0: the MoE "
                               "layers are every that many layers (transformers divides by it)")
         if not any(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
             return  # no layer builds the block: transformers reads neither width nor top-k
@@ -196,10 +200,17 @@ class ModelConfig:
             raise FormatError(f"{where}: {width!r} is 0 or missing: it is one routed expert's "
                               "FFN width, and experts 0 wide compute nothing")
         if self.num_experts_per_tok > self.num_experts:
-            raise FormatError(f"{where}: {family.key_of('num_experts_per_tok')!r} is "
+            raise FormatError(f"{where}: {self.key_of('num_experts_per_tok')!r} is "
                               f"{self.num_experts_per_tok}, more than the {self.num_experts} "
                               "routed experts each token goes to that many of (transformers' "
                               "top-k fails)")
+
+    def key_of(self, name: str) -> str:
+        """The config key a field was read from: where the file named the expert count its own
+        way, that name; else the family's (`Family.key_of`)."""
+        if name == "num_experts" and self.experts_key:
+            return self.experts_key
+        return self.family.key_of(name)
 
     @cached_property
     def _mlp_only(self) -> frozenset[int]:
@@ -349,6 +360,7 @@ class ModelConfig:
         record = asdict(self)
         del record["architectures"]  # an engine's input, not a dimension images keep
         del record["shapes_from"]  # how this run learnt the shapes, not the model's
+        del record["experts_key"]  # how the file spelt a key, not the model's
         if self.weights_family is None:
             del record["weights_family"]  # images of known families read as they always did
         else:
@@ -423,6 +435,13 @@ class ModelConfig:
                 "hub id, with --online when not cached), or a row in model/families.py; "
                 f"supported: {', '.join(FAMILIES)}"
             )
+        count_key = known.experts_key
+        given = [k for k in (*known.experts_aliases, count_key) if count_key and k in text]
+        if given:
+            # transformers' attribute_map: its class reads an alias as the family's key, and
+            # an alias given beside that key over it; messages name the one read.
+            count_key = given[0]
+            text = {**text, known.experts_key: text[count_key]}
         defaults = known.config_defaults
         if defaults:
             text = dict(text)
@@ -462,9 +481,10 @@ class ModelConfig:
 
         hidden = need("hidden_size")
         layers = need("num_hidden_layers")
-        num_experts = opt("num_experts") or opt("num_local_experts") or opt("n_routed_experts")
-        if model_type in FAMILIES and not known.experts_key:
-            num_experts = 0  # a dense family's model class never reads the keys (transformers')
+        if model_type not in FAMILIES:  # read from weights: whichever key the config has
+            num_experts = opt("num_experts") or opt("num_local_experts") or opt("n_routed_experts")
+        else:  # a dense family's class never reads the keys (transformers')
+            num_experts = opt(count_key) if count_key else 0
         if blocks is not None and LayerType.MOE not in blocks:
             num_experts = 0  # a config default, on no layer
         heads = need("num_attention_heads")
@@ -492,15 +512,12 @@ class ModelConfig:
             num_experts = 0  # the experts' sizes without the block that holds them
         elif known.moe_flag and not num_experts:
             raise FormatError(f"{source or 'config'}: {known.moe_flag!r} is set and "
-                              f"{known.experts_key!r} is 0 or missing: transformers builds each "
+                              f"{count_key!r} is 0 or missing: transformers builds each "
                               "layer's routed-expert block with no experts in it")
         if num_experts and known.expert_defaults:
             text = {**dict(known.expert_defaults), **text}
-        top_k = opt("num_experts_per_tok")
-        if num_experts and not top_k and text.get("num_experts_per_tok") is not None:
-            # Absent, it is not known (0, as pool images written without it keep it).
-            raise FormatError(f"{source or 'config'}: {known.key_of('num_experts_per_tok')!r} "
-                              "is 0: each token goes to no routed expert, which is no MoE")
+        # A model without experts routes nothing (its class's default top-k unused).
+        top_k = opt("num_experts_per_tok") if num_experts else 0
         shared_kv = opt("num_kv_shared_layers")
         if shared_kv > layers:
             raise FormatError(f"{source or 'config'}: 'num_kv_shared_layers' {shared_kv} is more "
@@ -525,7 +542,7 @@ class ModelConfig:
         tied = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         gate = text.get("attn_output_gate")
         attn_gated = gate is not False if known.hybrid else bool(gate)
-        return cls(
+        model = cls(
             model_type=model_type,
             hidden_size=hidden,
             num_hidden_layers=layers,
@@ -568,7 +585,21 @@ class ModelConfig:
             source=source,
             architectures=_architectures(raw),
             weights_family=None if model_type in FAMILIES else known,
+            experts_key=count_key if given else "",
         )
+        if not top_k and model.moe_layers:
+            # Judged only where a layer builds the MoE block, as transformers reads it there
+            # alone; an image written without a top-k keeps 0 (from_summary), as does a
+            # family read from weights whose config gives none (its class's default unknown).
+            key = known.key_of("num_experts_per_tok")
+            if text.get("num_experts_per_tok") is None and model_type in FAMILIES:
+                raise FormatError(f"{source or 'config'}: {key!r} is missing or null: "
+                                  f"transformers' {model_type} class has no default, and its "
+                                  "router cannot pick None experts")
+            if text.get("num_experts_per_tok") is not None:
+                raise FormatError(f"{source or 'config'}: {key!r} is 0: each token goes to no "
+                                  "routed expert, which is no MoE")
+        return model
 
     @classmethod
     def from_hf(cls, path: str | Path, family: Family | None = None) -> ModelConfig:

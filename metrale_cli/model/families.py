@@ -282,9 +282,13 @@ class Family:
     experts_key: str = ""
     expert_width: str = "moe_intermediate_size"
     experts_optional: bool = False
-    # transformers' defaults for keys that size the routed experts and the shared expert
-    # beside them, on an `experts_optional` family: applied only where the config gives
-    # experts, so a dense config reads as before.
+    # The other keys transformers' class reads as `experts_key` (its `attribute_map`: qwen3_moe's
+    # `num_local_experts`, glm4_moe's): where a file gives both, the alias wins, as the class
+    # sets its own field first and the alias over it.
+    experts_aliases: tuple[str, ...] = ()
+    # transformers' defaults for the keys sizing the routed experts and the shared expert beside
+    # them, on an `experts_optional` family: applied only where the model has experts (the
+    # count given or transformers' default), so a config of 0 experts reads as a dense one.
     expert_defaults: tuple[tuple[str, int], ...] = ()
     # The config key sizing the shared experts beside the routed ones, where the family has
     # them: `shared_expert_intermediate_size` (one MLP that wide) or `n_shared_experts` (that
@@ -292,8 +296,11 @@ class Family:
     shared_experts_key: str = ""
 
     def key_of(self, name: str) -> str:
-        """The config key a `ModelConfig` field is read from: the one `config_defaults` takes
-        it from where it names one (gemma4's `top_k_experts`), else its own."""
+        """The config key a `ModelConfig` field is read from: `experts_key` for the expert
+        count, the one `config_defaults` takes it from where it names one (gemma4's
+        `top_k_experts`), else its own."""
+        if name == "num_experts" and self.experts_key:
+            return self.experts_key
         alias = dict(self.config_defaults).get(name)
         return alias if isinstance(alias, str) else name
 
@@ -317,21 +324,30 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", peft_default_targets=_Q_V),
     Family("qwen2", peft_default_targets=_Q_V),
     Family("qwen3", peft_default_targets=_Q_V),
+    # transformers builds its 128 experts where the config leaves the count out (0: dense).
     Family("qwen3_moe", sparse_step=True, experts_key="num_experts", experts_optional=True,
-           expert_defaults=(("moe_intermediate_size", 768),)),
+           experts_aliases=("num_local_experts",),
+           expert_defaults=(("moe_intermediate_size", 768),),
+           config_defaults=(("num_experts", 128), ("num_experts_per_tok", 8),
+                            ("intermediate_size", 6144))),
     Family("mixtral", peft_default_targets=_Q_V, moe_block="block_sparse_moe",
            expert_leaves=(("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")),
-           experts_key="num_local_experts", expert_width="intermediate_size",
-           config_defaults=(("num_local_experts", 8), ("intermediate_size", 14336))),
+           experts_key="num_local_experts", experts_aliases=("num_experts",),
+           expert_width="intermediate_size",
+           config_defaults=(("num_local_experts", 8), ("intermediate_size", 14336),
+                            ("num_experts_per_tok", 2))),
     Family("qwen3_next", hybrid=True, sparse_step=True, experts_key="num_experts",
-           shared_experts_key="shared_expert_intermediate_size",
-           experts_optional=True, expert_defaults=(("moe_intermediate_size", 512),
-                                                   ("shared_expert_intermediate_size", 512))),
+           shared_experts_key="shared_expert_intermediate_size", experts_optional=True,
+           expert_defaults=(("moe_intermediate_size", 512),
+                            ("shared_expert_intermediate_size", 512)),
+           config_defaults=(("num_experts", 512), ("num_experts_per_tok", 10),
+                            ("intermediate_size", 5632))),
     Family("qwen3_5", hybrid=True),
     Family("qwen3_5_moe", hybrid=True, peft_rewrites_moe_targets=False, experts_key="num_experts",
            shared_experts_key="shared_expert_intermediate_size",
            config_defaults=(("num_experts", 256), ("moe_intermediate_size", 512),
-                            ("shared_expert_intermediate_size", 512))),
+                            ("shared_expert_intermediate_size", 512),
+                            ("num_experts_per_tok", 8))),
     # Dense, llama-like layers (sliding-window layers carry the same modules). gemma3 is the
     # text model of Gemma 3 (gemma3_text) and of its vision-language wrapper (gemma3).
     _dense("gemma", *_Q_V),
@@ -370,38 +386,47 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                     *_shared("mlp.shared_expert", "shared_expert_intermediate_size")),
            config_defaults=(
                ("num_experts", 60), ("moe_intermediate_size", 1408),
-               ("shared_expert_intermediate_size", 5632))),
+               ("shared_expert_intermediate_size", 5632), ("num_experts_per_tok", 4),
+               ("intermediate_size", 5632))),
     Family("olmoe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ), experts_key="num_experts",
-           expert_width="intermediate_size",
-           config_defaults=(("num_experts", 64), ("intermediate_size", 2048))),
+           experts_aliases=("num_local_experts",), expert_width="intermediate_size",
+           config_defaults=(("num_experts", 64), ("intermediate_size", 2048),
+                            ("num_experts_per_tok", 8))),
     Family("glm4_moe", modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, *_DENSE_FIRST,
                                 *_shared("mlp.shared_experts", "shared_experts_width")),
-           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
+           experts_key="n_routed_experts", experts_aliases=("num_local_experts",),
+           shared_experts_key="n_shared_experts",
            config_defaults=(("n_routed_experts", 128), ("first_k_dense_replace", 1),
-                            ("n_shared_experts", 1),
-                            ("moe_intermediate_size", 1408), ("num_experts_per_tok", 8))),
+                            ("n_shared_experts", 1), ("moe_intermediate_size", 1408),
+                            ("num_experts_per_tok", 8), ("intermediate_size", 10944))),
     # Every layer MoE (routed experts only, no dense MLP): the attention modules, with their
     # biases and sinks, are the slot pool's. Its fused experts store (E, in, out), marked
     # `is_transposed` so PEFT keeps A [E*r, in], B [out, E*r] as for (E, out, in) experts, and
     # interleave gate and up columns (B's rows): the expert pool reads them with --experts.
     Family("gpt_oss", peft_rewrites_moe_targets=False, modules=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ),
            experts_gate_up="interleaved", expert_router=False, experts_key="num_local_experts",
-           expert_width="intermediate_size",
-           config_defaults=(("num_local_experts", 128), ("intermediate_size", 2880))),
+           experts_aliases=("num_experts",), expert_width="intermediate_size",
+           config_defaults=(("num_local_experts", 128), ("intermediate_size", 2880),
+                            ("num_experts_per_tok", 4))),
     # Multi-head latent attention; dense MLPs on the first `first_k_dense_replace` layers, then
     # routed experts with shared experts beside them (`n_shared_experts` of them, one MLP): the
     # dense MLP's and the shared experts' gate/up/down are the slot pool's. PEFT 0.21 rewrites
     # gate/up/down targets into expert LoRA here and adapts neither; an adapter made before the
     # rewrite (transformers 4) carries both.
+    # DeepseekV2Config has no default top-k (None: its router's topk fails).
     Family("deepseek_v2", modules=(*_MLA, *_shared("mlp.shared_experts", "shared_experts_width")),
-           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
+           experts_key="n_routed_experts", experts_aliases=("num_experts",),
+           shared_experts_key="n_shared_experts",
            config_defaults=(*_MLA_DEFAULTS, ("n_routed_experts", 64),
-                            ("moe_intermediate_size", 1407), ("n_shared_experts", 2))),
+                            ("moe_intermediate_size", 1407), ("n_shared_experts", 2),
+                            ("intermediate_size", 11008))),
     Family("deepseek_v3", modules=(*_MLA, *_shared("mlp.shared_experts", "shared_experts_width")),
-           experts_key="n_routed_experts", shared_experts_key="n_shared_experts",
+           experts_key="n_routed_experts", experts_aliases=("num_local_experts",),
+           shared_experts_key="n_shared_experts",
            config_defaults=(*_MLA_DEFAULTS, ("n_routed_experts", 256),
                             ("moe_intermediate_size", 2048), ("first_k_dense_replace", 3),
-                            ("num_experts_per_tok", 8), ("n_shared_experts", 1))),
+                            ("num_experts_per_tok", 8), ("n_shared_experts", 1),
+                            ("intermediate_size", 18432))),
     # Mamba-2, attention, MLP and MoE blocks, one per layer: attention modules on the attention
     # blocks, up/down on the MLP blocks and on the MoE blocks' shared experts (non-gated,
     # `moe_shared_expert_intermediate_size` wide: a plain up_proj target reaches both); the MoE
@@ -414,7 +439,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                            "shared_expert_intermediate_size",
                                            ("up_proj", "down_proj"))),
            experts_unreadable="are non-gated (up and down, no gate)",
-           experts_key="n_routed_experts", shared_experts_key="shared_expert_intermediate_size",
+           experts_key="n_routed_experts", experts_aliases=("num_local_experts",),
+           shared_experts_key="shared_expert_intermediate_size",
            config_defaults=(("hidden_size", 4096), ("num_attention_heads", 32),
                             ("num_key_value_heads", 8), ("head_dim", 128),
                             ("intermediate_size", 21504), ("n_routed_experts", 8),
