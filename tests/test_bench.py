@@ -26,6 +26,8 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     assert record["pack_vs_memcpy"] == pytest.approx(
         record["pack_gb_per_s"] / record["memcpy_gb_per_s"])
     assert record["peak_rss_bytes"] > record["pool_bytes"]
+    assert record["pack_tensor_writes_vs_memcpy"] == pytest.approx(
+        record["pack_tensor_writes_gb_per_s"] / record["memcpy_gb_per_s"])
     assert record["finite_check_cost"] == pytest.approx(
         record["pack_unchecked_gb_per_s"] / record["pack_gb_per_s"])
     assert record["setup"]["device"] == "cpu" and record["experts"] is None
@@ -33,6 +35,9 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     view = bench_pack_view(record).plain
     assert f"pack      {record['pack_gb_per_s']:.2f} GB/s" in view
     assert f"({record['memcpy_gb_per_s']:.2f} GB/s)" in view and "2 x qwen3-8b r=8" in view
+    assert (f"{record['pack_tensor_writes_gb_per_s']:.2f} GB/s = "
+            f"{100 * record['pack_tensor_writes_vs_memcpy']:.0f}% with files written per "
+            "tensor") in view
     # What the pack ran on: its second reader needs a usable core idle.
     assert 1 <= record["setup"]["cpus_usable"] <= record["setup"]["cpus"]
     assert f"load average {record['setup']['load_average_1m']:.1f}; " in view

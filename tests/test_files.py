@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 from metrale_cli.errors import OutputExists
 from metrale_cli.files import atomic
 from metrale_cli.files.atomic import atomic_write, remove_stale_temps
+from metrale_cli.files.pieces import PIECE_BYTES, PieceWriter
 from tests.support.cli_runner import metrale
 from tests.support.hostile_inputs import TINY, copy_adapter, one_line_error, run_cli
 
@@ -316,3 +318,26 @@ def test_an_input_that_is_not_a_regular_file_says_so(
         code, stderr = result.code, result.stderr
     assert code == 2, stderr
     assert stderr == f"error: {path}: {says}, not a regular file\n"
+
+
+def test_piece_writer_writes_whole_pieces_at_aligned_offsets() -> None:
+    """`synth` and `unpack` write through it: every write but the last is one whole piece, so
+    each lands at a multiple of `PIECE_BYTES` (2 MiB folios in the page cache), and the bytes
+    are those given, in order, whatever sizes they came in."""
+    writes: list[bytes] = []
+
+    class Recorder:
+        def write(self, data: Any) -> int:
+            writes.append(bytes(data))
+            return len(data)
+
+    rng = random.Random(0)
+    chunks = [rng.randbytes(n) for n in (8, 1000, PIECE_BYTES - 1008 + 5, 0,
+                                          3 * PIECE_BYTES + 7, 12)]
+    out = PieceWriter(Recorder())  # type: ignore[arg-type]
+    for chunk in chunks:
+        out.write(chunk)
+    out.finish()
+    assert b"".join(writes) == b"".join(chunks)
+    assert [len(w) for w in writes[:-1]] == [PIECE_BYTES] * 4
+    assert len(writes[-1]) == sum(map(len, chunks)) - 4 * PIECE_BYTES

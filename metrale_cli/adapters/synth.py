@@ -20,6 +20,7 @@ from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME
 from metrale_cli.bf16 import f32_to_bf16
 from metrale_cli.errors import OutputExists, UsageError
 from metrale_cli.files.atomic import atomic_directory
+from metrale_cli.files.pieces import PieceWriter
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule, in_slot_order
 
@@ -115,17 +116,19 @@ def synth_adapter(
     rng = np.random.default_rng(seed)
 
     def write_weights(f: Any) -> None:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+        out = PieceWriter(f)  # large aligned writes: `pack` reads the file at copy speed
+        out.write(len(blob).to_bytes(8, "little"))
+        out.write(blob)
         for _, rows, cols, std in plan:
             step = max(1, CHUNK_ELEMENTS // cols)
             for start in range(0, rows, step):
                 n = min(step, rows - start)
                 values = (rng.standard_normal((n, cols), dtype=np.float32) * np.float32(std))
                 if dtype == "bf16":
-                    f.write(f32_to_bf16(values).tobytes())
+                    out.write(f32_to_bf16(values).tobytes())
                 else:
-                    f.write(values.astype("<f4" if dtype == "f32" else "<f2").tobytes())
+                    out.write(values.astype("<f4" if dtype == "f32" else "<f2").tobytes())
+        out.finish()
 
     config = {
         "peft_type": "LORA",

@@ -24,6 +24,7 @@ from metrale_cli.adapters.overlays import OVERLAY_PART
 from metrale_cli.bf16 import non_finite
 from metrale_cli.errors import NonFiniteWeights, UsageError
 from metrale_cli.files.atomic import atomic_directory
+from metrale_cli.files.pieces import PieceWriter
 from metrale_cli.image.check import check, digest_state
 from metrale_cli.image.format import ImageTables, read_tables
 from metrale_cli.layout.sharding import RankLayout
@@ -302,8 +303,10 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
         configs.append(config)
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         with (tmp / WEIGHTS_NAME).open("wb") as f:
+            out = PieceWriter(f)  # large aligned writes: `pack` reads the file at copy speed
             for chunk in _safetensors_bytes(tensors):
-                f.write(chunk)
+                out.write(chunk)
+            out.finish()
             f.flush()
             os.fsync(f.fileno())
 
