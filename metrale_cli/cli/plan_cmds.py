@@ -84,7 +84,7 @@ def inspect(
     engine_args: Annotated[str | None, typer.Option(
         "--engine-args", help="With --confirm: more of vLLM's own arguments, as shell words "
         "(e.g. '--max-model-len 4096 --enforce-eager'); none that vLLM would read as one "
-        "metrale sets.",
+        "metrale sets or one that listens beyond 127.0.0.1.",
         show_default=False)] = None,
     confirm_timeout: Annotated[float | None, typer.Option(
         "--confirm-timeout", help="With --confirm: seconds for the whole check, the engine's "
