@@ -24,6 +24,7 @@ from metrale_cli.sim.costs import Link, SwapCost
 from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.workload import GeneratorSpec, Workload, generate, read_trace
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import one_line_error
 
 SLOT = ["--model", "qwen3-next-80b-a3b", "--modules", "q_proj,v_proj", "--max-rank", "16"]
 COST = SwapCost(slot_bytes=1000, bytes_per_s=1e6, latency_s=0.0, bandwidth="test")  # 1 ms
@@ -989,18 +990,24 @@ def test_bad_options_are_one_line(args: list[str], message: str) -> None:
 def test_a_size_past_every_adapter_resident_replays_as_that_size() -> None:
     """--max-loras 10**20 allocated slots until memory ran out (exit 70), and 10**6 beside 20
     adapters took 14 s: past every adapter resident, a size replays as that size, and only its
-    pool's bytes differ."""
+    pool's bytes differ; a size whose pool passes 1 PiB (10**20 slots) is a typo, refused as
+    every command and engine refuses it."""
     r = metrale("simulate", *SLOT, "--adapters", "20", "--requests", "300", "--policy",
-                "lru,fifo", "--max-loras", "20,99999999999999999999", "--json")
+                "lru,fifo", "--max-loras", "20,1000000", "--json")
     assert r.code == 0, r.stderr
     results = r.json()["results"]
     for policy in ("lru", "fifo"):
         small, huge = (x for x in results if x["policy"] == policy)
-        assert (small["max_loras"], huge["max_loras"]) == (20, 99999999999999999999)
+        assert (small["max_loras"], huge["max_loras"]) == (20, 1000000)
         assert huge["pool_bytes"] > small["pool_bytes"]
         differ = {"max_loras", "pool_bytes"}
         assert {k: v for k, v in huge.items() if k not in differ} == \
             {k: v for k, v in small.items() if k not in differ}
+    typo = metrale("simulate", *SLOT, "--adapters", "20", "--requests", "300", "--max-loras",
+                   "20,99999999999999999999")
+    one_line_error(typo, 2)
+    assert typo.stderr.startswith("error: a pool of 99,999,999,999,999,999,999 slots and its "
+                                  "tables would take ") and "check --max-loras" in typo.stderr
 
 
 @pytest.mark.sweep

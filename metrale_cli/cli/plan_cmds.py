@@ -150,8 +150,9 @@ def inspect(
         return
     audited = audit_adapters(adapters, model, max_rank=max_rank, experts=experts_on(experts),
                              online=online_on(online))
+    record = audited.record()  # a slot no machine holds is refused before any warning
     warn(audited.warnings)
-    emit(audited.record(), json_out, render.inspect_view)
+    emit(record, json_out, render.inspect_view)
     if not audited.servable:
         _exit_1([r.name for r in audited.reports if not r.servable], len(audited.reports),
                 "not servable")

@@ -756,6 +756,8 @@ class GeneratorSpec:
                 raise UsageError(f"{name} must be positive and finite, got {value}")
         if any(r <= 0 for r in self.ranks):
             raise UsageError(f"--ranks must be positive, got {','.join(map(str, self.ranks))}")
+        if any(r >= MAX_TOKENS for r in self.ranks):  # as a trace's rank column
+            raise UsageError(f"--ranks must be below 2**53, got {max(self.ranks):,}")
         for name, value in (("--requests", self.requests), ("--adapters", self.adapters)):
             if value > MAX_REQUESTS:  # refused before a column is allocated
                 raise UsageError(f"{name} {value:,} is more than a simulation takes "
