@@ -1464,3 +1464,18 @@ def test_progress_off_a_terminal_is_quiet_for_short_work(
     told = metrale(*args).stderr.splitlines()
     assert told and all(re.fullmatch(r"simulating: \d0% of 900 request replays", line)
                         for line in told), told
+
+
+def test_a_cap_past_every_request_or_a_host_tier_past_every_adapter_changes_nothing() -> None:
+    """--max-concurrency 10**20 and --host-slots 10**20 overflowed the core's int64s (exit 70):
+    a cap past every request caps nothing and a host tier past every adapter holds each one,
+    so each replays as the largest size that can matter."""
+    def hits(*args: str) -> list[tuple[int, int, int]]:
+        r = metrale("simulate", *SLOT, "--requests", "300", "--adapters", "10", "--max-loras",
+                    "2,4", "--policy", "lru", "--json", *args)
+        assert r.code == 0, r.stderr
+        return [(x["hits"], x["misses"], x["host_hits"]) for x in r.json()["results"]]
+
+    huge = "99999999999999999999"
+    assert hits("--max-concurrency", huge) == hits()
+    assert hits("--host-slots", huge) == hits("--host-slots", "10") != hits("--host-slots", "3")

@@ -151,7 +151,10 @@ class Replay:
         nxt = self.next_use
         load_s = np.asarray(loads.load_s, dtype=np.float64)
         load_bytes = np.asarray(self.load_bytes, dtype=np.int64)
-        host_slots = self.host.slots if self.host is not None else 0
+        # The core takes int64s: a host tier past every adapter holds every one, and a cap past
+        # every request caps nothing (10**20 of either overflowed, exit 70).
+        host_slots = min(self.host.slots, adapters) if self.host is not None else 0
+        seats = min(self.max_concurrency or len(adapter) + 1, len(adapter) + 1)
         if self.paging:
             (hits, delayed, misses, swaps, loads.bytes_moved, loads.swap_s, loads.link_wait_s,
              loads.host_hits, loads.host_misses, loads.host_bytes_moved) = core.paging(
@@ -162,7 +165,7 @@ class Replay:
         counts, seconds = core.concurrent(
             adapter, arrival, np.ascontiguousarray(self.hold, dtype=np.float64), nxt,
             core.POLICY_CODES[policy], max_loras, pinned, adapters,
-            self.max_concurrency or len(adapter) + 1, self.admission == "skip", load_s,
+            seats, self.admission == "skip", load_s,
             load_bytes, self.cost.links,
             host_slots, read_s, start, waits)
         (hits, delayed, misses, swaps, stalls, loads.bytes_moved, loads.host_hits,
