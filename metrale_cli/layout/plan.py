@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metrale_cli.adapters.audit import AdapterReport
+from metrale_cli.arguments import checked_fields
 from metrale_cli.errors import UsageError
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.slot_layout import DEFAULT_ALIGN, SlotLayout, refuse_past_plan_bytes
@@ -90,6 +91,7 @@ def plan_layouts(
     return layout, expert_layout
 
 
+@checked_fields("PoolPlan")
 @dataclass(frozen=True)
 class PoolPlan:
     """A pool's layouts and size: `max_loras` slots, or as many as fit in `budget_bytes`."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.adapters.experts import ROUTER_EXPERT, ExpertPair, ExpertProj
+from metrale_cli.arguments import checked_fields
 from metrale_cli.errors import NotServable, UsageError
 from metrale_cli.layout.expert_layout import EXPERT_LAYOUT_FORMAT, ExpertEntry, ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
@@ -48,6 +49,7 @@ from metrale_cli.model.families import ModuleSpec, Split
 from metrale_cli.model.modules import LoraModule
 
 
+@checked_fields("ShardSpec")
 @dataclass(frozen=True)
 class ShardSpec:
     """One rank of a TP deployment: `tp_size` ranks shard attention; the experts go to

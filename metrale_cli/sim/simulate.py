@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from metrale_cli import compat
+from metrale_cli.arguments import checked_fields
 from metrale_cli.errors import UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.layout.expert_layout import ExpertLayout
@@ -77,6 +78,7 @@ class EngineCache:
                 "tiers": {str(n): self.at(n)[0].record() for n in sizes}}
 
 
+@checked_fields("Targets")
 @dataclass(frozen=True)
 class Targets:
     hit_rate: float | None = None

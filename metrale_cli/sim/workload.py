@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from metrale_cli.arguments import checked_fields
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.files.jsondoc import load_json
@@ -726,6 +727,7 @@ def _parse_row(path: Path, line: int,
 # -- generators ---------------------------------------------------------------------------------
 
 
+@checked_fields("GeneratorSpec")
 @dataclass(frozen=True)
 class GeneratorSpec:
     """A seeded workload: `kind` picks the adapter of each request over `adapters` adapters;
