@@ -966,7 +966,14 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--workload", "slora", "--alpha", "inf"], "--alpha must be positive and finite"),
     (["--decode-tok-s", "inf"], "must be positive and finite"),
     (["--prefill-tok-s", "nan"], "must be positive and finite"),
-    (["--swap-latency-ms", "nan"], "--swap-latency-ms must be >= 0 and finite"),
+    (["--swap-latency-ms", "nan"], "--swap-latency-ms must be between 0 and 86,400,000 (a day), "
+     "got nan"),
+    # Finite, but the replay's sums of latencies and of request times were not: inf in the
+    # view, and --json exited 70 on inf or nan.
+    (["--swap-latency-ms", "1e308", "--json"], "--swap-latency-ms must be between 0 and "
+     "86,400,000 (a day), got 1e+308"),
+    (["--decode-tok-s", "1e-308", "--json"], "--prefill-tok-s 10000 and --decode-tok-s 1e-308 "
+     "give request times beyond floating point; choose larger ones"),
     (["--target-p99-ms", "inf"], "--target-p99-ms must be >= 0 and finite"),
     (["--rate", "1e308", "--cv", "1e300"], "beyond floating point"),
     (["--seed", "-1"], "--seed must be non-negative"),

@@ -22,6 +22,9 @@ BANDWIDTHS: dict[str, tuple[float, float, str]] = {
     "nvlink": (450e9, 10e-6, "NVLink 4 GPU to GPU, one direction (H100/H200, nominal)"),
     "nvme": (7e9, 100e-6, "PCIe 4.0 NVMe SSD sequential read"),
 }
+# The longest per-load latency taken: past a day a figure is a typo, and a replay's sums of
+# latencies overflow floating point (1e308 ms printed inf, and --json exited 70).
+MAX_LATENCY_S = 86400.0
 # Copy links per GPU: a GPU has a few copy engines; past this a figure is a typo, and the
 # link clock would allocate one entry per link.
 MAX_LINKS = 1024
@@ -39,9 +42,9 @@ class Link:
         if not 0 < self.bytes_per_s < math.inf:
             raise UsageError(f"a link's bandwidth must be positive and finite, got "
                              f"{self.bytes_per_s:g} B/s")
-        if not 0 <= self.latency_s < math.inf:
-            raise UsageError(f"--swap-latency-ms must be >= 0 and finite, got "
-                             f"{1e3 * self.latency_s:g}")
+        if not 0 <= self.latency_s <= MAX_LATENCY_S:
+            raise UsageError(f"--swap-latency-ms must be between 0 and {1e3 * MAX_LATENCY_S:,.0f} "
+                             f"(a day), got {1e3 * self.latency_s:g}")
 
     @classmethod
     def preset(cls, name: str) -> Link:

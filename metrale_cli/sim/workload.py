@@ -68,8 +68,16 @@ class Workload:
         """[N] float64: how long each request holds its slot, from admission to completion."""
         if not (0 < prefill_tok_s < math.inf and 0 < decode_tok_s < math.inf):
             raise UsageError("--prefill-tok-s and --decode-tok-s must be positive and finite")
-        from_tokens = self.input_tokens / prefill_tok_s + self.output_tokens / decode_tok_s
-        return np.where(np.isnan(self.duration), from_tokens, self.duration)
+        with np.errstate(over="ignore"):  # refused below
+            from_tokens = self.input_tokens / prefill_tok_s + self.output_tokens / decode_tok_s
+            hold = np.where(np.isnan(self.duration), from_tokens, self.duration)
+            # Every time the replay adds up stays below the holds' sum past the last arrival.
+            total = float(hold.sum()) + (float(self.arrival[-1]) if self.requests else 0.0)
+        if not math.isfinite(total):
+            raise UsageError(f"--prefill-tok-s {prefill_tok_s:g} and --decode-tok-s "
+                             f"{decode_tok_s:g} give request times beyond floating point; "
+                             "choose larger ones")
+        return hold
 
     def next_use(self) -> np.ndarray:
         """[N] int64: the index of the next request for the same adapter, or -1 when none (and
