@@ -972,6 +972,8 @@ def test_parse_sizes_and_bandwidth() -> None:
     # view, and --json exited 70 on inf or nan.
     (["--swap-latency-ms", "1e308", "--json"], "--swap-latency-ms must be between 0 and "
      "86,400,000 (a day), got 1e+308"),
+    # 1 / cv**2 divided by zero (exit 70).
+    (["--cv", "1e-308"], "--cv 1e-308 is too small: its square underflows floating point"),
     (["--decode-tok-s", "1e-308", "--json"], "--prefill-tok-s 10000 and --decode-tok-s 1e-308 "
      "give request times beyond floating point; choose larger ones"),
     (["--target-p99-ms", "inf"], "--target-p99-ms must be >= 0 and finite"),
@@ -1486,3 +1488,12 @@ def test_a_cap_past_every_request_or_a_host_tier_past_every_adapter_changes_noth
     huge = "99999999999999999999"
     assert hits("--max-concurrency", huge) == hits()
     assert hits("--host-slots", huge) == hits("--host-slots", "10") != hits("--host-slots", "3")
+
+
+def test_a_zipf_exponent_past_floating_point_sends_every_request_to_the_first_adapter() -> None:
+    """--zipf-s 1e308: every weight but the first is 0, as the formula says; NumPy's overflow
+    warning was a second line on stderr."""
+    r = metrale("simulate", *SLOT, "--requests", "200", "--adapters", "10", "--max-loras", "2",
+                "--policy", "lru", "--zipf-s", "1e308", "--json")
+    assert r.code == 0 and r.stderr == "", r.stderr
+    assert r.json()["workload"]["distinct_adapters"] == 1

@@ -14,6 +14,7 @@ import io
 import itertools
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -764,6 +765,9 @@ class GeneratorSpec:
                             ("--alpha", self.alpha)):
             if not (value > 0 and math.isfinite(value)):
                 raise UsageError(f"{name} must be positive and finite, got {value}")
+        if self.cv * self.cv < sys.float_info.min:  # the gamma's shape is 1 / cv**2
+            raise UsageError(f"--cv {self.cv:g} is too small: its square underflows floating "
+                             "point")
         if any(r <= 0 for r in self.ranks):
             raise UsageError(f"--ranks must be positive, got {','.join(map(str, self.ranks))}")
         if any(r >= MAX_TOKENS for r in self.ranks):  # as a trace's rank column
@@ -810,7 +814,8 @@ def generate(spec: GeneratorSpec) -> Workload:
     else:
         rng = np.random.default_rng(spec.seed)
         if spec.kind == "zipf":
-            weights = 1.0 / np.arange(1, count + 1, dtype=np.float64) ** spec.zipf_s
+            with np.errstate(over="ignore"):  # a large --zipf-s: every weight but the first 0
+                weights = 1.0 / np.arange(1, count + 1, dtype=np.float64) ** spec.zipf_s
             adapter = rng.choice(count, size=n, p=weights / weights.sum())
         elif spec.kind == "uniform":
             adapter = rng.integers(0, count, size=n)
