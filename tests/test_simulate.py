@@ -419,6 +419,9 @@ def test_trace_rows(tmp_path: Path) -> None:
      r"t\.jsonl:1: a line longer than 65536 characters"),
     ("t.csv", "timestamp,adapter\n1," + "a" * (1 << 20) + "\n",
      r"t\.csv:2: a line longer than 65536 characters"),
+    # Durations each finite, their sum not: a trace no replay can add up.
+    ("t.csv", "timestamp,adapter,duration\n0,a,1e308\n1,a,1e308\n",
+     r"t\.csv: its durations add up beyond floating point$"),
     # Short lines, but one quoted cell across them past the csv module's field limit.
     ("t.csv", 'timestamp,adapter\n1,"' + ("a" * 60_000 + "\n") * 3 + '"\n',
      r"t\.csv:\d+: not CSV \(field larger than field limit"),
@@ -975,6 +978,8 @@ def test_parse_sizes_and_bandwidth() -> None:
     # 1 / cv**2 divided by zero (exit 70).
     (["--cv", "1e-308"], "--cv 1e-308 is too small: its square underflows floating point"),
     (["--decode-tok-s", "1e-308", "--json"], "--prefill-tok-s 10000 and --decode-tok-s 1e-308 "
+     "give request times beyond floating point; choose larger ones"),
+    (["--decode-tok-s", "1e-303", "--json"], "--prefill-tok-s 10000 and --decode-tok-s 1e-303 "
      "give request times beyond floating point; choose larger ones"),
     (["--target-p99-ms", "inf"], "--target-p99-ms must be >= 0 and finite"),
     (["--rate", "1e308", "--cv", "1e300"], "beyond floating point"),

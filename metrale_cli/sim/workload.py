@@ -72,8 +72,14 @@ class Workload:
         with np.errstate(over="ignore"):  # refused below
             from_tokens = self.input_tokens / prefill_tok_s + self.output_tokens / decode_tok_s
             hold = np.where(np.isnan(self.duration), from_tokens, self.duration)
-            # Every time the replay adds up stays below the holds' sum past the last arrival.
-            total = float(hold.sum()) + (float(self.arrival[-1]) if self.requests else 0.0)
+            # A request waits at most the holds' sum past the last arrival, and the replay adds
+            # up every request's wait: requests times that must be a number.
+            total = (float(hold.sum()) + (float(self.arrival[-1]) if self.requests else 0.0)
+                     ) * max(1, self.requests)
+            given = float(np.nansum(self.duration))
+        if not math.isfinite(given):
+            raise FormatError(f"{self.source.get('path', 'the trace')}: its durations add up "
+                              "beyond floating point")
         if not math.isfinite(total):
             raise UsageError(f"--prefill-tok-s {prefill_tok_s:g} and --decode-tok-s "
                              f"{decode_tok_s:g} give request times beyond floating point; "
