@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from metrale_cli.errors import UsageError
 
 # Named links a slot's bytes cross on a swap: (bytes per second, per-swap latency in seconds,
@@ -117,13 +119,16 @@ class Loads:
     def __init__(self, cost: SwapCost, load_bytes: Sequence[int], host: HostTier | None) -> None:
         self.cost, self.host = cost, host
         self.load_bytes = load_bytes
-        self.load_s = [cost.load_seconds(b) for b in load_bytes]
+        # `cost.load_seconds` of each, in one pass (a loop over 10,000,000 adapters took 0.5 s
+        # a run); the same float64 arithmetic.
+        loaded = np.asarray(load_bytes, dtype=np.float64)
+        self.load_s = (loaded / cost.bytes_per_s + cost.latency_s).tolist()
         self.gpu = LinkClock(cost.links)
         self.bytes_moved = 0
         self.swap_s = self.link_wait_s = 0.0
         self.host_hits = self.host_misses = self.host_bytes_moved = 0
         if host is not None:
-            self.read_s = [b / host.link.bytes_per_s + host.link.latency_s for b in load_bytes]
+            self.read_s = (loaded / host.link.bytes_per_s + host.link.latency_s).tolist()
             self.disk = LinkClock(1)
             self.resident: OrderedDict[int, None] = OrderedDict()
 
