@@ -169,6 +169,10 @@ def test_an_engine_budget_below_one_slot_is_the_same_answer(engine: str, label: 
      "machine holds: check --max-loras"),
     (["layout", "--modules", "q_proj", "--max-rank", "8", "--budget", "1e30"],
      "error: a pool of 238,389,024,187,903,954,941,762 slots and its tables would take"),
+    # Every region padded to 1 TiB: a 64 TiB slot, exit 0.
+    (["layout", "--modules", "q_proj", "--max-rank", "8", "--align", "1099511627776"],
+     "error: alignment must be at most 2,097,152 bytes (a GPU's large page), got "
+     "1,099,511,627,776"),
 ])
 def test_a_slot_or_pool_no_machine_holds_is_refused(args: list[str], says: str) -> None:
     """metrale's own pool, as the engines' plans: a slot or a pool past 1 PiB is a typo in

@@ -23,6 +23,9 @@ from metrale_cli.model.modules import LoraModule, in_slot_order
 
 BF16_BYTES = 2
 DEFAULT_ALIGN = 256
+# The widest alignment taken: a GPU's 2 MiB large page. Every region pads to it, so past it a
+# figure is a typo (a 1 TiB alignment made a 64 TiB slot of 32 regions, exit 0).
+MAX_ALIGN = 1 << 21
 LAYOUT_FORMAT = "slot-layout/1"
 # Per slot and entry the pool keeps an A and a B pointer (u64); per slot a scale (f32) and a
 # rank (i32).
@@ -86,6 +89,9 @@ def check_rank_and_align(max_rank: int, align: int) -> None:
     if align < 16:
         # Every region starts on `align`; the kernels read weights with 16-byte loads.
         raise UsageError(f"alignment must be at least 16 bytes (the kernels' loads), got {align}")
+    if align > MAX_ALIGN:
+        raise UsageError(f"alignment must be at most {MAX_ALIGN:,} bytes (a GPU's large page), "
+                         f"got {align:,}")
 
 
 # B's output rows `[lo, hi)` an entry holds, as runs in B's row order.
