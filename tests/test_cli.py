@@ -119,6 +119,14 @@ def test_inspect_ends_with_why_it_exits_1(synth_pair: tuple[Path, Path]) -> None
          "must be positive"),
         (["layout", "--model", "qwen3-8b", "--max-rank", "8", "--modules", "q_proj",
           "--budget", "lots"], 2, "not a size"),
+        # Finite, but its bytes were not: int() of infinity (exit 70), in layout, simulate's
+        # --budget and --bandwidth alike.
+        (["layout", "--model", "qwen3-8b", "--max-rank", "8", "--modules", "q_proj",
+          "--budget", "1e300TiB"], 2,
+         "not a size: '1e300TiB' (more bytes than floating point holds)"),
+        (["simulate", "--model", "qwen3-8b", "--max-rank", "8", "--modules", "q_proj",
+          "--requests", "50", "--bandwidth", "1e300TB/s"], 2,
+         "--bandwidth: not a size: '1e300tb' (more bytes than floating point holds)"),
         (["pack", "/nonexistent", "--max-loras", "2"], 2, "no such adapter"),
     ],
 )
