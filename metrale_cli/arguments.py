@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from metrale_cli.errors import UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C")
 _UNCHECKED = object()
 
 
@@ -70,6 +71,17 @@ def checked_as(public_name: str) -> Callable[[F], F]:
     API exports (`@checked_as("SlotManager")` on `__init__`): the same check as the functions',
     named as the caller wrote it. Not for a method on a hot path (about 30 us a call)."""
     return lambda fn: checked(fn, public_name)
+
+
+def checked_fields(public_name: str) -> Callable[[type[C]], type[C]]:
+    """`checked` on the constructor of a dataclass the API exports (`@checked_fields("ShardSpec")`
+    above `@dataclass`): every field given is compared with its annotation before the
+    dataclass's own `__post_init__` reads it, so `ShardSpec(None)` is a UsageError naming
+    `tp_size`, not a TypeError from a comparison."""
+    def wrap(cls: type[C]) -> type[C]:
+        cls.__init__ = checked(cls.__init__, public_name)  # type: ignore[misc]
+        return cls
+    return wrap
 
 
 def describe_argument(value: Any) -> str:

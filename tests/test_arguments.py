@@ -5,6 +5,7 @@ TypeError or AttributeError, `resolve_model(None)` "'NoneType' object has no att
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from pathlib import Path
@@ -81,7 +82,7 @@ def _audited() -> Any:
      "a slot manager holds (at most 1,048,576)"),
     (lambda: metrale_cli.LoraPool(None, 2), "LoraPool: layout must be SlotLayout, got None"),
     (lambda: metrale_cli.generate(metrale_cli.GeneratorSpec("zipf", 10, seed=float("nan"))),
-     "--seed must be non-negative, an integer, got nan"),
+     "GeneratorSpec: seed must be int, got float nan"),
     (lambda: metrale_cli.engine_inspect(_audited(), metrale_cli.get_engine("vllm"),
                                         {"--max-loras": "x"}),
      "engine_inspect: given['--max-loras'] must be int, got str 'x'"),
@@ -107,6 +108,50 @@ def test_the_classes_reported_cases(call: Any, says: str) -> None:
     with pytest.raises(UsageError) as caught:
         call()
     assert str(caught.value).startswith(says), str(caught.value)
+
+
+# The dataclasses a caller builds and hands in: each field given is checked as it is made.
+SPECS = {"ShardSpec": (2,), "PoolPlan": (None,), "GeneratorSpec": ("zipf", 10), "Targets": ()}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_every_field_of_the_wrong_type_is_named(name: str) -> None:
+    """`ShardSpec(None)`, `GeneratorSpec("zipf", None)`, `PoolPlan("x")`: a TypeError from a
+    comparison, an AttributeError, or a NumPy error deep in `generate`, before."""
+    cls = getattr(metrale_cli, name)
+    for field in dataclasses.fields(cls):
+        with pytest.raises(UsageError) as caught:
+            cls(**{field.name: Wrong()})
+        message = str(caught.value)
+        assert message.startswith(f"{name}: {field.name} must be "), message
+    assert str(metrale_cli.ShardSpec(2)) == ("ShardSpec(tp_size=2, tp_rank=0, ep_size=1, "
+                                            "fully_sharded=False)")
+
+
+# Methods of the pool and the slot manager with what a wrong argument did before.
+@pytest.mark.parametrize(("call", "says"), [
+    # A bare AttributeError, from deep in the swap.
+    (lambda pool, slots: pool.swap_in(0, None),
+     "LoraPool.swap_in: report must be AdapterReport, got None"),
+    (lambda pool, slots: pool.land_slot(0, "pool", 0),
+     "LoraPool.land_slot: source must be SlotSource, got str 'pool'"),
+    # -1 read the last entry's table, "c" the B tables: an address, and no error.
+    (lambda pool, slots: pool.table_address(-1), "entry -1 is out of range [0, 2)"),
+    (lambda pool, slots: pool.table_address(0, "c"), "which must be 'a' or 'b', got 'c'"),
+    (lambda pool, slots: slots.routed_prefill_slot(None), "adapter_slot must be int, got None"),
+    (lambda pool, slots: slots.adapter_id_for_slot("0"), "slot must be int, got str '0'"),
+    (lambda pool, slots: slots.slot_of(["a"]), "name must be str, got list ['a']"),
+    (lambda pool, slots: slots.load_pinned(None),
+     "SlotManager.load_pinned: infos must be list of AdapterSlot, got None"),
+])
+def test_the_pools_and_slot_managers_methods_check_their_arguments(call: Any,
+                                                                   says: str) -> None:
+    model = metrale_cli.resolve_model("llama-3.1-8b")
+    layout = metrale_cli.SlotLayout.build(dataclasses.replace(model, num_hidden_layers=2),
+                                          [metrale_cli.LoraModule.Q_PROJ], 8)
+    with pytest.raises(UsageError) as caught:
+        call(metrale_cli.LoraPool(layout, 2), metrale_cli.SlotManager(4))
+    assert str(caught.value) == says
 
 
 def test_right_types_pass_through() -> None:

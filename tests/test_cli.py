@@ -119,7 +119,19 @@ def test_inspect_ends_with_why_it_exits_1(synth_pair: tuple[Path, Path]) -> None
          "must be positive"),
         (["layout", "--model", "qwen3-8b", "--max-rank", "8", "--modules", "q_proj",
           "--budget", "lots"], 2, "not a size"),
+        # Finite, but its bytes were not: int() of infinity (exit 70), in layout, simulate's
+        # --budget and --bandwidth alike.
+        (["layout", "--model", "qwen3-8b", "--max-rank", "8", "--modules", "q_proj",
+          "--budget", "1e300TiB"], 2,
+         "not a size: '1e300TiB' (more bytes than floating point holds)"),
+        (["simulate", "--model", "qwen3-8b", "--max-rank", "8", "--modules", "q_proj",
+          "--requests", "50", "--bandwidth", "1e300TB/s"], 2,
+         "--bandwidth: not a size: '1e300tb' (more bytes than floating point holds)"),
         (["pack", "/nonexistent", "--max-loras", "2"], 2, "no such adapter"),
+        # It wrote an adapter that pack, inspect and every engine check then refuse.
+        (["synth", "/nonexistent/out", "--model", "qwen3-8b", "--modules", "q_proj", "--rank",
+          "2", "--alpha", "1e308"], 2, "--alpha 1e+308 with --rank 2 gives a scaling of "
+         "5e+307, outside the 2^-60 to 2^60 a pool holds"),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], code: int, message: str) -> None:

@@ -96,6 +96,21 @@ def adapter(peft_zoo) -> Path:  # type: ignore[no-untyped-def]
     (["--engine", "vllm", "--confirm", "--engine-args", "--enforce-eager --"],
      "--engine-args: -- is not passed through (it would end vLLM's options before "
      "metrale's)"),
+    # Options that listen beyond 127.0.0.1 or start engines beside the one checked: KV events
+    # on tcp://*:5557, a data-parallel address, a one-letter option with its value attached.
+    *[(["--engine", "vllm", "--confirm", "--engine-args", words],
+       f"--engine-args: {said} not passed through (it listens beyond 127.0.0.1 or starts "
+       "engines beside the one metrale checks)")
+      for words, said in (
+          ("--kv-e '{\"enable_kv_cache_events\": true}'", "--kv-e is vLLM's --kv-events-config,"),
+          ("--data_parallel_a 0.0.0.0", "--data_parallel_a is vLLM's --data-parallel-address,"),
+          ("--enforce-eager -n2", "-n2 is vLLM's -n,"), ("-r=1", "-r is"),
+          ("--uds /tmp/vllm.sock", "--uds is"), ("--headl", "--headl is vLLM's --headless,"),
+          ("--distributed-executor-backend ray",  "--distributed-executor-backend is"))],
+    # vLLM takes the word after a dotted key as its value: here metrale's --model would be.
+    (["--engine", "vllm", "--confirm", "--engine-args", "--compilation-config.mode"],
+     "--engine-args: --compilation-config.mode ends the words without its value (vLLM would "
+     "take metrale's --model as it); give it one"),
     # Past what the clock and sockets can add to a time (an OverflowError once vLLM was up).
     *[(["--engine", "vllm", "--confirm", "--confirm-timeout", given],
        f"--confirm-timeout {read}: a positive number of seconds, at most 604800 (a week)")
@@ -127,12 +142,13 @@ def test_an_engine_python_without_vllm_is_refused(adapter: Path) -> None:
 
 
 def _own_spellings() -> list[str]:
-    """Every spelling vLLM's parser could take for an option metrale sets: each prefix of each
-    name (argparse's abbreviations), `_` for `-`, a `=value` and a dotted JSON key."""
-    from metrale_cli.engines.vllm.confirm import _OWN_ARGS
+    """Every spelling vLLM's parser could take for an option metrale sets or refuses as one that
+    listens beyond 127.0.0.1: each prefix of each name (argparse's abbreviations), `_` for `-`,
+    a `=value` and a dotted JSON key."""
+    from metrale_cli.engines.vllm.confirm import _NETWORK_ARGS, _OWN_ARGS
 
     words = set()
-    for own in _OWN_ARGS:
+    for own in (*_OWN_ARGS, *_NETWORK_ARGS):
         dashes = 2 if own.startswith("--") else 1
         for end in range(dashes + 1, len(own) + 1):
             prefix = own[:end]
@@ -146,11 +162,16 @@ def _own_spellings() -> list[str]:
 @pytest.mark.vllm
 @pytest.mark.proc
 def test_engine_args_refuse_what_vllms_own_parser_reads_as_metrales(tmp_path: Path) -> None:
-    """Against the parser of the installed vLLM: every word it reads as an option metrale sets
-    is refused, every other option it has is passed, a refused word is one vLLM reads as
-    metrale's or refuses (unknown, or a prefix of several), and in the command metrale builds
-    metrale's values are the ones vLLM ends with."""
-    from metrale_cli.engines.vllm.confirm import _OWN_ARGS, VllmServer, refuse_own_args
+    """Against the parser of the installed vLLM: every word it reads as an option metrale sets,
+    or as one that listens beyond 127.0.0.1, is refused, every other option it has is passed, a
+    refused word is one vLLM reads as one of those or refuses (unknown, or a prefix of several),
+    and in the command metrale builds metrale's values are the ones vLLM ends with."""
+    from metrale_cli.engines.vllm.confirm import (
+        _NETWORK_ARGS,
+        _OWN_ARGS,
+        VllmServer,
+        refuse_own_args,
+    )
     from metrale_cli.errors import UsageError
 
     def refused(words: list[str]) -> bool:
@@ -171,8 +192,9 @@ def test_engine_args_refuse_what_vllms_own_parser_reads_as_metrales(tmp_path: Pa
                     str(tmp_path / "in.json"), str(tmp_path / "out.json")], check=True,
                    capture_output=True, timeout=600)
     out = json.loads((tmp_path / "out.json").read_text())
-    own = {out["options"][o] for o in _OWN_ARGS}
-    assert own >= {"host", "port", "max_loras", "max_lora_rank", "enable_lora"}
+    own = {out["options"][o] for o in (*_OWN_ARGS, *_NETWORK_ARGS)}
+    assert own >= {"host", "port", "max_loras", "max_lora_rank", "enable_lora", "uds",
+                   "kv_events_config", "data_parallel_address", "nnodes", "node_rank"}
     # null: an option vLLM does not know (it exits on it); "ambiguous": a prefix of several.
     wrong = [(word, dest) for word, dest in out["resolved"].items()
              if refused([word, "1"]) != (dest in own)

@@ -274,3 +274,26 @@ def test_architectures_holding_no_class_name_is_one_verdict(
         assert engine["reason_class"] == "architecture"
         assert "not a class name" in engine["reason"]
         assert {p["verdict"] for p in engine["paths"].values()} == {"unsupported_model"}
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    ({"r": "abc"}, "r 'abc' is not a positive integer"),
+    ({"r": [4]}, "r [4] is not a positive integer"),
+    ({"lora_alpha": None}, "lora_alpha None is not a finite number"),
+    ({"lora_alpha": "4"}, "lora_alpha '4' is not a finite number"),
+    ({"target_modules": None}, "target_modules None is neither a name nor a list of names"),
+])
+def test_config_values_sglang_cannot_use_are_a_refusal(
+        adapters: dict[str, Path], tmp_path: Path, edit: dict[str, object], says: str) -> None:
+    """SGLang reads r, lora_alpha and target_modules unchecked and then compares, divides and
+    normalises them: a value of another kind is its load's failure (exit 1, the adapter
+    `refuses`), not metrale's internal error (exit 70 from the same arithmetic in the rules)."""
+    from tests.support.hostile_inputs import copy_adapter
+
+    bad = copy_adapter(adapters["plain"], tmp_path / "bad", **edit)
+    done = metrale("inspect", bad, adapters["plain"], "--engine", "sglang", "--json")
+    assert done.code == 1, done.stderr
+    first, second = (a["engine"] for a in done.json()["adapters"])
+    assert first["verdict"] == "refuses" and first["reason_class"] == "config_value"
+    assert says in first["reason"]
+    assert second["verdict"] == "serves"  # the start-up pool is sized without the bad one

@@ -153,3 +153,31 @@ def test_an_engine_budget_below_one_slot_is_the_same_answer(engine: str, label: 
         f"({slot / 2**20:.2f} MiB) per GPU"]
     plain = metrale(*args, "--tp", "1", "--budget", "40", *extra)
     assert plain.code == 2 and plain.stderr.startswith(f"error: --budget 40: {said}; one slot ")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["layout", "--modules", "q_proj", "--max-rank", "99999999999999999999"],
+     "error: a slot would take 52,428,799,999,999,999,999,475,712 B (47,683,715,820,312 TiB), "
+     "past the 1,024 TiB no machine holds: check --max-rank"),
+    # An OverflowError (exit 70) making the replay's int64 load sizes.
+    (["simulate", "--modules", "q_proj", "--max-rank", "99999999999999999999", "--requests",
+      "50", "--max-loras", "2"], "error: a slot would take 52,428,799,999,999,999,999,475,712 B"),
+    (["layout", "--modules", "q_proj", "--max-rank", "8", "--max-loras",
+      "99999999999999999999"],
+     "error: a pool of 99,999,999,999,999,999,999 slots and its tables would take "
+     "419,482,399,999,999,999,995,805,176 B (381,517,020,286,992 TiB), past the 1,024 TiB no "
+     "machine holds: check --max-loras"),
+    (["layout", "--modules", "q_proj", "--max-rank", "8", "--budget", "1e30"],
+     "error: a pool of 238,389,024,187,903,954,941,762 slots and its tables would take"),
+    # Every region padded to 1 TiB: a 64 TiB slot, exit 0.
+    (["layout", "--modules", "q_proj", "--max-rank", "8", "--align", "1099511627776"],
+     "error: alignment must be at most 2,097,152 bytes (a GPU's large page), got "
+     "1,099,511,627,776"),
+])
+def test_a_slot_or_pool_no_machine_holds_is_refused(args: list[str], says: str) -> None:
+    """metrale's own pool, as the engines' plans: a slot or a pool past 1 PiB is a typo in
+    --max-rank, --max-loras or --budget, refused with its size (it printed 381 trillion TiB
+    with exit 0)."""
+    done = metrale(*args, "-m", "llama-3.1-8b")
+    one_line_error(done, 2)
+    assert done.stderr.startswith(says) and done.stdout == ""

@@ -184,6 +184,8 @@ def test_an_adapter_directory_named_like_a_preset_does_not_hide_it(
     ({"num_key_value_heads": 7}, "'num_key_value_heads' 7 does not divide 'num_attention_heads' 2"),
     ({"num_key_value_heads": 0}, "'num_key_value_heads' missing or not a positive integer"),
     ({"head_dim": None, "hidden_size": 1}, "no 'head_dim', and 'hidden_size' 1 is smaller"),
+    # true read as an interval of 1: every layer full attention, exit 0.
+    ({"full_attention_interval": True}, "full_attention_interval must be a positive int"),
 ])
 def test_base_model_configs_that_cannot_be_built_are_refused(
     tmp_path: Path, edit: dict[str, object], says: str

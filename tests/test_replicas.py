@@ -11,6 +11,7 @@ from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.replicas import Replicas, Routing, route
 from metrale_cli.sim.workload import GeneratorSpec, Workload, generate
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import one_line_error
 
 COST = SwapCost(slot_bytes=1000, bytes_per_s=1e6, latency_s=0.0, bandwidth="test")  # 1 ms
 SLOT = ["--model", "qwen3-8b", "--modules", "q_proj", "--max-rank", "8"]
@@ -44,7 +45,7 @@ def test_routes() -> None:
     same = requests([0, 0, 0])
     assert route(same, np.full(3, 10.0), Routing(2, "affinity"), 1, (), 2).tolist() == [0, 0, 1]
     assert route(same, np.full(3, 10.0), Routing(2, "affinity"), 1, (), None).tolist() == [0] * 3
-    for bad, message in ((lambda: Routing(0), "--replicas must be positive"),
+    for bad, message in ((lambda: Routing(0), "--replicas must be between 1 and 1,024, got 0"),
                          (lambda: Routing(2, "sticky"), "--route must be one of")):
         with pytest.raises(UsageError, match=message):
             bad()
@@ -90,7 +91,12 @@ def test_cli_replicas() -> None:
                    "lru", "--replicas", "2")
     assert "2, affinity routing" in view.stdout and "hit % by" in view.stdout
     bad = metrale("simulate", *SLOT, "--requests", "30", "--replicas", "0")
-    assert bad.code == 2 and "--replicas must be positive" in bad.stderr
+    assert bad.code == 2 and "--replicas must be between 1 and 1,024, got 0" in bad.stderr
+    # A typo's 10**20 replicas is refused at once (the router made a queue for each replica:
+    # MemoryError, exit 70 after 40 s).
+    huge = metrale("simulate", *SLOT, "--requests", "30", "--replicas", "99999999999999999999")
+    one_line_error(huge, 2)
+    assert "--replicas must be between 1 and 1,024, got 99,999,999,999,999,999,999" in huge.stderr
 
 
 def test_affinity_in_paging_mode_spreads_over_every_replica() -> None:

@@ -650,3 +650,17 @@ def test_a_module_at_two_paths_is_refused_with_the_path_that_does_not_split(
     with pytest.raises(UsageError) as refused:
         RankLayout.of(layout, ShardSpec(2, 0)).entries  # noqa: B018
     assert str(refused.value) == says
+
+
+@pytest.mark.parametrize("command", [
+    ["layout", "--modules", "q_proj", "--max-rank", "8"],
+    ["layout", "--modules", "q_proj", "--max-rank", "8", "--budget", "1GiB"],
+    ["simulate", "--modules", "q_proj", "--max-rank", "8", "--requests", "100", "--adapters",
+     "5", "--max-loras", "2"],
+])
+def test_a_tp_no_model_takes_is_refused_before_its_ranks_are_made(command: list[str]) -> None:
+    """--tp 10**20 is the model's refusal at once: every rank's layout was made first (a list
+    of 10**20, a MemoryError after a minute)."""
+    done = metrale(*command, "-m", "llama-3.1-8b", "--tp", "99999999999999999999")
+    one_line_error(done, 2)
+    assert "query heads (32) do not split over --tp 99999999999999999999" in done.stderr

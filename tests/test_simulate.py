@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from metrale_cli.sim.costs import Link, SwapCost
 from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.workload import GeneratorSpec, Workload, generate, read_trace
 from tests.support.cli_runner import metrale
+from tests.support.hostile_inputs import one_line_error
 
 SLOT = ["--model", "qwen3-next-80b-a3b", "--modules", "q_proj,v_proj", "--max-rank", "16"]
 COST = SwapCost(slot_bytes=1000, bytes_per_s=1e6, latency_s=0.0, bandwidth="test")  # 1 ms
@@ -418,6 +420,9 @@ def test_trace_rows(tmp_path: Path) -> None:
      r"t\.jsonl:1: a line longer than 65536 characters"),
     ("t.csv", "timestamp,adapter\n1," + "a" * (1 << 20) + "\n",
      r"t\.csv:2: a line longer than 65536 characters"),
+    # Durations each finite, their sum not: a trace no replay can add up.
+    ("t.csv", "timestamp,adapter,duration\n0,a,1e308\n1,a,1e308\n",
+     r"t\.csv: its durations add up beyond floating point$"),
     # Short lines, but one quoted cell across them past the csv module's field limit.
     ("t.csv", 'timestamp,adapter\n1,"' + ("a" * 60_000 + "\n") * 3 + '"\n',
      r"t\.csv:\d+: not CSV \(field larger than field limit"),
@@ -965,7 +970,18 @@ def test_parse_sizes_and_bandwidth() -> None:
     (["--workload", "slora", "--alpha", "inf"], "--alpha must be positive and finite"),
     (["--decode-tok-s", "inf"], "must be positive and finite"),
     (["--prefill-tok-s", "nan"], "must be positive and finite"),
-    (["--swap-latency-ms", "nan"], "--swap-latency-ms must be >= 0 and finite"),
+    (["--swap-latency-ms", "nan"], "--swap-latency-ms must be between 0 and 86,400,000 (a day), "
+     "got nan"),
+    # Finite, but the replay's sums of latencies and of request times were not: inf in the
+    # view, and --json exited 70 on inf or nan.
+    (["--swap-latency-ms", "1e308", "--json"], "--swap-latency-ms must be between 0 and "
+     "86,400,000 (a day), got 1e+308"),
+    # 1 / cv**2 divided by zero (exit 70).
+    (["--cv", "1e-308"], "--cv 1e-308 is too small: its square underflows floating point"),
+    (["--decode-tok-s", "1e-308", "--json"], "--prefill-tok-s 10000 and --decode-tok-s 1e-308 "
+     "give request times beyond floating point; choose larger ones"),
+    (["--decode-tok-s", "1e-303", "--json"], "--prefill-tok-s 10000 and --decode-tok-s 1e-303 "
+     "give request times beyond floating point; choose larger ones"),
     (["--target-p99-ms", "inf"], "--target-p99-ms must be >= 0 and finite"),
     (["--rate", "1e308", "--cv", "1e300"], "beyond floating point"),
     (["--seed", "-1"], "--seed must be non-negative"),
@@ -989,18 +1005,24 @@ def test_bad_options_are_one_line(args: list[str], message: str) -> None:
 def test_a_size_past_every_adapter_resident_replays_as_that_size() -> None:
     """--max-loras 10**20 allocated slots until memory ran out (exit 70), and 10**6 beside 20
     adapters took 14 s: past every adapter resident, a size replays as that size, and only its
-    pool's bytes differ."""
+    pool's bytes differ; a size whose pool passes 1 PiB (10**20 slots) is a typo, refused as
+    every command and engine refuses it."""
     r = metrale("simulate", *SLOT, "--adapters", "20", "--requests", "300", "--policy",
-                "lru,fifo", "--max-loras", "20,99999999999999999999", "--json")
+                "lru,fifo", "--max-loras", "20,1000000", "--json")
     assert r.code == 0, r.stderr
     results = r.json()["results"]
     for policy in ("lru", "fifo"):
         small, huge = (x for x in results if x["policy"] == policy)
-        assert (small["max_loras"], huge["max_loras"]) == (20, 99999999999999999999)
+        assert (small["max_loras"], huge["max_loras"]) == (20, 1000000)
         assert huge["pool_bytes"] > small["pool_bytes"]
         differ = {"max_loras", "pool_bytes"}
         assert {k: v for k, v in huge.items() if k not in differ} == \
             {k: v for k, v in small.items() if k not in differ}
+    typo = metrale("simulate", *SLOT, "--adapters", "20", "--requests", "300", "--max-loras",
+                   "20,99999999999999999999")
+    one_line_error(typo, 2)
+    assert typo.stderr.startswith("error: a pool of 99,999,999,999,999,999,999 slots and its "
+                                  "tables would take ") and "check --max-loras" in typo.stderr
 
 
 @pytest.mark.sweep
@@ -1457,3 +1479,40 @@ def test_progress_off_a_terminal_is_quiet_for_short_work(
     told = metrale(*args).stderr.splitlines()
     assert told and all(re.fullmatch(r"simulating: \d0% of 900 request replays", line)
                         for line in told), told
+
+
+def test_a_cap_past_every_request_or_a_host_tier_past_every_adapter_changes_nothing() -> None:
+    """--max-concurrency 10**20 and --host-slots 10**20 overflowed the core's int64s (exit 70):
+    a cap past every request caps nothing and a host tier past every adapter holds each one,
+    so each replays as the largest size that can matter."""
+    def hits(*args: str) -> list[tuple[int, int, int]]:
+        r = metrale("simulate", *SLOT, "--requests", "300", "--adapters", "10", "--max-loras",
+                    "2,4", "--policy", "lru", "--json", *args)
+        assert r.code == 0, r.stderr
+        return [(x["hits"], x["misses"], x["host_hits"]) for x in r.json()["results"]]
+
+    huge = "99999999999999999999"
+    assert hits("--max-concurrency", huge) == hits()
+    assert hits("--host-slots", huge) == hits("--host-slots", "10") != hits("--host-slots", "3")
+
+
+def test_a_zipf_exponent_past_floating_point_sends_every_request_to_the_first_adapter() -> None:
+    """--zipf-s 1e308: every weight but the first is 0, as the formula says; NumPy's overflow
+    warning was a second line on stderr."""
+    r = metrale("simulate", *SLOT, "--requests", "200", "--adapters", "10", "--max-loras", "2",
+                "--policy", "lru", "--zipf-s", "1e308", "--json")
+    assert r.code == 0 and r.stderr == "", r.stderr
+    assert r.json()["workload"]["distinct_adapters"] == 1
+
+
+@pytest.mark.slow
+def test_adapters_no_request_names_cost_a_run_little() -> None:
+    """--adapters 10,000,000 beside 300 requests took 144 s: every run made a dict of every
+    adapter's name and a load time per adapter through a method call. At 2,000,000 (23 s
+    before, 4 s after on an idle machine) a run's per-adapter work is NumPy's."""
+    started = time.perf_counter()
+    r = metrale("simulate", *SLOT, "--requests", "300", "--adapters", "2000000", "--workload",
+                "uniform", "--max-loras", "2,4", "--json")
+    assert r.code == 0, r.stderr
+    assert r.json()["workload"]["adapters"] == 2_000_000
+    assert time.perf_counter() - started < 12

@@ -166,6 +166,9 @@ def test_cli_host_tier_and_ranks() -> None:
                           (["--ranks", "slora:S9"], "S-LoRA settings are S1, S2, S3, S4"),
                           (["--ranks", "8,x"], "--ranks: expected ranks like"),
                           (["--ranks", "0"], "--ranks must be positive"),
+                          # Past int64: an OverflowError, exit 70.
+                          (["--ranks", "4,99999999999999999999"],
+                           "--ranks must be below 2**53, got 99,999,999,999,999,999,999"),
                           (["--host-slots", "4", "--host-bandwidth", "warp"],
                            "--host-bandwidth: 'warp' is neither a preset")):
         bad = metrale("simulate", *SLOT, "--requests", "50", *args)

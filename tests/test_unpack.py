@@ -274,7 +274,9 @@ def test_no_overwrite_and_bad_slots(peft_zoo, tmp_path: Path) -> None:
                                                      "adapter_model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".back")]
     for args, message in ((["--slot", 1], "holds no adapter"), (["--slot", 2], "outside"),
-                          (["--name", "y"], "(it holds: x)"), ([], "exactly one of")):
+                          (["--name", "y"], "(it holds: x)"), ([], "exactly one of"),
+                          # The empty slot 1's name: it wrote an adapter of 0 modules, exit 0.
+                          (["--name", ""], "holds '' (it holds: x)")):
         result = metrale("unpack", image, tmp_path / "other", *args)
         assert result.code == 2 and message in result.stderr, result.stderr
         assert result.stderr.count("\n") == 1

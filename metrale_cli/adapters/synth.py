@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME
+from metrale_cli.adapters.audit import MAX_SCALING, MIN_SCALING
 from metrale_cli.bf16 import f32_to_bf16
 from metrale_cli.errors import OutputExists, UsageError
 from metrale_cli.files.atomic import atomic_directory
@@ -60,6 +61,12 @@ def synth_adapter(
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
         # json.dumps would write NaN or Infinity: a config no JSON reader takes.
         raise UsageError(f"--alpha must be a positive finite number, got {alpha}")
+    if alpha is not None:
+        scaling = alpha / (math.sqrt(rank) if rslora else rank)
+        if not MIN_SCALING <= scaling <= MAX_SCALING:
+            # An adapter pack and every engine check would refuse: none is written.
+            raise UsageError(f"--alpha {alpha:g} with --rank {rank} gives a scaling of "
+                             f"{scaling:g}, outside the 2^-60 to 2^60 a pool holds")
     if seed < 0:
         raise UsageError(f"--seed must be non-negative, got {seed}")
     if dtype not in DTYPES:

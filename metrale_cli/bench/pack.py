@@ -23,7 +23,7 @@ from metrale_cli.adapters.audit import AdapterReport, audit
 from metrale_cli.adapters.synth import synth_adapter
 from metrale_cli.files.safetensors_header import read_header
 from metrale_cli.layout.expert_layout import ExpertLayout
-from metrale_cli.layout.sharding import ShardSpec, rank_layouts
+from metrale_cli.layout.sharding import ShardSpec, all_rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
@@ -201,9 +201,9 @@ def run(
         written_rate = _pack_rate([audit(Adapter.load(p), model) for p in written], layout,
                                   device, repeats, check_finite=True)
         ranks = []
-        for spec in tp.all_ranks() if tp is not None else []:
+        for ranked, _ in all_rank_layouts(layout, None, tp) if tp is not None else []:
             # One TP rank: the bytes it reads (its slices) into a pool of its layout.
-            ranked, _ = rank_layouts(layout, None, spec)
+            spec = ranked.shard
             read, rate = _pack_run(reports, ranked, device, repeats, check_finite=True)
             ranks.append({"tp_rank": spec.tp_rank, "slot_bytes": ranked.slot_bytes,
                           "bytes_read": read, "pack_gb_per_s": rate / 1e9,

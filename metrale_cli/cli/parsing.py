@@ -32,7 +32,10 @@ def parse_size(text: str) -> int:
         raise UsageError(f"not a size: {text!r} (try 40GiB, 512MiB)") from None
     if unit not in _SIZE_UNITS or not math.isfinite(value) or value < 0:
         raise UsageError(f"not a size: {text!r} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return int(value * _SIZE_UNITS[unit])
+    size = value * _SIZE_UNITS[unit]
+    if not math.isfinite(size):  # 1e300TiB: int() of infinity was an internal error
+        raise UsageError(f"not a size: {text!r} (more bytes than floating point holds)")
+    return int(size)
 
 
 def parse_modules(text: str, option: str = "--modules") -> list[LoraModule]:

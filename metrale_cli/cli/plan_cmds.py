@@ -84,7 +84,7 @@ def inspect(
     engine_args: Annotated[str | None, typer.Option(
         "--engine-args", help="With --confirm: more of vLLM's own arguments, as shell words "
         "(e.g. '--max-model-len 4096 --enforce-eager'); none that vLLM would read as one "
-        "metrale sets.",
+        "metrale sets or one that listens beyond 127.0.0.1.",
         show_default=False)] = None,
     confirm_timeout: Annotated[float | None, typer.Option(
         "--confirm-timeout", help="With --confirm: seconds for the whole check, the engine's "
@@ -150,8 +150,9 @@ def inspect(
         return
     audited = audit_adapters(adapters, model, max_rank=max_rank, experts=experts_on(experts),
                              online=online_on(online))
+    record = audited.record()  # a slot no machine holds is refused before any warning
     warn(audited.warnings)
-    emit(audited.record(), json_out, render.inspect_view)
+    emit(record, json_out, render.inspect_view)
     if not audited.servable:
         _exit_1([r.name for r in audited.reports if not r.servable], len(audited.reports),
                 "not servable")

@@ -15,11 +15,8 @@ from typing import Any, TypeVar
 
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.jsondoc import load_json
+from metrale_cli.layout.slot_layout import refuse_past_plan_bytes
 from metrale_cli.model.config import MAX_WIDTH, ModelConfig, find_preset
-
-# LoRA bytes past which a plan is refused: a thousand times the largest GPU's memory (and any
-# host's), so a plan past it is a typo in --max-rank or --max-loras, never a deployment.
-MAX_PLAN_BYTES = 1 << 50
 
 # The engines' --dtype choices and each dtype's width.
 DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -80,13 +77,9 @@ def raw_text_config(model: ModelConfig) -> dict[str, Any]:
 def refuse_absurd(who: str, lora_bytes: int, host_bytes: int, host_flag: str) -> None:
     """Refuse an engine's plan whose LoRA buffers on one GPU, or host cache (sized by
     `host_flag`), pass MAX_PLAN_BYTES: UsageError naming the size and the flags that make it."""
-    for what, n, flags in (("LoRA buffers", lora_bytes, "--max-rank and --max-loras"),
-                           ("host cache", host_bytes, host_flag)):
-        if n > MAX_PLAN_BYTES:
-            raise UsageError(f"{who}'s {what} would take {n:,} B ({n / 2**40:,.0f} TiB) per "
-                             f"{'GPU' if what == 'LoRA buffers' else 'TP worker'}, past the "
-                             f"{MAX_PLAN_BYTES / 2**40:,.0f} TiB no machine holds: check "
-                             f"{flags}")
+    refuse_past_plan_bytes(f"{who}'s LoRA buffers", lora_bytes, "--max-rank and --max-loras",
+                           " per GPU")
+    refuse_past_plan_bytes(f"{who}'s host cache", host_bytes, host_flag, " per TP worker")
 
 
 def config_width(model: ModelConfig, key: str, default: int) -> int:

@@ -20,7 +20,12 @@ from metrale_cli.files.atomic import atomic_directory, check_not_an_input
 from metrale_cli.image.pool_image import write_image
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import max_rank_warnings
-from metrale_cli.layout.sharding import ShardSpec, rank_layouts, refuse_unshardable
+from metrale_cli.layout.sharding import (
+    ShardSpec,
+    all_rank_layouts,
+    rank_layouts,
+    refuse_unshardable,
+)
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.pool.pool import LoraPool, PackStats, pick_device
 
@@ -149,10 +154,9 @@ def pack_pool(layout: SlotLayout, max_loras: int, reports: list[AdapterReport],
         pool, record = pack_rank(layout, expert_layout, max_loras, reports, None, device, out,
                                  force, progress, written)
         return PackResult(None, out, [record], pool)
-    specs = spec.all_ranks()
     refuse_unshardable(reports, spec)
-    for s in specs:
-        rank_layouts(layout, expert_layout, s)  # every rank's rules hold before any byte moves
+    all_rank_layouts(layout, expert_layout, spec)  # every rank's rules hold before any byte moves
+    specs = spec.all_ranks()
     records: list[dict[str, Any]] = []
     if out is None:
         records = [pack_rank(layout, expert_layout, max_loras, reports, s, device,

@@ -55,7 +55,8 @@ def pick_slot(t: ImageTables, slot: int | None, name: str | None) -> int:
     if (slot is None) == (name is None):
         raise UsageError("give exactly one of --slot and --name")
     if name is not None:
-        found = [k for k, s in enumerate(t.slots_doc) if s.get("name") == name]
+        # An empty name marks an empty slot: no adapter is named "" (it wrote an empty one).
+        found = [k for k, s in enumerate(t.slots_doc) if name and s.get("name") == name]
         if not found:
             held = ", ".join(s["name"] for s in t.slots_doc if s.get("name")) or "none"
             raise UsageError(f"no slot of {t.path} holds {name!r} (it holds: {held})")

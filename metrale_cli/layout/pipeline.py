@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from metrale_cli import env
 from metrale_cli.adapters.adapter import Adapter
@@ -25,12 +25,12 @@ from metrale_cli.arguments import checked_as
 from metrale_cli.errors import NotServable
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import Footprint, PoolPlan, max_rank_warnings, plan_layouts
+
+# ShardSpec at run time, not only for type checking: `PlannedPool.sharded`'s check reads it.
+from metrale_cli.layout.sharding import ShardedPlan, ShardSpec, refuse_unshardable
 from metrale_cli.layout.slot_layout import DEFAULT_ALIGN, SlotLayout
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
-
-if TYPE_CHECKING:
-    from metrale_cli.layout.sharding import ShardedPlan, ShardSpec
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,6 @@ class PlannedPool:
                 budget_bytes: int | None = None) -> ShardedPlan:
         """Every rank's pool of the deployment `spec` names, `budget_bytes` per GPU; an adapter
         the deployment cannot take (`refuse_unshardable`) is refused first."""
-        from metrale_cli.layout.sharding import ShardedPlan, refuse_unshardable
-
         refuse_unshardable(self.reports, spec)
         return ShardedPlan.sized(self.layout, self.expert_layout, spec, max_loras, budget_bytes)
 

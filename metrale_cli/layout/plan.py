@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from metrale_cli.adapters.audit import AdapterReport
+from metrale_cli.arguments import checked_fields
 from metrale_cli.errors import UsageError
 from metrale_cli.layout.expert_layout import ExpertLayout
-from metrale_cli.layout.slot_layout import DEFAULT_ALIGN, SlotLayout
+from metrale_cli.layout.slot_layout import DEFAULT_ALIGN, SlotLayout, refuse_past_plan_bytes
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import ALL, LoraModule
 
@@ -90,6 +91,7 @@ def plan_layouts(
     return layout, expert_layout
 
 
+@checked_fields("PoolPlan")
 @dataclass(frozen=True)
 class PoolPlan:
     """A pool's layouts and size: `max_loras` slots, or as many as fit in `budget_bytes`."""
@@ -98,6 +100,13 @@ class PoolPlan:
     expert_layout: ExpertLayout | None = None
     max_loras: int | None = None
     budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        # 10**20 slots (or a budget of 10**30 B) is a typo, not 10**14 TiB to print with exit 0.
+        if self.max_loras:
+            refuse_past_plan_bytes(f"a pool of {self.max_loras:,} slots and its tables",
+                                   self.max_loras * self.bytes_per_slot,
+                                   "--max-loras" if self.budget_bytes is None else "--budget")
 
     @classmethod
     def sized(

@@ -31,6 +31,7 @@ from typing import Any
 
 from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.adapters.experts import ROUTER_EXPERT, ExpertPair, ExpertProj
+from metrale_cli.arguments import checked_fields
 from metrale_cli.errors import NotServable, UsageError
 from metrale_cli.layout.expert_layout import EXPERT_LAYOUT_FORMAT, ExpertEntry, ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
@@ -48,6 +49,7 @@ from metrale_cli.model.families import ModuleSpec, Split
 from metrale_cli.model.modules import LoraModule
 
 
+@checked_fields("ShardSpec")
 @dataclass(frozen=True)
 class ShardSpec:
     """One rank of a TP deployment: `tp_size` ranks shard attention; the experts go to
@@ -473,6 +475,15 @@ def rank_layouts(layout: SlotLayout, expert_layout: ExpertLayout | None,
     return ranked, ex
 
 
+def all_rank_layouts(layout: SlotLayout, expert_layout: ExpertLayout | None, spec: ShardSpec,
+                     ) -> list[tuple[RankLayout, RankExpertLayout | None]]:
+    """`rank_layouts` of every rank of `spec`'s deployment, rank 0 first. The base model's
+    split is checked before any rank is made, so a --tp no model takes (10**20) is one
+    UsageError, not a list of 10**20 ranks."""
+    check_model_split(layout.model, spec)
+    return [rank_layouts(layout, expert_layout, s) for s in spec.all_ranks()]
+
+
 # -- the per-GPU plan ---------------------------------------------------------------------------
 
 
@@ -489,7 +500,7 @@ class ShardedPlan:
     @classmethod
     def sized(cls, layout: SlotLayout, expert_layout: ExpertLayout | None, spec: ShardSpec,
               max_loras: int | None = None, budget_bytes: int | None = None) -> ShardedPlan:
-        per_rank = [rank_layouts(layout, expert_layout, s) for s in spec.all_ranks()]
+        per_rank = all_rank_layouts(layout, expert_layout, spec)
         if budget_bytes is not None:
             if max_loras is not None:
                 raise UsageError("give --max-loras or --budget, not both")

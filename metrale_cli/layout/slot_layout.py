@@ -23,12 +23,29 @@ from metrale_cli.model.modules import LoraModule, in_slot_order
 
 BF16_BYTES = 2
 DEFAULT_ALIGN = 256
+# The widest alignment taken: a GPU's 2 MiB large page. Every region pads to it, so past it a
+# figure is a typo (a 1 TiB alignment made a 64 TiB slot of 32 regions, exit 0).
+MAX_ALIGN = 1 << 21
 LAYOUT_FORMAT = "slot-layout/1"
 # Per slot and entry the pool keeps an A and a B pointer (u64); per slot a scale (f32) and a
 # rank (i32).
 POINTER_BYTES = 8
 SCALE_BYTES = 4
 RANK_BYTES = 4
+
+
+# Bytes past which a slot, a pool or an engine's buffers are refused: a thousand times the
+# largest GPU's memory (and any host's), so a plan past it is a typo in --max-rank, --max-loras
+# or --budget, never a deployment.
+MAX_PLAN_BYTES = 1 << 50
+
+
+def refuse_past_plan_bytes(what: str, n: int, flags: str, per: str = "") -> None:
+    """UsageError when `what` would take more than MAX_PLAN_BYTES (`per`: " per GPU" and the
+    like), naming its size and the `flags` that make it."""
+    if n > MAX_PLAN_BYTES:
+        raise UsageError(f"{what} would take {n:,} B ({(n + (1 << 39)) >> 40:,} TiB){per}, past "
+                         f"the {MAX_PLAN_BYTES >> 40:,} TiB no machine holds: check {flags}")
 
 
 def align_up(n: int, align: int) -> int:
@@ -47,11 +64,14 @@ def place_pair(offset: int, out_dim: int, in_dim: int, max_rank: int,
 
 
 def padded_end(entries: tuple[Any, ...], align: int) -> int:
-    """The bytes of a slot holding `entries` (padded pairs in offset order), aligned."""
+    """The bytes of a slot holding `entries` (padded pairs in offset order), aligned; a slot
+    past MAX_PLAN_BYTES (a max rank of 10**20) is refused."""
     if not entries:
         return 0
     last = entries[-1]
-    return align_up(last.b_offset + last.b_bytes, align)
+    end = align_up(last.b_offset + last.b_bytes, align)
+    refuse_past_plan_bytes("a slot", end, "--max-rank")
+    return end
 
 
 def fingerprint_of(canonical: dict[str, Any]) -> str:
@@ -69,6 +89,9 @@ def check_rank_and_align(max_rank: int, align: int) -> None:
     if align < 16:
         # Every region starts on `align`; the kernels read weights with 16-byte loads.
         raise UsageError(f"alignment must be at least 16 bytes (the kernels' loads), got {align}")
+    if align > MAX_ALIGN:
+        raise UsageError(f"alignment must be at most {MAX_ALIGN:,} bytes (a GPU's large page), "
+                         f"got {align:,}")
 
 
 # B's output rows `[lo, hi)` an entry holds, as runs in B's row order.
@@ -179,6 +202,7 @@ class SlotLayout:
 
     def __post_init__(self) -> None:
         check_rank_and_align(self.max_rank, self.align)
+        self.slot_bytes  # noqa: B018  (a slot past MAX_PLAN_BYTES is refused as it is made)
         # An empty module set is a zero-byte slot: a pool that serves only expert LoRA or
         # token overlays (the CLI refuses an empty --modules itself).
 

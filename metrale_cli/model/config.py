@@ -762,7 +762,7 @@ def _layer_types(
         interval = DEFAULT_FULL_ATTENTION_INTERVAL
     if interval is None:
         return (LayerType.FULL_ATTENTION,) * layers
-    if not isinstance(interval, int) or interval <= 0:
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
         raise FormatError(f"{source or 'config'}: full_attention_interval must be a positive int")
     return tuple(
         LayerType.LINEAR_ATTENTION if (i + 1) % interval else LayerType.FULL_ATTENTION

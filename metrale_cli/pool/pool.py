@@ -130,6 +130,7 @@ class LoraPool:
     def b_tables(self) -> Any:
         return self.region.b_tables
 
+    @checked_as("LoraPool.table_address")
     def table_address(self, entry: int, which: str = "a") -> int:
         """Address of entry `entry`'s `[max_loras]` u64 table (for a kernel launch)."""
         return self.region.table_address(entry, which)
@@ -163,6 +164,7 @@ class LoraPool:
         pool.manager.load_pinned([_slot_info(r) for r in reports])
         return pool, stats
 
+    @checked_as("LoraPool.swap_in")
     def swap_in(self, slot: int, report: AdapterReport) -> int:
         """Replace `slot`'s contents with an adapter from disk; refused (SlotBusy) while the
         slot has in-flight sequences or is loading. From the start the slot has no identity
@@ -180,6 +182,7 @@ class LoraPool:
         self.manager.finish_load(slot, _slot_info(report))
         return generation
 
+    @checked_as("LoraPool.land_slot")
     def land_slot(self, slot: int, source: SlotSource, source_slot: int) -> int:
         """Copy one slot from another pool or a pool image whose layouts have the same
         fingerprints (the peer-swap path); every pointer is derived from this pool's layout.

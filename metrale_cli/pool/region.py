@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from metrale_cli.errors import UsageError
+
 
 class PaddedEntry(Protocol):
     """One entry of a padded layout: A `[max_rank, in_dim]` at `a_offset`, B
@@ -165,7 +167,13 @@ class Region:
         return _address(self.memory, self.device)
 
     def table_address(self, entry: int, which: str = "a") -> int:
-        """Address of entry `entry`'s `[count]` u64 table (for a kernel launch)."""
+        """Address of entry `entry`'s `[count]` u64 table (for a kernel launch): `entry` in
+        `[0, entries)` (a negative one is not read from the end), `which` "a" or "b"."""
+        if which not in ("a", "b"):
+            raise UsageError(f"which must be 'a' or 'b', got {which!r}")
+        count = len(self.a_tables)
+        if not 0 <= entry < count:
+            raise UsageError(f"entry {entry} is out of range [0, {count})")
         tables = self.a_tables if which == "a" else self.b_tables
         return _address(tables[entry], self.device)
 

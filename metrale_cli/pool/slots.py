@@ -38,6 +38,13 @@ def adapter_id_hash(name: str, generation: int) -> int:
     return h or 1
 
 
+def _integer(what: str, value: object) -> None:
+    """A slot id is an integer (a NumPy one too, never a bool): else a UsageError."""
+    if type(value) is not int and (isinstance(value, bool)
+                                   or not isinstance(value, numbers.Integral)):
+        raise UsageError(f"{what} must be int, got {describe_argument(value)}")
+
+
 def routed_prefill_slot_of(adapter_slot: int, active: int, num_slots: int) -> int | None:
     """Resolve a request's `adapter_slot` (`>= 0` that slot, `-1` the active one) and return it
     only when it is an in-range slot other than the active one."""
@@ -124,8 +131,7 @@ class SlotManager:
     def resolve(self, slot: int) -> int:
         """The one slot-id rule: -1 is the active slot, `[0, max_loras)` is that slot; anything
         but an integer is a UsageError."""
-        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral):
-            raise UsageError(f"slot must be int, got {describe_argument(slot)}")
+        _integer("slot", slot)
         if slot == -1:
             return self._active
         if not 0 <= slot < self._max_loras:
@@ -162,6 +168,8 @@ class SlotManager:
     def slot_of(self, name: str) -> int | None:
         """The READY slot holding adapter `name` (the lowest if several); placeholders and
         loading slots never match."""
+        if not isinstance(name, str):
+            raise UsageError(f"name must be str, got {describe_argument(name)}")
         with self._lock:
             key = self._keys.get(name)
             return None if key is None else self._cache.slot_of(key)
@@ -177,6 +185,7 @@ class SlotManager:
         seed's `if slot >= 0 { slot } else { active }`); `[0, max_loras)` that slot. This is the
         one method where a slot out of range is not an error but the base model (0), as for a
         placeholder or a loading slot."""
+        _integer("slot", slot)
         with self._lock:
             resolved = self._active if slot < 0 else slot
             if (not 0 <= resolved < self._max_loras
@@ -186,6 +195,7 @@ class SlotManager:
             return adapter_id_hash(s.name, s.generation)
 
     def routed_prefill_slot(self, adapter_slot: int) -> int | None:
+        _integer("adapter_slot", adapter_slot)
         with self._lock:
             return routed_prefill_slot_of(adapter_slot, self._active, self._max_loras)
 
@@ -255,6 +265,7 @@ class SlotManager:
         with self._lock:
             self._cache.abort_load(self.resolve(slot))
 
+    @checked_as("SlotManager.load_pinned")
     def load_pinned(self, infos: list[AdapterSlot]) -> None:
         """Startup: the adapters go READY into slots `[0, n)`, which become the pinned ones."""
         with self._lock:

@@ -60,6 +60,10 @@ class Replay:
         # The one-pass LRU sweep needs equal loads and no host tier.
         self.sweepable = host is None and len(set(self.load_bytes)) <= 1
         self.pinned = list(dict.fromkeys(pinned))
+        # Each pinned adapter's index for the core, once (not a dict of every adapter a run);
+        # a pinned adapter no request names holds its slot all the same (-1).
+        names = {n: a for a, n in enumerate(workload.adapters)} if self.pinned else {}
+        self._pinned_ids = np.array([names.get(p, -1) for p in self.pinned], dtype=np.int64)
         self.max_concurrency = max_concurrency
         self.paging = not bool(hold.any())
         # [N] int64: the next request for the same adapter, NEVER if none (the core's, and
@@ -140,10 +144,8 @@ class Replay:
         """The replay in the compiled core, its load totals written into `loads`."""
         from metrale_cli.sim import core
 
-        names = {name: a for a, name in enumerate(self.workload.adapters)}
-        adapters = len(names)
-        # A pinned adapter no request names holds its slot all the same (-1).
-        pinned = np.array([names.get(p, -1) for p in self.pinned], dtype=np.int64)
+        adapters = len(self.workload.adapters)
+        pinned = self._pinned_ids
         read_s = (np.asarray(loads.read_s, dtype=np.float64) if self.host is not None
                   else np.zeros(adapters))
         adapter = np.ascontiguousarray(self.workload.adapter, dtype=np.int64)
@@ -151,7 +153,10 @@ class Replay:
         nxt = self.next_use
         load_s = np.asarray(loads.load_s, dtype=np.float64)
         load_bytes = np.asarray(self.load_bytes, dtype=np.int64)
-        host_slots = self.host.slots if self.host is not None else 0
+        # The core takes int64s: a host tier past every adapter holds every one, and a cap past
+        # every request caps nothing (10**20 of either overflowed, exit 70).
+        host_slots = min(self.host.slots, adapters) if self.host is not None else 0
+        seats = min(self.max_concurrency or len(adapter) + 1, len(adapter) + 1)
         if self.paging:
             (hits, delayed, misses, swaps, loads.bytes_moved, loads.swap_s, loads.link_wait_s,
              loads.host_hits, loads.host_misses, loads.host_bytes_moved) = core.paging(
@@ -162,7 +167,7 @@ class Replay:
         counts, seconds = core.concurrent(
             adapter, arrival, np.ascontiguousarray(self.hold, dtype=np.float64), nxt,
             core.POLICY_CODES[policy], max_loras, pinned, adapters,
-            self.max_concurrency or len(adapter) + 1, self.admission == "skip", load_s,
+            seats, self.admission == "skip", load_s,
             load_bytes, self.cost.links,
             host_slots, read_s, start, waits)
         (hits, delayed, misses, swaps, stalls, loads.bytes_moved, loads.host_hits,

@@ -29,6 +29,9 @@ from metrale_cli.sim.results import RunResult, added_latency, serving_stats
 from metrale_cli.sim.workload import Workload
 
 ROUTES = ("random", "round-robin", "affinity")
+# Data-parallel replicas: past this a figure is a typo, and the router weighs every replica for
+# every request (10**20 ran out of memory making their queues).
+MAX_REPLICAS = 1024
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,9 @@ class Routing:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.replicas <= 0:
-            raise UsageError(f"--replicas must be positive, got {self.replicas}")
+        if not 0 < self.replicas <= MAX_REPLICAS:
+            raise UsageError(f"--replicas must be between 1 and {MAX_REPLICAS:,}, got "
+                             f"{self.replicas:,}")
         if self.route not in ROUTES:
             raise UsageError(f"--route must be one of {', '.join(ROUTES)}, got {self.route!r}")
 

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from metrale_cli import compat
+from metrale_cli.arguments import checked_fields
 from metrale_cli.errors import UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
-from metrale_cli.layout.sharding import ShardSpec, rank_layouts
+from metrale_cli.layout.sharding import ShardSpec, all_rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
 from metrale_cli.pool.slot_cache import POLICIES
 from metrale_cli.sim.costs import HostTier, Link, SwapCost
@@ -77,6 +78,7 @@ class EngineCache:
                 "tiers": {str(n): self.at(n)[0].record() for n in sizes}}
 
 
+@checked_fields("Targets")
 @dataclass(frozen=True)
 class Targets:
     hit_rate: float | None = None
@@ -282,7 +284,7 @@ def run(
     link = link or Link.preset("pcie4")
     ranks: list[tuple[SlotLayout, ExpertLayout | None]] = (
         [(layout, expert_layout)] if shard is None
-        else [rank_layouts(layout, expert_layout, s) for s in shard.all_ranks()])
+        else all_rank_layouts(layout, expert_layout, shard))
     swapped = [r.slot_bytes + (x.slot_bytes if x is not None else 0) for r, x in ranks]
     busiest = swapped.index(max(swapped))
     gpu_layout, gpu_experts = ranks[busiest]

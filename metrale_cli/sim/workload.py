@@ -14,6 +14,7 @@ import io
 import itertools
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from metrale_cli.arguments import checked_fields
 from metrale_cli.errors import FormatError, UsageError
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.files.jsondoc import load_json
@@ -67,8 +69,22 @@ class Workload:
         """[N] float64: how long each request holds its slot, from admission to completion."""
         if not (0 < prefill_tok_s < math.inf and 0 < decode_tok_s < math.inf):
             raise UsageError("--prefill-tok-s and --decode-tok-s must be positive and finite")
-        from_tokens = self.input_tokens / prefill_tok_s + self.output_tokens / decode_tok_s
-        return np.where(np.isnan(self.duration), from_tokens, self.duration)
+        with np.errstate(over="ignore"):  # refused below
+            from_tokens = self.input_tokens / prefill_tok_s + self.output_tokens / decode_tok_s
+            hold = np.where(np.isnan(self.duration), from_tokens, self.duration)
+            # A request waits at most the holds' sum past the last arrival, and the replay adds
+            # up every request's wait: requests times that must be a number.
+            total = (float(hold.sum()) + (float(self.arrival[-1]) if self.requests else 0.0)
+                     ) * max(1, self.requests)
+            given = float(np.nansum(self.duration))
+        if not math.isfinite(given):
+            raise FormatError(f"{self.source.get('path', 'the trace')}: its durations add up "
+                              "beyond floating point")
+        if not math.isfinite(total):
+            raise UsageError(f"--prefill-tok-s {prefill_tok_s:g} and --decode-tok-s "
+                             f"{decode_tok_s:g} give request times beyond floating point; "
+                             "choose larger ones")
+        return hold
 
     def next_use(self) -> np.ndarray:
         """[N] int64: the index of the next request for the same adapter, or -1 when none (and
@@ -726,6 +742,7 @@ def _parse_row(path: Path, line: int,
 # -- generators ---------------------------------------------------------------------------------
 
 
+@checked_fields("GeneratorSpec")
 @dataclass(frozen=True)
 class GeneratorSpec:
     """A seeded workload: `kind` picks the adapter of each request over `adapters` adapters;
@@ -754,8 +771,13 @@ class GeneratorSpec:
                             ("--alpha", self.alpha)):
             if not (value > 0 and math.isfinite(value)):
                 raise UsageError(f"{name} must be positive and finite, got {value}")
+        if self.cv * self.cv < sys.float_info.min:  # the gamma's shape is 1 / cv**2
+            raise UsageError(f"--cv {self.cv:g} is too small: its square underflows floating "
+                             "point")
         if any(r <= 0 for r in self.ranks):
             raise UsageError(f"--ranks must be positive, got {','.join(map(str, self.ranks))}")
+        if any(r >= MAX_TOKENS for r in self.ranks):  # as a trace's rank column
+            raise UsageError(f"--ranks must be below 2**53, got {max(self.ranks):,}")
         for name, value in (("--requests", self.requests), ("--adapters", self.adapters)):
             if value > MAX_REQUESTS:  # refused before a column is allocated
                 raise UsageError(f"{name} {value:,} is more than a simulation takes "
@@ -798,7 +820,8 @@ def generate(spec: GeneratorSpec) -> Workload:
     else:
         rng = np.random.default_rng(spec.seed)
         if spec.kind == "zipf":
-            weights = 1.0 / np.arange(1, count + 1, dtype=np.float64) ** spec.zipf_s
+            with np.errstate(over="ignore"):  # a large --zipf-s: every weight but the first 0
+                weights = 1.0 / np.arange(1, count + 1, dtype=np.float64) ** spec.zipf_s
             adapter = rng.choice(count, size=n, p=weights / weights.sum())
         elif spec.kind == "uniform":
             adapter = rng.integers(0, count, size=n)

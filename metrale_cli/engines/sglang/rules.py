@@ -74,6 +74,22 @@ DENSE_MODULES = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
 EMBEDDING_MODULES = frozenset({"embed_tokens", "lm_head"})
 
 
+def config_value_error(config: Mapping[str, Any]) -> str | None:
+    """Why SGLang cannot use the config's values as they are, else None: srt/lora/lora_config.py
+    reads `r`, `lora_alpha` and `target_modules` unchecked, and the manager and the adapter
+    then compare `r` with the pool's rank, divide `lora_alpha` by it and normalise the targets
+    as names; a value of another kind raises there (a TypeError, a ZeroDivisionError)."""
+    r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        return f"r {r!r} is not a positive integer"
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        return f"lora_alpha {alpha!r} is not a finite number"
+    if not isinstance(targets, str) and not (isinstance(targets, list)
+                                             and all(isinstance(t, str) for t in targets)):
+        return f"target_modules {targets!r} is neither a name nor a list of names"
+    return None
+
+
 def scaling(config: Mapping[str, Any]) -> float:
     """srt/lora/lora.py LoRAAdapter.__init__: `self.scaling = lora_alpha / r`, whatever
     `use_rslora`, `rank_pattern` or `alpha_pattern` say."""
@@ -99,7 +115,8 @@ def startup_pool(configs: Iterable[Mapping[str, Any]], max_lora_rank: int | None
     targets are outside given `--lora-target-modules` fails the start-up (`judge(...,
     path="startup")` says so). `all_targets`: what auto-detection finds on a class that is not
     dense-shaped (model.py SglangFamily.all_targets), embeddings aside."""
-    configs = list(configs)
+    # A config whose values SGLang cannot use fails its own load before the pool is sized.
+    configs = [c for c in configs if config_value_error(c) is None]
     found = (all_targets or DENSE_MODULES) | EMBEDDING_MODULES
     given = set(lora_target_modules or ())
     if given == {"all"}:
@@ -116,7 +133,7 @@ def startup_pool(configs: Iterable[Mapping[str, Any]], max_lora_rank: int | None
                 else:
                     targets |= normalised_targets(t)
     rank = max_lora_rank if max_lora_rank is not None else max(
-        (int(c.get("r") or 0) for c in configs), default=0)
+        (c["r"] for c in configs), default=0)
     return rank, targets
 
 
@@ -249,6 +266,11 @@ def _load_error(name: str, config: Mapping[str, Any], shapes: dict[str, Any],
     for key in ("target_modules", "r", "lora_alpha"):
         if key not in config:
             return "KeyError", repr(key), "config_key"
+    wrong = config_value_error(config)
+    if wrong is not None:
+        return "TypeError", (f"{wrong}: SGLang reads adapter_config.json's values unchecked "
+                             "and compares, divides and normalises them as they are"), \
+            "config_value"
     # srt/lora/lora_manager.py validate_new_adapter.
     if added_tokens > 0:
         return "ValueError", (f"Failed to load {name} because LoRA serving currently doesn't "

@@ -78,6 +78,22 @@ _OWN_ARGS = {
     "--lora-target-modules": "--modules", "--tensor-parallel-size": "--tp", "-tp": "--tp",
     "--fully-sharded-loras": "--fully-sharded", "--no-fully-sharded-loras": "--fully-sharded",
 }
+# vLLM's options that open a socket or a unix socket of their own, or start engines beside the
+# one checked: a Unix socket instead of 127.0.0.1's port, KV events published on tcp://*:5557,
+# KV and encoder-cache transfer, weight transfer, the data-parallel, multi-node and gRPC
+# listeners, a headless engine, a Ray cluster (its own ports on the host's address).
+_NETWORK_ARGS = (
+    "--uds", "--headless", "--grpc", "--grpc-port", "--kv-events-config",
+    "--kv-transfer-config", "--ec-transfer-config", "--weight-transfer-config",
+    "--distributed-executor-backend", "--master-addr", "--master-port", "--nnodes", "-n",
+    "--node-rank", "-r", "--data-parallel-size", "-dp", "--data-parallel-rank", "-dpn",
+    "--data-parallel-start-rank", "-dpr", "--data-parallel-size-local", "-dpl",
+    "--data-parallel-address", "-dpa", "--data-parallel-rpc-port", "-dpp",
+    "--data-parallel-backend", "-dpb", "--data-parallel-hybrid-lb",
+    "--no-data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb",
+    "--no-data-parallel-external-lb", "-dpe", "--data-parallel-multi-port-external-lb", "-dpm",
+    "--data-parallel-supervisor-port",
+)
 
 
 def check_timeout(timeout_s: float) -> None:
@@ -141,17 +157,23 @@ def engine_args(text: str | None) -> list[str]:
 
 def refuse_own_args(words: Sequence[str]) -> None:
     """A UsageError naming the first word vLLM's parser could read as one of the options metrale
-    sets, under any spelling it takes: `_` for `-` in a long name, a `=value` or `.key` tail
-    (a JSON option's), and any prefix of the name (argparse's `allow_abbrev`: `--hos` is
-    `--host`; a prefix of several is refused too, vLLM refuses it as ambiguous). A bare `--`
-    is refused too: it would make metrale's options, which follow, positional words."""
-    for word in words:
+    sets, or as one that listens beyond 127.0.0.1 (`_NETWORK_ARGS`), under any spelling it
+    takes: `_` for `-` in a long name, a `=value` or `.key` tail (a JSON option's), any prefix
+    of the name (argparse's `allow_abbrev`: `--hos` is `--host`; a prefix of several is refused
+    too, vLLM refuses it as ambiguous), and a one-letter option with its value attached (`-n2`).
+    A bare `--` is refused too: it would make metrale's options, which follow, positional words;
+    and so is a last word with a `.key` and no `=`, whose value vLLM would take from the word
+    after it, metrale's `--model`."""
+    for i, word in enumerate(words):
         if word == "--":
             raise UsageError("--engine-args: -- is not passed through (it would end vLLM's "
                              "options before metrale's)")
         if not word.startswith("-") or word == "-":
             continue
         name = word.split("=", 1)[0]
+        if i == len(words) - 1 and "." in name and "=" not in word:
+            raise UsageError(f"--engine-args: {word} ends the words without its value (vLLM "
+                             "would take metrale's --model as it); give it one")
         if name.startswith("--"):
             # FlexibleArgumentParser: `_` read as `-` from the dashes to the first `.`.
             name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
@@ -159,14 +181,19 @@ def refuse_own_args(words: Sequence[str]) -> None:
             name = name.split(".", 1)[0]
         if name in ("--", "-"):
             continue
-        hits = [own for own in _OWN_ARGS if own.startswith(name)
-                and own.startswith("--") == name.startswith("--")]
+        long = name.startswith("--")
+        hits = [own for own in (*_OWN_ARGS, *_NETWORK_ARGS)
+                if long == own.startswith("--") and (own.startswith(name)
+                                                     or not long and own == name[:2])]
         if not hits:
             continue
-        givers = sorted({g for g in (_OWN_ARGS[h] for h in hits) if g})
+        givers = sorted({g for g in (_OWN_ARGS.get(h) for h in hits) if g})
         instead = f"give metrale's {' or '.join(givers)}" if givers else "metrale sets it"
         if hits == ["--config"]:
             instead = "its file could set what metrale sets; give its options as words"
+        elif all(h in _NETWORK_ARGS for h in hits):
+            instead = ("it listens beyond 127.0.0.1 or starts engines beside the one metrale "
+                       "checks")
         if hits == [word.split("=", 1)[0]]:
             raise UsageError(f"--engine-args: {hits[0]} is not passed through ({instead})")
         raise UsageError(f"--engine-args: {word.split('=', 1)[0]} is vLLM's "
