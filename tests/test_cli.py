@@ -493,6 +493,38 @@ def test_click_usage_errors_are_one_line(args: list[str], says: str) -> None:
     assert result.stderr.startswith("error: ") and says in result.stderr
 
 
+LLAMA = ["-m", "llama-3.1-8b", "--max-rank", "8"]
+SIM = ["simulate", *LLAMA, "--modules", "q_proj", "--max-loras", "2"]
+
+
+@pytest.mark.parametrize("args,hint", [
+    (["layout", *LLAMA, "--modules", "q_prj"], "'q_proj'"),
+    (["layout", *LLAMA, "--modules", "qkv_prj", "--engine", "vllm"], "'qkv_proj'"),
+    (["layout", *LLAMA, "--modules", "q_prj", "--engine", "sglang"], "'q_proj'"),
+    (["layout", *LLAMA, "--modules", "q_proj", "--engine", "sglang", "--eviction-policy", "lr"],
+     "'lru'"),
+    (["layout", *LLAMA, "--modules", "q_proj", "--engine", "sglang", "--lora-backend",
+      "trition"], "'triton'"),
+    (["layout", *LLAMA, "--modules", "q_proj", "--engine", "vllm", "--dtype", "bfloat6"],
+     "'bfloat16'"),
+    (["layout", *LLAMA, "--modules", "q_proj", "--engine", "vllm", "--lora-dtype", "foat16"],
+     "'float16'"),
+    (["synth", "x", "-m", "llama-3.1-8b", "--modules", "q_proj", "-r", "8", "--dtype", "bf61"],
+     "'bf16'"),
+    ([*SIM, "--policy", "lr"], "'lru'"),
+    ([*SIM, "--workload", "zip"], "'zipf'"),
+    ([*SIM, "--admission", "fcf"], "'fcfs'"),
+    ([*SIM, "--replicas", "2", "--route", "round-robn"], "'round-robin'"),
+    ([*SIM, "--trace", "t.csv", "--trace-format", "burstpt"], "'burstgpt'"),
+])
+def test_a_mistyped_choice_says_which_it_was_near(args: list[str], hint: str) -> None:
+    """Every value metrale takes from a list says which one a typo was nearest to, as a
+    mistyped preset, engine, command or option does."""
+    result = metrale(*args)
+    one_line_error(result, 2)
+    assert f"(did you mean {hint}?)" in result.stderr
+
+
 def test_synth_modules_all_names_the_modules_the_model_has(tmp_path: Path) -> None:
     """`--modules all` on Llama writes q..down, not `out_proj` (Qwen3-Next's GDN module) with
     no tensor: layout and SGLang's rules then read the adapter as written."""

@@ -184,7 +184,8 @@ def test_layout_view_speaks_sglang() -> None:
      "max_loaded_loras should be greater than or equal to max_loras_per_batch"),
     (["--modules", "q_proj,nope"], "SGLang's --lora-target-modules takes"),
     (["--modules", "all,q_proj"], "it should be the only module specified"),
-    (["--eviction-policy", "lfu"], "--eviction-policy 'lfu': one of lru, fifo"),
+    (["--eviction-policy", "fiof"],
+     "--eviction-policy 'fiof' (did you mean 'fifo'?): one of lru, fifo"),
     (["--lora-backend", "cuda"], "--lora-backend 'cuda': one of"),
     # Empty is the user's value too, not the default's.
     (["--eviction-policy", ""], "--eviction-policy '': one of lru, fifo"),

@@ -53,7 +53,7 @@ from metrale_cli.engines.vllm.model import (
     family,
     vision_tower,
 )
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -541,7 +541,8 @@ def target_modules(model: ModelConfig, text: str) -> tuple[str, ...]:
     known = {m.name for m in modules} | expected_names(modules)
     unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise UsageError(f"--modules {text!r}: vLLM's LoRA modules of this model are "
+        hint = did_you_mean(unknown[0], sorted(known)) if len(unknown) == 1 else ""
+        raise UsageError(f"--modules {text!r}{hint}: vLLM's LoRA modules of this model are "
                          f"{', '.join(sorted(known))}")
     return names
 
