@@ -575,20 +575,29 @@ def test_synth_writes_a_vision_language_wrapper_s_layers_where_peft_has_them(
     assert _tensor_names(back) == names
 
 
-def test_one_answer_to_how_big_a_slot_is(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def ranks_8_and_64(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    """A small Llama config and two adapters on it: rank 8 (q, v) and 64 (q, k, v, o)."""
+    root = tmp_path_factory.mktemp("ranks")
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 512}))
+    for name, modules, rank in (("a8", "q_proj,v_proj", 8), ("a64", "q_proj,k_proj,v_proj,o_proj",
+                                                                64)):
+        assert metrale("synth", root / name, "--model", model, "--modules", modules,
+                       "--rank", rank).code == 0
+    return model, [root / "a8", root / "a64"]
+
+
+def test_one_answer_to_how_big_a_slot_is(tmp_path: Path,
+                                         ranks_8_and_64: tuple[Path, list[Path]]) -> None:
     """Adapters of rank 8 (q, v) and 64 (q, k, v, o): inspect, layout, pack and show give the
     same slot; inspect's per-adapter figure is labelled as what it is (the adapter alone), and
     verify's as the bytes of its entries, not a second slot size."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512}))
-    for name, modules, rank in (("a8", "q_proj,v_proj", 8), ("a64", "q_proj,k_proj,v_proj,o_proj",
-                                                                64)):
-        assert metrale("synth", tmp_path / name, "--model", model, "--modules", modules,
-                       "--rank", rank).code == 0
-    adapters = [tmp_path / "a8", tmp_path / "a64"]
+    model, adapters = ranks_8_and_64
     inspected = metrale("inspect", *adapters, "--model", model, "--json").json()
     slot = metrale("layout", *adapters, "--model", model, "--json").json()["slot_bytes"]
     assert inspected["pool_slot"] == {"slot_bytes": slot, "max_rank": 64, "modules": [
@@ -602,3 +611,34 @@ def test_one_answer_to_how_big_a_slot_is(tmp_path: Path) -> None:
     assert text.count("│ own slot ") == 2 and "│ slot " not in text
     verified = metrale("verify", image, *adapters).stdout
     assert "of its entries compared)" in verified
+
+
+@pytest.mark.parametrize("engine", ["metrale", "vllm", "sglang"])
+def test_every_command_ends_a_refusal_with_the_same_line(
+        tmp_path: Path, ranks_8_and_64: tuple[Path, list[Path]], engine: str) -> None:
+    """One adapter above --max-rank: every command that judges the adapters ends with the same
+    count of the same total, naming the same adapter (with the engine's verdict under an
+    engine), with or without --json. `layout`, `pack` and `simulate` said `1 adapter(s)`
+    where `inspect` said `1 of 2`, and `simulate --engine` named neither the adapter nor the
+    engine as inspect does."""
+    model, adapters = ranks_8_and_64
+    common = [*adapters, "--model", model, "--max-rank", 16]
+    commands = [["inspect", *common], ["layout", *common],
+                ["simulate", *common, "--max-loras", 2, "--requests", 20]]
+    if engine == "metrale":
+        commands.append(["pack", *common, "--max-loras", 2])
+        said = "not servable", ": a64"
+        label = ""
+    else:
+        commands = [[*c, "--engine", engine] for c in commands]
+        label = {"vllm": "vLLM 0.32.0", "sglang": "SGLang 0.5.23"}[engine]
+        said = "not served as PEFT serves them by", ": a64 (refuses)"
+    for args in commands:
+        for json_out in ([], ["--json"]):
+            done = metrale(*args, *json_out)
+            assert done.code == 1, (args, done.stderr)
+            last = done.stderr.splitlines()[-1]
+            assert last.startswith(f"error: 1 of 2 adapter(s) {said[0]}"), (args, last)
+            assert last.endswith(said[1]) and label in last, (args, last)
+            if json_out:
+                done.json()

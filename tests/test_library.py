@@ -75,7 +75,7 @@ def test_the_examples_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
         exec(compile(block, f"{DOC.name} example {i + 1}", "exec"), namespace)
     out = capsys.readouterr().out
     # What the comments in the examples say they print.
-    assert "1 adapter(s) not servable: chat" in out
+    assert "1 of 2 adapter(s) not servable: chat" in out
     assert "chat: rank_above_max: " in out
     assert "[2, 3]" in out
     assert "code: naming it in --lora-paths stops the server from starting" in out

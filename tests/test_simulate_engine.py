@@ -126,7 +126,7 @@ def test_the_engine_judges_the_adapters_not_the_pool(peft_zoo) -> None:  # type:
     assert metrale("simulate", tokens.path, *setup).code == 0  # the pool serves the overlay
     refused = metrale("simulate", "--engine", "vllm", tokens.path, *setup[:-1])
     assert refused.code == 1 and refused.stdout == ""
-    assert "vllm refuses" in refused.stderr and "unsupported LoRA weight" in refused.stderr
+    assert "vLLM refuses" in refused.stderr and "unsupported LoRA weight" in refused.stderr
 
 
 def test_sglang_takes_tp_as_every_command_does() -> None:

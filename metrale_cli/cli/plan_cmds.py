@@ -34,7 +34,7 @@ from metrale_cli.cli.options import (
     shard_spec,
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, refused_line
 
 if TYPE_CHECKING:
     from metrale_cli.engines.engine import Engine
@@ -162,7 +162,7 @@ def _exit_1(refused: list[str], total: int, what: str) -> None:
     `what`, and which (a long inspection's reader sees the end first)."""
     from metrale_cli.cli.console import say
 
-    say(f"error: {len(refused)} of {total} adapter(s) {what}: {', '.join(refused)}")
+    say(f"error: {refused_line(refused, total, what)}")
     raise typer.Exit(1)
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 # At run time, not only for type checking: the library's argument check reads them.
 from metrale_cli.engines import check_given
 from metrale_cli.engines.engine import Engine
-from metrale_cli.errors import NotServable
+from metrale_cli.errors import NotServable, refused_line
 from metrale_cli.layout.pipeline import AuditedAdapters
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ def refuse_unserved(engine: Engine, model: ModelConfig, reports: Sequence[Adapte
     engine serves)."""
     refused = unserved(engine, model, reports, flags)
     if refused:
-        raise NotServable(f"{len(refused)} adapter(s) not served as PEFT serves them by "
-                          f"{engine.name} {engine.version} under these flags",
-                          [f"{r.name}: {engine.name} {v.verdict.value}: {v.reason}"
+        raise NotServable(refused_line([f"{r.name} ({v.verdict.value})" for r, v in refused],
+                                       len(reports), f"not served as PEFT serves them by "
+                                       f"{engine.label} {engine.version} under these flags"),
+                          [f"{r.name}: {engine.label} {v.verdict.value}: {v.reason}"
                            for r, v in refused])

@@ -22,7 +22,7 @@ from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import AdapterReport, audit, layer_rows
 from metrale_cli.adapters.loading import load_adapters, model_for
 from metrale_cli.arguments import checked_as
-from metrale_cli.errors import NotServable
+from metrale_cli.errors import NotServable, refused_line
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import Footprint, PoolPlan, max_rank_warnings, plan_layouts
 from metrale_cli.layout.slot_layout import DEFAULT_ALIGN, SlotLayout
@@ -63,7 +63,7 @@ class AuditedAdapters:
         refused = [r for r in self.reports if not r.servable]
         if refused:
             raise NotServable(
-                f"{len(refused)} adapter(s) not servable: {', '.join(r.name for r in refused)}",
+                refused_line([r.name for r in refused], len(self.reports), "not servable"),
                 [f"{r.name}: {f.code}: {f.message}" for r in refused for f in r.errors()],
                 self.record())
 
