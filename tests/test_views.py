@@ -221,6 +221,21 @@ def test_at_80_columns_no_value_is_split_across_lines(tiny: Path, tmp_path: Path
     assert any(line.startswith("slot ") and f"{slot:,} B (" in line for line in layout), layout
 
 
+@pytest.mark.parametrize("columns", [60, 80])
+def test_pack_s_summary_fits_the_terminal(tiny: Path, tmp_path: Path, columns: int) -> None:
+    """`pack`'s summary lines (the pool, what was read, what was written) wrap as key/value
+    lines do: its `pool: ...` line ran to 94 columns at 80. Only a path longer than the line
+    may pass the width, on a line of its own."""
+    image = tmp_path / "pool.safetensors"
+    done = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image,
+                   columns=columns)
+    assert done.code == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert all(len(line) <= columns or line.split() == [str(image)] for line in lines), lines
+    text = " ".join(done.stdout.split())
+    assert "2 slots x" in text and "1 empty cache slots" in text and str(image) in text
+
+
 @pytest.mark.parametrize("command", ["show", "layout", "inspect"])
 def test_no_color_on_a_terminal_sends_no_styles(tiny: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch,

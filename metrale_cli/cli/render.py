@@ -482,7 +482,8 @@ def pack_view(record: dict[str, Any]) -> Group:
     if record["image"] is not None:
         lines.append(f"wrote {record['image']} ({human_bytes(record['image_bytes'])}) in "
                      f"{record['write_seconds']:.3f} s; layout fingerprint {lay['fingerprint']}")
-    return Group(table, *(whole(line) for line in lines))
+    # Wrapped as key/value lines are, a path or fingerprint kept whole as a word.
+    return Group(table, *(wrapped(line) for line in lines))
 
 
 def _rank_span(ranks: list[int]) -> str:
