@@ -642,3 +642,35 @@ def test_every_command_ends_a_refusal_with_the_same_line(
             assert last.endswith(said[1]) and label in last, (args, last)
             if json_out:
                 done.json()
+
+
+@pytest.mark.parametrize("engine,options", [
+    ("vllm", []), ("vllm", ["--tp", 2]), ("vllm", ["--max-loras", 1]),
+    ("vllm", ["--tp", 2, "--max-loras", 1]), ("vllm", ["--max-cpu-loras", 1]),
+    ("vllm", ["--max-rank", 16]), ("vllm", ["--max-rank", 128]),
+    ("sglang", []), ("sglang", ["--tp", 2]), ("sglang", ["--max-loras", 5]),
+    ("sglang", ["--max-rank", 16]),
+])
+def test_inspect_and_layout_give_one_lora_memory_for_the_same_flags(
+        ranks_8_and_64: tuple[Path, list[Path]], engine: str, options: list[object]) -> None:
+    """`inspect --engine E` names which flags are the user's and gives the LoRA bytes of the
+    flags it judged under, the ones `layout --engine E` gives for the same options; the
+    recommended line's bytes, where those flags differ, are labelled as the serve line's.
+    Given --max-loras 1, inspect recommended (and sized) 2 where layout sized 1; SGLang's
+    layout sized SGLang's default batch of 8 where inspect sized 3."""
+    model, adapters = ranks_8_and_64
+    args = [*adapters, "--model", model, "--engine", engine, *options]
+    layout = metrale("layout", *args, "--json")
+    inspected = metrale("inspect", *args, "--json")
+    assert layout.code == inspected.code, (layout.stderr, inspected.stderr)
+    judged = inspected.json()["engine"]
+    assert sorted(judged["given"]) == sorted(o for o in options if isinstance(o, str))
+    memory = judged["memory"] or judged["recommended"]
+    assert memory["lora_bytes"] == layout.json()["engine"]["lora_bytes"]
+    assert memory["slot_bytes"] == layout.json()["engine"]["slot_bytes"]
+    shown = metrale("inspect", *args, columns=200).stdout
+    flag_words = ", ".join(judged["given"])
+    assert (f"flags judged ({flag_words} given, the rest recommended)" if options
+            else "flags recommended:") in shown
+    assert f"{memory['lora_bytes']:,} B" in shown
+    assert ("with the serve line's flags" in shown) == (judged["memory"] is not None)

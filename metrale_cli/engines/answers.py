@@ -53,7 +53,21 @@ def engine_inspect(audited: AuditedAdapters, engine: Engine,
         adapter["engine"] = verdict.record()
     record["engine"] = engine.inspect_record(cfg, verdicts, recommendation, flags, source,
                                              reports)
+    # Which of the flags judged are the user's (the rest are the recommended ones), and, where
+    # the flags judged are not the recommended ones, their LoRA bytes: what `layout` gives for
+    # the same options, beside the recommended line's.
+    record["engine"]["given"] = [k for k, v in given.items()
+                                 if v is not None and v is not False and k not in _NOT_FLAGS]
+    judged = None
+    if record["engine"]["flags"] != record["engine"]["recommended"]["flags"]:
+        memory = engine.memory(cfg, flags, reports or None, None).record()
+        judged = {k: memory[k] for k in ("lora_bytes", "slot_bytes", "host_cache_bytes")}
+    record["engine"]["memory"] = judged
     return EngineInspection(record, verdicts, flags)
+
+
+# Options of `inspect --engine` that are not the engine's serve flags.
+_NOT_FLAGS = ("--experts", "--confirm", "--engine-python", "--engine-args", "--confirm-timeout")
 
 
 def engine_layout(audited: AuditedAdapters, engine: Engine,

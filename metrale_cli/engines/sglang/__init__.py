@@ -38,6 +38,13 @@ if TYPE_CHECKING:
     from metrale_cli.model.config import ModelConfig
 
 
+def startup_batch(adapters: int) -> int:
+    """--max-loras-per-batch for `adapters` start-up adapters: each and the base model (SGLang
+    counts a base-only request as one of the batch: arg_groups/fields/lora.py), two at least
+    (the base model and one adapter loaded at runtime)."""
+    return max(2, adapters + 1)
+
+
 class SglangEngine:
     """SGLang 0.5.23 as an `Engine`: its options, verdicts per load path, launch line, pool
     bytes and cache."""
@@ -105,7 +112,12 @@ class SglangEngine:
 
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Flags:
-        flags = flags_from(given)
+        # Without --max-loras, the batch `recommend` gives the start-up adapters that start
+        # the server, so that `layout` and `inspect` size the same pool (SGLang's own default,
+        # 8, without any).
+        probe = flags_from(given)
+        starting = [r for r in reports if starts(judgements(r, model, probe)["startup"])]
+        flags = flags_from(given, startup_batch(len(starting)) if reports else None)
         if not reports and (flags.max_lora_rank is None or flags.target_modules is None):
             raise UsageError("--engine sglang without adapters needs --max-rank and --modules: "
                              "When no initial --lora-paths is provided, you need to specify "
@@ -122,9 +134,7 @@ class SglangEngine:
     def recommend(self, reports: list[AdapterReport], model: ModelConfig,
                   given: Mapping[str, object]) -> Recommendation:
         """The given flags, and without `--max-loras` a batch that holds every start-up
-        adapter and the base model (SGLang counts a base-only request as one of
-        --max-loras-per-batch: arg_groups/fields/lora.py), two at least (the base model and
-        one adapter loaded at runtime)."""
+        adapter and the base model (`startup_batch`)."""
         probe = flags_from(given)
         if probe.tp > 1:
             check_tp(model, probe.tp, False, self.label)
@@ -136,7 +146,7 @@ class SglangEngine:
         else:
             kept = [r for r, got in at_startup if starts(got)]
             shut_out = [f"{r.name}: {reason(got)}" for r, got in at_startup if not starts(got)]
-        flags = self.startup(model, flags_from(given, max(2, len(kept) + 1)), kept)
+        flags = self.startup(model, flags_from(given, startup_batch(len(kept))), kept)
         memory, note = None, ""
         if unsupported is not None:
             note = f"none: SGLang never starts on this model ({unsupported[1]})"
