@@ -59,10 +59,13 @@ def test_import_metrale_is_the_api_under_the_install_name() -> None:
 
 
 def test_every_documented_name_is_in_the_api() -> None:
+    """The recipes import from `metrale`, the name users install (they imported from
+    `metrale_cli`, the command's package), and only names of its API."""
     text = DOC.read_text()
-    imported = {name.strip() for line in re.findall(r"^from metrale_cli import (.+)$", text, re.M)
+    imported = {name.strip() for line in re.findall(r"^from metrale import (.+)$", text, re.M)
                 for name in line.split(",")}
     assert imported and imported <= set(metrale_cli.__all__)
+    assert not re.findall(r"^from metrale_cli import", text, re.M)
 
 
 def test_the_examples_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
