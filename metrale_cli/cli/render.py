@@ -267,19 +267,21 @@ def layout_view(record: dict[str, Any], per_gpu: bool = False) -> Group:
     modules = ", ".join(m for m in record["modules"] if m in present) or "-"
     if absent:
         modules += f" ({', '.join(absent)}: not in this model)"
+    # Under --tp a GPU holds a shard of this slot (its size is below): say which this is.
+    whole_slot = ", unsharded (each GPU's shard below)" if per_gpu else ""
     rows = [
         ("model", model_line(record["model"])),
         ("modules", modules),
         ("max rank", str(record["max_rank"])),
         ("entries", f"{len(record['entries'])} (layer, module) pairs"),
         ("slot", f"{record['slot_bytes']:,} B ({human_bytes(record['slot_bytes'])}), "
-                 f"{record['align']}-byte aligned {record['dtype']}"),
+                 f"{record['align']}-byte aligned {record['dtype']}{whole_slot}"),
     ]
     if ex is not None:
         rows.append(("expert slot", f"{ex['expert_slot_bytes']:,} B "
                      f"({human_bytes(ex['expert_slot_bytes'])}), {ex['n_entries']:,} (layer, "
                      f"projection, expert) entries on {len(ex['layers'])} "
-                     f"layers at rank {ex['max_rank']}, a separate allocation"))
+                     f"layers at rank {ex['max_rank']}, a separate allocation{whole_slot}"))
     if record["budget_bytes"] is not None and max_loras is not None:
         what = "both pools" if ex is not None else "slots"
         rows.append(("budget", f"{human_bytes(record['budget_bytes'])} holds {max_loras:,} "
