@@ -471,5 +471,7 @@ def test_a_third_engine_plugs_in_from_outside(toy: ToyEngine, llama_q) -> None: 
     assert record["swap"]["slot_bytes"] == slot
     shown = metrale(*sim, columns=300)
     assert shown.code == 0, shown.stderr
-    assert ("engine    toy 1.0's own cache: its GPU slots of its slot bytes (--max-loras), "
-            "evicting FIFO, its host cache (--toy-host-cache), evicting LRU") in shown.stdout
+    # The engine named by its title, as inspect and layout name it.
+    assert ("engine    Toy 1.0 (test build)'s own cache: its GPU slots of its slot bytes "
+            "(--max-loras), evicting FIFO, its host cache (--toy-host-cache), evicting LRU"
+            ) in shown.stdout
