@@ -277,3 +277,31 @@ def test_architectures_holding_no_class_name_is_one_verdict(
         assert engine["reason_class"] == "architecture"
         assert "not a class name" in engine["reason"]
         assert {p["verdict"] for p in engine["paths"].values()} == {"unsupported_model"}
+
+
+def test_no_start_up_adapter_that_starts_the_server_sizes_no_pool(tmp_path: Path) -> None:
+    """A Qwen3-Next adapter on every module (`out_proj` among them) stops SGLang's start-up:
+    with no --max-rank and --modules no server starts, so there is no pool. inspect said
+    `max_lora_rank 0 (inferred)` and `LoRA memory 0 B`; layout gave 0 B buffers `though it
+    allocates these buffers` and exit 1."""
+    adapter = tmp_path / "all"
+    assert metrale("synth", adapter, "-m", "qwen3-next-80b-a3b", "--modules", "all", "-r",
+                   4).code == 0
+    shown = metrale("inspect", adapter, "--engine", "sglang", columns=200)
+    assert shown.code == 1
+    assert "max_lora_rank 0" not in shown.stdout and "0 B (0 B)" not in shown.stdout
+    assert ("LoRA memory  none: no adapter can start the server, and without one it needs "
+            "--max-rank and --modules") in shown.stdout
+    assert "max_lora_rank not inferred (no adapter starts the server)" in shown.stdout
+    for json_out in ([], ["--json"]):
+        laid = metrale("layout", adapter, "--engine", "sglang", *json_out)
+        assert laid.code == 1
+        assert laid.stderr.splitlines()[-1] == (
+            "error: 1 of 1 adapter(s) start no SGLang 0.5.23 server, which without one needs "
+            "--max-rank and --modules: all")
+        assert "get_hidden_dim not implemented for out_proj" in laid.stderr
+        if json_out:
+            assert laid.json()["refused"] == "not_servable"
+    sized = metrale("layout", adapter, "--engine", "sglang", "--max-rank", 8, "--modules",
+                    "q_proj", "--json")
+    assert sized.code == 1 and sized.json()["engine"]["lora_bytes"] > 0
