@@ -419,7 +419,7 @@ def kernel_model_view(record: dict[str, Any]) -> Group:
     experts = record["experts"]
     group_key = "model" if experts else "module"
     first = "projection" if experts else "kernel"
-    sizes = ("MB", "us") if experts else ("CTAs", "KiB/SM")
+    sizes = ("MiB", "us") if experts else ("CTAs", "KiB/SM")
     peak = f"{d['peak_bytes_per_s'] / 1e12:.1f} TB/s"
     tables: dict[str, Table] = {}
     for r in record["records"]:
@@ -434,11 +434,11 @@ def kernel_model_view(record: dict[str, Any]) -> Group:
                                  else "right", no_wrap=col != "path")
         table.add_row(
             r[first], r["path"], str(r["rank"]), str(r["tokens"]), str(r["adapters"]),
-            f"{r['bytes'] / 1e6:.2f}" if experts else str(r["ctas"]),
+            f"{r['bytes'] / 2**20:.2f}" if experts else str(r["ctas"]),
             f"{r['expected_us']:.2f}" if experts else f"{r['in_flight_per_sm_bytes'] / 1024:.1f}",
             f"{r['expected_pct_peak']:.1f}", f"{r['expected_copy_ratio']:.2f}",
             "meets" if r["meets_target"] else "MISSES")
-    what = ("MB: compulsory bytes; us: the expected time of the projection's launches"
+    what = ("MiB: compulsory bytes; us: the expected time of the projection's launches"
             if experts else "CTAs: the launch's thread blocks; KiB/SM: the bytes each SM has "
             "in flight per pass")
     return Group(
