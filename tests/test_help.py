@@ -130,6 +130,21 @@ def test_dash_h_is_help_everywhere(path: list[str], command: Any) -> None:
     assert "-h, --help" in short.stdout
 
 
+@pytest.mark.parametrize(("path", "command"), TREE, ids=lambda v: _ids(v) if isinstance(v, list)
+                         else "")
+def test_a_command_s_help_names_only_options_it_takes(path: list[str], command: Any) -> None:
+    """`synth`, `bench pack` and `bench kernels` said --model reads the hub with `--online`,
+    an option they did not take. A command that answers for an engine also names the engine's
+    own flags (vLLM's `--max-lora-rank`), which this leaves out."""
+    params = getattr(command, "params", [])
+    own = {o for p in params for o in getattr(p, "opts", [])} | {"--help", "-h"}
+    if "--engine" in own or hasattr(command, "commands"):  # a group's example is a command's
+        return
+    out = metrale(*path, "--help", columns=80).stdout
+    named = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", out))
+    assert named <= own, named - own
+
+
 # More options than this in one list, and a command's help groups them in panels.
 MANY_OPTIONS = 16
 
