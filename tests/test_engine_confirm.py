@@ -49,9 +49,9 @@ def adapter(peft_zoo) -> Path:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(("args", "said"), [
-    (["--confirm"], "--confirm need --engine vllm"),
-    (["--engine", "vllm", "--engine-python", "/bin/sh"], "--engine-python need --confirm"),
-    (["--engine", "vllm", "--confirm-timeout", "5"], "--confirm-timeout need --confirm"),
+    (["--confirm"], "--confirm needs --engine vllm"),
+    (["--engine", "vllm", "--engine-python", "/bin/sh"], "--engine-python needs --confirm"),
+    (["--engine", "vllm", "--confirm-timeout", "5"], "--confirm-timeout needs --confirm"),
     (["--engine", "vllm", "--confirm", "--engine-python", "/no/such/python"],
      "--engine-python /no/such/python: no such file"),
     (["--engine", "vllm", "--confirm", "--engine-python", "pyproject.toml"],

@@ -127,7 +127,8 @@ def inspect(
         unused = [n for n in ("--engine-python", "--engine-args", "--confirm-timeout")
                   if given[n] is not None]
         if unused:
-            raise UsageError(f"{', '.join(unused)} need --confirm")
+            raise UsageError(f"{', '.join(unused)} need{'s' if len(unused) == 1 else ''} "
+                             "--confirm")
     if chosen is not None:
         from metrale_cli.cli import render_engine
         from metrale_cli.engines.answers import engine_inspect
