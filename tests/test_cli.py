@@ -86,7 +86,10 @@ def test_inspect_json_and_exit_codes(synth_pair: tuple[Path, Path]) -> None:
     assert q == {"layer": 3, "module": "q_proj", "r": 16, "alpha": 32, "scaling": 2.0,
                  "a_shape": [16, 2048], "b_shape": [8192, 16], "dtype": "BF16"}
     assert second["modules"][0]["scaling"] == pytest.approx(16 / 8**0.5)
-    assert first["slot_bytes"] == 15_335_424
+    # The adapter's own slot is named apart from the pool's (`pool_slot.slot_bytes`, the one
+    # layout, pack and show give): both were `slot_bytes`, of different sizes.
+    assert first["own_slot_bytes"] == 15_335_424 and "slot_bytes" not in first
+    assert doc["pool_slot"]["slot_bytes"] == 15_335_424
     # Rank above --max-rank makes it not servable: exit 1, with the reason.
     over = metrale("inspect", a, "--max-rank", 8, "--json")
     assert over.code == 1
@@ -291,7 +294,7 @@ def test_max_rank_defaults_to_what_the_kernels_serve(tmp_path: Path) -> None:
     assert packed.code == 0 and packed.stderr == "", packed.stderr
     assert packed.json()["layout"]["max_rank"] == 16 and packed.json()["warnings"] == []
     inspected = metrale("inspect", adapter, "--json").json()
-    assert inspected["adapters"][0]["slot_bytes"] == at_16["slot_bytes"]
+    assert inspected["adapters"][0]["own_slot_bytes"] == at_16["slot_bytes"]
 
 
 @pytest.mark.parametrize("max_rank,nearest", [(10, 16), (300, 256)])

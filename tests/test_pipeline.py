@@ -49,7 +49,7 @@ def test_loaded_adapters_and_a_model_config_go_in_as_they_are(
     assert [r.name for r in audited.reports] == ["chat", "code"]
     assert audited.servable
     assert [f.slot_bytes for f in audited.footprints()] == [
-        r["slot_bytes"] for r in metrale("inspect", chat, code, "--max-rank", 16,
+        r["own_slot_bytes"] for r in metrale("inspect", chat, code, "--max-rank", 16,
                                          "--json").json()["adapters"]]
 
 

@@ -165,23 +165,23 @@ def _adapter_panel(model: dict[str, Any], a: dict[str, Any]) -> Panel:
     summary.add_row("modules", ", ".join(a["module_set"]) or "-")
     summary.add_row("pairs", f"{len(a['modules'])} (layer, module) pairs"
                     + (f", {'/'.join(dtypes)}" if dtypes else ""))
-    if a["slot_max_rank"] is not None:
+    if a["own_slot_max_rank"] is not None:
         # The slot of a pool of this adapter alone; the pool's slot is the line above the panels.
         summary.add_row(
             "own slot",
-            f"{human_bytes(a['slot_bytes'])} ({a['slot_bytes']:,} B) at rank "
-            f"{a['slot_max_rank']}: {a['slot_rank_reason']}",
+            f"{human_bytes(a['own_slot_bytes'])} ({a['own_slot_bytes']:,} B) at rank "
+            f"{a['own_slot_max_rank']}: {a['own_slot_rank_reason']}",
         )
     if a["expert_pairs"]:
         summary.add_row("experts", f"{a['expert_pairs']} (layer, projection, expert) "
                         f"pairs on layers {layer_set(a['expert_layers'])}, ranks "
                         f"{', '.join(map(str, a['expert_ranks']))}")
-    if a["expert_slot_max_rank"] is not None:
+    if a["own_expert_slot_max_rank"] is not None:
         summary.add_row(
-            "expert slot",
-            f"{human_bytes(a['expert_slot_bytes'])} "
-            f"({a['expert_slot_bytes']:,} B) at rank {a['expert_slot_max_rank']}: "
-            f"{a['expert_slot_rank_reason']}; in the expert pool beside the slot pool")
+            "own expert slot",
+            f"{human_bytes(a['own_expert_slot_bytes'])} "
+            f"({a['own_expert_slot_bytes']:,} B) at rank {a['own_expert_slot_max_rank']}: "
+            f"{a['own_expert_slot_rank_reason']}; in the expert pool beside the slot pool")
     if a["overlays"]:
         summary.add_row("overlays", ", ".join(
             f"{o['tokens']} tokens replace {o['table']} rows"

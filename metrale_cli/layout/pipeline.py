@@ -81,7 +81,8 @@ class AuditedAdapters:
     def record(self) -> dict[str, Any]:
         """`metrale inspect --json`: the model summary, the warnings about the max rank, the
         slot of a pool of these adapters (`pool_slot`), and each adapter's report with its
-        footprint (`slot_bytes`: what it alone takes, at its own rank unless --max-rank)."""
+        footprint (`own_slot_bytes`: what it alone takes, at its own rank unless --max-rank;
+        named apart from `pool_slot.slot_bytes`, the slot `layout` gives)."""
         adapters = []
         for report, footprint in zip(self.reports, self.footprints(), strict=True):
             slot, expert_slot = footprint.layout, footprint.expert_layout
@@ -92,12 +93,12 @@ class AuditedAdapters:
                 "layer_rows": layer_rows(self.model, report),
                 "expert_layers": sorted({p.layer for p in report.expert_pairs}),
                 "expert_ranks": sorted({p.r for p in report.expert_pairs}),
-                "slot_bytes": footprint.slot_bytes,
-                "slot_max_rank": slot.max_rank if slot is not None else None,
-                "slot_rank_reason": footprint.rank_reason if slot is not None else None,
-                "expert_slot_bytes": footprint.expert_slot_bytes,
-                "expert_slot_max_rank": expert_slot.max_rank if expert_slot else None,
-                "expert_slot_rank_reason": (footprint.expert_rank_reason if expert_slot
+                "own_slot_bytes": footprint.slot_bytes,
+                "own_slot_max_rank": slot.max_rank if slot is not None else None,
+                "own_slot_rank_reason": footprint.rank_reason if slot is not None else None,
+                "own_expert_slot_bytes": footprint.expert_slot_bytes,
+                "own_expert_slot_max_rank": expert_slot.max_rank if expert_slot else None,
+                "own_expert_slot_rank_reason": (footprint.expert_rank_reason if expert_slot
                                             else None),
             })
         return {"model": self.model.record(), "experts_enabled": self.experts,
