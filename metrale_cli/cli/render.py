@@ -131,7 +131,7 @@ def model_line(model: dict[str, Any]) -> str:
 
 def inspect_view(record: dict[str, Any]) -> Group:
     """`metrale inspect`: the audit's record (`AuditedAdapters.record`), a panel per adapter."""
-    parts: list[Any] = [whole(model_line(record["model"]), style="bold")]
+    parts: list[Any] = [wrapped(model_line(record["model"]), style="bold")]
     pool = record.get("pool_slot")
     if pool is not None:
         # The one answer to "how big is a slot": layout, pack and show give the same figure.

@@ -32,7 +32,7 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     # Which flags are the user's: those given; the rest of the line is the recommended ones.
     source = (f"flags judged ({', '.join(given)} given, the rest recommended)" if given
               else f"flags {engine['flags_source']}")
-    parts: list[Any] = [whole(model_line(record["model"]), style="bold"),
+    parts: list[Any] = [wrapped(model_line(record["model"]), style="bold"),
                         wrapped(f"{who.title}, {source}: "
                                 f"{who.flag_line(engine['flags'], engine.get('pool'))}",
                                 style="dim")]
