@@ -179,7 +179,9 @@ def _confirm(audited: "AuditedAdapters", engine: "Engine", given: dict[str, obje
                           progress=say)
     emit(done.record, json_out, render_engine.engine_confirm_view)
     if not done.agrees:
-        raise typer.Exit(1)
+        check = done.record["confirm"]
+        _exit_1(check["disagreements"], len(check["adapters"]),
+                f"did otherwise in the installed {engine.label} than predicted")
 
 
 # -- layout -------------------------------------------------------------------------------------
