@@ -36,6 +36,12 @@ def did_you_mean(wanted: str, known: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def refused_line(refused: Sequence[str], total: int, what: str) -> str:
+    """`2 of 20 adapter(s) not servable: ad10, ad12`: the line every command that refuses some
+    of the adapters it was given ends with, whichever command and engine judged them."""
+    return f"{len(refused)} of {total} adapter(s) {what}: {', '.join(refused)}"
+
+
 class FormatError(MetraleError):
     """A file that is not what it claims to be (bad safetensors header, bad JSON, ...)."""
 

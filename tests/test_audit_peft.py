@@ -218,7 +218,7 @@ def test_gpt_oss_expert_lora_is_read_with_the_opt_in(peft_zoo, monkeypatch) -> N
     layout = metrale("layout", "-m", truth.base_dir / "config.json", "--experts",
                      "--max-rank", 8, "--modules", "q_proj,o_proj", "--json").json()
     assert layout["experts"]["n_entries"] == report["expert_pairs"]
-    assert layout["experts"]["expert_slot_bytes"] == report["expert_slot_bytes"]
+    assert layout["experts"]["expert_slot_bytes"] == report["own_expert_slot_bytes"]
 
 
 def test_rslora_and_patterns_like_peft(peft_zoo) -> None:

@@ -81,6 +81,19 @@ def test_model_only_covers_both_models_ranks_and_paths() -> None:
         assert 0 < r["expected_pct_peak"] < 100
 
 
+def test_model_only_view_counts_bytes_in_mib() -> None:
+    """The table's compulsory bytes are MiB, as every byte amount metrale prints is (the view
+    printed decimal MB beside the L2's MiB)."""
+    args = ["bench", "kernels", "--experts", "--model-only", "--rank", 16, "--tokens", 1]
+    record = metrale(*args, "--json").json()["records"][0]
+    shown = metrale(*args, columns=120).stdout
+    assert "MiB: compulsory bytes" in shown and " MB " not in shown
+    header = next(line for line in shown.splitlines() if line.startswith("projection"))
+    assert header.split()[5] == "MiB"
+    row = next(line for line in shown.splitlines() if line.startswith(record["projection"]))
+    assert row.split()[5] == f"{record['bytes'] / 2**20:.2f}"
+
+
 @pytest.mark.skipif(compat.has_gpu(), reason="a GPU is present")
 def test_bench_experts_needs_a_gpu() -> None:
     result = metrale("bench", "kernels", "--experts", "--tokens", 1)

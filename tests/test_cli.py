@@ -86,7 +86,10 @@ def test_inspect_json_and_exit_codes(synth_pair: tuple[Path, Path]) -> None:
     assert q == {"layer": 3, "module": "q_proj", "r": 16, "alpha": 32, "scaling": 2.0,
                  "a_shape": [16, 2048], "b_shape": [8192, 16], "dtype": "BF16"}
     assert second["modules"][0]["scaling"] == pytest.approx(16 / 8**0.5)
-    assert first["slot_bytes"] == 15_335_424
+    # The adapter's own slot is named apart from the pool's (`pool_slot.slot_bytes`, the one
+    # layout, pack and show give): both were `slot_bytes`, of different sizes.
+    assert first["own_slot_bytes"] == 15_335_424 and "slot_bytes" not in first
+    assert doc["pool_slot"]["slot_bytes"] == 15_335_424
     # Rank above --max-rank makes it not servable: exit 1, with the reason.
     over = metrale("inspect", a, "--max-rank", 8, "--json")
     assert over.code == 1
@@ -303,7 +306,7 @@ def test_max_rank_defaults_to_what_the_kernels_serve(tmp_path: Path) -> None:
     assert packed.code == 0 and packed.stderr == "", packed.stderr
     assert packed.json()["layout"]["max_rank"] == 16 and packed.json()["warnings"] == []
     inspected = metrale("inspect", adapter, "--json").json()
-    assert inspected["adapters"][0]["slot_bytes"] == at_16["slot_bytes"]
+    assert inspected["adapters"][0]["own_slot_bytes"] == at_16["slot_bytes"]
 
 
 @pytest.mark.parametrize("max_rank,nearest", [(10, 16), (300, 256)])
@@ -505,6 +508,38 @@ def test_click_usage_errors_are_one_line(args: list[str], says: str) -> None:
     assert result.stderr.startswith("error: ") and says in result.stderr
 
 
+LLAMA = ["-m", "llama-3.1-8b", "--max-rank", "8"]
+SIM = ["simulate", *LLAMA, "--modules", "q_proj", "--max-loras", "2"]
+
+
+@pytest.mark.parametrize("args,hint", [
+    (["layout", *LLAMA, "--modules", "q_prj"], "'q_proj'"),
+    (["layout", *LLAMA, "--modules", "qkv_prj", "--engine", "vllm"], "'qkv_proj'"),
+    (["layout", *LLAMA, "--modules", "q_prj", "--engine", "sglang"], "'q_proj'"),
+    (["layout", *LLAMA, "--modules", "q_proj", "--engine", "sglang", "--eviction-policy", "lr"],
+     "'lru'"),
+    (["layout", *LLAMA, "--modules", "q_proj", "--engine", "sglang", "--lora-backend",
+      "trition"], "'triton'"),
+    (["layout", *LLAMA, "--modules", "q_proj", "--engine", "vllm", "--dtype", "bfloat6"],
+     "'bfloat16'"),
+    (["layout", *LLAMA, "--modules", "q_proj", "--engine", "vllm", "--lora-dtype", "foat16"],
+     "'float16'"),
+    (["synth", "x", "-m", "llama-3.1-8b", "--modules", "q_proj", "-r", "8", "--dtype", "bf61"],
+     "'bf16'"),
+    ([*SIM, "--policy", "lr"], "'lru'"),
+    ([*SIM, "--workload", "zip"], "'zipf'"),
+    ([*SIM, "--admission", "fcf"], "'fcfs'"),
+    ([*SIM, "--replicas", "2", "--route", "round-robn"], "'round-robin'"),
+    ([*SIM, "--trace", "t.csv", "--trace-format", "burstpt"], "'burstgpt'"),
+])
+def test_a_mistyped_choice_says_which_it_was_near(args: list[str], hint: str) -> None:
+    """Every value metrale takes from a list says which one a typo was nearest to, as a
+    mistyped preset, engine, command or option does."""
+    result = metrale(*args)
+    one_line_error(result, 2)
+    assert f"(did you mean {hint}?)" in result.stderr
+
+
 def test_synth_modules_all_names_the_modules_the_model_has(tmp_path: Path) -> None:
     """`--modules all` on Llama writes q..down, not `out_proj` (Qwen3-Next's GDN module) with
     no tensor: layout and SGLang's rules then read the adapter as written."""
@@ -555,20 +590,29 @@ def test_synth_writes_a_vision_language_wrapper_s_layers_where_peft_has_them(
     assert _tensor_names(back) == names
 
 
-def test_one_answer_to_how_big_a_slot_is(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def ranks_8_and_64(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    """A small Llama config and two adapters on it: rank 8 (q, v) and 64 (q, k, v, o)."""
+    root = tmp_path_factory.mktemp("ranks")
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 512}))
+    for name, modules, rank in (("a8", "q_proj,v_proj", 8), ("a64", "q_proj,k_proj,v_proj,o_proj",
+                                                                64)):
+        assert metrale("synth", root / name, "--model", model, "--modules", modules,
+                       "--rank", rank).code == 0
+    return model, [root / "a8", root / "a64"]
+
+
+def test_one_answer_to_how_big_a_slot_is(tmp_path: Path,
+                                         ranks_8_and_64: tuple[Path, list[Path]]) -> None:
     """Adapters of rank 8 (q, v) and 64 (q, k, v, o): inspect, layout, pack and show give the
     same slot; inspect's per-adapter figure is labelled as what it is (the adapter alone), and
     verify's as the bytes of its entries, not a second slot size."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512}))
-    for name, modules, rank in (("a8", "q_proj,v_proj", 8), ("a64", "q_proj,k_proj,v_proj,o_proj",
-                                                                64)):
-        assert metrale("synth", tmp_path / name, "--model", model, "--modules", modules,
-                       "--rank", rank).code == 0
-    adapters = [tmp_path / "a8", tmp_path / "a64"]
+    model, adapters = ranks_8_and_64
     inspected = metrale("inspect", *adapters, "--model", model, "--json").json()
     slot = metrale("layout", *adapters, "--model", model, "--json").json()["slot_bytes"]
     assert inspected["pool_slot"] == {"slot_bytes": slot, "max_rank": 64, "modules": [
@@ -582,3 +626,66 @@ def test_one_answer_to_how_big_a_slot_is(tmp_path: Path) -> None:
     assert text.count("│ own slot ") == 2 and "│ slot " not in text
     verified = metrale("verify", image, *adapters).stdout
     assert "of its entries compared)" in verified
+
+
+@pytest.mark.parametrize("engine", ["metrale", "vllm", "sglang"])
+def test_every_command_ends_a_refusal_with_the_same_line(
+        tmp_path: Path, ranks_8_and_64: tuple[Path, list[Path]], engine: str) -> None:
+    """One adapter above --max-rank: every command that judges the adapters ends with the same
+    count of the same total, naming the same adapter (with the engine's verdict under an
+    engine), with or without --json. `layout`, `pack` and `simulate` said `1 adapter(s)`
+    where `inspect` said `1 of 2`, and `simulate --engine` named neither the adapter nor the
+    engine as inspect does."""
+    model, adapters = ranks_8_and_64
+    common = [*adapters, "--model", model, "--max-rank", 16]
+    commands = [["inspect", *common], ["layout", *common],
+                ["simulate", *common, "--max-loras", 2, "--requests", 20]]
+    if engine == "metrale":
+        commands.append(["pack", *common, "--max-loras", 2])
+        said = "not servable", ": a64"
+        label = ""
+    else:
+        commands = [[*c, "--engine", engine] for c in commands]
+        label = {"vllm": "vLLM 0.32.0", "sglang": "SGLang 0.5.23"}[engine]
+        said = "not served as PEFT serves them by", ": a64 (refuses)"
+    for args in commands:
+        for json_out in ([], ["--json"]):
+            done = metrale(*args, *json_out)
+            assert done.code == 1, (args, done.stderr)
+            last = done.stderr.splitlines()[-1]
+            assert last.startswith(f"error: 1 of 2 adapter(s) {said[0]}"), (args, last)
+            assert last.endswith(said[1]) and label in last, (args, last)
+            if json_out:
+                done.json()
+
+
+@pytest.mark.parametrize("engine,options", [
+    ("vllm", []), ("vllm", ["--tp", 2]), ("vllm", ["--max-loras", 1]),
+    ("vllm", ["--tp", 2, "--max-loras", 1]), ("vllm", ["--max-cpu-loras", 1]),
+    ("vllm", ["--max-rank", 16]), ("vllm", ["--max-rank", 128]),
+    ("sglang", []), ("sglang", ["--tp", 2]), ("sglang", ["--max-loras", 5]),
+    ("sglang", ["--max-rank", 16]),
+])
+def test_inspect_and_layout_give_one_lora_memory_for_the_same_flags(
+        ranks_8_and_64: tuple[Path, list[Path]], engine: str, options: list[object]) -> None:
+    """`inspect --engine E` names which flags are the user's and gives the LoRA bytes of the
+    flags it judged under, the ones `layout --engine E` gives for the same options; the
+    recommended line's bytes, where those flags differ, are labelled as the serve line's.
+    Given --max-loras 1, inspect recommended (and sized) 2 where layout sized 1; SGLang's
+    layout sized SGLang's default batch of 8 where inspect sized 3."""
+    model, adapters = ranks_8_and_64
+    args = [*adapters, "--model", model, "--engine", engine, *options]
+    layout = metrale("layout", *args, "--json")
+    inspected = metrale("inspect", *args, "--json")
+    assert layout.code == inspected.code, (layout.stderr, inspected.stderr)
+    judged = inspected.json()["engine"]
+    assert sorted(judged["given"]) == sorted(o for o in options if isinstance(o, str))
+    memory = judged["memory"] or judged["recommended"]
+    assert memory["lora_bytes"] == layout.json()["engine"]["lora_bytes"]
+    assert memory["slot_bytes"] == layout.json()["engine"]["slot_bytes"]
+    shown = metrale("inspect", *args, columns=200).stdout
+    flag_words = ", ".join(judged["given"])
+    assert (f"flags judged ({flag_words} given, the rest recommended)" if options
+            else "flags recommended:") in shown
+    assert f"{memory['lora_bytes']:,} B" in shown
+    assert ("with the serve line's flags" in shown) == (judged["memory"] is not None)

@@ -79,12 +79,12 @@ def test_every_environment_variable_is_documented() -> None:
 
 
 def test_the_readme_bit_flip_recipe_uses_public_names_and_flips_the_bit(tmp_path: Path) -> None:
-    """README's recipe for a `bad.safetensors` imports only from `metrale_cli` (deep paths are
+    """README's recipe for a `bad.safetensors` imports only from `metrale` (deep paths are
     unstable, docs/library.md) and makes the image `verify` then names: slot 1, layer 7,
     v_proj, B."""
     text = (DOCS.parent / "README.md").read_text()
     code = re.search(r"\$ python - <<'EOF'\n(.*?)\nEOF\n", text, re.S).group(1)
-    assert re.findall(r"^(?:from|import) (\S+)", code, re.M) == ["metrale_cli"]
+    assert re.findall(r"^(?:from|import) (\S+)", code, re.M) == ["metrale"]
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 8,
         "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 48}))

@@ -118,7 +118,7 @@ def test_layout_bytes_per_gpu_tp_and_budget() -> None:
      "vLLM's LoRA modules of this model"),
     (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--lora-dtype", "int8"],
      "--lora-dtype 'int8'"),
-    (["layout", "--model", "qwen3-8b", "--dtype", "float16"], "--dtype need --engine vllm"),
+    (["layout", "--model", "qwen3-8b", "--dtype", "float16"], "--dtype needs --engine vllm"),
     (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--max-loras", "4",
       "--max-cpu-loras", "2"], "below --max-loras"),
     (["layout", "--model", "qwen3-8b", "--engine", "vllm", "--tp", "3"],
@@ -131,7 +131,7 @@ def test_bad_flags_are_one_line_exit_2(args: list[str], says: str) -> None:
 
 def test_inspect_vllm_only_options_need_the_engine(adapters: dict[str, Path]) -> None:
     done = metrale("inspect", adapters["plain"], "--tp", 2)
-    assert done.code == 2 and "--tp need --engine vllm" in done.stderr
+    assert done.code == 2 and "--tp needs --engine vllm" in done.stderr
 
 
 @pytest.mark.proc

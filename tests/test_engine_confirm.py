@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -49,9 +50,9 @@ def adapter(peft_zoo) -> Path:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(("args", "said"), [
-    (["--confirm"], "--confirm need --engine vllm"),
-    (["--engine", "vllm", "--engine-python", "/bin/sh"], "--engine-python need --confirm"),
-    (["--engine", "vllm", "--confirm-timeout", "5"], "--confirm-timeout need --confirm"),
+    (["--confirm"], "--confirm needs --engine vllm"),
+    (["--engine", "vllm", "--engine-python", "/bin/sh"], "--engine-python needs --confirm"),
+    (["--engine", "vllm", "--confirm-timeout", "5"], "--confirm-timeout needs --confirm"),
     (["--engine", "vllm", "--confirm", "--engine-python", "/no/such/python"],
      "--engine-python /no/such/python: no such file"),
     (["--engine", "vllm", "--confirm", "--engine-python", "pyproject.toml"],
@@ -121,6 +122,26 @@ def test_bad_input_is_one_line_and_exit_2(adapter: Path, args: list[str], said: 
     done = metrale("inspect", adapter, *args)
     assert done.code == 2, done
     assert done.stderr.strip().splitlines() == [f"error: {said}"], done.stderr
+
+
+@pytest.mark.parametrize("json_out", [[], ["--json"]])
+def test_a_disagreement_ends_with_one_line_saying_why(
+        adapter: Path, monkeypatch: pytest.MonkeyPatch, json_out: list[str]) -> None:
+    """Exit 1 on a disagreement ends, as every exit 1 does, with one line on stderr naming the
+    adapters that did otherwise (--json too, its record on stdout). It said nothing. The
+    engine's run is replaced by its record (the real runs are the tests below)."""
+    record = {"confirm": {"agrees": False, "disagreements": ["a"], "adapters": [{}, {}]}}
+
+    ran = SimpleNamespace(agrees=False, record=record)
+    monkeypatch.setattr(VllmEngine, "confirm", lambda *args, **kwargs: ran)
+    monkeypatch.setattr("metrale_cli.cli.render_engine.engine_confirm_view",
+                        lambda rec: "confirm view")
+    done = metrale("inspect", adapter, "--engine", "vllm", "--confirm", *json_out)
+    assert done.code == 1, done
+    assert done.stderr.splitlines()[-1] == (
+        "error: 1 of 2 adapter(s) did otherwise in the installed vLLM than predicted: a")
+    if json_out:
+        assert done.json() == record
 
 
 def test_without_vllm_here_it_asks_for_engine_python(adapter: Path) -> None:

@@ -142,24 +142,31 @@ def test_an_installed_sglang_of_another_version_is_warned_about(tmp_path: Path) 
 
 @pytest.mark.parametrize(("args", "says"), [
     (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--align", "512"],
-     "--align need --engine metrale"),
+     "--align needs --engine metrale"),
     (["layout", "-m", "qwen3-8b", "--engine", "sglang", "--max-cpu-loras", "4"],
-     "--max-cpu-loras need --engine vllm"),
+     "--max-cpu-loras needs --engine vllm"),
     (["layout", "-m", "qwen3-8b", "--engine", "sglang", "--fully-sharded", "--tp", "2"],
-     "--fully-sharded need --engine metrale or vllm"),
+     "--fully-sharded needs --engine metrale or vllm"),
     (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--max-loaded-loras", "4"],
-     "--max-loaded-loras need --engine sglang"),
+     "--max-loaded-loras needs --engine sglang"),
     (["layout", "-m", "qwen3-8b", "--eviction-policy", "fifo"],
-     "--eviction-policy need --engine sglang"),
+     "--eviction-policy needs --engine sglang"),
     (["inspect", "x", "--engine", "sglang", "--lora-dtype", "float16"],
-     "--lora-dtype need --engine vllm"),
+     "--lora-dtype needs --engine vllm"),
     (["simulate", "-m", "qwen3-8b", "--engine", "sglang", "--max-cpu-loras", "4"],
-     "--max-cpu-loras need --engine vllm"),
+     "--max-cpu-loras needs --engine vllm"),
     (["simulate", "-m", "qwen3-8b", "--engine", "sglang", "--fully-sharded"],
-     "--fully-sharded need --engine metrale or vllm"),
+     "--fully-sharded needs --engine metrale or vllm"),
     (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--ep", "2"],
-     "--ep need --engine metrale"),
-    (["layout", "-m", "qwen3-8b", "--max-cpu-loras", "4"], "--max-cpu-loras need --engine vllm"),
+     "--ep needs --engine metrale"),
+    (["layout", "-m", "qwen3-8b", "--max-cpu-loras", "4"], "--max-cpu-loras needs --engine vllm"),
+    # One option needs, two need; one is not an option, two are not options.
+    (["layout", "-m", "qwen3-8b", "--max-cpu-loras", "4", "--lora-dtype", "auto"],
+     "--max-cpu-loras, --lora-dtype need --engine vllm"),
+    (["layout", "-m", "qwen3-8b", "--engine", "vllm", "--eviction-policy", "lru"],
+     "--eviction-policy needs --engine sglang"),
+    (["layout", "-m", "qwen3-8b", "--engine", "sglang", "--ep", "2", "--lora-dtype", "auto"],
+     "--ep, --lora-dtype are not options of `layout` with --engine sglang"),
 ])
 def test_options_the_engine_does_not_take_are_refused(args: list[str], says: str) -> None:
     done = metrale(*args)
@@ -442,9 +449,9 @@ def test_a_third_engine_plugs_in_from_outside(toy: ToyEngine, llama_q) -> None: 
     # Options it does not take are refused by name, as for every engine.
     other = metrale("inspect", llama_q.path, "--engine", "toy", "--max-loras", 2)
     assert other.code == 2 and other.stderr.strip() == (
-        "error: --max-loras need --engine vllm or sglang")
+        "error: --max-loras needs --engine vllm or sglang")
     confirm = metrale("inspect", llama_q.path, "--engine", "toy", "--confirm")
-    assert confirm.code == 2 and "--confirm need --engine vllm" in confirm.stderr
+    assert confirm.code == 2 and "--confirm needs --engine vllm" in confirm.stderr
 
     laid = metrale("layout", "--engine", "toy", "-m", base, "--max-rank", 8, "--max-loras", 3,
                    "--budget", "1MiB", columns=200)
@@ -472,5 +479,7 @@ def test_a_third_engine_plugs_in_from_outside(toy: ToyEngine, llama_q) -> None: 
     assert record["swap"]["slot_bytes"] == slot
     shown = metrale(*sim, columns=300)
     assert shown.code == 0, shown.stderr
-    assert ("engine    toy 1.0's own cache: its GPU slots of its slot bytes (--max-loras), "
-            "evicting FIFO, its host cache (--toy-host-cache), evicting LRU") in shown.stdout
+    # The engine named by its title, as inspect and layout name it.
+    assert ("engine    Toy 1.0 (test build)'s own cache: its GPU slots of its slot bytes "
+            "(--max-loras), evicting FIFO, its host cache (--toy-host-cache), evicting LRU"
+            ) in shown.stdout

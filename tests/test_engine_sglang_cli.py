@@ -159,7 +159,9 @@ def test_layout_gives_the_memory_of_an_adapter_served_otherwise(
     engine = done.json()["engine"]
     assert [(n["adapter"], n["verdict"]) for n in engine["not_served"]] == [("bias", "differs")]
     assert "lora_bias" in engine["not_served"][0]["reason"]
-    alone = metrale("layout", *_named(adapters, "plain"), "--engine", "sglang", "--json")
+    # The same batch: without --max-loras it holds each start-up adapter and the base model.
+    alone = metrale("layout", *_named(adapters, "plain"), "--engine", "sglang", "--max-loras",
+                    engine["flags"]["max_loras_per_batch"], "--json")
     assert alone.code == 0 and alone.json()["engine"]["not_served"] == []
     assert engine["lora_bytes"] == alone.json()["engine"]["lora_bytes"] > 0
     assert done.stderr == ("error: 1 of 2 adapter(s) not served as PEFT serves them by SGLang "
@@ -184,7 +186,8 @@ def test_layout_view_speaks_sglang() -> None:
      "max_loaded_loras should be greater than or equal to max_loras_per_batch"),
     (["--modules", "q_proj,nope"], "SGLang's --lora-target-modules takes"),
     (["--modules", "all,q_proj"], "it should be the only module specified"),
-    (["--eviction-policy", "lfu"], "--eviction-policy 'lfu': one of lru, fifo"),
+    (["--eviction-policy", "fiof"],
+     "--eviction-policy 'fiof' (did you mean 'fifo'?): one of lru, fifo"),
     (["--lora-backend", "cuda"], "--lora-backend 'cuda': one of"),
     # Empty is the user's value too, not the default's.
     (["--eviction-policy", ""], "--eviction-policy '': one of lru, fifo"),
@@ -297,3 +300,31 @@ def test_config_values_sglang_cannot_use_are_a_refusal(
     assert first["verdict"] == "refuses" and first["reason_class"] == "config_value"
     assert says in first["reason"]
     assert second["verdict"] == "serves"  # the start-up pool is sized without the bad one
+
+
+def test_no_start_up_adapter_that_starts_the_server_sizes_no_pool(tmp_path: Path) -> None:
+    """A Qwen3-Next adapter on every module (`out_proj` among them) stops SGLang's start-up:
+    with no --max-rank and --modules no server starts, so there is no pool. inspect said
+    `max_lora_rank 0 (inferred)` and `LoRA memory 0 B`; layout gave 0 B buffers `though it
+    allocates these buffers` and exit 1."""
+    adapter = tmp_path / "all"
+    assert metrale("synth", adapter, "-m", "qwen3-next-80b-a3b", "--modules", "all", "-r",
+                   4).code == 0
+    shown = metrale("inspect", adapter, "--engine", "sglang", columns=200)
+    assert shown.code == 1
+    assert "max_lora_rank 0" not in shown.stdout and "0 B (0 B)" not in shown.stdout
+    assert ("LoRA memory  none: no adapter can start the server, and without one it needs "
+            "--max-rank and --modules") in shown.stdout
+    assert "max_lora_rank not inferred (no adapter starts the server)" in shown.stdout
+    for json_out in ([], ["--json"]):
+        laid = metrale("layout", adapter, "--engine", "sglang", *json_out)
+        assert laid.code == 1
+        assert laid.stderr.splitlines()[-1] == (
+            "error: 1 of 1 adapter(s) start no SGLang 0.5.23 server, which without one needs "
+            "--max-rank and --modules: all")
+        assert "get_hidden_dim not implemented for out_proj" in laid.stderr
+        if json_out:
+            assert laid.json()["refused"] == "not_servable"
+    sized = metrale("layout", adapter, "--engine", "sglang", "--max-rank", 8, "--modules",
+                    "q_proj", "--json")
+    assert sized.code == 1 and sized.json()["engine"]["lora_bytes"] > 0

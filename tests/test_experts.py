@@ -164,7 +164,7 @@ def test_inspect_shows_expert_coverage_and_bytes(peft_zoo) -> None:
                                                        "down_proj": 4}
     assert report["expert_coverage"][0]["router"]
     assert report["expert_pairs"] == 3 * (1 + 4 * 3)
-    assert report["expert_slot_bytes"] > 0
+    assert report["own_expert_slot_bytes"] > 0
     text = metrale("inspect", truth.path, "--experts")
     assert "expert coverage" in text.stdout and "expert slot" in text.stdout
 

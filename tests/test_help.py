@@ -130,6 +130,48 @@ def test_dash_h_is_help_everywhere(path: list[str], command: Any) -> None:
     assert "-h, --help" in short.stdout
 
 
+@pytest.mark.parametrize(("path", "command"), TREE, ids=lambda v: _ids(v) if isinstance(v, list)
+                         else "")
+def test_a_command_s_help_names_only_options_it_takes(path: list[str], command: Any) -> None:
+    """`synth`, `bench pack` and `bench kernels` said --model reads the hub with `--online`,
+    an option they did not take. A command that answers for an engine also names the engine's
+    own flags (vLLM's `--max-lora-rank`), which this leaves out."""
+    params = getattr(command, "params", [])
+    own = {o for p in params for o in getattr(p, "opts", [])} | {"--help", "-h"}
+    if "--engine" in own or hasattr(command, "commands"):  # a group's example is a command's
+        return
+    out = metrale(*path, "--help", columns=80).stdout
+    named = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", out))
+    assert named <= own, named - own
+
+
+# More options than this in one list, and a command's help groups them in panels.
+MANY_OPTIONS = 16
+
+
+@pytest.mark.parametrize(("path", "command"), TREE, ids=lambda v: _ids(v) if isinstance(v, list)
+                         else "")
+def test_a_command_with_many_options_groups_them_in_panels(path: list[str],
+                                                           command: Any) -> None:
+    """`inspect` (24 options) and `layout` (25) were one list each, as `simulate`'s 56 were:
+    every option but --json and --help is in the panel of what it sets, each panel's options
+    in the panel's order, --json and --help last under Options."""
+    flags = [p.opts[0] for p in getattr(command, "params", []) if p.param_type_name == "option"]
+    if len(flags) <= MANY_OPTIONS:
+        return
+    panels = command.panels
+    paneled = [f for panel in panels.values() for f in panel]
+    assert len(paneled) == len(set(paneled))
+    assert set(paneled) - {"--json"} == set(flags) - {"--json"}, set(flags) ^ set(paneled)
+    out = metrale(*path, "--help", columns=80).stdout
+    headings = [line for line in out.splitlines() if line.endswith(":") and line[0] != " "]
+    assert headings == ["Arguments:", *(f"{t}:" for t in panels), "Options:", "Example:"]
+    first = next(iter(panels))
+    shown = re.findall(r"^  (?:-\w, )?(--[\w-]+)", out[out.index(f"\n{first}:"):],
+                       flags=re.MULTILINE)
+    assert shown == [*paneled, *(f for f in ("--json", "--help") if f not in paneled)]
+
+
 def test_shell_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Typer's completion: the script to show or install for the shell it runs in (found from
     the processes above it: bash here, whatever runs the tests), and the completions it asks

@@ -181,3 +181,17 @@ def test_a_slot_or_pool_no_machine_holds_is_refused(args: list[str], says: str) 
     done = metrale(*args, "-m", "llama-3.1-8b")
     one_line_error(done, 2)
     assert done.stderr.startswith(says) and done.stdout == ""
+
+
+def test_layout_under_tp_says_which_slot_is_unsharded() -> None:
+    """`layout --tp 2` gives two slot sizes: the unsharded slot, labelled so, and each GPU's
+    shard, the one `simulate --tp 2` swaps. The first read as a second answer to "how big is a
+    slot?" beside the per-GPU one."""
+    args = ["layout", "-m", "llama-3.1-8b", "--modules", "q_proj,v_proj", "--max-rank", "64",
+            "--tp", "2"]
+    record = metrale(*args, "--json").json()
+    shown = " ".join(metrale(*args, columns=200).stdout.split())
+    assert f"slot {record['slot_bytes']:,} B (52.00 MiB), 256-byte aligned BF16, unsharded " \
+           "(each GPU's shard below)" in shown
+    per_gpu = record["rank_layouts"][0]["slot_bytes"]
+    assert f"slot {per_gpu:,} B (42.00 MiB) per GPU" in shown

@@ -59,10 +59,13 @@ def test_import_metrale_is_the_api_under_the_install_name() -> None:
 
 
 def test_every_documented_name_is_in_the_api() -> None:
+    """The recipes import from `metrale`, the name users install (they imported from
+    `metrale_cli`, the command's package), and only names of its API."""
     text = DOC.read_text()
-    imported = {name.strip() for line in re.findall(r"^from metrale_cli import (.+)$", text, re.M)
+    imported = {name.strip() for line in re.findall(r"^from metrale import (.+)$", text, re.M)
                 for name in line.split(",")}
     assert imported and imported <= set(metrale_cli.__all__)
+    assert not re.findall(r"^from metrale_cli import", text, re.M)
 
 
 def test_the_examples_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -75,7 +78,7 @@ def test_the_examples_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
         exec(compile(block, f"{DOC.name} example {i + 1}", "exec"), namespace)
     out = capsys.readouterr().out
     # What the comments in the examples say they print.
-    assert "1 adapter(s) not servable: chat" in out
+    assert "1 of 2 adapter(s) not servable: chat" in out
     assert "chat: rank_above_max: " in out
     assert "[2, 3]" in out
     assert "code: naming it in --lora-paths stops the server from starting" in out

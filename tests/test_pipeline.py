@@ -49,7 +49,7 @@ def test_loaded_adapters_and_a_model_config_go_in_as_they_are(
     assert [r.name for r in audited.reports] == ["chat", "code"]
     assert audited.servable
     assert [f.slot_bytes for f in audited.footprints()] == [
-        r["slot_bytes"] for r in metrale("inspect", chat, code, "--max-rank", 16,
+        r["own_slot_bytes"] for r in metrale("inspect", chat, code, "--max-rank", 16,
                                          "--json").json()["adapters"]]
 
 
@@ -57,7 +57,7 @@ def test_refusal_carries_its_findings(adapters: tuple[Path, Path]) -> None:
     chat, code = adapters
     with pytest.raises(NotServable) as refused:
         plan_pool([chat, code], max_rank=8)
-    assert str(refused.value) == "1 adapter(s) not servable: code"
+    assert str(refused.value) == "1 of 2 adapter(s) not servable: code"
     assert len(refused.value.details) == 1
     assert refused.value.details[0].startswith("code: rank_above_max: ")
     # The CLI prints the same lines, the detail first, and exits 1; so does `pack`.
@@ -89,5 +89,5 @@ def test_a_json_refusal_prints_its_record(tiny: Path, tmp_path: Path, command: s
     # stderr: one line per error finding, then the summary.
     lines = result.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("bad: dora: ")
-    assert lines[1] == "error: 1 adapter(s) not servable: bad"
+    assert lines[1] == "error: 1 of 2 adapter(s) not servable: bad"
     assert not (tmp_path / "pool.safetensors").exists()

@@ -68,7 +68,7 @@ def test_mlp_r10(tmp_path: Path, model: Path) -> None:
     assert len(report["modules"]) == 28 * 3
     # A rank of 10 pads to the pool's max rank: 16 here.
     padded = metrale("inspect", adapter, "--model", model, "--max-rank", 16, "--json").json()
-    assert padded["adapters"][0]["slot_bytes"] == 28 * 16 * 2 * 3 * (8192 + 3072)
+    assert padded["adapters"][0]["own_slot_bytes"] == 28 * 16 * 2 * 3 * (8192 + 3072)
 
 
 def test_dora_r32_is_refused(tmp_path: Path, model: Path) -> None:

@@ -1070,25 +1070,6 @@ def test_cli_json_record(tmp_path: Path) -> None:
     assert r.code == 2 and "exists" in r.stderr
 
 
-def test_help_groups_the_options_in_panels() -> None:
-    """56 options in one list: each is in the panel of what it sets, --help alone under
-    Options, every panel's options in the panel's order."""
-    from metrale_cli.cli.simulate_cmd import SimulateCommand
-    from tests.support.cli_runner import command_tree
-
-    command = command_tree().commands["simulate"]
-    flags = {p.opts[0] for p in command.params if p.param_type_name == "option"}
-    paneled = [f for panel in SimulateCommand.panels.values() for f in panel]
-    assert len(paneled) == len(set(paneled)) and set(paneled) == flags
-    out = metrale("simulate", "--help").stdout
-    headings = [line for line in out.splitlines() if line.endswith(":") and line[0] != " "]
-    assert headings == ["Arguments:", *(f"{t}:" for t in SimulateCommand.panels), "Options:",
-                        "Example:"]
-    shown = re.findall(r"^  (?:-\w, )?(--[\w-]+)", out[out.index("\nPool:"):],
-                       flags=re.MULTILINE)
-    assert shown == [*paneled, "--help"]
-
-
 def test_cli_paging_mode_view_and_plot(tmp_path: Path) -> None:
     plot = tmp_path / "sim.png"
     r = metrale("simulate", *SLOT, "--workload", "zipf", "--adapters", "30", "--requests",

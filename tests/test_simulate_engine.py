@@ -79,8 +79,8 @@ def test_each_size_is_a_replay_of_the_engines_tiers() -> None:
 @pytest.mark.parametrize(("extra", "says"), [
     (["--policy", "fifo"], "--policy: --engine vllm evicts and admits as the engine does"),
     (["--admission", "fcfs"], "--admission: --engine vllm"),
-    (["--host-slots", "8"], "--host-slots need --engine metrale"),
-    (["--pinned", "2"], "--pinned need --engine metrale"),
+    (["--host-slots", "8"], "--host-slots needs --engine metrale"),
+    (["--pinned", "2"], "--pinned needs --engine metrale"),
     (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras 4 is below --max-loras 8"),
     (["--max-rank", "12"], "vLLM's --max-lora-rank takes only"),
 ])
@@ -97,7 +97,7 @@ def test_what_the_engine_does_not_take_is_refused(extra: list[str], says: str) -
 def test_max_cpu_loras_needs_an_engine() -> None:
     got = metrale("simulate", "--model", "llama-3.1-8b", "--modules", "q_proj", "--max-rank",
                   "16", "--max-cpu-loras", "4")
-    assert got.code == 2 and "--max-cpu-loras need --engine vllm" in got.stderr, got.stderr
+    assert got.code == 2 and "--max-cpu-loras needs --engine vllm" in got.stderr, got.stderr
 
 
 @pytest.mark.slow  # two PEFT adapters built with torch
@@ -126,7 +126,7 @@ def test_the_engine_judges_the_adapters_not_the_pool(peft_zoo) -> None:  # type:
     assert metrale("simulate", tokens.path, *setup).code == 0  # the pool serves the overlay
     refused = metrale("simulate", "--engine", "vllm", tokens.path, *setup[:-1])
     assert refused.code == 1 and refused.stdout == ""
-    assert "vllm refuses" in refused.stderr and "unsupported LoRA weight" in refused.stderr
+    assert "vLLM refuses" in refused.stderr and "unsupported LoRA weight" in refused.stderr
 
 
 def test_sglang_takes_tp_as_every_command_does() -> None:

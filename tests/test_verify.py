@@ -112,6 +112,11 @@ def test_one_flipped_byte_in_b_is_named(packed: Path, image: Path) -> None:
     assert diff["max_delta_difference"] > 0
     text = metrale("verify", image, *_adapters(packed))
     assert "slot 0 a: DIFFERS" in text.stdout and "q_proj" in text.stdout
+    # Exit 1 ends with one line saying why, as every command's does; it said nothing.
+    assert text.code == 1 and text.stderr.splitlines()[-1] == (
+        "error: 1 of 2 adapter(s) differ from their slot: a; 1 tensor differs from the digest "
+        "the image records")
+    assert result.stderr.splitlines()[-1] == text.stderr.splitlines()[-1]
 
 
 def _slot_metadata(path: Path, slot: int, **fields: object) -> None:

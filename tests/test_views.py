@@ -221,6 +221,21 @@ def test_at_80_columns_no_value_is_split_across_lines(tiny: Path, tmp_path: Path
     assert any(line.startswith("slot ") and f"{slot:,} B (" in line for line in layout), layout
 
 
+@pytest.mark.parametrize("columns", [60, 80])
+def test_pack_s_summary_fits_the_terminal(tiny: Path, tmp_path: Path, columns: int) -> None:
+    """`pack`'s summary lines (the pool, what was read, what was written) wrap as key/value
+    lines do: its `pool: ...` line ran to 94 columns at 80. Only a path longer than the line
+    may pass the width, on a line of its own."""
+    image = tmp_path / "pool.safetensors"
+    done = metrale("pack", tiny / "a", "--model", tiny, "--max-loras", 2, "--out", image,
+                   columns=columns)
+    assert done.code == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert all(len(line) <= columns or line.split() == [str(image)] for line in lines), lines
+    text = " ".join(done.stdout.split())
+    assert "2 slots x" in text and "1 empty cache slots" in text and str(image) in text
+
+
 @pytest.mark.parametrize("command", ["show", "layout", "inspect"])
 def test_no_color_on_a_terminal_sends_no_styles(tiny: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch,
@@ -234,3 +249,17 @@ def test_no_color_on_a_terminal_sends_no_styles(tiny: Path, tmp_path: Path,
     monkeypatch.setenv("NO_COLOR", "1")
     plain = metrale(command, *args)
     assert plain.code == 0 and "\x1b" not in plain.stdout + plain.stderr, plain.stdout
+
+
+@pytest.mark.parametrize("engine", ["metrale", "vllm", "sglang"])
+def test_inspect_s_model_line_wraps_at_80_columns(tmp_path: Path, engine: str) -> None:
+    """The line that opens `inspect`'s view wraps as `layout`'s model line does: Qwen3-Next's
+    (its layer kinds and experts) ran to 99 columns at 80."""
+    adapter = tmp_path / "a"
+    assert metrale("synth", adapter, "-m", "qwen3-next-80b-a3b", "--modules", "q_proj", "-r",
+                   4).code == 0
+    shown = metrale("inspect", adapter, "--engine", engine, columns=80).stdout.splitlines()
+    assert shown[0].startswith("qwen3-next-80b-a3b (qwen3_next): 12 full-attention")
+    assert all(len(line) <= 80 for line in shown if not line.startswith("serve ")), [
+        line for line in shown if len(line) > 80]
+    assert shown[1].strip() == "512 routed experts"

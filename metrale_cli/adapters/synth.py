@@ -19,7 +19,7 @@ import numpy as np
 from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME
 from metrale_cli.adapters.audit import MAX_SCALING, MIN_SCALING
 from metrale_cli.bf16 import f32_to_bf16
-from metrale_cli.errors import OutputExists, UsageError
+from metrale_cli.errors import OutputExists, UsageError, did_you_mean
 from metrale_cli.files.atomic import atomic_directory
 from metrale_cli.files.pieces import PieceWriter
 from metrale_cli.model.config import ModelConfig
@@ -70,7 +70,8 @@ def synth_adapter(
     if seed < 0:
         raise UsageError(f"--seed must be non-negative, got {seed}")
     if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
+                         f"{did_you_mean(dtype, list(DTYPES))}")
     out = Path(out_dir)
     if out.is_dir() and not out.is_symlink() and any(out.iterdir()) and not force:
         raise OutputExists(f"{out} is not empty; pass --force to overwrite the adapter there")

@@ -17,7 +17,7 @@ import typer
 from metrale_cli import __version__
 from metrale_cli.cli import bench_cmds, image_cmds, pack_cmds, plan_cmds, simulate_cmd
 from metrale_cli.cli.console import say
-from metrale_cli.cli.options import Command, Group
+from metrale_cli.cli.options import Command, Group, InspectCommand, LayoutCommand
 
 try:  # typer >= 0.29 carries its own copy of Click
     from typer._click.exceptions import ClickException, MissingParameter, NoArgsIsHelpError
@@ -69,8 +69,11 @@ bench_app = typer.Typer(help="Benchmarks, reported as ratios measured in one run
                         cls=Group, no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-for command in (plan_cmds.models, plan_cmds.inspect, plan_cmds.layout, pack_cmds.synth,
-                pack_cmds.pack, image_cmds.show, image_cmds.verify, image_cmds.unpack):
+app.command(cls=Command)(plan_cmds.models)
+app.command(cls=InspectCommand)(plan_cmds.inspect)
+app.command(cls=LayoutCommand)(plan_cmds.layout)
+for command in (pack_cmds.synth, pack_cmds.pack, image_cmds.show, image_cmds.verify,
+                image_cmds.unpack):
     app.command(cls=Command)(command)
 bench_app.command("pack", cls=Command)(bench_cmds.bench_pack)
 bench_app.command("kernels", cls=Command)(bench_cmds.bench_kernels)

@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from metrale_cli.cli.console import emit, err, handles_errors, out
-from metrale_cli.cli.options import MODEL, POOL_MODULES, ForceOpt, JsonOpt, shard_spec
+from metrale_cli.cli.options import (
+    MODEL,
+    POOL_MODULES,
+    ForceOpt,
+    JsonOpt,
+    OnlineOpt,
+    online_on,
+    shard_spec,
+)
 from metrale_cli.cli.parsing import parse_modules, positive
 from metrale_cli.errors import UsageError
 
@@ -37,6 +45,7 @@ def bench_pack(
                                           "peak RSS.")] = False,
     tp: Annotated[int | None, typer.Option(
         "--tp", help="Also the packing throughput of each of N tensor-parallel ranks.")] = None,
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Packing throughput vs a plain copy of the same bytes, and peak RSS vs the pool size.
@@ -52,8 +61,8 @@ def bench_pack(
     positive("--repeats", repeats)
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    record = bench.run(resolve_model(model), model, parse_modules(modules), rank, adapters,
-                       dtype, repeats, device=device, experts=experts, tp=spec)
+    record = bench.run(resolve_model(model, online_on(online)), model, parse_modules(modules),
+                       rank, adapters, dtype, repeats, device=device, experts=experts, tp=spec)
     emit(record, json_out, render.bench_pack_view)
 
 
@@ -81,6 +90,7 @@ def bench_kernels(
                           "Qwen3-30B-A3B MoE shapes (ranks 8, 16, 64; 1..256 and 4096 tokens) "
                           "instead of the slot-pool kernels; --model and --modules are unused.")
     ] = False,
+    online: OnlineOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Benchmark the CUDA LoRA delta kernels against torch on a GPU (exit 3 without one).
@@ -106,7 +116,8 @@ def bench_kernels(
     if experts:
         records = _bench_experts(rank, tokens, adapters, repeats, model_only, json_out)
     else:
-        shapes = bench.module_shapes(resolve_model(model), parse_modules(modules))
+        shapes = bench.module_shapes(resolve_model(model, online_on(online)),
+                                     parse_modules(modules))
         kwargs: dict[str, Any] = {}
         if rank:
             kwargs["ranks"] = rank

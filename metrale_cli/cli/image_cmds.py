@@ -11,6 +11,7 @@ import typer
 
 from metrale_cli.cli.console import emit, handles_errors, progress, say
 from metrale_cli.cli.options import ForceOpt, JsonOpt, OnlineOpt, online_on
+from metrale_cli.errors import refused_line
 
 ImageArg = Annotated[Path, typer.Argument(help="A pool image (format pool/1).",
                                           show_default=False)]
@@ -68,8 +69,18 @@ def verify(
     with progress("verifying", verifier.total_bytes, not json_out) as shown:
         result = verifier.run(None if shown is None else shown.advance)
     _note_no_digests(image, result.digests)
-    emit(result.record(), json_out, render.verify_view)
+    record = result.record()
+    emit(record, json_out, render.verify_view)
     if not result.ok:
+        # The last line says why the exit is 1, as every command's does (stdout may be long).
+        differing = [a["name"] for a in record["adapters"] if not a["ok"]]
+        why = [refused_line(differing, len(record["adapters"]), "differ from their slot")
+               ] if differing else []
+        if record["digest_differences"]:
+            n = len(record["digest_differences"])
+            why.append(f"{n} tensor{'s differ' if n != 1 else ' differs'} from the digest the "
+                       "image records")
+        say(f"error: {'; '.join(why)}")
         raise typer.Exit(1)
 
 

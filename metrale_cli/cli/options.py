@@ -117,6 +117,31 @@ class Command(_HelpForm, TyperCommand):
     """A metrale command (`app.command(cls=Command)`)."""
 
 
+# The options every command that answers for an engine shares, in one panel of its help.
+ENGINE_PANEL = {"Engine (--engine vllm or sglang)": (
+    "--engine", "--max-cpu-loras", "--dtype", "--lora-dtype", "--max-loaded-loras",
+    "--eviction-policy", "--lora-backend")}
+
+
+class InspectCommand(Command):
+    """`metrale inspect`'s help: its options in panels by what they set."""
+
+    panels = {"Pool": ("--model", "--modules", "--max-rank", "--max-loras", "--experts",
+                       "--online", "--tp", "--fully-sharded"),
+              **ENGINE_PANEL,
+              "Checking the engine (--confirm)": ("--confirm", "--engine-python",
+                                                  "--engine-args", "--confirm-timeout")}
+
+
+class LayoutCommand(Command):
+    """`metrale layout`'s help: its options in panels by what they set."""
+
+    panels = {"Pool": ("--model", "--modules", "--max-rank", "--max-loras", "--budget",
+                       "--align", "--experts", "--online"),
+              "Tensor parallel": ("--tp", "--ep", "--fully-sharded"),
+              **ENGINE_PANEL}
+
+
 class Group(_HelpForm, TyperGroup):
     """A group of metrale commands (`typer.Typer(cls=Group)`)."""
 

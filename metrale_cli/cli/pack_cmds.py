@@ -55,6 +55,7 @@ def synth(
     rslora: Annotated[bool, typer.Option("--rslora", help="Scale alpha/sqrt(r).")] = False,
     dtype: Annotated[str, typer.Option("--dtype", help="bf16, f16 or f32.")] = "bf16",
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    online: OnlineOpt = False,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -67,8 +68,8 @@ def synth(
     if not out_dir.strip():
         raise UsageError("the adapter directory is empty")
     module_list = parse_modules(modules)
-    result = synth_adapter(Path(out_dir), resolve_model(model), model, module_list, rank, alpha,
-                           rslora, dtype, seed, force)
+    result = synth_adapter(Path(out_dir), resolve_model(model, online_on(online)), model,
+                           module_list, rank, alpha, rslora, dtype, seed, force)
     from metrale_cli.cli import render
 
     emit(result.record(), json_out, render.synth_view)

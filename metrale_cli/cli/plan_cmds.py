@@ -34,7 +34,7 @@ from metrale_cli.cli.options import (
     shard_spec,
 )
 from metrale_cli.cli.parsing import parse_modules, parse_size, positive
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, refused_line
 
 if TYPE_CHECKING:
     from metrale_cli.engines.engine import Engine
@@ -127,7 +127,8 @@ def inspect(
         unused = [n for n in ("--engine-python", "--engine-args", "--confirm-timeout")
                   if given[n] is not None]
         if unused:
-            raise UsageError(f"{', '.join(unused)} need --confirm")
+            raise UsageError(f"{', '.join(unused)} need{'s' if len(unused) == 1 else ''} "
+                             "--confirm")
     if chosen is not None:
         from metrale_cli.cli import render_engine
         from metrale_cli.engines.answers import engine_inspect
@@ -163,7 +164,7 @@ def _exit_1(refused: list[str], total: int, what: str) -> None:
     `what`, and which (a long inspection's reader sees the end first)."""
     from metrale_cli.cli.console import say
 
-    say(f"error: {len(refused)} of {total} adapter(s) {what}: {', '.join(refused)}")
+    say(f"error: {refused_line(refused, total, what)}")
     raise typer.Exit(1)
 
 
@@ -179,7 +180,9 @@ def _confirm(audited: "AuditedAdapters", engine: "Engine", given: dict[str, obje
                           progress=say)
     emit(done.record, json_out, render_engine.engine_confirm_view)
     if not done.agrees:
-        raise typer.Exit(1)
+        check = done.record["confirm"]
+        _exit_1(check["disagreements"], len(check["adapters"]),
+                f"did otherwise in the installed {engine.label} than predicted")
 
 
 # -- layout -------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def model_line(model: dict[str, Any]) -> str:
 
 def inspect_view(record: dict[str, Any]) -> Group:
     """`metrale inspect`: the audit's record (`AuditedAdapters.record`), a panel per adapter."""
-    parts: list[Any] = [whole(model_line(record["model"]), style="bold")]
+    parts: list[Any] = [wrapped(model_line(record["model"]), style="bold")]
     pool = record.get("pool_slot")
     if pool is not None:
         # The one answer to "how big is a slot": layout, pack and show give the same figure.
@@ -165,23 +165,23 @@ def _adapter_panel(model: dict[str, Any], a: dict[str, Any]) -> Panel:
     summary.add_row("modules", ", ".join(a["module_set"]) or "-")
     summary.add_row("pairs", f"{len(a['modules'])} (layer, module) pairs"
                     + (f", {'/'.join(dtypes)}" if dtypes else ""))
-    if a["slot_max_rank"] is not None:
+    if a["own_slot_max_rank"] is not None:
         # The slot of a pool of this adapter alone; the pool's slot is the line above the panels.
         summary.add_row(
             "own slot",
-            f"{human_bytes(a['slot_bytes'])} ({a['slot_bytes']:,} B) at rank "
-            f"{a['slot_max_rank']}: {a['slot_rank_reason']}",
+            f"{human_bytes(a['own_slot_bytes'])} ({a['own_slot_bytes']:,} B) at rank "
+            f"{a['own_slot_max_rank']}: {a['own_slot_rank_reason']}",
         )
     if a["expert_pairs"]:
         summary.add_row("experts", f"{a['expert_pairs']} (layer, projection, expert) "
                         f"pairs on layers {layer_set(a['expert_layers'])}, ranks "
                         f"{', '.join(map(str, a['expert_ranks']))}")
-    if a["expert_slot_max_rank"] is not None:
+    if a["own_expert_slot_max_rank"] is not None:
         summary.add_row(
-            "expert slot",
-            f"{human_bytes(a['expert_slot_bytes'])} "
-            f"({a['expert_slot_bytes']:,} B) at rank {a['expert_slot_max_rank']}: "
-            f"{a['expert_slot_rank_reason']}; in the expert pool beside the slot pool")
+            "own expert slot",
+            f"{human_bytes(a['own_expert_slot_bytes'])} "
+            f"({a['own_expert_slot_bytes']:,} B) at rank {a['own_expert_slot_max_rank']}: "
+            f"{a['own_expert_slot_rank_reason']}; in the expert pool beside the slot pool")
     if a["overlays"]:
         summary.add_row("overlays", ", ".join(
             f"{o['tokens']} tokens replace {o['table']} rows"
@@ -267,19 +267,21 @@ def layout_view(record: dict[str, Any], per_gpu: bool = False) -> Group:
     modules = ", ".join(m for m in record["modules"] if m in present) or "-"
     if absent:
         modules += f" ({', '.join(absent)}: not in this model)"
+    # Under --tp a GPU holds a shard of this slot (its size is below): say which this is.
+    whole_slot = ", unsharded (each GPU's shard below)" if per_gpu else ""
     rows = [
         ("model", model_line(record["model"])),
         ("modules", modules),
         ("max rank", str(record["max_rank"])),
         ("entries", f"{len(record['entries'])} (layer, module) pairs"),
         ("slot", f"{record['slot_bytes']:,} B ({human_bytes(record['slot_bytes'])}), "
-                 f"{record['align']}-byte aligned {record['dtype']}"),
+                 f"{record['align']}-byte aligned {record['dtype']}{whole_slot}"),
     ]
     if ex is not None:
         rows.append(("expert slot", f"{ex['expert_slot_bytes']:,} B "
                      f"({human_bytes(ex['expert_slot_bytes'])}), {ex['n_entries']:,} (layer, "
                      f"projection, expert) entries on {len(ex['layers'])} "
-                     f"layers at rank {ex['max_rank']}, a separate allocation"))
+                     f"layers at rank {ex['max_rank']}, a separate allocation{whole_slot}"))
     if record["budget_bytes"] is not None and max_loras is not None:
         what = "both pools" if ex is not None else "slots"
         rows.append(("budget", f"{human_bytes(record['budget_bytes'])} holds {max_loras:,} "
@@ -420,7 +422,7 @@ def kernel_model_view(record: dict[str, Any]) -> Group:
     experts = record["experts"]
     group_key = "model" if experts else "module"
     first = "projection" if experts else "kernel"
-    sizes = ("MB", "us") if experts else ("CTAs", "KiB/SM")
+    sizes = ("MiB", "us") if experts else ("CTAs", "KiB/SM")
     peak = f"{d['peak_bytes_per_s'] / 1e12:.1f} TB/s"
     tables: dict[str, Table] = {}
     for r in record["records"]:
@@ -435,11 +437,11 @@ def kernel_model_view(record: dict[str, Any]) -> Group:
                                  else "right", no_wrap=col != "path")
         table.add_row(
             r[first], r["path"], str(r["rank"]), str(r["tokens"]), str(r["adapters"]),
-            f"{r['bytes'] / 1e6:.2f}" if experts else str(r["ctas"]),
+            f"{r['bytes'] / 2**20:.2f}" if experts else str(r["ctas"]),
             f"{r['expected_us']:.2f}" if experts else f"{r['in_flight_per_sm_bytes'] / 1024:.1f}",
             f"{r['expected_pct_peak']:.1f}", f"{r['expected_copy_ratio']:.2f}",
             "meets" if r["meets_target"] else "MISSES")
-    what = ("MB: compulsory bytes; us: the expected time of the projection's launches"
+    what = ("MiB: compulsory bytes; us: the expected time of the projection's launches"
             if experts else "CTAs: the launch's thread blocks; KiB/SM: the bytes each SM has "
             "in flight per pass")
     return Group(
@@ -485,7 +487,8 @@ def pack_view(record: dict[str, Any]) -> Group:
     if record["image"] is not None:
         lines.append(f"wrote {record['image']} ({human_bytes(record['image_bytes'])}) in "
                      f"{record['write_seconds']:.3f} s; layout fingerprint {lay['fingerprint']}")
-    return Group(table, *(whole(line) for line in lines))
+    # Wrapped as key/value lines are, a path or fingerprint kept whole as a word.
+    return Group(table, *(wrapped(line) for line in lines))
 
 
 def _rank_span(ranks: list[int]) -> str:

@@ -28,8 +28,12 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     a ready line that starts the server."""
     engine = record["engine"]
     who = get_engine(f"{engine['name']}=={engine['version']}")
-    parts: list[Any] = [whole(model_line(record["model"]), style="bold"),
-                        wrapped(f"{who.title}, flags {engine['flags_source']}: "
+    given = engine.get("given") or []
+    # Which flags are the user's: those given; the rest of the line is the recommended ones.
+    source = (f"flags judged ({', '.join(given)} given, the rest recommended)" if given
+              else f"flags {engine['flags_source']}")
+    parts: list[Any] = [wrapped(model_line(record["model"]), style="bold"),
+                        wrapped(f"{who.title}, {source}: "
                                 f"{who.flag_line(engine['flags'], engine.get('pool'))}",
                                 style="dim")]
     if engine.get("checked") == "source":
@@ -71,12 +75,15 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     if rec["shut_out"]:
         rows.append(("", f"the serve line names no adapter {who.title} would not start "
                          "with (see left out)"))
+    judged = engine.get("memory")
     if rec["lora_bytes"] is not None:
-        rows.append(("LoRA memory", f"{rec['lora_bytes']:,} B "
-                     f"({human_bytes(rec['lora_bytes'])}) per GPU, {rec['slot_bytes']:,} B a "
-                     f"slot; host cache {human_bytes(rec['host_cache_bytes'])}"))
+        rows.append(("LoRA memory", _memory(rec) + (", with the serve line's flags"
+                                                    if judged else "")))
     elif rec.get("memory_note"):
         rows.append(("LoRA memory", rec["memory_note"]))
+    if judged:
+        rows.append(("", _memory(judged) + ", with the flags judged above (as `layout` gives "
+                     "them)"))
     for pad in rec.get("padding", []):
         rows.append(("padding", f"{pad['adapter']} leaves {pad['unused_bytes']:,} B "
                      f"({pad['unused_share']:.1%}) of its slot unused"))
@@ -92,6 +99,12 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
         rows.append(("left out", line))
     parts.append(fields(rows))
     return Group(*parts)
+
+
+def _memory(rec: dict[str, Any]) -> str:
+    """`N B (X MiB) per GPU, S B a slot; host cache H` of a record's LoRA bytes."""
+    return (f"{rec['lora_bytes']:,} B ({human_bytes(rec['lora_bytes'])}) per GPU, "
+            f"{rec['slot_bytes']:,} B a slot; host cache {human_bytes(rec['host_cache_bytes'])}")
 
 
 def _host_held(rec: dict[str, Any], host_flag: str) -> str:

@@ -46,11 +46,12 @@ def simulate_view(record: dict[str, Any]) -> Group:
                      + (f"at most {seats} in flight" if seats else "no concurrency cap")))
     if record.get("engine"):
         e = record["engine"]
-        host_flag = get_engine(f"{e['name']}=={e['version']}").host_flag
+        who = get_engine(f"{e['name']}=={e['version']}")
         tier = next(iter(e["tiers"].values()))
-        head.append(("engine", f"{e['name']} {e['version']}'s own cache: its GPU slots of its "
+        # Named as inspect and layout name it: `vLLM 0.32.0 (GPU build)`, `SGLang 0.5.23`.
+        head.append(("engine", f"{who.title}'s own cache: its GPU slots of its "
                      f"slot bytes (--max-loras), evicting {tier['gpu_eviction'].upper()}, its "
-                     f"host cache ({host_flag}), evicting "
+                     f"host cache ({who.host_flag}), evicting "
                      f"{tier['host_eviction'].upper()}, its scheduler's admission"))
     per_gpu = f" per GPU at --tp {lay['tp_size']}" if "tp_size" in lay else ""
     head.append(("slot", f"{human_bytes(swap['slot_bytes'])}{per_gpu} ({lay['model']}, "

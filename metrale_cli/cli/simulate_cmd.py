@@ -12,6 +12,7 @@ import typer
 
 from metrale_cli.cli.console import emit, handles_errors, progress, warn
 from metrale_cli.cli.options import (
+    ENGINE_PANEL,
     Command,
     DtypeOpt,
     EngineOpt,
@@ -47,9 +48,7 @@ class SimulateCommand(Command):
                     "--decode-tok-s", "--replicas", "--route"),
         "Loads": ("--bandwidth", "--swap-latency-ms", "--links", "--host-slots",
                   "--host-bandwidth"),
-        "Engine (--engine vllm or sglang)": (
-            "--engine", "--max-cpu-loras", "--dtype", "--lora-dtype", "--max-loaded-loras",
-            "--eviction-policy", "--lora-backend"),
+        **ENGINE_PANEL,
         "Answer and output": ("--target-hit-rate", "--target-p99-ms", "--plot", "--json",
                               "--force"),
     }

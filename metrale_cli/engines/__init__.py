@@ -122,6 +122,8 @@ def refuse_other_options(engine: str, command: str, given: dict[str, object]) ->
         return
     takers = [e for e in names() if e != engine and all(
         n in options_of(e, command) for n in foreign)]
-    where = f"need --engine {' or '.join(takers)}" if takers else \
-        f"are not options of `{command}` with --engine {engine}"
+    one = len(foreign) == 1
+    where = (f"{'needs' if one else 'need'} --engine {' or '.join(takers)}" if takers else
+             f"{'is not an option' if one else 'are not options'} of `{command}` with --engine "
+             f"{engine}")
     raise UsageError(f"{', '.join(foreign)} {where}")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 # At run time, not only for type checking: the library's argument check reads them.
 from metrale_cli.engines import check_given
 from metrale_cli.engines.engine import Engine
-from metrale_cli.errors import NotServable
+from metrale_cli.errors import NotServable, refused_line
 from metrale_cli.layout.pipeline import AuditedAdapters
 
 if TYPE_CHECKING:
@@ -53,7 +53,21 @@ def engine_inspect(audited: AuditedAdapters, engine: Engine,
         adapter["engine"] = verdict.record()
     record["engine"] = engine.inspect_record(cfg, verdicts, recommendation, flags, source,
                                              reports)
+    # Which of the flags judged are the user's (the rest are the recommended ones), and, where
+    # the flags judged are not the recommended ones, their LoRA bytes: what `layout` gives for
+    # the same options, beside the recommended line's.
+    record["engine"]["given"] = [k for k, v in given.items()
+                                 if v is not None and v is not False and k not in _NOT_FLAGS]
+    judged = None
+    if record["engine"]["flags"] != record["engine"]["recommended"]["flags"]:
+        memory = engine.memory(cfg, flags, reports or None, None).record()
+        judged = {k: memory[k] for k in ("lora_bytes", "slot_bytes", "host_cache_bytes")}
+    record["engine"]["memory"] = judged
     return EngineInspection(record, verdicts, flags)
+
+
+# Options of `inspect --engine` that are not the engine's serve flags.
+_NOT_FLAGS = ("--experts", "--confirm", "--engine-python", "--engine-args", "--confirm-timeout")
 
 
 def engine_layout(audited: AuditedAdapters, engine: Engine,
@@ -91,7 +105,8 @@ def refuse_unserved(engine: Engine, model: ModelConfig, reports: Sequence[Adapte
     engine serves)."""
     refused = unserved(engine, model, reports, flags)
     if refused:
-        raise NotServable(f"{len(refused)} adapter(s) not served as PEFT serves them by "
-                          f"{engine.name} {engine.version} under these flags",
-                          [f"{r.name}: {engine.name} {v.verdict.value}: {v.reason}"
+        raise NotServable(refused_line([f"{r.name} ({v.verdict.value})" for r, v in refused],
+                                       len(reports), f"not served as PEFT serves them by "
+                                       f"{engine.label} {engine.version} under these flags"),
+                          [f"{r.name}: {engine.label} {v.verdict.value}: {v.reason}"
                            for r, v in refused])

@@ -22,7 +22,7 @@ from metrale_cli.adapters.adapter import Adapter
 from metrale_cli.adapters.audit import AdapterReport, audit, layer_rows
 from metrale_cli.adapters.loading import load_adapters, model_for
 from metrale_cli.arguments import checked_as
-from metrale_cli.errors import NotServable
+from metrale_cli.errors import NotServable, refused_line
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import Footprint, PoolPlan, max_rank_warnings, plan_layouts
 
@@ -63,7 +63,7 @@ class AuditedAdapters:
         refused = [r for r in self.reports if not r.servable]
         if refused:
             raise NotServable(
-                f"{len(refused)} adapter(s) not servable: {', '.join(r.name for r in refused)}",
+                refused_line([r.name for r in refused], len(self.reports), "not servable"),
                 [f"{r.name}: {f.code}: {f.message}" for r in refused for f in r.errors()],
                 self.record())
 
@@ -81,7 +81,8 @@ class AuditedAdapters:
     def record(self) -> dict[str, Any]:
         """`metrale inspect --json`: the model summary, the warnings about the max rank, the
         slot of a pool of these adapters (`pool_slot`), and each adapter's report with its
-        footprint (`slot_bytes`: what it alone takes, at its own rank unless --max-rank)."""
+        footprint (`own_slot_bytes`: what it alone takes, at its own rank unless --max-rank;
+        named apart from `pool_slot.slot_bytes`, the slot `layout` gives)."""
         adapters = []
         for report, footprint in zip(self.reports, self.footprints(), strict=True):
             slot, expert_slot = footprint.layout, footprint.expert_layout
@@ -92,12 +93,12 @@ class AuditedAdapters:
                 "layer_rows": layer_rows(self.model, report),
                 "expert_layers": sorted({p.layer for p in report.expert_pairs}),
                 "expert_ranks": sorted({p.r for p in report.expert_pairs}),
-                "slot_bytes": footprint.slot_bytes,
-                "slot_max_rank": slot.max_rank if slot is not None else None,
-                "slot_rank_reason": footprint.rank_reason if slot is not None else None,
-                "expert_slot_bytes": footprint.expert_slot_bytes,
-                "expert_slot_max_rank": expert_slot.max_rank if expert_slot else None,
-                "expert_slot_rank_reason": (footprint.expert_rank_reason if expert_slot
+                "own_slot_bytes": footprint.slot_bytes,
+                "own_slot_max_rank": slot.max_rank if slot is not None else None,
+                "own_slot_rank_reason": footprint.rank_reason if slot is not None else None,
+                "own_expert_slot_bytes": footprint.expert_slot_bytes,
+                "own_expert_slot_max_rank": expert_slot.max_rank if expert_slot else None,
+                "own_expert_slot_rank_reason": (footprint.expert_rank_reason if expert_slot
                                             else None),
             })
         return {"model": self.model.record(), "experts_enabled": self.experts,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum
 
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 from metrale_cli.model.config import ATTENTION_KINDS, LayerType, ModelConfig
 from metrale_cli.model.families import VOCABULARY, Layers, ModuleSpec
 
@@ -117,9 +117,9 @@ class LoraModule(str, Enum):
             try:
                 chosen.add(cls(name))
             except ValueError:
-                raise ValueError(
-                    f"unknown module {name!r}; modules: {', '.join(m.value for m in ALL)}"
-                ) from None
+                known = [m.value for m in ALL]
+                raise ValueError(f"unknown module {name!r}{did_you_mean(name, known)}; modules: "
+                                 f"{', '.join(known)}") from None
         return [m for m in ALL if m in chosen]
 
     @classmethod

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 from metrale_cli.pool.slot_cache import NEVER, SlotCache
 from metrale_cli.sim import reference
 from metrale_cli.sim.admission import ADMISSIONS
@@ -46,7 +46,7 @@ class Replay:
             raise UsageError(f"--max-concurrency must be positive, got {max_concurrency}")
         if admission not in ADMISSIONS:
             raise UsageError(f"--admission must be one of {', '.join(ADMISSIONS)}, got "
-                             f"{admission!r}")
+                             f"{admission!r}{did_you_mean(admission, ADMISSIONS)}")
         self.admission = admission
         # A request's first token comes after its prefill, never after it ends.
         self.first_token = (np.zeros(workload.requests) if first_token is None

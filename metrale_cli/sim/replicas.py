@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 from metrale_cli.sim.costs import HostTier, SwapCost
 from metrale_cli.sim.replay import Replay
 from metrale_cli.sim.results import RunResult, added_latency, serving_stats
@@ -45,7 +45,8 @@ class Routing:
             raise UsageError(f"--replicas must be between 1 and {MAX_REPLICAS:,}, got "
                              f"{self.replicas:,}")
         if self.route not in ROUTES:
-            raise UsageError(f"--route must be one of {', '.join(ROUTES)}, got {self.route!r}")
+            raise UsageError(f"--route must be one of {', '.join(ROUTES)}, got {self.route!r}"
+                             f"{did_you_mean(self.route, ROUTES)}")
 
     def record(self) -> dict[str, Any]:
         return {"replicas": self.replicas, "route": self.route, "seed": self.seed}

@@ -17,7 +17,7 @@ import numpy as np
 
 from metrale_cli import compat
 from metrale_cli.arguments import checked_fields
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.plan import PoolPlan
@@ -176,7 +176,8 @@ def simulate(
     measured against when it runs."""
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
-        raise UsageError(f"--policy: {', '.join(bad) or 'none given'}; choose from "
+        hint = did_you_mean(bad[0], POLICIES) if len(bad) == 1 else ""
+        raise UsageError(f"--policy: {', '.join(bad) or 'none given'}{hint}; choose from "
                          f"{', '.join(POLICIES)}")
     results = []
     sizes = sorted(set(sizes))

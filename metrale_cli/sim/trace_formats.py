@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from metrale_cli.errors import FormatError, UsageError
+from metrale_cli.errors import FormatError, UsageError, did_you_mean
 from metrale_cli.sim.workload import (
     MAX_TOKENS,
     TRACE_CHUNK,
@@ -60,7 +60,8 @@ class Assign:
 
     def __post_init__(self) -> None:
         if self.kind not in ASSIGN_KINDS:
-            raise UsageError(f"--assign: {self.kind!r} is not one of {', '.join(ASSIGN_KINDS)}")
+            raise UsageError(f"--assign: {self.kind!r}{did_you_mean(self.kind, ASSIGN_KINDS)} is "
+                             f"not one of {', '.join(ASSIGN_KINDS)}")
         if self.adapters <= 0:
             raise UsageError(f"--adapters must be positive, got {self.adapters}")
         if not (self.zipf_s > 0 and math.isfinite(self.zipf_s)):
@@ -83,7 +84,8 @@ def read_public_trace(path: Path, fmt: str, assign: Assign | None = None,
     """A trace in format `fmt` (one of LAYOUTS), `assign` attaching adapters where it names
     none (required there, refused where it names them)."""
     if fmt not in LAYOUTS:
-        raise UsageError(f"--trace-format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise UsageError(f"--trace-format must be one of {', '.join(FORMATS)}, got {fmt!r}"
+                         f"{did_you_mean(fmt, FORMATS)}")
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: no such file")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from metrale_cli.arguments import checked_fields
-from metrale_cli.errors import FormatError, UsageError
+from metrale_cli.errors import FormatError, UsageError, did_you_mean
 from metrale_cli.files.atomic import atomic_write
 from metrale_cli.files.jsondoc import load_json
 
@@ -765,7 +765,7 @@ class GeneratorSpec:
     def check(self) -> None:
         if self.kind not in GENERATORS:
             raise UsageError(f"--workload must be one of {', '.join(GENERATORS)}, "
-                             f"got {self.kind!r}")
+                             f"got {self.kind!r}{did_you_mean(self.kind, GENERATORS)}")
         for name, value in (("--requests", self.requests), ("--adapters", self.adapters),
                             ("--rate", self.rate), ("--cv", self.cv), ("--zipf-s", self.zipf_s),
                             ("--alpha", self.alpha)):

@@ -28,7 +28,7 @@ from metrale_cli.engines.sglang.model import (
 )
 from metrale_cli.engines.shared import check_tp, installed_warning
 from metrale_cli.engines.verdict import Verdict
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import NotServable, UsageError, refused_line
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
@@ -36,6 +36,19 @@ if TYPE_CHECKING:
     from metrale_cli.engines.verdict import EngineVerdict
     from metrale_cli.layout.pipeline import AuditedAdapters
     from metrale_cli.model.config import ModelConfig
+
+
+def lacks_pool_flags(flags: Flags) -> bool:
+    """Whether a server with no start-up adapter lacks what SGLang needs to build its pool
+    (--max-lora-rank and --lora-target-modules: server_args.py check_lora_server_args)."""
+    return flags.max_lora_rank is None or flags.target_modules is None
+
+
+def startup_batch(adapters: int) -> int:
+    """--max-loras-per-batch for `adapters` start-up adapters: each and the base model (SGLang
+    counts a base-only request as one of the batch: arg_groups/fields/lora.py), two at least
+    (the base model and one adapter loaded at runtime)."""
+    return max(2, adapters + 1)
 
 
 class SglangEngine:
@@ -67,10 +80,14 @@ class SglangEngine:
         """The given flags, and where a flag is left to the start-up, what it infers (the
         pool's rank and targets)."""
         targets = flags["lora_target_modules"]
+        # A pool of rank 0 and no targets: no start-up adapter to infer them from.
+        unset = "not inferred (no adapter starts the server)"
         rank = flags["max_lora_rank"] if flags["max_lora_rank"] is not None else (
-            f"{pool['max_lora_rank']} (inferred)" if pool else "inferred")
+            (f"{pool['max_lora_rank']} (inferred)" if pool["max_lora_rank"] else unset)
+            if pool else "inferred")
         modules = ", ".join(targets) if targets else (
-            f"{', '.join(pool['target_modules']) or 'none'} (inferred)" if pool else "inferred")
+            (f"{', '.join(pool['target_modules'])} (inferred)" if pool["target_modules"]
+             else unset) if pool else "inferred")
         loaded = flags["max_loaded_loras"]
         return (f"max_lora_rank {rank}, max_loras_per_batch {flags['max_loras_per_batch']}, "
                 f"max_loaded_loras {loaded if loaded is not None else 'no limit'}, "
@@ -105,8 +122,20 @@ class SglangEngine:
 
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Flags:
-        flags = flags_from(given)
-        if not reports and (flags.max_lora_rank is None or flags.target_modules is None):
+        # Without --max-loras, the batch `recommend` gives the start-up adapters that start
+        # the server, so that `layout` and `inspect` size the same pool (SGLang's own default,
+        # 8, without any).
+        probe = flags_from(given)
+        at_startup = [(r, judgements(r, model, probe)["startup"]) for r in reports]
+        starting = [r for r, got in at_startup if starts(got)]
+        if reports and not starting and lacks_pool_flags(probe):
+            # No server starts: no pool to size, as `inspect --engine sglang` says.
+            raise NotServable(
+                refused_line([r.name for r in reports], len(reports), f"start no {self.title} "
+                             "server, which without one needs --max-rank and --modules"),
+                [f"{r.name}: {reason(got)}" for r, got in at_startup])
+        flags = flags_from(given, startup_batch(len(starting)) if reports else None)
+        if not reports and lacks_pool_flags(flags):
             raise UsageError("--engine sglang without adapters needs --max-rank and --modules: "
                              "When no initial --lora-paths is provided, you need to specify "
                              "both --max-lora-rank and --lora-target-modules for LoRA "
@@ -122,9 +151,7 @@ class SglangEngine:
     def recommend(self, reports: list[AdapterReport], model: ModelConfig,
                   given: Mapping[str, object]) -> Recommendation:
         """The given flags, and without `--max-loras` a batch that holds every start-up
-        adapter and the base model (SGLang counts a base-only request as one of
-        --max-loras-per-batch: arg_groups/fields/lora.py), two at least (the base model and
-        one adapter loaded at runtime)."""
+        adapter and the base model (`startup_batch`)."""
         probe = flags_from(given)
         if probe.tp > 1:
             check_tp(model, probe.tp, False, self.label)
@@ -136,10 +163,13 @@ class SglangEngine:
         else:
             kept = [r for r, got in at_startup if starts(got)]
             shut_out = [f"{r.name}: {reason(got)}" for r, got in at_startup if not starts(got)]
-        flags = self.startup(model, flags_from(given, max(2, len(kept) + 1)), kept)
+        flags = self.startup(model, flags_from(given, startup_batch(len(kept))), kept)
         memory, note = None, ""
         if unsupported is not None:
             note = f"none: SGLang never starts on this model ({unsupported[1]})"
+        elif not kept and lacks_pool_flags(probe):
+            note = ("none: no adapter can start the server, and without one it needs --max-rank "
+                    "and --modules")
         else:
             try:
                 memory = Memory.of(model, flags, flags.pool or Pool.at_startup(flags, model, []),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from metrale_cli.engines.shared import DTYPES, raw_text_config
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 from metrale_cli.model.config import ModelConfig, find_preset
 
 if TYPE_CHECKING:
@@ -65,9 +65,10 @@ class Flags:
         if self.target_modules is not None:
             bad = [m for m in self.target_modules if m not in (*SUPPORTED_TARGETS, ALL)]
             if bad or not self.target_modules:
+                hint = did_you_mean(bad[0], SUPPORTED_TARGETS) if len(bad) == 1 else ""
                 raise UsageError(f"--modules: SGLang's --lora-target-modules takes "
                                  f"{', '.join(SUPPORTED_TARGETS)} or {ALL} (not "
-                                 f"{', '.join(bad) or 'nothing'})")
+                                 f"{', '.join(bad) or 'nothing'}){hint}")
             if ALL in self.target_modules and len(self.target_modules) > 1:
                 raise UsageError("--modules: If 'all' is specified in --lora-target-modules, "
                                  "it should be the only module specified.")
@@ -75,7 +76,8 @@ class Flags:
                                      ("--eviction-policy", self.eviction_policy,
                                       EVICTION_POLICIES), ("--dtype", self.dtype, DTYPES)):
             if value not in choices:
-                raise UsageError(f"{flag} {value!r}: one of {', '.join(choices)}")
+                raise UsageError(f"{flag} {value!r}{did_you_mean(str(value), choices)}: one of "
+                                 f"{', '.join(choices)}")
 
     def model_dtype(self, model: ModelConfig) -> str:
         """`--dtype auto` (configs/model_config.py _get_and_verify_dtype): the config's dtype,

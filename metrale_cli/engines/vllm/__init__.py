@@ -18,6 +18,7 @@ from metrale_cli.engines.vllm.rules import (
     allowed_rank,
     config_rank,
     flags_for,
+    gpu_slots,
     inspect_record,
     judge,
     recommend,
@@ -97,7 +98,7 @@ class VllmEngine:
             rank = max(config_rank(r) for r in reports)
             kwargs["max_rank"] = allowed_rank(rank) or MAX_LORA_RANKS[-1]
         if reports and kwargs["max_loras"] is None:
-            kwargs["max_loras"] = len(reports)
+            kwargs["max_loras"] = gpu_slots(len(reports), None, kwargs["max_cpu_loras"])
         if reports and kwargs["modules"] is None:
             # As `layout` sizes the pool for its startup adapters: their modules, not all.
             targets = recommend(reports, model).flags.target_modules
@@ -117,7 +118,8 @@ class VllmEngine:
             check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]), self.label)
         return recommend(reports, model, tp=kwargs["tp"] or 1, dtype=kwargs["dtype"] or "auto",
                          lora_dtype=kwargs["lora_dtype"] or "auto",
-                         fully_sharded=bool(kwargs["fully_sharded"]))
+                         fully_sharded=bool(kwargs["fully_sharded"]),
+                         max_loras=kwargs["max_loras"], max_cpu_loras=kwargs["max_cpu_loras"])
 
     def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
                budget_bytes: int | None) -> Memory:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from metrale_cli.engines.shared import DTYPES, raw_text_config
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 
 if TYPE_CHECKING:
     from metrale_cli.engines.vllm.model import EngineModule
@@ -44,9 +44,11 @@ class Flags:
             raise UsageError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras "
                              f"{self.max_loras}; vLLM refuses that")
         if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
+            raise UsageError(f"--dtype {self.dtype!r}{did_you_mean(self.dtype, DTYPES)}: one of "
+                             f"{', '.join(DTYPES)}")
         if self.lora_dtype not in LORA_DTYPES:
-            raise UsageError(f"--lora-dtype {self.lora_dtype!r}: one of "
+            raise UsageError(f"--lora-dtype {self.lora_dtype!r}"
+                             f"{did_you_mean(self.lora_dtype, LORA_DTYPES)}: one of "
                              f"{', '.join(LORA_DTYPES)}")
 
     @property

@@ -53,7 +53,7 @@ from metrale_cli.engines.vllm.model import (
     family,
     vision_tower,
 )
-from metrale_cli.errors import UsageError
+from metrale_cli.errors import UsageError, did_you_mean
 from metrale_cli.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -458,10 +458,12 @@ class Recommendation:
 
 def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
               dtype: str = "auto", lora_dtype: str = "auto",
-              fully_sharded: bool = False) -> Recommendation:
+              fully_sharded: bool = False, max_loras: int | None = None,
+              max_cpu_loras: int | None = None) -> Recommendation:
     """The flags for `reports` on `model` at `tp` (and `fully_sharded`, the user's switch):
     the smallest allowed --max-lora-rank over every adapter's r and rank_pattern, one GPU slot
-    and one host slot per adapter, and --lora-target-modules when the adapters use fewer
+    and one host slot per adapter (or the user's --max-loras and --max-cpu-loras, which
+    change no verdict), and --lora-target-modules when the adapters use fewer
     modules than vLLM wraps; under TP without --fully-sharded-loras, what turning it on would
     save (`fully_sharded_saves`), never turned on unasked: the bytes are those of the flags
     the serve line names, as `layout` gives them."""
@@ -482,8 +484,9 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
     top = max(ranks.values(), default=DEFAULT_MAX_LORA_RANK)
     max_rank = allowed_rank(top) or MAX_LORA_RANKS[-1]
     modules = engine_modules(model)
-    probe = Flags(max_rank, max(1, len(reports)), tp=tp, fully_sharded=fully_sharded,
-                  dtype=dtype, lora_dtype=lora_dtype)
+    probe = Flags(max_rank, gpu_slots(len(reports), max_loras, max_cpu_loras),
+                  max_cpu_loras=max_cpu_loras, tp=tp, fully_sharded=fully_sharded, dtype=dtype,
+                  lora_dtype=lora_dtype)
     used: set[str] = set()
     for r in reports:
         for o in _outcomes(r, modules, probe):
@@ -517,6 +520,15 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
                           saves, shut_out)
 
 
+def gpu_slots(adapters: int, max_loras: int | None, max_cpu_loras: int | None) -> int:
+    """--max-loras: the user's, else one GPU slot per adapter, no more than the host cache the
+    user gave holds (vLLM refuses --max-cpu-loras below --max-loras)."""
+    if max_loras is not None:
+        return max_loras
+    slots = max(1, adapters)
+    return slots if max_cpu_loras is None else min(slots, max_cpu_loras)
+
+
 def _served_elements(report: AdapterReport, modules: list[EngineModule], flags: Flags) -> int:
     """Elements of its slot the adapter fills: every A and B of a module vLLM applies, at the
     adapter's own ranks (unsharded, as the slot it is compared with)."""
@@ -541,7 +553,8 @@ def target_modules(model: ModelConfig, text: str) -> tuple[str, ...]:
     known = {m.name for m in modules} | expected_names(modules)
     unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise UsageError(f"--modules {text!r}: vLLM's LoRA modules of this model are "
+        hint = did_you_mean(unknown[0], sorted(known)) if len(unknown) == 1 else ""
+        raise UsageError(f"--modules {text!r}{hint}: vLLM's LoRA modules of this model are "
                          f"{', '.join(sorted(known))}")
     return names
 
