@@ -54,7 +54,7 @@ def test_a_family_without_an_engine_row_is_refused(monkeypatch: pytest.MonkeyPat
         "(engines/sglang/model.py FAMILIES)")
 
 
-def test_families_sglang_serves_only_from_its_source_say_so() -> None:
+def test_families_sglang_serves_only_from_its_source_say_so(tmp_path: Path) -> None:
     """MoE and hybrid families' SGLang verdicts come from reading its source; the MoE pools'
     bytes were run (tests/test_engine_sglang_moe.py) and their records say so, a wrapper's own
     dims too where metrale has read them; the hybrid pools (sized by the class's own dims) get
@@ -74,10 +74,24 @@ def test_families_sglang_serves_only_from_its_source_say_so() -> None:
     engine = done.json()["engine"]
     assert engine["checked"] == "run"
     assert [m["module"] for m in engine["modules"]] == ["gate_up_proj_moe", "qkv_proj"]
-    done = metrale("layout", "--engine", "sglang", "-m", "gemma-4-defaults", "--max-rank", 8,
-                   "--modules", "q_proj")  # a hybrid's own dims
+    # A hybrid's own dims: Gemma 4's text class at uniform widths (SGLang starts on it).
+    uniform = tmp_path / "gemma4"
+    uniform.mkdir()
+    (uniform / "config.json").write_text(json.dumps({
+        "model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "hidden_size": 256,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "global_head_dim": 64, "intermediate_size": 512, "vocab_size": 1024}))
+    done = metrale("layout", "--engine", "sglang", "-m", uniform, "--max-rank", 8,
+                   "--modules", "q_proj")
     assert done.code == 2 and "metrale sizes the dense and MoE families (" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+    # At the preset's own widths SGLang never starts (tests/test_engine_sglang.py runs it):
+    # no buffers at all, as `inspect` recommends no launch line.
+    done = metrale("layout", "--engine", "sglang", "-m", "gemma-4-defaults", "--max-rank", 8,
+                   "--modules", "q_proj")
+    assert done.code == 1 and done.stdout == "", done.stderr
+    assert done.stderr.startswith("error: SGLang 0.5.23 never starts on this model: "
+                                  "AmbiguousGlobalPerLayerAttributeError: ")
     # A wrapper whose own dims metrale has read: Qwen3.5's query with its output gate.
     done = metrale("layout", "--engine", "sglang", "-m", "qwen3.5-9b", "--max-rank", 8,
                    "--modules", "q_proj", "--json")
@@ -373,6 +387,9 @@ class ToyEngine:
     def startup(self, model: ModelConfig, flags: ToyFlags, reports: list[Any]) -> ToyFlags:
         return flags
 
+    def model_support(self, model: ModelConfig) -> None:
+        return None
+
     def layout_flags(self, model: ModelConfig, reports: list[Any],
                      given: Mapping[str, object]) -> ToyFlags:
         rank = given.get("--max-rank") or max((r.adapter.config.r for r in reports), default=16)
@@ -483,3 +500,38 @@ def test_a_third_engine_plugs_in_from_outside(toy: ToyEngine, llama_q) -> None: 
     assert ("engine    Toy 1.0 (test build)'s own cache: its GPU slots of its slot bytes "
             "(--max-loras), evicting FIFO, its host cache (--toy-host-cache), evicting LRU"
             ) in shown.stdout
+
+
+@pytest.mark.parametrize(("engine", "title"), [("vllm", "vLLM 0.32.0 (GPU build)"),
+                                               ("sglang", "SGLang 0.5.23")])
+def test_an_engine_that_never_starts_on_the_model_sizes_nothing(
+        engine: str, title: str, tmp_path: Path) -> None:
+    """A config with no `architectures` (each engine picks its model class from it, and
+    neither starts without one): `inspect` recommends no serve line and no bytes, and `layout`
+    and `simulate` refuse (exit 1) saying why. `layout` printed the buffers of a server that
+    never starts, `inspect --engine vllm` a serve line for it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "vocab_size": 1024}))
+    adapter = tmp_path / "a"
+    assert metrale("synth", adapter, "-m", model, "--modules", "q_proj,v_proj", "-r", 4).code == 0
+    inspected = metrale("inspect", adapter, "-m", model, "--engine", engine, "--json")
+    assert inspected.code == 1
+    rec = inspected.json()["engine"]["recommended"]
+    assert rec["serve"] is None and rec["lora_bytes"] is None and rec["never_starts"]
+    assert rec["memory_note"].startswith("none: ") and "never starts on this model" in \
+        rec["memory_note"]
+    shown = metrale("inspect", adapter, "-m", model, "--engine", engine, columns=200).stdout
+    assert f"serve        none: {title} never starts on this model (below)" in shown
+    says = f"error: {title} never starts on this model: "
+    for args in (["layout", adapter], ["layout", "--max-rank", 8, "--modules", "q_proj"],
+                 ["simulate", adapter, "--requests", 20]):
+        done = metrale(*args, "-m", model, "--engine", engine)
+        assert (done.code, done.stdout) == (1, ""), done.stderr
+        assert done.stderr.startswith(says) and done.stderr.count("\n") == 1, done.stderr
+    laid = metrale("layout", adapter, "-m", model, "--engine", engine, "--json")
+    assert laid.code == 1 and laid.json()["refused"] == "not_servable"
+    assert laid.json()["error"].startswith(says[len("error: "):])

@@ -398,7 +398,8 @@ def test_vllm_wraps_gpt_oss_under_its_own_names() -> None:
     assert {"attn.qkv_proj", "attn.o_proj"} <= got.keys()
 
 
-_GEMMA4_SHARED = {"model_type": "gemma4_text", "vocab_size": 128, "hidden_size": 64,
+_GEMMA4_SHARED = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"],
+                  "vocab_size": 128, "hidden_size": 64,
                   "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
                   "num_hidden_layers": 4, "intermediate_size": 96, "sliding_window": 8,
                   "layer_types": ["sliding_attention", "full_attention"] * 2,
@@ -464,7 +465,9 @@ def test_vllm_wraps_nemotron_h_by_block(tmp_path: Path) -> None:
     slices), conv1d (three) and out_proj, attention's qkv_proj/o_proj, the MLP blocks' up/down,
     the MoE blocks' non-gated experts and shared experts; a TP that does not divide n_groups
     builds other Mamba layers, which metrale refuses in one line."""
-    (tmp_path / "config.json").write_text(json.dumps(_NEMOTRON_H_8B))
+    # With the class vLLM builds: without `architectures` it never starts.
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**_NEMOTRON_H_8B, "architectures": ["NemotronHForCausalLM"]}))
     pattern = _NEMOTRON_H_8B["hybrid_override_pattern"]
     on = {m.path: (m.layers, m.out_sizes) for m in vllm_engine_modules(ModelConfig.from_hf(
         tmp_path))}
@@ -480,6 +483,7 @@ def test_vllm_wraps_nemotron_h_by_block(tmp_path: Path) -> None:
     dense = tmp_path / "dense"
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps({**_NEMOTRON_H_8B,
+                                                   "architectures": ["NemotronHForCausalLM"],
                                                    "hybrid_override_pattern": "M-M*"}))
     done = metrale("layout", "-m", dense, "--modules", "q_proj,o_proj", "--max-rank", 16,
                    "--max-loras", 4, "--engine", "vllm", "--tp", 16)
@@ -504,6 +508,7 @@ def test_llama4_s_moe_layers_list_matches_transformers(tmp_path: Path,
     Llama4ForCausalLM reads the step alone (llama4.py Llama4DecoderLayer), so under --engine
     vllm its experts sit on layers 1 and 3, its dense MLP on 0 and 2."""
     config = _tiny_config("llama4_text", {**META_CASES["llama4"][1], "moe_layers": [0, 3]})
+    config.architectures = ["Llama4ForCausalLM"]  # the class vLLM builds: none, it never starts
     config.save_pretrained(tmp_path)
     model = ModelConfig.from_hf(tmp_path)
     assert model.moe_layers == [0, 3] and model.intermediate_size_mlp == 96

@@ -69,10 +69,15 @@ def engine_inspect_view(record: dict[str, Any]) -> Group:
     rows: list[tuple[str, str | Text]] = []
     if engine.get("offline_batch"):
         rows.append(("offline batch", engine["offline_batch"]["reason"]))
-    rows += [("recommended", who.flag_line(rec["flags"], rec.get("pool"))),
-             ("serve", whole(rec["serve"]) if rec["serve"] else "none: no adapter can start "
-              "the server, and without one it needs --max-rank and --modules")]
-    if rec["shut_out"]:
+    if rec["serve"]:
+        serve: str | Text = whole(rec["serve"])
+    elif rec.get("never_starts"):
+        serve = f"none: {who.title} never starts on this model (below)"
+    else:
+        serve = "none: no adapter can start the server, and without one it needs --max-rank " \
+                "and --modules"
+    rows += [("recommended", who.flag_line(rec["flags"], rec.get("pool"))), ("serve", serve)]
+    if rec["shut_out"] and not rec.get("never_starts"):
         rows.append(("", f"the serve line names no adapter {who.title} would not start "
                          "with (see left out)"))
     judged = engine.get("memory")

@@ -59,7 +59,8 @@ def engine_inspect(audited: AuditedAdapters, engine: Engine,
     record["engine"]["given"] = [k for k, v in given.items()
                                  if v is not None and v is not False and k not in _NOT_FLAGS]
     judged = None
-    if record["engine"]["flags"] != record["engine"]["recommended"]["flags"]:
+    if (record["engine"]["flags"] != record["engine"]["recommended"]["flags"]
+            and engine.model_support(cfg) is None):
         memory = engine.memory(cfg, flags, reports or None, None).record()
         judged = {k: memory[k] for k in ("lora_bytes", "slot_bytes", "host_cache_bytes")}
     record["engine"]["memory"] = judged
@@ -81,13 +82,24 @@ def engine_layout(audited: AuditedAdapters, engine: Engine,
     given = dict(given or {})
     check_given("engine_layout", given)
     cfg, reports = audited.model, audited.reports
-    flags = engine.layout_flags(cfg, reports, given)
+    flags = startable_layout_flags(engine, cfg, reports, given)
     memory = engine.memory(cfg, flags, reports or None, budget_bytes)
     not_served = [{"adapter": r.name, "verdict": v.verdict.value, "reason": v.reason}
                   for r, v in unserved(engine, cfg, reports, flags)]
     return {"model": cfg.record(), "engine": {**memory.record(),
                                               "tiers": engine.tiers(memory).record(),
                                               "not_served": not_served}}
+
+
+def startable_layout_flags(engine: Engine, model: ModelConfig, reports: list[AdapterReport],
+                           given: Mapping[str, object]) -> Any:
+    """`engine.layout_flags`, where the engine starts on `model` at all: where it never does
+    it allocates no buffers, so `layout` and `simulate` size none and say why (NotServable,
+    exit 1), as `inspect` recommends no serve line."""
+    unsupported = engine.model_support(model)
+    if unsupported is not None:
+        raise NotServable(f"{engine.title} never starts on this model: {unsupported[1]}")
+    return engine.layout_flags(model, reports, given)
 
 
 def unserved(engine: Engine, model: ModelConfig, reports: Sequence[AdapterReport],

@@ -119,6 +119,11 @@ class Engine(Protocol):
         """`flags` as the server holds them once `reports` are its start-up adapters (SGLang
         sizes its pool from them; vLLM's flags are what they are)."""
 
+    def model_support(self, model: ModelConfig) -> tuple[str, str] | None:
+        """Why the engine never starts on `model`, whatever the adapters and flags (no
+        `architectures`, a class it cannot pick, ...): the reason's class and the engine's
+        words; None where it starts."""
+
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Any:
         """`layout`'s flags: the given ones, what the startup adapters need for the rest."""

@@ -65,10 +65,10 @@ class EngineCache:
 
     def at(self, max_loras: int) -> tuple[SlotTiers, int]:
         """(the tiers, the LoRA bytes on one GPU) at `max_loras` GPU slots."""
-        from metrale_cli.engines.answers import refuse_unserved
+        from metrale_cli.engines.answers import refuse_unserved, startable_layout_flags
 
         given = {**dict(self.given), "--max-loras": max_loras}
-        flags = self.engine.layout_flags(self.model, list(self.reports), given)
+        flags = startable_layout_flags(self.engine, self.model, list(self.reports), given)
         refuse_unserved(self.engine, self.model, self.reports, flags)
         memory = self.engine.memory(self.model, flags, list(self.reports) or None, None)
         return self.engine.tiers(memory), memory.lora_bytes

@@ -120,6 +120,9 @@ class SglangEngine:
         return replace(flags, pool=Pool.at_startup(flags, model,
                                                    [r.adapter.config.raw for r in kept]))
 
+    def model_support(self, model: ModelConfig) -> tuple[str, str] | None:
+        return model_support(model)
+
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Flags:
         # Without --max-loras, the batch `recommend` gives the start-up adapters that start
@@ -177,7 +180,8 @@ class SglangEngine:
             except UsageError as exc:
                 note = str(exc)
         paths = [(r.name, str(Path(r.adapter.path).resolve())) for r in kept]
-        return Recommendation(flags, model, paths, memory, note, shut_out)
+        return Recommendation(flags, model, paths, memory, note, shut_out,
+                              "" if unsupported is None else unsupported[1])
 
     def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
                budget_bytes: int | None) -> Memory:

@@ -798,9 +798,13 @@ class Recommendation:
     memory: Memory | None
     memory_note: str = ""
     shut_out: list[str] = field(default_factory=list)
+    # Why SGLang never starts on the model (`model_support`): then no launch line.
+    never_starts: str = ""
 
     def serve_line(self) -> str | None:
         f = self.flags
+        if self.never_starts:
+            return None
         if not self.lora_paths and (f.max_lora_rank is None or f.target_modules is None):
             return None  # SGLang refuses a LoRA server with nothing to size its pool from
         parts = ["python -m sglang.launch_server", "--model-path",
@@ -834,6 +838,7 @@ class Recommendation:
             "slot_bytes": self.memory.slot_bytes if self.memory else None,
             "host_cache_bytes": self.memory.host_bytes if self.memory else None,
             "memory_note": self.memory_note,
+            "never_starts": self.never_starts or None,
             # Adapters the launch line leaves out, each with SGLang's reason.
             "shut_out": self.shut_out,
         }

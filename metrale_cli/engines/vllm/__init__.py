@@ -21,6 +21,7 @@ from metrale_cli.engines.vllm.rules import (
     gpu_slots,
     inspect_record,
     judge,
+    model_support,
     recommend,
     target_modules,
 )
@@ -90,6 +91,9 @@ class VllmEngine:
 
     def startup(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport]) -> Flags:
         return flags
+
+    def model_support(self, model: ModelConfig) -> tuple[str, str] | None:
+        return model_support(model)
 
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Flags:

@@ -430,6 +430,8 @@ class Recommendation:
     lower: tuple[int, int, list[str]] | None = None
     fully_sharded_saves: int = 0
     shut_out: list[str] = field(default_factory=list)
+    # Why vLLM never starts on the model (`model_support`): then no serve line, no bytes.
+    never_starts: str = ""
 
     def serve_line(self) -> str:
         parts = ["vllm serve", self.model_id, *self.flags.serve_args()]
@@ -439,12 +441,17 @@ class Recommendation:
 
     def record(self) -> dict[str, Any]:
         model = self.memory.model
+        sized = not self.never_starts
         return {
             "model": self.model_id, "flags": self.flags.record(model),
-            "serve": self.serve_line(),
+            "serve": self.serve_line() if sized else None,
             "lora_modules": [{"name": n, "path": p} for n, p in self.lora_modules],
-            "lora_bytes": self.memory.lora_bytes, "slot_bytes": self.memory.slot_bytes,
-            "host_cache_bytes": self.memory.host_cache_bytes,
+            "lora_bytes": self.memory.lora_bytes if sized else None,
+            "slot_bytes": self.memory.slot_bytes if sized else None,
+            "host_cache_bytes": self.memory.host_cache_bytes if sized else None,
+            "memory_note": "" if sized else f"none: vLLM never starts on this model "
+                                             f"({self.never_starts})",
+            "never_starts": self.never_starts or None,
             "padding": [{"adapter": n, "unused_bytes": b, "unused_share": s}
                         for n, b, s in self.unused],
             "lower_max_rank": None if self.lower is None else {
@@ -516,8 +523,9 @@ def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
         lower = (lo, freed, [n for n, r in ranks.items() if r > lo])
         # Absolute: `vllm serve` resolves --lora-modules paths against its own directory.
     paths = [(r.name, str(Path(r.adapter.path).resolve())) for r in reports]
+    unsupported = model_support(model)
     return Recommendation(flags, model_id(model, absolute=False), paths, memory, unused, lower,
-                          saves, shut_out)
+                          saves, shut_out, "" if unsupported is None else unsupported[1])
 
 
 def gpu_slots(adapters: int, max_loras: int | None, max_cpu_loras: int | None) -> int:
