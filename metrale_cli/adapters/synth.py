@@ -124,7 +124,7 @@ def synth_adapter(
     rng = np.random.default_rng(seed)
 
     def write_weights(f: Any) -> None:
-        out = PieceWriter(f)  # large aligned writes: `pack` reads the file at copy speed
+        out = PieceWriter(f)  # large aligned writes: 2 MiB folios, which `pack` reads faster
         out.write(len(blob).to_bytes(8, "little"))
         out.write(blob)
         for _, rows, cols, std in plan:

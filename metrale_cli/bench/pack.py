@@ -70,11 +70,11 @@ def _tensor_written(path: Path, out: Path) -> Path:
     out.mkdir()
     shutil.copyfile(path / CONFIG_NAME, out / CONFIG_NAME)
     header = read_header(path / WEIGHTS_NAME)
-    data = (path / WEIGHTS_NAME).read_bytes()
-    with (out / WEIGHTS_NAME).open("wb", buffering=0) as f:
-        f.write(data[:header.data_start])
+    with (path / WEIGHTS_NAME).open("rb", buffering=0) as src, \
+            (out / WEIGHTS_NAME).open("wb", buffering=0) as f:
+        f.write(src.read(header.data_start))  # a tensor in memory at a time, not the file
         for info in sorted(header.tensors.values(), key=lambda t: t.begin):
-            f.write(data[info.begin:info.end])
+            f.write(os.pread(src.fileno(), info.nbytes, info.begin))
     return out
 
 

@@ -304,7 +304,7 @@ def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
         configs.append(config)
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         with (tmp / WEIGHTS_NAME).open("wb") as f:
-            out = PieceWriter(f)  # large aligned writes: `pack` reads the file at copy speed
+            out = PieceWriter(f)  # large aligned writes: 2 MiB folios, which `pack` reads faster
             for chunk in _safetensors_bytes(tensors):
                 out.write(chunk)
             out.finish()
