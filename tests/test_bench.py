@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 
 from metrale_cli import compat
+from metrale_cli.adapters.adapter import WEIGHTS_NAME, Adapter
+from metrale_cli.adapters.audit import audit
+from metrale_cli.adapters.synth import synth_adapter
 from metrale_cli.bench.kernels import module_shapes, plot
+from metrale_cli.bench.pack import _tensor_written
 from metrale_cli.cli.render import bench_pack_view, kernel_line
+from metrale_cli.files.safetensors_header import read_header
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule
 from tests.support.cli_runner import metrale
@@ -44,6 +49,32 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     # Each adapter's 7.6 MB stays below SHARED_BYTES: no fill asks for a second reader.
     assert record["shared_fills"] == [0, 0]
     assert "a second reader on 0 of 0 large fills" in view
+
+
+def test_bench_pack_rewrites_an_adapter_as_safetensors_saves_it(tmp_path: Path) -> None:
+    """`bench pack`'s second case: the same tensors, byte for byte, in a file whose tensors lie
+    in name order (as safetensors' `save_file`, and so PEFT, writes them: `layers.10` before
+    `layers.2`), where `synth` writes the slot's order; both audit the same."""
+    model = ModelConfig.preset("qwen3-8b")
+    modules = [LoraModule.Q_PROJ, LoraModule.V_PROJ]
+    synth_adapter(tmp_path / "synth", model, "qwen3-8b", modules, 4, seed=3)
+    written = _tensor_written(tmp_path / "synth", tmp_path / "saved")
+    ours, saved = (read_header(p / WEIGHTS_NAME) for p in (tmp_path / "synth", written))
+    assert set(ours.tensors) == set(saved.tensors)
+    in_file = sorted(saved.tensors, key=lambda name: saved.tensors[name].begin)
+    assert in_file == sorted(saved.tensors) != sorted(ours.tensors,
+                                                      key=lambda n: ours.tensors[n].begin)
+    with open(tmp_path / "synth" / WEIGHTS_NAME, "rb") as a, open(written / WEIGHTS_NAME,
+                                                                  "rb") as b:
+        for name, info in ours.tensors.items():
+            other = saved.tensors[name]
+            assert (info.dtype, info.shape) == (other.dtype, other.shape)
+            a.seek(info.begin)
+            b.seek(other.begin)
+            assert a.read(info.nbytes) == b.read(other.nbytes), name
+    reports = [audit(Adapter.load(p), model) for p in (tmp_path / "synth", written)]
+    assert [(m.layer, m.module, m.r) for m in reports[0].modules] == [
+        (m.layer, m.module, m.r) for m in reports[1].modules]
 
 
 def test_kernel_line_shows_the_record() -> None:

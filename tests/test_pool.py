@@ -452,6 +452,7 @@ def test_pack_tells_its_stages_and_what_it_wrote(tiny: dict[str, Path], tmp_path
 
     monkeypatch.setattr(console, "QUIET_S", 0.0)  # as if it had run long
     monkeypatch.setattr(fill, "CHUNK_BYTES", 64)  # many small reads: many steps to tell
+    monkeypatch.setattr(fill, "READ_BYTES", 64)
     out = tmp_path / "pool.safetensors"
     done = metrale("pack", tiny["a"], tiny["d"], "--max-loras", 2, "--out", out)
     assert done.code == 0, done.stderr
@@ -531,6 +532,7 @@ def test_every_chunk_is_checked_and_counted(tiny: dict[str, Path], tmp_path: Pat
     """The finite check runs on each chunk as it is written: with one B row per chunk, a NaN in
     the first row and an infinity in the last are both found, counted together."""
     monkeypatch.setattr(fill, "CHUNK_BYTES", 16)
+    monkeypatch.setattr(fill, "READ_BYTES", 16)
     bad = tmp_path / "bad"
     shutil.copytree(tiny[name], bad)
     weights = bad / "adapter_model.safetensors"
@@ -555,10 +557,11 @@ def test_every_chunk_is_checked_and_counted(tiny: dict[str, Path], tmp_path: Pat
 def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: int,
                                         direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Copy, conversion and finite check are fused per chunk: no read is larger than one chunk
-    of the slot (or one row), and a BF16 adapter at the pool's rank (its bytes are the slot's)
-    is read straight into the slot, with no buffer between, tensors end to end in the file
-    in one read (`bench pack` measures the rate)."""
+    of the slot (or one row; a read straight into the slot: one piece), and a BF16 adapter at
+    the pool's rank (its bytes are the slot's) is read straight into the slot, with no buffer
+    between, tensors end to end in the file in one read (`bench pack` measures the rate)."""
     monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(fill, "READ_BYTES", 64)
     reads: list[tuple[bool, int, int]] = []  # (straight into the slot, BF16 bytes, one row's)
     block, into = fill.TensorReader.block, fill.TensorReader.into
 
@@ -590,6 +593,7 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
     assert max(m.a.shape[0] * m.a.shape[1] * 2 for m in report.modules) > 64
     # The bytes are those of a pack a tensor at a time.
     monkeypatch.setattr(fill, "CHUNK_BYTES", 1 << 30)
+    monkeypatch.setattr(fill, "READ_BYTES", 1 << 30)
     reads.clear()
     assert np.array_equal(pool.region.host_bytes(0),
                           LoraPool.load(layout, 1, [report])[0].region.host_bytes(0))
@@ -597,11 +601,49 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
         assert len(reads) == 1 < 2 * len(report.modules), reads
 
 
+def test_tensors_end_to_end_in_the_slot_are_checked_as_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BF16 adapter at the pool's rank whose file holds its tensors in the slot's order
+    (`synth` writes it so): one read and one check for the whole file, where a check per tensor
+    cost two NumPy calls each. With non-finite values in two of its tensors, the refusal still
+    names the first in the file with its own count, as a check per tensor did."""
+    model = ModelConfig.preset("qwen3-8b")
+    modules = [LoraModule.Q_PROJ, LoraModule.V_PROJ]
+    bad = tmp_path / "bad"
+    assert metrale("synth", bad, "--model", "qwen3-8b", "--modules", "q_proj,v_proj",
+                   "--rank", 4).code == 0
+    weights = bad / "adapter_model.safetensors"
+    tensors = sorted(read_header(weights).tensors.values(), key=lambda t: t.begin)
+    layout = SlotLayout.build(model, modules, 4)
+    clean = audit(Adapter.load(bad), model)
+    monkeypatch.setattr(fill, "READ_BYTES", 1 << 30)
+    checks: list[int] = []
+    counted = fill.non_finite
+
+    def counting(bits: np.ndarray) -> int:
+        checks.append(bits.size)
+        return counted(bits)
+
+    monkeypatch.setattr(fill, "non_finite", counting)
+    LoraPool.load(layout, 1, [clean])
+    assert checks == [sum(t.nbytes for t in tensors) // 2]
+    second, third = tensors[1], tensors[2]
+    nan = f32_to_bf16(np.array([np.nan, np.inf, -np.inf], np.float32)).tobytes()
+    with open(weights, "r+b") as f:
+        for info, raw in ((second, nan), (third, nan[:2])):
+            f.seek(info.begin + 2)
+            f.write(raw)
+    with pytest.raises(NonFiniteWeights) as refused:
+        LoraPool.load(layout, 1, [audit(Adapter.load(bad), model)])
+    assert str(refused.value) == (f"bad: tensor {second.name!r} has 3 non-finite values (NaN "
+                                  "or infinity) as BF16; refusing to pack it")
+
+
 def test_a_file_cut_short_between_reads_fails_the_fill(
         tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors end to end in the file are read a chunk at a time: a file cut short after the
     first chunk was read fails the fill, naming the tensor the next read was in."""
-    monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(fill, "READ_BYTES", 64)
     shutil.copytree(tiny["d"], tmp_path / "d")
     weights = tmp_path / "d" / "adapter_model.safetensors"
     cfg = ModelConfig.from_hf(tiny["model"])
@@ -628,6 +670,7 @@ def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     cores, a run of 64 bytes at a time; returns the names of the threads that read, a read
     at a time."""
     monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(fill, "READ_BYTES", 64)
     monkeypatch.setattr(fill, "SHARED_BYTES", 0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(fill, "_load", lambda: (1, 1.0))  # this thread alone: a core idle

@@ -62,18 +62,28 @@ def _copy_rate(nbytes: int, repeats: int, device: str) -> float:
 
 
 def _tensor_written(path: Path, out: Path) -> Path:
-    """The adapter at `path` copied to `out`, its weights written as safetensors' `save_file`
-    writes a file (as PEFT saves an adapter): the header, then one write a tensor. The page
-    cache holds such a file in small folios, where `synth`'s large aligned writes leave 2 MiB
-    ones (`metrale_cli/files/pieces.py`), and the kernel's reads out of small folios are the
-    slower."""
+    """The adapter at `path` copied to `out` as safetensors' `save_file` writes a file (as PEFT
+    saves an adapter): its tensors in name order (`layers.10` before `layers.2`, where `synth`
+    writes the slot's order), the header, then one write a tensor. The page cache holds such a
+    file in small folios, where `synth`'s large aligned writes leave 2 MiB ones
+    (`metrale_cli/files/pieces.py`), and the kernel's reads out of small folios are the slower;
+    and fewer of its tensors lie end to end in the slot, so the pack checks more, smaller
+    stretches (`metrale_cli/pool/fill.py`)."""
     out.mkdir()
     shutil.copyfile(path / CONFIG_NAME, out / CONFIG_NAME)
-    header = read_header(path / WEIGHTS_NAME)
+    tensors = sorted(read_header(path / WEIGHTS_NAME).tensors.values(), key=lambda t: t.name)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    cursor = 0
+    for info in tensors:
+        header[info.name] = {"dtype": info.dtype, "shape": list(info.shape),
+                             "data_offsets": [cursor, cursor + info.nbytes]}
+        cursor += info.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
     with (path / WEIGHTS_NAME).open("rb", buffering=0) as src, \
             (out / WEIGHTS_NAME).open("wb", buffering=0) as f:
-        f.write(src.read(header.data_start))  # a tensor in memory at a time, not the file
-        for info in sorted(header.tensors.values(), key=lambda t: t.begin):
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for info in tensors:  # a tensor in memory at a time, not the file
             f.write(os.pread(src.fileno(), info.nbytes, info.begin))
     return out
 

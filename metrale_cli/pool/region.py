@@ -98,6 +98,14 @@ class SlotWriter:
         self.pending = (turn, offset, nbytes)
         return buffer[:nbytes]
 
+    def filled(self, offset: int, nbytes: int) -> np.ndarray:
+        """On the host, the slot's bytes `[offset, offset + nbytes)`, given out already by
+        `span` (end to end, in spans that the fill reads and checks as one), as one array."""
+        if self.staging is not None:
+            raise RuntimeError("SlotWriter.filled is for a host pool's writer")
+        start = self.slot * self.region.slot_bytes + offset
+        return self.region.memory[start:start + nbytes]
+
     def _flush(self) -> None:
         if self.pending is None or self.staging is None:
             return
