@@ -279,7 +279,7 @@ def _piece(cut: list[Part], writer: SlotWriter) -> Piece:
 
 
 def _read_pieces(reader: RawReader, writer: SlotWriter, parts: list[Part], adapter: str,
-               check_finite: bool, progress: Progress | None) -> int:
+                 check_finite: bool, progress: Progress | None) -> int:
     """Read `parts` straight into the slot a piece (`_pieces`) at a time, one positional read
     a piece, each stretch of it checked finite while it is in cache (one check for spans end to
     end in the slot: a check is two NumPy calls, which cost per call); the pieces shared by
