@@ -1504,7 +1504,7 @@ def test_adapters_no_request_names_cost_a_run_little() -> None:
 
 def test_a_simulation_past_the_work_limit_is_refused_before_anything_is_drawn(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each option within its own limit, their product years of replays: one line naming the
+    """Each option within its own limit, their product months of replays: one line naming the
     product and the options to lower, exit 2, before a request is drawn or the pool planned."""
     from metrale_cli.sim import request
 
@@ -1523,7 +1523,7 @@ def test_a_simulation_past_the_work_limit_is_refused_before_anything_is_drawn(
 def test_the_work_limit_counts_every_axis_and_a_run_at_it_runs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeds x policies x sizes x requests, and the affinity router's replicas: at the limit
-    a run replays, one request-replay past it is refused before the first replay (the library's
+    a run replays, past it each axis is refused before the first replay (the library's
     `simulate`, `SimulateRequest` and the CLI alike; a trace's requests and the default sizes
     once the workload is read or drawn)."""
     from metrale_cli.sim import replay

@@ -454,7 +454,8 @@ def check_seeds(count: int) -> None:
 # Request-replays in one simulation: every request replayed once per policy, size and seed.
 # Whole runs replay 1.7-9.9 million a second on a 2-core VM (docs/simulate.md, Speed: "How long
 # a simulation may take"), so this is 17 to 100 minutes; the limits of each option alone
-# (10,000,000 requests, 1,000 sizes, 1,000 seeds) multiply to years.
+# (10,000,000 requests, 1,000 sizes, 1,000 seeds, 1,024 replicas) multiply to months, decades
+# with the router.
 MAX_REPLAYS = 10**10
 
 
