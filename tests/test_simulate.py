@@ -1559,7 +1559,12 @@ def test_the_work_limit_counts_every_axis_and_a_run_at_it_runs(
         sim.run(w, planned.layout, sizes=[2, 4, 8, 16, 32])
     with pytest.raises(UsageError, match=re.escape("(2 seeds x 2 policies x 5 sizes x 50 ")):
         SimulateRequest(**{**base, "sizes": None}).run()
+    # The CLI refuses a drawn workload's work before writing its trace.
     trace = tmp_path / "t.csv"
+    r = metrale("simulate", *SLOT, "--requests", "50", "--adapters", "10", "--seeds", "2",
+                "--policy", "lru,fifo", "--save-trace", trace)
+    one_line_error(r, 2)
+    assert "(2 seeds x 2 policies x 5 sizes x 50 requests)" in r.stderr and not trace.exists()
     w.save(trace, False)
     read = SimulateRequest(**{**base, "seeds": 1, "sizes": (2, 4, 8, 16, 32), "requests": 10**7,
                               "policies": None}, trace=trace)

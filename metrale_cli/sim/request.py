@@ -154,10 +154,8 @@ class SimulateRequest:
             self.generator().check()  # each option's own bound is the clearer refusal
             # The work is known before anything is drawn: refused now. A trace's requests, or
             # the default sizes (up to every requested adapter resident), are known once the
-            # workload is read or drawn, and `run` refuses before the first replay.
-            check_work(self.requests, len(set(self.sizes)),
-                       1 if chosen else len(dict.fromkeys(self.policies or POLICIES)),
-                       self.seeds, self.routing)
+            # workload is read or drawn (check_work_of).
+            self._check_work(self.requests, self.sizes)
 
     @property
     def chosen_engine(self) -> Engine | None:
@@ -172,6 +170,16 @@ class SimulateRequest:
         with an engine, whose --tp and --fully-sharded are its own flags."""
         return (ShardSpec.from_options(self.tp, self.ep, self.fully_sharded)
                 if self.engine.strip() == "metrale" else None)
+
+    def check_work_of(self, workload: Workload) -> None:
+        """Refuse this request's work on `workload` (its first seed's) past MAX_REPLAYS, before
+        anything is replayed or written: `run` checks it too, for a caller that skips this."""
+        self._check_work(workload.requests, sim.replay_sizes(
+            workload, sim.pinned_adapters(workload, self.pin, self.pinned), self.sizes))
+
+    def _check_work(self, requests: int, sizes: Sequence[int]) -> None:
+        policies = 1 if self.chosen_engine else len(dict.fromkeys(self.policies or POLICIES))
+        check_work(requests, len(set(sizes)), policies, self.seeds, self.routing)
 
     @property
     def routing(self) -> Routing | None:

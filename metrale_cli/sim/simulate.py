@@ -276,15 +276,7 @@ def run(
     like this one the caller makes in all (`run_seeds`: one per seed): the work of all of them
     is held to MAX_REPLAYS (`check_work`) before the first replay."""
     started = time.perf_counter()
-    if pin and pinned is not None:
-        raise UsageError("give --pin or --pinned, not both")
-    if pinned is not None and pinned < 0:
-        raise UsageError(f"--pinned must be >= 0, got {pinned}")
-    used = {workload.adapters[a] for a in np.flatnonzero(workload.counts())}
-    for n in pin:
-        if n not in used:  # it would only take a slot from the cache
-            raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
-    names = list(pin) if pin else workload.most_requested(pinned or 0)
+    names = pinned_adapters(workload, pin, pinned)
     link = link or Link.preset("pcie4")
     ranks: list[tuple[SlotLayout, ExpertLayout | None]] = (
         [(layout, expert_layout)] if shard is None
@@ -302,7 +294,7 @@ def run(
         policies, admission = [first.gpu_eviction], first.admission
     # The sizes and the work they make, refused before anything is replayed (a Replay's
     # baseline alone is a pass over every request).
-    sizes = list(sizes) if sizes else default_sizes(len(used - set(names)), len(set(names)))
+    sizes = replay_sizes(workload, names, sizes)
     policies = list(dict.fromkeys(policies))
     check_work(workload.requests, len(set(sizes)), len(policies), runs, routing)
     cost = SwapCost(slot_bytes, link.bytes_per_s, link.latency_s, link.name, links)
@@ -374,6 +366,30 @@ def run(
         host=host_tier, engine=engine_record,
         seconds=time.perf_counter() - started,
     )
+
+
+def pinned_adapters(workload: Workload, pin: Sequence[str] = (),
+                    pinned: int | None = None) -> list[str]:
+    """The adapters pinned at startup: `pin`'s, else the `pinned` most requested."""
+    if pin and pinned is not None:
+        raise UsageError("give --pin or --pinned, not both")
+    if pinned is not None and pinned < 0:
+        raise UsageError(f"--pinned must be >= 0, got {pinned}")
+    used = {workload.adapters[a] for a in np.flatnonzero(workload.counts())}
+    for n in pin:
+        if n not in used:  # it would only take a slot from the cache
+            raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
+    return list(pin) if pin else workload.most_requested(pinned or 0)
+
+
+def replay_sizes(workload: Workload, pinned: Sequence[str],
+                 sizes: Sequence[int] | None = None) -> list[int]:
+    """`sizes`, or by default powers of two up to every requested adapter resident beside the
+    `pinned` ones (default_sizes)."""
+    if sizes:
+        return list(sizes)
+    used = {workload.adapters[a] for a in np.flatnonzero(workload.counts())}
+    return default_sizes(len(used - set(pinned)), len(set(pinned)))
 
 
 def _host_slots(tiers: SlotTiers, workload: Workload) -> int:
