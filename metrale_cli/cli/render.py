@@ -681,7 +681,7 @@ def verify_view(record: dict[str, Any]) -> Group:
             lines.append(Fields([("", head)], hang=2))
             continue
         head.append("DIFFERS", style="bold red")
-        lines.append(head)
+        lines.append(Fields([("", head)], hang=2))
         for line in a["slot_differences"]:
             lines.append(Text(f"  {line}"))
         if a["differences"]:

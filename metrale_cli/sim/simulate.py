@@ -479,7 +479,7 @@ def check_work(requests: int, sizes: int, policies: int, seeds: int = 1,
                routing: Routing | None = None) -> None:
     """Refuse a simulation of more than MAX_REPLAYS request-replays before anything is replayed,
     naming the product and the options that lower it. The affinity router weighs every replica
-    for every request at each size (a step that costs about what a replay of the request does),
+    for every request at each size (a step that costs no more than a replay of the request),
     so with it each replica counts as one more replay of the workload per size."""
     routed = (routing.replicas if routing is not None and routing.route == "affinity"
               and routing.replicas > 1 else 0)
