@@ -212,3 +212,40 @@ def test_the_documented_digest_check_runs(image: Path, monkeypatch: pytest.Monke
     write_element(image, "scales", (0,), 7.0, reseal=False)
     with pytest.raises(AssertionError):
         exec(compile(code, "pool-format.md", "exec"), {})
+
+
+# -- a model config the header carries -------------------------------------------------------------
+
+
+def test_an_image_whose_model_routes_to_no_expert_is_refused_by_every_reader(
+        tmp_path: Path) -> None:
+    """A config.json with a routed-expert top-k of 0 is refused (no MoE routes a token to no
+    expert); an image header carries the model's config, and one recording 0 (packed before
+    configs were held to it) loaded in show, verify, unpack and PoolImage.open."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+        "intermediate_size": 48, "num_experts": 4, "moe_intermediate_size": 8,
+        "num_experts_per_tok": 2, "mlp_only_layers": [0], "vocab_size": 64}))
+    adapter, image = tmp_path / "a", tmp_path / "pool.safetensors"
+    assert metrale("synth", adapter, "--model", model, "--modules", "q_proj,v_proj",
+                   "--rank", 2).code == 0
+    done = metrale("pack", adapter, "--model", model, "--max-loras", 2, "--out", image,
+                   "--device", "cpu")
+    assert done.code == 0, done.stderr
+    assert PoolImage.open(image).layout.model.num_experts_per_tok == 2
+    header = header_text(image)
+    assert header.count(b'\\"num_experts_per_tok\\":2') == 1
+    replace_header(image, header.replace(b'\\"num_experts_per_tok\\":2',
+                                         b'\\"num_experts_per_tok\\":0'))
+    refusal = (f"error: {image}: its model's num_experts_per_tok is 0: each token goes to no "
+               "routed expert, which is no MoE; pack its adapters again with the model's "
+               "config\n")
+    for args in (["show", image], ["show", image, "--json"], ["verify", image, adapter],
+                 ["unpack", image, "--slot", 0, tmp_path / "out"]):
+        assert one_line(metrale(*args), 2) == refusal
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FormatError, match="num_experts_per_tok is 0"):
+        PoolImage.open(image)

@@ -117,6 +117,44 @@ def test_show_reads_whole_at_80_and_120_columns(packed: tuple[Path, dict], tmp_p
     assert (first[0], first[2:8]) == ("0", ["0", "8", "16", "2", "yes", "60"])
 
 
+@pytest.mark.parametrize("name", [LONG_NAME, "a"])
+def test_show_fits_60_columns_with_every_cell(packed: tuple[Path, dict], tmp_path: Path,
+                                              name: str) -> None:
+    """Narrower than the slot table (72 columns at 60, its figures never folding: it ran wide,
+    or Rich dropped the name and overlays columns), each slot is key/value lines of the same
+    cells: the name (a long one folded), then each column's header and cell; no line past the
+    terminal but the head's paths."""
+    columns = 60
+    root = packed[0].parent
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"{name}={root / 'a'}", f"b={root / 'b'}", "--max-loras", 3,
+                   "-m", MODEL, "--out", image, "--device", "cpu").code == 0
+    result = metrale("show", image, columns=columns)
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= columns or is_field(line) for line in lines), lines
+    assert not any(line.split() == list(SLOT_HEADERS) for line in lines)
+    k = next(i for i, line in enumerate(lines) if line.startswith("slot 0  "))
+    shown: dict[str, list[str]] = {}
+    for line in lines[k:lines.index("", k)]:
+        key, value = line[:6], line[8:]
+        if key.strip():
+            shown[key] = []
+        shown[list(shown)[-1]].append(value)
+    for s in metrale("show", image, "--json").json()["slots"]:
+        if not s["name"]:
+            continue
+        *name, figures = shown.pop(f"slot {s['slot']}")
+        # The name folded onto whole lines (nothing added inside it), then each column's cell.
+        k = next(i for i, part in enumerate(name) if part.startswith("gen "))
+        assert "".join(name[:k]) == s["name"] and all(len(p) <= columns - 8 for p in name[:k])
+        assert " ".join([*name[k:], figures]) == (
+            f"gen {s['generation']}; rank {s['rank']}; alpha {s['alpha']:g}; scale "
+            f"{s['scale']:g}; pinned {'yes' if s['pinned'] else 'no'}; entries {s['entries']}; "
+            "experts ·; overlays ·")
+    assert shown == {}
+
+
 def _layout_a_offset(path: Path, entry: int, slot: int) -> int:
     t = read_tables(path)
     return slot * t.layout.slot_bytes + t.layout.entries[entry].a_offset

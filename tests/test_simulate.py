@@ -1497,3 +1497,77 @@ def test_adapters_no_request_names_cost_a_run_little() -> None:
     assert r.code == 0, r.stderr
     assert r.json()["workload"]["adapters"] == 2_000_000
     assert time.perf_counter() - started < 12
+
+
+# -- the work limit: the options' product, refused before any work -------------------------------
+
+
+def test_a_simulation_past_the_work_limit_is_refused_before_anything_is_drawn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each option within its own limit, their product months of replays: one line naming the
+    product and the options to lower, exit 2, before a request is drawn or the pool planned."""
+    from metrale_cli.sim import request
+
+    drawn: list[object] = []
+    monkeypatch.setattr(request, "generate", lambda *a: drawn.append(a))
+    r = metrale("simulate", *SLOT, "--seeds", "1000", "--requests", "10000000", "--max-loras",
+                "1..1000")
+    one_line_error(r, 2)
+    assert r.stderr == (
+        "error: 30,000,000,000,000 request-replays (1,000 seeds x 3 policies x 1,000 sizes "
+        "x 10,000,000 requests) is more than a simulation takes (10,000,000,000, about an "
+        "hour): lower --seeds, --policy, --max-loras, --requests or the trace\n")
+    assert drawn == [] and r.stdout == ""
+
+
+def test_the_work_limit_counts_every_axis_and_a_run_at_it_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeds x policies x sizes x requests, and the affinity router's replicas: at the limit
+    a run replays, past it each axis is refused before the first replay (the library's
+    `simulate`, `SimulateRequest` and the CLI alike; a trace's requests and the default sizes
+    once the workload is read or drawn)."""
+    from metrale_cli.sim import replay
+    from metrale_cli.sim import simulate as sim
+    from metrale_cli.sim.request import SimulateRequest
+
+    # 2 seeds x 2 policies x 3 sizes x 50 requests; with 2 affinity replicas, (2 + 2) per size.
+    monkeypatch.setattr(sim, "MAX_REPLAYS", 2 * 2 * 3 * 50)
+    base = dict(model="qwen3-next-80b-a3b", modules="q_proj,v_proj", max_rank=16,
+                requests=50, adapter_count=10, policies=("lru", "fifo"), sizes=(2, 4, 8),
+                seeds=2)
+    assert len(SimulateRequest(**base).run().results) == 6
+    replays: list[object] = []
+    monkeypatch.setattr(replay.Replay, "run", lambda *a, **k: replays.append(a))
+    for over, words in (({"seeds": 3}, "(3 seeds x 2 policies x 3 sizes x 50 requests)"),
+                        ({"requests": 51}, "x 51 requests"),
+                        ({"sizes": (2, 4, 8, 16)}, "x 4 sizes"),
+                        ({"policies": ("lru", "fifo", "min")}, "x 3 policies"),
+                        ({"replicas": 2},
+                         "(2 seeds x (2 policies + 2 replicas the router weighs) x 3 sizes")):
+        with pytest.raises(UsageError, match=re.escape(words)):
+            SimulateRequest(**{**base, **over})
+    r = metrale("simulate", *SLOT, "--requests", "50", "--adapters", "10", "--seeds", "3",
+                "--policy", "lru,fifo", "--max-loras", "2,4,8")
+    one_line_error(r, 2)
+    # Round-robin routes without weighing the replicas: within the limit.
+    assert SimulateRequest(**{**base, "replicas": 2, "route": "round-robin"}).routing
+    # The library's simulate, on a workload already drawn, and SimulateRequest's default sizes
+    # (1, 2, 4, 8, 10 over 10 adapters) are counted once the workload is drawn.
+    w = generate(GeneratorSpec("zipf", 50, 10, seed=0))
+    planned = SimulateRequest(**base).plan()
+    with pytest.raises(UsageError, match=re.escape("(1 seed x 3 policies x 5 sizes x 50 ")):
+        sim.run(w, planned.layout, sizes=[2, 4, 8, 16, 32])
+    with pytest.raises(UsageError, match=re.escape("(2 seeds x 2 policies x 5 sizes x 50 ")):
+        SimulateRequest(**{**base, "sizes": None}).run()
+    # The CLI refuses a drawn workload's work before writing its trace.
+    trace = tmp_path / "t.csv"
+    r = metrale("simulate", *SLOT, "--requests", "50", "--adapters", "10", "--seeds", "2",
+                "--policy", "lru,fifo", "--save-trace", trace)
+    one_line_error(r, 2)
+    assert "(2 seeds x 2 policies x 5 sizes x 50 requests)" in r.stderr and not trace.exists()
+    w.save(trace, False)
+    read = SimulateRequest(**{**base, "seeds": 1, "sizes": (2, 4, 8, 16, 32), "requests": 10**7,
+                              "policies": None}, trace=trace)
+    with pytest.raises(UsageError, match=re.escape("(1 seed x 3 policies x 5 sizes x 50 ")):
+        read.run()
+    assert replays == []

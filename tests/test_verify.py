@@ -282,3 +282,21 @@ def test_the_delta_difference_is_the_dense_one(differs: str,
         e, (a.view(np.uint8).ravel(), b.view(np.uint8).ravel(), 0.5),
         (a2.view(np.uint8).ravel(), b2.view(np.uint8).ravel(), s2))
     assert want > 0 and got == pytest.approx(want, rel=1e-5)
+
+
+def test_verify_fits_60_columns(packed: Path, tmp_path: Path) -> None:
+    """Each `ok` line wraps to the terminal as key/value lines do, `slot N NAME: ok` whole on
+    its first line; at 100 columns each is one line, as before."""
+    image, name = tmp_path / "pool.safetensors", "customer-support-assistant-v2"
+    assert metrale("pack", f"{name}={packed.parent / 'a'}", packed.parent / "b", "--max-loras",
+                   3, "-m", MODEL, "--out", image, "--device", "cpu").code == 0
+    given = [f"{name}={packed.parent / 'a'}"]
+    wide = metrale("verify", image, *given, columns=100).stdout.splitlines()
+    narrow = metrale("verify", image, *given, columns=60).stdout.splitlines()
+    assert all(len(line) <= 60 for line in narrow), narrow
+    ok = next(line for line in wide if line.startswith(f"slot 0 {name}: ok ("))
+    assert len(ok) > 60 and ok.endswith(" of its entries compared)")
+    assert narrow[0].startswith(f"slot 0 {name}: ok (") and narrow[1].startswith("  ")
+    assert " ".join([narrow[0], narrow[1].strip()]) == ok
+    unchecked = next(line for line in wide if line.startswith("slot 1 b: unchecked"))
+    assert unchecked in narrow

@@ -7,13 +7,16 @@ is escaped before Rich reads it as markup: `[/]` in a directory name must not cr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich import box
 from rich.console import Group
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.panel import Panel
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -86,6 +89,24 @@ def _breaks(plain: str, first: int, width: int) -> list[int]:
         breaks.append(start)
         limit = width
     return breaks
+
+
+class Fitted:
+    """`wide` (a table) where the terminal holds `least` (that table with its folding cells
+    blank: the narrowest it reads at with every column and every other cell whole) and every
+    line of `wide` as Rich lays it out, else `narrow(width)`, the same cells as lines that fit
+    `width` columns. Rich fits a table to a narrow width by dropping the columns that do not
+    fit, or runs past it where its cells cannot fold: a figure was lost or ran wide."""
+
+    def __init__(self, wide: Any, least: Any, narrow: Callable[[int], Any]) -> None:
+        self.wide, self.least, self.narrow = wide, least, narrow
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        width = options.max_width
+        fits = (Measurement.get(console, options.update(width=10**6), self.least).minimum
+                <= width and all(Segment.get_line_length(line) <= width for line in
+                                 Segment.split_lines(console.render(self.wide, options))))
+        yield self.wide if fits else self.narrow(width)
 
 
 def fields(rows: list[tuple[str, str | Text]]) -> Fields:
@@ -570,23 +591,14 @@ def show_view(record: dict[str, Any]) -> Group:
     rows.append(("digests", _DIGEST_LINES[record["digests"]]))
     free = record["free_slots"]
     rows.append(("free slots", ", ".join(map(str, free)) if free else "none"))
-    # Figures never wrap; a long name or overlay list folds onto more lines, so every header and
-    # cell reads whole at 80 columns (the headers alone take 63).
-    table = Table(header_style="bold", padding=(0, 1, 0, 0), box=box.SIMPLE_HEAD,
-                  show_edge=False)
-    for col in ("slot", "name", "gen", "rank", "alpha", "scale", "pinned", "entries", "experts",
-                "overlays"):
-        table.add_column(col, no_wrap=col not in ("name", "overlays"),
-                         overflow="fold" if col == "name" else "ellipsis",
-                         min_width=len(col))
-    sources = []
+    sources, cells = [], []
     for s in record["slots"]:
         if not s["name"]:
             continue
         overlays = ", ".join(f"{o['table']} {o['tokens']}" for o in s["overlays"])
-        table.add_row(str(s["slot"]), s["name"], str(s["generation"]), str(s["rank"]),
+        cells.append((str(s["slot"]), s["name"], str(s["generation"]), str(s["rank"]),
                       _fmt(s["alpha"]), f"{s['scale']:.6g}", "yes" if s["pinned"] else "",
-                      str(s["entries"]), str(s["expert_entries"] or "·"), overlays or "·")
+                      str(s["entries"]), str(s["expert_entries"] or "·"), overlays or "·"))
         sources.append((f"slot {s['slot']} source", whole(s["source"])))  # a path, whole
     sizes = Table(header_style="bold", padding=(0, 1), box=box.SIMPLE_HEAD)
     sizes.add_column("part")
@@ -595,7 +607,43 @@ def show_view(record: dict[str, Any]) -> Group:
     for part, n in record["bytes"].items():
         if n or part in ("pool", "total"):
             sizes.add_row(part, f"{n:,}", human_bytes(n))
-    return Group(fields(rows), Text(), table, Text(), fields(sources), sizes)
+    slots = Fitted(_slot_table(cells), _slot_table([(c[0], "", *c[2:]) for c in cells]),
+                   lambda width: _slot_lines(cells, width))
+    return Group(fields(rows), Text(), slots, Text(), fields(sources), sizes)
+
+
+_SLOT_COLUMNS = ("slot", "name", "gen", "rank", "alpha", "scale", "pinned", "entries", "experts",
+                 "overlays")
+
+
+def _slot_table(cells: list[tuple[str, ...]]) -> Table:
+    """`show`'s slot table. Figures never wrap; a long name or overlay list folds onto more
+    lines, so every header and cell reads whole at 80 columns (the headers alone take 63).
+    Narrower, each slot is key/value lines of the same cells (_slot_lines)."""
+    table = Table(header_style="bold", padding=(0, 1, 0, 0), box=box.SIMPLE_HEAD,
+                  show_edge=False)
+    for col in _SLOT_COLUMNS:
+        table.add_column(col, no_wrap=col not in ("name", "overlays"),
+                         overflow="fold" if col == "name" else "ellipsis",
+                         min_width=len(col))
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+def _slot_lines(cells: list[tuple[str, ...]], width: int) -> Fields:
+    """`show`'s slot table as key/value lines in `width` columns: per slot, its name (folded
+    where longer than the line, as the table's column folds it), then each other column's header
+    and cell (`pinned no` for the table's empty cell)."""
+    indent = max((len(f"slot {c[0]}") for c in cells), default=0) + 2
+    room = max(20, width - indent)  # as Fields' narrowest line
+    rows: list[tuple[str, str | Text]] = []
+    for slot, name, *rest in cells:
+        figures = "; ".join(f"{col} {cell or 'no'}"
+                            for col, cell in zip(_SLOT_COLUMNS[2:], rest, strict=True))
+        folded = [name[i:i + room] for i in range(0, len(name), room)]
+        rows.append((f"slot {slot}", "\n".join([*folded, figures])))
+    return Fields(rows)
 
 
 def synth_view(record: dict[str, Any]) -> Text:
@@ -622,19 +670,18 @@ def verify_view(record: dict[str, Any]) -> Group:
     """`metrale verify`: per adapter ok or what differs (see verify.VerifyResult)."""
     lines: list[Any] = []
     for a in record["adapters"]:
-        # Whole, as `whole` prints a line: the terminal wraps it, never the view.
-        head = Text(f"slot {a['slot']} {a['name']}: ", style="bold", no_wrap=True,
-                    overflow="ignore")
+        # Wrapped to the terminal as a Fields value is, `slot N NAME: ok` whole on its line.
+        head = Text(f"slot {a['slot']} {a['name']}: ", style="bold")
         if a["ok"]:
             head.append("ok", style="bold green")
             head.append(f" ({a['entries']} entries"
                         + (f", {a['expert_entries']} expert entries" if a["expert_entries"]
                            else "") + f", {human_bytes(a['bytes_compared'])} of its entries "
                            "compared)")
-            lines.append(head)
+            lines.append(Fields([("", head)], hang=2))
             continue
         head.append("DIFFERS", style="bold red")
-        lines.append(head)
+        lines.append(Fields([("", head)], hang=2))
         for line in a["slot_differences"]:
             lines.append(Text(f"  {line}"))
         if a["differences"]:
@@ -652,11 +699,12 @@ def verify_view(record: dict[str, Any]) -> Group:
                 lines.append(Text(f"  ... and {len(a['differences']) - len(shown)} more "
                                   "(--json lists every one)", style="dim"))
     for u in record["unchecked"]:
-        lines.append(Text(f"slot {u['slot']} {u['name']}: unchecked (not given)", style="dim"))
+        lines.append(wrapped(f"slot {u['slot']} {u['name']}: unchecked (not given)",
+                             style="dim"))
     for line in record["digest_differences"]:
         lines.append(Text(f"DIFFERS: {line}", style="bold red"))
     rate = record["gb_per_s"]
-    lines.append(Text(f"compared {human_bytes(record['bytes_compared'])} of the image in "
-                      f"{record['seconds']:.3f} s"
-                      + (f" ({rate:.2f} GB/s)" if rate is not None else "")))
+    lines.append(wrapped(f"compared {human_bytes(record['bytes_compared'])} of the image in "
+                         f"{record['seconds']:.3f} s"
+                         + (f" ({rate:.2f} GB/s)" if rate is not None else "")))
     return Group(*lines)

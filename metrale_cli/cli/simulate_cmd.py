@@ -227,6 +227,7 @@ def simulate(
     with progress("reading", None, trace is not None and not json_out) as shown:
         first = request.read(progress=None if shown is None else
                              lambda done, total: shown.advance(done - shown.done, total))
+    request.check_work_of(first)  # a trace's work, or the default sizes': before it is saved
     if save_trace is not None:
         first.save(save_trace, force)
     with progress("simulating", None, not json_out, unit="request replays") as shown:

@@ -159,6 +159,14 @@ def read_tables(path: str | Path) -> ImageTables:
     except (KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError,
             RecursionError, MetraleError) as exc:
         raise FormatError(f"{path}: metadata does not describe a layout ({exc})") from exc
+    if not model.num_experts_per_tok and model.moe_layers and model.weights_family is None:
+        # A config.json's rule (ModelConfig.from_dict), for the config a header carries: images
+        # of a family metrale knows, packed before configs were held to it, recorded 0. A
+        # family read from weights may record 0: its config gave none, its class's default
+        # unknown.
+        raise FormatError(f"{path}: its model's num_experts_per_tok is 0: each token goes to no "
+                          "routed expert, which is no MoE; pack its adapters again with the "
+                          "model's config")
     if max_loras <= 0:
         raise ImageInconsistent(f"{path}: max_loras is {max_loras}")
     if not isinstance(slots_doc, list):

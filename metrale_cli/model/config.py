@@ -163,8 +163,9 @@ class ModelConfig:
         more experts than there are, MoE layers every 0th layer (each only where a layer
         builds the block: with none, transformers reads neither); and metrale's bounds on the
         experts over all layers and on the shared experts' width. Here, so that a config read
-        from any file, a preset and a pool image's header meet the same rule (a config's top-k
-        of 0 is from_dict's: an image written without a top-k keeps 0)."""
+        from any file, a preset and a pool image's header meet the same rule (a top-k of 0 is
+        from_dict's, and an image header's read_tables's: a family read from weights whose
+        config gives none keeps 0)."""
         where = self.source or "config"
         if self.num_hidden_layers * self.num_experts > MAX_LAYER_EXPERTS:
             raise FormatError(f"{where}: {self.num_hidden_layers} layers x {self.num_experts} "
@@ -589,8 +590,9 @@ class ModelConfig:
         )
         if not top_k and model.moe_layers:
             # Judged only where a layer builds the MoE block, as transformers reads it there
-            # alone; an image written without a top-k keeps 0 (from_summary), as does a
-            # family read from weights whose config gives none (its class's default unknown).
+            # alone; a family read from weights whose config gives none keeps 0 (its class's
+            # default unknown), and an image header recording 0 is refused as this is
+            # (image/format.py read_tables).
             key = known.key_of("num_experts_per_tok")
             if text.get("num_experts_per_tok") is None and model_type in FAMILIES:
                 raise FormatError(f"{source or 'config'}: {key!r} is missing or null: "

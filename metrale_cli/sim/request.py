@@ -22,7 +22,7 @@ from metrale_cli.pool.slot_cache import POLICIES
 from metrale_cli.sim import simulate as sim
 from metrale_cli.sim.costs import HostTier, Link
 from metrale_cli.sim.replicas import Routing
-from metrale_cli.sim.simulate import EngineCache, Simulation, Targets, check_seeds
+from metrale_cli.sim.simulate import EngineCache, Simulation, Targets, check_seeds, check_work
 from metrale_cli.sim.workload import GeneratorSpec, Workload, generate, read_trace
 
 if TYPE_CHECKING:
@@ -150,6 +150,12 @@ class SimulateRequest:
         if self.seeds > 1 and self.trace is not None and self.assign is None:
             raise UsageError("--seeds needs a seeded workload: a generator, or a trace with "
                              "--assign")
+        if self.trace is None and self.sizes is not None:
+            self.generator().check()  # each option's own bound is the clearer refusal
+            # The work is known before anything is drawn: refused now. A trace's requests, or
+            # the default sizes (up to every requested adapter resident), are known once the
+            # workload is read or drawn (check_work_of).
+            self._check_work(self.requests, self.sizes)
 
     @property
     def chosen_engine(self) -> Engine | None:
@@ -164,6 +170,22 @@ class SimulateRequest:
         with an engine, whose --tp and --fully-sharded are its own flags."""
         return (ShardSpec.from_options(self.tp, self.ep, self.fully_sharded)
                 if self.engine.strip() == "metrale" else None)
+
+    def check_work_of(self, workload: Workload) -> None:
+        """Refuse this request's work on `workload` (its first seed's) past MAX_REPLAYS, before
+        anything is replayed or written: `run` checks it too, for a caller that skips this."""
+        self._check_work(workload.requests, sim.replay_sizes(
+            workload, sim.pinned_adapters(workload, self.pin, self.pinned), self.sizes))
+
+    def _check_work(self, requests: int, sizes: Sequence[int]) -> None:
+        policies = 1 if self.chosen_engine else len(dict.fromkeys(self.policies or POLICIES))
+        check_work(requests, len(set(sizes)), policies, self.seeds, self.routing)
+
+    @property
+    def routing(self) -> Routing | None:
+        """The replicas and their router; None for one replica routed as one always is."""
+        return (Routing(self.replicas, self.route, self.seed)
+                if self.replicas != 1 or self.route != "affinity" else None)
 
     def plan(self) -> PlannedSimulation:
         """The pool's layouts: planned from the adapters (or --model, --modules, --max-rank)
@@ -194,15 +216,19 @@ class SimulateRequest:
             refuse_unshardable(planned.planned.reports, shard)
         return planned
 
+    def generator(self, seed: int | None = None) -> GeneratorSpec:
+        """The generator of a request without a trace, under `seed` (default --seed)."""
+        return GeneratorSpec(
+            self.workload or "zipf", self.requests, self.adapter_count, self.rate, self.cv,
+            self.seed if seed is None else seed, self.zipf_s, self.alpha, self.input_tokens,
+            self.output_tokens, self.ranks or ())
+
     def read(self, seed: int | None = None, progress: Progress | None = None) -> Workload:
         """The requests under `seed` (default --seed): the generator's draw, or the trace
         (its adapters drawn by --assign under that seed)."""
         seed = self.seed if seed is None else seed
         if self.trace is None:
-            return generate(GeneratorSpec(
-                self.workload or "zipf", self.requests, self.adapter_count, self.rate, self.cv,
-                seed, self.zipf_s, self.alpha, self.input_tokens, self.output_tokens,
-                self.ranks or ()))
+            return generate(self.generator(seed))
         if self.trace_format == "metrale":
             return read_trace(self.trace, progress)
         from metrale_cli.sim import trace_formats
@@ -225,8 +251,7 @@ class SimulateRequest:
             budget_bytes=self.budget_bytes, shard=self.shard,
             host=(HostTier(self.host_slots, self.host_bandwidth)
                   if self.host_slots is not None else None),
-            routing=(Routing(self.replicas, self.route, self.seed)
-                     if self.replicas != 1 or self.route != "affinity" else None),
+            routing=self.routing,
             admission=self.admission or "fcfs",
             engine=None if chosen is None else EngineCache(
                 chosen, planned.planned.model, tuple(planned.planned.reports), tuple({

@@ -260,6 +260,7 @@ def run(
     admission: str = "fcfs",
     engine: EngineCache | None = None,
     progress: Callable[[int, int], None] | None = None,
+    runs: int = 1,
 ) -> Simulation:
     """The whole of `metrale simulate` for a workload and a pool layout, loads crossing `link`
     (default pcie4), `links` at a time per GPU. With `shard` (a TP
@@ -271,17 +272,11 @@ def run(
     behind a router. With `engine`, the engine's own cache at each size instead of the pool's:
     its slot bytes, GPU slots, host cache (`host` is not given), eviction and admission (not
     given: `policies` is the engine's and `admission` too), LoRA bytes for `budget_bytes`.
-    `progress(n, total)` is told of every 65,536 requests replayed."""
+    `progress(n, total)` is told of every 65,536 requests replayed. `runs` is how many runs
+    like this one the caller makes in all (`run_seeds`: one per seed): the work of all of them
+    is held to MAX_REPLAYS (`check_work`) before the first replay."""
     started = time.perf_counter()
-    if pin and pinned is not None:
-        raise UsageError("give --pin or --pinned, not both")
-    if pinned is not None and pinned < 0:
-        raise UsageError(f"--pinned must be >= 0, got {pinned}")
-    used = {workload.adapters[a] for a in np.flatnonzero(workload.counts())}
-    for n in pin:
-        if n not in used:  # it would only take a slot from the cache
-            raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
-    names = list(pin) if pin else workload.most_requested(pinned or 0)
+    names = pinned_adapters(workload, pin, pinned)
     link = link or Link.preset("pcie4")
     ranks: list[tuple[SlotLayout, ExpertLayout | None]] = (
         [(layout, expert_layout)] if shard is None
@@ -297,6 +292,11 @@ def run(
         first = engine.at(min(sizes) if sizes else 1)[0]
         slot_bytes, max_rank = first.slot_bytes, first.max_rank
         policies, admission = [first.gpu_eviction], first.admission
+    # The sizes and the work they make, refused before anything is replayed (a Replay's
+    # baseline alone is a pass over every request).
+    sizes = replay_sizes(workload, names, sizes)
+    policies = list(dict.fromkeys(policies))
+    check_work(workload.requests, len(set(sizes)), len(policies), runs, routing)
     cost = SwapCost(slot_bytes, link.bytes_per_s, link.latency_s, link.name, links)
     load_bytes = adapter_load_bytes(workload, max_rank, cost.slot_bytes)
     hold = workload.hold_seconds(prefill_tok_s, decode_tok_s)
@@ -310,8 +310,6 @@ def run(
                         routing, first_token, admission)
 
     replay = replay_for(host)
-    sizes = list(sizes) if sizes else default_sizes(replay.unpinned, len(replay.pinned))
-    policies = list(dict.fromkeys(policies))
     total = len(policies) * len(set(sizes)) * workload.requests
     told = (lambda k: progress(k, total)) if progress is not None else None
     if engine is None:
@@ -368,6 +366,30 @@ def run(
         host=host_tier, engine=engine_record,
         seconds=time.perf_counter() - started,
     )
+
+
+def pinned_adapters(workload: Workload, pin: Sequence[str] = (),
+                    pinned: int | None = None) -> list[str]:
+    """The adapters pinned at startup: `pin`'s, else the `pinned` most requested."""
+    if pin and pinned is not None:
+        raise UsageError("give --pin or --pinned, not both")
+    if pinned is not None and pinned < 0:
+        raise UsageError(f"--pinned must be >= 0, got {pinned}")
+    used = {workload.adapters[a] for a in np.flatnonzero(workload.counts())}
+    for n in pin:
+        if n not in used:  # it would only take a slot from the cache
+            raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
+    return list(pin) if pin else workload.most_requested(pinned or 0)
+
+
+def replay_sizes(workload: Workload, pinned: Sequence[str],
+                 sizes: Sequence[int] | None = None) -> list[int]:
+    """`sizes`, or by default powers of two up to every requested adapter resident beside the
+    `pinned` ones (default_sizes)."""
+    if sizes:
+        return list(sizes)
+    used = {workload.adapters[a] for a in np.flatnonzero(workload.counts())}
+    return default_sizes(len(used - set(pinned)), len(set(pinned)))
 
 
 def _host_slots(tiers: SlotTiers, workload: Workload) -> int:
@@ -445,6 +467,38 @@ def check_seeds(count: int) -> None:
                          "each seed is a whole run)")
 
 
+# Request-replays in one simulation: every request replayed once per policy, size and seed.
+# Whole runs replay 1.7-9.9 million a second on a 2-core VM (docs/simulate.md, Speed: "How long
+# a simulation may take"), so this is 17 to 100 minutes; the limits of each option alone
+# (10,000,000 requests, 1,000 sizes, 1,000 seeds, 1,024 replicas) multiply to months, decades
+# with the router.
+MAX_REPLAYS = 10**10
+
+
+def check_work(requests: int, sizes: int, policies: int, seeds: int = 1,
+               routing: Routing | None = None) -> None:
+    """Refuse a simulation of more than MAX_REPLAYS request-replays before anything is replayed,
+    naming the product and the options that lower it. The affinity router weighs every replica
+    for every request at each size (a step that costs no more than a replay of the request),
+    so with it each replica counts as one more replay of the workload per size."""
+    routed = (routing.replicas if routing is not None and routing.route == "affinity"
+              and routing.replicas > 1 else 0)
+    work = seeds * sizes * requests * (policies + routed)
+    if work <= MAX_REPLAYS:
+        return
+    per = (f"({policies:,} {'policy' if policies == 1 else 'policies'} + {routed:,} replicas "
+           "the router weighs)" if routed
+           else f"{policies:,} {'policy' if policies == 1 else 'policies'}")
+    lower = ["--seeds" if seeds > 1 else "", "--policy" if policies > 1 else "",
+             "--replicas" if routed else "", "--max-loras" if sizes > 1 else "",
+             "--requests or the trace"]
+    raise UsageError(
+        f"{work:,} request-replays ({seeds:,} seed{'s' if seeds > 1 else ''} x {per} x "
+        f"{sizes:,} size{'s' if sizes > 1 else ''} x {requests:,} requests) is more than a "
+        f"simulation takes ({MAX_REPLAYS:,}, about an hour): lower "
+        f"{', '.join(o for o in lower if o)}")
+
+
 def run_seeds(make: Callable[[int], Workload], seeds: Sequence[int], layout: SlotLayout,
               expert_layout: ExpertLayout | None = None,
               progress: Callable[[int, int], None] | None = None,
@@ -464,7 +518,8 @@ def run_seeds(make: Callable[[int], Workload], seeds: Sequence[int], layout: Slo
             return None
         return lambda n, total: progress(n, total * len(seeds))
 
-    first = run(make(seeds[0]), layout, expert_layout, progress=told(0), **options)
+    first = run(make(seeds[0]), layout, expert_layout, progress=told(0), runs=len(seeds),
+                **options)
     options = {**options, "sizes": first.sizes}
     others = [run(make(s), layout, expert_layout, progress=told(k), **options)
               for k, s in enumerate(seeds[1:], start=1)]
