@@ -11,6 +11,7 @@ that never gets ready, exits at once, or is interrupted, whose processes must al
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -420,6 +421,90 @@ def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, s
             proc.wait()
     assert proc.returncode == code, err.decode()
     assert all(_gone(p) for p in _pids(tmp_path))
+
+
+def _hostile(tmp: Path, probe_status: int) -> Path:
+    """A python stand-in that leaves a process behind outside its process group, probed and
+    serving alike: it forks a child that calls setsid() (a session and group of its own),
+    writes its pid to `probe.pid` or `server.pid` and sleeps; the probe then exits with
+    `probe_status` (0: it can import vllm), the server never gets ready."""
+    script = tmp / "python"
+    script.write_text(f"#!{sys.executable}\n"
+                      "import os, sys, time\n"
+                      "role = 'probe' if sys.argv[1:2] == ['-c'] else 'server'\n"
+                      f"pid_file = os.path.join({str(tmp)!r}, role + '.pid')\n"
+                      "if os.fork() == 0:\n"
+                      "    os.setsid()\n"
+                      "    with open(pid_file + '.tmp', 'w') as f:\n"
+                      "        f.write(str(os.getpid()))\n"
+                      "    os.rename(pid_file + '.tmp', pid_file)\n"
+                      "    time.sleep(1000)\n"
+                      "    os._exit(0)\n"
+                      "while not os.path.exists(pid_file):\n"
+                      "    time.sleep(0.01)\n"
+                      f"if role == 'probe':\n    sys.exit({probe_status})\n"
+                      "time.sleep(1000)\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize(("probe_status", "code", "left"), [(0, 4, ("probe", "server")),
+                                                            (1, 2, ("probe",))])
+def test_a_process_that_leaves_the_group_ends_with_metrale(
+        adapter: Path, tmp_path: Path, probe_status: int, code: int,
+        left: tuple[str, ...]) -> None:
+    """An --engine-python whose probe, and then whose server, forks a child that calls setsid()
+    and sleeps: the process-group kill misses it, and it outlived metrale (re-parented to
+    init). Now metrale is their subreaper while they run and ends every descendant on its way
+    out: after metrale exits (the time bound, exit 4; a probe that says no vllm, exit 2), no
+    such process runs."""
+    fake = _hostile(tmp_path, probe_status)
+    done = subprocess.run([sys.executable, "-m", "metrale_cli", "inspect", str(adapter),
+                           "--engine", "vllm", "--confirm", "--engine-python", str(fake),
+                           "--confirm-timeout", "3"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == code, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == (3 if code == 4 else 1), done.stderr
+    pids = [int((tmp_path / f"{role}.pid").read_text()) for role in left]
+    try:
+        assert all(_gone(pid, within_s=2) for pid in pids)
+    finally:
+        for pid in pids:  # what an unfixed metrale left
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_reaping_ends_what_the_block_started_and_nothing_else(tmp_path: Path) -> None:
+    """In a process (the library's caller) with a child of its own: a process started in the
+    block leaves a setsid() child behind and exits; leaving the block ends that child and
+    reaps it, keeps the caller's child, and puts the process's subreaper setting back."""
+    import ctypes
+
+    from metrale_cli.engines import descendants
+
+    def subreaper() -> int:
+        value = ctypes.c_int(-1)
+        assert ctypes.CDLL(None).prctl(descendants.PR_GET_CHILD_SUBREAPER,
+                                       ctypes.byref(value), 0, 0, 0) == 0
+        return value.value
+
+    fake = _hostile(tmp_path, 0)
+    own = subprocess.Popen(["sleep", "1000"])
+    try:
+        assert subreaper() == 0
+        with descendants.reaping():
+            assert subreaper() == 1
+            assert subprocess.run([fake, "-c", "probe"], timeout=60).returncode == 0
+            escaped = int((tmp_path / "probe.pid").read_text())
+            # Orphaned, it is this process's child now, not init's.
+            assert escaped in descendants.children(os.getpid())
+        assert subreaper() == 0
+        assert not Path(f"/proc/{escaped}").exists()  # killed and reaped, not a zombie
+        assert own.poll() is None
+    finally:
+        own.kill()
+        own.wait()
 
 
 # -- the real vLLM: one start ----------------------------------------------------------------
