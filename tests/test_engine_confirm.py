@@ -113,6 +113,18 @@ def adapter(peft_zoo) -> Path:  # type: ignore[no-untyped-def]
     (["--engine", "vllm", "--confirm", "--engine-args", "--compilation-config.mode"],
      "--engine-args: --compilation-config.mode ends the words without its value (vLLM would "
      "take metrale's --model as it); give it one"),
+    # A word no option takes: vLLM's API server reads it as its positional model tag and
+    # drops it without a word (the engine started as if it were not given).
+    *[(["--engine", "vllm", "--confirm", "--engine-args", words],
+       f"--engine-args: {said} is not passed through ({why}, so vLLM's API server would read "
+       "it as its positional model tag, which it ignores)")
+      for words, said, why in (
+          ("foo", "foo", "no option takes it as its value"),
+          ("--enforce-eager foo", "foo", "--enforce-eager takes no value"),
+          ("--enforce foo", "foo", "--enforce-eager takes no value"),
+          ("--max-model-len 64 4096", "4096", "no option takes it as its value"),
+          ("--max-model-len 64 '' -5", "''", "no option takes it as its value"),
+          ("-O3 --compilation-config.mode 3 x", "x", "no option takes it as its value"))],
     # Past what the clock and sockets can add to a time (an OverflowError once vLLM was up).
     *[(["--engine", "vllm", "--confirm", "--confirm-timeout", given],
        f"--confirm-timeout {read}: a positive number of seconds, at most 604800 (a week)")
@@ -223,11 +235,59 @@ def test_engine_args_refuse_what_vllms_own_parser_reads_as_metrales(tmp_path: Pa
              and not (dest in ("ambiguous", None) and refused([word, "1"]))]
     assert not wrong
     passed = [o for o, dest in out["options"].items() if dest not in own]
-    assert len(passed) > 300 and not [o for o in passed if refused([o, "1"])]
+    assert len(passed) > 300 and not [o for o in passed
+                                      if refused([o] if out["nargs"][o] == 0 else [o, "1"])]
     assert server.command.index("--model") == 3 + len(extra)
     assert out["parsed"] == {**out["parsed"], "host": "127.0.0.1", "port": 23456,
                              "model": "/m", "enable_lora": True, "max_lora_rank": 16,
                              "max_loras": 2}
+
+
+# Words whose reading FlexibleArgumentParser's rewriting or argparse's matching decides: `-5`
+# is a value, `-O3` the optimization level with its value, a dotted key takes the next word
+# (and `--enforce-eager.x 1` hands its JSON to an option that takes none), `--enforce` is
+# `--enforce-eager`, `--kv-cache-dtype` is itself though `--kv-cache-dtype-skip-layers` takes
+# many, `-tp` is itself though `-t` abbreviates it, `--max_model_len` is `--max-model-len`.
+_READINGS = [
+    ["foo"], ["-"], [""], ["a b"], ["-5"], ["--seed", "-5"], ["--seed", "-5", "x"], ["-O3"],
+    ["-O3", "x"], ["-O", "3"], ["-O", "3", "x"], ["-O=2", "x"], ["--compilation-config.mode", "3"],
+    ["--compilation-config.mode", "3", "y"], ["--compilation-config.mode=3", "y"],
+    ["--enforce-eager.x", "1"], ["--enforce"], ["--enforce", "x"], ["--max-model", "64"],
+    ["--max-model", "64", "x"], ["--max_model_len", "3", "x"], ["--kv-cache-dtype", "auto"],
+    ["--kv-cache-dtype", "auto", "x"], ["--long-prefill-token-threshold", "5"],
+    ["--long-prefill-token-threshold", "5", "x"], ["--grpc", "x"], ["-tp", "2", "x"],
+    ["-t", "2"], ["-t", "2", "x"], ["--port=1", "x"], ["-tp=2", "x"], ["--hf-token"],
+    ["--hf-token", "t", "x"], ["--served-model-name", "a", "b", "--enforce-eager", "c"],
+    ["--enforce-eager", "--max-model-len", "64", "--no-enforce-eager", "x"],
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.proc
+def test_a_word_no_option_takes_is_what_vllms_own_parser_drops(tmp_path: Path) -> None:
+    """Against the parser of the installed vLLM: metrale's table of its options is that
+    parser's, word for word and by the words each takes, and a word metrale refuses as no
+    option's value is exactly one the parser puts in its positional model tag (which the API
+    server ignores): each option alone, with its values, and with one word past them, and
+    the words whose reading its rewriting or argparse's matching decides."""
+    from metrale_cli.engines.vllm import server_args
+
+    # --help prints and exits; --config reads its file first (metrale refuses it as a word).
+    options = sorted(server_args.OPTIONS - {"-h", "--help", "--config"})
+    commands = [*_READINGS]
+    for o in options:
+        taken = {0: [], "+": ["a", "b"], "?": ["t"]}.get(server_args.nargs(o), ["v"])
+        commands += [[o, *taken], [o, *taken, "foo"]]
+    (tmp_path / "in.json").write_text(json.dumps({"words": [], "commands": commands}))
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests/support/vllm_argparse.py"),
+                    str(tmp_path / "in.json"), str(tmp_path / "out.json")], check=True,
+                   capture_output=True, timeout=600)
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["nargs"] == {o: server_args.nargs(o) for o in server_args.OPTIONS}
+    wrong = [(c, tag) for c, tag in zip(commands, out["tags"], strict=True)
+             if (tag is not None) != (server_args.bare_word(c) is not None)]
+    assert not wrong
+    assert sum(tag is not None for tag in out["tags"]) > len(options)
 
 
 def test_metrales_options_follow_the_users_words_in_the_command(tmp_path: Path) -> None:

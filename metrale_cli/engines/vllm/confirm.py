@@ -40,6 +40,7 @@ from metrale_cli.engines.descendants import reaping
 from metrale_cli.engines.engine import Engine
 from metrale_cli.engines.verdict import Verdict
 from metrale_cli.engines.vllm.model import NAME
+from metrale_cli.engines.vllm.server_args import bare_word
 from metrale_cli.errors import EngineFailed, EngineTimeout, UsageError
 from metrale_cli.layout.pipeline import AuditedAdapters
 
@@ -167,7 +168,9 @@ def refuse_own_args(words: Sequence[str]) -> None:
     too, vLLM refuses it as ambiguous), and a one-letter option with its value attached (`-n2`).
     A bare `--` is refused too: it would make metrale's options, which follow, positional words;
     and so is a last word with a `.key` and no `=`, whose value vLLM would take from the word
-    after it, metrale's `--model`."""
+    after it, metrale's `--model`, and a word that is no option's value (server_args.py
+    `bare_word`: a bare `foo`, or one after an option that takes no value), which vLLM's API
+    server would read as its positional model tag and drop without a word."""
     for i, word in enumerate(words):
         if word == "--":
             raise UsageError("--engine-args: -- is not passed through (it would end vLLM's "
@@ -202,6 +205,13 @@ def refuse_own_args(words: Sequence[str]) -> None:
             raise UsageError(f"--engine-args: {hits[0]} is not passed through ({instead})")
         raise UsageError(f"--engine-args: {word.split('=', 1)[0]} is vLLM's "
                          f"{' or '.join(hits)}, not passed through ({instead})")
+    bare = bare_word(words)
+    if bare is not None:
+        word, after = bare
+        why = f"{after} takes no value" if after else "no option takes it as its value"
+        raise UsageError(f"--engine-args: {shlex.quote(word)} is not passed through ({why}, "
+                         "so vLLM's API server would read it as its positional model tag, "
+                         "which it ignores)")
 
 
 def free_port() -> int:
