@@ -271,6 +271,7 @@ def test_a_word_no_option_takes_is_what_vllms_own_parser_drops(tmp_path: Path) -
     server ignores): each option alone, with its values, and with one word past them, and
     the words whose reading its rewriting or argparse's matching decides."""
     from metrale_cli.engines.vllm import server_args
+    from metrale_cli.engines.vllm.flags import MAX_LORA_RANKS
 
     # --help prints and exits; --config reads its file first (metrale refuses it as a word).
     options = sorted(server_args.OPTIONS - {"-h", "--help", "--config"})
@@ -284,6 +285,8 @@ def test_a_word_no_option_takes_is_what_vllms_own_parser_drops(tmp_path: Path) -
                    capture_output=True, timeout=600)
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["nargs"] == {o: server_args.nargs(o) for o in server_args.OPTIONS}
+    # And the ranks metrale rounds a --max-rank up to are the ones --max-lora-rank takes.
+    assert out["max_lora_ranks"] == list(MAX_LORA_RANKS)
     wrong = [(c, tag) for c, tag in zip(commands, out["tags"], strict=True)
              if (tag is not None) != (server_args.bare_word(c) is not None)]
     assert not wrong

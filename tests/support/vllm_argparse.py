@@ -7,6 +7,7 @@ vllm.entrypoints.openai.api_server` builds, its spellings as vLLM reads them. Ru
 IN:  {"words": [WORD, ...], "argv": [ARG, ...], "commands": [[ARG, ...], ...]}
 OUT: {"options": {OPTION: DEST, ...} (every option string the parser has),
       "nargs": {OPTION: NARGS, ...} (the words each takes: 0, 1, "?" or "+"),
+      "max_lora_ranks": [RANK, ...] (the values --max-lora-rank takes),
       "tags": [TAG | null, ...] (per command, what the parser put in its positional model_tag,
               values neither converted nor checked: where a word no option takes lands),
       "resolved": {WORD: DEST | "ambiguous" | null, ...} (the option each word, followed by a
@@ -96,6 +97,7 @@ def main() -> None:
     out = {"options": {o: a.dest for o, a in parser._option_string_actions.items()},
            "nargs": {o: 1 if a.nargs is None else a.nargs
                      for o, a in parser._option_string_actions.items()},
+           "max_lora_ranks": list(parser._option_string_actions["--max-lora-rank"].choices),
            "tags": [model_tag(raw, c) for c in given.get("commands", [])],
            "resolved": {w: resolve(parser, w) for w in given["words"]},
            "parsed": {k: parsed[k] for k in PARSED if k in parsed}}
