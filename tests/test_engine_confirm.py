@@ -318,13 +318,24 @@ def test_the_library_refuses_metrales_options_in_extra_args(adapter: Path) -> No
 # -- a stand-in engine: the time bound, an early exit, signals; no process left --------------
 
 
+def _escapee(tmp: Path) -> str:
+    """Shell lines that start a process which leaves the script's process group (setsid()),
+    and wait until it has written its pid to escapee.pid."""
+    return (f"{sys.executable} -c 'import os, time; os.setsid(); "
+            f"open(\"{tmp}/escapee.tmp\", \"w\").write(str(os.getpid())); "
+            f"os.rename(\"{tmp}/escapee.tmp\", \"{tmp}/escapee.pid\"); time.sleep(1000)' &\n"
+            f"while [ ! -f {tmp}/escapee.pid ]; do sleep 0.05; done\n")
+
+
 def _fake(tmp: Path, body: str) -> Path:
     """A python stand-in: it answers the vllm probe (`-c ...`) yes, and asked to serve runs
-    `body`, after writing its pid and its child's (an engine core's place)."""
+    `body`, after writing its pid, its child's (an engine core's place) and that of a process
+    that left its group."""
     script = tmp / "python"
     script.write_text("#!/bin/sh\n"
                       'case "$1" in -c) exit 0;; esac\n'
                       f"sleep 1000 & echo $! > {tmp}/child.pid\n"
+                      f"{_escapee(tmp)}"
                       f"echo $$ > {tmp}/server.pid\n"
                       f"{body}\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
@@ -345,8 +356,18 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
+def _none_left(pids: list[int], within_s: float = 10.0) -> None:
+    """Every process of `pids` is gone; one left (metrale let it escape) is killed here, so
+    that it outlives no test run, and the test fails."""
+    left = [pid for pid in pids if not _gone(pid, within_s)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left
+
+
 def _pids(tmp: Path) -> list[int]:
-    return [int((tmp / f"{n}.pid").read_text()) for n in ("server", "child")]
+    return [int((tmp / f"{n}.pid").read_text()) for n in ("server", "child", "escapee")]
 
 
 def _log_named(done: Result) -> Path:
@@ -366,6 +387,7 @@ def test_the_vllm_probe_keeps_to_the_time_bound_reads_nothing_and_leaves_nothing
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\n"
                     f"sleep 1000 & echo $! > {tmp_path}/child.pid\n"
+                    f"{_escapee(tmp_path)}"
                     f"echo $$ > {tmp_path}/server.pid\n"
                     "cat /dev/zero\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
@@ -384,7 +406,7 @@ def test_the_vllm_probe_keeps_to_the_time_bound_reads_nothing_and_leaves_nothing
     assert done.stderr.strip().splitlines() == [
         f"error: --engine-python {fake}: no answer to whether it can import vllm within 3 s "
         "(--confirm-timeout)"]
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 @pytest.mark.proc
@@ -398,7 +420,7 @@ def test_an_engine_never_ready_is_the_time_bound_exit_4(adapter: Path, tmp_path:
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: vLLM was not ready within 3 s (--confirm-timeout)"), line
     assert "loading weights" in _log_named(done).read_text()
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 @pytest.mark.proc
@@ -422,7 +444,7 @@ def test_an_engine_that_exits_at_once_is_exit_3_with_its_error(adapter: Path,
     assert line.startswith("error: vLLM exited with status 1 before it was ready: "
                            "RuntimeError: Failed to infer device type; its log: "), line
     assert _log_named(done).is_file()
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 @pytest.mark.proc
@@ -447,7 +469,7 @@ def test_an_engine_that_cannot_build_the_model_agrees_with_unsupported_model(
     assert only["predicted"] == "unsupported_model" and only["agrees"]
     assert only["observed"]["error"].startswith("the engine did not start: ValueError: Model "
                                                 "architectures")
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 @pytest.mark.proc
@@ -483,7 +505,7 @@ def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, s
             proc.kill()
             proc.wait()
     assert proc.returncode == code, err.decode()
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 def _hostile(tmp: Path, probe_status: int) -> Path:
@@ -529,13 +551,7 @@ def test_a_process_that_leaves_the_group_ends_with_metrale(
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == code, done.stderr[-2000:]
     assert len(done.stderr.strip().splitlines()) == (3 if code == 4 else 1), done.stderr
-    pids = [int((tmp_path / f"{role}.pid").read_text()) for role in left]
-    try:
-        assert all(_gone(pid, within_s=2) for pid in pids)
-    finally:
-        for pid in pids:  # what an unfixed metrale left
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    _none_left([int((tmp_path / f"{role}.pid").read_text()) for role in left], within_s=2)
 
 
 def test_reaping_ends_what_the_block_started_and_nothing_else(tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ what a killed process had forked comes to this process and is ended in the next 
 this process had before the block, and what is below them, are left alone; blocks open at once
 in several threads end together, when the last one ends.
 
-Where prctl or the children files are missing (not Linux), the process-group kill is all there
-is. A process killed with SIGKILL cannot end its descendants: metrale SIGKILLed mid-check
-leaves what it started, as any process does.
+Where prctl or the children files are missing (not Linux, or a seccomp filter forbids the
+setting), the process-group kill is all there is. A process killed with SIGKILL cannot end its
+descendants: metrale SIGKILLed mid-check leaves what it started, as any process does.
 """
 
 from __future__ import annotations
@@ -51,19 +51,22 @@ def children(pid: int) -> set[int]:
 
 
 def _prctl() -> Callable[..., int] | None:
-    """libc's prctl where this is Linux with /proc's children files, else None."""
+    """libc's prctl where this is Linux with /proc's children files and the subreaper
+    setting can be read (a seccomp filter may forbid it), else None."""
     if not sys.platform.startswith("linux") or not Path(
             f"/proc/{os.getpid()}/task/{threading.get_native_id()}/children").exists():
         return None
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+        _subreaper(prctl, PR_GET_CHILD_SUBREAPER, ctypes.byref(ctypes.c_int(0)))
     except (OSError, AttributeError):
         return None
+    return prctl
 
 
 def _subreaper(prctl: Callable[..., int], option: int, arg: object) -> None:
     if prctl(option, arg, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl({option})")
+        raise OSError(ctypes.get_errno(), f"prctl({option}): {os.strerror(ctypes.get_errno())}")
 
 
 @contextlib.contextmanager
