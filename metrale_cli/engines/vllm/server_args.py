@@ -175,6 +175,8 @@ def nargs(option: str) -> int | str:
     if option in ONE_VALUE:
         return 1
     raise KeyError(option)
+
+
 # argparse reads a word like these as a value, not an option, where no option looks like one.
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
@@ -200,11 +202,10 @@ def _rewritten(words: Sequence[str]) -> list[tuple[str, str]]:
         else:
             out.append((word, word))
     kept: list[tuple[str, str]] = []
-    keys: dict[str, str] = {}
+    keys: dict[str, str] = {}  # option -> the words of its first dotted key
     taken = -1  # the index of a dotted key's value
     for i, (word, source) in enumerate(out):
         if i == taken:
-            keys[next(reversed(keys))] += f" {source}"
             continue
         name, eq, _ = word.partition("=")
         if not word.startswith("-") or "." not in name:
@@ -212,8 +213,8 @@ def _rewritten(words: Sequence[str]) -> list[tuple[str, str]]:
             continue
         if not eq:
             taken = i + 1
-        key = name.removesuffix("+").split(".")[0]
-        keys.setdefault(key, source)
+            source = " ".join([source, *(s for _, s in out[i + 1:i + 2])])
+        keys.setdefault(name.removesuffix("+").split(".")[0], source)
     return kept + [w for key, source in keys.items() for w in ((key, source), ("{}", source))]
 
 
