@@ -11,6 +11,7 @@ that never gets ready, exits at once, or is interrupted, whose processes must al
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -112,6 +113,18 @@ def adapter(peft_zoo) -> Path:  # type: ignore[no-untyped-def]
     (["--engine", "vllm", "--confirm", "--engine-args", "--compilation-config.mode"],
      "--engine-args: --compilation-config.mode ends the words without its value (vLLM would "
      "take metrale's --model as it); give it one"),
+    # A word no option takes: vLLM's API server reads it as its positional model tag and
+    # drops it without a word (the engine started as if it were not given).
+    *[(["--engine", "vllm", "--confirm", "--engine-args", words],
+       f"--engine-args: {said} is not passed through ({why}, so vLLM's API server would read "
+       "it as its positional model tag, which it ignores)")
+      for words, said, why in (
+          ("foo", "foo", "no option takes it as its value"),
+          ("--enforce-eager foo", "foo", "--enforce-eager takes no value"),
+          ("--enforce foo", "foo", "--enforce-eager takes no value"),
+          ("--max-model-len 64 4096", "4096", "no option takes it as its value"),
+          ("--max-model-len 64 '' -5", "''", "no option takes it as its value"),
+          ("-O3 --compilation-config.mode 3 x", "x", "no option takes it as its value"))],
     # Past what the clock and sockets can add to a time (an OverflowError once vLLM was up).
     *[(["--engine", "vllm", "--confirm", "--confirm-timeout", given],
        f"--confirm-timeout {read}: a positive number of seconds, at most 604800 (a week)")
@@ -222,11 +235,62 @@ def test_engine_args_refuse_what_vllms_own_parser_reads_as_metrales(tmp_path: Pa
              and not (dest in ("ambiguous", None) and refused([word, "1"]))]
     assert not wrong
     passed = [o for o, dest in out["options"].items() if dest not in own]
-    assert len(passed) > 300 and not [o for o in passed if refused([o, "1"])]
+    assert len(passed) > 300 and not [o for o in passed
+                                      if refused([o] if out["nargs"][o] == 0 else [o, "1"])]
     assert server.command.index("--model") == 3 + len(extra)
     assert out["parsed"] == {**out["parsed"], "host": "127.0.0.1", "port": 23456,
                              "model": "/m", "enable_lora": True, "max_lora_rank": 16,
                              "max_loras": 2}
+
+
+# Words whose reading FlexibleArgumentParser's rewriting or argparse's matching decides: `-5`
+# is a value, `-O3` the optimization level with its value, a dotted key takes the next word
+# (and `--enforce-eager.x 1` hands its JSON to an option that takes none), `--enforce` is
+# `--enforce-eager`, `--kv-cache-dtype` is itself though `--kv-cache-dtype-skip-layers` takes
+# many, `-tp` is itself though `-t` abbreviates it, `--max_model_len` is `--max-model-len`.
+_READINGS = [
+    ["foo"], ["-"], [""], ["a b"], ["-5"], ["--seed", "-5"], ["--seed", "-5", "x"], ["-O3"],
+    ["-O3", "x"], ["-O", "3"], ["-O", "3", "x"], ["-O=2", "x"], ["--compilation-config.mode", "3"],
+    ["--compilation-config.mode", "3", "y"], ["--compilation-config.mode=3", "y"],
+    ["--enforce-eager.x", "1"], ["--enforce"], ["--enforce", "x"], ["--max-model", "64"],
+    ["--max-model", "64", "x"], ["--max_model_len", "3", "x"], ["--kv-cache-dtype", "auto"],
+    ["--kv-cache-dtype", "auto", "x"], ["--long-prefill-token-threshold", "5"],
+    ["--long-prefill-token-threshold", "5", "x"], ["--grpc", "x"], ["-tp", "2", "x"],
+    ["-t", "2"], ["-t", "2", "x"], ["--port=1", "x"], ["-tp=2", "x"], ["--hf-token"],
+    ["--hf-token", "t", "x"], ["--served-model-name", "a", "b", "--enforce-eager", "c"],
+    ["--enforce-eager", "--max-model-len", "64", "--no-enforce-eager", "x"],
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.proc
+def test_a_word_no_option_takes_is_what_vllms_own_parser_drops(tmp_path: Path) -> None:
+    """Against the parser of the installed vLLM: metrale's table of its options is that
+    parser's, word for word and by the words each takes, and a word metrale refuses as no
+    option's value is exactly one the parser puts in its positional model tag (which the API
+    server ignores): each option alone, with its values, and with one word past them, and
+    the words whose reading its rewriting or argparse's matching decides."""
+    from metrale_cli.engines.vllm import server_args
+    from metrale_cli.engines.vllm.flags import MAX_LORA_RANKS
+
+    # --help prints and exits; --config reads its file first (metrale refuses it as a word).
+    options = sorted(server_args.OPTIONS - {"-h", "--help", "--config"})
+    commands = [*_READINGS]
+    for o in options:
+        taken = {0: [], "+": ["a", "b"], "?": ["t"]}.get(server_args.nargs(o), ["v"])
+        commands += [[o, *taken], [o, *taken, "foo"]]
+    (tmp_path / "in.json").write_text(json.dumps({"words": [], "commands": commands}))
+    subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests/support/vllm_argparse.py"),
+                    str(tmp_path / "in.json"), str(tmp_path / "out.json")], check=True,
+                   capture_output=True, timeout=600)
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["nargs"] == {o: server_args.nargs(o) for o in server_args.OPTIONS}
+    # And the ranks metrale rounds a --max-rank up to are the ones --max-lora-rank takes.
+    assert out["max_lora_ranks"] == list(MAX_LORA_RANKS)
+    wrong = [(c, tag) for c, tag in zip(commands, out["tags"], strict=True)
+             if (tag is not None) != (server_args.bare_word(c) is not None)]
+    assert not wrong
+    assert sum(tag is not None for tag in out["tags"]) > len(options)
 
 
 def test_metrales_options_follow_the_users_words_in_the_command(tmp_path: Path) -> None:
@@ -254,13 +318,24 @@ def test_the_library_refuses_metrales_options_in_extra_args(adapter: Path) -> No
 # -- a stand-in engine: the time bound, an early exit, signals; no process left --------------
 
 
+def _escapee(tmp: Path) -> str:
+    """Shell lines that start a process which leaves the script's process group (setsid()),
+    and wait until it has written its pid to escapee.pid."""
+    return (f"{sys.executable} -c 'import os, time; os.setsid(); "
+            f"open(\"{tmp}/escapee.tmp\", \"w\").write(str(os.getpid())); "
+            f"os.rename(\"{tmp}/escapee.tmp\", \"{tmp}/escapee.pid\"); time.sleep(1000)' &\n"
+            f"while [ ! -f {tmp}/escapee.pid ]; do sleep 0.05; done\n")
+
+
 def _fake(tmp: Path, body: str) -> Path:
     """A python stand-in: it answers the vllm probe (`-c ...`) yes, and asked to serve runs
-    `body`, after writing its pid and its child's (an engine core's place)."""
+    `body`, after writing its pid, its child's (an engine core's place) and that of a process
+    that left its group."""
     script = tmp / "python"
     script.write_text("#!/bin/sh\n"
                       'case "$1" in -c) exit 0;; esac\n'
                       f"sleep 1000 & echo $! > {tmp}/child.pid\n"
+                      f"{_escapee(tmp)}"
                       f"echo $$ > {tmp}/server.pid\n"
                       f"{body}\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
@@ -281,8 +356,18 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
+def _none_left(pids: list[int], within_s: float = 10.0) -> None:
+    """Every process of `pids` is gone; one left (metrale let it escape) is killed here, so
+    that it outlives no test run, and the test fails."""
+    left = [pid for pid in pids if not _gone(pid, within_s)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left
+
+
 def _pids(tmp: Path) -> list[int]:
-    return [int((tmp / f"{n}.pid").read_text()) for n in ("server", "child")]
+    return [int((tmp / f"{n}.pid").read_text()) for n in ("server", "child", "escapee")]
 
 
 def _log_named(done: Result) -> Path:
@@ -302,6 +387,7 @@ def test_the_vllm_probe_keeps_to_the_time_bound_reads_nothing_and_leaves_nothing
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\n"
                     f"sleep 1000 & echo $! > {tmp_path}/child.pid\n"
+                    f"{_escapee(tmp_path)}"
                     f"echo $$ > {tmp_path}/server.pid\n"
                     "cat /dev/zero\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
@@ -320,7 +406,7 @@ def test_the_vllm_probe_keeps_to_the_time_bound_reads_nothing_and_leaves_nothing
     assert done.stderr.strip().splitlines() == [
         f"error: --engine-python {fake}: no answer to whether it can import vllm within 3 s "
         "(--confirm-timeout)"]
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 @pytest.mark.proc
@@ -334,7 +420,7 @@ def test_an_engine_never_ready_is_the_time_bound_exit_4(adapter: Path, tmp_path:
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: vLLM was not ready within 3 s (--confirm-timeout)"), line
     assert "loading weights" in _log_named(done).read_text()
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 @pytest.mark.proc
@@ -358,7 +444,7 @@ def test_an_engine_that_exits_at_once_is_exit_3_with_its_error(adapter: Path,
     assert line.startswith("error: vLLM exited with status 1 before it was ready: "
                            "RuntimeError: Failed to infer device type; its log: "), line
     assert _log_named(done).is_file()
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 @pytest.mark.proc
@@ -383,7 +469,7 @@ def test_an_engine_that_cannot_build_the_model_agrees_with_unsupported_model(
     assert only["predicted"] == "unsupported_model" and only["agrees"]
     assert only["observed"]["error"].startswith("the engine did not start: ValueError: Model "
                                                 "architectures")
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
 
 
 @pytest.mark.proc
@@ -419,7 +505,85 @@ def test_a_signal_stops_the_engine_with_metrale(adapter: Path, tmp_path: Path, s
             proc.kill()
             proc.wait()
     assert proc.returncode == code, err.decode()
-    assert all(_gone(p) for p in _pids(tmp_path))
+    _none_left(_pids(tmp_path))
+
+
+def _hostile(tmp: Path, probe_status: int) -> Path:
+    """A python stand-in that leaves a process behind outside its process group, probed and
+    serving alike: it forks a child that calls setsid() (a session and group of its own),
+    writes its pid to `probe.pid` or `server.pid` and sleeps; the probe then exits with
+    `probe_status` (0: it can import vllm), the server never gets ready."""
+    script = tmp / "python"
+    script.write_text(f"#!{sys.executable}\n"
+                      "import os, sys, time\n"
+                      "role = 'probe' if sys.argv[1:2] == ['-c'] else 'server'\n"
+                      f"pid_file = os.path.join({str(tmp)!r}, role + '.pid')\n"
+                      "if os.fork() == 0:\n"
+                      "    os.setsid()\n"
+                      "    with open(pid_file + '.tmp', 'w') as f:\n"
+                      "        f.write(str(os.getpid()))\n"
+                      "    os.rename(pid_file + '.tmp', pid_file)\n"
+                      "    time.sleep(1000)\n"
+                      "    os._exit(0)\n"
+                      "while not os.path.exists(pid_file):\n"
+                      "    time.sleep(0.01)\n"
+                      f"if role == 'probe':\n    sys.exit({probe_status})\n"
+                      "time.sleep(1000)\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize(("probe_status", "code", "left"), [(0, 4, ("probe", "server")),
+                                                            (1, 2, ("probe",))])
+def test_a_process_that_leaves_the_group_ends_with_metrale(
+        adapter: Path, tmp_path: Path, probe_status: int, code: int,
+        left: tuple[str, ...]) -> None:
+    """An --engine-python whose probe, and then whose server, forks a child that calls setsid()
+    and sleeps: the process-group kill misses it, and it outlived metrale (re-parented to
+    init). Now metrale is their subreaper while they run and ends every descendant on its way
+    out: after metrale exits (the time bound, exit 4; a probe that says no vllm, exit 2), no
+    such process runs."""
+    fake = _hostile(tmp_path, probe_status)
+    done = subprocess.run([sys.executable, "-m", "metrale_cli", "inspect", str(adapter),
+                           "--engine", "vllm", "--confirm", "--engine-python", str(fake),
+                           "--confirm-timeout", "3"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == code, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == (3 if code == 4 else 1), done.stderr
+    _none_left([int((tmp_path / f"{role}.pid").read_text()) for role in left], within_s=2)
+
+
+def test_reaping_ends_what_the_block_started_and_nothing_else(tmp_path: Path) -> None:
+    """In a process (the library's caller) with a child of its own: a process started in the
+    block leaves a setsid() child behind and exits; leaving the block ends that child and
+    reaps it, keeps the caller's child, and puts the process's subreaper setting back."""
+    import ctypes
+
+    from metrale_cli.engines import descendants
+
+    def subreaper() -> int:
+        value = ctypes.c_int(-1)
+        assert ctypes.CDLL(None).prctl(descendants.PR_GET_CHILD_SUBREAPER,
+                                       ctypes.byref(value), 0, 0, 0) == 0
+        return value.value
+
+    fake = _hostile(tmp_path, 0)
+    own = subprocess.Popen(["sleep", "1000"])
+    try:
+        assert subreaper() == 0
+        with descendants.reaping():
+            assert subreaper() == 1
+            assert subprocess.run([fake, "-c", "probe"], timeout=60).returncode == 0
+            escaped = int((tmp_path / "probe.pid").read_text())
+            # Orphaned, it is this process's child now, not init's.
+            assert escaped in descendants.children(os.getpid())
+        assert subreaper() == 0
+        assert not Path(f"/proc/{escaped}").exists()  # killed and reaped, not a zombie
+        assert own.poll() is None
+    finally:
+        own.kill()
+        own.wait()
 
 
 # -- the real vLLM: one start ----------------------------------------------------------------

@@ -535,3 +535,61 @@ def test_an_engine_that_never_starts_on_the_model_sizes_nothing(
     laid = metrale("layout", adapter, "-m", model, "--engine", engine, "--json")
     assert laid.code == 1 and laid.json()["refused"] == "not_servable"
     assert laid.json()["error"].startswith(says[len("error: "):])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_given_max_rank_is_the_recommended_one(engine: str, tmp_path: Path) -> None:
+    """`--max-rank` given is the user's plan: the recommended serve line takes that rank (for
+    vLLM the next value it takes, 24 rounding up to 32, said in the flags; SGLang takes any),
+    its bytes are sized for it as `layout` sizes them, and an adapter above it is left out and
+    refused (exit 1, one line naming it, the record under --json). vLLM's line took the
+    adapters' largest rank over the one given (32, twice the bytes of the plan's 16)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}))
+    low, high = tmp_path / "r8", tmp_path / "r32"
+    for path, rank in ((low, 8), (high, 32)):
+        assert metrale("synth", path, "-m", model, "--modules", "q_proj,v_proj",
+                       "-r", rank).code == 0
+    args = [low, high, "-m", model, "--engine", engine]
+    who = get_engine(engine)
+    refused = [f"error: 1 of 2 adapter(s) not served as PEFT serves them by {who.label} "
+               f"{who.version}: r32 (refuses)"]
+    # vLLM takes only its allowed ranks: 24 is 32 to it, which serves both adapters.
+    for given, rank, served in ((16, 16, ["r8"]), (24, {"vllm": 32, "sglang": 24}[engine],
+                                                     ["r8"] if engine == "sglang" else
+                                                     ["r8", "r32"])):
+        done = metrale("inspect", *args, "--max-rank", given, "--json")
+        assert done.code == (0 if "r32" in served else 1), done.stderr
+        assert done.stderr.strip().splitlines() == ([] if "r32" in served else refused)
+        rec = done.json()["engine"]["recommended"]
+        assert rec["flags"]["max_lora_rank"] == rank
+        assert f"--max-lora-rank {rank} " in rec["serve"]
+        assert [n for n in ("r8", "r32") if f"{n}=" in rec["serve"]] == served
+        assert [line.split(":")[0] for line in rec["shut_out"]] == (
+            [] if "r32" in served else ["r32"])
+        # Sized for that rank and those adapters, as `layout` sizes the same flags, with the
+        # adapters the line names and with both (the refused one takes no slot).
+        for startup in ([low, high], [low, high][:len(served)]):
+            laid = metrale("layout", *startup, "-m", model, "--engine", engine, "--max-rank",
+                           given, "--json")
+            assert laid.code == (0 if len(startup) == len(served) else 1), laid.stderr
+            assert (laid.json()["engine"]["lora_bytes"], laid.json()["engine"]["slot_bytes"]
+                    ) == (rec["lora_bytes"], rec["slot_bytes"])
+    if engine == "vllm":
+        assert rec["flags"]["max_rank_given"] == 24
+        shown = metrale("inspect", *args, "--max-rank", 24, columns=200).stdout
+        assert "max_lora_rank 32 (--max-rank 24 rounded up: vLLM takes only 1, 8, 16, 32" in \
+            shown
+        done = metrale("inspect", *args, "--max-rank", 600)
+        assert done.code == 2 and done.stderr.strip() == (
+            "error: --max-rank 600: past 512, the largest --max-lora-rank vLLM 0.32.0 takes "
+            "(it takes only 1, 8, 16, 32, 64, 128, 256, 320, 512)")
+    # Without --max-rank: the adapters' largest, as before (SGLang's start-up infers it).
+    done = metrale("inspect", *args, "--json")
+    rec = done.json()["engine"]["recommended"]
+    assert done.code == 0 and (rec["flags"]["max_lora_rank"] or rec["pool"]["max_lora_rank"]
+                               ) == 32

@@ -82,7 +82,7 @@ def test_each_size_is_a_replay_of_the_engines_tiers() -> None:
     (["--host-slots", "8"], "--host-slots needs --engine metrale"),
     (["--pinned", "2"], "--pinned needs --engine metrale"),
     (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras 4 is below --max-loras 8"),
-    (["--max-rank", "12"], "vLLM's --max-lora-rank takes only"),
+    (["--max-rank", "513"], "--max-rank 513: past 512, the largest --max-lora-rank"),
 ])
 def test_what_the_engine_does_not_take_is_refused(extra: list[str], says: str) -> None:
     args = [a for a in BASE if a != "--json"]

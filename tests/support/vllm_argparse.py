@@ -4,8 +4,12 @@ vllm.entrypoints.openai.api_server` builds, its spellings as vLLM reads them. Ru
 
     .venv-vllm/bin/python tests/support/vllm_argparse.py IN.json OUT.json
 
-IN:  {"words": [WORD, ...], "argv": [ARG, ...]}
+IN:  {"words": [WORD, ...], "argv": [ARG, ...], "commands": [[ARG, ...], ...]}
 OUT: {"options": {OPTION: DEST, ...} (every option string the parser has),
+      "nargs": {OPTION: NARGS, ...} (the words each takes: 0, 1, "?" or "+"),
+      "max_lora_ranks": [RANK, ...] (the values --max-lora-rank takes),
+      "tags": [TAG | null, ...] (per command, what the parser put in its positional model_tag,
+              values neither converted nor checked: where a word no option takes lands),
       "resolved": {WORD: DEST | "ambiguous" | null, ...} (the option each word, followed by a
                   value, is read as: after FlexibleArgumentParser's rewriting (`_` for `-`, the
                   dotted JSON keys, `-O3`) and argparse's own matching (prefixes included)),
@@ -14,6 +18,7 @@ OUT: {"options": {OPTION: DEST, ...} (every option string the parser has),
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -62,13 +67,38 @@ def resolve(parser: Resolver, word: str) -> str | None:
     return str(found[0].dest)
 
 
+def raw_parser() -> FlexibleArgumentParser:
+    """vLLM's parser with every option's value taken as the raw word, unchecked: which words
+    an option takes, not what it accepts, decides."""
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            action.type, action.choices = None, None
+            action.__class__ = type(f"Raw{type(action).__name__}", (type(action),),
+                                    {"__call__": lambda *_args, **_kwargs: None})
+    return parser
+
+
+def model_tag(parser: FlexibleArgumentParser, command: list[str]) -> str | None:
+    """The positional model tag `parser` reads in `command` (with `--model /m` after it)."""
+    namespace = argparse.Namespace()
+    with contextlib.suppress(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        parser.parse_args([*command, "--model", "/m"], namespace)
+    return getattr(namespace, "model_tag", None)
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         given = json.load(f)
     parser = make_arg_parser(Resolver())
     real = make_arg_parser(FlexibleArgumentParser())
+    raw = raw_parser()
     parsed = vars(real.parse_args(given["argv"])) if given.get("argv") else {}
     out = {"options": {o: a.dest for o, a in parser._option_string_actions.items()},
+           "nargs": {o: 1 if a.nargs is None else a.nargs
+                     for o, a in parser._option_string_actions.items()},
+           "max_lora_ranks": list(parser._option_string_actions["--max-lora-rank"].choices),
+           "tags": [model_tag(raw, c) for c in given.get("commands", [])],
            "resolved": {w: resolve(parser, w) for w in given["words"]},
            "parsed": {k: parsed[k] for k in PARSED if k in parsed}}
     with open(sys.argv[2], "w") as f:

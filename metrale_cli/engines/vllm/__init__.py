@@ -14,17 +14,17 @@ from metrale_cli.engines.shared import check_tp, installed_warning
 from metrale_cli.engines.vllm.flags import MAX_LORA_RANKS, Flags
 from metrale_cli.engines.vllm.model import FAMILIES, NAME, VERSION, Memory
 from metrale_cli.engines.vllm.rules import (
+    NOT_LOADED,
     Recommendation,
     allowed_rank,
-    config_rank,
     flags_for,
-    gpu_slots,
     inspect_record,
     judge,
     model_support,
     recommend,
     target_modules,
 )
+from metrale_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from metrale_cli.adapters.audit import AdapterReport
@@ -65,7 +65,11 @@ class VllmEngine:
 
     def flag_line(self, flags: Mapping[str, Any], pool: Mapping[str, Any] | None) -> str:
         targets = flags["lora_target_modules"]
-        return (f"max_lora_rank {flags['max_lora_rank']}, max_loras {flags['max_loras']}, "
+        given = flags.get("max_rank_given")
+        rounded = "" if given is None else (f" (--max-rank {given} rounded up: vLLM takes "
+                                            f"only {', '.join(map(str, MAX_LORA_RANKS))})")
+        return (f"max_lora_rank {flags['max_lora_rank']}{rounded}, "
+                f"max_loras {flags['max_loras']}, "
                 f"max_cpu_loras {flags['max_cpu_loras']}, tp {flags['tensor_parallel_size']}"
                 f"{', fully sharded' if flags['fully_sharded_loras'] else ''}, "
                 f"lora_dtype {flags['lora_dtype']}, target modules "
@@ -81,7 +85,8 @@ class VllmEngine:
             return None
         if kwargs["tp"] is not None:
             check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]), self.label)
-        chosen = {"max_lora_rank": kwargs["max_rank"], "max_loras": kwargs["max_loras"],
+        chosen = {"max_lora_rank": kwargs["max_rank"],
+                  "max_rank_given": kwargs["max_rank_given"], "max_loras": kwargs["max_loras"],
                   "max_cpu_loras": kwargs["max_cpu_loras"], "tp": kwargs["tp"],
                   "target_modules": target_modules(model, kwargs["modules"])
                   if kwargs["modules"] else None,
@@ -97,16 +102,12 @@ class VllmEngine:
 
     def layout_flags(self, model: ModelConfig, reports: list[AdapterReport],
                      given: Mapping[str, object]) -> Flags:
+        """The given flags; with startup adapters, the recommendation for the rest, as
+        `inspect` judges them: the rank, slots and modules of the adapters vLLM loads."""
+        if reports:
+            recommended = self.recommend(reports, model, given).flags
+            return self.flags(model, given, recommended) or recommended
         kwargs = _kwargs(given)
-        if reports and kwargs["max_rank"] is None:
-            rank = max(config_rank(r) for r in reports)
-            kwargs["max_rank"] = allowed_rank(rank) or MAX_LORA_RANKS[-1]
-        if reports and kwargs["max_loras"] is None:
-            kwargs["max_loras"] = gpu_slots(len(reports), None, kwargs["max_cpu_loras"])
-        if reports and kwargs["modules"] is None:
-            # As `layout` sizes the pool for its startup adapters: their modules, not all.
-            targets = recommend(reports, model).flags.target_modules
-            kwargs["modules"] = ",".join(targets) if targets else None
         if kwargs["tp"] is not None:
             check_tp(model, kwargs["tp"], bool(kwargs["fully_sharded"]), self.label)
         return flags_for(model, **kwargs) or Flags()
@@ -123,11 +124,15 @@ class VllmEngine:
         return recommend(reports, model, tp=kwargs["tp"] or 1, dtype=kwargs["dtype"] or "auto",
                          lora_dtype=kwargs["lora_dtype"] or "auto",
                          fully_sharded=bool(kwargs["fully_sharded"]),
-                         max_loras=kwargs["max_loras"], max_cpu_loras=kwargs["max_cpu_loras"])
+                         max_loras=kwargs["max_loras"], max_cpu_loras=kwargs["max_cpu_loras"],
+                         max_rank=kwargs["max_rank"], max_rank_given=kwargs["max_rank_given"])
 
     def memory(self, model: ModelConfig, flags: Flags, reports: list[AdapterReport] | None,
                budget_bytes: int | None) -> Memory:
-        return Memory.of(model, flags, reports, budget_bytes)
+        """The buffers of `flags`; the host cache of the adapters among `reports` that vLLM
+        loads under them (none: full slots, as without adapters)."""
+        loaded = [r for r in reports or [] if judge(r, model, flags).verdict not in NOT_LOADED]
+        return Memory.of(model, flags, loaded, budget_bytes)
 
     def tiers(self, memory: Memory) -> SlotTiers:
         f = memory.flags
@@ -159,9 +164,18 @@ class VllmEngine:
 
 
 def _kwargs(given: Mapping[str, object]) -> dict[str, Any]:
-    """`flags_for`'s arguments from the CLI's option names."""
+    """`flags_for`'s arguments from the CLI's option names: `--max-rank` as the
+    --max-lora-rank vLLM takes for it, the smallest allowed value at or above it (vLLM's
+    argument parser refuses any other), with the user's value beside it where it differs."""
     g = {k: given.get(k) for k in _FLAG_OPTIONS}
-    return {"max_rank": g["--max-rank"], "max_loras": g["--max-loras"],
+    rank = g["--max-rank"]
+    lora_rank = None if rank is None else allowed_rank(rank)  # type: ignore[arg-type]
+    if rank is not None and lora_rank is None:
+        raise UsageError(f"--max-rank {rank}: past {MAX_LORA_RANKS[-1]}, the largest "
+                         f"--max-lora-rank vLLM {VERSION} takes (it takes only "
+                         f"{', '.join(map(str, MAX_LORA_RANKS))})")
+    return {"max_rank": lora_rank, "max_rank_given": rank if rank != lora_rank else None,
+            "max_loras": g["--max-loras"],
             "max_cpu_loras": g["--max-cpu-loras"], "tp": g["--tp"],
             "fully_sharded": bool(g["--fully-sharded"]), "modules": g["--modules"],
             "dtype": g["--dtype"], "lora_dtype": g["--lora-dtype"]}

@@ -7,7 +7,8 @@ the verdicts were judged under and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`), eac
 loaded through the runtime path (`POST /v1/load_lora_adapter`), one fixed prompt is sent to the
 base model and to every adapter that loaded, and each adapter's predicted outcome (its
 runtime-path verdict) is set against what the engine did. The engine is always stopped, its
-whole process group, on success, on an error, on the time bound, on Ctrl-C and on SIGTERM.
+whole process group, on success, on an error, on the time bound, on Ctrl-C and on SIGTERM, and
+then every process it left (one that left the group with setsid() too: engines/descendants.py).
 Standard library only (subprocess, urllib): no torch, no vLLM import in metrale's process.
 """
 
@@ -33,11 +34,13 @@ from types import TracebackType
 from typing import Any
 
 from metrale_cli.engines.answers import EngineInspection, engine_inspect
+from metrale_cli.engines.descendants import reaping
 
 # At run time, not only for type checking: the library's argument check reads them.
 from metrale_cli.engines.engine import Engine
 from metrale_cli.engines.verdict import Verdict
 from metrale_cli.engines.vllm.model import NAME
+from metrale_cli.engines.vllm.server_args import bare_word
 from metrale_cli.errors import EngineFailed, EngineTimeout, UsageError
 from metrale_cli.layout.pipeline import AuditedAdapters
 
@@ -109,7 +112,8 @@ def engine_python(given: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> st
     import vllm, else the running interpreter where it can; anything else is one UsageError
     saying what to pass. vLLM is found, not imported (an import takes seconds). The probe of
     `given` runs in its own process group with its output discarded, within `timeout_s`
-    (EngineTimeout past it); its whole group is killed when it ends or is given up on."""
+    (EngineTimeout past it); its whole group is killed when it ends or is given up on, and
+    every process it started besides (`reaping`)."""
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     if given is None:
         if importlib.util.find_spec("vllm") is not None:
@@ -122,21 +126,22 @@ def engine_python(given: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> st
         raise UsageError(f"--engine-python {given}: no such file")
     if not os.access(path, os.X_OK):
         raise UsageError(f"--engine-python {given}: not executable")
-    try:
-        proc = subprocess.Popen([path, "-c", probe], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-    except OSError as exc:
-        raise UsageError(f"--engine-python {given}: cannot run it ({exc})") from None
-    try:
-        status = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise EngineTimeout(f"--engine-python {given}: no answer to whether it can import "
-                            f"vllm within {timeout_s:g} s (--confirm-timeout)") from None
-    finally:  # what the probe forked goes with it, and a probe given up on is killed
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    with reaping():  # and what left the group: every process the probe started ends with it
+        try:
+            proc = subprocess.Popen([path, "-c", probe], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise UsageError(f"--engine-python {given}: cannot run it ({exc})") from None
+        try:
+            status = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise EngineTimeout(f"--engine-python {given}: no answer to whether it can import "
+                                f"vllm within {timeout_s:g} s (--confirm-timeout)") from None
+        finally:  # what the probe forked goes with it, and a probe given up on is killed
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     if status != 0:
         raise UsageError(f"--engine-python {given}: cannot import vllm (exit status {status})")
     return path
@@ -163,7 +168,9 @@ def refuse_own_args(words: Sequence[str]) -> None:
     too, vLLM refuses it as ambiguous), and a one-letter option with its value attached (`-n2`).
     A bare `--` is refused too: it would make metrale's options, which follow, positional words;
     and so is a last word with a `.key` and no `=`, whose value vLLM would take from the word
-    after it, metrale's `--model`."""
+    after it, metrale's `--model`, and a word that is no option's value (server_args.py
+    `bare_word`: a bare `foo`, or one after an option that takes no value), which vLLM's API
+    server would read as its positional model tag and drop without a word."""
     for i, word in enumerate(words):
         if word == "--":
             raise UsageError("--engine-args: -- is not passed through (it would end vLLM's "
@@ -198,6 +205,13 @@ def refuse_own_args(words: Sequence[str]) -> None:
             raise UsageError(f"--engine-args: {hits[0]} is not passed through ({instead})")
         raise UsageError(f"--engine-args: {word.split('=', 1)[0]} is vLLM's "
                          f"{' or '.join(hits)}, not passed through ({instead})")
+    bare = bare_word(words)
+    if bare is not None:
+        word, after = bare
+        why = f"{after} takes no value" if after else "no option takes it as its value"
+        raise UsageError(f"--engine-args: {shlex.quote(word)} is not passed through ({why}, "
+                         "so vLLM's API server would read it as its positional model tag, "
+                         "which it ignores)")
 
 
 def free_port() -> int:
@@ -211,7 +225,8 @@ class VllmServer:
     """One `vllm serve` (its API server module) on 127.0.0.1, its output in `log` (created,
     never overwritten), in its own session so that stopping it reaches its engine-core
     processes and a Ctrl-C in the terminal reaches metrale alone. Use it as a context manager:
-    leaving the block stops the engine, however the block is left. `extra` (the user's words)
+    leaving the block stops the engine, however the block is left, and ends every process it
+    started, in its group or not (`reaping`). `extra` (the user's words)
     come first and metrale's options (`args`, the model, host and port) after them: vLLM's
     parser keeps the last value given, so metrale's are the ones that hold."""
 
@@ -229,17 +244,25 @@ class VllmServer:
         self.env = {**(os.environ if env is None else env),
                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         self.proc: subprocess.Popen[bytes] | None = None
+        self._reaping = contextlib.ExitStack()
 
     def __enter__(self) -> VllmServer:
-        with self.log.open("xb") as out:
-            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env,
-                                         start_new_session=True)
+        self._reaping.enter_context(reaping())
+        try:
+            with self.log.open("xb") as out:
+                self.proc = subprocess.Popen(self.command, stdout=out,
+                                             stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=self.env,
+                                             start_new_session=True)
+        except BaseException:
+            self._reaping.close()
+            raise
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.stop()
+        with self._reaping:
+            self.stop()
 
     @property
     def alive(self) -> bool:

@@ -33,6 +33,9 @@ class Flags:
     target_modules: tuple[str, ...] | None = None
     dtype: str = "auto"
     lora_dtype: str = "auto"
+    # metrale's --max-rank where `max_lora_rank` is the next value vLLM takes above it (None:
+    # the same value, or none given).
+    max_rank_given: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_lora_rank not in MAX_LORA_RANKS:
@@ -74,7 +77,8 @@ class Flags:
                 "fully_sharded_loras": self.fully_sharded,
                 "lora_target_modules": list(self.target_modules) if self.target_modules
                 else None, "dtype": self.model_dtype(model),
-                "lora_dtype": self.resolved_lora_dtype(model)}
+                "lora_dtype": self.resolved_lora_dtype(model),
+                "max_rank_given": self.max_rank_given}
 
     def serve_args(self) -> list[str]:
         """These flags as `vllm serve` arguments (LoRA on), leaving out what equals vLLM's

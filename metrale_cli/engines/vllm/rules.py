@@ -400,6 +400,10 @@ def judge(report: AdapterReport, model: ModelConfig, flags: Flags,
 # -- the flags metrale recommends ------------------------------------------------------------
 
 
+# Verdicts of an adapter vLLM never loads: it takes no slot and no room in the host cache.
+NOT_LOADED = (Verdict.REFUSES, Verdict.CRASHES, Verdict.UNSUPPORTED_MODEL)
+
+
 def config_rank(report: AdapterReport) -> int:
     """The rank vLLM checks against --max-lora-rank: `r` and every rank_pattern value, matched
     or not."""
@@ -466,34 +470,38 @@ class Recommendation:
 def recommend(reports: list[AdapterReport], model: ModelConfig, tp: int = 1,
               dtype: str = "auto", lora_dtype: str = "auto",
               fully_sharded: bool = False, max_loras: int | None = None,
-              max_cpu_loras: int | None = None) -> Recommendation:
+              max_cpu_loras: int | None = None, max_rank: int | None = None,
+              max_rank_given: int | None = None) -> Recommendation:
     """The flags for `reports` on `model` at `tp` (and `fully_sharded`, the user's switch):
-    the smallest allowed --max-lora-rank over every adapter's r and rank_pattern, one GPU slot
-    and one host slot per adapter (or the user's --max-loras and --max-cpu-loras, which
-    change no verdict), and --lora-target-modules when the adapters use fewer
-    modules than vLLM wraps; under TP without --fully-sharded-loras, what turning it on would
-    save (`fully_sharded_saves`), never turned on unasked: the bytes are those of the flags
-    the serve line names, as `layout` gives them."""
+    the smallest allowed --max-lora-rank over every adapter's r and rank_pattern (or the
+    user's, `max_rank`: an allowed value, rounded up from `max_rank_given` where that is
+    not one), one GPU slot and one host slot per adapter (or the user's --max-loras and
+    --max-cpu-loras, which change no verdict), and --lora-target-modules when the adapters
+    use fewer modules than vLLM wraps; under TP without --fully-sharded-loras, what turning it
+    on would save (`fully_sharded_saves`), never turned on unasked: the bytes are those of
+    the flags the serve line names, as `layout` gives them."""
     # An adapter vLLM refuses under any rank (DoRA, modules_to_save, a module name the model
-    # lacks) gets no slot: it is named in `shut_out` with vLLM's reason instead.
-    widest = Flags(MAX_LORA_RANKS[-1], max(1, len(reports)), tp=tp,
+    # lacks), or under the user's, gets no slot: it is named in `shut_out` with vLLM's reason
+    # instead.
+    widest = Flags(max_rank or MAX_LORA_RANKS[-1], max(1, len(reports)), tp=tp,
                    fully_sharded=fully_sharded, dtype=dtype, lora_dtype=lora_dtype)
     shut_out: list[str] = []
     kept = []
     for r in reports:
         v = judge(r, model, widest)
-        if v.verdict in (Verdict.REFUSES, Verdict.CRASHES, Verdict.UNSUPPORTED_MODEL):
+        if v.verdict in NOT_LOADED:
             shut_out.append(f"{r.name}: {v.reason}")
         else:
             kept.append(r)
     reports = kept
     ranks = {r.name: config_rank(r) for r in reports}
-    top = max(ranks.values(), default=DEFAULT_MAX_LORA_RANK)
-    max_rank = allowed_rank(top) or MAX_LORA_RANKS[-1]
+    if max_rank is None:
+        top = max(ranks.values(), default=DEFAULT_MAX_LORA_RANK)
+        max_rank = allowed_rank(top) or MAX_LORA_RANKS[-1]
     modules = engine_modules(model)
     probe = Flags(max_rank, gpu_slots(len(reports), max_loras, max_cpu_loras),
                   max_cpu_loras=max_cpu_loras, tp=tp, fully_sharded=fully_sharded, dtype=dtype,
-                  lora_dtype=lora_dtype)
+                  lora_dtype=lora_dtype, max_rank_given=max_rank_given)
     used: set[str] = set()
     for r in reports:
         for o in _outcomes(r, modules, probe):
@@ -569,16 +577,18 @@ def target_modules(model: ModelConfig, text: str) -> tuple[str, ...]:
 
 def flags_for(model: ModelConfig, *, max_rank: int | None, max_loras: int | None,
               max_cpu_loras: int | None, tp: int | None, fully_sharded: bool,
-              modules: str | None, dtype: str | None, lora_dtype: str | None) -> Flags | None:
+              modules: str | None, dtype: str | None, lora_dtype: str | None,
+              max_rank_given: int | None = None) -> Flags | None:
     """The flags the user gave, vLLM's own defaults for the rest; None when none was given
-    (the caller then recommends them)."""
+    (the caller then recommends them). `max_rank` is vLLM's --max-lora-rank, and
+    `max_rank_given` the user's --max-rank it rounds up."""
     given = [max_rank, max_loras, max_cpu_loras, tp, modules, dtype, lora_dtype]
     if all(v is None for v in given) and not fully_sharded:
         return None
     return Flags(max_rank if max_rank is not None else DEFAULT_MAX_LORA_RANK,
                  max_loras or 1, max_cpu_loras, tp or 1, fully_sharded,
                  target_modules(model, modules) if modules else None, dtype or "auto",
-                 lora_dtype or "auto")
+                 lora_dtype or "auto", max_rank_given)
 
 
 def inspect_record(model: ModelConfig, verdicts: list[EngineVerdict],
