@@ -85,6 +85,21 @@ def test_the_sweep_is_a_replay_at_every_size(data: list[tuple[int, float]], pin_
                                      pytest.approx(want, rel=1e-9, abs=1e-12)), (f, size)
 
 
+def test_the_sweeps_link_wait_is_never_below_zero() -> None:
+    """20,000 requests over 50 adapters at 10 a second: at 49 and 50 slots no load waits, and
+    the sweep's running sum less the loads' own time came out at -8.4e-12 and -4e-16 s, where
+    the replay says 0."""
+    rng = np.random.default_rng(0)
+    n = 20_000
+    refs = rng.integers(0, 50, n).tolist()
+    rp = Replay(paging(refs, np.cumsum(rng.exponential(0.1, n)).tolist()), np.zeros(n), COST)
+    swept = rp.lru_sweep(list(range(1, 51)))
+    assert all(s.link_wait_s >= 0 for s in swept)
+    for s in swept[-2:]:
+        assert s.link_wait_s == pytest.approx(rp.run("lru", s.max_loras, detail=False)
+                                              .link_wait_s, rel=1e-9, abs=1e-12)
+
+
 def test_a_paging_lru_sweep_takes_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """simulate() sweeps LRU in paging mode without replaying it per size; other policies and
     concurrent mode still replay."""

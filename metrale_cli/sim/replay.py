@@ -254,7 +254,9 @@ class Replay:
                 adapter_requests=n_adapter, hits=n_adapter - misses - delayed,
                 delayed_hits=delayed, misses=misses,
                 swaps=misses - min(cache, self.unpinned), bytes_moved=misses * load,
-                swap_s=misses * swap_s, link_wait_s=load_added - misses * swap_s,
+                # The loads' summed waits, each at least 0: the sweep's running sum less the
+                # loads' own time rounds a few ulps below 0 where no load waited.
+                swap_s=misses * swap_s, link_wait_s=max(0.0, load_added - misses * swap_s),
                 host_hits=0, host_misses=0, host_bytes_moved=0,
                 stalls=0, stall_total_s=0.0, stall_p50_s=0.0, stall_p99_s=0.0,
                 added_latency_p50_s=p50, added_latency_p99_s=p99,
