@@ -586,6 +586,25 @@ def test_reaping_ends_what_the_block_started_and_nothing_else(tmp_path: Path) ->
         own.wait()
 
 
+def test_reaping_where_the_subreaper_setting_may_be_read_but_not_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seccomp filter may let prctl read the subreaper setting and refuse to set it: the
+    block runs with the process-group kill alone (as where prctl is missing), no OSError, and
+    a block after it tries again."""
+    from metrale_cli.engines import descendants
+
+    def prctl(option: int, *_args: object) -> int:
+        return -1 if option == descendants.PR_SET_CHILD_SUBREAPER else 0
+
+    monkeypatch.setattr(descendants, "_prctl", lambda: prctl)
+    for _ in range(2):
+        ran = False
+        with descendants.reaping():
+            ran = True
+        assert ran
+        assert descendants._holders == 0
+
+
 # -- the real vLLM: one start ----------------------------------------------------------------
 
 

@@ -75,16 +75,22 @@ def reaping() -> Iterator[None]:
     it ends, every process below a child started in it is killed and reaped."""
     global _holders, _was_subreaper, _before
     prctl = _prctl()
+    if prctl is not None:
+        with _lock:
+            if _holders == 0:
+                was = ctypes.c_int(0)
+                try:
+                    _subreaper(prctl, PR_GET_CHILD_SUBREAPER, ctypes.byref(was))
+                    _subreaper(prctl, PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1))
+                except OSError:  # a filter that lets the setting be read, not set
+                    prctl = None
+                else:
+                    _was_subreaper, _before = bool(was.value), children(os.getpid())
+            if prctl is not None:
+                _holders += 1
     if prctl is None:
         yield
         return
-    with _lock:
-        if _holders == 0:
-            was = ctypes.c_int(0)
-            _subreaper(prctl, PR_GET_CHILD_SUBREAPER, ctypes.byref(was))
-            _subreaper(prctl, PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1))
-            _was_subreaper, _before = bool(was.value), children(os.getpid())
-        _holders += 1
     try:
         yield
     finally:
