@@ -117,6 +117,20 @@ def test_show_reads_whole_at_80_and_120_columns(packed: tuple[Path, dict], tmp_p
     assert (first[0], first[2:8]) == ("0", ["0", "8", "16", "2", "yes", "60"])
 
 
+@pytest.mark.parametrize("columns", [60, 120])
+def test_a_slot_name_that_reads_as_markup_shows_as_typed(packed: tuple[Path, dict],
+                                                         tmp_path: Path, columns: int) -> None:
+    """A NAME=PATH name is input: `[bold red]x` shows as typed in the slot table (120 columns)
+    and in the lines that stand for it (60), not as a bare `x` in bold red."""
+    root = packed[0].parent
+    image = tmp_path / "pool.safetensors"
+    assert metrale("pack", f"[bold red]x={root / 'a'}", "--max-loras", 2, "-m", MODEL,
+                   "--out", image, "--device", "cpu").code == 0
+    result = metrale("show", image, columns=columns)
+    assert result.code == 0, result.stderr
+    assert "[bold red]x" in result.stdout
+
+
 @pytest.mark.parametrize("name", [LONG_NAME, "a"])
 def test_show_fits_60_columns_with_every_cell(packed: tuple[Path, dict], tmp_path: Path,
                                               name: str) -> None:

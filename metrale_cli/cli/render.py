@@ -627,7 +627,7 @@ def _slot_table(cells: list[tuple[str, ...]]) -> Table:
                          overflow="fold" if col == "name" else "ellipsis",
                          min_width=len(col))
     for row in cells:
-        table.add_row(*row)
+        table.add_row(*map(Text, row))  # a name or an overlay's table as typed, not markup
     return table
 
 
