@@ -586,6 +586,28 @@ def test_reaping_ends_what_the_block_started_and_nothing_else(tmp_path: Path) ->
         own.wait()
 
 
+def test_reaping_spares_a_child_the_caller_starts_meanwhile(tmp_path: Path) -> None:
+    """A library caller's thread may start a child of its own while a check runs: in the
+    caller's session, it is no engine's (the probe and the server run in sessions of their
+    own, as do their descendants), and it outlives the block, its exit status the caller's to
+    read (killed and reaped by the block, Popen read it as a clean exit, 0). What the block's
+    engine left is ended all the same."""
+    from metrale_cli.engines import descendants
+
+    fake = _hostile(tmp_path, 0)
+    with descendants.reaping():
+        probe = subprocess.Popen([fake, "-c", "probe"], start_new_session=True)
+        own = subprocess.Popen(["sleep", "1000"])  # as the caller's other thread starts it
+        assert probe.wait(timeout=60) == 0
+    try:
+        escaped = int((tmp_path / "probe.pid").read_text())
+        assert not Path(f"/proc/{escaped}").exists()
+        assert own.poll() is None
+    finally:
+        own.kill()
+        assert own.wait() == -signal.SIGKILL
+
+
 def test_reaping_where_the_subreaper_setting_may_be_read_but_not_set(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A seccomp filter may let prctl read the subreaper setting and refuse to set it: the

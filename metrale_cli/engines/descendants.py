@@ -5,11 +5,12 @@ its own and stops them by killing that process group; a descendant that calls se
 the group, outlives the kill, and is re-parented to init, out of metrale's reach. Inside
 `reaping()` this process is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): a descendant
 orphaned there becomes this process's child instead of init's, whatever its session. On the way
-out every process below a child started in the block (children are read from
-/proc/PID/task/TID/children) is killed with SIGKILL, and each child reaped, until none is left:
-what a killed process had forked comes to this process and is ended in the next round. Children
-this process had before the block, and what is below them, are left alone; blocks open at once
-in several threads end together, when the last one ends.
+out every process below a child started in the block in a session of its own (children are read
+from /proc/PID/task/TID/children) is killed with SIGKILL, and each child reaped, until none is
+left: what a killed process had forked comes to this process and is ended in the next round.
+Children this process had before the block, children in its own session (no engine's: a child
+another thread of a library caller started meanwhile), and what is below them, are left alone;
+blocks open at once in several threads end together, when the last one ends.
 
 Where prctl or the children files are missing (not Linux, or a seccomp filter forbids the
 setting), the process-group kill is all there is. A process killed with SIGKILL cannot end its
@@ -72,7 +73,8 @@ def _subreaper(prctl: Callable[..., int], option: int, arg: object) -> None:
 @contextlib.contextmanager
 def reaping() -> Iterator[None]:
     """While the block runs, orphaned descendants come to this process; when it ends, however
-    it ends, every process below a child started in it is killed and reaped."""
+    it ends, every process below a child started in it in a session of its own is killed and
+    reaped."""
     global _holders, _was_subreaper, _before
     prctl = _prctl()
     if prctl is not None:
@@ -105,13 +107,21 @@ def reaping() -> Iterator[None]:
 
 
 def end_below(before: set[int]) -> None:
-    """SIGKILL every process below this one but those of the children in `before`, and reap
-    this process's children among them; again until none is left (a process that forks or
-    setsid()s meanwhile has its orphans re-parented here, to the next round)."""
-    me = os.getpid()
+    """SIGKILL every process below this one but those of the children in `before` and of the
+    children in this process's own session, and reap this process's children among them; again
+    until none is left (a process that forks or setsid()s meanwhile has its orphans re-parented
+    here, to the next round). The engines run in sessions of their own, and so does every
+    process below them: a child in this session is one another thread started (a library
+    caller's), whose exit status is its own to read."""
+    me, session = os.getpid(), os.getsid(0)
     spared = set(before)  # and a child this process may not signal (another user's), unwaited
     while True:
         mine = children(me) - spared
+        for pid in mine:
+            with contextlib.suppress(OSError):  # gone: reaped by whoever started it
+                if os.getsid(pid) == session:
+                    spared.add(pid)
+        mine -= spared
         if not mine:
             return
         tree, todo = set(mine), list(mine)
