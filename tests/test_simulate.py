@@ -1520,6 +1520,27 @@ def test_a_simulation_past_the_work_limit_is_refused_before_anything_is_drawn(
     assert drawn == [] and r.stdout == ""
 
 
+def test_the_work_limit_counts_each_replicas_own_replay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over replicas, each replica's replay at a policy and size costs its set-up and result
+    (50 us) however few requests it is given: 1,024 replicas routed round-robin, 1,024
+    requests, 1,000 sizes, 3 policies and 1,000 seeds were 3,072,000,000 request-replays,
+    within the limit, and some 40 hours of replicas' replays. Refused before any work, one
+    line naming --replicas among the options to lower."""
+    from metrale_cli.sim import request
+
+    drawn: list[object] = []
+    monkeypatch.setattr(request, "generate", lambda *a: drawn.append(a))
+    r = metrale("simulate", *SLOT, "--seeds", "1000", "--requests", "1024", "--max-loras",
+                "1..1000", "--replicas", "1024", "--route", "round-robin")
+    one_line_error(r, 2)
+    assert r.stderr.startswith("error: 310,272,000,000 request-replays (1,000 seeds x 3 "
+                               "policies x 1,000 sizes x 1,024 requests, plus each of the "
+                               "1,024 replicas' own replay")
+    assert "lower --seeds, --policy, --replicas, --max-loras" in r.stderr
+    assert drawn == [] and r.stdout == ""
+
+
 def test_the_work_limit_counts_every_axis_and_a_run_at_it_runs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeds x policies x sizes x requests, and the affinity router's replicas: at the limit
@@ -1549,8 +1570,12 @@ def test_the_work_limit_counts_every_axis_and_a_run_at_it_runs(
     r = metrale("simulate", *SLOT, "--requests", "50", "--adapters", "10", "--seeds", "3",
                 "--policy", "lru,fifo", "--max-loras", "2,4,8")
     one_line_error(r, 2)
-    # Round-robin routes without weighing the replicas: within the limit.
-    assert SimulateRequest(**{**base, "replicas": 2, "route": "round-robin"}).routing
+    # Round-robin routes without weighing the replicas, but each replica's replay costs
+    # REPLICA_REPLAY beside its requests.
+    with pytest.raises(UsageError, match=re.escape(
+            "(2 seeds x 2 policies x 3 sizes x 50 requests, plus each of the 2 replicas' own "
+            "replay at every seed, policy and size, counted as 100 requests)")):
+        SimulateRequest(**{**base, "replicas": 2, "route": "round-robin"})
     # The library's simulate, on a workload already drawn, and SimulateRequest's default sizes
     # (1, 2, 4, 8, 10 over 10 adapters) are counted once the workload is drawn.
     w = generate(GeneratorSpec("zipf", 50, 10, seed=0))
