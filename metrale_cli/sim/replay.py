@@ -70,9 +70,8 @@ class Replay:
         # min's). The other columns the core reads are the workload's own, not copies.
         self.next_use = workload.next_use()
         self.next_use[self.next_use < 0] = NEVER
-        pinned_set = set(self.pinned)
-        used = {workload.adapters[a] for a in np.unique(workload.adapter[workload.adapter >= 0])}
-        self.unpinned = len(used - pinned_set)  # requested adapters that need a cache slot
+        # The requested adapters that need a cache slot.
+        self.unpinned = len(workload.requested() - set(self.pinned))
         self.baseline = self._baseline(hold)
 
     @functools.cached_property

@@ -104,6 +104,10 @@ class Workload:
         used = self.adapter[self.adapter >= 0]
         return np.bincount(used, minlength=len(self.adapters))
 
+    def requested(self) -> set[str]:
+        """The adapters some request asks for."""
+        return {self.adapters[a] for a in np.flatnonzero(self.counts())}
+
     def most_requested(self, k: int) -> list[str]:
         """The `k` most requested adapters (ties: the one named first), as at pool startup."""
         counts = self.counts()
