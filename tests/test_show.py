@@ -89,6 +89,19 @@ def is_field(line: str) -> bool:
 
 
 LONG_NAME = "customer-support-assistant-v2-finetuned-on-2026-tickets"
+
+
+def named_image(packed: tuple[Path, dict], tmp_path: Path, *names: str) -> Path:
+    """An image of the fixture's adapters `a`, then `b`, packed under `names` (NAME=PATH), an
+    empty slot beside them."""
+    root = packed[0].parent
+    image = tmp_path / "pool.safetensors"
+    specs = [f"{name}={root / adapter}" for name, adapter in zip(names, "ab", strict=False)]
+    assert metrale("pack", *specs, "--max-loras", len(names) + 1, "-m", MODEL, "--out", image,
+                   "--device", "cpu").code == 0
+    return image
+
+
 SLOT_HEADERS = ("slot", "name", "gen", "rank", "alpha", "scale", "pinned", "entries", "experts",
                 "overlays")
 
@@ -98,10 +111,7 @@ def test_show_reads_whole_at_80_and_120_columns(packed: tuple[Path, dict], tmp_p
                                                 columns: int) -> None:
     """Every slot header and figure whole, no line past the terminal but the head's field
     lines too long for it (whole: the terminal wraps them); a long name folds in its column."""
-    root = packed[0].parent
-    image = tmp_path / "pool.safetensors"
-    assert metrale("pack", f"{LONG_NAME}={root / 'a'}", f"b={root / 'b'}", "--max-loras", 3,
-                   "-m", MODEL, "--out", image, "--device", "cpu").code == 0
+    image = named_image(packed, tmp_path, LONG_NAME, "b")
     result = metrale("show", image, columns=columns)
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -122,11 +132,7 @@ def test_a_slot_name_that_reads_as_markup_shows_as_typed(packed: tuple[Path, dic
                                                          tmp_path: Path, columns: int) -> None:
     """A NAME=PATH name is input: `[bold red]x` shows as typed in the slot table (120 columns)
     and in the lines that stand for it (60), not as a bare `x` in bold red."""
-    root = packed[0].parent
-    image = tmp_path / "pool.safetensors"
-    assert metrale("pack", f"[bold red]x={root / 'a'}", "--max-loras", 2, "-m", MODEL,
-                   "--out", image, "--device", "cpu").code == 0
-    result = metrale("show", image, columns=columns)
+    result = metrale("show", named_image(packed, tmp_path, "[bold red]x"), columns=columns)
     assert result.code == 0, result.stderr
     assert "[bold red]x" in result.stdout
 
@@ -139,10 +145,7 @@ def test_show_fits_60_columns_with_every_cell(packed: tuple[Path, dict], tmp_pat
     cells: the name (a long one folded), then each column's header and cell; no line past the
     terminal but the head's paths."""
     columns = 60
-    root = packed[0].parent
-    image = tmp_path / "pool.safetensors"
-    assert metrale("pack", f"{name}={root / 'a'}", f"b={root / 'b'}", "--max-loras", 3,
-                   "-m", MODEL, "--out", image, "--device", "cpu").code == 0
+    image = named_image(packed, tmp_path, name, "b")
     result = metrale("show", image, columns=columns)
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
