@@ -70,8 +70,7 @@ class Replay:
         # min's). The other columns the core reads are the workload's own, not copies.
         self.next_use = workload.next_use()
         self.next_use[self.next_use < 0] = NEVER
-        # The requested adapters that need a cache slot.
-        self.unpinned = len(workload.requested() - set(self.pinned))
+        self.unpinned = workload.unpinned(self.pinned)  # requested ones needing a cache slot
         self.baseline = self._baseline(hold)
 
     @functools.cached_property

@@ -375,7 +375,7 @@ def pinned_adapters(workload: Workload, pin: Sequence[str] = (),
         raise UsageError("give --pin or --pinned, not both")
     if pinned is not None and pinned < 0:
         raise UsageError(f"--pinned must be >= 0, got {pinned}")
-    used = workload.requested()
+    used = workload.requested_among(pin)
     for n in pin:
         if n not in used:  # it would only take a slot from the cache
             raise UsageError(f"--pin {n}: no request in the workload uses that adapter")
@@ -388,7 +388,7 @@ def replay_sizes(workload: Workload, pinned: Sequence[str],
     `pinned` ones (default_sizes)."""
     if sizes:
         return list(sizes)
-    return default_sizes(len(workload.requested() - set(pinned)), len(set(pinned)))
+    return default_sizes(workload.unpinned(pinned), len(set(pinned)))
 
 
 def _host_slots(tiers: SlotTiers, workload: Workload) -> int:

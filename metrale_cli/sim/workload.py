@@ -15,7 +15,7 @@ import itertools
 import json
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,12 +104,25 @@ class Workload:
         used = self.adapter[self.adapter >= 0]
         return np.bincount(used, minlength=len(self.adapters))
 
-    def requested(self) -> set[str]:
-        """The adapters some request asks for."""
-        return {self.adapters[a] for a in np.flatnonzero(self.counts())}
+    def requested_among(self, names: Iterable[str]) -> set[str]:
+        """Which of `names` some request asks for: one pass over the adapters' names where
+        there are names to look for, none where there are not (a set of every requested name
+        took seconds at millions of adapters)."""
+        wanted = set(names)
+        if not wanted:
+            return set()
+        counts = self.counts()
+        return {name for a, name in enumerate(self.adapters) if name in wanted and counts[a]}
+
+    def unpinned(self, pinned: Iterable[str]) -> int:
+        """How many adapters some request asks for beside `pinned`: those that need a cache
+        slot."""
+        return int(np.count_nonzero(self.counts())) - len(self.requested_among(pinned))
 
     def most_requested(self, k: int) -> list[str]:
         """The `k` most requested adapters (ties: the one named first), as at pool startup."""
+        if k == 0:  # no sort of every adapter for none
+            return []
         counts = self.counts()
         order = np.lexsort((np.arange(counts.size), -counts))
         return [self.adapters[i] for i in order[:k] if counts[i] > 0]
