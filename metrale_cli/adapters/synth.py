@@ -22,6 +22,7 @@ from metrale_cli.bf16 import f32_to_bf16
 from metrale_cli.errors import OutputExists, UsageError, did_you_mean
 from metrale_cli.files.atomic import atomic_directory
 from metrale_cli.files.pieces import PieceWriter
+from metrale_cli.files.safetensors_header import adapter_header
 from metrale_cli.model.config import ModelConfig
 from metrale_cli.model.modules import LoraModule, in_slot_order
 
@@ -112,21 +113,13 @@ def synth_adapter(
         raise UsageError(f"--rank {rank} is above {narrowest}, the narrower side of the "
                          "smallest weight it adapts; a LoRA rank is at most that")
 
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    cursor = 0
-    for name, rows, cols, _ in plan:
-        size = rows * cols * itemsize
-        header[name] = {"dtype": st_dtype, "shape": [rows, cols],
-                        "data_offsets": [cursor, cursor + size]}
-        cursor += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    head = adapter_header((name, st_dtype, (rows, cols), rows * cols * itemsize)
+                          for name, rows, cols, _ in plan)
     rng = np.random.default_rng(seed)
 
     def write_weights(f: Any) -> None:
         out = PieceWriter(f)  # large aligned writes: 2 MiB folios, which `pack` reads faster
-        out.write(len(blob).to_bytes(8, "little"))
-        out.write(blob)
+        out.write(head)
         for _, rows, cols, std in plan:
             step = max(1, CHUNK_ELEMENTS // cols)
             for start in range(0, rows, step):
@@ -179,4 +172,5 @@ def synth_adapter(
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
-    return SynthResult(out, len(plan), 8 + len(blob) + cursor)
+    return SynthResult(out, len(plan),
+                       len(head) + sum(rows * cols * itemsize for _, rows, cols, _ in plan))

@@ -21,7 +21,7 @@ import numpy as np
 from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME, Adapter
 from metrale_cli.adapters.audit import AdapterReport, audit
 from metrale_cli.adapters.synth import synth_adapter
-from metrale_cli.files.safetensors_header import read_header
+from metrale_cli.files.safetensors_header import adapter_header, read_header
 from metrale_cli.layout.expert_layout import ExpertLayout
 from metrale_cli.layout.sharding import ShardSpec, all_rank_layouts
 from metrale_cli.layout.slot_layout import SlotLayout
@@ -72,17 +72,9 @@ def _tensor_written(path: Path, out: Path) -> Path:
     out.mkdir()
     shutil.copyfile(path / CONFIG_NAME, out / CONFIG_NAME)
     tensors = sorted(read_header(path / WEIGHTS_NAME).tensors.values(), key=lambda t: t.name)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    cursor = 0
-    for info in tensors:
-        header[info.name] = {"dtype": info.dtype, "shape": list(info.shape),
-                             "data_offsets": [cursor, cursor + info.nbytes]}
-        cursor += info.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
     with (path / WEIGHTS_NAME).open("rb", buffering=0) as src, \
             (out / WEIGHTS_NAME).open("wb", buffering=0) as f:
-        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.write(adapter_header((t.name, t.dtype, t.shape, t.nbytes) for t in tensors))
         for info in tensors:  # a tensor in memory at a time, not the file
             f.write(os.pread(src.fileno(), info.nbytes, info.begin))
     return out

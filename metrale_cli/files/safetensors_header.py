@@ -1,4 +1,5 @@
-"""Header-only safetensors reading, validated as the format demands.
+"""Header-only safetensors reading, validated as the format demands, and the header of an
+adapter file metrale writes (`adapter_header`).
 
 Layout of a file: 8 bytes little-endian u64 `N`, then `N` bytes of UTF-8 JSON (may be padded with
 spaces), then the byte buffer; `data_offsets` are relative to the buffer. Only the header is read,
@@ -7,8 +8,10 @@ so a 10 GB adapter audits as fast as a 1 MB one.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +54,21 @@ class SafetensorsHeader:
     tensors: dict[str, TensorInfo]
     # File offset of the byte buffer: 8 + N.
     data_start: int
+
+
+def adapter_header(tensors: Iterable[tuple[str, str, Sequence[int], int]]) -> bytes:
+    """The bytes before the data of a safetensors file holding `tensors` (name, dtype, shape,
+    bytes) end to end in that order, as PEFT's adapter files have them: the header's length
+    (8 bytes, little-endian), then its JSON (format `pt`), padded with spaces to 8 bytes."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    cursor = 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [cursor, cursor + nbytes]}
+        cursor += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return len(blob).to_bytes(8, "little") + blob
 
 
 def read_header(path: str | Path) -> SafetensorsHeader:

@@ -25,6 +25,7 @@ from metrale_cli.bf16 import non_finite
 from metrale_cli.errors import NonFiniteWeights, UsageError
 from metrale_cli.files.atomic import atomic_directory
 from metrale_cli.files.pieces import PieceWriter
+from metrale_cli.files.safetensors_header import adapter_header
 from metrale_cli.image.check import check, digest_state
 from metrale_cli.image.format import ImageTables, read_tables
 from metrale_cli.layout.sharding import RankLayout
@@ -268,15 +269,9 @@ def _put(done: _Experts, key: str, a: np.ndarray, b: np.ndarray) -> None:
 
 
 def _safetensors_bytes(tensors: dict[str, tuple[str, list[int], bytes]]) -> list[bytes]:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    cursor = 0
-    for name, (dtype, shape, data) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape,
-                        "data_offsets": [cursor, cursor + len(data)]}
-        cursor += len(data)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    return [len(blob).to_bytes(8, "little"), blob, *(d for _, _, d in tensors.values())]
+    head = adapter_header((name, dtype, shape, len(data))
+                          for name, (dtype, shape, data) in tensors.items())
+    return [head, *(d for _, _, d in tensors.values())]
 
 
 def unpack(image: str | Path, out_dir: str | Path, slot: int | None = None,
