@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from metrale_cli import native
+
 # safetensors dtype -> NumPy dtype of the raw little-endian elements.
 RAW_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
 # The dtypes a LoRA tensor may have to be packed: exactly those this module converts.
@@ -108,9 +110,15 @@ def to_bf16_into(out: np.ndarray, raw: np.ndarray, dtype: str, scale: float,
 
 def non_finite(bits: np.ndarray) -> int:
     """How many of the BF16 `bits` (contiguous uint16) are NaN or infinity; counted only when
-    the two maxima say some are."""
+    a pass says some are: the compiled one (`metrale_cli/_native.c`) where it is built, else
+    NumPy's two maxima."""
     flat = bits.reshape(-1)
-    if flat.size == 0 or (flat.max() < _NEGATIVE_NON_FINITE
-                          and flat.view(np.int16).max() < _POSITIVE_NON_FINITE):
+    if flat.size == 0:
+        return 0
+    if native.compiled is not None:
+        if not native.compiled.any_non_finite(flat):
+            return 0
+    elif (flat.max() < _NEGATIVE_NON_FINITE
+          and flat.view(np.int16).max() < _POSITIVE_NON_FINITE):
         return 0
     return int(np.count_nonzero((flat & _EXPONENT) == _EXPONENT))

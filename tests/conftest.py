@@ -181,6 +181,20 @@ def host_library() -> Path:
     return host_harness.build()
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def host_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way a host fill reads and checks what it reads: the compiled reader
+    (metrale_cli/_native.c, which `make test`'s install builds) and the os.preadv and NumPy
+    fallback of an install without a C compiler."""
+    from metrale_cli import native
+
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "compiled", None)
+    else:
+        assert native.compiled is not None, "the install did not build metrale_cli._native"
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-Next model directory (tests/support/hostile_inputs.py, TINY) holding adapter

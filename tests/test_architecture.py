@@ -11,7 +11,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "metrale_cli"
 # The root's leaves: imported by any stage, importing no stage.
-LEAVES = {"errors", "env", "compat", "bf16", "kernel_config", "arguments"}
+LEAVES = {"errors", "env", "compat", "bf16", "kernel_config", "arguments", "native"}
 # Each stage may import the leaves, itself and the stages before it, never one after it.
 STAGES = ["files", "model", "adapters", "layout", "engines", "pool", "image", "dist", "sim",
           "ops", "bench", "cli"]

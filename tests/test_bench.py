@@ -49,6 +49,12 @@ def test_bench_pack_reports_ratios(tmp_path: Path) -> None:
     # Each adapter's 7.6 MB stays below SHARED_BYTES: no fill asks for a second reader.
     assert record["shared_fills"] == [0, 0]
     assert "a second reader on 0 of 0 large fills" in view
+    # Which reader checked: the compiled one `make test` builds, or NumPy's fallback.
+    assert record["setup"]["compiled_reader"] is True
+    assert "NaN/Inf check (compiled, as the reads land): the pack takes" in view
+    fallback = {**record, "setup": {**record["setup"], "compiled_reader": False}}
+    assert "(NumPy after each read: metrale_cli._native was not built" in bench_pack_view(
+        fallback).plain
 
 
 def test_bench_pack_rewrites_an_adapter_as_safetensors_saves_it(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -484,6 +486,20 @@ def test_a_pool_larger_than_memory_is_refused_before_allocating(tiny: dict[str, 
     assert result.stderr.count("\n") == 1
 
 
+def hook_reads(monkeypatch: pytest.MonkeyPatch,
+               before: Callable[[fill.TensorReader, int, list[Any]], None]) -> None:
+    """`before(reader, start, parts)` ahead of every read into the slot or a buffer of the fill's
+    reader: `into`, and `into_checked` (the compiled reader's reads, checked as they land)."""
+    for name in ("into", "into_checked"):
+        real = getattr(fill.TensorReader, name)
+
+        def hooked(self, start, parts, real=real):  # type: ignore[no-untyped-def]
+            before(self, start, parts)
+            return real(self, start, parts)
+
+        monkeypatch.setattr(fill.TensorReader, name, hooked)
+
+
 def poisoned(src: Path, dst: Path, values: list[float]) -> tuple[Path, str]:
     """A copy of adapter `src` whose first A tensor starts with `values` (in its own dtype)."""
     shutil.copytree(src, dst)
@@ -500,8 +516,8 @@ def poisoned(src: Path, dst: Path, values: list[float]) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("name", ["b", "a"])  # F32 (converted) and BF16 (read straight)
-def test_non_finite_weights_are_refused(tiny: dict[str, Path], tmp_path: Path,
-                                        name: str) -> None:
+def test_non_finite_weights_are_refused(tiny: dict[str, Path], tmp_path: Path, name: str,
+                                        host_reads: str) -> None:
     bad, tensor_name = poisoned(tiny[name], tmp_path / "bad", [np.nan, np.inf, 1.0])
     result = metrale("pack", bad, "--max-loras", 1, "--device", "cpu")
     assert result.code == 1, result.stderr
@@ -528,7 +544,8 @@ def test_every_judged_refusal_has_a_json_record() -> None:
 
 @pytest.mark.parametrize("name", ["b", "a"])  # F32 (converted) and BF16 (copied as it is)
 def test_every_chunk_is_checked_and_counted(tiny: dict[str, Path], tmp_path: Path, name: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            host_reads: str) -> None:
     """The finite check runs on each chunk as it is written: with one B row per chunk, a NaN in
     the first row and an infinity in the last are both found, counted together."""
     monkeypatch.setattr(fill, "CHUNK_BYTES", 16)
@@ -555,7 +572,8 @@ def test_every_chunk_is_checked_and_counted(tiny: dict[str, Path], tmp_path: Pat
 
 @pytest.mark.parametrize(("name", "rank", "direct"), [("d", 4, True), ("b", 2, False)])
 def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: int,
-                                        direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                        direct: bool, monkeypatch: pytest.MonkeyPatch,
+                                        host_reads: str) -> None:
     """Copy, conversion and finite check are fused per chunk: no read is larger than one chunk
     of the slot (or one row; a read straight into the slot: one piece), and a BF16 adapter at
     the pool's rank (its bytes are the slot's) is read straight into the slot, with no buffer
@@ -563,7 +581,7 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
     monkeypatch.setattr(fill, "CHUNK_BYTES", 64)
     monkeypatch.setattr(fill, "READ_BYTES", 64)
     reads: list[tuple[bool, int, int]] = []  # (straight into the slot, BF16 bytes, one row's)
-    block, into = fill.TensorReader.block, fill.TensorReader.into
+    block = fill.TensorReader.block
 
     in_block: list[bool] = []  # a block's own read into its buffer is not counted again
 
@@ -579,10 +597,9 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
     def counted_into(self, start, parts):  # type: ignore[no-untyped-def]
         if not in_block:  # spans of the slot, not a buffer
             reads.append((True, sum(out.nbytes for _, out in parts), 0))
-        return into(self, start, parts)
 
     monkeypatch.setattr(fill.TensorReader, "block", counted_block)
-    monkeypatch.setattr(fill.TensorReader, "into", counted_into)
+    hook_reads(monkeypatch, counted_into)
     cfg = ModelConfig.from_hf(tiny["model"])
     report = audit(Adapter.load(tiny[name]), cfg)
     layout = SlotLayout.build(cfg, report.module_set, rank)
@@ -602,11 +619,12 @@ def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: 
 
 
 def test_tensors_end_to_end_in_the_slot_are_checked_as_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host_reads: str) -> None:
     """A BF16 adapter at the pool's rank whose file holds its tensors in the slot's order
-    (`synth` writes it so): one read and one check for the whole file, where a check per tensor
-    cost two NumPy calls each. With non-finite values in two of its tensors, the refusal still
-    names the first in the file with its own count, as a check per tensor did."""
+    (`synth` writes it so): one read for the whole file, checked as it lands by the compiled
+    reader, or with one NumPy check for the whole file, where a check per tensor cost two NumPy
+    calls each. With non-finite values in two of its tensors, the refusal still names the first
+    in the file with its own count, as a check per tensor did."""
     model = ModelConfig.preset("qwen3-8b")
     modules = [LoraModule.Q_PROJ, LoraModule.V_PROJ]
     bad = tmp_path / "bad"
@@ -625,8 +643,11 @@ def test_tensors_end_to_end_in_the_slot_are_checked_as_one(
         return counted(bits)
 
     monkeypatch.setattr(fill, "non_finite", counting)
+    reads: list[int] = []
+    hook_reads(monkeypatch, lambda reader, start, parts: reads.append(len(parts)))
     LoraPool.load(layout, 1, [clean])
-    assert checks == [sum(t.nbytes for t in tensors) // 2]
+    assert reads == [len(tensors)]
+    assert checks == ([] if host_reads == "compiled" else [sum(t.nbytes for t in tensors) // 2])
     second, third = tensors[1], tensors[2]
     nan = f32_to_bf16(np.array([np.nan, np.inf, -np.inf], np.float32)).tobytes()
     with open(weights, "r+b") as f:
@@ -640,7 +661,8 @@ def test_tensors_end_to_end_in_the_slot_are_checked_as_one(
 
 
 def test_a_file_cut_short_between_reads_fails_the_fill(
-        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        host_reads: str) -> None:
     """Tensors end to end in the file are read a chunk at a time: a file cut short after the
     first chunk was read fails the fill, naming the tensor the next read was in."""
     monkeypatch.setattr(fill, "READ_BYTES", 64)
@@ -649,16 +671,14 @@ def test_a_file_cut_short_between_reads_fails_the_fill(
     cfg = ModelConfig.from_hf(tiny["model"])
     report = audit(Adapter.load(tmp_path / "d"), cfg)
     layout = SlotLayout.build(cfg, report.module_set, 4)
-    into = fill.TensorReader.into
     second: list[str] = []
 
     def cut_before_the_second(self, start, parts):  # type: ignore[no-untyped-def]
         if not second and start > min(m.a.begin for m in report.modules):
             second.append(parts[0][0].name)
             os.truncate(weights, start)  # the file now ends where this read begins
-        return into(self, start, parts)
 
-    monkeypatch.setattr(fill.TensorReader, "into", cut_before_the_second)
+    hook_reads(monkeypatch, cut_before_the_second)
     with pytest.raises(FormatError) as failed:
         LoraPool.load(layout, 1, [report])
     assert second and str(failed.value) == (f"{weights}: file ended inside tensor "
@@ -675,13 +695,7 @@ def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(fill, "_load", lambda: (1, 1.0))  # this thread alone: a core idle
     readers: list[str] = []
-    into = fill.TensorReader.into
-
-    def named_into(self, start, parts):  # type: ignore[no-untyped-def]
-        readers.append(threading.current_thread().name)
-        return into(self, start, parts)
-
-    monkeypatch.setattr(fill.TensorReader, "into", named_into)
+    hook_reads(monkeypatch, lambda *_: readers.append(threading.current_thread().name))
     return readers
 
 
@@ -701,14 +715,12 @@ def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path], name: str,
     runnable, average = fill._load()
     assert runnable >= 1 and average >= 0  # this thread, at least
     readers = two_threads(monkeypatch)
-    into = fill.TensorReader.into
 
     def slow_first(self, start, parts):  # type: ignore[no-untyped-def]
         if not readers:
             time.sleep(0.05)  # whichever thread reads first, the other takes runs meanwhile
-        return into(self, start, parts)
 
-    monkeypatch.setattr(fill.TensorReader, "into", slow_first)
+    hook_reads(monkeypatch, slow_first)
     told: list[int] = []
     pool = LoraPool(layout, 1, "cpu")
     read, _ = fill.fill_slot(report, 0, layout, pool.region, progress=told.append)
@@ -739,14 +751,12 @@ def _two_threads_refuse_first(bad: Path, cfg: ModelConfig, begin: int, name: str
     report = audit(Adapter.load(bad), cfg)
     layout = SlotLayout.build(cfg, report.module_set, 4)
     readers = two_threads(monkeypatch)
-    into = fill.TensorReader.into
 
     def first_read_last(self, start, parts):  # type: ignore[no-untyped-def]
         if start == begin:
             time.sleep(0.05)  # the other thread reads or converts on, to the last tensor
-        return into(self, start, parts)
 
-    monkeypatch.setattr(fill.TensorReader, "into", first_read_last)
+    hook_reads(monkeypatch, first_read_last)
     with pytest.raises(NonFiniteWeights) as refused:
         LoraPool.load(layout, 1, [report])
     assert str(refused.value) == (f"bad: tensor {name!r} has 2 non-finite values (NaN "
@@ -755,7 +765,8 @@ def _two_threads_refuse_first(bad: Path, cfg: ModelConfig, begin: int, name: str
 
 
 def test_two_threads_refuse_the_first_non_finite_tensor_in_the_file(
-        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        host_reads: str) -> None:
     """Non-finite values in two tensors, the first read last (its thread held up): the
     refusal names the first tensor in the file, with its count, as one thread's does."""
     bad = tmp_path / "bad"
@@ -790,7 +801,8 @@ def test_two_threads_refuse_the_first_non_finite_tensor_converted(
 
 
 def test_two_threads_fail_a_file_cut_short_as_one_does(
-        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        host_reads: str) -> None:
     """A file cut short near the end of a tensor: with two threads reading, the error names
     that tensor, the first read in the file past the cut, as one thread's does, though the
     other thread failed first in the next tensor; raised once both threads have stopped."""
@@ -806,14 +818,12 @@ def test_two_threads_fail_a_file_cut_short_as_one_does(
     with pytest.raises(FormatError) as one:
         LoraPool.load(layout, 1, [report])
     readers = two_threads(monkeypatch)
-    into = fill.TensorReader.into
 
     def first_past_the_cut_late(self, start, parts):  # type: ignore[no-untyped-def]
         if start <= end < start + 64:
             time.sleep(0.05)  # the other thread meets a later short read first
-        return into(self, start, parts)
 
-    monkeypatch.setattr(fill.TensorReader, "into", first_past_the_cut_late)
+    hook_reads(monkeypatch, first_past_the_cut_late)
     with pytest.raises(FormatError) as two:
         LoraPool.load(layout, 1, [report])
     assert str(two.value) == str(one.value) and repr(cut.name) in str(one.value)

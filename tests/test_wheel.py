@@ -72,6 +72,10 @@ def test_the_wheel_holds_every_package_and_kernel_source(wheel: Path) -> None:
     shipped = {n.removeprefix("metrale_cli/kernel_src/") for n in names
                if n.startswith("metrale_cli/kernel_src/")}
     assert _kernel_sources_needed() - shipped == set()
+    # The compiled reader, built for this Python (`setup.py`; `make test`'s machine has a C
+    # compiler): the pack's checked reads.
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    assert f"metrale_cli/_native{suffix}" in names
 
 
 def _fresh_venv(root: Path, wheel: Path) -> tuple[Path, dict[str, str]]:
@@ -103,11 +107,14 @@ def test_the_installed_wheel_runs_the_commands(wheel: Path, tmp_path: Path) -> N
 
     where = subprocess.run([venv / "bin" / "python", "-c",
                             "import metrale, metrale_cli, metrale_cli.ops.sources as s; "
+                            "from metrale_cli.native import compiled; "
                             "print(metrale_cli.__file__); print(s.find_kernel_dir()); "
-                            "print(metrale.__file__, metrale.plan_pool.__name__)"],
+                            "print(metrale.__file__, metrale.plan_pool.__name__); "
+                            "print(compiled.__file__)"],
                            cwd=work, env=env, capture_output=True, text=True, check=True)
-    package_file, kernel_dir, api_file, plan_pool = where.stdout.split()
+    package_file, kernel_dir, api_file, plan_pool, native_file = where.stdout.split()
     assert Path(package_file).is_relative_to(venv) and Path(api_file).is_relative_to(venv)
+    assert Path(native_file).parent == Path(package_file).parent
     assert plan_pool == "plan_pool"
     assert Path(kernel_dir) == Path(package_file).parent / "kernel_src"
 

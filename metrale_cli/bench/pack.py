@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from metrale_cli import native
 from metrale_cli.adapters.adapter import CONFIG_NAME, WEIGHTS_NAME, Adapter
 from metrale_cli.adapters.audit import AdapterReport, audit
 from metrale_cli.adapters.synth import synth_adapter
@@ -217,7 +218,10 @@ def run(
         "setup": {"model": model_spec, "modules": [m.peft_name for m in modules], "rank": rank,
                   "adapters": adapters, "dtype": dtype, "repeats": repeats, "device": device,
                   "cpus": os.cpu_count(), "cpus_usable": usable_cores(),
-                  "load_average_1m": load},
+                  "load_average_1m": load,
+                  # Whether the host fill read and checked with metrale_cli/_native.c (an
+                  # install without a C compiler reads with os.preadv and checks with NumPy).
+                  "compiled_reader": native.compiled is not None},
         "tensor_bytes": tensor_bytes,
         "pool_bytes": pool_bytes,
         # The plain copy: numpy.copyto on the host, pinned host to device memory on a GPU.

@@ -378,6 +378,9 @@ def bench_pack_view(record: dict[str, Any]) -> Text:
     two, large = record["shared_fills"]
     readers = (f"; a second reader on {two} of {large} large fills (only where a core is idle)"
                if setup["device"] == "cpu" else "")
+    checker = ("" if setup["device"] != "cpu" else " (compiled, as the reads land)"
+               if setup["compiled_reader"] else " (NumPy after each read: metrale_cli._native "
+               "was not built, no C compiler at install)")
     text = Text(
         f"{setup['adapters']} x {setup['model']} r={setup['rank']} {setup['dtype']} adapters, "
         f"{human_bytes(record['tensor_bytes'])} of tensors, into {setup['device']} memory\n"
@@ -388,8 +391,8 @@ def bench_pack_view(record: dict[str, Any]) -> Text:
         f"          {record['pack_tensor_writes_gb_per_s']:.2f} GB/s = "
         f"{100 * record['pack_tensor_writes_vs_memcpy']:.0f}% with files written per tensor "
         "(as PEFT saves)\n"
-        f"NaN/Inf check: the pack takes {record['finite_check_cost']:.2f}x as long as "
-        f"without it ({record['pack_unchecked_gb_per_s']:.2f} GB/s)\n"
+        f"NaN/Inf check{checker}: the pack takes {record['finite_check_cost']:.2f}x as long "
+        f"as without it ({record['pack_unchecked_gb_per_s']:.2f} GB/s)\n"
         f"end to end `metrale pack`: {record['end_to_end_pack_gb_per_s']:.2f} GB/s "
         f"(fresh pool pages included), {record['end_to_end_wall_s']:.2f} s wall\n"
         f"peak RSS  {human_bytes(record['peak_rss_bytes'])} = pool "

@@ -8,9 +8,10 @@ host, through pinned staging buffers on a GPU) a cache-sized chunk at a time: th
 are read from the adapter file (`TensorReader`) and converted to BF16, or, where the file's
 bytes are the slot's, read straight into the slot, and the chunk is checked finite while its
 bytes are still in cache. On the host those tensors are read last, in pieces of tensors end
-to end in the file, one positional read a piece, checked a stretch end to end in the slot at a
-time (`_read_pieces`), shared by two threads where the bytes warrant it and a core is idle
-(`_each`). Conversions go straight into the slot through buffers reused chunk after chunk
+to end in the file, one compiled call a piece that reads and checks 256 KiB at a time without
+the GIL (`TensorReader.into_checked`; without the compiled module, one positional read a piece
+checked a stretch end to end in the slot at a time), shared by two threads where the bytes
+warrant it and a core is idle (`_read_pieces`, `_each`). Conversions go straight into the slot through buffers reused chunk after chunk
 (`Scratch`).
 """
 
@@ -25,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from metrale_cli import native
 from metrale_cli.adapters.audit import AdapterReport
 from metrale_cli.adapters.experts import ExpertPair
 from metrale_cli.adapters.overlays import Overlay, OverlayRaw
@@ -39,13 +41,16 @@ from metrale_cli.pool.region import Region, SlotWriter, Staging
 # Destination bytes written, then checked, at a time: small enough to be checked from cache
 # (each core has 1 MiB of L2 here), large enough that the per-chunk calls cost nothing.
 CHUNK_BYTES = 1 << 20
-# File bytes read straight into the slot, then checked, at a time (`_read_pieces`). A piece is
-# one read and a check (two NumPy reductions) per stretch, each call releasing the GIL to the
-# other thread and taking it back: larger pieces cost fewer calls and hand-offs, and a piece
-# is still checked from this core's L2 and the shared L3 (32 MiB here). Measured on the
+# File bytes read straight into the slot at a time (`_read_pieces`): what one thread takes
+# from the other. The compiled reader checks them as they land, in a call that does not hold
+# the GIL; without it a piece is one read and a check (two NumPy reductions) per stretch, each
+# call handing the GIL to the other thread and back: larger pieces cost fewer calls and
+# hand-offs, and a piece is still checked from the shared L3 (32 MiB here). Measured on the
 # 2-core VM, `bench pack`'s adapters packed eight times in each of eight processes, sizes
-# alternating (median of the processes' best ratio to `numpy.copyto`): 1 MiB 0.66, 2 MiB
-# 0.72, 4 MiB 0.78-0.84, 8 MiB 0.75, 16 MiB 0.71 (a check per tensor before: 0.65-0.71).
+# alternating (median of the processes' best ratio to `numpy.copyto`), NumPy's check: 1 MiB
+# 0.66, 2 MiB 0.72, 4 MiB 0.78-0.84, 8 MiB 0.75, 16 MiB 0.71; the compiled reader (best of 8
+# passes, sizes alternating in one process, six rounds): 1 MiB 0.91-1.02, 2 MiB 0.85-1.06,
+# 4 MiB 0.90-1.08, 8 MiB 0.93-1.07, 16 MiB 0.90-1.07, alike within the noise.
 READ_BYTES = 4 << 20
 # Rows of a fused expert B read at a time: bounds the packer's memory beside the pool.
 B_CHUNK_BYTES = 32 << 20
@@ -280,10 +285,11 @@ def _piece(cut: list[Part], writer: SlotWriter) -> Piece:
 
 def _read_pieces(reader: RawReader, writer: SlotWriter, parts: list[Part], adapter: str,
                  check_finite: bool, progress: Progress | None) -> int:
-    """Read `parts` straight into the slot a piece (`_pieces`) at a time, one positional read
-    a piece, each stretch of it checked finite while it is in cache (one check for spans end to
-    end in the slot: a check is two NumPy calls, which cost per call); the pieces shared by
-    two threads where the bytes warrant it (`_each`). A short file is the failing piece's
+    """Read `parts` straight into the slot a piece (`_pieces`) at a time, checked finite while
+    in cache: by the compiled reader as each 256 KiB lands (`into_checked`), else one
+    positional read a piece and a NumPy check a stretch (one check for spans end to end in the
+    slot: a check is two NumPy calls, which cost per call); the pieces shared by two threads
+    where the bytes warrant it (`_each`). A short file is the failing piece's
     error, in file order; a non-finite value is refused once every piece is read, naming the
     first such tensor in the file with its whole count. Returns the bytes read."""
     pieces = _pieces(parts, writer)
@@ -292,12 +298,15 @@ def _read_pieces(reader: RawReader, writer: SlotWriter, parts: list[Part], adapt
 
     def read_piece(index: int, thread: int) -> int:
         piece = pieces[index]
-        reader.into(piece.start, piece.spans)
-        if check_finite:
-            for stretch, i, j in piece.stretches:
-                if non_finite(stretch.view(np.uint16)):  # which of its tensors, how many
-                    found[index] += [(info.name, non_finite(span.view(np.uint16)))
-                                     for info, span in piece.spans[i:j]]
+        if check_finite and native.compiled is not None:
+            seen = reader.into_checked(piece.start, piece.spans)
+        else:
+            reader.into(piece.start, piece.spans)
+            seen = check_finite and any(non_finite(stretch.view(np.uint16))
+                                        for stretch, _, _ in piece.stretches)
+        if seen:  # which of its tensors, how many
+            found[index] = [(info.name, non_finite(span.view(np.uint16)))
+                            for info, span in piece.spans]
         return sum(span.nbytes for _, span in piece.spans)
 
     read = _each(len(pieces), read_piece, sum(part[3] for part in parts), progress)
