@@ -44,7 +44,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+# The install compiles metrale_cli/_native.c (the pack's reads, checked as they land) with the
+# system's C compiler, again when the source changes; without a compiler it goes on without it
+# (the pack falls back to NumPy) and tests/test_native.py fails, so `make test` says so.
+$(VENV)/.installed: pyproject.toml setup.py metrale_cli/_native.c | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e .
 	# The replay core and the trace scan compile once here, not inside the first test that

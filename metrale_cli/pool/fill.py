@@ -11,8 +11,8 @@ bytes are still in cache. On the host those tensors are read last, in pieces of 
 to end in the file, one compiled call a piece that reads and checks 256 KiB at a time without
 the GIL (`TensorReader.into_checked`; without the compiled module, one positional read a piece
 checked a stretch end to end in the slot at a time), shared by two threads where the bytes
-warrant it and a core is idle (`_read_pieces`, `_each`). Conversions go straight into the slot through buffers reused chunk after chunk
-(`Scratch`).
+warrant it and a core is idle (`_read_pieces`, `_each`). Conversions go straight into the
+slot through buffers reused chunk after chunk (`Scratch`).
 """
 
 from __future__ import annotations
@@ -237,14 +237,12 @@ Part = tuple[int, TensorInfo, int, int]
 
 
 class Piece(NamedTuple):
-    """One positional read: the file's bytes from `start` on into `spans` of the slot, each of
-    one tensor, end to end in the file; checked finite a stretch at a time, each stretch the
-    spans `[i, j)` that lie end to end in the slot too, as one array (a module's A and B, or
-    a whole piece where the file's order is the slot's)."""
+    """One read: the file's bytes from `start` on into `spans` of the slot, each of one tensor,
+    end to end in the file (`parts`: where each lies)."""
 
     start: int
     spans: list[tuple[TensorInfo, np.ndarray]]
-    stretches: list[tuple[np.ndarray, int, int]]
+    parts: list[Part]
 
 
 def _pieces(parts: list[Part], writer: SlotWriter) -> list[Piece]:
@@ -268,19 +266,25 @@ def _pieces(parts: list[Part], writer: SlotWriter) -> list[Piece]:
 
 
 def _piece(cut: list[Part], writer: SlotWriter) -> Piece:
-    """One read's parts (`cut`: end to end in the file) as a `Piece`: their spans of the slot,
-    and the stretches of them end to end in the slot."""
-    stretches = []
+    """One read's parts (`cut`: end to end in the file) as a `Piece`."""
+    return Piece(cut[0][0], [(info, writer.filled(offset, n)) for _, info, offset, n in cut],
+                 cut)
+
+
+def _stretches(piece: Piece, writer: SlotWriter) -> list[np.ndarray]:
+    """The slot's bytes of `piece` as arrays each of its spans that lie end to end in the slot
+    too (a module's A and B, or a whole piece where the file's order is the slot's): what
+    NumPy's check takes as one."""
+    cut, stretches = piece.parts, []
     i = 0
     while i < len(cut):
         j = i + 1
         while j < len(cut) and cut[j][2] == cut[j - 1][2] + cut[j - 1][3]:
             j += 1
         end = cut[j - 1][2] + cut[j - 1][3]
-        stretches.append((writer.filled(cut[i][2], end - cut[i][2]), i, j))
+        stretches.append(writer.filled(cut[i][2], end - cut[i][2]))
         i = j
-    return Piece(cut[0][0], [(info, writer.filled(offset, n)) for _, info, offset, n in cut],
-                 stretches)
+    return stretches
 
 
 def _read_pieces(reader: RawReader, writer: SlotWriter, parts: list[Part], adapter: str,
@@ -303,7 +307,7 @@ def _read_pieces(reader: RawReader, writer: SlotWriter, parts: list[Part], adapt
         else:
             reader.into(piece.start, piece.spans)
             seen = check_finite and any(non_finite(stretch.view(np.uint16))
-                                        for stretch, _, _ in piece.stretches)
+                                        for stretch in _stretches(piece, writer))
         if seen:  # which of its tensors, how many
             found[index] = [(info.name, non_finite(span.view(np.uint16)))
                             for info, span in piece.spans]
@@ -448,14 +452,15 @@ def fill_modules(reader: RawReader, report: AdapterReport, layout: SlotLayout,
 
     def put(info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int], offset: int,
             nbytes: int, width: int, ratio: float) -> int:
-        span = writer.span(offset, nbytes)
         if writer.staging is not None:
-            return _put(reader, info, rows, cols, _bits(span, width), ratio, report.name,
-                        check_finite, scratch)
-        if _direct(info, cols, width, ratio):
+            return _put(reader, info, rows, cols, _bits(writer.span(offset, nbytes), width),
+                        ratio, report.name, check_finite, scratch)
+        if _direct(info, cols, width, ratio):  # its span is given out when its piece is read
+            writer.cover(offset, nbytes)
             parts.append((info.begin + rows[0] * width * BF16_BYTES, info, offset, nbytes))
         else:
-            converts.append((info, rows, cols, _bits(span, width), ratio))
+            converts.append((info, rows, cols, _bits(writer.span(offset, nbytes), width),
+                             ratio))
         return 0
 
     read = 0

@@ -88,9 +88,14 @@ class SlotWriter:
         region.zeroed[slot] = False
         self.pending: tuple[int, int, int] | None = None  # (turn, offset, nbytes) on a GPU
 
+    def cover(self, offset: int, nbytes: int) -> None:
+        """The bytes `[offset, offset + nbytes)` will be filled on the host by the time of
+        `finish()`, through `filled` (not zeroed there)."""
+        self.covered.append((offset, offset + nbytes))
+
     def span(self, offset: int, nbytes: int) -> np.ndarray:
         self._flush()
-        self.covered.append((offset, offset + nbytes))
+        self.cover(offset, nbytes)
         if self.staging is None:
             start = self.slot * self.region.slot_bytes + offset
             return self.region.memory[start:start + nbytes]
@@ -99,8 +104,8 @@ class SlotWriter:
         return buffer[:nbytes]
 
     def filled(self, offset: int, nbytes: int) -> np.ndarray:
-        """On the host, the slot's bytes `[offset, offset + nbytes)`, given out already by
-        `span` (end to end, in spans that the fill reads and checks as one), as one array."""
+        """On the host, the slot's bytes `[offset, offset + nbytes)`, covered already (`cover`,
+        or `span`: end to end, in spans that the fill reads and checks as one), as one array."""
         if self.staging is not None:
             raise RuntimeError("SlotWriter.filled is for a host pool's writer")
         start = self.slot * self.region.slot_bytes + offset
