@@ -34,6 +34,11 @@ pytestmark = pytest.mark.proc
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from a copy of what the build reads (a build in the checkout would leave
     build/ and an egg-info there)."""
+    return _build(tmp_path_factory, {})
+
+
+def _build(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Path:
+    """`pip wheel` of a copy of the checkout's build inputs, with `env` over this one's."""
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "setup.py", "README.md"):
         if (ROOT / name).exists():
@@ -45,7 +50,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
+         "-w", str(out), str(src)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env})
     assert built.returncode == 0, built.stderr
     (path,) = out.glob("metrale-*.whl")
     return path
@@ -131,3 +137,32 @@ def test_the_installed_wheel_runs_the_commands(wheel: Path, tmp_path: Path) -> N
     records = json.loads(run("bench", "kernels", "--model-only", "--tokens", 16, "--rank", 16,
                              "--modules", "q_proj", "--json").stdout)["records"]
     assert records and all("binding" in r for r in records)
+
+
+def test_without_a_c_compiler_the_wheel_builds_and_packs_with_numpy(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """A machine with no C compiler (`CC` a command that fails): the build goes on without
+    metrale_cli._native, and the installed wheel packs with os.preadv and NumPy's check,
+    refusing a NaN as the compiled reader does."""
+    built = _build(tmp_path_factory, {"CC": "/bin/false"})
+    assert not [n for n in zipfile.ZipFile(built).namelist() if n.endswith(".so")]
+    venv, env = _fresh_venv(tmp_path, built)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run(*args: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([venv / "bin" / "python", *map(str, args)], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    assert run("-c", "from metrale_cli.native import compiled; print(compiled)").stdout == (
+        "None\n")
+    assert run("-m", "metrale_cli", "synth", work / "a", "--model", "qwen3-8b", "--modules",
+               "q_proj", "--rank", 8).returncode == 0
+    packed = run("-m", "metrale_cli", "pack", work / "a", "--max-loras", 1, "--json")
+    assert packed.returncode == 0, packed.stderr
+    weights = work / "a" / "adapter_model.safetensors"
+    with open(weights, "r+b") as f:  # the first tensor's first value: a BF16 NaN
+        f.seek(8 + int.from_bytes(f.read(8), "little"))
+        f.write(b"\xc0\x7f")
+    refused = run("-m", "metrale_cli", "pack", work / "a", "--max-loras", 1)
+    assert refused.returncode == 1 and "1 non-finite values" in refused.stderr, refused.stderr
