@@ -125,10 +125,12 @@ static PyObject *read_checked(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "offset must be >= 0 and chunk an even count >= 2");
         return NULL;
     }
-    PyObject *items = PySequence_Fast(spans, "spans must be a sequence of writable buffers");
+    /* A tuple of its own, not the caller's list: taking a buffer can run Python code (a
+     * class's __buffer__, Python 3.12 on) that empties the list under the loop below. */
+    PyObject *items = PySequence_Tuple(spans);
     if (items == NULL)
         return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
+    Py_ssize_t count = PyTuple_GET_SIZE(items);
     Py_buffer *views = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Py_buffer));
     if (views == NULL) {
         Py_DECREF(items);
@@ -137,7 +139,7 @@ static PyObject *read_checked(PyObject *self, PyObject *args)
     Py_ssize_t held = 0;
     PyObject *result = NULL;
     for (; held < count; held++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(items, held);
+        PyObject *item = PyTuple_GET_ITEM(items, held);
         if (PyObject_GetBuffer(item, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
             goto done;
         if (views[held].len % 2) {

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +160,26 @@ def test_read_checked_refuses_bad_arguments(tmp_path: Path, compiled) -> None:  
     with pytest.raises(OSError) as closed:
         compiled.read_checked(fd, 0, spans_of([4]), 16)
     assert closed.value.errno == errno.EBADF
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="a class's __buffer__ is Python 3.12's")
+def test_read_checked_survives_a_span_list_emptied_while_its_buffers_are_taken(
+        tmp_path: Path, compiled) -> None:  # type: ignore[no-untyped-def]
+    """A span whose `__buffer__` empties the caller's list as its buffer is taken: the call
+    reads the spans it was given (it holds them), where it indexed past the emptied list and
+    crashed the interpreter (a child process here, so a crash fails this test alone)."""
+    script = tmp_path / "emptied.py"
+    script.write_text(
+        "import os\n"
+        "from metrale_cli.native import compiled\n"
+        "spans = []\n"
+        "class Emptying:\n"
+        "    def __buffer__(self, flags):\n"
+        "        spans.clear()\n"
+        "        return memoryview(bytearray(2))\n"
+        "spans += [Emptying(), *(bytearray(2) for _ in range(1000))]\n"
+        "fd = os.open('/dev/zero', os.O_RDONLY)\n"
+        "print(compiled.read_checked(fd, 0, spans, 2), len(spans))\n")
+    ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert (ran.returncode, ran.stdout) == (0, "(2002, False) 0\n"), ran.stderr
