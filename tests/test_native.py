@@ -183,3 +183,30 @@ def test_read_checked_survives_a_span_list_emptied_while_its_buffers_are_taken(
     ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=60)
     assert (ran.returncode, ran.stdout) == (0, "(2002, False) 0\n"), ran.stderr
+
+
+def test_read_checked_goes_on_after_a_short_read(compiled) -> None:  # type: ignore[no-untyped-def]
+    """A file whose every read returns one page at most (/proc/kallsyms, a seq_file): each
+    short read is continued where it stopped, inside a span too, until the spans are full
+    (a regular file reads short only at its end, so the other tests never take this path)."""
+    path = "/proc/kallsyms"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        pytest.skip(f"{path} is not readable here")
+    try:
+        if len(os.pread(fd, 1 << 16, 0)) >= 1 << 16:
+            pytest.skip(f"{path} reads whole here")
+        expected = b""
+        while len(expected) < 100_000:
+            more = os.pread(fd, 1 << 16, len(expected))
+            if not more:
+                pytest.skip(f"{path} is shorter than 100,000 bytes here")
+            expected += more
+        sizes = [2, 998, 4, 60_000, 38_996]
+        spans = spans_of(sizes)
+        read, _ = compiled.read_checked(fd, 0, spans, 1 << 20)
+    finally:
+        os.close(fd)
+    assert read == sum(sizes) == 100_000
+    assert b"".join(s.tobytes() for s in spans) == expected[:read]
