@@ -685,6 +685,30 @@ def test_a_file_cut_short_between_reads_fails_the_fill(
                                             f"{second[0]!r} (cut short while it was read)")
 
 
+def test_a_file_cut_short_inside_a_read_names_the_tensor_it_ended_in(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        host_reads: str) -> None:
+    """A file cut short inside the third tensor of a read of several (end to end in the file):
+    the fill fails naming that tensor, not the read's first."""
+    shutil.copytree(tiny["d"], tmp_path / "d")
+    weights = tmp_path / "d" / "adapter_model.safetensors"
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tmp_path / "d"), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    third: list[str] = []
+
+    def cut_inside_the_third(self, start, parts):  # type: ignore[no-untyped-def]
+        if not third and len(parts) >= 3:
+            third.append(parts[2][0].name)
+            os.truncate(weights, start + parts[0][1].nbytes + parts[1][1].nbytes + 2)
+
+    hook_reads(monkeypatch, cut_inside_the_third)
+    with pytest.raises(FormatError) as failed:
+        LoraPool.load(layout, 1, [report])
+    assert third and str(failed.value) == (f"{weights}: file ended inside tensor "
+                                           f"{third[0]!r} (cut short while it was read)")
+
+
 def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Fills share their reads with a helper thread whatever their size and this machine's
     cores, a run of 64 bytes at a time; returns the names of the threads that read, a read
