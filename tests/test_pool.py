@@ -725,7 +725,8 @@ def two_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.mark.parametrize("name", ["d", "b"])  # BF16 read straight, F32 converted
 def test_two_threads_fill_the_bytes_one_does(tiny: dict[str, Path], name: str,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             host_reads: str) -> None:
     """A fill whose bytes warrant it, where a second core is usable and idle, shares its chunks
     with a helper thread (each reads a run straight into the slot, or a block into its own
     buffers and converts it, and checks it); the slot's bytes and the progress told are those
