@@ -570,6 +570,27 @@ def test_every_chunk_is_checked_and_counted(tiny: dict[str, Path], tmp_path: Pat
         LoraPool.load(layout, 1, [report])
 
 
+def test_a_non_finite_value_in_a_read_s_last_tensor_is_found(
+        tiny: dict[str, Path], tmp_path: Path, host_reads: str) -> None:
+    """A BF16 adapter read straight into the slot in one read whose tensors lie in several
+    stretches of the slot, a NaN in the last tensor in the file alone: found and refused, by
+    the compiled reader's last chunk or NumPy's last stretch, not only the first's."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny["d"], bad)
+    weights = bad / "adapter_model.safetensors"
+    last = max(read_header(weights).tensors.values(), key=lambda t: t.begin)
+    with open(weights, "r+b") as f:
+        f.seek(last.begin + last.nbytes - 2)
+        f.write(f32_to_bf16(np.array([np.nan], np.float32)).tobytes())
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(bad), cfg)
+    layout = SlotLayout.build(cfg, report.module_set, 4)
+    with pytest.raises(NonFiniteWeights) as refused:
+        LoraPool.load(layout, 1, [report])
+    assert str(refused.value) == (f"bad: tensor {last.name!r} has 1 non-finite values (NaN "
+                                  "or infinity) as BF16; refusing to pack it")
+
+
 @pytest.mark.parametrize(("name", "rank", "direct"), [("d", 4, True), ("b", 2, False)])
 def test_a_fill_reads_a_chunk_at_a_time(tiny: dict[str, Path], name: str, rank: int,
                                         direct: bool, monkeypatch: pytest.MonkeyPatch,
