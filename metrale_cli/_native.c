@@ -26,20 +26,26 @@
 /* Iovecs a positional read takes at most here (POSIX guarantees 16; Linux takes 1024). */
 #define MAX_IOV 64
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-/* AVX2 where the CPU has it (about twice SSE2's speed here), chosen at load time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+/* AVX2 where the CPU has it (about twice SSE2's speed here), chosen at load time (an ifunc:
+ * glibc's; musl has none, and gets the one build). */
 #define CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define CLONES
 #endif
 
-CLONES static int scan(const uint16_t *bits, size_t n)
+/* Whether any of the `n` BF16 values at `bytes` (any alignment: each loaded with memcpy, which
+ * compiles to plain loads) is NaN or infinity. */
+CLONES static int scan(const unsigned char *bytes, size_t n)
 {
     for (size_t lo = 0; lo < n; lo += BLOCK) {
         size_t hi = n - lo < BLOCK ? n : lo + BLOCK;
         uint16_t seen = 0;
-        for (size_t i = lo; i < hi; i++)
-            seen |= (uint16_t)((bits[i] & EXPONENT) == EXPONENT);
+        for (size_t i = lo; i < hi; i++) {
+            uint16_t bits;
+            memcpy(&bits, bytes + 2 * i, sizeof bits);
+            seen |= (uint16_t)((bits & EXPONENT) == EXPONENT);
+        }
         if (seen)
             return 1;
     }
@@ -109,7 +115,7 @@ static long long fill(int fd, long long offset, const Py_buffer *spans, Py_ssize
         if (got < size)
             return done; /* the file ended: the caller names the tensor */
         for (int i = 0; !*seen && i < n; i++)
-            *seen = scan((const uint16_t *)iov[i].iov_base, iov[i].iov_len / 2);
+            *seen = scan((const unsigned char *)iov[i].iov_base, iov[i].iov_len / 2);
     }
     return done;
 }
@@ -179,7 +185,7 @@ static PyObject *any_non_finite(PyObject *self, PyObject *arg)
     }
     int seen;
     Py_BEGIN_ALLOW_THREADS
-    seen = scan((const uint16_t *)view.buf, (size_t)view.len / 2);
+    seen = scan((const unsigned char *)view.buf, (size_t)view.len / 2);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     return PyBool_FromLong(seen);
