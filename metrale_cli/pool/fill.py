@@ -240,9 +240,13 @@ class Piece(NamedTuple):
     """One read: the file's bytes from `start` on into `spans` of the slot, each of one tensor,
     end to end in the file (`parts`: where each lies)."""
 
-    start: int
     spans: list[tuple[TensorInfo, np.ndarray]]
     parts: list[Part]
+
+    @property
+    def start(self) -> int:
+        """The file offset the read begins at: its first part's."""
+        return self.parts[0][0]
 
 
 def _pieces(parts: list[Part], writer: SlotWriter) -> list[Piece]:
@@ -262,13 +266,8 @@ def _pieces(parts: list[Part], writer: SlotWriter) -> list[Piece]:
                 size = 0
             cut.append((start + lo, info, offset + lo, n))
             size += n
-    return [_piece(cut, writer) for cut in cuts]
-
-
-def _piece(cut: list[Part], writer: SlotWriter) -> Piece:
-    """One read's parts (`cut`: end to end in the file) as a `Piece`."""
-    return Piece(cut[0][0], [(info, writer.filled(offset, n)) for _, info, offset, n in cut],
-                 cut)
+    return [Piece([(info, writer.filled(offset, n)) for _, info, offset, n in cut], cut)
+            for cut in cuts]
 
 
 def _stretches(piece: Piece, writer: SlotWriter) -> list[np.ndarray]:

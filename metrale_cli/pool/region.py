@@ -97,8 +97,7 @@ class SlotWriter:
         self._flush()
         self.cover(offset, nbytes)
         if self.staging is None:
-            start = self.slot * self.region.slot_bytes + offset
-            return self.region.memory[start:start + nbytes]
+            return self.filled(offset, nbytes)
         turn, buffer = self.staging.take()
         self.pending = (turn, offset, nbytes)
         return buffer[:nbytes]
