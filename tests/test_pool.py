@@ -21,7 +21,7 @@ import pytest
 
 from metrale_cli import compat
 from metrale_cli.adapters.adapter import Adapter
-from metrale_cli.adapters.audit import audit
+from metrale_cli.adapters.audit import AdapterReport, audit
 from metrale_cli.bf16 import bf16_to_f32, f32_to_bf16, to_bf16_into
 from metrale_cli.errors import (
     FormatError,
@@ -681,17 +681,23 @@ def test_tensors_end_to_end_in_the_slot_are_checked_as_one(
                                   "or infinity) as BF16; refusing to pack it")
 
 
+def to_cut(tiny: dict[str, Path], tmp_path: Path) -> tuple[Path, AdapterReport, SlotLayout]:
+    """A copy of adapter `d` (BF16, read straight into the slot) for a test to cut short: its
+    weights file, its report and a pool layout at its rank."""
+    shutil.copytree(tiny["d"], tmp_path / "d")
+    cfg = ModelConfig.from_hf(tiny["model"])
+    report = audit(Adapter.load(tmp_path / "d"), cfg)
+    return (tmp_path / "d" / "adapter_model.safetensors", report,
+            SlotLayout.build(cfg, report.module_set, 4))
+
+
 def test_a_file_cut_short_between_reads_fails_the_fill(
         tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         host_reads: str) -> None:
     """Tensors end to end in the file are read a chunk at a time: a file cut short after the
     first chunk was read fails the fill, naming the tensor the next read was in."""
     monkeypatch.setattr(fill, "READ_BYTES", 64)
-    shutil.copytree(tiny["d"], tmp_path / "d")
-    weights = tmp_path / "d" / "adapter_model.safetensors"
-    cfg = ModelConfig.from_hf(tiny["model"])
-    report = audit(Adapter.load(tmp_path / "d"), cfg)
-    layout = SlotLayout.build(cfg, report.module_set, 4)
+    weights, report, layout = to_cut(tiny, tmp_path)
     second: list[str] = []
 
     def cut_before_the_second(self, start, parts):  # type: ignore[no-untyped-def]
@@ -711,11 +717,7 @@ def test_a_file_cut_short_inside_a_read_names_the_tensor_it_ended_in(
         host_reads: str) -> None:
     """A file cut short inside the third tensor of a read of several (end to end in the file):
     the fill fails naming that tensor, not the read's first."""
-    shutil.copytree(tiny["d"], tmp_path / "d")
-    weights = tmp_path / "d" / "adapter_model.safetensors"
-    cfg = ModelConfig.from_hf(tiny["model"])
-    report = audit(Adapter.load(tmp_path / "d"), cfg)
-    layout = SlotLayout.build(cfg, report.module_set, 4)
+    weights, report, layout = to_cut(tiny, tmp_path)
     third: list[str] = []
 
     def cut_inside_the_third(self, start, parts):  # type: ignore[no-untyped-def]
@@ -852,11 +854,7 @@ def test_two_threads_fail_a_file_cut_short_as_one_does(
     """A file cut short near the end of a tensor: with two threads reading, the error names
     that tensor, the first read in the file past the cut, as one thread's does, though the
     other thread failed first in the next tensor; raised once both threads have stopped."""
-    shutil.copytree(tiny["d"], tmp_path / "d")
-    weights = tmp_path / "d" / "adapter_model.safetensors"
-    cfg = ModelConfig.from_hf(tiny["model"])
-    report = audit(Adapter.load(tmp_path / "d"), cfg)
-    layout = SlotLayout.build(cfg, report.module_set, 4)
+    weights, report, layout = to_cut(tiny, tmp_path)
     tensors = sorted(read_header(weights).tensors.values(), key=lambda t: t.begin)
     cut = tensors[len(tensors) // 2]
     end = cut.begin + cut.nbytes - 10  # the next read past the cut is in the next tensor
